@@ -1,0 +1,3 @@
+"""mnemo: sequence models as associative memories."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,138 @@
+"""Shared argument checking, dtype rules and variable-length (packed) handling for the ops.
+
+Everything here is internal to :mod:`mnemo.ops`; the public ops document the rules they apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+#: Log-gates are clamped from below at this value in every form. ``exp(-60) < 1e-26``, so a gate of
+#: ``-inf`` (a hard reset) behaves as a reset without producing ``-inf - (-inf) = nan`` inside the
+#: cumulative sums, and the cumulative sums stay small enough to keep fp32 precision.
+LOG_GATE_MIN = -60.0
+
+MODES = ("recurrent", "chunk", "parallel")
+
+
+def check_mode(mode: str, allowed: Sequence[str]) -> None:
+    if mode not in allowed:
+        raise ValueError(f"mode must be one of {tuple(allowed)}, got {mode!r}")
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 inputs accumulate in fp32)."""
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_floating(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    check_floating(name, t)
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have shape {layout} ({ndim} dims), got {_shape(t)}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: str) -> None:
+    check_floating(name, t)
+    if tuple(t.shape) != tuple(expected):
+        exp = "[" + ", ".join(str(s) for s in expected) + "]"
+        raise ValueError(f"{name} must have shape {layout} = {exp}, got {_shape(t)}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]``; return ``(B, T, H, K, V)``."""
+    check_ndim("q", q, 4, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    check_ndim("v", v, 4, "[B, T, H, V]")
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
+    return B, T, H, K, v.shape[-1]
+
+
+def check_initial_state(
+    initial_state: torch.Tensor | None, rows: int, H: int, K: int, V: int, *, varlen: bool
+) -> None:
+    if initial_state is None:
+        return
+    layout = "[N, H, K, V] (N = number of packed sequences)" if varlen else "[B, H, K, V]"
+    check_shape("initial_state", initial_state, (rows, H, K, V), layout)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
+    """Validate packed-sequence offsets; return the number of sequences ``N``."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of sequence offsets")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch must be packed into B = 1, got B = {B}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must hold at least two offsets [0, T]")
+    c = cu_seqlens.tolist()
+    if c[0] != 0 or c[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {c[0]} ... {c[-1]}")
+    if any(b < a for a, b in zip(c[:-1], c[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return len(c) - 1
+
+
+def varlen_index(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Gather index ``[N, Tmax]`` into the packed time axis, a validity mask, and ``Tmax``."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    tmax = int(lens.max().item()) if lens.numel() else 0
+    t = torch.arange(tmax, device=device)
+    valid = t[None, :] < lens[:, None]
+    idx = (cu[:-1, None] + t[None, :]).clamp(max=max(int(cu[-1].item()) - 1, 0))
+    return idx, valid, tmax
+
+
+def pad_packed(x: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x: [1, T, ...]`` packed -> ``[N, Tmax, ...]`` right-padded with zeros."""
+    out = x[0][idx]
+    mask = valid.reshape(valid.shape + (1,) * (out.ndim - 2))
+    return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def unpad_packed(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``y: [N, Tmax, ...]`` -> packed ``[1, T, ...]``."""
+    return y[valid].unsqueeze(0)
+
+
+def run_varlen(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    cu_seqlens: torch.Tensor,
+    per_token: dict[str, torch.Tensor],
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a recurrent op on packed sequences by right-padding them into a batch.
+
+    Padding tokens are zeros (``k = v = 0``, log-gate ``0``, ``beta = 0``), which leave every memory
+    state unchanged, so the state after the padding equals the state at each sequence's end and
+    each sequence starts from its own row of ``initial_state`` (or zeros).
+    """
+    first = next(iter(per_token.values()))
+    idx, valid, tmax = varlen_index(cu_seqlens, first.device)
+    padded = {name: pad_packed(t, idx, valid) for name, t in per_token.items()}
+    o, state = fn(**padded, **kwargs)
+    return unpad_packed(o, valid), state
+
+
+def clamp_log_gate(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(min=LOG_GATE_MIN)

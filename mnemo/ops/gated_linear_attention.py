@@ -1,0 +1,273 @@
+"""Gated linear attention: a matrix memory with multiplicative decay (RetNet, GLA, Mamba-2 style).
+
+    S_t = diag(exp(g_t)) · S_{t-1} + k_t v_tᵀ          o_t = S_tᵀ (scale · q_t)
+
+``g`` is the log decay, either one value per head (``[B, T, H]``: RetNet when constant, Mamba-2 when
+data-dependent) or one per key channel (``[B, T, H, K]``: GLA, Yang et al. 2023, Eq. 3). With
+``g = None`` it is plain (un-normalised) linear attention, Katharopoulos et al. 2020.
+
+The three forms below compute exactly the same function:
+
+* ``recurrent`` — the token loop, the reference definition.
+* ``parallel``  — the quadratic masked form ``o = (Q Kᵀ ⊙ D) V + (Q ⊙ exp(b)) S_0`` with
+  ``D_ts = exp(b_t − b_s)`` for ``s ≤ t``, where ``b`` is the cumulative sum of the log gates.
+* ``chunk``     — chunkwise parallel: the intra-chunk part of all chunks at once as batched
+  ``[C, C]`` matmuls, the inter-chunk part as one state pass over ``n = T / C`` chunk states.
+  Decays are always formed as ``exp`` of *differences* of cumulative log gates whose sign makes the
+  factor ``≤ 1`` (never ``exp(-b)``), so long chunks and extreme gates cannot overflow. Per-channel
+  gates use a two-level split of each chunk (sub-blocks of 16: exact decays inside a sub-block,
+  a factorisation anchored at the sub-block boundary across sub-blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+from ._common import (
+    check_cu_seqlens,
+    check_floating,
+    check_initial_state,
+    check_mode,
+    check_qkv,
+    clamp_log_gate,
+    compute_dtype,
+    run_varlen,
+)
+
+__all__ = ["gated_linear_attention"]
+
+_SUB_BLOCK = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# cores: inputs already validated, in the compute dtype, q already scaled, g clamped (or None)
+# ----------------------------------------------------------------------------------------------
+
+
+def gla_recurrent(q, k, v, g, S0):
+    """Token loop. ``q, k: [B,T,H,K]``, ``v: [B,T,H,V]``, ``g``: None | [B,T,H] | [B,T,H,K]."""
+    S = S0
+    outs = []
+    for t in range(q.shape[1]):
+        if g is not None:
+            a = g[:, t].exp()
+            S = S * (a[..., None, None] if a.ndim == 2 else a[..., None])
+        S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def _causal_mask(n: int, device, diagonal: int = 0) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def gla_parallel(q, k, v, g, S0):
+    """Quadratic masked form over the whole sequence (per-channel gates: a [T, T, K] tensor)."""
+    T = q.shape[1]
+    mask = _causal_mask(T, q.device)
+    qh, kh, vh = (rearrange(x, "b t h d -> b h t d") for x in (q, k, v))
+    if g is None:
+        A = (qh @ kh.transpose(-1, -2)).masked_fill(~mask, 0.0)
+        o = A @ vh + qh @ S0
+        S = S0 + kh.transpose(-1, -2) @ vh
+    elif g.ndim == 3:
+        b = rearrange(g, "b t h -> b h t").cumsum(-1)
+        D = (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()
+        A = (qh @ kh.transpose(-1, -2)) * D
+        o = A @ vh + (qh * b[..., None].exp()) @ S0
+        last = b[..., -1:]
+        S = last[..., None].exp() * S0 + (kh * (last - b)[..., None].exp()).transpose(-1, -2) @ vh
+    else:
+        b = rearrange(g, "b t h k -> b h t k").cumsum(-2)
+        diff = (b[..., :, None, :] - b[..., None, :, :]).masked_fill(~mask[..., None], float("-inf"))
+        A = (qh[..., :, None, :] * kh[..., None, :, :] * diff.exp()).sum(-1)
+        o = A @ vh + (qh * b.exp()) @ S0
+        last = b[..., -1:, :]
+        S = last.transpose(-1, -2).exp() * S0 + (kh * (last - b).exp()).transpose(-1, -2) @ vh
+    return rearrange(o, "b h t v -> b t h v"), S
+
+
+def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK):
+    """Scores ``A_ts = Σ_k q_tk k_sk exp(b_tk − b_sk)`` (s ≤ t) for per-channel cumulative gates.
+
+    ``q, k, b: [..., C, K]`` with ``b`` the inclusive within-chunk cumulative log gate. Inside a
+    sub-block of ``sub`` tokens the decays are formed exactly (a ``[sub, sub, K]`` tensor); across
+    sub-blocks ``i > j`` the decay factors as ``exp(b_t − r_i) · exp(r_i − e_j) · exp(e_j − b_s)``
+    with ``r_i`` the cumulative gate just before sub-block ``i`` and ``e_j`` the one at the end of
+    sub-block ``j``. Every factor is ``≤ 1``, so nothing overflows.
+    """
+    *lead, C, K = q.shape
+    if C % sub:
+        sub = C
+    m = C // sub
+    qb = q.reshape(*lead, m, sub, K)
+    kb = k.reshape(*lead, m, sub, K)
+    bb = b.reshape(*lead, m, sub, K)
+    tri = _causal_mask(sub, q.device)
+    diff = (bb[..., :, None, :] - bb[..., None, :, :]).masked_fill(~tri[..., None], float("-inf"))
+    A_diag = (qb[..., :, None, :] * kb[..., None, :, :] * diff.exp()).sum(-1)  # [..., m, sub, sub]
+    if m == 1:
+        return A_diag.reshape(*lead, C, C)
+    e = bb[..., -1, :]  # [..., m, K]
+    r = torch.cat([torch.zeros_like(e[..., :1, :]), e[..., :-1, :]], dim=-2)
+    q_t = qb * (bb - r[..., None, :]).exp()
+    k_h = kb * (e[..., None, :] - bb).exp()
+    lower = _causal_mask(m, q.device, -1)
+    P = (r[..., :, None, :] - e[..., None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
+    A_off = (q_t[..., :, None, :, :] * P[..., :, :, None, :]) @ k_h[..., None, :, :, :].transpose(-1, -2)
+    eye = torch.eye(m, dtype=q.dtype, device=q.device)
+    A = A_off + eye[:, :, None, None] * A_diag[..., :, None, :, :]
+    return rearrange(A, "... i j t s -> ... (i t) (j s)")
+
+
+def chunk_state_pass(S0, dS, decay):
+    """States entering each chunk: ``S_{i} = decay_i ⊙ S_{i-1} + dS_i``.
+
+    ``S0: [B,H,K,V]``, ``dS: [B,H,n,K,V]``, ``decay``: None | [B,H,n] | [B,H,n,K].
+    Returns ``(states [B,H,n,K,V], final [B,H,K,V])``; the loop runs over chunks, not tokens.
+    """
+    if decay is None:
+        incl = dS.cumsum(2)
+        return S0[:, :, None] + incl - dS, S0 + incl[:, :, -1]
+    S = S0
+    states = []
+    for i in range(dS.shape[2]):
+        states.append(S)
+        w = decay[:, :, i]
+        S = (w[..., None, None] if w.ndim == 2 else w[..., None]) * S + dS[:, :, i]
+    return torch.stack(states, 2), S
+
+
+def gla_chunk(q, k, v, g, S0, chunk_size: int):
+    """Chunkwise-parallel form; see the module docstring."""
+    B, T, H, K = q.shape
+    C = int(chunk_size)
+    n = -(-T // C)
+    pad = n * C - T
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        if g is not None:
+            g = torch.nn.functional.pad(g, (0, 0) * (g.ndim - 2) + (0, pad))
+    qc, kc, vc = (rearrange(x, "b (n c) h d -> b h n c d", c=C) for x in (q, k, v))
+    mask = _causal_mask(C, q.device)
+    if g is None:
+        A = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, 0.0)
+        q_in, k_out, decay = qc, kc, None
+    elif g.ndim == 3:
+        b = rearrange(g, "b (n c) h -> b h n c", c=C).cumsum(-1)
+        D = (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()
+        A = (qc @ kc.transpose(-1, -2)) * D
+        last = b[..., -1:]
+        q_in = qc * b[..., None].exp()
+        k_out = kc * (last - b)[..., None].exp()
+        decay = last[..., 0].exp()
+    else:
+        b = rearrange(g, "b (n c) h k -> b h n c k", c=C).cumsum(-2)
+        A = _intra_chunk_channel_scores(qc, kc, b)
+        last = b[..., -1:, :]
+        q_in = qc * b.exp()
+        k_out = kc * (last - b).exp()
+        decay = last[..., 0, :].exp()
+    dS = k_out.transpose(-1, -2) @ vc  # [B, H, n, K, V]
+    states, S = chunk_state_pass(S0, dS, decay)
+    o = A @ vc + q_in @ states
+    o = rearrange(o, "b h n c v -> b (n c) h v")[:, :T]
+    return o, S
+
+
+_CORES = {"recurrent": gla_recurrent, "parallel": gla_parallel}
+
+
+def run_gla_core(q, k, v, g, S0, mode: str, chunk_size: int):
+    if q.shape[1] == 0:
+        return v.new_zeros(v.shape), S0
+    if mode == "chunk":
+        return gla_chunk(q, k, v, g, S0, chunk_size)
+    return _CORES[mode](q, k, v, g, S0)
+
+
+def check_chunk_size(chunk_size) -> int:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return chunk_size
+
+
+# ----------------------------------------------------------------------------------------------
+# public op
+# ----------------------------------------------------------------------------------------------
+
+
+def gated_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated linear attention (RetNet / GLA / Mamba-2 decay; Yang et al. 2023, "Gated Linear
+    Attention Transformers with Hardware-Efficient Training", Eq. 3).
+
+        S_t = diag(exp(g_t)) S_{t−1} + k_t v_tᵀ        o_t = S_tᵀ (scale · q_t)
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]``.
+        g: log decay (``≤ 0``; ``exp(g)`` is the retained fraction per token), either
+            ``[B, T, H]`` (one decay per head) or ``[B, T, H, K]`` (one per key channel), or
+            ``None`` for no decay. Values below ``-60`` are clamped to ``-60`` (so ``-inf`` is a
+            hard reset with no NaN).
+        scale: multiplies ``q``; default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``); any float dtype,
+            used in the compute dtype. Gradients flow into it.
+        output_final_state: also return the state after the last token.
+        cu_seqlens: ``[N + 1]`` int offsets of ``N`` sequences packed in ``B = 1``; the state is
+            reset (to the matching row of ``initial_state``) at every boundary.
+        mode: ``"chunk"`` (training, default) | ``"parallel"`` (quadratic) | ``"recurrent"``
+            (token-loop reference). All three give the same result.
+        chunk_size: chunk length of the chunk form.
+
+    Returns:
+        ``o: [B, T, H, V]`` in ``q``'s dtype, and ``final_state: [B, H, K, V]`` (``[N, ...]`` with
+        ``cu_seqlens``) in the compute dtype (float64 if any input is float64, else float32), or
+        ``None``.
+
+    Raises:
+        ValueError / TypeError: a shape, dtype, mode or chunk size does not match; the message
+            names the argument, the expected and the received value.
+    """
+    check_mode(mode, ("recurrent", "chunk", "parallel"))
+    check_chunk_size(chunk_size)
+    B, T, H, K, V = check_qkv(q, k, v)
+    if g is not None:
+        check_floating("g", g)
+        if g.shape != (B, T, H) and g.shape != (B, T, H, K):
+            raise ValueError(
+                f"g must have shape [B, T, H] = [{B}, {T}, {H}] or [B, T, H, K] = [{B}, {T}, {H}, {K}], "
+                f"got [{', '.join(map(str, g.shape))}]"
+            )
+    N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
+    check_initial_state(initial_state, N, H, K, V, varlen=cu_seqlens is not None)
+    cd = compute_dtype(q, k, v, g, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    qc = q.to(cd) * scale
+    kc, vc = k.to(cd), v.to(cd)
+    gc = None if g is None else clamp_log_gate(g.to(cd))
+    S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=cd)
+    if cu_seqlens is None:
+        o, S = run_gla_core(qc, kc, vc, gc, S0, mode, chunk_size)
+    else:
+        tensors = {"q": qc, "k": kc, "v": vc}
+        if gc is not None:
+            tensors["g"] = gc
+
+        def fn(q, k, v, g=None):
+            return run_gla_core(q, k, v, g, S0, mode, chunk_size)
+
+        o, S = run_varlen(fn, cu_seqlens, tensors)
+    return o.to(q.dtype), (S if output_final_state else None)

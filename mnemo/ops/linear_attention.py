@@ -1,0 +1,89 @@
+"""Linear attention: the Hebbian matrix memory with a kernel feature map (Katharopoulos et al. 2020)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import check_cu_seqlens, check_initial_state, check_mode, check_qkv, compute_dtype, run_varlen
+from .feature_maps import resolve_feature_map
+from .gated_linear_attention import check_chunk_size, run_gla_core
+
+__all__ = ["linear_attention"]
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map=None,
+    normalize: bool = False,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs", Eq. 4–6).
+
+        S_i = S_{i−1} + φ(k_i) v_iᵀ        z_i = z_{i−1} + φ(k_i)
+        o_i = φ(q_i)ᵀ S_i                            (normalize=False)
+        o_i = φ(q_i)ᵀ S_i / (φ(q_i)ᵀ z_i + eps)       (normalize=True, the paper's Eq. 5)
+
+    ``q`` is multiplied by ``scale`` *before* the feature map, so ``"taylor"`` and
+    :class:`~mnemo.ops.feature_maps.FavorPlus` estimate ``exp(scale · qᵀk)`` (softmax attention).
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]``.
+        feature_map: ``None``/``"identity"``, ``"elu"``, ``"relu"``, ``"taylor"`` or a callable
+            ``[..., K] -> [..., F]`` (e.g. ``FavorPlus``). The state lives in feature space ``F``.
+        normalize: divide by ``φ(q)ᵀ z`` (the normaliser is carried in the state, see below).
+        scale: multiplies ``q`` before ``φ``; default ``K ** -0.5``.
+        eps: added to the normaliser (``normalize=True`` only).
+        initial_state: ``[B, H, F, V]``, or ``[B, H, F, V + 1]`` when ``normalize=True`` (the last
+            column is the normaliser ``z``). ``[N, ...]`` rows with ``cu_seqlens``.
+        output_final_state, cu_seqlens, mode, chunk_size: as in
+            :func:`~mnemo.ops.gated_linear_attention`.
+
+    Returns:
+        ``o: [B, T, H, V]`` in ``q``'s dtype; ``final_state`` ``[B, H, F, V (+1)]`` in the compute
+        dtype (float64 if any input is float64, else float32), or ``None``.
+
+    Raises:
+        ValueError / TypeError: shape, dtype, mode or feature-map errors; the message names the
+            argument, the expected and the received value.
+    """
+    check_mode(mode, ("recurrent", "chunk", "parallel"))
+    check_chunk_size(chunk_size)
+    B, T, H, K, V = check_qkv(q, k, v)
+    phi = resolve_feature_map(feature_map)
+    N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
+    cd = compute_dtype(q, k, v, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    qf = phi(q.to(cd) * scale)
+    kf = phi(k.to(cd))
+    if qf.shape != kf.shape or qf.shape[:3] != (B, T, H):
+        raise ValueError(
+            f"feature_map must map [B, T, H, K] to [B, T, H, F] for q and k alike, got "
+            f"{list(qf.shape)} and {list(kf.shape)}"
+        )
+    Fdim = qf.shape[-1]
+    vc = v.to(cd)
+    if normalize:
+        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
+    Vs = vc.shape[-1]
+    check_initial_state(initial_state, N, H, Fdim, Vs, varlen=cu_seqlens is not None)
+    S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, Fdim, Vs, dtype=cd)
+    if cu_seqlens is None:
+        o, S = run_gla_core(qf, kf, vc, None, S0, mode, chunk_size)
+    else:
+
+        def fn(q, k, v):
+            return run_gla_core(q, k, v, None, S0, mode, chunk_size)
+
+        o, S = run_varlen(fn, cu_seqlens, {"q": qf, "k": kf, "v": vc})
+    if normalize:
+        o = o[..., :V] / (o[..., V:] + eps)
+    return o.to(q.dtype), (S if output_final_state else None)
