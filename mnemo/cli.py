@@ -1,0 +1,292 @@
+"""The ``mnemo`` command: train, eval, generate, models, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# CLI flag -> TrainConfig field (flags left unset do not override the config file)
+_TRAIN_FLAGS = {
+    "model": "model",
+    "data": "data",
+    "steps": "steps",
+    "seed": "seed",
+    "device": "device",
+    "lr": "lr",
+    "batch_size": "batch_size",
+    "seq_len": "seq_len",
+    "eval_interval": "eval_interval",
+    "eval_batches": "eval_batches",
+    "checkpoint_interval": "checkpoint_interval",
+    "warmup_steps": "warmup_steps",
+    "tokenizer": "tokenizer",
+    "precision": "precision",
+    "sample_tokens": "sample_tokens",
+    "tensorboard": "tensorboard",
+}
+_MODEL_FLAGS = {"d_model": "d_model", "n_layers": "n_layers"}
+
+
+def _default_out(model: str) -> Path:
+    base = Path("runs") / model
+    if not base.exists():
+        return base
+    i = 2
+    while Path(f"{base}-{i}").exists():
+        i += 1
+    return Path(f"{base}-{i}")
+
+
+def _cmd_train(args) -> int:
+    from .train import TrainConfig, Trainer, load_config_file
+
+    d = load_config_file(args.config) if args.config else {}
+    for flag, fld in _TRAIN_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            d[fld] = value
+    overrides = dict(d.get("model_overrides") or {})
+    for flag, fld in _MODEL_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[fld] = value
+    if overrides:
+        d["model_overrides"] = overrides
+    cfg = TrainConfig.from_dict(d)
+
+    if args.out is None:
+        if args.resume:
+            raise ValueError("--resume needs --out DIR (the run directory to continue)")
+        out = _default_out(cfg.model)
+    else:
+        out = Path(args.out)
+        has_ckpt = (out / "latest").exists()
+        if has_ckpt and not (args.resume or args.overwrite):
+            raise ValueError(
+                f"{out} already holds a run; pass --resume to continue it or --overwrite to start over"
+            )
+        if args.resume and not has_ckpt:
+            raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
+        if args.overwrite and not args.resume and out.exists():
+            import shutil
+
+            for p in list(out.glob("ckpt-*")) + [out / "latest", out / "metrics.jsonl"]:
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress)
+    n_params = trainer.model.num_parameters()
+    print(
+        f"mnemo train: model {trainer.cfg.model} ({n_params / 1e6:.2f}M parameters), data {trainer.cfg.data} "
+        f"({trainer.train_data.ids.numel():,} train / {trainer.val_data.ids.numel():,} val tokens), "
+        f"{trainer.cfg.steps} steps of {trainer.cfg.batch_size}x{trainer.cfg.seq_len} tokens -> {out}",
+        flush=True,
+    )
+    if trainer.step >= trainer.cfg.steps:
+        print(f"already trained to step {trainer.step} (raise --steps to continue)")
+    record = trainer.fit()
+    if record:
+        print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
+    if trainer.cfg.sample_tokens > 0:
+        print("\n--- sample ---")
+        print(trainer.sample())
+        print("--------------")
+    print(f"checkpoint: {trainer.last_checkpoint}")
+    print(f"try: mnemo generate --checkpoint {out} --prompt 'KING:'")
+    return 0
+
+
+def _load(checkpoint: str, device: str):
+    from .data import load_tokenizer
+    from .models import LanguageModel
+    from .train import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(checkpoint)
+    model = LanguageModel.from_pretrained(ckpt, map_location=device)
+    tok = load_tokenizer(ckpt)
+    return ckpt, model, tok
+
+
+def _cmd_eval(args) -> int:
+    import math
+
+    import torch
+
+    from .data import TokenStream, load_text, split_text
+    from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    ckpt, model, tok = _load(args.checkpoint, args.device)
+    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    data = args.data or tcfg.get("data", "tinyshakespeare")
+    seq_len = args.seq_len or tcfg.get("seq_len", 128)
+    text = load_text(data)
+    _, val_text = split_text(text) if not args.full else ("", text)
+    stream = TokenStream(tok.encode(val_text), seq_len)
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in stream.eval_batches(args.batch_size, args.max_batches):
+            logits, _ = model(x.to(args.device))
+            total += torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), y.to(args.device).flatten(), reduction="sum"
+            ).item()
+            count += y.numel()
+    val_loss = total / count
+    tokens_per_char = stream.ids.numel() / len(val_text)
+    result = {
+        "checkpoint": str(ckpt),
+        "data": data,
+        "split": "all" if args.full else "val",
+        "tokens": count,
+        "val_loss": val_loss,
+        "bpc": val_loss * tokens_per_char / math.log(2),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from .train import generate_text
+
+    _, model, tok = _load(args.checkpoint, args.device)
+    text = generate_text(
+        model,
+        tok,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        device=args.device,
+    )
+    print(text)
+    return 0
+
+
+def _cmd_models(args) -> int:
+    from .models import MODELS, LanguageModel, build_config, model_names
+
+    rows = []
+    for name in model_names():
+        cfg = build_config(name, vocab_size=66)
+        n = LanguageModel(cfg).num_parameters() if args.params else None
+        rows.append((name, n, MODELS[name].description))
+    width = max(len(r[0]) for r in rows)
+    for name, n, desc in rows:
+        extra = f"{n / 1e6:6.2f}M  " if n is not None else ""
+        print(f"{name:<{width}}  {extra}{desc}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from .bench.ops import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mnemo", description="Sequence models as associative memories.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser(
+        "train", help="train a language model on text (default: a small transformer on tinyshakespeare)"
+    )
+    t.add_argument("--model", help="registered model name (see `mnemo models`; default transformer)")
+    t.add_argument("--data", help="'tinyshakespeare' (bundled, default) or a path to a UTF-8 text file")
+    t.add_argument("--steps", type=int, help="optimizer steps (default 1000)")
+    t.add_argument("--out", help="run directory (default runs/MODEL, runs/MODEL-2, ...)")
+    t.add_argument("--config", help="YAML/JSON file of TrainConfig fields (flags override it)")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--device", help="cpu (default) or cuda")
+    t.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
+    t.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --out")
+    t.add_argument("--lr", type=float)
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--eval-interval", type=int)
+    t.add_argument("--eval-batches", type=int)
+    t.add_argument("--checkpoint-interval", type=int)
+    t.add_argument("--warmup-steps", type=int)
+    t.add_argument("--tokenizer", choices=["char", "byte"])
+    t.add_argument("--precision", choices=["fp32", "bf16"])
+    t.add_argument("--d-model", type=int, help="override the model width")
+    t.add_argument("--n-layers", type=int, help="override the number of layers")
+    t.add_argument("--sample-tokens", type=int, help="characters to sample at the end (0 = none)")
+    t.add_argument(
+        "--tensorboard", action="store_true", default=None, help="write TensorBoard events to OUT/tb"
+    )
+    t.add_argument("--threads", type=int, help="torch intra-op threads")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("eval", help="validation loss and bits per character of a checkpoint")
+    e.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    e.add_argument("--data", help="corpus (default: the one it was trained on)")
+    e.add_argument("--full", action="store_true", help="evaluate the whole file, not its validation split")
+    e.add_argument("--seq-len", type=int)
+    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--max-batches", type=int)
+    e.add_argument("--device", default="cpu")
+    e.set_defaults(func=_cmd_eval)
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=300)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=_cmd_generate)
+
+    m = sub.add_parser("models", help="list the registered model names")
+    m.add_argument("--params", action="store_true", help="also count parameters (char vocabulary)")
+    m.set_defaults(func=_cmd_models)
+
+    b = sub.add_parser("bench", help="time every op and form against causal SDPA (a table, not a test)")
+    b.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated T values")
+    b.add_argument("--heads", type=int, default=4)
+    b.add_argument("--head-dim", type=int, default=64)
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--ops", help="comma-separated subset of op names")
+    b.add_argument(
+        "--recurrent-max-len",
+        type=int,
+        default=2048,
+        help="skip the token-loop reference above this T (it is slow by design)",
+    )
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--json", help="also write the rows to this JSON file")
+    b.add_argument("--device", default="cpu")
+    b.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .train import TrainingDiverged
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TrainingDiverged as e:
+        print(f"mnemo: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, TypeError, ImportError) as e:
+        print(f"mnemo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nmnemo: interrupted (the last checkpoint is intact; continue with --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

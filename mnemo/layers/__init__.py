@@ -1,0 +1,36 @@
+"""``nn.Module`` token mixers and blocks over :mod:`mnemo.ops`.
+
+:data:`MIXERS` maps a mixer name (used in model configs) to a constructor
+``(d_model, **options) -> Mixer``.
+"""
+
+from functools import partial
+
+from .attention import Attention
+from .base import Mixer, MixerState
+from .conv import ShortConvolution
+from .linear_attention import GatedLinearAttention, LinearAttention
+from .mlp import SwiGLU
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+MIXERS = {
+    "attention": Attention,
+    "linear_attention": LinearAttention,
+    "retnet": partial(GatedLinearAttention, gate="retnet", expand_k=1.0),
+    "gla": partial(GatedLinearAttention, gate="gla"),
+    "gated_linear_attention": GatedLinearAttention,
+}
+
+__all__ = [
+    "MIXERS",
+    "Mixer",
+    "MixerState",
+    "Attention",
+    "LinearAttention",
+    "GatedLinearAttention",
+    "ShortConvolution",
+    "SwiGLU",
+    "RMSNorm",
+    "RotaryEmbedding",
+]

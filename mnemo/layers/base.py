@@ -1,0 +1,56 @@
+"""What every token mixer shares: its state record and its forward contract."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class MixerState:
+    """The state a mixer carries between calls (one per layer; the model cache is a list of them).
+
+    Attributes:
+        memory: the recurrent memory (e.g. a matrix state ``[B, H, K, V]``, float32) or, for
+            softmax attention, a :class:`~mnemo.ops.KVCache`; ``None`` before the first call.
+        conv: the short-convolution tail ``[B, C, W − 1]`` (the last ``W − 1`` conv inputs), or
+            ``None`` when the mixer has no short convolution.
+        offset: how many tokens this state has consumed (positions for rotary embeddings).
+    """
+
+    memory: Any = None
+    conv: torch.Tensor | None = None
+    offset: int = 0
+
+
+class Mixer(nn.Module):
+    """Base class of token mixers: ``forward(x, state=None) -> (y, state)``.
+
+    ``x, y: [B, T, d_model]``. The same module serves training (``T`` large, the chunk/parallel
+    form) and one-token decoding (``T = 1``, the recurrent form), and any split in between:
+    running ``x[:, :a]`` then ``x[:, a:]`` with the returned state equals one call on ``x``.
+    ``mode`` (constructor or per call) selects the op form for ``T > 1``; ``T = 1`` always uses the
+    recurrent step.
+    """
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+
+    def _mode(self, T: int, mode: str | None) -> str:
+        if mode is not None:
+            return mode
+        return "recurrent" if T == 1 else self.mode
+
+    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+
+def check_input(x: torch.Tensor, d_model: int, name: str = "x") -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d_model:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must have shape [B, T, d_model] = [B, T, {d_model}], got {shape}")
+    return x.shape[0], x.shape[1]

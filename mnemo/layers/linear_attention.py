@@ -1,0 +1,203 @@
+"""Linear-attention token mixers: plain (kernelised) and gated (RetNet, GLA)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from ..ops.feature_maps import FavorPlus, resolve_feature_map
+from ..ops.gated_linear_attention import gated_linear_attention
+from ..ops.linear_attention import linear_attention
+from .base import Mixer, MixerState, check_input
+from .conv import ShortConvolution
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+
+class _QKVMixer(Mixer):
+    """Shared q/k/v projection (+ optional short causal conv) of the matrix-memory mixers."""
+
+    def __init__(self, d_model, n_heads, key_dim, value_dim, short_conv, conv_size, mode, chunk_size):
+        super().__init__(mode)
+        self.d_model, self.n_heads, self.key_dim, self.value_dim = d_model, n_heads, key_dim, value_dim
+        self.chunk_size = chunk_size
+        width = n_heads * (2 * key_dim + value_dim)
+        self.qkv_proj = nn.Linear(d_model, width, bias=False)
+        self.conv = ShortConvolution(width, conv_size) if short_conv else None
+        self.o_proj = nn.Linear(n_heads * value_dim, d_model, bias=False)
+
+    def _qkv(self, x, state):
+        qkv = self.qkv_proj(x)
+        conv_state = None
+        if self.conv is not None:
+            qkv, conv_state = self.conv(qkv, state.conv if state is not None else None)
+        H, K = self.n_heads, self.key_dim
+        q, k, v = qkv.split([H * K, H * K, H * self.value_dim], dim=-1)
+        q = rearrange(q, "b t (h d) -> b t h d", h=H)
+        k = rearrange(k, "b t (h d) -> b t h d", h=H)
+        v = rearrange(v, "b t (h d) -> b t h d", h=H)
+        return q, k, v, conv_state
+
+    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, dtype_bytes: int = 4) -> int:
+        """Bytes of the recurrent state (matrix memory, fp32, plus the conv tail); independent of T."""
+        mem = batch_size * self.n_heads * self._state_key_dim() * self._state_value_dim() * 4
+        conv = (
+            0
+            if self.conv is None
+            else batch_size * self.conv.channels * (self.conv.kernel_size - 1) * dtype_bytes
+        )
+        return mem + conv
+
+    def _state_key_dim(self) -> int:
+        return self.key_dim
+
+    def _state_value_dim(self) -> int:
+        return self.value_dim
+
+
+class LinearAttention(_QKVMixer):
+    """Linear attention layer (Katharopoulos et al. 2020) over :func:`mnemo.ops.linear_attention`.
+
+    Args:
+        d_model, n_heads; head_dim: key and value size per head (default ``d_model // n_heads``).
+        feature_map: ``"identity"``, ``"elu"`` (default), ``"relu"``, ``"taylor"`` or ``"favor"``
+            (FAVOR+ with ``num_features`` random features, fixed by ``seed``).
+        normalize: divide by ``φ(q)ᵀ Σ φ(k)`` (the original formula; default True).
+        short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v.
+        output_norm: per-head RMSNorm of the read-out before the output projection.
+        mode: ``"chunk"`` | ``"parallel"`` | ``"recurrent"`` for ``T > 1``; chunk_size for chunk.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int = 4,
+        head_dim: int | None = None,
+        feature_map: str = "elu",
+        normalize: bool = True,
+        short_conv: bool = False,
+        conv_size: int = 4,
+        output_norm: bool = True,
+        num_features: int | None = None,
+        seed: int = 0,
+        mode: str = "chunk",
+        chunk_size: int = 64,
+    ):
+        head_dim = head_dim or d_model // n_heads
+        super().__init__(d_model, n_heads, head_dim, head_dim, short_conv, conv_size, mode, chunk_size)
+        self.normalize = normalize
+        self.feature_map_name = feature_map
+        if feature_map == "favor":
+            self.feature_map = FavorPlus(head_dim, num_features or 2 * head_dim, seed=seed)
+        else:
+            self.feature_map = resolve_feature_map(feature_map)
+        self.norm = RMSNorm(head_dim) if output_norm else None
+
+    def _state_key_dim(self) -> int:
+        return self.feature_map(torch.zeros(1, self.key_dim)).shape[-1]
+
+    def _state_value_dim(self) -> int:
+        return self.value_dim + int(self.normalize)
+
+    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+        B, T = check_input(x, self.d_model)
+        q, k, v, conv_state = self._qkv(x, state)
+        o, S = linear_attention(
+            q,
+            k,
+            v,
+            feature_map=self.feature_map,
+            normalize=self.normalize,
+            initial_state=state.memory if state is not None else None,
+            output_final_state=True,
+            mode=self._mode(T, mode),
+            chunk_size=self.chunk_size,
+        )
+        if self.norm is not None:
+            o = self.norm(o)
+        y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+        return y, MixerState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
+
+
+class GatedLinearAttention(_QKVMixer):
+    """Gated linear attention layer over :func:`mnemo.ops.gated_linear_attention`.
+
+    ``gate`` selects where the log decay ``g`` comes from:
+
+    * ``"retnet"``: fixed per-head decays ``γ_h = 1 − 2^{−5−h}`` (RetNet, Sun et al. 2023, §2.2),
+      ``g = log γ_h`` for every token; rotary positions on q/k (``rope``, on by default here).
+    * ``"gla"``: data-dependent per-channel gates ``g = logsigmoid(W₂ W₁ x + b) / τ`` with a
+      low-rank (``gate_rank``) projection and ``τ = gate_normalizer`` (GLA, Yang et al. 2023, §4.4).
+    * ``"scalar"``: data-dependent per-head gates ``g = logsigmoid(W x + b) / τ`` (Mamba-2-style
+      scalar decay).
+
+    The read-out is ``o_proj(RMSNorm(o) ⊙ silu(W_r x))`` (output gate, as in RetNet and GLA).
+    Key/value sizes per head are ``expand_k · d_model / H`` and ``expand_v · d_model / H``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int = 4,
+        gate: str = "gla",
+        expand_k: float = 0.5,
+        expand_v: float = 1.0,
+        short_conv: bool = False,
+        conv_size: int = 4,
+        gate_rank: int = 16,
+        gate_normalizer: float = 16.0,
+        rope: bool | None = None,
+        mode: str = "chunk",
+        chunk_size: int = 64,
+    ):
+        if gate not in ("gla", "retnet", "scalar"):
+            raise ValueError(f"gate must be one of ('gla', 'retnet', 'scalar'), got {gate!r}")
+        key_dim = max(1, int(d_model * expand_k) // n_heads)
+        value_dim = max(1, int(d_model * expand_v) // n_heads)
+        super().__init__(d_model, n_heads, key_dim, value_dim, short_conv, conv_size, mode, chunk_size)
+        self.gate, self.gate_normalizer = gate, gate_normalizer
+        if gate == "gla":
+            self.gate_proj = nn.Sequential(
+                nn.Linear(d_model, gate_rank, bias=False), nn.Linear(gate_rank, n_heads * key_dim, bias=True)
+            )
+        elif gate == "scalar":
+            self.gate_proj = nn.Linear(d_model, n_heads, bias=True)
+        else:
+            gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(n_heads, dtype=torch.float64))
+            self.register_buffer("log_gamma", gamma.log().float(), persistent=False)
+        rope = (gate == "retnet") if rope is None else rope
+        self.rotary = RotaryEmbedding(key_dim) if rope else None
+        self.out_gate = nn.Linear(d_model, n_heads * value_dim, bias=False)
+        self.norm = RMSNorm(value_dim)
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """The log gates ``g`` for input ``x [B, T, d_model]``: ``[B, T, H]`` or ``[B, T, H, K]``."""
+        B, T, _ = x.shape
+        if self.gate == "retnet":
+            return self.log_gamma.to(x.device)[None, None, :].expand(B, T, -1)
+        if self.gate == "gla":
+            g = F.logsigmoid(self.gate_proj(x).float()) / self.gate_normalizer
+            return rearrange(g, "b t (h k) -> b t h k", h=self.n_heads)
+        return F.logsigmoid(self.gate_proj(x).float()) / self.gate_normalizer
+
+    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+        B, T = check_input(x, self.d_model)
+        offset = state.offset if state is not None else 0
+        q, k, v, conv_state = self._qkv(x, state)
+        if self.rotary is not None:
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        o, S = gated_linear_attention(
+            q,
+            k,
+            v,
+            self.log_decay(x),
+            initial_state=state.memory if state is not None else None,
+            output_final_state=True,
+            mode=self._mode(T, mode),
+            chunk_size=self.chunk_size,
+        )
+        o = self.norm(o) * F.silu(rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
+        y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+        return y, MixerState(memory=S, conv=conv_state, offset=offset + T)

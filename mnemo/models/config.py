@@ -1,0 +1,99 @@
+"""Model configuration: a dataclass that serialises to JSON next to the weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """A decoder language model: ``n_layers`` blocks ``x + mixer(norm(x))``, ``x + mlp(norm(x))``.
+
+    Attributes:
+        vocab_size: tokenizer size.
+        d_model: residual width.
+        n_layers: number of blocks.
+        mixer: the mixer name of every layer (a key of :data:`mnemo.layers.MIXERS`), unless
+            ``pattern`` or ``layers`` is given.
+        pattern: mixer names repeated over the layers (layer ``i`` uses ``pattern[i % len]``), so a
+            hybrid keeps its ratio when ``n_layers`` changes: ``["gla", "gla", "gla", "attention"]``.
+        layers: explicit per-layer mixer names (takes precedence); its length must equal ``n_layers``.
+        mixer_options: keyword options per mixer name, e.g. ``{"attention": {"n_heads": 4}}``.
+        mlp: ``"swiglu"`` or ``"none"`` (mixer-only blocks). mlp_hidden: SwiGLU hidden width.
+        pos_embedding: ``"none"`` (positions come from the mixers, e.g. RoPE) or ``"learned"``
+            (absolute, up to ``max_position`` tokens).
+        tie_embeddings: share the input embedding with the output head.
+        norm_eps, init_std: RMSNorm epsilon and the std of the normal weight init.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    mixer: str = "attention"
+    pattern: list[str] | None = None
+    layers: list[str] | None = None
+    mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mlp: str = "swiglu"
+    mlp_hidden: int | None = None
+    pos_embedding: str = "none"
+    max_position: int = 4096
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def layer_mixers(self) -> list[str]:
+        if self.layers is not None:
+            return list(self.layers)
+        if self.pattern:
+            return [self.pattern[i % len(self.pattern)] for i in range(self.n_layers)]
+        return [self.mixer] * self.n_layers
+
+    def validate(self) -> ModelConfig:
+        """Raise ``ValueError`` naming the offending field; return self."""
+        from ..layers import MIXERS
+
+        def bad(name, expected, got):
+            raise ValueError(f"ModelConfig.{name}: expected {expected}, got {got!r}")
+
+        for name in ("vocab_size", "d_model", "n_layers", "max_position"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "a positive int", v)
+        if self.layers is not None and len(self.layers) != self.n_layers:
+            bad("layers", f"a list of n_layers = {self.n_layers} mixer names", self.layers)
+        if self.pattern is not None and not self.pattern:
+            bad("pattern", "a non-empty list of mixer names or None", self.pattern)
+        source = "layers" if self.layers is not None else "pattern" if self.pattern else "mixer"
+        for m in self.layer_mixers():
+            if m not in MIXERS:
+                bad(source, f"mixer names among {sorted(MIXERS)}", m)
+        for m in self.mixer_options:
+            if m not in MIXERS:
+                bad("mixer_options", f"keys among {sorted(MIXERS)}", m)
+        if self.mlp not in ("swiglu", "none"):
+            bad("mlp", "'swiglu' or 'none'", self.mlp)
+        if self.pos_embedding not in ("none", "learned"):
+            bad("pos_embedding", "'none' or 'learned'", self.pos_embedding)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d).validate()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))

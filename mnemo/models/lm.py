@@ -1,0 +1,202 @@
+"""The decoder language model: a stack of (mixer, MLP) blocks over a token embedding."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from ..layers import MIXERS, MixerState, RMSNorm, SwiGLU
+from .config import ModelConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class Block(nn.Module):
+    """``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm residual block)."""
+
+    def __init__(self, mixer: nn.Module, d_model: int, mlp: nn.Module | None, eps: float):
+        super().__init__()
+        self.mixer_norm = RMSNorm(d_model, eps)
+        self.mixer = mixer
+        self.mlp_norm = RMSNorm(d_model, eps) if mlp is not None else None
+        self.mlp = mlp
+
+    def forward(self, x, state=None, mode=None):
+        y, state = self.mixer(self.mixer_norm(x), state, mode=mode)
+        x = x + y
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x, state
+
+
+class LanguageModel(nn.Module):
+    """Decoder LM built from a :class:`ModelConfig`.
+
+    ``forward(input_ids [B, T] long, state=None) -> (logits [B, T, vocab], state)``. Logits are
+    float32 for bf16/fp16 models and in the model's dtype otherwise. ``state`` is the list of
+    per-layer :class:`~mnemo.layers.MixerState` (the cache); passing it back continues the
+    sequence exactly (streaming / decoding).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config.validate()
+        c = config
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_embed = nn.Embedding(c.max_position, c.d_model) if c.pos_embedding == "learned" else None
+        blocks = []
+        for name in c.layer_mixers():
+            mixer = MIXERS[name](c.d_model, **c.mixer_options.get(name, {}))
+            mlp = SwiGLU(c.d_model, c.mlp_hidden) if c.mlp == "swiglu" else None
+            blocks.append(Block(mixer, c.d_model, mlp, c.norm_eps))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = RMSNorm(c.d_model, c.norm_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.reset_parameters()
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, zero biases, residual outputs scaled by ``1/sqrt(2 L)``.
+
+        Mixers may define ``_init_special()`` for parameters with their own init (gates, A_log…).
+        """
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for block in self.blocks:
+            for proj in (getattr(block.mixer, "o_proj", None), getattr(block.mlp, "w_out", None)):
+                if isinstance(proj, nn.Linear):
+                    nn.init.normal_(proj.weight, std=out_std)
+            special = getattr(block.mixer, "_init_special", None)
+            if special is not None:
+                special()
+
+    def forward(
+        self, input_ids: torch.Tensor, state: list[MixerState] | None = None, *, mode: str | None = None
+    ):
+        if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(
+                f"input_ids must be an integer tensor [B, T], got {input_ids.dtype} {list(input_ids.shape)}"
+            )
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), got values in "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+        if state is not None and len(state) != len(self.blocks):
+            raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            offset = state[0].offset if state is not None else 0
+            T = input_ids.shape[1]
+            if offset + T > self.config.max_position:
+                raise ValueError(
+                    f"learned positions cover max_position = {self.config.max_position} tokens, "
+                    f"but the sequence reaches {offset + T}"
+                )
+            x = x + self.pos_embed(torch.arange(offset, offset + T, device=x.device))
+        new_state = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, state[i] if state is not None else None, mode=mode)
+            new_state.append(s)
+        logits = self.lm_head(self.norm(x))
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return logits, new_state
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats per token) of ``targets [B, T]``."""
+        logits, _ = self(input_ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuation tokens; returns ``[B, T + max_new_tokens]``.
+
+        The prompt is processed in one pass (prefill), then one token at a time with the per-layer
+        state, so recurrent models decode in constant memory. ``temperature = 0`` is greedy.
+        """
+        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        was_training = self.training
+        self.eval()
+        logits, state = self(input_ids)
+        out = [input_ids]
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+            out.append(nxt[:, None])
+            logits, state = self(nxt[:, None], state)
+        self.train(was_training)
+        return torch.cat(out, dim=1)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0) -> int:
+        """Bytes of the decoding state after ``seq_len`` tokens (KV caches grow with it)."""
+        return sum(b.mixer.state_size_bytes(batch_size, seq_len) for b in self.blocks)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.config.save(d / CONFIG_NAME)
+        save_model(self, str(d / WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, map_location: str | torch.device = "cpu"
+    ) -> LanguageModel:
+        """Load a model written by :meth:`save_pretrained` (raises ``FileNotFoundError`` /
+        ``ValueError`` naming the missing or corrupt file)."""
+        d = Path(directory)
+        cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
+        for p in (cfg_path, w_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"checkpoint file missing: {p}")
+        try:
+            config = ModelConfig.load(cfg_path)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"corrupt model config {cfg_path}: {e}") from e
+        model = cls(config)
+        try:
+            load_model(model, str(w_path), strict=True, device=str(map_location))
+        except Exception as e:  # safetensors raises several error types for damaged files
+            raise ValueError(f"corrupt or incompatible weights file {w_path}: {e}") from e
+        return model.to(map_location)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+    """Draw one token per row from ``logits [B, vocab]`` (greedy when ``temperature == 0``)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -1,0 +1,101 @@
+"""Named model configurations: one registry for the CLI, sweeps and tests.
+
+``build_config(name, vocab_size=..., **overrides)`` returns a :class:`ModelConfig`;
+``register_model`` adds a name. ``mnemo models`` lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    factory: Callable[[], ModelConfig]
+
+
+MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(name: str, description: str):
+    """Decorator: register ``factory() -> ModelConfig`` under ``name``."""
+
+    def deco(factory):
+        if name in MODELS:
+            raise ValueError(f"model {name!r} is already registered")
+        MODELS[name] = ModelEntry(name, description, factory)
+        return factory
+
+    return deco
+
+
+def model_names() -> list[str]:
+    return sorted(MODELS)
+
+
+def build_config(name: str, **overrides) -> ModelConfig:
+    """The registered config ``name`` with fields replaced by ``overrides``.
+
+    ``mixer_options`` overrides are merged per mixer (``{"attention": {"n_heads": 2}}`` keeps the
+    preset's other attention options). Raises ``ValueError`` for an unknown name or field.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(model_names())}")
+    cfg = MODELS[name].factory().to_dict()
+    for key, value in overrides.items():
+        if key not in cfg:
+            raise ValueError(f"unknown ModelConfig field {key!r} in overrides; known: {sorted(cfg)}")
+        if key == "mixer_options":
+            merged = {m: dict(o) for m, o in cfg["mixer_options"].items()}
+            for m, o in (value or {}).items():
+                merged.setdefault(m, {}).update(o)
+            value = merged
+        cfg[key] = value
+    return ModelConfig.from_dict(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# The small defaults are sized for CPU experiments (d_model 128, 4 layers, ~0.8M parameters).
+# --------------------------------------------------------------------------------------------
+
+_HEADS = 4
+
+
+@register_model("transformer", "softmax attention (RoPE) + SwiGLU, the baseline")
+def _transformer() -> ModelConfig:
+    return ModelConfig(mixer="attention", mixer_options={"attention": {"n_heads": _HEADS}})
+
+
+@register_model(
+    "linear_attention", "linear attention, elu+1 features, normalised (Katharopoulos et al. 2020)"
+)
+def _linear_attention() -> ModelConfig:
+    return ModelConfig(
+        mixer="linear_attention",
+        mixer_options={"linear_attention": {"n_heads": _HEADS, "feature_map": "elu", "normalize": True}},
+    )
+
+
+@register_model(
+    "retnet", "retention: fixed per-head decays 1 - 2^(-5-h), RoPE, output gate (Sun et al. 2023)"
+)
+def _retnet() -> ModelConfig:
+    return ModelConfig(mixer="retnet", mixer_options={"retnet": {"n_heads": _HEADS}})
+
+
+@register_model("gla", "gated linear attention, data-dependent per-channel decay (Yang et al. 2023)")
+def _gla() -> ModelConfig:
+    return ModelConfig(mixer="gla", mixer_options={"gla": {"n_heads": _HEADS}})
+
+
+@register_model("gla_hybrid", "GLA layers with softmax attention every 4th layer (a hybrid by config)")
+def _gla_hybrid() -> ModelConfig:
+    return ModelConfig(
+        pattern=["gla", "gla", "gla", "attention"],
+        mixer_options={"gla": {"n_heads": _HEADS}, "attention": {"n_heads": _HEADS}},
+    )

@@ -1,0 +1,347 @@
+"""The training loop: AdamW, warm-up + cosine schedule, clipping, evaluation, exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+from tqdm.auto import tqdm
+
+from ..data import TokenStream, build_tokenizer, load_text, split_text
+from ..data.tokenizer import load_tokenizer, save_tokenizer
+from ..models import LanguageModel, build_config
+from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
+from .checkpoint import (
+    STATE_NAME,
+    TRAIN_CONFIG_NAME,
+    atomic_write_text,
+    load_json,
+    load_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_torch,
+)
+from .config import TrainConfig
+
+METRICS_NAME = "metrics.jsonl"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN/inf; ``step`` is the step it happened at."""
+
+    def __init__(self, step: int, what: str, value: float, last_checkpoint: Path | None):
+        self.step, self.what, self.value = step, what, value
+        where = (
+            f"the last good checkpoint is {last_checkpoint}"
+            if last_checkpoint
+            else "no checkpoint was written yet"
+        )
+        super().__init__(
+            f"training stopped at step {step}: the {what} became {value} ({where}); "
+            "try a lower --lr, a smaller model, or --precision fp32"
+        )
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices (``ndim >= 2``) only."""
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+class Trainer:
+    """Train a registered model on a text corpus; see :class:`TrainConfig` for every option.
+
+    ``Trainer(cfg, out_dir, resume=False).fit()`` returns the final evaluation record. With
+    ``resume=True`` it continues from ``out_dir``'s latest checkpoint and reproduces, step for
+    step, the losses of an uninterrupted run (same seed, config and machine).
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True, log=print
+    ):
+        self.out = Path(out_dir)
+        self.progress, self.log = progress, log
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("TrainConfig.device: 'cuda' was requested but no CUDA device is available")
+        state = None
+        ckpt = None
+        if resume:
+            ckpt = resolve_checkpoint(self.out)
+            saved = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
+            # a resumed run keeps its model/data/seed; steps and intervals may be extended
+            for name in (
+                "steps",
+                "eval_interval",
+                "checkpoint_interval",
+                "eval_batches",
+                "device",
+                "sample_tokens",
+                "sample_prompt",
+                "sample_temperature",
+                "tensorboard",
+            ):
+                setattr(saved, name, getattr(cfg, name))
+            cfg = saved.validate()
+            state = load_trainer_state(ckpt)
+        self.cfg = cfg.validate()
+
+        text = load_text(cfg.data)
+        if state is not None:
+            self.tokenizer = load_tokenizer(ckpt)
+        else:
+            self.tokenizer = build_tokenizer(cfg.tokenizer, text)
+        train_text, val_text = split_text(text)
+        self.val_chars = len(val_text)
+        self.train_data = TokenStream(self.tokenizer.encode(train_text), cfg.seq_len)
+        self.val_data = TokenStream(self.tokenizer.encode(val_text), cfg.seq_len)
+
+        torch.manual_seed(cfg.seed)
+        model_cfg = build_config(cfg.model, vocab_size=self.tokenizer.vocab_size, **cfg.model_overrides)
+        self.model = LanguageModel(model_cfg).to(self.device)
+        self.optimizer = make_optimizer(self.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+        )
+        self.generator = torch.Generator().manual_seed(cfg.seed + 1)
+        self.step = 0
+        self.last_checkpoint: Path | None = None
+        self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
+        if state is not None:
+            from safetensors.torch import load_model
+
+            load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.generator.set_state(state["generator"])
+            torch.set_rng_state(state["torch_rng"])
+            self.step = state["step"]
+            self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
+            self.last_checkpoint = ckpt
+            self._truncate_metrics(self.step)
+        self.tb = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise ImportError(
+                    "TrainConfig.tensorboard needs the 'tensorboard' package: pip install tensorboard"
+                ) from e
+            self.tb = SummaryWriter(str(self.out / "tb"))
+
+    # ------------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = None) -> dict:
+        """Mean validation loss (nats/token) and bits per character over ``max_batches`` batches."""
+        was = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        for x, y in self.val_data.eval_batches(self.cfg.batch_size, max_batches):
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                logits, _ = self.model(x)
+            total += torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), y.flatten(), reduction="sum"
+            ).item()
+            count += y.numel()
+        self.model.train(was)
+        val_loss = total / max(count, 1)
+        # bits per character: tokens per character of the validation text (1 for char-level)
+        tokens_per_char = self.val_data.ids.numel() / max(self.val_chars, 1)
+        return {"val_loss": val_loss, "val_bpc": val_loss * tokens_per_char / math.log(2)}
+
+    def _write_checkpoint(self) -> Path:
+        cfg = self.cfg
+
+        def write(tmp: Path):
+            self.model.config.save(tmp / CONFIG_NAME)
+            save_model(self.model, str(tmp / WEIGHTS_NAME))
+            save_tokenizer(self.tokenizer, tmp)
+            (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
+            save_torch(
+                {
+                    "step": self.step,
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "generator": self.generator.get_state(),
+                    "torch_rng": torch.get_rng_state(),
+                    "acc_loss": self._acc_loss,
+                    "acc_n": self._acc_n,
+                },
+                tmp / STATE_NAME,
+            )
+
+        self.last_checkpoint = save_checkpoint(self.out, self.step, write)
+        return self.last_checkpoint
+
+    def _truncate_metrics(self, step: int) -> None:
+        p = self.out / METRICS_NAME
+        if not p.is_file():
+            return
+        keep = []
+        for line in p.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line from a crash
+        atomic_write_text(p, "".join(line + "\n" for line in keep))
+
+    def _log_metrics(self, record: dict) -> None:
+        with open(self.out / METRICS_NAME, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    # ------------------------------------------------------------------------------------------
+    def train_step(self) -> float:
+        """One optimizer step on a fresh batch; returns the loss. Raises :class:`TrainingDiverged`."""
+        cfg = self.cfg
+        x, y = self.train_data.sample(cfg.batch_size, self.generator)
+        x, y = x.to(self.device), y.to(self.device)
+        with self._autocast():
+            logits, _ = self.model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        value = loss.item()
+        if not math.isfinite(value):
+            raise TrainingDiverged(self.step + 1, "loss", value, self.last_checkpoint)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        if not math.isfinite(norm.item()):
+            raise TrainingDiverged(self.step + 1, "gradient norm", norm.item(), self.last_checkpoint)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return value
+
+    def fit(self, until: int | None = None) -> dict:
+        """Run until ``cfg.steps`` (or stop early after step ``until``, writing a checkpoint there, as
+        an interruption would); evaluate, log and checkpoint on schedule; return the last record."""
+        cfg = self.cfg
+        stop = cfg.steps if until is None else min(until, cfg.steps)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model.train()
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            disable=not self.progress,
+            dynamic_ncols=True,
+            desc=f"train {cfg.model}",
+            unit="step",
+            mininterval=0.5,
+        )
+        record: dict = {}
+        ema = None
+        t_start = time.perf_counter()
+        try:
+            while self.step < stop:
+                t0 = time.perf_counter()
+                loss = self.train_step()
+                dt = time.perf_counter() - t0
+                self._acc_loss += loss
+                self._acc_n += 1
+                self._acc_tokens += tokens_per_step
+                self._acc_time += dt
+                ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+                bar.update(1)
+                bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+                last = self.step == cfg.steps
+                if self.step % cfg.eval_interval == 0 or last:
+                    ev = self.evaluate(cfg.eval_batches)
+                    record = {
+                        "step": self.step,
+                        "train_loss": self._acc_loss / max(self._acc_n, 1),
+                        **ev,
+                        "tokens_per_s": self._acc_tokens / max(self._acc_time, 1e-9),
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "elapsed_s": time.perf_counter() - t_start,
+                    }
+                    self._log_metrics(record)
+                    bar.write(
+                        f"step {self.step:>6}  train {record['train_loss']:.4f}  val {ev['val_loss']:.4f} "
+                        f"({ev['val_bpc']:.3f} bpc)  {record['tokens_per_s']:,.0f} tok/s"
+                    )
+                    self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
+                if self.step % cfg.ckpt_every == 0 or last or self.step == stop:
+                    self._write_checkpoint()
+        finally:
+            bar.close()
+            if self.tb is not None:
+                self.tb.flush()
+        return record
+
+    def sample(
+        self,
+        prompt: str | None = None,
+        max_new_tokens: int | None = None,
+        *,
+        seed: int | None = None,
+        temperature: float | None = None,
+    ) -> str:
+        """Generate text from ``prompt`` with the current model."""
+        cfg = self.cfg
+        return generate_text(
+            self.model,
+            self.tokenizer,
+            cfg.sample_prompt if prompt is None else prompt,
+            cfg.sample_tokens if max_new_tokens is None else max_new_tokens,
+            temperature=cfg.sample_temperature if temperature is None else temperature,
+            seed=cfg.seed if seed is None else seed,
+            device=self.device,
+        )
+
+
+def generate_text(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int = 0,
+    device="cpu",
+) -> str:
+    """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline)."""
+    ids = tokenizer.encode(prompt or "\n")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(
+        ids[None].to(device), max_new_tokens, temperature=temperature, top_k=top_k, generator=gen
+    )
+    text = tokenizer.decode(out[0].cpu())
+    return text if prompt else text[1:]

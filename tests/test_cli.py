@@ -1,0 +1,163 @@
+"""The `mnemo` command: train / eval / generate / models, and its error messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mnemo.cli import main
+
+FAST = [
+    "--steps",
+    "4",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-interval",
+    "2",
+    "--eval-batches",
+    "1",
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--sample-tokens",
+    "20",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    assert main(["train", "--model", "gla", "--out", str(out), *FAST]) == 0
+    return out
+
+
+def test_train_writes_metrics_and_checkpoint(run_dir):
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert {"step", "train_loss", "val_loss", "tokens_per_s"} <= set(r)
+    assert (run_dir / "latest").read_text().strip() == "ckpt-000004"
+
+
+def test_eval_last_line_is_json(run_dir, capsys):
+    assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert result["val_loss"] > 0 and result["bpc"] > 0
+
+
+def test_generate_continues_the_prompt(run_dir, capsys):
+    assert (
+        main(["generate", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "15"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and len(out.rstrip("\n")) >= len("ROMEO:") + 1
+
+
+def test_resume_extends_a_run(run_dir, capsys):
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(run_dir),
+                "--resume",
+                "--steps",
+                "6",
+                "--eval-interval",
+                "2",
+                "--sample-tokens",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6]
+
+
+def test_models_lists_the_registry(capsys):
+    assert main(["models"]) == 0
+    names = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert {"transformer", "linear_attention", "retnet", "gla"} <= names
+
+
+def test_config_file_then_flags(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: retnet\nlr: 0.002\nmodel_overrides: {d_model: 32, n_layers: 1}\nseq_len: 16\n")
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(cfg),
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--eval-interval",
+                "2",
+                "--eval-batches",
+                "1",
+                "--sample-tokens",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    saved = json.loads((out / "ckpt-000002" / "train_config.json").read_text())
+    assert saved["model"] == "retnet" and saved["lr"] == 0.002 and saved["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["train", "--model", "gpt5"], "unknown model 'gpt5'; registered models:"),
+        (["train", "--data", "/nonexistent/file.txt"], "data file not found"),
+        (["train", "--steps", "0"], "TrainConfig.steps: expected a positive int"),
+        (["eval", "--checkpoint", "/nonexistent"], "checkpoint not found"),
+        (["generate", "--checkpoint", "."], "no checkpoint in"),
+    ],
+)
+def test_errors_are_clear(argv, match, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_existing_run_is_not_overwritten(run_dir, capsys):
+    assert main(["train", "--out", str(run_dir), *FAST]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_empty_data_file(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["train", "--data", str(empty), "--out", str(tmp_path / "r")]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_reported(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), *FAST]) == 0
+    w = out / "ckpt-000004" / "model.safetensors"
+    w.write_bytes(b"\x00" * 10)
+    assert main(["generate", "--checkpoint", str(out)]) == 2
+    assert "corrupt or incompatible weights file" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    r = subprocess.run([sys.executable, "-m", "mnemo", "models"], capture_output=True, text=True, check=True)
+    assert "transformer" in r.stdout

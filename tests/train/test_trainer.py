@@ -1,0 +1,197 @@
+"""Trainer: the loss goes down on tinyshakespeare, resume is exact, failures are loud and safe."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mnemo.train import TrainConfig, Trainer, TrainingDiverged, resolve_checkpoint
+from mnemo.train import checkpoint as ckpt_mod
+
+TINY = {"d_model": 32, "n_layers": 1}
+
+
+def _cfg(**kw):
+    base = dict(
+        model="gla",
+        model_overrides=TINY,
+        seq_len=32,
+        batch_size=8,
+        steps=12,
+        eval_interval=6,
+        eval_batches=2,
+        lr=3e-3,
+        warmup_steps=2,
+        sample_tokens=0,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_training_lowers_the_loss_on_tinyshakespeare(tmp_path):
+    tr = Trainer(
+        _cfg(
+            model="transformer",
+            steps=80,
+            eval_interval=40,
+            lr=1e-2,
+            model_overrides={"d_model": 64, "n_layers": 2},
+        ),
+        tmp_path,
+        progress=False,
+    )
+    before = tr.evaluate(4)["val_loss"]
+    rec = tr.fit()
+    assert rec["step"] == 80
+    assert rec["val_loss"] < before - 1.0, (before, rec)  # ln(66) = 4.19 -> below ~3.2 nats/char
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [40, 80]
+    assert {"step", "train_loss", "val_loss", "val_bpc", "tokens_per_s"} <= set(lines[0])
+    assert abs(lines[-1]["val_bpc"] - lines[-1]["val_loss"] / math.log(2)) < 1e-9
+
+
+def _losses(trainer, n):
+    return [trainer.train_step() for _ in range(n)]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    full = Trainer(_cfg(), tmp_path / "a", progress=False)
+    ref = _losses(full, 12)
+
+    first = Trainer(_cfg(), tmp_path / "b", progress=False)
+    first.fit(until=5)  # interrupted after step 5 (between checkpoint intervals)
+    assert resolve_checkpoint(tmp_path / "b").name == "ckpt-000005"
+    again = Trainer(_cfg(), tmp_path / "b", resume=True, progress=False)
+    assert again.step == 5
+    again.fit(until=9)  # through the step-6 eval and checkpoint
+    last = Trainer(_cfg(), tmp_path / "b", resume=True, progress=False)
+    assert last.step == 9
+    assert _losses(last, 3) == ref[9:]  # bit-for-bit
+
+
+def test_resume_keeps_metrics_consistent(tmp_path):
+    Trainer(_cfg(steps=12, checkpoint_interval=6, eval_interval=3), tmp_path, progress=False).fit()
+    # pretend the run died after the step-12 eval but resume from step 6
+    (tmp_path / "latest").write_text("ckpt-000006\n")
+    Trainer(
+        _cfg(steps=12, checkpoint_interval=6, eval_interval=3), tmp_path, resume=True, progress=False
+    ).fit()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [3, 6, 9, 12]
+
+
+def test_nan_loss_stops_with_the_step_number(tmp_path):
+    tr = Trainer(_cfg(steps=10, eval_interval=2), tmp_path, progress=False)
+    for _ in range(3):
+        tr.train_step()
+    with torch.no_grad():
+        next(tr.model.parameters()).fill_(float("nan"))
+    with pytest.raises(TrainingDiverged, match="training stopped at step 4: the loss became nan") as e:
+        tr.train_step()
+    assert e.value.step == 4
+
+
+def test_nan_during_fit_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    tr = Trainer(_cfg(steps=10, eval_interval=2), tmp_path, progress=False)
+    orig = tr.train_step
+
+    def poisoned():
+        if tr.step == 5:
+            with torch.no_grad():
+                tr.model.embed.weight.fill_(float("inf"))
+        return orig()
+
+    monkeypatch.setattr(tr, "train_step", poisoned)
+    with pytest.raises(TrainingDiverged, match="step 6.*ckpt-000004"):
+        tr.fit()
+    assert resolve_checkpoint(tmp_path).name == "ckpt-000004"
+
+
+def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch):
+    tr = Trainer(_cfg(steps=4, eval_interval=2), tmp_path, progress=False)
+    tr.fit()
+    good = resolve_checkpoint(tmp_path)
+    weights = (good / "model.safetensors").read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_mod, "save_torch", boom)
+    import mnemo.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "save_torch", boom)
+    tr2 = Trainer(_cfg(steps=6, eval_interval=2), tmp_path, resume=True, progress=False)
+    with pytest.raises(OSError, match="disk full"):
+        tr2.fit()
+    assert resolve_checkpoint(tmp_path) == good
+    assert (good / "model.safetensors").read_bytes() == weights
+    assert not list(tmp_path.glob(".tmp-*")), "the partial checkpoint was not cleaned up"
+    Trainer(_cfg(steps=6, eval_interval=2), tmp_path, resume=True, progress=False)  # still resumable
+
+
+def test_corrupt_trainer_state_is_reported(tmp_path):
+    Trainer(_cfg(steps=2, eval_interval=2), tmp_path, progress=False).fit()
+    state = resolve_checkpoint(tmp_path) / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: len(state.read_bytes()) // 2])
+    with pytest.raises(ValueError, match="corrupt trainer state"):
+        Trainer(_cfg(steps=4), tmp_path, resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    "content, error, match",
+    [
+        (None, FileNotFoundError, "data file not found"),
+        (b"", ValueError, "is empty"),
+        (b"\xff\xfe\xfa", ValueError, "not valid UTF-8"),
+        (b"too short", ValueError, "the text is too short"),
+    ],
+)
+def test_bad_data_files(tmp_path, content, error, match):
+    path = tmp_path / "data.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(error, match=match):
+        Trainer(_cfg(data=str(path)), tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("steps", 0, "TrainConfig.steps: expected a positive int"),
+        ("lr", -1.0, "TrainConfig.lr: expected a positive number"),
+        ("tokenizer", "bpe", "TrainConfig.tokenizer"),
+        ("precision", "fp8", "TrainConfig.precision"),
+        ("min_lr_ratio", 2.0, "TrainConfig.min_lr_ratio"),
+    ],
+)
+def test_invalid_config_names_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(**{field: value}).validate()
+
+
+def test_unknown_config_field():
+    with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) \['stepz'\]"):
+        TrainConfig.from_dict({"stepz": 3})
+
+
+def test_byte_tokenizer_bpc_counts_characters(tmp_path):
+    text = "héllo wörld, ünïcode text. " * 400
+    p = tmp_path / "u.txt"
+    p.write_text(text, encoding="utf-8")
+    tr = Trainer(_cfg(data=str(p), tokenizer="byte", steps=2), tmp_path / "run", progress=False)
+    ev = tr.evaluate(2)
+    ratio = tr.val_data.ids.numel() / tr.val_chars
+    assert ratio > 1.0
+    assert abs(ev["val_bpc"] - ev["val_loss"] * ratio / math.log(2)) < 1e-9
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from mnemo.train.trainer import lr_factor
+
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)
