@@ -13,10 +13,11 @@ The three forms below compute exactly the same function:
   ``D_ts = exp(b_t − b_s)`` for ``s ≤ t``, where ``b`` is the cumulative sum of the log gates.
 * ``chunk``     — chunkwise parallel: the intra-chunk part of all chunks at once as batched
   ``[C, C]`` matmuls, the inter-chunk part as one state pass over ``n = T / C`` chunk states.
-  Decays are always formed as ``exp`` of *differences* of cumulative log gates whose sign makes the
-  factor ``≤ 1`` (never ``exp(-b)``), so long chunks and extreme gates cannot overflow. Per-channel
-  gates use a two-level split of each chunk (sub-blocks of 16: exact decays inside a sub-block,
-  a factorisation anchored at the sub-block boundary across sub-blocks).
+  Scalar decays are formed as ``exp`` of *differences* of cumulative log gates, masked before the
+  ``exp`` so every factor is ``≤ 1``. Per-channel decays use a factorised matmul while the decay
+  within a chunk stays below 30 nats (exact in fp32), and otherwise a two-level split of each
+  chunk whose factors are all ``≤ 1`` (see :func:`_intra_chunk_channel_scores`), so long chunks
+  and extreme gates cannot overflow.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from ._common import (
 __all__ = ["gated_linear_attention"]
 
 _SUB_BLOCK = 16
+#: Largest decay (in nats) a factorised score may span; ``exp(±30) ≈ 1e±13`` stays far inside fp32.
+_SAFE_SPAN = 30.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,29 +91,44 @@ def gla_parallel(q, k, v, g, S0):
     return rearrange(o, "b h t v -> b t h v"), S
 
 
-def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK):
-    """Scores ``A_ts = Σ_k q_tk k_sk exp(b_tk − b_sk)`` (s ≤ t) for per-channel cumulative gates.
+def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float = _SAFE_SPAN):
+    """Scores ``A_ts = Σ_k q_tk k_sk exp(b_tk − b_sk)`` (``s ≤ t``, else 0) for per-channel gates.
 
-    ``q, k, b: [..., C, K]`` with ``b`` the inclusive within-chunk cumulative log gate. Inside a
-    sub-block of ``sub`` tokens the decays are formed exactly (a ``[sub, sub, K]`` tensor); across
-    sub-blocks ``i > j`` the decay factors as ``exp(b_t − r_i) · exp(r_i − e_j) · exp(e_j − b_s)``
-    with ``r_i`` the cumulative gate just before sub-block ``i`` and ``e_j`` the one at the end of
-    sub-block ``j``. Every factor is ``≤ 1``, so nothing overflows.
+    ``q, k, b: [..., C, K]`` with ``b`` the inclusive within-chunk cumulative log gate (``≤ 0``,
+    non-increasing). The factorisation ``(q_t e^{b_t − r}) · (k_s e^{r − b_s})`` is exact in
+    floating point (each term keeps its relative precision) as long as no factor over- or
+    underflows, i.e. while the decay accumulated past the reference ``r`` stays below
+    ``safe_span`` nats (``e^{±30} ≈ 1e±13``, far inside fp32's range). So:
+
+    1. if no chunk decays by more than ``safe_span``: one ``[C, C]`` matmul per chunk;
+    2. otherwise split the chunk into sub-blocks of ``sub`` tokens. Across sub-blocks ``i > j`` the
+       decay factors as ``e^{b_t − r_i} · e^{r_i − e_j} · e^{e_j − b_s}`` (``r_i``: cumulative
+       gate before sub-block ``i``; ``e_j``: at the end of sub-block ``j``), every factor ``≤ 1``.
+       Inside a sub-block: a matmul anchored at its start if its decay stays below ``safe_span``,
+       else the exact ``[sub, sub, K]`` tensor of ``e^{b_t − b_s}``.
     """
     *lead, C, K = q.shape
+    mask = _causal_mask(C, q.device)
+    if float(-b[..., -1, :].detach().min()) <= safe_span:
+        A = (q * b.exp()) @ (k * (-b).exp()).transpose(-1, -2)
+        return A.masked_fill(~mask, 0.0)
     if C % sub:
         sub = C
     m = C // sub
     qb = q.reshape(*lead, m, sub, K)
     kb = k.reshape(*lead, m, sub, K)
     bb = b.reshape(*lead, m, sub, K)
-    tri = _causal_mask(sub, q.device)
-    diff = (bb[..., :, None, :] - bb[..., None, :, :]).masked_fill(~tri[..., None], float("-inf"))
-    A_diag = (qb[..., :, None, :] * kb[..., None, :, :] * diff.exp()).sum(-1)  # [..., m, sub, sub]
-    if m == 1:
-        return A_diag.reshape(*lead, C, C)
     e = bb[..., -1, :]  # [..., m, K]
     r = torch.cat([torch.zeros_like(e[..., :1, :]), e[..., :-1, :]], dim=-2)
+    tri = _causal_mask(sub, q.device)
+    if float((r - e).detach().max()) <= safe_span:
+        rel = bb - r[..., None, :]
+        A_diag = ((qb * rel.exp()) @ (kb * (-rel).exp()).transpose(-1, -2)).masked_fill(~tri, 0.0)
+    else:
+        diff = (bb[..., :, None, :] - bb[..., None, :, :]).masked_fill(~tri[..., None], float("-inf"))
+        A_diag = (qb[..., :, None, :] * kb[..., None, :, :] * diff.exp()).sum(-1)  # [..., m, sub, sub]
+    if m == 1:
+        return A_diag.reshape(*lead, C, C)
     q_t = qb * (bb - r[..., None, :]).exp()
     k_h = kb * (e[..., None, :] - bb).exp()
     lower = _causal_mask(m, q.device, -1)

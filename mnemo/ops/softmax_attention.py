@@ -129,7 +129,9 @@ def softmax_attention(
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T)
         if initial_state is not None or output_final_state:
-            raise ValueError("a KV cache (initial_state / output_final_state) is not supported with cu_seqlens")
+            raise ValueError(
+                "a KV cache (initial_state / output_final_state) is not supported with cu_seqlens"
+            )
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=q.device, dtype=torch.long)
         segment_ids = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens)
     if initial_state is not None:

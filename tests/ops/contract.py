@@ -51,8 +51,12 @@ class OpSpec:
 
     def run(self, inputs, mode, initial_state=None, cu_seqlens=None, chunk_size=None):
         return self.call(
-            inputs, mode=mode, initial_state=initial_state, output_final_state=True,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size or self.chunk_size,
+            inputs,
+            mode=mode,
+            initial_state=initial_state,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size or self.chunk_size,
         )
 
 

@@ -19,8 +19,9 @@ def _inputs(B=1, T=40, H=2, K=8, V=4, dtype=torch.float64, seed=0):
 @pytest.mark.parametrize("mode", ["recurrent", "chunk", "parallel"])
 def test_zero_gate_is_linear_attention(mode):
     q, k, v, _ = _inputs()
-    o1, s1 = gated_linear_attention(q, k, v, torch.zeros(1, 40, 2, dtype=q.dtype), mode=mode,
-                                    output_final_state=True)
+    o1, s1 = gated_linear_attention(
+        q, k, v, torch.zeros(1, 40, 2, dtype=q.dtype), mode=mode, output_final_state=True
+    )
     o2, s2 = linear_attention(q, k, v, mode=mode, output_final_state=True)
     assert_close(o1, o2, 1e-12)
     assert_close(s1, s2, 1e-12)
@@ -45,12 +46,14 @@ def test_minus_inf_gate_is_a_hard_reset(per_channel, mode):
     a = 21  # not on a chunk boundary
     g[:, a] = float("-inf")
     S0 = torch.randn(1, 2, 8, 4, dtype=q.dtype, generator=gen)
-    o, s = gated_linear_attention(q, k, v, g, initial_state=S0, mode=mode, output_final_state=True,
-                                  chunk_size=16)
+    o, s = gated_linear_attention(
+        q, k, v, g, initial_state=S0, mode=mode, output_final_state=True, chunk_size=16
+    )
     g2 = g[:, a:].clone()
     g2[:, 0] = 0.0
-    o2, s2 = gated_linear_attention(q[:, a:], k[:, a:], v[:, a:], g2, mode=mode, output_final_state=True,
-                                    chunk_size=16)
+    o2, s2 = gated_linear_attention(
+        q[:, a:], k[:, a:], v[:, a:], g2, mode=mode, output_final_state=True, chunk_size=16
+    )
     assert torch.isfinite(o).all()
     assert_close(o[:, a:], o2, 1e-10)
     assert_close(s, s2, 1e-10)
@@ -76,13 +79,43 @@ def test_extreme_decays_stay_finite(per_channel, dtype):
     assert_close(o.float(), ref, 2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.mark.parametrize(
+    "safe_span", [float("inf"), 6.0, -1.0], ids=["one-matmul", "sub-block-matmul", "exact"]
+)
+def test_channel_score_paths_agree_with_the_definition(safe_span):
+    """The three ways of forming per-channel intra-chunk scores (chosen by how far the chunk decays)
+    all equal ``Σ_k q_tk k_sk exp(b_tk − b_sk)``; the test forces each path."""
+    from mnemo.ops.gated_linear_attention import _intra_chunk_channel_scores
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (
+        torch.randn(2, 3, 64, 8, generator=gen, dtype=torch.float64),
+        torch.randn(2, 3, 64, 8, generator=gen, dtype=torch.float64),
+    )
+    b = (F.logsigmoid(torch.randn(2, 3, 64, 8, generator=gen, dtype=torch.float64)) / 4).cumsum(-2)
+    span_chunk = float(-b[..., -1, :].min())
+    span_sub = float(-(b[..., 16:, :] - b[..., :-16, :]).min())
+    assert span_sub < 6.0 < span_chunk  # so 6.0 really selects the sub-block path
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+    ref = (q[..., :, None, :] * k[..., None, :, :] * (b[..., :, None, :] - b[..., None, :, :]).exp()).sum(-1)
+    ref = ref.masked_fill(~mask, 0.0)
+    assert_close(_intra_chunk_channel_scores(q, k, b, safe_span=safe_span), ref, 1e-12)
+
+
 def test_bf16_inputs_accumulate_in_fp32():
     q, k, v, gen = _inputs(T=128, K=16, V=16, dtype=torch.float32)
     g = F.logsigmoid(torch.randn(1, 128, 2, 16, generator=gen)) / 8
-    o, s = gated_linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), g.bfloat16(), output_final_state=True)
+    o, s = gated_linear_attention(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), g.bfloat16(), output_final_state=True
+    )
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-    ref, _ = gated_linear_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
-                                    g.bfloat16().float(), mode="recurrent")
+    ref, _ = gated_linear_attention(
+        q.bfloat16().float(),
+        k.bfloat16().float(),
+        v.bfloat16().float(),
+        g.bfloat16().float(),
+        mode="recurrent",
+    )
     assert_close(o.float(), ref, 1e-2)
 
 
@@ -90,7 +123,9 @@ def test_bad_inputs_name_argument_and_shapes():
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\] = \[1, 40, 2\]"):
         gated_linear_attention(q, k, v, torch.zeros(1, 40, 3, dtype=q.dtype))
-    with pytest.raises(ValueError, match=r"k must have shape \[B, T, H, K\] = \[1, 40, 2, 8\], got \[1, 40, 2, 7\]"):
+    with pytest.raises(
+        ValueError, match=r"k must have shape \[B, T, H, K\] = \[1, 40, 2, 8\], got \[1, 40, 2, 7\]"
+    ):
         gated_linear_attention(q, k[..., :7], v, None)
     with pytest.raises(ValueError, match=r"v must have shape \[B, T, H, V\]"):
         gated_linear_attention(q, k, v[:, :3], None)
@@ -103,5 +138,10 @@ def test_bad_inputs_name_argument_and_shapes():
     with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at T = 40"):
         gated_linear_attention(q, k, v, None, cu_seqlens=torch.tensor([0, 10, 30]))
     with pytest.raises(ValueError, match="packed into B = 1"):
-        gated_linear_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), None,
-                               cu_seqlens=torch.tensor([0, 40]))
+        gated_linear_attention(
+            q.expand(2, -1, -1, -1),
+            k.expand(2, -1, -1, -1),
+            v.expand(2, -1, -1, -1),
+            None,
+            cu_seqlens=torch.tensor([0, 40]),
+        )

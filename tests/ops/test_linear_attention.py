@@ -28,7 +28,9 @@ def _seed_formula(q, k, v, phi, normalize, eps=1e-6):
 
 
 # identity features can make the normaliser zero, so the normalised formula is only for positive maps
-CASES = [(n, False) for n in ("identity", "elu", "relu", "taylor")] + [(n, True) for n in ("elu", "relu", "taylor")]
+CASES = [(n, False) for n in ("identity", "elu", "relu", "taylor")] + [
+    (n, True) for n in ("elu", "relu", "taylor")
+]
 
 
 @pytest.mark.parametrize("name, normalize", CASES)
@@ -51,7 +53,10 @@ def test_normaliser_lives_in_last_state_column():
 
 def test_taylor_kernel_is_second_order_exp():
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(10, 5, generator=g, dtype=torch.float64), torch.randn(10, 5, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(10, 5, generator=g, dtype=torch.float64),
+        torch.randn(10, 5, generator=g, dtype=torch.float64),
+    )
     dot = (x * y).sum(-1)
     assert_close((taylor(x) * taylor(y)).sum(-1), 1 + dot + dot**2 / 2, 1e-12)
 
@@ -65,7 +70,10 @@ def test_favor_plus_converges_to_softmax_attention():
     errs = {}
     for m in (16, 256, 4096):
         e = [
-            rel_rms(linear_attention(q, k, v, feature_map=FavorPlus(8, m, seed=s), normalize=True, eps=0.0)[0], exact)
+            rel_rms(
+                linear_attention(q, k, v, feature_map=FavorPlus(8, m, seed=s), normalize=True, eps=0.0)[0],
+                exact,
+            )
             for s in range(8)
         ]
         errs[m] = sum(e) / len(e)
@@ -76,8 +84,10 @@ def test_favor_plus_converges_to_softmax_attention():
 
 def test_favor_plus_kernel_is_unbiased():
     g = torch.Generator().manual_seed(0)
-    x, y = 0.5 * torch.randn(6, 4, generator=g, dtype=torch.float64), 0.5 * torch.randn(6, 4, generator=g,
-                                                                                      dtype=torch.float64)
+    x, y = (
+        0.5 * torch.randn(6, 4, generator=g, dtype=torch.float64),
+        0.5 * torch.randn(6, 4, generator=g, dtype=torch.float64),
+    )
     for orthogonal in (False, True):
         fm = FavorPlus(4, 200_000, seed=3, orthogonal=orthogonal)
         est = (fm(x) * fm(y)).sum(-1)

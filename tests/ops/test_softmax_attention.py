@@ -50,7 +50,9 @@ def test_matches_dense_reference(causal, window, Hkv, mode):
 def test_gqa_equals_repeated_heads():
     q, k, v = _inputs(H=6, Hkv=2)
     o, _ = softmax_attention(q, k, v)
-    o_mha, _ = softmax_attention(q, repeat(k, "b t h d -> b t (h g) d", g=3), repeat(v, "b t h d -> b t (h g) d", g=3))
+    o_mha, _ = softmax_attention(
+        q, repeat(k, "b t h d -> b t (h g) d", g=3), repeat(v, "b t h d -> b t (h g) d", g=3)
+    )
     assert_close(o, o_mha, TOL)
 
 
@@ -62,13 +64,20 @@ def test_kv_cache_decoding_equals_full(window):
     o, cache = softmax_attention(q[:, :5], k[:, :5], v[:, :5], window=window, output_final_state=True)
     outs.append(o)
     for t in range(5, 11):  # one token at a time
-        o, cache = softmax_attention(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], window=window,
-                                     initial_state=cache, output_final_state=True)
+        o, cache = softmax_attention(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            window=window,
+            initial_state=cache,
+            output_final_state=True,
+        )
         outs.append(o)
         if window is not None:
             assert cache.k.shape[1] <= window - 1
-    o, cache = softmax_attention(q[:, 11:], k[:, 11:], v[:, 11:], window=window, initial_state=cache,
-                                 output_final_state=True)  # then a multi-token chunk
+    o, cache = softmax_attention(
+        q[:, 11:], k[:, 11:], v[:, 11:], window=window, initial_state=cache, output_final_state=True
+    )  # then a multi-token chunk
     outs.append(o)
     assert_close(torch.cat(outs, 1), full, TOL)
     assert isinstance(cache, KVCache)
