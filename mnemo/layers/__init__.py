@@ -9,10 +9,12 @@ from functools import partial
 from .attention import Attention
 from .base import Mixer, MixerState
 from .conv import ShortConvolution
+from .delta import DeltaNet
 from .linear_attention import GatedLinearAttention, LinearAttention
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
+from .ssm import Mamba, Mamba2
 
 MIXERS = {
     "attention": Attention,
@@ -20,6 +22,10 @@ MIXERS = {
     "retnet": partial(GatedLinearAttention, gate="retnet", expand_k=1.0),
     "gla": partial(GatedLinearAttention, gate="gla"),
     "gated_linear_attention": GatedLinearAttention,
+    "deltanet": DeltaNet,
+    "gated_deltanet": partial(DeltaNet, gated=True),
+    "mamba": Mamba,
+    "mamba2": Mamba2,
 }
 
 __all__ = [
@@ -29,6 +35,9 @@ __all__ = [
     "Attention",
     "LinearAttention",
     "GatedLinearAttention",
+    "DeltaNet",
+    "Mamba",
+    "Mamba2",
     "ShortConvolution",
     "SwiGLU",
     "RMSNorm",

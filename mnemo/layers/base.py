@@ -49,6 +49,11 @@ class Mixer(nn.Module):
         raise NotImplementedError
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least float32 (bf16/fp16 -> fp32; fp32 and fp64 unchanged)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def check_input(x: torch.Tensor, d_model: int, name: str = "x") -> tuple[int, int]:
     if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d_model:
         shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

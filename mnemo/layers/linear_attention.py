@@ -10,7 +10,7 @@ from torch import nn
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention
 from ..ops.linear_attention import linear_attention
-from .base import Mixer, MixerState, check_input
+from .base import Mixer, MixerState, check_input, upcast
 from .conv import ShortConvolution
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
@@ -178,9 +178,9 @@ class GatedLinearAttention(_QKVMixer):
         if self.gate == "retnet":
             return self.log_gamma.to(x.device)[None, None, :].expand(B, T, -1)
         if self.gate == "gla":
-            g = F.logsigmoid(self.gate_proj(x).float()) / self.gate_normalizer
+            g = F.logsigmoid(upcast(self.gate_proj(x))) / self.gate_normalizer
             return rearrange(g, "b t (h k) -> b t h k", h=self.n_heads)
-        return F.logsigmoid(self.gate_proj(x).float()) / self.gate_normalizer
+        return F.logsigmoid(upcast(self.gate_proj(x))) / self.gate_normalizer
 
     def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)

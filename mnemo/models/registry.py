@@ -99,3 +99,32 @@ def _gla_hybrid() -> ModelConfig:
         pattern=["gla", "gla", "gla", "attention"],
         mixer_options={"gla": {"n_heads": _HEADS}, "attention": {"n_heads": _HEADS}},
     )
+
+
+@register_model("deltanet", "DeltaNet: delta-rule memory, short conv, L2-normed q/k (Yang et al. 2024)")
+def _deltanet() -> ModelConfig:
+    return ModelConfig(mixer="deltanet", mixer_options={"deltanet": {"n_heads": _HEADS}})
+
+
+@register_model("gated_deltanet", "Gated DeltaNet: delta rule with Mamba-2-style decay (Yang et al. 2024)")
+def _gated_deltanet() -> ModelConfig:
+    return ModelConfig(mixer="gated_deltanet", mixer_options={"gated_deltanet": {"n_heads": _HEADS}})
+
+
+@register_model("mamba", "Mamba (S6): selective scan, d_state 16, expand 2, no MLP (Gu & Dao 2023)")
+def _mamba() -> ModelConfig:
+    # Mamba stacks mixer blocks without an MLP; 2x the layers keeps parameters near the others.
+    return ModelConfig(mixer="mamba", mlp="none", n_layers=8)
+
+
+@register_model("mamba2", "Mamba-2 (SSD): scalar decay per head, d_state 64, head_dim 64 (Dao & Gu 2024)")
+def _mamba2() -> ModelConfig:
+    return ModelConfig(mixer="mamba2", mlp="none", n_layers=8, mixer_options={"mamba2": {"head_dim": 32}})
+
+
+@register_model("gated_deltanet_hybrid", "Gated DeltaNet with softmax attention every 4th layer (hybrid)")
+def _gdn_hybrid() -> ModelConfig:
+    return ModelConfig(
+        pattern=["gated_deltanet", "gated_deltanet", "gated_deltanet", "attention"],
+        mixer_options={"gated_deltanet": {"n_heads": _HEADS}, "attention": {"n_heads": _HEADS}},
+    )

@@ -4,10 +4,13 @@ Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, scalar gates ``[B, T, H]``,
 ``[B, T, H, K]``, matrix state ``[B, H, K, V]``. Forms are selected with ``mode=`` and agree.
 """
 
+from .delta_rule import delta_rule, gated_delta_rule
 from .feature_maps import FavorPlus, elu_plus_one, identity, relu, resolve_feature_map, taylor
 from .gated_linear_attention import gated_linear_attention
 from .linear_attention import linear_attention
+from .selective_scan import selective_scan
 from .softmax_attention import KVCache, attention_mask, softmax_attention
+from .ssd import ssd
 
 __all__ = [
     "softmax_attention",
@@ -15,6 +18,10 @@ __all__ = [
     "attention_mask",
     "linear_attention",
     "gated_linear_attention",
+    "delta_rule",
+    "gated_delta_rule",
+    "selective_scan",
+    "ssd",
     "FavorPlus",
     "identity",
     "elu_plus_one",

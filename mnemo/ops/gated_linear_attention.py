@@ -33,6 +33,7 @@ from ._common import (
     check_qkv,
     clamp_log_gate,
     compute_dtype,
+    decay_exp,
     run_varlen,
 )
 
@@ -125,14 +126,14 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
         rel = bb - r[..., None, :]
         A_diag = ((qb * rel.exp()) @ (kb * (-rel).exp()).transpose(-1, -2)).masked_fill(~tri, 0.0)
     else:
-        diff = (bb[..., :, None, :] - bb[..., None, :, :]).masked_fill(~tri[..., None], float("-inf"))
-        A_diag = (qb[..., :, None, :] * kb[..., None, :, :] * diff.exp()).sum(-1)  # [..., m, sub, sub]
+        decay = decay_exp(bb[..., :, None, :] - bb[..., None, :, :], tri[..., None])
+        A_diag = (qb[..., :, None, :] * kb[..., None, :, :] * decay).sum(-1)  # [..., m, sub, sub]
     if m == 1:
         return A_diag.reshape(*lead, C, C)
-    q_t = qb * (bb - r[..., None, :]).exp()
-    k_h = kb * (e[..., None, :] - bb).exp()
+    q_t = qb * decay_exp(bb - r[..., None, :])
+    k_h = kb * decay_exp(e[..., None, :] - bb)
     lower = _causal_mask(m, q.device, -1)
-    P = (r[..., :, None, :] - e[..., None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
+    P = decay_exp(r[..., :, None, :] - e[..., None, :, :], lower[..., None])
     A_off = (q_t[..., :, None, :, :] * P[..., :, :, None, :]) @ k_h[..., None, :, :, :].transpose(-1, -2)
     eye = torch.eye(m, dtype=q.dtype, device=q.device)
     A = A_off + eye[:, :, None, None] * A_diag[..., :, None, :, :]
@@ -148,12 +149,14 @@ def chunk_state_pass(S0, dS, decay):
     if decay is None:
         incl = dS.cumsum(2)
         return S0[:, :, None] + incl - dS, S0 + incl[:, :, -1]
+    w = decay[..., None, None] if decay.ndim == 3 else decay[..., None]
+    # unbind (not indexing) so the backward pass stacks the per-chunk gradients once
+    ws, dSs = w.unbind(2), dS.unbind(2)
     S = S0
     states = []
-    for i in range(dS.shape[2]):
+    for i in range(len(dSs)):
         states.append(S)
-        w = decay[:, :, i]
-        S = (w[..., None, None] if w.ndim == 2 else w[..., None]) * S + dS[:, :, i]
+        S = torch.addcmul(dSs[i], ws[i], S)
     return torch.stack(states, 2), S
 
 
@@ -174,19 +177,19 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int):
         q_in, k_out, decay = qc, kc, None
     elif g.ndim == 3:
         b = rearrange(g, "b (n c) h -> b h n c", c=C).cumsum(-1)
-        D = (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()
+        D = decay_exp(b[..., :, None] - b[..., None, :], mask)
         A = (qc @ kc.transpose(-1, -2)) * D
         last = b[..., -1:]
-        q_in = qc * b[..., None].exp()
-        k_out = kc * (last - b)[..., None].exp()
-        decay = last[..., 0].exp()
+        q_in = qc * decay_exp(b[..., None])
+        k_out = kc * decay_exp((last - b)[..., None])
+        decay = decay_exp(last[..., 0])
     else:
         b = rearrange(g, "b (n c) h k -> b h n c k", c=C).cumsum(-2)
         A = _intra_chunk_channel_scores(qc, kc, b)
         last = b[..., -1:, :]
-        q_in = qc * b.exp()
-        k_out = kc * (last - b).exp()
-        decay = last[..., 0, :].exp()
+        q_in = qc * decay_exp(b)
+        k_out = kc * decay_exp(last - b)
+        decay = decay_exp(last[..., 0, :])
     dS = k_out.transpose(-1, -2) @ vc  # [B, H, n, K, V]
     states, S = chunk_state_pass(S0, dS, decay)
     o = A @ vc + q_in @ states

@@ -5,19 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.layers import MIXERS, Attention, GatedLinearAttention, LinearAttention
+from mnemo.layers import MIXERS, Attention, DeltaNet, GatedLinearAttention, LinearAttention, Mamba, Mamba2
 from tests.helpers import assert_close
 
 D = 32
 TOL = 1e-10
 
-# (id, constructor) — every registered mixer, plus the variants with a short convolution
-CASES = [(name, lambda name=name: MIXERS[name](D, n_heads=2)) for name in sorted(MIXERS)] + [
+# small options per registered mixer (chunk sizes below T so the chunk form really chunks)
+OPTIONS = {
+    "mamba": {"d_state": 8, "chunk_size": 8},
+    "mamba2": {"d_state": 8, "head_dim": 16, "chunk_size": 8},
+}
+# (id, constructor) — every registered mixer, plus variants (short conv, windows, groups, LTI)
+CASES = [
+    (name, lambda name=name: MIXERS[name](D, **OPTIONS.get(name, {"n_heads": 2}))) for name in sorted(MIXERS)
+] + [
     ("linear_attention+conv", lambda: LinearAttention(D, n_heads=2, short_conv=True)),
     ("linear_attention_favor", lambda: LinearAttention(D, n_heads=2, feature_map="favor", num_features=24)),
     ("gla+conv", lambda: GatedLinearAttention(D, n_heads=2, gate="gla", short_conv=True, chunk_size=8)),
     ("scalar_gate", lambda: GatedLinearAttention(D, n_heads=2, gate="scalar", chunk_size=8)),
     ("attention_gqa_window", lambda: Attention(D, n_heads=4, n_kv_heads=2, window=5)),
+    (
+        "deltanet_noconv_nogate",
+        lambda: DeltaNet(D, n_heads=2, short_conv=False, output_gate=False, chunk_size=8),
+    ),
+    ("gated_deltanet_chunk8", lambda: DeltaNet(D, n_heads=2, gated=True, chunk_size=8)),
+    ("mamba_lti", lambda: Mamba(D, d_state=8, selective=False, chunk_size=8)),
+    ("mamba2_groups", lambda: Mamba2(D, d_state=8, head_dim=16, n_groups=2, chunk_size=8)),
 ]
 
 

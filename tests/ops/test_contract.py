@@ -8,6 +8,9 @@ from . import contract as C
 from .specs import SPECS
 
 ids = [s.name for s in SPECS]
+# (spec, mode) pairs for the forms each op has: fast forms only, or all forms including the reference
+FAST = [pytest.param(s, m, id=f"{s.name}-{m}") for s in SPECS for m in s.modes if m != "recurrent"]
+ALL = [pytest.param(s, m, id=f"{s.name}-{m}") for s in SPECS for m in s.modes]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=ids)
@@ -18,8 +21,7 @@ def test_forms_agree(spec, with_state):
         C.check_forms_agree(spec, T, with_state)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=ids)
-@pytest.mark.parametrize("mode", ["chunk", "parallel"])
+@pytest.mark.parametrize("spec, mode", FAST)
 def test_split_with_carried_state(spec, mode):
     c = spec.chunk_size
     T = 2 * c + 7
@@ -44,21 +46,18 @@ def test_gradcheck_reference(spec):
     C.check_gradcheck_reference(spec)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=ids)
-@pytest.mark.parametrize("mode", ["recurrent", "chunk", "parallel"])
+@pytest.mark.parametrize("spec, mode", ALL)
 @pytest.mark.parametrize("with_state", [False, True])
 def test_varlen_equals_separate(spec, mode, with_state):
     c = spec.chunk_size
     C.check_varlen(spec, [c + 3, 0, 1, 2 * c - 1], mode, with_state)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=ids)
-@pytest.mark.parametrize("mode", ["chunk", "parallel"])
+@pytest.mark.parametrize("spec, mode", FAST)
 def test_float32_realistic(spec, mode):
     C.check_float32_realistic(spec, mode)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=ids)
-@pytest.mark.parametrize("mode", ["recurrent", "chunk", "parallel"])
+@pytest.mark.parametrize("spec, mode", ALL)
 def test_empty_sequence_passes_state(spec, mode):
     C.check_empty(spec, mode)

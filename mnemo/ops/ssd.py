@@ -1,0 +1,150 @@
+"""SSD: the state-space dual of Mamba-2, computed as gated linear attention.
+
+    h_t = exp(dt_t A) · h_{t−1} + B_t (dt_t x_t)ᵀ          y_t = h_tᵀ C_t + D x_t
+
+With a scalar ``A`` per head, the decay ``exp(dt_t A)`` is one number per head and token, so the
+recurrence is exactly :func:`~mnemo.ops.gated_linear_attention` with ``q = C``, ``k = B``,
+``v = dt · x``, log gate ``g = dt · A`` (one per head) and ``scale = 1`` (Dao & Gu 2024,
+"Transformers are SSMs", §3–§6: the quadratic "attention" form and the chunkwise SSD algorithm are
+GLA's ``parallel`` and ``chunk`` forms). This module only maps arguments and adds the skip ``D x``;
+all three forms, the chunked kernel, variable-length handling and the log-gate clamp (``-60``)
+come from gated linear attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import repeat
+
+from ._common import (
+    _shape,
+    check_cu_seqlens,
+    check_floating,
+    check_mode,
+    check_ndim,
+    check_shape,
+    compute_dtype,
+)
+from .gated_linear_attention import check_chunk_size, gated_linear_attention
+
+__all__ = ["ssd"]
+
+
+def _check_groups(name: str, X: torch.Tensor, Bsz: int, T: int, H: int, N: int | None) -> torch.Tensor:
+    """``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``H % G == 0``; return ``[B, T, G, N]``."""
+    check_floating(name, X)
+    n = X.shape[-1] if N is None else N
+    if X.ndim == 3 and tuple(X.shape) == (Bsz, T, n):
+        return X[:, :, None, :]
+    if (
+        X.ndim == 4
+        and tuple(X.shape[:2]) == (Bsz, T)
+        and X.shape[3] == n
+        and X.shape[2] > 0
+        and H % X.shape[2] == 0
+    ):
+        return X
+    shown = "N" if N is None else str(N)
+    raise ValueError(
+        f"{name} must have shape [B, T, N] = [{Bsz}, {T}, {shown}] or "
+        f"[B, T, G, N] = [{Bsz}, {T}, G, {shown}] with H = {H} divisible by G, got {_shape(X)}"
+    )
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mamba-2 SSD layer recurrence (Dao & Gu 2024, "Transformers are SSMs: Generalized Models and
+    Efficient Algorithms Through Structured State Space Duality", Eq. 1 with scalar-times-identity A).
+
+        dt_t ← softplus(dt_t + dt_bias) if dt_softplus else dt_t + dt_bias
+        h_t = exp(dt_t A) h_{t−1} + B_t (dt_t x_t)ᵀ        y_t = h_tᵀ C_t + D x_t
+
+    per head; head ``h`` reads group ``h // (H / G)`` of ``B`` and ``C``. Computed as
+    ``gated_linear_attention(q=C, k=B, v=dt·x, g=dt·A, scale=1)``.
+
+    Args:
+        x: ``[B, T, H, P]``. dt: ``[B, T, H]`` step size (before bias / softplus).
+        A: ``[H]`` one scalar per head, normally negative (``A = −exp(A_log)``); the log decay
+            ``dt · A`` is clamped from below at ``-60``.
+        B, C: ``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``H % G == 0``.
+        D: ``[H]`` skip connection, or ``None``.
+        dt_bias: ``[H]`` added to ``dt``, or ``None``. dt_softplus: apply softplus to ``dt``.
+        initial_state: ``[B, H, N, P]`` (``[num_seqs, H, N, P]`` with ``cu_seqlens``); any float
+            dtype, used in the compute dtype. Gradients flow into it and into every input.
+        output_final_state: also return the state after the last token.
+        cu_seqlens: ``[num_seqs + 1]`` int offsets of sequences packed in ``B = 1``; the state is
+            reset (to the matching row of ``initial_state``) at every boundary.
+        mode: ``"chunk"`` (training, default) | ``"parallel"`` (quadratic) | ``"recurrent"``
+            (token-loop reference). All three give the same result.
+        chunk_size: chunk length of the chunk form.
+
+    Returns:
+        ``y: [B, T, H, P]`` in ``x``'s dtype, and ``final_state: [B, H, N, P]`` (``[num_seqs, ...]``
+        with ``cu_seqlens``) in the compute dtype (float64 if any input is float64, else float32),
+        or ``None``. ``T = 0`` passes the state through.
+
+    Raises:
+        ValueError / TypeError: a shape, dtype, mode or chunk size does not match; the message
+            names the argument, the expected and the received value.
+    """
+    check_mode(mode, ("recurrent", "chunk", "parallel"))
+    check_chunk_size(chunk_size)
+    check_ndim("x", x, 4, "[B, T, H, P]")
+    Bsz, T, H, P = x.shape
+    check_shape("dt", dt, (Bsz, T, H), "[B, T, H]")
+    check_shape("A", A, (H,), "[H]")
+    B4 = _check_groups("B", B, Bsz, T, H, None)
+    N = B4.shape[-1]
+    C4 = _check_groups("C", C, Bsz, T, H, N)
+    if C4.shape[2] != B4.shape[2]:
+        raise ValueError(f"C must have the same number of groups as B = {B4.shape[2]}, got {_shape(C)}")
+    if D is not None:
+        check_shape("D", D, (H,), "[H]")
+    if dt_bias is not None:
+        check_shape("dt_bias", dt_bias, (H,), "[H]")
+    nseq = check_cu_seqlens(cu_seqlens, Bsz, T) if cu_seqlens is not None else Bsz
+    if initial_state is not None:
+        layout = "[B, H, N, P]" if cu_seqlens is None else "[num_seqs, H, N, P] (one row per packed sequence)"
+        check_shape("initial_state", initial_state, (nseq, H, N, P), layout)
+    cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
+    xc = x.to(cd)
+    dtc = dt.to(cd)
+    if dt_bias is not None:
+        dtc = dtc + dt_bias.to(cd)
+    if dt_softplus:
+        dtc = F.softplus(dtc)
+    r = H // B4.shape[2]
+    q = repeat(C4.to(cd), "b t g n -> b t (g r) n", r=r)
+    k = repeat(B4.to(cd), "b t g n -> b t (g r) n", r=r)
+    v = xc * dtc[..., None]
+    g = dtc * A.to(cd)
+    y, S = gated_linear_attention(
+        q,
+        k,
+        v,
+        g,
+        scale=1.0,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        mode=mode,
+        chunk_size=chunk_size,
+    )
+    if D is not None:
+        y = y + xc * D.to(cd)[:, None]
+    return y.to(x.dtype), S
