@@ -186,8 +186,10 @@ def _cmd_models(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .bench.ops import main as bench_main
-
+    if args.suite == "peers":
+        from .bench.peers import main as bench_main
+    else:
+        from .bench.ops import main as bench_main
     return bench_main(args)
 
 
@@ -253,11 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_models)
 
     b = sub.add_parser("bench", help="time every op and form against causal SDPA (a table, not a test)")
+    b.add_argument(
+        "--suite",
+        choices=["ops", "peers"],
+        default="ops",
+        help="ops: every op and form vs causal SDPA; peers: our layers vs installed PyPI peers",
+    )
     b.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated T values")
     b.add_argument("--heads", type=int, default=4)
     b.add_argument("--head-dim", type=int, default=64)
     b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--ops", help="comma-separated subset of op names")
+    b.add_argument("--ops", help="comma-separated subset of op (or peer comparison) names")
     b.add_argument(
         "--recurrent-max-len",
         type=int,

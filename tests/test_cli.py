@@ -161,3 +161,36 @@ def test_corrupt_checkpoint_is_reported(tmp_path, capsys):
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "mnemo", "models"], capture_output=True, text=True, check=True)
     assert "transformer" in r.stdout
+
+
+def test_bench_prints_a_table(capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    assert (
+        main(
+            [
+                "bench",
+                "--lengths",
+                "64",
+                "--repeats",
+                "1",
+                "--heads",
+                "2",
+                "--head-dim",
+                "8",
+                "--ops",
+                "gla_channel,delta_rule",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "x SDPA" in text and "faster than recurrent [delta_rule]" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["op"], r["mode"]) for r in rows} >= {
+        ("softmax_attention", "parallel"),
+        ("gla_channel", "chunk"),
+        ("delta_rule", "recurrent"),
+    }
+    assert all(r["fwd_ms"] > 0 for r in rows if "fwd_ms" in r)

@@ -41,7 +41,15 @@ def _gen():
 
 
 def _registry() -> list[OpBench]:
-    from ..ops import gated_linear_attention, linear_attention, softmax_attention
+    from ..ops import (
+        delta_rule,
+        gated_delta_rule,
+        gated_linear_attention,
+        linear_attention,
+        selective_scan,
+        softmax_attention,
+        ssd,
+    )
 
     def make_plain(B, T, H, D, device):
         return _qkv(B, T, H, D, device, _gen())
@@ -57,6 +65,36 @@ def _registry() -> list[OpBench]:
         x = _qkv(B, T, H, D, device, g)
         x["g"] = (F.logsigmoid(torch.randn(B, T, H, D, generator=g)) / 16).to(device)
         return x
+
+    def make_delta(B, T, H, D, device):
+        g = _gen()
+        x = _qkv(B, T, H, D, device, g)
+        x["k"] = F.normalize(x["k"], dim=-1)
+        x["beta"] = torch.rand(B, T, H, generator=g).to(device)
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, generator=g) + 3).to(device)
+        return x
+
+    def make_scan(B, T, H, D, device):
+        # Mamba-1 shapes: d_inner = H * D channels, d_state 16
+        g, Dm, N = _gen(), H * D, 16
+        return {
+            "u": torch.randn(B, T, Dm, generator=g).to(device),
+            "delta": (0.5 * torch.randn(B, T, Dm, generator=g)).to(device),
+            "A": -torch.rand(Dm, N, generator=g).mul(4).add(0.5).to(device),
+            "B": torch.randn(B, T, N, generator=g).to(device),
+            "C": torch.randn(B, T, N, generator=g).to(device),
+        }
+
+    def make_ssd(B, T, H, D, device):
+        # Mamba-2 shapes: H heads of head_dim D, d_state = D
+        g = _gen()
+        return {
+            "x": torch.randn(B, T, H, D, generator=g).to(device),
+            "dt": (0.5 * torch.randn(B, T, H, generator=g)).to(device),
+            "A": -torch.rand(H, generator=g).mul(4).add(0.5).to(device),
+            "B": torch.randn(B, T, 1, D, generator=g).to(device),
+            "C": torch.randn(B, T, 1, D, generator=g).to(device),
+        }
 
     return [
         OpBench(
@@ -91,6 +129,32 @@ def _registry() -> list[OpBench]:
             make_channel,
             lambda x, mode: gated_linear_attention(x["q"], x["k"], x["v"], x["g"], mode=mode)[0],
             parallel_bytes=lambda B, T, H, D: 4 * 4 * B * H * T * T * D,
+        ),
+        OpBench(
+            "delta_rule",
+            ("chunk", "parallel", "recurrent"),
+            make_delta,
+            lambda x, mode: delta_rule(x["q"], x["k"], x["v"], x["beta"], mode=mode)[0],
+        ),
+        OpBench(
+            "gated_delta_rule",
+            ("chunk", "parallel", "recurrent"),
+            make_delta,
+            lambda x, mode: gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode=mode)[0],
+        ),
+        OpBench(
+            "selective_scan",
+            ("chunk", "recurrent"),
+            make_scan,
+            lambda x, mode: selective_scan(
+                x["u"], x["delta"], x["A"], x["B"], x["C"], delta_softplus=True, mode=mode
+            )[0],
+        ),
+        OpBench(
+            "ssd",
+            ("chunk", "parallel", "recurrent"),
+            make_ssd,
+            lambda x, mode: ssd(x["x"], x["dt"], x["A"], x["B"], x["C"], dt_softplus=True, mode=mode)[0],
         ),
     ]
 

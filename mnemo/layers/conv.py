@@ -42,11 +42,44 @@ class ShortConvolution(nn.Module):
             raise ValueError(
                 f"conv state must have shape [B, C, W-1] = [{B}, {C}, {W - 1}], got {list(state.shape)}"
             )
-        xt = torch.cat([state.to(x.dtype), rearrange(x, "b t c -> b c t")], dim=-1)  # [B, C, W-1+T]
-        y = F.conv1d(
-            xt, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype), groups=C
-        )
-        y = rearrange(y, "b c t -> b t c")
+        xp = torch.cat([rearrange(state.to(x.dtype), "b c w -> b w c"), x], dim=1)  # [B, W-1+T, C]
+        w = self.weight[:, 0, :].to(x.dtype)  # [C, W]
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        y = _CausalConv.apply(xp, w, b, T)
         if self.activation:
             y = F.silu(y)
-        return y, xt[:, :, xt.shape[-1] - (W - 1) :]
+        return y, rearrange(xp[:, xp.shape[1] - (W - 1) :], "b w c -> b c w")
+
+
+class _CausalConv(torch.autograd.Function):
+    """``y_t = Σ_i w_i ⊙ xp_{t+i} (+ b)`` on the time-major layout: W shifted multiply-adds forward,
+    and a backward that accumulates the input gradient in place (no per-shift zero tensors).
+    Twice differentiable through autograd is not needed (the conv sits outside inner loops)."""
+
+    @staticmethod
+    def forward(ctx, xp, w, b, T):
+        W = w.shape[1]
+        y = xp[:, :T] * w[:, 0]
+        for i in range(1, W):
+            y.addcmul_(xp[:, i : i + T], w[:, i])
+        if b is not None:
+            y += b
+        ctx.save_for_backward(xp, w)
+        ctx.has_bias, ctx.T = b is not None, T
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xp, w = ctx.saved_tensors
+        T, W = ctx.T, w.shape[1]
+        dxp = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dxp = torch.zeros_like(xp)
+            for i in range(W):
+                dxp[:, i : i + T].addcmul_(dy, w[:, i])
+        if ctx.needs_input_grad[1]:
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dw = torch.stack([(xp[:, i : i + T].reshape(-1, dy.shape[-1]) * dy2).sum(0) for i in range(W)], 1)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum((0, 1))
+        return dxp, dw, db, None
