@@ -15,6 +15,7 @@ from .mlp import SwiGLU
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .ssm import Mamba, Mamba2
+from .titans import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
 
 MIXERS = {
     "attention": Attention,
@@ -26,6 +27,10 @@ MIXERS = {
     "gated_deltanet": partial(DeltaNet, gated=True),
     "mamba": Mamba,
     "mamba2": Mamba2,
+    "neural_memory": NeuralMemory,
+    "titans_mac": TitansMAC,
+    "titans_mag": TitansMAG,
+    "titans_mal": TitansMAL,
 }
 
 __all__ = [
@@ -38,6 +43,10 @@ __all__ = [
     "DeltaNet",
     "Mamba",
     "Mamba2",
+    "NeuralMemory",
+    "TitansMAC",
+    "TitansMAG",
+    "TitansMAL",
     "ShortConvolution",
     "SwiGLU",
     "RMSNorm",

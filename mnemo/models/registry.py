@@ -128,3 +128,54 @@ def _gdn_hybrid() -> ModelConfig:
         pattern=["gated_deltanet", "gated_deltanet", "gated_deltanet", "attention"],
         mixer_options={"gated_deltanet": {"n_heads": _HEADS}, "attention": {"n_heads": _HEADS}},
     )
+
+
+def _memory_model(spec: str, **options) -> ModelConfig:
+    return ModelConfig(
+        mixer="neural_memory", mixer_options={"neural_memory": {"n_heads": _HEADS, "spec": spec, **options}}
+    )
+
+
+@register_model("titans_lmm", "Titans LMM: deep MLP memory, l2, weight decay, momentum (Behrouz et al. 2024)")
+def _titans_lmm() -> ModelConfig:
+    return _memory_model("titans", persistent_tokens=4)
+
+
+@register_model("titans_mac", "Titans MAC: segment attention over [persistent | memory read | segment]")
+def _titans_mac() -> ModelConfig:
+    return ModelConfig(mixer="titans_mac", mixer_options={"titans_mac": {"n_heads": _HEADS, "segment": 64}})
+
+
+@register_model("titans_mag", "Titans MAG: sliding-window attention gated by the memory branch")
+def _titans_mag() -> ModelConfig:
+    return ModelConfig(mixer="titans_mag", mixer_options={"titans_mag": {"n_heads": _HEADS, "window": 64}})
+
+
+@register_model("titans_mal", "Titans MAL: memory layer, then sliding-window attention")
+def _titans_mal() -> ModelConfig:
+    return ModelConfig(mixer="titans_mal", mixer_options={"titans_mal": {"n_heads": _HEADS, "window": 64}})
+
+
+@register_model("moneta", "Moneta: deep MLP memory, lp attentional bias, lq retention (Behrouz et al. 2025)")
+def _moneta() -> ModelConfig:
+    return _memory_model("moneta")
+
+
+@register_model("yaad", "Yaad: deep MLP memory, Huber attentional bias, weight decay (Behrouz et al. 2025)")
+def _yaad() -> ModelConfig:
+    return _memory_model("yaad")
+
+
+@register_model("memora", "Memora: deep MLP memory, l2, KL (softmax) retention (Behrouz et al. 2025)")
+def _memora() -> ModelConfig:
+    return _memory_model("memora")
+
+
+@register_model("ttt_linear", "TTT-Linear: x + LN(Wx), mini-batch GD of 16 (Sun et al. 2024)")
+def _ttt_linear() -> ModelConfig:
+    return _memory_model("ttt_linear")
+
+
+@register_model("ttt_mlp", "TTT-MLP: x + LN(MLP(x)), mini-batch GD of 16 (Sun et al. 2024)")
+def _ttt_mlp() -> ModelConfig:
+    return _memory_model("ttt_mlp")

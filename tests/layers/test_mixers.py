@@ -17,8 +17,12 @@ OPTIONS = {
     "mamba2": {"d_state": 8, "head_dim": 16, "chunk_size": 8},
 }
 # (id, constructor) — every registered mixer, plus variants (short conv, windows, groups, LTI)
+# the test-time-trained memories (NeuralMemory, MAC/MAG/MAL) have their own file: test_titans.py
+TTT_MIXERS = {"neural_memory", "titans_mac", "titans_mag", "titans_mal"}
 CASES = [
-    (name, lambda name=name: MIXERS[name](D, **OPTIONS.get(name, {"n_heads": 2}))) for name in sorted(MIXERS)
+    (name, lambda name=name: MIXERS[name](D, **OPTIONS.get(name, {"n_heads": 2})))
+    for name in sorted(MIXERS)
+    if name not in TTT_MIXERS
 ] + [
     ("linear_attention+conv", lambda: LinearAttention(D, n_heads=2, short_conv=True)),
     ("linear_attention_favor", lambda: LinearAttention(D, n_heads=2, feature_map="favor", num_features=24)),

@@ -1,0 +1,134 @@
+"""The Miras design space as a value: ``MemorySpec`` = architecture × attentional bias × retention ×
+optimizer (Behrouz et al. 2025, "It's All Connected", §3; Titans: Behrouz et al. 2024, §3).
+
+A memory ``M_W`` maps keys to values. It is written by an online learner: on each token it takes a
+step on the inner objective ``ℓ(M_W(k_t), v_t)`` (the *attentional bias*), forgets by its
+*retention* rule, and moves with its *optimizer*. ``chunk_size`` is the inner mini-batch: every
+gradient inside a chunk is taken at the chunk-start weights (Titans §3.2, TTT mini-batch GD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ARCHITECTURES = ("matrix", "mlp")
+OBJECTIVES = ("dot", "l2", "lp", "huber")
+RETENTIONS = ("none", "decay", "lq", "kl")
+OPTIMIZERS = ("gd", "momentum")
+ACTIVATIONS = ("gelu", "silu", "relu", "tanh")
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """One point of the design space. Every field is independent of the others.
+
+    Architecture:
+        architecture: ``"matrix"`` (one ``[K, V]`` map per head) or ``"mlp"`` (``depth`` linear
+            layers ``K → h → … → V`` with ``h = expansion · K`` and ``activation`` between them).
+        residual: ``M(x) = x + f(x)`` (needs ``K == V``). norm: layer-normalise ``f(x)`` before the
+            residual (TTT: ``x + LN(f(x))``; parameter-free LN). Both default off for ``matrix``.
+    Attentional bias (inner objective on ``e = M(k) − v``):
+        ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule);
+        ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}``;
+        ``"huber"``: ``Σ huber_{δ_t}(e_i)`` with a data-dependent threshold ``δ_t`` (Yaad).
+    Retention (forgetting; the accumulator ``A`` is what the optimizer moves, ``W = N(A)``):
+        ``"none"``: ``A_t = A_{t−1} + step``;
+        ``"decay"``: ``A_t = exp(g_t) A_{t−1} + step`` (``exp(g_t) = 1 − α_t``, Titans' weight decay;
+            ``decay_per_channel`` gives one decay per key channel, matrix memories only);
+        ``"lq"``: decay as above and ``W = A / ‖A‖_q^{q−2}`` (Moneta's ℓq retention);
+        ``"kl"``: decay as above and ``W = kl_scale · softmax(A)`` over each layer's input axis
+            (Memora's KL retention: ``softmax(α log W − η∇)`` is exactly this map of a linearly
+            decayed logit accumulator).
+        decay_first: take the gradient at the *decayed* weights (Gated DeltaNet's order:
+            ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + …``) instead of Titans' order (gradient at the
+            previous weights, then decay). Only with ``"none"``/``"decay"``.
+    Optimizer:
+        ``"gd"``: ``step_t = −θ_t ∇ℓ_t``; ``"momentum"``: ``S_t = η_t S_{t−1} − θ_t ∇ℓ_t``,
+        ``step_t = S_t`` (Titans' surprise). ``θ_t`` is clamped to ``max_lr``; each token's gradient
+        is rescaled to norm ``≤ grad_clip`` when set.
+    chunk_size: the inner mini-batch (``1`` = plain online learning).
+    """
+
+    architecture: str = "matrix"
+    depth: int = 2
+    expansion: float = 4.0
+    activation: str = "gelu"
+    residual: bool = False
+    norm: bool = False
+    objective: str = "l2"
+    p: float = 3.0
+    lp_eps: float = 1e-6
+    retention: str = "none"
+    decay_per_channel: bool = False
+    decay_first: bool = False
+    q: float = 4.0
+    kl_scale: float = 1.0
+    optimizer: str = "gd"
+    max_lr: float | None = None
+    grad_clip: float | None = None
+    chunk_size: int = 64
+
+    def validate(self) -> MemorySpec:
+        """Raise ``ValueError`` naming the offending field; return self."""
+
+        def bad(name, expected):
+            raise ValueError(f"MemorySpec.{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        for name, options in (
+            ("architecture", ARCHITECTURES),
+            ("objective", OBJECTIVES),
+            ("retention", RETENTIONS),
+            ("optimizer", OPTIMIZERS),
+            ("activation", ACTIVATIONS),
+        ):
+            if getattr(self, name) not in options:
+                bad(name, f"one of {options}")
+        if not isinstance(self.depth, int) or self.depth < 1:
+            bad("depth", "an int >= 1")
+        if self.expansion <= 0:
+            bad("expansion", "a positive number")
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            bad("chunk_size", "a positive int")
+        if self.objective == "lp" and self.p < 1:
+            bad("p", "a number >= 1")
+        if self.retention == "lq" and self.q <= 0:
+            bad("q", "a positive number")
+        if self.decay_per_channel and (self.retention == "none" or self.layer_count() != 1):
+            bad("decay_per_channel", "False unless a matrix memory (one layer) has a decaying retention")
+        if self.decay_first and self.retention not in ("none", "decay"):
+            bad("decay_first", "False with 'lq'/'kl' retention")
+        if self.max_lr is not None and self.max_lr <= 0:
+            bad("max_lr", "None or a positive number")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            bad("grad_clip", "None or a positive number")
+        return self
+
+    def layer_count(self) -> int:
+        return 1 if self.architecture == "matrix" else self.depth
+
+    def layer_dims(self, key_dim: int, value_dim: int) -> list[tuple[int, int]]:
+        """``(in, out)`` of each linear layer of the memory for head sizes ``K`` and ``V``."""
+        if self.architecture == "matrix":
+            return [(key_dim, value_dim)]
+        hidden = max(1, int(round(self.expansion * key_dim)))
+        dims = [key_dim] + [hidden] * (self.depth - 1) + [value_dim]
+        return list(zip(dims[:-1], dims[1:]))
+
+    @property
+    def decays(self) -> bool:
+        return self.retention != "none"
+
+    def replace(self, **changes) -> MemorySpec:
+        return dataclasses.replace(self, **changes).validate()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MemorySpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown MemorySpec field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d).validate()
