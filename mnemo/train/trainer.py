@@ -76,13 +76,25 @@ class Trainer:
     ``Trainer(cfg, out_dir, resume=False).fit()`` returns the final evaluation record. With
     ``resume=True`` it continues from ``out_dir``'s latest checkpoint and reproduces, step for
     step, the losses of an uninterrupted run (same seed, config and machine).
+
+    ``callbacks``: functions ``f(trainer, record) -> dict | None`` called after every evaluation,
+    before the record is written; a returned dict is merged into the record (e.g. circuit scores
+    tracked during training). They must not touch the RNG streams the trainer uses.
     """
 
     def __init__(
-        self, cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True, log=print
+        self,
+        cfg: TrainConfig,
+        out_dir: str | Path,
+        *,
+        resume: bool = False,
+        progress: bool = True,
+        log=print,
+        callbacks=(),
     ):
         self.out = Path(out_dir)
         self.progress, self.log = progress, log
+        self.callbacks = list(callbacks)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("TrainConfig.device: 'cuda' was requested but no CUDA device is available")
@@ -291,6 +303,10 @@ class Trainer:
                         "lr": self.scheduler.get_last_lr()[0],
                         "elapsed_s": time.perf_counter() - t_start,
                     }
+                    for callback in self.callbacks:
+                        extra = callback(self, record)
+                        if extra:
+                            record.update(extra)
                     self._log_metrics(record)
                     bar.write(
                         f"step {self.step:>6}  train {record['train_loss']:.4f}  val {ev['val_loss']:.4f} "

@@ -195,3 +195,15 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
     assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
     assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)
+
+
+def test_callbacks_add_to_the_metrics_record(tmp_path):
+    seen = []
+
+    def probe(trainer, record):
+        seen.append(record["step"])
+        return {"probe_score": float(trainer.step)}
+
+    Trainer(_cfg(steps=4, eval_interval=2), tmp_path, progress=False, callbacks=[probe]).fit()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert seen == [2, 4] and [r["probe_score"] for r in lines] == [2.0, 4.0]
