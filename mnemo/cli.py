@@ -276,7 +276,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the rows to this JSON file")
     b.add_argument("--device", default="cpu")
     b.set_defaults(func=_cmd_bench)
+
+    # feature modules add their own sub-commands: each exposes ``add_commands(subparsers)``
+    import importlib
+
+    for module in _COMMAND_MODULES:
+        importlib.import_module(module).add_commands(sub)
     return p
+
+
+#: modules that register more sub-commands (see ``build_parser``)
+_COMMAND_MODULES: list[str] = []
 
 
 def main(argv: list[str] | None = None) -> int:
