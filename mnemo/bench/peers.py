@@ -104,7 +104,58 @@ def titans_vs_titans_pytorch(
     }
 
 
-PEERS: dict[str, Callable[..., dict]] = {"mamba": mamba_vs_mambapy, "titans": titans_vs_titans_pytorch}
+def hope_vs_nested_learning(T: int = 1024, dim: int = 256, chunk: int = 64, batch: int = 1, repeats: int = 5):
+    """Forward only (no grad): our HOPE block mixer+CMS (self-modifying Titans with chunk ``chunk``,
+    3-level CMS 16/64/256) and our self-modifying Titans alone, vs ``nested_learning``'s
+    ``SelfModifyingTitans.forward_with_updates`` (its in-context pass; ``forward`` alone applies no
+    updates) with the same ``dim`` and chunk sizes."""
+    from nested_learning.titan.self_modifying import SelfModifyingTitans as PeerSMT
+    from nested_learning.titan.self_modifying import SelfModifyingTitansConfig
+
+    from ..nested import ContinuumMemory, Level, SelfModifyingTitans
+
+    torch.manual_seed(0)
+    smt = SelfModifyingTitans(dim, n_heads=4, chunk_size=chunk)
+    cms = ContinuumMemory(dim, [Level(16), Level(64), Level(256)])
+    peer = PeerSMT(SelfModifyingTitansConfig(dim=dim, chunk_size_other=chunk, chunk_size_memory=chunk))
+    x = torch.randn(batch, T, dim)
+
+    def hope(x):
+        y, _ = smt(x)
+        h = x + y
+        return h + cms(h)[0]
+
+    rows = {}
+    with torch.no_grad():
+
+        def peer_fn(x):  # the in-context (self-modifying) pass; plain forward() does no updates
+            return peer.forward_with_updates(
+                x, peer.init_fast_state(), chunk_size_other=chunk, chunk_size_memory=chunk
+            )[0]
+
+        for name, fn in (
+            ("mnemo", hope),
+            ("mnemo_self_modifying_titans", lambda x: smt(x)[0]),
+            ("nested_learning", peer_fn),
+        ):
+            ms = 1e3 * _time(lambda fn=fn: fn(x), repeats)
+            rows[name] = {"fwd_ms": ms, "fwd_bwd_ms": float("nan"), "params": None}
+    rows["mnemo"]["params"] = _n_params(smt) + _n_params(cms)
+    rows["mnemo_self_modifying_titans"]["params"] = _n_params(smt)
+    rows["nested_learning"]["params"] = _n_params(peer)
+    return {
+        "name": f"HOPE forward (no grad) dim={dim} chunk={chunk} T={T} B={batch}",
+        "peer": "nested-learning 0.2.0 SelfModifyingTitans",
+        "peer_key": "nested_learning",
+        **rows,
+    }
+
+
+PEERS: dict[str, Callable[..., dict]] = {
+    "mamba": mamba_vs_mambapy,
+    "titans": titans_vs_titans_pytorch,
+    "hope": hope_vs_nested_learning,
+}
 
 
 def main(args) -> int:
@@ -113,7 +164,7 @@ def main(args) -> int:
     if unknown:
         raise ValueError(f"unknown peer comparison(s) {sorted(unknown)}; choose from {sorted(PEERS)}")
     print(f"mnemo bench --suite peers: {torch.get_num_threads()} threads, medians of {args.repeats} runs")
-    print("ratio = peer time / mnemo time (above 1: mnemo is faster)\n")
+    print("ratio = peer time / this row's time (above 1: faster than the peer)\n")
     results = []
     for key in wanted:
         try:
@@ -122,12 +173,18 @@ def main(args) -> int:
             print(f"{key}: skipped, peer not installed ({e.name}); run ../shared/bench/install-peers")
             continue
         results.append(r)
-        m, p = r["mnemo"], r[next(k for k in r if k not in ("name", "peer", "mnemo"))]
+        peer_key = r.get("peer_key") or next(k for k in r if k not in ("name", "peer", "mnemo", "peer_key"))
+        p = r[peer_key]
         print(r["name"], "vs", r["peer"])
-        print(f"  {'':<10}{'fwd ms':>10}{'fwd+bwd ms':>12}{'params':>10}")
-        for label, row in (("mnemo", m), ("peer", p)):
-            print(f"  {label:<10}{row['fwd_ms']:>10.1f}{row['fwd_bwd_ms']:>12.1f}{row['params']:>10,}")
-        print(f"  ratio     {p['fwd_ms'] / m['fwd_ms']:>10.2f}{p['fwd_bwd_ms'] / m['fwd_bwd_ms']:>12.2f}\n")
+        print(f"  {'':<30}{'fwd ms':>10}{'fwd+bwd ms':>12}{'params':>11}{'ratio fwd':>11}{'ratio f+b':>11}")
+        for label, row in r.items():
+            if not isinstance(row, dict):
+                continue
+            rf = p["fwd_ms"] / row["fwd_ms"]
+            rb = p["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+            times = f"{row['fwd_ms']:>10.1f}{row['fwd_bwd_ms']:>12.1f}"
+            print(f"  {label:<30}{times}{row['params']:>11,}{rf:>11.2f}{rb:>11.2f}")
+        print()
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

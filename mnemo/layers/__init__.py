@@ -33,8 +33,17 @@ MIXERS = {
     "titans_mal": TitansMAL,
 }
 
+
+def register_mixer(name: str, constructor) -> None:
+    """Add a mixer to :data:`MIXERS` (used by modules above the layers, e.g. ``mnemo.nested``)."""
+    if name in MIXERS and MIXERS[name] is not constructor:
+        raise ValueError(f"mixer {name!r} is already registered")
+    MIXERS[name] = constructor
+
+
 __all__ = [
     "MIXERS",
+    "register_mixer",
     "Mixer",
     "MixerState",
     "Attention",

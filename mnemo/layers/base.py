@@ -19,11 +19,14 @@ class MixerState:
         conv: the short-convolution tail ``[B, C, W − 1]`` (the last ``W − 1`` conv inputs), or
             ``None`` when the mixer has no short convolution.
         offset: how many tokens this state has consumed (positions for rotary embeddings).
+        mlp: the state of a stateful channel mixer in the same block (a CMS's fast weights), or
+            ``None``.
     """
 
     memory: Any = None
     conv: torch.Tensor | None = None
     offset: int = 0
+    mlp: Any = None
 
 
 class Mixer(nn.Module):

@@ -23,7 +23,9 @@ class ModelConfig:
             hybrid keeps its ratio when ``n_layers`` changes: ``["gla", "gla", "gla", "attention"]``.
         layers: explicit per-layer mixer names (takes precedence); its length must equal ``n_layers``.
         mixer_options: keyword options per mixer name, e.g. ``{"attention": {"n_heads": 4}}``.
-        mlp: ``"swiglu"`` or ``"none"`` (mixer-only blocks). mlp_hidden: SwiGLU hidden width.
+        mlp: ``"swiglu"``, ``"none"`` (mixer-only blocks) or ``"cms"`` (a Continuum Memory System,
+            :class:`mnemo.nested.ContinuumMemory`). mlp_hidden: SwiGLU hidden width.
+        mlp_options: options of the MLP; for ``"cms"``: ``{"levels": [{"period": 16, ...}, ...]}``.
         pos_embedding: ``"none"`` (positions come from the mixers, e.g. RoPE) or ``"learned"``
             (absolute, up to ``max_position`` tokens).
         tie_embeddings: share the input embedding with the output head.
@@ -39,6 +41,7 @@ class ModelConfig:
     mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     mlp: str = "swiglu"
     mlp_hidden: int | None = None
+    mlp_options: dict[str, Any] = field(default_factory=dict)
     pos_embedding: str = "none"
     max_position: int = 4096
     tie_embeddings: bool = True
@@ -54,6 +57,7 @@ class ModelConfig:
 
     def validate(self) -> ModelConfig:
         """Raise ``ValueError`` naming the offending field; return self."""
+        from .. import nested  # noqa: F401  (registers the nested-learning mixers)
         from ..layers import MIXERS
 
         def bad(name, expected, got):
@@ -74,8 +78,8 @@ class ModelConfig:
         for m in self.mixer_options:
             if m not in MIXERS:
                 bad("mixer_options", f"keys among {sorted(MIXERS)}", m)
-        if self.mlp not in ("swiglu", "none"):
-            bad("mlp", "'swiglu' or 'none'", self.mlp)
+        if self.mlp not in ("swiglu", "none", "cms"):
+            bad("mlp", "'swiglu', 'none' or 'cms'", self.mlp)
         if self.pos_embedding not in ("none", "learned"):
             bad("pos_embedding", "'none' or 'learned'", self.pos_embedding)
         return self

@@ -12,6 +12,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from ..layers import MIXERS, MixerState, RMSNorm, SwiGLU
+from ..nested import ContinuumMemory
 from .config import ModelConfig
 
 CONFIG_NAME = "config.json"
@@ -27,13 +28,19 @@ class Block(nn.Module):
         self.mixer = mixer
         self.mlp_norm = RMSNorm(d_model, eps) if mlp is not None else None
         self.mlp = mlp
+        self.stateful_mlp = isinstance(mlp, ContinuumMemory)
 
     def forward(self, x, state=None, mode=None):
-        y, state = self.mixer(self.mixer_norm(x), state, mode=mode)
+        y, new = self.mixer(self.mixer_norm(x), state, mode=mode)
         x = x + y
         if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
-        return x, state
+            if self.stateful_mlp:
+                y, mlp_state = self.mlp(self.mlp_norm(x), state.mlp if state is not None else None)
+                new.mlp = mlp_state
+            else:
+                y = self.mlp(self.mlp_norm(x))
+            x = x + y
+        return x, new
 
 
 class LanguageModel(nn.Module):
@@ -54,7 +61,12 @@ class LanguageModel(nn.Module):
         blocks = []
         for name in c.layer_mixers():
             mixer = MIXERS[name](c.d_model, **c.mixer_options.get(name, {}))
-            mlp = SwiGLU(c.d_model, c.mlp_hidden) if c.mlp == "swiglu" else None
+            if c.mlp == "swiglu":
+                mlp = SwiGLU(c.d_model, c.mlp_hidden)
+            elif c.mlp == "cms":
+                mlp = ContinuumMemory(c.d_model, **c.mlp_options)
+            else:
+                mlp = None
             blocks.append(Block(mixer, c.d_model, mlp, c.norm_eps))
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(c.d_model, c.norm_eps)
@@ -158,7 +170,12 @@ class LanguageModel(nn.Module):
 
     def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0) -> int:
         """Bytes of the decoding state after ``seq_len`` tokens (KV caches grow with it)."""
-        return sum(b.mixer.state_size_bytes(batch_size, seq_len) for b in self.blocks)
+        total = 0
+        for b in self.blocks:
+            total += b.mixer.state_size_bytes(batch_size, seq_len)
+            if b.stateful_mlp:
+                total += b.mlp.state_size_bytes(batch_size)
+        return total
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""

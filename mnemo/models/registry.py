@@ -179,3 +179,49 @@ def _ttt_linear() -> ModelConfig:
 @register_model("ttt_mlp", "TTT-MLP: x + LN(MLP(x)), mini-batch GD of 16 (Sun et al. 2024)")
 def _ttt_mlp() -> ModelConfig:
     return _memory_model("ttt_mlp")
+
+
+_CMS_LEVELS = [{"period": 16}, {"period": 64}, {"period": 256}]
+
+
+@register_model(
+    "hope", "HOPE: self-modifying Titans followed by a 3-level CMS (16/64/256) (Behrouz et al. 2025)"
+)
+def _hope() -> ModelConfig:
+    return ModelConfig(
+        mixer="self_modifying_titans",
+        mixer_options={"self_modifying_titans": {"n_heads": _HEADS}},
+        mlp="cms",
+        mlp_options={"levels": _CMS_LEVELS},
+    )
+
+
+@register_model("hope_attention", "HOPE-attention: softmax attention followed by a 3-level CMS")
+def _hope_attention() -> ModelConfig:
+    return ModelConfig(
+        mixer="attention",
+        mixer_options={"attention": {"n_heads": _HEADS}},
+        mlp="cms",
+        mlp_options={"levels": _CMS_LEVELS},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# ablations used by the recall benchmarks (mnemo.data.tasks, configs/sweeps)
+# --------------------------------------------------------------------------------------------
+
+
+@register_model("mamba_lti", "Mamba with input-independent Δ, B, C: an LTI SSM (the Mamba §4.1 ablation)")
+def _mamba_lti() -> ModelConfig:
+    return ModelConfig(mixer="mamba", mlp="none", n_layers=8, mixer_options={"mamba": {"selective": False}})
+
+
+@register_model(
+    "transformer_abs", "softmax attention with learned absolute positions (no RoPE) + SwiGLU, GPT-2 style"
+)
+def _transformer_abs() -> ModelConfig:
+    return ModelConfig(
+        mixer="attention",
+        mixer_options={"attention": {"n_heads": _HEADS, "rope": False}},
+        pos_embedding="learned",
+    )
