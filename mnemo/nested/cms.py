@@ -8,10 +8,13 @@ tokens, and stay fixed in between::
     θ^(ℓ) ← θ^(ℓ) − opt( Σ_{t in the period} η_t ∇ℓ^(ℓ)(θ^(ℓ); x_t) )   every C^(ℓ) tokens
 
 Inner objective of a level (our choice, documented): the level is an associative memory from its
-input ``x_t`` to a learned *slow* projection of it, ``ℓ_t = ½ ‖MLP(x_t) − W_v x_t‖²`` with a
-data-dependent rate ``η_t = lr · sigmoid(w_η · x_t)``. Reads inside a period use the period-start
-weights (the weights change only at period ends), so with ``C = 1`` and one level the CMS is plain
-per-token online gradient descent on that loss (predict, then step).
+input ``x_t`` (layer-normalised, so ``‖x_t‖² ≈ d``) to a learned *slow* projection of it,
+``ℓ_t = (η_t / 2d) ‖MLP(x_t) − W_v x_t‖²`` with a data-dependent rate
+``η_t = lr · sigmoid(w_η · x_t)``; a period's step uses the *mean* of its tokens' gradients (the
+``1/d`` and the mean keep the step size independent of width and period, like normalised LMS).
+Reads inside a period use the period-start weights (the weights change only at period ends), so
+with ``C = 1`` and one level the CMS is plain per-token online gradient descent on that loss
+(predict, then step).
 
 The fast weights start every stream at the level's learned initial weights (the slow weights, which
 the outer loop trains through the unrolled updates) and persist across calls in ``CMSState``.
@@ -49,14 +52,15 @@ class Level:
     Attributes:
         period: ``C``, tokens between two steps of this level (``≥ 1``).
         expansion: hidden width of the level's MLP as a multiple of ``d_model``.
-        lr: maximum inner learning rate ``η`` (the data-dependent rate is ``lr · sigmoid(·)``).
+        lr: maximum inner learning rate ``η`` (the data-dependent rate is ``lr · sigmoid(·)``, applied
+            per unit of squared input norm: ``η_t / d``).
         optimizer: ``"gd"``, ``"momentum"`` or ``"delta_momentum"``; ``beta`` its momentum.
         partial: ``"carry"`` or ``"flush"`` (see the module docstring).
     """
 
     period: int
     expansion: float = 2.0
-    lr: float = 0.1
+    lr: float = 1.0
     optimizer: str = "gd"
     beta: float = 0.9
     partial: str = "carry"
@@ -109,9 +113,10 @@ class CMSLevel(nn.Module):
         mom = zeros if self.level.optimizer != "gd" else None
         return LevelState(w, mom, zeros, 0, 0)
 
-    def _step(self, st: LevelState) -> LevelState:
-        """Apply the accumulated period gradient with the level's optimizer."""
+    def _step(self, st: LevelState, count: int) -> LevelState:
+        """Apply the mean gradient of the ``count`` tokens of the period with the level's optimizer."""
         lv = self.level
+        st = st._replace(grad=tuple(g / count for g in st.grad))
         if lv.optimizer == "gd":
             w = tuple(a - g for a, g in zip(st.weights, st.grad))
             mom = None
@@ -128,36 +133,48 @@ class CMSLevel(nn.Module):
         zeros = tuple(torch.zeros_like(g) for g in st.grad)
         return LevelState(w, mom, zeros, st.position, st.updates + 1)
 
-    def _period(self, x, st: LevelState):
-        """Tokens ``x [B, L, d]`` of one period (or part of one): read with the current weights,
-        accumulate their gradients. Returns ``(y, state)``."""
+    def _period(self, x, v, eta, st: LevelState, whole: bool):
+        """Tokens ``x [B, L, d]`` of one period (or part of one), with their targets ``v`` and rates
+        ``eta [B, L, 1]``: read with the current weights and take (``whole``) or accumulate the
+        period's gradient. Returns ``(y, state)``."""
         W_in, W_out = st.weights
         z = x @ W_in
         a = F.gelu(z)
         y = a @ W_out
-        eta = self.level.lr * torch.sigmoid(self.rate(x))  # [B, L, 1]
-        err = (y - self.value(x)) * eta  # η_t ∂ℓ_t/∂y
+        err = (y - v) * eta  # ∂ℓ_t/∂y
         dz = torch.ops.aten.gelu_backward(err @ W_out.transpose(-1, -2), z)
-        g_in = x.transpose(-1, -2) @ dz  # Σ_t η_t x_t ⊗ δ_in,t
-        g_out = a.transpose(-1, -2) @ err
-        grad = (st.grad[0] + g_in, st.grad[1] + g_out)
-        return y, LevelState(st.weights, st.momentum, grad, st.position + x.shape[1], st.updates)
+        L = x.shape[1]
+        st = st._replace(position=st.position + L)
+        if whole and self.level.optimizer == "gd":  # fused: θ − mean_t x ⊗ δ, no gradient buffers
+            w = (torch.baddbmm(W_in, x.transpose(-1, -2), dz, alpha=-1.0 / L),
+                 torch.baddbmm(W_out, a.transpose(-1, -2), err, alpha=-1.0 / L))
+            return y, st._replace(weights=w, updates=st.updates + 1)
+        grad = (torch.baddbmm(st.grad[0], x.transpose(-1, -2), dz), torch.baddbmm(st.grad[1], a.transpose(-1, -2), err))
+        st = st._replace(grad=grad)
+        if whole:
+            st = self._step(st, L)
+        return y, st
 
     def forward(self, x: torch.Tensor, state: LevelState | None = None):
         """``x [B, T, d] -> (MLP output [B, T, d], state)``; the loop runs over periods."""
         B, T, _ = x.shape
         st = state if state is not None else self.initial_state(B)
         C = self.level.period
+        v = self.value(x)  # slow projections of all tokens at once
+        eta = self.level.lr * torch.sigmoid(self.rate(x)) / x.shape[-1]  # η_t / d
         outs, t = [], 0
         while t < T:
-            L = min(C - st.position % C, T - t)
-            y, st = self._period(x[:, t : t + L], st)
+            start = st.position % C
+            L = min(C - start, T - t)
+            sl = slice(t, t + L)
+            whole = start == 0 and L == C
+            y, st = self._period(x[:, sl], v[:, sl], eta[:, sl], st, whole)
             outs.append(y)
             t += L
-            if st.position % C == 0:
-                st = self._step(st)
+            if not whole and st.position % C == 0:
+                st = self._step(st, C)
         if self.level.partial == "flush" and st.position % C != 0:
-            st = self._step(st)
+            st = self._step(st, st.position % C)
             st = LevelState(st.weights, st.momentum, st.grad, 0, st.updates)  # a fresh period starts
         return torch.cat(outs, 1) if outs else x.new_zeros(B, 0, x.shape[-1]), st
 

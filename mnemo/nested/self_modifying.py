@@ -16,10 +16,12 @@ Per chunk of ``C`` tokens (absolute positions, like the memory's mini-batches):
 
        M_□ ← M_□ (α_□ I − η_□ X̂ᵀX̂ / C) + η_□ X̂ᵀ Ŷ_□ / C       (x̂ = x / ‖x‖)
 
-   i.e. ``M ← α M − η ∇_M ½ mean_t ‖x̂_tᵀ M − ŷ_t‖²``, with learned scalars ``α_□, η_□``.
+   i.e. ``M ← α M − η ∇_M ½ mean_t ‖x̂_tᵀ M − ŷ_t‖²``, with learned scalars ``α_□, η_□``. Because
+   ``Ŷ_□ = O M_□``, the step is ``α M − η R M / C`` with one ``R = X̂ᵀ (X̂ − O)`` shared by all
+   four projection memories.
 
-A stream cut inside a chunk keeps the chunk's partial sums ``X̂ᵀX̂`` and ``X̂ᵀŶ`` in the state and
-applies the step when the chunk completes, so any split equals one pass.
+A stream cut inside a chunk keeps the chunk's partial sum ``R`` in the state and applies the step
+when the chunk completes, so any split equals one pass.
 """
 
 from __future__ import annotations
@@ -40,12 +42,11 @@ PROJECTIONS = ("k", "v", "beta", "alpha")
 
 
 class SelfModState(NamedTuple):
-    """Fast projection weights ``{name: [B, d, out]}``, their partial chunk sums, the main
-    memory's state, the conv tail and the stream position."""
+    """Fast projection weights ``{name: [B, d, out]}``, the chunk's partial sum ``R = X̂ᵀ(X̂ − O)``,
+    the main memory's state, the conv tail and the stream position."""
 
     proj: dict
-    sxx: torch.Tensor | None
-    sxy: dict | None
+    r: torch.Tensor | None
     memory: object
     conv: torch.Tensor | None
     position: int
@@ -103,7 +104,7 @@ class SelfModifyingTitans(Mixer):
     def initial_state(self, B: int) -> SelfModState:
         proj = {n: p.expand(B, -1, -1) for n, p in self.init.items()}
         mem = init_state(self.spec, list(self.memory_init), B)
-        return SelfModState(proj, None, None, mem, None, 0)
+        return SelfModState(proj, None, mem, None, 0)
 
     def _chunk(self, x, st: SelfModState, mode):
         """Tokens ``x [B, L, d]`` inside one chunk."""
@@ -130,16 +131,14 @@ class SelfModifyingTitans(Mixer):
             output_final_state=True,
             mode=mode,
         )
-        # partial sums of the projection memories' delta-rule step (applied at the chunk end)
+        # partial sum of the projection memories' delta-rule step (applied at the chunk end)
         xh = F.normalize(upcast(x), dim=-1)
         o_flat = rearrange(o, "b t h d -> b t (h d)").to(xh.dtype)
-        sxx = xh.transpose(1, 2) @ xh
-        sxy = {n: xh.transpose(1, 2) @ (o_flat @ P[n].to(xh.dtype)) for n in PROJECTIONS}
-        if st.sxx is not None:
-            sxx = st.sxx + sxx
-            sxy = {n: st.sxy[n] + sxy[n] for n in PROJECTIONS}
+        r = xh.transpose(1, 2) @ (xh - o_flat)
+        if st.r is not None:
+            r = st.r + r
         pos = st.position + x.shape[1]
-        st = SelfModState(P, sxx, sxy, mem, conv, pos)
+        st = SelfModState(P, r, mem, conv, pos)
         if pos % self.chunk_size == 0:
             st = self._rewrite(st)
         return o, st
@@ -151,9 +150,8 @@ class SelfModifyingTitans(Mixer):
         proj = {}
         for i, n in enumerate(PROJECTIONS):
             M = st.proj[n]
-            upd = (st.sxx @ M.to(st.sxx.dtype) - st.sxy[n]) / C
-            proj[n] = (alpha[i] * M - eta[i] * upd).to(M.dtype)
-        return SelfModState(proj, None, None, st.memory, st.conv, st.position)
+            proj[n] = (alpha[i] * M - (eta[i] / C) * (st.r @ M.to(st.r.dtype))).to(M.dtype)
+        return SelfModState(proj, None, st.memory, st.conv, st.position)
 
     def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)

@@ -15,7 +15,7 @@ D = 8
 
 def _level(period, seed=0, **kw):
     torch.manual_seed(seed)
-    lv = CMSLevel(D, Level(period, expansion=2.0, lr=0.5, **kw)).double()
+    lv = CMSLevel(D, Level(period, expansion=2.0, lr=4.0, **kw)).double()
     with torch.no_grad():
         for p in lv.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -38,7 +38,7 @@ def test_update_cadence():
 
 def test_period_one_is_online_gradient_descent():
     """C = 1, one level: predict with the current weights, then one GD step on
-    η_t · ½‖MLP(x_t) − W_v x_t‖² (gradients by autograd, independent of the level's own backward)."""
+    (η_t / 2d) ‖MLP(x_t) − W_v x_t‖² (gradients by autograd, independent of the level's own backward)."""
     lv = _level(1)
     x = _x(7)
     y, _ = lv(x)
@@ -50,7 +50,7 @@ def test_period_one_is_online_gradient_descent():
         W_out.requires_grad_(True)
         out = F.gelu(xt @ W_in) @ W_out
         assert_close(y[:, t : t + 1], out, 1e-12, what=f"token {t}")
-        eta = lv.level.lr * torch.sigmoid(lv.rate(xt)).detach()
+        eta = lv.level.lr * torch.sigmoid(lv.rate(xt)).detach() / D
         loss = (eta * 0.5 * (out - lv.value(xt).detach()).square().sum(-1, keepdim=True)).sum()
         g_in, g_out = torch.autograd.grad(loss, (W_in, W_out))
         W_in, W_out = (W_in - g_in).detach(), (W_out - g_out).detach()
@@ -89,7 +89,7 @@ def test_delta_momentum_overwrites_along_the_gradient():
     g = (torch.ones(1, D, 16, dtype=torch.float64), torch.zeros(1, 16, D, dtype=torch.float64))
     m = (2.0 * g[0] + 1.0, torch.zeros_like(g[1]))  # momentum with a component along g
     st = st._replace(momentum=m, grad=g)
-    new = lv._step(st)
+    new = lv._step(st, 1)
     ghat = g[0] / g[0].norm()
     proj = (m[0] * ghat).sum()
     assert_close(new.momentum[0], 0.5 * (m[0] - proj * ghat) - g[0], 1e-12)
