@@ -194,3 +194,137 @@ def test_bench_prints_a_table(capsys, tmp_path):
         ("delta_rule", "recurrent"),
     }
     assert all(r["fwd_ms"] > 0 for r in rows if "fwd_ms" in r)
+
+
+# --------------------------------------------------------------------------------------------
+# tasks, sweeps, reports
+# --------------------------------------------------------------------------------------------
+
+TASK_FAST = [
+    "--task",
+    "mqar",
+    "--task-option",
+    "num_pairs=2",
+    "--task-option",
+    "vocab_size=16",
+    "--seq-len",
+    "16",
+    "--steps",
+    "4",
+    "--batch-size",
+    "4",
+    "--eval-interval",
+    "2",
+    "--eval-batches",
+    "2",
+    "--d-model",
+    "16",
+    "--n-layers",
+    "1",
+    "--no-progress",
+]
+
+
+def test_train_and_eval_a_task(tmp_path, capsys):
+    out = tmp_path / "mqar"
+    assert main(["train", "--model", "gated_deltanet", "--out", str(out), "--eval-lengths", "64", *TASK_FAST]) == 0
+    text = capsys.readouterr().out
+    assert "task mqar" in text and "vocab 16" in text and "acc@64" in text
+    saved = json.loads((out / "ckpt-000004" / "train_config.json").read_text())
+    assert saved["task"] == "mqar" and saved["task_options"] == {"num_pairs": 2, "vocab_size": 16}
+    final = json.loads([x for x in text.splitlines() if x.startswith("{")][-1])
+    assert {"val_acc", "val_loss", "val_acc@64"} <= set(final)
+
+    assert main(["eval", "--checkpoint", str(out), "--length", "16,128", "--num-samples", "8"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["length"] for r in lines] == [16, 128]
+    assert all(0 <= r["val_acc"] <= 1 and r["sequences"] == 8 and r["task"] == "mqar" for r in lines)
+    # the training-length result is the trainer's own test set (same seed, same sequences)
+    assert main(["eval", "--checkpoint", str(out), "--batch-size", "3"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["length"] == 16 and abs(again["val_loss"] - final["val_loss"]) < 1e-4
+
+
+def test_task_options_from_a_config_file_and_flags(tmp_path):
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(
+        "task: selective_copying\ntask_options: {num_tokens: 4, vocab_size: 8}\nseq_len: 16\n"
+        "model_overrides: {d_model: 16, n_layers: 1}\n"
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(cfg), "--out", str(out), "--model", "mamba", "--task-option", "num_tokens=3"]
+    argv += ["--steps", "2", "--batch-size", "2", "--eval-interval", "2", "--eval-batches", "1", "--no-progress"]
+    assert main(argv) == 0
+    saved = json.loads((out / "ckpt-000002" / "train_config.json").read_text())
+    assert saved["task"] == "selective_copying" and saved["task_options"] == {"num_tokens": 3, "vocab_size": 8}
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["train", "--task", "mqr"], "TrainConfig.task: expected None or one of"),
+        (["train", "--task", "mqar", "--task-option", "num_pairs"], "--task-option expects KEY=VALUE"),
+        (["train", "--task", "mqar", "--task-option", "pairs=3"], "unknown mqar option(s) ['pairs']"),
+        (["train", "--task", "mqar", "--eval-lengths", "1k"], "--eval-lengths expects comma-separated integers"),
+        (["train", "--eval-lengths", "512"], "TrainConfig.eval_lengths: expected an empty list when no task"),
+        (["report", "/nonexistent.sqlite"], "sweep database not found"),
+        (["sweep", "/nonexistent.yaml"], "config file not found"),
+    ],
+)
+def test_task_and_sweep_errors_are_clear(argv, match, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_eval_length_on_a_text_checkpoint_is_refused(run_dir, capsys):
+    assert main(["eval", "--checkpoint", str(run_dir), "--length", "64"]) == 2
+    assert "--length and --num-samples apply to task checkpoints" in capsys.readouterr().err
+
+
+def test_tasks_lists_the_tasks(capsys):
+    assert main(["tasks"]) == 0
+    names = {line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")}
+    assert names == {"mqar", "selective_copying", "induction_heads", "passkey", "copying"}
+
+
+def test_sweep_then_report_from_the_command_line(tmp_path, capsys):
+    spec = {
+        "name": "cli",
+        "base": {
+            "task": "induction_heads",
+            "seq_len": 16,
+            "batch_size": 4,
+            "steps": 2,
+            "eval_interval": 2,
+            "eval_batches": 1,
+            "eval_lengths": [64],
+            "model_overrides": {"d_model": 16, "n_layers": 1},
+        },
+        "models": ["mamba", "transformer_abs"],
+        "grid": {"lr": [1e-3, 3e-3]},
+        "db": str(tmp_path / "cli.sqlite"),
+        "out": str(tmp_path / "runs"),
+    }
+    path = tmp_path / "sweep.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["sweep", str(path), "--no-progress"]) == 0
+    assert "ran 4 (4 done" in capsys.readouterr().out
+    assert main(["sweep", str(path), "--no-progress"]) == 0
+    assert "4 already finished, ran 0" in capsys.readouterr().out
+    assert main(["sweep", str(path), "--list"]) == 0
+    assert capsys.readouterr().out.count("  done  ") == 4
+    assert main(["report", str(tmp_path / "cli.sqlite"), "--out", str(tmp_path / "rep")]) == 0
+    text = capsys.readouterr().out
+    assert "| mamba |" in text and "| transformer_abs |" in text and "acc@64" in text
+    assert (tmp_path / "rep" / "cli_acc_vs_state.png").is_file()
+    assert (tmp_path / "rep" / "cli_acc_vs_length.png").is_file()
+
+
+def test_bench_decode_suite_runs(capsys):
+    assert main(["bench", "--suite", "decode", "--ops", "gla", "--contexts", "64,256", "--decode-steps", "2",
+                 "--d-model", "32", "--n-layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "4x context" in out

@@ -30,6 +30,24 @@ class OpBench:
     make: Callable
     call: Callable
     parallel_bytes: Callable = lambda B, T, H, D: 4 * B * H * T * T * 4
+    #: forward FLOPs of the chunk form (matmul work the algorithm does), or None
+    chunk_flops: Callable | None = None
+
+
+def _linear_flops(B, T, H, D, C=64):
+    """Chunked (gated) linear attention, forward: QKᵀ and AV inside chunks, kᵀv and qS across."""
+    return B * H * (2 * T * C * 2 * D + 4 * T * D * D)
+
+
+def _delta_flops(B, T, H, D, C=64):
+    """Chunked (gated) delta rule, forward: KKᵀ, QKᵀ, the triangular solves, W S, P (U − W S),
+    q S, M = I − KᵀW, D = KᵀU and the chunk-state pass M S + D."""
+    return B * H * (4 * T * C * D + T * C * 2 * D + 2 * T * C * D + 10 * T * D * D + 2 * (T // C) * D * D * D)
+
+
+def _sdpa_flops(B, T, H, D):
+    """Causal softmax attention, forward: QKᵀ and PV over the lower triangle."""
+    return B * H * 2 * T * T * D
 
 
 def _qkv(B, T, H, D, device, gen):
@@ -102,12 +120,14 @@ def _registry() -> list[OpBench]:
             ("parallel",),
             make_plain,
             lambda x, mode: softmax_attention(x["q"], x["k"], x["v"], mode=mode)[0],
+            chunk_flops=_sdpa_flops,
         ),
         OpBench(
             "linear_attention",
             ("chunk", "parallel", "recurrent"),
             make_plain,
             lambda x, mode: linear_attention(x["q"], x["k"], x["v"], mode=mode)[0],
+            chunk_flops=_linear_flops,
         ),
         OpBench(
             "linear_attention_elu_norm",
@@ -122,6 +142,7 @@ def _registry() -> list[OpBench]:
             ("chunk", "parallel", "recurrent"),
             make_scalar,
             lambda x, mode: gated_linear_attention(x["q"], x["k"], x["v"], x["g"], mode=mode)[0],
+            chunk_flops=_linear_flops,
         ),
         OpBench(
             "gla_channel",
@@ -129,18 +150,21 @@ def _registry() -> list[OpBench]:
             make_channel,
             lambda x, mode: gated_linear_attention(x["q"], x["k"], x["v"], x["g"], mode=mode)[0],
             parallel_bytes=lambda B, T, H, D: 4 * 4 * B * H * T * T * D,
+            chunk_flops=_linear_flops,
         ),
         OpBench(
             "delta_rule",
             ("chunk", "parallel", "recurrent"),
             make_delta,
             lambda x, mode: delta_rule(x["q"], x["k"], x["v"], x["beta"], mode=mode)[0],
+            chunk_flops=_delta_flops,
         ),
         OpBench(
             "gated_delta_rule",
             ("chunk", "parallel", "recurrent"),
             make_delta,
             lambda x, mode: gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode=mode)[0],
+            chunk_flops=_delta_flops,
         ),
         OpBench(
             "selective_scan",
@@ -155,6 +179,7 @@ def _registry() -> list[OpBench]:
             ("chunk", "parallel", "recurrent"),
             make_ssd,
             lambda x, mode: ssd(x["x"], x["dt"], x["A"], x["B"], x["C"], dt_softplus=True, mode=mode)[0],
+            chunk_flops=_linear_flops,
         ),
     ]
 
@@ -169,9 +194,19 @@ def _time(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_op(bench: OpBench, mode: str, B: int, T: int, H: int, D: int, device: str, repeats: int):
-    """(forward seconds under no_grad, forward+backward seconds)."""
-    x = bench.make(B, T, H, D, device)
+def time_op(
+    bench: OpBench,
+    mode: str,
+    B: int,
+    T: int,
+    H: int,
+    D: int,
+    device: str,
+    repeats: int,
+    dtype: torch.dtype = torch.float32,
+):
+    """(forward seconds under no_grad, forward+backward seconds) with inputs in ``dtype``."""
+    x = {n: t.to(dtype) for n, t in bench.make(B, T, H, D, device).items()}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def fwd():
@@ -184,14 +219,39 @@ def time_op(bench: OpBench, mode: str, B: int, T: int, H: int, D: int, device: s
     def fwd_bwd():
         for t in leaves.values():
             t.grad = None
-        bench.call(leaves, mode).sum().backward()
+        bench.call(leaves, mode).float().sum().backward()
         sync()
 
     return _time(fwd, repeats), _time(fwd_bwd, repeats)
 
 
+def time_decode(bench: OpBench, B: int, H: int, D: int, device: str, repeats: int, steps: int = 64) -> float:
+    """Seconds per one-token recurrent step (``T = 1``) of the op, state carried."""
+    if "recurrent" not in bench.modes:
+        return float("nan")
+    xs = bench.make(B, steps, H, D, device)
+
+    def run():
+        with torch.no_grad():
+            for t in range(steps):
+                bench.call({n: v[:, t : t + 1] for n, v in xs.items()}, "recurrent")
+
+    return _time(run, max(1, repeats // 2)) / steps
+
+
+def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
+    """Measured GFLOP/s of an ``n × n`` matmul in ``dtype`` (the machine's practical peak)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _time(lambda: a @ b, repeats) / 1e9
+
+
 def main(args) -> int:
     lengths = [int(t) for t in str(args.lengths).split(",")]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    wanted_dtypes = [d.strip() for d in str(getattr(args, "dtypes", "fp32")).split(",")]
+    for d in wanted_dtypes:
+        if d not in dtypes:
+            raise ValueError(f"--dtypes: expected fp32 and/or bf16, got {d!r}")
     benches = _registry()
     if args.ops:
         wanted = set(args.ops.split(","))
@@ -200,65 +260,98 @@ def main(args) -> int:
             raise ValueError(f"unknown op(s) {sorted(unknown)}; choose from {[b.name for b in benches]}")
         benches = [b for b in benches if b.name in wanted or b.name == "softmax_attention"]
     B, H, D = args.batch, args.heads, args.head_dim
+    peaks = {d: matmul_peak(dtypes[d]) for d in wanted_dtypes}
     print(
-        f"mnemo bench: B={B} H={H} D={D} float32 on {args.device}, {torch.get_num_threads()} threads; "
-        "times are medians of",
-        args.repeats,
-        "runs",
+        f"mnemo bench: B={B} H={H} D={D} on {args.device}, {torch.get_num_threads()} threads; medians of "
+        f"{args.repeats} runs"
     )
-    print("x SDPA = (causal SDPA time) / (this time): above 1 means faster than softmax attention\n")
+    print("matmul peak (2048x2048, same run): " + ", ".join(f"{d} {p:.0f} GFLOP/s" for d, p in peaks.items()))
+    print(
+        "x SDPA = (causal SDPA time) / (this time): above 1 means faster than softmax attention; GFLOP/s and "
+        "% peak count the chunk algorithm's matmul work (fwd+bwd = 3x fwd)\n"
+    )
     header = (
-        f"{'op':<28}{'mode':<11}{'T':>6}{'fwd ms':>11}{'fwd+bwd ms':>12}{'x SDPA fwd':>12}{'x SDPA f+b':>12}"
+        f"{'op':<26}{'mode':<10}{'dtype':<6}{'T':>6}{'fwd ms':>10}{'fwd+bwd ms':>12}{'x SDPA fwd':>11}"
+        f"{'x SDPA f+b':>11}{'GFLOP/s':>9}{'%peak':>7}{'decode us':>10}"
     )
     print(header)
     print("-" * len(header))
     rows = []
-    for T in lengths:
-        sdpa = None
-        for bench in benches:
-            for mode in bench.modes:
-                row = {"op": bench.name, "mode": mode, "T": T}
-                skip = None
-                if mode == "recurrent" and T > args.recurrent_max_len:
-                    skip = f"skipped: T > --recurrent-max-len {args.recurrent_max_len}"
-                elif (
-                    mode == "parallel"
-                    and bench.name != "softmax_attention"
-                    and bench.parallel_bytes(B, T, H, D) > 3e9
-                ):
-                    skip = "skipped: quadratic form needs > 3 GB"
-                if skip:
-                    row["skipped"] = skip
-                    print(f"{bench.name:<28}{mode:<11}{T:>6}   {skip}")
+    decode_done = set()
+    for dname in wanted_dtypes:
+        dtype = dtypes[dname]
+        for T in lengths:
+            sdpa = None
+            for bench in benches:
+                for mode in bench.modes:
+                    row = {"op": bench.name, "mode": mode, "dtype": dname, "T": T}
+                    skip = None
+                    if mode == "recurrent" and T > args.recurrent_max_len:
+                        skip = f"skipped: T > --recurrent-max-len {args.recurrent_max_len}"
+                    elif (
+                        mode == "parallel"
+                        and bench.name != "softmax_attention"
+                        and bench.parallel_bytes(B, T, H, D) > 3e9
+                    ):
+                        skip = "skipped: quadratic form needs > 3 GB"
+                    if skip:
+                        row["skipped"] = skip
+                        print(f"{bench.name:<26}{mode:<10}{dname:<6}{T:>6}   {skip}")
+                        rows.append(row)
+                        continue
+                    f, fb = time_op(bench, mode, B, T, H, D, args.device, args.repeats, dtype)
+                    if bench.name == "softmax_attention":
+                        sdpa = (f, fb)
+                    row.update(
+                        fwd_ms=1e3 * f,
+                        fwd_bwd_ms=1e3 * fb,
+                        x_sdpa_fwd=sdpa[0] / f,
+                        x_sdpa_fwd_bwd=sdpa[1] / fb,
+                    )
+                    gflops = pct = float("nan")
+                    if (
+                        bench.chunk_flops is not None
+                        and mode in ("chunk", "parallel")
+                        and (mode == "chunk" or bench.name == "softmax_attention")
+                    ):
+                        gflops = 3 * bench.chunk_flops(B, T, H, D) / fb / 1e9
+                        pct = 100 * gflops / peaks[dname]
+                        row.update(gflops_fwd_bwd=gflops, percent_of_peak=pct)
+                    dec = float("nan")
+                    if mode == "recurrent" and (bench.name, dname) not in decode_done:
+                        dec = 1e6 * time_decode(bench, B, H, D, args.device, args.repeats)
+                        decode_done.add((bench.name, dname))
+                        row["decode_us_per_token"] = dec
                     rows.append(row)
-                    continue
-                f, fb = time_op(bench, mode, B, T, H, D, args.device, args.repeats)
-                if bench.name == "softmax_attention":
-                    sdpa = (f, fb)
-                row.update(
-                    fwd_ms=1e3 * f, fwd_bwd_ms=1e3 * fb, x_sdpa_fwd=sdpa[0] / f, x_sdpa_fwd_bwd=sdpa[1] / fb
-                )
-                rows.append(row)
-                print(
-                    f"{bench.name:<28}{mode:<11}{T:>6}{1e3 * f:>11.2f}{1e3 * fb:>12.2f}"
-                    f"{row['x_sdpa_fwd']:>12.2f}{row['x_sdpa_fwd_bwd']:>12.2f}",
-                    flush=True,
-                )
-        _print_speedups(rows, T)
+                    print(
+                        f"{bench.name:<26}{mode:<10}{dname:<6}{T:>6}{1e3 * f:>10.2f}{1e3 * fb:>12.2f}"
+                        f"{row['x_sdpa_fwd']:>11.2f}{row['x_sdpa_fwd_bwd']:>11.2f}{gflops:>9.1f}{pct:>7.1f}"
+                        f"{dec:>10.1f}",
+                        flush=True,
+                    )
+            _print_speedups(rows, T, dname)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"B": B, "H": H, "D": D, "device": args.device, "rows": rows}, fh, indent=2)
+            json.dump(
+                {"B": B, "H": H, "D": D, "device": args.device, "matmul_peak_gflops": peaks, "rows": rows},
+                fh,
+                indent=2,
+            )
         print(f"\nwrote {args.json}")
     return 0
 
 
-def _print_speedups(rows: list[dict], T: int) -> None:
+def _print_speedups(rows: list[dict], T: int, dtype: str = "fp32") -> None:
     """Chunk form vs its own token-loop reference at this T (the chunked kernel's raison d'être)."""
-    at_T = {(r["op"], r["mode"]): r for r in rows if r["T"] == T and "fwd_ms" in r}
+    at_T = {
+        (r["op"], r["mode"]): r
+        for r in rows
+        if r["T"] == T and r.get("dtype", "fp32") == dtype and "fwd_ms" in r
+    }
     for (op, mode), r in at_T.items():
         ref = at_T.get((op, "recurrent"))
         if mode == "chunk" and ref is not None:
             print(
-                f"{'':<28}{'':<11}{T:>6}   chunk is {ref['fwd_ms'] / r['fwd_ms']:.1f}x (fwd) and "
+                f"{'':<26}{'':<10}{dtype:<6}{T:>6}   chunk is {ref['fwd_ms'] / r['fwd_ms']:.1f}x (fwd) and "
                 f"{ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:.1f}x (fwd+bwd) faster than recurrent [{op}]"
             )

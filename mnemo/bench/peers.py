@@ -151,7 +151,110 @@ def hope_vs_nested_learning(T: int = 1024, dim: int = 256, chunk: int = 64, batc
     }
 
 
+def _load_fla_naive(op: str):
+    """fla-core's pure-PyTorch reference module ``fla/ops/<op>/naive.py``, loaded by path (``import
+    fla.ops`` needs triton)."""
+    import importlib.util
+    import pathlib
+
+    import fla
+
+    path = pathlib.Path(fla.__file__).parent / "ops" / op / "naive.py"
+    spec = importlib.util.spec_from_file_location(f"_fla_naive_{op}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _time_fn_pair(ours, theirs, make, repeats):
+    rows = {}
+    for name, fn in (("mnemo", ours), ("fla_naive", theirs)):
+        x = {n: t.detach().clone().requires_grad_(True) for n, t in make().items()}
+
+        def fwd(fn=fn, x=x):
+            with torch.no_grad():
+                fn(**x)
+
+        def fwd_bwd(fn=fn, x=x):
+            for t in x.values():
+                t.grad = None
+            fn(**x).sum().backward()
+
+        rows[name] = {
+            "fwd_ms": 1e3 * _time(fwd, repeats),
+            "fwd_bwd_ms": 1e3 * _time(fwd_bwd, repeats),
+            "params": 0,
+        }
+    return rows
+
+
+def fla_gated_delta_rule(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
+    """Our chunked ``gated_delta_rule`` vs fla-core's ``naive_chunk_gated_delta_rule``."""
+    import torch.nn.functional as F
+
+    from ..ops import gated_delta_rule
+
+    naive = _load_fla_naive("gated_delta_rule").naive_chunk_gated_delta_rule
+    gen = torch.Generator().manual_seed(0)
+
+    def make():
+        return {
+            "q": torch.randn(1, T, heads, dim, generator=gen),
+            "k": F.normalize(torch.randn(1, T, heads, dim, generator=gen), dim=-1),
+            "v": torch.randn(1, T, heads, dim, generator=gen),
+            "g": F.logsigmoid(torch.randn(1, T, heads, generator=gen) + 3),
+            "beta": torch.rand(1, T, heads, generator=gen),
+        }
+
+    rows = _time_fn_pair(
+        lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta)[0],
+        lambda q, k, v, g, beta: naive(q, k, v, g, beta, chunk_size=64)[0],
+        make,
+        repeats,
+    )
+    return {
+        "name": f"gated_delta_rule chunk, B=1 T={T} H={heads} D={dim}",
+        "peer": "fla-core 0.6.0 naive_chunk_gated_delta_rule (chunk 64)",
+        "peer_key": "fla_naive",
+        **rows,
+    }
+
+
+def fla_simple_gla(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
+    """Our chunked ``gated_linear_attention`` (one decay per head) vs fla-core's
+    ``naive_chunk_simple_gla``."""
+    import torch.nn.functional as F
+
+    from ..ops import gated_linear_attention
+
+    naive = _load_fla_naive("simple_gla").naive_chunk_simple_gla
+    gen = torch.Generator().manual_seed(0)
+
+    def make():
+        return {
+            "q": torch.randn(1, T, heads, dim, generator=gen),
+            "k": torch.randn(1, T, heads, dim, generator=gen),
+            "v": torch.randn(1, T, heads, dim, generator=gen),
+            "g": F.logsigmoid(torch.randn(1, T, heads, generator=gen) + 3),
+        }
+
+    rows = _time_fn_pair(
+        lambda q, k, v, g: gated_linear_attention(q, k, v, g)[0],
+        lambda q, k, v, g: naive(q, k, v, g, chunk_size=64)[0],
+        make,
+        repeats,
+    )
+    return {
+        "name": f"gated linear attention (per-head decay) chunk, B=1 T={T} H={heads} D={dim}",
+        "peer": "fla-core 0.6.0 naive_chunk_simple_gla (chunk 64)",
+        "peer_key": "fla_naive",
+        **rows,
+    }
+
+
 PEERS: dict[str, Callable[..., dict]] = {
+    "fla_gated_delta_rule": fla_gated_delta_rule,
+    "fla_simple_gla": fla_simple_gla,
     "mamba": mamba_vs_mambapy,
     "titans": titans_vs_titans_pytorch,
     "hope": hope_vs_nested_learning,

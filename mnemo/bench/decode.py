@@ -1,0 +1,106 @@
+"""``mnemo bench --suite decode``: one-token decoding speed and memory against context length.
+
+For every model and context length ``L`` a fresh subprocess builds the model, gives it a decoding
+state that has seen ``L`` tokens — a KV cache of length ``L`` for attention layers, the (constant
+size) recurrent state for the others; the state's *values* are random, its *size* is what ``L``
+tokens leave behind — times ``--decode-steps`` one-token steps and reports tokens/s and the
+process's peak RSS. Recurrent models should stay flat from 1k to 64k; a KV-cache transformer's
+time and memory grow with ``L``.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+DEFAULT_MODELS = ("transformer", "gla", "gated_deltanet", "mamba", "mamba2", "titans_lmm")
+
+
+def _fill_state(model, state, L: int):
+    """Give every attention cache ``L`` random entries (recurrent states keep their shape)."""
+    from ..ops.softmax_attention import KVCache
+
+    for s in state:
+        mem = s.memory
+        if isinstance(mem, KVCache):
+            B, _, H, D = mem.k.shape
+            s.memory = KVCache(torch.randn(B, L, H, D), torch.randn(B, L, H, mem.v.shape[-1]))
+        s.offset = L
+    return state
+
+
+def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) -> dict:
+    """Run in the current process: decode ``steps`` tokens after a context of ``L``."""
+    from ..models import LanguageModel, build_config
+
+    torch.manual_seed(0)
+    model = LanguageModel(build_config(model_name, vocab_size=256, d_model=d_model, n_layers=n_layers)).eval()
+    with torch.no_grad():
+        _, state = model(torch.randint(0, 256, (1, 8)))
+        state = _fill_state(model, state, L)
+        tok = torch.randint(0, 256, (1, 1))
+        for _ in range(3):  # warm-up
+            _, _ = model(tok, state)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, state = model(tok, state)
+            tok = logits[:, -1:].argmax(-1)
+        dt = time.perf_counter() - t0
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "model": model_name,
+        "context": L,
+        "tokens_per_s": steps / dt,
+        "peak_rss_mb": rss_mb,
+        "state_mb": model.state_size_bytes(1, L) / 2**20,
+    }
+
+
+def main(args) -> int:
+    models = args.ops.split(",") if args.ops else list(DEFAULT_MODELS)
+    contexts = [int(x) for x in str(args.contexts).split(",")]
+    print(
+        f"mnemo bench --suite decode: d_model={args.d_model}, {args.n_layers} layers, {args.decode_steps} "
+        f"one-token steps after a context of L tokens (fresh process per row)\n"
+    )
+    print(f"{'model':<16}{'L':>8}{'tokens/s':>12}{'peak RSS MB':>14}{'state MB':>11}")
+    rows = []
+    for name in models:
+        for L in contexts:
+            cmd = [
+                sys.executable,
+                "-c",
+                "import json; from mnemo.bench.decode import measure; "
+                f"print(json.dumps(measure({name!r}, {L}, {args.decode_steps}, {args.d_model}, "
+                f"{args.n_layers})))",
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                print(
+                    f"{name:<16}{L:>8}   failed: {out.stderr.strip().splitlines()[-1] if out.stderr else '?'}"
+                )
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(r)
+            print(
+                f"{name:<16}{L:>8}{r['tokens_per_s']:>12.1f}{r['peak_rss_mb']:>14.1f}{r['state_mb']:>11.2f}",
+                flush=True,
+            )
+        own = [r for r in rows if r["model"] == name]
+        if len(own) >= 2:
+            a, b = own[0], own[-1]
+            print(
+                f"{'':<16}{'':>8}   {b['context'] // a['context']}x context: tokens/s "
+                f"x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
+                f"peak RSS x{b['peak_rss_mb'] / a['peak_rss_mb']:.2f}"
+            )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
