@@ -1,0 +1,161 @@
+"""Multi-process helpers on ``torch.distributed`` (launched with ``torchrun``; gloo on CPU, nccl on
+CUDA): process-group setup, the data-parallel batch split, and sequence (context) parallelism for
+recurrent mixers.
+
+Context parallelism is the recurrent analogue of ring attention: the sequence is cut into
+``world_size`` consecutive slices, rank ``r`` runs slice ``r`` starting from the state rank ``r − 1``
+ended with, and passes its final state on. The backward pass runs the chain in reverse: rank ``r``
+sends the gradient of the state it received back to rank ``r − 1``, which continues its own backward
+from there. Outputs and gradients equal the single-process pass (the streaming contract, DESIGN §4.2).
+Every layer's state must have a fixed size (recurrent mixers; attention layers need the whole KV
+cache and are rejected).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+
+from ..layers.base import MixerState
+
+
+def init_from_env(backend: str | None = None) -> tuple[int, int]:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` …);
+    returns ``(rank, world_size)`` — ``(0, 1)`` when not launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a global batch (the global batch size must divide evenly)."""
+    if batch.shape[0] % world:
+        raise ValueError(
+            f"the global batch ({batch.shape[0]}) must be a multiple of the world size ({world})"
+        )
+    n = batch.shape[0] // world
+    return batch[rank * n : (rank + 1) * n]
+
+
+# ------------------------------------------------------------------------------------------------
+# states <-> flat tensor lists
+# ------------------------------------------------------------------------------------------------
+
+
+def _flatten(obj, out: list):
+    """Collect the tensors (and integer counters, as 0-d int64 tensors) of a nested state."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, MixerState):
+        for f in fields(obj):
+            _flatten(getattr(obj, f.name), out)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _flatten(x, out)
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            _flatten(obj[k], out)
+    elif isinstance(obj, bool) or obj is None:
+        pass
+    elif isinstance(obj, int):
+        out.append(torch.tensor(obj, dtype=torch.int64))
+    else:
+        raise TypeError(f"context parallelism cannot ship a state of type {type(obj).__name__}")
+    return out
+
+
+def _rebuild(template, tensors: list):
+    """A state shaped like ``template`` with its tensors replaced, in ``_flatten`` order."""
+    it = iter(tensors)
+
+    def go(obj):
+        if isinstance(obj, torch.Tensor):
+            return next(it)
+        if isinstance(obj, bool) or obj is None:
+            return obj
+        if isinstance(obj, int):
+            return int(next(it).item())
+        if isinstance(obj, MixerState):
+            return MixerState(**{f.name: go(getattr(obj, f.name)) for f in fields(obj)})
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(go(x) for x in obj))
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(go(x) for x in obj)
+        if isinstance(obj, dict):
+            return {k: go(obj[k]) for k in obj}
+        return obj
+
+    return go(template)
+
+
+def _check_recurrent(model) -> None:
+    from ..layers import Attention
+
+    for i, b in enumerate(model.blocks):
+        if isinstance(b.mixer, Attention):
+            raise ValueError(
+                f"context parallelism needs fixed-size states; layer {i} is softmax attention "
+                "(use a recurrent mixer, or data parallelism)"
+            )
+
+
+def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: int, group=None):
+    """Run rank ``rank``'s slice of ``input_ids [B, T]`` (``T`` a multiple of ``world``) with the
+    state received from rank ``rank − 1``; returns ``(logits of the slice, handle)``.
+
+    Call ``handle.backward(loss)`` instead of ``loss.backward()``: it waits for the gradient of this
+    rank's final state from rank ``rank + 1``, back-propagates, and sends the gradient of the
+    received state to rank ``rank − 1``.
+    """
+    _check_recurrent(model)
+    B, T = input_ids.shape
+    if T % world:
+        raise ValueError(f"the sequence length ({T}) must be a multiple of the world size ({world})")
+    n = T // world
+    ids = input_ids[:, rank * n : (rank + 1) * n]
+    # the state's structure (and sizes) from a 1-token dry run; values come from the previous rank
+    with torch.no_grad():
+        _, template = model(ids[:, :1])
+    received = None
+    state = None
+    if rank > 0:
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _flatten(template, [])]
+        for t in received:
+            dist.recv(t, src=rank - 1, group=group)
+        received = [t.requires_grad_(t.is_floating_point()) for t in received]
+        state = _rebuild(template, received)
+    logits, final = model(ids, state)
+    sent = _flatten(final, []) if rank < world - 1 else []
+    for t in sent:
+        dist.send(t.detach().contiguous(), dst=rank + 1, group=group)
+    return logits, _ContextHandle(rank, world, received, sent, group)
+
+
+class _ContextHandle:
+    def __init__(self, rank, world, received, sent, group):
+        self.rank, self.world, self.received, self.sent, self.group = rank, world, received, sent, group
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` through this rank's slice and the states that cross ranks."""
+        outs, grads = [loss], [torch.ones_like(loss)]
+        if self.rank < self.world - 1:
+            for t in self.sent:
+                g = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                dist.recv(g, src=self.rank + 1, group=self.group)
+                if t.requires_grad:
+                    outs.append(t)
+                    grads.append(g)
+        torch.autograd.backward(outs, grads)
+        if self.rank > 0:
+            for t in self.received:
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                dist.send(g.contiguous(), dst=self.rank - 1, group=self.group)
+
+    # integer counters travel as int64 tensors; their "gradients" are zeros

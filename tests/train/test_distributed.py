@@ -1,0 +1,81 @@
+"""Two gloo processes on CPU: context parallelism equals the single-process pass (outputs, grads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mnemo.models import LanguageModel, build_config
+
+MODELS = ["gated_deltanet", "titans_lmm"]  # a matrix-state mixer and a test-time-trained memory
+
+
+def _model(name):
+    torch.manual_seed(0)
+    cfg = build_config(
+        name,
+        vocab_size=32,
+        d_model=16,
+        n_layers=2,
+        **({"mixer_options": {"neural_memory": {"chunk_size": 4}}} if name == "titans_lmm" else {}),
+    )
+    return LanguageModel(cfg).double()
+
+
+def _ids():
+    return torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _cp_worker(rank, world, port, name, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from mnemo.train.distributed import context_parallel_forward
+
+        torch.set_num_threads(1)
+        model = _model(name)
+        logits, handle = context_parallel_forward(model, _ids(), rank, world)
+        handle.backward(logits.square().sum())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        torch.save({"logits": logits.detach(), "grads": grads}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_context_parallel_equals_single_process(name, tmp_path):
+    world = 2
+    mp.start_processes(
+        _cp_worker, args=(world, _free_port(), name, str(tmp_path)), nprocs=world, start_method="spawn"
+    )
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    model = _model(name)
+    logits, _ = model(_ids())
+    logits.square().sum().backward()
+    torch.testing.assert_close(
+        torch.cat([p["logits"] for p in parts], 1), logits.detach(), rtol=1e-10, atol=1e-10
+    )
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = sum(part["grads"].get(n, torch.zeros_like(p.grad)) for part in parts)
+        torch.testing.assert_close(g, p.grad, rtol=1e-8, atol=1e-10, msg=f"gradient of {n}")
+
+
+def test_context_parallel_rejects_attention():
+    from mnemo.train.distributed import _check_recurrent
+
+    with pytest.raises(ValueError, match="layer 0 is softmax attention"):
+        _check_recurrent(_model("transformer"))
