@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..ops._common import LOG_GATE_MIN, check_floating, decay_exp
+from ..ops._common import LOG_GATE_MIN, check_finite, check_floating, decay_exp
 from .spec import MemorySpec
 
 __all__ = ["MemoryState", "neural_memory", "memory_forward", "init_state", "closed_form_op"]
@@ -635,6 +635,7 @@ def neural_memory(
     if mode not in ("chunk", "recurrent"):
         raise ValueError(f"mode must be one of ('chunk', 'recurrent'), got {mode!r}")
     _check(spec, q, k, v, theta, g, eta, delta, initial_state)
+    check_finite({"q": q, "k": k, "v": v, "theta": theta, "eta": eta, "delta": delta}, {"g": g})
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -5,6 +5,7 @@ Everything here is internal to :mod:`mnemo.ops`; the public ops document the rul
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +33,40 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+class NonFiniteError(ValueError):
+    """An op received NaN or infinite inputs (reported instead of propagated silently)."""
+
+
+_FINITE_CHECKS = os.environ.get("MNEMO_CHECK_FINITE", "1") != "0"
+
+
+def set_finite_checks(enabled: bool) -> None:
+    """Turn the ops' NaN/inf input checks on (default) or off (also: ``MNEMO_CHECK_FINITE=0``)."""
+    global _FINITE_CHECKS
+    _FINITE_CHECKS = bool(enabled)
+
+
+def check_finite(values: dict, gates: dict | None = None) -> None:
+    """Raise :class:`NonFiniteError` naming the first input with NaN/inf entries. Log-gates may be
+    ``-inf`` (a hard reset) but not NaN or ``+inf``."""
+    if not _FINITE_CHECKS:
+        return
+    for name, t in values.items():
+        if t is not None and not bool(torch.isfinite(t).all()):
+            n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise NonFiniteError(
+                f"{name} contains {n_nan} NaN and {n_inf} inf of {t.numel()} values; non-finite inputs are "
+                "not propagated silently (find where they come from, or set MNEMO_CHECK_FINITE=0)"
+            )
+    for name, g in (gates or {}).items():
+        if g is not None and bool((torch.isnan(g) | (g == float("inf"))).any()):
+            n_nan, n_pinf = int(torch.isnan(g).sum()), int((g == float("inf")).sum())
+            raise NonFiniteError(
+                f"{name} (a log-gate) contains {n_nan} NaN and {n_pinf} +inf values; log-gates must be <= 0 "
+                "(-inf is allowed: a hard reset)"
+            )
 
 
 def check_floating(name: str, t: torch.Tensor) -> None:

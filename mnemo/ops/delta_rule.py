@@ -55,6 +55,7 @@ from einops import rearrange
 
 from ._common import (
     check_cu_seqlens,
+    check_finite,
     check_initial_state,
     check_mode,
     check_qkv,
@@ -178,6 +179,7 @@ def _delta(
         check_shape("g", g, (B, T, H), "[B, T, H]")
     N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
     check_initial_state(initial_state, N, H, K, V, varlen=cu_seqlens is not None)
+    check_finite({"q": q, "k": k, "v": v, "beta": beta, "initial_state": initial_state}, {"g": g})
     cd = compute_dtype(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
     qc = q.to(cd) * scale

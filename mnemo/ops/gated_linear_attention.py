@@ -27,6 +27,7 @@ from einops import rearrange
 
 from ._common import (
     check_cu_seqlens,
+    check_finite,
     check_floating,
     check_initial_state,
     check_mode,
@@ -274,6 +275,7 @@ def gated_linear_attention(
             )
     N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
     check_initial_state(initial_state, N, H, K, V, varlen=cu_seqlens is not None)
+    check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state}, {"g": g})
     cd = compute_dtype(q, k, v, g, initial_state)
     scale = K**-0.5 if scale is None else scale
     qc = q.to(cd) * scale

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_cu_seqlens, check_initial_state, check_mode, check_qkv, compute_dtype, run_varlen
+from ._common import (
+    check_cu_seqlens,
+    check_finite,
+    check_initial_state,
+    check_mode,
+    check_qkv,
+    compute_dtype,
+    run_varlen,
+)
 from .feature_maps import resolve_feature_map
 from .gated_linear_attention import check_chunk_size, run_gla_core
 
@@ -60,6 +68,7 @@ def linear_attention(
     B, T, H, K, V = check_qkv(q, k, v)
     phi = resolve_feature_map(feature_map)
     N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
+    check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state})
     cd = compute_dtype(q, k, v, initial_state)
     scale = K**-0.5 if scale is None else scale
     qf = phi(q.to(cd) * scale)

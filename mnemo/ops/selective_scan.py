@@ -46,6 +46,7 @@ from ._common import (
     LOG_GATE_MIN,
     _shape,
     check_cu_seqlens,
+    check_finite,
     check_floating,
     check_mode,
     check_ndim,
@@ -351,6 +352,19 @@ def selective_scan(
     if initial_state is not None:
         layout = "[num_seqs, D, N] (one row per packed sequence)" if cu_seqlens is not None else "[B, D, N]"
         check_shape("initial_state", initial_state, (nseq, Dm, N), layout)
+    check_finite(
+        {
+            "u": u,
+            "delta": delta,
+            "A": A,
+            "B": B,
+            "C": C,
+            "D": D,
+            "z": z,
+            "delta_bias": delta_bias,
+            "initial_state": initial_state,
+        }
+    )
     cd = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     uc, Ac, Bc, Cc = u.to(cd), A.to(cd), B4.to(cd), C4.to(cd)
     dt = delta.to(cd)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ._common import _shape, check_cu_seqlens, check_floating, check_mode, compute_dtype
+from ._common import _shape, check_cu_seqlens, check_finite, check_floating, check_mode, compute_dtype
 
 __all__ = ["softmax_attention", "KVCache", "attention_mask"]
 
@@ -124,6 +124,7 @@ def softmax_attention(
     """
     check_mode(mode, ("parallel", "recurrent"))
     B, T, H, K, Hkv = _check(q, k, v, window, initial_state)
+    check_finite({"q": q, "k": k, "v": v})
     scale = K**-0.5 if scale is None else scale
     segment_ids = None
     if cu_seqlens is not None:
