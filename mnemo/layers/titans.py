@@ -19,7 +19,7 @@ from torch import nn
 
 from ..memory import MemorySpec, MemoryState, init_state, neural_memory, preset
 from ..memory.engine import memory_apply, retention_map
-from ..ops.softmax_attention import KVCache, attention_mask
+from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
 from .base import Mixer, MixerState, check_input, upcast
 from .conv import ShortConvolution
@@ -226,28 +226,45 @@ class _PrefixAttention(nn.Module):
         else:
             k_all, v_all = k, v
         S = k_all.shape[1]
-        mask = attention_mask(T, S, causal=True, window=att.window, device=x.device)
-        keys, vals, masks = [k_all], [v_all], [mask]
-        new_extra = None
-        if extra is not None:
-            ek, ev = self.kv(extra, offset)  # read-out h_i sits at its token's position i
-            if extra_cache is not None:
-                ek, ev = torch.cat([extra_cache.k, ek], 1), torch.cat([extra_cache.v, ev], 1)
-            new_extra = KVCache(ek, ev)
-            keys.insert(0, ek)
-            vals.insert(0, ev)
-            masks.insert(0, attention_mask(T, ek.shape[1], causal=True, device=x.device))
+        G = att.n_heads // att.n_kv_heads
+        pk = pv = None
         if self.persistent is not None:
             pk, pv = self.kv(self.persistent.to(x.dtype).expand(B, -1, -1), 0)
-            keys.insert(0, pk)
-            vals.insert(0, pv)
-            masks.insert(0, torch.ones(T, pk.shape[1], dtype=torch.bool, device=x.device))
-        G = att.n_heads // att.n_kv_heads
-        kk = torch.cat(keys, 1).repeat_interleave(G, dim=2)
-        vv = torch.cat(vals, 1).repeat_interleave(G, dim=2)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=torch.cat(masks, 1)
-        ).transpose(1, 2)
+        new_extra = None
+        if extra is None and att.window is not None and T > WINDOW_BLOCK:
+
+            def heads(t):
+                return None if t is None else t.repeat_interleave(G, dim=2).transpose(1, 2)
+
+            o = sliding_window_attention(
+                q.transpose(1, 2),
+                heads(k_all),
+                heads(v_all),
+                att.window,
+                att.head_dim**-0.5,
+                heads(pk),
+                heads(pv),
+            ).transpose(1, 2)
+        else:
+            mask = attention_mask(T, S, causal=True, window=att.window, device=x.device)
+            keys, vals, masks = [k_all], [v_all], [mask]
+            if extra is not None:
+                ek, ev = self.kv(extra, offset)  # read-out h_i sits at its token's position i
+                if extra_cache is not None:
+                    ek, ev = torch.cat([extra_cache.k, ek], 1), torch.cat([extra_cache.v, ev], 1)
+                new_extra = KVCache(ek, ev)
+                keys.insert(0, ek)
+                vals.insert(0, ev)
+                masks.insert(0, attention_mask(T, ek.shape[1], causal=True, device=x.device))
+            if pk is not None:
+                keys.insert(0, pk)
+                vals.insert(0, pv)
+                masks.insert(0, torch.ones(T, pk.shape[1], dtype=torch.bool, device=x.device))
+            kk = torch.cat(keys, 1).repeat_interleave(G, dim=2)
+            vv = torch.cat(vals, 1).repeat_interleave(G, dim=2)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=torch.cat(masks, 1)
+            ).transpose(1, 2)
         y = att.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         keep = S if att.window is None else min(S, att.window - 1)
         return y, KVCache(k_all[:, S - keep :], v_all[:, S - keep :]), new_extra
@@ -407,9 +424,14 @@ class TitansMAC(Mixer):
         )
 
     def state_size_bytes(self, batch_size=1, seq_len=0, dtype_bytes=4):
+        """Memory state + the read-before conv tail + the segment-local KV caches (sequence and
+        memory read-outs) of the tokens seen so far in the current segment."""
         a = self.attn.inner
-        seg = min(seq_len, self.segment)
+        seg = 0 if seq_len <= 0 else (seq_len - 1) % self.segment + 1  # tokens in the last segment
+        conv = self.memory.conv
+        read_conv = 0 if conv is None else batch_size * conv.channels * (conv.kernel_size - 1) * dtype_bytes
         return (
             self.memory.state_size_bytes(batch_size)
+            + read_conv
             + 4 * batch_size * seg * a.n_kv_heads * a.head_dim * dtype_bytes
         )

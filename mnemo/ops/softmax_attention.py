@@ -47,6 +47,34 @@ def attention_mask(
     return mask
 
 
+#: query block of the blockwise sliding-window path (keys per block: block + window − 1)
+WINDOW_BLOCK = 1024
+
+
+def sliding_window_attention(
+    qh, kh, vh, window: int, scale: float, prefix_k=None, prefix_v=None, block: int = WINDOW_BLOCK
+):
+    """Causal sliding-window attention in query blocks, ``O(T · window)`` time and memory.
+
+    ``qh: [B, H, T, D]`` are the last ``T`` of the ``S`` keys ``kh, vh: [B, H, S, D]``. Optional
+    ``prefix_k, prefix_v: [B, H, P, D]`` are keys every query sees (e.g. persistent memory).
+    """
+    T, S = qh.shape[2], kh.shape[2]
+    P = 0 if prefix_k is None else prefix_k.shape[2]
+    outs = []
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        hi = S - T + t1
+        lo = max(0, S - T + t0 - window + 1)
+        keys, vals = kh[:, :, lo:hi], vh[:, :, lo:hi]
+        mask = attention_mask(t1 - t0, hi - lo, causal=True, window=window, device=qh.device)
+        if P:
+            keys, vals = torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, vals], 2)
+            mask = torch.cat([torch.ones(t1 - t0, P, dtype=torch.bool, device=qh.device), mask], 1)
+        outs.append(F.scaled_dot_product_attention(qh[:, :, t0:t1], keys, vals, attn_mask=mask, scale=scale))
+    return torch.cat(outs, 2)
+
+
 def _check(q, k, v, window, initial_state):
     check_floating("q", q)
     check_floating("k", k)
@@ -150,6 +178,8 @@ def softmax_attention(
     elif mode == "parallel":
         if causal and window is None and segment_ids is None and S == T:
             oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        elif causal and window is not None and segment_ids is None and T > WINDOW_BLOCK:
+            oh = sliding_window_attention(qh, kh, vh, window, scale)
         else:
             mask = None
             decode_all = causal and T == 1 and segment_ids is None and (window is None or S <= window)

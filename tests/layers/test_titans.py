@@ -161,3 +161,15 @@ def test_state_size_counts_fast_weights():
     assert m.state_size_bytes(1) == 2 * per_head * 3 * 4 + 3 * D * 3 * 4
     _, s = m(torch.randn(1, 5, D))
     assert len(s.memory.weights) == 2 and s.memory.momentum is not None
+
+
+@pytest.mark.parametrize("name, ctor", [c for c in CASES if c[0] in ("mag", "mal")], ids=["mag", "mal"])
+def test_blockwise_window_path_equals_dense(name, ctor, monkeypatch):
+    import mnemo.layers.titans as titans
+
+    m = _make(ctor)
+    x = _x(14)
+    dense, _ = m(x)
+    monkeypatch.setattr(titans, "WINDOW_BLOCK", 3)
+    blocked, _ = m(x)
+    assert_close(blocked, dense, TOL)

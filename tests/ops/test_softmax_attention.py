@@ -149,3 +149,20 @@ def test_bad_inputs_name_the_argument():
         softmax_attention(q, k, v, initial_state=KVCache(k[:, :, :1], v))
     with pytest.raises(ValueError, match="not supported with cu_seqlens"):
         softmax_attention(q[:1], k[:1], v[:1], cu_seqlens=torch.tensor([0, 19]), output_final_state=True)
+
+
+@pytest.mark.parametrize("window", [1, 5, 12])
+@pytest.mark.parametrize("Hkv", [4, 2])
+def test_blockwise_sliding_window_equals_dense(window, Hkv, monkeypatch):
+    """Long sequences with a window run in query blocks (O(T · window)); force small blocks."""
+    import importlib
+
+    sa = importlib.import_module("mnemo.ops.softmax_attention")  # the module, not the function
+    monkeypatch.setattr(sa, "WINDOW_BLOCK", 7)
+    q, k, v = _inputs(T=40, Hkv=Hkv)
+    o, _ = softmax_attention(q, k, v, window=window)
+    assert_close(o, _naive(q, k, v, True, window), TOL)
+    cache = KVCache(*_inputs(T=9, Hkv=Hkv, seed=5)[1:])
+    o2, _ = softmax_attention(q, k, v, window=window, initial_state=cache)
+    ref, _ = softmax_attention(q, k, v, window=window, initial_state=cache, mode="recurrent")
+    assert_close(o2, ref, TOL)
