@@ -1,0 +1,99 @@
+"""Circuit scores on attention maps (Olsson et al. 2022, "In-context Learning and Induction Heads";
+Elhage et al. 2021, "A Mathematical Framework for Transformer Circuits").
+
+Maps are ``[B, H, T, T]``. Softmax maps are probabilities; implicit maps of the other mixers are
+normalised first, ``p_ts = |M_ts| / Σ_s |M_ts|`` (the share of a query's mixing weight on each
+key), so the same detectors read every memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def normalise(maps: torch.Tensor) -> torch.Tensor:
+    """Row-normalised absolute weights (identity on softmax probabilities)."""
+    a = maps.abs()
+    return a / a.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
+def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
+    """Mean weight from position ``t`` to ``t − 1`` (``t ≥ 1``), per head: ``[H]``."""
+    p = normalise(maps)
+    return torch.diagonal(p, offset=-1, dim1=-2, dim2=-1).mean((0, -1))
+
+
+def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean weight from ``t`` onto earlier positions holding the same token (over ``t`` that have
+    one), per head: ``[H]``. ``ids: [B, T]``."""
+    p = normalise(maps)
+    T = ids.shape[1]
+    same = (ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril(
+        -1
+    )
+    has = same.any(-1)  # [B, T]
+    mass = (p * same[:, None]).sum(-1)  # [B, H, T]
+    return (mass * has[:, None]).sum((0, -1)) / has.sum().clamp_min(1)
+
+
+def repeated_random_tokens(
+    batch: int, length: int, vocab: int, generator=None, offset: int = 0
+) -> torch.Tensor:
+    """A random sequence of ``length`` tokens (ids ``offset … vocab − 1``) repeated twice: ``[B, 2L]``."""
+    seq = torch.randint(offset, vocab, (batch, length), generator=generator)
+    return torch.cat([seq, seq], 1)
+
+
+def induction_score(maps: torch.Tensor, length: int) -> torch.Tensor:
+    """On a random sequence of length ``L`` repeated twice: mean weight from position ``i`` of the
+    second copy to ``i − L + 1`` (the token after the previous occurrence), per head: ``[H]``."""
+    p = normalise(maps)
+    T = p.shape[-1]
+    if T < 2 * length:
+        raise ValueError(f"induction_score: maps cover {T} positions, need 2 * length = {2 * length}")
+    i = torch.arange(length, 2 * length - 1, device=p.device)
+    return p[..., i, i - length + 1].mean((0, -1))
+
+
+def copying_score(model, layer: int) -> torch.Tensor:
+    """OV-circuit copying score of each softmax head of ``layer``: the eigenvalues ``λ`` of
+    ``W_E W_V^h W_O^h W_U`` give ``Σλ / Σ|λ|`` (1: the head copies the attended token into the
+    logits). The ``V × V`` matrix has the eigenvalues of the ``D × D`` product
+    ``W_V^h W_O^h W_U W_E`` plus zeros, which is what is computed. Norms are ignored (the usual
+    approximation). Raises ``TypeError`` for non-attention layers."""
+    from ..layers import Attention
+
+    att = model.blocks[layer].mixer
+    if not isinstance(att, Attention):
+        raise TypeError(
+            f"copying_score needs a softmax attention layer; layer {layer} is {type(att).__name__}"
+        )
+    D, H, G = att.head_dim, att.n_heads, att.n_heads // att.n_kv_heads
+    W_E = model.embed.weight.detach()  # [V, d]
+    W_U = model.lm_head.weight.detach().T  # [d, V]
+    W_v = att.kv_proj.weight.detach()[att.n_kv_heads * D :].T  # [d, Hkv*D]
+    W_o = att.o_proj.weight.detach().T  # [H*D, d]
+    scores = []
+    for h in range(H):
+        Wv = W_v[:, (h // G) * D : (h // G + 1) * D]  # [d, D]
+        Wo = W_o[h * D : (h + 1) * D]  # [D, d]
+        lam = torch.linalg.eigvals(Wo @ W_U @ W_E @ Wv)  # the D × D cycle of the OV circuit
+        scores.append((lam.sum() / lam.abs().sum().clamp_min(1e-12)).real)
+    return torch.stack(scores)
+
+
+@torch.no_grad()
+def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0)) -> float:
+    """In-context-learning score: mean next-token loss at late positions minus at early positions
+    (fractions of the context length; negative when later tokens are predicted better)."""
+    logits, _ = model(input_ids[:, :-1])
+    loss = F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none").mean(0)  # [T]
+    T = loss.shape[0]
+
+    def span(a, b):
+        return loss[int(math.floor(a * T)) : max(int(math.floor(a * T)) + 1, int(math.ceil(b * T)))].mean()
+
+    return float(span(*late) - span(*early))

@@ -1,0 +1,65 @@
+"""Implicit maps reproduce each mixer's output; hooks leave outputs unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo.interp import capture_maps, mixing
+from mnemo.layers import MIXERS, GatedLinearAttention, LinearAttention, Mamba, Mamba2
+from mnemo.models import LanguageModel, build_config
+from tests.helpers import assert_close
+
+D = 16
+CASES = {
+    "attention": lambda: MIXERS["attention"](D, n_heads=4, n_kv_heads=2),
+    "attention_window": lambda: MIXERS["attention"](D, n_heads=2, window=4),
+    "linear_attention": lambda: MIXERS["linear_attention"](D, n_heads=2),
+    "linear_identity_conv": lambda: LinearAttention(
+        D, n_heads=2, feature_map="identity", normalize=False, short_conv=True
+    ),
+    "retnet": lambda: MIXERS["retnet"](D, n_heads=2),
+    "gla": lambda: MIXERS["gla"](D, n_heads=2),
+    "scalar_gate": lambda: GatedLinearAttention(D, n_heads=2, gate="scalar"),
+    "deltanet": lambda: MIXERS["deltanet"](D, n_heads=2),
+    "gated_deltanet": lambda: MIXERS["gated_deltanet"](D, n_heads=2),
+    "mamba": lambda: Mamba(D, d_state=4),
+    "mamba_lti": lambda: Mamba(D, d_state=4, selective=False),
+    "mamba2": lambda: Mamba2(D, d_state=8, head_dim=8, n_groups=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_maps_times_values_reproduce_the_output(name):
+    torch.manual_seed(0)
+    m = CASES[name]().double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 11, D, dtype=torch.float64)
+    mx = mixing(m, x)
+    B, T, H, V = mx.values.shape
+    assert mx.maps.shape == (B, H, T, T)
+    assert torch.all(mx.maps.triu(1) == 0), "maps must be causal"
+    recon = torch.einsum("bhts,bshv->bthv", mx.maps, mx.values)
+    assert_close(recon, mx.output, 1e-10, what=name)
+
+
+def test_titans_memory_has_no_implicit_map():
+    with pytest.raises(NotImplementedError, match="no implicit attention map"):
+        mixing(MIXERS["neural_memory"](D, n_heads=2), torch.randn(1, 5, D))
+
+
+@pytest.mark.parametrize("model", ["transformer", "gated_deltanet", "mamba", "gla_hybrid"])
+def test_capture_maps_leaves_outputs_unchanged(model):
+    torch.manual_seed(0)
+    m = LanguageModel(
+        build_config(model, vocab_size=30, d_model=16, n_layers=2 if model != "gla_hybrid" else 4)
+    )
+    ids = torch.randint(0, 30, (2, 9))
+    before, _ = m(ids)
+    maps = capture_maps(m, ids)
+    after, _ = m(ids)
+    assert torch.equal(before, after)
+    assert sorted(maps) == list(range(len(m.blocks)))
+    assert all(v.shape[-2:] == (9, 9) for v in maps.values())

@@ -1,0 +1,116 @@
+"""Hand-built circuits: a previous-token head, a two-layer induction circuit, copying heads."""
+
+from __future__ import annotations
+
+import torch
+
+from mnemo.interp import (
+    capture_maps,
+    copying_score,
+    duplicate_token_score,
+    icl_score,
+    induction_score,
+    mixing,
+    previous_token_score,
+)
+from mnemo.layers import Attention
+from mnemo.models import LanguageModel, build_config
+
+V = 8  # vocabulary
+HD = 16  # head dim: 8 rotary frequency pairs
+
+
+def _rope_prev_token_qk(att: Attention, src_dim: int, a: float = 9.0) -> None:
+    """q = c, k = R(θ) c from a constant residual dimension: with RoPE the score is
+    |c|² Σ_i cos((n − m + 1) θ_i), maximal at key n = m − 1 for every frequency at once."""
+    theta = att.rotary.inv_freq.double()
+    half = HD // 2
+    q = torch.zeros(HD, dtype=torch.float64)
+    q[:half] = a
+    k = torch.cat([a * torch.cos(theta), a * torch.sin(theta)])  # R(θ) applied to (a, 0) pairs
+    with torch.no_grad():
+        att.q_proj.weight.zero_()
+        att.kv_proj.weight.zero_()
+        att.q_proj.weight[:, src_dim] = q
+        att.kv_proj.weight[:HD, src_dim] = k
+
+
+def _stream(ids):
+    """Residual stream: dim 0 constant, dims 1..V current token one-hot, dims 1+V..2V free."""
+    B, T = ids.shape
+    x = torch.zeros(B, T, 1 + 2 * V, dtype=torch.float64)
+    x[..., 0] = 1.0
+    x[..., 1 : 1 + V] = torch.nn.functional.one_hot(ids, V).double()
+    return x
+
+
+def _perm_twice(batch=4, gen=None):
+    seq = torch.stack([torch.randperm(V, generator=gen) for _ in range(batch)])
+    return torch.cat([seq, seq], 1)
+
+
+def test_wired_previous_token_head_scores_one():
+    att = Attention(1 + 2 * V, n_heads=1, head_dim=HD).double()
+    _rope_prev_token_qk(att, 0)
+    ids = _perm_twice(gen=torch.Generator().manual_seed(0))
+    maps = mixing(att, _stream(ids)).maps
+    assert previous_token_score(maps)[0] > 0.95
+    assert induction_score(maps, V)[0] < 0.05
+
+
+def test_wired_two_layer_induction_circuit_scores_one():
+    d = 1 + 2 * V
+    prev = Attention(d, n_heads=1, head_dim=HD).double()
+    _rope_prev_token_qk(prev, 0)
+    with torch.no_grad():  # layer 1 values: the token one-hot; output: into the "previous token" dims
+        prev.kv_proj.weight[HD:] = 0
+        prev.o_proj.weight.zero_()
+        for t in range(V):
+            prev.kv_proj.weight[HD + t, 1 + t] = 1.0
+            prev.o_proj.weight[1 + V + t, t] = 1.0
+    ind = Attention(d, n_heads=1, head_dim=HD, rope=False).double()
+    with torch.no_grad():  # layer 2: query = current token, key = previous token (content match)
+        ind.q_proj.weight.zero_()
+        ind.kv_proj.weight.zero_()
+        for t in range(V):
+            ind.q_proj.weight[t, 1 + t] = 6.0
+            ind.kv_proj.weight[t, 1 + V + t] = 6.0
+    ids = _perm_twice(gen=torch.Generator().manual_seed(1))
+    x0 = _stream(ids)
+    x1 = x0 + prev(x0)[0]
+    maps = mixing(ind, x1).maps
+    assert induction_score(maps, V)[0] > 0.9
+    # without an earlier occurrence (first copy) it spreads out, so its previous-token share is small
+    assert previous_token_score(maps)[0] < 0.2
+    assert duplicate_token_score(maps, ids)[0] < 0.1  # it looks one past the duplicate, not at it
+
+
+def test_copying_score_signs():
+    torch.manual_seed(0)
+    m = LanguageModel(
+        build_config(
+            "transformer", vocab_size=12, d_model=16, n_layers=1, mixer_options={"attention": {"n_heads": 2}}
+        )
+    ).double()
+    with torch.no_grad():
+        att = m.blocks[0].mixer
+        D = att.head_dim
+        # head 0: W_V W_O = identity on its 8 dims -> OV = W_E W_U restricted: positive (copying)
+        att.kv_proj.weight[2 * D * 0 + 16 : 16 + 2 * D] = 0  # clear values
+        att.kv_proj.weight[16:24] = torch.eye(16)[:8]
+        att.kv_proj.weight[24:32] = torch.eye(16)[8:]
+        att.o_proj.weight.zero_()
+        att.o_proj.weight[:8, :8] = torch.eye(8)
+        att.o_proj.weight[8:, 8:] = -torch.eye(8)  # head 1: negated -> anti-copying
+        m.lm_head.weight.copy_(m.embed.weight)
+    s = copying_score(m, 0)
+    assert s[0] > 0.9 and s[1] < -0.9
+
+
+def test_icl_score_and_capture_on_a_model():
+    torch.manual_seed(0)
+    m = LanguageModel(build_config("transformer", vocab_size=20, d_model=16, n_layers=2))
+    ids = torch.randint(0, 20, (3, 40))
+    assert isinstance(icl_score(m, ids), float)
+    maps = capture_maps(m, ids)
+    assert set(maps) == {0, 1} and maps[0].shape == (3, 4, 40, 40)
