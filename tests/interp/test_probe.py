@@ -79,7 +79,7 @@ def test_timescales_for_every_decaying_memory(name):
 
 def test_circuit_tracker_adds_scores(tmp_path):
     from mnemo.interp.probe import CircuitTracker
-    from mnemo.train import Trainer, TrainConfig
+    from mnemo.train import TrainConfig, Trainer
 
     cfg = TrainConfig(
         model="transformer",
