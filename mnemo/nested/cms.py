@@ -108,8 +108,10 @@ class CMSLevel(nn.Module):
         self.rate = nn.Linear(d_model, 1, bias=True)
 
     def initial_state(self, batch_size: int) -> LevelState:
-        w = (self.W_in.expand(batch_size, -1, -1), self.W_out.expand(batch_size, -1, -1))
-        zeros = tuple(torch.zeros_like(x) for x in w)
+        """Weights start shared (``[d, h]``, broadcast over the batch — no per-sample copies until the
+        first step makes them per-sample ``[B, d, h]``); buffers are per sample."""
+        w = (self.W_in, self.W_out)
+        zeros = tuple(x.new_zeros(batch_size, *x.shape) for x in w)
         mom = zeros if self.level.optimizer != "gd" else None
         return LevelState(w, mom, zeros, 0, 0)
 
@@ -146,10 +148,25 @@ class CMSLevel(nn.Module):
         L = x.shape[1]
         st = st._replace(position=st.position + L)
         if whole and self.level.optimizer == "gd":  # fused: θ − mean_t x ⊗ δ, no gradient buffers
-            w = (torch.baddbmm(W_in, x.transpose(-1, -2), dz, alpha=-1.0 / L),
-                 torch.baddbmm(W_out, a.transpose(-1, -2), err, alpha=-1.0 / L))
+            w = (
+                torch.baddbmm(
+                    W_in.expand(x.shape[0], -1, -1) if W_in.ndim == 2 else W_in,
+                    x.transpose(-1, -2),
+                    dz,
+                    alpha=-1.0 / L,
+                ),
+                torch.baddbmm(
+                    W_out.expand(x.shape[0], -1, -1) if W_out.ndim == 2 else W_out,
+                    a.transpose(-1, -2),
+                    err,
+                    alpha=-1.0 / L,
+                ),
+            )
             return y, st._replace(weights=w, updates=st.updates + 1)
-        grad = (torch.baddbmm(st.grad[0], x.transpose(-1, -2), dz), torch.baddbmm(st.grad[1], a.transpose(-1, -2), err))
+        grad = (
+            torch.baddbmm(st.grad[0], x.transpose(-1, -2), dz),
+            torch.baddbmm(st.grad[1], a.transpose(-1, -2), err),
+        )
         st = st._replace(grad=grad)
         if whole:
             st = self._step(st, L)

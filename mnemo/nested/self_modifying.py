@@ -102,7 +102,7 @@ class SelfModifyingTitans(Mixer):
         self.o_proj = nn.Linear(D, D, bias=False)
 
     def initial_state(self, B: int) -> SelfModState:
-        proj = {n: p.expand(B, -1, -1) for n, p in self.init.items()}
+        proj = dict(self.init.items())  # shared [d, out] until the first rewrite makes them per sample
         mem = init_state(self.spec, list(self.memory_init), B)
         return SelfModState(proj, None, mem, None, 0)
 
