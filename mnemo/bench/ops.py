@@ -40,9 +40,12 @@ def _linear_flops(B, T, H, D, C=64):
 
 
 def _delta_flops(B, T, H, D, C=64):
-    """Chunked (gated) delta rule, forward: KKᵀ, QKᵀ, the triangular solves, W S, P (U − W S),
-    q S, M = I − KᵀW, D = KᵀU and the chunk-state pass M S + D."""
-    return B * H * (4 * T * C * D + T * C * 2 * D + 2 * T * C * D + 10 * T * D * D + 2 * (T // C) * D * D * D)
+    """Chunked (gated) delta rule, forward: KKᵀ and QKᵀ (``4TCD``), the unit triangular solves
+    with ``K + V`` right-hand sides (``C²`` per column and chunk: ``2TCD``), P (U − W S) (``2TCD``),
+    the four ``[C, K]·[K, V]``-sized products W S, q S, M = I − KᵀW and D = KᵀU (``8TD²``) and the
+    chunk-state pass M S + D (``2(T/C)D³``). (Until issue 8 this said ``10TD²``, counting one
+    ``[C, K]·[K, V]`` product too many.)"""
+    return B * H * (4 * T * C * D + T * C * 2 * D + 2 * T * C * D + 8 * T * D * D + 2 * (T // C) * D * D * D)
 
 
 def _sdpa_flops(B, T, H, D):

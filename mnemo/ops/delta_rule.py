@@ -35,24 +35,53 @@ The three forms below compute exactly the same function:
   ``W`` and ``M`` are evaluated through the exact similarity ``A = E Ã E⁻¹`` (``E = diag(exp(b))``,
   ``Ã = I + strict_tril(diag(β) K Kᵀ)`` the ungated matrix): ``W = exp(b) ⊙ W̃`` and
   ``M = exp(b_C) (I − Kᵀ W̃)`` with ``W̃ = Ã⁻¹ diag(β) K``, so every decay enters as one factor
-  instead of as products of many small ones. Decays are formed as ``exp`` of differences masked
-  *before* the ``exp`` (``Γ``) or of non-positive cumulative sums (``exp(b)``, ``exp(b_C − b)``,
-  ``exp(b_C)``), never ``exp(−b)``, so extreme gates cannot overflow; factors below
-  ``exp(−40) ≈ 4e-18`` are set to exactly ``0``, which keeps float32 subnormals (several times
-  slower on CPUs) out of the matmuls.
-* ``parallel``  — the same algorithm with the whole sequence as one chunk (one ``T × T``
-  triangular solve): the quadratic form.
+  instead of as products of many small ones.
 
-Gradients come from autograd through these tensor operations; what autograd keeps for the backward
-pass is ``O(T·(C + K + V) + (T/C)·K·(K + V))`` per head (chunk-level states, never per-token
-``K × V`` states).
+  Two implementations of this form, same results:
+
+  - :class:`_DeltaChunk` (used whenever no chunk decays by more than ``_SAFE_SPAN = 30`` nats, and
+    for ``g = None``): carries the similarity through to the values as well,
+    ``U = exp(b) ⊙ Ã⁻¹ diag(β) (V ⊙ exp(−b))``, so the gated chunk is the *ungated* one on rescaled
+    values (outputs times ``exp(b)``, chunk transition times ``exp(b_C)``), one ``Ã⁻¹`` (formed by
+    recursive blocking, :func:`~._chunked.unit_lower_inverse_`) serves both right-hand sides, and
+    the backward pass is written by hand (reverse state recursion, batched matmuls, recomputation
+    instead of per-token states).
+  - :func:`delta_chunk` (any decay, gradients by autograd): decays are formed as ``exp`` of
+    differences masked *before* the ``exp`` (``Γ``) or of non-positive cumulative sums
+    (``exp(b)``, ``exp(b_C − b)``, ``exp(b_C)``), never ``exp(−b)``, so extreme gates cannot
+    overflow; factors below ``exp(−40) ≈ 4e-18`` are set to exactly ``0``, which keeps float32
+    subnormals (several times slower on CPUs) out of the matmuls. It takes over when gates are
+    strong or hard resets (``-inf``) occur.
+* ``parallel``  — the same algorithm with the whole sequence as one chunk (one ``T × T``
+  triangular solve): the quadratic form (:func:`delta_chunk` with ``C = T``).
+
+Nothing ``T × K × V`` is kept for the backward pass: ``O(T·(C + K + V) + (T/C)·K·(K + V))`` per head
+(chunk-level states, never per-token ``K × V`` states).
 """
 
 from __future__ import annotations
 
 import torch
 from einops import rearrange
+from torch.autograd.function import once_differentiable
 
+from ._chunked import (
+    autocast_off,
+    b3,
+    head_groups,
+    mm,
+    mm_add_,
+    next_state_dots,
+    raw_empty,
+    rev_cumsum,
+    rowdot,
+    scan_matrix,
+    scan_matrix_reverse_,
+    to_chunks,
+    unchunk,
+    unchunk_heads,
+    unit_lower_inverse_,
+)
 from ._common import (
     check_cu_seqlens,
     check_finite,
@@ -68,6 +97,10 @@ from ._common import (
 from .gated_linear_attention import check_chunk_size
 
 __all__ = ["delta_rule", "gated_delta_rule"]
+
+#: Largest decay (in nats) inside one chunk for the factorised fast chunk form (``e^{±30}`` stays far
+#: inside fp32's range); beyond it the chunk form falls back to products of factors ``≤ 1``.
+_SAFE_SPAN = 30.0
 
 # ----------------------------------------------------------------------------------------------
 # cores: inputs already validated, in the compute dtype, q already scaled, g clamped (or None)
@@ -153,16 +186,173 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int):
     return o, S
 
 
+class _DeltaChunk(torch.autograd.Function):
+    """The chunk form with a hand-written backward pass, for decays within ``_SAFE_SPAN`` nats per
+    chunk (and for ``g = None``).
+
+    Inside a chunk the state factors as ``S_t = e^{b_t} S̃_t`` (``b``: within-chunk cumulative log
+    gate), and ``S̃`` follows the *ungated* delta rule on the values ``ṽ0_t = e^{−b_t} v_t``:
+    ``S̃_t = (I − β_t k_t k_tᵀ) S̃_{t−1} + β_t k_t ṽ0_tᵀ``, ``o_t = e^{b_t} S̃_tᵀ q_t``, and the chunk
+    leaves ``λ S̃_C`` (``λ = e^{b_C}``). So every decay is a row scaling, and one unit lower-
+    triangular ``Ã = I + strict_tril(diag(β) K Kᵀ)`` serves both solves, done as one:
+    ``[W̃ | Ũ] = Ã⁻¹ [diag(β) K | diag(β) Ṽ0]``. Per chunk, all chunks at once:
+
+        ṽ = Ũ − W̃ S          õ = Q S + tril(Q Kᵀ) ṽ          o = e^b ⊙ õ
+        S_next = M S + D,    M = λ (I − Kᵀ W̃),   D = λ Kᵀ Ũ
+
+    with ``S ← M_i S + D_i`` the only loop. All factors lie in ``[e^{−30}, e^{30}]``, so no
+    product loses relative precision or becomes subnormal. Backward: ``G_i = M_iᵀ G_{i+1} + R_i``
+    in reverse (``R_i = Qᵀ dõ − W̃ᵀ Pᵀ dõ``, ``dõ = e^b ⊙ dO``), then batched matmuls and one
+    transposed solve per right-hand side; the log-gate gradient is
+    ``⟨õ_t, dõ_t⟩ − β_t ⟨ṽ0_t, ∂L/∂(β ṽ0)_t⟩`` plus ``⟨G_{i+1}, S_{i+1}⟩`` at each chunk's last
+    token, summed from the end of the chunk backwards. Saved for backward: ``O(T·(C + K + V))``
+    per head plus the ``n`` chunk states and transitions; nothing ``T × K × V``.
+    """
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, q, k, v, beta, g, S0, b, scale, C):
+        cd, T, dev = S0.dtype, q.shape[1], S0.device
+        K = q.shape[-1]
+        qc = to_chunks(q, C, cd, scale)
+        kc = to_chunks(k, C, cd)
+        bc = to_chunks(beta, C, cd)  # [B, H, n, C, 1]
+        if b is None:
+            e = lam = None
+            v0 = to_chunks(v, C, cd)
+        else:
+            e = b.exp()[..., None]  # [B, H, n, C, 1]
+            lam = e[..., -1:, :].clone()  # [B, H, n, 1, 1]
+            v0 = to_chunks(v, C, cd, b.neg().exp()[..., None])
+        At = mm(kc, kc.mT).mul_(bc).tril_(-1)  # Ã = I + strict_tril(diag(β) K Kᵀ)
+        At.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+        Ai = unit_lower_inverse_(At)  # Ã⁻¹ (At is overwritten)
+        X = mm(Ai, torch.cat([kc, v0], -1).mul_(bc))  # [W̃ | Ũ] = Ã⁻¹ [diag(β) K | diag(β) Ṽ0]
+        Wt, Ut = X[..., :K], X[..., K:]
+        MD = mm(kc.mT, X)  # [Kᵀ W̃ | Kᵀ Ũ] → [M | D]
+        MD[..., :K].neg_().diagonal(dim1=-2, dim2=-1).add_(1.0)
+        if lam is not None:
+            MD.mul_(lam)
+        M = MD[..., :K]
+        states, S = scan_matrix(S0, MD[..., K:], M)
+        vt = torch.baddbmm(b3(Ut), b3(Wt), b3(states), alpha=-1.0).view(Ut.shape)  # ṽ = Ũ − W̃ S
+        P = mm(qc, kc.mT).tril_()
+        ot = mm_add_(mm(qc, states), P, vt)  # õ
+        if e is None:
+            o = unchunk(ot, T).transpose(1, 2)
+        else:
+            o, o_t = raw_empty((v.shape, cd), dev)
+            torch.mul(unchunk(ot, T), unchunk(e, T), out=o_t)
+        ctx.save_for_backward(qc, kc, bc, v0, Ai, X, M, states, S, vt, P, ot, e, lam)
+        ctx.meta = (T, C, scale, *((x.shape, x.dtype) if x is not None else None for x in (q, k, v, beta, g)))
+        return o, S
+
+    @staticmethod
+    @once_differentiable
+    @autocast_off
+    def backward(ctx, dO, dSf):
+        qc, kc, bc, v0, Ai, X, M, states, S, vt, P, ot, e, lam = ctx.saved_tensors
+        T, C, scale, q_, k_, v_, beta_, g_ = ctx.meta
+        cd, dev, K = S.dtype, S.device, kc.shape[-1]
+        Wt, Ut = X[..., :K], X[..., K:]
+        gated = e is not None
+        want_dg = gated and ctx.needs_input_grad[4]
+        dot = to_chunks(dO, C, cd, e)  # ∂L/∂õ = e^b ⊙ dO
+        dvt = mm(P.mT, dot)  # ∂L/∂ṽ
+        R = mm(qc.mT, dot)
+        b3(R).baddbmm_(b3(Wt.mT), b3(dvt), alpha=-1.0)
+        Gs, dS0 = scan_matrix_reverse_(dSf.to(cd), R, M)
+        dlast = next_state_dots(Gs, states, S).sum(-1).flatten(0, 1) if want_dg else None  # λ ∂L/∂λ
+        dq, dq_t = raw_empty(q_, dev)
+        dk_, dk_t = raw_empty(k_, dev)
+        dv, dv_t = raw_empty(v_, dev)
+        dbeta, dbeta_t = raw_empty(beta_, dev)
+        dg, dg_t = raw_empty(g_, dev) if want_dg else (None, None)
+        B, H, n = qc.shape[:3]
+        tensors = (qc, kc, bc, v0, Ai, Wt, Ut, states, vt, P, ot, e, lam, dot, dvt, Gs)
+        qc, kc, bc, v0, Ai, Wt, Ut, states, vt, P, ot, e, lam, dot, dvt, Gs = (
+            None if t is None else t.flatten(0, 1) for t in tensors
+        )
+        per_head = n * C * max(K, vt.shape[-1], C) * qc.element_size()
+        # the rest, head group by head group (see head_groups)
+        for bi, h0, h1, i0, i1 in head_groups(B, H, per_head):
+            sl = slice(i0, i1)
+            qg, kg, bg, v0g, Aig, Wg, Ug, stg = (
+                qc[sl],
+                kc[sl],
+                bc[sl],
+                v0[sl],
+                Ai[sl],
+                Wt[sl],
+                Ut[sl],
+                states[sl],
+            )
+            dotg, dvtg, Gg = dot[sl], dvt[sl], Gs[sl]
+            dP = mm(dotg, vt[sl].mT).tril_()
+            dqc = mm_add_(mm(dotg, stg.mT), dP, kg)
+            torch.mul(unchunk_heads(dqc, T), scale, out=dq_t[bi, h0:h1])
+            dk = mm(dP.mT, qg)
+            dM = mm(Gg, stg.mT)
+            if gated:
+                Gl, dZ = Gg.mul_(lam[sl]), dM.mul_(-lam[sl])  # ∂L/∂(Kᵀ Ũ) and ∂L/∂(Kᵀ W̃)
+            else:
+                Gl, dZ = Gg, dM.neg_()
+            b3(dk).baddbmm_(b3(Wg), b3(dZ.mT)).baddbmm_(b3(Ug), b3(Gl.mT))
+            dWt = mm(kg, dZ, out=dqc)  # (dqc's buffer is free again)
+            b3(dWt).baddbmm_(b3(dvtg), b3(stg.mT), alpha=-1.0)
+            dUt = mm_add_(dvtg, kg, Gl)  # dvt is consumed
+            dBk = mm(Aig.mT, dWt)  # ∂L/∂(diag(β) K) = Ã⁻ᵀ ∂L/∂W̃
+            dBv = mm(Aig.mT, dUt)  # ∂L/∂(diag(β) Ṽ0) = Ã⁻ᵀ ∂L/∂Ũ
+            Hm = mm(dBk, Wg.mT, out=dP)
+            b3(Hm).baddbmm_(b3(dBv), b3(Ug.mT))
+            Hm.tril_(-1).neg_()  # ∂L/∂(diag(β) K Kᵀ), strict lower part
+            Hk = mm(Hm, kg)
+            bv = rowdot(dBv, v0g)
+            dbeta_c = rowdot(kg, Hk).add_(rowdot(dBk, kg)).add_(bv)
+            dk.addcmul_(Hk.add_(dBk), bg)
+            b3(dk).baddbmm_(b3(Hm.mul_(bg).mT), b3(kg))
+            dk_t[bi, h0:h1].copy_(unchunk_heads(dk, T))
+            vfac = bg / e[sl] if gated else bg  # ∂(β ṽ0)/∂v = β e^{−b}
+            torch.mul(unchunk_heads(dBv, T), unchunk_heads(vfac, T), out=dv_t[bi, h0:h1])
+            dbeta_t[bi, h0:h1].copy_(unchunk_heads(dbeta_c[..., None], T))
+            if want_dg:
+                db = rowdot(ot[sl], dotg)  # the e^b factor of the output ...
+                db.sub_(bv.mul_(bg[..., 0]))  # ... and the e^{−b} factor of the values
+                db[..., -1] += dlast[sl]
+                dg_t[bi, h0:h1].copy_(unchunk_heads(rev_cumsum(db, -1)[..., None], T))
+        return dq, dk_, dv, dbeta, dg, dS0, None, None, None
+
+
+def delta_chunk_fast(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
+    """Chunk form. ``q, k, v, beta`` in any float dtype (``scale`` is applied here), ``g`` clamped,
+    ``S0`` in the compute dtype. Uses :class:`_DeltaChunk` (hand-written backward) unless some chunk
+    decays by more than ``_SAFE_SPAN`` nats (strong gates, hard resets): there the autograd form
+    :func:`delta_chunk`, whose decay factors are all ``≤ 1``, takes over."""
+    C = min(int(chunk_size), q.shape[1])
+    b = None
+    if g is not None:
+        with torch.no_grad():
+            b = to_chunks(g, C, S0.dtype)[..., 0].cumsum(-1)
+        if float(b[..., -1].min()) < -_SAFE_SPAN:
+            cd = S0.dtype
+            return delta_chunk(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
+    return _DeltaChunk.apply(q, k, v, beta, g, S0, b, float(scale), C)
+
+
 def delta_parallel(q, k, v, beta, g, S0):
     """Quadratic form: the chunk algorithm with the whole sequence as one chunk."""
     return delta_chunk(q, k, v, beta, g, S0, q.shape[1])
 
 
-def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int):
+def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int, scale: float = 1.0):
+    """``q, k, v, beta`` in the compute dtype (``S0``'s) for the reference forms; the chunk form
+    also takes them in their own dtype and applies ``scale`` itself."""
     if q.shape[1] == 0:
-        return v.new_zeros(v.shape), S0
+        return v.new_zeros(v.shape, dtype=S0.dtype), S0
     if mode == "chunk":
-        return delta_chunk(q, k, v, beta, g, S0, chunk_size)
+        return delta_chunk_fast(q, k, v, beta, g, S0, chunk_size, scale)
+    cd = S0.dtype
+    q, k, v, beta = q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd)
     if mode == "parallel":
         return delta_parallel(q, k, v, beta, g, S0)
     return delta_recurrent(q, k, v, beta, g, S0)
@@ -182,13 +372,13 @@ def _delta(
     check_finite({"q": q, "k": k, "v": v, "beta": beta, "initial_state": initial_state}, {"g": g})
     cd = compute_dtype(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
-    qc = q.to(cd) * scale
-    kc, vc, bc = k.to(cd), v.to(cd), beta.to(cd)
     gc = None if g is None else clamp_log_gate(g.to(cd))
     S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=cd)
     if cu_seqlens is None:
-        o, S = run_delta_core(qc, kc, vc, bc, gc, S0, mode, chunk_size)
+        o, S = run_delta_core(q, k, v, beta, gc, S0, mode, chunk_size, scale)
     else:
+        qc = q.to(cd) * scale
+        kc, vc, bc = k.to(cd), v.to(cd), beta.to(cd)
         tensors = {"q": qc, "k": kc, "v": vc, "beta": bc}
         if gc is not None:
             tensors["g"] = gc

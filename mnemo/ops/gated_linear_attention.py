@@ -13,18 +13,36 @@ The three forms below compute exactly the same function:
   ``D_ts = exp(b_t − b_s)`` for ``s ≤ t``, where ``b`` is the cumulative sum of the log gates.
 * ``chunk``     — chunkwise parallel: the intra-chunk part of all chunks at once as batched
   ``[C, C]`` matmuls, the inter-chunk part as one state pass over ``n = T / C`` chunk states.
-  Scalar decays are formed as ``exp`` of *differences* of cumulative log gates, masked before the
-  ``exp`` so every factor is ``≤ 1``. Per-channel decays use a factorised matmul while the decay
-  within a chunk stays below 30 nats (exact in fp32), and otherwise a two-level split of each
-  chunk whose factors are all ``≤ 1`` (see :func:`_intra_chunk_channel_scores`), so long chunks
-  and extreme gates cannot overflow.
+  While no chunk decays by more than 30 nats (``_SAFE_SPAN``, the usual case) the decays factor
+  as row scalings ``q ⊙ e^b``, ``k ⊙ e^{−b}`` (exact in fp32: every factor within ``e^{±30}``)
+  and :class:`_GLAChunk` runs the whole form, with a hand-written backward pass, for scalar,
+  per-channel and no gates alike. Otherwise :func:`gla_chunk_autograd` (gradients by autograd)
+  forms scalar decays as ``exp`` of *differences* of cumulative log gates, masked before the
+  ``exp`` so every factor is ``≤ 1``, and per-channel decays by a two-level split of each chunk
+  whose factors are all ``≤ 1`` (see :func:`_intra_chunk_channel_scores`), so long chunks and
+  extreme gates (hard resets) cannot overflow.
 """
 
 from __future__ import annotations
 
 import torch
 from einops import rearrange
+from torch.autograd.function import once_differentiable
 
+from ._chunked import (
+    autocast_off,
+    head_groups,
+    mm,
+    mm_add_,
+    next_state_dots,
+    raw_empty,
+    rev_cumsum_rows,
+    scan_decay_,
+    scan_decay_reverse_,
+    to_chunks,
+    unchunk,
+    unchunk_heads,
+)
 from ._common import (
     check_cu_seqlens,
     check_finite,
@@ -161,8 +179,9 @@ def chunk_state_pass(S0, dS, decay):
     return torch.stack(states, 2), S
 
 
-def gla_chunk(q, k, v, g, S0, chunk_size: int):
-    """Chunkwise-parallel form; see the module docstring."""
+def gla_chunk_autograd(q, k, v, g, S0, chunk_size: int):
+    """Chunkwise-parallel form differentiated by autograd, safe for any decay (see the module
+    docstring); :func:`gla_chunk` uses it when a chunk decays by more than ``_SAFE_SPAN`` nats."""
     B, T, H, K = q.shape
     C = int(chunk_size)
     n = -(-T // C)
@@ -198,15 +217,130 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int):
     return o, S
 
 
+class _GLAChunk(torch.autograd.Function):
+    """Chunk form for decays within ``_SAFE_SPAN`` nats per chunk, with a hand-written backward.
+
+    Takes the per-token tensors as given (``q, k: [B,T,H,K]``, ``v: [B,T,H,V]``, any float dtype;
+    ``g`` only to route its gradient) plus ``b``, the within-chunk inclusive cumulative log gate in
+    the chunk layout ``[B,H,n,C,G]`` (``G = 1``: one decay per head; ``G = K``: per key channel),
+    computed by the caller in the compute dtype. With ``q̃ = scale · q ⊙ e^b``, ``k̃ = k ⊙ e^{−b}``
+    and ``λ = e^{b_C}`` (the chunk's total decay; ``k̃ ⊙ λ = k ⊙ e^{b_C − b}``):
+
+        A = tril(q̃ k̃ᵀ)        S_{i+1} = λ_i ⊙ (S_i + k̃_iᵀ v_i)        o = A v + q̃ S_i
+
+    Every factor lies in ``[e^{−30}, e^{30}]``: products keep full relative precision and no
+    subnormal appears. Backward: the state recursion runs in reverse
+    (``G_i = λ_i ⊙ G_{i+1} + q̃_iᵀ dO_i``, ``G_n = ∂L/∂S_final``) and everything else is batched
+    matmuls over all chunks; the log-gate gradient is ``q̃ ⊙ ∂L/∂q̃ − k̃ ⊙ (∂L/∂k̃)_total`` plus, at
+    each chunk's last token, ``Σ_v G_{i+1} ⊙ S_{i+1}`` (every term of ``S_{i+1}`` carries
+    ``e^{b_C}``), summed from the end of the chunk backwards. No ``[C, C]`` decay matrix and no
+    per-token state is formed; saved for backward: ``O(T·(C + K + V))`` per head plus the ``n``
+    chunk states.
+    """
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, q, k, v, g, S0, b, scale, C):
+        cd, T = S0.dtype, q.shape[1]
+        if b is None:
+            e_q = scale
+            e = lam = None
+            qi, kt = to_chunks(q, C, cd, scale), to_chunks(k, C, cd)
+        else:
+            e = b.exp()
+            lam = e[..., -1:, :].mT.clone()  # [B, H, n, G, 1]: scales the rows (keys) of the state
+            e_q = e if scale == 1.0 else e * scale
+            qi, kt = to_chunks(q, C, cd, e_q), to_chunks(k, C, cd, e, divide=True)  # q̃, k ⊙ e^{−b}
+        vc = to_chunks(v, C, cd)
+        A = mm(qi, kt.mT).tril_()
+        dS = mm(kt.mT, vc)
+        if lam is not None:
+            dS.mul_(lam)
+        states, S = scan_decay_(S0, dS, lam)
+        o = mm_add_(mm(qi, states), A, vc)
+        ctx.save_for_backward(qi, kt, vc, A, states, S, e, lam, e_q if b is not None else None)
+        ctx.meta = (T, C, scale, *((x.shape, x.dtype) if x is not None else None for x in (q, k, v, g)))
+        return unchunk(o, T).transpose(1, 2), S
+
+    @staticmethod
+    @once_differentiable
+    @autocast_off
+    def backward(ctx, dO, dSf):
+        qi, kt, vc, A, states, S, e, lam, e_q = ctx.saved_tensors
+        T, C, scale, q, k, v, g = ctx.meta
+        cd, dev = S.dtype, S.device
+        dOc = to_chunks(dO, C, cd)
+        Gs, dS0 = scan_decay_reverse_(dSf.to(cd), mm(qi.mT, dOc), lam)
+        want_dg = lam is not None and ctx.needs_input_grad[3]
+        # Σ_v G_{i+1} ⊙ S_{i+1}: the gradient of each chunk's total log decay b_C
+        db_last = next_state_dots(Gs, states, S).flatten(0, 1) if want_dg else None
+        Gsl = Gs if lam is None else Gs.mul_(lam)  # λ ⊙ G_{i+1}
+        dq, dq_t = raw_empty(q, dev)
+        dk, dk_t = raw_empty(k, dev)
+        dv, dv_t = raw_empty(v, dev)
+        dg, dg_t = raw_empty(g, dev) if want_dg else (None, None)
+        B, H, n = qi.shape[:3]
+        fl = [
+            t.flatten(0, 1) if isinstance(t, torch.Tensor) else t
+            for t in (dOc, vc, qi, kt, A, states, Gsl, e, e_q)
+        ]
+        dOc, vc, qi, kt, A, states, Gsl, e, e_q = fl
+        per_head = n * C * max(qi.shape[-1], vc.shape[-1], C) * qi.element_size()
+        for bi, h0, h1, i0, i1 in head_groups(B, H, per_head):
+            sl = slice(i0, i1)
+            dOg, vcg, qig, ktg, Ag, stg, Gg = dOc[sl], vc[sl], qi[sl], kt[sl], A[sl], states[sl], Gsl[sl]
+            dA = mm(dOg, vcg.mT).tril_()
+            Dq = mm_add_(mm(dOg, stg.mT), dA, ktg)  # ∂L/∂q̃
+            Dk = mm_add_(mm(dA.mT, qig), vcg, Gg.mT)  # ∂L/∂k̃ (both uses of k̃)
+            dvc = mm_add_(mm(ktg, Gg), Ag.mT, dOg)
+            fq = unchunk_heads(e_q[sl], T) if isinstance(e_q, torch.Tensor) else scale
+            torch.mul(unchunk_heads(Dq, T), fq, out=dq_t[bi, h0:h1])
+            if e is None:
+                dk_t[bi, h0:h1].copy_(unchunk_heads(Dk, T))
+            else:
+                torch.div(unchunk_heads(Dk, T), unchunk_heads(e[sl], T), out=dk_t[bi, h0:h1])
+            dv_t[bi, h0:h1].copy_(unchunk_heads(dvc, T))
+            if want_dg:
+                db = Dq.mul_(qig).addcmul_(ktg, Dk, value=-1.0)  # q̃ ⊙ ∂L/∂q̃ − k̃ ⊙ ∂L/∂k̃
+                dl = db_last[sl]
+                if e.shape[-1] == 1:  # one decay per head
+                    db, dl = db.sum(-1, keepdim=True), dl.sum(-1, keepdim=True)
+                db[..., -1, :] += dl
+                dg_t[bi, h0:h1].copy_(unchunk_heads(rev_cumsum_rows(db), T))
+        return dq, dk, dv, dg, dS0, None, None, None
+
+
+def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
+    """Chunkwise-parallel form; see the module docstring. ``q, k, v`` may be in any float dtype
+    and are multiplied by ``scale`` here; ``g`` is clamped, in the compute dtype (``S0``'s).
+
+    Uses :class:`_GLAChunk` (hand-written backward) unless some chunk decays by more than
+    ``_SAFE_SPAN`` nats (strong gates, hard resets): there :func:`gla_chunk_autograd` keeps every
+    factor ``≤ 1``."""
+    T = q.shape[1]
+    C = min(int(chunk_size), T)
+    b = None
+    if g is not None:
+        with torch.no_grad():
+            b = to_chunks(g, C, S0.dtype).cumsum_(-2)
+        if float(b[..., -1, :].min()) < -_SAFE_SPAN:
+            cd = S0.dtype
+            return gla_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), g, S0, chunk_size)
+    return _GLAChunk.apply(q, k, v, g, S0, b, float(scale), C)
+
+
 _CORES = {"recurrent": gla_recurrent, "parallel": gla_parallel}
 
 
-def run_gla_core(q, k, v, g, S0, mode: str, chunk_size: int):
+def run_gla_core(q, k, v, g, S0, mode: str, chunk_size: int, scale: float = 1.0):
+    """``q, k, v`` in the compute dtype (``S0``'s) for the reference forms; the chunk form also
+    takes them in their own dtype and applies ``scale`` itself (one pass instead of two)."""
     if q.shape[1] == 0:
-        return v.new_zeros(v.shape), S0
+        return v.new_zeros(v.shape, dtype=S0.dtype), S0
     if mode == "chunk":
-        return gla_chunk(q, k, v, g, S0, chunk_size)
-    return _CORES[mode](q, k, v, g, S0)
+        return gla_chunk(q, k, v, g, S0, chunk_size, scale)
+    cd = S0.dtype
+    return _CORES[mode](q.to(cd) * scale, k.to(cd), v.to(cd), g, S0)
 
 
 def check_chunk_size(chunk_size) -> int:
@@ -278,13 +412,13 @@ def gated_linear_attention(
     check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state}, {"g": g})
     cd = compute_dtype(q, k, v, g, initial_state)
     scale = K**-0.5 if scale is None else scale
-    qc = q.to(cd) * scale
-    kc, vc = k.to(cd), v.to(cd)
     gc = None if g is None else clamp_log_gate(g.to(cd))
     S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=cd)
     if cu_seqlens is None:
-        o, S = run_gla_core(qc, kc, vc, gc, S0, mode, chunk_size)
+        o, S = run_gla_core(q, k, v, gc, S0, mode, chunk_size, scale)
     else:
+        qc = q.to(cd) * scale
+        kc, vc = k.to(cd), v.to(cd)
         tensors = {"q": qc, "k": kc, "v": vc}
         if gc is not None:
             tensors["g"] = gc

@@ -1,0 +1,245 @@
+"""Shared pieces of the fast chunk forms: the chunk layout, batched matmul helpers and the
+inter-chunk state scans (forward and reverse) used by the hand-written backward passes.
+
+Layout: a per-token tensor ``[B, T, H, D]`` becomes ``[B, H, n, C, D]`` (contiguous, right-padded
+with zeros to ``n · C`` tokens), so every chunk of every head is one contiguous ``[C, D]`` block and
+``[B, H, n]`` flattens into one batch dimension for ``bmm`` without copies. Chunk states are
+``[B, H, n, K, V]``: the state *entering* each chunk. Conversions between the layouts are fused
+with a dtype cast and an element-wise factor (one pass over the data).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def autocast_off(fn):
+    r"""Run a ``forward``/``backward`` of the chunk ``Function``\ s with autocast disabled: they
+    compute in the dtype they were given (float32 for float32/bf16/fp16 inputs, float64 for
+    float64), so under ``torch.autocast`` states still accumulate in float32."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        dev = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        with torch.autocast(device_type=dev, enabled=False):
+            return fn(ctx, *args)
+
+    return wrapper
+
+
+def to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype, factor=None, divide: bool = False) -> torch.Tensor:
+    """``[B, T, H, *D]`` (``D`` empty for scalar gates) → ``[B, H, n, C, D or 1]`` in ``dtype``,
+    times (or, with ``divide``, divided by) ``factor`` (a number, or a tensor broadcastable to
+    ``[B, H, n, C, D]``), in one pass."""
+    if x.ndim == 3:
+        x = x[..., None]
+    B, T, H, D = x.shape
+    n = -(-T // C)
+    out = x.new_empty(B, H, n * C, D, dtype=dtype)
+    if n * C != T:
+        out[:, :, T:].zero_()
+    src, dst = x.transpose(1, 2), out[:, :, :T]
+    if factor is None or (not isinstance(factor, torch.Tensor) and factor == 1.0):
+        dst.copy_(src)
+    else:
+        if isinstance(factor, torch.Tensor):
+            factor = unchunk(factor, T)
+        (torch.div if divide else torch.mul)(src, factor, out=dst)
+    return out.view(B, H, n, C, D)
+
+
+def unchunk(y: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, n, C, D]`` → ``[B, H, T, D]`` (a view, padding dropped)."""
+    B, H, n, C, D = y.shape
+    return y.view(B, H, n * C, D)[:, :, :T]
+
+
+def raw_empty(like: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new ``[B, T, H, *D]`` tensor (``like = (shape, dtype)``) and its ``[B, H, T, D]`` view."""
+    shape, dtype = like
+    out = torch.empty(shape, dtype=dtype, device=device)
+    view = out[..., None] if out.ndim == 3 else out
+    return out, view.transpose(1, 2)
+
+
+#: Per-group budget (bytes of one ``[heads, n, C, max(K, V, C)]`` temporary) for :func:`head_groups`.
+GROUP_BYTES = 1 << 21
+
+
+def head_groups(B: int, H: int, per_head: int):
+    """Split the ``B · H`` heads into groups of ``hg`` heads of one batch row (``hg`` the largest
+    divisor of ``H`` whose temporaries stay within :data:`GROUP_BYTES`; ``per_head`` bytes each).
+    Yields ``(b, h0, h1, i0, i1)`` (``i`` indexes the flattened ``B · H`` dim).
+
+    The backward passes handle their post-scan work group by group: each group's temporaries are
+    small and the same size as the last group's, so the allocator recycles them instead of mapping
+    fresh pages (whose first touch costs page faults), and they stay in cache between the matmuls
+    that use them."""
+    hg = max((d for d in range(1, H + 1) if H % d == 0 and d * per_head <= GROUP_BYTES), default=1)
+    for b in range(B):
+        for h0 in range(0, H, hg):
+            yield b, h0, h0 + hg, b * H + h0, b * H + h0 + hg
+
+
+def unchunk_heads(y: torch.Tensor, T: int) -> torch.Tensor:
+    """``[G, n, C, D]`` → ``[G, T, D]`` (a view, padding dropped)."""
+    return y.reshape(y.shape[0], -1, y.shape[-1])[:, :T]
+
+
+def b3(x: torch.Tensor) -> torch.Tensor:
+    """``[..., m, p]`` → ``[N, m, p]``; a view for the layouts used here (leading dims contiguous)."""
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched ``a @ b`` over identical leading dims (one ``bmm``; transposed views cost nothing),
+    optionally into ``out`` (contiguous, of the result's shape: reusing a dead buffer saves a fresh
+    allocation, whose first touch costs page faults)."""
+    if out is not None:
+        torch.bmm(b3(a), b3(b), out=b3(out))
+        return out
+    return torch.bmm(b3(a), b3(b)).view(*a.shape[:-1], b.shape[-1])
+
+
+def mm_add_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c += a @ b`` in place (one ``baddbmm_``, no new buffer; ``c`` contiguous); returns ``c``."""
+    b3(c).baddbmm_(b3(a), b3(b))
+    return c
+
+
+def tril_mask(C: int, device, diagonal: int = 0) -> torch.Tensor:
+    return torch.ones(C, C, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def rev_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``y_t = Σ_{u ≥ t} x_u`` along ``dim``."""
+    return x.flip(dim).cumsum(dim).flip(dim)
+
+
+def rev_cumsum_rows(x: torch.Tensor) -> torch.Tensor:
+    """``y[..., t, :] = Σ_{u ≥ t} x[..., u, :]`` for ``x: [..., C, G]``. For wide rows one
+    ``[C, C]`` matmul per block with an upper-triangular matrix of ones (several times faster on
+    CPUs than ``flip``/``cumsum``/``flip`` along a non-innermost dim)."""
+    C, G = x.shape[-2], x.shape[-1]
+    if G < 8:
+        return rev_cumsum(x, -2)
+    ones = torch.ones(C, C, dtype=x.dtype, device=x.device).triu_()
+    return torch.matmul(ones, x)
+
+
+def scan_decay_(S0: torch.Tensor, dS: torch.Tensor, lam: torch.Tensor | None):
+    """States entering each chunk for ``S_{i+1} = lam_i ⊙ S_i + dS_i`` (``lam`` None: 1),
+    written over ``dS`` (which is consumed). A loop over chunks: ``cumsum`` along the chunk axis
+    (stride ``K·V``) is several times slower on CPUs than ``n`` small adds.
+
+    ``S0: [B, H, K, V]``, ``dS: [B, H, n, K, V]``, ``lam: [B, H, n, K or 1, 1]``.
+    Returns ``(states [B, H, n, K, V], final [B, H, K, V])``.
+    """
+    S = S0
+    for i in range(dS.shape[2]):
+        d = dS[:, :, i]
+        S_next = d + S if lam is None else torch.addcmul(d, lam[:, :, i], S)
+        d.copy_(S)
+        S = S_next
+    return dS, S
+
+
+def scan_decay_reverse_(dSf: torch.Tensor, R: torch.Tensor, lam: torch.Tensor | None):
+    """Reverse pass of :func:`scan_decay_`: ``G_i = lam_i ⊙ G_{i+1} + R_i`` with ``G_n = dSf``.
+
+    ``R: [B, H, n, K, V]`` is the gradient reaching each entering state from its own chunk; it is
+    consumed. Returns ``(Gs, dS0)``: ``Gs[:, :, i] = G_{i+1}`` (the gradient of the state leaving
+    chunk ``i``), written over ``R``, and ``dS0 = G_0``.
+    """
+    G = dSf
+    for i in range(R.shape[2] - 1, -1, -1):
+        r = R[:, :, i]
+        G_prev = r + G if lam is None else torch.addcmul(r, lam[:, :, i], G)
+        r.copy_(G)
+        G = G_prev
+    return R, G
+
+
+def scan_matrix(S0: torch.Tensor, D: torch.Tensor, M: torch.Tensor):
+    """States entering each chunk for ``S_{i+1} = M_i S_i + D_i`` (a loop over chunks).
+
+    ``S0: [B, H, K, V]``, ``D: [B, H, n, K, V]``, ``M: [B, H, n, K, K]`` (views with any row
+    stride). Returns ``(states [B, H, n, K, V], final [B, H, K, V])``.
+    """
+    B, H, n, K, V = D.shape
+    states = torch.empty(B, H, n, K, V, dtype=D.dtype, device=D.device)
+    S = S0.reshape(B * H, K, V)
+    for i in range(n):
+        states[:, :, i] = S.view(B, H, K, V)
+        S = torch.baddbmm(D[:, :, i].reshape(B * H, K, V), M[:, :, i].reshape(B * H, K, K), S)
+    return states, S.view(B, H, K, V)
+
+
+def scan_matrix_reverse_(dSf: torch.Tensor, R: torch.Tensor, M: torch.Tensor):
+    """Reverse pass of :func:`scan_matrix`: ``G_i = M_iᵀ G_{i+1} + R_i``, ``G_n = dSf``; ``R`` is
+    consumed. Returns ``(Gs, dS0)`` with ``Gs[:, :, i] = G_{i+1}`` written over ``R`` and
+    ``dS0 = G_0``."""
+    B, H, n, K, V = R.shape
+    G = dSf.reshape(B * H, K, V)
+    for i in range(n - 1, -1, -1):
+        r = R[:, :, i]
+        G_prev = torch.baddbmm(r.reshape(B * H, K, V), M[:, :, i].reshape(B * H, K, K).mT, G)
+        r.copy_(G.view(B, H, K, V))
+        G = G_prev
+    return R, G.view(B, H, K, V)
+
+
+def next_state_dots(Gs: torch.Tensor, states: torch.Tensor, S_final: torch.Tensor) -> torch.Tensor:
+    """``⟨G_{i+1}, S_{i+1}⟩`` summed over ``V`` → ``[B, H, n, K]``: ``Gs[:, :, i]`` against the state
+    leaving chunk ``i`` (``states[:, :, i + 1]``, the final state for the last chunk)."""
+    out = Gs.new_empty(Gs.shape[:-1])
+    out[:, :, :-1] = torch.linalg.vecdot(Gs[:, :, :-1], states[:, :, 1:])
+    out[:, :, -1] = torch.linalg.vecdot(Gs[:, :, -1], S_final)
+    return out
+
+
+def unit_lower_inverse_(A: torch.Tensor) -> torch.Tensor:
+    """``A⁻¹`` for unit lower-triangular ``A: [..., C, C]`` (contiguous; overwritten when ``C`` is a
+    power of two, else padded with an identity block to one), by recursive 2×2 blocking:
+
+        [[A11, 0], [A21, A22]]⁻¹ = [[A11⁻¹, 0], [−A22⁻¹ A21 A11⁻¹, A22⁻¹]]
+
+    applied bottom-up (diagonal blocks of 2, 4, … rows), each level one batched matmul pair over
+    all blocks of all matrices: ``log2 C`` levels and ``2C³/3`` flops per matrix (a third of a
+    ``C × C`` product). Batched LAPACK solves instead loop over the matrices one call at a time,
+    which is slow for many small matrices and stalls badly when threads are oversubscribed.
+    """
+    *lead, C, _ = A.shape
+    P2 = 1 << max(C - 1, 0).bit_length()
+    if P2 == C:
+        X = A
+    else:
+        X = torch.zeros(*lead, P2, P2, dtype=A.dtype, device=A.device)
+        X[..., :C, :C] = A
+        X[..., C:, C:].diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    Xf = X.view(-1, P2, P2)
+    m = 1
+    while m < P2:
+        nb = P2 // (2 * m)
+        # the nb diagonal blocks of size 2m of every matrix: [N, nb, 2m, 2m] (a strided view)
+        D = torch.diagonal(Xf.view(-1, nb, 2 * m, nb, 2 * m), dim1=1, dim2=3).permute(0, 3, 1, 2)
+        if m == 1:  # 1×1 diagonal blocks are 1
+            D[..., 1:, :1].neg_()
+        else:
+            Dc = D.reshape(-1, 2 * m, 2 * m)  # a compact copy of the blocks
+            D[..., m:, :m].copy_(
+                torch.bmm(torch.bmm(Dc[:, m:, m:], Dc[:, m:, :m]), Dc[:, :m, :m])
+                .neg_()
+                .view(D.shape[0], nb, m, m)
+            )
+        m *= 2
+    return X if P2 == C else X[..., :C, :C]
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Σ_j a[..., i, j] b[..., i, j]`` → ``[..., i]`` as a batch of 1×1 matmuls (no product
+    tensor is materialised)."""
+    m = a.shape[-1]
+    return torch.bmm(a.reshape(-1, 1, m), b.reshape(-1, m, 1)).view(a.shape[:-1])
