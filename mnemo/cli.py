@@ -25,6 +25,10 @@ _TRAIN_FLAGS = {
     "precision": "precision",
     "sample_tokens": "sample_tokens",
     "tensorboard": "tensorboard",
+    "task": "task",
+    "optimizer": "optimizer",
+    "track_circuits": "track_circuits",
+    "circuit_length": "circuit_length",
 }
 _MODEL_FLAGS = {"d_model": "d_model", "n_layers": "n_layers"}
 
@@ -39,6 +43,28 @@ def _default_out(model: str) -> Path:
     return Path(f"{base}-{i}")
 
 
+def _parse_task_options(items: list[str] | None) -> dict:
+    """``["num_pairs=8", "filler=pad"]`` -> ``{"num_pairs": 8, "filler": "pad"}`` (YAML scalars)."""
+    import yaml
+
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--task-option expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def _parse_lengths(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
+
+
 def _cmd_train(args) -> int:
     from .train import TrainConfig, Trainer, load_config_file
 
@@ -47,6 +73,12 @@ def _cmd_train(args) -> int:
         value = getattr(args, flag)
         if value is not None:
             d[fld] = value
+    task_options = _parse_task_options(args.task_option)
+    if task_options:
+        d["task_options"] = {**(d.get("task_options") or {}), **task_options}
+    lengths = _parse_lengths(args.eval_lengths, "--eval-lengths")
+    if lengths is not None:
+        d["eval_lengths"] = lengths
     overrides = dict(d.get("model_overrides") or {})
     for flag, fld in _MODEL_FLAGS.items():
         value = getattr(args, flag)
@@ -83,9 +115,15 @@ def _cmd_train(args) -> int:
         torch.set_num_threads(args.threads)
     trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress)
     n_params = trainer.model.num_parameters()
+    if trainer.task is None:
+        source = (
+            f"data {trainer.cfg.data} ({trainer.train_data.ids.numel():,} train / "
+            f"{trainer.val_data.ids.numel():,} val tokens)"
+        )
+    else:
+        source = f"task {trainer.cfg.task} {trainer.task.options()} (vocab {trainer.task.vocab_size})"
     print(
-        f"mnemo train: model {trainer.cfg.model} ({n_params / 1e6:.2f}M parameters), data {trainer.cfg.data} "
-        f"({trainer.train_data.ids.numel():,} train / {trainer.val_data.ids.numel():,} val tokens), "
+        f"mnemo train: model {trainer.cfg.model} ({n_params / 1e6:.2f}M parameters), {source}, "
         f"{trainer.cfg.steps} steps of {trainer.cfg.batch_size}x{trainer.cfg.seq_len} tokens -> {out}",
         flush=True,
     )
@@ -94,6 +132,10 @@ def _cmd_train(args) -> int:
     record = trainer.fit()
     if record:
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
+    if trainer.task is not None:
+        print(f"checkpoint: {trainer.last_checkpoint}")
+        print(f"try: mnemo eval --checkpoint {out} --length {4 * trainer.cfg.seq_len}")
+        return 0
     if trainer.cfg.sample_tokens > 0:
         print("\n--- sample ---")
         print(trainer.sample())
@@ -114,16 +156,67 @@ def _load(checkpoint: str, device: str):
     return ckpt, model, tok
 
 
+def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
+    from .models import LanguageModel
+    from .train import TrainConfig
+    from .train.task_eval import evaluate_task
+
+    cfg = TrainConfig.from_dict(tcfg)
+    task = cfg.build_task()
+    lengths = _parse_lengths(args.length, "--length") or [args.seq_len or cfg.seq_len]
+    for L in lengths:
+        task.check_length(L, "--length")
+    model = LanguageModel.from_pretrained(ckpt, map_location=args.device)
+    if model.config.pos_embedding == "learned" and max(lengths) > model.config.max_position:
+        raise ValueError(
+            f"--length: {max(lengths)} tokens exceed the model's learned positions "
+            f"(max_position = {model.config.max_position})"
+        )
+    num = args.num_samples or cfg.eval_batches * cfg.batch_size
+    res = evaluate_task(
+        model,
+        task,
+        lengths,
+        num_samples=num,
+        batch_size=args.batch_size,
+        train_len=cfg.seq_len,
+        seed=cfg.seed,
+        device=args.device,
+    )
+    for L in lengths:
+        r = res[L]
+        print(
+            json.dumps(
+                {
+                    "checkpoint": str(ckpt),
+                    "task": cfg.task,
+                    "length": L,
+                    "sequences": num,
+                    "val_loss": r["loss"],
+                    "val_acc": r["acc"],
+                    "val_seq_acc": r["seq_acc"],
+                }
+            )
+        )
+    return 0
+
+
 def _cmd_eval(args) -> int:
     import math
 
     import torch
 
     from .data import TokenStream, load_text, split_text
+    from .train import resolve_checkpoint
     from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
-    ckpt, model, tok = _load(args.checkpoint, args.device)
+    ckpt = resolve_checkpoint(args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    if tcfg.get("task"):
+        return _cmd_eval_task(args, ckpt, tcfg)
+    if args.length or args.num_samples:
+        raise ValueError("--length and --num-samples apply to task checkpoints (trained with --task)")
+    ckpt, model, tok = _load(str(ckpt), args.device)
     data = args.data or tcfg.get("data", "tinyshakespeare")
     seq_len = args.seq_len or tcfg.get("seq_len", 128)
     text = load_text(data)
@@ -188,6 +281,8 @@ def _cmd_models(args) -> int:
 def _cmd_bench(args) -> int:
     if args.suite == "peers":
         from .bench.peers import main as bench_main
+    elif args.suite == "decode":
+        from .bench.decode import main as bench_main
     else:
         from .bench.ops import main as bench_main
     return bench_main(args)
@@ -220,23 +315,53 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup-steps", type=int)
     t.add_argument("--tokenizer", choices=["char", "byte"])
     t.add_argument("--precision", choices=["fp32", "bf16"])
+    t.add_argument("--optimizer", choices=["adamw", "m3"], help="outer optimizer (default adamw)")
     t.add_argument("--d-model", type=int, help="override the model width")
     t.add_argument("--n-layers", type=int, help="override the number of layers")
     t.add_argument("--sample-tokens", type=int, help="characters to sample at the end (0 = none)")
     t.add_argument(
         "--tensorboard", action="store_true", default=None, help="write TensorBoard events to OUT/tb"
     )
+    t.add_argument(
+        "--task",
+        help="train on a synthetic task instead of text (mnemo tasks): mqar, selective_copying, "
+        "induction_heads, passkey, copying",
+    )
+    t.add_argument(
+        "--task-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a task option, e.g. --task-option num_pairs=16 (repeatable; over the config file's)",
+    )
+    t.add_argument("--eval-lengths", help="task runs: also test at these lengths at the end, e.g. 1024,4096")
+    t.add_argument(
+        "--track-circuits",
+        action="store_const",
+        const=True,
+        help="record previous-token/duplicate/induction scores at every evaluation (metrics.jsonl)",
+    )
+    t.add_argument(
+        "--circuit-length", type=int, help="--track-circuits: repeated segment length (default 32)"
+    )
     t.add_argument("--threads", type=int, help="torch intra-op threads")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
 
-    e = sub.add_parser("eval", help="validation loss and bits per character of a checkpoint")
+    e = sub.add_parser(
+        "eval", help="validation loss and bits per character (task runs: accuracy) of a checkpoint"
+    )
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     e.add_argument("--data", help="corpus (default: the one it was trained on)")
     e.add_argument("--full", action="store_true", help="evaluate the whole file, not its validation split")
     e.add_argument("--seq-len", type=int)
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--max-batches", type=int)
+    e.add_argument(
+        "--length", help="task checkpoints: comma-separated test lengths (default: the training length)"
+    )
+    e.add_argument(
+        "--num-samples", type=int, help="task checkpoints: test sequences (default: as in training)"
+    )
     e.add_argument("--device", default="cpu")
     e.set_defaults(func=_cmd_eval)
 
@@ -257,10 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time every op and form against causal SDPA (a table, not a test)")
     b.add_argument(
         "--suite",
-        choices=["ops", "peers"],
+        choices=["ops", "peers", "decode"],
         default="ops",
-        help="ops: every op and form vs causal SDPA; peers: our layers vs installed PyPI peers",
+        help="ops: every op and form vs causal SDPA; peers: ours vs installed PyPI peers; decode: one-token "
+        "decoding speed and memory vs context length",
     )
+    b.add_argument("--dtypes", default="fp32", help="ops suite: fp32 and/or bf16 (comma-separated)")
+    b.add_argument("--contexts", default="1024,4096,16384,65536", help="decode suite: context lengths")
+    b.add_argument("--decode-steps", type=int, default=64, help="decode suite: one-token steps timed")
+    b.add_argument("--d-model", type=int, default=256, help="decode suite: model width")
+    b.add_argument("--n-layers", type=int, default=4, help="decode suite: model depth")
     b.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated T values")
     b.add_argument("--heads", type=int, default=4)
     b.add_argument("--head-dim", type=int, default=64)
@@ -286,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: modules that register more sub-commands (see ``build_parser``)
-_COMMAND_MODULES: list[str] = []
+_COMMAND_MODULES: list[str] = ["mnemo.sweep.cli", "mnemo.nested.continual", "mnemo.interp.probe"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,7 +227,10 @@ TASK_FAST = [
 
 def test_train_and_eval_a_task(tmp_path, capsys):
     out = tmp_path / "mqar"
-    assert main(["train", "--model", "gated_deltanet", "--out", str(out), "--eval-lengths", "64", *TASK_FAST]) == 0
+    assert (
+        main(["train", "--model", "gated_deltanet", "--out", str(out), "--eval-lengths", "64", *TASK_FAST])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "task mqar" in text and "vocab 16" in text and "acc@64" in text
     saved = json.loads((out / "ckpt-000004" / "train_config.json").read_text())
@@ -252,11 +255,34 @@ def test_task_options_from_a_config_file_and_flags(tmp_path):
         "model_overrides: {d_model: 16, n_layers: 1}\n"
     )
     out = tmp_path / "run"
-    argv = ["train", "--config", str(cfg), "--out", str(out), "--model", "mamba", "--task-option", "num_tokens=3"]
-    argv += ["--steps", "2", "--batch-size", "2", "--eval-interval", "2", "--eval-batches", "1", "--no-progress"]
+    argv = [
+        "train",
+        "--config",
+        str(cfg),
+        "--out",
+        str(out),
+        "--model",
+        "mamba",
+        "--task-option",
+        "num_tokens=3",
+    ]
+    argv += [
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--eval-interval",
+        "2",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     saved = json.loads((out / "ckpt-000002" / "train_config.json").read_text())
-    assert saved["task"] == "selective_copying" and saved["task_options"] == {"num_tokens": 3, "vocab_size": 8}
+    assert saved["task"] == "selective_copying" and saved["task_options"] == {
+        "num_tokens": 3,
+        "vocab_size": 8,
+    }
 
 
 @pytest.mark.parametrize(
@@ -265,7 +291,10 @@ def test_task_options_from_a_config_file_and_flags(tmp_path):
         (["train", "--task", "mqr"], "TrainConfig.task: expected None or one of"),
         (["train", "--task", "mqar", "--task-option", "num_pairs"], "--task-option expects KEY=VALUE"),
         (["train", "--task", "mqar", "--task-option", "pairs=3"], "unknown mqar option(s) ['pairs']"),
-        (["train", "--task", "mqar", "--eval-lengths", "1k"], "--eval-lengths expects comma-separated integers"),
+        (
+            ["train", "--task", "mqar", "--eval-lengths", "1k"],
+            "--eval-lengths expects comma-separated integers",
+        ),
         (["train", "--eval-lengths", "512"], "TrainConfig.eval_lengths: expected an empty list when no task"),
         (["report", "/nonexistent.sqlite"], "sweep database not found"),
         (["sweep", "/nonexistent.yaml"], "config file not found"),
@@ -285,7 +314,7 @@ def test_eval_length_on_a_text_checkpoint_is_refused(run_dir, capsys):
 def test_tasks_lists_the_tasks(capsys):
     assert main(["tasks"]) == 0
     names = {line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")}
-    assert names == {"mqar", "selective_copying", "induction_heads", "passkey", "copying"}
+    assert names == {"mqar", "selective_copying", "induction_heads", "passkey", "copying", "repeat_segment"}
 
 
 def test_sweep_then_report_from_the_command_line(tmp_path, capsys):
@@ -324,7 +353,25 @@ def test_sweep_then_report_from_the_command_line(tmp_path, capsys):
 
 
 def test_bench_decode_suite_runs(capsys):
-    assert main(["bench", "--suite", "decode", "--ops", "gla", "--contexts", "64,256", "--decode-steps", "2",
-                 "--d-model", "32", "--n-layers", "1"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--suite",
+                "decode",
+                "--ops",
+                "gla",
+                "--contexts",
+                "64,256",
+                "--decode-steps",
+                "2",
+                "--d-model",
+                "32",
+                "--n-layers",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tokens/s" in out and "4x context" in out

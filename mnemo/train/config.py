@@ -23,7 +23,9 @@ class TrainConfig:
         seq_len, batch_size: training window length and windows per step.
         steps: optimizer steps. lr: peak learning rate; warmup_steps linear warm-up, then cosine
             decay to ``lr · min_lr_ratio`` at ``steps``.
-        weight_decay, beta1, beta2: AdamW (decay on matrices only). grad_clip: max global grad
+        optimizer: ``"adamw"`` or ``"m3"`` (multi-frequency momentum, :class:`mnemo.nested.M3`;
+            ``m3_slow_every`` steps between slow-momentum updates).
+        weight_decay, beta1, beta2: AdamW / M3 (decay on matrices only). grad_clip: max global grad
             norm (``0`` disables).
         eval_interval: evaluate (and log to ``metrics.jsonl``) every this many steps and at the
             end; eval_batches: validation batches per evaluation.
@@ -32,6 +34,21 @@ class TrainConfig:
         precision: ``"fp32"`` or ``"bf16"`` (autocast; states still accumulate in fp32).
         sample_tokens, sample_prompt, sample_temperature: the text sample printed at the end.
         tensorboard: also write TensorBoard event files to ``OUT/tb`` (needs ``tensorboard``).
+        task: a synthetic task name (``mnemo tasks``: ``mqar``, ``selective_copying``,
+            ``induction_heads``, ``passkey``, ``copying``) instead of text; then ``data`` and
+            ``tokenizer`` are unused, the vocabulary comes from the task, batches are drawn from
+            the task's train seed stream, evaluation (loss and accuracy on the supervised
+            positions) uses a fixed test set of ``eval_batches · batch_size`` sequences from the
+            disjoint test seed, and no text sample is printed.
+        task_options: the task's options (e.g. ``{"num_pairs": 8, "vocab_size": 256}``).
+        eval_lengths: further test lengths (tasks only), evaluated at the end of training with the
+            models' streaming chunk/recurrent forms, e.g. ``[1024, 4096]`` for a model trained at
+            256; metrics ``val_acc@L`` and ``val_loss@L``.
+        track_circuits: at every evaluation also record the circuit scores of DESIGN.md §7
+            (previous-token, duplicate-token and induction score, max over heads per layer and
+            overall, on random tokens repeated twice; :class:`mnemo.interp.CircuitTracker`) in
+            ``metrics.jsonl``; ``mnemo probe plot-training OUT`` draws them against the loss.
+        circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens).
     """
 
     model: str = "transformer"
@@ -44,6 +61,8 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
+    optimizer: str = "adamw"
+    m3_slow_every: int = 10
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -58,6 +77,11 @@ class TrainConfig:
     sample_prompt: str = "ROMEO:"
     sample_temperature: float = 0.8
     tensorboard: bool = False
+    task: str | None = None
+    task_options: dict[str, Any] = field(default_factory=dict)
+    eval_lengths: list[int] = field(default_factory=list)
+    track_circuits: bool = False
+    circuit_length: int = 32
 
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the offending field; return self."""
@@ -69,6 +93,14 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(name, "a positive int")
+        if not isinstance(self.track_circuits, bool):
+            bad("track_circuits", "true or false")
+        if (
+            not isinstance(self.circuit_length, int)
+            or isinstance(self.circuit_length, bool)
+            or self.circuit_length < 2
+        ):
+            bad("circuit_length", "an int >= 2")
         for name in ("warmup_steps", "sample_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -89,6 +121,10 @@ class TrainConfig:
             bad("grad_clip", "a non-negative number (0 disables clipping)")
         if self.tokenizer not in ("char", "byte"):
             bad("tokenizer", "'char' or 'byte'")
+        if self.optimizer not in ("adamw", "m3"):
+            bad("optimizer", "'adamw' or 'm3'")
+        if not isinstance(self.m3_slow_every, int) or self.m3_slow_every < 1:
+            bad("m3_slow_every", "a positive int")
         if self.precision not in ("fp32", "bf16"):
             bad("precision", "'fp32' or 'bf16'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -97,7 +133,45 @@ class TrainConfig:
             bad("model_overrides", "a mapping of ModelConfig fields")
         if self.sample_temperature < 0:
             bad("sample_temperature", "a number >= 0")
+        self._validate_task(bad)
         return self
+
+    def _validate_task(self, bad) -> None:
+        if not isinstance(self.task_options, dict):
+            bad("task_options", "a mapping of task options")
+        if not isinstance(self.eval_lengths, (list, tuple)) or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.eval_lengths
+        ):
+            bad("eval_lengths", "a list of positive ints")
+        self.eval_lengths = list(self.eval_lengths)
+        if self.task is None:
+            if self.task_options:
+                bad("task_options", "no options when no task is set (set TrainConfig.task)")
+            if self.eval_lengths:
+                bad("eval_lengths", "an empty list when no task is set (set TrainConfig.task)")
+            return
+        from ..data.tasks import build_task, task_names
+
+        if self.task not in task_names():
+            bad("task", f"None or one of {task_names()}")
+        try:
+            task = build_task(self.task, self.task_options)
+        except ValueError as e:
+            raise ValueError(f"TrainConfig.task_options: {e}") from None
+        for name, lengths in (("seq_len", [self.seq_len]), ("eval_lengths", self.eval_lengths)):
+            for L in lengths:
+                try:
+                    task.check_length(L, f"TrainConfig.{name}")
+                except ValueError as e:
+                    raise ValueError(str(e)) from None
+
+    def build_task(self):
+        """The :class:`~mnemo.data.tasks.Task` of this run (``None`` for text)."""
+        if self.task is None:
+            return None
+        from ..data.tasks import build_task
+
+        return build_task(self.task, self.task_options)
 
     @property
     def ckpt_every(self) -> int:

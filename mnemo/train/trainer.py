@@ -13,9 +13,11 @@ from safetensors.torch import save_model
 from tqdm.auto import tqdm
 
 from ..data import TokenStream, build_tokenizer, load_text, split_text
+from ..data.tasks import IGNORE_INDEX, make_generator
 from ..data.tokenizer import load_tokenizer, save_tokenizer
 from ..models import LanguageModel, build_config
 from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
+from ..ops._common import NonFiniteError
 from .checkpoint import (
     STATE_NAME,
     TRAIN_CONFIG_NAME,
@@ -27,6 +29,7 @@ from .checkpoint import (
     save_torch,
 )
 from .config import TrainConfig
+from .task_eval import evaluate_task
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -34,13 +37,17 @@ METRICS_NAME = "metrics.jsonl"
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN/inf; ``step`` is the step it happened at."""
 
-    def __init__(self, step: int, what: str, value: float, last_checkpoint: Path | None):
+    def __init__(
+        self, step: int, what: str, value: float, last_checkpoint: Path | None, detail: str | None = None
+    ):
         self.step, self.what, self.value = step, what, value
         where = (
             f"the last good checkpoint is {last_checkpoint}"
             if last_checkpoint
             else "no checkpoint was written yet"
         )
+        if detail:
+            where = f"{detail}; {where}"
         super().__init__(
             f"training stopped at step {step}: the {what} became {value} ({where}); "
             "try a lower --lr, a smaller model, or --precision fp32"
@@ -56,7 +63,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices (``ndim >= 2``) only."""
+    """AdamW (or M3) with weight decay on matrices (``ndim >= 2``) only."""
     decay, no_decay, seen = [], [], set()
     for p in model.parameters():
         if id(p) in seen or not p.requires_grad:
@@ -67,11 +74,21 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cfg.optimizer == "m3":
+        from ..nested import M3
+
+        return M3(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2, 0.99), slow_every=cfg.m3_slow_every)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 class Trainer:
-    """Train a registered model on a text corpus; see :class:`TrainConfig` for every option.
+    """Train a registered model on a text corpus or a synthetic task; see :class:`TrainConfig`.
+
+    With ``cfg.task`` set, training batches come from the task generator (seeded with the run's
+    train seed; its state is checkpointed, so resume stays exact), the loss covers only the
+    supervised positions, and each evaluation reports ``val_loss``, ``val_acc`` (token accuracy on
+    the supervised positions) and ``val_seq_acc`` on a fixed test set drawn from the disjoint test
+    seed; the final evaluation adds ``val_acc@L`` / ``val_loss@L`` for every ``cfg.eval_lengths``.
 
     ``Trainer(cfg, out_dir, resume=False).fit()`` returns the final evaluation record. With
     ``resume=True`` it continues from ``out_dir``'s latest checkpoint and reproduces, step for
@@ -114,30 +131,52 @@ class Trainer:
                 "sample_prompt",
                 "sample_temperature",
                 "tensorboard",
+                "eval_lengths",
+                "track_circuits",
+                "circuit_length",
             ):
                 setattr(saved, name, getattr(cfg, name))
             cfg = saved.validate()
             state = load_trainer_state(ckpt)
         self.cfg = cfg.validate()
 
-        text = load_text(cfg.data)
-        if state is not None:
-            self.tokenizer = load_tokenizer(ckpt)
+        self.task = cfg.build_task()
+        self._test_sets: dict = {}
+        if self.task is None:
+            text = load_text(cfg.data)
+            if state is not None:
+                self.tokenizer = load_tokenizer(ckpt)
+            else:
+                self.tokenizer = build_tokenizer(cfg.tokenizer, text)
+            train_text, val_text = split_text(text)
+            self.val_chars = len(val_text)
+            self.train_data = TokenStream(self.tokenizer.encode(train_text), cfg.seq_len)
+            self.val_data = TokenStream(self.tokenizer.encode(val_text), cfg.seq_len)
+            vocab_size = self.tokenizer.vocab_size
         else:
-            self.tokenizer = build_tokenizer(cfg.tokenizer, text)
-        train_text, val_text = split_text(text)
-        self.val_chars = len(val_text)
-        self.train_data = TokenStream(self.tokenizer.encode(train_text), cfg.seq_len)
-        self.val_data = TokenStream(self.tokenizer.encode(val_text), cfg.seq_len)
+            self.tokenizer = self.train_data = self.val_data = None
+            vocab_size = self.task.vocab_size
 
         torch.manual_seed(cfg.seed)
-        model_cfg = build_config(cfg.model, vocab_size=self.tokenizer.vocab_size, **cfg.model_overrides)
+        model_cfg = build_config(cfg.model, vocab_size=vocab_size, **cfg.model_overrides)
+        if model_cfg.pos_embedding == "learned":
+            longest = max([cfg.seq_len, *cfg.eval_lengths])
+            if longest > model_cfg.max_position:
+                name = "eval_lengths" if longest > cfg.seq_len else "seq_len"
+                raise ValueError(
+                    f"TrainConfig.{name}: {longest} tokens exceed the learned positions of model "
+                    f"{cfg.model!r} (max_position = {model_cfg.max_position}); raise "
+                    "model_overrides.max_position"
+                )
         self.model = LanguageModel(model_cfg).to(self.device)
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
         )
-        self.generator = torch.Generator().manual_seed(cfg.seed + 1)
+        if self.task is None:
+            self.generator = torch.Generator().manual_seed(cfg.seed + 1)
+        else:
+            self.generator = make_generator(cfg.seed, "train")
         self.step = 0
         self.last_checkpoint: Path | None = None
         self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
@@ -153,6 +192,10 @@ class Trainer:
             self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
             self.last_checkpoint = ckpt
             self._truncate_metrics(self.step)
+        if cfg.track_circuits:
+            from ..interp.probe import CircuitTracker
+
+            self.callbacks.append(CircuitTracker(length=cfg.circuit_length))
         self.tb = None
         if cfg.tensorboard:
             try:
@@ -170,8 +213,15 @@ class Trainer:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def evaluate(self, max_batches: int | None = None) -> dict:
-        """Mean validation loss (nats/token) and bits per character over ``max_batches`` batches."""
+    def evaluate(self, max_batches: int | None = None, *, lengths: list[int] | None = None) -> dict:
+        """Mean validation loss (nats/token) and bits per character over ``max_batches`` batches.
+
+        For a task: ``val_loss``, ``val_acc`` and ``val_seq_acc`` on the supervised positions of
+        ``max_batches · batch_size`` test sequences (all ``eval_batches`` when ``None``), plus
+        ``val_loss@L``, ``val_acc@L`` and ``val_seq_acc@L`` for each of ``lengths``.
+        """
+        if self.task is not None:
+            return self._evaluate_task(max_batches, lengths or [])
         was = self.model.training
         self.model.eval()
         total, count = 0.0, 0
@@ -189,13 +239,39 @@ class Trainer:
         tokens_per_char = self.val_data.ids.numel() / max(self.val_chars, 1)
         return {"val_loss": val_loss, "val_bpc": val_loss * tokens_per_char / math.log(2)}
 
+    def _evaluate_task(self, max_batches: int | None, lengths: list[int]) -> dict:
+        cfg = self.cfg
+        n = cfg.batch_size * (cfg.eval_batches if max_batches is None else min(max_batches, cfg.eval_batches))
+        wanted = [cfg.seq_len] + [L for L in lengths if L != cfg.seq_len]
+        res = evaluate_task(
+            self.model,
+            self.task,
+            wanted,
+            num_samples=n,
+            batch_size=cfg.batch_size,
+            train_len=cfg.seq_len,
+            seed=cfg.seed,
+            device=self.device,
+            autocast=self._autocast,
+            cache=self._test_sets,
+        )
+        main = res[cfg.seq_len]
+        out = {"val_loss": main["loss"], "val_acc": main["acc"], "val_seq_acc": main["seq_acc"]}
+        for L in lengths:
+            r = res[L]
+            out.update(
+                {f"val_loss@{L}": r["loss"], f"val_acc@{L}": r["acc"], f"val_seq_acc@{L}": r["seq_acc"]}
+            )
+        return out
+
     def _write_checkpoint(self) -> Path:
         cfg = self.cfg
 
         def write(tmp: Path):
             self.model.config.save(tmp / CONFIG_NAME)
             save_model(self.model, str(tmp / WEIGHTS_NAME))
-            save_tokenizer(self.tokenizer, tmp)
+            if self.tokenizer is not None:
+                save_tokenizer(self.tokenizer, tmp)
             (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
             save_torch(
                 {
@@ -238,11 +314,21 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step on a fresh batch; returns the loss. Raises :class:`TrainingDiverged`."""
         cfg = self.cfg
-        x, y = self.train_data.sample(cfg.batch_size, self.generator)
+        if self.task is None:
+            x, y = self.train_data.sample(cfg.batch_size, self.generator)
+        else:
+            x, y = self.task.generate(cfg.batch_size, cfg.seq_len, self.generator)
         x, y = x.to(self.device), y.to(self.device)
-        with self._autocast():
-            logits, _ = self.model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        try:
+            with self._autocast():
+                logits, _ = self.model(x)
+        except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
+            raise TrainingDiverged(
+                self.step + 1, "loss", math.nan, self.last_checkpoint, detail=f"in the forward pass: {e}"
+            ) from e
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX
+        )
         value = loss.item()
         if not math.isfinite(value):
             raise TrainingDiverged(self.step + 1, "loss", value, self.last_checkpoint)
@@ -294,7 +380,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
                 last = self.step == cfg.steps
                 if self.step % cfg.eval_interval == 0 or last:
-                    ev = self.evaluate(cfg.eval_batches)
+                    ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
                     record = {
                         "step": self.step,
                         "train_loss": self._acc_loss / max(self._acc_n, 1),
@@ -308,9 +394,15 @@ class Trainer:
                         if extra:
                             record.update(extra)
                     self._log_metrics(record)
+                    if self.task is None:
+                        quality = f"({ev['val_bpc']:.3f} bpc)"
+                    else:
+                        quality = f"acc {ev['val_acc']:.4f}" + "".join(
+                            f"  acc@{L} {ev[f'val_acc@{L}']:.4f}" for L in cfg.eval_lengths if last
+                        )
                     bar.write(
                         f"step {self.step:>6}  train {record['train_loss']:.4f}  val {ev['val_loss']:.4f} "
-                        f"({ev['val_bpc']:.3f} bpc)  {record['tokens_per_s']:,.0f} tok/s"
+                        f"{quality}  {record['tokens_per_s']:,.0f} tok/s"
                     )
                     self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
                 if self.step % cfg.ckpt_every == 0 or last or self.step == stop:
@@ -329,8 +421,10 @@ class Trainer:
         seed: int | None = None,
         temperature: float | None = None,
     ) -> str:
-        """Generate text from ``prompt`` with the current model."""
+        """Generate text from ``prompt`` with the current model (text runs only)."""
         cfg = self.cfg
+        if self.tokenizer is None:
+            raise ValueError(f"no text to sample: this run trains on the task {cfg.task!r}")
         return generate_text(
             self.model,
             self.tokenizer,

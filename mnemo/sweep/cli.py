@@ -1,0 +1,96 @@
+"""``mnemo sweep``, ``mnemo report`` and ``mnemo tasks`` (registered through
+``mnemo.cli._COMMAND_MODULES``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _cmd_sweep(args) -> int:
+    from .runner import default_paths, run_sweep
+    from .spec import SweepSpec
+
+    spec = SweepSpec.load(args.config)
+    db, out = default_paths(spec)
+    db = Path(args.db) if args.db else db
+    out = Path(args.out) if args.out else out
+    runs = spec.runs()
+    if args.list:
+        from .db import SweepDB
+
+        finished = SweepDB(db).finished_ids() if db.is_file() else set()
+        for r in runs:
+            mark = "done" if r.run_id in finished else "todo"
+            print(f"{r.run_id}  {mark}  {r.label}  {r.cell}  {r.tuned}")
+        return 0
+    cells = len({r.cell_key for r in runs})
+    print(
+        f"mnemo sweep: {spec.name}: {len(runs)} runs in {cells} cells -> {db} (run directories in {out}), "
+        f"{args.jobs} job(s) x {args.threads} thread(s)",
+        flush=True,
+    )
+    counts = run_sweep(spec, db, out, jobs=args.jobs, threads=args.threads, progress=not args.no_progress)
+    print(
+        f"sweep {spec.name}: {counts['total']} runs, {counts['skipped']} already finished, "
+        f"ran {counts['ran']} ({counts['done']} done, {counts['diverged']} diverged, "
+        f"{counts['failed']} failed)"
+    )
+    print(f"try: mnemo report {db}")
+    return 1 if counts["failed"] else 0
+
+
+def _cmd_report(args) -> int:
+    from .report import write_report
+
+    result = write_report(args.db, args.out, sweep=args.sweep, metric=args.metric, plots=not args.no_plots)
+    for r in result.values():
+        print(r["markdown"])
+        for f in r["files"]:
+            print(f"wrote {f}")
+    return 0
+
+
+def _cmd_tasks(args) -> int:
+    from ..data.tasks import TASKS, build_task, task_names
+
+    for name in task_names():
+        t = build_task(name)
+        opts = ", ".join(f"{k}={v!r}" for k, v in t.options().items())
+        print(f"{name:<18}  vocab {t.vocab_size:<4} min length {t.min_length:<4} {TASKS[name].paper}")
+        print(f"{'':<18}  options: {opts}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Add ``sweep``, ``report`` and ``tasks`` to the ``mnemo`` sub-command parser."""
+    s = sub.add_parser(
+        "sweep",
+        help="run a grid of training runs from a YAML file (resumable; results in SQLite)",
+        description="Run every run of a sweep file that the database does not hold as finished. "
+        "A killed sweep continues where it stopped; see configs/sweeps/*.yaml.",
+    )
+    s.add_argument("config", help="sweep YAML file (configs/sweeps/mqar.yaml, ...)")
+    s.add_argument("--db", help="SQLite database (default: the file's 'db', else runs/sweeps/NAME.sqlite)")
+    s.add_argument("--out", help="run directories (default: the file's 'out', else runs/sweeps/NAME/)")
+    s.add_argument("--jobs", type=int, default=1, help="runs trained at once, in worker processes (1)")
+    s.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
+    s.add_argument(
+        "--list", action="store_true", help="list the runs and whether each is done; train nothing"
+    )
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=_cmd_sweep)
+
+    r = sub.add_parser(
+        "report", help="markdown table and plots (accuracy vs state size / test length) of a sweep DB"
+    )
+    r.add_argument("db", help="the sweep's SQLite database")
+    r.add_argument(
+        "--out", help="directory for NAME.md and the PNG plots (default: DB_STEM_report/ next to DB)"
+    )
+    r.add_argument("--sweep", help="only this sweep (a database may hold several)")
+    r.add_argument("--metric", default="val_acc", choices=["val_acc", "val_seq_acc", "val_loss"])
+    r.add_argument("--no-plots", action="store_true", help="only the markdown table")
+    r.set_defaults(func=_cmd_report)
+
+    t = sub.add_parser("tasks", help="list the synthetic tasks and their options")
+    t.set_defaults(func=_cmd_tasks)

@@ -1,0 +1,105 @@
+"""The sweep database: one SQLite row per run (config, status, metrics, state size, wall time)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,          -- hash of the full run config
+    sweep TEXT NOT NULL,              -- the sweep name
+    label TEXT NOT NULL,              -- the model entry's label
+    model TEXT NOT NULL,              -- the registry name
+    cell TEXT NOT NULL,               -- JSON: label + non-tuned grid values
+    tuned TEXT NOT NULL,              -- JSON: tuned grid values (e.g. {"lr": 0.003})
+    config TEXT NOT NULL,             -- JSON: the TrainConfig fields
+    status TEXT NOT NULL,             -- 'done' | 'diverged' | 'failed'
+    metrics TEXT,                     -- JSON: the final evaluation record
+    val_acc REAL,
+    val_loss REAL,
+    state_size_bytes INTEGER,         -- decoding state per sequence at the training length
+    n_params INTEGER,
+    wall_time_s REAL,                 -- wall time of the run (summed over resumed pieces)
+    error TEXT,
+    finished_at TEXT
+)
+"""
+
+#: a run in one of these states is not run again
+FINISHED = ("done", "diverged")
+
+
+class SweepDB:
+    """A thin wrapper over an SQLite file (created on first use, with its parent directory)."""
+
+    def __init__(self, path: str | Path, create: bool = True):
+        self.path = Path(path)
+        if not create and not self.path.is_file():
+            raise FileNotFoundError(f"sweep database not found: {str(path)!r}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(str(self.path), timeout=30)
+        self.conn.row_factory = sqlite3.Row
+        try:
+            with self.conn:
+                self.conn.execute(SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise ValueError(f"{self.path} is not a sweep database: {e}") from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def finished_ids(self) -> set[str]:
+        rows = self.conn.execute(
+            f"SELECT run_id FROM runs WHERE status IN ({','.join('?' * len(FINISHED))})", FINISHED
+        )
+        return {r["run_id"] for r in rows}
+
+    def record(self, sweep: str, run, result: dict) -> None:
+        """Insert or replace the row of ``run`` (a :class:`~mnemo.sweep.spec.Run`) with ``result``
+        (``status``, ``metrics``, ``state_size_bytes``, ``n_params``, ``wall_time_s``, ``error``)."""
+        m = result.get("metrics") or {}
+        with self.conn:
+            self.conn.execute(
+                "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    run.run_id,
+                    sweep,
+                    run.label,
+                    run.config.get("model", "transformer"),
+                    json.dumps(run.cell, sort_keys=True),
+                    json.dumps(run.tuned, sort_keys=True),
+                    json.dumps(run.config, sort_keys=True),
+                    result["status"],
+                    json.dumps(m),
+                    m.get("val_acc"),
+                    m.get("val_loss"),
+                    result.get("state_size_bytes"),
+                    result.get("n_params"),
+                    result.get("wall_time_s"),
+                    result.get("error"),
+                    time.strftime("%Y-%m-%d %H:%M:%S"),
+                ),
+            )
+
+    def rows(self, sweep: str | None = None) -> list[dict]:
+        """All rows (of one sweep), JSON columns decoded."""
+        q = "SELECT * FROM runs" + (" WHERE sweep = ?" if sweep else "") + " ORDER BY rowid"
+        out = []
+        for r in self.conn.execute(q, (sweep,) if sweep else ()):
+            d = dict(r)
+            for k in ("cell", "tuned", "config", "metrics"):
+                d[k] = json.loads(d[k]) if d[k] else {}
+            out.append(d)
+        return out
+
+    def sweeps(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT DISTINCT sweep FROM runs ORDER BY sweep")]

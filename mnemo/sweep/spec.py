@@ -1,0 +1,199 @@
+"""Sweep specifications: a YAML grid of :class:`~mnemo.train.TrainConfig` runs.
+
+A sweep file looks like::
+
+    name: mqar                       # names the database rows and the default output paths
+    description: ...                 # free text (optional)
+    metric: val_acc                  # chooses the best run of each cell (higher is better)
+    base:                            # TrainConfig fields shared by every run
+      task: mqar
+      seq_len: 128
+      task_options: {num_pairs: 8}
+      model_overrides: {d_model: 64, n_layers: 2}
+    models:                          # registry names, or mappings of TrainConfig fields + label
+      - transformer
+      - label: gated_deltanet-h1     # a variant: its own row in the table, its own point in plots
+        model: gated_deltanet
+        model_overrides: {mixer_options: {gated_deltanet: {n_heads: 1}}}
+    grid:                            # the cross product of these axes; dotted keys reach nested
+      task_options.num_pairs: [8, 16]     # dicts (task_options, model_overrides)
+      lr: [1.0e-3, 3.0e-3, 1.0e-2]
+    tune: [lr]                       # axes whose best value is kept per cell (default [lr])
+
+Every run's config is ``base`` ← model entry ← grid point (deep-merged in that order) and is
+validated as a ``TrainConfig`` before anything runs. A **cell** is one model entry and one value of
+every grid axis not in ``tune``; the report keeps each cell's best run (the papers' "best learning
+rate per point"). A run is identified by a hash of its full config, so editing the file adds runs
+without invalidating finished ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..models import build_config
+from ..train.config import TrainConfig, load_config_file
+
+_SPEC_KEYS = {"name", "description", "metric", "base", "models", "grid", "tune", "db", "out"}
+METRICS_HIGHER_IS_BETTER = {"val_acc": True, "val_seq_acc": True, "val_loss": False}
+
+
+def deep_merge(a: dict, b: dict) -> dict:
+    """``a`` updated by ``b``, recursing into dicts that both hold (neither input is modified)."""
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def set_dotted(d: dict, key: str, value) -> dict:
+    """``d`` with ``d[a][b][c] = value`` for ``key = "a.b.c"`` (creating dicts on the way)."""
+    out = copy.deepcopy(d)
+    parts = key.split(".")
+    node = out
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"sweep grid key {key!r}: {p!r} is not a mapping")
+    node[parts[-1]] = copy.deepcopy(value)
+    return out
+
+
+def run_id(config: dict) -> str:
+    """A stable id of a run: the SHA-1 of its canonical config JSON (first 16 hex digits)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Run:
+    """One run of a sweep: its id, config (TrainConfig fields), model label and cell."""
+
+    run_id: str
+    label: str
+    config: dict[str, Any]
+    cell: dict[str, Any]  # label + the non-tuned grid values
+    tuned: dict[str, Any]  # the tuned grid values (e.g. {"lr": 0.003})
+
+    @property
+    def cell_key(self) -> str:
+        return json.dumps(self.cell, sort_keys=True)
+
+
+@dataclass
+class SweepSpec:
+    """A parsed sweep file; :meth:`runs` expands it. See the module docstring for the format."""
+
+    name: str
+    base: dict[str, Any] = field(default_factory=dict)
+    models: list[Any] = field(default_factory=list)
+    grid: dict[str, list] = field(default_factory=dict)
+    tune: list[str] = field(default_factory=lambda: ["lr"])
+    metric: str = "val_acc"
+    description: str = ""
+    db: str | None = None
+    out: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "sweep") -> SweepSpec:
+        """Validate and build (raises ``ValueError`` naming the offending key)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: a sweep file must hold a mapping")
+        unknown = sorted(set(d) - _SPEC_KEYS)
+        if unknown:
+            raise ValueError(f"{source}: unknown sweep key(s) {unknown}; known keys: {sorted(_SPEC_KEYS)}")
+        name = d.get("name")
+        if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
+            raise ValueError(f"{source}: 'name' must be a non-empty string without spaces or slashes")
+        base = d.get("base") or {}
+        if not isinstance(base, dict):
+            raise ValueError(f"{source}: 'base' must be a mapping of TrainConfig fields")
+        models = d.get("models") or ([base["model"]] if "model" in base else [])
+        if not isinstance(models, list) or not models:
+            raise ValueError(f"{source}: 'models' must be a non-empty list of model names or mappings")
+        grid = d.get("grid") or {}
+        if not isinstance(grid, dict) or any(not isinstance(v, list) or not v for v in grid.values()):
+            raise ValueError(f"{source}: 'grid' must map keys to non-empty lists of values")
+        tune = d.get("tune", ["lr"])
+        if not isinstance(tune, list):
+            raise ValueError(f"{source}: 'tune' must be a list of grid keys")
+        metric = d.get("metric", "val_acc")
+        if metric not in METRICS_HIGHER_IS_BETTER:
+            raise ValueError(
+                f"{source}: 'metric' must be one of {sorted(METRICS_HIGHER_IS_BETTER)}, got {metric!r}"
+            )
+        spec = cls(
+            name=name,
+            base=base,
+            models=models,
+            grid=grid,
+            tune=[t for t in tune if t in grid],
+            metric=metric,
+            description=str(d.get("description", "")),
+            db=d.get("db"),
+            out=d.get("out"),
+        )
+        spec.runs()  # validates every run's TrainConfig now, before anything is trained
+        return spec
+
+    @classmethod
+    def load(cls, path: str | Path) -> SweepSpec:
+        return cls.from_dict(load_config_file(path), source=str(path))
+
+    def _model_entries(self) -> list[tuple[str, dict]]:
+        entries, labels = [], set()
+        for i, m in enumerate(self.models):
+            if isinstance(m, str):
+                label, fields = m, {"model": m}
+            elif isinstance(m, dict) and isinstance(m.get("model"), str):
+                fields = {k: v for k, v in m.items() if k != "label"}
+                label = str(m.get("label", m["model"]))
+            else:
+                raise ValueError(
+                    f"sweep {self.name!r}: models[{i}] must be a model name or a mapping with "
+                    f"'model', got {m!r}"
+                )
+            if label in labels:
+                raise ValueError(f"sweep {self.name!r}: duplicate model label {label!r} (give each a label)")
+            labels.add(label)
+            entries.append((label, fields))
+        return entries
+
+    def runs(self) -> list[Run]:
+        """Every run of the grid, in a stable order (model entries outermost, then grid axes)."""
+        keys = list(self.grid)
+        out = []
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        for label, fields in self._model_entries():
+            for values in itertools.product(*(self.grid[k] for k in keys)):
+                cfg = deep_merge(self.base, fields)
+                point = dict(zip(keys, values))
+                for k, v in point.items():
+                    if k.split(".")[0] not in known:
+                        raise ValueError(f"sweep {self.name!r}: grid key {k!r} is not a TrainConfig field")
+                    cfg = set_dotted(cfg, k, v)
+                try:
+                    tc = TrainConfig.from_dict(cfg)
+                    task = tc.build_task()
+                    build_config(tc.model, vocab_size=task.vocab_size if task else 256, **tc.model_overrides)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(
+                        f"sweep {self.name!r}, model {label!r}, grid point {point}: {e}"
+                    ) from None
+                cell = {"label": label, **{k: v for k, v in point.items() if k not in self.tune}}
+                tuned = {k: v for k, v in point.items() if k in self.tune}
+                out.append(Run(run_id(cfg), label, cfg, cell, tuned))
+        ids = [r.run_id for r in out]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sweep {self.name!r}: two model entries or grid points give identical runs")
+        return out

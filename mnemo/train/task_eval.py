@@ -1,0 +1,127 @@
+"""Loss and accuracy of a language model on a synthetic task, at any length (streaming).
+
+A sequence longer than ``piece_len`` is fed in consecutive pieces with the model state carried
+between them — the chunk form inside each piece, the recurrent state across pieces — so memory stays
+bounded for the recurrent models and softmax attention keeps (only) its KV cache. By the
+equivalence contract (DESIGN.md §4) this equals one pass over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..data.tasks import IGNORE_INDEX, Task
+
+
+@torch.no_grad()
+def task_metrics(
+    model,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    batch_size: int,
+    piece_len: int | None = None,
+    device: str | torch.device = "cpu",
+    autocast=contextlib.nullcontext,
+) -> dict:
+    """Mean cross-entropy and accuracy of ``model`` on the supervised positions of a test set.
+
+    Args:
+        model: a :class:`~mnemo.models.LanguageModel` (put in eval mode for the call).
+        input_ids, targets: ``[N, T]`` long; ``targets == IGNORE_INDEX`` where unsupervised.
+        batch_size: sequences per forward pass. piece_len: stream sequences longer than this in
+            pieces of ``piece_len`` tokens, carrying the state (``None``: one pass).
+        autocast: a context-manager factory (e.g. bf16 autocast).
+    Returns:
+        ``{"loss": nats per supervised token, "acc": token accuracy, "seq_acc": fraction of
+        sequences with every supervised token right, "n": supervised tokens}``.
+    Raises:
+        ValueError: the shapes of ``input_ids`` and ``targets`` differ or nothing is supervised.
+    """
+    if input_ids.shape != targets.shape or input_ids.ndim != 2:
+        raise ValueError(
+            f"input_ids and targets must both be [N, T], got {list(input_ids.shape)} and "
+            f"{list(targets.shape)}"
+        )
+    was = model.training
+    model.eval()
+    N, T = input_ids.shape
+    piece = T if piece_len is None else max(1, piece_len)
+    total_loss, correct, count, seq_ok = 0.0, 0, 0, 0
+    try:
+        for b in range(0, N, batch_size):
+            x = input_ids[b : b + batch_size].to(device)
+            y = targets[b : b + batch_size].to(device)
+            state = None
+            row_ok = torch.ones(x.shape[0], dtype=torch.bool, device=device)
+            for a in range(0, T, piece):
+                yp = y[:, a : a + piece]
+                with autocast():
+                    logits, state = model(x[:, a : a + piece], state)
+                mask = yp != IGNORE_INDEX
+                if not mask.any():
+                    continue
+                lg = (logits if logits.dtype == torch.float64 else logits.float())[mask]
+                tg = yp[mask]
+                total_loss += F.cross_entropy(lg, tg, reduction="sum").item()
+                hit = lg.argmax(-1) == tg
+                correct += int(hit.sum())
+                count += int(mask.sum())
+                # rows with a miss: scatter the misses back to their rows
+                miss = torch.zeros_like(mask)
+                miss[mask] = ~hit
+                row_ok &= ~miss.any(dim=1)
+            seq_ok += int(row_ok.sum())
+    finally:
+        model.train(was)
+    if count == 0:
+        raise ValueError("the test set has no supervised positions (all targets are IGNORE_INDEX)")
+    return {"loss": total_loss / count, "acc": correct / count, "seq_acc": seq_ok / N, "n": count}
+
+
+def eval_batch_size(batch_size: int, train_len: int, length: int) -> int:
+    """Sequences per pass at ``length`` so a batch holds about as many tokens as in training."""
+    return max(1, (batch_size * train_len) // max(length, 1))
+
+
+def evaluate_task(
+    model,
+    task: Task,
+    lengths: list[int],
+    *,
+    num_samples: int,
+    batch_size: int,
+    train_len: int,
+    seed: int,
+    device="cpu",
+    autocast=contextlib.nullcontext,
+    cache: dict | None = None,
+) -> dict[int, dict]:
+    """:func:`task_metrics` on ``num_samples`` test sequences (the test seed of ``seed``) per length.
+
+    Sequences longer than ``train_len`` are streamed in pieces of ``train_len`` with
+    ``eval_batch_size`` sequences per pass. ``cache`` (a dict) keeps generated test sets by length.
+    Returns ``{length: metrics}``.
+    """
+    out = {}
+    for L in lengths:
+        key = (L, num_samples)
+        if cache is not None and key in cache:
+            x, y = cache[key]
+        else:
+            x, y = task.sample(num_samples, L, seed=seed, split="test")
+            if cache is not None:
+                cache[key] = (x, y)
+        out[L] = task_metrics(
+            model,
+            x,
+            y,
+            batch_size=eval_batch_size(batch_size, train_len, L) if L > train_len else batch_size,
+            piece_len=train_len if L > train_len else None,
+            device=device,
+            autocast=autocast,
+        )
+    return out

@@ -1,0 +1,236 @@
+"""Sweeps: grid expansion and validation, resumability (finished runs are skipped, interrupted runs
+resume exactly), best learning rate per cell, and the report's table and plots."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import yaml
+
+import mnemo.sweep.runner as runner_mod
+from mnemo.sweep import SweepDB, SweepSpec, best_per_cell, run_one, run_sweep, write_report
+from mnemo.train import TrainConfig, Trainer
+
+BASE = {
+    "task": "mqar",
+    "task_options": {"num_pairs": 2, "vocab_size": 16},
+    "seq_len": 16,
+    "batch_size": 4,
+    "steps": 4,
+    "eval_interval": 2,
+    "eval_batches": 1,
+    "warmup_steps": 1,
+    "model_overrides": {"d_model": 16, "n_layers": 1},
+    "eval_lengths": [32],
+}
+
+
+def _spec(**kw) -> SweepSpec:
+    d = {
+        "name": "tiny",
+        "base": BASE,
+        "models": [
+            "gla",
+            {
+                "label": "gla-h1",
+                "model": "gla",
+                "model_overrides": {"mixer_options": {"gla": {"n_heads": 1}}},
+            },
+        ],
+        "grid": {"lr": [1e-3, 1e-2]},
+    }
+    d.update(kw)
+    return SweepSpec.from_dict(d)
+
+
+def test_grid_expansion_cells_and_ids():
+    spec = _spec(grid={"task_options.num_pairs": [2, 3], "lr": [1e-3, 1e-2]})
+    runs = spec.runs()
+    assert len(runs) == 8 and len({r.run_id for r in runs}) == 8
+    assert len({r.cell_key for r in runs}) == 4
+    r = runs[-1]
+    assert r.label == "gla-h1" and r.tuned == {"lr": 1e-2}
+    assert r.cell == {"label": "gla-h1", "task_options.num_pairs": 3}
+    assert r.config["task_options"] == {"num_pairs": 3, "vocab_size": 16}, "dotted keys merge into dicts"
+    assert r.config["model_overrides"] == {
+        "d_model": 16,
+        "n_layers": 1,
+        "mixer_options": {"gla": {"n_heads": 1}},
+    }
+    assert [x.run_id for x in _spec(grid={"task_options.num_pairs": [2, 3], "lr": [1e-3, 1e-2]}).runs()] == [
+        x.run_id for x in runs
+    ], "ids are stable"
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"colour": 1}, r"unknown sweep key\(s\) \['colour'\]"),
+        ({"name": "a b"}, "'name' must be a non-empty string"),
+        ({"grid": {"lrr": [1]}}, "grid key 'lrr' is not a TrainConfig field"),
+        ({"grid": {"lr": []}}, "'grid' must map keys to non-empty lists"),
+        (
+            {"grid": {"steps": [0]}},
+            r"model 'gla', grid point \{'steps': 0\}: TrainConfig.steps: expected a positive int",
+        ),
+        ({"models": ["gpt5"]}, "unknown model 'gpt5'"),
+        ({"models": ["gla", "gla"]}, "duplicate model label 'gla'"),
+        ({"metric": "bpc"}, "'metric' must be one of"),
+        ({"grid": {"task_options.num_pairs": [50]}}, "TrainConfig.task_options: mqar option 'num_pairs'"),
+    ],
+)
+def test_spec_errors_name_the_problem(change, match):
+    with pytest.raises(ValueError, match=match):
+        _spec(**change)
+
+
+def test_sweep_runs_once_then_skips_everything(tmp_path, monkeypatch):
+    spec = _spec()
+    db = tmp_path / "s.sqlite"
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert counts == {"total": 4, "skipped": 0, "ran": 4, "done": 4, "diverged": 0, "failed": 0}
+    rows = SweepDB(db).rows()
+    assert len(rows) == 4 and all(r["status"] == "done" for r in rows)
+    r = rows[0]
+    assert r["sweep"] == "tiny" and r["model"] == "gla" and r["config"] == spec.runs()[0].config
+    assert r["state_size_bytes"] > 0 and r["n_params"] > 0 and r["wall_time_s"] > 0
+    assert {"val_acc", "val_loss", "val_acc@32"} <= set(r["metrics"]) and r["val_acc"] == r["metrics"][
+        "val_acc"
+    ]
+
+    def boom(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(runner_mod, "run_one", boom)
+    again = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert again["ran"] == 0 and again["skipped"] == 4
+    # growing the grid runs only the new runs
+    monkeypatch.undo()
+    more = run_sweep(
+        _spec(grid={"lr": [1e-3, 1e-2, 3e-2]}), db, tmp_path / "runs", progress=False, log=lambda s: None
+    )
+    assert more["ran"] == 2 and more["skipped"] == 4
+
+
+def test_killed_sweep_continues_where_it_stopped(tmp_path, monkeypatch):
+    spec = _spec()
+    db = tmp_path / "s.sqlite"
+    real, calls = runner_mod.run_one, []
+
+    def dies_on_third(config, run_dir, threads=None):
+        calls.append(run_dir)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(config, run_dir, threads)
+
+    monkeypatch.setattr(runner_mod, "run_one", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert len(SweepDB(db).finished_ids()) == 2
+    monkeypatch.setattr(runner_mod, "run_one", real)
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert counts["skipped"] == 2 and counts["ran"] == 2 and len(SweepDB(db).finished_ids()) == 4
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(tmp_path):
+    config = _spec().runs()[1].config
+    full = run_one(config, str(tmp_path / "full"))
+    Trainer(TrainConfig.from_dict(config), tmp_path / "cut", progress=False).fit(until=3)  # killed
+    resumed = run_one(config, str(tmp_path / "cut"))
+    assert resumed["status"] == full["status"] == "done"
+    for k in ("val_loss", "val_acc", "val_loss@32", "train_loss"):
+        assert resumed["metrics"][k] == full["metrics"][k], k
+    # and a run killed after its last checkpoint reports the logged final record
+    again = run_one(config, str(tmp_path / "cut"))
+    assert again["metrics"]["val_loss"] == full["metrics"]["val_loss"]
+
+
+def test_failed_and_diverged_runs(tmp_path, monkeypatch):
+    spec = _spec(models=["gla"])
+    db = tmp_path / "s.sqlite"
+    results = iter(
+        [
+            {"status": "failed", "metrics": {}, "error": "OSError: disk full", "wall_time_s": 0.1},
+            {"status": "diverged", "metrics": {"step": 3}, "error": "nan", "wall_time_s": 0.1},
+        ]
+    )
+    monkeypatch.setattr(runner_mod, "run_one", lambda *a, **k: next(results))
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert counts["failed"] == 1 and counts["diverged"] == 1
+    rows = {r["status"]: r for r in SweepDB(db).rows()}
+    assert rows["failed"]["error"] == "OSError: disk full"
+    monkeypatch.setattr(
+        runner_mod, "run_one", lambda *a, **k: {"status": "done", "metrics": {"val_acc": 0.5}}
+    )
+    retry = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert retry["ran"] == 1 and retry["skipped"] == 1, "failed runs are retried, diverged ones are results"
+
+
+def _row(label, lr, acc, status="done", loss=1.0, model="gla", state=100, lengths=None):
+    m = {"val_acc": acc, "val_loss": loss, **(lengths or {})}
+    return {
+        "label": label,
+        "model": model,
+        "cell": {"label": label},
+        "tuned": {"lr": lr},
+        "config": {"seq_len": 16, "lr": lr},
+        "status": status,
+        "metrics": m if status == "done" else {},
+        "state_size_bytes": state,
+        "n_params": 10,
+        "wall_time_s": 1.0,
+    }
+
+
+def test_best_learning_rate_per_cell():
+    rows = [
+        _row("a", 1e-3, 0.5),
+        _row("a", 1e-2, 0.9),
+        _row("a", 1e-1, None, status="diverged"),
+        _row("b", 1e-3, 0.7, loss=0.5),
+        _row("b", 1e-2, 0.7, loss=0.4),
+    ]
+    best = {r["label"]: r for r in best_per_cell(rows)}
+    assert best["a"]["tuned"]["lr"] == 1e-2 and best["a"]["n_runs"] == 3 and best["a"]["n_failed"] == 1
+    assert best["b"]["tuned"]["lr"] == 1e-2, "ties go to the lower loss"
+    assert best_per_cell(rows, "val_loss")[1]["tuned"]["lr"] == 1e-2
+
+
+def test_report_writes_the_table_and_plots(tmp_path):
+    db = tmp_path / "s.sqlite"
+    run_sweep(_spec(), db, tmp_path / "runs", progress=False, log=lambda s: None)
+    res = write_report(db, tmp_path / "rep")
+    text = res["tiny"]["markdown"]
+    assert "| model | best lr | state | params | val_acc | acc@32 | runs | wall (s) |" in text
+    assert "| gla |" in text and "| gla-h1 |" in text
+    assert (tmp_path / "rep" / "tiny.md").read_text() == text
+    for name in ("tiny_acc_vs_state.png", "tiny_acc_vs_length.png"):
+        data = (tmp_path / "rep" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    with pytest.raises(ValueError, match="sweep 'nope' is not in"):
+        write_report(db, tmp_path / "rep", sweep="nope")
+    with pytest.raises(FileNotFoundError, match="sweep database not found"):
+        write_report(tmp_path / "missing.sqlite")
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(ValueError, match="is not a sweep database"):
+        write_report(bad)
+    assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 4
+
+
+def test_shipped_sweep_and_task_configs_are_valid():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    sweeps = sorted((root / "sweeps").glob("*.yaml"))
+    tasks = sorted((root / "tasks").glob("*.yaml"))
+    assert {p.stem for p in sweeps} >= {"mqar", "selective_copying", "induction_heads"}
+    assert tasks
+    for p in sweeps:
+        spec = SweepSpec.load(p)  # validates every run
+        assert spec.runs()
+    for p in tasks:
+        TrainConfig.from_dict(yaml.safe_load(p.read_text()))
+    assert json.dumps(SweepSpec.load(root / "sweeps" / "mqar.yaml").grid)
