@@ -94,3 +94,40 @@ def test_circuit_tracker_adds_scores(tmp_path):
     Trainer(cfg, tmp_path, progress=False, callbacks=[CircuitTracker(length=6, batch=2)]).fit()
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 <= rec["induction_max"] <= 1 and len(rec["induction_by_layer"]) == 2
+
+
+def test_track_circuits_flag_and_shipped_phase_change_configs(tmp_path, capsys):
+    """`mnemo train --track-circuits` records the scores at every evaluation; the shipped
+    phase-change configs (2-layer and 1-layer control) are valid and run (here for 4 steps)."""
+    from pathlib import Path
+
+    from mnemo.cli import main
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "circuits"
+    for layers in (2, 1):
+        out = tmp_path / f"pc{layers}"
+        argv = ["train", "--config", str(root / f"phase_change_{layers}layer.yaml"), "--out", str(out)]
+        argv += ["--steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--no-progress"]
+        assert main(argv) == 0
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [2, 4]
+        assert all(len(r["induction_by_layer"]) == layers and 0 <= r["induction_max"] <= 1 for r in rows)
+    out = tmp_path / "flag"
+    argv = ["train", "--model", "transformer", "--task", "repeat_segment", "--steps", "2", "--seq-len", "32"]
+    argv += ["--d-model", "16", "--n-layers", "2", "--batch-size", "2", "--eval-interval", "2"]
+    argv += [
+        "--eval-batches",
+        "1",
+        "--track-circuits",
+        "--circuit-length",
+        "8",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "previous_token_max" in rec and len(rec["duplicate_token_by_layer"]) == 2
+    capsys.readouterr()
+    assert main(argv[:-3] + ["--circuit-length", "1", "--out", str(tmp_path / "bad"), "--no-progress"]) != 0
+    assert "TrainConfig.circuit_length: expected an int >= 2, got 1" in capsys.readouterr().err
