@@ -17,8 +17,9 @@ OPTIONS = {
     "mamba2": {"d_state": 8, "head_dim": 16, "chunk_size": 8},
 }
 # (id, constructor) — every registered mixer, plus variants (short conv, windows, groups, LTI)
-# the test-time-trained memories (NeuralMemory, MAC/MAG/MAL) have their own file: test_titans.py
-TTT_MIXERS = {"neural_memory", "titans_mac", "titans_mag", "titans_mal"}
+# the test-time-trained memories (NeuralMemory, MAC/MAG/MAL) have their own file: test_titans.py;
+# self-modifying Titans (registered when mnemo.nested is imported) is tested in tests/nested/
+TTT_MIXERS = {"neural_memory", "titans_mac", "titans_mag", "titans_mal", "self_modifying_titans"}
 CASES = [
     (name, lambda name=name: MIXERS[name](D, **OPTIONS.get(name, {"n_heads": 2})))
     for name in sorted(MIXERS)
