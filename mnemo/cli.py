@@ -16,6 +16,9 @@ _TRAIN_FLAGS = {
     "device": "device",
     "lr": "lr",
     "batch_size": "batch_size",
+    "grad_accum": "grad_accum",
+    "context_parallel": "context_parallel",
+    "activation_checkpointing": "activation_checkpointing",
     "seq_len": "seq_len",
     "eval_interval": "eval_interval",
     "eval_batches": "eval_batches",
@@ -66,6 +69,8 @@ def _parse_lengths(text: str | None, flag: str) -> list[int] | None:
 
 
 def _cmd_train(args) -> int:
+    import torch
+
     from .train import TrainConfig, Trainer, load_config_file
 
     d = load_config_file(args.config) if args.config else {}
@@ -87,6 +92,13 @@ def _cmd_train(args) -> int:
     if overrides:
         d["model_overrides"] = overrides
     cfg = TrainConfig.from_dict(d)
+    # under torchrun: join the process group first; every rank checks the run directory before
+    # rank 0 alone changes it (and alone prints)
+    from .train.distributed import backend_for, barrier, init_from_env, local_device
+
+    rank, world = init_from_env(backend_for(local_device(torch.device(cfg.device))))
+    main = rank == 0
+    say = print if main else (lambda *a, **k: None)
 
     if args.out is None:
         if args.resume:
@@ -101,7 +113,8 @@ def _cmd_train(args) -> int:
             )
         if args.resume and not has_ckpt:
             raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
-        if args.overwrite and not args.resume and out.exists():
+        barrier()
+        if main and args.overwrite and not args.resume and out.exists():
             import shutil
 
             for p in list(out.glob("ckpt-*")) + [out / "latest", out / "metrics.jsonl"]:
@@ -110,8 +123,6 @@ def _cmd_train(args) -> int:
                 elif p.exists():
                     p.unlink()
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress)
     n_params = trainer.model.num_parameters()
@@ -122,26 +133,37 @@ def _cmd_train(args) -> int:
         )
     else:
         source = f"task {trainer.cfg.task} {trainer.task.options()} (vocab {trainer.task.vocab_size})"
-    print(
-        f"mnemo train: model {trainer.cfg.model} ({n_params / 1e6:.2f}M parameters), {source}, "
-        f"{trainer.cfg.steps} steps of {trainer.cfg.batch_size}x{trainer.cfg.seq_len} tokens -> {out}",
+    c = trainer.cfg
+    cp = trainer.context_parallel
+    rows = c.batch_size // ((1 if cp else world) * c.grad_accum)
+    split = f"{c.grad_accum} micro-batches of {rows} sequences" if c.grad_accum > 1 else ""
+    if cp:
+        split = f"context parallel: {world} processes x {c.seq_len // world} tokens of each sequence" + (
+            f", {split}" if split else ""
+        )
+    elif world > 1:
+        split = f"{world} processes x " + (split or f"{rows} sequences")
+    split = f" ({split})" if split else ""
+    say(
+        f"mnemo train: model {c.model} ({n_params / 1e6:.2f}M parameters), {source}, "
+        f"{c.steps} steps of {c.batch_size}x{c.seq_len} tokens{split} -> {out}",
         flush=True,
     )
-    if trainer.step >= trainer.cfg.steps:
-        print(f"already trained to step {trainer.step} (raise --steps to continue)")
+    if trainer.step >= c.steps:
+        say(f"already trained to step {trainer.step} (raise --steps to continue)")
     record = trainer.fit()
     if record:
-        print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
+        say(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
     if trainer.task is not None:
-        print(f"checkpoint: {trainer.last_checkpoint}")
-        print(f"try: mnemo eval --checkpoint {out} --length {4 * trainer.cfg.seq_len}")
+        say(f"checkpoint: {trainer.last_checkpoint}")
+        say(f"try: mnemo eval --checkpoint {out} --length {4 * c.seq_len}")
         return 0
-    if trainer.cfg.sample_tokens > 0:
+    if c.sample_tokens > 0 and main:
         print("\n--- sample ---")
         print(trainer.sample())
         print("--------------")
-    print(f"checkpoint: {trainer.last_checkpoint}")
-    print(f"try: mnemo generate --checkpoint {out} --prompt 'KING:'")
+    say(f"checkpoint: {trainer.last_checkpoint}")
+    say(f"try: mnemo generate --checkpoint {out} --prompt 'KING:'")
     return 0
 
 
@@ -307,7 +329,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --out")
     t.add_argument("--lr", type=float)
-    t.add_argument("--batch-size", type=int)
+    t.add_argument(
+        "--batch-size", type=int, help="sequences per optimizer step over all processes (default 32)"
+    )
+    t.add_argument(
+        "--grad-accum",
+        type=int,
+        help="micro-batches per optimizer step (gradient accumulation; default 1); the batch size "
+        "must be a multiple of processes x grad-accum",
+    )
+    t.add_argument(
+        "--context-parallel",
+        action="store_const",
+        const=True,
+        help="under torchrun, split every sequence over the processes instead of the batch "
+        "(recurrent models only; the sequence length must be a multiple of the processes)",
+    )
+    t.add_argument(
+        "--activation-checkpointing",
+        action="store_const",
+        const=True,
+        help="recompute each block's activations in the backward pass (less memory, ~1 more forward)",
+    )
     t.add_argument("--seq-len", type=int)
     t.add_argument("--eval-interval", type=int)
     t.add_argument("--eval-batches", type=int)
@@ -421,20 +464,32 @@ _COMMAND_MODULES: list[str] = ["mnemo.sweep.cli", "mnemo.nested.continual", "mne
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from .train import TrainingDiverged
+    from .train.distributed import cleanup
 
     args = build_parser().parse_args(argv)
+    # under torchrun every rank meets the same error: rank 0 reports it
+    quiet = os.environ.get("RANK", "0") != "0"
+
+    def report(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr)
+
     try:
         return args.func(args)
     except TrainingDiverged as e:
-        print(f"mnemo: {e}", file=sys.stderr)
+        report(f"mnemo: {e}")
         return 1
     except (ValueError, FileNotFoundError, TypeError, ImportError) as e:
-        print(f"mnemo {args.command}: error: {e}", file=sys.stderr)
+        report(f"mnemo {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt:
-        print("\nmnemo: interrupted (the last checkpoint is intact; continue with --resume)", file=sys.stderr)
+        report("\nmnemo: interrupted (the last checkpoint is intact; continue with --resume)")
         return 130
+    finally:
+        cleanup()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model, save_model
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..layers import MIXERS, MixerState, RMSNorm, SwiGLU
 from ..nested import ContinuumMemory
@@ -50,6 +51,12 @@ class LanguageModel(nn.Module):
     float32 for bf16/fp16 models and in the model's dtype otherwise. ``state`` is the list of
     per-layer :class:`~mnemo.layers.MixerState` (the cache); passing it back continues the
     sequence exactly (streaming / decoding).
+
+    ``activation_checkpointing`` (attribute, default ``False``; the trainer sets it from
+    ``TrainConfig.activation_checkpointing``): when true, a training forward (``model.train()``,
+    gradients enabled, no ``state`` passed in) keeps only each block's input and recomputes the
+    block's activations in the backward pass (``torch.utils.checkpoint``, non-reentrant) — less
+    activation memory for about one more forward pass; outputs and gradients are unchanged.
     """
 
     def __init__(self, config: ModelConfig):
@@ -69,6 +76,7 @@ class LanguageModel(nn.Module):
                 mlp = None
             blocks.append(Block(mixer, c.d_model, mlp, c.norm_eps))
         self.blocks = nn.ModuleList(blocks)
+        self.activation_checkpointing = False
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.reset_parameters()
@@ -122,8 +130,14 @@ class LanguageModel(nn.Module):
                 )
             x = x + self.pos_embed(torch.arange(offset, offset + T, device=x.device))
         new_state = []
+        recompute = (
+            self.activation_checkpointing and self.training and state is None and torch.is_grad_enabled()
+        )
         for i, block in enumerate(self.blocks):
-            x, s = block(x, state[i] if state is not None else None, mode=mode)
+            if recompute:
+                x, s = checkpoint(block, x, None, mode=mode, use_reentrant=False)
+            else:
+                x, s = block(x, state[i] if state is not None else None, mode=mode)
             new_state.append(s)
         logits = self.lm_head(self.norm(x))
         if logits.dtype in (torch.float16, torch.bfloat16):

@@ -20,7 +20,30 @@ class TrainConfig:
             to replace (e.g. ``{"d_model": 256, "n_layers": 6}``).
         data: ``"tinyshakespeare"`` (bundled) or a path to a UTF-8 text file.
         tokenizer: ``"char"`` (vocabulary = the characters of the file) or ``"byte"``.
-        seq_len, batch_size: training window length and windows per step.
+        seq_len, batch_size: training window length and windows per optimizer step. The batch is
+            global: with ``torchrun --nproc_per_node N`` every process draws the same batch and
+            trains on its ``batch_size / N`` rows (the losses equal the single-process run's), so
+            ``batch_size`` must be a multiple of ``N · grad_accum`` (with ``context_parallel``: of
+            ``grad_accum``).
+        grad_accum: micro-batches per optimizer step — each process's rows are split into
+            ``grad_accum`` equal micro-batches whose gradients are accumulated (same gradient as
+            one big batch, less activation memory; gradients are synchronised across processes
+            once per step). ``batch_size`` must be a multiple of it.
+        context_parallel: under ``torchrun --nproc_per_node N``, split every sequence instead of
+            the batch: each process takes the whole global batch and runs tokens
+            ``[r·T/N, (r+1)·T/N)`` of every sequence, starting from the state process ``r − 1``
+            ended with (:func:`mnemo.train.distributed.context_parallel_forward`); the gradients
+            are then summed over the processes (an all-reduce, no DDP), so the losses and updates
+            equal the single-process run's. Activation memory per process shrinks about ``N``-fold
+            but the processes run one after another (no speed-up). Recurrent models only: models
+            with softmax-attention layers are rejected (with any number of processes).
+            ``seq_len`` must be a multiple of ``N``; ``grad_accum`` splits the global batch
+            (``batch_size`` a multiple of ``grad_accum`` only); activation checkpointing applies
+            to the first slice only (the others start from a received state). With one process
+            it changes nothing.
+        activation_checkpointing: recompute each block's activations in the backward pass instead
+            of keeping them (``torch.utils.checkpoint``): less memory, about one more forward pass;
+            same losses and gradients.
         steps: optimizer steps. lr: peak learning rate; warmup_steps linear warm-up, then cosine
             decay to ``lr · min_lr_ratio`` at ``steps``.
         optimizer: ``"adamw"`` or ``"m3"`` (multi-frequency momentum, :class:`mnemo.nested.M3`;
@@ -57,6 +80,9 @@ class TrainConfig:
     tokenizer: str = "char"
     seq_len: int = 128
     batch_size: int = 32
+    grad_accum: int = 1
+    context_parallel: bool = False
+    activation_checkpointing: bool = False
     steps: int = 1000
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -89,10 +115,16 @@ class TrainConfig:
         def bad(name, expected):
             raise ValueError(f"TrainConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        for name in ("seq_len", "batch_size", "steps", "eval_interval", "eval_batches"):
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(name, "a positive int")
+        if self.batch_size % self.grad_accum:
+            bad("batch_size", f"a multiple of grad_accum ({self.grad_accum})")
+        if not isinstance(self.activation_checkpointing, bool):
+            bad("activation_checkpointing", "true or false")
+        if not isinstance(self.context_parallel, bool):
+            bad("context_parallel", "true or false")
         if not isinstance(self.track_circuits, bool):
             bad("track_circuits", "true or false")
         if (

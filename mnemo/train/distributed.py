@@ -1,5 +1,6 @@
 """Multi-process helpers on ``torch.distributed`` (launched with ``torchrun``; gloo on CPU, nccl on
-CUDA): process-group setup, the data-parallel batch split, and sequence (context) parallelism for
+CUDA): process-group setup, the data-parallel batch split (used by :class:`~mnemo.train.Trainer`
+for ``torchrun --nproc_per_node N -m mnemo train``), and sequence (context) parallelism for
 recurrent mixers.
 
 Context parallelism is the recurrent analogue of ring attention: the sequence is cut into
@@ -13,6 +14,7 @@ cache and are rejected).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import fields
 
@@ -34,6 +36,36 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def local_device(device: torch.device) -> torch.device:
+    """The device this process trains on: under torchrun a CUDA device without an index becomes
+    ``cuda:LOCAL_RANK`` (one GPU per process), made the current device; anything else is returned
+    unchanged. Raises ``ValueError`` when CUDA is requested but not available."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TrainConfig.device: 'cuda' was requested but no CUDA device is available")
+    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    """``"nccl"`` for CUDA tensors, ``"gloo"`` for CPU tensors."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when a process group with more than one rank is running; else nothing."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def cleanup() -> None:
+    """Leave the process group (if one was joined)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s rows of a global batch (the global batch size must divide evenly)."""
     if batch.shape[0] % world:
@@ -49,23 +81,24 @@ def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-def _flatten(obj, out: list):
-    """Collect the tensors (and integer counters, as 0-d int64 tensors) of a nested state."""
+def _flatten(obj, out: list, device=None):
+    """Collect the tensors (and integer counters, as 0-d int64 tensors on ``device`` — nccl ships
+    CUDA tensors only) of a nested state."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, MixerState):
         for f in fields(obj):
-            _flatten(getattr(obj, f.name), out)
+            _flatten(getattr(obj, f.name), out, device)
     elif isinstance(obj, (tuple, list)):
         for x in obj:
-            _flatten(x, out)
+            _flatten(x, out, device)
     elif isinstance(obj, dict):
         for k in sorted(obj):
-            _flatten(obj[k], out)
+            _flatten(obj[k], out, device)
     elif isinstance(obj, bool) or obj is None:
         pass
     elif isinstance(obj, int):
-        out.append(torch.tensor(obj, dtype=torch.int64))
+        out.append(torch.tensor(obj, dtype=torch.int64, device=device))
     else:
         raise TypeError(f"context parallelism cannot ship a state of type {type(obj).__name__}")
     return out
@@ -106,6 +139,18 @@ def _check_recurrent(model) -> None:
             )
 
 
+@contextlib.contextmanager
+def _finite_checks_off():
+    from ..ops import _common
+
+    was = _common._FINITE_CHECKS
+    _common._FINITE_CHECKS = False
+    try:
+        yield
+    finally:
+        _common._FINITE_CHECKS = was
+
+
 def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: int, group=None):
     """Run rank ``rank``'s slice of ``input_ids [B, T]`` (``T`` a multiple of ``world``) with the
     state received from rank ``rank − 1``; returns ``(logits of the slice, handle)``.
@@ -113,6 +158,10 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
     Call ``handle.backward(loss)`` instead of ``loss.backward()``: it waits for the gradient of this
     rank's final state from rank ``rank + 1``, back-propagates, and sends the gradient of the
     received state to rank ``rank − 1``.
+
+    When this rank's forward raises (e.g. a :class:`~mnemo.ops.NonFiniteError`), it still sends
+    rank ``rank + 1`` a state (of NaNs), so the later ranks fail too instead of waiting forever;
+    then it re-raises.
     """
     _check_recurrent(model)
     B, T = input_ids.shape
@@ -120,19 +169,30 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
         raise ValueError(f"the sequence length ({T}) must be a multiple of the world size ({world})")
     n = T // world
     ids = input_ids[:, rank * n : (rank + 1) * n]
+    device = input_ids.device
     # the state's structure (and sizes) from a 1-token dry run; values come from the previous rank
-    with torch.no_grad():
+    # (no finite checks: the structure is needed even when the weights went bad, see below)
+    with torch.no_grad(), _finite_checks_off():
         _, template = model(ids[:, :1])
+    shapes = _flatten(template, [], device)
     received = None
     state = None
     if rank > 0:
-        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in _flatten(template, [])]
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in shapes]
         for t in received:
             dist.recv(t, src=rank - 1, group=group)
         received = [t.requires_grad_(t.is_floating_point()) for t in received]
         state = _rebuild(template, received)
-    logits, final = model(ids, state)
-    sent = _flatten(final, []) if rank < world - 1 else []
+    try:
+        logits, final = model(ids, state)
+    except Exception:
+        if rank < world - 1:  # rank + 1 waits for a state: let it fail as well
+            for t in shapes:
+                fill = float("nan") if t.is_floating_point() else 0
+                bad = torch.full(t.shape, fill, dtype=t.dtype, device=t.device)
+                dist.send(bad, dst=rank + 1, group=group)
+        raise
+    sent = _flatten(final, [], device) if rank < world - 1 else []
     for t in sent:
         dist.send(t.detach().contiguous(), dst=rank + 1, group=group)
     return logits, _ContextHandle(rank, world, received, sent, group)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from safetensors.torch import save_model
 from tqdm.auto import tqdm
 
@@ -22,6 +25,7 @@ from .checkpoint import (
     STATE_NAME,
     TRAIN_CONFIG_NAME,
     atomic_write_text,
+    ckpt_name,
     load_json,
     load_trainer_state,
     resolve_checkpoint,
@@ -29,6 +33,15 @@ from .checkpoint import (
     save_torch,
 )
 from .config import TrainConfig
+from .distributed import (
+    _check_recurrent,
+    backend_for,
+    barrier,
+    context_parallel_forward,
+    init_from_env,
+    local_device,
+    shard,
+)
 from .task_eval import evaluate_task
 
 METRICS_NAME = "metrics.jsonl"
@@ -81,6 +94,19 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
+class _Logits(torch.nn.Module):
+    """The training forward: ``input_ids -> logits``. DDP wraps this rather than the model, since
+    the per-layer states the model also returns depend on parameters the loss may not (e.g. CMS
+    levels), and DDP would wait for their gradients."""
+
+    def __init__(self, model: LanguageModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)[0]
+
+
 class Trainer:
     """Train a registered model on a text corpus or a synthetic task; see :class:`TrainConfig`.
 
@@ -97,6 +123,30 @@ class Trainer:
     ``callbacks``: functions ``f(trainer, record) -> dict | None`` called after every evaluation,
     before the record is written; a returned dict is merged into the record (e.g. circuit scores
     tracked during training). They must not touch the RNG streams the trainer uses.
+
+    **Data parallelism.** Launched by ``torchrun --nproc_per_node N`` (gloo on CPU, nccl on CUDA,
+    one GPU per process), the trainer joins the process group and wraps the model in
+    ``DistributedDataParallel`` (``self.model`` stays the plain :class:`LanguageModel`, used for
+    evaluation, checkpoints and sampling). Every rank draws the same global batch of
+    ``cfg.batch_size`` rows from the same generator — so the generator state is rank-independent
+    and a checkpoint resumes on any number of processes — and trains on its ``batch_size / N``
+    rows, in ``cfg.grad_accum`` micro-batches. The loss is the summed cross-entropy divided by
+    the global number of supervised tokens, so the gradient (and the logged loss, the global mean)
+    equal the single-process run's up to float rounding. Only rank 0 evaluates, writes
+    checkpoints, ``metrics.jsonl`` and TensorBoard events, prints and shows the progress bar; the
+    other ranks wait at a barrier meanwhile, and ``fit`` returns them the record without the
+    evaluation metrics. ``rank``, ``world`` and ``is_main`` tell where a trainer runs.
+
+    **Context parallelism** (``cfg.context_parallel``, recurrent models only). Under torchrun
+    every rank trains on the whole global batch but only on its slice of each sequence — tokens
+    ``[r·T/N, (r+1)·T/N)`` — through :func:`~mnemo.train.distributed.context_parallel_forward`
+    (the states cross ranks forward, their gradients backward). The loss of a rank is its slice's
+    summed cross-entropy divided by the global supervised-token count; the parameter gradients
+    are then summed over ranks with ``all_reduce`` (no DDP), so the update equals the
+    single-process run's. ``grad_accum`` splits the global batch into micro-batches; each one's
+    states and gradients cross ranks in its own forward/backward, the parameter gradients are
+    summed once per step. Models with softmax-attention layers are rejected here (on any number
+    of processes); with one process the flag changes nothing.
     """
 
     def __init__(
@@ -112,9 +162,9 @@ class Trainer:
         self.out = Path(out_dir)
         self.progress, self.log = progress, log
         self.callbacks = list(callbacks)
-        self.device = torch.device(cfg.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("TrainConfig.device: 'cuda' was requested but no CUDA device is available")
+        self.device = local_device(torch.device(cfg.device))  # cuda:LOCAL_RANK under torchrun
+        self.rank, self.world = init_from_env(backend_for(self.device))
+        self.is_main = self.rank == 0
         state = None
         ckpt = None
         if resume:
@@ -134,11 +184,27 @@ class Trainer:
                 "eval_lengths",
                 "track_circuits",
                 "circuit_length",
+                "grad_accum",  # none changes the math: any micro-batching, any process count
+                "context_parallel",
+                "activation_checkpointing",
             ):
                 setattr(saved, name, getattr(cfg, name))
             cfg = saved.validate()
             state = load_trainer_state(ckpt)
         self.cfg = cfg.validate()
+        # context parallelism splits the sequences, not the batch
+        self.context_parallel = cfg.context_parallel and self.world > 1
+        if self.context_parallel and cfg.seq_len % self.world:
+            raise ValueError(
+                f"TrainConfig.seq_len: context parallelism over {self.world} processes needs a "
+                f"multiple of {self.world}, got {cfg.seq_len}"
+            )
+        if not self.context_parallel and cfg.batch_size % (self.world * cfg.grad_accum):
+            raise ValueError(
+                f"TrainConfig.batch_size: the global batch ({cfg.batch_size}) must be a multiple of "
+                f"the number of processes ({self.world}) x grad_accum ({cfg.grad_accum}) = "
+                f"{self.world * cfg.grad_accum}"
+            )
 
         self.task = cfg.build_task()
         self._test_sets: dict = {}
@@ -169,6 +235,12 @@ class Trainer:
                     "model_overrides.max_position"
                 )
         self.model = LanguageModel(model_cfg).to(self.device)
+        self.model.activation_checkpointing = cfg.activation_checkpointing
+        if cfg.context_parallel:
+            try:
+                _check_recurrent(self.model)
+            except ValueError as e:
+                raise ValueError(f"TrainConfig.context_parallel: model {cfg.model!r}: {e}") from None
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
@@ -191,13 +263,18 @@ class Trainer:
             self.step = state["step"]
             self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
             self.last_checkpoint = ckpt
-            self._truncate_metrics(self.step)
+            if self.is_main:
+                self._truncate_metrics(self.step)
+        # the module the training forward runs through: DDP's wrapper with several processes
+        # (context parallelism synchronises the gradients itself)
+        self.ddp = self._wrap_ddp() if self.world > 1 and not self.context_parallel else None
+        self.train_model = self.ddp if self.ddp is not None else _Logits(self.model)
         if cfg.track_circuits:
             from ..interp.probe import CircuitTracker
 
             self.callbacks.append(CircuitTracker(length=cfg.circuit_length))
         self.tb = None
-        if cfg.tensorboard:
+        if cfg.tensorboard and self.is_main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - depends on the environment
@@ -207,6 +284,30 @@ class Trainer:
             self.tb = SummaryWriter(str(self.out / "tb"))
 
     # ------------------------------------------------------------------------------------------
+    def _wrap_ddp(self) -> torch.nn.parallel.DistributedDataParallel:
+        """``DistributedDataParallel(self.model)``; DDP searches for unused parameters every step
+        only when a probe forward/backward (one zero sequence of the training length) leaves some
+        without a gradient (e.g. CMS levels that update less often than once per sequence)."""
+        probe = torch.zeros(1, self.cfg.seq_len, dtype=torch.long, device=self.device)
+        logits, _ = self.model(probe)
+        logits.float().sum().backward()
+        unused = any(p.requires_grad and p.grad is None for p in self.model.parameters())
+        self.model.zero_grad(set_to_none=True)
+        ddp = torch.nn.parallel.DistributedDataParallel
+        # buffers are constants (rotary frequencies, fixed decays): no per-forward broadcast
+        # (``forward_sync_buffers`` replaces the deprecated ``broadcast_buffers`` in newer torch)
+        no_sync_buffers = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+            else {"broadcast_buffers": False}
+        )
+        return ddp(
+            _Logits(self.model),
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=unused,
+            **no_sync_buffers,
+        )
+
     def _autocast(self):
         if self.cfg.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -312,28 +413,62 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def train_step(self) -> float:
-        """One optimizer step on a fresh batch; returns the loss. Raises :class:`TrainingDiverged`."""
+        """One optimizer step on a fresh global batch; returns its loss (the mean over the global
+        batch's supervised tokens, the same on every rank). Raises :class:`TrainingDiverged` (on
+        every rank alike)."""
         cfg = self.cfg
         if self.task is None:
             x, y = self.train_data.sample(cfg.batch_size, self.generator)
         else:
             x, y = self.task.generate(cfg.batch_size, cfg.seq_len, self.generator)
-        x, y = x.to(self.device), y.to(self.device)
-        try:
-            with self._autocast():
-                logits, _ = self.model(x)
-        except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
-            raise TrainingDiverged(
-                self.step + 1, "loss", math.nan, self.last_checkpoint, detail=f"in the forward pass: {e}"
-            ) from e
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX
-        )
-        value = loss.item()
-        if not math.isfinite(value):
-            raise TrainingDiverged(self.step + 1, "loss", value, self.last_checkpoint)
+        # every rank holds the whole global batch, so the global count needs no communication
+        n_tokens = max(int((y != IGNORE_INDEX).sum()), 1)
+        cp = self.context_parallel
+        if cp:  # every row, this rank's slice of the targets (the inputs are cut by the forward)
+            n = cfg.seq_len // self.world
+            y = y[:, self.rank * n : (self.rank + 1) * n]
+            scale = 1 / n_tokens  # sum / global count; the gradients are summed over ranks
+        else:
+            # sum / global count; DDP averages gradients over ranks, hence the factor world
+            scale = self.world / n_tokens
+            x, y = shard(x, self.rank, self.world), shard(y, self.rank, self.world)
+        micro = x.shape[0] // cfg.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for i in range(cfg.grad_accum):
+            xi = x[i * micro : (i + 1) * micro].to(self.device)
+            yi = y[i * micro : (i + 1) * micro].to(self.device)
+            # gradients are all-reduced once per step, in the last micro-batch's backward
+            defer = self.ddp is not None and i < cfg.grad_accum - 1
+            with self.ddp.no_sync() if defer else contextlib.nullcontext():
+                error, handle = None, None
+                try:
+                    with self._autocast():
+                        if cp:
+                            logits, handle = context_parallel_forward(self.model, xi, self.rank, self.world)
+                        else:
+                            logits = self.train_model(xi)
+                    ce = F.cross_entropy(
+                        logits.float().flatten(0, 1), yi.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                    )
+                except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
+                    error, ce = e, None
+                part, failed = self._reduce_loss(ce, error is not None)
+                if failed:  # raised on every rank before any backward, so no rank waits for another
+                    detail = f"in the forward pass: {error}" if error else "in another rank's forward pass"
+                    raise TrainingDiverged(
+                        self.step + 1, "loss", math.nan, self.last_checkpoint, detail=detail
+                    ) from error
+                if not math.isfinite(part):
+                    raise TrainingDiverged(self.step + 1, "loss", part / n_tokens, self.last_checkpoint)
+                if handle is not None:
+                    handle.backward(ce * scale)  # the state gradients cross ranks here
+                else:
+                    (ce * scale).backward()
+            total += part
+        if cp:
+            self._sum_gradients()
+        # after the synchronisation every rank holds the same gradients: same norm, same decision
         params = [p for p in self.model.parameters() if p.grad is not None]
         if cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -344,20 +479,59 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return value
+        return total / n_tokens
+
+    def _sum_gradients(self) -> None:
+        """Context parallelism: sum every parameter's gradient over the ranks. Every rank issues
+        the same collectives in the same order — one all-reduce of which parameters have a
+        gradient, then one per parameter dtype over all of them (``None`` counts as zeros) — and
+        a parameter no rank's slice reached keeps ``None``, as in a single process."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
+        dist.all_reduce(has)
+        reached = has.tolist()
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        for idx in by_dtype.values():
+            parts = []
+            for i in idx:
+                g = params[i].grad
+                parts.append((g if g is not None else torch.zeros_like(params[i])).reshape(-1))
+            flat = torch.cat(parts)
+            dist.all_reduce(flat)
+            offset = 0
+            for i in idx:
+                p = params[i]
+                k = p.numel()
+                p.grad = flat[offset : offset + k].view_as(p) if reached[i] > 0 else None
+                offset += k
+
+    def _reduce_loss(self, ce: torch.Tensor | None, failed: bool) -> tuple[float, bool]:
+        """The summed cross-entropy of this micro-batch over all ranks, and whether any rank's
+        forward pass failed (one all-reduce; none with a single process)."""
+        if self.world == 1:
+            return (math.nan if ce is None else ce.item()), failed
+        value = math.nan if ce is None else ce.detach().double()
+        t = torch.tensor([0.0, float(failed)], dtype=torch.float64, device=self.device)
+        t[0] = value
+        dist.all_reduce(t)
+        return t[0].item(), bool(t[1].item() > 0)
 
     def fit(self, until: int | None = None) -> dict:
         """Run until ``cfg.steps`` (or stop early after step ``until``, writing a checkpoint there, as
-        an interruption would); evaluate, log and checkpoint on schedule; return the last record."""
+        an interruption would); evaluate, log and checkpoint on schedule; return the last record
+        (on ranks other than 0: without the evaluation metrics)."""
         cfg = self.cfg
         stop = cfg.steps if until is None else min(until, cfg.steps)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.model.train()
-        tokens_per_step = cfg.batch_size * cfg.seq_len
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.train_model.train()
+        tokens_per_step = cfg.batch_size * cfg.seq_len  # the global batch: global tokens/s
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
-            disable=not self.progress,
+            disable=not (self.progress and self.is_main),
             dynamic_ncols=True,
             desc=f"train {cfg.model}",
             unit="step",
@@ -379,38 +553,58 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
                 last = self.step == cfg.steps
-                if self.step % cfg.eval_interval == 0 or last:
-                    ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
+                evaluate = self.step % cfg.eval_interval == 0 or last
+                save = self.step % cfg.ckpt_every == 0 or last or self.step == stop
+                if evaluate:
                     record = {
                         "step": self.step,
                         "train_loss": self._acc_loss / max(self._acc_n, 1),
-                        **ev,
                         "tokens_per_s": self._acc_tokens / max(self._acc_time, 1e-9),
                         "lr": self.scheduler.get_last_lr()[0],
-                        "elapsed_s": time.perf_counter() - t_start,
                     }
-                    for callback in self.callbacks:
-                        extra = callback(self, record)
-                        if extra:
-                            record.update(extra)
-                    self._log_metrics(record)
-                    if self.task is None:
-                        quality = f"({ev['val_bpc']:.3f} bpc)"
-                    else:
-                        quality = f"acc {ev['val_acc']:.4f}" + "".join(
-                            f"  acc@{L} {ev[f'val_acc@{L}']:.4f}" for L in cfg.eval_lengths if last
-                        )
-                    bar.write(
-                        f"step {self.step:>6}  train {record['train_loss']:.4f}  val {ev['val_loss']:.4f} "
-                        f"{quality}  {record['tokens_per_s']:,.0f} tok/s"
-                    )
+                    if self.is_main:
+                        record = self._eval_record(record, last, t_start, bar)
                     self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
-                if self.step % cfg.ckpt_every == 0 or last or self.step == stop:
-                    self._write_checkpoint()
+                if save:
+                    if self.is_main:
+                        self._write_checkpoint()
+                    else:
+                        self.last_checkpoint = self.out / ckpt_name(self.step)
+                if evaluate or save:
+                    barrier()  # the other ranks wait while rank 0 evaluates and writes
         finally:
             bar.close()
             if self.tb is not None:
                 self.tb.flush()
+        return record
+
+    def _eval_record(self, record: dict, last: bool, t_start: float, bar) -> dict:
+        """Rank 0: evaluate, complete ``record``, run the callbacks, log and print it."""
+        cfg = self.cfg
+        ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
+        record = {
+            "step": record["step"],
+            "train_loss": record["train_loss"],
+            **ev,
+            "tokens_per_s": record["tokens_per_s"],
+            "lr": record["lr"],
+            "elapsed_s": time.perf_counter() - t_start,
+        }
+        for callback in self.callbacks:
+            extra = callback(self, record)
+            if extra:
+                record.update(extra)
+        self._log_metrics(record)
+        if self.task is None:
+            quality = f"({ev['val_bpc']:.3f} bpc)"
+        else:
+            quality = f"acc {ev['val_acc']:.4f}" + "".join(
+                f"  acc@{L} {ev[f'val_acc@{L}']:.4f}" for L in cfg.eval_lengths if last
+            )
+        bar.write(
+            f"step {self.step:>6}  train {record['train_loss']:.4f}  val {ev['val_loss']:.4f} "
+            f"{quality}  {record['tokens_per_s']:,.0f} tok/s"
+        )
         return record
 
     def sample(
