@@ -31,6 +31,7 @@ _TRAIN_FLAGS = {
     "task": "task",
     "optimizer": "optimizer",
     "track_circuits": "track_circuits",
+    "init_from": "init_from",
     "circuit_length": "circuit_length",
 }
 _MODEL_FLAGS = {"d_model": "d_model", "n_layers": "n_layers"}
@@ -301,6 +302,8 @@ def _cmd_models(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.suite == "all":
+        return _bench_all(args)
     if args.suite == "peers":
         from .bench.peers import main as bench_main
     elif args.suite == "decode":
@@ -308,6 +311,29 @@ def _cmd_bench(args) -> int:
     else:
         from .bench.ops import main as bench_main
     return bench_main(args)
+
+
+def _bench_all(args) -> int:
+    """``--suite all``: the ops, peers and decode suites one after another in one process (one
+    set of machine conditions), their tables printed and their rows in one JSON
+    ``{"ops": ..., "peers": ..., "decode": ...}``. ``--ops`` is not applied (each suite runs whole)."""
+    import copy
+    import tempfile
+
+    rc = 0
+    combined = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for suite in ("ops", "peers", "decode"):
+            a = copy.copy(args)
+            a.suite, a.ops, a.json = suite, None, str(Path(tmp) / f"{suite}.json")
+            print(f"\n=== mnemo bench --suite {suite} ===", flush=True)
+            rc = max(rc, _cmd_bench(a))
+            path = Path(a.json)
+            combined[suite] = json.loads(path.read_text()) if path.is_file() else None
+    if args.json:
+        Path(args.json).write_text(json.dumps(combined, indent=2))
+        print(f"wrote {args.json}")
+    return rc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--circuit-length", type=int, help="--track-circuits: repeated segment length (default 32)"
     )
+    t.add_argument("--init-from", help="start from the weights of this run/checkpoint (same model shapes)")
     t.add_argument("--threads", type=int, help="torch intra-op threads")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
@@ -425,10 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time every op and form against causal SDPA (a table, not a test)")
     b.add_argument(
         "--suite",
-        choices=["ops", "peers", "decode"],
+        choices=["ops", "peers", "decode", "all"],
         default="ops",
         help="ops: every op and form vs causal SDPA; peers: ours vs installed PyPI peers; decode: one-token "
-        "decoding speed and memory vs context length",
+        "decoding speed and memory vs context length; all: the three in one run (one JSON)",
     )
     b.add_argument("--dtypes", default="fp32", help="ops suite: fp32 and/or bf16 (comma-separated)")
     b.add_argument("--contexts", default="1024,4096,16384,65536", help="decode suite: context lengths")

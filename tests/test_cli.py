@@ -375,3 +375,27 @@ def test_bench_decode_suite_runs(capsys):
     )
     out = capsys.readouterr().out
     assert "tokens/s" in out and "4x context" in out
+
+
+def test_bench_all_runs_the_three_suites_into_one_json(capsys, tmp_path, monkeypatch):
+    import mnemo.bench.decode as decode
+    import mnemo.bench.ops as ops
+    import mnemo.bench.peers as peers
+
+    monkeypatch.setattr(peers, "PEERS", {})  # the peers (if installed) take minutes at full size
+    monkeypatch.setattr(decode, "DEFAULT_MODELS", ["gla"])
+    full = ops._registry
+    monkeypatch.setattr(
+        ops, "_registry", lambda: [b for b in full() if b.name in ("softmax_attention", "linear_attention")]
+    )
+    out = tmp_path / "all.json"
+    argv = ["bench", "--suite", "all", "--lengths", "64", "--repeats", "1", "--heads", "2"]
+    argv += ["--head-dim", "8", "--contexts", "64", "--decode-steps", "2", "--d-model", "32"]
+    argv += ["--n-layers", "1", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    for suite in ("ops", "peers", "decode"):
+        assert f"=== mnemo bench --suite {suite} ===" in text
+    data = json.loads(out.read_text())
+    assert set(data) == {"ops", "peers", "decode"}
+    assert data["peers"] == [] and data["decode"][0]["model"] == "gla" and data["ops"]

@@ -71,6 +71,9 @@ class TrainConfig:
             (previous-token, duplicate-token and induction score, max over heads per layer and
             overall, on random tokens repeated twice; :class:`mnemo.interp.CircuitTracker`) in
             ``metrics.jsonl``; ``mnemo probe plot-training OUT`` draws them against the loss.
+        init_from: start from the weights of another run (a run or checkpoint directory) instead of
+            a fresh initialisation — fine-tuning, or a curriculum (e.g. MQAR at 64 tokens, then at
+            128); the model must have the same shapes; the optimizer and schedule start fresh.
         circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens).
     """
 
@@ -103,6 +106,7 @@ class TrainConfig:
     sample_prompt: str = "ROMEO:"
     sample_temperature: float = 0.8
     tensorboard: bool = False
+    init_from: str | None = None
     task: str | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
     eval_lengths: list[int] = field(default_factory=list)
@@ -125,6 +129,8 @@ class TrainConfig:
             bad("activation_checkpointing", "true or false")
         if not isinstance(self.context_parallel, bool):
             bad("context_parallel", "true or false")
+        if self.init_from is not None and not isinstance(self.init_from, str):
+            bad("init_from", "None or a path to a run or checkpoint directory")
         if not isinstance(self.track_circuits, bool):
             bad("track_circuits", "true or false")
         if (

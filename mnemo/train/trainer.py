@@ -252,6 +252,8 @@ class Trainer:
         self.step = 0
         self.last_checkpoint: Path | None = None
         self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
+        if state is None and cfg.init_from is not None:
+            self._init_weights(cfg.init_from)
         if state is not None:
             from safetensors.torch import load_model
 
@@ -284,6 +286,20 @@ class Trainer:
             self.tb = SummaryWriter(str(self.out / "tb"))
 
     # ------------------------------------------------------------------------------------------
+    def _init_weights(self, source: str) -> None:
+        """Start from the weights of another run (``TrainConfig.init_from``): same model shapes
+        required; the optimizer, schedule and data stream start fresh."""
+        from safetensors.torch import load_model
+
+        ckpt = resolve_checkpoint(source)
+        try:
+            load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
+        except RuntimeError as e:  # missing/unexpected keys or shape mismatches
+            raise ValueError(
+                f"TrainConfig.init_from: the weights in {ckpt} do not fit model {self.cfg.model!r} "
+                f"(it needs the same architecture, width, depth and vocabulary): {e}"
+            ) from None
+
     def _wrap_ddp(self) -> torch.nn.parallel.DistributedDataParallel:
         """``DistributedDataParallel(self.model)``; DDP searches for unused parameters every step
         only when a probe forward/backward (one zero sequence of the training length) leaves some

@@ -207,3 +207,20 @@ def test_callbacks_add_to_the_metrics_record(tmp_path):
     Trainer(_cfg(steps=4, eval_interval=2), tmp_path, progress=False, callbacks=[probe]).fit()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert seen == [2, 4] and [r["probe_score"] for r in lines] == [2.0, 4.0]
+
+
+def test_init_from_starts_from_another_runs_weights(tmp_path):
+    first = Trainer(_cfg(steps=4, eval_interval=2), tmp_path / "a", progress=False)
+    first.fit()
+    second = Trainer(
+        _cfg(steps=2, eval_interval=2, init_from=str(tmp_path / "a"), seq_len=16), tmp_path / "b"
+    )
+    for (name, p), q in zip(first.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert second.step == 0, "optimizer, schedule and step start fresh"
+    fresh = Trainer(_cfg(steps=2, eval_interval=2, seq_len=16), tmp_path / "c")
+    assert not torch.equal(fresh.model.embed.weight, second.model.embed.weight)
+    with pytest.raises(ValueError, match="TrainConfig.init_from: the weights in .* do not fit model 'gla'"):
+        Trainer(_cfg(init_from=str(tmp_path / "a"), model_overrides={**TINY, "d_model": 48}), tmp_path / "d")
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        Trainer(_cfg(init_from=str(tmp_path / "missing")), tmp_path / "e")
