@@ -155,19 +155,8 @@ def plot_accuracy_vs_state(
             ys = [r["metrics"].get(metric) if r["status"] == "done" else 0.0 for r in rs]
             ax.plot(xs, ys, marker="o", label=model)
         ax.set_xscale("log")
-        ax.set_xlabel("decoding state per sequence (bytes)")
-        ax.set_ylabel(metric)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(name, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        _panel(ax, name, "decoding state per sequence (bytes)", metric)
+    return _save(plt, fig, path, title)
 
 
 def plot_accuracy_vs_length(
@@ -186,12 +175,21 @@ def plot_accuracy_vs_length(
             ax.plot(list(accs), list(accs.values()), marker="o", label=r["label"])
             ax.axvline(int(r["config"].get("seq_len", 0)), color="grey", ls=":", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("test sequence length (dotted: training length)")
-        ax.set_ylabel("accuracy")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(name, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _panel(ax, name, "test sequence length (dotted: training length)", "accuracy")
+    return _save(plt, fig, path, title)
+
+
+def _panel(ax, name: str, xlabel: str, ylabel: str) -> None:
+    """Labels, accuracy range [0, 1], grid and legend of one panel."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(name, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(plt, fig, path: str | Path, title: str) -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
