@@ -178,7 +178,7 @@ def test_bench_prints_a_table(capsys, tmp_path):
                 "--head-dim",
                 "8",
                 "--ops",
-                "gla_channel,delta_rule",
+                "gla_channel,delta_rule,selective_scan,ssd",
                 "--json",
                 str(out),
             ]

@@ -237,9 +237,16 @@ def time_decode(bench: OpBench, B: int, H: int, D: int, device: str, repeats: in
     def run():
         with torch.no_grad():
             for t in range(steps):
-                bench.call({n: v[:, t : t + 1] for n, v in xs.items()}, "recurrent")
+                # per-token inputs are [B, T, ...]; parameters such as A ([Dm, N] or [H]) are not
+                bench.call(
+                    {n: v[:, t : t + 1] if _per_token(v, steps) else v for n, v in xs.items()}, "recurrent"
+                )
 
     return _time(run, max(1, repeats // 2)) / steps
+
+
+def _per_token(v: torch.Tensor, T: int) -> bool:
+    return v.ndim >= 3 and v.shape[1] == T
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
