@@ -34,6 +34,20 @@ def _fill_state(model, state, L: int):
     return state
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set in MiB: ``VmHWM`` from ``/proc/self/status`` (Linux; it
+    belongs to the address space, so it starts fresh at ``exec``), else ``ru_maxrss`` (which on
+    Linux survives ``fork`` + ``exec`` and would report the parent's peak)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) -> dict:
     """Run in the current process: decode ``steps`` tokens after a context of ``L``."""
     from ..models import LanguageModel, build_config
@@ -51,7 +65,7 @@ def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) ->
             logits, state = model(tok, state)
             tok = logits[:, -1:].argmax(-1)
         dt = time.perf_counter() - t0
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = peak_rss_mb()
     return {
         "model": model_name,
         "context": L,
