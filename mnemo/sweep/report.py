@@ -117,8 +117,10 @@ def markdown_table(rows: list[dict], metric: str = "val_acc") -> str:
     return "\n".join(lines)
 
 
-def _groups(best: list[dict]) -> dict[str, list[dict]]:
-    axes = _axes(best)
+def _groups(best: list[dict], along_line: str | None = None) -> dict[str, list[dict]]:
+    """One panel per setting of the grid axes, except axes starting with ``along_line`` (those
+    vary along each line of the panel instead)."""
+    axes = [a for a in _axes(best) if not (along_line and a.startswith(along_line))]
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in best:
         name = ", ".join(f"{a.split('.')[-1]}={r['cell'].get(a)}" for a in axes) or "all runs"
@@ -140,10 +142,11 @@ def _pyplot():
 def plot_accuracy_vs_state(
     rows: list[dict], path: str | Path, metric: str = "val_acc", title: str = ""
 ) -> Path:
-    """Accuracy (best per cell) vs decoding-state bytes per sequence, one line per registry model,
-    one panel per setting of the other grid axes (the Zoology / Based recall–memory plot)."""
+    """Accuracy (best per cell) vs decoding-state bytes per sequence, one line per registry model
+    through its model sizes (``model_overrides.*`` grid axes such as ``d_model``), one panel per
+    setting of the other grid axes (the Zoology / Based recall–memory plot)."""
     plt = _pyplot()
-    groups = _groups(best_per_cell(rows, metric))
+    groups = _groups(best_per_cell(rows, metric), along_line="model_overrides.")
     fig, axs = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
     for ax, (name, group) in zip(axs[0], groups.items()):
         by_model: dict[str, list[dict]] = defaultdict(list)
@@ -155,6 +158,7 @@ def plot_accuracy_vs_state(
             ys = [r["metrics"].get(metric) if r["status"] == "done" else 0.0 for r in rs]
             ax.plot(xs, ys, marker="o", label=model)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decade labels only: minor ones overlap
         _panel(ax, name, "decoding state per sequence (bytes)", metric)
     return _save(plt, fig, path, title)
 
