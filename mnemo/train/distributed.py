@@ -61,8 +61,15 @@ def barrier() -> None:
 
 
 def cleanup() -> None:
-    """Leave the process group (if one was joined)."""
+    """Leave the process group (if one was joined). All ranks meet at a barrier first, so no rank
+    tears its connections down while a peer still uses them (gloo aborts the peer otherwise).
+    The barrier is skipped when it fails (a peer already gone): leaving must not raise."""
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass
         dist.destroy_process_group()
 
 
