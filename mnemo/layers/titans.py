@@ -275,7 +275,28 @@ class _PrefixAttention(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 
-class TitansMAG(Mixer):
+class _MemoryAndWindow(Mixer):
+    """The parts MAG and MAL share: a long-term memory and sliding-window attention with
+    persistent keys; the decoding state is ``(KV cache of the window, memory state)``."""
+
+    def __init__(self, d_model, n_heads, window, persistent_tokens, spec, mode, spec_overrides):
+        super().__init__(mode)
+        self.d_model = d_model
+        self.memory = NeuralMemory(
+            d_model, n_heads, spec=spec, persistent_tokens=persistent_tokens, mode=mode, **spec_overrides
+        )
+        self.attn = _PrefixAttention(d_model, n_heads, persistent_tokens, window=window)
+
+    def state_size_bytes(self, batch_size=1, seq_len=0, dtype_bytes=4):
+        a = self.attn.inner
+        kept = min(seq_len, a.window - 1) if a.window else seq_len
+        return (
+            self.memory.state_size_bytes(batch_size)
+            + 2 * batch_size * kept * a.n_kv_heads * a.head_dim * dtype_bytes
+        )
+
+
+class TitansMAG(_MemoryAndWindow):
     """Memory as a Gate (Titans §4.2): sliding-window attention and the memory branch, combined by a
     gate. ``o = W_o (RMSNorm(y_attn) ⊙ sigmoid(RMSNorm(y_mem)))`` with both branches over the same
     input; persistent tokens are keys every query sees (attention) and a prefix the memory writes."""
@@ -290,12 +311,7 @@ class TitansMAG(Mixer):
         mode="chunk",
         **spec_overrides,
     ):
-        super().__init__(mode)
-        self.d_model = d_model
-        self.attn = _PrefixAttention(d_model, n_heads, persistent_tokens, window=window)
-        self.memory = NeuralMemory(
-            d_model, n_heads, spec=spec, persistent_tokens=persistent_tokens, mode=mode, **spec_overrides
-        )
+        super().__init__(d_model, n_heads, window, persistent_tokens, spec, mode, spec_overrides)
         self.norm_attn, self.norm_mem = RMSNorm(d_model), RMSNorm(d_model)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
@@ -308,16 +324,8 @@ class TitansMAG(Mixer):
         y = self.o_proj(self.norm_attn(y_attn) * torch.sigmoid(self.norm_mem(y_mem)))
         return y, MixerState(memory=(cache, mem_state), offset=offset + T)
 
-    def state_size_bytes(self, batch_size=1, seq_len=0, dtype_bytes=4):
-        a = self.attn.inner
-        kept = min(seq_len, a.window - 1) if a.window else seq_len
-        return (
-            self.memory.state_size_bytes(batch_size)
-            + 2 * batch_size * kept * a.n_kv_heads * a.head_dim * dtype_bytes
-        )
 
-
-class TitansMAL(Mixer):
+class TitansMAL(_MemoryAndWindow):
     """Memory as a Layer (Titans §4.3): the memory layer, then sliding-window attention on its output
     (with persistent keys). ``o = SWA(M(x))``."""
 
@@ -331,13 +339,8 @@ class TitansMAL(Mixer):
         mode="chunk",
         **spec_overrides,
     ):
-        super().__init__(mode)
-        self.d_model = d_model
-        self.memory = NeuralMemory(
-            d_model, n_heads, spec=spec, persistent_tokens=persistent_tokens, mode=mode, **spec_overrides
-        )
+        super().__init__(d_model, n_heads, window, persistent_tokens, spec, mode, spec_overrides)
         self.mid_norm = RMSNorm(d_model)
-        self.attn = _PrefixAttention(d_model, n_heads, persistent_tokens, window=window)
 
     def forward(self, x, state: MixerState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
@@ -346,14 +349,6 @@ class TitansMAL(Mixer):
         h, mem_state = self.memory(x, mem_state, mode=mode)
         y, cache, _ = self.attn(self.mid_norm(h), cache, offset)
         return y, MixerState(memory=(cache, mem_state), offset=offset + T)
-
-    def state_size_bytes(self, batch_size=1, seq_len=0, dtype_bytes=4):
-        a = self.attn.inner
-        kept = min(seq_len, a.window - 1) if a.window else seq_len
-        return (
-            self.memory.state_size_bytes(batch_size)
-            + 2 * batch_size * kept * a.n_kv_heads * a.head_dim * dtype_bytes
-        )
 
 
 class TitansMAC(Mixer):
