@@ -19,3 +19,27 @@ def assert_close(actual, expected, tol: float, floor: float = 1e-6, what: str = 
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     e = rel_rms(actual, expected, floor)
     assert e <= tol, f"{what}: relative RMS error {e:.3e} > {tol:.1e}"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a test's process group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_as_torchrun(rank: int, world: int, port: int) -> None:
+    """Set what ``torchrun`` sets for rank ``rank`` of ``world`` processes (the trainer joins the
+    group through ``init_from_env``); one intra-op thread per process."""
+    import os
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)

@@ -5,8 +5,6 @@ sequence lengths that do not split are rejected naming the problem."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from mnemo.train import TrainConfig, Trainer, TrainingDiverged
+from tests.helpers import free_port, join_as_torchrun
 
 RTOL = 1e-5
 MODELS = ["gated_deltanet", "mamba"]
@@ -38,26 +37,12 @@ def _cfg(model="gated_deltanet", **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _weights(model) -> dict:
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
 def _worker(rank, world, port, out):
-    # what torchrun sets; Trainer joins the group through init_from_env
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    join_as_torchrun(rank, world, port)
     from mnemo.train.distributed import cleanup
 
     out = Path(out)
@@ -86,7 +71,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cp")
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
     return out
 
 

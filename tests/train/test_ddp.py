@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch.multiprocessing as mp
 from mnemo.data.tasks import IGNORE_INDEX, MQAR, TASKS, make_generator
 from mnemo.models import LanguageModel, build_config
 from mnemo.train import TrainConfig, Trainer, TrainingDiverged
+from tests.helpers import free_port, join_as_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
@@ -82,12 +82,6 @@ def _ragged_task():
     TASKS.pop(RaggedMQAR.name, None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -105,15 +99,7 @@ def _assert_same_losses(got: list[dict], want: list[dict], keys=("train_loss", "
 
 
 def _worker(rank, world, port, out):
-    # what torchrun sets; Trainer joins the group through init_from_env
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    join_as_torchrun(rank, world, port)
     TASKS[RaggedMQAR.name] = RaggedMQAR
     from mnemo.train.distributed import cleanup
 
@@ -143,7 +129,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
     return out
 
 
@@ -153,7 +139,7 @@ def torchrun_text(tmp_path_factory):
     cfg = _text_cfg()
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         "-m", "mnemo", "train", "--model", cfg.model, "--d-model", "16", "--n-layers", "2",
         "--seq-len", "16", "--batch-size", "4", "--steps", "6", "--eval-interval", "2",
         "--eval-batches", "2", "--warmup-steps", "2", "--sample-tokens", "0",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mnemo.models import LanguageModel, build_config
+from tests.helpers import free_port
 
 MODELS = ["gated_deltanet", "titans_lmm"]  # a matrix-state mixer and a test-time-trained memory
 
@@ -46,19 +47,11 @@ def _cp_worker(rank, world, port, name, out):
         dist.destroy_process_group()
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_context_parallel_equals_single_process(name, tmp_path):
     world = 2
     mp.start_processes(
-        _cp_worker, args=(world, _free_port(), name, str(tmp_path)), nprocs=world, start_method="spawn"
+        _cp_worker, args=(world, free_port(), name, str(tmp_path)), nprocs=world, start_method="spawn"
     )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     model = _model(name)
