@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.autograd.function import once_differentiable
 
 from ..ops._common import LOG_GATE_MIN, check_finite, check_floating, decay_exp
 from .spec import MemorySpec
@@ -136,21 +137,22 @@ def retention_map(spec: MemorySpec, A: torch.Tensor) -> torch.Tensor:
 
 
 def memory_apply(spec: MemorySpec, weights, x: torch.Tensor, rho: torch.Tensor | None = None):
-    """``M_W(x)`` for ``x: [B, H, L, in]`` and weights ``[B, H, in, out]`` (shared over tokens) or
-    ``[B, H, L, in, out]`` (one per token). ``rho`` scales the weights per token (``[B, H, L]``) or
-    per key channel (``[B, H, L, K]``, one-layer memories). Returns ``(y, layer_inputs, pre_acts)``.
+    """``M_W(x)`` for ``x: [*lead, L, in]`` and weights ``[*lead, in, out]`` (shared over tokens) or
+    ``[*lead, L, in, out]`` (one per token), ``lead`` being ``[B, H]`` or the flat ``[B·H]`` of the
+    chunk form. ``rho`` scales the weights per token (``[*lead, L]``) or per key channel
+    (``[*lead, L, K]``, one-layer memories). Returns ``(y, layer_inputs, pre_acts)``.
     """
     h = x
     inputs, zs = [], []
     last = len(weights) - 1
     for i, W in enumerate(weights):
         inputs.append(h)
-        hin = h * rho if (rho is not None and rho.ndim == 4) else h
-        if W.ndim == 5:
-            z = torch.einsum("bhti,bhtio->bhto", hin, W)
+        hin = h * rho if (rho is not None and rho.ndim == x.ndim) else h
+        if W.ndim == x.ndim + 1:
+            z = torch.einsum("...ti,...tio->...to", hin, W)
         else:
             z = hin @ W
-        if rho is not None and rho.ndim == 3:
+        if rho is not None and rho.ndim == x.ndim - 1:
             z = z * rho[..., None]
         zs.append(z)
         h = _act(spec.activation, z) if i < last else z
@@ -187,18 +189,80 @@ def objective_value(spec: MemorySpec, y, v, delta):
     return torch.where(a <= d, 0.5 * e * e, d * (a - 0.5 * d)).sum(-1)
 
 
+class _GeluWithGrad(torch.autograd.Function):
+    """``(gelu(z), gelu'(z))`` from one ``erf`` and one ``exp`` (exact, erf-based GELU). The chunk
+    form needs both (the memory's forward and its inner backward); autograd of the separate ops
+    would evaluate ``erf``/``exp`` four more times. Backward:
+    ``∂/∂z = g_h · gelu'(z) + g_d · gelu''(z)`` with ``gelu''(z) = φ(z)(2 − z²)``."""
+
+    @staticmethod
+    def forward(ctx, z):
+        cdf = torch.erf(z * 0.5**0.5).add_(1.0).mul_(0.5)
+        pdf = torch.exp(-0.5 * z * z).mul_(1.0 / math.sqrt(2.0 * math.pi))
+        h = z * cdf
+        d1 = torch.addcmul(cdf, z, pdf)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(d1, pdf.mul_(2.0 - z * z))
+        return h, d1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_h, g_d):
+        d1, d2 = ctx.saved_tensors
+        out = None
+        if g_h is not None:
+            out = g_h * d1
+        if g_d is not None:
+            out = g_d * d2 if out is None else out.addcmul_(g_d, d2)
+        return out
+
+
+def _act_with_grad(name: str, z: torch.Tensor):
+    """``(act(z), act'(z))``."""
+    if name == "gelu":
+        return _GeluWithGrad.apply(z)
+    return _act(name, z), _act_grad(name, z)
+
+
 def _grad_factors(spec: MemorySpec, W0, k, v, rho, delta):
-    """Per-token, per-layer gradient factors at ``W0``: ``G_s = x_s ⊗ δ_s`` for every layer."""
-    y, inputs, zs = memory_apply(spec, W0, k, rho)
+    """Per-token, per-layer gradient factors at ``W0``: ``G_s = x_s ⊗ δ_s`` for every layer.
+
+    The same function as :func:`memory_apply` followed by the backward of the objective, written
+    for the chunk form's flat ``[B·H, L, ·]`` layout (``torch.bmm``, fused activation value and
+    slope, the fused layer-norm backward); the token-loop reference differentiates
+    :func:`memory_apply` with autograd instead."""
+    h = k
+    inputs, slopes = [], []
+    last = len(W0) - 1
+    for i, W in enumerate(W0):
+        inputs.append(h)
+        hin = h * rho if (rho is not None and rho.ndim == k.ndim) else h
+        z = torch.bmm(hin, W)
+        if rho is not None and rho.ndim == k.ndim - 1:
+            z = z * rho[..., None]
+        if i < last:
+            h, slope = _act_with_grad(spec.activation, z)
+            slopes.append(slope)
+        else:
+            h = z
+    shape = [h.shape[-1]]
+    if spec.norm:
+        y, mean, rstd = torch.ops.aten.native_layer_norm(h, shape, None, None, _LN_EPS)
+    else:
+        y = h
+    if spec.residual:
+        y = k + y
     dz = objective_grad(spec, y, v, delta)
     if spec.norm:
-        dz = _ln_backward(zs[-1], dz)
+        dz = torch.ops.aten.native_layer_norm_backward(
+            dz, h, shape, mean, rstd, None, None, [True, False, False]
+        )[0]
     deltas = [dz]
-    for i in range(len(W0) - 1, 0, -1):
-        dh = dz @ W0[i].transpose(-1, -2)
-        if rho is not None and rho.ndim == 3:
+    for i in range(last, 0, -1):
+        dh = torch.bmm(dz, W0[i].transpose(-1, -2))
+        if rho is not None and rho.ndim == k.ndim - 1:
             dh = dh * rho[..., None]
-        dz = _act_backward(spec.activation, dh, zs[i - 1])
+        dz = dh * slopes[i - 1]
         deltas.append(dz)
     return inputs, deltas[::-1]
 
@@ -263,14 +327,14 @@ def _materialized_read(spec, A, S, eg, b, c, inputs, deltas, q, channel):
     when ``N`` is not the identity or the decay is per channel). Tokens go in blocks whose weights
     fit :data:`_MATERIALIZE_BUDGET` numbers, each block recomputed in the backward pass
     (activation checkpointing) instead of storing ``[C, in, out]`` weights."""
-    Bsz, H, L, _ = q.shape
-    per_token = Bsz * H * max(a.shape[-2] * a.shape[-1] for a in A)
+    BH, L, _ = q.shape
+    per_token = BH * max(a.shape[-2] * a.shape[-1] for a in A)
     block = max(1, min(L, _MATERIALIZE_BUDGET // max(per_token, 1)))
 
-    def scaled(M, coef):  # coef [B,H,t] or [B,H,t,K] times a shared [B,H,in,out] matrix
+    def scaled(M, coef):  # coef [BH,t] or [BH,t,K] times a shared [BH,in,out] matrix
         if coef is None:
-            return M[:, :, None]
-        return (coef[..., None] if coef.ndim == 4 else coef[..., None, None]) * M[:, :, None]
+            return M[:, None]
+        return (coef[..., None] if coef.ndim == 3 else coef[..., None, None]) * M[:, None]
 
     def read_block(t0: int, t1: int, *tensors):
         n = len(A)
@@ -280,10 +344,10 @@ def _materialized_read(spec, A, S, eg, b, c, inputs, deltas, q, channel):
         Wt = []
         for i in range(n):
             if channel:
-                upd = torch.einsum("bhtsk,bhsk,bhsv->bhtkv", c_, inputs[i], deltas[i])
+                upd = torch.einsum("ntsk,nsk,nsv->ntkv", c_, inputs[i], deltas[i])
             else:
-                upd = torch.einsum("bhts,bhsi,bhso->bhtio", c_, inputs[i], deltas[i])
-            At = scaled(A_[i], eg_) - upd
+                upd = torch.einsum("nts,nsi,nso->ntio", c_, inputs[i], deltas[i])
+            At = scaled(A_[i], eg_) + upd  # c carries the step's minus sign
             if S_ is not None:
                 At = At + scaled(S_[i], b_)
             Wt.append(retention_map(spec, At))
@@ -296,76 +360,107 @@ def _materialized_read(spec, A, S, eg, b, c, inputs, deltas, q, channel):
         args = (
             *A,
             *(S if S is not None else ()),
-            None if eg is None else eg[:, :, sl],
-            None if b is None else b[:, :, sl],
-            c[:, :, sl],
-            q[:, :, sl],
+            None if eg is None else eg[:, sl],
+            None if b is None else b[:, sl],
+            c[:, sl],
+            q[:, sl],
         )
         if torch.is_grad_enabled() and block < L:
             outs.append(torch.utils.checkpoint.checkpoint(read_block, t0, t1, *args, use_reentrant=False))
         else:
             outs.append(read_block(t0, t1, *args))
-    return torch.cat(outs, 2)
+    return torch.cat(outs, 1)
 
 
-def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coefs):
-    """Advance the stream by ``L`` tokens that lie inside one inner chunk. Inputs ``[B, H, L, ·]``."""
+class _LrCoefs(NamedTuple):
+    """Learning-rate-scaled coefficients of one or more pieces (leading dims ``[B·H(, n)]``),
+    already shaped for broadcasting against ``[L, ·]`` activations and ``[in, out]`` states. The
+    gradient weights carry the minus sign of the descent step, so every update is a plain
+    ``baddbmm`` (an ``alpha = −1`` costs an extra multiply per operand in its backward)."""
+
+    c: torch.Tensor  # [..., L, L] (or [..., L, L, K]): −weight of token s's gradient in A_t
+    w_row: torch.Tensor  # [..., 1, L] (or [..., K, L]): −weight of token s's gradient in the end A
+    sc_row: torch.Tensor | None  # [..., 1, L]: −weight of token s's gradient in the end momentum
+    eg_col: torch.Tensor | None  # [..., L, 1]: decay of the incoming A at token t (scalar decay)
+    b_col: torch.Tensor | None  # [..., L, 1]: weight of the incoming momentum at token t
+    eg_end: torch.Tensor | None  # [..., 1, 1] (or [..., K, 1]): decay of A over the piece
+    b_end: torch.Tensor | None  # [..., 1, 1] (or [..., K, 1]): weight of S in the end A
+    eS_end: torch.Tensor | None  # [..., 1, 1]: decay of the momentum over the piece
+
+
+def _lr_coefs(co: _Coefs, th: torch.Tensor) -> _LrCoefs:
+    """:class:`_LrCoefs` from the gate coefficients and ``θ [..., L]``; works on one piece or on all
+    pieces of a group at once (then every piece costs one ``unbind`` instead of a dozen ops)."""
+    ch = co.channel
+    th = -th
+    c = co.Cm * (th[..., None, :, None] if ch else th[..., None, :])
+
+    def end(x):
+        return None if x is None else (x[..., -1, :, None] if ch else x[..., -1, None, None])
+
+    def col(x):
+        return None if (x is None or ch) else x[..., None]
+
+    return _LrCoefs(
+        c,
+        c[..., -1, :, :].transpose(-1, -2) if ch else c[..., -1, None, :],
+        None if co.s_coef is None else (co.s_coef * th)[..., None, :],
+        col(co.eg),
+        col(co.b),
+        end(co.eg),
+        end(co.b),
+        None if co.eS is None else co.eS[..., None, None],
+    )
+
+
+def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coefs, lr: _LrCoefs | None):
+    """Advance the stream by ``L`` tokens that lie inside one inner chunk. Inputs ``[B·H, L, ·]``
+    and states ``[B·H, in, out]`` (flat batch × heads, so every product is one ``torch.bmm``).
+    ``theta`` is already clamped to ``max_lr``; ``lr`` is ``None`` when gradient clipping makes
+    the effective ``θ`` depend on this piece's gradients."""
     A, S, anchor = state.weights, state.momentum, state.anchor
     W0 = [retention_map(spec, a) for a in anchor]
     rho = None
     if spec.decay_first and co.gcum is not None:
         d0 = state.anchor_decay
-        gc = co.gcum if d0 is None else co.gcum + (d0[:, :, None] if co.channel else d0[..., None])
+        gc = co.gcum if d0 is None else co.gcum + (d0[:, None] if co.channel else d0[..., None])
         rho = decay_exp(gc)
     inputs, deltas = _grad_factors(spec, W0, k, v, rho, delta)
-    th = theta if spec.max_lr is None else theta.clamp(max=spec.max_lr)
-    if spec.grad_clip is not None:
-        sq = sum(x.square().sum(-1) * d.square().sum(-1) for x, d in zip(inputs, deltas))
-        th = th * (spec.grad_clip / sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
-    channel, eg, b = co.channel, co.eg, co.b
-    c = co.Cm * (th[..., None, :, None] if channel else th[..., None, :])
+    if lr is None:
+        th = theta
+        if spec.grad_clip is not None:
+            sq = sum(x.square().sum(-1) * d.square().sum(-1) for x, d in zip(inputs, deltas))
+            th = th * (spec.grad_clip / sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
+        lr = _lr_coefs(co, th)
 
-    eg_L = None if eg is None else eg[:, :, -1]
-    b_L = None if b is None else b[:, :, -1]
-    sc = None if S is None else co.s_coef * th
-    w_end = c[:, :, -1] if channel else c[:, :, -1, :, None]
+    xts = [x.transpose(-1, -2) for x in inputs]
 
-    def end_rows(i):  # left factors of the state update: Σ_s w_s x_s ⊗ δ_s = (x ⊙ w)ᵀ δ
-        rows = [(inputs[i] * w_end).transpose(-1, -2)]
+    def new_state(i):  # A_end = e^{Σg} A + b_L S − (x ⊙ w_end)ᵀ δ,  S_end = e^{Ση} S − (x ⊙ w_S)ᵀ δ
+        xt = xts[i]
+        a = A[i] if lr.eg_end is None else lr.eg_end * A[i]
         if S is not None:
-            rows.append((inputs[i] * sc[..., None]).transpose(-1, -2))
-        return rows
-
-    def new_state(i, upd):  # upd: [(x ⊙ w_A)ᵀ δ, (x ⊙ w_S)ᵀ δ]
-        a = A[i]
-        if eg_L is not None:
-            a = (eg_L[..., None] if channel else eg_L[..., None, None]) * a
-        a = a - upd[0]
+            a = torch.addcmul(a, lr.b_end, S[i])
+        a = torch.baddbmm(a, xt * lr.w_row, deltas[i])
         s_new = None
         if S is not None:
-            a = a + (b_L[..., None] if channel else b_L[..., None, None]) * S[i]
-            s_new = co.eS[..., None, None] * S[i] - upd[1]
+            s_new = torch.baddbmm(lr.eS_end * S[i], xt * lr.sc_row, deltas[i])
         return a, s_new
 
     newA, newS = [], []
-    if spec.retention in ("none", "decay") and not channel:
-        # dual form: z_t = e^{g_t} A x_t + b_t S x_t − Σ_s c_ts (x_t · x_s) δ_s, layer by layer. The
-        # read's [C, C] factor and the state update's [in, C] factors multiply the same δ, so they
-        # are stacked into one matmul per layer.
+    if spec.retention in ("none", "decay") and not co.channel:
+        # dual form: z_t = e^{g_t} A x_t + b_t S x_t − Σ_s c_ts (x_t · x_s) δ_s, layer by layer
+        # (stacking the read's [C, C] factor and the update's [in, C] factors into one product
+        # measured no faster: the concatenation and its backward cost what the product saves).
         h = q
         last = len(A) - 1
         for i in range(len(A)):
-            z = h @ A[i]
-            if eg is not None:
-                z = z * eg[..., None]
+            z = torch.bmm(h, A[i])
+            if lr.eg_col is not None:
+                z = z * lr.eg_col
             if S is not None:
-                z = torch.addcmul(z, b[..., None], h @ S[i])
-            left = [c * (h @ inputs[i].transpose(-1, -2))] + end_rows(i)
-            sizes = [x.shape[-2] for x in left]
-            prod = torch.cat(left, -2) @ deltas[i]
-            r, *upd = prod.split(sizes, -2)
-            z = z - r
-            a, s_new = new_state(i, upd)
+                z = torch.addcmul(z, lr.b_col, torch.bmm(h, S[i]))
+            z = torch.baddbmm(z, lr.c * torch.bmm(h, xts[i]), deltas[i])
+            a, s_new = new_state(i)
             newA.append(a)
             newS.append(s_new)
             h = _act(spec.activation, z) if i < last else z
@@ -373,20 +468,32 @@ def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coe
         o = q + y if spec.residual else y
     else:
         for i in range(len(A)):
-            a, s_new = new_state(i, [r @ deltas[i] for r in end_rows(i)])
+            a, s_new = new_state(i)
             newA.append(a)
             newS.append(s_new)
-        o = _materialized_read(spec, A, S, eg, b, c, inputs, deltas, q, channel)
+        o = _materialized_read(spec, A, S, co.eg, co.b, lr.c, inputs, deltas, q, co.channel)
     newS = None if S is None else tuple(newS)
     d_end = None
     if spec.decay_first and co.gcum is not None:
-        last = co.gcum[:, :, -1]
+        last = co.gcum[:, -1]
         d_end = last if state.anchor_decay is None else state.anchor_decay + last
     return o, tuple(newA), newS, d_end
 
 
-def _to_heads(x):
-    return None if x is None else x.transpose(1, 2)
+def _flat_heads(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``[B, T, H, ·]`` or ``[B, T, H]`` -> ``[B·H, T, ·]`` / ``[B·H, T]``."""
+    if x is None:
+        return None
+    x = x.transpose(1, 2)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _map_state(state: MemoryState, fn) -> MemoryState:
+    def each(xs):
+        return None if xs is None else tuple(fn(x) for x in xs)
+
+    d = None if state.anchor_decay is None else fn(state.anchor_decay)
+    return MemoryState(each(state.weights), each(state.momentum), each(state.anchor), d, state.position)
 
 
 def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryState):
@@ -394,12 +501,16 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
 
     The stream is cut at absolute chunk boundaries into pieces (a first piece that completes the
     current chunk, full chunks, a last partial chunk). Gate coefficients are computed for all
-    pieces of equal length at once; the loop runs over pieces only.
+    pieces of equal length at once; the loop runs over pieces only. Inside, batch and heads are
+    one flat leading dim ``B·H``, so every product is a plain ``torch.bmm`` (a 4-D ``matmul``
+    adds expand/reshape nodes whose backward cost more than the small products themselves).
     """
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    th, gh, eh, dh = (_to_heads(x) for x in (theta, g, eta, delta))
-    C, T = spec.chunk_size, q.shape[1]
-    B, H = qh.shape[:2]
+    B, T, H = q.shape[:3]
+    if spec.max_lr is not None:
+        theta = theta.clamp(max=spec.max_lr)
+    qh, kh, vh, th, gh, eh, dh = (_flat_heads(x) for x in (q, k, v, theta, g, eta, delta))
+    state = _map_state(state, lambda x: x.reshape(B * H, *x.shape[2:]))
+    C = spec.chunk_size
     first = min((C - state.position % C) % C, T)
     n_full = (T - first) // C
     groups = [(first, 1), (n_full * C, n_full), (T - first - n_full * C, 1)]
@@ -407,10 +518,10 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
     sizes = [length // n for length, n in groups for _ in range(n)]
 
     def pieces(x):  # split (not slice) so the backward pass assembles each gradient once
-        return [None] * len(sizes) if x is None else list(torch.split(x, sizes, dim=2))
+        return [None] * len(sizes) if x is None else list(torch.split(x, sizes, dim=1))
 
     qs, ks, vs, ths, ds = (pieces(x) for x in (qh, kh, vh, th, dh))
-    coefs = []
+    coefs, lrs = [], []
     start = 0
     for length, n in groups:
         L = length // n
@@ -418,24 +529,30 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
         def grid(x, start=start, length=length, n=n, L=L):
             if x is None:
                 return None
-            x = x.narrow(2, start, length)
-            return x.reshape(B, H, n, L, *x.shape[3:])
+            x = x.narrow(1, start, length)
+            return x.reshape(B * H, n, L, *x.shape[2:])
 
-        co = _gate_coefs(spec, grid(gh), grid(eh), (B, H, n), L, qh.dtype, qh.device)
-        per = [x.unbind(2) if isinstance(x, torch.Tensor) else [x] * n for x in co]
+        co = _gate_coefs(spec, grid(gh), grid(eh), (B * H, n), L, qh.dtype, qh.device)
+        per = [x.unbind(1) if isinstance(x, torch.Tensor) else [x] * n for x in co]
         coefs.extend(_Coefs(*fields) for fields in zip(*per))
+        if spec.grad_clip is None:
+            per = [[None] * n if x is None else x.unbind(1) for x in _lr_coefs(co, grid(th))]
+            lrs.extend(_LrCoefs(*fields) for fields in zip(*per))
+        else:
+            lrs.extend([None] * n)
         start += length
     outs = []
     for i, L in enumerate(sizes):
-        o, A, S, d_end = _piece(spec, state, qs[i], ks[i], vs[i], ths[i], ds[i], coefs[i])
+        o, A, S, d_end = _piece(spec, state, qs[i], ks[i], vs[i], ths[i], ds[i], coefs[i], lrs[i])
         outs.append(o)
         pos = state.position + L
         if pos % C == 0:
             state = MemoryState(A, S, A, None, pos)
         else:
             state = MemoryState(A, S, state.anchor, d_end, pos)
-    o = torch.cat(outs, 2).transpose(1, 2)
-    return o, state
+    o = torch.cat(outs, 1)
+    o = o.reshape(B, H, *o.shape[1:]).transpose(1, 2)
+    return o, _map_state(state, lambda x: x.reshape(B, H, *x.shape[1:]))
 
 
 # ------------------------------------------------------------------------------------------------
