@@ -181,7 +181,11 @@ def mixing(mixer, x: torch.Tensor) -> Mixing:
 
 def capture_maps(model, input_ids: torch.Tensor, layers=None) -> dict[int, torch.Tensor]:
     """``{layer: [B, H, T, T]}`` for every mixing layer of ``model`` on ``input_ids`` (layers without
-    a map are skipped). The hooks only read each mixer's input; the forward pass is unchanged."""
+    a map are skipped). The hooks only read each mixer's input; the forward pass is unchanged.
+    ``input_ids`` are moved to the model's device."""
+    param = next(model.parameters(), None)
+    if param is not None:
+        input_ids = input_ids.to(param.device)
     inputs: dict[int, torch.Tensor] = {}
     handles = []
     for i, block in enumerate(model.blocks):

@@ -33,6 +33,9 @@ def circuit_scores(model, length: int = 32, batch: int = 8, seed: int = 0, vocab
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     ids = repeated_random_tokens(batch, length, V, gen, offset=min(vocab_offset, V - 1))
+    param = next(model.parameters(), None)
+    if param is not None:
+        ids = ids.to(param.device)  # the generator draws on CPU (same tokens on every device)
     maps = capture_maps(model, ids)
     out = {}
     for layer, m in maps.items():

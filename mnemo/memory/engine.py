@@ -90,18 +90,8 @@ def _act(name: str, z: torch.Tensor) -> torch.Tensor:
     return torch.tanh(z)
 
 
-def _act_backward(name: str, dh: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``dh ⊙ act'(z)`` (fused for GELU; twice differentiable either way)."""
-    if name == "gelu":
-        return torch.ops.aten.gelu_backward(dh, z)
-    return dh * _act_grad(name, z)
-
-
 def _act_grad(name: str, z: torch.Tensor) -> torch.Tensor:
-    if name == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * 0.5**0.5))
-        pdf = torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-        return cdf + z * pdf
+    """``act'(z)`` for the activations other than GELU (see :class:`_GeluWithGrad`)."""
     if name == "silu":
         s = torch.sigmoid(z)
         return s * (1 + z * (1 - s))
@@ -115,14 +105,6 @@ _LN_EPS = 1e-5
 
 def _ln(z: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(z, (z.shape[-1],), eps=_LN_EPS)
-
-
-def _ln_backward(z: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """Backward of the parameter-free layer norm: ``rstd (dy − mean(dy) − y mean(dy ⊙ y))``."""
-    d = z - z.mean(-1, keepdim=True)
-    rstd = (d.square().mean(-1, keepdim=True) + _LN_EPS).rsqrt()
-    y = d * rstd
-    return rstd * (dy - dy.mean(-1, keepdim=True) - y * (dy * y).mean(-1, keepdim=True))
 
 
 def retention_map(spec: MemorySpec, A: torch.Tensor) -> torch.Tensor:
