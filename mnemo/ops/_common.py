@@ -5,10 +5,9 @@ Everything here is internal to :mod:`mnemo.ops`; the public ops document the rul
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
-
-import math
 
 import torch
 
