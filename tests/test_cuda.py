@@ -60,6 +60,7 @@ from tests.helpers import assert_close  # noqa: E402
 from tests.models.test_lm import _model  # noqa: E402
 from tests.ops import specs  # noqa: E402
 from tests.ops.specs import SPECS  # noqa: E402
+from tests.train.test_trainer import _cfg as _trainer_cfg  # noqa: E402
 
 B, T, H, K, V = 2, 37, 2, 16, 16  # T odd: a partial last chunk
 DIMS = (B, H, K, V)
@@ -272,19 +273,9 @@ TRAIN_CASES = {
 
 
 def _train_cfg(**kw) -> TrainConfig:
-    base = dict(
-        model_overrides={"d_model": 32, "n_layers": 2},
-        seq_len=32,
-        batch_size=4,
-        steps=5,
-        eval_interval=5,
-        eval_batches=1,
-        lr=3e-3,
-        warmup_steps=1,
-        device=DEVICE_NAME,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    """The trainer tests' tiny config, 5 steps on the device under test."""
+    base = dict(batch_size=4, steps=5, eval_interval=5, eval_batches=1, warmup_steps=1, device=DEVICE_NAME)
+    return _trainer_cfg(**{**base, **kw})
 
 
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
