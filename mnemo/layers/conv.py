@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops import _native
+
 
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time, followed by SiLU (as in H3, Mamba, GLA, DeltaNet).
@@ -52,20 +54,31 @@ class ShortConvolution(nn.Module):
 
 
 class _CausalConv(torch.autograd.Function):
-    """``y_t = Σ_i w_i ⊙ xp_{t+i} (+ b)`` on the time-major layout: W shifted multiply-adds forward,
-    and a backward that accumulates the input gradient in place (no per-shift zero tensors).
-    Twice differentiable through autograd is not needed (the conv sits outside inner loops)."""
+    """``y_t = Σ_i w_i ⊙ xp_{t+i} (+ b)`` on the time-major layout.
+
+    On the CPU (float32/float64) both passes run the C kernel of :mod:`mnemo.ops._native` (one
+    pass over memory instead of one per tap; ``MNEMO_NATIVE=0`` switches it off). Otherwise: W
+    shifted multiply-adds forward, and a backward that accumulates the input gradient in place
+    (no per-shift zero tensors). Twice differentiable through autograd is not needed (the conv sits
+    outside inner loops)."""
 
     @staticmethod
     def forward(ctx, xp, w, b, T):
         W = w.shape[1]
-        y = xp[:, :T] * w[:, 0]
-        for i in range(1, W):
-            y.addcmul_(xp[:, i : i + T], w[:, i])
-        if b is not None:
-            y += b
+        native = _native.usable(xp, w, *([] if b is None else [b]))
+        if native:
+            xp = xp.contiguous()
+            B, _, C = xp.shape
+            y = xp.new_empty(B, T, C)
+            _native.call("conv_fwd", xp.dtype, C, [B, T, C, W, xp, w.t().contiguous(), b, y])
+        else:
+            y = xp[:, :T] * w[:, 0]
+            for i in range(1, W):
+                y.addcmul_(xp[:, i : i + T], w[:, i])
+            if b is not None:
+                y += b
         ctx.save_for_backward(xp, w)
-        ctx.has_bias, ctx.T = b is not None, T
+        ctx.has_bias, ctx.T, ctx.native = b is not None, T, native
         return y
 
     @staticmethod
@@ -73,6 +86,14 @@ class _CausalConv(torch.autograd.Function):
         xp, w = ctx.saved_tensors
         T, W = ctx.T, w.shape[1]
         dxp = dw = db = None
+        if ctx.native and dy.dtype == xp.dtype:
+            B, _, C = xp.shape
+            dy = dy.contiguous()
+            dxp = torch.empty_like(xp) if ctx.needs_input_grad[0] else None
+            dwt = xp.new_empty(W, C)
+            db = xp.new_empty(C) if ctx.has_bias else None
+            _native.call("conv_bwd", xp.dtype, C, [B, T, C, W, xp, w.t().contiguous(), dy, dxp, dwt, db])
+            return dxp, dwt.t(), db, None
         if ctx.needs_input_grad[0]:
             dxp = torch.zeros_like(xp)
             for i in range(W):

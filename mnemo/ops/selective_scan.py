@@ -31,6 +31,16 @@ The three forms below compute exactly the same function:
   running the within-chunk loop over all chunks of the sequence at once (whole ``[T, D, N]``
   intermediates) measured about 10x slower on CPU than these cache-sized blocks.
 
+On the CPU (float32/float64), ``chunk`` runs the same blocked algorithm as a C kernel
+(:mod:`mnemo.ops._native`, built on first use with the system compiler). A tile of W channels (one
+SIMD register of floats: 16 with AVX-512, 8 with AVX2) keeps its ``[N, W]`` states in registers/L1
+for the whole sequence, so a token costs ``N`` vector updates instead of ~6 PyTorch dispatches; the
+backward recomputes each block of ``chunk_size`` tokens from the saved block-entry states, as
+above. ``v = Δ u``, the skip ``D u`` and the gate ``silu(z)`` are fused in. On a 2-core CPU the
+Mamba layer's forward+backward (T = 1024, d_model 256) is about 1.5x faster than with the PyTorch
+blocked form. ``MNEMO_NATIVE=0`` (or no C compiler) selects the PyTorch form; both are tested
+against the token loop.
+
 Log decays ``Δ A`` are clamped from below at ``-60`` in every form (as ``clamp_log_gate``), so a
 huge step ``Δ`` acts as a reset of the state and never produces overflow or NaN.
 """
@@ -42,6 +52,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch.autograd.function import once_differentiable
 
+from . import _native
 from ._common import (
     LOG_GATE_MIN,
     _shape,
@@ -240,10 +251,131 @@ def ss_chunk(delta, u, A, B, C, h0, chunk_size):
     return rearrange(y, "t b g 1 d -> b t (g d)"), rearrange(hT, "b g n d -> b (g d) n", d=Dg)
 
 
+_NATIVE_BLOCK = 16  # tokens per backward block: its [2 block + 1, N, W] buffer (33 KB at W=16) stays in L2
+
+
+class _NativeScan(torch.autograd.Function):
+    """The selective scan by the C kernel of :mod:`mnemo.ops._native` (CPU, float32/float64),
+    with ``v = Δ u``, the skip ``D u`` and the gate ``silu(z)`` fused in.
+
+    Kernel layout (contiguous, channels zero-padded per group to a multiple of ``W`` so that a tile
+    of ``W`` channels, one SIMD register of floats, never straddles two groups): ``delta, u, z:
+    [B, T, Dp]``, ``At: [N, Dp]``, ``B, C: [B, T, G, N]``, ``h0: [B, N, Dp]``, ``D: [Dp]``;
+    ``Dgp`` channels per group. ``D`` and ``z`` may be ``None``. A tile keeps its ``[N, W]``
+    states in L1 for the whole sequence; the forward saves the state before every block of ``L``
+    tokens (``[B, ceil(T / L), N, Dp]``). The backward walks the blocks from the last, recomputes
+    a block's states, decays and pre-gate outputs from its saved state into a per-thread
+    ``[2L + 1, N, W]`` buffer (L2-sized) and runs the reverse scan through it, so nothing of size
+    ``[T, D, N]`` is ever stored. ``dB``/``dC`` (sums over a group's channels) are accumulated per
+    thread and SIMD lane, and added up at the end.
+    """
+
+    @staticmethod
+    def forward(ctx, delta, u, At, B, C, h0, Dsk, z, Dgp: int, L: int):
+        Bsz, T, Dp = delta.shape
+        G, N = B.shape[2], At.shape[0]
+        W = _native.simd_width()  # channels per tile
+        jobs = Bsz * Dp // W
+        nt = max(1, min(torch.get_num_threads(), jobs))
+        y, hT = delta.new_empty(delta.shape), h0.new_empty(h0.shape)
+        starts = delta.new_empty(Bsz, -(-T // L), N, Dp)
+        work = delta.new_empty(nt, N, W)
+        _native.call(
+            "ss_fwd",
+            delta.dtype,
+            jobs,
+            [T, Dp, Dgp, G, N, L, delta, u, At, B, C, h0, Dsk, z, y, hT, starts],
+            lambda i: [work[i]],
+        )
+        ctx.save_for_backward(delta, u, At, B, C, starts, Dsk, z)
+        ctx.Dgp, ctx.L = Dgp, L
+        return y, hT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dhT):
+        delta, u, At, B, C, starts, Dsk, z = ctx.saved_tensors
+        Bsz, T, Dp = delta.shape
+        G, N, L = B.shape[2], At.shape[0], ctx.L
+        W = _native.simd_width()
+        jobs = Bsz * Dp // W
+        nt = max(1, min(torch.get_num_threads(), jobs))
+        dy = delta.new_zeros(delta.shape) if dy is None else dy.contiguous()
+        hshape = (Bsz, N, Dp)
+        dhT = delta.new_zeros(hshape) if dhT is None else dhT.contiguous()
+        ddelta, du = delta.new_empty(delta.shape), delta.new_empty(delta.shape)
+        dA, dh0 = delta.new_empty(hshape), delta.new_empty(hshape)
+        dD = None if Dsk is None else delta.new_empty(Bsz, Dp)
+        dz = None if z is None else delta.new_empty(delta.shape)
+        dB, dC = (B.new_zeros((nt,) + B.shape + (W,)) for _ in range(2))  # per thread and lane
+        per_job = 2 * N + 1
+        work = delta.new_empty(nt, (2 * L + 1) * N + L + per_job * -(-jobs // nt), W)
+        _native.call(
+            "ss_bwd",
+            delta.dtype,
+            jobs,
+            [T, Dp, ctx.Dgp, G, N, L, delta, u, At, B, C, starts, Dsk, z, dy, dhT, ddelta, du, dA, dD, dz],
+            lambda i: [dB[i], dC[i], dh0, work[i]],
+        )
+        return (
+            ddelta,
+            du,
+            dA.sum(0),
+            dB.sum((0, -1)),
+            dC.sum((0, -1)),
+            dh0,
+            None if dD is None else dD.sum(0),
+            dz,
+            None,
+            None,
+        )
+
+
+def ss_native(delta, u, A, B, C, h0, chunk_size: int | None = None, D=None, z=None):
+    """The C-kernel form (see :class:`_NativeScan`); public layout in and out. With ``D`` / ``z``
+    the returned ``y`` already includes the skip ``D u`` and the gate ``silu(z)``."""
+    Bsz, T, Dm = u.shape
+    G = B.shape[2]
+    Dg = Dm // G
+    pad = -Dg % _native.simd_width()
+
+    def chan(x, pattern):  # split the channel axis by group and zero-pad each group to Dgp
+        x = rearrange(x, pattern, g=G)
+        return F.pad(x, (0, pad)) if pad else x
+
+    def tokens(x):
+        return (
+            None
+            if x is None
+            else rearrange(chan(x, "b t (g d) -> b t g d"), "b t g d -> b t (g d)").contiguous()
+        )
+
+    At = rearrange(chan(A, "(g d) n -> n g d"), "n g d -> n (g d)").contiguous()
+    h0_ = rearrange(chan(h0, "b (g d) n -> b n g d"), "b n g d -> b n (g d)").contiguous()
+    D_ = None if D is None else rearrange(chan(D, "(g d) -> g d"), "g d -> (g d)").contiguous()
+    y, hT = _NativeScan.apply(
+        tokens(delta),
+        tokens(u),
+        At,
+        B.contiguous(),
+        C.contiguous(),
+        h0_,
+        D_,
+        tokens(z),
+        Dg + pad,
+        chunk_size or _NATIVE_BLOCK,
+    )
+    y = rearrange(y, "b t (g d) -> b t g d", g=G)[..., :Dg]
+    hT = rearrange(hT, "b n (g d) -> b g d n", g=G)[:, :, :Dg]
+    return rearrange(y, "b t g d -> b t (g d)"), rearrange(hT, "b g d n -> b (g d) n")
+
+
 def run_ss_core(delta, u, A, B, C, h0, mode: str, chunk_size: int):
     if u.shape[1] == 0:
         return u.new_zeros(u.shape), h0
     if mode == "chunk":
+        if _native.usable(delta, u, A, B, C, h0):
+            return ss_native(delta, u, A, B, C, h0, chunk_size)
         return ss_chunk(delta, u, A, B, C, h0, chunk_size)
     if mode == "parallel":
         return ss_parallel(delta, u, A, B, C, h0)
@@ -314,12 +446,15 @@ def selective_scan(
         cu_seqlens: ``[num_seqs + 1]`` int offsets of sequences packed in ``B = 1``; the state is
             reset (to the matching row of ``initial_state``) at every boundary. Padding inside uses
             ``Δ = 0`` (applied after the bias / softplus), which leaves the state unchanged.
-        mode: ``"chunk"`` (training, default) | ``"recurrent"`` (token-loop reference) |
+        mode: ``"chunk"`` (training, default; the C kernel on the CPU when it is available,
+            see the module docstring) | ``"recurrent"`` (token-loop reference) |
             ``"parallel"`` (quadratic ``[B, D, T, T]`` implicit-attention form; short sequences and
             analysis only). All three give the same result.
-        chunk_size: block length of the chunk form; ``None`` picks one whose ``[block, B, D, N]``
-            buffers hold about 128K numbers per CPU thread, so each block's work stays in cache
-            (16 tokens for ``B = 1, D = 512, N = 16`` on one thread; measured fastest on CPU).
+        chunk_size: block length of the chunk form (the tokens whose states the backward
+            recomputes from one saved state); ``None`` picks 16 for the C kernel and, for the
+            PyTorch form, a block whose ``[block, B, D, N]`` buffers hold about 128K numbers per
+            CPU thread, so each block's work stays in cache (16 tokens for ``B = 1, D = 512,
+            N = 16`` on one thread; measured fastest on CPU).
 
     Returns:
         ``y: [B, T, D]`` in ``u``'s dtype, and ``final_state: [B, D, N]`` (``[num_seqs, D, N]``
@@ -373,6 +508,12 @@ def selective_scan(
     if delta_softplus:
         dt = F.softplus(dt)
     h0 = initial_state.to(cd) if initial_state is not None else u.new_zeros(nseq, Dm, N, dtype=cd)
+    Dc = None if D is None else D.to(cd)
+    zc = None if z is None else z.to(cd)
+    if mode == "chunk" and cu_seqlens is None and T > 0 and _native.usable(dt, uc, Ac, Bc, Cc, h0):
+        # the C kernel applies the skip and the gate itself (one pass instead of four)
+        y, h = ss_native(dt, uc, Ac, Bc, Cc, h0, chunk_size, D=Dc, z=zc)
+        return y.to(u.dtype), (h if output_final_state else None)
     if cu_seqlens is None:
         y, h = run_ss_core(dt, uc, Ac, Bc, Cc, h0, mode, chunk_size)
     else:
@@ -381,8 +522,8 @@ def selective_scan(
             return run_ss_core(delta, u, Ac, B, C, h0, mode, chunk_size)
 
         y, h = run_varlen(fn, cu_seqlens, {"delta": dt, "u": uc, "B": Bc, "C": Cc})
-    if D is not None:
-        y = y + uc * D.to(cd)
-    if z is not None:
-        y = y * F.silu(z.to(cd))
+    if Dc is not None:
+        y = y + uc * Dc
+    if zc is not None:
+        y = y * F.silu(zc)
     return y.to(u.dtype), (h if output_final_state else None)

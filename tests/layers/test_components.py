@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from mnemo.layers import RMSNorm, RotaryEmbedding, ShortConvolution, SwiGLU
+from mnemo.ops import _native
 from tests.helpers import assert_close
 
 
@@ -16,6 +18,43 @@ def test_short_conv_is_causal_depthwise_conv():
     y, _ = conv(x)
     ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight, conv.bias, groups=6).transpose(1, 2)
     assert_close(y, F.silu(ref), 1e-12)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize(
+    "W,bias,dtype",
+    [(4, True, torch.float64), (3, False, torch.float64), (1, True, torch.float64), (4, True, torch.float32)],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_short_conv_values_and_gradients_match_conv1d(backend, W, bias, dtype, threads, monkeypatch):
+    """Both backends of the conv (the C kernel, and the PyTorch shifted multiply-adds), with a
+    streaming state in front, against ``F.conv1d`` on the concatenated input: output, state and the
+    gradients of the input, the state, the taps and the bias."""
+    if backend == "torch":
+        monkeypatch.setenv("MNEMO_NATIVE", "0")
+    elif _native.library() is None:
+        pytest.skip("no C compiler: the native kernel is unavailable")
+    torch.manual_seed(0)
+    C = 37  # not a multiple of the SIMD width; split unevenly between two threads
+    conv = ShortConvolution(C, W, bias=bias).to(dtype)
+    x = torch.randn(2, 13, C, dtype=dtype, requires_grad=True)
+    state = torch.randn(2, C, W - 1, dtype=dtype, requires_grad=True)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y, new_state = conv(x, state)
+        gy = torch.randn(y.shape, dtype=dtype)
+        got = torch.autograd.grad((y * gy).sum(), [x, state, *conv.parameters()])
+    finally:
+        torch.set_num_threads(prev)
+    xp = torch.cat([state.transpose(1, 2), x], 1)
+    ref = F.silu(F.conv1d(xp.transpose(1, 2), conv.weight, conv.bias, groups=C).transpose(1, 2))
+    want = torch.autograd.grad((ref * gy).sum(), [x, state, *conv.parameters()])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert_close(y, ref, tol, what="y")
+    assert torch.equal(new_state, xp[:, xp.shape[1] - (W - 1) :].transpose(1, 2))
+    for a, b, what in zip(got, want, ["dx", "dstate", "dw", "dbias"]):
+        assert_close(a, b, tol, what=what)
 
 
 def test_short_conv_streams_in_pieces_shorter_than_its_width():

@@ -1,6 +1,9 @@
 """Selective scan (Mamba / S6) beyond the generic contract: the formula itself, its identity with
 per-channel gated linear attention, parameter gradients, the hand-written backward, extremes,
-dtypes and errors."""
+dtypes and errors.
+
+Every test runs twice: with the C kernel behind ``mode="chunk"`` on the CPU (``native``) and with
+it switched off (``MNEMO_NATIVE=0``), so the PyTorch blocked form keeps the same coverage."""
 
 from __future__ import annotations
 
@@ -8,10 +11,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mnemo.ops import gated_linear_attention, selective_scan
+from mnemo.ops import _native, gated_linear_attention, selective_scan
 from tests.helpers import assert_close
 
 MODES = ["recurrent", "chunk", "parallel"]
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def backend(request, monkeypatch):
+    """Run the module's tests with the C kernel (skipped where it cannot be built) and without."""
+    if request.param == "torch":
+        monkeypatch.setenv("MNEMO_NATIVE", "0")
+    else:
+        monkeypatch.delenv("MNEMO_NATIVE", raising=False)
+        if _native.library() is None:
+            pytest.skip("no C compiler: the native kernel is unavailable")
+    return request.param
 
 
 def _inputs(Bsz=2, T=13, D=6, N=4, G=None, dtype=torch.float64, seed=0):

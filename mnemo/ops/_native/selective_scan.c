@@ -1,0 +1,96 @@
+/* Selective scan (Mamba / S6) on the CPU: one fused pass over time per tile of channels.
+
+   Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", Alg. 2:
+       h_t = exp(Δ_t A) ⊙ h_{t-1} + v_t B_t        y_t = C_t · h_t        (v_t = Δ_t u_t)
+   with the log decay Δ_t A clamped from below at LOG_GATE_MIN (no gradient where it is clamped).
+
+   A job is one sequence b and a tile of W adjacent channels (one SIMD register of floats):
+   its [N][W] states stay in L1 while the loop walks the T tokens, so a token costs N vector
+   updates and no dispatch or intermediate tensor. The backward recomputes the tile's states and
+   decays into a scratch buffer, then runs the reverse scan g_t = C_t dy_t + exp(Δ_{t+1} A) g_{t+1}.
+   Callers split the jobs between threads (ctypes releases the GIL).
+
+   Layouts (contiguous): delta, v, y, dy, ddelta, dv: [B, T, Dp]; At: [N, Dp] (A transposed);
+   Bm, Cm, dB, dC: [B, T, G, N]; h0, hT, dhT, dh0, dA: [B, N, Dp]. Dp = G * Dgp with Dgp (the
+   channels of a group, zero-padded) a multiple of W, so a tile never straddles two groups.
+
+   Built by mnemo.ops._native with the system C compiler; plain -O3 -march=native (IEEE
+   semantics, no fast-math). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LOG_GATE_MIN (-60.0)
+/* W: channels per tile = one SIMD register of floats (AVX-512: 16, AVX/AVX2: 8, else 4), so the
+   vector types below map onto single native registers; wider ones than the target has are split
+   by the compiler into slow generic code. The Python side reads W from mnemo_simd_width(). */
+#ifndef W
+#if defined(__AVX512F__)
+#define W 16
+#elif defined(__AVX__)
+#define W 8
+#else
+#define W 4
+#endif
+#endif
+
+int mnemo_simd_width(void) { return W; }
+
+typedef float vf32 __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi32 __attribute__((vector_size(W * sizeof(int32_t))));
+typedef double vf64 __attribute__((vector_size(W * sizeof(double))));
+typedef int64_t vi64 __attribute__((vector_size(W * sizeof(int64_t))));
+
+/* exp(x) lane-wise, x clamped to [-87, 88]: 2^k · p(r) with k = round(x / ln2), r = x − k ln2 in
+   [−ln2/2, ln2/2] (ln2 split in two parts so r is exact) and p the degree-7 Taylor polynomial
+   (relative error below 1e-7 before rounding). */
+static inline vf32 exp_vf32(vf32 x) {
+    const vf32 lo = (vf32){0} - 87.0f, hi = (vf32){0} + 88.0f;
+    x = (vf32)(((vi32)lo & (x < lo)) | ((vi32)x & ~(x < lo)));
+    x = (vf32)(((vi32)hi & (x > hi)) | ((vi32)x & ~(x > hi)));
+    const vf32 z = x * 1.44269504088896341f;
+    const vf32 half = (vf32)(((vi32)((vf32){0} + 0.5f) & ~(z < 0)) | ((vi32)((vf32){0} - 0.5f) & (z < 0)));
+    const vi32 k = __builtin_convertvector(z + half, vi32);
+    const vf32 kf = __builtin_convertvector(k, vf32);
+    const vf32 r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
+    vf32 p = (vf32){0} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vf32)((k + 127) << 23);
+}
+
+/* float64 (used by the tests and float64 research runs): libm's exp per lane. */
+static inline vf64 exp_vf64(vf64 x) {
+    for (int j = 0; j < W; j++) x[j] = exp(x[j]);
+    return x;
+}
+
+#define S float
+#define V vf32
+#define VI vi32
+#define SUF f32
+#define EXPV exp_vf32
+#include "selective_scan_body.h"
+#undef S
+#undef V
+#undef VI
+#undef SUF
+#undef EXPV
+
+#define S double
+#define V vf64
+#define VI vi64
+#define SUF f64
+#define EXPV exp_vf64
+#include "selective_scan_body.h"
+#undef S
+#undef V
+#undef VI
+#undef SUF
+#undef EXPV

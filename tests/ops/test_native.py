@@ -1,0 +1,225 @@
+"""The C selective-scan kernel (``mnemo.ops._native``) against the token-loop reference: shapes
+that exercise its channel tiles (padding, groups), its backward blocks (lengths that are not a
+multiple of the block, a block longer than the sequence) and its threads; float32 against a
+float64 reference; dispatch, the ``MNEMO_NATIVE`` switch and the fallback when it cannot be
+built."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from mnemo.ops import _native, selective_scan
+from tests.helpers import assert_close
+
+ss = importlib.import_module("mnemo.ops.selective_scan")
+
+needs_native = pytest.mark.skipif(
+    _native.library() is None, reason="no C compiler: native kernel unavailable"
+)
+
+
+def _inputs(Bsz, T, D, N, G, dtype, seed=0, dt_scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    return {
+        "delta": (torch.rand(Bsz, T, D, generator=gen, dtype=torch.float64) * dt_scale).to(dtype),
+        "u": r(Bsz, T, D),
+        "A": -(r(D, N, scale=0.7).exp()),
+        "B": r(Bsz, T, G, N),
+        "C": r(Bsz, T, G, N),
+        "h0": r(Bsz, D, N),
+    }
+
+
+def _value_and_grads(fn, x, seed=1):
+    x = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+    y, h = fn(x["delta"], x["u"], x["A"], x["B"], x["C"], x["h0"])
+    gen = torch.Generator().manual_seed(seed)
+    gy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y.dtype)
+    gh = torch.randn(h.shape, generator=gen, dtype=torch.float64).to(h.dtype)
+    grads = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), list(x.values()))
+    return [y, h, *grads]
+
+
+NAMES = ["y", "h_T", "d delta", "d u", "d A", "d B", "d C", "d h0"]
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "Bsz,T,D,N,G,block",
+    [
+        (2, 37, 8, 5, 2, 32),  # groups of 4 channels, each padded to a 16-channel tile; T % block != 0
+        (1, 64, 48, 16, 1, 16),  # three full tiles, T a multiple of the block
+        (3, 5, 20, 3, 4, 32),  # block longer than the sequence; groups of 5 channels
+        (2, 70, 32, 16, 2, 7),  # exactly one tile per group, odd block
+        (1, 1, 16, 4, 1, 32),  # a single token
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_matches_token_loop_float64(Bsz, T, D, N, G, block, threads):
+    x = _inputs(Bsz, T, D, N, G, torch.float64)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _value_and_grads(lambda *a: ss.ss_native(*a, chunk_size=block), x)
+    finally:
+        torch.set_num_threads(prev)
+    ref = _value_and_grads(ss.ss_recurrent, x)
+    for a, b, what in zip(got, ref, NAMES):
+        assert_close(a, b, 1e-12, what=what)
+
+
+@needs_native
+@pytest.mark.parametrize("skip,gate", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_skip_and_gate_match_token_loop(skip, gate, threads):
+    """``y = (C h + D u) silu(z)`` in the kernel: values and the gradients of D and z too."""
+    Bsz, T, Dm, N, G = 2, 23, 20, 3, 2  # groups of 10 channels, each padded to 16
+    x = _inputs(Bsz, T, Dm, N, G, torch.float64, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    if skip:
+        x["D"] = torch.randn(Dm, generator=gen, dtype=torch.float64)
+    if gate:
+        x["z"] = 3 * torch.randn(Bsz, T, Dm, generator=gen, dtype=torch.float64)
+
+    def fused(delta, u, A, B, C, h0, D=None, z=None):
+        return ss.ss_native(delta, u, A, B, C, h0, 5, D=D, z=z)
+
+    def reference(delta, u, A, B, C, h0, D=None, z=None):
+        y, h = ss.ss_recurrent(delta, u, A, B, C, h0)
+        if D is not None:
+            y = y + u * D
+        if z is not None:
+            y = y * torch.nn.functional.silu(z)
+        return y, h
+
+    def run(fn):
+        xs = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+        y, h = fn(**xs)
+        g = torch.Generator().manual_seed(1)
+        loss = (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum() + (
+            h * torch.randn(h.shape, generator=g, dtype=h.dtype)
+        ).sum()
+        return [y, h, *torch.autograd.grad(loss, list(xs.values()))]
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run(fused)
+    finally:
+        torch.set_num_threads(prev)
+    want = run(reference)
+    labels = NAMES + ["d D"] * skip + ["d z"] * gate
+    assert len(got) == len(want) == len(labels)
+    for a, b, what in zip(got, want, labels):
+        assert_close(a, b, 1e-12, what=what)
+
+
+@needs_native
+def test_native_float32_matches_float64_reference():
+    """The float32 kernel (its own vectorised exp) against the float64 token loop."""
+    x = _inputs(2, 300, 40, 16, 1, torch.float64, seed=3)
+    ref = _value_and_grads(ss.ss_recurrent, x)
+    got = _value_and_grads(ss.ss_native, {k: v.float() for k, v in x.items()})
+    for a, b, what in zip(got, ref, NAMES):
+        assert a.dtype == torch.float32
+        assert_close(a, b, 2e-5, what=what)
+
+
+@needs_native
+def test_native_clamps_like_the_reference():
+    """Huge steps (Δ A far below the -60 floor): same values and zero gradient through the clamp."""
+    x = _inputs(1, 24, 16, 4, 1, torch.float64, seed=5, dt_scale=500.0)
+    ref = _value_and_grads(ss.ss_recurrent, x)
+    got = _value_and_grads(ss.ss_native, x)
+    for a, b, what in zip(got, ref, NAMES):
+        assert_close(a, b, 1e-12, what=what)
+
+
+@needs_native
+def test_chunk_mode_dispatches_to_native_on_cpu(monkeypatch):
+    x = _inputs(1, 9, 16, 4, 1, torch.float32)
+
+    def fail(*a, **k):
+        raise AssertionError("the PyTorch blocked form ran although the kernel is available")
+
+    monkeypatch.setattr(ss, "ss_chunk", fail)
+    y, _ = selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], mode="chunk")
+    assert torch.isfinite(y).all()
+    monkeypatch.setenv("MNEMO_NATIVE", "0")
+    with pytest.raises(AssertionError, match="PyTorch blocked form ran"):
+        selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], mode="chunk")
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    """A compiler that fails: one RuntimeWarning naming the cause, then the PyTorch form (same result)."""
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setenv("MNEMO_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1 without output
+    monkeypatch.delenv("MNEMO_NATIVE", raising=False)
+    with pytest.warns(RuntimeWarning, match="native CPU kernels unavailable .*false exited with 1"):
+        assert _native.library() is None
+    assert _native.library() is None  # no second attempt, no second warning
+    x = _inputs(1, 11, 16, 4, 1, torch.float64)
+    y, h = selective_scan(
+        x["u"], x["delta"], x["A"], x["B"], x["C"], initial_state=x["h0"], output_final_state=True
+    )
+    yr, hr = selective_scan(
+        x["u"],
+        x["delta"],
+        x["A"],
+        x["B"],
+        x["C"],
+        initial_state=x["h0"],
+        output_final_state=True,
+        mode="recurrent",
+    )
+    assert_close(y, yr, 1e-12)
+    assert_close(h, hr, 1e-12)
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_switch_values(monkeypatch):
+    for value, on in [("0", False), ("off", False), ("false", False), ("1", True), ("", True)]:
+        monkeypatch.setenv("MNEMO_NATIVE", value)
+        assert _native.enabled() is on
+
+
+def _conv_sum_in_child(q):
+    from mnemo.layers import ShortConvolution
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    q.put(ShortConvolution(40, 4)(torch.randn(2, 30, 40))[0].sum().item())
+
+
+@needs_native
+def test_kernels_run_in_a_forked_child_after_the_parent_used_them():
+    """A forked child inherits the thread pool object but not its threads; it must make its own."""
+    import multiprocessing as mp
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = _inputs(1, 9, 32, 4, 1, torch.float32)
+        selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"])  # the parent's pool now exists
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_conv_sum_in_child, args=(q,))
+        p.start()
+        got = q.get(timeout=60)
+        p.join(timeout=60)
+        q2 = ctx.Queue()
+        _conv_sum_in_child(q2)  # the same computation in this process
+        want = q2.get()
+    finally:
+        torch.set_num_threads(prev)
+    assert p.exitcode == 0
+    assert got == pytest.approx(want)
