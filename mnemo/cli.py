@@ -460,6 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtypes", default="fp32", help="ops suite: fp32 and/or bf16 (comma-separated)")
     b.add_argument("--contexts", default="1024,4096,16384,65536", help="decode suite: context lengths")
     b.add_argument("--decode-steps", type=int, default=64, help="decode suite: one-token steps timed")
+    b.add_argument(
+        "--decode-processes",
+        type=int,
+        default=3,
+        help="decode suite: fresh processes per row; the row is their median (default 3)",
+    )
     b.add_argument("--d-model", type=int, default=256, help="decode suite: model width")
     b.add_argument("--n-layers", type=int, default=4, help="decode suite: model depth")
     b.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated T values")

@@ -3,9 +3,10 @@
 For every model and context length ``L`` a fresh subprocess builds the model, gives it a decoding
 state that has seen ``L`` tokens — a KV cache of length ``L`` for attention layers, the (constant
 size) recurrent state for the others; the state's *values* are random, its *size* is what ``L``
-tokens leave behind — times ``--decode-steps`` one-token steps and reports tokens/s and the
-process's peak RSS. Recurrent models should stay flat from 1k to 64k; a KV-cache transformer's
-time and memory grow with ``L``.
+tokens leave behind — times ``--decode-steps`` one-token steps one by one and reports tokens/s
+(from the median step; the mean is in the JSON as ``mean_tokens_per_s``) and the process's peak
+RSS. Each row is the median of ``--decode-processes`` such processes (default 3). Recurrent models
+should stay flat from 1k to 64k; a KV-cache transformer's time and memory grow with ``L``.
 """
 
 from __future__ import annotations
@@ -60,16 +61,21 @@ def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) ->
         tok = torch.randint(0, 256, (1, 1))
         for _ in range(3):  # warm-up
             _, _ = model(tok, state)
-        t0 = time.perf_counter()
+        times = []
         for _ in range(steps):
+            t0 = time.perf_counter()
             logits, state = model(tok, state)
             tok = logits[:, -1:].argmax(-1)
-        dt = time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
     rss_mb = peak_rss_mb()
+    # the median step: one scheduler hiccup on a shared 2-core machine moves a mean of 64 steps by
+    # 20-30%, which would read as context dependence
+    median = sorted(times)[len(times) // 2]
     return {
         "model": model_name,
         "context": L,
-        "tokens_per_s": steps / dt,
+        "tokens_per_s": 1.0 / median,
+        "mean_tokens_per_s": steps / sum(times),
         "peak_rss_mb": rss_mb,
         "state_mb": model.state_size_bytes(1, L) / 2**20,
     }
@@ -78,9 +84,10 @@ def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) ->
 def main(args) -> int:
     models = args.ops.split(",") if args.ops else list(DEFAULT_MODELS)
     contexts = [int(x) for x in str(args.contexts).split(",")]
+    procs = max(1, getattr(args, "decode_processes", 3))
     print(
         f"mnemo bench --suite decode: d_model={args.d_model}, {args.n_layers} layers, {args.decode_steps} "
-        f"one-token steps after a context of L tokens (fresh process per row)\n"
+        f"one-token steps after a context of L tokens; median of {procs} fresh processes per row\n"
     )
     print(f"{'model':<16}{'L':>8}{'tokens/s':>12}{'peak RSS MB':>14}{'state MB':>11}")
     rows = []
@@ -93,13 +100,23 @@ def main(args) -> int:
                 f"print(json.dumps(measure({name!r}, {L}, {args.decode_steps}, {args.d_model}, "
                 f"{args.n_layers})))",
             ]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(
-                    f"{name:<16}{L:>8}   failed: {out.stderr.strip().splitlines()[-1] if out.stderr else '?'}"
-                )
+            # one process's speed varies by ~10% from the next (placement, allocator) whatever the
+            # context, so a row is the median of several fresh processes
+            runs, err = [], None
+            for _ in range(procs):
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    err = out.stderr.strip().splitlines()[-1] if out.stderr else "?"
+                    break
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            if err is not None:
+                print(f"{name:<16}{L:>8}   failed: {err}")
                 continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
+            r = dict(runs[0])
+            for key in ("tokens_per_s", "mean_tokens_per_s", "peak_rss_mb"):
+                values = sorted(x[key] for x in runs)
+                r[key] = values[len(values) // 2]
+            r["tokens_per_s_runs"] = [x["tokens_per_s"] for x in runs]
             rows.append(r)
             print(
                 f"{name:<16}{L:>8}{r['tokens_per_s']:>12.1f}{r['peak_rss_mb']:>14.1f}{r['state_mb']:>11.2f}",
