@@ -155,7 +155,8 @@ def library() -> ctypes.CDLL | None:
 def parallel_rows(fn, n_rows: int, make_args) -> None:
     """Run ``fn(row0, row1, *make_args(i, row0, row1))`` over ``[0, n_rows)`` split into one
     contiguous range per torch intra-op thread (``torch.get_num_threads()``); ``i`` is the range's
-    index. ctypes releases the GIL during each call, so the ranges run in parallel."""
+    index. The calling thread runs range 0, a pool of ``n - 1`` threads the others; ctypes
+    releases the GIL during each call, so the ranges run in parallel."""
     global _pool
     n = max(1, min(torch.get_num_threads(), n_rows))
     bounds = [n_rows * i // n for i in range(n + 1)]
@@ -163,9 +164,11 @@ def parallel_rows(fn, n_rows: int, make_args) -> None:
     if n == 1:
         fn(0, n_rows, *make_args(0, 0, n_rows))
         return
-    if _pool is None or _pool._max_workers < n:
-        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="mnemo-native")
-    futures = [_pool.submit(fn, r0, r1, *make_args(i, r0, r1)) for i, r0, r1 in jobs]
+    if _pool is None or _pool._max_workers < n - 1:
+        _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="mnemo-native")
+    # the calling thread takes the first range itself: one hand-off fewer, and it does not sit idle
+    futures = [_pool.submit(fn, r0, r1, *make_args(i, r0, r1)) for i, r0, r1 in jobs[1:]]
+    fn(jobs[0][1], jobs[0][2], *make_args(*jobs[0]))
     for f in futures:
         f.result()
 
