@@ -186,6 +186,14 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
     assert not list(tmp_path.glob("*.so"))
 
 
+@needs_native
+def test_call_refuses_non_contiguous_or_wrong_dtype_tensors():
+    y = torch.empty(4, 16)
+    for bad in (torch.empty(16, 4).t(), torch.empty(4, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="must be contiguous torch.float32"):
+            _native.call("conv_fwd", torch.float32, 16, [1, 4, 16, 1, bad, torch.empty(1, 16), None, y])
+
+
 def test_switch_values(monkeypatch):
     for value, on in [("0", False), ("off", False), ("false", False), ("1", True), ("", True)]:
         monkeypatch.setenv("MNEMO_NATIVE", value)

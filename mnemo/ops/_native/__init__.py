@@ -152,23 +152,22 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def parallel_rows(fn, n_rows: int, make_args) -> None:
-    """Run ``fn(row0, row1, *make_args(i, row0, row1))`` over ``[0, n_rows)`` split into one
-    contiguous range per torch intra-op thread (``torch.get_num_threads()``); ``i`` is the range's
-    index. The calling thread runs range 0, a pool of ``n - 1`` threads the others; ctypes
-    releases the GIL during each call, so the ranges run in parallel."""
+def parallel_rows(fn, n_rows: int, args_for) -> None:
+    """Run ``fn(row0, row1, *args_for(i))`` over ``[0, n_rows)`` split into one contiguous range
+    per torch intra-op thread (``torch.get_num_threads()``); ``i`` is the range's index. The
+    calling thread runs range 0, a pool of ``n - 1`` threads the others; ctypes releases the GIL
+    during each call, so the ranges run in parallel."""
     global _pool
     n = max(1, min(torch.get_num_threads(), n_rows))
     bounds = [n_rows * i // n for i in range(n + 1)]
-    jobs = [(i, bounds[i], bounds[i + 1]) for i in range(n)]
     if n == 1:
-        fn(0, n_rows, *make_args(0, 0, n_rows))
+        fn(0, n_rows, *args_for(0))
         return
     if _pool is None or _pool._max_workers < n - 1:
         _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="mnemo-native")
     # the calling thread takes the first range itself: one hand-off fewer, and it does not sit idle
-    futures = [_pool.submit(fn, r0, r1, *make_args(i, r0, r1)) for i, r0, r1 in jobs[1:]]
-    fn(jobs[0][1], jobs[0][2], *make_args(*jobs[0]))
+    futures = [_pool.submit(fn, bounds[i], bounds[i + 1], *args_for(i)) for i in range(1, n)]
+    fn(bounds[0], bounds[1], *args_for(0))
     for f in futures:
         f.result()
 
@@ -193,8 +192,13 @@ def usable(*tensors: torch.Tensor) -> bool:
 def call(name: str, dtype: torch.dtype, jobs: int, args, per_thread=None) -> None:
     """Run entry point ``name`` (``_f32``/``_f64`` appended from ``dtype``) as
     ``fn(job0, job1, *args, *per_thread(i))`` over ``jobs`` jobs split between the threads. ``args``
-    are ints (passed as int64), tensors (passed as their data pointer; they must be contiguous) or
-    ``None`` (a NULL pointer)."""
+    are ints (passed as int64), tensors (passed as their data pointer) or ``None`` (a NULL
+    pointer).
+
+    Raises:
+        ValueError: a tensor is not contiguous or not of ``dtype`` (the kernel would read the
+            wrong memory).
+    """
     fn = getattr(library(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
 
     def conv(a):
@@ -202,11 +206,16 @@ def call(name: str, dtype: torch.dtype, jobs: int, args, per_thread=None) -> Non
             return ctypes.c_void_p(None)
         if isinstance(a, int):
             return ctypes.c_int64(a)
+        if not a.is_contiguous() or a.dtype != dtype:
+            raise ValueError(
+                f"native kernel {name}: tensor arguments must be contiguous {dtype}, "
+                f"got {a.dtype} with strides {a.stride()} for shape {tuple(a.shape)}"
+            )
         return ctypes.c_void_p(a.data_ptr())
 
     c_args = [conv(a) for a in args]
     parallel_rows(
         lambda r0, r1, *extra: fn(ctypes.c_int64(r0), ctypes.c_int64(r1), *c_args, *extra),
         jobs,
-        lambda i, r0, r1: [] if per_thread is None else [conv(t) for t in per_thread(i)],
+        lambda i: [] if per_thread is None else [conv(t) for t in per_thread(i)],
     )
