@@ -70,7 +70,9 @@ class _CausalConv(torch.autograd.Function):
             xp = xp.contiguous()
             B, _, C = xp.shape
             y = xp.new_empty(B, T, C)
-            _native.call("conv_fwd", xp.dtype, C, [B, T, C, W, xp, w.t().contiguous(), b, y])
+            _native.call(
+                "conv_fwd", xp.dtype, C, _native.slots(C), [B, T, C, W, xp, w.t().contiguous(), b, y]
+            )
         else:
             y = xp[:, :T] * w[:, 0]
             for i in range(1, W):
@@ -92,7 +94,13 @@ class _CausalConv(torch.autograd.Function):
             dxp = torch.empty_like(xp) if ctx.needs_input_grad[0] else None
             dwt = xp.new_empty(W, C)
             db = xp.new_empty(C) if ctx.has_bias else None
-            _native.call("conv_bwd", xp.dtype, C, [B, T, C, W, xp, w.t().contiguous(), dy, dxp, dwt, db])
+            _native.call(
+                "conv_bwd",
+                xp.dtype,
+                C,
+                _native.slots(C),
+                [B, T, C, W, xp, w.t().contiguous(), dy, dxp, dwt, db],
+            )
             return dxp, dwt.t(), db, None
         if ctx.needs_input_grad[0]:
             dxp = torch.zeros_like(xp)

@@ -256,27 +256,28 @@ _NATIVE_BLOCK = 16  # tokens per backward block: its [2 block + 1, N, W] buffer 
 
 class _NativeScan(torch.autograd.Function):
     """The selective scan by the C kernel of :mod:`mnemo.ops._native` (CPU, float32/float64),
-    with ``v = Δ u``, the skip ``D u`` and the gate ``silu(z)`` fused in.
+    with the step ``Δ = softplus(δ + bias)`` (or ``δ + bias``), ``v = Δ u``, the skip ``D u`` and
+    the gate ``silu(z)`` fused in.
 
     Kernel layout (contiguous, channels zero-padded per group to a multiple of ``W`` so that a tile
     of ``W`` channels, one SIMD register of floats, never straddles two groups): ``delta, u, z:
-    [B, T, Dp]``, ``At: [N, Dp]``, ``B, C: [B, T, G, N]``, ``h0: [B, N, Dp]``, ``D: [Dp]``;
-    ``Dgp`` channels per group. ``D`` and ``z`` may be ``None``. A tile keeps its ``[N, W]``
-    states in L1 for the whole sequence; the forward saves the state before every block of ``L``
-    tokens (``[B, ceil(T / L), N, Dp]``). The backward walks the blocks from the last, recomputes
-    a block's states, decays and pre-gate outputs from its saved state into a per-thread
-    ``[2L + 1, N, W]`` buffer (L2-sized) and runs the reverse scan through it, so nothing of size
+    [B, T, Dp]``, ``At: [N, Dp]``, ``B, C: [B, T, G, N]``, ``h0: [B, N, Dp]``, ``bias, D: [Dp]``;
+    ``Dgp`` channels per group. ``bias``, ``D`` and ``z`` may be ``None``. A tile keeps its
+    ``[N, W]`` states in L1 for the whole sequence; the forward saves the state before every block
+    of ``L`` tokens (``[B, ceil(T / L), N, Dp]``). The backward walks the blocks from the last,
+    recomputes a block's states, decays, steps and pre-gate outputs from its saved state into a
+    per-thread buffer (L2-sized) and runs the reverse scan through it, so nothing of size
     ``[T, D, N]`` is ever stored. ``dB``/``dC`` (sums over a group's channels) are accumulated per
-    thread and SIMD lane, and added up at the end.
+    SIMD lane within a block and added up per thread; the threads' partial sums are added here.
     """
 
     @staticmethod
-    def forward(ctx, delta, u, At, B, C, h0, Dsk, z, Dgp: int, L: int):
+    def forward(ctx, delta, bias, u, At, B, C, h0, Dsk, z, Dgp: int, L: int, softplus: bool):
         Bsz, T, Dp = delta.shape
         G, N = B.shape[2], At.shape[0]
         W = _native.simd_width()  # channels per tile
         jobs = Bsz * Dp // W
-        nt = max(1, min(torch.get_num_threads(), jobs))
+        nt = _native.slots(jobs)
         y, hT = delta.new_empty(delta.shape), h0.new_empty(h0.shape)
         starts = delta.new_empty(Bsz, -(-T // L), N, Dp)
         work = delta.new_empty(nt, N, W)
@@ -284,22 +285,22 @@ class _NativeScan(torch.autograd.Function):
             "ss_fwd",
             delta.dtype,
             jobs,
-            [T, Dp, Dgp, G, N, L, delta, u, At, B, C, h0, Dsk, z, y, hT, starts],
-            lambda i: [work[i]],
+            nt,
+            [T, Dp, Dgp, G, N, L, delta, bias, int(softplus), u, At, B, C, h0, Dsk, z, y, hT, starts, work],
         )
-        ctx.save_for_backward(delta, u, At, B, C, starts, Dsk, z)
-        ctx.Dgp, ctx.L = Dgp, L
+        ctx.save_for_backward(delta, bias, u, At, B, C, starts, Dsk, z)
+        ctx.Dgp, ctx.L, ctx.softplus = Dgp, L, softplus
         return y, hT
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dhT):
-        delta, u, At, B, C, starts, Dsk, z = ctx.saved_tensors
+        delta, bias, u, At, B, C, starts, Dsk, z = ctx.saved_tensors
         Bsz, T, Dp = delta.shape
         G, N, L = B.shape[2], At.shape[0], ctx.L
         W = _native.simd_width()
         jobs = Bsz * Dp // W
-        nt = max(1, min(torch.get_num_threads(), jobs))
+        nt = _native.slots(jobs)
         dy = delta.new_zeros(delta.shape) if dy is None else dy.contiguous()
         hshape = (Bsz, N, Dp)
         dhT = delta.new_zeros(hshape) if dhT is None else dhT.contiguous()
@@ -307,33 +308,40 @@ class _NativeScan(torch.autograd.Function):
         dA, dh0 = delta.new_empty(hshape), delta.new_empty(hshape)
         dD = None if Dsk is None else delta.new_empty(Bsz, Dp)
         dz = None if z is None else delta.new_empty(delta.shape)
-        dB, dC = (B.new_zeros((nt,) + B.shape + (W,)) for _ in range(2))  # per thread and lane
-        per_job = 2 * N + 1
-        work = delta.new_empty(nt, (2 * L + 1) * N + L + per_job * -(-jobs // nt), W)
+        dB, dC = (B.new_empty((nt,) + B.shape) for _ in range(2))  # per-slot partial sums
+        per_slot = _native.query("ss_bwd_work", delta.dtype, jobs, nt, ctx.Dgp, N, L)  # scratch vectors
+        work = delta.new_empty(nt, per_slot, W)
         _native.call(
             "ss_bwd",
             delta.dtype,
             jobs,
-            [T, Dp, ctx.Dgp, G, N, L, delta, u, At, B, C, starts, Dsk, z, dy, dhT, ddelta, du, dA, dD, dz],
-            lambda i: [dB[i], dC[i], dh0, work[i]],
+            nt,
+            [Bsz, T, Dp, ctx.Dgp, G, N, L, delta, bias, int(ctx.softplus), u, At, B, C, starts, Dsk, z]
+            + [dy, dhT, ddelta, du, dA, dD, dz, dB, dC, dh0, work, per_slot],
         )
         return (
             ddelta,
+            None if bias is None else ddelta.sum((0, 1)),
             du,
             dA.sum(0),
-            dB.sum((0, -1)),
-            dC.sum((0, -1)),
+            dB.sum(0),
+            dC.sum(0),
             dh0,
             None if dD is None else dD.sum(0),
             dz,
             None,
             None,
+            None,
         )
 
 
-def ss_native(delta, u, A, B, C, h0, chunk_size: int | None = None, D=None, z=None):
-    """The C-kernel form (see :class:`_NativeScan`); public layout in and out. With ``D`` / ``z``
-    the returned ``y`` already includes the skip ``D u`` and the gate ``silu(z)``."""
+def ss_native(
+    delta, u, A, B, C, h0, chunk_size: int | None = None, D=None, z=None, delta_bias=None, softplus=False
+):
+    """The C-kernel form (see :class:`_NativeScan`); public layout in and out. ``delta`` is the raw
+    step: ``Δ = softplus(delta + delta_bias)`` if ``softplus``, else ``delta + delta_bias``
+    (``delta_bias`` may be ``None``). With ``D`` / ``z`` the returned ``y`` already includes the skip
+    ``D u`` and the gate ``silu(z)``."""
     Bsz, T, Dm = u.shape
     G = B.shape[2]
     Dg = Dm // G
@@ -350,20 +358,24 @@ def ss_native(delta, u, A, B, C, h0, chunk_size: int | None = None, D=None, z=No
             else rearrange(chan(x, "b t (g d) -> b t g d"), "b t g d -> b t (g d)").contiguous()
         )
 
+    def per_channel(x):
+        return None if x is None else rearrange(chan(x, "(g d) -> g d"), "g d -> (g d)").contiguous()
+
     At = rearrange(chan(A, "(g d) n -> n g d"), "n g d -> n (g d)").contiguous()
     h0_ = rearrange(chan(h0, "b (g d) n -> b n g d"), "b n g d -> b n (g d)").contiguous()
-    D_ = None if D is None else rearrange(chan(D, "(g d) -> g d"), "g d -> (g d)").contiguous()
     y, hT = _NativeScan.apply(
         tokens(delta),
+        per_channel(delta_bias),
         tokens(u),
         At,
         B.contiguous(),
         C.contiguous(),
         h0_,
-        D_,
+        per_channel(D),
         tokens(z),
         Dg + pad,
         chunk_size or _NATIVE_BLOCK,
+        bool(softplus),
     )
     y = rearrange(y, "b t (g d) -> b t g d", g=G)[..., :Dg]
     hT = rearrange(hT, "b n (g d) -> b g d n", g=G)[:, :, :Dg]
@@ -503,17 +515,20 @@ def selective_scan(
     cd = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     uc, Ac, Bc, Cc = u.to(cd), A.to(cd), B4.to(cd), C4.to(cd)
     dt = delta.to(cd)
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(cd)
-    if delta_softplus:
-        dt = F.softplus(dt)
+    bias = None if delta_bias is None else delta_bias.to(cd)
     h0 = initial_state.to(cd) if initial_state is not None else u.new_zeros(nseq, Dm, N, dtype=cd)
     Dc = None if D is None else D.to(cd)
     zc = None if z is None else z.to(cd)
     if mode == "chunk" and cu_seqlens is None and T > 0 and _native.usable(dt, uc, Ac, Bc, Cc, h0):
-        # the C kernel applies the skip and the gate itself (one pass instead of four)
-        y, h = ss_native(dt, uc, Ac, Bc, Cc, h0, chunk_size, D=Dc, z=zc)
+        # the C kernel forms the step and applies the skip and the gate itself (one pass, not six)
+        y, h = ss_native(
+            dt, uc, Ac, Bc, Cc, h0, chunk_size, D=Dc, z=zc, delta_bias=bias, softplus=delta_softplus
+        )
         return y.to(u.dtype), (h if output_final_state else None)
+    if bias is not None:
+        dt = dt + bias
+    if delta_softplus:
+        dt = F.softplus(dt)
     if cu_seqlens is None:
         y, h = run_ss_core(dt, uc, Ac, Bc, Cc, h0, mode, chunk_size)
     else:

@@ -122,6 +122,90 @@ def test_fused_skip_and_gate_match_token_loop(skip, gate, threads):
 
 
 @needs_native
+@pytest.mark.parametrize("softplus", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_step_matches_token_loop(softplus, threads):
+    """``Δ = softplus(δ + bias)`` (or ``δ + bias``) formed in the kernel: values and the gradients of
+    the raw step and the bias, with raw steps on both sides of softplus's threshold (20)."""
+    Bsz, T, Dm, N, G = 2, 19, 24, 3, 2  # groups of 12 channels, each padded to a tile
+    x = _inputs(Bsz, T, Dm, N, G, torch.float64, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    if softplus:  # raw steps from -30 to 25 (exp(Δ A) stays above the clamp)
+        x["delta"] = torch.rand(Bsz, T, Dm, generator=gen, dtype=torch.float64) * 55 - 30
+    x["bias"] = torch.randn(Dm, generator=gen, dtype=torch.float64)
+    x["A"] = x["A"] / 40
+
+    def step(delta, bias):
+        d = delta + bias
+        return torch.nn.functional.softplus(d) if softplus else d
+
+    def run(fn):
+        xs = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+        y, h = fn(**xs)
+        g = torch.Generator().manual_seed(1)
+        loss = (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum() + (
+            h * torch.randn(h.shape, generator=g, dtype=h.dtype)
+        ).sum()
+        return [y, h, *torch.autograd.grad(loss, list(xs.values()))]
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run(
+            lambda delta, u, A, B, C, h0, bias: ss.ss_native(
+                delta, u, A, B, C, h0, 4, delta_bias=bias, softplus=softplus
+            )
+        )
+    finally:
+        torch.set_num_threads(prev)
+    want = run(lambda delta, u, A, B, C, h0, bias: ss.ss_recurrent(step(delta, bias), u, A, B, C, h0))
+    for a, b, what in zip(got, want, NAMES + ["d bias"]):
+        assert_close(a, b, 1e-12, what=what)
+
+
+@needs_native
+def test_float32_softplus_step_is_accurate_everywhere():
+    """With ``T = 1``, ``h0 = 0``, ``B = C = u = 1`` and ``N = 1`` the output is the step itself, so
+    the float32 kernel's own softplus (exp, log1p) and its derivative σ are read directly, element by
+    element, over raw steps from -80 (where softplus underflows towards e^δ) to 40."""
+    raw = torch.cat(
+        [torch.linspace(-80, 40, 4001, dtype=torch.float64), torch.tensor([0.0, 19.999, 20.0, 20.001])]
+    )
+    D = raw.numel()
+    delta = raw.float().view(1, 1, D).requires_grad_()
+    one = torch.ones(1, 1, 1, 1)
+    y, _ = ss.ss_native(
+        delta, torch.ones(1, 1, D), -torch.ones(D, 1), one, one, torch.zeros(1, D, 1), softplus=True
+    )
+    (g,) = torch.autograd.grad(y.sum(), delta)
+    x = delta.detach().double()  # the float32 inputs, exactly
+    want = torch.nn.functional.softplus(x).flatten()
+    dwant = torch.sigmoid(x).flatten()
+    dwant[x.flatten() > 20] = 1.0  # torch's softplus is the identity (slope 1) above its threshold
+    assert ((y.double().flatten() - want).abs() / want).max() < 1e-6  # measured 2.7e-7 (torch: 1.1e-7)
+    assert ((g.double().flatten() - dwant).abs() / dwant).max() < 1e-6
+
+
+@needs_native
+def test_openmp_and_thread_pool_slots_agree(monkeypatch):
+    """The slots give the same bits whether PyTorch's OpenMP threads or our pool run them."""
+    if not _native.openmp():
+        pytest.skip("library built without OpenMP")
+    x = _inputs(2, 45, 40, 5, 1, torch.float32, seed=4)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        omp = _value_and_grads(ss.ss_native, x)
+        monkeypatch.setattr(_native, "_forked", True)  # what a forked child uses
+        assert not _native.openmp()
+        pool = _value_and_grads(ss.ss_native, x)
+    finally:
+        torch.set_num_threads(prev)
+    for a, b, what in zip(omp, pool, NAMES):
+        assert torch.equal(a, b), what
+
+
+@needs_native
 def test_native_float32_matches_float64_reference():
     """The float32 kernel (its own vectorised exp) against the float64 token loop."""
     x = _inputs(2, 300, 40, 16, 1, torch.float64, seed=3)
@@ -187,11 +271,48 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
 
 
 @needs_native
+def test_compiler_without_openmp_gives_the_thread_pool_build(monkeypatch, tmp_path):
+    """A compiler that cannot build with ``-fopenmp``: no warning, the thread-pool build (correct
+    results on two threads), and a marker so later processes do not try ``-fopenmp`` again."""
+    import shutil
+    import warnings
+
+    log = tmp_path / "calls.log"
+    cc = tmp_path / "cc-no-openmp"
+    real = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc.write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec {real} "$@"\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("MNEMO_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.delenv("MNEMO_NATIVE", raising=False)
+    for _ in range(2):  # the second round stands for a later process
+        monkeypatch.setattr(_native, "_tried", False)
+        monkeypatch.setattr(_native, "_lib", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _native.library() is not None
+        assert not _native.openmp()
+    assert sum("-fopenmp" in line for line in log.read_text().splitlines()) == 1
+    assert list((tmp_path / "cache").glob("*.failed"))
+    x = _inputs(2, 21, 40, 4, 1, torch.float64, seed=9)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = _value_and_grads(ss.ss_native, x)
+    finally:
+        torch.set_num_threads(prev)
+    for a, b, what in zip(got, _value_and_grads(ss.ss_recurrent, x), NAMES):
+        assert_close(a, b, 1e-12, what=what)
+
+
+@needs_native
 def test_call_refuses_non_contiguous_or_wrong_dtype_tensors():
     y = torch.empty(4, 16)
     for bad in (torch.empty(16, 4).t(), torch.empty(4, 16, dtype=torch.float64)):
         with pytest.raises(ValueError, match="must be contiguous torch.float32"):
-            _native.call("conv_fwd", torch.float32, 16, [1, 4, 16, 1, bad, torch.empty(1, 16), None, y])
+            _native.call("conv_fwd", torch.float32, 16, 1, [1, 4, 16, 1, bad, torch.empty(1, 16), None, y])
 
 
 def test_switch_values(monkeypatch):

@@ -11,11 +11,20 @@ Each kernel has a pure-PyTorch twin that computes the same function; :func:`libr
 * no C compiler is found (``$CC``, else ``cc``, ``gcc``, ``clang``), or the build fails (a
   :class:`RuntimeWarning` says why, once per process).
 
+Threads: an entry point splits its jobs into ``nt`` slots (``torch.get_num_threads()``). Built
+with ``-fopenmp`` (tried first when PyTorch's parallel backend is OpenMP), the library links the
+``libgomp.so.1`` PyTorch has already loaded, and the slots run on PyTorch's own OpenMP threads:
+after PyTorch's parallel operators those threads spin-wait on the cores for a while, and a
+separate pool of ours would share the cores with them (measured: no gain at all from a second
+thread in a training step). Without OpenMP, or in a forked child (whose inherited OpenMP team
+has no threads), a Python thread pool runs one slot per thread; ctypes releases the GIL.
+
 The shared library is cached per source hash, compiler and machine in ``$MNEMO_NATIVE_CACHE``
 (default ``~/.cache/mnemo/native``; the temporary directory if that cannot be created), written to
 a temporary name and renamed, so concurrent processes (``torchrun``) never load a half-written
-file. Build flags: ``-O3 -march=native -fPIC -shared``
-(no fast-math: IEEE semantics, and no process-wide flush-to-zero).
+file (a failed OpenMP build leaves a ``.failed`` marker, so it is tried once per cache). Build
+flags: ``-O3 -march=native -fPIC -shared`` and ``-fopenmp`` when it builds (no fast-math: IEEE
+semantics, and no process-wide flush-to-zero).
 """
 
 from __future__ import annotations
@@ -34,23 +43,24 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["library", "parallel_rows", "enabled", "usable", "call", "simd_width"]
+__all__ = ["library", "enabled", "usable", "call", "slots", "query", "simd_width", "openmp"]
 
 _SOURCES = ("selective_scan.c", "causal_conv.c")
-_HEADERS = ("selective_scan_body.h",)
+_HEADERS = ("selective_scan_body.h", "slots.h")
 _ENTRY_POINTS = [f"{op}_{d}_{t}" for op in ("ss", "conv") for d in ("fwd", "bwd") for t in ("f32", "f64")]
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _pool: ThreadPoolExecutor | None = None
+_forked = False
 
 
 def _forget_pool_after_fork() -> None:
-    # a forked child (DataLoader workers, fork-started processes) inherits the pool object but
-    # not its threads; submitting to it would wait forever
-    global _pool, _lock
-    _pool, _lock = None, threading.Lock()
+    # a forked child (DataLoader workers, fork-started processes) inherits the pool object and
+    # the OpenMP team but not their threads; using either would wait forever
+    global _pool, _lock, _forked
+    _pool, _lock, _forked = None, threading.Lock(), True
 
 
 if hasattr(os, "register_at_fork"):
@@ -86,13 +96,17 @@ def _machine_id() -> str:
     return f"{platform.node()}|{platform.machine()}|{flags}"
 
 
-def _build(cc: str) -> Path:
+def _torch_uses_openmp() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def _build(cc: str, flags: list[str], remember_failure: bool = False) -> Path:
     here = Path(__file__).parent
     srcs = [here / s for s in _SOURCES]
     h = hashlib.sha256()
     for s in srcs + [here / name for name in _HEADERS]:
         h.update(s.read_bytes())
-    h.update(" ".join([cc] + _FLAGS).encode())
+    h.update(" ".join([cc] + flags).encode())
     h.update(_machine_id().encode())  # -march=native: a library built on another CPU may not run
     name = f"libmnemo_{h.hexdigest()[:16]}.so"
     out_dir = _cache_dir()
@@ -106,13 +120,16 @@ def _build(cc: str) -> Path:
     target = out_dir / name
     if target.exists():
         return target
+    failed = target.with_suffix(".failed")  # a build that failed before (only for optional flags)
+    if remember_failure and failed.exists():
+        raise RuntimeError(f"{cc} failed before with these flags ({failed})")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run(
-            [cc, *_FLAGS, *map(str, srcs), "-o", tmp, "-lm"], capture_output=True, text=True
-        )
+        proc = subprocess.run([cc, *flags, *map(str, srcs), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
+            if remember_failure:
+                failed.touch()
             raise RuntimeError(f"{cc} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
@@ -135,10 +152,20 @@ def library() -> ctypes.CDLL | None:
         try:
             if cc is None:
                 raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = None
+            if _torch_uses_openmp():
+                try:  # the OpenMP build, on PyTorch's threads (see the module docstring)
+                    lib = ctypes.CDLL(str(_build(cc, _FLAGS + ["-fopenmp"], remember_failure=True)))
+                except (OSError, RuntimeError):
+                    lib = None  # e.g. a compiler without OpenMP: the thread-pool build below
+            if lib is None:
+                lib = ctypes.CDLL(str(_build(cc, _FLAGS)))
             for name in _ENTRY_POINTS:
                 getattr(lib, name).restype = None
+            for t in ("f32", "f64"):
+                getattr(lib, f"ss_bwd_work_{t}").restype = ctypes.c_int64
             lib.mnemo_simd_width.restype = ctypes.c_int
+            lib.mnemo_openmp.restype = ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError) as err:
             warnings.warn(
@@ -152,24 +179,16 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def parallel_rows(fn, n_rows: int, args_for) -> None:
-    """Run ``fn(row0, row1, *args_for(i))`` over ``[0, n_rows)`` split into one contiguous range
-    per torch intra-op thread (``torch.get_num_threads()``); ``i`` is the range's index. The
-    calling thread runs range 0, a pool of ``n - 1`` threads the others; ctypes releases the GIL
-    during each call, so the ranges run in parallel."""
-    global _pool
-    n = max(1, min(torch.get_num_threads(), n_rows))
-    bounds = [n_rows * i // n for i in range(n + 1)]
-    if n == 1:
-        fn(0, n_rows, *args_for(0))
-        return
-    if _pool is None or _pool._max_workers < n - 1:
-        _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="mnemo-native")
-    # the calling thread takes the first range itself: one hand-off fewer, and it does not sit idle
-    futures = [_pool.submit(fn, bounds[i], bounds[i + 1], *args_for(i)) for i in range(1, n)]
-    fn(bounds[0], bounds[1], *args_for(0))
-    for f in futures:
-        f.result()
+def slots(jobs: int) -> int:
+    """Thread slots a kernel call over ``jobs`` jobs uses: ``torch.get_num_threads()``, at most
+    one per job (callers size per-slot scratch with it)."""
+    return max(1, min(torch.get_num_threads(), jobs))
+
+
+def openmp() -> bool:
+    """Whether the slots of a call run on PyTorch's OpenMP threads (the library was built with
+    OpenMP, and this is not a forked child). Only valid when :func:`library` is not ``None``."""
+    return bool(library().mnemo_openmp()) and not _forked
 
 
 def simd_width() -> int:
@@ -189,16 +208,25 @@ def usable(*tensors: torch.Tensor) -> bool:
     )
 
 
-def call(name: str, dtype: torch.dtype, jobs: int, args, per_thread=None) -> None:
+def query(name: str, dtype: torch.dtype, *ints: int) -> int:
+    """Integer-valued entry point ``name`` (``_f32``/``_f64`` from ``dtype``) on int arguments, e.g.
+    the scratch size ``ss_bwd_work`` of a call."""
+    fn = getattr(library(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
+    return int(fn(*(ctypes.c_int64(a) for a in ints)))
+
+
+def call(name: str, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
     """Run entry point ``name`` (``_f32``/``_f64`` appended from ``dtype``) as
-    ``fn(job0, job1, *args, *per_thread(i))`` over ``jobs`` jobs split between the threads. ``args``
-    are ints (passed as int64), tensors (passed as their data pointer) or ``None`` (a NULL
-    pointer).
+    ``fn(jobs, nt, slot0, slot1, *args)``: the ``jobs`` split into ``nt`` thread slots (see
+    :func:`slots`), all in one call on PyTorch's OpenMP threads (:func:`openmp`), else one call
+    per slot on a thread pool. ``args`` are ints (passed as int64), tensors (passed as their data
+    pointer) or ``None`` (a NULL pointer).
 
     Raises:
         ValueError: a tensor is not contiguous or not of ``dtype`` (the kernel would read the
             wrong memory).
     """
+    global _pool
     fn = getattr(library(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
 
     def conv(a):
@@ -213,9 +241,17 @@ def call(name: str, dtype: torch.dtype, jobs: int, args, per_thread=None) -> Non
             )
         return ctypes.c_void_p(a.data_ptr())
 
+    head = [ctypes.c_int64(jobs), ctypes.c_int64(nt)]
     c_args = [conv(a) for a in args]
-    parallel_rows(
-        lambda r0, r1, *extra: fn(ctypes.c_int64(r0), ctypes.c_int64(r1), *c_args, *extra),
-        jobs,
-        lambda i: [] if per_thread is None else [conv(t) for t in per_thread(i)],
-    )
+    if nt == 1 or openmp():
+        fn(*head, ctypes.c_int64(0), ctypes.c_int64(nt), *c_args)
+        return
+    if _pool is None or _pool._max_workers < nt - 1:
+        _pool = ThreadPoolExecutor(max_workers=nt - 1, thread_name_prefix="mnemo-native")
+    # the calling thread takes slot 0 itself: one hand-off fewer, and it does not sit idle
+    futures = [
+        _pool.submit(fn, *head, ctypes.c_int64(i), ctypes.c_int64(i + 1), *c_args) for i in range(1, nt)
+    ]
+    fn(*head, ctypes.c_int64(0), ctypes.c_int64(1), *c_args)
+    for f in futures:
+        f.result()

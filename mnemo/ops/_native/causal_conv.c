@@ -5,15 +5,18 @@
 
    where xp = [state; x] holds the W − 1 previous inputs in front of the T new ones. A job is a
    range of channels [c0, c1) over every sequence and token, so the weight gradient of a channel
-   is owned by one thread; the inner loops run over contiguous channels and vectorise.
+   is owned by one thread slot (see slots.h); the inner loops run over contiguous channels and
+   vectorise.
    Layouts (contiguous): xp, dxp: [B, T + W − 1, C]; y, dy: [B, T, C]; w, dw: [W, C] (taps
    first); bias, dbias: [C]. PyTorch's autograd Function in mnemo/layers/conv.py is the twin. */
 
 #include <stdint.h>
 #include <string.h>
 
+#include "slots.h"
+
 #define DEFINE_CONV(SUF, S)                                                                        \
-    void conv_fwd_##SUF(int64_t c0, int64_t c1, int64_t B, int64_t T, int64_t C, int64_t W,        \
+    static void conv_fwd_range_##SUF(int64_t c0, int64_t c1, int64_t B, int64_t T, int64_t C, int64_t W,        \
                         const S *restrict xp, const S *restrict w, const S *restrict bias,         \
                         S *restrict y) {                                                           \
         const int64_t Tp = T + W - 1;                                                              \
@@ -29,7 +32,7 @@
     }                                                                                              \
                                                                                                    \
     /* dxp (may be NULL), dw and dbias (may be NULL) are written for the channels [c0, c1). */     \
-    void conv_bwd_##SUF(int64_t c0, int64_t c1, int64_t B, int64_t T, int64_t C, int64_t W,        \
+    static void conv_bwd_range_##SUF(int64_t c0, int64_t c1, int64_t B, int64_t T, int64_t C, int64_t W,        \
                         const S *restrict xp, const S *restrict w, const S *restrict dy,           \
                         S *restrict dxp, S *restrict dw, S *restrict dbias) {                      \
         const int64_t Tp = T + W - 1;                                                              \
@@ -59,7 +62,26 @@
                     for (int64_t c = c0; c < c1; c++) dbias[c] += g[c];                            \
                 }                                                                                  \
         }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* entry points: the channels split into nt slots (see slots.h) */                             \
+    void conv_fwd_##SUF(int64_t jobs, int64_t nt, int64_t slot0, int64_t slot1, int64_t B,         \
+                        int64_t T, int64_t C, int64_t W, const S *xp, const S *w, const S *bias,   \
+                        S *y) {                                                                    \
+        FOR_SLOTS(CONV_FWD_##SUF);                                                                 \
+    }                                                                                              \
+    void conv_bwd_##SUF(int64_t jobs, int64_t nt, int64_t slot0, int64_t slot1, int64_t B,         \
+                        int64_t T, int64_t C, int64_t W, const S *xp, const S *w, const S *dy,     \
+                        S *dxp, S *dw, S *dbias) {                                                 \
+        FOR_SLOTS(CONV_BWD_##SUF);                                                                 \
     }
+
+#define CONV_FWD_f32(s) conv_fwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, B, T, C, W, xp, w, bias, y)
+#define CONV_BWD_f32(s) \
+    conv_bwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, B, T, C, W, xp, w, dy, dxp, dw, dbias)
+#define CONV_FWD_f64(s) conv_fwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, B, T, C, W, xp, w, bias, y)
+#define CONV_BWD_f64(s) \
+    conv_bwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, B, T, C, W, xp, w, dy, dxp, dw, dbias)
 
 DEFINE_CONV(f32, float)
 DEFINE_CONV(f64, double)
