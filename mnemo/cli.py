@@ -499,10 +499,12 @@ _COMMAND_MODULES: list[str] = ["mnemo.sweep.cli", "mnemo.nested.continual", "mne
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    from .runtime import tune_malloc
     from .train import TrainingDiverged
     from .train.distributed import cleanup
 
     args = build_parser().parse_args(argv)
+    tune_malloc()  # freed tensors' memory stays in the process: no page fault per new tensor
     # under torchrun every rank meets the same error: rank 0 reports it
     quiet = os.environ.get("RANK", "0") != "0"
 

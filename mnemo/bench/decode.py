@@ -96,7 +96,8 @@ def main(args) -> int:
             cmd = [
                 sys.executable,
                 "-c",
-                "import json; from mnemo.bench.decode import measure; "
+                "import json; from mnemo.runtime import tune_malloc; tune_malloc(); "
+                "from mnemo.bench.decode import measure; "
                 f"print(json.dumps(measure({name!r}, {L}, {args.decode_steps}, {args.d_model}, "
                 f"{args.n_layers})))",
             ]

@@ -14,6 +14,8 @@ import functools
 
 import torch
 
+from . import _native
+
 
 def autocast_off(fn):
     r"""Run a ``forward``/``backward`` of the chunk ``Function``\ s with autocast disabled: they
@@ -129,14 +131,38 @@ def rev_cumsum_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.matmul(ones, x)
 
 
+def _native_scan_ok(*tensors) -> bool:
+    """Whether a chunk-scan kernel of :mod:`._native` may run: CPU float32/float64 tensors, no
+    autograd graph to build through them (the kernels are used inside the ops' own backward)."""
+    ts = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return False
+    return _native.usable(*ts)
+
+
 def scan_decay_(S0: torch.Tensor, dS: torch.Tensor, lam: torch.Tensor | None):
     """States entering each chunk for ``S_{i+1} = lam_i ⊙ S_i + dS_i`` (``lam`` None: 1),
-    written over ``dS`` (which is consumed). A loop over chunks: ``cumsum`` along the chunk axis
-    (stride ``K·V``) is several times slower on CPUs than ``n`` small adds.
+    written over ``dS`` (which is consumed). On the CPU the C kernel ``scan_dec_fwd`` of
+    :mod:`._native` (one call for all chunks); else a loop over chunks: ``cumsum`` along the chunk
+    axis (stride ``K·V``) is several times slower on CPUs than ``n`` small adds.
 
     ``S0: [B, H, K, V]``, ``dS: [B, H, n, K, V]``, ``lam: [B, H, n, K or 1, 1]``.
     Returns ``(states [B, H, n, K, V], final [B, H, K, V])``.
     """
+    B, H, n, K, V = dS.shape
+    if dS.is_contiguous() and _native_scan_ok(S0, dS, lam):
+        Sf = dS.new_empty(B, H, K, V)
+        nt = _native.slots(B * H)
+        lam_ = None if lam is None else lam.contiguous()
+        Kl = 1 if lam is None else lam.shape[-2]
+        work = dS.new_empty(nt, K * V)
+        _native.call("scan_dec_fwd", dS.dtype, B * H, nt, [n, K, V, Kl, S0.contiguous(), dS, lam_, Sf, work])
+        return dS, Sf
+    return scan_decay_torch_(S0, dS, lam)
+
+
+def scan_decay_torch_(S0: torch.Tensor, dS: torch.Tensor, lam: torch.Tensor | None):
+    """The PyTorch form of :func:`scan_decay_` (a loop over chunks)."""
     S = S0
     for i in range(dS.shape[2]):
         d = dS[:, :, i]
@@ -146,13 +172,45 @@ def scan_decay_(S0: torch.Tensor, dS: torch.Tensor, lam: torch.Tensor | None):
     return dS, S
 
 
-def scan_decay_reverse_(dSf: torch.Tensor, R: torch.Tensor, lam: torch.Tensor | None):
-    """Reverse pass of :func:`scan_decay_`: ``G_i = lam_i ⊙ G_{i+1} + R_i`` with ``G_n = dSf``.
+def scan_decay_reverse_(
+    dSf: torch.Tensor,
+    R: torch.Tensor,
+    lam: torch.Tensor | None,
+    dots_with: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale_out: bool = False,
+):
+    """Reverse pass of :func:`scan_decay_`: ``G_i = lam_i ⊙ G_{i+1} + R_i`` with ``G_n = dSf``
+    (the C kernel ``scan_dec_bwd`` on the CPU).
 
     ``R: [B, H, n, K, V]`` is the gradient reaching each entering state from its own chunk; it is
-    consumed. Returns ``(Gs, dS0)``: ``Gs[:, :, i] = G_{i+1}`` (the gradient of the state leaving
-    chunk ``i``), written over ``R``, and ``dS0 = G_0``.
+    consumed. Returns ``(Gs, dS0, dots)``: ``Gs[:, :, i] = G_{i+1}`` (the gradient of the state
+    leaving chunk ``i``; ``lam_i ⊙ G_{i+1}`` with ``scale_out``), written over ``R``, ``dS0 = G_0``
+    and, given ``dots_with = (states, S_final)``, ``dots = next_state_dots(G, states, S_final)``
+    (``[B, H, n, K]``, of the unscaled ``G``), else ``None``.
     """
+    B, H, n, K, V = R.shape
+    states, Sf = dots_with if dots_with is not None else (None, None)
+    if R.is_contiguous() and _native_scan_ok(dSf, R, lam, states, Sf):
+        dS0 = R.new_empty(B, H, K, V)
+        dots = None if dots_with is None else R.new_empty(B, H, n, K)
+        nt = _native.slots(B * H)
+        lam_ = None if lam is None else lam.contiguous()
+        Kl = 1 if lam is None else lam.shape[-2]
+        work = R.new_empty(nt, K * V)
+        st = None if states is None else states.contiguous()
+        sf = None if Sf is None else Sf.contiguous()
+        args = [n, K, V, Kl, dSf.contiguous(), R, lam_, dS0, st, sf, dots, int(scale_out), work]
+        _native.call("scan_dec_bwd", R.dtype, B * H, nt, args)
+        return R, dS0, dots
+    Gs, dS0 = scan_decay_reverse_torch_(dSf, R, lam)
+    dots = None if dots_with is None else next_state_dots(Gs, states, Sf)
+    if scale_out and lam is not None:
+        Gs.mul_(lam)
+    return Gs, dS0, dots
+
+
+def scan_decay_reverse_torch_(dSf: torch.Tensor, R: torch.Tensor, lam: torch.Tensor | None):
+    """The PyTorch form of :func:`scan_decay_reverse_`."""
     G = dSf
     for i in range(R.shape[2] - 1, -1, -1):
         r = R[:, :, i]
@@ -163,11 +221,25 @@ def scan_decay_reverse_(dSf: torch.Tensor, R: torch.Tensor, lam: torch.Tensor | 
 
 
 def scan_matrix(S0: torch.Tensor, D: torch.Tensor, M: torch.Tensor):
-    """States entering each chunk for ``S_{i+1} = M_i S_i + D_i`` (a loop over chunks).
+    """States entering each chunk for ``S_{i+1} = M_i S_i + D_i``: on the CPU the C kernel
+    ``scan_mat_fwd`` of :mod:`._native` (a head's whole pass in one call, its state in cache), else
+    a loop over chunks.
 
     ``S0: [B, H, K, V]``, ``D: [B, H, n, K, V]``, ``M: [B, H, n, K, K]`` (views with any row
     stride). Returns ``(states [B, H, n, K, V], final [B, H, K, V])``.
     """
+    B, H, n, K, V = D.shape
+    if D.stride(-1) == 1 and M.stride(-1) == 1 and _native_scan_ok(S0, D, M):
+        states, Sf = D.new_empty(B, H, n, K, V), D.new_empty(B, H, K, V)
+        strides = [*M.stride()[:4], _native.Strided(D), *D.stride()[:4]]
+        args = [H, n, K, V, S0.contiguous(), _native.Strided(M), *strides, states, Sf]
+        _native.call("scan_mat_fwd", D.dtype, B * H, _native.slots(B * H), args)
+        return states, Sf
+    return scan_matrix_torch(S0, D, M)
+
+
+def scan_matrix_torch(S0: torch.Tensor, D: torch.Tensor, M: torch.Tensor):
+    """The PyTorch form of :func:`scan_matrix` (a loop over chunks)."""
     B, H, n, K, V = D.shape
     states = torch.empty(B, H, n, K, V, dtype=D.dtype, device=D.device)
     S = S0.reshape(B * H, K, V)
@@ -177,10 +249,34 @@ def scan_matrix(S0: torch.Tensor, D: torch.Tensor, M: torch.Tensor):
     return states, S.view(B, H, K, V)
 
 
-def scan_matrix_reverse_(dSf: torch.Tensor, R: torch.Tensor, M: torch.Tensor):
+def scan_matrix_reverse_(
+    dSf: torch.Tensor,
+    R: torch.Tensor,
+    M: torch.Tensor,
+    dots_with: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """Reverse pass of :func:`scan_matrix`: ``G_i = M_iᵀ G_{i+1} + R_i``, ``G_n = dSf``; ``R`` is
-    consumed. Returns ``(Gs, dS0)`` with ``Gs[:, :, i] = G_{i+1}`` written over ``R`` and
-    ``dS0 = G_0``."""
+    consumed (the C kernel ``scan_mat_bwd`` on the CPU). Returns ``(Gs, dS0, dots)`` with
+    ``Gs[:, :, i] = G_{i+1}`` written over ``R``, ``dS0 = G_0`` and ``dots`` as in
+    :func:`scan_decay_reverse_`."""
+    B, H, n, K, V = R.shape
+    states, Sf = dots_with if dots_with is not None else (None, None)
+    if R.is_contiguous() and M.stride(-1) == 1 and _native_scan_ok(dSf, R, M, states, Sf):
+        dS0 = R.new_empty(B, H, K, V)
+        dots = None if dots_with is None else R.new_empty(B, H, n, K)
+        nt = _native.slots(B * H)
+        work = R.new_empty(nt, 2 * K * V)
+        st = None if states is None else states.contiguous()
+        sf = None if Sf is None else Sf.contiguous()
+        args = [H, n, K, V, dSf.contiguous(), R, _native.Strided(M), *M.stride()[:4], dS0, st, sf, dots, work]
+        _native.call("scan_mat_bwd", R.dtype, B * H, nt, args)
+        return R, dS0, dots
+    Gs, dS0 = scan_matrix_reverse_torch_(dSf, R, M)
+    return Gs, dS0, None if dots_with is None else next_state_dots(Gs, states, Sf)
+
+
+def scan_matrix_reverse_torch_(dSf: torch.Tensor, R: torch.Tensor, M: torch.Tensor):
+    """The PyTorch form of :func:`scan_matrix_reverse_`."""
     B, H, n, K, V = R.shape
     G = dSf.reshape(B * H, K, V)
     for i in range(n - 1, -1, -1):
@@ -201,6 +297,19 @@ def next_state_dots(Gs: torch.Tensor, states: torch.Tensor, S_final: torch.Tenso
 
 
 def unit_lower_inverse_(A: torch.Tensor) -> torch.Tensor:
+    """``A⁻¹`` for unit lower-triangular ``A: [..., C, C]`` (contiguous; ones on the diagonal and
+    zeros above it). On the CPU the C kernel ``unit_lower_inv`` of :mod:`._native` overwrites ``A``
+    (forward substitution, row by row); else :func:`unit_lower_inverse_torch_`."""
+    if A.is_contiguous() and A.numel() and _native_scan_ok(A):
+        C = A.shape[-1]
+        jobs = A.numel() // (C * C)
+        nt = _native.slots(jobs)
+        _native.call("unit_lower_inv", A.dtype, jobs, nt, [C, A, A.new_empty(nt, C)])
+        return A
+    return unit_lower_inverse_torch_(A)
+
+
+def unit_lower_inverse_torch_(A: torch.Tensor) -> torch.Tensor:
     """``A⁻¹`` for unit lower-triangular ``A: [..., C, C]`` (contiguous; overwritten when ``C`` is a
     power of two, else padded with an identity block to one), by recursive 2×2 blocking:
 

@@ -71,7 +71,6 @@ from ._chunked import (
     head_groups,
     mm,
     mm_add_,
-    next_state_dots,
     raw_empty,
     rev_cumsum,
     rowdot,
@@ -261,8 +260,8 @@ class _DeltaChunk(torch.autograd.Function):
         dvt = mm(P.mT, dot)  # ∂L/∂ṽ
         R = mm(qc.mT, dot)
         b3(R).baddbmm_(b3(Wt.mT), b3(dvt), alpha=-1.0)
-        Gs, dS0 = scan_matrix_reverse_(dSf.to(cd), R, M)
-        dlast = next_state_dots(Gs, states, S).sum(-1).flatten(0, 1) if want_dg else None  # λ ∂L/∂λ
+        Gs, dS0, dlast = scan_matrix_reverse_(dSf.to(cd), R, M, dots_with=(states, S) if want_dg else None)
+        dlast = None if dlast is None else dlast.sum(-1).flatten(0, 1)  # λ ∂L/∂λ
         dq, dq_t = raw_empty(q_, dev)
         dk_, dk_t = raw_empty(k_, dev)
         dv, dv_t = raw_empty(v_, dev)

@@ -34,7 +34,6 @@ from ._chunked import (
     head_groups,
     mm,
     mm_add_,
-    next_state_dots,
     raw_empty,
     rev_cumsum_rows,
     scan_decay_,
@@ -270,11 +269,13 @@ class _GLAChunk(torch.autograd.Function):
         T, C, scale, q, k, v, g = ctx.meta
         cd, dev = S.dtype, S.device
         dOc = to_chunks(dO, C, cd)
-        Gs, dS0 = scan_decay_reverse_(dSf.to(cd), mm(qi.mT, dOc), lam)
         want_dg = lam is not None and ctx.needs_input_grad[3]
-        # Σ_v G_{i+1} ⊙ S_{i+1}: the gradient of each chunk's total log decay b_C
-        db_last = next_state_dots(Gs, states, S).flatten(0, 1) if want_dg else None
-        Gsl = Gs if lam is None else Gs.mul_(lam)  # λ ⊙ G_{i+1}
+        # Gsl: λ ⊙ G_{i+1}; db_last: Σ_v G_{i+1} ⊙ S_{i+1}, the gradient of each chunk's total log
+        # decay b_C (both formed in the reverse scan)
+        Gsl, dS0, db_last = scan_decay_reverse_(
+            dSf.to(cd), mm(qi.mT, dOc), lam, dots_with=(states, S) if want_dg else None, scale_out=True
+        )
+        db_last = None if db_last is None else db_last.flatten(0, 1)
         dq, dq_t = raw_empty(q, dev)
         dk, dk_t = raw_empty(k, dev)
         dv, dv_t = raw_empty(v, dev)

@@ -43,11 +43,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["library", "enabled", "usable", "call", "slots", "query", "simd_width", "openmp"]
+__all__ = ["library", "enabled", "usable", "call", "slots", "query", "simd_width", "openmp", "Strided"]
 
-_SOURCES = ("selective_scan.c", "causal_conv.c")
-_HEADERS = ("selective_scan_body.h", "slots.h")
-_ENTRY_POINTS = [f"{op}_{d}_{t}" for op in ("ss", "conv") for d in ("fwd", "bwd") for t in ("f32", "f64")]
+_SOURCES = ("selective_scan.c", "causal_conv.c", "chunk_scan.c")
+_HEADERS = ("selective_scan_body.h", "chunk_scan_body.h", "slots.h", "simd.h")
+_ENTRY_POINTS = [
+    f"{op}_{t}"
+    for op in ("ss_fwd", "ss_bwd", "conv_fwd", "conv_bwd")
+    + ("scan_mat_fwd", "scan_mat_bwd", "scan_dec_fwd", "scan_dec_bwd", "unit_lower_inv")
+    for t in ("f32", "f64")
+]
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -208,6 +213,14 @@ def usable(*tensors: torch.Tensor) -> bool:
     )
 
 
+class Strided:
+    """A tensor argument of :func:`call` passed as a pointer to its first element although it is
+    not contiguous: the caller passes its strides to the kernel as ints."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 def query(name: str, dtype: torch.dtype, *ints: int) -> int:
     """Integer-valued entry point ``name`` (``_f32``/``_f64`` from ``dtype``) on int arguments, e.g.
     the scratch size ``ss_bwd_work`` of a call."""
@@ -220,11 +233,12 @@ def call(name: str, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
     ``fn(jobs, nt, slot0, slot1, *args)``: the ``jobs`` split into ``nt`` thread slots (see
     :func:`slots`), all in one call on PyTorch's OpenMP threads (:func:`openmp`), else one call
     per slot on a thread pool. ``args`` are ints (passed as int64), tensors (passed as their data
-    pointer) or ``None`` (a NULL pointer).
+    pointer), :class:`Strided` tensors (the same, without the contiguity check) or ``None`` (a NULL
+    pointer).
 
     Raises:
-        ValueError: a tensor is not contiguous or not of ``dtype`` (the kernel would read the
-            wrong memory).
+        ValueError: a tensor is not contiguous (unless :class:`Strided`) or not of ``dtype`` (the
+            kernel would read the wrong memory).
     """
     global _pool
     fn = getattr(library(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
@@ -234,6 +248,10 @@ def call(name: str, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
             return ctypes.c_void_p(None)
         if isinstance(a, int):
             return ctypes.c_int64(a)
+        if isinstance(a, Strided):
+            if a.tensor.dtype != dtype or a.tensor.device.type != "cpu":
+                raise ValueError(f"native kernel {name}: expected a CPU {dtype} tensor, got {a.tensor.dtype}")
+            return ctypes.c_void_p(a.tensor.data_ptr())
         if not a.is_contiguous() or a.dtype != dtype:
             raise ValueError(
                 f"native kernel {name}: tensor arguments must be contiguous {dtype}, "

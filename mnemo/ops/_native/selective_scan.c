@@ -26,18 +26,7 @@
 #include "slots.h"
 
 #define LOG_GATE_MIN (-60.0)
-/* W: channels per tile = one SIMD register of floats (AVX-512: 16, AVX/AVX2: 8, else 4), so the
-   vector types below map onto single native registers; wider ones than the target has are split
-   by the compiler into slow generic code. The Python side reads W from mnemo_simd_width(). */
-#ifndef W
-#if defined(__AVX512F__)
-#define W 16
-#elif defined(__AVX__)
-#define W 8
-#else
-#define W 4
-#endif
-#endif
+#include "simd.h"
 
 int mnemo_simd_width(void) { return W; }
 
