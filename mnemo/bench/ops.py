@@ -250,13 +250,15 @@ def _per_token(v: torch.Tensor, T: int) -> bool:
     return v.ndim >= 3 and v.shape[1] == T
 
 
-def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10) -> float:
+def matmul_peak(
+    dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10, warmup: int = 3
+) -> float:
     """Measured GFLOP/s of an ``n × n`` matmul in ``dtype`` (the machine's practical peak): the
-    fastest of ``repeats`` runs after three warm-up runs. A peak is a best case, so the fastest run
+    fastest of ``repeats`` runs after ``warmup`` runs. A peak is a best case, so the fastest run
     (not the median) is the estimate; a median taken while the threads are still waking up once
     read 180 against 330 GFLOP/s in the same minute, which would have doubled every ``% peak``."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(3):
+    for _ in range(warmup):
         a @ b
     best = math.inf
     for _ in range(repeats):
@@ -325,10 +327,10 @@ def main(args) -> int:
                     counted = bench.chunk_flops is not None and (
                         mode == "chunk" or (mode == "parallel" and bench.name == "softmax_attention")
                     )
-                    local_peak = matmul_peak(dtype, repeats=6) if counted else float("nan")
+                    local_peak = matmul_peak(dtype, repeats=4, warmup=1) if counted else float("nan")
                     f, fb = time_op(bench, mode, B, T, H, D, args.device, args.repeats, dtype)
                     if counted:  # the mean of the peaks measured right before and right after the row
-                        local_peak = (local_peak + matmul_peak(dtype, repeats=6)) / 2
+                        local_peak = (local_peak + matmul_peak(dtype, repeats=4, warmup=1)) / 2
                     if bench.name == "softmax_attention":
                         sdpa = (f, fb)
                     row.update(
