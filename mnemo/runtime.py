@@ -27,9 +27,11 @@ import ctypes
 import os
 import platform
 
-__all__ = ["tune_malloc"]
+__all__ = ["tune_malloc", "malloc_tuned"]
 
 # glibc's mallopt parameters (malloc.h)
+_tuned = False
+
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
@@ -48,8 +50,8 @@ def tune_malloc(
             the resident set only once touched).
 
     Returns:
-        ``True`` if all three settings were applied; ``False`` when the C library is not glibc (macOS,
-        musl, Windows), ``MNEMO_MALLOC_TUNE`` is ``0``/``false``/``off``/``no``, or glibc
+        ``True`` if all three settings were applied; ``False`` when the C library is not glibc
+        (macOS, musl, Windows), ``MNEMO_MALLOC_TUNE`` is ``0``/``false``/``off``/``no``, or glibc
         refused a value. The process is left as it was in every ``False`` case except the last
         (where some of the settings may have been applied).
     """
@@ -61,9 +63,17 @@ def tune_malloc(
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
+    global _tuned
     settings = (
         (_M_MMAP_THRESHOLD, mmap_threshold),
         (_M_TRIM_THRESHOLD, trim_threshold),
         (_M_TOP_PAD, top_pad),
     )
-    return all([libc.mallopt(param, int(value)) == 1 for param, value in settings])
+    _tuned = all([libc.mallopt(param, int(value)) == 1 for param, value in settings])
+    return _tuned
+
+
+def malloc_tuned() -> bool:
+    """Whether :func:`tune_malloc` succeeded in this process (the chunked ops then work on larger
+    groups of heads at a time; see ``mnemo.ops._chunked.head_groups``)."""
+    return _tuned

@@ -50,7 +50,16 @@ def test_tuned_malloc_reuses_freed_memory_instead_of_faulting_in_fresh_pages():
 
 def test_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv("MNEMO_MALLOC_TUNE", "0")
+    monkeypatch.setattr(runtime, "_tuned", False)
     assert runtime.tune_malloc() is False
+    assert runtime.malloc_tuned() is False
+
+
+@glibc_only
+def test_malloc_tuned_reports_success(monkeypatch):
+    monkeypatch.setattr(runtime, "_tuned", False)  # restored afterwards (the settings stay: harmless)
+    assert runtime.tune_malloc() is True
+    assert runtime.malloc_tuned() is True
 
 
 def test_the_cli_applies_it(monkeypatch, capsys):

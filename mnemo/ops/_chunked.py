@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from ..runtime import malloc_tuned
 from . import _native
 
 
@@ -66,20 +67,27 @@ def raw_empty(like: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
     return out, view.transpose(1, 2)
 
 
-#: Per-group budget (bytes of one ``[heads, n, C, max(K, V, C)]`` temporary) for :func:`head_groups`.
+#: Per-group budget (bytes of one ``[heads, n, C, max(K, V, C)]`` temporary) for :func:`head_groups`,
+#: with glibc's default allocator and after :func:`mnemo.runtime.tune_malloc`.
 GROUP_BYTES = 1 << 21
+GROUP_BYTES_TUNED = 1 << 23
 
 
 def head_groups(B: int, H: int, per_head: int):
     """Split the ``B · H`` heads into groups of ``hg`` heads of one batch row (``hg`` the largest
-    divisor of ``H`` whose temporaries stay within :data:`GROUP_BYTES`; ``per_head`` bytes each).
+    divisor of ``H`` whose temporaries stay within the budget; ``per_head`` bytes each).
     Yields ``(b, h0, h1, i0, i1)`` (``i`` indexes the flattened ``B · H`` dim).
 
-    The backward passes handle their post-scan work group by group: each group's temporaries are
-    small and the same size as the last group's, so the allocator recycles them instead of mapping
-    fresh pages (whose first touch costs page faults), and they stay in cache between the matmuls
-    that use them."""
-    hg = max((d for d in range(1, H + 1) if H % d == 0 and d * per_head <= GROUP_BYTES), default=1)
+    The backward passes handle their post-scan work group by group. With glibc's default
+    allocator the budget is :data:`GROUP_BYTES` (2 MiB): each group's temporaries are small and the
+    same size as the last group's, so the allocator recycles them instead of mapping fresh pages
+    (whose first touch costs page faults). Once :func:`mnemo.runtime.tune_malloc` keeps freed
+    memory anyway, fewer and larger groups (:data:`GROUP_BYTES_TUNED`, 8 MiB) save per-operator
+    overhead. Measured (T = 4096, H = 4, D = 64, forward+backward medians, 2 cores): GLA 18.4 ms
+    (2 MiB) vs 20.1 (8 MiB) untuned and 15.4 vs 14.5 tuned; the gated delta rule 39.1 vs 41.5
+    untuned and 34.7 vs 33.8 tuned."""
+    budget = GROUP_BYTES_TUNED if malloc_tuned() else GROUP_BYTES
+    hg = max((d for d in range(1, H + 1) if H % d == 0 and d * per_head <= budget), default=1)
     for b in range(B):
         for h0 in range(0, H, hg):
             yield b, h0, h0 + hg, b * H + h0, b * H + h0 + hg

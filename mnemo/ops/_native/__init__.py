@@ -2,8 +2,11 @@
 
 A kernel here replaces a PyTorch form only where the work per step is too small for PyTorch's
 dispatch or too light for its memory traffic: the selective scan's diagonal recurrence (one
-``[B, D, N]`` multiply-add per token) and the short causal depthwise convolution (a few
-multiply-adds per element, which PyTorch runs as one pass over memory per tap).
+``[B, D, N]`` multiply-add per token), the short causal depthwise convolution (a few
+multiply-adds per element, which PyTorch runs as one pass over memory per tap), and the
+sequential parts of the chunked forms (``chunk_scan.c``: the chunk-to-chunk state pass of the
+delta rule and of gated linear attention, one small operator per chunk in PyTorch, and the
+per-chunk unit lower-triangular inverse of the delta rule).
 Each kernel has a pure-PyTorch twin that computes the same function; :func:`library` returns
 ``None`` (and the twin is used) when
 
