@@ -36,9 +36,9 @@ On the CPU (float32/float64), ``chunk`` runs the same blocked algorithm as a C k
 SIMD register of floats: 16 with AVX-512, 8 with AVX2) keeps its ``[N, W]`` states in registers/L1
 for the whole sequence, so a token costs ``N`` vector updates instead of ~6 PyTorch dispatches; the
 backward recomputes each block of ``chunk_size`` tokens from the saved block-entry states, as
-above. ``v = Δ u``, the skip ``D u`` and the gate ``silu(z)`` are fused in. On a 2-core CPU the
-Mamba layer's forward+backward (T = 1024, d_model 256) is about 1.5x faster than with the PyTorch
-blocked form. ``MNEMO_NATIVE=0`` (or no C compiler) selects the PyTorch form; both are tested
+above. ``Δ = softplus(δ + δ_bias)``, ``v = Δ u``, the skip ``D u`` and the gate ``silu(z)`` are
+fused in. On a 2-core CPU the Mamba layer's forward+backward (T = 1024, d_model 256, with the
+native short convolution too) takes 22 ms against 47 ms with the PyTorch forms. ``MNEMO_NATIVE=0`` (or no C compiler) selects the PyTorch form; both are tested
 against the token loop.
 
 Log decays ``Δ A`` are clamped from below at ``-60`` in every form (as ``clamp_log_gate``), so a
