@@ -38,8 +38,9 @@ for the whole sequence, so a token costs ``N`` vector updates instead of ~6 PyTo
 backward recomputes each block of ``chunk_size`` tokens from the saved block-entry states, as
 above. ``Δ = softplus(δ + δ_bias)``, ``v = Δ u``, the skip ``D u`` and the gate ``silu(z)`` are
 fused in. On a 2-core CPU the Mamba layer's forward+backward (T = 1024, d_model 256, with the
-native short convolution too) takes 22 ms against 47 ms with the PyTorch forms. ``MNEMO_NATIVE=0`` (or no C compiler) selects the PyTorch form; both are tested
-against the token loop.
+native short convolution too) takes 22 ms against 47 ms with the PyTorch forms.
+``MNEMO_NATIVE=0`` (or no C compiler) selects the PyTorch form; both are tested against the token
+loop.
 
 Log decays ``Δ A`` are clamped from below at ``-60`` in every form (as ``clamp_log_gate``), so a
 huge step ``Δ`` acts as a reset of the state and never produces overflow or NaN.

@@ -352,3 +352,32 @@ def test_kernels_run_in_a_forked_child_after_the_parent_used_them():
         torch.set_num_threads(prev)
     assert p.exitcode == 0
     assert got == pytest.approx(want)
+
+
+@needs_native
+def test_mamba_layer_under_torch_compile_matches_eager():
+    """``torch.compile(backend="eager")`` around a Mamba layer (the kernels' autograd Functions
+    run between graph breaks): the same outputs and gradients as eager."""
+    import warnings
+
+    from mnemo.layers import Mamba
+
+    torch.manual_seed(0)
+    m = Mamba(32)
+    x = torch.randn(2, 37, 32)
+
+    def eager(x):
+        return m(x)[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(eager, backend="eager")
+        res = []
+        for f in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_()
+            y = f(xx)
+            y.square().sum().backward()
+            res.append([y.detach(), xx.grad, m.A_log.grad, m.dt_proj.bias.grad, m.conv.weight.grad])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
