@@ -47,6 +47,24 @@ def _value_and_grads(fn, x, seed=1):
     return [y, h, *grads]
 
 
+def _outputs_and_grads(fn, x: dict, threads: int | None = None) -> list:
+    """``[y, h, *grads]`` of ``fn(**x)`` under a fixed random loss on ``y`` and ``h``, with the grads
+    in ``x``'s order; on ``threads`` torch threads if given."""
+    xs = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+    prev = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        y, h = fn(**xs)
+        g = torch.Generator().manual_seed(1)
+        loss = (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum() + (
+            h * torch.randn(h.shape, generator=g, dtype=h.dtype)
+        ).sum()
+        return [y, h, *torch.autograd.grad(loss, list(xs.values()))]
+    finally:
+        torch.set_num_threads(prev)
+
+
 NAMES = ["y", "h_T", "d delta", "d u", "d A", "d B", "d C", "d h0"]
 
 
@@ -99,22 +117,8 @@ def test_fused_skip_and_gate_match_token_loop(skip, gate, threads):
             y = y * torch.nn.functional.silu(z)
         return y, h
 
-    def run(fn):
-        xs = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
-        y, h = fn(**xs)
-        g = torch.Generator().manual_seed(1)
-        loss = (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum() + (
-            h * torch.randn(h.shape, generator=g, dtype=h.dtype)
-        ).sum()
-        return [y, h, *torch.autograd.grad(loss, list(xs.values()))]
-
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = run(fused)
-    finally:
-        torch.set_num_threads(prev)
-    want = run(reference)
+    got = _outputs_and_grads(fused, x, threads)
+    want = _outputs_and_grads(reference, x)
     labels = NAMES + ["d D"] * skip + ["d z"] * gate
     assert len(got) == len(want) == len(labels)
     for a, b, what in zip(got, want, labels):
@@ -139,26 +143,13 @@ def test_fused_step_matches_token_loop(softplus, threads):
         d = delta + bias
         return torch.nn.functional.softplus(d) if softplus else d
 
-    def run(fn):
-        xs = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
-        y, h = fn(**xs)
-        g = torch.Generator().manual_seed(1)
-        loss = (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum() + (
-            h * torch.randn(h.shape, generator=g, dtype=h.dtype)
-        ).sum()
-        return [y, h, *torch.autograd.grad(loss, list(xs.values()))]
+    def fused(delta, u, A, B, C, h0, bias):
+        return ss.ss_native(delta, u, A, B, C, h0, 4, delta_bias=bias, softplus=softplus)
 
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = run(
-            lambda delta, u, A, B, C, h0, bias: ss.ss_native(
-                delta, u, A, B, C, h0, 4, delta_bias=bias, softplus=softplus
-            )
-        )
-    finally:
-        torch.set_num_threads(prev)
-    want = run(lambda delta, u, A, B, C, h0, bias: ss.ss_recurrent(step(delta, bias), u, A, B, C, h0))
+    got = _outputs_and_grads(fused, x, threads)
+    want = _outputs_and_grads(
+        lambda delta, u, A, B, C, h0, bias: ss.ss_recurrent(step(delta, bias), u, A, B, C, h0), x
+    )
     for a, b, what in zip(got, want, NAMES + ["d bias"]):
         assert_close(a, b, 1e-12, what=what)
 
