@@ -8,6 +8,7 @@ from einops import rearrange
 from torch import nn
 
 from ..ops import _native
+from ..ops._common import first_order
 
 
 class ShortConvolution(nn.Module):
@@ -59,8 +60,8 @@ class _CausalConv(torch.autograd.Function):
     On the CPU (float32/float64) both passes run the C kernel of :mod:`mnemo.ops._native` (one
     pass over memory instead of one per tap; ``MNEMO_NATIVE=0`` switches it off). Otherwise: W
     shifted multiply-adds forward, and a backward that accumulates the input gradient in place
-    (no per-shift zero tensors). Twice differentiable through autograd is not needed (the conv sits
-    outside inner loops)."""
+    (no per-shift zero tensors). First order only: a graph of the gradient (``create_graph=True``)
+    raises (see :func:`mnemo.ops._common.first_order`)."""
 
     @staticmethod
     def forward(ctx, xp, w, b, T):
@@ -84,6 +85,7 @@ class _CausalConv(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order
     def backward(ctx, dy):
         xp, w = ctx.saved_tensors
         T, W = ctx.T, w.shape[1]

@@ -5,6 +5,7 @@ Everything here is internal to :mod:`mnemo.ops`; the public ops document the rul
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -117,6 +118,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
     """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]``; return ``(B, T, H, K, V)``."""
     check_ndim("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape
+    if K == 0:
+        raise ValueError(f"q and k need a head dimension K >= 1, got q of shape {_shape(q)}")
     check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
     check_ndim("v", v, 4, "[B, T, H, V]")
     if tuple(v.shape[:3]) != (B, T, H):
@@ -234,3 +237,30 @@ def decay_exp(log_decay: torch.Tensor, mask: torch.Tensor | None = None) -> torc
     """
     m = None if mask is None else mask.to(log_decay.dtype)
     return _DecayExp.apply(log_decay, m)
+
+
+def first_order(backward):
+    """Decorator for the hand-written ``backward`` of a chunk-form ``autograd.Function`` (first order
+    only, and wrapped in ``once_differentiable`` here): raise when a graph of the gradient is asked
+    for (``create_graph=True``: a gradient penalty, a second derivative). Without this, a gradient
+    whose incoming cotangent needs no grad would come back as a constant and its dependence on the
+    inputs (the second-order terms) would be silently dropped.
+
+    Raises:
+        RuntimeError: ``backward`` runs under grad mode (``create_graph=True``).
+    """
+    from torch.autograd.function import once_differentiable
+
+    inner = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(ctx).__name__}: the chunk form's hand-written backward is first order, so a graph "
+                "of its gradient (create_graph=True) would miss the second-order terms; use "
+                "mode='recurrent' for higher-order gradients"
+            )
+        return inner(ctx, *grads)
+
+    return wrapper

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
-from torch.autograd.function import once_differentiable
 
 from ._chunked import (
     autocast_off,
@@ -91,6 +90,7 @@ from ._common import (
     clamp_log_gate,
     compute_dtype,
     decay_exp,
+    first_order,
     run_varlen,
 )
 from .gated_linear_attention import check_chunk_size
@@ -247,7 +247,7 @@ class _DeltaChunk(torch.autograd.Function):
         return o, S
 
     @staticmethod
-    @once_differentiable
+    @first_order
     @autocast_off
     def backward(ctx, dO, dSf):
         qc, kc, bc, v0, Ai, X, M, states, S, vt, P, ot, e, lam = ctx.saved_tensors
@@ -348,7 +348,7 @@ def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int, scale: floa
     also takes them in their own dtype and applies ``scale`` itself."""
     if q.shape[1] == 0:
         return v.new_zeros(v.shape, dtype=S0.dtype), S0
-    if mode == "chunk":
+    if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
         return delta_chunk_fast(q, k, v, beta, g, S0, chunk_size, scale)
     cd = S0.dtype
     q, k, v, beta = q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd)

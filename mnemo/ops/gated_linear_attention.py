@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
-from torch.autograd.function import once_differentiable
 
 from ._chunked import (
     autocast_off,
@@ -52,6 +51,7 @@ from ._common import (
     clamp_log_gate,
     compute_dtype,
     decay_exp,
+    first_order,
     run_varlen,
 )
 
@@ -262,7 +262,7 @@ class _GLAChunk(torch.autograd.Function):
         return unchunk(o, T).transpose(1, 2), S
 
     @staticmethod
-    @once_differentiable
+    @first_order
     @autocast_off
     def backward(ctx, dO, dSf):
         qi, kt, vc, A, states, S, e, lam, e_q = ctx.saved_tensors
@@ -338,10 +338,10 @@ def run_gla_core(q, k, v, g, S0, mode: str, chunk_size: int, scale: float = 1.0)
     takes them in their own dtype and applies ``scale`` itself (one pass instead of two)."""
     if q.shape[1] == 0:
         return v.new_zeros(v.shape, dtype=S0.dtype), S0
-    if mode == "chunk":
+    if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
         return gla_chunk(q, k, v, g, S0, chunk_size, scale)
     cd = S0.dtype
-    return _CORES[mode](q.to(cd) * scale, k.to(cd), v.to(cd), g, S0)
+    return _CORES["recurrent" if mode == "chunk" else mode](q.to(cd) * scale, k.to(cd), v.to(cd), g, S0)
 
 
 def check_chunk_size(chunk_size) -> int:
@@ -378,7 +378,9 @@ def gated_linear_attention(
         g: log decay (``≤ 0``; ``exp(g)`` is the retained fraction per token), either
             ``[B, T, H]`` (one decay per head) or ``[B, T, H, K]`` (one per key channel), or
             ``None`` for no decay. Values below ``-60`` are clamped to ``-60`` (so ``-inf`` is a
-            hard reset with no NaN).
+            hard reset with no NaN); the chunked forms treat decay factors below ``exp(-40)`` as
+            exactly ``0`` (a gradient that small, e.g. into ``initial_state`` across a strong
+            decay, comes back as ``0``).
         scale: multiplies ``q``; default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``); any float dtype,
             used in the compute dtype. Gradients flow into it.

@@ -51,7 +51,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
-from torch.autograd.function import once_differentiable
 
 from . import _native
 from ._common import (
@@ -65,6 +64,7 @@ from ._common import (
     check_shape,
     clamp_log_gate,
     compute_dtype,
+    first_order,
     run_varlen,
 )
 from .gated_linear_attention import check_chunk_size
@@ -174,7 +174,7 @@ class _ChunkScan(torch.autograd.Function):
         return y, hT
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, dy, dhT):
         delta, v, A, B, C, starts = ctx.saved_tensors
         L, clamp = ctx.chunk, ctx.clamp
@@ -294,7 +294,7 @@ class _NativeScan(torch.autograd.Function):
         return y, hT
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, dy, dhT):
         delta, bias, u, At, B, C, starts, Dsk, z = ctx.saved_tensors
         Bsz, T, Dp = delta.shape
@@ -375,7 +375,7 @@ def ss_native(
         per_channel(D),
         tokens(z),
         Dg + pad,
-        chunk_size or _NATIVE_BLOCK,
+        max(1, min(chunk_size or _NATIVE_BLOCK, T)),  # a block longer than T only costs memory
         bool(softplus),
     )
     y = rearrange(y, "b t (g d) -> b t g d", g=G)[..., :Dg]

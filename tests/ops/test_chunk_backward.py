@@ -186,15 +186,38 @@ def test_non_contiguous_inputs():
         assert_close(got[n].grad, ref[n].grad, 1e-12, what=n)
 
 
-def test_double_backward_is_refused():
-    """The hand-written backward is first order; asking for a second derivative raises instead of
-    returning a wrong one."""
+@pytest.mark.parametrize("op", ["gla", "gated_delta_rule", "selective_scan", "short_conv"])
+@pytest.mark.parametrize("cotangent", ["needs grad", "constant"])
+def test_graph_of_the_gradient_is_refused(op, cotangent):
+    """The hand-written backwards are first order: asking for a graph of the gradient
+    (``create_graph=True``) raises a clear error. With a constant cotangent (``o.sum()``) PyTorch's
+    ``once_differentiable`` alone would return a constant gradient and silently drop its
+    dependence on the inputs (a gradient penalty would miss terms)."""
+    from mnemo.layers import ShortConvolution
+    from mnemo.ops import gated_delta_rule, selective_scan
+
     x = _inputs(T=9, gate="scalar")
     q = x["q"].clone().requires_grad_(True)
-    o, _ = gated_linear_attention(q, x["k"], x["v"], x["g"], chunk_size=4)
-    (gq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gq.sum().backward()
+    if op == "gla":
+        o = gated_linear_attention(q, x["k"], x["v"], x["g"], chunk_size=4)[0]
+    elif op == "gated_delta_rule":
+        beta = torch.rand(q.shape[:3], dtype=q.dtype)
+        o = gated_delta_rule(
+            q, torch.nn.functional.normalize(x["k"], dim=-1), x["v"], beta, x["g"], chunk_size=4
+        )[0]
+    elif op == "selective_scan":
+        u = q.flatten(2)  # [B, T, H K]
+        A = -torch.rand(u.shape[-1], 3, dtype=u.dtype)
+        Bm = torch.randn(*u.shape[:2], 3, dtype=u.dtype)
+        o = selective_scan(u, u.detach().sigmoid(), A, Bm, Bm, delta_softplus=True)[0]
+    else:
+        u = q.flatten(2)  # [B, T, C]
+        o = ShortConvolution(u.shape[-1], 3).to(u.dtype)(u)[0]
+    loss = o.square().sum() if cotangent == "needs grad" else o.sum()
+    with pytest.raises(RuntimeError, match="first order.*create_graph=True.*mode='recurrent'"):
+        torch.autograd.grad(loss, q, create_graph=True)
+    (g,) = torch.autograd.grad(loss, q)  # first order still works
+    assert torch.isfinite(g).all()
 
 
 @pytest.mark.parametrize("op", ["gla_scalar", "gla_channel", "gated_delta_rule"])
@@ -256,3 +279,36 @@ def test_backward_in_head_groups(name, fn, gate, names, monkeypatch):
         results[mode] = {n: xs[n].grad for n in names}
     for n in names:
         assert_close(results["chunk"][n], results["recurrent"][n], 1e-10, what=f"{name} d/d{n}")
+
+
+@pytest.mark.parametrize("op", ["gla", "gated_delta_rule"])
+@pytest.mark.parametrize("B,H,V", [(0, 2, 4), (2, 0, 4), (2, 2, 0)])
+def test_empty_batch_heads_or_values_in_chunk_mode(op, B, H, V):
+    """Empty B, H or V: the chunk form returns what the token loop returns (empty outputs, the
+    state passed through) instead of failing on an empty reduction."""
+    from mnemo.ops import gated_delta_rule
+
+    T, K = 5, 3
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v, g = torch.randn(B, T, H, V), -torch.rand(B, T, H)
+    S0 = torch.randn(B, H, K, V)
+    out = {}
+    for mode in ("chunk", "recurrent"):
+        if op == "gla":
+            out[mode] = gated_linear_attention(
+                q, k, v, g, initial_state=S0, output_final_state=True, mode=mode
+            )
+        else:
+            beta = torch.rand(B, T, H)
+            out[mode] = gated_delta_rule(
+                q, k, v, beta, g, initial_state=S0, output_final_state=True, mode=mode
+            )
+    for a, b in zip(out["chunk"], out["recurrent"]):
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_zero_head_dim_is_a_clear_error():
+    q = torch.randn(1, 4, 2, 0)
+    with pytest.raises(ValueError, match="head dimension K >= 1"):
+        gated_linear_attention(q, q, torch.randn(1, 4, 2, 3), None)

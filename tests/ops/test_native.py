@@ -178,6 +178,22 @@ def test_float32_softplus_step_is_accurate_everywhere():
 
 
 @needs_native
+def test_float32_exp_matches_torch_up_to_overflow():
+    """With ``T = 1``, ``Δ = 1``, ``h0 = 1``, ``u = 0`` and ``C = 1`` the output is ``exp(A)``: the
+    kernel's float32 exp over [-60, 100] (the clamp's floor up to past overflow at 88.72) against
+    float64, and inf where float32 overflows, as ``torch.exp`` gives."""
+    A = torch.cat([torch.linspace(-60, 100, 3001), torch.tensor([88.72, 88.73, float("inf")])])
+    D = A.numel()
+    one = torch.ones(1, 1, 1, 1)
+    y, _ = ss.ss_native(torch.ones(1, 1, D), torch.zeros(1, 1, D), A[:, None], one, one, torch.ones(1, D, 1))
+    want = torch.exp(A.double())
+    got = y.double().flatten()
+    finite = torch.isfinite(torch.exp(A))
+    assert torch.equal(torch.isinf(got), ~finite)
+    assert ((got[finite] - want[finite]).abs() / want[finite]).max() < 1e-6
+
+
+@needs_native
 def test_openmp_and_thread_pool_slots_agree(monkeypatch):
     """The slots give the same bits whether PyTorch's OpenMP threads or our pool run them."""
     if not _native.openmp():
@@ -295,6 +311,48 @@ def test_compiler_without_openmp_gives_the_thread_pool_build(monkeypatch, tmp_pa
     finally:
         torch.set_num_threads(prev)
     for a, b, what in zip(got, _value_and_grads(ss.ss_recurrent, x), NAMES):
+        assert_close(a, b, 1e-12, what=what)
+
+
+@needs_native
+@pytest.mark.skipif(
+    not __import__("os").path.isdir("/proc"), reason="needs /proc: a directory nobody can write to"
+)
+def test_unwritable_cache_directory_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
+    """A cache directory that exists but cannot be written (``/proc``, even for root): the library
+    is built in the temporary directory instead, with no warning."""
+    import tempfile
+    import warnings
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("MNEMO_NATIVE_CACHE", "/proc")
+    monkeypatch.delenv("MNEMO_NATIVE", raising=False)
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_lib", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _native.library() is not None
+    assert list(tmp_path.glob("mnemo-native-*/libmnemo_*.so"))
+
+
+@needs_native
+def test_backward_finishes_when_the_switch_changes_after_the_forward(monkeypatch):
+    """``MNEMO_NATIVE=0`` set between forward and backward: the backward still uses the kernel its
+    forward used (and gives the reference gradients)."""
+    from mnemo.layers import ShortConvolution
+
+    x = _inputs(1, 13, 20, 3, 1, torch.float64, seed=2)
+    xs = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+    y, h = ss.ss_native(xs["delta"], xs["u"], xs["A"], xs["B"], xs["C"], xs["h0"])
+    conv = ShortConvolution(20, 4).double()
+    yc = conv(xs["u"])[0]
+    monkeypatch.setenv("MNEMO_NATIVE", "0")
+    got = torch.autograd.grad(y.sum() + h.sum() + yc.sum(), list(xs.values()))
+    monkeypatch.delenv("MNEMO_NATIVE")
+    xr = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+    yr, hr = ss.ss_recurrent(xr["delta"], xr["u"], xr["A"], xr["B"], xr["C"], xr["h0"])
+    want = torch.autograd.grad(yr.sum() + hr.sum() + conv(xr["u"])[0].sum(), list(xr.values()))
+    for a, b, what in zip(got, want, NAMES[2:]):
         assert_close(a, b, 1e-12, what=what)
 
 

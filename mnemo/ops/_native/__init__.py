@@ -117,23 +117,26 @@ def _build(cc: str, flags: list[str], remember_failure: bool = False) -> Path:
     h.update(" ".join([cc] + flags).encode())
     h.update(_machine_id().encode())  # -march=native: a library built on another CPU may not run
     name = f"libmnemo_{h.hexdigest()[:16]}.so"
-    out_dir = _cache_dir()
-    if (out_dir / name).exists():
-        return out_dir / name
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only home: build into the temporary directory instead
-        out_dir = Path(tempfile.gettempdir()) / f"mnemo-native-{os.getuid() if hasattr(os, 'getuid') else 0}"
-        out_dir.mkdir(parents=True, exist_ok=True)
+    if (_cache_dir() / name).exists():
+        return _cache_dir() / name
+    fallback = Path(tempfile.gettempdir()) / f"mnemo-native-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    for out_dir in (_cache_dir(), fallback):
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        except OSError:  # a read-only cache or home: build into the temporary directory instead
+            continue
+        os.close(fd)
+        break
+    else:
+        raise RuntimeError(f"no writable directory for the native library ({_cache_dir()}, {fallback})")
     target = out_dir / name
-    if target.exists():
-        return target
-    failed = target.with_suffix(".failed")  # a build that failed before (only for optional flags)
-    if remember_failure and failed.exists():
-        raise RuntimeError(f"{cc} failed before with these flags ({failed})")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
     try:
+        if target.exists():
+            return target
+        failed = target.with_suffix(".failed")  # a build that failed before (only for optional flags)
+        if remember_failure and failed.exists():
+            raise RuntimeError(f"{cc} failed before with these flags ({failed})")
         proc = subprocess.run([cc, *flags, *map(str, srcs), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             if remember_failure:
@@ -187,6 +190,16 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def _loaded() -> ctypes.CDLL:
+    """The library for a kernel call. Once built and loaded it stays usable whatever
+    ``MNEMO_NATIVE`` says now: the switch decides which form runs (:func:`usable`), and a backward
+    pass must finish with the form its forward used, even if the switch changed in between."""
+    lib = _lib if _lib is not None else library()
+    if lib is None:
+        raise RuntimeError("mnemo: the native CPU kernels are not available (see mnemo.ops._native.library)")
+    return lib
+
+
 def slots(jobs: int) -> int:
     """Thread slots a kernel call over ``jobs`` jobs uses: ``torch.get_num_threads()``, at most
     one per job (callers size per-slot scratch with it)."""
@@ -196,14 +209,14 @@ def slots(jobs: int) -> int:
 def openmp() -> bool:
     """Whether the slots of a call run on PyTorch's OpenMP threads (the library was built with
     OpenMP, and this is not a forked child). Only valid when :func:`library` is not ``None``."""
-    return bool(library().mnemo_openmp()) and not _forked
+    return bool(_loaded().mnemo_openmp()) and not _forked
 
 
 def simd_width() -> int:
     """Floats per SIMD register the library was built for (16 with AVX-512, 8 with AVX/AVX2, else
     4): the channel tile of the selective-scan kernel. Only valid when :func:`library` is not
     ``None``."""
-    return int(library().mnemo_simd_width())
+    return int(_loaded().mnemo_simd_width())
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -227,7 +240,7 @@ class Strided:
 def query(name: str, dtype: torch.dtype, *ints: int) -> int:
     """Integer-valued entry point ``name`` (``_f32``/``_f64`` from ``dtype``) on int arguments, e.g.
     the scratch size ``ss_bwd_work`` of a call."""
-    fn = getattr(library(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
+    fn = getattr(_loaded(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
     return int(fn(*(ctypes.c_int64(a) for a in ints)))
 
 
@@ -244,7 +257,7 @@ def call(name: str, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
             kernel would read the wrong memory).
     """
     global _pool
-    fn = getattr(library(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
+    fn = getattr(_loaded(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
 
     def conv(a):
         if a is None:
