@@ -8,7 +8,6 @@ from einops import rearrange
 from torch import nn
 
 from ..ops import _native
-from ..ops._common import first_order
 
 
 class ShortConvolution(nn.Module):
@@ -60,8 +59,9 @@ class _CausalConv(torch.autograd.Function):
     On the CPU (float32/float64) both passes run the C kernel of :mod:`mnemo.ops._native` (one
     pass over memory instead of one per tap; ``MNEMO_NATIVE=0`` switches it off). Otherwise: W
     shifted multiply-adds forward, and a backward that accumulates the input gradient in place
-    (no per-shift zero tensors). First order only: a graph of the gradient (``create_graph=True``)
-    raises (see :func:`mnemo.ops._common.first_order`)."""
+    (no per-shift zero tensors). Twice differentiable: when a graph of the gradient is asked for
+    (``create_graph=True``) the backward runs that PyTorch form, whose operations autograd
+    records (the C kernel is first order)."""
 
     @staticmethod
     def forward(ctx, xp, w, b, T):
@@ -85,12 +85,11 @@ class _CausalConv(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order
     def backward(ctx, dy):
         xp, w = ctx.saved_tensors
         T, W = ctx.T, w.shape[1]
         dxp = dw = db = None
-        if ctx.native and dy.dtype == xp.dtype:
+        if ctx.native and dy.dtype == xp.dtype and not torch.is_grad_enabled():
             B, _, C = xp.shape
             dy = dy.contiguous()
             dxp = torch.empty_like(xp) if ctx.needs_input_grad[0] else None

@@ -93,3 +93,21 @@ def test_rmsnorm_and_swiglu_shapes_and_values():
     mlp = SwiGLU(16)
     assert mlp(x).shape == x.shape
     assert mlp.w_in.out_features == 2 * 64  # 8/3 * 16 -> 42 -> rounded up to a multiple of 32
+
+
+def test_short_convolution_is_twice_differentiable():
+    """Under ``create_graph=True`` the convolution's backward runs its PyTorch form (the C kernel is
+    first order), so second derivatives are right: ``gradgradcheck`` in float64, with the kernel
+    available or not."""
+    from mnemo.layers import ShortConvolution
+
+    torch.manual_seed(0)
+    conv = ShortConvolution(5, 3).double()
+    x = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, 5, 2, dtype=torch.float64, requires_grad=True)
+
+    def f(x, state, weight, bias):  # the convolution and its SiLU
+        return torch.func.functional_call(conv, {"weight": weight, "bias": bias}, (x, state))[0]
+
+    params = (conv.weight.detach().clone().requires_grad_(), conv.bias.detach().clone().requires_grad_())
+    assert torch.autograd.gradgradcheck(f, (x, state, *params))

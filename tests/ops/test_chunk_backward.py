@@ -186,14 +186,13 @@ def test_non_contiguous_inputs():
         assert_close(got[n].grad, ref[n].grad, 1e-12, what=n)
 
 
-@pytest.mark.parametrize("op", ["gla", "gated_delta_rule", "selective_scan", "short_conv"])
+@pytest.mark.parametrize("op", ["gla", "gated_delta_rule", "selective_scan"])
 @pytest.mark.parametrize("cotangent", ["needs grad", "constant"])
 def test_graph_of_the_gradient_is_refused(op, cotangent):
     """The hand-written backwards are first order: asking for a graph of the gradient
     (``create_graph=True``) raises a clear error. With a constant cotangent (``o.sum()``) PyTorch's
     ``once_differentiable`` alone would return a constant gradient and silently drop its
     dependence on the inputs (a gradient penalty would miss terms)."""
-    from mnemo.layers import ShortConvolution
     from mnemo.ops import gated_delta_rule, selective_scan
 
     x = _inputs(T=9, gate="scalar")
@@ -205,14 +204,11 @@ def test_graph_of_the_gradient_is_refused(op, cotangent):
         o = gated_delta_rule(
             q, torch.nn.functional.normalize(x["k"], dim=-1), x["v"], beta, x["g"], chunk_size=4
         )[0]
-    elif op == "selective_scan":
+    else:
         u = q.flatten(2)  # [B, T, H K]
         A = -torch.rand(u.shape[-1], 3, dtype=u.dtype)
         Bm = torch.randn(*u.shape[:2], 3, dtype=u.dtype)
         o = selective_scan(u, u.detach().sigmoid(), A, Bm, Bm, delta_softplus=True)[0]
-    else:
-        u = q.flatten(2)  # [B, T, C]
-        o = ShortConvolution(u.shape[-1], 3).to(u.dtype)(u)[0]
     loss = o.square().sum() if cotangent == "needs grad" else o.sum()
     with pytest.raises(RuntimeError, match="first order.*create_graph=True.*mode='recurrent'"):
         torch.autograd.grad(loss, q, create_graph=True)
