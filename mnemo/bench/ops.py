@@ -251,19 +251,22 @@ def _per_token(v: torch.Tensor, T: int) -> bool:
 
 
 def matmul_peak(
-    dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10, warmup: int = 3
+    dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10, warmup: int = 3, device: str = "cpu"
 ) -> float:
     """Measured GFLOP/s of an ``n × n`` matmul in ``dtype`` (the machine's practical peak): the
     fastest of ``repeats`` runs after ``warmup`` runs. A peak is a best case, so the fastest run
     (not the median) is the estimate; a median taken while the threads are still waking up once
     read 180 against 330 GFLOP/s in the same minute, which would have doubled every ``% peak``."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     for _ in range(warmup):
         a @ b
+    sync()
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
         a @ b
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
 
@@ -283,7 +286,7 @@ def main(args) -> int:
             raise ValueError(f"unknown op(s) {sorted(unknown)}; choose from {[b.name for b in benches]}")
         benches = [b for b in benches if b.name in wanted or b.name == "softmax_attention"]
     B, H, D = args.batch, args.heads, args.head_dim
-    peaks = {d: matmul_peak(dtypes[d]) for d in wanted_dtypes}
+    peaks = {d: matmul_peak(dtypes[d], device=args.device) for d in wanted_dtypes}
     print(
         f"mnemo bench: B={B} H={H} D={D} on {args.device}, {torch.get_num_threads()} threads; medians of "
         f"{args.repeats} runs"
@@ -327,10 +330,16 @@ def main(args) -> int:
                     counted = bench.chunk_flops is not None and (
                         mode == "chunk" or (mode == "parallel" and bench.name == "softmax_attention")
                     )
-                    local_peak = matmul_peak(dtype, repeats=4, warmup=1) if counted else float("nan")
+                    local_peak = (
+                        matmul_peak(dtype, repeats=4, warmup=1, device=args.device)
+                        if counted
+                        else float("nan")
+                    )
                     f, fb = time_op(bench, mode, B, T, H, D, args.device, args.repeats, dtype)
                     if counted:  # the mean of the peaks measured right before and right after the row
-                        local_peak = (local_peak + matmul_peak(dtype, repeats=4, warmup=1)) / 2
+                        local_peak = (
+                            local_peak + matmul_peak(dtype, repeats=4, warmup=1, device=args.device)
+                        ) / 2
                     if bench.name == "softmax_attention":
                         sdpa = (f, fb)
                     row.update(
@@ -357,7 +366,7 @@ def main(args) -> int:
                         flush=True,
                     )
             _print_speedups(rows, T, dname)
-    peaks_end = {d: matmul_peak(dtypes[d]) for d in wanted_dtypes}
+    peaks_end = {d: matmul_peak(dtypes[d], device=args.device) for d in wanted_dtypes}
     print(
         "\nmatmul peak measured again at the end: "
         + ", ".join(
