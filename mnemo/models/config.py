@@ -25,7 +25,8 @@ class ModelConfig:
         mixer_options: keyword options per mixer name, e.g. ``{"attention": {"n_heads": 4}}``.
         mlp: ``"swiglu"``, ``"none"`` (mixer-only blocks) or ``"cms"`` (a Continuum Memory System,
             :class:`mnemo.nested.ContinuumMemory`). mlp_hidden: SwiGLU hidden width.
-        mlp_options: options of the MLP; for ``"cms"``: ``{"levels": [{"period": 16, ...}, ...]}``.
+        mlp_options: options of the MLP; for ``"cms"``: ``{"levels": [{"period": 16, ...}, ...],
+            "transfer": "sequential"}`` (see :class:`mnemo.nested.ContinuumMemory`).
         pos_embedding: ``"none"`` (positions come from the mixers, e.g. RoPE) or ``"learned"``
             (absolute, up to ``max_position`` tokens).
         tie_embeddings: share the input embedding with the output head.

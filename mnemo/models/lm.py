@@ -86,7 +86,7 @@ class LanguageModel(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights, zero biases, residual outputs scaled by ``1/sqrt(2 L)``.
 
-        Mixers may define ``_init_special()`` for parameters with their own init (gates, A_log…).
+        Mixers and MLPs may define ``_init_special()`` for parameters with their own init (gates, A_log…).
         """
         std = self.config.init_std
         for module in self.modules():
@@ -101,9 +101,10 @@ class LanguageModel(nn.Module):
             for proj in (getattr(block.mixer, "o_proj", None), getattr(block.mlp, "w_out", None)):
                 if isinstance(proj, nn.Linear):
                     nn.init.normal_(proj.weight, std=out_std)
-            special = getattr(block.mixer, "_init_special", None)
-            if special is not None:
-                special()
+            for part in (block.mixer, block.mlp):
+                special = getattr(part, "_init_special", None)
+                if special is not None:
+                    special()
 
     def forward(
         self, input_ids: torch.Tensor, state: list[MixerState] | None = None, *, mode: str | None = None

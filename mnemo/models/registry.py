@@ -181,11 +181,13 @@ def _ttt_mlp() -> ModelConfig:
     return _memory_model("ttt_mlp")
 
 
-_CMS_LEVELS = [{"period": 16}, {"period": 64}, {"period": 256}]
+# periods 8/16/32: the default 128-token training window holds 4 periods of the slowest level, so
+# every level steps (and its step is seen by the loss) in training, not only at evaluation
+_CMS_LEVELS = [{"period": 8}, {"period": 16}, {"period": 32}]
 
 
 @register_model(
-    "hope", "HOPE: self-modifying Titans followed by a 3-level CMS (16/64/256) (Behrouz et al. 2025)"
+    "hope", "HOPE: self-modifying Titans followed by a 3-level CMS (periods 8/16/32) (Behrouz et al. 2025)"
 )
 def _hope() -> ModelConfig:
     return ModelConfig(
@@ -196,7 +198,9 @@ def _hope() -> ModelConfig:
     )
 
 
-@register_model("hope_attention", "HOPE-attention: softmax attention followed by a 3-level CMS")
+@register_model(
+    "hope_attention", "HOPE-attention: softmax attention followed by a 3-level CMS (periods 8/16/32)"
+)
 def _hope_attention() -> ModelConfig:
     return ModelConfig(
         mixer="attention",

@@ -1,39 +1,76 @@
-"""The Continuum Memory System (Nested Learning, Behrouz et al. 2025, §3 and Eq. 31).
+"""The Continuum Memory System (Nested Learning, Behrouz et al. 2025; arXiv 2512.24695 §7.1, Eq. 70–74).
 
-A CMS is a chain of MLP blocks ordered by update frequency: level ``ℓ`` keeps per-sample *fast*
-weights that take one optimizer step every ``C^(ℓ)`` tokens on the gradients accumulated over those
-tokens, and stay fixed in between::
+A CMS is a set of MLP blocks ordered by update frequency. Level ``ℓ`` keeps per-sample *fast*
+weights ``θ^(ℓ)`` that change only at the end of each of its periods of ``C^(ℓ)`` tokens, by the sum
+over the period of its tokens' error signals (Eq. 71)::
 
-    y = MLP^(f_k)( … MLP^(f_1)(x) )             (with a residual around every level)
-    θ^(ℓ) ← θ^(ℓ) − opt( Σ_{t in the period} η_t ∇ℓ^(ℓ)(θ^(ℓ); x_t) )   every C^(ℓ) tokens
+    θ^(ℓ)_{i+1} = θ^(ℓ)_i − Σ_{t=i−C^(ℓ)+1}^{i} η^(ℓ)_t f(θ^(ℓ)_i; x_t)     if i ≡ 0 (mod C^(ℓ))
+    θ^(ℓ)_{i+1} = θ^(ℓ)_i                                                  otherwise
 
-Inner objective of a level (our choice, documented): the level is an associative memory from its
-input ``x_t`` (layer-normalised, so ``‖x_t‖² ≈ d``) to a learned *slow* projection of it,
-``ℓ_t = (η_t / 2d) ‖MLP(x_t) − W_v x_t‖²`` with a data-dependent rate
-``η_t = lr · sigmoid(w_η · x_t)``; a period's step uses the *mean* of its tokens' gradients (the
-``1/d`` and the mean keep the step size independent of width and period, like normalised LMS).
-Reads inside a period use the period-start weights (the weights change only at period ends), so
-with ``C = 1`` and one level the CMS is plain per-token online gradient descent on that loss
-(predict, then step).
+with ``f`` the gradient of the level's inner objective at the period-start weights (the weights do
+not move inside a period, so every term of the sum is taken at ``θ^(ℓ)_i``). Reads inside a period
+use the period-start weights; with ``C = 1`` and one level the CMS is plain per-token online gradient
+descent (predict, then step).
 
-The fast weights start every stream at the level's learned initial weights (the slow weights, which
-the outer loop trains through the unrolled updates) and persist across calls in ``CMSState``.
+Inner objective (``Level.objective``; the error signal ``f``):
+
+* ``"reconstruction"`` (the only one implemented, a named choice): the level is an associative
+  memory from its input ``x_t`` (layer-normalised, ``‖x_t‖² ≈ d``) to a learned *slow* projection
+  of it, ``ℓ_t = ½ ‖MLP(x_t) − W_v x_t‖²``, scaled by a data-dependent rate
+  ``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` (the ``1/d`` makes one token's step size independent of
+  the width, as in normalised LMS). The paper's experiments use the language model's own
+  next-token loss as ``f`` (the gradient of the task loss w.r.t. the level's output); that signal
+  needs the next token and a backward pass through the layers above the level, and is not built
+  yet (see the README's Nested Learning section).
+
+Rates and the sum. Eq. 71 sums the period's terms (it does not average them), so a level of period
+``C`` moves ``C`` tokens' worth of gradient at once. The rate bias ``b_η`` is initialised so that
+``sigmoid(b_η) = 1 / (2C)``: at initialisation the summed step of a period equals one token's step
+at the rate ``lr / 2d`` (the same size for every period); the rates are learned from there, per
+token and per level.
+
+Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest level first:
+
+* ``"sequential"`` (Eq. 73, default): a chain, ``h_ℓ = h_{ℓ−1} + MLP_ℓ(LN(h_{ℓ−1}))``; output
+  ``h_k − h_0`` (the block adds its own residual). Every level's initial weights are slow weights
+  trained by the outer loop through the unrolled inner updates. The residual around every level is
+  our choice (the paper writes the bare composition ``MLP^(f_k)(… MLP^(f_1)(x))``).
+* ``"independent"`` (Eq. 74, head-wise): the levels read the same input in parallel and their
+  outputs are aggregated by a learned weighted sum, ``y = Σ_ℓ w_ℓ MLP_ℓ(LN(x))`` (``w_ℓ`` start
+  at 1).
+* ``"nested"`` (Eq. 72): the slower level is the faster level's initial state. Levels must have
+  equal widths and each period must be a multiple of the next faster one. Every level learns on
+  the same input ``LN(x)`` by Eq. 71; whenever level ``ℓ+1`` completes a period (after its step),
+  level ``ℓ`` restarts from level ``ℓ+1``'s new weights (momentum and accumulated gradient
+  cleared), and at the start of a stream every level starts from the slowest level's initial
+  weights (only the slowest level owns initial weights). The output is the fastest level's read,
+  ``y = MLP_1(LN(x))``. The paper states the transfer as a meta-learning problem
+  (``θ^(ℓ)_0 = argmin_Φ E_T[ℓ(Θ, T; Φ)]`` over the slower level's context); here the slower level
+  learns by its own Eq. 71 step and hands its weights down — our reading, named here.
+
 A partial period at the end of a call is handled by ``Level.partial``:
 
 * ``"carry"`` (default): the gradients of the unfinished period are kept in the state and the step
   is taken when the period completes in a later call, so any split of a stream equals one pass;
 * ``"flush"``: the partial period's step is taken at the end of the call (the next call starts a
-  fresh period), so the weights are always up to date, at the price of depending on call boundaries.
+  fresh period), so the weights are always up to date, at the price of depending on call
+  boundaries (not with ``transfer="nested"``).
 
-Inner optimizers (per level, applied to the period's accumulated gradient ``g``):
+Inner optimizers (per level, applied to the period's summed gradient ``g``):
 ``"gd"``: ``θ ← θ − g``; ``"momentum"``: ``m ← β m − g``, ``θ ← θ + m``; ``"delta_momentum"``:
 the momentum is an associative memory over gradients written by the delta rule keyed on the
 normalised gradient ``ĝ`` — it overwrites its component along the new gradient instead of adding to
 it: ``m ← β (m − ⟨m, ĝ⟩ ĝ) − g``, ``θ ← θ + m``.
+
+Training. A level's step is seen by a training loss only if it happens inside the training window
+(``period < seq_len``); :meth:`ContinuumMemory.window_problems` lists the levels that never step
+within a window of a given length (the trainer warns about them): such a level's rate and target
+projections get no gradient and it would step at evaluation with untrained settings.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,6 +80,8 @@ from torch import nn
 
 OPTIMIZERS = ("gd", "momentum", "delta_momentum")
 PARTIAL = ("carry", "flush")
+OBJECTIVES = ("reconstruction",)
+TRANSFERS = ("sequential", "independent", "nested")
 
 
 @dataclass(frozen=True)
@@ -52,10 +91,13 @@ class Level:
     Attributes:
         period: ``C``, tokens between two steps of this level (``≥ 1``).
         expansion: hidden width of the level's MLP as a multiple of ``d_model``.
-        lr: maximum inner learning rate ``η`` (the data-dependent rate is ``lr · sigmoid(·)``, applied
-            per unit of squared input norm: ``η_t / d``).
+        lr: maximum inner learning rate ``η`` per token (the data-dependent rate is
+            ``lr · sigmoid(·) / d``; a period's step sums its tokens' terms, Eq. 71).
         optimizer: ``"gd"``, ``"momentum"`` or ``"delta_momentum"``; ``beta`` its momentum.
         partial: ``"carry"`` or ``"flush"`` (see the module docstring).
+        objective: the inner objective, ``"reconstruction"`` (see the module docstring).
+        outer_lr_scale: multiplier of the outer optimizer's learning rate for this level's slow
+            parameters (the trainer puts them in their own parameter group); default 1.
     """
 
     period: int
@@ -64,12 +106,14 @@ class Level:
     optimizer: str = "gd"
     beta: float = 0.9
     partial: str = "carry"
+    objective: str = "reconstruction"
+    outer_lr_scale: float = 1.0
 
     def validate(self) -> Level:
         def bad(name, expected):
             raise ValueError(f"Level.{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.period, int) or self.period < 1:
+        if not isinstance(self.period, int) or isinstance(self.period, bool) or self.period < 1:
             bad("period", "an int >= 1")
         if self.expansion <= 0:
             bad("expansion", "a positive number")
@@ -81,12 +125,16 @@ class Level:
             bad("beta", "a number in [0, 1)")
         if self.partial not in PARTIAL:
             bad("partial", f"one of {PARTIAL}")
+        if self.objective not in OBJECTIVES:
+            bad("objective", f"one of {OBJECTIVES}")
+        if not self.outer_lr_scale > 0:
+            bad("outer_lr_scale", "a positive number")
         return self
 
 
 class LevelState(NamedTuple):
     """Per-sample fast state of one level: weights ``(W_in [B,d,h], W_out [B,h,d])``, momentum (or
-    ``None``), the gradient accumulated in the current period, and tokens consumed."""
+    ``None``), the gradient accumulated in the current period, tokens consumed, steps taken."""
 
     weights: tuple
     momentum: tuple | None
@@ -96,29 +144,49 @@ class LevelState(NamedTuple):
 
 
 class CMSLevel(nn.Module):
-    """One level: an MLP ``x ↦ W_outᵀ gelu(W_inᵀ x)`` whose weights are fast (see module docstring)."""
+    """One level: an MLP ``x ↦ W_outᵀ gelu(W_inᵀ x)`` whose weights are fast (see module docstring).
 
-    def __init__(self, d_model: int, level: Level):
+    Args:
+        d_model: width ``d``. level: its :class:`Level`.
+        own_weights: create the slow initial weights ``W_in [d, h]``, ``W_out [h, d]`` (``False``
+            for the faster levels of a nested CMS, which start from a slower level's weights).
+    """
+
+    def __init__(self, d_model: int, level: Level, own_weights: bool = True):
         super().__init__()
         self.level = level.validate()
+        self.outer_lr_scale = float(level.outer_lr_scale)
         hidden = max(1, int(round(level.expansion * d_model)))
-        self.W_in = nn.Parameter(torch.randn(d_model, hidden) * d_model**-0.5)
-        self.W_out = nn.Parameter(torch.randn(hidden, d_model) * hidden**-0.5 * 0.1)
+        self.hidden = hidden
+        if own_weights:
+            self.W_in = nn.Parameter(torch.randn(d_model, hidden) * d_model**-0.5)
+            self.W_out = nn.Parameter(torch.randn(hidden, d_model) * hidden**-0.5 * 0.1)
+        else:
+            self.W_in = self.W_out = None
         self.value = nn.Linear(d_model, d_model, bias=False)
         self.rate = nn.Linear(d_model, 1, bias=True)
+        self._init_special()
 
-    def initial_state(self, batch_size: int) -> LevelState:
+    def _init_special(self) -> None:
+        """Rate bias with ``sigmoid(b) = 1 / (2C)`` (see the module docstring). The language model
+        calls this again after its generic re-initialisation (which zeroes biases)."""
+        with torch.no_grad():
+            self.rate.bias.fill_(-math.log(2 * self.level.period - 1))
+
+    def initial_state(self, batch_size: int, weights: tuple | None = None) -> LevelState:
         """Weights start shared (``[d, h]``, broadcast over the batch — no per-sample copies until the
-        first step makes them per-sample ``[B, d, h]``); buffers are per sample."""
-        w = (self.W_in, self.W_out)
-        zeros = tuple(x.new_zeros(batch_size, *x.shape) for x in w)
+        first step makes them per-sample ``[B, d, h]``); buffers are per sample. ``weights``
+        overrides the level's own initial weights (nested transfer)."""
+        w = weights if weights is not None else (self.W_in, self.W_out)
+        if w[0] is None:
+            raise ValueError("CMSLevel.initial_state: this level has no weights of its own; pass weights")
+        zeros = tuple(x.new_zeros(batch_size, *x.shape[-2:]) for x in w)
         mom = zeros if self.level.optimizer != "gd" else None
-        return LevelState(w, mom, zeros, 0, 0)
+        return LevelState(tuple(w), mom, zeros, 0, 0)
 
-    def _step(self, st: LevelState, count: int) -> LevelState:
-        """Apply the mean gradient of the ``count`` tokens of the period with the level's optimizer."""
+    def _step(self, st: LevelState) -> LevelState:
+        """Apply the period's summed gradient (Eq. 71) with the level's optimizer."""
         lv = self.level
-        st = st._replace(grad=tuple(g / count for g in st.grad))
         if lv.optimizer == "gd":
             w = tuple(a - g for a, g in zip(st.weights, st.grad))
             mom = None
@@ -135,31 +203,35 @@ class CMSLevel(nn.Module):
         zeros = tuple(torch.zeros_like(g) for g in st.grad)
         return LevelState(w, mom, zeros, st.position, st.updates + 1)
 
+    def restart(self, st: LevelState, weights: tuple) -> LevelState:
+        """Restart from ``weights`` (nested transfer): momentum and accumulated gradient cleared."""
+        zeros = tuple(torch.zeros_like(g) for g in st.grad)
+        mom = zeros if st.momentum is not None else None
+        return LevelState(tuple(weights), mom, zeros, st.position, st.updates)
+
     def _period(self, x, v, eta, st: LevelState, whole: bool):
         """Tokens ``x [B, L, d]`` of one period (or part of one), with their targets ``v`` and rates
         ``eta [B, L, 1]``: read with the current weights and take (``whole``) or accumulate the
-        period's gradient. Returns ``(y, state)``."""
+        period's summed gradient. Returns ``(y, state)``."""
         W_in, W_out = st.weights
         z = x @ W_in
         a = F.gelu(z)
         y = a @ W_out
-        err = (y - v) * eta  # ∂ℓ_t/∂y
+        err = (y - v) * eta  # η_t ∂ℓ_t/∂y
         dz = torch.ops.aten.gelu_backward(err @ W_out.transpose(-1, -2), z)
         L = x.shape[1]
         st = st._replace(position=st.position + L)
-        if whole and self.level.optimizer == "gd":  # fused: θ − mean_t x ⊗ δ, no gradient buffers
+        if whole and self.level.optimizer == "gd":  # fused: θ − Σ_t x ⊗ δ, no gradient buffers
+            B = x.shape[0]
             w = (
                 torch.baddbmm(
-                    W_in.expand(x.shape[0], -1, -1) if W_in.ndim == 2 else W_in,
-                    x.transpose(-1, -2),
-                    dz,
-                    alpha=-1.0 / L,
+                    W_in.expand(B, -1, -1) if W_in.ndim == 2 else W_in, x.transpose(-1, -2), dz, alpha=-1.0
                 ),
                 torch.baddbmm(
-                    W_out.expand(x.shape[0], -1, -1) if W_out.ndim == 2 else W_out,
+                    W_out.expand(B, -1, -1) if W_out.ndim == 2 else W_out,
                     a.transpose(-1, -2),
                     err,
-                    alpha=-1.0 / L,
+                    alpha=-1.0,
                 ),
             )
             return y, st._replace(weights=w, updates=st.updates + 1)
@@ -169,16 +241,34 @@ class CMSLevel(nn.Module):
         )
         st = st._replace(grad=grad)
         if whole:
-            st = self._step(st, L)
+            st = self._step(st)
         return y, st
 
-    def forward(self, x: torch.Tensor, state: LevelState | None = None):
-        """``x [B, T, d] -> (MLP output [B, T, d], state)``; the loop runs over periods."""
+    def rates(self, x: torch.Tensor) -> torch.Tensor:
+        """``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` for ``x [B, T, d]`` → ``[B, T, 1]``."""
+        return self.level.lr * torch.sigmoid(self.rate(x)) / x.shape[-1]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: LevelState | None = None,
+        *,
+        restarts: dict | None = None,
+        record: list | None = None,
+        initial_weights: tuple | None = None,
+    ):
+        """``x [B, T, d] -> (MLP output [B, T, d], state)``; the loop runs over periods.
+
+        ``restarts`` (nested transfer): ``{position: weights}``; after the period that ends at that
+        stream position the level restarts from those weights. ``record``: a list that receives
+        ``(position, weights)`` at every period end (after the step and any restart).
+        ``initial_weights``: the weights a fresh state starts from (default: the level's own).
+        """
         B, T, _ = x.shape
-        st = state if state is not None else self.initial_state(B)
+        st = state if state is not None else self.initial_state(B, initial_weights)
         C = self.level.period
         v = self.value(x)  # slow projections of all tokens at once
-        eta = self.level.lr * torch.sigmoid(self.rate(x)) / x.shape[-1]  # η_t / d
+        eta = self.rates(x)
         outs, t = [], 0
         while t < T:
             start = st.position % C
@@ -189,9 +279,14 @@ class CMSLevel(nn.Module):
             outs.append(y)
             t += L
             if not whole and st.position % C == 0:
-                st = self._step(st, C)
+                st = self._step(st)
+            if st.position % C == 0:
+                if restarts and st.position in restarts:
+                    st = self.restart(st, restarts[st.position])
+                if record is not None:
+                    record.append((st.position, st.weights))
         if self.level.partial == "flush" and st.position % C != 0:
-            st = self._step(st, st.position % C)
+            st = self._step(st)
             st = LevelState(st.weights, st.momentum, st.grad, 0, st.updates)  # a fresh period starts
         return torch.cat(outs, 1) if outs else x.new_zeros(B, 0, x.shape[-1]), st
 
@@ -201,34 +296,107 @@ class CMSState(NamedTuple):
 
 
 class ContinuumMemory(nn.Module):
-    """A CMS chain that can replace the MLP of any block: ``h_ℓ = h_{ℓ−1} + MLP_ℓ(h_{ℓ−1})``;
-    returns ``h_k − h_0`` (the block adds its own residual) and the per-level fast state.
+    """A Continuum Memory System that can replace the MLP of any block; returns the block's update
+    ``y [B, T, d]`` (the block adds its own residual) and the per-level fast state.
 
     Args:
         d_model: width. levels: a sequence of :class:`Level` (or dicts of its fields), fastest first.
+        transfer: how knowledge passes between levels: ``"sequential"`` (Eq. 73, default),
+            ``"independent"`` (Eq. 74) or ``"nested"`` (Eq. 72); see the module docstring.
+
+    Raises:
+        ValueError: no levels; an unknown ``transfer``; for ``"nested"``: unequal widths, a period
+            that is not a multiple of the next faster level's, or ``partial="flush"``.
     """
 
-    def __init__(self, d_model: int, levels=(Level(16), Level(64), Level(256))):
+    def __init__(self, d_model: int, levels=(Level(16), Level(64), Level(256)), transfer: str = "sequential"):
         super().__init__()
         levels = [lv if isinstance(lv, Level) else Level(**lv) for lv in levels]
         if not levels:
-            raise ValueError("ContinuumMemory needs at least one Level")
+            raise ValueError("ContinuumMemory: levels must hold at least one Level, got none")
+        if transfer not in TRANSFERS:
+            raise ValueError(f"ContinuumMemory.transfer: expected one of {TRANSFERS}, got {transfer!r}")
+        if transfer == "nested":
+            for i, (fast, slow) in enumerate(zip(levels, levels[1:])):
+                if slow.expansion != fast.expansion:
+                    raise ValueError(
+                        f"ContinuumMemory(transfer='nested'): every level needs the same expansion; "
+                        f"level {i} has {fast.expansion}, level {i + 1} has {slow.expansion}"
+                    )
+                if slow.period % fast.period:
+                    raise ValueError(
+                        f"ContinuumMemory(transfer='nested'): each period must be a multiple of the "
+                        f"next faster one; level {i + 1} has period {slow.period}, "
+                        f"level {i} has {fast.period}"
+                    )
+            for i, lv in enumerate(levels):
+                if lv.partial != "carry":
+                    raise ValueError(
+                        f"ContinuumMemory(transfer='nested'): level {i} has partial={lv.partial!r}; "
+                        "nested transfer needs 'carry'"
+                    )
         self.d_model = d_model
-        self.levels = nn.ModuleList([CMSLevel(d_model, lv) for lv in levels])
+        self.transfer = transfer
+        last = len(levels) - 1
+        self.levels = nn.ModuleList(
+            [
+                CMSLevel(d_model, lv, own_weights=transfer != "nested" or i == last)
+                for i, lv in enumerate(levels)
+            ]
+        )
         self.norms = nn.ModuleList([nn.LayerNorm(d_model, elementwise_affine=False) for _ in levels])
+        self.weights = nn.Parameter(torch.ones(len(levels))) if transfer == "independent" else None
+
+    def _init_special(self) -> None:
+        for lv in self.levels:
+            lv._init_special()
+        if self.weights is not None:
+            with torch.no_grad():
+                self.weights.fill_(1.0)
 
     def forward(self, x: torch.Tensor, state: CMSState | None = None):
-        h = x
-        new = []
-        for i, (level, norm) in enumerate(zip(self.levels, self.norms)):
-            y, s = level(norm(h), state.levels[i] if state is not None else None)
-            h = h + y
-            new.append(s)
-        return h - x, CMSState(tuple(new))
+        prev = state.levels if state is not None else [None] * len(self.levels)
+        if self.transfer == "sequential":
+            h, new = x, []
+            for level, norm, s in zip(self.levels, self.norms, prev):
+                y, s = level(norm(h), s)
+                h = h + y
+                new.append(s)
+            return h - x, CMSState(tuple(new))
+        if self.transfer == "independent":
+            out, new = 0, []
+            for i, (level, norm, s) in enumerate(zip(self.levels, self.norms, prev)):
+                y, s = level(norm(x), s)
+                out = out + self.weights[i] * y
+                new.append(s)
+            return out, CMSState(tuple(new))
+        # nested: slowest first; each faster level restarts from the next slower one's weights
+        xn = self.norms[0](x)
+        slowest = self.levels[-1]
+        init = (slowest.W_in, slowest.W_out)
+        new = [None] * len(self.levels)
+        restarts = None
+        for i in range(len(self.levels) - 1, -1, -1):
+            record = [] if i > 0 else None
+            y, new[i] = self.levels[i](xn, prev[i], restarts=restarts, record=record, initial_weights=init)
+            restarts = dict(record) if record is not None else None
+        return y, CMSState(tuple(new))
+
+    def window_problems(self, seq_len: int) -> list[str]:
+        """Levels that never step inside a window of ``seq_len`` tokens starting at a fresh state
+        (``period ≥ seq_len``): no loss on such a window sees their update, so their rate and
+        target projections get no gradient. Returns one message per such level."""
+        return [
+            f"CMS level {i} has period {lv.level.period} >= the window of {seq_len} tokens: it never "
+            "steps inside a window, so no training loss sees its update (its rate and target "
+            "projections get no gradient) and it would step at evaluation with untrained settings"
+            for i, lv in enumerate(self.levels)
+            if lv.level.period >= seq_len
+        ]
 
     def state_size_bytes(self, batch_size: int = 1) -> int:
         n = 0
         for lv in self.levels:
-            w = lv.W_in.numel() + lv.W_out.numel()
+            w = 2 * self.d_model * lv.hidden
             n += w * (2 + (lv.level.optimizer != "gd"))  # weights, accumulated gradient, momentum
         return batch_size * n * 4
