@@ -10,9 +10,12 @@ Semantics (the same in the token-loop reference, the chunked form, streaming and
         G_t  ← G_t · min(1, grad_clip / ‖G_t‖)            (optional)
         step  = −θ_t G_t                 or   S_t = η_t S_{t−1} − θ_t G_t, step = S_t   (momentum)
         A_t   = exp(g_t) ⊙ A_{t−1} + step                 (g = 0 without retention decay)
+        A_t  ← S_{γ_t}(A_t),  γ_t = l1 · θ_t               (elastic_net only; Miras Eq. 22)
         o_t   = M_{W_t}(q_t)   with  W_t = N(A_t)          token t reads *after* its own write
 
-``N`` is the identity, Moneta's ℓq normalisation or Memora's scaled softmax (see ``MemorySpec``).
+``N`` is the identity, Moneta's ℓq normalisation or Memora's scaled softmax (see ``MemorySpec``);
+``S_γ`` is the soft-thresholding of elastic-net retention (its chunk form advances the weights
+token by token inside the chunk, from gradients all taken at once at the chunk-start weights).
 With ``chunk_size = 1`` this is plain online learning (exact delta rule, …); with larger chunks it
 is mini-batch GD inside each chunk (Titans §3.2, TTT). Because every gradient of a chunk is taken at
 the same weights, the chunk form computes all of them in one batched forward/backward of the memory
@@ -107,6 +110,11 @@ def _ln(z: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(z, (z.shape[-1],), eps=_LN_EPS)
 
 
+def soft_threshold(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """``S_γ(x) = sign(x) · max(|x| − γ, 0)`` (elementwise; ``gamma`` broadcasts against ``x``)."""
+    return torch.sign(x) * torch.relu(x.abs() - gamma)
+
+
 def retention_map(spec: MemorySpec, A: torch.Tensor) -> torch.Tensor:
     """``W = N(A)``: identity, ``A / ‖A‖_q^{q−2}`` (norm over each layer's matrix) or
     ``kl_scale · softmax(A)`` over the input axis (dim ``-2``)."""
@@ -154,7 +162,10 @@ def objective_grad(spec: MemorySpec, y, v, delta):
     if spec.objective == "lp":
         return e * (e * e + spec.lp_eps**2).pow(0.5 * spec.p - 1.0)
     d = delta[..., None]
-    return torch.minimum(torch.maximum(e, -d), d)
+    if spec.huber_mode == "token":  # Miras Eq. 16: ∇ℓ₂ if ‖e‖₂ ≤ δ, else δ ∇ℓ₁ (one switch per token)
+        small = torch.linalg.vector_norm(e, dim=-1, keepdim=True) <= d
+        return torch.where(small, e, d * torch.sign(e))
+    return torch.minimum(torch.maximum(e, -d), d)  # coordinate-wise Huber (Miras Eq. 14)
 
 
 def objective_value(spec: MemorySpec, y, v, delta):
@@ -168,6 +179,10 @@ def objective_value(spec: MemorySpec, y, v, delta):
         return ((e * e + spec.lp_eps**2).pow(0.5 * spec.p) / spec.p).sum(-1)
     d = delta[..., None]
     a = e.abs()
+    if spec.huber_mode == "token":
+        # ½‖e‖² if ‖e‖₂ ≤ δ else δ‖e‖₁: the piecewise objective whose gradient is Miras Eq. 16's step
+        small = torch.linalg.vector_norm(e, dim=-1) <= d[..., 0]
+        return torch.where(small, 0.5 * (e * e).sum(-1), d[..., 0] * a.sum(-1))
     return torch.where(a <= d, 0.5 * e * e, d * (a - 0.5 * d)).sum(-1)
 
 
@@ -412,7 +427,7 @@ def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coe
         th = theta
         if spec.grad_clip is not None:
             sq = sum(x.square().sum(-1) * d.square().sum(-1) for x, d in zip(inputs, deltas))
-            th = th * (spec.grad_clip / sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
+            th = th * (spec.grad_clip / sq.clamp_min(1e-24).sqrt()).clamp(max=1.0)  # no 0·∞ at G = 0
         lr = _lr_coefs(co, th)
 
     xts = [x.transpose(-1, -2) for x in inputs]
@@ -462,6 +477,41 @@ def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coe
     return o, tuple(newA), newS, d_end
 
 
+def _piece_elastic(spec: MemorySpec, state: MemoryState, q, k, v, theta, g, eta, delta):
+    """:func:`_piece` for ``"elastic_net"`` retention (Miras Eq. 22). Every gradient of the piece is
+    taken at the chunk-start weights in one batched pass (as for every retention); the
+    soft-thresholding ``W_t = S_{γ_t}(exp(g_t) W_{t−1} + step_t)`` is not linear in the steps, so the
+    weights are then advanced token by token through the piece (elementwise work per token, no
+    ``[C, C]`` closed form) and each token reads its own ``W_t``."""
+    A, S, anchor = list(state.weights), state.momentum, state.anchor
+    inputs, deltas = _grad_factors(spec, list(anchor), k, v, None, delta)
+    gamma = spec.l1 * theta  # γ_t = l1 · θ_t (before gradient clipping)
+    th = theta
+    if spec.grad_clip is not None:
+        sq = sum(x.square().sum(-1) * d.square().sum(-1) for x, d in zip(inputs, deltas))
+        th = th * (spec.grad_clip / sq.clamp_min(1e-24).sqrt()).clamp(max=1.0)  # no 0·∞ at G = 0
+    if S is not None:
+        S = list(S)
+        eta = eta.clamp_min(math.exp(LOG_GATE_MIN))
+    outs = []
+    for t in range(q.shape[1]):
+        step = [
+            (-th[:, t, None, None]) * (x[:, t, :, None] * d[:, t, None, :]) for x, d in zip(inputs, deltas)
+        ]
+        if S is not None:
+            S = [eta[:, t, None, None] * s + st for s, st in zip(S, step)]
+            step = S
+        if g is not None:
+            a = g[:, t].exp()
+            a = a[..., None] if a.ndim == 2 else a[..., None, None]
+            A = [a * ai + st for ai, st in zip(A, step)]
+        else:
+            A = [ai + st for ai, st in zip(A, step)]
+        A = [soft_threshold(ai, gamma[:, t, None, None]) for ai in A]
+        outs.append(memory_apply(spec, A, q[:, t : t + 1])[0])
+    return torch.cat(outs, 1), tuple(A), None if S is None else tuple(S)
+
+
 def _flat_heads(x: torch.Tensor | None) -> torch.Tensor | None:
     """``[B, T, H, ·]`` or ``[B, T, H]`` -> ``[B·H, T, ·]`` / ``[B·H, T]``."""
     if x is None:
@@ -503,9 +553,12 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
         return [None] * len(sizes) if x is None else list(torch.split(x, sizes, dim=1))
 
     qs, ks, vs, ths, ds = (pieces(x) for x in (qh, kh, vh, th, dh))
+    elastic = spec.retention == "elastic_net"
+    if elastic:
+        gs, es = pieces(gh), pieces(eh)
     coefs, lrs = [], []
     start = 0
-    for length, n in groups:
+    for length, n in [] if elastic else groups:
         L = length // n
 
         def grid(x, start=start, length=length, n=n, L=L):
@@ -525,7 +578,11 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
         start += length
     outs = []
     for i, L in enumerate(sizes):
-        o, A, S, d_end = _piece(spec, state, qs[i], ks[i], vs[i], ths[i], ds[i], coefs[i], lrs[i])
+        if elastic:
+            o, A, S = _piece_elastic(spec, state, qs[i], ks[i], vs[i], ths[i], gs[i], es[i], ds[i])
+            d_end = None
+        else:
+            o, A, S, d_end = _piece(spec, state, qs[i], ks[i], vs[i], ths[i], ds[i], coefs[i], lrs[i])
         outs.append(o)
         pos = state.position + L
         if pos % C == 0:
@@ -570,8 +627,9 @@ def memory_recurrent(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: Mem
             loss = objective_value(spec, y, v[:, t, :, None, :], dl).sum()
             G = torch.autograd.grad(loss, W_eff, create_graph=True)
             th = theta[:, t] if spec.max_lr is None else theta[:, t].clamp(max=spec.max_lr)
+            gamma = spec.l1 * th if spec.retention == "elastic_net" else None
             if spec.grad_clip is not None:
-                norm = torch.sqrt(sum(gi.square().sum((-2, -1)) for gi in G))
+                norm = torch.sqrt(sum(gi.square().sum((-2, -1)) for gi in G).clamp_min(1e-24))
                 th = th * (spec.grad_clip / norm.clamp_min(1e-12)).clamp(max=1.0)
             step = [-th[..., None, None] * gi for gi in G]
             if S is not None:
@@ -584,6 +642,8 @@ def memory_recurrent(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: Mem
                 A = tuple(a * ai + st for ai, st in zip(A, step))
             else:
                 A = tuple(ai + st for ai, st in zip(A, step))
+            if gamma is not None:  # elastic net (Miras Eq. 22): W_t = S_γ(λ_t W_{t−1} + step_t)
+                A = tuple(soft_threshold(ai, gamma[..., None, None]) for ai in A)
             Wt = [retention_map(spec, ai) for ai in A]
             o, _, _ = memory_apply(spec, Wt, q[:, t, :, None, :])
             outs.append(o[:, :, 0])
@@ -718,7 +778,8 @@ def neural_memory(
         g: log retention ``[B, T, H]`` (``[B, T, H, K]`` with ``decay_per_channel``), ``≤ 0``; needed
             unless the retention is ``"none"`` (``exp(g) = 1 − α`` in Titans' notation).
         eta: ``[B, T, H]`` momentum ``η_t ∈ [0, 1)`` (optimizer ``"momentum"``).
-        delta: ``[B, T, H]`` Huber threshold ``δ_t > 0`` (objective ``"huber"``).
+        delta: ``[B, T, H]`` Huber threshold ``δ_t > 0`` (objective ``"huber"``; compared with the
+            error norm ``‖M(k_t) − v_t‖₂`` with ``huber_mode="token"``, with each coordinate otherwise).
         initial_state: a :class:`MemoryState` (see :func:`init_state`); zeros when ``None``.
         mode: ``"chunk"`` (training; the closed-form op when one exists and ``use_closed_form``)
             or ``"recurrent"`` (the token-loop reference).

@@ -51,8 +51,17 @@ PRESETS: dict[str, tuple[MemorySpec, str]] = {
         "deep MLP · lp (p=3) · lq retention (q=4) · GD = Moneta (Behrouz et al. 2025)",
     ),
     "yaad": (
-        MemorySpec(objective="huber", retention="decay", chunk_size=64, max_lr=1.0, **_MLP),
-        "deep MLP · Huber (data-dependent δ) · weight decay · GD = Yaad (Behrouz et al. 2025)",
+        MemorySpec(
+            objective="huber", huber_mode="token", retention="decay", chunk_size=64, max_lr=1.0, **_MLP
+        ),
+        "deep MLP · Huber switched per token on ‖M(k)−v‖ vs data-dependent δ (Miras Eq. 16) · weight "
+        "decay · GD = Yaad (Behrouz et al. 2025)",
+    ),
+    "yaad_coordinate": (
+        MemorySpec(
+            objective="huber", huber_mode="coordinate", retention="decay", chunk_size=64, max_lr=1.0, **_MLP
+        ),
+        "deep MLP · coordinate-wise Huber (Miras Eq. 14) · weight decay · GD = Yaad with Huber variant 1",
     ),
     "memora": (
         MemorySpec(objective="l2", retention="kl", chunk_size=64, max_lr=1.0, **_MLP),

@@ -10,11 +10,13 @@ gradient inside a chunk is taken at the chunk-start weights (Titans §3.2, TTT m
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 ARCHITECTURES = ("matrix", "mlp")
 OBJECTIVES = ("dot", "l2", "lp", "huber")
-RETENTIONS = ("none", "decay", "lq", "kl")
+HUBER_MODES = ("token", "coordinate")
+RETENTIONS = ("none", "decay", "lq", "kl", "elastic_net")
 OPTIMIZERS = ("gd", "momentum")
 ACTIVATIONS = ("gelu", "silu", "relu", "tanh")
 
@@ -31,7 +33,16 @@ class MemorySpec:
     Attentional bias (inner objective on ``e = M(k) − v``):
         ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule);
         ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}``;
-        ``"huber"``: ``Σ huber_{δ_t}(e_i)`` with a data-dependent threshold ``δ_t`` (Yaad).
+        ``"huber"``: Huber with a data-dependent threshold ``δ_t`` (the per-token input ``delta``),
+        in one of two forms chosen by ``huber_mode``:
+
+        - ``"token"`` (default; Miras Huber variant 3, Eq. 16, the form Yaad uses, §5): the
+          whole token switches on the error norm,
+          ``ℓ = ½‖e‖²`` if ``‖e‖₂ ≤ δ_t`` else ``δ_t ‖e‖₁``, so the step is
+          ``W_t = W_{t−1} − θ_t ∇ℓ₂`` (∂ℓ/∂y = ``e``) or ``W_t = W_{t−1} − θ_t δ_t ∇ℓ₁``
+          (∂ℓ/∂y = ``δ_t sign(e)``). The step is discontinuous at ``‖e‖ = δ_t``, as in the paper.
+        - ``"coordinate"`` (Miras Eq. 14, Huber variant 1): ``Σ_i huber_{δ_t}(e_i)``, each error
+          coordinate switches separately (∂ℓ/∂y = ``clip(e, −δ_t, δ_t)``).
     Retention (forgetting; the accumulator ``A`` is what the optimizer moves, ``W = N(A)``):
         ``"none"``: ``A_t = A_{t−1} + step``;
         ``"decay"``: ``A_t = exp(g_t) A_{t−1} + step`` (``exp(g_t) = 1 − α_t``, Titans' weight decay;
@@ -40,6 +51,21 @@ class MemorySpec:
         ``"kl"``: decay as above and ``W = kl_scale · softmax(A)`` over each layer's input axis
             (Memora's KL retention: ``softmax(α log W − η∇)`` is exactly this map of a linearly
             decayed logit accumulator).
+        ``"elastic_net"``: ℓ1 + ℓ2 retention (Miras, elastic-net retention gate, Eq. 22: global retention
+            ``G(W) = 1/(2β)‖W‖² + 1/α‖W‖₁``, local retention ``½‖W − W_{t−1}‖²``), whose closed form
+            is a soft-thresholding of the decayed, stepped weights (no ``N``; ``A`` are the weights)::
+
+                W_t = S_{γ_t}(exp(g_t) ⊙ W_{t−1} + step_t),   S_γ(x) = sign(x) · max(|x| − γ, 0)
+
+            In the paper ``λ = β/(β+η)`` (here ``exp(g_t)``), ``ζ = ηλ`` (here ``θ_t``) and
+            ``γ = ηβ/(α(η+β)) = ζ/α``: the threshold is the step size times the ℓ1 strength ``1/α``,
+            so ``γ_t = l1 · θ_t`` (θ after the ``max_lr`` clamp, before gradient clipping) with the
+            field ``l1 = 1/α ≥ 0`` (``l1 = 0`` is plain decay). The threshold is applied after every
+            token in both forms, exactly as in Eq. 22 (the chunk form scans its chunk token by token
+            for this retention; only the gradients are batched). With ``chunk_size > 1`` the gradients
+            are taken at the chunk-start weights, the engine's mini-batch rule for every retention.
+            (Eq. 23, the FTRL form ``W = S(A)`` of a linear accumulator, is a different recursion and
+            is not what this option computes.)
         decay_first: take the gradient at the *decayed* weights (Gated DeltaNet's order:
             ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + …``) instead of Titans' order (gradient at the
             previous weights, then decay). Only with ``"none"``/``"decay"``.
@@ -59,11 +85,13 @@ class MemorySpec:
     objective: str = "l2"
     p: float = 3.0
     lp_eps: float = 1e-6
+    huber_mode: str = "token"
     retention: str = "none"
     decay_per_channel: bool = False
     decay_first: bool = False
     q: float = 4.0
     kl_scale: float = 1.0
+    l1: float = 0.01
     optimizer: str = "gd"
     max_lr: float | None = None
     grad_clip: float | None = None
@@ -81,6 +109,7 @@ class MemorySpec:
             ("retention", RETENTIONS),
             ("optimizer", OPTIMIZERS),
             ("activation", ACTIVATIONS),
+            ("huber_mode", HUBER_MODES),
         ):
             if getattr(self, name) not in options:
                 bad(name, f"one of {options}")
@@ -94,10 +123,14 @@ class MemorySpec:
             bad("p", "a number >= 1")
         if self.retention == "lq" and self.q <= 0:
             bad("q", "a positive number")
+        if self.retention == "elastic_net" and not (
+            isinstance(self.l1, (int, float)) and math.isfinite(self.l1) and self.l1 >= 0
+        ):
+            bad("l1", "a finite number >= 0 (the l1 strength of 'elastic_net' retention)")
         if self.decay_per_channel and (self.retention == "none" or self.layer_count() != 1):
             bad("decay_per_channel", "False unless a matrix memory (one layer) has a decaying retention")
         if self.decay_first and self.retention not in ("none", "decay"):
-            bad("decay_first", "False with 'lq'/'kl' retention")
+            bad("decay_first", "False with 'lq'/'kl'/'elastic_net' retention")
         if self.max_lr is not None and self.max_lr <= 0:
             bad("max_lr", "None or a positive number")
         if self.grad_clip is not None and self.grad_clip <= 0:

@@ -65,19 +65,27 @@ def _slice(x, a, b):
 def _combos():
     out = []
     for arch, obj, ret, opt in itertools.product(
-        ("matrix", "mlp"), ("dot", "l2", "lp", "huber"), ("none", "decay", "lq", "kl"), ("gd", "momentum")
+        ("matrix", "mlp"),
+        ("dot", "l2", "lp", "huber"),
+        ("none", "decay", "lq", "kl", "elastic_net"),
+        ("gd", "momentum"),
     ):
         kw = dict(architecture=arch, objective=obj, retention=ret, optimizer=opt)
         if arch == "mlp":
             kw.update(depth=2, expansion=2.0, residual=True, norm=True)
+        if ret == "elastic_net":
+            kw.update(l1=0.5)  # γ_t = 0.5 θ_t ∈ [0.05, 0.3]: the soft-thresholding zeroes many weights
         variants = [kw]
+        if obj == "huber":  # the default is the paper's per-token switch; also the coordinate-wise form
+            variants.append(dict(kw, huber_mode="coordinate"))
+        if ret in ("decay", "elastic_net") and arch == "matrix":
+            variants.append(dict(kw, decay_per_channel=True))
         if ret == "decay":
             variants.append(dict(kw, decay_first=True))
-            if arch == "matrix":
-                variants.append(dict(kw, decay_per_channel=True))
         for v in variants:
             name = (
                 "-".join(str(x) for x in (arch, obj, ret, opt))
+                + ("-coordinate" if v.get("huber_mode") == "coordinate" else "")
                 + ("-first" if v.get("decay_first") else "")
                 + ("-channel" if v.get("decay_per_channel") else "")
             )
@@ -108,7 +116,7 @@ def test_chunk_equals_reference(kw, chunk_size, clip):
     assert s.position == s_ref.position == 13
 
 
-@pytest.mark.parametrize("name", ["titans", "moneta", "yaad", "memora", "ttt_mlp", "gla"])
+@pytest.mark.parametrize("name", ["titans", "moneta", "yaad", "yaad_coordinate", "memora", "ttt_mlp", "gla"])
 def test_gradients_agree_with_reference(name):
     spec = preset(
         name, chunk_size=4, **({"expansion": 2.0} if PRESETS[name][0].architecture == "mlp" else {})
@@ -129,7 +137,7 @@ def test_gradients_agree_with_reference(name):
         assert_close(a, b, 1e-8)
 
 
-@pytest.mark.parametrize("name", ["titans", "ttt_linear", "memora", "gated_deltanet"])
+@pytest.mark.parametrize("name", ["titans", "ttt_linear", "memora", "gated_deltanet", "yaad"])
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
 def test_streaming_any_split_equals_full(name, mode):
     """Prefill of any length, then pieces of 1, 5, chunk-1, chunk+1 tokens (chunk = 4)."""
