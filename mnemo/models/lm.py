@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import MIXERS, MixerState, RMSNorm, SwiGLU
-from ..nested import ContinuumMemory
+from ..nested import ContinuumMemory, task_signal
 from .config import ModelConfig
 
 CONFIG_NAME = "config.json"
@@ -76,6 +76,7 @@ class LanguageModel(nn.Module):
                 mlp = None
             blocks.append(Block(mixer, c.d_model, mlp, c.norm_eps))
         self.blocks = nn.ModuleList(blocks)
+        self.task_segment = task_signal.segment_length(self)
         self.activation_checkpointing = False
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
@@ -120,6 +121,12 @@ class LanguageModel(nn.Module):
             )
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
+        if self.task_segment is not None:  # CMS levels learning from the next-token loss
+            return task_signal.forward(self, input_ids, state, mode)
+        return self._forward(input_ids, state, mode)
+
+    def _forward(self, input_ids: torch.Tensor, state, mode, allow_checkpoint: bool = True):
+        """Embedding → blocks → head on validated ``input_ids`` (one pass, no task signal)."""
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             offset = state[0].offset if state is not None else 0
@@ -132,7 +139,11 @@ class LanguageModel(nn.Module):
             x = x + self.pos_embed(torch.arange(offset, offset + T, device=x.device))
         new_state = []
         recompute = (
-            self.activation_checkpointing and self.training and state is None and torch.is_grad_enabled()
+            allow_checkpoint
+            and self.activation_checkpointing
+            and self.training
+            and state is None
+            and torch.is_grad_enabled()
         )
         for i, block in enumerate(self.blocks):
             if recompute:

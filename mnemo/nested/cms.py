@@ -14,14 +14,18 @@ descent (predict, then step).
 
 Inner objective (``Level.objective``; the error signal ``f``):
 
-* ``"reconstruction"`` (the only one implemented, a named choice): the level is an associative
-  memory from its input ``x_t`` (layer-normalised, ``‖x_t‖² ≈ d``) to a learned *slow* projection
-  of it, ``ℓ_t = ½ ‖MLP(x_t) − W_v x_t‖²``, scaled by a data-dependent rate
-  ``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` (the ``1/d`` makes one token's step size independent of
-  the width, as in normalised LMS). The paper's experiments use the language model's own
-  next-token loss as ``f`` (the gradient of the task loss w.r.t. the level's output); that signal
-  needs the next token and a backward pass through the layers above the level, and is not built
-  yet (see the README's Nested Learning section).
+* ``"task"`` (the paper's: the language model's next-token loss): ``f`` is the gradient of the
+  model's next-token loss with respect to the level's output, back-propagated through the layers
+  above it, times the rate ``η_t``; computed by the language model once the next token is known
+  (:mod:`mnemo.nested.task_signal` gives the exact definition, its segment truncation and cost).
+  Only inside a :class:`~mnemo.models.LanguageModel`; a task level alone only reads.
+* ``"reconstruction"`` (default; a named self-supervised alternative): the level is an
+  associative memory from its input ``x_t`` (layer-normalised, ``‖x_t‖² ≈ d``) to a learned *slow*
+  projection of it, ``ℓ_t = ½ ‖MLP(x_t) − W_v x_t‖²``. It needs no labels and no backward pass at
+  read time, so it is cheaper and works in any block.
+
+Both scale the error by a data-dependent rate ``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` (the
+``1/d`` makes one token's step size independent of the width, as in normalised LMS).
 
 Rates and the sum. Eq. 71 sums the period's terms (it does not average them), so a level of period
 ``C`` moves ``C`` tokens' worth of gradient at once. The rate bias ``b_η`` is initialised so that
@@ -80,7 +84,7 @@ from torch import nn
 
 OPTIMIZERS = ("gd", "momentum", "delta_momentum")
 PARTIAL = ("carry", "flush")
-OBJECTIVES = ("reconstruction",)
+OBJECTIVES = ("reconstruction", "task")
 TRANSFERS = ("sequential", "independent", "nested")
 
 
@@ -95,7 +99,8 @@ class Level:
             ``lr · sigmoid(·) / d``; a period's step sums its tokens' terms, Eq. 71).
         optimizer: ``"gd"``, ``"momentum"`` or ``"delta_momentum"``; ``beta`` its momentum.
         partial: ``"carry"`` or ``"flush"`` (see the module docstring).
-        objective: the inner objective, ``"reconstruction"`` (see the module docstring).
+        objective: the inner objective, ``"reconstruction"`` or ``"task"`` (the next-token loss;
+            see the module docstring).
         outer_lr_scale: multiplier of the outer optimizer's learning rate for this level's slow
             parameters (the trainer puts them in their own parameter group); default 1.
     """
@@ -129,18 +134,22 @@ class Level:
             bad("objective", f"one of {OBJECTIVES}")
         if not self.outer_lr_scale > 0:
             bad("outer_lr_scale", "a positive number")
+        if self.objective == "task" and self.partial != "carry":
+            bad("partial", "'carry' with objective 'task' (its steps wait for the next token)")
         return self
 
 
 class LevelState(NamedTuple):
     """Per-sample fast state of one level: weights ``(W_in [B,d,h], W_out [B,h,d])``, momentum (or
-    ``None``), the gradient accumulated in the current period, tokens consumed, steps taken."""
+    ``None``), the gradient accumulated in the current period, tokens read, steps taken, and (task
+    objective) tokens whose error signal has been absorbed."""
 
     weights: tuple
     momentum: tuple | None
     grad: tuple
     position: int
     updates: int
+    absorbed: int = 0
 
 
 class CMSLevel(nn.Module):
@@ -163,8 +172,10 @@ class CMSLevel(nn.Module):
             self.W_out = nn.Parameter(torch.randn(hidden, d_model) * hidden**-0.5 * 0.1)
         else:
             self.W_in = self.W_out = None
-        self.value = nn.Linear(d_model, d_model, bias=False)
+        # the reconstruction target W_v x (unused by the task objective, whose target is the LM's)
+        self.value = nn.Linear(d_model, d_model, bias=False) if level.objective != "task" else None
         self.rate = nn.Linear(d_model, 1, bias=True)
+        self._capture: list | None = None  # (x, y, probe) of every read while the task signal records
         self._init_special()
 
     def _init_special(self) -> None:
@@ -201,13 +212,13 @@ class CMSLevel(nn.Module):
             mom = tuple(lv.beta * m - g for m, g in zip(base, st.grad))
             w = tuple(a + m for a, m in zip(st.weights, mom))
         zeros = tuple(torch.zeros_like(g) for g in st.grad)
-        return LevelState(w, mom, zeros, st.position, st.updates + 1)
+        return st._replace(weights=w, momentum=mom, grad=zeros, updates=st.updates + 1)
 
     def restart(self, st: LevelState, weights: tuple) -> LevelState:
         """Restart from ``weights`` (nested transfer): momentum and accumulated gradient cleared."""
         zeros = tuple(torch.zeros_like(g) for g in st.grad)
         mom = zeros if st.momentum is not None else None
-        return LevelState(tuple(weights), mom, zeros, st.position, st.updates)
+        return st._replace(weights=tuple(weights), momentum=mom, grad=zeros)
 
     def _period(self, x, v, eta, st: LevelState, whole: bool):
         """Tokens ``x [B, L, d]`` of one period (or part of one), with their targets ``v`` and rates
@@ -244,6 +255,31 @@ class CMSLevel(nn.Module):
             st = self._step(st)
         return y, st
 
+    def absorb(self, x: torch.Tensor, delta: torch.Tensor, st: LevelState) -> LevelState:
+        """Objective ``"task"``: take in the error signal ``delta = ∂L/∂y [B, L, d]`` of ``L`` tokens
+        already read (inputs ``x [B, L, d]``), in order: accumulate ``Σ_t x_t ⊗ backprop(η_t δ_t)``
+        (the gradient of ``Σ_t η_t ⟨δ_t, MLP_θ(x_t)⟩`` at the period-start weights) and step at every
+        period end (Eq. 71)."""
+        C = self.level.period
+        err_all = self.rates(x) * delta
+        t, L = 0, x.shape[1]
+        while t < L:
+            n = min(C - st.absorbed % C, L - t)
+            xs, err = x[:, t : t + n], err_all[:, t : t + n]
+            W_in, W_out = st.weights
+            z = xs @ W_in
+            a = F.gelu(z)
+            dz = torch.ops.aten.gelu_backward(err @ W_out.transpose(-1, -2), z)
+            grad = (
+                torch.baddbmm(st.grad[0], xs.transpose(-1, -2), dz),
+                torch.baddbmm(st.grad[1], a.transpose(-1, -2), err),
+            )
+            st = st._replace(grad=grad, absorbed=st.absorbed + n)
+            if st.absorbed % C == 0:
+                st = self._step(st)
+            t += n
+        return st
+
     def rates(self, x: torch.Tensor) -> torch.Tensor:
         """``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` for ``x [B, T, d]`` → ``[B, T, 1]``."""
         return self.level.lr * torch.sigmoid(self.rate(x)) / x.shape[-1]
@@ -266,6 +302,14 @@ class CMSLevel(nn.Module):
         """
         B, T, _ = x.shape
         st = state if state is not None else self.initial_state(B, initial_weights)
+        if self.level.objective == "task":  # read only: the steps come with the error signal (absorb)
+            W_in, W_out = st.weights
+            y = F.gelu(x @ W_in) @ W_out
+            if self._capture is not None:  # a zero the signal's gradient is taken against: ∂L/∂y
+                probe = torch.zeros_like(y, requires_grad=True)
+                y = y + probe
+                self._capture.append((x, y, probe))
+            return y, st._replace(position=st.position + T)
         C = self.level.period
         v = self.value(x)  # slow projections of all tokens at once
         eta = self.rates(x)
@@ -287,12 +331,16 @@ class CMSLevel(nn.Module):
                     record.append((st.position, st.weights))
         if self.level.partial == "flush" and st.position % C != 0:
             st = self._step(st)
-            st = LevelState(st.weights, st.momentum, st.grad, 0, st.updates)  # a fresh period starts
+            st = st._replace(position=0)  # a fresh period starts
         return torch.cat(outs, 1) if outs else x.new_zeros(B, 0, x.shape[-1]), st
 
 
 class CMSState(NamedTuple):
+    """Per-level states; ``pending``: the task signal's unfinished segment (set by the language
+    model, :mod:`mnemo.nested.task_signal`), else ``None``."""
+
     levels: tuple
+    pending: object = None
 
 
 class ContinuumMemory(nn.Module):
@@ -329,6 +377,11 @@ class ContinuumMemory(nn.Module):
                         f"next faster one; level {i + 1} has period {slow.period}, "
                         f"level {i} has {fast.period}"
                     )
+            if any(lv.objective == "task" for lv in levels):
+                raise ValueError(
+                    "ContinuumMemory(transfer='nested'): objective 'task' is not supported with nested "
+                    "transfer (use 'sequential' or 'independent')"
+                )
             for i, lv in enumerate(levels):
                 if lv.partial != "carry":
                     raise ValueError(

@@ -1,0 +1,154 @@
+"""The task-loss error signal for CMS levels (``Level(objective="task")``; Nested Learning §7.1).
+
+Eq. 71 steps a level by ``Σ_t η_t f(θ; x_t)`` with ``f`` the error signal of the model's objective;
+in the paper's language models that objective is the next-token loss. A level with
+``objective="task"`` takes, at the end of each of its periods of ``C`` tokens, the step::
+
+    θ ← θ − Σ_{t in the period} (∂y_t/∂θ)ᵀ (η_t δ_t),      δ_t = ∂L_seg(t) / ∂y_t
+
+where ``y_t = MLP_θ(x_t)`` is the level's read of token ``t`` and
+``L_seg = Σ_{s in the segment} CE(logits_s, x_{s+1})`` (nats, summed) is the next-token loss of the
+*segment* holding ``t``. Segments are ``S`` tokens long, ``S`` the shortest task period in the model
+(every task period must be a multiple of it), counted from the start of the stream. So ``δ_t`` is
+the exact gradient of the segment's loss with respect to the level's reads, back-propagated through
+every layer above the level (and, in a sequential CMS, through the later levels of its chain); it is
+truncated at segment boundaries (a token's signal does not include the losses of later segments) —
+our choice, named here. With the rate's weights at zero, ``η_t = η`` and the step is exactly
+``η ∇_θ`` of the period's summed next-token loss.
+
+How it runs. Inside a segment no task level changes (reads use the weights of the last step). Once
+a segment is complete and the next token has arrived (the label of its last position), the segment
+is run again from the model state at its start with gradients enabled, its loss is
+back-propagated to every task level's reads, and each level absorbs its ``δ`` (accumulates, and
+steps at its period ends) before that next token is read. The steps therefore use only tokens the
+model has already seen, and any split of a stream — one-token decoding included — equals one pass;
+a segment still waiting for its next token is carried in the state (``CMSState.pending``).
+
+First order: ``δ`` is a constant for the outer loop (as in first-order MAML); outer gradients still
+reach the level's initial weights, its rate ``η_t`` and its inputs ``x_t`` through the other factors
+of the step. Cost: every segment runs twice (read, then signal) plus one backward of the segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .cms import CMSState, ContinuumMemory
+
+
+class Pending(NamedTuple):
+    """The segment being read: the model state at its start (``None``: a fresh stream) and its
+    tokens so far ``[B, n]`` (``n ≤ S``)."""
+
+    start: list | None
+    ids: torch.Tensor
+
+
+def _task_levels(model) -> list[tuple[int, int]]:
+    return [
+        (i, j)
+        for i, b in enumerate(model.blocks)
+        if isinstance(b.mlp, ContinuumMemory)
+        for j, lv in enumerate(b.mlp.levels)
+        if lv.level.objective == "task"
+    ]
+
+
+def segment_length(model) -> int | None:
+    """``S``, the shortest period of the model's task levels (``None`` when it has none).
+
+    Raises:
+        ValueError: a task period is not a multiple of ``S``.
+    """
+    periods = [model.blocks[i].mlp.levels[j].level.period for i, j in _task_levels(model)]
+    if not periods:
+        return None
+    S = min(periods)
+    if any(p % S for p in periods):
+        raise ValueError(
+            "Level.period: with objective 'task' every task level's period must be a multiple of the "
+            f"shortest one ({S}); got periods {sorted(set(periods))}"
+        )
+    return S
+
+
+def _strip(state: list) -> list:
+    """The state without pending segments (a snapshot must not hold older snapshots)."""
+    return [
+        dataclasses.replace(s, mlp=s.mlp._replace(pending=None)) if isinstance(s.mlp, CMSState) else s
+        for s in state
+    ]
+
+
+def _with_levels(state: list, i: int, levels: tuple) -> list:
+    out = list(state)
+    out[i] = dataclasses.replace(state[i], mlp=state[i].mlp._replace(levels=levels))
+    return out
+
+
+def _pending_of(model, state, ids) -> Pending:
+    if state is None:
+        return Pending(None, ids.new_zeros(ids.shape[0], 0))
+    i = _task_levels(model)[0][0]
+    pending = state[i].mlp.pending if isinstance(state[i].mlp, CMSState) else None
+    if pending is None:
+        raise ValueError(
+            "state: this model has CMS levels with objective 'task', and the state passed in does not "
+            "carry their pending segment (pass back the state the model returned, unchanged)"
+        )
+    return pending
+
+
+def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> list:
+    """Run the complete pending segment again from its start state, back-propagate its next-token
+    loss (labels: the segment shifted by one and ``nxt [B, 1]``) to every task level's reads, and let
+    each level absorb its signal into ``state`` (the state after reading the segment)."""
+    outer = torch.is_grad_enabled()
+    ids = torch.cat([pending.ids, nxt], 1)
+    where = _task_levels(model)
+    levels = [model.blocks[i].mlp.levels[j] for i, j in where]
+    for lv in levels:
+        lv._capture = []
+    try:
+        with torch.enable_grad():
+            logits, _ = model._forward(ids[:, :-1], pending.start, mode, allow_checkpoint=False)
+            loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+            probes = [lv._capture[0][2] for lv in levels]
+            deltas = torch.autograd.grad(loss, probes, retain_graph=outer)
+        inputs = [lv._capture[0][0] for lv in levels]
+    finally:
+        for lv in levels:
+            lv._capture = None
+    for (i, j), lv, x, delta in zip(where, levels, inputs, deltas):
+        level_states = list(state[i].mlp.levels)
+        x = x if outer else x.detach()
+        level_states[j] = lv.absorb(x, delta.detach(), level_states[j])
+        state = _with_levels(state, i, tuple(level_states))
+    return state
+
+
+def forward(model, input_ids: torch.Tensor, state, mode):
+    """``LanguageModel.forward`` for a model with task levels (see the module docstring)."""
+    S = model.task_segment
+    B, T = input_ids.shape
+    if T == 0:
+        raise ValueError("input_ids: a model with task-signal CMS levels needs T >= 1 tokens, got 0")
+    pending = _pending_of(model, state, input_ids)
+    outs, t = [], 0
+    while t < T:
+        if pending.ids.shape[1] == S:  # the segment is complete and its last label has arrived
+            state = _absorb(model, pending, input_ids[:, t : t + 1], state, mode)
+            pending = Pending(_strip(state), input_ids.new_zeros(B, 0))
+        n = min(S - pending.ids.shape[1], T - t)
+        logits, state = model._forward(input_ids[:, t : t + n], state, mode)
+        outs.append(logits)
+        pending = pending._replace(ids=torch.cat([pending.ids, input_ids[:, t : t + n]], 1))
+        t += n
+    for i in sorted({i for i, _ in _task_levels(model)}):
+        state = list(state)
+        state[i] = dataclasses.replace(state[i], mlp=state[i].mlp._replace(pending=pending))
+    return torch.cat(outs, 1), state

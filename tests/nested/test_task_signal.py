@@ -1,0 +1,145 @@
+"""CMS levels that learn from the language model's next-token loss (``Level(objective="task")``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mnemo.models import LanguageModel, build_config
+from mnemo.nested import ContinuumMemory, Level
+from tests.helpers import assert_close
+
+V, D = 23, 16
+
+
+def _model(levels, n_layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = build_config(
+        "hope_attention", vocab_size=V, d_model=D, n_layers=n_layers, mlp_options={"levels": levels}
+    )
+    m = LanguageModel(cfg).double()
+    with torch.no_grad():  # fast weights big enough that their steps matter
+        for b in m.blocks:
+            for lv in b.mlp.levels:
+                if lv.W_in is not None:
+                    lv.W_in.mul_(3.0)
+                    lv.W_out.mul_(30.0)
+    return m
+
+
+def _ids(T, B=2, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_step_is_eta_times_the_gradient_of_the_segments_next_token_loss():
+    """Rates constant (rate weights 0): after one segment and its next token, every task level's
+    weights equal W0 − η ∇_W Σ_t CE(logits_t, x_{t+1}), the gradient taken by plain autograd of a
+    fresh forward through both layers (block 0's signal passes through block 1's attention)."""
+    S = 4
+    m = _model([{"period": S, "objective": "task", "lr": 2.0}])
+    levels = [b.mlp.levels[0] for b in m.blocks]
+    with torch.no_grad():
+        for lv in levels:
+            lv.rate.weight.zero_()
+    ids = _ids(S + 1, B=1)
+    _, st = m(ids)
+    m.zero_grad()
+    logits, _ = m(ids[:, :S])  # reads of the first segment use the initial weights
+    F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").backward()
+    for i, lv in enumerate(levels):
+        eta = lv.level.lr * torch.sigmoid(lv.rate.bias).item() / D
+        s = st[i].mlp.levels[0]
+        assert s.updates == 1 and s.absorbed == S
+        for w, p in zip(s.weights, (lv.W_in, lv.W_out)):
+            assert p.grad.abs().max() > 1e-6
+            assert_close(w[0], p.detach() - eta * p.grad, 1e-12, what=f"block {i}")
+
+
+def test_reads_after_the_step_use_the_stepped_weights():
+    """One layer: the logits of the second segment equal those of a model whose (static, lr = 0)
+    level holds the stepped weights (attention there sees only embeddings, so only the CMS differs)."""
+    S = 3
+    m = _model([{"period": S, "objective": "task"}], n_layers=1)
+    ids = _ids(2 * S)
+    logits, _ = m(ids)
+    _, st = m(ids[:, : S + 1])
+    W1 = st[0].mlp.levels[0].weights
+    static = _model([{"period": S, "lr": 0.0}], n_layers=1)
+    static.load_state_dict({k: v for k, v in m.state_dict().items() if "value" not in k}, strict=False)
+    twin = []
+    for b in range(ids.shape[0]):
+        with torch.no_grad():
+            static.blocks[0].mlp.levels[0].W_in.copy_(W1[0][b])
+            static.blocks[0].mlp.levels[0].W_out.copy_(W1[1][b])
+        twin.append(static(ids[b : b + 1])[0])
+    twin = torch.cat(twin)
+    assert_close(logits[:, S:], twin[:, S:], 1e-12)
+    assert (logits[:, :S] - twin[:, :S]).abs().max() > 1e-6  # before the step they differ
+
+
+@pytest.mark.parametrize("transfer", ["sequential", "independent"])
+def test_any_split_equals_one_pass_outputs_and_gradients(transfer):
+    levels = [
+        {"period": 2, "objective": "task"},
+        {"period": 4, "objective": "task", "optimizer": "momentum"},
+        {"period": 3},
+    ]
+    m = _model(levels)
+    for b in m.blocks:
+        b.mlp.transfer = transfer
+        if transfer == "independent":
+            b.mlp.weights = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    ids = _ids(15)
+    full, st_full = m(ids)
+    w = torch.randn_like(full)
+    params = list(m.parameters())
+    g_full = torch.autograd.grad((full * w).sum(), params)
+    for cuts in ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), (3, 4, 9, 15), (8, 15)):
+        outs, st, a = [], None, 0
+        for b in cuts:
+            y, st = m(ids[:, a:b], st)
+            outs.append(y)
+            a = b
+        out = torch.cat(outs, 1)
+        assert_close(out, full, 1e-12, what=f"outputs {cuts}")
+        g = torch.autograd.grad((out * w).sum(), params)
+        for (n, _), a_, b_ in zip(m.named_parameters(), g, g_full):
+            assert_close(a_, b_, 1e-10, what=f"grad {n} {cuts}")
+        for s1, s2 in zip(st[0].mlp.levels, st_full[0].mlp.levels):
+            for w1, w2 in zip(s1.weights, s2.weights):
+                assert_close(w1, w2, 1e-12)
+
+
+def test_cached_generation_equals_the_full_pass_and_every_parameter_learns():
+    m = _model([{"period": 2, "objective": "task"}, {"period": 4, "objective": "task"}])
+    ids = _ids(11)
+    full, _ = m(ids)
+    with torch.no_grad():
+        outs, st = [], None
+        logits, st = m(ids[:, :3])
+        outs.append(logits)
+        for t in range(3, 11):
+            logits, st = m(ids[:, t : t + 1], st)
+            outs.append(logits)
+    assert_close(torch.cat(outs, 1), full, 1e-12)
+    F.cross_entropy(full[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for n, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    g = m.generate(ids[:, :3], 6, temperature=0.0)
+    assert g.shape == (2, 9)
+
+
+def test_task_levels_fail_clearly():
+    with pytest.raises(ValueError, match="carry"):
+        Level(4, objective="task", partial="flush").validate()
+    with pytest.raises(ValueError, match="nested"):
+        ContinuumMemory(D, [Level(2, objective="task"), Level(4, objective="task")], transfer="nested")
+    with pytest.raises(ValueError, match="multiple of the shortest"):
+        _model([{"period": 2, "objective": "task"}, {"period": 3, "objective": "task"}])
+    m = _model([{"period": 2, "objective": "task"}])
+    _, st = m(_ids(3))
+    for s in st:
+        s.mlp = s.mlp._replace(pending=None)
+    with pytest.raises(ValueError, match="pending segment"):
+        m(_ids(1), st)
