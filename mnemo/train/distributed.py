@@ -138,6 +138,11 @@ def _rebuild(template, tensors: list):
 def _check_recurrent(model) -> None:
     from ..layers import Attention
 
+    if getattr(model, "task_segment", None) is not None:
+        raise ValueError(
+            "context parallelism is not supported with CMS levels of objective 'task' (their state "
+            "carries the model state at the start of an unfinished segment); use data parallelism"
+        )
     for i, b in enumerate(model.blocks):
         if isinstance(b.mixer, Attention):
             raise ValueError(

@@ -143,3 +143,26 @@ def test_task_levels_fail_clearly():
         s.mlp = s.mlp._replace(pending=None)
     with pytest.raises(ValueError, match="pending segment"):
         m(_ids(1), st)
+
+
+def test_context_parallel_training_refuses_task_levels(tmp_path, monkeypatch):
+    import mnemo.train.trainer as trainer_mod
+    from mnemo.train import TrainConfig, Trainer
+
+    monkeypatch.setattr(trainer_mod, "init_from_env", lambda backend=None: (0, 2))
+    cfg = TrainConfig(
+        model="gated_deltanet",
+        model_overrides={
+            "d_model": 16,
+            "n_layers": 1,
+            "mlp": "cms",
+            "mlp_options": {"levels": [{"period": 4, "objective": "task"}]},
+        },
+        seq_len=16,
+        batch_size=4,
+        steps=2,
+        sample_tokens=0,
+        context_parallel=True,
+    )
+    with pytest.raises(ValueError, match="TrainConfig.context_parallel: .*objective 'task'"):
+        Trainer(cfg, tmp_path, progress=False)
