@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,22 @@ class TrainConfig:
             same losses and gradients.
         steps: optimizer steps. lr: peak learning rate; warmup_steps linear warm-up, then cosine
             decay to ``lr · min_lr_ratio`` at ``steps``.
-        optimizer: ``"adamw"`` or ``"m3"`` (multi-frequency momentum, :class:`mnemo.nested.M3`;
-            ``m3_slow_every`` steps between slow-momentum updates).
-        weight_decay, beta1, beta2: AdamW / M3 (decay on matrices only). grad_clip: max global grad
-            norm (``0`` disables).
+        optimizer: ``"adamw"`` or ``"m3"`` (Multi-scale Momentum Muon, Nested Learning Algorithm 1,
+            :class:`mnemo.nested.M3`: Newton–Schulz-orthogonalised fast and slow momenta over an
+            accumulated second moment; its update size differs from Adam's, so tune ``lr`` for it
+            — see the class docstring).
+        m3_slow_every: M3's ``f``, steps per block of the slow momentum (a positive int).
+        m3_beta3: M3's ``β3`` (slow-momentum factor, in ``[0, 1)``); ``β1, β2`` are ``beta1``,
+            ``beta2``. m3_alpha: M3's ``α ≥ 0``, weight of the slow momentum. m3_ns_steps: M3's
+            Newton–Schulz iterations ``T`` (an int ≥ 0). m3_eps: M3's ``ε > 0``
+            (default ``1e-2``, not Adam's ``1e-8``: ``ε`` caps M3's per-element step at about
+            ``lr / ε``, and with ``1e-8`` the 60-step transformer run diverged at every lr tried).
+            m3_ema: ``False`` (Algorithm 1: momenta accumulate without decay) or ``True`` (a
+            departure: exponential moving averages).
+        weight_decay, beta1, beta2: AdamW / M3 (decay on matrices only; decoupled). grad_clip: max
+            global grad norm (``0`` disables).
+        (Per-module learning rates: a module with a float attribute ``outer_lr_scale`` trains at
+        ``lr · outer_lr_scale``; see :func:`mnemo.train.trainer.make_optimizer`.)
         eval_interval: evaluate (and log to ``metrics.jsonl``) every this many steps and at the
             end; eval_batches: validation batches per evaluation.
         checkpoint_interval: save every this many steps (default: ``eval_interval``) and at the end.
@@ -92,6 +105,11 @@ class TrainConfig:
     warmup_steps: int = 50
     optimizer: str = "adamw"
     m3_slow_every: int = 10
+    m3_beta3: float = 0.99
+    m3_alpha: float = 0.5
+    m3_ns_steps: int = 5
+    m3_eps: float = 1e-2
+    m3_ema: bool = False
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -161,8 +179,24 @@ class TrainConfig:
             bad("tokenizer", "'char' or 'byte'")
         if self.optimizer not in ("adamw", "m3"):
             bad("optimizer", "'adamw' or 'm3'")
-        if not isinstance(self.m3_slow_every, int) or self.m3_slow_every < 1:
-            bad("m3_slow_every", "a positive int")
+        for name, lo, what in (
+            ("m3_slow_every", 1, "a positive int"),
+            ("m3_ns_steps", 0, "a non-negative int"),
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                bad(name, what)
+        for name, lo, hi, what in (
+            ("m3_beta3", 0.0, 1.0, "a number in [0, 1)"),
+            ("m3_alpha", 0.0, math.inf, "a number >= 0"),
+            ("m3_eps", 0.0, math.inf, "a number > 0"),
+        ):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not (ok and lo <= v < hi and (name != "m3_eps" or v > 0)):
+                bad(name, what)
+        if not isinstance(self.m3_ema, bool):
+            bad("m3_ema", "true or false")
         if self.precision not in ("fp32", "bf16"):
             bad("precision", "'fp32' or 'bf16'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -370,3 +370,22 @@ def test_every_cms_level_learns_under_the_default_training_config(name):
                 assert p.grad.abs().max() > 0, f"block {i} level {j} {n}: zero gradient"
                 checked += 1
     assert checked == 2 * 3 * 5  # 2 blocks × 3 levels × (W_in, W_out, value.weight, rate.weight, rate.bias)
+
+
+def test_trainer_warns_about_levels_that_never_step_in_the_window(tmp_path):
+    from mnemo.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        model="hope_attention",
+        model_overrides={
+            "d_model": 16,
+            "n_layers": 1,
+            "mlp_options": {"levels": [{"period": 4}, {"period": 64}]},
+        },
+        seq_len=32,
+        batch_size=2,
+        steps=1,
+        sample_tokens=0,
+    )
+    with pytest.warns(UserWarning, match=r"block 0: CMS level 1 has period 64 >= the window of 32 tokens"):
+        Trainer(cfg, tmp_path, progress=False)

@@ -224,3 +224,90 @@ def test_init_from_starts_from_another_runs_weights(tmp_path):
         Trainer(_cfg(init_from=str(tmp_path / "a"), model_overrides={**TINY, "d_model": 48}), tmp_path / "d")
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         Trainer(_cfg(init_from=str(tmp_path / "missing")), tmp_path / "e")
+
+
+class _Scaled(torch.nn.Module):
+    """A toy sub-module that asks for a smaller outer learning rate (as CMS levels do)."""
+
+    outer_lr_scale = 0.1
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3, 3))
+        self.b = torch.nn.Parameter(torch.zeros(3))
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.slow = _Scaled()
+
+    def forward(self, x):
+        return self.lin(x) @ self.slow.w + self.slow.b
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "m3"])
+def test_outer_lr_scale_gets_its_own_param_groups(optimizer):
+    from mnemo.train.trainer import lr_factor, make_optimizer
+
+    model = _Toy()
+    cfg = _cfg(optimizer=optimizer, lr=2e-3, warmup_steps=3, steps=10)
+    opt = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 3, 10, cfg.min_lr_ratio))
+    ids = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    assert ids[:2] == [[id(model.lin.weight)], [id(model.lin.bias)]]
+    assert ids[2:] == [[id(model.slow.w)], [id(model.slow.b)]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.weight_decay, 0.0, cfg.weight_decay, 0.0]
+    model(torch.randn(4, 3)).square().sum().backward()
+    opt.step()
+    sched.step()
+    base = opt.param_groups[0]["lr"]
+    assert base == pytest.approx(2e-3 * 2 / 3)
+    for g in opt.param_groups[2:]:
+        assert g["lr"] == pytest.approx(0.1 * base)
+
+
+def test_outer_lr_scale_absent_or_one_keeps_two_groups_and_bad_scale_is_named():
+    from mnemo.train.trainer import make_optimizer
+
+    model = _Toy()
+    model.slow.outer_lr_scale = 1.0
+    assert len(make_optimizer(model, _cfg()).param_groups) == 2
+    model.slow.outer_lr_scale = -0.5
+    with pytest.raises(ValueError, match=r"_Scaled 'slow': outer_lr_scale: expected a finite number > 0"):
+        make_optimizer(model, _cfg())
+
+
+def test_m3_config_builds_algorithm_1_and_validates_its_fields(tmp_path):
+    from mnemo.nested import M3
+    from mnemo.train.trainer import make_optimizer
+
+    cfg = _cfg(optimizer="m3", m3_slow_every=4, m3_beta3=0.5, m3_alpha=0.25, m3_ns_steps=3, m3_eps=1e-4)
+    opt = make_optimizer(_Toy(), cfg.validate())
+    assert isinstance(opt, M3)
+    g = opt.param_groups[0]
+    assert (g["slow_every"], g["betas"], g["alpha"], g["ns_steps"], g["eps"], g["ema"]) == (
+        4,
+        (cfg.beta1, cfg.beta2, 0.5),
+        0.25,
+        3,
+        1e-4,
+        False,
+    )
+    for field, value in [
+        ("m3_slow_every", 0),
+        ("m3_beta3", 1.0),
+        ("m3_alpha", -1.0),
+        ("m3_ns_steps", -1),
+        ("m3_eps", 0.0),
+        ("m3_ema", "yes"),
+    ]:
+        with pytest.raises(ValueError, match=f"TrainConfig.{field}: expected"):
+            _cfg(optimizer="m3", **{field: value}).validate()
+    rec = Trainer(
+        _cfg(optimizer="m3", lr=1e-3, m3_eps=1e-3, m3_slow_every=3, steps=6, eval_interval=6),
+        tmp_path,
+        progress=False,
+    ).fit()
+    assert rec["step"] == 6 and math.isfinite(rec["val_loss"])
