@@ -6,8 +6,8 @@ import contextlib
 import inspect
 import json
 import math
-import warnings
 import time
+import warnings
 from pathlib import Path
 
 import torch
