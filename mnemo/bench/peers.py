@@ -105,7 +105,8 @@ def titans_vs_titans_pytorch(
 
 
 def hope_vs_nested_learning(T: int = 1024, dim: int = 256, chunk: int = 64, batch: int = 1, repeats: int = 5):
-    """Forward only (no grad): our HOPE block mixer+CMS (self-modifying Titans with chunk ``chunk``,
+    """Forward only (no grad): our HOPE block mixer+CMS (self-modifying Titans with chunk ``chunk``
+    for both the main and the projection memories,
     3-level CMS 16/64/256) and our self-modifying Titans alone, vs ``nested_learning``'s
     ``SelfModifyingTitans.forward_with_updates`` (its in-context pass; ``forward`` alone applies no
     updates) with the same ``dim`` and chunk sizes."""
@@ -115,7 +116,7 @@ def hope_vs_nested_learning(T: int = 1024, dim: int = 256, chunk: int = 64, batc
     from ..nested import ContinuumMemory, Level, SelfModifyingTitans
 
     torch.manual_seed(0)
-    smt = SelfModifyingTitans(dim, n_heads=4, chunk_size=chunk)
+    smt = SelfModifyingTitans(dim, n_heads=4, chunk_size=chunk, proj_chunk_size=chunk)
     cms = ContinuumMemory(dim, [Level(16), Level(64), Level(256)])
     peer = PeerSMT(SelfModifyingTitansConfig(dim=dim, chunk_size_other=chunk, chunk_size_memory=chunk))
     x = torch.randn(batch, T, dim)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers import DeltaNet, GatedLinearAttention, Mamba, Mamba2, NeuralMemory
-from ..nested import ContinuumMemory, SelfModifyingTitans
+from ..nested import ContinuumMemory, SelfModifyingProjections, SelfModifyingTitans
 
 LN2 = math.log(2.0)
 
@@ -50,6 +50,9 @@ def log_decays(mixer, x: torch.Tensor):
         _, g, _, _ = mixer._gates(x)
         return ("per-head", g) if g is not None else None
     if isinstance(mixer, SelfModifyingTitans):
+        # one retention α_t per token for all five memories, generated in context by M_α
+        return "per-head", mixer.log_decay(x)[..., None]
+    if isinstance(mixer, SelfModifyingProjections):
         g = F.logsigmoid(x @ mixer.init["alpha"] + mixer.alpha_bias)
         return "per-head", g
     return None

@@ -190,9 +190,12 @@ _CMS_LEVELS = [{"period": 8}, {"period": 16}, {"period": 32}]
     "hope", "HOPE: self-modifying Titans followed by a 3-level CMS (periods 8/16/32) (Behrouz et al. 2025)"
 )
 def _hope() -> ModelConfig:
+    # self-modifying Titans as published (Nested Learning §8.1–8.2): residual-MLP memories M_k, M_v,
+    # M_η, M_α and M_memory, DGD updates; the main memory on 16-token chunks, the projection
+    # memories on 64-token chunks (§8.2 uses two chunk sizes; the values are mnemo's choice)
     return ModelConfig(
         mixer="self_modifying_titans",
-        mixer_options={"self_modifying_titans": {"n_heads": _HEADS}},
+        mixer_options={"self_modifying_titans": {"n_heads": _HEADS, "chunk_size": 16, "proj_chunk_size": 64}},
         mlp="cms",
         mlp_options={"levels": _CMS_LEVELS},
     )

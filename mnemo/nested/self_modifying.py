@@ -1,27 +1,76 @@
-"""Self-modifying Titans (Nested Learning, Behrouz et al. 2025, §5): a Titans-style memory whose
-key, value, learning-rate and retention projections are themselves fast memories, rewritten in
-context.
+"""Self-modifying Titans as published (Nested Learning, Behrouz, Razaviyayn, Zhong & Mirrokni,
+arXiv 2512.24695, §8.1–8.2, Eq. 83–93; HOPE = this mixer followed by a CMS, §8.3, Eq. 94–97).
 
-Per chunk of ``C`` tokens (absolute positions, like the memory's mini-batches):
+Every projection except the query is itself a fast memory, rewritten in context by delta gradient
+descent (DGD) toward values it generates itself. Per token ``t`` (chunk size 1; the general form
+Eq. 83, the DGD step Eq. 88)::
 
-1. read the projections with the weights they had at the chunk start::
+    q_t = x_t W_q                                                   (slow projection)
+    k_t = M_k,t−1(x_t)   v_t = M_v,t−1(x_t)   η_t ← M_η,t−1(x_t)   α_t ← M_α,t−1(x_t)
+    o_t = M_memory,t−1(q_t)                                         (read before the write)
+    v̂_□,t = M_□,t−1(v_t)       □ ∈ {k, v, η, α}                     (self-generated values)
+    M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) − η_t ∇L(M_□,t−1; k_t, v̂_□,t)          (DGD, Eq. 88)
+    M_memory,t = the same step with the target v_t
 
-       k, v = x M_k, x M_v        β = sigmoid(x M_β)        g = logsigmoid(x M_α + b_α)
+(Equation numbers follow arXiv 2512.24695 as transcribed by public reimplementations — the NL
+context notes of aryateja2106/neural-memory-reproduction and kmccleary3301/nested_learning; the
+per-line numbering inside Eq. 83 was not checked against the PDF.)
 
-   (with ``q`` from a slow projection; q, k, v through a short causal conv, q and k L2-normalised);
-2. run the main memory over the chunk (any :class:`~mnemo.memory.MemorySpec`; by default the
-   gated delta rule) and read it: ``o``;
-3. rewrite every projection memory ``M_□`` with one delta-rule step on the chunk, toward targets it
-   generates itself from the memory's output, ``ŷ_□ = o M_□`` (self-referential values)::
+with ``L(M; k, v) = ½‖M(k) − v‖²`` (the L2 attentional bias, Eq. 93; ``v̂`` is a constant of the
+inner gradient, as in Eq. 93's ``(M k − v̂) kᵀ``) and every memory a 2-layer residual MLP (Eq. 89/91)::
 
-       M_□ ← M_□ (α_□ I − η_□ X̂ᵀX̂ / C) + η_□ X̂ᵀ Ŷ_□ / C       (x̂ = x / ‖x‖)
+    M(x) = x + W_1 σ(W_2 x)        (here, rows as inputs: M(x) = x + σ(x W_a) W_b, W_a = W_2ᵀ, W_b = W_1ᵀ)
 
-   i.e. ``M ← α M − η ∇_M ½ mean_t ‖x̂_tᵀ M − ŷ_t‖²``, with learned scalars ``α_□, η_□``. Because
-   ``Ŷ_□ = O M_□``, the step is ``α M − η R M / C`` with one ``R = X̂ᵀ (X̂ − O)`` shared by all
-   four projection memories.
+**Chunks** (Eq. 90, the chunk-wise form; Titans' mini-batch GD): with chunk size ``C`` every token
+of a chunk reads, generates its values and takes its gradient at the weights its memory had at the
+chunk start ``M_□,c`` (``c`` = the last multiple of ``C`` at or before the token's position), while
+the DGD recursion runs token by token on the running weights::
 
-A stream cut inside a chunk keeps the chunk's partial sum ``R`` in the state and applies the step
-when the chunk completes, so any split equals one pass.
+    k_t = M_k,c(x_t) …     o_t = M_memory,c(q_t)     v̂_□,t = M_□,c(v_t)
+    M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) − η_t ∇L(M_□,c; k_t, v̂_□,t)
+
+The projection memories (``M_k, M_v, M_η, M_α``) use ``proj_chunk_size`` and the main memory
+``chunk_size`` (§8.2: the two are updated on different chunk sizes). ``C = 1`` is Eq. 83–88 exactly.
+Chunk boundaries are absolute stream positions, so any split of a stream (also inside a chunk)
+equals one pass: the state holds each memory's running weights, its chunk-start weights and the
+stream position.
+
+**DGD on an MLP memory** (choice; the paper writes ``M(αI − η k kᵀ)`` for the memory as a whole): the
+rank-one delta term acts on the layer whose input is ``k`` (``W_a``, input dim ``d``); the hidden
+layer (input ``σ(k W_a)``, not normalised) gets the retention ``α_t`` only::
+
+    W_a ← (α_t I − η_t k_t k_tᵀ) W_a − η_t k_t δ_tᵀ        δ_t = ∂L/∂(k_t W_a) at M_□,c
+    W_b ← α_t W_b − η_t σ(k_t W_a,c)ᵀ e_t                  e_t = M_□,c(k_t) − v̂_□,t
+
+**Forms.** ``mode="recurrent"``: the token loop above (gradients by autograd, the rank-one term as
+written). ``mode="chunk"``: per chunk, all reads and all gradient factors in batched matmuls at the
+chunk-start weights; the ``W_a`` recursion is a gated delta rule (``exp(g) = α_t``, ``β = η_t/α_t``,
+value ``−α_t δ_t``), run by :func:`mnemo.ops.gated_delta_rule`'s chunk form; the ``W_b`` recursion is
+a decayed sum in one product. The gradient factors come from the memory engine
+(:mod:`mnemo.memory.engine`'s hand-written MLP backward).
+
+**Choices where the paper is silent** (all documented here, none hidden in the code):
+
+- ``η_t, α_t``: ``M_η, M_α`` are ``d → d`` memories like the others (their self-generated values
+  ``M_□(v_t)`` and keys ``k_t`` need ``d``-dim inputs and outputs); the scalars are a slow linear
+  read-out: ``α_t = sigmoid(w_αᵀ M_α(x_t) + b_α)``, ``η_t = α_t · β_max · sigmoid(w_ηᵀ M_η(x_t) + b_η)``.
+  Writing ``η_t = α_t β_t`` with ``β_t ≤ 1`` keeps ``α_t I − η_t k kᵀ = α_t (I − β_t k kᵀ)`` a
+  contraction for unit ``k`` (the stability DGD's ``η' = η/(1+η)`` gives in Eq. 57).
+- one memory per ``□`` over the whole ``d_model`` (no heads inside the memories); ``n_heads``
+  only groups the output norm and gate.
+- ``k_t`` and ``q_t`` are L2-normalised (§8.3 "L2 normalisation on q and k"); ``v_t`` is not.
+- a short causal convolution (+SiLU) on ``x`` feeds ``W_q`` and the four projection memories
+  (§8.3 "local convolutions, window 4"); output ``y = W_o(RMSNorm(o) ⊙ silu(W_g x))`` per head
+  (Titans' output gate).
+- σ = GELU; hidden width ``expansion · d`` (default ``d``).
+- the main memory's target is ``v_t`` (Titans' ``k → v``), not a self-generated ``M_memory(v_t)``.
+- a consequence of Eq. 90 kept as written: inside a memory chunk the read ``o_t`` uses the chunk-start
+  weights, so tokens of the same chunk reach ``o_t`` only through ``q_t`` (and the short conv).
+- initial weights (all memories, learned, one set shared over the batch) get outer gradients
+  through every fast-weight step (no stop-gradient anywhere); fast weights are per sample.
+
+Shapes: ``x, y: [B, T, d_model]``; state weights ``[B, G, d, h]`` / ``[B, G, h, d]`` with ``G = 4``
+projection memories (k, v, η, α) or ``G = 1`` (main memory), float32 (float64 for float64 input).
 """
 
 from __future__ import annotations
@@ -36,141 +85,293 @@ from torch import nn
 from ..layers.base import Mixer, MixerState, check_input, upcast
 from ..layers.conv import ShortConvolution
 from ..layers.norm import RMSNorm
-from ..memory import MemorySpec, init_state, neural_memory, preset
+from ..memory import MemorySpec
+from ..memory.engine import _grad_factors, memory_apply
+from ..ops import gated_delta_rule
 
-PROJECTIONS = ("k", "v", "beta", "alpha")
+PROJECTIONS = ("k", "v", "eta", "alpha")
 
 
 class SelfModState(NamedTuple):
-    """Fast projection weights ``{name: [B, d, out]}``, the chunk's partial sum ``R = X̂ᵀ(X̂ − O)``,
-    the main memory's state, the conv tail and the stream position."""
+    """The stream state of :class:`SelfModifyingTitans`.
 
-    proj: dict
-    r: torch.Tensor | None
-    memory: object
+    Attributes:
+        proj: running weights ``(W_a [B, 4, d, h], W_b [B, 4, h, d])`` of ``M_k, M_v, M_η, M_α``.
+        proj_anchor: their weights at the current projection chunk's start.
+        memory: running weights ``(W_a [B, 1, d, h], W_b [B, 1, h, d])`` of ``M_memory``.
+        memory_anchor: its weights at the current memory chunk's start.
+        conv: the short-conv tail ``[B, d, W − 1]`` or ``None``.
+        position: tokens consumed (chunk boundaries are absolute).
+    """
+
+    proj: tuple
+    proj_anchor: tuple
+    memory: tuple
+    memory_anchor: tuple
     conv: torch.Tensor | None
     position: int
 
 
+def _flat(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(w.shape[0] * w.shape[1], *w.shape[2:])
+
+
+def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
+    """One DGD step of a group of ``G`` residual-MLP memories (the reference; autograd gradient).
+
+    ``W``/``A``: running / chunk-start weights ``(W_a [B, G, d, h], W_b [B, G, h, d])``; ``k [B, d]``
+    (unit norm); ``vhat [B, G, d]`` targets; ``log_alpha, beta: [B]``; ``η = α β``. Returns the new
+    running weights::
+
+        W_a ← α W_a − η k (kᵀ W_a) − η ∇_{W_a} L(A; k, v̂)      W_b ← α W_b − η ∇_{W_b} L(A; k, v̂)
+    """
+    need_graph = torch.is_grad_enabled()
+    alpha = log_alpha.exp()
+    eta = alpha * beta
+    with torch.enable_grad():
+        # a fresh alias: the gradient counts only this use of the weights (v̂ is a constant of it)
+        A_eff = [a.view_as(a) if a.requires_grad else a.detach().requires_grad_(True) for a in A]
+        G = A[0].shape[1]
+        y = memory_apply(spec, A_eff, k[:, None, None, :].expand(-1, G, 1, -1))[0][:, :, 0]
+        loss = 0.5 * (y - vhat).square().sum()
+        ga, gb = torch.autograd.grad(loss, A_eff, create_graph=need_graph)
+    Wa, Wb = W
+    a4, e4 = alpha[:, None, None, None], eta[:, None, None, None]
+    kW = torch.einsum("bd,bgdh->bgh", k, Wa)
+    Wa = a4 * Wa - e4 * torch.einsum("bd,bgh->bgdh", k, kW) - e4 * ga
+    Wb = a4 * Wb - e4 * gb
+    if not need_graph:
+        Wa, Wb = Wa.detach(), Wb.detach()
+    return Wa, Wb
+
+
+def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
+    """``L`` DGD steps inside one chunk (all gradients at the chunk-start weights ``A``), batched.
+
+    ``W, A`` as in :func:`dgd_token`; ``k [B, L, d]``; ``vhat [B, G, L, d]``; ``log_alpha, beta:
+    [B, L]``. ``W_a`` follows the gated delta rule ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} +
+    β_t k_t (−α_t δ_t)ᵀ`` (:func:`mnemo.ops.gated_delta_rule`, chunk form); ``W_b`` the decayed sum
+    ``W_b,L = (Π α) W_b − Σ_s η_s (Π_{r>s} α_r) a_sᵀ e_s``.
+    """
+    Wa, Wb = W
+    B, G = Wa.shape[:2]
+    L, d = k.shape[1], k.shape[2]
+    kf = k[:, None].expand(B, G, L, d).reshape(B * G, L, d)
+    inputs, deltas = _grad_factors(spec, [_flat(a) for a in A], kf, _flat(vhat), None, None)
+    a = inputs[1].reshape(B, G, L, -1)
+    delta = deltas[0].reshape(B, G, L, -1)
+    e = deltas[1].reshape(B, G, L, -1)
+    alpha = log_alpha.exp()
+    kk = k[:, :, None, :].expand(B, L, G, d)
+    v_gdr = (-alpha[:, None, :, None] * delta).transpose(1, 2)  # [B, L, G, h]
+    g_gdr = log_alpha[:, :, None].expand(B, L, G)
+    b_gdr = beta[:, :, None].expand(B, L, G)
+    _, Wa_new = gated_delta_rule(
+        kk,
+        kk,
+        v_gdr,
+        g_gdr,
+        b_gdr,
+        initial_state=Wa,
+        output_final_state=True,
+        mode="chunk",
+        chunk_size=min(64, L),
+    )
+    gcum = log_alpha.cumsum(-1)
+    w = alpha * beta * torch.exp(gcum[:, -1:] - gcum)  # η_s Π_{r>s} α_r
+    Wb_new = gcum[:, -1].exp()[:, None, None, None] * Wb - (a * w[:, None, :, None]).transpose(-1, -2) @ e
+    return Wa_new.to(Wa.dtype), Wb_new
+
+
 class SelfModifyingTitans(Mixer):
-    """Self-modifying Titans mixer (see the module docstring).
+    """Self-modifying Titans (see the module docstring for the equations and every choice).
 
     Args:
-        d_model, n_heads; head size is ``d_model // n_heads`` (the targets ``o M_□`` need
-            ``H · head_dim == d_model``).
-        chunk_size: tokens between two rewrites of the projection memories.
-        spec: the main memory (:class:`~mnemo.memory.MemorySpec` or preset name; default
-            ``"gated_deltanet"``: matrix memory, l2, decay applied first, online updates).
-        self_lr: upper bound of the projection memories' inner rate ``η_□``.
+        d_model: width of ``x`` and of every memory (keys, values, queries).
+        n_heads: groups of the output RMSNorm and gate (``d_model % n_heads == 0``).
+        chunk_size: the main memory's chunk ``C_memory`` (gradients and reads at chunk-start weights).
+        proj_chunk_size: the projection memories' chunk ``C_proj`` (default ``chunk_size``).
+        expansion: hidden width of every memory MLP is ``round(expansion · d_model)``.
+        beta_max: upper bound of ``β_t = η_t / α_t`` (in ``(0, 1]``).
+        short_conv / conv_size: causal depthwise conv + SiLU on ``x`` before ``W_q`` and the memories.
+        mode: ``"chunk"`` (default for ``T > 1``) or ``"recurrent"`` (token loop).
+
+    Raises:
+        ValueError: ``d_model`` not a multiple of ``n_heads``, a chunk size < 1, ``beta_max`` outside
+            ``(0, 1]``, a bad ``mode``; ``forward`` on ``x`` not ``[B, T, d_model]`` or a state from
+            another batch size.
     """
 
     def __init__(
         self,
         d_model: int,
         n_heads: int = 4,
-        chunk_size: int = 64,
-        spec: MemorySpec | str = "gated_deltanet",
+        chunk_size: int = 16,
+        proj_chunk_size: int | None = None,
+        expansion: float = 1.0,
+        beta_max: float = 1.0,
         short_conv: bool = True,
         conv_size: int = 4,
-        self_lr: float = 0.1,
         mode: str = "chunk",
     ):
         super().__init__(mode)
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
-        self.spec = preset(spec) if isinstance(spec, str) else spec.validate()
-        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
-        self.chunk_size, self.self_lr = chunk_size, self_lr
-        D, H = d_model, n_heads
-        self.out_sizes = {"k": D, "v": D, "beta": H, "alpha": H}
-        self.init = nn.ParameterDict(
-            {n: nn.Parameter(torch.randn(D, o) * D**-0.5) for n, o in self.out_sizes.items()}
-        )
-        self.alpha_bias = nn.Parameter(torch.full((H,), 5.0))  # slow forgetting at init
-        self.self_alpha = nn.Parameter(torch.full((len(PROJECTIONS),), 4.0))  # α_□ = sigmoid(·) ≈ 0.98
-        self.self_eta = nn.Parameter(torch.zeros(len(PROJECTIONS)))  # η_□ = self_lr · sigmoid(·)
+        proj_chunk_size = chunk_size if proj_chunk_size is None else proj_chunk_size
+        for name, c in (("chunk_size", chunk_size), ("proj_chunk_size", proj_chunk_size)):
+            if not isinstance(c, int) or c < 1:
+                raise ValueError(f"{name} must be a positive int, got {c!r}")
+        if not 0 < beta_max <= 1:
+            raise ValueError(f"beta_max must be in (0, 1], got {beta_max}")
+        if mode not in ("chunk", "recurrent"):
+            raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
+        self.d_model, self.n_heads = d_model, n_heads
+        self.chunk_size, self.proj_chunk_size, self.beta_max = chunk_size, proj_chunk_size, beta_max
+        self.spec = MemorySpec(
+            architecture="mlp",
+            depth=2,
+            expansion=expansion,
+            activation="gelu",
+            residual=True,
+            objective="l2",
+            chunk_size=chunk_size,
+        ).validate()
+        D = d_model
+        (_, h), _ = self.spec.layer_dims(D, D)
+        self.hidden = h
+        # initial (slow, meta-learned) weights: M(x) = x + gelu(x W_a) W_b, near the identity
+        self.proj_wa = nn.Parameter(torch.randn(len(PROJECTIONS), D, h) * D**-0.5)
+        self.proj_wb = nn.Parameter(torch.randn(len(PROJECTIONS), h, D) * (0.1 * h**-0.5))
+        self.memory_wa = nn.Parameter(torch.randn(1, D, h) * D**-0.5)
+        self.memory_wb = nn.Parameter(torch.randn(1, h, D) * (0.1 * h**-0.5))
+        # slow read-outs of the scalar gates: α ≈ sigmoid(5) ≈ 0.993, β ≈ 0.1 · beta_max at init
+        self.alpha_readout = nn.Parameter(torch.zeros(D))
+        self.alpha_bias = nn.Parameter(torch.tensor(5.0))
+        self.eta_readout = nn.Parameter(torch.zeros(D))
+        self.eta_bias = nn.Parameter(torch.tensor(-2.2))
         self.q_proj = nn.Linear(D, D, bias=False)
         self.g_proj = nn.Linear(D, D, bias=False)
-        self.conv = ShortConvolution(3 * D, conv_size) if short_conv else None
-        self.memory_init = nn.ParameterList(
-            [
-                nn.Parameter(torch.zeros(H, i, o))
-                for i, o in self.spec.layer_dims(self.head_dim, self.head_dim)
-            ]
-        )
-        self.norm = RMSNorm(self.head_dim)
+        self.conv = ShortConvolution(D, conv_size) if short_conv else None
+        self.norm = RMSNorm(D // n_heads)
         self.o_proj = nn.Linear(D, D, bias=False)
+        with torch.no_grad():
+            nn.init.normal_(self.alpha_readout, std=0.02)
+            nn.init.normal_(self.eta_readout, std=0.02)
 
+    # ------------------------------------------------------------------------------------------
     def initial_state(self, B: int) -> SelfModState:
-        proj = dict(self.init.items())  # shared [d, out] until the first rewrite makes them per sample
-        mem = init_state(self.spec, list(self.memory_init), B)
-        return SelfModState(proj, None, mem, None, 0)
+        def ex(w):
+            return w.unsqueeze(0).expand(B, *w.shape)
 
-    def _chunk(self, x, st: SelfModState, mode):
-        """Tokens ``x [B, L, d]`` inside one chunk."""
-        H, P = self.n_heads, st.proj
-        k, v = x @ P["k"], x @ P["v"]
-        beta = torch.sigmoid(upcast(x @ P["beta"]))
-        g = F.logsigmoid(upcast(x @ P["alpha"]) + self.alpha_bias)
-        qkv = torch.cat([self.q_proj(x), k, v], -1)
-        conv = st.conv
-        if self.conv is not None:
-            qkv, conv = self.conv(qkv, conv)
-        else:
-            qkv = F.silu(qkv)
-        q, k, v = rearrange(qkv, "b t (three h d) -> three b t h d", three=3, h=H)
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        o, mem = neural_memory(
-            self.spec,
-            q,
-            k,
-            v,
-            beta,
-            g=g if self.spec.decays else None,
-            initial_state=st.memory,
-            output_final_state=True,
-            mode=mode,
-        )
-        # partial sum of the projection memories' delta-rule step (applied at the chunk end)
-        xh = F.normalize(upcast(x), dim=-1)
-        o_flat = rearrange(o, "b t h d -> b t (h d)").to(xh.dtype)
-        r = xh.transpose(1, 2) @ (xh - o_flat)
-        if st.r is not None:
-            r = st.r + r
-        pos = st.position + x.shape[1]
-        st = SelfModState(P, r, mem, conv, pos)
-        if pos % self.chunk_size == 0:
-            st = self._rewrite(st)
-        return o, st
+        proj = (ex(self.proj_wa), ex(self.proj_wb))
+        mem = (ex(self.memory_wa), ex(self.memory_wb))
+        return SelfModState(proj, proj, mem, mem, None, 0)
 
-    def _rewrite(self, st: SelfModState) -> SelfModState:
-        C = self.chunk_size
-        alpha = torch.sigmoid(self.self_alpha)
-        eta = self.self_lr * torch.sigmoid(self.self_eta)
-        proj = {}
-        for i, n in enumerate(PROJECTIONS):
-            M = st.proj[n]
-            proj[n] = (alpha[i] * M - (eta[i] / C) * (st.r @ M.to(st.r.dtype))).to(M.dtype)
-        return SelfModState(proj, None, st.memory, st.conv, st.position)
+    def gates(self, raw_eta: torch.Tensor, raw_alpha: torch.Tensor):
+        """``(log α_t, β_t)`` from the outputs of ``M_η, M_α`` (``[..., d]``); ``η_t = α_t β_t``."""
+        dt = raw_alpha.dtype
+        log_alpha = F.logsigmoid(raw_alpha @ self.alpha_readout.to(dt) + self.alpha_bias.to(dt))
+        beta = self.beta_max * torch.sigmoid(raw_eta @ self.eta_readout.to(dt) + self.eta_bias.to(dt))
+        return log_alpha, beta
+
+    @staticmethod
+    def _pieces(pos: int, T: int, C: int, token: bool):
+        """``(start, length)`` of the pieces of ``[0, T)`` cut at absolute multiples of ``C``."""
+        out, t = [], 0
+        while t < T:
+            L = 1 if token else min(C - (pos + t) % C, T - t)
+            out.append((t, L))
+            t += L
+        return out
+
+    def _run(self, W, A, pos, T, C, token, read_in):
+        """Advance one memory group over ``T`` tokens: ``read_in(t, L, A)`` reads at the chunk-start
+        weights and returns the update inputs ``(k, vhat, log_alpha, beta)`` and the read; the step is
+        :func:`dgd_token` (``token``) or :func:`dgd_chunk`."""
+        reads = []
+        for t, L in self._pieces(pos, T, C, token):
+            if (pos + t) % C == 0:
+                A = W
+            (k, vhat, la, be), r = read_in(t, L, A)
+            reads.append(r)
+            if token:
+                W = dgd_token(self.spec, W, A, k[:, 0], vhat[:, :, 0], la[:, 0], be[:, 0])
+            else:
+                W = dgd_chunk(self.spec, W, A, k, vhat, la, be)
+        if (pos + T) % C == 0:
+            A = W
+        return W, A, reads
+
+    def _projections(self, xc: torch.Tensor, st: SelfModState, cd, token: bool):
+        """Stage 1: run ``M_k, M_v, M_η, M_α`` over ``xc [B, T, d]`` (they do not depend on
+        ``M_memory``). Returns their new running and chunk-start weights and, per token,
+        ``(k [B, T, d], v [B, T, d], log α [B, T], β [B, T])``."""
+        B, T = xc.shape[:2]
+        G = len(PROJECTIONS)
+        proj = tuple(w.to(cd) for w in st.proj)
+        proj_a = tuple(w.to(cd) for w in st.proj_anchor)
+
+        def proj_in(t, L, A):
+            xs = xc[:, t : t + L]
+            raw = memory_apply(self.spec, list(A), xs[:, None].expand(B, G, L, -1))[0]
+            k = F.normalize(raw[:, 0], dim=-1)  # k_t = M_k(x_t), L2-normalised
+            v = raw[:, 1]  # v_t = M_v(x_t)
+            la, be = self.gates(raw[:, 2], raw[:, 3])  # η_t ← M_η(x_t), α_t ← M_α(x_t)
+            vhat = memory_apply(self.spec, list(A), v[:, None].expand(B, G, L, -1))[0]  # v̂_□ = M_□(v_t)
+            return (k, vhat, la, be), (k, v, la, be)
+
+        proj, proj_a, pieces = self._run(proj, proj_a, st.position, T, self.proj_chunk_size, token, proj_in)
+        return proj, proj_a, tuple(torch.cat(z, 1) for z in zip(*pieces))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """``log α_t [B, T]``: the retention this mixer applies to every memory on ``x [B, T, d]``
+        from a fresh state (generated in context by ``M_α``)."""
+        B, T = check_input(x, self.d_model)
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xin = self.conv(x)[0] if self.conv is not None else x
+        token = T == 1 or self.mode == "recurrent"
+        return self._projections(xin.to(cd), self.initial_state(B), cd, token)[2][2]
 
     def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
-        st = state.memory if state is not None and state.memory is not None else self.initial_state(B)
         mode = self._mode(T, mode)
-        outs, t = [], 0
-        while t < T:
-            L = min(self.chunk_size - st.position % self.chunk_size, T - t)
-            o, st = self._chunk(x[:, t : t + L], st, mode)
-            outs.append(o)
-            t += L
-        o = torch.cat(outs, 1)
-        o = self.norm(o) * F.silu(rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=self.n_heads))
+        if mode not in ("chunk", "recurrent"):
+            raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
+        st = state.memory if state is not None and state.memory is not None else self.initial_state(B)
+        if st.proj[0].shape[0] != B:
+            raise ValueError(f"state has batch size {st.proj[0].shape[0]}, x has {B}")
+        if T == 0:  # an empty call passes the state through
+            return x.new_zeros(B, 0, self.d_model), MixerState(memory=st, offset=state.offset if state else 0)
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        token = mode == "recurrent"
+        conv = st.conv
+        xin = x
+        if self.conv is not None:
+            xin, conv = self.conv(x, conv)
+        q = F.normalize(upcast(self.q_proj(xin)).to(cd), dim=-1)  # q_t = x̃_t W_q, L2-normalised
+        xc = xin.to(cd)
+        proj, proj_a, (k, v, la, be) = self._projections(xc, st, cd, token)
+        mem = tuple(w.to(cd) for w in st.memory)
+        mem_a = tuple(w.to(cd) for w in st.memory_anchor)
+
+        # 2) the main memory: read o_t at the chunk-start weights, write toward v_t
+        def mem_in(t, L, A):
+            o = memory_apply(self.spec, list(A), q[:, None, t : t + L])[0][:, 0]
+            sl = slice(t, t + L)
+            return (k[:, sl], v[:, None, sl], la[:, sl], be[:, sl]), o
+
+        mem, mem_a, outs = self._run(mem, mem_a, st.position, T, self.chunk_size, token, mem_in)
+        o = torch.cat(outs, 1).to(x.dtype)
+        H = self.n_heads
+        o = self.norm(rearrange(o, "b t (h d) -> b t h d", h=H))
+        o = o * F.silu(rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=H))
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-        return y, MixerState(memory=st, offset=(state.offset if state else 0) + T)
+        new = SelfModState(proj, proj_a, mem, mem_a, conv, st.position + T)
+        return y, MixerState(memory=new, offset=(state.offset if state else 0) + T)
 
     def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, dtype_bytes: int = 4) -> int:
-        proj = sum(p.numel() for p in self.init.values())
-        mem = sum(i * o for i, o in self.spec.layer_dims(self.head_dim, self.head_dim)) * self.n_heads
-        sums = self.d_model * self.d_model + proj
-        conv = 0 if self.conv is None else self.conv.channels * (self.conv.kernel_size - 1)
-        return batch_size * 4 * (proj + sums + 2 * mem + conv)
+        """Running and chunk-start weights of the five memories (fp32) plus the conv tail."""
+        per_memory = 2 * self.d_model * self.hidden
+        weights = 2 * (len(PROJECTIONS) + 1) * per_memory * 4
+        conv = 0 if self.conv is None else self.conv.channels * (self.conv.kernel_size - 1) * dtype_bytes
+        return batch_size * (weights + conv)

@@ -74,7 +74,7 @@ def test_timescales_for_every_decaying_memory(name):
     if name == "retnet":  # fixed decays 1 - 2^(-5-h): half-lives ln 2 / -ln(1 - 2^-5) ≈ 22 tokens and up
         assert abs(hl["min"] - (-0.6931471805599453 / torch.log(torch.tensor(1 - 2**-5)).item())) < 1e-3
     if name == "hope":
-        assert r["0"]["cms_periods"] == [16, 64, 256]
+        assert r["0"]["cms_periods"] == [8, 16, 32]
 
 
 def test_circuit_tracker_adds_scores(tmp_path):

@@ -19,7 +19,14 @@ OPTIONS = {
 # (id, constructor) — every registered mixer, plus variants (short conv, windows, groups, LTI)
 # the test-time-trained memories (NeuralMemory, MAC/MAG/MAL) have their own file: test_titans.py;
 # self-modifying Titans (registered when mnemo.nested is imported) is tested in tests/nested/
-TTT_MIXERS = {"neural_memory", "titans_mac", "titans_mag", "titans_mal", "self_modifying_titans"}
+TTT_MIXERS = {
+    "neural_memory",
+    "titans_mac",
+    "titans_mag",
+    "titans_mal",
+    "self_modifying_titans",
+    "self_modifying_projections",
+}
 CASES = [
     (name, lambda name=name: MIXERS[name](D, **OPTIONS.get(name, {"n_heads": 2})))
     for name in sorted(MIXERS)
