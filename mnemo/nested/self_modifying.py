@@ -45,9 +45,10 @@ layer (input ``σ(k W_a)``, not normalised) gets the retention ``α_t`` only::
 **Forms.** ``mode="recurrent"``: the token loop above (gradients by autograd, the rank-one term as
 written). ``mode="chunk"``: per chunk, all reads and all gradient factors in batched matmuls at the
 chunk-start weights; the ``W_a`` recursion is a gated delta rule (``exp(g) = α_t``, ``β = η_t/α_t``,
-value ``−α_t δ_t``), run by :func:`mnemo.ops.gated_delta_rule`'s chunk form; the ``W_b`` recursion is
-a decayed sum in one product. The gradient factors come from the memory engine
-(:mod:`mnemo.memory.engine`'s hand-written MLP backward).
+value ``−α_t δ_t``), of which only the chunk's final state is formed (:func:`_wa_chunk`: one
+``L × L`` triangular inverse shared by the memories of a group, no per-token output); the ``W_b``
+recursion is a decayed sum in one product. The gradient factors are written out by hand
+(``e``, ``δ`` of Eq. 93); weights still shared over the batch are read in one product (:func:`_wmul`).
 
 **Choices where the paper is silent** (all documented here, none hidden in the code):
 
@@ -86,8 +87,8 @@ from ..layers.base import Mixer, MixerState, check_input, upcast
 from ..layers.conv import ShortConvolution
 from ..layers.norm import RMSNorm
 from ..memory import MemorySpec
-from ..memory.engine import _grad_factors, memory_apply
-from ..ops import gated_delta_rule
+from ..memory.engine import _act_with_grad, memory_apply
+from ..ops._common import clamp_log_gate
 
 PROJECTIONS = ("k", "v", "eta", "alpha")
 
@@ -110,10 +111,6 @@ class SelfModState(NamedTuple):
     memory_anchor: tuple
     conv: torch.Tensor | None
     position: int
-
-
-def _flat(w: torch.Tensor) -> torch.Tensor:
-    return w.reshape(w.shape[0] * w.shape[1], *w.shape[2:])
 
 
 def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
@@ -145,38 +142,72 @@ def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
     return Wa, Wb
 
 
+def _wmul(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``x [B, G, L, i] @ W [B, G, i, o]``. Weights still shared over the batch (the initial state is
+    the slow weights expanded with batch stride 0) take one ``[G, B·L, i] @ [G, i, o]`` product:
+    no ``B`` copies of the weights, and their gradient is summed over the batch inside the product."""
+    if W.shape[0] > 1 and W.stride(0) == 0:
+        B, G, L, i = x.shape
+        y = x.transpose(0, 1).reshape(G, B * L, i) @ W[0]
+        return y.reshape(G, B, L, -1).transpose(0, 1)
+    return x @ W
+
+
+def _mlp(A, x: torch.Tensor) -> torch.Tensor:
+    """``M(x) = x + gelu(x W_a) W_b`` for ``x [B, G, L, d]`` (this module's fixed memory spec: a
+    2-layer residual GELU MLP, no norm; the same function as :func:`memory_apply`)."""
+    return x + _wmul(F.gelu(_wmul(x, A[0])), A[1])
+
+
+def _wa_chunk(k, Wa, u, log_alpha, beta):
+    """Final state of the gated delta rule ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t u_tᵀ``
+    over one chunk, without its per-token output (only ``S_L`` is needed here).
+
+    ``k [B, L, d]`` (shared by the ``G`` memories), ``Wa = S_0 [B, G, d, h]``, ``u [B, G, L, h]``,
+    ``log_alpha, beta [B, L]``. With ``γ_t = Π_{r≤t} α_r`` and the corrected values
+    ``ũ_t = u_t − α_t S_{t−1}ᵀ k_t``, unrolling gives the unit lower-triangular system
+    ``ũ_t + Σ_{s<t} β_s (γ_t/γ_s) (k_tᵀ k_s) ũ_s = u_t − γ_t S_0ᵀ k_t`` and
+    ``S_L = γ_L S_0 + Σ_s β_s (γ_L/γ_s) k_s ũ_sᵀ`` (the WY / UT form of the op's chunk form).
+    """
+    B, L = log_alpha.shape
+    G, h = Wa.shape[1], Wa.shape[3]
+    gc = clamp_log_gate(log_alpha).cumsum(-1)  # log γ_t (the op's clamp of log α)
+    lower = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
+    # γ_t/γ_s for s < t, 0 elsewhere (masking before exp keeps every factor ≤ 1, no overflow)
+    decay = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+    A = (k @ k.transpose(-1, -2)) * decay * beta[:, None, :]  # A_ts = β_s (γ_t/γ_s) k_tᵀ k_s
+    rhs = u - gc.exp()[:, None, :, None] * (k[:, None] @ Wa)  # u_t − γ_t S_0ᵀ k_t   [B, G, L, h]
+    # one solve for all G memories: they share k, β, α, so G is folded into the right-hand columns
+    rhs = rhs.transpose(1, 2).reshape(B, L, G * h)
+    # (I + A)⁻¹ (unit diagonal implied), then a matmul: much faster on CPU than solving the G·h columns
+    eye = torch.eye(L, dtype=A.dtype, device=A.device).expand(B, L, L)
+    ut = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True) @ rhs  # ũ = (I + A)⁻¹ rhs
+    w = beta * torch.exp(gc[:, -1:] - gc)  # β_s γ_L/γ_s
+    kw = (k * w[..., None]).transpose(-1, -2)  # [B, d, L]
+    upd = (kw @ ut).reshape(B, -1, G, h).transpose(1, 2)  # Σ_s β_s (γ_L/γ_s) k_s ũ_sᵀ   [B, G, d, h]
+    return gc[:, -1].exp()[:, None, None, None] * Wa + upd
+
+
 def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
     """``L`` DGD steps inside one chunk (all gradients at the chunk-start weights ``A``), batched.
 
     ``W, A`` as in :func:`dgd_token`; ``k [B, L, d]``; ``vhat [B, G, L, d]``; ``log_alpha, beta:
     [B, L]``. ``W_a`` follows the gated delta rule ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} +
-    β_t k_t (−α_t δ_t)ᵀ`` (:func:`mnemo.ops.gated_delta_rule`, chunk form); ``W_b`` the decayed sum
+    β_t k_t (−α_t δ_t)ᵀ`` (final state only, :func:`_wa_chunk`; the same recursion as
+    :func:`mnemo.ops.gated_delta_rule`); ``W_b`` the decayed sum
     ``W_b,L = (Π α) W_b − Σ_s η_s (Π_{r>s} α_r) a_sᵀ e_s``.
     """
     Wa, Wb = W
     B, G = Wa.shape[:2]
     L, d = k.shape[1], k.shape[2]
-    kf = k[:, None].expand(B, G, L, d).reshape(B * G, L, d)
-    inputs, deltas = _grad_factors(spec, [_flat(a) for a in A], kf, _flat(vhat), None, None)
-    a = inputs[1].reshape(B, G, L, -1)
-    delta = deltas[0].reshape(B, G, L, -1)
-    e = deltas[1].reshape(B, G, L, -1)
+    # the gradient factors of ½‖M_A(k) − v̂‖² at the chunk-start weights A, by hand (Eq. 93):
+    # e = M_A(k) − v̂ (layer W_b, input a = gelu(k W_a)), δ = (e W_bᵀ) ⊙ gelu'(k W_a) (layer W_a, input k)
+    kg = k[:, None].expand(B, G, L, d)
+    a, slope = _act_with_grad(spec.activation, _wmul(kg, A[0]))
+    e = kg + _wmul(a, A[1]) - vhat
+    delta = _wmul(e, A[1].transpose(-1, -2)) * slope
     alpha = log_alpha.exp()
-    kk = k[:, :, None, :].expand(B, L, G, d)
-    v_gdr = (-alpha[:, None, :, None] * delta).transpose(1, 2)  # [B, L, G, h]
-    g_gdr = log_alpha[:, :, None].expand(B, L, G)
-    b_gdr = beta[:, :, None].expand(B, L, G)
-    _, Wa_new = gated_delta_rule(
-        kk,
-        kk,
-        v_gdr,
-        g_gdr,
-        b_gdr,
-        initial_state=Wa,
-        output_final_state=True,
-        mode="chunk",
-        chunk_size=min(64, L),
-    )
+    Wa_new = _wa_chunk(k, Wa, -alpha[:, None, :, None] * delta, log_alpha, beta)
     gcum = log_alpha.cumsum(-1)
     w = alpha * beta * torch.exp(gcum[:, -1:] - gcum)  # η_s Π_{r>s} α_r
     Wb_new = gcum[:, -1].exp()[:, None, None, None] * Wb - (a * w[:, None, :, None]).transpose(-1, -2) @ e
@@ -313,11 +344,11 @@ class SelfModifyingTitans(Mixer):
 
         def proj_in(t, L, A):
             xs = xc[:, t : t + L]
-            raw = memory_apply(self.spec, list(A), xs[:, None].expand(B, G, L, -1))[0]
+            raw = _mlp(A, xs[:, None].expand(B, G, L, -1))
             k = F.normalize(raw[:, 0], dim=-1)  # k_t = M_k(x_t), L2-normalised
             v = raw[:, 1]  # v_t = M_v(x_t)
             la, be = self.gates(raw[:, 2], raw[:, 3])  # η_t ← M_η(x_t), α_t ← M_α(x_t)
-            vhat = memory_apply(self.spec, list(A), v[:, None].expand(B, G, L, -1))[0]  # v̂_□ = M_□(v_t)
+            vhat = _mlp(A, v[:, None].expand(B, G, L, -1))  # v̂_□ = M_□(v_t)
             return (k, vhat, la, be), (k, v, la, be)
 
         proj, proj_a, pieces = self._run(proj, proj_a, st.position, T, self.proj_chunk_size, token, proj_in)
@@ -356,7 +387,7 @@ class SelfModifyingTitans(Mixer):
 
         # 2) the main memory: read o_t at the chunk-start weights, write toward v_t
         def mem_in(t, L, A):
-            o = memory_apply(self.spec, list(A), q[:, None, t : t + L])[0][:, 0]
+            o = _mlp(A, q[:, None, t : t + L])[:, 0]
             sl = slice(t, t + L)
             return (k[:, sl], v[:, None, sl], la[:, sl], be[:, sl]), o
 
