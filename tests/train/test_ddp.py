@@ -179,7 +179,10 @@ def test_two_processes_with_unequal_supervised_counts_equal_one(spawned, tmp_pat
 
 
 def test_two_processes_train_a_model_with_parameters_unused_by_the_loss(spawned, tmp_path):
-    Trainer(_hope_cfg(), tmp_path, progress=False).fit()
+    # at seq_len 32 the period-32 CMS levels never step inside a window: their parameters get no
+    # gradient (what this test needs), and the trainer says so
+    with pytest.warns(UserWarning, match="CMS level 2 has period 32 >= the window of 32 tokens"):
+        Trainer(_hope_cfg(), tmp_path, progress=False).fit()
     _assert_same_losses(_metrics(spawned / "hope"), _metrics(tmp_path))
 
 
