@@ -357,7 +357,7 @@ class ContinuumMemory(nn.Module):
             that is not a multiple of the next faster level's, or ``partial="flush"``.
     """
 
-    def __init__(self, d_model: int, levels=(Level(16), Level(64), Level(256)), transfer: str = "sequential"):
+    def __init__(self, d_model: int, levels=(Level(8), Level(16), Level(32)), transfer: str = "sequential"):
         super().__init__()
         levels = [lv if isinstance(lv, Level) else Level(**lv) for lv in levels]
         if not levels:
