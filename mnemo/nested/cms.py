@@ -118,22 +118,25 @@ class Level:
         def bad(name, expected):
             raise ValueError(f"Level.{name}: expected {expected}, got {getattr(self, name)!r}")
 
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         if not isinstance(self.period, int) or isinstance(self.period, bool) or self.period < 1:
             bad("period", "an int >= 1")
-        if self.expansion <= 0:
-            bad("expansion", "a positive number")
-        if self.lr < 0:
-            bad("lr", "a non-negative number")
+        if not number(self.expansion) or self.expansion <= 0:
+            bad("expansion", "a finite positive number")
+        if not number(self.lr) or self.lr < 0:
+            bad("lr", "a finite non-negative number")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"one of {OPTIMIZERS}")
-        if not 0 <= self.beta < 1:
+        if not number(self.beta) or not 0 <= self.beta < 1:
             bad("beta", "a number in [0, 1)")
         if self.partial not in PARTIAL:
             bad("partial", f"one of {PARTIAL}")
         if self.objective not in OBJECTIVES:
             bad("objective", f"one of {OBJECTIVES}")
-        if not self.outer_lr_scale > 0:
-            bad("outer_lr_scale", "a positive number")
+        if not number(self.outer_lr_scale) or not self.outer_lr_scale > 0:
+            bad("outer_lr_scale", "a finite positive number")
         if self.objective == "task" and self.partial != "carry":
             bad("partial", "'carry' with objective 'task' (its steps wait for the next token)")
         return self
@@ -371,10 +374,11 @@ class ContinuumMemory(nn.Module):
                         f"ContinuumMemory(transfer='nested'): every level needs the same expansion; "
                         f"level {i} has {fast.expansion}, level {i + 1} has {slow.expansion}"
                     )
-                if slow.period % fast.period:
+                if slow.period % fast.period or slow.period == fast.period:
                     raise ValueError(
                         f"ContinuumMemory(transfer='nested'): each period must be a multiple of the "
-                        f"next faster one; level {i + 1} has period {slow.period}, "
+                        f"next faster one, and larger (with equal periods the faster level's every "
+                        f"step is overwritten); level {i + 1} has period {slow.period}, "
                         f"level {i} has {fast.period}"
                     )
             if any(lv.objective == "task" for lv in levels):
@@ -408,6 +412,22 @@ class ContinuumMemory(nn.Module):
                 self.weights.fill_(1.0)
 
     def forward(self, x: torch.Tensor, state: CMSState | None = None):
+        """``x [B, T, d_model] -> (y [B, T, d_model], CMSState)``.
+
+        Raises:
+            ValueError: ``x`` is not ``[B, T, d_model]``; ``state`` holds another number of levels
+                or another batch size.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x: expected [B, T, {self.d_model}], got {list(x.shape)}")
+        if state is not None:
+            if len(state.levels) != len(self.levels):
+                raise ValueError(
+                    f"state: expected the state of {len(self.levels)} levels, got {len(state.levels)}"
+                )
+            batch = state.levels[0].grad[0].shape[0]
+            if batch != x.shape[0]:
+                raise ValueError(f"state: it holds {batch} samples, but x has batch size {x.shape[0]}")
         prev = state.levels if state is not None else [None] * len(self.levels)
         if self.transfer == "sequential":
             h, new = x, []
@@ -438,7 +458,13 @@ class ContinuumMemory(nn.Module):
     def window_problems(self, seq_len: int) -> list[str]:
         """Levels that never step inside a window of ``seq_len`` tokens starting at a fresh state
         (``period ≥ seq_len``): no loss on such a window sees their update, so their rate and
-        target projections get no gradient. Returns one message per such level."""
+        target projections get no gradient. Returns one message per such level.
+
+        Raises:
+            ValueError: ``seq_len < 1``.
+        """
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
         return [
             f"CMS level {i} has period {lv.level.period} >= the window of {seq_len} tokens: it never "
             "steps inside a window, so no training loss sees its update (its rate and target "

@@ -67,6 +67,14 @@ def segment_length(model) -> int | None:
     periods = [model.blocks[i].mlp.levels[j].level.period for i, j in _task_levels(model)]
     if not periods:
         return None
+    for i, b in enumerate(model.blocks):
+        for j, lv in enumerate(b.mlp.levels if isinstance(b.mlp, ContinuumMemory) else ()):
+            if lv.level.partial != "carry":
+                raise ValueError(
+                    f"Level.partial: block {i} level {j} has partial={lv.level.partial!r}; a model with "
+                    "task-signal levels needs 'carry' everywhere (the signal re-runs whole segments, "
+                    "which a flush at call ends would make differ from what the model emitted)"
+                )
     S = min(periods)
     if any(p % S for p in periods):
         raise ValueError(
@@ -107,7 +115,8 @@ def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> li
     """Run the complete pending segment again from its start state, back-propagate its next-token
     loss (labels: the segment shifted by one and ``nxt [B, 1]``) to every task level's reads, and let
     each level absorb its signal into ``state`` (the state after reading the segment)."""
-    outer = torch.is_grad_enabled()
+    # outer gradients through the step (x, η) only when the caller builds a graph the step can join
+    outer = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
     ids = torch.cat([pending.ids, nxt], 1)
     where = _task_levels(model)
     levels = [model.blocks[i].mlp.levels[j] for i, j in where]
@@ -137,6 +146,11 @@ def forward(model, input_ids: torch.Tensor, state, mode):
     B, T = input_ids.shape
     if T == 0:
         raise ValueError("input_ids: a model with task-signal CMS levels needs T >= 1 tokens, got 0")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "CMS levels with objective 'task' take a gradient of the next-token loss, which "
+            "torch.inference_mode() forbids; run the model under torch.no_grad() instead"
+        )
     pending = _pending_of(model, state, input_ids)
     outs, t = [], 0
     while t < T:

@@ -389,3 +389,27 @@ def test_trainer_warns_about_levels_that_never_step_in_the_window(tmp_path):
     )
     with pytest.warns(UserWarning, match=r"block 0: CMS level 1 has period 64 >= the window of 32 tokens"):
         Trainer(cfg, tmp_path, progress=False)
+
+
+def test_bad_inputs_and_states_are_named():
+    cms = ContinuumMemory(D, [Level(2), Level(4)]).double()
+    with pytest.raises(ValueError, match=r"x: expected \[B, T, 8\], got \[5, 8\]"):
+        cms(torch.randn(5, D, dtype=torch.float64))
+    _, st = cms(_x(3))
+    with pytest.raises(ValueError, match="state: it holds 2 samples, but x has batch size 3"):
+        cms(_x(3, B=3), st)
+    three = ContinuumMemory(D, [Level(2), Level(4), Level(8)]).double()
+    with pytest.raises(ValueError, match="state: expected the state of 3 levels, got 2"):
+        three(_x(3), st)
+    with pytest.raises(ValueError, match="larger"):
+        ContinuumMemory(D, [Level(2), Level(4), Level(4)], transfer="nested")
+    for field, value in (
+        ("lr", float("nan")),
+        ("expansion", float("nan")),
+        ("expansion", "2"),
+        ("beta", 1.0),
+    ):
+        with pytest.raises(ValueError, match=f"Level.{field}"):
+            Level(4, **{field: value}).validate()
+    with pytest.raises(ValueError, match="seq_len"):
+        cms.window_problems(0)

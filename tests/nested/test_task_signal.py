@@ -166,3 +166,25 @@ def test_context_parallel_training_refuses_task_levels(tmp_path, monkeypatch):
     )
     with pytest.raises(ValueError, match="TrainConfig.context_parallel: .*objective 'task'"):
         Trainer(cfg, tmp_path, progress=False)
+
+
+def test_a_frozen_model_streams_without_building_a_graph():
+    """Parameters frozen, gradients enabled: nothing requires grad, so the carried fast weights
+    must not hold a growing autograd graph (a reviewer saw 80k nodes after 400 tokens)."""
+    m = _model([{"period": 2, "objective": "task"}, {"period": 4, "objective": "task"}])
+    m.requires_grad_(False)
+    ids = _ids(9)
+    st = None
+    for t in range(9):
+        logits, st = m(ids[:, t : t + 1], st)
+    assert not logits.requires_grad
+    for w in st[0].mlp.levels[0].weights + st[1].mlp.levels[1].weights:
+        assert w.grad_fn is None
+
+
+def test_task_levels_refuse_inference_mode_and_flushing_neighbours():
+    m = _model([{"period": 2, "objective": "task"}])
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"torch.no_grad\(\)"):
+        m(_ids(3))
+    with pytest.raises(ValueError, match="Level.partial: block 0 level 1 has partial='flush'"):
+        _model([{"period": 2, "objective": "task"}, {"period": 3, "partial": "flush"}])
