@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mnemo.nested.continual import (
+from mnemo.continual import (
     BOS,
     QUERY,
     ABABTask,

@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from .cms import ContinuumMemory
+from .nested.cms import ContinuumMemory
 
 EXPERIMENTS = ("abab", "forgetting_mqar", "class_incremental")
 BOS, QUERY = 0, 1  # token ids shared by every task
@@ -489,8 +489,8 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
     A non-finite loss stops training; ``diverged_at_step`` names the step (1-based), the metrics are
     ``nan`` (the means drop them and count them) and ``metrics_at_divergence`` holds the evaluation of
     the weights of the last finite step."""
-    from ..train.config import TrainConfig
-    from ..train.trainer import lr_factor, make_optimizer
+    from .train.config import TrainConfig
+    from .train.trainer import lr_factor, make_optimizer
 
     t0 = time.time()
     torch.manual_seed(seed)
@@ -720,10 +720,10 @@ def _git() -> dict:
 
     import hashlib
 
-    cms = Path(__file__).with_name("cms.py")
+    cms = Path(__file__).parent / "nested" / "cms.py"
     return {
         "head": sh("git", "rev-parse", "HEAD"),
-        "cms_diff_stat": sh("git", "diff", "--stat", "--", "cms.py"),
+        "cms_diff_stat": sh("git", "diff", "--stat", "--", "nested/cms.py"),
         "cms_md5": hashlib.md5(cms.read_bytes()).hexdigest(),
     }
 
