@@ -271,7 +271,16 @@ def _cmd_eval(args) -> int:
 def _cmd_generate(args) -> int:
     from .train import generate_text
 
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     _, model, tok = _load(args.checkpoint, args.device)
+    unknown = sorted(set(args.prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
+    if unknown:
+        print(
+            f"warning: --prompt: {len(unknown)} character(s) are not in the checkpoint's vocabulary and "
+            f"are read as <unk> (shown as \ufffd): {''.join(unknown)!r}",
+            file=sys.stderr,
+        )
     text = generate_text(
         model,
         tok,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mnemo.cli import main
 
@@ -399,3 +400,23 @@ def test_bench_all_runs_the_three_suites_into_one_json(capsys, tmp_path, monkeyp
     data = json.loads(out.read_text())
     assert set(data) == {"ops", "peers", "decode"}
     assert data["peers"] == [] and data["decode"][0]["model"] == "gla" and data["ops"]
+
+
+def test_generate_refuses_a_negative_length(run_dir, capsys):
+    assert main(["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "-5"]) == 2
+    assert "--max-new-tokens: expected an int >= 0, got -5" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_generate_on_a_missing_device_names_the_device(run_dir, capsys):
+    assert main(["generate", "--checkpoint", str(run_dir), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "device: 'cuda' needs CUDA, which is not available" in err and "corrupt" not in err
+
+
+def test_generate_warns_about_prompt_characters_outside_the_vocabulary(run_dir, capsys):
+    argv = ["generate", "--checkpoint", str(run_dir), "--prompt", "ROMEO ß€:", "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "2 character(s) are not in the checkpoint's vocabulary" in captured.err
+    assert "'ß€'" in captured.err and captured.out.startswith("ROMEO")

@@ -178,6 +178,8 @@ class LanguageModel(nn.Module):
         """
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         was_training = self.training
@@ -218,6 +220,7 @@ class LanguageModel(nn.Module):
         ``ValueError`` naming the missing or corrupt file)."""
         d = Path(directory)
         cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
+        check_device(map_location)
         for p in (cfg_path, w_path):
             if not p.is_file():
                 raise FileNotFoundError(f"checkpoint file missing: {p}")
@@ -231,6 +234,22 @@ class LanguageModel(nn.Module):
         except Exception as e:  # safetensors raises several error types for damaged files
             raise ValueError(f"corrupt or incompatible weights file {w_path}: {e}") from e
         return model.to(map_location)
+
+
+def check_device(device: str | torch.device) -> None:
+    """Raise ``ValueError`` naming ``device`` when it cannot be used on this machine (a CUDA device
+    without CUDA, or an index past the GPUs present), before anything is loaded onto it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a device name ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {str(device)!r} needs CUDA, which is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device: {str(device)!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s)"
+            )
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:

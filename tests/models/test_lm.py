@@ -130,3 +130,12 @@ def test_bad_token_ids_and_positions():
     p = _model("transformer", pos_embedding="learned", max_position=8)
     with pytest.raises(ValueError, match="max_position = 8"):
         p(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_generate_validates_max_new_tokens():
+    m = LanguageModel(build_config("transformer", vocab_size=11, d_model=16, n_layers=1))
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 0"):
+            m.generate(ids, bad)
+    assert m.generate(ids, 0).shape == (1, 2)
