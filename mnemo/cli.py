@@ -118,6 +118,12 @@ def _cmd_train(args) -> int:
         if main and args.overwrite and not args.resume and out.exists():
             import shutil
 
+            from .train.trainer import lock_run_folder
+
+            lock = lock_run_folder(out)  # refuses while another process trains in the folder
+            if lock is not None:
+                lock.close()
+
             for p in list(out.glob("ckpt-*")) + [out / "latest", out / "metrics.jsonl"]:
                 if p.is_dir():
                     shutil.rmtree(p)

@@ -420,3 +420,28 @@ def test_generate_warns_about_prompt_characters_outside_the_vocabulary(run_dir, 
     captured = capsys.readouterr()
     assert "2 character(s) are not in the checkpoint's vocabulary" in captured.err
     assert "'ß€'" in captured.err and captured.out.startswith("ROMEO")
+
+
+def test_a_run_folder_in_use_is_refused_and_left_untouched(run_dir, capsys):
+    """Another live process holds the folder's lock: training into it (resume or overwrite) stops
+    with an error naming that process, and nothing in the folder changes."""
+    import fcntl
+
+    holder = open(run_dir / ".lock", "a+")
+    fcntl.flock(holder.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.seek(0)
+    holder.truncate()
+    holder.write("4242\n")
+    holder.flush()
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    try:
+        for extra in (["--resume", "--steps", "6"], ["--overwrite"]):
+            assert main(["train", "--out", str(run_dir), *FAST, *extra]) == 2
+            assert "is in use by another training process (pid 4242)" in capsys.readouterr().err
+    finally:
+        holder.close()
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    # the holder is gone (as after a crash): the lock is free again and the run resumes
+    assert main(["train", "--out", str(run_dir), *FAST, "--resume", "--steps", "6"]) == 0

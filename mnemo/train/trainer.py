@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -150,6 +151,40 @@ class _Logits(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)[0]
+
+
+LOCK_NAME = ".lock"
+
+
+def lock_run_folder(out: Path):
+    """Take the run folder ``out`` for this process: an exclusive advisory lock on ``out/.lock``
+    (``flock``), held until the returned file is closed. The kernel drops the lock when its process
+    dies, so a crashed run's lock is taken over without ceremony. On systems without ``fcntl`` this
+    is a no-op.
+
+    Raises:
+        ValueError: another live process holds the folder (the message names its pid).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    f = open(out / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise ValueError(
+            f"run folder {out} is in use by another training process (pid {holder}); wait for it to "
+            "finish, or pick another --out"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 class Trainer:
@@ -318,8 +353,13 @@ class Trainer:
             self.step = state["step"]
             self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
             self.last_checkpoint = ckpt
-            if self.is_main:
-                self._truncate_metrics(self.step)
+            if self.is_main:  # under the folder's lock: never trim a live run's log
+                lock = lock_run_folder(self.out)
+                try:
+                    self._truncate_metrics(self.step)
+                finally:
+                    if lock is not None:
+                        lock.close()
         # the module the training forward runs through: DDP's wrapper with several processes
         # (context parallelism synchronises the gradients itself)
         self.ddp = self._wrap_ddp() if self.world > 1 and not self.context_parallel else None
@@ -593,8 +633,18 @@ class Trainer:
         (on ranks other than 0: without the evaluation metrics)."""
         cfg = self.cfg
         stop = cfg.steps if until is None else min(until, cfg.steps)
+        lock = None
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            lock = lock_run_folder(self.out)
+        try:
+            return self._fit(stop)
+        finally:
+            if lock is not None:
+                lock.close()  # releases the lock
+
+    def _fit(self, stop: int) -> dict:
+        cfg = self.cfg
         self.train_model.train()
         tokens_per_step = cfg.batch_size * cfg.seq_len  # the global batch: global tokens/s
         bar = tqdm(
