@@ -535,8 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, TypeError, ImportError) as e:
         report(f"mnemo {args.command}: error: {e}")
         return 2
-    except KeyboardInterrupt:
-        report("\nmnemo: interrupted (the last checkpoint is intact; continue with --resume)")
+    except KeyboardInterrupt as e:
+        detail = f" ({e})" if str(e) else ""
+        report(f"\nmnemo: interrupted{detail}; the last checkpoint is intact: continue with --resume")
         return 130
     finally:
         cleanup()

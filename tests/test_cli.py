@@ -445,3 +445,36 @@ def test_a_run_folder_in_use_is_refused_and_left_untouched(run_dir, capsys):
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     # the holder is gone (as after a crash): the lock is free again and the run resumes
     assert main(["train", "--out", str(run_dir), *FAST, "--resume", "--steps", "6"]) == 0
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(tmp_path, capsys, monkeypatch, signame):
+    """A signal during step 3 of 6 (eval every 2): the run stops after that step with a checkpoint of
+    step 3 (not the step-2 one), exits 130, and --resume then gives the uninterrupted run's log."""
+    import os
+    import signal
+
+    from mnemo.train.trainer import Trainer
+
+    args = [a if a != "4" else "6" for a in FAST]
+    assert main(["train", "--out", str(tmp_path / "whole"), *args]) == 0
+    real = Trainer.train_step
+
+    def step_and_signal(self):
+        loss = real(self)
+        if self.step == 3:
+            os.kill(os.getpid(), getattr(signal, signame))  # arrives while step 3 is finishing
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", step_and_signal)
+    cut = tmp_path / "cut"
+    assert main(["train", "--out", str(cut), *args]) == 130
+    assert f"{signame} at step 3" in capsys.readouterr().err
+    assert (cut / "latest").read_text().strip() == "ckpt-000003"
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert main(["train", "--out", str(cut), *args, "--resume"]) == 0
+    whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    key = ("step", "train_loss", "val_loss")
+    assert [[r[k] for k in key] for r in resumed] == [[r[k] for k in key] for r in whole]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored

@@ -499,6 +499,15 @@ class Trainer:
         self.last_checkpoint = save_checkpoint(self.out, self.step, write)
         return self.last_checkpoint
 
+    def _saved_step(self) -> int | None:
+        """The step of the newest checkpoint written by this run (``None`` before any)."""
+        if self.last_checkpoint is None:
+            return None
+        try:
+            return int(Path(self.last_checkpoint).name.split("-")[-1])
+        except ValueError:
+            return None
+
     def _truncate_metrics(self, step: int) -> None:
         p = self.out / METRICS_NAME
         if not p.is_file():
@@ -638,10 +647,38 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             lock = lock_run_folder(self.out)
         try:
-            return self._fit(stop)
+            with self._deferred_interrupts():
+                return self._fit(stop)
         finally:
             if lock is not None:
                 lock.close()  # releases the lock
+
+    @contextlib.contextmanager
+    def _deferred_interrupts(self):
+        """Single process, main thread: SIGINT/SIGTERM only *request* a stop, which ``_fit`` honours
+        between two steps by writing a checkpoint of the last completed step (atomically, as every
+        checkpoint) and raising ``KeyboardInterrupt`` — so an interrupt loses no finished step and
+        never catches the optimizer half-way. A second SIGINT interrupts at once. Several processes
+        (torchrun) keep the default handlers: the ranks could not agree on the step."""
+        import signal
+        import threading
+
+        self._stop_signal = None
+        if self.world > 1 or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request(signum, frame):
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # asked twice: stop now
+            self._stop_signal = signal.Signals(signum).name
+
+        old = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
     def _fit(self, stop: int) -> dict:
         cfg = self.cfg
@@ -661,6 +698,13 @@ class Trainer:
         t_start = time.perf_counter()
         try:
             while self.step < stop:
+                if getattr(self, "_stop_signal", None) is not None:
+                    if self.is_main and self.step > 0 and self.step != self._saved_step():
+                        self._write_checkpoint()
+                    raise KeyboardInterrupt(
+                        f"{self._stop_signal} at step {self.step}: checkpoint {self.last_checkpoint} holds "
+                        "every finished step"
+                    )
                 t0 = time.perf_counter()
                 loss = self.train_step()
                 dt = time.perf_counter() - t0
