@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from mnemo.memory import MemorySpec, init_state, neural_memory, preset
 from tests.helpers import assert_close
+from tests.memory.test_engine import _run as _engine_run
 
 TOL = 1e-10
 DT = torch.float64
@@ -298,19 +299,7 @@ def _batch(spec, T, seed=0):
 
 
 def _run(spec, x, ws, mode):
-    extra = {n: x[n] for n in ("g", "eta", "delta") if n in x}
-    return neural_memory(
-        spec,
-        x["q"],
-        x["k"],
-        x["v"],
-        x["theta"],
-        **extra,
-        initial_state=init_state(spec, ws),
-        output_final_state=True,
-        mode=mode,
-        use_closed_form=False,
-    )
+    return _engine_run(spec, x, init_state(spec, ws), mode, use_closed_form=False)
 
 
 _RES = dict(residual=True, norm=True)
@@ -372,18 +361,7 @@ def test_streaming_any_split_equals_full(name, mode):
     outs, t, st = [], 0, init_state(spec, ws)
     for size in (3, 1, 5, 2, 8):
         xs = {n: v[:, t : t + size] for n, v in x.items()}
-        extra = {n: xs[n] for n in ("g", "eta", "delta") if n in xs}
-        o, st = neural_memory(
-            spec,
-            xs["q"],
-            xs["k"],
-            xs["v"],
-            xs["theta"],
-            **extra,
-            initial_state=st,
-            output_final_state=True,
-            mode=mode,
-        )
+        o, st = _engine_run(spec, xs, st, mode)
         outs.append(o)
         t += size
     assert_close(torch.cat(outs, 1), o_full, TOL)
