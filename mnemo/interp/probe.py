@@ -4,6 +4,9 @@
     mnemo probe timescales --checkpoint DIR    half-life distributions per layer (JSON) + a plot
     mnemo probe plot-training DIR              loss and tracked circuit scores against steps
 
+Each figure is titled with the model and the checkpoint (or run) it shows; each command names the
+PNG it wrote (``wrote PATH``: on stderr where stdout carries the JSON).
+
 ``CircuitTracker`` is the training callback behind ``mnemo train --track-circuits``.
 """
 
@@ -11,6 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -85,74 +91,189 @@ def _load(checkpoint):
     return ckpt, LanguageModel.from_pretrained(ckpt).eval()
 
 
-def _heatmaps(scores: dict, path: Path) -> None:
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _short_path(path) -> str:
+    """``path`` as the user would type it: relative to the working directory when it lies below it,
+    and cut to its last three parts (``…/run/ckpt-000500``) when still long."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            p = p.relative_to(Path.cwd())
+        except ValueError:
+            pass
+    text = str(p)
+    if len(text) > 48 and len(p.parts) > 3:
+        text = str(Path("…", *p.parts[-3:]))
+    return text
+
+
+def _model_description(ckpt: Path) -> str:
+    """``transformer (2 layers) on repeat_segment`` from a checkpoint's train_config.json and
+    config.json (the mixers when there is no train config)."""
+    from ..models.lm import CONFIG_NAME
+    from ..train.checkpoint import TRAIN_CONFIG_NAME
+
+    tcfg, cfg = _read_json(ckpt / TRAIN_CONFIG_NAME), _read_json(ckpt / CONFIG_NAME)
+    name = tcfg.get("model")
+    if not name:
+        mixers = cfg.get("layers") or cfg.get("pattern") or ([cfg["mixer"]] if cfg.get("mixer") else [])
+        name = "+".join(dict.fromkeys(mixers)) or "model"
+    n = cfg.get("n_layers")
+    text = f"{name} ({n} layer{'s' if n != 1 else ''})" if n else str(name)
+    on = tcfg.get("task") or tcfg.get("data")
+    return f"{text} on {on}" if on else text
+
+
+def checkpoint_label(ckpt) -> str:
+    """What a figure of one checkpoint is of, e.g.
+    ``transformer (2 layers) on repeat_segment · runs/x/ckpt-000500 (step 500)``."""
+    ckpt = Path(ckpt)
+    m = re.fullmatch(r"ckpt-(\d+)", ckpt.name)
+    step = f" (step {int(m.group(1))})" if m else ""
+    return f"{_model_description(ckpt)} · {_short_path(ckpt)}{step}"
+
+
+def run_label(run_dir, steps=None) -> str:
+    """What a figure of a training run is of, e.g.
+    ``transformer (2 layers) on repeat_segment · runs/phase-2layer (1500 steps)``."""
+    from ..train import resolve_checkpoint
+
+    run_dir = Path(run_dir)
+    try:
+        model = _model_description(resolve_checkpoint(run_dir)) + " · "
+    except (FileNotFoundError, OSError):
+        model = ""  # metrics without a checkpoint: the run directory alone
+    n = f" ({steps} steps)" if steps is not None else ""
+    return f"{model}{_short_path(run_dir)}{n}"
+
+
+def fit_text(text: str, width_in: float, fontsize: float) -> str:
+    """``text`` wrapped to lines that fit ``width_in`` inches at ``fontsize`` points (a title is cut
+    by the figure's edge, never shrunk, when one line is wider than the figure)."""
+    chars = max(20, int(width_in * 72 / (0.62 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.splitlines())
+
+
+CIRCUIT_PANELS = ("previous_token", "duplicate_token", "induction", "copying")
+
+
+def circuits_figure(scores: dict, title: str | None = None):
+    """One heatmap (layer × head) per score; a panel, or a layer's row, without a score (the copying
+    score exists for softmax heads only) reads "n/a"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["previous_token", "duplicate_token", "induction", "copying"]
     layers = sorted(scores, key=int)
     H = max(len(scores[layer]["induction"]) for layer in layers)
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 0.5 * len(layers) + 1.8))
-    for ax, name in zip(axes, names):
+    width = 3.2 * len(CIRCUIT_PANELS)
+    fig, axes = plt.subplots(
+        1, len(CIRCUIT_PANELS), figsize=(width, 0.5 * len(layers) + 2.2), layout="constrained"
+    )
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.92")  # missing cells: light grey
+    for ax, name in zip(axes, CIRCUIT_PANELS):
         grid = torch.full((len(layers), H), float("nan"))
+        missing = []
         for r, layer in enumerate(layers):
             vals = scores[layer].get(name)
             if vals is not None:
                 grid[r, : len(vals)] = torch.tensor(vals)
-        im = ax.imshow(
-            grid.numpy(), vmin=-1 if name == "copying" else 0, vmax=1, cmap="viridis", aspect="auto"
-        )
+            else:
+                missing.append(r)
+        im = ax.imshow(grid.numpy(), vmin=-1 if name == "copying" else 0, vmax=1, cmap=cmap, aspect="auto")
         ax.set_title(name.replace("_", " "))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_yticks(range(len(layers)), layers)
+        if len(missing) == len(layers):
+            why = "\n(softmax heads only)" if name == "copying" else ""
+            ax.text(0.5, 0.5, "n/a" + why, transform=ax.transAxes, ha="center", va="center", color="0.3")
+        else:
+            for r in missing:
+                ax.text((H - 1) / 2, r, "n/a", ha="center", va="center", fontsize=8, color="0.3")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
+    if title:
+        fig.suptitle(fit_text(title, width, 11), fontsize=11)
+    return fig
+
+
+def _heatmaps(scores: dict, path: Path, title: str | None = None) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = circuits_figure(scores, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return Path(path)
 
 
-def plot_training(run_dir, path=None) -> Path:
-    """Loss and tracked scores from ``RUN/metrics.jsonl`` against steps (``RUN/training.png``)."""
+SCORE_KEYS = (
+    ("induction_max", "tab:red"),
+    ("previous_token_max", "tab:orange"),
+    ("duplicate_token_max", "tab:green"),
+    ("val_acc", "tab:purple"),
+)
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (a run directory written by `mnemo train`)")
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def training_figure(rows: list[dict], title: str | None = None):
+    """Loss against steps; the tracked circuit scores and accuracy, when the run recorded any, on a
+    labelled right axis (no right axis otherwise)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (a run directory written by `mnemo train`)")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 7.0
+    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
     ax.plot(steps, [r.get("train_loss", math.nan) for r in rows], label="train loss", color="tab:blue")
     ax.plot(steps, [r.get("val_loss", math.nan) for r in rows], label="val loss", color="tab:cyan")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax2 = ax.twinx()
-    plotted = False
-    for key, color in (
-        ("induction_max", "tab:red"),
-        ("previous_token_max", "tab:orange"),
-        ("duplicate_token_max", "tab:green"),
-        ("val_acc", "tab:purple"),
-    ):
-        if any(key in r for r in rows):
+    handles, labels = ax.get_legend_handles_labels()
+    present = [(key, color) for key, color in SCORE_KEYS if any(key in r for r in rows)]
+    if present:
+        ax2 = ax.twinx()
+        for key, color in present:
             ax2.plot(
                 steps, [r.get(key, math.nan) for r in rows], label=key.replace("_", " "), color=color, ls="--"
             )
-            plotted = True
-    if plotted:
-        ax2.set_ylabel("score")
+        scores = [k for k, _ in present if k != "val_acc"]
+        ax2.set_ylabel(
+            " / ".join(
+                (["circuit score (max over heads)"] if scores else [])
+                + (["accuracy"] if len(scores) < len(present) else [])
+            )
+        )
         ax2.set_ylim(0, 1.05)
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="center right")
-    ax.set_title(run_dir.name)
-    fig.tight_layout()
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, fontsize=8, loc="center right")
+    if title:
+        ax.set_title(fit_text(title, width, 10), fontsize=10)
+    return fig
+
+
+def plot_training(run_dir, path=None) -> Path:
+    """Loss and tracked scores from ``RUN/metrics.jsonl`` against steps (``RUN/training.png``)."""
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = _read_metrics(run_dir)
+    fig = training_figure(rows, run_label(run_dir, rows[-1]["step"] if rows else None))
     path = Path(path) if path else run_dir / "training.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -186,7 +307,8 @@ def _cmd_circuits(args) -> int:
     scores = circuit_scores(model, args.length, args.batch, args.seed)
     out = Path(args.out) if args.out else ckpt
     out.mkdir(parents=True, exist_ok=True)
-    _heatmaps(scores, out / "circuits.png")
+    path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
+    print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
     print(json.dumps({"checkpoint": str(ckpt), "length": args.length, "layers": scores}))
     return 0
 
@@ -208,7 +330,8 @@ def _cmd_timescales(args) -> int:
     result = timescales(model, ids)
     out = Path(args.out) if args.out else ckpt
     out.mkdir(parents=True, exist_ok=True)
-    plot(result, out / "timescales.png")
+    path = plot(result, out / "timescales.png", title=checkpoint_label(ckpt))
+    print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
     print(json.dumps({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result}))
     return 0
 

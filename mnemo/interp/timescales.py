@@ -9,6 +9,7 @@ produces on a text); fixed gates (RetNet) are read off the weights. Mamba's deca
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -108,30 +109,84 @@ def timescales(model, input_ids: torch.Tensor) -> dict:
     return out
 
 
-def plot(result: dict, path) -> None:
-    """Box plot of log10 half-lives per layer (CMS periods as markers)."""
+def figure(result: dict, title: str | None = None):
+    """Half-lives per layer on a log axis (boxes p10–p90, line at the median, whiskers min and max;
+    red marks: CMS update periods). Half-lives under one token are drawn at their value below a
+    dotted "1 token" line; the axis always reaches the smallest value shown."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(result) + 2), 4))
-    data, labels = [], []
-    for layer, e in result.items():
+    from .probe import fit_text
+
+    width = max(5.5, 0.8 * len(result) + 2)
+    fig, ax = plt.subplots(figsize=(width, 4.4), layout="constrained")
+    stats, positions, labels, shown = [], [], [], []
+    for j, (layer, e) in enumerate(result.items(), start=1):
+        labels.append(f"L{layer}\n{e['mixer'][:10]}")
         hl = e.get("half_life")
         if hl and "median" in hl:
-            data.append(
-                [math.log10(max(v, 1.0)) for v in (hl["min"], hl["p10"], hl["median"], hl["p90"], hl["max"])]
+            stats.append(
+                {
+                    "whislo": hl["min"],
+                    "q1": hl["p10"],
+                    "med": hl["median"],
+                    "q3": hl["p90"],
+                    "whishi": hl["max"],
+                }
             )
-        else:
-            data.append([float("nan")] * 5)
-        labels.append(f"L{layer}\n{e['mixer'][:10]}")
-    ax.boxplot(data, whis=(0, 100), tick_labels=labels)
-    for j, (_, e) in enumerate(result.items(), start=1):
-        for p in e.get("cms_periods", []):
-            ax.plot(j, math.log10(p), "r_", ms=14)
-    ax.set_ylabel("log10 half-life (tokens)")
-    ax.set_title("Memory time scales (boxes: p0/p10/median/p90/p100; red: CMS update periods)")
-    fig.tight_layout()
+            positions.append(j)
+            shown += [hl["min"], hl["max"]]
+        else:  # no decaying memory here (attention), or every gate at exactly zero
+            ax.text(
+                j,
+                0.5,
+                "no decay",
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="center",
+                rotation=90,
+                color="0.4",
+                fontsize=9,
+            )
+        periods = e.get("cms_periods", [])
+        if periods:
+            ax.plot([j] * len(periods), periods, "r_", ms=14, mew=2)
+            shown += list(periods)
+    if stats:
+        ax.bxp(stats, positions=positions, showfliers=False, manage_ticks=False)
+    ax.set_yscale("log")
+    lo, hi = (min(shown), max(shown)) if shown else (1.0, 10.0)
+    ax.set_ylim(min(lo, 1.0) / 2, max(hi, 1.0) * 2)  # reaches below the smallest half-life
+    ax.set_xlim(0.4, len(result) + 0.6)
+    ax.set_xticks(range(1, len(result) + 1), labels)
+    ax.axhline(1.0, color="0.5", ls=":", lw=1)
+    ax.annotate(
+        "1 token",
+        (1.0, 1.0),
+        xycoords=("axes fraction", "data"),
+        xytext=(-3, 2),
+        textcoords="offset points",
+        ha="right",
+        va="bottom",
+        fontsize=8,
+        color="0.4",
+    )
+    ax.set_ylabel("half-life (tokens, log scale)")
+    ax.set_title(
+        fit_text("boxes p10–p90, line median, whiskers min–max; red: CMS update periods", width, 9),
+        fontsize=9,
+    )
+    fig.suptitle(fit_text("Memory time scales" + (f" · {title}" if title else ""), width, 11), fontsize=11)
+    return fig
+
+
+def plot(result: dict, path, title: str | None = None):
+    """Write :func:`figure` to ``path`` (a PNG); returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return Path(path)

@@ -41,27 +41,136 @@ def hybrid_run(tmp_path_factory):
     return out
 
 
-def test_probe_circuits_prints_scores_and_writes_heatmaps(hybrid_run, capsys):
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """Every matplotlib Figure saved while the test runs (the objects, to read titles and axes)."""
+    from matplotlib.figure import Figure
+
+    saved, original = [], Figure.savefig
+
+    def savefig(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def _title(fig) -> str:
+    """All title text of a figure: its suptitle and its axes' titles, one line."""
+    parts = [t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes]
+    return " ".join(" ".join(parts).split())
+
+
+def _panel(fig, title):
+    return next(ax for ax in fig.axes if ax.get_title() == title)
+
+
+def _texts_inside_figure(fig) -> None:
+    """No text of the figure (titles included) is cut by its edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # a closed figure has lost its canvas
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    box = fig.bbox
+    texts = list(fig.texts) + [ax.title for ax in fig.axes]
+    for t in texts:
+        if t.get_text():
+            e = t.get_window_extent(renderer)
+            assert e.x0 >= box.x0 - 1 and e.x1 <= box.x1 + 1 and e.y1 <= box.y1 + 1, t.get_text()
+
+
+def test_probe_circuits_prints_scores_and_writes_heatmaps(hybrid_run, capsys, saved_figures):
     assert main(["probe", "circuits", "--checkpoint", str(hybrid_run), "--length", "12", "--batch", "2"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)  # stdout is the JSON alone; where the figure went is on stderr
     layers = result["layers"]
     assert set(layers) == {"0", "1", "2", "3"}
     assert len(layers["3"]["induction"]) == 4 and "copying" in layers["3"]  # the attention layer
     assert all(0 <= s <= 1 for s in layers["0"]["induction"])
-    assert (hybrid_run / "ckpt-000004" / "circuits.png").exists()
+    png = hybrid_run / "ckpt-000004" / "circuits.png"
+    assert png.exists() and f"wrote {png}" in captured.err.splitlines()
+    (fig,) = saved_figures
+    title = _title(fig)
+    assert "gla_hybrid (4 layers)" in title and "ckpt-000004 (step 4)" in title
+    copying = _panel(fig, "copying")  # the gla layers 0-2 have no copying score: their rows say so
+    assert sorted(t.get_position()[1] for t in copying.texts if t.get_text() == "n/a") == [0, 1, 2]
+    assert not _panel(fig, "induction").texts  # every layer has an induction score
 
 
-def test_probe_timescales(hybrid_run, capsys):
+def test_probe_circuits_without_softmax_heads_says_na(tmp_path, capsys, saved_figures):
+    """A model without softmax heads has no copying score at all: the panel reads "n/a", not blank;
+    a checkpoint without train_config.json is named by its mixers."""
+    torch.manual_seed(0)
+    LanguageModel(build_config("gla", vocab_size=20, d_model=16, n_layers=1)).save_pretrained(
+        tmp_path / "gla"
+    )
+    out = tmp_path / "figs"
+    argv = ["probe", "circuits", "--checkpoint", str(tmp_path / "gla"), "--length", "6", "--batch", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert f"wrote {out / 'circuits.png'}" in capsys.readouterr().err
+    (fig,) = saved_figures
+    assert "gla (1 layer)" in _title(fig) and "gla" in fig.texts[0].get_text()
+    assert [t.get_text().split()[0] for t in _panel(fig, "copying").texts] == ["n/a"]
+
+
+def test_probe_timescales(hybrid_run, capsys, saved_figures):
     assert main(["probe", "timescales", "--checkpoint", str(hybrid_run), "--tokens", "64"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
     assert result["layers"]["0"]["kind"] == "per-channel" and result["layers"]["0"]["half_life"]["median"] > 0
     assert result["layers"]["3"]["kind"] == "no decay"
-    assert (hybrid_run / "ckpt-000004" / "timescales.png").exists()
+    png = hybrid_run / "ckpt-000004" / "timescales.png"
+    assert png.exists() and f"wrote {png}" in captured.err.splitlines()
+    (fig,) = saved_figures
+    assert "gla_hybrid (4 layers)" in _title(fig) and "ckpt-000004 (step 4)" in _title(fig)
+    _texts_inside_figure(fig)  # the title used to run off both edges
+    (ax,) = fig.axes
+    assert "no decay" in [t.get_text() for t in ax.texts]  # the attention layer
 
 
-def test_plot_training(hybrid_run, capsys):
+def test_timescales_plot_shows_half_lives_below_one_token(tmp_path, saved_figures):
+    """Half-lives under one token are drawn at their value on a log axis that reaches them (they
+    used to be drawn at log10(1) = 0), next to a "1 token" mark."""
+    from mnemo.interp.timescales import plot
+
+    hl = {"count": 5, "never_decays": 0, "min": 0.2, "p10": 0.5, "median": 3.0, "p90": 40.0, "max": 900.0}
+    result = {"0": {"mixer": "Mamba", "kind": "per-channel-state", "half_life": hl}}
+    result["1"] = {"mixer": "Attention", "kind": "no decay"}
+    plot(result, tmp_path / "t.png")
+    (fig,) = saved_figures
+    (ax,) = fig.axes
+    ys = [y for line in ax.get_lines() for y in line.get_ydata() if y == y]
+    assert ax.get_yscale() == "log" and min(ys) == pytest.approx(0.2) and max(ys) == pytest.approx(900.0)
+    lo, hi = ax.get_ylim()
+    assert lo < 0.2 and hi > 900.0
+    assert "1 token" in [t.get_text() for t in ax.texts]
+    _texts_inside_figure(fig)
+
+
+def test_plot_training(hybrid_run, capsys, saved_figures):
+    """A run without tracked scores: loss only, no empty right axis; the title names model and run."""
     assert main(["probe", "plot-training", str(hybrid_run)]) == 0
-    assert (hybrid_run / "training.png").exists()
+    assert f"wrote {hybrid_run / 'training.png'}" in capsys.readouterr().out.splitlines()
+    (fig,) = saved_figures
+    assert len(fig.axes) == 1 and fig.axes[0].get_ylabel() == "loss (nats/token)"
+    title = _title(fig)
+    assert "gla_hybrid (4 layers) on tinyshakespeare" in title and "run (4 steps)" in title
+    _texts_inside_figure(fig)
+
+
+def test_plot_training_scores_on_a_labelled_right_axis(tmp_path, saved_figures):
+    from mnemo.interp.probe import plot_training
+
+    rows = [{"step": s, "train_loss": 3.0 / s, "induction_max": 0.1 * s} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_training(tmp_path) == tmp_path / "training.png"
+    (fig,) = saved_figures
+    loss, scores = fig.axes
+    assert "circuit score" in scores.get_ylabel()
+    assert [line.get_label() for line in scores.get_lines()] == ["induction max"]
+    assert f"{tmp_path.name} (3 steps)" in _title(fig)  # no checkpoint: the run directory alone
 
 
 @pytest.mark.parametrize("name", ["retnet", "gla", "gated_deltanet", "mamba", "mamba2", "titans_lmm", "hope"])
