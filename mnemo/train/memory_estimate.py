@@ -1,0 +1,100 @@
+"""A lower bound on the memory one training step needs, checked before anything is allocated.
+
+The bound counts only what certainly exists at the peak of a step: the fp32 parameters, their
+gradients and two optimizer moments; the token batch (int64 windows and their index); the logits
+of a micro-batch with their log-softmax and gradient; and, per block, a few ``d_model``-wide fp32
+activations kept for the backward pass (one per block with activation checkpointing). The real
+peak is higher (attention scores, MLP hidden states, recurrent states), so a refusal based on it
+is never a false alarm; a run it lets through can still run out of memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# fp32 tensors of width d_model that every block keeps for its backward pass, at least: the block
+# input, the normalised input, the mixer output and the MLP input and output
+ACTS_PER_BLOCK = 5
+GiB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes (lower bounds) of one training step and of one evaluation batch."""
+
+    parameters: int  # weights + gradients + two optimizer moments, fp32
+    batch: int  # int64 token windows and the index that gathers them
+    logits: int  # logits, log-softmax and their gradient for one micro-batch
+    activations: int  # per-block activations kept for the backward pass
+    eval_logits: int  # logits and log-softmax of one evaluation batch (no gradients)
+
+    @property
+    def step(self) -> int:
+        return self.parameters + self.batch + self.logits + self.activations
+
+    @property
+    def peak(self) -> int:
+        return max(self.step, self.parameters + self.batch + self.eval_logits)
+
+
+def estimate_memory(
+    *,
+    n_params: int,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    batch_size: int,
+    micro_rows: int,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+) -> MemoryEstimate:
+    """Lower bounds (bytes) for a step on ``micro_rows`` rows of a global ``batch_size`` batch of
+    ``seq_len`` tokens, and for an evaluation batch of ``batch_size`` rows."""
+    f32, i64 = 4, 8
+    tokens = micro_rows * seq_len
+    kept = 1 if activation_checkpointing else ACTS_PER_BLOCK
+    return MemoryEstimate(
+        parameters=4 * n_params * f32,
+        batch=2 * batch_size * (seq_len + 1) * i64,
+        logits=3 * tokens * vocab_size * f32,
+        activations=n_layers * kept * tokens * d_model * f32,
+        eval_logits=2 * batch_size * seq_len * vocab_size * f32,
+    )
+
+
+def available_memory(device: torch.device) -> tuple[int | None, str]:
+    """Bytes free for this process on ``device`` and where the number comes from (``None`` when
+    it cannot be read)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {device}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - exotic platforms
+        return None, "unknown"
+
+
+def check_memory(est: MemoryEstimate, device: torch.device, *, what: str) -> None:
+    """Raise ``ValueError`` when ``est.peak`` exceeds the memory available on ``device``; the
+    message gives the estimate, its parts and the machine's memory. ``what`` describes the step."""
+    have, source = available_memory(device)
+    if have is None or est.peak <= have:
+        return
+    accum = ", or split the step with --grad-accum" if est.step >= est.peak else ""
+    raise ValueError(
+        f"TrainConfig.batch_size: {what} needs at least {est.peak / GiB:,.1f} GiB (logits "
+        f"{est.logits / GiB:,.1f}, evaluation logits {est.eval_logits / GiB:,.1f}, activations "
+        f"{est.activations / GiB:,.1f}, parameters + optimizer {est.parameters / GiB:,.2f}, token "
+        f"batch {est.batch / GiB:,.1f} GiB), but only {have / GiB:,.1f} GiB are available "
+        f"({source}); lower --batch-size or --seq-len{accum}"
+    )
