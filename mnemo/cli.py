@@ -69,6 +69,22 @@ def _parse_lengths(text: str | None, flag: str) -> list[int] | None:
         raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
 
 
+def _saved_config(out: str | None, changes: dict):
+    """The configuration a resumed run will have (for the device to join the process group on),
+    read from the run's ``latest`` checkpoint without verifying it (the Trainer does)."""
+    from .train import TrainConfig
+    from .train.checkpoint import TRAIN_CONFIG_NAME, load_json, resolve_checkpoint
+
+    if out is None:
+        raise ValueError("--resume needs --out DIR (the run directory to continue)")
+    try:
+        saved = load_json(resolve_checkpoint(out) / TRAIN_CONFIG_NAME)
+    except (FileNotFoundError, ValueError):
+        saved = {}  # the Trainer reports it (or falls back to an older checkpoint)
+    known = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
+    return TrainConfig.from_dict({**known, "device": changes.get("device", known.get("device", "cpu"))})
+
+
 def _cmd_train(args) -> int:
     import torch
 
@@ -92,7 +108,13 @@ def _cmd_train(args) -> int:
             overrides[fld] = value
     if overrides:
         d["model_overrides"] = overrides
-    cfg = TrainConfig.from_dict(d)
+    if args.resume:
+        # a resumed run keeps every saved setting: ``d`` holds only what the command line changes
+        cfg = _saved_config(args.out, d)
+    else:
+        if args.reschedule:
+            raise ValueError("--reschedule applies to --resume (a changed --steps of a saved run)")
+        cfg = TrainConfig.from_dict(d)
     # under torchrun: join the process group first; every rank checks the run directory before
     # rank 0 alone changes it (and alone prints)
     from .train.distributed import backend_for, barrier, init_from_env, local_device
@@ -131,7 +153,13 @@ def _cmd_train(args) -> int:
                     p.unlink()
     if args.threads:
         torch.set_num_threads(args.threads)
-    trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress)
+    trainer = Trainer(
+        d if args.resume else cfg,
+        out,
+        resume=args.resume,
+        reschedule=args.reschedule,
+        progress=not args.no_progress,
+    )
     n_params = trainer.model.num_parameters()
     if trainer.task is None:
         source = (
@@ -174,12 +202,16 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
 def _load(checkpoint: str, device: str):
     from .data import load_tokenizer
     from .models import LanguageModel
     from .train import resolve_checkpoint
 
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = resolve_checkpoint(checkpoint, warn=_warn)
     model = LanguageModel.from_pretrained(ckpt, map_location=device)
     tok = load_tokenizer(ckpt)
     return ckpt, model, tok
@@ -207,7 +239,7 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
         task,
         lengths,
         num_samples=num,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or cfg.batch_size,
         train_len=cfg.seq_len,
         seed=cfg.seed,
         device=args.device,
@@ -239,7 +271,7 @@ def _cmd_eval(args) -> int:
     from .train import resolve_checkpoint
     from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
-    ckpt = resolve_checkpoint(args.checkpoint)
+    ckpt = resolve_checkpoint(args.checkpoint, warn=_warn)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     if tcfg.get("task"):
         return _cmd_eval_task(args, ckpt, tcfg)
@@ -248,27 +280,61 @@ def _cmd_eval(args) -> int:
     ckpt, model, tok = _load(str(ckpt), args.device)
     data = args.data or tcfg.get("data", "tinyshakespeare")
     seq_len = args.seq_len or tcfg.get("seq_len", 128)
+    batch_size = args.batch_size or tcfg.get("batch_size", 32)
+    if args.max_batches is None:  # what training logs: its first eval_batches validation batches
+        max_batches = tcfg.get("eval_batches")
+    elif args.max_batches == "all":
+        max_batches = None
+    else:
+        try:
+            max_batches = int(args.max_batches)
+        except ValueError:
+            max_batches = 0
+        if max_batches < 1:
+            raise ValueError(f"--max-batches: expected a positive int or 'all', got {args.max_batches!r}")
+    bf16 = (args.precision or tcfg.get("precision", "fp32")) == "bf16"
     text = load_text(data)
     _, val_text = split_text(text) if not args.full else ("", text)
     stream = TokenStream(tok.encode(val_text), seq_len)
     model.eval()
-    total, count = 0.0, 0
+    total, count, sequences = 0.0, 0, 0
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
     with torch.no_grad():
-        for x, y in stream.eval_batches(args.batch_size, args.max_batches):
-            logits, _ = model(x.to(args.device))
+        for x, y in stream.eval_batches(batch_size, max_batches):
+            with autocast:
+                logits, _ = model(x.to(args.device))
             total += torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), y.to(args.device).flatten(), reduction="sum"
             ).item()
             count += y.numel()
+            sequences += y.shape[0]
+    if count == 0:
+        raise ValueError(
+            f"--data: the {'file' if args.full else 'validation split'} of {data!r} is shorter than one "
+            f"window of --seq-len {seq_len} + 1 tokens"
+        )
     val_loss = total / count
     tokens_per_char = stream.ids.numel() / len(val_text)
+    same = (
+        not args.full
+        and data == tcfg.get("data", "tinyshakespeare")
+        and seq_len == tcfg.get("seq_len")
+        and batch_size == tcfg.get("batch_size")
+        and max_batches == tcfg.get("eval_batches")
+        and bf16 == (tcfg.get("precision") == "bf16")
+    )
     result = {
         "checkpoint": str(ckpt),
         "data": data,
         "split": "all" if args.full else "val",
+        "sequences": sequences,
+        "seq_len": seq_len,
         "tokens": count,
+        "precision": "bf16" if bf16 else "fp32",
         "val_loss": val_loss,
         "bpc": val_loss * tokens_per_char / math.log(2),
+        # True: the measurement the training log's val_loss makes (same windows and precision)
+        "as_in_training": same,
     }
     print(json.dumps(result))
     return 0
@@ -366,7 +432,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int)
     t.add_argument("--device", help="cpu (default) or cuda")
     t.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its newest intact checkpoint with every saved setting; "
+        "flags given change only those settings (each change is printed)",
+    )
+    t.add_argument(
+        "--reschedule",
+        choices=["stretch", "hold"],
+        help="--resume with a different --steps: 'stretch' recomputes the warm-up + cosine learning "
+        "rate over the new --steps (the lr at the resumed step jumps to its place on the new cosine); "
+        "'hold' keeps the saved cosine and holds lr x min_lr_ratio after its end",
     )
     t.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --out")
     t.add_argument("--lr", type=float)
@@ -438,9 +514,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     e.add_argument("--data", help="corpus (default: the one it was trained on)")
     e.add_argument("--full", action="store_true", help="evaluate the whole file, not its validation split")
-    e.add_argument("--seq-len", type=int)
-    e.add_argument("--batch-size", type=int, default=32)
-    e.add_argument("--max-batches", type=int)
+    e.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
+    e.add_argument("--batch-size", type=int, help="windows per batch (default: the training batch_size)")
+    e.add_argument(
+        "--max-batches",
+        help="validation batches to read, or 'all' for the whole split (default: the training "
+        "eval_batches, so val_loss is the training log's measurement)",
+    )
+    e.add_argument(
+        "--precision", choices=["fp32", "bf16"], help="default: the training precision (bf16 = autocast)"
+    )
     e.add_argument(
         "--length", help="task checkpoints: comma-separated test lengths (default: the training length)"
     )

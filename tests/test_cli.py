@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from mnemo.cli import main
+from mnemo.train import resolve_checkpoint
 
 FAST = [
     "--steps",
@@ -47,11 +49,25 @@ def test_train_writes_metrics_and_checkpoint(run_dir):
     assert (run_dir / "latest").read_text().strip() == "ckpt-000004"
 
 
-def test_eval_last_line_is_json(run_dir, capsys):
-    assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "2"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    result = json.loads(last)
-    assert result["val_loss"] > 0 and result["bpc"] > 0
+def test_eval_is_the_training_logs_measurement_by_default(run_dir, capsys):
+    """`mnemo eval` on a run reports the val_loss the training log recorded for that checkpoint
+    (same split, windows, batches and precision) and says which measurement it made."""
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ckpt = resolve_checkpoint(run_dir)
+    last = next(r for r in logged if r["step"] == int(ckpt.name.split("-")[1]))
+    assert main(["eval", "--checkpoint", str(run_dir)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["as_in_training"] is True and result["split"] == "val"
+    assert result["val_loss"] == pytest.approx(last["val_loss"], rel=1e-12)
+    assert result["tokens"] == last["val_tokens"] == 1 * 4 * 32  # eval_batches x batch_size x seq_len
+    assert result["bpc"] == pytest.approx(last["val_bpc"], rel=1e-12)
+    # the whole split: another measurement, and the output says so
+    assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "all"]) == 0
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert whole["as_in_training"] is False and whole["sequences"] == (111540 - 1) // 32
+    assert whole["tokens"] == whole["sequences"] * 32
+    assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "0"]) == 2
+    assert "--max-batches: expected a positive int or 'all', got '0'" in capsys.readouterr().err
 
 
 def test_generate_continues_the_prompt(run_dir, capsys):
@@ -62,27 +78,46 @@ def test_generate_continues_the_prompt(run_dir, capsys):
     assert out.startswith("ROMEO:") and len(out.rstrip("\n")) >= len("ROMEO:") + 1
 
 
-def test_resume_extends_a_run(run_dir, capsys):
-    assert (
-        main(
-            [
-                "train",
-                "--out",
-                str(run_dir),
-                "--resume",
-                "--steps",
-                "6",
-                "--eval-interval",
-                "2",
-                "--sample-tokens",
-                "0",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [2, 4, 6]
+def test_resume_extends_a_run(tmp_path, capsys):
+    """--resume keeps every saved setting (eval_interval, checkpoint_interval, ... are not reset
+    to their defaults), prints each flag that changes one, and a new --steps needs --reschedule."""
+    out = tmp_path / "run"
+    args = ["--model", "gla", "--steps", "4", "--eval-interval", "2", "--checkpoint-interval", "4"]
+    args += ["--eval-batches", "1", "--d-model", "32", "--n-layers", "1", "--sample-tokens", "0"]
+    args += ["--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup-steps", "0"]
+    assert main(["train", "--out", str(out), *args, "--no-progress"]) == 0
+    capsys.readouterr()
+    resume = ["train", "--out", str(out), "--resume", "--no-progress"]
+    # a longer run must say what happens to the cosine
+    assert main([*resume, "--steps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "TrainConfig.steps: 4 -> 8" in err and "--reschedule stretch" in err and "--reschedule hold" in err
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    # settings that define the run cannot change on resume
+    assert main([*resume, "--lr", "1e-3"]) == 2
+    assert "TrainConfig.lr: a resumed run keeps lr = 0.01" in capsys.readouterr().err
+
+    assert main([*resume, "--steps", "8", "--reschedule", "hold", "--sample-tokens", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert "resume: steps 4 -> 8" in printed and "resume: sample_tokens 0 -> 5" in printed
+    assert "learning-rate cosine over 4 steps (was 4)" in printed
+    assert "eval_interval" not in printed  # not given, not changed
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6, 8]  # the saved eval_interval (2), not 100
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000004", "ckpt-000008"]  # interval 4
+    # 'hold': past the saved 4-step cosine the lr stays at lr * min_lr_ratio
+    assert [r["lr"] for r in records[2:]] == pytest.approx([1e-3, 1e-3], rel=1e-9)
+
+    # 'stretch': a cosine over 12 steps, so at step 8 the lr is back on it (no warm-up)
+    assert main([*resume, "--steps", "12", "--reschedule", "stretch"]) == 0
+    printed = capsys.readouterr().out
+    assert "learning-rate cosine over 12 steps (was 4)" in printed
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    cosine = lambda s: 1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + math.cos(math.pi * s / 12))  # noqa: E731
+    # the lr logged at step s is the schedule after s steps (the one the next update uses)
+    assert [r["lr"] for r in records[4:]] == pytest.approx([cosine(10), cosine(12)], rel=1e-9)
+    cfg = json.loads((out / "ckpt-000012" / "train_config.json").read_text())
+    assert cfg["eval_interval"] == 2 and cfg["steps"] == 12 and cfg["schedule_steps"] is None
 
 
 def test_models_lists_the_registry(capsys):
@@ -153,9 +188,23 @@ def test_empty_data_file(tmp_path, capsys):
 def test_corrupt_checkpoint_is_reported(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), *FAST]) == 0
+    capsys.readouterr()
     w = out / "ckpt-000004" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])  # truncated
+    # the run directory: the damaged newest checkpoint is named, the previous intact one is used
+    assert main(["generate", "--checkpoint", str(out), "--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert f"{w} has" in captured.err and "(truncated)" in captured.err
+    assert f"using {out / 'ckpt-000002'} instead" in captured.err
+    assert len(captured.out) == 3 + 1  # three generated characters (from ckpt-000002) and a newline
+    # the damaged checkpoint named directly: refused, naming the file
+    assert main(["generate", "--checkpoint", str(w.parent)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {w.parent} is damaged: {w} has" in err
+    # without a manifest (an older checkpoint) the weights loader still names the bad file
+    (w.parent / "manifest.json").unlink()
     w.write_bytes(b"\x00" * 10)
-    assert main(["generate", "--checkpoint", str(out)]) == 2
+    assert main(["generate", "--checkpoint", str(w.parent)]) == 2
     assert "corrupt or incompatible weights file" in capsys.readouterr().err
 
 
@@ -436,7 +485,7 @@ def test_a_run_folder_in_use_is_refused_and_left_untouched(run_dir, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
     metrics = (run_dir / "metrics.jsonl").read_text()
     try:
-        for extra in (["--resume", "--steps", "6"], ["--overwrite"]):
+        for extra in (["--resume", "--steps", "6", "--reschedule", "hold"], ["--overwrite"]):
             assert main(["train", "--out", str(run_dir), *FAST, *extra]) == 2
             assert "is in use by another training process (pid 4242)" in capsys.readouterr().err
     finally:
@@ -444,7 +493,7 @@ def test_a_run_folder_in_use_is_refused_and_left_untouched(run_dir, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     # the holder is gone (as after a crash): the lock is free again and the run resumes
-    assert main(["train", "--out", str(run_dir), *FAST, "--resume", "--steps", "6"]) == 0
+    assert main(["train", "--out", str(run_dir), "--resume", "--steps", "6", "--reschedule", "hold"]) == 0
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])

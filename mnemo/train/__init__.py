@@ -1,14 +1,17 @@
 """Training: the loop, configs, checkpoints."""
 
-from .checkpoint import resolve_checkpoint
+from .checkpoint import CorruptCheckpointError, resolve_checkpoint, verify_checkpoint
 from .config import TrainConfig, load_config_file
-from .trainer import Trainer, TrainingDiverged, generate_text
+from .trainer import Trainer, TrainingDiverged, generate_text, resume_config
 
 __all__ = [
+    "CorruptCheckpointError",
     "Trainer",
     "TrainConfig",
     "TrainingDiverged",
     "generate_text",
     "load_config_file",
     "resolve_checkpoint",
+    "resume_config",
+    "verify_checkpoint",
 ]

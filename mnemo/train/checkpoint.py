@@ -5,18 +5,23 @@ Layout of a run directory::
 
     OUT/latest                 -> "ckpt-000500"
     OUT/ckpt-000500/config.json, model.safetensors, tokenizer.json,
-                    train_config.json, trainer_state.pt
+                    train_config.json, trainer_state.pt, manifest.json
     OUT/metrics.jsonl
 
-A crash at any point leaves the previous checkpoint and ``latest`` intact.
+A crash at any point leaves the previous checkpoint and ``latest`` intact. ``manifest.json``
+records the size and SHA-256 of every other file; :func:`resolve_checkpoint` checks them and, for
+a run directory, falls back to the newest intact checkpoint (a warning names the damaged file).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +31,64 @@ from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
 LATEST = "latest"
 STATE_NAME = "trainer_state.pt"
 TRAIN_CONFIG_NAME = "train_config.json"
+MANIFEST_NAME = "manifest.json"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose files disagree with its manifest (``problems``: one line per file)."""
+
+    def __init__(self, ckpt: Path, problems: list[str]):
+        self.ckpt, self.problems = Path(ckpt), problems
+        super().__init__(f"checkpoint {ckpt} is damaged: " + "; ".join(problems))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(ckpt_dir: str | Path) -> None:
+    """Record the size (bytes) and SHA-256 of every file of ``ckpt_dir`` in ``manifest.json``."""
+    d = Path(ckpt_dir)
+    files = {
+        f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(d.iterdir())
+        if f.is_file() and f.name != MANIFEST_NAME
+    }
+    (d / MANIFEST_NAME).write_text(json.dumps({"format": 1, "files": files}, indent=1) + "\n")
+
+
+def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
+    """The problems of a checkpoint against its manifest: one line per missing, truncated or
+    changed file (empty when intact). A checkpoint without ``manifest.json`` (written by an older
+    mnemo, or by ``LanguageModel.save_pretrained``) has nothing to check and returns ``[]``.
+    """
+    d = Path(ckpt_dir)
+    m = d / MANIFEST_NAME
+    if not m.is_file():
+        return []
+    try:
+        files = json.loads(m.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return [f"{m} is unreadable ({e})"]
+    problems = []
+    for name, want in files.items():
+        f = d / name
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+            continue
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            problems.append(
+                f"{f} has {size:,} bytes, its manifest says {want['bytes']:,}"
+                + (" (truncated)" if size < want["bytes"] else "")
+            )
+        elif _sha256(f) != want["sha256"]:
+            problems.append(f"{f} has a different SHA-256 than its manifest (changed after it was written)")
+    return problems
 
 
 def _fsync_dir(path: Path) -> None:
@@ -75,6 +138,7 @@ def save_checkpoint(out_dir: str | Path, step: int, write_files, keep: int = 2) 
     tmp.mkdir()
     try:
         write_files(tmp)
+        write_manifest(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -98,29 +162,71 @@ def save_checkpoint(out_dir: str | Path, step: int, write_files, keep: int = 2) 
     return final
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def _step_of(p: Path) -> int:
+    try:
+        return int(p.name.split("-")[-1])
+    except ValueError:
+        return -1
+
+
+def resolve_checkpoint(
+    path: str | Path, *, verify: bool = True, warn: Callable[[str], None] | None = None
+) -> Path:
     """A checkpoint directory from either itself or a run directory (through ``latest``).
 
-    Raises ``FileNotFoundError`` saying what was looked for.
+    With ``verify`` (default) the checkpoint's files are checked against its manifest (sizes and
+    SHA-256, :func:`verify_checkpoint`). For a run directory whose ``latest`` checkpoint is damaged
+    or missing, the newest intact ``ckpt-*`` is returned instead and ``warn`` (default:
+    ``warnings.warn``) is told which file was bad and which checkpoint is used.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or no checkpoint in it (says what was looked for).
+        CorruptCheckpointError: a checkpoint directory given directly is damaged, or every
+            checkpoint of a run directory is (the message names the bad files).
     """
+    warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {str(path)!r} does not exist")
     if (p / CONFIG_NAME).is_file() or (p / WEIGHTS_NAME).is_file():
+        problems = verify_checkpoint(p) if verify else []
+        if problems:
+            raise CorruptCheckpointError(p, problems)
         return p
     latest = p / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        target = p / name
+    if not latest.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint in {str(path)!r}: expected {CONFIG_NAME} + {WEIGHTS_NAME} there, or a "
+            f"'{LATEST}' file naming a checkpoint directory (a run directory written by `mnemo train`)"
+        )
+    name = latest.read_text().strip()
+    target = p / name
+    if not verify:
         if not name or not target.is_dir():
             raise FileNotFoundError(
                 f"{latest} points to {name!r}, which is not a checkpoint directory in {p}"
             )
         return target
-    raise FileNotFoundError(
-        f"no checkpoint in {str(path)!r}: expected {CONFIG_NAME} + {WEIGHTS_NAME} there, or a "
-        f"'{LATEST}' file naming a checkpoint directory (a run directory written by `mnemo train`)"
+    bad: list[str] = []
+    if not name or not target.is_dir():
+        bad.append(f"{latest} points to {name!r}, which is not a checkpoint directory")
+        candidates = []
+    else:
+        candidates = [target]
+    newest = _step_of(target) if candidates else float("inf")  # never skip ahead of `latest`
+    candidates += sorted(
+        (c for c in p.glob("ckpt-*") if c.is_dir() and _step_of(c) < newest), key=_step_of, reverse=True
     )
+    for c in candidates:
+        problems = verify_checkpoint(c)
+        if not problems:
+            if bad:
+                warn(f"damaged checkpoint skipped: {'; '.join(bad)} — using {c} instead")
+            return c
+        bad += problems
+    if not bad:
+        raise FileNotFoundError(f"{latest} points to {name!r}, which is not a checkpoint directory in {p}")
+    raise CorruptCheckpointError(p, bad + ["no intact checkpoint is left in the run directory"])
 
 
 def save_torch(obj, path: str | Path) -> None:

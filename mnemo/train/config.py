@@ -46,7 +46,11 @@ class TrainConfig:
             of keeping them (``torch.utils.checkpoint``): less memory, about one more forward pass;
             same losses and gradients.
         steps: optimizer steps. lr: peak learning rate; warmup_steps linear warm-up, then cosine
-            decay to ``lr · min_lr_ratio`` at ``steps``.
+            decay to ``lr · min_lr_ratio`` at ``schedule_steps``.
+        schedule_steps: length of the warm-up + cosine schedule in steps (default ``None``: equal
+            to ``steps``); past it the learning rate stays at ``lr · min_lr_ratio``. Set when a
+            resumed run gets more (or fewer) ``steps`` but should keep its cosine
+            (``mnemo train --resume --steps N --reschedule hold``).
         optimizer: ``"adamw"`` or ``"m3"`` (Multi-scale Momentum Muon, Nested Learning Algorithm 1,
             :class:`mnemo.nested.M3`: Newton–Schulz-orthogonalised fast and slow momenta over an
             accumulated second moment; its update size differs from Adam's, so tune ``lr`` for it
@@ -100,6 +104,7 @@ class TrainConfig:
     context_parallel: bool = False
     activation_checkpointing: bool = False
     steps: int = 1000
+    schedule_steps: int | None = None
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -165,6 +170,12 @@ class TrainConfig:
             not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1
         ):
             bad("checkpoint_interval", "None or a positive int")
+        if self.schedule_steps is not None and (
+            not isinstance(self.schedule_steps, int)
+            or isinstance(self.schedule_steps, bool)
+            or self.schedule_steps < 1
+        ):
+            bad("schedule_steps", "None or a positive int")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             bad("lr", "a positive number")
         if not (0 <= self.min_lr_ratio <= 1):
@@ -244,6 +255,11 @@ class TrainConfig:
         from ..data.tasks import build_task
 
         return build_task(self.task, self.task_options)
+
+    @property
+    def cosine_steps(self) -> int:
+        """Length of the warm-up + cosine schedule: ``schedule_steps``, else ``steps``."""
+        return self.schedule_steps or self.steps
 
     @property
     def ckpt_every(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -44,6 +45,7 @@ from .distributed import (
     local_device,
     shard,
 )
+from .memory_estimate import check_memory, estimate_memory
 from .task_eval import evaluate_task
 
 METRICS_NAME = "metrics.jsonl"
@@ -156,6 +158,121 @@ class _Logits(torch.nn.Module):
 LOCK_NAME = ".lock"
 
 
+# Settings a resumed run may change: none changes the model, the data, the batches or the update
+# rule (grad_accum and the parallel layouts give the same gradients). ``steps`` also moves the
+# end of the cosine unless ``schedule_steps`` pins it, which must be chosen (``reschedule``).
+RESUMABLE = (
+    "steps",
+    "schedule_steps",
+    "eval_interval",
+    "checkpoint_interval",
+    "eval_batches",
+    "device",
+    "sample_tokens",
+    "sample_prompt",
+    "sample_temperature",
+    "tensorboard",
+    "eval_lengths",
+    "track_circuits",
+    "circuit_length",
+    "grad_accum",
+    "context_parallel",
+    "activation_checkpointing",
+)
+RESCHEDULE = ("stretch", "hold")
+
+
+def resume_config(
+    saved: TrainConfig,
+    given: TrainConfig | dict | None,
+    reschedule: str | None = None,
+    step: int | None = None,
+) -> tuple[TrainConfig, list[str]]:
+    """The configuration of a resumed run, and one line per setting that changes.
+
+    ``saved`` is the checkpoint's configuration; every setting keeps its saved value unless
+    ``given`` changes it: a dict holds only the settings to change (what ``mnemo train --resume``
+    passes: the flags actually given; dict-valued settings such as ``model_overrides`` change key
+    by key), a :class:`TrainConfig` is compared field by field, ``None``
+    changes nothing. Only the :data:`RESUMABLE` fields may change (they leave the model, data,
+    batches and update rule alone); any other difference raises ``ValueError`` naming the field.
+
+    The learning rate follows a warm-up + cosine over ``cosine_steps`` (``schedule_steps`` or
+    ``steps``). When new ``steps`` would move the end of that cosine, ``reschedule`` must say what
+    happens, else ``ValueError`` naming both choices (``step``, the resumed step, only sets where
+    the note on the learning rate is taken; default the saved ``steps``):
+
+    * ``"stretch"``: the cosine is recomputed over the new ``steps`` — the learning rate at the
+      resumed step jumps to its value on the longer (or shorter) cosine;
+    * ``"hold"``: the cosine keeps its saved length (``schedule_steps`` is pinned to it); past its
+      end the learning rate stays at ``lr · min_lr_ratio``.
+    """
+    if reschedule is not None and reschedule not in RESCHEDULE:
+        raise ValueError(f"reschedule: expected one of {RESCHEDULE} or None, got {reschedule!r}")
+    if given is None:
+        changes = {}
+    elif isinstance(given, TrainConfig):
+        changes = {
+            f.name: getattr(given, f.name)
+            for f in dataclasses.fields(TrainConfig)
+            if getattr(given, f.name) != getattr(saved, f.name)
+        }
+    elif isinstance(given, dict):
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
+        given = {  # nested settings change key by key
+            k: {**getattr(saved, k), **v}
+            if isinstance(v, dict) and isinstance(getattr(saved, k), dict)
+            else v
+            for k, v in given.items()
+        }
+        changes = {k: v for k, v in given.items() if v != getattr(saved, k)}
+    else:
+        raise TypeError(f"cfg: expected a TrainConfig, a dict of changes or None, got {type(given).__name__}")
+    fixed = sorted(k for k in changes if k not in RESUMABLE)
+    if fixed:
+        k = fixed[0]
+        raise ValueError(
+            f"TrainConfig.{k}: a resumed run keeps {k} = {getattr(saved, k)!r} (got {changes[k]!r}); "
+            f"only {', '.join(RESUMABLE)} may change on resume — start a new run "
+            "(e.g. with --init-from) to change it"
+        )
+    cfg = dataclasses.replace(saved, **changes).validate()
+    notes = [f"{k} {getattr(saved, k)!r} -> {v!r}" for k, v in changes.items() if k != "schedule_steps"]
+    step_lr = lambda c, s: c.lr * lr_factor(s, c.warmup_steps, c.cosine_steps, c.min_lr_ratio)  # noqa: E731
+    if cfg.cosine_steps != saved.cosine_steps or reschedule is not None:
+        stretched = dataclasses.replace(cfg, schedule_steps=None)
+        held = dataclasses.replace(cfg, schedule_steps=saved.cosine_steps)
+        if reschedule is None and "schedule_steps" not in changes:
+            raise ValueError(
+                f"TrainConfig.steps: {saved.steps} -> {cfg.steps} moves the end of the cosine "
+                f"learning-rate schedule (now {saved.cosine_steps} steps); say what should happen: "
+                f"--reschedule stretch (a cosine over {cfg.steps} steps) or --reschedule hold (keep "
+                f"the {saved.cosine_steps}-step cosine, then lr · min_lr_ratio = "
+                f"{saved.lr * saved.min_lr_ratio:.3g})"
+            )
+        if reschedule is not None:
+            cfg = stretched if reschedule == "stretch" else held
+        notes.append(f"learning-rate cosine over {cfg.cosine_steps} steps (was {saved.cosine_steps})")
+        at = saved.steps if step is None else step
+        notes.append(
+            f"lr at step {at}: {step_lr(saved, at):.3g} on the saved schedule, {step_lr(cfg, at):.3g} now"
+        )
+    return cfg, notes
+
+
+def _count_parameters(model_cfg) -> int:
+    """Parameters of the model ``model_cfg`` describes, counted on the meta device (nothing is
+    allocated; 0 if a layer cannot be built there — the estimate then leaves parameters out)."""
+    try:
+        with torch.device("meta"):
+            return LanguageModel(model_cfg).num_parameters()
+    except Exception:  # a layer that computes with its tensors at construction
+        return 0
+
+
 def lock_run_folder(out: Path):
     """Take the run folder ``out`` for this process: an exclusive advisory lock on ``out/.lock``
     (``flock``), held until the returned file is closed. The kernel drops the lock when its process
@@ -197,8 +314,13 @@ class Trainer:
     seed; the final evaluation adds ``val_acc@L`` / ``val_loss@L`` for every ``cfg.eval_lengths``.
 
     ``Trainer(cfg, out_dir, resume=False).fit()`` returns the final evaluation record. With
-    ``resume=True`` it continues from ``out_dir``'s latest checkpoint and reproduces, step for
-    step, the losses of an uninterrupted run (same seed, config and machine).
+    ``resume=True`` it continues from ``out_dir``'s newest intact checkpoint (verified against its
+    manifest; a damaged one is skipped with a warning naming the bad file) and reproduces, step
+    for step, the losses of an uninterrupted run (same seed, config and machine). A resumed run
+    restores every saved setting; ``cfg`` then only says what to change — ``None`` (nothing), a
+    dict of the settings to change, or a full :class:`TrainConfig` compared field by field — see
+    :func:`resume_config` (which settings may change; ``reschedule`` = ``"stretch"`` or ``"hold"``
+    when new ``steps`` would move the end of the cosine). Each change is logged in one line.
 
     ``callbacks``: functions ``f(trainer, record) -> dict | None`` called after every evaluation,
     before the record is written; a returned dict is merged into the record (e.g. circuit scores
@@ -235,6 +357,7 @@ class Trainer:
         out_dir: str | Path,
         *,
         resume: bool = False,
+        reschedule: str | None = None,
         progress: bool = True,
         log=print,
         callbacks=(),
@@ -242,35 +365,24 @@ class Trainer:
         self.out = Path(out_dir)
         self.progress, self.log = progress, log
         self.callbacks = list(callbacks)
+        state = None
+        ckpt = None
+        notes: list[str] = []
+        if resume:
+            ckpt = resolve_checkpoint(self.out, verify=True, warn=notes.append)
+            saved = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
+            state = load_trainer_state(ckpt)
+            cfg, changed = resume_config(saved, cfg, reschedule, step=state["step"])
+            notes += [f"resume: {c}" for c in changed]
+        elif cfg is None or isinstance(cfg, dict):
+            cfg = TrainConfig.from_dict(cfg or {})
+        elif reschedule is not None:
+            raise ValueError("reschedule: applies to a resumed run (resume=True) only")
         self.device = local_device(torch.device(cfg.device))  # cuda:LOCAL_RANK under torchrun
         self.rank, self.world = init_from_env(backend_for(self.device))
         self.is_main = self.rank == 0
-        state = None
-        ckpt = None
-        if resume:
-            ckpt = resolve_checkpoint(self.out)
-            saved = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
-            # a resumed run keeps its model/data/seed; steps and intervals may be extended
-            for name in (
-                "steps",
-                "eval_interval",
-                "checkpoint_interval",
-                "eval_batches",
-                "device",
-                "sample_tokens",
-                "sample_prompt",
-                "sample_temperature",
-                "tensorboard",
-                "eval_lengths",
-                "track_circuits",
-                "circuit_length",
-                "grad_accum",  # none changes the math: any micro-batching, any process count
-                "context_parallel",
-                "activation_checkpointing",
-            ):
-                setattr(saved, name, getattr(cfg, name))
-            cfg = saved.validate()
-            state = load_trainer_state(ckpt)
+        for note in notes if self.is_main else ():
+            self.log(note)
         self.cfg = cfg.validate()
         # context parallelism splits the sequences, not the batch
         self.context_parallel = cfg.context_parallel and self.world > 1
@@ -314,6 +426,19 @@ class Trainer:
                     f"{cfg.model!r} (max_position = {model_cfg.max_position}); raise "
                     "model_overrides.max_position"
                 )
+        cp_world = self.world if self.context_parallel else 1
+        rows = cfg.batch_size // ((1 if self.context_parallel else self.world) * cfg.grad_accum)
+        est = estimate_memory(
+            n_params=_count_parameters(model_cfg),
+            vocab_size=vocab_size,
+            d_model=model_cfg.d_model,
+            n_layers=model_cfg.n_layers,
+            batch_size=cfg.batch_size,
+            micro_rows=rows,
+            seq_len=cfg.seq_len // cp_world,
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
+        check_memory(est, self.device, what=f"a step of {cfg.batch_size:,} x {cfg.seq_len} tokens")
         self.model = LanguageModel(model_cfg).to(self.device)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         for i, block in enumerate(self.model.blocks):
@@ -331,7 +456,7 @@ class Trainer:
                 raise ValueError(f"TrainConfig.context_parallel: model {cfg.model!r}: {e}") from None
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.cosine_steps, cfg.min_lr_ratio)
         )
         if self.task is None:
             self.generator = torch.Generator().manual_seed(cfg.seed + 1)
@@ -447,7 +572,11 @@ class Trainer:
         val_loss = total / max(count, 1)
         # bits per character: tokens per character of the validation text (1 for char-level)
         tokens_per_char = self.val_data.ids.numel() / max(self.val_chars, 1)
-        return {"val_loss": val_loss, "val_bpc": val_loss * tokens_per_char / math.log(2)}
+        return {
+            "val_loss": val_loss,
+            "val_bpc": val_loss * tokens_per_char / math.log(2),
+            "val_tokens": count,  # the first eval_batches · batch_size windows of the split
+        }
 
     def _evaluate_task(self, max_batches: int | None, lengths: list[int]) -> dict:
         cfg = self.cfg

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from mnemo.train import TrainConfig, Trainer, TrainingDiverged, resolve_checkpoint
+from mnemo.train import (
+    CorruptCheckpointError,
+    TrainConfig,
+    Trainer,
+    TrainingDiverged,
+    resolve_checkpoint,
+    resume_config,
+)
 from mnemo.train import checkpoint as ckpt_mod
 
 TINY = {"d_model": 32, "n_layers": 1}
@@ -123,21 +130,26 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monk
     import mnemo.train.trainer as trainer_mod
 
     monkeypatch.setattr(trainer_mod, "save_torch", boom)
-    tr2 = Trainer(_cfg(steps=6, eval_interval=2), tmp_path, resume=True, progress=False)
+    tr2 = Trainer(_cfg(steps=6, eval_interval=2), tmp_path, resume=True, reschedule="hold", progress=False)
     with pytest.raises(OSError, match="disk full"):
         tr2.fit()
     assert resolve_checkpoint(tmp_path) == good
     assert (good / "model.safetensors").read_bytes() == weights
     assert not list(tmp_path.glob(".tmp-*")), "the partial checkpoint was not cleaned up"
-    Trainer(_cfg(steps=6, eval_interval=2), tmp_path, resume=True, progress=False)  # still resumable
+    Trainer(_cfg(steps=6, eval_interval=2), tmp_path, resume=True, reschedule="hold", progress=False)
 
 
 def test_corrupt_trainer_state_is_reported(tmp_path):
     Trainer(_cfg(steps=2, eval_interval=2), tmp_path, progress=False).fit()
     state = resolve_checkpoint(tmp_path) / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[: len(state.read_bytes()) // 2])
+    # the manifest catches it first, naming the file (no older checkpoint to fall back to)
+    with pytest.raises(CorruptCheckpointError, match=r"trainer_state.pt has [\d,]+ bytes, its manifest says"):
+        Trainer(_cfg(steps=2), tmp_path, resume=True, progress=False)
+    # a checkpoint without a manifest (older mnemo): the loader still names the file
+    (state.parent / "manifest.json").unlink()
     with pytest.raises(ValueError, match="corrupt trainer state"):
-        Trainer(_cfg(steps=4), tmp_path, resume=True, progress=False)
+        Trainer(_cfg(steps=2), tmp_path, resume=True, progress=False)
 
 
 @pytest.mark.parametrize(
@@ -311,3 +323,52 @@ def test_m3_config_builds_algorithm_1_and_validates_its_fields(tmp_path):
         progress=False,
     ).fit()
     assert rec["step"] == 6 and math.isfinite(rec["val_loss"])
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+    """A truncated model.safetensors in the newest checkpoint: resume names the file, continues
+    from the previous intact checkpoint, and still reproduces the uninterrupted run."""
+    ref = _losses(Trainer(_cfg(), tmp_path / "a", progress=False), 12)
+    Trainer(_cfg(), tmp_path / "b", progress=False).fit(until=9)  # checkpoints at 6 and 9
+    w = tmp_path / "b" / "ckpt-000009" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-64])
+    said = []
+    again = Trainer(None, tmp_path / "b", resume=True, progress=False, log=said.append)
+    assert again.step == 6 and again.last_checkpoint.name == "ckpt-000006"
+    assert any(f"{w} has" in m and "(truncated)" in m and "ckpt-000006 instead" in m for m in said), said
+    assert _losses(again, 6) == ref[6:]
+    # every checkpoint damaged: an error naming each bad file
+    c = tmp_path / "b" / "ckpt-000006" / "config.json"
+    c.write_text(c.read_text().replace(":", ";", 1))  # same size, other bytes
+    with pytest.raises(CorruptCheckpointError) as e:
+        resolve_checkpoint(tmp_path / "b")
+    assert f"{w} has" in str(e.value) and f"{c} has a different SHA-256 than its manifest" in str(e.value)
+
+
+def test_resume_config_keeps_saved_settings_and_reports_each_change():
+    saved = _cfg(steps=10, eval_interval=5, checkpoint_interval=10, warmup_steps=2)
+    same, notes = resume_config(saved, None)
+    assert same == saved and notes == []
+    cfg, notes = resume_config(saved, {"eval_batches": 3, "model_overrides": {"d_model": 32}})
+    assert cfg.eval_batches == 3 and cfg.eval_interval == 5 and cfg.model_overrides == saved.model_overrides
+    assert notes == [f"eval_batches {saved.eval_batches!r} -> 3"]
+    with pytest.raises(ValueError, match=r"TrainConfig.seed: a resumed run keeps seed = 0 \(got 1\)"):
+        resume_config(saved, {"seed": 1})
+    with pytest.raises(ValueError, match="TrainConfig.lr: a resumed run keeps lr"):
+        resume_config(saved, TrainConfig(**{**saved.to_dict(), "lr": 1.0}))
+    with pytest.raises(ValueError, match="reschedule: expected one of"):
+        resume_config(saved, {"steps": 20}, "longer")
+    with pytest.raises(ValueError, match="TrainConfig.steps: 10 -> 20 moves the end of the cosine"):
+        resume_config(saved, {"steps": 20})
+    held, notes = resume_config(saved, {"steps": 20}, "hold", step=10)
+    assert held.schedule_steps == 10 and held.cosine_steps == 10 and held.steps == 20
+    lr_min = saved.lr * saved.min_lr_ratio
+    assert notes[-1] == f"lr at step 10: {lr_min:.3g} on the saved schedule, {lr_min:.3g} now"
+    stretched, notes = resume_config(saved, {"steps": 20}, "stretch", step=10)
+    assert stretched.schedule_steps is None and stretched.cosine_steps == 20
+    # on the stretched cosine step 10 sits 8/18 of the way through the decay
+    mid = saved.min_lr_ratio + (1 - saved.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * 8 / 18))
+    assert notes[-1] == f"lr at step 10: {lr_min:.3g} on the saved schedule, {saved.lr * mid:.3g} now"
+    # a held run can later get more steps without moving its cosine again
+    more, _ = resume_config(held, {"steps": 30})
+    assert more.cosine_steps == 10
