@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: modules that register more sub-commands (see ``build_parser``)
-_COMMAND_MODULES: list[str] = ["mnemo.sweep.cli", "mnemo.continual", "mnemo.interp.probe"]
+_COMMAND_MODULES: list[str] = ["mnemo.sweep.cli", "mnemo.continual", "mnemo.interp.probe", "mnemo.verify"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,11 +55,11 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():
 
 from mnemo.models import LanguageModel, model_names  # noqa: E402
 from mnemo.ops import KVCache, softmax_attention  # noqa: E402
+from mnemo.testing import specs  # noqa: E402
+from mnemo.testing.specs import SPECS  # noqa: E402
 from mnemo.train import TrainConfig, Trainer, resolve_checkpoint  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 from tests.models.test_lm import _model  # noqa: E402
-from tests.ops import specs  # noqa: E402
-from tests.ops.specs import SPECS  # noqa: E402
 from tests.train.test_trainer import _cfg as _trainer_cfg  # noqa: E402
 
 B, T, H, K, V = 2, 37, 2, 16, 16  # T odd: a partial last chunk

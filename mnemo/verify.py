@@ -1,0 +1,191 @@
+"""``mnemo verify``: run the equivalence contract (:mod:`mnemo.testing`) and print a pass/FAIL table.
+
+By default every spec of mnemo's own ops (:data:`mnemo.testing.SPECS`: each fast form against the
+op's ``mode="recurrent"`` token loop) and, when fla-core is installed, fla-core's pure-PyTorch
+reference functions against mnemo's recurrent references. Exit status: 0 when every check passed,
+1 when one failed, 2 for a usage error (an ``--ops`` pattern that matches nothing, or an explicitly
+requested third-party package that is missing — reported in one line).
+
+    mnemo verify                          # everything (~15 s on 2 CPU cores)
+    mnemo verify --quick --ops 'gla*'     # fewer lengths, gated linear attention only
+    mnemo verify --third-party fla --ops gated_delta_rule
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+HELP = "check every op against its reference (the equivalence contract) and print a pass/FAIL table"
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ops",
+        help="comma-separated names or glob patterns of the specs to check, matched against the spec "
+        "name, the op name and the recurrence it claims (e.g. 'gla*', 'gated_delta_rule'); default all",
+    )
+    p.add_argument(
+        "--checks", help="comma-separated glob patterns of check names (e.g. 'forms*,grad*'); default all"
+    )
+    p.add_argument(
+        "--third-party",
+        default="auto",
+        choices=["auto", "fla", "none"],
+        help="also check a third-party package's references against mnemo's: 'fla' (fla-core's "
+        "fla/ops/*/naive.py functions), 'auto' (default: fla when installed) or 'none'",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="one or two lengths per check instead of six (~3x faster)"
+    )
+    p.add_argument("--list", action="store_true", help="list the specs that would be checked and exit")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each row as it finishes")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``verify`` subcommand to an ``argparse`` subparsers object (``set_defaults(func=run)``)."""
+    p = subparsers.add_parser("verify", help=HELP, description=__doc__.split("\n\n")[0] + " " + HELP + ".")
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_commands(subparsers) -> None:
+    """The hook ``mnemo.cli`` calls for each command module (see ``mnemo.cli._COMMAND_MODULES``)."""
+    add_parser(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mnemo verify", description=HELP)
+    _add_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``mnemo verify`` as a function: ``main(["--ops", "gla*"])`` returns the exit status."""
+    return run(build_parser().parse_args(argv))
+
+
+def _keys(spec) -> set[str]:
+    from mnemo.testing import get_spec
+
+    keys = {spec.name}
+    op = spec.op
+    if spec.claims:
+        keys.add(spec.claims)
+        try:
+            op = op or get_spec(spec.claims).op
+        except KeyError:
+            pass
+    if op is not None and getattr(op, "__name__", None):
+        keys.add(op.__name__)
+    return keys
+
+
+def _select(specs, patterns):
+    if not patterns:
+        return list(specs)
+    return [s for s in specs if any(fnmatch.fnmatchcase(k, p) for k in _keys(s) for p in patterns)]
+
+
+def _split(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def _row_json(group: str, r) -> dict:
+    def num(x):
+        return None if x is None or not math.isfinite(x) else x
+
+    return {
+        "group": group,
+        "op": r.op,
+        "check": r.check,
+        "passed": r.passed,
+        "error": num(r.error),
+        "tol": num(r.tol),
+        "message": r.message,
+    }
+
+
+def run(args) -> int:
+    """Run the checks chosen by ``args`` (from :func:`add_parser` / :func:`build_parser`), print the
+    tables, return the exit status."""
+    import torch
+
+    from mnemo.testing import Report, format_table, run_contract
+    from mnemo.testing import specs as registered
+    from mnemo.testing.third_party import ThirdPartyUnavailable, third_party_specs, version
+
+    patterns, checks = _split(args.ops), _split(args.checks)
+    groups = [("mnemo", "mnemo's ops: each fast form vs the op's mode='recurrent'", list(registered.SPECS))]
+
+    tp = args.third_party
+    if tp != "none":
+        name = "fla" if tp == "auto" else tp
+        try:
+            specs = third_party_specs(name)
+        except ThirdPartyUnavailable as e:
+            if tp != "auto":
+                print(f"mnemo verify: {e}", file=sys.stderr)
+                return 2
+            print(f"(third-party checks skipped: {e})")
+        else:
+            title = f"fla-core {version(name)}: fla/ops/*/naive.py vs mnemo's recurrent references"
+            groups.append((name, title, specs))
+
+    known = ", ".join(s.name for g in groups for s in g[2])
+    groups = [(g, title, _select(specs, patterns)) for g, title, specs in groups]
+    if not any(g[2] for g in groups):
+        print(f"mnemo verify: --ops {args.ops!r} matches no spec; known: {known}", file=sys.stderr)
+        return 2
+
+    if args.list:
+        for _, title, specs in groups:
+            if specs:
+                print(f"# {title}")
+                for s in specs:
+                    print(f"{s.name:<44} {s.note}")
+        return 0
+
+    rc = 0
+    summary, rows_json = [], []
+    t_all = time.perf_counter()
+    for group, title, specs in groups:
+        if not specs:
+            continue
+        report = Report()
+        t0 = time.perf_counter()
+        for spec in specs:
+            progress = (
+                (lambda r: print(format_table([r]).splitlines()[-1], flush=True)) if args.verbose else None
+            )
+            report += run_contract(spec, quick=args.quick, checks=checks or None, progress=progress)
+        dt = time.perf_counter() - t0
+        print(f"\n== {title} (torch {torch.__version__}{', quick' if args.quick else ''})")
+        print(format_table(report))
+        n_fail = len(report.failures)
+        summary.append(
+            f"{group}: {len(specs)} ops, {len(report)} checks, {len(report) - n_fail} passed, "
+            f"{n_fail} failed ({dt:.1f} s)"
+        )
+        rows_json += [_row_json(group, r) for r in report]
+        if n_fail:
+            rc = 1
+    print()
+    for line in summary:
+        print(line)
+    print(f"{'all passed' if rc == 0 else 'some checks FAILED'} in {time.perf_counter() - t_all:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_json, indent=2))
+        print(f"wrote {args.json}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
