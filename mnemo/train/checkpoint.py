@@ -155,10 +155,15 @@ def save_checkpoint(out_dir: str | Path, step: int, write_files, keep: int = 2) 
         os.replace(tmp, final)
     _fsync_dir(out)
     atomic_write_text(out / LATEST, final.name + "\n")
-    ckpts = sorted(p for p in out.glob("ckpt-*") if p.is_dir())
+    ckpts = sorted((p for p in out.glob("ckpt-*") if p.is_dir()), key=_step_of)  # by step, not name
     for old in ckpts[:-keep] if keep > 0 else []:
         if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+            # out of sight first: a crash mid-delete must not leave a half checkpoint to resume from
+            trash = out / f".old-{old.name}-{os.getpid()}"
+            os.replace(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+    for stale in out.glob(".old-ckpt-*"):  # left by a crash during an earlier cleanup
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
