@@ -57,9 +57,21 @@ def test_capture_maps_leaves_outputs_unchanged(model):
         build_config(model, vocab_size=30, d_model=16, n_layers=2 if model != "gla_hybrid" else 4)
     )
     ids = torch.randint(0, 30, (2, 9))
-    before, _ = m(ids)
+    inputs = {}  # each mixer's input in a plain forward pass, read by hooks of the test's own
+    hooks = [
+        b.mixer.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0].detach()))
+        for i, b in enumerate(m.blocks)
+    ]
+    with torch.no_grad():
+        before, _ = m(ids)
+    for h in hooks:
+        h.remove()
     maps = capture_maps(m, ids)
     after, _ = m(ids)
     assert torch.equal(before, after)
     assert sorted(maps) == list(range(len(m.blocks)))
-    assert all(v.shape[-2:] == (9, 9) for v in maps.values())
+    for i, mp in maps.items():  # the map of layer i, on layer i's own input
+        mx = mixing(m.blocks[i].mixer, inputs[i])
+        assert torch.equal(mp, mx.maps), f"layer {i}"
+        # and it is the layer's mixing: maps times values give its output
+        assert_close(torch.einsum("bhts,bshv->bthv", mp, mx.values), mx.output, 1e-5, what=f"layer {i}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from mnemo.interp import (
@@ -15,6 +18,7 @@ from mnemo.interp import (
 )
 from mnemo.layers import Attention
 from mnemo.models import LanguageModel, build_config
+from tests.helpers import assert_close
 
 V = 8  # vocabulary
 HD = 16  # head dim: 8 rotary frequency pairs
@@ -107,10 +111,59 @@ def test_copying_score_signs():
     assert s[0] > 0.9 and s[1] < -0.9
 
 
+class _Copier(torch.nn.Module):
+    """Logits ``a`` on the token that followed the latest earlier occurrence of the current token
+    (an ideal induction circuit, with ``a < 0`` an anti-copier), ``0`` elsewhere: uniform where the
+    token has not been seen before."""
+
+    def __init__(self, vocab: int, a: float):
+        super().__init__()
+        self.vocab, self.a = vocab, a
+
+    def forward(self, ids):
+        B, T = ids.shape
+        logits = torch.zeros(B, T, self.vocab, dtype=torch.float64)
+        for b in range(B):
+            for t in range(T):
+                earlier = [s for s in range(t) if ids[b, s] == ids[b, t]]
+                if earlier:
+                    logits[b, t, ids[b, earlier[-1] + 1]] = self.a
+        return logits, None
+
+
+def test_icl_score_value_and_sign_on_built_models():
+    """Random tokens repeated once (``T = 2L``): the positions in the late span (the last 20%) all
+    sit in the second copy, the early ones (5% to 15%) in the first. Uniform logits: the loss is
+    ``ln V`` everywhere, score exactly 0. The ideal copier puts ``a`` on the right token in the
+    second copy: late loss ``ln(1 + (V − 1) e^{−a})``, early ``ln V``, score the difference
+    (strongly negative: later tokens are predicted better); the anti-copier (``−a``) scores
+    positive."""
+    Vocab, L, a = 50, 40, 8.0
+    ids = _perm_twice_of(Vocab, L, batch=3, gen=torch.Generator().manual_seed(2))
+    # (icl_score takes the loss in float32: agreement to ~1e-7)
+    assert icl_score(_Copier(Vocab, 0.0), ids) == pytest.approx(0.0, abs=1e-6)
+    late = math.log(1 + (Vocab - 1) * math.exp(-a))  # the right token has logit a, the others 0
+    assert icl_score(_Copier(Vocab, a), ids) == pytest.approx(late - math.log(Vocab), abs=1e-6)  # -3.9
+    anti = math.log(math.exp(-a) + Vocab - 1) + a  # the right token has logit -a, the others 0
+    assert icl_score(_Copier(Vocab, -a), ids) == pytest.approx(anti - math.log(Vocab), abs=1e-6)  # +8.0
+
+
+def _perm_twice_of(vocab, length, batch, gen):
+    seq = torch.stack([torch.randperm(vocab, generator=gen)[:length] for _ in range(batch)])
+    return torch.cat([seq, seq], 1)
+
+
 def test_icl_score_and_capture_on_a_model():
+    """On a real model: the score is the late-span mean loss minus the early-span one, written out
+    here for ``T = 39`` predicted positions (early: 1..5, late: 31..38)."""
     torch.manual_seed(0)
     m = LanguageModel(build_config("transformer", vocab_size=20, d_model=16, n_layers=2))
     ids = torch.randint(0, 20, (3, 40))
-    assert isinstance(icl_score(m, ids), float)
+    with torch.no_grad():
+        logits, _ = m(ids[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(0)
+    want = (loss[31:39].mean() - loss[1:6].mean()).item()
+    assert icl_score(m, ids) == pytest.approx(want, rel=1e-6, abs=1e-7)
     maps = capture_maps(m, ids)
     assert set(maps) == {0, 1} and maps[0].shape == (3, 4, 40, 40)
+    assert_close(maps[0].sum(-1), torch.ones(3, 4, 40), 1e-6, what="softmax rows sum to one")

@@ -56,7 +56,7 @@ def _la(feature_map, normalize):
 def _delta(q, k, v, S0, beta, g=None, **kw):
     if g is None:
         return delta_rule(q, k, v, beta, initial_state=S0, output_final_state=True, **kw)
-    return gated_delta_rule(q, k, v, g, beta, initial_state=S0, output_final_state=True, **kw)
+    return gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=S0, output_final_state=True, **kw)
 
 
 CASES = [
@@ -196,24 +196,29 @@ def test_graph_of_the_gradient_is_refused(op, cotangent):
     from mnemo.ops import gated_delta_rule, selective_scan
 
     x = _inputs(T=9, gate="scalar")
+    assert (x["g"] <= 0).all() and ((x["beta"] > 0) & (x["beta"] < 1)).all()  # a decay and a write strength
+    gen = torch.Generator().manual_seed(4)
+    A = -torch.rand(x["q"].shape[2] * x["q"].shape[3], 3, generator=gen, dtype=x["q"].dtype)
+    Bm = torch.randn(*x["q"].shape[:2], 3, generator=gen, dtype=x["q"].dtype)
+
+    def loss_of(q, mode):
+        if op == "gla":
+            o = gated_linear_attention(q, x["k"], x["v"], x["g"], chunk_size=4, mode=mode)[0]
+        elif op == "gated_delta_rule":
+            o = gated_delta_rule(q, x["k"], x["v"], g=x["g"], beta=x["beta"], chunk_size=4, mode=mode)[0]
+        else:
+            u = q.flatten(2)  # [B, T, H K]
+            o = selective_scan(u, u.detach().sigmoid(), A, Bm, Bm, delta_softplus=True, mode=mode)[0]
+        return o.square().sum() if cotangent == "needs grad" else o.sum()
+
     q = x["q"].clone().requires_grad_(True)
-    if op == "gla":
-        o = gated_linear_attention(q, x["k"], x["v"], x["g"], chunk_size=4)[0]
-    elif op == "gated_delta_rule":
-        beta = torch.rand(q.shape[:3], dtype=q.dtype)
-        o = gated_delta_rule(
-            q, torch.nn.functional.normalize(x["k"], dim=-1), x["v"], beta, x["g"], chunk_size=4
-        )[0]
-    else:
-        u = q.flatten(2)  # [B, T, H K]
-        A = -torch.rand(u.shape[-1], 3, dtype=u.dtype)
-        Bm = torch.randn(*u.shape[:2], 3, dtype=u.dtype)
-        o = selective_scan(u, u.detach().sigmoid(), A, Bm, Bm, delta_softplus=True)[0]
-    loss = o.square().sum() if cotangent == "needs grad" else o.sum()
+    loss = loss_of(q, "chunk")
     with pytest.raises(RuntimeError, match="first order.*create_graph=True.*mode='recurrent'"):
         torch.autograd.grad(loss, q, create_graph=True)
-    (g,) = torch.autograd.grad(loss, q)  # first order still works
-    assert torch.isfinite(g).all()
+    (g,) = torch.autograd.grad(loss, q)  # first order still works: the token loop's gradient
+    q_ref = x["q"].clone().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(loss_of(q_ref, "recurrent"), q_ref)
+    assert_close(g, g_ref, 1e-10)
 
 
 @pytest.mark.parametrize("op", ["gla_scalar", "gla_channel", "gated_delta_rule"])
@@ -286,7 +291,8 @@ def test_empty_batch_heads_or_values_in_chunk_mode(op, B, H, V):
 
     T, K = 5, 3
     q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
-    v, g = torch.randn(B, T, H, V), -torch.rand(B, T, H)
+    v, g = torch.randn(B, T, H, V), -torch.rand(B, T, H)  # log decays <= 0
+    beta = torch.rand(B, T, H) * 0.9 + 0.05  # write strengths in (0, 1)
     S0 = torch.randn(B, H, K, V)
     out = {}
     for mode in ("chunk", "recurrent"):
@@ -295,12 +301,11 @@ def test_empty_batch_heads_or_values_in_chunk_mode(op, B, H, V):
                 q, k, v, g, initial_state=S0, output_final_state=True, mode=mode
             )
         else:
-            beta = torch.rand(B, T, H)
             out[mode] = gated_delta_rule(
-                q, k, v, beta, g, initial_state=S0, output_final_state=True, mode=mode
+                q, k, v, g=g, beta=beta, initial_state=S0, output_final_state=True, mode=mode
             )
-    for a, b in zip(out["chunk"], out["recurrent"]):
-        assert a.shape == b.shape
+    for (a, b), shape in zip(zip(out["chunk"], out["recurrent"]), [(B, T, H, V), (B, H, K, V)]):
+        assert a.shape == b.shape == shape
         assert torch.equal(a, b)
 
 

@@ -141,7 +141,7 @@ def test_extreme_decays_stay_finite(dtype):
     # float32: cumulative log gates reach -60 * 128 inside a chunk, where fp32 keeps ~1e-5 of relative
     # precision in their differences (measured 1.2e-5); bf16: rounding the output (measured 1.7e-3)
     assert_close(o.float(), ref, 5e-3 if dtype == torch.bfloat16 else 1e-4, what="output")
-    assert_close(s, s_ref, 1e-4, what="state")
+    assert_close(s, s_ref, 2e-5, what="state")  # float32 state: documented 2e-5 (measured 3.4e-8)
 
 
 def test_bf16_inputs_accumulate_in_fp32():
@@ -151,7 +151,7 @@ def test_bf16_inputs_accumulate_in_fp32():
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     ref, s_ref = gated_delta_rule(*(t.double() for t in x), mode="recurrent", output_final_state=True)
     assert_close(o.float(), ref, 1e-2)
-    assert_close(s, s_ref, 1e-4)  # the state is never rounded to bf16
+    assert_close(s, s_ref, 2e-5)  # the state is never rounded to bf16: float32's 2e-5 (measured 6.1e-8)
 
 
 def test_float64_if_any_input_is_float64():

@@ -49,7 +49,10 @@ def _gates(shape, kind, gen, dtype):
 
 
 def _tol(dtype):
-    return 1e-9 if dtype == torch.float64 else 2e-4
+    """float64: the documented 1e-10 (docs/testing.md; measured at most 2.3e-14 over 6,000
+    examples). float32: here both forms run in float32, with gates down to -200 per token, so not
+    the 2e-5 of a realistic float32 run against a float64 reference (measured up to 5.8e-5)."""
+    return 1e-10 if dtype == torch.float64 else 2e-4
 
 
 @SETTINGS

@@ -147,7 +147,7 @@ def test_extreme_decays_in_bf16_stay_finite(mode):
         assert torch.isfinite(t.grad.float()).all(), n
     y_ref, h_ref = _run({n: t.detach().double() for n, t in args.items()}, "recurrent")
     assert_close(y.float(), y_ref, 1e-2)
-    assert_close(h, h_ref, 1e-4)
+    assert_close(h, h_ref, 2e-5)  # the float32 state: the documented float32 tolerance (measured 2.8e-8)
 
 
 def test_bad_inputs_name_argument_and_shapes():
