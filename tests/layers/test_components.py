@@ -33,7 +33,7 @@ def test_short_conv_values_and_gradients_match_conv1d(backend, W, bias, dtype, t
     if backend == "torch":
         monkeypatch.setenv("MNEMO_NATIVE", "0")
     elif _native.library() is None:
-        pytest.skip("no C compiler: the native kernel is unavailable")
+        pytest.skip("native kernels unavailable (MNEMO_NATIVE=0, no C compiler, or the build failed)")
     torch.manual_seed(0)
     C = 37  # not a multiple of the SIMD width; split unevenly between two threads
     conv = ShortConvolution(C, W, bias=bias).to(dtype)

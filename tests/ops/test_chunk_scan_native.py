@@ -15,7 +15,10 @@ from mnemo.ops import _chunked as ch
 from mnemo.ops import _native
 from tests.helpers import assert_close
 
-pytestmark = pytest.mark.skipif(_native.library() is None, reason="no C compiler: native kernels unavailable")
+pytestmark = pytest.mark.skipif(
+    _native.library() is None,
+    reason="native kernels unavailable (MNEMO_NATIVE=0, no C compiler, or the build failed)",
+)
 
 SHAPES = [(1, 4, 16, 64, 64), (2, 3, 5, 7, 9), (1, 1, 1, 4, 3), (2, 2, 9, 20, 33)]  # B, H, n, K, V
 

@@ -17,7 +17,8 @@ from tests.helpers import assert_close
 ss = importlib.import_module("mnemo.ops.selective_scan")
 
 needs_native = pytest.mark.skipif(
-    _native.library() is None, reason="no C compiler: native kernel unavailable"
+    _native.library() is None,
+    reason="native kernels unavailable (MNEMO_NATIVE=0, no C compiler, or the build failed)",
 )
 
 

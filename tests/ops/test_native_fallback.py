@@ -60,7 +60,7 @@ def backend(request, monkeypatch):
     if request.param == "native":
         monkeypatch.setenv("MNEMO_NATIVE", "1")  # also when the whole suite runs with MNEMO_NATIVE=0
         if _native.library() is None:
-            pytest.skip("no C compiler (or the build failed): the native side cannot run here")
+            pytest.skip("native kernels unavailable (MNEMO_NATIVE=0, no C compiler, or the build failed)")
     else:
         monkeypatch.setenv("MNEMO_NATIVE", "0")
     native_calls: list[str] = []

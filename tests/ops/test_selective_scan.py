@@ -25,7 +25,7 @@ def backend(request, monkeypatch):
     else:
         monkeypatch.delenv("MNEMO_NATIVE", raising=False)
         if _native.library() is None:
-            pytest.skip("no C compiler: the native kernel is unavailable")
+            pytest.skip("native kernels unavailable (MNEMO_NATIVE=0, no C compiler, or the build failed)")
     return request.param
 
 
