@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +29,16 @@ class MixerState:
     mlp: Any = None
 
 
+class Mixing(NamedTuple):
+    """A mixer's implicit attention on one input: ``output[:, t, h] = Σ_s maps[:, h, t, s] ·
+    values[:, s, h]`` (from a zero state; the mixer's read-out — norms, gates, projections —
+    comes after ``output``)."""
+
+    maps: torch.Tensor  # [B, H, T, T]
+    values: torch.Tensor  # [B, T, H, V]
+    output: torch.Tensor  # [B, T, H, V]
+
+
 class Mixer(nn.Module):
     """Base class of token mixers: ``forward(x, state=None) -> (y, state)``.
 
@@ -37,11 +47,30 @@ class Mixer(nn.Module):
     running ``x[:, :a]`` then ``x[:, a:]`` with the returned state equals one call on ``x``.
     ``mode`` (constructor or per call) selects the op form for ``T > 1``; ``T = 1`` always uses the
     recurrent step.
+
+    **Anatomy.** ``forward`` is the only place a mixer computes its intermediates; each passes
+    through a :class:`~mnemo.layers.hooks.HookPoint` attribute named by the field's term —
+    ``hook_q``, ``hook_k``, ``hook_v``, ``hook_g`` (log decay), ``hook_beta``, ``hook_dt``,
+    ``hook_o`` (the op's output, before the read-out), ``hook_state`` (the state after the call),
+    ``hook_pattern`` (softmax probabilities) — as the op receives it. A subclass lists its names and
+    shapes in its docstring. :meth:`mixing` turns the recorded values into the implicit attention.
     """
+
+    #: the hook names :meth:`mixing` needs (recorded by ``LanguageModel.run_with_cache``)
+    mixing_hooks: tuple[str, ...] = ()
 
     def __init__(self, mode: str):
         super().__init__()
         self.mode = mode
+
+    def mixing(self, acts: dict[str, torch.Tensor]) -> Mixing:
+        """The implicit attention from this mixer's recorded hook values ``acts`` (short names,
+        e.g. ``{"hook_q": ..., "hook_k": ..., "hook_v": ..., "hook_o": ...}``, of one fresh-stream
+        call). Mixers whose memory is nonlinear in the values (test-time-trained MLP memories)
+        have no such matrix and raise ``NotImplementedError``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no implicit attention map (its memory is not linear in the values)"
+        )
 
     def _mode(self, T: int, mode: str | None) -> str:
         if mode is not None:

@@ -8,16 +8,21 @@ from einops import rearrange
 from torch import nn
 
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
-from ..ops.gated_linear_attention import gated_linear_attention
-from ..ops.linear_attention import linear_attention
-from .base import Mixer, MixerState, check_input, upcast
+from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
+from ..ops.linear_attention import linear_attention, linear_attention_map
+from .base import Mixer, Mixing, MixerState, check_input, upcast
 from .conv import ShortConvolution
+from .hooks import HookPoint
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
 
 class _QKVMixer(Mixer):
-    """Shared q/k/v projection (+ optional short causal conv) of the matrix-memory mixers."""
+    """Shared q/k/v projection (+ optional short causal conv) of the matrix-memory mixers, and
+    their hook points ``hook_q, hook_k: [B, T, H, K]``, ``hook_v, hook_o: [B, T, H, V]``,
+    ``hook_state: [B, H, K', V']`` (float32)."""
+
+    mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_o")
 
     def __init__(self, d_model, n_heads, key_dim, value_dim, short_conv, conv_size, mode, chunk_size):
         super().__init__(mode)
@@ -27,6 +32,8 @@ class _QKVMixer(Mixer):
         self.qkv_proj = nn.Linear(d_model, width, bias=False)
         self.conv = ShortConvolution(width, conv_size) if short_conv else None
         self.o_proj = nn.Linear(n_heads * value_dim, d_model, bias=False)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_o, self.hook_state = HookPoint(), HookPoint()
 
     def _qkv(self, x, state):
         qkv = self.qkv_proj(x)
@@ -104,6 +111,7 @@ class LinearAttention(_QKVMixer):
     def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
         q, k, v, conv_state = self._qkv(x, state)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)  # before the feature map
         o, S = linear_attention(
             q,
             k,
@@ -115,10 +123,15 @@ class LinearAttention(_QKVMixer):
             mode=self._mode(T, mode),
             chunk_size=self.chunk_size,
         )
+        o, S = self.hook_o(o), self.hook_state(S)
         if self.norm is not None:
             o = self.norm(o)
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, MixerState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
+
+    def mixing(self, acts: dict) -> Mixing:
+        M = linear_attention_map(acts["hook_q"], acts["hook_k"], self.feature_map, self.normalize)
+        return Mixing(M, acts["hook_v"], acts["hook_o"])
 
 
 class GatedLinearAttention(_QKVMixer):
@@ -135,7 +148,13 @@ class GatedLinearAttention(_QKVMixer):
 
     The read-out is ``o_proj(RMSNorm(o) ⊙ silu(W_r x))`` (output gate, as in RetNet and GLA).
     Key/value sizes per head are ``expand_k · d_model / H`` and ``expand_v · d_model / H``.
+
+    Hook points: ``hook_q, hook_k`` ``[B, T, H, K]`` (after rotary positions, as the op gets them),
+    ``hook_v, hook_o`` ``[B, T, H, V]``, ``hook_g`` (log decay, ``[B, T, H]`` for ``retnet`` and
+    ``scalar``, ``[B, T, H, K]`` for ``gla``), ``hook_state`` ``[B, H, K, V]``.
     """
+
+    mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_g", "hook_o")
 
     def __init__(
         self,
@@ -171,6 +190,7 @@ class GatedLinearAttention(_QKVMixer):
         self.rotary = RotaryEmbedding(key_dim) if rope else None
         self.out_gate = nn.Linear(d_model, n_heads * value_dim, bias=False)
         self.norm = RMSNorm(value_dim)
+        self.hook_g = HookPoint()
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """The log gates ``g`` for input ``x [B, T, d_model]``: ``[B, T, H]`` or ``[B, T, H, K]``."""
@@ -188,16 +208,22 @@ class GatedLinearAttention(_QKVMixer):
         q, k, v, conv_state = self._qkv(x, state)
         if self.rotary is not None:
             q, k = self.rotary(q, offset), self.rotary(k, offset)
+        q, k, v, g = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_g(self.log_decay(x))
         o, S = gated_linear_attention(
             q,
             k,
             v,
-            self.log_decay(x),
+            g,
             initial_state=state.memory if state is not None else None,
             output_final_state=True,
             mode=self._mode(T, mode),
             chunk_size=self.chunk_size,
         )
+        o, S = self.hook_o(o), self.hook_state(S)
         o = self.norm(o) * F.silu(rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, MixerState(memory=S, conv=conv_state, offset=offset + T)
+
+    def mixing(self, acts: dict) -> Mixing:
+        M = gated_linear_attention_map(acts["hook_q"], acts["hook_k"], acts["hook_g"])
+        return Mixing(M, acts["hook_v"], acts["hook_o"])

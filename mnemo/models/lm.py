@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import MIXERS, MixerState, RMSNorm, SwiGLU
+from ..layers.hooks import HookPoint, attached, name_hook_points, select
 from ..nested import ContinuumMemory, task_signal
 from .config import ModelConfig
 
@@ -21,7 +22,12 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 class Block(nn.Module):
-    """``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm residual block)."""
+    """``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm residual block).
+
+    Hook points (all ``[B, T, d_model]``): ``hook_resid_pre`` (the block input), ``hook_mixer_out``
+    (the mixer's output), ``hook_resid_mid`` (after the mixer's residual add), ``hook_mlp_out`` and
+    ``hook_resid_post`` (the block output).
+    """
 
     def __init__(self, mixer: nn.Module, d_model: int, mlp: nn.Module | None, eps: float):
         super().__init__()
@@ -30,18 +36,24 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(d_model, eps) if mlp is not None else None
         self.mlp = mlp
         self.stateful_mlp = isinstance(mlp, ContinuumMemory)
+        self.hook_resid_pre = HookPoint()
+        self.hook_mixer_out = HookPoint()
+        self.hook_resid_mid = HookPoint()
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
 
     def forward(self, x, state=None, mode=None):
+        x = self.hook_resid_pre(x)
         y, new = self.mixer(self.mixer_norm(x), state, mode=mode)
-        x = x + y
+        x = self.hook_resid_mid(x + self.hook_mixer_out(y))
         if self.mlp is not None:
             if self.stateful_mlp:
                 y, mlp_state = self.mlp(self.mlp_norm(x), state.mlp if state is not None else None)
                 new.mlp = mlp_state
             else:
                 y = self.mlp(self.mlp_norm(x))
-            x = x + y
-        return x, new
+            x = x + self.hook_mlp_out(y)
+        return self.hook_resid_post(x), new
 
 
 class LanguageModel(nn.Module):
@@ -51,6 +63,13 @@ class LanguageModel(nn.Module):
     float32 for bf16/fp16 models and in the model's dtype otherwise. ``state`` is the list of
     per-layer :class:`~mnemo.layers.MixerState` (the cache); passing it back continues the
     sequence exactly (streaming / decoding).
+
+    **Hook points.** Every intermediate passes through a named :class:`~mnemo.layers.hooks.HookPoint`:
+    ``hook_embed`` (token + position embedding ``[B, T, d]``), each block's ``hook_resid_pre``,
+    ``hook_mixer_out``, ``hook_resid_mid``, ``hook_mlp_out``, ``hook_resid_post``, and each mixer's
+    own (``blocks.{i}.mixer.hook_q`` …; see the mixer's docstring for its names and shapes).
+    :meth:`run_with_cache` records them, :meth:`run_with_hooks` reads or replaces them;
+    :attr:`hook_points` lists them.
 
     ``activation_checkpointing`` (attribute, default ``False``; the trainer sets it from
     ``TrainConfig.activation_checkpointing``): when true, a training forward (``model.train()``,
@@ -80,9 +99,48 @@ class LanguageModel(nn.Module):
         self.activation_checkpointing = False
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.hook_embed = HookPoint()
         self.reset_parameters()
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.hook_points: dict[str, HookPoint] = name_hook_points(self)
+
+    def run_with_hooks(self, input_ids: torch.Tensor, hooks, state=None, *, mode: str | None = None):
+        """``forward`` with ``hooks`` attached for this call only: ``[(name, fn), ...]`` where
+        ``fn(value, name)`` returns ``None`` (read only) or a replacement value of the same kind
+        (an intervention). ``name`` is a full hook name (``blocks.1.mixer.hook_k``) or a suffix
+        that attaches to every layer's (``hook_k``). Returns ``(logits, state)``.
+
+        Raises ``KeyError`` naming the unknown hook (and listing the known suffixes)."""
+        with attached(self.hook_points, hooks):
+            return self(input_ids, state, mode=mode)
+
+    def run_with_cache(
+        self,
+        input_ids: torch.Tensor,
+        names=None,
+        state=None,
+        *,
+        mode: str | None = None,
+        detach: bool = True,
+    ) -> tuple[torch.Tensor, dict]:
+        """``forward`` that also records intermediates: returns ``(logits, cache)`` with
+        ``cache[name]`` the value that passed hook ``name`` (detached unless ``detach=False``).
+
+        ``names``: ``None`` (every hook point), a name or suffix (``"hook_q"``), a list of them, or a
+        predicate ``f(name) -> bool``. A hook that fires more than once in one call (a task-signal
+        model's segments, activation recomputation) keeps its last value. Costly values
+        (``hook_pattern``) are built only when requested.
+        """
+        cache: dict = {}
+
+        def keep(value, name):
+            cache[name] = _detach(value) if detach else value
+
+        chosen = select(self.hook_points, names)
+        with attached(self.hook_points, [(n, keep) for n in chosen]):
+            logits, _ = self(input_ids, state, mode=mode)
+        return logits, cache
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights, zero biases, residual outputs scaled by ``1/sqrt(2 L)``.
@@ -137,6 +195,7 @@ class LanguageModel(nn.Module):
                     f"but the sequence reaches {offset + T}"
                 )
             x = x + self.pos_embed(torch.arange(offset, offset + T, device=x.device))
+        x = self.hook_embed(x)
         new_state = []
         recompute = (
             allow_checkpoint
@@ -234,6 +293,19 @@ class LanguageModel(nn.Module):
         except Exception as e:  # safetensors raises several error types for damaged files
             raise ValueError(f"corrupt or incompatible weights file {w_path}: {e}") from e
         return model.to(map_location)
+
+
+def _detach(value):
+    """``value`` with every tensor inside (a state record, a tuple) detached."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach(v) for v in value)
+    if hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.replace(value, **{f: _detach(getattr(value, f)) for f in value.__dataclass_fields__})
+    return value
 
 
 def check_device(device: str | torch.device) -> None:

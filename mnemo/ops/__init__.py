@@ -5,13 +5,13 @@ Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, scalar gates ``[B, T, H]``,
 """
 
 from ._common import NonFiniteError, set_finite_checks
-from .delta_rule import delta_rule, gated_delta_rule
+from .delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .feature_maps import FavorPlus, elu_plus_one, identity, relu, resolve_feature_map, taylor
-from .gated_linear_attention import gated_linear_attention
-from .linear_attention import linear_attention
-from .selective_scan import selective_scan
-from .softmax_attention import KVCache, attention_mask, softmax_attention
-from .ssd import ssd
+from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
+from .linear_attention import linear_attention, linear_attention_map
+from .selective_scan import selective_scan, selective_scan_map
+from .softmax_attention import KVCache, attention_mask, softmax_attention, softmax_attention_map
+from .ssd import ssd, ssd_map
 
 __all__ = [
     "NonFiniteError",
@@ -31,4 +31,11 @@ __all__ = [
     "relu",
     "taylor",
     "resolve_feature_map",
+    # the T x T matrix each parallel form multiplies the values by (implicit attention)
+    "softmax_attention_map",
+    "linear_attention_map",
+    "gated_linear_attention_map",
+    "delta_rule_map",
+    "selective_scan_map",
+    "ssd_map",
 ]

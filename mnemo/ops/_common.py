@@ -264,3 +264,16 @@ def first_order(backward):
         return inner(ctx, *grads)
 
     return wrapper
+
+
+def decay_matrix(g: torch.Tensor) -> torch.Tensor:
+    """``Γ_ts = exp(Σ_{r=s+1..t} g_r)`` for ``s ≤ t`` and ``0`` above the diagonal: log gates
+    ``g [B, T, H]`` -> ``[B, H, T, T]``; per-channel ``g [B, T, H, K]`` -> ``[B, H, T, T, K]``.
+    The sums are differences of cumulative sums of the clamped log gates (no products)."""
+    T = g.shape[1]
+    mask = torch.ones(T, T, dtype=torch.bool, device=g.device).tril()
+    if g.ndim == 3:
+        b = clamp_log_gate(g).transpose(1, 2).cumsum(-1)  # [B, H, T]
+        return (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()
+    b = clamp_log_gate(g).permute(0, 2, 1, 3).cumsum(-2)  # [B, H, T, K]
+    return (b[..., :, None, :] - b[..., None, :, :]).masked_fill(~mask[..., None], float("-inf")).exp()

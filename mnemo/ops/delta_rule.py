@@ -90,12 +90,13 @@ from ._common import (
     clamp_log_gate,
     compute_dtype,
     decay_exp,
+    decay_matrix,
     first_order,
     run_varlen,
 )
 from .gated_linear_attention import check_chunk_size
 
-__all__ = ["delta_rule", "gated_delta_rule"]
+__all__ = ["delta_rule", "gated_delta_rule", "delta_rule_map"]
 
 #: Largest decay (in nats) inside one chunk for the factorised fast chunk form (``e^{±30}`` stays far
 #: inside fp32's range); beyond it the chunk form falls back to products of factors ``≤ 1``.
@@ -504,3 +505,22 @@ def gated_delta_rule(
     return _delta(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size, gated=True
     )
+
+
+def delta_rule_map(q, k, beta, g=None, scale: float | None = None) -> torch.Tensor:
+    """The ``T × T`` matrix the (gated) delta rule's parallel (WY) form multiplies the values by:
+    ``o = P A⁻¹ diag(β) V`` with ``P = (scale · Q Kᵀ) ⊙ Γ`` (causal) and
+    ``A = I + strict_tril(diag(β) (K Kᵀ) ⊙ Γ)``, so ``M = P A⁻¹ diag(β)`` (from a zero state).
+    ``q, k: [B, T, H, K]``, ``beta: [B, T, H]``, ``g``: ``None`` or log gates ``[B, T, H]``.
+    Returns ``[B, H, T, T]``."""
+    T = q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qh, kh = rearrange(q * scale, "b t h d -> b h t d"), rearrange(k, "b t h d -> b h t d")
+    bh = rearrange(beta, "b t h -> b h t")
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    Gam = decay_matrix(g).to(q.dtype) if g is not None else causal.to(q.dtype)
+    A = torch.eye(T, dtype=q.dtype, device=q.device) + (
+        (bh[..., :, None] * (kh @ kh.transpose(-1, -2))) * Gam
+    ).masked_fill(~causal.tril(-1), 0.0)
+    P = (qh @ kh.transpose(-1, -2)) * Gam
+    return P @ torch.linalg.solve_triangular(A, torch.diag_embed(bh), upper=False, unitriangular=True)

@@ -51,11 +51,12 @@ from ._common import (
     clamp_log_gate,
     compute_dtype,
     decay_exp,
+    decay_matrix,
     first_order,
     run_varlen,
 )
 
-__all__ = ["gated_linear_attention"]
+__all__ = ["gated_linear_attention", "gated_linear_attention_map"]
 
 _SUB_BLOCK = 16
 #: Largest decay (in nats) a factorised score may span; ``exp(±30) ≈ 1e±13`` stays far inside fp32.
@@ -431,3 +432,20 @@ def gated_linear_attention(
 
         o, S = run_varlen(fn, cu_seqlens, tensors)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+def gated_linear_attention_map(q, k, g=None, scale: float | None = None) -> torch.Tensor:
+    """The ``T × T`` matrix the parallel form multiplies the values by, per head:
+    ``M_ts = Σ_k scale · q_tk k_sk Γ_ts(k)`` for ``s ≤ t`` (0 above), so that
+    ``o = M v`` (from a zero state). ``q, k: [B, T, H, K]``; ``g``: ``None`` (no decay),
+    ``[B, T, H]`` or ``[B, T, H, K]`` log gates. Returns ``[B, H, T, T]`` in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qh, kh = rearrange(q * scale, "b t h d -> b h t d"), rearrange(k, "b t h d -> b h t d")
+    T = q.shape[1]
+    if g is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        return (qh @ kh.transpose(-1, -2)).masked_fill(~mask, 0.0)
+    D = decay_matrix(g).to(qh.dtype)
+    if g.ndim == 3:
+        return (qh @ kh.transpose(-1, -2)) * D
+    return (qh[..., :, None, :] * kh[..., None, :, :] * D).sum(-1)

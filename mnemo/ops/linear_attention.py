@@ -14,9 +14,9 @@ from ._common import (
     run_varlen,
 )
 from .feature_maps import identity, resolve_feature_map
-from .gated_linear_attention import check_chunk_size, run_gla_core
+from .gated_linear_attention import check_chunk_size, gated_linear_attention_map, run_gla_core
 
-__all__ = ["linear_attention"]
+__all__ = ["linear_attention", "linear_attention_map"]
 
 
 def linear_attention(
@@ -102,3 +102,14 @@ def linear_attention(
     if normalize:
         o = o[..., :V] / (o[..., V:] + eps)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+def linear_attention_map(q, k, feature_map="elu", normalize: bool = True, scale: float | None = None):
+    """The ``T × T`` matrix linear attention multiplies the values by, per head: ``M_ts =
+    φ(scale · q_t)ᵀ φ(k_s)`` for ``s ≤ t``, divided by its row sum ``+ 1e-6`` when ``normalize``
+    (the op's denominator ``φ(q_t)ᵀ Σ_s φ(k_s)``), so that ``o = M v``. ``q, k: [B, T, H, K]``;
+    ``feature_map`` as in :func:`linear_attention`. Returns ``[B, H, T, T]``."""
+    phi = resolve_feature_map(feature_map)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    M = gated_linear_attention_map(phi(q * scale), phi(k), scale=1.0)
+    return M / (M.sum(-1, keepdim=True) + 1e-6) if normalize else M

@@ -69,7 +69,7 @@ from ._common import (
 )
 from .gated_linear_attention import check_chunk_size
 
-__all__ = ["selective_scan"]
+__all__ = ["selective_scan", "selective_scan_map"]
 
 # ----------------------------------------------------------------------------------------------
 # cores: inputs validated and in the compute dtype. delta is Δ (after bias/softplus), u, delta:
@@ -543,3 +543,16 @@ def selective_scan(
     if zc is not None:
         y = y * F.silu(zc)
     return y.to(u.dtype), (h if output_final_state else None)
+
+
+def selective_scan_map(delta, A, B, C) -> torch.Tensor:
+    """The ``T × T`` matrix of the selective scan per channel ``d`` (Mamba), from a zero state and
+    without the ``D`` skip: ``M^(d)_ts = Σ_n C_tn exp(Σ_{r=s+1..t} Δ_rd A_dn) B_sn Δ_sd`` for
+    ``s ≤ t``, so that ``y_d = M^(d) u_d``. ``delta [Bt, T, D]`` (after softplus and bias),
+    ``A [D, N]``, ``B, C [Bt, T, N]``. Returns ``[Bt, D, T, T]``."""
+    T = delta.shape[1]
+    L = torch.einsum("btd,dn->bdnt", delta, A).clamp(min=-60.0).cumsum(-1)  # [Bt, D, N, T]
+    mask = torch.ones(T, T, dtype=torch.bool, device=delta.device).tril()
+    decay = (L[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")).exp()  # [Bt,D,N,T,T]
+    M = torch.einsum("btn,bdnts,bsn->bdts", C, decay, B)
+    return M * rearrange(delta, "b s d -> b d 1 s")

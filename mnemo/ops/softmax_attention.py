@@ -10,7 +10,7 @@ from einops import rearrange, repeat
 
 from ._common import _shape, check_cu_seqlens, check_finite, check_floating, check_mode, compute_dtype
 
-__all__ = ["softmax_attention", "KVCache", "attention_mask"]
+__all__ = ["softmax_attention", "KVCache", "attention_mask", "softmax_attention_map"]
 
 
 class KVCache(NamedTuple):
@@ -203,3 +203,16 @@ def softmax_attention(
         keep = S if window is None else min(S, window - 1)
         final = KVCache(k_all[:, S - keep :], v_all[:, S - keep :])
     return o, final
+
+
+def softmax_attention_map(q, k, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """The attention pattern (probabilities) ``softmax(scale · q kᵀ + mask)`` per query head,
+    causal (and within ``window`` when given), so that ``o = P v``. ``q: [B, T, H, K]``,
+    ``k: [B, T, H_kv, K]`` with ``H`` a multiple of ``H_kv`` (grouped-query attention: each key
+    head serves ``H / H_kv`` query heads). Returns ``[B, H, T, T]`` in q's dtype."""
+    T, H, Hk = q.shape[1], q.shape[2], k.shape[2]
+    k = repeat(k, "b s h d -> b s (h g) d", g=H // Hk)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    mask = attention_mask(T, T, window=window, device=q.device)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)

@@ -26,9 +26,9 @@ from ._common import (
     check_shape,
     compute_dtype,
 )
-from .gated_linear_attention import check_chunk_size, gated_linear_attention
+from .gated_linear_attention import check_chunk_size, gated_linear_attention, gated_linear_attention_map
 
-__all__ = ["ssd"]
+__all__ = ["ssd", "ssd_map"]
 
 
 def _check_groups(name: str, X: torch.Tensor, Bsz: int, T: int, H: int, N: int | None) -> torch.Tensor:
@@ -148,3 +148,11 @@ def ssd(
     if D is not None:
         y = y + xc * D.to(cd)[:, None]
     return y.to(x.dtype), S
+
+
+def ssd_map(dt, A, B, C) -> torch.Tensor:
+    """The ``T × T`` matrix of SSD (Mamba-2) per head, from a zero state and without the ``D``
+    skip: ``M_ts = (C_t · B_s) exp(Σ_{r=s+1..t} dt_r A_h) dt_s`` for ``s ≤ t``, so that
+    ``y = M x``. ``dt [B, T, H]`` (after softplus and bias), ``A [H]`` (negative), ``B, C`` per
+    head ``[B, T, H, N]``. Returns ``[B, H, T, T]``."""
+    return gated_linear_attention_map(C, B, dt * A, scale=1.0) * dt.transpose(1, 2)[:, :, None, :]
