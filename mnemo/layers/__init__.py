@@ -7,7 +7,8 @@
 from functools import partial
 
 from .attention import Attention
-from .base import Mixer, MixerState
+from .base import Mixer, MixerState, Mixing
+from .registry import MIXERS, register_mixer
 from .conv import ShortConvolution
 from .delta import DeltaNet
 from .linear_attention import GatedLinearAttention, LinearAttention
@@ -17,7 +18,9 @@ from .rotary import RotaryEmbedding
 from .ssm import Mamba, Mamba2
 from .titans import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
 
-MIXERS = {
+# the built-in mixers register themselves (``@register_mixer`` in each file); until every file
+# carries its decorator, the remaining ones are registered here
+_BUILTIN = {
     "attention": Attention,
     "linear_attention": LinearAttention,
     "retnet": partial(GatedLinearAttention, gate="retnet", expand_k=1.0),
@@ -32,13 +35,8 @@ MIXERS = {
     "titans_mag": TitansMAG,
     "titans_mal": TitansMAL,
 }
-
-
-def register_mixer(name: str, constructor) -> None:
-    """Add a mixer to :data:`MIXERS` (used by modules above the layers, e.g. ``mnemo.nested``)."""
-    if name in MIXERS and MIXERS[name] is not constructor:
-        raise ValueError(f"mixer {name!r} is already registered")
-    MIXERS[name] = constructor
+for _name, _ctor in _BUILTIN.items():
+    MIXERS.setdefault(_name, _ctor)
 
 
 __all__ = [
@@ -46,6 +44,7 @@ __all__ = [
     "register_mixer",
     "Mixer",
     "MixerState",
+    "Mixing",
     "Attention",
     "LinearAttention",
     "GatedLinearAttention",

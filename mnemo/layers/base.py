@@ -8,7 +8,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .state import state_dataclass
 
+
+@state_dataclass
 @dataclass
 class MixerState:
     """The state a mixer carries between calls (one per layer; the model cache is a list of them).

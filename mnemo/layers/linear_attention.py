@@ -10,7 +10,7 @@ from torch import nn
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from ..ops.linear_attention import linear_attention, linear_attention_map
-from .base import Mixer, Mixing, MixerState, check_input, upcast
+from .base import Mixer, MixerState, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm

@@ -12,8 +12,9 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..layers import MIXERS, MixerState, RMSNorm, SwiGLU
+from ..layers import MIXERS, RMSNorm, SwiGLU
 from ..layers.hooks import HookPoint, attached, name_hook_points, select
+from ..layers.state import BlockState
 from ..nested import ContinuumMemory, task_signal
 from .config import ModelConfig
 
@@ -42,18 +43,18 @@ class Block(nn.Module):
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
-    def forward(self, x, state=None, mode=None):
+    def forward(self, x, state: BlockState | None = None, mode=None):
         x = self.hook_resid_pre(x)
-        y, new = self.mixer(self.mixer_norm(x), state, mode=mode)
+        y, mixer_state = self.mixer(self.mixer_norm(x), state.mixer if state is not None else None, mode=mode)
         x = self.hook_resid_mid(x + self.hook_mixer_out(y))
+        mlp_state = None
         if self.mlp is not None:
             if self.stateful_mlp:
                 y, mlp_state = self.mlp(self.mlp_norm(x), state.mlp if state is not None else None)
-                new.mlp = mlp_state
             else:
                 y = self.mlp(self.mlp_norm(x))
             x = x + self.hook_mlp_out(y)
-        return self.hook_resid_post(x), new
+        return self.hook_resid_post(x), BlockState(mixer=mixer_state, mlp=mlp_state)
 
 
 class LanguageModel(nn.Module):
@@ -61,8 +62,10 @@ class LanguageModel(nn.Module):
 
     ``forward(input_ids [B, T] long, state=None) -> (logits [B, T, vocab], state)``. Logits are
     float32 for bf16/fp16 models and in the model's dtype otherwise. ``state`` is the list of
-    per-layer :class:`~mnemo.layers.MixerState` (the cache); passing it back continues the
-    sequence exactly (streaming / decoding).
+    per-layer :class:`~mnemo.layers.state.BlockState` (the cache: each block's mixer state and,
+    for a CMS, its MLP state); passing it back continues the sequence exactly (streaming /
+    decoding). The functions of :mod:`mnemo.layers.state` (``detach``, ``to``, ``select_rows``,
+    ``cat_rows``, ``nbytes``) work on it whole.
 
     **Hook points.** Every intermediate passes through a named :class:`~mnemo.layers.hooks.HookPoint`:
     ``hook_embed`` (token + position embedding ``[B, T, d]``), each block's ``hook_resid_pre``,
@@ -166,7 +169,7 @@ class LanguageModel(nn.Module):
                     special()
 
     def forward(
-        self, input_ids: torch.Tensor, state: list[MixerState] | None = None, *, mode: str | None = None
+        self, input_ids: torch.Tensor, state: list[BlockState] | None = None, *, mode: str | None = None
     ):
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(
@@ -304,7 +307,9 @@ def _detach(value):
     if hasattr(value, "__dataclass_fields__"):
         import dataclasses
 
-        return dataclasses.replace(value, **{f: _detach(getattr(value, f)) for f in value.__dataclass_fields__})
+        return dataclasses.replace(
+            value, **{f: _detach(getattr(value, f)) for f in value.__dataclass_fields__}
+        )
     return value
 
 

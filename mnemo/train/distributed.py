@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import fields
 
 import torch
 import torch.distributed as dist
-
-from ..layers.base import MixerState
+import torch.utils._pytree as pytree
 
 
 def init_from_env(backend: str | None = None) -> tuple[int, int]:
@@ -90,49 +88,32 @@ def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def _flatten(obj, out: list, device=None):
     """Collect the tensors (and integer counters, as 0-d int64 tensors on ``device`` — nccl ships
-    CUDA tensors only) of a nested state."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, MixerState):
-        for f in fields(obj):
-            _flatten(getattr(obj, f.name), out, device)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _flatten(x, out, device)
-    elif isinstance(obj, dict):
-        for k in sorted(obj):
-            _flatten(obj[k], out, device)
-    elif isinstance(obj, bool) or obj is None:
-        pass
-    elif isinstance(obj, int):
-        out.append(torch.tensor(obj, dtype=torch.int64, device=device))
-    else:
-        raise TypeError(f"context parallelism cannot ship a state of type {type(obj).__name__}")
+    CUDA tensors only) of a nested state (any pytree: typed states, lists, tuples, dicts)."""
+    for leaf in pytree.tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif isinstance(leaf, bool) or leaf is None:
+            continue
+        elif isinstance(leaf, int):
+            out.append(torch.tensor(leaf, dtype=torch.int64, device=device))
+        else:
+            raise TypeError(f"context parallelism cannot ship a state entry of type {type(leaf).__name__}")
     return out
 
 
 def _rebuild(template, tensors: list):
     """A state shaped like ``template`` with its tensors replaced, in ``_flatten`` order."""
+    leaves, spec = pytree.tree_flatten(template)
     it = iter(tensors)
-
-    def go(obj):
-        if isinstance(obj, torch.Tensor):
-            return next(it)
-        if isinstance(obj, bool) or obj is None:
-            return obj
-        if isinstance(obj, int):
-            return int(next(it).item())
-        if isinstance(obj, MixerState):
-            return MixerState(**{f.name: go(getattr(obj, f.name)) for f in fields(obj)})
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(go(x) for x in obj))
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(go(x) for x in obj)
-        if isinstance(obj, dict):
-            return {k: go(obj[k]) for k in obj}
-        return obj
-
-    return go(template)
+    new = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            new.append(next(it))
+        elif isinstance(leaf, int) and not isinstance(leaf, bool):
+            new.append(int(next(it).item()))
+        else:
+            new.append(leaf)
+    return pytree.tree_unflatten(new, spec)
 
 
 def _check_recurrent(model) -> None:

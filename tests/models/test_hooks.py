@@ -50,7 +50,7 @@ def test_run_with_cache_records_the_residual_stream_exactly():
     assert torch.equal(cache["hook_embed"], m.embed(ids))
     # the final state hook holds the state forward returns
     _, state = m(ids)
-    assert torch.equal(cache["blocks.1.mixer.hook_state"], state[1].memory)
+    assert torch.equal(cache["blocks.1.mixer.hook_state"], state[1].mixer.memory)
 
 
 def test_names_select_by_suffix_list_or_predicate():

@@ -1,0 +1,110 @@
+"""Typed states: what each mixer carries between calls, as small dataclasses that are pytrees.
+
+Every mixer declares its state as a dataclass decorated with :func:`state_dataclass`, which
+registers it with PyTorch's pytree utilities, so the generic functions below work on any state —
+a mixer's, a block's (:class:`BlockState`), or a model's list of them — without knowing its type:
+
+* :func:`tensors` / :func:`map_tensors`: the tensors inside, or a copy with each one mapped;
+* :func:`detach`, :func:`to`: gradients cut, or moved to a device / dtype;
+* :func:`select_rows`, :func:`cat_rows`: one or several batch rows of a state, or states of
+  several batches joined (every tensor's batch dimension is dim 0);
+* :func:`nbytes`: bytes of the tensors inside — on ``meta`` tensors too, so a mixer's
+  ``state_size_bytes`` is ``nbytes(self.state_spec(batch_size, seq_len))`` from the shapes and
+  dtypes it declares (a bf16 cache counts 2 bytes per value), not a formula of its own.
+
+Non-tensor leaves (``offset`` counters, flags) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+
+T = TypeVar("T")
+
+
+def state_dataclass(cls: type[T]) -> type[T]:
+    """Make ``cls`` a keyword-only dataclass registered as a pytree node (its fields are children)."""
+    cls = dataclass(kw_only=True)(cls) if not dataclasses.is_dataclass(cls) else cls
+    names = [f.name for f in dataclasses.fields(cls)]
+    pytree.register_dataclass(cls, field_names=names)
+    return cls
+
+
+@state_dataclass
+class BlockState:
+    """The state of one block: its mixer's and, for a stateful channel mixer (a CMS), its MLP's.
+
+    ``offset`` is read through the mixer's state (tokens consumed so far)."""
+
+    mixer: Any = None
+    mlp: Any = None
+
+    @property
+    def offset(self) -> int:
+        return getattr(self.mixer, "offset", 0)
+
+
+def tensors(state) -> list[torch.Tensor]:
+    """Every tensor inside ``state`` (depth first, in field order)."""
+    return [x for x in pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state):
+    """A copy of ``state`` with every tensor ``t`` replaced by ``fn(t)``."""
+    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, state)
+
+
+def detach(state):
+    """``state`` with every tensor detached from the autograd graph (e.g. between training
+    segments: truncated backpropagation through time)."""
+    return map_tensors(torch.Tensor.detach, state)
+
+
+def to(state, *args, **kwargs):
+    """``state`` with every tensor moved like ``Tensor.to(*args, **kwargs)`` (device, dtype)."""
+    return map_tensors(lambda t: t.to(*args, **kwargs), state)
+
+
+def select_rows(state, rows):
+    """The batch rows ``rows`` (an int, a slice, or an index tensor) of every tensor in ``state``."""
+    if isinstance(rows, int):
+        rows = slice(rows, rows + 1)
+    return map_tensors(lambda t: t[rows], state)
+
+
+def cat_rows(states: list):
+    """States of several batches, joined along the batch dimension (all must share one structure).
+
+    Raises ``ValueError`` naming the first position where the structures differ."""
+    if not states:
+        raise ValueError("cat_rows: expected at least one state, got none")
+    flat = [pytree.tree_flatten(s) for s in states]
+    spec = flat[0][1]
+    for i, (_, other) in enumerate(flat[1:], 1):
+        if other != spec:
+            raise ValueError(f"cat_rows: state {i} is structured differently from state 0")
+    leaves = []
+    for parts in zip(*(leaves for leaves, _ in flat)):
+        if isinstance(parts[0], torch.Tensor):
+            leaves.append(torch.cat(parts, dim=0))
+        else:
+            if any(p != parts[0] for p in parts):
+                raise ValueError(f"cat_rows: a non-tensor field differs between states: {parts}")
+            leaves.append(parts[0])
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def nbytes(state) -> int:
+    """Bytes of every tensor inside ``state`` (``numel × element size``; works on ``meta``)."""
+    return sum(t.numel() * t.element_size() for t in tensors(state))
+
+
+def spec(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``meta`` tensor of ``shape`` and ``dtype``: a declared state entry that allocates nothing."""
+    return torch.empty(shape, dtype=dtype, device="meta")
