@@ -1,0 +1,200 @@
+"""The checks every token mixer gets for free: give :func:`check_mixer` a registered mixer name.
+
+A mixer (:class:`mnemo.layers.Mixer`) promises: ``forward(x, state) -> (y, state)`` streams — any
+split of the sequence, down to one token at a time, gives the one-call result; its typed state
+is what ``state_size_bytes`` says; every intermediate passes a hook point once per call, and a
+replaced value changes the result; its implicit attention (``mixing``), where it has one,
+reproduces the op's output; gradients reach every parameter; and inside a
+:class:`~mnemo.models.LanguageModel` cached decoding equals the full pass. Each check returns a
+:class:`~mnemo.testing.CheckResult` (``error`` is the worst relative RMS difference, or ``0`` /
+``inf`` for yes/no checks), so tests can ``require`` them and ``mnemo verify`` could print them.
+
+All checks run in float64 on the CPU at small sizes; the tolerance is ``1e-10`` (relative RMS).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum
+
+from ..layers.hooks import HookPoint
+from ..layers.registry import MIXERS
+from ..layers.state import nbytes, tensors
+from .compare import F64_TOL, rel_rms
+from .contract import CheckResult
+
+CHECKS = ("split", "token_steps", "state_size", "hooks", "mixing", "gradients", "cached_decoding")
+
+
+def _build(name: str, d_model: int, options: dict | None):
+    if name not in MIXERS:
+        raise KeyError(f"mixer {name!r} is not registered; registered: {sorted(MIXERS)}")
+    torch.manual_seed(0)
+    return MIXERS[name](d_model, **(options or {})).double().eval()
+
+
+def _x(B, T, d, seed=1):
+    return torch.randn(B, T, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _state_error(a, b) -> float:
+    ta, tb = tensors(a), tensors(b)
+    if len(ta) != len(tb) or any(x.shape != y.shape for x, y in zip(ta, tb)):
+        return math.inf
+    return max((rel_rms(x.double(), y.double()) for x, y in zip(ta, tb)), default=0.0)
+
+
+def _result(name, check, error, tol, message="") -> CheckResult:
+    passed = bool(error <= tol)
+    return CheckResult(name, check, passed, float(error), tol, message if not passed else "")
+
+
+def check_split(name, d_model=32, options=None, T=13, splits=(1, 5, 12)) -> CheckResult:
+    """``x[:, :a]`` then ``x[:, a:]`` from the returned state == one call (outputs and states)."""
+    m = _build(name, d_model, options)
+    x = _x(2, T, d_model)
+    with torch.no_grad():
+        y, s = m(x)
+        worst = 0.0
+        for a in splits:
+            y1, s1 = m(x[:, :a])
+            y2, s2 = m(x[:, a:], s1)
+            worst = max(worst, rel_rms(torch.cat([y1, y2], 1), y), _state_error(s2, s))
+    return _result(name, "split", worst, F64_TOL, f"splits {splits} of T={T} differ from one call")
+
+
+def check_token_steps(name, d_model=32, options=None, T=9) -> CheckResult:
+    """One token at a time from the carried state == one call."""
+    m = _build(name, d_model, options)
+    x = _x(2, T, d_model)
+    with torch.no_grad():
+        y, s = m(x)
+        st, outs = None, []
+        for t in range(T):
+            yt, st = m(x[:, t : t + 1], st)
+            outs.append(yt)
+    err = max(rel_rms(torch.cat(outs, 1), y), _state_error(st, s))
+    return _result(name, "token_steps", err, F64_TOL, "token-by-token decoding differs from one call")
+
+
+def check_state_size(name, d_model=32, options=None, T=7) -> CheckResult:
+    """``state_size_bytes(B, T)`` equals the bytes of the state a call on ``T`` tokens returns."""
+    m = _build(name, d_model, options).float()
+    with torch.no_grad():
+        _, s = m(_x(3, T, d_model).float())
+    said, real = m.state_size_bytes(3, T), nbytes(s)
+    return _result(
+        name, "state_size", 0.0 if said == real else math.inf, 0.0,
+        f"state_size_bytes(3, {T}) = {said}, the returned state holds {real} bytes",
+    )
+
+
+def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
+    """Every hook point fires exactly once per call; zeroing ``hook_o`` (or, without it, the
+    first tensor hook) changes the output — the hooked value is the one used downstream."""
+    m = _build(name, d_model, options)
+    points = {n: p for n, p in m.named_modules() if isinstance(p, HookPoint)}
+    if not points:
+        return _result(name, "hooks", math.inf, 0.0, "the mixer has no hook points")
+    calls: dict[str, int] = {}
+    values: dict[str, object] = {}
+    handles = [
+        p.register_forward_hook(lambda mod, i, out, n=n: (calls.__setitem__(n, calls.get(n, 0) + 1), values.__setitem__(n, out))[0])
+        for n, p in points.items()
+    ]
+    x = _x(2, T, d_model)
+    with torch.no_grad():
+        y, _ = m(x)
+    for h in handles:
+        h.remove()
+    wrong = {n: c for n, c in calls.items() if c != 1}
+    silent = sorted(set(points) - set(calls))
+    if wrong or silent:
+        return _result(name, "hooks", math.inf, 0.0, f"hooks fired {wrong or ''} never: {silent}")
+    target = "hook_o" if "hook_o" in points else next(
+        (n for n in points if isinstance(values[n], torch.Tensor)), None
+    )
+    if target is None:
+        return _result(name, "hooks", math.inf, 0.0, "no hook carries a tensor")
+    h = points[target].register_forward_hook(lambda mod, i, out: torch.zeros_like(out))
+    with torch.no_grad():
+        y0, _ = m(x)
+    h.remove()
+    changed = not torch.equal(y0, y)
+    return _result(name, "hooks", 0.0 if changed else math.inf, 0.0, f"zeroing {target} did not change the output")
+
+
+def check_mixing(name, d_model=32, options=None, T=11) -> CheckResult | None:
+    """``maps @ values == output`` for the implicit attention (``None`` if the mixer has none)."""
+    m = _build(name, d_model, options)
+    if not m.mixing_hooks:
+        return None
+    acts = {}
+    handles = [
+        getattr(m, h).register_forward_hook(lambda mod, i, out, h=h: acts.__setitem__(h, out)) for h in m.mixing_hooks
+    ]
+    with torch.no_grad():
+        m(_x(2, T, d_model))
+        for h in handles:
+            h.remove()
+        mx = m.mixing(acts)
+    got = einsum(mx.maps, mx.values, "b h t s, b s h v -> b t h v")
+    causal = bool(torch.all(mx.maps.triu(1) == 0))
+    err = rel_rms(got, mx.output) if causal else math.inf
+    return _result(name, "mixing", err, F64_TOL, "maps @ values differs from the output, or maps are not causal")
+
+
+def check_gradients(name, d_model=32, options=None, T=8) -> CheckResult:
+    """A loss on the output sends a non-zero gradient to every parameter."""
+    m = _build(name, d_model, options).train()
+    y, _ = m(_x(2, T, d_model))
+    (y * _x(2, T, d_model, seed=3)).sum().backward()
+    dead = [n for n, p in m.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+    return _result(name, "gradients", 0.0 if not dead else math.inf, 0.0, f"no gradient reaches {dead}")
+
+
+def check_cached_decoding(name, d_model=32, options=None, T=10, prefill=3) -> CheckResult:
+    """In a two-layer :class:`LanguageModel`: prefill, then one token at a time with the cache,
+    gives the full pass's logits."""
+    from ..models import LanguageModel, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=23, d_model=d_model, n_layers=2, mixer=name, mixer_options={name: dict(options or {})}
+    )
+    model = LanguageModel(cfg).double().eval()
+    ids = torch.randint(0, 23, (2, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full, _ = model(ids)
+        out, state = model(ids[:, :prefill])
+        outs = [out]
+        for t in range(prefill, T):
+            o, state = model(ids[:, t : t + 1], state)
+            outs.append(o)
+    err = rel_rms(torch.cat(outs, 1), full)
+    return _result(name, "cached_decoding", err, F64_TOL, "cached decoding differs from the full pass")
+
+
+def check_mixer(name: str, d_model: int = 32, options: dict | None = None) -> list[CheckResult]:
+    """Run every check of this module on the registered mixer ``name`` (built with
+    ``MIXERS[name](d_model, **options)``); returns one result per check that applies."""
+    runs = [
+        check_split,
+        check_token_steps,
+        check_state_size,
+        check_hooks,
+        check_mixing,
+        check_gradients,
+        check_cached_decoding,
+    ]
+    results = []
+    for fn in runs:
+        try:
+            r = fn(name, d_model, options)
+        except Exception as e:  # a broken mixer is a failed row, not a crash of the whole run
+            r = CheckResult(name, fn.__name__.removeprefix("check_"), False, math.inf, 0.0, repr(e), e)
+        if r is not None:
+            results.append(r)
+    return results
