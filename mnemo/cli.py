@@ -7,33 +7,48 @@ import json
 import sys
 from pathlib import Path
 
-# CLI flag -> TrainConfig field (flags left unset do not override the config file)
-_TRAIN_FLAGS = {
-    "model": "model",
-    "data": "data",
-    "steps": "steps",
-    "seed": "seed",
-    "device": "device",
-    "lr": "lr",
-    "batch_size": "batch_size",
-    "grad_accum": "grad_accum",
-    "context_parallel": "context_parallel",
-    "activation_checkpointing": "activation_checkpointing",
-    "seq_len": "seq_len",
-    "eval_interval": "eval_interval",
-    "eval_batches": "eval_batches",
-    "checkpoint_interval": "checkpoint_interval",
-    "warmup_steps": "warmup_steps",
-    "tokenizer": "tokenizer",
-    "precision": "precision",
-    "sample_tokens": "sample_tokens",
-    "tensorboard": "tensorboard",
-    "task": "task",
-    "optimizer": "optimizer",
-    "track_circuits": "track_circuits",
-    "init_from": "init_from",
-    "circuit_length": "circuit_length",
-}
+
+def config_flag_fields(cls=None) -> list:
+    """The fields of the :class:`~mnemo.train.TrainConfig` dataclass ``cls`` (default
+    ``TrainConfig``) that are ``mnemo train`` flags: those whose ``metadata`` holds ``"cli"``
+    (``mnemo.train.config._flag``)."""
+    import dataclasses
+
+    if cls is None:
+        from .train.config import TrainConfig as cls
+    return [f for f in dataclasses.fields(cls) if "cli" in f.metadata]
+
+
+def add_config_flags(parser, cls=None) -> list[str]:
+    """Add one flag per :func:`config_flag_fields` field of ``cls`` to ``parser`` (a parser or an
+    argument group): ``--seq-len`` for ``seq_len``, its help and argparse options from the field's
+    metadata, the default value appended to the help. A ``bool`` field is a switch setting
+    ``True``; every flag defaults to ``None`` ("not given": the config file's value stands).
+    Returns the field names (the ``args`` attributes)."""
+    import dataclasses
+
+    names = []
+    for f in config_flag_fields(cls):
+        options = dict(f.metadata["cli"])
+        shown = options.pop("default_help", None)
+        default = None if f.default is dataclasses.MISSING else f.default
+        if isinstance(default, bool) or options.get("type") is bool:
+            options.pop("type", None)
+            options.update(action="store_const", const=True)
+        else:
+            options.setdefault("type", type(default) if default is not None else str)
+            if shown is None and default is not None:
+                shown = str(default)
+        if shown is not None:  # "text (note; default X)" or "text (default X)"
+            text = options["help"]
+            options["help"] = (
+                f"{text[:-1]}; default {shown})" if text.endswith(")") else f"{text} (default {shown})"
+            )
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, **options)
+        names.append(f.name)
+    return names
+
+
 _MODEL_FLAGS = {"d_model": "d_model", "n_layers": "n_layers"}
 
 
@@ -69,6 +84,14 @@ def _parse_lengths(text: str | None, flag: str) -> list[int] | None:
         raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
 
 
+def _mapping(d: dict, key: str) -> dict:
+    """``d[key]`` of a config file, which flags add keys to: a mapping (``{}`` when absent)."""
+    value = d.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"TrainConfig.{key}: expected a mapping, got {value!r}")
+    return value
+
+
 def _saved_config(out: str | None, changes: dict):
     """The configuration a resumed run will have (for the device to join the process group on),
     read from the run's ``latest`` checkpoint without verifying it (the Trainer does)."""
@@ -88,20 +111,21 @@ def _saved_config(out: str | None, changes: dict):
 def _cmd_train(args) -> int:
     import torch
 
+    from .interp import circuit_callbacks
     from .train import TrainConfig, Trainer, load_config_file
 
     d = load_config_file(args.config) if args.config else {}
-    for flag, fld in _TRAIN_FLAGS.items():
-        value = getattr(args, flag)
+    for f in config_flag_fields(TrainConfig):
+        value = getattr(args, f.name)
         if value is not None:
-            d[fld] = value
+            d[f.name] = value
     task_options = _parse_task_options(args.task_option)
     if task_options:
-        d["task_options"] = {**(d.get("task_options") or {}), **task_options}
+        d["task_options"] = {**_mapping(d, "task_options"), **task_options}
     lengths = _parse_lengths(args.eval_lengths, "--eval-lengths")
     if lengths is not None:
         d["eval_lengths"] = lengths
-    overrides = dict(d.get("model_overrides") or {})
+    overrides = dict(_mapping(d, "model_overrides"))
     for flag, fld in _MODEL_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
@@ -159,6 +183,7 @@ def _cmd_train(args) -> int:
         resume=args.resume,
         reschedule=args.reschedule,
         progress=not args.no_progress,
+        callbacks=circuit_callbacks,  # the tracker when the run's config asks (--track-circuits)
     )
     n_params = trainer.model.num_parameters()
     if trainer.task is None:
@@ -422,90 +447,54 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser(
-        "train", help="train a language model on text (default: a small transformer on tinyshakespeare)"
+        "train",
+        help="train a language model on text (default: a small transformer on tinyshakespeare)",
+        description="Train a model. Its settings (TrainConfig) are the defaults, then the --config "
+        "file's, then the flags given; a resumed run (--resume) keeps its saved settings and the "
+        "flags given change only those.",
     )
-    t.add_argument("--model", help="registered model name (see `mnemo models`; default transformer)")
-    t.add_argument("--data", help="'tinyshakespeare' (bundled, default) or a path to a UTF-8 text file")
-    t.add_argument("--steps", type=int, help="optimizer steps (default 1000)")
-    t.add_argument("--out", help="run directory (default runs/MODEL, runs/MODEL-2, ...)")
-    t.add_argument("--config", help="YAML/JSON file of TrainConfig fields (flags override it)")
-    t.add_argument("--seed", type=int)
-    t.add_argument("--device", help="cpu (default) or cuda")
-    t.add_argument(
+    from .train.config import TrainConfig
+
+    run = t.add_argument_group("run")
+    run.add_argument("--out", metavar="DIR", help="run directory (default runs/MODEL, runs/MODEL-2, ...)")
+    run.add_argument(
+        "--config", metavar="FILE", help="YAML/JSON file of TrainConfig fields (flags override it)"
+    )
+    run.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in --out from its newest intact checkpoint with every saved setting; "
         "flags given change only those settings (each change is printed)",
     )
-    t.add_argument(
+    run.add_argument(
         "--reschedule",
         choices=["stretch", "hold"],
         help="--resume with a different --steps: 'stretch' recomputes the warm-up + cosine learning "
         "rate over the new --steps (the lr at the resumed step jumps to its place on the new cosine); "
         "'hold' keeps the saved cosine and holds lr x min_lr_ratio after its end",
     )
-    t.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --out")
-    t.add_argument("--lr", type=float)
-    t.add_argument(
-        "--batch-size", type=int, help="sequences per optimizer step over all processes (default 32)"
+    run.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --out")
+    run.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    settings = t.add_argument_group(
+        "training settings", "TrainConfig fields (mnemo.train.TrainConfig); a flag given overrides --config"
     )
-    t.add_argument(
-        "--grad-accum",
-        type=int,
-        help="micro-batches per optimizer step (gradient accumulation; default 1); the batch size "
-        "must be a multiple of processes x grad-accum",
-    )
-    t.add_argument(
-        "--context-parallel",
-        action="store_const",
-        const=True,
-        help="under torchrun, split every sequence over the processes instead of the batch "
-        "(recurrent models only; the sequence length must be a multiple of the processes)",
-    )
-    t.add_argument(
-        "--activation-checkpointing",
-        action="store_const",
-        const=True,
-        help="recompute each block's activations in the backward pass (less memory, ~1 more forward)",
-    )
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--eval-interval", type=int)
-    t.add_argument("--eval-batches", type=int)
-    t.add_argument("--checkpoint-interval", type=int)
-    t.add_argument("--warmup-steps", type=int)
-    t.add_argument("--tokenizer", choices=["char", "byte"])
-    t.add_argument("--precision", choices=["fp32", "bf16"])
-    t.add_argument("--optimizer", choices=["adamw", "m3"], help="outer optimizer (default adamw)")
-    t.add_argument("--d-model", type=int, help="override the model width")
-    t.add_argument("--n-layers", type=int, help="override the number of layers")
-    t.add_argument("--sample-tokens", type=int, help="characters to sample at the end (0 = none)")
-    t.add_argument(
-        "--tensorboard", action="store_true", default=None, help="write TensorBoard events to OUT/tb"
-    )
-    t.add_argument(
-        "--task",
-        help="train on a synthetic task instead of text (mnemo tasks): mqar, selective_copying, "
-        "induction_heads, passkey, copying",
-    )
-    t.add_argument(
+    add_config_flags(settings, TrainConfig)
+    settings.add_argument(
         "--task-option",
         action="append",
         metavar="KEY=VALUE",
         help="a task option, e.g. --task-option num_pairs=16 (repeatable; over the config file's)",
     )
-    t.add_argument("--eval-lengths", help="task runs: also test at these lengths at the end, e.g. 1024,4096")
-    t.add_argument(
-        "--track-circuits",
-        action="store_const",
-        const=True,
-        help="record previous-token/duplicate/induction scores at every evaluation (metrics.jsonl)",
+    settings.add_argument(
+        "--eval-lengths",
+        metavar="L1,L2",
+        help="task runs: also test at these lengths at the end, e.g. 1024,4096",
     )
-    t.add_argument(
-        "--circuit-length", type=int, help="--track-circuits: repeated segment length (default 32)"
-    )
-    t.add_argument("--init-from", help="start from the weights of this run/checkpoint (same model shapes)")
-    t.add_argument("--threads", type=int, help="torch intra-op threads")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sizes = t.add_argument_group("model size", "TrainConfig.model_overrides (over the config file's)")
+    sizes.add_argument("--d-model", type=int, metavar="D", help="override the model width")
+    sizes.add_argument("--n-layers", type=int, metavar="N", help="override the number of layers")
     t.set_defaults(func=_cmd_train)
 
     e = sub.add_parser(
@@ -591,7 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: modules that register more sub-commands (see ``build_parser``)
-_COMMAND_MODULES: list[str] = ["mnemo.sweep.cli", "mnemo.continual", "mnemo.interp.probe", "mnemo.verify"]
+_COMMAND_MODULES: list[str] = [
+    "mnemo.commands.sweep",
+    "mnemo.commands.continual",
+    "mnemo.commands.probe",
+    "mnemo.commands.verify",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -615,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         report(f"mnemo: {e}")
         return 1
-    except (ValueError, FileNotFoundError, TypeError, ImportError) as e:
+    # user errors; anything else (a TypeError included) is a bug and shows its traceback
+    except (ValueError, FileNotFoundError, ImportError) as e:
         report(f"mnemo {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt as e:

@@ -5,12 +5,8 @@ to it when freed. glibc's ``malloc`` serves large blocks with fresh ``mmap`` pag
 memory at the top of its heap back to the kernel once more than a few MiB are free (its mmap and
 trim thresholds, adjusted on the fly between 128 KiB and 32 MiB). A training step makes and frees
 many tensors of a few MiB, so their pages keep going back to the kernel and coming back fresh, and
-the first touch of every fresh 4 KiB page is a page fault, zero-filled by the kernel. Measured on
-the 2-core VM the benchmarks come from (gated linear attention / gated delta rule, forward and
-backward, T = 4096, H = 4, D = 64): 3,900–11,500 page faults per step, and the steps took
-24–26 ms / 45–66 ms; with :func:`tune_malloc`, no page faults and 18–19 ms / 41–43 ms.
-The mambapy peer's Mamba block (32 MiB scan tensors) took 249 ms per step with 106,000 page
-faults, and 157 ms with 3,500 once tuned. PyTorch's CPU tuning guide makes the same point when it
+the first touch of every fresh 4 KiB page is a page fault, zero-filled by the kernel (measured page
+faults and step times: ``docs/benchmarks/notes.md``). PyTorch's CPU tuning guide makes the same point when it
 recommends jemalloc or tcmalloc.
 
 :func:`tune_malloc` keeps the memory in the process instead: blocks below 32 MiB come from the

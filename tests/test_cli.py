@@ -527,3 +527,121 @@ def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(tmp_path, ca
     key = ("step", "train_loss", "val_loss")
     assert [[r[k] for k in key] for r in resumed] == [[r[k] for k in key] for r in whole]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+# ``mnemo train`` flags are generated from TrainConfig's field metadata
+FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written, in field order
+    "model",
+    "data",
+    "tokenizer",
+    "seq_len",
+    "batch_size",
+    "grad_accum",
+    "context_parallel",
+    "activation_checkpointing",
+    "steps",
+    "lr",
+    "warmup_steps",
+    "optimizer",
+    "eval_interval",
+    "eval_batches",
+    "checkpoint_interval",
+    "seed",
+    "device",
+    "precision",
+    "sample_tokens",
+    "tensorboard",
+    "init_from",
+    "task",
+    "track_circuits",
+    "circuit_length",
+]
+# fields set otherwise: their own flags (--d-model/--n-layers, --task-option, --eval-lengths,
+# --resume --reschedule) or the config file only
+NOT_FLAGS = {"model_overrides", "task_options", "eval_lengths", "schedule_steps", "min_lr_ratio"}
+NOT_FLAGS |= {"weight_decay", "beta1", "beta2", "grad_clip", "sample_prompt", "sample_temperature"}
+NOT_FLAGS |= {"m3_slow_every", "m3_beta3", "m3_alpha", "m3_ns_steps", "m3_eps", "m3_ema"}
+
+
+def _train_options() -> dict:
+    """``--flag -> argparse action`` of the ``mnemo train`` parser."""
+    from mnemo.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return {s: a for a in sub.choices["train"]._actions for s in a.option_strings}
+
+
+def test_every_trainconfig_flag_field_is_a_train_flag():
+    import dataclasses
+
+    from mnemo.cli import config_flag_fields
+    from mnemo.train import TrainConfig
+
+    assert [f.name for f in config_flag_fields()] == FLAG_FIELDS
+    assert {f.name for f in dataclasses.fields(TrainConfig)} == set(FLAG_FIELDS) | NOT_FLAGS
+    options = _train_options()
+    for name in FLAG_FIELDS:
+        action = options["--" + name.replace("_", "-")]
+        assert action.dest == name and action.default is None and action.help  # None: not given
+    for flag in ["--config", "--out", "--resume", "--reschedule", "--overwrite", "--threads"]:
+        assert flag in options
+    for flag in ["--no-progress", "--task-option", "--eval-lengths", "--d-model", "--n-layers"]:
+        assert flag in options
+    assert options["--tokenizer"].choices == ["char", "byte"] and options["--lr"].type is float
+    assert options["--checkpoint-interval"].type is int and options["--track-circuits"].const is True
+    assert "(default 1000)" in options["--steps"].help
+    assert "default --eval-interval" in options["--checkpoint-interval"].help
+
+
+def test_a_new_field_with_metadata_is_a_flag():
+    import argparse
+    from dataclasses import dataclass, field
+
+    from mnemo.cli import add_config_flags
+    from mnemo.train import TrainConfig
+
+    @dataclass
+    class Extended(TrainConfig):
+        dropout: float = field(default=0.0, metadata={"cli": {"help": "dropout rate"}})
+        label_smoothing: bool = field(default=False, metadata={"cli": {"help": "smooth the labels"}})
+        note: str = "config file only"
+
+    p = argparse.ArgumentParser()
+    names = add_config_flags(p, Extended)
+    assert names == FLAG_FIELDS + ["dropout", "label_smoothing"]
+    args = p.parse_args(["--dropout", "0.25", "--label-smoothing", "--seq-len", "64"])
+    assert (args.dropout, args.label_smoothing, args.seq_len, args.steps) == (0.25, True, 64, None)
+    assert "dropout rate (default 0.0)" in " ".join(p.format_help().split())
+
+
+def test_type_errors_are_bugs_not_user_errors(monkeypatch):
+    """A TypeError inside a command is a library bug: it propagates with its traceback."""
+    import mnemo.cli as cli
+
+    def broken(args):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setattr(cli, "_cmd_models", broken)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        main(["models"])
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("lr: fast\n", "TrainConfig.lr: expected a finite number, got 'fast'"),
+        ("device: 0\n", "TrainConfig.device: expected a string, got 0"),
+        ("task: mqar\ntask_options: [1]\n", "TrainConfig.task_options: expected a mapping, got [1]"),
+        ("model_overrides: 3\n", "TrainConfig.model_overrides: expected a mapping, got 3"),
+        ("- 1\n", "must hold a mapping of TrainConfig fields"),
+    ],
+)
+def test_config_file_values_of_the_wrong_type_are_user_errors(text, match, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(text)
+    argv = ["train", "--config", "c.yaml", "--task-option", "num_pairs=2", "--d-model", "16"]
+    if "task:" not in text:
+        argv.remove("--task-option")
+        argv.remove("num_pairs=2")
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err

@@ -314,5 +314,8 @@ def test_circuit_tracking_during_training_on_device(tmp_path):
     cfg = _train_cfg(
         model="transformer", steps=2, eval_interval=2, sample_tokens=0, track_circuits=True, circuit_length=8
     )
-    rec = Trainer(cfg, tmp_path, progress=False, log=lambda *a, **k: None).fit()
+    from mnemo.interp import CircuitTracker
+
+    tracker = CircuitTracker(length=cfg.circuit_length)
+    rec = Trainer(cfg, tmp_path, progress=False, log=lambda *a, **k: None, callbacks=[tracker]).fit()
     assert math.isfinite(rec["induction_max"]), rec

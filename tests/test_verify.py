@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mnemo.testing.specs as specs_mod
-from mnemo import verify as V
+from mnemo.commands import verify as V
 from mnemo.ops import gated_delta_rule, gated_linear_attention
 from mnemo.testing import (
     ContractError,

@@ -24,15 +24,20 @@ DEFAULT_MODELS = ("transformer", "gla", "gated_deltanet", "mamba", "mamba2", "ti
 
 def _fill_state(model, state, L: int):
     """Give every attention cache ``L`` random entries (recurrent states keep their shape)."""
+    import dataclasses
+
     from ..ops.softmax_attention import KVCache
 
-    for s in state:
-        mem = s.memory
-        if isinstance(mem, KVCache):
-            B, _, H, D = mem.k.shape
-            s.memory = KVCache(torch.randn(B, L, H, D), torch.randn(B, L, H, mem.v.shape[-1]))
-        s.offset = L
-    return state
+    out = []
+    for s in state:  # BlockState(mixer=..., mlp=...)
+        m = s.mixer
+        changes = {"offset": L} if hasattr(m, "offset") else {}
+        kv = getattr(m, "kv", None)
+        if isinstance(kv, KVCache):
+            B, _, H, D = kv.k.shape
+            changes["kv"] = KVCache(torch.randn(B, L, H, D), torch.randn(B, L, H, kv.v.shape[-1]))
+        out.append(dataclasses.replace(s, mixer=dataclasses.replace(m, **changes)) if changes else s)
+    return out
 
 
 def peak_rss_mb() -> float:

@@ -113,7 +113,7 @@ def hope_vs_nested_learning(T: int = 1024, dim: int = 256, chunk: int = 64, batc
     from nested_learning.titan.self_modifying import SelfModifyingTitans as PeerSMT
     from nested_learning.titan.self_modifying import SelfModifyingTitansConfig
 
-    from ..nested import ContinuumMemory, Level, SelfModifyingTitans
+    from ..layers import ContinuumMemory, Level, SelfModifyingTitans
 
     torch.manual_seed(0)
     smt = SelfModifyingTitans(dim, n_heads=4, chunk_size=chunk, proj_chunk_size=chunk)

@@ -1,7 +1,9 @@
 """Reading memories: attention and implicit attention maps for every mixer, circuit scores
-(previous-token, duplicate-token, induction, copying, in-context learning), memory time scales."""
+(previous-token, duplicate-token, induction, copying, in-context learning), memory time scales,
+and the training callback that tracks circuit scores (:class:`CircuitTracker`)."""
 
 from .maps import Mixing, capture_maps, decay_matrix, delta_map, gla_map, mixing, scan_map
+from .probe import CircuitTracker, circuit_callbacks, circuit_scores
 from .scores import (
     copying_score,
     duplicate_token_score,
@@ -27,4 +29,7 @@ __all__ = [
     "copying_score",
     "icl_score",
     "repeated_random_tokens",
+    "circuit_scores",
+    "CircuitTracker",
+    "circuit_callbacks",
 ]

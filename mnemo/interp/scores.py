@@ -64,22 +64,16 @@ def copying_score(model, layer: int) -> torch.Tensor:
     logits). The ``V × V`` matrix has the eigenvalues of the ``D × D`` product
     ``W_V^h W_O^h W_U W_E`` plus zeros, which is what is computed. Norms are ignored (the usual
     approximation). Raises ``TypeError`` for non-attention layers."""
-    from ..layers import Attention
-
-    att = model.blocks[layer].mixer
-    if not isinstance(att, Attention):
+    mixer = model.blocks[layer].mixer
+    heads = mixer.ov_matrices()
+    if heads is None:
         raise TypeError(
-            f"copying_score needs a softmax attention layer; layer {layer} is {type(att).__name__}"
+            f"copying_score needs a softmax attention layer; layer {layer} is {type(mixer).__name__}"
         )
-    D, H, G = att.head_dim, att.n_heads, att.n_heads // att.n_kv_heads
     W_E = model.embed.weight.detach()  # [V, d]
     W_U = model.lm_head.weight.detach().T  # [d, V]
-    W_v = att.kv_proj.weight.detach()[att.n_kv_heads * D :].T  # [d, Hkv*D]
-    W_o = att.o_proj.weight.detach().T  # [H*D, d]
     scores = []
-    for h in range(H):
-        Wv = W_v[:, (h // G) * D : (h // G + 1) * D]  # [d, D]
-        Wo = W_o[h * D : (h + 1) * D]  # [D, d]
+    for Wv, Wo in heads:  # [d, D], [D, d]
         lam = torch.linalg.eigvals(Wo @ W_U @ W_E @ Wv)  # the D × D cycle of the OV circuit
         scores.append((lam.sum() / lam.abs().sum().clamp_min(1e-12)).real)
     return torch.stack(scores)

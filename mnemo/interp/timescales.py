@@ -2,8 +2,9 @@
 
 A log decay ``g ≤ 0`` per token keeps ``exp(g)`` of a memory, so information halves after
 ``−ln 2 / g`` tokens. Data-dependent gates are measured on real input (the gates the model actually
-produces on a text); fixed gates (RetNet) are read off the weights. Mamba's decay is ``Δ_t A`` per
-(channel, state); Titans' is its retention gate; a CMS level's time scale is its update period.
+produces on a text, as recorded by each mixer's ``hook_g``), fixed gates (RetNet) too. Mamba's decay
+is ``Δ_t A`` per (channel, state); Titans' is ``log(1 − α_t)`` of its retention gate; a CMS level's
+time scale is its update period.
 """
 
 from __future__ import annotations
@@ -12,51 +13,14 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
-from ..layers import DeltaNet, GatedLinearAttention, Mamba, Mamba2, NeuralMemory
-from ..nested import ContinuumMemory, SelfModifyingProjections, SelfModifyingTitans
 
 LN2 = math.log(2.0)
 
 
-def _mamba_log_decay(m: Mamba, x):
-    u, _ = m.conv(m.in_proj(x).chunk(2, dim=-1)[0])
-    if m.selective:
-        dt = m.x_proj(u)[..., : m.dt_rank]
-    else:
-        dt = m.dt_lti.expand(*x.shape[:2], -1)
-    delta = F.softplus(F.linear(dt, m.dt_proj.weight) + m.dt_proj.bias)  # [B, T, Dm]
-    return delta[..., None] * -m.A_log.exp()  # [B, T, Dm, N]
-
-
-def _mamba2_log_decay(m: Mamba2, x):
-    dt = m.in_proj(x)[..., -m.n_heads :]
-    return F.softplus(dt + m.dt_bias) * -m.A_log.exp()  # [B, T, H]
-
-
-def log_decays(mixer, x: torch.Tensor):
-    """``(kind, g)``: the log decays a mixer applies on input ``x [B, T, d]``, or ``None`` for a
-    mixer without a decaying memory."""
-    if isinstance(mixer, GatedLinearAttention):
-        g = mixer.log_decay(x)
-        return ("per-channel" if g.ndim == 4 else "per-head"), g
-    if isinstance(mixer, DeltaNet):
-        return ("per-head", mixer.log_decay(x)) if mixer.gated else None
-    if isinstance(mixer, Mamba):
-        return "per-channel-state", _mamba_log_decay(mixer, x)
-    if isinstance(mixer, Mamba2):
-        return "per-head", _mamba2_log_decay(mixer, x)
-    if isinstance(mixer, NeuralMemory):
-        _, g, _, _ = mixer._gates(x)
-        return ("per-head", g) if g is not None else None
-    if isinstance(mixer, SelfModifyingTitans):
-        # one retention α_t per token for all five memories, generated in context by M_α
-        return "per-head", mixer.log_decay(x)[..., None]
-    if isinstance(mixer, SelfModifyingProjections):
-        g = F.logsigmoid(x @ mixer.init["alpha"] + mixer.alpha_bias)
-        return "per-head", g
-    return None
+def decay_kind(g: torch.Tensor) -> str:
+    """What a log-decay tensor's entries are: one per head ``[B, T, H]`` or one per channel
+    (``[B, T, H, K]``; Mamba's ``[B, T, D, N]``, per channel and state)."""
+    return "per-head" if g.ndim == 3 else "per-channel"
 
 
 def summarize(half_lives: torch.Tensor) -> dict:
@@ -81,30 +45,30 @@ def summarize(half_lives: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def timescales(model, input_ids: torch.Tensor) -> dict:
-    """``{layer: {"mixer", "kind", "half_life": summary}}`` (plus ``"cms"`` periods) on ``input_ids``."""
-    inputs = {}
-    handles = [
-        b.mixer.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
-        for i, b in enumerate(model.blocks)
-    ]
-    try:
-        model(input_ids)
-    finally:
-        for h in handles:
-            h.remove()
+    """``{layer: {"mixer", "kind", "half_life": summary}}`` (plus ``"cms_periods"``) on ``input_ids``.
+
+    The log decays are what each mixer's ``hook_g`` carries on this input (recorded with
+    ``run_with_cache``): the gates the model actually produces; a mixer without ``hook_g`` has
+    no decaying memory (``"kind": "no decay"``)."""
+    param = next(model.parameters(), None)
+    if param is not None:
+        input_ids = input_ids.to(param.device)
+    names = [f"blocks.{i}.mixer.hook_g" for i in range(len(model.blocks))]
+    names = [n for n in names if n in model.hook_points]
+    cache = model.run_with_cache(input_ids, names=names)[1] if names else {}
     out = {}
     for i, block in enumerate(model.blocks):
         entry = {"mixer": type(block.mixer).__name__}
-        got = log_decays(block.mixer, inputs[i])
-        if got is not None:
-            kind, g = got
+        g = cache.get(f"blocks.{i}.mixer.hook_g")
+        if g is not None:
             g = g.float().clamp(max=0.0)
             hl = torch.where(g < 0, -LN2 / g, torch.full_like(g, float("inf")))
-            entry.update(kind=kind, half_life=summarize(hl))
+            entry.update(kind=decay_kind(g), half_life=summarize(hl))
         else:
             entry["kind"] = "no decay"
-        if isinstance(block.mlp, ContinuumMemory):
-            entry["cms_periods"] = [lv.level.period for lv in block.mlp.levels]
+        periods = getattr(block.mlp, "periods", None)
+        if periods is not None:
+            entry["cms_periods"] = list(periods)
         out[str(i)] = entry
     return out
 

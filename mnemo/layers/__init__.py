@@ -1,49 +1,29 @@
 """``nn.Module`` token mixers and blocks over :mod:`mnemo.ops`.
 
 :data:`MIXERS` maps a mixer name (used in model configs) to a constructor
-``(d_model, **options) -> Mixer``.
+``(d_model, **options) -> Mixer``. Each mixer registers itself in its own file
+(``@register_mixer``); the imports below are what registers the built-in ones.
 """
 
-from functools import partial
-
 from .attention import Attention
-from .base import Mixer, MixerState, Mixing
-from .registry import MIXERS, register_mixer
+from .base import Mixer, Mixing
+from .cms import CMSLevel, ContinuumMemory, Level
 from .conv import ShortConvolution
 from .delta import DeltaNet
 from .linear_attention import GatedLinearAttention, LinearAttention
 from .mlp import SwiGLU
 from .norm import RMSNorm
+from .registry import MIXERS, register_mixer
 from .rotary import RotaryEmbedding
+from .self_modifying import SelfModifyingTitans
+from .self_modifying_projections import SelfModifyingProjections
 from .ssm import Mamba, Mamba2
 from .titans import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
-
-# the built-in mixers register themselves (``@register_mixer`` in each file); until every file
-# carries its decorator, the remaining ones are registered here
-_BUILTIN = {
-    "attention": Attention,
-    "linear_attention": LinearAttention,
-    "retnet": partial(GatedLinearAttention, gate="retnet", expand_k=1.0),
-    "gla": partial(GatedLinearAttention, gate="gla"),
-    "gated_linear_attention": GatedLinearAttention,
-    "deltanet": DeltaNet,
-    "gated_deltanet": partial(DeltaNet, gated=True),
-    "mamba": Mamba,
-    "mamba2": Mamba2,
-    "neural_memory": NeuralMemory,
-    "titans_mac": TitansMAC,
-    "titans_mag": TitansMAG,
-    "titans_mal": TitansMAL,
-}
-for _name, _ctor in _BUILTIN.items():
-    MIXERS.setdefault(_name, _ctor)
-
 
 __all__ = [
     "MIXERS",
     "register_mixer",
     "Mixer",
-    "MixerState",
     "Mixing",
     "Attention",
     "LinearAttention",
@@ -55,6 +35,11 @@ __all__ = [
     "TitansMAC",
     "TitansMAG",
     "TitansMAL",
+    "SelfModifyingTitans",
+    "SelfModifyingProjections",
+    "ContinuumMemory",
+    "CMSLevel",
+    "Level",
     "ShortConvolution",
     "SwiGLU",
     "RMSNorm",

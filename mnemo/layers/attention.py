@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import torch
-from einops import rearrange
+from einops import rearrange, repeat
 from torch import nn
 
-from ..ops.softmax_attention import softmax_attention
-from .base import Mixer, MixerState, check_input
+from ..ops._common import compute_dtype
+from ..ops.softmax_attention import KVCache, attention_mask, softmax_attention, softmax_attention_map
+from .base import Mixer, Mixing, check_input
+from .hooks import HookPoint
+from .linear_attention import state_dtypes
+from .registry import register_mixer
 from .rotary import RotaryEmbedding
+from .state import nbytes, spec, state_dataclass
 
 
+@state_dataclass
+class AttentionState:
+    """The state of softmax attention.
+
+    Attributes:
+        kv: the :class:`~mnemo.ops.KVCache` of past keys and values ``[B, P, H_kv, K]`` (with a
+            window, only the last ``window − 1``), in the activation dtype; ``None`` before the
+            first call.
+        offset: tokens consumed so far (rotary positions).
+    """
+
+    kv: KVCache | None = None
+    offset: int = 0
+
+
+@register_mixer("attention")
 class Attention(Mixer):
     """Multi-head causal softmax attention (Vaswani et al. 2017) with rotary positions.
 
@@ -22,9 +43,22 @@ class Attention(Mixer):
         rope: apply rotary embeddings (``rope_theta`` base) to q and k.
         mode: ``"parallel"`` (SDPA) or ``"recurrent"`` (reference token loop).
 
-    State: ``MixerState(memory=KVCache, offset=tokens seen)``; with a window, the cache keeps only
-    the last ``window − 1`` keys, so decoding memory stays bounded.
+    Hook points (``S`` = cached + new keys):
+
+    * ``hook_q`` ``[B, T, H, K]``, ``hook_k`` ``[B, T, H_kv, K]`` (after rotary positions),
+      ``hook_v`` ``[B, T, H_kv, V]``: this call's queries, keys and values as the op gets them;
+    * ``hook_pattern`` ``[B, H, T, S]``: the softmax probabilities (float32, float64 for a
+      float64 model). Built only while a hook is attached; the output is then computed as
+      ``pattern @ v``, so a replaced pattern takes effect (otherwise the fused kernel runs and no
+      ``T × S`` matrix is formed);
+    * ``hook_o`` ``[B, T, H, V]``: the attention output, before the output projection;
+    * ``hook_state``: the :class:`~mnemo.ops.KVCache` after the call.
+
+    State: :class:`AttentionState` (``kv``, ``offset``); with a window, the cache keeps only the
+    last ``window − 1`` keys, so decoding memory stays bounded.
     """
+
+    mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_o")
 
     def __init__(
         self,
@@ -48,30 +82,89 @@ class Attention(Mixer):
         self.kv_proj = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
         self.rotary = RotaryEmbedding(head_dim, rope_theta) if rope else None
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_pattern, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
 
     def _mode(self, T: int, mode: str | None) -> str:
         return mode or self.mode
 
-    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+    def ov_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per query head ``h``: ``(W_V [d_model, D], W_O [D, d_model])``; with grouped-query
+        attention head ``h`` reads the values of key/value head ``h // (H / H_kv)``."""
+        D, G = self.head_dim, self.n_heads // self.n_kv_heads
+        W_v = self.kv_proj.weight.detach()[self.n_kv_heads * D :].T  # [d, H_kv·D]
+        W_o = self.o_proj.weight.detach().T  # [H·D, d]
+        return [
+            (W_v[:, (h // G) * D : (h // G + 1) * D], W_o[h * D : (h + 1) * D]) for h in range(self.n_heads)
+        ]
+
+    def forward(self, x: torch.Tensor, state: AttentionState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
         offset = state.offset if state is not None else 0
+        cache = state.kv if state is not None else None
         q = rearrange(self.q_proj(x), "b t (h d) -> b t h d", h=self.n_heads)
         k, v = rearrange(self.kv_proj(x), "b t (two h d) -> two b t h d", two=2, h=self.n_kv_heads)
         if self.rotary is not None:
             q, k = self.rotary(q, offset), self.rotary(k, offset)
-        o, cache = softmax_attention(
-            q,
-            k,
-            v,
-            window=self.window,
-            initial_state=state.memory if state is not None else None,
-            output_final_state=True,
-            mode=self._mode(T, mode),
-        )
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if self.hook_pattern.active:
+            o, cache = self._attend_through_pattern(q, k, v, cache)
+        else:
+            o, cache = softmax_attention(
+                q,
+                k,
+                v,
+                window=self.window,
+                initial_state=cache,
+                output_final_state=True,
+                mode=self._mode(T, mode),
+            )
+        o, cache = self.hook_o(o), self.hook_state(cache)
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-        return y, MixerState(memory=cache, offset=offset + T)
+        return y, AttentionState(kv=cache, offset=offset + T)
 
-    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, dtype_bytes: int = 4) -> int:
-        """Bytes of the KV cache after ``seq_len`` tokens (bounded by the window)."""
+    def _attend_through_pattern(self, q, k, v, cache: KVCache | None):
+        """``o = pattern @ v`` with the probabilities passing ``hook_pattern`` (and the new cache)."""
+        T = q.shape[1]
+        if cache is not None:
+            k_all = torch.cat([cache.k.to(k.dtype), k], dim=1)
+            v_all = torch.cat([cache.v.to(v.dtype), v], dim=1)
+        else:
+            k_all, v_all = k, v
+        S = k_all.shape[1]
+        G = self.n_heads // self.n_kv_heads
+        cd = compute_dtype(q, k, v)
+        kh = repeat(k_all.to(cd), "b s h d -> b s (h g) d", g=G)
+        vh = repeat(v_all.to(cd), "b s h d -> b s (h g) d", g=G)
+        scores = torch.einsum("bthd,bshd->bhts", q.to(cd), kh) * self.head_dim**-0.5
+        mask = attention_mask(T, S, window=self.window, device=q.device)
+        pattern = self.hook_pattern(scores.masked_fill(~mask, float("-inf")).softmax(-1))
+        o = torch.einsum("bhts,bshd->bthd", pattern.to(cd), vh).to(q.dtype)
+        keep = S if self.window is None else min(S, self.window - 1)
+        return o, KVCache(k_all[:, S - keep :], v_all[:, S - keep :])
+
+    def mixing(self, acts: dict) -> Mixing:
+        """Softmax probabilities (``acts["hook_pattern"]`` when recorded, else from q and k), the
+        values repeated to the ``H`` query heads, and the attention output."""
+        q, k, v, o = (acts[n] for n in self.mixing_hooks)
+        M = acts.get("hook_pattern")
+        if M is None:
+            M = softmax_attention_map(q, k, window=self.window)
+        v = repeat(v, "b t h d -> b t (h g) d", g=self.n_heads // self.n_kv_heads)
+        return Mixing(M, v, o)
+
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> AttentionState:
+        """The state after ``seq_len`` tokens as ``meta`` tensors: a KV cache of ``seq_len`` entries
+        (at most ``window − 1``) in the activation ``dtype`` (default the parameters')."""
+        act, _ = state_dtypes(self, dtype)
         kept = seq_len if self.window is None else min(seq_len, self.window - 1)
-        return 2 * batch_size * kept * self.n_kv_heads * self.head_dim * dtype_bytes
+        shape = (batch_size, kept, self.n_kv_heads, self.head_dim)
+        return AttentionState(kv=KVCache(spec(shape, act), spec(shape, act)), offset=seq_len)
+
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Bytes of the KV cache after ``seq_len`` tokens (bounded by the window)."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))

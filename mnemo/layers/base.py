@@ -1,35 +1,11 @@
-"""What every token mixer shares: its state record and its forward contract."""
+"""What every token mixer shares: its forward contract, hook points and implicit attention."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
-
-from .state import state_dataclass
-
-
-@state_dataclass
-@dataclass
-class MixerState:
-    """The state a mixer carries between calls (one per layer; the model cache is a list of them).
-
-    Attributes:
-        memory: the recurrent memory (e.g. a matrix state ``[B, H, K, V]``, float32) or, for
-            softmax attention, a :class:`~mnemo.ops.KVCache`; ``None`` before the first call.
-        conv: the short-convolution tail ``[B, C, W − 1]`` (the last ``W − 1`` conv inputs), or
-            ``None`` when the mixer has no short convolution.
-        offset: how many tokens this state has consumed (positions for rotary embeddings).
-        mlp: the state of a stateful channel mixer in the same block (a CMS's fast weights), or
-            ``None``.
-    """
-
-    memory: Any = None
-    conv: torch.Tensor | None = None
-    offset: int = 0
-    mlp: Any = None
 
 
 class Mixing(NamedTuple):
@@ -65,6 +41,12 @@ class Mixer(nn.Module):
     def __init__(self, mode: str):
         super().__init__()
         self.mode = mode
+
+    def ov_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per head ``(W_V [d_model, D], W_O [D, d_model])`` — what a head writes to the residual
+        stream for the token it attends to (the OV circuit of Elhage et al. 2021) — for mixers whose
+        heads read values through a softmax pattern; ``None`` for the others (the default)."""
+        return None
 
     def mixing(self, acts: dict[str, torch.Tensor]) -> Mixing:
         """The implicit attention from this mixer's recorded hook values ``acts`` (short names,

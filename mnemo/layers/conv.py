@@ -8,6 +8,7 @@ from einops import rearrange
 from torch import nn
 
 from ..ops import _native
+from .state import spec
 
 
 class ShortConvolution(nn.Module):
@@ -51,6 +52,10 @@ class ShortConvolution(nn.Module):
         if self.activation:
             y = F.silu(y)
         return y, rearrange(xp[:, xp.shape[1] - (W - 1) :], "b w c -> b c w")
+
+    def state_spec(self, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The streaming state ``[B, C, W − 1]`` as a ``meta`` tensor (it is in the input's dtype)."""
+        return spec((batch_size, self.channels, self.kernel_size - 1), dtype)
 
 
 class _CausalConv(torch.autograd.Function):

@@ -10,17 +10,46 @@ from torch import nn
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from ..ops.linear_attention import linear_attention, linear_attention_map
-from .base import Mixer, MixerState, Mixing, check_input, upcast
+from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
+from .registry import register_mixer
 from .rotary import RotaryEmbedding
+from .state import nbytes, spec, state_dataclass
+
+
+@state_dataclass
+class MatrixState:
+    """The state of a matrix-memory mixer (linear attention, GLA / RetNet, DeltaNet).
+
+    Attributes:
+        memory: the matrix memory ``[B, H, K, V]`` in the compute dtype (float32; float64 for a
+            float64 model); ``None`` before the first call.
+        conv: the short-convolution tail ``[B, C, W − 1]`` (activation dtype), or ``None`` when the
+            mixer has no short convolution.
+        offset: tokens consumed so far (positions for rotary embeddings).
+    """
+
+    memory: torch.Tensor | None = None
+    conv: torch.Tensor | None = None
+    offset: int = 0
+
+
+def state_dtypes(module: nn.Module, dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
+    """``(activation dtype, memory dtype)`` of ``module``'s state: ``dtype`` (default: its
+    parameters') for caches and conv tails, and the ops' compute dtype for recurrent memories
+    (float64 for float64 activations, else float32)."""
+    if dtype is None:
+        p = next(module.parameters(), None)
+        dtype = p.dtype if p is not None else torch.get_default_dtype()
+    return dtype, (torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 class _QKVMixer(Mixer):
     """Shared q/k/v projection (+ optional short causal conv) of the matrix-memory mixers, and
     their hook points ``hook_q, hook_k: [B, T, H, K]``, ``hook_v, hook_o: [B, T, H, V]``,
-    ``hook_state: [B, H, K', V']`` (float32)."""
+    ``hook_state: [B, H, K', V']`` (float32). State: :class:`MatrixState`."""
 
     mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_o")
 
@@ -47,15 +76,24 @@ class _QKVMixer(Mixer):
         v = rearrange(v, "b t (h d) -> b t h d", h=H)
         return q, k, v, conv_state
 
-    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, dtype_bytes: int = 4) -> int:
-        """Bytes of the recurrent state (matrix memory, fp32, plus the conv tail); independent of T."""
-        mem = batch_size * self.n_heads * self._state_key_dim() * self._state_value_dim() * 4
-        conv = (
-            0
-            if self.conv is None
-            else batch_size * self.conv.channels * (self.conv.kernel_size - 1) * dtype_bytes
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> MatrixState:
+        """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
+        default the parameters'): the matrix memory and the conv tail; independent of ``seq_len``."""
+        act, mem = state_dtypes(self, dtype)
+        B, H = batch_size, self.n_heads
+        return MatrixState(
+            memory=spec((B, H, self._state_key_dim(), self._state_value_dim()), mem),
+            conv=None if self.conv is None else self.conv.state_spec(B, act),
+            offset=seq_len,
         )
-        return mem + conv
+
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Bytes of the recurrent state (:meth:`state_spec`); independent of ``seq_len``."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
     def _state_key_dim(self) -> int:
         return self.key_dim
@@ -64,6 +102,7 @@ class _QKVMixer(Mixer):
         return self.value_dim
 
 
+@register_mixer("linear_attention")
 class LinearAttention(_QKVMixer):
     """Linear attention layer (Katharopoulos et al. 2020) over :func:`mnemo.ops.linear_attention`.
 
@@ -75,6 +114,11 @@ class LinearAttention(_QKVMixer):
         short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v.
         output_norm: per-head RMSNorm of the read-out before the output projection.
         mode: ``"chunk"`` | ``"parallel"`` | ``"recurrent"`` for ``T > 1``; chunk_size for chunk.
+
+    Hook points: ``hook_q, hook_k`` ``[B, T, H, K]`` (before the feature map), ``hook_v, hook_o``
+    ``[B, T, H, V]``, ``hook_state`` ``[B, H, F, V + normalize]`` (feature size ``F``).
+
+    State: :class:`MatrixState` (memory ``[B, H, F, V + normalize]``, conv tail, offset).
     """
 
     def __init__(
@@ -108,7 +152,7 @@ class LinearAttention(_QKVMixer):
     def _state_value_dim(self) -> int:
         return self.value_dim + int(self.normalize)
 
-    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
         q, k, v, conv_state = self._qkv(x, state)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)  # before the feature map
@@ -127,13 +171,16 @@ class LinearAttention(_QKVMixer):
         if self.norm is not None:
             o = self.norm(o)
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-        return y, MixerState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
+        return y, MatrixState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
 
     def mixing(self, acts: dict) -> Mixing:
         M = linear_attention_map(acts["hook_q"], acts["hook_k"], self.feature_map, self.normalize)
         return Mixing(M, acts["hook_v"], acts["hook_o"])
 
 
+@register_mixer("gla", gate="gla")
+@register_mixer("retnet", gate="retnet", expand_k=1.0)
+@register_mixer("gated_linear_attention")
 class GatedLinearAttention(_QKVMixer):
     """Gated linear attention layer over :func:`mnemo.ops.gated_linear_attention`.
 
@@ -152,6 +199,8 @@ class GatedLinearAttention(_QKVMixer):
     Hook points: ``hook_q, hook_k`` ``[B, T, H, K]`` (after rotary positions, as the op gets them),
     ``hook_v, hook_o`` ``[B, T, H, V]``, ``hook_g`` (log decay, ``[B, T, H]`` for ``retnet`` and
     ``scalar``, ``[B, T, H, K]`` for ``gla``), ``hook_state`` ``[B, H, K, V]``.
+
+    State: :class:`MatrixState` (memory ``[B, H, K, V]``, conv tail, offset).
     """
 
     mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_g", "hook_o")
@@ -202,7 +251,7 @@ class GatedLinearAttention(_QKVMixer):
             return rearrange(g, "b t (h k) -> b t h k", h=self.n_heads)
         return F.logsigmoid(upcast(self.gate_proj(x))) / self.gate_normalizer
 
-    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
         offset = state.offset if state is not None else 0
         q, k, v, conv_state = self._qkv(x, state)
@@ -222,7 +271,7 @@ class GatedLinearAttention(_QKVMixer):
         o, S = self.hook_o(o), self.hook_state(S)
         o = self.norm(o) * F.silu(rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-        return y, MixerState(memory=S, conv=conv_state, offset=offset + T)
+        return y, MatrixState(memory=S, conv=conv_state, offset=offset + T)
 
     def mixing(self, acts: dict) -> Mixing:
         M = gated_linear_attention_map(acts["hook_q"], acts["hook_k"], acts["hook_g"])

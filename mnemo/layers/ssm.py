@@ -6,17 +6,56 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
+from einops import rearrange, repeat
 from torch import nn
 
-from ..ops.selective_scan import selective_scan
-from ..ops.ssd import ssd
-from .base import Mixer, MixerState, check_input, upcast
+from ..ops._common import compute_dtype
+from ..ops.gated_linear_attention import gated_linear_attention
+from ..ops.selective_scan import selective_scan, selective_scan_map
+from ..ops.ssd import ssd_map
+from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .delta import init_dt_bias
+from .hooks import HookPoint
+from .linear_attention import state_dtypes
 from .norm import RMSNorm
+from .registry import register_mixer
+from .state import nbytes, spec, state_dataclass
 
 
+@state_dataclass
+class MambaState:
+    """The state of :class:`Mamba`.
+
+    Attributes:
+        ssm: ``h [B, d_inner, N]`` in the compute dtype (float32; float64 for a float64 model);
+            ``None`` before the first call.
+        conv: the short-convolution tail ``[B, d_inner, conv_size − 1]`` (activation dtype).
+        offset: tokens consumed so far.
+    """
+
+    ssm: torch.Tensor | None = None
+    conv: torch.Tensor | None = None
+    offset: int = 0
+
+
+@state_dataclass
+class Mamba2State:
+    """The state of :class:`Mamba2`.
+
+    Attributes:
+        ssm: ``h [B, H, N, P]`` in the compute dtype (float32; float64 for a float64 model);
+            ``None`` before the first call.
+        conv: the short-convolution tail ``[B, d_inner + 2 G N, conv_size − 1]`` (activation dtype).
+        offset: tokens consumed so far.
+    """
+
+    ssm: torch.Tensor | None = None
+    conv: torch.Tensor | None = None
+    offset: int = 0
+
+
+@register_mixer("mamba")
 class Mamba(Mixer):
     """Mamba block (Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State
     Spaces", §3.4 and Alg. 2) over :func:`mnemo.ops.selective_scan`.
@@ -35,8 +74,22 @@ class Mamba(Mixer):
             ablation of Mamba §4.1); default ``True``.
         mode / chunk_size: op form for ``T > 1``.
 
-    State: ``MixerState(memory=h [B, d_inner, N] float32, conv=[B, d_inner, conv_size − 1])``.
+    Hook points, as the scan gets them (``D = d_inner``):
+
+    * ``hook_v`` ``[B, T, D]``: the scanned input ``u = silu(conv(x))`` (the Δ, B, C projections
+      read ``u`` before the hook; the ``D`` skip reads it after);
+    * ``hook_dt`` ``[B, T, D]``: the step ``Δ = softplus(W_dt dt + b_dt)`` (float32 / float64);
+    * ``hook_B``, ``hook_C`` ``[B, T, N]``;
+    * ``hook_g`` ``[B, T, D, N]``: the log decay ``Δ A``, built only while a hook is attached; a
+      replacement is scanned as given (the scan then runs as per-channel gated linear attention);
+    * ``hook_o`` ``[B, T, D]``: the scan's read-out ``C_t h_t``, before the ``D`` skip and the gate;
+    * ``hook_state`` ``[B, D, N]``: ``h`` after the call.
+
+    State: :class:`MambaState` (``ssm``: ``h [B, d_inner, N]`` float32, ``conv``:
+    ``[B, d_inner, conv_size − 1]``, ``offset``).
     """
+
+    mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
 
     def __init__(
         self,
@@ -66,6 +119,13 @@ class Mamba(Mixer):
         self.A_log = nn.Parameter(torch.zeros(self.d_inner, d_state))
         self.D = nn.Parameter(torch.ones(self.d_inner))
         self.o_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        self.hook_v, self.hook_dt, self.hook_B, self.hook_C = (
+            HookPoint(),
+            HookPoint(),
+            HookPoint(),
+            HookPoint(),
+        )
+        self.hook_g, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
         self._init_special()
 
     def _init_special(self) -> None:
@@ -85,40 +145,94 @@ class Mamba(Mixer):
     def _kw(self):
         return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
 
-    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x: torch.Tensor, state: MambaState | None = None, *, mode: str | None = None):
         Bsz, T = check_input(x, self.d_model)
-        xz = self.in_proj(x)
-        u, z = xz.chunk(2, dim=-1)
+        u, z = self.in_proj(x).chunk(2, dim=-1)
         u, conv_state = self.conv(u, state.conv if state is not None else None)
         if self.selective:
             dt, Bm, Cm = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         else:
             dt = self.dt_lti.expand(Bsz, T, -1)
             Bm, Cm = self.B_lti.expand(Bsz, T, -1), self.C_lti.expand(Bsz, T, -1)
-        delta = F.linear(dt, self.dt_proj.weight)  # the bias is added inside the op (delta_bias)
-        y, h = selective_scan(
-            u,
-            delta,
-            -upcast(self.A_log).exp(),
-            Bm,
-            Cm,
-            D=upcast(self.D),
-            z=z,
-            delta_bias=upcast(self.dt_proj.bias),
-            delta_softplus=True,
-            initial_state=state.memory if state is not None else None,
+        delta = F.softplus(upcast(F.linear(dt, self.dt_proj.weight)) + upcast(self.dt_proj.bias))
+        u, delta = self.hook_v(u), self.hook_dt(delta)
+        Bm, Cm = self.hook_B(Bm), self.hook_C(Cm)
+        A = -upcast(self.A_log).exp()
+        h0 = state.ssm if state is not None else None
+        g = None
+        if self.hook_g.active:
+            g0 = delta[..., None] * A  # [B, T, D, N]
+            g = self.hook_g(g0)
+            g = None if g is g0 else g  # only read: the scan forms Δ A itself
+        if g is None:
+            o, h = selective_scan(
+                u,
+                delta,
+                A,
+                Bm,
+                Cm,
+                initial_state=h0,
+                output_final_state=True,
+                mode=self._mode(T, mode),
+                **self._kw(),
+            )
+        else:
+            o, h = self._scan_with_log_decay(u, delta, g, Bm, Cm, h0, self._mode(T, mode))
+        o, h = self.hook_o(o), self.hook_state(h)
+        y = (upcast(o) + upcast(u) * upcast(self.D)) * F.silu(upcast(z))
+        return self.o_proj(y.to(z.dtype)), MambaState(
+            ssm=h, conv=conv_state, offset=(state.offset if state else 0) + T
+        )
+
+    def _scan_with_log_decay(self, u, delta, g, Bm, Cm, h0, mode: str):
+        """The scan with a given log decay ``g [B, T, D, N]`` (a replaced ``hook_g``): gated linear
+        attention with one head per channel, ``q = C``, ``k = B``, ``v = Δ u``, scale 1."""
+        cd = compute_dtype(u, delta, g, Bm, Cm)
+        Dm = self.d_inner
+        q = Cm.to(cd)[:, :, None, :].expand(-1, -1, Dm, -1)
+        k = Bm.to(cd)[:, :, None, :].expand(-1, -1, Dm, -1)
+        v = (delta.to(cd) * u.to(cd))[..., None]
+        o, S = gated_linear_attention(
+            q,
+            k,
+            v,
+            g.to(cd),
+            scale=1.0,
+            initial_state=None if h0 is None else h0[..., None],
             output_final_state=True,
-            mode=self._mode(T, mode),
-            **self._kw(),
+            mode=mode,
         )
-        return self.o_proj(y), MixerState(
-            memory=h, conv=conv_state, offset=(state.offset if state else 0) + T
+        return o[..., 0].to(u.dtype), S[..., 0]
+
+    def mixing(self, acts: dict) -> Mixing:
+        """Heads are the ``d_inner`` channels (``V = 1``); the ``D`` skip is left out
+        (:func:`~mnemo.ops.selective_scan_map`)."""
+        u, dt, Bm, Cm, o = (acts[n] for n in self.mixing_hooks)
+        cd = torch.promote_types(u.dtype, dt.dtype)
+        A = -self.A_log.to(cd).exp()
+        M = selective_scan_map(dt.to(cd), A, Bm.to(cd), Cm.to(cd))
+        return Mixing(M, u.to(cd)[..., None], o.to(cd)[..., None])
+
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> MambaState:
+        """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
+        default the parameters'); independent of ``seq_len``."""
+        act, mem = state_dtypes(self, dtype)
+        return MambaState(
+            ssm=spec((batch_size, self.d_inner, self.d_state), mem),
+            conv=self.conv.state_spec(batch_size, act),
+            offset=seq_len,
         )
 
-    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, dtype_bytes: int = 4) -> int:
-        return batch_size * self.d_inner * (self.d_state * 4 + (self.conv.kernel_size - 1) * dtype_bytes)
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Bytes of the recurrent state (:meth:`state_spec`); independent of ``seq_len``."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
 
+@register_mixer("mamba2")
 class Mamba2(Mixer):
     """Mamba-2 block (Dao & Gu 2024, "Transformers are SSMs", §7 and Fig. 6) over
     :func:`mnemo.ops.ssd` (itself gated linear attention with one decay per head).
@@ -132,8 +246,22 @@ class Mamba2(Mixer):
         n_groups: B/C groups shared by heads (1); conv_size (4). ``A ~ U[1, 16]``,
         ``Δ ~ LogUniform[1e-3, 1e-1]`` at init; ``D = 1``.
 
-    State: ``MixerState(memory=h [B, H, N, P] float32, conv=[B, d_inner + 2 G N, conv_size − 1])``.
+    The recurrence runs as :func:`~mnemo.ops.gated_linear_attention` with ``q = C``, ``k = B``,
+    ``v = Δ x``, ``g = Δ A`` and scale 1 (what :func:`~mnemo.ops.ssd` computes), so that each hook
+    below is what the recurrence consumes. Hook points (``H`` heads of size ``P``):
+
+    * ``hook_v`` ``[B, T, H, P]``: ``x`` per head (after conv + SiLU);
+    * ``hook_dt`` ``[B, T, H]``: ``Δ = softplus(dt + dt_bias)`` (float32 / float64);
+    * ``hook_B``, ``hook_C`` ``[B, T, H, N]``: per head (groups repeated);
+    * ``hook_g`` ``[B, T, H]``: the log decay ``Δ A``;
+    * ``hook_o`` ``[B, T, H, P]``: ``h_tᵀ C_t``, before the ``D`` skip, the gate and the norm;
+    * ``hook_state`` ``[B, H, N, P]``: ``h`` after the call.
+
+    State: :class:`Mamba2State` (``ssm``: ``h [B, H, N, P]`` float32, ``conv``:
+    ``[B, d_inner + 2 G N, conv_size − 1]``, ``offset``).
     """
+
+    mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
 
     def __init__(
         self,
@@ -166,6 +294,13 @@ class Mamba2(Mixer):
         self.D = nn.Parameter(torch.ones(self.n_heads))
         self.norm = RMSNorm(self.d_inner)
         self.o_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        self.hook_v, self.hook_dt, self.hook_B, self.hook_C = (
+            HookPoint(),
+            HookPoint(),
+            HookPoint(),
+            HookPoint(),
+        )
+        self.hook_g, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
         self._init_special()
 
     def _init_special(self) -> None:
@@ -174,32 +309,56 @@ class Mamba2(Mixer):
             self.dt_bias.copy_(init_dt_bias(self.n_heads))
             self.D.fill_(1.0)
 
-    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x: torch.Tensor, state: Mamba2State | None = None, *, mode: str | None = None):
         Bsz, T = check_input(x, self.d_model)
-        G, N = self.n_groups, self.d_state
-        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, self.n_heads], dim=-1)
+        G, N, H = self.n_groups, self.d_state, self.n_heads
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, H], dim=-1)
         xBC, conv_state = self.conv(xBC, state.conv if state is not None else None)
         xs, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
-        y, h = ssd(
-            rearrange(xs, "b t (h p) -> b t h p", p=self.head_dim),
-            upcast(dt),
-            -upcast(self.A_log).exp(),
-            rearrange(Bm, "b t (g n) -> b t g n", g=G),
-            rearrange(Cm, "b t (g n) -> b t g n", g=G),
-            D=upcast(self.D),
-            dt_bias=upcast(self.dt_bias),
-            dt_softplus=True,
-            initial_state=state.memory if state is not None else None,
+        xs = rearrange(xs, "b t (h p) -> b t h p", p=self.head_dim)
+        Bm, Cm = (repeat(t, "b t (g n) -> b t (g r) n", g=G, r=H // G) for t in (Bm, Cm))
+        dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
+        xs, dt, Bm, Cm = self.hook_v(xs), self.hook_dt(dt), self.hook_B(Bm), self.hook_C(Cm)
+        g = self.hook_g(dt * -upcast(self.A_log).exp())
+        cd = compute_dtype(xs, dt, g, Bm, Cm)
+        o, h = gated_linear_attention(
+            Cm.to(cd),
+            Bm.to(cd),
+            xs.to(cd) * dt.to(cd)[..., None],
+            g.to(cd),
+            scale=1.0,
+            initial_state=state.ssm if state is not None else None,
             output_final_state=True,
             mode=self._mode(T, mode),
             chunk_size=self.chunk_size,
         )
-        y = rearrange(y, "b t h p -> b t (h p)")
-        y = self.norm(y * F.silu(z))
-        return self.o_proj(y), MixerState(
-            memory=h, conv=conv_state, offset=(state.offset if state else 0) + T
+        o, h = self.hook_o(o), self.hook_state(h)
+        y = (o.to(cd) + xs.to(cd) * upcast(self.D).to(cd)[:, None]).to(z.dtype)
+        y = self.norm(rearrange(y, "b t h p -> b t (h p)") * F.silu(z))
+        return self.o_proj(y), Mamba2State(ssm=h, conv=conv_state, offset=(state.offset if state else 0) + T)
+
+    def mixing(self, acts: dict) -> Mixing:
+        """Per head: ``M_ts = (C_t · B_s) exp(Σ_{r=s+1..t} Δ_r A) Δ_s`` (:func:`~mnemo.ops.ssd_map`),
+        values ``x``; the ``D`` skip is left out."""
+        xs, dt, Bm, Cm, o = (acts[n] for n in self.mixing_hooks)
+        cd = torch.promote_types(xs.dtype, dt.dtype)
+        M = ssd_map(dt.to(cd), -self.A_log.to(cd).exp(), Bm.to(cd), Cm.to(cd))
+        return Mixing(M, xs.to(cd), o.to(cd))
+
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> Mamba2State:
+        """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
+        default the parameters'); independent of ``seq_len``."""
+        act, mem = state_dtypes(self, dtype)
+        return Mamba2State(
+            ssm=spec((batch_size, self.n_heads, self.d_state, self.head_dim), mem),
+            conv=self.conv.state_spec(batch_size, act),
+            offset=seq_len,
         )
 
-    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, dtype_bytes: int = 4) -> int:
-        mem = batch_size * self.n_heads * self.d_state * self.head_dim * 4
-        return mem + batch_size * self.conv.channels * (self.conv.kernel_size - 1) * dtype_bytes
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Bytes of the recurrent state (:meth:`state_spec`); independent of ``seq_len``."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))

@@ -6,6 +6,9 @@ Read/write semantics (identical in training, streaming and one-token decoding): 
 (:mod:`mnemo.memory.engine`) writes token ``t`` with a gradient taken at its inner chunk's start
 weights, and token ``t`` reads the weights *after* its own write. MAC additionally reads the memory
 *before* each segment (the weights at the segment start, one segment = one inner chunk).
+
+These memories are nonlinear in the values (an MLP memory trained at test time), so they have no
+implicit attention matrix: :meth:`~mnemo.layers.base.Mixer.mixing` raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ..memory import MemorySpec, MemoryState, init_state, neural_memory, preset
+from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from ..memory.engine import memory_apply, retention_map
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
-from .base import Mixer, MixerState, check_input, upcast
+from .base import Mixer, check_input, upcast
 from .conv import ShortConvolution
+from .hooks import HookPoint
 from .norm import RMSNorm
+from .registry import register_mixer
+from .state import nbytes, spec, state_dataclass
 
 
 def _spec(spec: MemorySpec | str, overrides: dict) -> MemorySpec:
@@ -32,6 +38,135 @@ def _spec(spec: MemorySpec | str, overrides: dict) -> MemorySpec:
     return spec.replace(**overrides) if overrides else spec.validate()
 
 
+def state_dtypes(module: nn.Module, dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
+    """``(activation dtype, fast-weight dtype)`` of ``module``'s state: ``dtype`` (default: its
+    parameters') for caches and conv tails, and the compute dtype of test-time-trained weights
+    (float64 for float64 activations, else float32)."""
+    if dtype is None:
+        p = next(module.parameters(), None)
+        dtype = p.dtype if p is not None else torch.get_default_dtype()
+    return dtype, (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _conv_spec(conv: ShortConvolution | None, batch_size: int, dtype: torch.dtype):
+    """A conv tail ``[B, C, W − 1]`` as a ``meta`` tensor (``None`` without a conv)."""
+    return None if conv is None else spec((batch_size, conv.channels, conv.kernel_size - 1), dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# typed states
+# ------------------------------------------------------------------------------------------------
+
+
+@state_dataclass
+class NeuralMemoryState:
+    """The state of :class:`NeuralMemory`: the memory stream of the engine, its conv tail, the offset.
+
+    Attributes:
+        weights: the accumulators ``A`` of the memory's layers, each ``[B, H, in, out]`` (the fast
+            weights are ``N(A)``; float32, float64 for a float64 model). A fresh state holds the
+            learned initial weights expanded over the batch (no copies).
+        momentum: the momentum buffers ``S`` (``optimizer="momentum"``, Titans' surprise), shaped
+            like ``weights``, or ``None``.
+        anchor: the accumulators at the start of the current inner chunk (gradients are taken at
+            ``N(anchor)`` until the chunk ends), shaped like ``weights``.
+        anchor_decay: log decay accumulated since the anchor (``[B, H]``, ``[B, H, K]`` per
+            channel) for ``decay_first`` specs inside a chunk; ``None`` otherwise.
+        position: tokens the memory has consumed (``offset`` plus the persistent prefix once the
+            stream has started); chunk boundaries are absolute positions.
+        conv: the short-conv tail ``[B, 3 H D, W − 1]`` (activation dtype), or ``None``.
+        offset: tokens of the stream consumed so far.
+    """
+
+    weights: tuple
+    momentum: tuple | None = None
+    anchor: tuple
+    anchor_decay: torch.Tensor | None = None
+    position: int = 0
+    conv: torch.Tensor | None = None
+    offset: int = 0
+
+    def memory_state(self) -> MemoryState:
+        """The engine's :class:`~mnemo.memory.MemoryState` (``weights … position``)."""
+        return MemoryState(self.weights, self.momentum, self.anchor, self.anchor_decay, self.position)
+
+    @classmethod
+    def from_memory_state(cls, mem: MemoryState, conv=None, offset: int = 0) -> NeuralMemoryState:
+        return cls(
+            weights=mem.weights,
+            momentum=mem.momentum,
+            anchor=mem.anchor,
+            anchor_decay=mem.anchor_decay,
+            position=mem.position,
+            conv=conv,
+            offset=offset,
+        )
+
+
+@state_dataclass
+class TitansMAGState:
+    """The state of :class:`TitansMAG`.
+
+    Attributes:
+        memory: the long-term memory's :class:`NeuralMemoryState`.
+        attn_k, attn_v: the sliding-window KV cache ``[B, P, H_kv, D]`` of the attention branch
+            (the last ``P ≤ window − 1`` tokens, activation dtype; persistent keys are parameters,
+            not state).
+        offset: tokens consumed so far (rotary positions).
+    """
+
+    memory: NeuralMemoryState | None = None
+    attn_k: torch.Tensor | None = None
+    attn_v: torch.Tensor | None = None
+    offset: int = 0
+
+
+@state_dataclass
+class TitansMALState:
+    """The state of :class:`TitansMAL` (fields as :class:`TitansMAGState`: the memory layer's state
+    and the sliding-window KV cache of the attention on its output)."""
+
+    memory: NeuralMemoryState | None = None
+    attn_k: torch.Tensor | None = None
+    attn_v: torch.Tensor | None = None
+    offset: int = 0
+
+
+@state_dataclass
+class TitansMACState:
+    """The state of :class:`TitansMAC`.
+
+    Attributes:
+        memory: the long-term memory's :class:`NeuralMemoryState` (written with the attention
+            outputs; its ``conv`` is the tail of the write projections).
+        read_conv: the conv tail ``[B, 3 H D, W − 1]`` of the read-before queries (the memory's
+            projections applied to the segment input), or ``None``.
+        attn_k, attn_v: the segment-local KV cache ``[B, n, H_kv, D]`` of the current segment's
+            ``n`` tokens so far (``None`` at a segment start before any token).
+        read_k, read_v: the segment-local keys/values ``[B, n, H_kv, D]`` of the memory read-outs
+            ``h`` (the context the segment's tokens attend to).
+        offset: tokens consumed so far (segment boundaries are absolute).
+    """
+
+    memory: NeuralMemoryState
+    read_conv: torch.Tensor | None = None
+    attn_k: torch.Tensor | None = None
+    attn_v: torch.Tensor | None = None
+    read_k: torch.Tensor | None = None
+    read_v: torch.Tensor | None = None
+    offset: int = 0
+
+
+def _kv(k, v) -> KVCache | None:
+    return None if k is None else KVCache(k, v)
+
+
+# ------------------------------------------------------------------------------------------------
+# the long-term memory
+# ------------------------------------------------------------------------------------------------
+
+
+@register_mixer("neural_memory")
 class NeuralMemory(Mixer):
     """The long-term memory module (Titans §3.1 / LMM), for any point of the Miras design space.
 
@@ -44,6 +179,20 @@ class NeuralMemory(Mixer):
     persistent memory); their outputs are dropped. The memory's initial weights are learned
     parameters (one set per head); a matrix memory starts at zero.
 
+    Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream; each
+    value as the memory engine receives it, so a replacement changes the write and the read):
+
+    * ``hook_q``, ``hook_k`` ``[B, T', H, D]`` (after the conv and the L2 normalisation),
+      ``hook_v`` ``[B, T', H, D]``;
+    * ``hook_theta`` ``[B, T', H]``: the inner learning rate ``θ_t`` (float32);
+    * ``hook_g`` (specs with a retention): the log retention ``g_t = log(1 − α_t)`` (Titans'
+      forget gate ``α_t``), ``[B, T', H]`` or ``[B, T', H, D]`` per channel;
+    * ``hook_eta`` (optimizer ``"momentum"``): the momentum decay ``η_t`` ``[B, T', H]``;
+    * ``hook_delta`` (objective ``"huber"``): the Huber threshold ``δ_t`` ``[B, T', H]``;
+    * ``hook_o`` ``[B, T', H, D]``: the memory read-out ``M_{W_t}(q_t)``, before the norm, the
+      output gate and the output projection;
+    * ``hook_state``: the :class:`NeuralMemoryState` after the call.
+
     Args:
         d_model, n_heads, head_dim (default ``d_model // n_heads``).
         spec: a :class:`~mnemo.memory.MemorySpec` or a preset name (``"titans"``, ``"moneta"``, …);
@@ -51,6 +200,8 @@ class NeuralMemory(Mixer):
         short_conv / conv_size: causal depthwise conv + SiLU on q, k, v.
         max_lr: upper bound of ``θ`` (default: the spec's ``max_lr`` or 1).
         mode: ``"chunk"`` or ``"recurrent"`` (reference) for ``T > 1``.
+
+    State: :class:`NeuralMemoryState`.
     """
 
     def __init__(
@@ -90,6 +241,13 @@ class NeuralMemory(Mixer):
         self.persistent = nn.Parameter(torch.zeros(persistent_tokens, d_model)) if persistent_tokens else None
         self.norm = RMSNorm(head_dim)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_theta = HookPoint()
+        # the gates this spec has (a hook point only where the value exists)
+        self.hook_g = HookPoint() if "alpha" in self.gate_sizes else None
+        self.hook_eta = HookPoint() if "eta" in self.gate_sizes else None
+        self.hook_delta = HookPoint() if "delta" in self.gate_sizes else None
+        self.hook_o, self.hook_state = HookPoint(), HookPoint()
         self._init_special()
 
     #: gate bias at init: θ ≈ 0.1 · max_lr, 1 − α ≈ 0.993 (slow forgetting), η ≈ 0.73, δ ≈ 0.97
@@ -136,15 +294,17 @@ class NeuralMemory(Mixer):
         q, k, v = rearrange(qkv, "b t (three h d) -> three b t h d", three=3, h=self.n_heads)
         return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, gate, conv_state
 
-    def initial_state(self, batch_size: int) -> MemoryState:
-        return init_state(self.spec, [w for w in self.init_weights], batch_size)
+    def initial_state(self, batch_size: int) -> NeuralMemoryState:
+        """A fresh stream: the learned initial weights (expanded over the batch), no conv tail."""
+        mem = init_state(self.spec, [w for w in self.init_weights], batch_size)
+        return NeuralMemoryState.from_memory_state(mem)
 
     def read_out(self, o, gate):
         """``W_o (RMSNorm(o) ⊙ silu(gate))`` for memory reads ``o [B, T, H, D]``."""
         o = self.norm(o) * F.silu(rearrange(gate, "b t (h d) -> b t h d", h=self.n_heads))
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 
-    def forward(self, x: torch.Tensor, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x: torch.Tensor, state: NeuralMemoryState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
         offset = state.offset if state is not None else 0
         n_prefix = 0
@@ -153,7 +313,14 @@ class NeuralMemory(Mixer):
             x = torch.cat([self.persistent.to(x.dtype).expand(B, -1, -1), x], dim=1)
         q, k, v, gate, conv_state = self.qkv(x, state.conv if state is not None else None)
         theta, g, eta, delta = self._gates(x)
-        mem = state.memory if state is not None and state.memory is not None else self.initial_state(B)
+        q, k, v, theta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_theta(theta)
+        if g is not None:
+            g = self.hook_g(g)
+        if eta is not None:
+            eta = self.hook_eta(eta)
+        if delta is not None:
+            delta = self.hook_delta(delta)
+        mem = (state if state is not None else self.initial_state(B)).memory_state()
         o, mem = neural_memory(
             self.spec,
             q,
@@ -167,15 +334,47 @@ class NeuralMemory(Mixer):
             output_final_state=True,
             mode=self._mode(x.shape[1], mode),
         )
+        o = self.hook_o(o)
         y = self.read_out(o, gate)[:, n_prefix:]
-        return y, MixerState(memory=mem, conv=conv_state, offset=offset + T)
+        new = NeuralMemoryState.from_memory_state(mem, conv=conv_state, offset=offset + T)
+        return y, self.hook_state(new)
 
-    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, dtype_bytes: int = 4) -> int:
-        """Fast weights (and momentum, and the chunk anchor) in fp32 plus the conv tail."""
-        n = sum(i * o for i, o in self.spec.layer_dims(self.head_dim, self.head_dim)) * self.n_heads
-        copies = 2 + (self.spec.optimizer == "momentum")
-        conv = 0 if self.conv is None else self.conv.channels * (self.conv.kernel_size - 1) * dtype_bytes
-        return batch_size * (n * copies * 4 + conv)
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> NeuralMemoryState:
+        """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
+        default the parameters'): the accumulators, their chunk-start copy and (momentum) the
+        momentum buffers in the fast-weight dtype, and the conv tail; independent of ``seq_len``
+        except for ``anchor_decay`` (``decay_first`` specs inside a chunk, as the chunk form leaves
+        it)."""
+        act, cd = state_dtypes(self, dtype)
+        B, H, s = batch_size, self.n_heads, self.spec
+        dims = s.layer_dims(self.head_dim, self.head_dim)
+
+        def layers():
+            return tuple(spec((B, H, i, o), cd) for i, o in dims)
+
+        prefix = self.persistent.shape[0] if self.persistent is not None and seq_len > 0 else 0
+        position = seq_len + prefix
+        anchor_decay = None
+        if s.decays and s.decay_first and closed_form_op(s) is None and position % s.chunk_size:
+            anchor_decay = spec((B, H, self.head_dim) if s.decay_per_channel else (B, H), cd)
+        return NeuralMemoryState(
+            weights=layers(),
+            momentum=layers() if s.optimizer == "momentum" else None,
+            anchor=layers(),
+            anchor_decay=anchor_decay,
+            position=position,
+            conv=_conv_spec(self.conv, B, act),
+            offset=seq_len,
+        )
+
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Fast weights, their chunk-start copy (and momentum) plus the conv tail
+        (:meth:`state_spec`)."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,14 +387,25 @@ class _PrefixAttention(nn.Module):
 
     ``extra`` (MAC's memory read-outs) is visible causally: query ``j`` sees extra token ``i``
     iff ``i ≤ j`` in the segment. ``window`` limits the sequence keys (sliding window).
+
+    Hook points: ``hook_q`` ``[B, T, H, D]``, ``hook_k`` and ``hook_v`` ``[B, T, H_kv, D]`` (this
+    call's sequence queries, keys and values, after rotary positions, as attention receives them;
+    the persistent and ``extra`` keys are not included), ``hook_o`` ``[B, T, H, D]`` (the attention
+    output before the output projection).
     """
 
     def __init__(self, d_model, n_heads, persistent_tokens, window=None, rope=True):
         super().__init__()
         self.inner = Attention(d_model, n_heads, window=window, rope=rope)
+        # ``inner`` only holds the projections and rotary table (its forward never runs here): its
+        # hook points would never fire, so the ones of this module replace them
+        for name in [n for n, m in self.inner.named_children() if isinstance(m, HookPoint)]:
+            delattr(self.inner, name)
         self.persistent = (
             nn.Parameter(torch.randn(persistent_tokens, d_model) * 0.02) if persistent_tokens else None
         )
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_o = HookPoint()
 
     def kv(self, x, offset):
         att = self.inner
@@ -221,6 +431,7 @@ class _PrefixAttention(nn.Module):
         if att.rotary is not None:
             q = att.rotary(q, offset)
         k, v = self.kv(x, offset)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if cache is not None:
             k_all, v_all = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
         else:
@@ -265,9 +476,15 @@ class _PrefixAttention(nn.Module):
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=torch.cat(masks, 1)
             ).transpose(1, 2)
+        o = self.hook_o(o)
         y = att.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         keep = S if att.window is None else min(S, att.window - 1)
         return y, KVCache(k_all[:, S - keep :], v_all[:, S - keep :]), new_extra
+
+    def cache_spec(self, batch_size: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """One cached key (or value) tensor ``[B, tokens, H_kv, D]`` as a ``meta`` tensor."""
+        a = self.inner
+        return spec((batch_size, tokens, a.n_kv_heads, a.head_dim), dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,7 +494,9 @@ class _PrefixAttention(nn.Module):
 
 class _MemoryAndWindow(Mixer):
     """The parts MAG and MAL share: a long-term memory and sliding-window attention with
-    persistent keys; the decoding state is ``(KV cache of the window, memory state)``."""
+    persistent keys; the decoding state is the memory's state and the window's KV cache."""
+
+    _State: type = TitansMAGState
 
     def __init__(self, d_model, n_heads, window, persistent_tokens, spec, mode, spec_overrides):
         super().__init__(mode)
@@ -286,20 +505,43 @@ class _MemoryAndWindow(Mixer):
             d_model, n_heads, spec=spec, persistent_tokens=persistent_tokens, mode=mode, **spec_overrides
         )
         self.attn = _PrefixAttention(d_model, n_heads, persistent_tokens, window=window)
+        self.hook_attn_out, self.hook_mem_out, self.hook_state = HookPoint(), HookPoint(), HookPoint()
 
-    def state_size_bytes(self, batch_size=1, seq_len=0, dtype_bytes=4):
+    def state_spec(self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None):
+        """The state after ``seq_len`` tokens as ``meta`` tensors: the memory's
+        (:meth:`NeuralMemory.state_spec`) and the window's KV cache (activation ``dtype``)."""
+        act, _ = state_dtypes(self, dtype)
         a = self.attn.inner
         kept = min(seq_len, a.window - 1) if a.window else seq_len
-        return (
-            self.memory.state_size_bytes(batch_size)
-            + 2 * batch_size * kept * a.n_kv_heads * a.head_dim * dtype_bytes
+        return self._State(
+            memory=self.memory.state_spec(batch_size, seq_len, dtype),
+            attn_k=self.attn.cache_spec(batch_size, kept, act),
+            attn_v=self.attn.cache_spec(batch_size, kept, act),
+            offset=seq_len,
         )
 
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
+
+@register_mixer("titans_mag")
 class TitansMAG(_MemoryAndWindow):
     """Memory as a Gate (Titans §4.2): sliding-window attention and the memory branch, combined by a
     gate. ``o = W_o (RMSNorm(y_attn) ⊙ sigmoid(RMSNorm(y_mem)))`` with both branches over the same
-    input; persistent tokens are keys every query sees (attention) and a prefix the memory writes."""
+    input; persistent tokens are keys every query sees (attention) and a prefix the memory writes.
+
+    Hook points (all ``[B, T, d_model]`` unless named): ``hook_attn_out`` (``y_attn``, the attention
+    branch), ``hook_mem_out`` (``y_mem``, the memory branch), ``hook_gate`` (``sigmoid(RMSNorm(y_mem))``),
+    ``hook_state`` (the :class:`TitansMAGState` after the call); the memory branch's own hooks are
+    ``memory.hook_q`` … (see :class:`NeuralMemory`), the attention branch's ``attn.hook_q``,
+    ``attn.hook_k``, ``attn.hook_v``, ``attn.hook_o`` (``[B, T, H(_kv), D]``).
+
+    State: :class:`TitansMAGState`.
+    """
+
+    _State = TitansMAGState
 
     def __init__(
         self,
@@ -314,20 +556,38 @@ class TitansMAG(_MemoryAndWindow):
         super().__init__(d_model, n_heads, window, persistent_tokens, spec, mode, spec_overrides)
         self.norm_attn, self.norm_mem = RMSNorm(d_model), RMSNorm(d_model)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        self.hook_gate = HookPoint()
 
-    def forward(self, x, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x, state: TitansMAGState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
         offset = state.offset if state is not None else 0
-        cache, mem_state = state.memory if state is not None else (None, None)
+        cache = _kv(state.attn_k, state.attn_v) if state is not None else None
+        mem_state = state.memory if state is not None else None
         y_attn, cache, _ = self.attn(x, cache, offset)
+        y_attn = self.hook_attn_out(y_attn)
         y_mem, mem_state = self.memory(x, mem_state, mode=mode)
-        y = self.o_proj(self.norm_attn(y_attn) * torch.sigmoid(self.norm_mem(y_mem)))
-        return y, MixerState(memory=(cache, mem_state), offset=offset + T)
+        y_mem = self.hook_mem_out(y_mem)
+        gate = self.hook_gate(torch.sigmoid(self.norm_mem(y_mem)))
+        y = self.o_proj(self.norm_attn(y_attn) * gate)
+        new = TitansMAGState(memory=mem_state, attn_k=cache.k, attn_v=cache.v, offset=offset + T)
+        return y, self.hook_state(new)
 
 
+@register_mixer("titans_mal")
 class TitansMAL(_MemoryAndWindow):
     """Memory as a Layer (Titans §4.3): the memory layer, then sliding-window attention on its output
-    (with persistent keys). ``o = SWA(M(x))``."""
+    (with persistent keys). ``o = SWA(M(x))``.
+
+    Hook points: ``hook_mem_out`` ``[B, T, d_model]`` (the memory layer's output, before the norm
+    and the attention), ``hook_attn_out`` ``[B, T, d_model]`` (the attention's output, the mixer's
+    output), ``hook_state`` (the :class:`TitansMALState` after the call); the memory layer's own
+    hooks are ``memory.hook_q`` … (see :class:`NeuralMemory`), the attention's ``attn.hook_q``,
+    ``attn.hook_k``, ``attn.hook_v``, ``attn.hook_o``.
+
+    State: :class:`TitansMALState`.
+    """
+
+    _State = TitansMALState
 
     def __init__(
         self,
@@ -342,15 +602,20 @@ class TitansMAL(_MemoryAndWindow):
         super().__init__(d_model, n_heads, window, persistent_tokens, spec, mode, spec_overrides)
         self.mid_norm = RMSNorm(d_model)
 
-    def forward(self, x, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x, state: TitansMALState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
         offset = state.offset if state is not None else 0
-        cache, mem_state = state.memory if state is not None else (None, None)
+        cache = _kv(state.attn_k, state.attn_v) if state is not None else None
+        mem_state = state.memory if state is not None else None
         h, mem_state = self.memory(x, mem_state, mode=mode)
+        h = self.hook_mem_out(h)
         y, cache, _ = self.attn(self.mid_norm(h), cache, offset)
-        return y, MixerState(memory=(cache, mem_state), offset=offset + T)
+        y = self.hook_attn_out(y)
+        new = TitansMALState(memory=mem_state, attn_k=cache.k, attn_v=cache.v, offset=offset + T)
+        return y, self.hook_state(new)
 
 
+@register_mixer("titans_mac")
 class TitansMAC(Mixer):
     """Memory as a Context (Titans §4.1). The sequence is cut into segments of ``segment`` tokens
     (= the memory's inner chunk). For each segment ``S``:
@@ -364,6 +629,17 @@ class TitansMAC(Mixer):
 
     Attention is thus segment-local (its cache resets at each segment boundary); everything older
     reaches a token only through the memory.
+
+    Hook points (``[B, L, d_model]``; each fires once per segment piece of ``L`` tokens, in stream
+    order, since a segment's memory read depends on the previous segment's write — a recording
+    keeps the last piece): ``hook_mem_read`` (``h``, the read-before context of step 1),
+    ``hook_attn_out`` (``y``, step 2, which the memory then writes), ``hook_mem_out`` (``m``, the
+    read after the write, step 3), ``hook_gate`` (``sigmoid(m)``, step 4); ``hook_state`` (the
+    :class:`TitansMACState` after the call, once). The memory's own hooks (``memory.hook_q`` …,
+    the write of step 3) and the attention's (``attn.hook_q``, ``attn.hook_k``, ``attn.hook_v``,
+    ``attn.hook_o``) fire once per piece too.
+
+    State: :class:`TitansMACState`.
     """
 
     def __init__(
@@ -383,8 +659,10 @@ class TitansMAC(Mixer):
         )
         self.attn = _PrefixAttention(d_model, n_heads, persistent_tokens, window=None)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        self.hook_mem_read, self.hook_attn_out = HookPoint(), HookPoint()
+        self.hook_mem_out, self.hook_gate, self.hook_state = HookPoint(), HookPoint(), HookPoint()
 
-    def read_before(self, x, mem: MemoryState, conv_state):
+    def read_before(self, x, mem: NeuralMemoryState | MemoryState, conv_state):
         """``h = M*(q(x))`` with the segment-start weights (``N(anchor)``), no write."""
         m = self.memory
         q, _, _, gate, conv_state = m.qkv(x, conv_state)
@@ -392,13 +670,13 @@ class TitansMAC(Mixer):
         o, _, _ = memory_apply(m.spec, W, q.transpose(1, 2))
         return m.read_out(o.transpose(1, 2), gate), conv_state
 
-    def forward(self, x, state: MixerState | None = None, *, mode: str | None = None):
+    def forward(self, x, state: TitansMACState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
-        offset = state.offset if state is not None else 0
         if state is not None:
-            mem_state, read_conv, att_cache, extra_cache = state.memory
+            offset, mem_state, read_conv = state.offset, state.memory, state.read_conv
+            att_cache, extra_cache = _kv(state.attn_k, state.attn_v), _kv(state.read_k, state.read_v)
         else:
-            mem_state = MixerState(memory=self.memory.initial_state(B))
+            offset, mem_state = 0, self.memory.initial_state(B)
             read_conv = att_cache = extra_cache = None
         outs, t, pos = [], 0, offset
         while t < T:
@@ -406,27 +684,54 @@ class TitansMAC(Mixer):
                 att_cache = extra_cache = None
             L = min(self.segment - pos % self.segment, T - t)
             xs = x[:, t : t + L]
-            h, read_conv = self.read_before(xs, mem_state.memory, read_conv)
+            h, read_conv = self.read_before(xs, mem_state, read_conv)
+            h = self.hook_mem_read(h)
             y, att_cache, extra_cache = self.attn(
                 xs, att_cache, pos % self.segment, extra=h, extra_cache=extra_cache
             )
+            y = self.hook_attn_out(y)
             m, mem_state = self.memory(y, mem_state, mode=mode)
-            outs.append(self.o_proj(y * torch.sigmoid(m)))
+            m = self.hook_mem_out(m)
+            outs.append(self.o_proj(y * self.hook_gate(torch.sigmoid(m))))
             t += L
             pos += L
-        return torch.cat(outs, 1), MixerState(
-            memory=(mem_state, read_conv, att_cache, extra_cache), offset=pos
+        new = TitansMACState(
+            memory=mem_state,
+            read_conv=read_conv,
+            attn_k=None if att_cache is None else att_cache.k,
+            attn_v=None if att_cache is None else att_cache.v,
+            read_k=None if extra_cache is None else extra_cache.k,
+            read_v=None if extra_cache is None else extra_cache.v,
+            offset=pos,
+        )
+        y = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, self.d_model)
+        return y, self.hook_state(new)
+
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> TitansMACState:
+        """The state after ``seq_len`` tokens as ``meta`` tensors: the memory's, the read-before
+        conv tail and the segment-local KV caches (sequence and memory read-outs) of the tokens
+        seen so far in the current segment (activation ``dtype``)."""
+        act, _ = state_dtypes(self, dtype)
+        B = batch_size
+        seg = 0 if seq_len <= 0 else (seq_len - 1) % self.segment + 1  # tokens in the last segment
+
+        def cache():
+            return self.attn.cache_spec(B, seg, act)
+
+        return TitansMACState(
+            memory=self.memory.state_spec(B, seq_len, dtype),
+            read_conv=_conv_spec(self.memory.conv, B, act),
+            attn_k=cache(),
+            attn_v=cache(),
+            read_k=cache(),
+            read_v=cache(),
+            offset=seq_len,
         )
 
-    def state_size_bytes(self, batch_size=1, seq_len=0, dtype_bytes=4):
-        """Memory state + the read-before conv tail + the segment-local KV caches (sequence and
-        memory read-outs) of the tokens seen so far in the current segment."""
-        a = self.attn.inner
-        seg = 0 if seq_len <= 0 else (seq_len - 1) % self.segment + 1  # tokens in the last segment
-        conv = self.memory.conv
-        read_conv = 0 if conv is None else batch_size * conv.channels * (conv.kernel_size - 1) * dtype_bytes
-        return (
-            self.memory.state_size_bytes(batch_size)
-            + read_conv
-            + 4 * batch_size * seg * a.n_kv_heads * a.head_dim * dtype_bytes
-        )
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Memory state + the read-before conv tail + the segment-local KV caches (:meth:`state_spec`)."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))

@@ -24,9 +24,9 @@ class ModelConfig:
         layers: explicit per-layer mixer names (takes precedence); its length must equal ``n_layers``.
         mixer_options: keyword options per mixer name, e.g. ``{"attention": {"n_heads": 4}}``.
         mlp: ``"swiglu"``, ``"none"`` (mixer-only blocks) or ``"cms"`` (a Continuum Memory System,
-            :class:`mnemo.nested.ContinuumMemory`). mlp_hidden: SwiGLU hidden width.
+            :class:`mnemo.layers.ContinuumMemory`). mlp_hidden: SwiGLU hidden width.
         mlp_options: options of the MLP; for ``"cms"``: ``{"levels": [{"period": 16, ...}, ...],
-            "transfer": "sequential"}`` (see :class:`mnemo.nested.ContinuumMemory`).
+            "transfer": "sequential"}`` (see :class:`mnemo.layers.ContinuumMemory`).
         pos_embedding: ``"none"`` (positions come from the mixers, e.g. RoPE) or ``"learned"``
             (absolute, up to ``max_position`` tokens).
         tie_embeddings: share the input embedding with the output head.
@@ -58,7 +58,6 @@ class ModelConfig:
 
     def validate(self) -> ModelConfig:
         """Raise ``ValueError`` naming the offending field; return self."""
-        from .. import nested  # noqa: F401  (registers the nested-learning mixers)
         from ..layers import MIXERS
 
         def bad(name, expected, got):

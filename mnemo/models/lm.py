@@ -13,9 +13,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import MIXERS, RMSNorm, SwiGLU
+from ..layers.cms import ContinuumMemory
 from ..layers.hooks import HookPoint, attached, name_hook_points, select
 from ..layers.state import BlockState
-from ..nested import ContinuumMemory, task_signal
+from ..layers.state import detach as detach_state
+from . import task_signal
 from .config import ModelConfig
 
 CONFIG_NAME = "config.json"
@@ -138,7 +140,7 @@ class LanguageModel(nn.Module):
         cache: dict = {}
 
         def keep(value, name):
-            cache[name] = _detach(value) if detach else value
+            cache[name] = detach_state(value) if detach else value
 
         chosen = select(self.hook_points, names)
         with attached(self.hook_points, [(n, keep) for n in chosen]):
@@ -296,21 +298,6 @@ class LanguageModel(nn.Module):
         except Exception as e:  # safetensors raises several error types for damaged files
             raise ValueError(f"corrupt or incompatible weights file {w_path}: {e}") from e
         return model.to(map_location)
-
-
-def _detach(value):
-    """``value`` with every tensor inside (a state record, a tuple) detached."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detach(v) for v in value)
-    if hasattr(value, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.replace(
-            value, **{f: _detach(getattr(value, f)) for f in value.__dataclass_fields__}
-        )
-    return value
 
 
 def check_device(device: str | torch.device) -> None:

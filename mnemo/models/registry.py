@@ -41,12 +41,23 @@ def model_names() -> list[str]:
 def build_config(name: str, **overrides) -> ModelConfig:
     """The registered config ``name`` with fields replaced by ``overrides``.
 
+    A registered *mixer* name that is not a model name (a mixer of your own, registered with
+    ``@register_mixer``) gives the default model built from that mixer: ``ModelConfig(mixer=name)``
+    — so a new mixer trains with ``TrainConfig(model=name)`` without a model registration.
     ``mixer_options`` overrides are merged per mixer (``{"attention": {"n_heads": 2}}`` keeps the
     preset's other attention options). Raises ``ValueError`` for an unknown name or field.
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(model_names())}")
-    cfg = MODELS[name].factory().to_dict()
+    from ..layers import MIXERS
+
+    if name in MODELS:
+        cfg = MODELS[name].factory().to_dict()
+    elif name in MIXERS:
+        cfg = ModelConfig(mixer=name).to_dict()
+    else:
+        raise ValueError(
+            f"unknown model {name!r}; registered models: {', '.join(model_names())} (or any mixer name: "
+            f"{', '.join(sorted(MIXERS))})"
+        )
     for key, value in overrides.items():
         if key not in cfg:
             raise ValueError(f"unknown ModelConfig field {key!r} in overrides; known: {sorted(cfg)}")
@@ -117,8 +128,9 @@ def _mamba() -> ModelConfig:
     return ModelConfig(mixer="mamba", mlp="none", n_layers=8)
 
 
-@register_model("mamba2", "Mamba-2 (SSD): scalar decay per head, d_state 64, head_dim 64 (Dao & Gu 2024)")
+@register_model("mamba2", "Mamba-2 (SSD): scalar decay per head, d_state 64, head_dim 32 (Dao & Gu 2024)")
 def _mamba2() -> ModelConfig:
+    # head_dim 32, not the layer's default 64: d_inner = 2 · 128 = 256 gives 8 SSD heads (4 at 64)
     return ModelConfig(mixer="mamba2", mlp="none", n_layers=8, mixer_options={"mamba2": {"head_dim": 32}})
 
 

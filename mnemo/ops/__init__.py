@@ -2,9 +2,14 @@
 
 Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, scalar gates ``[B, T, H]``, per-channel gates
 ``[B, T, H, K]``, matrix state ``[B, H, K, V]``. Forms are selected with ``mode=`` and agree.
+
+NaN/inf inputs raise :class:`NonFiniteError`; ``with finite_checks(False):`` (or
+:func:`set_finite_checks`, or ``MNEMO_CHECK_FINITE=0``) turns the checks off. Inside the modules
+``<op>_chunk`` is the chunk form's fast path and ``<op>_chunk_autograd`` / ``*_torch`` its
+fallbacks (see :mod:`mnemo.ops._common`).
 """
 
-from ._common import NonFiniteError, set_finite_checks
+from ._common import NonFiniteError, finite_checks, set_finite_checks
 from .delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .feature_maps import FavorPlus, elu_plus_one, identity, relu, resolve_feature_map, taylor
 from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
@@ -15,6 +20,7 @@ from .ssd import ssd, ssd_map
 
 __all__ = [
     "NonFiniteError",
+    "finite_checks",
     "set_finite_checks",
     "softmax_attention",
     "KVCache",

@@ -83,9 +83,7 @@ def head_groups(B: int, H: int, per_head: int):
     same size as the last group's, so the allocator recycles them instead of mapping fresh pages
     (whose first touch costs page faults). Once :func:`mnemo.runtime.tune_malloc` keeps freed
     memory anyway, fewer and larger groups (:data:`GROUP_BYTES_TUNED`, 8 MiB) save per-operator
-    overhead. Measured (T = 4096, H = 4, D = 64, forward+backward medians, 2 cores): GLA 18.4 ms
-    (2 MiB) vs 20.1 (8 MiB) untuned and 15.4 vs 14.5 tuned; the gated delta rule 39.1 vs 41.5
-    untuned and 34.7 vs 33.8 tuned."""
+    overhead (timings: ``docs/benchmarks/notes.md``)."""
     budget = GROUP_BYTES_TUNED if malloc_tuned() else GROUP_BYTES
     hg = max((d for d in range(1, H + 1) if H % d == 0 and d * per_head <= budget), default=1)
     for b in range(B):
@@ -117,10 +115,6 @@ def mm_add_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``c += a @ b`` in place (one ``baddbmm_``, no new buffer; ``c`` contiguous); returns ``c``."""
     b3(c).baddbmm_(b3(a), b3(b))
     return c
-
-
-def tril_mask(C: int, device, diagonal: int = 0) -> torch.Tensor:
-    return torch.ones(C, C, dtype=torch.bool, device=device).tril(diagonal)
 
 
 def rev_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:

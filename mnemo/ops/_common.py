@@ -1,14 +1,29 @@
 """Shared argument checking, dtype rules and variable-length (packed) handling for the ops.
 
-Everything here is internal to :mod:`mnemo.ops`; the public ops document the rules they apply.
+Everything here is internal to :mod:`mnemo.ops` (except :func:`finite_checks` and
+:func:`set_finite_checks`, exported there); the public ops document the rules they apply.
+
+The prologue every op starts with lives here once: :func:`check_form` (``mode`` and
+``chunk_size``), :func:`check_matrix_op` (``q, k, v`` and the packed offsets of the matrix
+memories), :func:`check_initial_state`, :func:`check_groups` (the grouped ``B``/``C`` projections
+of the state-space ops), and :func:`run_matrix_op` (finite checks, compute dtype, clamped gates,
+the initial state and the packed-sequence path around an op's core).
+
+Naming of the chunk forms (one scheme for every op). ``<op>_chunk`` is what ``mode="chunk"``
+runs: the fast path, which hands over to its fallback where the fast path does not apply. A
+fallback carries the plain name plus a suffix that says what it is: ``<op>_chunk_autograd`` (the
+chunk form differentiated by autograd, safe for any decay: ``gla_chunk_autograd``,
+``delta_chunk_autograd``) and ``<name>_torch`` (the PyTorch twin of a C kernel of
+:mod:`._native`: ``ss_chunk_torch``, ``scan_decay_torch_``, ``unit_lower_inverse_torch_``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -17,12 +32,27 @@ import torch
 #: cumulative sums, and the cumulative sums stay small enough to keep fp32 precision.
 LOG_GATE_MIN = -60.0
 
+#: The forms of the recurrent ops (``mode=``): the token-loop reference, the chunkwise-parallel
+#: training form and the quadratic masked form, all computing the same function.
 MODES = ("recurrent", "chunk", "parallel")
 
 
 def check_mode(mode: str, allowed: Sequence[str]) -> None:
     if mode not in allowed:
         raise ValueError(f"mode must be one of {tuple(allowed)}, got {mode!r}")
+
+
+def check_chunk_size(chunk_size) -> int:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return chunk_size
+
+
+def check_form(mode: str, chunk_size, *, chunk_size_optional: bool = False) -> None:
+    """``mode`` one of :data:`MODES`, ``chunk_size`` a positive int (or ``None`` if optional)."""
+    check_mode(mode, MODES)
+    if chunk_size is not None or not chunk_size_optional:
+        check_chunk_size(chunk_size)
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -48,6 +78,19 @@ def set_finite_checks(enabled: bool) -> None:
     """Turn the ops' NaN/inf input checks on (default) or off (also: ``MNEMO_CHECK_FINITE=0``)."""
     global _FINITE_CHECKS
     _FINITE_CHECKS = bool(enabled)
+
+
+@contextlib.contextmanager
+def finite_checks(enabled: bool) -> Iterator[None]:
+    """Inside the ``with`` block the ops' NaN/inf input checks are on or off as ``enabled`` says;
+    the previous setting (see :func:`set_finite_checks`) is restored on exit, also on an error."""
+    global _FINITE_CHECKS
+    was = _FINITE_CHECKS
+    _FINITE_CHECKS = bool(enabled)
+    try:
+        yield
+    finally:
+        _FINITE_CHECKS = was
 
 
 def check_finite(values: dict, gates: dict | None = None) -> None:
@@ -128,12 +171,52 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
 
 
 def check_initial_state(
-    initial_state: torch.Tensor | None, rows: int, H: int, K: int, V: int, *, varlen: bool
+    initial_state: torch.Tensor | None, shape: Sequence[int], dims: str, *, varlen: bool, seqs: str = "N"
 ) -> None:
+    """``initial_state`` (if given) of ``shape``: ``[B, <dims>]``, or with packed sequences
+    ``[<seqs>, <dims>]`` (one row per sequence); ``dims`` names the other axes, e.g. ``"H, K, V"``."""
     if initial_state is None:
         return
-    layout = "[N, H, K, V] (N = number of packed sequences)" if varlen else "[B, H, K, V]"
-    check_shape("initial_state", initial_state, (rows, H, K, V), layout)
+    layout = f"[{seqs}, {dims}] (one row per packed sequence)" if varlen else f"[B, {dims}]"
+    check_shape("initial_state", initial_state, shape, layout)
+
+
+def check_matrix_op(q, k, v, *, mode: str, chunk_size, cu_seqlens) -> tuple[int, int, int, int, int, int]:
+    """The checks every matrix-memory op (linear attention, GLA, the delta rule) starts with: the
+    form, the chunk size, ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]`` and the packed offsets.
+    Returns ``(B, T, H, K, V, N)``, ``N`` the rows of the state (:func:`num_sequences`)."""
+    check_form(mode, chunk_size)
+    B, T, H, K, V = check_qkv(q, k, v)
+    return B, T, H, K, V, num_sequences(cu_seqlens, B, T)
+
+
+def check_groups(
+    name: str, X: torch.Tensor, Bsz: int, T: int, N: int | None, heads: int, heads_name: str
+) -> torch.Tensor:
+    """A grouped projection (``B``/``C`` of the state-space ops): ``[B, T, N]`` (one group) or
+    ``[B, T, G, N]`` with ``heads % G == 0`` (``N = None``: any state size); returns it 4-D."""
+    check_floating(name, X)
+    n = X.shape[-1] if N is None else N
+    if X.ndim == 3 and tuple(X.shape) == (Bsz, T, n):
+        return X[:, :, None, :]
+    if (
+        X.ndim == 4
+        and tuple(X.shape[:2]) == (Bsz, T)
+        and X.shape[3] == n
+        and X.shape[2] > 0
+        and heads % X.shape[2] == 0
+    ):
+        return X
+    shown = "N" if N is None else str(N)
+    raise ValueError(
+        f"{name} must have shape [B, T, N] = [{Bsz}, {T}, {shown}] or "
+        f"[B, T, G, N] = [{Bsz}, {T}, G, {shown}] with {heads_name} = {heads} divisible by G, got {_shape(X)}"
+    )
+
+
+def num_sequences(cu_seqlens: torch.Tensor | None, B: int, T: int) -> int:
+    """The rows of the state: the number of packed sequences (checked) with ``cu_seqlens``, else ``B``."""
+    return B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
@@ -196,8 +279,75 @@ def run_varlen(
     return unpad_packed(o, valid), state
 
 
+def default_scale(scale: float | None, K: int) -> float:
+    """The query scale: ``K ** -0.5`` unless given."""
+    return K**-0.5 if scale is None else scale
+
+
+def state_or_zeros(
+    initial_state: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor
+) -> torch.Tensor:
+    """``initial_state`` in ``dtype``, or zeros of ``shape`` (on ``like``'s device)."""
+    return initial_state.to(dtype) if initial_state is not None else like.new_zeros(shape, dtype=dtype)
+
+
+def run_core(
+    core: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    per_token: dict[str, torch.Tensor | None],
+    *,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run an op's core as ``core(**per_token, scale=...)`` (``None`` entries left out): on the
+    tensors as given (the core converts them and applies ``scale`` to ``q`` itself, in its chunk
+    form's one layout pass), or for packed sequences through :func:`run_varlen`, after converting
+    every tensor to ``dtype`` and scaling ``q`` here (the core then runs with ``scale = 1``)."""
+    tensors = {name: t for name, t in per_token.items() if t is not None}
+    if cu_seqlens is None:
+        return core(**tensors, scale=scale)
+    tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    if scale != 1.0:
+        tensors["q"] = tensors["q"] * scale
+    return run_varlen(core, cu_seqlens, tensors)
+
+
+def run_matrix_op(
+    core: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    per_token: dict[str, torch.Tensor],
+    gates: dict[str, torch.Tensor | None],
+    initial_state: torch.Tensor | None,
+    state_shape: Sequence[int],
+    *,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The common body of the matrix-memory ops once their shapes are checked: NaN/inf checks
+    (:func:`check_finite`; ``gates`` are log-gates), the compute dtype (:func:`compute_dtype`),
+    gates clamped to :data:`LOG_GATE_MIN` in it, the initial state (or zeros of ``state_shape``)
+    in it, the default ``scale`` (:func:`default_scale`), and
+    ``core(S0=..., scale=..., **per_token, **gates)`` through :func:`run_core`. Returns what the
+    public ops return: ``o`` in ``q``'s dtype and the final state (``None`` unless
+    ``output_final_state``)."""
+    q = per_token["q"]
+    check_finite({**per_token, "initial_state": initial_state}, gates)
+    cd = compute_dtype(*per_token.values(), *gates.values(), initial_state)
+    clamped = {name: None if g is None else clamp_log_gate(g.to(cd)) for name, g in gates.items()}
+    S0 = state_or_zeros(initial_state, state_shape, cd, q)
+    scale = default_scale(scale, q.shape[-1])
+    tensors = {**per_token, **clamped}
+    o, S = run_core(functools.partial(core, S0=S0), tensors, scale=scale, cu_seqlens=cu_seqlens, dtype=cd)
+    return o.to(q.dtype), (S if output_final_state else None)
+
+
 def clamp_log_gate(g: torch.Tensor) -> torch.Tensor:
     return g.clamp(min=LOG_GATE_MIN)
+
+
+def causal_mask(n: int, device, diagonal: int = 0) -> torch.Tensor:
+    """Boolean ``[n, n]`` mask, True on and below the diagonal (``diagonal = -1``: strictly below)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril(diagonal)
 
 
 #: Decay factors below ``exp(-40) ≈ 4e-18`` (under float64's epsilon) are flushed to exactly 0.
@@ -270,8 +420,7 @@ def decay_matrix(g: torch.Tensor) -> torch.Tensor:
     """``Γ_ts = exp(Σ_{r=s+1..t} g_r)`` for ``s ≤ t`` and ``0`` above the diagonal: log gates
     ``g [B, T, H]`` -> ``[B, H, T, T]``; per-channel ``g [B, T, H, K]`` -> ``[B, H, T, T, K]``.
     The sums are differences of cumulative sums of the clamped log gates (no products)."""
-    T = g.shape[1]
-    mask = torch.ones(T, T, dtype=torch.bool, device=g.device).tril()
+    mask = causal_mask(g.shape[1], g.device)
     if g.ndim == 3:
         b = clamp_log_gate(g).transpose(1, 2).cumsum(-1)  # [B, H, T]
         return (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()

@@ -46,14 +46,14 @@ The three forms below compute exactly the same function:
     recursive blocking, :func:`~._chunked.unit_lower_inverse_`) serves both right-hand sides, and
     the backward pass is written by hand (reverse state recursion, batched matmuls, recomputation
     instead of per-token states).
-  - :func:`delta_chunk` (any decay, gradients by autograd): decays are formed as ``exp`` of
+  - :func:`delta_chunk_autograd` (any decay, gradients by autograd): decays are formed as ``exp`` of
     differences masked *before* the ``exp`` (``Γ``) or of non-positive cumulative sums
     (``exp(b)``, ``exp(b_C − b)``, ``exp(b_C)``), never ``exp(−b)``, so extreme gates cannot
     overflow; factors below ``exp(−40) ≈ 4e-18`` are set to exactly ``0``, which keeps float32
     subnormals (several times slower on CPUs) out of the matmuls. It takes over when gates are
     strong or hard resets (``-inf``) occur.
 * ``parallel``  — the same algorithm with the whole sequence as one chunk (one ``T × T``
-  triangular solve): the quadratic form (:func:`delta_chunk` with ``C = T``).
+  triangular solve): the quadratic form (:func:`delta_chunk_autograd` with ``C = T``).
 
 Nothing ``T × K × V`` is kept for the backward pass: ``O(T·(C + K + V) + (T/C)·K·(K + V))`` per head
 (chunk-level states, never per-token ``K × V`` states).
@@ -81,20 +81,16 @@ from ._chunked import (
     unit_lower_inverse_,
 )
 from ._common import (
-    check_cu_seqlens,
-    check_finite,
+    causal_mask,
     check_initial_state,
-    check_mode,
-    check_qkv,
+    check_matrix_op,
     check_shape,
-    clamp_log_gate,
-    compute_dtype,
     decay_exp,
     decay_matrix,
+    default_scale,
     first_order,
-    run_varlen,
+    run_matrix_op,
 )
-from .gated_linear_attention import check_chunk_size
 
 __all__ = ["delta_rule", "gated_delta_rule", "delta_rule_map"]
 
@@ -120,12 +116,10 @@ def delta_recurrent(q, k, v, beta, g, S0):
     return torch.stack(outs, 1), S
 
 
-def _causal_mask(n: int, device, diagonal: int = 0) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril(diagonal)
-
-
-def delta_chunk(q, k, v, beta, g, S0, chunk_size: int):
-    """Chunkwise-parallel (WY / UT-transform) form; see the module docstring. ``T ≥ 1``."""
+def delta_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
+    """Chunkwise-parallel (WY / UT-transform) form differentiated by autograd, safe for any decay
+    (see the module docstring); :func:`delta_chunk` uses it when a chunk decays by more than
+    ``_SAFE_SPAN`` nats, :func:`delta_parallel` with the whole sequence as one chunk. ``T ≥ 1``."""
     B, T, H, K = q.shape
     C = min(int(chunk_size), T)
     n = -(-T // C)
@@ -137,8 +131,8 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int):
             g = torch.nn.functional.pad(g, (0, 0, 0, pad))
     qc, kc, vc = (rearrange(x, "b (n c) h d -> b h n c d", c=C) for x in (q, k, v))
     bc = rearrange(beta, "b (n c) h -> b h n c", c=C)[..., None]  # [B, H, n, C, 1]
-    incl = _causal_mask(C, q.device)
-    strict = _causal_mask(C, q.device, -1)
+    incl = causal_mask(C, q.device)
+    strict = causal_mask(C, q.device, -1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     eyeK = torch.eye(K, dtype=q.dtype, device=q.device)
     kt = kc.transpose(-1, -2)
@@ -323,11 +317,11 @@ class _DeltaChunk(torch.autograd.Function):
         return dq, dk_, dv, dbeta, dg, dS0, None, None, None
 
 
-def delta_chunk_fast(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
+def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     """Chunk form. ``q, k, v, beta`` in any float dtype (``scale`` is applied here), ``g`` clamped,
     ``S0`` in the compute dtype. Uses :class:`_DeltaChunk` (hand-written backward) unless some chunk
     decays by more than ``_SAFE_SPAN`` nats (strong gates, hard resets): there the autograd form
-    :func:`delta_chunk`, whose decay factors are all ``≤ 1``, takes over."""
+    :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``, takes over."""
     C = min(int(chunk_size), q.shape[1])
     b = None
     if g is not None:
@@ -335,13 +329,13 @@ def delta_chunk_fast(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
             b = to_chunks(g, C, S0.dtype)[..., 0].cumsum(-1)
         if float(b[..., -1].min()) < -_SAFE_SPAN:
             cd = S0.dtype
-            return delta_chunk(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
+            return delta_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
     return _DeltaChunk.apply(q, k, v, beta, g, S0, b, float(scale), C)
 
 
 def delta_parallel(q, k, v, beta, g, S0):
     """Quadratic form: the chunk algorithm with the whole sequence as one chunk."""
-    return delta_chunk(q, k, v, beta, g, S0, q.shape[1])
+    return delta_chunk_autograd(q, k, v, beta, g, S0, q.shape[1])
 
 
 def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int, scale: float = 1.0):
@@ -350,7 +344,7 @@ def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int, scale: floa
     if q.shape[1] == 0:
         return v.new_zeros(v.shape, dtype=S0.dtype), S0
     if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
-        return delta_chunk_fast(q, k, v, beta, g, S0, chunk_size, scale)
+        return delta_chunk(q, k, v, beta, g, S0, chunk_size, scale)
     cd = S0.dtype
     q, k, v, beta = q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd)
     if mode == "parallel":
@@ -361,33 +355,25 @@ def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int, scale: floa
 def _delta(
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size, *, gated: bool
 ):
-    check_mode(mode, ("recurrent", "chunk", "parallel"))
-    check_chunk_size(chunk_size)
-    B, T, H, K, V = check_qkv(q, k, v)
+    B, T, H, K, V, N = check_matrix_op(q, k, v, mode=mode, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
     check_shape("beta", beta, (B, T, H), "[B, T, H]")
     if gated:
         check_shape("g", g, (B, T, H), "[B, T, H]")
-    N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
-    check_initial_state(initial_state, N, H, K, V, varlen=cu_seqlens is not None)
-    check_finite({"q": q, "k": k, "v": v, "beta": beta, "initial_state": initial_state}, {"g": g})
-    cd = compute_dtype(q, k, v, g, beta, initial_state)
-    scale = K**-0.5 if scale is None else scale
-    gc = None if g is None else clamp_log_gate(g.to(cd))
-    S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=cd)
-    if cu_seqlens is None:
-        o, S = run_delta_core(q, k, v, beta, gc, S0, mode, chunk_size, scale)
-    else:
-        qc = q.to(cd) * scale
-        kc, vc, bc = k.to(cd), v.to(cd), beta.to(cd)
-        tensors = {"q": qc, "k": kc, "v": vc, "beta": bc}
-        if gc is not None:
-            tensors["g"] = gc
+    check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
 
-        def fn(q, k, v, beta, g=None):
-            return run_delta_core(q, k, v, beta, g, S0, mode, chunk_size)
+    def core(q, k, v, beta, g=None, *, S0, scale=1.0):
+        return run_delta_core(q, k, v, beta, g, S0, mode, chunk_size, scale)
 
-        o, S = run_varlen(fn, cu_seqlens, tensors)
-    return o.to(q.dtype), (S if output_final_state else None)
+    return run_matrix_op(
+        core,
+        {"q": q, "k": k, "v": v, "beta": beta},
+        {"g": g},
+        initial_state,
+        (N, H, K, V),
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        output_final_state=output_final_state,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,24 +406,10 @@ def delta_rule(
     Args:
         q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]``.
         beta: ``[B, T, H]``, write strength in ``(0, 1]``.
-        scale: multiplies ``q``; default ``K ** -0.5``.
-        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``); any float dtype,
-            used in the compute dtype. Gradients flow into it.
-        output_final_state: also return the state after the last token.
-        cu_seqlens: ``[N + 1]`` int offsets of ``N`` sequences packed in ``B = 1``; the state is
-            reset (to the matching row of ``initial_state``) at every boundary.
-        mode: ``"chunk"`` (training, default) | ``"parallel"`` (quadratic) | ``"recurrent"``
-            (token-loop reference). All three give the same result.
-        chunk_size: chunk length of the chunk form.
+        scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size: as in
+            :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``).
 
-    Returns:
-        ``o: [B, T, H, V]`` in ``q``'s dtype, and ``final_state: [B, H, K, V]`` (``[N, ...]`` with
-        ``cu_seqlens``) in the compute dtype (float64 if any input is float64, else float32), or
-        ``None``.
-
-    Raises:
-        ValueError / TypeError: a shape, dtype, mode or chunk size does not match; the message
-            names the argument, the expected and the received value.
+    Returns / Raises: as :func:`~mnemo.ops.gated_linear_attention`.
     """
     return _delta(
         q,
@@ -483,24 +455,10 @@ def gated_delta_rule(
             Values below ``-60`` are clamped to ``-60`` (so ``-inf`` is a hard reset with no NaN);
             the chunked forms treat decay factors below ``exp(-40)`` as exactly ``0``.
         beta: ``[B, T, H]``, write strength in ``(0, 1]``.
-        scale: multiplies ``q``; default ``K ** -0.5``.
-        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``); any float dtype,
-            used in the compute dtype. Gradients flow into it.
-        output_final_state: also return the state after the last token.
-        cu_seqlens: ``[N + 1]`` int offsets of ``N`` sequences packed in ``B = 1``; the state is
-            reset (to the matching row of ``initial_state``) at every boundary.
-        mode: ``"chunk"`` (training, default) | ``"parallel"`` (quadratic) | ``"recurrent"``
-            (token-loop reference). All three give the same result.
-        chunk_size: chunk length of the chunk form.
+        scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size: as in
+            :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``).
 
-    Returns:
-        ``o: [B, T, H, V]`` in ``q``'s dtype, and ``final_state: [B, H, K, V]`` (``[N, ...]`` with
-        ``cu_seqlens``) in the compute dtype (float64 if any input is float64, else float32), or
-        ``None``.
-
-    Raises:
-        ValueError / TypeError: a shape, dtype, mode or chunk size does not match; the message
-            names the argument, the expected and the received value.
+    Returns / Raises: as :func:`~mnemo.ops.gated_linear_attention`.
     """
     return _delta(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size, gated=True
@@ -514,13 +472,12 @@ def delta_rule_map(q, k, beta, g=None, scale: float | None = None) -> torch.Tens
     ``q, k: [B, T, H, K]``, ``beta: [B, T, H]``, ``g``: ``None`` or log gates ``[B, T, H]``.
     Returns ``[B, H, T, T]``."""
     T = q.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(scale, q.shape[-1])
     qh, kh = rearrange(q * scale, "b t h d -> b h t d"), rearrange(k, "b t h d -> b h t d")
     bh = rearrange(beta, "b t h -> b h t")
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    Gam = decay_matrix(g).to(q.dtype) if g is not None else causal.to(q.dtype)
+    Gam = decay_matrix(g).to(q.dtype) if g is not None else causal_mask(T, q.device).to(q.dtype)
     A = torch.eye(T, dtype=q.dtype, device=q.device) + (
         (bh[..., :, None] * (kh @ kh.transpose(-1, -2))) * Gam
-    ).masked_fill(~causal.tril(-1), 0.0)
+    ).masked_fill(~causal_mask(T, q.device, -1), 0.0)
     P = (qh @ kh.transpose(-1, -2)) * Gam
     return P @ torch.linalg.solve_triangular(A, torch.diag_embed(bh), upper=False, unitriangular=True)

@@ -42,18 +42,15 @@ from ._chunked import (
     unchunk_heads,
 )
 from ._common import (
-    check_cu_seqlens,
-    check_finite,
+    causal_mask,
     check_floating,
     check_initial_state,
-    check_mode,
-    check_qkv,
-    clamp_log_gate,
-    compute_dtype,
+    check_matrix_op,
     decay_exp,
     decay_matrix,
+    default_scale,
     first_order,
-    run_varlen,
+    run_matrix_op,
 )
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_map"]
@@ -81,14 +78,10 @@ def gla_recurrent(q, k, v, g, S0):
     return torch.stack(outs, 1), S
 
 
-def _causal_mask(n: int, device, diagonal: int = 0) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril(diagonal)
-
-
 def gla_parallel(q, k, v, g, S0):
     """Quadratic masked form over the whole sequence (per-channel gates: a [T, T, K] tensor)."""
     T = q.shape[1]
-    mask = _causal_mask(T, q.device)
+    mask = causal_mask(T, q.device)
     qh, kh, vh = (rearrange(x, "b t h d -> b h t d") for x in (q, k, v))
     if g is None:
         A = (qh @ kh.transpose(-1, -2)).masked_fill(~mask, 0.0)
@@ -128,7 +121,7 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
        else the exact ``[sub, sub, K]`` tensor of ``e^{b_t − b_s}``.
     """
     *lead, C, K = q.shape
-    mask = _causal_mask(C, q.device)
+    mask = causal_mask(C, q.device)
     if float(-b[..., -1, :].detach().min()) <= safe_span:
         A = (q * b.exp()) @ (k * (-b).exp()).transpose(-1, -2)
         return A.masked_fill(~mask, 0.0)
@@ -140,7 +133,7 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
     bb = b.reshape(*lead, m, sub, K)
     e = bb[..., -1, :]  # [..., m, K]
     r = torch.cat([torch.zeros_like(e[..., :1, :]), e[..., :-1, :]], dim=-2)
-    tri = _causal_mask(sub, q.device)
+    tri = causal_mask(sub, q.device)
     if float((r - e).detach().max()) <= safe_span:
         rel = bb - r[..., None, :]
         A_diag = ((qb * rel.exp()) @ (kb * (-rel).exp()).transpose(-1, -2)).masked_fill(~tri, 0.0)
@@ -151,7 +144,7 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
         return A_diag.reshape(*lead, C, C)
     q_t = qb * decay_exp(bb - r[..., None, :])
     k_h = kb * decay_exp(e[..., None, :] - bb)
-    lower = _causal_mask(m, q.device, -1)
+    lower = causal_mask(m, q.device, -1)
     P = decay_exp(r[..., :, None, :] - e[..., None, :, :], lower[..., None])
     A_off = (q_t[..., :, None, :, :] * P[..., :, :, None, :]) @ k_h[..., None, :, :, :].transpose(-1, -2)
     eye = torch.eye(m, dtype=q.dtype, device=q.device)
@@ -191,7 +184,7 @@ def gla_chunk_autograd(q, k, v, g, S0, chunk_size: int):
         if g is not None:
             g = torch.nn.functional.pad(g, (0, 0) * (g.ndim - 2) + (0, pad))
     qc, kc, vc = (rearrange(x, "b (n c) h d -> b h n c d", c=C) for x in (q, k, v))
-    mask = _causal_mask(C, q.device)
+    mask = causal_mask(C, q.device)
     if g is None:
         A = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, 0.0)
         q_in, k_out, decay = qc, kc, None
@@ -345,12 +338,6 @@ def run_gla_core(q, k, v, g, S0, mode: str, chunk_size: int, scale: float = 1.0)
     return _CORES["recurrent" if mode == "chunk" else mode](q.to(cd) * scale, k.to(cd), v.to(cd), g, S0)
 
 
-def check_chunk_size(chunk_size) -> int:
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return chunk_size
-
-
 # ----------------------------------------------------------------------------------------------
 # public op
 # ----------------------------------------------------------------------------------------------
@@ -401,9 +388,7 @@ def gated_linear_attention(
         ValueError / TypeError: a shape, dtype, mode or chunk size does not match; the message
             names the argument, the expected and the received value.
     """
-    check_mode(mode, ("recurrent", "chunk", "parallel"))
-    check_chunk_size(chunk_size)
-    B, T, H, K, V = check_qkv(q, k, v)
+    B, T, H, K, V, N = check_matrix_op(q, k, v, mode=mode, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
     if g is not None:
         check_floating("g", g)
         if g.shape != (B, T, H) and g.shape != (B, T, H, K):
@@ -411,27 +396,21 @@ def gated_linear_attention(
                 f"g must have shape [B, T, H] = [{B}, {T}, {H}] or [B, T, H, K] = [{B}, {T}, {H}, {K}], "
                 f"got [{', '.join(map(str, g.shape))}]"
             )
-    N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
-    check_initial_state(initial_state, N, H, K, V, varlen=cu_seqlens is not None)
-    check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state}, {"g": g})
-    cd = compute_dtype(q, k, v, g, initial_state)
-    scale = K**-0.5 if scale is None else scale
-    gc = None if g is None else clamp_log_gate(g.to(cd))
-    S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=cd)
-    if cu_seqlens is None:
-        o, S = run_gla_core(q, k, v, gc, S0, mode, chunk_size, scale)
-    else:
-        qc = q.to(cd) * scale
-        kc, vc = k.to(cd), v.to(cd)
-        tensors = {"q": qc, "k": kc, "v": vc}
-        if gc is not None:
-            tensors["g"] = gc
+    check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
 
-        def fn(q, k, v, g=None):
-            return run_gla_core(q, k, v, g, S0, mode, chunk_size)
+    def core(q, k, v, g=None, *, S0, scale=1.0):
+        return run_gla_core(q, k, v, g, S0, mode, chunk_size, scale)
 
-        o, S = run_varlen(fn, cu_seqlens, tensors)
-    return o.to(q.dtype), (S if output_final_state else None)
+    return run_matrix_op(
+        core,
+        {"q": q, "k": k, "v": v},
+        {"g": g},
+        initial_state,
+        (N, H, K, V),
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        output_final_state=output_final_state,
+    )
 
 
 def gated_linear_attention_map(q, k, g=None, scale: float | None = None) -> torch.Tensor:
@@ -439,12 +418,10 @@ def gated_linear_attention_map(q, k, g=None, scale: float | None = None) -> torc
     ``M_ts = Σ_k scale · q_tk k_sk Γ_ts(k)`` for ``s ≤ t`` (0 above), so that
     ``o = M v`` (from a zero state). ``q, k: [B, T, H, K]``; ``g``: ``None`` (no decay),
     ``[B, T, H]`` or ``[B, T, H, K]`` log gates. Returns ``[B, H, T, T]`` in q's dtype."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(scale, q.shape[-1])
     qh, kh = rearrange(q * scale, "b t h d -> b h t d"), rearrange(k, "b t h d -> b h t d")
-    T = q.shape[1]
     if g is None:
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        return (qh @ kh.transpose(-1, -2)).masked_fill(~mask, 0.0)
+        return (qh @ kh.transpose(-1, -2)).masked_fill(~causal_mask(q.shape[1], q.device), 0.0)
     D = decay_matrix(g).to(qh.dtype)
     if g.ndim == 3:
         return (qh @ kh.transpose(-1, -2)) * D

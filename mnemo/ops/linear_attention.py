@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 
 from ._common import (
-    check_cu_seqlens,
     check_finite,
     check_initial_state,
-    check_mode,
-    check_qkv,
+    check_matrix_op,
     compute_dtype,
-    run_varlen,
+    default_scale,
+    run_core,
+    state_or_zeros,
 )
 from .feature_maps import identity, resolve_feature_map
-from .gated_linear_attention import check_chunk_size, gated_linear_attention_map, run_gla_core
+from .gated_linear_attention import gated_linear_attention_map, run_gla_core
 
 __all__ = ["linear_attention", "linear_attention_map"]
 
@@ -63,18 +63,15 @@ def linear_attention(
         ValueError / TypeError: shape, dtype, mode or feature-map errors; the message names the
             argument, the expected and the received value.
     """
-    check_mode(mode, ("recurrent", "chunk", "parallel"))
-    check_chunk_size(chunk_size)
-    B, T, H, K, V = check_qkv(q, k, v)
+    B, T, H, K, V, N = check_matrix_op(q, k, v, mode=mode, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
     phi = resolve_feature_map(feature_map)
-    N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B
     check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state})
     cd = compute_dtype(q, k, v, initial_state)
-    scale = K**-0.5 if scale is None else scale
+    scale = default_scale(scale, K)
     if phi is identity and not normalize and cu_seqlens is None:
         # the chunk form converts and scales q itself, in its single layout pass
-        check_initial_state(initial_state, N, H, K, V, varlen=False)
-        S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=cd)
+        check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=False)
+        S0 = state_or_zeros(initial_state, (N, H, K, V), cd, q)
         o, S = run_gla_core(q, k, v, None, S0, mode, chunk_size, scale)
         return o.to(q.dtype), (S if output_final_state else None)
     qf = phi(q.to(cd) * scale)
@@ -89,16 +86,13 @@ def linear_attention(
     if normalize:
         vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
     Vs = vc.shape[-1]
-    check_initial_state(initial_state, N, H, Fdim, Vs, varlen=cu_seqlens is not None)
-    S0 = initial_state.to(cd) if initial_state is not None else q.new_zeros(N, H, Fdim, Vs, dtype=cd)
-    if cu_seqlens is None:
-        o, S = run_gla_core(qf, kf, vc, None, S0, mode, chunk_size)
-    else:
+    check_initial_state(initial_state, (N, H, Fdim, Vs), "H, K, V", varlen=cu_seqlens is not None)
+    S0 = state_or_zeros(initial_state, (N, H, Fdim, Vs), cd, q)
 
-        def fn(q, k, v):
-            return run_gla_core(q, k, v, None, S0, mode, chunk_size)
+    def core(q, k, v, scale=1.0):
+        return run_gla_core(q, k, v, None, S0, mode, chunk_size, scale)
 
-        o, S = run_varlen(fn, cu_seqlens, {"q": qf, "k": kf, "v": vc})
+    o, S = run_core(core, {"q": qf, "k": kf, "v": vc}, scale=1.0, cu_seqlens=cu_seqlens, dtype=cd)
     if normalize:
         o = o[..., :V] / (o[..., V:] + eps)
     return o.to(q.dtype), (S if output_final_state else None)
@@ -110,6 +104,6 @@ def linear_attention_map(q, k, feature_map="elu", normalize: bool = True, scale:
     (the op's denominator ``φ(q_t)ᵀ Σ_s φ(k_s)``), so that ``o = M v``. ``q, k: [B, T, H, K]``;
     ``feature_map`` as in :func:`linear_attention`. Returns ``[B, H, T, T]``."""
     phi = resolve_feature_map(feature_map)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(scale, q.shape[-1])
     M = gated_linear_attention_map(phi(q * scale), phi(k), scale=1.0)
     return M / (M.sum(-1, keepdim=True) + 1e-6) if normalize else M

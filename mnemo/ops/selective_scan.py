@@ -37,10 +37,8 @@ SIMD register of floats: 16 with AVX-512, 8 with AVX2) keeps its ``[N, W]`` stat
 for the whole sequence, so a token costs ``N`` vector updates instead of ~6 PyTorch dispatches; the
 backward recomputes each block of ``chunk_size`` tokens from the saved block-entry states, as
 above. ``Δ = softplus(δ + δ_bias)``, ``v = Δ u``, the skip ``D u`` and the gate ``silu(z)`` are
-fused in. On a 2-core CPU the Mamba layer's forward+backward (T = 1024, d_model 256, with the
-native short convolution too) takes 22 ms against 47 ms with the PyTorch forms.
-``MNEMO_NATIVE=0`` (or no C compiler) selects the PyTorch form; both are tested against the token
-loop.
+fused in (timings: ``docs/benchmarks/notes.md``). ``MNEMO_NATIVE=0`` (or no C compiler) selects
+the PyTorch form; both are tested against the token loop.
 
 Log decays ``Δ A`` are clamped from below at ``-60`` in every form (as ``clamp_log_gate``), so a
 huge step ``Δ`` acts as a reset of the state and never produces overflow or NaN.
@@ -56,18 +54,20 @@ from . import _native
 from ._common import (
     LOG_GATE_MIN,
     _shape,
-    check_cu_seqlens,
+    causal_mask,
     check_finite,
-    check_floating,
-    check_mode,
+    check_form,
+    check_groups,
+    check_initial_state,
     check_ndim,
     check_shape,
     clamp_log_gate,
     compute_dtype,
     first_order,
+    num_sequences,
     run_varlen,
+    state_or_zeros,
 )
-from .gated_linear_attention import check_chunk_size
 
 __all__ = ["selective_scan", "selective_scan_map"]
 
@@ -102,8 +102,8 @@ def ss_parallel(delta, u, A, B, C, h0):
     Bd = rearrange(_per_channel(B, D), "b t d n -> b d n t")
     Cd = rearrange(_per_channel(C, D), "b t d n -> b d n t")
     a = clamp_log_gate(rearrange(delta, "b t d -> b d t")[:, :, None, :] * A[None, :, :, None])  # [B,D,N,T]
-    strict = torch.ones(T, T, dtype=torch.bool, device=u.device).tril(-1)
-    incl = torch.ones(T, T, dtype=torch.bool, device=u.device).tril()
+    strict = causal_mask(T, u.device, -1)
+    incl = causal_mask(T, u.device)
     dT = rearrange(delta, "b t d -> b d t")
     uT = rearrange(u, "b t d -> b d t")
     alpha = u.new_zeros(Bsz, D, T, T)
@@ -235,8 +235,9 @@ def _auto_chunk(Bsz: int, D: int, N: int) -> int:
     return L
 
 
-def ss_chunk(delta, u, A, B, C, h0, chunk_size):
-    """Blocked form with the hand-written backward; public layout in and out."""
+def ss_chunk_torch(delta, u, A, B, C, h0, chunk_size):
+    """Blocked form with the hand-written backward (:class:`_ChunkScan`), the PyTorch twin of the C
+    kernel (:func:`ss_native`); public layout in and out."""
     Bsz, T, D = u.shape
     G, N = B.shape[-2:]
     Dg = D // G
@@ -383,12 +384,18 @@ def ss_native(
     return rearrange(y, "b t g d -> b t (g d)"), rearrange(hT, "b g d n -> b (g d) n")
 
 
+def ss_chunk(delta, u, A, B, C, h0, chunk_size):
+    """The chunk form: the C kernel (:func:`ss_native`) where it can run, else its PyTorch twin
+    :func:`ss_chunk_torch`."""
+    if _native.usable(delta, u, A, B, C, h0):
+        return ss_native(delta, u, A, B, C, h0, chunk_size)
+    return ss_chunk_torch(delta, u, A, B, C, h0, chunk_size)
+
+
 def run_ss_core(delta, u, A, B, C, h0, mode: str, chunk_size: int):
     if u.shape[1] == 0:
         return u.new_zeros(u.shape), h0
     if mode == "chunk":
-        if _native.usable(delta, u, A, B, C, h0):
-            return ss_native(delta, u, A, B, C, h0, chunk_size)
         return ss_chunk(delta, u, A, B, C, h0, chunk_size)
     if mode == "parallel":
         return ss_parallel(delta, u, A, B, C, h0)
@@ -398,25 +405,6 @@ def run_ss_core(delta, u, A, B, C, h0, mode: str, chunk_size: int):
 # ----------------------------------------------------------------------------------------------
 # public op
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_group_proj(name: str, X: torch.Tensor, Bsz: int, T: int, D: int, N: int) -> torch.Tensor:
-    """``B``/``C``: ``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``D % G == 0``; return 4-D."""
-    check_floating(name, X)
-    if X.ndim == 3 and tuple(X.shape) == (Bsz, T, N):
-        return X[:, :, None, :]
-    if (
-        X.ndim == 4
-        and tuple(X.shape[:2]) == (Bsz, T)
-        and X.shape[3] == N
-        and X.shape[2] > 0
-        and D % X.shape[2] == 0
-    ):
-        return X
-    raise ValueError(
-        f"{name} must have shape [B, T, N] = [{Bsz}, {T}, {N}] or [B, T, G, N] = [{Bsz}, {T}, G, {N}] "
-        f"with D = {D} divisible by G, got {_shape(X)}"
-    )
 
 
 def selective_scan(
@@ -478,9 +466,7 @@ def selective_scan(
         ValueError / TypeError: a shape, dtype, mode or chunk size does not match; the message
             names the argument, the expected and the received value.
     """
-    check_mode(mode, ("recurrent", "chunk", "parallel"))
-    if chunk_size is not None:
-        check_chunk_size(chunk_size)
+    check_form(mode, chunk_size, chunk_size_optional=True)
     check_ndim("u", u, 3, "[B, T, D]")
     Bsz, T, Dm = u.shape
     check_shape("delta", delta, (Bsz, T, Dm), "[B, T, D]")
@@ -488,18 +474,16 @@ def selective_scan(
     if A.shape[0] != Dm:
         raise ValueError(f"A must have shape [D, N] = [{Dm}, N], got {_shape(A)}")
     N = A.shape[1]
-    B4 = _check_group_proj("B", B, Bsz, T, Dm, N)
-    C4 = _check_group_proj("C", C, Bsz, T, Dm, N)
+    B4 = check_groups("B", B, Bsz, T, N, Dm, "D")
+    C4 = check_groups("C", C, Bsz, T, N, Dm, "D")
     if D is not None:
         check_shape("D", D, (Dm,), "[D]")
     if z is not None:
         check_shape("z", z, (Bsz, T, Dm), "[B, T, D]")
     if delta_bias is not None:
         check_shape("delta_bias", delta_bias, (Dm,), "[D]")
-    nseq = check_cu_seqlens(cu_seqlens, Bsz, T) if cu_seqlens is not None else Bsz
-    if initial_state is not None:
-        layout = "[num_seqs, D, N] (one row per packed sequence)" if cu_seqlens is not None else "[B, D, N]"
-        check_shape("initial_state", initial_state, (nseq, Dm, N), layout)
+    nseq = num_sequences(cu_seqlens, Bsz, T)
+    check_initial_state(initial_state, (nseq, Dm, N), "D, N", varlen=cu_seqlens is not None, seqs="num_seqs")
     check_finite(
         {
             "u": u,
@@ -517,7 +501,7 @@ def selective_scan(
     uc, Ac, Bc, Cc = u.to(cd), A.to(cd), B4.to(cd), C4.to(cd)
     dt = delta.to(cd)
     bias = None if delta_bias is None else delta_bias.to(cd)
-    h0 = initial_state.to(cd) if initial_state is not None else u.new_zeros(nseq, Dm, N, dtype=cd)
+    h0 = state_or_zeros(initial_state, (nseq, Dm, N), cd, u)
     Dc = None if D is None else D.to(cd)
     zc = None if z is None else z.to(cd)
     if mode == "chunk" and cu_seqlens is None and T > 0 and _native.usable(dt, uc, Ac, Bc, Cc, h0):
@@ -550,9 +534,8 @@ def selective_scan_map(delta, A, B, C) -> torch.Tensor:
     without the ``D`` skip: ``M^(d)_ts = Σ_n C_tn exp(Σ_{r=s+1..t} Δ_rd A_dn) B_sn Δ_sd`` for
     ``s ≤ t``, so that ``y_d = M^(d) u_d``. ``delta [Bt, T, D]`` (after softplus and bias),
     ``A [D, N]``, ``B, C [Bt, T, N]``. Returns ``[Bt, D, T, T]``."""
-    T = delta.shape[1]
     L = torch.einsum("btd,dn->bdnt", delta, A).clamp(min=-60.0).cumsum(-1)  # [Bt, D, N, T]
-    mask = torch.ones(T, T, dtype=torch.bool, device=delta.device).tril()
+    mask = causal_mask(delta.shape[1], delta.device)
     decay = (L[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")).exp()  # [Bt,D,N,T,T]
     M = torch.einsum("btn,bdnts,bsn->bdts", C, decay, B)
     return M * rearrange(delta, "b s d -> b d 1 s")

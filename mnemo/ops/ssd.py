@@ -19,37 +19,17 @@ from einops import repeat
 
 from ._common import (
     _shape,
-    check_cu_seqlens,
-    check_floating,
-    check_mode,
+    check_form,
+    check_groups,
+    check_initial_state,
     check_ndim,
     check_shape,
     compute_dtype,
+    num_sequences,
 )
-from .gated_linear_attention import check_chunk_size, gated_linear_attention, gated_linear_attention_map
+from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 
 __all__ = ["ssd", "ssd_map"]
-
-
-def _check_groups(name: str, X: torch.Tensor, Bsz: int, T: int, H: int, N: int | None) -> torch.Tensor:
-    """``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``H % G == 0``; return ``[B, T, G, N]``."""
-    check_floating(name, X)
-    n = X.shape[-1] if N is None else N
-    if X.ndim == 3 and tuple(X.shape) == (Bsz, T, n):
-        return X[:, :, None, :]
-    if (
-        X.ndim == 4
-        and tuple(X.shape[:2]) == (Bsz, T)
-        and X.shape[3] == n
-        and X.shape[2] > 0
-        and H % X.shape[2] == 0
-    ):
-        return X
-    shown = "N" if N is None else str(N)
-    raise ValueError(
-        f"{name} must have shape [B, T, N] = [{Bsz}, {T}, {shown}] or "
-        f"[B, T, G, N] = [{Bsz}, {T}, G, {shown}] with H = {H} divisible by G, got {_shape(X)}"
-    )
 
 
 def ssd(
@@ -102,25 +82,24 @@ def ssd(
         ValueError / TypeError: a shape, dtype, mode or chunk size does not match; the message
             names the argument, the expected and the received value.
     """
-    check_mode(mode, ("recurrent", "chunk", "parallel"))
-    check_chunk_size(chunk_size)
+    check_form(mode, chunk_size)
     check_ndim("x", x, 4, "[B, T, H, P]")
     Bsz, T, H, P = x.shape
     check_shape("dt", dt, (Bsz, T, H), "[B, T, H]")
     check_shape("A", A, (H,), "[H]")
-    B4 = _check_groups("B", B, Bsz, T, H, None)
+    B4 = check_groups("B", B, Bsz, T, None, H, "H")
     N = B4.shape[-1]
-    C4 = _check_groups("C", C, Bsz, T, H, N)
+    C4 = check_groups("C", C, Bsz, T, N, H, "H")
     if C4.shape[2] != B4.shape[2]:
         raise ValueError(f"C must have the same number of groups as B = {B4.shape[2]}, got {_shape(C)}")
     if D is not None:
         check_shape("D", D, (H,), "[H]")
     if dt_bias is not None:
         check_shape("dt_bias", dt_bias, (H,), "[H]")
-    nseq = check_cu_seqlens(cu_seqlens, Bsz, T) if cu_seqlens is not None else Bsz
-    if initial_state is not None:
-        layout = "[B, H, N, P]" if cu_seqlens is None else "[num_seqs, H, N, P] (one row per packed sequence)"
-        check_shape("initial_state", initial_state, (nseq, H, N, P), layout)
+    nseq = num_sequences(cu_seqlens, Bsz, T)
+    check_initial_state(
+        initial_state, (nseq, H, N, P), "H, N, P", varlen=cu_seqlens is not None, seqs="num_seqs"
+    )
     cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
     xc = x.to(cd)
     dtc = dt.to(cd)

@@ -31,11 +31,14 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
     """Train one run in ``run_dir`` (resuming its latest checkpoint if there is one).
 
     Returns ``{"status": "done" | "diverged" | "failed", "metrics": final record, "state_size_bytes",
-    "n_params", "wall_time_s", "error"}``; the trainer's output goes to ``run_dir/train.log``.
+    "n_params", "wall_time_s", "error"}``; the trainer's output goes to ``run_dir/train.log``. A
+    config with ``track_circuits: true`` records the circuit scores
+    (:func:`mnemo.interp.circuit_callbacks`).
     Never raises except ``KeyboardInterrupt``.
     """
     import torch
 
+    from ..interp import circuit_callbacks
     from ..train import TrainConfig, Trainer, TrainingDiverged
     from ..train.trainer import METRICS_NAME
 
@@ -62,7 +65,12 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
         try:
             cfg = TrainConfig.from_dict(config)
             trainer = Trainer(
-                cfg, out, resume=(out / "latest").is_file(), progress=False, callbacks=[save_wall]
+                cfg,
+                out,
+                resume=(out / "latest").is_file(),
+                progress=False,
+                # the circuit tracker when the run's config asks for it (``track_circuits``)
+                callbacks=lambda c: [save_wall, *circuit_callbacks(c)],
             )
             result["n_params"] = trainer.model.num_parameters()
             result["state_size_bytes"] = trainer.model.state_size_bytes(1, cfg.seq_len)

@@ -86,7 +86,10 @@ def check_state_size(name, d_model=32, options=None, T=7) -> CheckResult:
         _, s = m(_x(3, T, d_model).float())
     said, real = m.state_size_bytes(3, T), nbytes(s)
     return _result(
-        name, "state_size", 0.0 if said == real else math.inf, 0.0,
+        name,
+        "state_size",
+        0.0 if said == real else math.inf,
+        0.0,
         f"state_size_bytes(3, {T}) = {said}, the returned state holds {real} bytes",
     )
 
@@ -101,7 +104,11 @@ def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
     calls: dict[str, int] = {}
     values: dict[str, object] = {}
     handles = [
-        p.register_forward_hook(lambda mod, i, out, n=n: (calls.__setitem__(n, calls.get(n, 0) + 1), values.__setitem__(n, out))[0])
+        p.register_forward_hook(
+            lambda mod, i, out, n=n: (calls.__setitem__(n, calls.get(n, 0) + 1), values.__setitem__(n, out))[
+                0
+            ]
+        )
         for n, p in points.items()
     ]
     x = _x(2, T, d_model)
@@ -113,8 +120,10 @@ def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
     silent = sorted(set(points) - set(calls))
     if wrong or silent:
         return _result(name, "hooks", math.inf, 0.0, f"hooks fired {wrong or ''} never: {silent}")
-    target = "hook_o" if "hook_o" in points else next(
-        (n for n in points if isinstance(values[n], torch.Tensor)), None
+    target = (
+        "hook_o"
+        if "hook_o" in points
+        else next((n for n in points if isinstance(values[n], torch.Tensor)), None)
     )
     if target is None:
         return _result(name, "hooks", math.inf, 0.0, "no hook carries a tensor")
@@ -123,7 +132,9 @@ def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
         y0, _ = m(x)
     h.remove()
     changed = not torch.equal(y0, y)
-    return _result(name, "hooks", 0.0 if changed else math.inf, 0.0, f"zeroing {target} did not change the output")
+    return _result(
+        name, "hooks", 0.0 if changed else math.inf, 0.0, f"zeroing {target} did not change the output"
+    )
 
 
 def check_mixing(name, d_model=32, options=None, T=11) -> CheckResult | None:
@@ -133,7 +144,8 @@ def check_mixing(name, d_model=32, options=None, T=11) -> CheckResult | None:
         return None
     acts = {}
     handles = [
-        getattr(m, h).register_forward_hook(lambda mod, i, out, h=h: acts.__setitem__(h, out)) for h in m.mixing_hooks
+        getattr(m, h).register_forward_hook(lambda mod, i, out, h=h: acts.__setitem__(h, out))
+        for h in m.mixing_hooks
     ]
     with torch.no_grad():
         m(_x(2, T, d_model))
@@ -143,15 +155,24 @@ def check_mixing(name, d_model=32, options=None, T=11) -> CheckResult | None:
     got = einsum(mx.maps, mx.values, "b h t s, b s h v -> b t h v")
     causal = bool(torch.all(mx.maps.triu(1) == 0))
     err = rel_rms(got, mx.output) if causal else math.inf
-    return _result(name, "mixing", err, F64_TOL, "maps @ values differs from the output, or maps are not causal")
+    return _result(
+        name, "mixing", err, F64_TOL, "maps @ values differs from the output, or maps are not causal"
+    )
 
 
-def check_gradients(name, d_model=32, options=None, T=8) -> CheckResult:
-    """A loss on the output sends a non-zero gradient to every parameter."""
+def check_gradients(name, d_model=32, options=None, T=None) -> CheckResult:
+    """A loss on the output sends a non-zero gradient to every parameter. The sequence spans two
+    chunks and one token (``2 · chunk_size + 1``, at least 8) so that parameters acting only at a
+    chunk boundary (a memory's own update rates) are reached too."""
     m = _build(name, d_model, options).train()
+    T = T or max(8, 2 * (getattr(m, "chunk_size", None) or 0) + 1)
     y, _ = m(_x(2, T, d_model))
     (y * _x(2, T, d_model, seed=3)).sum().backward()
-    dead = [n for n, p in m.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+    dead = [
+        n
+        for n, p in m.named_parameters()
+        if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)
+    ]
     return _result(name, "gradients", 0.0 if not dead else math.inf, 0.0, f"no gradient reaches {dead}")
 
 

@@ -12,6 +12,17 @@ from typing import Any
 import yaml
 
 
+def _flag(help: str, **argparse_options) -> dict[str, Any]:
+    """``dataclasses.field`` metadata that makes a :class:`TrainConfig` field a ``mnemo train``
+    flag: ``--seq-len`` for ``seq_len``, with ``help`` and any ``argparse`` options (``choices``,
+    ``metavar``, ``type`` — by default the type of the field's default; a ``bool`` field is a
+    switch that sets ``True``). ``default_help`` (a string) names the default in the help where
+    the field's default value would not (``None``); other defaults are shown as they are. The
+    flag's own default is ``None``, "not given": the config file's (or the saved run's) value
+    stands. See ``mnemo.cli.add_config_flags``."""
+    return {"cli": {"help": help, **argparse_options}}
+
+
 @dataclass
 class TrainConfig:
     """Everything that defines a training run (saved as ``train_config.json`` in checkpoints).
@@ -52,7 +63,7 @@ class TrainConfig:
             resumed run gets more (or fewer) ``steps`` but should keep its cosine
             (``mnemo train --resume --steps N --reschedule hold``).
         optimizer: ``"adamw"`` or ``"m3"`` (Multi-scale Momentum Muon, Nested Learning Algorithm 1,
-            :class:`mnemo.nested.M3`: Newton–Schulz-orthogonalised fast and slow momenta over an
+            :class:`mnemo.train.m3.M3`: Newton–Schulz-orthogonalised fast and slow momenta over an
             accumulated second moment; its update size differs from Adam's, so tune ``lr`` for it
             — see the class docstring).
         m3_slow_every: M3's ``f``, steps per block of the slow momentum (a positive int).
@@ -74,12 +85,11 @@ class TrainConfig:
         precision: ``"fp32"`` or ``"bf16"`` (autocast; states still accumulate in fp32).
         sample_tokens, sample_prompt, sample_temperature: the text sample printed at the end.
         tensorboard: also write TensorBoard event files to ``OUT/tb`` (needs ``tensorboard``).
-        task: a synthetic task name (``mnemo tasks``: ``mqar``, ``selective_copying``,
-            ``induction_heads``, ``passkey``, ``copying``) instead of text; then ``data`` and
-            ``tokenizer`` are unused, the vocabulary comes from the task, batches are drawn from
-            the task's train seed stream, evaluation (loss and accuracy on the supervised
-            positions) uses a fixed test set of ``eval_batches · batch_size`` sequences from the
-            disjoint test seed, and no text sample is printed.
+        task: a synthetic task name (``mnemo tasks``: ``mqar``, ``selective_copying``, ``induction_heads``,
+            ``passkey``, ``copying``, ``repeat_segment``) instead of text; then ``data`` and ``tokenizer`` are
+            unused, the vocabulary comes from the task, batches are drawn from the task's train seed stream,
+            evaluation (loss and accuracy on the supervised positions) uses a fixed test set of ``eval_batches
+            · batch_size`` sequences from the disjoint test seed, and no text sample is printed.
         task_options: the task's options (e.g. ``{"num_pairs": 8, "vocab_size": 256}``).
         eval_lengths: further test lengths (tasks only), evaluated at the end of training with the
             models' streaming chunk/recurrent forms, e.g. ``[1024, 4096]`` for a model trained at
@@ -87,28 +97,59 @@ class TrainConfig:
         track_circuits: at every evaluation also record the circuit scores of DESIGN.md §7
             (previous-token, duplicate-token and induction score, max over heads per layer and
             overall, on random tokens repeated twice; :class:`mnemo.interp.CircuitTracker`) in
-            ``metrics.jsonl``; ``mnemo probe plot-training OUT`` draws them against the loss.
+            ``metrics.jsonl``; ``mnemo probe plot-training OUT`` draws them against the loss. The
+            tracker is a callback the caller passes (``mnemo train`` and ``mnemo sweep`` do;
+            from Python: ``Trainer(cfg, out, callbacks=mnemo.interp.circuit_callbacks)``): the
+            trainer raises ``ValueError`` without one (``mnemo.train`` does not import
+            ``mnemo.interp``).
         init_from: start from the weights of another run (a run or checkpoint directory) instead of
             a fresh initialisation — fine-tuning, or a curriculum (e.g. MQAR at 64 tokens, then at
             128); the model must have the same shapes; the optimizer and schedule start fresh.
         circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens).
     """
 
-    model: str = "transformer"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    data: str = "tinyshakespeare"
-    tokenizer: str = "char"
-    seq_len: int = 128
-    batch_size: int = 32
-    grad_accum: int = 1
-    context_parallel: bool = False
-    activation_checkpointing: bool = False
-    steps: int = 1000
-    schedule_steps: int | None = None
-    lr: float = 3e-3
+    # ``metadata=_flag(...)``: the field is a ``mnemo train`` flag (``--seq-len`` for ``seq_len``);
+    # the help and the argparse options are here, the parser is generated (mnemo.cli)
+    model: str = field(
+        default="transformer", metadata=_flag("registered model name (see `mnemo models`)", metavar="NAME")
+    )
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # flags --d-model, --n-layers
+    data: str = field(
+        default="tinyshakespeare",
+        metadata=_flag("'tinyshakespeare' (bundled) or a path to a UTF-8 text file", metavar="TEXT"),
+    )
+    tokenizer: str = field(default="char", metadata=_flag("text tokenizer", choices=["char", "byte"]))
+    seq_len: int = field(default=128, metadata=_flag("training window length in tokens", metavar="T"))
+    batch_size: int = field(
+        default=32, metadata=_flag("sequences per optimizer step over all processes", metavar="B")
+    )
+    grad_accum: int = field(
+        default=1,
+        metadata=_flag(
+            "micro-batches per optimizer step (gradient accumulation); the batch size must be a "
+            "multiple of processes x grad-accum",
+            metavar="N",
+        ),
+    )
+    context_parallel: bool = field(
+        default=False,
+        metadata=_flag(
+            "under torchrun, split every sequence over the processes instead of the batch "
+            "(recurrent models only; the sequence length must be a multiple of the processes)"
+        ),
+    )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata=_flag(
+            "recompute each block's activations in the backward pass (less memory, ~1 more forward)"
+        ),
+    )
+    steps: int = field(default=1000, metadata=_flag("optimizer steps", metavar="N"))
+    schedule_steps: int | None = None  # set by --resume --reschedule
+    lr: float = field(default=3e-3, metadata=_flag("peak learning rate (warm-up, then cosine decay)"))
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    optimizer: str = "adamw"
+    warmup_steps: int = field(default=50, metadata=_flag("linear learning-rate warm-up steps", metavar="N"))
+    optimizer: str = field(default="adamw", metadata=_flag("outer optimizer", choices=["adamw", "m3"]))
     m3_slow_every: int = 10
     m3_beta3: float = 0.99
     m3_alpha: float = 0.5
@@ -119,22 +160,54 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    eval_interval: int = 100
-    eval_batches: int = 8
-    checkpoint_interval: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    precision: str = "fp32"
-    sample_tokens: int = 400
+    eval_interval: int = field(
+        default=100,
+        metadata=_flag("evaluate (and log to OUT/metrics.jsonl) every N steps and at the end", metavar="N"),
+    )
+    eval_batches: int = field(default=8, metadata=_flag("validation batches per evaluation", metavar="N"))
+    checkpoint_interval: int | None = field(
+        default=None,
+        metadata=_flag(
+            "save a checkpoint every N steps and at the end",
+            type=int,
+            metavar="N",
+            default_help="--eval-interval",
+        ),
+    )
+    seed: int = field(default=0, metadata=_flag("seeds the weights and the batch order", metavar="N"))
+    device: str = field(default="cpu", metadata=_flag("cpu or cuda[:N]"))
+    precision: str = field(
+        default="fp32",
+        metadata=_flag("bf16 = autocast, states accumulate in fp32", choices=["fp32", "bf16"]),
+    )
+    sample_tokens: int = field(
+        default=400, metadata=_flag("characters to sample at the end (0 = none)", metavar="N")
+    )
     sample_prompt: str = "ROMEO:"
     sample_temperature: float = 0.8
-    tensorboard: bool = False
-    init_from: str | None = None
-    task: str | None = None
-    task_options: dict[str, Any] = field(default_factory=dict)
-    eval_lengths: list[int] = field(default_factory=list)
-    track_circuits: bool = False
-    circuit_length: int = 32
+    tensorboard: bool = field(default=False, metadata=_flag("write TensorBoard events to OUT/tb"))
+    init_from: str | None = field(
+        default=None,
+        metadata=_flag("start from the weights of this run/checkpoint (same model shapes)", metavar="DIR"),
+    )
+    task: str | None = field(
+        default=None,
+        metadata=_flag(
+            "train on a synthetic task instead of text (`mnemo tasks` lists them)",
+            metavar="NAME",
+        ),
+    )
+    task_options: dict[str, Any] = field(default_factory=dict)  # flag --task-option KEY=VALUE
+    eval_lengths: list[int] = field(default_factory=list)  # flag --eval-lengths L1,L2
+    track_circuits: bool = field(
+        default=False,
+        metadata=_flag(
+            "record previous-token/duplicate/induction scores at every evaluation (metrics.jsonl)"
+        ),
+    )
+    circuit_length: int = field(
+        default=32, metadata=_flag("--track-circuits: repeated segment length", metavar="L")
+    )
 
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the offending field; return self."""
@@ -142,6 +215,29 @@ class TrainConfig:
         def bad(name, expected):
             raise ValueError(f"TrainConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
 
+        # types first (a config file can hold anything): every later check compares values
+        for name in ("model", "data", "tokenizer", "device", "precision", "optimizer", "sample_prompt"):
+            if not isinstance(getattr(self, name), str):
+                bad(name, "a string")
+        for name in ("task", "init_from"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                bad(name, "None or a string")
+        for name in (
+            "lr",
+            "min_lr_ratio",
+            "weight_decay",
+            "beta1",
+            "beta2",
+            "grad_clip",
+            "sample_temperature",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(name, "a finite number")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            bad("seed", "an int")
+        if not isinstance(self.tensorboard, bool):
+            bad("tensorboard", "true or false")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -270,8 +366,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"TrainConfig: expected a mapping of fields, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known, key=str)
         if unknown:
             raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**d).validate()

@@ -14,7 +14,6 @@ cache and are rejected).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -132,18 +131,6 @@ def _check_recurrent(model) -> None:
             )
 
 
-@contextlib.contextmanager
-def _finite_checks_off():
-    from ..ops import _common
-
-    was = _common._FINITE_CHECKS
-    _common._FINITE_CHECKS = False
-    try:
-        yield
-    finally:
-        _common._FINITE_CHECKS = was
-
-
 def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: int, group=None):
     """Run rank ``rank``'s slice of ``input_ids [B, T]`` (``T`` a multiple of ``world``) with the
     state received from rank ``rank − 1``; returns ``(logits of the slice, handle)``.
@@ -156,6 +143,8 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
     rank ``rank + 1`` a state (of NaNs), so the later ranks fail too instead of waiting forever;
     then it re-raises.
     """
+    from ..ops import finite_checks
+
     _check_recurrent(model)
     B, T = input_ids.shape
     if T % world:
@@ -165,7 +154,7 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
     device = input_ids.device
     # the state's structure (and sizes) from a 1-token dry run; values come from the previous rank
     # (no finite checks: the structure is needed even when the weights went bad, see below)
-    with torch.no_grad(), _finite_checks_off():
+    with torch.no_grad(), finite_checks(False):
         _, template = model(ids[:, :1])
     shapes = _flatten(template, [], device)
     received = None

@@ -45,6 +45,7 @@ from .distributed import (
     local_device,
     shard,
 )
+from .m3 import M3
 from .memory_estimate import check_memory, estimate_memory
 from .task_eval import evaluate_task
 
@@ -102,10 +103,10 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
 
     Param groups: ``[decay (ndim >= 2), no decay]`` at ``cfg.lr`` for every parameter, except the
     parameters of modules that carry a float attribute ``outer_lr_scale`` (e.g. the CMS levels of
-    :mod:`mnemo.nested.cms`; the innermost such module wins): those go into their own pair of
+    :mod:`mnemo.layers.cms`; the innermost such module wins): those go into their own pair of
     groups per scale, with ``lr = cfg.lr · outer_lr_scale`` (the LambdaLR schedule multiplies each
     group's initial lr by the same factor, so the ratio holds throughout). A scale of exactly 1
-    stays in the base groups. ``cfg.optimizer == "m3"`` builds :class:`mnemo.nested.M3` from
+    stays in the base groups. ``cfg.optimizer == "m3"`` builds :class:`mnemo.train.m3.M3` from
     ``beta1, beta2, m3_beta3, m3_alpha, m3_eps, m3_ns_steps, m3_slow_every, m3_ema``.
     """
     scales = _outer_lr_scales(model)
@@ -127,8 +128,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
             if params:
                 groups.append({"params": params, "weight_decay": wd, "lr": cfg.lr * scale})
     if cfg.optimizer == "m3":
-        from ..nested import M3
-
         return M3(
             groups,
             lr=cfg.lr,
@@ -219,7 +218,7 @@ def resume_config(
         }
     elif isinstance(given, dict):
         known = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(given) - known)
+        unknown = sorted(set(given) - known, key=str)
         if unknown:
             raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
         given = {  # nested settings change key by key
@@ -324,7 +323,14 @@ class Trainer:
 
     ``callbacks``: functions ``f(trainer, record) -> dict | None`` called after every evaluation,
     before the record is written; a returned dict is merged into the record (e.g. circuit scores
-    tracked during training). They must not touch the RNG streams the trainer uses.
+    tracked during training). They must not touch the RNG streams the trainer uses. Instead of a
+    sequence, ``callbacks`` may be a factory ``f(cfg) -> sequence of callbacks``, called once with
+    the run's resolved :class:`TrainConfig` (for a resumed run: the saved one with its changes).
+    ``cfg.track_circuits`` needs a callback that tracks the circuits (one with
+    ``tracks_circuits = True``): this package does not import :mod:`mnemo.interp`, so pass
+    ``callbacks=[mnemo.interp.CircuitTracker(length=cfg.circuit_length)]`` or the factory
+    ``callbacks=mnemo.interp.circuit_callbacks`` (what ``mnemo train`` and ``mnemo sweep`` do);
+    without one the trainer raises ``ValueError``.
 
     **Data parallelism.** Launched by ``torchrun --nproc_per_node N`` (gloo on CPU, nccl on CUDA,
     one GPU per process), the trainer joins the process group and wraps the model in
@@ -364,9 +370,28 @@ class Trainer:
     ):
         self.out = Path(out_dir)
         self.progress, self.log = progress, log
-        self.callbacks = list(callbacks)
-        state = None
-        ckpt = None
+        cfg, ckpt, state, notes = self._resolve_config(cfg, resume, reschedule)
+        self._join_processes(cfg, notes)  # sets self.cfg
+        self.callbacks = self._make_callbacks(callbacks)
+        vocab_size = self._setup_data(ckpt if state is not None else None)
+        self._build_model(vocab_size)
+        self._setup_optimizer()
+        if state is not None:
+            self._restore_state(ckpt, state)
+        elif self.cfg.init_from is not None:
+            self._init_weights(self.cfg.init_from)
+        self._setup_wrappers()
+
+    # ------------------------------------------------------------------------------------------
+    # construction, in order: configuration, processes, callbacks, data, model, optimizer, state,
+    # wrappers (the order of the RNG draws is part of exact resume: keep it)
+    def _resolve_config(
+        self, cfg, resume: bool, reschedule: str | None
+    ) -> tuple[TrainConfig, Path | None, dict | None, list[str]]:
+        """``(cfg, checkpoint, trainer state, notes)``: a fresh run's configuration (``None`` or a
+        dict of fields builds a :class:`TrainConfig`), or for ``resume`` the newest intact
+        checkpoint's configuration with ``cfg``'s changes (:func:`resume_config`), its trainer state
+        and one note per change (printed once the rank is known)."""
         notes: list[str] = []
         if resume:
             ckpt = resolve_checkpoint(self.out, verify=True, warn=notes.append)
@@ -374,10 +399,16 @@ class Trainer:
             state = load_trainer_state(ckpt)
             cfg, changed = resume_config(saved, cfg, reschedule, step=state["step"])
             notes += [f"resume: {c}" for c in changed]
-        elif cfg is None or isinstance(cfg, dict):
+            return cfg, ckpt, state, notes
+        if cfg is None or isinstance(cfg, dict):
             cfg = TrainConfig.from_dict(cfg or {})
         elif reschedule is not None:
             raise ValueError("reschedule: applies to a resumed run (resume=True) only")
+        return cfg, None, None, notes
+
+    def _join_processes(self, cfg: TrainConfig, notes: list[str]) -> None:
+        """Join the process group (under torchrun), print ``notes`` on rank 0, validate ``cfg``
+        (``self.cfg``) and check that the batch or the sequences split over the processes."""
         self.device = local_device(torch.device(cfg.device))  # cuda:LOCAL_RANK under torchrun
         self.rank, self.world = init_from_env(backend_for(self.device))
         self.is_main = self.rank == 0
@@ -398,23 +429,44 @@ class Trainer:
                 f"{self.world * cfg.grad_accum}"
             )
 
+    def _make_callbacks(self, callbacks) -> list:
+        """The evaluation callbacks: ``callbacks`` itself, or, when it is callable (a factory),
+        what it returns for the run's configuration. ``cfg.track_circuits`` needs one that tracks
+        the circuits (``tracks_circuits = True``): this package does not import :mod:`mnemo.interp`
+        (DESIGN.md §2), so the caller supplies it."""
+        cfg = self.cfg
+        made = list(callbacks(cfg) if callable(callbacks) else callbacks)
+        if cfg.track_circuits and not any(getattr(cb, "tracks_circuits", False) for cb in made):
+            raise ValueError(
+                "TrainConfig.track_circuits: the trainer does not build the circuit tracker itself; "
+                "pass callbacks=[mnemo.interp.CircuitTracker(length=cfg.circuit_length)] (or the "
+                "factory callbacks=mnemo.interp.circuit_callbacks, which reads the run's config), "
+                "or set track_circuits=False"
+            )
+        return made
+
+    def _setup_data(self, ckpt: Path | None) -> int:
+        """The task, or the text corpus with its tokenizer (the checkpoint's ``ckpt`` on resume,
+        else built from the text) and train/validation streams; returns the vocabulary size."""
+        cfg = self.cfg
         self.task = cfg.build_task()
         self._test_sets: dict = {}
-        if self.task is None:
-            text = load_text(cfg.data)
-            if state is not None:
-                self.tokenizer = load_tokenizer(ckpt)
-            else:
-                self.tokenizer = build_tokenizer(cfg.tokenizer, text)
-            train_text, val_text = split_text(text)
-            self.val_chars = len(val_text)
-            self.train_data = TokenStream(self.tokenizer.encode(train_text), cfg.seq_len)
-            self.val_data = TokenStream(self.tokenizer.encode(val_text), cfg.seq_len)
-            vocab_size = self.tokenizer.vocab_size
-        else:
+        if self.task is not None:
             self.tokenizer = self.train_data = self.val_data = None
-            vocab_size = self.task.vocab_size
+            return self.task.vocab_size
+        text = load_text(cfg.data)
+        self.tokenizer = load_tokenizer(ckpt) if ckpt is not None else build_tokenizer(cfg.tokenizer, text)
+        train_text, val_text = split_text(text)
+        self.val_chars = len(val_text)
+        self.train_data = TokenStream(self.tokenizer.encode(train_text), cfg.seq_len)
+        self.val_data = TokenStream(self.tokenizer.encode(val_text), cfg.seq_len)
+        return self.tokenizer.vocab_size
 
+    def _build_model(self, vocab_size: int) -> None:
+        """Seed and build ``self.model`` on the device, after checking that the learned positions
+        cover the lengths, that a step fits in memory, and (context parallelism) that the model
+        is recurrent; warns about CMS periods the training length never reaches."""
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model_cfg = build_config(cfg.model, vocab_size=vocab_size, **cfg.model_overrides)
         if model_cfg.pos_embedding == "learned":
@@ -447,13 +499,18 @@ class Trainer:
                 warnings.warn(
                     f"model {cfg.model!r}, block {i}: {msg}; use periods < seq_len = {cfg.seq_len} "
                     "or a longer --seq-len",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
         if cfg.context_parallel:
             try:
                 _check_recurrent(self.model)
             except ValueError as e:
                 raise ValueError(f"TrainConfig.context_parallel: model {cfg.model!r}: {e}") from None
+
+    def _setup_optimizer(self) -> None:
+        """The optimizer, the warm-up + cosine schedule, the batch generator (seeded from
+        ``cfg.seed``) and the step counters of a fresh run."""
+        cfg = self.cfg
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.cosine_steps, cfg.min_lr_ratio)
@@ -465,36 +522,36 @@ class Trainer:
         self.step = 0
         self.last_checkpoint: Path | None = None
         self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
-        if state is None and cfg.init_from is not None:
-            self._init_weights(cfg.init_from)
-        if state is not None:
-            from safetensors.torch import load_model
 
-            load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.generator.set_state(state["generator"])
-            torch.set_rng_state(state["torch_rng"])
-            self.step = state["step"]
-            self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
-            self.last_checkpoint = ckpt
-            if self.is_main:  # under the folder's lock: never trim a live run's log
-                lock = lock_run_folder(self.out)
-                try:
-                    self._truncate_metrics(self.step)
-                finally:
-                    if lock is not None:
-                        lock.close()
-        # the module the training forward runs through: DDP's wrapper with several processes
-        # (context parallelism synchronises the gradients itself)
+    def _restore_state(self, ckpt: Path, state: dict) -> None:
+        """Resume: the checkpoint's weights, optimizer, schedule, generator and torch RNG states
+        and step; the metrics log is cut back to that step (rank 0, under the folder's lock)."""
+        from safetensors.torch import load_model
+
+        load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
+        self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
+        self.last_checkpoint = ckpt
+        if self.is_main:  # under the folder's lock: never trim a live run's log
+            lock = lock_run_folder(self.out)
+            try:
+                self._truncate_metrics(self.step)
+            finally:
+                if lock is not None:
+                    lock.close()
+
+    def _setup_wrappers(self) -> None:
+        """The module the training forward runs through (DDP's wrapper with several processes;
+        context parallelism synchronises the gradients itself) and, on rank 0, the TensorBoard
+        writer."""
         self.ddp = self._wrap_ddp() if self.world > 1 and not self.context_parallel else None
         self.train_model = self.ddp if self.ddp is not None else _Logits(self.model)
-        if cfg.track_circuits:
-            from ..interp.probe import CircuitTracker
-
-            self.callbacks.append(CircuitTracker(length=cfg.circuit_length))
         self.tb = None
-        if cfg.tensorboard and self.is_main:
+        if self.cfg.tensorboard and self.is_main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - depends on the environment

@@ -161,7 +161,7 @@ def test_plot_training(hybrid_run, capsys, saved_figures):
 
 
 def test_plot_training_scores_on_a_labelled_right_axis(tmp_path, saved_figures):
-    from mnemo.interp.probe import plot_training
+    from mnemo.commands.probe import plot_training
 
     rows = [{"step": s, "train_loss": 3.0 / s, "induction_max": 0.1 * s} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -187,7 +187,7 @@ def test_timescales_for_every_decaying_memory(name):
 
 
 def test_circuit_tracker_adds_scores(tmp_path):
-    from mnemo.interp.probe import CircuitTracker
+    from mnemo.interp import CircuitTracker
     from mnemo.train import TrainConfig, Trainer
 
     cfg = TrainConfig(

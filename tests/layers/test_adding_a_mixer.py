@@ -41,7 +41,13 @@ def test_the_documented_mixer_passes_every_check(example):
     assert "decay_memory" in MIXERS
     results = check_mixer("decay_memory")
     assert [r.check for r in results] == [
-        "split", "token_steps", "state_size", "hooks", "mixing", "gradients", "cached_decoding"
+        "split",
+        "token_steps",
+        "state_size",
+        "hooks",
+        "mixing",
+        "gradients",
+        "cached_decoding",
     ]
     failed = [(r.check, r.message) for r in results if not r.passed]
     assert not failed, failed
@@ -74,3 +80,24 @@ def test_the_checks_catch_a_mixer_that_forgets_its_state(example, tmp_path):
     for check in ("split", "token_steps", "cached_decoding"):
         assert not by_check[check].passed and by_check[check].error > 1e-3
     assert by_check["state_size"].passed and by_check["mixing"].passed  # unrelated to streaming
+
+
+def test_the_documented_mixer_trains_by_its_name(example, tmp_path):
+    """No model registration needed: a mixer name is a model name (``ModelConfig(mixer=name)``)."""
+    from mnemo.models import build_config
+    from mnemo.train import TrainConfig, Trainer
+
+    assert build_config("decay_memory", vocab_size=11).layer_mixers() == ["decay_memory"] * 4
+    cfg = TrainConfig(
+        model="decay_memory",
+        model_overrides={"d_model": 16, "n_layers": 1},
+        task="induction_heads",
+        seq_len=16,
+        batch_size=4,
+        steps=2,
+        eval_interval=2,
+        eval_batches=1,
+        sample_tokens=0,
+    )
+    record = Trainer(cfg, tmp_path / "run", progress=False, log=lambda *a, **k: None).fit()
+    assert record["step"] == 2 and record["val_loss"] > 0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mnemo.layers import MIXERS, Attention, DeltaNet, GatedLinearAttention, LinearAttention, Mamba, Mamba2
+from mnemo.layers.state import nbytes, tensors
 from tests.helpers import assert_close
 
 D = 32
@@ -18,7 +19,7 @@ OPTIONS = {
 }
 # (id, constructor) — every registered mixer, plus variants (short conv, windows, groups, LTI)
 # the test-time-trained memories (NeuralMemory, MAC/MAG/MAL) have their own file: test_titans.py;
-# self-modifying Titans (registered when mnemo.nested is imported) is tested in tests/nested/
+# self-modifying Titans (mnemo/layers/self_modifying.py) is tested in tests/nested/
 TTT_MIXERS = {
     "neural_memory",
     "titans_mac",
@@ -141,11 +142,13 @@ def test_every_parameter_gets_a_gradient(name, ctor):
 def test_state_size_accounts_for_the_state(name, ctor):
     m = ctor()
     _, s = m(torch.randn(1, 9, D))
-    tensors = list(s.memory) if isinstance(s.memory, tuple) else [s.memory]
-    if s.conv is not None:
-        tensors.append(s.conv)
-    actual = sum(t.numel() * t.element_size() for t in tensors)
-    assert m.state_size_bytes(1, 9) == actual
+    assert m.state_size_bytes(1, 9) == nbytes(s)
+    # the declared state has the returned state's structure, shapes and dtypes
+    declared = m.state_spec(1, 9)
+    assert type(declared) is type(s) and declared.offset == s.offset == 9
+    assert [(tuple(t.shape), t.dtype) for t in tensors(declared)] == [
+        (tuple(t.shape), t.dtype) for t in tensors(s)
+    ]
 
 
 @pytest.mark.parametrize("name, ctor", CASES, ids=[c[0] for c in CASES])

@@ -148,7 +148,15 @@ def test_mac_order_on_one_segment():
     qy, ky, vy, gy, _ = mem.qkv(y, None)
     theta, g, eta, _ = mem._gates(y)
     o, _ = neural_memory(
-        mem.spec, qy, ky, vy, theta, g=g, eta=eta, initial_state=mem.initial_state(1), mode="recurrent"
+        mem.spec,
+        qy,
+        ky,
+        vy,
+        theta,
+        g=g,
+        eta=eta,
+        initial_state=mem.initial_state(1).memory_state(),
+        mode="recurrent",
     )
     mread = mem.read_out(o, gy)
     # 4. gate
@@ -174,7 +182,7 @@ def test_persistent_tokens_are_a_prefix_of_the_stream():
     m = _make(lambda: NeuralMemory(D, **SMALL, chunk_size=4, persistent_tokens=3))
     x = _x(6)
     y, s = m(x)
-    assert y.shape == (2, 6, D) and s.offset == 6 and s.memory.position == 9
+    assert y.shape == (2, 6, D) and s.offset == 6 and s.position == 9
     m.persistent.data.zero_()
     y0, _ = m(x)
     assert not torch.allclose(y, y0)
@@ -185,7 +193,7 @@ def test_state_size_counts_fast_weights():
     per_head = 16 * 32 + 32 * 16  # two layers of the MLP memory, head_dim 16, hidden 32
     assert m.state_size_bytes(1) == 2 * per_head * 3 * 4 + 3 * D * 3 * 4
     _, s = m(torch.randn(1, 5, D))
-    assert len(s.memory.weights) == 2 and s.memory.momentum is not None
+    assert len(s.weights) == 2 and s.momentum is not None
 
 
 @pytest.mark.parametrize("name, ctor", [c for c in CASES if c[0] in ("mag", "mal")], ids=["mag", "mal"])

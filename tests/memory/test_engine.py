@@ -300,7 +300,7 @@ def test_bad_inputs_name_the_argument():
 def test_blocked_materialised_reads_match_reference(name, monkeypatch):
     """Per-token weights are formed in checkpointed blocks when they would not fit the budget;
     force tiny blocks and check outputs and gradients against the token loop."""
-    import mnemo.memory.engine as eng
+    import mnemo.memory.chunk as eng
 
     monkeypatch.setattr(eng, "_MATERIALIZE_BUDGET", 2 * B * H * 8 * 4)  # ~2 tokens per block
     spec = preset(name, chunk_size=5, expansion=2.0)

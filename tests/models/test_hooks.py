@@ -9,7 +9,17 @@ from einops import einsum
 
 from mnemo.models import LanguageModel, build_config
 
-LINEAR = ["linear_attention", "gla", "retnet"]
+MIXING_MODELS = [
+    "linear_attention",
+    "gla",
+    "retnet",
+    "transformer",
+    "deltanet",
+    "gated_deltanet",
+    "mamba",
+    "mamba_lti",
+    "mamba2",
+]
 
 
 def _model(name, **kw):
@@ -42,7 +52,7 @@ def test_run_with_cache_records_the_residual_stream_exactly():
     assert torch.equal(logits, ref)  # recording changes nothing
     # the residual stream adds up: resid_mid = resid_pre + mixer_out, resid_post = mid + mlp_out
     for i in range(2):
-        c = lambda n: cache[f"blocks.{i}.{n}"]  # noqa: E731
+        c = lambda n, i=i: cache[f"blocks.{i}.{n}"]  # noqa: E731
         assert torch.equal(c("hook_resid_mid"), c("hook_resid_pre") + c("hook_mixer_out"))
         assert torch.equal(c("hook_resid_post"), c("hook_resid_mid") + c("hook_mlp_out"))
     assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"])
@@ -87,11 +97,11 @@ def test_a_hook_that_returns_a_value_replaces_it_downstream():
     assert not any(p.active for p in m.hook_points.values())
 
 
-@pytest.mark.parametrize("name", LINEAR)
+@pytest.mark.parametrize("name", MIXING_MODELS)
 def test_mixing_maps_times_values_is_the_ops_output(name):
     m = _model(name)
     ids = _ids(T=13)
-    _, cache = m.run_with_cache(ids, names=lambda n: ".mixer.hook_" in n)
+    _, cache = m.run_with_cache(ids, names=lambda n: ".mixer.hook_" in n and not n.endswith("hook_state"))
     for i, block in enumerate(m.blocks):
         acts = {h: cache[f"blocks.{i}.mixer.{h}"] for h in block.mixer.mixing_hooks}
         mx = block.mixer.mixing(acts)

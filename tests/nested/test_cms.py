@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mnemo.layers.cms import CMSLevel, ContinuumMemory, Level
 from mnemo.models import LanguageModel, build_config
-from mnemo.nested import CMSLevel, ContinuumMemory, Level
 from tests.helpers import assert_close
 
 D = 8
@@ -90,7 +91,7 @@ def test_delta_momentum_overwrites_along_the_gradient():
     st = lv.initial_state(1)
     g = (torch.ones(1, D, 16, dtype=torch.float64), torch.zeros(1, 16, D, dtype=torch.float64))
     m = (2.0 * g[0] + 1.0, torch.zeros_like(g[1]))  # momentum with a component along g
-    st = st._replace(momentum=m, grad=g)
+    st = dataclasses.replace(st, momentum=m, grad=g)
     new = lv._step(st)
     ghat = g[0] / g[0].norm()
     proj = (m[0] * ghat).sum()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mnemo.continual import (
+from mnemo.commands.continual import (
     BOS,
     QUERY,
     ABABTask,

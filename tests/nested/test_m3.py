@@ -11,8 +11,7 @@ import io
 import pytest
 import torch
 
-from mnemo.nested import M3
-from mnemo.nested.m3 import newton_schulz
+from mnemo.train.m3 import M3, newton_schulz
 from tests.helpers import assert_close
 
 QUINTIC = (3.4445, -4.7750, 2.0315)

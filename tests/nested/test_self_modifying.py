@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mnemo.layers import MIXERS
+from mnemo.layers import MIXERS, SelfModifyingProjections, SelfModifyingTitans
 from mnemo.models import LanguageModel, build_config
-from mnemo.nested import SelfModifyingProjections, SelfModifyingTitans
 from tests.helpers import assert_close
 
 TOL = 1e-10
@@ -120,7 +119,7 @@ def test_recurrent_and_chunk_agree_on_outputs_and_states(C, Cp):
     yr, sr = m(x, mode="recurrent")
     yc, sc = m(x, mode="chunk")
     assert_close(yc, yr, TOL)
-    for a, b in zip(sc.memory.proj + sc.memory.memory, sr.memory.proj + sr.memory.memory):
+    for a, b in zip(sc.proj + sc.memory, sr.proj + sr.memory):
         assert_close(a, b, TOL)
 
 
@@ -142,8 +141,8 @@ def test_any_split_equals_one_pass(cuts, mode):
             outs.append(y)
             a = b
     assert_close(torch.cat(outs, 1), full, TOL)
-    assert s.offset == 11 and s.memory.position == 11
-    for u, w in zip(s.memory.proj + s.memory.memory, st_full.memory.proj + st_full.memory.memory):
+    assert s.offset == 11
+    for u, w in zip(s.proj + s.memory, st_full.proj + st_full.memory):
         assert_close(u, w, TOL)
 
 
@@ -155,8 +154,8 @@ def test_samples_are_independent_and_fast_weights_per_sample():
     x2[1] += 1.0
     y2, _ = m(x2)
     assert torch.equal(y[0], y2[0]) and not torch.allclose(y[1], y2[1])
-    assert st.memory.memory[0].shape == (2, 1, 8, 8) and st.memory.proj[1].shape == (2, 4, 8, 8)
-    assert not torch.allclose(st.memory.proj[0][0], st.memory.proj[0][1])
+    assert st.memory[0].shape == (2, 1, 8, 8) and st.proj[1].shape == (2, 4, 8, 8)
+    assert not torch.allclose(st.proj[0][0], st.proj[0][1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,7 +173,7 @@ def test_gradients_agree_between_forms(C, Cp):
         m.zero_grad()
         xx = x.clone().requires_grad_(True)
         y, st = m(xx, mode=mode)
-        ((y * w).sum() + st.memory.memory[1].sum() + st.memory.proj[0].square().sum()).backward()
+        ((y * w).sum() + st.memory[1].sum() + st.proj[0].square().sum()).backward()
         grads[mode] = [xx.grad] + [p.grad.clone() for p in m.parameters()]
     names = ["x"] + [n for n, _ in m.named_parameters()]
     for n, a, b in zip(names, grads["recurrent"], grads["chunk"]):
@@ -204,8 +203,8 @@ def test_eta_zero_alpha_one_memories_never_change():
     for mode in ("recurrent", "chunk"):
         with torch.no_grad():
             y, st = m(x, mode=mode)
-        assert torch.equal(st.memory.memory[0][0], m.memory_wa)
-        assert torch.equal(st.memory.proj[1][1], m.proj_wb)
+        assert torch.equal(st.memory[0][0], m.memory_wa)
+        assert torch.equal(st.proj[1][1], m.proj_wb)
         # the output is the static MLP's read: o = q + gelu(q W_a) W_b
         with torch.no_grad():
             q = F.normalize(m.q_proj(m.conv(x)[0]), dim=-1)
@@ -232,7 +231,7 @@ def test_one_token_with_alpha_one_eta_one_is_the_closed_form(mode):
         z = k @ Ma
         e = k + F.gelu(z) @ Mb - v
         delta = (Mb @ e) * _gelu_grad(z)
-        Wa_new, Wb_new = st.memory.memory[0][0, 0], st.memory.memory[1][0, 0]
+        Wa_new, Wb_new = st.memory[0][0, 0], st.memory[1][0, 0]
         assert_close(k @ Wa_new, -delta, TOL)
         assert_close(Wa_new, Ma - torch.outer(k, k @ Ma) - torch.outer(k, delta), TOL)
         assert_close(Wb_new, Mb - torch.outer(F.gelu(z), e), TOL)
@@ -277,7 +276,7 @@ def test_errors_and_state_size():
         m(torch.randn(2, 3, 7))
     _, s = m(torch.randn(2, 3, 8))
     y0, s0 = m(torch.randn(2, 0, 8), s)  # an empty call passes the state through
-    assert y0.shape == (2, 0, 8) and s0.memory is s.memory
+    assert y0.shape == (2, 0, 8) and s0 is s
     with pytest.raises(ValueError, match="batch size"):
         m(torch.randn(3, 1, 8), s)
     # 5 memories × (running + chunk-start) × 2 layers of 8×8 fp32 + the conv tail 8 × 3
@@ -294,7 +293,7 @@ def test_self_modifying_projections_streams_and_rewrites_its_projections():
     m = SelfModifyingProjections(16, n_heads=2, chunk_size=4).double()
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     full, st = m(x)
-    assert not torch.equal(st.memory.proj["k"], m.init["k"].expand(2, -1, -1))
+    assert not torch.equal(st.proj["k"], m.init["k"].expand(2, -1, -1))
     outs, s, a = [], None, 0
     for b in (1, 3, 6, 11):
         y, s = m(x[:, a:b], s)

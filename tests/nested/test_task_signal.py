@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mnemo.layers.cms import ContinuumMemory, Level
 from mnemo.models import LanguageModel, build_config
-from mnemo.nested import ContinuumMemory, Level
 from tests.helpers import assert_close
 
 V, D = 23, 16
@@ -140,7 +142,7 @@ def test_task_levels_fail_clearly():
     m = _model([{"period": 2, "objective": "task"}])
     _, st = m(_ids(3))
     for s in st:
-        s.mlp = s.mlp._replace(pending=None)
+        s.mlp = dataclasses.replace(s.mlp, pending=None)
     with pytest.raises(ValueError, match="pending segment"):
         m(_ids(1), st)
 

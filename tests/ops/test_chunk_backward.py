@@ -81,7 +81,7 @@ def fallback_calls(monkeypatch):
     gla = importlib.import_module("mnemo.ops.gated_linear_attention")
 
     calls = []
-    for mod, fname in ((gla, "gla_chunk_autograd"), (dr, "delta_chunk")):
+    for mod, fname in ((gla, "gla_chunk_autograd"), (dr, "delta_chunk_autograd")):
         orig = getattr(mod, fname)
 
         def spy(*a, _orig=orig, **k):

@@ -246,7 +246,7 @@ def test_chunk_mode_dispatches_to_native_on_cpu(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("the PyTorch blocked form ran although the kernel is available")
 
-    monkeypatch.setattr(ss, "ss_chunk", fail)
+    monkeypatch.setattr(ss, "ss_chunk_torch", fail)
     y, _ = selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], mode="chunk")
     y_ref, _ = selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], mode="recurrent")
     assert_close(y, y_ref, 1e-6)  # float32 (measured 7e-8)

@@ -47,8 +47,8 @@ TWINS = {
     "scan_dec_fwd": (ch, "scan_decay_torch_"),
     "scan_dec_bwd": (ch, "scan_decay_reverse_torch_"),
     "unit_lower_inv": (ch, "unit_lower_inverse_torch_"),
-    "ss_fwd": (ss, "ss_chunk"),
-    "ss_bwd": (ss, "ss_chunk"),
+    "ss_fwd": (ss, "ss_chunk_torch"),
+    "ss_bwd": (ss, "ss_chunk_torch"),
     "conv_fwd": None,
     "conv_bwd": None,
 }

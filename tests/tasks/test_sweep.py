@@ -147,6 +147,14 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_exactly(tmp_path):
     assert again["metrics"]["val_loss"] == full["metrics"]["val_loss"]
 
 
+def test_a_run_with_track_circuits_records_the_scores(tmp_path):
+    """The runner supplies the circuit tracker a config asks for (the trainer does not build it)."""
+    config = {**_spec().runs()[0].config, "steps": 2, "track_circuits": True, "circuit_length": 4}
+    res = run_one(config, str(tmp_path / "run"))
+    assert res["status"] == "done", res["error"]
+    assert 0 <= res["metrics"]["induction_max"] <= 1 and len(res["metrics"]["induction_by_layer"]) == 1
+
+
 def test_failed_and_diverged_runs(tmp_path, monkeypatch):
     spec = _spec(models=["gla"])
     db = tmp_path / "s.sqlite"

@@ -177,6 +177,13 @@ def test_bad_data_files(tmp_path, content, error, match):
         ("tokenizer", "bpe", "TrainConfig.tokenizer"),
         ("precision", "fp8", "TrainConfig.precision"),
         ("min_lr_ratio", 2.0, "TrainConfig.min_lr_ratio"),
+        # wrong types (a config file can hold anything) are ValueErrors naming the field too
+        ("lr", "x", "TrainConfig.lr: expected a finite number, got 'x'"),
+        ("beta1", None, "TrainConfig.beta1: expected a finite number, got None"),
+        ("weight_decay", [0.1], "TrainConfig.weight_decay: expected a finite number"),
+        ("device", 0, "TrainConfig.device: expected a string, got 0"),
+        ("seed", "1", "TrainConfig.seed: expected an int"),
+        ("task", 3, "TrainConfig.task: expected None or a string"),
     ],
 )
 def test_invalid_config_names_the_field(field, value, match):
@@ -292,7 +299,7 @@ def test_outer_lr_scale_absent_or_one_keeps_two_groups_and_bad_scale_is_named():
 
 
 def test_m3_config_builds_algorithm_1_and_validates_its_fields(tmp_path):
-    from mnemo.nested import M3
+    from mnemo.train.m3 import M3
     from mnemo.train.trainer import make_optimizer
 
     cfg = _cfg(optimizer="m3", m3_slow_every=4, m3_beta3=0.5, m3_alpha=0.25, m3_ns_steps=3, m3_eps=1e-4)
@@ -372,3 +379,49 @@ def test_resume_config_keeps_saved_settings_and_reports_each_change():
     # a held run can later get more steps without moving its cosine again
     more, _ = resume_config(held, {"steps": 30})
     assert more.cosine_steps == 10
+
+
+def test_track_circuits_needs_a_tracker_callback(tmp_path):
+    """mnemo.train does not import mnemo.interp: a run with track_circuits gets its tracker from the
+    caller, as a callback or through a factory called with the run's (resolved) config."""
+    from mnemo.interp import CircuitTracker, circuit_callbacks
+
+    cfg = _cfg(model="transformer", steps=2, eval_interval=2, track_circuits=True, circuit_length=4)
+    with pytest.raises(
+        ValueError, match=r"callbacks=\[mnemo.interp.CircuitTracker\(length=cfg.circuit_length\)\]"
+    ):
+        Trainer(cfg, tmp_path / "none", progress=False)
+    Trainer(cfg, tmp_path / "list", progress=False, callbacks=[CircuitTracker(length=4, batch=2)]).fit()
+    seen = []
+
+    def factory(c):
+        seen.append((c.track_circuits, c.steps))
+        return circuit_callbacks(c)
+
+    Trainer(cfg, tmp_path / "factory", progress=False, callbacks=factory).fit()
+    # a resume is given no config: the factory sees the saved one (with its changes)
+    Trainer(
+        {"steps": 4},
+        tmp_path / "factory",
+        resume=True,
+        reschedule="stretch",
+        progress=False,
+        callbacks=factory,
+    ).fit()
+    assert seen == [(True, 2), (True, 4)]
+    for run in ("list", "factory"):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert all(0 <= r["induction_max"] <= 1 for r in rows) and len(rows[0]["induction_by_layer"]) == 1
+
+
+def test_train_does_not_import_interp():
+    """DESIGN.md §2: ``interp`` depends on models, never the reverse, and ``train`` not on ``interp``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mnemo.train, mnemo.train.trainer; "
+        "print(sorted(m for m in sys.modules if m.startswith('mnemo.interp')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

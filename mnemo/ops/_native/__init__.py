@@ -22,6 +22,12 @@ separate pool of ours would share the cores with them (measured: no gain at all 
 thread in a training step). Without OpenMP, or in a forked child (whose inherited OpenMP team
 has no threads), a Python thread pool runs one slot per thread; ctypes releases the GIL.
 
+Every entry point is called through :func:`call` (:func:`query` for the integer-valued ones),
+which checks the arguments against the kernel's declared signature (:data:`SIGNATURES`: the C
+prototype's parameters in order, with the dtype, contiguity and number of elements of every
+tensor and the conditions between the sizes), so a wrong argument raises a clear error instead of
+handing the kernel a pointer to too little (or the wrong kind of) memory.
+
 The shared library is cached per source hash, compiler and machine in ``$MNEMO_NATIVE_CACHE``
 (default ``~/.cache/mnemo/native``; the temporary directory if that cannot be created), written to
 a temporary name and renamed, so concurrent processes (``torchrun``) never load a half-written
@@ -36,17 +42,32 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["library", "enabled", "usable", "call", "slots", "query", "simd_width", "openmp", "Strided"]
+__all__ = [
+    "library",
+    "enabled",
+    "usable",
+    "call",
+    "slots",
+    "query",
+    "simd_width",
+    "openmp",
+    "Strided",
+    "SIGNATURES",
+    "QUERIES",
+]
 
 _SOURCES = ("selective_scan.c", "causal_conv.c", "chunk_scan.c")
 _HEADERS = ("selective_scan_body.h", "chunk_scan_body.h", "slots.h", "simd.h")
@@ -212,6 +233,17 @@ def openmp() -> bool:
     return bool(_loaded().mnemo_openmp()) and not _forked
 
 
+_simd_width: int | None = None
+
+
+def _lanes() -> int:
+    """:func:`simd_width`, read once (a plain global, not ``lru_cache``: torch.compile traces this)."""
+    global _simd_width
+    if _simd_width is None:
+        _simd_width = simd_width()
+    return _simd_width
+
+
 def simd_width() -> int:
     """Floats per SIMD register the library was built for (16 with AVX-512, 8 with AVX/AVX2, else
     4): the channel tile of the selective-scan kernel. Only valid when :func:`library` is not
@@ -237,9 +269,247 @@ class Strided:
         self.tensor = tensor
 
 
+# ----------------------------------------------------------------------------------------------
+# declared signatures
+# ----------------------------------------------------------------------------------------------
+
+#: The arguments of every entry point after ``(jobs, nt, slot0, slot1)``, named and ordered as in
+#: its C prototype (``tests/ops/test_native_wrappers.py`` compares the two). A word is an int;
+#: ``name[n]`` a contiguous CPU tensor of the call's dtype with exactly ``n`` elements (an
+#: expression in the ints, ``jobs``, ``nt`` and ``lanes``, the floats per SIMD register);
+#: ``name?[n]`` the same or ``None`` (a NULL pointer); ``name~[d0, ..., dk]`` a :class:`Strided`
+#: view of exactly that shape with a unit last stride, whose other ``k`` strides are the ints that
+#: follow it. After ``|``, conditions (``;``-separated) the arguments must satisfy (``dtype`` is
+#: the call's dtype, ``query`` the function :func:`query`).
+SIGNATURES: dict[str, str] = {
+    "ss_fwd": (
+        "T Dp Dgp G N L delta[jobs*lanes*T] bias?[Dp] sp u[jobs*lanes*T] At[N*Dp]"
+        " Bm[jobs*lanes//Dp*T*G*N] Cm[jobs*lanes//Dp*T*G*N] h0[jobs*lanes*N] Dsk?[Dp] z?[jobs*lanes*T]"
+        " y[jobs*lanes*T] hT[jobs*lanes*N] starts[jobs*lanes*((T+L-1)//L)*N] work[nt*N*lanes]"
+        " | Dgp % lanes == 0; Dp == G*Dgp; jobs*lanes % Dp == 0; L >= 1; sp in (0, 1)"
+    ),
+    "ss_bwd": (
+        "Bsz T Dp Dgp G N L delta[Bsz*T*Dp] bias?[Dp] sp u[Bsz*T*Dp] At[N*Dp] Bm[Bsz*T*G*N]"
+        " Cm[Bsz*T*G*N] starts[Bsz*((T+L-1)//L)*N*Dp] Dsk?[Dp] z?[Bsz*T*Dp] dy[Bsz*T*Dp] dhT[Bsz*N*Dp]"
+        " ddelta[Bsz*T*Dp] du[Bsz*T*Dp] dA[Bsz*N*Dp] dD?[Bsz*Dp] dz?[Bsz*T*Dp] dB[nt*Bsz*T*G*N]"
+        " dC[nt*Bsz*T*G*N] dh0[Bsz*N*Dp] work[nt*work_stride*lanes] work_stride"
+        " | jobs == Bsz*Dp//lanes; Dgp % lanes == 0; Dp == G*Dgp; L >= 1; sp in (0, 1);"
+        " z is None or dz is not None; work_stride >= query('ss_bwd_work', dtype, jobs, nt, Dgp, N, L)"
+    ),
+    "scan_mat_fwd": (
+        "H n K Vd S0[jobs*K*Vd] M~[jobs//H, H, n, K, K] mb mh mn mr D~[jobs//H, H, n, K, Vd] db dh dn dr"
+        " states[jobs*n*K*Vd] Sf[jobs*K*Vd] | H >= 1; jobs % H == 0"
+    ),
+    "scan_mat_bwd": (
+        "H n K Vd dSf[jobs*K*Vd] R[jobs*n*K*Vd] M~[jobs//H, H, n, K, K] mb mh mn mr dS0[jobs*K*Vd]"
+        " states?[jobs*n*K*Vd] Sf?[jobs*K*Vd] dots?[jobs*n*K] work[nt*2*K*Vd]"
+        " | H >= 1; jobs % H == 0; dots is None or (states is not None and Sf is not None)"
+    ),
+    "scan_dec_fwd": (
+        "n K Vd Kl S0[jobs*K*Vd] dS[jobs*n*K*Vd] lam?[jobs*n*Kl] Sf[jobs*K*Vd] work[nt*K*Vd] | Kl in (1, K)"
+    ),
+    "scan_dec_bwd": (
+        "n K Vd Kl dSf[jobs*K*Vd] R[jobs*n*K*Vd] lam?[jobs*n*Kl] dS0[jobs*K*Vd] states?[jobs*n*K*Vd]"
+        " Sf?[jobs*K*Vd] dots?[jobs*n*K] scale_out work[nt*K*Vd]"
+        " | Kl in (1, K); dots is None or (states is not None and Sf is not None)"
+    ),
+    "unit_lower_inv": "C A[jobs*C*C] work[nt*C]",
+    "conv_fwd": "B T C W xp[B*(T+W-1)*C] w[W*C] bias?[C] y[B*T*C] | jobs == C; W >= 1",
+    "conv_bwd": (
+        "B T C W xp[B*(T+W-1)*C] w[W*C] dy[B*T*C] dxp?[B*(T+W-1)*C] dw[W*C] dbias?[C] | jobs == C; W >= 1"
+    ),
+}
+
+#: The integer-valued entry points (:func:`query`): all their arguments are ints, as in the C prototype.
+QUERIES: dict[str, str] = {"ss_bwd_work": "jobs nt Dgp N L"}
+
+_PARAM = re.compile(r"(\w+)(\?)?(~)?(?:\[([^\]]*)\])?")
+
+
+class _Param(NamedTuple):
+    name: str
+    kind: str  # "int", "tensor" (contiguous) or "strided"
+    optional: bool
+    size_text: str | None
+    size: object  # compiled expression: the number of elements (tensor) or the shape (strided)
+
+
+class _Signature(NamedTuple):
+    text: str
+    params: tuple[_Param, ...]
+    conditions: tuple[tuple[str, object], ...]
+    ok: Callable[..., bool]  # the whole check as one expression (messages: _explain)
+
+
+def _compile_check(name: str, params: list[_Param], conditions: list[str]) -> Callable[..., bool]:
+    """One function ``ok(dtype, jobs, nt, lanes, args) -> bool`` that evaluates every check of the
+    declaration as a single expression (a few microseconds per call: some kernels run once per
+    decoded token); :func:`_explain` finds and reports what failed."""
+    terms = [f"isinstance({p.name}, int)" for p in params if p.kind == "int"]
+    for i, p in enumerate(params):
+        if p.kind == "int":
+            continue
+        if p.kind == "tensor":
+            t = p.name
+            term = f"isinstance({t}, Tensor) and {t}.is_contiguous() and {t}.numel() == ({p.size_text})"
+        else:
+            t = f"{p.name}.tensor"
+            strides = "".join(f"{q.name}, " for q in params[i + 1 : i + 1 + p.size_text.count(",")])
+            term = (
+                f"isinstance({p.name}, Strided) and isinstance({t}, Tensor) and {t}.shape == ({p.size_text},)"
+                f" and {t}.stride() == ({strides}1)"
+            )
+        term = f"{term} and {t}.dtype == dtype and {t}.is_cpu"
+        terms.append(f"({p.name} is None or ({term}))" if p.optional else f"({term})")
+    terms += [f"({c})" for c in conditions]
+    src = (
+        f"def ok(dtype, jobs, nt, lanes, args):\n    ({', '.join(p.name for p in params)},) = args\n"
+        f"    return bool({' and '.join(terms) or 'True'})\n"
+    )
+    env = {"Tensor": torch.Tensor, "Strided": Strided, "query": query, "isinstance": isinstance, "bool": bool}
+    exec(compile(src, f"<native signature {name}>", "exec"), env)
+    return env["ok"]
+
+
+_signatures: dict[str, _Signature] = {}
+
+
+def _signature(name: str) -> _Signature:
+    sig = _signatures.get(name)
+    if sig is None:
+        if name not in SIGNATURES:
+            raise ValueError(
+                f"native kernel {name!r} has no declared signature (mnemo.ops._native.SIGNATURES)"
+            )
+        text = SIGNATURES[name]
+        head, _, tail = text.partition("|")
+        params = []
+        for m in _PARAM.finditer(head):
+            pname, opt, strided, size = m.groups()
+            if size is None:
+                params.append(_Param(pname, "int", False, None, None))
+            else:
+                expr = f"({size},)" if strided else size
+                kind = "strided" if strided else "tensor"
+                params.append(
+                    _Param(pname, kind, bool(opt), size, compile(expr, f"<{name}:{pname}>", "eval"))
+                )
+        for i, p in enumerate(params):  # a strided view's strides: the ints after it
+            k = p.size_text.count(",") if p.kind == "strided" else 0
+            if any(q.kind != "int" for q in params[i + 1 : i + 1 + k]) or i + k >= len(params):
+                raise ValueError(f"native kernel {name}: {p.name} must be followed by its {k} strides")
+        texts = [c.strip() for c in tail.split(";") if c.strip()]
+        conds = tuple((c, compile(c, f"<{name}>", "eval")) for c in texts)
+        sig = _signatures[name] = _Signature(text, tuple(params), conds, _compile_check(name, params, texts))
+    return sig
+
+
+def _check_args(name: str, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
+    """Check ``args`` of kernel ``name`` against its declaration in :data:`SIGNATURES`."""
+    sig = _signature(name)
+    if (
+        len(args) == len(sig.params)
+        and isinstance(jobs, int)
+        and isinstance(nt, int)
+        and jobs >= 0
+        and nt >= 1
+    ):
+        try:
+            if sig.ok(dtype, jobs, nt, _lanes(), args):
+                return
+        except ZeroDivisionError:  # (a size of 0 that divides: see below)
+            pass
+    _explain(name, sig, dtype, jobs, nt, args)
+
+
+def _explain(name: str, sig: _Signature, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
+    """Raise the error that says which argument of kernel ``name`` breaks its declaration."""
+    if len(args) != len(sig.params):
+        raise TypeError(
+            f"native kernel {name} takes {len(sig.params)} arguments after (jobs, nt), got {len(args)}; "
+            f"declared: {sig.text}"
+        )
+    if not (isinstance(jobs, int) and isinstance(nt, int) and jobs >= 0 and nt >= 1):
+        raise ValueError(
+            f"native kernel {name}: jobs must be an int >= 0 and nt an int >= 1, got {jobs!r}, {nt!r}"
+        )
+    env: dict = {"jobs": jobs, "nt": nt, "lanes": _lanes(), "dtype": dtype, "query": query}
+    for p, a in zip(sig.params, args):
+        if p.kind == "int":
+            if not isinstance(a, int):
+                raise TypeError(f"native kernel {name}: {p.name} must be an int, got {type(a).__name__}")
+            env[p.name] = a
+            continue
+        if a is None:
+            if not p.optional:
+                raise TypeError(f"native kernel {name}: {p.name} must be a tensor, got None")
+            env[p.name] = None
+            continue
+        if isinstance(a, Strided) != (p.kind == "strided"):
+            want = "a Strided view" if p.kind == "strided" else "a tensor (not Strided)"
+            raise TypeError(f"native kernel {name}: {p.name} must be {want}, got {type(a).__name__}")
+        t = a.tensor if isinstance(a, Strided) else a
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"native kernel {name}: {p.name} must be a tensor, got {type(t).__name__}")
+        env[p.name] = t
+
+    def ints() -> str:  # for the messages
+        return ", ".join(
+            f"{k} = {env[k]}" for k in ["jobs", "nt"] + [p.name for p in sig.params if p.kind == "int"]
+        )
+
+    for i, p in enumerate(sig.params):
+        t = env[p.name]
+        if p.kind == "int" or t is None:
+            continue
+        contiguous = p.kind == "strided" or t.is_contiguous()
+        if t.device.type != "cpu" or t.dtype != dtype or not contiguous:
+            layout = f"{dtype} (strided)" if p.kind == "strided" else f"contiguous {dtype}"
+            raise ValueError(
+                f"native kernel {name}: {p.name} must be {layout} on the CPU, got {t.dtype} on {t.device} "
+                f"with strides {t.stride()} for shape {tuple(t.shape)}"
+            )
+        try:
+            want = eval(p.size, {"__builtins__": {}}, env)
+        except ZeroDivisionError:  # a size of 0 divides the others: legitimate only with no jobs
+            if jobs == 0:
+                continue
+            raise ValueError(
+                f"native kernel {name}: the size of {p.name} divides by zero ({ints()})"
+            ) from None
+        if p.kind == "tensor":
+            if t.numel() != want:
+                raise ValueError(
+                    f"native kernel {name}: {p.name} must have [{p.size_text}] = {want} elements "
+                    f"({ints()}), got shape {tuple(t.shape)}"
+                )
+            continue
+        strides = tuple(env[q.name] for q in sig.params[i + 1 : i + len(want)])
+        if tuple(t.shape) != want or t.stride()[:-1] != strides or t.stride(-1) != 1:
+            raise ValueError(
+                f"native kernel {name}: {p.name} must be a view of shape {list(want)} with strides "
+                f"{list(strides)} and 1 (the ints after it), got shape {tuple(t.shape)} with strides "
+                f"{t.stride()}"
+            )
+    for text, cond in sig.conditions:
+        try:
+            ok = eval(cond, {"__builtins__": {}}, env)
+        except ZeroDivisionError:
+            ok = jobs == 0
+        if not ok:
+            raise ValueError(f"native kernel {name}: the arguments must satisfy {text} ({ints()})")
+
+
 def query(name: str, dtype: torch.dtype, *ints: int) -> int:
-    """Integer-valued entry point ``name`` (``_f32``/``_f64`` from ``dtype``) on int arguments, e.g.
-    the scratch size ``ss_bwd_work`` of a call."""
+    """Integer-valued entry point ``name`` (``_f32``/``_f64`` from ``dtype``) on int arguments (as
+    declared in :data:`QUERIES`), e.g. the scratch size ``ss_bwd_work`` of a call.
+
+    Raises:
+        TypeError: ``name`` is not declared, or the arguments are not its declared ints.
+    """
+    params = QUERIES.get(name, "").split()
+    if not params or len(ints) != len(params) or not all(isinstance(a, int) for a in ints):
+        raise TypeError(f"native query {name} takes the ints ({', '.join(params)}), got {ints!r}")
     fn = getattr(_loaded(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
     return int(fn(*(ctypes.c_int64(a) for a in ints)))
 
@@ -250,13 +520,17 @@ def call(name: str, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
     :func:`slots`), all in one call on PyTorch's OpenMP threads (:func:`openmp`), else one call
     per slot on a thread pool. ``args`` are ints (passed as int64), tensors (passed as their data
     pointer), :class:`Strided` tensors (the same, without the contiguity check) or ``None`` (a NULL
-    pointer).
+    pointer), and must match the kernel's declaration in :data:`SIGNATURES`.
 
     Raises:
-        ValueError: a tensor is not contiguous (unless :class:`Strided`) or not of ``dtype`` (the
-            kernel would read the wrong memory).
+        TypeError: the number of arguments, or the kind of one (int, tensor, :class:`Strided`,
+            ``None``), does not match the declaration.
+        ValueError: a tensor is not on the CPU, not of ``dtype``, not contiguous (unless
+            :class:`Strided`) or not of the declared size (the kernel would read or write the wrong
+            memory), or a declared condition between the sizes fails.
     """
     global _pool
+    _check_args(name, dtype, jobs, nt, args)
     fn = getattr(_loaded(), f"{name}_{'f64' if dtype == torch.float64 else 'f32'}")
 
     def conv(a):
@@ -264,16 +538,7 @@ def call(name: str, dtype: torch.dtype, jobs: int, nt: int, args) -> None:
             return ctypes.c_void_p(None)
         if isinstance(a, int):
             return ctypes.c_int64(a)
-        if isinstance(a, Strided):
-            if a.tensor.dtype != dtype or a.tensor.device.type != "cpu":
-                raise ValueError(f"native kernel {name}: expected a CPU {dtype} tensor, got {a.tensor.dtype}")
-            return ctypes.c_void_p(a.tensor.data_ptr())
-        if not a.is_contiguous() or a.dtype != dtype:
-            raise ValueError(
-                f"native kernel {name}: tensor arguments must be contiguous {dtype}, "
-                f"got {a.dtype} with strides {a.stride()} for shape {tuple(a.shape)}"
-            )
-        return ctypes.c_void_p(a.data_ptr())
+        return ctypes.c_void_p((a.tensor if isinstance(a, Strided) else a).data_ptr())
 
     head = [ctypes.c_int64(jobs), ctypes.c_int64(nt)]
     c_args = [conv(a) for a in args]

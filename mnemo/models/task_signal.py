@@ -32,19 +32,21 @@ of the step. Cost: every segment runs twice (read, then signal) plus one backwar
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .cms import CMSState, ContinuumMemory
+from ..layers.cms import CMSState, ContinuumMemory
+from ..layers.state import state_dataclass
 
 
-class Pending(NamedTuple):
-    """The segment being read: the model state at its start (``None``: a fresh stream) and its
-    tokens so far ``[B, n]`` (``n ≤ S``)."""
+@state_dataclass
+class Pending:
+    """The segment being read: the model state at its start (``start``: a list of
+    :class:`~mnemo.layers.state.BlockState`, ``None`` for a fresh stream) and its tokens so far
+    (``ids [B, n]``, ``n ≤ S``)."""
 
-    start: list | None
+    start: list | None = None
     ids: torch.Tensor
 
 
@@ -87,20 +89,22 @@ def segment_length(model) -> int | None:
 def _strip(state: list) -> list:
     """The state without pending segments (a snapshot must not hold older snapshots)."""
     return [
-        dataclasses.replace(s, mlp=s.mlp._replace(pending=None)) if isinstance(s.mlp, CMSState) else s
+        dataclasses.replace(s, mlp=dataclasses.replace(s.mlp, pending=None))
+        if isinstance(s.mlp, CMSState)
+        else s
         for s in state
     ]
 
 
 def _with_levels(state: list, i: int, levels: tuple) -> list:
     out = list(state)
-    out[i] = dataclasses.replace(state[i], mlp=state[i].mlp._replace(levels=levels))
+    out[i] = dataclasses.replace(state[i], mlp=dataclasses.replace(state[i].mlp, levels=levels))
     return out
 
 
 def _pending_of(model, state, ids) -> Pending:
     if state is None:
-        return Pending(None, ids.new_zeros(ids.shape[0], 0))
+        return Pending(start=None, ids=ids.new_zeros(ids.shape[0], 0))
     i = _task_levels(model)[0][0]
     pending = state[i].mlp.pending if isinstance(state[i].mlp, CMSState) else None
     if pending is None:
@@ -156,13 +160,13 @@ def forward(model, input_ids: torch.Tensor, state, mode):
     while t < T:
         if pending.ids.shape[1] == S:  # the segment is complete and its last label has arrived
             state = _absorb(model, pending, input_ids[:, t : t + 1], state, mode)
-            pending = Pending(_strip(state), input_ids.new_zeros(B, 0))
+            pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
         n = min(S - pending.ids.shape[1], T - t)
         logits, state = model._forward(input_ids[:, t : t + n], state, mode)
         outs.append(logits)
-        pending = pending._replace(ids=torch.cat([pending.ids, input_ids[:, t : t + n]], 1))
+        pending = dataclasses.replace(pending, ids=torch.cat([pending.ids, input_ids[:, t : t + n]], 1))
         t += n
     for i in sorted({i for i, _ in _task_levels(model)}):
         state = list(state)
-        state[i] = dataclasses.replace(state[i], mlp=state[i].mlp._replace(pending=pending))
+        state[i] = dataclasses.replace(state[i], mlp=dataclasses.replace(state[i].mlp, pending=pending))
     return torch.cat(outs, 1), state

@@ -6,7 +6,7 @@ reference functions against mnemo's recurrent references. Exit status: 0 when ev
 1 when one failed, 2 for a usage error (an ``--ops`` pattern that matches nothing, or an explicitly
 requested third-party package that is missing — reported in one line).
 
-    mnemo verify                          # everything (~15 s on 2 CPU cores)
+    mnemo verify                          # everything
     mnemo verify --quick --ops 'gla*'     # fewer lengths, gated linear attention only
     mnemo verify --third-party fla --ops gated_delta_rule
 """

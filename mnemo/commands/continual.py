@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from .nested.cms import ContinuumMemory
+from ..layers.cms import ContinuumMemory
 
 EXPERIMENTS = ("abab", "forgetting_mqar", "class_incremental")
 BOS, QUERY = 0, 1  # token ids shared by every task
@@ -416,7 +416,8 @@ def model_specs(d_model: int = 16, expansion: float = 1.0, periods=(1, 4, 16, 64
 
 @dataclass
 class Settings:
-    """One experiment's sizes (defaults are measured to finish in < 10 min on 2 CPU cores)."""
+    """One experiment's sizes (the defaults are small CPU-sized runs; docs/results/continual.md
+    gives their wall times)."""
 
     steps: int = 200
     batch_size: int = 32
@@ -489,8 +490,8 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
     A non-finite loss stops training; ``diverged_at_step`` names the step (1-based), the metrics are
     ``nan`` (the means drop them and count them) and ``metrics_at_divergence`` holds the evaluation of
     the weights of the last finite step."""
-    from .train.config import TrainConfig
-    from .train.trainer import lr_factor, make_optimizer
+    from ..train.config import TrainConfig
+    from ..train.trainer import lr_factor, make_optimizer
 
     t0 = time.time()
     torch.manual_seed(seed)
@@ -710,20 +711,21 @@ def plot(result: dict, path: Path) -> None:
 
 
 def _git() -> dict:
+    package = Path(__file__).resolve().parents[1]  # mnemo/
+
     def sh(*cmd):
         try:
-            return subprocess.run(
-                cmd, capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
-            ).stdout.strip()
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=package).stdout.strip()
         except Exception:  # pragma: no cover - git missing
             return ""
 
     import hashlib
+    import sys
 
-    cms = Path(__file__).parent / "nested" / "cms.py"
+    cms = Path(sys.modules[ContinuumMemory.__module__].__file__).resolve()  # the cms.py the runs use
     return {
         "head": sh("git", "rev-parse", "HEAD"),
-        "cms_diff_stat": sh("git", "diff", "--stat", "--", "nested/cms.py"),
+        "cms_diff_stat": sh("git", "diff", "--stat", "--", str(cms.relative_to(package))),
         "cms_md5": hashlib.md5(cms.read_bytes()).hexdigest(),
     }
 

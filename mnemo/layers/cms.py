@@ -17,7 +17,7 @@ Inner objective (``Level.objective``; the error signal ``f``):
 * ``"task"`` (the paper's: the language model's next-token loss): ``f`` is the gradient of the
   model's next-token loss with respect to the level's output, back-propagated through the layers
   above it, times the rate ``η_t``; computed by the language model once the next token is known
-  (:mod:`mnemo.nested.task_signal` gives the exact definition, its segment truncation and cost).
+  (:mod:`mnemo.models.task_signal` gives the exact definition, its segment truncation and cost).
   Only inside a :class:`~mnemo.models.LanguageModel`; a task level alone only reads.
 * ``"reconstruction"`` (default; a named self-supervised alternative): the level is an
   associative memory from its input ``x_t`` (layer-normalised, ``‖x_t‖² ≈ d``) to a learned *slow*
@@ -75,12 +75,14 @@ projections get no gradient and it would step at evaluation with untrained setti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .hooks import HookPoint
+from .state import nbytes, spec, state_dataclass
 
 OPTIMIZERS = ("gd", "momentum", "delta_momentum")
 PARTIAL = ("carry", "flush")
@@ -142,17 +144,34 @@ class Level:
         return self
 
 
-class LevelState(NamedTuple):
-    """Per-sample fast state of one level: weights ``(W_in [B,d,h], W_out [B,h,d])``, momentum (or
-    ``None``), the gradient accumulated in the current period, tokens read, steps taken, and (task
-    objective) tokens whose error signal has been absorbed."""
+@state_dataclass
+class LevelState:
+    """Per-sample fast state of one level.
+
+    Attributes:
+        weights: the fast weights ``(W_in [B, d, h], W_out [B, h, d])`` (the parameters' dtype; a
+            fresh state holds the initial weights expanded over the batch, no copies, until the
+            first step makes them per sample).
+        momentum: the momentum buffers, shaped like ``weights`` (optimizers ``"momentum"`` and
+            ``"delta_momentum"``), or ``None``.
+        grad: the gradient accumulated in the current period, shaped like ``weights``.
+        position: tokens read.
+        updates: steps taken.
+        absorbed: (task objective) tokens whose error signal has been absorbed.
+    """
 
     weights: tuple
-    momentum: tuple | None
+    momentum: tuple | None = None
     grad: tuple
-    position: int
-    updates: int
+    position: int = 0
+    updates: int = 0
     absorbed: int = 0
+
+
+def _mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``x [B, L, i] @ W [B, i, o]``; weights still shared over the batch (expanded with batch
+    stride 0) take one ``[B·L, i] @ [i, o]`` product (no per-sample copies)."""
+    return x @ W[0] if W.stride(0) == 0 else x @ W
 
 
 class CMSLevel(nn.Module):
@@ -162,6 +181,18 @@ class CMSLevel(nn.Module):
         d_model: width ``d``. level: its :class:`Level`.
         own_weights: create the slow initial weights ``W_in [d, h]``, ``W_out [h, d]`` (``False``
             for the faster levels of a nested CMS, which start from a slower level's weights).
+
+    Hook points (``[B, T, d]`` unless named; each as the level's reads and steps consume it):
+
+    * ``hook_in``: the level's input ``x_t`` (layer-normalised by the CMS);
+    * ``hook_v`` (reconstruction objective): the target ``W_v x_t``;
+    * ``hook_eta`` ``[B, T, 1]`` (reconstruction objective): the rates ``η_t`` (a task level's
+      rates and error signal enter with :meth:`absorb`, outside ``forward``);
+    * ``hook_out``: the level's read ``MLP_θ(x_t)`` with the period-start weights (what the next
+      level or the aggregate receives);
+    * ``hook_state``: the :class:`LevelState` after the call.
+
+    State: :class:`LevelState`.
     """
 
     def __init__(self, d_model: int, level: Level, own_weights: bool = True):
@@ -179,6 +210,11 @@ class CMSLevel(nn.Module):
         self.value = nn.Linear(d_model, d_model, bias=False) if level.objective != "task" else None
         self.rate = nn.Linear(d_model, 1, bias=True)
         self._capture: list | None = None  # (x, y, probe) of every read while the task signal records
+        self.hook_in = HookPoint()
+        # the target and the rates of a reconstruction level (a task level's come with its signal)
+        self.hook_v = HookPoint() if self.value is not None else None
+        self.hook_eta = HookPoint() if self.value is not None else None
+        self.hook_out, self.hook_state = HookPoint(), HookPoint()
         self._init_special()
 
     def _init_special(self) -> None:
@@ -194,9 +230,10 @@ class CMSLevel(nn.Module):
         w = weights if weights is not None else (self.W_in, self.W_out)
         if w[0] is None:
             raise ValueError("CMSLevel.initial_state: this level has no weights of its own; pass weights")
+        w = tuple(x.expand(batch_size, *x.shape) if x.ndim == 2 else x for x in w)
         zeros = tuple(x.new_zeros(batch_size, *x.shape[-2:]) for x in w)
         mom = zeros if self.level.optimizer != "gd" else None
-        return LevelState(tuple(w), mom, zeros, 0, 0)
+        return LevelState(weights=w, momentum=mom, grad=zeros)
 
     def _step(self, st: LevelState) -> LevelState:
         """Apply the period's summed gradient (Eq. 71) with the level's optimizer."""
@@ -215,45 +252,37 @@ class CMSLevel(nn.Module):
             mom = tuple(lv.beta * m - g for m, g in zip(base, st.grad))
             w = tuple(a + m for a, m in zip(st.weights, mom))
         zeros = tuple(torch.zeros_like(g) for g in st.grad)
-        return st._replace(weights=w, momentum=mom, grad=zeros, updates=st.updates + 1)
+        return replace(st, weights=w, momentum=mom, grad=zeros, updates=st.updates + 1)
 
     def restart(self, st: LevelState, weights: tuple) -> LevelState:
         """Restart from ``weights`` (nested transfer): momentum and accumulated gradient cleared."""
         zeros = tuple(torch.zeros_like(g) for g in st.grad)
         mom = zeros if st.momentum is not None else None
-        return st._replace(weights=tuple(weights), momentum=mom, grad=zeros)
+        return replace(st, weights=tuple(weights), momentum=mom, grad=zeros)
 
     def _period(self, x, v, eta, st: LevelState, whole: bool):
         """Tokens ``x [B, L, d]`` of one period (or part of one), with their targets ``v`` and rates
         ``eta [B, L, 1]``: read with the current weights and take (``whole``) or accumulate the
         period's summed gradient. Returns ``(y, state)``."""
         W_in, W_out = st.weights
-        z = x @ W_in
+        z = _mm(x, W_in)
         a = F.gelu(z)
-        y = a @ W_out
+        y = _mm(a, W_out)
         err = (y - v) * eta  # η_t ∂ℓ_t/∂y
-        dz = torch.ops.aten.gelu_backward(err @ W_out.transpose(-1, -2), z)
+        dz = torch.ops.aten.gelu_backward(_mm(err, W_out.transpose(-1, -2)), z)
         L = x.shape[1]
-        st = st._replace(position=st.position + L)
+        st = replace(st, position=st.position + L)
         if whole and self.level.optimizer == "gd":  # fused: θ − Σ_t x ⊗ δ, no gradient buffers
-            B = x.shape[0]
             w = (
-                torch.baddbmm(
-                    W_in.expand(B, -1, -1) if W_in.ndim == 2 else W_in, x.transpose(-1, -2), dz, alpha=-1.0
-                ),
-                torch.baddbmm(
-                    W_out.expand(B, -1, -1) if W_out.ndim == 2 else W_out,
-                    a.transpose(-1, -2),
-                    err,
-                    alpha=-1.0,
-                ),
+                torch.baddbmm(W_in, x.transpose(-1, -2), dz, alpha=-1.0),
+                torch.baddbmm(W_out, a.transpose(-1, -2), err, alpha=-1.0),
             )
-            return y, st._replace(weights=w, updates=st.updates + 1)
+            return y, replace(st, weights=w, updates=st.updates + 1)
         grad = (
             torch.baddbmm(st.grad[0], x.transpose(-1, -2), dz),
             torch.baddbmm(st.grad[1], a.transpose(-1, -2), err),
         )
-        st = st._replace(grad=grad)
+        st = replace(st, grad=grad)
         if whole:
             st = self._step(st)
         return y, st
@@ -270,14 +299,14 @@ class CMSLevel(nn.Module):
             n = min(C - st.absorbed % C, L - t)
             xs, err = x[:, t : t + n], err_all[:, t : t + n]
             W_in, W_out = st.weights
-            z = xs @ W_in
+            z = _mm(xs, W_in)
             a = F.gelu(z)
-            dz = torch.ops.aten.gelu_backward(err @ W_out.transpose(-1, -2), z)
+            dz = torch.ops.aten.gelu_backward(_mm(err, W_out.transpose(-1, -2)), z)
             grad = (
                 torch.baddbmm(st.grad[0], xs.transpose(-1, -2), dz),
                 torch.baddbmm(st.grad[1], a.transpose(-1, -2), err),
             )
-            st = st._replace(grad=grad, absorbed=st.absorbed + n)
+            st = replace(st, grad=grad, absorbed=st.absorbed + n)
             if st.absorbed % C == 0:
                 st = self._step(st)
             t += n
@@ -305,17 +334,18 @@ class CMSLevel(nn.Module):
         """
         B, T, _ = x.shape
         st = state if state is not None else self.initial_state(B, initial_weights)
+        x = self.hook_in(x)
         if self.level.objective == "task":  # read only: the steps come with the error signal (absorb)
             W_in, W_out = st.weights
-            y = F.gelu(x @ W_in) @ W_out
+            y = self.hook_out(_mm(F.gelu(_mm(x, W_in)), W_out))
             if self._capture is not None:  # a zero the signal's gradient is taken against: ∂L/∂y
                 probe = torch.zeros_like(y, requires_grad=True)
                 y = y + probe
                 self._capture.append((x, y, probe))
-            return y, st._replace(position=st.position + T)
+            return y, self.hook_state(replace(st, position=st.position + T))
         C = self.level.period
-        v = self.value(x)  # slow projections of all tokens at once
-        eta = self.rates(x)
+        v = self.hook_v(self.value(x))  # slow projections of all tokens at once
+        eta = self.hook_eta(self.rates(x))
         outs, t = [], 0
         while t < T:
             start = st.position % C
@@ -334,13 +364,42 @@ class CMSLevel(nn.Module):
                     record.append((st.position, st.weights))
         if self.level.partial == "flush" and st.position % C != 0:
             st = self._step(st)
-            st = st._replace(position=0)  # a fresh period starts
-        return torch.cat(outs, 1) if outs else x.new_zeros(B, 0, x.shape[-1]), st
+            st = replace(st, position=0)  # a fresh period starts
+        y = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, x.shape[-1])
+        return self.hook_out(y), self.hook_state(st)
+
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> LevelState:
+        """The level's state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: default the
+        parameters'): fast weights, accumulated gradient and (momentum optimizers) momentum. The
+        counters are those of a ``"carry"`` level that read ``seq_len`` tokens."""
+        if dtype is None:
+            dtype = self.rate.weight.dtype
+        d, h = self.rate.in_features, self.hidden
+
+        def pair():
+            return (spec((batch_size, d, h), dtype), spec((batch_size, h, d), dtype))
+
+        return LevelState(
+            weights=pair(),
+            momentum=pair() if self.level.optimizer != "gd" else None,
+            grad=pair(),
+            position=seq_len,
+            updates=seq_len // self.level.period,
+        )
 
 
-class CMSState(NamedTuple):
-    """Per-level states; ``pending``: the task signal's unfinished segment (set by the language
-    model, :mod:`mnemo.nested.task_signal`), else ``None``."""
+@state_dataclass
+class CMSState:
+    """The state of a :class:`ContinuumMemory` (the ``mlp`` field of its block's
+    :class:`~mnemo.layers.state.BlockState`).
+
+    Attributes:
+        levels: one :class:`LevelState` per level, fastest first.
+        pending: the task signal's unfinished segment (a :class:`mnemo.models.task_signal.Pending`,
+            set by the language model for levels with ``objective="task"``), else ``None``.
+    """
 
     levels: tuple
     pending: object = None
@@ -354,6 +413,12 @@ class ContinuumMemory(nn.Module):
         d_model: width. levels: a sequence of :class:`Level` (or dicts of its fields), fastest first.
         transfer: how knowledge passes between levels: ``"sequential"`` (Eq. 73, default),
             ``"independent"`` (Eq. 74) or ``"nested"`` (Eq. 72); see the module docstring.
+
+    Hook points: ``hook_state`` (the :class:`CMSState` after the call) and each level's
+    (``levels.{i}.hook_in`` …, see :class:`CMSLevel`); in a model, e.g.
+    ``blocks.0.mlp.levels.1.hook_out``.
+
+    State: :class:`CMSState` (``levels``: one :class:`LevelState` per level).
 
     Raises:
         ValueError: no levels; an unknown ``transfer``; for ``"nested"``: unequal widths, a period
@@ -403,6 +468,7 @@ class ContinuumMemory(nn.Module):
         )
         self.norms = nn.ModuleList([nn.LayerNorm(d_model, elementwise_affine=False) for _ in levels])
         self.weights = nn.Parameter(torch.ones(len(levels))) if transfer == "independent" else None
+        self.hook_state = HookPoint()
 
     def _init_special(self) -> None:
         for lv in self.levels:
@@ -410,6 +476,11 @@ class ContinuumMemory(nn.Module):
         if self.weights is not None:
             with torch.no_grad():
                 self.weights.fill_(1.0)
+
+    @property
+    def periods(self) -> list[int]:
+        """Update period ``C^(ℓ)`` (tokens) of each level, fastest first: the levels' time scales."""
+        return [lv.level.period for lv in self.levels]
 
     def forward(self, x: torch.Tensor, state: CMSState | None = None):
         """``x [B, T, d_model] -> (y [B, T, d_model], CMSState)``.
@@ -435,14 +506,14 @@ class ContinuumMemory(nn.Module):
                 y, s = level(norm(h), s)
                 h = h + y
                 new.append(s)
-            return h - x, CMSState(tuple(new))
+            return h - x, self.hook_state(CMSState(levels=tuple(new)))
         if self.transfer == "independent":
             out, new = 0, []
             for i, (level, norm, s) in enumerate(zip(self.levels, self.norms, prev)):
                 y, s = level(norm(x), s)
                 out = out + self.weights[i] * y
                 new.append(s)
-            return out, CMSState(tuple(new))
+            return out, self.hook_state(CMSState(levels=tuple(new)))
         # nested: slowest first; each faster level restarts from the next slower one's weights
         xn = self.norms[0](x)
         slowest = self.levels[-1]
@@ -453,7 +524,7 @@ class ContinuumMemory(nn.Module):
             record = [] if i > 0 else None
             y, new[i] = self.levels[i](xn, prev[i], restarts=restarts, record=record, initial_weights=init)
             restarts = dict(record) if record is not None else None
-        return y, CMSState(tuple(new))
+        return y, self.hook_state(CMSState(levels=tuple(new)))
 
     def window_problems(self, seq_len: int) -> list[str]:
         """Levels that never step inside a window of ``seq_len`` tokens starting at a fresh state
@@ -473,9 +544,15 @@ class ContinuumMemory(nn.Module):
             if lv.level.period >= seq_len
         ]
 
-    def state_size_bytes(self, batch_size: int = 1) -> int:
-        n = 0
-        for lv in self.levels:
-            w = 2 * self.d_model * lv.hidden
-            n += w * (2 + (lv.level.optimizer != "gd"))  # weights, accumulated gradient, momentum
-        return batch_size * n * 4
+    def state_spec(self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None) -> CMSState:
+        """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: default the
+        parameters'): per level, the fast weights, the accumulated gradient and (momentum
+        optimizers) the momentum; independent of ``seq_len``. (A task level's pending segment is
+        not counted: it holds a snapshot of the model state and the segment's tokens.)"""
+        return CMSState(levels=tuple(lv.state_spec(batch_size, seq_len, dtype) for lv in self.levels))
+
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Bytes of :meth:`state_spec` (weights, accumulated gradient, momentum per level)."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))

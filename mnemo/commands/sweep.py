@@ -1,5 +1,5 @@
 """``mnemo sweep``, ``mnemo report`` and ``mnemo tasks`` (registered through
-``mnemo.cli._COMMAND_MODULES``)."""
+``mnemo.cli._COMMAND_MODULES``); the library behind them is :mod:`mnemo.sweep`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 
 def _cmd_sweep(args) -> int:
-    from .runner import default_paths, run_sweep
-    from .spec import SweepSpec
+    from ..sweep.runner import default_paths, run_sweep
+    from ..sweep.spec import SweepSpec
 
     spec = SweepSpec.load(args.config)
     db, out = default_paths(spec)
@@ -16,7 +16,7 @@ def _cmd_sweep(args) -> int:
     out = Path(args.out) if args.out else out
     runs = spec.runs()
     if args.list:
-        from .db import SweepDB
+        from ..sweep.db import SweepDB
 
         finished = SweepDB(db).finished_ids() if db.is_file() else set()
         for r in runs:
@@ -40,7 +40,7 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from .report import write_report
+    from ..sweep.report import write_report
 
     result = write_report(args.db, args.out, sweep=args.sweep, metric=args.metric, plots=not args.no_plots)
     for r in result.values():

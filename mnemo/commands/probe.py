@@ -1,0 +1,184 @@
+"""``mnemo probe``: circuit scores and memory time scales of a checkpoint, and training curves.
+
+    mnemo probe circuits --checkpoint DIR      per-layer/head scores (JSON on stdout) + heatmaps
+    mnemo probe timescales --checkpoint DIR    half-life distributions per layer (JSON) + a plot
+    mnemo probe plot-training DIR              loss and tracked circuit scores against steps
+
+Each figure is titled with the model and the checkpoint (or run) it shows; each command names the
+PNG it wrote (``wrote PATH``: on stderr where stdout carries the JSON).
+
+The scores, the training callback (``CircuitTracker``) and the figures are library code in
+:mod:`mnemo.interp.probe`; this module loads checkpoints and runs (through :mod:`mnemo.train`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from ..interp.probe import circuit_scores, circuits_figure, training_figure
+
+
+def _load(checkpoint):
+    from ..models import LanguageModel
+    from ..train import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(checkpoint)
+    return ckpt, LanguageModel.from_pretrained(ckpt).eval()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _short_path(path) -> str:
+    """``path`` as the user would type it: relative to the working directory when it lies below it,
+    and cut to its last three parts (``…/run/ckpt-000500``) when still long."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            p = p.relative_to(Path.cwd())
+        except ValueError:
+            pass
+    text = str(p)
+    if len(text) > 48 and len(p.parts) > 3:
+        text = str(Path("…", *p.parts[-3:]))
+    return text
+
+
+def _model_description(ckpt: Path) -> str:
+    """``transformer (2 layers) on repeat_segment`` from a checkpoint's train_config.json and
+    config.json (the mixers when there is no train config)."""
+    from ..models.lm import CONFIG_NAME
+    from ..train.checkpoint import TRAIN_CONFIG_NAME
+
+    tcfg, cfg = _read_json(ckpt / TRAIN_CONFIG_NAME), _read_json(ckpt / CONFIG_NAME)
+    name = tcfg.get("model")
+    if not name:
+        mixers = cfg.get("layers") or cfg.get("pattern") or ([cfg["mixer"]] if cfg.get("mixer") else [])
+        name = "+".join(dict.fromkeys(mixers)) or "model"
+    n = cfg.get("n_layers")
+    text = f"{name} ({n} layer{'s' if n != 1 else ''})" if n else str(name)
+    on = tcfg.get("task") or tcfg.get("data")
+    return f"{text} on {on}" if on else text
+
+
+def checkpoint_label(ckpt) -> str:
+    """What a figure of one checkpoint is of, e.g.
+    ``transformer (2 layers) on repeat_segment · runs/x/ckpt-000500 (step 500)``."""
+    ckpt = Path(ckpt)
+    m = re.fullmatch(r"ckpt-(\d+)", ckpt.name)
+    step = f" (step {int(m.group(1))})" if m else ""
+    return f"{_model_description(ckpt)} · {_short_path(ckpt)}{step}"
+
+
+def run_label(run_dir, steps=None) -> str:
+    """What a figure of a training run is of, e.g.
+    ``transformer (2 layers) on repeat_segment · runs/phase-2layer (1500 steps)``."""
+    from ..train import resolve_checkpoint
+
+    run_dir = Path(run_dir)
+    try:
+        model = _model_description(resolve_checkpoint(run_dir)) + " · "
+    except (FileNotFoundError, OSError):
+        model = ""  # metrics without a checkpoint: the run directory alone
+    n = f" ({steps} steps)" if steps is not None else ""
+    return f"{model}{_short_path(run_dir)}{n}"
+
+
+def _heatmaps(scores: dict, path: Path, title: str | None = None) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = circuits_figure(scores, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (a run directory written by `mnemo train`)")
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def plot_training(run_dir, path=None) -> Path:
+    """Loss and tracked scores from ``RUN/metrics.jsonl`` against steps (``RUN/training.png``)."""
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = _read_metrics(run_dir)
+    fig = training_figure(rows, run_label(run_dir, rows[-1]["step"] if rows else None))
+    path = Path(path) if path else run_dir / "training.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("probe", help="circuit scores, memory time scales, training curves")
+    ps = p.add_subparsers(dest="probe_command", required=True)
+    c = ps.add_parser("circuits", help="per-layer/head circuit scores of a checkpoint (JSON) + heatmaps")
+    c.add_argument("--checkpoint", required=True)
+    c.add_argument("--length", type=int, default=32, help="length of the random sequence (repeated twice)")
+    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", help="where to write circuits.png (default: the checkpoint directory)")
+    c.set_defaults(func=_cmd_circuits)
+    t = ps.add_parser("timescales", help="decay half-life distributions per layer (JSON) + a plot")
+    t.add_argument("--checkpoint", required=True)
+    t.add_argument("--data", help="text to measure data-dependent gates on (default: the training data)")
+    t.add_argument("--tokens", type=int, default=2048)
+    t.add_argument("--out", help="where to write timescales.png (default: the checkpoint directory)")
+    t.set_defaults(func=_cmd_timescales)
+    pt = ps.add_parser("plot-training", help="plot loss and tracked scores of a run against steps")
+    pt.add_argument("run_dir")
+    pt.add_argument("--out", help="PNG path (default: RUN/training.png)")
+    pt.set_defaults(func=_cmd_plot_training)
+
+
+def _cmd_circuits(args) -> int:
+    ckpt, model = _load(args.checkpoint)
+    scores = circuit_scores(model, args.length, args.batch, args.seed)
+    out = Path(args.out) if args.out else ckpt
+    out.mkdir(parents=True, exist_ok=True)
+    path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
+    print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
+    print(json.dumps({"checkpoint": str(ckpt), "length": args.length, "layers": scores}))
+    return 0
+
+
+def _cmd_timescales(args) -> int:
+    from ..data import load_text, load_tokenizer
+    from ..interp.timescales import plot, timescales
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    ckpt, model = _load(args.checkpoint)
+    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    data = args.data or tcfg.get("data") or "tinyshakespeare"
+    if tcfg.get("task") and not args.data:
+        ids = torch.randint(
+            0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
+        )
+    else:
+        ids = load_tokenizer(ckpt).encode(load_text(data)[: args.tokens])[None]
+    result = timescales(model, ids)
+    out = Path(args.out) if args.out else ckpt
+    out.mkdir(parents=True, exist_ok=True)
+    path = plot(result, out / "timescales.png", title=checkpoint_label(ckpt))
+    print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
+    print(json.dumps({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result}))
+    return 0
+
+
+def _cmd_plot_training(args) -> int:
+    path = plot_training(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0

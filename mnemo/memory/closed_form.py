@@ -1,0 +1,54 @@
+"""The closed-form members of the design space: specs that a dedicated op computes exactly."""
+
+from __future__ import annotations
+
+from .spec import MemorySpec
+from .state import MemoryState
+
+__all__ = ["closed_form_op"]
+
+
+def closed_form_op(spec: MemorySpec) -> str | None:
+    """The dedicated op that computes ``spec`` exactly, if any.
+
+    Hebbian (``dot``) matrix memories with plain GD are linear attention / gated linear attention
+    for every chunk size (their gradient does not depend on the weights); ``l2`` matrix memories with
+    plain GD and ``chunk_size = 1`` are the delta rule, and with a decay applied first the gated
+    delta rule.
+    """
+    if (
+        spec.architecture != "matrix"
+        or spec.residual
+        or spec.norm
+        or spec.optimizer != "gd"
+        or spec.grad_clip is not None
+        or spec.retention not in ("none", "decay")
+    ):
+        return None
+    if spec.objective == "dot":
+        return "gated_linear_attention" if spec.retention == "decay" else "linear_attention"
+    if spec.objective == "l2" and spec.chunk_size == 1 and not spec.decay_per_channel:
+        if spec.retention == "none":
+            return "delta_rule"
+        if spec.decay_first:
+            return "gated_delta_rule"
+    return None
+
+
+def _run_closed_form(name, spec, q, k, v, theta, g, state: MemoryState):
+    from ..ops import delta_rule, gated_delta_rule, gated_linear_attention, linear_attention
+
+    th = theta if spec.max_lr is None else theta.clamp(max=spec.max_lr)
+    S0 = state.weights[0]
+    kw = dict(scale=1.0, initial_state=S0, output_final_state=True)
+    if name == "linear_attention":
+        o, S = linear_attention(q, k * th[..., None], v, **kw)
+    elif name == "gated_linear_attention":
+        o, S = gated_linear_attention(q, k * th[..., None], v, g, **kw)
+    elif name == "delta_rule":
+        o, S = delta_rule(q, k, v, th, **kw)
+    else:
+        o, S = gated_delta_rule(q, k, v, g, th, **kw)
+    S = S.to(S0.dtype)
+    pos = state.position + q.shape[1]
+    return o, MemoryState((S,), None, (S,), None, pos)
