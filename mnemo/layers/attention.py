@@ -13,7 +13,7 @@ from .hooks import HookPoint
 from .linear_attention import state_dtypes
 from .registry import register_mixer
 from .rotary import RotaryEmbedding
-from .state import nbytes, spec, state_dataclass
+from .state import spec, state_dataclass
 
 
 @state_dataclass
@@ -162,9 +162,3 @@ class Attention(Mixer):
         kept = seq_len if self.window is None else min(seq_len, self.window - 1)
         shape = (batch_size, kept, self.n_kv_heads, self.head_dim)
         return AttentionState(kv=KVCache(spec(shape, act), spec(shape, act)), offset=seq_len)
-
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Bytes of the KV cache after ``seq_len`` tokens (bounded by the window)."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))

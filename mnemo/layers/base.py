@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .state import nbytes
+
 
 class Mixing(NamedTuple):
     """A mixer's implicit attention on one input: ``output[:, t, h] = Σ_s maps[:, h, t, s] ·
@@ -62,8 +64,19 @@ class Mixer(nn.Module):
             return mode
         return "recurrent" if T == 1 else self.mode
 
-    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0) -> int:  # pragma: no cover
-        raise NotImplementedError
+    def state_spec(self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None):
+        """The state after ``seq_len`` tokens, declared with ``meta`` tensors
+        (:func:`mnemo.layers.state.spec`): its shapes and dtypes, nothing allocated. ``dtype`` is
+        the activation dtype (default: the mixer's parameters')."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare its state (state_spec)")
+
+    def state_size_bytes(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> int:
+        """Bytes of the state after ``seq_len`` tokens: :func:`~mnemo.layers.state.nbytes` of
+        :meth:`state_spec` (derived from the declared shapes and dtypes; a bf16 cache counts 2
+        bytes per value)."""
+        return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from .hooks import HookPoint
 from .linear_attention import MatrixState, state_dtypes
 from .norm import RMSNorm
 from .registry import register_mixer
-from .state import nbytes, spec
+from .state import spec
 
 
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -161,9 +161,3 @@ class DeltaNet(Mixer):
             conv=None if self.conv is None else self.conv.state_spec(B, act),
             offset=seq_len,
         )
-
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Bytes of the recurrent state (:meth:`state_spec`); independent of ``seq_len``."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))

@@ -50,6 +50,12 @@ class HookPoint(nn.Module):
         return self.register_forward_hook(hook)
 
 
+def add_hook_points(module: nn.Module, *names: str) -> None:
+    """Give ``module`` a fresh :class:`HookPoint` attribute ``hook_<name>`` for each ``name``."""
+    for name in names:
+        setattr(module, f"hook_{name}", HookPoint())
+
+
 def name_hook_points(root: nn.Module) -> dict[str, HookPoint]:
     """``{full name: hook point}`` of every :class:`HookPoint` below ``root`` (names set on them)."""
     points = {}

@@ -16,7 +16,7 @@ from .hooks import HookPoint
 from .norm import RMSNorm
 from .registry import register_mixer
 from .rotary import RotaryEmbedding
-from .state import nbytes, spec, state_dataclass
+from .state import spec, state_dataclass
 
 
 @state_dataclass
@@ -88,12 +88,6 @@ class _QKVMixer(Mixer):
             conv=None if self.conv is None else self.conv.state_spec(B, act),
             offset=seq_len,
         )
-
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Bytes of the recurrent state (:meth:`state_spec`); independent of ``seq_len``."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
     def _state_key_dim(self) -> int:
         return self.key_dim

@@ -50,7 +50,7 @@ from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
 from .registry import register_mixer
-from .state import nbytes, spec, state_dataclass
+from .state import spec, state_dataclass
 from .titans import state_dtypes
 
 PROJECTIONS = ("k", "v", "beta", "alpha")
@@ -283,9 +283,3 @@ class SelfModifyingProjections(Mixer):
             conv=None if conv is None else spec((B, conv.channels, conv.kernel_size - 1), act),
             offset=seq_len,
         )
-
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Bytes of :meth:`state_spec`."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))

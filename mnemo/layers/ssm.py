@@ -16,11 +16,11 @@ from ..ops.ssd import ssd_map
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .delta import init_dt_bias
-from .hooks import HookPoint
+from .hooks import add_hook_points
 from .linear_attention import state_dtypes
 from .norm import RMSNorm
 from .registry import register_mixer
-from .state import nbytes, spec, state_dataclass
+from .state import spec, state_dataclass
 
 
 @state_dataclass
@@ -119,13 +119,7 @@ class Mamba(Mixer):
         self.A_log = nn.Parameter(torch.zeros(self.d_inner, d_state))
         self.D = nn.Parameter(torch.ones(self.d_inner))
         self.o_proj = nn.Linear(self.d_inner, d_model, bias=False)
-        self.hook_v, self.hook_dt, self.hook_B, self.hook_C = (
-            HookPoint(),
-            HookPoint(),
-            HookPoint(),
-            HookPoint(),
-        )
-        self.hook_g, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
+        add_hook_points(self, "v", "dt", "B", "C", "g", "o", "state")
         self._init_special()
 
     def _init_special(self) -> None:
@@ -225,12 +219,6 @@ class Mamba(Mixer):
             offset=seq_len,
         )
 
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Bytes of the recurrent state (:meth:`state_spec`); independent of ``seq_len``."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))
-
 
 @register_mixer("mamba2")
 class Mamba2(Mixer):
@@ -294,13 +282,7 @@ class Mamba2(Mixer):
         self.D = nn.Parameter(torch.ones(self.n_heads))
         self.norm = RMSNorm(self.d_inner)
         self.o_proj = nn.Linear(self.d_inner, d_model, bias=False)
-        self.hook_v, self.hook_dt, self.hook_B, self.hook_C = (
-            HookPoint(),
-            HookPoint(),
-            HookPoint(),
-            HookPoint(),
-        )
-        self.hook_g, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
+        add_hook_points(self, "v", "dt", "B", "C", "g", "o", "state")
         self._init_special()
 
     def _init_special(self) -> None:
@@ -356,9 +338,3 @@ class Mamba2(Mixer):
             conv=self.conv.state_spec(batch_size, act),
             offset=seq_len,
         )
-
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Bytes of the recurrent state (:meth:`state_spec`); independent of ``seq_len``."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))

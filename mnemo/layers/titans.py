@@ -29,7 +29,7 @@ from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
 from .registry import register_mixer
-from .state import nbytes, spec, state_dataclass
+from .state import spec, state_dataclass
 
 
 def _spec(spec: MemorySpec | str, overrides: dict) -> MemorySpec:
@@ -369,13 +369,6 @@ class NeuralMemory(Mixer):
             offset=seq_len,
         )
 
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Fast weights, their chunk-start copy (and momentum) plus the conv tail
-        (:meth:`state_spec`)."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))
-
 
 # ------------------------------------------------------------------------------------------------
 # attention with a persistent prefix (always visible) for the Titans architectures
@@ -519,11 +512,6 @@ class _MemoryAndWindow(Mixer):
             attn_v=self.attn.cache_spec(batch_size, kept, act),
             offset=seq_len,
         )
-
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
 
 @register_mixer("titans_mag")
@@ -729,9 +717,3 @@ class TitansMAC(Mixer):
             read_v=cache(),
             offset=seq_len,
         )
-
-    def state_size_bytes(
-        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
-    ) -> int:
-        """Memory state + the read-before conv tail + the segment-local KV caches (:meth:`state_spec`)."""
-        return nbytes(self.state_spec(batch_size, seq_len, dtype))
