@@ -1,0 +1,58 @@
+"""The selective scan's clamp of ``Δ·A`` at −60 in the gradient (zero where the clamp is active,
+for any ``A``), and what a failed native build tells the user (the compiler's own words)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mnemo.ops import selective_scan
+from tests.helpers import assert_close
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_clamped_steps_pass_no_gradient_for_any_decay_rate(native, monkeypatch):
+    """Δ = 400 at one token: Δ·A ≤ −2 · 60 is clamped at −60 for every channel there, and that
+    token's decay passes no gradient; every other token (Δ up to 2, some |A| as small as 0.005, so
+    Δ / |A| is large but Δ·A is not) passes its full gradient. Against the token-loop reference."""
+    monkeypatch.setenv("MNEMO_NATIVE", native)
+    g_ = torch.Generator().manual_seed(0)
+    Bt, T, Dm, N = 2, 12, 3, 4
+    u = torch.randn(Bt, T, Dm, generator=g_, dtype=torch.float64)
+    delta = torch.rand(Bt, T, Dm, generator=g_, dtype=torch.float64) * 2.0
+    delta[:, 5] = 400.0
+    A = -torch.logspace(-2.3, 1.3, Dm * N, dtype=torch.float64).reshape(Dm, N)  # |A| from 0.005 to 20
+    Bm, Cm = (torch.randn(Bt, T, N, generator=g_, dtype=torch.float64) for _ in range(2))
+    grads = {}
+    for mode in ("recurrent", "chunk"):
+        leaves = [t.clone().requires_grad_(True) for t in (u, delta, A, Bm, Cm)]
+        y, _ = selective_scan(*leaves, mode=mode, chunk_size=4)
+        grads[mode] = torch.autograd.grad((y * torch.cos(y)).sum(), leaves)
+    for name, got, ref in zip(("u", "delta", "A", "B", "C"), grads["chunk"], grads["recurrent"]):
+        assert_close(got, ref, 1e-10, what=f"d/d{name}")
+
+
+def test_a_failed_native_build_warns_with_the_compilers_message(tmp_path):
+    cc = tmp_path / "fake-cc"
+    cc.write_text("#!/bin/sh\necho 'fatal: this compiler refuses' >&2\nexit 3\n")
+    cc.chmod(0o755)
+    code = textwrap.dedent(
+        """
+        import warnings
+        from mnemo.ops import _native
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            assert _native.library() is None
+        print("\\n".join(str(w.message) for w in rec))
+        """
+    )
+    env = dict(os.environ, CC=str(cc), MNEMO_NATIVE="1", MNEMO_NATIVE_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "native CPU kernels unavailable" in out.stdout
+    assert "exited with 3: fatal: this compiler refuses" in out.stdout  # text, not a bytes repr

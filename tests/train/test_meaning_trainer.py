@@ -1,0 +1,168 @@
+"""Known answers for the training loop and its files: a model with all-zero weights has loss ln V
+per token; throughput is tokens over measured step time (a fake clock); checkpoints are written
+into new nested folders with a manifest of sizes and SHA-256; settings at their allowed bounds
+validate; a global batch is split into equal row blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mnemo.train import TrainConfig, Trainer
+from mnemo.train.checkpoint import save_checkpoint, verify_checkpoint
+from mnemo.train.distributed import shard
+
+
+def _trainer(tmp_path, **kw):
+    cfg = dict(
+        model="transformer",
+        model_overrides={"d_model": 16, "n_layers": 1},
+        task="mqar",
+        task_options={"num_pairs": 2, "vocab_size": 16},
+        seq_len=16,
+        batch_size=4,
+        steps=2,
+        eval_interval=2,
+        eval_batches=1,
+        warmup_steps=0,
+    )
+    cfg.update(kw)
+    return Trainer(TrainConfig(**cfg), tmp_path / "run", progress=False)
+
+
+def test_zero_weights_give_ln_v_per_token_and_throughput_is_tokens_over_step_time(tmp_path, monkeypatch):
+    import mnemo.train.trainer as trainer_module
+
+    tr = _trainer(tmp_path, steps=4)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.zero_()  # logits 0 everywhere: cross-entropy ln V on every supervised token
+    ln_v = math.log(tr.model.config.vocab_size)
+    clock = iter(0.25 * i for i in range(10_000))
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    with contextlib.redirect_stdout(io.StringIO()):
+        tr.fit()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]  # two evaluation windows of two steps
+    for r in rows:  # each step took exactly 0.25 s on the fake clock: 4 × 16 tokens / 0.25 s
+        assert r["train_loss"] == pytest.approx(ln_v, rel=1e-6)
+        assert r["tokens_per_s"] == pytest.approx(4 * 16 / 0.25, rel=1e-9)
+
+
+def test_a_step_returns_the_mean_loss_over_supervised_tokens(tmp_path):
+    tr = _trainer(tmp_path)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.zero_()
+    assert tr.train_step() == pytest.approx(math.log(tr.model.config.vocab_size), rel=1e-6)
+
+
+def test_checkpoints_go_into_new_nested_folders_with_a_manifest(tmp_path):
+    out = tmp_path / "a" / "b" / "run"
+
+    def write(d):
+        (d / "x.bin").write_bytes(b"\x00\x01" * 50)
+        (d / "y.txt").write_text("hello")
+
+    for step in (3, 5, 7):
+        ckpt = save_checkpoint(out, step, write, keep=2)
+    assert ckpt == out / "ckpt-000007" and (out / "latest").read_text().strip() == "ckpt-000007"
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000005", "ckpt-000007"]
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest == {
+        "format": 1,
+        "files": {
+            "x.bin": {"bytes": 100, "sha256": hashlib.sha256(b"\x00\x01" * 50).hexdigest()},
+            "y.txt": {"bytes": 5, "sha256": hashlib.sha256(b"hello").hexdigest()},
+        },
+    }
+    assert verify_checkpoint(ckpt) == []
+    (ckpt / "y.txt").write_text("jello")  # same size, other bytes
+    assert any("SHA-256" in p for p in verify_checkpoint(ckpt))
+
+
+def test_settings_at_their_bounds_validate_and_past_them_do_not():
+    TrainConfig(beta1=0.0, beta2=0.0, warmup_steps=0, sample_tokens=0, min_lr_ratio=1.0).validate()
+    TrainConfig(sample_temperature=0.0).validate()  # temperature 0: greedy sampling
+    for bad in (
+        {"beta1": 1.0},
+        {"beta2": 1.0},
+        {"beta2": -0.1},
+        {"warmup_steps": -1},
+        {"warmup_steps": True},
+        {"warmup_steps": 2.0},
+        {"sample_tokens": -1},
+        {"sample_temperature": -0.5},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TrainConfig(**bad).validate()
+
+
+def test_shard_splits_the_global_batch_into_equal_row_blocks():
+    batch = torch.arange(6 * 4).reshape(6, 4)
+    assert torch.equal(shard(batch, 1, 3), batch[2:4])
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        shard(torch.zeros(6, 8), 0, 4)  # 6 rows over 4 ranks (the 8 columns would divide)
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_precision_sets_the_compute_dtype_of_matmuls(tmp_path, precision, dtype):
+    tr = _trainer(tmp_path, precision=precision)
+    a = torch.randn(4, 4)
+    with tr._autocast():
+        assert (a @ a).dtype == dtype
+
+
+def test_task_evaluation_is_the_same_with_and_without_a_test_set_cache(tmp_path):
+    from mnemo.train.task_eval import evaluate_task
+
+    tr = _trainer(tmp_path)
+    kw = dict(num_samples=8, batch_size=4, train_len=16, seed=0)
+    plain = evaluate_task(tr.model, tr.task, [16, 32], **kw)
+    cache: dict = {}
+    first = evaluate_task(tr.model, tr.task, [16, 32], cache=cache, **kw)
+    again = evaluate_task(tr.model, tr.task, [16, 32], cache=cache, **kw)
+    assert sorted(cache) == [(16, 8), (32, 8)]
+    assert plain == first == again
+
+
+def test_only_context_parallelism_needs_seq_len_divisible_by_the_world_size(tmp_path, monkeypatch):
+    """Two ranks (faked; no process group exists, so construction stops when DDP needs it): with
+    context parallelism an odd ``seq_len`` cannot be split; without it sequences are never split."""
+    import mnemo.train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "init_from_env", lambda backend: (0, 2))
+    with pytest.raises(ValueError, match="seq_len: context parallelism over 2 processes"):
+        _trainer(tmp_path, model="gla", seq_len=15, context_parallel=True)
+    with pytest.raises(ValueError) as e:  # gets past the check, to the missing process group
+        _trainer(tmp_path, seq_len=15)
+    assert "seq_len" not in str(e.value) and "process group" in str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_asking_for_cuda_without_it_is_refused():
+    from mnemo.train.distributed import local_device
+
+    with pytest.raises(ValueError, match="no CUDA device is available"):
+        local_device(torch.device("cuda"))
+    assert local_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_gradient_accumulation_gives_the_same_step_as_one_batch(tmp_path):
+    """grad_accum = 2: two micro-batches of 2 rows, summed gradients: the step of one batch of 4."""
+    params = []
+    for accum in (1, 2):
+        tr = _trainer(tmp_path / str(accum), grad_accum=accum, seed=3)
+        loss = tr.train_step()
+        params.append((loss, [p.detach().clone() for p in tr.model.parameters()]))
+    (l1, p1), (l2, p2) = params
+    assert l2 == pytest.approx(l1, rel=1e-5)
+    for a, b in zip(p1, p2):
+        assert torch.allclose(a, b, atol=1e-6)
