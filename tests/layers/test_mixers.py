@@ -7,7 +7,7 @@ import torch
 
 from mnemo.layers import MIXERS, Attention, DeltaNet, GatedLinearAttention, LinearAttention, Mamba, Mamba2
 from mnemo.layers.state import nbytes, tensors
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_directional_derivatives
 
 D = 32
 TOL = 1e-10
@@ -61,29 +61,6 @@ def _x(T, B=2, seed=1):
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _assert_directional_derivatives(m, x, name, loss_of=lambda y: y.square().sum()):
-    """Each parameter's ``.grad`` (of ``loss_of(m(x)[0])``, already computed) against a central
-    difference of the loss along a random direction (float64, step 1e-5: measured agreement
-    2e-6 or better; tolerance 1e-4 of the larger of the derivative and 0.001 × the loss)."""
-    with torch.no_grad():
-        base = loss_of(m(x)[0]).item()
-    gen = torch.Generator().manual_seed(5)
-    h = 1e-5
-    for pname, p in m.named_parameters():
-        d = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        analytic = (p.grad * d).sum().item()
-        orig = p.detach().clone()
-        with torch.no_grad():
-            p.add_(h * d)
-            up = loss_of(m(x)[0]).item()
-            p.copy_(orig).sub_(h * d)
-            down = loss_of(m(x)[0]).item()
-            p.copy_(orig)
-        fd = (up - down) / (2 * h)
-        scale = max(abs(analytic), 1e-3 * abs(base))
-        assert abs(fd - analytic) <= 1e-4 * scale, f"{name}: d/d{pname} {analytic} vs finite difference {fd}"
-
-
 def _modes(m):
     return ("parallel", "recurrent") if isinstance(m, Attention) else ("chunk", "parallel", "recurrent")
 
@@ -135,7 +112,7 @@ def test_every_parameter_gets_a_gradient(name, ctor):
     for pname, p in m.named_parameters():
         assert p.grad is not None, pname
         assert p.grad.abs().sum() > 0, f"{name}: no gradient signal reaches {pname}"
-    _assert_directional_derivatives(m, x, name)
+    assert_directional_derivatives(m, x, name)
 
 
 @pytest.mark.parametrize("name, ctor", CASES, ids=[c[0] for c in CASES])

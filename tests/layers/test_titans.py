@@ -8,7 +8,7 @@ import torch
 from mnemo.layers import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
 from mnemo.memory import neural_memory
 from mnemo.memory.engine import memory_apply
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_directional_derivatives
 
 D = 32
 TOL = 1e-10
@@ -39,29 +39,6 @@ def _make(ctor):
 
 def _x(T, B=2, seed=1):
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _assert_directional_derivatives(m, x, name, loss_of=lambda y: y.square().sum()):
-    """Each parameter's ``.grad`` (of ``loss_of(m(x)[0])``, already computed) against a central
-    difference of the loss along a random direction (float64, step 1e-5: measured agreement
-    2e-6 or better; tolerance 1e-4 of the larger of the derivative and 0.001 × the loss)."""
-    with torch.no_grad():
-        base = loss_of(m(x)[0]).item()
-    gen = torch.Generator().manual_seed(5)
-    h = 1e-5
-    for pname, p in m.named_parameters():
-        d = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        analytic = (p.grad * d).sum().item()
-        orig = p.detach().clone()
-        with torch.no_grad():
-            p.add_(h * d)
-            up = loss_of(m(x)[0]).item()
-            p.copy_(orig).sub_(h * d)
-            down = loss_of(m(x)[0]).item()
-            p.copy_(orig)
-        fd = (up - down) / (2 * h)
-        scale = max(abs(analytic), 1e-3 * abs(base))
-        assert abs(fd - analytic) <= 1e-4 * scale, f"{name}: d/d{pname} {analytic} vs finite difference {fd}"
 
 
 @pytest.mark.parametrize("name, ctor", CASES, ids=IDS)
@@ -107,7 +84,7 @@ def test_gradients_reach_every_parameter(name, ctor):
     for pname, p in m.named_parameters():
         assert p.grad is not None, pname
         assert p.grad.abs().sum() > 0, f"{name}: no gradient reaches {pname}"
-    _assert_directional_derivatives(m, x, name)
+    assert_directional_derivatives(m, x, name)
 
 
 def test_mac_order_on_one_segment():
