@@ -235,3 +235,10 @@ def test_repeated_random_tokens_cover_the_whole_vocabulary_by_default():
     assert set(ids.unique().tolist()) == {0, 1, 2, 3, 4}
     shifted = repeated_random_tokens(16, 40, 5, torch.Generator().manual_seed(0), offset=3)
     assert set(shifted.unique().tolist()) == {3, 4}
+
+
+def test_half_lives_beyond_ten_million_tokens_fall_in_the_last_bin():
+    from mnemo.interp.timescales import summarize
+
+    counts = summarize(torch.tensor([5e7, 2.0]))["histogram"]["counts"]
+    assert counts[-1] == 1 and sum(counts) == 2

@@ -61,3 +61,20 @@ def test_moneta_defaults_p_3_and_q_4():
 
     spec, moneta = MemorySpec(), preset("moneta")
     assert (spec.p, spec.q) == (moneta.p, moneta.q) == (3.0, 4.0)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_token_huber_at_exactly_the_threshold_takes_the_l2_step(mode):
+    """Miras Eq. 16: ℓ = ½‖e‖² when ‖e‖₂ ≤ δ. From zero weights e = −v; with v = (3/8, 1/2, 0) and
+    δ = 5/8 (all exact in binary) ‖e‖ = δ exactly, so the step is θ k vᵀ, not θ k (δ sign(v))ᵀ."""
+    spec = MemorySpec(objective="huber", huber_mode="token", chunk_size=1)
+    q = k = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64).reshape(1, 1, 1, 3)
+    v = torch.tensor([0.375, 0.5, 0.0], dtype=torch.float64).reshape(1, 1, 1, 3)
+    theta = torch.full((1, 1, 1), 0.5, dtype=torch.float64)
+    delta = torch.full((1, 1, 1), 0.625, dtype=torch.float64)
+    zeros = torch.zeros(1, 1, 3, 3, dtype=torch.float64)
+    o, st = neural_memory(
+        spec, q, k, v, theta, delta=delta, initial_state=init_state(spec, [zeros]), output_final_state=True,
+        mode=mode, use_closed_form=False,
+    )  # fmt: skip
+    assert torch.equal(o[0, 0, 0], 0.5 * v[0, 0, 0])  # o = (θ k vᵀ)ᵀ q = θ v

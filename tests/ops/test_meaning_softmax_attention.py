@@ -97,3 +97,19 @@ def test_a_cache_with_misshaped_values_is_refused():
         softmax_attention(q, k, v, initial_state=KVCache(torch.randn(1, 4, 2, 3), torch.randn(1, 4, 2, 5)))
     with pytest.raises(TypeError, match="KVCache"):
         softmax_attention(q, k, v, initial_state=(torch.randn(1, 4, 2, 3),))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_long_queries_after_a_cache_average_every_visible_value(window, monkeypatch):
+    """Queries in blocks (forced small) after a cache of 3 keys: equal scores average the visible
+    values, the cached ones included."""
+    import importlib
+
+    sa = importlib.import_module("mnemo.ops.softmax_attention")
+    monkeypatch.setattr(sa, "WINDOW_BLOCK", 4)
+    P, T = 3, 9
+    v_all = torch.randn(1, P + T, 1, 2, dtype=torch.float64)
+    zeros = torch.zeros(1, P + T, 1, 2, dtype=torch.float64)
+    cache = KVCache(zeros[:, :P], v_all[:, :P])
+    o, _ = softmax_attention(zeros[:, P:], zeros[:, P:], v_all[:, P:], window=window, initial_state=cache)
+    assert torch.allclose(o, _running_mean(v_all, window)[:, P:])

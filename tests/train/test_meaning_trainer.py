@@ -166,3 +166,21 @@ def test_gradient_accumulation_gives_the_same_step_as_one_batch(tmp_path):
     assert l2 == pytest.approx(l1, rel=1e-5)
     for a, b in zip(p1, p2):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_finished_run_releases_its_folder(tmp_path):
+    from mnemo.train.trainer import lock_run_folder
+
+    tr = _trainer(tmp_path)
+    with contextlib.redirect_stdout(io.StringIO()):
+        tr.fit()
+    lock = lock_run_folder(tmp_path / "run")  # would raise while another holder kept it
+    if lock is not None:
+        lock.close()
+
+
+def test_learned_positions_cover_exactly_max_position_tokens(tmp_path):
+    over = {"d_model": 16, "n_layers": 1, "max_position": 16}
+    _trainer(tmp_path / "a", model="transformer_abs", model_overrides=over, seq_len=16)  # fits exactly
+    with pytest.raises(ValueError, match="max_position"):
+        _trainer(tmp_path / "b", model="transformer_abs", model_overrides=over, seq_len=17)
