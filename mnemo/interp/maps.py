@@ -18,11 +18,11 @@ import torch
 
 from ..layers.base import Mixing
 from ..ops import (
+    decay_matrix,
     delta_rule_map,
     gated_linear_attention_map,
     selective_scan_map,
 )
-from ..ops._common import decay_matrix
 
 # the ops' map functions under the names this module used to define (kept for existing code)
 gla_map = gated_linear_attention_map

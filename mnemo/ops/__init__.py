@@ -9,7 +9,7 @@ NaN/inf inputs raise :class:`NonFiniteError`; ``with finite_checks(False):`` (or
 fallbacks (see :mod:`mnemo.ops._common`).
 """
 
-from ._common import NonFiniteError, finite_checks, set_finite_checks
+from ._common import NonFiniteError, decay_matrix, finite_checks, set_finite_checks
 from .delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .feature_maps import FavorPlus, elu_plus_one, identity, relu, resolve_feature_map, taylor
 from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
@@ -44,4 +44,5 @@ __all__ = [
     "delta_rule_map",
     "selective_scan_map",
     "ssd_map",
+    "decay_matrix",
 ]
