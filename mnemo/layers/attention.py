@@ -7,7 +7,7 @@ from einops import rearrange, repeat
 from torch import nn
 
 from ..ops._common import compute_dtype
-from ..ops.softmax_attention import KVCache, attention_mask, softmax_attention, softmax_attention_map
+from ..ops.softmax_attention import KVCache, softmax_attention, softmax_attention_map
 from .base import Mixer, Mixing, check_input
 from .hooks import HookPoint
 from .linear_attention import state_dtypes
@@ -125,20 +125,15 @@ class Attention(Mixer):
 
     def _attend_through_pattern(self, q, k, v, cache: KVCache | None):
         """``o = pattern @ v`` with the probabilities passing ``hook_pattern`` (and the new cache)."""
-        T = q.shape[1]
         if cache is not None:
             k_all = torch.cat([cache.k.to(k.dtype), k], dim=1)
             v_all = torch.cat([cache.v.to(v.dtype), v], dim=1)
         else:
             k_all, v_all = k, v
         S = k_all.shape[1]
-        G = self.n_heads // self.n_kv_heads
         cd = compute_dtype(q, k, v)
-        kh = repeat(k_all.to(cd), "b s h d -> b s (h g) d", g=G)
-        vh = repeat(v_all.to(cd), "b s h d -> b s (h g) d", g=G)
-        scores = torch.einsum("bthd,bshd->bhts", q.to(cd), kh) * self.head_dim**-0.5
-        mask = attention_mask(T, S, window=self.window, device=q.device)
-        pattern = self.hook_pattern(scores.masked_fill(~mask, float("-inf")).softmax(-1))
+        pattern = self.hook_pattern(softmax_attention_map(q.to(cd), k_all.to(cd), self.window))
+        vh = repeat(v_all.to(cd), "b s h d -> b s (h g) d", g=self.n_heads // self.n_kv_heads)
         o = torch.einsum("bhts,bshd->bthd", pattern.to(cd), vh).to(q.dtype)
         keep = S if self.window is None else min(S, self.window - 1)
         return o, KVCache(k_all[:, S - keep :], v_all[:, S - keep :])

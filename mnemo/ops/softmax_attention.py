@@ -208,11 +208,12 @@ def softmax_attention(
 def softmax_attention_map(q, k, window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """The attention pattern (probabilities) ``softmax(scale · q kᵀ + mask)`` per query head,
     causal (and within ``window`` when given), so that ``o = P v``. ``q: [B, T, H, K]``,
-    ``k: [B, T, H_kv, K]`` with ``H`` a multiple of ``H_kv`` (grouped-query attention: each key
-    head serves ``H / H_kv`` query heads). Returns ``[B, H, T, T]`` in q's dtype."""
-    T, H, Hk = q.shape[1], q.shape[2], k.shape[2]
+    ``k: [B, S, H_kv, K]`` with ``S ≥ T`` (the queries are the last ``T`` positions: ``S − T``
+    earlier keys come from a cache) and ``H`` a multiple of ``H_kv`` (grouped-query attention:
+    each key head serves ``H / H_kv`` query heads). Returns ``[B, H, T, S]`` in q's dtype."""
+    T, S, H, Hk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     k = repeat(k, "b s h d -> b s (h g) d", g=H // Hk)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
-    mask = attention_mask(T, T, window=window, device=q.device)
+    mask = attention_mask(T, S, window=window, device=q.device)
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)

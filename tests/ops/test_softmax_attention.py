@@ -166,3 +166,31 @@ def test_blockwise_sliding_window_equals_dense(window, Hkv, monkeypatch):
     o2, _ = softmax_attention(q, k, v, window=window, initial_state=cache)
     ref, _ = softmax_attention(q, k, v, window=window, initial_state=cache, mode="recurrent")
     assert_close(o2, ref, TOL)
+
+
+def test_the_map_with_a_cache_is_what_the_op_multiplies_the_values_by():
+    """softmax_attention_map over ``S = P + T`` keys (``P`` cached) reproduces the op's output with
+    that cache as its state; with all-zero queries each row is uniform over the visible keys."""
+    from einops import einsum, repeat
+
+    from mnemo.ops import KVCache, softmax_attention, softmax_attention_map
+
+    g = torch.Generator().manual_seed(0)
+    B, P, T, H, Hk, K = 2, 5, 4, 4, 2, 8
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, P + T, Hk, K, generator=g, dtype=torch.float64) for _ in range(2))
+    o, _ = softmax_attention(q, k[:, P:], v[:, P:], initial_state=KVCache(k[:, :P], v[:, :P]))
+    for window in (None, 3):
+        M = softmax_attention_map(q, k, window=window)
+        assert M.shape == (B, H, T, P + T)
+        if window is None:
+            got = einsum(M, repeat(v, "b s h d -> b s (h g) d", g=H // Hk), "b h t s, b s h d -> b t h d")
+            torch.testing.assert_close(got, o, rtol=1e-12, atol=1e-12)
+        visible = [min(P + t + 1, window or P + T) for t in range(T)]
+        U = softmax_attention_map(torch.zeros_like(q), k, window=window)
+        for t, n in enumerate(visible):
+            row = U[:, :, t]
+            torch.testing.assert_close(
+                row[..., P + t + 1 - n : P + t + 1], torch.full_like(row[..., :n], 1 / n)
+            )
+            assert float(row.sum(-1).sub(1).abs().max()) < 1e-12
