@@ -40,6 +40,11 @@ class Mixer(nn.Module):
     #: the hook names :meth:`mixing` needs (recorded by ``LanguageModel.run_with_cache``)
     mixing_hooks: tuple[str, ...] = ()
 
+    #: ``True`` when the state's ``offset`` (tokens consumed) never changes what the mixer computes
+    #: (no positions, no periods): states of streams of different lengths can then decode as one
+    #: batch (``LanguageModel.generate`` with an ``attention_mask``). Conservative default ``False``.
+    offset_free: bool = False
+
     def __init__(self, mode: str):
         super().__init__()
         self.mode = mode
@@ -58,6 +63,18 @@ class Mixer(nn.Module):
         raise NotImplementedError(
             f"{type(self).__name__} has no implicit attention map (its memory is not linear in the values)"
         )
+
+    def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, *, mode: str | None = None):
+        """Several documents packed in one row: ``x [1, N, d_model]``, ``cu_seqlens [D + 1]``
+        (long, ``0 = c_0 < c_1 < … < c_D = N``: document ``i`` is ``x[:, c_i:c_{i+1}]``). Returns
+        ``y [1, N, d_model]`` where each document is mixed as if alone (its state starts empty; no
+        information crosses a boundary).
+
+        This default runs the documents one by one (exact for every mixer); a mixer whose op
+        takes ``cu_seqlens`` overrides it with one call."""
+        bounds = cu_seqlens.tolist()
+        ys = [self(x[:, a:b], None, mode=mode)[0] for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(ys, dim=1)
 
     def _mode(self, T: int, mode: str | None) -> str:
         if mode is not None:

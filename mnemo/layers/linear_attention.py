@@ -115,6 +115,8 @@ class LinearAttention(_QKVMixer):
     State: :class:`MatrixState` (memory ``[B, H, F, V + normalize]``, conv tail, offset).
     """
 
+    offset_free = True  # no positions: the state alone decides the output
+
     def __init__(
         self,
         d_model: int,
@@ -234,6 +236,11 @@ class GatedLinearAttention(_QKVMixer):
         self.out_gate = nn.Linear(d_model, n_heads * value_dim, bias=False)
         self.norm = RMSNorm(value_dim)
         self.hook_g = HookPoint()
+
+    @property
+    def offset_free(self) -> bool:  # type: ignore[override]
+        """Without rotary positions the state alone decides the output."""
+        return self.rotary is None
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """The log gates ``g`` for input ``x [B, T, d_model]``: ``[B, T, H]`` or ``[B, T, H, K]``."""

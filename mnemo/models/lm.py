@@ -45,7 +45,9 @@ class Block(nn.Module):
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
-    def forward(self, x, state: BlockState | None = None, mode=None):
+    def forward(self, x, state: BlockState | None = None, mode=None, cu_seqlens=None):
+        if cu_seqlens is not None:
+            return self._forward_packed(x, cu_seqlens, mode)
         x = self.hook_resid_pre(x)
         y, mixer_state = self.mixer(self.mixer_norm(x), state.mixer if state is not None else None, mode=mode)
         x = self.hook_resid_mid(x + self.hook_mixer_out(y))
@@ -57,6 +59,22 @@ class Block(nn.Module):
                 y = self.mlp(self.mlp_norm(x))
             x = x + self.hook_mlp_out(y)
         return self.hook_resid_post(x), BlockState(mixer=mixer_state, mlp=mlp_state)
+
+    def _forward_packed(self, x, cu_seqlens, mode):
+        """Packed documents (``x [1, N, d]``): the mixer (and a stateful MLP) see each document
+        alone; the norms and a plain MLP act per token. Returns ``(x, None)``."""
+        x = self.hook_resid_pre(x)
+        y = self.mixer.forward_packed(self.mixer_norm(x), cu_seqlens, mode=mode)
+        x = self.hook_resid_mid(x + self.hook_mixer_out(y))
+        if self.mlp is not None:
+            h = self.mlp_norm(x)
+            if self.stateful_mlp:
+                b = cu_seqlens.tolist()
+                y = torch.cat([self.mlp(h[:, s:e], None)[0] for s, e in zip(b[:-1], b[1:])], dim=1)
+            else:
+                y = self.mlp(h)
+            x = x + self.hook_mlp_out(y)
+        return self.hook_resid_post(x), None
 
 
 class LanguageModel(nn.Module):
@@ -171,8 +189,23 @@ class LanguageModel(nn.Module):
                     special()
 
     def forward(
-        self, input_ids: torch.Tensor, state: list[BlockState] | None = None, *, mode: str | None = None
+        self,
+        input_ids: torch.Tensor,
+        state: list[BlockState] | None = None,
+        *,
+        mode: str | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ):
+        """``(logits [B, T, vocab], state)``.
+
+        ``cu_seqlens`` (document packing): ``input_ids [1, N]`` holds several documents back to
+        back, ``cu_seqlens [D + 1]`` (long) their boundaries ``0 = c_0 < … < c_D = N``. Every
+        mixer then starts each document from an empty state (its own packed op where it has one,
+        else one call per document) and learned positions restart at 0, so the logits equal
+        running each document alone; the returned state is ``None`` (there is no single stream to
+        continue). Not with ``state``, nor for models whose CMS levels learn from the task loss.
+        Raises ``ValueError`` naming the argument and what was expected.
+        """
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(
                 f"input_ids must be an integer tensor [B, T], got {input_ids.dtype} {list(input_ids.shape)}"
@@ -184,9 +217,38 @@ class LanguageModel(nn.Module):
             )
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
+        if cu_seqlens is not None:
+            return self._forward_packed(input_ids, state, mode, cu_seqlens)
         if self.task_segment is not None:  # CMS levels learning from the next-token loss
             return task_signal.forward(self, input_ids, state, mode)
         return self._forward(input_ids, state, mode)
+
+    def _forward_packed(self, input_ids, state, mode, cu_seqlens):
+        if state is not None:
+            raise ValueError("cu_seqlens: packed documents start from empty states; got a state as well")
+        if self.task_segment is not None:
+            raise ValueError(
+                "cu_seqlens: packing is not supported for models whose CMS levels learn from the task loss"
+            )
+        cu = check_cu_seqlens(cu_seqlens, input_ids)
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            lengths = cu[1:] - cu[:-1]
+            if int(lengths.max()) > self.config.max_position:
+                raise ValueError(
+                    f"learned positions cover max_position = {self.config.max_position} tokens, but a "
+                    f"packed document has {int(lengths.max())}"
+                )
+            starts = torch.repeat_interleave(cu[:-1], lengths)
+            pos = torch.arange(input_ids.shape[1], device=cu.device) - starts
+            x = x + self.pos_embed(pos.to(x.device))
+        x = self.hook_embed(x)
+        for block in self.blocks:
+            x, _ = block(x, None, mode=mode, cu_seqlens=cu)
+        logits = self.lm_head(self.norm(x))
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return logits, None
 
     def _forward(self, input_ids: torch.Tensor, state, mode, allow_checkpoint: bool = True):
         """Embedding → blocks → head on validated ``input_ids`` (one pass, no task signal)."""
@@ -234,12 +296,27 @@ class LanguageModel(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` continuation tokens; returns ``[B, T + max_new_tokens]``.
 
         The prompt is processed in one pass (prefill), then one token at a time with the per-layer
         state, so recurrent models decode in constant memory. ``temperature = 0`` is greedy.
+
+        ``attention_mask [B, T]`` (1 = token, 0 = padding) batches prompts of different lengths,
+        **left-padded** (each row ``0 … 0 1 … 1``; ``ValueError`` naming the row otherwise). Pad
+        tokens never enter any state: rows of equal length are prefilled together without their
+        pads, and the new tokens are appended after the padded prompt. Decoding then runs as one
+        batch when every mixer is :attr:`~mnemo.layers.base.Mixer.offset_free` (and no MLP keeps
+        a state) — the joined state's ``offset`` then counts the longest prompt — and otherwise
+        per group of equal length (rotary positions, windows and periods are per stream). Each row
+        equals generating its prompt alone (exactly for greedy decoding; sampling draws from one
+        ``generator`` in another order).
         """
+        if attention_mask is not None:
+            return self._generate_padded(
+                input_ids, attention_mask, max_new_tokens, temperature, top_k, generator
+            )
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
@@ -256,6 +333,57 @@ class LanguageModel(nn.Module):
             logits, state = self(nxt[:, None], state)
         self.train(was_training)
         return torch.cat(out, dim=1)
+
+    @torch.no_grad()
+    def _generate_padded(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator):
+        from ..layers.state import cat_rows
+
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, "
+                f"got {list(attention_mask.shape)}"
+            )
+        mask = attention_mask.to(torch.bool)
+        B, T = input_ids.shape
+        lengths = mask.sum(1)
+        for b in range(B):
+            L = int(lengths[b])
+            if L < 1 or not bool(mask[b, T - L :].all()):
+                raise ValueError(
+                    f"attention_mask row {b} must be left padding then at least one token (0 … 0 1 … 1), "
+                    f"got {mask[b].int().tolist()}"
+                )
+        groups: dict[int, list[int]] = {}
+        for b, L in enumerate(lengths.tolist()):
+            groups.setdefault(L, []).append(b)
+        was_training = self.training
+        self.eval()
+        joinable = all(getattr(blk.mixer, "offset_free", False) and not blk.stateful_mlp for blk in self.blocks)
+        new = input_ids.new_empty(B, max_new_tokens)
+        runs = []  # (rows, last logits, state)
+        for L, rows in groups.items():
+            logits, state = self(input_ids[rows, T - L :])
+            runs.append((rows, logits[:, -1], state))
+        if joinable and len(runs) > 1:
+            rows = [r for run in runs for r in run[0]]
+            longest = max(groups)
+
+            def joined(i):
+                parts = [run[2][i] for run in runs]
+                for p in parts:  # only bookkeeping for offset-free mixers
+                    p.mixer.offset = longest
+                return cat_rows(parts)
+
+            runs = [(rows, torch.cat([run[1] for run in runs]), [joined(i) for i in range(len(self.blocks))])]
+        for rows, last, state in runs:
+            for step in range(max_new_tokens):
+                nxt = sample_next(last, temperature, top_k, generator)
+                new[rows, step] = nxt
+                if step + 1 < max_new_tokens:
+                    logits, state = self(nxt[:, None], state)
+                    last = logits[:, -1]
+        self.train(was_training)
+        return torch.cat([input_ids, new], dim=1)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
@@ -298,6 +426,23 @@ class LanguageModel(nn.Module):
         except Exception as e:  # safetensors raises several error types for damaged files
             raise ValueError(f"corrupt or incompatible weights file {w_path}: {e}") from e
         return model.to(map_location)
+
+
+def check_cu_seqlens(cu_seqlens, input_ids: torch.Tensor) -> torch.Tensor:
+    """Validate packed-document boundaries for ``input_ids [1, N]``; returns them as a long tensor
+    on the ids' device. Raises ``ValueError`` naming what is wrong."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: packed input_ids must be one row [1, N], got {list(input_ids.shape)}")
+    cu = torch.as_tensor(cu_seqlens, device=input_ids.device)
+    N = input_ids.shape[1]
+    if cu.ndim != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [D + 1], got {cu.dtype} {list(cu.shape)}")
+    cu = cu.long()
+    if int(cu[0]) != 0 or int(cu[-1]) != N or not bool((cu[1:] > cu[:-1]).all()):
+        raise ValueError(
+            f"cu_seqlens: expected strictly increasing boundaries from 0 to N = {N}, got {cu.tolist()}"
+        )
+    return cu
 
 
 def check_device(device: str | torch.device) -> None:
