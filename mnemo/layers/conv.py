@@ -53,6 +53,22 @@ class ShortConvolution(nn.Module):
             y = F.silu(y)
         return y, rearrange(xp[:, xp.shape[1] - (W - 1) :], "b w c -> b c w")
 
+    def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed documents ``x [1, N, C]`` with boundaries ``cu_seqlens [D + 1]``: each document
+        is convolved from a zero state (a tap that would reach into the previous document reads
+        zero), ``y [1, N, C]``. W masked shifted multiply-adds (``W`` is a few taps)."""
+        N, W = x.shape[1], self.kernel_size
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        pos = torch.arange(N, device=x.device) - torch.repeat_interleave(cu_seqlens[:-1].to(x.device), lengths)
+        w = self.weight[:, 0, :].to(x.dtype)  # [C, W]; tap i reads x_{t - (W - 1 - i)}
+        y = x * w[:, W - 1]
+        for lag in range(1, W):
+            shifted = F.pad(x[:, : N - lag], (0, 0, lag, 0))
+            y = y + shifted * (pos >= lag).to(x.dtype)[None, :, None] * w[:, W - 1 - lag]
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return F.silu(y) if self.activation else y
+
     def state_spec(self, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The streaming state ``[B, C, W − 1]`` as a ``meta`` tensor (it is in the input's dtype)."""
         return spec((batch_size, self.channels, self.kernel_size - 1), dtype)

@@ -274,6 +274,27 @@ class GatedLinearAttention(_QKVMixer):
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, MatrixState(memory=S, conv=conv_state, offset=offset + T)
 
+    def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, *, mode: str | None = None):
+        """Packed documents in one call of the op (``cu_seqlens``) and a packed short conv; with
+        rotary positions (RetNet), one call per document (positions restart per document)."""
+        if self.rotary is not None or (mode or self.mode) == "recurrent":
+            return super().forward_packed(x, cu_seqlens, mode=mode)
+        check_input(x, self.d_model)
+        qkv = self.qkv_proj(x)
+        qkv = self.conv.forward_packed(qkv, cu_seqlens) if self.conv is not None else qkv
+        H, K = self.n_heads, self.key_dim
+        q, k, v = (
+            rearrange(t, "b t (h d) -> b t h d", h=H)
+            for t in qkv.split([H * K, H * K, H * self.value_dim], dim=-1)
+        )
+        q, k, v, g = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_g(self.log_decay(x))
+        o, _ = gated_linear_attention(
+            q, k, v, g, cu_seqlens=cu_seqlens, mode=mode or self.mode, chunk_size=self.chunk_size
+        )
+        o = self.hook_o(o)
+        o = self.norm(o) * F.silu(rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
+        return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+
     def mixing(self, acts: dict) -> Mixing:
         M = gated_linear_attention_map(acts["hook_q"], acts["hook_k"], acts["hook_g"])
         return Mixing(M, acts["hook_v"], acts["hook_o"])
