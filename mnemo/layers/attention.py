@@ -1,4 +1,5 @@
-"""Softmax attention layer: RoPE, grouped-query heads, optional sliding window, KV cache."""
+"""Softmax attention layer: RoPE (full or partial), grouped-query heads, optional sliding window,
+per-head q/k norms, an output gate, KV cache."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..ops.softmax_attention import KVCache, softmax_attention, softmax_attentio
 from .base import Mixer, Mixing, check_input
 from .hooks import HookPoint
 from .linear_attention import state_dtypes
+from .norm import RMSNorm
 from .registry import register_mixer
 from .rotary import RotaryEmbedding
 from .state import spec, state_dataclass
@@ -42,6 +44,14 @@ class Attention(Mixer):
         window: sliding-window size (keys visible to a query, itself included); ``None`` = full.
         rope: apply rotary embeddings (``rope_theta`` base) to q and k.
         mode: ``"parallel"`` (SDPA) or ``"recurrent"`` (reference token loop).
+        rotary_dim: rotate only the first ``rotary_dim`` channels of each head (partial rotary,
+            :class:`~mnemo.layers.rotary.RotaryEmbedding`); default the whole head.
+        qk_norm: a per-head RMSNorm (width ``head_dim``, epsilon ``norm_eps``) on q and k before
+            the rotary positions (Qwen3, Qwen3-Next). Default off.
+        output_gate: ``o ⊙ sigmoid(W_gate x)`` per head and channel before the output projection
+            (gated attention, as in Qwen3-Next; ``W_gate``: ``gate_proj``). Default off.
+        bias: biases on the q, k, v, gate and output projections. Default off.
+        norm_eps: the q/k norms' epsilon (default ``1e-5``).
 
     Hook points (``S`` = cached + new keys):
 
@@ -51,7 +61,7 @@ class Attention(Mixer):
       float64 model). Built only while a hook is attached; the output is then computed as
       ``pattern @ v``, so a replaced pattern takes effect (otherwise the fused kernel runs and no
       ``T × S`` matrix is formed);
-    * ``hook_o`` ``[B, T, H, V]``: the attention output, before the output projection;
+    * ``hook_o`` ``[B, T, H, V]``: the attention output, before the output gate and projection;
     * ``hook_state``: the :class:`~mnemo.ops.KVCache` after the call.
 
     State: :class:`AttentionState` (``kv``, ``offset``); with a window, the cache keeps only the
@@ -70,6 +80,12 @@ class Attention(Mixer):
         rope: bool = True,
         rope_theta: float = 10000.0,
         mode: str = "parallel",
+        *,
+        rotary_dim: int | None = None,
+        qk_norm: bool = False,
+        output_gate: bool = False,
+        bias: bool = False,
+        norm_eps: float = 1e-5,
     ):
         super().__init__(mode)
         n_kv_heads = n_kv_heads or n_heads
@@ -78,19 +94,26 @@ class Attention(Mixer):
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.window = window
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
-        self.kv_proj = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
-        self.rotary = RotaryEmbedding(head_dim, rope_theta) if rope else None
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.kv_proj = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=bias)
+        self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias) if output_gate else None
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(head_dim, rope_theta, rotary_dim) if rope else None
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
 
     def _mode(self, T: int, mode: str | None) -> str:
         return mode or self.mode
 
-    def ov_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def ov_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per query head ``h``: ``(W_V [d_model, D], W_O [D, d_model])``; with grouped-query
-        attention head ``h`` reads the values of key/value head ``h // (H / H_kv)``."""
+        attention head ``h`` reads the values of key/value head ``h // (H / H_kv)``. ``None`` with
+        the output gate (the token-dependent gate between them leaves no fixed OV matrix); biases
+        are not part of the matrices."""
+        if self.gate_proj is not None:
+            return None
         D, G = self.head_dim, self.n_heads // self.n_kv_heads
         W_v = self.kv_proj.weight.detach()[self.n_kv_heads * D :].T  # [d, H_kv·D]
         W_o = self.o_proj.weight.detach().T  # [H·D, d]
@@ -104,6 +127,8 @@ class Attention(Mixer):
         cache = state.kv if state is not None else None
         q = rearrange(self.q_proj(x), "b t (h d) -> b t h d", h=self.n_heads)
         k, v = rearrange(self.kv_proj(x), "b t (two h d) -> two b t h d", two=2, h=self.n_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, offset), self.rotary(k, offset)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
@@ -120,6 +145,8 @@ class Attention(Mixer):
                 mode=self._mode(T, mode),
             )
         o, cache = self.hook_o(o), self.hook_state(cache)
+        if self.gate_proj is not None:
+            o = o * torch.sigmoid(rearrange(self.gate_proj(x), "b t (h d) -> b t h d", h=self.n_heads))
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, AttentionState(kv=cache, offset=offset + T)
 

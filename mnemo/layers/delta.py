@@ -31,6 +31,15 @@ def init_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, generator=No
     return inverse_softplus(dt)
 
 
+def l2_normalize(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """``x / ‖x‖`` over the last dimension: ``F.normalize`` (``x / max(‖x‖, 1e-12)``) when ``eps``
+    is ``None``, else ``x / sqrt(Σ x² + eps)`` (the form of the Gated DeltaNet reference code and
+    of Qwen3-Next, ``eps = 1e-6``)."""
+    if eps is None:
+        return F.normalize(x, dim=-1)
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
 @register_mixer("deltanet")
 @register_mixer("gated_deltanet", gated=True)
 class DeltaNet(Mixer):
@@ -42,23 +51,48 @@ class DeltaNet(Mixer):
 
     With ``gated=True`` this is **Gated DeltaNet** (Yang et al. 2024, "Gated Delta Networks"):
     ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ`` with the Mamba-2-style decay
-    ``log α_t = −exp(A_log) · softplus(W_a x + dt_bias)`` per head.
+    ``log α_t = −exp(A_log) · softplus(W_a x + dt_bias)`` per (value) head.
 
     Args:
-        d_model, n_heads; head_dim: per-head key/value size (default ``d_model // n_heads``).
+        d_model, n_heads: model width; query/key heads ``H_k``.
+        head_dim: per-head key size ``K`` and, unless ``value_head_dim`` is given, value size
+            (default ``d_model // n_heads``).
+        value_head_dim: per-head value size ``V`` (default ``head_dim``). The reference code
+            (fla's ``expand_v = 2``) and Qwen3-Next use other widths than the keys'; the default
+            keeps ``V = K`` (the paper's equations do not fix it).
+        n_v_heads: value heads ``H_v`` (default ``n_heads``), a multiple of ``n_heads``: grouped
+            value heads, as in Qwen3-Next — key/query head ``h`` serves the ``H_v / H_k``
+            consecutive value heads ``h·G … h·G + G − 1``; β, the decay, the memory, the output
+            norm and gate are per value head.
         short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v (default on).
-        output_gate: ``RMSNorm(o) ⊙ silu(W_g x)`` before the output projection (default on).
+        conv_bias: a bias in that conv (default on, as before; neither the paper's reference code
+            nor Qwen3-Next has one).
+        beta_bias: a bias in ``W_β`` (default on, as before; neither the reference nor Qwen3-Next
+            has one).
+        allow_neg_eigval: ``β = 2 · sigmoid(W_β x) ∈ (0, 2)``, so the transition
+            ``I − β k kᵀ`` may have a negative eigenvalue (Grazzi et al. 2024); default off
+            (``β ∈ (0, 1)``, the paper's).
+        qk_norm_eps: ``None`` (default, as before): ``F.normalize`` (``x / max(‖x‖, 1e-12)``); a
+            float: ``x / sqrt(Σx² + eps)`` (the reference code and Qwen3-Next use ``1e-6``; the
+            paper writes the exact L2 normalisation).
+        output_gate: ``RMSNorm(o) ⊙ silu(W_g x)`` per value head before the output projection
+            (default on; with grouped heads this is Qwen3-Next's gated norm, ``W_g`` = its ``z``).
+        norm_eps: the output RMSNorm's epsilon (default ``1e-5``, as before; Qwen3-Next: its
+            ``rms_norm_eps``, ``1e-6``). Its weight multiplies directly (not zero-centred).
         gated: Gated DeltaNet's decay. mode / chunk_size: op form for ``T > 1``.
 
-    Hook points, as the op gets them: ``hook_q, hook_k`` ``[B, T, H, K]`` (after the conv and the
-    L2 normalisation), ``hook_v`` ``[B, T, H, V]``, ``hook_beta`` ``[B, T, H]`` (write strength,
+    Hook points, as the op gets them (with grouped heads q and k are already repeated to the
+    ``H = H_v`` value heads): ``hook_q, hook_k`` ``[B, T, H, K]`` (after the conv and the L2
+    normalisation), ``hook_v`` ``[B, T, H, V]``, ``hook_beta`` ``[B, T, H]`` (write strength,
     float32 / float64), ``hook_g`` ``[B, T, H]`` (log decay ``log α``; Gated DeltaNet only),
     ``hook_o`` ``[B, T, H, V]`` (the memory read-out, before the norm and the output gate) and
     ``hook_state`` ``[B, H, K, V]`` (the memory after the call).
 
-    State: :class:`~mnemo.layers.linear_attention.MatrixState` (memory ``[B, H, K, V]`` float32,
-    conv tail ``[B, 3 H K, conv_size − 1]``, offset).
+    State: :class:`~mnemo.layers.linear_attention.MatrixState` (memory ``[B, H_v, K, V]`` float32,
+    conv tail ``[B, 2 H_k K + H_v V, conv_size − 1]`` — channels ``[q | k | v]``, offset).
     """
+
+    offset_free = True  # no positions: the state alone decides the output
 
     def __init__(
         self,
@@ -71,22 +105,40 @@ class DeltaNet(Mixer):
         gated: bool = False,
         mode: str = "chunk",
         chunk_size: int = 64,
+        *,
+        value_head_dim: int | None = None,
+        n_v_heads: int | None = None,
+        conv_bias: bool = True,
+        beta_bias: bool = True,
+        allow_neg_eigval: bool = False,
+        qk_norm_eps: float | None = None,
+        norm_eps: float = 1e-5,
     ):
         super().__init__(mode)
         head_dim = head_dim or d_model // n_heads
+        value_head_dim = value_head_dim or head_dim
+        n_v_heads = n_v_heads or n_heads
+        if n_v_heads % n_heads:
+            raise ValueError(f"n_v_heads ({n_v_heads}) must be a multiple of n_heads ({n_heads})")
+        if qk_norm_eps is not None and not qk_norm_eps >= 0:
+            raise ValueError(f"qk_norm_eps must be None or >= 0, got {qk_norm_eps!r}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
+        self.n_v_heads, self.value_head_dim = n_v_heads, value_head_dim
         self.chunk_size, self.gated = chunk_size, gated
-        width = 3 * n_heads * head_dim
+        self.allow_neg_eigval, self.qk_norm_eps = allow_neg_eigval, qk_norm_eps
+        key_width, value_width = n_heads * head_dim, n_v_heads * value_head_dim
+        self.key_width, self.value_width = key_width, value_width
+        width = 2 * key_width + value_width
         self.qkv_proj = nn.Linear(d_model, width, bias=False)
-        self.conv = ShortConvolution(width, conv_size) if short_conv else None
-        self.beta_proj = nn.Linear(d_model, n_heads, bias=True)
+        self.conv = ShortConvolution(width, conv_size, bias=conv_bias) if short_conv else None
+        self.beta_proj = nn.Linear(d_model, n_v_heads, bias=beta_bias)
         if gated:
-            self.a_proj = nn.Linear(d_model, n_heads, bias=False)
-            self.A_log = nn.Parameter(torch.zeros(n_heads))
-            self.dt_bias = nn.Parameter(torch.zeros(n_heads))
-        self.g_proj = nn.Linear(d_model, n_heads * head_dim, bias=False) if output_gate else None
-        self.norm = RMSNorm(head_dim)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+            self.a_proj = nn.Linear(d_model, n_v_heads, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(n_v_heads))
+            self.dt_bias = nn.Parameter(torch.zeros(n_v_heads))
+        self.g_proj = nn.Linear(d_model, value_width, bias=False) if output_gate else None
+        self.norm = RMSNorm(value_head_dim, norm_eps)
+        self.o_proj = nn.Linear(value_width, d_model, bias=False)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_beta, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
         if gated:
@@ -101,26 +153,36 @@ class DeltaNet(Mixer):
     def _init_special(self) -> None:
         if self.gated:
             with torch.no_grad():
-                self.A_log.copy_(torch.empty(self.n_heads).uniform_(1.0, 16.0).log())
-                self.dt_bias.copy_(init_dt_bias(self.n_heads))
+                self.A_log.copy_(torch.empty(self.n_v_heads).uniform_(1.0, 16.0).log())
+                self.dt_bias.copy_(init_dt_bias(self.n_v_heads))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """``g = −exp(A_log) · softplus(W_a x + dt_bias)``: ``[B, T, H]`` (Gated DeltaNet only)."""
+        """``g = −exp(A_log) · softplus(W_a x + dt_bias)``: ``[B, T, H_v]`` (Gated DeltaNet only)."""
         return -upcast(self.A_log).exp() * F.softplus(upcast(self.a_proj(x)) + upcast(self.dt_bias))
+
+    def write_strength(self, x: torch.Tensor) -> torch.Tensor:
+        """``β = sigmoid(W_β x)`` (``2 · sigmoid`` with ``allow_neg_eigval``): ``[B, T, H_v]``."""
+        beta = torch.sigmoid(upcast(self.beta_proj(x)))
+        return 2 * beta if self.allow_neg_eigval else beta
 
     def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
-        H = self.n_heads
         qkv = self.qkv_proj(x)
         conv_state = None
         if self.conv is not None:
             qkv, conv_state = self.conv(qkv, state.conv if state is not None else None)
         else:
             qkv = F.silu(qkv)
-        q, k, v = rearrange(qkv, "b t (three h d) -> three b t h d", three=3, h=H)
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k, v = qkv.split((self.key_width, self.key_width, self.value_width), dim=-1)
+        q = rearrange(q, "b t (h d) -> b t h d", h=self.n_heads)
+        k = rearrange(k, "b t (h d) -> b t h d", h=self.n_heads)
+        v = rearrange(v, "b t (h d) -> b t h d", h=self.n_v_heads)
+        q, k = l2_normalize(q, self.qk_norm_eps), l2_normalize(k, self.qk_norm_eps)
+        G = self.n_v_heads // self.n_heads
+        if G > 1:
+            q, k = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        beta = self.hook_beta(torch.sigmoid(upcast(self.beta_proj(x))))
+        beta = self.hook_beta(self.write_strength(x))
         kwargs = dict(
             initial_state=state.memory if state is not None else None,
             output_final_state=True,
@@ -135,13 +197,13 @@ class DeltaNet(Mixer):
         o, S = self.hook_o(o), self.hook_state(S)
         o = self.norm(o)
         if self.g_proj is not None:
-            o = o * F.silu(rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=H))
+            o = o * F.silu(rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=self.n_v_heads))
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, MatrixState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
 
     def mixing(self, acts: dict) -> Mixing:
         """``M = P A⁻¹ diag(β)`` of the (gated) delta rule's parallel form
-        (:func:`~mnemo.ops.delta_rule_map`)."""
+        (:func:`~mnemo.ops.delta_rule_map`), per value head."""
         names = ("hook_q", "hook_k", "hook_v", "hook_beta", "hook_o")
         q, k, v, beta, o = (acts[n] for n in names)
         g = acts["hook_g"] if self.gated else None
@@ -153,11 +215,11 @@ class DeltaNet(Mixer):
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> MatrixState:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
-        default the parameters'): the memory ``[B, H, K, V]`` and the conv tail."""
+        default the parameters'): the memory ``[B, H_v, K, V]`` and the conv tail."""
         act, mem = state_dtypes(self, dtype)
         B = batch_size
         return MatrixState(
-            memory=spec((B, self.n_heads, self.head_dim, self.head_dim), mem),
+            memory=spec((B, self.n_v_heads, self.head_dim, self.value_head_dim), mem),
             conv=None if self.conv is None else self.conv.state_spec(B, act),
             offset=seq_len,
         )

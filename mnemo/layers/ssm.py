@@ -72,6 +72,10 @@ class Mamba(Mixer):
         dt_rank: rank of the Δ projection (default ``ceil(d_model / 16)``).
         selective: ``False`` makes Δ, B, C input-independent learned parameters (an LTI SSM, the
             ablation of Mamba §4.1); default ``True``.
+        bias: biases on the input and output projections ``W_in``, ``W_out`` (default ``False``;
+            mamba-ssm's ``bias``, transformers' ``use_bias``).
+        conv_bias: a bias in the short convolution (default ``True``; mamba-ssm's ``conv_bias``,
+            transformers' ``use_conv_bias``).
         mode / chunk_size: op form for ``T > 1``.
 
     Hook points, as the scan gets them (``D = d_inner``):
@@ -90,6 +94,7 @@ class Mamba(Mixer):
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
+    offset_free = True  # no positions: the state alone decides the output
 
     def __init__(
         self,
@@ -99,6 +104,8 @@ class Mamba(Mixer):
         conv_size: int = 4,
         dt_rank: int | None = None,
         selective: bool = True,
+        bias: bool = False,
+        conv_bias: bool = True,
         mode: str = "chunk",
         chunk_size: int | None = None,
     ):
@@ -107,8 +114,8 @@ class Mamba(Mixer):
         self.d_inner = expand * d_model
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
         self.chunk_size = chunk_size
-        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=False)
-        self.conv = ShortConvolution(self.d_inner, conv_size)
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias)
+        self.conv = ShortConvolution(self.d_inner, conv_size, bias=conv_bias)
         if selective:
             self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
         else:
@@ -118,7 +125,7 @@ class Mamba(Mixer):
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
         self.A_log = nn.Parameter(torch.zeros(self.d_inner, d_state))
         self.D = nn.Parameter(torch.ones(self.d_inner))
-        self.o_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        self.o_proj = nn.Linear(self.d_inner, d_model, bias=bias)
         add_hook_points(self, "v", "dt", "B", "C", "g", "o", "state")
         self._init_special()
 
@@ -220,6 +227,30 @@ class Mamba(Mixer):
         )
 
 
+class GroupRMSNorm(RMSNorm):
+    """:class:`~mnemo.layers.norm.RMSNorm` over each of ``groups`` contiguous groups of the last
+    dimension on its own (one weight over all of it): ``y_g = x_g / sqrt(mean(x_g²) + eps)``, then
+    ``y · weight``. ``groups = 1`` is the plain RMSNorm. Computed in at least float32, returned in
+    ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, groups: int = 1):
+        super().__init__(dim, eps)
+        if groups < 1 or dim % groups:
+            raise ValueError(f"groups ({groups}) must divide dim ({dim})")
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups == 1:
+            return super().forward(x)
+        xc = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        xg = rearrange(xc, "... (g c) -> ... g c", g=self.groups)
+        y = rearrange(F.rms_norm(xg, (xg.shape[-1],), None, self.eps), "... g c -> ... (g c)")
+        return (y * self.weight.to(xc.dtype)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, groups={self.groups}"
+
+
 @register_mixer("mamba2")
 class Mamba2(Mixer):
     """Mamba-2 block (Dao & Gu 2024, "Transformers are SSMs", §7 and Fig. 6) over
@@ -227,19 +258,41 @@ class Mamba2(Mixer):
 
         z, xBC, dt = W_in u              x, B, C = silu(conv(xBC))
         h_t = exp(Δ_t A_h) h_{t−1} + B_t (Δ_t x_t)ᵀ        y_t = h_tᵀ C_t + D_h x_t
-        out = W_out RMSNorm(y ⊙ silu(z))          with Δ = softplus(dt + dt_bias), A_h = −exp(A_log_h)
+        out = W_out GroupRMSNorm(y ⊙ silu(z))     with Δ = clamp(softplus(dt + dt_bias), dt_limit),
+                                                       A_h = −exp(A_log_h)
+
+    ``GroupRMSNorm`` normalises each of ``n_groups`` contiguous groups of ``d_inner / n_groups``
+    channels on its own (as mamba-ssm's ``RMSNormGated(group_size=d_inner / ngroups)`` and
+    transformers' ``MambaRMSNormGated``), then scales by one weight over ``d_inner``.
 
     Args:
         d_model; d_state: ``N`` (64); head_dim: ``P`` (64, clipped to ``d_inner``); expand (2);
         n_groups: B/C groups shared by heads (1); conv_size (4). ``A ~ U[1, 16]``,
         ``Δ ~ LogUniform[1e-3, 1e-1]`` at init; ``D = 1``.
+        bias: biases on the input and output projections (default ``False``; mamba-ssm's ``bias``,
+            transformers' ``use_bias``).
+        conv_bias: a bias in the short convolution (default ``True``; ``conv_bias`` /
+            ``use_conv_bias``).
+        dt_limit: ``(min, max)``: Δ is clamped to this range after the softplus, in every form and in
+            token steps alike (mamba-ssm's ``dt_limit``, transformers' ``time_step_limit``); default
+            ``(0, inf)``, no clamp.
+        D_has_hdim: ``D`` per channel, shape ``[d_inner]`` (``y_t = h_tᵀ C_t + D ⊙ x_t`` per head
+            channel) instead of one per head ``[n_heads]`` (default ``False``; mamba-ssm's
+            ``D_has_hdim``).
+        norm_before_gate: ``True`` computes ``GroupRMSNorm(y) ⊙ silu(z)`` instead of
+            ``GroupRMSNorm(y ⊙ silu(z))`` (default ``False``, mamba-ssm's Mamba2 default).
+        norm_eps: epsilon of the gated norm (default ``1e-5``).
+        norm_groups: groups of the gated norm (default ``None``: ``n_groups``, the original model);
+            ``1`` normalises over all of ``d_inner``, which is what mnemo did for ``n_groups > 1``
+            before it followed the original (kept to load such checkpoints).
+        mode / chunk_size: op form for ``T > 1`` and its chunk length (64).
 
     The recurrence runs as :func:`~mnemo.ops.gated_linear_attention` with ``q = C``, ``k = B``,
     ``v = Δ x``, ``g = Δ A`` and scale 1 (what :func:`~mnemo.ops.ssd` computes), so that each hook
     below is what the recurrence consumes. Hook points (``H`` heads of size ``P``):
 
     * ``hook_v`` ``[B, T, H, P]``: ``x`` per head (after conv + SiLU);
-    * ``hook_dt`` ``[B, T, H]``: ``Δ = softplus(dt + dt_bias)`` (float32 / float64);
+    * ``hook_dt`` ``[B, T, H]``: ``Δ = clamp(softplus(dt + dt_bias), dt_limit)`` (float32 / float64);
     * ``hook_B``, ``hook_C`` ``[B, T, H, N]``: per head (groups repeated);
     * ``hook_g`` ``[B, T, H]``: the log decay ``Δ A``;
     * ``hook_o`` ``[B, T, H, P]``: ``h_tᵀ C_t``, before the ``D`` skip, the gate and the norm;
@@ -250,6 +303,7 @@ class Mamba2(Mixer):
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
+    offset_free = True  # no positions: the state alone decides the output
 
     def __init__(
         self,
@@ -259,11 +313,23 @@ class Mamba2(Mixer):
         expand: int = 2,
         n_groups: int = 1,
         conv_size: int = 4,
+        bias: bool = False,
+        conv_bias: bool = True,
+        dt_limit: tuple[float, float] = (0.0, math.inf),
+        D_has_hdim: bool = False,
+        norm_before_gate: bool = False,
+        norm_eps: float = 1e-5,
+        norm_groups: int | None = None,
         mode: str = "chunk",
         chunk_size: int = 64,
     ):
         super().__init__(mode)
         self.d_model, self.d_state, self.n_groups = d_model, d_state, n_groups
+        if len(dt_limit) != 2 or not float(dt_limit[0]) <= float(dt_limit[1]):
+            raise ValueError(f"dt_limit: expected (min, max) with min <= max, got {dt_limit!r}")
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.D_has_hdim, self.norm_before_gate = bool(D_has_hdim), bool(norm_before_gate)
+        self.norm_groups = n_groups if norm_groups is None else norm_groups
         self.d_inner = expand * d_model
         self.head_dim = min(head_dim, self.d_inner)
         if self.d_inner % self.head_dim:
@@ -273,15 +339,17 @@ class Mamba2(Mixer):
         self.n_heads = self.d_inner // self.head_dim
         if self.n_heads % n_groups:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_groups ({n_groups})")
+        if self.norm_groups < 1 or self.d_inner % self.norm_groups:
+            raise ValueError(f"norm_groups ({self.norm_groups}) must divide d_inner ({self.d_inner})")
         self.chunk_size = chunk_size
         conv_dim = self.d_inner + 2 * n_groups * d_state
-        self.in_proj = nn.Linear(d_model, self.d_inner + conv_dim + self.n_heads, bias=False)
-        self.conv = ShortConvolution(conv_dim, conv_size)
+        self.in_proj = nn.Linear(d_model, self.d_inner + conv_dim + self.n_heads, bias=bias)
+        self.conv = ShortConvolution(conv_dim, conv_size, bias=conv_bias)
         self.A_log = nn.Parameter(torch.zeros(self.n_heads))
         self.dt_bias = nn.Parameter(torch.zeros(self.n_heads))
-        self.D = nn.Parameter(torch.ones(self.n_heads))
-        self.norm = RMSNorm(self.d_inner)
-        self.o_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        self.D = nn.Parameter(torch.ones(self.d_inner if self.D_has_hdim else self.n_heads))
+        self.norm = GroupRMSNorm(self.d_inner, norm_eps, groups=self.norm_groups)
+        self.o_proj = nn.Linear(self.d_inner, d_model, bias=bias)
         add_hook_points(self, "v", "dt", "B", "C", "g", "o", "state")
         self._init_special()
 
@@ -300,6 +368,8 @@ class Mamba2(Mixer):
         xs = rearrange(xs, "b t (h p) -> b t h p", p=self.head_dim)
         Bm, Cm = (repeat(t, "b t (g n) -> b t (g r) n", g=G, r=H // G) for t in (Bm, Cm))
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
+        if self.dt_limit != (0.0, math.inf):
+            dt = dt.clamp(self.dt_limit[0], self.dt_limit[1])
         xs, dt, Bm, Cm = self.hook_v(xs), self.hook_dt(dt), self.hook_B(Bm), self.hook_C(Cm)
         g = self.hook_g(dt * -upcast(self.A_log).exp())
         cd = compute_dtype(xs, dt, g, Bm, Cm)
@@ -315,9 +385,17 @@ class Mamba2(Mixer):
             chunk_size=self.chunk_size,
         )
         o, h = self.hook_o(o), self.hook_state(h)
-        y = (o.to(cd) + xs.to(cd) * upcast(self.D).to(cd)[:, None]).to(z.dtype)
-        y = self.norm(rearrange(y, "b t h p -> b t (h p)") * F.silu(z))
+        D = upcast(self.D).to(cd)
+        D = D.view(H, self.head_dim) if self.D_has_hdim else D[:, None]
+        y = (o.to(cd) + xs.to(cd) * D).to(z.dtype)
+        y = self._gated_norm(rearrange(y, "b t h p -> b t (h p)"), z)
         return self.o_proj(y), Mamba2State(ssm=h, conv=conv_state, offset=(state.offset if state else 0) + T)
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``GroupRMSNorm(y ⊙ silu(z))``, or ``GroupRMSNorm(y) ⊙ silu(z)`` with ``norm_before_gate``."""
+        if self.norm_before_gate:
+            return self.norm(y) * F.silu(z)
+        return self.norm(y * F.silu(z))
 
     def mixing(self, acts: dict) -> Mixing:
         """Per head: ``M_ts = (C_t · B_s) exp(Σ_{r=s+1..t} Δ_r A) Δ_s`` (:func:`~mnemo.ops.ssd_map`),

@@ -257,7 +257,11 @@ def ref_mamba2(m: Mamba2, x):
         h = h + Bt[..., :, None] * (delta[:, t, :, None] * xs[:, t])[..., None, :]
         ys.append(torch.einsum("bhnp,bhn->bhp", h, Ct) + m.D[:, None] * xs[:, t])
     y = merge(torch.stack(ys, 1)) * F.silu(z)
-    return mm(rms(y, m.norm.weight, m.norm.eps), m.o_proj)
+    # the gated RMSNorm normalises each group of d_inner / n_groups channels (mamba-ssm's
+    # RMSNormGated with group_size = d_inner / ngroups)
+    yg = y.unflatten(-1, (G, -1))
+    y = (yg / torch.sqrt(yg.pow(2).mean(-1, keepdim=True) + m.norm.eps)).flatten(-2) * m.norm.weight
+    return mm(y, m.o_proj)
 
 
 CASES = {
@@ -395,3 +399,65 @@ def test_titans_defaults():
     for cls in (TitansMAC, TitansMAG, TitansMAL):
         assert MIXERS[cls.__name__.lower().replace("titans", "titans_")] is cls
         assert cls(16).attn.persistent.shape == (4, 16)  # four persistent tokens
+
+
+def test_gla_heads_wider_than_the_value_width_keep_one_value_channel():
+    """d_model · expand_v = 2 < n_heads = 4: the per-head sizes are floored at 1 (never 0), so the
+    layer still reads its values out; against the hand loop with 1-channel keys and values."""
+    m = _perturbed(
+        GatedLinearAttention(D, n_heads=4, gate="scalar", expand_k=0.25, expand_v=0.25, chunk_size=4)
+    )
+    assert (m.key_dim, m.value_dim) == (1, 1)  # ⌊8 · 0.25 / 4⌋ = 0 → 1
+    assert m.o_proj.in_features == 4  # one value channel per head
+    x = _x()
+    with torch.no_grad():
+        y, st = m(x)
+        expected = ref_gla(m, x)
+    assert_close(y, expected, 1e-10)
+    assert y.abs().max() > 0.01  # a 0-wide value would read nothing out (y ≡ 0)
+    assert st.memory.shape == (2, 4, 1, 1)
+
+
+def test_registering_another_mixer_under_a_taken_name_is_refused():
+    from mnemo.layers.registry import register_mixer
+
+    class First(GatedLinearAttention):
+        pass
+
+    class Second(GatedLinearAttention):
+        pass
+
+    name = "test_only_taken_name"
+    try:
+        register_mixer(name, gate="scalar")(First)
+        register_mixer(name, gate="scalar")(First)  # the same constructor again: allowed
+        assert MIXERS[name].func is First and MIXERS[name].keywords == {"gate": "scalar"}
+        with pytest.raises(ValueError, match="already registered"):
+            register_mixer(name)(Second)  # another class
+        with pytest.raises(ValueError, match="already registered"):
+            register_mixer(name, gate="gla")(First)  # the same class with other presets
+        assert MIXERS[name].func is First and MIXERS[name].keywords == {"gate": "scalar"}  # kept
+        register_mixer(name + "_plain")(Second)
+        register_mixer(name + "_plain", Second)  # the direct form, same constructor
+        assert MIXERS[name + "_plain"] is Second
+    finally:
+        MIXERS.pop(name, None)
+        MIXERS.pop(name + "_plain", None)
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+def test_a_default_state_has_read_no_tokens(name):
+    """A default-constructed state is the state before any token: decoding from it gives the
+    stateless call's output, and its offset then counts exactly the tokens read."""
+    from mnemo.layers.ssm import Mamba2State, MambaState
+
+    m = _perturbed(Mamba(D, d_state=3) if name == "mamba" else Mamba2(D, d_state=3, head_dim=4))
+    fresh = MambaState() if name == "mamba" else Mamba2State()
+    assert fresh.offset == 0 and fresh.ssm is None and fresh.conv is None
+    x = _x()
+    with torch.no_grad():
+        y0, s0 = m(x)
+        y1, s1 = m(x, fresh)
+    assert_close(y1, y0, 1e-12)
+    assert s0.offset == s1.offset == T
+    assert m.state_spec(2).offset == fresh.offset  # the documented state after 0 tokens
