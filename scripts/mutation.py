@@ -188,6 +188,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/train/distributed.py": ("tests/train/test_distributed.py", "tests/train/test_ddp.py"),
     "mnemo/train/memory_estimate.py": ("tests/train/test_memory_estimate.py", *_TRAIN),
     "mnemo/train/task_eval.py": ("tests/tasks/test_task_training.py", "tests/tasks/test_sweep.py"),
+    # gradient accumulation under DDP (no_sync): one short 2-process run, about 25 s
+    "mnemo/train/trainer.py": (*_TRAIN, "tests/train/test_ddp_no_sync.py"),
     "mnemo/train/*.py": _TRAIN,
     "mnemo/interp/maps.py": ("tests/interp/test_maps.py", "tests/interp/test_scores.py"),
     "mnemo/interp/scores.py": ("tests/interp/test_scores.py", "tests/interp/test_maps.py"),

@@ -242,3 +242,27 @@ def test_half_lives_beyond_ten_million_tokens_fall_in_the_last_bin():
 
     counts = summarize(torch.tensor([5e7, 2.0]))["histogram"]["counts"]
     assert counts[-1] == 1 and sum(counts) == 2
+
+
+def test_circuit_scores_move_the_tokens_to_the_models_device(monkeypatch):
+    """The tokens are drawn on the CPU (same on every device) and then moved to the device of the
+    model's parameters, so the maps and the ids the scores compare live on one device. A model on
+    the ``meta`` device (no CUDA needed) shows the move: the capture gets ids on ``meta``."""
+    import mnemo.interp.probe as probe
+    from mnemo.models import LanguageModel, build_config
+
+    model = LanguageModel(build_config("transformer", vocab_size=6, d_model=16, n_layers=1)).to("meta")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(m, ids, layers=None):
+        seen.append(ids)
+        raise Stop  # the scores themselves cannot be read off meta tensors
+
+    monkeypatch.setattr(probe, "capture_maps", spy)
+    with pytest.raises(Stop):
+        probe.circuit_scores(model, length=4, batch=2)
+    (ids,) = seen
+    assert ids.device == torch.device("meta") and ids.shape == (2, 8) and ids.dtype == torch.long

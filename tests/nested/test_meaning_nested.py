@@ -134,3 +134,25 @@ def test_projection_mixer_state_size_is_the_bytes_of_its_state():
         _, st = m(torch.randn(2, 6, 8))  # one rewrite done, two tokens into the next chunk
     parts = (st.proj, st.r, st.memory_weights, st.memory_momentum, st.memory_anchor, st.memory_anchor_decay)
     assert m.state_size_bytes(2, 6) == nbytes((*parts, st.conv))
+
+
+def test_cms_state_spec_defaults_to_the_fresh_state_of_one_sequence():
+    """``state_spec()`` with its defaults is the state before any token (batch 1): each level's
+    fresh state (no tokens read, no step taken) with the same tensor shapes and dtypes."""
+    from mnemo.nested import ContinuumMemory
+
+    cm = ContinuumMemory(8, levels=(Level(1), Level(3, optimizer="momentum")))
+    spec = cm.state_spec()
+    assert len(spec.levels) == 2 and spec.pending is None
+    for lv, s in zip(cm.levels, spec.levels):
+        fresh = lv.initial_state(1)
+        assert (
+            (s.position, s.updates, s.absorbed)
+            == (fresh.position, fresh.updates, fresh.absorbed)
+            == (0, 0, 0)
+        )
+        for name in ("weights", "momentum", "grad"):
+            a, b = getattr(s, name), getattr(fresh, name)
+            assert (a is None) == (b is None), name
+            for x, y in zip(a or (), b or ()):
+                assert x.shape == y.shape and x.dtype == y.dtype, name

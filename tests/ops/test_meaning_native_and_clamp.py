@@ -3,6 +3,7 @@ for any ``A``), and what a failed native build tells the user (the compiler's ow
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -56,3 +57,20 @@ def test_a_failed_native_build_warns_with_the_compilers_message(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "native CPU kernels unavailable" in out.stdout
     assert "exited with 3: fatal: this compiler refuses" in out.stdout  # text, not a bytes repr
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_the_clamp_applies_when_only_the_largest_step_times_a_crosses_the_floor(native, monkeypatch):
+    """One channel, one state, A = −10: Δ_0 = 0.5 (Δ_0·A = −5) and Δ_1 = 10 (Δ_1·A = −100 < −60,
+    clamped), while Δ_max / A = −1 and Δ_min·A = −5 stay above the floor. With B = C = 1, u = (1, 0):
+    h_0 = Δ_0 u_0 = 0.5, y_0 = 0.5, y_1 = h_1 = e^{−60} · 0.5 (unclamped it would be e^{−100} · 0.5)."""
+    monkeypatch.setenv("MNEMO_NATIVE", native)
+    u = torch.tensor([[[1.0], [0.0]]], dtype=torch.float64)
+    delta = torch.tensor([[[0.5], [10.0]]], dtype=torch.float64)
+    A = torch.tensor([[-10.0]], dtype=torch.float64)
+    Bm = Cm = torch.ones(1, 2, 1, dtype=torch.float64)
+    expected = torch.tensor([0.5, 0.5 * math.exp(-60.0)], dtype=torch.float64)
+    for mode in ("chunk", "recurrent"):
+        y, hT = selective_scan(u, delta, A, Bm, Cm, mode=mode, output_final_state=True)
+        assert y[0, :, 0].tolist() == pytest.approx(expected.tolist(), rel=1e-12, abs=0), mode
+        assert hT.item() == pytest.approx(0.5 * math.exp(-60.0), rel=1e-12, abs=0), mode

@@ -184,3 +184,25 @@ def test_learned_positions_cover_exactly_max_position_tokens(tmp_path):
     _trainer(tmp_path / "a", model="transformer_abs", model_overrides=over, seq_len=16)  # fits exactly
     with pytest.raises(ValueError, match="max_position"):
         _trainer(tmp_path / "b", model="transformer_abs", model_overrides=over, seq_len=17)
+
+
+def test_task_evaluation_reads_at_most_eval_batches_batches(tmp_path):
+    """``evaluate(max_batches)`` on a task scores ``min(max_batches, eval_batches) · batch_size``
+    test sequences: the mean cross-entropy over their supervised tokens, by hand."""
+    from mnemo.data.tasks import IGNORE_INDEX
+
+    tr = _trainer(tmp_path, eval_batches=2)  # batch_size 4: at most 8 test sequences
+    tr.model.eval()
+
+    def by_hand(n):
+        x, y = tr.task.sample(n, tr.cfg.seq_len, seed=tr.cfg.seed, split="test")
+        with torch.no_grad():
+            logits, _ = tr.model(x)
+        keep = y != IGNORE_INDEX
+        return torch.nn.functional.cross_entropy(logits[keep].double(), y[keep]).item()
+
+    eight, four = by_hand(8), by_hand(4)
+    assert eight != pytest.approx(by_hand(40), rel=1e-4)  # more sequences would change the mean
+    assert tr.evaluate(max_batches=10)["val_loss"] == pytest.approx(eight, rel=1e-5)
+    assert tr.evaluate()["val_loss"] == pytest.approx(eight, rel=1e-5)
+    assert tr.evaluate(max_batches=1)["val_loss"] == pytest.approx(four, rel=1e-5)
