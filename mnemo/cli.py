@@ -292,7 +292,7 @@ def _cmd_eval(args) -> int:
 
     import torch
 
-    from .data import TokenStream, load_text, split_text
+    from .data import load_corpus
     from .train import resolve_checkpoint
     from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
@@ -318,9 +318,9 @@ def _cmd_eval(args) -> int:
         if max_batches < 1:
             raise ValueError(f"--max-batches: expected a positive int or 'all', got {args.max_batches!r}")
     bf16 = (args.precision or tcfg.get("precision", "fp32")) == "bf16"
-    text = load_text(data)
-    _, val_text = split_text(text) if not args.full else ("", text)
-    stream = TokenStream(tok.encode(val_text), seq_len)
+    corpus = load_corpus(data, tcfg.get("text_field", "text"))
+    val_docs = corpus.split()[1] if not args.full else corpus
+    stream = val_docs.stream(tok, seq_len)  # documents joined as in training (the tokenizer's separator)
     model.eval()
     total, count, sequences = 0.0, 0, 0
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
@@ -339,7 +339,7 @@ def _cmd_eval(args) -> int:
             f"window of --seq-len {seq_len} + 1 tokens"
         )
     val_loss = total / count
-    tokens_per_char = stream.ids.numel() / len(val_text)
+    tokens_per_char = stream.ids.numel() / stream.num_chars
     same = (
         not args.full
         and data == tcfg.get("data", "tinyshakespeare")
@@ -585,6 +585,9 @@ _COMMAND_MODULES: list[str] = [
     "mnemo.commands.continual",
     "mnemo.commands.probe",
     "mnemo.commands.verify",
+    "mnemo.commands.convert",
+    "mnemo.commands.harness",
+    "mnemo.commands.tokenizer",
 ]
 
 

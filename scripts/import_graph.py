@@ -25,7 +25,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "mnemo"
 #: DESIGN.md §2: each package may import those to its left, never those to its right
-ORDER = ["ops", "memory", "layers", "models", "train", "cli"]
+ORDER = ["ops", "memory", "layers", "models", "train", "hf", "cli"]
+#: lazy edges against the order that are allowed, with the reason (left out of the cycle search)
+ALLOWED_LAZY = {
+    ("models", "hf"): "LanguageModel.from_pretrained converts a foreign config.json (transformers, "
+    "mamba-ssm) through mnemo.hf.convert, imported inside the function and only for such a folder",
+}
 #: side packages: the core packages (of ORDER) that may never import them. ``data`` and ``interp``
 #: depend on models/ops, never the reverse; ``train`` does not import ``interp`` (its callbacks are
 #: passed in by the CLI and the sweep runner)
@@ -173,11 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.where:
             for w in e["where"]:
                 print(f"{'':16}{w}")
-    found = cycles(edges)
+    for (a, b), why in ALLOWED_LAZY.items():
+        e = edges.get((a, b))
+        if e is not None and e["top"] == 0:
+            print(f"allowed lazy edge {a} -> {b}: {why}")
+    kept = {k: e for k, e in edges.items() if not (k in ALLOWED_LAZY and e["top"] == 0)}
+    found = cycles(kept)
     print("cycles:", "none" if not found else "")
     for comp in found:
         print("  " + " <-> ".join(comp))
-    bad = [(a, b) for a, b in sorted(edges) if against_order(a, b)]
+    bad = [(a, b) for a, b in sorted(kept) if against_order(a, b)]
     order = " <- ".join(ORDER)
     print(
         f"edges against DESIGN.md §2 ({order}; data/interp depend on models/ops):", "none" if not bad else ""

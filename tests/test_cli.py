@@ -533,6 +533,8 @@ def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(tmp_path, ca
 FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written, in field order
     "model",
     "data",
+    "text_field",
+    "pack_documents",
     "tokenizer",
     "seq_len",
     "batch_size",
@@ -587,7 +589,7 @@ def test_every_trainconfig_flag_field_is_a_train_flag():
         assert flag in options
     for flag in ["--no-progress", "--task-option", "--eval-lengths", "--d-model", "--n-layers"]:
         assert flag in options
-    assert options["--tokenizer"].choices == ["char", "byte"] and options["--lr"].type is float
+    assert options["--tokenizer"].metavar == "char|byte|PATH" and options["--lr"].type is float
     assert options["--checkpoint-interval"].type is int and options["--track-circuits"].const is True
     assert "(default 1000)" in options["--steps"].help
     assert "default --eval-interval" in options["--checkpoint-interval"].help

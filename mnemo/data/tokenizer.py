@@ -1,4 +1,15 @@
-"""Character- and byte-level tokenizers (serialisable to ``tokenizer.json``)."""
+"""Tokenizers: character- and byte-level (mnemo's own), and Hugging Face ``tokenizers`` files.
+
+Every tokenizer has one interface: ``encode(text)`` → 1-D ``torch.long`` tensor, ``decode(ids)``
+→ ``str``, ``vocab_size`` (the model's vocabulary, added tokens included), ``num_chars(text)``
+(characters, for bits per character), ``kind``, ``eot_id`` (the end-of-text token that separates
+documents, or ``None``), ``to_dict()`` and ``save(directory)`` (writes ``tokenizer.json``).
+
+On disk, mnemo's own tokenizers are a small JSON object ``{"kind": "char" | "byte", ...}``; a
+Hugging Face tokenizer is its own ``tokenizer.json`` (what ``tokenizers.Tokenizer.from_file`` and
+``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` read). :func:`load_tokenizer` tells the
+two apart. The Hugging Face ones need the optional extra ``pip install "mnemo[hf]"``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,10 @@ from pathlib import Path
 import torch
 
 TOKENIZER_NAME = "tokenizer.json"
+#: names of end-of-text tokens, in order of preference (the document separator)
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+#: text between documents when the tokenizer has no end-of-text token (char and byte)
+DOC_SEPARATOR = "\n\n"
 
 
 class CharTokenizer:
@@ -19,6 +34,7 @@ class CharTokenizer:
 
     kind = "char"
     UNK = "\ufffd"
+    eot_id = None
 
     def __init__(self, chars: list[str]):
         if len(set(chars)) != len(chars):
@@ -48,11 +64,15 @@ class CharTokenizer:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "chars": self.chars}
 
+    def save(self, directory: str | Path) -> None:
+        Path(directory, TOKENIZER_NAME).write_text(json.dumps(self.to_dict()))
+
 
 class ByteTokenizer:
     """UTF-8 bytes, vocabulary 256: any text, no unknowns; multi-byte characters span tokens."""
 
     kind = "byte"
+    eot_id = None
 
     @property
     def vocab_size(self) -> int:
@@ -70,6 +90,90 @@ class ByteTokenizer:
     def to_dict(self) -> dict:
         return {"kind": self.kind}
 
+    def save(self, directory: str | Path) -> None:
+        Path(directory, TOKENIZER_NAME).write_text(json.dumps(self.to_dict()))
+
+
+def import_tokenizers():
+    """The ``tokenizers`` module, or an ``ImportError`` that says how to install it."""
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise ImportError(
+            'Hugging Face tokenizers need the `tokenizers` library: pip install "mnemo[hf]"'
+        ) from e
+    return tokenizers
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers.Tokenizer`` (BPE, Unigram, WordPiece, ... from a
+    ``tokenizer.json``) with the interface of :class:`CharTokenizer`.
+
+    ``encode`` adds no special tokens (no BOS/EOS from a post-processor): documents are separated
+    by ``eot_id`` when the stream is built (:mod:`mnemo.data.corpus`). Special tokens written in
+    the text (``"<|endoftext|>"``) are read as those tokens. ``decode`` keeps special tokens, so
+    ``decode(encode(s)) == s`` for byte-level tokenizers. ``vocab_size`` counts the added tokens;
+    ``num_chars`` counts the characters of the text (bits per character stay comparable with the
+    character-level runs). ``kind`` is ``"hf"``; ``model_type`` names the model (``"bpe"``,
+    ``"unigram"``, ...).
+    """
+
+    kind = "hf"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.model_type = type(tokenizer.model).__name__.lower()
+        added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self.eot_id = next((added[n] for n in EOT_NAMES if n in added), None)
+        if self.eot_id is None:  # an end-of-text token in the vocabulary, not marked special
+            ids = (tokenizer.token_to_id(n) for n in EOT_NAMES)
+            self.eot_id = next((i for i in ids if i is not None), None)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HFTokenizer:
+        """Read a ``tokenizer.json`` (or a folder holding one)."""
+        p = _tokenizer_file(path)
+        return cls.from_str(p.read_text(encoding="utf-8"), source=str(p))
+
+    @classmethod
+    def from_str(cls, text: str, source: str = "tokenizer.json") -> HFTokenizer:
+        tokenizers = import_tokenizers()
+        try:
+            return cls(tokenizers.Tokenizer.from_str(text))
+        except Exception as e:  # the Rust side raises its own exception type
+            raise ValueError(f"{source} is not a valid Hugging Face tokenizer file: {e}") from e
+
+    @property
+    def eot_token(self) -> str | None:
+        return None if self.eot_id is None else self.tokenizer.id_to_token(self.eot_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text (``tokenizers``' parallel batch encoder)."""
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(_to_list(ids), skip_special_tokens=False)
+
+    def num_chars(self, text: str) -> int:
+        return len(text)
+
+    def to_dict(self) -> dict:
+        return json.loads(self.tokenizer.to_str())
+
+    def save(self, directory: str | Path) -> None:
+        """Write the Hugging Face file itself as ``directory/tokenizer.json``."""
+        Path(directory, TOKENIZER_NAME).write_text(self.tokenizer.to_str(), encoding="utf-8")
+
+
+Tokenizer = CharTokenizer | ByteTokenizer | HFTokenizer
+
 
 def _to_list(ids) -> list[int]:
     if isinstance(ids, torch.Tensor):
@@ -77,33 +181,86 @@ def _to_list(ids) -> list[int]:
     return list(ids)
 
 
-def build_tokenizer(kind: str, text: str) -> CharTokenizer | ByteTokenizer:
-    """``"char"`` (vocabulary from ``text``) or ``"byte"``."""
+def _tokenizer_file(path: str | Path) -> Path:
+    """``path`` itself (a file) or ``path/tokenizer.json`` (a folder)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / TOKENIZER_NAME
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"tokenizer not found: {str(path)!r} is neither 'char', 'byte', a tokenizer.json file nor a "
+            "folder holding one"
+        )
+    return p
+
+
+def build_tokenizer(kind: str, text: str = "") -> Tokenizer:
+    """``"char"`` (vocabulary from ``text``), ``"byte"``, or a path to a ``tokenizer.json`` (a
+    Hugging Face file, or mnemo's own) or to a folder holding one (a tokenizer trained with
+    ``mnemo tokenizer train``, a checkpoint, a ``transformers`` model folder)."""
     if kind == "char":
         return CharTokenizer.from_text(text)
     if kind == "byte":
         return ByteTokenizer()
-    raise ValueError(f"tokenizer must be 'char' or 'byte', got {kind!r}")
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"tokenizer must be 'char', 'byte' or a path to a tokenizer.json, got {kind!r}")
+    return load_tokenizer(_tokenizer_file(kind))
 
 
-def tokenizer_from_dict(d: dict) -> CharTokenizer | ByteTokenizer:
+def tokenizer_from_dict(d: dict) -> Tokenizer:
+    """mnemo's ``{"kind": ...}`` object, or a Hugging Face ``tokenizer.json`` object."""
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a JSON object, got {type(d).__name__}")
+    if "kind" not in d and "model" in d:
+        return HFTokenizer.from_str(json.dumps(d))
     kind = d.get("kind")
     if kind == "char":
         return CharTokenizer(d["chars"])
     if kind == "byte":
         return ByteTokenizer()
-    raise ValueError(f"unknown tokenizer kind {kind!r} (expected 'char' or 'byte')")
+    raise ValueError(
+        f"unknown tokenizer kind {kind!r} (expected 'char', 'byte' or a Hugging Face tokenizer.json)"
+    )
 
 
 def save_tokenizer(tok, directory: str | Path) -> None:
-    Path(directory, TOKENIZER_NAME).write_text(json.dumps(tok.to_dict()))
+    """Write ``directory/tokenizer.json`` (a Hugging Face tokenizer writes its own file)."""
+    if hasattr(tok, "save"):
+        tok.save(directory)
+    else:
+        Path(directory, TOKENIZER_NAME).write_text(json.dumps(tok.to_dict()))
 
 
-def load_tokenizer(directory: str | Path) -> CharTokenizer | ByteTokenizer:
-    p = Path(directory, TOKENIZER_NAME)
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (``path/tokenizer.json``) or of a ``tokenizer.json``
+    file: mnemo's char/byte format or a Hugging Face file (then needs ``mnemo[hf]``).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: the file is neither format.
+        ImportError: a Hugging Face file without the ``tokenizers`` library.
+    """
+    p = Path(path)
+    if p.is_dir() or not p.exists():
+        p = p / TOKENIZER_NAME
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint file missing: {p}")
+    text = p.read_text(encoding="utf-8")
     try:
-        return tokenizer_from_dict(json.loads(p.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ValueError(f"corrupt tokenizer file {p}: {e}") from e
+    if isinstance(d, dict) and "kind" not in d and "model" in d:
+        return HFTokenizer.from_str(text, source=str(p))
+    try:
+        return tokenizer_from_dict(d)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"corrupt tokenizer file {p}: {e}") from e
+
+
+def document_separator(tok) -> tuple[torch.Tensor, int]:
+    """The ids put between two documents and the characters they stand for: the end-of-text
+    token (0 characters) when the tokenizer has one, else :data:`DOC_SEPARATOR` encoded."""
+    eot = getattr(tok, "eot_id", None)
+    if eot is not None:
+        return torch.tensor([eot], dtype=torch.long), 0
+    return tok.encode(DOC_SEPARATOR), tok.num_chars(DOC_SEPARATOR)

@@ -59,7 +59,9 @@ class ShortConvolution(nn.Module):
         zero), ``y [1, N, C]``. W masked shifted multiply-adds (``W`` is a few taps)."""
         N, W = x.shape[1], self.kernel_size
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        pos = torch.arange(N, device=x.device) - torch.repeat_interleave(cu_seqlens[:-1].to(x.device), lengths)
+        pos = torch.arange(N, device=x.device) - torch.repeat_interleave(
+            cu_seqlens[:-1].to(x.device), lengths
+        )
         w = self.weight[:, 0, :].to(x.dtype)  # [C, W]; tap i reads x_{t - (W - 1 - i)}
         y = x * w[:, W - 1]
         for lag in range(1, W):

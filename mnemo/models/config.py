@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: the ``model_type`` that ``config.json`` carries, so that ``transformers``' ``AutoConfig`` /
+#: ``AutoModelForCausalLM`` recognise a mnemo checkpoint (after ``import mnemo.hf``)
+MODEL_TYPE = "mnemo"
+
 
 @dataclass
 class ModelConfig:
@@ -89,6 +93,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """A validated config from a dict of its fields. ``model_type`` (written by :meth:`save` for
+        ``transformers``; must be ``"mnemo"`` when present) is accepted and dropped; configs written
+        before it existed load unchanged. Any other unknown key raises ``ValueError``."""
+        d = dict(d)
+        model_type = d.pop("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"model_type: expected {MODEL_TYPE!r} (a mnemo config), got {model_type!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -96,7 +107,9 @@ class ModelConfig:
         return cls(**d).validate()
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        """Write the fields as JSON, preceded by ``"model_type": "mnemo"`` (what ``transformers``'
+        Auto classes dispatch on)."""
+        Path(path).write_text(json.dumps({"model_type": MODEL_TYPE, **self.to_dict()}, indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> ModelConfig:

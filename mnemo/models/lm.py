@@ -243,8 +243,12 @@ class LanguageModel(nn.Module):
             pos = torch.arange(input_ids.shape[1], device=cu.device) - starts
             x = x + self.pos_embed(pos.to(x.device))
         x = self.hook_embed(x)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x, _ = block(x, None, mode=mode, cu_seqlens=cu)
+            if recompute:
+                x, _ = checkpoint(block, x, None, mode=mode, cu_seqlens=cu, use_reentrant=False)
+            else:
+                x, _ = block(x, None, mode=mode, cu_seqlens=cu)
         logits = self.lm_head(self.norm(x))
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
@@ -358,7 +362,9 @@ class LanguageModel(nn.Module):
             groups.setdefault(L, []).append(b)
         was_training = self.training
         self.eval()
-        joinable = all(getattr(blk.mixer, "offset_free", False) and not blk.stateful_mlp for blk in self.blocks)
+        joinable = all(
+            getattr(blk.mixer, "offset_free", False) and not blk.stateful_mlp for blk in self.blocks
+        )
         new = input_ids.new_empty(B, max_new_tokens)
         runs = []  # (rows, last logits, state)
         for L, rows in groups.items():
@@ -409,10 +415,32 @@ class LanguageModel(nn.Module):
         cls, directory: str | Path, map_location: str | torch.device = "cpu"
     ) -> LanguageModel:
         """Load a model written by :meth:`save_pretrained` (raises ``FileNotFoundError`` /
-        ``ValueError`` naming the missing or corrupt file)."""
+        ``ValueError`` naming the missing or corrupt file).
+
+        A folder whose ``config.json`` is another library's (a ``transformers``
+        ``MambaForCausalLM`` / ``Mamba2ForCausalLM``, the original ``mamba-ssm`` layout, or any
+        format registered in :mod:`mnemo.hf.convert`) is converted in memory; an unsupported
+        architecture raises ``ValueError`` naming it."""
         d = Path(directory)
         cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
         check_device(map_location)
+        import dataclasses
+
+        try:  # another library's config: a model_type other than mnemo's, or fields mnemo lacks
+            raw = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            raw = None  # reported below
+        if isinstance(raw, dict) and (
+            raw.get("model_type") not in (None, "mnemo")
+            or set(raw) - {f.name for f in dataclasses.fields(ModelConfig)} - {"model_type"}
+        ):
+            from ..hf import convert as hf_convert  # only then: mnemo.hf sits above models
+
+            if hf_convert.is_foreign_checkpoint(d):
+                config, weights, _ = hf_convert.import_hf(d)
+                model = cls(config)
+                model.load_state_dict(weights, strict=True)
+                return model.to(map_location)
         for p in (cfg_path, w_path):
             if not p.is_file():
                 raise FileNotFoundError(f"checkpoint file missing: {p}")
@@ -436,7 +464,9 @@ def check_cu_seqlens(cu_seqlens, input_ids: torch.Tensor) -> torch.Tensor:
     cu = torch.as_tensor(cu_seqlens, device=input_ids.device)
     N = input_ids.shape[1]
     if cu.ndim != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [D + 1], got {cu.dtype} {list(cu.shape)}")
+        raise ValueError(
+            f"cu_seqlens: expected a 1-D integer tensor [D + 1], got {cu.dtype} {list(cu.shape)}"
+        )
     cu = cu.long()
     if int(cu[0]) != 0 or int(cu[-1]) != N or not bool((cu[1:] > cu[:-1]).all()):
         raise ValueError(

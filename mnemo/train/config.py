@@ -30,8 +30,19 @@ class TrainConfig:
     Attributes:
         model: registered model name (``mnemo models``). model_overrides: ``ModelConfig`` fields
             to replace (e.g. ``{"d_model": 256, "n_layers": 6}``).
-        data: ``"tinyshakespeare"`` (bundled) or a path to a UTF-8 text file.
-        tokenizer: ``"char"`` (vocabulary = the characters of the file) or ``"byte"``.
+        data: ``"tinyshakespeare"`` (bundled), a path to a UTF-8 text file (one document), a
+            ``.jsonl``/``.json`` or ``.parquet`` file of records (one document each, read through
+            ``datasets``, local files only), or a folder or glob of such files
+            (:func:`mnemo.data.load_corpus`). Documents are joined by the tokenizer's end-of-text
+            token (``"\\n\\n"`` for char and byte); the last 10% of the characters validate.
+        text_field: the field of the JSONL/Parquet records that holds the text.
+        pack_documents: document packing — each document inside a training or validation window
+            is its own sequence (``cu_seqlens`` through the model: every mixer starts it from an
+            empty state), so no attention and no state crosses a document boundary. The token
+            after a document's last one (the separator's prediction) is still a target.
+        tokenizer: ``"char"`` (vocabulary = the characters of the file), ``"byte"``, or a path to a
+            Hugging Face ``tokenizer.json`` (BPE, Unigram, ...) or a folder holding one (e.g. from
+            ``mnemo tokenizer train``; needs ``mnemo[hf]``). The checkpoints carry it.
         seq_len, batch_size: training window length and windows per optimizer step. The batch is
             global: with ``torchrun --nproc_per_node N`` every process draws the same batch and
             trains on its ``batch_size / N`` rows (the losses equal the single-process run's), so
@@ -116,9 +127,29 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)  # flags --d-model, --n-layers
     data: str = field(
         default="tinyshakespeare",
-        metadata=_flag("'tinyshakespeare' (bundled) or a path to a UTF-8 text file", metavar="TEXT"),
+        metadata=_flag(
+            "'tinyshakespeare' (bundled), a UTF-8 text file, a .jsonl/.parquet file, or a folder or "
+            "glob of them",
+            metavar="TEXT",
+        ),
     )
-    tokenizer: str = field(default="char", metadata=_flag("text tokenizer", choices=["char", "byte"]))
+    text_field: str = field(
+        default="text", metadata=_flag("JSONL/Parquet data: the field holding the text", metavar="NAME")
+    )
+    pack_documents: bool = field(
+        default=False,
+        metadata=_flag(
+            "document packing: each document in a window is its own sequence (cu_seqlens through every "
+            "mixer), so no attention or state crosses a document boundary"
+        ),
+    )
+    tokenizer: str = field(
+        default="char",
+        metadata=_flag(
+            "text tokenizer: char, byte, or a Hugging Face tokenizer.json (or a folder holding one)",
+            metavar="char|byte|PATH",
+        ),
+    )
     seq_len: int = field(default=128, metadata=_flag("training window length in tokens", metavar="T"))
     batch_size: int = field(
         default=32, metadata=_flag("sequences per optimizer step over all processes", metavar="B")
@@ -216,7 +247,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
 
         # types first (a config file can hold anything): every later check compares values
-        for name in ("model", "data", "tokenizer", "device", "precision", "optimizer", "sample_prompt"):
+        strings = ("model", "data", "text_field", "tokenizer", "device", "precision", "optimizer")
+        for name in (*strings, "sample_prompt"):
             if not isinstance(getattr(self, name), str):
                 bad(name, "a string")
         for name in ("task", "init_from"):
@@ -248,6 +280,10 @@ class TrainConfig:
             bad("activation_checkpointing", "true or false")
         if not isinstance(self.context_parallel, bool):
             bad("context_parallel", "true or false")
+        if not isinstance(self.pack_documents, bool):
+            bad("pack_documents", "true or false")
+        if self.pack_documents and (self.task is not None or self.context_parallel):
+            bad("pack_documents", "false with --task or --context-parallel (packing is for text corpora)")
         if self.init_from is not None and not isinstance(self.init_from, str):
             bad("init_from", "None or a path to a run or checkpoint directory")
         if not isinstance(self.track_circuits, bool):
@@ -282,8 +318,10 @@ class TrainConfig:
             bad("weight_decay", "a non-negative number")
         if self.grad_clip < 0:
             bad("grad_clip", "a non-negative number (0 disables clipping)")
-        if self.tokenizer not in ("char", "byte"):
-            bad("tokenizer", "'char' or 'byte'")
+        if not self.text_field:
+            bad("text_field", "the name of a field of the records")
+        if self.tokenizer not in ("char", "byte") and not _looks_like_path(self.tokenizer):
+            bad("tokenizer", "'char', 'byte' or a path to a tokenizer.json (or a folder holding one)")
         if self.optimizer not in ("adamw", "m3"):
             bad("optimizer", "'adamw' or 'm3'")
         for name, lo, what in (
@@ -373,6 +411,13 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**d).validate()
+
+
+def _looks_like_path(value: str) -> bool:
+    """An existing path, or one spelled as a path (a separator, or ``.json``): a name such as
+    ``"bpe"`` is a mistake, a missing path is reported when the tokenizer is read (a resumed run
+    reads its tokenizer from the checkpoint instead)."""
+    return bool(value) and (Path(value).exists() or "/" in value or "\\" in value or value.endswith(".json"))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

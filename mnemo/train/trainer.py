@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_model
 from tqdm.auto import tqdm
 
-from ..data import TokenStream, build_tokenizer, load_text, split_text
+from ..data import build_tokenizer, load_corpus
 from ..data.tasks import IGNORE_INDEX, make_generator
 from ..data.tokenizer import load_tokenizer, save_tokenizer
 from ..models import LanguageModel, build_config
@@ -150,8 +150,22 @@ class _Logits(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)[0]
+    def forward(self, input_ids: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        if first is None:
+            return self.model(input_ids)[0]
+        return packed_logits(self.model, input_ids, first)
+
+
+def packed_logits(model: LanguageModel, input_ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, T, vocab]`` of windows whose documents are separate sequences: the rows are
+    packed into one ``[1, B·T]`` row with ``cu_seqlens`` at every ``first`` (``[B, T]`` bool, true
+    where a sequence begins; column 0 always true)."""
+    B, T = input_ids.shape
+    flat = first.reshape(-1).clone()
+    flat[::T] = True
+    cu = torch.cat([flat.nonzero()[:, 0], flat.new_tensor([B * T], dtype=torch.long)])
+    logits, _ = model(input_ids.reshape(1, B * T), cu_seqlens=cu)
+    return logits.reshape(B, T, -1)
 
 
 LOCK_NAME = ".lock"
@@ -454,12 +468,16 @@ class Trainer:
         if self.task is not None:
             self.tokenizer = self.train_data = self.val_data = None
             return self.task.vocab_size
-        text = load_text(cfg.data)
-        self.tokenizer = load_tokenizer(ckpt) if ckpt is not None else build_tokenizer(cfg.tokenizer, text)
-        train_text, val_text = split_text(text)
-        self.val_chars = len(val_text)
-        self.train_data = TokenStream(self.tokenizer.encode(train_text), cfg.seq_len)
-        self.val_data = TokenStream(self.tokenizer.encode(val_text), cfg.seq_len)
+        corpus = load_corpus(cfg.data, cfg.text_field)
+        if ckpt is not None:
+            self.tokenizer = load_tokenizer(ckpt)
+        else:  # a char vocabulary is read from the text; byte and tokenizer files need none
+            self.tokenizer = build_tokenizer(cfg.tokenizer, corpus.text if cfg.tokenizer == "char" else "")
+        train_docs, val_docs = corpus.split()
+        # documents joined by the end-of-text token (char/byte: "\n\n"); .doc_starts keeps them
+        self.train_data = train_docs.stream(self.tokenizer, cfg.seq_len)
+        self.val_data = val_docs.stream(self.tokenizer, cfg.seq_len)
+        self.val_chars = self.val_data.num_chars
         return self.tokenizer.vocab_size
 
     def _build_model(self, vocab_size: int) -> None:
@@ -617,10 +635,14 @@ class Trainer:
         was = self.model.training
         self.model.eval()
         total, count = 0.0, 0
-        for x, y in self.val_data.eval_batches(self.cfg.batch_size, max_batches):
-            x, y = x.to(self.device), y.to(self.device)
+        pack = self.cfg.pack_documents
+        for batch in self.val_data.eval_batches(self.cfg.batch_size, max_batches, with_documents=pack):
+            x, y = batch[0].to(self.device), batch[1].to(self.device)
             with self._autocast():
-                logits, _ = self.model(x)
+                if pack:
+                    logits = packed_logits(self.model, x, batch[2].to(self.device))
+                else:
+                    logits, _ = self.model(x)
             total += torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), y.flatten(), reduction="sum"
             ).item()
@@ -721,7 +743,10 @@ class Trainer:
         batch's supervised tokens, the same on every rank). Raises :class:`TrainingDiverged` (on
         every rank alike)."""
         cfg = self.cfg
-        if self.task is None:
+        first = None
+        if self.task is None and cfg.pack_documents:
+            x, y, first = self.train_data.sample(cfg.batch_size, self.generator, with_documents=True)
+        elif self.task is None:
             x, y = self.train_data.sample(cfg.batch_size, self.generator)
         else:
             x, y = self.task.generate(cfg.batch_size, cfg.seq_len, self.generator)
@@ -736,6 +761,7 @@ class Trainer:
             # sum / global count; DDP averages gradients over ranks, hence the factor world
             scale = self.world / n_tokens
             x, y = shard(x, self.rank, self.world), shard(y, self.rank, self.world)
+            first = None if first is None else shard(first, self.rank, self.world)
         micro = x.shape[0] // cfg.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -750,6 +776,8 @@ class Trainer:
                     with self._autocast():
                         if cp:
                             logits, handle = context_parallel_forward(self.model, xi, self.rank, self.world)
+                        elif first is not None:
+                            logits = self.train_model(xi, first[i * micro : (i + 1) * micro].to(self.device))
                         else:
                             logits = self.train_model(xi)
                     ce = F.cross_entropy(

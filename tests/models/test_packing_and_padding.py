@@ -33,8 +33,15 @@ def test_packed_documents_equal_separate_runs(name):
 
 def test_packing_restarts_learned_positions():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=20, d_model=16, n_layers=1, mixer="attention", pos_embedding="learned",
-                      max_position=8, mixer_options={"attention": {"n_heads": 2, "rope": False}})
+    cfg = ModelConfig(
+        vocab_size=20,
+        d_model=16,
+        n_layers=1,
+        mixer="attention",
+        pos_embedding="learned",
+        max_position=8,
+        mixer_options={"attention": {"n_heads": 2, "rope": False}},
+    )
     m = LanguageModel(cfg).double().eval()
     a, b = torch.randint(0, 20, (1, 6)), torch.randint(0, 20, (1, 7))
     packed, _ = m(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 6, 13]))  # 13 > max_position
@@ -94,7 +101,19 @@ def test_padded_generation_rejects_right_padding():
         m.generate(ids, 2, temperature=0, attention_mask=mask[:, :3])
 
 
-@pytest.mark.parametrize("name, joined", [("gla", True), ("linear_attention", True), ("transformer", False)])
+@pytest.mark.parametrize(
+    "name, joined",
+    [
+        ("gla", True),
+        ("linear_attention", True),
+        ("mamba", True),
+        ("mamba2", True),
+        ("deltanet", True),
+        ("gated_deltanet", True),
+        ("retnet", False),
+        ("transformer", False),
+    ],
+)
 def test_offset_free_models_decode_padded_rows_as_one_batch(name, joined):
     m = _model(name)
     assert all(b.mixer.offset_free for b in m.blocks) == joined

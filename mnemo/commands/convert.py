@@ -1,0 +1,63 @@
+"""``mnemo convert`` and ``mnemo export``: checkpoints of other libraries in and out.
+
+    mnemo convert SRC OUT                # a transformers Mamba / Mamba-2 folder or a mamba-ssm folder
+    mnemo export CKPT OUT --format hf    # a mnemo checkpoint as a folder transformers loads
+
+Both refuse a non-empty ``OUT`` unless ``--force``; errors are one line (exit status 2).
+See :mod:`mnemo.hf.convert` for the formats and what is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _convert(args) -> int:
+    from ..hf.convert import convert
+
+    out = convert(args.src, args.out, force=args.force)
+    print(f"wrote mnemo checkpoint {out} (from {args.src})")
+    return 0
+
+
+def _export(args) -> int:
+    from ..hf.convert import export_hf
+
+    if args.format != "hf":  # argparse's choices already say so; kept for direct calls
+        raise ValueError(f"--format: expected 'hf', got {args.format!r}")
+    out = export_hf(args.ckpt, args.out, force=args.force)
+    print(f"wrote transformers checkpoint {out} (from {args.ckpt})")
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    """The hook ``mnemo.cli`` calls for each command module (see ``mnemo.cli._COMMAND_MODULES``)."""
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a transformers (MambaForCausalLM, Mamba2ForCausalLM) or mamba-ssm checkpoint "
+        "folder into a mnemo checkpoint folder",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("src", help="the checkpoint folder to read (config.json and weights)")
+    p.add_argument("out", help="the mnemo checkpoint folder to write")
+    p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")
+    p.set_defaults(func=_convert)
+
+    p = subparsers.add_parser(
+        "export",
+        help="write a mnemo checkpoint as a folder that another library loads (--format hf: transformers)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("ckpt", help="the mnemo checkpoint folder to read")
+    p.add_argument("out", help="the folder to write")
+    p.add_argument("--format", default="hf", choices=["hf"], help="hf: transformers' own classes (default)")
+    p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")
+    p.set_defaults(func=_export)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``convert`` / ``export`` with ``argv`` (for tests and scripts)."""
+    parser = argparse.ArgumentParser(prog="mnemo")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)

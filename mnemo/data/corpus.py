@@ -1,0 +1,221 @@
+"""Text corpora as lists of documents: the bundled tinyshakespeare, plain UTF-8 text files, and
+local JSONL / Parquet files read through the ``datasets`` library (local files only, never the
+Hub: the packaged ``"json"`` and ``"parquet"`` builders with ``data_files``).
+
+A corpus becomes one token stream: its documents, each encoded alone, joined by the tokenizer's
+end-of-text token (or by ``"\\n\\n"`` for tokenizers without one, char and byte), with the offset
+where each document starts kept in ``TokenStream.doc_starts`` (for document packing with
+``cu_seqlens`` later). The validation split is deterministic: the last ``VAL_FRACTION`` of the
+characters of the documents joined by ``"\\n\\n"`` (for one document — a text file — exactly
+:func:`~mnemo.data.text.split_text`).
+
+    corpus = load_corpus("data/docs.jsonl", text_field="text")
+    train, val = corpus.split()
+    stream = val.stream(tokenizer, seq_len=256)   # TokenStream; .doc_starts, .num_chars
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .tokenizer import DOC_SEPARATOR, document_separator
+
+BUNDLED = {"tinyshakespeare": "tinyshakespeare.txt"}
+VAL_FRACTION = 0.1
+#: file suffixes read through ``datasets`` (``.gz``, ``.bz2``, ... compressed JSON too)
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+#: documents per call of a batch encoder
+_BATCH = 1024
+
+
+def corpus_format(path: str | Path) -> str:
+    """``"json"``, ``"parquet"`` or ``"text"`` (anything else), from the file name."""
+    name = Path(path).name.lower()
+    for c in _COMPRESSED:
+        if name.endswith(c):
+            name = name[: -len(c)]
+            break
+    if name.endswith(JSON_SUFFIXES):
+        return "json"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return "text"
+
+
+@dataclass
+class Corpus:
+    """The documents of a corpus (non-empty strings) and where they came from."""
+
+    documents: list[str]
+    source: str = "<documents>"
+
+    def __post_init__(self):
+        self.documents = [d for d in self.documents if d]
+
+    @property
+    def text(self) -> str:
+        """The documents joined by ``"\\n\\n"`` (for one document: the document itself)."""
+        return DOC_SEPARATOR.join(self.documents)
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def split(self, val_fraction: float = VAL_FRACTION) -> tuple[Corpus, Corpus]:
+        """Deterministic train/validation split at ``1 − val_fraction`` of the characters of
+        :attr:`text`: the document holding the cut is cut in two (a cut that falls between two
+        documents moves to the start of the next one). One document: exactly ``split_text``."""
+        sep = len(DOC_SEPARATOR)
+        total = sum(len(d) for d in self.documents) + sep * max(len(self.documents) - 1, 0)
+        cut = int(total * (1.0 - val_fraction))
+        start = 0
+        for i, doc in enumerate(self.documents):
+            end = start + len(doc)
+            if cut < end or i == len(self.documents) - 1:
+                at = max(min(cut - start, len(doc)), 0)
+                train, val = self.documents[:i] + [doc[:at]], [doc[at:]] + self.documents[i + 1 :]
+                break
+            if cut < end + sep:  # in the separator after this document
+                train, val = self.documents[: i + 1], self.documents[i + 1 :]
+                break
+            start = end + sep
+        else:
+            train, val = [], []
+        return Corpus(train, f"{self.source} (train)"), Corpus(val, f"{self.source} (val)")
+
+    def encode(self, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(ids, doc_starts, num_chars)``: the token stream (documents joined by the
+        tokenizer's separator, :func:`~mnemo.data.tokenizer.document_separator`), the offset of
+        each document's first token, and the characters the stream stands for (the documents'
+        plus the separators': bits per character divide by it)."""
+        sep_ids, sep_chars = document_separator(tokenizer)
+        sep = sep_ids.tolist()
+        batch = getattr(tokenizer, "encode_batch", None)
+        ids: list[int] = []
+        starts: list[int] = []
+        for i in range(0, len(self.documents), _BATCH):
+            docs = self.documents[i : i + _BATCH]
+            encoded = batch(docs) if batch is not None else [tokenizer.encode(d).tolist() for d in docs]
+            for doc_ids in encoded:
+                if starts:
+                    ids.extend(sep)
+                starts.append(len(ids))
+                ids.extend(doc_ids)
+        chars = sum(tokenizer.num_chars(d) for d in self.documents) + sep_chars * max(len(starts) - 1, 0)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(starts, dtype=torch.long), chars
+
+    def stream(self, tokenizer, seq_len: int):
+        """A :class:`~mnemo.data.text.TokenStream` of :meth:`encode` (``doc_starts`` and
+        ``num_chars`` set)."""
+        from .text import TokenStream
+
+        ids, starts, chars = self.encode(tokenizer)
+        return TokenStream(ids, seq_len, doc_starts=starts, num_chars=chars)
+
+
+def load_corpus(data: str, text_field: str = "text") -> Corpus:
+    """The documents of ``data``: a bundled name (``"tinyshakespeare"``), a UTF-8 text file (one
+    document), a ``.jsonl``/``.json`` or ``.parquet`` file (one document per record, its
+    ``text_field``), a folder of such files (all of one format) or a glob pattern.
+
+    Raises:
+        FileNotFoundError: nothing at ``data`` (and not a bundled name).
+        ValueError: an empty corpus, a text file that is not UTF-8, files of mixed formats, a
+            missing ``text_field`` (the message names the fields present), a non-string value.
+        ImportError: JSONL/Parquet without the ``datasets`` library (``pip install "mnemo[hf]"``).
+    """
+    if data in BUNDLED:
+        text = resources.files("mnemo.data").joinpath("corpora", BUNDLED[data]).read_text(encoding="utf-8")
+        return Corpus([text], data)
+    files = _files(data)
+    formats = sorted({corpus_format(f) for f in files})
+    if len(formats) > 1:
+        raise ValueError(f"data {data!r}: files of mixed formats {formats}; give one format at a time")
+    if formats == ["text"]:
+        docs = [_read_text(f, data) for f in files]
+    else:
+        docs = _read_records(files, formats[0], text_field, data)
+    corpus = Corpus(docs, data)
+    if not corpus.documents:
+        raise ValueError(f"data {data!r} holds no text")
+    return corpus
+
+
+def _files(data: str) -> list[Path]:
+    p = Path(data)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+        known = [f for f in files if corpus_format(f) != "text" or f.suffix.lower() in (".txt", ".text")]
+        if not known:
+            raise ValueError(
+                f"data must be a file, a glob or a folder of .txt/.jsonl/.json/.parquet files; "
+                f"the folder {data!r} holds none"
+            )
+        return known
+    if any(c in data for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(data, recursive=True) if Path(f).is_file())
+        if files:
+            return files
+    raise FileNotFoundError(
+        f"data file not found: {data!r} (give a path to a UTF-8 text, .jsonl or .parquet file, a folder or "
+        f"glob of them, or one of {sorted(BUNDLED)})"
+    )
+
+
+def _read_text(p: Path, data: str) -> str:
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {str(p)!r} is not valid UTF-8: {e}") from e
+    if not text and str(p) == data:
+        raise ValueError(f"data file {data!r} is empty")
+    return text
+
+
+def import_datasets():
+    """The ``datasets`` module, or an ``ImportError`` that says how to install it."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(
+            'JSONL and Parquet corpora need the `datasets` library: pip install "mnemo[hf]"'
+        ) from e
+    return datasets
+
+
+def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> list[str]:
+    """The ``text_field`` of every record of local ``files`` (``datasets``' ``fmt`` builder)."""
+    datasets = import_datasets()
+    quiet = datasets.is_progress_bar_enabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(fmt, data_files=[str(f.resolve()) for f in files], split="train")
+    except Exception as e:  # datasets' and pyarrow's own errors: report them as bad data
+        raise ValueError(f"data {data!r}: cannot read it as {fmt}: {type(e).__name__}: {e}") from e
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
+    if text_field not in ds.column_names:
+        raise ValueError(
+            f"data {data!r}: the records have no field {text_field!r} (fields present: "
+            f"{ds.column_names}); choose one with --text-field (TrainConfig.text_field)"
+        )
+    docs = []
+    for i, value in enumerate(ds[text_field]):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(
+                f"data {data!r}: record {i}: field {text_field!r} holds {type(value).__name__}, not text"
+            )
+        docs.append(value)
+    return docs

@@ -1,0 +1,319 @@
+"""lm-evaluation-harness adapter: mnemo checkpoints as the ``lm_eval`` model ``"mnemo"``.
+
+Importing this module registers :class:`MnemoLM` with lm-eval's model registry, so::
+
+    import mnemo.hf.harness, lm_eval
+    lm_eval.simple_evaluate(model="mnemo", model_args="checkpoint=runs/x", tasks=["lambada_openai"])
+
+works like ``mnemo harness --checkpoint runs/x --tasks lambada_openai``. Text is encoded with the
+checkpoint's own tokenizer (:func:`mnemo.data.load_tokenizer`), scoring runs on mnemo's
+:class:`~mnemo.models.LanguageModel` directly.
+
+* ``loglikelihood``: requests sorted by length (longest first), batched ``batch_size`` at a time,
+  right-padded (a causal model never sees right padding), the continuation's log-probabilities
+  gathered from one ``log_softmax`` per batch; ``is_greedy`` when every continuation token is the
+  argmax. ``context + continuation`` is encoded whole and split at the context's length (trailing
+  spaces of the context move to the continuation), as lm-eval's Hugging Face model does.
+* ``loglikelihood_rolling`` (perplexity tasks), ``rolling=``:
+
+  - ``"state"`` (default unless the model has learned positions): the whole document in one
+    left-to-right pass, fed in chunks of ``max_length`` tokens with the model's state carried
+    between chunks, so every token is conditioned on everything before it — the recurrent state
+    for linear/SSM mixers, the growing KV cache for softmax attention. This equals one forward
+    pass over the document; chunking only bounds activation memory.
+  - ``"window"`` (default with learned positions, capped at ``max_position``): lm-eval's disjoint
+    rolling windows of ``max_length`` tokens, each scored from a fresh state.
+
+* ``generate_until``: greedy decoding (temperature sampling when a task sets ``do_sample`` and a
+  ``temperature > 0``) with the state, one token per step, until a stop string appears in the
+  decoded text (the output is cut before it), an end-of-text token (when the tokenizer has one), or
+  ``max_gen_toks`` tokens. Requests with equal prompt length and options are batched.
+
+**The first token.** mnemo's char/byte tokenizers have no begin-of-text token. The first token of
+a document (and of a continuation with an empty context) is conditioned on ``prefix_token_id``
+when one is known — the model argument, else the tokenizer's ``bos_token_id`` or
+``eos_token_id`` — and otherwise is not scored (its log-probability counts as 0).
+
+Model arguments (``--model-args``-style ``key=value``): ``checkpoint`` (or ``pretrained``; a
+checkpoint or run directory), ``device`` (``cpu``), ``batch_size`` (int; ``auto`` = 16),
+``max_length``, ``rolling``, ``prefix_token_id``, ``max_gen_toks`` (256), ``dtype``
+(``float32`` / ``bfloat16`` / ``float16``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from ..data import load_tokenizer
+from ..models import LanguageModel
+from ..models.lm import check_device, sample_next
+
+__all__ = ["MnemoLM"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _int_or_none(name: str, value) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected an int, got {value!r}") from None
+    return v
+
+
+@register_model("mnemo")
+class MnemoLM(LM):
+    """A mnemo checkpoint as an lm-eval ``LM`` (see the module docstring for what each request
+    type computes). ``model`` may be given instead of ``checkpoint`` (with ``tokenizer``) to wrap a
+    model already in memory."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path | None = None,
+        pretrained: str | Path | None = None,
+        device: str | None = "cpu",
+        batch_size: int | str | None = 1,
+        max_batch_size: int | None = None,
+        max_length: int | None = None,
+        rolling: str | None = None,
+        prefix_token_id: int | None = None,
+        max_gen_toks: int = 256,
+        dtype: str | None = None,
+        model: LanguageModel | None = None,
+        tokenizer: Any = None,
+        **kwargs,
+    ):
+        super().__init__()
+        if kwargs:
+            log.warning("mnemo: ignoring model arguments %s", sorted(kwargs))
+        device = str(device or "cpu")
+        check_device(device)
+        self._device = torch.device(device)
+        path = checkpoint if checkpoint is not None else pretrained
+        if model is None:
+            if path is None:
+                raise ValueError("checkpoint: required (model_args='checkpoint=DIR')")
+            from ..train import resolve_checkpoint
+
+            ckpt = resolve_checkpoint(str(path), warn=log.warning)
+            model = LanguageModel.from_pretrained(ckpt, map_location=device)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt)
+        elif tokenizer is None:
+            raise ValueError("tokenizer: required with model=")
+        if dtype not in (None, "", "auto"):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+            model = model.to(_DTYPES[dtype])
+        self.model = model.to(self._device).eval()
+        self.tokenizer = tokenizer
+        cfg = model.config
+        learned = cfg.pos_embedding == "learned"
+        if batch_size in (None, "", "auto") or (
+            isinstance(batch_size, str) and batch_size.startswith("auto")
+        ):
+            batch_size = 16
+        self.batch_size = _int_or_none("batch_size", batch_size)
+        if max_batch_size is not None:
+            self.batch_size = min(self.batch_size, _int_or_none("max_batch_size", max_batch_size))
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        ml = _int_or_none("max_length", max_length)
+        self.max_length = ml if ml is not None else (cfg.max_position if learned else 2048)
+        if learned:
+            self.max_length = min(self.max_length, cfg.max_position)
+        if self.max_length < 2:
+            raise ValueError(f"max_length: expected an int >= 2, got {max_length!r}")
+        self.rolling = rolling or ("window" if learned else "state")
+        if self.rolling not in ("state", "window"):
+            raise ValueError(f"rolling: expected 'state' or 'window', got {rolling!r}")
+        if self.rolling == "state" and learned:
+            raise ValueError("rolling: 'state' needs a model without learned positions (use 'window')")
+        self.truncate = learned  # only learned positions bound the context
+        pid = _int_or_none("prefix_token_id", prefix_token_id)
+        if pid is None:
+            for attr in ("bos_token_id", "eos_token_id"):
+                pid = getattr(tokenizer, attr, None)
+                if pid is not None:
+                    break
+        self.prefix_token_id = pid
+        self.eot_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.max_gen_toks = _int_or_none("max_gen_toks", max_gen_toks)
+
+    # -------------------------------------------------------------------------------- helpers
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"mnemo-{getattr(self.tokenizer, 'kind', type(self.tokenizer).__name__)}"
+
+    def tok_encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+
+    def tok_decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        n = len(context) - len(context.rstrip())
+        if n > 0:
+            continuation = context[-n:] + continuation
+            context = context[:-n]
+        whole = self.tok_encode(context + continuation)
+        ctx = self.tok_encode(context)
+        return ctx, whole[len(ctx) :]
+
+    @torch.no_grad()
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Sum of log p(continuation | context) and is_greedy for token-level ``(context,
+        continuation)`` pairs, batched by length with right padding."""
+        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        items = []
+        for i, (ctx, cont) in enumerate(pairs):
+            if not ctx and self.prefix_token_id is not None:
+                ctx = [self.prefix_token_id]
+            whole = ctx + cont
+            n_scored = len(cont) if ctx else len(cont) - 1  # no context: the first token is not scored
+            if n_scored <= 0:
+                results[i] = (0.0, True)
+                continue
+            inp = whole[:-1]
+            if self.truncate and len(inp) > self.max_length:
+                inp = inp[-self.max_length :]
+                n_scored = min(n_scored, len(inp))
+            items.append((i, inp, whole[-n_scored:]))
+        items.sort(key=lambda t: -len(t[1]))
+        for start in range(0, len(items), self.batch_size):
+            batch = items[start : start + self.batch_size]
+            T = len(batch[0][1])
+            x = torch.zeros(len(batch), T, dtype=torch.long)
+            for r, (_, inp, _) in enumerate(batch):
+                x[r, : len(inp)] = torch.tensor(inp)
+            logits, _ = self.model(x.to(self._device))
+            logp = F.log_softmax(logits.float(), dim=-1)
+            for r, (i, inp, target) in enumerate(batch):
+                n = len(target)
+                lp = logp[r, len(inp) - n : len(inp)]
+                tgt = torch.tensor(target, device=lp.device)
+                total = lp.gather(-1, tgt[:, None]).sum().item()
+                greedy = bool((lp.argmax(-1) == tgt).all())
+                results[i] = (total, greedy)
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------ requests
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self._encode_pair(*req.args[:2]) for req in requests]
+        return self._score(pairs)
+
+    @torch.no_grad()
+    def _rolling_state(self, tokens: list[int]) -> float:
+        if self.prefix_token_id is not None:
+            tokens = [self.prefix_token_id] + tokens
+        if len(tokens) < 2:
+            return 0.0
+        ids = torch.tensor(tokens, device=self._device)[None]
+        total, state = 0.0, None
+        for s in range(0, ids.shape[1] - 1, self.max_length):
+            inp = ids[:, s : min(s + self.max_length, ids.shape[1] - 1)]
+            tgt = ids[:, s + 1 : s + 1 + inp.shape[1]]
+            logits, state = self.model(inp, state)
+            total += F.log_softmax(logits.float(), -1).gather(-1, tgt[..., None]).sum().item()
+        return total
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for req in requests:
+            tokens = self.tok_encode(req.args[0])
+            if self.rolling == "state":
+                out.append(self._rolling_state(tokens))
+                continue
+            prefix = self.prefix_token_id if self.prefix_token_id is not None else -1
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(tokens, prefix, self.max_length, context_len=1)
+            ]
+            if windows and self.prefix_token_id is None:  # first window: nothing before token 0
+                ctx, cont = windows[0]
+                windows[0] = ([], ctx[1:] + cont) if ctx[:1] == [-1] else (ctx, cont)
+            out.append(sum(lp for lp, _ in self._score(windows)))
+        return out
+
+    @torch.no_grad()
+    def _generate(
+        self, prompts: list[list[int]], until: list[str], max_gen: int, temperature: float
+    ) -> list[str]:
+        x = torch.tensor(prompts, device=self._device)
+        logits, state = self.model(x)
+        rows = len(prompts)
+        gen: list[list[int]] = [[] for _ in range(rows)]
+        done = [False] * rows
+        for step in range(max_gen):
+            nxt = sample_next(logits[:, -1].float(), temperature, None, None)
+            for r in range(rows):
+                if done[r]:
+                    continue
+                t = int(nxt[r])
+                if self.eot_token_id is not None and t == self.eot_token_id:
+                    done[r] = True
+                    continue
+                gen[r].append(t)
+                if until and any(u in self.tok_decode(gen[r]) for u in until):
+                    done[r] = True
+            if all(done) or step == max_gen - 1:
+                break
+            if self.truncate and state[0].offset + 1 > self.model.config.max_position:
+                break
+            logits, state = self.model(nxt[:, None], state)
+        texts = []
+        for r in range(rows):
+            text = self.tok_decode(gen[r])
+            for u in until:
+                if u:
+                    text = text.split(u)[0]
+            texts.append(text)
+        return texts
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        groups: dict[tuple, list[tuple[int, list[int]]]] = {}
+        for i, req in enumerate(requests):
+            context, kw = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
+            until = kw.pop("until", None)
+            until = [u for u in ([until] if isinstance(until, str) else list(until or [])) if u]
+            max_gen = kw.pop("max_gen_toks", kw.pop("max_new_tokens", self.max_gen_toks))
+            do_sample = bool(kw.pop("do_sample", False))
+            temperature = float(kw.pop("temperature", 0.0) or 0.0) if do_sample else 0.0
+            if kw:
+                log.warning("mnemo: generate_until ignores %s", sorted(kw))
+            ctx = self.tok_encode(context)
+            if self.prefix_token_id is not None and not ctx:
+                ctx = [self.prefix_token_id]
+            if not ctx:
+                raise ValueError("generate_until: an empty context needs a prefix_token_id to start from")
+            if self.truncate:
+                ctx = ctx[-max(1, self.max_length - int(max_gen)) :]
+            key = (len(ctx), tuple(until), int(max_gen), temperature)
+            groups.setdefault(key, []).append((i, ctx))
+        out: list[str | None] = [None] * len(requests)
+        for (_, until, max_gen, temperature), members in sorted(groups.items(), key=lambda kv: -kv[0][0]):
+            for s in range(0, len(members), self.batch_size):
+                chunk = members[s : s + self.batch_size]
+                if max_gen <= 0:
+                    texts = [""] * len(chunk)
+                else:
+                    texts = self._generate([c for _, c in chunk], list(until), max_gen, temperature)
+                for (i, _), text in zip(chunk, texts):
+                    out[i] = text
+        return out  # type: ignore[return-value]

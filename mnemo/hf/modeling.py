@@ -1,0 +1,345 @@
+"""mnemo checkpoints as ``transformers`` models: ``MnemoConfig`` and ``MnemoForCausalLM``.
+
+Importing this module (``import mnemo.hf.modeling``, ``mnemo.hf.register()`` or touching
+``mnemo.hf.MnemoForCausalLM``; a bare ``import mnemo.hf`` does not import ``transformers``)
+registers ``model_type = "mnemo"`` with ``AutoConfig`` and ``AutoModelForCausalLM``, so a
+checkpoint directory written by ``mnemo train`` (a ``ckpt-*`` directory, not the run directory) or
+by ``LanguageModel.save_pretrained`` loads and generates with the usual calls::
+
+    import mnemo.hf.modeling  # registers "mnemo" with the Auto classes
+    from transformers import AutoModelForCausalLM
+    from mnemo.data import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained("runs/x/ckpt-000500")
+    tok = load_tokenizer("runs/x/ckpt-000500")        # mnemo's char/byte tokenizer
+    ids = tok.encode("KING:")[None]                   # [1, T] long
+    out = model.generate(ids, max_new_tokens=50, do_sample=False)
+    print(tok.decode(out[0]))
+
+**Tokenizer.** A mnemo char/byte tokenizer is not a ``transformers`` tokenizer: encode with
+:func:`mnemo.data.load_tokenizer` and pass the ids (``AutoTokenizer`` does not load it).
+
+**Cache.** The cache is mnemo's recurrent state: a :class:`MnemoCache` holding the list of per-layer
+:class:`~mnemo.layers.state.BlockState` (``cache.states``) and the number of tokens consumed. The
+forward pass takes it as ``cache=`` (``past_key_values=`` is accepted as the older name) and
+returns the advanced one in ``output.cache``; :meth:`MnemoForCausalLM.prepare_inputs_for_generation`
+feeds only the new tokens together with it, so decoding costs one token step per token, in
+constant memory for recurrent mixers. Greedy ``generate`` equals
+``LanguageModel.generate(..., temperature=0)``.
+
+**Padding.** A recurrent state takes in every token it is given, so left padding would change the
+result: an ``attention_mask`` may only mark padding at the right end of a row (which a causal
+model never sees from the real tokens); anything else raises ``ValueError``. Generate prompts of
+one length per call.
+
+Checkpoints written before ``config.json`` carried ``"model_type": "mnemo"`` load with
+``MnemoForCausalLM.from_pretrained`` (not through ``AutoModelForCausalLM``, which dispatches on that
+key); saving them again adds it.
+
+**Weights.** ``from_pretrained`` loads through mnemo's own loader
+(:meth:`mnemo.models.LanguageModel.from_pretrained`): the weight names are mnemo's
+(``embed.weight``, ``blocks.0…``) and mixers' non-persistent buffers (rotary frequencies) are built
+by their constructors. ``save_pretrained`` writes mnemo's format (``config.json`` with
+``"model_type": "mnemo"`` + ``model.safetensors``), which both mnemo and ``transformers`` load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..layers.state import select_rows
+from ..models.config import MODEL_TYPE, ModelConfig
+from ..models.lm import CONFIG_NAME, LanguageModel
+
+__all__ = ["MnemoCache", "MnemoConfig", "MnemoForCausalLM", "register"]
+
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+class MnemoConfig(PretrainedConfig):
+    """``transformers`` config of a mnemo model: the fields of :class:`mnemo.models.ModelConfig`
+    (same names, same defaults) plus ``use_cache``. :meth:`to_model_config` gives the mnemo config;
+    :meth:`from_model_config` builds one from it. ``save_pretrained`` writes mnemo's
+    ``config.json`` (the model fields and ``"model_type": "mnemo"``)."""
+
+    model_type = MODEL_TYPE
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    mixer: str = "attention"
+    pattern: list | None = None
+    layers: list | None = None
+    mixer_options: dict = dataclasses.field(default_factory=dict)
+    mlp: str = "swiglu"
+    mlp_hidden: int | None = None
+    mlp_options: dict = dataclasses.field(default_factory=dict)
+    pos_embedding: str = "none"
+    max_position: int = 4096
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    use_cache: bool = True
+
+    def to_model_config(self) -> ModelConfig:
+        """The mnemo :class:`~mnemo.models.ModelConfig` (validated: ``ValueError`` names a bad field)."""
+        return ModelConfig.from_dict({name: getattr(self, name) for name in _MODEL_FIELDS})
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, **kwargs) -> MnemoConfig:
+        return cls(**config.to_dict(), **kwargs)
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+        if push_to_hub:
+            raise NotImplementedError("MnemoConfig.save_pretrained: push_to_hub is not supported")
+        d = Path(save_directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.to_model_config().save(d / CONFIG_NAME)
+
+
+class MnemoCache:
+    """mnemo's recurrent state as a ``transformers`` generation cache.
+
+    ``states``: the list of per-layer :class:`~mnemo.layers.state.BlockState` that
+    :class:`~mnemo.models.LanguageModel` takes and returns; ``seen_tokens``: tokens consumed. It is
+    a sequence of the per-layer states (``len``, indexing, iteration), and a plain list of them is
+    accepted wherever a cache is."""
+
+    is_compileable = False
+
+    def __init__(self, states: list, seen_tokens: int):
+        self.states = list(states)
+        self.seen_tokens = int(seen_tokens)
+
+    @classmethod
+    def wrap(cls, cache) -> MnemoCache | None:
+        """``cache`` as a :class:`MnemoCache`: ``None``, a cache, or a list of per-layer states."""
+        if cache is None or isinstance(cache, MnemoCache):
+            return cache
+        if isinstance(cache, (list, tuple)):
+            states = list(cache)
+            return cls(states, states[0].offset if states else 0)
+        raise TypeError(
+            f"cache: expected a MnemoCache or a list of mnemo per-layer states, got {type(cache).__name__}"
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    @property
+    def is_linear(self) -> list[bool]:
+        # ``transformers`` slices the prompt by get_seq_length() only when some layer is not
+        # "linear"; mnemo's cache always knows how many tokens it consumed, so always slice.
+        return [False] * len(self.states)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep the batch rows ``beam_idx`` (beam search)."""
+        self.states = select_rows(self.states, beam_idx)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i):
+        return self.states[i]
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __repr__(self) -> str:
+        return f"MnemoCache(layers={len(self.states)}, seen_tokens={self.seen_tokens})"
+
+
+def _check_attention_mask(mask: torch.Tensor | None) -> None:
+    if mask is None or mask.ndim != 2:
+        return
+    m = mask.bool()
+    if bool(m.all()):
+        return
+    # padding only at the right end: once a row has a 0, it has no 1 after it
+    after_pad = m.long().flip(-1).cummax(-1).values.flip(-1).bool()  # a 1 at or after each position
+    if bool((after_pad & ~m).any()):
+        raise ValueError(
+            "attention_mask: mnemo models carry a recurrent state through every token, so padding may "
+            "only be at the right end of a row (left padding would enter the state); give prompts of "
+            "one length per call"
+        )
+
+
+class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
+    """A mnemo :class:`~mnemo.models.LanguageModel` (``self.model``) as a ``transformers`` causal LM.
+
+    ``forward(input_ids [B, T], attention_mask=None, cache=None, labels=None, use_cache=None)``
+    returns ``CausalLMOutputWithPast(loss, logits [B, T, vocab], cache)``; ``labels`` are shifted
+    inside (the ``transformers`` convention, ``-100`` ignored). See the module docstring for the cache,
+    padding and loading rules.
+    """
+
+    config_class = MnemoConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: MnemoConfig, model: LanguageModel | None = None):
+        super().__init__(config)
+        self.model = model if model is not None else LanguageModel(config.to_model_config())
+        self.post_init()
+
+    def _init_weights(self, module) -> None:
+        """A no-op: :class:`~mnemo.models.LanguageModel` initialises its own parameters (mnemo's
+        init, with each mixer's special gates), and pretrained weights are loaded over them."""
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is mnemo's state, returned by forward (no DynamicCache)
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: MnemoCache | list | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: MnemoCache | list | None = None,
+        **kwargs: Any,
+    ):
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds: not supported by mnemo models; pass input_ids")
+        if input_ids is None:
+            raise ValueError("input_ids: required")
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the state as cache= or as past_key_values=, not both")
+        cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
+        _check_attention_mask(attention_mask)
+        logits, state = self.model(input_ids, cache.states if cache is not None else None)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(),
+                labels[:, 1:].flatten().to(logits.device),
+                ignore_index=-100,
+            )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        seen = (cache.seen_tokens if cache is not None else 0) + input_ids.shape[1]
+        out = CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=MnemoCache(state, seen) if use_cache else None
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return out if return_dict else out.to_tuple()
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: MnemoCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        past_key_values: MnemoCache | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """With a cache, only the tokens it has not consumed (one per decoding step) go in."""
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds: not supported by mnemo models; pass input_ids")
+        cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
+        if cache is not None:
+            if next_sequence_length is not None:
+                input_ids = input_ids[:, -next_sequence_length:]
+            elif input_ids.shape[1] > cache.seen_tokens:
+                input_ids = input_ids[:, cache.seen_tokens :]
+        inputs = {"input_ids": input_ids.contiguous(), "cache": cache, "attention_mask": attention_mask}
+        if use_cache is not None:
+            inputs["use_cache"] = use_cache
+        return inputs
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *model_args,
+        config: MnemoConfig | None = None,
+        dtype=None,
+        torch_dtype=None,
+        device_map=None,
+        **kwargs,
+    ) -> MnemoForCausalLM:
+        """Load a mnemo checkpoint directory (or a Hub repository holding one) with mnemo's loader.
+
+        ``dtype`` (or ``torch_dtype``): a ``torch.dtype`` or its name to cast to (``"auto"`` / ``None``
+        keep the stored float32); ``device_map``: a device (``"cpu"``, ``"cuda:0"``) or ``"auto"``
+        (CUDA when available). Hub options (``revision``, ``cache_dir``, ``local_files_only``,
+        ``token``, ``subfolder``) apply to a repository id; other ``transformers`` loading options
+        are ignored; remaining keyword arguments set attributes of the config (``use_cache=False``).
+        """
+        if model_args:
+            raise TypeError("MnemoForCausalLM.from_pretrained takes no positional model arguments")
+        path = Path(pretrained_model_name_or_path)
+        if not path.is_dir():
+            from huggingface_hub import snapshot_download
+
+            hub = {
+                k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs
+            }
+            path = Path(snapshot_download(str(pretrained_model_name_or_path), **hub))
+        if kwargs.get("subfolder"):
+            path = path / kwargs["subfolder"]
+        ignored = {
+            "_from_auto", "trust_remote_code", "adapter_kwargs", "revision", "cache_dir", "force_download",
+            "local_files_only", "proxies", "token", "subfolder", "code_revision", "_commit_hash",
+            "low_cpu_mem_usage", "use_safetensors", "attn_implementation", "weights_only", "key_mapping",
+        }  # fmt: skip
+        lm = LanguageModel.from_pretrained(path, map_location="cpu")
+        if config is None:
+            config = MnemoConfig.from_model_config(lm.config)
+        for k, v in kwargs.items():
+            if k in ignored:
+                continue
+            if not hasattr(config, k):
+                raise TypeError(f"MnemoForCausalLM.from_pretrained: unexpected argument {k!r}")
+            setattr(config, k, v)
+        config.name_or_path = str(pretrained_model_name_or_path)
+        model = cls(config, model=lm)
+        dtype = dtype if dtype is not None else torch_dtype
+        if dtype is not None and dtype != "auto":
+            model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        if device_map is not None:
+            if device_map == "auto":
+                device_map = "cuda" if torch.cuda.is_available() else "cpu"
+            if isinstance(device_map, dict):
+                raise ValueError("device_map: mnemo models load onto one device; pass a device name")
+            model = model.to(device_map)
+        model.eval()
+        return model
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """Write mnemo's checkpoint format (``config.json`` + ``model.safetensors``), which
+        :meth:`from_pretrained`, ``AutoModelForCausalLM`` and mnemo itself load."""
+        if kwargs.get("push_to_hub"):
+            raise NotImplementedError("MnemoForCausalLM.save_pretrained: push_to_hub is not supported")
+        self.model.save_pretrained(save_directory)
+
+
+def register() -> None:
+    """Register ``model_type = "mnemo"`` with ``AutoConfig`` and ``AutoModelForCausalLM`` (done on
+    import; calling it again is harmless)."""
+    AutoConfig.register(MODEL_TYPE, MnemoConfig, exist_ok=True)
+    AutoModelForCausalLM.register(MnemoConfig, MnemoForCausalLM, exist_ok=True)
+
+
+register()

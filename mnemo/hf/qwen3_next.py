@@ -1,0 +1,434 @@
+"""Qwen3-Next (Gated DeltaNet / gated-attention hybrids) in and out of mnemo.
+
+:func:`import_qwen3_next` turns a ``transformers`` Qwen3-Next config (a dict, as in
+``config.json``) and its state dict into a :class:`~mnemo.models.ModelConfig` and a state dict that
+``LanguageModel(config).load_state_dict(sd, strict=True)`` accepts; :func:`export_qwen3_next` does
+the reverse (a config dict and a state dict that ``Qwen3NextForCausalLM`` loads). Both functions
+work on plain dicts and tensors: neither imports ``transformers``.
+
+The correspondence, layer by layer:
+
+* ``linear_attention`` layers → ``"gated_deltanet"``
+  (:class:`~mnemo.layers.delta.DeltaNet` with ``gated=True``): ``n_heads`` = key heads,
+  ``n_v_heads`` = value heads (grouped), ``head_dim`` / ``value_head_dim`` = key / value widths,
+  no conv bias, no β bias, ``qk_norm_eps = 1e-6`` (the kernel's ``l2norm``), output norm epsilon
+  ``rms_norm_eps`` and ``silu(z)`` output gate. ``in_proj_qkvz`` (per key head ``[q | k | v | z]``)
+  and ``in_proj_ba`` (per key head ``[b | a]``) are re-laid out as mnemo's ``qkv_proj`` (``[q |
+  k | v]``, each head-major), ``g_proj`` (z), ``beta_proj`` (b) and ``a_proj`` (a).
+* ``full_attention`` layers → ``"attention"`` with ``qk_norm``, ``output_gate`` (the second half
+  of each head's ``q_proj`` rows), partial rotary (``rotary_dim = head_dim ·
+  partial_rotary_factor``) and ``bias = attention_bias``.
+* the MLP of every layer must be dense (``Qwen3NextMLP`` → SwiGLU ``w_in = [gate; up]``); sparse
+  MoE layers are refused (mnemo has no MoE MLP yet).
+* Qwen3-Next's RMSNorms (block norms, final norm, q/k norms) are zero-centred (``x̂ · (1 + w)``);
+  mnemo's multiply by the weight, so ``w + 1`` is stored on import (in float32, or float64 for a
+  float64 checkpoint — the exact value Qwen3-Next multiplies by) and ``w − 1`` on export. The gated
+  norm of the linear-attention layers multiplies by ``w`` directly and is copied.
+
+Anything mnemo cannot express exactly raises ``ValueError`` naming the option; nothing is
+approximated. ``attention_dropout`` acts only in training and is not carried; multi-token
+prediction weights (``mtp.*``, unused by ``Qwen3NextForCausalLM``) are dropped on import.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..layers import MIXERS
+from ..layers.mlp import swiglu_hidden
+from ..models.config import ModelConfig
+
+#: ``Qwen3NextConfig``'s defaults for the fields the conversion reads (a ``config.json`` may
+#: leave defaults out)
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "decoder_sparse_step": 1,
+    "num_experts": 512,
+    "mlp_only_layers": None,
+    "layer_types": None,
+    "initializer_range": 0.02,
+}
+LINEAR, FULL = "linear_attention", "full_attention"
+GDN, ATTN = "gated_deltanet", "attention"
+#: the L2-normalisation epsilon of Qwen3-Next's delta-rule kernel (fixed, not a config field)
+QK_L2NORM_EPS = 1e-6
+
+
+def _refuse(what: str) -> None:
+    raise ValueError(f"Qwen3-Next conversion: {what}")
+
+
+def _get(cfg: dict, key: str):
+    return cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]
+
+
+def _rope(cfg: dict) -> tuple[float, float]:
+    """``(rope_theta, partial_rotary_factor)`` from ``rope_parameters`` (or the legacy top-level
+    ``rope_theta`` / ``partial_rotary_factor`` / ``rope_scaling``); other RoPE types are refused."""
+    rp = cfg.get("rope_parameters")
+    if rp is None:
+        if cfg.get("rope_scaling") not in (None, {}):
+            _refuse(f"rope_scaling {cfg['rope_scaling']!r} is not supported (only plain RoPE)")
+        rp = {"rope_type": "default"}
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type != "default":
+        _refuse(f"rope_type {rope_type!r} is not supported (only 'default')")
+    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    return float(theta), float(factor)
+
+
+def _layer_types(cfg: dict, n: int) -> list[str]:
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+    if len(types) != n:
+        _refuse(f"layer_types has {len(types)} entries for num_hidden_layers = {n}")
+    for i, t in enumerate(types):
+        if t not in (LINEAR, FULL):
+            _refuse(f"layer_types[{i}] = {t!r}: expected {LINEAR!r} or {FULL!r}")
+    return list(types)
+
+
+def _moe_layers(cfg: dict, n: int) -> list[int]:
+    only = set(_get(cfg, "mlp_only_layers") or [])
+    experts, step = _get(cfg, "num_experts"), _get(cfg, "decoder_sparse_step")
+    return [i for i in range(n) if i not in only and experts > 0 and (i + 1) % step == 0]
+
+
+def _plus_one(w: Tensor) -> Tensor:
+    """``1 + w`` as Qwen3-Next multiplies by it: float32 (float64 for float64 weights)."""
+    cd = torch.float64 if w.dtype == torch.float64 else torch.float32
+    return w.to(cd) + 1.0
+
+
+def _minus_one(w: Tensor) -> Tensor:
+    cd = torch.float64 if w.dtype == torch.float64 else torch.float32
+    return (w.to(cd) - 1.0).to(w.dtype)
+
+
+class _Weights:
+    """A state dict consumed key by key; :meth:`finish` refuses what was not consumed."""
+
+    def __init__(self, weights: dict[str, Tensor], ignore: tuple[str, ...] = ()):
+        self.w = {k: v for k, v in weights.items() if not k.startswith(ignore)}
+        self.used: set[str] = set()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.w
+
+    def pop(self, key: str, shape: tuple[int, ...] | None = None) -> Tensor:
+        if key not in self.w:
+            _refuse(f"weight {key!r} is missing")
+        t = self.w[key]
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            _refuse(f"weight {key!r} has shape {list(t.shape)}, expected {list(shape)}")
+        self.used.add(key)
+        return t
+
+    def finish(self) -> None:
+        left = sorted(set(self.w) - self.used)
+        if left:
+            _refuse(
+                f"unexpected weights (not expressible in the mnemo model): {left[:8]}"
+                + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            )
+
+
+def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """A ``transformers`` Qwen3-Next checkpoint as a mnemo ``(ModelConfig, state dict)``.
+
+    ``hf_config``: the config dict (``config.json`` or ``Qwen3NextConfig.to_dict()``);
+    ``weights``: the ``Qwen3NextForCausalLM`` state dict (``model.*``, ``lm_head.weight``).
+    Raises ``ValueError`` for MoE layers, RoPE scaling, another activation than SiLU, a missing,
+    mis-shaped or unexpected weight — anything not reproduced exactly.
+    """
+    cfg = dict(hf_config)
+    if cfg.get("model_type", "qwen3_next") != "qwen3_next":
+        _refuse(f"model_type {cfg['model_type']!r} is not 'qwen3_next'")
+    n, d = _get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size")
+    if _get(cfg, "hidden_act") != "silu":
+        _refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    types = _layer_types(cfg, n)
+    moe = _moe_layers(cfg, n)
+    if moe:
+        _refuse(
+            f"layers {moe} use a sparse mixture-of-experts MLP (Qwen3NextSparseMoeBlock), which mnemo "
+            "does not support yet; only dense MLP layers (num_experts = 0 or mlp_only_layers covering "
+            "every layer) convert"
+        )
+    eps = float(_get(cfg, "rms_norm_eps"))
+    theta, factor = _rope(cfg)
+    H, H_kv, D = _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads"), _get(cfg, "head_dim")
+    rotary_dim = int(D * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        _refuse(
+            f"partial_rotary_factor {factor} gives {rotary_dim} rotary channels of head_dim {D}; "
+            "expected an even number >= 2"
+        )
+    bias = bool(_get(cfg, "attention_bias"))
+    Hk, Hv = _get(cfg, "linear_num_key_heads"), _get(cfg, "linear_num_value_heads")
+    K, V = _get(cfg, "linear_key_head_dim"), _get(cfg, "linear_value_head_dim")
+    W = _get(cfg, "linear_conv_kernel_dim")
+    if LINEAR in types and Hv % Hk:
+        _refuse(f"linear_num_value_heads ({Hv}) must be a multiple of linear_num_key_heads ({Hk})")
+    G = Hv // Hk if Hk else 1
+    hidden = _get(cfg, "intermediate_size")
+    tie = bool(_get(cfg, "tie_word_embeddings"))
+
+    options: dict[str, dict[str, Any]] = {}
+    if LINEAR in types:
+        options[GDN] = dict(
+            n_heads=Hk, head_dim=K, value_head_dim=V, n_v_heads=Hv, short_conv=True, conv_size=W,
+            output_gate=True, conv_bias=False, beta_bias=False, allow_neg_eigval=False,
+            qk_norm_eps=QK_L2NORM_EPS, norm_eps=eps,
+        )  # fmt: skip
+    if FULL in types:
+        options[ATTN] = dict(
+            n_heads=H, n_kv_heads=H_kv, head_dim=D, rope=True, rope_theta=theta, window=None,
+            qk_norm=True, output_gate=True, bias=bias, norm_eps=eps,
+        )  # fmt: skip
+        if rotary_dim != D:
+            options[ATTN]["rotary_dim"] = rotary_dim
+    config = ModelConfig(
+        vocab_size=_get(cfg, "vocab_size"),
+        d_model=d,
+        n_layers=n,
+        layers=[GDN if t == LINEAR else ATTN for t in types],
+        mixer_options=options,
+        mlp="swiglu",
+        mlp_hidden=hidden,
+        pos_embedding="none",
+        tie_embeddings=tie,
+        norm_eps=eps,
+        init_std=float(_get(cfg, "initializer_range")),
+    ).validate()
+
+    w = _Weights(weights, ignore=("mtp.",))
+    sd: dict[str, Tensor] = {}
+    emb = w.pop("model.embed_tokens.weight", (config.vocab_size, d))
+    sd["embed.weight"] = emb
+    if tie:
+        sd["lm_head.weight"] = emb
+        if "lm_head.weight" in w:
+            head = w.pop("lm_head.weight", (config.vocab_size, d))
+            if not torch.equal(head, emb):
+                _refuse("tie_word_embeddings is set but lm_head.weight differs from the embedding")
+    else:
+        sd["lm_head.weight"] = w.pop("lm_head.weight", (config.vocab_size, d))
+    sd["norm.weight"] = _plus_one(w.pop("model.norm.weight", (d,)))
+    for i, t in enumerate(types):
+        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        sd[q + "mixer_norm.weight"] = _plus_one(w.pop(p + "input_layernorm.weight", (d,)))
+        sd[q + "mlp_norm.weight"] = _plus_one(w.pop(p + "post_attention_layernorm.weight", (d,)))
+        gate = w.pop(p + "mlp.gate_proj.weight", (hidden, d))
+        up = w.pop(p + "mlp.up_proj.weight", (hidden, d))
+        sd[q + "mlp.w_in.weight"] = torch.cat([gate, up], 0)
+        sd[q + "mlp.w_out.weight"] = w.pop(p + "mlp.down_proj.weight", (d, hidden))
+        if t == LINEAR:
+            a = p + "linear_attn."
+            qkvz = w.pop(a + "in_proj_qkvz.weight", (Hk * (2 * K + 2 * G * V), d)).reshape(Hk, -1, d)
+            wq, wk, wv, wz = qkvz.split((K, K, G * V, G * V), dim=1)
+            sd[q + "mixer.qkv_proj.weight"] = torch.cat(
+                [wq.reshape(Hk * K, d), wk.reshape(Hk * K, d), wv.reshape(Hv * V, d)], 0
+            )
+            sd[q + "mixer.g_proj.weight"] = wz.reshape(Hv * V, d)
+            ba = w.pop(a + "in_proj_ba.weight", (2 * Hv, d)).reshape(Hk, 2 * G, d)
+            wb, wa = ba.split((G, G), dim=1)
+            sd[q + "mixer.beta_proj.weight"] = wb.reshape(Hv, d)
+            sd[q + "mixer.a_proj.weight"] = wa.reshape(Hv, d)
+            sd[q + "mixer.conv.weight"] = w.pop(a + "conv1d.weight", (2 * Hk * K + Hv * V, 1, W))
+            sd[q + "mixer.A_log"] = w.pop(a + "A_log", (Hv,))
+            sd[q + "mixer.dt_bias"] = w.pop(a + "dt_bias", (Hv,))
+            sd[q + "mixer.norm.weight"] = w.pop(a + "norm.weight", (V,))
+            sd[q + "mixer.o_proj.weight"] = w.pop(a + "out_proj.weight", (d, Hv * V))
+        else:
+            a = p + "self_attn."
+            wqg = w.pop(a + "q_proj.weight", (H * 2 * D, d)).reshape(H, 2 * D, d)
+            sd[q + "mixer.q_proj.weight"] = wqg[:, :D].reshape(H * D, d)
+            sd[q + "mixer.gate_proj.weight"] = wqg[:, D:].reshape(H * D, d)
+            wk = w.pop(a + "k_proj.weight", (H_kv * D, d))
+            wv = w.pop(a + "v_proj.weight", (H_kv * D, d))
+            sd[q + "mixer.kv_proj.weight"] = torch.cat([wk, wv], 0)
+            sd[q + "mixer.o_proj.weight"] = w.pop(a + "o_proj.weight", (d, H * D))
+            if bias:
+                bqg = w.pop(a + "q_proj.bias", (H * 2 * D,)).reshape(H, 2 * D)
+                sd[q + "mixer.q_proj.bias"] = bqg[:, :D].reshape(H * D)
+                sd[q + "mixer.gate_proj.bias"] = bqg[:, D:].reshape(H * D)
+                bk = w.pop(a + "k_proj.bias", (H_kv * D,))
+                sd[q + "mixer.kv_proj.bias"] = torch.cat([bk, w.pop(a + "v_proj.bias", (H_kv * D,))])
+                sd[q + "mixer.o_proj.bias"] = w.pop(a + "o_proj.bias", (d,))
+            sd[q + "mixer.q_norm.weight"] = _plus_one(w.pop(a + "q_norm.weight", (D,)))
+            sd[q + "mixer.k_norm.weight"] = _plus_one(w.pop(a + "k_norm.weight", (D,)))
+    w.finish()
+    return config, sd
+
+
+def _options(name: str, config: ModelConfig) -> dict[str, Any]:
+    """The mixer's effective constructor options: its signature's defaults, the registry's preset
+    options and ``config.mixer_options[name]``."""
+    ctor = MIXERS[name]
+    cls = getattr(ctor, "func", ctor)
+    opts = {
+        k: p.default
+        for k, p in inspect.signature(cls).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    opts.update(getattr(ctor, "keywords", {}) or {})
+    opts.update(config.mixer_options.get(name, {}))
+    return opts
+
+
+def _require(where: str, opts: dict, key: str, expected) -> None:
+    if opts.get(key) != expected:
+        _refuse(f"{where} option {key}={opts.get(key)!r} has no Qwen3-Next equivalent (needs {expected!r})")
+
+
+def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
+    """A mnemo ``(ModelConfig, state dict)`` as a ``transformers`` Qwen3-Next ``(config dict,
+    state dict)`` that ``Qwen3NextForCausalLM`` loads (``Qwen3NextConfig(**config_dict)``).
+
+    The model must be a stack of ``"gated_deltanet"`` and ``"attention"`` layers with SwiGLU MLPs
+    and the options Qwen3-Next fixes (see the module docstring: no conv or β bias, ``qk_norm_eps
+    = 1e-6``, output gates, q/k norms, one RMSNorm epsilon throughout, …); anything else raises
+    ``ValueError`` naming the option.
+    """
+    config = config.validate()
+    types = config.layer_mixers()
+    for i, m in enumerate(types):
+        if m not in (GDN, ATTN):
+            _refuse(f"layer {i} uses mixer {m!r}; Qwen3-Next layers are {GDN!r} or {ATTN!r}")
+    if config.mlp != "swiglu":
+        _refuse(f"mlp {config.mlp!r} is not supported (only 'swiglu', Qwen3-Next's dense MLP)")
+    if config.pos_embedding != "none":
+        _refuse(f"pos_embedding {config.pos_embedding!r} is not supported (Qwen3-Next uses RoPE only)")
+    d, eps = config.d_model, config.norm_eps
+    hidden = config.mlp_hidden or swiglu_hidden(d)
+    g, a = _options(GDN, config), _options(ATTN, config)
+    for key, val in dict(
+        gated=True, short_conv=True, output_gate=True, conv_bias=False, beta_bias=False,
+        allow_neg_eigval=False, qk_norm_eps=QK_L2NORM_EPS, norm_eps=eps,
+    ).items():  # fmt: skip
+        if GDN in types:
+            _require(f"mixer_options[{GDN!r}]", g, key, val)
+    for key, val in dict(rope=True, window=None, qk_norm=True, output_gate=True, norm_eps=eps).items():
+        if ATTN in types:
+            _require(f"mixer_options[{ATTN!r}]", a, key, val)
+    Hk = g["n_heads"]
+    K = g["head_dim"] or d // Hk
+    V = g["value_head_dim"] or K
+    Hv = g["n_v_heads"] or Hk
+    G = Hv // Hk
+    H = a["n_heads"]
+    H_kv = a["n_kv_heads"] or H
+    D = a["head_dim"] or d // H
+    R = a["rotary_dim"] if a.get("rotary_dim") is not None else D
+    factor = R / D
+    if int(D * factor) != R:
+        _refuse(f"rotary_dim {R} of head_dim {D} is not reproduced by partial_rotary_factor {factor}")
+    bias = bool(a["bias"])
+    W = g["conv_size"]
+    n = config.n_layers
+    hf = {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": config.vocab_size,
+        "hidden_size": d,
+        "intermediate_size": hidden,
+        "num_hidden_layers": n,
+        "num_attention_heads": H,
+        "num_key_value_heads": H_kv,
+        "head_dim": D,
+        "hidden_act": "silu",
+        "rms_norm_eps": eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(a["rope_theta"]),
+                            "partial_rotary_factor": factor},
+        "attention_bias": bias,
+        "attention_dropout": 0.0,
+        "linear_conv_kernel_dim": W,
+        "linear_key_head_dim": K,
+        "linear_value_head_dim": V,
+        "linear_num_key_heads": Hk,
+        "linear_num_value_heads": Hv,
+        "num_experts": 0,
+        "mlp_only_layers": list(range(n)),
+        "layer_types": [LINEAR if m == GDN else FULL for m in types],
+        "initializer_range": config.init_std,
+    }  # fmt: skip
+
+    w = _Weights(weights)
+    sd: dict[str, Tensor] = {}
+    sd["model.embed_tokens.weight"] = w.pop("embed.weight", (config.vocab_size, d))
+    head = w.pop("lm_head.weight", (config.vocab_size, d))
+    if config.tie_embeddings and not torch.equal(head, sd["model.embed_tokens.weight"]):
+        _refuse("tie_embeddings is set but lm_head.weight differs from embed.weight")
+    sd["lm_head.weight"] = head  # (a tied model's state dict lists the shared tensor under both names)
+    sd["model.norm.weight"] = _minus_one(w.pop("norm.weight", (d,)))
+    for i, m in enumerate(types):
+        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        sd[p + "input_layernorm.weight"] = _minus_one(w.pop(q + "mixer_norm.weight", (d,)))
+        sd[p + "post_attention_layernorm.weight"] = _minus_one(w.pop(q + "mlp_norm.weight", (d,)))
+        gate, up = w.pop(q + "mlp.w_in.weight", (2 * hidden, d)).split(hidden, 0)
+        sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gate, up
+        sd[p + "mlp.down_proj.weight"] = w.pop(q + "mlp.w_out.weight", (d, hidden))
+        if m == GDN:
+            a_ = p + "linear_attn."
+            wq, wk, wv = w.pop(q + "mixer.qkv_proj.weight", (2 * Hk * K + Hv * V, d)).split(
+                (Hk * K, Hk * K, Hv * V), 0
+            )
+            wz = w.pop(q + "mixer.g_proj.weight", (Hv * V, d))
+            sd[a_ + "in_proj_qkvz.weight"] = torch.cat(
+                [t.reshape(Hk, -1, d) for t in (wq, wk, wv, wz)], dim=1
+            ).reshape(-1, d)
+            wb = w.pop(q + "mixer.beta_proj.weight", (Hv, d))
+            wa = w.pop(q + "mixer.a_proj.weight", (Hv, d))
+            sd[a_ + "in_proj_ba.weight"] = torch.cat(
+                [wb.reshape(Hk, G, d), wa.reshape(Hk, G, d)], dim=1
+            ).reshape(-1, d)
+            sd[a_ + "conv1d.weight"] = w.pop(q + "mixer.conv.weight", (2 * Hk * K + Hv * V, 1, W))
+            sd[a_ + "A_log"] = w.pop(q + "mixer.A_log", (Hv,))
+            sd[a_ + "dt_bias"] = w.pop(q + "mixer.dt_bias", (Hv,))
+            sd[a_ + "norm.weight"] = w.pop(q + "mixer.norm.weight", (V,))
+            sd[a_ + "out_proj.weight"] = w.pop(q + "mixer.o_proj.weight", (d, Hv * V))
+        else:
+            a_ = p + "self_attn."
+            wq = w.pop(q + "mixer.q_proj.weight", (H * D, d)).reshape(H, D, d)
+            wg = w.pop(q + "mixer.gate_proj.weight", (H * D, d)).reshape(H, D, d)
+            sd[a_ + "q_proj.weight"] = torch.cat([wq, wg], 1).reshape(2 * H * D, d)
+            sd[a_ + "k_proj.weight"], sd[a_ + "v_proj.weight"] = w.pop(
+                q + "mixer.kv_proj.weight", (2 * H_kv * D, d)
+            ).split(H_kv * D, 0)
+            sd[a_ + "o_proj.weight"] = w.pop(q + "mixer.o_proj.weight", (d, H * D))
+            if bias:
+                bq = w.pop(q + "mixer.q_proj.bias", (H * D,)).reshape(H, D)
+                bg = w.pop(q + "mixer.gate_proj.bias", (H * D,)).reshape(H, D)
+                sd[a_ + "q_proj.bias"] = torch.cat([bq, bg], 1).reshape(2 * H * D)
+                sd[a_ + "k_proj.bias"], sd[a_ + "v_proj.bias"] = w.pop(
+                    q + "mixer.kv_proj.bias", (2 * H_kv * D,)
+                ).split(H_kv * D, 0)
+                sd[a_ + "o_proj.bias"] = w.pop(q + "mixer.o_proj.bias", (d,))
+            sd[a_ + "q_norm.weight"] = _minus_one(w.pop(q + "mixer.q_norm.weight", (D,)))
+            sd[a_ + "k_norm.weight"] = _minus_one(w.pop(q + "mixer.k_norm.weight", (D,)))
+    w.finish()
+    return hf, {k: v.contiguous() for k, v in sd.items()}
