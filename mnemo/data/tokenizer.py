@@ -168,8 +168,20 @@ class HFTokenizer:
         return json.loads(self.tokenizer.to_str())
 
     def save(self, directory: str | Path) -> None:
-        """Write the Hugging Face file itself as ``directory/tokenizer.json``."""
+        """Write the Hugging Face file itself as ``directory/tokenizer.json`` and, unless one is
+        there, a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` (and the end-of-text
+        token), so ``transformers.AutoTokenizer`` loads the folder too."""
         Path(directory, TOKENIZER_NAME).write_text(self.tokenizer.to_str(), encoding="utf-8")
+        config = Path(directory, "tokenizer_config.json")
+        if not config.exists():
+            meta = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "add_bos_token": False,
+                "add_eos_token": False,
+            }
+            if self.eot_id is not None:
+                meta["eos_token"] = self.tokenizer.id_to_token(self.eot_id)
+            config.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
 
 Tokenizer = CharTokenizer | ByteTokenizer | HFTokenizer

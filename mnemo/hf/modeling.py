@@ -27,10 +27,13 @@ feeds only the new tokens together with it, so decoding costs one token step per
 constant memory for recurrent mixers. Greedy ``generate`` equals
 ``LanguageModel.generate(..., temperature=0)``.
 
-**Padding.** A recurrent state takes in every token it is given, so left padding would change the
-result: an ``attention_mask`` may only mark padding at the right end of a row (which a causal
-model never sees from the real tokens); anything else raises ``ValueError``. Generate prompts of
-one length per call.
+**Padding.** A recurrent state takes in every token it is given, so pads must never reach it.
+Right padding (zeros at the end of rows) is harmless for a causal model. Left padding (each row
+``0 … 0 1 … 1``, what ``generate`` needs for prompts of different lengths) is handled at the
+prefill: each group of equal-length prompts runs without its pads and the states join into one
+batch (:meth:`mnemo.models.LanguageModel.prefill_left_padded`); this needs a model whose mixers
+use no positions (Mamba, Mamba-2, (Gated) DeltaNet, GLA, linear attention — ``ValueError``
+otherwise, naming the mixer). Each row then generates what its prompt alone generates.
 
 Checkpoints written before ``config.json`` carried ``"model_type": "mnemo"`` load with
 ``MnemoForCausalLM.from_pretrained`` (not through ``AutoModelForCausalLM``, which dispatches on that
@@ -156,20 +159,24 @@ class MnemoCache:
         return f"MnemoCache(layers={len(self.states)}, seen_tokens={self.seen_tokens})"
 
 
-def _check_attention_mask(mask: torch.Tensor | None) -> None:
+def _padding(mask: torch.Tensor | None) -> str:
+    """``"none"``, ``"right"`` (zeros only at the end of rows: a causal model never sees them) or
+    ``"left"`` (each row ``0 … 0 1 … 1``); ``ValueError`` for anything else."""
     if mask is None or mask.ndim != 2:
-        return
+        return "none"
     m = mask.bool()
     if bool(m.all()):
-        return
-    # padding only at the right end: once a row has a 0, it has no 1 after it
+        return "none"
     after_pad = m.long().flip(-1).cummax(-1).values.flip(-1).bool()  # a 1 at or after each position
-    if bool((after_pad & ~m).any()):
-        raise ValueError(
-            "attention_mask: mnemo models carry a recurrent state through every token, so padding may "
-            "only be at the right end of a row (left padding would enter the state); give prompts of "
-            "one length per call"
-        )
+    if not bool((after_pad & ~m).any()):
+        return "right"
+    before = m.long().cummax(-1).values.bool()  # a 1 at or before each position
+    if not bool((before & ~m).any()) and bool(m[:, -1].all()):
+        return "left"
+    raise ValueError(
+        "attention_mask: padding must be at the left of every row (0 … 0 1 … 1) or at the right end; "
+        "mnemo models carry a state through every token, so a pad inside a row would enter it"
+    )
 
 
 class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
@@ -225,8 +232,11 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the state as cache= or as past_key_values=, not both")
         cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
-        _check_attention_mask(attention_mask)
-        logits, state = self.model(input_ids, cache.states if cache is not None else None)
+        padding = _padding(attention_mask)
+        if padding == "left" and cache is None:  # prefill without the pads (they never enter a state)
+            logits, state = self.model.prefill_left_padded(input_ids, attention_mask)
+        else:  # with a cache, the pads were left out when it was built: new tokens only
+            logits, state = self.model(input_ids, cache.states if cache is not None else None)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(

@@ -338,49 +338,84 @@ class LanguageModel(nn.Module):
         self.train(was_training)
         return torch.cat(out, dim=1)
 
-    @torch.no_grad()
-    def _generate_padded(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator):
-        from ..layers.state import cat_rows
+    @property
+    def offset_free(self) -> bool:
+        """Whether streams of different lengths can share one batch of states: every mixer is
+        :attr:`~mnemo.layers.base.Mixer.offset_free` and no MLP keeps a state."""
+        return all(getattr(b.mixer, "offset_free", False) and not b.stateful_mlp for b in self.blocks)
 
+    def _padded_groups(self, input_ids, attention_mask) -> dict[int, list[int]]:
+        """Rows of a left-padded batch grouped by prompt length (validated)."""
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, "
                 f"got {list(attention_mask.shape)}"
             )
         mask = attention_mask.to(torch.bool)
-        B, T = input_ids.shape
-        lengths = mask.sum(1)
-        for b in range(B):
-            L = int(lengths[b])
+        T = input_ids.shape[1]
+        groups: dict[int, list[int]] = {}
+        for b, L in enumerate(mask.sum(1).tolist()):
             if L < 1 or not bool(mask[b, T - L :].all()):
                 raise ValueError(
                     f"attention_mask row {b} must be left padding then at least one token (0 … 0 1 … 1), "
                     f"got {mask[b].int().tolist()}"
                 )
-        groups: dict[int, list[int]] = {}
-        for b, L in enumerate(lengths.tolist()):
             groups.setdefault(L, []).append(b)
+        return groups
+
+    def _prefill_groups(self, input_ids, groups):
+        T = input_ids.shape[1]
+        return [(rows, *self(input_ids[rows, T - L :])) for L, rows in groups.items()]
+
+    def prefill_left_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Prefill of left-padded prompts ``input_ids [B, T]`` (``attention_mask``: 0 … 0 1 … 1 per
+        row) without the pads: returns ``(logits [B, T, vocab], state)`` with each row's logits
+        right-aligned (zeros at its pad positions) and one batch of states, whose ``offset`` counts
+        the longest prompt. Needs :attr:`offset_free` (``ValueError`` otherwise: a mixer with
+        positions or periods cannot share one state batch across lengths)."""
+        from ..layers.state import cat_rows, select_rows
+
+        if not self.offset_free:
+            names = sorted(
+                {type(b.mixer).__name__ for b in self.blocks if not getattr(b.mixer, "offset_free", False)}
+            )
+            raise ValueError(
+                f"attention_mask: left-padded prompts of different lengths share one state batch only "
+                f"when no mixer uses positions; {', '.join(names) or 'a stateful MLP'} does — give "
+                f"prompts of one length per call"
+            )
+        groups = self._padded_groups(input_ids, attention_mask)
+        runs = self._prefill_groups(input_ids, groups)
+        B, T = input_ids.shape
+        logits = None
+        for rows, lg, _ in runs:
+            if logits is None:
+                logits = lg.new_zeros(B, T, lg.shape[-1])
+            logits[rows, T - lg.shape[1] :] = lg
+        order = [r for rows, _, _ in runs for r in rows]
+        longest = max(groups)
+        per_layer = []
+        for i in range(len(self.blocks)):
+            parts = [state[i] for _, _, state in runs]
+            for p in parts:  # bookkeeping only, for offset-free mixers
+                p.mixer.offset = longest
+            per_layer.append(cat_rows(parts))
+        inverse = torch.empty(B, dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(B)
+        return logits, select_rows(per_layer, inverse)
+
+    @torch.no_grad()
+    def _generate_padded(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator):
+        groups = self._padded_groups(input_ids, attention_mask)
         was_training = self.training
         self.eval()
-        joinable = all(
-            getattr(blk.mixer, "offset_free", False) and not blk.stateful_mlp for blk in self.blocks
-        )
+        B = input_ids.shape[0]
         new = input_ids.new_empty(B, max_new_tokens)
-        runs = []  # (rows, last logits, state)
-        for L, rows in groups.items():
-            logits, state = self(input_ids[rows, T - L :])
-            runs.append((rows, logits[:, -1], state))
-        if joinable and len(runs) > 1:
-            rows = [r for run in runs for r in run[0]]
-            longest = max(groups)
-
-            def joined(i):
-                parts = [run[2][i] for run in runs]
-                for p in parts:  # only bookkeeping for offset-free mixers
-                    p.mixer.offset = longest
-                return cat_rows(parts)
-
-            runs = [(rows, torch.cat([run[1] for run in runs]), [joined(i) for i in range(len(self.blocks))])]
+        if self.offset_free:  # one batch: rows back in their order
+            logits, state = self.prefill_left_padded(input_ids, attention_mask)
+            runs = [(list(range(B)), logits[:, -1], state)]
+        else:  # per group of equal length (positions, windows, periods are per stream)
+            runs = [(rows, lg[:, -1], st) for rows, lg, st in self._prefill_groups(input_ids, groups)]
         for rows, last, state in runs:
             for step in range(max_new_tokens):
                 nxt = sample_next(last, temperature, top_k, generator)

@@ -90,6 +90,11 @@ def test_checkpoint_file_is_the_hugging_face_file(tok_dir, tmp_path):
     assert direct.encode(SAMPLES[0]).ids == tok.encode(SAMPLES[0]).tolist()
     back = load_tokenizer(tmp_path)
     assert isinstance(back, HFTokenizer) and back.to_dict() == tok.to_dict()
+    # transformers' AutoTokenizer reads the same folder (tokenizer_config.json written beside it)
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert auto(SAMPLES[0])["input_ids"] == tok.encode(SAMPLES[0]).tolist()
+    assert auto.eos_token_id == tok.eot_id
     # mnemo's own formats keep their {"kind": ...} object and load as before
     for own in (CharTokenizer.from_text("abc\n"), ByteTokenizer()):
         save_tokenizer(own, tmp_path)

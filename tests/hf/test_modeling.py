@@ -108,10 +108,29 @@ def test_padding_rules():
     right = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     full = model(x).logits
     assert torch.allclose(model(x, attention_mask=right).logits, full)  # causal: right padding unseen
-    with pytest.raises(ValueError, match="attention_mask: .*right end"):
-        model(x, attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="attention_mask: padding must be at the left"):
+        model(x, attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 0, 1, 1, 1]]))
     with pytest.raises(ValueError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(1, 2, 32))
+    # left padding with a mixer that uses positions: refused, naming it
+    att = MnemoForCausalLM(MnemoConfig(vocab_size=VOCAB, d_model=32, n_layers=1, mixer="attention"))
+    with pytest.raises(ValueError, match="Attention"):
+        att(x, attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]))
+
+
+@pytest.mark.parametrize("mixer", ["gla", "mamba"])
+def test_left_padded_generate_equals_each_prompt_alone(mixer):
+    model = MnemoForCausalLM(MnemoConfig(vocab_size=VOCAB, d_model=32, n_layers=2, mixer=mixer)).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (L,), generator=g) for L in (6, 2, 4)]
+    ids = torch.full((3, 6), VOCAB - 1)  # the pad id is a real token: it must not reach a state
+    mask = torch.zeros(3, 6, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 6 - p.numel() :], mask[i, 6 - p.numel() :] = p, 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=VOCAB - 1)
+    for i, p in enumerate(prompts):
+        alone = model.model.generate(p[None], 5, temperature=0)[0, p.numel() :]
+        assert torch.equal(out[i, 6:], alone), i
 
 
 def test_config_fields_mirror_model_config(tmp_path):
