@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..ops._common import pad_packed, unpad_packed, varlen_index
 from .state import nbytes
 
 
@@ -70,11 +71,14 @@ class Mixer(nn.Module):
         ``y [1, N, d_model]`` where each document is mixed as if alone (its state starts empty; no
         information crosses a boundary).
 
-        This default runs the documents one by one (exact for every mixer); a mixer whose op
-        takes ``cu_seqlens`` overrides it with one call."""
-        bounds = cu_seqlens.tolist()
-        ys = [self(x[:, a:b], None, mode=mode)[0] for a, b in zip(bounds[:-1], bounds[1:])]
-        return torch.cat(ys, dim=1)
+        This default right-pads the documents into one batch ``[D, max length, d_model]`` (zeros)
+        and runs one call: a mixer's output at a token never depends on later tokens (any split
+        of a stream equals one pass — the contract every mixer is tested on), so the padding
+        after a document cannot reach it. Hooks then see the padded batch. A mixer whose op
+        takes ``cu_seqlens`` may override this with an unpadded call."""
+        idx, valid, _ = varlen_index(cu_seqlens, x.device)
+        y, _ = self(pad_packed(x, idx, valid), None, mode=mode)
+        return unpad_packed(y, valid)
 
     def _mode(self, T: int, mode: str | None) -> str:
         if mode is not None:

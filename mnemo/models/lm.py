@@ -17,6 +17,7 @@ from ..layers.cms import ContinuumMemory
 from ..layers.hooks import HookPoint, attached, name_hook_points, select
 from ..layers.state import BlockState
 from ..layers.state import detach as detach_state
+from ..ops._common import pad_packed, unpad_packed, varlen_index
 from . import task_signal
 from .config import ModelConfig
 
@@ -68,9 +69,9 @@ class Block(nn.Module):
         x = self.hook_resid_mid(x + self.hook_mixer_out(y))
         if self.mlp is not None:
             h = self.mlp_norm(x)
-            if self.stateful_mlp:
-                b = cu_seqlens.tolist()
-                y = torch.cat([self.mlp(h[:, s:e], None)[0] for s, e in zip(b[:-1], b[1:])], dim=1)
+            if self.stateful_mlp:  # right-padded into one batch, as Mixer.forward_packed
+                idx, valid, _ = varlen_index(cu_seqlens, h.device)
+                y = unpad_packed(self.mlp(pad_packed(h, idx, valid), None)[0], valid)
             else:
                 y = self.mlp(h)
             x = x + self.hook_mlp_out(y)
@@ -201,10 +202,10 @@ class LanguageModel(nn.Module):
         ``cu_seqlens`` (document packing): ``input_ids [1, N]`` holds several documents back to
         back, ``cu_seqlens [D + 1]`` (long) their boundaries ``0 = c_0 < … < c_D = N``. Every
         mixer then starts each document from an empty state (its own packed op where it has one,
-        else one call per document) and learned positions restart at 0, so the logits equal
-        running each document alone; the returned state is ``None`` (there is no single stream to
-        continue). Not with ``state``, nor for models whose CMS levels learn from the task loss.
-        Raises ``ValueError`` naming the argument and what was expected.
+        else one call on the documents right-padded into a batch) and learned positions restart
+        at 0, so the logits equal running each document alone; the returned state is ``None``
+        (there is no single stream to continue). Not with ``state``, nor for models whose CMS
+        levels learn from the task loss. Raises ``ValueError`` naming the argument and what was expected.
         """
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(
