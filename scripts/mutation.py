@@ -93,13 +93,19 @@ _LAYERS = (
     "tests/layers/test_mixers.py",
     "tests/models/test_state_size.py",
     "tests/models/test_lm.py",
+    "tests/models/test_packing_and_padding.py",
 )
 _NESTED = (
     "tests/nested/test_cms.py",
     "tests/nested/test_self_modifying.py",
     "tests/nested/test_task_signal.py",
 )
-_TRAIN = ("tests/train/test_trainer.py", "tests/tasks/test_task_training.py", "tests/tasks/test_sweep.py")
+_TRAIN = (
+    "tests/train/test_trainer.py",
+    "tests/train/test_packing.py",
+    "tests/tasks/test_task_training.py",
+    "tests/tasks/test_sweep.py",
+)
 TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/ops/_common.py": (
         "tests/ops/test_decay_exp.py",
@@ -184,6 +190,10 @@ TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/layers/hooks.py": ("tests/models/test_hooks.py", "tests/layers/test_mixer_checks.py"),
     "mnemo/layers/state.py": ("tests/models/test_hooks.py", "tests/layers/test_mixer_checks.py", *_LAYERS),
     "mnemo/layers/titans.py": ("tests/layers/test_titans.py", *_LAYERS),
+    "mnemo/layers/ssm.py": ("tests/layers/test_ssm_options.py", *_LAYERS),
+    "mnemo/layers/delta.py": ("tests/layers/test_gdn_options.py", *_LAYERS),
+    "mnemo/layers/attention.py": ("tests/layers/test_gdn_options.py", *_LAYERS),
+    "mnemo/layers/rotary.py": ("tests/layers/test_gdn_options.py", *_LAYERS),
     "mnemo/layers/*.py": _LAYERS,
     "mnemo/train/distributed.py": ("tests/train/test_distributed.py", "tests/train/test_ddp.py"),
     "mnemo/train/memory_estimate.py": ("tests/train/test_memory_estimate.py", *_TRAIN),
