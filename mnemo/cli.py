@@ -295,6 +295,7 @@ def _cmd_eval(args) -> int:
     from .data import load_corpus
     from .train import resolve_checkpoint
     from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
+    from .train.trainer import packed_logits
 
     ckpt = resolve_checkpoint(args.checkpoint, warn=_warn)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
@@ -302,10 +303,15 @@ def _cmd_eval(args) -> int:
         return _cmd_eval_task(args, ckpt, tcfg)
     if args.length or args.num_samples:
         raise ValueError("--length and --num-samples apply to task checkpoints (trained with --task)")
+    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: expected a positive int, got {value}")
     ckpt, model, tok = _load(str(ckpt), args.device)
     data = args.data or tcfg.get("data", "tinyshakespeare")
     seq_len = args.seq_len or tcfg.get("seq_len", 128)
     batch_size = args.batch_size or tcfg.get("batch_size", 32)
+    text_field = args.text_field or tcfg.get("text_field", "text")
+    pack = tcfg.get("pack_documents", False) if args.pack_documents is None else args.pack_documents == "on"
     if args.max_batches is None:  # what training logs: its first eval_batches validation batches
         max_batches = tcfg.get("eval_batches")
     elif args.max_batches == "all":
@@ -318,16 +324,27 @@ def _cmd_eval(args) -> int:
         if max_batches < 1:
             raise ValueError(f"--max-batches: expected a positive int or 'all', got {args.max_batches!r}")
     bf16 = (args.precision or tcfg.get("precision", "fp32")) == "bf16"
-    corpus = load_corpus(data, tcfg.get("text_field", "text"))
+    corpus = load_corpus(data, text_field)
     val_docs = corpus.split()[1] if not args.full else corpus
     stream = val_docs.stream(tok, seq_len)  # documents joined as in training (the tokenizer's separator)
+    unknown = getattr(tok, "unknown_share", None)
+    share = unknown(val_docs.text) if unknown is not None else 0.0
+    if share > 0:
+        _warn(
+            f"{share:.1%} of the characters of {data!r} are outside the tokenizer's vocabulary and are "
+            "read as <unk>: the loss is not comparable to the training log's"
+        )
     model.eval()
     total, count, sequences = 0.0, 0, 0
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
     with torch.no_grad():
-        for x, y in stream.eval_batches(batch_size, max_batches):
+        for batch in stream.eval_batches(batch_size, max_batches, with_documents=pack):
+            x, y = batch[0], batch[1]
             with autocast:
-                logits, _ = model(x.to(args.device))
+                if pack:  # each document alone, as training measured it
+                    logits = packed_logits(model, x.to(args.device), batch[2].to(args.device))
+                else:
+                    logits, _ = model(x.to(args.device))
             total += torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), y.to(args.device).flatten(), reduction="sum"
             ).item()
@@ -347,6 +364,8 @@ def _cmd_eval(args) -> int:
         and batch_size == tcfg.get("batch_size")
         and max_batches == tcfg.get("eval_batches")
         and bf16 == (tcfg.get("precision") == "bf16")
+        and pack == tcfg.get("pack_documents", False)
+        and text_field == tcfg.get("text_field", "text")
     )
     result = {
         "checkpoint": str(ckpt),
@@ -356,6 +375,7 @@ def _cmd_eval(args) -> int:
         "seq_len": seq_len,
         "tokens": count,
         "precision": "bf16" if bf16 else "fp32",
+        "pack_documents": pack,
         "val_loss": val_loss,
         "bpc": val_loss * tokens_per_char / math.log(2),
         # True: the measurement the training log's val_loss makes (same windows and precision)
@@ -502,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     e.add_argument("--data", help="corpus (default: the one it was trained on)")
+    e.add_argument("--text-field", help="JSONL/Parquet: the field holding the text (default: as in training)")
+    e.add_argument(
+        "--pack-documents",
+        choices=["on", "off"],
+        help="each document of a window is its own sequence (default: as in training)",
+    )
     e.add_argument("--full", action="store_true", help="evaluate the whole file, not its validation split")
     e.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
     e.add_argument("--batch-size", type=int, help="windows per batch (default: the training batch_size)")

@@ -1,7 +1,7 @@
 """``mnemo convert`` and ``mnemo export``: checkpoints of other libraries in and out.
 
-    mnemo convert SRC OUT                # a transformers Mamba / Mamba-2 folder or a mamba-ssm folder
-    mnemo export CKPT OUT --format hf    # a mnemo checkpoint as a folder transformers loads
+    mnemo convert SRC OUT                # transformers Mamba / Mamba-2 / Qwen3-Next, or mamba-ssm
+    mnemo export CKPT OUT --format hf    # a mnemo checkpoint (or run folder) as a folder transformers loads
 
 Both refuse a non-empty ``OUT`` unless ``--force``; errors are one line (exit status 2).
 See :mod:`mnemo.hf.convert` for the formats and what is refused.
@@ -34,8 +34,8 @@ def add_commands(subparsers) -> None:
     """The hook ``mnemo.cli`` calls for each command module (see ``mnemo.cli._COMMAND_MODULES``)."""
     p = subparsers.add_parser(
         "convert",
-        help="convert a transformers (MambaForCausalLM, Mamba2ForCausalLM) or mamba-ssm checkpoint "
-        "folder into a mnemo checkpoint folder",
+        help="convert a transformers (MambaForCausalLM, Mamba2ForCausalLM, Qwen3NextForCausalLM) or "
+        "mamba-ssm checkpoint folder into a mnemo checkpoint folder",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("src", help="the checkpoint folder to read (config.json and weights)")
@@ -48,7 +48,7 @@ def add_commands(subparsers) -> None:
         help="write a mnemo checkpoint as a folder that another library loads (--format hf: transformers)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("ckpt", help="the mnemo checkpoint folder to read")
+    p.add_argument("ckpt", help="the mnemo checkpoint folder to read (a run folder: its latest checkpoint)")
     p.add_argument("out", help="the folder to write")
     p.add_argument("--format", default="hf", choices=["hf"], help="hf: transformers' own classes (default)")
     p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")

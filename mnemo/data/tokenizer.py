@@ -61,6 +61,12 @@ class CharTokenizer:
     def num_chars(self, text: str) -> int:
         return len(text)
 
+    def unknown_share(self, text: str) -> float:
+        """The fraction of ``text``'s characters outside the vocabulary (read as ``<unk>``)."""
+        if not text:
+            return 0.0
+        return sum(1 for c in text if c not in self.stoi) / len(text)
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "chars": self.chars}
 

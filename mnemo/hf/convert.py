@@ -42,6 +42,7 @@ import json
 import math
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,14 +168,26 @@ def is_foreign_checkpoint(directory: str | Path) -> bool:
 def load_weights(directory: str | Path) -> dict[str, Tensor]:
     """All tensors of the checkpoint in ``directory``: ``model.safetensors``, sharded safetensors
     (``model.safetensors.index.json``), ``pytorch_model.bin`` or its sharded index."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file as _load_file
+
+    def load_file(path: str) -> dict[str, Tensor]:
+        try:
+            return _load_file(path)
+        except Exception as e:  # safetensors raises several error types for damaged files
+            raise ValueError(f"corrupt or unreadable weights file {path}: {e}") from e
+
+    def load_bin(path) -> dict:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # a truncated zip, a pickle that is not a state dict, ...
+            raise ValueError(f"corrupt or unreadable weights file {path}: {e}") from e
 
     d = Path(directory)
     if (d / "model.safetensors").is_file():
         return dict(load_file(str(d / "model.safetensors")))
     for index, loader in (
         ("model.safetensors.index.json", lambda p: load_file(str(p))),
-        ("pytorch_model.bin.index.json", lambda p: torch.load(p, map_location="cpu", weights_only=True)),
+        ("pytorch_model.bin.index.json", load_bin),
     ):
         if (d / index).is_file():
             weight_map = json.loads((d / index).read_text()).get("weight_map", {})
@@ -185,7 +198,7 @@ def load_weights(directory: str | Path) -> dict[str, Tensor]:
                 out.update(loader(d / shard))
             return out
     if (d / "pytorch_model.bin").is_file():
-        sd = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        sd = load_bin(d / "pytorch_model.bin")
         if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
             sd = sd["state_dict"]
         return dict(sd)
@@ -237,6 +250,10 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     non-empty ``out`` unless ``force``. Returns ``out``."""
     from ..models.lm import LanguageModel
 
+    if Path(src).resolve() == Path(out).resolve():
+        raise ValueError(
+            f"OUT: must differ from SRC (both are {src}); the source folder would be overwritten"
+        )
     config, state, tok = import_hf(src)
     o = _prepare_out(out, force)
     model = LanguageModel(config)
@@ -260,7 +277,9 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     if isinstance(ckpt, LanguageModel):
         model, src = ckpt, None
     else:
-        src = Path(ckpt)
+        from ..train import resolve_checkpoint
+
+        src = resolve_checkpoint(ckpt)  # a run folder means its latest intact checkpoint
         model = LanguageModel.from_pretrained(src)
     config = model.config
     arch = _exporter(config)
@@ -281,8 +300,39 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     if src is not None:
         for n in TOKENIZER_FILES:
             if (src / n).is_file():
+                if n == "tokenizer.json" and _is_mnemo_tokenizer(src / n):
+                    # mnemo's char/byte format is not a Hugging Face tokenizer: keep it under
+                    # another name so transformers' AutoTokenizer does not misread it
+                    shutil.copy2(src / n, o / "mnemo_tokenizer.json")
+                    warnings.warn(
+                        f"{src / n} is mnemo's own char/byte tokenizer, which transformers cannot load; "
+                        f"written as {o / 'mnemo_tokenizer.json'} (mnemo.data.load_tokenizer reads it)",
+                        stacklevel=2,
+                    )
+                    continue
                 shutil.copy2(src / n, o / n)
+        eos = _eos_token_id(src)
+        if eos is not None and "eos_token_id" not in hf_config:
+            hf_config["eos_token_id"] = eos
+            (o / "config.json").write_text(json.dumps(hf_config, indent=2))
     return o
+
+
+def _is_mnemo_tokenizer(path: Path) -> bool:
+    try:
+        return "kind" in json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        return False
+
+
+def _eos_token_id(ckpt: Path) -> int | None:
+    """The end-of-text id of a checkpoint's Hugging Face tokenizer (``None`` without one)."""
+    p = ckpt / "tokenizer.json"
+    if not p.is_file() or _is_mnemo_tokenizer(p):
+        return None
+    from ..data import load_tokenizer
+
+    return getattr(load_tokenizer(ckpt), "eot_id", None)
 
 
 def _exporter(config: ModelConfig) -> Architecture:

@@ -473,6 +473,12 @@ class Trainer:
             self.tokenizer = load_tokenizer(ckpt)
         else:  # a char vocabulary is read from the text; byte and tokenizer files need none
             self.tokenizer = build_tokenizer(cfg.tokenizer, corpus.text if cfg.tokenizer == "char" else "")
+        if cfg.pack_documents and len(corpus) < 2 and self.is_main:
+            warnings.warn(
+                f"pack_documents: {cfg.data!r} is a single document, so packing changes nothing "
+                "(JSONL/Parquet corpora give one document per record)",
+                stacklevel=2,
+            )
         train_docs, val_docs = corpus.split()
         # documents joined by the end-of-text token (char/byte: "\n\n"); .doc_starts keeps them
         self.train_data = train_docs.stream(self.tokenizer, cfg.seq_len)

@@ -192,3 +192,61 @@ def test_qwen3_next_through_the_commands(tmp_path):
     direct = LanguageModel.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert torch.equal(direct(ids)[0], lm(ids)[0])
+
+
+def test_new_user_findings(tmp_path, capsys):
+    """Run folders export; mnemo's own char tokenizer is not shipped as a transformers tokenizer;
+    a damaged foreign weights file is named; SRC == OUT is refused; eval warns about <unk>."""
+    from mnemo.train import TrainConfig, Trainer
+
+    Trainer(
+        TrainConfig(
+            model="mamba",
+            model_overrides={"d_model": 16, "n_layers": 1, "mlp": "none"},
+            seq_len=16,
+            batch_size=2,
+            steps=1,
+            eval_interval=1,
+            eval_batches=1,
+            sample_tokens=0,
+        ),
+        tmp_path / "run",
+        progress=False,
+    ).fit()
+    with pytest.warns(UserWarning, match="mnemo's own char/byte tokenizer"):
+        assert main(["export", str(tmp_path / "run"), str(tmp_path / "ex")]) == 0
+    assert not (tmp_path / "ex" / "tokenizer.json").exists()
+    assert load_tokenizer(tmp_path / "ex" / "mnemo_tokenizer.json").kind == "char"
+    assert transformers.MambaForCausalLM.from_pretrained(tmp_path / "ex") is not None
+
+    hf = transformers.MambaForCausalLM(
+        transformers.MambaConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, state_size=4)
+    )
+    hf.save_pretrained(tmp_path / "hf")
+    w = tmp_path / "hf" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "x")]) == 2
+    assert f"corrupt or unreadable weights file {w}" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "hf"), "--force"]) == 2
+    assert "OUT: must differ from SRC" in capsys.readouterr().err
+
+    (tmp_path / "odd.txt").write_text("ÆØÅ ÆØÅ ÆØÅ ÆØÅ " * 40)
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(tmp_path / "run"),
+                "--data",
+                str(tmp_path / "odd.txt"),
+                "--seq-len",
+                "8",
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "outside the tokenizer's vocabulary" in err and "%" in err
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--seq-len", "-5"]) == 2
+    assert "--seq-len: expected a positive int, got -5" in capsys.readouterr().err

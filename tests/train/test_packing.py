@@ -98,3 +98,51 @@ def test_packed_training_evaluates_documents_alone(tmp_path):
 def test_pack_documents_refuses_tasks():
     with pytest.raises(ValueError, match="TrainConfig.pack_documents"):
         TrainConfig(task="mqar", pack_documents=True).validate()
+
+
+def test_mnemo_eval_measures_a_packed_run_as_training_did(tmp_path, capsys):
+    from mnemo.cli import main
+
+    data = _corpus(tmp_path)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model_overrides": {"d_model": 32, "n_layers": 1}}))
+    args = [
+        "train",
+        "--model",
+        "gla",
+        "--data",
+        str(data),
+        "--tokenizer",
+        "byte",
+        "--seq-len",
+        "48",
+        "--batch-size",
+        "4",
+        "--steps",
+        "2",
+        "--eval-interval",
+        "2",
+        "--eval-batches",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--pack-documents",
+        "--out",
+        str(tmp_path / "run"),
+        "--config",
+        str(cfg),
+    ]
+    code = main(args)
+    assert code == 0
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["pack_documents"] is True and got["as_in_training"] is True
+    assert math.isclose(got["val_loss"], logged[-1]["val_loss"], rel_tol=1e-6)
+    # unpacked, the same windows give another number (information crosses documents)
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--pack-documents", "off"]) == 0
+    off = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert off["as_in_training"] is False and abs(off["val_loss"] - got["val_loss"]) > 1e-6
