@@ -38,7 +38,7 @@ class Attention(Mixer):
     """Multi-head causal softmax attention (Vaswani et al. 2017) with rotary positions.
 
     Args:
-        d_model: model width. n_heads: query heads ``H``. n_kv_heads: key/value heads (``H`` by
+        d_model: model width. n_heads: query heads ``H`` (4). n_kv_heads: key/value heads (``H`` by
             default; fewer = grouped-query attention, ``H % n_kv_heads == 0``).
         head_dim: default ``d_model // n_heads``.
         window: sliding-window size (keys visible to a query, itself included); ``None`` = full.

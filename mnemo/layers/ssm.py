@@ -71,7 +71,7 @@ class Mamba(Mixer):
         d_model; d_state: ``N`` (16); expand: ``d_inner = expand · d_model`` (2); conv_size (4);
         dt_rank: rank of the Δ projection (default ``ceil(d_model / 16)``).
         selective: ``False`` makes Δ, B, C input-independent learned parameters (an LTI SSM, the
-            ablation of Mamba §4.1); default ``True``.
+            ablation of Mamba §4.1; the Δ input, B and C start ``~ N(0, 1)``); default ``True``.
         bias: biases on the input and output projections ``W_in``, ``W_out`` (default ``False``;
             mamba-ssm's ``bias``, transformers' ``use_bias``).
         conv_bias: a bias in the short convolution (default ``True``; mamba-ssm's ``conv_bias``,

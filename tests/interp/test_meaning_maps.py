@@ -95,3 +95,28 @@ def test_mamba2_map_output_is_the_layers_ssd_output_before_skip_and_gate():
     z = m.in_proj(x)[..., : m.d_inner]
     y = mx.output + m.D[:, None] * mx.values
     assert_close(rearrange(y, "b t h p -> b t (h p)") * F.silu(z), seen, 1e-10)
+
+
+def test_capture_maps_of_chosen_layers_are_those_layers_maps():
+    """``layers`` picks the layers: exactly those keys, each the map of that layer's mixer on its
+    own input (recorded here by a pre-hook of the test's own)."""
+    from mnemo.interp import capture_maps
+    from mnemo.models import LanguageModel, build_config
+
+    torch.manual_seed(0)
+    m = LanguageModel(build_config("transformer", vocab_size=30, d_model=16, n_layers=3))
+    ids = torch.randint(0, 30, (2, 6))
+    inputs = {}
+    hooks = [
+        b.mixer.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0].detach()))
+        for i, b in enumerate(m.blocks)
+    ]
+    with torch.no_grad():
+        m(ids)
+    for h in hooks:
+        h.remove()
+    for chosen in ([1], {0, 2}):
+        maps = capture_maps(m, ids, layers=chosen)
+        assert sorted(maps) == sorted(chosen)
+        for i, mp in maps.items():
+            assert torch.equal(mp, mixing(m.blocks[i].mixer, inputs[i]).maps), f"layer {i}"

@@ -78,3 +78,44 @@ def test_token_huber_at_exactly_the_threshold_takes_the_l2_step(mode):
         mode=mode, use_closed_form=False,
     )  # fmt: skip
     assert torch.equal(o[0, 0, 0], 0.5 * v[0, 0, 0])  # o = (θ k vᵀ)ᵀ q = θ v
+
+
+def test_objective_values_against_hand_computation():
+    """ℓ(y, v) per token, summed over the value dim only (``[B, H, L, V] → [B, H, L]``): ℓ₂ is
+    ½‖e‖²; the coordinate-wise Huber (Miras Eq. 14) is ½e² for |e| ≤ δ and δ(|e| − δ/2) beyond."""
+    from mnemo.memory.objective import objective_value
+
+    v = torch.zeros(1, 2, 3, 2, dtype=torch.float64)
+    y = torch.tensor([1.0, 2.0, 3.0, 0.5, -4.0, 0.0, 2.0, 2.0, 0.0, 1.0, -1.0, 3.0], dtype=torch.float64)
+    y = y.reshape(1, 2, 3, 2)  # e = y − v = y
+    l2 = objective_value(MemorySpec(objective="l2"), y, v, None)
+    # ½(1 + 4), ½(9 + ¼), ½(16 + 0) | ½(4 + 4), ½(0 + 1), ½(1 + 9)
+    assert torch.equal(l2, torch.tensor([[[2.5, 4.625, 8.0], [4.0, 0.5, 5.0]]], dtype=torch.float64))
+    spec = MemorySpec(objective="huber", huber_mode="coordinate")
+    delta = torch.ones(1, 2, 3, dtype=torch.float64)
+    hub = objective_value(spec, y, v, delta)
+    # per coordinate (δ = 1): |e| ≤ 1 → ½e², else |e| − ½: 1 → ½, 2 → 1.5, 3 → 2.5, ½ → ⅛, 4 → 3.5
+    want = torch.tensor([[[0.5 + 1.5, 2.5 + 0.125, 3.5 + 0.0], [1.5 + 1.5, 0.0 + 0.5, 0.5 + 2.5]]])
+    assert torch.equal(hub, want.double())
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_gla_preset_decays_each_key_channel_by_its_own_gate(mode):
+    """The ``gla`` preset is GLA (Yang et al. 2023): S_t = diag(exp(g_t)) S_{t−1} + k_t v_tᵀ with one
+    data-dependent decay per key channel, o_t = S_tᵀ q_t (θ = 1: the dot objective's step is k vᵀ)."""
+    from mnemo.memory import preset
+
+    spec = preset("gla", chunk_size=2)
+    g_ = torch.Generator().manual_seed(3)
+    q = torch.randn(B, T, H, K, generator=g_, dtype=torch.float64)
+    k = torch.randn(B, T, H, K, generator=g_, dtype=torch.float64)
+    v = torch.randn(B, T, H, V, generator=g_, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=g_, dtype=torch.float64))
+    theta = torch.ones(B, T, H, dtype=torch.float64)
+    S = torch.zeros(B, H, K, V, dtype=torch.float64)
+    ref = []
+    for t in range(T):
+        S = torch.exp(g[:, t])[..., None] * S + k[:, t, ..., None] * v[:, t, :, None, :]
+        ref.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    o, _ = neural_memory(spec, q, k, v, theta, g=g, mode=mode, use_closed_form=False)
+    assert_close(o, torch.stack(ref, 1), 1e-10)

@@ -74,3 +74,29 @@ def test_the_clamp_applies_when_only_the_largest_step_times_a_crosses_the_floor(
         y, hT = selective_scan(u, delta, A, Bm, Cm, mode=mode, output_final_state=True)
         assert y[0, :, 0].tolist() == pytest.approx(expected.tolist(), rel=1e-12, abs=0), mode
         assert hT.item() == pytest.approx(0.5 * math.exp(-60.0), rel=1e-12, abs=0), mode
+
+
+def test_a_valid_strided_view_passes_the_check_and_the_bad_argument_after_it_is_named(monkeypatch):
+    """``M~[jobs//H, H, n, K, K] mb mh mn mr``: a view of that shape whose strides are the four
+    ints after it and whose *last* stride is 1 is valid, whatever its head stride ``mh`` (here 18).
+    With M and D valid and ``states`` one element short, the error names ``states``."""
+    from mnemo.ops import _native
+
+    monkeypatch.setattr(_native, "_simd_width", 8)  # the lanes are not in this declaration
+    H, n, K, Vd, jobs = 2, 3, 2, 2, 4
+    Mbase = torch.zeros(jobs // H, H, n, K, K + 1)  # strides (36, 18, 6, 3, 1)
+    M = Mbase[..., :K]
+    Dbase = torch.zeros(jobs // H, H, n, K, Vd + 1)
+    D = Dbase[..., :Vd]
+    assert M.stride() == (36, 18, 6, 3, 1) and D.stride() == (36, 18, 6, 3, 1)
+    S0, Sf = torch.zeros(jobs * K * Vd), torch.zeros(jobs * K * Vd)
+    states = torch.zeros(jobs * n * K * Vd)
+    args = [H, n, K, Vd, S0, _native.Strided(M), *M.stride()[:-1], _native.Strided(D), *D.stride()[:-1]]
+    _native._check_args("scan_mat_fwd", torch.float32, jobs, 1, args + [states, Sf])  # valid: no error
+    with pytest.raises(ValueError, match=r"scan_mat_fwd: states must have \[jobs\*n\*K\*Vd\] = 48 elements"):
+        _native._check_args("scan_mat_fwd", torch.float32, jobs, 1, args + [states[:-1], Sf])
+    # and a last stride of 2 (every other float) is refused, naming M
+    M2 = torch.zeros(jobs // H, H, n, K, 2 * K)[..., ::2]
+    bad = [H, n, K, Vd, S0, _native.Strided(M2), *M2.stride()[:-1], *args[10:]]
+    with pytest.raises(ValueError, match="scan_mat_fwd: M must be a view of shape"):
+        _native._check_args("scan_mat_fwd", torch.float32, jobs, 1, bad + [states, Sf])

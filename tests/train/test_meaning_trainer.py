@@ -206,3 +206,58 @@ def test_task_evaluation_reads_at_most_eval_batches_batches(tmp_path):
     assert tr.evaluate(max_batches=10)["val_loss"] == pytest.approx(eight, rel=1e-5)
     assert tr.evaluate()["val_loss"] == pytest.approx(eight, rel=1e-5)
     assert tr.evaluate(max_batches=1)["val_loss"] == pytest.approx(four, rel=1e-5)
+
+
+def test_text_validation_of_zero_weights_is_ln_v_nats_and_log2_v_bits_per_character(tmp_path):
+    """All-zero weights give logits 0, so every validation token costs exactly ln V nats; two
+    batches of 4 windows of 16 tokens score 128 tokens; with characters as tokens (one token per
+    character) that is log₂ V bits per character."""
+    tr = _trainer(tmp_path, task=None, task_options={}, sample_tokens=0)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.zero_()
+    V = tr.model.config.vocab_size
+    ev = tr.evaluate(2)
+    assert ev["val_tokens"] == 2 * 4 * 16
+    assert ev["val_loss"] == pytest.approx(math.log(V), rel=1e-6)
+    assert ev["val_bpc"] == pytest.approx(math.log2(V), rel=1e-6)
+
+
+def test_grad_clip_zero_disables_clipping(tmp_path):
+    """``grad_clip = 0`` is documented as "no clipping": its first step equals the step with a
+    threshold no gradient norm reaches (clipping there multiplies by exactly 1)."""
+    steps = []
+    for clip in (0.0, 1e30):
+        tr = _trainer(tmp_path / str(clip), grad_clip=clip, seed=3)
+        before = [p.detach().clone() for p in tr.model.parameters()]
+        tr.train_step()
+        steps.append([p.detach() - b for p, b in zip(tr.model.parameters(), before)])
+    moved = max(d.abs().max().item() for d in steps[1])
+    assert moved > 1e-4  # the step did move the weights (AdamW's first step: about lr per weight)
+    for a, b in zip(*steps):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7)
+
+
+def test_resume_changes_dict_settings_key_by_key_and_replaces_other_values_whole():
+    """A dict merges into a dict-valued setting key by key; a non-dict given for a dict-valued
+    setting (``model_overrides = None``) replaces it whole, which changes a fixed setting: refused
+    by name. A dict given for a non-dict setting is checked as given."""
+    from mnemo.train import resume_config
+
+    saved = TrainConfig(model_overrides={"d_model": 16, "n_layers": 1})
+    same, notes = resume_config(saved, {"model_overrides": {"n_layers": 1}})
+    assert same.model_overrides == {"d_model": 16, "n_layers": 1} and notes == []
+    with pytest.raises(ValueError, match="TrainConfig.model_overrides: a resumed run keeps"):
+        resume_config(saved, {"model_overrides": None})
+    with pytest.raises(ValueError, match="eval_batches: expected a positive int"):
+        resume_config(saved, {"eval_batches": {"a": 1}})
+
+
+def test_eval_batch_size_keeps_the_training_tokens_per_batch():
+    """``batch_size · train_len`` tokens per pass, in whole sequences of ``length`` (at least one);
+    a degenerate length below one token counts as one token (no division by zero)."""
+    from mnemo.train.task_eval import eval_batch_size
+
+    assert eval_batch_size(8, 64, 128) == 4 and eval_batch_size(8, 64, 100) == 5  # 512 // 100
+    assert eval_batch_size(2, 16, 1000) == 1
+    assert eval_batch_size(4, 16, 1) == eval_batch_size(4, 16, 0) == 64
