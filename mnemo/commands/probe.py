@@ -3,6 +3,8 @@
     mnemo probe circuits --checkpoint DIR      per-layer/head scores (JSON on stdout) + heatmaps
     mnemo probe timescales --checkpoint DIR    half-life distributions per layer (JSON) + a plot
     mnemo probe plot-training DIR              loss and tracked circuit scores against steps
+    mnemo probe ablate --checkpoint DIR --top-induction K   the causal check of induction heads (JSON)
+    mnemo probe spectrum --checkpoint DIR     memory spectrum (Lyapunov exponents) per layer (JSON) + a plot
 
 Each figure is titled with the model and the checkpoint (or run) it shows; each command names the
 PNG it wrote (``wrote PATH``: on stderr where stdout carries the JSON).
@@ -142,6 +144,40 @@ def add_commands(sub) -> None:
     pt.add_argument("run_dir")
     pt.add_argument("--out", help="PNG path (default: RUN/training.png)")
     pt.set_defaults(func=_cmd_plot_training)
+    ab = ps.add_parser(
+        "ablate", help="ablate the top-K induction heads vs K random heads: ICL score and repeat loss (JSON)"
+    )
+    ab.add_argument("--checkpoint", required=True)
+    ab.add_argument("--top-induction", type=int, required=True, metavar="K", help="heads to ablate")
+    ab.add_argument("--draws", type=int, default=10, help="draws of K random heads (the control)")
+    ab.add_argument("--length", type=int, default=32, help="length of the random sequence (repeated twice)")
+    ab.add_argument("--batch", type=int, default=16)
+    ab.add_argument("--seed", type=int, default=0)
+    ab.add_argument("--how", choices=("zero", "mean"), default="mean", help="zero- or mean-ablation")
+    ab.add_argument(
+        "--random-from",
+        choices=("rest", "all"),
+        default="rest",
+        help="draw the random heads from those outside the top K (default) or from all heads",
+    )
+    ab.add_argument(
+        "--out", help="JSON path, or a directory for ablate-topK.json (default: the checkpoint's)"
+    )
+    ab.set_defaults(func=_cmd_ablate)
+    sp = ps.add_parser(
+        "spectrum", help="memory spectrum per layer: forgetting rates, half-lives, classes (JSON + plot)"
+    )
+    sp.add_argument("--checkpoint", required=True)
+    sp.add_argument("--data", help="text to run the memories on (default: the training data)")
+    sp.add_argument("--tokens", type=int, default=512)
+    sp.add_argument(
+        "--directions", type=int, default=32, help="exponents per head of a test-time-trained memory (JVP)"
+    )
+    sp.add_argument(
+        "--irrelevant-half-life", type=float, default=4.0, help="tokens: shorter half-lives are irrelevant"
+    )
+    sp.add_argument("--out", help="where to write spectrum.json and spectrum.png (default: the checkpoint's)")
+    sp.set_defaults(func=_cmd_spectrum)
 
 
 def _cmd_circuits(args) -> int:
@@ -181,4 +217,60 @@ def _cmd_timescales(args) -> int:
 def _cmd_plot_training(args) -> int:
     path = plot_training(args.run_dir, args.out)
     print(f"wrote {path}")
+    return 0
+
+
+def _cmd_ablate(args) -> int:
+    from ..interp.interventions import induction_ablation
+
+    ckpt, model = _load(args.checkpoint)
+    result = induction_ablation(
+        model,
+        args.top_induction,
+        draws=args.draws,
+        length=args.length,
+        batch=args.batch,
+        seed=args.seed,
+        how=args.how,
+        random_from=args.random_from,
+    )
+    result = {"checkpoint": str(ckpt), **result}
+    out = Path(args.out) if args.out else ckpt
+    path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
+    print(json.dumps(result))
+    return 0
+
+
+def _cmd_spectrum(args) -> int:
+    from ..data import load_text, load_tokenizer
+    from ..interp.spectrum import memory_spectrum, plot, to_json
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    ckpt, model = _load(args.checkpoint)
+    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    data = args.data or tcfg.get("data") or "tinyshakespeare"
+    try:
+        tok = None if (tcfg.get("task") and not args.data) else load_tokenizer(ckpt)
+    except FileNotFoundError:
+        tok = None
+        print("no tokenizer in the checkpoint: random tokens", file=sys.stderr)
+    if tok is None:  # a task model (or no tokenizer): random tokens
+        ids = torch.randint(
+            0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
+        )
+    else:
+        ids = tok.encode(load_text(data)[: args.tokens])[None]
+    result = memory_spectrum(
+        model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life
+    )
+    out = Path(args.out) if args.out else ckpt
+    out.mkdir(parents=True, exist_ok=True)
+    record = to_json({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result})
+    (out / "spectrum.json").write_text(json.dumps(record) + "\n")
+    path = plot(result, out / "spectrum.png", title=checkpoint_label(ckpt))
+    print(f"wrote {out / 'spectrum.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line
+    print(json.dumps(record))
     return 0

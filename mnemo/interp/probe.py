@@ -58,12 +58,47 @@ class CircuitTracker:
 
     Uses its own random generator (the trainer's batch order is untouched). The trainer accepts a
     run with ``TrainConfig.track_circuits`` only when a callback says it tracks the circuits
-    (``tracks_circuits = True``, as this class does)."""
+    (``tracks_circuits = True``, as this class does).
+
+    ``spectrum=True`` also records the memory spectrum (:func:`mnemo.interp.spectrum.memory_spectrum`
+    on ``spectrum_tokens`` seeded random tokens, ``spectrum_directions`` exponents per head of a
+    test-time-trained memory): per layer with a spectrum, ``spectrum_{irrelevant, intermediate,
+    marginal, relevant}_by_layer`` (shares) and ``spectrum_median_half_life_by_layer`` (tokens;
+    ``None`` for a median that never halves)."""
 
     tracks_circuits = True
 
-    def __init__(self, length: int = 32, batch: int = 8, seed: int = 1234, vocab_offset: int = 0):
+    def __init__(
+        self,
+        length: int = 32,
+        batch: int = 8,
+        seed: int = 1234,
+        vocab_offset: int = 0,
+        *,
+        spectrum: bool = False,
+        spectrum_tokens: int = 256,
+        spectrum_directions: int = 8,
+    ):
         self.length, self.batch, self.seed, self.vocab_offset = length, batch, seed, vocab_offset
+        self.spectrum, self.spectrum_tokens, self.spectrum_directions = (
+            spectrum,
+            spectrum_tokens,
+            spectrum_directions,
+        )
+
+    def _spectrum(self, model) -> dict:
+        from .spectrum import CLASSES, memory_spectrum, summary_line
+
+        gen = torch.Generator().manual_seed(self.seed)
+        ids = torch.randint(0, model.config.vocab_size, (1, self.spectrum_tokens), generator=gen)
+        rows = summary_line(memory_spectrum(model, ids, directions=self.spectrum_directions))
+        if not rows:
+            return {}
+        extra = {f"spectrum_{c}_by_layer": [r[c] for r in rows.values()] for c in CLASSES}
+        extra["spectrum_median_half_life_by_layer"] = [
+            r["median_half_life"] if math.isfinite(r["median_half_life"]) else None for r in rows.values()
+        ]
+        return extra
 
     def __call__(self, trainer, record: dict) -> dict:
         model = trainer.model
@@ -71,9 +106,9 @@ class CircuitTracker:
         model.eval()
         try:
             scores = circuit_scores(model, self.length, self.batch, self.seed, self.vocab_offset)
+            extra = self._spectrum(model) if self.spectrum else {}
         finally:
             model.train(was)
-        extra = {}
         for name in ("induction", "previous_token", "duplicate_token"):
             per_layer = [max(v[name]) for v in scores.values()]
             if per_layer:

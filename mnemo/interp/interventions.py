@@ -1,0 +1,736 @@
+"""Causal interventions on any mixer, through its hook points: ablation, activation patching, state
+patching and steering.
+
+Every intervention here is a list of ``(hook name, fn)`` pairs — the hooks argument of
+:meth:`mnemo.models.LanguageModel.run_with_hooks`, where ``fn(value, name)`` returns the
+replacement value (or ``None`` to leave it). Lists compose by concatenation (:func:`compose`);
+hooks on one point run in list order, each seeing the previous one's replacement.
+
+- **Ablation** (:func:`ablate`, :func:`ablate_head`, :func:`ablate_channel`, :func:`ablate_write`,
+  :func:`ablate_state`): replace a part of a value — heads, positions, channels, a whole state — by
+  zeros or by its mean (over a reference run's batch and positions, :func:`mean_activations`, or
+  over the current run's own when no means are given).
+- **Activation patching** (:func:`patch`, :func:`activation_patching`): run a *corrupted* input with
+  a part of one hook's value taken from a *clean* run; :func:`activation_patching` sweeps it per
+  layer, head and/or position and returns the metric (:func:`logit_difference`,
+  :func:`next_token_loss`) of every patched run as a tensor; :func:`patching_figure` draws it.
+- **State patching** (:func:`state_patch`): the recurrent analogue of patching. Run prompt A to
+  token ``t``, run prompt B to token ``t``, and continue B after ``t`` from a state whose chosen
+  layers hold A's memory (a matrix memory, an SSM state, a KV cache — whatever the mixer carries
+  between calls, :mod:`mnemo.layers.state`).
+- **Steering** (:func:`steer`): add a scaled direction to a hook's value.
+- :func:`induction_ablation`: the causal check of induction circuits behind ``mnemo probe ablate``
+  (ablate the top-K induction heads, or K random ones, and measure in-context learning).
+
+Axes. Mixer hook values are ``[B, T, H, …]`` (``[B, T, D]`` for Mamba's channels, which are its
+heads in the maps), so the **head axis is 2** and the **position axis is 1**; for ``hook_pattern``
+``[B, H, T, S]`` the head axis is 1 and the position (query) axis 2. Channels are the last axis.
+Typed states (``hook_state`` of a KV cache, a Titans memory …) are ablated whole.
+
+Errors: an unknown hook name raises ``KeyError`` listing the known suffixes; a layer, head,
+position or channel out of range raises ``ValueError`` naming it, the hook and the value's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from ..layers.hooks import attached, select
+from ..layers.state import cat_rows, map_tensors
+
+Hooks = list[tuple[str, Callable]]
+
+__all__ = [
+    "Hooks",
+    "compose",
+    "hook_names",
+    "mean_activations",
+    "ablate",
+    "ablate_head",
+    "ablate_channel",
+    "ablate_write",
+    "ablate_state",
+    "patch",
+    "activation_patching",
+    "Patching",
+    "logit_difference",
+    "next_token_loss",
+    "patching_figure",
+    "state_patch",
+    "steer",
+    "induction_ablation",
+]
+
+
+# ----------------------------------------------------------------------------------------- names
+
+
+def compose(*interventions: Iterable[tuple[str, Callable]]) -> Hooks:
+    """One hooks list from several (applied in the order given)."""
+    return [h for hooks in interventions for h in hooks]
+
+
+def hook_names(model, names) -> list[str]:
+    """The full hook names ``names`` selects on ``model`` (a full name, a suffix such as ``"hook_o"``
+    matching every layer's, a list, or a predicate). Raises ``KeyError`` listing the known suffixes
+    when a name matches nothing."""
+    return select(model.hook_points, names)
+
+
+def _mixer_hook(model, layer: int, hook: str) -> str:
+    """``blocks.{layer}.mixer.{hook}``, validated (``ValueError`` for the layer, ``KeyError`` for
+    the hook)."""
+    n = len(model.blocks)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+        raise ValueError(f"layer: expected an int in [0, {n}) (the model has {n} layers), got {layer!r}")
+    name = f"blocks.{layer}.mixer.{hook}"
+    if name not in model.hook_points:
+        known = sorted(
+            n.rsplit(".", 1)[-1] for n in model.hook_points if n.startswith(f"blocks.{layer}.mixer.")
+        )
+        raise KeyError(f"no hook point named {name!r}; layer {layer}'s mixer has {known}")
+    return name
+
+
+def _axes(name: str) -> tuple[int, int]:
+    """``(head axis, position axis)`` of hook ``name``'s value."""
+    return (1, 2) if name.endswith("hook_pattern") else (2, 1)
+
+
+def _as_index(what: str, idx, size: int, name: str, shape) -> torch.Tensor:
+    """``idx`` (an int, a sequence, a slice, a bool/long tensor) as a boolean mask of ``size``."""
+    mask = torch.zeros(size, dtype=torch.bool)
+    if idx is None:
+        return ~mask
+    if isinstance(idx, slice):
+        mask[idx] = True
+        return mask
+    t = torch.as_tensor(idx).cpu()
+    if t.dtype == torch.bool:
+        if t.shape != (size,):
+            raise ValueError(
+                f"{what}: a boolean mask must have {size} entries for {name} {shape}, got {list(t.shape)}"
+            )
+        return t.clone()
+    t = t.reshape(-1).long()
+    bad = [int(i) for i in t if not -size <= int(i) < size]
+    if bad:
+        raise ValueError(
+            f"{what} {bad[0] if len(bad) == 1 else bad} out of range: {name} has {size} {what}s "
+            f"(value of shape {shape})"
+        )
+    mask[t] = True
+    return mask
+
+
+def _mask(value: torch.Tensor, name: str, heads=None, positions=None, channels=None) -> torch.Tensor | None:
+    """A boolean mask broadcastable to ``value`` selecting the given heads × positions × channels
+    (``None`` for an axis: all of it); ``None`` when everything is selected."""
+    if heads is None and positions is None and channels is None:
+        return None
+    shape = list(value.shape)
+    h_ax, p_ax = _axes(name)
+    mask = torch.ones([1] * value.ndim, dtype=torch.bool)
+    for what, idx, ax in (("head", heads, h_ax), ("position", positions, p_ax), ("channel", channels, -1)):
+        if idx is None:
+            continue
+        if ax != -1 and value.ndim <= ax:
+            raise ValueError(f"{what}: {name} has no {what} axis (value of shape {shape})")
+        ax = ax % value.ndim
+        m = _as_index(what, idx, shape[ax], name, shape)
+        view = [1] * value.ndim
+        view[ax] = shape[ax]
+        mask = mask & m.view(view)
+    return mask.to(value.device)
+
+
+def _tensor_value(value, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name} carries a {type(value).__name__}, not a tensor; ablate whole states with "
+            f"ablate_state, patch states with state_patch"
+        )
+    return value
+
+
+# ----------------------------------------------------------------------------------------- means
+
+
+@torch.no_grad()
+def mean_activations(model, input_ids: torch.Tensor, names, over: str = "batch_position") -> dict:
+    """Means of hook values on a reference input, for mean-ablation: ``{full name: mean}``.
+
+    ``over="batch_position"`` (default): the mean over the batch and position axes, kept as size-1
+    axes (``[1, 1, H, V]`` for ``hook_o``), so it replaces a value of any length;
+    ``over="batch"``: the mean over the batch only (``[1, T, H, V]``: per position, the same
+    length only). A typed state (``hook_state`` of a cache) is averaged over its batch rows.
+    Raises ``KeyError`` for an unknown name, ``ValueError`` for an unknown ``over``."""
+    if over not in ("batch_position", "batch"):
+        raise ValueError(f"over: expected 'batch_position' or 'batch', got {over!r}")
+    _, cache = model.run_with_cache(input_ids, names=names)
+    out = {}
+    for name, v in cache.items():
+        if isinstance(v, torch.Tensor):
+            dims = (0,) if over == "batch" else (0, _axes(name)[1])
+            out[name] = v.mean(dims, keepdim=True)
+        else:
+            out[name] = map_tensors(lambda t: t.mean(0, keepdim=True), v)
+    return out
+
+
+def _mean_for(value: torch.Tensor, name: str, means) -> torch.Tensor:
+    if means is None:  # the current run's own mean over its batch and positions
+        return value.mean((0, _axes(name)[1]), keepdim=True).expand_as(value)
+    if name not in means:
+        raise KeyError(f"means has no entry for {name!r} (it has {sorted(means)}); see mean_activations")
+    m = means[name].to(value.device, value.dtype)
+    try:
+        return torch.broadcast_to(m, value.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"means[{name!r}] of shape {list(m.shape)} does not broadcast to the value {list(value.shape)} "
+            f"(per-position means need inputs of the same length)"
+        ) from None
+
+
+# -------------------------------------------------------------------------------------- ablation
+
+
+def ablate(
+    model,
+    names,
+    *,
+    heads=None,
+    positions=None,
+    channels=None,
+    how: str = "zero",
+    means: dict | None = None,
+) -> Hooks:
+    """Hooks replacing the selected part of every hook ``names`` selects by zeros or its mean.
+
+    Args:
+        names: a full hook name (``blocks.0.mixer.hook_o``), a suffix (``"hook_o"``: every layer's),
+            a list, or a predicate (as :func:`hook_names`).
+        heads, positions, channels: what to replace on the head axis (2; 1 for ``hook_pattern``),
+            the position axis (1; 2 for ``hook_pattern``) and the last axis: an int, a sequence,
+            a slice or a boolean mask; ``None`` = all of that axis.
+        how: ``"zero"`` or ``"mean"``. The mean is ``means[name]`` (from :func:`mean_activations` on
+            a reference input) broadcast to the value, or, with ``means=None``, the value's own
+            mean over the current run's batch and positions.
+    Returns:
+        ``[(full name, fn), …]`` for ``run_with_hooks``; each ``fn`` returns a new tensor of the
+        value's shape and dtype (the input is not modified in place).
+    Raises:
+        KeyError: an unknown hook name (listing the known suffixes), or ``means`` without the name.
+        ValueError: ``how`` unknown; at run time, a head/position/channel out of range (naming the
+        hook and the value's shape), or a value without that axis.
+    """
+    if how not in ("zero", "mean"):
+        raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
+    chosen = hook_names(model, names)
+
+    def fn(value, name):
+        value = _tensor_value(value, name)
+        mask = _mask(value, name, heads, positions, channels)
+        new = torch.zeros_like(value) if how == "zero" else _mean_for(value, name, means)
+        return new.clone() if mask is None else torch.where(mask, new, value)
+
+    return [(n, fn) for n in chosen]
+
+
+def ablate_head(
+    model, layer: int, heads, *, hook: str = "hook_o", how: str = "zero", means=None, positions=None
+) -> Hooks:
+    """Ablate head(s) ``heads`` of layer ``layer``'s mixer at ``hook`` (default ``hook_o``, the
+    heads' outputs before the output projection: ``[B, T, H, V]``; Mamba's ``[B, T, D]`` channels).
+    ``hook="hook_v"`` removes the heads' values instead (what they write into the memory; with
+    grouped-query attention ``hook_k``/``hook_v`` have the ``H_kv`` key/value heads).
+
+    Zero-ablating ``hook_o`` head ``h`` of attention equals zeroing rows ``h·D … (h+1)·D − 1`` of
+    the output projection's input. See :func:`ablate` for ``how``, ``means``, ``positions`` and
+    the errors; ``heads`` out of range raises ``ValueError`` naming the hook and its head count."""
+    return ablate(
+        model, _mixer_hook(model, layer, hook), heads=heads, positions=positions, how=how, means=means
+    )
+
+
+def ablate_channel(model, names, channels, *, how: str = "zero", means=None, positions=None) -> Hooks:
+    """Ablate channels (the last axis) of the hook(s) ``names`` — e.g. residual-stream directions
+    at ``blocks.1.hook_resid_pre`` ``[B, T, d_model]``, or Mamba channels at ``hook_o``. See
+    :func:`ablate`."""
+    return ablate(model, names, channels=channels, positions=positions, how=how, means=means)
+
+
+def ablate_write(
+    model, layer: int, positions, *, hook: str = "hook_v", heads=None, how: str = "zero", means=None
+) -> Hooks:
+    """Ablate the memory **writes** of layer ``layer`` at token ``positions``: ``hook_v`` (default,
+    the value written; ``[B, T, H, V]``, the KV cache's values for attention) or the write strength
+    (``hook="hook_beta"`` for the delta rules, ``"hook_theta"`` for Titans, ``"hook_dt"`` for
+    Mamba …). With ``how="zero"`` on ``hook_beta``/``hook_v`` of a delta rule, nothing is written
+    at those positions (and a zero ``v`` still erases along ``k`` — that is the delta rule). Reads
+    at earlier positions are untouched. See :func:`ablate` for the arguments and errors."""
+    return ablate(
+        model, _mixer_hook(model, layer, hook), heads=heads, positions=positions, how=how, means=means
+    )
+
+
+def ablate_state(model, layer: int, *, how: str = "zero", means=None, hook: str = "hook_state") -> Hooks:
+    """Replace the state layer ``layer``'s mixer hands on (``hook_state``: the memory after the
+    call, a tensor such as ``[B, H, K, V]``, or a typed state such as a KV cache) by zeros or its
+    mean (``means[name]`` from :func:`mean_activations`, else the mean over the batch rows),
+    every tensor inside alike.
+
+    The state after a call is what the *next* call continues from: the ablation acts on
+    streaming/decoding (run a prefix with these hooks, continue from the returned state), not on
+    the outputs of the call itself. Raises ``KeyError``/``ValueError`` as :func:`ablate`."""
+    if how not in ("zero", "mean"):
+        raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
+    name = _mixer_hook(model, layer, hook)
+
+    def fn(value, name):
+        if how == "zero":
+            return map_tensors(torch.zeros_like, value)
+        if means is not None:
+            if name not in means:
+                raise KeyError(f"means has no entry for {name!r} (it has {sorted(means)})")
+            leaves, spec = pytree.tree_flatten(value)
+            refs = pytree.tree_flatten(means[name])[0]
+            if len(refs) != len(leaves):
+                raise ValueError(f"means[{name!r}] is structured differently from the state")
+            return pytree.tree_unflatten(
+                [
+                    torch.broadcast_to(r.to(t), t.shape).clone() if isinstance(t, torch.Tensor) else t
+                    for t, r in zip(leaves, refs)
+                ],
+                spec,
+            )
+        return map_tensors(
+            lambda t: t.mean(0, keepdim=True).expand_as(t).clone() if t.is_floating_point() else t, value
+        )
+
+    return [(name, fn)]
+
+
+# ---------------------------------------------------------------------------------------- steering
+
+
+def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, positions=None) -> Hooks:
+    """Hooks adding ``scale · direction`` to the value of every hook ``names`` selects.
+
+    ``direction`` matches the value's trailing axes: ``[d_model]`` at a residual hook
+    (``blocks.1.hook_resid_pre``), ``[H, V]`` (or ``[V]``, every head) at a mixer's ``hook_o`` …;
+    it broadcasts over the batch and positions (all positions, or ``positions`` only). The result
+    is ``value + scale · direction`` computed in the value's dtype. Raises ``KeyError`` for an
+    unknown name and, at run time, ``ValueError`` when the direction's shape is not a suffix of the
+    value's."""
+    chosen = hook_names(model, names)
+    direction = torch.as_tensor(direction)
+
+    def fn(value, name):
+        value = _tensor_value(value, name)
+        d = direction.to(value.device, value.dtype)
+        if d.ndim > value.ndim - 2 or list(value.shape[value.ndim - d.ndim :]) != list(d.shape):
+            raise ValueError(
+                f"direction: shape {list(d.shape)} must match the trailing axes of {name} "
+                f"{list(value.shape)} (after batch and position)"
+            )
+        shifted = value + scale * d
+        mask = _mask(value, name, positions=positions)
+        return shifted if mask is None else torch.where(mask, shifted, value)
+
+    return [(n, fn) for n in chosen]
+
+
+# ---------------------------------------------------------------------------------------- patching
+
+
+def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channels=None) -> Hooks:
+    """Hooks replacing the selected part of every hook ``names`` selects by the value recorded in
+    ``clean_cache`` (``model.run_with_cache(clean_ids, names=...)``; same shapes: clean and
+    corrupted inputs of one length). ``heads``/``positions``/``channels`` as :func:`ablate`;
+    ``None`` everywhere patches the whole value, and an empty selection (``positions=[]``) patches
+    nothing. Raises ``KeyError`` for an unknown name or one the cache lacks, and at run time
+    ``ValueError`` for an index out of range or a shape that differs from the clean value's."""
+    chosen = hook_names(model, names)
+    missing = [n for n in chosen if n not in clean_cache]
+    if missing:
+        raise KeyError(
+            f"clean_cache has no value for {missing}; record them with run_with_cache(clean_ids, names=...)"
+        )
+
+    def fn(value, name):
+        value = _tensor_value(value, name)
+        clean = clean_cache[name]
+        if clean.shape != value.shape:
+            raise ValueError(
+                f"{name}: the clean value {list(clean.shape)} and the corrupted one {list(value.shape)} "
+                f"differ in shape (patch inputs of one shape)"
+            )
+        clean = clean.to(value.device, value.dtype)
+        mask = _mask(value, name, heads, positions, channels)
+        return clean.clone() if mask is None else torch.where(mask, clean, value)
+
+    return [(n, fn) for n in chosen]
+
+
+def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Metric ``logits [B, T, V] -> scalar``: the mean over the batch of
+    ``logits[b, position, correct[b]] − logits[b, position, wrong[b]]`` (``correct``, ``wrong``: an
+    int or ``[B]`` token ids)."""
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        last = logits[:, position].float()
+        B = last.shape[0]
+        c = torch.as_tensor(correct, device=last.device).long().expand(B)
+        w = torch.as_tensor(wrong, device=last.device).long().expand(B)
+        rows = torch.arange(B, device=last.device)
+        return (last[rows, c] - last[rows, w]).mean()
+
+    return metric
+
+
+def next_token_loss(input_ids: torch.Tensor, positions=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Metric ``logits [B, T, V] -> scalar``: the mean next-token cross-entropy (nats) of
+    ``input_ids [B, T]`` — the logits at ``t`` predict ``input_ids[:, t + 1]`` — over the target
+    positions ``positions`` (indices into ``1 … T − 1``; default all)."""
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.to(logits.device)
+        loss = F.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+        )  # [B, T-1]
+        if positions is None:
+            return loss.mean()
+        idx = torch.as_tensor(positions, device=loss.device).long() - 1
+        return loss[:, idx].mean()
+
+    return metric
+
+
+class Patching(NamedTuple):
+    """Result of :func:`activation_patching`.
+
+    ``values``: the metric of each patched run, ``[N]`` (``per="layer"``), ``[N, H]`` (``"head"``),
+    ``[N, T]`` (``"position"``) or ``[N, H, T]`` (``"head_position"``), ``N = len(names)``
+    (missing heads of a layer with fewer are NaN); ``clean``, ``corrupted``: the metric of the
+    unpatched runs."""
+
+    values: torch.Tensor
+    names: list[str]
+    clean: float
+    corrupted: float
+    per: str
+
+    @property
+    def restored(self) -> torch.Tensor:
+        """``(values − corrupted) / (clean − corrupted)``: 0 = no effect, 1 = the clean metric."""
+        gap = self.clean - self.corrupted
+        return (self.values - self.corrupted) / (gap if gap != 0 else math.nan)
+
+
+PER = ("layer", "head", "position", "head_position")
+
+
+@torch.no_grad()
+def activation_patching(
+    model,
+    clean_ids: torch.Tensor,
+    corrupted_ids: torch.Tensor,
+    metric: Callable[[torch.Tensor], torch.Tensor],
+    names="hook_o",
+    *,
+    per: str = "head",
+) -> Patching:
+    """Patch one piece of a clean run into the corrupted run at a time and measure ``metric``.
+
+    For each hook ``names`` selects (default every mixer's ``hook_o``) and, by ``per``, each head,
+    position or head × position (``"layer"``: the whole value), run ``corrupted_ids`` with that
+    piece replaced by its value on ``clean_ids`` and record ``metric(logits)``. Clean and corrupted
+    inputs have one shape ``[B, T]``. One forward pass per piece (``N·H·T`` for
+    ``"head_position"``).
+
+    Returns a :class:`Patching` (``.values``, ``.restored``). Raises ``ValueError`` for an unknown
+    ``per`` or inputs of different shapes, ``KeyError`` for an unknown hook name."""
+    if per not in PER:
+        raise ValueError(f"per: expected one of {PER}, got {per!r}")
+    if clean_ids.shape != corrupted_ids.shape:
+        raise ValueError(
+            f"clean_ids {list(clean_ids.shape)} and corrupted_ids {list(corrupted_ids.shape)} "
+            f"must have one shape"
+        )
+    chosen = hook_names(model, names)
+    clean_logits, cache = model.run_with_cache(clean_ids, names=chosen)
+    corrupted_logits, _ = model(corrupted_ids)
+    clean_m, corrupted_m = float(metric(clean_logits)), float(metric(corrupted_logits))
+
+    def run(hooks) -> float:
+        return float(metric(model.run_with_hooks(corrupted_ids, hooks)[0]))
+
+    sizes = []
+    for n in chosen:
+        v = _tensor_value(cache[n], n)
+        h_ax, p_ax = _axes(n)
+        H = v.shape[h_ax] if per in ("head", "head_position") and v.ndim > h_ax else 1
+        if per in ("head", "head_position") and v.ndim <= h_ax:
+            raise ValueError(f"per={per!r}: {n} has no head axis (value of shape {list(v.shape)})")
+        sizes.append((H, v.shape[p_ax]))
+    Hmax, T = max(s[0] for s in sizes), max(s[1] for s in sizes)
+    shape = {"layer": [len(chosen)], "head": [len(chosen), Hmax], "position": [len(chosen), T]}.get(
+        per, [len(chosen), Hmax, T]
+    )
+    values = torch.full(shape, math.nan)
+    for i, n in enumerate(chosen):
+        H, Tn = sizes[i]
+        if per == "layer":
+            values[i] = run(patch(model, cache, n))
+        elif per == "head":
+            for h in range(H):
+                values[i, h] = run(patch(model, cache, n, heads=h))
+        elif per == "position":
+            for t in range(Tn):
+                values[i, t] = run(patch(model, cache, n, positions=t))
+        else:
+            for h in range(H):
+                for t in range(Tn):
+                    values[i, h, t] = run(patch(model, cache, n, heads=h, positions=t))
+    return Patching(values, chosen, clean_m, corrupted_m, per)
+
+
+def patching_figure(result: Patching, title: str | None = None, restored: bool = True):
+    """Heatmap of a :class:`Patching`: rows are the hooks (and heads, for ``"head_position"``),
+    columns the heads or positions; colour = the restored fraction (``restored=True``, diverging
+    around 0 with 1 = clean) or the raw metric. Returns the matplotlib figure (imported lazily)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = result.restored if restored else result.values
+    labels = [n.replace(".mixer.", ".") for n in result.names]
+    if result.per == "layer":
+        grid, xlabel = grid[:, None], ""
+    elif result.per == "head_position":
+        H = grid.shape[1]
+        labels = [f"{lab} h{h}" for lab in labels for h in range(H)]
+        grid, xlabel = grid.reshape(-1, grid.shape[-1]), "position"
+    else:
+        xlabel = result.per
+    rows, cols = grid.shape
+    fig, ax = plt.subplots(figsize=(min(14, 2.5 + 0.35 * cols), 1.6 + 0.3 * rows), layout="constrained")
+    finite = grid[torch.isfinite(grid)]
+    lim = float(finite.abs().max()) if finite.numel() else 1.0
+    lim = max(lim, 1.0) if restored else lim or 1.0
+    cmap = matplotlib.colormaps["RdBu"].with_extremes(bad="0.92")
+    im = ax.imshow(grid.numpy(), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto")
+    ax.set_yticks(range(rows), labels, fontsize=7)
+    ax.set_xlabel(xlabel)
+    fig.colorbar(im, ax=ax, label="restored fraction" if restored else "metric")
+    sub = f"clean {result.clean:.3g}, corrupted {result.corrupted:.3g}"
+    ax.set_title(f"{title} ({sub})" if title else f"activation patching per {result.per} ({sub})", fontsize=9)
+    return fig
+
+
+# ------------------------------------------------------------------------------------ state patching
+
+
+@torch.no_grad()
+def state_patch(
+    model,
+    source_ids: torch.Tensor,
+    target_ids: torch.Tensor,
+    at: int,
+    layers=None,
+    *,
+    hooks: Hooks = (),
+    mode: str | None = None,
+):
+    """Transplant the memory of one prompt into another at token ``at``.
+
+    Runs ``source_ids[:, :at]`` and ``target_ids[:, :at]`` from empty states, builds the per-layer
+    state whose layers ``layers`` (default all) are the source's and the others the target's
+    (each :class:`~mnemo.layers.state.BlockState` whole: a matrix memory, an SSM state and its
+    conv tail, a KV cache, a CMS memory), and continues ``target_ids[:, at:]`` from it (with
+    ``hooks`` attached to that continuation only). With every layer patched this equals running
+    ``cat(source_ids[:, :at], target_ids[:, at:])``. Both prefixes have ``at`` tokens, so
+    positions (rotary, learned) stay aligned.
+
+    Args:
+        source_ids: ``[B, T_s]`` or ``[1, T_s]`` (one source for every target row), ``T_s ≥ at``.
+        target_ids: ``[B, T]`` with ``1 ≤ at < T``.
+        layers: layer indices (an int or a sequence) that take the source's state.
+    Returns:
+        ``(logits [B, T − at, vocab], state)``: the continuation's logits (position ``i`` is token
+        ``at + i``) and the final state.
+    Raises:
+        ValueError: ``at`` out of range, batch sizes that do not match, a layer out of range.
+    """
+    if source_ids.ndim != 2 or target_ids.ndim != 2:
+        raise ValueError(
+            f"source_ids and target_ids must be [B, T], got {list(source_ids.shape)} and "
+            f"{list(target_ids.shape)}"
+        )
+    B, T = target_ids.shape
+    if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at < T or at > source_ids.shape[1]:
+        raise ValueError(
+            f"at: expected an int with 1 ≤ at < {T} (target length) and at ≤ {source_ids.shape[1]} "
+            f"(source length), got {at!r}"
+        )
+    if source_ids.shape[0] not in (1, B):
+        raise ValueError(f"source_ids: expected {B} rows (or 1), got {source_ids.shape[0]}")
+    n = len(model.blocks)
+    chosen = list(range(n)) if layers is None else ([layers] if isinstance(layers, int) else list(layers))
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layers: {bad} out of range; the model has {n} layers (0 … {n - 1})")
+    _, source_state = model(source_ids[:, :at], mode=mode)
+    if source_ids.shape[0] == 1 and B > 1:
+        source_state = cat_rows([source_state] * B)
+    _, target_state = model(target_ids[:, :at], mode=mode) if len(chosen) < n else (None, None)
+    state = [source_state[i] if i in chosen else target_state[i] for i in range(n)]
+    with attached(model.hook_points, hooks):
+        return model(target_ids[:, at:], state, mode=mode)
+
+
+# ------------------------------------------------------------------------- induction-head ablation
+
+
+def _heads_of(model, scores: dict) -> list[tuple[int, int, float]]:
+    return [
+        (int(layer), h, float(s)) for layer, entry in scores.items() for h, s in enumerate(entry["induction"])
+    ]
+
+
+@torch.no_grad()
+def _icl_metrics(model, ids: torch.Tensor, length: int, hooks: Hooks) -> dict:
+    """ICL score (:func:`~mnemo.interp.scores.icl_score`) and the losses on each half of a
+    repeated sequence ``ids [B, 2L]``, with ``hooks`` attached."""
+    from .scores import icl_score
+
+    with attached(model.hook_points, hooks):
+        icl = icl_score(model, ids)
+        logits, _ = model(ids)
+    loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # target t+1
+    # targets 1 … L−1: first copy (unpredictable); L+1 … 2L−1: the repeat (predictable by induction)
+    first = loss[:, : length - 1].mean()
+    repeat = loss[:, length:].mean()
+    return {"icl_score": icl, "repeat_loss": float(repeat), "first_half_loss": float(first)}
+
+
+def induction_ablation(
+    model,
+    k: int,
+    *,
+    draws: int = 10,
+    length: int = 32,
+    batch: int = 16,
+    seed: int = 0,
+    how: str = "mean",
+    random_from: str = "rest",
+    hook: str = "hook_o",
+) -> dict:
+    """The causal check of induction heads: ablate the ``k`` heads with the highest induction
+    score (:func:`~mnemo.interp.probe.circuit_scores`, on random tokens repeated twice) at their
+    mixer's ``hook`` (default ``hook_o``, the head outputs), and, as the control, ``k`` random heads
+    (``draws`` draws, from the heads outside the top ``k`` with ``random_from="rest"``, or from all
+    heads with ``"all"``).
+
+    Measured on a fresh batch of ``batch`` random sequences of ``length`` tokens repeated twice:
+    the in-context-learning score (late minus early loss, :func:`~mnemo.interp.scores.icl_score`),
+    the loss on the repeated half (targets ``L+1 … 2L−1``, predictable by copying), the loss on
+    the first half (targets ``1 … L−1``), and the in-context gain ``first − repeat``. Mean-ablation
+    uses each hook's mean over the batch and positions of another such batch.
+
+    Returns a JSON-ready dict: ``baseline``, ``top_k`` (metrics and ``heads`` ``[[layer, head,
+    score], …]``), ``random`` (per metric ``mean``, ``std``, ``values``; and the drawn ``heads``),
+    and ``gain_removed`` (``1 − gain_after / gain_before`` for the top-k and the random mean).
+    Raises ``ValueError`` for ``k`` outside ``1 … number of heads`` or a bad option."""
+    from .probe import circuit_scores
+    from .scores import repeated_random_tokens
+
+    if how not in ("zero", "mean"):
+        raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
+    if random_from not in ("rest", "all"):
+        raise ValueError(f"random_from: expected 'rest' or 'all', got {random_from!r}")
+    if draws < 1:
+        raise ValueError(f"draws: expected ≥ 1, got {draws}")
+    was = model.training
+    model.eval()
+    try:
+        scores = circuit_scores(model, length, batch, seed)
+        heads = _heads_of(model, scores)
+        if not isinstance(k, int) or not 1 <= k <= len(heads):
+            raise ValueError(f"k: expected an int in 1 … {len(heads)} (the heads with a map), got {k!r}")
+        ranked = sorted(heads, key=lambda x: -x[2])
+        top = ranked[:k]
+        V = model.config.vocab_size
+        device = next(model.parameters()).device
+        ids = repeated_random_tokens(batch, length, V, torch.Generator().manual_seed(seed + 1)).to(device)
+        ref = repeated_random_tokens(batch, length, V, torch.Generator().manual_seed(seed + 2)).to(device)
+        layer_hooks = sorted({_mixer_hook(model, layer, hook) for layer, _, _ in heads})
+        means = mean_activations(model, ref, layer_hooks) if how == "mean" else None
+
+        def hooks_for(chosen) -> Hooks:
+            by_layer: dict[int, list[int]] = {}
+            for layer, h, _ in chosen:
+                by_layer.setdefault(layer, []).append(h)
+            return compose(
+                *(
+                    ablate_head(model, layer, hs, hook=hook, how=how, means=means)
+                    for layer, hs in by_layer.items()
+                )
+            )
+
+        base = _icl_metrics(model, ids, length, [])
+        top_m = _icl_metrics(model, ids, length, hooks_for(top))
+        pool = ranked[k:] if random_from == "rest" and len(ranked) - k >= k else ranked
+        gen = torch.Generator().manual_seed(seed + 3)
+        rand_runs, rand_heads = [], []
+        for _ in range(draws):
+            pick = [pool[int(i)] for i in torch.randperm(len(pool), generator=gen)[:k]]
+            rand_heads.append([[layer, h, round(s, 4)] for layer, h, s in pick])
+            rand_runs.append(_icl_metrics(model, ids, length, hooks_for(pick)))
+    finally:
+        model.train(was)
+
+    def gain(m):
+        return m["first_half_loss"] - m["repeat_loss"]
+
+    def stats(key):
+        vals = torch.tensor([r[key] for r in rand_runs], dtype=torch.float64)
+        std = float(vals.std()) if len(vals) > 1 else 0.0
+        return {"mean": float(vals.mean()), "std": std, "values": vals.tolist()}
+
+    random = {key: stats(key) for key in ("icl_score", "repeat_loss", "first_half_loss")}
+    gains = torch.tensor([gain(r) for r in rand_runs], dtype=torch.float64)
+    g0 = gain(base)
+    removed = (1 - gains / g0) if g0 != 0 else gains * math.nan
+    random["gain_removed"] = {
+        "mean": float(removed.mean()),
+        "std": float(removed.std()) if draws > 1 else 0.0,
+        "values": removed.tolist(),
+    }
+    return {
+        "k": k,
+        "how": how,
+        "hook": hook,
+        "length": length,
+        "batch": batch,
+        "seed": seed,
+        "draws": draws,
+        "random_from": "rest" if pool is not ranked else "all",
+        "baseline": {**base, "gain": g0},
+        "top_k": {
+            **top_m,
+            "gain": gain(top_m),
+            "gain_removed": (1 - gain(top_m) / g0) if g0 != 0 else math.nan,
+            "heads": [[layer, h, round(s, 4)] for layer, h, s in top],
+        },
+        "random": {**random, "heads": rand_heads},
+    }

@@ -1,0 +1,657 @@
+"""The memory spectrum: the long-run rates at which a memory forgets, per direction (DESIGN §7).
+
+A memory written as ``S_t = A_t S_{t−1} + B_t`` forgets a direction ``u`` of ``S`` at the rate at
+which the product ``A_t ⋯ A_1`` shrinks it. Along a real input those rates are the **Lyapunov
+exponents** ``λ_1 ≥ … ≥ λ_n`` (nats per token) of the product, estimated by the standard QR
+iteration (Benettin et al. 1980): ``Q_t R_t = A_t Q_{t−1}``, ``λ_i = (1/T) Σ_t log |R_t[i, i]|``
+(:func:`lyapunov_spectrum`). An exponent ``λ < 0`` halves its direction every ``ln 2 / −λ``
+tokens (its half-life).
+
+What ``A_t`` is, per kind of memory (read from each mixer's hook points, as the rest of
+:mod:`mnemo.interp`; nothing here reaches into a mixer's internals):
+
+- **diagonal gates** (``hook_g`` only: GLA per (head, key channel), RetNet / Mamba-2 one scalar
+  per head, Mamba ``Δ A`` per (channel, state)): ``A_t = diag(exp(g_t))``, so ``λ = mean_t g_t``
+  exactly — the time average of the log decays that :mod:`~mnemo.interp.timescales` reads (on a
+  fixed gate, its half-lives). A per-head scalar is one exponent per head.
+- **delta rules** (``hook_k``, ``hook_beta`` and, gated, ``hook_g``: DeltaNet, Gated DeltaNet):
+  ``A_t = exp(g_t) (I − β_t k_t k_tᵀ)`` on the key dimension of each head (the memory is
+  ``K × V``; ``A`` acts on the left, so every exponent holds for all ``V`` value columns): ``K``
+  exponents per head by the QR iteration (``mean g`` added exactly).
+- **test-time-trained memories** (a memory module with ``hook_theta``: Titans LMM, TTT, Moneta,
+  Yaad, Memora, the memory branch of Titans MAG/MAL): the update is nonlinear, and ``A_t`` is its
+  Jacobian with respect to the memory's state (the accumulators of every layer and, with momentum,
+  the momentum buffers) along the trajectory of the input. The engine takes every gradient of an
+  inner chunk at the chunk's start weights, so one step of the iteration is one chunk: the
+  Jacobian of the state at the chunk's end with respect to the state at its start, applied to the
+  ``directions`` columns of ``Q`` by forward-mode AD (a JVP through the engine's token-loop
+  reference, :func:`mnemo.memory.recurrent.memory_recurrent`, in float64); exponents are per
+  token (the sum of a chunk's logs over its tokens). Only the leading ``directions`` exponents of
+  each head are computed (``n`` = all parameters of the memory is thousands); the others are
+  ``≤`` the last computed one.
+- softmax attention keeps its KV cache (no transition); linear attention without a gate has
+  ``A = I`` (every exponent 0). Self-modifying mixers (HOPE's self-modifying Titans, the
+  self-modifying projections) and CMS levels are not covered yet (``"kind": "unsupported"``).
+
+Classes of directions (:func:`classify`; the renormalisation-group names): **irrelevant** —
+forgotten within a few tokens, half-life ``< irrelevant_half_life`` (default 4 tokens, i.e.
+``λ < −ln 2 / 4 ≈ −0.17``); **marginal** — ``|λ| < ln 2 / context``: neither halved nor doubled
+over the whole context (``context`` = the tokens measured, unless given); **relevant** —
+``λ ≥ ln 2 / context``, amplified (doubles within the context); **intermediate** — the rest: kept
+for between ``irrelevant_half_life`` tokens and the context, the memory's working range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+LN2 = math.log(2.0)
+IRRELEVANT_HALF_LIFE = 4.0  # tokens
+CLASSES = ("irrelevant", "intermediate", "marginal", "relevant")
+
+__all__ = [
+    "lyapunov_spectrum",
+    "matrix_spectrum",
+    "diagonal_spectrum",
+    "delta_rule_spectrum",
+    "memory_jvp_spectrum",
+    "memory_spectrum",
+    "half_lives",
+    "classify",
+    "to_json",
+    "figure",
+    "plot",
+    "IRRELEVANT_HALF_LIFE",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# the QR iteration
+# ------------------------------------------------------------------------------------------------
+
+
+def lyapunov_spectrum(
+    step: Callable[[int, torch.Tensor], torch.Tensor],
+    T: int,
+    n: int,
+    k: int | None = None,
+    *,
+    batch_shape: tuple = (),
+    q0: str | torch.Tensor | None = None,
+    tokens: float | None = None,
+    burn_in: int = 0,
+    sort: bool = True,
+    dtype: torch.dtype = torch.float64,
+    device=None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """The ``k`` leading Lyapunov exponents ``[*batch_shape, k]`` of ``A_{T−1} ⋯ A_0``.
+
+    ``step(t, Q)`` returns ``A_t Q`` for ``Q [*batch_shape, n, k]`` with orthonormal columns; it is
+    called once per ``t = 0 … T−1`` in order (it may carry state, e.g. a trajectory). Each step
+    re-orthonormalises ``Q_t R_t = A_t Q_{t−1}`` and accumulates ``log |R_t[i, i]|`` (``−inf`` where
+    ``A_t`` annihilates a direction exactly). The sums are divided by ``tokens`` (default: the
+    steps averaged, ``T − burn_in``; give the token count when a step spans several tokens), after
+    skipping the first ``burn_in`` steps.
+
+    ``q0``: the starting basis — ``"identity"`` (the first ``k`` unit vectors; the default when
+    ``k = n``), ``"random"`` (a seeded random orthonormal basis; the default when ``k < n``, where
+    the leading exponents need a generic start) or a tensor ``[*batch_shape, n, k]``.
+    ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
+    generic start)."""
+    k = n if k is None else min(int(k), n)
+    if q0 is None:
+        q0 = "identity" if k == n else "random"
+    if isinstance(q0, torch.Tensor):
+        Q = q0.to(dtype=dtype, device=device)
+    elif q0 == "identity":
+        Q = torch.eye(n, k, dtype=dtype, device=device).expand(*batch_shape, n, k).clone()
+    elif q0 == "random":
+        gen = torch.Generator().manual_seed(seed)
+        Q = torch.linalg.qr(torch.randn(*batch_shape, n, k, generator=gen, dtype=dtype))[0].to(device)
+    else:
+        raise ValueError(f"q0: 'identity', 'random' or a tensor, got {q0!r}")
+    total = torch.zeros(*Q.shape[:-2], k, dtype=dtype, device=Q.device)
+    for t in range(T):
+        Q, R = torch.linalg.qr(step(t, Q).to(dtype))
+        if t >= burn_in:
+            total = total + R.diagonal(dim1=-2, dim2=-1).abs().log()
+    lam = total / (tokens if tokens is not None else max(T - burn_in, 1))
+    return lam.sort(dim=-1, descending=True).values if sort else lam
+
+
+def matrix_spectrum(A: torch.Tensor, k: int | None = None, **kwargs) -> torch.Tensor:
+    """Lyapunov exponents of explicit transitions ``A [*batch, T, n, n]`` (``A_t`` applied in order
+    ``t = 0 …``): :func:`lyapunov_spectrum` with ``step = A_t @ Q``."""
+    *batch, T, n, _ = A.shape
+    return lyapunov_spectrum(
+        lambda t, Q: A[..., t, :, :].to(Q.dtype) @ Q,
+        T,
+        n,
+        k,
+        batch_shape=tuple(batch),
+        device=A.device,
+        **kwargs,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# per kind of memory
+# ------------------------------------------------------------------------------------------------
+
+
+def diagonal_spectrum(g: torch.Tensor) -> torch.Tensor:
+    """Exponents of diagonal transitions ``exp(g_t)`` for log decays ``g [B, T, *units]``: the time
+    average ``mean_t g_t`` (exact: the QR iteration of a diagonal product is the product of the
+    diagonals), averaged over the batch; ``[*units]``, float64."""
+    return g.double().mean(dim=(0, 1))
+
+
+def delta_rule_spectrum(
+    k: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    q0: str | torch.Tensor | None = None,
+    burn_in: int = 0,
+) -> torch.Tensor:
+    """Exponents ``[H, K]`` (descending, averaged over the batch) of the delta-rule transitions
+    ``A_t = exp(g_t) (I − β_t k_t k_tᵀ)`` for keys ``k [B, T, H, K]``, write strengths
+    ``beta [B, T, H]`` and optional per-head log decays ``g [B, T, H]``.
+
+    The scalar decay commutes with everything, so its time average is added to every exponent
+    exactly (no underflow of ``exp(g)`` products); the QR iteration runs on ``I − β k kᵀ``."""
+    k, beta = k.double(), beta.double()
+    B, T, H, K = k.shape
+
+    def step(t, Q):  # Q [B, H, K, K]
+        kt = k[:, t]  # [B, H, K]
+        return Q - beta[:, t, :, None, None] * kt[..., :, None] * (kt[..., None, :] @ Q)
+
+    lam = lyapunov_spectrum(step, T, K, batch_shape=(B, H), q0=q0, burn_in=burn_in, device=k.device)
+    if g is not None:
+        lam = lam + g.double()[:, burn_in:].mean(1)[..., None]
+    return lam.mean(0)
+
+
+def memory_jvp_spectrum(
+    spec,
+    state,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    eta: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    *,
+    directions: int = 32,
+    method: str = "central",
+    eps: float = 1e-6,
+    seed: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """Leading exponents ``[H, directions]`` (descending, nats/token, batch-averaged) of a
+    test-time-trained memory, and ``n``, the dimension of its state per head.
+
+    ``spec``: the :class:`~mnemo.memory.MemorySpec`; ``state``: its
+    :class:`~mnemo.memory.MemoryState` at position 0 (a fresh stream); ``q … delta``: the engine's
+    inputs over the whole stream, as the memory's hook points record them (``[B, T, H, …]``).
+
+    One step of the iteration is one inner chunk (the engine's gradients of a chunk are all taken
+    at the chunk's start weights): the Jacobian of (accumulators, momentum) at the chunk's end with
+    respect to their values at its start, applied to the ``directions`` columns of ``Q`` at once
+    (each tangent rides on its own copy of the batch) through the engine's token-loop reference
+    :func:`~mnemo.memory.recurrent.memory_recurrent`, in float64. A trailing partial chunk is one
+    step too.
+
+    ``method``: ``"forward"`` — exact Jacobian-vector products by forward-mode AD (dual tensors
+    through the engine's inner ``autograd.grad``; exact but slow, ~40× the plain update, because
+    several ops of the engine fall back to Python decompositions under forward AD); ``"central"``
+    (default) — the central difference ``(F(x + εv) − F(x − εv)) / 2ε`` with ``eps`` (unit tangents;
+    error ``O(ε²)`` plus ``~1e-16/ε`` of rounding, ``≈ 1e-10`` relative at the default, far below
+    what moves an exponent), about twice the cost of the plain update."""
+    from ..memory.recurrent import memory_recurrent
+    from ..memory.state import MemoryState
+
+    if method not in ("central", "forward"):
+        raise ValueError(f"method: 'central' or 'forward', got {method!r}")
+    f64 = torch.float64
+
+    def d(x):
+        return None if x is None else x.detach().to(f64)
+
+    q, k, v, theta, g, eta, delta = map(d, (q, k, v, theta, g, eta, delta))
+    B, Tp, H = q.shape[:3]
+
+    def batch(x):
+        x = d(x)
+        return x.expand(B, *x.shape[1:]) if x.shape[0] != B else x
+
+    cur = [batch(a) for a in state.weights]
+    momentum = state.momentum is not None
+    if momentum:
+        cur += [batch(s) for s in state.momentum]
+    n_layers = len(state.weights)
+    shapes = [tuple(a.shape[-2:]) for a in cur]
+    sizes = [i * o for i, o in shapes]
+    n = sum(sizes)
+    kd = min(int(directions), n)
+    C = spec.chunk_size
+    starts = list(range(0, Tp, C))
+    copies = kd if method == "forward" else 2 * kd + 1  # central: +εv, −εv and the primal
+
+    def rep(x, sl):
+        return None if x is None else x[:, sl].repeat(copies, *([1] * (x.ndim - 1)))
+
+    def run(parts, t0, t1):
+        sl = slice(t0, t1)
+        A, S = tuple(parts[:n_layers]), (tuple(parts[n_layers:]) if momentum else None)
+        _, st = memory_recurrent(
+            spec,
+            rep(q, sl),
+            rep(k, sl),
+            rep(v, sl),
+            rep(theta, sl),
+            rep(g, sl),
+            rep(eta, sl),
+            rep(delta, sl),
+            MemoryState(A, S, A, None, t0),
+        )
+        return list(st.weights) + (list(st.momentum) if momentum else [])
+
+    def step(c, Q):  # Q [B, H, n, kd] -> J Q
+        t0, t1 = starts[c], min(starts[c] + C, Tp)
+        flat = Q.permute(3, 0, 1, 2).reshape(kd * B, H, n).split(sizes, -1)
+        tang = [t.reshape(kd * B, H, *shape) for t, shape in zip(flat, shapes)]
+        if method == "forward":
+            import torch.autograd.forward_ad as fwAD
+
+            with fwAD.dual_level():
+                duals = [
+                    fwAD.make_dual(p.repeat(kd, 1, 1, 1).requires_grad_(True), t) for p, t in zip(cur, tang)
+                ]
+                unpacked = [fwAD.unpack_dual(o) for o in run(duals, t0, t1)]
+                new = [u.primal.detach()[:B] for u in unpacked]
+                jv = [
+                    (u.tangent if u.tangent is not None else torch.zeros_like(u.primal)).detach()
+                    for u in unpacked
+                ]
+        else:
+            stacked = []
+            for p, t in zip(cur, tang):
+                pk = p.repeat(kd, 1, 1, 1)
+                stacked.append(torch.cat([pk + eps * t, pk - eps * t, p]))
+            outs = [o.detach() for o in run(stacked, t0, t1)]
+            new = [o[2 * kd * B :] for o in outs]
+            jv = [(o[: kd * B] - o[kd * B : 2 * kd * B]) / (2 * eps) for o in outs]
+        cur[:] = new
+        Z = torch.cat([t.reshape(kd, B, H, -1) for t in jv], -1)  # [kd, B, H, n]
+        return Z.permute(1, 2, 3, 0)
+
+    lam = lyapunov_spectrum(
+        step, len(starts), n, kd, batch_shape=(B, H), tokens=Tp, seed=seed, device=q.device
+    )
+    return lam.mean(0), n
+
+
+# ------------------------------------------------------------------------------------------------
+# half-lives and classes
+# ------------------------------------------------------------------------------------------------
+
+
+def half_lives(exponents: torch.Tensor) -> torch.Tensor:
+    """``ln 2 / −λ`` tokens for ``λ < 0`` (``0`` for ``−inf``: gone at once), ``inf`` for ``λ ≥ 0``."""
+    lam = torch.as_tensor(exponents, dtype=torch.float64)
+    return torch.where(lam < 0, LN2 / (-lam), torch.full_like(lam, math.inf))
+
+
+def classify(
+    exponents,
+    context: float,
+    n: int | None = None,
+    irrelevant_half_life: float = IRRELEVANT_HALF_LIFE,
+) -> dict:
+    """Shares of irrelevant / intermediate / marginal / relevant directions (module docstring) among
+    the exponents ``[H, m]`` (or ``[m]``: one head), and the median half-life.
+
+    ``n``: the full dimension per head when only the leading ``m < n`` exponents were computed; the
+    ``n − m`` others are ``≤`` the head's last computed exponent, so they count as irrelevant when
+    that one is, and as ``"unresolved"`` otherwise. The quantiles (``median`` … , tokens; ``inf``
+    = never halves) are over the computed exponents."""
+    lam = torch.as_tensor(exponents, dtype=torch.float64)
+    lam = lam.reshape(1, -1) if lam.ndim <= 1 else lam.reshape(-1, lam.shape[-1])
+    H, m = lam.shape
+    n = m if n is None else max(int(n), m)
+    irr, marg = -LN2 / irrelevant_half_life, LN2 / context
+    counts = {
+        "irrelevant": (lam < irr).sum(),
+        "relevant": (lam >= marg).sum(),
+        "marginal": ((lam > -marg) & (lam < marg)).sum(),
+    }
+    counts["intermediate"] = lam.numel() - sum(counts.values())
+    counts = {c: int(counts[c]) for c in CLASSES}
+    unresolved = 0
+    if n > m:
+        tail_irrelevant = lam.min(-1).values < irr  # per head
+        counts["irrelevant"] += int(tail_irrelevant.sum()) * (n - m)
+        unresolved = int((~tail_irrelevant).sum()) * (n - m)
+    total = H * n
+    out = {c: counts[c] / total for c in CLASSES}
+    out["unresolved"] = unresolved / total
+    qs = torch.quantile(lam.flatten(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    hl = half_lives(qs)  # the half-life grows with λ: λ's quantiles are the half-lives' ones
+    out.update(
+        directions=total,
+        computed=H * m,
+        median_half_life=float(hl[1]),
+        p10_half_life=float(hl[0]),
+        p90_half_life=float(hl[2]),
+        max_exponent=float(lam.max()),
+        min_exponent=float(lam.min()),
+        irrelevant_half_life=irrelevant_half_life,
+        context=context,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# a model
+# ------------------------------------------------------------------------------------------------
+
+_SUFFIXES = (
+    "hook_g",
+    "hook_k",
+    "hook_beta",
+    "hook_theta",
+    "hook_q",
+    "hook_v",
+    "hook_eta",
+    "hook_delta",
+    "hook_state",
+)
+
+
+def _test_time_memory(mixer):
+    """``(path, module)`` of the test-time-trained memory inside ``mixer`` (the mixer itself or a
+    submodule with ``hook_theta``, a ``spec`` and ``initial_state``), or ``None``."""
+    for path, mod in mixer.named_modules():
+        if (
+            getattr(mod, "hook_theta", None) is not None
+            and hasattr(mod, "spec")
+            and hasattr(mod, "initial_state")
+        ):
+            return path, mod
+    return None
+
+
+def _multiplicity(state, heads: int, n: int) -> int:
+    """Memory entries per exponent: the entries of a head's state ``[B, H, …]`` over its ``n``
+    exponents (1 when the state is not such a tensor)."""
+    if isinstance(state, torch.Tensor) and state.ndim >= 3 and state.shape[1] == heads:
+        return max(1, math.prod(state.shape[2:]) // max(n, 1))
+    return 1
+
+
+def _layer_entry(
+    kind: str, lam: torch.Tensor, n: int, mult: int, context: float, irr: float, **extra
+) -> dict:
+    lam = lam.reshape(-1, lam.shape[-1]) if lam.ndim > 1 else lam.reshape(-1, 1)
+    entry = {
+        "kind": kind,
+        "heads": int(lam.shape[0]),
+        "dim": int(n),
+        "multiplicity": int(mult),
+        **extra,
+        "exponents": lam.tolist(),
+        "half_lives": half_lives(lam).tolist(),
+        "summary": classify(lam, context, n, irr),
+        "per_head": [
+            {c: v for c, v in classify(row, context, n, irr).items() if c in CLASSES + ("median_half_life",)}
+            for row in lam
+        ],
+    }
+    return entry
+
+
+def memory_spectrum(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    directions: int = 32,
+    irrelevant_half_life: float = IRRELEVANT_HALF_LIFE,
+    context: float | None = None,
+    layers=None,
+    method: str = "central",
+) -> dict:
+    """``{layer: entry}`` for every block of ``model`` on ``input_ids`` ``[B, T]``.
+
+    An entry holds ``"mixer"``, ``"kind"`` (``"diagonal"``, ``"delta"``, ``"test-time (JVP)"``,
+    ``"identity"``, ``"attention"``, ``"unsupported"``), and for a memory with transitions:
+    ``"heads"``, ``"dim"`` (exponents per head in full), ``"multiplicity"`` (memory directions
+    each exponent stands for: the value columns a left-acting transition treats alike),
+    ``"exponents"`` ``[heads][computed]`` (nats/token, descending), ``"half_lives"`` (tokens),
+    ``"summary"`` (:func:`classify` over all heads) and ``"per_head"`` (the shares and median
+    half-life of each head). ``context`` (default ``T``) sets the marginal band ``|λ| < ln 2 /
+    context``; ``directions`` and ``method``: the exponents computed per head of a test-time-trained
+    memory and how (:func:`memory_jvp_spectrum`)."""
+    param = next(model.parameters(), None)
+    if param is not None:
+        input_ids = input_ids.to(param.device)
+    T = int(input_ids.shape[1])
+    context = float(context if context is not None else T)
+    irr = irrelevant_half_life
+    wanted = [i for i in range(len(model.blocks)) if layers is None or i in layers]
+    prefixes = tuple(f"blocks.{i}.mixer." for i in wanted)
+    names = [nm for nm in model.hook_points if nm.startswith(prefixes) and nm.rsplit(".", 1)[-1] in _SUFFIXES]
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            cache = model.run_with_cache(input_ids, names=names)[1] if names else {}
+    finally:
+        model.train(was)
+    out = {}
+    for i in wanted:
+        mixer = model.blocks[i].mixer
+        base = f"blocks.{i}.mixer."
+        entry = {"mixer": type(mixer).__name__}
+
+        def hook(name, root="", base=base):
+            return cache.get(base + (root + "." if root else "") + name)
+
+        ttm = _test_time_memory(mixer)
+        g, kk, beta = hook("hook_g"), hook("hook_k"), hook("hook_beta")
+        if ttm is not None:
+            path, mem = ttm
+            q, kq, v, theta = (hook(h, path) for h in ("hook_q", "hook_k", "hook_v", "hook_theta"))
+            if q is None:
+                entry.update(kind="unsupported", reason="the memory's hook points did not fire")
+            else:
+                state = mem.initial_state(q.shape[0]).memory_state()
+                lam, n = memory_jvp_spectrum(
+                    mem.spec,
+                    state,
+                    q,
+                    kq,
+                    v,
+                    theta,
+                    hook("hook_g", path),
+                    hook("hook_eta", path),
+                    hook("hook_delta", path),
+                    directions=directions,
+                    method=method,
+                )
+                entry.update(
+                    _layer_entry(
+                        "test-time (JVP)",
+                        lam,
+                        n,
+                        1,
+                        context,
+                        irr,
+                        memory=path or "mixer",
+                        chunk_size=mem.spec.chunk_size,
+                    )
+                )
+        elif hasattr(mixer, "spec"):
+            entry.update(
+                kind="unsupported",
+                reason="self-modifying memory: its transitions depend on memories the hooks do not expose",
+            )
+        elif beta is not None and kk is not None and beta.ndim == 3 and kk.ndim == 4 and kk.shape[1] == T:
+            lam = delta_rule_spectrum(kk, beta, g if g is not None and g.ndim == 3 else None)
+            mult = _multiplicity(hook("hook_state"), lam.shape[0], kk.shape[-1])
+            entry.update(_layer_entry("delta", lam, kk.shape[-1], mult, context, irr))
+        elif g is not None and g.ndim in (3, 4) and g.shape[1] == T:
+            lam = diagonal_spectrum(g).sort(-1, descending=True).values
+            per_head = g.ndim == 3  # one scalar per head (RetNet, Mamba-2): one exponent per head
+            lam = lam[:, None] if per_head else lam
+            mult = _multiplicity(hook("hook_state"), lam.shape[0], lam.shape[1])
+            entry.update(
+                _layer_entry(
+                    "diagonal",
+                    lam,
+                    lam.shape[1],
+                    mult,
+                    context,
+                    irr,
+                    gate="per-head" if per_head else "per-channel",
+                )
+            )
+        elif getattr(mixer, "hook_pattern", None) is not None:
+            entry.update(kind="attention", reason="softmax attention keeps its KV cache (no transition)")
+        elif kk is not None and kk.ndim == 4 and getattr(mixer, "hook_state", None) is not None:
+            lam = torch.zeros(kk.shape[2], kk.shape[3], dtype=torch.float64)
+            mult = _multiplicity(hook("hook_state"), kk.shape[2], kk.shape[3])
+            entry.update(_layer_entry("identity", lam, kk.shape[3], mult, context, irr))
+        else:
+            entry.update(kind="unsupported", reason="no transition found in the mixer's hook points")
+        periods = getattr(model.blocks[i].mlp, "periods", None)
+        if periods is not None:
+            entry["cms_periods"] = list(periods)  # CMS levels: not in the spectrum yet
+        out[str(i)] = entry
+    return out
+
+
+def to_json(obj):
+    """``obj`` with non-finite floats as strings (``"inf"``, ``"-inf"``, ``"nan"``), for strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)
+    if isinstance(obj, dict):
+        return {k: to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_json(v) for v in obj]
+    return obj
+
+
+def summary_line(result: dict) -> dict:
+    """``{layer: {irrelevant, intermediate, marginal, relevant, median_half_life}}``: the per-layer
+    numbers a training record or a report carries (layers with a spectrum only)."""
+    keep = CLASSES + ("median_half_life",)
+    return {layer: {c: e["summary"][c] for c in keep} for layer, e in result.items() if "summary" in e}
+
+
+# ------------------------------------------------------------------------------------------------
+# figure
+# ------------------------------------------------------------------------------------------------
+
+_COLORS = {
+    "irrelevant": "tab:gray",
+    "intermediate": "tab:blue",
+    "marginal": "tab:green",
+    "relevant": "tab:red",
+    "unresolved": "0.85",
+}
+
+
+def figure(result: dict, title: str | None = None):
+    """Left: each layer's spectrum (all heads pooled, descending) as half-lives against the
+    direction's rank (log axis; ``inf`` drawn at the top, ``0`` at the bottom), with the
+    irrelevant threshold and the context marked. Right: the shares of the classes per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .probe import fit_text
+
+    layers = [(k, e) for k, e in result.items() if "summary" in e]
+    width = 11.0
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(width, 4.4), layout="constrained", width_ratios=[3, 2])
+    context = irr = None
+    hi_all, lo_all = [], []
+    for layer, e in layers:
+        context, irr = e["summary"]["context"], e["summary"]["irrelevant_half_life"]
+        lam = torch.tensor([x for row in e["exponents"] for x in row], dtype=torch.float64)
+        lam = lam.sort(descending=True).values
+        hl = half_lives(lam)
+        finite = hl[torch.isfinite(hl) & (hl > 0)]
+        if finite.numel():
+            hi_all.append(float(finite.max()))
+            lo_all.append(float(finite.min()))
+        rank = (torch.arange(lam.numel(), dtype=torch.float64) + 0.5) / lam.numel()
+        ax.plot(rank.numpy(), hl.numpy(), ".-", ms=3, lw=1, label=f"L{layer} {e['mixer'][:12]} ({e['kind']})")
+    top = max(hi_all + [context or 10.0]) * 4
+    bottom = min(lo_all + [irr or 1.0]) / 4
+    for line in ax.get_lines():  # inf (never halves) at the top, 0 (gone at once) at the bottom
+        y = torch.tensor(line.get_ydata(), dtype=torch.float64)
+        line.set_ydata(y.clamp(bottom, top).numpy())
+    ax.set_yscale("log")
+    ax.set_ylim(bottom / 1.5, top * 1.5)
+    ax.set_xlim(0, 1)  # (autoscaling skips the infinite half-lives it was given)
+    ax.annotate(
+        "never halves (λ ≥ 0)",
+        (0.99, top),
+        xycoords=("axes fraction", "data"),
+        fontsize=8,
+        ha="right",
+        va="bottom",
+    )
+    if irr:
+        ax.axhline(irr, color="tab:gray", ls=":", lw=1)
+        ax.annotate(
+            f"irrelevant < {irr:g} tok", (0.01, irr), xycoords=("axes fraction", "data"), fontsize=8, va="top"
+        )
+    if context:
+        ax.axhline(context, color="tab:green", ls=":", lw=1)
+        ax.annotate(
+            f"marginal > context ({context:g} tok)",
+            (0.01, context),
+            xycoords=("axes fraction", "data"),
+            fontsize=8,
+            va="bottom",
+        )
+    ax.set_xlabel("direction rank (fraction of the computed exponents, slowest first)")
+    ax.set_ylabel("half-life ln2/−λ (tokens, log scale)")
+    ax.legend(fontsize=7, loc="best")
+    ax.set_title("memory spectrum (Lyapunov exponents as half-lives)", fontsize=9)
+    names = [f"L{layer}" for layer, _ in layers]
+    left = [0.0] * len(layers)
+    for c in CLASSES + ("unresolved",):
+        vals = [e["summary"][c] for _, e in layers]
+        if c == "unresolved" and not any(vals):
+            continue
+        bx.bar(names, vals, bottom=left, color=_COLORS[c], label=c)
+        left = [a + b for a, b in zip(left, vals)]
+    bx.set_ylim(0, 1)
+    bx.set_ylabel("share of directions")
+    bx.legend(fontsize=7, loc="upper right", framealpha=0.8)
+    bx.set_title("classes per layer", fontsize=9)
+    if not layers:
+        ax.text(0.5, 0.5, "no layer with a spectrum", transform=ax.transAxes, ha="center")
+    fig.suptitle(fit_text("Memory spectrum" + (f" · {title}" if title else ""), width, 11), fontsize=11)
+    return fig
+
+
+def plot(result: dict, path, title: str | None = None):
+    """Write :func:`figure` to ``path`` (a PNG); returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
