@@ -5,8 +5,11 @@ the values by (Ali et al. 2024, "The Hidden Attention of Mamba Models"; Zimerman
 Nothing here knows a mixer's internals. A mixer records its intermediates through its hook points
 (:meth:`mnemo.models.LanguageModel.run_with_cache`) and builds its own map from them with its op's
 map function (:meth:`mnemo.layers.Mixer.mixing`, e.g. :func:`mnemo.ops.delta_rule_map`). The
-test-time-trained memories (Titans, Moneta, …) are nonlinear in the values and have no such
-matrix; they are skipped.
+test-time-trained memories (Titans, TTT, Moneta, Yaad, Memora, HOPE's self-modifying memory) give
+the attribution of each read to each written value (:mod:`mnemo.memory.attribution`): exact for
+the memories linear in their values, an attribution — not a mixing matrix — for the nonlinear
+ones (a mixer's ``mixing_exact`` says which); a mixer's hook names may be dotted paths of its
+submodules (``memory.hook_q``).
 
 ``capture_maps(model, input_ids)`` returns every layer's map; ``mixing(mixer, x)`` one mixer's
 :class:`~mnemo.layers.Mixing` on its (normalised) input ``x [B, T, d]``.
@@ -40,7 +43,7 @@ def mixing(mixer, x: torch.Tensor) -> Mixing:
         mixer.mixing({})  # raises NotImplementedError with the mixer's reason
     acts: dict = {}
     handles = [
-        getattr(mixer, h).register_forward_hook(lambda mod, args, out, h=h: acts.__setitem__(h, out))
+        mixer.get_submodule(h).register_forward_hook(lambda mod, args, out, h=h: acts.__setitem__(h, out))
         for h in mixer.mixing_hooks
     ]
     try:

@@ -14,7 +14,12 @@ from .state import nbytes
 class Mixing(NamedTuple):
     """A mixer's implicit attention on one input: ``output[:, t, h] = Σ_s maps[:, h, t, s] ·
     values[:, s, h]`` (from a zero state; the mixer's read-out — norms, gates, projections —
-    comes after ``output``)."""
+    comes after ``output``).
+
+    For a memory that is not linear in its values (a test-time-trained MLP memory, whose mixer
+    has ``mixing_exact = False``), ``maps`` is an attribution of each read to the earlier writes
+    and ``output`` is the read minus the read with every value zeroed; the identity above then
+    holds only approximately (see :mod:`mnemo.memory.attribution`)."""
 
     maps: torch.Tensor  # [B, H, T, T]
     values: torch.Tensor  # [B, T, H, V]

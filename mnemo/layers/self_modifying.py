@@ -82,9 +82,10 @@ from einops import rearrange
 from torch import nn
 
 from ..memory import MemorySpec
+from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
 from ..ops._common import clamp_log_gate
-from .base import Mixer, check_input, upcast
+from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
@@ -432,6 +433,61 @@ class SelfModifyingTitans(Mixer):
             proj=proj, proj_anchor=proj_a, memory=mem, memory_anchor=mem_a, conv=conv, offset=st.offset + T
         )
         return y, self.hook_state(new)
+
+    # ------------------------------------------------------------------------------------------
+    # maps: the main memory's read attributed to its writes
+    # ------------------------------------------------------------------------------------------
+
+    mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_g", "hook_beta")
+    #: the main memory is a residual MLP: :meth:`mixing` is an attribution, not a mixing matrix
+    mixing_exact = False
+    #: integration steps of the attribution (see :attr:`mnemo.layers.NeuralMemory.attribution_steps`)
+    attribution_steps: int = 4
+
+    def attribution(self, acts: dict, steps: int | None = None) -> ValueAttribution:
+        """The main memory's read ``o_t = M_memory(q_t)`` attributed to each target ``v_s`` it was
+        written with (gradient × input through the unrolled DGD steps, integrated from the
+        zero-value baseline; :mod:`mnemo.memory.attribution`), from the hook values of one
+        fresh-stream call. The projection memories' outputs (``q, k, log α, β``) are held at their
+        recorded values: the map reads the main memory, not how its keys and rates were made.
+        One head (``H = 1``, the memory spans ``d_model``): maps ``[B, 1, T, T]``."""
+        q, k, v, la, be = (acts[n].detach() for n in self.mixing_hooks)
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q, k, v, la, be = (x.to(cd) for x in (q, k, v, la, be))
+        B, T = q.shape[:2]
+
+        def read(vr: torch.Tensor) -> torch.Tensor:  # [R·B, T, 1, d] -> [R·B, T, 1, d]
+            R = vr.shape[0] // B
+            qr, kr, lr, br = (x.repeat(R, *([1] * (x.ndim - 1))) for x in (q, k, la, be))
+            vr = vr[:, :, 0]
+            W0 = tuple(
+                w.detach().to(cd).unsqueeze(0).expand(R * B, *w.shape)
+                for w in (self.memory_wa, self.memory_wb)
+            )
+
+            def mem_in(t, L, A):
+                sl = slice(t, t + L)
+                return (kr[:, sl], vr[:, None, sl], lr[:, sl], br[:, sl]), _mlp(A, qr[:, None, sl])[:, 0]
+
+            # the token-loop form (the chunk form's batched gradients carry no forward-mode rule)
+            _, _, outs = self._run(W0, W0, 0, T, self.chunk_size, True, mem_in)
+            return torch.cat(outs, 1)[:, :, None]
+
+        return attribution_of_read(
+            read, v[:, :, None], steps=self.attribution_steps if steps is None else steps
+        )
+
+    def mixing(self, acts: dict) -> Mixing:
+        """The main memory's map ``[B, 1, T, T]``: an *attribution*, not a mixing matrix (the memory
+        is a residual MLP trained by DGD). ``maps[t, s] = ⟨c_ts, v_s⟩ / ‖v_s‖²`` with ``c_ts`` the
+        integrated-gradient contribution of ``v_s`` to ``o_t``; ``output`` is the writes' part of
+        the read (``o`` minus the read of the memory written with zero targets), which the
+        contributions add up to (to first order; exactly as :attr:`attribution_steps` grows) and
+        ``maps @ values`` does not reproduce (:meth:`attribution` returns both errors). Inside a
+        memory chunk the read uses the chunk-start weights (Eq. 90), so the map is zero from a
+        token to the writes of its own chunk."""
+        a = self.attribution(acts)
+        return Mixing(a.maps, a.values, a.output)
 
     def state_spec(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None

@@ -45,7 +45,7 @@ from einops import rearrange
 from torch import nn
 
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
-from .base import Mixer, check_input, upcast
+from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
@@ -254,6 +254,47 @@ class SelfModifyingProjections(Mixer):
             offset=pos,
         )
         return y, self.hook_state(new)
+
+    @property
+    def mixing_hooks(self) -> tuple[str, ...]:  # type: ignore[override]
+        gate = ("hook_g",) if self.hook_g is not None else ()
+        return ("hook_q", "hook_k", "hook_v", "hook_beta", *gate, "hook_state")
+
+    @property
+    def mixing_exact(self) -> bool:
+        from ..memory.attribution import linear_in_values
+
+        return linear_in_values(self.spec)
+
+    def mixing(self, acts: dict) -> Mixing:
+        """The main memory's map over one chunk (:meth:`mnemo.layers.NeuralMemory.mixing`: exact
+        for the default gated delta rule, an attribution for a nonlinear spec), from the hook
+        values of one fresh-stream call. Inside the first chunk the projections are fixed, so this
+        is the whole mixer's implicit attention.
+
+        Raises ``NotImplementedError`` for a stream longer than one chunk: the hooks fire once per
+        chunk (a recording keeps the last one), and later chunks' keys and values depend on earlier
+        reads through the projections' rewrite."""
+        from ..memory.attribution import value_attribution
+
+        if acts["hook_q"].shape[1] != acts["hook_state"].offset:
+            raise NotImplementedError(
+                f"SelfModifyingProjections: the hooks recorded the last chunk only "
+                f"({acts['hook_q'].shape[1]} of {acts['hook_state'].offset} tokens); a map needs a stream "
+                f"of at most one chunk ({self.chunk_size} tokens)"
+            )
+        a = value_attribution(
+            self.spec,
+            acts["hook_q"],
+            acts["hook_k"],
+            acts["hook_v"],
+            acts["hook_beta"],
+            g=acts.get("hook_g"),
+            initial_weights=list(self.memory_init),
+            steps=4,
+            mode=self.mode,
+        )
+        return Mixing(a.maps, a.values, a.output)
 
     def state_spec(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None

@@ -7,8 +7,13 @@ Read/write semantics (identical in training, streaming and one-token decoding): 
 weights, and token ``t`` reads the weights *after* its own write. MAC additionally reads the memory
 *before* each segment (the weights at the segment start, one segment = one inner chunk).
 
-These memories are nonlinear in the values (an MLP memory trained at test time), so they have no
-implicit attention matrix: :meth:`~mnemo.layers.base.Mixer.mixing` raises ``NotImplementedError``.
+**Maps.** :meth:`NeuralMemory.mixing` attributes the read at ``t`` to each written value ``v_s`` by
+gradient × input through the unrolled updates (:mod:`mnemo.memory.attribution`, where the choice
+is argued): the exact mixing matrix for memories linear in their values (matrix memories with the
+dot/l2 objective, decay and momentum: linear attention, GLA, the delta rules with their key
+removal), an attribution — not a mixing matrix — for the nonlinear ones (MLP memories, Moneta,
+Yaad, Memora). MAG and MAL report their long-term memory's map; MAC its memory's map when the
+recording covers the whole stream (one segment).
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from einops import rearrange
 from torch import nn
 
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
+from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
 from ..memory.engine import memory_apply, retention_map
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
-from .base import Mixer, check_input, upcast
+from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
@@ -339,6 +345,71 @@ class NeuralMemory(Mixer):
         new = NeuralMemoryState.from_memory_state(mem, conv=conv_state, offset=offset + T)
         return y, self.hook_state(new)
 
+    # --------------------------------------------------------------------------------------------
+    # maps (the per-token attribution of the read to the writes)
+    # --------------------------------------------------------------------------------------------
+
+    #: integration steps of the attribution of a nonlinear memory (``1``: plain gradient × input
+    #: at the recorded values; ``n``: integrated gradients from the zero-value baseline, whose
+    #: contributions add up to the writes' part of the read as ``n`` grows). Ignored by memories
+    #: linear in their values (their map is exact).
+    attribution_steps: int = 4
+
+    @property
+    def mixing_hooks(self) -> tuple[str, ...]:  # type: ignore[override]
+        names = ["hook_q", "hook_k", "hook_v", "hook_theta"]
+        names += [n for n in ("hook_g", "hook_eta", "hook_delta") if getattr(self, n) is not None]
+        return tuple(names)
+
+    @property
+    def mixing_exact(self) -> bool:
+        """``True`` when :meth:`mixing` is an exact mixing matrix (``maps @ values == output``):
+        the memory is linear in its values (:func:`~mnemo.memory.attribution.linear_in_values`)."""
+        return linear_in_values(self.spec)
+
+    def attribution(self, acts: dict, steps: int | None = None, method: str = "auto") -> ValueAttribution:
+        """The read at ``t`` attributed to each written value ``v_s``, from the hook values ``acts``
+        of one fresh-stream call (:class:`~mnemo.memory.attribution.ValueAttribution`: the map,
+        the per-token contribution vectors for nonlinear memories, the baseline). The persistent
+        prefix belongs to the memory's starting point (written, not attributed): the result covers
+        the stream's own ``T`` tokens. ``steps`` defaults to :attr:`attribution_steps`."""
+        n_prefix = self.persistent.shape[0] if self.persistent is not None else 0
+        return value_attribution(
+            self.spec,
+            acts["hook_q"],
+            acts["hook_k"],
+            acts["hook_v"],
+            acts["hook_theta"],
+            g=acts.get("hook_g"),
+            eta=acts.get("hook_eta"),
+            delta=acts.get("hook_delta"),
+            initial_weights=list(self.init_weights),
+            start=n_prefix,
+            steps=self.attribution_steps if steps is None else steps,
+            method=method,
+            mode=self.mode,
+        )
+
+    def mixing(self, acts: dict) -> Mixing:
+        """The memory's map ``[B, H, T, T]`` over the stream's tokens (the persistent prefix is
+        part of the starting state). ``output`` is the writes' part of the read: the read
+        ``M_{W_t}(q_t)`` minus the read of the memory written with zero values (the learned initial
+        weights, decayed, and the prefix's writes).
+
+        * Memories linear in their values (:attr:`mixing_exact`): the exact mixing matrix,
+          ``maps @ values == output`` (equal to :func:`~mnemo.ops.delta_rule_map` /
+          :func:`~mnemo.ops.gated_linear_attention_map` where those apply; momentum and mini-batch
+          variants included).
+        * Nonlinear memories (MLP memories, ℓp/Huber objectives, ℓq/KL/elastic-net retention): an
+          *attribution*, not a mixing matrix — ``maps[t, s] = ⟨c_ts, v_s⟩ / ‖v_s‖²`` with
+          ``c_ts`` the integrated-gradient contribution of ``v_s`` to the read at ``t`` (see
+          :mod:`mnemo.memory.attribution`). ``Σ_s c_ts ≈ output`` (complete as
+          :attr:`attribution_steps` grows); ``maps @ values`` keeps only each contribution's
+          component along its own value and does *not* reproduce ``output``
+          (:meth:`attribution` returns both errors)."""
+        a = self.attribution(acts)
+        return Mixing(a.maps, a.values, a.output)
+
     def state_spec(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> NeuralMemoryState:
@@ -500,6 +571,24 @@ class _MemoryAndWindow(Mixer):
         self.attn = _PrefixAttention(d_model, n_heads, persistent_tokens, window=window)
         self.hook_attn_out, self.hook_mem_out, self.hook_state = HookPoint(), HookPoint(), HookPoint()
 
+    @property
+    def mixing_hooks(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(f"memory.{h}" for h in self.memory.mixing_hooks)
+
+    @property
+    def mixing_exact(self) -> bool:
+        return self.memory.mixing_exact
+
+    def attribution(self, acts: dict, steps: int | None = None, method: str = "auto") -> ValueAttribution:
+        """The long-term memory's :meth:`NeuralMemory.attribution` (from the ``memory.hook_*`` values)."""
+        return self.memory.attribution({h.removeprefix("memory."): a for h, a in acts.items()}, steps, method)
+
+    def mixing(self, acts: dict) -> Mixing:
+        """The long-term memory's map (:meth:`NeuralMemory.mixing`, from the ``memory.hook_*``
+        values): the read of the memory branch attributed to the memory's writes. The attention
+        branch's own softmax map is not part of it."""
+        return self.memory.mixing({h.removeprefix("memory."): a for h, a in acts.items()})
+
     def state_spec(self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None):
         """The state after ``seq_len`` tokens as ``meta`` tensors: the memory's
         (:meth:`NeuralMemory.state_spec`) and the window's KV cache (activation ``dtype``)."""
@@ -649,6 +738,33 @@ class TitansMAC(Mixer):
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
         self.hook_mem_read, self.hook_attn_out = HookPoint(), HookPoint()
         self.hook_mem_out, self.hook_gate, self.hook_state = HookPoint(), HookPoint(), HookPoint()
+
+    @property
+    def mixing_hooks(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(f"memory.{h}" for h in self.memory.mixing_hooks) + ("hook_state",)
+
+    @property
+    def mixing_exact(self) -> bool:
+        return self.memory.mixing_exact
+
+    def attribution(self, acts: dict, steps: int | None = None, method: str = "auto") -> ValueAttribution:
+        """The long-term memory's :meth:`NeuralMemory.attribution` (from the ``memory.hook_*`` values)."""
+        return self.memory.attribution({h.removeprefix("memory."): a for h, a in acts.items()}, steps, method)
+
+    def mixing(self, acts: dict) -> Mixing:
+        """The long-term memory's map (:meth:`NeuralMemory.mixing`): its read after each write
+        (``m``, step 3) attributed to the values it wrote (from the attention outputs ``y``).
+
+        Raises ``NotImplementedError`` when the stream spans more than one segment: the memory's
+        hooks fire once per segment and a recording keeps the last one only."""
+        mem = {h.removeprefix("memory."): a for h, a in acts.items() if h.startswith("memory.")}
+        if mem["hook_q"].shape[1] != acts["hook_state"].offset:
+            raise NotImplementedError(
+                f"TitansMAC: the memory hooks recorded the last segment only ({mem['hook_q'].shape[1]} "
+                f"of {acts['hook_state'].offset} tokens); a map needs a stream of at most one segment "
+                f"({self.segment} tokens)"
+            )
+        return self.memory.mixing(mem)
 
     def read_before(self, x, mem: NeuralMemoryState | MemoryState, conv_state):
         """``h = M*(q(x))`` with the segment-start weights (``N(anchor)``), no write."""

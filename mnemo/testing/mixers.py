@@ -138,19 +138,30 @@ def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
 
 
 def check_mixing(name, d_model=32, options=None, T=11) -> CheckResult | None:
-    """``maps @ values == output`` for the implicit attention (``None`` if the mixer has none)."""
+    """``maps @ values == output`` for the implicit attention (``None`` if the mixer has none).
+
+    For a mixer whose map is an attribution rather than an exact mixing matrix
+    (``mixing_exact`` false: test-time-trained MLP memories), the maps must be causal and the
+    attribution complete to 10 %: the contributions of the writes sum to the read minus the read
+    with every value zeroed (``ValueAttribution.completeness_error() < 0.1``)."""
     m = _build(name, d_model, options)
     if not m.mixing_hooks:
         return None
     acts = {}
     handles = [
-        getattr(m, h).register_forward_hook(lambda mod, i, out, h=h: acts.__setitem__(h, out))
+        m.get_submodule(h).register_forward_hook(lambda mod, i, out, h=h: acts.__setitem__(h, out))
         for h in m.mixing_hooks
     ]
     with torch.no_grad():
         m(_x(2, T, d_model))
         for h in handles:
             h.remove()
+    if not getattr(m, "mixing_exact", True):
+        att = m.attribution(acts)
+        causal = bool(torch.all(att.maps.triu(1) == 0))
+        err = att.completeness_error() if causal else math.inf
+        return _result(name, "mixing", err, 0.1, "the attribution is not causal or not complete (10 %)")
+    with torch.no_grad():
         mx = m.mixing(acts)
     got = einsum(mx.maps, mx.values, "b h t s, b s h v -> b t h v")
     causal = bool(torch.all(mx.maps.triu(1) == 0))

@@ -1,0 +1,314 @@
+"""Maps for test-time-trained memories: how much the read at ``t`` owes to the value written at ``s``.
+
+A memory written by an online learner (:func:`~mnemo.memory.neural_memory`) reads
+``o_t = M_{W_t}(q_t)`` where ``W_t`` is the result of every earlier write ``(k_s, v_s)``. Viewed as a
+function of the written values (queries, keys and gates held at their recorded values),
+``o = f(v)``. This module attributes ``o_t`` to each ``v_s``.
+
+**The attribution: gradient × input through the unrolled updates.** ::
+
+    c_ts = J_ts v_s,      J_ts = ∂o_t / ∂v_s  (a V × V Jacobian, taken through every update
+                          between s and t: decay, momentum, the delta rule's key removal,
+                          mini-batch gradients at chunk-start weights, the MLP, N(A), …)
+
+and the scalar map is the coefficient of ``v_s`` in its contribution,
+``m_ts = ⟨c_ts, v_s⟩ / ‖v_s‖²``.
+
+Why this one and not the linearisation of the read around the current weights
+(``o_t ≈ M_{W_t}(q_t) + ∂M/∂W · Δθ_s``, one term per weight increment): a weight increment
+``Δθ_s = −θ_s ∇ℓ(W⁰; k_s, v_s)`` is not the write of ``v_s`` alone — for the delta rule it holds the
+removal ``−θ_s k_s k_sᵀ W_{s−1}`` of *earlier* values, and later writes keep rewriting it — so a split
+by increments moves mass between tokens and does not reproduce the delta rule's exact map. The
+Jacobian with respect to the *values* follows every later update of what ``v_s`` put in the memory,
+so:
+
+- for every memory that is **linear in the values** (matrix memory, ``dot``/``l2`` objective,
+  ``none``/``decay`` retention, GD or momentum, any chunk size, ``decay_first``, per-channel decay;
+  no gradient clipping, no norm/residual) ``J_ts = M_ts I`` exactly (value channels never mix), so
+  ``c_ts = M_ts v_s`` and ``m_ts = M_ts`` *is* the exact mixing matrix — linear attention, GLA,
+  Mamba-2/RetNet, the delta rule with its key-removal term, the gated delta rule, and the
+  momentum/mini-batch variants nobody has an op map for. Such memories get the exact map directly
+  (:func:`exact_value_map`, one run of the memory with the identity as values; no Jacobian).
+- for a **nonlinear** memory (MLP, ℓp/Huber objectives, ℓq/KL/elastic-net retention, clipping) it
+  is an *attribution*, not a mixing matrix. What holds instead of ``M v = o``:
+
+  * ``Σ_s c_ts`` is the first-order (Euler) reconstruction of the writes' part of the read,
+    ``o_t − b_t`` with the baseline ``b_t`` = the read of the memory written with zero values
+    (the learned initial weights and anything before ``start`` kept). Its error is measured and
+    returned (:class:`ValueAttribution.completeness_error`).
+  * ``steps = n > 1`` averages ``J`` over ``v·(i − ½)/n`` (integrated gradients from the zero-value
+    baseline, midpoint rule): then ``Σ_s c_ts → o_t − b_t`` as ``n`` grows (complete attribution).
+  * ``Σ_s m_ts v_s`` keeps only the part of each contribution along its own value
+    (``map_error``); circuit scores read ``|m_ts|`` row-normalised, as for every implicit map.
+
+Cost: one forward-mode (JVP) pass per written token ``s`` (and per integration step): the tangent
+``v_s`` at ``s`` gives ``J_ts v_s`` for every ``t``; the passes run as copies of the batch in a few
+calls of the memory's token-loop reference (forward-over-reverse through its inner gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from .engine import MemoryState, neural_memory
+from .spec import MemorySpec
+
+__all__ = [
+    "ValueAttribution",
+    "linear_in_values",
+    "exact_value_map",
+    "value_attribution",
+    "attribute_read",
+    "attribution_of_read",
+    "project",
+]
+
+
+class ValueAttribution(NamedTuple):
+    """The read at ``t`` attributed to each written value ``v_s`` (sequence positions only).
+
+    Attributes:
+        maps: ``[B, H, T, T]`` scalar map ``m_ts`` (causal; exact mixing matrix when ``exact``).
+        values: ``[B, T, H, V]`` the written values ``v_s``.
+        output: ``[B, T, H, V]`` the writes' part of the read, ``o − baseline``.
+        contributions: ``[B, H, T, T, V]`` ``c_ts = J_ts v_s`` (``maps[..., None] · v_s`` when
+            ``exact``; ``None`` when not computed).
+        baseline: ``[B, T, H, V]`` the read with every attributed value set to zero.
+        exact: ``True`` when the memory is linear in the values (``maps @ values == output``).
+    """
+
+    maps: torch.Tensor
+    values: torch.Tensor
+    output: torch.Tensor
+    contributions: torch.Tensor | None
+    baseline: torch.Tensor
+    exact: bool
+
+    def reconstruction(self) -> torch.Tensor:
+        """``Σ_s m_ts v_s`` ``[B, T, H, V]``."""
+        return torch.einsum("bhts,bshv->bthv", self.maps, self.values)
+
+    def map_error(self) -> float:
+        """``‖Σ_s m_ts v_s − output‖ / ‖output‖`` (0 up to rounding when ``exact``)."""
+        return _rel(self.reconstruction(), self.output)
+
+    def completeness_error(self) -> float:
+        """``‖Σ_s c_ts − output‖ / ‖output‖``: how far the attribution is from complete."""
+        if self.contributions is None:
+            return self.map_error()
+        return _rel(self.contributions.sum(3).transpose(1, 2), self.output)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def linear_in_values(spec: MemorySpec) -> bool:
+    """Whether the memory's read is linear in the written values with value channels that never
+    mix (``∂o_t/∂v_s = M_ts I``): matrix memories with the ``dot`` or ``l2`` objective, ``none`` or
+    ``decay`` retention, GD or momentum (any chunk size, decay order or per-channel decay), without
+    gradient clipping, norm or residual."""
+    return (
+        spec.architecture == "matrix"
+        and not spec.residual
+        and not spec.norm
+        and spec.objective in ("dot", "l2")
+        and spec.retention in ("none", "decay")
+        and spec.grad_clip is None
+    )
+
+
+def exact_value_map(
+    spec: MemorySpec, q, k, theta, *, g=None, eta=None, delta=None, mode: str = "chunk"
+) -> torch.Tensor:
+    """The exact ``T × T`` mixing matrix ``M [B, H, T, T]`` of a memory linear in its values
+    (:func:`linear_in_values`): the memory run from a zero state with the identity as values
+    (``v_s = e_s ∈ R^T``), so ``o_t = Σ_s M_ts e_s`` is row ``t``. It equals the ops' maps
+    (:func:`~mnemo.ops.delta_rule_map`, :func:`~mnemo.ops.gated_linear_attention_map`) where they
+    exist, and covers momentum and mini-batch (chunked) variants that have none. From any initial
+    state ``o = (read of the initial state) + M v``."""
+    if not linear_in_values(spec):
+        raise ValueError(f"exact_value_map: the memory {spec} is not linear in its values")
+    B, T, H, _ = q.shape
+    eye = torch.eye(T, dtype=q.dtype, device=q.device).expand(B, H, T, T).transpose(1, 2)
+    with torch.no_grad():
+        o, _ = neural_memory(spec, q, k, eye, theta, g=g, eta=eta, delta=delta, mode=mode)
+    return o.detach().transpose(1, 2).tril()  # [B, H, t, s]; entries above the diagonal are 0 already
+
+
+def _replicate(x, R: int):
+    """``x`` repeated ``R`` times along the batch (rows ``r·B + b``); ``None`` stays ``None``."""
+    if x is None:
+        return None
+    return x.repeat(R, *([1] * (x.ndim - 1)))
+
+
+def attribute_read(
+    read: Callable[[torch.Tensor], torch.Tensor],
+    v: torch.Tensor,
+    *,
+    start: int = 0,
+    steps: int = 1,
+    max_rows: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradient × input of a causal read with respect to the values, for any memory.
+
+    ``read(v_rep)`` maps values ``[R·B, T, H, V]`` (the batch of ``v`` repeated ``R`` times, rows
+    ``r·B + b``) to the read ``[R·B, T, H, V']``, each row independent of the others and each head
+    of the others, and must support forward-mode AD (:mod:`torch.autograd.forward_ad`; the
+    memories' token-loop references do, gradients inside them included). Values before ``start``
+    are constants (not attributed).
+
+    Returns ``(contributions [B, H, T', T', V'], output [B, T', H, V'], baseline [B, T', H, V'])``
+    over the positions ``start …`` (``T' = T − start``): ``c_ts = mean_i J_ts(v(α_i)) v_s`` with
+    ``α_i = 1`` (``steps = 1``, gradient × input) or ``α_i = (i − ½)/steps`` (integrated gradients
+    from the zero-value baseline, midpoint rule), where ``v(α)`` scales the attributed values;
+    ``output`` is the read minus ``baseline`` (the read with the attributed values zeroed).
+    One forward-mode pass per seed ``(α_i, s)`` — a tangent ``v_s`` at position ``s`` gives
+    ``J_ts v_s`` for every ``t`` at once — batched as copies of the batch."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    B, T, H, _ = v.shape
+    v = v.detach()
+    mask = torch.zeros(1, T, 1, 1, dtype=v.dtype, device=v.device)
+    mask[:, start:] = 1
+    with torch.no_grad():
+        o = read(v)
+        base = read(v * (1 - mask))
+    Vo = o.shape[-1]
+    Tn = T - start
+    alphas = [1.0] if steps == 1 else [(i + 0.5) / steps for i in range(steps)]
+    seeds = [(a, s) for a in alphas for s in range(start, T)]
+    per_block = max(1, max_rows // B)
+    contrib = v.new_zeros(B, H, Tn, Tn, Vo)
+    for i0 in range(0, len(seeds), per_block):
+        block = seeds[i0 : i0 + per_block]
+        R = len(block)
+        scale = torch.tensor([a for a, _ in block], dtype=v.dtype, device=v.device)
+        scale = scale.repeat_interleave(B)[:, None, None, None]
+        # a primal that requires grad: every tensor its tangent reaches then requires grad too, so
+        # the references' fresh aliases of the weights (``view_as``) keep the tangents
+        primal = (_replicate(v, R) * (1 - mask + mask * scale)).requires_grad_(True)
+        tangent = torch.zeros_like(primal)
+        for r, (_, s) in enumerate(block):
+            tangent[r * B : (r + 1) * B, s] = v[:, s]
+        with torch.enable_grad(), fwAD.dual_level():
+            out = read(fwAD.make_dual(primal, tangent))
+            jv = fwAD.unpack_dual(out).tangent
+        if jv is None:  # the read does not depend on the values at all (e.g. a constant step)
+            continue
+        jv = jv.detach()[:, start:].reshape(R, B, Tn, H, Vo)
+        for r, (_, s) in enumerate(block):
+            contrib[:, :, :, s - start] += jv[r].transpose(1, 2) / len(alphas)
+    return _causal(contrib), (o - base)[:, start:], base[:, start:]
+
+
+def _causal(c: torch.Tensor) -> torch.Tensor:
+    """Zero ``c[..., t, s, :]`` for ``s > t`` (exact zeros already up to the engine's masking)."""
+    T = c.shape[2]
+    keep = torch.ones(T, T, dtype=torch.bool, device=c.device).tril()
+    return c * keep[:, :, None].to(c.dtype)
+
+
+def attribution_of_read(
+    read: Callable[[torch.Tensor], torch.Tensor],
+    v: torch.Tensor,
+    *,
+    start: int = 0,
+    steps: int = 1,
+    max_rows: int = 1024,
+    exact: bool = False,
+) -> ValueAttribution:
+    """:func:`attribute_read` packed as a :class:`ValueAttribution` (the scalar map
+    ``m_ts = ⟨c_ts, v_s⟩ / ‖v_s‖²``), for a memory given as a read function (e.g. HOPE's
+    self-modifying memory). ``exact`` is the caller's statement that the read is linear in ``v``."""
+    contrib, out, base = attribute_read(read, v, start=start, steps=steps, max_rows=max_rows)
+    vs = v.detach()[:, start:]
+    return ValueAttribution(project(contrib, vs), vs, out, contrib, base, exact)
+
+
+def project(contrib: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``m_ts = ⟨c_ts, v_s⟩ / ‖v_s‖²`` (``0`` where ``v_s = 0``)."""
+    vv = values.transpose(1, 2)  # [B, H, S, V]
+    num = torch.einsum("bhtsv,bhsv->bhts", contrib, vv)
+    den = vv.square().sum(-1)[:, :, None, :]
+    tiny = torch.finfo(den.dtype).tiny
+    return torch.where(den > tiny, num / den.clamp_min(tiny), torch.zeros_like(num))
+
+
+def value_attribution(
+    spec: MemorySpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    *,
+    g: torch.Tensor | None = None,
+    eta: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    initial_weights=None,
+    start: int = 0,
+    steps: int = 1,
+    method: str = "auto",
+    mode: str = "chunk",
+    max_rows: int = 1024,
+) -> ValueAttribution:
+    """The read of :func:`~mnemo.memory.neural_memory` attributed to each written value (see the
+    module docstring). Inputs as :func:`~mnemo.memory.neural_memory` takes them (``[B, T, H, ·]``);
+    ``initial_weights``: the memory's initial weights (``[H, in, out]`` learned parameters or
+    ``[B, H, in, out]``; zeros when ``None``). Positions before ``start`` (e.g. a persistent
+    prefix) are part of the memory's starting point: they are written but not attributed, and the
+    returned tensors cover positions ``start …`` only.
+
+    ``method``: ``"exact"`` (the exact map of a memory linear in its values;
+    :func:`exact_value_map`), ``"jacobian"`` (gradient × input, any memory) or ``"auto"``
+    (``"exact"`` where it applies). ``mode`` is the engine form of the exact map and of the
+    output/baseline reads; the Jacobian always runs the token-loop reference (forward-mode AD).
+    Computation runs in float32 (float64 for float64 inputs).
+    """
+    if method not in ("auto", "exact", "jacobian"):
+        raise ValueError(f"method must be 'auto', 'exact' or 'jacobian', got {method!r}")
+    exact = linear_in_values(spec)
+    if method == "exact" and not exact:
+        raise ValueError("method='exact' needs a memory linear in its values (linear_in_values)")
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, theta, g, eta, delta = (
+        None if x is None else x.detach().to(cd) for x in (q, k, v, theta, g, eta, delta)
+    )
+    B = q.shape[0]
+
+    def state(rows: int) -> MemoryState | None:
+        if initial_weights is None:
+            return None
+        from .state import init_state
+
+        ws = [w.detach().to(cd) for w in initial_weights]
+        if ws[0].ndim == 4:
+            ws = [_replicate(w, rows // w.shape[0]) for w in ws]
+            return init_state(spec, ws)
+        return init_state(spec, ws, rows)
+
+    def read(vr: torch.Tensor, mode: str = mode) -> torch.Tensor:
+        R = vr.shape[0] // B
+        args = [_replicate(x, R) for x in (q, k, theta, g, eta, delta)]
+        o, _ = neural_memory(
+            spec, args[0], args[1], vr, args[2], g=args[3], eta=args[4], delta=args[5],
+            initial_state=state(vr.shape[0]), mode=mode,
+        )  # fmt: skip
+        return o
+
+    if method == "jacobian" or (method == "auto" and not exact):
+        return attribution_of_read(
+            lambda vr: read(vr, "recurrent"), v, start=start, steps=steps, max_rows=max_rows, exact=exact
+        )
+    M = exact_value_map(spec, q, k, theta, g=g, eta=eta, delta=delta, mode=mode)[..., start:, start:]
+    vs = v[:, start:]
+    with torch.no_grad():  # output and baseline from two runs of the memory (not from M)
+        o = read(v)[:, start:]
+        zeroed = v.clone()
+        zeroed[:, start:] = 0
+        base = read(zeroed)[:, start:]
+    return ValueAttribution(M, vs, o - base, None, base, True)
