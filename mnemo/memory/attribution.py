@@ -48,7 +48,8 @@ calls of the memory's token-loop reference (forward-over-reverse through its inn
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.autograd.forward_ad as fwAD

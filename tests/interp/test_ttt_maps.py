@@ -142,12 +142,17 @@ def test_neural_memory_mixing_is_exact_for_matrix_presets(spec_name):
     assert rel(recon, mx.output) <= 1e-10
     if spec_name in ("deltanet", "gated_deltanet"):  # the op map on the recorded q, k, θ, g
         acts = {}
-        hs = [m.get_submodule(h).register_forward_hook(lambda mod, a, o, h=h: acts.__setitem__(h, o)) for h in m.mixing_hooks]
+        hs = [
+            m.get_submodule(h).register_forward_hook(lambda mod, a, o, h=h: acts.__setitem__(h, o))
+            for h in m.mixing_hooks
+        ]
         with torch.no_grad():
             m(x)
         for h in hs:
             h.remove()
-        ref = delta_rule_map(acts["hook_q"], acts["hook_k"], acts["hook_theta"], acts.get("hook_g"), scale=1.0)
+        ref = delta_rule_map(
+            acts["hook_q"], acts["hook_k"], acts["hook_theta"], acts.get("hook_g"), scale=1.0
+        )
         assert rel(mx.maps, ref[..., 3:, 3:]) <= 1e-10
 
 
@@ -219,7 +224,9 @@ def test_mac_and_projections_raise_past_one_recorded_piece():
     smp = SelfModifyingProjections(16, n_heads=2, chunk_size=4)
     with pytest.raises(NotImplementedError, match="last chunk only"):
         mixing(smp, torch.randn(1, 9, 16))
-    one = mixing(SelfModifyingProjections(16, n_heads=2, chunk_size=16).double(), torch.randn(1, 9, 16, dtype=F64))
+    one = mixing(
+        SelfModifyingProjections(16, n_heads=2, chunk_size=16).double(), torch.randn(1, 9, 16, dtype=F64)
+    )
     assert rel(torch.einsum("bhts,bshv->bthv", one.maps, one.values), one.output) <= 1e-10
 
 
@@ -228,7 +235,10 @@ def test_self_modifying_titans_attribution_is_complete_and_respects_chunks():
     m = SelfModifyingTitans(16, n_heads=2, chunk_size=4, proj_chunk_size=3).double()
     x = torch.randn(2, 11, 16, dtype=F64)
     acts = {}
-    hs = [m.get_submodule(h).register_forward_hook(lambda mod, a, o, h=h: acts.__setitem__(h, o)) for h in m.mixing_hooks]
+    hs = [
+        m.get_submodule(h).register_forward_hook(lambda mod, a, o, h=h: acts.__setitem__(h, o))
+        for h in m.mixing_hooks
+    ]
     with torch.no_grad():
         m(x)
     for h in hs:
