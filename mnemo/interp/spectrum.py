@@ -436,8 +436,9 @@ def memory_spectrum(
     ``"exponents"`` ``[heads][computed]`` (nats/token, descending), ``"half_lives"`` (tokens),
     ``"summary"`` (:func:`classify` over all heads) and ``"per_head"`` (the shares and median
     half-life of each head). ``context`` (default ``T``) sets the marginal band ``|λ| < ln 2 /
-    context``; ``directions`` and ``method``: the exponents computed per head of a test-time-trained
-    memory and how (:func:`memory_jvp_spectrum`)."""
+    context``; ``directions`` (default 32) and ``method``: the exponents computed per head of a
+    test-time-trained memory (the leading ``min(directions, dim)``) and how
+    (:func:`memory_jvp_spectrum`)."""
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)

@@ -92,8 +92,9 @@ class Mixer(nn.Module):
 
     def state_spec(self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None):
         """The state after ``seq_len`` tokens, declared with ``meta`` tensors
-        (:func:`mnemo.layers.state.spec`): its shapes and dtypes, nothing allocated. ``dtype`` is
-        the activation dtype (default: the mixer's parameters')."""
+        (:func:`mnemo.layers.state.spec`): its shapes and dtypes, nothing allocated. Defaults: one
+        sequence (``batch_size=1``) before any token (``seq_len=0``); every mixer's override keeps
+        them. ``dtype`` is the activation dtype (default: the mixer's parameters')."""
         raise NotImplementedError(f"{type(self).__name__} does not declare its state (state_spec)")
 
     def state_size_bytes(

@@ -181,9 +181,9 @@ class NeuralMemory(Mixer):
         η_t = sigmoid(W_η x)                δ_t = softplus(W_δ x)        (as the spec needs them)
         o_t = M_{W_t}(q_t)  (the memory engine)          y = W_o (RMSNorm(o) ⊙ silu(W_g x))
 
-    ``persistent_tokens`` learned vectors are prepended to the stream once, at its start (Titans'
-    persistent memory); their outputs are dropped. The memory's initial weights are learned
-    parameters (one set per head); a matrix memory starts at zero.
+    ``persistent_tokens`` learned vectors (initialised ``N(0, 0.02²)``) are prepended to the stream
+    once, at its start (Titans' persistent memory); their outputs are dropped. The memory's
+    initial weights are learned parameters (one set per head); a matrix memory starts at zero.
 
     Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream; each
     value as the memory engine receives it, so a replacement changes the write and the read):
@@ -451,6 +451,8 @@ class _PrefixAttention(nn.Module):
 
     ``extra`` (MAC's memory read-outs) is visible causally: query ``j`` sees extra token ``i``
     iff ``i ≤ j`` in the segment. ``window`` limits the sequence keys (sliding window).
+    ``persistent``: the ``persistent_tokens`` learned inputs ``[P, d_model]`` of the persistent
+    keys and values, initialised ``N(0, 0.02²)`` (as :class:`NeuralMemory`'s persistent prefix).
 
     Hook points: ``hook_q`` ``[B, T, H, D]``, ``hook_k`` and ``hook_v`` ``[B, T, H_kv, D]`` (this
     call's sequence queries, keys and values, after rotary positions, as attention receives them;

@@ -43,11 +43,11 @@ class TrainConfig:
         tokenizer: ``"char"`` (vocabulary = the characters of the file), ``"byte"``, or a path to a
             Hugging Face ``tokenizer.json`` (BPE, Unigram, ...) or a folder holding one (e.g. from
             ``mnemo tokenizer train``; needs ``mnemo[hf]``). The checkpoints carry it.
-        seq_len, batch_size: training window length and windows per optimizer step. The batch is
-            global: with ``torchrun --nproc_per_node N`` every process draws the same batch and
-            trains on its ``batch_size / N`` rows (the losses equal the single-process run's), so
-            ``batch_size`` must be a multiple of ``N · grad_accum`` (with ``context_parallel``: of
-            ``grad_accum``).
+        seq_len, batch_size: training window length and windows per optimizer step (defaults 128
+            and 32). The batch is global: with ``torchrun --nproc_per_node N`` every process draws
+            the same batch and trains on its ``batch_size / N`` rows (the losses equal the
+            single-process run's), so ``batch_size`` must be a multiple of ``N · grad_accum``
+            (with ``context_parallel``: of ``grad_accum``).
         grad_accum: micro-batches per optimizer step — each process's rows are split into
             ``grad_accum`` equal micro-batches whose gradients are accumulated (same gradient as
             one big batch, less activation memory; gradients are synchronised across processes
@@ -94,7 +94,8 @@ class TrainConfig:
         checkpoint_interval: save every this many steps (default: ``eval_interval``) and at the end.
         seed: seeds the weights and the batch order. device: ``"cpu"`` or ``"cuda"``.
         precision: ``"fp32"`` or ``"bf16"`` (autocast; states still accumulate in fp32).
-        sample_tokens, sample_prompt, sample_temperature: the text sample printed at the end.
+        sample_tokens, sample_prompt, sample_temperature: the text sample printed at the end
+            (defaults: 400 tokens after ``"ROMEO:"``, sampled at temperature 0.8: logits / 0.8).
         tensorboard: also write TensorBoard event files to ``OUT/tb`` (needs ``tensorboard``).
         task: a synthetic task name (``mnemo tasks``: ``mqar``, ``selective_copying``, ``induction_heads``,
             ``passkey``, ``copying``, ``repeat_segment``) instead of text; then ``data`` and ``tokenizer`` are

@@ -498,3 +498,58 @@ def test_a_default_state_has_read_no_tokens(name):
     assert_close(y1, y0, 1e-12)
     assert s0.offset == s1.offset == T
     assert m.state_spec(2).offset == fresh.offset  # the documented state after 0 tokens
+
+
+def test_state_spec_defaults_to_one_sequence_before_any_token():
+    """The protocol's documented defaults (``Mixer.state_spec``): ``batch_size=1`` (one sequence),
+    ``seq_len=0`` (before any token), ``dtype=None`` (the parameters'); every registered mixer's
+    override keeps them, so ``state_spec()`` means the same thing on any mixer."""
+    import inspect
+
+    from mnemo.layers.base import Mixer
+
+    def defaults(fn):
+        params = list(inspect.signature(fn).parameters.values())[1:]  # after self
+        return {p.name: p.default for p in params}
+
+    documented = {"batch_size": 1, "seq_len": 0, "dtype": None}
+    assert defaults(Mixer.state_spec) == documented
+    for name, factory in MIXERS.items():
+        cls = getattr(factory, "func", factory)  # a preset is a functools.partial of its class
+        assert defaults(cls.state_spec) == documented, name
+
+
+@pytest.mark.parametrize("name", ["linear_attention", "retnet", "deltanet"])
+def test_a_default_matrix_state_has_read_no_tokens(name):
+    """``MatrixState()`` is the state before any token (``offset``: tokens consumed so far, 0):
+    continuing from it gives the stateless call's output, and the offset then counts exactly the
+    tokens read, as ``state_spec`` declares for ``seq_len`` tokens."""
+    from mnemo.layers.linear_attention import MatrixState
+
+    m = _perturbed(MIXERS[name](D, n_heads=2))
+    fresh = MatrixState()
+    assert fresh.offset == 0 and fresh.memory is None and fresh.conv is None
+    x = _x()
+    with torch.no_grad():
+        y0, s0 = m(x)
+        y1, s1 = m(x, fresh)
+    assert_close(y1, y0, 1e-12)
+    assert s0.offset == s1.offset == T
+    assert m.state_spec(2).offset == fresh.offset == 0 and m.state_spec(2, T).offset == T
+
+
+@pytest.mark.parametrize("name", ["titans_mag", "titans_mal", "titans_mac"])
+def test_titans_persistent_tokens_start_normal_with_std_0_02(name):
+    """The persistent keys' inputs (``_PrefixAttention.persistent``) and the memory's persistent
+    prefix (MAG, MAL; MAC's memory has none) are initialised N(0, 0.02²) (documented). 16 × 64 =
+    1024 draws per tensor with a fixed seed: the sample std's standard error is 0.02 / √2048 ≈
+    4.4e-4 and the mean's 6.3e-4, so the bounds below sit more than 6 standard errors away."""
+    torch.manual_seed(0)
+    m = MIXERS[name](64, n_heads=4, persistent_tokens=16)
+    tensors = [("attention", m.attn.persistent)]
+    if name != "titans_mac":
+        tensors.append(("memory", m.memory.persistent))
+    for what, p in tensors:
+        assert p.shape == (16, 64), what
+        assert 0.017 < p.std().item() < 0.023, what
+        assert abs(p.mean().item()) < 0.004, what

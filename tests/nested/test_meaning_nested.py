@@ -198,3 +198,27 @@ def test_cms_state_spec_defaults_to_the_fresh_state_of_one_sequence():
             assert (a is None) == (b is None), name
             for x, y in zip(a or (), b or ()):
                 assert x.shape == y.shape and x.dtype == y.dtype, name
+
+
+def test_a_task_level_after_another_level_streams_like_one_pass():
+    """The only task level is the second level of the block (index ``(block 0, level 1)``): a
+    stream split in calls — each call picks the pending segment up from that block's state — gives
+    the one-pass logits and steps (module docstring: any split of a stream equals one pass)."""
+    from mnemo.models import LanguageModel, build_config
+
+    levels = [{"period": 1}, {"period": 4, "objective": "task", "lr": 2.0}]
+    cfg = build_config("hope_attention", vocab_size=11, d_model=8, n_layers=1, mlp_options={"levels": levels})
+    torch.manual_seed(0)
+    m = LanguageModel(cfg).double()
+    ids = torch.randint(0, 11, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole, st_whole = m(ids)
+        parts, st = [], None
+        for a, b in ((0, 5), (5, 6), (6, 11)):
+            logits, st = m(ids[:, a:b], st)
+            parts.append(logits)
+    task_whole, task_split = st_whole[0].mlp.levels[1], st[0].mlp.levels[1]
+    assert task_whole.updates == task_split.updates == 2  # periods of 4 done: tokens 0-3 and 4-7
+    assert_close(torch.cat(parts, 1), whole, 1e-12)
+    for a, b in zip(task_split.weights, task_whole.weights):
+        assert_close(a, b, 1e-12)

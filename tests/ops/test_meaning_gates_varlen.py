@@ -115,3 +115,24 @@ def test_sub_block_channel_scores_match_the_definition(safe_span):
     A = _intra_chunk_channel_scores(q, k, b, sub=4, safe_span=safe_span)
     ref = torch.einsum("btk,bsk,btsk->bts", q, k, (b[:, :, None, :] - b[:, None, :, :]).exp())
     assert_close(A, ref.tril(), 1e-12)
+
+
+def test_varlen_index_pads_to_the_longest_sequence_and_zero_sequences_to_nothing():
+    """``varlen_index``: ``Tmax`` is the longest sequence's length; row ``i`` gathers positions
+    ``c_i, c_i + 1, …`` (clamped into the packed axis), valid for the first ``len_i`` of them.
+    Hand-computed for lengths 3, 0, 2; with no sequence (``cu = [0]``) or only an empty one the
+    padded batch has no columns (``Tmax = 0``: a padded column would hold only padding)."""
+    from mnemo.ops._common import pad_packed, unpad_packed, varlen_index
+
+    idx, valid, tmax = varlen_index(torch.tensor([0, 3, 3, 5]), torch.device("cpu"))
+    assert tmax == 3
+    assert idx.tolist() == [[0, 1, 2], [3, 4, 4], [3, 4, 4]]  # 3 + t clamped at T − 1 = 4
+    assert valid.tolist() == [[True, True, True], [False, False, False], [True, True, False]]
+    x = torch.arange(5.0).reshape(1, 5, 1)
+    assert pad_packed(x, idx, valid)[..., 0].tolist() == [[0, 1, 2], [0, 0, 0], [3, 4, 0]]
+    assert torch.equal(unpad_packed(pad_packed(x, idx, valid), valid), x)
+    for cu, rows in (([0], 0), ([0, 0], 1)):
+        idx, valid, tmax = varlen_index(torch.tensor(cu), torch.device("cpu"))
+        assert tmax == 0 and idx.shape == valid.shape == (rows, 0)
+        padded = pad_packed(torch.zeros(1, 0, 2), idx, valid)
+        assert padded.shape == (rows, 0, 2) and unpad_packed(padded, valid).shape == (1, 0, 2)

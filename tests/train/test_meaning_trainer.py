@@ -261,3 +261,48 @@ def test_eval_batch_size_keeps_the_training_tokens_per_batch():
     assert eval_batch_size(8, 64, 128) == 4 and eval_batch_size(8, 64, 100) == 5  # 512 // 100
     assert eval_batch_size(2, 16, 1000) == 1
     assert eval_batch_size(4, 16, 1) == eval_batch_size(4, 16, 0) == 64
+
+
+def test_a_default_step_trains_on_32_windows(tmp_path):
+    """``batch_size`` defaults to 32 windows per optimizer step (TrainConfig docstring): a run that
+    does not set it draws batches of 32 sequences of ``seq_len`` tokens."""
+    assert TrainConfig().batch_size == 32
+    cfg = TrainConfig(
+        model="transformer",
+        model_overrides={"d_model": 8, "n_layers": 1},
+        task="mqar",
+        task_options={"num_pairs": 2, "vocab_size": 16},
+        seq_len=16,
+        steps=1,
+        warmup_steps=0,
+    )
+    tr = Trainer(cfg, tmp_path / "run", progress=False)
+    drawn = []
+    generate = tr.task.generate
+
+    def spy(n, length, generator):
+        drawn.append((n, length))
+        return generate(n, length, generator)
+
+    tr.task.generate = spy
+    tr.train_step()
+    assert drawn == [(32, 16)]
+
+
+def test_the_default_text_sample_is_drawn_at_temperature_0_8(tmp_path):
+    """The end-of-run sample defaults to 400 tokens after "ROMEO:" at temperature 0.8 (logits /
+    0.8; TrainConfig docstring): ``Trainer.sample`` equals :func:`generate_text` given those values
+    explicitly, and another temperature draws another text from the same seed."""
+    from mnemo.train.trainer import generate_text
+
+    cfg = TrainConfig()
+    assert (cfg.sample_tokens, cfg.sample_prompt, cfg.sample_temperature) == (400, "ROMEO:", 0.8)
+    tr = _trainer(tmp_path, task=None, task_options={})
+    torch.manual_seed(0)
+    with torch.no_grad():  # spread-out logits, so the temperature changes what is drawn
+        for p in tr.model.parameters():
+            p.copy_(torch.randn_like(p))
+    want = generate_text(tr.model, tr.tokenizer, "ROMEO:", 40, temperature=0.8, seed=0)
+    hot = generate_text(tr.model, tr.tokenizer, "ROMEO:", 40, temperature=1.8, seed=0)
+    assert want != hot
+    assert tr.sample(max_new_tokens=40) == want
