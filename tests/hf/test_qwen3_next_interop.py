@@ -168,14 +168,18 @@ def test_import_logits_and_cached_decoding(dtype, variant, tmp_path):
     lm = mnemo_model(config, sd, dtype)
     ids = _ids()
     ctx = float64_reference(hf, lm) if dtype == torch.float64 else contextlib.nullcontext()
+    # float64: the stricter max of relative RMS and max|Δ|/max|ref|; float32: the project's measure
+    # (relative RMS, DESIGN.md §4) — one logit of one decoding step can differ by ~1e-5 relative to
+    # the largest from rounding alone (1.1e-5 seen on another machine)
+    err = max_rel if dtype == torch.float64 else rel_rms
     with ctx, torch.no_grad():
         ref = hf(ids).logits
         got, _ = lm(ids)
-        assert max_rel(got, ref) <= TOL[dtype], f"full pass: {max_rel(got, ref):.2e}"
+        assert err(got, ref) <= TOL[dtype], f"full pass: {err(got, ref):.2e}"
         # a prompt shorter than the conv width, then single-token steps with each side's cache
         for prefill in (2, 9):
             for step, (a, b) in enumerate(zip(mnemo_decode(lm, ids, prefill), hf_decode(hf, ids, prefill))):
-                assert max_rel(a, b) <= TOL[dtype], f"prefill {prefill} step {step}: {max_rel(a, b):.2e}"
+                assert err(a, b) <= TOL[dtype], f"prefill {prefill} step {step}: {err(a, b):.2e}"
 
 
 def test_greedy_generation_matches():
