@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 TOKENIZER_NAME = "tokenizer.json"
+#: mnemo's own char/byte tokenizer in a folder exported for transformers (``mnemo export``)
+MNEMO_TOKENIZER_NAME = "mnemo_tokenizer.json"
 #: names of end-of-text tokens, in order of preference (the document separator)
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 #: text between documents when the tokenizer has no end-of-text token (char and byte)
@@ -250,15 +252,18 @@ def save_tokenizer(tok, directory: str | Path) -> None:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a checkpoint directory (``path/tokenizer.json``) or of a ``tokenizer.json``
-    file: mnemo's char/byte format or a Hugging Face file (then needs ``mnemo[hf]``).
+    """The tokenizer of a checkpoint directory (``path/tokenizer.json``, or ``mnemo_tokenizer.json``
+    in a folder written by ``mnemo export``) or of a tokenizer file: mnemo's char/byte format or a
+    Hugging Face file (then needs ``mnemo[hf]``).
 
     Raises:
         FileNotFoundError: no such file. ValueError: the file is neither format.
         ImportError: a Hugging Face file without the ``tokenizers`` library.
     """
     p = Path(path)
-    if p.is_dir() or not p.exists():
+    if p.is_dir() and not (p / TOKENIZER_NAME).exists() and (p / MNEMO_TOKENIZER_NAME).is_file():
+        p = p / MNEMO_TOKENIZER_NAME  # a folder written by `mnemo export` (mnemo's own format renamed)
+    elif p.is_dir() or not p.exists():
         p = p / TOKENIZER_NAME
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint file missing: {p}")

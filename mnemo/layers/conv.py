@@ -58,10 +58,8 @@ class ShortConvolution(nn.Module):
         is convolved from a zero state (a tap that would reach into the previous document reads
         zero), ``y [1, N, C]``. W masked shifted multiply-adds (``W`` is a few taps)."""
         N, W = x.shape[1], self.kernel_size
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        pos = torch.arange(N, device=x.device) - torch.repeat_interleave(
-            cu_seqlens[:-1].to(x.device), lengths
-        )
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        pos = torch.arange(N, device=x.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
         w = self.weight[:, 0, :].to(x.dtype)  # [C, W]; tap i reads x_{t - (W - 1 - i)}
         y = x * w[:, W - 1]
         for lag in range(1, W):

@@ -342,7 +342,10 @@ class LanguageModel(nn.Module):
     @property
     def offset_free(self) -> bool:
         """Whether streams of different lengths can share one batch of states: every mixer is
-        :attr:`~mnemo.layers.base.Mixer.offset_free` and no MLP keeps a state."""
+        :attr:`~mnemo.layers.base.Mixer.offset_free`, no MLP keeps a state and there are no learned
+        positions."""
+        if self.pos_embed is not None:  # learned positions are per stream
+            return False
         return all(getattr(b.mixer, "offset_free", False) and not b.stateful_mlp for b in self.blocks)
 
     def _padded_groups(self, input_ids, attention_mask) -> dict[int, list[int]]:
@@ -407,6 +410,12 @@ class LanguageModel(nn.Module):
 
     @torch.no_grad()
     def _generate_padded(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator):
+        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         groups = self._padded_groups(input_ids, attention_mask)
         was_training = self.training
         self.eval()

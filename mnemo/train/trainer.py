@@ -602,11 +602,15 @@ class Trainer:
     def _wrap_ddp(self) -> torch.nn.parallel.DistributedDataParallel:
         """``DistributedDataParallel(self.model)``; DDP searches for unused parameters every step
         only when a probe forward/backward (one zero sequence of the training length) leaves some
-        without a gradient (e.g. CMS levels that update less often than once per sequence)."""
+        without a gradient (e.g. CMS levels that update less often than once per sequence), or when
+        packed documents meet a CMS (a document may be shorter than a level's period)."""
         probe = torch.zeros(1, self.cfg.seq_len, dtype=torch.long, device=self.device)
         logits, _ = self.model(probe)
         logits.float().sum().backward()
         unused = any(p.requires_grad and p.grad is None for p in self.model.parameters())
+        # packed documents can be shorter than a CMS level's period: such a level may then get no
+        # gradient in a step although the full-length probe reached it
+        unused = unused or (self.cfg.pack_documents and any(b.stateful_mlp for b in self.model.blocks))
         self.model.zero_grad(set_to_none=True)
         ddp = torch.nn.parallel.DistributedDataParallel
         # buffers are constants (rotary frequencies, fixed decays): no per-forward broadcast

@@ -165,3 +165,22 @@ def test_gla_packs_documents_in_one_op_call(short_conv, mode, monkeypatch):
     bounds = cu.tolist()
     alone = torch.cat([layer(x[:, a:b])[0] for a, b in zip(bounds[:-1], bounds[1:])], 1)
     assert_close(y, alone, 1e-12, what=f"gla packed {mode}")
+
+
+def test_learned_positions_decode_padded_rows_per_stream():
+    """Learned positions are per stream: rows of different lengths must not share one offset."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=20, d_model=16, n_layers=1, mixer="gla", pos_embedding="learned", max_position=32
+    )
+    m = LanguageModel(cfg).double().eval()
+    with torch.no_grad():
+        m.pos_embed.weight.mul_(50.0)  # positions dominate, so a wrong offset changes the tokens
+    assert not m.offset_free
+    prompts = [torch.tensor([3, 4, 5]), torch.arange(1, 9)]
+    ids, mask = _left_pad(prompts)
+    out = m.generate(ids, 5, temperature=0, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        assert torch.equal(out[i, 8:], m.generate(p[None], 5, temperature=0)[0, p.numel() :]), i
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        m.generate(ids, -1, attention_mask=mask)
