@@ -383,10 +383,14 @@ class LanguageModel(nn.Module):
             names = sorted(
                 {type(b.mixer).__name__ for b in self.blocks if not getattr(b.mixer, "offset_free", False)}
             )
+            if self.pos_embed is not None:
+                names.append("the learned position embedding")
+            if any(b.stateful_mlp for b in self.blocks):
+                names.append("a stateful MLP (CMS)")
             raise ValueError(
                 f"attention_mask: left-padded prompts of different lengths share one state batch only "
-                f"when no mixer uses positions; {', '.join(names) or 'a stateful MLP'} does — give "
-                f"prompts of one length per call"
+                f"when nothing uses positions; {', '.join(names)} does — give prompts of one length "
+                f"per call"
             )
         groups = self._padded_groups(input_ids, attention_mask)
         runs = self._prefill_groups(input_ids, groups)
