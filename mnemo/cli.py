@@ -620,6 +620,7 @@ _COMMAND_MODULES: list[str] = [
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
     from .runtime import tune_malloc
     from .train import TrainingDiverged
     from .train.distributed import cleanup

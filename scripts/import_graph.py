@@ -26,11 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "mnemo"
 #: DESIGN.md §2: each package may import those to its left, never those to its right
 ORDER = ["ops", "memory", "layers", "models", "train", "hf", "cli"]
-#: lazy edges against the order that are allowed, with the reason (left out of the cycle search)
-ALLOWED_LAZY = {
-    ("models", "hf"): "LanguageModel.from_pretrained converts a foreign config.json (transformers, "
-    "mamba-ssm) through mnemo.hf.convert, imported inside the function and only for such a folder",
-}
+#: lazy edges against the order that are allowed, with the reason (left out of the cycle search);
+#: none today (``models`` reads foreign checkpoints through a registry that ``hf`` fills)
+ALLOWED_LAZY: dict[tuple[str, str], str] = {}
 #: side packages: the core packages (of ORDER) that may never import them. ``data`` and ``interp``
 #: depend on models/ops, never the reverse; ``train`` does not import ``interp`` (its callbacks are
 #: passed in by the CLI and the sweep runner)

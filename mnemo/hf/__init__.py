@@ -2,8 +2,12 @@
 model class for mnemo checkpoints, and the lm-evaluation-harness adapter.
 
 Everything here needs the optional extra ``pip install "mnemo[hf]"`` (``transformers``,
-``tokenizers``, ``datasets``, ``lm-eval``); the core package never imports this module.
+``tokenizers``, ``datasets``, ``lm-eval``) — except the checkpoint converters
+(:mod:`mnemo.hf.convert`, torch and safetensors only), which ``import mnemo.hf`` registers with
+:meth:`mnemo.models.LanguageModel.from_pretrained`. The core package never imports this module.
 """
+
+from . import convert  # noqa: E402,F401  (registers the checkpoint converters with LanguageModel.from_pretrained)
 
 # ``transformers`` classes, loaded on first use so that importing ``mnemo.hf`` (or its
 # transformers-free converters) does not import ``transformers``. ``import mnemo.hf.modeling``

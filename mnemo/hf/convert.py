@@ -55,6 +55,7 @@ from ..layers import MIXERS
 from ..layers.ssm import Mamba2State, MambaState
 from ..layers.state import BlockState
 from ..models.config import ModelConfig
+from ..models.formats import register_foreign_loader
 
 ImportFn = Callable[[dict, dict[str, Tensor]], tuple[ModelConfig, dict[str, Tensor]]]
 ExportFn = Callable[[ModelConfig, dict[str, Tensor]], tuple[dict, dict[str, Tensor]]]
@@ -853,3 +854,14 @@ register_architecture(
     export_fn=export_qwen3_next,
     mixers={"gated_deltanet", "attention"},
 )
+
+
+def _load_foreign(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]] | None:
+    """The loader :meth:`LanguageModel.from_pretrained` calls (:mod:`mnemo.models.formats`)."""
+    if not is_foreign_checkpoint(directory):
+        return None
+    config, weights, _ = import_hf(directory)
+    return config, weights
+
+
+register_foreign_loader(_load_foreign)

@@ -467,9 +467,10 @@ class LanguageModel(nn.Module):
         ``ValueError`` naming the missing or corrupt file).
 
         A folder whose ``config.json`` is another library's (a ``transformers``
-        ``MambaForCausalLM`` / ``Mamba2ForCausalLM``, the original ``mamba-ssm`` layout, or any
-        format registered in :mod:`mnemo.hf.convert`) is converted in memory; an unsupported
-        architecture raises ``ValueError`` naming it."""
+        ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` / ``Qwen3NextForCausalLM``, the original
+        ``mamba-ssm`` layout) is converted in memory once the converters are registered
+        (``import mnemo.hf``, which the ``mnemo`` command does; :mod:`mnemo.models.formats`); an
+        unsupported architecture raises ``ValueError`` naming it."""
         d = Path(directory)
         cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
         check_device(map_location)
@@ -483,13 +484,20 @@ class LanguageModel(nn.Module):
             raw.get("model_type") not in (None, "mnemo")
             or set(raw) - {f.name for f in dataclasses.fields(ModelConfig)} - {"model_type"}
         ):
-            from ..hf import convert as hf_convert  # only then: mnemo.hf sits above models
+            from .formats import FOREIGN_LOADERS, load_foreign
 
-            if hf_convert.is_foreign_checkpoint(d):
-                config, weights, _ = hf_convert.import_hf(d)
+            found = load_foreign(d)
+            if found is not None:
+                config, weights = found
                 model = cls(config)
                 model.load_state_dict(weights, strict=True)
                 return model.to(map_location)
+            if not FOREIGN_LOADERS:
+                raise ValueError(
+                    f"{cfg_path} is another library's config (model_type {raw.get('model_type')!r}): "
+                    '`import mnemo.hf` registers the converters (pip install "mnemo[hf]" is not needed '
+                    "for them), or convert the folder once with `mnemo convert SRC OUT`"
+                )
         for p in (cfg_path, w_path):
             if not p.is_file():
                 raise FileNotFoundError(f"checkpoint file missing: {p}")

@@ -250,3 +250,15 @@ def test_new_user_findings(tmp_path, capsys):
     assert "outside the tokenizer's vocabulary" in err and "%" in err
     assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--seq-len", "-5"]) == 2
     assert "--seq-len: expected a positive int, got -5" in capsys.readouterr().err
+
+
+def test_foreign_folder_without_registered_converters_says_what_to_do(tmp_path, monkeypatch):
+    from mnemo.models import formats
+
+    hf = transformers.MambaForCausalLM(
+        transformers.MambaConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, state_size=4)
+    )
+    hf.save_pretrained(tmp_path)
+    monkeypatch.setattr(formats, "FOREIGN_LOADERS", [])
+    with pytest.raises(ValueError, match="`import mnemo.hf` registers the converters"):
+        LanguageModel.from_pretrained(tmp_path)
