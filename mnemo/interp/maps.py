@@ -41,17 +41,7 @@ def mixing(mixer, x: torch.Tensor) -> Mixing:
     stream). Raises ``NotImplementedError`` for a mixer without an implicit attention map."""
     if not mixer.mixing_hooks:
         mixer.mixing({})  # raises NotImplementedError with the mixer's reason
-    acts: dict = {}
-    handles = [
-        mixer.get_submodule(h).register_forward_hook(lambda mod, args, out, h=h: acts.__setitem__(h, out))
-        for h in mixer.mixing_hooks
-    ]
-    try:
-        mixer(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return mixer.mixing(acts)
+    return mixer.mixing(mixer.mixing_acts(x))
 
 
 @torch.no_grad()

@@ -70,6 +70,22 @@ class Mixer(nn.Module):
             f"{type(self).__name__} has no implicit attention map (its memory is not linear in the values)"
         )
 
+    @torch.no_grad()
+    def mixing_acts(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The values of :attr:`mixing_hooks` (names relative to this mixer, ``memory.hook_q``
+        included) on one fresh-stream call on ``x [B, T, d_model]``: what :meth:`mixing` takes."""
+        acts: dict[str, torch.Tensor] = {}
+        handles = [
+            self.get_submodule(h).register_forward_hook(lambda mod, args, out, h=h: acts.__setitem__(h, out))
+            for h in self.mixing_hooks
+        ]
+        try:
+            self(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return acts
+
     def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, *, mode: str | None = None):
         """Several documents packed in one row: ``x [1, N, d_model]``, ``cu_seqlens [D + 1]``
         (long, ``0 = c_0 < c_1 < … < c_D = N``: document ``i`` is ``x[:, c_i:c_{i+1}]``). Returns

@@ -147,15 +147,7 @@ def check_mixing(name, d_model=32, options=None, T=11) -> CheckResult | None:
     m = _build(name, d_model, options)
     if not m.mixing_hooks:
         return None
-    acts = {}
-    handles = [
-        m.get_submodule(h).register_forward_hook(lambda mod, i, out, h=h: acts.__setitem__(h, out))
-        for h in m.mixing_hooks
-    ]
-    with torch.no_grad():
-        m(_x(2, T, d_model))
-        for h in handles:
-            h.remove()
+    acts = m.mixing_acts(_x(2, T, d_model))
     if not getattr(m, "mixing_exact", True):
         att = m.attribution(acts)
         causal = bool(torch.all(att.maps.triu(1) == 0))

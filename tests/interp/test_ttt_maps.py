@@ -141,15 +141,7 @@ def test_neural_memory_mixing_is_exact_for_matrix_presets(spec_name):
     recon = torch.einsum("bhts,bshv->bthv", mx.maps, mx.values)
     assert rel(recon, mx.output) <= 1e-10
     if spec_name in ("deltanet", "gated_deltanet"):  # the op map on the recorded q, k, θ, g
-        acts = {}
-        hs = [
-            m.get_submodule(h).register_forward_hook(lambda mod, a, o, h=h: acts.__setitem__(h, o))
-            for h in m.mixing_hooks
-        ]
-        with torch.no_grad():
-            m(x)
-        for h in hs:
-            h.remove()
+        acts = m.mixing_acts(x)
         ref = delta_rule_map(
             acts["hook_q"], acts["hook_k"], acts["hook_theta"], acts.get("hook_g"), scale=1.0
         )
@@ -234,15 +226,7 @@ def test_self_modifying_titans_attribution_is_complete_and_respects_chunks():
     torch.manual_seed(0)
     m = SelfModifyingTitans(16, n_heads=2, chunk_size=4, proj_chunk_size=3).double()
     x = torch.randn(2, 11, 16, dtype=F64)
-    acts = {}
-    hs = [
-        m.get_submodule(h).register_forward_hook(lambda mod, a, o, h=h: acts.__setitem__(h, o))
-        for h in m.mixing_hooks
-    ]
-    with torch.no_grad():
-        m(x)
-    for h in hs:
-        h.remove()
+    acts = m.mixing_acts(x)
     a = m.attribution(acts, steps=8)
     assert a.maps.shape == (2, 1, 11, 11) and not a.exact
     assert a.completeness_error() < 1e-3
