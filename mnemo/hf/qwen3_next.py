@@ -18,8 +18,21 @@ The correspondence, layer by layer:
 * ``full_attention`` layers → ``"attention"`` with ``qk_norm``, ``output_gate`` (the second half
   of each head's ``q_proj`` rows), partial rotary (``rotary_dim = head_dim ·
   partial_rotary_factor``) and ``bias = attention_bias``.
-* the MLP of every layer must be dense (``Qwen3NextMLP`` → SwiGLU ``w_in = [gate; up]``); sparse
-  MoE layers are refused (mnemo has no MoE MLP yet).
+* dense MLPs (``Qwen3NextMLP``) → SwiGLU ``w_in = [gate; up]``; sparse MoE MLPs
+  (``Qwen3NextSparseMoeBlock``) → :class:`~mnemo.layers.MoE` (``mlp="moe"``) with
+  ``n_experts = num_experts``, ``top_k = num_experts_per_tok``, ``expert_hidden =
+  moe_intermediate_size``, ``norm_topk_prob``, a shared expert of ``shared_expert_intermediate_size``
+  with its sigmoid gate, no capacity limit and no balancing bias: the router ``gate.weight`` →
+  ``router.weight``; the experts' ``gate_up_proj [E, 2I, d]`` (in memory) or per-expert
+  ``experts.{e}.gate_proj / up_proj / down_proj`` (the files ``save_pretrained`` writes) →
+  ``w_in [E, 2I, d]`` (``[gate; up]``) and ``w_out [E, d, I]``; ``shared_expert.*`` →
+  ``shared_expert`` (SwiGLU) and ``shared_expert_gate`` → ``shared_gate``. The routing is the
+  same: softmax over all experts, top-k of the probabilities, renormalised when ``norm_topk_prob``.
+  mnemo has one MLP kind for all layers, so a checkpoint mixing dense and MoE layers
+  (``mlp_only_layers`` / ``decoder_sparse_step`` selecting some) is refused. ``router_aux_loss_coef``
+  becomes ``aux_loss_coef`` (training only; transformers pools the layers and counts ``k`` per
+  token in its version of the loss, so the values differ by that convention). Export of MoE models
+  is not supported yet.
 * Qwen3-Next's RMSNorms (block norms, final norm, q/k norms) are zero-centred (``x̂ · (1 + w)``);
   mnemo's multiply by the weight, so ``w + 1`` is stored on import (in float32, or float64 for a
   float64 checkpoint — the exact value Qwen3-Next multiplies by) and ``w − 1`` on export. The gated
@@ -63,6 +76,11 @@ HF_DEFAULTS: dict[str, Any] = {
     "linear_num_value_heads": 32,
     "decoder_sparse_step": 1,
     "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
     "mlp_only_layers": None,
     "layer_types": None,
     "initializer_range": 0.02,
@@ -160,8 +178,8 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
 
     ``hf_config``: the config dict (``config.json`` or ``Qwen3NextConfig.to_dict()``);
     ``weights``: the ``Qwen3NextForCausalLM`` state dict (``model.*``, ``lm_head.weight``).
-    Raises ``ValueError`` for MoE layers, RoPE scaling, another activation than SiLU, a missing,
-    mis-shaped or unexpected weight — anything not reproduced exactly.
+    Raises ``ValueError`` for a mix of dense and MoE layers, RoPE scaling, another activation than
+    SiLU, a missing, mis-shaped or unexpected weight — anything not reproduced exactly.
     """
     cfg = dict(hf_config)
     if cfg.get("model_type", "qwen3_next") != "qwen3_next":
@@ -171,12 +189,13 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         _refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
     types = _layer_types(cfg, n)
     moe = _moe_layers(cfg, n)
-    if moe:
+    if moe and len(moe) != n:
         _refuse(
-            f"layers {moe} use a sparse mixture-of-experts MLP (Qwen3NextSparseMoeBlock), which mnemo "
-            "does not support yet; only dense MLP layers (num_experts = 0 or mlp_only_layers covering "
-            "every layer) convert"
+            f"layers {moe} use a sparse mixture-of-experts MLP (Qwen3NextSparseMoeBlock) and layers "
+            f"{sorted(set(range(n)) - set(moe))} a dense one; mnemo uses one MLP kind for every layer "
+            "(all MoE: mlp_only_layers empty and decoder_sparse_step 1; or all dense)"
         )
+    moe_options = _moe_options(cfg) if moe else None
     eps = float(_get(cfg, "rms_norm_eps"))
     theta, factor = _rope(cfg)
     H, H_kv, D = _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads"), _get(cfg, "head_dim")
@@ -216,8 +235,9 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         n_layers=n,
         layers=[GDN if t == LINEAR else ATTN for t in types],
         mixer_options=options,
-        mlp="swiglu",
+        mlp="moe" if moe else "swiglu",
         mlp_hidden=hidden,
+        mlp_options=moe_options or {},
         pos_embedding="none",
         tie_embeddings=tie,
         norm_eps=eps,
@@ -241,10 +261,13 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         p, q = f"model.layers.{i}.", f"blocks.{i}."
         sd[q + "mixer_norm.weight"] = _plus_one(w.pop(p + "input_layernorm.weight", (d,)))
         sd[q + "mlp_norm.weight"] = _plus_one(w.pop(p + "post_attention_layernorm.weight", (d,)))
-        gate = w.pop(p + "mlp.gate_proj.weight", (hidden, d))
-        up = w.pop(p + "mlp.up_proj.weight", (hidden, d))
-        sd[q + "mlp.w_in.weight"] = torch.cat([gate, up], 0)
-        sd[q + "mlp.w_out.weight"] = w.pop(p + "mlp.down_proj.weight", (d, hidden))
+        if moe_options is not None:
+            sd.update(_import_moe(w, p + "mlp.", q + "mlp.", moe_options, d))
+        else:
+            gate = w.pop(p + "mlp.gate_proj.weight", (hidden, d))
+            up = w.pop(p + "mlp.up_proj.weight", (hidden, d))
+            sd[q + "mlp.w_in.weight"] = torch.cat([gate, up], 0)
+            sd[q + "mlp.w_out.weight"] = w.pop(p + "mlp.down_proj.weight", (d, hidden))
         if t == LINEAR:
             a = p + "linear_attn."
             qkvz = w.pop(a + "in_proj_qkvz.weight", (Hk * (2 * K + 2 * G * V), d)).reshape(Hk, -1, d)
@@ -284,6 +307,48 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
     return config, sd
 
 
+def _moe_options(cfg: dict) -> dict[str, Any]:
+    """``mlp_options`` of the :class:`~mnemo.layers.MoE` equivalent to ``Qwen3NextSparseMoeBlock``."""
+    E, k = _get(cfg, "num_experts"), _get(cfg, "num_experts_per_tok")
+    shared = _get(cfg, "shared_expert_intermediate_size")
+    if not 1 <= k <= E:
+        _refuse(f"num_experts_per_tok = {k}: expected 1 <= k <= num_experts = {E}")
+    if shared < 1:
+        _refuse(f"shared_expert_intermediate_size = {shared}: expected a shared expert (>= 1)")
+    return {
+        "n_experts": E,
+        "top_k": k,
+        "expert_hidden": _get(cfg, "moe_intermediate_size"),
+        "shared_expert_hidden": shared,
+        "shared_expert_gate": True,
+        "norm_topk_prob": bool(_get(cfg, "norm_topk_prob")),
+        "aux_loss_coef": float(_get(cfg, "router_aux_loss_coef")),
+    }
+
+
+def _import_moe(w: _Weights, p: str, q: str, o: dict[str, Any], d: int) -> dict[str, Tensor]:
+    """One sparse MoE block's weights (prefix ``p`` = ``model.layers.{i}.mlp.``) as mnemo's
+    (prefix ``q``): fused expert tensors (a ``state_dict``) or per-expert ones (files)."""
+    E, I, S = o["n_experts"], o["expert_hidden"], o["shared_expert_hidden"]
+    sd = {q + "router.weight": w.pop(p + "gate.weight", (E, d))}
+    if p + "experts.gate_up_proj" in w:
+        sd[q + "w_in"] = w.pop(p + "experts.gate_up_proj", (E, 2 * I, d))
+        sd[q + "w_out"] = w.pop(p + "experts.down_proj", (E, d, I))
+    else:
+        e = p + "experts.{}."
+        gate = [w.pop(e.format(j) + "gate_proj.weight", (I, d)) for j in range(E)]
+        up = [w.pop(e.format(j) + "up_proj.weight", (I, d)) for j in range(E)]
+        sd[q + "w_in"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        sd[q + "w_out"] = torch.stack([w.pop(e.format(j) + "down_proj.weight", (d, I)) for j in range(E)])
+    s = p + "shared_expert."
+    sd[q + "shared_expert.w_in.weight"] = torch.cat(
+        [w.pop(s + "gate_proj.weight", (S, d)), w.pop(s + "up_proj.weight", (S, d))]
+    )
+    sd[q + "shared_expert.w_out.weight"] = w.pop(s + "down_proj.weight", (d, S))
+    sd[q + "shared_gate.weight"] = w.pop(p + "shared_expert_gate.weight", (1, d))
+    return sd
+
+
 def _options(name: str, config: ModelConfig) -> dict[str, Any]:
     """The mixer's effective constructor options: its signature's defaults, the registry's preset
     options and ``config.mixer_options[name]``."""
@@ -319,7 +384,10 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
         if m not in (GDN, ATTN):
             _refuse(f"layer {i} uses mixer {m!r}; Qwen3-Next layers are {GDN!r} or {ATTN!r}")
     if config.mlp != "swiglu":
-        _refuse(f"mlp {config.mlp!r} is not supported (only 'swiglu', Qwen3-Next's dense MLP)")
+        _refuse(
+            f"mlp {config.mlp!r} is not supported (only 'swiglu', Qwen3-Next's dense MLP; exporting "
+            "MoE models is not supported yet)"
+        )
     if config.pos_embedding != "none":
         _refuse(f"pos_embedding {config.pos_embedding!r} is not supported (Qwen3-Next uses RoPE only)")
     d, eps = config.d_model, config.norm_eps

@@ -12,6 +12,7 @@ from .conv import ShortConvolution
 from .delta import DeltaNet
 from .linear_attention import GatedLinearAttention, LinearAttention
 from .mlp import SwiGLU
+from .moe import MoE
 from .norm import RMSNorm
 from .registry import MIXERS, register_mixer
 from .rotary import RotaryEmbedding
@@ -42,6 +43,7 @@ __all__ = [
     "Level",
     "ShortConvolution",
     "SwiGLU",
+    "MoE",
     "RMSNorm",
     "RotaryEmbedding",
 ]

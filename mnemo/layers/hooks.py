@@ -4,6 +4,8 @@ A :class:`HookPoint` is an identity module. A mixer computes each intermediate o
 ``forward``, and passes it through a hook point attribute named by the field's term (``hook_q``,
 ``hook_k``, ``hook_v``, ``hook_g`` — the log decay —, ``hook_beta``, ``hook_dt``, ``hook_state``,
 ``hook_o``, ``hook_pattern``); the full name is the module path, e.g. ``blocks.3.mixer.hook_k``.
+A mixture-of-experts MLP passes its router decisions the same way (``blocks.3.mlp.hook_router_logits``,
+``hook_topk_indices``, ``hook_topk_weights``; :class:`mnemo.layers.MoE`).
 Hooks are ordinary PyTorch forward hooks, so a hook that returns a value replaces the
 intermediate downstream; :meth:`mnemo.models.LanguageModel.run_with_cache` and
 :meth:`~mnemo.models.LanguageModel.run_with_hooks` are the public way to attach them.

@@ -18,23 +18,32 @@ class ModelConfig:
     """A decoder language model: ``n_layers`` blocks ``x + mixer(norm(x))``, ``x + mlp(norm(x))``.
 
     Attributes:
-        vocab_size: tokenizer size.
-        d_model: residual width.
-        n_layers: number of blocks.
+        vocab_size: tokenizer size (default ``256``).
+        d_model: residual width (default ``128``).
+        n_layers: number of blocks (default ``4``).
         mixer: the mixer name of every layer (a key of :data:`mnemo.layers.MIXERS`), unless
             ``pattern`` or ``layers`` is given.
         pattern: mixer names repeated over the layers (layer ``i`` uses ``pattern[i % len]``), so a
             hybrid keeps its ratio when ``n_layers`` changes: ``["gla", "gla", "gla", "attention"]``.
         layers: explicit per-layer mixer names (takes precedence); its length must equal ``n_layers``.
         mixer_options: keyword options per mixer name, e.g. ``{"attention": {"n_heads": 4}}``.
-        mlp: ``"swiglu"``, ``"none"`` (mixer-only blocks) or ``"cms"`` (a Continuum Memory System,
-            :class:`mnemo.layers.ContinuumMemory`). mlp_hidden: SwiGLU hidden width.
+        mlp: ``"swiglu"``, ``"none"`` (mixer-only blocks), ``"cms"`` (a Continuum Memory System,
+            :class:`mnemo.layers.ContinuumMemory`) or ``"moe"`` (a top-k mixture of SwiGLU experts,
+            :class:`mnemo.layers.MoE`; stateless). mlp_hidden: SwiGLU hidden width (for ``"moe"``:
+            the default ``expert_hidden``).
         mlp_options: options of the MLP; for ``"cms"``: ``{"levels": [{"period": 16, ...}, ...],
-            "transfer": "sequential"}`` (see :class:`mnemo.layers.ContinuumMemory`).
+            "transfer": "sequential"}`` (see :class:`mnemo.layers.ContinuumMemory`); for ``"moe"``
+            the keys of :data:`mnemo.layers.moe.MOE_OPTIONS`: ``n_experts`` (8), ``top_k`` (2),
+            ``expert_hidden``, ``shared_expert_hidden`` (``None``: no shared expert),
+            ``shared_expert_gate`` (False), ``norm_topk_prob`` (True), ``capacity_factor``
+            (``None``: no token is dropped), ``aux_loss_coef`` (0.01, Switch load balance),
+            ``z_loss_coef`` (0, ST-MoE router z-loss), ``bias_balancing`` (False,
+            auxiliary-loss-free bias), ``bias_update_rate`` (1e-3), ``dispatch`` (``"sorted"``).
         pos_embedding: ``"none"`` (positions come from the mixers, e.g. RoPE) or ``"learned"``
-            (absolute, up to ``max_position`` tokens).
-        tie_embeddings: share the input embedding with the output head.
-        norm_eps, init_std: RMSNorm epsilon and the std of the normal weight init.
+            (absolute, up to ``max_position`` tokens; default ``max_position=4096``).
+        tie_embeddings: share the input embedding with the output head (default ``True``).
+        norm_eps, init_std: RMSNorm epsilon and the std of the normal weight init (defaults
+            ``norm_eps=1e-5``, ``init_std=0.02``).
     """
 
     vocab_size: int = 256
@@ -82,8 +91,21 @@ class ModelConfig:
         for m in self.mixer_options:
             if m not in MIXERS:
                 bad("mixer_options", f"keys among {sorted(MIXERS)}", m)
-        if self.mlp not in ("swiglu", "none", "cms"):
-            bad("mlp", "'swiglu', 'none' or 'cms'", self.mlp)
+        if self.mlp not in ("swiglu", "none", "cms", "moe"):
+            bad("mlp", "'swiglu', 'none', 'cms' or 'moe'", self.mlp)
+        if self.mlp_hidden is not None and (
+            not isinstance(self.mlp_hidden, int) or isinstance(self.mlp_hidden, bool) or self.mlp_hidden < 1
+        ):
+            bad("mlp_hidden", "a positive int or None", self.mlp_hidden)
+        if self.mlp == "moe":
+            from ..layers.moe import check_moe_options
+
+            if not isinstance(self.mlp_options, dict):
+                bad("mlp_options", "a dict of MoE options", self.mlp_options)
+            try:
+                check_moe_options(self.mlp_options)
+            except ValueError as e:
+                raise ValueError(f"ModelConfig.mlp_options: {e}") from None
         if self.pos_embedding not in ("none", "learned"):
             bad("pos_embedding", "'none' or 'learned'", self.pos_embedding)
         return self

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from ..layers import MIXERS, RMSNorm, SwiGLU
 from ..layers.cms import ContinuumMemory
 from ..layers.hooks import HookPoint, attached, name_hook_points, select
+from ..layers.moe import MoE
 from ..layers.state import BlockState
 from ..layers.state import detach as detach_state
 from ..ops._common import pad_packed, unpad_packed, varlen_index
@@ -91,7 +92,9 @@ class LanguageModel(nn.Module):
     **Hook points.** Every intermediate passes through a named :class:`~mnemo.layers.hooks.HookPoint`:
     ``hook_embed`` (token + position embedding ``[B, T, d]``), each block's ``hook_resid_pre``,
     ``hook_mixer_out``, ``hook_resid_mid``, ``hook_mlp_out``, ``hook_resid_post``, and each mixer's
-    own (``blocks.{i}.mixer.hook_q`` …; see the mixer's docstring for its names and shapes).
+    own (``blocks.{i}.mixer.hook_q`` …; see the mixer's docstring for its names and shapes), and a
+    mixture-of-experts MLP's router decisions (``blocks.{i}.mlp.hook_router_logits`` …,
+    :class:`~mnemo.layers.MoE`; its auxiliary losses: :meth:`aux_loss`).
     :meth:`run_with_cache` records them, :meth:`run_with_hooks` reads or replaces them;
     :attr:`hook_points` lists them.
 
@@ -115,6 +118,11 @@ class LanguageModel(nn.Module):
                 mlp = SwiGLU(c.d_model, c.mlp_hidden)
             elif c.mlp == "cms":
                 mlp = ContinuumMemory(c.d_model, **c.mlp_options)
+            elif c.mlp == "moe":
+                opts = dict(c.mlp_options)
+                if opts.get("expert_hidden") is None:
+                    opts["expert_hidden"] = c.mlp_hidden
+                mlp = MoE(c.d_model, **opts)
             else:
                 mlp = None
             blocks.append(Block(mixer, c.d_model, mlp, c.norm_eps))
@@ -149,7 +157,8 @@ class LanguageModel(nn.Module):
         detach: bool = True,
     ) -> tuple[torch.Tensor, dict]:
         """``forward`` that also records intermediates: returns ``(logits, cache)`` with
-        ``cache[name]`` the value that passed hook ``name`` (detached unless ``detach=False``).
+        ``cache[name]`` the value that passed hook ``name`` (detached unless ``detach=False``;
+        default ``detach=True``).
 
         ``names``: ``None`` (every hook point), a name or suffix (``"hook_q"``), a list of them, or a
         predicate ``f(name) -> bool``. A hook that fires more than once in one call (a task-signal
@@ -188,6 +197,8 @@ class LanguageModel(nn.Module):
                 special = getattr(part, "_init_special", None)
                 if special is not None:
                     special()
+            if isinstance(block.mlp, MoE):  # stacked expert weights: inputs std, outputs out_std
+                block.mlp.init_weights(std, out_std)
 
     def forward(
         self,
@@ -211,7 +222,13 @@ class LanguageModel(nn.Module):
             raise ValueError(
                 f"input_ids must be an integer tensor [B, T], got {input_ids.dtype} {list(input_ids.shape)}"
             )
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        # the value check reads the tensor back to Python: skipped while torch.compile traces (a
+        # graph break at every call otherwise); the embedding still rejects an out-of-range id
+        if (
+            input_ids.numel()
+            and not torch.compiler.is_compiling()
+            and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size)
+        ):
             raise ValueError(
                 f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), got values in "
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"
@@ -288,9 +305,24 @@ class LanguageModel(nn.Module):
         return logits, new_state
 
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats per token) of ``targets [B, T]``."""
+        """Mean next-token cross-entropy (nats per token) of ``targets [B, T]`` (without the MoE
+        auxiliary losses: add :meth:`aux_loss` for the training objective). Targets equal to
+        ``ignore_index`` are left out (default ``ignore_index=-100``)."""
         logits, _ = self(input_ids)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+
+    def moe_layers(self) -> list[tuple[int, MoE]]:
+        """``[(block index, MoE)]`` for the blocks whose MLP is a :class:`~mnemo.layers.MoE`."""
+        return [(i, b.mlp) for i, b in enumerate(self.blocks) if isinstance(b.mlp, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The auxiliary training loss of the last forward pass: the sum over MoE layers of
+        ``aux_loss_coef · L_aux + z_loss_coef · L_z`` (:meth:`mnemo.layers.MoE.loss`; 0-d, with
+        its graph), or ``None`` for a model without MoE layers."""
+        layers = self.moe_layers()
+        if not layers:
+            return None
+        return sum(m.loss() for _, m in layers)
 
     @torch.no_grad()
     def generate(
@@ -306,7 +338,8 @@ class LanguageModel(nn.Module):
         """Sample ``max_new_tokens`` continuation tokens; returns ``[B, T + max_new_tokens]``.
 
         The prompt is processed in one pass (prefill), then one token at a time with the per-layer
-        state, so recurrent models decode in constant memory. ``temperature = 0`` is greedy.
+        state, so recurrent models decode in constant memory. ``temperature = 0`` is greedy
+        (default ``temperature=1.0``).
 
         ``attention_mask [B, T]`` (1 = token, 0 = padding) batches prompts of different lengths,
         **left-padded** (each row ``0 … 0 1 … 1``; ``ValueError`` naming the row otherwise). Pad
@@ -444,7 +477,8 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
     def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0) -> int:
-        """Bytes of the decoding state after ``seq_len`` tokens (KV caches grow with it)."""
+        """Bytes of the decoding state after ``seq_len`` tokens (KV caches grow with it). Defaults:
+        ``batch_size=1``, ``seq_len=0``."""
         total = 0
         for b in self.blocks:
             total += b.mixer.state_size_bytes(batch_size, seq_len)

@@ -83,6 +83,16 @@ def _transformer() -> ModelConfig:
 
 
 @register_model(
+    "transformer_sinks",
+    "the transformer with a 512-token window + 4 attention sinks: a bounded KV cache (Xiao et al. 2023)",
+)
+def _transformer_sinks() -> ModelConfig:
+    return ModelConfig(
+        mixer="attention", mixer_options={"attention": {"n_heads": _HEADS, "window": 512, "n_sink": 4}}
+    )
+
+
+@register_model(
     "linear_attention", "linear attention, elu+1 features, normalised (Katharopoulos et al. 2020)"
 )
 def _linear_attention() -> ModelConfig:
@@ -139,6 +149,21 @@ def _gdn_hybrid() -> ModelConfig:
     return ModelConfig(
         pattern=["gated_deltanet", "gated_deltanet", "gated_deltanet", "attention"],
         mixer_options={"gated_deltanet": {"n_heads": _HEADS}, "attention": {"n_heads": _HEADS}},
+    )
+
+
+@register_model(
+    "gated_deltanet_attention_moe",
+    "Gated DeltaNet + attention every 4th layer with a mixture-of-experts MLP: 8 SwiGLU experts, "
+    "top-2, each half the dense width (the active MLP equals gated_deltanet_hybrid's)",
+)
+def _gdn_attention_moe() -> ModelConfig:
+    # active MLP parameters per token: 2 experts x 176 hidden = the dense SwiGLU's 352 at d_model 128
+    return ModelConfig(
+        pattern=["gated_deltanet", "gated_deltanet", "gated_deltanet", "attention"],
+        mixer_options={"gated_deltanet": {"n_heads": _HEADS}, "attention": {"n_heads": _HEADS}},
+        mlp="moe",
+        mlp_options={"n_experts": 8, "top_k": 2, "expert_hidden": 176, "aux_loss_coef": 0.01},
     )
 
 

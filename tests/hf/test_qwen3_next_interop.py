@@ -1,5 +1,5 @@
 """Qwen3-Next in and out of mnemo: logit parity with a tiny random-weight ``Qwen3NextForCausalLM``
-(full pass and cached decoding), the export round trip, and the refusals.
+(full pass and cached decoding; dense and sparse-MoE MLPs), the export round trip, and the refusals.
 
 Measured (CPU): float64 max relative error ~1e-15 (full pass and decoding), float32 ~1e-6.
 """
@@ -50,12 +50,25 @@ def hf_config(**over) -> Qwen3NextConfig:
     return Qwen3NextConfig(**kw)
 
 
+#: sparse MoE MLPs in every layer: 5 experts (the router picks among them), shared expert and gate
+MOE = dict(
+    num_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=12,  # multiples of 4: grouped_mm (float32 default) needs 16-byte strides
+    shared_expert_intermediate_size=16,
+    mlp_only_layers=[],
+    decoder_sparse_step=1,
+)
+
+
 def hf_model(cfg: Qwen3NextConfig, dtype=torch.float64, seed=0) -> Qwen3NextForCausalLM:
     torch.manual_seed(seed)
     m = Qwen3NextForCausalLM(cfg).eval()
     with torch.no_grad():  # move every weight off its init (zero-centred norms, biases, dt_bias, ...)
         for p in m.parameters():
             p.add_(0.2 * torch.randn_like(p))
+    if dtype == torch.float64:  # transformers' grouped_mm experts take float32/bf16 only: its loop
+        m.config._experts_implementation = "eager"
     return m.to(dtype)
 
 
@@ -150,10 +163,12 @@ def _ids(T=21, B=2, seed=3):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("variant", ["base", "bias_tied_full_rotary"])
+@pytest.mark.parametrize("variant", ["base", "bias_tied_full_rotary", "moe", "moe_top1_unnormalised"])
 def test_import_logits_and_cached_decoding(dtype, variant, tmp_path):
     over = {}
-    if variant != "base":
+    if variant.startswith("moe"):  # every layer a Qwen3NextSparseMoeBlock (router, experts, gated shared)
+        over = dict(MOE, norm_topk_prob=variant == "moe", num_experts_per_tok=2 if variant == "moe" else 1)
+    elif variant != "base":
         over = dict(
             attention_bias=True,
             tie_word_embeddings=True,
@@ -182,9 +197,10 @@ def test_import_logits_and_cached_decoding(dtype, variant, tmp_path):
                 assert err(a, b) <= TOL[dtype], f"prefill {prefill} step {step}: {err(a, b):.2e}"
 
 
-def test_greedy_generation_matches():
-    hf = hf_model(hf_config(), torch.float64)
-    config, sd = import_qwen3_next(hf.config.to_dict(), hf.state_dict())
+@pytest.mark.parametrize("mlp", ["dense", "moe"])
+def test_greedy_generation_matches(mlp):
+    hf = hf_model(hf_config(**(MOE if mlp == "moe" else {})), torch.float64)
+    config, sd = import_qwen3_next(hf.config.to_dict(), hf.state_dict())  # fused expert tensors
     lm = mnemo_model(config, sd, torch.float64)
     prompt = _ids(T=5, B=1)
     with float64_reference(hf, lm), torch.no_grad():
@@ -281,3 +297,30 @@ def test_moe_and_unsupported_options_are_refused():
     c = ModelConfig.from_dict(config.to_dict() | {"norm_eps": 1e-5})
     with pytest.raises(ValueError, match="norm_eps"):
         export_qwen3_next(c, msd)
+
+
+def test_moe_import_layouts_and_routing(tmp_path):
+    """The per-expert files and the fused in-memory tensors import to the same weights; the imported
+    model routes each token to the experts transformers picks."""
+    hf = hf_model(hf_config(**MOE), torch.float64)
+    config, from_files = import_qwen3_next(*saved(hf, tmp_path))
+    _, from_memory = import_qwen3_next(hf.config.to_dict(), hf.state_dict())
+    assert config.mlp == "moe" and config.mlp_options["shared_expert_gate"]
+    assert from_files.keys() == from_memory.keys()
+    assert all(torch.equal(from_files[k], from_memory[k]) for k in from_files)
+    lm = mnemo_model(config, from_files, torch.float64)
+    ids = _ids(T=9)
+    picked = {}
+    handles = [
+        layer.mlp.gate.register_forward_hook(lambda mod, inp, out, i=i: picked.__setitem__(i, out[2]))
+        for i, layer in enumerate(hf.model.layers)
+    ]
+    with float64_reference(hf, lm), torch.no_grad():
+        hf(ids)
+        _, cache = lm.run_with_cache(ids, names="hook_topk_indices")
+    for h in handles:
+        h.remove()
+    for i in range(len(hf.model.layers)):
+        ours = cache[f"blocks.{i}.mlp.hook_topk_indices"].reshape(-1, MOE["num_experts_per_tok"])
+        assert torch.equal(ours.sort(-1).values, picked[i].sort(-1).values), f"layer {i}"
+    assert len(set(torch.cat([v.reshape(-1) for v in picked.values()]).tolist())) == MOE["num_experts"]
