@@ -6,7 +6,9 @@ size) recurrent state for the others; the state's *values* are random, its *size
 tokens leave behind — times ``--decode-steps`` one-token steps one by one and reports tokens/s
 (from the median step; the mean is in the JSON as ``mean_tokens_per_s``) and the process's peak
 RSS. Each row is the median of ``--decode-processes`` such processes (default 3). Recurrent models
-should stay flat from 1k to 64k; a KV-cache transformer's time and memory grow with ``L``.
+should stay flat from 1k to 64k; a KV-cache transformer's time and memory grow with ``L``, except
+with a window (``transformer_sinks``: a 512-token window + 4 attention sinks, StreamingLLM), whose
+cache holds at most ``n_sink + window − 1`` keys at any ``L``.
 """
 
 from __future__ import annotations
@@ -19,23 +21,35 @@ import time
 
 import torch
 
-DEFAULT_MODELS = ("transformer", "gla", "gated_deltanet", "mamba", "mamba2", "titans_lmm")
+DEFAULT_MODELS = (
+    "transformer",
+    "transformer_sinks",
+    "gla",
+    "gated_deltanet",
+    "mamba",
+    "mamba2",
+    "titans_lmm",
+)
 
 
 def _fill_state(model, state, L: int):
-    """Give every attention cache ``L`` random entries (recurrent states keep their shape)."""
+    """Give every attention cache the random entries ``L`` tokens leave behind: ``L``, or what
+    the layer's ``state_spec`` keeps of them (a window, attention sinks); recurrent states keep
+    their shape."""
     import dataclasses
 
     from ..ops.softmax_attention import KVCache
 
     out = []
-    for s in state:  # BlockState(mixer=..., mlp=...)
+    for block, s in zip(model.blocks, state):  # BlockState(mixer=..., mlp=...)
         m = s.mixer
         changes = {"offset": L} if hasattr(m, "offset") else {}
         kv = getattr(m, "kv", None)
         if isinstance(kv, KVCache):
             B, _, H, D = kv.k.shape
-            changes["kv"] = KVCache(torch.randn(B, L, H, D), torch.randn(B, L, H, kv.v.shape[-1]))
+            spec = block.mixer.state_spec(B, L) if hasattr(block.mixer, "state_spec") else None
+            kept = spec.kv.k.shape[1] if isinstance(getattr(spec, "kv", None), KVCache) else L
+            changes["kv"] = KVCache(torch.randn(B, kept, H, D), torch.randn(B, kept, H, kv.v.shape[-1]))
         out.append(dataclasses.replace(s, mixer=dataclasses.replace(m, **changes)) if changes else s)
     return out
 

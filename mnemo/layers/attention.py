@@ -1,5 +1,5 @@
-"""Softmax attention layer: RoPE (full or partial), grouped-query heads, optional sliding window,
-per-head q/k norms, an output gate, KV cache."""
+"""Softmax attention layer: RoPE (full or partial, optionally YaRN-scaled), grouped-query heads,
+optional sliding window with attention sinks, per-head q/k norms, an output gate, KV cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from einops import rearrange, repeat
 from torch import nn
 
 from ..ops._common import compute_dtype
-from ..ops.softmax_attention import KVCache, softmax_attention, softmax_attention_map
+from ..ops.ring_attention import current_ring, ring_attention
+from ..ops.softmax_attention import KVCache, keep_cache, kept_keys, softmax_attention, softmax_attention_map
 from .base import Mixer, Mixing, check_input
 from .hooks import HookPoint
 from .linear_attention import state_dtypes
@@ -24,9 +25,11 @@ class AttentionState:
 
     Attributes:
         kv: the :class:`~mnemo.ops.KVCache` of past keys and values ``[B, P, H_kv, K]`` (with a
-            window, only the last ``window − 1``), in the activation dtype; ``None`` before the
-            first call.
-        offset: tokens consumed so far (rotary positions).
+            window, only the last ``window − 1``; with ``n_sink`` attention sinks also the first
+            ``n_sink``, and the keys are then stored *before* the rotary positions), in the
+            activation dtype; ``None`` before the first call.
+        offset: tokens consumed so far (rotary positions, except with sinks: there a key's
+            position is its index in the cache). Default ``0``.
     """
 
     kv: KVCache | None = None
@@ -38,26 +41,48 @@ class Attention(Mixer):
     """Multi-head causal softmax attention (Vaswani et al. 2017) with rotary positions.
 
     Args:
-        d_model: model width. n_heads: query heads ``H`` (4). n_kv_heads: key/value heads (``H`` by
-            default; fewer = grouped-query attention, ``H % n_kv_heads == 0``).
+        d_model: model width. n_heads: query heads ``H`` (default ``n_heads=4``). n_kv_heads:
+            key/value heads (``H`` by default; fewer = grouped-query attention,
+            ``H % n_kv_heads == 0``).
         head_dim: default ``d_model // n_heads``.
         window: sliding-window size (keys visible to a query, itself included); ``None`` = full.
-        rope: apply rotary embeddings (``rope_theta`` base) to q and k.
+        rope: apply rotary embeddings (``rope_theta`` base) to q and k (defaults ``rope=True``,
+            ``rope_theta=10000.0``).
         mode: ``"parallel"`` (SDPA) or ``"recurrent"`` (reference token loop).
         rotary_dim: rotate only the first ``rotary_dim`` channels of each head (partial rotary,
             :class:`~mnemo.layers.rotary.RotaryEmbedding`); default the whole head.
         qk_norm: a per-head RMSNorm (width ``head_dim``, epsilon ``norm_eps``) on q and k before
-            the rotary positions (Qwen3, Qwen3-Next). Default off.
+            the rotary positions (Qwen3, Qwen3-Next). Default ``False``.
         output_gate: ``o ⊙ sigmoid(W_gate x)`` per head and channel before the output projection
-            (gated attention, as in Qwen3-Next; ``W_gate``: ``gate_proj``). Default off.
-        bias: biases on the q, k, v, gate and output projections. Default off.
+            (gated attention, as in Qwen3-Next; ``W_gate``: ``gate_proj``). Default ``False``.
+        bias: biases on the q, k, v, gate and output projections. Default ``False``.
         norm_eps: the q/k norms' epsilon (default ``1e-5``).
+        rope_scaling: ``None`` or YaRN (Peng et al. 2023): ``{"rope_type": "yarn", "factor": s,
+            "original_max_position_embeddings": L, "beta_fast": 32, "beta_slow": 1}`` (the names of
+            ``transformers``' ``rope_scaling``; see :func:`~mnemo.layers.rotary.check_rope_scaling`):
+            NTK-by-parts frequencies, and the logits multiplied by ``(0.1 ln s + 1)²`` (the
+            temperature ``√(1/t)`` on both q and k; ``scale`` = that / ``√head_dim``).
+            :meth:`set_rope_scaling` sets it on a trained model (evaluation beyond ``L``).
+        n_sink: attention sinks (StreamingLLM, Xiao et al. 2023; needs ``window``): the first
+            ``n_sink`` tokens stay visible to every query besides the ``window`` most recent, and
+            the cache keeps them: decoding streams indefinitely with at most ``n_sink + window − 1``
+            cached keys. Positions are assigned *in the cache*, as the paper does: a query at
+            stream index ``i`` sees its window keys at their usual distance ``i − j`` and the sink
+            ``j`` at distance ``min(i, n_sink + window − 1) − j``. The cache therefore stores keys
+            *before* rotary and rotates them at their cache positions ``0 … P−1`` on every call
+            (the paper's choice, rather than re-rotating stored keys on eviction, which would
+            accumulate rounding in low precision); the sinks are scored by the queries rotated
+            at the capped position (``sink_q`` of :func:`~mnemo.ops.softmax_attention`). The
+            parallel form over a long sequence and token-by-token decoding are the same function.
+            Default ``0`` (a window alone evicts the first tokens too).
 
     Hook points (``S`` = cached + new keys):
 
     * ``hook_q`` ``[B, T, H, K]``, ``hook_k`` ``[B, T, H_kv, K]`` (after rotary positions),
-      ``hook_v`` ``[B, T, H_kv, V]``: this call's queries, keys and values as the op gets them;
-    * ``hook_pattern`` ``[B, H, T, S]``: the softmax probabilities (float32, float64 for a
+      ``hook_v`` ``[B, T, H_kv, V]``: this call's queries, keys and values as the op gets them
+      (with sinks the cache keeps ``hook_k``'s value rotated back to no position);
+    * ``hook_pattern`` ``[B, H, T, S]``: the softmax probabilities over the cached and new keys,
+      sink columns first (float32, float64 for a
       float64 model). Built only while a hook is attached; the output is then computed as
       ``pattern @ v``, so a replaced pattern takes effect (otherwise the fused kernel runs and no
       ``T × S`` matrix is formed);
@@ -65,7 +90,11 @@ class Attention(Mixer):
     * ``hook_state``: the :class:`~mnemo.ops.KVCache` after the call.
 
     State: :class:`AttentionState` (``kv``, ``offset``); with a window, the cache keeps only the
-    last ``window − 1`` keys, so decoding memory stays bounded.
+    last ``window − 1`` keys (and the ``n_sink`` first), so decoding memory stays bounded.
+
+    Raises:
+        ValueError: bad head counts, ``n_sink`` (negative, or without ``window``) or
+            ``rope_scaling`` (without ``rope``, or a bad value); the message names the argument.
     """
 
     mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_o")
@@ -86,26 +115,63 @@ class Attention(Mixer):
         output_gate: bool = False,
         bias: bool = False,
         norm_eps: float = 1e-5,
+        rope_scaling: dict | None = None,
+        n_sink: int = 0,
     ):
         super().__init__(mode)
+        if not isinstance(n_sink, int) or isinstance(n_sink, bool) or n_sink < 0:
+            raise ValueError(f"n_sink: expected an int >= 0, got {n_sink!r}")
+        if n_sink and window is None:
+            raise ValueError(
+                f"n_sink: attention sinks need a window (window=W), got n_sink = {n_sink} and window = None"
+            )
+        if rope_scaling is not None and not rope:
+            raise ValueError(
+                f"rope_scaling: needs rope=True, got rope_scaling = {rope_scaling!r} with rope=False"
+            )
         n_kv_heads = n_kv_heads or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
-        self.window = window
+        self.window, self.n_sink = window, n_sink
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.kv_proj = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=bias)
         self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias) if output_gate else None
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(head_dim, rope_theta, rotary_dim) if rope else None
+        self.rotary = (
+            RotaryEmbedding(head_dim, rope_theta, rotary_dim, scaling=rope_scaling) if rope else None
+        )
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
 
     def _mode(self, T: int, mode: str | None) -> str:
         return mode or self.mode
+
+    @property
+    def scale(self) -> float:
+        """The logit scale: ``head_dim ** -0.5``, times YaRN's ``(0.1 ln s + 1)²`` when scaled."""
+        af = self.rotary.attention_factor if self.rotary is not None else 1.0
+        return self.head_dim**-0.5 * af * af
+
+    def set_rope_scaling(self, scaling: dict | None) -> None:
+        """Set (or with ``None`` remove) the rotary scaling of a built layer, e.g. YaRN on a model
+        trained at a shorter context (no parameter changes; see ``rope_scaling``). Raises
+        ``ValueError`` without rotary positions or for a bad mapping."""
+        if self.rotary is None:
+            raise ValueError("rope_scaling: this attention layer has no rotary positions (rope=False)")
+        self.rotary.set_scaling(scaling)
+
+    def _sink_queries(self, q: torch.Tensor, pos0: int) -> torch.Tensor | None:
+        """The queries ``[B, T, H, K]`` (rotated at ``pos0 + t``) rotated back to the position that
+        scores the sinks, ``min(i, n_sink + window − 1)``; ``None`` when no rotation is needed."""
+        if self.rotary is None or not self.n_sink:
+            return None
+        i = torch.arange(pos0, pos0 + q.shape[1], device=q.device)
+        shift = i.clamp(max=self.n_sink + self.window - 1) - i
+        return self.rotary.rotate(q, shift) if bool((shift != 0).any()) else None
 
     def ov_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per query head ``h``: ``(W_V [d_model, D], W_O [D, d_model])``; with grouped-query
@@ -129,49 +195,94 @@ class Attention(Mixer):
         k, v = rearrange(self.kv_proj(x), "b t (two h d) -> two b t h d", two=2, h=self.n_kv_heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        # with sinks, positions count in the cache (StreamingLLM): the first new token sits at P
+        pos0 = offset if not self.n_sink else (cache.k.shape[1] if cache is not None else 0)
+        k_raw = k
         if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            q, k = self.rotary(q, pos0), self.rotary(k, pos0)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        if self.hook_pattern.active:
-            o, cache = self._attend_through_pattern(q, k, v, cache)
+        sink_q, raw_cache = None, cache
+        if self.n_sink:
+            if self.hook_k.active and self.rotary is not None:  # keep a replaced key, unrotated
+                k_raw = self.rotary.rotate(k, -torch.arange(pos0, pos0 + T, device=k.device))
+            elif self.rotary is None:
+                k_raw = k
+            sink_q = self._sink_queries(q, pos0)
+            if cache is not None and self.rotary is not None:
+                cache = KVCache(self.rotary(cache.k, 0), cache.v)  # at their cache positions 0 … P−1
+        ring = current_ring()  # context parallelism (mnemo.train.distributed): the whole ring's keys
+        if ring is not None:
+            o, cache = self._attend_ring(q, k, v, ring, cache), None
+        elif self.hook_pattern.active:
+            o, cache = self._attend_through_pattern(q, k, v, cache, sink_q)
         else:
             o, cache = softmax_attention(
                 q,
                 k,
                 v,
                 window=self.window,
+                n_sink=self.n_sink,
+                sink_q=sink_q,
+                scale=self.scale,
                 initial_state=cache,
                 output_final_state=True,
                 mode=self._mode(T, mode),
             )
+        if self.n_sink:  # the cache keeps the keys before rotary
+            k_all = k_raw if raw_cache is None else torch.cat([raw_cache.k.to(k_raw.dtype), k_raw], 1)
+            cache = KVCache(keep_cache(k_all, self.window, self.n_sink), cache.v)
         o, cache = self.hook_o(o), self.hook_state(cache)
         if self.gate_proj is not None:
             o = o * torch.sigmoid(rearrange(self.gate_proj(x), "b t (h d) -> b t h d", h=self.n_heads))
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, AttentionState(kv=cache, offset=offset + T)
 
-    def _attend_through_pattern(self, q, k, v, cache: KVCache | None):
+    def _attend_ring(self, q, k, v, ring, cache):
+        """Ring attention (:func:`~mnemo.ops.ring_attention.ring_attention`) of this member's
+        block over every member's keys; rotary positions come from the state's ``offset`` (the
+        block's global start). Raises ``ValueError`` for what the ring does not carry: a KV cache,
+        attention sinks, or a hooked pattern (no ``T × T`` matrix is formed)."""
+        if cache is not None:
+            raise ValueError("state: ring attention starts every block from an empty KV cache, got a cache")
+        if self.n_sink:
+            raise ValueError(
+                f"n_sink: attention sinks are not supported by ring attention (context parallelism), "
+                f"got n_sink = {self.n_sink}"
+            )
+        if self.hook_pattern.active:
+            raise ValueError("hook_pattern: ring attention forms no attention pattern; detach the hook")
+        return ring_attention(q, k, v, ring=ring, window=self.window, scale=self.scale)
+
+    def _attend_through_pattern(self, q, k, v, cache: KVCache | None, sink_q=None):
         """``o = pattern @ v`` with the probabilities passing ``hook_pattern`` (and the new cache)."""
         if cache is not None:
             k_all = torch.cat([cache.k.to(k.dtype), k], dim=1)
             v_all = torch.cat([cache.v.to(v.dtype), v], dim=1)
         else:
             k_all, v_all = k, v
-        S = k_all.shape[1]
         cd = compute_dtype(q, k, v)
-        pattern = self.hook_pattern(softmax_attention_map(q.to(cd), k_all.to(cd), self.window))
+        sq = None if sink_q is None else sink_q.to(cd)
+        pattern = self.hook_pattern(
+            softmax_attention_map(
+                q.to(cd), k_all.to(cd), self.window, self.scale, n_sink=self.n_sink, sink_q=sq
+            )
+        )
         vh = repeat(v_all.to(cd), "b s h d -> b s (h g) d", g=self.n_heads // self.n_kv_heads)
         o = torch.einsum("bhts,bshd->bthd", pattern.to(cd), vh).to(q.dtype)
-        keep = S if self.window is None else min(S, self.window - 1)
-        return o, KVCache(k_all[:, S - keep :], v_all[:, S - keep :])
+        return o, KVCache(
+            keep_cache(k_all, self.window, self.n_sink), keep_cache(v_all, self.window, self.n_sink)
+        )
 
     def mixing(self, acts: dict) -> Mixing:
         """Softmax probabilities (``acts["hook_pattern"]`` when recorded, else from q and k), the
         values repeated to the ``H`` query heads, and the attention output."""
         q, k, v, o = (acts[n] for n in self.mixing_hooks)
         M = acts.get("hook_pattern")
-        if M is None:
-            M = softmax_attention_map(q, k, window=self.window)
+        if M is None:  # one call from the start of the stream: positions 0 … T−1, sink columns first
+            sink_q = self._sink_queries(q, k.shape[1] - q.shape[1])
+            M = softmax_attention_map(
+                q, k, window=self.window, scale=self.scale, n_sink=self.n_sink, sink_q=sink_q
+            )
         v = repeat(v, "b t h d -> b t (h g) d", g=self.n_heads // self.n_kv_heads)
         return Mixing(M, v, o)
 
@@ -179,8 +290,9 @@ class Attention(Mixer):
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> AttentionState:
         """The state after ``seq_len`` tokens as ``meta`` tensors: a KV cache of ``seq_len`` entries
-        (at most ``window − 1``) in the activation ``dtype`` (default the parameters')."""
+        (at most ``window − 1``, plus ``n_sink`` with sinks) in the activation ``dtype`` (default
+        the parameters'). Defaults: ``batch_size=1``, ``seq_len=0``."""
         act, _ = state_dtypes(self, dtype)
-        kept = seq_len if self.window is None else min(seq_len, self.window - 1)
+        kept = sum(kept_keys(seq_len, self.window, self.n_sink))
         shape = (batch_size, kept, self.n_kv_heads, self.head_dim)
         return AttentionState(kv=KVCache(spec(shape, act), spec(shape, act)), offset=seq_len)

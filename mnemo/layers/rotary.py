@@ -1,25 +1,166 @@
-"""Rotary position embeddings (RoPE, Su et al. 2021)."""
+"""Rotary position embeddings (RoPE, Su et al. 2021), optionally scaled with YaRN (Peng et al. 2023)."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import nn
+
+#: the keys a ``rope_scaling`` mapping may hold (the names of ``transformers``' ``rope_scaling`` /
+#: ``rope_parameters``, so that interop can pass them through); ``"type"`` is an alias of ``"rope_type"``
+ROPE_SCALING_KEYS = (
+    "rope_type",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+)
+
+
+def _number(name: str, value, minimum: float, *, strict: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= minimum if strict else value < minimum):
+        bound = f"> {minimum}" if strict else f">= {minimum}"
+        raise ValueError(f"rope_scaling[{name!r}]: expected a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Validate a ``rope_scaling`` mapping and fill its defaults; ``None`` (or ``rope_type``
+    ``"default"``) means plain RoPE and returns ``None``.
+
+    YaRN: ``{"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L,
+    "beta_fast": 32, "beta_slow": 1, "attention_factor": None}`` — ``s ≥ 1`` the context
+    extension, ``L`` the training context, ``beta_slow < beta_fast`` the ramp bounds ``α, β`` (in
+    rotations per ``L`` tokens; the paper's defaults for LLaMA), ``attention_factor`` overrides
+    ``√(1/t) = 0.1 ln s + 1``.
+
+    Raises:
+        TypeError: ``scaling`` is not a mapping.
+        ValueError: an unknown key or type, or a value out of range; the message names the key,
+            the expected and the received value.
+    """
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise TypeError(
+            f"rope_scaling: expected a dict such as {{'rope_type': 'yarn', ...}} or None, got {scaling!r}"
+        )
+    d = dict(scaling)
+    if "type" in d:
+        if "rope_type" in d and d["rope_type"] != d["type"]:
+            raise ValueError(
+                f"rope_scaling: 'type' ({d['type']!r}) and 'rope_type' ({d['rope_type']!r}) disagree"
+            )
+        d["rope_type"] = d.pop("type")
+    unknown = sorted(set(d) - set(ROPE_SCALING_KEYS))
+    if unknown:
+        raise ValueError(f"rope_scaling: unknown key(s) {unknown}; expected among {list(ROPE_SCALING_KEYS)}")
+    kind = d.get("rope_type")
+    if kind == "default" and len(d) == 1:
+        return None
+    if kind != "yarn":
+        raise ValueError(f"rope_scaling['rope_type']: expected 'yarn' (or 'default'), got {kind!r}")
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in d:
+            raise ValueError(f"rope_scaling: YaRN needs {key!r}, got keys {sorted(d)}")
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": _number("factor", d["factor"], 1.0)}
+    L = d["original_max_position_embeddings"]
+    if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+        raise ValueError(
+            f"rope_scaling['original_max_position_embeddings']: expected a positive int, got {L!r}"
+        )
+    out["original_max_position_embeddings"] = L
+    out["beta_fast"] = _number("beta_fast", d.get("beta_fast", 32), 0.0, strict=True)
+    out["beta_slow"] = _number("beta_slow", d.get("beta_slow", 1), 0.0, strict=True)
+    if not out["beta_slow"] < out["beta_fast"]:
+        raise ValueError(
+            f"rope_scaling: expected beta_slow < beta_fast, got beta_slow = {out['beta_slow']} and "
+            f"beta_fast = {out['beta_fast']}"
+        )
+    af = d.get("attention_factor")
+    out["attention_factor"] = None if af is None else _number("attention_factor", af, 0.0, strict=True)
+    return out
+
+
+def yarn_ramp(r: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """YaRN's ramp ``γ(r)`` (Peng et al. 2023, eq. 18): ``0`` for ``r < α``, ``1`` for ``r > β``,
+    ``(r − α) / (β − α)`` in between. ``r`` any shape; same shape and dtype."""
+    return ((r - alpha) / (beta - alpha)).clamp(0.0, 1.0)
+
+
+def yarn_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    original_max_position: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" frequencies (Peng et al. 2023, §3.2, eqs. 17–19).
+
+    For each frequency ``θ_d`` (``inv_freq: [R/2]``) the wavelength is ``λ_d = 2π / θ_d`` and
+    ``r(d) = L / λ_d`` counts its rotations over the training context ``L``; then
+
+        h(θ_d) = (1 − γ(r(d))) · θ_d / s + γ(r(d)) · θ_d
+
+    with γ = :func:`yarn_ramp` (``α = beta_slow``, ``β = beta_fast``): dimensions turning more
+    than ``β`` times in ``L`` tokens keep ``θ_d`` (extrapolate), those turning less than ``α``
+    times are divided by ``s`` (interpolate, as Position Interpolation), and the ramp blends the
+    two in between (defaults ``beta_fast=32.0``, ``beta_slow=1.0``, the paper's). The ramp is
+    linear in ``r`` as in the paper (not rounded to whole dimensions). ``factor = 1`` returns
+    ``inv_freq`` unchanged.
+    Returns ``[R/2]`` in ``inv_freq``'s dtype (computed in float64).
+    """
+    if factor == 1:
+        return inv_freq.clone()
+    th = inv_freq.double()
+    r = original_max_position * th / (2 * math.pi)
+    gamma = yarn_ramp(r, beta_slow, beta_fast)
+    h = torch.where(
+        gamma >= 1, th, torch.where(gamma <= 0, th / factor, (1 - gamma) * th / factor + gamma * th)
+    )
+    return h.to(inv_freq.dtype)
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's attention temperature as a factor on q and k (Peng et al. 2023, eq. 22):
+    ``√(1/t) = 0.1 · ln s + 1`` (so the logits are multiplied by its square); ``1`` at ``s = 1``."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 class RotaryEmbedding(nn.Module):
     """Rotate pairs ``(x_i, x_{i + R/2})`` of each head by angle ``pos · theta^{−2i/R}``,
     ``i < R/2``, for the first ``R = rotary_dim`` channels; the remaining ``D − R`` pass unchanged.
 
-    ``rotary_dim`` defaults to the whole head (``R = D``). A smaller ``R`` is *partial* rotary
-    (GPT-NeoX, Qwen3-Next's ``partial_rotary_factor = R / D``): the frequencies then use ``R`` as
-    the dimension, and the pairs are split halves of the rotated block (``rotate_half`` pairing).
+    ``theta``: the base (default ``theta=10000.0``). ``rotary_dim`` defaults to the whole head
+    (``R = D``). A smaller ``R`` is *partial* rotary (GPT-NeoX, Qwen3-Next's
+    ``partial_rotary_factor = R / D``): the frequencies then use ``R`` as the dimension, and the
+    pairs are split halves of the rotated block (``rotate_half`` pairing).
+
+    ``scaling``: ``None`` (plain RoPE) or a YaRN mapping (:func:`check_rope_scaling`, the names of
+    ``transformers``' ``rope_scaling``): the frequencies become :func:`yarn_inv_freq`'s and
+    :attr:`attention_factor` is ``0.1 ln s + 1`` — a factor the *attention* applies to both q and k
+    (its logits scale by the square); this module only rotates. :meth:`set_scaling` changes it on
+    a built module (YaRN applied at evaluation time to a model trained at ``L`` tokens).
 
     ``forward(x [B, T, H, D], offset) -> [B, T, H, D]`` for positions ``offset … offset+T−1``;
-    computed in float32 (float64 for float64 inputs), returned in ``x``'s dtype. ``R`` must be even
-    and at most ``D``.
+    :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
+    returned in ``x``'s dtype. ``R`` must be even and at most ``D``.
+
+    Raises:
+        ValueError: bad ``rotary_dim`` or ``scaling`` (the message names the argument).
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0, rotary_dim: int | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float = 10000.0,
+        rotary_dim: int | None = None,
+        scaling: dict[str, Any] | None = None,
+    ):
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -28,14 +169,40 @@ class RotaryEmbedding(nn.Module):
                 if rotary_dim != head_dim
                 else f"rotary embeddings need an even head_dim, got {head_dim}"
             )
-        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        self.head_dim, self.rotary_dim, self.theta = head_dim, rotary_dim, theta
         inv = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("base_inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", inv.clone(), persistent=False)
+        self.scaling: dict[str, Any] | None = None
+        self.attention_factor = 1.0
+        self.set_scaling(scaling)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        T = x.shape[1]
+    def set_scaling(self, scaling: dict[str, Any] | None) -> None:
+        """Replace the frequency scaling (``None``: plain RoPE); see :func:`check_rope_scaling`."""
+        s = check_rope_scaling(scaling)
+        base = self.base_inv_freq
+        if s is None:
+            inv, af = base.clone(), 1.0
+        else:
+            inv = yarn_inv_freq(
+                base, s["factor"], s["original_max_position_embeddings"], s["beta_fast"], s["beta_slow"]
+            )
+            af = (
+                s["attention_factor"]
+                if s["attention_factor"] is not None
+                else yarn_attention_factor(s["factor"])
+            )
+        self.inv_freq = inv.to(self.inv_freq.device)
+        self.scaling, self.attention_factor = s, af
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.scaling}"
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x: [B, T, H, D]`` rotated at ``positions: [T]`` (any numbers, negative included: a
+        rotation by ``−p`` undoes one by ``p``). Same shape and dtype as ``x``."""
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-        pos = torch.arange(offset, offset + T, device=x.device, dtype=cd)
+        pos = positions.to(device=x.device, dtype=cd)
         ang = pos[:, None] * self.inv_freq.to(device=x.device, dtype=cd)[None, :]  # [T, R/2]
         cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
         R = self.rotary_dim
@@ -43,3 +210,9 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = xr.chunk(2, dim=-1)
         rot = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
         return rot if R == x.shape[-1] else torch.cat([rot, x[..., R:]], dim=-1)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``x [B, T, H, D]`` rotated at positions ``offset … offset+T−1`` (default ``offset=0``)."""
+        T = x.shape[1]
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return self.rotate(x, torch.arange(offset, offset + T, device=x.device, dtype=cd))
