@@ -1,6 +1,7 @@
 """``mnemo convert`` and ``mnemo export``: checkpoints of other libraries in and out.
 
     mnemo convert SRC OUT                # transformers Mamba / Mamba-2 / Qwen3-Next, or mamba-ssm
+    mnemo convert --from-dcp RUN OUT     # a sharded (FSDP) checkpoint as a single-file run folder
     mnemo export CKPT OUT --format hf    # a mnemo checkpoint (or run folder) as a folder transformers loads
 
 Both refuse a non-empty ``OUT`` unless ``--force``; errors are one line (exit status 2).
@@ -13,6 +14,12 @@ import argparse
 
 
 def _convert(args) -> int:
+    if getattr(args, "from_dcp", False):
+        from ..train.sharded import consolidate_checkpoint
+
+        out = consolidate_checkpoint(args.src, args.out)
+        print(f"wrote single-file checkpoint {out} (from the sharded checkpoint {args.src})")
+        return 0
     from ..hf.convert import convert
 
     out = convert(args.src, args.out, force=args.force)
@@ -41,6 +48,13 @@ def add_commands(subparsers) -> None:
     p.add_argument("src", help="the checkpoint folder to read (config.json and weights)")
     p.add_argument("out", help="the mnemo checkpoint folder to write")
     p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")
+    p.add_argument(
+        "--from-dcp",
+        action="store_true",
+        help="SRC is a sharded checkpoint of `mnemo train --fsdp` (a run folder or ckpt-*): write "
+        "OUT/ckpt-STEP as an ordinary single-file checkpoint (weights and optimizer state), "
+        "which eval, generate, export and --resume read",
+    )
     p.set_defaults(func=_convert)
 
     p = subparsers.add_parser(

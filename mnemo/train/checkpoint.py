@@ -8,9 +8,11 @@ Layout of a run directory::
                     train_config.json, trainer_state.pt, manifest.json
     OUT/metrics.jsonl
 
-A crash at any point leaves the previous checkpoint and ``latest`` intact. ``manifest.json``
-records the size and SHA-256 of every other file; :func:`resolve_checkpoint` checks them and, for
-a run directory, falls back to the newest intact checkpoint (a warning names the damaged file).
+(An FSDP run stores the weights and optimizer state as DCP shards in ``ckpt-*/sharded/`` instead,
+listed in the same manifest: :mod:`mnemo.train.sharded`.) A crash at any point leaves the
+previous checkpoint and ``latest`` intact. ``manifest.json`` records the size and SHA-256 of
+every other file; :func:`resolve_checkpoint` checks them and, for a run directory, falls back to
+the newest intact checkpoint (a warning names the damaged file).
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ def _sha256(path: Path) -> str:
 
 
 def write_manifest(ckpt_dir: str | Path) -> None:
-    """Record the size (bytes) and SHA-256 of every file of ``ckpt_dir`` in ``manifest.json``."""
+    """Record the size (bytes) and SHA-256 of every file of ``ckpt_dir`` in ``manifest.json``
+    (files in subdirectories, e.g. the shards of a sharded checkpoint, by their relative path)."""
     d = Path(ckpt_dir)
     files = {
-        f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        for f in sorted(d.iterdir())
-        if f.is_file() and f.name != MANIFEST_NAME
+        f.relative_to(d).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(d.rglob("*"))
+        if f.is_file() and f.relative_to(d).as_posix() != MANIFEST_NAME
     }
     (d / MANIFEST_NAME).write_text(json.dumps({"format": 1, "files": files}, indent=1) + "\n")
 
@@ -122,27 +125,37 @@ def ckpt_name(step: int) -> str:
     return f"ckpt-{step:06d}"
 
 
-def save_checkpoint(out_dir: str | Path, step: int, write_files, keep: int = 2) -> Path:
+def save_checkpoint(
+    out_dir: str | Path, step: int, write_files, keep: int = 2, *, prepared: str | Path | None = None
+) -> Path:
     """Create ``OUT/ckpt-{step}`` atomically.
 
     ``write_files(tmp_dir)`` writes every file of the checkpoint into ``tmp_dir``; then each file
     is fsynced, the directory renamed into place, and ``OUT/latest`` updated. Older checkpoints
-    beyond the ``keep`` most recent are removed afterwards.
+    beyond the ``keep`` most recent (default ``keep=2``) are removed afterwards. ``prepared``: a
+    temporary directory inside ``OUT`` that other writers already filled (the shards of a sharded
+    checkpoint, :mod:`mnemo.train.sharded`), used instead of a fresh one (removed too if anything
+    fails).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     final = out / ckpt_name(step)
-    tmp = out / f".tmp-{ckpt_name(step)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    if prepared is not None:
+        tmp = Path(prepared)
+    else:
+        tmp = out / f".tmp-{ckpt_name(step)}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
     try:
         write_files(tmp)
         write_manifest(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+            _fsync_dir(sub)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and `latest` are untouched
         raise
@@ -179,10 +192,10 @@ def resolve_checkpoint(
 ) -> Path:
     """A checkpoint directory from either itself or a run directory (through ``latest``).
 
-    With ``verify`` (default) the checkpoint's files are checked against its manifest (sizes and
-    SHA-256, :func:`verify_checkpoint`). For a run directory whose ``latest`` checkpoint is damaged
-    or missing, the newest intact ``ckpt-*`` is returned instead and ``warn`` (default:
-    ``warnings.warn``) is told which file was bad and which checkpoint is used.
+    With ``verify`` (default ``verify=True``) the checkpoint's files are checked against its
+    manifest (sizes and SHA-256, :func:`verify_checkpoint`). For a run directory whose ``latest``
+    checkpoint is damaged or missing, the newest intact ``ckpt-*`` is returned instead and ``warn``
+    (default: ``warnings.warn``) is told which file was bad and which checkpoint is used.
 
     Raises:
         FileNotFoundError: nothing at ``path``, or no checkpoint in it (says what was looked for).

@@ -39,36 +39,47 @@ class TrainConfig:
         pack_documents: document packing — each document inside a training or validation window
             is its own sequence (``cu_seqlens`` through the model: every mixer starts it from an
             empty state), so no attention and no state crosses a document boundary. The token
-            after a document's last one (the separator's prediction) is still a target.
+            after a document's last one (the separator's prediction) is still a target. Default
+            ``False``.
         tokenizer: ``"char"`` (vocabulary = the characters of the file), ``"byte"``, or a path to a
             Hugging Face ``tokenizer.json`` (BPE, Unigram, ...) or a folder holding one (e.g. from
             ``mnemo tokenizer train``; needs ``mnemo[hf]``). The checkpoints carry it.
-        seq_len, batch_size: training window length and windows per optimizer step (defaults 128
-            and 32). The batch is global: with ``torchrun --nproc_per_node N`` every process draws
-            the same batch and trains on its ``batch_size / N`` rows (the losses equal the
-            single-process run's), so ``batch_size`` must be a multiple of ``N · grad_accum``
-            (with ``context_parallel``: of ``grad_accum``).
+        seq_len, batch_size: training window length and windows per optimizer step (defaults
+            ``seq_len=128`` and ``batch_size=32``). The batch is global: with
+            ``torchrun --nproc_per_node N`` every process draws the same batch and trains on its
+            ``batch_size / N`` rows (the losses equal the single-process run's), so ``batch_size``
+            must be a multiple of ``N · grad_accum`` (with ``context_parallel``: of ``grad_accum``).
         grad_accum: micro-batches per optimizer step — each process's rows are split into
             ``grad_accum`` equal micro-batches whose gradients are accumulated (same gradient as
             one big batch, less activation memory; gradients are synchronised across processes
-            once per step). ``batch_size`` must be a multiple of it.
+            once per step). ``batch_size`` must be a multiple of it. Default ``1``.
         context_parallel: under ``torchrun --nproc_per_node N``, split every sequence instead of
             the batch: each process takes the whole global batch and runs tokens
-            ``[r·T/N, (r+1)·T/N)`` of every sequence, starting from the state process ``r − 1``
-            ended with (:func:`mnemo.train.distributed.context_parallel_forward`); the gradients
-            are then summed over the processes (an all-reduce, no DDP), so the losses and updates
-            equal the single-process run's. Activation memory per process shrinks about ``N``-fold
-            but the processes run one after another (no speed-up). Recurrent models only: models
-            with softmax-attention layers are rejected (with any number of processes).
-            ``seq_len`` must be a multiple of ``N``; ``grad_accum`` splits the global batch
-            (``batch_size`` a multiple of ``grad_accum`` only); activation checkpointing applies
-            to the first slice only (the others start from a received state). With one process
-            it changes nothing.
+            ``[r·T/N, (r+1)·T/N)`` of every sequence, layer by layer
+            (:func:`mnemo.train.distributed.context_parallel_forward`): a recurrent layer starts
+            from the state the same layer of process ``r − 1`` ended with, a softmax-attention
+            layer runs ring attention over all processes' keys; the gradients are then summed over
+            the processes (an all-reduce, no DDP), so the losses and updates equal the
+            single-process run's. Activation memory per process shrinks about ``N``-fold;
+            recurrent layers form a wavefront across the processes (partial overlap), attention
+            layers run on all processes at once. Attention sinks and attention blocks with a CMS
+            are rejected (with any number of processes). ``seq_len`` must be a multiple of ``N``;
+            ``grad_accum`` splits the global batch (``batch_size`` a multiple of ``grad_accum``
+            only); activation checkpointing recomputes every block (never the messages). With one process
+            it changes nothing. Default ``False``.
+        fsdp: under ``torchrun --nproc_per_node N``, train data-parallel with every block and the
+            root sharded by FSDP2 (:mod:`mnemo.train.sharded`): parameters, gradients and
+            optimizer state are split over the processes (same losses as one process, up to
+            float rounding); checkpoints are DCP shards that resume on any number of processes
+            and ``mnemo convert --from-dcp`` turns into a single file. Every process evaluates
+            (and samples) in step, rank 0 logs. Not with ``context_parallel`` nor optimizer
+            ``"m3"``. With one process it changes nothing. Default ``False``.
         activation_checkpointing: recompute each block's activations in the backward pass instead
             of keeping them (``torch.utils.checkpoint``): less memory, about one more forward pass;
-            same losses and gradients.
+            same losses and gradients. Default ``False``.
         steps: optimizer steps. lr: peak learning rate; warmup_steps linear warm-up, then cosine
-            decay to ``lr · min_lr_ratio`` at ``schedule_steps``.
+            decay to ``lr · min_lr_ratio`` at ``schedule_steps``. Defaults: ``steps=1000``,
+            ``lr=3e-3``, ``warmup_steps=50``, ``min_lr_ratio=0.1``.
         schedule_steps: length of the warm-up + cosine schedule in steps (default ``None``: equal
             to ``steps``); past it the learning rate stays at ``lr · min_lr_ratio``. Set when a
             resumed run gets more (or fewer) ``steps`` but should keep its cosine
@@ -77,26 +88,32 @@ class TrainConfig:
             :class:`mnemo.train.m3.M3`: Newton–Schulz-orthogonalised fast and slow momenta over an
             accumulated second moment; its update size differs from Adam's, so tune ``lr`` for it
             — see the class docstring).
-        m3_slow_every: M3's ``f``, steps per block of the slow momentum (a positive int).
+        m3_slow_every: M3's ``f``, steps per block of the slow momentum (a positive int; default
+            ``10``).
         m3_beta3: M3's ``β3`` (slow-momentum factor, in ``[0, 1)``); ``β1, β2`` are ``beta1``,
             ``beta2``. m3_alpha: M3's ``α ≥ 0``, weight of the slow momentum. m3_ns_steps: M3's
             Newton–Schulz iterations ``T`` (an int ≥ 0). m3_eps: M3's ``ε > 0``
             (default ``1e-2``, not Adam's ``1e-8``: ``ε`` caps M3's per-element step at about
             ``lr / ε``, and with ``1e-8`` the 60-step transformer run diverged at every lr tried).
             m3_ema: ``False`` (Algorithm 1: momenta accumulate without decay) or ``True`` (a
-            departure: exponential moving averages).
+            departure: exponential moving averages). Defaults: ``m3_beta3=0.99``, ``m3_alpha=0.5``,
+            ``m3_ns_steps=5``, ``m3_eps=1e-2``, ``m3_ema=False``.
         weight_decay, beta1, beta2: AdamW / M3 (decay on matrices only; decoupled). grad_clip: max
-            global grad norm (``0`` disables).
+            global grad norm (``0`` disables). Defaults: ``weight_decay=0.1``, ``beta1=0.9``,
+            ``beta2=0.95``, ``grad_clip=1.0``.
         (Per-module learning rates: a module with a float attribute ``outer_lr_scale`` trains at
         ``lr · outer_lr_scale``; see :func:`mnemo.train.trainer.make_optimizer`.)
         eval_interval: evaluate (and log to ``metrics.jsonl``) every this many steps and at the
-            end; eval_batches: validation batches per evaluation.
+            end; eval_batches: validation batches per evaluation. Defaults: ``eval_interval=100``,
+            ``eval_batches=8``.
         checkpoint_interval: save every this many steps (default: ``eval_interval``) and at the end.
-        seed: seeds the weights and the batch order. device: ``"cpu"`` or ``"cuda"``.
+        seed: seeds the weights and the batch order (default ``0``). device: ``"cpu"`` or ``"cuda"``.
         precision: ``"fp32"`` or ``"bf16"`` (autocast; states still accumulate in fp32).
         sample_tokens, sample_prompt, sample_temperature: the text sample printed at the end
-            (defaults: 400 tokens after ``"ROMEO:"``, sampled at temperature 0.8: logits / 0.8).
-        tensorboard: also write TensorBoard event files to ``OUT/tb`` (needs ``tensorboard``).
+            (defaults ``sample_tokens=400``, ``sample_prompt="ROMEO:"``, ``sample_temperature=0.8``:
+            400 tokens after ``"ROMEO:"``, sampled from logits / 0.8).
+        tensorboard: also write TensorBoard event files to ``OUT/tb`` (needs ``tensorboard``;
+            default ``False``).
         task: a synthetic task name (``mnemo tasks``: ``mqar``, ``selective_copying``, ``induction_heads``,
             ``passkey``, ``copying``, ``repeat_segment``) instead of text; then ``data`` and ``tokenizer`` are
             unused, the vocabulary comes from the task, batches are drawn from the task's train seed stream,
@@ -113,11 +130,19 @@ class TrainConfig:
             tracker is a callback the caller passes (``mnemo train`` and ``mnemo sweep`` do;
             from Python: ``Trainer(cfg, out, callbacks=mnemo.interp.circuit_callbacks)``): the
             trainer raises ``ValueError`` without one (``mnemo.train`` does not import
-            ``mnemo.interp``).
+            ``mnemo.interp``). Default ``False``.
         init_from: start from the weights of another run (a run or checkpoint directory) instead of
             a fresh initialisation — fine-tuning, or a curriculum (e.g. MQAR at 64 tokens, then at
             128); the model must have the same shapes; the optimizer and schedule start fresh.
-        circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens).
+        circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens;
+            default ``32``).
+        track_spectrum: at every evaluation also record the memory spectrum of every memory
+            (:func:`mnemo.interp.spectrum.memory_spectrum` on 256 seeded random tokens: the shares
+            of irrelevant / intermediate / marginal / relevant directions and the median half-life
+            per layer and per CMS level), through the same tracker as ``track_circuits`` (which it
+            turns on); ``mnemo probe plot-training OUT`` draws how the spectrum flows as training
+            proceeds. Costs one spectrum per evaluation (seconds for test-time-trained memories).
+            (default ``False``)
     """
 
     # ``metadata=_flag(...)``: the field is a ``mnemo train`` flag (``--seq-len`` for ``seq_len``);
@@ -167,7 +192,15 @@ class TrainConfig:
         default=False,
         metadata=_flag(
             "under torchrun, split every sequence over the processes instead of the batch "
-            "(recurrent models only; the sequence length must be a multiple of the processes)"
+            "(ring attention for attention layers, state relay for recurrent ones; the sequence "
+            "length must be a multiple of the processes)"
+        ),
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata=_flag(
+            "under torchrun, shard parameters, gradients and optimizer state over the processes "
+            "(FSDP2) and write sharded checkpoints (torch.distributed.checkpoint)"
         ),
     )
     activation_checkpointing: bool = field(
@@ -240,6 +273,10 @@ class TrainConfig:
     circuit_length: int = field(
         default=32, metadata=_flag("--track-circuits: repeated segment length", metavar="L")
     )
+    track_spectrum: bool = field(
+        default=False,
+        metadata=_flag("record the memory spectrum (shares of directions, half-lives) at every evaluation"),
+    )
 
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the offending field; return self."""
@@ -281,6 +318,12 @@ class TrainConfig:
             bad("activation_checkpointing", "true or false")
         if not isinstance(self.context_parallel, bool):
             bad("context_parallel", "true or false")
+        if not isinstance(self.fsdp, bool):
+            bad("fsdp", "true or false")
+        if self.fsdp and self.context_parallel:
+            bad("fsdp", "false with context_parallel (sharded training splits the batch, not the sequences)")
+        if self.fsdp and self.optimizer == "m3":
+            bad("fsdp", "false with optimizer 'm3' (its Newton-Schulz step needs whole matrices, not shards)")
         if not isinstance(self.pack_documents, bool):
             bad("pack_documents", "true or false")
         if self.pack_documents and (self.task is not None or self.context_parallel):
@@ -289,6 +332,8 @@ class TrainConfig:
             bad("init_from", "None or a path to a run or checkpoint directory")
         if not isinstance(self.track_circuits, bool):
             bad("track_circuits", "true or false")
+        if not isinstance(self.track_spectrum, bool):
+            bad("track_spectrum", "true or false")
         if (
             not isinstance(self.circuit_length, int)
             or isinstance(self.circuit_length, bool)

@@ -1,15 +1,15 @@
 """Multi-process helpers on ``torch.distributed`` (launched with ``torchrun``; gloo on CPU, nccl on
 CUDA): process-group setup, the data-parallel batch split (used by :class:`~mnemo.train.Trainer`
-for ``torchrun --nproc_per_node N -m mnemo train``), and sequence (context) parallelism for
-recurrent mixers.
+for ``torchrun --nproc_per_node N -m mnemo train``), and sequence (context) parallelism.
 
-Context parallelism is the recurrent analogue of ring attention: the sequence is cut into
-``world_size`` consecutive slices, rank ``r`` runs slice ``r`` starting from the state rank ``r − 1``
-ended with, and passes its final state on. The backward pass runs the chain in reverse: rank ``r``
-sends the gradient of the state it received back to rank ``r − 1``, which continues its own backward
-from there. Outputs and gradients equal the single-process pass (the streaming contract, DESIGN §4.2).
-Every layer's state must have a fixed size (recurrent mixers; attention layers need the whole KV
-cache and are rejected).
+Context parallelism cuts every sequence into ``world_size`` consecutive slices; rank ``r`` holds
+slice ``r`` and the model runs layer by layer (:func:`context_parallel_forward`): a recurrent layer
+starts from the state the same layer of rank ``r − 1`` ended with and passes its final state on
+(the streaming contract, DESIGN §4.2; in the backward pass the state's gradient goes from ``r + 1``
+back to ``r``), a softmax-attention layer runs ring attention
+(:func:`~mnemo.ops.ring_attention.ring_attention`, Liu et al. 2023) over all slices. Outputs and
+gradients equal the single-process pass to float rounding, for recurrent models, transformers and
+hybrids.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 
 def init_from_env(backend: str | None = None) -> tuple[int, int]:
@@ -115,7 +116,17 @@ def _rebuild(template, tensors: list):
     return pytree.tree_unflatten(new, spec)
 
 
-def _check_recurrent(model) -> None:
+def check_context_parallel(model) -> list[int]:
+    """Check that ``model`` can run under :func:`context_parallel_forward`; returns the indices of
+    its softmax-attention blocks (they run ring attention; every other block relays its state).
+
+    Raises:
+        ValueError: CMS levels of objective ``'task'`` (their state carries the model state at the
+            start of an unfinished segment); an attention block with a stateful MLP (a CMS: its
+            state would have to be relayed while the ring runs); attention with sinks; a
+            recurrent mixer holding softmax attention inside (its KV state grows with the tokens
+            seen, so its size is not known before it arrives).
+    """
     from ..layers import Attention
 
     if getattr(model, "task_segment", None) is not None:
@@ -123,81 +134,237 @@ def _check_recurrent(model) -> None:
             "context parallelism is not supported with CMS levels of objective 'task' (their state "
             "carries the model state at the start of an unfinished segment); use data parallelism"
         )
+    ring = []
     for i, b in enumerate(model.blocks):
         if isinstance(b.mixer, Attention):
+            if b.stateful_mlp:
+                raise ValueError(
+                    f"layer {i}: softmax attention followed by a stateful MLP (CMS) cannot run under "
+                    "context parallelism (ring attention for the mixer, a state relay for the MLP); "
+                    "use a plain MLP there, or data parallelism"
+                )
+            if getattr(b.mixer, "n_sink", 0):
+                raise ValueError(
+                    f"layer {i}: attention sinks (n_sink = {b.mixer.n_sink}) are not supported by "
+                    "ring attention; use data parallelism"
+                )
+            ring.append(i)
+        elif any(isinstance(m, Attention) for m in b.mixer.modules()):
             raise ValueError(
-                f"context parallelism needs fixed-size states; layer {i} is softmax attention "
-                "(use a recurrent mixer, or data parallelism)"
+                f"layer {i}: mixer {type(b.mixer).__name__} holds softmax attention inside, whose KV "
+                "state grows with the tokens seen; context parallelism relays fixed-size states only "
+                "(use data parallelism)"
             )
+    return ring
+
+
+def _check_recurrent(model) -> None:
+    """Backwards-compatible name: :func:`check_context_parallel` without the result."""
+    check_context_parallel(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# the layer-by-layer schedule
+# ------------------------------------------------------------------------------------------------
+
+
+class _RecvState(torch.autograd.Function):
+    """Forward: receive a block's initial state from rank ``r − 1`` (``x`` passes through, to tie
+    the node into the chain of block inputs). Backward: send the state's gradient back to ``r − 1``
+    (zeros where the state was not used)."""
+
+    @staticmethod
+    def forward(ctx, x, src, group, *templates):
+        got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in templates]
+        for t in got:
+            dist.recv(t, src=src, group=group)
+        ctx.src, ctx.group = src, group
+        ctx.meta = [(t.shape, t.dtype, t.device, t.is_floating_point()) for t in got]
+        ctx.mark_non_differentiable(*[t for t in got if not t.is_floating_point()])
+        return (x.view_as(x), *got)
+
+    @staticmethod
+    def backward(ctx, gx, *grads):
+        for g, (shape, dtype, device, fl) in zip(grads, ctx.meta):
+            if fl:
+                g = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                dist.send(g.contiguous(), dst=ctx.src, group=ctx.group)
+        return (gx, None, None, *[None] * len(grads))
+
+
+class _SendState(torch.autograd.Function):
+    """Forward: send a block's final state to rank ``r + 1`` (``x``, the block output, passes
+    through). Backward: receive the state's gradient from ``r + 1`` and return it to the block."""
+
+    @staticmethod
+    def forward(ctx, x, dst, group, *state):
+        for t in state:
+            dist.send(t.detach().contiguous(), dst=dst, group=group)
+        ctx.dst, ctx.group = dst, group
+        ctx.meta = [(t.shape, t.dtype, t.device, t.is_floating_point()) for t in state]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gx):
+        grads = []
+        for shape, dtype, device, fl in ctx.meta:
+            if fl:
+                g = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(g, src=ctx.dst, group=ctx.group)
+                grads.append(g)
+            else:
+                grads.append(None)
+        return (gx, None, None, *grads)
+
+
+def _failure_code(error: Exception | None) -> float:
+    from ..ops import NonFiniteError
+
+    return 0.0 if error is None else (1.0 if isinstance(error, NonFiniteError) else 2.0)
 
 
 def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: int, group=None):
-    """Run rank ``rank``'s slice of ``input_ids [B, T]`` (``T`` a multiple of ``world``) with the
-    state received from rank ``rank − 1``; returns ``(logits of the slice, handle)``.
+    """Run rank ``rank``'s slice of ``input_ids [B, T]`` (``T`` a multiple of ``world``; tokens
+    ``[r·n, (r+1)·n)``, ``n = T / world``) through ``model``, layer by layer, with the other ranks;
+    returns ``(logits [B, n, vocab] of the slice, handle)``. Call ``handle.backward(loss)`` (every
+    rank, the same number of times): all cross-rank gradients flow inside autograd.
 
-    Call ``handle.backward(loss)`` instead of ``loss.backward()``: it waits for the gradient of this
-    rank's final state from rank ``rank + 1``, back-propagates, and sends the gradient of the
-    received state to rank ``rank − 1``.
+    **Schedule.** Every rank runs the embedding of its slice (learned positions from ``r·n``),
+    then the blocks in order:
 
-    When this rank's forward raises (e.g. a :class:`~mnemo.ops.NonFiniteError`), it still sends
-    rank ``rank + 1`` a state (of NaNs), so the later ranks fail too instead of waiting forever;
-    then it re-raises.
+    * a **softmax-attention block** runs with every rank at once: inside
+      :func:`~mnemo.ops.ring_attention.ring_context` its :class:`~mnemo.layers.Attention` attends
+      over all ranks' keys (:func:`~mnemo.ops.ring_attention.ring_attention`: key/value blocks
+      circulate, online-softmax accumulation; causal, with windows and grouped-query heads), its
+      rotary positions starting at the global ``r·n`` (the block gets the state
+      ``AttentionState(kv=None, offset=r·n)``);
+    * a **recurrent block** (any fixed-size state, a CMS MLP included) relays its state: rank
+      ``r`` receives the block's state from rank ``r − 1`` (rank 0 starts empty), runs its slice
+      from it and sends the block's final state to rank ``r + 1``. Send and receive are autograd
+      functions, so in the backward pass the state's gradient travels from ``r + 1`` back to ``r``.
+
+    Rank ``r`` is in layer ``i`` only after rank ``r − 1`` finished layer ``i`` (a relay) and
+    before any rank starts layer ``i + 1`` (an attention block is a barrier of its ring). A run of
+    recurrent layers therefore forms a wavefront (rank ``r − 1`` runs layer ``i + 1`` while rank
+    ``r`` runs layer ``i``): ``L + N − 1`` slice-layer steps instead of the ``N · L`` of relaying
+    the whole model rank after rank, so this one schedule serves recurrent models, transformers
+    and hybrids alike. The backward pass runs the same wavefront in reverse. Per step and layer:
+    one state message (recurrent) or ``2(N − 1) + N`` key/value and gradient messages (attention).
+
+    Activation checkpointing (``model.activation_checkpointing`` in training) recomputes each
+    block, the ring included (every rank recomputes the same layer together), never the
+    state messages.
+
+    **Failures.** When a block raises on one rank (e.g. :class:`~mnemo.ops.NonFiniteError`), that
+    rank keeps the protocol going — it relays NaN states to rank ``r + 1`` in the remaining
+    recurrent layers (which then fail there too) — and before every attention block all ranks
+    agree (one all-reduce of a flag) on whether any rank failed; then every rank raises
+    (``NonFiniteError`` if the first failure was one, else ``RuntimeError``), so no rank waits
+    forever. A failure after the last attention block surfaces in the loss (NaN) on the ranks
+    that did not fail, and the failing rank raises its error at the end.
+
+    Raises:
+        ValueError: ``T`` is not a multiple of ``world``, learned positions run out, or
+            :func:`check_context_parallel` refuses the model.
     """
-    from ..ops import finite_checks
+    from ..layers.attention import AttentionState
+    from ..layers.state import BlockState
+    from ..ops import NonFiniteError, finite_checks
+    from ..ops.ring_attention import ProcessRing, ring_context
 
-    _check_recurrent(model)
+    ring_layers = set(check_context_parallel(model))
     B, T = input_ids.shape
     if T % world:
         raise ValueError(f"the sequence length ({T}) must be a multiple of the world size ({world})")
     n = T // world
-    ids = input_ids[:, rank * n : (rank + 1) * n]
+    start = rank * n
+    ids = input_ids[:, start : start + n]
     device = input_ids.device
-    # the state's structure (and sizes) from a 1-token dry run; values come from the previous rank
-    # (no finite checks: the structure is needed even when the weights went bad, see below)
-    with torch.no_grad(), finite_checks(False):
-        _, template = model(ids[:, :1])
-    shapes = _flatten(template, [], device)
-    received = None
-    state = None
-    if rank > 0:
-        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in shapes]
-        for t in received:
-            dist.recv(t, src=rank - 1, group=group)
-        received = [t.requires_grad_(t.is_floating_point()) for t in received]
-        state = _rebuild(template, received)
-    try:
-        logits, final = model(ids, state)
-    except Exception:
-        if rank < world - 1:  # rank + 1 waits for a state: let it fail as well
+    ring = ProcessRing(group) if ring_layers else None
+    prev = None if rank == 0 else (rank - 1 if group is None else dist.get_global_rank(group, rank - 1))
+    nxt = (
+        None if rank == world - 1 else (rank + 1 if group is None else dist.get_global_rank(group, rank + 1))
+    )
+    recompute = model.activation_checkpointing and model.training and torch.is_grad_enabled()
+
+    def ring_call(block, state):
+        def call(x):
+            with ring_context(ring):  # also when a checkpoint recomputes the block in the backward
+                return block(x, state)[0]
+
+        return call
+
+    def relay_call(block, template, has_state: bool):
+        def call(x, *flat):
+            return block(x, _rebuild(template, list(flat)) if has_state else None)
+
+        return call
+
+    x = model.embed(ids)
+    if model.pos_embed is not None:
+        if T > model.config.max_position:
+            raise ValueError(
+                f"learned positions cover max_position = {model.config.max_position} tokens, "
+                f"but the sequence reaches {T}"
+            )
+        x = x + model.pos_embed(torch.arange(start, start + n, device=x.device))
+    x = model.hook_embed(x)
+    failed: Exception | None = None
+    for i, block in enumerate(model.blocks):
+        if i in ring_layers:
+            flag = torch.tensor([_failure_code(failed)], dtype=torch.float32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            code = flag.item()
+            if code:
+                if failed is not None:
+                    raise failed
+                kind = NonFiniteError if code == 1 else RuntimeError
+                raise kind(f"context parallelism: another rank's forward pass failed before layer {i}")
+            call = ring_call(block, BlockState(mixer=AttentionState(kv=None, offset=start), mlp=None))
+            x = checkpoint(call, x, use_reentrant=False) if recompute else call(x)
+            continue
+        # a relayed block: its state's structure from a 1-token dry run (no finite checks: the
+        # structure is needed even when the weights went bad)
+        with torch.no_grad(), finite_checks(False):
+            _, template = block(x[:, :1].detach(), None)
+        shapes = _flatten(template, [], device)
+        got_state = prev is None
+        if failed is None:
+            try:
+                received = []
+                if prev is not None:
+                    x, *received = _RecvState.apply(x, prev, group, *shapes)
+                got_state = True
+                call = relay_call(block, template, prev is not None)
+                if recompute:
+                    y, final = checkpoint(call, x, *received, use_reentrant=False)
+                else:
+                    y, final = call(x, *received)
+                if nxt is not None:
+                    y = _SendState.apply(y, nxt, group, *_flatten(final, [], device))
+                x = y
+                continue
+            except Exception as e:  # keep the protocol going; every rank fails at the next agreement
+                failed = e
+        if not got_state:  # drain what rank r − 1 sends (its real or NaN state)
+            for t in shapes:
+                dist.recv(torch.empty(t.shape, dtype=t.dtype, device=t.device), src=prev, group=group)
+        if nxt is not None:  # rank r + 1 waits for a state: let it fail as well
             for t in shapes:
                 fill = float("nan") if t.is_floating_point() else 0
-                bad = torch.full(t.shape, fill, dtype=t.dtype, device=t.device)
-                dist.send(bad, dst=rank + 1, group=group)
-        raise
-    sent = _flatten(final, [], device) if rank < world - 1 else []
-    for t in sent:
-        dist.send(t.detach().contiguous(), dst=rank + 1, group=group)
-    return logits, _ContextHandle(rank, world, received, sent, group)
+                dist.send(torch.full(t.shape, fill, dtype=t.dtype, device=t.device), dst=nxt, group=group)
+    if failed is not None:
+        raise failed
+    logits = model.lm_head(model.norm(x))
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return logits, _ContextHandle()
 
 
 class _ContextHandle:
-    def __init__(self, rank, world, received, sent, group):
-        self.rank, self.world, self.received, self.sent, self.group = rank, world, received, sent, group
+    """What :func:`context_parallel_forward` returns with the logits; its ``backward(loss)`` is
+    ``loss.backward()`` (the state and key/value gradients cross ranks inside autograd)."""
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss`` through this rank's slice and the states that cross ranks."""
-        outs, grads = [loss], [torch.ones_like(loss)]
-        if self.rank < self.world - 1:
-            for t in self.sent:
-                g = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                dist.recv(g, src=self.rank + 1, group=self.group)
-                if t.requires_grad:
-                    outs.append(t)
-                    grads.append(g)
-        torch.autograd.backward(outs, grads)
-        if self.rank > 0:
-            for t in self.received:
-                g = t.grad if t.grad is not None else torch.zeros_like(t)
-                dist.send(g.contiguous(), dst=self.rank - 1, group=self.group)
-
-    # integer counters travel as int64 tensors; their "gradients" are zeros
+        """Back-propagate ``loss`` through this rank's slice and everything that crosses ranks."""
+        loss.backward()

@@ -47,6 +47,7 @@ from .distributed import (
 )
 from .m3 import M3
 from .memory_estimate import check_memory, estimate_memory
+from .sharded import is_sharded, load_sharded, save_sharded_checkpoint, shard_model
 from .task_eval import evaluate_task
 
 METRICS_NAME = "metrics.jsonl"
@@ -188,8 +189,10 @@ RESUMABLE = (
     "eval_lengths",
     "track_circuits",
     "circuit_length",
+    "track_spectrum",
     "grad_accum",
     "context_parallel",
+    "fsdp",
     "activation_checkpointing",
 )
 RESCHEDULE = ("stretch", "hold")
@@ -334,6 +337,8 @@ class Trainer:
     dict of the settings to change, or a full :class:`TrainConfig` compared field by field — see
     :func:`resume_config` (which settings may change; ``reschedule`` = ``"stretch"`` or ``"hold"``
     when new ``steps`` would move the end of the cosine). Each change is logged in one line.
+    ``progress``: show a progress bar (on the main process). Defaults: ``resume=False``,
+    ``progress=True``.
 
     ``callbacks``: functions ``f(trainer, record) -> dict | None`` called after every evaluation,
     before the record is written; a returned dict is merged into the record (e.g. circuit scores
@@ -359,7 +364,7 @@ class Trainer:
     other ranks wait at a barrier meanwhile, and ``fit`` returns them the record without the
     evaluation metrics. ``rank``, ``world`` and ``is_main`` tell where a trainer runs.
 
-    **Context parallelism** (``cfg.context_parallel``, recurrent models only). Under torchrun
+    **Context parallelism** (``cfg.context_parallel``). Under torchrun
     every rank trains on the whole global batch but only on its slice of each sequence — tokens
     ``[r·T/N, (r+1)·T/N)`` — through :func:`~mnemo.train.distributed.context_parallel_forward`
     (the states cross ranks forward, their gradients backward). The loss of a rank is its slice's
@@ -367,8 +372,18 @@ class Trainer:
     are then summed over ranks with ``all_reduce`` (no DDP), so the update equals the
     single-process run's. ``grad_accum`` splits the global batch into micro-batches; each one's
     states and gradients cross ranks in its own forward/backward, the parameter gradients are
-    summed once per step. Models with softmax-attention layers are rejected here (on any number
-    of processes); with one process the flag changes nothing.
+    summed once per step. Softmax-attention layers run ring attention (their key/value blocks
+    circulate over the ranks), recurrent layers relay their states, layer by layer, so
+    transformers and hybrids train this way too; what the ring cannot carry (attention sinks, an
+    attention block with a CMS) is rejected here naming the layer (on any number of processes);
+    with one process the flag changes nothing.
+
+    **Sharded training** (``cfg.fsdp``, :mod:`mnemo.train.sharded`). As data parallelism, but the
+    blocks and the root are sharded with FSDP2 (``fully_shard``) instead of wrapped in DDP; the
+    optimizer holds shards. Every rank evaluates and runs the callbacks (the sharded model needs
+    all ranks), rank 0 logs; checkpoints are DCP shards written by every rank, resumed on any
+    number of processes (a single-file checkpoint is not resumed sharded: start with
+    ``init_from``).
     """
 
     def __init__(
@@ -431,6 +446,7 @@ class Trainer:
         self.cfg = cfg.validate()
         # context parallelism splits the sequences, not the batch
         self.context_parallel = cfg.context_parallel and self.world > 1
+        self.fsdp = cfg.fsdp and self.world > 1  # sharded parameters (mnemo.train.sharded)
         if self.context_parallel and cfg.seq_len % self.world:
             raise ValueError(
                 f"TrainConfig.seq_len: context parallelism over {self.world} processes needs a "
@@ -456,6 +472,14 @@ class Trainer:
                 "pass callbacks=[mnemo.interp.CircuitTracker(length=cfg.circuit_length)] (or the "
                 "factory callbacks=mnemo.interp.circuit_callbacks, which reads the run's config), "
                 "or set track_circuits=False"
+            )
+        if getattr(cfg, "track_spectrum", False) and not any(
+            getattr(cb, "tracks_spectrum", False) for cb in made
+        ):
+            raise ValueError(
+                "TrainConfig.track_spectrum: the trainer does not build the spectrum tracker itself; "
+                "pass callbacks=[mnemo.interp.CircuitTracker(spectrum=True)] (or the factory "
+                "callbacks=mnemo.interp.circuit_callbacks), or set track_spectrum=False"
             )
         return made
 
@@ -489,7 +513,7 @@ class Trainer:
     def _build_model(self, vocab_size: int) -> None:
         """Seed and build ``self.model`` on the device, after checking that the learned positions
         cover the lengths, that a step fits in memory, and (context parallelism) that the model
-        is recurrent; warns about CMS periods the training length never reaches."""
+        can run context-parallel; warns about CMS periods the training length never reaches."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model_cfg = build_config(cfg.model, vocab_size=vocab_size, **cfg.model_overrides)
@@ -530,6 +554,8 @@ class Trainer:
                 _check_recurrent(self.model)
             except ValueError as e:
                 raise ValueError(f"TrainConfig.context_parallel: model {cfg.model!r}: {e}") from None
+        if self.fsdp:  # before the optimizer: it must hold the shards
+            shard_model(self.model, self.device)
 
     def _setup_optimizer(self) -> None:
         """The optimizer, the warm-up + cosine schedule, the batch generator (seeded from
@@ -552,8 +578,16 @@ class Trainer:
         and step; the metrics log is cut back to that step (rank 0, under the folder's lock)."""
         from safetensors.torch import load_model
 
-        load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
-        self.optimizer.load_state_dict(state["optimizer"])
+        if is_sharded(ckpt):  # DCP shards of an FSDP run: any number of processes, sharded or not
+            load_sharded(ckpt, self.model, self.optimizer)
+        elif self.fsdp:
+            raise ValueError(
+                f"TrainConfig.fsdp: {ckpt} is a single-file checkpoint; resuming it sharded is not "
+                "supported (resume it without --fsdp, or start a new run with init_from)"
+            )
+        else:
+            load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
@@ -572,7 +606,8 @@ class Trainer:
         """The module the training forward runs through (DDP's wrapper with several processes;
         context parallelism synchronises the gradients itself) and, on rank 0, the TensorBoard
         writer."""
-        self.ddp = self._wrap_ddp() if self.world > 1 and not self.context_parallel else None
+        plain = self.context_parallel or self.fsdp  # they synchronise the gradients themselves
+        self.ddp = self._wrap_ddp() if self.world > 1 and not plain else None
         self.train_model = self.ddp if self.ddp is not None else _Logits(self.model)
         self.tb = None
         if self.cfg.tensorboard and self.is_main:
@@ -592,7 +627,16 @@ class Trainer:
 
         ckpt = resolve_checkpoint(source)
         try:
-            load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
+            if is_sharded(ckpt):
+                load_sharded(ckpt, self.model)
+            elif self.fsdp:  # every process reads the whole file and keeps its shards
+                from safetensors.torch import load_file
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                full = load_file(str(ckpt / WEIGHTS_NAME), device=str(self.device))
+                set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+            else:
+                load_model(self.model, str(ckpt / WEIGHTS_NAME), device=str(self.device))
         except RuntimeError as e:  # missing/unexpected keys or shape mismatches
             raise ValueError(
                 f"TrainConfig.init_from: the weights in {ckpt} do not fit model {self.cfg.model!r} "
@@ -693,18 +737,21 @@ class Trainer:
         return out
 
     def _write_checkpoint(self) -> Path:
+        """Rank 0 writes the checkpoint (FSDP: every rank calls this and writes its shards)."""
         cfg = self.cfg
+        sharded = self.fsdp
 
         def write(tmp: Path):
             self.model.config.save(tmp / CONFIG_NAME)
-            save_model(self.model, str(tmp / WEIGHTS_NAME))
+            if not sharded:  # else the weights and optimizer state are DCP shards
+                save_model(self.model, str(tmp / WEIGHTS_NAME))
             if self.tokenizer is not None:
                 save_tokenizer(self.tokenizer, tmp)
             (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
             save_torch(
                 {
                     "step": self.step,
-                    "optimizer": self.optimizer.state_dict(),
+                    **({"sharded": True} if sharded else {"optimizer": self.optimizer.state_dict()}),
                     "scheduler": self.scheduler.state_dict(),
                     "generator": self.generator.get_state(),
                     "torch_rng": torch.get_rng_state(),
@@ -714,7 +761,12 @@ class Trainer:
                 tmp / STATE_NAME,
             )
 
-        self.last_checkpoint = save_checkpoint(self.out, self.step, write)
+        if sharded:
+            self.last_checkpoint = save_sharded_checkpoint(
+                self.out, self.step, self.model, self.optimizer, write
+            )
+        else:
+            self.last_checkpoint = save_checkpoint(self.out, self.step, write)
         return self.last_checkpoint
 
     def _saved_step(self) -> int | None:
@@ -751,7 +803,10 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step on a fresh global batch; returns its loss (the mean over the global
         batch's supervised tokens, the same on every rank). Raises :class:`TrainingDiverged` (on
-        every rank alike)."""
+        every rank alike). A model with MoE layers also optimises their auxiliary losses
+        (:meth:`_moe_aux_scale`); the returned loss stays the cross-entropy, the auxiliary values
+        are logged as ``moe_aux_loss`` / ``moe_z_loss``, and the balancing bias steps after the
+        optimizer (:meth:`_moe_after_step`)."""
         cfg = self.cfg
         first = None
         if self.task is None and cfg.pack_documents:
@@ -780,6 +835,8 @@ class Trainer:
             yi = y[i * micro : (i + 1) * micro].to(self.device)
             # gradients are all-reduced once per step, in the last micro-batch's backward
             defer = self.ddp is not None and i < cfg.grad_accum - 1
+            if self.fsdp:  # FSDP2 likewise reduce-scatters in the last micro-batch's backward only
+                self.model.set_requires_gradient_sync(i == cfg.grad_accum - 1)
             with self.ddp.no_sync() if defer else contextlib.nullcontext():
                 error, handle = None, None
                 try:
@@ -803,16 +860,24 @@ class Trainer:
                     ) from error
                 if not math.isfinite(part):
                     raise TrainingDiverged(self.step + 1, "loss", part / n_tokens, self.last_checkpoint)
+                loss = ce * scale
+                aux = self.model.aux_loss()  # MoE layers' auxiliary losses of this micro-batch
+                if aux is not None:
+                    loss = loss + aux * self._moe_aux_scale()
+                    self._moe_collect()
                 if handle is not None:
-                    handle.backward(ce * scale)  # the state gradients cross ranks here
+                    handle.backward(loss)  # the state gradients cross ranks here
                 else:
-                    (ce * scale).backward()
+                    loss.backward()
             total += part
         if cp:
             self._sum_gradients()
         # after the synchronisation every rank holds the same gradients: same norm, same decision
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if cfg.grad_clip > 0:
+        if self.fsdp:  # DTensor shards: the norm is reduced over the processes (inf: no clipping)
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        elif cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
@@ -820,8 +885,88 @@ class Trainer:
             raise TrainingDiverged(self.step + 1, "gradient norm", norm.item(), self.last_checkpoint)
         self.optimizer.step()
         self.scheduler.step()
+        self._moe_after_step()
         self.step += 1
         return total / n_tokens
+
+    # ------------------------------------------------------------------------------------------
+    # mixture of experts (mnemo.layers.MoE): auxiliary losses, expert loads, bias balancing
+    def _moe_aux_scale(self) -> float:
+        """Weight of a micro-batch's auxiliary loss (already ``Σ_layers coef · L``). Each
+        micro-batch's ``L_aux`` / ``L_z`` is computed over its own tokens (per rank), and the
+        training objective adds their **mean** over the step's micro-batches and ranks: ``1 /
+        grad_accum`` here, DDP's gradient average does the rest; context parallelism sums gradients
+        over ranks, hence ``1 / (grad_accum · world)`` there. (With one micro-batch on one process
+        this is the full batch's loss; otherwise ``f · P`` is averaged per micro-batch, not pooled.)"""
+        n = self.cfg.grad_accum * (self.world if self.context_parallel else 1)
+        return 1.0 / n
+
+    def _moe_collect(self) -> None:
+        """After a micro-batch's forward: add each MoE layer's assignment counts, dropped
+        assignments and loss values to the step's sums (before the backward, so activation
+        recomputation does not count twice)."""
+        parts = [  # kept on the device: no host synchronisation per micro-batch
+            torch.cat(
+                [
+                    m.last_counts.double(),
+                    m.last_dropped.double()[None],
+                    m.last_aux_loss.detach().double()[None],
+                    m.last_z_loss.detach().double()[None],
+                ]
+            )
+            for _, m in self.model.moe_layers()
+        ]
+        acc = getattr(self, "_moe_step_sums", None)
+        self._moe_step_sums = parts if acc is None else [a + b for a, b in zip(acc, parts)]
+
+    def _moe_after_step(self) -> None:
+        """After the optimizer step: sum the step's MoE statistics over ranks (one all-reduce), take
+        one auxiliary-loss-free bias step per layer with ``bias_balancing`` (its global counts, so
+        every rank's bias stays equal), and add the statistics to the logging interval's."""
+        acc = getattr(self, "_moe_step_sums", None)
+        if acc is None:
+            return
+        self._moe_step_sums = None
+        flat = torch.cat(acc)
+        if self.world > 1:
+            dist.all_reduce(flat)
+        flat = flat.cpu()
+        sums = list(flat.split([a.numel() for a in acc]))
+        for s_, (_, m) in zip(sums, self.model.moe_layers()):
+            if m.bias_balancing:
+                m.update_bias(s_[:-3])
+        interval = getattr(self, "_moe_interval", None)
+        if interval is None:
+            interval = self._moe_interval = [torch.zeros_like(s_) for s_ in sums]
+        for a, s_ in zip(interval, sums):
+            a += s_
+        # micro-batches (× ranks) that contributed a loss value, for the interval means
+        self._moe_interval_n = getattr(self, "_moe_interval_n", 0) + self.cfg.grad_accum * self.world
+
+    def _moe_record(self) -> dict:
+        """The logging interval's MoE metrics (and a reset): ``moe_load`` (per layer, the fraction
+        of assignments each expert received; balanced = ``1/E``), ``moe_load_max`` / ``moe_load_min``
+        (over layers and experts), ``moe_dropped`` (assignments dropped by ``capacity_factor``) and
+        ``moe_dropped_frac``, ``moe_aux_loss`` / ``moe_z_loss`` (per layer and micro-batch means;
+        ``moe_aux_loss`` is 1 for uniform routing). Empty without MoE layers."""
+        interval = getattr(self, "_moe_interval", None)
+        if interval is None:
+            return {}
+        n = max(getattr(self, "_moe_interval_n", 0), 1)
+        self._moe_interval, self._moe_interval_n = None, 0
+        loads = [(a[:-3] / a[:-3].sum().clamp_min(1)).tolist() for a in interval]
+        assigned = sum(float(a[:-3].sum()) for a in interval)
+        dropped = sum(float(a[-3]) for a in interval)
+        flat = [v for row in loads for v in row]
+        return {
+            "moe_load": [[round(v, 5) for v in row] for row in loads],
+            "moe_load_max": max(flat),
+            "moe_load_min": min(flat),
+            "moe_dropped": int(dropped),
+            "moe_dropped_frac": dropped / max(assigned, 1.0),
+            "moe_aux_loss": sum(float(a[-2]) for a in interval) / (n * len(interval)),
+            "moe_z_loss": sum(float(a[-1]) for a in interval) / (n * len(interval)),
+        }
 
     def _sum_gradients(self) -> None:
         """Context parallelism: sum every parameter's gradient over the ranks. Every rank issues
@@ -948,12 +1093,13 @@ class Trainer:
                         "train_loss": self._acc_loss / max(self._acc_n, 1),
                         "tokens_per_s": self._acc_tokens / max(self._acc_time, 1e-9),
                         "lr": self.scheduler.get_last_lr()[0],
+                        **self._moe_record(),
                     }
-                    if self.is_main:
+                    if self.is_main or self.fsdp:  # FSDP: every rank runs the (sharded) model
                         record = self._eval_record(record, last, t_start, bar)
                     self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
                 if save:
-                    if self.is_main:
+                    if self.is_main or self.fsdp:
                         self._write_checkpoint()
                     else:
                         self.last_checkpoint = self.out / ckpt_name(self.step)
@@ -966,7 +1112,9 @@ class Trainer:
         return record
 
     def _eval_record(self, record: dict, last: bool, t_start: float, bar) -> dict:
-        """Rank 0: evaluate, complete ``record``, run the callbacks, log and print it."""
+        """Rank 0: evaluate, complete ``record``, run the callbacks, log and print it. Under FSDP
+        every rank calls this (the sharded model needs all of them, in the evaluation and in
+        callbacks that run it); only rank 0 logs and prints."""
         cfg = self.cfg
         ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
         record = {
@@ -976,11 +1124,14 @@ class Trainer:
             "tokens_per_s": record["tokens_per_s"],
             "lr": record["lr"],
             "elapsed_s": time.perf_counter() - t_start,
+            **{k: v for k, v in record.items() if k.startswith("moe_")},
         }
         for callback in self.callbacks:
             extra = callback(self, record)
             if extra:
                 record.update(extra)
+        if not self.is_main:
+            return record
         self._log_metrics(record)
         if self.task is None:
             quality = f"({ev['val_bpc']:.3f} bpc)"
@@ -1028,7 +1179,9 @@ def generate_text(
     seed: int = 0,
     device="cpu",
 ) -> str:
-    """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline)."""
+    """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline), sampled
+    at ``temperature`` (``0``: greedy) from a generator seeded with ``seed``. Defaults:
+    ``temperature=0.8``, ``seed=0``."""
     ids = tokenizer.encode(prompt or "\n")
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(

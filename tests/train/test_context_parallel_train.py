@@ -1,6 +1,7 @@
 """``Trainer`` with ``context_parallel=True`` on 2 gloo processes equals the single-process run
-(per-step losses, final weights, with and without gradient accumulation); attention models and
-sequence lengths that do not split are rejected naming the problem."""
+(per-step losses, final weights, with and without gradient accumulation) for recurrent models,
+a transformer and a hybrid (ring attention); attention sinks and sequence lengths that do not split
+are rejected naming the problem."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ from mnemo.train import TrainConfig, Trainer, TrainingDiverged
 from tests.helpers import free_port, join_as_torchrun
 
 RTOL = 1e-5
-MODELS = ["gated_deltanet", "mamba"]
+MODELS = ["gated_deltanet", "mamba", "transformer", "hybrid"]  # the last two run ring attention
 STEPS = 4
+#: a hybrid: its recurrent layer relays its state, its attention layer runs the ring
+HYBRID = {"layers": ["gla", "attention"], "n_layers": 2}
 
 
 def _cfg(model="gated_deltanet", **kw) -> TrainConfig:
+    overrides = {"d_model": 16, "n_layers": 1}
+    if model == "hybrid":
+        model, overrides = "transformer", {**overrides, **HYBRID}
     base = dict(
         model=model,
-        model_overrides={"d_model": 16, "n_layers": 1},
+        model_overrides=overrides,
         seq_len=16,
         batch_size=4,
         steps=STEPS,
@@ -123,13 +129,20 @@ def _fake_world(monkeypatch, world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_attention_models_are_rejected(world, tmp_path, monkeypatch):
+def test_attention_sinks_are_rejected(world, tmp_path, monkeypatch):
     _fake_world(monkeypatch, world)  # rejected before any collective
-    cfg = _cfg("gated_deltanet_hybrid", model_overrides={"d_model": 16, "n_layers": 4})
+    cfg = _cfg(
+        "gated_deltanet_hybrid",
+        model_overrides={
+            "d_model": 16,
+            "n_layers": 4,
+            "mixer_options": {"attention": {"window": 4, "n_sink": 1}},
+        },
+    )
     with pytest.raises(
         ValueError,
-        match=r"TrainConfig.context_parallel: model 'gated_deltanet_hybrid': context parallelism "
-        r"needs fixed-size states; layer 3 is softmax attention",
+        match=r"TrainConfig.context_parallel: model 'gated_deltanet_hybrid': layer 3: attention sinks "
+        r"\(n_sink = 1\) are not supported by ring attention",
     ):
         Trainer(cfg, tmp_path, progress=False)
 

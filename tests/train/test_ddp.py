@@ -75,6 +75,15 @@ def _hope_cfg(**kw) -> TrainConfig:
     return _text_cfg(model="hope", seq_len=32, steps=4, eval_batches=1, **kw)
 
 
+def _moe_cfg(**kw) -> TrainConfig:
+    """A MoE hybrid with load-balance and z losses and bias balancing (global counts)."""
+    opts = {"n_experts": 4, "top_k": 2, "expert_hidden": 8, "aux_loss_coef": 0.1, "z_loss_coef": 0.01,
+            "bias_balancing": True, "bias_update_rate": 0.01}  # fmt: skip
+    pattern = ["gated_deltanet", "attention"]
+    overrides = {"d_model": 16, "n_layers": 2, "pattern": pattern, "mlp_options": opts}
+    return _text_cfg(model="gated_deltanet_attention_moe", model_overrides=overrides, steps=4, **kw)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ragged_task():
     TASKS[RaggedMQAR.name] = RaggedMQAR
@@ -112,6 +121,8 @@ def _worker(rank, world, port, out):
         Trainer(
             _hope_cfg(grad_accum=2, activation_checkpointing=True), Path(out) / "hope", progress=False
         ).fit()
+        # MoE: each rank's auxiliary losses on its rows, the expert-bias step on the global counts
+        Trainer(_moe_cfg(), Path(out) / "moe", progress=False).fit()
         # a NaN loss on one rank only stops every rank (no rank left waiting in a collective)
         tr = Trainer(_text_cfg(), Path(out) / "nan", progress=False)
         tr.train_step()
@@ -184,6 +195,22 @@ def test_two_processes_train_a_model_with_parameters_unused_by_the_loss(spawned,
     with pytest.warns(UserWarning, match="CMS level 2 has period 32 >= the window of 32 tokens"):
         Trainer(_hope_cfg(), tmp_path, progress=False).fit()
     _assert_same_losses(_metrics(spawned / "hope"), _metrics(tmp_path))
+
+
+def test_two_processes_train_moe_like_one_process_with_two_micro_batches(spawned, tmp_path):
+    """The auxiliary losses are means over micro-batches and ranks (per-rank rows = per-micro-batch
+    rows), and the balancing bias steps on the global counts: 2 ranks x 1 micro-batch equals
+    1 process x 2 micro-batches, losses, loads and biases."""
+    tr = Trainer(_moe_cfg(grad_accum=2), tmp_path, progress=False)
+    tr.fit()
+    keys = ("train_loss", "val_loss", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min")
+    _assert_same_losses(_metrics(spawned / "moe"), _metrics(tmp_path), keys)
+    from safetensors.torch import load_file
+
+    other = load_file(str(spawned / "moe" / "ckpt-000004" / "model.safetensors"))
+    for i, m in tr.model.moe_layers():
+        assert m.expert_bias.abs().sum() > 0
+        assert torch.allclose(other[f"blocks.{i}.mlp.expert_bias"], m.expert_bias, atol=1e-7)
 
 
 def test_a_nan_on_one_rank_stops_every_rank(spawned):

@@ -67,8 +67,25 @@ def test_context_parallel_equals_single_process(name, tmp_path):
         torch.testing.assert_close(g, p.grad, rtol=1e-8, atol=1e-10, msg=f"gradient of {n}")
 
 
-def test_context_parallel_rejects_attention():
-    from mnemo.train.distributed import _check_recurrent
+def test_context_parallel_runs_attention_on_the_ring_and_refuses_what_it_cannot_carry():
+    from mnemo.train.distributed import check_context_parallel
 
-    with pytest.raises(ValueError, match="layer 0 is softmax attention"):
-        _check_recurrent(_model("transformer"))
+    assert check_context_parallel(_model("transformer")) == [0, 1]  # ring attention in both layers
+    assert check_context_parallel(_model("gated_deltanet")) == []  # relays only
+    torch.manual_seed(0)
+    sinks = LanguageModel(
+        build_config(
+            "transformer",
+            vocab_size=32,
+            d_model=16,
+            n_layers=2,
+            mixer_options={"attention": {"window": 4, "n_sink": 2}},
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"layer 0: attention sinks \(n_sink = 2\) are not supported by ring"
+    ):
+        check_context_parallel(sinks)
+    cms = LanguageModel(build_config("transformer", vocab_size=32, d_model=16, n_layers=1, mlp="cms"))
+    with pytest.raises(ValueError, match=r"layer 0: softmax attention followed by a stateful MLP \(CMS\)"):
+        check_context_parallel(cms)

@@ -1,0 +1,172 @@
+"""Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``; Zhao et al. 2023,
+"PyTorch FSDP") and its sharded checkpoints (``torch.distributed.checkpoint``, DCP).
+
+**Sharding.** :func:`shard_model` applies ``fully_shard`` to every block and then to the root
+(embedding, final norm and head, tied or not): each parameter becomes a ``DTensor`` split along
+dim 0 over the processes; a block's parameters are all-gathered just before its forward and
+backward and freed after, and its gradients are reduce-scattered (averaged over the processes, as
+DDP does, so the trainer's loss scale ``world / tokens`` is unchanged). The optimizer holds and
+updates shards only. Works on CPU with gloo (checked with torch 2.13) and on CUDA with nccl.
+
+**Sharded checkpoints.** A checkpoint of an FSDP run keeps the usual layout except the weights
+and the optimizer state::
+
+    OUT/ckpt-000500/config.json, tokenizer.json, train_config.json, manifest.json,
+                    trainer_state.pt          (step, schedule, RNG states; "sharded": true)
+                    sharded/.metadata, sharded/__0_0.distcp, sharded/__1_0.distcp, …
+                                              (DCP: {"model": …, "optim": …}, one file per process)
+
+It is written with the guarantees of :func:`~mnemo.train.checkpoint.save_checkpoint`: every
+process writes its shard into one temporary directory (``OUT/.tmp-ckpt-000500-sharded``, so ``OUT``
+must be a filesystem all processes share — on several nodes a network filesystem), all meet at a
+barrier, then rank 0 writes the other files and a manifest with the size and SHA-256 of every file
+(the shards included), fsyncs, renames the directory into place and updates ``latest``; readers
+check the manifest and fall back to the newest intact checkpoint as for single-file checkpoints.
+What differs: a crash of a process other than 0 mid-write is noticed by the others only at the
+barrier (torchrun then stops the job; the previous checkpoint stays intact), and the temporary
+directory is named by step, not by process id (a rerun removes a stale one first).
+
+**Resharding.** DCP stores each shard with its global offsets, so :func:`load_sharded` fills a
+model and optimizer sharded over any number of processes — or a plain model in a single process
+without a process group. :func:`consolidate_checkpoint` (``mnemo convert --from-dcp``) rewrites a
+sharded checkpoint as an ordinary single-file one (``model.safetensors`` and the optimizer state in
+``trainer_state.pt``), which ``mnemo eval``, ``generate`` and ``export`` read.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import STATE_NAME, ckpt_name, save_checkpoint
+
+SHARDED_DIR = "sharded"
+
+
+def is_sharded(ckpt: str | Path) -> bool:
+    """Whether the checkpoint directory ``ckpt`` holds DCP shards (an FSDP run's checkpoint)."""
+    return (Path(ckpt) / SHARDED_DIR / ".metadata").is_file()
+
+
+def shard_model(model, device: torch.device):
+    """``fully_shard`` every block of ``model`` (a :class:`~mnemo.models.LanguageModel`), then the
+    root; returns the same module (its class becomes an FSDP subclass, its parameters
+    ``DTensor`` shards). Needs an initialised process group. Build the optimizer afterwards."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _state_dicts(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_sharded_checkpoint(out_dir, step: int, model, optimizer, write_files, keep: int = 2) -> Path:
+    """Write ``OUT/ckpt-{step}`` as a sharded checkpoint (module docstring): *every* process calls
+    this; each writes its shards of ``model`` and ``optimizer`` with DCP, then rank 0 calls
+    ``write_files(tmp_dir)`` for the other files and completes the checkpoint atomically, keeping
+    the ``keep`` most recent checkpoints (:func:`~mnemo.train.checkpoint.save_checkpoint`; default
+    ``keep=2``). Returns its path (on every process)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = Path(out_dir)
+    tmp = out / f".tmp-{ckpt_name(step)}-sharded"
+    rank = dist.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp / SHARDED_DIR))
+    dist.barrier()  # every shard and DCP's metadata are on disk
+    final = out / ckpt_name(step)
+    if rank == 0:
+        save_checkpoint(out, step, write_files, keep=keep, prepared=tmp)
+    dist.barrier()
+    return final
+
+
+def load_sharded(ckpt: str | Path, model, optimizer=None) -> None:
+    """Fill ``model`` (and ``optimizer``: its parameter groups must match the saved ones) from the
+    DCP shards of ``ckpt``, whatever the number of processes that wrote them: sharded over the
+    current process group (FSDP) or, in a single process without one, a plain model.
+
+    Raises:
+        FileNotFoundError: ``ckpt`` holds no shards.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if not is_sharded(ckpt):
+        raise FileNotFoundError(
+            f"no sharded checkpoint in {ckpt}: expected {Path(ckpt) / SHARDED_DIR / '.metadata'}"
+        )
+    path = str(Path(ckpt) / SHARDED_DIR)
+    sd = {"model": get_model_state_dict(model)} if optimizer is None else _state_dicts(model, optimizer)
+    with warnings.catch_warnings():  # one process without a group is intended here: say nothing
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(sd, checkpoint_id=path)
+    if optimizer is None:
+        set_model_state_dict(model, sd["model"])
+        return
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
+    """Rewrite the sharded checkpoint ``src`` (a checkpoint directory, or a run directory: its newest
+    intact checkpoint) as an ordinary single-file checkpoint ``OUT/ckpt-{step}`` of the run
+    directory ``out`` (``latest`` included): ``model.safetensors``, and ``trainer_state.pt`` with the
+    whole optimizer state, so ``mnemo eval/generate`` read it and ``mnemo train --resume --out OUT``
+    continues the run in one process (or data-parallel). Runs in one process, no process group.
+    Returns the new checkpoint's path.
+
+    Raises:
+        FileNotFoundError / CorruptCheckpointError: as :func:`~mnemo.train.resolve_checkpoint`.
+        ValueError: ``src`` is not a sharded checkpoint.
+    """
+    import json
+
+    from safetensors.torch import save_model
+
+    from ..models import LanguageModel, ModelConfig
+    from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
+    from .checkpoint import TRAIN_CONFIG_NAME, load_json, load_trainer_state, resolve_checkpoint, save_torch
+    from .config import TrainConfig
+
+    ckpt = resolve_checkpoint(src)
+    if not is_sharded(ckpt):
+        raise ValueError(f"--from-dcp: {ckpt} is not a sharded (FSDP) checkpoint: no {SHARDED_DIR}/.metadata")
+    from .trainer import make_optimizer
+
+    tcfg = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
+    model = LanguageModel(ModelConfig.load(ckpt / CONFIG_NAME))
+    optimizer = make_optimizer(model, tcfg)
+    load_sharded(ckpt, model, optimizer)
+    state = load_trainer_state(ckpt)
+    state = {k: v for k, v in state.items() if k != "sharded"}
+    state["optimizer"] = optimizer.state_dict()
+
+    def write(tmp: Path):
+        for f in ckpt.iterdir():  # config, tokenizer, train config: unchanged
+            if f.is_file() and f.name not in (STATE_NAME, "manifest.json"):
+                shutil.copy2(f, tmp / f.name)
+        save_model(model, str(tmp / WEIGHTS_NAME))
+        save_torch(state, tmp / STATE_NAME)
+        json.loads((tmp / TRAIN_CONFIG_NAME).read_text())  # copied intact
+
+    return save_checkpoint(out, state["step"], write)
