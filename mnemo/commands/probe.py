@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..interp.probe import circuit_scores, circuits_figure, training_figure
+from ..interp.probe import circuit_scores, circuits_figure, spectrum_flow_figure, training_figure
 
 
 def _load(checkpoint):
@@ -112,15 +112,24 @@ def _read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_training(run_dir, path=None) -> Path:
-    """Loss and tracked scores from ``RUN/metrics.jsonl`` against steps (``RUN/training.png``)."""
+    """Loss and tracked scores from ``RUN/metrics.jsonl`` against steps (``RUN/training.png``);
+    with a tracked spectrum also its flow (:func:`~mnemo.interp.probe.spectrum_flow_figure`,
+    ``RUN/training_spectrum.png``, or ``PATH``'s name with ``_spectrum``)."""
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
     rows = _read_metrics(run_dir)
-    fig = training_figure(rows, run_label(run_dir, rows[-1]["step"] if rows else None))
+    label = run_label(run_dir, rows[-1]["step"] if rows else None)
+    fig = training_figure(rows, label)
     path = Path(path) if path else run_dir / "training.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    flow = spectrum_flow_figure(rows, label)
+    if flow is not None:  # a run with TrainConfig.track_spectrum: the spectrum's flow beside it
+        flow_path = path.with_name(path.stem + "_spectrum" + path.suffix)
+        flow.savefig(flow_path, dpi=120)
+        plt.close(flow)
+        print(f"wrote {flow_path}")
     return path
 
 

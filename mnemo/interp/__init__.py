@@ -39,6 +39,7 @@ from .spectrum import (
     matrix_spectrum,
     memory_jvp_spectrum,
     memory_spectrum,
+    state_spectrum,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "diagonal_spectrum",
     "delta_rule_spectrum",
     "memory_jvp_spectrum",
+    "state_spectrum",
     "memory_spectrum",
     "classify",
 ]

@@ -327,9 +327,9 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
     ``direction`` matches the value's trailing axes: ``[d_model]`` at a residual hook
     (``blocks.1.hook_resid_pre``), ``[H, V]`` (or ``[V]``, every head) at a mixer's ``hook_o`` …;
     it broadcasts over the batch and positions (all positions, or ``positions`` only). The result
-    is ``value + scale · direction`` computed in the value's dtype. Raises ``KeyError`` for an
-    unknown name and, at run time, ``ValueError`` when the direction's shape is not a suffix of the
-    value's."""
+    is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``). Raises
+    ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's shape is
+    not a suffix of the value's."""
     chosen = hook_names(model, names)
     direction = torch.as_tensor(direction)
 
@@ -383,7 +383,7 @@ def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channe
 def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tensor], torch.Tensor]:
     """Metric ``logits [B, T, V] -> scalar``: the mean over the batch of
     ``logits[b, position, correct[b]] − logits[b, position, wrong[b]]`` (``correct``, ``wrong``: an
-    int or ``[B]`` token ids)."""
+    int or ``[B]`` token ids). Default ``position=-1`` (the last position)."""
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         last = logits[:, position].float()
@@ -505,8 +505,9 @@ def activation_patching(
 
 def patching_figure(result: Patching, title: str | None = None, restored: bool = True):
     """Heatmap of a :class:`Patching`: rows are the hooks (and heads, for ``"head_position"``),
-    columns the heads or positions; colour = the restored fraction (``restored=True``, diverging
-    around 0 with 1 = clean) or the raw metric. Returns the matplotlib figure (imported lazily)."""
+    columns the heads or positions; colour = the restored fraction (default ``restored=True``:
+    diverging around 0 with 1 = clean) or the raw metric. Returns the matplotlib figure (imported
+    lazily)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -645,11 +646,13 @@ def induction_ablation(
     the in-context-learning score (late minus early loss, :func:`~mnemo.interp.scores.icl_score`),
     the loss on the repeated half (targets ``L+1 … 2L−1``, predictable by copying), the loss on
     the first half (targets ``1 … L−1``), and the in-context gain ``first − repeat``. Mean-ablation
-    uses each hook's mean over the batch and positions of another such batch.
+    uses each hook's mean over the batch and positions of another such batch. Defaults:
+    ``draws=10``, ``length=32``, ``batch=16``, ``seed=0``.
 
     Returns a JSON-ready dict: ``baseline``, ``top_k`` (metrics and ``heads`` ``[[layer, head,
     score], …]``), ``random`` (per metric ``mean``, ``std``, ``values``; and the drawn ``heads``),
-    and ``gain_removed`` (``1 − gain_after / gain_before`` for the top-k and the random mean).
+    each with its ``gain_removed`` (``1 − gain_after / gain_before``; for ``random``, per draw with
+    its mean and std).
     Raises ``ValueError`` for ``k`` outside ``1 … number of heads`` or a bad option."""
     from .probe import circuit_scores
     from .scores import repeated_random_tokens

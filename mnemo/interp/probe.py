@@ -30,7 +30,9 @@ from .scores import (
 
 def circuit_scores(model, length: int = 32, batch: int = 8, seed: int = 0, vocab_offset: int = 0) -> dict:
     """Per layer and head: previous-token, duplicate-token and induction scores on random tokens
-    repeated twice (``length`` each), and the copying score of softmax heads."""
+    repeated twice (``length`` each), and the copying score of softmax heads. The ``batch``
+    sequences are drawn with ``seed`` from the ids ``vocab_offset … vocab − 1``. Defaults:
+    ``length=32``, ``batch=8``, ``seed=0``, ``vocab_offset=0``."""
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     ids = repeated_random_tokens(batch, length, V, gen, offset=min(vocab_offset, V - 1))
@@ -58,13 +60,18 @@ class CircuitTracker:
 
     Uses its own random generator (the trainer's batch order is untouched). The trainer accepts a
     run with ``TrainConfig.track_circuits`` only when a callback says it tracks the circuits
-    (``tracks_circuits = True``, as this class does).
+    (``tracks_circuits = True``, as this class does). ``length, batch, seed, vocab_offset``: as in
+    :func:`circuit_scores` (the same tokens at every evaluation). Defaults: ``length=32``,
+    ``batch=8``, ``seed=1234``, ``vocab_offset=0``, ``spectrum=False``, ``spectrum_tokens=256``,
+    ``spectrum_directions=8``.
 
     ``spectrum=True`` also records the memory spectrum (:func:`mnemo.interp.spectrum.memory_spectrum`
     on ``spectrum_tokens`` seeded random tokens, ``spectrum_directions`` exponents per head of a
-    test-time-trained memory): per layer with a spectrum, ``spectrum_{irrelevant, intermediate,
-    marginal, relevant}_by_layer`` (shares) and ``spectrum_median_half_life_by_layer`` (tokens;
-    ``None`` for a median that never halves)."""
+    test-time-trained memory): per layer whose mixer has a spectrum, ``spectrum_{irrelevant,
+    intermediate, marginal, relevant}_by_layer`` (shares) and
+    ``spectrum_median_half_life_by_layer`` (tokens; ``None`` for a median that never halves); and
+    ``spectrum_by_memory``: ``{key: {shares…, median_half_life}}`` for every memory with a spectrum,
+    the mixers' (``"0"``, ``"1"``, …) and the CMS levels' (``"0.cms1"``: layer 0, level 1)."""
 
     tracks_circuits = True
 
@@ -86,6 +93,12 @@ class CircuitTracker:
             spectrum_directions,
         )
 
+    @property
+    def tracks_spectrum(self) -> bool:
+        """Whether this tracker records the memory spectrum (what ``TrainConfig.track_spectrum``
+        asks the trainer's callbacks for)."""
+        return self.spectrum
+
     def _spectrum(self, model) -> dict:
         from .spectrum import CLASSES, memory_spectrum, summary_line
 
@@ -94,10 +107,18 @@ class CircuitTracker:
         rows = summary_line(memory_spectrum(model, ids, directions=self.spectrum_directions))
         if not rows:
             return {}
-        extra = {f"spectrum_{c}_by_layer": [r[c] for r in rows.values()] for c in CLASSES}
-        extra["spectrum_median_half_life_by_layer"] = [
-            r["median_half_life"] if math.isfinite(r["median_half_life"]) else None for r in rows.values()
-        ]
+
+        def finite(v):
+            return v if math.isfinite(v) else None
+
+        layers = [r for key, r in rows.items() if key.isdigit()]  # the mixers' memories
+        extra = {}
+        if layers:
+            extra = {f"spectrum_{c}_by_layer": [r[c] for r in layers] for c in CLASSES}
+            extra["spectrum_median_half_life_by_layer"] = [finite(r["median_half_life"]) for r in layers]
+        extra["spectrum_by_memory"] = {
+            key: {**r, "median_half_life": finite(r["median_half_life"])} for key, r in rows.items()
+        }
         return extra
 
     def __call__(self, trainer, record: dict) -> dict:
@@ -119,11 +140,14 @@ class CircuitTracker:
 
 def circuit_callbacks(cfg) -> list:
     """The training callbacks ``cfg`` (a :class:`~mnemo.train.TrainConfig`) asks for from this
-    module: ``[CircuitTracker(length=cfg.circuit_length)]`` when ``cfg.track_circuits``, else
-    ``[]``. A callbacks factory for :class:`~mnemo.train.Trainer` — ``Trainer(cfg, out,
-    callbacks=circuit_callbacks)`` — called with the run's resolved configuration (for a resumed
-    run: the saved one with its changes)."""
-    return [CircuitTracker(length=cfg.circuit_length)] if cfg.track_circuits else []
+    module: ``[CircuitTracker(length=cfg.circuit_length, spectrum=cfg.track_spectrum)]`` when
+    ``cfg.track_circuits`` or ``cfg.track_spectrum``, else ``[]``. A callbacks factory for
+    :class:`~mnemo.train.Trainer` — ``Trainer(cfg, out, callbacks=circuit_callbacks)`` — called
+    with the run's resolved configuration (for a resumed run: the saved one with its changes)."""
+    spectrum = bool(getattr(cfg, "track_spectrum", False))
+    if not (cfg.track_circuits or spectrum):
+        return []
+    return [CircuitTracker(length=cfg.circuit_length, spectrum=spectrum)]
 
 
 def fit_text(text: str, width_in: float, fontsize: float) -> str:
@@ -221,4 +245,54 @@ def training_figure(rows: list[dict], title: str | None = None):
     ax.legend(handles, labels, fontsize=8, loc="center right")
     if title:
         ax.set_title(fit_text(title, width, 10), fontsize=10)
+    return fig
+
+
+def spectrum_flow_figure(rows: list[dict], title: str | None = None):
+    """How each memory's spectrum moves during training (records with ``spectrum_by_memory``, from
+    ``TrainConfig.track_spectrum``): left, the median half-life of every memory against the step
+    (log scale; a median that never halves is drawn at the top); right, the share of its
+    directions kept longer than the irrelevant threshold (intermediate + marginal + relevant).
+    Returns ``None`` when no record carries a spectrum."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("spectrum_by_memory")]
+    if not rows:
+        return None
+    keys = list(dict.fromkeys(k for r in rows for k in r["spectrum_by_memory"]))
+    steps = [r["step"] for r in rows]
+    width = 10.0
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(width, 4), layout="constrained")
+    finite = [
+        v["median_half_life"]
+        for r in rows
+        for v in r["spectrum_by_memory"].values()
+        if v.get("median_half_life") is not None
+    ]
+    top = max(finite + [1.0]) * 4
+    for key in keys:
+        got = [r["spectrum_by_memory"].get(key) for r in rows]
+        hl = [
+            math.nan if g is None else (top if g["median_half_life"] is None else g["median_half_life"])
+            for g in got
+        ]
+        kept = [math.nan if g is None else 1.0 - g["irrelevant"] for g in got]
+        label = f"L{key.replace('.cms', ' CMS level ')}"
+        ax.plot(steps, hl, ".-", label=label)
+        bx.plot(steps, kept, ".-", label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("median half-life (tokens, log; top = never halves)")
+    ax.set_title("median half-life per memory", fontsize=9)
+    bx.set_xlabel("step")
+    bx.set_ylabel("share of directions not irrelevant")
+    bx.set_ylim(0, 1.05)
+    bx.set_title("directions kept beyond a few tokens", fontsize=9)
+    bx.legend(fontsize=7, loc="best")
+    fig.suptitle(
+        fit_text("Memory spectrum during training" + (f" · {title}" if title else ""), width, 11), fontsize=11
+    )
     return fig

@@ -42,7 +42,8 @@ def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
 def repeated_random_tokens(
     batch: int, length: int, vocab: int, generator=None, offset: int = 0
 ) -> torch.Tensor:
-    """A random sequence of ``length`` tokens (ids ``offset … vocab − 1``) repeated twice: ``[B, 2L]``."""
+    """A random sequence of ``length`` tokens (ids ``offset … vocab − 1``) repeated twice: ``[B, 2L]``
+    (default ``offset=0``)."""
     seq = torch.randint(offset, vocab, (batch, length), generator=generator)
     return torch.cat([seq, seq], 1)
 

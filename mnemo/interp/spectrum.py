@@ -29,9 +29,16 @@ What ``A_t`` is, per kind of memory (read from each mixer's hook points, as the 
   token (the sum of a chunk's logs over its tokens). Only the leading ``directions`` exponents of
   each head are computed (``n`` = all parameters of the memory is thousands); the others are
   ``≤`` the last computed one.
+- **memories known only as code** (HOPE's self-modifying Titans, the self-modifying projections,
+  the levels of a Continuum Memory System): ``A_t`` is the Jacobian of the module's own state
+  after one step with respect to the state before it, applied by central differences through the
+  module itself run in float64 (:func:`state_spectrum`). One step spans the common multiple of the
+  module's chunks (a self-modifying mixer) or of the levels' periods (a CMS), where the state is
+  exactly its running weights; one exponent list per mixer (all its memories together: their
+  coupling goes both ways in the self-modifying projections) and one per CMS level (key
+  ``"{layer}.cms{level}"``; the levels feed one way, so together they are the CMS's spectrum).
 - softmax attention keeps its KV cache (no transition); linear attention without a gate has
-  ``A = I`` (every exponent 0). Self-modifying mixers (HOPE's self-modifying Titans, the
-  self-modifying projections) and CMS levels are not covered yet (``"kind": "unsupported"``).
+  ``A = I`` (every exponent 0).
 
 Classes of directions (:func:`classify`; the renormalisation-group names): **irrelevant** —
 forgotten within a few tokens, half-life ``< irrelevant_half_life`` (default 4 tokens, i.e.
@@ -43,6 +50,7 @@ for between ``irrelevant_half_life`` tokens and the context, the memory's workin
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +67,7 @@ __all__ = [
     "diagonal_spectrum",
     "delta_rule_spectrum",
     "memory_jvp_spectrum",
+    "state_spectrum",
     "memory_spectrum",
     "half_lives",
     "classify",
@@ -96,13 +105,14 @@ def lyapunov_spectrum(
     re-orthonormalises ``Q_t R_t = A_t Q_{t−1}`` and accumulates ``log |R_t[i, i]|`` (``−inf`` where
     ``A_t`` annihilates a direction exactly). The sums are divided by ``tokens`` (default: the
     steps averaged, ``T − burn_in``; give the token count when a step spans several tokens), after
-    skipping the first ``burn_in`` steps.
+    skipping the first ``burn_in`` steps (default ``burn_in=0``).
 
     ``q0``: the starting basis — ``"identity"`` (the first ``k`` unit vectors; the default when
     ``k = n``), ``"random"`` (a seeded random orthonormal basis; the default when ``k < n``, where
     the leading exponents need a generic start) or a tensor ``[*batch_shape, n, k]``.
     ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
-    generic start)."""
+    generic start; default ``sort=True``). ``seed``: the seed of the ``"random"`` basis (default
+    ``seed=0``)."""
     k = n if k is None else min(int(k), n)
     if q0 is None:
         q0 = "identity" if k == n else "random"
@@ -164,7 +174,8 @@ def delta_rule_spectrum(
     ``beta [B, T, H]`` and optional per-head log decays ``g [B, T, H]``.
 
     The scalar decay commutes with everything, so its time average is added to every exponent
-    exactly (no underflow of ``exp(g)`` products); the QR iteration runs on ``I − β k kᵀ``."""
+    exactly (no underflow of ``exp(g)`` products); the QR iteration runs on ``I − β k kᵀ``.
+    ``q0``, ``burn_in``: as in :func:`lyapunov_spectrum` (default ``burn_in=0``)."""
     k, beta = k.double(), beta.double()
     B, T, H, K = k.shape
 
@@ -213,7 +224,9 @@ def memory_jvp_spectrum(
     several ops of the engine fall back to Python decompositions under forward AD); ``"central"``
     (default) — the central difference ``(F(x + εv) − F(x − εv)) / 2ε`` with ``eps`` (unit tangents;
     error ``O(ε²)`` plus ``~1e-16/ε`` of rounding, ``≈ 1e-10`` relative at the default, far below
-    what moves an exponent), about twice the cost of the plain update."""
+    what moves an exponent), about twice the cost of the plain update. ``seed``: the seed of the
+    random starting basis of :func:`lyapunov_spectrum`. Defaults: ``directions=32``, ``eps=1e-6``,
+    ``seed=0``."""
     from ..memory.recurrent import memory_recurrent
     from ..memory.state import MemoryState
 
@@ -298,6 +311,80 @@ def memory_jvp_spectrum(
     return lam.mean(0), n
 
 
+def state_spectrum(
+    step: Callable,
+    state,
+    x: torch.Tensor,
+    *,
+    period: int,
+    get: Callable,
+    put: Callable,
+    directions: int = 32,
+    eps: float = 1e-6,
+    seed: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """Leading exponents ``[directions]`` (descending, nats/token, batch-averaged) of a stateful
+    module's own transition, and ``n``, the dimension of the perturbed state per sample.
+
+    For a memory whose update is known only as code (the self-modifying memories of HOPE, the levels
+    of a Continuum Memory System), ``A_t`` is the Jacobian of the state after one step with respect
+    to the state before it. ``step(state, x_chunk) -> state`` runs the module on ``x_chunk
+    [B, period, d]``; ``get(state)`` lists the tensors ``[B, …]`` that form the perturbed state;
+    ``put(state, tensors)`` returns ``state`` with them replaced (and whatever must stay equal to
+    them at a step boundary, e.g. chunk-start copies of the weights). The iteration runs over the
+    ``T // period`` whole periods of ``x [B, T, d]`` (a trailing partial period is left out: a step
+    boundary must be a boundary of every chunk of the module, where its state is exactly ``get``'s
+    tensors); the other state fields ride along on their unperturbed trajectory.
+
+    Each step applies the Jacobian to the ``directions`` columns of ``Q`` at once by central
+    differences ``(F(s + εu) − F(s − εu)) / 2ε`` (each tangent on its own copy of the batch, with
+    the primal as the last copy), so ``step`` must be a float64 computation (error ``O(ε²)`` plus
+    ``~1e-16/ε`` rounding, about ``1e-10`` relative at the default ``eps``).
+
+    Raises:
+        ValueError: fewer than ``period`` tokens, or ``get`` lists no tensor.
+
+    Defaults: ``directions=32``, ``eps=1e-6``, ``seed=0``."""
+    from ..layers.state import map_tensors
+
+    B, T = int(x.shape[0]), int(x.shape[1])
+    steps = T // int(period)
+    if steps < 1:
+        raise ValueError(f"x: expected at least period = {period} tokens, got {T}")
+    first = get(state)
+    if not first:
+        raise ValueError("get: expected at least one state tensor, got none")
+    shapes = [tuple(t.shape[1:]) for t in first]
+    sizes = [math.prod(s) for s in shapes]
+    n = sum(sizes)
+    kd = min(int(directions), n)
+    copies = 2 * kd + 1
+    cur = [state]
+
+    def one(c, Q):  # Q [B, n, kd] -> J Q
+        xs = x[:, c * period : (c + 1) * period]
+        big = map_tensors(lambda t: t.repeat(copies, *([1] * (t.ndim - 1))), cur[0])
+        base = [t.expand(B, *shape).reshape(B, -1) for t, shape in zip(get(cur[0]), shapes)]
+        tang = Q.permute(2, 0, 1).split(sizes, -1)  # per tensor [kd, B, size]
+        stacked = [
+            torch.cat([(b + eps * u).flatten(0, 1), (b - eps * u).flatten(0, 1), b]).reshape(
+                copies * B, *shape
+            )
+            for b, u, shape in zip(base, tang, shapes)
+        ]
+        with torch.no_grad():
+            new = step(put(big, stacked), xs.repeat(copies, *([1] * (xs.ndim - 1))))
+        outs = [t.reshape(copies * B, -1) for t in get(new)]
+        cur[0] = map_tensors(lambda t: t[2 * kd * B :], new)
+        jv = [(o[: kd * B] - o[kd * B : 2 * kd * B]).reshape(kd, B, -1) / (2 * eps) for o in outs]
+        return torch.cat(jv, -1).permute(1, 2, 0)
+
+    lam = lyapunov_spectrum(
+        one, steps, n, kd, batch_shape=(B,), tokens=steps * period, seed=seed, device=x.device
+    )
+    return lam.mean(0), n
+
+
 # ------------------------------------------------------------------------------------------------
 # half-lives and classes
 # ------------------------------------------------------------------------------------------------
@@ -321,7 +408,9 @@ def classify(
     ``n``: the full dimension per head when only the leading ``m < n`` exponents were computed; the
     ``n − m`` others are ``≤`` the head's last computed exponent, so they count as irrelevant when
     that one is, and as ``"unresolved"`` otherwise. The quantiles (``median`` … , tokens; ``inf``
-    = never halves) are over the computed exponents."""
+    = never halves) are over the computed exponents. ``irrelevant_half_life``: the half-life
+    (tokens) below which a direction is irrelevant (default ``irrelevant_half_life=4.0``,
+    :data:`IRRELEVANT_HALF_LIFE`)."""
     lam = torch.as_tensor(exponents, dtype=torch.float64)
     lam = lam.reshape(1, -1) if lam.ndim <= 1 else lam.reshape(-1, lam.shape[-1])
     H, m = lam.shape
@@ -417,6 +506,97 @@ def _layer_entry(
     return entry
 
 
+def _self_modifying_transition(mixer, state):
+    """``(period, get, put, what)`` of a self-modifying mixer's state (its public fields): the
+    running weights of every memory it rewrites; the chunk-start copies are tied to them (equal at
+    a step boundary), and the short-conv tail (the last ``W − 1`` inputs, which no memory feeds)
+    rides along on its trajectory. ``None`` for another state."""
+    from dataclasses import replace
+
+    if hasattr(state, "proj_anchor"):  # SelfModifyingTitansState: M_k, M_v, M_η, M_α and M_memory
+        period = math.lcm(int(mixer.chunk_size), int(mixer.proj_chunk_size))
+
+        def get(st):
+            return [*st.proj, *st.memory]
+
+        def put(st, ts):
+            proj, mem = tuple(ts[:2]), tuple(ts[2:])
+            return replace(st, proj=proj, proj_anchor=proj, memory=mem, memory_anchor=mem)
+
+        return period, get, put, "the projection memories and the main memory"
+    if hasattr(state, "memory_weights"):  # SelfModifyingProjectionsState: P and the main memory
+        period = math.lcm(int(mixer.chunk_size), int(mixer.spec.chunk_size))
+        keys = sorted(state.proj)
+        n_mem = len(state.memory_weights)
+
+        def get(st):
+            return [st.proj[k] for k in keys] + [*st.memory_weights, *(st.memory_momentum or ())]
+
+        def put(st, ts):
+            proj = dict(zip(keys, ts[: len(keys)]))
+            w = tuple(ts[len(keys) : len(keys) + n_mem])
+            mom = tuple(ts[len(keys) + n_mem :]) if st.memory_momentum is not None else None
+            return replace(st, proj=proj, memory_weights=w, memory_momentum=mom, memory_anchor=w)
+
+        return period, get, put, "the projection weights and the main memory"
+    return None
+
+
+def _cms_levels(cms, x, state_fn, directions, context, irr, seed):
+    """Per level of a Continuum Memory System: its own transition's spectrum (the diagonal block of
+    the Jacobian; the other levels ride along on their trajectories). Levels feed one way in all
+    three transfers (sequential: faster into slower; independent: not at all; nested: slower into
+    faster restarts), so the Jacobian over the whole CMS state is block-triangular and the levels'
+    spectra together are the spectrum of the whole state."""
+    from dataclasses import replace
+
+    period = math.lcm(*(int(lv.level.period) for lv in cms.levels))
+    out = []
+    for li, lv in enumerate(cms.levels):
+        entry = {"mixer": f"CMS level {li}", "period": int(lv.level.period)}
+        if lv.level.objective == "task":
+            entry.update(
+                kind="unsupported",
+                reason="a task-objective level steps on the training loss's error signal, not on its input",
+            )
+            out.append(entry)
+            continue
+        if x.shape[1] < period:
+            entry.update(
+                kind="unsupported", reason=f"needs at least {period} tokens (the periods' common multiple)"
+            )
+            out.append(entry)
+            continue
+
+        def get(st, li=li):
+            level = st.levels[li]
+            return [*level.weights, *(level.momentum or ())]
+
+        def put(st, ts, li=li):
+            level = st.levels[li]
+            w = tuple(ts[:2])
+            mom = tuple(ts[2:]) if level.momentum is not None else None
+            levels = list(st.levels)
+            levels[li] = replace(level, weights=w, momentum=mom)
+            return replace(st, levels=tuple(levels))
+
+        lam, n = state_spectrum(
+            lambda st, xs: cms(xs, st)[1],
+            state_fn(),
+            x,
+            period=period,
+            get=get,
+            put=put,
+            directions=directions,
+            seed=seed,
+        )
+        entry.update(
+            _layer_entry("test-time (state JVP)", lam[None], n, 1, context, irr, memory=f"level {li}")
+        )
+        out.append(entry)
+    return out
+
+
 def memory_spectrum(
     model,
     input_ids: torch.Tensor,
@@ -427,18 +607,22 @@ def memory_spectrum(
     layers=None,
     method: str = "central",
 ) -> dict:
-    """``{layer: entry}`` for every block of ``model`` on ``input_ids`` ``[B, T]``.
+    """``{layer: entry}`` for every block of ``model`` on ``input_ids`` ``[B, T]``, plus
+    ``{"{layer}.cms{level}": entry}`` for each level of a block whose MLP is a Continuum Memory
+    System.
 
     An entry holds ``"mixer"``, ``"kind"`` (``"diagonal"``, ``"delta"``, ``"test-time (JVP)"``,
+    ``"test-time (state JVP)"`` (:func:`state_spectrum`: self-modifying mixers, CMS levels),
     ``"identity"``, ``"attention"``, ``"unsupported"``), and for a memory with transitions:
     ``"heads"``, ``"dim"`` (exponents per head in full), ``"multiplicity"`` (memory directions
     each exponent stands for: the value columns a left-acting transition treats alike),
     ``"exponents"`` ``[heads][computed]`` (nats/token, descending), ``"half_lives"`` (tokens),
     ``"summary"`` (:func:`classify` over all heads) and ``"per_head"`` (the shares and median
     half-life of each head). ``context`` (default ``T``) sets the marginal band ``|λ| < ln 2 /
-    context``; ``directions`` (default 32) and ``method``: the exponents computed per head of a
+    context``; ``directions`` (default ``32``) and ``method``: the exponents computed per head of a
     test-time-trained memory (the leading ``min(directions, dim)``) and how
-    (:func:`memory_jvp_spectrum`)."""
+    (:func:`memory_jvp_spectrum`). Defaults: ``directions=32``, ``irrelevant_half_life=4.0``
+    (:func:`classify`)."""
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)
@@ -448,6 +632,12 @@ def memory_spectrum(
     wanted = [i for i in range(len(model.blocks)) if layers is None or i in layers]
     prefixes = tuple(f"blocks.{i}.mixer." for i in wanted)
     names = [nm for nm in model.hook_points if nm.startswith(prefixes) and nm.rsplit(".", 1)[-1] in _SUFFIXES]
+    # the inputs of the memories whose update is known only as code (run again in float64 below)
+    for i in wanted:
+        if hasattr(model.blocks[i].mixer, "spec") and _test_time_memory(model.blocks[i].mixer) is None:
+            names.append(f"blocks.{i}.hook_resid_pre")
+        if getattr(model.blocks[i].mlp, "periods", None) is not None:
+            names.append(f"blocks.{i}.hook_resid_mid")
     was = model.training
     model.eval()
     try:
@@ -499,10 +689,32 @@ def memory_spectrum(
                     )
                 )
         elif hasattr(mixer, "spec"):
-            entry.update(
-                kind="unsupported",
-                reason="self-modifying memory: its transitions depend on memories the hooks do not expose",
+            m64 = copy.deepcopy(mixer).double()
+            x = copy.deepcopy(model.blocks[i].mixer_norm).double()(
+                cache[f"blocks.{i}.hook_resid_pre"].double()
             )
+            st = m64.initial_state(x.shape[0])
+            period, get, put, what = _self_modifying_transition(m64, st)
+            if x.shape[1] < period:
+                entry.update(
+                    kind="unsupported", reason=f"needs at least {period} tokens (its chunks' common multiple)"
+                )
+            else:
+                with torch.no_grad():
+                    lam, n = state_spectrum(
+                        lambda st, xs, m64=m64: m64(xs, st)[1],
+                        st,
+                        x,
+                        period=period,
+                        get=get,
+                        put=put,
+                        directions=directions,
+                    )
+                entry.update(
+                    _layer_entry(
+                        "test-time (state JVP)", lam[None], n, 1, context, irr, memory=what, period=period
+                    )
+                )
         elif beta is not None and kk is not None and beta.ndim == 3 and kk.ndim == 4 and kk.shape[1] == T:
             lam = delta_rule_spectrum(kk, beta, g if g is not None and g.ndim == 3 else None)
             mult = _multiplicity(hook("hook_state"), lam.shape[0], kk.shape[-1])
@@ -531,10 +743,17 @@ def memory_spectrum(
             entry.update(_layer_entry("identity", lam, kk.shape[3], mult, context, irr))
         else:
             entry.update(kind="unsupported", reason="no transition found in the mixer's hook points")
-        periods = getattr(model.blocks[i].mlp, "periods", None)
-        if periods is not None:
-            entry["cms_periods"] = list(periods)  # CMS levels: not in the spectrum yet
         out[str(i)] = entry
+        cms = model.blocks[i].mlp
+        if getattr(cms, "periods", None) is not None:
+            c64 = copy.deepcopy(cms).double()
+            x = copy.deepcopy(model.blocks[i].mlp_norm).double()(cache[f"blocks.{i}.hook_resid_mid"].double())
+            with torch.no_grad():
+                levels = _cms_levels(
+                    c64, x, lambda c64=c64, x=x: c64(x[:, :0])[1], directions, context, irr, seed=0
+                )
+            for li, level in enumerate(levels):
+                out[f"{i}.cms{li}"] = level
     return out
 
 
@@ -595,7 +814,7 @@ def figure(result: dict, title: str | None = None):
             hi_all.append(float(finite.max()))
             lo_all.append(float(finite.min()))
         rank = (torch.arange(lam.numel(), dtype=torch.float64) + 0.5) / lam.numel()
-        ax.plot(rank.numpy(), hl.numpy(), ".-", ms=3, lw=1, label=f"L{layer} {e['mixer'][:12]} ({e['kind']})")
+        ax.plot(rank.numpy(), hl.numpy(), ".-", ms=3, lw=1, label=f"L{layer} {e['mixer'][:20]} ({e['kind']})")
     top = max(hi_all + [context or 10.0]) * 4
     bottom = min(lo_all + [irr or 1.0]) / 4
     for line in ax.get_lines():  # inf (never halves) at the top, 0 (gone at once) at the bottom
@@ -639,6 +858,8 @@ def figure(result: dict, title: str | None = None):
         bx.bar(names, vals, bottom=left, color=_COLORS[c], label=c)
         left = [a + b for a, b in zip(left, vals)]
     bx.set_ylim(0, 1)
+    if len(names) > 4:  # CMS levels add entries: keep their names apart
+        bx.tick_params(axis="x", labelrotation=45, labelsize=7)
     bx.set_ylabel("share of directions")
     bx.legend(fontsize=7, loc="upper right", framealpha=0.8)
     bx.set_title("classes per layer", fontsize=9)

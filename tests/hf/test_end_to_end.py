@@ -262,3 +262,22 @@ def test_foreign_folder_without_registered_converters_says_what_to_do(tmp_path, 
     monkeypatch.setattr(formats, "FOREIGN_LOADERS", [])
     with pytest.raises(ValueError, match="`import mnemo.hf` registers the converters"):
         LanguageModel.from_pretrained(tmp_path)
+
+
+def test_spectrum_and_induction_ablation_on_a_converted_checkpoint(converted, capsys):
+    """Issue 19 §5: the spectrum and the causal induction test run on an imported Mamba-2 as on a
+    trained mnemo model (per-head scalar decays: one exponent per head; heads are ablatable)."""
+    root, _ = converted
+    argv = ["probe", "spectrum", "--checkpoint", str(root / "ck"), "--data", str(root / "corpus.txt")]
+    assert main([*argv, "--tokens", "64", "--out", str(root / "spec")]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert set(spec["layers"]) == {"0", "1"}
+    for e in spec["layers"].values():
+        assert e["kind"] == "diagonal" and e["gate"] == "per-head" and e["heads"] == 8
+        assert all(x <= 0 for row in e["exponents"] for x in row)  # exp(dt·A) with A < 0: contracts
+    argv = ["probe", "ablate", "--checkpoint", str(root / "ck"), "--top-induction", "2", "--draws", "2"]
+    assert main([*argv, "--length", "8", "--batch", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    heads = result["top_k"]["heads"]
+    assert len(heads) == 2 and all(layer in (0, 1) and 0 <= head < 8 for layer, head, _ in heads)
+    assert len(result["random"]["heads"]) == 2 and "gain_removed" in result["top_k"]
