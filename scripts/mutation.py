@@ -15,11 +15,12 @@ How it works:
    ``assert`` statements, f-strings, logging / printing / warnings, ``__repr__`` / ``__str__``, and
    the presentation of figures (the text of matplotlib calls on ``ax`` / ``fig`` / ``plt`` and their
    style keywords: colours, fonts, sizes, rotations; their data and axis limits are mutated).
-3. Each source file has a group of targeted tests (``TESTS``). The test files of all the groups
-   run once, unmutated, under ``coverage`` (when installed) with one coverage context per test:
-   they must pass (tests that already fail are deselected, with a warning), each group's time
-   (from a JUnit report) sets its per-mutant timeout (``max(60 s, 3 x`` the group's time), and a
-   mutant on a line that its group's tests never execute is left out (a mutant nobody runs says
+3. Each source file has a group of targeted tests (``TESTS``), run after the root-level
+   ``tests/test_meaning_*.py`` and its area's ``tests/<area>/test_meaning_*.py``. The test files of
+   all the groups run once, unmutated, under ``coverage`` (when installed) with one coverage
+   context per test: they must pass (tests that already fail are deselected, with a warning), each
+   group's time (from a JUnit report) sets its per-mutant timeout (``max(60 s, 3 x`` the group's
+   time), and a mutant on a line that its group's tests never execute is left out (a mutant nobody runs says
    nothing about the tests; module-level lines, run on import, count as run). The result is
    cached per content of ``mnemo/`` and ``tests/`` in ``~/.cache/mnemo/mutation``.
 4. A sample is drawn with a fixed ``--seed`` (``--total N`` over all candidates, or ``--per-file N``):
@@ -213,8 +214,10 @@ def tests_for(path: str, root: Path) -> tuple[str, ...]:
     if group is None:
         return ()
     area = path.split("/")[1] if path.startswith("mnemo/") else ""
-    # the meaning tests first: they are fast and pin values down, so they fail first
-    patterns = ([f"tests/{area}/test_meaning_*.py"] if area else []) + list(group)
+    # the meaning tests first: they are fast and pin values down, so they fail first; the root-level
+    # ones (documented defaults, ...) cover every area
+    meaning = ["tests/test_meaning_*.py"] + ([f"tests/{area}/test_meaning_*.py"] if area else [])
+    patterns = meaning + list(group)
     out: list[str] = []
     for p in patterns:
         for m in sorted(glob.glob(str(root / p))):

@@ -108,8 +108,8 @@ class Mixer(nn.Module):
 
     def state_spec(self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None):
         """The state after ``seq_len`` tokens, declared with ``meta`` tensors
-        (:func:`mnemo.layers.state.spec`): its shapes and dtypes, nothing allocated. Defaults: one
-        sequence (``batch_size=1``) before any token (``seq_len=0``); every mixer's override keeps
+        (:func:`mnemo.layers.state.spec`): its shapes and dtypes, nothing allocated. Defaults:
+        ``batch_size=1``, ``seq_len=0`` (one sequence before any token); every mixer's override keeps
         them. ``dtype`` is the activation dtype (default: the mixer's parameters')."""
         raise NotImplementedError(f"{type(self).__name__} does not declare its state (state_spec)")
 
@@ -118,7 +118,7 @@ class Mixer(nn.Module):
     ) -> int:
         """Bytes of the state after ``seq_len`` tokens: :func:`~mnemo.layers.state.nbytes` of
         :meth:`state_spec` (derived from the declared shapes and dtypes; a bf16 cache counts 2
-        bytes per value)."""
+        bytes per value). Defaults: ``batch_size=1``, ``seq_len=0``."""
         return nbytes(self.state_spec(batch_size, seq_len, dtype))
 
 

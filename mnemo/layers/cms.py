@@ -96,15 +96,17 @@ class Level:
 
     Attributes:
         period: ``C``, tokens between two steps of this level (``≥ 1``).
-        expansion: hidden width of the level's MLP as a multiple of ``d_model``.
+        expansion: hidden width of the level's MLP as a multiple of ``d_model`` (default ``2.0``).
         lr: maximum inner learning rate ``η`` per token (the data-dependent rate is
-            ``lr · sigmoid(·) / d``; a period's step sums its tokens' terms, Eq. 71).
-        optimizer: ``"gd"``, ``"momentum"`` or ``"delta_momentum"``; ``beta`` its momentum.
+            ``lr · sigmoid(·) / d``; a period's step sums its tokens' terms, Eq. 71; default
+            ``1.0``).
+        optimizer: ``"gd"``, ``"momentum"`` or ``"delta_momentum"``; ``beta`` its momentum
+            (default ``beta=0.9``).
         partial: ``"carry"`` or ``"flush"`` (see the module docstring).
         objective: the inner objective, ``"reconstruction"`` or ``"task"`` (the next-token loss;
             see the module docstring).
         outer_lr_scale: multiplier of the outer optimizer's learning rate for this level's slow
-            parameters (the trainer puts them in their own parameter group); default 1.
+            parameters (the trainer puts them in their own parameter group); default ``1.0``.
     """
 
     period: int
@@ -155,9 +157,9 @@ class LevelState:
         momentum: the momentum buffers, shaped like ``weights`` (optimizers ``"momentum"`` and
             ``"delta_momentum"``), or ``None``.
         grad: the gradient accumulated in the current period, shaped like ``weights``.
-        position: tokens read.
-        updates: steps taken.
-        absorbed: (task objective) tokens whose error signal has been absorbed.
+        position: tokens read (default ``0``).
+        updates: steps taken (default ``0``).
+        absorbed: (task objective) tokens whose error signal has been absorbed (default ``0``).
     """
 
     weights: tuple
@@ -180,7 +182,8 @@ class CMSLevel(nn.Module):
     Args:
         d_model: width ``d``. level: its :class:`Level`.
         own_weights: create the slow initial weights ``W_in [d, h]``, ``W_out [h, d]`` (``False``
-            for the faster levels of a nested CMS, which start from a slower level's weights).
+            for the faster levels of a nested CMS, which start from a slower level's weights;
+            default ``True``).
 
     Hook points (``[B, T, d]`` unless named; each as the level's reads and steps consume it):
 
@@ -373,7 +376,8 @@ class CMSLevel(nn.Module):
     ) -> LevelState:
         """The level's state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: default the
         parameters'): fast weights, accumulated gradient and (momentum optimizers) momentum. The
-        counters are those of a ``"carry"`` level that read ``seq_len`` tokens."""
+        counters are those of a ``"carry"`` level that read ``seq_len`` tokens. Defaults:
+        ``batch_size=1``, ``seq_len=0``."""
         if dtype is None:
             dtype = self.rate.weight.dtype
         d, h = self.rate.in_features, self.hidden
@@ -548,11 +552,13 @@ class ContinuumMemory(nn.Module):
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: default the
         parameters'): per level, the fast weights, the accumulated gradient and (momentum
         optimizers) the momentum; independent of ``seq_len``. (A task level's pending segment is
-        not counted: it holds a snapshot of the model state and the segment's tokens.)"""
+        not counted: it holds a snapshot of the model state and the segment's tokens.) Defaults:
+        ``batch_size=1``, ``seq_len=0``."""
         return CMSState(levels=tuple(lv.state_spec(batch_size, seq_len, dtype) for lv in self.levels))
 
     def state_size_bytes(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> int:
-        """Bytes of :meth:`state_spec` (weights, accumulated gradient, momentum per level)."""
+        """Bytes of :meth:`state_spec` (weights, accumulated gradient, momentum per level).
+        Defaults: ``batch_size=1``, ``seq_len=0``."""
         return nbytes(self.state_spec(batch_size, seq_len, dtype))

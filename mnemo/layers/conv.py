@@ -17,8 +17,10 @@ class ShortConvolution(nn.Module):
         y_t = silu( Σ_{i=0}^{W−1} w_i ⊙ x_{t−W+1+i} + b )
 
     Args:
-        channels: ``C``. kernel_size: ``W`` (taps, including the current token).
-        activation: apply SiLU after the convolution (default True).
+        channels: ``C``. kernel_size: ``W`` (taps, including the current token; default
+            ``kernel_size=4``).
+        activation: apply SiLU after the convolution (default ``True``).
+        bias: a bias ``b`` (default ``True``; zeros at initialisation).
 
     ``forward(x [B, T, C], state [B, C, W−1] | None) -> (y [B, T, C], state [B, C, W−1])``:
     ``state`` holds the last ``W − 1`` inputs (zeros at the start), so any ``T`` (also
@@ -70,7 +72,8 @@ class ShortConvolution(nn.Module):
         return F.silu(y) if self.activation else y
 
     def state_spec(self, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The streaming state ``[B, C, W − 1]`` as a ``meta`` tensor (it is in the input's dtype)."""
+        """The streaming state ``[B, C, W − 1]`` as a ``meta`` tensor (it is in the input's dtype;
+        default ``batch_size=1``)."""
         return spec((batch_size, self.channels, self.kernel_size - 1), dtype)
 
 

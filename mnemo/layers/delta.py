@@ -25,7 +25,8 @@ def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def init_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, generator=None) -> torch.Tensor:
-    """Mamba's Δ bias init: ``Δ ~ LogUniform[dt_min, dt_max]``, bias = softplus⁻¹(Δ)."""
+    """Mamba's Δ bias init: ``Δ ~ LogUniform[dt_min, dt_max]``, bias = softplus⁻¹(Δ). Defaults:
+    ``dt_min=1e-3``, ``dt_max=0.1`` (Mamba's)."""
     u = torch.rand(n, generator=generator)
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=1e-4)
     return inverse_softplus(dt)
@@ -54,7 +55,7 @@ class DeltaNet(Mixer):
     ``log α_t = −exp(A_log) · softplus(W_a x + dt_bias)`` per (value) head.
 
     Args:
-        d_model, n_heads: model width; query/key heads ``H_k``.
+        d_model, n_heads: model width; query/key heads ``H_k`` (default ``n_heads=4``).
         head_dim: per-head key size ``K`` and, unless ``value_head_dim`` is given, value size
             (default ``d_model // n_heads``).
         value_head_dim: per-head value size ``V`` (default ``head_dim``). The reference code
@@ -64,22 +65,24 @@ class DeltaNet(Mixer):
             value heads, as in Qwen3-Next — key/query head ``h`` serves the ``H_v / H_k``
             consecutive value heads ``h·G … h·G + G − 1``; β, the decay, the memory, the output
             norm and gate are per value head.
-        short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v (default on).
-        conv_bias: a bias in that conv (default on, as before; neither the paper's reference code
+        short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v (default ``True``;
+            default ``conv_size=4``).
+        conv_bias: a bias in that conv (default ``True``, as before; neither the paper's reference code
             nor Qwen3-Next has one).
-        beta_bias: a bias in ``W_β`` (default on, as before; neither the reference nor Qwen3-Next
+        beta_bias: a bias in ``W_β`` (default ``True``, as before; neither the reference nor Qwen3-Next
             has one).
         allow_neg_eigval: ``β = 2 · sigmoid(W_β x) ∈ (0, 2)``, so the transition
-            ``I − β k kᵀ`` may have a negative eigenvalue (Grazzi et al. 2024); default off
+            ``I − β k kᵀ`` may have a negative eigenvalue (Grazzi et al. 2024); default ``False``
             (``β ∈ (0, 1)``, the paper's).
         qk_norm_eps: ``None`` (default, as before): ``F.normalize`` (``x / max(‖x‖, 1e-12)``); a
             float: ``x / sqrt(Σx² + eps)`` (the reference code and Qwen3-Next use ``1e-6``; the
             paper writes the exact L2 normalisation).
         output_gate: ``RMSNorm(o) ⊙ silu(W_g x)`` per value head before the output projection
-            (default on; with grouped heads this is Qwen3-Next's gated norm, ``W_g`` = its ``z``).
+            (default ``True``; with grouped heads this is Qwen3-Next's gated norm, ``W_g`` = its ``z``).
         norm_eps: the output RMSNorm's epsilon (default ``1e-5``, as before; Qwen3-Next: its
             ``rms_norm_eps``, ``1e-6``). Its weight multiplies directly (not zero-centred).
-        gated: Gated DeltaNet's decay. mode / chunk_size: op form for ``T > 1``.
+        gated: Gated DeltaNet's decay (default ``False``). mode / chunk_size: op form for ``T > 1``
+            (default ``chunk_size=64``).
 
     Hook points, as the op gets them (with grouped heads q and k are already repeated to the
     ``H = H_v`` value heads): ``hook_q, hook_k`` ``[B, T, H, K]`` (after the conv and the L2
@@ -215,7 +218,8 @@ class DeltaNet(Mixer):
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> MatrixState:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
-        default the parameters'): the memory ``[B, H_v, K, V]`` and the conv tail."""
+        default the parameters'): the memory ``[B, H_v, K, V]`` and the conv tail. Defaults:
+        ``batch_size=1``, ``seq_len=0``."""
         act, mem = state_dtypes(self, dtype)
         B = batch_size
         return MatrixState(

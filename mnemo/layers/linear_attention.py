@@ -28,7 +28,7 @@ class MatrixState:
             float64 model); ``None`` before the first call.
         conv: the short-convolution tail ``[B, C, W − 1]`` (activation dtype), or ``None`` when the
             mixer has no short convolution.
-        offset: tokens consumed so far (positions for rotary embeddings).
+        offset: tokens consumed so far (positions for rotary embeddings; default ``0``).
     """
 
     memory: torch.Tensor | None = None
@@ -101,13 +101,18 @@ class LinearAttention(_QKVMixer):
     """Linear attention layer (Katharopoulos et al. 2020) over :func:`mnemo.ops.linear_attention`.
 
     Args:
-        d_model, n_heads; head_dim: key and value size per head (default ``d_model // n_heads``).
+        d_model, n_heads; head_dim: key and value size per head (default ``d_model // n_heads``;
+            default ``n_heads=4``).
         feature_map: ``"identity"``, ``"elu"`` (default), ``"relu"``, ``"taylor"`` or ``"favor"``
-            (FAVOR+ with ``num_features`` random features, fixed by ``seed``).
-        normalize: divide by ``φ(q)ᵀ Σ φ(k)`` (the original formula; default True).
-        short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v.
-        output_norm: per-head RMSNorm of the read-out before the output projection.
-        mode: ``"chunk"`` | ``"parallel"`` | ``"recurrent"`` for ``T > 1``; chunk_size for chunk.
+            (FAVOR+ with ``num_features`` random features, default ``2 · head_dim``, fixed by
+            ``seed``, default ``seed=0``).
+        normalize: divide by ``φ(q)ᵀ Σ φ(k)`` (the original formula; default ``True``).
+        short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v (default ``False``;
+            default ``conv_size=4``).
+        output_norm: per-head RMSNorm of the read-out before the output projection (default
+            ``True``).
+        mode: ``"chunk"`` | ``"parallel"`` | ``"recurrent"`` for ``T > 1``; chunk_size for chunk
+            (default ``chunk_size=64``).
 
     Hook points: ``hook_q, hook_k`` ``[B, T, H, K]`` (before the feature map), ``hook_v, hook_o``
     ``[B, T, H, V]``, ``hook_state`` ``[B, H, F, V + normalize]`` (feature size ``F``).
@@ -191,6 +196,11 @@ class GatedLinearAttention(_QKVMixer):
 
     The read-out is ``o_proj(RMSNorm(o) ⊙ silu(W_r x))`` (output gate, as in RetNet and GLA).
     Key/value sizes per head are ``expand_k · d_model / H`` and ``expand_v · d_model / H``.
+
+    Defaults: ``n_heads=4``, ``expand_k=0.5``, ``expand_v=1.0``, ``short_conv=False``,
+    ``conv_size=4``, ``gate_rank=16``, ``gate_normalizer=16.0``, ``chunk_size=64`` (and
+    ``gate="gla"``, ``mode="chunk"``; ``short_conv``, ``conv_size``, ``mode``, ``chunk_size`` as in
+    :class:`LinearAttention`).
 
     Hook points: ``hook_q, hook_k`` ``[B, T, H, K]`` (after rotary positions, as the op gets them),
     ``hook_v, hook_o`` ``[B, T, H, V]``, ``hook_g`` (log decay, ``[B, T, H]`` for ``retnet`` and

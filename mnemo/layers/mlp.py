@@ -8,7 +8,8 @@ from torch import nn
 
 
 def swiglu_hidden(d_model: int, multiple_of: int = 32) -> int:
-    """``8/3 · d_model`` rounded up to a multiple of ``multiple_of`` (LLaMA's choice)."""
+    """``8/3 · d_model`` rounded up to a multiple of ``multiple_of`` (LLaMA's choice; default
+    ``multiple_of=32``)."""
     h = int(8 * d_model / 3)
     return multiple_of * (-(-h // multiple_of))
 

@@ -11,7 +11,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019): ``y = x / sqrt(mean(x²) + eps) · weight``.
 
     Normalises the last dimension ``dim``; computed in at least float32 (float64 stays float64)
-    and returned in ``x``'s dtype.
+    and returned in ``x``'s dtype. Default ``eps=1e-5``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5):

@@ -107,7 +107,7 @@ class SelfModifyingTitansState:
         memory: running weights ``(W_a [B, 1, d, h], W_b [B, 1, h, d])`` of ``M_memory``.
         memory_anchor: its weights at the current memory chunk's start.
         conv: the short-conv tail ``[B, d, W − 1]`` (activation dtype) or ``None``.
-        offset: tokens consumed (chunk boundaries are absolute stream positions).
+        offset: tokens consumed (chunk boundaries are absolute stream positions; default ``0``).
     """
 
     proj: tuple
@@ -225,12 +225,15 @@ class SelfModifyingTitans(Mixer):
 
     Args:
         d_model: width of ``x`` and of every memory (keys, values, queries).
-        n_heads: groups of the output RMSNorm and gate (``d_model % n_heads == 0``).
-        chunk_size: the main memory's chunk ``C_memory`` (gradients and reads at chunk-start weights).
+        n_heads: groups of the output RMSNorm and gate (``d_model % n_heads == 0``; default ``4``).
+        chunk_size: the main memory's chunk ``C_memory`` (gradients and reads at chunk-start weights;
+            default ``16``).
         proj_chunk_size: the projection memories' chunk ``C_proj`` (default ``chunk_size``).
-        expansion: hidden width of every memory MLP is ``round(expansion · d_model)``.
-        beta_max: upper bound of ``β_t = η_t / α_t`` (in ``(0, 1]``).
-        short_conv / conv_size: causal depthwise conv + SiLU on ``x`` before ``W_q`` and the memories.
+        expansion: hidden width of every memory MLP is ``round(expansion · d_model)`` (default
+            ``1.0``).
+        beta_max: upper bound of ``β_t = η_t / α_t`` (in ``(0, 1]``; default ``1.0``).
+        short_conv / conv_size: causal depthwise conv + SiLU on ``x`` before ``W_q`` and the memories
+            (defaults ``short_conv=True``, ``conv_size=4``).
         mode: ``"chunk"`` (default for ``T > 1``) or ``"recurrent"`` (token loop).
 
     Hook points (float32, float64 for a float64 model): the main memory's inputs, as ``M_memory``'s
@@ -494,7 +497,8 @@ class SelfModifyingTitans(Mixer):
     ) -> SelfModifyingTitansState:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
         default the parameters'): running and chunk-start weights of the five memories (float32,
-        float64 for float64) plus the conv tail; independent of ``seq_len``."""
+        float64 for float64) plus the conv tail; independent of ``seq_len``. Defaults:
+        ``batch_size=1``, ``seq_len=0``."""
         act, cd = state_dtypes(self, dtype)
         B, D, h = batch_size, self.d_model, self.hidden
 

@@ -70,7 +70,7 @@ class SelfModifyingProjectionsState:
             stream (the engine's :class:`~mnemo.memory.MemoryState` fields, ``[B, H, in, out]``
             per memory layer; see :class:`~mnemo.layers.titans.NeuralMemoryState`).
         conv: the short-conv tail ``[B, 3 d, W − 1]`` (activation dtype) or ``None``.
-        offset: tokens consumed (chunk boundaries are absolute stream positions).
+        offset: tokens consumed (chunk boundaries are absolute stream positions; default ``0``).
     """
 
     proj: dict
@@ -105,11 +105,13 @@ class SelfModifyingProjections(Mixer):
 
     Args:
         d_model, n_heads; head size is ``d_model // n_heads`` (the targets ``o M_□`` need
-            ``H · head_dim == d_model``).
-        chunk_size: tokens between two rewrites of the projection memories.
+            ``H · head_dim == d_model``; default ``n_heads=4``).
+        chunk_size: tokens between two rewrites of the projection memories (default ``64``).
         spec: the main memory (:class:`~mnemo.memory.MemorySpec` or preset name; default
             ``"gated_deltanet"``: matrix memory, l2, decay applied first, online updates).
-        self_lr: upper bound of the projection memories' inner rate ``η_□``.
+        short_conv / conv_size: causal depthwise conv + SiLU on q, k, v (defaults
+            ``short_conv=True``, ``conv_size=4``).
+        self_lr: upper bound of the projection memories' inner rate ``η_□`` (default ``0.1``).
 
     Hook points (the main memory's inputs and output, as it and the chunk's rewrite consume them;
     each fires once per chunk piece of ``L`` tokens, in stream order, since a chunk's projections
@@ -302,7 +304,7 @@ class SelfModifyingProjections(Mixer):
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
         default the parameters'): the projection weights, the chunk's partial sum (inside a chunk
         only), the main memory's accumulators and chunk-start copy (and momentum) in the compute
-        dtype, and the conv tail."""
+        dtype, and the conv tail. Defaults: ``batch_size=1``, ``seq_len=0``."""
         act, cd = state_dtypes(self, dtype)
         B, H, s = batch_size, self.n_heads, self.spec
         dims = s.layer_dims(self.head_dim, self.head_dim)

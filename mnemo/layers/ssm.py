@@ -31,7 +31,7 @@ class MambaState:
         ssm: ``h [B, d_inner, N]`` in the compute dtype (float32; float64 for a float64 model);
             ``None`` before the first call.
         conv: the short-convolution tail ``[B, d_inner, conv_size − 1]`` (activation dtype).
-        offset: tokens consumed so far.
+        offset: tokens consumed so far (default ``0``).
     """
 
     ssm: torch.Tensor | None = None
@@ -47,7 +47,7 @@ class Mamba2State:
         ssm: ``h [B, H, N, P]`` in the compute dtype (float32; float64 for a float64 model);
             ``None`` before the first call.
         conv: the short-convolution tail ``[B, d_inner + 2 G N, conv_size − 1]`` (activation dtype).
-        offset: tokens consumed so far.
+        offset: tokens consumed so far (default ``0``).
     """
 
     ssm: torch.Tensor | None = None
@@ -68,7 +68,8 @@ class Mamba(Mixer):
     softplus of ``Δ ~ LogUniform[1e-3, 1e-1]``; ``W_dt`` uniform in ``±dt_rank^{-1/2}``; ``D = 1``.
 
     Args:
-        d_model; d_state: ``N`` (16); expand: ``d_inner = expand · d_model`` (2); conv_size (4);
+        d_model; d_state: ``N`` (default ``d_state=16``); expand: ``d_inner = expand · d_model``
+            (default ``expand=2``); conv_size (default ``conv_size=4``);
         dt_rank: rank of the Δ projection (default ``ceil(d_model / 16)``).
         selective: ``False`` makes Δ, B, C input-independent learned parameters (an LTI SSM, the
             ablation of Mamba §4.1; the Δ input, B and C start ``~ N(0, 1)``); default ``True``.
@@ -218,7 +219,8 @@ class Mamba(Mixer):
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> MambaState:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
-        default the parameters'); independent of ``seq_len``."""
+        default the parameters'); independent of ``seq_len``. Defaults: ``batch_size=1``,
+        ``seq_len=0``."""
         act, mem = state_dtypes(self, dtype)
         return MambaState(
             ssm=spec((batch_size, self.d_inner, self.d_state), mem),
@@ -231,7 +233,7 @@ class GroupRMSNorm(RMSNorm):
     """:class:`~mnemo.layers.norm.RMSNorm` over each of ``groups`` contiguous groups of the last
     dimension on its own (one weight over all of it): ``y_g = x_g / sqrt(mean(x_g²) + eps)``, then
     ``y · weight``. ``groups = 1`` is the plain RMSNorm. Computed in at least float32, returned in
-    ``x``'s dtype."""
+    ``x``'s dtype. Defaults: ``eps=1e-5``, ``groups=1``."""
 
     def __init__(self, dim: int, eps: float = 1e-5, groups: int = 1):
         super().__init__(dim, eps)
@@ -266,9 +268,10 @@ class Mamba2(Mixer):
     transformers' ``MambaRMSNormGated``), then scales by one weight over ``d_inner``.
 
     Args:
-        d_model; d_state: ``N`` (64); head_dim: ``P`` (64, clipped to ``d_inner``); expand (2);
-        n_groups: B/C groups shared by heads (1); conv_size (4). ``A ~ U[1, 16]``,
-        ``Δ ~ LogUniform[1e-3, 1e-1]`` at init; ``D = 1``.
+        d_model; d_state: ``N`` (default ``d_state=64``); head_dim: ``P`` (default ``head_dim=64``,
+            clipped to ``d_inner``); expand (default ``expand=2``);
+        n_groups: B/C groups shared by heads (default ``1``); conv_size (default ``conv_size=4``).
+            ``A ~ U[1, 16]``, ``Δ ~ LogUniform[1e-3, 1e-1]`` at init; ``D = 1``.
         bias: biases on the input and output projections (default ``False``; mamba-ssm's ``bias``,
             transformers' ``use_bias``).
         conv_bias: a bias in the short convolution (default ``True``; ``conv_bias`` /
@@ -285,7 +288,7 @@ class Mamba2(Mixer):
         norm_groups: groups of the gated norm (default ``None``: ``n_groups``, the original model);
             ``1`` normalises over all of ``d_inner``, which is what mnemo did for ``n_groups > 1``
             before it followed the original (kept to load such checkpoints).
-        mode / chunk_size: op form for ``T > 1`` and its chunk length (64).
+        mode / chunk_size: op form for ``T > 1`` and its chunk length (default ``chunk_size=64``).
 
     The recurrence runs as :func:`~mnemo.ops.gated_linear_attention` with ``q = C``, ``k = B``,
     ``v = Δ x``, ``g = Δ A`` and scale 1 (what :func:`~mnemo.ops.ssd` computes), so that each hook
@@ -409,7 +412,8 @@ class Mamba2(Mixer):
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> Mamba2State:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
-        default the parameters'); independent of ``seq_len``."""
+        default the parameters'); independent of ``seq_len``. Defaults: ``batch_size=1``,
+        ``seq_len=0``."""
         act, mem = state_dtypes(self, dtype)
         return Mamba2State(
             ssm=spec((batch_size, self.n_heads, self.d_state, self.head_dim), mem),

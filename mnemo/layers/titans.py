@@ -79,9 +79,9 @@ class NeuralMemoryState:
         anchor_decay: log decay accumulated since the anchor (``[B, H]``, ``[B, H, K]`` per
             channel) for ``decay_first`` specs inside a chunk; ``None`` otherwise.
         position: tokens the memory has consumed (``offset`` plus the persistent prefix once the
-            stream has started); chunk boundaries are absolute positions.
+            stream has started); chunk boundaries are absolute positions. Default ``0``.
         conv: the short-conv tail ``[B, 3 H D, W − 1]`` (activation dtype), or ``None``.
-        offset: tokens of the stream consumed so far.
+        offset: tokens of the stream consumed so far (default ``0``).
     """
 
     weights: tuple
@@ -98,6 +98,8 @@ class NeuralMemoryState:
 
     @classmethod
     def from_memory_state(cls, mem: MemoryState, conv=None, offset: int = 0) -> NeuralMemoryState:
+        """The state that continues the engine's ``mem`` with the conv tail ``conv`` after
+        ``offset`` stream tokens (default ``offset=0``)."""
         return cls(
             weights=mem.weights,
             momentum=mem.momentum,
@@ -118,7 +120,7 @@ class TitansMAGState:
         attn_k, attn_v: the sliding-window KV cache ``[B, P, H_kv, D]`` of the attention branch
             (the last ``P ≤ window − 1`` tokens, activation dtype; persistent keys are parameters,
             not state).
-        offset: tokens consumed so far (rotary positions).
+        offset: tokens consumed so far (rotary positions; default ``0``).
     """
 
     memory: NeuralMemoryState | None = None
@@ -130,7 +132,7 @@ class TitansMAGState:
 @state_dataclass
 class TitansMALState:
     """The state of :class:`TitansMAL` (fields as :class:`TitansMAGState`: the memory layer's state
-    and the sliding-window KV cache of the attention on its output)."""
+    and the sliding-window KV cache of the attention on its output; default ``offset=0``)."""
 
     memory: NeuralMemoryState | None = None
     attn_k: torch.Tensor | None = None
@@ -151,7 +153,7 @@ class TitansMACState:
             ``n`` tokens so far (``None`` at a segment start before any token).
         read_k, read_v: the segment-local keys/values ``[B, n, H_kv, D]`` of the memory read-outs
             ``h`` (the context the segment's tokens attend to).
-        offset: tokens consumed so far (segment boundaries are absolute).
+        offset: tokens consumed so far (segment boundaries are absolute; default ``0``).
     """
 
     memory: NeuralMemoryState
@@ -200,10 +202,12 @@ class NeuralMemory(Mixer):
     * ``hook_state``: the :class:`NeuralMemoryState` after the call.
 
     Args:
-        d_model, n_heads, head_dim (default ``d_model // n_heads``).
+        d_model, n_heads, head_dim (default ``d_model // n_heads``; default ``n_heads=4``).
         spec: a :class:`~mnemo.memory.MemorySpec` or a preset name (``"titans"``, ``"moneta"``, …);
             ``spec_overrides`` replace fields (e.g. ``chunk_size=32``).
-        short_conv / conv_size: causal depthwise conv + SiLU on q, k, v.
+        short_conv / conv_size: causal depthwise conv + SiLU on q, k, v (defaults
+            ``short_conv=True``, ``conv_size=4``).
+        persistent_tokens: learned vectors prepended to the stream, see above (default ``0``).
         max_lr: upper bound of ``θ`` (default: the spec's ``max_lr`` or 1).
         mode: ``"chunk"`` or ``"recurrent"`` (reference) for ``T > 1``.
 
@@ -417,7 +421,7 @@ class NeuralMemory(Mixer):
         default the parameters'): the accumulators, their chunk-start copy and (momentum) the
         momentum buffers in the fast-weight dtype, and the conv tail; independent of ``seq_len``
         except for ``anchor_decay`` (``decay_first`` specs inside a chunk, as the chunk form leaves
-        it)."""
+        it). Defaults: ``batch_size=1``, ``seq_len=0``."""
         act, cd = state_dtypes(self, dtype)
         B, H, s = batch_size, self.n_heads, self.spec
         dims = s.layer_dims(self.head_dim, self.head_dim)
@@ -610,6 +614,7 @@ class TitansMAG(_MemoryAndWindow):
     """Memory as a Gate (Titans §4.2): sliding-window attention and the memory branch, combined by a
     gate. ``o = W_o (RMSNorm(y_attn) ⊙ sigmoid(RMSNorm(y_mem)))`` with both branches over the same
     input; persistent tokens are keys every query sees (attention) and a prefix the memory writes.
+    Defaults: ``n_heads=4``, ``window=64``, ``persistent_tokens=4``.
 
     Hook points (all ``[B, T, d_model]`` unless named): ``hook_attn_out`` (``y_attn``, the attention
     branch), ``hook_mem_out`` (``y_mem``, the memory branch), ``hook_gate`` (``sigmoid(RMSNorm(y_mem))``),
@@ -655,7 +660,8 @@ class TitansMAG(_MemoryAndWindow):
 @register_mixer("titans_mal")
 class TitansMAL(_MemoryAndWindow):
     """Memory as a Layer (Titans §4.3): the memory layer, then sliding-window attention on its output
-    (with persistent keys). ``o = SWA(M(x))``.
+    (with persistent keys). ``o = SWA(M(x))``. Defaults: ``n_heads=4``, ``window=64``,
+    ``persistent_tokens=4``.
 
     Hook points: ``hook_mem_out`` ``[B, T, d_model]`` (the memory layer's output, before the norm
     and the attention), ``hook_attn_out`` ``[B, T, d_model]`` (the attention's output, the mixer's
@@ -697,7 +703,8 @@ class TitansMAL(_MemoryAndWindow):
 @register_mixer("titans_mac")
 class TitansMAC(Mixer):
     """Memory as a Context (Titans §4.1). The sequence is cut into segments of ``segment`` tokens
-    (= the memory's inner chunk). For each segment ``S``:
+    (= the memory's inner chunk). Defaults: ``n_heads=4``, ``segment=64``, ``persistent_tokens=4``
+    (the persistent keys of the attention). For each segment ``S``:
 
     1. ``h = M*(q(S))``: read the memory with the weights it had *before* the segment (no write);
     2. ``y = Attn([persistent ‖ h ‖ S])`` for the segment's tokens: persistent keys always visible,
@@ -818,7 +825,8 @@ class TitansMAC(Mixer):
     ) -> TitansMACState:
         """The state after ``seq_len`` tokens as ``meta`` tensors: the memory's, the read-before
         conv tail and the segment-local KV caches (sequence and memory read-outs) of the tokens
-        seen so far in the current segment (activation ``dtype``)."""
+        seen so far in the current segment (activation ``dtype``). Defaults: ``batch_size=1``,
+        ``seq_len=0``."""
         act, _ = state_dtypes(self, dtype)
         B = batch_size
         seg = 0 if seq_len <= 0 else (seq_len - 1) % self.segment + 1  # tokens in the last segment

@@ -169,7 +169,9 @@ def attribute_read(
     from the zero-value baseline, midpoint rule), where ``v(α)`` scales the attributed values;
     ``output`` is the read minus ``baseline`` (the read with the attributed values zeroed).
     One forward-mode pass per seed ``(α_i, s)`` — a tangent ``v_s`` at position ``s`` gives
-    ``J_ts v_s`` for every ``t`` at once — batched as copies of the batch."""
+    ``J_ts v_s`` for every ``t`` at once — batched as copies of the batch, at most ``max_rows``
+    rows ``R·B`` per pass (at least one seed). Defaults: ``start=0``, ``steps=1``,
+    ``max_rows=1024``."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     B, T, H, _ = v.shape
@@ -225,7 +227,9 @@ def attribution_of_read(
 ) -> ValueAttribution:
     """:func:`attribute_read` packed as a :class:`ValueAttribution` (the scalar map
     ``m_ts = ⟨c_ts, v_s⟩ / ‖v_s‖²``), for a memory given as a read function (e.g. HOPE's
-    self-modifying memory). ``exact`` is the caller's statement that the read is linear in ``v``."""
+    self-modifying memory). ``exact`` is the caller's statement that the read is linear in ``v``.
+    ``start, steps, max_rows`` as in :func:`attribute_read`. Defaults: ``start=0``, ``steps=1``,
+    ``max_rows=1024``, ``exact=False``."""
     contrib, out, base = attribute_read(read, v, start=start, steps=steps, max_rows=max_rows)
     vs = v.detach()[:, start:]
     return ValueAttribution(project(contrib, vs), vs, out, contrib, base, exact)
@@ -268,7 +272,9 @@ def value_attribution(
     :func:`exact_value_map`), ``"jacobian"`` (gradient × input, any memory) or ``"auto"``
     (``"exact"`` where it applies). ``mode`` is the engine form of the exact map and of the
     output/baseline reads; the Jacobian always runs the token-loop reference (forward-mode AD).
-    Computation runs in float32 (float64 for float64 inputs).
+    ``steps, max_rows``: as in :func:`attribute_read` (the Jacobian method only).
+    Computation runs in float32 (float64 for float64 inputs). Defaults: ``start=0``, ``steps=1``,
+    ``max_rows=1024``.
     """
     if method not in ("auto", "exact", "jacobian"):
         raise ValueError(f"method must be 'auto', 'exact' or 'jacobian', got {method!r}")

@@ -133,8 +133,11 @@ def neural_memory(
         delta: ``[B, T, H]`` Huber threshold ``δ_t > 0`` (objective ``"huber"``; compared with the
             error norm ``‖M(k_t) − v_t‖₂`` with ``huber_mode="token"``, with each coordinate otherwise).
         initial_state: a :class:`MemoryState` (see :func:`init_state`); zeros when ``None``.
+        output_final_state: also return the state after the last token (default ``False``).
         mode: ``"chunk"`` (training; the closed-form op when one exists and ``use_closed_form``)
             or ``"recurrent"`` (the token-loop reference).
+        use_closed_form: let ``"chunk"`` use the closed-form op when one exists (default
+            ``True``); ``False`` runs the engine's own chunk form.
 
     Returns:
         ``o: [B, T, H, V]`` in ``q``'s dtype and the :class:`MemoryState` (``None`` unless

@@ -29,7 +29,8 @@ class MemorySpec:
         architecture: ``"matrix"`` (one ``[K, V]`` map per head) or ``"mlp"`` (``depth`` linear
             layers ``K → h → … → V`` with ``h = expansion · K`` and ``activation`` between them).
         residual: ``M(x) = x + f(x)`` (needs ``K == V``). norm: layer-normalise ``f(x)`` before the
-            residual (TTT: ``x + LN(f(x))``; parameter-free LN). Both default off for ``matrix``.
+            residual (TTT: ``x + LN(f(x))``; parameter-free LN). Both default off (the ``mlp``
+            presets turn them on).
     Attentional bias (inner objective on ``e = M(k) − v``):
         ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule);
         ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}``;
@@ -74,6 +75,11 @@ class MemorySpec:
         ``step_t = S_t`` (Titans' surprise). ``θ_t`` is clamped to ``max_lr``; each token's gradient
         is rescaled to norm ``≤ grad_clip`` when set.
     chunk_size: the inner mini-batch (``1`` = plain online learning).
+
+    Defaults: ``depth=2``, ``expansion=4.0``, ``residual=False``, ``norm=False``, ``p=3.0``,
+    ``lp_eps=1e-6``, ``decay_per_channel=False``, ``decay_first=False``, ``q=4.0``, ``kl_scale=1.0``,
+    ``l1=0.01``, ``chunk_size=64`` (and ``architecture="matrix"``, ``objective="l2"``,
+    ``retention="none"``, ``optimizer="gd"``, no ``max_lr`` or ``grad_clip``).
     """
 
     architecture: str = "matrix"

@@ -35,7 +35,7 @@ def autocast_off(fn):
 def to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype, factor=None, divide: bool = False) -> torch.Tensor:
     """``[B, T, H, *D]`` (``D`` empty for scalar gates) → ``[B, H, n, C, D or 1]`` in ``dtype``,
     times (or, with ``divide``, divided by) ``factor`` (a number, or a tensor broadcastable to
-    ``[B, H, n, C, D]``), in one pass."""
+    ``[B, H, n, C, D]``), in one pass. Default ``divide=False``."""
     if x.ndim == 3:
         x = x[..., None]
     B, T, H, D = x.shape
@@ -186,7 +186,8 @@ def scan_decay_reverse_(
 
     ``R: [B, H, n, K, V]`` is the gradient reaching each entering state from its own chunk; it is
     consumed. Returns ``(Gs, dS0, dots)``: ``Gs[:, :, i] = G_{i+1}`` (the gradient of the state
-    leaving chunk ``i``; ``lam_i ⊙ G_{i+1}`` with ``scale_out``), written over ``R``, ``dS0 = G_0``
+    leaving chunk ``i``; ``lam_i ⊙ G_{i+1}`` with ``scale_out``, default ``scale_out=False``),
+    written over ``R``, ``dS0 = G_0``
     and, given ``dots_with = (states, S_final)``, ``dots = next_state_dots(G, states, S_final)``
     (``[B, H, n, K]``, of the unscaled ``G``), else ``None``.
     """

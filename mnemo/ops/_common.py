@@ -49,7 +49,8 @@ def check_chunk_size(chunk_size) -> int:
 
 
 def check_form(mode: str, chunk_size, *, chunk_size_optional: bool = False) -> None:
-    """``mode`` one of :data:`MODES`, ``chunk_size`` a positive int (or ``None`` if optional)."""
+    """``mode`` one of :data:`MODES`, ``chunk_size`` a positive int (or ``None`` if optional;
+    default ``chunk_size_optional=False``)."""
     check_mode(mode, MODES)
     if chunk_size is not None or not chunk_size_optional:
         check_chunk_size(chunk_size)
@@ -95,8 +96,9 @@ def finite_checks(enabled: bool) -> Iterator[None]:
 
 def check_finite(values: dict, gates: dict | None = None) -> None:
     """Raise :class:`NonFiniteError` naming the first input with NaN/inf entries. Log-gates may be
-    ``-inf`` (a hard reset) but not NaN or ``+inf``."""
-    if not _FINITE_CHECKS:
+    ``-inf`` (a hard reset) but not NaN or ``+inf``. Skipped while ``torch.compile`` traces
+    (reading a sum back to Python would break the graph at every op call)."""
+    if not _FINITE_CHECKS or torch.compiler.is_compiling():
         return
     # Fast path, one read of each tensor: a sum is NaN/inf whenever any term is (NaN and ±inf
     # propagate; +inf and -inf together give NaN), so a finite sum proves every term finite. A
@@ -346,7 +348,8 @@ def clamp_log_gate(g: torch.Tensor) -> torch.Tensor:
 
 
 def causal_mask(n: int, device, diagonal: int = 0) -> torch.Tensor:
-    """Boolean ``[n, n]`` mask, True on and below the diagonal (``diagonal = -1``: strictly below)."""
+    """Boolean ``[n, n]`` mask, True on and below the diagonal (``diagonal = -1``: strictly
+    below; default ``diagonal=0``)."""
     return torch.ones(n, n, dtype=torch.bool, device=device).tril(diagonal)
 
 

@@ -321,7 +321,8 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     """Chunk form. ``q, k, v, beta`` in any float dtype (``scale`` is applied here), ``g`` clamped,
     ``S0`` in the compute dtype. Uses :class:`_DeltaChunk` (hand-written backward) unless some chunk
     decays by more than ``_SAFE_SPAN`` nats (strong gates, hard resets): there the autograd form
-    :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``, takes over."""
+    :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``, takes over. Default
+    ``scale=1.0`` (the inputs are used as given)."""
     C = min(int(chunk_size), q.shape[1])
     b = None
     if g is not None:
@@ -340,7 +341,7 @@ def delta_parallel(q, k, v, beta, g, S0):
 
 def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int, scale: float = 1.0):
     """``q, k, v, beta`` in the compute dtype (``S0``'s) for the reference forms; the chunk form
-    also takes them in their own dtype and applies ``scale`` itself."""
+    also takes them in their own dtype and applies ``scale`` itself (default ``scale=1.0``)."""
     if q.shape[1] == 0:
         return v.new_zeros(v.shape, dtype=S0.dtype), S0
     if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
@@ -407,7 +408,8 @@ def delta_rule(
         q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]``.
         beta: ``[B, T, H]``, write strength in ``(0, 1]``.
         scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size: as in
-            :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``).
+            :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``). Defaults:
+            ``output_final_state=False``, ``chunk_size=64``.
 
     Returns / Raises: as :func:`~mnemo.ops.gated_linear_attention`.
     """
@@ -456,7 +458,8 @@ def gated_delta_rule(
             the chunked forms treat decay factors below ``exp(-40)`` as exactly ``0``.
         beta: ``[B, T, H]``, write strength in ``(0, 1]``.
         scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size: as in
-            :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``).
+            :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``). Defaults:
+            ``output_final_state=False``, ``chunk_size=64``.
 
     Returns / Raises: as :func:`~mnemo.ops.gated_linear_attention`.
     """

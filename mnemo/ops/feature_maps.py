@@ -57,8 +57,9 @@ class FavorPlus:
     Args:
         head_dim: ``K``, the size of the last dimension of the inputs.
         num_features: ``m``, the number of random features (output size).
-        seed: seed of the projection draw (a private ``torch.Generator``; global RNG untouched).
-        orthogonal: draw orthogonal blocks (default) or i.i.d. Gaussian rows.
+        seed: seed of the projection draw (a private ``torch.Generator``; global RNG untouched;
+            default ``0``).
+        orthogonal: draw orthogonal blocks (default ``True``) or i.i.d. Gaussian rows.
     Raises:
         ValueError: ``head_dim`` or ``num_features`` is not positive, or an input's last dim is
             not ``head_dim``.

@@ -311,7 +311,7 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
 
     Uses :class:`_GLAChunk` (hand-written backward) unless some chunk decays by more than
     ``_SAFE_SPAN`` nats (strong gates, hard resets): there :func:`gla_chunk_autograd` keeps every
-    factor ``≤ 1``."""
+    factor ``≤ 1``. Default ``scale=1.0`` (the inputs are used as given)."""
     T = q.shape[1]
     C = min(int(chunk_size), T)
     b = None
@@ -329,7 +329,8 @@ _CORES = {"recurrent": gla_recurrent, "parallel": gla_parallel}
 
 def run_gla_core(q, k, v, g, S0, mode: str, chunk_size: int, scale: float = 1.0):
     """``q, k, v`` in the compute dtype (``S0``'s) for the reference forms; the chunk form also
-    takes them in their own dtype and applies ``scale`` itself (one pass instead of two)."""
+    takes them in their own dtype and applies ``scale`` itself (one pass instead of two; default
+    ``scale=1.0``)."""
     if q.shape[1] == 0:
         return v.new_zeros(v.shape, dtype=S0.dtype), S0
     if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
@@ -372,12 +373,12 @@ def gated_linear_attention(
         scale: multiplies ``q``; default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``); any float dtype,
             used in the compute dtype. Gradients flow into it.
-        output_final_state: also return the state after the last token.
+        output_final_state: also return the state after the last token (default ``False``).
         cu_seqlens: ``[N + 1]`` int offsets of ``N`` sequences packed in ``B = 1``; the state is
             reset (to the matching row of ``initial_state``) at every boundary.
         mode: ``"chunk"`` (training, default) | ``"parallel"`` (quadratic) | ``"recurrent"``
             (token-loop reference). All three give the same result.
-        chunk_size: chunk length of the chunk form.
+        chunk_size: chunk length of the chunk form (default ``64``).
 
     Returns:
         ``o: [B, T, H, V]`` in ``q``'s dtype, and ``final_state: [B, H, K, V]`` (``[N, ...]`` with

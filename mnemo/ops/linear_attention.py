@@ -47,13 +47,15 @@ def linear_attention(
         q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]``.
         feature_map: ``None``/``"identity"``, ``"elu"``, ``"relu"``, ``"taylor"`` or a callable
             ``[..., K] -> [..., F]`` (e.g. ``FavorPlus``). The state lives in feature space ``F``.
-        normalize: divide by ``φ(q)ᵀ z`` (the normaliser is carried in the state, see below).
+        normalize: divide by ``φ(q)ᵀ z`` (the normaliser is carried in the state, see below;
+            default ``False``).
         scale: multiplies ``q`` before ``φ``; default ``K ** -0.5``.
-        eps: added to the normaliser (``normalize=True`` only).
+        eps: added to the normaliser (``normalize=True`` only; default ``1e-6``).
         initial_state: ``[B, H, F, V]``, or ``[B, H, F, V + 1]`` when ``normalize=True`` (the last
             column is the normaliser ``z``). ``[N, ...]`` rows with ``cu_seqlens``.
         output_final_state, cu_seqlens, mode, chunk_size: as in
-            :func:`~mnemo.ops.gated_linear_attention`.
+            :func:`~mnemo.ops.gated_linear_attention`. Defaults: ``output_final_state=False``,
+            ``chunk_size=64``.
 
     Returns:
         ``o: [B, T, H, V]`` in ``q``'s dtype; ``final_state`` ``[B, H, F, V (+1)]`` in the compute
@@ -101,7 +103,8 @@ def linear_attention(
 def linear_attention_map(q, k, feature_map="elu", normalize: bool = True, scale: float | None = None):
     """The ``T × T`` matrix linear attention multiplies the values by, per head: ``M_ts =
     φ(scale · q_t)ᵀ φ(k_s)`` for ``s ≤ t``, divided by its row sum ``+ 1e-6`` when ``normalize``
-    (the op's denominator ``φ(q_t)ᵀ Σ_s φ(k_s)``), so that ``o = M v``. ``q, k: [B, T, H, K]``;
+    (default ``normalize=True``; the op's denominator ``φ(q_t)ᵀ Σ_s φ(k_s)``), so that ``o = M v``.
+    ``q, k: [B, T, H, K]``;
     ``feature_map`` as in :func:`linear_attention`. Returns ``[B, H, T, T]``."""
     phi = resolve_feature_map(feature_map)
     scale = default_scale(scale, q.shape[-1])

@@ -342,8 +342,8 @@ def ss_native(
 ):
     """The C-kernel form (see :class:`_NativeScan`); public layout in and out. ``delta`` is the raw
     step: ``Δ = softplus(delta + delta_bias)`` if ``softplus``, else ``delta + delta_bias``
-    (``delta_bias`` may be ``None``). With ``D`` / ``z`` the returned ``y`` already includes the skip
-    ``D u`` and the gate ``silu(z)``."""
+    (``delta_bias`` may be ``None``; default ``softplus=False``). With ``D`` / ``z`` the returned
+    ``y`` already includes the skip ``D u`` and the gate ``silu(z)``."""
     Bsz, T, Dm = u.shape
     G = B.shape[2]
     Dg = Dm // G
@@ -441,6 +441,7 @@ def selective_scan(
         B, C: ``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``D % G == 0``.
         D: ``[D]`` skip connection, or ``None``. z: ``[B, T, D]`` output gate, or ``None``.
         delta_bias: ``[D]`` added to ``δ``, or ``None``. delta_softplus: apply softplus to get Δ.
+            Defaults: ``delta_softplus=False``, ``output_final_state=False``.
         initial_state: ``[B, D, N]`` (``[num_seqs, D, N]`` with ``cu_seqlens``); any float dtype,
             used in the compute dtype. Gradients flow into it and into every input.
         output_final_state: also return the state after the last token.

@@ -63,15 +63,16 @@ def ssd(
             ``dt · A`` is clamped from below at ``-60``.
         B, C: ``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``H % G == 0``.
         D: ``[H]`` skip connection, or ``None``.
-        dt_bias: ``[H]`` added to ``dt``, or ``None``. dt_softplus: apply softplus to ``dt``.
+        dt_bias: ``[H]`` added to ``dt``, or ``None``. dt_softplus: apply softplus to ``dt``
+            (default ``dt_softplus=False``).
         initial_state: ``[B, H, N, P]`` (``[num_seqs, H, N, P]`` with ``cu_seqlens``); any float
             dtype, used in the compute dtype. Gradients flow into it and into every input.
-        output_final_state: also return the state after the last token.
+        output_final_state: also return the state after the last token (default ``False``).
         cu_seqlens: ``[num_seqs + 1]`` int offsets of sequences packed in ``B = 1``; the state is
             reset (to the matching row of ``initial_state``) at every boundary.
         mode: ``"chunk"`` (training, default) | ``"parallel"`` (quadratic) | ``"recurrent"``
             (token-loop reference). All three give the same result.
-        chunk_size: chunk length of the chunk form.
+        chunk_size: chunk length of the chunk form (default ``64``).
 
     Returns:
         ``y: [B, T, H, P]`` in ``x``'s dtype, and ``final_state: [B, H, N, P]`` (``[num_seqs, ...]``

@@ -77,7 +77,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "quintic"
         G: ``[..., m, n]`` floating tensor; the leading dims are a batch (each matrix normalised
             by its own Frobenius norm). float32 / float64 are computed in their own dtype; bfloat16
             and float16 are computed in float32.
-        steps: number of iterations ``T`` (int ≥ 0; 0 returns the normalised ``G``).
+        steps: number of iterations ``T`` (int ≥ 0; 0 returns the normalised ``G``; default ``5``).
         coefficients: ``"quintic"`` (Muon's, default) or ``"cubic"``.
     Returns:
         ``[..., m, n]`` in ``G``'s dtype.
@@ -168,20 +168,21 @@ class M3(torch.optim.Optimizer):
         params: parameters or param groups (every hyper-parameter below may be set per group).
         lr: ``η > 0``. Note the update's size: ``O1`` has singular values ≈ 1 and is divided
             elementwise by ``√V ≈ √(β2 Σ g²)``, so it scales like ``1 / |g|`` and is not Adam's
-            ``≈ lr`` per element; tune ``lr`` for M3 separately.
+            ``≈ lr`` per element; tune ``lr`` for M3 separately. Default ``1e-3``.
         betas: ``(β1, β2, β3)``, each in ``[0, 1)``: fast momentum, second moment, slow momentum.
-        alpha: ``α ≥ 0``, weight of the slow momentum ``O2``.
+        alpha: ``α ≥ 0``, weight of the slow momentum ``O2`` (default ``0.5``).
         eps: ``ε > 0`` in the denominator ``√V + ε``. Unlike in Adam it matters: ``O1`` is not
             proportional to ``g`` (orthogonalisation lifts small directions to singular value 1),
             so an element with a tiny gradient gets ``|Δ| ≈ lr |O| / ε``; ``ε`` caps that step.
             The default ``1e-8`` follows Adam; training runs need far more (the trainer uses
             ``1e-2``, :class:`mnemo.train.TrainConfig` ``m3_eps``).
-        ns_steps: Newton–Schulz iterations ``T`` (int ≥ 0).
-        slow_every: ``f`` (int ≥ 1), steps per block of the slow momentum.
-        weight_decay: decoupled weight decay ``λ ≥ 0`` (AdamW style; not in Algorithm 1; 0 = none).
+        ns_steps: Newton–Schulz iterations ``T`` (int ≥ 0; default ``5``).
+        slow_every: ``f`` (int ≥ 1), steps per block of the slow momentum (default ``10``).
+        weight_decay: decoupled weight decay ``λ ≥ 0`` (AdamW style; not in Algorithm 1; 0 = none;
+            default ``0.0``).
         ns_coefficients: ``"quintic"`` (Muon's, default) or ``"cubic"``.
         ema: ``False`` (Algorithm 1: ``M ← M + β g``) or ``True`` (departure: exponential moving
-            averages, see the module docstring).
+            averages, see the module docstring). Default ``False``.
 
     State per parameter (``state_dict()`` round-trips it exactly): ``step`` (int), ``m1``, ``v``,
     ``m2``, ``g_sum`` (sum of the current block's gradients), ``o2`` (the cached ``NS(M2)``).

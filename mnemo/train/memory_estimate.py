@@ -52,7 +52,9 @@ def estimate_memory(
     activation_checkpointing: bool = False,
 ) -> MemoryEstimate:
     """Lower bounds (bytes) for a step on ``micro_rows`` rows of a global ``batch_size`` batch of
-    ``seq_len`` tokens, and for an evaluation batch of ``batch_size`` rows."""
+    ``seq_len`` tokens, and for an evaluation batch of ``batch_size`` rows.
+    ``activation_checkpointing`` as in :class:`~mnemo.train.TrainConfig` (default
+    ``activation_checkpointing=False``)."""
     f32, i64 = 4, 8
     tokens = micro_rows * seq_len
     kept = 1 if activation_checkpointing else ACTS_PER_BLOCK
