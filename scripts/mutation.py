@@ -158,10 +158,13 @@ TESTS: dict[str, tuple[str, ...]] = {
     ),
     "mnemo/ops/softmax_attention.py": (
         "tests/ops/test_softmax_attention.py",
+        "tests/layers/test_sinks.py",
         "tests/ops/test_linear_attention.py",
         "tests/ops/test_properties.py",
     ),
     "mnemo/ops/ssd.py": ("tests/ops/test_ssd.py", "tests/ops/test_selective_scan.py", *_OPS_CORE),
+    "mnemo/ops/ring_attention.py": ("tests/ops/test_ring_attention.py",),
+    "mnemo/memory/attribution.py": ("tests/interp/test_ttt_maps.py", "tests/memory/test_engine.py"),
     "mnemo/memory/*.py": (
         "tests/memory/test_engine.py",
         "tests/memory/test_miras.py",
@@ -193,10 +196,21 @@ TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/layers/titans.py": ("tests/layers/test_titans.py", *_LAYERS),
     "mnemo/layers/ssm.py": ("tests/layers/test_ssm_options.py", *_LAYERS),
     "mnemo/layers/delta.py": ("tests/layers/test_gdn_options.py", *_LAYERS),
-    "mnemo/layers/attention.py": ("tests/layers/test_gdn_options.py", *_LAYERS),
-    "mnemo/layers/rotary.py": ("tests/layers/test_gdn_options.py", *_LAYERS),
+    "mnemo/layers/attention.py": (
+        "tests/layers/test_sinks.py",
+        "tests/layers/test_yarn.py",
+        "tests/layers/test_gdn_options.py",
+        *_LAYERS,
+    ),
+    "mnemo/layers/rotary.py": ("tests/layers/test_yarn.py", "tests/layers/test_gdn_options.py", *_LAYERS),
+    "mnemo/layers/moe.py": ("tests/layers/test_moe.py", *_LAYERS),
     "mnemo/layers/*.py": _LAYERS,
-    "mnemo/train/distributed.py": ("tests/train/test_distributed.py", "tests/train/test_ddp.py"),
+    "mnemo/train/distributed.py": (
+        "tests/train/test_distributed.py",
+        "tests/train/test_ddp.py",
+        "tests/train/test_ring_attention_cp.py",
+    ),
+    "mnemo/train/sharded.py": ("tests/train/test_fsdp.py",),
     "mnemo/train/memory_estimate.py": ("tests/train/test_memory_estimate.py", *_TRAIN),
     "mnemo/train/task_eval.py": ("tests/tasks/test_task_training.py", "tests/tasks/test_sweep.py"),
     # gradient accumulation under DDP (no_sync): one short 2-process run, about 25 s
@@ -204,6 +218,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/train/*.py": _TRAIN,
     "mnemo/interp/maps.py": ("tests/interp/test_maps.py", "tests/interp/test_scores.py"),
     "mnemo/interp/scores.py": ("tests/interp/test_scores.py", "tests/interp/test_maps.py"),
+    "mnemo/interp/spectrum.py": ("tests/interp/test_spectrum.py", "tests/interp/test_spectrum_state.py"),
+    "mnemo/interp/interventions.py": ("tests/interp/test_interventions.py",),
     "mnemo/interp/*.py": ("tests/interp/test_probe.py",),
 }
 

@@ -14,7 +14,9 @@ they count (DeepSeek-V3, §2.1.2, eq. 16).
 
 Losses (on the module after each forward, see :class:`MoE`):
 
-* load balance (Switch Transformer eq. 4–6, generalised to top-k as in GShard):
+* load balance (Switch Transformer eq. 4–6, generalised to top-k as in DeepSeekMoE, counting
+  all ``k`` choices; GShard counts first choices only, and ``transformers``' Qwen/Mixtral loss is
+  ``k`` times this value):
   ``L_aux = E · Σ_e f_e · P_e`` with ``f_e = (1 / (N k)) Σ_n Σ_j 1{idx[n, j] = e}`` (fraction of
   the ``N k`` assignments of the ``N`` tokens that go to ``e``) and ``P_e = (1/N) Σ_n s_e(x_n)``
   (mean router probability). Its minimum value 1 is reached by uniform routing (``f = P = 1/E``);

@@ -62,6 +62,11 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     kind = d.get("rope_type")
     if kind == "default" and len(d) == 1:
         return None
+    if kind == "default":
+        raise ValueError(
+            "rope_scaling: rope_type 'default' (plain RoPE) takes no other keys, "
+            f"got {sorted(set(d) - {'rope_type'})}"
+        )
     if kind != "yarn":
         raise ValueError(f"rope_scaling['rope_type']: expected 'yarn' (or 'default'), got {kind!r}")
     for key in ("factor", "original_max_position_embeddings"):

@@ -106,6 +106,12 @@ class ModelConfig:
                 check_moe_options(self.mlp_options)
             except ValueError as e:
                 raise ValueError(f"ModelConfig.mlp_options: {e}") from None
+        if self.mlp in ("swiglu", "none") and self.mlp_options:
+            bad(
+                "mlp_options",
+                f"empty for mlp {self.mlp!r} (options are for 'cms' and 'moe')",
+                self.mlp_options,
+            )
         if self.pos_embedding not in ("none", "learned"):
             bad("pos_embedding", "'none' or 'learned'", self.pos_embedding)
         return self

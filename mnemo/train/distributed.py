@@ -259,9 +259,12 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
     rank keeps the protocol going — it relays NaN states to rank ``r + 1`` in the remaining
     recurrent layers (which then fail there too) — and before every attention block all ranks
     agree (one all-reduce of a flag) on whether any rank failed; then every rank raises
-    (``NonFiniteError`` if the first failure was one, else ``RuntimeError``), so no rank waits
-    forever. A failure after the last attention block surfaces in the loss (NaN) on the ranks
-    that did not fail, and the failing rank raises its error at the end.
+    (``NonFiniteError`` if the first failure was one, else ``RuntimeError``). A failure after the
+    last attention block surfaces in the loss (NaN) on the ranks that did not fail, and the
+    failing rank raises its error at the end. Not covered: an exception *inside* an attention
+    block's ring (e.g. out of memory mid-ring) or in the one-token dry run that sizes the states;
+    the other ranks then wait until the process group's timeout (``init_process_group(timeout=)``,
+    torchrun's default 10 minutes for gloo/nccl collectives) before they fail.
 
     Raises:
         ValueError: ``T`` is not a multiple of ``world``, learned positions run out, or

@@ -366,3 +366,12 @@ def test_activation_checkpointing_keeps_aux_gradients():
         grads.append([p.grad.clone() for p in m.parameters()])
     for a, b in zip(*grads):
         assert rel_rms(a, b) < 1e-12
+
+
+def test_mlp_options_are_refused_for_mlps_without_options():
+    """``mlp_options`` given with ``mlp="swiglu"`` (or ``"none"``) would be ignored: refused."""
+    from mnemo.models import ModelConfig
+
+    with pytest.raises(ValueError, match=r"ModelConfig.mlp_options: expected empty for mlp 'swiglu'"):
+        ModelConfig(mlp="swiglu", mlp_options={"n_experts": 4}).validate()
+    assert ModelConfig(mlp="none", mlp_options={}).validate().mlp == "none"

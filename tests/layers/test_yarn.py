@@ -184,6 +184,10 @@ def test_scaling_without_rope_and_defaults():
     with pytest.raises(ValueError, match="has no rotary positions"):
         Attention(16, n_heads=2, rope=False).set_rope_scaling(YARN)
     assert check_rope_scaling({"rope_type": "default"}) is None
+    with pytest.raises(
+        ValueError, match=r"rope_type 'default' \(plain RoPE\) takes no other keys, got \['factor'\]"
+    ):
+        check_rope_scaling({"rope_type": "default", "factor": 2.0})
     full = check_rope_scaling(YARN)
     assert full["beta_fast"] == 32 and full["beta_slow"] == 1 and full["attention_factor"] is None
 
@@ -214,6 +218,10 @@ def test_mnemo_eval_yarn_per_length(tmp_path, capsys):
     assert [r["seq_len"] for r in rows] == [16, 32, 64]
     assert rows[0]["rope_scaling"] is None  # 1x: plain RoPE
     assert [r["rope_scaling"]["factor"] for r in rows[1:]] == [2.0, 4.0]
+    # a rescaled model is not the training log's measurement, even at the training length
+    assert [r["as_in_training"] for r in rows] == [True, False, False]  # 1x: plain RoPE
+    assert main(["eval", "--checkpoint", str(out), "--yarn", "4", "--max-batches", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["as_in_training"] is False
     assert all(r["rope_scaling"]["original_max_position_embeddings"] == 16 for r in rows[1:])
     assert main(["eval", "--checkpoint", str(out), "--length", "32", "--max-batches", "1"]) == 0
     plain = json.loads(capsys.readouterr().out)

@@ -306,3 +306,15 @@ def test_the_default_text_sample_is_drawn_at_temperature_0_8(tmp_path):
     hot = generate_text(tr.model, tr.tokenizer, "ROMEO:", 40, temperature=1.8, seed=0)
     assert want != hot
     assert tr.sample(max_new_tokens=40) == want
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_the_progress_bar_is_drawn_exactly_when_asked(tmp_path, capsys, progress):
+    """``progress=True`` draws the tqdm bar (``train <model>``, on stderr) and ``False`` draws
+    nothing there: scripts and sweeps ask for a quiet run."""
+    trainer = _trainer(tmp_path)
+    trainer.progress = progress
+    capsys.readouterr()
+    trainer.fit()
+    err = capsys.readouterr().err
+    assert ("train transformer" in err) is progress
