@@ -40,6 +40,16 @@ def to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype, factor=None, divide: 
         x = x[..., None]
     B, T, H, D = x.shape
     n = -(-T // C)
+    if torch.compiler.is_compiling():  # the functional form: inductor mis-strides ``out=`` into a slice
+        y = x.transpose(1, 2).to(dtype)
+        if isinstance(factor, torch.Tensor):
+            factor = unchunk(factor, T)
+        if factor is not None and not (not isinstance(factor, torch.Tensor) and factor == 1.0):
+            y = y / factor if divide else y * factor
+        if n * C != T:
+            y = torch.nn.functional.pad(y, (0, 0, 0, n * C - T))
+        # always a new tensor, as in eager (callers update it in place, e.g. ``cumsum_``)
+        return y.clone(memory_format=torch.contiguous_format).view(B, H, n, C, D)
     out = x.new_empty(B, H, n * C, D, dtype=dtype)
     if n * C != T:
         out[:, :, T:].zero_()
@@ -85,7 +95,8 @@ def head_groups(B: int, H: int, per_head: int):
     memory anyway, fewer and larger groups (:data:`GROUP_BYTES_TUNED`, 8 MiB) save per-operator
     overhead (timings: ``docs/benchmarks/notes.md``)."""
     budget = GROUP_BYTES_TUNED if malloc_tuned() else GROUP_BYTES
-    hg = max((d for d in range(1, H + 1) if H % d == 0 and d * per_head <= budget), default=1)
+    # (a list with a fallback, not ``max(..., default=1)``, which torch.compile cannot trace)
+    hg = max([d for d in range(1, H + 1) if H % d == 0 and d * per_head <= budget] or [1])
     for b in range(B):
         for h0 in range(0, H, hg):
             yield b, h0, h0 + hg, b * H + h0, b * H + h0 + hg

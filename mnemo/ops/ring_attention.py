@@ -150,15 +150,28 @@ _CURRENT: contextvars.ContextVar[Ring | None] = contextvars.ContextVar("mnemo_ri
 def ring_context(ring: Ring | None):
     """Inside the ``with`` block, :class:`~mnemo.layers.Attention` layers attend over the whole
     ring (:func:`ring_attention`) instead of their local tokens; ``None`` switches it off."""
+    global _OPEN
+    with _OPEN_LOCK:
+        _OPEN += 1
     token = _CURRENT.set(ring)
     try:
         yield ring
     finally:
         _CURRENT.reset(token)
+        with _OPEN_LOCK:
+            _OPEN -= 1
+
+
+#: ring contexts open in any thread; while none is, :func:`current_ring` is ``None`` without reading
+#: the context variable (which torch.compile cannot trace: a graph break in every attention layer)
+_OPEN = 0
+_OPEN_LOCK = threading.Lock()
 
 
 def current_ring() -> Ring | None:
     """The ring set by the innermost :func:`ring_context` (``None`` outside one)."""
+    if _OPEN == 0:
+        return None
     return _CURRENT.get()
 
 

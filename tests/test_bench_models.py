@@ -1,0 +1,113 @@
+"""``mnemo bench --suite models`` at a tiny size: the rows, fields and ratios (never timings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from mnemo.bench import models as bench
+from mnemo.cli import main
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+TINY = ["--d-model", "16", "--n-layers", "2", "--model-shapes", "32x2", "--gen-batches", "1,2"]
+TINY += ["--prompt-len", "8", "--gen-tokens", "3", "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "models.json"
+    peers = "transformers_mamba" if HAS_TRANSFORMERS else "none"
+    argv = ["bench", "--suite", "models", "--models", "transformer,gla", "--peers", peers, *TINY]
+    assert main([*argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_rows_and_fields(result):
+    assert (result["d_model"], result["n_layers"], result["vocab"]) == (16, 2, 256)
+    names = {r["model"] for r in result["train"]}
+    assert {"transformer", "gla"} <= names
+    for r in result["train"]:
+        assert (r["T"], r["batch"]) == (32, 2) and r["params"] > 0
+        assert r["train_step_ms"] > 0 and len(r["train_step_ms_runs"]) == 1
+        assert math.isclose(r["train_tokens_per_s"], 64 / (r["train_step_ms"] / 1e3), rel_tol=1e-9)
+    gen = {(r["model"], r["batch"]): r for r in result["generate"]}
+    for name in ("transformer", "gla"):
+        for b in (1, 2):
+            r = gen[(name, b)]
+            assert (r["prompt_len"], r["new_tokens"]) == (8, 3)
+            assert r["first_token_ms"] > 0 and r["generate_ms"] > 0
+            assert math.isclose(r["gen_tokens_per_s"], b * 3 / (r["generate_ms"] / 1e3), rel_tol=1e-9)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed")
+def test_peer_ratios_are_the_ratios_of_the_recorded_times(result):
+    assert result["peers"] == {"transformers_mamba": "ok"}
+    train = {r["model"]: r for r in result["train"]}
+    peer, ours = train["MambaForCausalLM"], train["mamba"]  # the pair is added to the rows
+    assert peer["vs"] == "mamba" and peer["params"] == ours["params"]  # the same weights
+    assert math.isclose(peer["ratio_train"], peer["train_step_ms"] / ours["train_step_ms"], rel_tol=1e-12)
+    gen = {(r["model"], r["batch"]): r for r in result["generate"]}
+    for b in (1, 2):
+        p, o = gen[("MambaForCausalLM", b)], gen[("mamba", b)]
+        assert math.isclose(p["ratio_first_token"], p["first_token_ms"] / o["first_token_ms"], rel_tol=1e-12)
+        assert math.isclose(p["ratio_generate"], p["generate_ms"] / o["generate_ms"], rel_tol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed")
+def test_the_peer_is_the_same_model():
+    """The exported MambaForCausalLM computes the mnemo row's logits (so the ratio compares
+    implementations, not models)."""
+    import torch
+
+    size = bench.Size(16, 2)
+    rows = {}
+    peer = bench.peer_transformers_mamba(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
+        0
+    ]
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        ref = rows["mamba"].logits(ids)
+        got = peer.logits(ids)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+
+
+def test_tables_print_every_row(result, capsys):
+    bench.print_tables(result)
+    out = capsys.readouterr().out
+    assert "training" in out and "generation" in out
+    for r in result["train"]:
+        assert r["model"] in out
+
+
+def test_a_missing_peer_is_reported_and_skipped(monkeypatch, capsys):
+    def missing(size, mnemo_row):
+        raise ImportError("no", name="not_a_peer_lib")
+
+    monkeypatch.setitem(bench.PEERS, "fake", missing)
+    res = bench.run(
+        ["gla"], ["fake"], bench.Size(16, 1), [(16, 1)], [1], prompt_len=4, gen_tokens=2, repeats=1, log=print
+    )
+    assert res["peers"] == {"fake": "not installed (not_a_peer_lib)"}
+    assert "fake: skipped, peer not installed" in capsys.readouterr().out
+    assert [r["model"] for r in res["train"]] == ["gla"]
+
+
+def test_bad_arguments_name_the_flag():
+    with pytest.raises(ValueError, match="--model-shapes"):
+        bench.parse_shapes("1024*8")
+    with pytest.raises(ValueError, match="--models: unknown"):
+        bench.run(["nope"], [], bench.Size(16, 1), [(8, 1)], [1], 4, 2, 1)
+    with pytest.raises(ValueError, match="--peers: unknown"):
+        bench.run(["gla"], ["nope"], bench.Size(16, 1), [(8, 1)], [1], 4, 2, 1)
+
+
+def test_interleaved_rotates_the_order():
+    calls = []
+    tasks = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    times = bench.interleaved(tasks, repeats=3, warmup=1)
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab")
+    assert all(len(v) == 3 for v in times.values())
