@@ -218,10 +218,12 @@ def _cmd_train(args) -> int:
         say(f"checkpoint: {trainer.last_checkpoint}")
         say(f"try: mnemo eval --checkpoint {out} --length {4 * c.seq_len}")
         return 0
-    if c.sample_tokens > 0 and main:
-        print("\n--- sample ---")
-        print(trainer.sample())
-        print("--------------")
+    if c.sample_tokens > 0 and (main or trainer.fsdp):  # FSDP: every rank runs the sharded model
+        text = trainer.sample()
+        if main:
+            print("\n--- sample ---")
+            print(text)
+            print("--------------")
     say(f"checkpoint: {trainer.last_checkpoint}")
     say(f"try: mnemo generate --checkpoint {out} --prompt 'KING:'")
     return 0
@@ -231,12 +233,24 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
 
+def _refuse_sharded(ckpt, given) -> None:
+    """``ValueError`` for a sharded (FSDP) checkpoint: the single-process commands read one file."""
+    from .train.sharded import is_sharded
+
+    if is_sharded(ckpt):
+        raise ValueError(
+            f"--checkpoint: {ckpt} is a sharded checkpoint of `mnemo train --fsdp`; write a single-file "
+            f"copy first: mnemo convert --from-dcp {given} OUT"
+        )
+
+
 def _load(checkpoint: str, device: str):
     from .data import load_tokenizer
     from .models import LanguageModel
     from .train import resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint, warn=_warn)
+    _refuse_sharded(ckpt, checkpoint)
     model = LanguageModel.from_pretrained(ckpt, map_location=device)
     tok = load_tokenizer(ckpt)
     return ckpt, model, tok
@@ -288,27 +302,88 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
 
 
 def _cmd_eval(args) -> int:
+    from .train import resolve_checkpoint
+    from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    ckpt = resolve_checkpoint(args.checkpoint, warn=_warn)
+    _refuse_sharded(ckpt, args.checkpoint)
+    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    if tcfg.get("task"):
+        if args.yarn is not None:
+            raise ValueError("--yarn applies to text checkpoints (task checkpoints: not supported)")
+        return _cmd_eval_task(args, ckpt, tcfg)
+    if args.num_samples:
+        raise ValueError("--num-samples applies to task checkpoints (trained with --task)")
+    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: expected a positive int, got {value}")
+    lengths = _parse_lengths(args.length, "--length")
+    if lengths and args.seq_len:
+        raise ValueError("--length and --seq-len: give one of them (--length L1,L2 evaluates at each)")
+    ckpt, model, tok = _load(str(ckpt), args.device)
+    yarn = _yarn_setting(args.yarn, tcfg, model) if args.yarn is not None else None
+    for L in lengths or [args.seq_len or tcfg.get("seq_len", 128)]:  # one JSON line per length
+        if yarn is not None:
+            yarn(L)
+        extra = _yarn_extra(model) if yarn is not None else None
+        code = _cmd_eval_text(args, tcfg, ckpt, model, tok, L, extra)
+        if code:
+            return code
+    return 0
+
+
+def _yarn_setting(text: str, tcfg: dict, model):
+    """``--yarn [FACTOR]``: a function ``L -> None`` that sets YaRN on every attention layer for
+    evaluation at length ``L`` (factor ``FACTOR``, or ``L / training seq_len`` for ``auto``; plain
+    RoPE where the factor is 1)."""
+    train_len = tcfg.get("seq_len")
+    if not train_len:
+        raise ValueError("--yarn: the checkpoint has no training seq_len to extend (no train_config)")
+    if text == "auto":
+        factor = None
+    else:
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = 0.0
+        if not factor >= 1:
+            raise ValueError(f"--yarn: expected 'auto' or a factor >= 1, got {text!r}")
+    layers = [m for m in model.modules() if hasattr(m, "set_rope_scaling") and getattr(m, "rotary", None)]
+    if not layers:
+        raise ValueError("--yarn: the model has no attention layer with rotary positions")
+
+    def apply(L: int) -> None:
+        s = factor if factor is not None else max(1.0, L / train_len)
+        scaling = (
+            None
+            if s == 1
+            else {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": train_len}
+        )
+        for m in layers:
+            m.set_rope_scaling(scaling)
+
+    return apply
+
+
+def _yarn_extra(model) -> dict:
+    """The ``rope_scaling`` in force on the first rotary attention layer (for the JSON line)."""
+    for m in model.modules():
+        if hasattr(m, "set_rope_scaling") and getattr(m, "rotary", None) is not None:
+            return {"rope_scaling": m.rotary.scaling}
+    return {}
+
+
+def _cmd_eval_text(args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict | None = None) -> int:
+    """``mnemo eval`` on a text checkpoint with windows of ``seq_len`` tokens: one JSON line
+    (``extra`` added to it)."""
     import math
 
     import torch
 
     from .data import load_corpus
-    from .train import resolve_checkpoint
-    from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
     from .train.trainer import packed_logits
 
-    ckpt = resolve_checkpoint(args.checkpoint, warn=_warn)
-    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
-    if tcfg.get("task"):
-        return _cmd_eval_task(args, ckpt, tcfg)
-    if args.length or args.num_samples:
-        raise ValueError("--length and --num-samples apply to task checkpoints (trained with --task)")
-    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag}: expected a positive int, got {value}")
-    ckpt, model, tok = _load(str(ckpt), args.device)
     data = args.data or tcfg.get("data", "tinyshakespeare")
-    seq_len = args.seq_len or tcfg.get("seq_len", 128)
     batch_size = args.batch_size or tcfg.get("batch_size", 32)
     text_field = args.text_field or tcfg.get("text_field", "text")
     pack = tcfg.get("pack_documents", False) if args.pack_documents is None else args.pack_documents == "on"
@@ -366,6 +441,7 @@ def _cmd_eval(args) -> int:
         and bf16 == (tcfg.get("precision") == "bf16")
         and pack == tcfg.get("pack_documents", False)
         and text_field == tcfg.get("text_field", "text")
+        and not (extra or {}).get("rope_scaling")  # --yarn changes the model's positions
     )
     result = {
         "checkpoint": str(ckpt),
@@ -380,6 +456,7 @@ def _cmd_eval(args) -> int:
         "bpc": val_loss * tokens_per_char / math.log(2),
         # True: the measurement the training log's val_loss makes (same windows and precision)
         "as_in_training": same,
+        **(extra or {}),
     }
     print(json.dumps(result))
     return 0
@@ -434,22 +511,28 @@ def _cmd_bench(args) -> int:
         from .bench.peers import main as bench_main
     elif args.suite == "decode":
         from .bench.decode import main as bench_main
+
+        if args.n_layers is None:  # --n-layers: 4 for the decode suite, 6 for the models suite
+            args.n_layers = 4
+    elif args.suite == "models":
+        from .bench.models import main as bench_main
     else:
         from .bench.ops import main as bench_main
     return bench_main(args)
 
 
 def _bench_all(args) -> int:
-    """``--suite all``: the ops, peers and decode suites one after another in one process (one
-    set of machine conditions), their tables printed and their rows in one JSON
-    ``{"ops": ..., "peers": ..., "decode": ...}``. ``--ops`` is not applied (each suite runs whole)."""
+    """``--suite all``: the ops, peers, decode and models suites one after another in one process
+    (one set of machine conditions), their tables printed and their rows in one JSON
+    ``{"ops": ..., "peers": ..., "decode": ..., "models": ...}``. ``--ops`` is not applied (each
+    suite runs whole; ``--models`` and ``--peers`` still select the models suite's rows)."""
     import copy
     import tempfile
 
     rc = 0
     combined = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for suite in ("ops", "peers", "decode"):
+        for suite in ("ops", "peers", "decode", "models"):
             a = copy.copy(args)
             a.suite, a.ops, a.json = suite, None, str(Path(tmp) / f"{suite}.json")
             print(f"\n=== mnemo bench --suite {suite} ===", flush=True)
@@ -540,7 +623,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision", choices=["fp32", "bf16"], help="default: the training precision (bf16 = autocast)"
     )
     e.add_argument(
-        "--length", help="task checkpoints: comma-separated test lengths (default: the training length)"
+        "--length",
+        help="comma-separated test lengths, one JSON line each (default: the training length; text "
+        "checkpoints: window lengths, as --seq-len)",
+    )
+    e.add_argument(
+        "--yarn",
+        nargs="?",
+        const="auto",
+        metavar="FACTOR",
+        help="text checkpoints: apply YaRN (Peng et al. 2023) to every rotary attention layer for the "
+        "evaluation, original context = the training seq_len, factor FACTOR or (default) length / "
+        "training seq_len per --length; plain RoPE where that is 1",
     )
     e.add_argument(
         "--num-samples", type=int, help="task checkpoints: test sequences (default: as in training)"
@@ -565,10 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time every op and form against causal SDPA (a table, not a test)")
     b.add_argument(
         "--suite",
-        choices=["ops", "peers", "decode", "all"],
+        choices=["ops", "peers", "decode", "models", "all"],
         default="ops",
         help="ops: every op and form vs causal SDPA; peers: ours vs installed PyPI peers; decode: one-token "
-        "decoding speed and memory vs context length; all: the three in one run (one JSON)",
+        "decoding speed and memory vs context length; models: whole models' training and generation "
+        "tokens/s beside the installed peers' equivalent models; all: the four in one run (one JSON)",
     )
     b.add_argument("--dtypes", default="fp32", help="ops suite: fp32 and/or bf16 (comma-separated)")
     b.add_argument("--contexts", default="1024,4096,16384,65536", help="decode suite: context lengths")
@@ -579,8 +674,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="decode suite: fresh processes per row; the row is their median (default 3)",
     )
-    b.add_argument("--d-model", type=int, default=256, help="decode suite: model width")
-    b.add_argument("--n-layers", type=int, default=4, help="decode suite: model depth")
+    b.add_argument("--d-model", type=int, default=256, help="decode and models suites: model width")
+    b.add_argument(
+        "--n-layers", type=int, default=None, help="decode and models suites: model depth (default 4 and 6)"
+    )
+    b.add_argument(
+        "--models",
+        help="models suite: comma-separated model names (default: every registered model, `mnemo models`)",
+    )
+    b.add_argument(
+        "--peers",
+        help="models suite: comma-separated peers (transformers_mamba, transformers_mamba2, "
+        "transformers_qwen3_next, mambapy, titans_pytorch, nested_learning; default: all, the ones not "
+        "installed are reported and skipped) or 'none'",
+    )
+    b.add_argument(
+        "--model-shapes",
+        default="1024x8,4096x2",
+        help="models suite: training shapes TxB (sequence length x batch), comma-separated",
+    )
+    b.add_argument("--gen-batches", default="1,8", help="models suite: generation batch sizes")
+    b.add_argument("--prompt-len", type=int, default=256, help="models suite: generation prompt tokens")
+    b.add_argument("--gen-tokens", type=int, default=64, help="models suite: new tokens per generate()")
+    b.add_argument(
+        "--compile",
+        action="store_true",
+        help="models suite: also time every mnemo model under torch.compile (train forward/backward and "
+        "the decode step), with its graph breaks; eager only where compilation is unavailable",
+    )
     b.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated T values")
     b.add_argument("--heads", type=int, default=4)
     b.add_argument("--head-dim", type=int, default=64)
@@ -592,7 +713,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="skip the token-loop reference above this T (it is slow by design)",
     )
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per row (medians; the models suite interleaves them across rows) (default 3)",
+    )
     b.add_argument("--json", help="also write the rows to this JSON file")
     b.add_argument("--device", default="cpu")
     b.set_defaults(func=_cmd_bench)

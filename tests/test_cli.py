@@ -356,9 +356,17 @@ def test_task_and_sweep_errors_are_clear(argv, match, capsys, tmp_path, monkeypa
     assert match in capsys.readouterr().err
 
 
-def test_eval_length_on_a_text_checkpoint_is_refused(run_dir, capsys):
-    assert main(["eval", "--checkpoint", str(run_dir), "--length", "64"]) == 2
-    assert "--length and --num-samples apply to task checkpoints" in capsys.readouterr().err
+def test_eval_lengths_on_a_text_checkpoint(run_dir, capsys):
+    """--length on a text checkpoint: one JSON line per window length; --num-samples is refused."""
+    assert main(["eval", "--checkpoint", str(run_dir), "--length", "16,64", "--max-batches", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["seq_len"] for r in lines] == [16, 64] and lines[1]["tokens"] == 4 * 64
+    assert main(["eval", "--checkpoint", str(run_dir), "--num-samples", "4"]) == 2
+    assert "--num-samples applies to task checkpoints" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(run_dir), "--length", "64", "--seq-len", "32"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(run_dir), "--yarn"]) == 2  # a GLA model: no rotary attention
+    assert "--yarn: the model has no attention layer with rotary positions" in capsys.readouterr().err
 
 
 def test_tasks_lists_the_tasks(capsys):
@@ -427,7 +435,7 @@ def test_bench_decode_suite_runs(capsys):
     assert "tokens/s" in out and "4x context" in out
 
 
-def test_bench_all_runs_the_three_suites_into_one_json(capsys, tmp_path, monkeypatch):
+def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypatch):
     import mnemo.bench.decode as decode
     import mnemo.bench.ops as ops
     import mnemo.bench.peers as peers
@@ -442,13 +450,16 @@ def test_bench_all_runs_the_three_suites_into_one_json(capsys, tmp_path, monkeyp
     argv = ["bench", "--suite", "all", "--lengths", "64", "--repeats", "1", "--heads", "2"]
     argv += ["--head-dim", "8", "--contexts", "64", "--decode-steps", "2", "--d-model", "32"]
     argv += ["--n-layers", "1", "--json", str(out)]
+    argv += ["--models", "gla", "--peers", "none", "--model-shapes", "16x1", "--gen-batches", "1"]
+    argv += ["--prompt-len", "4", "--gen-tokens", "2"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    for suite in ("ops", "peers", "decode"):
+    for suite in ("ops", "peers", "decode", "models"):
         assert f"=== mnemo bench --suite {suite} ===" in text
     data = json.loads(out.read_text())
-    assert set(data) == {"ops", "peers", "decode"}
+    assert set(data) == {"ops", "peers", "decode", "models"}
     assert data["peers"] == [] and data["decode"][0]["model"] == "gla" and data["ops"]
+    assert [r["model"] for r in data["models"]["train"]] == ["gla"] and data["models"]["n_layers"] == 1
 
 
 def test_generate_refuses_a_negative_length(run_dir, capsys):
@@ -541,6 +552,7 @@ FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written
     "batch_size",
     "grad_accum",
     "context_parallel",
+    "fsdp",
     "activation_checkpointing",
     "steps",
     "lr",
@@ -558,6 +570,7 @@ FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written
     "task",
     "track_circuits",
     "circuit_length",
+    "track_spectrum",
 ]
 # fields set otherwise: their own flags (--d-model/--n-layers, --task-option, --eval-lengths,
 # --resume --reschedule) or the config file only
