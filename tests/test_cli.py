@@ -408,6 +408,11 @@ def test_sweep_then_report_from_the_command_line(tmp_path, capsys):
     assert "| mamba |" in text and "| transformer_abs |" in text and "acc@64" in text
     assert (tmp_path / "rep" / "cli_acc_vs_state.png").is_file()
     assert (tmp_path / "rep" / "cli_acc_vs_length.png").is_file()
+    assert (tmp_path / "rep" / "cli.json").is_file()
+    again = ["report", str(tmp_path / "cli.sqlite"), "--out", str(tmp_path / "r2"), "--no-plots"]
+    assert main([*again, "--threshold", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "| ≥ 0 |" in text and "| n=1 | 1 | 1/1 |" in text
 
 
 def test_bench_decode_suite_runs(capsys):

@@ -21,11 +21,13 @@ def _cmd_sweep(args) -> int:
         finished = SweepDB(db).finished_ids() if db.is_file() else set()
         for r in runs:
             mark = "done" if r.run_id in finished else "todo"
-            print(f"{r.run_id}  {mark}  {r.label}  {r.cell}  {r.tuned}")
+            print(f"{r.run_id}  {mark}  {r.label}  {r.cell}  {r.tuned}  seed={r.seed}")
         return 0
     cells = len({r.cell_key for r in runs})
+    seeds = f" x {len(spec.seeds)} seeds" if spec.seeds else ""
     print(
-        f"mnemo sweep: {spec.name}: {len(runs)} runs in {cells} cells -> {db} (run directories in {out}), "
+        f"mnemo sweep: {spec.name}: {len(runs)} runs in {cells} cells{seeds} -> {db} "
+        f"(run directories in {out}), "
         f"{args.jobs} job(s) x {args.threads} thread(s)",
         flush=True,
     )
@@ -42,7 +44,15 @@ def _cmd_sweep(args) -> int:
 def _cmd_report(args) -> int:
     from ..sweep.report import write_report
 
-    result = write_report(args.db, args.out, sweep=args.sweep, metric=args.metric, plots=not args.no_plots)
+    result = write_report(
+        args.db,
+        args.out,
+        sweep=args.sweep,
+        metric=args.metric,
+        plots=not args.no_plots,
+        threshold=args.threshold,
+        select_lr_on_seed=args.select_lr_on_seed,
+    )
     for r in result.values():
         print(r["markdown"])
         for f in r["files"]:
@@ -81,7 +91,9 @@ def add_commands(sub) -> None:
     s.set_defaults(func=_cmd_sweep)
 
     r = sub.add_parser(
-        "report", help="markdown table and plots (accuracy vs state size / test length) of a sweep DB"
+        "report",
+        help="per-cell mean, 95%% t interval, n and threshold count of a sweep DB, as markdown, JSON "
+        "and plots with error bars (accuracy vs state size / test length)",
     )
     r.add_argument("db", help="the sweep's SQLite database")
     r.add_argument(
@@ -89,7 +101,20 @@ def add_commands(sub) -> None:
     )
     r.add_argument("--sweep", help="only this sweep (a database may hold several)")
     r.add_argument("--metric", default="val_acc", choices=["val_acc", "val_seq_acc", "val_loss"])
-    r.add_argument("--no-plots", action="store_true", help="only the markdown table")
+    r.add_argument(
+        "--threshold",
+        type=float,
+        help="count the runs whose metric reached this (>= for accuracies, <= for val_loss; "
+        "default 0.99 for accuracies, none for val_loss)",
+    )
+    r.add_argument(
+        "--select-lr-on-seed",
+        type=int,
+        metavar="S",
+        help="choose each cell's learning rate on seed S and report the other seeds "
+        "(default: the sweep file's select_lr_on_seed)",
+    )
+    r.add_argument("--no-plots", action="store_true", help="only the markdown table and JSON")
     r.set_defaults(func=_cmd_report)
 
     t = sub.add_parser("tasks", help="list the synthetic tasks and their options")

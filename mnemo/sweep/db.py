@@ -1,4 +1,5 @@
-"""The sweep database: one SQLite row per run (config, status, metrics, state size, wall time)."""
+"""The sweep database: one SQLite row per run (config, seed, status, metrics, state size, wall
+time), and one row per sweep with the settings its report needs (``sweep_meta``)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,37 @@ CREATE TABLE IF NOT EXISTS runs (
     n_params INTEGER,
     wall_time_s REAL,                 -- wall time of the run (summed over resumed pieces)
     error TEXT,
-    finished_at TEXT
+    finished_at TEXT,
+    seed INTEGER                      -- TrainConfig.seed of the run (added later: may be NULL in old files)
 )
 """
+
+META_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sweep_meta (
+    sweep TEXT PRIMARY KEY,
+    meta TEXT NOT NULL                -- JSON: SweepSpec.meta() (metric, tune, seeds, select_lr_on_seed)
+)
+"""
+
+_COLUMNS = (
+    "run_id",
+    "sweep",
+    "label",
+    "model",
+    "cell",
+    "tuned",
+    "config",
+    "status",
+    "metrics",
+    "val_acc",
+    "val_loss",
+    "state_size_bytes",
+    "n_params",
+    "wall_time_s",
+    "error",
+    "finished_at",
+    "seed",
+)
 
 #: a run in one of these states is not run again
 FINISHED = ("done", "diverged")
@@ -45,6 +74,10 @@ class SweepDB:
         try:
             with self.conn:
                 self.conn.execute(SCHEMA)
+                self.conn.execute(META_SCHEMA)
+                have = {r[1] for r in self.conn.execute("PRAGMA table_info(runs)")}
+                if "seed" not in have:  # a database written before sweeps had seeds
+                    self.conn.execute("ALTER TABLE runs ADD COLUMN seed INTEGER")
         except sqlite3.DatabaseError as e:
             raise ValueError(f"{self.path} is not a sweep database: {e}") from None
 
@@ -67,9 +100,10 @@ class SweepDB:
         """Insert or replace the row of ``run`` (a :class:`~mnemo.sweep.spec.Run`) with ``result``
         (``status``, ``metrics``, ``state_size_bytes``, ``n_params``, ``wall_time_s``, ``error``)."""
         m = result.get("metrics") or {}
+        columns, marks = ",".join(_COLUMNS), ",".join("?" * len(_COLUMNS))
         with self.conn:
             self.conn.execute(
-                "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT OR REPLACE INTO runs ({columns}) VALUES ({marks})",
                 (
                     run.run_id,
                     sweep,
@@ -87,17 +121,33 @@ class SweepDB:
                     result.get("wall_time_s"),
                     result.get("error"),
                     time.strftime("%Y-%m-%d %H:%M:%S"),
+                    getattr(run, "seed", run.config.get("seed", 0)),
                 ),
             )
 
+    def set_meta(self, sweep: str, meta: dict) -> None:
+        """Store the settings of ``sweep`` that its report uses (:meth:`SweepSpec.meta`)."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT OR REPLACE INTO sweep_meta VALUES (?, ?)", (sweep, json.dumps(meta, sort_keys=True))
+            )
+
+    def meta(self, sweep: str) -> dict:
+        """The stored settings of ``sweep`` (``{}`` when none were stored, e.g. an old database)."""
+        row = self.conn.execute("SELECT meta FROM sweep_meta WHERE sweep = ?", (sweep,)).fetchone()
+        return json.loads(row["meta"]) if row else {}
+
     def rows(self, sweep: str | None = None) -> list[dict]:
-        """All rows (of one sweep), JSON columns decoded."""
+        """All rows (of one sweep), JSON columns decoded; ``seed`` is the run's ``TrainConfig.seed``
+        (taken from its config for rows stored before the column existed)."""
         q = "SELECT * FROM runs" + (" WHERE sweep = ?" if sweep else "") + " ORDER BY rowid"
         out = []
         for r in self.conn.execute(q, (sweep,) if sweep else ()):
             d = dict(r)
             for k in ("cell", "tuned", "config", "metrics"):
                 d[k] = json.loads(d[k]) if d[k] else {}
+            if d.get("seed") is None:
+                d["seed"] = d["config"].get("seed", 0)
             out.append(d)
         return out
 

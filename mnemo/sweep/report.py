@@ -1,5 +1,18 @@
-"""Sweep reports: the best run per cell as a markdown table, and the two recall plots
-(accuracy vs recurrent state size, accuracy vs test length)."""
+"""Sweep reports: per cell, the selected learning rate and the mean, 95% Student-t interval, number
+of seeds and threshold count of its runs, as a markdown table and JSON, and the two recall plots
+with error bars (accuracy vs recurrent state size, accuracy vs test length).
+
+Statistics (:func:`cell_stats`): a cell's tuned values (``tune``, default the learning rate) are
+chosen either on a held-out seed (``select_lr_on_seed: S`` in the sweep file: seed S's metric
+alone; the statistics then use the other seeds at that learning rate, never S) or, without one, by
+the mean over all seeds (optimistic: the same seeds choose and are reported). Over the reported
+seeds at the chosen values: ``mean``; the interval ``mean ± t_{0.975, n−1} · s / √n`` (``s`` the
+sample standard deviation; see :mod:`mnemo.sweep.stats` for why t and not a bootstrap), none for
+``n = 1``; and how many runs reached the threshold (default 0.99 for accuracies, the early-stop
+level of Zoology). ``n`` counts runs that finished training (``done``); a diverged run has no
+metric, so it is left out of the mean but counts in the threshold's denominator as a run that did
+not reach it; ``failed`` runs (errors, retried by the next ``mnemo sweep``) count nowhere.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +24,7 @@ from pathlib import Path
 
 from .db import SweepDB
 from .spec import METRICS_HIGHER_IS_BETTER
+from .stats import mean_interval
 
 _LEN_KEY = re.compile(r"^val_acc@(\d+)$")
 
@@ -41,6 +55,161 @@ def best_per_cell(rows: list[dict], metric: str = "val_acc") -> list[dict]:
         best["n_failed"] = sum(r["status"] != "done" for r in group)
         best["cell_wall_time_s"] = sum(r["wall_time_s"] or 0.0 for r in group)
         out.append(best)
+    return out
+
+
+def default_threshold(metric: str) -> float | None:
+    """0.99 for the accuracies (``val_acc``, ``val_seq_acc``: Zoology's early-stop level), ``None``
+    (no threshold count) for ``val_loss``."""
+    return 0.99 if METRICS_HIGHER_IS_BETTER.get(metric, True) else None
+
+
+def _reached(value: float, threshold: float, metric: str) -> bool:
+    """``value ≥ threshold`` for higher-is-better metrics, ``value ≤ threshold`` for losses."""
+    return value >= threshold if METRICS_HIGHER_IS_BETTER.get(metric, True) else value <= threshold
+
+
+def _value(row: dict, key: str) -> float | None:
+    v = row["metrics"].get(key) if row["status"] == "done" else None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _seed(row: dict) -> int:
+    s = row.get("seed")
+    return int(row["config"].get("seed", 0)) if s is None else int(s)
+
+
+def _mean(xs: list[float], empty: float) -> float:
+    return sum(xs) / len(xs) if xs else empty
+
+
+def cell_stats(
+    rows: list[dict],
+    metric: str = "val_acc",
+    *,
+    threshold: float | None = None,
+    select_lr_on_seed: int | None = None,
+    confidence: float = 0.95,
+) -> list[dict]:
+    """One summary per cell over its seeds (rows as :meth:`SweepDB.rows` returns them).
+
+    Selection of the tuned values (``tuned``, e.g. ``{"lr": 0.003}``): with ``select_lr_on_seed =
+    S``, the values whose ``done`` seed-``S`` run is best (``metric``, then lower ``val_loss``; a
+    cell where seed ``S`` has no done run reports nothing, status ``"no done run of seed S"``); the
+    statistics use the cell's runs at those values with ``seed != S``. Without
+    it, the values with the largest share of ``done`` runs, then the best mean ``metric``, then the
+    lower mean ``val_loss``, and the statistics use all their seeds (optimistic).
+
+    Args:
+        rows: sweep rows (``cell``, ``tuned``, ``seed``, ``status``, ``metrics``, ...).
+        metric: the reported metric (``val_acc``, ``val_seq_acc``: fractions; ``val_loss``: nats).
+        threshold: a run "reaches" it when its metric is ≥ it (≤ for ``val_loss``); default
+            :func:`default_threshold` (0.99 for accuracies, none for the loss).
+        select_lr_on_seed: the held-out seed ``S`` that chooses the tuned values, or ``None``.
+        confidence: coverage of the Student-t interval (default 0.95).
+    Returns:
+        Per cell a dict: ``label``, ``model``, ``cell``, ``tuned`` (chosen values, ``{}`` when the
+        held-out seed has no run in the cell), ``selected_on_seed`` (``S`` or ``None``),
+        ``selection_value`` (seed ``S``'s metric at ``tuned``), ``seeds`` and ``values`` (the reported
+        ``done`` runs, by seed), ``n``, ``mean``, ``std``, ``half_width``, ``low``, ``high``
+        (:func:`~mnemo.sweep.stats.mean_interval`; ``None`` when ``n < 2``), ``confidence``,
+        ``threshold``, ``n_reached`` and ``n_finished`` (reported runs that reached the threshold /
+        that finished, done or diverged), ``n_diverged``, ``lengths`` (``{L: mean_interval}`` of
+        ``val_acc@L``, the training length included), ``state_size_bytes``, ``n_params``,
+        ``seq_len``, ``status`` (``"done"`` when some reported run is, else the runs' status),
+        ``n_runs``, ``n_failed`` (not-done runs of the whole cell) and ``cell_wall_time_s``.
+    Raises:
+        ValueError: ``threshold`` is not a finite number or ``select_lr_on_seed`` not an int.
+    """
+    if threshold is None:
+        threshold = default_threshold(metric)
+    elif (
+        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold)
+    ):
+        raise ValueError(f"cell_stats: threshold must be a finite number or None, got {threshold!r}")
+    if select_lr_on_seed is not None and (
+        isinstance(select_lr_on_seed, bool) or not isinstance(select_lr_on_seed, int)
+    ):
+        raise ValueError(
+            f"cell_stats: select_lr_on_seed must be an int seed or None, got {select_lr_on_seed!r}"
+        )
+    cells: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        cells[json.dumps(r["cell"], sort_keys=True)].append(r)
+    out = []
+    for group in cells.values():
+        by_tuned: dict[str, list[dict]] = defaultdict(list)
+        for r in group:
+            by_tuned[json.dumps(r["tuned"], sort_keys=True)].append(r)
+
+        def loss(r):
+            v = _value(r, "val_loss")
+            return math.inf if v is None else v
+
+        selection_value, no_selection = None, None
+        if select_lr_on_seed is not None:
+            held = [r for r in group if _seed(r) == select_lr_on_seed and r["status"] == "done"]
+            if held:
+                pick = max(held, key=lambda r: (_score(r, metric), -loss(r)))
+                chosen = by_tuned[json.dumps(pick["tuned"], sort_keys=True)]
+                reported = [r for r in chosen if _seed(r) != select_lr_on_seed]
+                selection_value = _value(pick, metric)
+                tuned = pick["tuned"]
+            else:  # no done run of the held-out seed here (yet): nothing may be reported
+                reported, tuned = [], {}
+                no_selection = f"no done run of seed {select_lr_on_seed}"
+        else:
+
+            def rank(rs):
+                fin = [r for r in rs if r["status"] != "failed"]
+                done = [r for r in fin if r["status"] == "done"]
+                scores = [_score(r, metric) for r in done]
+                return (
+                    len(done) / len(fin) if fin else -1.0,
+                    _mean(scores, -math.inf),
+                    -_mean([loss(r) for r in done], math.inf),
+                )
+
+            chosen = max(by_tuned.values(), key=rank)
+            reported, tuned = chosen, chosen[0]["tuned"]
+        reported = sorted((r for r in reported if r["status"] != "failed"), key=_seed)
+        done = [r for r in reported if _value(r, metric) is not None]
+        values = [_value(r, metric) for r in done]
+        stats = mean_interval(values, confidence)
+        lengths: dict[int, list[float]] = defaultdict(list)
+        for r in done:
+            for L, v in _lengths(r).items():
+                lengths[L].append(v)
+        rep = (done or reported or group)[0]
+        out.append(
+            {
+                "label": rep["label"],
+                "model": rep["model"],
+                "cell": rep["cell"],
+                "tuned": tuned,
+                "selected_on_seed": select_lr_on_seed,
+                "selection_value": selection_value,
+                "seeds": [_seed(r) for r in done],
+                "values": values,
+                **stats,
+                "confidence": confidence,
+                "metric": metric,
+                "threshold": threshold,
+                "n_reached": None
+                if threshold is None
+                else sum(_reached(v, threshold, metric) for v in values),
+                "n_finished": len(reported),
+                "n_diverged": sum(r["status"] == "diverged" for r in reported),
+                "lengths": {L: mean_interval(v, confidence) for L, v in sorted(lengths.items())},
+                "state_size_bytes": rep["state_size_bytes"],
+                "n_params": rep["n_params"],
+                "seq_len": int(rep["config"].get("seq_len", 0)),
+                "status": "done" if done else no_selection or (reported or group)[0]["status"],
+                "n_runs": len(group),
+                "n_failed": sum(r["status"] != "done" for r in group),
+                "cell_wall_time_s": sum(r["wall_time_s"] or 0.0 for r in group),
+            }
+        )
     return out
 
 
@@ -80,34 +249,71 @@ def _bytes(n) -> str:
     return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
 
 
-def markdown_table(rows: list[dict], metric: str = "val_acc") -> str:
-    """The best run of each cell as a GitHub markdown table (sorted by axes, then state size)."""
-    best = best_per_cell(rows, metric)
-    axes = _axes(best)
-    tuned_keys = sorted({k for r in best for k in r["tuned"]})
-    lengths = sorted(
-        {L for r in best for L in _lengths(r)} - {int(r["config"].get("seq_len", 0)) for r in best}
+def _interval(st: dict, digits: int = 4) -> str:
+    if not st.get("n"):
+        return "–"
+    if st["n"] == 1:
+        return "n=1"
+    return f"[{st['low']:.{digits}f}, {st['high']:.{digits}f}]"
+
+
+def _mean_pm(st: dict | None, digits: int = 4) -> str:
+    if not st or not st.get("n"):
+        return "–"
+    if st["n"] == 1:
+        return f"{st['mean']:.{digits}f}"
+    return f"{st['mean']:.{digits}f} ± {st['half_width']:.{digits}f}"
+
+
+def markdown_table(
+    rows: list[dict],
+    metric: str = "val_acc",
+    *,
+    threshold: float | None = None,
+    select_lr_on_seed: int | None = None,
+    confidence: float = 0.95,
+) -> str:
+    """:func:`cell_stats` as a GitHub markdown table (sorted by axes, then state size): per cell the
+    chosen tuned values, state bytes, parameters, the mean ``metric`` over the reported seeds, its
+    confidence interval (``n=1``: none), ``n``, the runs that reached ``threshold`` (``k/N``), the
+    mean ± half-width at every further test length, all runs of the cell and their wall time."""
+    stats = cell_stats(
+        rows, metric, threshold=threshold, select_lr_on_seed=select_lr_on_seed, confidence=confidence
+    )
+    axes = _axes(stats)
+    tuned_keys = sorted({k for r in stats for k in r["tuned"]})
+    lengths = sorted({L for r in stats for L in r["lengths"]} - {r["seq_len"] for r in stats})
+    thr = stats[0]["threshold"] if stats else threshold
+    chosen = (
+        (lambda k: f"{k} (seed {select_lr_on_seed})")
+        if select_lr_on_seed is not None
+        else (lambda k: f"best {k}")
     )
     header = (
-        ["model", *axes, *(f"best {k}" for k in tuned_keys), "state", "params", metric]
+        ["model", *axes, *(chosen(k) for k in tuned_keys), "state", "params", metric]
+        + [f"{confidence:.0%} CI", "n"]
+        + (
+            [f"≥ {thr:g}" if METRICS_HIGHER_IS_BETTER.get(metric, True) else f"≤ {thr:g}"]
+            if thr is not None
+            else []
+        )
         + [f"acc@{L}" for L in lengths]
         + ["runs", "wall (s)"]
     )
-    best.sort(key=lambda r: ([str(r["cell"].get(a)) for a in axes], r["state_size_bytes"] or 0, r["label"]))
+    stats.sort(key=lambda r: ([str(r["cell"].get(a)) for a in axes], r["state_size_bytes"] or 0, r["label"]))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    for r in best:
-        accs = _lengths(r)
+    for r in stats:
+        n = f"{r['n']}" + (f" ({r['n_diverged']} diverged)" if r["n_diverged"] else "")
         cells = (
             [r["label"], *(_fmt(r["cell"].get(a)) for a in axes)]
             + [
-                _fmt(r["tuned"].get(k), 6)
-                if not isinstance(r["tuned"].get(k), float)
-                else f"{r['tuned'][k]:g}"
+                f"{r['tuned'][k]:g}" if isinstance(r["tuned"].get(k), float) else _fmt(r["tuned"].get(k), 6)
                 for k in tuned_keys
             ]
             + [_bytes(r["state_size_bytes"]), _fmt(r["n_params"])]
-            + [_fmt(r["metrics"].get(metric)) if r["status"] == "done" else r["status"]]
-            + [_fmt(accs.get(L)) for L in lengths]
+            + [_fmt(r["mean"]) if r["n"] else r["status"], _interval(r), n]
+            + ([f"{r['n_reached']}/{r['n_finished']}"] if thr is not None else [])
+            + [_mean_pm(r["lengths"].get(L)) for L in lengths]
             + [
                 f"{r['n_runs']}" + (f" ({r['n_failed']} failed/diverged)" if r["n_failed"] else ""),
                 f"{r['cell_wall_time_s']:.0f}",
@@ -139,48 +345,87 @@ def _pyplot():
     return plt
 
 
+def _yerr(sts: list[dict]) -> list[float]:
+    """Half-widths for ``errorbar`` (0 where ``n = 1``: no interval)."""
+    return [st["half_width"] if st.get("half_width") is not None else 0.0 for st in sts]
+
+
 def plot_accuracy_vs_state(
-    rows: list[dict], path: str | Path, metric: str = "val_acc", title: str = ""
-) -> Path:
-    """Accuracy (best per cell) vs decoding-state bytes per sequence, one line per registry model
-    through its model sizes (``model_overrides.*`` grid axes such as ``d_model``), one panel per
-    setting of the other grid axes (the Zoology / Based recall–memory plot)."""
+    rows: list[dict],
+    path: str | Path,
+    metric: str = "val_acc",
+    title: str = "",
+    *,
+    select_lr_on_seed: int | None = None,
+    confidence: float = 0.95,
+    return_figure: bool = False,
+):
+    """Mean ``metric`` over seeds (:func:`cell_stats`) vs decoding-state bytes per sequence, with the
+    confidence interval as error bars, one line per registry model through its model sizes
+    (``model_overrides.*`` grid axes such as ``d_model``), one panel per setting of the other grid
+    axes (the Zoology / Based recall–memory plot). Cells without a finished run are left out.
+    Returns the path, or ``(path, figure)`` with ``return_figure`` (then the caller closes it)."""
     plt = _pyplot()
-    groups = _groups(best_per_cell(rows, metric), along_line="model_overrides.")
+    stats = cell_stats(rows, metric, select_lr_on_seed=select_lr_on_seed, confidence=confidence)
+    groups = _groups(stats, along_line="model_overrides.")
     fig, axs = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
     for ax, (name, group) in zip(axs[0], groups.items()):
         by_model: dict[str, list[dict]] = defaultdict(list)
         for r in group:
             by_model[r["model"]].append(r)
         for model, rs in sorted(by_model.items()):
-            rs = sorted((r for r in rs if r["state_size_bytes"]), key=lambda r: r["state_size_bytes"])
-            xs = [r["state_size_bytes"] for r in rs]
-            ys = [r["metrics"].get(metric) if r["status"] == "done" else 0.0 for r in rs]
-            ax.plot(xs, ys, marker="o", label=model)
+            rs = sorted(
+                (r for r in rs if r["state_size_bytes"] and r["n"]), key=lambda r: r["state_size_bytes"]
+            )
+            ax.errorbar(
+                [r["state_size_bytes"] for r in rs],
+                [r["mean"] for r in rs],
+                yerr=_yerr(rs),
+                marker="o",
+                capsize=3,
+                label=model,
+            )
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decade labels only: minor ones overlap
         _panel(ax, name, "decoding state per sequence (bytes)", metric)
-    return _save(plt, fig, path, title)
+    return _save(plt, fig, path, title, return_figure)
 
 
 def plot_accuracy_vs_length(
-    rows: list[dict], path: str | Path, metric: str = "val_acc", title: str = ""
-) -> Path:
-    """Accuracy vs test length (training length and every ``eval_lengths``) of each cell's best
-    run, one line per model label, one panel per setting of the other grid axes."""
+    rows: list[dict],
+    path: str | Path,
+    metric: str = "val_acc",
+    title: str = "",
+    *,
+    select_lr_on_seed: int | None = None,
+    confidence: float = 0.95,
+    return_figure: bool = False,
+):
+    """Mean accuracy over seeds vs test length (training length and every ``eval_lengths``) at each
+    cell's chosen learning rate, with confidence intervals as error bars, one line per model label,
+    one panel per setting of the other grid axes. Returns as :func:`plot_accuracy_vs_state`."""
     plt = _pyplot()
-    groups = _groups(best_per_cell(rows, metric))
+    stats = cell_stats(rows, metric, select_lr_on_seed=select_lr_on_seed, confidence=confidence)
+    groups = _groups(stats)
     fig, axs = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
     for ax, (name, group) in zip(axs[0], groups.items()):
         for r in sorted(group, key=lambda r: r["label"]):
-            accs = _lengths(r)
+            accs = r["lengths"]
             if not accs:
                 continue
-            ax.plot(list(accs), list(accs.values()), marker="o", label=r["label"])
-            ax.axvline(int(r["config"].get("seq_len", 0)), color="grey", ls=":", lw=0.8)
+            sts = list(accs.values())
+            ax.errorbar(
+                list(accs),
+                [st["mean"] for st in sts],
+                yerr=_yerr(sts),
+                marker="o",
+                capsize=3,
+                label=r["label"],
+            )
+            ax.axvline(r["seq_len"], color="grey", ls=":", lw=0.8)
         ax.set_xscale("log", base=2)
         _panel(ax, name, "test sequence length (dotted: training length)", "accuracy")
-    return _save(plt, fig, path, title)
+    return _save(plt, fig, path, title, return_figure)
 
 
 def _panel(ax, name: str, xlabel: str, ylabel: str) -> None:
@@ -193,14 +438,31 @@ def _panel(ax, name: str, xlabel: str, ylabel: str) -> None:
     ax.legend(fontsize=8)
 
 
-def _save(plt, fig, path: str | Path, title: str) -> Path:
+def _save(plt, fig, path: str | Path, title: str, return_figure: bool = False):
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
+    if return_figure:
+        return path, fig
     plt.close(fig)
     return path
+
+
+def _selection_note(select: int | None, seeds: list[int], metric: str) -> str:
+    if select is not None:
+        return (
+            f"learning rate (tuned values) per cell chosen by `{metric}` of held-out seed {select} "
+            "alone; the statistics use the other seeds at that learning rate, never seed "
+            f"{select}"
+        )
+    if len(seeds) > 1:
+        return (
+            f"learning rate per cell chosen by the mean `{metric}` over the same seeds that are "
+            "reported (not held out: optimistic; set `select_lr_on_seed` in the sweep file)"
+        )
+    return f"best run per cell by `{metric}`"
 
 
 def write_report(
@@ -210,15 +472,22 @@ def write_report(
     sweep: str | None = None,
     metric: str = "val_acc",
     plots: bool = True,
+    threshold: float | None = None,
+    select_lr_on_seed: int | None = None,
+    confidence: float = 0.95,
 ) -> dict:
-    """Write ``SWEEP.md`` and (with ``plots``) ``SWEEP_acc_vs_state.png`` and
-    ``SWEEP_acc_vs_length.png`` for each sweep in the database (or just ``sweep``).
+    """Write ``SWEEP.md`` (the :func:`markdown_table`), ``SWEEP.json`` (the :func:`cell_stats`)
+    and (with ``plots``) ``SWEEP_acc_vs_state.png`` and ``SWEEP_acc_vs_length.png`` (means with
+    confidence-interval error bars) for each sweep in the database (or just ``sweep``).
 
-    ``out_dir`` defaults to ``<db stem>_report/`` next to the database. Returns
-    ``{sweep: {"markdown": text, "files": [paths]}}``.
+    ``out_dir`` defaults to ``<db stem>_report/`` next to the database. ``threshold`` defaults to
+    :func:`default_threshold` of ``metric`` (0.99 for accuracies); ``select_lr_on_seed`` defaults
+    to the sweep file's (stored in the database by :func:`~mnemo.sweep.run_sweep`). Returns
+    ``{sweep: {"markdown": text, "cells": cell_stats, "files": [paths]}}``.
 
     Raises:
-        FileNotFoundError: the database does not exist. ValueError: it holds no (such) sweep.
+        FileNotFoundError: the database does not exist. ValueError: it holds no (such) sweep, or
+        ``threshold`` / ``select_lr_on_seed`` is malformed (see :func:`cell_stats`).
     """
     db_path = Path(db_path)
     with SweepDB(db_path, create=False) as db:
@@ -230,31 +499,66 @@ def write_report(
         if not names:
             raise ValueError(f"{db_path} holds no runs yet (run `mnemo sweep CONFIG` first)")
         all_rows = {n: db.rows(n) for n in names}
+        metas = {n: db.meta(n) for n in names}
     out = Path(out_dir) if out_dir else db_path.with_name(db_path.stem + "_report")
     out.mkdir(parents=True, exist_ok=True)
     result = {}
     for name, rows in all_rows.items():
+        select = select_lr_on_seed if select_lr_on_seed is not None else metas[name].get("select_lr_on_seed")
+        kw = {"select_lr_on_seed": select, "confidence": confidence}
+        cells = cell_stats(rows, metric, threshold=threshold, **kw)
+        thr = cells[0]["threshold"] if cells else threshold
+        seeds = sorted({_seed(r) for r in rows})
         n_done = sum(r["status"] == "done" for r in rows)
         total_wall = sum(r["wall_time_s"] or 0.0 for r in rows)
+        thr_note = (
+            f"; `{'≥' if METRICS_HIGHER_IS_BETTER.get(metric, True) else '≤'} {thr:g}`: runs at that "
+            "learning rate (done or diverged) whose metric reached it"
+            if thr is not None
+            else ""
+        )
         text = (
-            f"## sweep `{name}`\n\n{len(rows)} runs ({n_done} done), total wall time "
-            f"{total_wall / 60:.1f} min; best run per cell by `{metric}`; state = decoding state per "
-            "sequence at the training length (KV cache for attention).\n\n"
-            + markdown_table(rows, metric)
+            f"## sweep `{name}`\n\n{len(rows)} runs ({n_done} done) over seeds {seeds}, total wall "
+            f"time {total_wall / 60:.1f} min; {_selection_note(select, seeds, metric)}. "
+            f"`{metric}`: mean over the reported seeds that finished training; `{confidence:.0%} CI`: "
+            f"Student-t interval of that mean (mean ± t·s/√n, none for n=1); n: seeds in the mean"
+            f"{thr_note}; acc@L: mean ± half-width. State = decoding state per sequence at the "
+            "training length (KV cache for attention).\n\n"
+            + markdown_table(rows, metric, threshold=threshold, **kw)
             + "\n"
         )
-        files = [out / f"{name}.md"]
+        files = [out / f"{name}.md", out / f"{name}.json"]
         files[0].write_text(text)
+        summary = {
+            "sweep": name,
+            "metric": metric,
+            "interval": "student-t",
+            "confidence": confidence,
+            "threshold": thr,
+            "select_lr_on_seed": select,
+            "seeds": seeds,
+            "cells": cells,
+        }
+        files[1].write_text(json.dumps(summary, indent=1) + "\n")
         if plots:
+            bars = f" (mean over seeds, bars: {confidence:.0%} CI)" if len(seeds) > 1 else ""
             files.append(
                 plot_accuracy_vs_state(
-                    rows, out / f"{name}_acc_vs_state.png", metric, f"{name}: recall vs state size"
+                    rows,
+                    out / f"{name}_acc_vs_state.png",
+                    metric,
+                    f"{name}: recall vs state size{bars}",
+                    **kw,
                 )
             )
             files.append(
                 plot_accuracy_vs_length(
-                    rows, out / f"{name}_acc_vs_length.png", metric, f"{name}: recall vs test length"
+                    rows,
+                    out / f"{name}_acc_vs_length.png",
+                    metric,
+                    f"{name}: recall vs test length{bars}",
+                    **kw,
                 )
             )
-        result[name] = {"markdown": text, "files": files}
+        result[name] = {"markdown": text, "cells": cells, "files": files}
     return result

@@ -111,7 +111,9 @@ def run_sweep(
     """Run every run of ``spec`` that ``db_path`` does not hold as finished; return counts.
 
     Finished (``done`` or ``diverged``) runs are skipped, so a killed sweep continues where it
-    stopped (an interrupted run resumes from its last checkpoint); ``failed`` runs are retried.
+    stopped (an interrupted run resumes from its last checkpoint); ``failed`` runs are retried. A
+    run is one grid point at one seed, so finished ``(cell, tuned value, seed)`` runs are never
+    rerun. The sweep's report settings (:meth:`SweepSpec.meta`) are stored in the database.
     ``jobs > 1`` trains that many runs at once in worker processes (each with ``threads`` torch
     threads). Returns ``{"total", "skipped", "ran", "done", "diverged", "failed"}``.
     """
@@ -119,6 +121,7 @@ def run_sweep(
     out_dir = Path(out_dir)
     log = log or tqdm.write
     with SweepDB(db_path) as db:
+        db.set_meta(spec.name, spec.meta())
         finished = db.finished_ids()
         todo = [r for r in runs if r.run_id not in finished]
         counts = {"total": len(runs), "skipped": len(runs) - len(todo), "ran": 0}
@@ -139,7 +142,7 @@ def run_sweep(
             m = res.get("metrics") or {}
             acc = m.get(spec.metric)
             shown = f"{spec.metric} {acc:.4f}" if isinstance(acc, float) else res["status"]
-            tuned = " ".join(f"{k}={v}" for k, v in run.tuned.items())
+            tuned = " ".join([*(f"{k}={v}" for k, v in run.tuned.items()), f"seed={run.seed}"])
             log(
                 f"[{run.run_id}] {run.label} {tuned}: {shown}  "
                 f"({res.get('wall_time_s', 0):.0f} s, state {res.get('state_size_bytes')} B)"

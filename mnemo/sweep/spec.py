@@ -19,12 +19,28 @@ A sweep file looks like::
       task_options.num_pairs: [8, 16]     # dicts (task_options, model_overrides)
       lr: [1.0e-3, 3.0e-3, 1.0e-2]
     tune: [lr]                       # axes whose best value is kept per cell (default [lr])
+    seeds: [0, 1, 2, 3]              # every run once per seed (or ``seeds: 4`` = [0, 1, 2, 3])
+    select_lr_on_seed: 0             # choose the tuned values (lr) on this seed only; report the rest
 
 Every run's config is ``base`` ← model entry ← grid point (deep-merged in that order) and is
 validated as a ``TrainConfig`` before anything runs. A **cell** is one model entry and one value of
-every grid axis not in ``tune``; the report keeps each cell's best run (the papers' "best learning
-rate per point"). A run is identified by a hash of its full config, so editing the file adds runs
-without invalidating finished ones.
+every grid axis not in ``tune``; the report keeps each cell's best tuned values (the papers' "best
+learning rate per point") and summarises the seeds run there (:func:`mnemo.sweep.report.cell_stats`).
+A run is identified by a hash of its full config, so editing the file adds runs without
+invalidating finished ones.
+
+**Seeds.** ``seeds`` runs every grid point once per seed (it sets ``TrainConfig.seed``, which
+seeds the weights, the training batches and a task's test set, so the spread over seeds covers all
+three). The seed is not part of the cell: a cell's runs are its tuned values × its seeds, and each
+run is stored with its seed. A run whose seed equals the config's own (``base.seed``, default 0)
+keeps the config and id it had without ``seeds``, so adding ``seeds: 3`` to a finished single-seed
+sweep runs only seeds 1 and 2; finished ``(cell, tuned value, seed)`` runs are never rerun.
+
+**Held-out selection.** With ``select_lr_on_seed: S`` the report picks each cell's tuned values
+(``tune``, default ``[lr]``) by the metric of seed ``S`` alone and reports the mean, interval and
+threshold count of the *other* seeds at those values, never seed ``S`` itself: choosing the
+learning rate on the reported seeds would bias the reported mean upwards (the maximum of noisy
+means). ``S`` must be one of ``seeds``, with at least one other seed and at least one tuned axis.
 """
 
 from __future__ import annotations
@@ -41,7 +57,19 @@ from typing import Any
 from ..models import build_config
 from ..train.config import TrainConfig, load_config_file
 
-_SPEC_KEYS = {"name", "description", "metric", "base", "models", "grid", "tune", "db", "out"}
+_SPEC_KEYS = {
+    "name",
+    "description",
+    "metric",
+    "base",
+    "models",
+    "grid",
+    "tune",
+    "seeds",
+    "select_lr_on_seed",
+    "db",
+    "out",
+}
 METRICS_HIGHER_IS_BETTER = {"val_acc": True, "val_seq_acc": True, "val_loss": False}
 
 
@@ -84,6 +112,7 @@ class Run:
     config: dict[str, Any]
     cell: dict[str, Any]  # label + the non-tuned grid values
     tuned: dict[str, Any]  # the tuned grid values (e.g. {"lr": 0.003})
+    seed: int = 0  # TrainConfig.seed of the run (one of the sweep's ``seeds``)
 
     @property
     def cell_key(self) -> str:
@@ -101,6 +130,8 @@ class SweepSpec:
     tune: list[str] = field(default_factory=lambda: ["lr"])
     metric: str = "val_acc"
     description: str = ""
+    seeds: list[int] | None = None  # None: one run per grid point, at the config's own seed
+    select_lr_on_seed: int | None = None
     db: str | None = None
     out: str | None = None
 
@@ -132,6 +163,28 @@ class SweepSpec:
             raise ValueError(
                 f"{source}: 'metric' must be one of {sorted(METRICS_HIGHER_IS_BETTER)}, got {metric!r}"
             )
+        seeds = _parse_seeds(d.get("seeds"), source)
+        if seeds is not None and "seed" in grid:
+            raise ValueError(f"{source}: give the seeds either as 'seeds' or as a grid axis 'seed', not both")
+        select = d.get("select_lr_on_seed")
+        if select is not None:
+            tuned_axes = [t for t in tune if t in grid]
+            if isinstance(select, bool) or not isinstance(select, int):
+                raise ValueError(f"{source}: 'select_lr_on_seed' must be an int seed, got {select!r}")
+            if seeds is None or select not in seeds:
+                raise ValueError(
+                    f"{source}: 'select_lr_on_seed' must be one of 'seeds' {seeds}, got {select!r}"
+                )
+            if len(seeds) < 2:
+                raise ValueError(
+                    f"{source}: 'select_lr_on_seed' needs at least 2 seeds (the held-out one and one "
+                    f"to report), got seeds {seeds}"
+                )
+            if not tuned_axes:
+                raise ValueError(
+                    f"{source}: 'select_lr_on_seed' needs a tuned grid axis (tune {tune} matches none "
+                    f"of the grid keys {sorted(grid)})"
+                )
         spec = cls(
             name=name,
             base=base,
@@ -140,6 +193,8 @@ class SweepSpec:
             tune=[t for t in tune if t in grid],
             metric=metric,
             description=str(d.get("description", "")),
+            seeds=seeds,
+            select_lr_on_seed=select,
             db=d.get("db"),
             out=d.get("out"),
         )
@@ -169,8 +224,18 @@ class SweepSpec:
             entries.append((label, fields))
         return entries
 
+    def meta(self) -> dict[str, Any]:
+        """What the report needs to know about the sweep beyond its rows (stored in the database)."""
+        return {
+            "metric": self.metric,
+            "tune": self.tune,
+            "seeds": self.seeds,
+            "select_lr_on_seed": self.select_lr_on_seed,
+        }
+
     def runs(self) -> list[Run]:
-        """Every run of the grid, in a stable order (model entries outermost, then grid axes)."""
+        """Every run of the grid, in a stable order (model entries outermost, then grid axes, then
+        seeds)."""
         keys = list(self.grid)
         out = []
         known = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -192,8 +257,33 @@ class SweepSpec:
                     ) from None
                 cell = {"label": label, **{k: v for k, v in point.items() if k not in self.tune}}
                 tuned = {k: v for k, v in point.items() if k in self.tune}
-                out.append(Run(run_id(cfg), label, cfg, cell, tuned))
+                own_seed = cfg.get("seed", 0)
+                for seed in self.seeds if self.seeds is not None else [own_seed]:
+                    # the config's own seed keeps the config (and id) it has without ``seeds``
+                    c = cfg if seed == own_seed else {**cfg, "seed": seed}
+                    out.append(Run(run_id(c), label, c, cell, tuned, seed))
         ids = [r.run_id for r in out]
         if len(set(ids)) != len(ids):
             raise ValueError(f"sweep {self.name!r}: two model entries or grid points give identical runs")
         return out
+
+
+def _parse_seeds(value, source: str) -> list[int] | None:
+    """``seeds: N`` (a positive int: seeds ``0 … N−1``) or ``seeds: [s, …]`` (distinct ints)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"{source}: 'seeds' must be a positive count or a list of ints, got {value!r}")
+        return list(range(value))
+    if (
+        not isinstance(value, list)
+        or not value
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in value)
+    ):
+        raise ValueError(
+            f"{source}: 'seeds' must be a positive count or a non-empty list of ints >= 0, got {value!r}"
+        )
+    if len(set(value)) != len(value):
+        raise ValueError(f"{source}: 'seeds' must not repeat a seed, got {value!r}")
+    return list(value)

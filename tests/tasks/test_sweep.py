@@ -211,9 +211,14 @@ def test_report_writes_the_table_and_plots(tmp_path):
     run_sweep(_spec(), db, tmp_path / "runs", progress=False, log=lambda s: None)
     res = write_report(db, tmp_path / "rep")
     text = res["tiny"]["markdown"]
-    assert "| model | best lr | state | params | val_acc | acc@32 | runs | wall (s) |" in text
+    header = "| model | best lr | state | params | val_acc | 95% CI | n | ≥ 0.99 | acc@32 | runs | wall (s) |"
+    assert header in text and "| n=1 | 1 |" in text, "one seed: no interval"
     assert "| gla |" in text and "| gla-h1 |" in text
     assert (tmp_path / "rep" / "tiny.md").read_text() == text
+    assert {c["label"] for c in json.loads((tmp_path / "rep" / "tiny.json").read_text())["cells"]} == {
+        "gla",
+        "gla-h1",
+    }
     for name in ("tiny_acc_vs_state.png", "tiny_acc_vs_length.png"):
         data = (tmp_path / "rep" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
