@@ -185,7 +185,8 @@ class NeuralMemory(Mixer):
 
     ``persistent_tokens`` learned vectors (initialised ``N(0, 0.02²)``) are prepended to the stream
     once, at its start (Titans' persistent memory); their outputs are dropped. The memory's
-    initial weights are learned parameters (one set per head); a matrix memory starts at zero.
+    initial weights are learned parameters (one set per head); a matrix memory starts at zero, each
+    ``[in, out]`` layer of an MLP memory at ``N(0, 1/in)`` (fan-in scaling).
 
     Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream; each
     value as the memory engine receives it, so a replacement changes the write and the read):

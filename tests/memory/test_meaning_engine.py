@@ -119,3 +119,12 @@ def test_gla_preset_decays_each_key_channel_by_its_own_gate(mode):
         ref.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o, _ = neural_memory(spec, q, k, v, theta, g=g, mode=mode, use_closed_form=False)
     assert_close(o, torch.stack(ref, 1), 1e-10)
+
+
+def test_chunk_size_one_is_the_smallest_inner_batch():
+    """``chunk_size`` counts tokens per inner mini-batch: 1 (plain online learning) is valid, 0 and
+    negatives are refused with the field named."""
+    assert MemorySpec(chunk_size=1).validate().chunk_size == 1
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="chunk_size"):
+            MemorySpec(chunk_size=bad).validate()
