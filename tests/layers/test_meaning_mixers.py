@@ -571,4 +571,3 @@ def test_titans_mlp_memory_starts_at_fan_in_scaled_normal_weights():
         assert abs(w.mean().item()) < 6 * fan_in**-0.5 / w.numel() ** 0.5
     matrix = NeuralMemory(64, n_heads=4, spec="deltanet")
     assert all((w == 0).all() for w in matrix.init_weights)
-
