@@ -573,6 +573,8 @@ FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written
     "tensorboard",
     "init_from",
     "task",
+    "train_examples",  # added with issue 20 (Zoology's fixed training set)
+    "early_stop_acc",  # added with issue 20 (Zoology's early stop)
     "track_circuits",
     "circuit_length",
     "track_spectrum",

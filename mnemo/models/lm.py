@@ -207,8 +207,15 @@ class LanguageModel(nn.Module):
         *,
         mode: str | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ):
         """``(logits [B, T, vocab], state)``.
+
+        ``logits_at`` (``[B, T]`` bool): apply the output head only where it is true and return
+        ``logits [M, vocab]`` (``M`` = its number of true entries), equal to
+        ``forward(input_ids)[0][logits_at]`` — training on sparse targets (a synthetic task's
+        supervised positions) then skips the ``[B, T, vocab]`` head. Not with ``cu_seqlens`` nor
+        for models whose CMS levels learn from the next-token loss.
 
         ``cu_seqlens`` (document packing): ``input_ids [1, N]`` holds several documents back to
         back, ``cu_seqlens [D + 1]`` (long) their boundaries ``0 = c_0 < … < c_D = N``. Every
@@ -235,11 +242,22 @@ class LanguageModel(nn.Module):
             )
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
+        if logits_at is not None:
+            if logits_at.dtype != torch.bool or logits_at.shape != input_ids.shape:
+                raise ValueError(
+                    f"logits_at must be a bool tensor shaped like input_ids {list(input_ids.shape)}, got "
+                    f"{logits_at.dtype} {list(logits_at.shape)}"
+                )
+            if cu_seqlens is not None or self.task_segment is not None:
+                raise ValueError(
+                    "logits_at: not with cu_seqlens, nor for a model whose CMS levels learn from the "
+                    "next-token loss (they need every position's logits)"
+                )
         if cu_seqlens is not None:
             return self._forward_packed(input_ids, state, mode, cu_seqlens)
         if self.task_segment is not None:  # CMS levels learning from the next-token loss
             return task_signal.forward(self, input_ids, state, mode)
-        return self._forward(input_ids, state, mode)
+        return self._forward(input_ids, state, mode, logits_at=logits_at)
 
     def _forward_packed(self, input_ids, state, mode, cu_seqlens):
         if state is not None:
@@ -272,8 +290,9 @@ class LanguageModel(nn.Module):
             logits = logits.float()
         return logits, None
 
-    def _forward(self, input_ids: torch.Tensor, state, mode, allow_checkpoint: bool = True):
-        """Embedding → blocks → head on validated ``input_ids`` (one pass, no task signal)."""
+    def _forward(self, input_ids: torch.Tensor, state, mode, allow_checkpoint: bool = True, logits_at=None):
+        """Embedding → blocks → head on validated ``input_ids`` (one pass, no task signal); the
+        head only at ``logits_at`` (``[B, T]`` bool) when given."""
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             offset = state[0].offset if state is not None else 0
@@ -299,7 +318,8 @@ class LanguageModel(nn.Module):
             else:
                 x, s = block(x, state[i] if state is not None else None, mode=mode)
             new_state.append(s)
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
+        logits = self.lm_head(h if logits_at is None else h[logits_at.to(h.device)])
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits, new_state

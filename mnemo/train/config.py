@@ -120,6 +120,16 @@ class TrainConfig:
             evaluation (loss and accuracy on the supervised positions) uses a fixed test set of ``eval_batches
             · batch_size`` sequences from the disjoint test seed, and no text sample is printed.
         task_options: the task's options (e.g. ``{"num_pairs": 8, "vocab_size": 256}``).
+        train_examples: tasks only: train on a fixed set of this many sequences instead of a fresh
+            batch at every step (Zoology's recipe: 100,000 MQAR training examples). The set is drawn
+            once from the run's train seed stream (so it never meets the test set) and read in
+            order, ``batch_size`` rows per step, wrapping around at the end of each epoch without
+            shuffling, as Zoology's loader does (a last partial batch is skipped); ``batch_size``
+            must not exceed it. ``None`` (default): fresh batches.
+        early_stop_acc: tasks only: stop training at the first evaluation whose ``val_acc`` is at
+            least this value (Zoology stops at 0.99), writing the final checkpoint there; the
+            cosine schedule keeps its length; a resumed early-stopped run stays stopped. Not with
+            ``eval_lengths``. ``None`` (default): run all ``steps``.
         eval_lengths: further test lengths (tasks only), evaluated at the end of training with the
             models' streaming chunk/recurrent forms, e.g. ``[1024, 4096]`` for a model trained at
             256; metrics ``val_acc@L`` and ``val_loss@L``.
@@ -263,6 +273,23 @@ class TrainConfig:
         ),
     )
     task_options: dict[str, Any] = field(default_factory=dict)  # flag --task-option KEY=VALUE
+    train_examples: int | None = field(
+        default=None,
+        metadata=_flag(
+            "task runs: train on a fixed set of N sequences (read in order, epoch after epoch) "
+            "instead of fresh batches (default: fresh batches)",
+            metavar="N",
+            type=int,
+        ),
+    )
+    early_stop_acc: float | None = field(
+        default=None,
+        metadata=_flag(
+            "task runs: stop at the first evaluation with val_acc >= this (e.g. 0.99)",
+            metavar="ACC",
+            type=float,
+        ),
+    )
     eval_lengths: list[int] = field(default_factory=list)  # flag --eval-lengths L1,L2
     track_circuits: bool = field(
         default=False,
@@ -402,6 +429,22 @@ class TrainConfig:
     def _validate_task(self, bad) -> None:
         if not isinstance(self.task_options, dict):
             bad("task_options", "a mapping of task options")
+        if self.train_examples is not None:
+            v = self.train_examples
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad("train_examples", "None or a positive int")
+            if self.task is None:
+                bad("train_examples", "None when no task is set (set TrainConfig.task)")
+            if v < self.batch_size:
+                bad("train_examples", f"None or at least batch_size ({self.batch_size})")
+        if self.early_stop_acc is not None:
+            v = self.early_stop_acc
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 < v <= 1):
+                bad("early_stop_acc", "None or a number in (0, 1]")
+            if self.task is None:
+                bad("early_stop_acc", "None when no task is set (set TrainConfig.task)")
+            if self.eval_lengths:
+                bad("early_stop_acc", "None with eval_lengths (they are evaluated after the last step only)")
         if not isinstance(self.eval_lengths, (list, tuple)) or any(
             not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.eval_lengths
         ):

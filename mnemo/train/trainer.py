@@ -151,10 +151,41 @@ class _Logits(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        first: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if first is None:
-            return self.model(input_ids)[0]
+            return self.model(input_ids, logits_at=logits_at)[0]
         return packed_logits(self.model, input_ids, first)
+
+
+def fixed_train_set(
+    task, n: int, seq_len: int, seed: int, chunk: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` training sequences of ``task`` (``(input_ids, targets)``, ``[n, seq_len]`` int32),
+    drawn in chunks of ``chunk`` rows (default ``chunk=4096``) from the train seed stream of ``seed``
+    (the stream fresh batches come from; never the test stream): the fixed set of
+    ``TrainConfig.train_examples``."""
+    gen = make_generator(seed, "train")
+    xs, ys = [], []
+    for start in range(0, n, chunk):
+        x, y = task.generate(min(chunk, n - start), seq_len, gen)
+        xs.append(x.to(torch.int32))
+        ys.append(y.to(torch.int32))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def fixed_batch(train_set: tuple[torch.Tensor, torch.Tensor], step: int, batch_size: int):
+    """The batch of optimizer step ``step`` (0-based) from a fixed training set: rows
+    ``[i·B, (i+1)·B)`` with ``i = step mod (n // B)`` — the set read in order, epoch after epoch,
+    without shuffling (a last partial batch is skipped). Returns long tensors ``[B, T]``."""
+    x, y = train_set
+    i = step % (x.shape[0] // batch_size)
+    rows = slice(i * batch_size, (i + 1) * batch_size)
+    return x[rows].long(), y[rows].long()
 
 
 def packed_logits(model: LanguageModel, input_ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
@@ -491,6 +522,9 @@ class Trainer:
         self._test_sets: dict = {}
         if self.task is not None:
             self.tokenizer = self.train_data = self.val_data = None
+            self.train_set = None
+            if cfg.train_examples is not None:
+                self.train_set = fixed_train_set(self.task, cfg.train_examples, cfg.seq_len, cfg.seed)
             return self.task.vocab_size
         corpus = load_corpus(cfg.data, cfg.text_field)
         if ckpt is not None:
@@ -570,6 +604,7 @@ class Trainer:
         else:
             self.generator = make_generator(cfg.seed, "train")
         self.step = 0
+        self.early_stopped = False  # TrainConfig.early_stop_acc reached (saved with checkpoints)
         self.last_checkpoint: Path | None = None
         self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
 
@@ -593,6 +628,7 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
+        self.early_stopped = bool(state.get("early_stopped", False))
         self.last_checkpoint = ckpt
         if self.is_main:  # under the folder's lock: never trim a live run's log
             lock = lock_run_folder(self.out)
@@ -757,6 +793,7 @@ class Trainer:
                     "torch_rng": torch.get_rng_state(),
                     "acc_loss": self._acc_loss,
                     "acc_n": self._acc_n,
+                    "early_stopped": self.early_stopped,
                 },
                 tmp / STATE_NAME,
             )
@@ -813,6 +850,8 @@ class Trainer:
             x, y, first = self.train_data.sample(cfg.batch_size, self.generator, with_documents=True)
         elif self.task is None:
             x, y = self.train_data.sample(cfg.batch_size, self.generator)
+        elif self.train_set is not None:
+            x, y = fixed_batch(self.train_set, self.step, cfg.batch_size)
         else:
             x, y = self.task.generate(cfg.batch_size, cfg.seq_len, self.generator)
         # every rank holds the whole global batch, so the global count needs no communication
@@ -828,6 +867,8 @@ class Trainer:
             x, y = shard(x, self.rank, self.world), shard(y, self.rank, self.world)
             first = None if first is None else shard(first, self.rank, self.world)
         micro = x.shape[0] // cfg.grad_accum
+        # a task supervises few positions: the head (and the loss) only there, same loss and gradients
+        sparse = self.task is not None and not cp and first is None and self.model.task_segment is None
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for i in range(cfg.grad_accum):
@@ -845,10 +886,16 @@ class Trainer:
                             logits, handle = context_parallel_forward(self.model, xi, self.rank, self.world)
                         elif first is not None:
                             logits = self.train_model(xi, first[i * micro : (i + 1) * micro].to(self.device))
+                        elif sparse:  # a task's supervised positions only: no [B, T, vocab] head
+                            at = yi != IGNORE_INDEX
+                            logits, yi = self.train_model(xi, logits_at=at), yi[at]
                         else:
                             logits = self.train_model(xi)
                     ce = F.cross_entropy(
-                        logits.float().flatten(0, 1), yi.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                        logits.float().flatten(0, -2),
+                        yi.flatten(),
+                        ignore_index=IGNORE_INDEX,
+                        reduction="sum",
                     )
                 except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
                     error, ce = e, None
@@ -994,6 +1041,14 @@ class Trainer:
                 p.grad = flat[offset : offset + k].view_as(p) if reached[i] > 0 else None
                 offset += k
 
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (one broadcast; none with a single process)."""
+        if self.world == 1:
+            return bool(flag)
+        t = torch.tensor([float(flag)], dtype=torch.float64, device=self.device)
+        dist.broadcast(t, 0)
+        return bool(t.item() > 0)
+
     def _reduce_loss(self, ce: torch.Tensor | None, failed: bool) -> tuple[float, bool]:
         """The summed cross-entropy of this micro-batch over all ranks, and whether any rank's
         forward pass failed (one all-reduce; none with a single process)."""
@@ -1066,7 +1121,7 @@ class Trainer:
         ema = None
         t_start = time.perf_counter()
         try:
-            while self.step < stop:
+            while self.step < stop and not self.early_stopped:
                 if getattr(self, "_stop_signal", None) is not None:
                     if self.is_main and self.step > 0 and self.step != self._saved_step():
                         self._write_checkpoint()
@@ -1098,6 +1153,16 @@ class Trainer:
                     if self.is_main or self.fsdp:  # FSDP: every rank runs the (sharded) model
                         record = self._eval_record(record, last, t_start, bar)
                     self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
+                    if cfg.early_stop_acc is not None and not last:
+                        self.early_stopped = self._agree(record.get("val_acc", 0.0) >= cfg.early_stop_acc)
+                        if self.early_stopped:
+                            save = True
+                            if self.is_main:
+                                print(
+                                    f"early stop at step {self.step}: val_acc {record['val_acc']:.4f} >= "
+                                    f"{cfg.early_stop_acc}",
+                                    flush=True,
+                                )
                 if save:
                     if self.is_main or self.fsdp:
                         self._write_checkpoint()
@@ -1105,6 +1170,8 @@ class Trainer:
                         self.last_checkpoint = self.out / ckpt_name(self.step)
                 if evaluate or save:
                     barrier()  # the other ranks wait while rank 0 evaluates and writes
+                if self.early_stopped:
+                    break
         finally:
             bar.close()
             if self.tb is not None:
