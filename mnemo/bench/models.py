@@ -197,46 +197,38 @@ def _hf_from_mnemo(mnemo_model, export, config_cls, model_cls):
     return model
 
 
+def _peer_transformers_ssm(row: str, hf_name: str, note: str, mnemo_row: Callable[[str], Entry]) -> Entry:
+    """``transformers`` ``{hf_name}ForCausalLM`` with the weights of mnemo's ``row`` (exported by
+    :mod:`mnemo.hf.convert`)."""
+    import transformers
+
+    from ..hf import convert
+
+    ours = mnemo_row(row)
+    config_cls = getattr(transformers, f"{hf_name}Config")
+    model_cls = getattr(transformers, f"{hf_name}ForCausalLM")
+    m = _hf_from_mnemo(ours.model, getattr(convert, f"export_{row}"), config_cls, model_cls)
+    return Entry(
+        f"{hf_name}ForCausalLM",
+        "transformers",
+        m,
+        lambda x: m(input_ids=x, use_cache=False).logits,
+        _hf_generate(m),
+        vs=row,
+        note=note,
+    )
+
+
 def peer_transformers_mamba(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
     """``transformers`` ``MambaForCausalLM`` with the weights of mnemo's ``mamba`` row."""
-    from transformers import MambaConfig, MambaForCausalLM
-
-    from ..hf.convert import export_mamba
-
-    ours = mnemo_row("mamba")
-    m = _hf_from_mnemo(ours.model, export_mamba, MambaConfig, MambaForCausalLM)
-    return [
-        Entry(
-            "MambaForCausalLM",
-            "transformers",
-            m,
-            lambda x: m(input_ids=x, use_cache=False).logits,
-            _hf_generate(m),
-            vs="mamba",
-            note="transformers' CPU path (no mamba-ssm kernels), the weights of the mamba row",
-        )
-    ]
+    note = "transformers' CPU path (no mamba-ssm kernels), the weights of the mamba row"
+    return [_peer_transformers_ssm("mamba", "Mamba", note, mnemo_row)]
 
 
 def peer_transformers_mamba2(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
     """``transformers`` ``Mamba2ForCausalLM`` with the weights of mnemo's ``mamba2`` row."""
-    from transformers import Mamba2Config, Mamba2ForCausalLM
-
-    from ..hf.convert import export_mamba2
-
-    ours = mnemo_row("mamba2")
-    m = _hf_from_mnemo(ours.model, export_mamba2, Mamba2Config, Mamba2ForCausalLM)
-    return [
-        Entry(
-            "Mamba2ForCausalLM",
-            "transformers",
-            m,
-            lambda x: m(input_ids=x, use_cache=False).logits,
-            _hf_generate(m),
-            vs="mamba2",
-            note="transformers' CPU path (its torch_forward), the weights of the mamba2 row",
-        )
-    ]
+    note = "transformers' CPU path (its torch_forward), the weights of the mamba2 row"
+    return [_peer_transformers_ssm("mamba2", "Mamba2", note, mnemo_row)]
 
 
 def qwen3_next_config(size: Size, n_heads: int = 4):
