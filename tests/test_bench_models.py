@@ -88,12 +88,39 @@ def test_a_missing_peer_is_reported_and_skipped(monkeypatch, capsys):
         raise ImportError("no", name="not_a_peer_lib")
 
     monkeypatch.setitem(bench.PEERS, "fake", missing)
+    monkeypatch.setitem(bench.PEER_PARTNER, "fake", "gla")
     res = bench.run(
         ["gla"], ["fake"], bench.Size(16, 1), [(16, 1)], [1], prompt_len=4, gen_tokens=2, repeats=1, log=print
     )
     assert res["peers"] == {"fake": "not installed (not_a_peer_lib)"}
     assert "fake: skipped, peer not installed" in capsys.readouterr().out
     assert [r["model"] for r in res["train"]] == ["gla"]
+
+
+def test_groups_are_built_timed_printed_and_freed_one_at_a_time(monkeypatch):
+    """Memory holds one group's models: the previous group's model is gone when the next is built,
+    and each group's rows are printed before the next group is built."""
+    import gc
+    import weakref
+
+    built, log = [], []
+    real = bench.mnemo_entry
+
+    def tracking(name, model=None, size=None, note=""):
+        gc.collect()
+        log.append(("build", name, [r() is not None for r in built]))
+        e = real(name, model=model, size=size, note=note)
+        built.append(weakref.ref(e.model))
+        return e
+
+    monkeypatch.setattr(bench, "mnemo_entry", tracking)
+    sz = bench.Size(16, 1)
+    res = bench.run(["gla", "retnet"], [], sz, [(16, 1)], [1], 4, 2, 1, log=lambda s: log.append(s))
+    assert [r["model"] for r in res["train"]] == ["gla", "retnet"]
+    builds = [e for e in log if isinstance(e, tuple)]
+    assert builds == [("build", "gla", []), ("build", "retnet", [False])]
+    second = log.index(builds[1])
+    assert any(isinstance(s, str) and s.strip().startswith("gla ") for s in log[:second])
 
 
 def test_bad_arguments_name_the_flag():

@@ -37,6 +37,7 @@ runs eager only.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import statistics
@@ -438,6 +439,18 @@ PEERS: dict[str, Callable[[Size, Callable[[str], Entry]], list[Entry]]] = {
     "nested_learning": peer_nested_learning,
 }
 
+#: the mnemo row each peer is timed beside (its group: built, timed and freed together)
+PEER_PARTNER: dict[str, str] = {
+    "transformers_mamba": "mamba",
+    "transformers_mamba2": "mamba2",
+    "transformers_qwen3_next": "qwen3_next_equiv",
+    "mambapy": "mamba",
+    "titans_pytorch": "titans_mac",
+    "nested_learning": "hope",
+}
+#: mnemo rows that only a peer's builder makes (imported from the peer's model)
+PEER_DEFINED = {"qwen3_next_equiv"}
+
 
 # ------------------------------------------------------------------------------------------------
 # timing
@@ -479,8 +492,9 @@ def train_step(
     entry: Entry, T: int, B: int, lr: float = 1e-4, seed: int = 0, device: str = "cpu"
 ) -> Callable[[], None]:
     """One training step of ``entry`` on fixed random tokens ``[B, T + 1]``: forward, mean next-token
-    cross-entropy (+ the auxiliary loss), backward, AdamW step (one optimizer per entry, kept across
-    shapes). ``device``: where the tokens go (the model must be there already)."""
+    cross-entropy (+ the auxiliary loss), backward, AdamW step (one optimizer per entry, made on
+    the first call and kept until the caller sets ``entry.opt = None``). ``device``: where the
+    tokens go (the model must be there already)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (B, T + 1), generator=gen).to(device)
     x, y = ids[:, :-1], ids[:, 1:]
@@ -568,23 +582,94 @@ def run(
     if gen_tokens < 2:
         raise ValueError(f"--gen-tokens: expected >= 2 (first token + at least one step), got {gen_tokens}")
 
-    entries: dict[str, Entry] = {}
+    # One group at a time: a mnemo row, its compiled copy and the peers paired with it are built,
+    # timed (interleaved among themselves, which is where the ratios come from), printed and freed
+    # before the next group is built, so memory holds one group's models and optimizer states, and
+    # a run that is stopped has already printed every finished group.
+    groups: list[str] = []
+    for name in [*models, *(PEER_PARTNER[p] for p in peers)]:
+        if name not in groups:
+            groups.append(name)
+    peer_status: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    train_rows: list[dict] = []
+    gen_rows: list[dict] = []
+    compile_status = "off"
+    if compile:
+        ok, why = compile_available()
+        compile_status = "on" if ok else f"unavailable: {why}"
+        if not ok:
+            log(f"--compile: torch.compile is unavailable here ({why}); running eager only")
+    for group in groups:
+        rows_list = _build_group(group, peers, size, compile_status == "on", skipped, peer_status, log)
+        if not rows_list:
+            continue
+        for entry in rows_list:
+            entry.model.to(device)
+            if entry.note:
+                notes[entry.name] = entry.note
+        t_rows, g_rows = _time_group(
+            rows_list, shapes, gen_batches, prompt_len, gen_tokens, repeats, device, errors, log
+        )
+        train_rows += t_rows
+        gen_rows += g_rows
+        for r in t_rows:
+            log("  " + _train_line(r))
+        for r in g_rows:
+            log("  " + _gen_line(r))
+        del rows_list, entry  # the group's models, optimizer states and closures go here
+        gc.collect()
+    return {
+        "d_model": size.d_model,
+        "n_layers": size.n_layers,
+        "vocab": size.vocab,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "torch": torch.__version__,
+        "repeats": repeats,
+        "compile": compile_status,
+        "peers": peer_status,
+        "skipped_models": skipped,
+        "errors": errors,
+        "notes": notes,
+        "train": train_rows,
+        "generate": gen_rows,
+    }
+
+
+def _build_group(
+    group: str,
+    peers: list[str],
+    size: Size,
+    compile: bool,
+    skipped: dict[str, str],
+    peer_status: dict[str, str],
+    log: Callable[[str], None],
+) -> list[Entry]:
+    """The rows of ``group``: the mnemo row (built here, or by the peer that defines it, such as
+    ``qwen3_next_equiv``), its compiled copy (``compile``) and every peer of ``peers`` paired with it."""
+    built: dict[str, Entry] = {}
 
     def mnemo_row(name: str) -> Entry:
-        if name not in entries:
-            entries[name] = mnemo_entry(name, size=size)
-        return entries[name]
+        if name not in built:
+            built[name] = mnemo_entry(name, size=size)
+        return built[name]
 
-    for name in models:
+    if group in PEER_DEFINED:
+        pass  # the peer's builder makes the mnemo row
+    else:
         try:
-            mnemo_row(name)
+            mnemo_row(group)
         except Exception as e:
-            skipped[name] = f"{type(e).__name__}: {e}"
-            log(f"{name}: skipped, the model does not build at this size ({skipped[name]})")
+            skipped[group] = f"{type(e).__name__}: {e}"
+            log(f"{group}: skipped, the model does not build at this size ({skipped[group]})")
+            return []
     peer_rows: list[Entry] = []
-    peer_status: dict[str, str] = {}
     for key in peers:
+        if PEER_PARTNER[key] != group:
+            continue
         try:
             rows = PEERS[key](size, mnemo_row)
         except ImportError as e:
@@ -598,23 +683,26 @@ def run(
         peer_status[key] = "ok"
         for r in rows:
             if r.library == "mnemo":
-                entries[r.name] = r
+                built[r.name] = r
             else:
                 peer_rows.append(r)
-    for e in [*entries.values(), *peer_rows]:
-        e.model.to(device)
-    rows_list = list(entries.values())
-    compile_status = "off"
-    if compile:
-        ok, why = compile_available()
-        compile_status = "on" if ok else f"unavailable: {why}"
-        if ok:
-            rows_list += [compiled_entry(e) for e in list(entries.values())]
-        else:
-            log(f"--compile: torch.compile is unavailable here ({why}); running eager only")
-    rows_list += peer_rows
+    ours = list(built.values())
+    return ours + ([compiled_entry(e) for e in ours] if compile else []) + peer_rows
 
-    errors: dict[str, str] = {}
+
+def _time_group(
+    rows_list: list[Entry],
+    shapes: list[tuple[int, int]],
+    gen_batches: list[int],
+    prompt_len: int,
+    gen_tokens: int,
+    repeats: int,
+    device: str,
+    errors: dict[str, str],
+    log: Callable[[str], None],
+) -> tuple[list[dict], list[dict]]:
+    """Training and generation rows of one group, timed interleaved among the group's rows, with
+    the ratios of the rows paired inside it."""
 
     def on_error(key, exc):
         name = key[0]
@@ -641,12 +729,13 @@ def run(
 
         return wrapped
 
+    names = ", ".join(e.name for e in rows_list)
     train_rows = []
     for T, B in shapes:
         tasks = {
             (e.name, "train", T, B): with_breaks(e, train_step(e, T, B, device=device)) for e in rows_list
         }
-        log(f"timing training at T={T} B={B}: {len(tasks)} rows, {repeats} interleaved rounds ...")
+        log(f"timing training of {names} at T={T} B={B}, {repeats} interleaved rounds ...")
         times = interleaved(tasks, repeats, on_error=on_error)
         for e in rows_list:
             t = _median(times[(e.name, "train", T, B)])
@@ -664,6 +753,8 @@ def run(
                     "vs": e.vs,
                 }
             )
+        for e in rows_list:
+            e.opt = None  # free the optimizer states before the next shape's activations
     _add_ratios(train_rows, ("T", "batch"), {"train_step_ms": "ratio_train"})
 
     gen_rows = []
@@ -678,10 +769,11 @@ def run(
             p = prompts[b]
             tasks[(e.name, "first_token", b)] = with_breaks(e, lambda e=e, p=p: e.generate(p, 1))
             tasks[(e.name, "generate", b)] = with_breaks(e, lambda e=e, p=p: e.generate(p, gen_tokens))
-    log(
-        f"timing generation: prompt {prompt_len} tokens, {gen_tokens} new tokens, batches {gen_batches}: "
-        f"{len(tasks)} tasks, {repeats} interleaved rounds ..."
-    )
+    if tasks:
+        log(
+            f"timing generation of {names}: prompt {prompt_len} tokens, {gen_tokens} new tokens, "
+            f"batches {gen_batches}, {repeats} interleaved rounds ..."
+        )
     times = interleaved(tasks, repeats, on_error=on_error)
     for e in rows_list:
         if e.generate is None:
@@ -712,22 +804,7 @@ def run(
             for r in train_rows + gen_rows:
                 if r["model"] == e.name:
                     r["graph_breaks"] = e.graph_breaks
-    return {
-        "d_model": size.d_model,
-        "n_layers": size.n_layers,
-        "vocab": size.vocab,
-        "threads": torch.get_num_threads(),
-        "device": str(device),
-        "torch": torch.__version__,
-        "repeats": repeats,
-        "compile": compile_status,
-        "peers": peer_status,
-        "skipped_models": skipped,
-        "errors": errors,
-        "notes": {e.name: e.note for e in rows_list if e.note},
-        "train": train_rows,
-        "generate": gen_rows,
-    }
+    return train_rows, gen_rows
 
 
 def _add_ratios(rows: list[dict], keys: tuple[str, ...], fields: dict[str, str]) -> None:
@@ -755,6 +832,23 @@ def _cell(x, width: int, prec: int = 1) -> str:
     return f"{x:>{width}.{prec}f}"
 
 
+def _train_line(r: dict) -> str:
+    return (
+        f"{r['model']:<30}{r['library']:<16}{r['T']:>6}{r['batch']:>4}{_cell(r['params'], 12)}"
+        f"{_cell(r['train_step_ms'], 11)}{_cell(r['train_tokens_per_s'], 11, 0)}{r['vs'] or '':>20}"
+        f"{_cell(r.get('ratio_train'), 8, 2)}{_cell(r.get('graph_breaks'), 8)}"
+    )
+
+
+def _gen_line(r: dict) -> str:
+    return (
+        f"{r['model']:<30}{r['library']:<16}{r['batch']:>4}{_cell(r['first_token_ms'], 11)}"
+        f"{_cell(r['generate_ms'], 10)}{_cell(r['gen_tokens_per_s'], 10)}"
+        f"{_cell(r['decode_tokens_per_s'], 10)}{r['vs'] or '':>20}"
+        f"{_cell(r.get('ratio_first_token'), 7, 2)}{_cell(r.get('ratio_generate'), 7, 2)}"
+    )
+
+
 def print_tables(result: dict, log: Callable[[str], None] = print) -> None:
     """The training and generation tables of a :func:`run` result."""
     log(
@@ -767,11 +861,7 @@ def print_tables(result: dict, log: Callable[[str], None] = print) -> None:
     log(head)
     log("-" * len(head))
     for r in result["train"]:
-        log(
-            f"{r['model']:<30}{r['library']:<16}{r['T']:>6}{r['batch']:>4}{_cell(r['params'], 12)}"
-            f"{_cell(r['train_step_ms'], 11)}{_cell(r['train_tokens_per_s'], 11, 0)}{r['vs'] or '':>20}"
-            f"{_cell(r.get('ratio_train'), 8, 2)}{_cell(r.get('graph_breaks'), 8)}"
-        )
+        log(_train_line(r))
     if result["generate"]:
         g = result["generate"][0]
         log(
@@ -784,12 +874,7 @@ def print_tables(result: dict, log: Callable[[str], None] = print) -> None:
         log(head)
         log("-" * len(head))
         for r in result["generate"]:
-            log(
-                f"{r['model']:<30}{r['library']:<16}{r['batch']:>4}{_cell(r['first_token_ms'], 11)}"
-                f"{_cell(r['generate_ms'], 10)}{_cell(r['gen_tokens_per_s'], 10)}"
-                f"{_cell(r['decode_tokens_per_s'], 10)}{r['vs'] or '':>20}"
-                f"{_cell(r.get('ratio_first_token'), 7, 2)}{_cell(r.get('ratio_generate'), 7, 2)}"
-            )
+            log(_gen_line(r))
     for name, note in result["notes"].items():
         log(f"  {name}: {note}")
     for name, status in result["peers"].items():
