@@ -110,9 +110,9 @@ def delta_recurrent(q, k, v, beta, g, S0):
     for t in range(q.shape[1]):
         if g is not None:
             S = S * g[:, t].exp()[..., None, None]  # decay first ...
-        err = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)  # ... then the prediction error
+        err = v[:, t] - (k[:, t, :, None, :] @ S)[:, :, 0]  # ... then the prediction error
         S = S + (beta[:, t, :, None] * k[:, t])[..., None] * err[..., None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+        outs.append((q[:, t, :, None, :] @ S)[:, :, 0])
     return torch.stack(outs, 1), S
 
 

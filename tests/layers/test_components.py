@@ -70,6 +70,23 @@ def test_short_conv_streams_in_pieces_shorter_than_its_width():
     assert torch.equal(state, x[:, -3:].transpose(1, 2))
 
 
+def test_short_conv_one_token_step_values_and_gradients():
+    """The one-token path (a decoding step, no kernel call) against conv1d over [state | x]."""
+    torch.manual_seed(0)
+    conv = ShortConvolution(5, 4).double()
+    x = torch.randn(2, 1, 5, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    y, new_state = conv(x, state)
+    xp = torch.cat([state, x.transpose(1, 2)], -1)  # [B, C, W]
+    want = F.silu(F.conv1d(xp, conv.weight, conv.bias, groups=5)).transpose(1, 2)
+    assert_close(y, want, 1e-12)
+    assert torch.equal(new_state, xp[..., 1:])
+    got = torch.autograd.grad(y.square().sum(), (x, state, conv.weight, conv.bias))
+    ref = torch.autograd.grad(want.square().sum(), (x, state, conv.weight, conv.bias))
+    for a, b, what in zip(got, ref, ["dx", "dstate", "dw", "dbias"]):
+        assert_close(a, b, 1e-12, what=what)
+
+
 def test_rotary_scores_depend_only_on_relative_position():
     rope = RotaryEmbedding(8).double()
     g = torch.Generator().manual_seed(0)
