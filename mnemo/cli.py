@@ -708,6 +708,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--ops", help="comma-separated subset of op (or peer comparison) names")
     b.add_argument(
+        "--modes",
+        help="ops suite: comma-separated subset of the forms to time (chunk, parallel, recurrent; "
+        "default all); softmax attention's parallel row, the x SDPA reference, always runs",
+    )
+    b.add_argument(
         "--recurrent-max-len",
         type=int,
         default=2048,

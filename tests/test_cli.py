@@ -246,6 +246,16 @@ def test_bench_prints_a_table(capsys, tmp_path):
     assert all(r["fwd_ms"] > 0 for r in rows if "fwd_ms" in r)
 
 
+def test_bench_modes_keeps_only_those_forms_and_the_sdpa_reference(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--lengths", "32", "--repeats", "1", "--heads", "1", "--head-dim", "4"]
+    assert main([*argv, "--ops", "ssd", "--modes", "chunk", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["op"], r["mode"]) for r in rows} == {("softmax_attention", "parallel"), ("ssd", "chunk")}
+    assert main([*argv, "--modes", "fast"]) == 2
+    assert "--modes: expected chunk, parallel and/or recurrent, got 'fast'" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------
 # tasks, sweeps, reports
 # --------------------------------------------------------------------------------------------

@@ -285,6 +285,10 @@ def main(args) -> int:
         if unknown:
             raise ValueError(f"unknown op(s) {sorted(unknown)}; choose from {[b.name for b in benches]}")
         benches = [b for b in benches if b.name in wanted or b.name == "softmax_attention"]
+    modes_arg = getattr(args, "modes", None)
+    modes = {"chunk", "parallel", "recurrent"} if not modes_arg else set(modes_arg.split(","))
+    if not modes <= {"chunk", "parallel", "recurrent"}:
+        raise ValueError(f"--modes: expected chunk, parallel and/or recurrent, got {modes_arg!r}")
     B, H, D = args.batch, args.heads, args.head_dim
     peaks = {d: matmul_peak(dtypes[d], device=args.device) for d in wanted_dtypes}
     print(
@@ -312,6 +316,8 @@ def main(args) -> int:
             sdpa = None
             for bench in benches:
                 for mode in bench.modes:
+                    if mode not in modes and bench.name != "softmax_attention":
+                        continue
                     row = {"op": bench.name, "mode": mode, "dtype": dname, "T": T}
                     skip = None
                     if mode == "recurrent" and T > args.recurrent_max_len:
