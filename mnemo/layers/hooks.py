@@ -41,14 +41,21 @@ class HookPoint(nn.Module):
     def __call__(self, x: Any) -> Any:
         # the common case, nothing attached: skip nn.Module's call machinery (a hook point sits on
         # every intermediate, so this is most of its cost in one-token decoding)
-        if not (
+        if not self.hooked:
+            return x
+        return super().__call__(x)
+
+    @property
+    def hooked(self) -> bool:
+        """Whether calling this point runs any hook (its own forward or pre-forward hooks, or a global
+        module hook); when ``False`` it returns its input untouched, so a mixer may skip building
+        the value it would pass (and use a cheaper equivalent)."""
+        return bool(
             self._forward_hooks
             or self._forward_pre_hooks
             or _module._global_forward_hooks
             or _module._global_forward_pre_hooks
-        ):
-            return x
-        return super().__call__(x)
+        )
 
     @property
     def active(self) -> bool:

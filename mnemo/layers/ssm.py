@@ -10,6 +10,7 @@ from einops import rearrange, repeat
 from torch import nn
 
 from ..ops._common import compute_dtype
+from ..ops._ssd_chunk import run_ssd_chunk
 from ..ops.gated_linear_attention import gated_linear_attention
 from ..ops.selective_scan import selective_scan, selective_scan_map
 from ..ops.ssd import ssd_map
@@ -290,9 +291,12 @@ class Mamba2(Mixer):
             before it followed the original (kept to load such checkpoints).
         mode / chunk_size: op form for ``T > 1`` and its chunk length (default ``chunk_size=64``).
 
-    The recurrence runs as :func:`~mnemo.ops.gated_linear_attention` with ``q = C``, ``k = B``,
-    ``v = Δ x``, ``g = Δ A`` and scale 1 (what :func:`~mnemo.ops.ssd` computes), so that each hook
-    below is what the recurrence consumes. Hook points (``H`` heads of size ``P``):
+    The recurrence is gated linear attention with ``q = C``, ``k = B``, ``v = Δ x``, ``g = Δ A`` and
+    scale 1 (what :func:`~mnemo.ops.ssd` computes), so that each hook below is what the recurrence
+    consumes. The chunk form runs SSD's grouped kernel (:mod:`mnemo.ops._ssd_chunk`: ``B``, ``C``
+    once per group, safe for any decay); while a hook on ``hook_B`` / ``hook_C`` replaces its
+    value, and in the other forms, :func:`~mnemo.ops.gated_linear_attention` runs on the per-head
+    values. Hook points (``H`` heads of size ``P``):
 
     * ``hook_v`` ``[B, T, H, P]``: ``x`` per head (after conv + SiLU);
     * ``hook_dt`` ``[B, T, H]``: ``Δ = clamp(softplus(dt + dt_bias), dt_limit)`` (float32 / float64);
@@ -369,24 +373,40 @@ class Mamba2(Mixer):
         xBC, conv_state = self.conv(xBC, state.conv if state is not None else None)
         xs, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         xs = rearrange(xs, "b t (h p) -> b t h p", p=self.head_dim)
-        Bm, Cm = (repeat(t, "b t (g n) -> b t (g r) n", g=G, r=H // G) for t in (Bm, Cm))
+        Bg, Cg = (rearrange(t, "b t (g n) -> b t g n", g=G) for t in (Bm, Cm))
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
         if self.dt_limit != (0.0, math.inf):
             dt = dt.clamp(self.dt_limit[0], self.dt_limit[1])
-        xs, dt, Bm, Cm = self.hook_v(xs), self.hook_dt(dt), self.hook_B(Bm), self.hook_C(Cm)
+        xs, dt = self.hook_v(xs), self.hook_dt(dt)
+        # B, C go to the grouped chunk form as they are (one per group); per head (repeated) only for
+        # the hooks and the other forms. A hook that replaces B or C per head sends the call to gated
+        # linear attention with the replacements.
+        grouped, Bm, Cm = True, None, None
+        if self.hook_B.hooked or self.hook_C.hooked:
+            Bh, Ch = (repeat(t, "b t g n -> b t (g r) n", r=H // G) for t in (Bg, Cg))
+            Bm, Cm = self.hook_B(Bh), self.hook_C(Ch)
+            grouped = Bm is Bh and Cm is Ch
         g = self.hook_g(dt * -upcast(self.A_log).exp())
-        cd = compute_dtype(xs, dt, g, Bm, Cm)
-        o, h = gated_linear_attention(
-            Cm.to(cd),
-            Bm.to(cd),
-            xs.to(cd) * dt.to(cd)[..., None],
-            g.to(cd),
-            scale=1.0,
-            initial_state=state.ssm if state is not None else None,
-            output_final_state=True,
-            mode=self._mode(T, mode),
-            chunk_size=self.chunk_size,
-        )
+        mode = self._mode(T, mode)
+        h0 = state.ssm if state is not None else None
+        if grouped and mode == "chunk" and xs.numel() and Bg.numel():
+            cd = compute_dtype(xs, dt, g, Bg, Cg)
+            o, h = run_ssd_chunk(Cg, Bg, xs.to(cd) * dt.to(cd)[..., None], g, h0, self.chunk_size)
+        else:
+            if Bm is None:
+                Bm, Cm = (repeat(t, "b t g n -> b t (g r) n", r=H // G) for t in (Bg, Cg))
+            cd = compute_dtype(xs, dt, g, Bm, Cm)
+            o, h = gated_linear_attention(
+                Cm.to(cd),
+                Bm.to(cd),
+                xs.to(cd) * dt.to(cd)[..., None],
+                g.to(cd),
+                scale=1.0,
+                initial_state=h0,
+                output_final_state=True,
+                mode=mode,
+                chunk_size=self.chunk_size,
+            )
         o, h = self.hook_o(o), self.hook_state(h)
         D = upcast(self.D).to(cd)
         D = D.view(H, self.head_dim) if self.D_has_hdim else D[:, None]

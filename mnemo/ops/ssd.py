@@ -6,9 +6,10 @@ With a scalar ``A`` per head, the decay ``exp(dt_t A)`` is one number per head a
 recurrence is exactly :func:`~mnemo.ops.gated_linear_attention` with ``q = C``, ``k = B``,
 ``v = dt · x``, log gate ``g = dt · A`` (one per head) and ``scale = 1`` (Dao & Gu 2024,
 "Transformers are SSMs", §3–§6: the quadratic "attention" form and the chunkwise SSD algorithm are
-GLA's ``parallel`` and ``chunk`` forms). This module only maps arguments and adds the skip ``D x``;
-all three forms, the chunked kernel, variable-length handling and the log-gate clamp (``-60``)
-come from gated linear attention.
+GLA's ``parallel`` and ``chunk`` forms). This module maps arguments and adds the skip ``D x``; the
+chunk form runs :func:`~mnemo.ops._ssd_chunk.ssd_chunk` (``B``/``C`` per group, never repeated over
+heads; every decay factor ``≤ 1``), the other forms, variable-length handling and the log-gate
+clamp (``-60``) come from gated linear attention.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ._common import (
     compute_dtype,
     num_sequences,
 )
+from ._ssd_chunk import run_ssd_chunk
 from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 
 __all__ = ["ssd", "ssd_map"]
@@ -54,8 +56,11 @@ def ssd(
         dt_t ← softplus(dt_t + dt_bias) if dt_softplus else dt_t + dt_bias
         h_t = exp(dt_t A) h_{t−1} + B_t (dt_t x_t)ᵀ        y_t = h_tᵀ C_t + D x_t
 
-    per head; head ``h`` reads group ``h // (H / G)`` of ``B`` and ``C``. Computed as
-    ``gated_linear_attention(q=C, k=B, v=dt·x, g=dt·A, scale=1)``.
+    per head; head ``h`` reads group ``h // (H / G)`` of ``B`` and ``C``. Computes
+    ``gated_linear_attention(q=C, k=B, v=dt·x, g=dt·A, scale=1)``: ``mode="chunk"`` (without
+    ``cu_seqlens``) by its own grouped chunk form (:mod:`mnemo.ops._ssd_chunk`: the score matrix
+    ``C Bᵀ`` once per group, a hand-written backward, safe for any decay), every other case by
+    gated linear attention with ``B``, ``C`` repeated over heads.
 
     Args:
         x: ``[B, T, H, P]``. dt: ``[B, T, H]`` step size (before bias / softplus).
@@ -108,11 +113,17 @@ def ssd(
         dtc = dtc + dt_bias.to(cd)
     if dt_softplus:
         dtc = F.softplus(dtc)
+    v = xc * dtc[..., None]
+    g = dtc * A.to(cd)
+    if mode == "chunk" and cu_seqlens is None and x.numel() and B4.numel():
+        # the grouped chunk form: B, C never repeated over heads, safe for any decay
+        y, S = run_ssd_chunk(C4, B4, v, g, initial_state, chunk_size)
+        if D is not None:
+            y = y + xc * D.to(cd)[:, None]
+        return y.to(x.dtype), (S if output_final_state else None)
     r = H // B4.shape[2]
     q = repeat(C4.to(cd), "b t g n -> b t (g r) n", r=r)
     k = repeat(B4.to(cd), "b t g n -> b t (g r) n", r=r)
-    v = xc * dtc[..., None]
-    g = dtc * A.to(cd)
     y, S = gated_linear_attention(
         q,
         k,
