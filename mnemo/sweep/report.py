@@ -361,9 +361,10 @@ def plot_accuracy_vs_state(
     return_figure: bool = False,
 ):
     """Mean ``metric`` over seeds (:func:`cell_stats`) vs decoding-state bytes per sequence, with the
-    confidence interval as error bars, one line per registry model through its model sizes
-    (``model_overrides.*`` grid axes such as ``d_model``), one panel per setting of the other grid
-    axes (the Zoology / Based recall–memory plot). Cells without a finished run are left out.
+    confidence interval as error bars, one line per model entry (its label: a sweep's variants of one
+    registry model get a line each) through its model sizes (``model_overrides.*`` grid axes such
+    as ``d_model``), one panel per setting of the other grid axes (the Zoology / Based
+    recall–memory plot). Cells without a finished run are left out.
     Returns the path, or ``(path, figure)`` with ``return_figure`` (then the caller closes it)."""
     plt = _pyplot()
     stats = cell_stats(rows, metric, select_lr_on_seed=select_lr_on_seed, confidence=confidence)
@@ -372,7 +373,7 @@ def plot_accuracy_vs_state(
     for ax, (name, group) in zip(axs[0], groups.items()):
         by_model: dict[str, list[dict]] = defaultdict(list)
         for r in group:
-            by_model[r["model"]].append(r)
+            by_model[r["label"]].append(r)
         for model, rs in sorted(by_model.items()):
             rs = sorted(
                 (r for r in rs if r["state_size_bytes"] and r["n"]), key=lambda r: r["state_size_bytes"]
@@ -551,14 +552,15 @@ def write_report(
                     **kw,
                 )
             )
-            files.append(
-                plot_accuracy_vs_length(
-                    rows,
-                    out / f"{name}_acc_vs_length.png",
-                    metric,
-                    f"{name}: recall vs test length{bars}",
-                    **kw,
+            if any(len(c["lengths"]) > 1 for c in cells):  # only when eval_lengths ran
+                files.append(
+                    plot_accuracy_vs_length(
+                        rows,
+                        out / f"{name}_acc_vs_length.png",
+                        metric,
+                        f"{name}: recall vs test length{bars}",
+                        **kw,
+                    )
                 )
-            )
         result[name] = {"markdown": text, "cells": cells, "files": files}
     return result

@@ -280,6 +280,9 @@ def test_report_plots_draw_the_intervals_as_error_bars(tmp_path):
         for d, st, accs in ((16, 100, (0.9, 0.95, 1.0)), (32, 200, (0.6, 0.7, 0.8)))
         for s, a in enumerate(accs)
     ] + [_row(1e-3, 0, 0.4, label="solo", state=150)]  # one seed: a point without a bar
+    variant = _row(1e-3, 0, 0.3, label="gla-variant", state=120)
+    variant["model"] = "gla"  # a sweep's variant of the same registry model: a line of its own
+    rows.append(variant)
     stats = {(c["label"], c["state_size_bytes"]): c for c in cell_stats(rows)}
     import matplotlib.pyplot as plt
 
@@ -287,7 +290,8 @@ def test_report_plots_draw_the_intervals_as_error_bars(tmp_path):
     try:
         (ax,) = fig.axes
         bars = {c.get_label(): c for c in ax.containers if isinstance(c, ErrorbarContainer)}
-        assert set(bars) == {"gla", "solo"} and all(c.has_yerr for c in bars.values())
+        assert set(bars) == {"gla", "solo", "gla-variant"} and all(c.has_yerr for c in bars.values())
+        assert list(bars["gla-variant"][0].get_xdata()) == [120]
         line, _caps, (segments,) = bars["gla"]
         assert list(line.get_xdata()) == [100, 200]
         for (x, lo), (_, hi) in (seg for seg in segments.get_segments()):
