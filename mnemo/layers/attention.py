@@ -169,9 +169,11 @@ class Attention(Mixer):
         scores the sinks, ``min(i, n_sink + window − 1)``; ``None`` when no rotation is needed."""
         if self.rotary is None or not self.n_sink:
             return None
+        last = self.n_sink + self.window - 1
+        if pos0 + q.shape[1] - 1 <= last:  # every position scores the sinks where it stands
+            return None
         i = torch.arange(pos0, pos0 + q.shape[1], device=q.device)
-        shift = i.clamp(max=self.n_sink + self.window - 1) - i
-        return self.rotary.rotate(q, shift) if bool((shift != 0).any()) else None
+        return self.rotary.rotate(q, i.clamp(max=last) - i)
 
     def ov_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per query head ``h``: ``(W_V [d_model, D], W_O [D, d_model])``; with grouped-query

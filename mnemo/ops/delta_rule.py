@@ -321,9 +321,13 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     """Chunk form. ``q, k, v, beta`` in any float dtype (``scale`` is applied here), ``g`` clamped,
     ``S0`` in the compute dtype. Uses :class:`_DeltaChunk` (hand-written backward) unless some chunk
     decays by more than ``_SAFE_SPAN`` nats (strong gates, hard resets): there the autograd form
-    :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``, takes over. Default
-    ``scale=1.0`` (the inputs are used as given)."""
+    :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``, takes over (as it does
+    whenever ``torch.compile`` traces the call). Default ``scale=1.0`` (the inputs are used as
+    given)."""
     C = min(int(chunk_size), q.shape[1])
+    if torch.compiler.is_compiling():  # traced: the autograd form (see gla_chunk)
+        cd = S0.dtype
+        return delta_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
     b = None
     if g is not None:
         with torch.no_grad():

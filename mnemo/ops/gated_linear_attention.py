@@ -122,7 +122,10 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
     """
     *lead, C, K = q.shape
     mask = causal_mask(C, q.device)
-    if float(-b[..., -1, :].detach().min()) <= safe_span:
+    # while torch.compile traces, the decay is not read back (a graph break): the sub-block form
+    # with exact diagonal blocks, right for any decay, runs
+    traced = torch.compiler.is_compiling()
+    if not traced and float(-b[..., -1, :].detach().min()) <= safe_span:
         A = (q * b.exp()) @ (k * (-b).exp()).transpose(-1, -2)
         return A.masked_fill(~mask, 0.0)
     if C % sub:
@@ -134,7 +137,7 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
     e = bb[..., -1, :]  # [..., m, K]
     r = torch.cat([torch.zeros_like(e[..., :1, :]), e[..., :-1, :]], dim=-2)
     tri = causal_mask(sub, q.device)
-    if float((r - e).detach().max()) <= safe_span:
+    if not traced and float((r - e).detach().max()) <= safe_span:
         rel = bb - r[..., None, :]
         A_diag = ((qb * rel.exp()) @ (kb * (-rel).exp()).transpose(-1, -2)).masked_fill(~tri, 0.0)
     else:
@@ -311,9 +314,15 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
 
     Uses :class:`_GLAChunk` (hand-written backward) unless some chunk decays by more than
     ``_SAFE_SPAN`` nats (strong gates, hard resets): there :func:`gla_chunk_autograd` keeps every
-    factor ``≤ 1``. Default ``scale=1.0`` (the inputs are used as given)."""
+    factor ``≤ 1``; it also runs whenever ``torch.compile`` traces the call. Default ``scale=1.0``
+    (the inputs are used as given)."""
     T = q.shape[1]
     C = min(int(chunk_size), T)
+    if torch.compiler.is_compiling():
+        # traced: the autograd form (no data-dependent branch, no out= writes into views, safe for
+        # any decay); inductor fuses its element-wise work and derives the backward
+        cd = S0.dtype
+        return gla_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), g, S0, chunk_size)
     b = None
     if g is not None:
         with torch.no_grad():

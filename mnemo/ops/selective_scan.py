@@ -153,8 +153,13 @@ class _ChunkScan(torch.autograd.Function):
         L = min(chunk_size, T)
         nb = -(-T // L)
         # clamping is needed only if some Δ·A can fall below the floor (cheap [G, N, Dg] bound)
-        dmax, dmin = delta.amax((0, 1)), delta.amin((0, 1))
-        clamp = bool((torch.minimum(dmax * A, dmin * A) < LOG_GATE_MIN).any())
+        # (while torch.compile traces, always: a clamp that changes nothing is exact, and reading
+        # the bound back would break the graph)
+        if torch.compiler.is_compiling():
+            clamp = True
+        else:
+            dmax, dmin = delta.amax((0, 1)), delta.amin((0, 1))
+            clamp = bool((torch.minimum(dmax * A, dmin * A) < LOG_GATE_MIN).any())
         e = delta.new_empty((L,) + h0.shape)
         x = delta.new_empty((L,) + h0.shape)
         es, xs = e.unbind(0), x.unbind(0)
@@ -228,7 +233,8 @@ def _auto_chunk(Bsz: int, D: int, N: int) -> int:
     """Block length whose ``[block, B, D, N]`` buffers hold about 128K numbers per CPU thread, so
     a block's working set stays in the per-core caches (measured: 16 tokens for ``B = 1``,
     ``D = 512``, ``N = 16`` on one thread, 32 on two)."""
-    budget = 131072 * max(1, min(torch.get_num_threads(), 4))
+    threads = 1 if torch.compiler.is_compiling() else torch.get_num_threads()  # (traced: not read)
+    budget = 131072 * max(1, min(threads, 4))
     L = 4
     while L < 64 and 2 * L * Bsz * D * N <= budget:
         L *= 2

@@ -253,7 +253,10 @@ def simd_width() -> int:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether a kernel can take these tensors: all on the CPU, float32 or float64 (one dtype), and
-    the library builds."""
+    the library builds. ``False`` while ``torch.compile`` traces: a ctypes call cannot be traced
+    (it would break the graph), so compiled code runs the PyTorch forms, which inductor compiles."""
+    if torch.compiler.is_compiling():
+        return False
     return (
         all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors)
         and tensors[0].dtype in (torch.float32, torch.float64)
