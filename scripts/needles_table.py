@@ -1,0 +1,86 @@
+"""The needles table (kind x model x test length) and plot from the three needles sweep databases.
+
+    python scripts/needles_table.py docs/results/needles/needles_acc_vs_length.png
+
+Reads runs/sweeps/needles_niah{1,2,3}.sqlite (configs/needles/*.yaml); prints a markdown table of
+the mean value-token accuracy over seeds ± the 95% Student-t half-width at each test length, and the
+per-seed accuracies at the training length; writes a one-row plot of the three kinds when a path is
+given (thick: mean over seeds, thin: each seed). See docs/results/needles.md."""
+
+import sys
+from pathlib import Path
+
+from mnemo.sweep.db import SweepDB
+from mnemo.sweep.report import _lengths, cell_stats
+
+KINDS = [
+    ("niah1", "(i) S-NIAH-1: repeat filler, 5 digits"),
+    ("niah2", "(ii) S-NIAH-2: random filler, 5 digits"),
+    ("niah3", "(iii) S-NIAH-3: random filler, 8 hex"),
+]
+ORDER = ["deltanet", "gated_deltanet", "mamba2", "titans_lmm"]
+
+
+def fmt(st):
+    if st is None:
+        return "–"
+    if st.get("half_width") is None:
+        return f"{st['mean']:.3f} (n={st['n']})"
+    return f"{st['mean']:.3f} ± {st['half_width']:.3f} (n={st['n']})"
+
+
+def main(out_png=None):
+    rows_out, data, rows_by_kind = [], {}, {}
+    for key, title in KINDS:
+        db = Path(f"runs/sweeps/needles_{key}.sqlite")
+        if not db.exists():
+            continue
+        with SweepDB(db, create=False) as d:
+            rows = d.rows()
+        stats = {s["label"]: s for s in cell_stats(rows, "val_acc")}
+        data[key] = (title, stats)
+        rows_by_kind[title] = rows
+        for m in ORDER:
+            s = stats.get(m)
+            if not s or not s["lengths"]:
+                continue
+            L = s["lengths"]
+            cells = [fmt(L.get(x)) for x in (256, 512, 1024, 2048)]
+            per_seed = ", ".join(f"{v:.2f}" for v in s["values"])
+            rows_out.append(f"| {title} | {m} | " + " | ".join(cells) + f" | {per_seed} |")
+    print("| kind | model | 1x (256) | 2x (512) | 4x (1024) | 8x (2048) | 1x per seed |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows_out))
+    if out_png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axs = plt.subplots(1, len(data), figsize=(4.2 * len(data), 3.6), squeeze=False, sharey=True)
+        for ax, (title, stats) in zip(axs[0], data.values()):
+            for i, m in enumerate(ORDER):
+                s = stats.get(m)
+                if not s or not s["lengths"]:
+                    continue
+                color = f"C{i}"
+                for r in rows_by_kind[title]:
+                    if r["label"] == m and r["status"] == "done":
+                        acc = _lengths(r)
+                        ax.plot(list(acc), list(acc.values()), color=color, alpha=0.35, lw=0.8)
+                xs = sorted(s["lengths"])
+                ys = [s["lengths"][x]["mean"] for x in xs]
+                ax.plot(xs, ys, marker="o", color=color, lw=2, label=f"{m} (n={s['n']})")
+            ax.set_xscale("log", base=2)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("test length (trained at 256)")
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axs[0][0].set_ylabel("value-token accuracy")
+        fig.tight_layout()
+        fig.savefig(out_png, dpi=90)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
