@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from ..ops import _native
@@ -47,7 +46,7 @@ class ShortConvolution(nn.Module):
             raise ValueError(
                 f"conv state must have shape [B, C, W-1] = [{B}, {C}, {W - 1}], got {list(state.shape)}"
             )
-        xp = torch.cat([rearrange(state.to(x.dtype), "b c w -> b w c"), x], dim=1)  # [B, W-1+T, C]
+        xp = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, W-1+T, C]
         w = self.weight[:, 0, :].to(x.dtype)  # [C, W]
         b = None if self.bias is None else self.bias.to(x.dtype)
         if T == 1:  # one decoding step: W multiply-adds per channel; a kernel call costs more
@@ -58,7 +57,7 @@ class ShortConvolution(nn.Module):
             y = _CausalConv.apply(xp, w, b, T)
         if self.activation:
             y = F.silu(y)
-        return y, rearrange(xp[:, xp.shape[1] - (W - 1) :], "b w c -> b c w")
+        return y, xp[:, xp.shape[1] - (W - 1) :].transpose(1, 2)  # [B, C, W-1]
 
     def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Packed documents ``x [1, N, C]`` with boundaries ``cu_seqlens [D + 1]``: each document

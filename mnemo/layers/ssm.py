@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
 from torch import nn
 
 from ..ops._common import compute_dtype
@@ -246,8 +245,8 @@ class GroupRMSNorm(RMSNorm):
         if self.groups == 1:
             return super().forward(x)
         xc = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        xg = rearrange(xc, "... (g c) -> ... g c", g=self.groups)
-        y = rearrange(F.rms_norm(xg, (xg.shape[-1],), None, self.eps), "... g c -> ... (g c)")
+        xg = xc.unflatten(-1, (self.groups, -1))  # [..., g, c] (plain views: cheap in one-token steps)
+        y = F.rms_norm(xg, (xg.shape[-1],), None, self.eps).flatten(-2)
         return (y * self.weight.to(xc.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -372,8 +371,8 @@ class Mamba2(Mixer):
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, H], dim=-1)
         xBC, conv_state = self.conv(xBC, state.conv if state is not None else None)
         xs, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
-        xs = rearrange(xs, "b t (h p) -> b t h p", p=self.head_dim)
-        Bg, Cg = (rearrange(t, "b t (g n) -> b t g n", g=G) for t in (Bm, Cm))
+        xs = xs.unflatten(-1, (H, self.head_dim))  # [B, T, H, P]
+        Bg, Cg = Bm.unflatten(-1, (G, N)), Cm.unflatten(-1, (G, N))  # [B, T, G, N]
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
         if self.dt_limit != (0.0, math.inf):
             dt = dt.clamp(self.dt_limit[0], self.dt_limit[1])
@@ -383,7 +382,7 @@ class Mamba2(Mixer):
         # linear attention with the replacements.
         grouped, Bm, Cm = True, None, None
         if self.hook_B.hooked or self.hook_C.hooked:
-            Bh, Ch = (repeat(t, "b t g n -> b t (g r) n", r=H // G) for t in (Bg, Cg))
+            Bh, Ch = (t.repeat_interleave(H // G, dim=2) for t in (Bg, Cg))  # head h: group h // (H/G)
             Bm, Cm = self.hook_B(Bh), self.hook_C(Ch)
             grouped = Bm is Bh and Cm is Ch
         g = self.hook_g(dt * -upcast(self.A_log).exp())
@@ -394,7 +393,7 @@ class Mamba2(Mixer):
             o, h = run_ssd_chunk(Cg, Bg, xs.to(cd) * dt.to(cd)[..., None], g, h0, self.chunk_size)
         else:
             if Bm is None:
-                Bm, Cm = (repeat(t, "b t g n -> b t (g r) n", r=H // G) for t in (Bg, Cg))
+                Bm, Cm = (t.repeat_interleave(H // G, dim=2) for t in (Bg, Cg))
             cd = compute_dtype(xs, dt, g, Bm, Cm)
             o, h = gated_linear_attention(
                 Cm.to(cd),
@@ -411,7 +410,7 @@ class Mamba2(Mixer):
         D = upcast(self.D).to(cd)
         D = D.view(H, self.head_dim) if self.D_has_hdim else D[:, None]
         y = (o.to(cd) + xs.to(cd) * D).to(z.dtype)
-        y = self._gated_norm(rearrange(y, "b t h p -> b t (h p)"), z)
+        y = self._gated_norm(y.flatten(-2), z)
         return self.o_proj(y), Mamba2State(ssm=h, conv=conv_state, offset=(state.offset if state else 0) + T)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
