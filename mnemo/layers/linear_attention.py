@@ -102,7 +102,8 @@ class LinearAttention(_QKVMixer):
 
     Args:
         d_model, n_heads; head_dim: key and value size per head (default ``d_model // n_heads``;
-            default ``n_heads=4``).
+            default ``n_heads=4``). ``n_heads=None`` with a ``head_dim`` takes ``d_model // head_dim``
+            heads (a fixed head size at every width, e.g. Based's feature size 16).
         feature_map: ``"identity"``, ``"elu"`` (default), ``"relu"``, ``"taylor"`` or ``"favor"``
             (FAVOR+ with ``num_features`` random features, default ``2 · head_dim``, fixed by
             ``seed``, default ``seed=0``).
@@ -125,7 +126,7 @@ class LinearAttention(_QKVMixer):
     def __init__(
         self,
         d_model: int,
-        n_heads: int = 4,
+        n_heads: int | None = 4,
         head_dim: int | None = None,
         feature_map: str = "elu",
         normalize: bool = True,
@@ -137,6 +138,10 @@ class LinearAttention(_QKVMixer):
         mode: str = "chunk",
         chunk_size: int = 64,
     ):
+        if n_heads is None:
+            if not head_dim or d_model % head_dim:
+                raise ValueError(f"n_heads=None needs a head_dim dividing d_model {d_model}, got {head_dim}")
+            n_heads = d_model // head_dim
         head_dim = head_dim or d_model // n_heads
         super().__init__(d_model, n_heads, head_dim, head_dim, short_conv, conv_size, mode, chunk_size)
         self.normalize = normalize
