@@ -396,7 +396,9 @@ def peer_titans_pytorch(size: Size, mnemo_row: Callable[[str], Entry]) -> list[E
 def peer_nested_learning(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
     """nested-learning's ``HOPEModel`` with ``hope_selfmod`` blocks (self-modifying Titans + CMS of
     periods 8/16/32; chunks 16 for the memory and 64 for the projections) beside mnemo's ``hope``.
-    Training uses its plain ``forward`` (its outer-loss path); it has no ``generate()``."""
+    Training uses its plain ``forward`` (its outer-loss path), which reads the self-modifying memory
+    and the CMS without updating them (the updates need a fast state and a teach signal): a static
+    read, cheaper than mnemo's ``hope``, whose memories learn in the forward. It has no ``generate()``."""
     from nested_learning.levels import LevelSpec
     from nested_learning.model import HOPEModel
     from nested_learning.model import ModelConfig as NLConfig
@@ -424,7 +426,9 @@ def peer_nested_learning(size: Size, mnemo_row: Callable[[str], Entry]) -> list[
             m,
             None,
             vs="hope",
-            note="no generate(): training only; forward without fast state (its outer-loss path)",
+            note="no generate(); its plain forward (no fast state, no teach signal) reads the memories "
+            "without updating them: NOT the computation of mnemo's hope (test-time updates), so the ratio "
+            "does not compare like with like",
         )
     ]
 
