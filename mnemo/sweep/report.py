@@ -451,7 +451,9 @@ def _save(plt, fig, path: str | Path, title: str, return_figure: bool = False):
     return path
 
 
-def _selection_note(select: int | None, seeds: list[int], metric: str) -> str:
+def _selection_note(select: int | None, seeds: list[int], metric: str, tuned: bool = True) -> str:
+    if not tuned:
+        return "one setting per cell (nothing tuned): every run of a cell is reported"
     if select is not None:
         return (
             f"learning rate (tuned values) per cell chosen by `{metric}` of held-out seed {select} "
@@ -464,6 +466,14 @@ def _selection_note(select: int | None, seeds: list[int], metric: str) -> str:
             "reported (not held out: optimistic; set `select_lr_on_seed` in the sweep file)"
         )
     return f"best run per cell by `{metric}`"
+
+
+def _tuned(rows: list[dict]) -> bool:
+    """Whether some cell holds runs at more than one tuned value (a learning rate to choose)."""
+    values: dict[str, set] = defaultdict(set)
+    for r in rows:
+        values[json.dumps(r["cell"], sort_keys=True, default=str)].add(json.dumps(r["tuned"], sort_keys=True))
+    return any(len(v) > 1 for v in values.values())
 
 
 def write_report(
@@ -520,7 +530,7 @@ def write_report(
         )
         text = (
             f"## sweep `{name}`\n\n{len(rows)} runs ({n_done} done) over seeds {seeds}, total wall "
-            f"time {total_wall / 60:.1f} min; {_selection_note(select, seeds, metric)}. "
+            f"time {total_wall / 60:.1f} min; {_selection_note(select, seeds, metric, _tuned(rows))}. "
             f"`{metric}`: mean over the reported seeds that finished training; `{confidence:.0%} CI`: "
             f"Student-t interval of that mean (mean ± t·s/√n, none for n=1); n: seeds in the mean"
             f"{thr_note}; acc@L: mean ± half-width. State = decoding state per sequence at the "

@@ -310,3 +310,13 @@ def test_report_plots_draw_the_intervals_as_error_bars(tmp_path):
         assert (lo, hi) == pytest.approx((0.85 - half, 0.85 + half), rel=1e-9)
     finally:
         plt.close(fig)
+
+
+def test_the_report_says_when_nothing_was_tuned():
+    from mnemo.sweep.report import _selection_note, _tuned
+
+    one_lr = [_row(1e-3, s, 0.5) for s in range(3)]
+    two_lrs = one_lr + [_row(1e-2, 0, 0.6)]
+    assert not _tuned(one_lr) and _tuned(two_lrs)
+    assert "nothing tuned" in _selection_note(None, [0, 1, 2], "val_acc", tuned=False)
+    assert "not held out" in _selection_note(None, [0, 1, 2], "val_acc", tuned=True)
