@@ -412,8 +412,10 @@ def test_kernels_run_in_a_forked_child_after_the_parent_used_them():
 
 @needs_native
 def test_mamba_layer_under_torch_compile_matches_eager():
-    """``torch.compile(backend="eager")`` around a Mamba layer (the kernels' autograd Functions
-    run between graph breaks): the same outputs and gradients as eager."""
+    """``torch.compile(backend="eager")`` around a Mamba layer: while dynamo traces, the native
+    kernels step aside (:func:`mnemo.ops._native.usable` is ``False``) and their PyTorch twins run,
+    so the layer is one graph; outputs and gradients equal eager's (which runs the kernels) up to
+    float32 rounding (the two forms sum in different orders: relative RMS ~1e-7, bound 1e-5)."""
     import warnings
 
     from mnemo.layers import Mamba
@@ -436,4 +438,8 @@ def test_mamba_layer_under_torch_compile_matches_eager():
             y.square().sum().backward()
             res.append([y.detach(), xx.grad, m.A_log.grad, m.dt_proj.bias.grad, m.conv.weight.grad])
     for a, b in zip(*res):
-        assert torch.equal(a, b)
+        assert ((a - b).square().mean().sqrt() / b.square().mean().sqrt()).item() < 1e-5
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch._dynamo.explain(eager)(x).graph_break_count == 0
