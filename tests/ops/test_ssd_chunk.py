@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from mnemo.layers.ssm import Mamba2
-from mnemo.ops import ssd
 from mnemo.ops._ssd_chunk import ssd_chunk
 from tests.helpers import assert_close
+from tests.ops.test_ssd import _run  # ssd(x, ..., mode) on the dict of inputs
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias", "h0")
 
@@ -43,23 +43,6 @@ def _inputs(Bsz=2, T=21, H=4, P=3, N=5, G=2, decay="normal", seed=0):
     elif decay == "zero":
         x["A"] = torch.zeros(H, dtype=torch.float64)
     return x
-
-
-def _run(x, mode, chunk_size=8):
-    return ssd(
-        x["x"],
-        x["dt"],
-        x["A"],
-        x["B"],
-        x["C"],
-        D=x["D"],
-        dt_bias=x["dt_bias"],
-        dt_softplus=True,
-        initial_state=x["h0"],
-        output_final_state=True,
-        mode=mode,
-        chunk_size=chunk_size,
-    )
 
 
 def _hand_loop(x, chunk_size=None):
