@@ -46,6 +46,7 @@ from ._chunked import (
     mm,
     mm_add_,
     rev_cumsum,
+    rowdot,
     scan_decay_,
     scan_decay_reverse_,
     to_chunks,
@@ -86,6 +87,13 @@ def _per_head(xg: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return torch.mul(xg[:, :, None], f.view(B, G, H // G, *f.shape[2:])).view(B, H, *xg.shape[2:])
 
 
+def _copy_scaled(src: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
+    """``src`` (a permuted view) copied into a new contiguous tensor of its shape, times ``f``
+    (broadcast) if given, in one pass."""
+    out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+    return out.copy_(src) if f is None else torch.mul(src, f, out=out)
+
+
 def _stack(x: torch.Tensor, G: int, f: torch.Tensor | None = None) -> torch.Tensor:
     """Per head ``x [B, H, n, X, P]`` (times ``f [B, H, n, X, 1]`` if given) → ``[B, G, n, X, r·P]``:
     the ``r = H / G`` heads of a group side by side along the last dim, in one pass. A group's
@@ -95,13 +103,9 @@ def _stack(x: torch.Tensor, G: int, f: torch.Tensor | None = None) -> torch.Tens
     r = H // G
     if r == 1 and f is None:
         return x.view(B, G, n, X, P)
-    out = x.new_empty(B, G, n, X, r, P)
     src = x.view(B, G, r, n, X, P).permute(0, 1, 3, 4, 2, 5)
-    if f is None:
-        out.copy_(src)
-    else:
-        torch.mul(src, f.view(B, G, r, n, X, 1).permute(0, 1, 3, 4, 2, 5), out=out)
-    return out.view(B, G, n, X, r * P)
+    fs = None if f is None else f.view(B, G, r, n, X, 1).permute(0, 1, 3, 4, 2, 5)
+    return _copy_scaled(src, fs).view(B, G, n, X, r * P)
 
 
 def _unstack(y: torch.Tensor, H: int, f: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,18 +116,8 @@ def _unstack(y: torch.Tensor, H: int, f: torch.Tensor | None = None) -> torch.Te
     P = rP // r
     if r == 1 and f is None:
         return y.view(B, H, n, X, P)
-    out = y.new_empty(B, G, r, n, X, P)
     src = y.view(B, G, n, X, r, P).permute(0, 1, 4, 2, 3, 5)
-    if f is None:
-        out.copy_(src)
-    else:
-        torch.mul(src, f.view(B, G, r, n, X, 1), out=out)
-    return out.view(B, H, n, X, P)
-
-
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``Σ_p a[..., p] b[..., p]``."""
-    return torch.linalg.vecdot(a, b)
+    return _copy_scaled(src, None if f is None else f.view(B, G, r, n, X, 1)).view(B, H, n, X, P)
 
 
 class _SSDChunk(torch.autograd.Function):
@@ -197,7 +191,7 @@ class _SSDChunk(torch.autograd.Function):
         dvc = _unstack(mm(Bc, Gst), H, w)  # k̃ G_{i+1}
         db = None
         if want_dg:
-            db = _rowdot(dOc, o_in).sub_(_rowdot(vc, dvc))  # q̃·∂q̃ − k̃·∂k̃ (see the class docstring)
+            db = rowdot(dOc, o_in).sub_(rowdot(vc, dvc))  # q̃·∂q̃ − k̃·∂k̃ (see the class docstring)
         mm_add_(dvc, A.mT, dOc)
         dCc, dBc = mm(udo, Ss.mT), mm(wv, Gst.mT)  # the inter-chunk parts, summed over each group's heads
         X = mm(dOc, vc.mT).mul_(L)  # dA ⊙ L (L is lower triangular)

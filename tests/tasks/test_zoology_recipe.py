@@ -13,33 +13,16 @@ import torch
 
 from mnemo.data.tasks import IGNORE_INDEX, build_task, make_generator
 from mnemo.models import LanguageModel, build_config
-from mnemo.train import TrainConfig, Trainer
+from mnemo.train import Trainer
 from mnemo.train.trainer import fixed_batch, fixed_train_set
-
-EASY = {"num_pairs": 2, "vocab_size": 16}
+from tests.tasks.test_task_training import EASY, _quiet
+from tests.tasks.test_task_training import _cfg as _task_cfg
 
 
 def _cfg(**kw):
-    base = dict(
-        model="transformer",
-        model_overrides={"d_model": 32, "n_layers": 2},
-        task="mqar",
-        task_options=EASY,
-        seq_len=16,
-        batch_size=8,
-        steps=6,
-        eval_interval=3,
-        eval_batches=2,
-        lr=1e-2,
-        warmup_steps=0,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def _quiet(fn, *a, **k):
-    with contextlib.redirect_stdout(io.StringIO()):
-        return fn(*a, **k)
+    """test_task_training's small MQAR run, shortened (6 steps of 8) and with the default weight decay."""
+    short = dict(batch_size=8, steps=6, eval_interval=3, eval_batches=2, warmup_steps=0, weight_decay=0.1)
+    return _task_cfg(**{**short, **kw})
 
 
 # -- the head at the supervised positions only ------------------------------------------------
