@@ -484,6 +484,7 @@ def _cmd_generate(args) -> int:
         top_k=args.top_k,
         seed=args.seed,
         device=args.device,
+        compile=args.compile,
     )
     print(text)
     return 0
@@ -650,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode under torch.compile (first call compiles for tens of seconds; pays off on long outputs)",
+    )
     g.set_defaults(func=_cmd_generate)
 
     m = sub.add_parser("models", help="list the registered model names")
@@ -685,8 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--peers",
         help="models suite: comma-separated peers (transformers_mamba, transformers_mamba2, "
-        "transformers_qwen3_next, mambapy, titans_pytorch, nested_learning; default: all, the ones not "
-        "installed are reported and skipped) or 'none'",
+        "transformers_qwen3_next, mambapy, titans_pytorch, titans_pytorch_lmm, nested_learning; "
+        "default: all, the ones not installed are reported and skipped) or 'none'",
     )
     b.add_argument(
         "--model-shapes",

@@ -78,6 +78,27 @@ def test_generate_continues_the_prompt(run_dir, capsys):
     assert out.startswith("ROMEO:") and len(out.rstrip("\n")) >= len("ROMEO:") + 1
 
 
+def test_generate_compile_flag_decodes_through_the_compiled_step(run_dir, capsys, monkeypatch):
+    """--compile reaches generate(compile=True) (a spy stands in for torch.compile's function, which
+    tests/models/test_compile.py compiles for real) and greedy text is unchanged."""
+    import mnemo.models.lm as lm
+
+    steps = []
+
+    def spy(model, ids, state):
+        steps.append(ids.shape)
+        return lm._one_token(model, ids, state)
+
+    monkeypatch.setattr(lm, "_compiled_one_token", spy)
+    args = ["generate", "--checkpoint", str(run_dir), "--prompt", "RO", "--max-new-tokens", "5"]
+    assert main([*args, "--temperature", "0"]) == 0
+    eager = capsys.readouterr().out
+    assert steps == []
+    assert main([*args, "--temperature", "0", "--compile"]) == 0
+    assert capsys.readouterr().out == eager
+    assert len(steps) == 4
+
+
 def test_resume_extends_a_run(tmp_path, capsys):
     """--resume keeps every saved setting (eval_interval, checkpoint_interval, ... are not reset
     to their defaults), prints each flag that changes one, and a new --steps needs --reschedule."""

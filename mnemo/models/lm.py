@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -354,6 +355,7 @@ class LanguageModel(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         attention_mask: torch.Tensor | None = None,
+        compile: bool = False,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` continuation tokens; returns ``[B, T + max_new_tokens]``.
 
@@ -370,10 +372,19 @@ class LanguageModel(nn.Module):
         per group of equal length (rotary positions, windows and periods are per stream). Each row
         equals generating its prompt alone (exactly for greedy decoding; sampling draws from one
         ``generator`` in another order).
+
+        ``compile=True`` runs the one-token decode step under ``torch.compile`` (the prefill stays
+        eager): on CPU it fuses the step's few hundred small kernels into a handful, 5-7x fewer
+        milliseconds per token for a 4-layer Mamba-2 at d_model 128 (``docs/benchmarks/``). The
+        first call compiles (tens of seconds); later calls with the same model, batch size and dtype
+        reuse the graph. The tokens equal eager decoding up to float rounding (greedy argmax ties
+        aside). Where compiling fails (no C compiler, an unsupported op) a ``RuntimeWarning`` says
+        why and decoding continues eagerly. Default ``compile=False``.
         """
+        step = _DecodeStep(self, compile)
         if attention_mask is not None:
             return self._generate_padded(
-                input_ids, attention_mask, max_new_tokens, temperature, top_k, generator
+                input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
             )
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
@@ -385,10 +396,11 @@ class LanguageModel(nn.Module):
         self.eval()
         logits, state = self(input_ids)
         out = [input_ids]
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, generator)
             out.append(nxt[:, None])
-            logits, state = self(nxt[:, None], state)
+            if i + 1 < max_new_tokens:  # the last token's logits are never read
+                logits, state = step(nxt[:, None], state)
         self.train(was_training)
         return torch.cat(out, dim=1)
 
@@ -466,7 +478,9 @@ class LanguageModel(nn.Module):
         return logits, select_rows(per_layer, inverse)
 
     @torch.no_grad()
-    def _generate_padded(self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator):
+    def _generate_padded(
+        self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
+    ):
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
@@ -484,11 +498,11 @@ class LanguageModel(nn.Module):
         else:  # per group of equal length (positions, windows, periods are per stream)
             runs = [(rows, lg[:, -1], st) for rows, lg, st in self._prefill_groups(input_ids, groups)]
         for rows, last, state in runs:
-            for step in range(max_new_tokens):
+            for i in range(max_new_tokens):
                 nxt = sample_next(last, temperature, top_k, generator)
-                new[rows, step] = nxt
-                if step + 1 < max_new_tokens:
-                    logits, state = self(nxt[:, None], state)
+                new[rows, i] = nxt
+                if i + 1 < max_new_tokens:
+                    logits, state = step(nxt[:, None], state)
                     last = logits[:, -1]
         self.train(was_training)
         return torch.cat([input_ids, new], dim=1)
@@ -600,6 +614,54 @@ def check_device(device: str | torch.device) -> None:
             raise ValueError(
                 f"device: {str(device)!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s)"
             )
+
+
+def _one_token(model, ids, state):
+    return model(ids, state)
+
+
+_compiled_one_token = None
+
+
+class _DecodeStep:
+    """:meth:`LanguageModel.generate`'s one-token step ``(ids [B, 1], state) -> (logits, state)``:
+    the model itself, or with ``compile=True`` one ``torch.compile`` of it shared by all models
+    (dynamo's guards recompile for another architecture, batch size or dtype; past
+    ``torch._dynamo.config.recompile_limit`` graphs dynamo itself falls back to eager). A
+    ``RuntimeError`` from the first compiled call (dynamo and inductor raise subclasses of it: no C
+    compiler, an unsupported op) is reported as a ``RuntimeWarning`` and the step runs eagerly."""
+
+    def __init__(self, model: nn.Module, compile: bool):
+        global _compiled_one_token
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile: expected True or False, got {compile!r}")
+        self.model = model
+        self.fn = None
+        if compile:
+            if _compiled_one_token is None:
+                _compiled_one_token = torch.compile(_one_token)
+            self.fn = _compiled_one_token
+        self.checked = False
+
+    def __call__(self, ids, state):
+        if self.fn is None:
+            return self.model(ids, state)
+        if self.checked:
+            return self.fn(self.model, ids, state)
+        try:
+            out = self.fn(self.model, ids, state)
+        except RuntimeError as e:  # dynamo compiles a graph before running it
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            warnings.warn(
+                f"generate(compile=True): torch.compile failed ({type(e).__name__}: {' '.join(lines[:2])}); "
+                "decoding eagerly",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.fn = None
+            return self.model(ids, state)
+        self.checked = True
+        return out
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
