@@ -33,14 +33,14 @@ def _compile_works() -> bool:
 needs_compile = pytest.mark.skipif(not _compile_works(), reason="torch.compile unavailable here")
 
 
-def _model(name: str) -> LanguageModel:
+def _model(name: str, d_model: int = 16) -> LanguageModel:
     torch.manual_seed(0)
-    return LanguageModel(build_config(name, vocab_size=32, d_model=16, n_layers=2))
+    return LanguageModel(build_config(name, vocab_size=32, d_model=d_model, n_layers=2))
 
 
-def _check_family(name: str, T: int = 20) -> None:
+def _check_family(name: str, T: int = 20, d_model: int = 16, decode: bool = True) -> None:
     torch._dynamo.reset()
-    model = _model(name)
+    model = _model(name, d_model)
     compiled = torch.compile(model)
     ids = torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(1))
 
@@ -57,6 +57,8 @@ def _check_family(name: str, T: int = 20) -> None:
     assert set(got_grads) == set(ref_grads)
     for n, g in ref_grads.items():
         assert rel_rms(got_grads[n], g, floor=1e-8) < GRAD_TOL, f"{name}: gradient of {n} differs"
+    if not decode:
+        return
 
     # one decode step with the cache (the prefill state comes from eager)
     with torch.no_grad():
@@ -77,10 +79,19 @@ def test_compiled_transformer_equals_eager():
 
 
 @needs_compile
+def test_compiled_mamba2_over_several_chunks_equals_eager():
+    """Three chunks (T = 150, chunk_size 64) and 4 heads sharing one B/C group: the grouped SSD
+    kernel's stacking copies (which failed to compile when they wrote with ``out=``) and its
+    inter-chunk state pass are in the graph. (Its decode step: test_generate_compiled_equals_eager.)"""
+    _check_family("mamba2", T=150, d_model=64, decode=False)
+
+
+@needs_compile
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gla", "mamba2", "mamba", "gated_deltanet", "deltanet", "titans_lmm"])
 def test_compiled_model_equals_eager(name):
     _check_family(name)
+    _check_family(name, T=150, d_model=32)  # several chunks, several heads
 
 
 #: families whose forward is not one graph, and why: the MoE router's token-to-expert dispatch has
@@ -113,3 +124,84 @@ def test_the_training_forward_traces_as_one_graph(name):
     aside while torch.compile traces (the PyTorch forms run); ``T = 20`` spans chunks of the chunk
     forms (chunk_size 64 clipped to T) and the one-token path is the decode test above."""
     assert _graph_breaks(name, 20) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# generate(compile=True): the one-token decode step under torch.compile
+# ------------------------------------------------------------------------------------------------
+
+
+def _greedy(model, ids, n, **kw):
+    return model.generate(ids, n, temperature=0.0, **kw)
+
+
+@needs_compile
+def test_generate_compiled_equals_eager():
+    """Mamba-2 (a fixed-size state: one graph for every step): greedy tokens from the compiled
+    step equal eager decoding's, and the compiled function really ran (dynamo counted frames)."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = _model("mamba2")
+    ids = torch.randint(0, 32, (3, 9), generator=torch.Generator().manual_seed(2))
+    want = _greedy(model, ids, 12)
+    got = _greedy(model, ids, 12, compile=True)
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert model.training  # generate restores the mode
+
+
+@needs_compile
+@pytest.mark.slow
+def test_generate_compiled_equals_eager_with_a_growing_cache_and_padding():
+    """Softmax attention: the KV cache grows every step (dynamo's dynamic shapes), and left-padded
+    prompts of two lengths decode per group (two batch sizes)."""
+    torch._dynamo.reset()
+    model = _model("transformer")
+    ids = torch.randint(1, 32, (3, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    assert torch.equal(_greedy(model, ids, 10, compile=True), _greedy(model, ids, 10))
+    want = _greedy(model, ids, 6, attention_mask=mask)
+    assert torch.equal(_greedy(model, ids, 6, attention_mask=mask, compile=True), want)
+
+
+def test_generate_compile_falls_back_to_eager_when_compiling_fails(monkeypatch):
+    """No C compiler (or an unsupported op): the first compiled call raises a RuntimeError
+    subclass before running anything; generate warns once, naming the error, and decodes eagerly
+    with the same tokens."""
+    import mnemo.models.lm as lm
+
+    calls = []
+
+    def broken(model, ids, state):
+        calls.append(ids.shape)
+        error = RuntimeError("no C compiler found")
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, error, None)
+
+    monkeypatch.setattr(lm, "_compiled_one_token", broken)
+    model = _model("gla")
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(RuntimeWarning, match="torch.compile failed .*no C compiler found.*decoding eagerly"):
+        got = _greedy(model, ids, 6, compile=True)
+    assert torch.equal(got, _greedy(model, ids, 6))
+    assert len(calls) == 1  # tried once, then eager for the rest
+
+
+def test_generate_compile_uses_the_compiled_step_and_checks_its_argument(monkeypatch):
+    import mnemo.models.lm as lm
+
+    seen = []
+
+    def spy(model, ids, state):
+        seen.append(ids.shape[1])
+        return lm._one_token(model, ids, state)
+
+    monkeypatch.setattr(lm, "_compiled_one_token", spy)
+    model = _model("gla")
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_greedy(model, ids, 4, compile=True), _greedy(model, ids, 4))
+    assert seen == [1, 1, 1]  # every decode step after the first token (the prefill is eager)
+    with pytest.raises(ValueError, match="compile: expected True or False, got 'yes'"):
+        model.generate(ids, 2, compile="yes")
