@@ -239,14 +239,15 @@ class _GLAChunk(torch.autograd.Function):
     def forward(ctx, q, k, v, g, S0, b, scale, C):
         cd, T = S0.dtype, q.shape[1]
         if b is None:
-            e_q = scale
             e = lam = None
             qi, kt = to_chunks(q, C, cd, scale), to_chunks(k, C, cd)
         else:
             e = b.exp()
             lam = e[..., -1:, :].mT.clone()  # [B, H, n, G, 1]: scales the rows (keys) of the state
-            e_q = e if scale == 1.0 else e * scale
-            qi, kt = to_chunks(q, C, cd, e_q), to_chunks(k, C, cd, e, divide=True)  # q̃, k ⊙ e^{−b}
+            # q̃ = (q ⊙ e^b) · scale in place: no e^b · scale tensor (per-channel gates: [B,H,n,C,K])
+            qi, kt = to_chunks(q, C, cd, e), to_chunks(k, C, cd, e, divide=True)  # q̃, k ⊙ e^{−b}
+            if scale != 1.0:
+                qi.mul_(scale)
         vc = to_chunks(v, C, cd)
         A = mm(qi, kt.mT).tril_()
         dS = mm(kt.mT, vc)
@@ -254,7 +255,7 @@ class _GLAChunk(torch.autograd.Function):
             dS.mul_(lam)
         states, S = scan_decay_(S0, dS, lam)
         o = mm_add_(mm(qi, states), A, vc)
-        ctx.save_for_backward(qi, kt, vc, A, states, S, e, lam, e_q if b is not None else None)
+        ctx.save_for_backward(qi, kt, vc, A, states, S, e, lam)
         ctx.meta = (T, C, scale, *((x.shape, x.dtype) if x is not None else None for x in (q, k, v, g)))
         return unchunk(o, T).transpose(1, 2), S
 
@@ -262,7 +263,7 @@ class _GLAChunk(torch.autograd.Function):
     @first_order
     @autocast_off
     def backward(ctx, dO, dSf):
-        qi, kt, vc, A, states, S, e, lam, e_q = ctx.saved_tensors
+        qi, kt, vc, A, states, S, e, lam = ctx.saved_tensors
         T, C, scale, q, k, v, g = ctx.meta
         cd, dev = S.dtype, S.device
         dOc = to_chunks(dO, C, cd)
@@ -280,9 +281,9 @@ class _GLAChunk(torch.autograd.Function):
         B, H, n = qi.shape[:3]
         fl = [
             t.flatten(0, 1) if isinstance(t, torch.Tensor) else t
-            for t in (dOc, vc, qi, kt, A, states, Gsl, e, e_q)
+            for t in (dOc, vc, qi, kt, A, states, Gsl, e)
         ]
-        dOc, vc, qi, kt, A, states, Gsl, e, e_q = fl
+        dOc, vc, qi, kt, A, states, Gsl, e = fl
         per_head = n * C * max(qi.shape[-1], vc.shape[-1], C) * qi.element_size()
         for bi, h0, h1, i0, i1 in head_groups(B, H, per_head):
             sl = slice(i0, i1)
@@ -291,8 +292,12 @@ class _GLAChunk(torch.autograd.Function):
             Dq = mm_add_(mm(dOg, stg.mT), dA, ktg)  # ∂L/∂q̃
             Dk = mm_add_(mm(dA.mT, qig), vcg, Gg.mT)  # ∂L/∂k̃ (both uses of k̃)
             dvc = mm_add_(mm(ktg, Gg), Ag.mT, dOg)
-            fq = unchunk_heads(e_q[sl], T) if isinstance(e_q, torch.Tensor) else scale
-            torch.mul(unchunk_heads(Dq, T), fq, out=dq_t[bi, h0:h1])
+            # ∂L/∂q = ∂L/∂q̃ ⊙ e^b · scale (the scale in place: no e^b · scale tensor)
+            torch.mul(
+                unchunk_heads(Dq, T), scale if e is None else unchunk_heads(e[sl], T), out=dq_t[bi, h0:h1]
+            )
+            if e is not None and scale != 1.0:
+                dq_t[bi, h0:h1].mul_(scale)
             if e is None:
                 dk_t[bi, h0:h1].copy_(unchunk_heads(Dk, T))
             else:
