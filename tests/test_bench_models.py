@@ -75,6 +75,36 @@ def test_the_peer_is_the_same_model():
     assert (got - ref).abs().max() / ref.abs().max() < 1e-4
 
 
+@pytest.mark.skipif(importlib.util.find_spec("titans_pytorch") is None, reason="titans-pytorch not installed")
+def test_the_titans_lmm_peer_differs_from_titans_lmm_in_the_mixers_only():
+    """The like-for-like Titans pair: mnemo's titans_lmm with titans-pytorch's NeuralMemory in
+    every mixer slot; every other weight (embedding, norms, MLPs, head) is mnemo's, so the ratio
+    isolates the memory layer. The peer model trains (a step changes its memory's weights)."""
+    import torch
+    from titans_pytorch import NeuralMemory
+
+    size = bench.Size(32, 2)
+    rows = {}
+    peer = bench.peer_titans_pytorch_lmm(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
+        0
+    ]
+    ours = rows["titans_lmm"].model
+    assert peer.vs == "titans_lmm" and peer.generate is None
+    assert all(isinstance(b.mixer.memory, NeuralMemory) for b in peer.model.blocks)
+    theirs = {n: p for n, p in peer.model.named_parameters() if ".mixer." not in n}
+    mine = {n: p for n, p in ours.named_parameters() if ".mixer." not in n}
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[n], mine[n]) for n in mine)
+    assert all(theirs[n] is not mine[n] for n in mine)  # a copy: training one leaves the other
+    ids = torch.randint(0, 256, (2, 70))  # more than one 64-token chunk
+    logits = peer.logits(ids)
+    assert logits.shape == (2, 70, 256) and torch.isfinite(logits).all()
+    before = [p.detach().clone() for p in peer.model.blocks[0].mixer.parameters()]
+    logits.square().mean().backward()
+    torch.optim.AdamW(peer.model.parameters(), lr=1e-2).step()
+    after = list(peer.model.blocks[0].mixer.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+
+
 def test_tables_print_every_row(result, capsys):
     bench.print_tables(result)
     out = capsys.readouterr().out

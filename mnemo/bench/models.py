@@ -17,7 +17,9 @@ Each installed peer builds the equivalent model with the same dimensions and ran
 download): ``transformers`` ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` with the weights of mnemo's
 ``mamba`` / ``mamba2`` model (exported), ``Qwen3NextForCausalLM`` with dense MLPs beside the mnemo
 model imported from it (``qwen3_next_equiv``: the same layers and weights), mambapy's ``LM``,
-titans-pytorch's ``MemoryAsContextTransformer`` (beside ``titans_mac``) and nested-learning's
+titans-pytorch's ``MemoryAsContextTransformer`` (beside ``titans_mac``; not the same algorithm, see
+its row's note), mnemo's ``titans_lmm`` with titans-pytorch's ``NeuralMemory`` as every mixer
+(beside ``titans_lmm``: the same algorithm) and nested-learning's
 ``HOPEModel`` (``hope_selfmod`` blocks, beside ``hope``). A peer that is not installed (or does not
 run here) is reported and skipped; the peers are imported only here, never by the library.
 ``ratio`` columns are ``peer time / mnemo time`` for the row the peer is paired with, from the same
@@ -122,23 +124,14 @@ def mnemo_entry(name: str, model=None, size: Size | None = None, note: str = "")
 
 
 def compiled_entry(eager: Entry) -> Entry:
-    """``eager``'s model (a copy) under ``torch.compile``: the training forward and the one-token
-    decode step compiled; prefill and sampling as in ``generate(temperature=0)``."""
+    """``eager``'s model (a copy) under ``torch.compile``: the training forward compiled, and
+    generation through ``generate(temperature=0, compile=True)`` (eager prefill, compiled
+    one-token step)."""
     model = copy.deepcopy(eager.model)
     fwd = torch.compile(model)
 
-    @torch.no_grad()
     def generate(prompt, n):
-        model.eval()
-        logits, state = model(prompt)  # prefill: eager (one call per prompt)
-        out = [prompt]
-        for i in range(n):
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(nxt)
-            if i + 1 < n:
-                logits, state = fwd(nxt, state)
-        model.train()
-        return torch.cat(out, 1)
+        return model.generate(prompt, n, temperature=0.0, compile=True)
 
     return Entry(
         f"{eager.name} [compiled]",
@@ -356,6 +349,15 @@ def peer_mambapy(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
     ]
 
 
+def _own_memory(m: nn.Module) -> None:
+    """titans-pytorch makes some parameters broadcast views (stride 0): AdamW's in-place update
+    refuses those, so each gets memory of its own."""
+    with torch.no_grad():
+        for p in m.parameters():
+            if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+                p.data = p.data.clone()
+
+
 def peer_titans_pytorch(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
     """titans-pytorch's ``MemoryAsContextTransformer`` beside mnemo's ``titans_mac`` row: 64-token
     segments, 4 persistent tokens, 4 heads, a 2-layer MLP memory per head updated per segment,
@@ -381,16 +383,77 @@ def peer_titans_pytorch(size: Size, mnemo_row: Callable[[str], Entry]) -> list[E
         neural_memory_kwargs=dict(heads=heads, dim_head=d // heads),
     )
 
-    with torch.no_grad():  # some of its parameters are broadcast views (stride 0): AdamW's in-place
-        for p in m.parameters():  # update refuses those, so each gets memory of its own
-            if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
-                p.data = p.data.clone()
+    _own_memory(m)
 
     @torch.no_grad()
     def generate(prompt, n):
         return m.sample(prompt, prompt.shape[1] + n, temperature=0.0, show_progress=False, use_cache=True)
 
-    return [Entry("MemoryAsContextTransformer", "titans-pytorch", m, m, generate, vs="titans_mac")]
+    return [
+        Entry(
+            "MemoryAsContextTransformer",
+            "titans-pytorch",
+            m,
+            m,
+            generate,
+            vs="titans_mac",
+            note="not the same algorithm: it stores and retrieves its memory over the whole sequence in "
+            "one parallel pass from the layer input, where Titans' MAC (section 4.1) and mnemo read each "
+            "segment with the memory written from the previous segment's attention output, a loop over "
+            "T / 64 segments; the like-for-like row is NeuralMemory LM vs titans_lmm",
+        )
+    ]
+
+
+class _PeerMemoryMixer(nn.Module):
+    """A peer's memory layer in a mnemo block's mixer slot: ``(x, state, mode) -> (y, None)``
+    (training only: no state is kept)."""
+
+    def __init__(self, memory: nn.Module):
+        super().__init__()
+        self.memory = memory
+
+    def forward(self, x, state=None, mode=None):
+        return self.memory(x)[0], None
+
+
+def peer_titans_pytorch_lmm(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
+    """mnemo's ``titans_lmm`` model with every mixer swapped for titans-pytorch's ``NeuralMemory``
+    (2-layer MLP memory per head, expansion 4, ``chunk_size = batch_size = 64``: the pairing of
+    the peers suite's Titans LMM row), the embedding, norms, MLPs and head mnemo's own: the ratio
+    isolates the memory layer. Unlike the MAC pair, both sides run the same algorithm (store and
+    retrieve over the whole sequence, chunk-anchored gradients). mnemo's layer also has 4
+    persistent tokens. Training only (no generation through the peer's state here)."""
+    from titans_pytorch import MemoryMLP
+    from titans_pytorch import NeuralMemory as PeerMemory
+
+    ours = mnemo_row("titans_lmm")
+    d, heads = size.d_model, 4
+    torch.manual_seed(0)
+    m = copy.deepcopy(ours.model)
+    for block in m.blocks:
+        block.mixer = _PeerMemoryMixer(
+            PeerMemory(
+                d,
+                chunk_size=64,
+                batch_size=64,
+                heads=heads,
+                dim_head=d // heads,
+                model=MemoryMLP(d // heads, depth=2, expansion_factor=4.0),
+            )
+        )
+    _own_memory(m)
+    return [
+        Entry(
+            "NeuralMemory LM",
+            "titans-pytorch",
+            m,
+            lambda x: m(x)[0],
+            None,
+            vs="titans_lmm",
+            note="mnemo's titans_lmm with titans-pytorch's NeuralMemory as every mixer (same algorithm)",
+        )
+    ]
 
 
 def peer_nested_learning(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
@@ -440,6 +503,7 @@ PEERS: dict[str, Callable[[Size, Callable[[str], Entry]], list[Entry]]] = {
     "transformers_qwen3_next": peer_transformers_qwen3_next,
     "mambapy": peer_mambapy,
     "titans_pytorch": peer_titans_pytorch,
+    "titans_pytorch_lmm": peer_titans_pytorch_lmm,
     "nested_learning": peer_nested_learning,
 }
 
@@ -450,6 +514,7 @@ PEER_PARTNER: dict[str, str] = {
     "transformers_qwen3_next": "qwen3_next_equiv",
     "mambapy": "mamba",
     "titans_pytorch": "titans_mac",
+    "titans_pytorch_lmm": "titans_lmm",
     "nested_learning": "hope",
 }
 #: mnemo rows that only a peer's builder makes (imported from the peer's model)
