@@ -691,7 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--peers",
         help="models suite: comma-separated peers (transformers_mamba, transformers_mamba2, "
-        "transformers_qwen3_next, mambapy, titans_pytorch, titans_pytorch_lmm, nested_learning; "
+        "transformers_qwen3_next, mambapy, titans_pytorch, titans_pytorch_lmm, nested_learning, "
+        "nested_learning_updates; "
         "default: all, the ones not installed are reported and skipped) or 'none'",
     )
     b.add_argument(

@@ -105,6 +105,58 @@ def test_the_titans_lmm_peer_differs_from_titans_lmm_in_the_mixers_only():
     assert any(not torch.equal(a, b) for a, b in zip(after, before))
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("nested_learning") is None, reason="nested-learning not installed"
+)
+def test_the_nested_learning_updates_row_updates_its_memories_and_trains():
+    """The like-for-like HOPE pair: the same HOPEModel as the read-only row, trained with
+    nested-learning's test-time updates. Per 8-token chunk it reads the fast state the earlier
+    chunks wrote: the first chunk's logits equal a read-only chunked pass from a fresh fast state,
+    the later ones do not; the fast state the update pass writes changes; the logits carry autograd
+    and an AdamW step changes the weights."""
+    import torch
+
+    size = bench.Size(16, 2)
+    rows = {}
+    mnemo_row = lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size))  # noqa: E731
+    plain = bench.peer_nested_learning(size, mnemo_row)[0]
+    peer = bench.peer_nested_learning_updates(size, mnemo_row)[0]
+    assert peer.vs == "hope" and peer.generate is None and "nested_learning_updates" in bench.PEERS
+    assert bench.PEER_PARTNER["nested_learning_updates"] == "hope"
+    m = peer.model
+    ref_state = plain.model.state_dict()
+    assert all(torch.equal(ref_state[k], v) for k, v in m.state_dict().items())  # the same weights
+    ids = torch.randint(0, 256, (2, 24))  # three 8-token chunks
+    with torch.no_grad():
+        fresh = m.init_fast_state()
+        read_only = torch.cat([m(ids[:, s : s + 8], fast_state=fresh) for s in range(0, 24, 8)], 1)
+
+    written = []
+    init = m.init_fast_state
+
+    def spy():
+        written.append(init())
+        return written[-1]
+
+    m.init_fast_state = spy
+    try:
+        logits = peer.logits(ids)
+    finally:
+        del m.init_fast_state
+    assert logits.shape == (2, 24, 256) and logits.requires_grad and torch.isfinite(logits).all()
+    assert torch.allclose(logits[:, :8], read_only[:, :8], atol=1e-5)
+    assert (logits[:, 8:] - read_only[:, 8:]).abs().max() > 1e-3  # read after the writes
+    state, fresh = written[0].blocks[0], m.init_fast_state().blocks[0]
+    assert not torch.equal(state.selfmod_state.memory.w1[0], fresh.selfmod_state.memory.w1)
+    assert any(d.abs().max() > 0 for d in state.cms_params["cms_fast"].values())
+
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    peer.opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    bench.train_step(peer, T=24, B=2)()
+    changed = [n for n, p in m.named_parameters() if not torch.equal(p, before[n])]
+    assert any("selfmod.m_memory" in n for n in changed) and any(".cms." in n for n in changed)
+
+
 def test_tables_print_every_row(result, capsys):
     bench.print_tables(result)
     out = capsys.readouterr().out

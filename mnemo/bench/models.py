@@ -496,6 +496,81 @@ def peer_nested_learning(size: Size, mnemo_row: Callable[[str], Entry]) -> list[
     ]
 
 
+def peer_nested_learning_updates(size: Size, mnemo_row: Callable[[str], Entry]) -> list[Entry]:
+    """The :func:`peer_nested_learning` model (same config, seed and weights) trained the way
+    nested-learning trains with test-time memory updates: its ``run_training_loop`` with the
+    paper-faithful settings (``configs/pilot_paper_faithful.yaml`` + ``hope/pilot_selfmod.yaml``):
+    ``algorithm_mode=two_pass_stopgrad_updates``, ``online_updates``, ``use_fast_state``,
+    ``per_layer_teach_signal``, ``online_boundary_targets``, ``online_chunk_size=0`` (the smallest CMS
+    period: 8 tokens).
+
+    Per step: a fresh fast state (``HOPEModel.init_fast_state()``); then for each non-overlapping
+    8-token chunk (``_iter_online_boundary_chunks``), in order:
+
+    1. read pass, with autograd: ``forward_with_block_outputs(chunk, fast_state=...)``, every block
+       reading its self-modifying Titans memory and CMS through the fast state left by the earlier
+       chunks (meta weights + stop-gradient deltas);
+    2. the chunk's mean next-token cross-entropy (the last position targets the next chunk's first
+       token) and the per-layer teach signals ``_compute_layer_teach_signals`` (its gradient with
+       respect to every block's output, detached);
+    3. update pass, under ``no_grad``: ``model(chunk, teach_signals=..., fast_state=...,
+       finalize_updates=<last chunk>)``, which writes the fast state: in every block the
+       self-modifying Titans (``forward_with_updates``: M_k, M_v, M_eta, M_alpha and M_memory, a
+       per-token DGD recursion with gradients at the chunk-start weights; the configured chunks 64
+       / 16 end at the 8-token call's end, so both groups update once per 8 tokens, per sequence)
+       and the CMS levels (one deep-momentum step of the level's MLP delta on the teach signal per
+       8 / 16 / 32 tokens, the delta shared over the batch).
+
+    The callable returns the read passes' logits, concatenated (with their graph). Their loop
+    calls ``loss.backward()`` per chunk on the chunk's mean loss; here the bench's one backward of
+    the mean over all positions runs the same backward graphs, with the gradient scaled by about
+    ``8 / T`` (AdamW is insensitive to the scale). Their gradient clipping (max norm 1) and bf16
+    autocast are left out, as for every row. It has no ``generate()``."""
+    # ``nested_learning.training`` (the loop) imports omegaconf etc. at import time; its three
+    # helpers used here are a few lines each and are restated, not imported
+    m = peer_nested_learning(size, mnemo_row)[0].model
+    # their ``online_chunk_size: 0``: the smallest CMS period (``_infer_online_chunk_size``)
+    chunk = min(int(spec.update_period) for spec in m.config.cms_levels)
+
+    def logits(ids):
+        fast_state = m.init_fast_state()
+        T = ids.shape[1]
+        out = []
+        for start in range(0, T, chunk):  # ``_iter_online_boundary_chunks``
+            end = min(start + chunk, T)
+            tokens = ids[:, start:end]
+            lg, _pre, block_outputs = m.forward_with_block_outputs(tokens, fast_state=fast_state)
+            out.append(lg)
+            targets = ids[:, start + 1 : end + 1]  # the boundary target: the next chunk's first token
+            if targets.shape[1] == 0:  # their loop skips a chunk with no target
+                continue
+            loss = F.cross_entropy(lg[:, : targets.shape[1]].reshape(-1, lg.shape[-1]), targets.reshape(-1))
+            # ``_compute_layer_teach_signals``: d loss / d (every block's output), detached
+            teach = [g.detach() for g in torch.autograd.grad(loss, block_outputs, retain_graph=True)]
+            with torch.no_grad():
+                m(tokens, teach_signals=teach, fast_state=fast_state, finalize_updates=end >= T)
+        return torch.cat(out, 1)
+
+    return [
+        Entry(
+            "HOPEModel+updates",
+            "nested-learning",
+            m,
+            logits,
+            None,
+            vs="hope",
+            note="no generate(); nested-learning's training step with test-time updates (two passes per "
+            "8-token chunk: a differentiable read, then a no-grad write driven by the per-layer teach "
+            "signals, a backward of the chunk loss). Differs from mnemo's hope: writes are stop-gradient "
+            "(no outer gradient through the updates, so M_k/M_v/M_eta/M_alpha get none), the CMS learns "
+            "from the task gradient (mnemo's hope: a reconstruction objective, in the one forward) with "
+            "its fast weights shared over the batch, the self-mod memories update every 8 tokens (mnemo: "
+            "16 / 64) with the local conv restarted per chunk, and no output norm/gate (mnemo's hope "
+            "has Titans' output gate)",
+        )
+    ]
+
+
 #: the peers, by the name ``--peers`` selects them with
 PEERS: dict[str, Callable[[Size, Callable[[str], Entry]], list[Entry]]] = {
     "transformers_mamba": peer_transformers_mamba,
@@ -505,6 +580,7 @@ PEERS: dict[str, Callable[[Size, Callable[[str], Entry]], list[Entry]]] = {
     "titans_pytorch": peer_titans_pytorch,
     "titans_pytorch_lmm": peer_titans_pytorch_lmm,
     "nested_learning": peer_nested_learning,
+    "nested_learning_updates": peer_nested_learning_updates,
 }
 
 #: the mnemo row each peer is timed beside (its group: built, timed and freed together)
@@ -516,6 +592,7 @@ PEER_PARTNER: dict[str, str] = {
     "titans_pytorch": "titans_mac",
     "titans_pytorch_lmm": "titans_lmm",
     "nested_learning": "hope",
+    "nested_learning_updates": "hope",
 }
 #: mnemo rows that only a peer's builder makes (imported from the peer's model)
 PEER_DEFINED = {"qwen3_next_equiv"}
