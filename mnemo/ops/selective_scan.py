@@ -241,9 +241,87 @@ def _auto_chunk(Bsz: int, D: int, N: int) -> int:
     return L
 
 
+class _Saved:
+    """A stand-in for ``ctx`` when :class:`_ChunkScan`'s forward and backward run as custom ops."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+@torch.library.custom_op("mnemo::selective_scan_blocks", mutates_args=())
+def _scan_op(
+    delta: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    h0: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`_ChunkScan`'s forward as one opaque op for ``torch.compile``: ``(y, h_T, entry
+    states)``, run eagerly (its ``out=`` writes into block views, which inductor mis-compiles,
+    stay out of the graph, and the token loop is not unrolled into it)."""
+    ctx = _Saved()
+    y, hT = _ChunkScan.forward(ctx, delta, v, A, B, C, h0, chunk_size)
+    return y, hT, ctx.saved_tensors[-1]
+
+
+@_scan_op.register_fake
+def _(delta, v, A, B, C, h0, chunk_size):
+    nb = -(-delta.shape[0] // max(1, min(chunk_size, delta.shape[0])))
+    return delta.new_empty(delta.shape), h0.new_empty(h0.shape), h0.new_empty((nb,) + h0.shape)
+
+
+@torch.library.custom_op("mnemo::selective_scan_blocks_backward", mutates_args=())
+def _scan_op_backward(
+    dy: torch.Tensor,
+    dhT: torch.Tensor,
+    delta: torch.Tensor,
+    v: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    starts: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`_ChunkScan`'s backward as one opaque op: ``(dΔ, dv, dA, dB, dC, dh_0)``."""
+    ctx = _Saved()
+    ctx.save_for_backward(delta, v, A, B, C, starts)
+    T = delta.shape[0]
+    ctx.chunk = min(chunk_size, T)
+    ctx.clamp = True  # as traced: a clamp that changes nothing is exact
+    with torch.no_grad():
+        grads = _ChunkScan.backward(ctx, dy, dhT)
+    # fresh, contiguous outputs (as the fake kernel declares them; dB comes back as a transposed view)
+    return tuple(g.clone() if any(g is t for t in (dy, dhT)) else g.contiguous() for g in grads[:6])
+
+
+@_scan_op_backward.register_fake
+def _(dy, dhT, delta, v, A, B, C, starts, chunk_size):
+    return tuple(t.new_empty(t.shape) for t in (delta, v, A, B, C, starts[0]))
+
+
+def _scan_op_setup(ctx, inputs, output):
+    delta, v, A, B, C, _, chunk_size = inputs
+    ctx.save_for_backward(delta, v, A, B, C, output[2])
+    ctx.chunk_size = chunk_size
+
+
+def _scan_op_grad(ctx, dy, dhT, _dstarts):
+    delta, v, A, B, C, starts = ctx.saved_tensors
+    dy = torch.zeros_like(delta) if dy is None else dy
+    dhT = torch.zeros_like(starts[0]) if dhT is None else dhT
+    return (*_scan_op_backward(dy, dhT, delta, v, A, B, C, starts, ctx.chunk_size), None)
+
+
+_scan_op.register_autograd(_scan_op_grad, setup_context=_scan_op_setup)
+
+
 def ss_chunk_torch(delta, u, A, B, C, h0, chunk_size):
     """Blocked form with the hand-written backward (:class:`_ChunkScan`), the PyTorch twin of the C
-    kernel (:func:`ss_native`); public layout in and out."""
+    kernel (:func:`ss_native`); public layout in and out. While ``torch.compile`` traces, the
+    forward and the backward each enter the graph as one opaque custom op
+    (``mnemo::selective_scan_blocks``), computed eagerly."""
     Bsz, T, D = u.shape
     G, N = B.shape[-2:]
     Dg = D // G
@@ -255,7 +333,10 @@ def ss_chunk_torch(delta, u, A, B, C, h0, chunk_size):
     C_ = rearrange(C, "b t g n -> t b g 1 n").contiguous()
     A_ = rearrange(A, "(g d) n -> g n d", g=G).contiguous()
     h0_ = rearrange(h0, "b (g d) n -> b g n d", g=G).contiguous()
-    y, hT = _ChunkScan.apply(d_, v_, A_, B_, C_, h0_, chunk_size)
+    if torch.compiler.is_compiling():
+        y, hT, _ = _scan_op(d_, v_, A_, B_, C_, h0_, int(chunk_size))
+    else:
+        y, hT = _ChunkScan.apply(d_, v_, A_, B_, C_, h0_, chunk_size)
     return rearrange(y, "t b g 1 d -> b t (g d)"), rearrange(hT, "b g n d -> b (g d) n", d=Dg)
 
 
