@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import types
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -620,27 +622,36 @@ def _one_token(model, ids, state):
     return model(ids, state)
 
 
-_compiled_one_token = None
+_compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_one_token(model: nn.Module):
+    """``model``'s compiled one-token step ``(model, ids, state) -> (logits, state)``, made once per
+    model (and dropped with it). Dynamo keeps its graphs per code object, up to
+    ``torch._dynamo.config.recompile_limit`` (8) of them: one function shared by every model would
+    run out after a few families or batch sizes in one process and silently decode eagerly, so
+    each model gets a copy of the code object and so a cache of its own (its batch sizes, dtypes,
+    cache lengths)."""
+    fn = _compiled_steps.get(model)
+    if fn is None:
+        code = _one_token.__code__.replace()  # a distinct code object: a distinct dynamo cache
+        fn = torch.compile(types.FunctionType(code, _one_token.__globals__, "_one_token"))
+        _compiled_steps[model] = fn
+    return fn
 
 
 class _DecodeStep:
     """:meth:`LanguageModel.generate`'s one-token step ``(ids [B, 1], state) -> (logits, state)``:
-    the model itself, or with ``compile=True`` one ``torch.compile`` of it shared by all models
-    (dynamo's guards recompile for another architecture, batch size or dtype; past
-    ``torch._dynamo.config.recompile_limit`` graphs dynamo itself falls back to eager). A
-    ``RuntimeError`` from the first compiled call (dynamo and inductor raise subclasses of it: no C
-    compiler, an unsupported op) is reported as a ``RuntimeWarning`` and the step runs eagerly."""
+    the model itself, or with ``compile=True`` the model's :func:`_compiled_one_token` (dynamo's
+    guards recompile for another batch size, dtype or cache length). A ``RuntimeError`` from the
+    first compiled call (dynamo and inductor raise subclasses of it: no C compiler, an unsupported
+    op) is reported as a ``RuntimeWarning`` and the step runs eagerly."""
 
     def __init__(self, model: nn.Module, compile: bool):
-        global _compiled_one_token
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.model = model
-        self.fn = None
-        if compile:
-            if _compiled_one_token is None:
-                _compiled_one_token = torch.compile(_one_token)
-            self.fn = _compiled_one_token
+        self.fn = _compiled_one_token(model) if compile else None
         self.checked = False
 
     def __call__(self, ids, state):

@@ -180,7 +180,7 @@ def test_generate_compile_falls_back_to_eager_when_compiling_fails(monkeypatch):
         error = RuntimeError("no C compiler found")
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, error, None)
 
-    monkeypatch.setattr(lm, "_compiled_one_token", broken)
+    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: broken)
     model = _model("gla")
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
     with pytest.warns(RuntimeWarning, match="torch.compile failed .*no C compiler found.*decoding eagerly"):
@@ -198,7 +198,7 @@ def test_generate_compile_uses_the_compiled_step_and_checks_its_argument(monkeyp
         seen.append(ids.shape[1])
         return lm._one_token(model, ids, state)
 
-    monkeypatch.setattr(lm, "_compiled_one_token", spy)
+    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: spy)
     model = _model("gla")
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
     assert torch.equal(_greedy(model, ids, 4, compile=True), _greedy(model, ids, 4))
@@ -247,3 +247,22 @@ def test_compiled_selective_scan_over_several_blocks_matches_float64():
         assert rel_rms(e, r) < 1e-5, f"eager {name}"
         assert c is not None, f"compiled: no gradient for {name}"
         assert rel_rms(c, r) < 1e-5, f"compiled {name}: {rel_rms(c, r):.2e}"
+
+
+def test_each_model_gets_its_own_compiled_step():
+    """One compiled decode step per model, with a code object of its own: dynamo's cache (and its
+    recompile_limit of 8 graphs) is per code object, so a step shared by every model ran out after
+    a few families in one process and decoded eagerly, silently. Dropped with the model."""
+    import gc
+
+    import mnemo.models.lm as lm
+
+    a, b = _model("gla"), _model("mamba2")
+    fa, fb = lm._compiled_one_token(a), lm._compiled_one_token(b)
+    assert lm._compiled_one_token(a) is fa and fa is not fb
+    code = [f._torchdynamo_orig_callable.__code__ for f in (fa, fb)]
+    assert code[0] is not code[1] and code[0] is not lm._one_token.__code__
+    n = len(lm._compiled_steps)
+    del a, fa
+    gc.collect()
+    assert len(lm._compiled_steps) == n - 1
