@@ -424,6 +424,104 @@ class _NativeScan(torch.autograd.Function):
         )
 
 
+def _no_tensor(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """An absent gradient as a custom op may return it: an empty tensor (``None`` is not allowed)."""
+    return like.new_empty(0) if t is None else t
+
+
+@torch.library.custom_op("mnemo::selective_scan_native", mutates_args=())
+def _native_op(
+    delta: torch.Tensor,
+    bias: torch.Tensor | None,
+    u: torch.Tensor,
+    At: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    h0: torch.Tensor,
+    Dsk: torch.Tensor | None,
+    z: torch.Tensor | None,
+    Dgp: int,
+    L: int,
+    softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`_NativeScan`'s forward as one opaque op for ``torch.compile`` (a ctypes call cannot
+    be traced): ``(y, h_T, block-entry states)``, all freshly allocated and contiguous."""
+    ctx = _Saved()
+    y, hT = _NativeScan.forward(ctx, delta, bias, u, At, B, C, h0, Dsk, z, Dgp, L, softplus)
+    return y, hT, ctx.saved_tensors[6]
+
+
+@_native_op.register_fake
+def _(delta, bias, u, At, B, C, h0, Dsk, z, Dgp, L, softplus):
+    Bsz, T, Dp = delta.shape
+    nb = -(-T // L)
+    return delta.new_empty(delta.shape), h0.new_empty(h0.shape), delta.new_empty((Bsz, nb, At.shape[0], Dp))
+
+
+@torch.library.custom_op("mnemo::selective_scan_native_backward", mutates_args=())
+def _native_op_backward(
+    dy: torch.Tensor,
+    dhT: torch.Tensor,
+    delta: torch.Tensor,
+    bias: torch.Tensor | None,
+    u: torch.Tensor,
+    At: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    starts: torch.Tensor,
+    Dsk: torch.Tensor | None,
+    z: torch.Tensor | None,
+    Dgp: int,
+    L: int,
+    softplus: bool,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """:class:`_NativeScan`'s backward as one opaque op: ``(dδ, dbias, du, dAt, dB, dC, dh_0, dD,
+    dz)``; the gradient of an absent ``bias``/``Dsk``/``z`` is an empty tensor."""
+    ctx = _Saved()
+    ctx.save_for_backward(delta, bias, u, At, B, C, starts, Dsk, z)
+    ctx.Dgp, ctx.L, ctx.softplus = Dgp, L, softplus
+    with torch.no_grad():
+        g = _NativeScan.backward(ctx, dy, dhT)
+    return tuple(_no_tensor(d, delta) for d in g[:9])
+
+
+@_native_op_backward.register_fake
+def _(dy, dhT, delta, bias, u, At, B, C, starts, Dsk, z, Dgp, L, softplus):
+    Bsz, _, N, Dp = starts.shape
+    like = (delta, bias, u, At, B, C, None, Dsk, z)
+    out = [delta.new_empty(0) if t is None else t.new_empty(t.shape) for t in like]
+    out[6] = delta.new_empty((Bsz, N, Dp))
+    return tuple(out)
+
+
+def _native_op_setup(ctx, inputs, output):
+    delta, bias, u, At, B, C, _, Dsk, z, Dgp, L, softplus = inputs
+    ctx.save_for_backward(delta, bias, u, At, B, C, output[2], Dsk, z)
+    ctx.Dgp, ctx.L, ctx.softplus = Dgp, L, softplus
+
+
+def _native_op_grad(ctx, dy, dhT, _dstarts):
+    delta, bias, u, At, B, C, starts, Dsk, z = ctx.saved_tensors
+    dy = torch.zeros_like(delta) if dy is None else dy
+    dhT = torch.zeros_like(starts[:, 0]) if dhT is None else dhT
+    g = _native_op_backward(dy, dhT, delta, bias, u, At, B, C, starts, Dsk, z, ctx.Dgp, ctx.L, ctx.softplus)
+    given = (delta, bias, u, At, B, C, starts, Dsk, z)  # an empty gradient: the input was None
+    return (*(None if t is None else d for d, t in zip(g, given)), None, None, None)
+
+
+_native_op.register_autograd(_native_op_grad, setup_context=_native_op_setup)
+
+
 def ss_native(
     delta, u, A, B, C, h0, chunk_size: int | None = None, D=None, z=None, delta_bias=None, softplus=False
 ):
@@ -434,7 +532,7 @@ def ss_native(
     Bsz, T, Dm = u.shape
     G = B.shape[2]
     Dg = Dm // G
-    pad = -Dg % _native.simd_width()
+    pad = -Dg % _native._lanes()  # (a plain global read when traced: see _native.usable_opaque)
 
     def chan(x, pattern):  # split the channel axis by group and zero-pad each group to Dgp
         x = rearrange(x, pattern, g=G)
@@ -452,7 +550,7 @@ def ss_native(
 
     At = rearrange(chan(A, "(g d) n -> n g d"), "n g d -> n (g d)").contiguous()
     h0_ = rearrange(chan(h0, "b (g d) n -> b n g d"), "b n g d -> b n (g d)").contiguous()
-    y, hT = _NativeScan.apply(
+    args = (
         tokens(delta),
         per_channel(delta_bias),
         tokens(u),
@@ -466,15 +564,28 @@ def ss_native(
         max(1, min(chunk_size or _NATIVE_BLOCK, T)),  # a block longer than T only costs memory
         bool(softplus),
     )
+    if torch.compiler.is_compiling():
+        y, hT, _ = _native_op(*args)  # (the block-entry states are for the backward)
+    else:
+        y, hT = _NativeScan.apply(*args)
     y = rearrange(y, "b t (g d) -> b t g d", g=G)[..., :Dg]
     hT = rearrange(hT, "b n (g d) -> b g d n", g=G)[:, :, :Dg]
     return rearrange(y, "b t g d -> b t (g d)"), rearrange(hT, "b g d n -> b (g d) n")
 
 
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the C kernel runs on these tensors: eagerly through :class:`_NativeScan`
+    (:func:`_native.usable`), and while ``torch.compile`` traces as the opaque custom ops
+    ``mnemo::selective_scan_native`` / ``..._backward`` (:func:`_native.usable_opaque`)."""
+    if torch.compiler.is_compiling():
+        return _native.usable_opaque(*tensors)
+    return _native.usable(*tensors)
+
+
 def ss_chunk(delta, u, A, B, C, h0, chunk_size):
     """The chunk form: the C kernel (:func:`ss_native`) where it can run, else its PyTorch twin
     :func:`ss_chunk_torch`."""
-    if _native.usable(delta, u, A, B, C, h0):
+    if _native_ok(delta, u, A, B, C, h0):
         return ss_native(delta, u, A, B, C, h0, chunk_size)
     return ss_chunk_torch(delta, u, A, B, C, h0, chunk_size)
 
@@ -592,7 +703,7 @@ def selective_scan(
     h0 = state_or_zeros(initial_state, (nseq, Dm, N), cd, u)
     Dc = None if D is None else D.to(cd)
     zc = None if z is None else z.to(cd)
-    if mode == "chunk" and cu_seqlens is None and T > 0 and _native.usable(dt, uc, Ac, Bc, Cc, h0):
+    if mode == "chunk" and cu_seqlens is None and T > 0 and _native_ok(dt, uc, Ac, Bc, Cc, h0):
         # the C kernel forms the step and applies the skip and the gate itself (one pass, not six)
         y, h = ss_native(
             dt, uc, Ac, Bc, Cc, h0, chunk_size, D=Dc, z=zc, delta_bias=bias, softplus=delta_softplus

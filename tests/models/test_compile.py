@@ -208,14 +208,32 @@ def test_generate_compile_uses_the_compiled_step_and_checks_its_argument(monkeyp
 
 
 @needs_compile
-def test_compiled_selective_scan_over_several_blocks_matches_float64():
-    """The selective scan's PyTorch blocked form under inductor (an opaque custom op per direction:
-    its ``out=`` writes into block views were mis-compiled, the dt and A gradients 5-11% off):
-    several 16-token blocks plus a partial one, an initial state, groups; every gradient within
-    float32 rounding of a float64 eager run, as eager float32 is."""
-    from mnemo.ops import selective_scan
+@pytest.mark.parametrize("kernel", ["native", "twin"])
+def test_compiled_selective_scan_over_several_blocks_matches_float64(kernel, monkeypatch):
+    """The selective scan under inductor, by each of its opaque custom-op pairs: the C kernel
+    (``mnemo::selective_scan_native``, where the native library builds) and its PyTorch twin
+    (``mnemo::selective_scan_blocks``, ``MNEMO_NATIVE=0``; its ``out=`` writes into block views
+    were mis-compiled, the dt and A gradients 5-11% off). Several 16-token blocks plus a partial
+    one, an initial state, groups, with and without the skip ``D``, the gate ``z`` and the step
+    bias; every gradient within float32 rounding of a float64 eager run, as eager float32 is. The
+    native kernel runs inside the one compiled graph (no break, both entry points called), the
+    twin's run calls no kernel."""
+    from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
+    from mnemo.ops import _native, selective_scan
+
+    if kernel == "native" and _native.library() is None:
+        pytest.skip("native CPU kernels unavailable")
+    if kernel == "twin":
+        monkeypatch.setenv("MNEMO_NATIVE", "0")
+    calls = []
+    real_call = _native.call
+
+    def spy(name, *args, **kwargs):
+        calls.append(name)
+        return real_call(name, *args, **kwargs)
+
+    monkeypatch.setattr(_native, "call", spy)
     gen = torch.Generator().manual_seed(5)
     Bsz, T, D, G, N = 2, 70, 8, 2, 4
     x64 = {
@@ -226,27 +244,43 @@ def test_compiled_selective_scan_over_several_blocks_matches_float64():
         "C": torch.randn(Bsz, T, G, N, generator=gen, dtype=torch.float64),
         "h0": torch.randn(Bsz, D, N, generator=gen, dtype=torch.float64),
     }
+    extras = {
+        "D": torch.randn(D, generator=gen, dtype=torch.float64),
+        "z": torch.randn(Bsz, T, D, generator=gen, dtype=torch.float64),
+        "delta_bias": 0.5 * torch.randn(D, generator=gen, dtype=torch.float64),
+    }
 
-    def f(u, delta, A, B, C, h0):
-        y, h = selective_scan(
-            u, delta, A, B, C, delta_softplus=True, initial_state=h0, output_final_state=True, chunk_size=16
-        )
+    def f(u, delta, A, B, C, h0, **kw):
+        kw.update(delta_softplus=True, initial_state=h0, output_final_state=True, chunk_size=16)
+        y, h = selective_scan(u, delta, A, B, C, **kw)
         return y, h
 
-    def run(fn, dtype):
-        leaves = {k: v.to(dtype).clone().requires_grad_() for k, v in x64.items()}
+    def run(fn, inputs, dtype):
+        leaves = {k: v.to(dtype).clone().requires_grad_() for k, v in inputs.items()}
         y, h = fn(**leaves)
         (y.square().sum() + (h * h.detach().sign()).sum()).backward()
-        return [y.detach(), h.detach(), *(leaves[k].grad for k in x64)]
+        return [y.detach(), h.detach(), *(leaves[k].grad for k in inputs)]
 
-    ref = run(f, torch.float64)
-    eager = run(f, torch.float32)
-    compiled = run(torch.compile(f), torch.float32)
-    for name, r, e, c in zip(["y", "h_T", *x64], ref, eager, compiled):
-        r = r.float()
-        assert rel_rms(e, r) < 1e-5, f"eager {name}"
-        assert c is not None, f"compiled: no gradient for {name}"
-        assert rel_rms(c, r) < 1e-5, f"compiled {name}: {rel_rms(c, r):.2e}"
+    for given in ({}, extras):
+        inputs = {**x64, **given}
+        ref = run(f, inputs, torch.float64)
+        eager = run(f, inputs, torch.float32)
+        torch._dynamo.reset()
+        counters.clear()
+        calls.clear()
+        compiled = run(torch.compile(f), inputs, torch.float32)
+        what = f"{kernel}, {'with' if given else 'without'} D, z, delta_bias"
+        if kernel == "native":
+            assert calls == ["ss_fwd", "ss_bwd"], f"{what}: native kernel calls {calls}"
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], what
+        else:
+            assert calls == [], f"{what}: native kernel called with MNEMO_NATIVE=0"
+        for name, r, e, c in zip(["y", "h_T", *inputs], ref, eager, compiled):
+            r = r.float()
+            assert rel_rms(e, r) < 1e-5, f"eager {name} ({what})"
+            assert c is not None, f"compiled: no gradient for {name} ({what})"
+            assert rel_rms(c, r) < 1e-5, f"compiled {name} ({what}): {rel_rms(c, r):.2e}"
+    torch._dynamo.reset()  # (graphs traced under this test's MNEMO_NATIVE)
 
 
 def test_each_model_gets_its_own_compiled_step():

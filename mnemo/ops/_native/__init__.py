@@ -59,6 +59,7 @@ __all__ = [
     "library",
     "enabled",
     "usable",
+    "usable_opaque",
     "call",
     "slots",
     "query",
@@ -261,6 +262,29 @@ def usable(*tensors: torch.Tensor) -> bool:
         all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors)
         and tensors[0].dtype in (torch.float32, torch.float64)
         and library() is not None
+    )
+
+
+@torch.compiler.assume_constant_result
+def _available() -> bool:
+    """Whether the library builds and loads, with :func:`_lanes` read in: run as Python, not
+    traced, when ``torch.compile`` meets it (its result enters the graph as a constant; after a
+    change of ``MNEMO_NATIVE``, ``torch._dynamo.reset()`` retraces)."""
+    if library() is None:
+        return False
+    _lanes()
+    return True
+
+
+def usable_opaque(*tensors: torch.Tensor) -> bool:
+    """:func:`usable` without its ``torch.compile`` clause: whether a kernel can take these tensors
+    when it is called inside an opaque custom op (``torch.library.custom_op``), which runs eagerly
+    in a compiled graph. Traceable: the checks read devices and dtypes only, and the library is
+    built, and its SIMD width read, outside the trace (so :func:`_lanes` is a plain read)."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors)
+        and tensors[0].dtype in (torch.float32, torch.float64)
+        and _available()
     )
 
 
