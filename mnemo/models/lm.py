@@ -643,36 +643,47 @@ def _compiled_one_token(model: nn.Module):
 class _DecodeStep:
     """:meth:`LanguageModel.generate`'s one-token step ``(ids [B, 1], state) -> (logits, state)``:
     the model itself, or with ``compile=True`` the model's :func:`_compiled_one_token` (dynamo's
-    guards recompile for another batch size, dtype or cache length). A ``RuntimeError`` from the
-    first compiled call (dynamo and inductor raise subclasses of it: no C compiler, an unsupported
-    op) is reported as a ``RuntimeWarning`` and the step runs eagerly."""
+    guards recompile for another batch size, dtype or cache length, so any call may compile). A
+    compilation error on any call (``torch._dynamo.exc.TorchDynamoException`` and its subclasses,
+    which dynamo and inductor raise: no C compiler, an unsupported op) is reported once as a
+    ``RuntimeWarning`` and that step and the rest run eagerly; any other error (a bad input, out of
+    memory) propagates unchanged."""
 
     def __init__(self, model: nn.Module, compile: bool):
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.model = model
         self.fn = _compiled_one_token(model) if compile else None
-        self.checked = False
 
     def __call__(self, ids, state):
         if self.fn is None:
             return self.model(ids, state)
-        if self.checked:
-            return self.fn(self.model, ids, state)
         try:
-            out = self.fn(self.model, ids, state)
-        except RuntimeError as e:  # dynamo compiles a graph before running it
+            return self.fn(self.model, ids, state)
+        except torch._dynamo.exc.TorchDynamoException as e:  # dynamo compiles a graph before running it
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             warnings.warn(
                 f"generate(compile=True): torch.compile failed ({type(e).__name__}: {' '.join(lines[:2])}); "
                 "decoding eagerly",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_caller_level(),
             )
             self.fn = None
             return self.model(ids, state)
-        self.checked = True
-        return out
+
+
+def _caller_level() -> int:
+    """``stacklevel`` for a warning raised here that names the first frame outside mnemo and torch
+    (the user's call of ``generate``, through ``torch.no_grad``'s wrappers)."""
+    import inspect
+    import os
+
+    skip = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    # frame 0 is this function, frame 1 the caller of warnings.warn (stacklevel 1), and so on
+    for level, info in enumerate(inspect.stack(0)):
+        if level >= 1 and not info.filename.startswith(skip):
+            return level
+    return 2
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:

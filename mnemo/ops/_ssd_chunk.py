@@ -91,7 +91,8 @@ def _copy_scaled(src: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
     """``src`` (a permuted view) copied into a new contiguous tensor of its shape, times ``f``
     (broadcast) if given, in one pass."""
     if torch.compiler.is_compiling():  # functional: inductor gives an ``out=`` result src's strides
-        return (src if f is None else src * f).clone(memory_format=torch.contiguous_format)
+        y = src if f is None else (src * f).to(src.dtype)  # (eager's out= keeps src's dtype too)
+        return y.clone(memory_format=torch.contiguous_format)
     out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
     return out.copy_(src) if f is None else torch.mul(src, f, out=out)
 

@@ -146,7 +146,11 @@ def test_generate_compiled_equals_eager():
     model = _model("mamba2")
     ids = torch.randint(0, 32, (3, 9), generator=torch.Generator().manual_seed(2))
     want = _greedy(model, ids, 12)
-    got = _greedy(model, ids, 12, compile=True)
+    import warnings
+
+    with warnings.catch_warnings():  # a failed compile (eager fallback) must not pass for a compiled run
+        warnings.filterwarnings("error", message=r"generate\(compile=True\)")
+        got = _greedy(model, ids, 12, compile=True)
     assert torch.equal(got, want)
     assert counters["stats"]["unique_graphs"] >= 1
     assert model.training  # generate restores the mode
@@ -162,9 +166,13 @@ def test_generate_compiled_equals_eager_with_a_growing_cache_and_padding():
     ids = torch.randint(1, 32, (3, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    assert torch.equal(_greedy(model, ids, 10, compile=True), _greedy(model, ids, 10))
-    want = _greedy(model, ids, 6, attention_mask=mask)
-    assert torch.equal(_greedy(model, ids, 6, attention_mask=mask, compile=True), want)
+    import warnings
+
+    with warnings.catch_warnings():  # a failed compile (eager fallback) must not pass for a compiled run
+        warnings.filterwarnings("error", message=r"generate\(compile=True\)")
+        assert torch.equal(_greedy(model, ids, 10, compile=True), _greedy(model, ids, 10))
+        want = _greedy(model, ids, 6, attention_mask=mask)
+        assert torch.equal(_greedy(model, ids, 6, attention_mask=mask, compile=True), want)
 
 
 def test_generate_compile_falls_back_to_eager_when_compiling_fails(monkeypatch):
@@ -183,10 +191,46 @@ def test_generate_compile_falls_back_to_eager_when_compiling_fails(monkeypatch):
     monkeypatch.setattr(lm, "_compiled_one_token", lambda model: broken)
     model = _model("gla")
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
-    with pytest.warns(RuntimeWarning, match="torch.compile failed .*no C compiler found.*decoding eagerly"):
+    with pytest.warns(
+        RuntimeWarning, match="torch.compile failed .*no C compiler found.*decoding eagerly"
+    ) as rec:
         got = _greedy(model, ids, 6, compile=True)
     assert torch.equal(got, _greedy(model, ids, 6))
     assert len(calls) == 1  # tried once, then eager for the rest
+    assert len(rec) == 1 and rec[0].filename == __file__  # names the caller of generate()
+
+
+def test_generate_compile_falls_back_when_a_later_step_fails_to_compile(monkeypatch):
+    """A later step can compile too (a growing KV cache, another batch size): its failure also
+    falls back (once, with the warning); an error that is not a compilation error (here a
+    ValueError) propagates unchanged, without a warning."""
+    import mnemo.models.lm as lm
+
+    n = []
+
+    def second_fails(model, ids, state):
+        n.append(1)
+        if len(n) == 2:
+            raise torch._dynamo.exc.Unsupported("an op dynamo cannot trace")
+        return lm._one_token(model, ids, state)
+
+    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: second_fails)
+    model = _model("gla")
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(RuntimeWarning, match="Unsupported: an op dynamo cannot trace"):
+        got = _greedy(model, ids, 6, compile=True)
+    assert torch.equal(got, _greedy(model, ids, 6)) and len(n) == 2
+
+    def bad(model, ids, state):
+        raise ValueError("input_ids: not this")
+
+    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: bad)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="input_ids: not this"):
+            _greedy(model, ids, 3, compile=True)
 
 
 def test_generate_compile_uses_the_compiled_step_and_checks_its_argument(monkeypatch):

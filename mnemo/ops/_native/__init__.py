@@ -255,7 +255,8 @@ def simd_width() -> int:
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether a kernel can take these tensors: all on the CPU, float32 or float64 (one dtype), and
     the library builds. ``False`` while ``torch.compile`` traces: a ctypes call cannot be traced
-    (it would break the graph), so compiled code runs the PyTorch forms, which inductor compiles."""
+    (it would break the graph); compiled code calls a kernel only from inside an opaque custom op
+    (:func:`usable_opaque`, the selective scan), else runs the PyTorch forms, which inductor compiles."""
     if torch.compiler.is_compiling():
         return False
     return (
