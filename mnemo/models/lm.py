@@ -376,12 +376,13 @@ class LanguageModel(nn.Module):
         ``generator`` in another order).
 
         ``compile=True`` runs the one-token decode step under ``torch.compile`` (the prefill stays
-        eager): on CPU it fuses the step's few hundred small kernels into a handful, 5-7x fewer
-        milliseconds per token for a 4-layer Mamba-2 at d_model 128 (``docs/benchmarks/``). The
-        first call compiles (tens of seconds); later calls with the same model, batch size and dtype
-        reuse the graph. The tokens equal eager decoding up to float rounding (greedy argmax ties
-        aside). Where compiling fails (no C compiler, an unsupported op) a ``RuntimeWarning`` says
-        why and decoding continues eagerly. Default ``compile=False``.
+        eager): on CPU it fuses the step's few hundred small kernels into a handful; the decode
+        steps of a 6-layer Mamba-2 at d_model 256 ran 2x faster than eager on 2 cores
+        (``docs/benchmarks/models_cpu_2core.txt``), smaller models gain more (per-op overhead
+        dominates them). The first call compiles (tens of seconds); later calls with the same model,
+        batch size and dtype reuse the graph. The tokens equal eager decoding up to float rounding
+        (greedy argmax ties aside). Where compiling fails (no C compiler, an unsupported op) a
+        ``RuntimeWarning`` says why and decoding continues eagerly. Default ``compile=False``.
         """
         step = _DecodeStep(self, compile)
         if attention_mask is not None:
