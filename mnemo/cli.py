@@ -698,7 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--model-shapes",
         default="1024x8,4096x2",
-        help="models suite: training shapes TxB (sequence length x batch), comma-separated",
+        help="models suite: training shapes TxB (sequence length x batch), comma-separated, or 'none' "
+        "(generation rows only)",
     )
     b.add_argument("--gen-batches", default="1,8", help="models suite: generation batch sizes")
     b.add_argument("--prompt-len", type=int, default=256, help="models suite: generation prompt tokens")

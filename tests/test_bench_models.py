@@ -205,6 +205,21 @@ def test_groups_are_built_timed_printed_and_freed_one_at_a_time(monkeypatch):
     assert any(isinstance(s, str) and s.strip().startswith("gla ") for s in log[:second])
 
 
+def test_model_shapes_none_times_generation_only(tmp_path, capsys):
+    assert bench.parse_shapes("none") == [] and bench.parse_shapes(" None ") == []
+    out = tmp_path / "gen.json"
+    argv = ["bench", "--suite", "models", "--models", "gla", "--peers", "none", *TINY]
+    argv[argv.index("32x2")] = "none"
+    assert main([*argv, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["train"] == []
+    assert sorted((r["model"], r["batch"]) for r in res["generate"]) == [("gla", 1), ("gla", 2)]
+    capsys.readouterr()
+    bench.print_tables(res)
+    out = capsys.readouterr().out
+    assert "gla" in out and "generation" in out and "training" not in out
+
+
 def test_bad_arguments_name_the_flag():
     with pytest.raises(ValueError, match="--model-shapes"):
         bench.parse_shapes("1024*8")

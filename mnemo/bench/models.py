@@ -679,7 +679,10 @@ def _ratio(a: float, b: float) -> float:
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``"1024x8,4096x2"`` -> ``[(1024, 8), (4096, 2)]`` (``T x batch``)."""
+    """``"1024x8,4096x2"`` -> ``[(1024, 8), (4096, 2)]`` (``T x batch``); ``"none"`` -> ``[]`` (no
+    training rows: generation only, e.g. for a peer too slow to train at the shared size)."""
+    if str(text).strip().lower() == "none":
+        return []
     out = []
     for part in str(text).split(","):
         try:
@@ -1000,17 +1003,18 @@ def _gen_line(r: dict) -> str:
 
 def print_tables(result: dict, log: Callable[[str], None] = print) -> None:
     """The training and generation tables of a :func:`run` result."""
-    log(
-        "\ntraining (forward + loss + backward + AdamW step); ratio = this row's step time / the "
-        "'vs' row's (peer / mnemo: above 1 means mnemo is faster; compiled / eager: below 1 means "
-        "compiling helped)"
-    )
-    head = f"{'model':<30}{'library':<16}{'T':>6}{'B':>4}{'params':>12}{'step ms':>11}{'tokens/s':>11}"
-    head += f"{'vs':>20}{'ratio':>8}{'breaks':>8}"
-    log(head)
-    log("-" * len(head))
-    for r in result["train"]:
-        log(_train_line(r))
+    if result["train"]:
+        log(
+            "\ntraining (forward + loss + backward + AdamW step); ratio = this row's step time / the "
+            "'vs' row's (peer / mnemo: above 1 means mnemo is faster; compiled / eager: below 1 means "
+            "compiling helped)"
+        )
+        head = f"{'model':<30}{'library':<16}{'T':>6}{'B':>4}{'params':>12}{'step ms':>11}{'tokens/s':>11}"
+        head += f"{'vs':>20}{'ratio':>8}{'breaks':>8}"
+        log(head)
+        log("-" * len(head))
+        for r in result["train"]:
+            log(_train_line(r))
     if result["generate"]:
         g = result["generate"][0]
         log(
