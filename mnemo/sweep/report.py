@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -440,8 +441,9 @@ def _panel(ax, name: str, xlabel: str, ylabel: str) -> None:
 
 
 def _save(plt, fig, path: str | Path, title: str, return_figure: bool = False):
-    if title:
-        fig.suptitle(title)
+    if title:  # wrapped to the figure's width (about 11 characters per inch at this size)
+        width = max(20, int(fig.get_figwidth() * 11))
+        fig.suptitle(textwrap.fill(title, width), fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

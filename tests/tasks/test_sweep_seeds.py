@@ -312,6 +312,23 @@ def test_report_plots_draw_the_intervals_as_error_bars(tmp_path):
         plt.close(fig)
 
 
+def test_a_long_plot_title_is_wrapped_inside_the_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = [_row(1e-3, s, a, state=100) for s, a in enumerate((0.5, 0.6, 0.7))]
+    title = "zoology_fig2_t64_v8192_e2: recall vs state size (mean over seeds, bars = 95% t interval)"
+    _, fig = plot_accuracy_vs_state(rows, tmp_path / "s.png", title=title, return_figure=True)
+    try:
+        text = fig._suptitle
+        assert text.get_text().replace("\n", " ") == title and "\n" in text.get_text()
+        fig.canvas.draw()
+        box = text.get_window_extent(fig.canvas.get_renderer())
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width, "the title fits the figure's width"
+    finally:
+        plt.close(fig)
+
+
 def test_the_report_says_when_nothing_was_tuned():
     from mnemo.sweep.report import _selection_note, _tuned
 
