@@ -654,7 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--compile",
         action="store_true",
-        help="decode under torch.compile (first call compiles for tens of seconds; pays off on long outputs)",
+        help="prefill and decode under torch.compile (the first call compiles for tens of seconds; pays off "
+        "on long outputs)",
     )
     g.set_defaults(func=_cmd_generate)
 

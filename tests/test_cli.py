@@ -85,18 +85,18 @@ def test_generate_compile_flag_decodes_through_the_compiled_step(run_dir, capsys
 
     steps = []
 
-    def spy(model, ids, state):
+    def spy(model, ids, state=None):
         steps.append(ids.shape)
         return lm._one_token(model, ids, state)
 
-    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: spy)
+    monkeypatch.setattr(lm, "_compiled", lambda model, kind: spy)
     args = ["generate", "--checkpoint", str(run_dir), "--prompt", "RO", "--max-new-tokens", "5"]
     assert main([*args, "--temperature", "0"]) == 0
     eager = capsys.readouterr().out
     assert steps == []
     assert main([*args, "--temperature", "0", "--compile"]) == 0
     assert capsys.readouterr().out == eager
-    assert len(steps) == 4
+    assert len(steps) == 5  # the prefill and 4 decode steps
 
 
 def test_resume_extends_a_run(tmp_path, capsys):

@@ -30,8 +30,8 @@ the repeats **interleaved**: round ``r`` times every row once (the order rotated
 drift of the machine's speed hits all rows alike rather than whichever row ran during it.
 
 ``--compile`` adds, for every mnemo family, a row with the model under ``torch.compile`` (default
-mode): the training forward/backward and the one-token decode step compiled (the prefill and the
-optimizer step stay eager), with the number of graph breaks dynamo reported while compiling. Where
+mode): the training forward/backward, the prefill and the one-token decode step compiled (the
+optimizer step stays eager), with the number of graph breaks dynamo reported while compiling. Where
 compilation is unavailable (no C compiler for the CPU inductor backend, ...) the suite says so and
 runs eager only.
 """
@@ -126,7 +126,7 @@ def mnemo_entry(name: str, model=None, size: Size | None = None, note: str = "")
 
 def compiled_entry(eager: Entry) -> Entry:
     """``eager``'s model (a copy) under ``torch.compile``: the training forward compiled, and
-    generation through ``generate(temperature=0, compile=True)`` (eager prefill, compiled
+    generation through ``generate(temperature=0, compile=True)`` (compiled prefill and
     one-token step)."""
     model = copy.deepcopy(eager.model)
     fwd = torch.compile(model)

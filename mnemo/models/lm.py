@@ -375,12 +375,14 @@ class LanguageModel(nn.Module):
         equals generating its prompt alone (exactly for greedy decoding; sampling draws from one
         ``generator`` in another order).
 
-        ``compile=True`` runs the one-token decode step under ``torch.compile`` (the prefill stays
-        eager): on CPU it fuses the step's few hundred small kernels into a handful; the decode
-        steps of a 6-layer Mamba-2 at d_model 256 ran 2x faster than eager on 2 cores
-        (``docs/benchmarks/models_cpu_2core.txt``), smaller models gain more (per-op overhead
-        dominates them). The first call compiles (tens of seconds); later calls with the same model,
-        batch size and dtype reuse the graph. The tokens equal eager decoding up to float rounding
+        ``compile=True`` runs the prefill and the one-token decode step under ``torch.compile``
+        (left-padded prompts, ``attention_mask``, are prefilled eagerly): on CPU it fuses the step's
+        few hundred small kernels into a handful; the decode steps of a 6-layer Mamba-2 at d_model
+        256 ran 2x faster than eager on 2 cores (``docs/benchmarks/models_cpu_2core.txt``), its
+        128-token prefill 1.2-1.7x; smaller models gain more (per-op overhead dominates them). The
+        first call compiles (tens of seconds); later calls with the same model, batch size, prompt
+        length and dtype reuse the graphs (a second prompt length compiles once more, with the
+        length symbolic from then on). The tokens equal eager decoding up to float rounding
         (greedy argmax ties aside). Where compiling fails (no C compiler, an unsupported op) a
         ``RuntimeWarning`` says why and decoding continues eagerly. Default ``compile=False``.
         """
@@ -397,7 +399,7 @@ class LanguageModel(nn.Module):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         was_training = self.training
         self.eval()
-        logits, state = self(input_ids)
+        logits, state = step.prefill(input_ids)
         out = [input_ids]
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, generator)
@@ -623,54 +625,71 @@ def _one_token(model, ids, state):
     return model(ids, state)
 
 
-_compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _prefill(model, ids):
+    return model(ids)
 
 
-def _compiled_one_token(model: nn.Module):
-    """``model``'s compiled one-token step ``(model, ids, state) -> (logits, state)``, made once per
-    model (and dropped with it). Dynamo keeps its graphs per code object, up to
+_compiled_fns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILED_KINDS = {"prefill": _prefill, "step": _one_token}
+
+
+def _compiled(model: nn.Module, kind: str):
+    """``model``'s compiled prefill ``(model, ids) -> (logits, state)`` (``kind="prefill"``) or
+    one-token step ``(model, ids, state) -> (logits, state)`` (``kind="step"``), made once per model
+    and kind (and dropped with the model). Dynamo keeps its graphs per code object, up to
     ``torch._dynamo.config.recompile_limit`` (8) of them: one function shared by every model would
-    run out after a few families or batch sizes in one process and silently decode eagerly, so
-    each model gets a copy of the code object and so a cache of its own (its batch sizes, dtypes,
-    cache lengths)."""
-    fn = _compiled_steps.get(model)
+    run out after a few families or batch sizes in one process and silently run eagerly, so each
+    model and kind gets a copy of the code object and so a cache of its own (its batch sizes,
+    dtypes, prompt and cache lengths)."""
+    fns = _compiled_fns.get(model)
+    if fns is None:
+        fns = _compiled_fns[model] = {}
+    fn = fns.get(kind)
     if fn is None:
-        code = _one_token.__code__.replace()  # a distinct code object: a distinct dynamo cache
-        fn = torch.compile(types.FunctionType(code, _one_token.__globals__, "_one_token"))
-        _compiled_steps[model] = fn
+        src = _COMPILED_KINDS[kind]
+        code = src.__code__.replace()  # a distinct code object: a distinct dynamo cache
+        fn = fns[kind] = torch.compile(types.FunctionType(code, src.__globals__, src.__name__))
     return fn
 
 
 class _DecodeStep:
-    """:meth:`LanguageModel.generate`'s one-token step ``(ids [B, 1], state) -> (logits, state)``:
-    the model itself, or with ``compile=True`` the model's :func:`_compiled_one_token` (dynamo's
-    guards recompile for another batch size, dtype or cache length, so any call may compile). A
-    compilation error on any call (``torch._dynamo.exc.TorchDynamoException`` and its subclasses,
-    which dynamo and inductor raise: no C compiler, an unsupported op) is reported once as a
-    ``RuntimeWarning`` and that step and the rest run eagerly; any other error (a bad input, out of
-    memory) propagates unchanged."""
+    """:meth:`LanguageModel.generate`'s prefill ``prefill(ids [B, T]) -> (logits, state)`` and
+    one-token step ``(ids [B, 1], state) -> (logits, state)``: the model itself, or with
+    ``compile=True`` the model's :func:`_compiled` functions (dynamo's guards recompile for another
+    batch size, dtype, prompt or cache length, so any call may compile). A compilation error on any
+    call (``torch._dynamo.exc.TorchDynamoException`` and its subclasses, which dynamo and inductor
+    raise: no C compiler, an unsupported op) is reported once as a ``RuntimeWarning`` and that call
+    and the rest of the generation run eagerly; any other error (a bad input, out of memory)
+    propagates unchanged."""
 
     def __init__(self, model: nn.Module, compile: bool):
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.model = model
-        self.fn = _compiled_one_token(model) if compile else None
+        self.fns = {kind: _compiled(model, kind) for kind in _COMPILED_KINDS} if compile else {}
+
+    def prefill(self, ids):
+        return self._run("prefill", ids)
 
     def __call__(self, ids, state):
-        if self.fn is None:
-            return self.model(ids, state)
+        return self._run("step", ids, state)
+
+    def _run(self, kind, *args):
+        fn = self.fns.get(kind)
+        if fn is None:
+            return self.model(*args)
         try:
-            return self.fn(self.model, ids, state)
+            return fn(self.model, *args)
         except torch._dynamo.exc.TorchDynamoException as e:  # dynamo compiles a graph before running it
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             warnings.warn(
                 f"generate(compile=True): torch.compile failed ({type(e).__name__}: {' '.join(lines[:2])}); "
-                "decoding eagerly",
+                "running eagerly",
                 RuntimeWarning,
                 stacklevel=_caller_level(),
             )
-            self.fn = None
-            return self.model(ids, state)
+            self.fns = {}
+            return self.model(*args)
 
 
 def _caller_level() -> int:

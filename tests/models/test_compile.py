@@ -138,22 +138,34 @@ def _greedy(model, ids, n, **kw):
 @needs_compile
 def test_generate_compiled_equals_eager():
     """Mamba-2 (a fixed-size state: one graph for every step): greedy tokens from the compiled
-    step equal eager decoding's, and the compiled function really ran (dynamo counted frames)."""
+    prefill and step equal eager decoding's for two prompt lengths, the compiled functions really
+    ran (dynamo counted their graphs), and the compiled prefill's logits and state are eager's."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
+    import mnemo.models.lm as lm
+    from mnemo.layers.state import tensors
+
     counters.clear()
     model = _model("mamba2")
-    ids = torch.randint(0, 32, (3, 9), generator=torch.Generator().manual_seed(2))
-    want = _greedy(model, ids, 12)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 32, (3, T), generator=gen) for T in (9, 13)]
     import warnings
 
     with warnings.catch_warnings():  # a failed compile (eager fallback) must not pass for a compiled run
         warnings.filterwarnings("error", message=r"generate\(compile=True\)")
-        got = _greedy(model, ids, 12, compile=True)
-    assert torch.equal(got, want)
-    assert counters["stats"]["unique_graphs"] >= 1
+        for ids in prompts:
+            assert torch.equal(_greedy(model, ids, 12, compile=True), _greedy(model, ids, 12))
+    assert counters["stats"]["unique_graphs"] >= 2  # the prefill's and the step's
     assert model.training  # generate restores the mode
+    model.eval()
+    with torch.no_grad():
+        for ids in prompts:
+            (lc, sc), (le, se) = lm._compiled(model, "prefill")(model, ids), model(ids)
+            assert rel_rms(lc, le) < 1e-5
+            assert [b.offset for b in sc] == [b.offset for b in se] == [ids.shape[1]] * len(se)
+            got, want = tensors(sc), tensors(se)
+            assert len(got) == len(want) > 0 and all(rel_rms(a, b) < 1e-5 for a, b in zip(got, want))
 
 
 @needs_compile
@@ -183,20 +195,20 @@ def test_generate_compile_falls_back_to_eager_when_compiling_fails(monkeypatch):
 
     calls = []
 
-    def broken(model, ids, state):
+    def broken(model, ids, state=None):
         calls.append(ids.shape)
         error = RuntimeError("no C compiler found")
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, error, None)
 
-    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: broken)
+    monkeypatch.setattr(lm, "_compiled", lambda model, kind: broken)
     model = _model("gla")
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
     with pytest.warns(
-        RuntimeWarning, match="torch.compile failed .*no C compiler found.*decoding eagerly"
+        RuntimeWarning, match="torch.compile failed .*no C compiler found.*running eagerly"
     ) as rec:
         got = _greedy(model, ids, 6, compile=True)
     assert torch.equal(got, _greedy(model, ids, 6))
-    assert len(calls) == 1  # tried once, then eager for the rest
+    assert len(calls) == 1  # tried once (the prefill), then eager for the rest
     assert len(rec) == 1 and rec[0].filename == __file__  # names the caller of generate()
 
 
@@ -208,23 +220,23 @@ def test_generate_compile_falls_back_when_a_later_step_fails_to_compile(monkeypa
 
     n = []
 
-    def second_fails(model, ids, state):
+    def second_fails(model, ids, state=None):
         n.append(1)
         if len(n) == 2:
             raise torch._dynamo.exc.Unsupported("an op dynamo cannot trace")
         return lm._one_token(model, ids, state)
 
-    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: second_fails)
+    monkeypatch.setattr(lm, "_compiled", lambda model, kind: second_fails)
     model = _model("gla")
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
     with pytest.warns(RuntimeWarning, match="Unsupported: an op dynamo cannot trace"):
         got = _greedy(model, ids, 6, compile=True)
     assert torch.equal(got, _greedy(model, ids, 6)) and len(n) == 2
 
-    def bad(model, ids, state):
+    def bad(model, ids, state=None):
         raise ValueError("input_ids: not this")
 
-    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: bad)
+    monkeypatch.setattr(lm, "_compiled", lambda model, kind: bad)
     import warnings
 
     with warnings.catch_warnings():
@@ -238,15 +250,19 @@ def test_generate_compile_uses_the_compiled_step_and_checks_its_argument(monkeyp
 
     seen = []
 
-    def spy(model, ids, state):
-        seen.append(ids.shape[1])
-        return lm._one_token(model, ids, state)
+    def spy(kind):
+        def fn(model, ids, state=None):
+            seen.append((kind, ids.shape[1], state is None))
+            return lm._one_token(model, ids, state)
 
-    monkeypatch.setattr(lm, "_compiled_one_token", lambda model: spy)
+        return fn
+
+    monkeypatch.setattr(lm, "_compiled", lambda model, kind: spy(kind))
     model = _model("gla")
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(4))
     assert torch.equal(_greedy(model, ids, 4, compile=True), _greedy(model, ids, 4))
-    assert seen == [1, 1, 1]  # every decode step after the first token (the prefill is eager)
+    # the prefill of the 5-token prompt, then every decode step after the first new token
+    assert seen == [("prefill", 5, True)] + [("step", 1, False)] * 3
     with pytest.raises(ValueError, match="compile: expected True or False, got 'yes'"):
         model.generate(ids, 2, compile="yes")
 
@@ -328,19 +344,24 @@ def test_compiled_selective_scan_over_several_blocks_matches_float64(kernel, mon
 
 
 def test_each_model_gets_its_own_compiled_step():
-    """One compiled decode step per model, with a code object of its own: dynamo's cache (and its
-    recompile_limit of 8 graphs) is per code object, so a step shared by every model ran out after
-    a few families in one process and decoded eagerly, silently. Dropped with the model."""
+    """One compiled prefill and one compiled decode step per model, each with a code object of its
+    own: dynamo's cache (and its recompile_limit of 8 graphs) is per code object, so a step shared
+    by every model ran out after a few families in one process and decoded eagerly, silently.
+    Dropped with the model."""
     import gc
 
     import mnemo.models.lm as lm
 
     a, b = _model("gla"), _model("mamba2")
-    fa, fb = lm._compiled_one_token(a), lm._compiled_one_token(b)
-    assert lm._compiled_one_token(a) is fa and fa is not fb
-    code = [f._torchdynamo_orig_callable.__code__ for f in (fa, fb)]
-    assert code[0] is not code[1] and code[0] is not lm._one_token.__code__
-    n = len(lm._compiled_steps)
-    del a, fa
+    fa, fb = lm._compiled(a, "step"), lm._compiled(b, "step")
+    pa = lm._compiled(a, "prefill")
+    assert lm._compiled(a, "step") is fa and lm._compiled(a, "prefill") is pa and fa is not fb
+    code = [f._torchdynamo_orig_callable.__code__ for f in (fa, fb, pa)]
+    assert len({id(c) for c in code}) == 3
+    assert code[0] is not lm._one_token.__code__ and code[2] is not lm._prefill.__code__
+    assert code[0].co_code == lm._one_token.__code__.co_code
+    assert code[2].co_code == lm._prefill.__code__.co_code
+    n = len(lm._compiled_fns)
+    del a, fa, pa
     gc.collect()
-    assert len(lm._compiled_steps) == n - 1
+    assert len(lm._compiled_fns) == n - 1
