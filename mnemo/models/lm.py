@@ -379,14 +379,15 @@ class LanguageModel(nn.Module):
         (left-padded prompts, ``attention_mask``, are prefilled eagerly): on CPU it fuses the step's
         few hundred small kernels into a handful; the decode steps of a 6-layer Mamba-2 at d_model
         256 ran 2x faster than eager on 2 cores (``docs/benchmarks/models_cpu_2core.txt``), its
-        128-token prefill 1.3-1.4x (batch 8) and 1.8-2.2x (batch 1); smaller models gain more (per-op overhead dominates them). The
-        first call compiles (tens of seconds); later calls with the same model, batch size, prompt
-        length and dtype reuse the graphs. A second prompt length compiles once more, with the length
-        symbolic from then on, except where a chunked form unrolls its loop over chunks (Mamba-2's
-        SSD: one more graph per number of chunks); past dynamo's ``recompile_limit`` (8 graphs per
-        model and function) new shapes run eagerly. The tokens equal eager decoding up to float rounding
-        (greedy argmax ties aside). Where compiling fails (no C compiler, an unsupported op) a
-        ``RuntimeWarning`` says why and decoding continues eagerly. Default ``compile=False``.
+        128-token prefill 1.3-1.4x (batch 8) and 1.8-2.2x (batch 1); smaller models gain more
+        (per-op overhead dominates them). The first call compiles (tens of seconds); later calls
+        with the same model, batch size, prompt length and dtype reuse the graphs. A second prompt
+        length compiles once more, with the length symbolic from then on, except where a chunked
+        form unrolls its loop over chunks (Mamba-2's SSD: one more graph per number of chunks); past
+        dynamo's ``recompile_limit`` (8 graphs per model and function) new shapes run eagerly. The
+        tokens equal eager decoding up to float rounding (greedy argmax ties aside). Where compiling
+        fails (no C compiler, an unsupported op) a ``RuntimeWarning`` says why and the generation
+        continues eagerly. Default ``compile=False``.
         """
         step = _DecodeStep(self, compile)
         if attention_mask is not None:

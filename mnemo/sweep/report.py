@@ -362,10 +362,10 @@ def plot_accuracy_vs_state(
     return_figure: bool = False,
 ):
     """Mean ``metric`` over seeds (:func:`cell_stats`) vs decoding-state bytes per sequence, with the
-    confidence interval as error bars, one line per model entry (its label: a sweep's variants of one
-    registry model get a line each) through its model sizes (``model_overrides.*`` grid axes such
-    as ``d_model``), one panel per setting of the other grid axes (the Zoology / Based
-    recall–memory plot). Cells without a finished run are left out.
+    confidence interval as error bars and each reported seed as a faint dot, one line per model
+    entry (its label: a sweep's variants of one registry model get a line each) through its model
+    sizes (``model_overrides.*`` grid axes such as ``d_model``), one panel per setting of the other
+    grid axes (the Zoology / Based recall–memory plot). Cells without a finished run are left out.
     Returns the path, or ``(path, figure)`` with ``return_figure`` (then the caller closes it)."""
     plt = _pyplot()
     stats = cell_stats(rows, metric, select_lr_on_seed=select_lr_on_seed, confidence=confidence)
@@ -379,7 +379,7 @@ def plot_accuracy_vs_state(
             rs = sorted(
                 (r for r in rs if r["state_size_bytes"] and r["n"]), key=lambda r: r["state_size_bytes"]
             )
-            ax.errorbar(
+            bars = ax.errorbar(
                 [r["state_size_bytes"] for r in rs],
                 [r["mean"] for r in rs],
                 yerr=_yerr(rs),
@@ -387,6 +387,10 @@ def plot_accuracy_vs_state(
                 capsize=3,
                 label=model,
             )
+            seeds = [(r["state_size_bytes"], v) for r in rs for v in r["values"]]
+            if seeds:  # each seed as a faint dot: a bimodal cell shows as two clusters, not one bar
+                x, y = zip(*seeds)
+                ax.scatter(x, y, s=12, alpha=0.35, color=bars[0].get_color(), linewidths=0, zorder=1)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decade labels only: minor ones overlap
         _panel(ax, name, "decoding state per sequence (bytes)", metric)

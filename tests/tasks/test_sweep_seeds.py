@@ -273,6 +273,7 @@ def test_a_database_from_before_seeds_still_opens(tmp_path):
 
 def test_report_plots_draw_the_intervals_as_error_bars(tmp_path):
     pytest.importorskip("matplotlib")
+    from matplotlib.collections import PathCollection
     from matplotlib.container import ErrorbarContainer
 
     rows = [
@@ -299,6 +300,14 @@ def test_report_plots_draw_the_intervals_as_error_bars(tmp_path):
             assert (lo, hi) == pytest.approx((c["low"], c["high"]), abs=1e-12)
         (solo,) = bars["solo"][2][0].get_segments()
         assert solo[0][1] == solo[1][1] == pytest.approx(0.4), "n = 1: zero-length bar"
+        dots = sorted(
+            (float(x), round(float(y), 9))
+            for c in ax.collections
+            if isinstance(c, PathCollection)  # the scatter's dots (the bars are LineCollections)
+            for x, y in c.get_offsets()
+        )
+        want = sorted((float(r["state_size_bytes"]), round(r["metrics"]["val_acc"], 9)) for r in rows)
+        assert dots == want, "every seed's value is drawn at its cell's state size"
     finally:
         plt.close(fig)
     _, fig = plot_accuracy_vs_length(rows, tmp_path / "l.png", return_figure=True)
