@@ -247,3 +247,20 @@ def test_shipped_sweep_and_task_configs_are_valid():
     for p in tasks:
         TrainConfig.from_dict(yaml.safe_load(p.read_text()))
     assert json.dumps(SweepSpec.load(root / "sweeps" / "mqar.yaml").grid)
+    # every other sweep file the results docs cite (configs/zoology, configs/needles, the Titans
+    # ablations) and the single-run files beside them
+    others = [p for p in sorted(root.rglob("*.yaml")) if p.parent.name not in ("sweeps", "tasks", "circuits")]
+    assert {p.name for p in others} >= {"titans_ablation_v8192.yaml", "fig2_t64_v8192_e2.yaml", "niah1.yaml"}
+    from mnemo.models import LanguageModel, build_config
+
+    built = set()
+    for p in others:
+        d = yaml.safe_load(p.read_text())
+        cfgs = [r.config for r in SweepSpec.load(p).runs()] if "models" in d else [d]
+        assert cfgs, p
+        for c in cfgs:
+            TrainConfig.from_dict(c)
+            key = json.dumps([c["model"], c.get("model_overrides", {})], sort_keys=True)
+            if key not in built:  # every mixer option really exists (a misspelt one raises here)
+                built.add(key)
+                LanguageModel(build_config(c["model"], vocab_size=64, **c.get("model_overrides", {})))
