@@ -66,3 +66,24 @@ def assert_directional_derivatives(m, x, name, loss_of=lambda y: y.square().sum(
         fd = (up - down) / (2 * h)
         scale = max(abs(analytic), 1e-3 * abs(base))
         assert abs(fd - analytic) <= 1e-4 * scale, f"{name}: d/d{pname} {analytic} vs finite difference {fd}"
+
+
+def spawn(fn, args: tuple, nprocs: int, timeout_s: float = 900.0) -> None:
+    """``torch.multiprocessing.start_processes(fn, args, nprocs, start_method="spawn")``, joined
+    with a deadline: a rank that hangs (a lost peer, a teardown race) fails the test after
+    ``timeout_s`` seconds, with the hung ranks killed, instead of stalling the whole suite.
+    A rank's exception is re-raised as ``start_processes`` does."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"ranks {alive} of {nprocs} still running after {timeout_s:.0f} s: killed")

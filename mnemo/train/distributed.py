@@ -58,17 +58,46 @@ def barrier() -> None:
         dist.barrier()
 
 
-def cleanup() -> None:
+_LEFT_KEY = "mnemo/cleanup/left"
+
+
+def cleanup(timeout_s: float = 60.0) -> None:
     """Leave the process group (if one was joined). All ranks meet at a barrier first, so no rank
     tears its connections down while a peer still uses them (gloo aborts the peer otherwise).
-    The barrier is skipped when it fails (a peer already gone): leaving must not raise."""
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            try:
-                dist.barrier()
-            except RuntimeError:
-                pass
-        dist.destroy_process_group()
+    The barrier is skipped when it fails (a peer already gone): leaving must not raise.
+
+    Rank 0 hosts the rendezvous store (torchrun's ``TCPStore``) and leaves last: every other rank
+    counts itself out in the store once its ``destroy_process_group`` has returned, and rank 0
+    waits for that count (at most ``timeout_s`` seconds) before it returns. Without this order
+    rank 0 could exit while a peer's teardown still talks to the store, and that peer may then
+    hang on the closed connection (seen once in the two-process tests)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = None
+    if world > 1:
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass
+        try:  # the default group's store; private in torch, so its absence only loses the ordering
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:
+            store = None
+    dist.destroy_process_group()
+    if store is None:
+        return
+    import time
+
+    try:
+        if rank != 0:
+            store.add(_LEFT_KEY, 1)
+            return
+        deadline = time.monotonic() + timeout_s
+        while store.add(_LEFT_KEY, 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # a peer or the store already gone: leaving must not raise
+        pass
 
 
 def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:

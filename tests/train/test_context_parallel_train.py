@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from mnemo.train import TrainConfig, Trainer, TrainingDiverged
-from tests.helpers import free_port, join_as_torchrun
+from tests.helpers import free_port, join_as_torchrun, spawn
 
 RTOL = 1e-5
 MODELS = ["gated_deltanet", "mamba", "transformer", "hybrid"]  # the last two run ring attention
@@ -77,7 +76,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cp")
-    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    spawn(_worker, (2, free_port(), str(out)), 2)
     return out
 
 

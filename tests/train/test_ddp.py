@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mnemo.data.tasks import IGNORE_INDEX, MQAR, TASKS, make_generator
 from mnemo.models import LanguageModel, build_config
 from mnemo.train import TrainConfig, Trainer, TrainingDiverged
-from tests.helpers import free_port, join_as_torchrun
+from tests.helpers import free_port, join_as_torchrun, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
@@ -140,7 +139,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    spawn(_worker, (2, free_port(), str(out)), 2)
     return out
 
 

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mnemo.train import TrainConfig, Trainer
-from tests.helpers import free_port, join_as_torchrun
+from tests.helpers import free_port, join_as_torchrun, spawn
 
 ACCUM, STEPS = 2, 2
 
@@ -64,7 +63,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ddp_no_sync")
-    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    spawn(_worker, (2, free_port(), str(out)), 2)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -7,10 +7,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mnemo.models import LanguageModel, build_config
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn
 
 MODELS = ["gated_deltanet", "titans_lmm"]  # a matrix-state mixer and a test-time-trained memory
 
@@ -50,9 +49,7 @@ def _cp_worker(rank, world, port, name, out):
 @pytest.mark.parametrize("name", MODELS)
 def test_context_parallel_equals_single_process(name, tmp_path):
     world = 2
-    mp.start_processes(
-        _cp_worker, args=(world, free_port(), name, str(tmp_path)), nprocs=world, start_method="spawn"
-    )
+    spawn(_cp_worker, (world, free_port(), name, str(tmp_path)), world)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     model = _model(name)
     logits, _ = model(_ids())
@@ -89,3 +86,33 @@ def test_context_parallel_runs_attention_on_the_ring_and_refuses_what_it_cannot_
     cms = LanguageModel(build_config("transformer", vocab_size=32, d_model=16, n_layers=1, mlp="cms"))
     with pytest.raises(ValueError, match=r"layer 0: softmax attention followed by a stateful MLP \(CMS\)"):
         check_context_parallel(cms)
+
+
+def _leave_worker(rank, world, port, out):
+    import time
+
+    from mnemo.train.distributed import cleanup, init_from_env
+    from tests.helpers import join_as_torchrun
+
+    join_as_torchrun(rank, world, port)
+    init_from_env()
+    if rank == 1:
+        # the peer's teardown is slow: rank 0 (the store's host) must still wait for it
+        real = dist.destroy_process_group
+
+        def slow_destroy(*a, **k):
+            time.sleep(1.0)
+            real(*a, **k)
+            (out / "peer_done").write_text(repr(time.time()))
+
+        dist.destroy_process_group = slow_destroy
+    cleanup()
+    if rank == 0:
+        (out / "host_left").write_text(repr(time.time()))
+
+
+def test_cleanup_lets_the_store_host_leave_last(tmp_path):
+    spawn(_leave_worker, (2, free_port(), tmp_path), 2)
+    peer_done = float((tmp_path / "peer_done").read_text())
+    host_left = float((tmp_path / "host_left").read_text())
+    assert host_left >= peer_done, (host_left, peer_done)

@@ -10,11 +10,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mnemo.models import LanguageModel, build_config
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn
 
 WORLD, T = 2, 12
 MODELS = {
@@ -66,7 +65,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out = tmp_path_factory.mktemp("ring")
-    mp.start_processes(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    spawn(_worker, (WORLD, free_port(), str(out)), WORLD)
     return out
 
 
