@@ -128,8 +128,9 @@ class TrainConfig:
             must not exceed it. ``None`` (default): fresh batches.
         early_stop_acc: tasks only: stop training at the first evaluation whose ``val_acc`` is at
             least this value (Zoology stops at 0.99), writing the final checkpoint there; the
-            cosine schedule keeps its length; a resumed early-stopped run stays stopped. Not with
-            ``eval_lengths``. ``None`` (default): run all ``steps``.
+            cosine schedule keeps its length; a resumed early-stopped run stays stopped. The
+            evaluation that stops the run is its final one: it adds the ``eval_lengths``.
+            ``None`` (default): run all ``steps``.
         eval_lengths: further test lengths (tasks only), evaluated at the end of training with the
             models' streaming chunk/recurrent forms, e.g. ``[1024, 4096]`` for a model trained at
             256; metrics ``val_acc@L`` and ``val_loss@L``.
@@ -443,8 +444,6 @@ class TrainConfig:
                 bad("early_stop_acc", "None or a number in (0, 1]")
             if self.task is None:
                 bad("early_stop_acc", "None when no task is set (set TrainConfig.task)")
-            if self.eval_lengths:
-                bad("early_stop_acc", "None with eval_lengths (they are evaluated after the last step only)")
         if not isinstance(self.eval_lengths, (list, tuple)) or any(
             not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.eval_lengths
         ):

@@ -1184,6 +1184,16 @@ class Trainer:
         callbacks that run it); only rank 0 logs and prints."""
         cfg = self.cfg
         ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
+        if (
+            not last
+            and cfg.eval_lengths
+            and cfg.early_stop_acc is not None
+            and ev.get("val_acc", 0.0) >= cfg.early_stop_acc
+        ):
+            # this evaluation ends the run (early stop): it is the final one, with eval_lengths
+            longer = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths)
+            ev.update({k: v for k, v in longer.items() if "@" in k})
+            last = True
         record = {
             "step": record["step"],
             "train_loss": record["train_loss"],

@@ -96,10 +96,6 @@ def test_training_on_a_fixed_set_uses_only_its_rows_and_resumes_exactly(tmp_path
         (dict(train_examples=4), r"TrainConfig.train_examples: expected None or at least batch_size \(8\)"),
         (dict(early_stop_acc=1.5), r"TrainConfig.early_stop_acc: expected None or a number in \(0, 1\]"),
         (
-            dict(early_stop_acc=0.9, eval_lengths=[32]),
-            "TrainConfig.early_stop_acc: expected None with eval_lengths",
-        ),
-        (
             dict(task=None, task_options={}, train_examples=16),
             "TrainConfig.train_examples: expected None when no task",
         ),
@@ -136,3 +132,19 @@ def test_early_stop_ends_the_run_at_the_first_evaluation_over_the_threshold(tmp_
     )
     rec = _quiet(full.fit)
     assert rec["step"] == 6 and not full.early_stopped
+
+
+def test_the_evaluation_that_stops_the_run_is_the_final_one_with_eval_lengths(tmp_path):
+    cfg = _cfg(steps=12, eval_interval=3, early_stop_acc=1e-9, eval_lengths=[32])
+    tr = Trainer(cfg, tmp_path, progress=False)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rec = tr.fit()
+    assert rec["step"] == 3 and tr.early_stopped
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["step"] == 3 and "val_acc@32" in logged and "val_loss@32" in logged
+    # the same numbers as evaluating the stopped model at 32 tokens afterwards (same test set)
+    again = tr.evaluate(cfg.eval_batches, lengths=[32])
+    assert logged["val_acc@32"] == again["val_acc@32"]
+    assert logged["val_loss@32"] == pytest.approx(again["val_loss@32"], rel=1e-6)
+    assert logged["val_acc"] == again["val_acc"]
