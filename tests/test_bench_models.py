@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from mnemo.bench import models as bench
 from mnemo.cli import main
@@ -235,3 +236,32 @@ def test_interleaved_rotates_the_order():
     times = bench.interleaved(tasks, repeats=3, warmup=1)
     assert calls == list("abc") + list("abc") + list("bca") + list("cab")
     assert all(len(v) == 3 for v in times.values())
+
+
+def test_mixer_share_stand_ins_replace_the_core_and_keep_every_gradient():
+    """scripts/bench_mixer_share.py's ``rest`` step is only a fair lower bound on the work outside
+    the mixer core if the core really is replaced and every parameter still gets a gradient."""
+    from mnemo.bench.models import Size, mnemo_entry
+
+    spec = importlib.util.spec_from_file_location("bench_mixer_share", "scripts/bench_mixer_share.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = []
+    free_gdr, free_ssd = mod._free_gated_delta_rule, mod._free_ssd_chunk
+    mod._free_gated_delta_rule = lambda *a, **k: calls.append("gdr") or free_gdr(*a, **k)
+    mod._free_ssd_chunk = lambda *a, **k: calls.append("ssd") or free_ssd(*a, **k)
+    ids = torch.randint(0, 256, (2, 16))
+    for name, core in (("mamba2", "ssd"), ("gated_deltanet", "gdr")):
+        e = mnemo_entry(name, size=Size(d_model=32, n_layers=2))
+        with mod._mixer_core_free():
+            e.logits(ids).square().mean().backward()
+        assert calls.count(core) == 2, (name, calls)  # one call per layer
+        missing = [n for n, p in e.model.named_parameters() if p.grad is None]
+        assert not missing, (name, missing)
+        calls.clear()
+    # the real ops are back after the context
+    import mnemo.layers.delta as delta_layer
+    import mnemo.layers.ssm as ssm_layer
+
+    assert delta_layer.gated_delta_rule.__module__ == "mnemo.ops.delta_rule"
+    assert ssm_layer.run_ssd_chunk.__module__ == "mnemo.ops._ssd_chunk"
