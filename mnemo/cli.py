@@ -702,7 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="models suite: training shapes TxB (sequence length x batch), comma-separated, or 'none' "
         "(generation rows only)",
     )
-    b.add_argument("--gen-batches", default="1,8", help="models suite: generation batch sizes")
+    b.add_argument(
+        "--gen-batches",
+        default="1,8",
+        help="models suite: generation batch sizes, or 'none' (training rows only)",
+    )
     b.add_argument("--prompt-len", type=int, default=256, help="models suite: generation prompt tokens")
     b.add_argument("--gen-tokens", type=int, default=64, help="models suite: new tokens per generate()")
     b.add_argument(

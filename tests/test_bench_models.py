@@ -221,7 +221,19 @@ def test_model_shapes_none_times_generation_only(tmp_path, capsys):
     assert "gla" in out and "generation" in out and "training" not in out
 
 
+def test_gen_batches_none_times_training_only(tmp_path):
+    assert bench.parse_gen_batches("none") == [] and bench.parse_gen_batches("1,8") == [1, 8]
+    out = tmp_path / "train.json"
+    argv = ["bench", "--suite", "models", "--models", "gla", "--peers", "none", *TINY]
+    argv[argv.index("1,2")] = "none"
+    assert main([*argv, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["generate"] == [] and [(r["model"], r["T"]) for r in res["train"]] == [("gla", 32)]
+
+
 def test_bad_arguments_name_the_flag():
+    with pytest.raises(ValueError, match="--gen-batches"):
+        bench.parse_gen_batches("1,x")
     with pytest.raises(ValueError, match="--model-shapes"):
         bench.parse_shapes("1024*8")
     with pytest.raises(ValueError, match="--models: unknown"):

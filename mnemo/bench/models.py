@@ -705,6 +705,14 @@ def _int_list(text: str, flag: str) -> list[int]:
     return out
 
 
+def parse_gen_batches(text: str) -> list[int]:
+    """``"1,8"`` -> ``[1, 8]`` (generation batch sizes); ``"none"`` -> ``[]`` (no generation rows:
+    training only)."""
+    if str(text).strip().lower() == "none":
+        return []
+    return _int_list(text, "--gen-batches")
+
+
 def run(
     models: list[str],
     peers: list[str],
@@ -1047,7 +1055,7 @@ def main(args) -> int:
         getattr(args, "d_model", None) or DEFAULT_D_MODEL, getattr(args, "n_layers", None) or DEFAULT_N_LAYERS
     )
     shapes = parse_shapes(getattr(args, "model_shapes", None) or DEFAULT_SHAPES)
-    gen_batches = _int_list(getattr(args, "gen_batches", None) or DEFAULT_GEN_BATCHES, "--gen-batches")
+    gen_batches = parse_gen_batches(getattr(args, "gen_batches", None) or DEFAULT_GEN_BATCHES)
     print(
         f"mnemo bench --suite models: d_model={size.d_model}, {size.n_layers} layers, vocab {size.vocab}; "
         f"{torch.get_num_threads()} threads; medians of {args.repeats} interleaved rounds after one warm-up"
