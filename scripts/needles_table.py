@@ -1,13 +1,15 @@
 """The needles table (kind x model x test length) and plot from the three needles sweep databases.
 
     python scripts/needles_table.py docs/results/needles/needles_acc_vs_length.png
+    python scripts/needles_table.py --suffix _long docs/results/needles/needles_long_acc_vs_length.png
 
-Reads runs/sweeps/needles_niah{1,2,3}.sqlite (configs/needles/*.yaml); prints a markdown table of
+Reads runs/sweeps/needles_niah{1,2,3}{suffix}.sqlite (configs/needles/*.yaml); prints a markdown table of
 the mean value-token accuracy over seeds ± the 95% Student-t half-width at each test length, and the
 per-seed accuracies at the training length; writes a one-row plot of the three kinds when a path is
 given (thick: mean over seeds, thin: each seed). See docs/results/needles.md."""
 
-import sys
+import argparse
+import json
 from pathlib import Path
 
 from mnemo.sweep.db import SweepDB
@@ -29,15 +31,20 @@ def fmt(st):
     return f"{st['mean']:.3f} ± {st['half_width']:.3f} (n={st['n']})"
 
 
-def main(out_png=None):
+def main(out_png=None, suffix="", with_steps=False):
     rows_out, data, rows_by_kind = [], {}, {}
     for key, title in KINDS:
-        db = Path(f"runs/sweeps/needles_{key}.sqlite")
+        db = Path(f"runs/sweeps/needles_{key}{suffix}.sqlite")
         if not db.exists():
             continue
         with SweepDB(db, create=False) as d:
             rows = d.rows()
         stats = {s["label"]: s for s in cell_stats(rows, "val_acc")}
+        steps = {}
+        for r in rows:
+            if r["status"] == "done" and r.get("metrics"):
+                met = r["metrics"] if isinstance(r["metrics"], dict) else json.loads(r["metrics"])
+                steps[(r["label"], r["seed"])] = met.get("step")
         data[key] = (title, stats)
         rows_by_kind[title] = rows
         for m in ORDER:
@@ -46,9 +53,15 @@ def main(out_png=None):
                 continue
             L = s["lengths"]
             cells = [fmt(L.get(x)) for x in (256, 512, 1024, 2048)]
-            per_seed = ", ".join(f"{v:.2f}" for v in s["values"])
+            per_seed = ", ".join(
+                f"{v:.2f}" + (f" @{steps[(m, seed)]}" if with_steps else "")
+                for seed, v in zip(s["seeds"], s["values"])
+            )
             rows_out.append(f"| {title} | {m} | " + " | ".join(cells) + f" | {per_seed} |")
-    print("| kind | model | 1x (256) | 2x (512) | 4x (1024) | 8x (2048) | 1x per seed |")
+    if not data:
+        raise SystemExit(f"no runs/sweeps/needles_niah{{1,2,3}}{suffix}.sqlite: run its sweeps first")
+    seed_col = "1x per seed (@ last step)" if with_steps else "1x per seed"
+    print(f"| kind | model | 1x (256) | 2x (512) | 4x (1024) | 8x (2048) | {seed_col} |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows_out))
     if out_png:
@@ -83,4 +96,11 @@ def main(out_png=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("png", nargs="?", help="where to write the plot (none: the table only)")
+    ap.add_argument("--suffix", default="", help="database name suffix, e.g. _long for niah*_long.yaml")
+    ap.add_argument(
+        "--steps", action="store_true", help="add each seed's last step (an early stop shows as < steps)"
+    )
+    args = ap.parse_args()
+    main(args.png, args.suffix, args.steps)
