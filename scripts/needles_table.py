@@ -20,7 +20,7 @@ KINDS = [
     ("niah2", "(ii) S-NIAH-2: random filler, 5 digits"),
     ("niah3", "(iii) S-NIAH-3: random filler, 8 hex"),
 ]
-ORDER = ["deltanet", "gated_deltanet", "mamba2", "titans_lmm"]
+ORDER = ["deltanet", "gated_deltanet", "mamba2", "mamba2_d8", "titans_lmm"]
 
 
 def fmt(st):
