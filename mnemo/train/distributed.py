@@ -59,6 +59,7 @@ def barrier() -> None:
 
 
 _LEFT_KEY = "mnemo/cleanup/left"
+_cleanups = 0  # this process's cleanups so far: one store key per process-group lifetime
 
 
 def cleanup(timeout_s: float = 60.0) -> None:
@@ -71,9 +72,12 @@ def cleanup(timeout_s: float = 60.0) -> None:
     waits for that count (at most ``timeout_s`` seconds) before it returns. Without this order
     rank 0 could exit while a peer's teardown still talks to the store, and that peer may then
     hang on the closed connection (seen once in the two-process tests)."""
+    global _cleanups
     if not (dist.is_available() and dist.is_initialized()):
         return
     rank, world = dist.get_rank(), dist.get_world_size()
+    _cleanups += 1
+    key = f"{_LEFT_KEY}/{_cleanups}"
     store = None
     if world > 1:
         try:
@@ -91,10 +95,10 @@ def cleanup(timeout_s: float = 60.0) -> None:
 
     try:
         if rank != 0:
-            store.add(_LEFT_KEY, 1)
+            store.add(key, 1)
             return
         deadline = time.monotonic() + timeout_s
-        while store.add(_LEFT_KEY, 0) < world - 1 and time.monotonic() < deadline:
+        while store.add(key, 0) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
     except Exception:  # a peer or the store already gone: leaving must not raise
         pass
