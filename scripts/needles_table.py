@@ -1,7 +1,8 @@
 """The needles table (kind x model x test length) and plot from the three needles sweep databases.
 
     python scripts/needles_table.py docs/results/needles/needles_acc_vs_length.png
-    python scripts/needles_table.py --suffix _long docs/results/needles/needles_long_acc_vs_length.png
+    python scripts/needles_table.py --suffix _long --steps --drops \
+        docs/results/needles/needles_long_acc_vs_length.png
 
 Reads runs/sweeps/needles_niah{1,2,3}{suffix}.sqlite (configs/needles/*.yaml); prints a markdown table of
 the mean value-token accuracy over seeds ± the 95% Student-t half-width at each test length, and the
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from mnemo.sweep.db import SweepDB
 from mnemo.sweep.report import _lengths, cell_stats
+from mnemo.sweep.stats import mean_interval
 
 KINDS = [
     ("niah1", "(i) S-NIAH-1: repeat filler, 5 digits"),
@@ -31,8 +33,24 @@ def fmt(st):
     return f"{st['mean']:.3f} ± {st['half_width']:.3f} (n={st['n']})"
 
 
-def main(out_png=None, suffix="", with_steps=False):
-    rows_out, data, rows_by_kind = [], {}, {}
+def drop_rows(title: str, rows: list[dict]) -> list[str]:
+    """Per model: the paired per-seed drop acc@256 − acc@2048 (mean ± 95% t half-width, n) and each
+    seed's (acc@256 → acc@2048). A run that never left the plateau is flat, so its drop is ~0."""
+    out = []
+    for m in ORDER:
+        runs = sorted((r for r in rows if r["label"] == m and r["status"] == "done"), key=lambda r: r["seed"])
+        pairs = [(L[256], L[2048]) for L in map(_lengths, runs) if 256 in L and 2048 in L]
+        if not pairs:
+            continue
+        st = mean_interval([a - b for a, b in pairs])
+        mean = f"{st['mean']:+.3f}" + ("" if st["half_width"] is None else f" ± {st['half_width']:.3f}")
+        seeds = ", ".join(f"{a:.2f}→{b:.2f}" for a, b in pairs)
+        out.append(f"| {title} | {m} | {mean} (n={st['n']}) | {seeds} |")
+    return out
+
+
+def main(out_png=None, suffix="", with_steps=False, drops=False):
+    rows_out, data, rows_by_kind, drop_out = [], {}, {}, []
     for key, title in KINDS:
         db = Path(f"runs/sweeps/needles_{key}{suffix}.sqlite")
         if not db.exists():
@@ -47,6 +65,7 @@ def main(out_png=None, suffix="", with_steps=False):
                 steps[(r["label"], r["seed"])] = met.get("step")
         data[key] = (title, stats)
         rows_by_kind[title] = rows
+        drop_out += drop_rows(title, rows)
         for m in ORDER:
             s = stats.get(m)
             if not s or not s["lengths"]:
@@ -64,6 +83,10 @@ def main(out_png=None, suffix="", with_steps=False):
     print(f"| kind | model | 1x (256) | 2x (512) | 4x (1024) | 8x (2048) | {seed_col} |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows_out))
+    if drops:
+        print("\n| kind | model | drop 1x − 8x | per seed: 1x → 8x |")
+        print("|---|---|---|---|")
+        print("\n".join(drop_out))
     if out_png:
         import matplotlib
 
@@ -102,5 +125,6 @@ if __name__ == "__main__":
     ap.add_argument(
         "--steps", action="store_true", help="add each seed's last step (an early stop shows as < steps)"
     )
+    ap.add_argument("--drops", action="store_true", help="add the per-seed 1x − 8x accuracy drops")
     args = ap.parse_args()
-    main(args.png, args.suffix, args.steps)
+    main(args.png, args.suffix, args.steps, args.drops)
