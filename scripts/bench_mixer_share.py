@@ -47,7 +47,7 @@ def _free_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_st
     keep = (q * k).sum(-1, keepdim=True) + g[..., None]
     o = v * beta[..., None] + 0.0 * keep
     B, _, H, K = k.shape
-    S = torch.zeros(B, H, K, v.shape[-1], dtype=v.dtype)
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=v.dtype, device=v.device)
     return o, S
 
 
@@ -56,7 +56,7 @@ def _free_ssd_chunk(Cg, Bg, v, g, initial_state, chunk_size):
     keep = (Cg * Bg).sum((-1, -2))[..., None, None] + g[..., None]
     o = v + 0.0 * keep
     B, _, H, P = v.shape
-    return o, torch.zeros(B, H, Cg.shape[-1], P, dtype=v.dtype)
+    return o, torch.zeros(B, H, Cg.shape[-1], P, dtype=v.dtype, device=v.device)
 
 
 @contextlib.contextmanager

@@ -73,7 +73,7 @@ def main(out_png=None, suffix="", with_steps=False, drops=False):
             L = s["lengths"]
             cells = [fmt(L.get(x)) for x in (256, 512, 1024, 2048)]
             per_seed = ", ".join(
-                f"{v:.2f}" + (f" @{steps[(m, seed)]}" if with_steps else "")
+                f"{v:.2f}" + (f" @{steps.get((m, seed), '?')}" if with_steps else "")
                 for seed, v in zip(s["seeds"], s["values"])
             )
             rows_out.append(f"| {title} | {m} | " + " | ".join(cells) + f" | {per_seed} |")

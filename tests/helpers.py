@@ -68,7 +68,7 @@ def assert_directional_derivatives(m, x, name, loss_of=lambda y: y.square().sum(
         assert abs(fd - analytic) <= 1e-4 * scale, f"{name}: d/d{pname} {analytic} vs finite difference {fd}"
 
 
-def spawn(fn, args: tuple, nprocs: int, timeout_s: float = 900.0) -> None:
+def spawn(fn, args: tuple, nprocs: int, timeout_s: float = 300.0) -> None:
     """``torch.multiprocessing.start_processes(fn, args, nprocs, start_method="spawn")``, joined
     with a deadline: a rank that hangs (a lost peer, a teardown race) fails the test after
     ``timeout_s`` seconds, with the hung ranks killed, instead of stalling the whole suite.
@@ -86,4 +86,5 @@ def spawn(fn, args: tuple, nprocs: int, timeout_s: float = 900.0) -> None:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+                    p.join(5)
             pytest.fail(f"ranks {alive} of {nprocs} still running after {timeout_s:.0f} s: killed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,12 +251,16 @@ def test_interleaved_rotates_the_order():
     assert all(len(v) == 3 for v in times.values())
 
 
+CORES = (("mamba2", "ssd"), ("gated_deltanet", "gdr"))
+
+
 def test_mixer_share_stand_ins_replace_the_core_and_keep_every_gradient():
     """scripts/bench_mixer_share.py's ``rest`` step is only a fair lower bound on the work outside
     the mixer core if the core really is replaced and every parameter still gets a gradient."""
     from mnemo.bench.models import Size, mnemo_entry
 
-    spec = importlib.util.spec_from_file_location("bench_mixer_share", "scripts/bench_mixer_share.py")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_mixer_share.py"
+    spec = importlib.util.spec_from_file_location("bench_mixer_share", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     calls = []
@@ -263,11 +268,14 @@ def test_mixer_share_stand_ins_replace_the_core_and_keep_every_gradient():
     mod._free_gated_delta_rule = lambda *a, **k: calls.append("gdr") or free_gdr(*a, **k)
     mod._free_ssd_chunk = lambda *a, **k: calls.append("ssd") or free_ssd(*a, **k)
     ids = torch.randint(0, 256, (2, 16))
-    for name, core in (("mamba2", "ssd"), ("gated_deltanet", "gdr")):
-        e = mnemo_entry(name, size=Size(d_model=32, n_layers=2))
+    entries = [(mnemo_entry(n, size=Size(d_model=32, n_layers=2)), core, 2) for n, core in CORES]
+    if HAS_TRANSFORMERS:  # the row the script times: 6 layers, the 4th one softmax attention
+        entries.append((bench.peer_transformers_qwen3_next(Size(d_model=32, n_layers=6), None)[0], "gdr", 5))
+    for e, core, layers in entries:
+        name = e.name
         with mod._mixer_core_free():
             e.logits(ids).square().mean().backward()
-        assert calls.count(core) == 2, (name, calls)  # one call per layer
+        assert calls.count(core) == layers and len(calls) == layers, (name, calls)  # one call per layer
         missing = [n for n, p in e.model.named_parameters() if p.grad is None]
         assert not missing, (name, missing)
         calls.clear()

@@ -67,11 +67,14 @@ def cleanup(timeout_s: float = 60.0) -> None:
     tears its connections down while a peer still uses them (gloo aborts the peer otherwise).
     The barrier is skipped when it fails (a peer already gone): leaving must not raise.
 
-    Rank 0 hosts the rendezvous store (torchrun's ``TCPStore``) and leaves last: every other rank
-    counts itself out in the store once its ``destroy_process_group`` has returned, and rank 0
-    waits for that count (at most ``timeout_s`` seconds) before it returns. Without this order
-    rank 0 could exit while a peer's teardown still talks to the store, and that peer may then
-    hang on the closed connection (seen once in the two-process tests)."""
+    Rank 0 leaves last: every other rank counts itself out in the group's store once its
+    ``destroy_process_group`` has returned, and rank 0 waits for that count (at most
+    ``timeout_s`` seconds; a warning if it runs out) before it returns. Where rank 0 hosts the
+    store (the ``env://`` rendezvous: ``MASTER_ADDR``/``MASTER_PORT`` without torchrun's agent
+    store) rank 0 could otherwise exit while a peer's teardown still talks to the store, and that
+    peer may then hang on the closed connection (seen once in the two-process tests); under
+    torchrun's agent-hosted store the wait is harmless. No wait when the barrier failed (a peer is
+    already gone)."""
     global _cleanups
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -82,11 +85,9 @@ def cleanup(timeout_s: float = 60.0) -> None:
     if world > 1:
         try:
             dist.barrier()
-        except RuntimeError:
-            pass
-        try:  # the default group's store; private in torch, so its absence only loses the ordering
+            # the default group's store; private in torch, so its absence only loses the ordering
             store = dist.distributed_c10d._get_default_store()
-        except Exception:
+        except Exception:  # a failed barrier (a peer gone) or no store: leave without waiting
             store = None
     dist.destroy_process_group()
     if store is None:
@@ -98,10 +99,19 @@ def cleanup(timeout_s: float = 60.0) -> None:
             store.add(key, 1)
             return
         deadline = time.monotonic() + timeout_s
-        while store.add(key, 0) < world - 1 and time.monotonic() < deadline:
+        while (left := store.add(key, 0)) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
     except Exception:  # a peer or the store already gone: leaving must not raise
-        pass
+        return
+    if left < world - 1:
+        import warnings
+
+        warnings.warn(
+            f"cleanup: {left} of {world - 1} other ranks left the process group within {timeout_s} s; "
+            "rank 0 leaves anyway",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:

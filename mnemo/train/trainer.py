@@ -1184,12 +1184,12 @@ class Trainer:
         callbacks that run it); only rank 0 logs and prints."""
         cfg = self.cfg
         ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
-        if (
-            not last
-            and cfg.eval_lengths
-            and cfg.early_stop_acc is not None
-            and ev.get("val_acc", 0.0) >= cfg.early_stop_acc
-        ):
+        stops = not last and bool(cfg.eval_lengths) and cfg.early_stop_acc is not None
+        if stops:
+            stops = ev.get("val_acc", 0.0) >= cfg.early_stop_acc
+            if self.fsdp:  # every rank is here and the evaluation below is collective: rank 0 decides
+                stops = self._agree(stops)
+        if stops:
             # this evaluation ends the run (early stop): it is the final one, with eval_lengths
             longer = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths)
             ev.update({k: v for k, v in longer.items() if "@" in k})

@@ -116,3 +116,26 @@ def test_cleanup_lets_the_store_host_leave_last(tmp_path):
     peer_done = float((tmp_path / "peer_done").read_text())
     host_left = float((tmp_path / "host_left").read_text())
     assert host_left >= peer_done, (host_left, peer_done)
+
+
+def _absent_peer_worker(rank, world, port, out):
+    import warnings
+
+    from mnemo.train.distributed import cleanup, init_from_env
+    from tests.helpers import join_as_torchrun
+
+    join_as_torchrun(rank, world, port)
+    init_from_env()
+    if rank == 1:  # leaves without counting itself out (as a peer killed after the barrier would)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cleanup(timeout_s=0.5)
+    (out / "warned").write_text("\n".join(str(w.message) for w in caught))
+
+
+def test_cleanup_warns_when_a_peer_never_counts_itself_out(tmp_path):
+    spawn(_absent_peer_worker, (2, free_port(), tmp_path), 2)
+    assert "0 of 1 other ranks left the process group within 0.5 s" in (tmp_path / "warned").read_text()
