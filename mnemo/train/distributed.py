@@ -74,7 +74,12 @@ def cleanup(timeout_s: float = 60.0) -> None:
     store) rank 0 could otherwise exit while a peer's teardown still talks to the store, and that
     peer may then hang on the closed connection (seen once in the two-process tests); under
     torchrun's agent-hosted store the wait is harmless. No wait when the barrier failed (a peer is
-    already gone)."""
+    already gone).
+
+    Args:
+        timeout_s: how long rank 0 waits for the others to count themselves out, in seconds;
+            default ``60.0``.
+    """
     global _cleanups
     if not (dist.is_available() and dist.is_initialized()):
         return
