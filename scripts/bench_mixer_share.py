@@ -14,8 +14,8 @@ is below the issue's 3x target (``mamba2`` vs ``Mamba2ForCausalLM``, ``qwen3_nex
   delta rule for the Gated DeltaNet layers) replaced by a stand-in that costs a few elementwise
   ops but keeps every input in the autograd graph (so every projection's backward still runs).
   What remains -- embeddings, projections, short convolutions, norms, gates, MLPs, softmax
-  attention, the head, the loss, the optimizer -- is work both libraries do with the same
-  PyTorch kernels;
+  attention, the head, the loss, the optimizer -- is mostly the same layers as the peer's, run
+  with the same PyTorch kernels (mnemo's own short convolution and gated norms included);
 - ``peer``: the ``transformers`` model with the same weights.
 
 It prints the core's share of mnemo's step and ``peer / rest``: the largest training ratio mnemo
@@ -36,6 +36,7 @@ from mnemo.bench.models import (
     _median,
     interleaved,
     mnemo_entry,
+    parse_shapes,
     peer_transformers_mamba2,
     peer_transformers_qwen3_next,
     train_step,
@@ -86,9 +87,12 @@ def main() -> None:
 
         tune_malloc()
     try:
-        T, B = (int(x) for x in args.shape.lower().split("x"))
-    except ValueError:
-        ap.error(f"--shape: expected TxB such as 1024x8, got {args.shape!r}")
+        shapes = parse_shapes(args.shape)
+    except ValueError as e:
+        ap.error(str(e).replace("--model-shapes", "--shape"))
+    if len(shapes) != 1:
+        ap.error(f"--shape: expected one TxB such as 1024x8, got {args.shape!r}")
+    ((T, B),) = shapes
     size = Size(d_model=256, n_layers=6)
     ours_m2 = mnemo_entry("mamba2", size=size)
     peer_m2 = peer_transformers_mamba2(size, lambda row: ours_m2)[0]

@@ -139,3 +139,18 @@ def _absent_peer_worker(rank, world, port, out):
 def test_cleanup_warns_when_a_peer_never_counts_itself_out(tmp_path):
     spawn(_absent_peer_worker, (2, free_port(), tmp_path), 2)
     assert "0 of 1 other ranks left the process group within 0.5 s" in (tmp_path / "warned").read_text()
+
+
+def _sleeper(rank, seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+def test_spawn_fails_and_kills_ranks_that_outlive_the_deadline():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] of 2 still running after 1 s: killed"):
+        spawn(_sleeper, (60,), 2, timeout_s=1.0)
+    assert time.monotonic() - t0 < 30  # killed, not waited for
