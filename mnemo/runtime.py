@@ -15,6 +15,10 @@ getting their own ``mmap``), and up to 1 GiB of freed heap stays mapped for reus
 resident set that does not shrink after a peak (by at most that 1 GiB). ``mnemo`` applies it at
 start-up (so ``mnemo train``, ``mnemo bench`` and their ``torchrun`` workers all run with it);
 library users may call it themselves. ``MNEMO_MALLOC_TUNE=0`` turns it off.
+
+Library users do not need it for the chunk forms of the ops: those take their large tensors from a
+cache of buffers that they reuse across calls (:mod:`mnemo.ops._workspace`), so a plain Python
+process calling them touches no fresh pages after the first call of a shape either.
 """
 
 from __future__ import annotations

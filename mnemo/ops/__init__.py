@@ -7,8 +7,14 @@ NaN/inf inputs raise :class:`NonFiniteError`; ``with finite_checks(False):`` (or
 :func:`set_finite_checks`, or ``MNEMO_CHECK_FINITE=0``) turns the checks off. Inside the modules
 ``<op>_chunk`` is the chunk form's fast path and ``<op>_chunk_autograd`` / ``*_torch`` its
 fallbacks (see :mod:`mnemo.ops._common`).
+
+The chunk forms take their large CPU tensors from a cache of buffers reused across calls (no fresh
+pages, hence no page faults, after the first call of a shape): :func:`workspace_stats`,
+:func:`release_workspaces` and :func:`set_workspace_limit` inspect and bound it
+(``MNEMO_WORKSPACE_MB``; see :mod:`mnemo.ops._workspace`).
 """
 
+from . import _workspace
 from ._common import NonFiniteError, decay_matrix, finite_checks, set_finite_checks
 from .delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .feature_maps import FavorPlus, elu_plus_one, identity, relu, resolve_feature_map, taylor
@@ -17,6 +23,24 @@ from .linear_attention import linear_attention, linear_attention_map
 from .selective_scan import selective_scan, selective_scan_map
 from .softmax_attention import KVCache, attention_mask, softmax_attention, softmax_attention_map
 from .ssd import ssd, ssd_map
+
+
+def workspace_stats() -> dict:
+    """The chunk forms' buffer cache: held bytes, buffers (in use), hits, misses, limit (see
+    :func:`mnemo.ops._workspace.stats`)."""
+    return _workspace.stats()
+
+
+def release_workspaces() -> int:
+    """Give the chunk forms' free cached buffers back to ``malloc``; returns the bytes released."""
+    return _workspace.release()
+
+
+def set_workspace_limit(nbytes: int) -> None:
+    """Bound the chunk forms' buffer cache to ``nbytes`` bytes (``0`` turns it off; default 1 GiB
+    or ``MNEMO_WORKSPACE_MB``). Raises ``ValueError`` for a negative or non-integer ``nbytes``."""
+    _workspace.set_limit(nbytes)
+
 
 __all__ = [
     "NonFiniteError",
@@ -45,4 +69,7 @@ __all__ = [
     "selective_scan_map",
     "ssd_map",
     "decay_matrix",
+    "workspace_stats",
+    "release_workspaces",
+    "set_workspace_limit",
 ]

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from ..runtime import malloc_tuned
-from . import _native
+from . import _native, _workspace
 
 
 def autocast_off(fn):
@@ -50,7 +50,7 @@ def to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype, factor=None, divide: 
             y = torch.nn.functional.pad(y, (0, 0, 0, n * C - T))
         # always a new tensor, as in eager (callers update it in place, e.g. ``cumsum_``)
         return y.clone(memory_format=torch.contiguous_format).view(B, H, n, C, D)
-    out = x.new_empty(B, H, n * C, D, dtype=dtype)
+    out = _workspace.empty((B, H, n * C, D), dtype, x.device)
     if n * C != T:
         out[:, :, T:].zero_()
     src, dst = x.transpose(1, 2), out[:, :, :T]
@@ -72,7 +72,7 @@ def unchunk(y: torch.Tensor, T: int) -> torch.Tensor:
 def raw_empty(like: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A new ``[B, T, H, *D]`` tensor (``like = (shape, dtype)``) and its ``[B, H, T, D]`` view."""
     shape, dtype = like
-    out = torch.empty(shape, dtype=dtype, device=device)
+    out = _workspace.empty(shape, dtype, device)
     view = out[..., None] if out.ndim == 3 else out
     return out, view.transpose(1, 2)
 
@@ -91,10 +91,11 @@ def head_groups(B: int, H: int, per_head: int):
     The backward passes handle their post-scan work group by group. With glibc's default
     allocator the budget is :data:`GROUP_BYTES` (2 MiB): each group's temporaries are small and the
     same size as the last group's, so the allocator recycles them instead of mapping fresh pages
-    (whose first touch costs page faults). Once :func:`mnemo.runtime.tune_malloc` keeps freed
-    memory anyway, fewer and larger groups (:data:`GROUP_BYTES_TUNED`, 8 MiB) save per-operator
-    overhead (timings: ``docs/benchmarks/notes.md``)."""
-    budget = GROUP_BYTES_TUNED if malloc_tuned() else GROUP_BYTES
+    (whose first touch costs page faults). Once freed memory is kept anyway (by the ops' buffer
+    cache, :mod:`._workspace`, or by :func:`mnemo.runtime.tune_malloc`), fewer and larger groups
+    (:data:`GROUP_BYTES_TUNED`, 8 MiB) save per-operator overhead (timings:
+    ``docs/benchmarks/notes.md``)."""
+    budget = GROUP_BYTES_TUNED if malloc_tuned() or _workspace.enabled() else GROUP_BYTES
     # (a list with a fallback, not ``max(..., default=1)``, which torch.compile cannot trace)
     hg = max([d for d in range(1, H + 1) if H % d == 0 and d * per_head <= budget] or [1])
     for b in range(B):
@@ -114,12 +115,15 @@ def b3(x: torch.Tensor) -> torch.Tensor:
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Batched ``a @ b`` over identical leading dims (one ``bmm``; transposed views cost nothing),
-    optionally into ``out`` (contiguous, of the result's shape: reusing a dead buffer saves a fresh
-    allocation, whose first touch costs page faults)."""
-    if out is not None:
-        torch.bmm(b3(a), b3(b), out=b3(out))
-        return out
-    return torch.bmm(b3(a), b3(b)).view(*a.shape[:-1], b.shape[-1])
+    into ``out`` (contiguous, of the result's shape: reusing a dead buffer saves a fresh
+    allocation, whose first touch costs page faults) or else a buffer of :mod:`._workspace`. For
+    the chunk forms' own forward and backward passes (no autograd graph through it)."""
+    if out is None:
+        if torch.compiler.is_compiling():  # traced (SSD's Function): functional, no out= into views
+            return torch.bmm(b3(a), b3(b)).view(*a.shape[:-1], b.shape[-1])
+        out = _workspace.empty((*a.shape[:-1], b.shape[-1]), a.dtype, a.device)
+    torch.bmm(b3(a), b3(b), out=b3(out))
+    return out
 
 
 def mm_add_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -141,7 +145,9 @@ def rev_cumsum_rows(x: torch.Tensor) -> torch.Tensor:
     if G < 8:
         return rev_cumsum(x, -2)
     ones = torch.ones(C, C, dtype=x.dtype, device=x.device).triu_()
-    return torch.matmul(ones, x)
+    if (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+        return torch.matmul(ones, x)
+    return torch.matmul(ones, x, out=_workspace.empty(x.shape, x.dtype, x.device))
 
 
 def _native_scan_ok(*tensors) -> bool:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _workspace
 from ._chunked import (
     autocast_off,
     b3,
@@ -84,7 +85,12 @@ def _per_head(xg: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     in one pass, the group's tensor broadcast over its heads (never copied per head)."""
     B, G = xg.shape[:2]
     H = f.shape[1]
-    return torch.mul(xg[:, :, None], f.view(B, G, H // G, *f.shape[2:])).view(B, H, *xg.shape[2:])
+    fg = f.view(B, G, H // G, *f.shape[2:])
+    if torch.compiler.is_compiling():  # functional while traced (no out= into a view)
+        return torch.mul(xg[:, :, None], fg).view(B, H, *xg.shape[2:])
+    out = _workspace.empty((B, H, *xg.shape[2:]), xg.dtype, xg.device)
+    torch.mul(xg[:, :, None], fg, out=out.view(B, G, H // G, *xg.shape[2:]))
+    return out
 
 
 def _copy_scaled(src: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
@@ -93,7 +99,7 @@ def _copy_scaled(src: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
     if torch.compiler.is_compiling():  # functional: inductor gives an ``out=`` result src's strides
         y = src if f is None else (src * f).to(src.dtype)  # (eager's out= keeps src's dtype too)
         return y.clone(memory_format=torch.contiguous_format)
-    out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+    out = _workspace.empty(src.shape, src.dtype, src.device)
     return out.copy_(src) if f is None else torch.mul(src, f, out=out)
 
 
@@ -164,13 +170,19 @@ class _SSDChunk(torch.autograd.Function):
         Cc, Bc, vc = to_chunks(Cg, C, cd), to_chunks(Bg, C, cd), to_chunks(v, C, cd)
         M = mm(Cc, Bc.mT)  # [B, G, n, C, C], once per group
         bt = b[..., 0]
-        L = torch.sub(bt[..., :, None], bt[..., None, :]).clamp_min_(FLUSH_LOG).exp_().tril_()
+        traced = torch.compiler.is_compiling()  # then functional ops (no out=), as before the cache
+        L = None if traced else _workspace.empty((*bt.shape, bt.shape[-1]), cd, bt.device)
+        L = torch.sub(bt[..., :, None], bt[..., None, :], out=L).clamp_min_(FLUSH_LOG).exp_().tril_()
         A = _per_head(M, L)
         wv = _stack(vc, G, w)  # e^{b_L − b} ⊙ v, heads side by side: [B, G, n, C, r·P]
         states, S = scan_decay_(S0, _unstack(mm(Bc.mT, wv), H), lam)  # k̃ᵀ v per head
         Ss = _stack(states, G)  # [B, G, n, N, r·P]
         o_in = _unstack(mm(Cc, Ss), H, u)  # q̃ S_i = e^{b} ⊙ (C S_i)
-        o = torch.baddbmm(b3(o_in), b3(A), b3(vc)).view(o_in.shape)
+        if traced:
+            o = torch.baddbmm(b3(o_in), b3(A), b3(vc)).view(o_in.shape)
+        else:
+            o = _workspace.empty(o_in.shape, cd, o_in.device)
+            torch.baddbmm(b3(o_in), b3(A), b3(vc), out=b3(o))
         ctx.save_for_backward(Cc, Bc, vc, wv, u, w, lam, M, L, A, states, Ss, S, o_in)
         ctx.meta = (T, C, G, *((x.shape, x.dtype) for x in (Cg, Bg, v, g)))
         return o.view(*o.shape[:2], -1, o.shape[-1])[:, :, :T].transpose(1, 2), S

@@ -64,6 +64,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
+from . import _workspace
 from ._chunked import (
     autocast_off,
     b3,
@@ -221,7 +222,8 @@ class _DeltaChunk(torch.autograd.Function):
         At = mm(kc, kc.mT).mul_(bc).tril_(-1)  # Ã = I + strict_tril(diag(β) K Kᵀ)
         At.diagonal(dim1=-2, dim2=-1).fill_(1.0)
         Ai = unit_lower_inverse_(At)  # Ã⁻¹ (At is overwritten)
-        X = mm(Ai, torch.cat([kc, v0], -1).mul_(bc))  # [W̃ | Ũ] = Ã⁻¹ [diag(β) K | diag(β) Ṽ0]
+        KV = _workspace.empty((*kc.shape[:-1], K + v0.shape[-1]), cd, dev)
+        X = mm(Ai, torch.cat([kc, v0], -1, out=KV).mul_(bc))  # [W̃ | Ũ] = Ã⁻¹ [diag(β) K | diag(β) Ṽ0]
         Wt, Ut = X[..., :K], X[..., K:]
         MD = mm(kc.mT, X)  # [Kᵀ W̃ | Kᵀ Ũ] → [M | D]
         MD[..., :K].neg_().diagonal(dim1=-2, dim2=-1).add_(1.0)
@@ -229,7 +231,8 @@ class _DeltaChunk(torch.autograd.Function):
             MD.mul_(lam)
         M = MD[..., :K]
         states, S = scan_matrix(S0, MD[..., K:], M)
-        vt = torch.baddbmm(b3(Ut), b3(Wt), b3(states), alpha=-1.0).view(Ut.shape)  # ṽ = Ũ − W̃ S
+        vt = _workspace.empty(Ut.shape, cd, dev)
+        torch.baddbmm(b3(Ut), b3(Wt), b3(states), alpha=-1.0, out=b3(vt))  # ṽ = Ũ − W̃ S
         P = mm(qc, kc.mT).tril_()
         ot = mm_add_(mm(qc, states), P, vt)  # õ
         if e is None:

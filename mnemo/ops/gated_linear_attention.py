@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
+from . import _workspace
 from ._chunked import (
     autocast_off,
     head_groups,
@@ -242,7 +243,7 @@ class _GLAChunk(torch.autograd.Function):
             e = lam = None
             qi, kt = to_chunks(q, C, cd, scale), to_chunks(k, C, cd)
         else:
-            e = b.exp()
+            e = torch.exp(b, out=_workspace.empty(b.shape, b.dtype, b.device))
             lam = e[..., -1:, :].mT.clone()  # [B, H, n, G, 1]: scales the rows (keys) of the state
             # q̃ = (q ⊙ e^b) · scale in place: no e^b · scale tensor (per-channel gates: [B,H,n,C,K])
             qi, kt = to_chunks(q, C, cd, e), to_chunks(k, C, cd, e, divide=True)  # q̃, k ⊙ e^{−b}

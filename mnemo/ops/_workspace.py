@@ -1,0 +1,187 @@
+"""A cache of CPU buffers for the chunk forms' large tensors, reused across calls.
+
+PyTorch has no caching allocator for CPU tensors, and glibc's ``malloc`` serves blocks of a few
+MiB with fresh ``mmap`` pages: every call of a chunk form would touch megabytes of new pages, one
+page fault per 4 KiB (``docs/benchmarks/notes.md``: 2,000–5,000 faults per forward+backward of the
+gated linear attention at T = 4096, a quarter of its time). :func:`mnemo.runtime.tune_malloc`
+avoids that for the whole process; this module avoids it for the ops' own tensors without changing
+the process: the chunk forms take their chunk-layout copies, products, saved tensors and gradients
+from :func:`empty`, which hands out a cached buffer of the same size once nothing refers to it any
+more, so after the first call the same pages serve every later call of that shape.
+
+A buffer counts as free when no tensor other than the cache's own holds its storage (the storage's
+reference count; views, tensors saved for backward, ``.grad`` and outputs the caller kept all hold
+one). The cache holds at most :func:`limit` bytes (default 1 GiB; ``MNEMO_WORKSPACE_MB`` sets it,
+``0`` turns the cache off); beyond that, least recently used free buffers are dropped, and when
+every buffer is in use a plain ``torch.empty`` serves the request. :func:`release` drops every free
+buffer (the memory goes back to ``malloc``), :func:`stats` reports the cache's size and hits.
+
+Only CPU tensors of at least :data:`MIN_BYTES` bytes are cached (smaller blocks come from
+``malloc``'s heap, which recycles them anyway; CUDA has its own caching allocator), never while
+``torch.compile`` traces, and buffers made under ``torch.inference_mode`` (inference tensors,
+which autograd refuses to save) are kept apart from the others.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["empty", "release", "stats", "limit", "set_limit", "enabled"]
+
+#: smallest request (bytes) served from the cache: glibc's default mmap threshold (128 KiB)
+MIN_BYTES = 128 << 10
+
+_lock = threading.Lock()
+# (dtype, numel, inference) -> [buffer, ...]; _order keeps every buffer by last use (LRU first)
+_free: dict[tuple, list[torch.Tensor]] = {}
+_order: OrderedDict[int, tuple[tuple, torch.Tensor]] = OrderedDict()
+_held = 0
+_hits = 0
+_misses = 0
+_bypassed = 0
+
+
+def _limit_from_env() -> int:
+    raw = os.environ.get("MNEMO_WORKSPACE_MB", "1024").strip()
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"MNEMO_WORKSPACE_MB: expected a number of MiB (0 turns the cache off), got {raw!r}"
+        ) from None
+    if not math.isfinite(mb) or mb < 0:
+        raise ValueError(f"MNEMO_WORKSPACE_MB: expected a number of MiB >= 0, got {raw!r}")
+    return int(mb * (1 << 20))
+
+
+_limit = _limit_from_env()
+
+
+def _refcount_works() -> bool:
+    """Whether the storage reference count reads as this module assumes: the buffer plus the
+    temporary storage object while it is asked, one more per view (checked once, at import)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return False
+    try:
+        t = torch.empty(4)
+        alone = count(t.untyped_storage()._cdata)
+        v = t.view(2, 2)
+        viewed = count(t.untyped_storage()._cdata)
+        del v
+        again = count(t.untyped_storage()._cdata)
+    except Exception:  # pragma: no cover - a PyTorch without the private counter
+        return False
+    return alone == 2 and viewed == 3 and again == 2
+
+
+_REFCOUNT_OK = _refcount_works()
+
+
+def _unused(buf: torch.Tensor) -> bool:
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
+
+
+def enabled() -> bool:
+    """Whether :func:`empty` may serve from the cache at all (a limit above 0 and a PyTorch whose
+    storage reference count reads as expected)."""
+    return _REFCOUNT_OK and _limit > 0
+
+
+def limit() -> int:
+    """The cache's size limit in bytes (``MNEMO_WORKSPACE_MB`` at import, else 1 GiB)."""
+    return _limit
+
+
+def set_limit(nbytes: int) -> None:
+    """Set the cache's size limit to ``nbytes`` bytes (``0``: off; free buffers beyond the new
+    limit are dropped at once). Raises ``ValueError`` for a negative or non-integer ``nbytes``."""
+    global _limit
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes: expected an int >= 0, got {nbytes!r}")
+    with _lock:
+        _limit = nbytes
+        _evict(0)
+
+
+def _drop(ident: int) -> None:
+    global _held
+    key, buf = _order.pop(ident)
+    _free[key] = [b for b in _free[key] if id(b) != ident]
+    if not _free[key]:
+        del _free[key]
+    _held -= buf.numel() * buf.element_size()
+
+
+def _evict(need: int) -> bool:
+    """Drop least recently used free buffers until ``need`` more bytes fit; whether they do."""
+    for ident in list(_order):
+        if _held + need <= _limit:
+            break
+        if _unused(_order[ident][1]):
+            _drop(ident)
+    return _held + need <= _limit
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on ``device``, served from
+    the cache when it is a CPU tensor of at least :data:`MIN_BYTES` bytes (see the module
+    docstring), else by ``torch.empty``. Its contents are whatever the buffer held last."""
+    global _held, _hits, _misses, _bypassed
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    device = torch.device(device)
+    nbytes = numel * dtype.itemsize
+    if device.type != "cpu" or nbytes < MIN_BYTES or not enabled() or torch.compiler.is_compiling():
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (dtype, numel, torch.is_inference_mode_enabled())
+    with _lock:
+        for buf in _free.get(key, ()):
+            if _unused(buf):
+                _hits += 1
+                _order.move_to_end(id(buf))
+                return buf.view(shape)
+        _misses += 1
+        if nbytes > _limit or not _evict(nbytes):
+            _bypassed += 1
+            return torch.empty(shape, dtype=dtype, device=device)
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _free.setdefault(key, []).append(buf)
+        _order[id(buf)] = (key, buf)
+        _held += nbytes
+        return buf.view(shape)
+
+
+def release() -> int:
+    """Drop every free buffer (their memory goes back to ``malloc``); returns the bytes dropped.
+    Buffers still in use stay cached."""
+    with _lock:
+        before = _held
+        for ident in list(_order):
+            if _unused(_order[ident][1]):
+                _drop(ident)
+        return before - _held
+
+
+def stats() -> dict:
+    """The cache's state: ``held_bytes`` (cached buffers, in use or free), ``buffers``,
+    ``in_use``, ``hits`` / ``misses`` (requests served by a cached buffer / by a new one),
+    ``bypassed`` (misses served by ``torch.empty`` because the limit was reached), ``limit_bytes``
+    and ``enabled``."""
+    with _lock:
+        in_use = sum(not _unused(buf) for _, buf in _order.values())
+        return {
+            "held_bytes": _held,
+            "buffers": len(_order),
+            "in_use": in_use,
+            "hits": _hits,
+            "misses": _misses,
+            "bypassed": _bypassed,
+            "limit_bytes": _limit,
+            "enabled": enabled(),
+        }

@@ -1,0 +1,248 @@
+"""The chunk forms' buffer cache (mnemo/ops/_workspace.py): a buffer is handed out again only once
+nothing holds it, within its limit, and the ops give the same results with and without it."""
+
+import platform
+import resource
+
+import pytest
+import torch
+
+import mnemo.ops as ops
+from mnemo.ops import _workspace as ws
+from mnemo.ops import gated_delta_rule, gated_linear_attention, ssd
+
+SHAPE = (64, 1024)  # 256 KiB of float32: above MIN_BYTES
+NBYTES = 64 * 1024 * 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    """Every test starts from an empty cache at the default limit and leaves it so."""
+    before = ws.limit()
+    ws.set_limit(1 << 30)
+    ws.release()
+    yield
+    ws.set_limit(before)
+    ws.release()
+
+
+def test_the_storage_count_reads_as_assumed():
+    assert ws.enabled()
+    t = torch.empty(8)
+    assert ws._unused(t)
+    v = t[2:]
+    assert not ws._unused(t)
+    del v
+    assert ws._unused(t)
+
+
+def test_a_buffer_comes_back_once_nothing_holds_it():
+    before = ws.stats()
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    assert a.shape == SHAPE and a.is_contiguous() and a.dtype == torch.float32
+    ptr = a.data_ptr()
+    b = ws.empty((1024, 64), torch.float32, "cpu")  # same size, a is still alive
+    assert b.data_ptr() != ptr
+    del a
+    c = ws.empty((1024, 64), torch.float32, "cpu")  # a's buffer, viewed to the new shape
+    assert c.data_ptr() == ptr and c.shape == (1024, 64)
+    s = ws.stats()
+    assert (s["hits"] - before["hits"], s["misses"] - before["misses"]) == (1, 2)
+    assert (s["buffers"], s["in_use"]) == (2, 2)
+    assert s["held_bytes"] == 2 * NBYTES
+
+
+@pytest.mark.parametrize("holder", ["view", "saved", "grad", "numpy"])
+def test_a_held_buffer_is_not_handed_out(holder):
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    ptr = a.data_ptr()
+    if holder == "view":
+        keep = a.t()
+    elif holder == "saved":  # autograd keeps it for the backward pass
+        w = torch.ones(SHAPE, requires_grad=True)
+        keep = (w * a).sum()
+    elif holder == "grad":
+        w = torch.zeros(SHAPE, requires_grad=True)
+        w.grad = a
+        keep = w
+    else:
+        keep = a.numpy()
+    del a
+    b = ws.empty(SHAPE, torch.float32, "cpu")
+    assert b.data_ptr() != ptr
+    del keep, b
+    if holder == "grad":
+        del w
+    hits = ws.stats()["hits"]
+    c = ws.empty(SHAPE, torch.float32, "cpu")  # free again once the holder is gone
+    assert ws.stats()["hits"] == hits + 1
+    assert c.data_ptr() in {ptr, *(x.data_ptr() for _, x in ws._order.values())}
+
+
+def test_keys_dtype_size_and_inference_mode_apart():
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    ptr = a.data_ptr()
+    del a
+    assert ws.empty((64, 512), torch.float64, "cpu").data_ptr() != ptr  # same bytes, other dtype
+    with torch.inference_mode():
+        inf = ws.empty(SHAPE, torch.float32, "cpu")
+        assert inf.is_inference() and inf.data_ptr() != ptr
+    del inf
+    b = ws.empty(SHAPE, torch.float32, "cpu")
+    assert b.data_ptr() == ptr and not b.is_inference()
+
+
+def test_small_and_non_cpu_requests_bypass_the_cache():
+    before = ws.stats()
+    small = ws.empty((16, 16), torch.float32, "cpu")
+    meta = ws.empty(SHAPE, torch.float32, "meta")
+    assert small.shape == (16, 16) and meta.device.type == "meta"
+    after = ws.stats()
+    assert after["buffers"] == 0 and (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+
+
+def test_limit_evicts_least_recently_used_free_buffers_then_bypasses():
+    ws.set_limit(2 * NBYTES)
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    b = ws.empty(SHAPE, torch.float32, "cpu")
+    pa, pb = a.data_ptr(), b.data_ptr()
+    bypassed = ws.stats()["bypassed"]
+    c = ws.empty(SHAPE, torch.float32, "cpu")  # both in use: served outside the cache
+    assert ws.stats()["bypassed"] == bypassed + 1 and ws.stats()["buffers"] == 2
+    assert c.data_ptr() not in (pa, pb)
+    del a, c
+    d = ws.empty((32, 1024), torch.float32, "cpu")  # new size: a's (free, LRU) buffer is evicted
+    s = ws.stats()
+    assert s["buffers"] == 2 and s["held_bytes"] == NBYTES + NBYTES // 2 and s["bypassed"] == bypassed + 1
+    assert all(x.data_ptr() != pa for _, x in ws._order.values())
+    del b, d
+    assert ws.release() == NBYTES + NBYTES // 2 and ws.stats()["held_bytes"] == 0
+    ws.set_limit(0)
+    assert not ws.enabled()
+    ws.empty(SHAPE, torch.float32, "cpu")
+    assert ws.stats()["buffers"] == 0
+
+
+def test_set_limit_drops_free_buffers_beyond_it():
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    keep = ws.empty(SHAPE, torch.float32, "cpu")
+    del a
+    ws.set_limit(NBYTES)  # the free one goes, the held one stays
+    assert ws.stats()["buffers"] == 1 and ws.stats()["in_use"] == 1
+    del keep
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1", True])
+def test_set_limit_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="nbytes: expected an int >= 0"):
+        ops.set_workspace_limit(bad)
+
+
+@pytest.mark.parametrize("raw,ok", [("0", 0), ("1.5", 3 << 19), ("abc", None), ("-2", None), ("nan", None)])
+def test_the_environment_variable(monkeypatch, raw, ok):
+    monkeypatch.setenv("MNEMO_WORKSPACE_MB", raw)
+    if ok is None:
+        with pytest.raises(ValueError, match="MNEMO_WORKSPACE_MB"):
+            ws._limit_from_env()
+    else:
+        assert ws._limit_from_env() == ok
+
+
+def test_public_functions():
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    del a
+    assert ops.workspace_stats()["held_bytes"] == NBYTES
+    assert ops.release_workspaces() == NBYTES
+    assert ops.workspace_stats()["buffers"] == 0
+
+
+def _inputs(seed, T=1000, H=2, D=32, channel=False):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = -0.1 * torch.rand(1, T, H, *((D,) if channel else ()), generator=gen)
+    beta = torch.rand(1, T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def _run(op, seed, channel=False):
+    q, k, v, g, beta = (t.requires_grad_() for t in _inputs(seed, channel=channel))
+    if op == "gla":
+        o, S = gated_linear_attention(q, k, v, g, mode="chunk", output_final_state=True)
+    elif op == "gdr":
+        o, S = gated_delta_rule(q, k, v, g, beta, mode="chunk", output_final_state=True)
+    else:
+        A = -torch.ones(q.shape[2])
+        o, S = ssd(v, beta, A, k[:, :, :1], q[:, :, :1], mode="chunk", output_final_state=True)
+    (o.square().sum() + S.sum()).backward()
+    return [o, S] + [t.grad for t in (q, k, v, g, beta) if t.grad is not None]
+
+
+@pytest.mark.parametrize("op,channel", [("gla", False), ("gla", True), ("gdr", False), ("ssd", False)])
+def test_results_kept_from_one_call_survive_the_next(op, channel):
+    """Outputs and gradients of a first call (views of cached buffers) stay intact while later
+    calls run, and every call equals the same call without the cache."""
+    ws.set_limit(0)
+    ref1, ref2 = _run(op, 1, channel), _run(op, 2, channel)
+    ws.set_limit(1 << 30)
+    hits = ws.stats()["hits"]
+    first = _run(op, 1, channel)
+    kept = [t.clone() for t in first]
+    second = _run(op, 2, channel)
+    _run(op, 3, channel)
+    _run(op, 2, channel)
+    assert ws.stats()["hits"] > hits  # (T = 1000: the chunk-layout tensors are 256 KiB, cached)
+    for a, b, r in zip(first, kept, ref1):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    for a, r in zip(second, ref2):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="minor page faults are read from getrusage on Linux")
+def test_repeated_calls_touch_no_fresh_pages():
+    """What the cache is for: after a warm-up, forward+backward of the gated linear attention at
+    T = 4096 (4 MiB tensors) faults in almost no pages (without it: thousands per call, measured
+    in docs/benchmarks/notes.md)."""
+    q, k, v, g, _ = (t.requires_grad_() for t in _inputs(0, T=4096, H=4, D=64))
+
+    def step():
+        for t in (q, k, v, g):
+            t.grad = None
+        gated_linear_attention(q, k, v, g, mode="chunk")[0].sum().backward()
+
+    for _ in range(3):
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        step()
+    per_call = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+    assert per_call < 256, per_call  # 4 MiB of fresh pages would be 1024 faults
+
+
+def test_head_groups_take_the_larger_budget_while_the_cache_keeps_memory(monkeypatch):
+    from mnemo.ops import _chunked
+
+    monkeypatch.setattr(_chunked, "malloc_tuned", lambda: False)
+    per_head = _chunked.GROUP_BYTES  # one head fills the 2 MiB budget; four fit in 8 MiB
+    assert len(list(_chunked.head_groups(1, 4, per_head))) == 1
+    ws.set_limit(0)
+    assert len(list(_chunked.head_groups(1, 4, per_head))) == 4
+
+
+def test_the_cache_benchmark_script_runs_and_reports_every_variant(tmp_path):
+    """scripts/bench_workspace.py (the numbers in docs/benchmarks/notes.md): one tiny round."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_workspace.py"
+    spec = importlib.util.spec_from_file_location("bench_workspace", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ws.json"
+    args = ["--ops", "gla_scalar", "--length", "128", "--rounds", "1", "--repeats", "1", "--json", str(out)]
+    assert mod.main(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["op"] == "gla_scalar" and set(row["ms"]) == set(mod.VARIANTS) == set(row["faults_per_call"])
+    assert all(v > 0 for v in row["ms"].values()) and len(row["no_cache_over_cache_per_round"]) == 1
