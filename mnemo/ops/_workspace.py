@@ -11,7 +11,11 @@ more, so after the first call the same pages serve every later call of that shap
 
 A buffer counts as free when no tensor other than the cache's own holds its storage (the storage's
 reference count; views, tensors saved for backward, ``.grad`` and outputs the caller kept all hold
-one). The cache holds at most :func:`limit` bytes (default 1 GiB; ``MNEMO_WORKSPACE_MB`` sets it,
+one) and its memory was not moved into shared memory (``share_memory_``, as when a tensor is sent
+to another process: such a buffer leaves the cache). The tensors handed out are not views of the
+cached buffer (they share its storage), so an op's output may be modified in place as before.
+
+The cache holds at most :func:`limit` bytes (default 1 GiB; ``MNEMO_WORKSPACE_MB`` sets it,
 ``0`` turns the cache off); beyond that, least recently used free buffers are dropped, and when
 every buffer is in use a plain ``torch.empty`` serves the request. :func:`release` drops every free
 buffer (the memory goes back to ``malloc``), :func:`stats` reports the cache's size and hits.
@@ -84,7 +88,16 @@ _REFCOUNT_OK = _refcount_works()
 
 
 def _unused(buf: torch.Tensor) -> bool:
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
+    """Nothing but the cache holds ``buf``, and its memory is not shared with other processes
+    (``share_memory_`` moves a tensor sent through ``torch.multiprocessing`` or a ``DataLoader``
+    worker into shared memory in place: the receiver may still read it after the sender let go)."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2 and not buf.is_shared()
+
+
+def _handout(buf: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A tensor of ``shape`` on ``buf``'s memory that is not a view of ``buf`` (an autograd
+    ``Function`` output may be modified in place only if it is not a view), yet holds its storage."""
+    return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf.untyped_storage(), 0, shape)
 
 
 def enabled() -> bool:
@@ -123,7 +136,8 @@ def _evict(need: int) -> bool:
     for ident in list(_order):
         if _held + need <= _limit:
             break
-        if _unused(_order[ident][1]):
+        buf = _order[ident][1]
+        if _unused(buf) or buf.is_shared():
             _drop(ident)
     return _held + need <= _limit
 
@@ -141,11 +155,13 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
     key = (dtype, numel, torch.is_inference_mode_enabled())
     with _lock:
+        for buf in [b for b in _free.get(key, ()) if b.is_shared()]:  # sent to another process
+            _drop(id(buf))
         for buf in _free.get(key, ()):
             if _unused(buf):
                 _hits += 1
                 _order.move_to_end(id(buf))
-                return buf.view(shape)
+                return _handout(buf, shape)
         _misses += 1
         if nbytes > _limit or not _evict(nbytes):
             _bypassed += 1
@@ -154,7 +170,7 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
         _free.setdefault(key, []).append(buf)
         _order[id(buf)] = (key, buf)
         _held += nbytes
-        return buf.view(shape)
+        return _handout(buf, shape)
 
 
 def release() -> int:
@@ -163,7 +179,8 @@ def release() -> int:
     with _lock:
         before = _held
         for ident in list(_order):
-            if _unused(_order[ident][1]):
+            buf = _order[ident][1]
+            if _unused(buf) or buf.is_shared():
                 _drop(ident)
         return before - _held
 

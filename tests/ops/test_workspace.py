@@ -1,6 +1,7 @@
 """The chunk forms' buffer cache (mnemo/ops/_workspace.py): a buffer is handed out again only once
 nothing holds it, within its limit, and the ops give the same results with and without it."""
 
+import gc
 import platform
 import resource
 
@@ -20,6 +21,7 @@ def fresh_cache():
     """Every test starts from an empty cache at the default limit and leaves it so."""
     before = ws.limit()
     ws.set_limit(1 << 30)
+    gc.collect()  # buffers of earlier tests' dead autograd graphs
     ws.release()
     yield
     ws.set_limit(before)
@@ -77,6 +79,52 @@ def test_a_held_buffer_is_not_handed_out(holder):
     c = ws.empty(SHAPE, torch.float32, "cpu")  # free again once the holder is gone
     assert ws.stats()["hits"] == hits + 1
     assert c.data_ptr() in {ptr, *(x.data_ptr() for _, x in ws._order.values())}
+
+
+def test_a_buffer_moved_to_shared_memory_leaves_the_cache():
+    """A tensor sent to another process (torch.multiprocessing, DataLoader workers) is moved into
+    shared memory in place; the receiver may read it after the sender dropped it."""
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    a.share_memory_()
+    ptr = a.data_ptr()
+    del a
+    b = ws.empty(SHAPE, torch.float32, "cpu")
+    assert b.data_ptr() != ptr and not b.is_shared()
+    assert ws.stats()["buffers"] == 1  # the shared one was dropped
+
+
+def test_handed_out_tensors_are_not_views():
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    assert a._base is None and a.is_contiguous() and a.storage_offset() == 0
+
+
+@pytest.mark.parametrize("op", ["gla", "gdr", "ssd"])
+def test_outputs_may_be_modified_in_place_as_without_the_cache(op):
+    """The gated delta rule's output is a tensor of its own (in-place changes allowed); GLA's and
+    SSD's are views of their chunk-layout results (autograd refuses in-place changes), with or
+    without the cache."""
+
+    def modify_in_place():
+        q, k, v, g, beta = (t.requires_grad_() for t in _inputs(0))
+        if op == "gla":
+            o, _ = gated_linear_attention(q, k, v, g, mode="chunk")
+        elif op == "gdr":
+            o, _ = gated_delta_rule(q, k, v, g, beta, mode="chunk")
+        else:
+            o, _ = ssd(v, beta, -torch.ones(q.shape[2]), k[:, :, :1], q[:, :, :1], mode="chunk")
+        expected = o.detach() + 1.0
+        try:
+            o.add_(1.0)
+        except RuntimeError as err:
+            assert "is a view and is being modified inplace" in str(err)
+            return False
+        torch.testing.assert_close(o.detach(), expected)
+        return True
+
+    ws.set_limit(0)
+    without = modify_in_place()
+    ws.set_limit(1 << 30)
+    assert modify_in_place() == without == (op == "gdr")
 
 
 def test_keys_dtype_size_and_inference_mode_apart():
