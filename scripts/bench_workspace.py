@@ -10,6 +10,10 @@ run one after the other, the order rotated each round; a row's number is the med
 each process's median, with the minor page faults per call.
 
     python scripts/bench_workspace.py --ops gla_scalar,gla_channel,gated_delta_rule,ssd --rounds 5
+    python scripts/bench_workspace.py --ops model:mamba2,model:gated_deltanet --length 1024 --repeats 3
+
+An op name ``model:<name>`` times a training step (forward, backward, AdamW) of that registered
+model at d_model 256, 6 layers, batch 8 and ``--length`` tokens instead.
 
 Run it on a quiet machine (nothing else heavy beside it).
 """
@@ -31,14 +35,18 @@ import torch
 if sys.argv[3] == "cache+tune":
     from mnemo.runtime import tune_malloc
     tune_malloc()
-from mnemo.bench.ops import _registry
-bench = {b.name: b for b in _registry()}[sys.argv[1]]
 T, repeats = int(sys.argv[2]), int(sys.argv[4])
-x = {n: t.detach().requires_grad_(True) for n, t in bench.make(1, T, 4, 64, "cpu").items()}
-def step():
-    for t in x.values():
-        t.grad = None
-    bench.call(x, "chunk").float().sum().backward()
+if sys.argv[1].startswith("model:"):  # a training step (AdamW) of a registered model, batch 8
+    from mnemo.bench.models import Size, mnemo_entry, train_step
+    step = train_step(mnemo_entry(sys.argv[1][6:], size=Size(256, 6)), T, 8)
+else:
+    from mnemo.bench.ops import _registry
+    bench = {b.name: b for b in _registry()}[sys.argv[1]]
+    x = {n: t.detach().requires_grad_(True) for n, t in bench.make(1, T, 4, 64, "cpu").items()}
+    def step():
+        for t in x.values():
+            t.grad = None
+        bench.call(x, "chunk").float().sum().backward()
 for _ in range(3):
     step()
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -54,7 +62,9 @@ print(json.dumps({"ms": 1e3 * statistics.median(times), "faults": faults}))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", default="gla_scalar,gla_channel,gated_delta_rule,ssd")
+    p.add_argument(
+        "--ops", default="gla_scalar,gla_channel,gated_delta_rule,ssd", help="op rows or model:<name>"
+    )
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
@@ -72,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                 cells.setdefault((op, v), []).append(json.loads(out.strip().splitlines()[-1]))
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
     print(
-        f"B=1 T={a.length} H=4 D=64 fp32, chunk form fwd+bwd; medians over {a.rounds}"
-        " rounds of fresh processes"
+        f"ops: B=1 T={a.length} H=4 D=64 fp32, chunk form fwd+bwd; model:<name>: a training step at"
+        f" d_model 256, 6 layers, {a.length}x8; medians over {a.rounds} rounds of fresh processes"
     )
-    head = f"{'op':18}" + "".join(f"{v + ' ms':>15}" for v in VARIANTS)
+    head = f"{'op':22}" + "".join(f"{v + ' ms':>15}" for v in VARIANTS)
     print(head + f"{'no cache/cache':>16}{'tune/cache':>12}   faults/call " + " / ".join(VARIANTS))
     rows = []
     for op in ops:
@@ -83,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         fl = {v: statistics.median(c["faults"] for c in cells[(op, v)]) for v in VARIANTS}
         per_round = [n["ms"] / c["ms"] for c, n in zip(cells[(op, "cache")], cells[(op, "no cache")])]
         print(
-            f"{op:18}"
+            f"{op:22}"
             + "".join(f"{ms[v]:15.2f}" for v in VARIANTS)
             + f"{ms['no cache'] / ms['cache']:16.2f}{ms['cache+tune'] / ms['cache']:12.2f}   "
             + " / ".join(f"{fl[v]:.0f}" for v in VARIANTS)
         )
-        print(f"{'':18}no cache/cache per round: " + " ".join(f"{x:.2f}" for x in per_round))
+        print(f"{'':22}no cache/cache per round: " + " ".join(f"{x:.2f}" for x in per_round))
         rows.append({"op": op, "ms": ms, "faults_per_call": fl, "no_cache_over_cache_per_round": per_round})
     if a.json:
         with open(a.json, "w") as f:

@@ -1,0 +1,30 @@
+"""Smoke tests of the measurement scripts whose numbers docs/benchmarks cites (never timed here)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_chunk_bound_prints_one_row_per_round_with_every_group(capsys):
+    mod = _load("bench_chunk_bound")
+    args = ["--length", "256", "--rounds", "2", "--repeats", "1", "--groups", "2,1"]
+    assert mod.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if line.lstrip().startswith("round"))
+    assert header.split()[-2:] == ["g1", "%peak"] and "g2" in header
+    rows = [line.split() for line in out if line.split() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"]
+    # peak, op ms, op %peak, products ms, products %peak, share, two group columns: all positive numbers
+    assert all(len(r) == 9 and all(float(x) > 0 for x in r[1:]) for r in rows)
+    # the counted work: 256 tokens, 4 heads of 64, chunk 64 -> 3 x (4 x (2*256*64*128 + 4*256*64*64)) flops
+    assert "counted work 0.10 GFLOP (the twelve products: 0.10 GFLOP)" in out[1]
