@@ -174,8 +174,8 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def release() -> int:
-    """Drop every free buffer (their memory goes back to ``malloc``); returns the bytes dropped.
-    Buffers still in use stay cached."""
+    """Drop every free buffer, and every buffer moved to shared memory (their memory goes back to
+    ``malloc`` once nothing else holds it); returns the bytes dropped. Buffers in use stay cached."""
     with _lock:
         before = _held
         for ident in list(_order):
