@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import _native
+from ..ops import _native, _workspace
 from .state import spec
 
 
@@ -98,7 +98,7 @@ class _CausalConv(torch.autograd.Function):
         if native:
             xp = xp.contiguous()
             B, _, C = xp.shape
-            y = xp.new_empty(B, T, C)
+            y = _workspace.empty((B, T, C), xp.dtype, xp.device)  # reused across calls (no page faults)
             _native.call(
                 "conv_fwd", xp.dtype, C, _native.slots(C), [B, T, C, W, xp, w.t().contiguous(), b, y]
             )
@@ -120,7 +120,7 @@ class _CausalConv(torch.autograd.Function):
         if ctx.native and dy.dtype == xp.dtype and not torch.is_grad_enabled():
             B, _, C = xp.shape
             dy = dy.contiguous()
-            dxp = torch.empty_like(xp) if ctx.needs_input_grad[0] else None
+            dxp = _workspace.empty(xp.shape, xp.dtype, xp.device) if ctx.needs_input_grad[0] else None
             dwt = xp.new_empty(W, C)
             db = xp.new_empty(C) if ctx.has_bias else None
             _native.call(

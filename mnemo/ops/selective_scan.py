@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from . import _native
+from . import _native, _workspace
 from ._common import (
     LOG_GATE_MIN,
     _shape,
@@ -367,8 +367,8 @@ class _NativeScan(torch.autograd.Function):
         W = _native.simd_width()  # channels per tile
         jobs = Bsz * Dp // W
         nt = _native.slots(jobs)
-        y, hT = delta.new_empty(delta.shape), h0.new_empty(h0.shape)
-        starts = delta.new_empty(Bsz, -(-T // L), N, Dp)
+        y, hT = _workspace.empty(delta.shape, delta.dtype, delta.device), h0.new_empty(h0.shape)
+        starts = _workspace.empty((Bsz, -(-T // L), N, Dp), delta.dtype, delta.device)
         work = delta.new_empty(nt, N, W)
         _native.call(
             "ss_fwd",
@@ -393,11 +393,12 @@ class _NativeScan(torch.autograd.Function):
         dy = delta.new_zeros(delta.shape) if dy is None else dy.contiguous()
         hshape = (Bsz, N, Dp)
         dhT = delta.new_zeros(hshape) if dhT is None else dhT.contiguous()
-        ddelta, du = delta.new_empty(delta.shape), delta.new_empty(delta.shape)
+        ddelta, du = (_workspace.empty(delta.shape, delta.dtype, delta.device) for _ in range(2))
         dA, dh0 = delta.new_empty(hshape), delta.new_empty(hshape)
         dD = None if Dsk is None else delta.new_empty(Bsz, Dp)
-        dz = None if z is None else delta.new_empty(delta.shape)
-        dB, dC = (B.new_empty((nt,) + B.shape) for _ in range(2))  # per-slot partial sums
+        dz = None if z is None else _workspace.empty(delta.shape, delta.dtype, delta.device)
+        # per-slot partial sums
+        dB, dC = (_workspace.empty((nt,) + B.shape, B.dtype, B.device) for _ in range(2))
         per_slot = _native.query("ss_bwd_work", delta.dtype, jobs, nt, ctx.Dgp, N, L)  # scratch vectors
         work = delta.new_empty(nt, per_slot, W)
         _native.call(

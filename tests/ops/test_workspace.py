@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import mnemo.ops as ops
+from mnemo.layers.conv import ShortConvolution
 from mnemo.ops import _workspace as ws
-from mnemo.ops import gated_delta_rule, gated_linear_attention, ssd
+from mnemo.ops import gated_delta_rule, gated_linear_attention, selective_scan, ssd
 
 SHAPE = (64, 1024)  # 256 KiB of float32: above MIN_BYTES
 NBYTES = 64 * 1024 * 4
@@ -214,6 +215,21 @@ def _inputs(seed, T=1000, H=2, D=32, channel=False):
 
 
 def _run(op, seed, channel=False):
+    if op == "selective_scan":  # the native Mamba scan (Mamba-1 shapes: 64 channels, d_state 16)
+        gen = torch.Generator().manual_seed(seed)
+        u, delta, z = (torch.randn(1, 1000, 64, generator=gen).requires_grad_() for _ in range(3))
+        A = (-torch.rand(64, 16, generator=gen) - 0.5).requires_grad_()
+        B, C = (torch.randn(1, 1000, 16, generator=gen).requires_grad_() for _ in range(2))
+        y, h = selective_scan(u, delta, A, B, C, z=z, delta_softplus=True, output_final_state=True)
+        (y.square().sum() + h.sum()).backward()
+        return [y, h] + [t.grad for t in (u, delta, z, A, B, C)]
+    if op == "conv":  # the short causal convolution's native kernel
+        torch.manual_seed(seed)
+        conv = ShortConvolution(64)
+        x = torch.randn(1, 1000, 64).requires_grad_()
+        y = conv(x)[0]
+        y.square().sum().backward()
+        return [y, x.grad, conv.weight.grad]
     q, k, v, g, beta = (t.requires_grad_() for t in _inputs(seed, channel=channel))
     if op == "gla":
         o, S = gated_linear_attention(q, k, v, g, mode="chunk", output_final_state=True)
@@ -226,7 +242,11 @@ def _run(op, seed, channel=False):
     return [o, S] + [t.grad for t in (q, k, v, g, beta) if t.grad is not None]
 
 
-@pytest.mark.parametrize("op,channel", [("gla", False), ("gla", True), ("gdr", False), ("ssd", False)])
+@pytest.mark.parametrize(
+    "op,channel",
+    [("gla", False), ("gla", True), ("gdr", False), ("ssd", False)]
+    + [("selective_scan", False), ("conv", False)],
+)
 def test_results_kept_from_one_call_survive_the_next(op, channel):
     """Outputs and gradients of a first call (views of cached buffers) stay intact while later
     calls run, and every call equals the same call without the cache."""
