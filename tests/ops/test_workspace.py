@@ -259,7 +259,12 @@ def test_results_kept_from_one_call_survive_the_next(op, channel):
     second = _run(op, 2, channel)
     _run(op, 3, channel)
     _run(op, 2, channel)
-    assert ws.stats()["hits"] > hits  # (T = 1000: the chunk-layout tensors are 256 KiB, cached)
+    # (T = 1000: the tensors are 256 KiB, cached; the scan's and the conv's PyTorch fallbacks, used
+    # without a C compiler, take nothing from the cache)
+    from mnemo.ops import _native
+
+    if op not in ("selective_scan", "conv") or _native.usable(torch.zeros(1)):
+        assert ws.stats()["hits"] > hits
     for a, b, r in zip(first, kept, ref1):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
