@@ -28,3 +28,21 @@ def test_chunk_bound_prints_one_row_per_round_with_every_group(capsys):
     assert all(len(r) == 9 and all(float(x) > 0 for x in r[1:]) for r in rows)
     # the counted work: 256 tokens, 4 heads of 64, chunk 64 -> 3 x (4 x (2*256*64*128 + 4*256*64*64)) flops
     assert "counted work 0.10 GFLOP (the twelve products: 0.10 GFLOP)" in out[1]
+
+
+def test_gated_norm_bench_prints_both_gate_orders_and_a_model_row(capsys):
+    mod = _load("bench_gated_norm")
+    argv = ["--shape", "2x8x16", "--groups", "2", "--rounds", "2"]
+    argv += ["--models", "mamba2", "--model-shape", "8x1"]
+    assert mod.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith(("op ", "train step"))]
+    assert [r.split()[2:5] for r in rows[:2]] == [["gate", "first", "g2"], ["gate", "after", "g2"]]
+    assert rows[2].startswith("train step mamba2 8x1")
+    # kernel ms, pytorch ms, ratio, then one ratio per round: positive numbers
+    for r in rows:
+        nums = [float(v) for v in r.split()[-5:]]
+        assert len(nums) == 5 and all(v > 0 for v in nums)
+    import mnemo.layers.norm as norm_mod
+
+    assert norm_mod.gated_rms_norm is mod.FORMS["kernel"]  # the switch is put back

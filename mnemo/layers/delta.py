@@ -198,9 +198,10 @@ class DeltaNet(Mixer):
         else:
             o, S = delta_rule(q, k, v, beta, **kwargs)
         o, S = self.hook_o(o), self.hook_state(S)
-        o = self.norm(o)
         if self.g_proj is not None:
-            o = o * F.silu(rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=self.n_v_heads))
+            o = self.norm.gated(o, rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=self.n_v_heads))
+        else:
+            o = self.norm(o)
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, MatrixState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
 

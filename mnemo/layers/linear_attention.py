@@ -285,7 +285,7 @@ class GatedLinearAttention(_QKVMixer):
             chunk_size=self.chunk_size,
         )
         o, S = self.hook_o(o), self.hook_state(S)
-        o = self.norm(o) * F.silu(rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
+        o = self.norm.gated(o, rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         return y, MatrixState(memory=S, conv=conv_state, offset=offset + T)
 
@@ -307,7 +307,7 @@ class GatedLinearAttention(_QKVMixer):
             q, k, v, g, cu_seqlens=cu_seqlens, mode=mode or self.mode, chunk_size=self.chunk_size
         )
         o = self.hook_o(o)
-        o = self.norm(o) * F.silu(rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
+        o = self.norm.gated(o, rearrange(self.out_gate(x), "b t (h d) -> b t h d", h=self.n_heads))
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 
     def mixing(self, acts: dict) -> Mixing:

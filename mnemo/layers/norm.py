@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import _native
+
+__all__ = ["RMSNorm", "gated_rms_norm"]
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019): ``y = x / sqrt(mean(x²) + eps) · weight``.
@@ -20,9 +24,111 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        y = F.rms_norm(xc, (x.shape[-1],), self.weight.to(xc.dtype), self.eps)
-        return y.to(x.dtype)
+        return _rms_groups(x, self.weight, self.eps, 1)
+
+    def gated(self, x: torch.Tensor, z: torch.Tensor, gate_first: bool = False) -> torch.Tensor:
+        """This norm with a SiLU gate, fused: :func:`gated_rms_norm` with this module's weight and
+        ``eps`` (default ``gate_first=False``: ``norm(x) ⊙ silu(z)``)."""
+        return gated_rms_norm(
+            x, z, self.weight, self.eps, groups=getattr(self, "groups", 1), gate_first=gate_first
+        )
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _rms_groups(x: torch.Tensor, weight: torch.Tensor, eps: float, groups: int) -> torch.Tensor:
+    """RMSNorm over ``groups`` contiguous groups of the last dim, one ``weight`` over all of it,
+    computed in at least float32 and returned in ``x``'s dtype (``RMSNorm`` / ``GroupRMSNorm``)."""
+    xc = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    if groups == 1:
+        return F.rms_norm(xc, (x.shape[-1],), weight.to(xc.dtype), eps).to(x.dtype)
+    xg = xc.unflatten(-1, (groups, -1))  # [..., g, c] (plain views: cheap in one-token steps)
+    y = F.rms_norm(xg, (xg.shape[-1],), None, eps).flatten(-2)
+    return (y * weight.to(xc.dtype)).to(x.dtype)
+
+
+def _gated_rms_norm_reference(x, z, weight, eps: float, groups: int, gate_first: bool) -> torch.Tensor:
+    """The PyTorch form of :func:`gated_rms_norm` (the native kernel's twin; any dtype)."""
+    if gate_first:
+        return _rms_groups(x * F.silu(z), weight, eps, groups)
+    return _rms_groups(x, weight, eps, groups) * F.silu(z)
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    groups: int = 1,
+    gate_first: bool = False,
+) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) with a SiLU output gate, over ``groups`` contiguous groups of
+    the last dimension (one ``weight`` over all of it):
+
+    * ``gate_first=False`` (default; Gated DeltaNet, GLA, RetNet): ``RMSNorm(x) ⊙ w ⊙ silu(z)``;
+    * ``gate_first=True`` (Mamba-2, Dao & Gu 2024 §7): ``RMSNorm(x ⊙ silu(z)) ⊙ w``,
+
+    with ``RMSNorm(a) = a / sqrt(mean(a²) + eps)`` per group. Defaults: ``eps=1e-5``, ``groups=1``,
+    ``gate_first=False``.
+
+    Args:
+        x, z: ``[..., D]``, the same shape. weight: ``[D]``.
+    Returns:
+        ``[..., D]`` in ``x``'s dtype.
+    Dtypes: float32/float64 CPU tensors of one dtype run one C kernel each way
+    (:mod:`mnemo.ops._native`: one pass over memory instead of the PyTorch form's half-dozen
+    elementwise passes, each with its own freshly allocated tensor); anything else (bfloat16, CUDA,
+    mixed dtypes, ``MNEMO_NATIVE=0``, while ``torch.compile`` traces) runs the PyTorch form, which
+    normalises in at least float32. Both are twice differentiable (a graph of the kernel's gradient
+    is built by the PyTorch form).
+    Raises:
+        ValueError: ``z`` or ``weight`` does not match ``x``, or ``groups`` does not divide ``D``.
+    """
+    D = x.shape[-1] if x.ndim else 0
+    if z.shape != x.shape:
+        raise ValueError(f"z: expected the shape of x {list(x.shape)}, got {list(z.shape)}")
+    if weight.shape != (D,):
+        raise ValueError(f"weight: expected shape [{D}] (the last dim of x), got {list(weight.shape)}")
+    if groups < 1 or D % groups:
+        raise ValueError(f"groups: expected a divisor of D = {D}, got {groups}")
+    if x.numel() and _native.usable(x, z, weight):
+        return _GatedRMSNorm.apply(x, z, weight, float(eps), groups, bool(gate_first))
+    return _gated_rms_norm_reference(x, z, weight, eps, groups, gate_first)
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    """:func:`gated_rms_norm` through the C kernels ``gn_fwd`` / ``gn_bwd`` (``gated_norm.c``). The
+    backward sums the per-thread partials of the weight gradient; when a graph of the gradient is
+    asked for (``create_graph=True``) it differentiates the PyTorch form instead."""
+
+    @staticmethod
+    def forward(ctx, x, z, weight, eps, groups, gate_first):
+        D = x.shape[-1]
+        R = x.numel() // D
+        y = torch.empty(x.shape, dtype=x.dtype)
+        rstd = x.new_empty(R, groups)
+        args = [D, groups, int(gate_first), x.new_full((1,), eps), x.contiguous(), z.contiguous()]
+        _native.call("gn_fwd", x.dtype, R, _native.slots(R), args + [weight.contiguous(), y, rstd])
+        ctx.save_for_backward(x, z, weight, rstd)
+        ctx.eps, ctx.groups, ctx.gate_first = eps, groups, gate_first
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the PyTorch form's autograd, on the saved inputs
+            wanted = [t for t, need in zip((x, z, weight), ctx.needs_input_grad[:3]) if need]
+            with torch.enable_grad():
+                y = _gated_rms_norm_reference(x, z, weight, ctx.eps, ctx.groups, ctx.gate_first)
+            grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
+            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:3]), None, None, None)
+        D = x.shape[-1]
+        R = x.numel() // D
+        nt = _native.slots(R)
+        dx, dz = torch.empty(x.shape, dtype=x.dtype), torch.empty(z.shape, dtype=z.dtype)
+        dw = x.new_empty(nt, D)
+        args = [D, ctx.groups, int(ctx.gate_first), x.contiguous(), z.contiguous(), weight.contiguous()]
+        _native.call("gn_bwd", x.dtype, R, nt, args + [rstd, dy.contiguous(), dx, dz, dw])
+        return dx, dz, dw.sum(0), None, None, None

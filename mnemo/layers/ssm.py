@@ -18,7 +18,7 @@ from .conv import ShortConvolution
 from .delta import init_dt_bias
 from .hooks import add_hook_points
 from .linear_attention import state_dtypes
-from .norm import RMSNorm
+from .norm import RMSNorm, _rms_groups
 from .registry import register_mixer
 from .state import spec, state_dataclass
 
@@ -242,12 +242,7 @@ class GroupRMSNorm(RMSNorm):
         self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.groups == 1:
-            return super().forward(x)
-        xc = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        xg = xc.unflatten(-1, (self.groups, -1))  # [..., g, c] (plain views: cheap in one-token steps)
-        y = F.rms_norm(xg, (xg.shape[-1],), None, self.eps).flatten(-2)
-        return (y * self.weight.to(xc.dtype)).to(x.dtype)
+        return _rms_groups(x, self.weight, self.eps, self.groups)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, groups={self.groups}"
@@ -414,10 +409,9 @@ class Mamba2(Mixer):
         return self.o_proj(y), Mamba2State(ssm=h, conv=conv_state, offset=(state.offset if state else 0) + T)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``GroupRMSNorm(y ⊙ silu(z))``, or ``GroupRMSNorm(y) ⊙ silu(z)`` with ``norm_before_gate``."""
-        if self.norm_before_gate:
-            return self.norm(y) * F.silu(z)
-        return self.norm(y * F.silu(z))
+        """``GroupRMSNorm(y ⊙ silu(z))``, or ``GroupRMSNorm(y) ⊙ silu(z)`` with ``norm_before_gate``
+        (one fused kernel: :func:`~mnemo.layers.norm.gated_rms_norm`)."""
+        return self.norm.gated(y, z, gate_first=not self.norm_before_gate)
 
     def mixing(self, acts: dict) -> Mixing:
         """Per head: ``M_ts = (C_t · B_s) exp(Σ_{r=s+1..t} Δ_r A) Δ_s`` (:func:`~mnemo.ops.ssd_map`),

@@ -1,6 +1,7 @@
 """Both sides of every native kernel, in one process, whatever the machine has.
 
-Each entry point of :mod:`mnemo.ops._native` (the selective scan, the short causal convolution,
+Each entry point of :mod:`mnemo.ops._native` (the selective scan, the short causal convolution, the
+gated RMSNorm,
 the delta rule's and gated linear attention's chunk-state passes and the unit lower-triangular
 inverse, forward and backward) has a PyTorch twin that runs when the kernels are off
 (``MNEMO_NATIVE=0``), when no C compiler is found or when the build fails. On a machine with a
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mnemo.layers.conv import ShortConvolution
+from mnemo.layers.norm import gated_rms_norm
 from mnemo.ops import (
     _native,
     delta_rule,
@@ -36,6 +38,7 @@ from tests.helpers import assert_close
 
 ch = importlib.import_module("mnemo.ops._chunked")
 ss = importlib.import_module("mnemo.ops.selective_scan")
+nm = importlib.import_module("mnemo.layers.norm")
 
 #: every kernel of the library, without its ``_f32`` / ``_f64`` suffix
 KERNELS = sorted({name.rsplit("_", 1)[0] for name in _native._ENTRY_POINTS})
@@ -51,6 +54,8 @@ TWINS = {
     "ss_bwd": (ss, "ss_chunk_torch"),
     "conv_fwd": None,
     "conv_bwd": None,
+    "gn_fwd": (nm, "_gated_rms_norm_reference"),
+    "gn_bwd": (nm, "_gated_rms_norm_reference"),
 }
 
 
@@ -276,6 +281,30 @@ def _conv_case(bias):
     return inputs, run
 
 
+def _gated_norm_case(gate_first):
+    G = 3  # groups of 4 channels
+
+    def inputs(gen, dtype):
+        return {
+            "x": _rand(gen, B, 11, 12, dtype=dtype),
+            "z": 2 * _rand(gen, B, 11, 12, dtype=dtype),
+            "w": 1 + 0.3 * _rand(gen, 12, dtype=dtype),
+        }
+
+    def run(x, mode):
+        if mode == "recurrent":  # the definition, row by row and group by group
+            rows = []
+            for r in x["x"].flatten(0, 1).unbind(0):
+                zr = x["z"].flatten(0, 1)[len(rows)]
+                a = r * F.silu(zr) if gate_first else r
+                y = torch.cat([c / (c.square().mean() + 1e-5).sqrt() for c in a.split(4)]) * x["w"]
+                rows.append(y if gate_first else y * F.silu(zr))
+            return (torch.stack(rows).unflatten(0, x["x"].shape[:2]),)
+        return (gated_rms_norm(x["x"], x["z"], x["w"], groups=G, gate_first=gate_first),)
+
+    return inputs, run
+
+
 #: case -> (inputs, run, the kernels it must reach on the native side)
 CASES = {
     "delta_rule": (*_delta_case(False, 8), {"unit_lower_inv", "scan_mat_fwd", "scan_mat_bwd"}),
@@ -288,6 +317,8 @@ CASES = {
     "selective_scan_varlen": (*_ss_varlen_case(), {"ss_fwd", "ss_bwd"}),
     "short_conv": (*_conv_case(True), {"conv_fwd", "conv_bwd"}),
     "short_conv_no_bias": (*_conv_case(False), {"conv_fwd", "conv_bwd"}),
+    "gated_norm_gate_first": (*_gated_norm_case(True), {"gn_fwd", "gn_bwd"}),
+    "gated_norm_gate_after": (*_gated_norm_case(False), {"gn_fwd", "gn_bwd"}),
 }
 
 #: relative RMS error against the float64 token loop, outputs and gradients: float64 agrees to

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mnemo.layers.conv import ShortConvolution
+from mnemo.layers.norm import gated_rms_norm
 from mnemo.ops import _native, delta_rule, gated_delta_rule, gated_linear_attention, selective_scan
 
 needs_native = pytest.mark.skipif(
@@ -102,6 +103,7 @@ def recorded():
             u, dt, A, r(B, T, N), r(B, T, N), r(D), z, r(D), delta_softplus=True, mode="chunk"
         )
         loss = loss + y.sum() + ShortConvolution(D, 4)(u)[0].sum()
+        loss = loss + gated_rms_norm(u, z, r(D), groups=4, gate_first=True).sum()
         loss.backward()
     finally:
         mp.undo()

@@ -1,0 +1,168 @@
+/* Gated RMSNorm on the CPU: the output norm of Mamba-2, Gated DeltaNet, GLA and RetNet, in one
+   pass over memory each way instead of the half-dozen elementwise passes of its PyTorch form.
+
+   Each row of D channels is cut into G groups of c = D / G; per group (Zhang & Sennrich 2019, RMSNorm;
+   the gate silu(z) = z σ(z) as in Mamba-2, Dao & Gu 2024, §7):
+
+       gate_first = 1 (Mamba-2):         a = x ⊙ silu(z),  y = a · r ⊙ w
+       gate_first = 0 (GDN, GLA, RetNet): a = x,            y = a · r ⊙ w ⊙ silu(z)
+
+   with r = 1 / sqrt(mean(a²) + eps) over the group, saved as rstd. The backward, with n = a · r:
+
+       gate_first = 1:  dn = dy ⊙ w,           da = r (dn − n · mean(dn ⊙ n)),
+                        dx = da ⊙ silu(z),     dz = da ⊙ x ⊙ silu'(z),     dw += dy ⊙ n
+       gate_first = 0:  dn = dy ⊙ w ⊙ silu(z), dx = r (dn − n · mean(dn ⊙ n)),
+                        dz = dy ⊙ w ⊙ n ⊙ silu'(z),                        dw += dy ⊙ n ⊙ silu(z)
+
+   with silu'(z) = σ(z) (1 + z (1 − σ(z))). A job is one row; slot s of nt adds its rows' weight
+   gradient into its own partial sum dw[s] (the caller sums the nt partials). The backward's first
+   pass parks silu(z) in dx (and x ⊙ silu'(z) in dz) for its second pass, so exp runs once per
+   element each way (exp_vf32 of vexp.h, one SIMD register at a time).
+   Layouts (contiguous): x, z, y, dy, dx, dz: [jobs, D]; w: [D]; rstd: [jobs, G]; dw: [nt, D].
+   The PyTorch twin is mnemo.layers.norm.gated_rms_norm's reference form. */
+
+#include <stdint.h>
+#include <string.h>
+
+#include "slots.h"
+#include "vexp.h"
+
+#define DEFINE_GN(SUF, S, V, EXPV)                                                                 \
+    static inline V load_##SUF(const S *p, int64_t n) {                                            \
+        V v = {0};                                                                                 \
+        if (n == W)                                                                                \
+            memcpy(&v, p, sizeof(V));                                                              \
+        else                                                                                       \
+            memcpy(&v, p, (size_t)n * sizeof(S));                                                  \
+        return v;                                                                                  \
+    }                                                                                              \
+    static inline void store_##SUF(S *p, V v, int64_t n) {                                         \
+        if (n == W)                                                                                \
+            memcpy(p, &v, sizeof(V));                                                              \
+        else                                                                                       \
+            memcpy(p, &v, (size_t)n * sizeof(S));                                                  \
+    }                                                                                              \
+    static inline S hsum_##SUF(V v) {                                                              \
+        S s = 0;                                                                                   \
+        for (int j = 0; j < W; j++) s += v[j];                                                     \
+        return s;                                                                                  \
+    }                                                                                              \
+    static inline V sigmoid_##SUF(V z) { return (S)1 / ((S)1 + EXPV(-z)); }                        \
+                                                                                                   \
+    static void gn_fwd_range_##SUF(int64_t r0, int64_t r1, int64_t D, int64_t G, int64_t gf, S eps, \
+                                   const S *restrict x, const S *restrict z, const S *restrict w,  \
+                                   S *restrict y, S *restrict rstd) {                              \
+        const int64_t c = D / G;                                                                   \
+        for (int64_t r = r0; r < r1; r++)                                                          \
+            for (int64_t g = 0; g < G; g++) {                                                      \
+                const int64_t o = r * D + g * c;                                                   \
+                const S *restrict xr = x + o, *restrict zr = z + o, *restrict wr = w + g * c;      \
+                S *restrict yr = y + o;                                                            \
+                V acc = {0};                                                                       \
+                for (int64_t i = 0; i < c; i += W) {                                               \
+                    const int64_t n = c - i < W ? c - i : W;                                       \
+                    V a = load_##SUF(xr + i, n);                                                   \
+                    if (gf) {                                                                      \
+                        const V zv = load_##SUF(zr + i, n);                                        \
+                        a = a * zv * sigmoid_##SUF(zv);                                            \
+                        store_##SUF(yr + i, a, n);                                                 \
+                    }                                                                              \
+                    acc += a * a;                                                                  \
+                }                                                                                  \
+                const S rs = (S)1 / sqrt(hsum_##SUF(acc) / (S)c + eps);                            \
+                rstd[r * G + g] = rs;                                                              \
+                for (int64_t i = 0; i < c; i += W) {                                               \
+                    const int64_t n = c - i < W ? c - i : W;                                       \
+                    const V wv = load_##SUF(wr + i, n);                                            \
+                    V out;                                                                         \
+                    if (gf) {                                                                      \
+                        out = load_##SUF(yr + i, n) * rs * wv;                                     \
+                    } else {                                                                       \
+                        const V zv = load_##SUF(zr + i, n);                                        \
+                        out = load_##SUF(xr + i, n) * rs * wv * (zv * sigmoid_##SUF(zv));          \
+                    }                                                                              \
+                    store_##SUF(yr + i, out, n);                                                   \
+                }                                                                                  \
+            }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    static void gn_bwd_range_##SUF(int64_t r0, int64_t r1, int64_t D, int64_t G, int64_t gf,       \
+                                   const S *restrict x, const S *restrict z, const S *restrict w,  \
+                                   const S *restrict rstd, const S *restrict dy, S *restrict dx,   \
+                                   S *restrict dz, S *restrict dw) {                               \
+        const int64_t c = D / G;                                                                   \
+        for (int64_t i = 0; i < D; i++) dw[i] = 0;                                                 \
+        for (int64_t r = r0; r < r1; r++)                                                          \
+            for (int64_t g = 0; g < G; g++) {                                                      \
+                const int64_t o = r * D + g * c;                                                   \
+                const S *restrict xr = x + o, *restrict zr = z + o, *restrict gr = dy + o;         \
+                const S *restrict wr = w + g * c;                                                  \
+                S *restrict dxr = dx + o, *restrict dzr = dz + o, *restrict dwr = dw + g * c;      \
+                const S rs = rstd[r * G + g];                                                      \
+                V dot = {0};                                                                       \
+                for (int64_t i = 0; i < c; i += W) {                                               \
+                    const int64_t n = c - i < W ? c - i : W;                                       \
+                    const V xv = load_##SUF(xr + i, n), zv = load_##SUF(zr + i, n);                \
+                    const V gv = load_##SUF(gr + i, n), wv = load_##SUF(wr + i, n);                \
+                    const V s = sigmoid_##SUF(zv), sl = zv * s;                                    \
+                    const V dsl = s * ((S)1 + zv * ((S)1 - s));                                    \
+                    V nv, dn, dwv;                                                                 \
+                    if (gf) {                                                                      \
+                        nv = xv * sl * rs;                                                         \
+                        dn = gv * wv;                                                              \
+                        dwv = gv * nv;                                                             \
+                        store_##SUF(dzr + i, xv * dsl, n);                                         \
+                    } else {                                                                       \
+                        nv = xv * rs;                                                              \
+                        const V gw = gv * wv;                                                      \
+                        dn = gw * sl;                                                              \
+                        dwv = gv * nv * sl;                                                        \
+                        store_##SUF(dzr + i, gw * nv * dsl, n);                                    \
+                    }                                                                              \
+                    store_##SUF(dxr + i, sl, n);                                                   \
+                    store_##SUF(dwr + i, load_##SUF(dwr + i, n) + dwv, n);                         \
+                    dot += dn * nv;                                                                \
+                }                                                                                  \
+                const S m = hsum_##SUF(dot) / (S)c;                                                \
+                for (int64_t i = 0; i < c; i += W) {                                               \
+                    const int64_t n = c - i < W ? c - i : W;                                       \
+                    const V xv = load_##SUF(xr + i, n), sl = load_##SUF(dxr + i, n);               \
+                    const V gv = load_##SUF(gr + i, n), wv = load_##SUF(wr + i, n);                \
+                    if (gf) {                                                                      \
+                        const V nv = xv * sl * rs;                                                 \
+                        const V da = rs * (gv * wv - nv * m);                                      \
+                        store_##SUF(dxr + i, da * sl, n);                                          \
+                        store_##SUF(dzr + i, da * load_##SUF(dzr + i, n), n);                      \
+                    } else {                                                                       \
+                        const V nv = xv * rs;                                                      \
+                        store_##SUF(dxr + i, rs * (gv * wv * sl - nv * m), n);                     \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    /* entry points: the rows split into nt slots (see slots.h) */                                 \
+    void gn_fwd_##SUF(int64_t jobs, int64_t nt, int64_t slot0, int64_t slot1, int64_t D, int64_t G, \
+                      int64_t gate_first, const S *eps, const S *x, const S *z, const S *w, S *y,   \
+                      S *rstd) {                                                                   \
+        FOR_SLOTS(GN_FWD_##SUF);                                                                   \
+    }                                                                                              \
+    void gn_bwd_##SUF(int64_t jobs, int64_t nt, int64_t slot0, int64_t slot1, int64_t D, int64_t G, \
+                      int64_t gate_first, const S *x, const S *z, const S *w, const S *rstd,        \
+                      const S *dy, S *dx, S *dz, S *dw) {                                          \
+        FOR_SLOTS(GN_BWD_##SUF);                                                                   \
+    }
+
+#define GN_FWD_f32(s) \
+    gn_fwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, eps[0], x, z, w, y, rstd)
+#define GN_BWD_f32(s)                                                                              \
+    gn_bwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, x, z, w, rstd, dy, dx, dz, \
+                     dw + (s) * D)
+#define GN_FWD_f64(s) \
+    gn_fwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, eps[0], x, z, w, y, rstd)
+#define GN_BWD_f64(s)                                                                              \
+    gn_bwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, x, z, w, rstd, dy, dx, dz, \
+                     dw + (s) * D)
+
+DEFINE_GN(f32, float, vf32, exp_vf32)
+DEFINE_GN(f64, double, vf64, exp_vf64)
