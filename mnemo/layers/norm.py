@@ -98,6 +98,19 @@ def gated_rms_norm(
     return _gated_rms_norm_reference(x, z, weight, eps, groups, gate_first)
 
 
+def _rows(t: torch.Tensor) -> list:
+    """``t [..., D]`` as ``[Strided rows, row stride]`` for the kernels: a view when its rows lie a
+    fixed stride apart with contiguous channels (e.g. a slice of a wider projection), else a copy."""
+    D = t.shape[-1]
+    try:
+        v = t.view(-1, D)
+    except RuntimeError:
+        v = None
+    if v is None or (D > 1 and v.stride(1) != 1):
+        v = t.reshape(-1, D).contiguous()
+    return [_native.Strided(v), v.stride(0)]
+
+
 class _GatedRMSNorm(torch.autograd.Function):
     """:func:`gated_rms_norm` through the C kernels ``gn_fwd`` / ``gn_bwd`` (``gated_norm.c``). The
     backward sums the per-thread partials of the weight gradient; when a graph of the gradient is
@@ -109,8 +122,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         R = x.numel() // D
         y = torch.empty(x.shape, dtype=x.dtype)
         rstd = x.new_empty(R, groups)
-        args = [D, groups, int(gate_first), x.new_full((1,), eps), x.contiguous(), z.contiguous()]
-        _native.call("gn_fwd", x.dtype, R, _native.slots(R), args + [weight.contiguous(), y, rstd])
+        args = [D, groups, int(gate_first), x.new_full((1,), eps), *_rows(x), *_rows(z), weight.contiguous()]
+        _native.call("gn_fwd", x.dtype, R, _native.slots(R), args + [y, rstd])
         ctx.save_for_backward(x, z, weight, rstd)
         ctx.eps, ctx.groups, ctx.gate_first = eps, groups, gate_first
         return y
@@ -129,6 +142,6 @@ class _GatedRMSNorm(torch.autograd.Function):
         nt = _native.slots(R)
         dx, dz = torch.empty(x.shape, dtype=x.dtype), torch.empty(z.shape, dtype=z.dtype)
         dw = x.new_empty(nt, D)
-        args = [D, ctx.groups, int(ctx.gate_first), x.contiguous(), z.contiguous(), weight.contiguous()]
+        args = [D, ctx.groups, int(ctx.gate_first), *_rows(x), *_rows(z), weight.contiguous()]
         _native.call("gn_bwd", x.dtype, R, nt, args + [rstd, dy.contiguous(), dx, dz, dw])
         return dx, dz, dw.sum(0), None, None, None

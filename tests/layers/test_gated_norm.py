@@ -162,3 +162,19 @@ def test_layers_with_the_kernel_equal_the_pytorch_form(name, monkeypatch):
     assert len(fused) == len(plain)
     for a, b in zip(fused, plain):
         assert_close(a, b, 1e-5, floor=1e-8)
+
+
+@needs_native
+def test_strided_inputs_are_read_in_place_or_copied():
+    """``z`` a slice of a wider projection (Mamba-2's ``z`` out of ``in_proj``: rows 24 apart, read
+    in place) and ``x`` a transpose (no fixed row stride: copied) give the contiguous result."""
+    x, z, w, dy = _inputs((3, 5), 16, torch.float64)
+    wide = torch.cat([z, torch.randn(3, 5, 8, dtype=torch.float64)], -1)
+    z_slice = wide[..., :16]
+    x_t = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not z_slice.is_contiguous() and not x_t.is_contiguous()
+    for gate_first in (False, True):
+        want = _value_and_grads(gated_rms_norm, x, z, w, dy, groups=2, gate_first=gate_first)
+        got = _value_and_grads(gated_rms_norm, x_t, z_slice, w, dy, groups=2, gate_first=gate_first)
+        for a, b in zip(got, want):
+            assert_close(a, b, 1e-14)

@@ -346,11 +346,12 @@ SIGNATURES: dict[str, str] = {
     "unit_lower_inv": "C A[jobs*C*C] work[nt*C]",
     "conv_fwd": "B T C W xp[B*(T+W-1)*C] w[W*C] bias?[C] y[B*T*C] | jobs == C; W >= 1",
     "gn_fwd": (
-        "D G gate_first eps[1] x[jobs*D] z[jobs*D] w[D] y[jobs*D] rstd[jobs*G]"
+        "D G gate_first eps[1] x~[jobs, D] xs z~[jobs, D] zs w[D] y[jobs*D] rstd[jobs*G]"
         " | G >= 1; D % G == 0; gate_first in (0, 1)"
     ),
     "gn_bwd": (
-        "D G gate_first x[jobs*D] z[jobs*D] w[D] rstd[jobs*G] dy[jobs*D] dx[jobs*D] dz[jobs*D] dw[nt*D]"
+        "D G gate_first x~[jobs, D] xs z~[jobs, D] zs w[D] rstd[jobs*G] dy[jobs*D] dx[jobs*D] dz[jobs*D]"
+        " dw[nt*D]"
         " | G >= 1; D % G == 0; gate_first in (0, 1)"
     ),
     "conv_bwd": (

@@ -18,7 +18,8 @@
    gradient into its own partial sum dw[s] (the caller sums the nt partials). The backward's first
    pass parks silu(z) in dx (and x ⊙ silu'(z) in dz) for its second pass, so exp runs once per
    element each way (exp_vf32 of vexp.h, one SIMD register at a time).
-   Layouts (contiguous): x, z, y, dy, dx, dz: [jobs, D]; w: [D]; rstd: [jobs, G]; dw: [nt, D].
+   Layouts: x, z: [jobs, D] rows xs / zs elements apart (a slice of a wider projection, unit channel
+   stride); contiguous: y, dy, dx, dz: [jobs, D]; w: [D]; rstd: [jobs, G]; dw: [nt, D].
    The PyTorch twin is mnemo.layers.norm.gated_rms_norm's reference form. */
 
 #include <stdint.h>
@@ -50,13 +51,15 @@
     static inline V sigmoid_##SUF(V z) { return (S)1 / ((S)1 + EXPV(-z)); }                        \
                                                                                                    \
     static void gn_fwd_range_##SUF(int64_t r0, int64_t r1, int64_t D, int64_t G, int64_t gf, S eps, \
-                                   const S *restrict x, const S *restrict z, const S *restrict w,  \
+                                   const S *restrict x, int64_t xs, const S *restrict z,           \
+                                   int64_t zs, const S *restrict w,                                \
                                    S *restrict y, S *restrict rstd) {                              \
         const int64_t c = D / G;                                                                   \
         for (int64_t r = r0; r < r1; r++)                                                          \
             for (int64_t g = 0; g < G; g++) {                                                      \
                 const int64_t o = r * D + g * c;                                                   \
-                const S *restrict xr = x + o, *restrict zr = z + o, *restrict wr = w + g * c;      \
+                const S *restrict xr = x + r * xs + g * c, *restrict zr = z + r * zs + g * c;      \
+                const S *restrict wr = w + g * c;                                                  \
                 S *restrict yr = y + o;                                                            \
                 V acc = {0};                                                                       \
                 for (int64_t i = 0; i < c; i += W) {                                               \
@@ -87,7 +90,8 @@
     }                                                                                              \
                                                                                                    \
     static void gn_bwd_range_##SUF(int64_t r0, int64_t r1, int64_t D, int64_t G, int64_t gf,       \
-                                   const S *restrict x, const S *restrict z, const S *restrict w,  \
+                                   const S *restrict x, int64_t xs, const S *restrict z,           \
+                                   int64_t zs, const S *restrict w,                                \
                                    const S *restrict rstd, const S *restrict dy, S *restrict dx,   \
                                    S *restrict dz, S *restrict dw) {                               \
         const int64_t c = D / G;                                                                   \
@@ -95,7 +99,8 @@
         for (int64_t r = r0; r < r1; r++)                                                          \
             for (int64_t g = 0; g < G; g++) {                                                      \
                 const int64_t o = r * D + g * c;                                                   \
-                const S *restrict xr = x + o, *restrict zr = z + o, *restrict gr = dy + o;         \
+                const S *restrict xr = x + r * xs + g * c, *restrict zr = z + r * zs + g * c;      \
+                const S *restrict gr = dy + o;                                                     \
                 const S *restrict wr = w + g * c;                                                  \
                 S *restrict dxr = dx + o, *restrict dzr = dz + o, *restrict dwr = dw + g * c;      \
                 const S rs = rstd[r * G + g];                                                      \
@@ -143,26 +148,28 @@
                                                                                                    \
     /* entry points: the rows split into nt slots (see slots.h) */                                 \
     void gn_fwd_##SUF(int64_t jobs, int64_t nt, int64_t slot0, int64_t slot1, int64_t D, int64_t G, \
-                      int64_t gate_first, const S *eps, const S *x, const S *z, const S *w, S *y,   \
-                      S *rstd) {                                                                   \
+                      int64_t gate_first, const S *eps, const S *x, int64_t xs, const S *z,         \
+                      int64_t zs, const S *w, S *y, S *rstd) {                                     \
         FOR_SLOTS(GN_FWD_##SUF);                                                                   \
     }                                                                                              \
     void gn_bwd_##SUF(int64_t jobs, int64_t nt, int64_t slot0, int64_t slot1, int64_t D, int64_t G, \
-                      int64_t gate_first, const S *x, const S *z, const S *w, const S *rstd,        \
-                      const S *dy, S *dx, S *dz, S *dw) {                                          \
+                      int64_t gate_first, const S *x, int64_t xs, const S *z, int64_t zs,           \
+                      const S *w, const S *rstd, const S *dy, S *dx, S *dz, S *dw) {               \
         FOR_SLOTS(GN_BWD_##SUF);                                                                   \
     }
 
-#define GN_FWD_f32(s) \
-    gn_fwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, eps[0], x, z, w, y, rstd)
+#define GN_FWD_f32(s)                                                                              \
+    gn_fwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, eps[0], x, xs, z, zs, w, \
+                     y, rstd)
 #define GN_BWD_f32(s)                                                                              \
-    gn_bwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, x, z, w, rstd, dy, dx, dz, \
-                     dw + (s) * D)
-#define GN_FWD_f64(s) \
-    gn_fwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, eps[0], x, z, w, y, rstd)
+    gn_bwd_range_f32(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, x, xs, z, zs, w, rstd, dy, \
+                     dx, dz, dw + (s) * D)
+#define GN_FWD_f64(s)                                                                              \
+    gn_fwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, eps[0], x, xs, z, zs, w, \
+                     y, rstd)
 #define GN_BWD_f64(s)                                                                              \
-    gn_bwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, x, z, w, rstd, dy, dx, dz, \
-                     dw + (s) * D)
+    gn_bwd_range_f64(jobs * (s) / nt, jobs * ((s) + 1) / nt, D, G, gate_first, x, xs, z, zs, w, rstd, dy, \
+                     dx, dz, dw + (s) * D)
 
 DEFINE_GN(f32, float, vf32, exp_vf32)
 DEFINE_GN(f64, double, vf64, exp_vf64)
