@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import _native
+from ..ops import _native, _workspace
 
 __all__ = ["RMSNorm", "gated_rms_norm"]
 
@@ -120,7 +120,7 @@ class _GatedRMSNorm(torch.autograd.Function):
     def forward(ctx, x, z, weight, eps, groups, gate_first):
         D = x.shape[-1]
         R = x.numel() // D
-        y = torch.empty(x.shape, dtype=x.dtype)
+        y = _workspace.empty(x.shape, x.dtype, x.device)  # reused across calls (no page faults)
         rstd = x.new_empty(R, groups)
         args = [D, groups, int(gate_first), x.new_full((1,), eps), *_rows(x), *_rows(z), weight.contiguous()]
         _native.call("gn_fwd", x.dtype, R, _native.slots(R), args + [y, rstd])
@@ -140,7 +140,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         D = x.shape[-1]
         R = x.numel() // D
         nt = _native.slots(R)
-        dx, dz = torch.empty(x.shape, dtype=x.dtype), torch.empty(z.shape, dtype=z.dtype)
+        dx, dz = (_workspace.empty(t.shape, t.dtype, t.device) for t in (x, z))
         dw = x.new_empty(nt, D)
         args = [D, ctx.groups, int(ctx.gate_first), *_rows(x), *_rows(z), weight.contiguous()]
         _native.call("gn_bwd", x.dtype, R, nt, args + [rstd, dy.contiguous(), dx, dz, dw])

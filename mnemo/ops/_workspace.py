@@ -1,6 +1,7 @@
 """A cache of CPU buffers for the large tensors of the ops' fast forms, reused across calls (the
-chunk forms of GLA, the delta rules and SSD, and the native Functions of the selective scan and
-of the short causal convolution in :mod:`mnemo.layers.conv`).
+chunk forms of GLA, the delta rules and SSD, and the native Functions of the selective scan, of
+the short causal convolution in :mod:`mnemo.layers.conv` and of the gated RMSNorm in
+:mod:`mnemo.layers.norm`).
 
 PyTorch has no caching allocator for CPU tensors, and glibc's ``malloc`` serves blocks of a few
 MiB with fresh ``mmap`` pages: every call of a chunk form would touch megabytes of new pages, one

@@ -10,6 +10,7 @@ import torch
 
 import mnemo.ops as ops
 from mnemo.layers.conv import ShortConvolution
+from mnemo.layers.norm import gated_rms_norm
 from mnemo.ops import _workspace as ws
 from mnemo.ops import gated_delta_rule, gated_linear_attention, selective_scan, ssd
 
@@ -230,6 +231,13 @@ def _run(op, seed, channel=False):
         y = conv(x)[0]
         y.square().sum().backward()
         return [y, x.grad, conv.weight.grad]
+    if op == "gated_norm":  # the gated RMSNorm's native kernel
+        gen = torch.Generator().manual_seed(seed)
+        x, z = (torch.randn(1, 1000, 64, generator=gen).requires_grad_() for _ in range(2))
+        w = torch.rand(64, generator=gen).requires_grad_()
+        y = gated_rms_norm(x, z, w, groups=2, gate_first=True)
+        y.square().sum().backward()
+        return [y, x.grad, z.grad, w.grad]
     q, k, v, g, beta = (t.requires_grad_() for t in _inputs(seed, channel=channel))
     if op == "gla":
         o, S = gated_linear_attention(q, k, v, g, mode="chunk", output_final_state=True)
@@ -245,7 +253,7 @@ def _run(op, seed, channel=False):
 @pytest.mark.parametrize(
     "op,channel",
     [("gla", False), ("gla", True), ("gdr", False), ("ssd", False)]
-    + [("selective_scan", False), ("conv", False)],
+    + [("selective_scan", False), ("conv", False), ("gated_norm", False)],
 )
 def test_results_kept_from_one_call_survive_the_next(op, channel):
     """Outputs and gradients of a first call (views of cached buffers) stay intact while later
@@ -259,11 +267,11 @@ def test_results_kept_from_one_call_survive_the_next(op, channel):
     second = _run(op, 2, channel)
     _run(op, 3, channel)
     _run(op, 2, channel)
-    # (T = 1000: the tensors are 256 KiB, cached; the scan's and the conv's PyTorch fallbacks, used
+    # (T = 1000: the tensors are 256 KiB, cached; the PyTorch fallbacks of the scan, conv and norm, used
     # without a C compiler, take nothing from the cache)
     from mnemo.ops import _native
 
-    if op not in ("selective_scan", "conv") or _native.usable(torch.zeros(1)):
+    if op not in ("selective_scan", "conv", "gated_norm") or _native.usable(torch.zeros(1)):
         assert ws.stats()["hits"] > hits
     for a, b, r in zip(first, kept, ref1):
         assert torch.equal(a, b)
