@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,15 +24,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_groups(x, self.weight, self.eps, 1)
+    def forward(
+        self, x: torch.Tensor, z: torch.Tensor | None = None, gate_first: bool = False
+    ) -> torch.Tensor:
+        """``RMSNorm(x)``; with a gate ``z`` (default ``z=None``), :func:`gated_rms_norm` with this
+        module's weight and ``eps``: ``RMSNorm(x) ⊙ silu(z)``, or ``RMSNorm(x ⊙ silu(z))`` with
+        ``gate_first=True`` (default ``gate_first=False``). The layers call it through the module,
+        so forward hooks on the norm see ``(x, z)``."""
+        groups = getattr(self, "groups", 1)
+        if z is None:
+            return _rms_groups(x, self.weight, self.eps, groups)
+        return gated_rms_norm(x, z, self.weight, self.eps, groups=groups, gate_first=gate_first)
 
     def gated(self, x: torch.Tensor, z: torch.Tensor, gate_first: bool = False) -> torch.Tensor:
-        """This norm with a SiLU gate, fused: :func:`gated_rms_norm` with this module's weight and
-        ``eps`` (default ``gate_first=False``: ``norm(x) ⊙ silu(z)``)."""
-        return gated_rms_norm(
-            x, z, self.weight, self.eps, groups=getattr(self, "groups", 1), gate_first=gate_first
-        )
+        """``self(x, z, gate_first)``: this norm with a SiLU gate, fused (see :meth:`forward`;
+        default ``gate_first=False``)."""
+        return self(x, z, gate_first)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -76,13 +84,13 @@ def gated_rms_norm(
     Args:
         x, z: ``[..., D]``, the same shape. weight: ``[D]``.
     Returns:
-        ``[..., D]`` in ``x``'s dtype.
+        ``[..., D]`` in ``x``'s dtype (mixed dtypes: PyTorch's type promotion, as in the PyTorch form).
     Dtypes: float32/float64 CPU tensors of one dtype run one C kernel each way
     (:mod:`mnemo.ops._native`: one pass over memory instead of the PyTorch form's half-dozen
     elementwise passes, each with its own freshly allocated tensor); anything else (bfloat16, CUDA,
-    mixed dtypes, ``MNEMO_NATIVE=0``, while ``torch.compile`` traces) runs the PyTorch form, which
-    normalises in at least float32. Both are twice differentiable (a graph of the kernel's gradient
-    is built by the PyTorch form).
+    mixed dtypes, ``MNEMO_NATIVE=0``, while ``torch.compile`` traces, under forward-mode AD or a
+    ``torch.func`` transform) runs the PyTorch form, which normalises in at least float32. Both are
+    twice differentiable (a graph of the kernel's gradient is built by the PyTorch form).
     Raises:
         ValueError: ``z`` or ``weight`` does not match ``x``, or ``groups`` does not divide ``D``.
     """
@@ -93,9 +101,18 @@ def gated_rms_norm(
         raise ValueError(f"weight: expected shape [{D}] (the last dim of x), got {list(weight.shape)}")
     if groups < 1 or D % groups:
         raise ValueError(f"groups: expected a divisor of D = {D}, got {groups}")
-    if x.numel() and _native.usable(x, z, weight):
+    if x.numel() and _native.usable(x, z, weight) and not _transformed(x, z, weight):
         return _GatedRMSNorm.apply(x, z, weight, float(eps), groups, bool(gate_first))
     return _gated_rms_norm_reference(x, z, weight, eps, groups, gate_first)
+
+
+def _transformed(*tensors: torch.Tensor) -> bool:
+    """Whether forward-mode AD (a dual tensor) or a ``torch.func`` transform sees any of these: the
+    kernel's Function has neither a ``jvp`` nor a batching rule, the PyTorch form has both."""
+    return any(
+        fwAD.unpack_dual(t).tangent is not None or torch._C._functorch.is_functorch_wrapped_tensor(t)
+        for t in tensors
+    )
 
 
 def _rows(t: torch.Tensor) -> list:
@@ -108,6 +125,8 @@ def _rows(t: torch.Tensor) -> list:
         v = None
     if v is None or (D > 1 and v.stride(1) != 1):
         v = t.reshape(-1, D).contiguous()
+    elif D == 1:  # one channel: its stride is arbitrary (a transpose), the kernels want 1
+        v = v.as_strided(v.shape, (v.stride(0), 1))
     return [_native.Strided(v), v.stride(0)]
 
 

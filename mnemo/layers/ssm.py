@@ -18,7 +18,7 @@ from .conv import ShortConvolution
 from .delta import init_dt_bias
 from .hooks import add_hook_points
 from .linear_attention import state_dtypes
-from .norm import RMSNorm, _rms_groups
+from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
 
@@ -240,9 +240,6 @@ class GroupRMSNorm(RMSNorm):
         if groups < 1 or dim % groups:
             raise ValueError(f"groups ({groups}) must divide dim ({dim})")
         self.groups = groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_groups(x, self.weight, self.eps, self.groups)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, groups={self.groups}"

@@ -90,11 +90,17 @@ def test_mamba2_map_output_is_the_layers_ssd_output_before_skip_and_gate():
     m = _perturbed(Mamba2(16, d_state=8, head_dim=8, n_groups=2))
     assert m.dt_bias.abs().min() > 0.5  # softplus(dt + dt_bias) differs from softplus(dt − dt_bias)
     x = torch.randn(2, 7, 16, dtype=torch.float64)
-    seen = _input_of(m.norm, lambda: m(x))  # (ssd + D x) ⊙ silu(z)
+    got = {}  # the gated norm's inputs: ssd + D x, and the gate z (it normalises (ssd + D x) ⊙ silu(z))
+    h = m.norm.register_forward_pre_hook(lambda mod, args: got.update(y=args[0].detach(), z=args[1].detach()))
+    try:
+        m(x)
+    finally:
+        h.remove()
     mx = mixing(m, x)  # the map's output leaves the skip D x out
     z = m.in_proj(x)[..., : m.d_inner]
     y = mx.output + m.D[:, None] * mx.values
-    assert_close(rearrange(y, "b t h p -> b t (h p)") * F.silu(z), seen, 1e-10)
+    assert_close(got["z"], z, 1e-12)
+    assert_close(rearrange(y, "b t h p -> b t (h p)") * F.silu(z), got["y"] * F.silu(got["z"]), 1e-10)
 
 
 def test_capture_maps_of_chosen_layers_are_those_layers_maps():

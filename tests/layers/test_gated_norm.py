@@ -141,14 +141,36 @@ def test_norm_module_gated_is_the_norm_times_the_gate():
     assert norm.gated(x[:0], z[:0]).shape == (0, 4, 12)
 
 
-@pytest.mark.parametrize("name", ["mamba2", "gated_deltanet", "gla"])
+def _mamba2_norm_before_gate():
+    from mnemo.models import build_config
+
+    cfg = build_config("mamba2", vocab_size=32, d_model=32, n_layers=2)
+    cfg.mixer_options.setdefault("mamba2", {})["norm_before_gate"] = True
+    return cfg
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["mamba2", "mamba2_norm_before_gate", "gated_deltanet", "gla", "retnet"])
 def test_layers_with_the_kernel_equal_the_pytorch_form(name, monkeypatch):
-    """A model's logits and gradients with the fused norm equal those with the PyTorch form."""
+    """A model's logits and gradients with the fused norm (its kernels seen running, every other
+    kernel as it is) equal those with only the norm switched to its PyTorch form."""
     from mnemo.models import LanguageModel, build_config
 
     torch.manual_seed(0)
-    model = LanguageModel(build_config(name, vocab_size=32, d_model=32, n_layers=2))
+    if name == "mamba2_norm_before_gate":
+        cfg = _mamba2_norm_before_gate()
+    else:
+        cfg = build_config(name, vocab_size=32, d_model=32, n_layers=2)
+    model = LanguageModel(cfg)
     ids = torch.randint(0, 32, (2, 19))
+    calls = []
+    real = _native.call
+
+    def spy(kernel, *args):
+        calls.append(kernel)
+        return real(kernel, *args)
+
+    monkeypatch.setattr(_native, "call", spy)
 
     def run():
         model.zero_grad(set_to_none=True)
@@ -157,11 +179,55 @@ def test_layers_with_the_kernel_equal_the_pytorch_form(name, monkeypatch):
         return [logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     fused = run()
-    monkeypatch.setattr(norm_mod._native, "usable", lambda *t: False)
+    assert calls.count("gn_fwd") == calls.count("gn_bwd") == 2  # one norm per layer, each way
+    monkeypatch.setattr(norm_mod, "gated_rms_norm", _reference)
+    calls.clear()
     plain = run()
+    assert "gn_fwd" not in calls and "gn_bwd" not in calls
     assert len(fused) == len(plain)
     for a, b in zip(fused, plain):
         assert_close(a, b, 1e-5, floor=1e-8)
+
+
+@needs_native
+def test_one_channel_no_grad_inference_mode_and_kept_outputs():
+    """``D = 1`` from a transpose (its channel stride is not 1); under ``no_grad`` and
+    ``inference_mode`` the kernel runs forward only, and an output kept across later calls (its
+    buffer is the workspace cache's) is not overwritten."""
+    x1 = torch.randn(1, 4, dtype=torch.float64).t()
+    z1, w1 = torch.randn(4, 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    assert_close(gated_rms_norm(x1, z1, w1), _reference(x1, z1, w1, 1e-5, groups=1, gate_first=False), 1e-12)
+    x, z, w, _ = _inputs((64, 16), 64, torch.float32)
+    want = _reference(x, z, w, 1e-5, groups=1, gate_first=True)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            kept = gated_rms_norm(x, z, w, gate_first=True)
+            copy = kept.clone()
+            for seed in (1, 2):
+                gated_rms_norm(*_inputs((64, 16), 64, torch.float32, seed)[:3], gate_first=True)
+        assert torch.equal(kept, copy)
+        assert_close(kept, want, 1e-6)
+
+
+def test_forward_mode_ad_and_torch_func_use_the_pytorch_form():
+    """Dual tensors (``torch.autograd.forward_ad``) and ``torch.func`` transforms see the PyTorch
+    form (the kernel's Function has no ``jvp`` or batching rule): the JVP equals a central finite
+    difference, and ``vmap`` equals a loop."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, z, w, t = _inputs((3,), 8, torch.float64, seed=4)
+    with fwAD.dual_level():
+        y = gated_rms_norm(fwAD.make_dual(x, t), z, w, groups=2, gate_first=True)
+        jvp = fwAD.unpack_dual(y).tangent
+    h = 1e-6
+    fd = (
+        gated_rms_norm(x + h * t, z, w, groups=2, gate_first=True)
+        - gated_rms_norm(x - h * t, z, w, groups=2, gate_first=True)
+    ) / (2 * h)
+    assert_close(jvp, fd, 1e-8)
+    batched = torch.func.vmap(lambda a, b: gated_rms_norm(a, b, w, groups=2))(x, z)
+    looped = torch.stack([gated_rms_norm(a, b, w, groups=2) for a, b in zip(x, z)])
+    assert_close(batched, looped, 1e-12)
 
 
 @needs_native
