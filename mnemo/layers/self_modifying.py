@@ -429,8 +429,9 @@ class SelfModifyingTitans(Mixer):
         mem, mem_a, outs = self._run(mem, mem_a, st.offset, T, self.chunk_size, token, mem_in)
         o = self.hook_o(torch.cat(outs, 1)).to(x.dtype)
         H = self.n_heads
-        o = self.norm(rearrange(o, "b t (h d) -> b t h d", h=H))
-        o = o * F.silu(rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=H))
+        o = self.norm(  # RMSNorm(o) ⊙ silu(W_g x), fused
+            rearrange(o, "b t (h d) -> b t h d", h=H), rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=H)
+        )
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         new = SelfModifyingTitansState(
             proj=proj, proj_anchor=proj_a, memory=mem, memory_anchor=mem_a, conv=conv, offset=st.offset + T

@@ -243,7 +243,9 @@ class SelfModifyingProjections(Mixer):
             if pos % self.chunk_size == 0:
                 P, r = self._rewrite(P, r), None
         o = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, self.n_heads, self.head_dim)
-        o = self.norm(o) * F.silu(rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=self.n_heads))
+        o = self.norm(
+            o, rearrange(self.g_proj(x), "b t (h d) -> b t h d", h=self.n_heads)
+        )  # fused gated norm
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         new = SelfModifyingProjectionsState(
             proj=P,

@@ -312,7 +312,7 @@ class NeuralMemory(Mixer):
 
     def read_out(self, o, gate):
         """``W_o (RMSNorm(o) ⊙ silu(gate))`` for memory reads ``o [B, T, H, D]``."""
-        o = self.norm(o) * F.silu(rearrange(gate, "b t (h d) -> b t h d", h=self.n_heads))
+        o = self.norm(o, rearrange(gate, "b t (h d) -> b t h d", h=self.n_heads))  # fused gated norm
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 
     def forward(self, x: torch.Tensor, state: NeuralMemoryState | None = None, *, mode: str | None = None):

@@ -150,7 +150,9 @@ def _mamba2_norm_before_gate():
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["mamba2", "mamba2_norm_before_gate", "gated_deltanet", "gla", "retnet"])
+@pytest.mark.parametrize(
+    "name", ["mamba2", "mamba2_norm_before_gate", "gated_deltanet", "gla", "retnet", "titans_lmm", "hope"]
+)
 def test_layers_with_the_kernel_equal_the_pytorch_form(name, monkeypatch):
     """A model's logits and gradients with the fused norm (its kernels seen running, every other
     kernel as it is) equal those with only the norm switched to its PyTorch form."""
