@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from . import argtypes as kinds
+
 
 def config_flag_fields(cls=None) -> list:
     """The fields of the :class:`~mnemo.train.TrainConfig` dataclass ``cls`` (default
@@ -36,7 +38,10 @@ def add_config_flags(parser, cls=None) -> list[str]:
             options.pop("type", None)
             options.update(action="store_const", const=True)
         else:
-            options.setdefault("type", type(default) if default is not None else str)
+            if "choices" not in options and "type" not in options:
+                raise TypeError(
+                    f"TrainConfig.{f.name}: its flag declares no kind (metadata type=, see mnemo.argtypes)"
+                )
             if shown is None and default is not None:
                 shown = str(default)
         if shown is not None:  # "text (note; default X)" or "text (default X)"
@@ -96,12 +101,14 @@ def _saved_config(out: str | None, changes: dict):
     """The configuration a resumed run will have (for the device to join the process group on),
     read from the run's ``latest`` checkpoint without verifying it (the Trainer does)."""
     from .train import TrainConfig
-    from .train.checkpoint import TRAIN_CONFIG_NAME, load_json, resolve_checkpoint
+    from .train.checkpoint import TRAIN_CONFIG_NAME, ForeignCheckpointError, load_json, resolve_checkpoint
 
     if out is None:
         raise ValueError("--resume needs --out DIR (the run directory to continue)")
     try:
         saved = load_json(resolve_checkpoint(out) / TRAIN_CONFIG_NAME)
+    except ForeignCheckpointError:
+        raise
     except (FileNotFoundError, ValueError):
         saved = {}  # the Trainer reports it (or falls back to an older checkpoint)
     known = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
@@ -145,6 +152,16 @@ def _cmd_train(args) -> int:
 
     rank, world = init_from_env(backend_for(local_device(torch.device(cfg.device))))
     main = rank == 0
+    # parallel settings need several processes: one process would train without them while the
+    # run's train_config.json records them as on (a resumed run refuses only a flag given now)
+    for name in ("fsdp", "context_parallel"):
+        asked = d.get(name) if args.resume else getattr(cfg, name)
+        if asked and world == 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag}: needs several processes (launch with torchrun --nproc_per_node N mnemo train "
+                f"...); this is a single process, which would train without it"
+            )
     say = print if main else (lambda *a, **k: None)
 
     if args.out is None:
@@ -547,7 +564,7 @@ def _bench_all(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mnemo", description="Sequence models as associative memories.")
+    p = kinds.Parser(prog="mnemo", description="Sequence models as associative memories.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser(
@@ -560,9 +577,17 @@ def build_parser() -> argparse.ArgumentParser:
     from .train.config import TrainConfig
 
     run = t.add_argument_group("run")
-    run.add_argument("--out", metavar="DIR", help="run directory (default runs/MODEL, runs/MODEL-2, ...)")
     run.add_argument(
-        "--config", metavar="FILE", help="YAML/JSON file of TrainConfig fields (flags override it)"
+        "--out",
+        metavar="DIR",
+        type=kinds.OutDir("a run folder to write"),
+        help="run directory (default runs/MODEL, runs/MODEL-2, ...)",
+    )
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        type=kinds.ExistingFile("an existing YAML/JSON file"),
+        help="YAML/JSON file of TrainConfig fields (flags override it)",
     )
     run.add_argument(
         "--resume",
@@ -578,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'hold' keeps the saved cosine and holds lr x min_lr_ratio after its end",
     )
     run.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --out")
-    run.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads")
+    run.add_argument("--threads", type=kinds.threads, metavar="N", help="torch intra-op threads")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     settings = t.add_argument_group(
@@ -594,29 +619,46 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_argument(
         "--eval-lengths",
         metavar="L1,L2",
+        type=kinds.IntList(1),
         help="task runs: also test at these lengths at the end, e.g. 1024,4096",
     )
     sizes = t.add_argument_group("model size", "TrainConfig.model_overrides (over the config file's)")
-    sizes.add_argument("--d-model", type=int, metavar="D", help="override the model width")
-    sizes.add_argument("--n-layers", type=int, metavar="N", help="override the number of layers")
+    sizes.add_argument("--d-model", type=kinds.width, metavar="D", help="override the model width")
+    sizes.add_argument("--n-layers", type=kinds.depth, metavar="N", help="override the number of layers")
     t.set_defaults(func=_cmd_train)
 
     e = sub.add_parser(
         "eval", help="validation loss and bits per character (task runs: accuracy) of a checkpoint"
     )
-    e.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
-    e.add_argument("--data", help="corpus (default: the one it was trained on)")
-    e.add_argument("--text-field", help="JSONL/Parquet: the field holding the text (default: as in training)")
+    e.add_argument(
+        "--checkpoint",
+        required=True,
+        type=kinds.ExistingDir("a run or checkpoint folder"),
+        help="run directory or checkpoint directory",
+    )
+    e.add_argument(
+        "--data",
+        type=kinds.Text("a corpus name, file, folder or glob"),
+        help="corpus (default: the one it was trained on)",
+    )
+    e.add_argument(
+        "--text-field",
+        type=kinds.Text("a field name"),
+        help="JSONL/Parquet: the field holding the text (default: as in training)",
+    )
     e.add_argument(
         "--pack-documents",
         choices=["on", "off"],
         help="each document of a window is its own sequence (default: as in training)",
     )
     e.add_argument("--full", action="store_true", help="evaluate the whole file, not its validation split")
-    e.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
-    e.add_argument("--batch-size", type=int, help="windows per batch (default: the training batch_size)")
+    e.add_argument("--seq-len", type=kinds.positive_int, help="window length (default: the training seq_len)")
+    e.add_argument(
+        "--batch-size", type=kinds.positive_int, help="windows per batch (default: the training batch_size)"
+    )
     e.add_argument(
         "--max-batches",
+        type=kinds.Int(1, words=("all",)),
         help="validation batches to read, or 'all' for the whole split (default: the training "
         "eval_batches, so val_loss is the training log's measurement)",
     )
@@ -625,12 +667,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--length",
+        type=kinds.IntList(1),
         help="comma-separated test lengths, one JSON line each (default: the training length; text "
         "checkpoints: window lengths, as --seq-len)",
     )
     e.add_argument(
         "--yarn",
         nargs="?",
+        type=kinds.Float(1, words=("auto",)),
         const="auto",
         metavar="FACTOR",
         help="text checkpoints: apply YaRN (Peng et al. 2023) to every rotary attention layer for the "
@@ -638,19 +682,26 @@ def build_parser() -> argparse.ArgumentParser:
         "training seq_len per --length; plain RoPE where that is 1",
     )
     e.add_argument(
-        "--num-samples", type=int, help="task checkpoints: test sequences (default: as in training)"
+        "--num-samples",
+        type=kinds.positive_int,
+        help="task checkpoints: test sequences (default: as in training)",
     )
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", default="cpu", type=kinds.device)
     e.set_defaults(func=_cmd_eval)
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
-    g.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    g.add_argument(
+        "--checkpoint",
+        required=True,
+        type=kinds.ExistingDir("a run or checkpoint folder"),
+        help="run directory or checkpoint directory",
+    )
     g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=300)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--max-new-tokens", type=kinds.nonneg_int, default=300)
+    g.add_argument("--temperature", type=kinds.nonneg_float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=kinds.positive_int, help="sample among the K likeliest tokens")
+    g.add_argument("--seed", type=kinds.seed, default=0)
+    g.add_argument("--device", default="cpu", type=kinds.device)
     g.add_argument(
         "--compile",
         action="store_true",
@@ -672,25 +723,42 @@ def build_parser() -> argparse.ArgumentParser:
         "decoding speed and memory vs context length; models: whole models' training and generation "
         "tokens/s beside the installed peers' equivalent models; all: the four in one run (one JSON)",
     )
-    b.add_argument("--dtypes", default="fp32", help="ops suite: fp32 and/or bf16 (comma-separated)")
-    b.add_argument("--contexts", default="1024,4096,16384,65536", help="decode suite: context lengths")
-    b.add_argument("--decode-steps", type=int, default=64, help="decode suite: one-token steps timed")
+    b.add_argument(
+        "--dtypes",
+        default="fp32",
+        type=kinds.Text("fp32 and/or bf16"),
+        help="ops suite: fp32 and/or bf16 (comma-separated)",
+    )
+    b.add_argument(
+        "--contexts",
+        default="1024,4096,16384,65536",
+        type=kinds.IntList(1),
+        help="decode suite: context lengths",
+    )
+    b.add_argument(
+        "--decode-steps", type=kinds.positive_int, default=64, help="decode suite: one-token steps timed"
+    )
     b.add_argument(
         "--decode-processes",
-        type=int,
+        type=kinds.positive_int,
         default=3,
         help="decode suite: fresh processes per row; the row is their median (default 3)",
     )
-    b.add_argument("--d-model", type=int, default=256, help="decode and models suites: model width")
+    b.add_argument("--d-model", type=kinds.width, default=256, help="decode and models suites: model width")
     b.add_argument(
-        "--n-layers", type=int, default=None, help="decode and models suites: model depth (default 4 and 6)"
+        "--n-layers",
+        type=kinds.depth,
+        default=None,
+        help="decode and models suites: model depth (default 4 and 6)",
     )
     b.add_argument(
         "--models",
+        type=kinds.Text("comma-separated model names"),
         help="models suite: comma-separated model names (default: every registered model, `mnemo models`)",
     )
     b.add_argument(
         "--peers",
+        type=kinds.Text("comma-separated peer names or 'none'"),
         help="models suite: comma-separated peers (transformers_mamba, transformers_mamba2, "
         "transformers_qwen3_next, mambapy, titans_pytorch, titans_pytorch_lmm, nested_learning, "
         "nested_learning_updates; "
@@ -699,46 +767,59 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--model-shapes",
         default="1024x8,4096x2",
+        type=kinds.Text("TxB shapes or 'none'"),
         help="models suite: training shapes TxB (sequence length x batch), comma-separated, or 'none' "
         "(generation rows only)",
     )
     b.add_argument(
         "--gen-batches",
         default="1,8",
+        type=kinds.IntList(1, words=("none",)),
         help="models suite: generation batch sizes, or 'none' (training rows only)",
     )
-    b.add_argument("--prompt-len", type=int, default=256, help="models suite: generation prompt tokens")
-    b.add_argument("--gen-tokens", type=int, default=64, help="models suite: new tokens per generate()")
+    b.add_argument(
+        "--prompt-len", type=kinds.positive_int, default=256, help="models suite: generation prompt tokens"
+    )
+    b.add_argument(
+        "--gen-tokens", type=kinds.positive_int, default=64, help="models suite: new tokens per generate()"
+    )
     b.add_argument(
         "--compile",
         action="store_true",
         help="models suite: also time every mnemo model under torch.compile (train forward/backward and "
         "the decode step), with its graph breaks; eager only where compilation is unavailable",
     )
-    b.add_argument("--lengths", default="512,1024,2048,4096,8192", help="comma-separated T values")
-    b.add_argument("--heads", type=int, default=4)
-    b.add_argument("--head-dim", type=int, default=64)
-    b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--ops", help="comma-separated subset of op (or peer comparison) names")
+    b.add_argument(
+        "--lengths", default="512,1024,2048,4096,8192", type=kinds.IntList(1), help="comma-separated T values"
+    )
+    b.add_argument("--heads", type=kinds.positive_int, default=4)
+    b.add_argument("--head-dim", type=kinds.positive_int, default=64)
+    b.add_argument("--batch", type=kinds.positive_int, default=1)
+    b.add_argument(
+        "--ops",
+        type=kinds.Text("comma-separated op names"),
+        help="comma-separated subset of op (or peer comparison) names",
+    )
     b.add_argument(
         "--modes",
+        type=kinds.Text("comma-separated forms"),
         help="ops suite: comma-separated subset of the forms to time (chunk, parallel, recurrent; "
         "default all); softmax attention's parallel row, the x SDPA reference, always runs",
     )
     b.add_argument(
         "--recurrent-max-len",
-        type=int,
+        type=kinds.nonneg_int,
         default=2048,
         help="skip the token-loop reference above this T (it is slow by design)",
     )
     b.add_argument(
         "--repeats",
-        type=int,
+        type=kinds.positive_int,
         default=3,
         help="timed runs per row (medians; the models suite interleaves them across rows) (default 3)",
     )
-    b.add_argument("--json", help="also write the rows to this JSON file")
-    b.add_argument("--device", default="cpu")
+    b.add_argument("--json", type=kinds.OutFile(), help="also write the rows to this JSON file")
+    b.add_argument("--device", default="cpu", type=kinds.device)
     b.set_defaults(func=_cmd_bench)
 
     # feature modules add their own sub-commands: each exposes ``add_commands(subparsers)``
@@ -769,7 +850,10 @@ def main(argv: list[str] | None = None) -> int:
     from .train import TrainingDiverged
     from .train.distributed import cleanup
 
-    args = build_parser().parse_args(argv)
+    try:  # a bad value is refused here, before any work: one line on stderr, status 2
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2): returned, as every other status
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     tune_malloc()  # freed tensors' memory stays in the process: no page fault per new tensor
     # under torchrun every rank meets the same error: rank 0 reports it
     quiet = os.environ.get("RANK", "0") != "0"
@@ -778,6 +862,15 @@ def main(argv: list[str] | None = None) -> int:
         if not quiet:
             print(msg, file=sys.stderr)
 
+    command = " ".join(
+        str(c)
+        for c in (
+            args.command,
+            getattr(args, "probe_command", None),
+            getattr(args, "tokenizer_command", None),
+        )
+        if c
+    )
     try:
         return args.func(args)
     except TrainingDiverged as e:
@@ -785,7 +878,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # user errors; anything else (a TypeError included) is a bug and shows its traceback
     except (ValueError, FileNotFoundError, ImportError) as e:
-        report(f"mnemo {args.command}: error: {e}")
+        report(f"mnemo {command}: error: {e}")
+        return 2
+    except OSError as e:  # the file system refused (a full disk, a read-only place, a permission)
+        report(f"mnemo {command}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         return 2
     except KeyboardInterrupt as e:
         detail = f" ({e})" if str(e) else ""

@@ -67,7 +67,7 @@ def test_eval_is_the_training_logs_measurement_by_default(run_dir, capsys):
     assert whole["as_in_training"] is False and whole["sequences"] == (111540 - 1) // 32
     assert whole["tokens"] == whole["sequences"] * 32
     assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "0"]) == 2
-    assert "--max-batches: expected a positive int or 'all', got '0'" in capsys.readouterr().err
+    assert "argument --max-batches: expected an int >= 1 or 'all', got '0'" in capsys.readouterr().err
 
 
 def test_generate_continues_the_prompt(run_dir, capsys):
@@ -183,8 +183,11 @@ def test_config_file_then_flags(tmp_path):
     [
         (["train", "--model", "gpt5"], "unknown model 'gpt5'; registered models:"),
         (["train", "--data", "/nonexistent/file.txt"], "data file not found"),
-        (["train", "--steps", "0"], "TrainConfig.steps: expected a positive int"),
-        (["eval", "--checkpoint", "/nonexistent"], "checkpoint not found"),
+        (["train", "--steps", "0"], "argument --steps: expected an int >= 1, got '0'"),
+        (
+            ["eval", "--checkpoint", "/nonexistent"],
+            "argument --checkpoint: expected a run or checkpoint folder",
+        ),
         (["generate", "--checkpoint", "."], "no checkpoint in"),
     ],
 )
@@ -374,11 +377,11 @@ def test_task_options_from_a_config_file_and_flags(tmp_path):
         (["train", "--task", "mqar", "--task-option", "pairs=3"], "unknown mqar option(s) ['pairs']"),
         (
             ["train", "--task", "mqar", "--eval-lengths", "1k"],
-            "--eval-lengths expects comma-separated integers",
+            "argument --eval-lengths: expected comma-separated ints >= 1, got '1k'",
         ),
         (["train", "--eval-lengths", "512"], "TrainConfig.eval_lengths: expected an empty list when no task"),
-        (["report", "/nonexistent.sqlite"], "sweep database not found"),
-        (["sweep", "/nonexistent.yaml"], "config file not found"),
+        (["report", "/nonexistent.sqlite"], "argument db: expected an existing sweep database"),
+        (["sweep", "/nonexistent.yaml"], "argument config: expected an existing sweep YAML file"),
     ],
 )
 def test_task_and_sweep_errors_are_clear(argv, match, capsys, tmp_path, monkeypatch):
@@ -500,14 +503,17 @@ def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypa
 
 def test_generate_refuses_a_negative_length(run_dir, capsys):
     assert main(["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "-5"]) == 2
-    assert "--max-new-tokens: expected an int >= 0, got -5" in capsys.readouterr().err
+    assert "argument --max-new-tokens: expected an int >= 0, got '-5'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_generate_on_a_missing_device_names_the_device(run_dir, capsys):
     assert main(["generate", "--checkpoint", str(run_dir), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert "device: 'cuda' needs CUDA, which is not available" in err and "corrupt" not in err
+    assert (
+        "argument --device: expected 'cpu', 'cuda' or 'cuda:N', got 'cuda' (this machine has no CUDA" in err
+    )
+    assert "corrupt" not in err and err.count("\n") == 1
 
 
 def test_generate_warns_about_prompt_characters_outside_the_vocabulary(run_dir, capsys):
@@ -641,8 +647,14 @@ def test_every_trainconfig_flag_field_is_a_train_flag():
         assert flag in options
     for flag in ["--no-progress", "--task-option", "--eval-lengths", "--d-model", "--n-layers"]:
         assert flag in options
-    assert options["--tokenizer"].metavar == "char|byte|PATH" and options["--lr"].type is float
-    assert options["--checkpoint-interval"].type is int and options["--track-circuits"].const is True
+    from mnemo import argtypes
+
+    assert (
+        options["--tokenizer"].metavar == "char|byte|PATH" and options["--lr"].type is argtypes.positive_float
+    )
+    assert (
+        options["--checkpoint-interval"].type is argtypes.positive_int and options["--track-circuits"].const
+    )
     assert "(default 1000)" in options["--steps"].help
     assert "default --eval-interval" in options["--checkpoint-interval"].help
 
@@ -651,17 +663,30 @@ def test_a_new_field_with_metadata_is_a_flag():
     import argparse
     from dataclasses import dataclass, field
 
+    from mnemo import argtypes
     from mnemo.cli import add_config_flags
     from mnemo.train import TrainConfig
 
     @dataclass
     class Extended(TrainConfig):
-        dropout: float = field(default=0.0, metadata={"cli": {"help": "dropout rate"}})
+        dropout: float = field(
+            default=0.0, metadata={"cli": {"help": "dropout rate", "type": argtypes.probability}}
+        )
         label_smoothing: bool = field(default=False, metadata={"cli": {"help": "smooth the labels"}})
         note: str = "config file only"
 
     p = argparse.ArgumentParser()
     names = add_config_flags(p, Extended)
+    assert p.parse_args(["--dropout", "0.5"]).dropout == 0.5
+    with pytest.raises(SystemExit):  # the declared kind refuses a value out of its range
+        p.parse_args(["--dropout", "1.5"])
+
+    @dataclass
+    class Undeclared(TrainConfig):
+        width: int = field(default=3, metadata={"cli": {"help": "no kind"}})
+
+    with pytest.raises(TypeError, match="TrainConfig.width: its flag declares no kind"):
+        add_config_flags(argparse.ArgumentParser(), Undeclared)
     assert names == FLAG_FIELDS + ["dropout", "label_smoothing"]
     args = p.parse_args(["--dropout", "0.25", "--label-smoothing", "--seq-len", "64"])
     assert (args.dropout, args.label_smoothing, args.seq_len, args.steps) == (0.25, True, 64, None)

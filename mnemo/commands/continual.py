@@ -77,6 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import argtypes as kinds
 from ..layers.cms import ContinuumMemory
 
 EXPERIMENTS = ("abab", "forgetting_mqar", "class_incremental")
@@ -794,12 +795,20 @@ def add_commands(sub) -> None:
         help="in-context continual learning of the CMS: A→B→A recall, forgetting-MQAR, class-incremental",
     )
     p.add_argument("--experiment", default="all", choices=(*EXPERIMENTS, "all"))
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (model init + data)")
-    p.add_argument("--steps", type=int, help="outer-loop steps per model (default: per experiment)")
-    p.add_argument("--eval-streams", type=int, help="held-out streams per seed (default 256)")
-    p.add_argument("--models", help="comma-separated subset, e.g. cms-1,cms-4 (default: all)")
-    p.add_argument("--workers", type=int, default=2, help="runs in parallel (one process per run)")
-    p.add_argument("--out", default="runs/continual")
+    p.add_argument("--seeds", type=kinds.Int(1, 1000), default=3, help="seeds 0..N-1 (model init + data)")
+    p.add_argument(
+        "--steps", type=kinds.positive_int, help="outer-loop steps per model (default: per experiment)"
+    )
+    p.add_argument("--eval-streams", type=kinds.positive_int, help="held-out streams per seed (default 256)")
+    p.add_argument(
+        "--models",
+        type=kinds.Text("comma-separated model names"),
+        help="comma-separated subset, e.g. cms-1,cms-4 (default: all)",
+    )
+    p.add_argument(
+        "--workers", type=kinds.Int(1, 256), default=2, help="runs in parallel (one process per run)"
+    )
+    p.add_argument("--out", default="runs/continual", type=kinds.OutDir(), help="folder for the results")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd)
 

@@ -10,13 +10,15 @@ See :mod:`mnemo.hf.convert` for the formats and what is refused.
 
 from __future__ import annotations
 
-import argparse
+from .. import argtypes as kinds
 
 
 def _convert(args) -> int:
     if getattr(args, "from_dcp", False):
+        from ..hf.convert import check_not_source
         from ..train.sharded import consolidate_checkpoint
 
+        check_not_source(args.out, args.src)
         out = consolidate_checkpoint(args.src, args.out)
         print(f"wrote single-file checkpoint {out} (from the sharded checkpoint {args.src})")
         return 0
@@ -45,8 +47,10 @@ def add_commands(subparsers) -> None:
         "mamba-ssm checkpoint folder into a mnemo checkpoint folder",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("src", help="the checkpoint folder to read (config.json and weights)")
-    p.add_argument("out", help="the mnemo checkpoint folder to write")
+    p.add_argument(
+        "src", type=kinds.ExistingDir(), help="the checkpoint folder to read (config.json and weights)"
+    )
+    p.add_argument("out", type=kinds.OutDir(), help="the mnemo checkpoint folder to write")
     p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")
     p.add_argument(
         "--from-dcp",
@@ -62,8 +66,12 @@ def add_commands(subparsers) -> None:
         help="write a mnemo checkpoint as a folder that another library loads (--format hf: transformers)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("ckpt", help="the mnemo checkpoint folder to read (a run folder: its latest checkpoint)")
-    p.add_argument("out", help="the folder to write")
+    p.add_argument(
+        "ckpt",
+        type=kinds.ExistingDir(),
+        help="the mnemo checkpoint folder to read (a run folder: its latest checkpoint)",
+    )
+    p.add_argument("out", type=kinds.OutDir(), help="the folder to write")
     p.add_argument("--format", default="hf", choices=["hf"], help="hf: transformers' own classes (default)")
     p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")
     p.set_defaults(func=_export)
@@ -71,7 +79,7 @@ def add_commands(subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``convert`` / ``export`` with ``argv`` (for tests and scripts)."""
-    parser = argparse.ArgumentParser(prog="mnemo")
+    parser = kinds.Parser(prog="mnemo")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -20,23 +20,41 @@ import sys
 import time
 from pathlib import Path
 
+from .. import argtypes as kinds
+
 HELP = "evaluate a checkpoint on lm-evaluation-harness tasks (log-likelihood, perplexity, generation)"
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory (its latest)")
-    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
     p.add_argument(
-        "--include-path", help="a directory of extra task YAML files (searched before lm-eval's own)"
+        "--checkpoint",
+        required=True,
+        type=kinds.ExistingDir("a run or checkpoint folder"),
+        help="checkpoint directory or run directory (its latest)",
+    )
+    p.add_argument(
+        "--tasks",
+        required=True,
+        type=kinds.Text("comma-separated task names"),
+        help="comma-separated lm-eval task (or group) names",
+    )
+    p.add_argument(
+        "--include-path",
+        type=kinds.ExistingDir(),
+        help="a directory of extra task YAML files (searched before lm-eval's own)",
     )
     p.add_argument(
         "--limit",
-        type=float,
+        type=kinds.positive_float,
         help="documents per task (a fraction of each task when below 1); default all",
     )
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    p.add_argument(
+        "--num-fewshot", type=kinds.nonneg_int, help="few-shot examples per prompt (default: the task's)"
+    )
+    p.add_argument(
+        "--batch-size", type=kinds.positive_int, default=16, help="sequences per forward pass (default 16)"
+    )
+    p.add_argument("--device", default="cpu", type=kinds.device, help="cpu (default), cuda, cuda:1, ...")
     p.add_argument(
         "--model-args",
         default="",
@@ -46,9 +64,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="harness_results.json",
+        type=kinds.OutFile(),
         help="where to write the results JSON (default: harness_results.json in the current directory)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of lm-eval's sampling and few-shot choice")
+    p.add_argument(
+        "--seed", type=kinds.seed, default=0, help="seed of lm-eval's sampling and few-shot choice"
+    )
     p.add_argument(
         "--log-samples",
         action="store_true",
@@ -69,7 +90,7 @@ def add_commands(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mnemo harness", description=HELP)
+    p = kinds.Parser(prog="mnemo harness", description=HELP)
     _add_arguments(p)
     return p
 
@@ -107,6 +128,7 @@ def run(args) -> int:
 
     from mnemo.hf.harness import MnemoLM  # noqa: F401  (registers the "mnemo" lm-eval model)
     from mnemo.train import resolve_checkpoint
+    from mnemo.train.checkpoint import atomic_write_text
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -137,9 +159,9 @@ def run(args) -> int:
         fewshot_random_seed=args.seed,
     )
     elapsed = time.time() - t0
-    out = Path(args.out)
+    out = Path(args.out)  # checked writable when the command line was read (before the work)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+    atomic_write_text(out, json.dumps(results, indent=2, default=handle_non_serializable))
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))

@@ -22,7 +22,34 @@ from pathlib import Path
 
 import torch
 
+from .. import argtypes as kinds
 from ..interp.probe import circuit_scores, circuits_figure, spectrum_flow_figure, training_figure
+
+_CKPT = kinds.ExistingDir("a run or checkpoint folder")
+_DEFAULT_OUT = "RUN/probes/ckpt-NNNNNN/ for a run's checkpoint, else CKPT/probes/"
+
+
+def default_out(ckpt: Path) -> Path:
+    """Where a probe writes when no ``--out`` is given: ``RUN/probes/ckpt-NNNNNN/`` for a
+    checkpoint of a run folder (never inside the checkpoint, which training rotates away), else
+    ``CKPT/probes/`` (a checkpoint folder of its own, e.g. from ``mnemo convert``)."""
+    ckpt = Path(ckpt)
+    if (ckpt.parent / "latest").is_file():
+        return ckpt.parent / "probes" / ckpt.name
+    return ckpt / "probes"
+
+
+def _write_json(path: Path, record) -> None:
+    from ..train.checkpoint import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1, allow_nan=False) + "\n")
+
+
+def _check_probe_memory(model, batch: int, length: int, flag: str, maps: bool = True) -> None:
+    from ..train.memory_estimate import check_forward_memory
+
+    check_forward_memory(model.config, batch, length, "cpu", flag=flag, maps=maps)
 
 
 def _load(checkpoint):
@@ -137,31 +164,47 @@ def add_commands(sub) -> None:
     p = sub.add_parser("probe", help="circuit scores, memory time scales, training curves")
     ps = p.add_subparsers(dest="probe_command", required=True)
     c = ps.add_parser("circuits", help="per-layer/head circuit scores of a checkpoint (JSON) + heatmaps")
-    c.add_argument("--checkpoint", required=True)
-    c.add_argument("--length", type=int, default=32, help="length of the random sequence (repeated twice)")
-    c.add_argument("--batch", type=int, default=8)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--out", help="where to write circuits.png (default: the checkpoint directory)")
+    c.add_argument("--checkpoint", required=True, type=_CKPT)
+    c.add_argument(
+        "--length", type=kinds.Int(2), default=32, help="length of the random sequence (repeated twice)"
+    )
+    c.add_argument("--batch", type=kinds.positive_int, default=8, help="random sequences (default 8)")
+    c.add_argument("--seed", type=kinds.seed, default=0)
+    c.add_argument(
+        "--out", type=kinds.OutDir(), help=f"where to write circuits.png (default: {_DEFAULT_OUT})"
+    )
     c.set_defaults(func=_cmd_circuits)
     t = ps.add_parser("timescales", help="decay half-life distributions per layer (JSON) + a plot")
-    t.add_argument("--checkpoint", required=True)
-    t.add_argument("--data", help="text to measure data-dependent gates on (default: the training data)")
-    t.add_argument("--tokens", type=int, default=2048)
-    t.add_argument("--out", help="where to write timescales.png (default: the checkpoint directory)")
+    t.add_argument("--checkpoint", required=True, type=_CKPT)
+    t.add_argument(
+        "--data",
+        type=kinds.Text("a corpus name, file, folder or glob"),
+        help="text to measure data-dependent gates on (default: the training data)",
+    )
+    t.add_argument("--tokens", type=kinds.positive_int, default=2048, help="tokens to run (default 2048)")
+    t.add_argument(
+        "--out", type=kinds.OutDir(), help=f"where to write timescales.png (default: {_DEFAULT_OUT})"
+    )
     t.set_defaults(func=_cmd_timescales)
     pt = ps.add_parser("plot-training", help="plot loss and tracked scores of a run against steps")
-    pt.add_argument("run_dir")
-    pt.add_argument("--out", help="PNG path (default: RUN/training.png)")
+    pt.add_argument("run_dir", type=kinds.ExistingDir("a run folder"))
+    pt.add_argument("--out", type=kinds.OutFile(suffix=".png"), help="PNG path (default: RUN/training.png)")
     pt.set_defaults(func=_cmd_plot_training)
     ab = ps.add_parser(
         "ablate", help="ablate the top-K induction heads vs K random heads: ICL score and repeat loss (JSON)"
     )
-    ab.add_argument("--checkpoint", required=True)
-    ab.add_argument("--top-induction", type=int, required=True, metavar="K", help="heads to ablate")
-    ab.add_argument("--draws", type=int, default=10, help="draws of K random heads (the control)")
-    ab.add_argument("--length", type=int, default=32, help="length of the random sequence (repeated twice)")
-    ab.add_argument("--batch", type=int, default=16)
-    ab.add_argument("--seed", type=int, default=0)
+    ab.add_argument("--checkpoint", required=True, type=_CKPT)
+    ab.add_argument(
+        "--top-induction", type=kinds.positive_int, required=True, metavar="K", help="heads to ablate"
+    )
+    ab.add_argument(
+        "--draws", type=kinds.positive_int, default=10, help="draws of K random heads (the control)"
+    )
+    ab.add_argument(
+        "--length", type=kinds.Int(2), default=32, help="length of the random sequence (repeated twice)"
+    )
+    ab.add_argument("--batch", type=kinds.positive_int, default=16, help="random sequences (default 16)")
+    ab.add_argument("--seed", type=kinds.seed, default=0)
     ab.add_argument("--how", choices=("zero", "mean"), default="mean", help="zero- or mean-ablation")
     ab.add_argument(
         "--random-from",
@@ -170,29 +213,46 @@ def add_commands(sub) -> None:
         help="draw the random heads from those outside the top K (default) or from all heads",
     )
     ab.add_argument(
-        "--out", help="JSON path, or a directory for ablate-topK.json (default: the checkpoint's)"
+        "--out",
+        type=kinds.OutPath(".json"),
+        help=f"JSON path, or a directory for ablate-topK.json (default: {_DEFAULT_OUT})",
     )
     ab.set_defaults(func=_cmd_ablate)
     sp = ps.add_parser(
         "spectrum", help="memory spectrum per layer: forgetting rates, half-lives, classes (JSON + plot)"
     )
-    sp.add_argument("--checkpoint", required=True)
-    sp.add_argument("--data", help="text to run the memories on (default: the training data)")
-    sp.add_argument("--tokens", type=int, default=512)
+    sp.add_argument("--checkpoint", required=True, type=_CKPT)
     sp.add_argument(
-        "--directions", type=int, default=32, help="exponents per head of a test-time-trained memory (JVP)"
+        "--data",
+        type=kinds.Text("a corpus name, file, folder or glob"),
+        help="text to run the memories on (default: the training data)",
+    )
+    sp.add_argument("--tokens", type=kinds.Int(2), default=512, help="tokens to run (default 512)")
+    sp.add_argument(
+        "--directions",
+        type=kinds.positive_int,
+        default=32,
+        help="exponents per head of a test-time-trained memory (JVP)",
     )
     sp.add_argument(
-        "--irrelevant-half-life", type=float, default=4.0, help="tokens: shorter half-lives are irrelevant"
+        "--irrelevant-half-life",
+        type=kinds.positive_float,
+        default=4.0,
+        help="tokens: shorter half-lives are irrelevant",
     )
-    sp.add_argument("--out", help="where to write spectrum.json and spectrum.png (default: the checkpoint's)")
+    sp.add_argument(
+        "--out",
+        type=kinds.OutDir(),
+        help=f"where to write spectrum.json and spectrum.png (default: {_DEFAULT_OUT})",
+    )
     sp.set_defaults(func=_cmd_spectrum)
 
 
 def _cmd_circuits(args) -> int:
     ckpt, model = _load(args.checkpoint)
+    _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
     scores = circuit_scores(model, args.length, args.batch, args.seed)
-    out = Path(args.out) if args.out else ckpt
+    out = Path(args.out) if args.out else default_out(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
@@ -208,6 +268,7 @@ def _cmd_timescales(args) -> int:
     ckpt, model = _load(args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     data = args.data or tcfg.get("data") or "tinyshakespeare"
+    _check_probe_memory(model, 1, args.tokens, "--tokens", maps=False)
     if tcfg.get("task") and not args.data:
         ids = torch.randint(
             0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
@@ -215,7 +276,7 @@ def _cmd_timescales(args) -> int:
     else:
         ids = load_tokenizer(ckpt).encode(load_text(data)[: args.tokens])[None]
     result = timescales(model, ids)
-    out = Path(args.out) if args.out else ckpt
+    out = Path(args.out) if args.out else default_out(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     path = plot(result, out / "timescales.png", title=checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
@@ -233,6 +294,7 @@ def _cmd_ablate(args) -> int:
     from ..interp.interventions import induction_ablation
 
     ckpt, model = _load(args.checkpoint)
+    _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
     result = induction_ablation(
         model,
         args.top_induction,
@@ -244,10 +306,9 @@ def _cmd_ablate(args) -> int:
         random_from=args.random_from,
     )
     result = {"checkpoint": str(ckpt), **result}
-    out = Path(args.out) if args.out else ckpt
+    out = Path(args.out) if args.out else default_out(ckpt)
     path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    _write_json(path, result)
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
     print(json.dumps(result))
     return 0
@@ -261,6 +322,7 @@ def _cmd_spectrum(args) -> int:
     ckpt, model = _load(args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     data = args.data or tcfg.get("data") or "tinyshakespeare"
+    _check_probe_memory(model, 1, args.tokens, "--tokens", maps=False)
     try:
         tok = None if (tcfg.get("task") and not args.data) else load_tokenizer(ckpt)
     except FileNotFoundError:
@@ -275,10 +337,10 @@ def _cmd_spectrum(args) -> int:
     result = memory_spectrum(
         model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life
     )
-    out = Path(args.out) if args.out else ckpt
+    out = Path(args.out) if args.out else default_out(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     record = to_json({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result})
-    (out / "spectrum.json").write_text(json.dumps(record) + "\n")
+    _write_json(out / "spectrum.json", record)
     path = plot(result, out / "spectrum.png", title=checkpoint_label(ckpt))
     print(f"wrote {out / 'spectrum.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line
     print(json.dumps(record))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import argtypes as kinds
+
 
 def _cmd_sweep(args) -> int:
     from ..sweep.runner import default_paths, run_sweep
@@ -79,11 +81,25 @@ def add_commands(sub) -> None:
         description="Run every run of a sweep file that the database does not hold as finished. "
         "A killed sweep continues where it stopped; see configs/sweeps/*.yaml.",
     )
-    s.add_argument("config", help="sweep YAML file (configs/sweeps/mqar.yaml, ...)")
-    s.add_argument("--db", help="SQLite database (default: the file's 'db', else runs/sweeps/NAME.sqlite)")
-    s.add_argument("--out", help="run directories (default: the file's 'out', else runs/sweeps/NAME/)")
-    s.add_argument("--jobs", type=int, default=1, help="runs trained at once, in worker processes (1)")
-    s.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
+    s.add_argument(
+        "config",
+        type=kinds.ExistingFile("an existing sweep YAML file"),
+        help="sweep YAML file (configs/sweeps/mqar.yaml, ...)",
+    )
+    s.add_argument(
+        "--db",
+        type=kinds.OutFile("a database file"),
+        help="SQLite database (default: the file's 'db', else runs/sweeps/NAME.sqlite)",
+    )
+    s.add_argument(
+        "--out",
+        type=kinds.OutDir(),
+        help="run directories (default: the file's 'out', else runs/sweeps/NAME/)",
+    )
+    s.add_argument(
+        "--jobs", type=kinds.Int(1, 256), default=1, help="runs trained at once, in worker processes (1)"
+    )
+    s.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (1)")
     s.add_argument(
         "--list", action="store_true", help="list the runs and whether each is done; train nothing"
     )
@@ -95,21 +111,27 @@ def add_commands(sub) -> None:
         help="per-cell mean, 95%% t interval, n and threshold count of a sweep DB, as markdown, JSON "
         "and plots with error bars (accuracy vs state size / test length)",
     )
-    r.add_argument("db", help="the sweep's SQLite database")
     r.add_argument(
-        "--out", help="directory for NAME.md and the PNG plots (default: DB_STEM_report/ next to DB)"
+        "db", type=kinds.ExistingFile("an existing sweep database"), help="the sweep's SQLite database"
     )
-    r.add_argument("--sweep", help="only this sweep (a database may hold several)")
+    r.add_argument(
+        "--out",
+        type=kinds.OutDir(),
+        help="directory for NAME.md and the PNG plots (default: DB_STEM_report/ next to DB)",
+    )
+    r.add_argument(
+        "--sweep", type=kinds.Text("a sweep name"), help="only this sweep (a database may hold several)"
+    )
     r.add_argument("--metric", default="val_acc", choices=["val_acc", "val_seq_acc", "val_loss"])
     r.add_argument(
         "--threshold",
-        type=float,
+        type=kinds.nonneg_float,
         help="count the runs whose metric reached this (>= for accuracies, <= for val_loss; "
         "default 0.99 for accuracies, none for val_loss)",
     )
     r.add_argument(
         "--select-lr-on-seed",
-        type=int,
+        type=kinds.seed,
         metavar="S",
         help="choose each cell's learning rate on seed S and report the other seeds "
         "(default: the sweep file's select_lr_on_seed)",

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from .. import argtypes as kinds
+
 HELP = "train a byte-level BPE or Unigram tokenizer (Hugging Face tokenizers) on a local corpus"
 EOT = "<|endoftext|>"
 #: characters per training chunk when a document is long (a text file is one document)
@@ -26,18 +28,29 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         required=True,
+        type=kinds.Text("'tinyshakespeare', a file, a folder or a glob"),
         help="'tinyshakespeare' (bundled), a UTF-8 text file, a .jsonl/.parquet file, or a folder or "
         "glob of them",
     )
     p.add_argument(
-        "--text-field", default="text", help="JSONL/Parquet: the field holding the text (default text)"
+        "--text-field",
+        default="text",
+        type=kinds.Text("a field name"),
+        help="JSONL/Parquet: the field holding the text (default text)",
     )
-    p.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, special tokens included")
-    p.add_argument("--out", required=True, help="folder to write tokenizer.json into (created)")
+    p.add_argument(
+        "--vocab-size",
+        type=kinds.Int(2, 2**24),
+        required=True,
+        help="vocabulary size, special tokens included",
+    )
+    p.add_argument(
+        "--out", required=True, type=kinds.OutDir(), help="folder to write tokenizer.json into (created)"
+    )
     p.add_argument("--kind", choices=["bpe", "unigram"], default="bpe", help="model (default bpe)")
     p.add_argument(
         "--min-frequency",
-        type=int,
+        type=kinds.positive_int,
         help="bpe: least count of a pair to merge (default 2); not for unigram",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR/tokenizer.json")

@@ -3,7 +3,8 @@
 By default every spec of mnemo's own ops (:data:`mnemo.testing.SPECS`: each fast form against the
 op's ``mode="recurrent"`` token loop) and, when fla-core is installed, fla-core's pure-PyTorch
 reference functions against mnemo's recurrent references. Exit status: 0 when every check passed,
-1 when one failed, 2 for a usage error (an ``--ops`` pattern that matches nothing, or an explicitly
+1 when one failed, 2 for a usage error (an ``--ops`` or ``--checks`` pattern that matches nothing, a
+``--json`` path that cannot be written, or an explicitly
 requested third-party package that is missing — reported in one line).
 
     mnemo verify                          # everything
@@ -21,17 +22,22 @@ import sys
 import time
 from pathlib import Path
 
+from .. import argtypes as kinds
+
 HELP = "check every op against its reference (the equivalence contract) and print a pass/FAIL table"
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ops",
+        type=kinds.Text("comma-separated names or patterns"),
         help="comma-separated names or glob patterns of the specs to check, matched against the spec "
         "name, the op name and the recurrence it claims (e.g. 'gla*', 'gated_delta_rule'); default all",
     )
     p.add_argument(
-        "--checks", help="comma-separated glob patterns of check names (e.g. 'forms*,grad*'); default all"
+        "--checks",
+        type=kinds.Text("comma-separated patterns"),
+        help="comma-separated glob patterns of check names (e.g. 'forms*,grad*'); default all",
     )
     p.add_argument(
         "--third-party",
@@ -44,7 +50,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="one or two lengths per check instead of six (~3x faster)"
     )
     p.add_argument("--list", action="store_true", help="list the specs that would be checked and exit")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--json", metavar="PATH", type=kinds.OutFile(), help="also write the rows as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="print each row as it finishes")
 
 
@@ -62,7 +68,7 @@ def add_commands(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mnemo verify", description=HELP)
+    p = kinds.Parser(prog="mnemo verify", description=HELP)
     _add_arguments(p)
     return p
 
@@ -140,10 +146,28 @@ def run(args) -> int:
             groups.append((name, title, specs))
 
     known = ", ".join(s.name for g in groups for s in g[2])
-    groups = [(g, title, _select(specs, patterns)) for g, title, specs in groups]
-    if not any(g[2] for g in groups):
-        print(f"mnemo verify: --ops {args.ops!r} matches no spec; known: {known}", file=sys.stderr)
+    every = [s for g in groups for s in g[2]]
+    unmatched = [p for p in patterns if not _select(every, [p])]
+    if unmatched:  # each pattern must match: a mistyped one would silently check less
+        print(
+            f"mnemo verify: --ops: {', '.join(map(repr, unmatched))} matches no spec; known: {known}",
+            file=sys.stderr,
+        )
         return 2
+    groups = [(g, title, _select(specs, patterns)) for g, title, specs in groups]
+    if checks:
+        from mnemo.testing.contract import plan
+
+        rows = {name for g in groups for spec in g[2] for name, _ in plan(spec, args.quick)}
+        names = rows | {r.split("[")[0] for r in rows}
+        missing = [p for p in checks if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if missing:
+            print(
+                f"mnemo verify: --checks: {', '.join(map(repr, missing))} matches no check of the "
+                f"selected ops; known: {', '.join(sorted(names - rows))}",
+                file=sys.stderr,
+            )
+            return 2
 
     if args.list:
         for _, title, specs in groups:
@@ -182,7 +206,10 @@ def run(args) -> int:
         print(line)
     print(f"{'all passed' if rc == 0 else 'some checks FAILED'} in {time.perf_counter() - t_all:.1f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows_json, indent=2))
+        from mnemo.train.checkpoint import atomic_write_text
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.json, json.dumps(rows_json, indent=2))
         print(f"wrote {args.json}")
     return rc
 

@@ -235,6 +235,21 @@ def import_hf(src: str | Path) -> tuple[ModelConfig, dict[str, Tensor], list[Pat
     return config, state, [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
 
 
+def check_not_source(out: str | Path, *sources: str | Path) -> None:
+    """Refuse an output folder that is a source or lies inside one (a run folder, the checkpoint
+    it resolves to): writing there would replace or mix with what is being read."""
+    o = Path(out).resolve()
+    for src in sources:
+        if src is None:
+            continue
+        s = Path(src).resolve()
+        if o == s or s in o.parents:
+            raise ValueError(
+                f"OUT: {out} is {'the source' if o == s else 'inside the source'} {src}; writing there "
+                "would overwrite what is read (--force does not change that): pick another folder"
+            )
+
+
 def _prepare_out(out: str | Path, force: bool) -> Path:
     o = Path(out)
     if o.exists() and not o.is_dir():
@@ -251,10 +266,7 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     non-empty ``out`` unless ``force``. Returns ``out``."""
     from ..models.lm import LanguageModel
 
-    if Path(src).resolve() == Path(out).resolve():
-        raise ValueError(
-            f"OUT: must differ from SRC (both are {src}); the source folder would be overwritten"
-        )
+    check_not_source(out, src)
     config, state, tok = import_hf(src)
     o = _prepare_out(out, force)
     model = LanguageModel(config)
@@ -281,6 +293,7 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
         from ..train import resolve_checkpoint
 
         src = resolve_checkpoint(ckpt)  # a run folder means its latest intact checkpoint
+        check_not_source(out, ckpt, src)
         model = LanguageModel.from_pretrained(src)
     config = model.config
     arch = _exporter(config)
@@ -461,11 +474,34 @@ def _check_act(where: str, act) -> None:
         _refuse(where, f"hidden_act = {act!r} (Mamba layers use SiLU)")
 
 
-def _vocab(where: str, weights: dict[str, Tensor]) -> int:
+def _vocab(where: str, weights: dict[str, Tensor], declared=None, pad_multiple: int = 1) -> int:
+    """The vocabulary: the embedding's row count. A config ``vocab_size`` (``declared``) above it
+    is refused (its ids would index past the embedding); one below it is accepted as padding when
+    the rows are ``declared`` rounded up to ``pad_multiple`` (mamba-ssm's
+    ``pad_vocab_size_multiple``), and otherwise said in a warning: the rows above it are kept."""
     for k in ("backbone.embeddings.weight", "backbone.embedding.weight"):
         if k in weights:
-            return int(weights[k].shape[0])
-    raise ValueError(f"{where}: no embedding weight (backbone.embeddings.weight)")
+            rows = int(weights[k].shape[0])
+            break
+    else:
+        raise ValueError(f"{where}: no embedding weight (backbone.embeddings.weight)")
+    if declared is None:
+        return rows
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise ValueError(f"{where}: vocab_size: expected a positive int, got {declared!r}")
+    if declared > rows:
+        raise ValueError(
+            f"{where}: vocab_size = {declared} but the embedding has only {rows} rows "
+            "(the config and the weights disagree)"
+        )
+    padded = -(-declared // max(1, pad_multiple)) * max(1, pad_multiple)
+    if declared < rows and padded != rows:
+        warnings.warn(
+            f"{where}: vocab_size = {declared} but the embedding has {rows} rows; the model keeps all "
+            f"{rows} (ids {declared}..{rows - 1} are never produced by the tokenizer)",
+            stacklevel=3,
+        )
+    return rows
 
 
 def _mamba_options(where, hidden, state_size, expand, conv, rank, bias, conv_bias) -> dict[str, Any]:
@@ -548,7 +584,7 @@ def import_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConf
     )
     tie = c.get("tie_word_embeddings", True)
     config = _model_config(
-        _vocab(where, weights),
+        _vocab(where, weights, c.get("vocab_size")),
         hidden,
         c["num_hidden_layers"],
         "mamba",
@@ -582,7 +618,8 @@ def import_mamba2(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelCon
         n_heads=int(c["num_heads"]) if "num_heads" in c else None,
     )
     tie = c.get("tie_word_embeddings", False)
-    config = _model_config(_vocab(where, weights), hidden, c["num_hidden_layers"], "mamba2", opts, tie, eps)
+    vocab = _vocab(where, weights, c.get("vocab_size"))
+    config = _model_config(vocab, hidden, c["num_hidden_layers"], "mamba2", opts, tie, eps)
     return config, _import_weights(weights, MAMBA2_KEYS, tie, where)
 
 
@@ -731,7 +768,7 @@ def import_mamba_ssm(cfg: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig
         _refuse(where, f"ssm_cfg option(s) {unknown} of a {layer} layer")
     hidden = int(cfg["d_model"])
     tie = cfg.get("tie_embeddings", True)
-    vocab = _vocab(where, weights)
+    vocab = _vocab(where, weights, cfg.get("vocab_size"), int(cfg.get("pad_vocab_size_multiple", 1) or 1))
     if layer == "Mamba1":
         opts = _mamba_options(
             where,

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -34,6 +35,15 @@ LATEST = "latest"
 STATE_NAME = "trainer_state.pt"
 TRAIN_CONFIG_NAME = "train_config.json"
 MANIFEST_NAME = "manifest.json"
+
+
+#: what ``latest`` may name: one of the run folder's own checkpoint directories
+_CKPT_NAME = re.compile(r"ckpt-\d+")
+
+
+class ForeignCheckpointError(ValueError):
+    """A run folder's ``latest`` names something other than one of its own checkpoints (another
+    run's, a path, a link out of the folder): never followed."""
 
 
 class CorruptCheckpointError(ValueError):
@@ -163,7 +173,7 @@ def save_checkpoint(
         trash = out / f".old-{final.name}-{os.getpid()}"
         os.replace(final, trash)
         os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
+        discard_checkpoint(trash, out)
     else:
         os.replace(tmp, final)
     _fsync_dir(out)
@@ -174,10 +184,84 @@ def save_checkpoint(
             # out of sight first: a crash mid-delete must not leave a half checkpoint to resume from
             trash = out / f".old-{old.name}-{os.getpid()}"
             os.replace(old, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            discard_checkpoint(trash, out)
     for stale in out.glob(".old-ckpt-*"):  # left by a crash during an earlier cleanup
-        shutil.rmtree(stale, ignore_errors=True)
+        discard_checkpoint(stale, out)
     return final
+
+
+#: the files of a checkpoint written without a manifest (by an older mnemo)
+_CHECKPOINT_FILES = {
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    "tokenizer.json",
+    TRAIN_CONFIG_NAME,
+    STATE_NAME,
+    MANIFEST_NAME,
+}
+
+
+def _checkpoint_of(trash: Path) -> str:
+    """``ckpt-000500`` from ``.old-ckpt-000500-PID`` (or the name itself)."""
+    m = re.search(r"ckpt-\d+", trash.name)
+    return m.group(0) if m else trash.name
+
+
+def discard_checkpoint(ckpt: Path, out: Path) -> list[Path]:
+    """Delete a rotated-out checkpoint directory, but never a file its manifest does not list
+    (figures or JSON a user or ``mnemo probe --out`` put there): those are moved to
+    ``OUT/kept/ckpt-NNNNNN/`` first, with a warning naming them. A directory without a manifest
+    (written by an older mnemo) is kept whole there. Returns the kept paths."""
+    ckpt = Path(ckpt)
+    try:
+        listed = set(json.loads((ckpt / MANIFEST_NAME).read_text())["files"]) | {MANIFEST_NAME}
+    except (OSError, ValueError, KeyError, TypeError):  # no manifest: the files mnemo writes
+        listed = None
+
+    def ours(f: Path) -> bool:
+        rel = f.relative_to(ckpt).as_posix()
+        if listed is not None:
+            return rel in listed
+        return rel in _CHECKPOINT_FILES or rel.startswith("sharded/")
+
+    extra = [f for f in sorted(ckpt.rglob("*")) if f.is_file() and not ours(f)]
+    kept: list[Path] = []
+    if extra:
+        dest = out / "kept" / _checkpoint_of(ckpt)
+        for f in extra:
+            target = dest / f.relative_to(ckpt)
+            if target.exists():  # never replace an earlier kept file of the same name
+                target = target.with_name(f"{target.stem}-{os.getpid()}{target.suffix}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(f, target)
+            kept.append(target)
+        warnings.warn(
+            f"checkpoint rotation: {len(kept)} file(s) in {_checkpoint_of(ckpt)} that are not part of "
+            f"the checkpoint were kept in {dest} ({', '.join(p.name for p in kept[:5])}"
+            f"{', ...' if len(kept) > 5 else ''})",
+            stacklevel=2,
+        )
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return kept
+
+
+def clean_stale_temporaries(out: str | Path) -> list[str]:
+    """Remove what a killed run left in its folder: ``.tmp-ckpt-*`` (a checkpoint being written)
+    and ``.old-ckpt-*`` (one being rotated out; files its manifest does not list are kept, see
+    :func:`discard_checkpoint`) and ``.latest.tmp-*`` files. Call it only while holding the run
+    folder's lock (nothing else writes there then). Returns the names removed."""
+    out = Path(out)
+    removed = []
+    for p in sorted(out.glob(".tmp-ckpt-*")):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        removed.append(p.name)
+    for p in sorted(out.glob(".old-ckpt-*")):
+        discard_checkpoint(p, out)
+        removed.append(p.name)
+    for p in sorted(out.glob(f".{LATEST}.tmp-*")):
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
 
 
 def _step_of(p: Path) -> int:
@@ -197,8 +281,13 @@ def resolve_checkpoint(
     checkpoint is damaged or missing, the newest intact ``ckpt-*`` is returned instead and ``warn``
     (default: ``warnings.warn``) is told which file was bad and which checkpoint is used.
 
+    ``latest`` is followed only to one of the run directory's own checkpoints (a ``ckpt-NNNNNN``
+    directory inside it, not a link out of it).
+
     Raises:
         FileNotFoundError: nothing at ``path``, or no checkpoint in it (says what was looked for).
+        ForeignCheckpointError: ``latest`` names anything else (``../other-run/ckpt-000005``, an
+            absolute path, a link out of the folder); the message names the file and its content.
         CorruptCheckpointError: a checkpoint directory given directly is damaged, or every
             checkpoint of a run directory is (the message names the bad files).
     """
@@ -219,6 +308,13 @@ def resolve_checkpoint(
         )
     name = latest.read_text().strip()
     target = p / name
+    if name and (
+        not _CKPT_NAME.fullmatch(name) or (target.exists() and target.resolve().parent != p.resolve())
+    ):
+        raise ForeignCheckpointError(
+            f"{latest} points to {name!r}, which is not one of this run's checkpoints (expected the "
+            f"name of a ckpt-NNNNNN directory inside {p}); refusing to follow it. Fix or delete {latest}"
+        )
     if not verify:
         if not name or not target.is_dir():
             raise FileNotFoundError(
@@ -233,7 +329,13 @@ def resolve_checkpoint(
         candidates = [target]
     newest = _step_of(target) if candidates else float("inf")  # never skip ahead of `latest`
     candidates += sorted(
-        (c for c in p.glob("ckpt-*") if c.is_dir() and _step_of(c) < newest), key=_step_of, reverse=True
+        (
+            c
+            for c in p.glob("ckpt-*")
+            if c.is_dir() and _step_of(c) < newest and c.resolve().parent == p.resolve()
+        ),
+        key=_step_of,
+        reverse=True,
     )
     for c in candidates:
         problems = verify_checkpoint(c)

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from .. import argtypes as kinds
+
 
 def _flag(help: str, **argparse_options) -> dict[str, Any]:
     """``dataclasses.field`` metadata that makes a :class:`TrainConfig` field a ``mnemo train``
@@ -159,7 +161,12 @@ class TrainConfig:
     # ``metadata=_flag(...)``: the field is a ``mnemo train`` flag (``--seq-len`` for ``seq_len``);
     # the help and the argparse options are here, the parser is generated (mnemo.cli)
     model: str = field(
-        default="transformer", metadata=_flag("registered model name (see `mnemo models`)", metavar="NAME")
+        default="transformer",
+        metadata=_flag(
+            "registered model name (see `mnemo models`)",
+            metavar="NAME",
+            type=kinds.Text("a model name (see `mnemo models`)"),
+        ),
     )
     model_overrides: dict[str, Any] = field(default_factory=dict)  # flags --d-model, --n-layers
     data: str = field(
@@ -168,10 +175,14 @@ class TrainConfig:
             "'tinyshakespeare' (bundled), a UTF-8 text file, a .jsonl/.parquet file, or a folder or "
             "glob of them",
             metavar="TEXT",
+            type=kinds.Text("'tinyshakespeare', a file, a folder or a glob"),
         ),
     )
     text_field: str = field(
-        default="text", metadata=_flag("JSONL/Parquet data: the field holding the text", metavar="NAME")
+        default="text",
+        metadata=_flag(
+            "JSONL/Parquet data: the field holding the text", metavar="NAME", type=kinds.Text("a field name")
+        ),
     )
     pack_documents: bool = field(
         default=False,
@@ -185,11 +196,17 @@ class TrainConfig:
         metadata=_flag(
             "text tokenizer: char, byte, or a Hugging Face tokenizer.json (or a folder holding one)",
             metavar="char|byte|PATH",
+            type=kinds.Text("'char', 'byte' or a tokenizer.json path"),
         ),
     )
-    seq_len: int = field(default=128, metadata=_flag("training window length in tokens", metavar="T"))
+    seq_len: int = field(
+        default=128, metadata=_flag("training window length in tokens", metavar="T", type=kinds.positive_int)
+    )
     batch_size: int = field(
-        default=32, metadata=_flag("sequences per optimizer step over all processes", metavar="B")
+        default=32,
+        metadata=_flag(
+            "sequences per optimizer step over all processes", metavar="B", type=kinds.positive_int
+        ),
     )
     grad_accum: int = field(
         default=1,
@@ -197,6 +214,7 @@ class TrainConfig:
             "micro-batches per optimizer step (gradient accumulation); the batch size must be a "
             "multiple of processes x grad-accum",
             metavar="N",
+            type=kinds.positive_int,
         ),
     )
     context_parallel: bool = field(
@@ -220,11 +238,16 @@ class TrainConfig:
             "recompute each block's activations in the backward pass (less memory, ~1 more forward)"
         ),
     )
-    steps: int = field(default=1000, metadata=_flag("optimizer steps", metavar="N"))
+    steps: int = field(default=1000, metadata=_flag("optimizer steps", metavar="N", type=kinds.positive_int))
     schedule_steps: int | None = None  # set by --resume --reschedule
-    lr: float = field(default=3e-3, metadata=_flag("peak learning rate (warm-up, then cosine decay)"))
+    lr: float = field(
+        default=3e-3,
+        metadata=_flag("peak learning rate (warm-up, then cosine decay)", type=kinds.positive_float),
+    )
     min_lr_ratio: float = 0.1
-    warmup_steps: int = field(default=50, metadata=_flag("linear learning-rate warm-up steps", metavar="N"))
+    warmup_steps: int = field(
+        default=50, metadata=_flag("linear learning-rate warm-up steps", metavar="N", type=kinds.nonneg_int)
+    )
     optimizer: str = field(default="adamw", metadata=_flag("outer optimizer", choices=["adamw", "m3"]))
     m3_slow_every: int = 10
     m3_beta3: float = 0.99
@@ -238,39 +261,53 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_interval: int = field(
         default=100,
-        metadata=_flag("evaluate (and log to OUT/metrics.jsonl) every N steps and at the end", metavar="N"),
+        metadata=_flag(
+            "evaluate (and log to OUT/metrics.jsonl) every N steps and at the end",
+            metavar="N",
+            type=kinds.positive_int,
+        ),
     )
-    eval_batches: int = field(default=8, metadata=_flag("validation batches per evaluation", metavar="N"))
+    eval_batches: int = field(
+        default=8, metadata=_flag("validation batches per evaluation", metavar="N", type=kinds.positive_int)
+    )
     checkpoint_interval: int | None = field(
         default=None,
         metadata=_flag(
             "save a checkpoint every N steps and at the end",
-            type=int,
+            type=kinds.positive_int,
             metavar="N",
             default_help="--eval-interval",
         ),
     )
-    seed: int = field(default=0, metadata=_flag("seeds the weights and the batch order", metavar="N"))
-    device: str = field(default="cpu", metadata=_flag("cpu or cuda[:N]"))
+    seed: int = field(
+        default=0, metadata=_flag("seeds the weights and the batch order", metavar="N", type=kinds.seed)
+    )
+    device: str = field(default="cpu", metadata=_flag("cpu or cuda[:N]", type=kinds.device))
     precision: str = field(
         default="fp32",
         metadata=_flag("bf16 = autocast, states accumulate in fp32", choices=["fp32", "bf16"]),
     )
     sample_tokens: int = field(
-        default=400, metadata=_flag("characters to sample at the end (0 = none)", metavar="N")
+        default=400,
+        metadata=_flag("characters to sample at the end (0 = none)", metavar="N", type=kinds.nonneg_int),
     )
     sample_prompt: str = "ROMEO:"
     sample_temperature: float = 0.8
     tensorboard: bool = field(default=False, metadata=_flag("write TensorBoard events to OUT/tb"))
     init_from: str | None = field(
         default=None,
-        metadata=_flag("start from the weights of this run/checkpoint (same model shapes)", metavar="DIR"),
+        metadata=_flag(
+            "start from the weights of this run/checkpoint (same model shapes)",
+            metavar="DIR",
+            type=kinds.ExistingDir("a run or checkpoint folder"),
+        ),
     )
     task: str | None = field(
         default=None,
         metadata=_flag(
             "train on a synthetic task instead of text (`mnemo tasks` lists them)",
             metavar="NAME",
+            type=kinds.Text("a task name (see `mnemo tasks`)"),
         ),
     )
     task_options: dict[str, Any] = field(default_factory=dict)  # flag --task-option KEY=VALUE
@@ -280,7 +317,7 @@ class TrainConfig:
             "task runs: train on a fixed set of N sequences (read in order, epoch after epoch) "
             "instead of fresh batches (default: fresh batches)",
             metavar="N",
-            type=int,
+            type=kinds.positive_int,
         ),
     )
     early_stop_acc: float | None = field(
@@ -288,7 +325,7 @@ class TrainConfig:
         metadata=_flag(
             "task runs: stop at the first evaluation with val_acc >= this (e.g. 0.99)",
             metavar="ACC",
-            type=float,
+            type=kinds.Float(0, 1, lo_open=True),
         ),
     )
     eval_lengths: list[int] = field(default_factory=list)  # flag --eval-lengths L1,L2
@@ -299,7 +336,8 @@ class TrainConfig:
         ),
     )
     circuit_length: int = field(
-        default=32, metadata=_flag("--track-circuits: repeated segment length", metavar="L")
+        default=32,
+        metadata=_flag("--track-circuits: repeated segment length", metavar="L", type=kinds.Int(2)),
     )
     track_spectrum: bool = field(
         default=False,
@@ -310,7 +348,8 @@ class TrainConfig:
         """Raise ``ValueError`` naming the offending field; return self."""
 
         def bad(name, expected):
-            raise ValueError(f"TrainConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
+            got = getattr(self, name)
+            raise ValueError(f"TrainConfig.{name}: expected {expected}, got {got!r}{_yaml_hint(got)}")
 
         # types first (a config file can hold anything): every later check compares values
         strings = ("model", "data", "text_field", "tokenizer", "device", "precision", "optimizer")
@@ -499,6 +538,21 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**d).validate()
+
+
+def _yaml_hint(value) -> str:
+    """Why a number may have arrived as a string: YAML 1.1 (PyYAML) reads ``3e-3`` (no dot) or
+    ``1_000.5`` as text. Empty for anything else."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    return (
+        f" (a string: YAML 1.1 reads {value} as text, not a number; write it with a dot and a signed "
+        f"exponent, e.g. {number:.1e}, or as {number!r})"
+    )
 
 
 def _looks_like_path(value: str) -> bool:

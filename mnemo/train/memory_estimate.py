@@ -100,3 +100,30 @@ def check_memory(est: MemoryEstimate, device: torch.device, *, what: str) -> Non
         f"batch {est.batch / GiB:,.1f} GiB), but only {have / GiB:,.1f} GiB are available "
         f"({source}); lower --batch-size or --seq-len{accum}"
     )
+
+
+def check_forward_memory(
+    model_config, batch: int, length: int, device, *, flag: str, maps: bool = False
+) -> None:
+    """Refuse, before anything is allocated, a forward pass over ``batch`` sequences of
+    ``length`` tokens (no gradients) that cannot fit in the memory available on ``device``.
+    The lower bound counts the logits (fp32) and a few ``d_model``-wide activations per block;
+    ``maps`` adds one ``length × length`` fp32 map per sequence and layer (the attention or
+    implicit-attention maps the circuit probes read). ``flag`` names the options to lower.
+
+    Raises:
+        ValueError: the bound exceeds the available memory (the message gives both).
+    """
+    f32 = 4
+    tokens = batch * length
+    need = tokens * model_config.vocab_size * f32 + model_config.n_layers * ACTS_PER_BLOCK * tokens * (
+        model_config.d_model * f32
+    )
+    if maps:
+        need += model_config.n_layers * batch * length * length * f32
+    have, source = available_memory(torch.device(device))
+    if have is not None and need > have:
+        raise ValueError(
+            f"{flag}: {batch:,} sequence(s) of {length:,} tokens need at least {need / GiB:,.1f} GiB, "
+            f"but only {have / GiB:,.1f} GiB are available ({source}); lower {flag}"
+        )

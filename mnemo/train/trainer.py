@@ -29,6 +29,7 @@ from .checkpoint import (
     TRAIN_CONFIG_NAME,
     atomic_write_text,
     ckpt_name,
+    clean_stale_temporaries,
     load_json,
     load_trainer_state,
     resolve_checkpoint,
@@ -46,7 +47,7 @@ from .distributed import (
     shard,
 )
 from .m3 import M3
-from .memory_estimate import check_memory, estimate_memory
+from .memory_estimate import check_forward_memory, check_memory, estimate_memory
 from .sharded import is_sharded, load_sharded, save_sharded_checkpoint, shard_model
 from .task_eval import evaluate_task
 
@@ -71,6 +72,12 @@ class TrainingDiverged(RuntimeError):
             f"training stopped at step {step}: the {what} became {value} ({where}); "
             "try a lower --lr, a smaller model, or --precision fp32"
         )
+
+
+def _nonfinite_detail(e: Exception) -> str:
+    """An op's NaN/inf report without its advice to turn the check off (which would only hide a
+    diverged run): e.g. ``"an op's input A contains 0 NaN and 34 inf of 1024 values"``."""
+    return "an op's input " + str(e).split(";")[0]
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -573,6 +580,10 @@ class Trainer:
             activation_checkpointing=cfg.activation_checkpointing,
         )
         check_memory(est, self.device, what=f"a step of {cfg.batch_size:,} x {cfg.seq_len} tokens")
+        if cfg.track_circuits:  # the tracker runs one repeated random sequence (and its maps) per evaluation
+            check_forward_memory(
+                model_cfg, 1, 2 * cfg.circuit_length, self.device, flag="--circuit-length", maps=True
+            )
         self.model = LanguageModel(model_cfg).to(self.device)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         for i, block in enumerate(self.model.blocks):
@@ -901,7 +912,11 @@ class Trainer:
                     error, ce = e, None
                 part, failed = self._reduce_loss(ce, error is not None)
                 if failed:  # raised on every rank before any backward, so no rank waits for another
-                    detail = f"in the forward pass: {error}" if error else "in another rank's forward pass"
+                    detail = (
+                        f"in the forward pass: {_nonfinite_detail(error)}"
+                        if error
+                        else "in another rank's forward pass"
+                    )
                     raise TrainingDiverged(
                         self.step + 1, "loss", math.nan, self.last_checkpoint, detail=detail
                     ) from error
@@ -1041,6 +1056,20 @@ class Trainer:
                 p.grad = flat[offset : offset + k].view_as(p) if reached[i] > 0 else None
                 offset += k
 
+    def _nonfinite_parameters(self) -> list[str]:
+        """Names of the parameters that hold NaN/inf (one host read; with several processes the
+        ranks agree, each checking its own copy or FSDP shard)."""
+        named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self.model.named_parameters()]
+        flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in named])
+        ok = flags.all()
+        if self.world > 1:
+            t = (~ok).to(torch.float64).reshape(1)
+            dist.all_reduce(t)
+            ok = t[0] == 0
+        if bool(ok):
+            return []
+        return [n for (n, _), f in zip(named, flags.tolist()) if not f] or ["another process's shard"]
+
     def _agree(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank (one broadcast; none with a single process)."""
         if self.world == 1:
@@ -1070,6 +1099,11 @@ class Trainer:
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             lock = lock_run_folder(self.out)
+            stale = clean_stale_temporaries(self.out)  # left by a killed run (we hold the lock)
+            if stale:
+                warnings.warn(
+                    f"removed what a stopped run left in {self.out}: {', '.join(stale)}", stacklevel=2
+                )
         try:
             with self._deferred_interrupts():
                 return self._fit(stop)
@@ -1142,6 +1176,17 @@ class Trainer:
                 last = self.step == cfg.steps
                 evaluate = self.step % cfg.eval_interval == 0 or last
                 save = self.step % cfg.ckpt_every == 0 or last or self.step == stop
+                if evaluate or save:  # never evaluate or checkpoint weights that overflowed
+                    bad = self._nonfinite_parameters()
+                    if bad:
+                        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+                        raise TrainingDiverged(
+                            self.step,
+                            "weights",
+                            math.nan,
+                            self.last_checkpoint,
+                            detail=f"NaN/inf after the optimizer step in {', '.join(bad[:3])}{more}",
+                        )
                 if evaluate:
                     record = {
                         "step": self.step,
@@ -1183,7 +1228,12 @@ class Trainer:
         every rank calls this (the sharded model needs all of them, in the evaluation and in
         callbacks that run it); only rank 0 logs and prints."""
         cfg = self.cfg
-        ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
+        try:
+            ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
+        except NonFiniteError as e:  # an op of the evaluation found NaN/inf: the run diverged
+            raise TrainingDiverged(
+                self.step, "validation loss", math.nan, self.last_checkpoint, detail=_nonfinite_detail(e)
+            ) from e
         stops = not last and bool(cfg.eval_lengths) and cfg.early_stop_acc is not None
         if stops:
             stops = ev.get("val_acc", 0.0) >= cfg.early_stop_acc

@@ -208,4 +208,4 @@ def test_harness_command_errors(tmp_path, capsys):
     assert main([*argv, "--tasks", "mnemo_test_mc", "--batch-size", "0"]) == 2
     assert "--batch-size" in capsys.readouterr().err
     assert main(["harness", "--checkpoint", str(tmp_path / "nope"), "--tasks", "x"]) == 2
-    assert "checkpoint not found" in capsys.readouterr().err
+    assert "argument --checkpoint: expected a run or checkpoint folder" in capsys.readouterr().err

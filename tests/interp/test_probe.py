@@ -89,7 +89,7 @@ def test_probe_circuits_prints_scores_and_writes_heatmaps(hybrid_run, capsys, sa
     assert set(layers) == {"0", "1", "2", "3"}
     assert len(layers["3"]["induction"]) == 4 and "copying" in layers["3"]  # the attention layer
     assert all(0 <= s <= 1 for s in layers["0"]["induction"])
-    png = hybrid_run / "ckpt-000004" / "circuits.png"
+    png = hybrid_run / "probes" / "ckpt-000004" / "circuits.png"  # beside the checkpoint, not in it
     assert png.exists() and f"wrote {png}" in captured.err.splitlines()
     (fig,) = saved_figures
     title = _title(fig)
@@ -121,7 +121,7 @@ def test_probe_timescales(hybrid_run, capsys, saved_figures):
     result = json.loads(captured.out)
     assert result["layers"]["0"]["kind"] == "per-channel" and result["layers"]["0"]["half_life"]["median"] > 0
     assert result["layers"]["3"]["kind"] == "no decay"
-    png = hybrid_run / "ckpt-000004" / "timescales.png"
+    png = hybrid_run / "probes" / "ckpt-000004" / "timescales.png"
     assert png.exists() and f"wrote {png}" in captured.err.splitlines()
     (fig,) = saved_figures
     assert "gla_hybrid (4 layers)" in _title(fig) and "ckpt-000004 (step 4)" in _title(fig)
@@ -239,4 +239,4 @@ def test_track_circuits_flag_and_shipped_phase_change_configs(tmp_path, capsys):
     assert "previous_token_max" in rec and len(rec["duplicate_token_by_layer"]) == 2
     capsys.readouterr()
     assert main(argv[:-3] + ["--circuit-length", "1", "--out", str(tmp_path / "bad"), "--no-progress"]) != 0
-    assert "TrainConfig.circuit_length: expected an int >= 2, got 1" in capsys.readouterr().err
+    assert "argument --circuit-length: expected an int >= 2, got '1'" in capsys.readouterr().err

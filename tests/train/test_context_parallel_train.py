@@ -159,7 +159,10 @@ def test_bad_flag_value_names_the_field():
         _cfg(context_parallel="yes").validate()
 
 
-def test_one_process_is_a_no_op_and_the_cli_flag_reaches_the_config(tmp_path, capsys):
+def test_one_process_is_a_no_op_and_the_cli_flag_without_torchrun_is_refused(tmp_path, capsys):
+    """The library's Trainer runs a context-parallel config in one process as a plain run; the
+    command refuses the flag without torchrun (it would train without it while train_config.json
+    recorded it as on) and writes nothing."""
     from mnemo.cli import main
 
     a = Trainer(_cfg(), tmp_path / "a", progress=False)
@@ -169,8 +172,9 @@ def test_one_process_is_a_no_op_and_the_cli_flag_reaches_the_config(tmp_path, ca
         assert a.train_step() == b.train_step()
     argv = ["train", "--model", "gated_deltanet", "--d-model", "16", "--n-layers", "1", "--seq-len", "16"]
     argv += ["--batch-size", "4", "--steps", "1", "--eval-interval", "1", "--eval-batches", "1"]
-    argv += ["--sample-tokens", "0", "--no-progress", "--context-parallel", "--out", str(tmp_path / "c")]
-    assert main(argv) == 0
-    saved = json.loads((tmp_path / "c" / "ckpt-000001" / "train_config.json").read_text())
-    assert saved["context_parallel"] is True
-    capsys.readouterr()
+    for flag in ("--context-parallel", "--fsdp"):
+        out = tmp_path / flag.strip("-")
+        assert main([*argv, "--sample-tokens", "0", "--no-progress", flag, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: needs several processes (launch with torchrun" in err
+        assert not out.exists()

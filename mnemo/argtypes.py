@@ -1,0 +1,372 @@
+"""Declared kinds of command-line values: the one validation layer of the ``mnemo`` command.
+
+Every numeric option of every sub-command states its range, and every path option its kind,
+where the parser is built (``add_argument(..., type=positive_int)``). The kinds are ``argparse``
+``type=`` callables, so a bad value is refused while the command line is read, before any work
+starts: exit status 2 and one line naming the flag, the expected and the received value::
+
+    mnemo probe circuits: error: argument --length: expected an int >= 1, got '0' (see: ...)
+
+Kinds:
+
+- :class:`Int` / :class:`Float`: a range (``lo``, ``hi``; open or closed ends); floats are always
+  finite (``nan`` and ``inf`` are refused). Shorthands: :data:`positive_int`,
+  :data:`nonneg_int`, :data:`seed`, :data:`positive_float`, :data:`nonneg_float`,
+  :data:`probability`, :data:`finite_float`.
+- :class:`IntList`: comma-separated ints in a range (``1024,4096``), optionally one of a few words
+  (``none``, ``all``); the value is returned as given, for the command to split.
+- :class:`Text`: a non-empty string.
+- Paths: :class:`ExistingFile`, :class:`ExistingDir`, :class:`ExistingPath` (what a command
+  reads), :class:`OutDir` (a folder to create or write into), :class:`OutFile` (a file to
+  write), :class:`OutPath` (either). An output is checked for writability here, before the work:
+  it must not be an existing path of the other kind, nor lie inside a run's checkpoint (which
+  training rotates away), and its nearest existing ancestor must be a writable folder (a
+  read-only file system counts as not writable).
+
+Each kind carries ``hostile``: the values of its kind that a careful user may mistype (zero,
+negative, huge, NaN, an empty string, a file for a folder, ...). The test suite
+(``tests/test_hostile_cli.py``) walks the whole parser and tries each of them on each option, so
+an option added later is covered by construction. Standard library only; this module imports
+nothing of mnemo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from pathlib import Path
+
+#: values every kind's hostile list starts from (a kind adds its own)
+_NUMERIC_HOSTILE = ("0", "-5", "-1e9", "1e30", "99999999999999999999", "nan", "inf", "-inf", "", "abc")
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one line on stderr (no usage block):
+    ``PROG: error: MESSAGE (see: PROG --help)``, exit status 2. Sub-parsers made through
+    ``add_subparsers`` are of this class too."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+class Kind:
+    """Base of the declared kinds: ``kind(text)`` returns the value or raises
+    ``argparse.ArgumentTypeError("expected EXPECTED, got 'TEXT'")``."""
+
+    expected: str = "a value"
+    hostile: tuple[str, ...] = ("",)
+    #: what argparse shows in error messages it builds itself (``invalid <name> value``)
+    __name__ = "value"
+
+    def fail(self, text: str, why: str = "") -> None:
+        raise argparse.ArgumentTypeError(f"expected {self.expected}, got {text!r}{why}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.expected!r})"
+
+
+def _num(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _range_text(lo, hi, lo_open: bool, hi_open: bool, what: str) -> str:
+    if lo is not None and hi is not None:
+        return f"{what} in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{what} {'>' if lo_open else '>='} {_num(lo)}"
+    if hi is not None:
+        return f"{what} {'<' if hi_open else '<='} {_num(hi)}"
+    return what
+
+
+class Int(Kind):
+    """An int in ``[lo, hi]`` (either end ``None``: unbounded), or one of ``words`` (returned as
+    the word)."""
+
+    def __init__(self, lo: int | None = None, hi: int | None = None, words: tuple[str, ...] = ()):
+        self.lo, self.hi, self.words = lo, hi, tuple(words)
+        self.expected = _range_text(lo, hi, False, False, "an int") + "".join(f" or '{w}'" for w in words)
+        self.hostile = _NUMERIC_HOSTILE + ("1.5",)
+
+    def __call__(self, text: str) -> int | str:
+        if str(text).strip() in self.words:
+            return str(text).strip()
+        try:
+            v = int(str(text).strip())
+        except ValueError:
+            self.fail(text)
+        if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
+            self.fail(text)
+        return v
+
+
+class Float(Kind):
+    """A finite float in the range ``lo .. hi`` (``lo_open`` / ``hi_open``: the end itself is
+    excluded; ``None``: unbounded). ``nan`` and ``inf`` are always refused."""
+
+    def __init__(self, lo=None, hi=None, *, lo_open=False, hi_open=False, words: tuple[str, ...] = ()):
+        self.lo, self.hi, self.lo_open, self.hi_open, self.words = lo, hi, lo_open, hi_open, tuple(words)
+        self.expected = _range_text(lo, hi, lo_open, hi_open, "a finite number") + "".join(
+            f" or '{w}'" for w in words
+        )
+        self.hostile = _NUMERIC_HOSTILE
+
+    def __call__(self, text: str) -> float | str:
+        if str(text).strip() in self.words:
+            return str(text).strip()
+        try:
+            v = float(str(text).strip())
+        except ValueError:
+            self.fail(text)
+        if not math.isfinite(v):
+            self.fail(text)
+        if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
+            self.fail(text)
+        if self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)):
+            self.fail(text)
+        return v
+
+
+class IntList(Kind):
+    """Comma-separated ints in ``[lo, hi]`` (at least one), or one of ``words``; returns the text
+    as given (stripped), for the command to split."""
+
+    def __init__(self, lo: int | None = 1, hi: int | None = None, words: tuple[str, ...] = ()):
+        self.item, self.words = Int(lo, hi), tuple(words)
+        alt = "".join(f" or '{w}'" for w in words)
+        self.expected = f"comma-separated {self.item.expected.replace('an int', 'ints')}{alt}"
+        self.hostile = ("", ",", "0", "-5", "1,x", "1.5", "nan", "1,,0")
+
+    def __call__(self, text: str) -> str:
+        t = str(text).strip()
+        if t in self.words:
+            return t
+        parts = [p.strip() for p in t.split(",")]
+        if not t or any(not p for p in parts):
+            self.fail(text)
+        for p in parts:
+            try:
+                self.item(p)
+            except argparse.ArgumentTypeError:
+                self.fail(text)
+        return t
+
+
+class Text(Kind):
+    """A non-empty string (surrounding blanks do not count)."""
+
+    def __init__(self, what: str = "a non-empty string"):
+        self.expected = what
+        self.hostile = ("", "   ")
+
+    def __call__(self, text: str) -> str:
+        if not str(text).strip():
+            self.fail(text)
+        return text
+
+
+class Device(Kind):
+    """A torch device this machine has: ``cpu``, ``cuda`` or ``cuda:N`` (CUDA is checked only
+    when asked for, importing torch then)."""
+
+    expected = "'cpu', 'cuda' or 'cuda:N'"
+    hostile = ("", "gpu", "cuda:-1", "cuda:x", "tpu")
+
+    def __call__(self, text: str) -> str:
+        t = str(text).strip()
+        if t == "cpu":
+            return t
+        name, _, index = t.partition(":")
+        if name != "cuda" or (index and not index.isdigit()):
+            self.fail(text)
+        import torch  # only for a CUDA device
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            self.fail(text, " (this machine has no CUDA device)")
+        if index and int(index) >= n:
+            self.fail(text, f" (this machine has {n} CUDA device(s))")
+        return t
+
+
+# --------------------------------------------------------------------------------------------
+# paths
+
+
+def _writable_ancestor(p: Path) -> tuple[Path | None, str]:
+    """The nearest existing ancestor of ``p`` and why it cannot take new entries ('' if it can)."""
+    a = p.parent if p.parent != p else p
+    while not a.exists():
+        if a.parent == a:
+            return None, " (no existing folder above it)"
+        a = a.parent
+    if not a.is_dir():
+        return a, f" ({a} is a file, not a folder)"
+    if not os.access(a, os.W_OK | os.X_OK):
+        return a, f" ({a} is not writable)"
+    return a, ""
+
+
+_CKPT_DIR = re.compile(r"ckpt-\d+")
+
+
+def checkpoint_around(p: Path) -> Path | None:
+    """The checkpoint directory of a run that ``p`` is or lies in (a ``ckpt-NNNNNN`` folder next
+    to a ``latest`` file, or holding a ``manifest.json``), else ``None``. Nothing may be written
+    there: training deletes old checkpoints, and a checkpoint's manifest lists its files."""
+    for a in (p, *p.parents):
+        if _CKPT_DIR.fullmatch(a.name) and a.is_dir():
+            if (a.parent / "latest").is_file() or (a / "manifest.json").is_file():
+                return a
+    return None
+
+
+class _PathKind(Kind):
+    def __init__(self, expected: str):
+        self.expected = expected
+        self.hostile = ("", "   ")
+
+    def _path(self, text: str) -> Path:
+        if not str(text).strip():
+            self.fail(text)
+        return Path(text).expanduser()
+
+    def _not_in_checkpoint(self, text: str, p: Path) -> None:
+        ckpt = checkpoint_around(p.absolute())
+        if ckpt is not None:
+            self.fail(
+                text,
+                f" (inside the checkpoint {ckpt}, which training rotates away: write beside it, e.g. "
+                f"{ckpt.parent / 'probes'})",
+            )
+
+
+class ExistingFile(_PathKind):
+    """A file that exists (not a folder)."""
+
+    def __init__(self, what: str = "an existing file"):
+        super().__init__(what)
+
+    def __call__(self, text: str) -> str:
+        p = self._path(text)
+        if p.is_dir():
+            self.fail(text, " (a folder)")
+        if not p.is_file():
+            self.fail(text, " (not found)")
+        return text
+
+
+class ExistingDir(_PathKind):
+    """A folder that exists (not a file)."""
+
+    def __init__(self, what: str = "an existing folder"):
+        super().__init__(what)
+
+    def __call__(self, text: str) -> str:
+        p = self._path(text)
+        if p.is_file():
+            self.fail(text, " (a file)")
+        if not p.is_dir():
+            self.fail(text, " (not found)")
+        return text
+
+
+class ExistingPath(_PathKind):
+    """A file or folder that exists."""
+
+    def __init__(self, what: str = "an existing file or folder"):
+        super().__init__(what)
+
+    def __call__(self, text: str) -> str:
+        if not self._path(text).exists():
+            self.fail(text, " (not found)")
+        return text
+
+
+class OutDir(_PathKind):
+    """A folder to write into: an existing folder, or a new one that can be created (its
+    nearest existing ancestor is a writable folder)."""
+
+    def __init__(self, what: str = "a folder to write into"):
+        super().__init__(what)
+
+    def __call__(self, text: str) -> str:
+        p = self._path(text)
+        self._not_in_checkpoint(text, p)
+        if p.exists():
+            if not p.is_dir():
+                self.fail(text, " (an existing file)")
+            if not os.access(p, os.W_OK | os.X_OK):
+                self.fail(text, " (not writable)")
+            return text
+        _, why = _writable_ancestor(p)
+        if why:
+            self.fail(text, why)
+        return text
+
+
+class OutFile(_PathKind):
+    """A file to write (replaced if it exists): not an existing folder; its folder exists or can
+    be created. ``suffix``: the name must end with it (e.g. ``.json``)."""
+
+    def __init__(self, what: str = "a file to write", suffix: str | None = None):
+        super().__init__(what if suffix is None else f"{what} ending in {suffix}")
+        self.suffix = suffix
+
+    def __call__(self, text: str) -> str:
+        p = self._path(text)
+        if p.is_dir() or str(text).endswith(("/", os.sep)):
+            self.fail(text, " (a folder)")
+        if self.suffix and not p.name.endswith(self.suffix):
+            self.fail(text)
+        self._not_in_checkpoint(text, p)
+        if p.exists():
+            if not os.access(p, os.W_OK):
+                self.fail(text, " (not writable)")
+            return text
+        _, why = _writable_ancestor(p)
+        if why:
+            self.fail(text, why)
+        return text
+
+
+class OutPath(_PathKind):
+    """A file (its name ending in ``suffix``) or a folder to write into."""
+
+    def __init__(self, suffix: str, what: str | None = None):
+        super().__init__(what or f"a {suffix} file or a folder to write into")
+        self.file, self.dir = OutFile(suffix=suffix), OutDir()
+
+    def __call__(self, text: str) -> str:
+        kind = self.file if Path(str(text)).suffix == self.file.suffix else self.dir
+        try:
+            return kind(text)
+        except argparse.ArgumentTypeError as e:
+            why = str(e).split(f"got {text!r}", 1)[-1]
+            self.fail(text, why)
+
+
+# --------------------------------------------------------------------------------------------
+# the shorthands the parsers use
+
+positive_int = Int(1)
+nonneg_int = Int(0)
+#: seeds: what ``torch.manual_seed`` takes
+seed = Int(0, 2**63 - 1)
+positive_float = Float(0, lo_open=True)
+nonneg_float = Float(0)
+probability = Float(0, 1)
+finite_float = Float()
+threads = Int(1, 4096)
+#: model sizes: beyond these a model cannot be built on any machine (the memory check refuses
+#: what this one cannot hold)
+width = Int(1, 2**20)
+depth = Int(1, 10_000)
+device = Device()
+
+
+def kind_of(action: argparse.Action) -> Kind | None:
+    """The declared kind of a parser action (``None`` for switches, choices and plain strings)."""
+    return action.type if isinstance(action.type, Kind) else None

@@ -1,0 +1,520 @@
+"""Hostile input for every command, by construction (issue 35).
+
+The suite walks the ``mnemo`` parser: every option of every sub-command that takes a value must
+declare its kind (:mod:`mnemo.argtypes`), and each kind's hostile values (zero, negative, huge,
+NaN/inf, an empty string, a file for a folder and a folder for a file, a read-only place, a path
+into a run's checkpoint) are tried on it. A value the kind refuses must end the command with exit
+status 2 and one line naming the flag, before any work and without a traceback; a value it
+accepts is legal, and the end-to-end cases below run the commands with the legal extremes that
+could allocate or lose something. The named findings of the issue each have a test here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from mnemo import argtypes as kinds
+from mnemo.cli import build_parser, main
+
+#: options that take any text, on purpose (checked where they are used, or free by nature)
+FREE_TEXT = {
+    ("generate", "--prompt"),  # any text, the empty prompt included
+    ("harness", "--model-args"),  # key=value,... parsed by lm-eval; empty = none
+    ("train", "--task-option"),  # KEY=VALUE, checked by mnemo.cli._parse_task_options
+}
+
+
+def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def _before(path: tuple[str, ...], action: argparse.Action, places) -> list[str]:
+    """Valid values for the positionals that come before ``action`` (``convert SRC OUT``: a
+    folder for SRC when OUT is tried)."""
+    if action.option_strings:
+        return []
+    earlier = []
+    for p, a in _walk(build_parser()):
+        if p == path and not a.option_strings:
+            if a is action or a.dest == action.dest:
+                break
+            earlier.append(str(places["folder"]))
+    return earlier
+
+
+def _takes_value(action: argparse.Action) -> bool:
+    return action.nargs != 0 and not isinstance(
+        action, (argparse._StoreConstAction, argparse._StoreTrueAction, argparse._CountAction)
+    )
+
+
+def _flag(action: argparse.Action) -> str:
+    return action.option_strings[-1] if action.option_strings else action.dest
+
+
+ACTIONS = [(path, a) for path, a in _walk(build_parser()) if _takes_value(a)]
+
+
+def test_every_option_that_takes_a_value_declares_its_kind():
+    undeclared = [
+        f"mnemo {' '.join(path)} {_flag(a)}"
+        for path, a in ACTIONS
+        if a.choices is None and kinds.kind_of(a) is None and (path[0], _flag(a)) not in FREE_TEXT
+    ]
+    assert not undeclared, f"options without a declared kind (mnemo.argtypes): {undeclared}"
+    plain = [f"{' '.join(p)} {_flag(a)}" for p, a in ACTIONS if a.type in (int, float)]
+    assert not plain, f"plain int/float options (no range): {plain}"
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """A file, a folder, a missing path, a place under a file, a read-only place (when this
+    machine has one) and a tiny run whose checkpoint nothing may be written into."""
+    root = tmp_path_factory.mktemp("hostile")
+    f = root / "a-file.txt"
+    f.write_text("not a folder\n")
+    d = root / "a-folder"
+    d.mkdir()
+    run = root / "run"
+    ckpt = run / "ckpt-000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text('{"format": 1, "files": {}}\n')
+    (run / "latest").write_text("ckpt-000002\n")
+    read_only = next(
+        (Path(p) for p in ("/proc/sys",) if Path(p).is_dir() and not os.access(p, os.W_OK)), None
+    )
+    return {"file": f, "folder": d, "missing": root / "no" / "such", "ckpt": ckpt, "read_only": read_only}
+
+
+def _hostile(kind: kinds.Kind, places) -> list[str]:
+    """The values tried on an option of ``kind``: its own list plus the places of its kind."""
+    values = list(kind.hostile)
+    f, d, missing, ckpt, ro = (places[k] for k in ("file", "folder", "missing", "ckpt", "read_only"))
+    if isinstance(kind, kinds.ExistingFile):
+        values += [str(d), str(missing)]
+    elif isinstance(kind, kinds.ExistingDir):
+        values += [str(f), str(missing)]
+    elif isinstance(kind, kinds.ExistingPath):
+        values += [str(missing)]
+    elif isinstance(kind, kinds.OutDir):
+        values += [str(f), str(f / "sub"), str(ckpt), str(ckpt / "sub")] + ([str(ro / "x")] if ro else [])
+    elif isinstance(kind, (kinds.OutFile, kinds.OutPath)):
+        suffix = (
+            getattr(kind, "suffix", None) or getattr(getattr(kind, "file", None), "suffix", "") or ".json"
+        )
+        values += [str(f / f"sub{suffix}"), str(ckpt / f"x{suffix}")] + (
+            [str(ro / f"x{suffix}")] if ro else []
+        )
+        if isinstance(kind, kinds.OutFile):
+            values += [str(d)]
+    return values
+
+
+def _parse(argv: list[str]) -> tuple[int | None, str]:
+    """Parse ``argv`` with a fresh parser: (exit status or None when it parsed, stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    return None, err.getvalue()
+
+
+def _accepts(kind, value) -> bool:
+    try:
+        kind(value)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
+def test_every_hostile_value_is_refused_in_one_line_naming_the_flag(places):
+    """Sub-commands × options × hostile values: each value the kind refuses gives status 2 and
+    one line ``mnemo CMD: error: argument FLAG: expected ..., got 'VALUE' ...``; each value it
+    accepts parses. The counts are printed (pytest -s)."""
+    tried, refused, problems = 0, 0, []
+    commands = set()
+    for path, action in ACTIONS:
+        kind = kinds.kind_of(action)
+        if kind is None:
+            continue
+        commands.add(path)
+        flag = _flag(action)
+        earlier = _before(path, action, places)
+        for value in _hostile(kind, places):
+            tried += 1
+            argv = [*path, f"{flag}={value}"] if action.option_strings else [*path, *earlier, value]
+            code, err = _parse(argv)
+            if not _accepts(kind, value):
+                refused += 1
+                lines = err.strip().splitlines()
+                ok = code == 2 and len(lines) == 1 and f"argument {flag}: expected" in lines[0]
+                ok = ok and "Traceback" not in err and repr(value)[1:-1] in lines[0]
+                if not ok:
+                    problems.append(f"mnemo {' '.join(path)} {flag} {value!r}: status {code}, {err!r}")
+            elif code == 2 and f"argument {flag}:" in err:  # accepted by the kind, refused by argparse
+                problems.append(f"mnemo {' '.join(path)} {flag} {value!r}: {err.strip()}")
+    n_cmd, n_opt = len(commands), len(ACTIONS)
+    print(f"\nhostile suite: {n_cmd} commands, {n_opt} options, {tried} values tried, {refused} refused")
+    assert not problems, "\n".join(problems[:20])
+    assert tried > 500 and refused > 400
+
+
+def test_a_mistyped_space_separated_value_is_refused_too():
+    """``--steps -5`` (a space, not ``=``) is read as the flag's value, and refused."""
+    code, err = _parse(["train", "--steps", "-5"])
+    assert code == 2 and err.strip() == (
+        "mnemo train: error: argument --steps: expected an int >= 1, got '-5' (see: mnemo train --help)"
+    )
+
+
+def test_main_returns_2_with_one_line(capsys):
+    assert main(["generate", "--checkpoint", ".", "--top-k", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --top-k: expected an int >= 1, got '0'" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# the findings of the hostile trial, each reproduced first
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny trained run (2 checkpoints)."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    argv = ["train", "--d-model", "16", "--n-layers", "1", "--seq-len", "16", "--batch-size", "2"]
+    argv += ["--steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    return out
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_latest_pointing_outside_the_run_is_never_followed(run, tmp_path, capsys):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    (mine / "latest").write_text("../other/ckpt-000002\n")
+    before = _tree(mine)
+    for argv in (
+        ["train", "--out", str(mine), "--resume", "--steps", "8", "--no-progress"],
+        ["eval", "--checkpoint", str(mine)],
+        ["generate", "--checkpoint", str(mine), "--max-new-tokens", "2"],
+        ["probe", "circuits", "--checkpoint", str(mine), "--length", "4", "--batch", "1"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{mine / 'latest'} points to '../other/ckpt-000002', which is not one of this run's" in err
+        assert "Traceback" not in err
+    assert _tree(mine) == before  # nothing rotated, nothing rewritten
+    for bad in ("/abs/ckpt-000002", "ckpt-000002/../ckpt-000004", "tmp"):
+        (mine / "latest").write_text(bad + "\n")
+        from mnemo.train import ForeignCheckpointError, resolve_checkpoint
+
+        with pytest.raises(ForeignCheckpointError, match="not one of this run's checkpoints"):
+            resolve_checkpoint(mine)
+
+
+def test_a_checkpoint_link_out_of_the_run_is_not_followed(run, tmp_path):
+    import shutil
+
+    from mnemo.train import ForeignCheckpointError, resolve_checkpoint
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    shutil.copytree(run / "ckpt-000004", tmp_path / "elsewhere")
+    shutil.rmtree(mine / "ckpt-000004")
+    (mine / "ckpt-000004").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ForeignCheckpointError):
+        resolve_checkpoint(mine)
+
+
+def test_probe_results_default_beside_the_checkpoint_and_survive_training(run, tmp_path, capsys):
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    assert main(["probe", "circuits", "--checkpoint", str(mine), "--length", "4", "--batch", "2"]) == 0
+    assert main(["probe", "ablate", "--checkpoint", str(mine), "--top-induction", "1", "--draws", "1"]) == 0
+    capsys.readouterr()
+    probes = mine / "probes" / "ckpt-000004"
+    assert (probes / "circuits.png").is_file() and (probes / "ablate-top1.json").is_file()
+    assert not list((mine / "ckpt-000004").glob("circuits*"))
+    # a file a user put inside a checkpoint is kept when rotation removes that checkpoint
+    (mine / "ckpt-000004" / "notes.txt").write_text("mine\n")
+    with pytest.warns(UserWarning, match="not part of the checkpoint were kept"):
+        assert (
+            main(
+                [
+                    "train",
+                    "--out",
+                    str(mine),
+                    "--resume",
+                    "--steps",
+                    "8",
+                    "--reschedule",
+                    "hold",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+    capsys.readouterr()
+    assert not (mine / "ckpt-000004").exists()
+    assert (mine / "kept" / "ckpt-000004" / "notes.txt").read_text() == "mine\n"
+    assert (probes / "circuits.png").is_file() and (probes / "ablate-top1.json").is_file()
+
+
+def test_probe_out_inside_a_checkpoint_is_refused(run, capsys):
+    code = main(["probe", "circuits", "--checkpoint", str(run), "--out", str(run / "ckpt-000004")])
+    assert code == 2
+    assert "inside the checkpoint" in capsys.readouterr().err
+
+
+def test_export_refuses_its_source_even_with_force(run, tmp_path, capsys):
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    before = _tree(mine)
+    for src, out in ((mine, mine), (mine / "ckpt-000004", mine / "ckpt-000004"), (mine, mine / "x")):
+        assert main(["export", str(src), str(out), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert "writing there would overwrite what is read" in err or "inside the checkpoint" in err
+    assert _tree(mine) == before
+
+
+def test_verify_fails_on_a_pattern_that_matches_nothing(capsys):
+    assert main(["verify", "--quick", "--ops", "linear_identity", "--checks", "nosuch*"]) == 2
+    err = capsys.readouterr().err
+    assert "--checks: 'nosuch*' matches no check of the selected ops; known: " in err and "forms" in err
+    assert main(["verify", "--quick", "--ops", "linear_identity,nosuch", "--list"]) == 2
+    assert "--ops: 'nosuch' matches no spec" in capsys.readouterr().err
+
+
+def test_divergence_found_by_an_op_ends_in_the_trainers_message(tmp_path, capsys):
+    """Mamba at a huge lr: the weights overflow in the first step and the evaluation's selective
+    scan finds ``A`` infinite. The run ends with the trainer's message (the step, the last good
+    checkpoint), not the op's hint to turn its check off."""
+    argv = ["train", "--model", "mamba", "--lr", "1e8", "--warmup-steps", "0", "--d-model", "16"]
+    argv += ["--n-layers", "1", "--seq-len", "16", "--batch-size", "2", "--steps", "5"]
+    argv += ["--eval-interval", "1", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert re.search(
+        r"training stopped at step \d+: the (validation loss|loss|gradient norm|weights) became nan", err
+    )
+    assert "MNEMO_CHECK_FINITE" not in err and "Traceback" not in err
+
+
+def test_nonfinite_weights_are_never_checkpointed(tmp_path):
+    import torch
+
+    from mnemo.train import TrainConfig, Trainer, TrainingDiverged
+
+    cfg = TrainConfig(
+        model="gla",
+        steps=4,
+        seq_len=16,
+        batch_size=2,
+        eval_interval=1,
+        eval_batches=1,
+        sample_tokens=0,
+        model_overrides={"d_model": 16, "n_layers": 1},
+    )
+    t = Trainer(cfg, tmp_path / "r", progress=False)
+    t.fit(until=2)
+    step = t.train_step
+    first = next(t.model.parameters())
+
+    def poisoned():
+        loss = step()
+        with torch.no_grad():
+            first.view(-1)[0] = float("inf")
+        return loss
+
+    t.train_step = poisoned
+    with pytest.raises(
+        TrainingDiverged, match=r"step 3: the weights became nan \(NaN/inf after the optimizer step in"
+    ):
+        t.fit()
+    assert (tmp_path / "r" / "latest").read_text().strip() == "ckpt-000002"
+
+
+def test_parallel_flags_without_torchrun_are_refused(tmp_path, capsys):
+    for flag in ("--fsdp", "--context-parallel"):
+        assert main(["train", flag, "--steps", "1", "--out", str(tmp_path / "r")]) == 2
+        assert f"{flag}: needs several processes" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_memory_is_checked_before_a_probe_allocates(run, capsys):
+    code = main(["probe", "circuits", "--checkpoint", str(run), "--length", "100000000"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--length / --batch: 8 sequence(s) of 200,000,000 tokens need at least" in err and "GiB" in err
+
+
+def test_outputs_are_checked_before_the_work(tmp_path, capsys):
+    """harness and verify used to fail only after the work, losing the results."""
+    assert main(["verify", "--quick", "--ops", "linear_identity", "--json", str(tmp_path)]) == 2
+    assert "argument --json: expected a file to write" in capsys.readouterr().err
+    assert main(["harness", "--checkpoint", str(tmp_path), "--tasks", "x", "--out", str(tmp_path)]) == 2
+    assert "argument --out: expected a file to write" in capsys.readouterr().err
+
+
+def test_train_out_that_is_a_file_is_refused(tmp_path, capsys):
+    f = tmp_path / "f"
+    f.write_text("")
+    assert main(["train", "--out", str(f)]) == 2
+    assert "argument --out: expected a run folder to write, got" in capsys.readouterr().err
+
+
+def test_stale_temporaries_are_cleaned_at_the_next_start(run, tmp_path):
+    import shutil
+
+    from mnemo.train.checkpoint import clean_stale_temporaries
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    (mine / ".tmp-ckpt-000006-123").mkdir()
+    (mine / ".tmp-ckpt-000006-123" / "model.safetensors").write_bytes(b"half")
+    (mine / ".tmp-ckpt-000006-sharded").mkdir()
+    (mine / ".latest.tmp-99").write_text("ckpt-000006")
+    shutil.copytree(mine / "ckpt-000002", mine / ".old-ckpt-000002-77")
+    (mine / ".old-ckpt-000002-77" / "mine.png").write_bytes(b"png")
+    with pytest.warns(UserWarning):
+        removed = clean_stale_temporaries(mine)
+    assert sorted(removed) == sorted(
+        [".tmp-ckpt-000006-123", ".tmp-ckpt-000006-sharded", ".old-ckpt-000002-77", ".latest.tmp-99"]
+    )
+    assert (
+        not list(mine.glob(".tmp-*"))
+        and not list(mine.glob(".old-*"))
+        and not list(mine.glob(".latest.tmp-*"))
+    )
+    assert (mine / "kept" / "ckpt-000002" / "mine.png").read_bytes() == b"png"
+    # and a resumed run does it by itself
+    (mine / ".tmp-ckpt-000006-123").mkdir()
+    with pytest.warns(UserWarning, match=r"removed what a stopped run left .*\.tmp-ckpt-000006-123"):
+        assert (
+            main(
+                [
+                    "train",
+                    "--out",
+                    str(mine),
+                    "--resume",
+                    "--steps",
+                    "6",
+                    "--reschedule",
+                    "hold",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+    assert not (mine / ".tmp-ckpt-000006-123").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# config files
+
+
+def test_the_yaml_number_trap_is_explained(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 3e-3\n")
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "TrainConfig.lr: expected a finite number, got '3e-3' (a string: YAML 1.1 reads 3e-3 as text" in err
+    )
+    assert "0.003" in err
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+_FIELDS = [
+    "lr",
+    "steps",
+    "seq_len",
+    "batch_size",
+    "warmup_steps",
+    "grad_clip",
+    "seed",
+    "model",
+    "data",
+    "tokenizer",
+    "precision",
+    "optimizer",
+    "device",
+    "eval_lengths",
+    "task",
+    "task_options",
+    "model_overrides",
+    "beta1",
+    "early_stop_acc",
+    "fsdp",
+    "sample_tokens",
+    "nosuch_field",
+]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(_FIELDS), _scalars, min_size=1, max_size=4))
+def test_any_config_mapping_is_accepted_or_refused_with_a_named_field(mapping):
+    """Whatever a YAML file holds: ``TrainConfig.from_dict`` either builds a config or raises
+    ``ValueError`` naming a TrainConfig field (never another exception)."""
+    from mnemo.train import TrainConfig
+
+    try:
+        TrainConfig.from_dict(dict(mapping))
+    except ValueError as e:
+        assert str(e).startswith(("TrainConfig.", "unknown TrainConfig field")) or "TrainConfig." in str(e), e
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40))
+def test_any_config_file_text_is_read_or_refused_naming_the_file(text):
+    """Arbitrary file contents: a mapping, or ``ValueError`` naming the file."""
+    import tempfile
+
+    from mnemo.train import load_config_file
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "c.yaml"
+        p.write_text(text)
+        try:
+            out = load_config_file(p)
+        except ValueError as e:
+            assert str(p) in str(e)
+        else:
+            assert isinstance(out, dict)
