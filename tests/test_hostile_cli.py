@@ -373,6 +373,37 @@ def test_memory_is_checked_before_a_probe_allocates(run, capsys):
     assert "--length / --batch: 8 sequence(s) of 200,000,000 tokens need at least" in err and "GiB" in err
 
 
+HUGE = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["train", "--batch-size", HUGE], "TrainConfig.batch_size"),
+        (["train", "--d-model", str(2**20), "--n-layers", "64"], "TrainConfig.batch_size"),
+        (["train", "--seq-len", HUGE], "--seq-len"),
+        (["train", "--circuit-length", HUGE, "--track-circuits"], "--circuit-length"),
+        (["eval", "--checkpoint", "RUN", "--seq-len", HUGE], "--seq-len"),
+        (["probe", "circuits", "--checkpoint", "RUN", "--batch", HUGE], "--length / --batch"),
+        (["probe", "ablate", "--checkpoint", "RUN", "--top-induction", "1", "--length", HUGE], "--length"),
+        (["probe", "timescales", "--checkpoint", "RUN", "--tokens", HUGE], "--tokens"),
+        (["probe", "spectrum", "--checkpoint", "RUN", "--tokens", HUGE], "--tokens"),
+    ],
+)
+def test_legal_but_huge_values_are_refused_before_allocating(argv, flag, run, tmp_path, capsys):
+    """Values in their declared range that no machine could hold: refused up front (a memory
+    check or the data's length), one line, nothing written."""
+    argv = [str(run) if a == "RUN" else a for a in argv]
+    if argv[0] == "train":
+        argv += ["--steps", "1", "--sample-tokens", "0", "--no-progress", "--out", str(tmp_path / "r")]
+    before = _tree(run)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").glob("ckpt-*"))
+    assert _tree(run) == before
+
+
 def test_outputs_are_checked_before_the_work(tmp_path, capsys):
     """harness and verify used to fail only after the work, losing the results."""
     assert main(["verify", "--quick", "--ops", "linear_identity", "--json", str(tmp_path)]) == 2

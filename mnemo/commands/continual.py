@@ -766,10 +766,12 @@ def run(
         s = Settings(**{**asdict(DEFAULTS[exp]), **(overrides or {})})
         results["experiments"][exp] = run_experiment(exp, seeds, s, progress, models, workers)
     if out is not None:
+        from ..train.checkpoint import atomic_write_text
+
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         paths = [out / "continual.json", out / "continual.md"]
-        paths[0].write_text(json.dumps(_finite(results), indent=2))
+        atomic_write_text(paths[0], json.dumps(_finite(results), indent=2))
         md = [
             "# mnemo continual",
             "",
@@ -784,7 +786,7 @@ def run(
                 paths.append(out / f"{exp}.png")
             except ImportError:  # pragma: no cover - matplotlib is an optional extra
                 pass
-        paths[1].write_text("\n".join(md))
+        atomic_write_text(paths[1], "\n".join(md))
         results["paths"] = [str(p) for p in paths]
     return results
 

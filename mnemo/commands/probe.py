@@ -39,11 +39,27 @@ def default_out(ckpt: Path) -> Path:
     return ckpt / "probes"
 
 
+def _json(record, **kw) -> str:
+    """Strict JSON: a NaN or infinite score (undefined, e.g. no head to score) is ``null``."""
+    import math
+
+    def clean(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return None
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return o
+
+    return json.dumps(clean(record), allow_nan=False, **kw)
+
+
 def _write_json(path: Path, record) -> None:
     from ..train.checkpoint import atomic_write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(record, indent=1, allow_nan=False) + "\n")
+    atomic_write_text(path, _json(record, indent=1) + "\n")
 
 
 def _check_probe_memory(model, batch: int, length: int, flag: str, maps: bool = True) -> None:
@@ -256,7 +272,7 @@ def _cmd_circuits(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
-    print(json.dumps({"checkpoint": str(ckpt), "length": args.length, "layers": scores}))
+    print(_json({"checkpoint": str(ckpt), "length": args.length, "layers": scores}))
     return 0
 
 
@@ -280,7 +296,7 @@ def _cmd_timescales(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = plot(result, out / "timescales.png", title=checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
-    print(json.dumps({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result}))
+    print(_json({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result}))
     return 0
 
 
@@ -310,7 +326,7 @@ def _cmd_ablate(args) -> int:
     path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
     _write_json(path, result)
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
-    print(json.dumps(result))
+    print(_json(result))
     return 0
 
 
@@ -343,5 +359,5 @@ def _cmd_spectrum(args) -> int:
     _write_json(out / "spectrum.json", record)
     path = plot(result, out / "spectrum.png", title=checkpoint_label(ckpt))
     print(f"wrote {out / 'spectrum.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line
-    print(json.dumps(record))
+    print(_json(record))
     return 0

@@ -927,10 +927,19 @@ class Trainer:
                 if aux is not None:
                     loss = loss + aux * self._moe_aux_scale()
                     self._moe_collect()
-                if handle is not None:
-                    handle.backward(loss)  # the state gradients cross ranks here
-                else:
-                    loss.backward()
+                try:
+                    if handle is not None:
+                        handle.backward(loss)  # the state gradients cross ranks here
+                    else:
+                        loss.backward()
+                except NonFiniteError as e:  # an op's backward found NaN/inf
+                    raise TrainingDiverged(
+                        self.step + 1,
+                        "gradient",
+                        math.nan,
+                        self.last_checkpoint,
+                        detail=f"in the backward pass: {_nonfinite_detail(e)}",
+                    ) from e
             total += part
         if cp:
             self._sum_gradients()

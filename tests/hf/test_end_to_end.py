@@ -250,7 +250,7 @@ def test_new_user_findings(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "outside the tokenizer's vocabulary" in err and "%" in err
     assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--seq-len", "-5"]) == 2
-    assert "--seq-len: expected a positive int, got -5" in capsys.readouterr().err
+    assert "argument --seq-len: expected an int >= 1, got '-5'" in capsys.readouterr().err
 
 
 def test_foreign_folder_without_registered_converters_says_what_to_do(tmp_path, monkeypatch):
