@@ -108,8 +108,9 @@ def check_forward_memory(
     """Refuse, before anything is allocated, a forward pass over ``batch`` sequences of
     ``length`` tokens (no gradients) that cannot fit in the memory available on ``device``.
     The lower bound counts the logits (fp32) and a few ``d_model``-wide activations per block;
-    ``maps`` adds one ``length × length`` fp32 map per sequence and layer (the attention or
-    implicit-attention maps the circuit probes read). ``flag`` names the options to lower.
+    ``maps`` (default ``maps=False``) adds one ``length × length`` fp32 map per sequence and layer
+    (the attention or implicit-attention maps the circuit probes read). ``flag`` names the options
+    to lower.
 
     Raises:
         ValueError: the bound exceeds the available memory (the message gives both).

@@ -287,7 +287,7 @@ def test_probe_spectrum_command(tmp_path, capsys, saved_figures):
     LanguageModel(build_config("gla", vocab_size=20, d_model=16, n_layers=1)).save_pretrained(bare)
     assert main(["probe", "spectrum", "--checkpoint", str(bare), "--tokens", "16"]) == 0
     captured = capsys.readouterr()
-    assert "random tokens" in captured.err and (bare / "spectrum.png").is_file()
+    assert "random tokens" in captured.err and (bare / "probes" / "spectrum.png").is_file()
     assert json.loads(captured.out)["layers"]["0"]["kind"] == "diagonal"
 
 

@@ -227,4 +227,4 @@ def test_mnemo_eval_yarn_per_length(tmp_path, capsys):
     plain = json.loads(capsys.readouterr().out)
     assert "rope_scaling" not in plain and plain["val_loss"] != rows[1]["val_loss"]
     assert main(["eval", "--checkpoint", str(out), "--yarn", "0.5"]) == 2
-    assert "--yarn: expected 'auto' or a factor >= 1, got '0.5'" in capsys.readouterr().err
+    assert "argument --yarn: expected a finite number >= 1 or 'auto', got '0.5'" in capsys.readouterr().err
