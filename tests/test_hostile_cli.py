@@ -535,7 +535,7 @@ def test_any_config_mapping_is_accepted_or_refused_with_a_named_field(mapping):
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=40))
 def test_any_config_file_text_is_read_or_refused_naming_the_file(text):
-    """Arbitrary file contents: a mapping, or ``ValueError`` naming the file."""
+    """Arbitrary file contents: a mapping, or a one-line ``ValueError`` naming the file."""
     import tempfile
 
     from mnemo.train import load_config_file
@@ -546,6 +546,6 @@ def test_any_config_file_text_is_read_or_refused_naming_the_file(text):
         try:
             out = load_config_file(p)
         except ValueError as e:
-            assert str(p) in str(e)
+            assert str(p) in str(e) and "\n" not in str(e)  # one line on the terminal
         else:
             assert isinstance(out, dict)

@@ -571,7 +571,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         text = p.read_text()
         d = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"cannot parse config file {str(path)!r}: {e}") from e
+        where = " ".join(str(e).split())  # one line: YAML's message draws the place over several
+        raise ValueError(f"cannot parse config file {str(path)!r}: {where}") from e
     if d is None:
         return {}
     if not isinstance(d, dict):
