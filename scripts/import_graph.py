@@ -7,7 +7,8 @@ modules) — and maps each to its package: the first part below ``mnemo`` (``mne
 is ``train``, ``mnemo/cli.py`` is ``cli``). Prints one line per edge between two packages
 (``A -> B``: some module of A imports one of B; ``lazy`` counts imports inside functions, ``dynamic``
 the string ones), then every cycle (strongly connected component of two or more packages), then
-the edges against the documented order, and exits 1 if there is a cycle.
+the edges against the documented order, then the cycles between modules (any import kind), and
+exits 1 if there is a cycle of either kind.
 
     python scripts/import_graph.py            # the whole graph
     python scripts/import_graph.py --only train,interp
@@ -111,6 +112,27 @@ def build_graph() -> dict[tuple[str, str], dict]:
     return edges
 
 
+def build_module_graph() -> dict[tuple[str, str], list[str]]:
+    """Module-level edges (``mnemo.train.trainer -> mnemo.train.optim``), every import kind
+    included; an imported name resolves to the longest module it names (``from ..ops import
+    delta_rule`` is ``mnemo.ops.delta_rule`` when that module exists, else ``mnemo.ops``)."""
+    paths = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in paths:
+            parts.pop()
+        return ".".join(parts) if parts else None
+
+    edges: dict[tuple[str, str], list[str]] = {}
+    for mod, path in paths.items():
+        for target, line, _ in imports(path):
+            dst = resolve(target)
+            if dst is not None and dst != mod:
+                edges.setdefault((mod, dst), []).append(f"{path.relative_to(ROOT.parent)}:{line}")
+    return edges
+
+
 def cycles(edges) -> list[list[str]]:
     """Strongly connected components with more than one package (Tarjan)."""
     graph: dict[str, set[str]] = defaultdict(set)
@@ -194,7 +216,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {a} -> {b}: " + ", ".join(edges[a, b]["where"]))
     for a, b in (("train", "interp"), ("interp", "train")):
         print(f"{a} -> {b}: {'yes' if (a, b) in edges else 'no'}")
-    return 1 if found else 0
+    module_edges = build_module_graph()
+    module_found = cycles(module_edges)
+    print(
+        f"module-level cycles ({len(module_edges)} edges between modules):",
+        "none" if not module_found else "",
+    )
+    for comp in module_found:
+        inside = [
+            f"{a} -> {b} ({', '.join(w)})"
+            for (a, b), w in sorted(module_edges.items())
+            if a in comp and b in comp
+        ]
+        print("  " + " <-> ".join(comp) + ": " + "; ".join(inside))
+    return 1 if found or module_found else 0
 
 
 if __name__ == "__main__":

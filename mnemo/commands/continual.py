@@ -53,7 +53,7 @@ token. Phase ``p`` shows ``s`` examples per class, then ``q`` queries per class 
 queries per class of every phase (final accuracy ``R[P, p]``). Metrics: ``avg_acc = mean_p R[P, p]`` and
 ``BWT = mean_{p<P} (R[P, p] − R[p, p])``. Defaults: ``P = 4, k = 2, s = 3, q = 1, q_final = 2, σ = 1``.
 
-Training: every model is trained on its task by AdamW (:func:`mnemo.train.trainer.make_optimizer`,
+Training: every model is trained on its task by AdamW (:func:`mnemo.train.optim.make_optimizer`,
 warm-up + cosine schedule, gradient clipping at 1.0), the same streams for every model of a seed.
 Evaluation: ``eval_streams`` held-out streams per seed. A seed fixes the model initialisation, the
 training streams and the evaluation streams. Results: mean ± 95% t-interval over seeds.
@@ -492,7 +492,7 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
     ``nan`` (the means drop them and count them) and ``metrics_at_divergence`` holds the evaluation of
     the weights of the last finite step."""
     from ..train.config import TrainConfig
-    from ..train.trainer import lr_factor, make_optimizer
+    from ..train.optim import lr_factor, make_optimizer
 
     t0 = time.time()
     torch.manual_seed(seed)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .stream import TokenStream
 from .tokenizer import DOC_SEPARATOR, document_separator
 
 BUNDLED = {"tinyshakespeare": "tinyshakespeare.txt"}
@@ -111,10 +112,8 @@ class Corpus:
         return torch.tensor(ids, dtype=torch.long), torch.tensor(starts, dtype=torch.long), chars
 
     def stream(self, tokenizer, seq_len: int):
-        """A :class:`~mnemo.data.text.TokenStream` of :meth:`encode` (``doc_starts`` and
+        """A :class:`~mnemo.data.stream.TokenStream` of :meth:`encode` (``doc_starts`` and
         ``num_chars`` set)."""
-        from .text import TokenStream
-
         ids, starts, chars = self.encode(tokenizer)
         return TokenStream(ids, seq_len, doc_starts=starts, num_chars=chars)
 

@@ -14,10 +14,10 @@ loads checkpoints and runs, lives in :mod:`mnemo.commands.probe`.
 from __future__ import annotations
 
 import math
-import textwrap
 
 import torch
 
+from .figure_text import fit_text  # noqa: F401  (also mnemo.interp.probe.fit_text)
 from .maps import capture_maps
 from .scores import (
     copying_score,
@@ -148,13 +148,6 @@ def circuit_callbacks(cfg) -> list:
     if not (cfg.track_circuits or spectrum):
         return []
     return [CircuitTracker(length=cfg.circuit_length, spectrum=spectrum)]
-
-
-def fit_text(text: str, width_in: float, fontsize: float) -> str:
-    """``text`` wrapped to lines that fit ``width_in`` inches at ``fontsize`` points (a title is cut
-    by the figure's edge, never shrunk, when one line is wider than the figure)."""
-    chars = max(20, int(width_in * 72 / (0.62 * fontsize)))
-    return "\n".join(textwrap.fill(line, chars) for line in text.splitlines())
 
 
 CIRCUIT_PANELS = ("previous_token", "duplicate_token", "induction", "copying")

@@ -797,7 +797,7 @@ def figure(result: dict, title: str | None = None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .probe import fit_text
+    from .figure_text import fit_text
 
     layers = [(k, e) for k, e in result.items() if "summary" in e]
     width = 11.0

@@ -82,7 +82,7 @@ def figure(result: dict, title: str | None = None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .probe import fit_text
+    from .figure_text import fit_text
 
     width = max(5.5, 0.8 * len(result) + 2)
     fig, ax = plt.subplots(figsize=(width, 4.4), layout="constrained")

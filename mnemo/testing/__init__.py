@@ -50,6 +50,7 @@ Errors: checks never raise for a wrong op — an exception raised by the op beco
 one-line message when the package is missing.
 """
 
+from .claims import claim, verify
 from .compare import F32_TOL, F64_TOL, FLOOR, assert_close, compare, rel_rms
 from .contract import (
     FEATURES,
@@ -65,13 +66,11 @@ from .contract import (
     check_split,
     check_token_steps_after_prefill,
     check_varlen,
-    claim,
     format_table,
     merge,
     plan,
     require,
     run_contract,
-    verify,
 )
 from .specs import SPECS, get_spec, spec_names
 from .third_party import ThirdPartyUnavailable, third_party_specs

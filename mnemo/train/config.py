@@ -104,7 +104,7 @@ class TrainConfig:
             global grad norm (``0`` disables). Defaults: ``weight_decay=0.1``, ``beta1=0.9``,
             ``beta2=0.95``, ``grad_clip=1.0``.
         (Per-module learning rates: a module with a float attribute ``outer_lr_scale`` trains at
-        ``lr · outer_lr_scale``; see :func:`mnemo.train.trainer.make_optimizer`.)
+        ``lr · outer_lr_scale``; see :func:`mnemo.train.optim.make_optimizer`.)
         eval_interval: evaluate (and log to ``metrics.jsonl``) every this many steps and at the
             end; eval_batches: validation batches per evaluation. Defaults: ``eval_interval=100``,
             ``eval_batches=8``.

@@ -151,7 +151,7 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     ckpt = resolve_checkpoint(src)
     if not is_sharded(ckpt):
         raise ValueError(f"--from-dcp: {ckpt} is not a sharded (FSDP) checkpoint: no {SHARDED_DIR}/.metadata")
-    from .trainer import make_optimizer
+    from .optim import make_optimizer
 
     tcfg = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
     model = LanguageModel(ModelConfig.load(ckpt / CONFIG_NAME))

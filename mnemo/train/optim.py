@@ -1,0 +1,83 @@
+"""The outer optimizer of a training run and its learning-rate schedule: AdamW (or M3) with
+weight decay on matrices only, per-module learning-rate scales (``outer_lr_scale``), and linear
+warm-up then cosine decay. Used by the trainer, the sharded-checkpoint reader and the continual
+experiments (:mod:`mnemo.commands.continual`); a module of its own so that none of them imports
+another for it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import TrainConfig
+from .m3 import M3
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _outer_lr_scales(model: torch.nn.Module) -> dict[int, float]:
+    """``id(parameter) -> scale`` for the parameters of modules with an ``outer_lr_scale``
+    attribute (``None`` = no scale); a module nested in another takes its own (innermost) scale."""
+    scales: dict[int, float] = {}
+    for name, module in model.named_modules():  # pre-order: children after their parents
+        scale = getattr(module, "outer_lr_scale", None)
+        if scale is None:
+            continue
+        where = f"{type(module).__name__} {name or '(root)'!r}"
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise TypeError(f"{where}: outer_lr_scale: expected a float, got {scale!r}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{where}: outer_lr_scale: expected a finite number > 0, got {scale!r}")
+        for p in module.parameters():
+            scales[id(p)] = float(scale)
+    return scales
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (or M3) with weight decay on matrices (``ndim >= 2``) only.
+
+    Param groups: ``[decay (ndim >= 2), no decay]`` at ``cfg.lr`` for every parameter, except the
+    parameters of modules that carry a float attribute ``outer_lr_scale`` (e.g. the CMS levels of
+    :mod:`mnemo.layers.cms`; the innermost such module wins): those go into their own pair of
+    groups per scale, with ``lr = cfg.lr · outer_lr_scale`` (the LambdaLR schedule multiplies each
+    group's initial lr by the same factor, so the ratio holds throughout). A scale of exactly 1
+    stays in the base groups. ``cfg.optimizer == "m3"`` builds :class:`mnemo.train.m3.M3` from
+    ``beta1, beta2, m3_beta3, m3_alpha, m3_eps, m3_ns_steps, m3_slow_every, m3_ema``.
+    """
+    scales = _outer_lr_scales(model)
+    decay, no_decay, seen = [], [], set()
+    scaled: dict[float, tuple[list, list]] = {}
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        scale = scales.get(id(p), 1.0)
+        d, nd = (decay, no_decay) if scale == 1.0 else scaled.setdefault(scale, ([], []))
+        (d if p.ndim >= 2 else nd).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    for scale, (d, nd) in scaled.items():
+        for params, wd in ((d, cfg.weight_decay), (nd, 0.0)):
+            if params:
+                groups.append({"params": params, "weight_decay": wd, "lr": cfg.lr * scale})
+    if cfg.optimizer == "m3":
+        return M3(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2, cfg.m3_beta3),
+            alpha=cfg.m3_alpha,
+            eps=cfg.m3_eps,
+            ns_steps=cfg.m3_ns_steps,
+            slow_every=cfg.m3_slow_every,
+            ema=cfg.m3_ema,
+        )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
