@@ -290,12 +290,18 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
             f"(max_position = {model.config.max_position})"
         )
     num = args.num_samples or cfg.eval_batches * cfg.batch_size
+    from .train.memory_estimate import check_forward_memory, check_sequences_memory
+
+    batch = args.batch_size or cfg.batch_size
+    for L in lengths:  # refused before anything is drawn or allocated
+        check_sequences_memory(num, L, args.device, flag="--num-samples / --length")
+        check_forward_memory(model.config, min(batch, num), L, args.device, flag="--batch-size / --length")
     res = evaluate_task(
         model,
         task,
         lengths,
         num_samples=num,
-        batch_size=args.batch_size or cfg.batch_size,
+        batch_size=batch,
         train_len=cfg.seq_len,
         seed=cfg.seed,
         device=args.device,
@@ -792,8 +798,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--lengths", default="512,1024,2048,4096,8192", type=kinds.IntList(1), help="comma-separated T values"
     )
-    b.add_argument("--heads", type=kinds.positive_int, default=4)
-    b.add_argument("--head-dim", type=kinds.positive_int, default=64)
+    b.add_argument("--heads", type=kinds.Int(1, 4096), default=4)
+    b.add_argument("--head-dim", type=kinds.Int(1, 65536), default=64)
     b.add_argument("--batch", type=kinds.positive_int, default=1)
     b.add_argument(
         "--ops",

@@ -290,6 +290,16 @@ def main(args) -> int:
     if not modes <= {"chunk", "parallel", "recurrent"}:
         raise ValueError(f"--modes: expected chunk, parallel and/or recurrent, got {modes_arg!r}")
     B, H, D = args.batch, args.heads, args.head_dim
+    from ..train.memory_estimate import GiB, available_memory
+
+    have, source = available_memory(torch.device(args.device))
+    # a lower bound: q, k, v, o, their gradients, fp32 (the parallel forms need more)
+    need = 8 * B * max(lengths) * H * D * 4
+    if have is not None and need > have:
+        raise ValueError(
+            f"--lengths / --heads / --head-dim / --batch: the inputs alone need {need / GiB:,.1f} GiB at "
+            f"T = {max(lengths):,}, but only {have / GiB:,.1f} GiB are available ({source})"
+        )
     peaks = {d: matmul_peak(dtypes[d], device=args.device) for d in wanted_dtypes}
     print(
         f"mnemo bench: B={B} H={H} D={D} on {args.device}, {torch.get_num_threads()} threads; medians of "

@@ -8,12 +8,26 @@ from pathlib import Path
 from .. import argtypes as kinds
 
 
+def _check_place(kind, path, where: str) -> None:
+    import argparse
+
+    try:
+        kind(str(path))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def _cmd_sweep(args) -> int:
     from ..sweep.runner import default_paths, run_sweep
     from ..sweep.spec import SweepSpec
 
     spec = SweepSpec.load(args.config)
     db, out = default_paths(spec)
+    # the file's (or the default) places get the checks the flags get, before any run starts
+    if not args.db:
+        _check_place(kinds.OutFile("a database file"), db, f"{args.config}: db")
+    if not args.out:
+        _check_place(kinds.OutDir(), out, f"{args.config}: out")
     db = Path(args.db) if args.db else db
     out = Path(args.out) if args.out else out
     runs = spec.runs()

@@ -102,6 +102,22 @@ def check_memory(est: MemoryEstimate, device: torch.device, *, what: str) -> Non
     )
 
 
+def check_sequences_memory(n_sequences: int, length: int, device, *, flag: str) -> None:
+    """Refuse a test set of ``n_sequences`` sequences of ``length`` tokens (int64 inputs and
+    labels: 16 bytes a token) that cannot fit in the memory available on ``device``.
+
+    Raises:
+        ValueError: it cannot (the message gives both numbers and names ``flag``).
+    """
+    need = 16 * n_sequences * length
+    have, source = available_memory(torch.device(device))
+    if have is not None and need > have:
+        raise ValueError(
+            f"{flag}: {n_sequences:,} sequence(s) of {length:,} tokens need at least {need / GiB:,.1f} GiB "
+            f"as int64 tokens, but only {have / GiB:,.1f} GiB are available ({source}); lower {flag}"
+        )
+
+
 def check_forward_memory(
     model_config, batch: int, length: int, device, *, flag: str, maps: bool = False
 ) -> None:

@@ -46,7 +46,7 @@ from .distributed import (
     local_device,
     shard,
 )
-from .memory_estimate import check_forward_memory, check_memory, estimate_memory
+from .memory_estimate import check_forward_memory, check_memory, check_sequences_memory, estimate_memory
 from .optim import lr_factor, make_optimizer
 from .sharded import is_sharded, load_sharded, save_sharded_checkpoint, shard_model
 from .task_eval import evaluate_task
@@ -511,6 +511,11 @@ class Trainer:
             activation_checkpointing=cfg.activation_checkpointing,
         )
         check_memory(est, self.device, what=f"a step of {cfg.batch_size:,} x {cfg.seq_len} tokens")
+        if cfg.eval_lengths:  # the final evaluation's test sets at the longer lengths
+            rows = cfg.eval_batches * cfg.batch_size
+            for L in cfg.eval_lengths:
+                check_sequences_memory(rows, L, self.device, flag="--eval-lengths")
+                check_forward_memory(model_cfg, cfg.batch_size, L, self.device, flag="--eval-lengths")
         if cfg.track_circuits:  # the tracker runs one repeated random sequence (and its maps) per evaluation
             check_forward_memory(
                 model_cfg, 1, 2 * cfg.circuit_length, self.device, flag="--circuit-length", maps=True
