@@ -374,6 +374,7 @@ def test_memory_is_checked_before_a_probe_allocates(run, capsys):
 
 
 HUGE = "99999999999999999999"
+TASK = ["--task", "mqar", "--task-option", "num_pairs=2", "--task-option", "vocab_size=16", "--seq-len", "16"]
 
 
 @pytest.mark.parametrize(
@@ -388,6 +389,9 @@ HUGE = "99999999999999999999"
         (["probe", "ablate", "--checkpoint", "RUN", "--top-induction", "1", "--length", HUGE], "--length"),
         (["probe", "timescales", "--checkpoint", "RUN", "--tokens", HUGE], "--tokens"),
         (["probe", "spectrum", "--checkpoint", "RUN", "--tokens", HUGE], "--tokens"),
+        (["train", *TASK, "--eval-lengths", HUGE], "--eval-lengths"),
+        (["bench", "--ops", "linear_attention", "--repeats", "1", "--lengths", HUGE], "--lengths"),
+        (["bench", "--ops", "linear_attention", "--repeats", "1", "--batch", HUGE], "--batch"),
     ],
 )
 def test_legal_but_huge_values_are_refused_before_allocating(argv, flag, run, tmp_path, capsys):
@@ -402,6 +406,34 @@ def test_legal_but_huge_values_are_refused_before_allocating(argv, flag, run, tm
     assert err.count("\n") == 1 and flag in err and "Traceback" not in err
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").glob("ckpt-*"))
     assert _tree(run) == before
+
+
+def test_a_task_checkpoint_refuses_huge_test_sets(tmp_path, capsys):
+    run = tmp_path / "task"
+    argv = ["train", *TASK, "--d-model", "16", "--n-layers", "1", "--batch-size", "2", "--steps", "2"]
+    assert (
+        main([*argv, "--eval-interval", "2", "--eval-batches", "1", "--no-progress", "--out", str(run)]) == 0
+    )
+    capsys.readouterr()
+    for extra, flag in (
+        (["--length", HUGE], "--num-samples / --length"),
+        (["--num-samples", HUGE], "--num-samples"),
+    ):
+        assert main(["eval", "--checkpoint", str(run), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and flag in err and "GiB" in err
+
+
+def test_a_sweep_files_places_are_checked_like_flags(tmp_path, capsys):
+    for db, why in (("/proc/sys/x.sqlite", "/proc/sys is not writable"), (str(tmp_path), "a folder")):
+        if why.endswith("not writable") and os.access("/proc/sys", os.W_OK):
+            continue
+        cfg = tmp_path / "s.yaml"
+        cfg.write_text(f"name: s\nmodels: [transformer]\nbase: {{steps: 1}}\ndb: {db}\n")
+        assert main(["sweep", str(cfg), "--out", str(tmp_path / "runs")]) == 2
+        err = capsys.readouterr().err
+        assert f"{cfg}: db: expected a database file, got '{db}' ({why}" in err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_outputs_are_checked_before_the_work(tmp_path, capsys):
