@@ -436,6 +436,18 @@ def test_a_sweep_files_places_are_checked_like_flags(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_damaged_metrics_log_is_named(run, tmp_path, capsys):
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    with open(mine / "metrics.jsonl", "a") as f:
+        f.write("[1, 2]\n")
+    assert main(["probe", "plot-training", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl, line 3: expected a JSON object with an int 'step', got '[1, 2]'" in err
+
+
 def test_outputs_are_checked_before_the_work(tmp_path, capsys):
     """harness and verify used to fail only after the work, losing the results."""
     assert main(["verify", "--quick", "--ops", "linear_identity", "--json", str(tmp_path)]) == 2

@@ -151,7 +151,20 @@ def _read_metrics(run_dir: Path) -> list[dict]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (a run directory written by `mnemo train`)")
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{metrics}, line {i}: not JSON ({e})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(
+                f"{metrics}, line {i}: expected a JSON object with an int 'step', got {line[:60]!r}"
+            )
+        rows.append(row)
+    return rows
 
 
 def plot_training(run_dir, path=None) -> Path:
