@@ -322,6 +322,8 @@ class OutFile(_PathKind):
         if self.suffix and not p.name.endswith(self.suffix):
             self.fail(text)
         self._not_in_checkpoint(text, p)
+        if p.name in ("latest", "metrics.jsonl", ".lock") and (p.parent / "latest").is_file():
+            self.fail(text, f" (a file of the training run {p.parent})")
         if p.exists():
             if not os.access(p, os.W_OK):
                 self.fail(text, " (not writable)")

@@ -171,6 +171,11 @@ def _cmd_train(args) -> int:
     else:
         out = Path(args.out)
         has_ckpt = (out / "latest").exists()
+        if not has_ckpt and ((out / "config.json").is_file() or (out / "model.safetensors").is_file()):
+            raise ValueError(
+                f"--out: {out} holds a checkpoint (config.json / model.safetensors, e.g. an export); a run "
+                "there would be hidden behind it: pick another --out"
+            )
         if has_ckpt and not (args.resume or args.overwrite):
             raise ValueError(
                 f"{out} already holds a run; pass --resume to continue it or --overwrite to start over"

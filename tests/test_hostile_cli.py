@@ -448,6 +448,51 @@ def test_a_damaged_metrics_log_is_named(run, tmp_path, capsys):
     assert "metrics.jsonl, line 3: expected a JSON object with an int 'step', got '[1, 2]'" in err
 
 
+def test_second_trial_findings_lose_nothing(run, tmp_path, capsys):
+    """The second hostile trial's data-loss cases: a non-database file is never turned into one;
+    continual results are not replaced without --force; nothing is exported into a run folder;
+    a run is not started over an export; a run's own files are not outputs; a user's ckpt-abc
+    folder is not rotated."""
+    import shutil
+
+    from mnemo.hf.convert import _prepare_out
+
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    assert main(["report", str(empty)]) == 2 and empty.read_bytes() == b""
+    assert "is not an SQLite database" in capsys.readouterr().err
+    cont = tmp_path / "cont"
+    cont.mkdir()
+    (cont / "continual.json").write_text("{}")
+    assert main(["continual", "--out", str(cont), "--steps", "1", "--seeds", "1"]) == 2
+    assert "already holds results (continual.json)" in capsys.readouterr().err
+    assert (cont / "continual.json").read_text() == "{}"
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    with pytest.raises(ValueError, match="is a training run folder; --force does not write into one"):
+        _prepare_out(mine, force=True)
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    assert main(["train", "--steps", "1", "--out", str(export)]) == 2
+    assert "holds a checkpoint (config.json / model.safetensors" in capsys.readouterr().err
+    before = _tree(mine)
+    for name in ("metrics.jsonl", "latest"):
+        assert main(["verify", "--quick", "--ops", "linear_identity", "--json", str(mine / name)]) == 2
+        assert f"(a file of the training run {mine})" in capsys.readouterr().err
+    assert _tree(mine) == before
+    (mine / "ckpt-abc").mkdir()
+    (mine / "ckpt-abc" / "mine.txt").write_text("x")
+    assert (
+        main(
+            ["train", "--out", str(mine), "--resume", "--steps", "6", "--reschedule", "hold", "--no-progress"]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert (mine / "ckpt-abc" / "mine.txt").read_text() == "x"
+
+
 def test_outputs_are_checked_before_the_work(tmp_path, capsys):
     """harness and verify used to fail only after the work, losing the results."""
     assert main(["verify", "--quick", "--ops", "linear_identity", "--json", str(tmp_path)]) == 2

@@ -812,10 +812,16 @@ def add_commands(sub) -> None:
     )
     p.add_argument("--out", default="runs/continual", type=kinds.OutDir(), help="folder for the results")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--force", action="store_true", help="replace the results already in --out")
     p.set_defaults(func=_cmd)
 
 
 def _cmd(args) -> int:
+    old = [p.name for p in (Path(args.out) / "continual.json", Path(args.out) / "continual.md") if p.exists()]
+    if old and not args.force:
+        raise ValueError(
+            f"--out: {args.out} already holds results ({', '.join(old)}); pick another --out or pass --force"
+        )
     exps = EXPERIMENTS if args.experiment == "all" else (args.experiment,)
     overrides = {}
     if args.steps is not None:

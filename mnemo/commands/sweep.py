@@ -17,6 +17,19 @@ def _check_place(kind, path, where: str) -> None:
         raise ValueError(f"{where}: {e}") from None
 
 
+def _check_database(path, flag: str) -> None:
+    """An existing file must already be an SQLite database: reading or listing never turns another
+    file (an empty one, a YAML file) into one."""
+    p = Path(path)
+    if p.exists():
+        with open(p, "rb") as f:
+            head = f.read(16)
+        if head != b"SQLite format 3\x00":
+            raise ValueError(
+                f"{flag}: {p} is not an SQLite database (a sweep's database); it was left as it is"
+            )
+
+
 def _cmd_sweep(args) -> int:
     from ..sweep.runner import default_paths, run_sweep
     from ..sweep.spec import SweepSpec
@@ -30,6 +43,7 @@ def _cmd_sweep(args) -> int:
         _check_place(kinds.OutDir(), out, f"{args.config}: out")
     db = Path(args.db) if args.db else db
     out = Path(args.out) if args.out else out
+    _check_database(db, "--db")
     runs = spec.runs()
     if args.list:
         from ..sweep.db import SweepDB
@@ -60,6 +74,7 @@ def _cmd_sweep(args) -> int:
 def _cmd_report(args) -> int:
     from ..sweep.report import write_report
 
+    _check_database(args.db, "db")
     result = write_report(
         args.db,
         args.out,

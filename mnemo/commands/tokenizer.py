@@ -50,7 +50,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=["bpe", "unigram"], default="bpe", help="model (default bpe)")
     p.add_argument(
         "--min-frequency",
-        type=kinds.positive_int,
+        type=kinds.Int(1, 2**31 - 1),
         help="bpe: least count of a pair to merge (default 2); not for unigram",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR/tokenizer.json")

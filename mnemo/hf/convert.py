@@ -254,6 +254,10 @@ def _prepare_out(out: str | Path, force: bool) -> Path:
     o = Path(out)
     if o.exists() and not o.is_dir():
         raise ValueError(f"output {o} exists and is not a folder")
+    if (o / "latest").is_file():  # files at a run's root would hide its checkpoints
+        raise ValueError(
+            f"OUT: {o} is a training run folder; --force does not write into one: pick another folder"
+        )
     if o.is_dir() and any(o.iterdir()) and not force:
         raise ValueError(f"output folder {o} is not empty (use --force / force=True to write into it)")
     o.mkdir(parents=True, exist_ok=True)

@@ -178,7 +178,9 @@ def save_checkpoint(
         os.replace(tmp, final)
     _fsync_dir(out)
     atomic_write_text(out / LATEST, final.name + "\n")
-    ckpts = sorted((p for p in out.glob("ckpt-*") if p.is_dir()), key=_step_of)  # by step, not name
+    ckpts = sorted(  # by step, not name; only mnemo's own names (a user's ckpt-abc is left alone)
+        (p for p in out.glob("ckpt-*") if p.is_dir() and _CKPT_NAME.fullmatch(p.name)), key=_step_of
+    )
     for old in ckpts[:-keep] if keep > 0 else []:
         if old != final:
             # out of sight first: a crash mid-delete must not leave a half checkpoint to resume from
@@ -332,7 +334,10 @@ def resolve_checkpoint(
         (
             c
             for c in p.glob("ckpt-*")
-            if c.is_dir() and _step_of(c) < newest and c.resolve().parent == p.resolve()
+            if c.is_dir()
+            and _CKPT_NAME.fullmatch(c.name)
+            and _step_of(c) < newest
+            and c.resolve().parent == p.resolve()
         ),
         key=_step_of,
         reverse=True,

@@ -462,6 +462,7 @@ class Trainer:
             self.tokenizer = self.train_data = self.val_data = None
             self.train_set = None
             if cfg.train_examples is not None:
+                check_sequences_memory(cfg.train_examples, cfg.seq_len, "cpu", flag="--train-examples")
                 self.train_set = fixed_train_set(self.task, cfg.train_examples, cfg.seq_len, cfg.seed)
             return self.task.vocab_size
         corpus = load_corpus(cfg.data, cfg.text_field)
