@@ -212,8 +212,8 @@ def _checkpoint_of(trash: Path) -> str:
 def discard_checkpoint(ckpt: Path, out: Path) -> list[Path]:
     """Delete a rotated-out checkpoint directory, but never a file its manifest does not list
     (figures or JSON a user or ``mnemo probe --out`` put there): those are moved to
-    ``OUT/kept/ckpt-NNNNNN/`` first, with a warning naming them. A directory without a manifest
-    (written by an older mnemo) is kept whole there. Returns the kept paths."""
+    ``OUT/kept/ckpt-NNNNNN/`` first, with a warning naming them. In a directory without a manifest
+    (written by an older mnemo) the files mnemo writes count as listed. Returns the kept paths."""
     ckpt = Path(ckpt)
     try:
         listed = set(json.loads((ckpt / MANIFEST_NAME).read_text())["files"]) | {MANIFEST_NAME}
