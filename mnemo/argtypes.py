@@ -16,7 +16,7 @@ Kinds:
 - :class:`IntList`: comma-separated ints in a range (``1024,4096``), optionally one of a few words
   (``none``, ``all``); the value is returned as given, for the command to split.
 - :class:`Text`: a non-empty string.
-- Paths: :class:`ExistingFile`, :class:`ExistingDir`, :class:`ExistingPath` (what a command
+- Paths: :class:`ExistingFile`, :class:`ExistingDir` (what a command
   reads), :class:`OutDir` (a folder to create or write into), :class:`OutFile` (a file to
   write), :class:`OutPath` (either). An output is checked for writability here, before the work:
   it must not be an existing path of the other kind, nor lie inside a run's checkpoint (which
@@ -269,18 +269,6 @@ class ExistingDir(_PathKind):
         if p.is_file():
             self.fail(text, " (a file)")
         if not p.is_dir():
-            self.fail(text, " (not found)")
-        return text
-
-
-class ExistingPath(_PathKind):
-    """A file or folder that exists."""
-
-    def __init__(self, what: str = "an existing file or folder"):
-        super().__init__(what)
-
-    def __call__(self, text: str) -> str:
-        if not self._path(text).exists():
             self.fail(text, " (not found)")
         return text
 

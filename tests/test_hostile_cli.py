@@ -106,8 +106,6 @@ def _hostile(kind: kinds.Kind, places) -> list[str]:
         values += [str(d), str(missing)]
     elif isinstance(kind, kinds.ExistingDir):
         values += [str(f), str(missing)]
-    elif isinstance(kind, kinds.ExistingPath):
-        values += [str(missing)]
     elif isinstance(kind, kinds.OutDir):
         values += [str(f), str(f / "sub"), str(ckpt), str(ckpt / "sub")] + ([str(ro / "x")] if ro else [])
     elif isinstance(kind, (kinds.OutFile, kinds.OutPath)):
@@ -201,6 +199,23 @@ def run(tmp_path_factory):
     return out
 
 
+def _resume(run: Path, steps: int) -> int:
+    """``mnemo train --out RUN --resume --steps N --reschedule hold``: its exit status."""
+    return main(
+        [
+            "train",
+            "--out",
+            str(run),
+            "--resume",
+            "--steps",
+            str(steps),
+            "--reschedule",
+            "hold",
+            "--no-progress",
+        ]
+    )
+
+
 def _tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -261,22 +276,7 @@ def test_probe_results_default_beside_the_checkpoint_and_survive_training(run, t
     # a file a user put inside a checkpoint is kept when rotation removes that checkpoint
     (mine / "ckpt-000004" / "notes.txt").write_text("mine\n")
     with pytest.warns(UserWarning, match="not part of the checkpoint were kept"):
-        assert (
-            main(
-                [
-                    "train",
-                    "--out",
-                    str(mine),
-                    "--resume",
-                    "--steps",
-                    "8",
-                    "--reschedule",
-                    "hold",
-                    "--no-progress",
-                ]
-            )
-            == 0
-        )
+        assert _resume(mine, 8) == 0
     capsys.readouterr()
     assert not (mine / "ckpt-000004").exists()
     assert (mine / "kept" / "ckpt-000004" / "notes.txt").read_text() == "mine\n"
@@ -483,12 +483,7 @@ def test_second_trial_findings_lose_nothing(run, tmp_path, capsys):
     assert _tree(mine) == before
     (mine / "ckpt-abc").mkdir()
     (mine / "ckpt-abc" / "mine.txt").write_text("x")
-    assert (
-        main(
-            ["train", "--out", str(mine), "--resume", "--steps", "6", "--reschedule", "hold", "--no-progress"]
-        )
-        == 0
-    )
+    assert _resume(mine, 6) == 0
     capsys.readouterr()
     assert (mine / "ckpt-abc" / "mine.txt").read_text() == "x"
 
@@ -535,22 +530,7 @@ def test_stale_temporaries_are_cleaned_at_the_next_start(run, tmp_path):
     # and a resumed run does it by itself
     (mine / ".tmp-ckpt-000006-123").mkdir()
     with pytest.warns(UserWarning, match=r"removed what a stopped run left .*\.tmp-ckpt-000006-123"):
-        assert (
-            main(
-                [
-                    "train",
-                    "--out",
-                    str(mine),
-                    "--resume",
-                    "--steps",
-                    "6",
-                    "--reschedule",
-                    "hold",
-                    "--no-progress",
-                ]
-            )
-            == 0
-        )
+        assert _resume(mine, 6) == 0
     assert not (mine / ".tmp-ckpt-000006-123").exists()
 
 
