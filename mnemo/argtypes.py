@@ -45,7 +45,19 @@ _NUMERIC_HOSTILE = ("0", "-5", "-1e9", "1e30", "99999999999999999999", "nan", "i
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line on stderr (no usage block):
     ``PROG: error: MESSAGE (see: PROG --help)``, exit status 2. Sub-parsers made through
-    ``add_subparsers`` are of this class too."""
+    ``add_subparsers`` are of this class too.
+
+    A value that looks like a negative number, in any spelling ``float`` reads (``-1e9``, ``-inf``,
+    ``-nan``, ``-.5``), is read as the value of the option before it (``--lr -inf``), as argparse
+    already does for ``-5`` and ``-0.5``, so that it reaches the option's kind and is refused there
+    with the usual message instead of "expected one argument"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse's own pattern knows only -5 and -0.5 (no option of mnemo looks like a number)
+        self._negative_number_matcher = re.compile(
+            r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE
+        )
 
     def error(self, message: str):  # noqa: D102 - argparse's hook
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from . import argtypes as kinds
@@ -139,6 +140,11 @@ def _cmd_train(args) -> int:
             overrides[fld] = value
     if overrides:
         d["model_overrides"] = overrides
+    if args.resume and args.overwrite:
+        raise ValueError(
+            "--resume and --overwrite: give one of them (--resume continues the run in --out, --overwrite "
+            "discards its checkpoints and starts over)"
+        )
     if args.resume:
         # a resumed run keeps every saved setting: ``d`` holds only what the command line changes
         cfg = _saved_config(args.out, d)
@@ -183,7 +189,7 @@ def _cmd_train(args) -> int:
         if args.resume and not has_ckpt:
             raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
         barrier()
-        if main and args.overwrite and not args.resume and out.exists():
+        if main and args.overwrite and out.exists():
             import shutil
 
             from .train.trainer import lock_run_folder
@@ -270,9 +276,16 @@ def _load(checkpoint: str, device: str):
     from .data import load_tokenizer
     from .models import LanguageModel
     from .train import resolve_checkpoint
+    from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
     ckpt = resolve_checkpoint(checkpoint, warn=_warn)
     _refuse_sharded(ckpt, checkpoint)
+    task = load_json(ckpt / TRAIN_CONFIG_NAME).get("task") if (ckpt / TRAIN_CONFIG_NAME).is_file() else None
+    if task:  # (eval sends task checkpoints elsewhere first)
+        raise ValueError(
+            f"--checkpoint: {ckpt} was trained on the task {task!r}, whose tokens are ids, not text: "
+            "generate writes text (evaluate a task checkpoint with `mnemo eval --checkpoint ...`)"
+        )
     model = LanguageModel.from_pretrained(ckpt, map_location=device)
     tok = load_tokenizer(ckpt)
     return ckpt, model, tok
@@ -337,8 +350,22 @@ def _cmd_eval(args) -> int:
     _refuse_sharded(ckpt, args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     if tcfg.get("task"):
-        if args.yarn is not None:
-            raise ValueError("--yarn applies to text checkpoints (task checkpoints: not supported)")
+        text_only = {
+            "--yarn": args.yarn is not None,
+            "--data": args.data is not None,
+            "--text-field": args.text_field is not None,
+            "--pack-documents": args.pack_documents is not None,
+            "--full": args.full,
+            "--max-batches": args.max_batches is not None,
+            "--precision": args.precision is not None,
+        }
+        given = [flag for flag, on in text_only.items() if on]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: text checkpoints only; {ckpt} was trained on the task "
+                f"{tcfg['task']!r} and is evaluated on fresh draws of it (options: --length, --num-samples, "
+                "--batch-size, --seq-len)"
+            )
         return _cmd_eval_task(args, ckpt, tcfg)
     if args.num_samples:
         raise ValueError("--num-samples applies to task checkpoints (trained with --task)")
@@ -490,12 +517,29 @@ def _cmd_eval_text(args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict
     return 0
 
 
+def _check_generate_memory(model, length: int, device: str) -> None:
+    """Refuse, before decoding, a generation whose decoding state (a KV cache grows with the
+    length) and tokens cannot fit in the memory available on ``device``."""
+    import torch
+
+    from .train.memory_estimate import GiB, available_memory
+
+    need = model.state_size_bytes(1, length) + 16 * length
+    have, source = available_memory(torch.device(device))
+    if have is not None and need > have:
+        raise ValueError(
+            f"--max-new-tokens: {length:,} tokens need a decoding state of at least {need / GiB:,.1f} GiB, "
+            f"but only {have / GiB:,.1f} GiB are available ({source}); lower --max-new-tokens"
+        )
+
+
 def _cmd_generate(args) -> int:
     from .train import generate_text
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     _, model, tok = _load(args.checkpoint, args.device)
+    _check_generate_memory(model, len(tok.encode(args.prompt or "\n")) + args.max_new_tokens, args.device)
     unknown = sorted(set(args.prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
     if unknown:
         print(
@@ -554,7 +598,8 @@ def _bench_all(args) -> int:
     """``--suite all``: the ops, peers, decode and models suites one after another in one process
     (one set of machine conditions), their tables printed and their rows in one JSON
     ``{"ops": ..., "peers": ..., "decode": ..., "models": ...}``. ``--ops`` is not applied (each
-    suite runs whole; ``--models`` and ``--peers`` still select the models suite's rows)."""
+    suite runs whole; ``--models`` still selects the models and decode suites' rows, ``--peers`` the
+    models suite's)."""
     import copy
     import tempfile
 
@@ -572,6 +617,10 @@ def _bench_all(args) -> int:
         Path(args.json).write_text(json.dumps(combined, indent=2))
         print(f"wrote {args.json}")
     return rc
+
+
+#: ``mnemo generate --max-new-tokens``'s bound: ~an hour of one-token steps on a laptop CPU
+MAX_NEW_TOKENS = 1_000_000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -708,7 +757,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run directory or checkpoint directory",
     )
     g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=kinds.nonneg_int, default=300)
+    g.add_argument(
+        "--max-new-tokens",
+        type=kinds.Int(0, MAX_NEW_TOKENS),
+        default=300,
+        help=f"tokens to generate, at most {MAX_NEW_TOKENS:,} (the text is printed at the end) (default 300)",
+    )
     g.add_argument("--temperature", type=kinds.nonneg_float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=kinds.positive_int, help="sample among the K likeliest tokens")
     g.add_argument("--seed", type=kinds.seed, default=0)
@@ -765,7 +819,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--models",
         type=kinds.Text("comma-separated model names"),
-        help="models suite: comma-separated model names (default: every registered model, `mnemo models`)",
+        help="models and decode suites: comma-separated model names (default: every registered model for the "
+        "models suite, seven typical ones for the decode suite; `mnemo models` lists them)",
     )
     b.add_argument(
         "--peers",
@@ -825,9 +880,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--repeats",
-        type=kinds.positive_int,
+        type=kinds.Int(1, 1000),
         default=3,
-        help="timed runs per row (medians; the models suite interleaves them across rows) (default 3)",
+        help="timed runs per row, at most 1000 (medians; the models suite interleaves them across rows) "
+        "(default 3)",
     )
     b.add_argument("--json", type=kinds.OutFile(), help="also write the rows to this JSON file")
     b.add_argument("--device", default="cpu", type=kinds.device)
@@ -882,6 +938,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if c
     )
+
+    def one_line_warning(message, category, filename, lineno, line=None) -> str:
+        # a warning reads as the errors do: no source path, no echoed source line
+        kind = "warning" if category is UserWarning else f"warning ({category.__name__})"
+        return f"mnemo {command}: {kind}: {message}\n"
+
+    was_format = warnings.formatwarning
+    warnings.formatwarning = one_line_warning
     try:
         return args.func(args)
     except TrainingDiverged as e:
@@ -899,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
         report(f"\nmnemo: interrupted{detail}; the last checkpoint is intact: continue with --resume")
         return 130
     finally:
+        warnings.formatwarning = was_format
         cleanup()
 
 

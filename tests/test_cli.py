@@ -456,8 +456,10 @@ def test_bench_decode_suite_runs(capsys):
                 "bench",
                 "--suite",
                 "decode",
-                "--ops",
+                "--models",
                 "gla",
+                "--decode-processes",
+                "1",
                 "--contexts",
                 "64,256",
                 "--decode-steps",
@@ -488,7 +490,7 @@ def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypa
     out = tmp_path / "all.json"
     argv = ["bench", "--suite", "all", "--lengths", "64", "--repeats", "1", "--heads", "2"]
     argv += ["--head-dim", "8", "--contexts", "64", "--decode-steps", "2", "--d-model", "32"]
-    argv += ["--n-layers", "1", "--json", str(out)]
+    argv += ["--n-layers", "1", "--json", str(out), "--decode-processes", "1"]
     argv += ["--models", "gla", "--peers", "none", "--model-shapes", "16x1", "--gen-batches", "1"]
     argv += ["--prompt-len", "4", "--gen-tokens", "2"]
     assert main(argv) == 0
@@ -503,7 +505,7 @@ def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypa
 
 def test_generate_refuses_a_negative_length(run_dir, capsys):
     assert main(["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "-5"]) == 2
-    assert "argument --max-new-tokens: expected an int >= 0, got '-5'" in capsys.readouterr().err
+    assert "argument --max-new-tokens: expected an int in [0, 1000000], got '-5'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

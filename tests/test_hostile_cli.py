@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import re
 from pathlib import Path
@@ -408,12 +409,19 @@ def test_legal_but_huge_values_are_refused_before_allocating(argv, flag, run, tm
     assert _tree(run) == before
 
 
-def test_a_task_checkpoint_refuses_huge_test_sets(tmp_path, capsys):
-    run = tmp_path / "task"
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+    """A tiny run trained on MQAR (a task checkpoint)."""
+    run = tmp_path_factory.mktemp("task") / "task"
     argv = ["train", *TASK, "--d-model", "16", "--n-layers", "1", "--batch-size", "2", "--steps", "2"]
     assert (
         main([*argv, "--eval-interval", "2", "--eval-batches", "1", "--no-progress", "--out", str(run)]) == 0
     )
+    return run
+
+
+def test_a_task_checkpoint_refuses_huge_test_sets(task_run, capsys):
+    run = task_run
     capsys.readouterr()
     for extra, flag in (
         (["--length", HUGE], "--num-samples / --length"),
@@ -618,3 +626,204 @@ def test_any_config_file_text_is_read_or_refused_naming_the_file(text):
             assert str(p) in str(e) and "\n" not in str(e)  # one line on the terminal
         else:
             assert isinstance(out, dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# the third trial's findings: no false success, and messages that say what is true
+
+
+def test_bench_suites_select_their_rows_or_say_there_is_nothing(capsys):
+    """``bench --suite decode`` reads --models (it used to time its defaults whatever was given);
+    the models suite with neither training shapes nor generation batches has nothing to time."""
+    assert main(["bench", "--suite", "decode", "--models", "nosuch", "--contexts", "8"]) == 2
+    assert "--models: unknown model(s) ['nosuch']; registered:" in capsys.readouterr().err
+    argv = ["bench", "--suite", "models", "--models", "gla", "--peers", "none"]
+    assert main([*argv, "--model-shapes", "none", "--gen-batches", "none"]) == 2
+    assert "nothing to time" in capsys.readouterr().err
+
+
+def test_a_bench_row_that_fails_fails_the_command(capsys, monkeypatch):
+    import subprocess
+
+    import mnemo.bench.decode as decode
+
+    def fails(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback ...\nMemoryError: boom\n")
+
+    monkeypatch.setattr(decode.subprocess, "run", fails)
+    argv = ["bench", "--suite", "decode", "--models", "gla", "--contexts", "8", "--decode-processes", "1"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "failed: MemoryError: boom" in captured.out and "1 row(s) failed: gla L=8" in captured.err
+
+
+def test_plot_training_of_an_empty_log_fails(run, tmp_path, capsys):
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    (mine / "metrics.jsonl").write_text("")
+    assert main(["probe", "plot-training", str(mine)]) == 2
+    assert "metrics.jsonl has no rows yet: nothing to plot" in capsys.readouterr().err
+    assert not (mine / "training.png").exists()
+
+
+def test_a_task_checkpoint_refuses_text_options(task_run, capsys):
+    """``eval --data`` used to be ignored on a task checkpoint, and ``generate`` said its
+    tokenizer was "missing"."""
+    for extra in (["--data", "tinyshakespeare"], ["--full"], ["--precision", "bf16"]):
+        assert main(["eval", "--checkpoint", str(task_run), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{extra[0]}: text checkpoints only;" in err and "trained on the task 'mqar'" in err
+    assert main(["generate", "--checkpoint", str(task_run)]) == 2
+    err = capsys.readouterr().err
+    assert "trained on the task 'mqar', whose tokens are ids, not text" in err and "missing" not in err
+
+
+def test_resume_and_overwrite_together_are_refused(run, capsys):
+    before = _tree(run)
+    assert main(["train", "--out", str(run), "--resume", "--overwrite"]) == 2
+    assert "--resume and --overwrite: give one of them" in capsys.readouterr().err
+    assert _tree(run) == before
+
+
+def test_a_training_checkpoint_without_its_manifest_is_named(run, tmp_path, capsys):
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    ckpt = mine / (mine / "latest").read_text().strip()
+    (ckpt / "manifest.json").unlink()
+    assert main(["eval", "--checkpoint", str(mine)]) == 0
+    assert f"{ckpt} has no manifest.json: its files could not be checked" in capsys.readouterr().err
+
+
+def test_a_warm_up_longer_than_the_schedule_is_said_and_a_held_schedule_holds(tmp_path, capsys):
+    from mnemo.train.optim import lr_factor
+
+    # warm-up 50 over a 4-step schedule: still warming at the end; held past it: min_lr_ratio
+    assert lr_factor(3, 50, 4, 0.1) == pytest.approx(4 / 50)
+    assert [lr_factor(s, 50, 4, 0.1) for s in (4, 5, 40)] == [0.1, 0.1, 0.1]
+    assert lr_factor(10, 5, 20, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 15)))
+    argv = ["train", "--d-model", "16", "--n-layers", "1", "--seq-len", "16", "--batch-size", "2"]
+    argv += ["--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0"]
+    with pytest.warns(UserWarning, match=r"warmup_steps 50 >= the 2-step learning-rate schedule"):
+        assert main([*argv, "--no-progress", "--out", str(tmp_path / "w")]) == 0
+
+
+def test_config_values_out_of_range_are_refused_as_the_flags_are(tmp_path, capsys):
+    for text, msg in (
+        ("seed: -3\n", "TrainConfig.seed: expected an int in 0 … 2**63 − 1"),
+        (
+            "steps: 1e3\n",
+            "got '1e3' (a string: YAML 1.1 reads 1e3 as text, not a number; write the int as 1000)",
+        ),
+        ("sample_tokens: 1000000000\n", "TrainConfig.sample_tokens: expected an int in 0 … 100,000"),
+    ):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(text)
+        assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "never")]) == 2
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def test_sweep_file_messages_say_what_is_wrong(tmp_path, capsys):
+    for text, msg in (
+        ("", "the sweep file is empty (it needs at least 'name' and 'models')"),
+        ("- 1\n", "must hold a mapping of sweep keys (name, models, grid, ...), got a list"),
+        (
+            "name: s\nmodels: [gla]\nseeds: [0, 1]\nselect_lr_on_seed: 5\ngrid: {lr: [0.001]}\n",
+            "'select_lr_on_seed' must be one of the sweep's seeds [0, 1], got 5",
+        ),
+        (
+            "name: s\nmodels: [gla]\nselect_lr_on_seed: 5\ngrid: {lr: [0.001]}\n",
+            "'select_lr_on_seed' 5 needs a 'seeds' list (or count) that holds it",
+        ),
+    ):
+        f = tmp_path / "s.yaml"
+        f.write_text(text)
+        assert main(["sweep", str(f), "--list", "--db", str(tmp_path / "s.sqlite")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "TrainConfig fields" not in err
+
+
+def test_warnings_read_as_one_line_like_the_errors(run, tmp_path, capsys):
+    """Python's format (path:line: UserWarning: ... and the source line) printed the message
+    twice; under ``mnemo`` a warning is one line naming the command."""
+    import shutil
+    import sys
+    import warnings
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    ckpt = mine / (mine / "latest").read_text().strip()
+    (ckpt / "manifest.json").unlink()
+
+    def show(message, category, filename, lineno, file=None, line=None):  # Python's default route
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        assert main(["train", "--out", str(mine), "--resume", "--no-progress"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert lines and all(x.startswith("mnemo train: warning: ") for x in lines), lines
+    assert not any(".py:" in x for x in lines)
+
+
+def test_the_divergence_advice_fits_the_precision():
+    from mnemo.train.trainer import TrainingDiverged
+
+    assert "--precision fp32" not in str(TrainingDiverged(3, "loss", math.nan, None))
+    assert "--precision fp32" in str(TrainingDiverged(3, "loss", math.nan, None, precision="bf16"))
+
+
+def test_values_are_refused_by_their_kind_in_any_spelling(tmp_path, capsys):
+    """``--lr -inf`` (a space, no ``=``) used to be "expected one argument"; the tokenizer's range
+    said 2 where 258 is the least it takes; huge counts that would run for days are bounded."""
+    for argv, msg in (
+        (["train", "--lr", "-inf"], "argument --lr: expected a finite number > 0, got '-inf'"),
+        (["train", "--lr", "-1e9"], "argument --lr: expected a finite number > 0, got '-1e9'"),
+        (
+            [
+                "tokenizer",
+                "train",
+                "--data",
+                "tinyshakespeare",
+                "--vocab-size",
+                "100",
+                "--out",
+                str(tmp_path),
+            ],
+            "argument --vocab-size: expected an int in [258, 16777216], got '100'",
+        ),
+        (["generate", "--checkpoint", ".", "--max-new-tokens", "1e12"], "argument --max-new-tokens"),
+        (["generate", "--checkpoint", ".", "--max-new-tokens", "10000000"], "in [0, 1000000]"),
+        (["bench", "--repeats", "100000"], "argument --repeats: expected an int in [1, 1000]"),
+        (["harness", "--checkpoint", ".", "--tasks", "x", "--limit", "1e20"], "argument --limit"),
+        (["harness", "--checkpoint", ".", "--tasks", "x", "--num-fewshot", "5000"], "in [0, 1000]"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, (argv, err)
+
+
+def test_generation_that_cannot_fit_is_refused_before_decoding(run, capsys, monkeypatch):
+    import mnemo.train.memory_estimate as me
+
+    monkeypatch.setattr(me, "available_memory", lambda device: (10 * 2**20, "a test's 10 MiB"))
+    assert main(["generate", "--checkpoint", str(run), "--max-new-tokens", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--max-new-tokens: 1,000,00" in err and "a test's 10 MiB" in err and "lower --max-new-tokens" in err
+    )
+
+
+def test_probe_reads_a_jsonl_field_it_is_told(run, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"body": "to be or not to be, that is the question"}\n' * 20)
+    argv = ["probe", "spectrum", "--checkpoint", str(run), "--tokens", "16", "--data", str(data)]
+    argv += ["--out", str(tmp_path / "p")]
+    assert main(argv) == 2
+    assert "choose one with --text-field" in capsys.readouterr().err
+    assert main([*argv, "--text-field", "body"]) == 0

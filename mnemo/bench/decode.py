@@ -101,7 +101,15 @@ def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) ->
 
 
 def main(args) -> int:
-    models = args.ops.split(",") if args.ops else list(DEFAULT_MODELS)
+    from ..models import model_names
+
+    # --models names the models (as in the models suite); --ops is the older spelling, still read
+    chosen = getattr(args, "models", None) or getattr(args, "ops", None)
+    models = [m.strip() for m in chosen.split(",") if m.strip()] if chosen else list(DEFAULT_MODELS)
+    unknown = [m for m in models if m not in model_names()]
+    if unknown:
+        flag = "--models" if getattr(args, "models", None) else "--ops"
+        raise ValueError(f"{flag}: unknown model(s) {unknown}; registered: {', '.join(model_names())}")
     contexts = [int(x) for x in str(args.contexts).split(",")]
     procs = max(1, getattr(args, "decode_processes", 3))
     print(
@@ -109,7 +117,7 @@ def main(args) -> int:
         f"one-token steps after a context of L tokens; median of {procs} fresh processes per row\n"
     )
     print(f"{'model':<16}{'L':>8}{'tokens/s':>12}{'peak RSS MB':>14}{'state MB':>11}")
-    rows = []
+    rows, failed = [], []
     for name in models:
         for L in contexts:
             cmd = [
@@ -131,6 +139,7 @@ def main(args) -> int:
                 runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             if err is not None:
                 print(f"{name:<16}{L:>8}   failed: {err}")
+                failed.append(f"{name} L={L}")
                 continue
             r = dict(runs[0])
             for key in ("tokens_per_s", "mean_tokens_per_s", "peak_rss_mb"):
@@ -154,4 +163,9 @@ def main(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
         print(f"\nwrote {args.json}")
+    if failed:
+        print(
+            f"mnemo bench --suite decode: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr
+        )
+        return 1
     return 0

@@ -43,6 +43,7 @@ import gc
 import json
 import math
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -1056,6 +1057,11 @@ def main(args) -> int:
     )
     shapes = parse_shapes(getattr(args, "model_shapes", None) or DEFAULT_SHAPES)
     gen_batches = parse_gen_batches(getattr(args, "gen_batches", None) or DEFAULT_GEN_BATCHES)
+    if not shapes and not gen_batches:
+        raise ValueError(
+            "--model-shapes none with --gen-batches none: nothing to time (keep training shapes, generation "
+            "batches, or both)"
+        )
     print(
         f"mnemo bench --suite models: d_model={size.d_model}, {size.n_layers} layers, vocab {size.vocab}; "
         f"{torch.get_num_threads()} threads; medians of {args.repeats} interleaved rounds after one warm-up"
@@ -1080,4 +1086,15 @@ def main(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
         print(f"\nwrote {args.json}")
+    if not result["train"] and not result["generate"]:
+        print(
+            "mnemo bench --suite models: nothing was timed (every selected model was skipped or failed; "
+            "see above)",
+            file=sys.stderr,
+        )
+        return 1
+    if result["errors"]:
+        n_failed = len(result["errors"])
+        print(f"mnemo bench --suite models: {n_failed} row(s) failed (listed above)", file=sys.stderr)
+        return 1
     return 0

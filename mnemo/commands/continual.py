@@ -801,7 +801,11 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--steps", type=kinds.positive_int, help="outer-loop steps per model (default: per experiment)"
     )
-    p.add_argument("--eval-streams", type=kinds.positive_int, help="held-out streams per seed (default 256)")
+    p.add_argument(
+        "--eval-streams",
+        type=kinds.Int(1, 100_000),
+        help="held-out streams per seed, at most 100,000 (default 256)",
+    )
     p.add_argument(
         "--models",
         type=kinds.Text("comma-separated model names"),

@@ -45,11 +45,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--limit",
-        type=kinds.positive_float,
+        type=kinds.Float(0, 2**31 - 1, lo_open=True),
         help="documents per task (a fraction of each task when below 1); default all",
     )
     p.add_argument(
-        "--num-fewshot", type=kinds.nonneg_int, help="few-shot examples per prompt (default: the task's)"
+        "--num-fewshot",
+        type=kinds.Int(0, 1000),
+        help="few-shot examples per prompt, at most 1000 (default: the task's)",
     )
     p.add_argument(
         "--batch-size", type=kinds.positive_int, default=16, help="sequences per forward pass (default 16)"

@@ -175,6 +175,8 @@ def plot_training(run_dir, path=None) -> Path:
 
     run_dir = Path(run_dir)
     rows = _read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no rows yet: nothing to plot (no step was logged)")
     label = run_label(run_dir, rows[-1]["step"] if rows else None)
     fig = training_figure(rows, label)
     path = Path(path) if path else run_dir / "training.png"
@@ -210,6 +212,11 @@ def add_commands(sub) -> None:
         type=kinds.Text("a corpus name, file, folder or glob"),
         help="text to measure data-dependent gates on (default: the training data)",
     )
+    t.add_argument(
+        "--text-field",
+        type=kinds.Text("a field name"),
+        help="JSONL/Parquet --data: the field holding the text (default: 'text', or the training run's)",
+    )
     t.add_argument("--tokens", type=kinds.positive_int, default=2048, help="tokens to run (default 2048)")
     t.add_argument(
         "--out", type=kinds.OutDir(), help=f"where to write timescales.png (default: {_DEFAULT_OUT})"
@@ -227,7 +234,10 @@ def add_commands(sub) -> None:
         "--top-induction", type=kinds.positive_int, required=True, metavar="K", help="heads to ablate"
     )
     ab.add_argument(
-        "--draws", type=kinds.positive_int, default=10, help="draws of K random heads (the control)"
+        "--draws",
+        type=kinds.Int(1, 10_000),
+        default=10,
+        help="draws of K random heads (the control), at most 10,000 (default 10)",
     )
     ab.add_argument(
         "--length", type=kinds.Int(2), default=32, help="length of the random sequence (repeated twice)"
@@ -255,6 +265,11 @@ def add_commands(sub) -> None:
         "--data",
         type=kinds.Text("a corpus name, file, folder or glob"),
         help="text to run the memories on (default: the training data)",
+    )
+    sp.add_argument(
+        "--text-field",
+        type=kinds.Text("a field name"),
+        help="JSONL/Parquet --data: the field holding the text (default: 'text', or the training run's)",
     )
     sp.add_argument("--tokens", type=kinds.Int(2), default=512, help="tokens to run (default 512)")
     sp.add_argument(
@@ -289,6 +304,15 @@ def _cmd_circuits(args) -> int:
     return 0
 
 
+def _text_field(args, tcfg: dict) -> str:
+    """--text-field, else the training run's field (when --data is its corpus too), else "text"."""
+    if args.text_field:
+        return args.text_field
+    if args.data:
+        return "text"
+    return tcfg.get("text_field") or "text"
+
+
 def _cmd_timescales(args) -> int:
     from ..data import load_text, load_tokenizer
     from ..interp.timescales import plot, timescales
@@ -303,7 +327,7 @@ def _cmd_timescales(args) -> int:
             0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
         )
     else:
-        ids = load_tokenizer(ckpt).encode(load_text(data)[: args.tokens])[None]
+        ids = load_tokenizer(ckpt).encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
     result = timescales(model, ids)
     out = Path(args.out) if args.out else default_out(ckpt)
     out.mkdir(parents=True, exist_ok=True)
@@ -362,7 +386,7 @@ def _cmd_spectrum(args) -> int:
             0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
         )
     else:
-        ids = tok.encode(load_text(data)[: args.tokens])[None]
+        ids = tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
     result = memory_spectrum(
         model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life
     )

@@ -40,9 +40,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--vocab-size",
-        type=kinds.Int(2, 2**24),
+        type=kinds.Int(258, 2**24),
         required=True,
-        help="vocabulary size, special tokens included",
+        help="vocabulary size, special tokens included: at least 258 (the 256 byte symbols, <|endoftext|> "
+        "and one learned token)",
     )
     p.add_argument(
         "--out", required=True, type=kinds.OutDir(), help="folder to write tokenizer.json into (created)"

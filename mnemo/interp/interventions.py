@@ -34,6 +34,7 @@ position or channel out of range raises ``ValueError`` naming it, the hook and t
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -653,7 +654,9 @@ def induction_ablation(
     score], …]``), ``random`` (per metric ``mean``, ``std``, ``values``; and the drawn ``heads``),
     each with its ``gain_removed`` (``1 − gain_after / gain_before``; for ``random``, per draw with
     its mean and std).
-    Raises ``ValueError`` for ``k`` outside ``1 … number of heads`` or a bad option."""
+    With ``random_from="rest"`` and fewer than ``k`` heads outside the top ``k``, the draws come from
+    all heads, with a warning, and the result says ``"random_from": "all"``.
+    Raises ``ValueError`` for ``k`` outside ``1 … number of heads − 1`` or a bad option."""
     from .probe import circuit_scores
     from .scores import repeated_random_tokens
 
@@ -668,8 +671,11 @@ def induction_ablation(
     try:
         scores = circuit_scores(model, length, batch, seed)
         heads = _heads_of(model, scores)
-        if not isinstance(k, int) or not 1 <= k <= len(heads):
-            raise ValueError(f"k: expected an int in 1 … {len(heads)} (the heads with a map), got {k!r}")
+        if not isinstance(k, int) or not 1 <= k < len(heads):
+            raise ValueError(
+                f"k: expected an int in 1 … {len(heads) - 1} (fewer than the {len(heads)} heads with a map, "
+                f"so that K random heads are a control and not the same heads), got {k!r}"
+            )
         ranked = sorted(heads, key=lambda x: -x[2])
         top = ranked[:k]
         V = model.config.vocab_size
@@ -693,6 +699,13 @@ def induction_ablation(
         base = _icl_metrics(model, ids, length, [])
         top_m = _icl_metrics(model, ids, length, hooks_for(top))
         pool = ranked[k:] if random_from == "rest" and len(ranked) - k >= k else ranked
+        if random_from == "rest" and pool is ranked:
+            warnings.warn(
+                f"random_from='rest': only {len(ranked) - k} head(s) lie outside the top {k}, fewer than "
+                f"the {k} a draw needs; the random heads are drawn from all {len(ranked)} heads (recorded as "
+                "random_from='all' in the result)",
+                stacklevel=2,
+            )
         gen = torch.Generator().manual_seed(seed + 3)
         rand_runs, rand_heads = [], []
         for _ in range(draws):

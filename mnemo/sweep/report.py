@@ -504,7 +504,8 @@ def write_report(
 
     Raises:
         FileNotFoundError: the database does not exist. ValueError: it holds no (such) sweep, or
-        ``threshold`` / ``select_lr_on_seed`` is malformed (see :func:`cell_stats`).
+        ``threshold`` / ``select_lr_on_seed`` is malformed (see :func:`cell_stats`), or
+        ``select_lr_on_seed`` is a seed that no run of the database has.
     """
     db_path = Path(db_path)
     with SweepDB(db_path, create=False) as db:
@@ -517,6 +518,13 @@ def write_report(
             raise ValueError(f"{db_path} holds no runs yet (run `mnemo sweep CONFIG` first)")
         all_rows = {n: db.rows(n) for n in names}
         metas = {n: db.meta(n) for n in names}
+    if select_lr_on_seed is not None:  # a seed given by hand must be one the sweeps ran
+        ran = sorted({_seed(r) for rows in all_rows.values() for r in rows})
+        if select_lr_on_seed not in ran:
+            raise ValueError(
+                f"select_lr_on_seed (--select-lr-on-seed): seed {select_lr_on_seed} has no run in {db_path} "
+                f"(its seeds: {', '.join(map(str, ran))}); nothing could be selected on it"
+            )
     out = Path(out_dir) if out_dir else db_path.with_name(db_path.stem + "_report")
     out.mkdir(parents=True, exist_ok=True)
     result = {}

@@ -171,9 +171,13 @@ class SweepSpec:
             tuned_axes = [t for t in tune if t in grid]
             if isinstance(select, bool) or not isinstance(select, int):
                 raise ValueError(f"{source}: 'select_lr_on_seed' must be an int seed, got {select!r}")
-            if seeds is None or select not in seeds:
+            if seeds is None:
                 raise ValueError(
-                    f"{source}: 'select_lr_on_seed' must be one of 'seeds' {seeds}, got {select!r}"
+                    f"{source}: 'select_lr_on_seed' {select!r} needs a 'seeds' list (or count) that holds it"
+                )
+            if select not in seeds:
+                raise ValueError(
+                    f"{source}: 'select_lr_on_seed' must be one of the sweep's seeds {seeds}, got {select!r}"
                 )
             if len(seeds) < 2:
                 raise ValueError(
@@ -203,7 +207,10 @@ class SweepSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> SweepSpec:
-        return cls.from_dict(load_config_file(path), source=str(path))
+        d = load_config_file(path, kind="sweep file", holds="sweep keys (name, models, grid, ...)")
+        if not d:
+            raise ValueError(f"{path}: the sweep file is empty (it needs at least 'name' and 'models')")
+        return cls.from_dict(d, source=str(path))
 
     def _model_entries(self) -> list[tuple[str, dict]]:
         entries, labels = [], set()

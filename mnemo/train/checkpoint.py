@@ -301,6 +301,8 @@ def resolve_checkpoint(
         problems = verify_checkpoint(p) if verify else []
         if problems:
             raise CorruptCheckpointError(p, problems)
+        if verify:
+            _warn_unverified(p, warn)
         return p
     latest = p / LATEST
     if not latest.is_file():
@@ -347,11 +349,23 @@ def resolve_checkpoint(
         if not problems:
             if bad:
                 warn(f"damaged checkpoint skipped: {'; '.join(bad)} — using {c} instead")
+            _warn_unverified(c, warn)
             return c
         bad += problems
     if not bad:
         raise FileNotFoundError(f"{latest} points to {name!r}, which is not a checkpoint directory in {p}")
     raise CorruptCheckpointError(p, bad + ["no intact checkpoint is left in the run directory"])
+
+
+def _warn_unverified(ckpt: Path, warn) -> None:
+    """A training checkpoint (one with ``trainer_state.pt``) always gets a manifest from this
+    mnemo: without one its files cannot be checked, which is said rather than passed over. Folders
+    of weights alone (``save_pretrained``, exports, conversions) need no manifest."""
+    if (ckpt / STATE_NAME).is_file() and not (ckpt / MANIFEST_NAME).is_file():
+        warn(
+            f"{ckpt} has no {MANIFEST_NAME}: its files could not be checked for damage (a checkpoint of an "
+            "older mnemo, or the manifest was deleted); loading it unverified"
+        )
 
 
 def save_torch(obj, path: str | Path) -> None:

@@ -289,7 +289,11 @@ class TrainConfig:
     )
     sample_tokens: int = field(
         default=400,
-        metadata=_flag("characters to sample at the end (0 = none)", metavar="N", type=kinds.nonneg_int),
+        metadata=_flag(
+            "characters to sample at the end (0 = none; at most 100,000)",
+            metavar="N",
+            type=kinds.Int(0, 100_000),
+        ),
     )
     sample_prompt: str = "ROMEO:"
     sample_temperature: float = 0.8
@@ -349,7 +353,8 @@ class TrainConfig:
 
         def bad(name, expected):
             got = getattr(self, name)
-            raise ValueError(f"TrainConfig.{name}: expected {expected}, got {got!r}{_yaml_hint(got)}")
+            hint = _yaml_hint(got, integer="int" in expected)
+            raise ValueError(f"TrainConfig.{name}: expected {expected}, got {got!r}{hint}")
 
         # types first (a config file can hold anything): every later check compares values
         strings = ("model", "data", "text_field", "tokenizer", "device", "precision", "optimizer")
@@ -371,8 +376,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 bad(name, "a finite number")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            bad("seed", "an int")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            bad("seed", "an int in 0 … 2**63 − 1 (what torch.manual_seed takes)")
         if not isinstance(self.tensorboard, bool):
             bad("tensorboard", "true or false")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches"):
@@ -411,6 +416,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 bad(name, "a non-negative int")
+        if self.sample_tokens > 100_000:
+            bad("sample_tokens", "an int in 0 … 100,000 (characters sampled at the end of training)")
         if self.checkpoint_interval is not None and (
             not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1
         ):
@@ -540,15 +547,20 @@ class TrainConfig:
         return cls(**d).validate()
 
 
-def _yaml_hint(value) -> str:
+def _yaml_hint(value, integer: bool = False) -> str:
     """Why a number may have arrived as a string: YAML 1.1 (PyYAML) reads ``3e-3`` (no dot) or
-    ``1_000.5`` as text. Empty for anything else."""
+    ``1_000.5`` as text. For an int field (``integer``) the hint spells the number as an int.
+    Empty for anything else."""
     if not isinstance(value, str):
         return ""
     try:
         number = float(value)
     except ValueError:
         return ""
+    if integer:
+        if not (math.isfinite(number) and number == int(number)):
+            return ""
+        return f" (a string: YAML 1.1 reads {value} as text, not a number; write the int as {int(number)})"
     return (
         f" (a string: YAML 1.1 reads {value} as text, not a number; write it with a dot and a signed "
         f"exponent, e.g. {number:.1e}, or as {number!r})"
@@ -562,19 +574,22 @@ def _looks_like_path(value: str) -> bool:
     return bool(value) and (Path(value).exists() or "/" in value or "\\" in value or value.endswith(".json"))
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of :class:`TrainConfig` fields (raises naming the file)."""
+def load_config_file(
+    path: str | Path, kind: str = "config file", holds: str = "TrainConfig fields"
+) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of :class:`TrainConfig` fields (raises naming the file; ``kind``
+    and ``holds`` name the file and its contents in the messages, e.g. for a sweep file)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"config file not found: {str(path)!r}")
+        raise FileNotFoundError(f"{kind} not found: {str(path)!r}")
     try:
         text = p.read_text()
         d = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         where = " ".join(str(e).split())  # one line: YAML's message draws the place over several
-        raise ValueError(f"cannot parse config file {str(path)!r}: {where}") from e
+        raise ValueError(f"cannot parse {kind} {str(path)!r}: {where}") from e
     if d is None:
         return {}
     if not isinstance(d, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping of TrainConfig fields")
+        raise ValueError(f"{kind} {str(path)!r} must hold a mapping of {holds}, got a {type(d).__name__}")
     return d

@@ -15,7 +15,11 @@ from .m3 import M3
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``; from
+    ``total`` on, ``min_ratio`` (also when the warm-up is longer than the schedule and never ended:
+    a held schedule, ``--reschedule hold``, stops there and does not keep warming up)."""
+    if step >= total:
+        return min_ratio
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))

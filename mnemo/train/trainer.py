@@ -58,7 +58,13 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN/inf; ``step`` is the step it happened at."""
 
     def __init__(
-        self, step: int, what: str, value: float, last_checkpoint: Path | None, detail: str | None = None
+        self,
+        step: int,
+        what: str,
+        value: float,
+        last_checkpoint: Path | None,
+        detail: str | None = None,
+        precision: str = "fp32",
     ):
         self.step, self.what, self.value = step, what, value
         where = (
@@ -70,7 +76,11 @@ class TrainingDiverged(RuntimeError):
             where = f"{detail}; {where}"
         super().__init__(
             f"training stopped at step {step}: the {what} became {value} ({where}); "
-            "try a lower --lr, a smaller model, or --precision fp32"
+            + (
+                "try a lower --lr, a smaller model, or --precision fp32"
+                if precision == "bf16"
+                else "try a lower --lr or a smaller model"
+            )
         )
 
 
@@ -543,6 +553,13 @@ class Trainer:
         """The optimizer, the warm-up + cosine schedule, the batch generator (seeded from
         ``cfg.seed``) and the step counters of a fresh run."""
         cfg = self.cfg
+        if cfg.warmup_steps >= cfg.cosine_steps and self.is_main:
+            warnings.warn(
+                f"warmup_steps {cfg.warmup_steps} >= the {cfg.cosine_steps}-step learning-rate schedule: "
+                f"the lr never reaches lr={cfg.lr:g} (at most "
+                f"{cfg.lr * cfg.cosine_steps / cfg.warmup_steps:.3g}) and never decays; lower --warmup-steps",
+                stacklevel=2,
+            )
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.cosine_steps, cfg.min_lr_ratio)
@@ -855,10 +872,21 @@ class Trainer:
                         else "in another rank's forward pass"
                     )
                     raise TrainingDiverged(
-                        self.step + 1, "loss", math.nan, self.last_checkpoint, detail=detail
+                        self.step + 1,
+                        "loss",
+                        math.nan,
+                        self.last_checkpoint,
+                        detail=detail,
+                        precision=self.cfg.precision,
                     ) from error
                 if not math.isfinite(part):
-                    raise TrainingDiverged(self.step + 1, "loss", part / n_tokens, self.last_checkpoint)
+                    raise TrainingDiverged(
+                        self.step + 1,
+                        "loss",
+                        part / n_tokens,
+                        self.last_checkpoint,
+                        precision=self.cfg.precision,
+                    )
                 loss = ce * scale
                 aux = self.model.aux_loss()  # MoE layers' auxiliary losses of this micro-batch
                 if aux is not None:
@@ -876,6 +904,7 @@ class Trainer:
                         math.nan,
                         self.last_checkpoint,
                         detail=f"in the backward pass: {_nonfinite_detail(e)}",
+                        precision=self.cfg.precision,
                     ) from e
             total += part
         if cp:
@@ -890,7 +919,13 @@ class Trainer:
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
         if not math.isfinite(norm.item()):
-            raise TrainingDiverged(self.step + 1, "gradient norm", norm.item(), self.last_checkpoint)
+            raise TrainingDiverged(
+                self.step + 1,
+                "gradient norm",
+                norm.item(),
+                self.last_checkpoint,
+                precision=self.cfg.precision,
+            )
         self.optimizer.step()
         self.scheduler.step()
         self._moe_after_step()
@@ -1132,6 +1167,7 @@ class Trainer:
                             math.nan,
                             self.last_checkpoint,
                             detail=f"NaN/inf after the optimizer step in {', '.join(bad[:3])}{more}",
+                            precision=self.cfg.precision,
                         )
                 if evaluate:
                     record = {
@@ -1178,7 +1214,12 @@ class Trainer:
             ev = self.evaluate(cfg.eval_batches, lengths=cfg.eval_lengths if last else None)
         except NonFiniteError as e:  # an op of the evaluation found NaN/inf: the run diverged
             raise TrainingDiverged(
-                self.step, "validation loss", math.nan, self.last_checkpoint, detail=_nonfinite_detail(e)
+                self.step,
+                "validation loss",
+                math.nan,
+                self.last_checkpoint,
+                detail=_nonfinite_detail(e),
+                precision=self.cfg.precision,
             ) from e
         stops = not last and bool(cfg.eval_lengths) and cfg.early_stop_acc is not None
         if stops:

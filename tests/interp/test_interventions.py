@@ -320,3 +320,22 @@ def test_induction_ablation_and_the_command(tmp_path, capsys):
     assert main([*args, "--draws", "2", "--length", "8", "--batch", "2", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == printed and printed["k"] == 1 and printed["how"] == "mean"
+
+
+def test_induction_ablation_says_when_the_control_cannot_come_from_the_rest():
+    """K above half the heads: the random heads come from all heads, with a warning and
+    ``random_from: all`` in the result; K = every head (the control would be the same heads) is
+    refused."""
+    from mnemo.interp.interventions import _heads_of
+    from mnemo.interp.probe import circuit_scores
+
+    m = _model("transformer")
+    n = len(_heads_of(m, circuit_scores(m, 8, 2, 0)))
+    assert n >= 3
+    with pytest.raises(ValueError, match=rf"k: expected an int in 1 … {n - 1} \(fewer than the {n} heads"):
+        induction_ablation(m, n, draws=1, length=8, batch=2)
+    with pytest.warns(UserWarning, match=rf"only 1 head\(s\) lie outside the top {n - 1}"):
+        res = induction_ablation(m, n - 1, draws=2, length=8, batch=2)
+    assert res["random_from"] == "all"
+    drawn = {tuple(h[:2]) for draw in res["random"]["heads"] for h in draw}
+    assert drawn & {tuple(h[:2]) for h in res["top_k"]["heads"]}  # from all heads: top ones included

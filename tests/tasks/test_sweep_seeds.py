@@ -182,6 +182,10 @@ def test_held_out_selection_from_the_sweep_file_through_the_report(tmp_path, mon
     saved = json.loads((tmp_path / "rep" / "seeds.json").read_text())
     assert saved["interval"] == "student-t" and saved["select_lr_on_seed"] == 0
     assert saved["cells"][0]["values"] == [0.6, 0.7] and saved["cells"][0]["n_reached"] == 0
+    # a held-out seed given by hand that no run has: refused, not an empty report
+    with pytest.raises(ValueError, match=r"seed 7 has no run in .*s.sqlite \(its seeds: 0, 1, 2\)"):
+        write_report(db, tmp_path / "rep7", plots=False, select_lr_on_seed=7)
+    assert not (tmp_path / "rep7").exists()
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +214,10 @@ def test_seeds_axis_expands_runs_and_keeps_seed_zero_ids():
         ({"seeds": [1, 1]}, r"'seeds' must not repeat a seed, got \[1, 1\]"),
         ({"seeds": ["a"]}, "'seeds' must be a positive count or a non-empty list of ints >= 0"),
         ({"grid": {"lr": [1e-3], "seed": [0, 1]}}, "either as 'seeds' or as a grid axis 'seed'"),
-        ({"select_lr_on_seed": 9}, r"'select_lr_on_seed' must be one of 'seeds' \[0, 1, 2\], got 9"),
+        (
+            {"select_lr_on_seed": 9},
+            r"'select_lr_on_seed' must be one of the sweep's seeds \[0, 1, 2\], got 9",
+        ),
         ({"seeds": [4], "select_lr_on_seed": 4}, "needs at least 2 seeds"),
         ({"select_lr_on_seed": 0, "tune": []}, "'select_lr_on_seed' needs a tuned grid axis"),
     ],
