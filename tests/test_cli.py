@@ -237,7 +237,22 @@ def test_module_entry_point():
     assert "transformer" in r.stdout
 
 
-def test_bench_prints_a_table(capsys, tmp_path):
+@pytest.fixture
+def fast_peak(monkeypatch):
+    """The ops suite measures the machine's matmul peak (2048 x 2048, ~2 s) around every counted
+    row: the tests of the table use a fixed peak, and the measurement is tested on its own."""
+    import mnemo.bench.ops as ops
+
+    monkeypatch.setattr(ops, "matmul_peak", lambda *a, **k: 100.0)
+
+
+def test_matmul_peak_measures_a_positive_rate():
+    from mnemo.bench.ops import matmul_peak
+
+    assert 0 < matmul_peak(n=64, repeats=2, warmup=1) < 1e6
+
+
+def test_bench_prints_a_table(capsys, tmp_path, fast_peak):
     out = tmp_path / "bench.json"
     assert (
         main(
@@ -270,7 +285,7 @@ def test_bench_prints_a_table(capsys, tmp_path):
     assert all(r["fwd_ms"] > 0 for r in rows if "fwd_ms" in r)
 
 
-def test_bench_modes_keeps_only_those_forms_and_the_sdpa_reference(tmp_path, capsys):
+def test_bench_modes_keeps_only_those_forms_and_the_sdpa_reference(tmp_path, capsys, fast_peak):
     out = tmp_path / "bench.json"
     argv = ["bench", "--lengths", "32", "--repeats", "1", "--heads", "1", "--head-dim", "4"]
     assert main([*argv, "--ops", "ssd", "--modes", "chunk", "--json", str(out)]) == 0
@@ -476,7 +491,7 @@ def test_bench_decode_suite_runs(capsys):
     assert "tokens/s" in out and "4x context" in out
 
 
-def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypatch):
+def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypatch, fast_peak):
     import mnemo.bench.decode as decode
     import mnemo.bench.ops as ops
     import mnemo.bench.peers as peers
