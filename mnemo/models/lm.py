@@ -218,7 +218,9 @@ class LanguageModel(nn.Module):
         ``logits [M, vocab]`` (``M`` = its number of true entries), equal to
         ``forward(input_ids)[0][logits_at]`` — training on sparse targets (a synthetic task's
         supervised positions) then skips the ``[B, T, vocab]`` head. Not with ``cu_seqlens`` nor
-        for models whose CMS levels learn from the next-token loss.
+        for models whose CMS levels learn from the next-token loss. A mask on the CPU for a model on
+        another device is resolved on the host (its positions are copied in, the selection is an
+        ``index_select``): a mask on the device costs a host synchronisation (``M`` is read).
 
         ``cu_seqlens`` (document packing): ``input_ids [1, N]`` holds several documents back to
         back, ``cu_seqlens [D + 1]`` (long) their boundaries ``0 = c_0 < … < c_D = N``. Every
@@ -333,7 +335,14 @@ class LanguageModel(nn.Module):
                 x, s = block(x, state[i] if state is not None else None, mode=mode)
             new_state.append(s)
         h = self.norm(x)
-        logits = self.lm_head(h if logits_at is None else h[logits_at.to(h.device)])
+        if logits_at is None:
+            logits = self.lm_head(h)
+        elif logits_at.device.type == "cpu" and h.device.type != "cpu":
+            # a host mask for a device model: its positions found on the host (no device sync)
+            rows = logits_at.reshape(-1).nonzero().squeeze(1).to(h.device)
+            logits = self.lm_head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
+        else:
+            logits = self.lm_head(h[logits_at.to(h.device)])
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits, new_state
