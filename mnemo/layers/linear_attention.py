@@ -153,6 +153,8 @@ class LinearAttention(_QKVMixer):
         self.norm = RMSNorm(head_dim) if output_norm else None
 
     def _state_key_dim(self) -> int:
+        if isinstance(self.feature_map, FavorPlus):  # (its projection may live on another device)
+            return self.feature_map.num_features
         return self.feature_map(torch.zeros(1, self.key_dim)).shape[-1]
 
     def _state_value_dim(self) -> int:

@@ -42,8 +42,19 @@ Dispatch (``dispatch=``): ``"sorted"`` (default) sorts the assignments by expert
 tokens once (``index_select``), runs each expert on its contiguous slice (a loop over the ``E``
 experts, not over tokens) and adds the weighted outputs back with ``index_add``;
 ``"padded"`` scatters the sorted tokens into an ``[E, C_max, d]`` buffer and runs all experts as
-two batched matmuls (``bmm``); ``"reference"`` runs every expert on every token and weights by the
-routing (dense, for tests). All three give the same result. Measured (CPU, one thread, float32,
+two batched matmuls (``bmm``); ``"fixed"`` is ``"padded"`` with a buffer whose size depends on
+shapes only (``C_max`` = the capacity, or ``N`` without one), so that nothing is read back to the
+host; ``"reference"`` runs every expert on every token and weights by the routing (dense, for
+tests). All four give the same result.
+
+On a device other than the CPU (CUDA, ``meta``) ``"sorted"`` and ``"padded"`` run as ``"fixed"``:
+their slice lengths (``counts.tolist()``), ``C_max`` (``counts.max()``) and the removal of dropped
+assignments (a boolean index) are each a host synchronisation per layer and forward. ``"fixed"``
+keeps all ``k N`` assignments with the same shapes every call: a dropped one is written to a spare
+row of the buffer and weighs 0. Without a capacity it computes ``E · N`` expert rows (as much as
+``"reference"``, ``E / k`` times the routed work); with ``capacity_factor = c``, ``E · (C + 1)``
+rows, about ``c · k · N``. The assignment counts are a ``scatter_add`` (``bincount``'s output size
+depends on the values). Measured (CPU, one thread, float32,
 forward + backward, 4 shapes × 3 runs, ``scripts/moe_dispatch_bench.py``): ``sorted`` / ``padded``
 time ratio 0.85–1.22, median 0.96 — neither consistently faster — and both 2.5–7× faster than
 ``reference``. ``sorted`` is the default because its work does not grow with imbalance
@@ -62,7 +73,7 @@ from torch import Tensor, nn
 from .hooks import HookPoint
 from .mlp import SwiGLU, swiglu_hidden
 
-DISPATCH = ("sorted", "padded", "reference")
+DISPATCH = ("sorted", "padded", "fixed", "reference")
 
 #: the options of :class:`MoE` that ``ModelConfig(mlp="moe", mlp_options=...)`` accepts, with
 #: their defaults (``expert_hidden = None``: ``ModelConfig.mlp_hidden``, else the dense SwiGLU width)
@@ -167,7 +178,8 @@ class MoE(nn.Module):
         bias_balancing: keep the auxiliary-loss-free bias (buffer ``expert_bias [E]``, float32)
             and use it for the top-k choice (default ``False``). bias_update_rate: its step ``u``
             (default ``bias_update_rate=1e-3``).
-        dispatch: ``"sorted"`` | ``"padded"`` | ``"reference"`` (same results; see module docstring).
+        dispatch: ``"sorted"`` | ``"padded"`` | ``"fixed"`` | ``"reference"`` (same results; see
+            the module docstring; off the CPU ``"sorted"`` and ``"padded"`` run as ``"fixed"``).
 
     Parameters: ``router.weight [E, d]``; ``w_in [E, 2H, d]`` (per expert ``[W_gate; W_up]``, the
     layout of :class:`~mnemo.layers.mlp.SwiGLU`'s ``w_in``), ``w_out [E, d, H]``;
@@ -330,7 +342,10 @@ class MoE(nn.Module):
         # assignments in priority order: all first choices (token order), then all second, ...
         expert = idx.t().reshape(-1)  # [k N]
         token = torch.arange(N, device=x.device).repeat(k)
-        counts = torch.bincount(expert, minlength=E)
+        # assignments per expert: a fixed-shape scatter (bincount's size depends on the values)
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(
+            0, expert, torch.ones_like(expert)
+        )
         order = torch.argsort(expert, stable=True)
         e_sorted, t_sorted = expert[order], token[order]
         starts = torch.cumsum(counts, 0) - counts
@@ -346,8 +361,16 @@ class MoE(nn.Module):
         w = self.hook_topk_weights(w.reshape(*lead, k)).reshape(N, k)
         w_sorted = w.t().reshape(-1)[order]
 
-        if self.dispatch == "reference":
+        dispatch = self.dispatch
+        if x.device.type != "cpu" and dispatch in ("sorted", "padded"):
+            dispatch = "fixed"  # no host read: see the module docstring
+        if dispatch == "reference":
             y = self._dense(xf, idx, w)
+        elif dispatch == "fixed":
+            # every assignment stays (fixed shapes); a dropped one (slot >= capacity, weight 0)
+            # goes to the spare row ``capacity`` of the buffer
+            c_max = N if capacity is None else capacity + 1
+            y = self._padded(xf, e_sorted, t_sorted, slot.clamp(max=c_max - 1), w_sorted, c_max, spare=True)
         else:
             if keep is not None:
                 kept = keep_sorted
@@ -360,7 +383,7 @@ class MoE(nn.Module):
                 counts_kept = torch.bincount(e_sorted, minlength=E)
             else:
                 counts_kept = counts
-            if self.dispatch == "sorted":
+            if dispatch == "sorted":
                 y = self._sorted(xf, t_sorted, w_sorted, counts_kept)
             else:
                 c_max = capacity if capacity is not None else int(counts_kept.max()) if N else 0
@@ -401,11 +424,13 @@ class MoE(nn.Module):
         ys = ys * w_sorted.to(ys.dtype)[:, None]
         return xf.new_zeros(xf.shape).index_add(0, t_sorted, ys)
 
-    def _padded(self, xf, e_sorted, t_sorted, slot, w_sorted, c_max: int) -> Tensor:
-        """Sorted tokens scattered into ``[E, C_max, d]``; all experts as two ``bmm``."""
+    def _padded(self, xf, e_sorted, t_sorted, slot, w_sorted, c_max: int, spare: bool = False) -> Tensor:
+        """Sorted tokens scattered into ``[E, C_max, d]``; all experts as two ``bmm``. With
+        ``spare`` (``"fixed"``), several dropped assignments share one row: they are summed there
+        (``accumulate``, deterministic) and read back with weight 0."""
         E, d = self.n_experts, self.d_model
         buf = xf.new_zeros(E, c_max, d)
-        buf = buf.index_put((e_sorted, slot), xf.index_select(0, t_sorted))
+        buf = buf.index_put((e_sorted, slot), xf.index_select(0, t_sorted), accumulate=spare)
         gate, up = torch.bmm(buf, self.w_in.transpose(1, 2)).chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, self.w_out.transpose(1, 2))  # [E, C_max, d]
         ys = out[e_sorted, slot] * w_sorted.to(out.dtype)[:, None]

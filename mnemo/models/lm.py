@@ -21,7 +21,7 @@ from ..layers.hooks import HookPoint, attached, name_hook_points, select
 from ..layers.moe import MoE
 from ..layers.state import BlockState
 from ..layers.state import detach as detach_state
-from ..ops._common import pad_packed, unpad_packed, varlen_index
+from ..ops._common import assert_on_device, avoid_host_reads, pad_packed, unpad_packed, varlen_index
 from . import task_signal
 from .config import ModelConfig
 
@@ -218,7 +218,9 @@ class LanguageModel(nn.Module):
         ``logits [M, vocab]`` (``M`` = its number of true entries), equal to
         ``forward(input_ids)[0][logits_at]`` — training on sparse targets (a synthetic task's
         supervised positions) then skips the ``[B, T, vocab]`` head. Not with ``cu_seqlens`` nor
-        for models whose CMS levels learn from the next-token loss.
+        for models whose CMS levels learn from the next-token loss. A mask on the CPU for a model on
+        another device is resolved on the host (its positions are copied in, the selection is an
+        ``index_select``): a mask on the device costs a host synchronisation (``M`` is read).
 
         ``cu_seqlens`` (document packing): ``input_ids [1, N]`` holds several documents back to
         back, ``cu_seqlens [D + 1]`` (long) their boundaries ``0 = c_0 < … < c_D = N``. Every
@@ -232,17 +234,7 @@ class LanguageModel(nn.Module):
             raise ValueError(
                 f"input_ids must be an integer tensor [B, T], got {input_ids.dtype} {list(input_ids.shape)}"
             )
-        # the value check reads the tensor back to Python: skipped while torch.compile traces (a
-        # graph break at every call otherwise); the embedding still rejects an out-of-range id
-        if (
-            input_ids.numel()
-            and not torch.compiler.is_compiling()
-            and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size)
-        ):
-            raise ValueError(
-                f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), got values in "
-                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
+        self._check_ids(input_ids)
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
         if logits_at is not None:
@@ -261,6 +253,27 @@ class LanguageModel(nn.Module):
         if self.task_segment is not None:  # CMS levels learning from the next-token loss
             return task_signal.forward(self, input_ids, state, mode)
         return self._forward(input_ids, state, mode, logits_at=logits_at)
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        """The vocabulary range of ``input_ids``. On CPU the values are read and a ``ValueError``
+        names the range found. On another device reading them would be a host synchronisation per
+        forward (and on ``meta`` it raises), so the check runs there without a read
+        (``torch._assert_async``: on CUDA an out-of-range id fails the stream with a device-side
+        assert, as the embedding itself would; a no-op on ``meta``). Skipped while
+        ``torch.compile`` traces (a graph break at every call otherwise); the embedding still
+        rejects an out-of-range id."""
+        if not input_ids.numel() or torch.compiler.is_compiling():
+            return
+        V = self.config.vocab_size
+        if avoid_host_reads(input_ids):
+            assert_on_device(
+                ((input_ids >= 0) & (input_ids < V)).all(), f"input_ids must lie in [0, vocab_size = {V})"
+            )
+        elif int(input_ids.min()) < 0 or int(input_ids.max()) >= V:
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size = {V}), got values in "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
 
     def _forward_packed(self, input_ids, state, mode, cu_seqlens):
         if state is not None:
@@ -322,7 +335,14 @@ class LanguageModel(nn.Module):
                 x, s = block(x, state[i] if state is not None else None, mode=mode)
             new_state.append(s)
         h = self.norm(x)
-        logits = self.lm_head(h if logits_at is None else h[logits_at.to(h.device)])
+        if logits_at is None:
+            logits = self.lm_head(h)
+        elif logits_at.device.type == "cpu" and h.device.type != "cpu":
+            # a host mask for a device model: its positions found on the host (no device sync)
+            rows = logits_at.reshape(-1).nonzero().squeeze(1).to(h.device)
+            logits = self.lm_head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
+        else:
+            logits = self.lm_head(h[logits_at.to(h.device)])
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits, new_state

@@ -21,11 +21,14 @@ from . import _native, _workspace
 def autocast_off(fn):
     r"""Run a ``forward``/``backward`` of the chunk ``Function``\ s with autocast disabled: they
     compute in the dtype they were given (float32 for float32/bf16/fp16 inputs, float64 for
-    float64), so under ``torch.autocast`` states still accumulate in float32."""
+    float64), so under ``torch.autocast`` states still accumulate in float32. A device without
+    autocast (``meta``) has nothing to disable: the function runs as it is."""
 
     @functools.wraps(fn)
     def wrapper(ctx, *args):
         dev = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        if not torch.amp.is_autocast_available(dev):
+            return fn(ctx, *args)
         with torch.autocast(device_type=dev, enabled=False):
             return fn(ctx, *args)
 

@@ -68,6 +68,25 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
+def avoid_host_reads(*tensors: torch.Tensor | None) -> bool:
+    """Whether a data-dependent decision must be taken without reading a value back to Python:
+    while ``torch.compile`` traces (a read breaks the graph), or when a tensor lives on a device
+    other than the CPU (a read there is a host synchronisation, and on ``meta`` it raises). The
+    callers then take the branch that is right for any data (the one they take while traced);
+    on CPU tensors they read the value and pick the faster branch, as before."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(t is not None and t.device.type != "cpu" for t in tensors)
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Check a 0-d bool tensor on its own device without reading it back (``torch._assert_async``):
+    on CUDA a false ``condition`` fails the stream asynchronously (a device-side assert that the
+    next synchronisation reports); on ``meta`` it is a no-op. For non-CPU tensors only: on the
+    CPU the callers read the value and raise their own ``ValueError`` with the offending values."""
+    torch._assert_async(condition, message)
+
+
 class NonFiniteError(ValueError):
     """An op received NaN or infinite inputs (reported instead of propagated silently)."""
 
@@ -96,9 +115,17 @@ def finite_checks(enabled: bool) -> Iterator[None]:
 
 def check_finite(values: dict, gates: dict | None = None) -> None:
     """Raise :class:`NonFiniteError` naming the first input with NaN/inf entries. Log-gates may be
-    ``-inf`` (a hard reset) but not NaN or ``+inf``. Skipped while ``torch.compile`` traces
-    (reading a sum back to Python would break the graph at every op call)."""
+    ``-inf`` (a hard reset) but not NaN or ``+inf``.
+
+    Runs on CPU tensors only. Skipped while ``torch.compile`` traces (reading a sum back to Python
+    would break the graph at every op call) and for tensors on any other device (CUDA, ``meta``):
+    there the check would cost a host synchronisation per op call (3 per layer and forward), so
+    NaN/inf is caught once per training step instead, by the trainer's finite check of the loss
+    and the gradient norm (:class:`mnemo.train.trainer.TrainingDiverged`, naming the step, and
+    the parameters that hold NaN/inf). To find which op's input went bad, rerun the step on CPU."""
     if not _FINITE_CHECKS or torch.compiler.is_compiling():
+        return
+    if any(t is not None and t.device.type != "cpu" for t in (*values.values(), *(gates or {}).values())):
         return
     # Fast path, one read of each tensor: a sum is NaN/inf whenever any term is (NaN and ±inf
     # propagate; +inf and -inf together give NaN), so a finite sum proves every term finite. A
@@ -108,21 +135,10 @@ def check_finite(values: dict, gates: dict | None = None) -> None:
     ts = [t for t in values.values() if t is not None]
     gs = [g for g in (gates or {}).values() if g is not None]
     ts, gs = [t.detach() for t in ts], [g.detach() for g in gs]  # no autograd graph for a check
-    if all(t.device.type == "cpu" for t in ts + gs):  # no device sync to save: one float per sum
-        if all(math.isfinite(float(t.sum())) for t in ts) and all(
-            not (math.isnan(x) or x == math.inf) for x in (float(g.sum()) for g in gs)
-        ):
-            return
-        sums = []
-    else:  # one sync for all the sums
-        sums = [t.sum().float() for t in ts] + [g.sum().float() for g in gs]
-    if sums:
-        s = torch.stack(sums)
-        n_ok = len(ts)
-        if bool(torch.isfinite(s[:n_ok]).all()) and not bool(
-            (torch.isnan(s[n_ok:]) | (s[n_ok:] == float("inf"))).any()
-        ):
-            return
+    if all(math.isfinite(float(t.sum())) for t in ts) and all(
+        not (math.isnan(x) or x == math.inf) for x in (float(g.sum()) for g in gs)
+    ):
+        return
     for name, t in values.items():
         if t is not None and not bool(torch.isfinite(t).all()):
             n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())

@@ -82,6 +82,7 @@ from ._chunked import (
     unit_lower_inverse_,
 )
 from ._common import (
+    avoid_host_reads,
     causal_mask,
     check_initial_state,
     check_matrix_op,
@@ -328,7 +329,8 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     whenever ``torch.compile`` traces the call). Default ``scale=1.0`` (the inputs are used as
     given)."""
     C = min(int(chunk_size), q.shape[1])
-    if torch.compiler.is_compiling():  # traced: the autograd form (see gla_chunk)
+    # traced, or off the CPU (reading the decay back would be a host sync): the autograd form
+    if avoid_host_reads(q):  # (see gla_chunk)
         cd = S0.dtype
         return delta_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
     b = None

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = ["identity", "elu_plus_one", "relu", "taylor", "FavorPlus", "resolve_feature_map", "FEATURE_MAPS"]
 
@@ -44,7 +45,7 @@ def taylor(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(x[..., :1]), x, outer], dim=-1)
 
 
-class FavorPlus:
+class FavorPlus(nn.Module):
     """Positive orthogonal random features (FAVOR+, Choromanski et al. 2021, Lemma 1).
 
         φ(x) = exp(W x − ‖x‖² / 2) / √m,     E[φ(q)ᵀ φ(k)] = exp(qᵀk)
@@ -63,6 +64,13 @@ class FavorPlus:
     Raises:
         ValueError: ``head_dim`` or ``num_features`` is not positive, or an input's last dim is
             not ``head_dim``.
+
+    ``projection`` (``W``, float64) is a non-persistent buffer: it moves with the module
+    (``layer.to(device)``; a layer's feature map is its submodule), so a call on a GPU does not copy
+    it from the host each time; it is not saved (the seed redraws it), and a dtype cast of the
+    module (``model.to(torch.bfloat16)``) leaves it in float64: each call casts it to the input's
+    dtype, as before. Drawn on the CPU (the private generator), then placed on the default device
+    (``with torch.device("meta"):`` builds it on ``meta``).
     """
 
     def __init__(self, head_dim: int, num_features: int, *, seed: int = 0, orthogonal: bool = True):
@@ -71,30 +79,41 @@ class FavorPlus:
                 f"head_dim and num_features must be positive, got head_dim={head_dim}, "
                 f"num_features={num_features}"
             )
+        super().__init__()
         self.head_dim, self.num_features = head_dim, num_features
+        cpu = torch.device("cpu")
         gen = torch.Generator().manual_seed(seed)
         if orthogonal:
             blocks = []
             for _ in range(-(-num_features // head_dim)):
-                g = torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64)
+                g = torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64, device=cpu)
                 qmat, rmat = torch.linalg.qr(g)
                 qmat = qmat * torch.sign(torch.diagonal(rmat))[None, :]  # Haar-distributed (Mezzadri 2007)
                 blocks.append(qmat.T)
             w = torch.cat(blocks, 0)[:num_features]
-            norms = torch.randn(num_features, head_dim, generator=gen, dtype=torch.float64).norm(dim=-1)
-            self.projection = w * norms[:, None]
+            norms = torch.randn(num_features, head_dim, generator=gen, dtype=torch.float64, device=cpu)
+            w = w * norms.norm(dim=-1)[:, None]
         else:
-            self.projection = torch.randn(num_features, head_dim, generator=gen, dtype=torch.float64)
+            w = torch.randn(num_features, head_dim, generator=gen, dtype=torch.float64, device=cpu)
+        self.register_buffer("projection", w.to(torch.get_default_device()), persistent=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _apply(self, fn, recurse=True):
+        # move ``projection`` with the module but keep its float64 values through a dtype cast
+        kept = self.projection
+        super()._apply(fn, recurse)
+        if self.projection.dtype != kept.dtype:
+            self.projection = kept.to(self.projection.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"FavorPlus expects inputs with last dim {self.head_dim}, got {x.shape[-1]}")
         w = self.projection.to(device=x.device, dtype=x.dtype)
         proj = x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True)
         return proj.exp() / math.sqrt(self.num_features)
 
-    def __repr__(self) -> str:
-        return f"FavorPlus(head_dim={self.head_dim}, num_features={self.num_features})"
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_features={self.num_features}"
 
 
 FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

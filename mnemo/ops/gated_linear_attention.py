@@ -43,6 +43,7 @@ from ._chunked import (
     unchunk_heads,
 )
 from ._common import (
+    avoid_host_reads,
     causal_mask,
     check_floating,
     check_initial_state,
@@ -124,8 +125,8 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
     *lead, C, K = q.shape
     mask = causal_mask(C, q.device)
     # while torch.compile traces, the decay is not read back (a graph break): the sub-block form
-    # with exact diagonal blocks, right for any decay, runs
-    traced = torch.compiler.is_compiling()
+    # with exact diagonal blocks, right for any decay, runs; likewise off the CPU (a host sync)
+    traced = avoid_host_reads(q)
     if not traced and float(-b[..., -1, :].detach().min()) <= safe_span:
         A = (q * b.exp()) @ (k * (-b).exp()).transpose(-1, -2)
         return A.masked_fill(~mask, 0.0)
@@ -324,9 +325,10 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
     (the inputs are used as given)."""
     T = q.shape[1]
     C = min(int(chunk_size), T)
-    if torch.compiler.is_compiling():
+    if avoid_host_reads(q):
         # traced: the autograd form (no data-dependent branch, no out= writes into views, safe for
-        # any decay); inductor fuses its element-wise work and derives the backward
+        # any decay); inductor fuses its element-wise work and derives the backward. Likewise off
+        # the CPU: choosing the form reads the decay back, a host synchronisation per call
         cd = S0.dtype
         return gla_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), g, S0, chunk_size)
     b = None

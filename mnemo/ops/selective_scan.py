@@ -54,6 +54,7 @@ from . import _native, _workspace
 from ._common import (
     LOG_GATE_MIN,
     _shape,
+    avoid_host_reads,
     causal_mask,
     check_finite,
     check_form,
@@ -154,8 +155,8 @@ class _ChunkScan(torch.autograd.Function):
         nb = -(-T // L)
         # clamping is needed only if some Δ·A can fall below the floor (cheap [G, N, Dg] bound)
         # (while torch.compile traces, always: a clamp that changes nothing is exact, and reading
-        # the bound back would break the graph)
-        if torch.compiler.is_compiling():
+        # the bound back would break the graph; off the CPU too: the read is a host sync)
+        if avoid_host_reads(delta):
             clamp = True
         else:
             dmax, dmin = delta.amax((0, 1)), delta.amin((0, 1))

@@ -808,7 +808,16 @@ class Trainer:
         every rank alike). A model with MoE layers also optimises their auxiliary losses
         (:meth:`_moe_aux_scale`); the returned loss stays the cross-entropy, the auxiliary values
         are logged as ``moe_aux_loss`` / ``moe_z_loss``, and the balancing bias steps after the
-        optimizer (:meth:`_moe_after_step`)."""
+        optimizer (:meth:`_moe_after_step`).
+
+        Host reads. On the CPU each micro-batch's loss is read and checked before its backward, and
+        the gradient norm after the last one (``grad_accum + 1`` reads), as are the ops' own NaN/inf
+        input checks (:func:`mnemo.ops.check_finite`). On another device with one process the step
+        reads **one** value pair, once: the summed loss and the gradient norm, after the last
+        backward and before the optimizer step (the ops' checks are off there, and the MoE
+        statistics stay on the device until they are logged). A NaN/inf loss or norm raises
+        :class:`TrainingDiverged` with the step, as on the CPU; the optimizer has not stepped. With
+        several processes the per-micro-batch agreement of the ranks stays as it is."""
         cfg = self.cfg
         first = None
         if self.task is None and cfg.pack_documents:
@@ -836,9 +845,13 @@ class Trainer:
         sparse = self.task is not None and not cp and first is None and self.model.task_segment is None
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        # one host read per step on an accelerator (see the docstring): the losses stay on the device
+        deferred = self.world == 1 and self.device.type != "cpu"
+        total_dev = None
         for i in range(cfg.grad_accum):
             xi = x[i * micro : (i + 1) * micro].to(self.device)
-            yi = y[i * micro : (i + 1) * micro].to(self.device)
+            y_host = y[i * micro : (i + 1) * micro]  # (on the CPU: a batch is drawn there)
+            yi = y_host.to(self.device)
             # gradients are all-reduced once per step, in the last micro-batch's backward
             defer = self.ddp is not None and i < cfg.grad_accum - 1
             if self.fsdp:  # FSDP2 likewise reduce-scatters in the last micro-batch's backward only
@@ -852,8 +865,9 @@ class Trainer:
                         elif first is not None:
                             logits = self.train_model(xi, first[i * micro : (i + 1) * micro].to(self.device))
                         elif sparse:  # a task's supervised positions only: no [B, T, vocab] head
-                            at = yi != IGNORE_INDEX
-                            logits, yi = self.train_model(xi, logits_at=at), yi[at]
+                            # the mask on the host: selecting by it reads no device value
+                            at = y_host != IGNORE_INDEX
+                            logits, yi = self.train_model(xi, logits_at=at), y_host[at].to(self.device)
                         else:
                             logits = self.train_model(xi)
                     ce = F.cross_entropy(
@@ -864,7 +878,11 @@ class Trainer:
                     )
                 except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
                     error, ce = e, None
-                part, failed = self._reduce_loss(ce, error is not None)
+                if deferred and error is None:  # checked with the gradient norm, after the backward
+                    part, failed = 0.0, False
+                    total_dev = ce.detach() if total_dev is None else total_dev + ce.detach()
+                else:
+                    part, failed = self._reduce_loss(ce, error is not None)
                 if failed:  # raised on every rank before any backward, so no rank waits for another
                     detail = (
                         f"in the forward pass: {_nonfinite_detail(error)}"
@@ -918,13 +936,22 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        if not math.isfinite(norm.item()):
+        if deferred:  # the step's one host read: the summed loss and the gradient norm together
+            summed, norm_value = torch.stack([total_dev.double(), norm.detach().double()]).tolist()
+            if not math.isfinite(summed):
+                raise TrainingDiverged(
+                    self.step + 1,
+                    "loss",
+                    summed / n_tokens,
+                    self.last_checkpoint,
+                    precision=self.cfg.precision,
+                )
+            total = summed
+        else:
+            norm_value = norm.item()
+        if not math.isfinite(norm_value):
             raise TrainingDiverged(
-                self.step + 1,
-                "gradient norm",
-                norm.item(),
-                self.last_checkpoint,
-                precision=self.cfg.precision,
+                self.step + 1, "gradient norm", norm_value, self.last_checkpoint, precision=self.cfg.precision
             )
         self.optimizer.step()
         self.scheduler.step()
@@ -973,7 +1000,8 @@ class Trainer:
         flat = torch.cat(acc)
         if self.world > 1:
             dist.all_reduce(flat)
-        flat = flat.cpu()
+        if self.world > 1 or self.device.type == "cpu":
+            flat = flat.cpu()  # (a host sync off the CPU: with one process the sums stay there until logged)
         sums = list(flat.split([a.numel() for a in acc]))
         for s_, (_, m) in zip(sums, self.model.moe_layers()):
             if m.bias_balancing:

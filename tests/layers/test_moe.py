@@ -1,5 +1,6 @@
 """Mixture of experts (mnemo.layers.moe): the fast dispatches equal the dense reference (outputs and
-gradients, float64); the routing, the losses, bias balancing and capacity drops against values
+gradients, float64; "fixed" is the no-host-read path that "sorted" and "padded" take off the
+CPU); the routing, the losses, bias balancing and capacity drops against values
 computed by hand; the config; training through the Trainer; decoding and packing unchanged.
 
 Tolerances: float64 relative RMS ≤ 1e-12 between dispatch forms (measured ~1e-16)."""
@@ -36,7 +37,7 @@ def _grads(m, x, y):
     )
 
 
-@pytest.mark.parametrize("dispatch", ["sorted", "padded"])
+@pytest.mark.parametrize("dispatch", ["sorted", "padded", "fixed"])
 @pytest.mark.parametrize(
     "variant",
     ["top1", "top2", "top2_shared", "top2_gated_shared_unnorm", "top2_capacity", "top1_capacity_shared"],
