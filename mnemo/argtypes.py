@@ -365,7 +365,7 @@ threads = Int(1, 4096)
 #: model sizes: beyond these a model cannot be built on any machine (the memory check refuses
 #: what this one cannot hold)
 width = Int(1, 2**20)
-depth = Int(1, 10_000)
+depth = Int(1, 1024)
 device = Device()
 
 

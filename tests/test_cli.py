@@ -183,7 +183,7 @@ def test_config_file_then_flags(tmp_path):
     [
         (["train", "--model", "gpt5"], "unknown model 'gpt5'; registered models:"),
         (["train", "--data", "/nonexistent/file.txt"], "data file not found"),
-        (["train", "--steps", "0"], "argument --steps: expected an int >= 1, got '0'"),
+        (["train", "--steps", "0"], "argument --steps: expected an int in [1, 1000000000], got '0'"),
         (
             ["eval", "--checkpoint", "/nonexistent"],
             "argument --checkpoint: expected a run or checkpoint folder",

@@ -176,7 +176,7 @@ def test_a_mistyped_space_separated_value_is_refused_too():
     """``--steps -5`` (a space, not ``=``) is read as the flag's value, and refused."""
     code, err = _parse(["train", "--steps", "-5"])
     assert code == 2 and err.strip() == (
-        "mnemo train: error: argument --steps: expected an int >= 1, got '-5' (see: mnemo train --help)"
+        "mnemo train: error: argument --steps: expected an int in [1, 1000000000], got '-5' (see: mnemo train --help)"
     )
 
 
@@ -827,3 +827,28 @@ def test_probe_reads_a_jsonl_field_it_is_told(run, tmp_path, capsys):
     assert main(argv) == 2
     assert "choose one with --text-field" in capsys.readouterr().err
     assert main([*argv, "--text-field", "body"]) == 0
+
+
+def test_unknown_mixer_options_are_named_not_a_traceback(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_overrides: {mixer_options: {attention: {bogus: 3}}}\n")
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "ModelConfig.mixer_options['attention']: expected options of Attention (n_heads," in err
+    assert "got 'bogus'" in err and err.count("\n") == 1 and not (tmp_path / "never").exists()
+
+
+def test_counts_that_would_never_finish_are_refused(tmp_path, capsys):
+    """A typo's 10^20 steps or evaluation batches, or 10,000 layers, used to run silently until
+    killed."""
+    for argv, msg in (
+        (["train", "--steps", HUGE], "argument --steps: expected an int in [1, 1000000000]"),
+        (["train", "--eval-batches", HUGE], "argument --eval-batches: expected an int in [1, 100000]"),
+        (["train", "--n-layers", "10000"], "argument --n-layers: expected an int in [1, 1024]"),
+    ):
+        assert main(argv) == 2
+        assert msg in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("steps: 100000000000\n")
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "never")]) == 2
+    assert "TrainConfig.steps: expected a positive int <= 1,000,000,000" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,9 +89,18 @@ class ModelConfig:
         for m in self.layer_mixers():
             if m not in MIXERS:
                 bad(source, f"mixer names among {sorted(MIXERS)}", m)
-        for m in self.mixer_options:
+        for m, opts in self.mixer_options.items():
             if m not in MIXERS:
                 bad("mixer_options", f"keys among {sorted(MIXERS)}", m)
+            if not isinstance(opts, dict):
+                bad(f"mixer_options[{m!r}]", f"a dict of {MIXERS[m].__name__}'s options", opts)
+            unknown = _unknown_options(MIXERS[m], opts)
+            if unknown:
+                bad(
+                    f"mixer_options[{m!r}]",
+                    f"options of {MIXERS[m].__name__} ({', '.join(_known_options(MIXERS[m]))})",
+                    ", ".join(unknown),
+                )
         if self.mlp not in ("swiglu", "none", "cms", "moe"):
             bad("mlp", "'swiglu', 'none', 'cms' or 'moe'", self.mlp)
         if self.mlp_hidden is not None and (
@@ -142,3 +152,18 @@ class ModelConfig:
     @classmethod
     def load(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _known_options(cls) -> list[str]:
+    """The keyword options of a mixer class's constructor (after ``d_model``)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, d_model
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _unknown_options(cls, opts: dict) -> list[str]:
+    """Keys of ``opts`` the constructor does not take (none when it takes ``**kwargs``)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    known = set(_known_options(cls))
+    return sorted(str(k) for k in opts if k not in known)

@@ -25,6 +25,12 @@ def _flag(help: str, **argparse_options) -> dict[str, Any]:
     return {"cli": {"help": help, **argparse_options}}
 
 
+#: bounds that keep a typo from starting work that would never end (a billion steps; each
+#: evaluation at most 100,000 validation batches)
+MAX_STEPS = 10**9
+MAX_EVAL_BATCHES = 100_000
+
+
 @dataclass
 class TrainConfig:
     """Everything that defines a training run (saved as ``train_config.json`` in checkpoints).
@@ -238,7 +244,10 @@ class TrainConfig:
             "recompute each block's activations in the backward pass (less memory, ~1 more forward)"
         ),
     )
-    steps: int = field(default=1000, metadata=_flag("optimizer steps", metavar="N", type=kinds.positive_int))
+    steps: int = field(
+        default=1000,
+        metadata=_flag("optimizer steps (at most 10**9)", metavar="N", type=kinds.Int(1, MAX_STEPS)),
+    )
     schedule_steps: int | None = None  # set by --resume --reschedule
     lr: float = field(
         default=3e-3,
@@ -268,7 +277,12 @@ class TrainConfig:
         ),
     )
     eval_batches: int = field(
-        default=8, metadata=_flag("validation batches per evaluation", metavar="N", type=kinds.positive_int)
+        default=8,
+        metadata=_flag(
+            "validation batches per evaluation (at most 100,000)",
+            metavar="N",
+            type=kinds.Int(1, MAX_EVAL_BATCHES),
+        ),
     )
     checkpoint_interval: int | None = field(
         default=None,
@@ -384,6 +398,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(name, "a positive int")
+        for name, hi in (("steps", MAX_STEPS), ("eval_batches", MAX_EVAL_BATCHES)):
+            if getattr(self, name) > hi:
+                bad(name, f"a positive int <= {hi:,}")
         if self.batch_size % self.grad_accum:
             bad("batch_size", f"a multiple of grad_accum ({self.grad_accum})")
         if not isinstance(self.activation_checkpointing, bool):
