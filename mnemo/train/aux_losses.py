@@ -36,11 +36,11 @@ class AuxiliaryLoss(Protocol):
 class MoEBalance:
     """The MoE layers' auxiliary losses (``Σ_layers aux_loss_coef · L_aux + z_loss_coef · L_z``,
     :meth:`mnemo.models.LanguageModel.aux_loss`), expert loads and bias balancing, for a run of
-    ``grad_accum`` micro-batches on ``world`` processes on ``device``. Does nothing for a model
-    without MoE layers."""
+    ``grad_accum`` micro-batches on ``world`` processes. Does nothing for a model without MoE
+    layers."""
 
-    def __init__(self, grad_accum: int, world: int, context_parallel: bool, device: torch.device):
-        self.grad_accum, self.world, self.device = grad_accum, world, device
+    def __init__(self, grad_accum: int, world: int, context_parallel: bool):
+        self.grad_accum, self.world = grad_accum, world
         self.scale = self._scale(grad_accum, world, context_parallel)
         self._step_sums = None  # this step's per-layer sums, on the device
         self._interval, self._interval_n = None, 0  # the logging interval's
@@ -90,7 +90,7 @@ class MoEBalance:
         flat = torch.cat(acc)
         if self.world > 1:
             dist.all_reduce(flat)
-        if self.world > 1 or self.device.type == "cpu":
+        if self.world > 1 or flat.device.type == "cpu":  # (the sums are on the model's device)
             flat = flat.cpu()  # (a host sync off the CPU: with one process the sums stay there until logged)
         sums = list(flat.split([a.numel() for a in acc]))
         for s_, (_, m) in zip(sums, model.moe_layers()):

@@ -24,26 +24,28 @@ from .task_eval import evaluate_task
 class Evaluator:
     """Evaluates a model of the run ``cfg``: on ``task``'s test sets (cached in ``cache``, keyed
     ``(length, rows)``), else on the text stream ``val_data`` of ``val_chars`` characters; forward
-    passes on ``device`` under ``autocast()``."""
+    passes under ``autocast()``."""
 
-    def __init__(self, cfg: TrainConfig, task, val_data, val_chars, device, autocast, cache: dict):
+    def __init__(self, cfg: TrainConfig, task, val_data, val_chars, autocast, cache: dict):
         self.cfg, self.task, self.val_data, self.val_chars = cfg, task, val_data, val_chars
-        self.device, self.autocast, self.cache = device, autocast, cache
+        self.autocast, self.cache = autocast, cache
 
     @torch.no_grad()
-    def evaluate(self, model, max_batches: int | None = None, lengths: list[int] | None = None) -> dict:
-        """See :meth:`mnemo.train.Trainer.evaluate`."""
+    def evaluate(
+        self, model, device, max_batches: int | None = None, lengths: list[int] | None = None
+    ) -> dict:
+        """``model`` (on ``device``) evaluated: see :meth:`mnemo.train.Trainer.evaluate`."""
         if self.task is not None:
-            return self._evaluate_task(model, max_batches, lengths or [])
+            return self._evaluate_task(model, device, max_batches, lengths or [])
         was = model.training
         model.eval()
         total, count = 0.0, 0
         pack = self.cfg.pack_documents
         for batch in self.val_data.eval_batches(self.cfg.batch_size, max_batches, with_documents=pack):
-            x, y = batch[0].to(self.device), batch[1].to(self.device)
+            x, y = batch[0].to(device), batch[1].to(device)
             with self.autocast():
                 if pack:
-                    logits = packed_logits(model, x, batch[2].to(self.device))
+                    logits = packed_logits(model, x, batch[2].to(device))
                 else:
                     logits, _ = model(x)
             total += torch.nn.functional.cross_entropy(
@@ -77,7 +79,7 @@ class Evaluator:
             ev.update({k: v for k, v in longer.items() if "@" in k})
         return ev
 
-    def _evaluate_task(self, model, max_batches: int | None, lengths: list[int]) -> dict:
+    def _evaluate_task(self, model, device, max_batches: int | None, lengths: list[int]) -> dict:
         cfg = self.cfg
         n = cfg.batch_size * (cfg.eval_batches if max_batches is None else min(max_batches, cfg.eval_batches))
         wanted = [cfg.seq_len] + [L for L in lengths if L != cfg.seq_len]
@@ -89,7 +91,7 @@ class Evaluator:
             batch_size=cfg.batch_size,
             train_len=cfg.seq_len,
             seed=cfg.seed,
-            device=self.device,
+            device=device,
             autocast=self.autocast,
             cache=self.cache,
         )

@@ -112,9 +112,9 @@ class Trainer:
         self.train_model = self.strategy.wrap(self.model)  # DDP's wrapper, or the plain forward
         self.ddp = self.strategy.ddp
         self.evaluator = Evaluator(
-            self.cfg, self.task, self.val_data, self.val_chars, self.device, self._autocast, self._test_sets
+            self.cfg, self.task, self.val_data, self.val_chars, self._autocast, self._test_sets
         )
-        self.aux_losses = [MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel, self.device)]
+        self.aux_losses = [MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)]
         self.aux_losses += list(aux_losses)
         # rank 0 logs: metrics.jsonl, TensorBoard (cfg.tensorboard), then the caller's sinks
         self.sinks = [*default_sinks(self.out, self.cfg.tensorboard), *sinks] if self.is_main else []
@@ -191,7 +191,7 @@ class Trainer:
         ``max_batches · batch_size`` test sequences (all ``eval_batches`` when ``None``), plus
         ``val_loss@L``, ``val_acc@L`` and ``val_seq_acc@L`` for each of ``lengths``.
         """
-        return self.evaluator.evaluate(self.model, max_batches, lengths)
+        return self.evaluator.evaluate(self.model, self.device, max_batches, lengths)
 
     def _diverged(self, what: str, value: float, detail: str | None = None, step: int | None = None):
         step = self.step + 1 if step is None else step
