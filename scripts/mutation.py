@@ -215,6 +215,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/train/task_eval.py": ("tests/tasks/test_task_training.py", "tests/tasks/test_sweep.py"),
     # gradient accumulation under DDP (no_sync): one short 2-process run, about 25 s
     "mnemo/train/trainer.py": (*_TRAIN, "tests/train/test_ddp_no_sync.py"),
+    "mnemo/train/strategy.py": (*_TRAIN, "tests/train/test_ddp_no_sync.py"),
+    "mnemo/train/aux_losses.py": ("tests/layers/test_moe.py", *_TRAIN),
     "mnemo/train/*.py": _TRAIN,
     "mnemo/interp/maps.py": ("tests/interp/test_maps.py", "tests/interp/test_scores.py"),
     "mnemo/interp/scores.py": ("tests/interp/test_scores.py", "tests/interp/test_maps.py"),

@@ -7,6 +7,7 @@ another for it."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -85,3 +86,18 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
             ema=cfg.m3_ema,
         )
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, warn: bool = True):
+    """The learning-rate schedule of ``cfg``: :func:`lr_factor` over ``cfg.cosine_steps`` as a
+    ``LambdaLR``; warns (``warn``: on the main process) when the warm-up is as long as the schedule."""
+    if cfg.warmup_steps >= cfg.cosine_steps and warn:
+        warnings.warn(
+            f"warmup_steps {cfg.warmup_steps} >= the {cfg.cosine_steps}-step learning-rate schedule: "
+            f"the lr never reaches lr={cfg.lr:g} (at most "
+            f"{cfg.lr * cfg.cosine_steps / cfg.warmup_steps:.3g}) and never decays; lower --warmup-steps",
+            stacklevel=3,  # (Trainer.__init__)
+        )
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.cosine_steps, cfg.min_lr_ratio)
+    )

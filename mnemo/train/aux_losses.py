@@ -1,0 +1,129 @@
+"""Auxiliary training losses: terms added to a micro-batch's loss besides the cross-entropy, with
+their own bookkeeping per step and per logging interval. The one built in is :class:`MoEBalance`
+(mixture-of-experts load balancing and router z-loss, :class:`mnemo.layers.MoE`).
+
+Extension point: a new auxiliary loss is an object with three methods (:class:`AuxiliaryLoss`),
+passed as ``Trainer(..., aux_losses=[...])`` (added after the built-in MoE one):
+
+* ``collect(model) -> Tensor | None`` — after each micro-batch's forward (before its backward):
+  the 0-d term to add to that micro-batch's loss, already weighted (the loss a rank back-propagates
+  is ``summed cross-entropy / global supervised tokens``, so a per-token mean term is divided by
+  ``grad_accum`` to weigh it once per step; DDP averages over ranks), or ``None``;
+* ``after_step(model)`` — after the optimizer step (e.g. a bias update, a collective over ranks:
+  every rank calls it in the same order);
+* ``record() -> dict`` — the logging interval's metrics, merged into the evaluation record (keys
+  of your own prefix), then reset.
+
+The step's returned and logged ``train_loss`` stays the cross-entropy.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class AuxiliaryLoss(Protocol):
+    def collect(self, model) -> torch.Tensor | None: ...
+
+    def after_step(self, model) -> None: ...
+
+    def record(self) -> dict: ...
+
+
+class MoEBalance:
+    """The MoE layers' auxiliary losses (``Σ_layers aux_loss_coef · L_aux + z_loss_coef · L_z``,
+    :meth:`mnemo.models.LanguageModel.aux_loss`), expert loads and bias balancing, for a run of
+    ``grad_accum`` micro-batches on ``world`` processes. Does nothing for a model without MoE
+    layers."""
+
+    def __init__(self, grad_accum: int, world: int, context_parallel: bool):
+        self.grad_accum, self.world = grad_accum, world
+        self.scale = self._scale(grad_accum, world, context_parallel)
+        self._step_sums = None  # this step's per-layer sums, on the device
+        self._interval, self._interval_n = None, 0  # the logging interval's
+
+    @staticmethod
+    def _scale(grad_accum: int, world: int, context_parallel: bool) -> float:
+        """Weight of a micro-batch's auxiliary loss (already ``Σ_layers coef · L``). Each
+        micro-batch's ``L_aux`` / ``L_z`` is computed over its own tokens (per rank), and the
+        training objective adds their **mean** over the step's micro-batches and ranks: ``1 /
+        grad_accum`` here, DDP's gradient average does the rest; context parallelism sums gradients
+        over ranks, hence ``1 / (grad_accum · world)`` there. (With one micro-batch on one process
+        this is the full batch's loss; otherwise ``f · P`` is averaged per micro-batch, not pooled.)"""
+        n = grad_accum * (world if context_parallel else 1)
+        return 1.0 / n
+
+    def collect(self, model) -> torch.Tensor | None:
+        """The weighted auxiliary loss of the micro-batch just run (``None`` without MoE layers);
+        adds each layer's assignment counts, dropped assignments and loss values to the step's sums
+        (before the backward, so activation recomputation does not count twice)."""
+        aux = model.aux_loss()
+        if aux is None:
+            return None
+        term = aux * self.scale
+        parts = [  # kept on the device: no host synchronisation per micro-batch
+            torch.cat(
+                [
+                    m.last_counts.double(),
+                    m.last_dropped.double()[None],
+                    m.last_aux_loss.detach().double()[None],
+                    m.last_z_loss.detach().double()[None],
+                ]
+            )
+            for _, m in model.moe_layers()
+        ]
+        acc = self._step_sums
+        self._step_sums = parts if acc is None else [a + b for a, b in zip(acc, parts)]
+        return term
+
+    def after_step(self, model) -> None:
+        """After the optimizer step: sum the step's MoE statistics over ranks (one all-reduce), take
+        one auxiliary-loss-free bias step per layer with ``bias_balancing`` (its global counts, so
+        every rank's bias stays equal), and add the statistics to the logging interval's."""
+        acc = self._step_sums
+        if acc is None:
+            return
+        self._step_sums = None
+        flat = torch.cat(acc)
+        if self.world > 1:
+            dist.all_reduce(flat)
+        if self.world > 1 or flat.device.type == "cpu":  # (the sums are on the model's device)
+            flat = flat.cpu()  # (a host sync off the CPU: with one process the sums stay there until logged)
+        sums = list(flat.split([a.numel() for a in acc]))
+        for s_, (_, m) in zip(sums, model.moe_layers()):
+            if m.bias_balancing:
+                m.update_bias(s_[:-3])
+        if self._interval is None:
+            self._interval = [torch.zeros_like(s_) for s_ in sums]
+        for a, s_ in zip(self._interval, sums):
+            a += s_
+        # micro-batches (× ranks) that contributed a loss value, for the interval means
+        self._interval_n += self.grad_accum * self.world
+
+    def record(self) -> dict:
+        """The logging interval's MoE metrics (and a reset): ``moe_load`` (per layer, the fraction
+        of assignments each expert received; balanced = ``1/E``), ``moe_load_max`` / ``moe_load_min``
+        (over layers and experts), ``moe_dropped`` (assignments dropped by ``capacity_factor``) and
+        ``moe_dropped_frac``, ``moe_aux_loss`` / ``moe_z_loss`` (per layer and micro-batch means;
+        ``moe_aux_loss`` is 1 for uniform routing). Empty without MoE layers."""
+        interval = self._interval
+        if interval is None:
+            return {}
+        n = max(self._interval_n, 1)
+        self._interval, self._interval_n = None, 0
+        loads = [(a[:-3] / a[:-3].sum().clamp_min(1)).tolist() for a in interval]
+        assigned = sum(float(a[:-3].sum()) for a in interval)
+        dropped = sum(float(a[-3]) for a in interval)
+        flat = [v for row in loads for v in row]
+        return {
+            "moe_load": [[round(v, 5) for v in row] for row in loads],
+            "moe_load_max": max(flat),
+            "moe_load_min": min(flat),
+            "moe_dropped": int(dropped),
+            "moe_dropped_frac": dropped / max(assigned, 1.0),
+            "moe_aux_loss": sum(float(a[-2]) for a in interval) / (n * len(interval)),
+            "moe_z_loss": sum(float(a[-1]) for a in interval) / (n * len(interval)),
+        }

@@ -1,0 +1,132 @@
+"""Where a training step's rows come from and the forward they run through: a task's fixed
+training set (:func:`fixed_train_set`, read in order by :func:`fixed_batch`), packed documents
+(:func:`packed_logits`: one row with ``cu_seqlens``) and the training forward module the
+parallelism strategies wrap (:class:`_Logits`). Shapes: ``[B, T]`` token ids, ``[B, T, vocab]``
+logits. :class:`RunData` holds a run's data: the task or the text corpus with its tokenizer and
+train/validation streams, and draws each step's global batch.
+
+Extension point: a new data source is a ``TrainConfig.task`` (a registered task generator,
+:mod:`mnemo.data.tasks`) or a corpus format of :func:`mnemo.data.load_corpus`; the trainer only
+calls :meth:`RunData.next_batch`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..data import build_tokenizer, load_corpus
+from ..data.tasks import make_generator
+from ..data.tokenizer import load_tokenizer
+from ..models import LanguageModel
+from .config import TrainConfig
+from .memory_estimate import check_sequences_memory
+
+
+class _Logits(torch.nn.Module):
+    """The training forward: ``input_ids -> logits``. DDP wraps this rather than the model, since
+    the per-layer states the model also returns depend on parameters the loss may not (e.g. CMS
+    levels), and DDP would wait for their gradients."""
+
+    def __init__(self, model: LanguageModel):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        first: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if first is None:
+            return self.model(input_ids, logits_at=logits_at)[0]
+        return packed_logits(self.model, input_ids, first)
+
+
+def fixed_train_set(
+    task, n: int, seq_len: int, seed: int, chunk: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` training sequences of ``task`` (``(input_ids, targets)``, ``[n, seq_len]`` int32),
+    drawn in chunks of ``chunk`` rows (default ``chunk=4096``) from the train seed stream of ``seed``
+    (the stream fresh batches come from; never the test stream): the fixed set of
+    ``TrainConfig.train_examples``."""
+    gen = make_generator(seed, "train")
+    xs, ys = [], []
+    for start in range(0, n, chunk):
+        x, y = task.generate(min(chunk, n - start), seq_len, gen)
+        xs.append(x.to(torch.int32))
+        ys.append(y.to(torch.int32))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def fixed_batch(train_set: tuple[torch.Tensor, torch.Tensor], step: int, batch_size: int):
+    """The batch of optimizer step ``step`` (0-based) from a fixed training set: rows
+    ``[i·B, (i+1)·B)`` with ``i = step mod (n // B)`` — the set read in order, epoch after epoch,
+    without shuffling (a last partial batch is skipped). Returns long tensors ``[B, T]``."""
+    x, y = train_set
+    i = step % (x.shape[0] // batch_size)
+    rows = slice(i * batch_size, (i + 1) * batch_size)
+    return x[rows].long(), y[rows].long()
+
+
+def packed_logits(model: LanguageModel, input_ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, T, vocab]`` of windows whose documents are separate sequences: the rows are
+    packed into one ``[1, B·T]`` row with ``cu_seqlens`` at every ``first`` (``[B, T]`` bool, true
+    where a sequence begins; column 0 always true)."""
+    B, T = input_ids.shape
+    flat = first.reshape(-1).clone()
+    flat[::T] = True
+    cu = torch.cat([flat.nonzero()[:, 0], flat.new_tensor([B * T], dtype=torch.long)])
+    logits, _ = model(input_ids.reshape(1, B * T), cu_seqlens=cu)
+    return logits.reshape(B, T, -1)
+
+
+class RunData:
+    """The data of the run ``cfg``: the task (``task``; with ``cfg.train_examples`` a fixed
+    ``train_set``), or the text corpus with its ``tokenizer`` (the checkpoint ``ckpt``'s on resume,
+    else built from the text) and the ``train_data`` / ``val_data`` streams (``val_chars``
+    characters of validation text). ``vocab_size``: the model's vocabulary."""
+
+    def __init__(self, cfg: TrainConfig, ckpt=None, is_main: bool = True):
+        self.cfg = cfg
+        self.task = cfg.build_task()
+        self.tokenizer = self.train_data = self.val_data = self.val_chars = None
+        self.train_set = None
+        if self.task is not None:
+            if cfg.train_examples is not None:
+                check_sequences_memory(cfg.train_examples, cfg.seq_len, "cpu", flag="--train-examples")
+                self.train_set = fixed_train_set(self.task, cfg.train_examples, cfg.seq_len, cfg.seed)
+            self.vocab_size = self.task.vocab_size
+            return
+        corpus = load_corpus(cfg.data, cfg.text_field)
+        if ckpt is not None:
+            self.tokenizer = load_tokenizer(ckpt)
+        else:  # a char vocabulary is read from the text; byte and tokenizer files need none
+            self.tokenizer = build_tokenizer(cfg.tokenizer, corpus.text if cfg.tokenizer == "char" else "")
+        if cfg.pack_documents and len(corpus) < 2 and is_main:
+            warnings.warn(
+                f"pack_documents: {cfg.data!r} is a single document, so packing changes nothing "
+                "(JSONL/Parquet corpora give one document per record)",
+                stacklevel=2,  # (Trainer.__init__)
+            )
+        train_docs, val_docs = corpus.split()
+        # documents joined by the end-of-text token (char/byte: "\n\n"); .doc_starts keeps them
+        self.train_data = train_docs.stream(self.tokenizer, cfg.seq_len)
+        self.val_data = val_docs.stream(self.tokenizer, cfg.seq_len)
+        self.val_chars = self.val_data.num_chars
+        self.vocab_size = self.tokenizer.vocab_size
+
+    def next_batch(self, step: int, generator: torch.Generator):
+        """The global batch of optimizer step ``step`` (0-based): ``(x, y, first)``, ``[B, T]`` long
+        (``first``: where packed documents begin, else ``None``), drawn from ``generator`` (the
+        run's checkpointed batch stream) unless a fixed training set is read in order."""
+        cfg, first = self.cfg, None
+        if self.task is None and cfg.pack_documents:
+            x, y, first = self.train_data.sample(cfg.batch_size, generator, with_documents=True)
+        elif self.task is None:
+            x, y = self.train_data.sample(cfg.batch_size, generator)
+        elif self.train_set is not None:
+            x, y = fixed_batch(self.train_set, step, cfg.batch_size)
+        else:
+            x, y = self.task.generate(cfg.batch_size, cfg.seq_len, generator)
+        return x, y, first

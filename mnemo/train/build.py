@@ -1,0 +1,134 @@
+"""Building a run's model: the checks that must pass before anything is allocated (learned
+positions cover every length, a step and the evaluations fit in memory, the model can run
+context-parallel), the model on its device, and its starting weights: another run's
+(``TrainConfig.init_from``) or, on resume, the checkpoint's. The seed is set here: the model's
+initial weights are the first draws of the run's torch RNG stream (exact resume depends on the
+order of the draws).
+
+Extension point: a new architecture is a registered model (:func:`mnemo.models.build_config`);
+what must be true of a model before a run allocates it goes in :func:`build_model`."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..models import LanguageModel, build_config
+from ..models.lm import WEIGHTS_NAME
+from .checkpoint import resolve_checkpoint
+from .config import TrainConfig
+from .distributed import _check_recurrent
+from .memory_estimate import check_forward_memory, check_memory, check_sequences_memory, estimate_memory
+from .sharded import is_sharded, load_sharded
+from .strategy import ContextParallel, Strategy
+
+
+def _count_parameters(model_cfg) -> int:
+    """Parameters of the model ``model_cfg`` describes, counted on the meta device (nothing is
+    allocated; 0 if a layer cannot be built there — the estimate then leaves parameters out)."""
+    try:
+        with torch.device("meta"):
+            return LanguageModel(model_cfg).num_parameters()
+    except Exception:  # a layer that computes with its tensors at construction
+        return 0
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> LanguageModel:
+    """Seed and build the model on ``strategy.device``, after checking that the learned positions
+    cover the lengths, that a step fits in memory, and (context parallelism) that the model can run
+    context-parallel; warns about CMS periods the training length never reaches; then
+    ``strategy.prepare`` (e.g. FSDP sharding, before the optimizer)."""
+    device, world = strategy.device, strategy.world
+    context_parallel = isinstance(strategy, ContextParallel)
+    torch.manual_seed(cfg.seed)
+    model_cfg = build_config(cfg.model, vocab_size=vocab_size, **cfg.model_overrides)
+    if model_cfg.pos_embedding == "learned":
+        longest = max([cfg.seq_len, *cfg.eval_lengths])
+        if longest > model_cfg.max_position:
+            name = "eval_lengths" if longest > cfg.seq_len else "seq_len"
+            raise ValueError(
+                f"TrainConfig.{name}: {longest} tokens exceed the learned positions of model "
+                f"{cfg.model!r} (max_position = {model_cfg.max_position}); raise "
+                "model_overrides.max_position"
+            )
+    cp_world = world if context_parallel else 1
+    rows = cfg.batch_size // ((1 if context_parallel else world) * cfg.grad_accum)
+    est = estimate_memory(
+        n_params=_count_parameters(model_cfg),
+        vocab_size=vocab_size,
+        d_model=model_cfg.d_model,
+        n_layers=model_cfg.n_layers,
+        batch_size=cfg.batch_size,
+        micro_rows=rows,
+        seq_len=cfg.seq_len // cp_world,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    check_memory(est, device, what=f"a step of {cfg.batch_size:,} x {cfg.seq_len} tokens")
+    if cfg.eval_lengths:  # the final evaluation's test sets at the longer lengths
+        rows = cfg.eval_batches * cfg.batch_size
+        for L in cfg.eval_lengths:
+            check_sequences_memory(rows, L, device, flag="--eval-lengths")
+            check_forward_memory(model_cfg, cfg.batch_size, L, device, flag="--eval-lengths")
+    if cfg.track_circuits:  # the tracker runs one repeated random sequence (and its maps) per evaluation
+        check_forward_memory(model_cfg, 1, 2 * cfg.circuit_length, device, flag="--circuit-length", maps=True)
+    model = LanguageModel(model_cfg).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    for i, block in enumerate(model.blocks):
+        window_problems = getattr(block.mlp, "window_problems", None)
+        for msg in window_problems(cfg.seq_len) if window_problems else ():
+            warnings.warn(
+                f"model {cfg.model!r}, block {i}: {msg}; use periods < seq_len = {cfg.seq_len} "
+                "or a longer --seq-len",
+                stacklevel=3,  # the caller of Trainer(...)
+            )
+    if cfg.context_parallel:
+        try:
+            _check_recurrent(model)
+        except ValueError as e:
+            raise ValueError(f"TrainConfig.context_parallel: model {cfg.model!r}: {e}") from None
+    strategy.prepare(model)  # before the optimizer: it must hold the shards
+    return model
+
+
+def load_weights(model: LanguageModel, source: str, model_name: str, device, sharded: bool) -> None:
+    """Start ``model`` from the weights of another run's checkpoint ``source`` (same model shapes
+    required; ``sharded``: this process keeps its FSDP shards); the optimizer, schedule and data
+    stream start fresh."""
+    from safetensors.torch import load_model
+
+    ckpt = resolve_checkpoint(source)
+    try:
+        if is_sharded(ckpt):
+            load_sharded(ckpt, model)
+        elif sharded:  # every process reads the whole file and keeps its shards
+            from safetensors.torch import load_file
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            full = load_file(str(ckpt / WEIGHTS_NAME), device=str(device))
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            load_model(model, str(ckpt / WEIGHTS_NAME), device=str(device))
+    except RuntimeError as e:  # missing/unexpected keys or shape mismatches
+        raise ValueError(
+            f"TrainConfig.init_from: the weights in {ckpt} do not fit model {model_name!r} "
+            f"(it needs the same architecture, width, depth and vocabulary): {e}"
+        ) from None
+
+
+def load_checkpoint(model: LanguageModel, optimizer, ckpt: Path, state: dict, device, sharded: bool) -> None:
+    """Resume: the weights and optimizer state of checkpoint ``ckpt`` (DCP shards of an FSDP run
+    load on any number of processes, sharded or not; a single-file one not ``sharded``)."""
+    from safetensors.torch import load_model
+
+    if is_sharded(ckpt):  # DCP shards of an FSDP run: any number of processes, sharded or not
+        load_sharded(ckpt, model, optimizer)
+    elif sharded:
+        raise ValueError(
+            f"TrainConfig.fsdp: {ckpt} is a single-file checkpoint; resuming it sharded is not "
+            "supported (resume it without --fsdp, or start a new run with init_from)"
+        )
+    else:
+        load_model(model, str(ckpt / WEIGHTS_NAME), device=str(device))
+        optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,43 @@
+"""Deferred interrupts: SIGINT/SIGTERM during training only *request* a stop, which the loop
+honours between two steps (it writes a checkpoint of the last finished step, then raises
+``KeyboardInterrupt``), so an interrupt loses no finished step and never catches the optimizer
+half-way. A second SIGINT interrupts at once.
+
+Extension point: another stop condition (a file, a wall-clock budget, a scheduler's pre-emption
+notice) is an object with the same shape as :class:`DeferredInterrupts` — a context manager whose
+``requested`` is ``None`` until a stop is wanted, then a short name for the log line
+(``"<name> at step <n>: ..."``); the trainer reads ``requested`` before every step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+class DeferredInterrupts:
+    """While entered (single process, main thread), SIGINT/SIGTERM set :attr:`requested` to the
+    signal's name instead of raising. Several processes (torchrun; ``enabled=False``) keep the
+    default handlers: the ranks could not agree on the step. The old handlers come back on exit."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.requested: str | None = None
+
+    def __enter__(self):
+        self.requested, self._old = None, {}
+        if not self.enabled or threading.current_thread() is not threading.main_thread():
+            return self
+
+        def request(signum, frame):
+            if self.requested is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # asked twice: stop now
+            self.requested = signal.Signals(signum).name
+
+        self._old = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}

@@ -1,0 +1,274 @@
+"""The run folder a training run owns: the lock (one live process per folder), resuming (which
+settings may change, :func:`resume_config`; the metrics log cut back to the resumed step), and
+checkpoints written atomically (:mod:`mnemo.train.checkpoint`: a temporary folder renamed into
+place, a manifest, ``latest``; a damaged checkpoint is skipped for the previous one on resume).
+
+Layout of ``out/``: ``.lock`` (the pid of the process that holds it), ``metrics.jsonl`` (one
+evaluation record per line, :mod:`mnemo.train.sinks`), ``ckpt-<step>/`` (model config and weights
+or DCP shards, tokenizer, ``train_config.json``, ``trainer_state.pt``), ``latest``, ``tb/``.
+
+Extension point: what a checkpoint holds besides the weights is the ``state`` dict the trainer
+passes to :meth:`RunFolder.write_checkpoint` (restored by ``Trainer._restore_state``); a new
+resumable setting goes in :data:`RESUMABLE` (it must leave the model, data, batches and update
+rule alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from pathlib import Path
+
+from safetensors.torch import save_model
+
+from ..data.tokenizer import save_tokenizer
+from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
+from . import checkpoint
+from .checkpoint import (
+    STATE_NAME,
+    TRAIN_CONFIG_NAME,
+    atomic_write_text,
+    clean_stale_temporaries,
+    load_json,
+    load_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from .config import TrainConfig
+from .optim import lr_factor
+from .sharded import save_sharded_checkpoint
+from .sinks import METRICS_NAME
+
+LOCK_NAME = ".lock"
+
+
+# Settings a resumed run may change: none changes the model, the data, the batches or the update
+# rule (grad_accum and the parallel layouts give the same gradients). ``steps`` also moves the
+# end of the cosine unless ``schedule_steps`` pins it, which must be chosen (``reschedule``).
+RESUMABLE = (
+    "steps",
+    "schedule_steps",
+    "eval_interval",
+    "checkpoint_interval",
+    "eval_batches",
+    "device",
+    "sample_tokens",
+    "sample_prompt",
+    "sample_temperature",
+    "tensorboard",
+    "eval_lengths",
+    "track_circuits",
+    "circuit_length",
+    "track_spectrum",
+    "grad_accum",
+    "context_parallel",
+    "fsdp",
+    "activation_checkpointing",
+)
+RESCHEDULE = ("stretch", "hold")
+
+
+def resume_config(
+    saved: TrainConfig,
+    given: TrainConfig | dict | None,
+    reschedule: str | None = None,
+    step: int | None = None,
+) -> tuple[TrainConfig, list[str]]:
+    """The configuration of a resumed run, and one line per setting that changes.
+
+    ``saved`` is the checkpoint's configuration; every setting keeps its saved value unless
+    ``given`` changes it: a dict holds only the settings to change (what ``mnemo train --resume``
+    passes: the flags actually given; dict-valued settings such as ``model_overrides`` change key
+    by key), a :class:`TrainConfig` is compared field by field, ``None``
+    changes nothing. Only the :data:`RESUMABLE` fields may change (they leave the model, data,
+    batches and update rule alone); any other difference raises ``ValueError`` naming the field.
+
+    The learning rate follows a warm-up + cosine over ``cosine_steps`` (``schedule_steps`` or
+    ``steps``). When new ``steps`` would move the end of that cosine, ``reschedule`` must say what
+    happens, else ``ValueError`` naming both choices (``step``, the resumed step, only sets where
+    the note on the learning rate is taken; default the saved ``steps``):
+
+    * ``"stretch"``: the cosine is recomputed over the new ``steps`` — the learning rate at the
+      resumed step jumps to its value on the longer (or shorter) cosine;
+    * ``"hold"``: the cosine keeps its saved length (``schedule_steps`` is pinned to it); past its
+      end the learning rate stays at ``lr · min_lr_ratio``.
+    """
+    if reschedule is not None and reschedule not in RESCHEDULE:
+        raise ValueError(f"reschedule: expected one of {RESCHEDULE} or None, got {reschedule!r}")
+    if given is None:
+        changes = {}
+    elif isinstance(given, TrainConfig):
+        changes = {
+            f.name: getattr(given, f.name)
+            for f in dataclasses.fields(TrainConfig)
+            if getattr(given, f.name) != getattr(saved, f.name)
+        }
+    elif isinstance(given, dict):
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(given) - known, key=str)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
+        given = {  # nested settings change key by key
+            k: {**getattr(saved, k), **v}
+            if isinstance(v, dict) and isinstance(getattr(saved, k), dict)
+            else v
+            for k, v in given.items()
+        }
+        changes = {k: v for k, v in given.items() if v != getattr(saved, k)}
+    else:
+        raise TypeError(f"cfg: expected a TrainConfig, a dict of changes or None, got {type(given).__name__}")
+    fixed = sorted(k for k in changes if k not in RESUMABLE)
+    if fixed:
+        k = fixed[0]
+        raise ValueError(
+            f"TrainConfig.{k}: a resumed run keeps {k} = {getattr(saved, k)!r} (got {changes[k]!r}); "
+            f"only {', '.join(RESUMABLE)} may change on resume — start a new run "
+            "(e.g. with --init-from) to change it"
+        )
+    cfg = dataclasses.replace(saved, **changes).validate()
+    notes = [f"{k} {getattr(saved, k)!r} -> {v!r}" for k, v in changes.items() if k != "schedule_steps"]
+    step_lr = lambda c, s: c.lr * lr_factor(s, c.warmup_steps, c.cosine_steps, c.min_lr_ratio)  # noqa: E731
+    if cfg.cosine_steps != saved.cosine_steps or reschedule is not None:
+        stretched = dataclasses.replace(cfg, schedule_steps=None)
+        held = dataclasses.replace(cfg, schedule_steps=saved.cosine_steps)
+        if reschedule is None and "schedule_steps" not in changes:
+            raise ValueError(
+                f"TrainConfig.steps: {saved.steps} -> {cfg.steps} moves the end of the cosine "
+                f"learning-rate schedule (now {saved.cosine_steps} steps); say what should happen: "
+                f"--reschedule stretch (a cosine over {cfg.steps} steps) or --reschedule hold (keep "
+                f"the {saved.cosine_steps}-step cosine, then lr · min_lr_ratio = "
+                f"{saved.lr * saved.min_lr_ratio:.3g})"
+            )
+        if reschedule is not None:
+            cfg = stretched if reschedule == "stretch" else held
+        notes.append(f"learning-rate cosine over {cfg.cosine_steps} steps (was {saved.cosine_steps})")
+        at = saved.steps if step is None else step
+        notes.append(
+            f"lr at step {at}: {step_lr(saved, at):.3g} on the saved schedule, {step_lr(cfg, at):.3g} now"
+        )
+    return cfg, notes
+
+
+def lock_run_folder(out: Path):
+    """Take the run folder ``out`` for this process: an exclusive advisory lock on ``out/.lock``
+    (``flock``), held until the returned file is closed. The kernel drops the lock when its process
+    dies, so a crashed run's lock is taken over without ceremony. On systems without ``fcntl`` this
+    is a no-op.
+
+    Raises:
+        ValueError: another live process holds the folder (the message names its pid).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    f = open(out / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise ValueError(
+            f"run folder {out} is in use by another training process (pid {holder}); wait for it to "
+            "finish, or pick another --out"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+class RunFolder:
+    """The folder ``out`` of one run: take it (:meth:`open`), cut its metrics log back on resume
+    (:meth:`truncate_metrics`), write checkpoints (:meth:`write_checkpoint`)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def resolve(self, cfg, resume: bool, reschedule: str | None):
+        """``(cfg, checkpoint, trainer state, notes)``: a fresh run's configuration (``None`` or a
+        dict of fields builds a :class:`TrainConfig`), or for ``resume`` the newest intact
+        checkpoint's configuration with ``cfg``'s changes (:func:`resume_config`), its trainer state
+        and one note per change (printed once the rank is known)."""
+        notes: list[str] = []
+        if resume:
+            ckpt = resolve_checkpoint(self.out, verify=True, warn=notes.append)
+            saved = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
+            state = load_trainer_state(ckpt)
+            cfg, changed = resume_config(saved, cfg, reschedule, step=state["step"])
+            notes += [f"resume: {c}" for c in changed]
+            return cfg, ckpt, state, notes
+        if cfg is None or isinstance(cfg, dict):
+            cfg = TrainConfig.from_dict(cfg or {})
+        elif reschedule is not None:
+            raise ValueError("reschedule: applies to a resumed run (resume=True) only")
+        return cfg, None, None, notes
+
+    def open(self):
+        """Create and lock the folder (the returned lock file, or ``None`` without ``fcntl``, is
+        held until closed) and remove what a killed run left there (we hold the lock)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_folder(self.out)
+        stale = clean_stale_temporaries(self.out)  # left by a killed run (we hold the lock)
+        if stale:
+            warnings.warn(f"removed what a stopped run left in {self.out}: {', '.join(stale)}", stacklevel=3)
+        return lock
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop the metrics records after ``step`` (and a torn last line), under the folder's lock:
+        never trim a live run's log."""
+        lock = lock_run_folder(self.out)
+        try:
+            p = self.out / METRICS_NAME
+            if not p.is_file():
+                return
+            keep = []
+            for line in p.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        keep.append(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a crash
+            atomic_write_text(p, "".join(line + "\n" for line in keep))
+        finally:
+            if lock is not None:
+                lock.close()
+
+    def write_checkpoint(
+        self, step: int, model, optimizer, tokenizer, cfg: TrainConfig, state: dict, sharded: bool
+    ) -> Path:
+        """Write ``ckpt-<step>`` atomically: the model's config and weights (``sharded``: DCP
+        shards of the weights and ``optimizer``, every rank writing its own), ``tokenizer`` (text
+        runs), ``cfg`` and the trainer ``state`` (plus the optimizer's state unless sharded)."""
+
+        def write(tmp: Path):
+            model.config.save(tmp / CONFIG_NAME)
+            if not sharded:  # else the weights and optimizer state are DCP shards
+                save_model(model, str(tmp / WEIGHTS_NAME))
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, tmp)
+            (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
+            saved = {
+                "step": state["step"],
+                **({"sharded": True} if sharded else {"optimizer": optimizer.state_dict()}),
+                **{k: v for k, v in state.items() if k != "step"},
+            }
+            checkpoint.save_torch(saved, tmp / STATE_NAME)  # (read at call time: tests fake a full disk)
+
+        if sharded:
+            return save_sharded_checkpoint(self.out, step, model, optimizer, write)
+        return save_checkpoint(self.out, step, write)
+
+    @staticmethod
+    def saved_step(last_checkpoint: Path | None) -> int | None:
+        """The step of checkpoint ``last_checkpoint`` (``None`` before any)."""
+        if last_checkpoint is None:
+            return None
+        try:
+            return int(Path(last_checkpoint).name.split("-")[-1])
+        except ValueError:
+            return None
