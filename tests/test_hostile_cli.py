@@ -852,3 +852,21 @@ def test_counts_that_would_never_finish_are_refused(tmp_path, capsys):
     cfg.write_text("steps: 100000000000\n")
     assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "never")]) == 2
     assert "TrainConfig.steps: expected a positive int <= 1,000,000,000" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_log_line_it_did_not_write_and_keeps_the_log(run, tmp_path, capsys):
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    log = mine / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": "x", "val_loss": "nan"}\n')
+    before = _tree(mine)
+    assert _resume(mine, 6) == 2
+    err = capsys.readouterr().err
+    assert (
+        "metrics.jsonl, line 3: expected a JSON object with an int 'step'" in err and "Traceback" not in err
+    )
+    assert _tree(mine) == before
+    log.write_text(log.read_text().replace('{"step": "x", "val_loss": "nan"}\n', '{"step": 4, "torn'))
+    assert _resume(mine, 6) == 0  # a torn last line (a crash mid-write) is still dropped

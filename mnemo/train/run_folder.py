@@ -220,19 +220,36 @@ class RunFolder:
 
     def truncate_metrics(self, step: int) -> None:
         """Drop the metrics records after ``step`` (and a torn last line), under the folder's lock:
-        never trim a live run's log."""
+        never trim a live run's log.
+
+        Raises:
+            ValueError: a line other than the last is not JSON, or a line is not a record this
+                trainer writes (a JSON object with an int ``step``): the file is left as it is and
+                the message names the line (nothing the trainer did not write is dropped).
+        """
         lock = lock_run_folder(self.out)
         try:
             p = self.out / METRICS_NAME
             if not p.is_file():
                 return
+            lines = p.read_text().splitlines()
             keep = []
-            for line in p.read_text().splitlines():
+            for i, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
                 try:
-                    if json.loads(line).get("step", 0) <= step:
-                        keep.append(line)
+                    record = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a torn last line from a crash
+                    if i == len(lines):
+                        continue  # a torn last line from a crash
+                    record = None
+                if not isinstance(record, dict) or type(record.get("step")) is not int:
+                    raise ValueError(
+                        f"{p}, line {i}: expected a JSON object with an int 'step' (a record of this run), "
+                        f"got {line[:60]!r}; resuming would rewrite the log: fix or remove that line first"
+                    )
+                if record["step"] <= step:
+                    keep.append(line)
             atomic_write_text(p, "".join(line + "\n" for line in keep))
         finally:
             if lock is not None:
