@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -116,6 +117,19 @@ def _saved_config(out: str | None, changes: dict):
     return TrainConfig.from_dict({**known, "device": changes.get("device", known.get("device", "cpu"))})
 
 
+def _saved_task(out) -> str | None:
+    """The task of the run saved in ``out`` (None: a text run, or nothing readable there)."""
+    from .train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    try:
+        from .train import resolve_checkpoint
+
+        ckpt = resolve_checkpoint(out, verify=False)
+        return load_json(ckpt / TRAIN_CONFIG_NAME).get("task")
+    except (OSError, ValueError):
+        return None
+
+
 def _cmd_train(args) -> int:
     import torch
 
@@ -140,6 +154,16 @@ def _cmd_train(args) -> int:
             overrides[fld] = value
     if overrides:
         d["model_overrides"] = overrides
+    text_flags = [
+        "--" + name.replace("_", "-")
+        for name in ("data", "tokenizer", "text_field", "pack_documents")
+        if getattr(args, name, None) not in (None, False)
+    ]
+    if text_flags and (d.get("task") or (args.resume and _saved_task(args.out))):
+        raise ValueError(
+            f"{', '.join(text_flags)}: text options; a --task run draws its sequences from the task "
+            "(its own vocabulary, no corpus or tokenizer)"
+        )
     if args.resume and args.overwrite:
         raise ValueError(
             "--resume and --overwrite: give one of them (--resume continues the run in --out, --overwrite "
@@ -190,17 +214,20 @@ def _cmd_train(args) -> int:
             raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
         barrier()
         if main and args.overwrite and out.exists():
-            import shutil
-
             from .train.trainer import lock_run_folder
 
             lock = lock_run_folder(out)  # refuses while another process trains in the folder
             if lock is not None:
                 lock.close()
 
+            from .train.checkpoint import discard_checkpoint
+
+            # a checkpoint's own files go; anything else in it (a user's notes, probe outputs) is
+            # moved to OUT/kept/ckpt-NNNNNN/ with a warning, as rotation does
             for p in list(out.glob("ckpt-*")) + [out / "latest", out / "metrics.jsonl"]:
                 if p.is_dir():
-                    shutil.rmtree(p)
+                    if re.fullmatch(r"ckpt-\d+", p.name):  # a folder the user named ckpt-x stays
+                        discard_checkpoint(p, out)
                 elif p.exists():
                     p.unlink()
     if args.threads:
@@ -711,7 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["on", "off"],
         help="each document of a window is its own sequence (default: as in training)",
     )
-    e.add_argument("--full", action="store_true", help="evaluate the whole file, not its validation split")
+    e.add_argument(
+        "--full",
+        action="store_true",
+        help="draw the windows from the whole file, not only its validation split (with --max-batches "
+        "all: every window of the file)",
+    )
     e.add_argument("--seq-len", type=kinds.positive_int, help="window length (default: the training seq_len)")
     e.add_argument(
         "--batch-size", type=kinds.positive_int, help="windows per batch (default: the training batch_size)"
@@ -960,7 +992,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         detail = f" ({e})" if str(e) else ""
-        report(f"\nmnemo: interrupted{detail}; the last checkpoint is intact: continue with --resume")
+        then = {
+            "train": "; the last checkpoint is intact: continue with --resume",
+            "sweep": "; finished runs are stored: run the same mnemo sweep command again to continue",
+        }.get(args.command, "")
+        report(f"\nmnemo: interrupted{detail}{then}")
         return 130
     finally:
         warnings.formatwarning = was_format

@@ -176,7 +176,8 @@ def test_a_mistyped_space_separated_value_is_refused_too():
     """``--steps -5`` (a space, not ``=``) is read as the flag's value, and refused."""
     code, err = _parse(["train", "--steps", "-5"])
     assert code == 2 and err.strip() == (
-        "mnemo train: error: argument --steps: expected an int in [1, 1000000000], got '-5' (see: mnemo train --help)"
+        "mnemo train: error: argument --steps: expected an int in [1, 1000000000], got '-5' "
+        "(see: mnemo train --help)"
     )
 
 
@@ -870,3 +871,75 @@ def test_resume_refuses_a_log_line_it_did_not_write_and_keeps_the_log(run, tmp_p
     assert _tree(mine) == before
     log.write_text(log.read_text().replace('{"step": "x", "val_loss": "nan"}\n', '{"step": 4, "torn'))
     assert _resume(mine, 6) == 0  # a torn last line (a crash mid-write) is still dropped
+
+
+# ------------------------------------------------------------------------------------------------
+# the fourth trial's findings (713 commands)
+
+
+def test_overwrite_keeps_what_a_checkpoint_does_not_list(run, tmp_path, capsys):
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    ckpt = mine / (mine / "latest").read_text().strip()
+    (ckpt / "my_analysis.txt").write_text("mine")
+    (mine / "ckpt-mine").mkdir()
+    (mine / "ckpt-mine" / "notes.txt").write_text("mine too")
+    argv = ["train", "--d-model", "16", "--n-layers", "1", "--seq-len", "16", "--batch-size", "2"]
+    argv += ["--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0"]
+    with pytest.warns(UserWarning, match="were kept in"):
+        assert main([*argv, "--no-progress", "--out", str(mine), "--overwrite"]) == 0
+    assert (mine / "kept" / ckpt.name / "my_analysis.txt").read_text() == "mine"
+    assert (mine / "ckpt-mine" / "notes.txt").read_text() == "mine too"
+
+
+def test_sweep_files_that_would_report_nothing_are_refused(tmp_path, capsys):
+    for text, msg in (
+        (
+            "name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\ntune: [nope]\n",
+            "'tune' names ['nope'], which are not grid keys (grid: ['lr'])",
+        ),
+        (
+            "name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\n",
+            "metric 'val_acc' is measured on a task's supervised positions, and this run trains on text",
+        ),
+    ):
+        f = tmp_path / "s.yaml"
+        f.write_text(text)
+        assert main(["sweep", str(f), "--list", "--db", str(tmp_path / "s.sqlite")]) == 2
+        assert msg in capsys.readouterr().err
+    f.write_text("name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\nmetric: val_loss\n")
+    assert main(["sweep", str(f), "--list", "--db", str(tmp_path / "s.sqlite")]) == 0
+
+
+def test_text_options_on_a_task_run_are_refused(task_run, tmp_path, capsys):
+    for extra in (["--data", "tinyshakespeare"], ["--tokenizer", "byte"], ["--text-field", "body"]):
+        assert main(["train", *TASK, "--steps", "2", *extra, "--out", str(tmp_path / "never")]) == 2
+        assert f"{extra[0]}: text options; a --task run draws its sequences from the task" in (
+            capsys.readouterr().err
+        )
+    before = _tree(task_run)
+    assert main(["train", "--out", str(task_run), "--resume", "--data", "tinyshakespeare"]) == 2
+    assert "--data: text options" in capsys.readouterr().err
+    assert _tree(task_run) == before and not (tmp_path / "never").exists()
+
+
+def test_the_harness_and_the_ablation_say_what_a_checkpoint_is(task_run, capsys):
+    from mnemo.interp.interventions import induction_ablation
+    from mnemo.models import LanguageModel, build_config
+
+    assert main(["harness", "--checkpoint", str(task_run), "--tasks", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "trained on the task 'mqar', whose tokens are ids, not text" in err or "needs lm-eval" in err
+    model = LanguageModel(build_config("mamba2", vocab_size=16, d_model=16, n_layers=1))
+    with pytest.raises(ValueError, match=r"has 1 head\(s\) with an attention map .*needs at least 2"):
+        induction_ablation(model, 1, draws=1, length=4, batch=1)
+
+
+def test_the_yaml_hint_only_says_what_is_true(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text('steps: "4"\n')
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "got '4' (a string: write the number without quotes)" in err and "YAML 1.1" not in err

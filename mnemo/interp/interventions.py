@@ -671,6 +671,12 @@ def induction_ablation(
     try:
         scores = circuit_scores(model, length, batch, seed)
         heads = _heads_of(model, scores)
+        if len(heads) < 2:
+            raise ValueError(
+                f"this model has {len(heads)} head(s) with an attention map (its mixers: "
+                f"{sorted({type(b.mixer).__name__ for b in model.blocks})}); ablating the top-K against K "
+                "random heads needs at least 2"
+            )
         if not isinstance(k, int) or not 1 <= k < len(heads):
             raise ValueError(
                 f"k: expected an int in 1 … {len(heads) - 1} (fewer than the {len(heads)} heads with a map, "

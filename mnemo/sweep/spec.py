@@ -158,6 +158,12 @@ class SweepSpec:
         tune = d.get("tune", ["lr"])
         if not isinstance(tune, list):
             raise ValueError(f"{source}: 'tune' must be a list of grid keys")
+        grid_keys = set(d.get("grid") or {}) if isinstance(d.get("grid") or {}, dict) else set()
+        untuned = [t for t in tune if t not in grid_keys]
+        if "tune" in d and untuned:  # (the default ['lr'] may name no axis: then nothing is tuned)
+            raise ValueError(
+                f"{source}: 'tune' names {untuned}, which are not grid keys (grid: {sorted(grid_keys)})"
+            )
         metric = d.get("metric", "val_acc")
         if metric not in METRICS_HIGHER_IS_BETTER:
             raise ValueError(
@@ -262,6 +268,12 @@ class SweepSpec:
                     raise ValueError(
                         f"sweep {self.name!r}, model {label!r}, grid point {point}: {e}"
                     ) from None
+                if task is None and self.metric != "val_loss":
+                    raise ValueError(
+                        f"sweep {self.name!r}, model {label!r}: metric {self.metric!r} is measured on a "
+                        "task's supervised positions, and this run trains on text (no task): use "
+                        "metric: val_loss"
+                    )
                 cell = {"label": label, **{k: v for k, v in point.items() if k not in self.tune}}
                 tuned = {k: v for k, v in point.items() if k in self.tune}
                 own_seed = cfg.get("seed", 0)

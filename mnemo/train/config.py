@@ -574,6 +574,12 @@ def _yaml_hint(value, integer: bool = False) -> str:
         number = float(value)
     except ValueError:
         return ""
+    try:
+        unquoted = yaml.safe_load(value)
+    except yaml.YAMLError:
+        unquoted = value
+    if not isinstance(unquoted, str):  # YAML reads it as a number: it was quoted (or came from JSON)
+        return " (a string: write the number without quotes)"
     if integer:
         if not (math.isfinite(number) and number == int(number)):
             return ""
