@@ -438,7 +438,7 @@ def test_a_sweep_files_places_are_checked_like_flags(tmp_path, capsys):
         if why.endswith("not writable") and os.access("/proc/sys", os.W_OK):
             continue
         cfg = tmp_path / "s.yaml"
-        cfg.write_text(f"name: s\nmodels: [transformer]\nbase: {{steps: 1}}\ndb: {db}\n")
+        cfg.write_text(f"name: s\nmodels: [transformer]\nbase: {{steps: 1}}\nmetric: val_loss\ndb: {db}\n")
         assert main(["sweep", str(cfg), "--out", str(tmp_path / "runs")]) == 2
         err = capsys.readouterr().err
         assert f"{cfg}: db: expected a database file, got '{db}' ({why}" in err

@@ -85,7 +85,8 @@ class RunData:
     """The data of the run ``cfg``: the task (``task``; with ``cfg.train_examples`` a fixed
     ``train_set``), or the text corpus with its ``tokenizer`` (the checkpoint ``ckpt``'s on resume,
     else built from the text) and the ``train_data`` / ``val_data`` streams (``val_chars``
-    characters of validation text). ``vocab_size``: the model's vocabulary."""
+    characters of validation text). ``vocab_size``: the model's vocabulary. ``is_main`` (default
+    ``is_main=True``): this process alone warns."""
 
     def __init__(self, cfg: TrainConfig, ckpt=None, is_main: bool = True):
         self.cfg = cfg

@@ -246,7 +246,7 @@ class TrainConfig:
     )
     steps: int = field(
         default=1000,
-        metadata=_flag("optimizer steps (at most 10**9)", metavar="N", type=kinds.Int(1, MAX_STEPS)),
+        metadata=_flag("optimizer steps, at most 10**9", metavar="N", type=kinds.Int(1, MAX_STEPS)),
     )
     schedule_steps: int | None = None  # set by --resume --reschedule
     lr: float = field(
@@ -279,7 +279,7 @@ class TrainConfig:
     eval_batches: int = field(
         default=8,
         metadata=_flag(
-            "validation batches per evaluation (at most 100,000)",
+            "validation batches per evaluation, at most 100,000",
             metavar="N",
             type=kinds.Int(1, MAX_EVAL_BATCHES),
         ),
@@ -304,7 +304,7 @@ class TrainConfig:
     sample_tokens: int = field(
         default=400,
         metadata=_flag(
-            "characters to sample at the end (0 = none; at most 100,000)",
+            "characters to sample at the end, 0 = none, at most 100,000",
             metavar="N",
             type=kinds.Int(0, 100_000),
         ),

@@ -17,8 +17,9 @@ import threading
 
 class DeferredInterrupts:
     """While entered (single process, main thread), SIGINT/SIGTERM set :attr:`requested` to the
-    signal's name instead of raising. Several processes (torchrun; ``enabled=False``) keep the
-    default handlers: the ranks could not agree on the step. The old handlers come back on exit."""
+    signal's name instead of raising (default ``enabled=True``). Several processes (torchrun;
+    ``enabled=False``) keep the default handlers: the ranks could not agree on the step. The old
+    handlers come back on exit."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled

@@ -90,7 +90,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, warn: bool = True):
     """The learning-rate schedule of ``cfg``: :func:`lr_factor` over ``cfg.cosine_steps`` as a
-    ``LambdaLR``; warns (``warn``: on the main process) when the warm-up is as long as the schedule."""
+    ``LambdaLR``; warns (``warn``: on the main process; default ``warn=True``) when the warm-up is
+    as long as the schedule."""
     if cfg.warmup_steps >= cfg.cosine_steps and warn:
         warnings.warn(
             f"warmup_steps {cfg.warmup_steps} >= the {cfg.cosine_steps}-step learning-rate schedule: "

@@ -55,8 +55,8 @@ from .sharded import shard_model
 
 
 class Strategy:
-    """Rank ``rank`` of ``world`` processes on ``device`` for the run ``cfg``; the base is also
-    the single process."""
+    """Rank ``rank`` of ``world`` processes on ``device`` for the run ``cfg`` (defaults ``rank=0``,
+    ``world=1``); the base is also the single process."""
 
     name = "single process"
 
