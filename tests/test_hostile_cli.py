@@ -195,10 +195,13 @@ def test_main_returns_2_with_one_line(capsys):
 def run(tmp_path_factory):
     """A tiny trained run (2 checkpoints)."""
     out = tmp_path_factory.mktemp("runs") / "run"
-    argv = ["train", "--d-model", "16", "--n-layers", "1", "--seq-len", "16", "--batch-size", "2"]
-    argv += ["--steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0"]
-    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    assert main(["train", *TINY, "--steps", "4", "--eval-interval", "2", "--out", str(out)]) == 0
     return out
+
+
+#: the smallest text run: one layer of width 16, 2-step evaluations, no sample
+TINY = ["--d-model", "16", "--n-layers", "1", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1"]
+TINY += ["--sample-tokens", "0", "--no-progress"]
 
 
 def _resume(run: Path, steps: int) -> int:
@@ -706,10 +709,9 @@ def test_a_warm_up_longer_than_the_schedule_is_said_and_a_held_schedule_holds(tm
     assert lr_factor(3, 50, 4, 0.1) == pytest.approx(4 / 50)
     assert [lr_factor(s, 50, 4, 0.1) for s in (4, 5, 40)] == [0.1, 0.1, 0.1]
     assert lr_factor(10, 5, 20, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 15)))
-    argv = ["train", "--d-model", "16", "--n-layers", "1", "--seq-len", "16", "--batch-size", "2"]
-    argv += ["--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0"]
+    argv = ["train", *TINY, "--steps", "2", "--eval-interval", "2", "--out", str(tmp_path / "w")]
     with pytest.warns(UserWarning, match=r"warmup_steps 50 >= the 2-step learning-rate schedule"):
-        assert main([*argv, "--no-progress", "--out", str(tmp_path / "w")]) == 0
+        assert main(argv) == 0
 
 
 def test_config_values_out_of_range_are_refused_as_the_flags_are(tmp_path, capsys):
@@ -739,6 +741,14 @@ def test_sweep_file_messages_say_what_is_wrong(tmp_path, capsys):
         (
             "name: s\nmodels: [gla]\nselect_lr_on_seed: 5\ngrid: {lr: [0.001]}\n",
             "'select_lr_on_seed' 5 needs a 'seeds' list (or count) that holds it",
+        ),
+        (  # (fourth trial) a typo in tune: nothing tuned, every run reported
+            "name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\ntune: [nope]\n",
+            "'tune' names ['nope'], which are not grid keys (grid: ['lr'])",
+        ),
+        (  # (fourth trial) accuracy of a text run: an empty report
+            "name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\n",
+            "metric 'val_acc' is measured on a task's supervised positions, and this run trains on text",
         ),
     ):
         f = tmp_path / "s.yaml"
@@ -886,29 +896,15 @@ def test_overwrite_keeps_what_a_checkpoint_does_not_list(run, tmp_path, capsys):
     (ckpt / "my_analysis.txt").write_text("mine")
     (mine / "ckpt-mine").mkdir()
     (mine / "ckpt-mine" / "notes.txt").write_text("mine too")
-    argv = ["train", "--d-model", "16", "--n-layers", "1", "--seq-len", "16", "--batch-size", "2"]
-    argv += ["--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0"]
+    argv = ["train", *TINY, "--steps", "2", "--eval-interval", "2", "--out", str(mine), "--overwrite"]
     with pytest.warns(UserWarning, match="were kept in"):
-        assert main([*argv, "--no-progress", "--out", str(mine), "--overwrite"]) == 0
+        assert main(argv) == 0
     assert (mine / "kept" / ckpt.name / "my_analysis.txt").read_text() == "mine"
     assert (mine / "ckpt-mine" / "notes.txt").read_text() == "mine too"
 
 
-def test_sweep_files_that_would_report_nothing_are_refused(tmp_path, capsys):
-    for text, msg in (
-        (
-            "name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\ntune: [nope]\n",
-            "'tune' names ['nope'], which are not grid keys (grid: ['lr'])",
-        ),
-        (
-            "name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\n",
-            "metric 'val_acc' is measured on a task's supervised positions, and this run trains on text",
-        ),
-    ):
-        f = tmp_path / "s.yaml"
-        f.write_text(text)
-        assert main(["sweep", str(f), "--list", "--db", str(tmp_path / "s.sqlite")]) == 2
-        assert msg in capsys.readouterr().err
+def test_a_sweep_that_names_its_metric_runs(tmp_path):
+    f = tmp_path / "s.yaml"
     f.write_text("name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\nmetric: val_loss\n")
     assert main(["sweep", str(f), "--list", "--db", str(tmp_path / "s.sqlite")]) == 0
 
