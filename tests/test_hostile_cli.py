@@ -28,7 +28,7 @@ from mnemo.cli import build_parser, main
 FREE_TEXT = {
     ("generate", "--prompt"),  # any text, the empty prompt included
     ("harness", "--model-args"),  # key=value,... parsed by lm-eval; empty = none
-    ("train", "--task-option"),  # KEY=VALUE, checked by mnemo.cli._parse_task_options
+    ("train", "--task-option"),  # KEY=VALUE, checked by mnemo.commands.train._parse_task_options
 }
 
 

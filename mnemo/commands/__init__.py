@@ -1,6 +1,6 @@
-"""The ``mnemo`` sub-commands that are not core (``mnemo.cli`` holds train, eval, generate, models
-and bench). Each module exposes ``add_commands(subparsers)``, listed in
-``mnemo.cli._COMMAND_MODULES``:
+"""The ``mnemo`` sub-commands. Each module exposes ``add_commands(subparsers)``; ``mnemo.cli``
+calls the core ones first (``train``, ``evaluate``: eval and generate, ``bench``; ``models`` is in
+``mnemo.cli`` itself), then those listed in ``mnemo.cli._COMMAND_MODULES``:
 
 - :mod:`mnemo.commands.sweep`: ``mnemo sweep``, ``mnemo report``, ``mnemo tasks``
 - :mod:`mnemo.commands.continual`: ``mnemo continual`` (in-context continual learning of the CMS)

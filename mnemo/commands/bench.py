@@ -1,0 +1,163 @@
+"""``mnemo bench``: the ops, peers, decode and models suites (tables, never asserted in tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import argtypes as kinds
+
+
+def _cmd_bench(args) -> int:
+    if args.suite == "all":
+        return _bench_all(args)
+    if args.suite == "peers":
+        from ..bench.peers import main as bench_main
+    elif args.suite == "decode":
+        from ..bench.decode import main as bench_main
+
+        if args.n_layers is None:  # --n-layers: 4 for the decode suite, 6 for the models suite
+            args.n_layers = 4
+    elif args.suite == "models":
+        from ..bench.models import main as bench_main
+    else:
+        from ..bench.ops import main as bench_main
+    return bench_main(args)
+
+
+def _bench_all(args) -> int:
+    """``--suite all``: the ops, peers, decode and models suites one after another in one process
+    (one set of machine conditions), their tables printed and their rows in one JSON
+    ``{"ops": ..., "peers": ..., "decode": ..., "models": ...}``. ``--ops`` is not applied (each
+    suite runs whole; ``--models`` still selects the models and decode suites' rows, ``--peers`` the
+    models suite's)."""
+    import copy
+    import tempfile
+
+    rc = 0
+    combined = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for suite in ("ops", "peers", "decode", "models"):
+            a = copy.copy(args)
+            a.suite, a.ops, a.json = suite, None, str(Path(tmp) / f"{suite}.json")
+            print(f"\n=== mnemo bench --suite {suite} ===", flush=True)
+            rc = max(rc, _cmd_bench(a))
+            path = Path(a.json)
+            combined[suite] = json.loads(path.read_text()) if path.is_file() else None
+    if args.json:
+        Path(args.json).write_text(json.dumps(combined, indent=2))
+        print(f"wrote {args.json}")
+    return rc
+
+
+def add_commands(sub) -> None:
+    """Add ``bench`` to the ``mnemo`` sub-command parser."""
+    b = sub.add_parser("bench", help="time every op and form against causal SDPA (a table, not a test)")
+    b.add_argument(
+        "--suite",
+        choices=["ops", "peers", "decode", "models", "all"],
+        default="ops",
+        help="ops: every op and form vs causal SDPA; peers: ours vs installed PyPI peers; decode: one-token "
+        "decoding speed and memory vs context length; models: whole models' training and generation "
+        "tokens/s beside the installed peers' equivalent models; all: the four in one run (one JSON)",
+    )
+    b.add_argument(
+        "--dtypes",
+        default="fp32",
+        type=kinds.Text("fp32 and/or bf16"),
+        help="ops suite: fp32 and/or bf16 (comma-separated)",
+    )
+    b.add_argument(
+        "--contexts",
+        default="1024,4096,16384,65536",
+        type=kinds.IntList(1),
+        help="decode suite: context lengths",
+    )
+    b.add_argument(
+        "--decode-steps", type=kinds.positive_int, default=64, help="decode suite: one-token steps timed"
+    )
+    b.add_argument(
+        "--decode-processes",
+        type=kinds.positive_int,
+        default=3,
+        help="decode suite: fresh processes per row; the row is their median (default 3)",
+    )
+    b.add_argument("--d-model", type=kinds.width, default=256, help="decode and models suites: model width")
+    b.add_argument(
+        "--n-layers",
+        type=kinds.depth,
+        default=None,
+        help="decode and models suites: model depth (default 4 and 6)",
+    )
+    b.add_argument(
+        "--models",
+        type=kinds.Text("comma-separated model names"),
+        help="models and decode suites: comma-separated model names (default: every registered model for the "
+        "models suite, seven typical ones for the decode suite; `mnemo models` lists them)",
+    )
+    b.add_argument(
+        "--peers",
+        type=kinds.Text("comma-separated peer names or 'none'"),
+        help="models suite: comma-separated peers (transformers_mamba, transformers_mamba2, "
+        "transformers_qwen3_next, mambapy, titans_pytorch, titans_pytorch_lmm, nested_learning, "
+        "nested_learning_updates; "
+        "default: all, the ones not installed are reported and skipped) or 'none'",
+    )
+    b.add_argument(
+        "--model-shapes",
+        default="1024x8,4096x2",
+        type=kinds.Text("TxB shapes or 'none'"),
+        help="models suite: training shapes TxB (sequence length x batch), comma-separated, or 'none' "
+        "(generation rows only)",
+    )
+    b.add_argument(
+        "--gen-batches",
+        default="1,8",
+        type=kinds.IntList(1, words=("none",)),
+        help="models suite: generation batch sizes, or 'none' (training rows only)",
+    )
+    b.add_argument(
+        "--prompt-len", type=kinds.positive_int, default=256, help="models suite: generation prompt tokens"
+    )
+    b.add_argument(
+        "--gen-tokens", type=kinds.positive_int, default=64, help="models suite: new tokens per generate()"
+    )
+    b.add_argument(
+        "--compile",
+        action="store_true",
+        help="models suite: also time every mnemo model under torch.compile (train forward/backward and "
+        "the decode step), with its graph breaks; eager only where compilation is unavailable",
+    )
+    b.add_argument(
+        "--lengths", default="512,1024,2048,4096,8192", type=kinds.IntList(1), help="comma-separated T values"
+    )
+    b.add_argument("--heads", type=kinds.Int(1, 4096), default=4)
+    b.add_argument("--head-dim", type=kinds.Int(1, 65536), default=64)
+    b.add_argument("--batch", type=kinds.positive_int, default=1)
+    b.add_argument(
+        "--ops",
+        type=kinds.Text("comma-separated op names"),
+        help="comma-separated subset of op (or peer comparison) names",
+    )
+    b.add_argument(
+        "--modes",
+        type=kinds.Text("comma-separated forms"),
+        help="ops suite: comma-separated subset of the forms to time (chunk, parallel, recurrent; "
+        "default all); softmax attention's parallel row, the x SDPA reference, always runs",
+    )
+    b.add_argument(
+        "--recurrent-max-len",
+        type=kinds.nonneg_int,
+        default=2048,
+        help="skip the token-loop reference above this T (it is slow by design)",
+    )
+    b.add_argument(
+        "--repeats",
+        type=kinds.Int(1, 1000),
+        default=3,
+        help="timed runs per row, at most 1000 (medians; the models suite interleaves them across rows) "
+        "(default 3)",
+    )
+    b.add_argument("--json", type=kinds.OutFile(), help="also write the rows to this JSON file")
+    b.add_argument("--device", default="cpu", type=kinds.device)
+    b.set_defaults(func=_cmd_bench)

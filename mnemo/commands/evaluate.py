@@ -1,0 +1,414 @@
+"""``mnemo eval`` and ``mnemo generate``: a checkpoint's validation loss (text), accuracy per length
+(tasks), YaRN at evaluation time, and sampled text."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .. import argtypes as kinds
+from .train import _parse_lengths
+
+#: ``mnemo generate --max-new-tokens``'s bound: ~an hour of one-token steps on a laptop CPU
+MAX_NEW_TOKENS = 1_000_000
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def _refuse_sharded(ckpt, given) -> None:
+    """``ValueError`` for a sharded (FSDP) checkpoint: the single-process commands read one file."""
+    from ..train.sharded import is_sharded
+
+    if is_sharded(ckpt):
+        raise ValueError(
+            f"--checkpoint: {ckpt} is a sharded checkpoint of `mnemo train --fsdp`; write a single-file "
+            f"copy first: mnemo convert --from-dcp {given} OUT"
+        )
+
+
+def _load(checkpoint: str, device: str):
+    from ..data import load_tokenizer
+    from ..models import LanguageModel
+    from ..train import resolve_checkpoint
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    ckpt = resolve_checkpoint(checkpoint, warn=_warn)
+    _refuse_sharded(ckpt, checkpoint)
+    task = load_json(ckpt / TRAIN_CONFIG_NAME).get("task") if (ckpt / TRAIN_CONFIG_NAME).is_file() else None
+    if task:  # (eval sends task checkpoints elsewhere first)
+        raise ValueError(
+            f"--checkpoint: {ckpt} was trained on the task {task!r}, whose tokens are ids, not text: "
+            "generate writes text (evaluate a task checkpoint with `mnemo eval --checkpoint ...`)"
+        )
+    model = LanguageModel.from_pretrained(ckpt, map_location=device)
+    tok = load_tokenizer(ckpt)
+    return ckpt, model, tok
+
+
+def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
+    from ..models import LanguageModel
+    from ..train import TrainConfig
+    from ..train.task_eval import evaluate_task
+
+    cfg = TrainConfig.from_dict(tcfg)
+    task = cfg.build_task()
+    lengths = _parse_lengths(args.length, "--length") or [args.seq_len or cfg.seq_len]
+    for L in lengths:
+        task.check_length(L, "--length")
+    model = LanguageModel.from_pretrained(ckpt, map_location=args.device)
+    if model.config.pos_embedding == "learned" and max(lengths) > model.config.max_position:
+        raise ValueError(
+            f"--length: {max(lengths)} tokens exceed the model's learned positions "
+            f"(max_position = {model.config.max_position})"
+        )
+    num = args.num_samples or cfg.eval_batches * cfg.batch_size
+    from ..train.memory_estimate import check_forward_memory, check_sequences_memory
+
+    batch = args.batch_size or cfg.batch_size
+    for L in lengths:  # refused before anything is drawn or allocated
+        check_sequences_memory(num, L, args.device, flag="--num-samples / --length")
+        check_forward_memory(model.config, min(batch, num), L, args.device, flag="--batch-size / --length")
+    res = evaluate_task(
+        model,
+        task,
+        lengths,
+        num_samples=num,
+        batch_size=batch,
+        train_len=cfg.seq_len,
+        seed=cfg.seed,
+        device=args.device,
+    )
+    for L in lengths:
+        r = res[L]
+        print(
+            json.dumps(
+                {
+                    "checkpoint": str(ckpt),
+                    "task": cfg.task,
+                    "length": L,
+                    "sequences": num,
+                    "val_loss": r["loss"],
+                    "val_acc": r["acc"],
+                    "val_seq_acc": r["seq_acc"],
+                }
+            )
+        )
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from ..train import resolve_checkpoint
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    ckpt = resolve_checkpoint(args.checkpoint, warn=_warn)
+    _refuse_sharded(ckpt, args.checkpoint)
+    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    if tcfg.get("task"):
+        text_only = {
+            "--yarn": args.yarn is not None,
+            "--data": args.data is not None,
+            "--text-field": args.text_field is not None,
+            "--pack-documents": args.pack_documents is not None,
+            "--full": args.full,
+            "--max-batches": args.max_batches is not None,
+            "--precision": args.precision is not None,
+        }
+        given = [flag for flag, on in text_only.items() if on]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: text checkpoints only; {ckpt} was trained on the task "
+                f"{tcfg['task']!r} and is evaluated on fresh draws of it (options: --length, --num-samples, "
+                "--batch-size, --seq-len)"
+            )
+        return _cmd_eval_task(args, ckpt, tcfg)
+    if args.num_samples:
+        raise ValueError("--num-samples applies to task checkpoints (trained with --task)")
+    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: expected a positive int, got {value}")
+    lengths = _parse_lengths(args.length, "--length")
+    if lengths and args.seq_len:
+        raise ValueError("--length and --seq-len: give one of them (--length L1,L2 evaluates at each)")
+    ckpt, model, tok = _load(str(ckpt), args.device)
+    yarn = _yarn_setting(args.yarn, tcfg, model) if args.yarn is not None else None
+    for L in lengths or [args.seq_len or tcfg.get("seq_len", 128)]:  # one JSON line per length
+        if yarn is not None:
+            yarn(L)
+        extra = _yarn_extra(model) if yarn is not None else None
+        code = _cmd_eval_text(args, tcfg, ckpt, model, tok, L, extra)
+        if code:
+            return code
+    return 0
+
+
+def _yarn_setting(text: str, tcfg: dict, model):
+    """``--yarn [FACTOR]``: a function ``L -> None`` that sets YaRN on every attention layer for
+    evaluation at length ``L`` (factor ``FACTOR``, or ``L / training seq_len`` for ``auto``; plain
+    RoPE where the factor is 1)."""
+    train_len = tcfg.get("seq_len")
+    if not train_len:
+        raise ValueError("--yarn: the checkpoint has no training seq_len to extend (no train_config)")
+    if text == "auto":
+        factor = None
+    else:
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = 0.0
+        if not factor >= 1:
+            raise ValueError(f"--yarn: expected 'auto' or a factor >= 1, got {text!r}")
+    layers = [m for m in model.modules() if hasattr(m, "set_rope_scaling") and getattr(m, "rotary", None)]
+    if not layers:
+        raise ValueError("--yarn: the model has no attention layer with rotary positions")
+
+    def apply(L: int) -> None:
+        s = factor if factor is not None else max(1.0, L / train_len)
+        scaling = (
+            None
+            if s == 1
+            else {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": train_len}
+        )
+        for m in layers:
+            m.set_rope_scaling(scaling)
+
+    return apply
+
+
+def _yarn_extra(model) -> dict:
+    """The ``rope_scaling`` in force on the first rotary attention layer (for the JSON line)."""
+    for m in model.modules():
+        if hasattr(m, "set_rope_scaling") and getattr(m, "rotary", None) is not None:
+            return {"rope_scaling": m.rotary.scaling}
+    return {}
+
+
+def _cmd_eval_text(args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict | None = None) -> int:
+    """``mnemo eval`` on a text checkpoint with windows of ``seq_len`` tokens: one JSON line
+    (``extra`` added to it)."""
+    import math
+
+    import torch
+
+    from ..data import load_corpus
+    from ..train.trainer import packed_logits
+
+    data = args.data or tcfg.get("data", "tinyshakespeare")
+    batch_size = args.batch_size or tcfg.get("batch_size", 32)
+    text_field = args.text_field or tcfg.get("text_field", "text")
+    pack = tcfg.get("pack_documents", False) if args.pack_documents is None else args.pack_documents == "on"
+    if args.max_batches is None:  # what training logs: its first eval_batches validation batches
+        max_batches = tcfg.get("eval_batches")
+    elif args.max_batches == "all":
+        max_batches = None
+    else:
+        try:
+            max_batches = int(args.max_batches)
+        except ValueError:
+            max_batches = 0
+        if max_batches < 1:
+            raise ValueError(f"--max-batches: expected a positive int or 'all', got {args.max_batches!r}")
+    bf16 = (args.precision or tcfg.get("precision", "fp32")) == "bf16"
+    corpus = load_corpus(data, text_field)
+    val_docs = corpus.split()[1] if not args.full else corpus
+    stream = val_docs.stream(tok, seq_len)  # documents joined as in training (the tokenizer's separator)
+    unknown = getattr(tok, "unknown_share", None)
+    share = unknown(val_docs.text) if unknown is not None else 0.0
+    if share > 0:
+        _warn(
+            f"{share:.1%} of the characters of {data!r} are outside the tokenizer's vocabulary and are "
+            "read as <unk>: the loss is not comparable to the training log's"
+        )
+    model.eval()
+    total, count, sequences = 0.0, 0, 0
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
+    with torch.no_grad():
+        for batch in stream.eval_batches(batch_size, max_batches, with_documents=pack):
+            x, y = batch[0], batch[1]
+            with autocast:
+                if pack:  # each document alone, as training measured it
+                    logits = packed_logits(model, x.to(args.device), batch[2].to(args.device))
+                else:
+                    logits, _ = model(x.to(args.device))
+            total += torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), y.to(args.device).flatten(), reduction="sum"
+            ).item()
+            count += y.numel()
+            sequences += y.shape[0]
+    if count == 0:
+        raise ValueError(
+            f"--data: the {'file' if args.full else 'validation split'} of {data!r} is shorter than one "
+            f"window of --seq-len {seq_len} + 1 tokens"
+        )
+    val_loss = total / count
+    tokens_per_char = stream.ids.numel() / stream.num_chars
+    same = (
+        not args.full
+        and data == tcfg.get("data", "tinyshakespeare")
+        and seq_len == tcfg.get("seq_len")
+        and batch_size == tcfg.get("batch_size")
+        and max_batches == tcfg.get("eval_batches")
+        and bf16 == (tcfg.get("precision") == "bf16")
+        and pack == tcfg.get("pack_documents", False)
+        and text_field == tcfg.get("text_field", "text")
+        and not (extra or {}).get("rope_scaling")  # --yarn changes the model's positions
+    )
+    result = {
+        "checkpoint": str(ckpt),
+        "data": data,
+        "split": "all" if args.full else "val",
+        "sequences": sequences,
+        "seq_len": seq_len,
+        "tokens": count,
+        "precision": "bf16" if bf16 else "fp32",
+        "pack_documents": pack,
+        "val_loss": val_loss,
+        "bpc": val_loss * tokens_per_char / math.log(2),
+        # True: the measurement the training log's val_loss makes (same windows and precision)
+        "as_in_training": same,
+        **(extra or {}),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _check_generate_memory(model, length: int, device: str) -> None:
+    """Refuse, before decoding, a generation whose decoding state (a KV cache grows with the
+    length) and tokens cannot fit in the memory available on ``device``."""
+    import torch
+
+    from ..train.memory_estimate import GiB, available_memory
+
+    need = model.state_size_bytes(1, length) + 16 * length
+    have, source = available_memory(torch.device(device))
+    if have is not None and need > have:
+        raise ValueError(
+            f"--max-new-tokens: {length:,} tokens need a decoding state of at least {need / GiB:,.1f} GiB, "
+            f"but only {have / GiB:,.1f} GiB are available ({source}); lower --max-new-tokens"
+        )
+
+
+def _cmd_generate(args) -> int:
+    from ..train import generate_text
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
+    _, model, tok = _load(args.checkpoint, args.device)
+    _check_generate_memory(model, len(tok.encode(args.prompt or "\n")) + args.max_new_tokens, args.device)
+    unknown = sorted(set(args.prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
+    if unknown:
+        print(
+            f"warning: --prompt: {len(unknown)} character(s) are not in the checkpoint's vocabulary and "
+            f"are read as <unk> (shown as \ufffd): {''.join(unknown)!r}",
+            file=sys.stderr,
+        )
+    text = generate_text(
+        model,
+        tok,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        device=args.device,
+        compile=args.compile,
+    )
+    print(text)
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Add ``eval`` and ``generate`` to the ``mnemo`` sub-command parser."""
+    e = sub.add_parser(
+        "eval", help="validation loss and bits per character (task runs: accuracy) of a checkpoint"
+    )
+    e.add_argument(
+        "--checkpoint",
+        required=True,
+        type=kinds.ExistingDir("a run or checkpoint folder"),
+        help="run directory or checkpoint directory",
+    )
+    e.add_argument(
+        "--data",
+        type=kinds.Text("a corpus name, file, folder or glob"),
+        help="corpus (default: the one it was trained on)",
+    )
+    e.add_argument(
+        "--text-field",
+        type=kinds.Text("a field name"),
+        help="JSONL/Parquet: the field holding the text (default: as in training)",
+    )
+    e.add_argument(
+        "--pack-documents",
+        choices=["on", "off"],
+        help="each document of a window is its own sequence (default: as in training)",
+    )
+    e.add_argument(
+        "--full",
+        action="store_true",
+        help="draw the windows from the whole file, not only its validation split (with --max-batches "
+        "all: every window of the file)",
+    )
+    e.add_argument("--seq-len", type=kinds.positive_int, help="window length (default: the training seq_len)")
+    e.add_argument(
+        "--batch-size", type=kinds.positive_int, help="windows per batch (default: the training batch_size)"
+    )
+    e.add_argument(
+        "--max-batches",
+        type=kinds.Int(1, words=("all",)),
+        help="validation batches to read, or 'all' for the whole split (default: the training "
+        "eval_batches, so val_loss is the training log's measurement)",
+    )
+    e.add_argument(
+        "--precision", choices=["fp32", "bf16"], help="default: the training precision (bf16 = autocast)"
+    )
+    e.add_argument(
+        "--length",
+        type=kinds.IntList(1),
+        help="comma-separated test lengths, one JSON line each (default: the training length; text "
+        "checkpoints: window lengths, as --seq-len)",
+    )
+    e.add_argument(
+        "--yarn",
+        nargs="?",
+        type=kinds.Float(1, words=("auto",)),
+        const="auto",
+        metavar="FACTOR",
+        help="text checkpoints: apply YaRN (Peng et al. 2023) to every rotary attention layer for the "
+        "evaluation, original context = the training seq_len, factor FACTOR or (default) length / "
+        "training seq_len per --length; plain RoPE where that is 1",
+    )
+    e.add_argument(
+        "--num-samples",
+        type=kinds.positive_int,
+        help="task checkpoints: test sequences (default: as in training)",
+    )
+    e.add_argument("--device", default="cpu", type=kinds.device)
+    e.set_defaults(func=_cmd_eval)
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument(
+        "--checkpoint",
+        required=True,
+        type=kinds.ExistingDir("a run or checkpoint folder"),
+        help="run directory or checkpoint directory",
+    )
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument(
+        "--max-new-tokens",
+        type=kinds.Int(0, MAX_NEW_TOKENS),
+        default=300,
+        help=f"tokens to generate, at most {MAX_NEW_TOKENS:,} (the text is printed at the end) (default 300)",
+    )
+    g.add_argument("--temperature", type=kinds.nonneg_float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=kinds.positive_int, help="sample among the K likeliest tokens")
+    g.add_argument("--seed", type=kinds.seed, default=0)
+    g.add_argument("--device", default="cpu", type=kinds.device)
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="prefill and decode under torch.compile (the first call compiles for tens of seconds; pays off "
+        "on long outputs)",
+    )
+    g.set_defaults(func=_cmd_generate)

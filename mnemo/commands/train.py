@@ -1,0 +1,346 @@
+"""``mnemo train``: its parser (TrainConfig's flags, declared in the config's field metadata) and
+the command, which resolves the run folder (new, --resume, --overwrite) and runs the
+:class:`~mnemo.train.Trainer`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .. import argtypes as kinds
+
+
+def config_flag_fields(cls=None) -> list:
+    """The fields of the :class:`~mnemo.train.TrainConfig` dataclass ``cls`` (default
+    ``TrainConfig``) that are ``mnemo train`` flags: those whose ``metadata`` holds ``"cli"``
+    (``mnemo.train.config._flag``)."""
+    import dataclasses
+
+    if cls is None:
+        from ..train.config import TrainConfig as cls
+    return [f for f in dataclasses.fields(cls) if "cli" in f.metadata]
+
+
+def add_config_flags(parser, cls=None) -> list[str]:
+    """Add one flag per :func:`config_flag_fields` field of ``cls`` to ``parser`` (a parser or an
+    argument group): ``--seq-len`` for ``seq_len``, its help and argparse options from the field's
+    metadata, the default value appended to the help. A ``bool`` field is a switch setting
+    ``True``; every flag defaults to ``None`` ("not given": the config file's value stands).
+    Returns the field names (the ``args`` attributes)."""
+    import dataclasses
+
+    names = []
+    for f in config_flag_fields(cls):
+        options = dict(f.metadata["cli"])
+        shown = options.pop("default_help", None)
+        default = None if f.default is dataclasses.MISSING else f.default
+        if isinstance(default, bool) or options.get("type") is bool:
+            options.pop("type", None)
+            options.update(action="store_const", const=True)
+        else:
+            if "choices" not in options and "type" not in options:
+                raise TypeError(
+                    f"TrainConfig.{f.name}: its flag declares no kind (metadata type=, see mnemo.argtypes)"
+                )
+            if shown is None and default is not None:
+                shown = str(default)
+        if shown is not None:  # "text (note; default X)" or "text (default X)"
+            text = options["help"]
+            options["help"] = (
+                f"{text[:-1]}; default {shown})" if text.endswith(")") else f"{text} (default {shown})"
+            )
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, **options)
+        names.append(f.name)
+    return names
+
+
+_MODEL_FLAGS = {"d_model": "d_model", "n_layers": "n_layers"}
+
+
+def _default_out(model: str) -> Path:
+    base = Path("runs") / model
+    if not base.exists():
+        return base
+    i = 2
+    while Path(f"{base}-{i}").exists():
+        i += 1
+    return Path(f"{base}-{i}")
+
+
+def _parse_task_options(items: list[str] | None) -> dict:
+    """``["num_pairs=8", "filler=pad"]`` -> ``{"num_pairs": 8, "filler": "pad"}`` (YAML scalars)."""
+    import yaml
+
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--task-option expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def _parse_lengths(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
+
+
+def _mapping(d: dict, key: str) -> dict:
+    """``d[key]`` of a config file, which flags add keys to: a mapping (``{}`` when absent)."""
+    value = d.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"TrainConfig.{key}: expected a mapping, got {value!r}")
+    return value
+
+
+def _saved_config(out: str | None, changes: dict):
+    """The configuration a resumed run will have (for the device to join the process group on),
+    read from the run's ``latest`` checkpoint without verifying it (the Trainer does)."""
+    from ..train import TrainConfig
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, ForeignCheckpointError, load_json, resolve_checkpoint
+
+    if out is None:
+        raise ValueError("--resume needs --out DIR (the run directory to continue)")
+    try:
+        saved = load_json(resolve_checkpoint(out) / TRAIN_CONFIG_NAME)
+    except ForeignCheckpointError:
+        raise
+    except (FileNotFoundError, ValueError):
+        saved = {}  # the Trainer reports it (or falls back to an older checkpoint)
+    known = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
+    return TrainConfig.from_dict({**known, "device": changes.get("device", known.get("device", "cpu"))})
+
+
+def _saved_task(out) -> str | None:
+    """The task of the run saved in ``out`` (None: a text run, or nothing readable there)."""
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    try:
+        from ..train import resolve_checkpoint
+
+        ckpt = resolve_checkpoint(out, verify=False)
+        return load_json(ckpt / TRAIN_CONFIG_NAME).get("task")
+    except (OSError, ValueError):
+        return None
+
+
+def _cmd_train(args) -> int:
+    import torch
+
+    from ..interp import circuit_callbacks
+    from ..train import TrainConfig, Trainer, load_config_file
+
+    d = load_config_file(args.config) if args.config else {}
+    for f in config_flag_fields(TrainConfig):
+        value = getattr(args, f.name)
+        if value is not None:
+            d[f.name] = value
+    task_options = _parse_task_options(args.task_option)
+    if task_options:
+        d["task_options"] = {**_mapping(d, "task_options"), **task_options}
+    lengths = _parse_lengths(args.eval_lengths, "--eval-lengths")
+    if lengths is not None:
+        d["eval_lengths"] = lengths
+    overrides = dict(_mapping(d, "model_overrides"))
+    for flag, fld in _MODEL_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[fld] = value
+    if overrides:
+        d["model_overrides"] = overrides
+    text_flags = [
+        "--" + name.replace("_", "-")
+        for name in ("data", "tokenizer", "text_field", "pack_documents")
+        if getattr(args, name, None) not in (None, False)
+    ]
+    if text_flags and (d.get("task") or (args.resume and _saved_task(args.out))):
+        raise ValueError(
+            f"{', '.join(text_flags)}: text options; a --task run draws its sequences from the task "
+            "(its own vocabulary, no corpus or tokenizer)"
+        )
+    if args.resume and args.overwrite:
+        raise ValueError(
+            "--resume and --overwrite: give one of them (--resume continues the run in --out, --overwrite "
+            "discards its checkpoints and starts over)"
+        )
+    if args.resume:
+        # a resumed run keeps every saved setting: ``d`` holds only what the command line changes
+        cfg = _saved_config(args.out, d)
+    else:
+        if args.reschedule:
+            raise ValueError("--reschedule applies to --resume (a changed --steps of a saved run)")
+        cfg = TrainConfig.from_dict(d)
+    # under torchrun: join the process group first; every rank checks the run directory before
+    # rank 0 alone changes it (and alone prints)
+    from ..train.distributed import backend_for, barrier, init_from_env, local_device
+
+    rank, world = init_from_env(backend_for(local_device(torch.device(cfg.device))))
+    main = rank == 0
+    # parallel settings need several processes: one process would train without them while the
+    # run's train_config.json records them as on (a resumed run refuses only a flag given now)
+    for name in ("fsdp", "context_parallel"):
+        asked = d.get(name) if args.resume else getattr(cfg, name)
+        if asked and world == 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag}: needs several processes (launch with torchrun --nproc_per_node N mnemo train "
+                f"...); this is a single process, which would train without it"
+            )
+    say = print if main else (lambda *a, **k: None)
+
+    if args.out is None:
+        if args.resume:
+            raise ValueError("--resume needs --out DIR (the run directory to continue)")
+        out = _default_out(cfg.model)
+    else:
+        out = Path(args.out)
+        has_ckpt = (out / "latest").exists()
+        if not has_ckpt and ((out / "config.json").is_file() or (out / "model.safetensors").is_file()):
+            raise ValueError(
+                f"--out: {out} holds a checkpoint (config.json / model.safetensors, e.g. an export); a run "
+                "there would be hidden behind it: pick another --out"
+            )
+        if has_ckpt and not (args.resume or args.overwrite):
+            raise ValueError(
+                f"{out} already holds a run; pass --resume to continue it or --overwrite to start over"
+            )
+        if args.resume and not has_ckpt:
+            raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
+        barrier()
+        if main and args.overwrite and out.exists():
+            from ..train.trainer import lock_run_folder
+
+            lock = lock_run_folder(out)  # refuses while another process trains in the folder
+            if lock is not None:
+                lock.close()
+
+            from ..train.checkpoint import discard_checkpoint
+
+            # a checkpoint's own files go; anything else in it (a user's notes, probe outputs) is
+            # moved to OUT/kept/ckpt-NNNNNN/ with a warning, as rotation does
+            for p in list(out.glob("ckpt-*")) + [out / "latest", out / "metrics.jsonl"]:
+                if p.is_dir():
+                    if re.fullmatch(r"ckpt-\d+", p.name):  # a folder the user named ckpt-x stays
+                        discard_checkpoint(p, out)
+                elif p.exists():
+                    p.unlink()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trainer = Trainer(
+        d if args.resume else cfg,
+        out,
+        resume=args.resume,
+        reschedule=args.reschedule,
+        progress=not args.no_progress,
+        callbacks=circuit_callbacks,  # the tracker when the run's config asks (--track-circuits)
+    )
+    n_params = trainer.model.num_parameters()
+    if trainer.task is None:
+        source = (
+            f"data {trainer.cfg.data} ({trainer.train_data.ids.numel():,} train / "
+            f"{trainer.val_data.ids.numel():,} val tokens)"
+        )
+    else:
+        source = f"task {trainer.cfg.task} {trainer.task.options()} (vocab {trainer.task.vocab_size})"
+    c = trainer.cfg
+    cp = trainer.context_parallel
+    rows = c.batch_size // ((1 if cp else world) * c.grad_accum)
+    split = f"{c.grad_accum} micro-batches of {rows} sequences" if c.grad_accum > 1 else ""
+    if cp:
+        split = f"context parallel: {world} processes x {c.seq_len // world} tokens of each sequence" + (
+            f", {split}" if split else ""
+        )
+    elif world > 1:
+        split = f"{world} processes x " + (split or f"{rows} sequences")
+    split = f" ({split})" if split else ""
+    say(
+        f"mnemo train: model {c.model} ({n_params / 1e6:.2f}M parameters), {source}, "
+        f"{c.steps} steps of {c.batch_size}x{c.seq_len} tokens{split} -> {out}",
+        flush=True,
+    )
+    if trainer.step >= c.steps:
+        say(f"already trained to step {trainer.step} (raise --steps to continue)")
+    record = trainer.fit()
+    if record:
+        say(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
+    if trainer.task is not None:
+        say(f"checkpoint: {trainer.last_checkpoint}")
+        say(f"try: mnemo eval --checkpoint {out} --length {4 * c.seq_len}")
+        return 0
+    if c.sample_tokens > 0 and (main or trainer.fsdp):  # FSDP: every rank runs the sharded model
+        text = trainer.sample()
+        if main:
+            print("\n--- sample ---")
+            print(text)
+            print("--------------")
+    say(f"checkpoint: {trainer.last_checkpoint}")
+    say(f"try: mnemo generate --checkpoint {out} --prompt 'KING:'")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Add ``train`` to the ``mnemo`` sub-command parser."""
+    t = sub.add_parser(
+        "train",
+        help="train a language model on text (default: a small transformer on tinyshakespeare)",
+        description="Train a model. Its settings (TrainConfig) are the defaults, then the --config "
+        "file's, then the flags given; a resumed run (--resume) keeps its saved settings and the "
+        "flags given change only those.",
+    )
+    from ..train.config import TrainConfig
+
+    run = t.add_argument_group("run")
+    run.add_argument(
+        "--out",
+        metavar="DIR",
+        type=kinds.OutDir("a run folder to write"),
+        help="run directory (default runs/MODEL, runs/MODEL-2, ...)",
+    )
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        type=kinds.ExistingFile("an existing YAML/JSON file"),
+        help="YAML/JSON file of TrainConfig fields (flags override it)",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its newest intact checkpoint with every saved setting; "
+        "flags given change only those settings (each change is printed)",
+    )
+    run.add_argument(
+        "--reschedule",
+        choices=["stretch", "hold"],
+        help="--resume with a different --steps: 'stretch' recomputes the warm-up + cosine learning "
+        "rate over the new --steps (the lr at the resumed step jumps to its place on the new cosine); "
+        "'hold' keeps the saved cosine and holds lr x min_lr_ratio after its end",
+    )
+    run.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --out")
+    run.add_argument("--threads", type=kinds.threads, metavar="N", help="torch intra-op threads")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    settings = t.add_argument_group(
+        "training settings", "TrainConfig fields (mnemo.train.TrainConfig); a flag given overrides --config"
+    )
+    add_config_flags(settings, TrainConfig)
+    settings.add_argument(
+        "--task-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a task option, e.g. --task-option num_pairs=16 (repeatable; over the config file's)",
+    )
+    settings.add_argument(
+        "--eval-lengths",
+        metavar="L1,L2",
+        type=kinds.IntList(1),
+        help="task runs: also test at these lengths at the end, e.g. 1024,4096",
+    )
+    sizes = t.add_argument_group("model size", "TrainConfig.model_overrides (over the config file's)")
+    sizes.add_argument("--d-model", type=kinds.width, metavar="D", help="override the model width")
+    sizes.add_argument("--n-layers", type=kinds.depth, metavar="N", help="override the number of layers")
+    t.set_defaults(func=_cmd_train)
