@@ -845,7 +845,9 @@ def test_unknown_mixer_options_are_named_not_a_traceback(tmp_path, capsys):
     cfg.write_text("model_overrides: {mixer_options: {attention: {bogus: 3}}}\n")
     assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "never")]) == 2
     err = capsys.readouterr().err
-    assert "ModelConfig.mixer_options['attention']: expected options of Attention (n_heads," in err
+    assert (
+        "ModelConfig.mixer_options['attention']: expected options of the 'attention' mixer (n_heads," in err
+    )
     assert "got 'bogus'" in err and err.count("\n") == 1 and not (tmp_path / "never").exists()
 
 
@@ -880,7 +882,9 @@ def test_resume_refuses_a_log_line_it_did_not_write_and_keeps_the_log(run, tmp_p
     )
     assert _tree(mine) == before
     log.write_text(log.read_text().replace('{"step": "x", "val_loss": "nan"}\n', '{"step": 4, "torn'))
-    assert _resume(mine, 6) == 0  # a torn last line (a crash mid-write) is still dropped
+    with pytest.warns(UserWarning, match="its last line is not JSON"):
+        assert _resume(mine, 6) == 0  # a torn last line (a crash mid-write) leaves the log, said and kept
+    assert (mine / "kept" / "metrics.jsonl.torn").read_text() == '{"step": 4, "torn\n'
 
 
 # ------------------------------------------------------------------------------------------------
@@ -939,3 +943,24 @@ def test_the_yaml_hint_only_says_what_is_true(tmp_path, capsys):
     assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "never")]) == 2
     err = capsys.readouterr().err
     assert "got '4' (a string: write the number without quotes)" in err and "YAML 1.1" not in err
+
+
+def test_mixer_options_of_any_shape_are_refused_in_one_line(tmp_path, capsys):
+    """(fifth trial) a string, a number or a list where the options go, an unknown option of a
+    mixer given as a partial (gla), and a value its constructor cannot take (n_heads 0)."""
+    for text, msg in (
+        ('model: gla\nmodel_overrides: {mixer_options: "x"}\n', "expected a mapping {mixer name: {option:"),
+        ("model: gla\nmodel_overrides: {mixer_options: 5}\n", "expected a mapping {mixer name: {option:"),
+        ("model: gla\nmodel_overrides: {mixer_options: {gla: [1, 2]}}\n", "got {'gla': [1, 2]}"),
+        ("model: gla\nmodel_overrides: {mixer_options: {gla: {bogus_opt: 3}}}\n", "got 'bogus_opt'"),
+        (
+            "model: transformer\nmodel_overrides: {mixer_options: {attention: {n_heads: 0}}}\n",
+            "ModelConfig.mixer_options['attention'] = {'n_heads': 0}: integer modulo by zero",
+        ),
+    ):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(text)
+        assert main(["train", "--config", str(cfg), *TINY, "--out", str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "never").exists()

@@ -93,12 +93,12 @@ class ModelConfig:
             if m not in MIXERS:
                 bad("mixer_options", f"keys among {sorted(MIXERS)}", m)
             if not isinstance(opts, dict):
-                bad(f"mixer_options[{m!r}]", f"a dict of {MIXERS[m].__name__}'s options", opts)
+                bad(f"mixer_options[{m!r}]", f"a dict of the {m!r} mixer's options", opts)
             unknown = _unknown_options(MIXERS[m], opts)
             if unknown:
                 bad(
                     f"mixer_options[{m!r}]",
-                    f"options of {MIXERS[m].__name__} ({', '.join(_known_options(MIXERS[m]))})",
+                    f"options of the {m!r} mixer ({', '.join(_known_options(MIXERS[m]))})",
                     ", ".join(unknown),
                 )
         if self.mlp not in ("swiglu", "none", "cms", "moe"):
@@ -156,13 +156,13 @@ class ModelConfig:
 
 def _known_options(cls) -> list[str]:
     """The keyword options of a mixer class's constructor (after ``d_model``)."""
-    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, d_model
+    params = list(inspect.signature(cls).parameters.values())[1:]  # after d_model (classes, partials)
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _unknown_options(cls, opts: dict) -> list[str]:
     """Keys of ``opts`` the constructor does not take (none when it takes ``**kwargs``)."""
-    params = inspect.signature(cls.__init__).parameters.values()
+    params = inspect.signature(cls).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return []
     known = set(_known_options(cls))

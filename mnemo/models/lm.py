@@ -116,7 +116,13 @@ class LanguageModel(nn.Module):
         self.pos_embed = nn.Embedding(c.max_position, c.d_model) if c.pos_embedding == "learned" else None
         blocks = []
         for name in c.layer_mixers():
-            mixer = MIXERS[name](c.d_model, **c.mixer_options.get(name, {}))
+            opts = c.mixer_options.get(name, {})
+            try:
+                mixer = MIXERS[name](c.d_model, **opts)
+            except (TypeError, ValueError, ZeroDivisionError) as e:
+                if not opts:  # no option of the user's: a bug, shown as it is
+                    raise
+                raise ValueError(f"ModelConfig.mixer_options[{name!r}] = {opts}: {e}") from e
             if c.mlp == "swiglu":
                 mlp = SwiGLU(c.d_model, c.mlp_hidden)
             elif c.mlp == "cms":

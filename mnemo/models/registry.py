@@ -62,6 +62,13 @@ def build_config(name: str, **overrides) -> ModelConfig:
         if key not in cfg:
             raise ValueError(f"unknown ModelConfig field {key!r} in overrides; known: {sorted(cfg)}")
         if key == "mixer_options":
+            if value is not None and (
+                not isinstance(value, dict) or not all(isinstance(o, dict) for o in value.values())
+            ):
+                raise ValueError(
+                    "ModelConfig.mixer_options: expected a mapping {mixer name: {option: value}}, "
+                    f"got {value!r}"
+                )
             merged = {m: dict(o) for m, o in cfg["mixer_options"].items()}
             for m, o in (value or {}).items():
                 merged.setdefault(m, {}).update(o)

@@ -240,8 +240,17 @@ class RunFolder:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
-                    if i == len(lines):
-                        continue  # a torn last line from a crash
+                    if i == len(lines):  # a torn last line (a write cut by a crash): kept aside, said
+                        kept = self.out / "kept" / "metrics.jsonl.torn"
+                        kept.parent.mkdir(parents=True, exist_ok=True)
+                        with open(kept, "a") as fh:
+                            fh.write(line + "\n")
+                        warnings.warn(
+                            f"{p}: its last line is not JSON (a write cut short by a crash?) and leaves the "
+                            f"log; it is kept in {kept}: {line[:60]!r}",
+                            stacklevel=2,
+                        )
+                        continue
                     record = None
                 if not isinstance(record, dict) or type(record.get("step")) is not int:
                     raise ValueError(
