@@ -13,6 +13,19 @@ from .train import _parse_lengths
 MAX_NEW_TOKENS = 1_000_000
 
 
+def refuse_task_checkpoint(ckpt, why: str) -> None:
+    """``ValueError`` for a checkpoint trained on a synthetic task (its tokens are ids, no text
+    tokenizer) given to a command that reads or writes text; ``why`` says what the command does."""
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    task = load_json(ckpt / TRAIN_CONFIG_NAME).get("task") if (ckpt / TRAIN_CONFIG_NAME).is_file() else None
+    if task:
+        raise ValueError(
+            f"--checkpoint: {ckpt} was trained on the task {task!r}, whose tokens are ids, not text: {why} "
+            "(evaluate a task checkpoint with `mnemo eval --checkpoint ...`)"
+        )
+
+
 def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
@@ -32,16 +45,10 @@ def _load(checkpoint: str, device: str):
     from ..data import load_tokenizer
     from ..models import LanguageModel
     from ..train import resolve_checkpoint
-    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
     ckpt = resolve_checkpoint(checkpoint, warn=_warn)
     _refuse_sharded(ckpt, checkpoint)
-    task = load_json(ckpt / TRAIN_CONFIG_NAME).get("task") if (ckpt / TRAIN_CONFIG_NAME).is_file() else None
-    if task:  # (eval sends task checkpoints elsewhere first)
-        raise ValueError(
-            f"--checkpoint: {ckpt} was trained on the task {task!r}, whose tokens are ids, not text: "
-            "generate writes text (evaluate a task checkpoint with `mnemo eval --checkpoint ...`)"
-        )
+    refuse_task_checkpoint(ckpt, "generate writes text")  # (eval sends task checkpoints elsewhere first)
     model = LanguageModel.from_pretrained(ckpt, map_location=device)
     tok = load_tokenizer(ckpt)
     return ckpt, model, tok

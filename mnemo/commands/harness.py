@@ -141,14 +141,9 @@ def run(args) -> int:
         raise ValueError(f"--limit: expected a positive number, got {args.limit}")
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     ckpt = resolve_checkpoint(args.checkpoint, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
-    from mnemo.train.checkpoint import TRAIN_CONFIG_NAME, load_json
+    from .evaluate import refuse_task_checkpoint
 
-    task = load_json(ckpt / TRAIN_CONFIG_NAME).get("task") if (ckpt / TRAIN_CONFIG_NAME).is_file() else None
-    if task:
-        raise ValueError(
-            f"--checkpoint: {ckpt} was trained on the task {task!r}, whose tokens are ids, not text: the "
-            "harness scores text (evaluate a task checkpoint with `mnemo eval --checkpoint ...`)"
-        )
+    refuse_task_checkpoint(ckpt, "the harness scores text")
     model_args = {"checkpoint": str(ckpt), **simple_parse_args_string(args.model_args)}
     manager = _task_manager(tasks, args.include_path)
 
