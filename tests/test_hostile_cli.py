@@ -838,6 +838,11 @@ def test_probe_reads_a_jsonl_field_it_is_told(run, tmp_path, capsys):
     assert main(argv) == 2
     assert "choose one with --text-field" in capsys.readouterr().err
     assert main([*argv, "--text-field", "body"]) == 0
+    # an irrelevant half-life at least the context would give negative shares: refused up front
+    assert main([*argv[:6], "--irrelevant-half-life", "1e20"]) == 2
+    assert "--irrelevant-half-life (1e+20 tokens) must be shorter than the context, --tokens 16" in (
+        capsys.readouterr().err
+    )
 
 
 def test_unknown_mixer_options_are_named_not_a_traceback(tmp_path, capsys):

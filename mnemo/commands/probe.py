@@ -318,6 +318,11 @@ def _cmd_timescales(args) -> int:
     from ..interp.timescales import plot, timescales
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
+    if args.irrelevant_half_life >= args.tokens:
+        raise ValueError(
+            f"--irrelevant-half-life ({args.irrelevant_half_life:g} tokens) must be shorter than the "
+            f"context, --tokens {args.tokens}: a half-life longer than the context is marginal, not irrelevant"
+        )
     ckpt, model = _load(args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     data = args.data or tcfg.get("data") or "tinyshakespeare"
@@ -372,6 +377,11 @@ def _cmd_spectrum(args) -> int:
     from ..interp.spectrum import memory_spectrum, plot, to_json
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
+    if args.irrelevant_half_life >= args.tokens:
+        raise ValueError(
+            f"--irrelevant-half-life ({args.irrelevant_half_life:g} tokens) must be shorter than the "
+            f"context, --tokens {args.tokens}: a half-life longer than the context is marginal, not irrelevant"
+        )
     ckpt, model = _load(args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     data = args.data or tcfg.get("data") or "tinyshakespeare"

@@ -55,6 +55,7 @@ from ..layers import MIXERS
 from ..layers.ssm import Mamba2State, MambaState
 from ..layers.state import BlockState
 from ..models.config import ModelConfig
+from ..data.tokenizer import MNEMO_TOKENIZER_NAME
 from ..models.formats import register_foreign_loader
 
 ImportFn = Callable[[dict, dict[str, Tensor]], tuple[ModelConfig, dict[str, Tensor]]]
@@ -219,6 +220,11 @@ def import_hf(src: str | Path) -> tuple[ModelConfig, dict[str, Tensor], list[Pat
     d = Path(src)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
+        if (d / "latest").is_file():
+            raise ValueError(
+                f"{d} is a mnemo training run, not a foreign checkpoint: mnemo loads it as it is "
+                f"(--checkpoint {d}, LanguageModel.from_pretrained); `mnemo export` writes it for transformers"
+            )
         raise FileNotFoundError(f"checkpoint file missing: {cfg_path}")
     try:
         hf_config = json.loads(cfg_path.read_text())
@@ -232,7 +238,8 @@ def import_hf(src: str | Path) -> tuple[ModelConfig, dict[str, Tensor], list[Pat
         )
     config, state = arch.import_fn(hf_config, load_weights(d))
     _check_state(config, state, arch.name)
-    return config, state, [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
+    names = (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)  # the last: mnemo's own, as `export_hf` names it
+    return config, state, [d / n for n in names if (d / n).is_file()]
 
 
 def check_not_source(out: str | Path, *sources: str | Path) -> None:
@@ -276,8 +283,12 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     model = LanguageModel(config)
     model.load_state_dict(state, strict=True)
     model.save_pretrained(o)
+    names = {f.name for f in tok}
     for f in tok:
-        shutil.copy2(f, o / f.name)
+        # mnemo's own char/byte tokenizer, renamed on export, gets its checkpoint name back
+        # unless a Hugging Face tokenizer.json came with it
+        back = f.name == MNEMO_TOKENIZER_NAME and "tokenizer.json" not in names
+        shutil.copy2(f, o / ("tokenizer.json" if back else f.name))
     return o
 
 
@@ -321,10 +332,11 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
                 if n == "tokenizer.json" and _is_mnemo_tokenizer(src / n):
                     # mnemo's char/byte format is not a Hugging Face tokenizer: keep it under
                     # another name so transformers' AutoTokenizer does not misread it
-                    shutil.copy2(src / n, o / "mnemo_tokenizer.json")
+                    shutil.copy2(src / n, o / MNEMO_TOKENIZER_NAME)
                     warnings.warn(
                         f"{src / n} is mnemo's own char/byte tokenizer, which transformers cannot load; "
-                        f"written as {o / 'mnemo_tokenizer.json'} (mnemo.data.load_tokenizer reads it)",
+                        f"written as {o / MNEMO_TOKENIZER_NAME} (mnemo.data.load_tokenizer and "
+                        "`mnemo convert` read it)",
                         stacklevel=2,
                     )
                     continue

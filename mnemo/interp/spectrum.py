@@ -396,6 +396,20 @@ def half_lives(exponents: torch.Tensor) -> torch.Tensor:
     return torch.where(lam < 0, LN2 / (-lam), torch.full_like(lam, math.inf))
 
 
+def check_bands(irrelevant_half_life: float, context: float) -> None:
+    """Raise ``ValueError`` unless ``0 < irrelevant_half_life < context`` (both in tokens): a
+    direction that halves within ``irrelevant_half_life`` tokens is irrelevant, one whose half-life
+    exceeds ``context`` is marginal, so the first must be shorter for the classes to be disjoint."""
+    irr, ctx = float(irrelevant_half_life), float(context)
+    if not (math.isfinite(irr) and irr > 0):
+        raise ValueError(f"irrelevant_half_life must be a finite number of tokens > 0, got {irrelevant_half_life!r}")
+    if not (ctx > irr):
+        raise ValueError(
+            f"irrelevant_half_life ({irrelevant_half_life:g} tokens) must be shorter than the context "
+            f"({context:g} tokens): a half-life longer than the context is marginal, not irrelevant"
+        )
+
+
 def classify(
     exponents,
     context: float,
@@ -410,7 +424,9 @@ def classify(
     that one is, and as ``"unresolved"`` otherwise. The quantiles (``median`` … , tokens; ``inf``
     = never halves) are over the computed exponents. ``irrelevant_half_life``: the half-life
     (tokens) below which a direction is irrelevant (default ``irrelevant_half_life=4.0``,
-    :data:`IRRELEVANT_HALF_LIFE`)."""
+    :data:`IRRELEVANT_HALF_LIFE`). Raises ``ValueError`` unless ``0 < irrelevant_half_life <
+    context`` (otherwise the irrelevant and marginal bands overlap and the shares mean nothing)."""
+    check_bands(irrelevant_half_life, context)
     lam = torch.as_tensor(exponents, dtype=torch.float64)
     lam = lam.reshape(1, -1) if lam.ndim <= 1 else lam.reshape(-1, lam.shape[-1])
     H, m = lam.shape
@@ -628,6 +644,7 @@ def memory_spectrum(
         input_ids = input_ids.to(param.device)
     T = int(input_ids.shape[1])
     context = float(context if context is not None else T)
+    check_bands(irrelevant_half_life, context)
     irr = irrelevant_half_life
     wanted = [i for i in range(len(model.blocks)) if layers is None or i in layers]
     prefixes = tuple(f"blocks.{i}.mixer." for i in wanted)

@@ -197,7 +197,7 @@ def test_qwen3_next_through_the_commands(tmp_path):
 def test_new_user_findings(tmp_path, capsys):
     """Run folders export; mnemo's own char tokenizer is not shipped as a transformers tokenizer;
     a damaged foreign weights file is named; SRC == OUT is refused; eval warns about <unk>."""
-    from mnemo.train import TrainConfig, Trainer
+    from mnemo.train import TrainConfig, Trainer, resolve_checkpoint
 
     Trainer(
         TrainConfig(
@@ -218,6 +218,16 @@ def test_new_user_findings(tmp_path, capsys):
     assert not (tmp_path / "ex" / "tokenizer.json").exists()
     assert load_tokenizer(tmp_path / "ex" / "mnemo_tokenizer.json").kind == "char"
     assert transformers.MambaForCausalLM.from_pretrained(tmp_path / "ex") is not None
+    # ... and the way back gives the tokenizer its checkpoint name again: the same char vocabulary
+    assert main(["convert", str(tmp_path / "ex"), str(tmp_path / "back")]) == 0
+    before = load_tokenizer(resolve_checkpoint(tmp_path / "run"))
+    after = load_tokenizer(tmp_path / "back")
+    assert (tmp_path / "back" / "tokenizer.json").is_file() and after.kind == "char"
+    assert after.encode("To be, or not").tolist() == before.encode("To be, or not").tolist()
+    # a mnemo run given to convert is named as one
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "y")]) == 2
+    assert "is a mnemo training run, not a foreign checkpoint" in capsys.readouterr().err
 
     hf = transformers.MambaForCausalLM(
         transformers.MambaConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, state_size=4)
