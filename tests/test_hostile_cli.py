@@ -17,6 +17,7 @@ import io
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -962,6 +963,15 @@ def test_mixer_options_of_any_shape_are_refused_in_one_line(tmp_path, capsys):
             "model: transformer\nmodel_overrides: {mixer_options: {attention: {n_heads: 0}}}\n",
             "ModelConfig.mixer_options['attention'] = {'n_heads': 0}: integer modulo by zero",
         ),
+        # (sixth list) a value of the wrong kind is named by its option and its default, once
+        (
+            "model: gla\nmodel_overrides: {mixer_options: {gla: {expand_k: abc}}}\n",
+            "mixer_options['gla']['expand_k']: expected a number (the default is 0.5), got 'abc'",
+        ),
+        (
+            "model: transformer\nmodel_overrides: {mixer_options: {attention: {rope: 1}}}\n",
+            "mixer_options['attention']['rope']: expected true or false (the default is True), got 1",
+        ),
     ):
         cfg = tmp_path / "c.yaml"
         cfg.write_text(text)
@@ -969,3 +979,33 @@ def test_mixer_options_of_any_shape_are_refused_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert not (tmp_path / "never").exists()
+
+
+def test_sixth_list_findings(run, tmp_path, capsys):
+    """Options that nothing reads are refused, not ignored; a damaged latest checkpoint is said once."""
+    out = tmp_path / "never"
+    for argv, said in (
+        (["train", *TINY, "--circuit-length", "8"], "circuit_length (8) is read only by the circuit tracker"),
+        (["eval", "--checkpoint", str(run), "--text-field", "body"], "'tinyshakespeare' is plain text"),
+        (["eval", "--checkpoint", str(run), "--data", "/dev/null"], "neither a regular file nor a folder"),
+        (
+            ["bench", "--suite", "decode", "--lengths", "64"],
+            "--lengths is read by --suite ops, not by --suite decode",
+        ),
+        (["bench", "--json", str(tmp_path / "notes.txt")], "ending in .json"),
+    ):
+        assert main([*argv, *(["--out", str(out)] if argv[0] == "train" else [])]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    assert not out.exists()
+    sweep = tmp_path / "s.db"
+    sweep.write_bytes(b"SQLite format 3\x00\xdf\xff")
+    assert main(["sweep", str(sweep)]) == 2
+    assert "is not UTF-8 text (a YAML or JSON file of sweep keys" in capsys.readouterr().err
+    # a copy of the run whose latest checkpoint is cut short: one warning, then the resume goes on
+    shutil.copytree(run, tmp_path / "r")
+    latest = tmp_path / "r" / (tmp_path / "r" / "latest").read_text().strip() / "model.safetensors"
+    latest.write_bytes(latest.read_bytes()[:100])
+    assert _resume(tmp_path / "r", 6) == 0
+    said = capsys.readouterr()
+    assert (said.out + said.err).count("damaged checkpoint skipped") == 1

@@ -7,10 +7,56 @@ from pathlib import Path
 
 from .. import argtypes as kinds
 
+#: the suites that read each suite-specific option (the others are refused there, not ignored)
+SUITE_OPTIONS = {
+    "dtypes": ("ops",),
+    "lengths": ("ops",),
+    "heads": ("ops",),
+    "head_dim": ("ops",),
+    "batch": ("ops",),
+    "modes": ("ops",),
+    "recurrent_max_len": ("ops",),
+    "ops": ("ops", "peers", "decode"),
+    "repeats": ("ops", "peers", "models"),
+    "device": ("ops", "models"),
+    "contexts": ("decode",),
+    "decode_steps": ("decode",),
+    "decode_processes": ("decode",),
+    "d_model": ("decode", "models"),
+    "n_layers": ("decode", "models"),
+    "models": ("decode", "models"),
+    "peers": ("models",),
+    "model_shapes": ("models",),
+    "gen_batches": ("models",),
+    "prompt_len": ("models",),
+    "gen_tokens": ("models",),
+    "compile": ("models",),
+}
+_DEFAULTS: dict = {}
+
+
+def check_suite_options(args) -> None:
+    """``ValueError`` for an option given with a suite that does not read it (``--suite all``
+    reads them all)."""
+    if args.suite == "all":
+        return
+    for dest, suites in SUITE_OPTIONS.items():
+        if args.suite not in suites and dest in _DEFAULTS and getattr(args, dest, None) != _DEFAULTS[dest]:
+            flag = "--" + dest.replace("_", "-")
+            where = " or ".join(f"--suite {s}" for s in suites)
+            raise ValueError(
+                f"{flag} is read by {where}, not by --suite {args.suite}: drop it or change the suite"
+            )
+
 
 def _cmd_bench(args) -> int:
+    check_suite_options(args)
     if args.suite == "all":
         return _bench_all(args)
+    return _run_suite(args)
+
+
+def _run_suite(args) -> int:
     if args.suite == "peers":
         from ..bench.peers import main as bench_main
     elif args.suite == "decode":
@@ -41,7 +87,7 @@ def _bench_all(args) -> int:
             a = copy.copy(args)
             a.suite, a.ops, a.json = suite, None, str(Path(tmp) / f"{suite}.json")
             print(f"\n=== mnemo bench --suite {suite} ===", flush=True)
-            rc = max(rc, _cmd_bench(a))
+            rc = max(rc, _run_suite(a))
             path = Path(a.json)
             combined[suite] = json.loads(path.read_text()) if path.is_file() else None
     if args.json:
@@ -158,6 +204,7 @@ def add_commands(sub) -> None:
         help="timed runs per row, at most 1000 (medians; the models suite interleaves them across rows) "
         "(default 3)",
     )
-    b.add_argument("--json", type=kinds.OutFile(), help="also write the rows to this JSON file")
+    b.add_argument("--json", type=kinds.OutFile(suffix=".json"), help="also write the rows to this JSON file")
     b.add_argument("--device", default="cpu", type=kinds.device)
     b.set_defaults(func=_cmd_bench)
+    _DEFAULTS.update({dest: b.get_default(dest) for dest in SUITE_OPTIONS})

@@ -79,6 +79,7 @@ from tqdm.auto import tqdm
 
 from .. import argtypes as kinds
 from ..layers.cms import ContinuumMemory
+from ..plotting import legend
 
 EXPERIMENTS = ("abab", "forgetting_mqar", "class_incremental")
 BOS, QUERY = 0, 1  # token ids shared by every task
@@ -705,7 +706,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(
         f"{_TITLES[result['experiment']]}\n({len(result['seeds'])} seeds, 95% t-intervals)", fontsize=10
     )
-    ax.legend(fontsize=8)
+    legend(ax, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

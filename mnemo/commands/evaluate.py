@@ -199,11 +199,12 @@ def _cmd_eval_text(args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict
     import torch
 
     from ..data import load_corpus
+    from ..data.corpus import inherited_text_field
     from ..train.trainer import packed_logits
 
     data = args.data or tcfg.get("data", "tinyshakespeare")
     batch_size = args.batch_size or tcfg.get("batch_size", 32)
-    text_field = args.text_field or tcfg.get("text_field", "text")
+    text_field = args.text_field or inherited_text_field(data, tcfg.get("text_field"))
     pack = tcfg.get("pack_documents", False) if args.pack_documents is None else args.pack_documents == "on"
     if args.max_batches is None:  # what training logs: its first eval_batches validation batches
         max_batches = tcfg.get("eval_batches")

@@ -66,7 +66,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="harness_results.json",
-        type=kinds.OutFile(),
+        type=kinds.OutFile(suffix=".json"),
         help="where to write the results JSON (default: harness_results.json in the current directory)",
     )
     p.add_argument(
@@ -121,10 +121,37 @@ def _task_manager(tasks: list[str], include_path: str | None):
     return manager
 
 
+#: the options of the mnemo lm-eval model that --model-args may set (the checkpoint is --checkpoint)
+MODEL_ARGS = ("max_length", "rolling", "prefix_token_id", "max_gen_toks", "dtype")
+
+
+def parse_model_args(text: str) -> dict[str, str]:
+    """``"k=v,k2=v2"`` as a dict; ``ValueError`` for an item without ``=``, an empty or repeated key,
+    or a key the mnemo model does not read (:data:`MODEL_ARGS`)."""
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(
+                f"--model-args: expected key=value items separated by commas, got {item.strip()!r}"
+            )
+        if key not in MODEL_ARGS:
+            raise ValueError(
+                f"--model-args: unknown option {key!r}; the mnemo model reads {', '.join(MODEL_ARGS)}"
+            )
+        if key in out:
+            raise ValueError(f"--model-args: {key!r} is given twice")
+        out[key] = value.strip()
+    return out
+
+
 def run(args) -> int:
     try:
         import lm_eval
-        from lm_eval.utils import handle_non_serializable, make_table, simple_parse_args_string
+        from lm_eval.utils import handle_non_serializable, make_table
     except ImportError as e:
         raise ImportError(f"mnemo harness needs lm-eval: pip install 'mnemo[hf]' ({e})") from None
 
@@ -144,7 +171,7 @@ def run(args) -> int:
     from .evaluate import refuse_task_checkpoint
 
     refuse_task_checkpoint(ckpt, "the harness scores text")
-    model_args = {"checkpoint": str(ckpt), **simple_parse_args_string(args.model_args)}
+    model_args = {"checkpoint": str(ckpt), **parse_model_args(args.model_args)}
     manager = _task_manager(tasks, args.include_path)
 
     t0 = time.time()

@@ -305,12 +305,12 @@ def _cmd_circuits(args) -> int:
 
 
 def _text_field(args, tcfg: dict) -> str:
-    """--text-field, else the training run's field (when --data is its corpus too), else "text"."""
+    """--text-field, else the training run's field for records (:func:`inherited_text_field`)."""
+    from ..data.corpus import inherited_text_field
+
     if args.text_field:
         return args.text_field
-    if args.data:
-        return "text"
-    return tcfg.get("text_field") or "text"
+    return inherited_text_field(args.data or tcfg.get("data") or "tinyshakespeare", tcfg.get("text_field"))
 
 
 def _cmd_timescales(args) -> int:
@@ -318,11 +318,6 @@ def _cmd_timescales(args) -> int:
     from ..interp.timescales import plot, timescales
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
-    if args.irrelevant_half_life >= args.tokens:
-        raise ValueError(
-            f"--irrelevant-half-life ({args.irrelevant_half_life:g} tokens) must be shorter than the "
-            f"context, --tokens {args.tokens}: a half-life longer than the context is marginal, not irrelevant"
-        )
     ckpt, model = _load(args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     data = args.data or tcfg.get("data") or "tinyshakespeare"
@@ -380,7 +375,7 @@ def _cmd_spectrum(args) -> int:
     if args.irrelevant_half_life >= args.tokens:
         raise ValueError(
             f"--irrelevant-half-life ({args.irrelevant_half_life:g} tokens) must be shorter than the "
-            f"context, --tokens {args.tokens}: a half-life longer than the context is marginal, not irrelevant"
+            f"context, --tokens {args.tokens}: a longer half-life is marginal, not irrelevant"
         )
     ckpt, model = _load(args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}

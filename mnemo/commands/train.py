@@ -107,7 +107,8 @@ def _saved_config(out: str | None, changes: dict):
     if out is None:
         raise ValueError("--resume needs --out DIR (the run directory to continue)")
     try:
-        saved = load_json(resolve_checkpoint(out) / TRAIN_CONFIG_NAME)
+        # a damaged latest is said once, by the Trainer, which falls back the same way
+        saved = load_json(resolve_checkpoint(out, warn=lambda _msg: None) / TRAIN_CONFIG_NAME)
     except ForeignCheckpointError:
         raise
     except (FileNotFoundError, ValueError):

@@ -50,7 +50,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="one or two lengths per check instead of six (~3x faster)"
     )
     p.add_argument("--list", action="store_true", help="list the specs that would be checked and exit")
-    p.add_argument("--json", metavar="PATH", type=kinds.OutFile(), help="also write the rows as JSON")
+    p.add_argument(
+        "--json", metavar="PATH", type=kinds.OutFile(suffix=".json"), help="also write the rows as JSON"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="print each row as it finishes")
 
 

@@ -126,10 +126,13 @@ def load_corpus(data: str, text_field: str = "text") -> Corpus:
     Raises:
         FileNotFoundError: nothing at ``data`` (and not a bundled name).
         ValueError: an empty corpus, a text file that is not UTF-8, files of mixed formats, a
-            missing ``text_field`` (the message names the fields present), a non-string value.
+            missing ``text_field`` (the message names the fields present), a non-string value, a
+            ``text_field`` other than ``"text"`` for plain text (which has no fields), a path that is
+            neither a file nor a folder (``/dev/null``, a pipe).
         ImportError: JSONL/Parquet without the ``datasets`` library (``pip install "mnemo[hf]"``).
     """
     if data in BUNDLED:
+        _no_fields(data, text_field)
         text = resources.files("mnemo.data").joinpath("corpora", BUNDLED[data]).read_text(encoding="utf-8")
         return Corpus([text], data)
     files = _files(data)
@@ -137,6 +140,7 @@ def load_corpus(data: str, text_field: str = "text") -> Corpus:
     if len(formats) > 1:
         raise ValueError(f"data {data!r}: files of mixed formats {formats}; give one format at a time")
     if formats == ["text"]:
+        _no_fields(data, text_field)
         docs = [_read_text(f, data) for f in files]
     else:
         docs = _read_records(files, formats[0], text_field, data)
@@ -146,10 +150,31 @@ def load_corpus(data: str, text_field: str = "text") -> Corpus:
     return corpus
 
 
+def inherited_text_field(data: str, text_field: str | None) -> str:
+    """The field to read from ``data`` when the user named none: ``text_field`` (e.g. the one a
+    checkpoint was trained with) for records, ``"text"`` for plain text, which has no fields. A
+    missing path gives ``text_field`` too (:func:`load_corpus` then names what is wrong)."""
+    try:
+        plain = data in BUNDLED or all(corpus_format(f) == "text" for f in _files(data))
+    except (OSError, ValueError):
+        plain = False
+    return "text" if plain or not text_field else text_field
+
+
+def _no_fields(data: str, text_field: str) -> None:
+    if text_field != "text":
+        raise ValueError(
+            f"text_field (--text-field) {text_field!r}: data {data!r} is plain text, one document with "
+            "no fields; the field names what to read from .jsonl/.json/.parquet records"
+        )
+
+
 def _files(data: str) -> list[Path]:
     p = Path(data)
     if p.is_file():
         return [p]
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"data {data!r} is neither a regular file nor a folder (a device or a pipe?)")
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
         known = [f for f in files if corpus_format(f) != "text" or f.suffix.lower() in (".txt", ".text")]

@@ -51,11 +51,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..data.tokenizer import MNEMO_TOKENIZER_NAME
 from ..layers import MIXERS
 from ..layers.ssm import Mamba2State, MambaState
 from ..layers.state import BlockState
 from ..models.config import ModelConfig
-from ..data.tokenizer import MNEMO_TOKENIZER_NAME
 from ..models.formats import register_foreign_loader
 
 ImportFn = Callable[[dict, dict[str, Tensor]], tuple[ModelConfig, dict[str, Tensor]]]
@@ -223,7 +223,8 @@ def import_hf(src: str | Path) -> tuple[ModelConfig, dict[str, Tensor], list[Pat
         if (d / "latest").is_file():
             raise ValueError(
                 f"{d} is a mnemo training run, not a foreign checkpoint: mnemo loads it as it is "
-                f"(--checkpoint {d}, LanguageModel.from_pretrained); `mnemo export` writes it for transformers"
+                f"(--checkpoint {d}, LanguageModel.from_pretrained); `mnemo export` writes it "
+                "for transformers"
             )
         raise FileNotFoundError(f"checkpoint file missing: {cfg_path}")
     try:
@@ -236,10 +237,65 @@ def import_hf(src: str | Path) -> tuple[ModelConfig, dict[str, Tensor], list[Pat
             f"{cfg_path} is not a foreign checkpoint config (it looks like mnemo's own); "
             f"supported: {_supported()}"
         )
-    config, state = arch.import_fn(hf_config, load_weights(d))
+    _check_fields(cfg_path, hf_config)
+    weights = load_weights(d)
+    try:
+        config, state = arch.import_fn(hf_config, weights)
+    except KeyError as e:
+        raise ValueError(f"{cfg_path}: the {arch.name} config has no field {e.args[0]!r}") from None
+    except TypeError as e:  # a field of the wrong kind met by int()/float()
+        raise ValueError(f"{cfg_path}: a field of the {arch.name} config has the wrong kind: {e}") from None
     _check_state(config, state, arch.name)
     names = (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)  # the last: mnemo's own, as `export_hf` names it
     return config, state, [d / n for n in names if (d / n).is_file()]
+
+
+#: config fields that are sizes or counts wherever they appear (checked before any importer reads them)
+_POSITIVE_INT_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "state_size",
+    "conv_kernel",
+    "num_heads",
+    "n_groups",
+    "vocab_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "full_attention_interval",
+)
+
+
+#: config fields that are positive numbers wherever they appear
+_POSITIVE_FLOAT_FIELDS = (
+    "layer_norm_epsilon",
+    "rms_norm_eps",
+    "norm_epsilon",
+    "rope_theta",
+    "partial_rotary_factor",
+    "time_step_min",
+    "time_step_max",
+)
+
+
+def _check_fields(path: Path, hf_config: dict) -> None:
+    for k in ("hidden_size", "num_hidden_layers"):  # every importer needs these two
+        if k in hf_config and hf_config[k] is None:
+            raise ValueError(f"{path}: field {k!r}: expected a positive int, got None")
+    for k in _POSITIVE_INT_FIELDS:
+        v = hf_config.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{path}: field {k!r}: expected a positive int, got {v!r}")
+    for k in _POSITIVE_FLOAT_FIELDS:
+        v = hf_config.get(k)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf):
+            raise ValueError(f"{path}: field {k!r}: expected a positive number, got {v!r}")
 
 
 def check_not_source(out: str | Path, *sources: str | Path) -> None:
@@ -313,7 +369,13 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     config = model.config
     arch = _exporter(config)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
-    hf_config, hf_weights = arch.export_fn(config, weights)
+    try:
+        hf_config, hf_weights = arch.export_fn(config, weights)
+    except ValueError as e:
+        mixers = sorted(set(config.layer_mixers()))
+        raise ValueError(
+            f"a model of mixers {mixers} exports only as {arch.name} here, which cannot express it: {e}"
+        ) from None
     hf_config = {"architectures": [arch.name], **hf_config}
     if "model_type" not in hf_config and arch.model_type:
         hf_config["model_type"] = arch.model_type

@@ -147,9 +147,15 @@ class MnemoLM(LM):
                 pid = getattr(tokenizer, attr, None)
                 if pid is not None:
                     break
+        if pid is not None and not 0 <= pid < cfg.vocab_size:
+            raise ValueError(
+                f"prefix_token_id: expected an id in 0 … {cfg.vocab_size - 1} (the vocabulary), got {pid}"
+            )
         self.prefix_token_id = pid
         self.eot_token_id = getattr(tokenizer, "eos_token_id", None)
         self.max_gen_toks = _int_or_none("max_gen_toks", max_gen_toks)
+        if self.max_gen_toks is None or self.max_gen_toks < 1:
+            raise ValueError(f"max_gen_toks: expected a positive int, got {max_gen_toks!r}")
 
     # -------------------------------------------------------------------------------- helpers
     @property

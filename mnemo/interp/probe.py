@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ..plotting import legend
 from .figure_text import fit_text  # noqa: F401  (also mnemo.interp.probe.fit_text)
 from .maps import capture_maps
 from .scores import (
@@ -284,7 +285,7 @@ def spectrum_flow_figure(rows: list[dict], title: str | None = None):
     bx.set_ylabel("share of directions not irrelevant")
     bx.set_ylim(0, 1.05)
     bx.set_title("directions kept beyond a few tokens", fontsize=9)
-    bx.legend(fontsize=7, loc="best")
+    legend(bx, fontsize=7, loc="best")
     fig.suptitle(
         fit_text("Memory spectrum during training" + (f" · {title}" if title else ""), width, 11), fontsize=11
     )

@@ -57,6 +57,8 @@ from pathlib import Path
 
 import torch
 
+from ..plotting import legend
+
 LN2 = math.log(2.0)
 IRRELEVANT_HALF_LIFE = 4.0  # tokens
 CLASSES = ("irrelevant", "intermediate", "marginal", "relevant")
@@ -396,18 +398,11 @@ def half_lives(exponents: torch.Tensor) -> torch.Tensor:
     return torch.where(lam < 0, LN2 / (-lam), torch.full_like(lam, math.inf))
 
 
-def check_bands(irrelevant_half_life: float, context: float) -> None:
-    """Raise ``ValueError`` unless ``0 < irrelevant_half_life < context`` (both in tokens): a
-    direction that halves within ``irrelevant_half_life`` tokens is irrelevant, one whose half-life
-    exceeds ``context`` is marginal, so the first must be shorter for the classes to be disjoint."""
-    irr, ctx = float(irrelevant_half_life), float(context)
-    if not (math.isfinite(irr) and irr > 0):
-        raise ValueError(f"irrelevant_half_life must be a finite number of tokens > 0, got {irrelevant_half_life!r}")
-    if not (ctx > irr):
-        raise ValueError(
-            f"irrelevant_half_life ({irrelevant_half_life:g} tokens) must be shorter than the context "
-            f"({context:g} tokens): a half-life longer than the context is marginal, not irrelevant"
-        )
+def check_irrelevant_half_life(irrelevant_half_life: float) -> None:
+    """Raise ``ValueError`` unless ``irrelevant_half_life`` is a finite number of tokens > 0."""
+    v = irrelevant_half_life
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"irrelevant_half_life: expected a finite number of tokens > 0, got {v!r}")
 
 
 def classify(
@@ -424,9 +419,10 @@ def classify(
     that one is, and as ``"unresolved"`` otherwise. The quantiles (``median`` … , tokens; ``inf``
     = never halves) are over the computed exponents. ``irrelevant_half_life``: the half-life
     (tokens) below which a direction is irrelevant (default ``irrelevant_half_life=4.0``,
-    :data:`IRRELEVANT_HALF_LIFE`). Raises ``ValueError`` unless ``0 < irrelevant_half_life <
-    context`` (otherwise the irrelevant and marginal bands overlap and the shares mean nothing)."""
-    check_bands(irrelevant_half_life, context)
+    :data:`IRRELEVANT_HALF_LIFE`; ``ValueError`` unless a finite number > 0). When it is not
+    shorter than ``context`` (a context of a few tokens) the irrelevant and marginal bands meet:
+    irrelevant wins, so the shares stay disjoint and sum to 1 and no direction is intermediate."""
+    check_irrelevant_half_life(irrelevant_half_life)
     lam = torch.as_tensor(exponents, dtype=torch.float64)
     lam = lam.reshape(1, -1) if lam.ndim <= 1 else lam.reshape(-1, lam.shape[-1])
     H, m = lam.shape
@@ -435,7 +431,7 @@ def classify(
     counts = {
         "irrelevant": (lam < irr).sum(),
         "relevant": (lam >= marg).sum(),
-        "marginal": ((lam > -marg) & (lam < marg)).sum(),
+        "marginal": ((lam >= irr) & (lam > -marg) & (lam < marg)).sum(),
     }
     counts["intermediate"] = lam.numel() - sum(counts.values())
     counts = {c: int(counts[c]) for c in CLASSES}
@@ -644,7 +640,7 @@ def memory_spectrum(
         input_ids = input_ids.to(param.device)
     T = int(input_ids.shape[1])
     context = float(context if context is not None else T)
-    check_bands(irrelevant_half_life, context)
+    check_irrelevant_half_life(irrelevant_half_life)
     irr = irrelevant_half_life
     wanted = [i for i in range(len(model.blocks)) if layers is None or i in layers]
     prefixes = tuple(f"blocks.{i}.mixer." for i in wanted)
@@ -864,7 +860,7 @@ def figure(result: dict, title: str | None = None):
         )
     ax.set_xlabel("direction rank (fraction of the computed exponents, slowest first)")
     ax.set_ylabel("half-life ln2/−λ (tokens, log scale)")
-    ax.legend(fontsize=7, loc="best")
+    legend(ax, fontsize=7, loc="best")
     ax.set_title("memory spectrum (Lyapunov exponents as half-lives)", fontsize=9)
     names = [f"L{layer}" for layer, _ in layers]
     left = [0.0] * len(layers)
@@ -878,7 +874,7 @@ def figure(result: dict, title: str | None = None):
     if len(names) > 4:  # CMS levels add entries: keep their names apart
         bx.tick_params(axis="x", labelrotation=45, labelsize=7)
     bx.set_ylabel("share of directions")
-    bx.legend(fontsize=7, loc="upper right", framealpha=0.8)
+    legend(bx, fontsize=7, loc="upper right", framealpha=0.8)
     bx.set_title("classes per layer", fontsize=9)
     if not layers:
         ax.text(0.5, 0.5, "no layer with a spectrum", transform=ax.transAxes, ha="center")

@@ -101,6 +101,8 @@ class ModelConfig:
                     f"options of the {m!r} mixer ({', '.join(_known_options(MIXERS[m]))})",
                     ", ".join(unknown),
                 )
+            for key, expected in _mistyped_options(MIXERS[m], opts):
+                bad(f"mixer_options[{m!r}][{key!r}]", expected, opts[key])
         if self.mlp not in ("swiglu", "none", "cms", "moe"):
             bad("mlp", "'swiglu', 'none', 'cms' or 'moe'", self.mlp)
         if self.mlp_hidden is not None and (
@@ -158,6 +160,32 @@ def _known_options(cls) -> list[str]:
     """The keyword options of a mixer class's constructor (after ``d_model``)."""
     params = list(inspect.signature(cls).parameters.values())[1:]  # after d_model (classes, partials)
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _mistyped_options(cls, opts: dict) -> list[tuple[str, str]]:
+    """``(key, expected)`` for each option whose value is not of its default's kind (a bool for a
+    bool, an int for an int, a number for a float, text for text; ``None`` and options defaulting
+    to ``None`` are left to the mixer, which may read ``None`` as "derive it")."""
+    out = []
+    for p in inspect.signature(cls).parameters.values():
+        if p.name not in opts or p.default is inspect.Parameter.empty or p.default is None:
+            continue
+        v, d = opts[p.name], p.default
+        if v is None:
+            continue
+        if isinstance(d, bool):
+            ok, kind = isinstance(v, bool), "true or false"
+        elif isinstance(d, int):
+            ok, kind = isinstance(v, int) and not isinstance(v, bool), "an int"
+        elif isinstance(d, float):
+            ok, kind = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+        elif isinstance(d, str):
+            ok, kind = isinstance(v, str), "text"
+        else:
+            continue
+        if not ok:
+            out.append((p.name, f"{kind} (the default is {d!r})"))
+    return out
 
 
 def _unknown_options(cls, opts: dict) -> list[str]:

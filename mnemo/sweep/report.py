@@ -23,6 +23,7 @@ import textwrap
 from collections import defaultdict
 from pathlib import Path
 
+from ..plotting import legend
 from .db import SweepDB
 from .spec import METRICS_HIGHER_IS_BETTER
 from .stats import mean_interval
@@ -441,7 +442,7 @@ def _panel(ax, name: str, xlabel: str, ylabel: str) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(name, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend(ax, fontsize=8)
 
 
 def _save(plt, fig, path: str | Path, title: str, return_figure: bool = False):

@@ -429,6 +429,11 @@ class TrainConfig:
             or self.circuit_length < 2
         ):
             bad("circuit_length", "an int >= 2")
+        if self.circuit_length != 32 and not (self.track_circuits or self.track_spectrum):
+            raise ValueError(
+                f"TrainConfig.circuit_length ({self.circuit_length}) is read only by the circuit tracker: "
+                "turn on track_circuits (--track-circuits) too, or leave it out"
+            )
         for name in ("warmup_steps", "sample_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -606,7 +611,12 @@ def load_config_file(
     if not p.is_file():
         raise FileNotFoundError(f"{kind} not found: {str(path)!r}")
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{kind} {str(path)!r} is not UTF-8 text (a YAML or JSON file of {holds}): {e}"
+        ) from e
+    try:
         d = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         where = " ".join(str(e).split())  # one line: YAML's message draws the place over several

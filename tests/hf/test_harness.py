@@ -209,3 +209,13 @@ def test_harness_command_errors(tmp_path, capsys):
     assert "--batch-size" in capsys.readouterr().err
     assert main(["harness", "--checkpoint", str(tmp_path / "nope"), "--tasks", "x"]) == 2
     assert "argument --checkpoint: expected a run or checkpoint folder" in capsys.readouterr().err
+    # --model-args items are key=value options the mnemo model reads; ids are checked up front
+    for bad, said in (
+        ("max_length", "expected key=value items separated by commas, got 'max_length'"),
+        ("foo=1", "unknown option 'foo'"),
+        ("rolling=state,rolling=window", "'rolling' is given twice"),
+        ("prefix_token_id=999999", "prefix_token_id: expected an id in 0 … "),
+        ("max_gen_toks=0", "max_gen_toks: expected a positive int, got '0'"),
+    ):
+        assert main([*argv, "--tasks", "mnemo_test_mc", "--model-args", bad]) == 2
+        assert said in capsys.readouterr().err

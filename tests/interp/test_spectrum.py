@@ -128,14 +128,16 @@ def test_classify_shares_and_thresholds():
     c = classify(torch.tensor([[-0.01, -0.02]], dtype=F64), context=T, n=10)
     assert c["unresolved"] == 8 / 10 and c["intermediate"] == 2 / 10
     assert to_json({"a": [math.inf, -math.inf, 1.0]}) == {"a": ["inf", "-inf", 1.0]}
-    # the bands must not overlap: an irrelevant half-life as long as the context is refused (it
-    # would count half-life 50 as both irrelevant and marginal, giving a negative share)
-    for bad in (T, 1e20, 0.0, -1.0, math.nan, math.inf):
+    for bad in (0.0, -1.0, math.nan, math.inf, "4"):
         with pytest.raises(ValueError, match="irrelevant_half_life"):
             classify(lam, context=T, irrelevant_half_life=bad)
     c = classify(lam, context=T, irrelevant_half_life=99)
-    assert min(c[k] for k in ("irrelevant", "intermediate", "marginal", "relevant")) >= 0
     assert c["irrelevant"] == 5 / 8 and c["intermediate"] == 0  # half-lives 10 and 50 now < 99
+    # bands that meet (an irrelevant half-life past the context): irrelevant wins, no share is
+    # negative (1e20 once counted half-life 1000 as both irrelevant and marginal: -1/8 intermediate)
+    c = classify(lam, context=T, irrelevant_half_life=1e20)
+    classes = ("irrelevant", "intermediate", "marginal", "relevant")
+    assert [c[k] for k in classes] == [6 / 8, 0, 1 / 8, 1 / 8]  # only λ = 0 is left marginal
 
 
 # ------------------------------------------------------------------------------------------------
