@@ -370,7 +370,8 @@ class MoE(nn.Module):
             # every assignment stays (fixed shapes); a dropped one (slot >= capacity, weight 0)
             # goes to the spare row ``capacity`` of the buffer
             c_max = N if capacity is None else capacity + 1
-            y = self._padded(xf, e_sorted, t_sorted, slot.clamp(max=c_max - 1), w_sorted, c_max, spare=True)
+            kept = None if keep is None else keep_sorted
+            y = self._padded(xf, e_sorted, t_sorted, slot.clamp(max=c_max - 1), w_sorted, c_max, kept)
         else:
             if keep is not None:
                 kept = keep_sorted
@@ -424,13 +425,18 @@ class MoE(nn.Module):
         ys = ys * w_sorted.to(ys.dtype)[:, None]
         return xf.new_zeros(xf.shape).index_add(0, t_sorted, ys)
 
-    def _padded(self, xf, e_sorted, t_sorted, slot, w_sorted, c_max: int, spare: bool = False) -> Tensor:
+    def _padded(self, xf, e_sorted, t_sorted, slot, w_sorted, c_max: int, kept=None) -> Tensor:
         """Sorted tokens scattered into ``[E, C_max, d]``; all experts as two ``bmm``. With
-        ``spare`` (``"fixed"``), several dropped assignments share one row: they are summed there
-        (``accumulate``, deterministic) and read back with weight 0."""
+        ``kept`` (``"fixed"`` under a capacity: ``[k N]`` bool, sorted order) the dropped
+        assignments share the spare row ``C_max − 1`` as zeros (``accumulate``, deterministic), so
+        the row's output is SwiGLU(0) = 0 and it is read back with weight 0 — never a sum of many
+        tokens that could overflow to ``inf`` (``0 · inf`` would be NaN) in half precision."""
         E, d = self.n_experts, self.d_model
         buf = xf.new_zeros(E, c_max, d)
-        buf = buf.index_put((e_sorted, slot), xf.index_select(0, t_sorted), accumulate=spare)
+        src = xf.index_select(0, t_sorted)
+        if kept is not None:
+            src = src * kept.to(src.dtype)[:, None]
+        buf = buf.index_put((e_sorted, slot), src, accumulate=kept is not None)
         gate, up = torch.bmm(buf, self.w_in.transpose(1, 2)).chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, self.w_out.transpose(1, 2))  # [E, C_max, d]
         ys = out[e_sorted, slot] * w_sorted.to(out.dtype)[:, None]

@@ -376,3 +376,19 @@ def test_mlp_options_are_refused_for_mlps_without_options():
     with pytest.raises(ValueError, match=r"ModelConfig.mlp_options: expected empty for mlp 'swiglu'"):
         ModelConfig(mlp="swiglu", mlp_options={"n_experts": 4}).validate()
     assert ModelConfig(mlp="none", mlp_options={}).validate().mlp == "none"
+
+
+def test_fixed_dispatch_never_sums_dropped_tokens_into_a_value():
+    """``"fixed"`` parks every dropped assignment in one spare row of the expert buffer. Summing
+    them there would overflow in half precision (here 1000 tokens of 60 each: 6e4 per channel, then
+    SwiGLU far past float16's 65504), and weight 0 · inf is NaN: the row must hold zeros."""
+    torch.manual_seed(0)
+    m = MoE(8, n_experts=2, top_k=1, capacity_factor=0.5, expert_hidden=8, dispatch="fixed").train()
+    m.router.weight.data.zero_()
+    m.router.weight.data[0] += 1.0  # every token prefers expert 0: half of them are dropped
+    x = torch.full((1, 1000, 8), 60.0, dtype=torch.float32)
+    ref = MoE(8, n_experts=2, top_k=1, capacity_factor=0.5, expert_hidden=8, dispatch="sorted").train()
+    ref.load_state_dict(m.state_dict())
+    y, yr = m.half()(x.half()), ref.half()(x.half())
+    assert int(m.last_dropped) > 0 and torch.isfinite(y).all()
+    assert torch.equal(y, yr)  # the dropped tokens get exactly the sorted path's zeros
