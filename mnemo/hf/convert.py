@@ -29,6 +29,9 @@ Weights: ``model.safetensors``, sharded safetensors (``model.safetensors.index.j
 state dict that ``import_hf`` returns loads into ``LanguageModel(config)`` with ``strict=True`` in
 the checkpoint's dtype; :func:`convert` stores a float32 model (what ``LanguageModel`` builds).
 
+The Mamba formats live in :mod:`mnemo.hf.mamba`, Qwen3-Next in :mod:`mnemo.hf.qwen3_next`; this
+module holds the registry, the folders and the checks every format shares.
+
 Decoding caches: ``transformers`` keeps the last ``W`` convolution inputs per layer, mnemo the last
 ``W − 1`` (the oldest one never reaches an output); Mamba-2's ssm state is ``[B, H, P, N]`` there
 and ``[B, H, N, P]`` here. :func:`layer_states_from_hf` and :func:`layer_states_to_hf` convert a
@@ -37,26 +40,35 @@ cache's per-layer ``(conv_state, ssm_state)`` pairs to mnemo's per-layer states 
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
-import re
 import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..data.tokenizer import MNEMO_TOKENIZER_NAME
-from ..layers import MIXERS
-from ..layers.ssm import Mamba2State, MambaState
-from ..layers.state import BlockState
 from ..models.config import ModelConfig
 from ..models.formats import register_foreign_loader
+from .mamba import (  # noqa: F401  (the decoding-cache converters are part of this module's API)
+    MAMBA2_KEYS,
+    MAMBA_KEYS,
+    _is_mamba_ssm,
+    export_mamba,
+    export_mamba2,
+    hf_cache_from_layer_states,
+    import_mamba,
+    import_mamba2,
+    import_mamba_ssm,
+    layer_states_from_hf,
+    layer_states_of_hf_cache,
+    layer_states_to_hf,
+)
+from .qwen3_next import export_qwen3_next, import_qwen3_next
 
 ImportFn = Callable[[dict, dict[str, Tensor]], tuple[ModelConfig, dict[str, Tensor]]]
 ExportFn = Callable[[ModelConfig, dict[str, Tensor]], tuple[dict, dict[str, Tensor]]]
@@ -453,498 +465,6 @@ def _check_state(config: ModelConfig, state: dict[str, Tensor], where: str) -> N
             raise ValueError(f"{where}: weight {k} has shape {list(state[k].shape)}, expected {list(shape)}")
 
 
-# --- key renaming -------------------------------------------------------------------------------
-
-
-def _rename(weights: dict[str, Tensor], table: list[tuple[str, str]], where: str) -> dict[str, Tensor]:
-    """Rename every key by the first matching ``(pattern, replacement)`` of ``table`` (full
-    matches; ``{i}`` stands for a layer index). Unmatched keys are refused by name."""
-    compiled = [(re.compile(p.replace(".", r"\.").replace("{i}", r"(?P<i>\d+)") + "$"), r) for p, r in table]
-    out, unknown = {}, []
-    for k, v in weights.items():
-        for pat, rep in compiled:
-            m = pat.match(k)
-            if m:
-                out[rep.replace("{i}", m.group("i")) if "{i}" in rep else rep] = v
-                break
-        else:
-            unknown.append(k)
-    if unknown:
-        raise ValueError(
-            f"{where}: unsupported weights {sorted(unknown)[:8]} (not part of a model it can express)"
-        )
-    return out
-
-
-def _invert(table: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(r, p) for p, r in table]
-
-
-_COMMON = [
-    ("backbone.embeddings.weight", "embed.weight"),
-    ("backbone.norm_f.weight", "norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
-    ("backbone.layers.{i}.norm.weight", "blocks.{i}.mixer_norm.weight"),
-    ("backbone.layers.{i}.mixer.in_proj.weight", "blocks.{i}.mixer.in_proj.weight"),
-    ("backbone.layers.{i}.mixer.in_proj.bias", "blocks.{i}.mixer.in_proj.bias"),
-    ("backbone.layers.{i}.mixer.conv1d.weight", "blocks.{i}.mixer.conv.weight"),
-    ("backbone.layers.{i}.mixer.conv1d.bias", "blocks.{i}.mixer.conv.bias"),
-    ("backbone.layers.{i}.mixer.A_log", "blocks.{i}.mixer.A_log"),
-    ("backbone.layers.{i}.mixer.D", "blocks.{i}.mixer.D"),
-    ("backbone.layers.{i}.mixer.out_proj.weight", "blocks.{i}.mixer.o_proj.weight"),
-    ("backbone.layers.{i}.mixer.out_proj.bias", "blocks.{i}.mixer.o_proj.bias"),
-]
-MAMBA_KEYS = _COMMON + [
-    ("backbone.layers.{i}.mixer.x_proj.weight", "blocks.{i}.mixer.x_proj.weight"),
-    ("backbone.layers.{i}.mixer.dt_proj.weight", "blocks.{i}.mixer.dt_proj.weight"),
-    ("backbone.layers.{i}.mixer.dt_proj.bias", "blocks.{i}.mixer.dt_proj.bias"),
-]
-MAMBA2_KEYS = _COMMON + [
-    ("backbone.layers.{i}.mixer.dt_bias", "blocks.{i}.mixer.dt_bias"),
-    ("backbone.layers.{i}.mixer.norm.weight", "blocks.{i}.mixer.norm.weight"),
-]
-
-
-def _import_weights(weights: dict[str, Tensor], table, tie: bool, where: str) -> dict[str, Tensor]:
-    w = dict(weights)
-    if "backbone.embedding.weight" in w:  # the name in mamba-ssm and older transformers files
-        w["backbone.embeddings.weight"] = w.pop("backbone.embedding.weight")
-    if tie:
-        w.pop("lm_head.weight", None)
-    state = _rename(w, table, where)
-    if "embed.weight" not in state:
-        raise ValueError(f"{where}: no embedding weight (backbone.embeddings.weight)")
-    if tie:
-        state["lm_head.weight"] = state["embed.weight"]
-    return state
-
-
-def _export_weights(weights: dict[str, Tensor], table, tie: bool, where: str) -> dict[str, Tensor]:
-    w = dict(weights)
-    if tie:
-        w.pop("lm_head.weight", None)
-    return _rename(w, _invert(table), where)
-
-
-# --- options ------------------------------------------------------------------------------------
-
-
-def _refuse(where: str, what: str) -> None:
-    raise ValueError(f"{where}: {what} is not supported (no exact mnemo equivalent)")
-
-
-def _defaults(mixer: str) -> dict[str, Any]:
-    sig = inspect.signature(MIXERS[mixer].__init__)
-    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
-
-
-def _d_inner_expand(where: str, hidden: int, expand) -> int:
-    d_inner = expand * hidden
-    if d_inner != int(d_inner) or int(d_inner) % hidden:
-        _refuse(
-            where, f"expand = {expand} (d_inner = expand · hidden_size must be a multiple of hidden_size)"
-        )
-    return int(d_inner) // hidden
-
-
-def _check_act(where: str, act) -> None:
-    if act not in ("silu", "swish"):
-        _refuse(where, f"hidden_act = {act!r} (Mamba layers use SiLU)")
-
-
-def _vocab(where: str, weights: dict[str, Tensor], declared=None, pad_multiple: int = 1) -> int:
-    """The vocabulary: the embedding's row count. A config ``vocab_size`` (``declared``) above it
-    is refused (its ids would index past the embedding); one below it is accepted as padding when
-    the rows are ``declared`` rounded up to ``pad_multiple`` (mamba-ssm's
-    ``pad_vocab_size_multiple``), and otherwise said in a warning: the rows above it are kept."""
-    for k in ("backbone.embeddings.weight", "backbone.embedding.weight"):
-        if k in weights:
-            rows = int(weights[k].shape[0])
-            break
-    else:
-        raise ValueError(f"{where}: no embedding weight (backbone.embeddings.weight)")
-    if declared is None:
-        return rows
-    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
-        raise ValueError(f"{where}: vocab_size: expected a positive int, got {declared!r}")
-    if declared > rows:
-        raise ValueError(
-            f"{where}: vocab_size = {declared} but the embedding has only {rows} rows "
-            "(the config and the weights disagree)"
-        )
-    padded = -(-declared // max(1, pad_multiple)) * max(1, pad_multiple)
-    if declared < rows and padded != rows:
-        warnings.warn(
-            f"{where}: vocab_size = {declared} but the embedding has {rows} rows; the model keeps all "
-            f"{rows} (ids {declared}..{rows - 1} are never produced by the tokenizer)",
-            stacklevel=3,
-        )
-    return rows
-
-
-def _mamba_options(where, hidden, state_size, expand, conv, rank, bias, conv_bias) -> dict[str, Any]:
-    if rank in (None, "auto"):
-        rank = math.ceil(hidden / 16)
-    return {
-        "d_state": int(state_size),
-        "expand": _d_inner_expand(where, hidden, expand),
-        "conv_size": int(conv),
-        "dt_rank": int(rank),
-        "bias": bool(bias),
-        "conv_bias": bool(conv_bias),
-    }
-
-
-def _mamba2_options(
-    where, hidden, state_size, expand, head_dim, n_groups, conv, bias, conv_bias, dt_limit, eps, n_heads=None
-) -> dict[str, Any]:
-    e = _d_inner_expand(where, hidden, expand)
-    d_inner = e * hidden
-    if d_inner % head_dim or (n_heads is not None and n_heads * head_dim != d_inner):
-        _refuse(where, f"num_heads · head_dim = {n_heads} · {head_dim} ≠ expand · hidden_size = {d_inner}")
-    if (d_inner // head_dim) % n_groups:
-        _refuse(where, f"n_groups = {n_groups} not dividing the {d_inner // head_dim} heads")
-    opts = {
-        "d_state": int(state_size),
-        "head_dim": int(head_dim),
-        "expand": e,
-        "n_groups": int(n_groups),
-        "conv_size": int(conv),
-        "bias": bool(bias),
-        "conv_bias": bool(conv_bias),
-        "norm_eps": float(eps),
-    }
-    lo, hi = (_number(v) for v in (dt_limit if dt_limit is not None else (0.0, math.inf)))
-    if (lo, hi) != (0.0, math.inf):
-        opts["dt_limit"] = [lo, hi]
-    return opts
-
-
-def _number(v) -> float:
-    """A float of a config (``transformers`` 5 writes ``inf`` as ``{"__float__": "Infinity"}``)."""
-    if isinstance(v, dict) and "__float__" in v:
-        v = v["__float__"]
-    return float(v)
-
-
-def _model_config(vocab, hidden, n_layers, mixer, options, tie, eps) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=int(vocab),
-        d_model=int(hidden),
-        n_layers=int(n_layers),
-        mixer=mixer,
-        mixer_options={mixer: options},
-        mlp="none",
-        pos_embedding="none",
-        tie_embeddings=bool(tie),
-        norm_eps=float(eps),
-    ).validate()
-
-
-# --- transformers MambaForCausalLM / Mamba2ForCausalLM ------------------------------------------
-
-
-def import_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """``transformers`` ``MambaForCausalLM`` → mnemo layers ``mamba`` (no MLP, tied head by
-    ``tie_word_embeddings``, default true)."""
-    where, c = "MambaForCausalLM", hf_config
-    _check_act(where, c.get("hidden_act", "silu"))
-    hidden = int(c["hidden_size"])
-    opts = _mamba_options(
-        where,
-        hidden,
-        c.get("state_size", 16),
-        c.get("expand", 2),
-        c.get("conv_kernel", 4),
-        c.get("time_step_rank", "auto"),
-        c.get("use_bias", False),
-        c.get("use_conv_bias", True),
-    )
-    tie = c.get("tie_word_embeddings", True)
-    config = _model_config(
-        _vocab(where, weights, c.get("vocab_size")),
-        hidden,
-        c["num_hidden_layers"],
-        "mamba",
-        opts,
-        tie,
-        c.get("layer_norm_epsilon", 1e-5),
-    )
-    return config, _import_weights(weights, MAMBA_KEYS, tie, where)
-
-
-def import_mamba2(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """``transformers`` ``Mamba2ForCausalLM`` → mnemo layers ``mamba2``. Its ``time_step_limit``
-    becomes ``dt_limit`` (mnemo clamps Δ in token steps too; transformers' one-token path does
-    not, so decoding with a limit that binds differs there)."""
-    where, c = "Mamba2ForCausalLM", hf_config
-    _check_act(where, c.get("hidden_act", "silu"))
-    hidden = int(c["hidden_size"])
-    eps = c.get("layer_norm_epsilon", 1e-5)
-    opts = _mamba2_options(
-        where,
-        hidden,
-        c.get("state_size", 128),
-        c.get("expand", 2),
-        int(c.get("head_dim", 64)),
-        int(c.get("n_groups", 8)),
-        c.get("conv_kernel", 4),
-        c.get("use_bias", False),
-        c.get("use_conv_bias", True),
-        c.get("time_step_limit"),
-        eps,
-        n_heads=int(c["num_heads"]) if "num_heads" in c else None,
-    )
-    tie = c.get("tie_word_embeddings", False)
-    vocab = _vocab(where, weights, c.get("vocab_size"))
-    config = _model_config(vocab, hidden, c["num_hidden_layers"], "mamba2", opts, tie, eps)
-    return config, _import_weights(weights, MAMBA2_KEYS, tie, where)
-
-
-def _single_mixer(config: ModelConfig, name: str, where: str) -> dict[str, Any]:
-    """The options of ``name`` (defaults filled in) after checking that ``config`` is a plain stack
-    of ``name`` layers that ``where`` can express."""
-    mixers = sorted(set(config.layer_mixers()))
-    if mixers != [name]:
-        _refuse(where, f"layers {mixers} (only {name!r} layers)")
-    if config.mlp != "none":
-        _refuse(where, f"mlp = {config.mlp!r} (Mamba blocks have no MLP; use mlp = 'none')")
-    if config.pos_embedding != "none":
-        _refuse(where, f"pos_embedding = {config.pos_embedding!r} (no learned positions)")
-    opts = {**_defaults(name), **config.mixer_options.get(name, {})}
-    return opts
-
-
-def export_mamba(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
-    """mnemo ``mamba`` layers → ``transformers`` ``MambaForCausalLM``."""
-    where = "export to MambaForCausalLM"
-    o = _single_mixer(config, "mamba", where)
-    if not o["selective"]:
-        _refuse(where, "selective = False (a non-selective, LTI Mamba)")
-    d = config.d_model
-    hf = {
-        "model_type": "mamba",
-        "vocab_size": config.vocab_size,
-        "hidden_size": d,
-        "num_hidden_layers": config.n_layers,
-        "state_size": o["d_state"],
-        "expand": o["expand"],
-        "intermediate_size": o["expand"] * d,
-        "conv_kernel": o["conv_size"],
-        "time_step_rank": o["dt_rank"] or math.ceil(d / 16),
-        "use_bias": bool(o["bias"]),
-        "use_conv_bias": bool(o["conv_bias"]),
-        "hidden_act": "silu",
-        "layer_norm_epsilon": config.norm_eps,
-        "residual_in_fp32": True,
-        "tie_word_embeddings": config.tie_embeddings,
-    }
-    return hf, _export_weights(weights, MAMBA_KEYS, config.tie_embeddings, where)
-
-
-def export_mamba2(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
-    """mnemo ``mamba2`` layers → ``transformers`` ``Mamba2ForCausalLM`` (which has one epsilon for
-    every norm, per-head ``D`` and the gate before the norm)."""
-    where = "export to Mamba2ForCausalLM"
-    o = _single_mixer(config, "mamba2", where)
-    if o["D_has_hdim"]:
-        _refuse(where, "D_has_hdim = True (per-channel D)")
-    if o["norm_before_gate"]:
-        _refuse(where, "norm_before_gate = True")
-    if o["norm_groups"] not in (None, o["n_groups"]):
-        _refuse(where, f"norm_groups = {o['norm_groups']} ≠ n_groups = {o['n_groups']}")
-    if float(o["norm_eps"]) != float(config.norm_eps):
-        _refuse(where, f"a gated-norm norm_eps = {o['norm_eps']} ≠ the model's norm_eps = {config.norm_eps}")
-    d = config.d_model
-    d_inner = o["expand"] * d
-    head_dim = min(o["head_dim"], d_inner)
-    lo, hi = (float(v) for v in o["dt_limit"])
-    hf = {
-        "model_type": "mamba2",
-        "vocab_size": config.vocab_size,
-        "hidden_size": d,
-        "num_hidden_layers": config.n_layers,
-        "state_size": o["d_state"],
-        "expand": o["expand"],
-        "head_dim": head_dim,
-        "num_heads": d_inner // head_dim,
-        "n_groups": o["n_groups"],
-        "conv_kernel": o["conv_size"],
-        "use_bias": bool(o["bias"]),
-        "use_conv_bias": bool(o["conv_bias"]),
-        "hidden_act": "silu",
-        "layer_norm_epsilon": config.norm_eps,
-        "time_step_limit": [lo, hi],
-        "residual_in_fp32": True,
-        "chunk_size": o["chunk_size"],
-        "tie_word_embeddings": config.tie_embeddings,
-    }
-    return hf, _export_weights(weights, MAMBA2_KEYS, config.tie_embeddings, where)
-
-
-# --- the original mamba-ssm layout ----------------------------------------------------------------
-
-#: ``ssm_cfg`` keys that only set the initialisation or the kernels (no effect on a trained model)
-_SSM_INIT_ONLY = {
-    "dt_min",
-    "dt_max",
-    "dt_init",
-    "dt_scale",
-    "dt_init_floor",
-    "conv_init",
-    "A_init_range",
-    "use_fast_path",
-    "use_mem_eff_path",
-    "chunk_size",
-    "layer_idx",
-    "layer",
-    "process_group",
-    "sequence_parallel",
-    "device",
-    "dtype",
-}
-_SSM1_KEYS = {"d_state", "d_conv", "expand", "dt_rank", "bias", "conv_bias"}
-_SSM2_KEYS = {
-    "d_state",
-    "d_conv",
-    "expand",
-    "headdim",
-    "d_ssm",
-    "ngroups",
-    "D_has_hdim",
-    "rmsnorm",
-    "norm_before_gate",
-    "dt_limit",
-    "bias",
-    "conv_bias",
-}
-#: mamba-ssm's MixerModel norm epsilon (not stored in its config) and RMSNormGated's
-MAMBA_SSM_EPS = 1e-5
-
-
-def _is_mamba_ssm(cfg: dict) -> bool:
-    return "n_layer" in cfg and "d_model" in cfg
-
-
-def import_mamba_ssm(cfg: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """The original ``mamba-ssm`` ``MambaLMHeadModel`` layout (``ssm_cfg.layer`` ``"Mamba1"`` or
-    ``"Mamba2"``) → mnemo ``mamba`` / ``mamba2`` layers."""
-    where = "mamba-ssm checkpoint"
-    if cfg.get("d_intermediate", 0):
-        _refuse(where, f"d_intermediate = {cfg['d_intermediate']} (an MLP after each mixer)")
-    if cfg.get("attn_layer_idx"):
-        _refuse(where, f"attn_layer_idx = {cfg['attn_layer_idx']} (attention layers)")
-    if not cfg.get("rms_norm", True):
-        _refuse(where, "rms_norm = false (LayerNorm blocks)")
-    ssm = dict(cfg.get("ssm_cfg") or {})
-    layer = ssm.get("layer", "Mamba1")
-    if layer not in ("Mamba1", "Mamba2"):
-        _refuse(where, f"ssm_cfg.layer = {layer!r} (supported: 'Mamba1', 'Mamba2')")
-    allowed = (_SSM1_KEYS if layer == "Mamba1" else _SSM2_KEYS) | _SSM_INIT_ONLY
-    unknown = sorted(set(ssm) - allowed)
-    if unknown:
-        _refuse(where, f"ssm_cfg option(s) {unknown} of a {layer} layer")
-    hidden = int(cfg["d_model"])
-    tie = cfg.get("tie_embeddings", True)
-    vocab = _vocab(where, weights, cfg.get("vocab_size"), int(cfg.get("pad_vocab_size_multiple", 1) or 1))
-    if layer == "Mamba1":
-        opts = _mamba_options(
-            where,
-            hidden,
-            ssm.get("d_state", 16),
-            ssm.get("expand", 2),
-            ssm.get("d_conv", 4),
-            ssm.get("dt_rank", "auto"),
-            ssm.get("bias", False),
-            ssm.get("conv_bias", True),
-        )
-        mixer, table = "mamba", MAMBA_KEYS
-    else:
-        if not ssm.get("rmsnorm", True):
-            _refuse(where, "ssm_cfg.rmsnorm = false (a Mamba2 layer without its gated norm)")
-        e = _d_inner_expand(where, hidden, ssm.get("expand", 2))
-        if ssm.get("d_ssm") not in (None, e * hidden):
-            _refuse(where, f"ssm_cfg.d_ssm = {ssm['d_ssm']} (a gated MLP beside the SSM)")
-        opts = _mamba2_options(
-            where,
-            hidden,
-            ssm.get("d_state", 128),
-            ssm.get("expand", 2),
-            int(ssm.get("headdim", 64)),
-            int(ssm.get("ngroups", 1)),
-            ssm.get("d_conv", 4),
-            ssm.get("bias", False),
-            ssm.get("conv_bias", True),
-            ssm.get("dt_limit"),
-            MAMBA_SSM_EPS,
-        )
-        if ssm.get("D_has_hdim"):
-            opts["D_has_hdim"] = True
-        if ssm.get("norm_before_gate"):
-            opts["norm_before_gate"] = True
-        mixer, table = "mamba2", MAMBA2_KEYS
-    config = _model_config(vocab, hidden, cfg["n_layer"], mixer, opts, tie, MAMBA_SSM_EPS)
-    return config, _import_weights(weights, table, tie, where)
-
-
-# --- decoding caches ----------------------------------------------------------------------------
-
-
-def layer_states_from_hf(
-    config: ModelConfig, layers: list[tuple[Tensor, Tensor]], offset: int = 0
-) -> list[BlockState]:
-    """A ``transformers`` Mamba / Mamba-2 cache's per-layer ``(conv_state [B, C, W],
-    ssm_state)`` → mnemo's per-layer states (``offset``: tokens consumed so far). The conv tail
-    drops its oldest input; Mamba-2's ``[B, H, P, N]`` becomes ``[B, H, N, P]``."""
-    mixers = config.layer_mixers()
-    if len(layers) != len(mixers):
-        raise ValueError(
-            f"layers: expected one (conv, ssm) pair per layer ({len(mixers)}), got {len(layers)}"
-        )
-    out = []
-    for name, (conv, ssm) in zip(mixers, layers):
-        if name == "mamba":
-            out.append(BlockState(mixer=MambaState(ssm=ssm, conv=conv[..., 1:], offset=offset)))
-        elif name == "mamba2":
-            out.append(
-                BlockState(mixer=Mamba2State(ssm=ssm.transpose(-1, -2), conv=conv[..., 1:], offset=offset))
-            )
-        else:
-            raise ValueError(f"layer_states_from_hf: mixer {name!r} is not a Mamba layer")
-    return out
-
-
-def layer_states_to_hf(states: list[BlockState]) -> list[tuple[Tensor, Tensor]]:
-    """mnemo's per-layer Mamba / Mamba-2 states → ``transformers``' per-layer ``(conv_state
-    [B, C, W], ssm_state)`` (the conv tail gets one leading zero input, which no output reads)."""
-    out = []
-    for s in states:
-        m = s.mixer
-        if not isinstance(m, MambaState | Mamba2State):
-            raise ValueError(f"layer_states_to_hf: expected Mamba / Mamba-2 states, got {type(m).__name__}")
-        conv = torch.nn.functional.pad(m.conv, (1, 0))
-        ssm = m.ssm.transpose(-1, -2) if isinstance(m, Mamba2State) else m.ssm
-        out.append((conv, ssm.contiguous()))
-    return out
-
-
-def hf_cache_from_layer_states(hf_model_config, layers: list[tuple[Tensor, Tensor]]):
-    """A ``transformers`` ``DynamicCache`` for ``hf_model_config`` holding ``layers`` (from
-    :func:`layer_states_to_hf`), ready for one-token decoding steps. Needs ``transformers``."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf_model_config)
-    for i, (conv, ssm) in enumerate(layers):
-        cache.update_conv_state(conv, i, conv_kernel_size=conv.shape[-1])
-        cache.update_recurrent_state(ssm, i)
-    return cache
-
-
-def layer_states_of_hf_cache(cache) -> list[tuple[Tensor, Tensor]]:
-    """The per-layer ``(conv_state, ssm_state)`` of a ``transformers`` Mamba / Mamba-2 cache."""
-    return [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers]
-
-
 # --- the registry -------------------------------------------------------------------------------
 
 register_architecture(
@@ -960,7 +480,6 @@ register_architecture(
 register_architecture("mamba_ssm", import_fn=import_mamba_ssm, detect=_is_mamba_ssm)
 
 # Qwen3-Next: gated DeltaNet + gated attention hybrids with dense MLPs (mnemo/hf/qwen3_next.py)
-from .qwen3_next import export_qwen3_next, import_qwen3_next  # noqa: E402
 
 register_architecture(
     "Qwen3NextForCausalLM",
