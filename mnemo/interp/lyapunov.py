@@ -1,0 +1,395 @@
+"""The exponents of a memory's transitions: the QR iteration for the Lyapunov spectrum of a product
+of transitions (Benettin et al. 1980), the spectra of each kind of memory (diagonal gates, delta
+rules, test-time-trained memories by forward-mode AD, memories known only as code by central
+differences), half-lives and the classes of directions. :mod:`mnemo.interp.spectrum` explains what
+each kind's transition ``A_t`` is and applies these to every layer of a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+LN2 = math.log(2.0)
+IRRELEVANT_HALF_LIFE = 4.0  # tokens
+CLASSES = ("irrelevant", "intermediate", "marginal", "relevant")
+
+# ------------------------------------------------------------------------------------------------
+# the QR iteration
+# ------------------------------------------------------------------------------------------------
+
+
+def lyapunov_spectrum(
+    step: Callable[[int, torch.Tensor], torch.Tensor],
+    T: int,
+    n: int,
+    k: int | None = None,
+    *,
+    batch_shape: tuple = (),
+    q0: str | torch.Tensor | None = None,
+    tokens: float | None = None,
+    burn_in: int = 0,
+    sort: bool = True,
+    dtype: torch.dtype = torch.float64,
+    device=None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """The ``k`` leading Lyapunov exponents ``[*batch_shape, k]`` of ``A_{T−1} ⋯ A_0``.
+
+    ``step(t, Q)`` returns ``A_t Q`` for ``Q [*batch_shape, n, k]`` with orthonormal columns; it is
+    called once per ``t = 0 … T−1`` in order (it may carry state, e.g. a trajectory). Each step
+    re-orthonormalises ``Q_t R_t = A_t Q_{t−1}`` and accumulates ``log |R_t[i, i]|`` (``−inf`` where
+    ``A_t`` annihilates a direction exactly). The sums are divided by ``tokens`` (default: the
+    steps averaged, ``T − burn_in``; give the token count when a step spans several tokens), after
+    skipping the first ``burn_in`` steps (default ``burn_in=0``).
+
+    ``q0``: the starting basis — ``"identity"`` (the first ``k`` unit vectors; the default when
+    ``k = n``), ``"random"`` (a seeded random orthonormal basis; the default when ``k < n``, where
+    the leading exponents need a generic start) or a tensor ``[*batch_shape, n, k]``.
+    ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
+    generic start; default ``sort=True``). ``seed``: the seed of the ``"random"`` basis (default
+    ``seed=0``)."""
+    k = n if k is None else min(int(k), n)
+    if q0 is None:
+        q0 = "identity" if k == n else "random"
+    if isinstance(q0, torch.Tensor):
+        Q = q0.to(dtype=dtype, device=device)
+    elif q0 == "identity":
+        Q = torch.eye(n, k, dtype=dtype, device=device).expand(*batch_shape, n, k).clone()
+    elif q0 == "random":
+        gen = torch.Generator().manual_seed(seed)
+        Q = torch.linalg.qr(torch.randn(*batch_shape, n, k, generator=gen, dtype=dtype))[0].to(device)
+    else:
+        raise ValueError(f"q0: 'identity', 'random' or a tensor, got {q0!r}")
+    total = torch.zeros(*Q.shape[:-2], k, dtype=dtype, device=Q.device)
+    for t in range(T):
+        Q, R = torch.linalg.qr(step(t, Q).to(dtype))
+        if t >= burn_in:
+            total = total + R.diagonal(dim1=-2, dim2=-1).abs().log()
+    lam = total / (tokens if tokens is not None else max(T - burn_in, 1))
+    return lam.sort(dim=-1, descending=True).values if sort else lam
+
+
+def matrix_spectrum(A: torch.Tensor, k: int | None = None, **kwargs) -> torch.Tensor:
+    """Lyapunov exponents of explicit transitions ``A [*batch, T, n, n]`` (``A_t`` applied in order
+    ``t = 0 …``): :func:`lyapunov_spectrum` with ``step = A_t @ Q``."""
+    *batch, T, n, _ = A.shape
+    return lyapunov_spectrum(
+        lambda t, Q: A[..., t, :, :].to(Q.dtype) @ Q,
+        T,
+        n,
+        k,
+        batch_shape=tuple(batch),
+        device=A.device,
+        **kwargs,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# per kind of memory
+# ------------------------------------------------------------------------------------------------
+
+
+def diagonal_spectrum(g: torch.Tensor) -> torch.Tensor:
+    """Exponents of diagonal transitions ``exp(g_t)`` for log decays ``g [B, T, *units]``: the time
+    average ``mean_t g_t`` (exact: the QR iteration of a diagonal product is the product of the
+    diagonals), averaged over the batch; ``[*units]``, float64."""
+    return g.double().mean(dim=(0, 1))
+
+
+def delta_rule_spectrum(
+    k: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    q0: str | torch.Tensor | None = None,
+    burn_in: int = 0,
+) -> torch.Tensor:
+    """Exponents ``[H, K]`` (descending, averaged over the batch) of the delta-rule transitions
+    ``A_t = exp(g_t) (I − β_t k_t k_tᵀ)`` for keys ``k [B, T, H, K]``, write strengths
+    ``beta [B, T, H]`` and optional per-head log decays ``g [B, T, H]``.
+
+    The scalar decay commutes with everything, so its time average is added to every exponent
+    exactly (no underflow of ``exp(g)`` products); the QR iteration runs on ``I − β k kᵀ``.
+    ``q0``, ``burn_in``: as in :func:`lyapunov_spectrum` (default ``burn_in=0``)."""
+    k, beta = k.double(), beta.double()
+    B, T, H, K = k.shape
+
+    def step(t, Q):  # Q [B, H, K, K]
+        kt = k[:, t]  # [B, H, K]
+        return Q - beta[:, t, :, None, None] * kt[..., :, None] * (kt[..., None, :] @ Q)
+
+    lam = lyapunov_spectrum(step, T, K, batch_shape=(B, H), q0=q0, burn_in=burn_in, device=k.device)
+    if g is not None:
+        lam = lam + g.double()[:, burn_in:].mean(1)[..., None]
+    return lam.mean(0)
+
+
+def memory_jvp_spectrum(
+    spec,
+    state,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    eta: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    *,
+    directions: int = 32,
+    method: str = "central",
+    eps: float = 1e-6,
+    seed: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """Leading exponents ``[H, directions]`` (descending, nats/token, batch-averaged) of a
+    test-time-trained memory, and ``n``, the dimension of its state per head.
+
+    ``spec``: the :class:`~mnemo.memory.MemorySpec`; ``state``: its
+    :class:`~mnemo.memory.MemoryState` at position 0 (a fresh stream); ``q … delta``: the engine's
+    inputs over the whole stream, as the memory's hook points record them (``[B, T, H, …]``).
+
+    One step of the iteration is one inner chunk (the engine's gradients of a chunk are all taken
+    at the chunk's start weights): the Jacobian of (accumulators, momentum) at the chunk's end with
+    respect to their values at its start, applied to the ``directions`` columns of ``Q`` at once
+    (each tangent rides on its own copy of the batch) through the engine's token-loop reference
+    :func:`~mnemo.memory.recurrent.memory_recurrent`, in float64. A trailing partial chunk is one
+    step too.
+
+    ``method``: ``"forward"`` — exact Jacobian-vector products by forward-mode AD (dual tensors
+    through the engine's inner ``autograd.grad``; exact but slow, ~40× the plain update, because
+    several ops of the engine fall back to Python decompositions under forward AD); ``"central"``
+    (default) — the central difference ``(F(x + εv) − F(x − εv)) / 2ε`` with ``eps`` (unit tangents;
+    error ``O(ε²)`` plus ``~1e-16/ε`` of rounding, ``≈ 1e-10`` relative at the default, far below
+    what moves an exponent), about twice the cost of the plain update. ``seed``: the seed of the
+    random starting basis of :func:`lyapunov_spectrum`. Defaults: ``directions=32``, ``eps=1e-6``,
+    ``seed=0``."""
+    from ..memory.recurrent import memory_recurrent
+    from ..memory.state import MemoryState
+
+    if method not in ("central", "forward"):
+        raise ValueError(f"method: 'central' or 'forward', got {method!r}")
+    f64 = torch.float64
+
+    def d(x):
+        return None if x is None else x.detach().to(f64)
+
+    q, k, v, theta, g, eta, delta = map(d, (q, k, v, theta, g, eta, delta))
+    B, Tp, H = q.shape[:3]
+
+    def batch(x):
+        x = d(x)
+        return x.expand(B, *x.shape[1:]) if x.shape[0] != B else x
+
+    cur = [batch(a) for a in state.weights]
+    momentum = state.momentum is not None
+    if momentum:
+        cur += [batch(s) for s in state.momentum]
+    n_layers = len(state.weights)
+    shapes = [tuple(a.shape[-2:]) for a in cur]
+    sizes = [i * o for i, o in shapes]
+    n = sum(sizes)
+    kd = min(int(directions), n)
+    C = spec.chunk_size
+    starts = list(range(0, Tp, C))
+    copies = kd if method == "forward" else 2 * kd + 1  # central: +εv, −εv and the primal
+
+    def rep(x, sl):
+        return None if x is None else x[:, sl].repeat(copies, *([1] * (x.ndim - 1)))
+
+    def run(parts, t0, t1):
+        sl = slice(t0, t1)
+        A, S = tuple(parts[:n_layers]), (tuple(parts[n_layers:]) if momentum else None)
+        _, st = memory_recurrent(
+            spec,
+            rep(q, sl),
+            rep(k, sl),
+            rep(v, sl),
+            rep(theta, sl),
+            rep(g, sl),
+            rep(eta, sl),
+            rep(delta, sl),
+            MemoryState(A, S, A, None, t0),
+        )
+        return list(st.weights) + (list(st.momentum) if momentum else [])
+
+    def step(c, Q):  # Q [B, H, n, kd] -> J Q
+        t0, t1 = starts[c], min(starts[c] + C, Tp)
+        flat = Q.permute(3, 0, 1, 2).reshape(kd * B, H, n).split(sizes, -1)
+        tang = [t.reshape(kd * B, H, *shape) for t, shape in zip(flat, shapes)]
+        if method == "forward":
+            import torch.autograd.forward_ad as fwAD
+
+            with fwAD.dual_level():
+                duals = [
+                    fwAD.make_dual(p.repeat(kd, 1, 1, 1).requires_grad_(True), t) for p, t in zip(cur, tang)
+                ]
+                unpacked = [fwAD.unpack_dual(o) for o in run(duals, t0, t1)]
+                new = [u.primal.detach()[:B] for u in unpacked]
+                jv = [
+                    (u.tangent if u.tangent is not None else torch.zeros_like(u.primal)).detach()
+                    for u in unpacked
+                ]
+        else:
+            stacked = []
+            for p, t in zip(cur, tang):
+                pk = p.repeat(kd, 1, 1, 1)
+                stacked.append(torch.cat([pk + eps * t, pk - eps * t, p]))
+            outs = [o.detach() for o in run(stacked, t0, t1)]
+            new = [o[2 * kd * B :] for o in outs]
+            jv = [(o[: kd * B] - o[kd * B : 2 * kd * B]) / (2 * eps) for o in outs]
+        cur[:] = new
+        Z = torch.cat([t.reshape(kd, B, H, -1) for t in jv], -1)  # [kd, B, H, n]
+        return Z.permute(1, 2, 3, 0)
+
+    lam = lyapunov_spectrum(
+        step, len(starts), n, kd, batch_shape=(B, H), tokens=Tp, seed=seed, device=q.device
+    )
+    return lam.mean(0), n
+
+
+def state_spectrum(
+    step: Callable,
+    state,
+    x: torch.Tensor,
+    *,
+    period: int,
+    get: Callable,
+    put: Callable,
+    directions: int = 32,
+    eps: float = 1e-6,
+    seed: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """Leading exponents ``[directions]`` (descending, nats/token, batch-averaged) of a stateful
+    module's own transition, and ``n``, the dimension of the perturbed state per sample.
+
+    For a memory whose update is known only as code (the self-modifying memories of HOPE, the levels
+    of a Continuum Memory System), ``A_t`` is the Jacobian of the state after one step with respect
+    to the state before it. ``step(state, x_chunk) -> state`` runs the module on ``x_chunk
+    [B, period, d]``; ``get(state)`` lists the tensors ``[B, …]`` that form the perturbed state;
+    ``put(state, tensors)`` returns ``state`` with them replaced (and whatever must stay equal to
+    them at a step boundary, e.g. chunk-start copies of the weights). The iteration runs over the
+    ``T // period`` whole periods of ``x [B, T, d]`` (a trailing partial period is left out: a step
+    boundary must be a boundary of every chunk of the module, where its state is exactly ``get``'s
+    tensors); the other state fields ride along on their unperturbed trajectory.
+
+    Each step applies the Jacobian to the ``directions`` columns of ``Q`` at once by central
+    differences ``(F(s + εu) − F(s − εu)) / 2ε`` (each tangent on its own copy of the batch, with
+    the primal as the last copy), so ``step`` must be a float64 computation (error ``O(ε²)`` plus
+    ``~1e-16/ε`` rounding, about ``1e-10`` relative at the default ``eps``).
+
+    Raises:
+        ValueError: fewer than ``period`` tokens, or ``get`` lists no tensor.
+
+    Defaults: ``directions=32``, ``eps=1e-6``, ``seed=0``."""
+    from ..layers.state import map_tensors
+
+    B, T = int(x.shape[0]), int(x.shape[1])
+    steps = T // int(period)
+    if steps < 1:
+        raise ValueError(f"x: expected at least period = {period} tokens, got {T}")
+    first = get(state)
+    if not first:
+        raise ValueError("get: expected at least one state tensor, got none")
+    shapes = [tuple(t.shape[1:]) for t in first]
+    sizes = [math.prod(s) for s in shapes]
+    n = sum(sizes)
+    kd = min(int(directions), n)
+    copies = 2 * kd + 1
+    cur = [state]
+
+    def one(c, Q):  # Q [B, n, kd] -> J Q
+        xs = x[:, c * period : (c + 1) * period]
+        big = map_tensors(lambda t: t.repeat(copies, *([1] * (t.ndim - 1))), cur[0])
+        base = [t.expand(B, *shape).reshape(B, -1) for t, shape in zip(get(cur[0]), shapes)]
+        tang = Q.permute(2, 0, 1).split(sizes, -1)  # per tensor [kd, B, size]
+        stacked = [
+            torch.cat([(b + eps * u).flatten(0, 1), (b - eps * u).flatten(0, 1), b]).reshape(
+                copies * B, *shape
+            )
+            for b, u, shape in zip(base, tang, shapes)
+        ]
+        with torch.no_grad():
+            new = step(put(big, stacked), xs.repeat(copies, *([1] * (xs.ndim - 1))))
+        outs = [t.reshape(copies * B, -1) for t in get(new)]
+        cur[0] = map_tensors(lambda t: t[2 * kd * B :], new)
+        jv = [(o[: kd * B] - o[kd * B : 2 * kd * B]).reshape(kd, B, -1) / (2 * eps) for o in outs]
+        return torch.cat(jv, -1).permute(1, 2, 0)
+
+    lam = lyapunov_spectrum(
+        one, steps, n, kd, batch_shape=(B,), tokens=steps * period, seed=seed, device=x.device
+    )
+    return lam.mean(0), n
+
+
+# ------------------------------------------------------------------------------------------------
+# half-lives and classes
+# ------------------------------------------------------------------------------------------------
+
+
+def half_lives(exponents: torch.Tensor) -> torch.Tensor:
+    """``ln 2 / −λ`` tokens for ``λ < 0`` (``0`` for ``−inf``: gone at once), ``inf`` for ``λ ≥ 0``."""
+    lam = torch.as_tensor(exponents, dtype=torch.float64)
+    return torch.where(lam < 0, LN2 / (-lam), torch.full_like(lam, math.inf))
+
+
+def check_irrelevant_half_life(irrelevant_half_life: float) -> None:
+    """Raise ``ValueError`` unless ``irrelevant_half_life`` is a finite number of tokens > 0."""
+    v = irrelevant_half_life
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"irrelevant_half_life: expected a finite number of tokens > 0, got {v!r}")
+
+
+def classify(
+    exponents,
+    context: float,
+    n: int | None = None,
+    irrelevant_half_life: float = IRRELEVANT_HALF_LIFE,
+) -> dict:
+    """Shares of irrelevant / intermediate / marginal / relevant directions (module docstring) among
+    the exponents ``[H, m]`` (or ``[m]``: one head), and the median half-life.
+
+    ``n``: the full dimension per head when only the leading ``m < n`` exponents were computed; the
+    ``n − m`` others are ``≤`` the head's last computed exponent, so they count as irrelevant when
+    that one is, and as ``"unresolved"`` otherwise. The quantiles (``median`` … , tokens; ``inf``
+    = never halves) are over the computed exponents. ``irrelevant_half_life``: the half-life
+    (tokens) below which a direction is irrelevant (default ``irrelevant_half_life=4.0``,
+    :data:`IRRELEVANT_HALF_LIFE`; ``ValueError`` unless a finite number > 0). When it is not
+    shorter than ``context`` (a context of a few tokens) the irrelevant and marginal bands meet:
+    irrelevant wins, so the shares stay disjoint and sum to 1 and no direction is intermediate."""
+    check_irrelevant_half_life(irrelevant_half_life)
+    lam = torch.as_tensor(exponents, dtype=torch.float64)
+    lam = lam.reshape(1, -1) if lam.ndim <= 1 else lam.reshape(-1, lam.shape[-1])
+    H, m = lam.shape
+    n = m if n is None else max(int(n), m)
+    irr, marg = -LN2 / irrelevant_half_life, LN2 / context
+    counts = {
+        "irrelevant": (lam < irr).sum(),
+        "relevant": (lam >= marg).sum(),
+        "marginal": ((lam >= irr) & (lam > -marg) & (lam < marg)).sum(),
+    }
+    counts["intermediate"] = lam.numel() - sum(counts.values())
+    counts = {c: int(counts[c]) for c in CLASSES}
+    unresolved = 0
+    if n > m:
+        tail_irrelevant = lam.min(-1).values < irr  # per head
+        counts["irrelevant"] += int(tail_irrelevant.sum()) * (n - m)
+        unresolved = int((~tail_irrelevant).sum()) * (n - m)
+    total = H * n
+    out = {c: counts[c] / total for c in CLASSES}
+    out["unresolved"] = unresolved / total
+    qs = torch.quantile(lam.flatten(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    hl = half_lives(qs)  # the half-life grows with λ: λ's quantiles are the half-lives' ones
+    out.update(
+        directions=total,
+        computed=H * m,
+        median_half_life=float(hl[1]),
+        p10_half_life=float(hl[0]),
+        p90_half_life=float(hl[2]),
+        max_exponent=float(lam.max()),
+        min_exponent=float(lam.min()),
+        irrelevant_half_life=irrelevant_half_life,
+        context=context,
+    )
+    return out
