@@ -31,14 +31,13 @@ import torch
 
 import mnemo.layers.delta as delta_layer
 import mnemo.layers.ssm as ssm_layer
+from mnemo.bench.model_peers import peer_transformers_mamba2, peer_transformers_qwen3_next
 from mnemo.bench.models import (
     Size,
     _median,
     interleaved,
     mnemo_entry,
     parse_shapes,
-    peer_transformers_mamba2,
-    peer_transformers_qwen3_next,
     train_step,
 )
 

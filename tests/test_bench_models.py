@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mnemo.bench import model_peers as bench_peers
 from mnemo.bench import models as bench
 from mnemo.cli import main
 
@@ -67,7 +68,7 @@ def test_the_peer_is_the_same_model():
 
     size = bench.Size(16, 2)
     rows = {}
-    peer = bench.peer_transformers_mamba(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
+    peer = bench_peers.peer_transformers_mamba(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
         0
     ]
     ids = torch.randint(0, 256, (2, 12))
@@ -87,7 +88,7 @@ def test_the_titans_lmm_peer_differs_from_titans_lmm_in_the_mixers_only():
 
     size = bench.Size(32, 2)
     rows = {}
-    peer = bench.peer_titans_pytorch_lmm(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
+    peer = bench_peers.peer_titans_pytorch_lmm(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
         0
     ]
     ours = rows["titans_lmm"].model
@@ -121,8 +122,8 @@ def test_the_nested_learning_updates_row_updates_its_memories_and_trains():
     size = bench.Size(16, 2)
     rows = {}
     mnemo_row = lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size))  # noqa: E731
-    plain = bench.peer_nested_learning(size, mnemo_row)[0]
-    peer = bench.peer_nested_learning_updates(size, mnemo_row)[0]
+    plain = bench_peers.peer_nested_learning(size, mnemo_row)[0]
+    peer = bench_peers.peer_nested_learning_updates(size, mnemo_row)[0]
     assert peer.vs == "hope" and peer.generate is None and "nested_learning_updates" in bench.PEERS
     assert bench.PEER_PARTNER["nested_learning_updates"] == "hope"
     m = peer.model
@@ -270,7 +271,7 @@ def test_mixer_share_stand_ins_replace_the_core_and_keep_every_gradient():
     ids = torch.randint(0, 256, (2, 16))
     entries = [(mnemo_entry(n, size=Size(d_model=32, n_layers=2)), core, 2) for n, core in CORES]
     if HAS_TRANSFORMERS:  # the row the script times: 6 layers, the 4th one softmax attention
-        entries.append((bench.peer_transformers_qwen3_next(Size(d_model=32, n_layers=6), None)[0], "gdr", 5))
+        entries.append((bench_peers.peer_transformers_qwen3_next(Size(d_model=32, n_layers=6), None)[0], "gdr", 5))
     for e, core, layers in entries:
         name = e.name
         with mod._mixer_core_free():
