@@ -68,9 +68,8 @@ def test_the_peer_is_the_same_model():
 
     size = bench.Size(16, 2)
     rows = {}
-    peer = bench_peers.peer_transformers_mamba(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
-        0
-    ]
+    row = lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size))  # noqa: E731
+    peer = bench_peers.peer_transformers_mamba(size, row)[0]
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         ref = rows["mamba"].logits(ids)
@@ -88,9 +87,8 @@ def test_the_titans_lmm_peer_differs_from_titans_lmm_in_the_mixers_only():
 
     size = bench.Size(32, 2)
     rows = {}
-    peer = bench_peers.peer_titans_pytorch_lmm(size, lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size)))[
-        0
-    ]
+    row = lambda n: rows.setdefault(n, bench.mnemo_entry(n, size=size))  # noqa: E731
+    peer = bench_peers.peer_titans_pytorch_lmm(size, row)[0]
     ours = rows["titans_lmm"].model
     assert peer.vs == "titans_lmm" and peer.generate is None
     assert all(isinstance(b.mixer.memory, NeuralMemory) for b in peer.model.blocks)
@@ -271,7 +269,8 @@ def test_mixer_share_stand_ins_replace_the_core_and_keep_every_gradient():
     ids = torch.randint(0, 256, (2, 16))
     entries = [(mnemo_entry(n, size=Size(d_model=32, n_layers=2)), core, 2) for n, core in CORES]
     if HAS_TRANSFORMERS:  # the row the script times: 6 layers, the 4th one softmax attention
-        entries.append((bench_peers.peer_transformers_qwen3_next(Size(d_model=32, n_layers=6), None)[0], "gdr", 5))
+        qwen = bench_peers.peer_transformers_qwen3_next(Size(d_model=32, n_layers=6), None)[0]
+        entries.append((qwen, "gdr", 5))
     for e, core, layers in entries:
         name = e.name
         with mod._mixer_core_free():
