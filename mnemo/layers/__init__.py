@@ -19,7 +19,8 @@ from .rotary import RotaryEmbedding
 from .self_modifying import SelfModifyingTitans
 from .self_modifying_projections import SelfModifyingProjections
 from .ssm import Mamba, Mamba2
-from .titans import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
+from .titans import NeuralMemory
+from .titans_architectures import TitansMAC, TitansMAG, TitansMAL
 
 __all__ = [
     "MIXERS",

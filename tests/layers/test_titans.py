@@ -175,7 +175,7 @@ def test_state_size_counts_fast_weights():
 
 @pytest.mark.parametrize("name, ctor", [c for c in CASES if c[0] in ("mag", "mal")], ids=["mag", "mal"])
 def test_blockwise_window_path_equals_dense(name, ctor, monkeypatch):
-    import mnemo.layers.titans as titans
+    import mnemo.layers.titans_architectures as titans
 
     m = _make(ctor)
     x = _x(14)
