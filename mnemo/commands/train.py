@@ -264,6 +264,10 @@ def _cmd_train(args) -> int:
         f"{c.steps} steps of {c.batch_size}x{c.seq_len} tokens{split} -> {out}",
         flush=True,
     )
+    if c.optimizer != "adamw":  # what the run adds to (or keeps of) Algorithm 1
+        from ..train.optim import describe_optimizer
+
+        say(describe_optimizer(c), flush=True)
     if trainer.step >= c.steps:
         say(f"already trained to step {trainer.step} (raise --steps to continue)")
     record = trainer.fit()

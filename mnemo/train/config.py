@@ -92,10 +92,14 @@ class TrainConfig:
             to ``steps``); past it the learning rate stays at ``lr · min_lr_ratio``. Set when a
             resumed run gets more (or fewer) ``steps`` but should keep its cosine
             (``mnemo train --resume --steps N --reschedule hold``).
-        optimizer: ``"adamw"`` or ``"m3"`` (Multi-scale Momentum Muon, Nested Learning Algorithm 1,
+        optimizer: ``"adamw"``, ``"m3"`` (Multi-scale Momentum Muon, Nested Learning Algorithm 1,
             :class:`mnemo.train.m3.M3`: Newton–Schulz-orthogonalised fast and slow momenta over an
             accumulated second moment; its update size differs from Adam's, so tune ``lr`` for it
-            — see the class docstring).
+            — see the class docstring — with this trainer's weight decay, clipping and warm-up +
+            cosine added) or ``"m3_paper"`` (Algorithm 1 alone: constant ``lr``, and
+            ``weight_decay``, ``grad_clip``, ``warmup_steps``, ``min_lr_ratio`` and
+            ``schedule_steps`` unused). The run's log names what is added
+            (:func:`mnemo.train.optim.describe_optimizer`).
         m3_slow_every: M3's ``f``, steps per block of the slow momentum (a positive int; default
             ``10``).
         m3_beta3: M3's ``β3`` (slow-momentum factor, in ``[0, 1)``); ``β1, β2`` are ``beta1``,
@@ -257,7 +261,13 @@ class TrainConfig:
     warmup_steps: int = field(
         default=50, metadata=_flag("linear learning-rate warm-up steps", metavar="N", type=kinds.nonneg_int)
     )
-    optimizer: str = field(default="adamw", metadata=_flag("outer optimizer", choices=["adamw", "m3"]))
+    optimizer: str = field(
+        default="adamw",
+        metadata=_flag(
+            "outer optimizer (m3_paper: Nested Learning's Algorithm 1 alone: constant lr, no decay, no clip)",
+            choices=["adamw", "m3", "m3_paper"],
+        ),
+    )
     m3_slow_every: int = 10
     m3_beta3: float = 0.99
     m3_alpha: float = 0.5
@@ -411,8 +421,8 @@ class TrainConfig:
             bad("fsdp", "true or false")
         if self.fsdp and self.context_parallel:
             bad("fsdp", "false with context_parallel (sharded training splits the batch, not the sequences)")
-        if self.fsdp and self.optimizer == "m3":
-            bad("fsdp", "false with optimizer 'm3' (its Newton-Schulz step needs whole matrices, not shards)")
+        if self.fsdp and self.optimizer in ("m3", "m3_paper"):
+            bad("fsdp", f"false with optimizer {self.optimizer!r} (Newton-Schulz needs whole matrices)")
         if not isinstance(self.pack_documents, bool):
             bad("pack_documents", "true or false")
         if self.pack_documents and (self.task is not None or self.context_parallel):
@@ -464,8 +474,8 @@ class TrainConfig:
             bad("text_field", "the name of a field of the records")
         if self.tokenizer not in ("char", "byte") and not _looks_like_path(self.tokenizer):
             bad("tokenizer", "'char', 'byte' or a path to a tokenizer.json (or a folder holding one)")
-        if self.optimizer not in ("adamw", "m3"):
-            bad("optimizer", "'adamw' or 'm3'")
+        if self.optimizer not in ("adamw", "m3", "m3_paper"):
+            bad("optimizer", "'adamw', 'm3' or 'm3_paper'")
         for name, lo, what in (
             ("m3_slow_every", 1, "a positive int"),
             ("m3_ns_steps", 0, "a non-negative int"),
@@ -484,6 +494,8 @@ class TrainConfig:
                 bad(name, what)
         if not isinstance(self.m3_ema, bool):
             bad("m3_ema", "true or false")
+        if self.m3_ema and self.optimizer == "m3_paper":
+            bad("m3_ema", "false with optimizer 'm3_paper' (Algorithm 1 accumulates; 'm3' has the EMA)")
         if self.precision not in ("fp32", "bf16"):
             bad("precision", "'fp32' or 'bf16'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -2,7 +2,12 @@
 weight decay on matrices only, per-module learning-rate scales (``outer_lr_scale``), and linear
 warm-up then cosine decay. Used by the trainer, the sharded-checkpoint reader and the continual
 experiments (:mod:`mnemo.commands.continual`); a module of its own so that none of them imports
-another for it."""
+another for it.
+
+``optimizer="m3_paper"`` runs Nested Learning's Algorithm 1 alone (:class:`mnemo.train.m3.M3`
+with no weight decay, no gradient clipping, a constant learning rate and accumulating momenta);
+``"m3"`` is the same update with the trainer's additions (decoupled weight decay on matrices,
+clipping, warm-up + cosine), which :func:`describe_optimizer` lists in the run's log."""
 
 from __future__ import annotations
 
@@ -25,6 +30,51 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def algorithm1_only(cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` runs M3 as Algorithm 1 alone (``optimizer="m3_paper"``)."""
+    return cfg.optimizer == "m3_paper"
+
+
+def schedule_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning rate at ``step`` over ``cfg.lr``: :func:`lr_factor` of ``cfg``'s warm-up +
+    cosine, or ``1`` throughout for ``m3_paper`` (Algorithm 1's ``η`` is a constant)."""
+    if algorithm1_only(cfg):
+        return 1.0
+    return lr_factor(step, cfg.warmup_steps, cfg.cosine_steps, cfg.min_lr_ratio)
+
+
+def grad_clip(cfg: TrainConfig) -> float:
+    """The global gradient-norm clip the trainer applies (``0``: none, always for ``m3_paper``)."""
+    return 0.0 if algorithm1_only(cfg) else cfg.grad_clip
+
+
+def describe_optimizer(cfg: TrainConfig) -> str:
+    """One line for the run's log: the optimizer and, for M3, what is added to Algorithm 1 (or
+    that nothing is, for ``m3_paper``)."""
+    if cfg.optimizer == "adamw":
+        return (
+            f"optimizer: AdamW (betas {cfg.beta1:g}, {cfg.beta2:g}; weight decay {cfg.weight_decay:g} on "
+            f"matrices; clip {cfg.grad_clip:g}; warm-up {cfg.warmup_steps} + cosine to "
+            f"{cfg.min_lr_ratio:g}·lr)"
+        )
+    m3 = (
+        f"M3, Nested Learning Algorithm 1 (betas {cfg.beta1:g}, {cfg.beta2:g}, {cfg.m3_beta3:g}; "
+        f"alpha {cfg.m3_alpha:g}; f = {cfg.m3_slow_every}; {cfg.m3_ns_steps} Newton-Schulz steps; "
+        f"eps {cfg.m3_eps:g})"
+    )
+    if algorithm1_only(cfg):
+        return f"optimizer: m3_paper = {m3} alone: constant lr {cfg.lr:g}, no weight decay, clipping or EMA"
+    added = []
+    if cfg.weight_decay > 0:
+        added.append(f"decoupled weight decay {cfg.weight_decay:g} on matrices")
+    if cfg.grad_clip > 0:
+        added.append(f"gradient clipping at norm {cfg.grad_clip:g}")
+    added.append(f"warm-up {cfg.warmup_steps} + cosine to {cfg.min_lr_ratio:g}·lr (Algorithm 1: constant lr)")
+    if cfg.m3_ema:
+        added.append("exponential moving averages (Algorithm 1: accumulating sums)")
+    return f"optimizer: {m3} + {'; '.join(added)} (--optimizer m3_paper runs Algorithm 1 alone)"
 
 
 def _outer_lr_scales(model: torch.nn.Module) -> dict[int, float]:
@@ -54,7 +104,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     groups per scale, with ``lr = cfg.lr · outer_lr_scale`` (the LambdaLR schedule multiplies each
     group's initial lr by the same factor, so the ratio holds throughout). A scale of exactly 1
     stays in the base groups. ``cfg.optimizer == "m3"`` builds :class:`mnemo.train.m3.M3` from
-    ``beta1, beta2, m3_beta3, m3_alpha, m3_eps, m3_ns_steps, m3_slow_every, m3_ema``.
+    ``beta1, beta2, m3_beta3, m3_alpha, m3_eps, m3_ns_steps, m3_slow_every, m3_ema``; ``"m3_paper"``
+    the same without weight decay or EMA (Algorithm 1 alone).
     """
     scales = _outer_lr_scales(model)
     decay, no_decay, seen = [], [], set()
@@ -66,15 +117,16 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
         scale = scales.get(id(p), 1.0)
         d, nd = (decay, no_decay) if scale == 1.0 else scaled.setdefault(scale, ([], []))
         (d if p.ndim >= 2 else nd).append(p)
+    weight_decay = 0.0 if algorithm1_only(cfg) else cfg.weight_decay
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     for scale, (d, nd) in scaled.items():
-        for params, wd in ((d, cfg.weight_decay), (nd, 0.0)):
+        for params, wd in ((d, weight_decay), (nd, 0.0)):
             if params:
                 groups.append({"params": params, "weight_decay": wd, "lr": cfg.lr * scale})
-    if cfg.optimizer == "m3":
+    if cfg.optimizer in ("m3", "m3_paper"):
         return M3(
             groups,
             lr=cfg.lr,
@@ -83,7 +135,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
             eps=cfg.m3_eps,
             ns_steps=cfg.m3_ns_steps,
             slow_every=cfg.m3_slow_every,
-            ema=cfg.m3_ema,
+            ema=cfg.m3_ema and not algorithm1_only(cfg),
         )
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
@@ -92,13 +144,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, warn: boo
     """The learning-rate schedule of ``cfg``: :func:`lr_factor` over ``cfg.cosine_steps`` as a
     ``LambdaLR``; warns (``warn``: on the main process; default ``warn=True``) when the warm-up is
     as long as the schedule."""
-    if cfg.warmup_steps >= cfg.cosine_steps and warn:
+    if cfg.warmup_steps >= cfg.cosine_steps and warn and not algorithm1_only(cfg):
         warnings.warn(
             f"warmup_steps {cfg.warmup_steps} >= the {cfg.cosine_steps}-step learning-rate schedule: "
             f"the lr never reaches lr={cfg.lr:g} (at most "
             f"{cfg.lr * cfg.cosine_steps / cfg.warmup_steps:.3g}) and never decays; lower --warmup-steps",
             stacklevel=3,  # (Trainer.__init__)
         )
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.cosine_steps, cfg.min_lr_ratio)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule_factor(cfg, s))

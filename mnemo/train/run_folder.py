@@ -37,7 +37,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
-from .optim import lr_factor
+from .optim import algorithm1_only, schedule_factor
 from .sharded import save_sharded_checkpoint
 from .sinks import METRICS_NAME
 
@@ -129,8 +129,14 @@ def resume_config(
         )
     cfg = dataclasses.replace(saved, **changes).validate()
     notes = [f"{k} {getattr(saved, k)!r} -> {v!r}" for k, v in changes.items() if k != "schedule_steps"]
-    step_lr = lambda c, s: c.lr * lr_factor(s, c.warmup_steps, c.cosine_steps, c.min_lr_ratio)  # noqa: E731
-    if cfg.cosine_steps != saved.cosine_steps or reschedule is not None:
+    step_lr = lambda c, s: c.lr * schedule_factor(c, s)  # noqa: E731
+    if algorithm1_only(cfg):  # a constant lr: nothing to stretch or hold
+        if reschedule is not None:
+            raise ValueError(
+                f"reschedule: optimizer 'm3_paper' keeps a constant learning rate; there is no schedule "
+                f"to {reschedule} (leave --reschedule out)"
+            )
+    elif cfg.cosine_steps != saved.cosine_steps or reschedule is not None:
         stretched = dataclasses.replace(cfg, schedule_steps=None)
         held = dataclasses.replace(cfg, schedule_steps=saved.cosine_steps)
         if reschedule is None and "schedule_steps" not in changes:

@@ -29,7 +29,7 @@ from .diverged import TrainingDiverged, _nonfinite_detail, _nonfinite_weights
 from .evaluation import Evaluator, make_callbacks
 from .generation import generate_text
 from .interrupts import DeferredInterrupts
-from .optim import lr_factor, make_optimizer, make_scheduler  # noqa: F401
+from .optim import grad_clip, lr_factor, make_optimizer, make_scheduler  # noqa: F401
 from .run_folder import LOCK_NAME, RESCHEDULE, RESUMABLE, RunFolder, lock_run_folder, resume_config  # noqa: F401
 from .sinks import METRICS_NAME, ProgressBar, default_sinks  # noqa: F401
 from .strategy import ContextParallel, Sharded, make_strategy
@@ -281,7 +281,7 @@ class Trainer:
         strategy.sum_gradients(self.model)
         # after the synchronisation every rank holds the same gradients: same norm, same decision
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = strategy.grad_norm(params, cfg.grad_clip)
+        norm = strategy.grad_norm(params, grad_clip(cfg))
         if deferred:  # the step's one host read: the summed loss and the gradient norm together
             summed, norm_value = torch.stack([total_dev.double(), norm.detach().double()]).tolist()
             if not math.isfinite(summed):

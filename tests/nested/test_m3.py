@@ -346,3 +346,76 @@ def test_bfloat16_parameters_step():
     assert (w.detach().float() - ref.detach()).norm() < 0.02 * moved
     assert_close(opt.state[w]["v"].float(), 0.999 * sq, 1e-2, what="v")
     assert_close(opt_ref.state[ref]["v"], 0.999 * sq, 1e-6, what="v (float32)")
+
+
+# --------------------------------------------------------------------------- the trainer's m3_paper
+def test_the_trainers_m3_paper_is_algorithm_1_alone(tmp_path):
+    """``mnemo train --optimizer m3_paper`` on a tiny model: replaying the gradients the optimizer
+    saw through the hand transcription of Algorithm 1 (constant lr, no weight decay, no clipping)
+    gives the trained weights — although the config asks for weight decay 0.1, clipping at a norm
+    1e-6 would have bound, and warm-up + cosine would have moved the lr. ``"m3"`` keeps them."""
+    from mnemo.train import TrainConfig, Trainer
+    from mnemo.train.optim import describe_optimizer
+
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, m3_beta3=0.8, m3_alpha=0.5, m3_eps=1e-3, m3_slow_every=2)
+    cfg = TrainConfig(
+        model="gla",
+        model_overrides={"d_model": 16, "n_layers": 1, "mlp": "none"},
+        task="mqar",
+        task_options={"num_pairs": 2, "vocab_size": 16},
+        seq_len=16,
+        batch_size=2,
+        steps=5,
+        eval_interval=5,
+        eval_batches=1,
+        sample_tokens=0,
+        weight_decay=0.1,
+        grad_clip=1e-6,
+        warmup_steps=2,
+        optimizer="m3_paper",
+        **hp,
+    )
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    theta0 = [p.detach().clone() for p in params]
+    seen, norms = [], []
+
+    def record(opt, args, kwargs):  # the gradients the optimizer is about to use
+        seen.append([p.grad.detach().clone() for p in params])
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in seen[-1]]))))
+
+    trainer.optimizer.register_step_pre_hook(record)
+    trainer.fit()
+    assert len(seen) == 5 and min(norms) > 1e-3  # clipping at 1e-6 would have scaled them down
+    lrs = {round(g["lr"], 12) for g in trainer.optimizer.param_groups}
+    assert lrs == {1e-3}  # constant: no warm-up, no cosine
+    ref = ref_algorithm1(
+        theta0,
+        lambda theta, t: seen[t - 1],
+        5,
+        hp["lr"],
+        (hp["beta1"], hp["beta2"], hp["m3_beta3"]),
+        hp["m3_alpha"],
+        hp["m3_eps"],
+        5,
+        hp["m3_slow_every"],
+    )
+    worst = max(((p.detach() - r).abs().max() / r.abs().max()).item() for p, r in zip(params, ref))
+    assert worst <= 1e-5, worst  # float32 weights
+    assert "alone: constant lr 0.001, no weight decay, clipping or EMA" in describe_optimizer(cfg)
+    m3 = describe_optimizer(TrainConfig(optimizer="m3"))
+    assert "decoupled weight decay 0.1" in m3 and "gradient clipping at norm 1" in m3 and "cosine" in m3
+
+
+def test_m3_paper_has_no_schedule_to_resume():
+    """A constant lr: more steps on resume need no --reschedule, and one given is refused."""
+    from mnemo.train import TrainConfig
+    from mnemo.train.run_folder import resume_config
+
+    saved = TrainConfig(optimizer="m3_paper", steps=10).validate()
+    cfg, notes = resume_config(saved, {"steps": 20})
+    assert cfg.steps == 20 and cfg.schedule_steps is None and notes == ["steps 10 -> 20"]
+    with pytest.raises(ValueError, match="'m3_paper' keeps a constant learning rate"):
+        resume_config(saved, {"steps": 20}, reschedule="hold")
+    with pytest.raises(ValueError, match="m3_ema: expected false with optimizer 'm3_paper'"):
+        TrainConfig(optimizer="m3_paper", m3_ema=True).validate()
