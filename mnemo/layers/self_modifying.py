@@ -8,9 +8,13 @@ Eq. 83, the DGD step Eq. 88)::
     q_t = x_t W_q                                                   (slow projection)
     k_t = M_k,t−1(x_t)   v_t = M_v,t−1(x_t)   η_t ← M_η,t−1(x_t)   α_t ← M_α,t−1(x_t)
     o_t = M_memory,t−1(q_t)                                         (read before the write)
-    v̂_□,t = M_□,t−1(v_t)       □ ∈ {k, v, η, α}                     (self-generated values)
+    v̂_□,t = M_□,t−1(v_t)       □ ∈ {k, v, η, α, memory}             (self-generated values, Eq. 84)
     M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) − η_t ∇L(M_□,t−1; k_t, v̂_□,t)          (DGD, Eq. 88)
-    M_memory,t = the same step with the target v_t
+
+Every memory, the main one included, is written toward the value it generates itself from ``v_t``
+(Eq. 84/87, and HOPE's Eq. 94 lists ``M_memory`` among the self-modified memories).
+``memory_target="value"`` writes the main memory toward ``v_t`` itself instead (Titans' ``k → v``
+association; mnemo's default before issue 37 — a named variant, not the paper's).
 
 (Equation numbers follow arXiv 2512.24695 as transcribed by public reimplementations — the NL
 context notes of aryateja2106/neural-memory-reproduction and kmccleary3301/nested_learning; the
@@ -26,7 +30,7 @@ of a chunk reads, generates its values and takes its gradient at the weights its
 chunk start ``M_□,c`` (``c`` = the last multiple of ``C`` at or before the token's position), while
 the DGD recursion runs token by token on the running weights::
 
-    k_t = M_k,c(x_t) …     o_t = M_memory,c(q_t)     v̂_□,t = M_□,c(v_t)
+    k_t = M_k,c(x_t) …     o_t = M_memory,c(q_t)     v̂_□,t = M_□,c(v_t)   (□ = memory too)
     M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) − η_t ∇L(M_□,c; k_t, v̂_□,t)
 
 The projection memories (``M_k, M_v, M_η, M_α``) use ``proj_chunk_size`` and the main memory
@@ -64,7 +68,8 @@ recursion is a decayed sum in one product. The gradient factors are written out 
   (§8.3 "local convolutions, window 4"); output ``y = W_o(RMSNorm(o) ⊙ silu(W_g x))`` per head
   (Titans' output gate).
 - σ = GELU; hidden width ``expansion · d`` (default ``d``).
-- the main memory's target is ``v_t`` (Titans' ``k → v``), not a self-generated ``M_memory(v_t)``.
+- the main memory's self-generated target ``M_memory,c(v_t)`` is read at its chunk-start weights,
+  like the projection memories' (Eq. 90 applied to Eq. 84's ``v̂``).
 - a consequence of Eq. 90 kept as written: inside a memory chunk the read ``o_t`` uses the chunk-start
   weights, so tokens of the same chunk reach ``o_t`` only through ``q_t`` (and the short conv).
 - initial weights (all memories, learned, one set shared over the batch) get outer gradients
@@ -94,6 +99,8 @@ from .state import spec, state_dataclass
 from .titans import state_dtypes
 
 PROJECTIONS = ("k", "v", "eta", "alpha")
+#: the main memory's write target: its self-generated ``M_memory(v_t)`` (Eq. 84/94) or ``v_t``
+MEMORY_TARGETS = ("self", "value")
 
 
 @state_dataclass
@@ -235,13 +242,15 @@ class SelfModifyingTitans(Mixer):
         short_conv / conv_size: causal depthwise conv + SiLU on ``x`` before ``W_q`` and the memories
             (defaults ``short_conv=True``, ``conv_size=4``).
         mode: ``"chunk"`` (default for ``T > 1``) or ``"recurrent"`` (token loop).
+        memory_target: ``"self"`` (default; Eq. 84/94: the main memory is written toward its own
+            ``M_memory(v_t)``) or ``"value"`` (toward ``v_t``, Titans' association; a variant).
 
     Hook points (float32, float64 for a float64 model): the main memory's inputs, as ``M_memory``'s
     reads and DGD steps consume them —
 
     * ``hook_q`` ``[B, T, d]``: ``q_t = x̃_t W_q``, L2-normalised;
     * ``hook_k`` ``[B, T, d]``: ``k_t = M_k(x_t)``, L2-normalised; ``hook_v`` ``[B, T, d]``:
-      ``v_t = M_v(x_t)`` (the main memory's target);
+      ``v_t = M_v(x_t)`` (the value every memory generates its target from);
     * ``hook_g`` ``[B, T]``: the log retention ``log α_t`` (from ``M_α``);
     * ``hook_beta`` ``[B, T]``: ``β_t`` (from ``M_η``; the DGD rate is ``η_t = α_t β_t``);
 
@@ -255,8 +264,8 @@ class SelfModifyingTitans(Mixer):
 
     Raises:
         ValueError: ``d_model`` not a multiple of ``n_heads``, a chunk size < 1, ``beta_max`` outside
-            ``(0, 1]``, a bad ``mode``; ``forward`` on ``x`` not ``[B, T, d_model]`` or a state from
-            another batch size.
+            ``(0, 1]``, a bad ``mode`` or ``memory_target``; ``forward`` on ``x`` not
+            ``[B, T, d_model]`` or a state from another batch size.
     """
 
     def __init__(
@@ -270,8 +279,12 @@ class SelfModifyingTitans(Mixer):
         short_conv: bool = True,
         conv_size: int = 4,
         mode: str = "chunk",
+        memory_target: str = "self",
     ):
         super().__init__(mode)
+        if memory_target not in MEMORY_TARGETS:
+            raise ValueError(f"memory_target must be one of {MEMORY_TARGETS}, got {memory_target!r}")
+        self.memory_target = memory_target
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         proj_chunk_size = chunk_size if proj_chunk_size is None else proj_chunk_size
@@ -364,6 +377,11 @@ class SelfModifyingTitans(Mixer):
             A = W
         return W, A, reads
 
+    def _target(self, A, v: torch.Tensor) -> torch.Tensor:
+        """The main memory's write target for values ``v [B, 1, L, d]`` at its chunk-start weights
+        ``A``: ``M_memory,c(v)`` (``memory_target="self"``) or ``v``."""
+        return _mlp(A, v) if self.memory_target == "self" else v
+
     def _projections(self, xc: torch.Tensor, st: SelfModifyingTitansState, cd, token: bool):
         """Stage 1: run ``M_k, M_v, M_η, M_α`` over ``xc [B, T, d]`` (they do not depend on
         ``M_memory``). Returns their new running and chunk-start weights and, per token,
@@ -420,11 +438,11 @@ class SelfModifyingTitans(Mixer):
         mem = tuple(w.to(cd) for w in st.memory)
         mem_a = tuple(w.to(cd) for w in st.memory_anchor)
 
-        # 2) the main memory: read o_t at the chunk-start weights, write toward v_t
+        # 2) the main memory: read o_t at the chunk-start weights, write toward M_memory(v_t)
         def mem_in(t, L, A):
             o = _mlp(A, q[:, None, t : t + L])[:, 0]
             sl = slice(t, t + L)
-            return (k[:, sl], v[:, None, sl], la[:, sl], be[:, sl]), o
+            return (k[:, sl], self._target(A, v[:, None, sl]), la[:, sl], be[:, sl]), o
 
         mem, mem_a, outs = self._run(mem, mem_a, st.offset, T, self.chunk_size, token, mem_in)
         o = self.hook_o(torch.cat(outs, 1)).to(x.dtype)
@@ -449,11 +467,13 @@ class SelfModifyingTitans(Mixer):
     attribution_steps: int = 4
 
     def attribution(self, acts: dict, steps: int | None = None) -> ValueAttribution:
-        """The main memory's read ``o_t = M_memory(q_t)`` attributed to each target ``v_s`` it was
-        written with (gradient × input through the unrolled DGD steps, integrated from the
-        zero-value baseline; :mod:`mnemo.memory.attribution`), from the hook values of one
-        fresh-stream call. The projection memories' outputs (``q, k, log α, β``) are held at their
-        recorded values: the map reads the main memory, not how its keys and rates were made.
+        """The main memory's read ``o_t = M_memory(q_t)`` attributed to each value ``v_s`` its write
+        targets were made from (``M_memory,c(v_s)``, or ``v_s`` itself with
+        ``memory_target="value"``; gradient × input through the target and the unrolled DGD steps,
+        integrated from the zero-value baseline, whose target is ``M(0) = 0``;
+        :mod:`mnemo.memory.attribution`), from the hook values of one fresh-stream call. The
+        projection memories' outputs (``q, k, log α, β``) are held at their recorded values: the
+        map reads the main memory, not how its keys and rates were made.
         One head (``H = 1``, the memory spans ``d_model``): maps ``[B, 1, T, T]``."""
         q, k, v, la, be = (acts[n].detach() for n in self.mixing_hooks)
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -471,7 +491,8 @@ class SelfModifyingTitans(Mixer):
 
             def mem_in(t, L, A):
                 sl = slice(t, t + L)
-                return (kr[:, sl], vr[:, None, sl], lr[:, sl], br[:, sl]), _mlp(A, qr[:, None, sl])[:, 0]
+                tgt = self._target(A, vr[:, None, sl])
+                return (kr[:, sl], tgt, lr[:, sl], br[:, sl]), _mlp(A, qr[:, None, sl])[:, 0]
 
             # the token-loop form (the chunk form's batched gradients carry no forward-mode rule)
             _, _, outs = self._run(W0, W0, 0, T, self.chunk_size, True, mem_in)
@@ -485,7 +506,7 @@ class SelfModifyingTitans(Mixer):
         """The main memory's map ``[B, 1, T, T]``: an *attribution*, not a mixing matrix (the memory
         is a residual MLP trained by DGD). ``maps[t, s] = ⟨c_ts, v_s⟩ / ‖v_s‖²`` with ``c_ts`` the
         integrated-gradient contribution of ``v_s`` to ``o_t``; ``output`` is the writes' part of
-        the read (``o`` minus the read of the memory written with zero targets), which the
+        the read (``o`` minus the read of the memory written with zero values), which the
         contributions add up to (to first order; exactly as :attr:`attribution_steps` grows) and
         ``maps @ values`` does not reproduce (:meth:`attribution` returns both errors). Inside a
         memory chunk the read uses the chunk-start weights (Eq. 90), so the map is zero from a
