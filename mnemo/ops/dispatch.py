@@ -2,16 +2,13 @@
 
 Five public ops can run on more than one implementation (a *backend*):
 
-==========================  =======  ========  ============================  =====================
-op                          torch    native    fla (fla-core, Triton)        mamba_ssm (Triton)
-==========================  =======  ========  ============================  =====================
-``gated_delta_rule``        yes      yes       ``chunk_gated_delta_rule``    no kernel
-``delta_rule``              yes      yes       the same kernel with g = 0    no kernel
-``gated_linear_attention``  yes      yes       ``chunk_simple_gla``,         no kernel
-                                               ``chunk_gla``
-``linear_attention``        yes      yes       ``chunk_simple_gla``, g None  no kernel
-``ssd``                     yes      yes       via gated_linear_attention    ``mamba_chunk_scan_combined``
-==========================  =======  ========  ============================  =====================
+| op | torch | native | fla (fla-core, Triton) | mamba_ssm (Triton) |
+|---|---|---|---|---|
+| ``gated_delta_rule`` | yes | yes | ``chunk_gated_delta_rule`` | no kernel |
+| ``delta_rule`` | yes | yes | the same kernel with ``g = 0`` | no kernel |
+| ``gated_linear_attention`` | yes | yes | ``chunk_simple_gla``, ``chunk_gla`` | no kernel |
+| ``linear_attention`` | yes | yes | ``chunk_simple_gla`` without gate | no kernel |
+| ``ssd`` | yes | yes | via gated linear attention | ``mamba_chunk_scan_combined`` |
 
 * ``torch``: mnemo's PyTorch forms (every ``mode``, every device, every dtype); the reference.
 * ``native``: the same forms with the CPU C kernels of :mod:`mnemo.ops._native` in their

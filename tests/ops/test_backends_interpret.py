@@ -29,9 +29,16 @@ import pytest
 
 from tests.ops import interpret_worker as worker
 
-MISSING = [m for m in ("triton", "fla", "mamba_ssm") if importlib.util.find_spec(m) is None]
+MISSING = [m for m in ("triton", "fla") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(
     bool(MISSING), reason=f"not installed: {', '.join(MISSING)} (pip install -e '.[dev]' brings them)"
+)
+#: mamba-ssm is not in [dev] (it builds CUDA code; see docs/guides/training.md): its cases skip alone
+MAMBA = importlib.util.find_spec("mamba_ssm") is not None
+needs_mamba = pytest.mark.skipif(
+    not MAMBA,
+    reason="mamba-ssm not installed (MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "
+    "pip install --no-build-isolation --no-deps mamba-ssm)",
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,8 +74,9 @@ GRADS = {
 @pytest.fixture(scope="module")
 def results():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cases = [c for c in worker.CASES if MAMBA or "mamba" not in c]
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.ops.interpret_worker"],
+        [sys.executable, "-m", "tests.ops.interpret_worker", *cases],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -85,7 +93,9 @@ def _ok(res: dict, name: str) -> dict:
     return res[name]
 
 
-@pytest.mark.parametrize("name", sorted(TOL))
+@pytest.mark.parametrize(
+    "name", [n if "mamba" not in n else pytest.param(n, marks=needs_mamba) for n in sorted(TOL)]
+)
 def test_parity(results, name):
     r = _ok(results, name)
     assert r["finite"], f"{name}: NaN/inf in the peer's output or gradients"
@@ -113,7 +123,7 @@ def test_refusals(results):
         "float64": ("gated_delta_rule", "'fla'", "float64"),
         "bfloat16": ("gated_delta_rule", "'fla'", "bfloat16"),
         "mamba_gdn": ("gated_delta_rule", "'mamba_ssm'", "no kernel"),
-        "mamba_varlen": ("ssd", "'mamba_ssm'", "cu_seqlens"),
+        "mamba_varlen": ("ssd", "'mamba_ssm'", "cu_seqlens" if MAMBA else "mamba-ssm not installed"),
     }
     for key, words in expect.items():
         assert r[key].startswith("BackendError"), f"{key}: expected a BackendError, got {r[key]!r}"
