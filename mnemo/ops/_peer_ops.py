@@ -17,25 +17,24 @@ initial state, int64 ``cu_seqlens``; the glue functions (``fla_*``, ``mamba_ssd`
 from an op's arguments and convert the results back (``o`` in ``q``'s dtype, the state float32).
 
 The backward. A peer's kernels are reached through its public autograd functions; a custom op's
-kernel runs below autograd (no graph is recorded there), so the backward op re-runs the peer's
-forward with autograd on, in a worker thread (autograd's dispatch state is per thread), and asks
-it for the gradients: one extra forward per backward, traded for using only the peers' public
-entry points (their internal forward/backward functions change between releases). The CUDA stream
-of the calling thread is used in the worker. The backward is first order: a graph of it
+kernel runs below autograd (no graph is recorded there), so the backward op turns autograd back on
+for its thread (:func:`_autograd_on`: PyTorch's private dispatch-key guards), re-runs the peer's
+forward and asks it for the gradients, a reentrant backward as in ``torch.utils.checkpoint``: one
+extra forward per backward, traded for using only the peers' public entry points (their internal
+forward/backward functions change between releases). The backward is first order: a graph of it
 (``create_graph=True``) raises, as mnemo's own chunk forms do.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import importlib
 import importlib.util
-import os
 import sys
 import threading
 import types
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -153,58 +152,59 @@ def _fn(backend: str, key: str):
 # the backward: the peer's own autograd, re-run in a worker thread
 # ----------------------------------------------------------------------------------------------
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_pid = None
+_AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor")
 
 
-def _worker() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool, _pool_pid
-    if _pool is None or _pool_pid != os.getpid():  # (a forked child has no threads)
-        _pool, _pool_pid = (
-            concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mnemo-peer-bwd"),
-            os.getpid(),
-        )
-    return _pool
+@contextlib.contextmanager
+def _autograd_on() -> Iterator[None]:
+    """Autograd back on inside a custom op's kernel (which runs with the autograd dispatch keys
+    excluded, so no graph would be recorded there), grad mode on: the include/exclude sets of
+    this thread as they are, less the autograd keys, restored on exit. What runs inside is a
+    reentrant backward on the calling thread, as ``torch.utils.checkpoint``'s reentrant variant
+    does (a second thread would deadlock on CUDA: the autograd engine's device thread is the one
+    waiting)."""
+    D = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name in _AUTOGRAD_KEYS:
+        if hasattr(D, name):
+            exclude = exclude.remove(getattr(D, name))
+    with (
+        torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude),
+        torch.enable_grad(),
+    ):
+        yield
 
 
 def _grads_by_recompute(run, inputs: list, grad_outputs: list) -> list:
     """Gradients of ``run(*inputs)``'s outputs (weighted by ``grad_outputs``; ``None`` or empty
-    entries are left out) with respect to every floating-point input; ``None`` for the others."""
-    device = next(t.device for t in inputs if isinstance(t, Tensor))
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-    def work():
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx, torch.enable_grad():
-            xs = [
-                t.detach().requires_grad_(True) if isinstance(t, Tensor) and t.is_floating_point() else t
-                for t in inputs
-            ]
-            outs = run(*xs)
-            pairs = [
-                (o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.numel() and o.requires_grad
-            ]
-            wrt = [x for x in xs if isinstance(x, Tensor) and x.requires_grad]
-            if not pairs:
-                return [
-                    None if not (isinstance(x, Tensor) and x.requires_grad) else torch.zeros_like(x)
-                    for x in xs
-                ]
-            gs = iter(
-                torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs], allow_unused=True
-                )
+    entries are left out) with respect to every floating-point input; ``None`` for the others.
+    ``run`` is the peer's public (autograd) entry point, re-run here with autograd on."""
+    with _autograd_on():
+        xs = [
+            t.detach().requires_grad_(True) if isinstance(t, Tensor) and t.is_floating_point() else t
+            for t in inputs
+        ]
+        outs = run(*xs)
+        pairs = [
+            (o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.numel() and o.requires_grad
+        ]
+        wrt = [x for x in xs if isinstance(x, Tensor) and x.requires_grad]
+        gs = (
+            torch.autograd.grad(
+                [o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs], allow_unused=True
             )
-            out = []
-            for x in xs:
-                if isinstance(x, Tensor) and x.requires_grad:
-                    g = next(gs)
-                    out.append(torch.zeros_like(x) if g is None else g)
-                else:
-                    out.append(None)
-            return out
-
-    return _worker().submit(work).result()
+            if pairs
+            else [None] * len(wrt)
+        )
+    gs = iter(gs)
+    out = []
+    for x in xs:
+        if isinstance(x, Tensor) and x.requires_grad:
+            g = next(gs)
+            out.append(torch.zeros_like(x) if g is None else g)
+        else:
+            out.append(None)
+    return out
 
 
 def _empty_for(t: Tensor | None, like: Tensor) -> Tensor:
@@ -645,7 +645,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final
     check_finite({"q": q, "k": k, "v": v, "beta": beta, "initial_state": initial_state}, {"g": g})
     out_dtype = q.dtype
     q, k, v, h0, cu, scale = _matrix_inputs(q, k, v, initial_state, cu_seqlens, scale)
-    b = beta.to(q.dtype if q.dtype != torch.float64 else torch.float32).contiguous()
+    b = (beta if beta.dtype != torch.float64 else beta.float()).contiguous()  # (fp32 beta stays fp32)
     if g is None:
         o, S = delta_rule_fla(q, k, v, b, h0, cu, scale, output_final_state)
     else:
