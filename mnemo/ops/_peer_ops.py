@@ -85,6 +85,7 @@ def _mamba_package_stub() -> None:
     spec = importlib.util.find_spec("mamba_ssm")
     stub = types.ModuleType("mamba_ssm")
     stub.__path__ = list(spec.submodule_search_locations)
+    stub.__spec__ = spec  # (importlib.util.find_spec("mamba_ssm") reads it)
     stub.__mnemo_stub__ = True
     sys.modules["mamba_ssm"] = stub
 

@@ -116,7 +116,9 @@ class BackendRow:
 
 @dataclass
 class Call:
-    """What the table needs to know of one op call (filled in by the op after its checks)."""
+    """What the table needs to know of one op call (filled in by the op after its checks): the
+    op, the device, the dtypes of its tensors, ``mode``, ``T``, the head dim ``K`` (default
+    ``K=0``: not known) and whether ``cu_seqlens`` is given (default ``varlen=False``)."""
 
     op: str
     device: torch.device
