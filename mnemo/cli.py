@@ -61,6 +61,7 @@ _COMMAND_MODULES: list[str] = [
     "mnemo.commands.convert",
     "mnemo.commands.harness",
     "mnemo.commands.tokenizer",
+    "mnemo.commands.info",
 ]
 
 

@@ -123,7 +123,9 @@ def peer_transformers_qwen3_next(size: Size, mnemo_row: Callable[[str], Entry]) 
     (``qwen3_next_equiv``: the same layers, options and weights)."""
     from transformers import Qwen3NextForCausalLM
 
-    from ..hf.qwen3_next import import_qwen3_next
+    from ..hf.qwen3_next import import_qwen3_next, transformers_reference_kernels_off_gpu
+
+    transformers_reference_kernels_off_gpu()  # fla-core installed, no GPU: transformers' own forms
     from ..models import LanguageModel
 
     torch.manual_seed(0)

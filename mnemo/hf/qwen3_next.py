@@ -500,3 +500,42 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
             sd[a_ + "k_norm.weight"] = _minus_one(w.pop(q + "mixer.k_norm.weight", (D,)))
     w.finish()
     return hf, {k: v.contiguous() for k, v in sd.items()}
+
+
+def transformers_reference_kernels_off_gpu() -> bool:
+    """Make ``transformers``' Qwen3-Next run its own PyTorch gated delta rule when no GPU is
+    available. ``transformers`` binds fla-core's Triton kernels at import whenever fla-core is
+    installed (``use_kernel_func_from_hub_with_fallback``), whatever the device; without a GPU
+    (and without Triton's interpreter) they fail ("0 active drivers"). Rebinds the module's
+    ``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule`` to the PyTorch
+    functions they wrap, once per process, and returns whether it did (``False``: CUDA available,
+    fla-core absent, or nothing to rebind)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    try:
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+    except ImportError:
+        return False
+    import functools
+    import inspect
+
+    done = False
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        fn = getattr(m, name, None)
+        ref = getattr(fn, "__wrapped__", None)
+        if ref is None or getattr(fn, "_mnemo_reference", False):
+            continue
+        params = set(inspect.signature(ref).parameters)
+
+        @functools.wraps(ref)
+        def reference(*args, _ref=ref, _params=params, _name=name, **kwargs):
+            if kwargs.get("cu_seqlens") is not None:
+                raise ValueError(f"{_name}: packed sequences (cu_seqlens) need fla-core's kernels, on a GPU")
+            return _ref(*args, **{k: v for k, v in kwargs.items() if k in _params})
+
+        reference._mnemo_reference = True
+        setattr(m, name, reference)
+        done = True
+    return done

@@ -12,11 +12,18 @@ The chunk forms take their large CPU tensors from a cache of buffers reused acro
 pages, hence no page faults, after the first call of a shape): :func:`workspace_stats`,
 :func:`release_workspaces` and :func:`set_workspace_limit` inspect and bound it
 (``MNEMO_WORKSPACE_MB``; see :mod:`mnemo.ops._workspace`).
+
+Backends: ``gated_delta_rule``, ``delta_rule``, ``gated_linear_attention``, ``linear_attention`` and
+``ssd`` pick an implementation per call (``torch``, ``native``, ``fla``, ``mamba_ssm``; ``auto`` by
+default): :func:`backends` lists what this machine can run, ``with use_backend("fla"):`` or
+``MNEMO_BACKEND`` forces one (:class:`BackendError` when it cannot serve a call), and
+:func:`dispatch_log` counts the choices made. See :mod:`mnemo.ops.dispatch`.
 """
 
 from . import _workspace
 from ._common import NonFiniteError, decay_matrix, finite_checks, set_finite_checks
 from .delta_rule import delta_rule, delta_rule_map, gated_delta_rule
+from .dispatch import BackendError, BackendRow, backends, current_backend, dispatch_log, use_backend
 from .feature_maps import FavorPlus, elu_plus_one, identity, relu, resolve_feature_map, taylor
 from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from .linear_attention import linear_attention, linear_attention_map
@@ -72,4 +79,11 @@ __all__ = [
     "workspace_stats",
     "release_workspaces",
     "set_workspace_limit",
+    # the backend table (mnemo.ops.dispatch)
+    "backends",
+    "use_backend",
+    "current_backend",
+    "dispatch_log",
+    "BackendError",
+    "BackendRow",
 ]

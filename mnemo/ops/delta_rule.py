@@ -65,6 +65,7 @@ import torch
 from einops import rearrange
 
 from . import _workspace
+from . import dispatch as _backends
 from ._chunked import (
     autocast_off,
     b3,
@@ -370,20 +371,38 @@ def _delta(
     if gated:
         check_shape("g", g, (B, T, H), "[B, T, H]")
     check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
+    dtypes = tuple(t.dtype for t in (q, k, v, beta, g, initial_state) if t is not None)
+    op = "gated_delta_rule" if gated else "delta_rule"
+    backend = _backends.select(_backends.Call(op, q.device, dtypes, mode, T, K, cu_seqlens is not None))
+    if backend == "fla":
+        from ._peer_ops import fla_gated_delta_rule
+
+        return fla_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
 
     def core(q, k, v, beta, g=None, *, S0, scale=1.0):
         return run_delta_core(q, k, v, beta, g, S0, mode, chunk_size, scale)
 
-    return run_matrix_op(
-        core,
-        {"q": q, "k": k, "v": v, "beta": beta},
-        {"g": g},
-        initial_state,
-        (N, H, K, V),
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        output_final_state=output_final_state,
-    )
+    with _backends.pure_torch(backend):
+        return run_matrix_op(
+            core,
+            {"q": q, "k": k, "v": v, "beta": beta},
+            {"g": g},
+            initial_state,
+            (N, H, K, V),
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state,
+        )
 
 
 # ----------------------------------------------------------------------------------------------

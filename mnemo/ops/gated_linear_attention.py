@@ -29,6 +29,7 @@ import torch
 from einops import rearrange
 
 from . import _workspace
+from . import dispatch as _backends
 from ._chunked import (
     autocast_off,
     head_groups,
@@ -415,20 +416,37 @@ def gated_linear_attention(
                 f"got [{', '.join(map(str, g.shape))}]"
             )
     check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
+    dtypes = tuple(t.dtype for t in (q, k, v, g, initial_state) if t is not None)
+    call = _backends.Call("gated_linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None)
+    backend = _backends.select(call)
+    if backend == "fla":
+        from ._peer_ops import fla_gated_linear_attention
+
+        return fla_gated_linear_attention(
+            q,
+            k,
+            v,
+            g,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
 
     def core(q, k, v, g=None, *, S0, scale=1.0):
         return run_gla_core(q, k, v, g, S0, mode, chunk_size, scale)
 
-    return run_matrix_op(
-        core,
-        {"q": q, "k": k, "v": v},
-        {"g": g},
-        initial_state,
-        (N, H, K, V),
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        output_final_state=output_final_state,
-    )
+    with _backends.pure_torch(backend):
+        return run_matrix_op(
+            core,
+            {"q": q, "k": k, "v": v},
+            {"g": g},
+            initial_state,
+            (N, H, K, V),
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state,
+        )
 
 
 def gated_linear_attention_map(q, k, g=None, scale: float | None = None) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import dispatch as _backends
 from ._common import (
     check_finite,
     check_initial_state,
@@ -70,6 +71,73 @@ def linear_attention(
     check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state})
     cd = compute_dtype(q, k, v, initial_state)
     scale = default_scale(scale, K)
+    dtypes = tuple(t.dtype for t in (q, k, v, initial_state) if t is not None)
+    backend = _backends.select(
+        _backends.Call("linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None)
+    )
+    if backend != "fla":
+        with _backends.pure_torch(backend):
+            return _linear_attention_own(
+                q,
+                k,
+                v,
+                phi,
+                normalize,
+                scale,
+                eps,
+                initial_state,
+                output_final_state,
+                cu_seqlens,
+                mode,
+                chunk_size,
+                cd,
+                N,
+            )
+    from ._peer_ops import fla_linear_attention
+
+    if phi is identity and not normalize:
+        qf, kf, vc, sc = q, k, v, scale
+    else:  # the feature map (and the normaliser's column of ones) here, the recurrence in fla
+        qf, kf, vc, sc = phi(q.to(cd) * scale), phi(k.to(cd)), v.to(cd), 1.0
+        _check_features(qf, kf, B, T, H)
+        if normalize:
+            vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
+    check_initial_state(
+        initial_state, (N, H, qf.shape[-1], vc.shape[-1]), "H, K, V", varlen=cu_seqlens is not None
+    )
+    o, S = fla_linear_attention(qf, kf, vc, scale=sc, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if normalize:
+        o = o[..., :V] / (o[..., V:] + eps)
+    return o.to(q.dtype), (S if output_final_state else None)
+
+
+def _check_features(qf, kf, B, T, H) -> None:
+    if qf.shape != kf.shape or qf.shape[:3] != (B, T, H):
+        raise ValueError(
+            f"feature_map must map [B, T, H, K] to [B, T, H, F] for q and k alike, got "
+            f"{list(qf.shape)} and {list(kf.shape)}"
+        )
+
+
+def _linear_attention_own(
+    q,
+    k,
+    v,
+    phi,
+    normalize,
+    scale,
+    eps,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    mode,
+    chunk_size,
+    cd,
+    N,
+):
+    """mnemo's own forms of :func:`linear_attention` (the torch and native backends)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     if phi is identity and not normalize and cu_seqlens is None:
         # the chunk form converts and scales q itself, in its single layout pass
         check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=False)
@@ -78,11 +146,7 @@ def linear_attention(
         return o.to(q.dtype), (S if output_final_state else None)
     qf = phi(q.to(cd) * scale)
     kf = phi(k.to(cd))
-    if qf.shape != kf.shape or qf.shape[:3] != (B, T, H):
-        raise ValueError(
-            f"feature_map must map [B, T, H, K] to [B, T, H, F] for q and k alike, got "
-            f"{list(qf.shape)} and {list(kf.shape)}"
-        )
+    _check_features(qf, kf, B, T, H)
     Fdim = qf.shape[-1]
     vc = v.to(cd)
     if normalize:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from einops import repeat
 
+from . import dispatch as _backends
 from ._common import (
     _shape,
     check_form,
@@ -107,15 +108,56 @@ def ssd(
         initial_state, (nseq, H, N, P), "H, N, P", varlen=cu_seqlens is not None, seqs="num_seqs"
     )
     cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
+    dtypes = tuple(t.dtype for t in (x, dt, A, B, C, D, dt_bias, initial_state) if t is not None)
+    backend = _backends.select(_backends.Call("ssd", x.device, dtypes, mode, T, N, cu_seqlens is not None))
     xc = x.to(cd)
     dtc = dt.to(cd)
     if dt_bias is not None:
         dtc = dtc + dt_bias.to(cd)
     if dt_softplus:
         dtc = F.softplus(dtc)
+    if backend == "mamba_ssm":
+        from ._peer_ops import mamba_ssd
+
+        return mamba_ssd(
+            x,
+            dtc,
+            A,
+            B4,
+            C4,
+            D,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            chunk_size=chunk_size,
+        )
+    with _backends.pure_torch(backend):
+        return _ssd_own(
+            x,
+            xc,
+            dtc,
+            A,
+            B4,
+            C4,
+            D,
+            initial_state,
+            output_final_state,
+            cu_seqlens,
+            mode,
+            chunk_size,
+            cd,
+            backend,
+        )
+
+
+def _ssd_own(
+    x, xc, dtc, A, B4, C4, D, initial_state, output_final_state, cu_seqlens, mode, chunk_size, cd, backend
+):
+    """:func:`ssd` on mnemo's own forms (torch, native), or (``backend="fla"``) on gated linear
+    attention's fla kernel with ``B``, ``C`` repeated over heads."""
+    H = xc.shape[2]
     v = xc * dtc[..., None]
     g = dtc * A.to(cd)
-    if mode == "chunk" and cu_seqlens is None and x.numel() and B4.numel():
+    if backend != "fla" and mode == "chunk" and cu_seqlens is None and x.numel() and B4.numel():
         # the grouped chunk form: B, C never repeated over heads, safe for any decay
         y, S = run_ssd_chunk(C4, B4, v, g, initial_state, chunk_size)
         if D is not None:

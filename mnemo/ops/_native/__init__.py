@@ -60,6 +60,7 @@ import torch
 __all__ = [
     "library",
     "enabled",
+    "suppressed",
     "usable",
     "usable_opaque",
     "call",
@@ -99,9 +100,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+_suppressed = threading.local()
+
+
 def enabled() -> bool:
-    """Whether native kernels may be used (``MNEMO_NATIVE`` is not ``0``/``false``/``off``)."""
+    """Whether native kernels may be used (``MNEMO_NATIVE`` is not ``0``/``false``/``off``, and no
+    :func:`suppressed` block is open in this thread)."""
+    if getattr(_suppressed, "depth", 0):
+        return False
     return os.environ.get("MNEMO_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class suppressed:
+    """``with suppressed():`` the kernels are off in this thread, as with ``MNEMO_NATIVE=0`` (the
+    ``torch`` backend of :mod:`mnemo.ops.dispatch`). A backward pass run after the block ends
+    chooses again, by the switch as it is then (the two sides compute the same function)."""
+
+    def __enter__(self):
+        _suppressed.depth = getattr(_suppressed, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _suppressed.depth -= 1
+        return False
 
 
 def _compiler() -> str | None:

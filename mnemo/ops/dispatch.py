@@ -1,0 +1,361 @@
+"""The ops' backend table: which implementation runs each call of an op that has a peer kernel.
+
+Five public ops can run on more than one implementation (a *backend*):
+
+| op | torch | native | fla (fla-core, Triton) | mamba_ssm (Triton) |
+|---|---|---|---|---|
+| ``gated_delta_rule`` | yes | yes | ``chunk_gated_delta_rule`` | no kernel |
+| ``delta_rule`` | yes | yes | the same kernel with ``g = 0`` | no kernel |
+| ``gated_linear_attention`` | yes | yes | ``chunk_simple_gla``, ``chunk_gla`` | no kernel |
+| ``linear_attention`` | yes | yes | ``chunk_simple_gla`` without gate | no kernel |
+| ``ssd`` | yes | yes | via gated linear attention | ``mamba_chunk_scan_combined`` |
+
+* ``torch``: mnemo's PyTorch forms (every ``mode``, every device, every dtype); the reference.
+* ``native``: the same forms with the CPU C kernels of :mod:`mnemo.ops._native` in their
+  sequential parts (``mode="chunk"``, CPU tensors, the library built; today's default on a CPU).
+* ``fla``: fla-core's Triton chunk kernels. ``mamba_ssm``: mamba-ssm's Triton SSD kernel. Both
+  serve ``mode="chunk"`` on CUDA, and on a CPU only under Triton's interpreter
+  (``TRITON_INTERPRET=1``, set before the peer is imported; float32 only there, the interpreter's
+  bfloat16 arithmetic is wrong); float64 is never theirs (they compute in float32). Each runs as a
+  ``torch.library`` custom op ``mnemo::<op>_<backend>`` (see :mod:`mnemo.ops._peer_ops`) with a
+  fake kernel and an autograd formula, so meta tensors, ``FakeTensorMode`` and ``torch.compile``
+  see through it. The glue keeps mnemo's semantics: log-gates clamped at ``-60`` first (fla gives
+  NaN for ``-inf``), ``scale``, ``initial_state``, ``cu_seqlens``, float32 states under bfloat16
+  inputs, mnemo's layouts (mamba-ssm's states are ``[B, H, P, N]``, mnemo's ``[B, H, N, P]``).
+  The ``chunk_size`` argument tunes mnemo's forms only; the peers use their own chunk length
+  (the result does not depend on it).
+
+Choosing. ``auto`` (the default) takes, per call, the first backend in the order below that can
+serve the call (device, dtypes, shape, options), and records the reasons of those it skipped
+(:func:`dispatch_log`):
+
+* CUDA: ``mamba_ssm`` (ssd), ``fla``, then ``torch``;
+* CPU: ``native``, then ``torch`` — the Triton backends are never chosen on a CPU, not even
+  under the interpreter (it is slow): there they run only when forced;
+* any other device (``meta``, ``mps``): ``torch``.
+
+``with use_backend("fla"):`` or ``MNEMO_BACKEND=fla`` (``auto``, ``torch``, ``native``, ``fla``,
+``mamba_ssm``) forces one backend: a call it cannot serve raises :class:`BackendError` naming
+the op, the backend and the reason; nothing falls back silently. :func:`backends` lists, per op and
+backend, whether it is available here and why not. ``mnemo info`` prints that table.
+
+What each peer cannot serve (auto falls back, forcing raises): ``mode="recurrent"`` (the
+token-loop reference stays mnemo's) and ``mode="parallel"`` (mnemo's quadratic form); float64;
+``T = 0``; head dims ``K > 256`` for the delta rules; ``cu_seqlens`` for ``mamba_ssm`` (its
+packed path has no per-sequence initial state). ``create_graph=True`` through a peer's backward
+raises, as through mnemo's chunk forms (use ``mode="recurrent"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from . import _native
+from ._triton_interpret import interpreting
+
+__all__ = [
+    "BACKENDS",
+    "CHOICES",
+    "OPS",
+    "BackendError",
+    "BackendRow",
+    "backends",
+    "use_backend",
+    "current_backend",
+    "dispatch_log",
+    "reset_dispatch_log",
+    "format_table",
+]
+
+#: the implementations an op may run on
+BACKENDS = ("torch", "native", "fla", "mamba_ssm")
+#: what ``use_backend`` and ``MNEMO_BACKEND`` accept
+CHOICES = ("auto",) + BACKENDS
+#: the ops that pick a backend per call
+OPS = ("gated_delta_rule", "delta_rule", "gated_linear_attention", "linear_attention", "ssd")
+
+#: the peer kernel behind each (op, backend) that exists; the other peer rows say there is none
+PEER_KERNELS = {
+    ("gated_delta_rule", "fla"): "fla.ops.gated_delta_rule.chunk_gated_delta_rule",
+    ("delta_rule", "fla"): "chunk_gated_delta_rule with g = 0 (fla's chunk_delta_rule refuses float32)",
+    ("gated_linear_attention", "fla"): "chunk_simple_gla (g [B,T,H] or None), chunk_gla (g [B,T,H,K])",
+    ("linear_attention", "fla"): "chunk_simple_gla with g = None, on the feature-mapped q, k",
+    ("ssd", "fla"): "gated_linear_attention's fla kernel, B and C repeated over heads",
+    ("ssd", "mamba_ssm"): "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined",
+}
+
+_PACKAGES = {"fla": ("fla", "fla-core"), "mamba_ssm": ("mamba_ssm", "mamba-ssm")}
+
+
+class BackendError(RuntimeError):
+    """A forced backend (``use_backend`` / ``MNEMO_BACKEND``) cannot serve a call; the message
+    names the op, the backend and the reason."""
+
+
+@dataclass(frozen=True)
+class BackendRow:
+    """One row of :func:`backends`: ``available`` says whether ``backend`` can serve ``op`` on
+    ``device`` here (for some call: dtype, mode and options are decided per call); ``reason`` says
+    why not (empty when available); ``kernel`` names what runs."""
+
+    op: str
+    backend: str
+    available: bool
+    reason: str
+    kernel: str
+
+
+@dataclass
+class Call:
+    """What the table needs to know of one op call (filled in by the op after its checks): the
+    op, the device, the dtypes of its tensors, ``mode``, ``T``, the head dim ``K`` (default
+    ``K=0``: not known) and whether ``cu_seqlens`` is given (default ``varlen=False``)."""
+
+    op: str
+    device: torch.device
+    dtypes: tuple
+    mode: str
+    T: int
+    K: int = 0
+    varlen: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# the forced backend: use_backend / MNEMO_BACKEND
+# ----------------------------------------------------------------------------------------------
+
+_forced = threading.local()
+
+
+def _check_choice(name, where: str) -> str:
+    if not isinstance(name, str) or name.strip().lower() not in CHOICES:
+        raise ValueError(f"{where} must be one of {', '.join(CHOICES)}, got {name!r}")
+    return name.strip().lower()
+
+
+def current_backend() -> str:
+    """The backend ops use now: the innermost ``use_backend`` block of this thread, else
+    ``MNEMO_BACKEND``, else ``"auto"``. Raises ``ValueError`` for an unknown ``MNEMO_BACKEND``."""
+    stack = getattr(_forced, "stack", None)
+    if stack:
+        return stack[-1]
+    env = os.environ.get("MNEMO_BACKEND")
+    if not env:
+        return "auto"
+    return _check_choice(env, "MNEMO_BACKEND")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """``with use_backend("fla"):`` every op call of this thread inside the block runs on
+    ``name`` (``"auto"``, ``"torch"``, ``"native"``, ``"fla"``, ``"mamba_ssm"``) or raises
+    :class:`BackendError` (op, backend, reason) if that backend cannot serve it. Blocks nest; the
+    previous choice is restored on exit, also on an error. A backward pass runs the backward of
+    whatever its forward ran. Raises ``ValueError`` for an unknown name."""
+    name = _check_choice(name, "backend")
+    stack = getattr(_forced, "stack", None)
+    if stack is None:
+        stack = _forced.stack = []
+    stack.append(name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+# ----------------------------------------------------------------------------------------------
+# what is installed and where the Triton kernels can run
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _installed(backend: str) -> str | None:
+    """Why a peer package cannot be used at all (``None``: it is installed); no import."""
+    module, dist = _PACKAGES[backend]
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed"
+    if importlib.util.find_spec(module) is None:
+        return f"{dist} not installed"
+    return None
+
+
+def _import_problem(backend: str) -> str | None:
+    """Import the peer's kernels (once); why that failed, or ``None``."""
+    from . import _peer_ops
+
+    return _peer_ops.import_problem(backend)
+
+
+def _device_problem(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on ``device`` (``None``: they can)."""
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA"
+    if device.type == "cpu":
+        return None if interpreting() else "CPU: needs TRITON_INTERPRET=1 (Triton's interpreter)"
+    if device.type == "meta":
+        return None  # the fake kernels: shapes only
+    return f"device {device.type!r} (Triton kernels run on CUDA, or on a CPU under TRITON_INTERPRET=1)"
+
+
+def _native_problem(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"device {device.type!r} (the C kernels are CPU-only)"
+    if not _native.enabled():
+        return "MNEMO_NATIVE=0"
+    if _native.library() is None:
+        return "the C kernels did not build (see mnemo.ops._native)"
+    return None
+
+
+_MODE_REASON = {
+    "recurrent": "mode='recurrent' is mnemo's token-loop reference",
+    "parallel": "mode='parallel' is mnemo's quadratic form",
+}
+
+
+def _peer_problem(op: str, backend: str, call: Call) -> str | None:
+    """Why the Triton ``backend`` cannot serve this call of ``op`` (``None``: it can)."""
+    if (op, backend) not in PEER_KERNELS:
+        return f"{_PACKAGES[backend][1]} has no kernel for {op}"
+    why = _installed(backend) or _device_problem(call.device)
+    if why:
+        return why
+    if call.mode != "chunk":
+        return _MODE_REASON.get(call.mode, f"mode={call.mode!r}")
+    if torch.float64 in call.dtypes:
+        return "float64 inputs (the Triton kernels compute in float32)"
+    if call.device.type == "cpu" and any(d in (torch.bfloat16, torch.float16) for d in call.dtypes):
+        return "bfloat16/float16 under Triton's interpreter (its bf16 arithmetic is wrong; float32 only)"
+    if call.T == 0:
+        return "T = 0 (nothing to compute)"
+    if op in ("gated_delta_rule", "delta_rule") and call.K > 256:
+        return f"head dim K = {call.K} > 256 (fla's delta-rule kernels)"
+    if backend == "mamba_ssm" and call.varlen:
+        return "cu_seqlens (mamba-ssm's packed path has no per-sequence initial state)"
+    if call.device.type != "meta":
+        return _import_problem(backend)
+    return None
+
+
+def _problem(op: str, backend: str, call: Call) -> str | None:
+    """Why ``backend`` cannot serve this call of ``op`` (``None``: it can)."""
+    if backend == "torch":
+        return None
+    if backend == "native":
+        why = _native_problem(call.device)
+        if why is None and call.mode != "chunk":
+            why = f"mode={call.mode!r} has no C kernel (only the chunk forms use them)"
+        if why is None and torch.compiler.is_compiling():
+            why = "torch.compile traces (a ctypes call is not traced)"
+        return why
+    return _peer_problem(op, backend, call)
+
+
+def _auto_order(op: str, device: torch.device) -> tuple[str, ...]:
+    if device.type == "cuda":
+        return ("mamba_ssm", "fla", "torch") if op == "ssd" else ("fla", "torch")
+    if device.type == "cpu":
+        return ("native", "torch")
+    return ("torch",)
+
+
+# ----------------------------------------------------------------------------------------------
+# choosing, per call
+# ----------------------------------------------------------------------------------------------
+
+_log: Counter = Counter()
+
+
+def dispatch_log() -> dict[tuple[str, str, str], int]:
+    """Counts of the choices made so far in this process: ``{(op, backend, reason): calls}``;
+    ``reason`` is ``"forced"`` for a forced backend, else the skipped backends of ``auto`` with
+    their reasons (``""``: the first choice served)."""
+    return dict(_log)
+
+
+def reset_dispatch_log() -> None:
+    """Forget :func:`dispatch_log`'s counts."""
+    _log.clear()
+
+
+def select(call: Call) -> str:
+    """The backend that runs this call (see the module docstring). Raises :class:`BackendError`
+    when a forced backend cannot serve it."""
+    want = current_backend()
+    if want != "auto":
+        why = _problem(call.op, want, call)
+        if why is not None:
+            raise BackendError(f"{call.op}: backend {want!r} cannot serve this call: {why}")
+        if not torch.compiler.is_compiling():
+            _log[(call.op, want, "forced")] += 1
+        return want
+    skipped = []
+    for backend in _auto_order(call.op, call.device):
+        why = _problem(call.op, backend, call)
+        if why is None:
+            if not torch.compiler.is_compiling():
+                _log[(call.op, backend, "; ".join(skipped))] += 1
+            return backend
+        skipped.append(f"{backend}: {why}")
+    raise AssertionError("unreachable: torch serves every call")
+
+
+def pure_torch(backend: str):
+    """The context an op's own forms run in for ``backend``: the C kernels off for ``"torch"``."""
+    return _native.suppressed() if backend == "torch" else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
+# ----------------------------------------------------------------------------------------------
+
+_KERNELS = {
+    "torch": "mnemo's PyTorch forms (every mode)",
+    "native": "mnemo's chunk forms with the C kernels of mnemo.ops._native",
+}
+
+
+def backends(device: str | torch.device | None = None) -> list[BackendRow]:
+    """One row per (op, backend) for ``device`` (default: ``cuda`` when available, else ``cpu``):
+    whether that backend can serve the op here, for a float32 ``mode="chunk"`` call, and why not
+    (not installed, no CUDA, needs ``TRITON_INTERPRET=1`` on a CPU, an import failure, no kernel
+    for the op). Options decided per call (dtype, mode, ``cu_seqlens``, ...) are listed in the
+    module docstring; :func:`dispatch_log` shows the per-call reasons. Imports the installed
+    peers' kernels (a second or two, once)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    rows = []
+    for op in OPS:
+        for backend in BACKENDS:
+            if backend in ("torch", "native"):
+                why = _problem(op, backend, Call(op, device, (torch.float32,), "chunk", 1, 16))
+                kernel = _KERNELS[backend]
+            else:
+                kernel = PEER_KERNELS.get((op, backend), "")
+                why = _peer_problem(op, backend, Call(op, device, (torch.float32,), "chunk", 1, 16))
+            rows.append(BackendRow(op, backend, why is None, why or "", kernel))
+    return rows
+
+
+def format_table(rows: list[BackendRow] | None = None) -> str:
+    """:func:`backends`' rows as a fixed-width text table (what ``mnemo info`` prints)."""
+    rows = backends() if rows is None else rows
+    head = ("op", "backend", "available", "reason / kernel")
+    body = [
+        (r.op, r.backend, "yes" if r.available else "no", r.kernel if r.available else r.reason) for r in rows
+    ]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(3)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths)) + "  " + head[3]]
+    for r in body:
+        lines.append("  ".join(x.ljust(w) for x, w in zip(r[:3], widths)) + "  " + r[3])
+    return "\n".join(lines)
