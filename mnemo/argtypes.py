@@ -319,11 +319,11 @@ class OutFile(_PathKind):
         p = self._path(text)
         if p.is_dir() or str(text).endswith(("/", os.sep)):
             self.fail(text, " (a folder)")
-        if self.suffix and not p.name.endswith(self.suffix):
-            self.fail(text)
         self._not_in_checkpoint(text, p)
         if p.name in ("latest", "metrics.jsonl", ".lock") and (p.parent / "latest").is_file():
             self.fail(text, f" (a file of the training run {p.parent})")
+        if self.suffix and not p.name.endswith(self.suffix):
+            self.fail(text)
         if p.exists():
             if not os.access(p, os.W_OK):
                 self.fail(text, " (not writable)")
