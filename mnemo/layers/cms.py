@@ -290,11 +290,14 @@ class CMSLevel(nn.Module):
             st = self._step(st)
         return y, st
 
-    def absorb(self, x: torch.Tensor, delta: torch.Tensor, st: LevelState) -> LevelState:
+    def absorb(
+        self, x: torch.Tensor, delta: torch.Tensor, st: LevelState, read: tuple | None = None
+    ) -> LevelState:
         """Objective ``"task"``: take in the error signal ``delta = ∂L/∂y [B, L, d]`` of ``L`` tokens
         already read (inputs ``x [B, L, d]``), in order: accumulate ``Σ_t x_t ⊗ backprop(η_t δ_t)``
         (the gradient of ``Σ_t η_t ⟨δ_t, MLP_θ(x_t)⟩`` at the period-start weights) and step at every
-        period end (Eq. 71)."""
+        period end (Eq. 71). ``read``: the read's pre-activation and activation ``(z, a)`` (``[B, L,
+        h]`` each, at the current weights), reused when the ``L`` tokens lie in one period."""
         C = self.level.period
         err_all = self.rates(x) * delta
         t, L = 0, x.shape[1]
@@ -302,8 +305,11 @@ class CMSLevel(nn.Module):
             n = min(C - st.absorbed % C, L - t)
             xs, err = x[:, t : t + n], err_all[:, t : t + n]
             W_in, W_out = st.weights
-            z = _mm(xs, W_in)
-            a = F.gelu(z)
+            if read is not None and n == L:
+                z, a = read
+            else:
+                z = _mm(xs, W_in)
+                a = F.gelu(z)
             dz = torch.ops.aten.gelu_backward(_mm(err, W_out.transpose(-1, -2)), z)
             grad = (
                 torch.baddbmm(st.grad[0], xs.transpose(-1, -2), dz),
@@ -340,11 +346,13 @@ class CMSLevel(nn.Module):
         x = self.hook_in(x)
         if self.level.objective == "task":  # read only: the steps come with the error signal (absorb)
             W_in, W_out = st.weights
-            y = self.hook_out(_mm(F.gelu(_mm(x, W_in)), W_out))
-            if self._capture is not None:  # a zero the signal's gradient is taken against: ∂L/∂y
-                probe = torch.zeros_like(y, requires_grad=True)
-                y = y + probe
-                self._capture.append((x, y, probe))
+            z = _mm(x, W_in)
+            a = F.gelu(z)
+            y = self.hook_out(_mm(a, W_out))
+            if self._capture is not None:  # the tensor the signal's gradient ∂L/∂y is taken against
+                if not y.requires_grad:  # nothing upstream needs a gradient: a zero to take it against
+                    y = y + torch.zeros_like(y, requires_grad=True)
+                self._capture.append((x, y, (z, a)))
             return y, self.hook_state(replace(st, position=st.position + T))
         C = self.level.period
         v = self.hook_v(self.value(x))  # slow projections of all tokens at once

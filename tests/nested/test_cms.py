@@ -357,7 +357,7 @@ def test_window_problems_name_levels_that_never_step():
     assert cms.window_problems(129) == []
 
 
-@pytest.mark.parametrize("name", ["hope", "hope_attention"])
+@pytest.mark.parametrize("name", ["hope", "hope_attention", "hope_attention_reconstruction"])
 def test_every_cms_level_learns_under_the_default_training_config(name):
     """Issue: with the shipped periods and the default TrainConfig window, every CMS parameter of
     every level gets a non-zero gradient from the training loss (none is left ``None``)."""
@@ -377,7 +377,8 @@ def test_every_cms_level_learns_under_the_default_training_config(name):
                 assert p.grad is not None, f"block {i} level {j} {n}: no gradient"
                 assert p.grad.abs().max() > 0, f"block {i} level {j} {n}: zero gradient"
                 checked += 1
-    assert checked == 2 * 3 * 5  # 2 blocks × 3 levels × (W_in, W_out, value.weight, rate.weight, rate.bias)
+    # 2 blocks × 3 levels × (W_in, W_out, rate.weight, rate.bias, and a reconstruction level's value.weight)
+    assert checked == 2 * 3 * (5 if name.endswith("reconstruction") else 4)
 
 
 def test_trainer_warns_about_levels_that_never_step_in_the_window(tmp_path):
