@@ -43,14 +43,37 @@ Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest l
   outputs are aggregated by a learned weighted sum, ``y = Σ_ℓ w_ℓ MLP_ℓ(LN(x))`` (``w_ℓ`` start
   at 1).
 * ``"nested"`` (Eq. 72): the slower level is the faster level's initial state. Levels must have
-  equal widths and each period must be a multiple of the next faster one. Every level learns on
-  the same input ``LN(x)`` by Eq. 71; whenever level ``ℓ+1`` completes a period (after its step),
-  level ``ℓ`` restarts from level ``ℓ+1``'s new weights (momentum and accumulated gradient
-  cleared), and at the start of a stream every level starts from the slowest level's initial
-  weights (only the slowest level owns initial weights). The output is the fastest level's read,
-  ``y = MLP_1(LN(x))``. The paper states the transfer as a meta-learning problem
-  (``θ^(ℓ)_0 = argmin_Φ E_T[ℓ(Θ, T; Φ)]`` over the slower level's context); here the slower level
-  learns by its own Eq. 71 step and hands its weights down — our reading, named here.
+  equal widths and each period must be a multiple of the next faster one. Every level reads the
+  same input ``LN(x)``; the output is the fastest level's read, ``y = MLP_1(LN(x))``, and the
+  fastest level learns by Eq. 71 on its own loss. Whenever level ``ℓ+1`` completes a period (after
+  its step), level ``ℓ`` restarts from level ``ℓ+1``'s new weights (momentum and accumulated
+  gradient cleared; the paper: "re-initialized after ⌈C^(s)/C^(s+1)⌉ steps"), and at the start of a
+  stream every level starts from the slowest level's initial weights (only the slowest level owns
+  initial weights). How a slower level learns (``ContinuumMemory(meta=...)``):
+
+  - ``"unrolled"`` (default): Eq. 72, ``θ^(ℓ)_0 = argmin_Φ E_T ℓ(Θ, T; Φ)``, as meta-learning:
+    at the end of each of its periods ``P`` the slower level (weights ``Φ``, constant over ``P``)
+    takes the Eq. 71 step (its rate ``η^(ℓ+1)_t``, its optimizer) with the error signal
+
+        g = ∂/∂Φ Σ_{t∈P} η^(ℓ+1)_t · ½‖MLP_θ(Φ)(x_t) − W_v^(ℓ) x_t‖²
+
+    where ``θ(Φ)`` is the faster level's weights after its adaptation over ``P`` from ``Φ`` (its
+    ``C^(ℓ+1)/C^(ℓ)`` steps, the last one at ``P``'s end) and ``W_v^(ℓ)`` the faster level's target:
+    the faster level's loss on the slower level's context after learning it. The adaptation is
+    replayed from ``Φ`` on the period's inputs (kept in :attr:`LevelState.inputs`) and
+    differentiated through (``create_graph``; a slower level's adaptation contains its own meta
+    steps, so three levels take third derivatives). Choices where the paper is silent, named here:
+    the task ``T`` is the slower level's period (the faster level's context between two restarts);
+    the loss after adaptation is taken on the same tokens the faster level learned from (no
+    support/query split: causal, it uses only tokens already read); the slowest level of a chain
+    has no target of its own (its loss is never taken).
+  - ``"first_order"``: the same loss's gradient at the adapted weights, ``g = ∇_θ(...)`` at
+    ``θ = θ(Φ)`` (first-order MAML; no replay).
+  - ``"none"``: the level-local reading — each slower level learns by its own Eq. 71 step on its
+    own reconstruction loss and hands its weights down (mnemo's rule before issue 37; the slow step
+    does not depend on the faster level's learning).
+
+  :func:`meta_gradient` is the rule's one gradient, for any adaptation and loss.
 
 A partial period at the end of a call is handled by ``Level.partial``:
 
@@ -88,6 +111,44 @@ OPTIMIZERS = ("gd", "momentum", "delta_momentum")
 PARTIAL = ("carry", "flush")
 OBJECTIVES = ("reconstruction", "task")
 TRANSFERS = ("sequential", "independent", "nested")
+METAS = ("unrolled", "first_order", "none")
+
+
+def meta_gradient(phi: tuple, adapt, loss, order: str = "unrolled", create_graph: bool = False) -> tuple:
+    """The gradient of a post-adaptation loss with respect to the initial state (Eq. 72's inner
+    problem ``argmin_Φ E_T ℓ(Θ, T; Φ)``, one gradient of it).
+
+    ``"unrolled"``: ``∂/∂Φ loss(adapt(Φ))``, back-propagated through the adaptation (MAML);
+    ``"first_order"``: ``∇_θ loss(θ)`` at ``θ = adapt(Φ)``, the adaptation's Jacobian taken as the
+    identity (first-order MAML; an adapted tensor broadcast from its initial one — one copy per
+    task — sums its copies' gradients).
+
+    Args:
+        phi: the initial state, a tuple of tensors (any shapes).
+        adapt: ``adapt(phi) -> theta``, a tuple of tensors, each shaped like its ``phi`` tensor or a
+            shape that tensor broadcasts to (the adapted state, built from ``phi`` by
+            differentiable operations).
+        loss: ``loss(theta) -> 0-d tensor``, the loss after the adaptation.
+        order: ``"unrolled"`` or ``"first_order"``.
+        create_graph: keep the graph of the gradient (for a higher-order or an outer gradient).
+    Returns:
+        a tuple shaped like ``phi``; outside a graph (``create_graph=False``) detached.
+    Raises:
+        ValueError: an unknown ``order``.
+    """
+    if order not in ("unrolled", "first_order"):
+        raise ValueError(f"order: expected 'unrolled' or 'first_order', got {order!r}")
+    with torch.enable_grad():
+        if order == "unrolled":
+            start = tuple(p if p.requires_grad else p.detach().requires_grad_() for p in phi)
+            inputs, value = start, loss(adapt(start))
+        else:  # θ plus an identity path from a fresh Φ: the gradient of loss(θ), carried back to Φ
+            inputs = tuple(p.detach().requires_grad_() for p in phi)
+            theta = tuple(w + (p - p.detach()).expand_as(w) for w, p in zip(adapt(phi), inputs))
+            value = loss(theta)
+        grads = torch.autograd.grad(value, inputs, create_graph=create_graph, allow_unused=True)
+    grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(inputs, grads))
+    return grads if create_graph else tuple(g.detach() for g in grads)
 
 
 @dataclass(frozen=True)
@@ -160,6 +221,9 @@ class LevelState:
         position: tokens read (default ``0``).
         updates: steps taken (default ``0``).
         absorbed: (task objective) tokens whose error signal has been absorbed (default ``0``).
+        inputs: (nested transfer with a meta-learning rule, every level but the fastest) the inputs
+            ``[B, n, d]`` of the level's current period so far (its step replays the faster level
+            on them), else ``None``.
     """
 
     weights: tuple
@@ -168,6 +232,7 @@ class LevelState:
     position: int = 0
     updates: int = 0
     absorbed: int = 0
+    inputs: torch.Tensor | None = None
 
 
 def _mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
@@ -184,6 +249,9 @@ class CMSLevel(nn.Module):
         own_weights: create the slow initial weights ``W_in [d, h]``, ``W_out [h, d]`` (``False``
             for the faster levels of a nested CMS, which start from a slower level's weights;
             default ``True``).
+        target: create the reconstruction target ``W_v`` (a reconstruction level whose objective
+            is never evaluated — the slowest level of a meta-learned nested CMS — has none; default
+            ``True``).
 
     Hook points (``[B, T, d]`` unless named; each as the level's reads and steps consume it):
 
@@ -198,7 +266,7 @@ class CMSLevel(nn.Module):
     State: :class:`LevelState`.
     """
 
-    def __init__(self, d_model: int, level: Level, own_weights: bool = True):
+    def __init__(self, d_model: int, level: Level, own_weights: bool = True, target: bool = True):
         super().__init__()
         self.level = level.validate()
         self.outer_lr_scale = float(level.outer_lr_scale)
@@ -210,7 +278,7 @@ class CMSLevel(nn.Module):
         else:
             self.W_in = self.W_out = None
         # the reconstruction target W_v x (unused by the task objective, whose target is the LM's)
-        self.value = nn.Linear(d_model, d_model, bias=False) if level.objective != "task" else None
+        self.value = nn.Linear(d_model, d_model, bias=False) if level.objective != "task" and target else None
         self.rate = nn.Linear(d_model, 1, bias=True)
         self._capture: list | None = None  # (x, y, probe) of every read while the task signal records
         self.hook_in = HookPoint()
@@ -290,11 +358,14 @@ class CMSLevel(nn.Module):
             st = self._step(st)
         return y, st
 
-    def absorb(self, x: torch.Tensor, delta: torch.Tensor, st: LevelState) -> LevelState:
+    def absorb(
+        self, x: torch.Tensor, delta: torch.Tensor, st: LevelState, read: tuple | None = None
+    ) -> LevelState:
         """Objective ``"task"``: take in the error signal ``delta = ∂L/∂y [B, L, d]`` of ``L`` tokens
         already read (inputs ``x [B, L, d]``), in order: accumulate ``Σ_t x_t ⊗ backprop(η_t δ_t)``
         (the gradient of ``Σ_t η_t ⟨δ_t, MLP_θ(x_t)⟩`` at the period-start weights) and step at every
-        period end (Eq. 71)."""
+        period end (Eq. 71). ``read``: the read's pre-activation and activation ``(z, a)`` (``[B, L,
+        h]`` each, at the current weights), reused when the ``L`` tokens lie in one period."""
         C = self.level.period
         err_all = self.rates(x) * delta
         t, L = 0, x.shape[1]
@@ -302,8 +373,11 @@ class CMSLevel(nn.Module):
             n = min(C - st.absorbed % C, L - t)
             xs, err = x[:, t : t + n], err_all[:, t : t + n]
             W_in, W_out = st.weights
-            z = _mm(xs, W_in)
-            a = F.gelu(z)
+            if read is not None and n == L:
+                z, a = read
+            else:
+                z = _mm(xs, W_in)
+                a = F.gelu(z)
             dz = torch.ops.aten.gelu_backward(_mm(err, W_out.transpose(-1, -2)), z)
             grad = (
                 torch.baddbmm(st.grad[0], xs.transpose(-1, -2), dz),
@@ -340,11 +414,13 @@ class CMSLevel(nn.Module):
         x = self.hook_in(x)
         if self.level.objective == "task":  # read only: the steps come with the error signal (absorb)
             W_in, W_out = st.weights
-            y = self.hook_out(_mm(F.gelu(_mm(x, W_in)), W_out))
-            if self._capture is not None:  # a zero the signal's gradient is taken against: ∂L/∂y
-                probe = torch.zeros_like(y, requires_grad=True)
-                y = y + probe
-                self._capture.append((x, y, probe))
+            z = _mm(x, W_in)
+            a = F.gelu(z)
+            y = self.hook_out(_mm(a, W_out))
+            if self._capture is not None:  # the tensor the signal's gradient ∂L/∂y is taken against
+                if not y.requires_grad:  # nothing upstream needs a gradient: a zero to take it against
+                    y = y + torch.zeros_like(y, requires_grad=True)
+                self._capture.append((x, y, (z, a)))
             return y, self.hook_state(replace(st, position=st.position + T))
         C = self.level.period
         v = self.hook_v(self.value(x))  # slow projections of all tokens at once
@@ -417,6 +493,11 @@ class ContinuumMemory(nn.Module):
         d_model: width. levels: a sequence of :class:`Level` (or dicts of its fields), fastest first.
         transfer: how knowledge passes between levels: ``"sequential"`` (Eq. 73, default),
             ``"independent"`` (Eq. 74) or ``"nested"`` (Eq. 72); see the module docstring.
+        meta: (nested transfer only) the slower levels' rule: ``"unrolled"`` (default; Eq. 72 as
+            meta-learning: the gradient of the faster level's loss after its adaptation,
+            back-propagated through the adaptation), ``"first_order"`` (the same loss's gradient at
+            the adapted weights) or ``"none"`` (each level steps on its own reconstruction loss and
+            hands its weights down); see the module docstring.
 
     Hook points: ``hook_state`` (the :class:`CMSState` after the call) and each level's
     (``levels.{i}.hook_in`` …, see :class:`CMSLevel`); in a model, e.g.
@@ -425,17 +506,30 @@ class ContinuumMemory(nn.Module):
     State: :class:`CMSState` (``levels``: one :class:`LevelState` per level).
 
     Raises:
-        ValueError: no levels; an unknown ``transfer``; for ``"nested"``: unequal widths, a period
-            that is not a multiple of the next faster level's, or ``partial="flush"``.
+        ValueError: no levels; an unknown ``transfer`` or ``meta``; ``meta`` without nested
+            transfer; for ``"nested"``: unequal widths, a period that is not a multiple of the next
+            faster level's, or ``partial="flush"``.
     """
 
-    def __init__(self, d_model: int, levels=(Level(8), Level(16), Level(32)), transfer: str = "sequential"):
+    def __init__(
+        self,
+        d_model: int,
+        levels=(Level(8), Level(16), Level(32)),
+        transfer: str = "sequential",
+        meta: str | None = None,
+    ):
         super().__init__()
         levels = [lv if isinstance(lv, Level) else Level(**lv) for lv in levels]
         if not levels:
             raise ValueError("ContinuumMemory: levels must hold at least one Level, got none")
         if transfer not in TRANSFERS:
             raise ValueError(f"ContinuumMemory.transfer: expected one of {TRANSFERS}, got {transfer!r}")
+        if meta is not None and transfer != "nested":
+            raise ValueError(f"ContinuumMemory.meta: only with transfer='nested', got transfer={transfer!r}")
+        if transfer == "nested":
+            meta = "unrolled" if meta is None else meta
+            if meta not in METAS:
+                raise ValueError(f"ContinuumMemory.meta: expected one of {METAS}, got {meta!r}")
         if transfer == "nested":
             for i, (fast, slow) in enumerate(zip(levels, levels[1:])):
                 if slow.expansion != fast.expansion:
@@ -463,10 +557,17 @@ class ContinuumMemory(nn.Module):
                     )
         self.d_model = d_model
         self.transfer = transfer
+        self.meta = meta
         last = len(levels) - 1
+        learned = meta in ("unrolled", "first_order")  # the slowest level's own loss is never taken
         self.levels = nn.ModuleList(
             [
-                CMSLevel(d_model, lv, own_weights=transfer != "nested" or i == last)
+                CMSLevel(
+                    d_model,
+                    lv,
+                    own_weights=transfer != "nested" or i == last,
+                    target=not (learned and i == last and i > 0),
+                )
                 for i, lv in enumerate(levels)
             ]
         )
@@ -518,6 +619,8 @@ class ContinuumMemory(nn.Module):
                 out = out + self.weights[i] * y
                 new.append(s)
             return out, self.hook_state(CMSState(levels=tuple(new)))
+        if self.meta != "none":
+            return self._nested_meta(self.norms[0](x), prev)
         # nested: slowest first; each faster level restarts from the next slower one's weights
         xn = self.norms[0](x)
         slowest = self.levels[-1]
@@ -529,6 +632,82 @@ class ContinuumMemory(nn.Module):
             y, new[i] = self.levels[i](xn, prev[i], restarts=restarts, record=record, initial_weights=init)
             restarts = dict(record) if record is not None else None
         return y, self.hook_state(CMSState(levels=tuple(new)))
+
+    def _nested_meta(self, xn: torch.Tensor, prev):
+        """Nested transfer with a meta-learned rule (Eq. 72): the fastest level reads and learns by
+        Eq. 71; at the end of each of its periods a slower level steps by :meth:`_meta_grad`; then
+        each faster level restarts from the next slower one's weights."""
+        levels = self.levels
+        k = len(levels)
+        B, T, d = xn.shape
+        init = (levels[-1].W_in, levels[-1].W_out)
+        sts = [s if s is not None else lv.initial_state(B, init) for lv, s in zip(levels, prev)]
+        for i in range(1, k):
+            if sts[i].inputs is None:
+                sts[i] = replace(sts[i], inputs=xn.new_zeros(B, 0, d))
+        outer = torch.is_grad_enabled() and (
+            xn.requires_grad or any(p.requires_grad for p in self.parameters())
+        )
+        C0 = levels[0].level.period
+        outs, t = [], 0
+        while t < T:
+            L = min(C0 - sts[0].position % C0, T - t)
+            seg = xn[:, t : t + L]
+            y, sts[0] = levels[0](seg, sts[0])
+            outs.append(y)
+            for i in range(1, k):
+                inputs = torch.cat([sts[i].inputs, seg], 1)
+                sts[i] = replace(sts[i], inputs=inputs, position=sts[i].position + L)
+            t += L
+            pos = sts[0].position
+            for i in range(1, k):  # faster first: a slower level's step sees the faster one's last step
+                if pos % levels[i].level.period == 0:
+                    g = self._meta_grad(i, sts[i].weights, sts[i].inputs, outer, sts[i - 1].weights)
+                    sts[i] = levels[i]._step(replace(sts[i], grad=g, inputs=sts[i].inputs[:, :0]))
+            for i in range(k - 2, -1, -1):  # then the restarts, slowest first
+                if pos % levels[i + 1].level.period == 0:
+                    sts[i] = levels[i].restart(sts[i], sts[i + 1].weights)
+        for i in range(1, k):
+            sts[i] = levels[i].hook_state(sts[i])
+        y = torch.cat(outs, 1) if outs else xn.new_zeros(B, 0, d)
+        return y, self.hook_state(CMSState(levels=tuple(sts)))
+
+    def _meta_grad(self, i: int, phi: tuple, x: torch.Tensor, create_graph: bool, adapted: tuple) -> tuple:
+        """Level ``i``'s step direction at the end of one of its periods (inputs ``x [B, C_i, d]``,
+        weights ``phi`` over the period): the gradient with respect to ``phi`` of the faster level's
+        loss after its adaptation over the period from ``phi``,
+        ``Σ_t η^(i)_t ½‖MLP_θ(x_t) − W_v^(i−1) x_t‖²`` with ``θ`` the faster level's weights after its
+        last step in the period (``adapted``; the unrolled rule recomputes them from ``phi``)."""
+        fast, slow = self.levels[i - 1], self.levels[i]
+        v = fast.value(x)
+        eta = slow.rates(x)
+
+        def loss(theta):
+            y = _mm(F.gelu(_mm(x, theta[0])), theta[1])
+            return (eta * 0.5 * (y - v).square().sum(-1, keepdim=True)).sum()
+
+        if self.meta == "first_order":
+            return meta_gradient(phi, lambda _: adapted, loss, "first_order", create_graph)
+        phi = tuple(w.contiguous() if w.stride(0) == 0 else w for w in phi)  # per-sample gradients
+        return meta_gradient(phi, lambda p: self._adapt(i - 1, p, x), loss, "unrolled", create_graph)
+
+    def _adapt(self, j: int, W: tuple, x: torch.Tensor) -> tuple:
+        """Level ``j``'s weights after learning, from a restart at ``W``, on ``x [B, n·C_j, d]``
+        (whole periods): Eq. 71 on its own loss for the fastest level, meta steps (with their graph)
+        for a slower one."""
+        lv = self.levels[j]
+        st = lv.initial_state(x.shape[0], W)
+        C = lv.level.period
+        if j == 0:
+            v, eta = lv.value(x), lv.rates(x)
+            for c in range(0, x.shape[1], C):
+                _, st = lv._period(x[:, c : c + C], v[:, c : c + C], eta[:, c : c + C], st, True)
+            return st.weights
+        for c in range(0, x.shape[1], C):
+            xc = x[:, c : c + C]
+            g = self._meta_grad(j, st.weights, xc, True, None)
+            st = lv._step(replace(st, grad=g))
+        return st.weights
 
     def window_problems(self, seq_len: int) -> list[str]:
         """Levels that never step inside a window of ``seq_len`` tokens starting at a fresh state
@@ -554,7 +733,14 @@ class ContinuumMemory(nn.Module):
         optimizers) the momentum; independent of ``seq_len``. (A task level's pending segment is
         not counted: it holds a snapshot of the model state and the segment's tokens.) Defaults:
         ``batch_size=1``, ``seq_len=0``."""
-        return CMSState(levels=tuple(lv.state_spec(batch_size, seq_len, dtype) for lv in self.levels))
+        specs = [lv.state_spec(batch_size, seq_len, dtype) for lv in self.levels]
+        if self.transfer == "nested" and self.meta != "none":  # the slower levels' period inputs
+            for i in range(1, len(specs)):
+                n = seq_len % self.levels[i].level.period
+                specs[i] = replace(
+                    specs[i], inputs=spec((batch_size, n, self.d_model), specs[i].grad[0].dtype)
+                )
+        return CMSState(levels=tuple(specs))
 
     def state_size_bytes(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None

@@ -227,13 +227,14 @@ def _ttt_mlp() -> ModelConfig:
 
 # periods 8/16/32: the default 128-token training window holds 4 periods of the slowest level, so
 # every level steps (and its step is seen by the loss) in training, not only at evaluation
-_CMS_LEVELS = [{"period": 8}, {"period": 16}, {"period": 32}]
+_PERIODS = (8, 16, 32)
 
 
-@register_model(
-    "hope", "HOPE: self-modifying Titans followed by a 3-level CMS (periods 8/16/32) (Behrouz et al. 2025)"
-)
-def _hope() -> ModelConfig:
+def _cms_levels(objective: str) -> list[dict]:
+    return [{"period": p, "objective": objective} for p in _PERIODS]
+
+
+def _hope_config(objective: str) -> ModelConfig:
     # self-modifying Titans as published (Nested Learning §8.1–8.2): residual-MLP memories M_k, M_v,
     # M_η, M_α and M_memory, DGD updates; the main memory on 16-token chunks, the projection
     # memories on 64-token chunks (§8.2 uses two chunk sizes; the values are mnemo's choice)
@@ -241,20 +242,47 @@ def _hope() -> ModelConfig:
         mixer="self_modifying_titans",
         mixer_options={"self_modifying_titans": {"n_heads": _HEADS, "chunk_size": 16, "proj_chunk_size": 64}},
         mlp="cms",
-        mlp_options={"levels": _CMS_LEVELS},
+        mlp_options={"levels": _cms_levels(objective)},
     )
 
 
-@register_model(
-    "hope_attention", "HOPE-attention: softmax attention followed by a 3-level CMS (periods 8/16/32)"
-)
-def _hope_attention() -> ModelConfig:
+def _hope_attention_config(objective: str) -> ModelConfig:
     return ModelConfig(
         mixer="attention",
         mixer_options={"attention": {"n_heads": _HEADS}},
         mlp="cms",
-        mlp_options={"levels": _CMS_LEVELS},
+        mlp_options={"levels": _cms_levels(objective)},
     )
+
+
+_TASK = "inner objective: the next-token loss (the paper's, §7.1)"
+_RECONSTRUCTION = "inner objective: reconstruction ½‖MLP(x) − W_v x‖² (mnemo's self-supervised variant)"
+
+
+@register_model(
+    "hope",
+    f"HOPE: self-modifying Titans followed by a 3-level CMS (periods 8/16/32) (Behrouz et al. 2025); {_TASK}",
+)
+def _hope() -> ModelConfig:
+    return _hope_config("task")
+
+
+@register_model("hope_reconstruction", f"hope with the CMS levels' {_RECONSTRUCTION}")
+def _hope_reconstruction() -> ModelConfig:
+    return _hope_config("reconstruction")
+
+
+@register_model(
+    "hope_attention",
+    f"HOPE-attention: softmax attention followed by a 3-level CMS (periods 8/16/32); {_TASK}",
+)
+def _hope_attention() -> ModelConfig:
+    return _hope_attention_config("task")
+
+
+@register_model("hope_attention_reconstruction", f"hope_attention with the CMS levels' {_RECONSTRUCTION}")
+def _hope_attention_reconstruction() -> ModelConfig:
+    return _hope_attention_config("reconstruction")
 
 
 # --------------------------------------------------------------------------------------------

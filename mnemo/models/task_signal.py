@@ -17,16 +17,26 @@ our choice, named here. With the rate's weights at zero, ``η_t = η`` and the s
 ``η ∇_θ`` of the period's summed next-token loss.
 
 How it runs. Inside a segment no task level changes (reads use the weights of the last step). Once
-a segment is complete and the next token has arrived (the label of its last position), the segment
-is run again from the model state at its start with gradients enabled, its loss is
+a segment is complete and the next token has arrived (the label of its last position), its loss is
 back-propagated to every task level's reads, and each level absorbs its ``δ`` (accumulates, and
-steps at its period ends) before that next token is read. The steps therefore use only tokens the
-model has already seen, and any split of a stream — one-token decoding included — equals one pass;
-a segment still waiting for its next token is carried in the state (``CMSState.pending``).
+steps at its period ends) before that next token is read. When a whole segment and its next token
+arrive in one call (training windows), the gradient is taken on the graph of the read itself: one
+forward serves the logits, the signal and (graph retained) the outer loss. A segment whose reads
+began in an earlier call (streaming, one-token decoding) is run again from the model state at its
+start (``CMSState.pending`` carries that state and the segment's tokens); both paths compute the
+same ``δ`` (equal up to float rounding). The steps therefore use only tokens the model has already
+seen, and any split of a stream equals one pass.
 
 First order: ``δ`` is a constant for the outer loop (as in first-order MAML); outer gradients still
 reach the level's initial weights, its rate ``η_t`` and its inputs ``x_t`` through the other factors
-of the step. Cost: every segment runs twice (read, then signal) plus one backward of the segment.
+of the step.
+
+Cost. The segments run one after the other (segment ``k + 1`` reads with the weights stepped by
+segment ``k``'s signal), each as one forward of ``S`` tokens and one backward of its loss to the
+reads, then the outer backward runs over the whole window. On a CPU, where a small model's time is
+the per-operation overhead of these many small passes, a training step costs several times the
+reconstruction objective's (one forward of the window); docs/benchmarks/hope_task_signal_cpu.txt
+has the measured ratios.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.cms import CMSState, ContinuumMemory
+from ..layers.state import detach as detach_state
 from ..layers.state import state_dataclass
 
 
@@ -115,33 +126,56 @@ def _pending_of(model, state, ids) -> Pending:
     return pending
 
 
+def _outer(model) -> bool:
+    """Outer gradients through the steps (``x``, ``η``) only when the caller builds a graph the step
+    can join."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+
+
+def _take_in(model, where, levels, captures, loss, state, outer) -> list:
+    """Back-propagate the segment's ``loss`` to every task level's reads (``captures``: per level,
+    ``(x, y, (z, a))`` of the read) and let each level absorb its signal into ``state``."""
+    deltas = torch.autograd.grad(loss, [c[1] for c in captures], retain_graph=outer)
+    for (i, j), lv, (x, _, read), delta in zip(where, levels, captures, deltas):
+        level_states = list(state[i].mlp.levels)
+        if not outer:
+            x, read = x.detach(), tuple(r.detach() for r in read)
+        level_states[j] = lv.absorb(x, delta.detach(), level_states[j], read)
+        state = _with_levels(state, i, tuple(level_states))
+    return state
+
+
+class _Recording:
+    """Within ``with``: every task level appends ``(x, y, (z, a))`` of each read to its capture."""
+
+    def __init__(self, levels):
+        self.levels = levels
+
+    def __enter__(self):
+        for lv in self.levels:
+            lv._capture = []
+        return self
+
+    def __exit__(self, *exc):
+        self.captures = [lv._capture for lv in self.levels]
+        for lv in self.levels:
+            lv._capture = None
+
+
 def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> list:
     """Run the complete pending segment again from its start state, back-propagate its next-token
     loss (labels: the segment shifted by one and ``nxt [B, 1]``) to every task level's reads, and let
-    each level absorb its signal into ``state`` (the state after reading the segment)."""
-    # outer gradients through the step (x, η) only when the caller builds a graph the step can join
-    outer = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    each level absorb its signal into ``state`` (the state after reading the segment). Used when the
+    segment's reads were made in earlier calls (their graph is not kept)."""
+    outer = _outer(model)
     ids = torch.cat([pending.ids, nxt], 1)
     where = _task_levels(model)
     levels = [model.blocks[i].mlp.levels[j] for i, j in where]
-    for lv in levels:
-        lv._capture = []
-    try:
-        with torch.enable_grad():
+    with torch.enable_grad():
+        with _Recording(levels) as rec:
             logits, _ = model._forward(ids[:, :-1], pending.start, mode, allow_checkpoint=False)
-            loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-            probes = [lv._capture[0][2] for lv in levels]
-            deltas = torch.autograd.grad(loss, probes, retain_graph=outer)
-        inputs = [lv._capture[0][0] for lv in levels]
-    finally:
-        for lv in levels:
-            lv._capture = None
-    for (i, j), lv, x, delta in zip(where, levels, inputs, deltas):
-        level_states = list(state[i].mlp.levels)
-        x = x if outer else x.detach()
-        level_states[j] = lv.absorb(x, delta.detach(), level_states[j])
-        state = _with_levels(state, i, tuple(level_states))
-    return state
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    return _take_in(model, where, levels, [c[0] for c in rec.captures], loss, state, outer)
 
 
 def forward(model, input_ids: torch.Tensor, state, mode):
@@ -156,17 +190,35 @@ def forward(model, input_ids: torch.Tensor, state, mode):
             "torch.inference_mode() forbids; run the model under torch.no_grad() instead"
         )
     pending = _pending_of(model, state, input_ids)
+    outer = _outer(model)
+    where = _task_levels(model)
+    levels = [model.blocks[i].mlp.levels[j] for i, j in where]
     outs, t = [], 0
     while t < T:
         if pending.ids.shape[1] == S:  # the segment is complete and its last label has arrived
             state = _absorb(model, pending, input_ids[:, t : t + 1], state, mode)
             pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
         n = min(S - pending.ids.shape[1], T - t)
+        if n == S and t + S < T:
+            # a whole segment and its next token in this call: the read's graph gives the signal
+            # (one forward for the read and the signal)
+            with torch.enable_grad(), _Recording(levels) as rec:
+                logits, state = model._forward(input_ids[:, t : t + S], state, mode, allow_checkpoint=False)
+            labels = input_ids[:, t + 1 : t + S + 1]
+            with torch.enable_grad():
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            state = _take_in(model, where, levels, [c[0] for c in rec.captures], loss, state, outer)
+            if not outer:  # the graph served the signal only
+                logits, state = logits.detach(), detach_state(state)
+            outs.append(logits)
+            pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
+            t += S
+            continue
         logits, state = model._forward(input_ids[:, t : t + n], state, mode)
         outs.append(logits)
         pending = dataclasses.replace(pending, ids=torch.cat([pending.ids, input_ids[:, t : t + n]], 1))
         t += n
-    for i in sorted({i for i, _ in _task_levels(model)}):
+    for i in sorted({i for i, _ in where}):
         state = list(state)
         state[i] = dataclasses.replace(state[i], mlp=dataclasses.replace(state[i].mlp, pending=pending))
     return torch.cat(outs, 1), state

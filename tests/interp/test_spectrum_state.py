@@ -196,8 +196,9 @@ def test_self_modifying_titans_matches_autograd_jacobians():
 
 
 def test_hope_model_reports_its_mixer_and_every_cms_level():
+    # the reconstruction variant: a task-signal level (the hope preset's) has no input-driven spectrum
     torch.manual_seed(0)
-    model = LanguageModel(build_config("hope", vocab_size=16, d_model=8, n_layers=2)).eval()
+    model = LanguageModel(build_config("hope_reconstruction", vocab_size=16, d_model=8, n_layers=2)).eval()
     ids = torch.randint(0, 16, (1, 64), generator=torch.Generator().manual_seed(0))
     result = memory_spectrum(model, ids, directions=4)
     assert set(result) == {"0", "1", "0.cms0", "0.cms1", "0.cms2", "1.cms0", "1.cms1", "1.cms2"}
@@ -223,7 +224,8 @@ def test_track_spectrum_flag_records_every_memory_and_plot_training_draws_its_fl
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "run"
-    argv = ["train", "--model", "hope_attention", "--data", str(text), "--steps", "2", "--seq-len", "64"]
+    model = "hope_attention_reconstruction"  # CMS levels with an input-driven spectrum
+    argv = ["train", "--model", model, "--data", str(text), "--steps", "2", "--seq-len", "64"]
     argv += ["--d-model", "16", "--n-layers", "1", "--batch-size", "2", "--eval-interval", "1"]
     argv += [
         "--eval-batches",

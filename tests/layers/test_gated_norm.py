@@ -151,7 +151,16 @@ def _mamba2_norm_before_gate():
 
 @needs_native
 @pytest.mark.parametrize(
-    "name", ["mamba2", "mamba2_norm_before_gate", "gated_deltanet", "gla", "retnet", "titans_lmm", "hope"]
+    "name",
+    [
+        "mamba2",
+        "mamba2_norm_before_gate",
+        "gated_deltanet",
+        "gla",
+        "retnet",
+        "titans_lmm",
+        "hope_reconstruction",
+    ],
 )
 def test_layers_with_the_kernel_equal_the_pytorch_form(name, monkeypatch):
     """A model's logits and gradients with the fused norm (its kernels seen running, every other

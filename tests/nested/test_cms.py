@@ -163,12 +163,64 @@ def test_hope_trains_on_tinyshakespeare_without_nan(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def _ref_stream(levels, xs, init, transfer):
+def _ref_read(W, xt):
+    return F.gelu(xt @ W[0]) @ W[1]
+
+
+def _ref_opt_step(lv, W, M, G):
+    """The level's optimizer applied to the period's summed gradient ``G``; returns ``(W, M)``."""
+    if lv.level.optimizer == "gd":
+        return tuple(w - s for w, s in zip(W, G)), M
+    M = tuple(lv.level.beta * m - s for m, s in zip(M, G))  # momentum: m ← β m − g, θ ← θ + m
+    return tuple(w + m for w, m in zip(W, M)), M
+
+
+def _ref_adapt(levels, j, W, x):
+    """Level ``j`` learning token by token from a restart at ``W`` over ``x [B, n·C_j, d]``: Eq. 71
+    on its own loss (fastest level) or, for a slower level, a meta step per period."""
+    lv = levels[j]
+    C = lv.level.period
+    M = tuple(torch.zeros_like(w) for w in W)
+    G = tuple(torch.zeros_like(w) for w in W)
+    for t in range(x.shape[1]):
+        xt = x[:, t : t + 1]
+        if j == 0:
+            eta = lv.level.lr * torch.sigmoid(lv.rate(xt)) / xt.shape[-1]
+            loss = (eta * 0.5 * (_ref_read(W, xt) - lv.value(xt)).square().sum(-1, keepdim=True)).sum()
+            G = tuple(a + b for a, b in zip(G, torch.autograd.grad(loss, W, create_graph=True)))
+        if (t + 1) % C == 0:
+            if j > 0:
+                G = _ref_meta(levels, j, W, x[:, t + 1 - C : t + 1], "unrolled", None)
+            W, M = _ref_opt_step(lv, W, M, G)
+            G = tuple(torch.zeros_like(w) for w in W)
+    return W
+
+
+def _ref_meta(levels, i, phi, x, meta, adapted):
+    """Eq. 72 as meta-learning, token by token: the gradient with respect to level i's weights
+    ``phi`` of ``Σ_t η^(i)_t ½‖MLP_θ(x_t) − W_v^(i−1) x_t‖²``, ``θ`` the faster level's weights after
+    its adaptation over the period from ``phi`` (unrolled), or that loss's gradient at ``adapted``."""
+    if meta == "unrolled":
+        wrt = tuple(w.clone() if w.requires_grad else w.clone().requires_grad_() for w in phi)
+        theta = _ref_adapt(levels, i - 1, wrt, x)
+    else:
+        wrt = theta = adapted
+    loss = 0
+    for t in range(x.shape[1]):
+        xt = x[:, t : t + 1]
+        eta = levels[i].level.lr * torch.sigmoid(levels[i].rate(xt)) / xt.shape[-1]
+        err = _ref_read(theta, xt) - levels[i - 1].value(xt)
+        loss = loss + (eta * 0.5 * err.square().sum(-1, keepdim=True)).sum()
+    return torch.autograd.grad(loss, wrt, create_graph=True)
+
+
+def _ref_stream(levels, xs, init, transfer, meta="none"):
     """Per-token loop over all levels at once. ``xs[i] [B, T, d]`` is level i's input (the same tensor
     for independent/nested; for sequential the caller feeds one level at a time), ``init[i]`` its
-    starting weights. Returns the per-level reads ``[B, T, d]``."""
+    starting weights. Returns the per-level reads ``[B, T, d]``. ``meta`` (nested): the slower
+    levels' rule."""
     B, T, d = xs[0].shape
-    W = [tuple(w.expand(B, *w.shape[-2:]) for w in ws) for ws in init]
+    W = [tuple(w.expand(B, *w.shape[-2:]).clone() for w in ws) for ws in init]
     M = [tuple(torch.zeros_like(w) for w in ws) for ws in W]
     G = [tuple(torch.zeros_like(w) for w in ws) for ws in W]
     reads = [[] for _ in levels]
@@ -176,19 +228,18 @@ def _ref_stream(levels, xs, init, transfer):
         stepped = [False] * len(levels)
         for i, lv in enumerate(levels):
             xt = xs[i][:, t : t + 1]
-            W_in, W_out = W[i]
-            y = F.gelu(xt @ W_in) @ W_out  # read with the period-start weights
+            y = _ref_read(W[i], xt)  # read with the period-start weights
             reads[i].append(y)
-            eta = lv.level.lr * torch.sigmoid(lv.rate(xt)) / d  # η_t (a learned function of x_t)
-            loss = (eta * 0.5 * (y - lv.value(xt)).square().sum(-1, keepdim=True)).sum()
-            g = torch.autograd.grad(loss, (W_in, W_out), create_graph=True)
-            G[i] = tuple(a + b for a, b in zip(G[i], g))  # Eq. 71: the period's terms are summed
+            if meta == "none" or i == 0:
+                eta = lv.level.lr * torch.sigmoid(lv.rate(xt)) / d  # η_t (a learned function of x_t)
+                loss = (eta * 0.5 * (y - lv.value(xt)).square().sum(-1, keepdim=True)).sum()
+                g = torch.autograd.grad(loss, W[i], create_graph=True)
+                G[i] = tuple(a + b for a, b in zip(G[i], g))  # Eq. 71: the period's terms are summed
             if (t + 1) % lv.level.period == 0:
-                if lv.level.optimizer == "gd":
-                    W[i] = tuple(w - s for w, s in zip(W[i], G[i]))
-                else:  # momentum: m ← β m − g, θ ← θ + m
-                    M[i] = tuple(lv.level.beta * m - s for m, s in zip(M[i], G[i]))
-                    W[i] = tuple(w + m for w, m in zip(W[i], M[i]))
+                if meta != "none" and i > 0:  # after level i−1's step at this same token
+                    C = lv.level.period
+                    G[i] = _ref_meta(levels, i, W[i], xs[i][:, t + 1 - C : t + 1], meta, W[i - 1])
+                W[i], M[i] = _ref_opt_step(lv, W[i], M[i], G[i])
                 G[i] = tuple(torch.zeros_like(s) for s in G[i])
                 stepped[i] = True
         if transfer == "nested":  # Eq. 72: a faster level restarts from the next slower level
@@ -214,15 +265,18 @@ def _ref_cms(cms, x):
         return sum(w * r for w, r in zip(cms.weights, reads))
     slowest = levels[-1]  # nested: every level starts from the slowest level's initial weights
     reads = _ref_stream(
-        levels, [ln(x)] * len(levels), [(slowest.W_in, slowest.W_out)] * len(levels), "nested"
+        levels, [ln(x)] * len(levels), [(slowest.W_in, slowest.W_out)] * len(levels), "nested", cms.meta
     )
     return reads[0]
 
 
-def _cms(transfer, periods, optimizer="gd", seed=0, expansion=1.5):
+def _cms(transfer, periods, optimizer="gd", seed=0, expansion=1.5, meta=None, lrs=None):
     torch.manual_seed(seed)
-    levels = [Level(p, expansion=expansion, lr=1.0, optimizer=optimizer, beta=0.7) for p in periods]
-    cms = ContinuumMemory(D, levels, transfer=transfer).double()
+    lrs = lrs or [1.0] * len(periods)
+    levels = [
+        Level(p, expansion=expansion, lr=r, optimizer=optimizer, beta=0.7) for p, r in zip(periods, lrs)
+    ]
+    cms = ContinuumMemory(D, levels, transfer=transfer, meta=meta).double()
     with torch.no_grad():
         for p in cms.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -230,19 +284,22 @@ def _cms(transfer, periods, optimizer="gd", seed=0, expansion=1.5):
 
 
 @pytest.mark.parametrize(
-    "transfer,periods,optimizer",
+    "transfer,periods,optimizer,meta",
     [
-        ("sequential", (2, 3), "gd"),
-        ("sequential", (1, 4), "momentum"),
-        ("independent", (2, 5), "gd"),
-        ("independent", (3, 3), "momentum"),
-        ("nested", (2, 4, 8), "gd"),
-        ("nested", (1, 3), "momentum"),
+        ("sequential", (2, 3), "gd", None),
+        ("sequential", (1, 4), "momentum", None),
+        ("independent", (2, 5), "gd", None),
+        ("independent", (3, 3), "momentum", None),
+        ("nested", (2, 4, 8), "gd", "none"),
+        ("nested", (1, 3), "momentum", "none"),
+        ("nested", (2, 4, 8), "gd", "unrolled"),
+        ("nested", (1, 3), "momentum", "unrolled"),
+        ("nested", (2, 6), "momentum", "first_order"),
     ],
 )
-def test_cms_matches_a_token_loop_written_from_the_equations(transfer, periods, optimizer):
+def test_cms_matches_a_token_loop_written_from_the_equations(transfer, periods, optimizer, meta):
     """Outputs and the outer gradients of every slow parameter equal the per-token loop (float64)."""
-    cms = _cms(transfer, periods, optimizer)
+    cms = _cms(transfer, periods, optimizer, meta=meta)
     x = _x(17).requires_grad_(True)
     y, _ = cms(x)
     ref = _ref_cms(cms, x)
@@ -344,6 +401,10 @@ def test_bad_cms_configurations_name_the_argument():
         ContinuumMemory(D, [Level(2, partial="flush"), Level(4)], transfer="nested")
     with pytest.raises(ValueError, match="levels"):
         ContinuumMemory(D, [])
+    with pytest.raises(ValueError, match="ContinuumMemory.meta: only with transfer='nested'"):
+        ContinuumMemory(D, [Level(2), Level(4)], meta="unrolled")
+    with pytest.raises(ValueError, match="ContinuumMemory.meta: expected one of"):
+        ContinuumMemory(D, [Level(2), Level(4)], transfer="nested", meta="second_order")
     with pytest.raises(ValueError, match="Level.objective"):
         Level(2, objective="task_loss").validate()
     with pytest.raises(ValueError, match="Level.period"):
@@ -357,7 +418,7 @@ def test_window_problems_name_levels_that_never_step():
     assert cms.window_problems(129) == []
 
 
-@pytest.mark.parametrize("name", ["hope", "hope_attention"])
+@pytest.mark.parametrize("name", ["hope", "hope_attention", "hope_attention_reconstruction"])
 def test_every_cms_level_learns_under_the_default_training_config(name):
     """Issue: with the shipped periods and the default TrainConfig window, every CMS parameter of
     every level gets a non-zero gradient from the training loss (none is left ``None``)."""
@@ -377,7 +438,8 @@ def test_every_cms_level_learns_under_the_default_training_config(name):
                 assert p.grad is not None, f"block {i} level {j} {n}: no gradient"
                 assert p.grad.abs().max() > 0, f"block {i} level {j} {n}: zero gradient"
                 checked += 1
-    assert checked == 2 * 3 * 5  # 2 blocks × 3 levels × (W_in, W_out, value.weight, rate.weight, rate.bias)
+    # 2 blocks × 3 levels × (W_in, W_out, rate.weight, rate.bias, and a reconstruction level's value.weight)
+    assert checked == 2 * 3 * (5 if name.endswith("reconstruction") else 4)
 
 
 def test_trainer_warns_about_levels_that_never_step_in_the_window(tmp_path):
@@ -421,3 +483,96 @@ def test_bad_inputs_and_states_are_named():
             Level(4, **{field: value}).validate()
     with pytest.raises(ValueError, match="seq_len"):
         cms.window_problems(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Eq. 72 as meta-learning (transfer="nested", meta="unrolled" | "first_order"): known answers
+# ------------------------------------------------------------------------------------------------
+
+
+def _slow_step(fast_lr, meta):
+    """The slow level's weight change over its first period (4 tokens; fast period 2)."""
+    cms = _cms("nested", (2, 4), meta=meta, lrs=[fast_lr, 4.0])
+    _, st = cms(_x(4))
+    slow = cms.levels[1]
+    return torch.cat([(w - w0).flatten() for w, w0 in zip(st.levels[1].weights, (slow.W_in, slow.W_out))])
+
+
+def test_the_meta_learned_slow_step_depends_on_the_fast_levels_learning_rate():
+    """Known answer (issue 37): under Eq. 72 the slower level learns through the faster level's
+    adaptation, so its step changes with the fast level's rate; the level-local rule ("none") steps
+    identically whatever the fast rate."""
+    for meta in ("unrolled", "first_order"):
+        steps = [_slow_step(lr, meta) for lr in (0.0, 1.0, 5.0)]
+        for a, b in ((0, 1), (1, 2), (0, 2)):
+            cos = F.cosine_similarity(steps[a], steps[b], 0).item()
+            assert cos < 0.9, (meta, a, b, cos)  # measured ≤ 0.72
+    plain = [_slow_step(lr, "none") for lr in (0.0, 1.0, 5.0)]
+    assert torch.equal(plain[0], plain[1]) and torch.equal(plain[0], plain[2])
+
+
+@pytest.mark.parametrize("meta", ["unrolled", "first_order"])
+def test_at_fast_lr_zero_with_a_shared_target_the_meta_step_is_the_plain_step(meta):
+    """Known answer: a fast level that does not learn (lr 0) leaves ``θ = Φ``, so the gradient of its
+    loss at ``Φ``, with the slow level's target and rate, is the slow level's own Eq. 71 step."""
+    plain = _cms("nested", (2, 4), meta="none", lrs=[0.0, 4.0])
+    learned = _cms("nested", (2, 4), meta=meta, lrs=[0.0, 4.0])
+    with torch.no_grad():
+        for name in ("W_in", "W_out"):
+            getattr(learned.levels[1], name).copy_(getattr(plain.levels[1], name))
+        learned.levels[1].rate.load_state_dict(plain.levels[1].rate.state_dict())
+        learned.levels[0].value.load_state_dict(plain.levels[1].value.state_dict())  # the shared target
+    x = _x(4)
+    _, st_plain = plain(x)
+    _, st = learned(x)
+    for b, w0 in zip(st_plain.levels[1].weights, (plain.levels[1].W_in, plain.levels[1].W_out)):
+        assert (b - w0).abs().max() > 1e-3  # the step is not negligible
+    for a, b in zip(st.levels[1].weights, st_plain.levels[1].weights):
+        assert_close(a, b, 1e-14)  # measured ≤ 2e-16
+
+
+def test_meta_gradient_scalar_case_post_adaptation_loss_is_zero_so_phi_does_not_move():
+    """Known answer: ``y = θ·1``, tasks with targets ``a_j``, one inner step of lr 1 per task from
+    ``Φ``: the adapted ``θ_j = a_j`` whatever ``Φ``, the post-adaptation loss is 0 for every ``Φ``, and
+    its gradient (unrolled or first-order) is exactly 0, where the pre-adaptation loss's is
+    ``Σ_j (Φ − a_j)``. With inner lr 0.5 the answers are ``0.25 Σ_j (Φ − a_j)`` (unrolled: the
+    adaptation's Jacobian 0.5 enters twice) and ``0.5 Σ_j (Φ − a_j)`` (first order)."""
+    from mnemo.layers.cms import meta_gradient
+
+    a = torch.tensor([1.0, -2.0, 3.5], dtype=torch.float64)
+
+    def loss(theta):
+        return 0.5 * (theta[0] - a).square().sum()
+
+    for phi0 in (-3.0, 0.0, 0.7, 10.0):
+        phi = (torch.tensor(phi0, dtype=torch.float64),)
+        for lr, unrolled, first in ((1.0, 0.0, 0.0), (0.5, 0.25, 0.5)):
+
+            def adapt(p, lr=lr):
+                y = p[0] * torch.ones_like(a)  # y = θ·1 for every task
+                return (y - lr * (y - a),)  # one step on ½(θ − a_j)²
+
+            (g_u,) = meta_gradient(phi, adapt, loss, "unrolled")
+            (g_f,) = meta_gradient(phi, adapt, loss, "first_order")
+            pre = (phi0 - a).sum().item()
+            assert pre != 0
+            assert g_u.item() == pytest.approx(unrolled * pre, abs=1e-15)
+            assert g_f.item() == pytest.approx(first * pre, abs=1e-15)
+    with pytest.raises(ValueError, match="order"):
+        meta_gradient(phi, adapt, loss, "second_order")
+
+
+def test_a_meta_learned_nested_state_matches_its_spec():
+    """The slower levels carry their period's inputs (the replay needs them): ``state_spec`` counts
+    them, and the slowest level has no target of its own."""
+    from mnemo.layers.state import nbytes
+
+    cms = _cms("nested", (2, 4, 8))
+    assert cms.levels[2].value is None and cms.levels[0].value is not None
+    for T in (0, 5, 8):
+        _, st = cms(_x(T, B=3)) if T else (None, None)
+        spec = cms.state_spec(3, T, torch.float64)
+        assert [s.inputs.shape[1] for s in spec.levels[1:]] == [T % 4, T % 8]
+        if st is not None:
+            assert [s.inputs.shape for s in st.levels[1:]] == [s.inputs.shape for s in spec.levels[1:]]
+            assert nbytes(st) == nbytes(spec)

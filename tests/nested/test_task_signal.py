@@ -190,3 +190,100 @@ def test_task_levels_refuse_inference_mode_and_flushing_neighbours():
         m(_ids(3))
     with pytest.raises(ValueError, match="Level.partial: block 0 level 1 has partial='flush'"):
         _model([{"period": 2, "objective": "task"}, {"period": 3, "partial": "flush"}])
+
+
+def test_scaling_the_untied_head_moves_task_levels_and_leaves_reconstruction_levels_bit_identical():
+    """Known answer (issue 37): the next-token loss reaches a task level through the LM head, a
+    reconstruction level never sees the head. Scale only the untied head by 0.5 and read 33 tokens
+    (every level of periods 8/16/32 has stepped): the task levels' fast weights change, the
+    reconstruction levels' stay bit-identical."""
+    changes = {}
+    for name in ("hope_attention", "hope_attention_reconstruction"):
+        torch.manual_seed(0)
+        cfg = build_config(name, vocab_size=V, d_model=D, n_layers=2, tie_embeddings=False)
+        m = LanguageModel(cfg).double()
+        ids = _ids(33)
+        with torch.no_grad():
+            _, before = m(ids)
+            m.lm_head.weight.mul_(0.5)
+            _, after = m(ids)
+        rel = []
+        for s0, s1 in zip(before, after):
+            for l0, l1 in zip(s0.mlp.levels, s1.mlp.levels):
+                assert l1.updates >= 1
+                for w0, w1 in zip(l0.weights, l1.weights):
+                    rel.append(((w1 - w0).norm() / w0.norm()).item())
+        changes[name] = min(rel), max(rel)
+    assert changes["hope_attention"][0] > 1e-6, changes  # every task level moved (measured ≥ 5.7e-5)
+    assert changes["hope_attention_reconstruction"][1] == 0.0, changes
+
+
+def test_the_steps_equal_an_autograd_gradient_through_per_token_copies_of_the_weights():
+    """Independent computation (hand-written, not the module's code path): one layer, a sequential
+    chain of two task levels (periods S and 2S), data-dependent rates. The first layer's mixer sees
+    only embeddings, so its output is taken from the model; the CMS chain, the head and the loss are
+    written here. Each token reads through its own copy of a level's weights, and autograd of the
+    segment's summed next-token loss with respect to the copies gives every token's term; the step
+    is ``θ − Σ_t η_t ∂L_seg/∂θ_t`` (Eq. 71), summed over the level's period."""
+    S, B = 3, 2
+    m = _model([{"period": S, "objective": "task"}, {"period": 2 * S, "objective": "task"}], n_layers=1)
+    with torch.no_grad():
+        for lv in m.blocks[0].mlp.levels:
+            lv.rate.weight.normal_(0, 0.5)
+    ids = _ids(2 * S + 1, B=B)
+    logits_model, st = m(ids)
+    blk, cms = m.blocks[0], m.blocks[0].mlp
+    with torch.no_grad():
+        e = m.embed(ids)
+        h0 = e + blk.mixer(blk.mixer_norm(e))[0]  # [B, 2S+1, d]
+    levels = list(cms.levels)
+
+    def ln(x):
+        return F.layer_norm(x, (D,))
+
+    def rate(lv, x):
+        return lv.level.lr * torch.sigmoid(x @ lv.rate.weight.detach().T + lv.rate.bias.detach()) / D
+
+    def run(W, tok):
+        """Reads of tokens ``tok`` with per-token weights ``W[ℓ] = (W_in [B, n, d, h], W_out [B, n, h, d])``;
+        returns (logits, the levels' inputs)."""
+        x = blk.mlp_norm(h0[:, tok])
+        h, xs = x, []
+        for Wi, Wo in W:
+            u = ln(h)
+            xs.append(u)
+            h = h + torch.einsum("bnh,bnhd->bnd", F.gelu(torch.einsum("bnd,bndh->bnh", u, Wi)), Wo)
+        out = h0[:, tok] + (h - x)
+        return m.lm_head(m.norm(out)), xs
+
+    def term(W, tok):
+        """Per level: Σ_t η_t ∂L_seg/∂θ_t over the segment ``tok`` (labels: the next tokens)."""
+        Wt = [
+            tuple(w.unsqueeze(1).expand(-1, len(tok), -1, -1).clone().requires_grad_() for w in p) for p in W
+        ]
+        logits, xs = run(Wt, tok)
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, [t + 1 for t in tok]].flatten(), reduction="sum")
+        grads = torch.autograd.grad(loss, [w for p in Wt for w in p])
+        out = []
+        for i, lv in enumerate(levels):
+            eta = rate(lv, xs[i].detach())[..., None]  # [B, n, 1, 1]
+            out.append(tuple((eta * g).sum(1) for g in grads[2 * i : 2 * i + 2]))
+        return out, logits.detach()
+
+    W0 = [tuple(w.detach().expand(B, -1, -1) for w in (lv.W_in, lv.W_out)) for lv in levels]
+    seg1, seg2 = list(range(S)), list(range(S, 2 * S))
+    g1, logits1 = term(W0, seg1)
+    W1 = [tuple(w - g for w, g in zip(W0[0], g1[0])), W0[1]]  # period S steps; period 2S accumulates
+    g2, logits2 = term(W1, seg2)
+    W2 = [
+        tuple(w - g for w, g in zip(W1[0], g2[0])),
+        tuple(w - a - b for w, a, b in zip(W0[1], g1[1], g2[1])),
+    ]
+    logits_ref = torch.cat([logits1, logits2], 1)
+    assert_close(logits_model[:, : 2 * S], logits_ref, 1e-14, what="logits")  # measured 3e-16
+    for i in range(2):
+        s = st[0].mlp.levels[i]
+        assert s.updates == (2 if i == 0 else 1)
+        for w, ref, w0 in zip(s.weights, W2[i], W0[i]):
+            assert (ref - w0).abs().max() > 1e-4  # the steps are not negligible
+            assert_close(w, ref, 1e-14, what=f"level {i}")  # measured ≤ 1e-16
