@@ -129,8 +129,9 @@ def meta_gradient(phi: tuple, adapt, loss, order: str = "unrolled", create_graph
             shape that tensor broadcasts to (the adapted state, built from ``phi`` by
             differentiable operations).
         loss: ``loss(theta) -> 0-d tensor``, the loss after the adaptation.
-        order: ``"unrolled"`` or ``"first_order"``.
-        create_graph: keep the graph of the gradient (for a higher-order or an outer gradient).
+        order: ``"unrolled"`` or ``"first_order"`` (default ``"unrolled"``).
+        create_graph: keep the graph of the gradient (for a higher-order or an outer gradient;
+            default ``False``).
     Returns:
         a tuple shaped like ``phi``; outside a graph (``create_graph=False``) detached.
     Raises:

@@ -426,7 +426,7 @@ def test_every_cms_level_learns_under_the_default_training_config(name):
 
     T = TrainConfig().seq_len
     torch.manual_seed(0)
-    m = LanguageModel(build_config(name, vocab_size=65, n_layers=2))
+    m = LanguageModel(build_config(name, vocab_size=65, d_model=32, n_layers=2))
     ids = torch.randint(0, 65, (2, T + 1))
     logits, _ = m(ids[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
