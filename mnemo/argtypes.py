@@ -307,6 +307,13 @@ class OutDir(_PathKind):
         return text
 
 
+def refuse_existing(path, flag: str, overwrite: bool) -> None:
+    """``ValueError`` when the output file ``path`` (given as ``flag``) exists and ``overwrite`` is
+    off: a command never replaces a file it did not ask about (checked before the work)."""
+    if path is not None and not overwrite and Path(path).exists():
+        raise ValueError(f"{flag}: {path} exists; pass --overwrite to replace it (or choose another file)")
+
+
 class OutFile(_PathKind):
     """A file to write (replaced if it exists): not an existing folder; its folder exists or can
     be created. ``suffix``: the name must end with it (e.g. ``.json``)."""

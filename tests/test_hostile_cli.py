@@ -1009,3 +1009,38 @@ def test_sixth_list_findings(run, tmp_path, capsys):
     assert _resume(tmp_path / "r", 6) == 0
     said = capsys.readouterr()
     assert (said.out + said.err).count("damaged checkpoint skipped") == 1
+
+
+def test_sixth_trial_findings(run, tmp_path, capsys):
+    """(sixth trial) config fields of the wrong kind are named, not tracebacks; outputs that exist are
+    not replaced without --overwrite; a run that lost its `latest` is neither started over nor lost."""
+    for overrides, said in (
+        ("{vocab_size: 5}", "vocab_size is not a model override"),
+        ("{init_std: .nan}", "ModelConfig.init_std: expected a finite number > 0, got nan"),
+        ("{layers: 3}", "ModelConfig.layers: expected a list of mixer names or None, got 3"),
+        ("{tie_embeddings: 'no'}", "ModelConfig.tie_embeddings: expected true or false, got 'no'"),
+        ("{norm_eps: -1}", "ModelConfig.norm_eps: expected a finite number > 0, got -1"),
+    ):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(f"model_overrides: {overrides}\n")
+        assert main(["train", "--config", str(cfg), *TINY, "--out", str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"my": "data"}')
+    for argv in (
+        ["verify", "--quick", "--ops", "linear_identity", "--json", str(mine)],
+        ["bench", "--ops", "gla_scalar", "--lengths", "16", "--repeats", "1", "--json", str(mine)],
+    ):
+        assert main(argv) == 2
+        assert "exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert mine.read_text() == '{"my": "data"}'
+    lost = tmp_path / "lost"
+    shutil.copytree(run, lost)
+    (lost / "latest").unlink()
+    before = _tree(lost)
+    assert main(["train", *TINY, "--steps", "2", "--out", str(lost)]) == 2
+    assert "holds a run without its `latest` pointer" in capsys.readouterr().err
+    assert _tree(lost) == before
+    assert _resume(lost, 6) == 0  # from the newest intact checkpoint
+    assert (lost / "latest").read_text().strip() == "ckpt-000006"

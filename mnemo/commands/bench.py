@@ -50,6 +50,7 @@ def check_suite_options(args) -> None:
 
 
 def _cmd_bench(args) -> int:
+    kinds.refuse_existing(args.json, "--json", args.overwrite)
     check_suite_options(args)
     if args.suite == "all":
         return _bench_all(args)
@@ -205,6 +206,9 @@ def add_commands(sub) -> None:
         "(default 3)",
     )
     b.add_argument("--json", type=kinds.OutFile(suffix=".json"), help="also write the rows to this JSON file")
+    b.add_argument(
+        "--overwrite", action="store_true", help="replace the --json file if it exists (default: refuse)"
+    )
     b.add_argument("--device", default="cpu", type=kinds.device)
     b.set_defaults(func=_cmd_bench)
     _DEFAULTS.update({dest: b.get_default(dest) for dest in SUITE_OPTIONS})

@@ -70,6 +70,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="where to write the results JSON (default: harness_results.json in the current directory)",
     )
     p.add_argument(
+        "--overwrite", action="store_true", help="replace the --out file if it exists (default: refuse)"
+    )
+    p.add_argument(
         "--seed", type=kinds.seed, default=0, help="seed of lm-eval's sampling and few-shot choice"
     )
     p.add_argument(
@@ -159,6 +162,7 @@ def run(args) -> int:
     from mnemo.train import resolve_checkpoint
     from mnemo.train.checkpoint import atomic_write_text
 
+    kinds.refuse_existing(args.out, "--out", args.overwrite)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError("--tasks: expected at least one task name")

@@ -225,6 +225,9 @@ def add_commands(sub) -> None:
     pt = ps.add_parser("plot-training", help="plot loss and tracked scores of a run against steps")
     pt.add_argument("run_dir", type=kinds.ExistingDir("a run folder"))
     pt.add_argument("--out", type=kinds.OutFile(suffix=".png"), help="PNG path (default: RUN/training.png)")
+    pt.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out file (default: refuse)"
+    )
     pt.set_defaults(func=_cmd_plot_training)
     ab = ps.add_parser(
         "ablate", help="ablate the top-K induction heads vs K random heads: ICL score and repeat loss (JSON)"
@@ -338,6 +341,7 @@ def _cmd_timescales(args) -> int:
 
 
 def _cmd_plot_training(args) -> int:
+    kinds.refuse_existing(args.out, "--out", args.overwrite)
     path = plot_training(args.run_dir, args.out)
     print(f"wrote {path}")
     return 0

@@ -201,6 +201,9 @@ def _cmd_train(args) -> int:
     else:
         out = Path(args.out)
         has_ckpt = (out / "latest").exists()
+        # a run whose `latest` was lost still holds its checkpoints and log
+        leftovers = sorted(p.name for p in out.glob("ckpt-[0-9]*") if p.is_dir()) if out.is_dir() else []
+        leftovers += ["metrics.jsonl"] if (out / "metrics.jsonl").is_file() else []
         if not has_ckpt and ((out / "config.json").is_file() or (out / "model.safetensors").is_file()):
             raise ValueError(
                 f"--out: {out} holds a checkpoint (config.json / model.safetensors, e.g. an export); a run "
@@ -210,7 +213,12 @@ def _cmd_train(args) -> int:
             raise ValueError(
                 f"{out} already holds a run; pass --resume to continue it or --overwrite to start over"
             )
-        if args.resume and not has_ckpt:
+        if not has_ckpt and leftovers and not (args.resume or args.overwrite):
+            raise ValueError(
+                f"{out} holds a run without its `latest` pointer ({', '.join(leftovers[-3:])}); pass "
+                "--resume to continue from its newest intact checkpoint or --overwrite to start over"
+            )
+        if args.resume and not has_ckpt and not any(n.startswith("ckpt-") for n in leftovers):
             raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
         barrier()
         if main and args.overwrite and out.exists():

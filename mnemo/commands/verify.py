@@ -53,6 +53,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", metavar="PATH", type=kinds.OutFile(suffix=".json"), help="also write the rows as JSON"
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the --json file if it exists (default: refuse)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="print each row as it finishes")
 
 
@@ -122,6 +125,7 @@ def _row_json(group: str, r) -> dict:
 
 
 def run(args) -> int:
+    kinds.refuse_existing(args.json, "--json", args.overwrite)
     """Run the checks chosen by ``args`` (from :func:`add_parser` / :func:`build_parser`), print the
     tables, return the exit status."""
     import torch

@@ -281,6 +281,7 @@ _POSITIVE_INT_FIELDS = (
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
     "full_attention_interval",
+    "chunk_size",
 )
 
 
@@ -297,6 +298,9 @@ _POSITIVE_FLOAT_FIELDS = (
 
 
 def _check_fields(path: Path, hf_config: dict) -> None:
+    rank = hf_config.get("time_step_rank")
+    if rank not in (None, "auto") and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+        raise ValueError(f"{path}: field 'time_step_rank': expected a positive int or \"auto\", got {rank!r}")
     for k in ("hidden_size", "num_hidden_layers"):  # every importer needs these two
         if k in hf_config and hf_config[k] is None:
             raise ValueError(f"{path}: field {k!r}: expected a positive int, got None")

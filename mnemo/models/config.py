@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,20 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(name, "a positive int", v)
+        if not isinstance(self.mixer, str):
+            bad("mixer", "a mixer name", self.mixer)
+        for name in ("layers", "pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (list, tuple)) or not all(isinstance(m, str) for m in v)):
+                bad(name, "a list of mixer names or None", v)
+        if not isinstance(self.tie_embeddings, bool):
+            bad("tie_embeddings", "true or false", self.tie_embeddings)
+        for name in ("norm_eps", "init_std"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                bad(name, "a finite number > 0", v)
+        if not isinstance(self.mixer_options, dict):
+            bad("mixer_options", "a mapping {mixer name: {option: value}}", self.mixer_options)
         if self.layers is not None and len(self.layers) != self.n_layers:
             bad("layers", f"a list of n_layers = {self.n_layers} mixer names", self.layers)
         if self.pattern is not None and not self.pattern:

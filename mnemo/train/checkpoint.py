@@ -305,11 +305,24 @@ def resolve_checkpoint(
             _warn_unverified(p, warn)
         return p
     latest = p / LATEST
-    if not latest.is_file():
+    own = [c for c in p.glob("ckpt-*") if c.is_dir() and _CKPT_NAME.fullmatch(c.name)]
+    if not latest.is_file() and not own:
         raise FileNotFoundError(
             f"no checkpoint in {str(path)!r}: expected {CONFIG_NAME} + {WEIGHTS_NAME} there, or a "
             f"'{LATEST}' file naming a checkpoint directory (a run directory written by `mnemo train`)"
         )
+    if not latest.is_file():  # the pointer was lost: the newest intact checkpoint of the run, said
+        newest = max(own, key=_step_of)
+        if not verify:
+            return newest
+        for c in sorted(own, key=_step_of, reverse=True):
+            problems = verify_checkpoint(c)
+            if not problems:
+                warn(f"{latest} is missing — using {c}, the run's newest intact checkpoint")
+                _warn_unverified(c, warn)
+                return c
+        lost = [f"{latest} is missing", "no intact checkpoint is left in the run directory"]
+        raise CorruptCheckpointError(p, lost)
     name = latest.read_text().strip()
     target = p / name
     if name and (

@@ -502,6 +502,11 @@ class TrainConfig:
             bad("device", "'cpu' or 'cuda[:N]'")
         if not isinstance(self.model_overrides, dict):
             bad("model_overrides", "a mapping of ModelConfig fields")
+        if "vocab_size" in self.model_overrides:
+            raise ValueError(
+                "TrainConfig.model_overrides: vocab_size is not a model override: the run's tokenizer "
+                "(or --task-option vocab_size=N for a task) sets it"
+            )
         if self.sample_temperature < 0:
             bad("sample_temperature", "a number >= 0")
         self._validate_task(bad)

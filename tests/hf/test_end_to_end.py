@@ -224,6 +224,14 @@ def test_new_user_findings(tmp_path, capsys):
     after = load_tokenizer(tmp_path / "back")
     assert (tmp_path / "back" / "tokenizer.json").is_file() and after.kind == "char"
     assert after.encode("To be, or not").tolist() == before.encode("To be, or not").tolist()
+    # a negative time_step_rank (sixth trial: a traceback from torch) is named as a field
+    import json as _json
+
+    cfg = _json.loads((tmp_path / "ex" / "config.json").read_text())
+    (tmp_path / "ex" / "config.json").write_text(_json.dumps({**cfg, "time_step_rank": -3}))
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "ex"), str(tmp_path / "bad")]) == 2
+    assert "field 'time_step_rank': expected a positive int or \"auto\", got -3" in capsys.readouterr().err
     # a mnemo run given to convert is named as one
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "run"), str(tmp_path / "y")]) == 2
