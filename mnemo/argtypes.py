@@ -235,6 +235,16 @@ def checkpoint_around(p: Path) -> Path | None:
     return None
 
 
+#: files that mark the root of a training run's folder (:mod:`mnemo.train.run_folder`)
+RUN_MARKERS = ("latest", "metrics.jsonl", ".lock")
+
+
+def is_run_folder(p: Path) -> bool:
+    """Whether ``p`` is the root of a training run's folder (it holds ``latest``,
+    ``metrics.jsonl`` or ``.lock``)."""
+    return p.is_dir() and any((p / name).exists() for name in RUN_MARKERS)
+
+
 class _PathKind(Kind):
     def __init__(self, expected: str):
         self.expected = expected

@@ -135,8 +135,8 @@ def test_resume_extends_a_run(tmp_path, capsys):
     assert "learning-rate cosine over 12 steps (was 4)" in printed
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     cosine = lambda s: 1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + math.cos(math.pi * s / 12))  # noqa: E731
-    # the lr logged at step s is the schedule after s steps (the one the next update uses)
-    assert [r["lr"] for r in records[4:]] == pytest.approx([cosine(10), cosine(12)], rel=1e-9)
+    # the lr logged at step s is the rate step s's update used: the schedule after s - 1 steps
+    assert [r["lr"] for r in records[4:]] == pytest.approx([cosine(9), cosine(11)], rel=1e-9)
     cfg = json.loads((out / "ckpt-000012" / "train_config.json").read_text())
     assert cfg["eval_interval"] == 2 and cfg["steps"] == 12 and cfg["schedule_steps"] is None
 

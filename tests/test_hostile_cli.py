@@ -1044,3 +1044,100 @@ def test_sixth_trial_findings(run, tmp_path, capsys):
     assert _tree(lost) == before
     assert _resume(lost, 6) == 0  # from the newest intact checkpoint
     assert (lost / "latest").read_text().strip() == "ckpt-000006"
+
+
+def test_seventh_list_findings(run, task_run, tmp_path, capsys):
+    """(the list left by the sixth trial) values that were taken silently are refused in one line,
+    and nothing of a run is replaced or mixed: save_pretrained into a run, a tokenizer into a run,
+    --overwrite's old probes, duplicate or contradicting options."""
+    from mnemo.models import LanguageModel, build_config
+
+    model = LanguageModel(build_config("gla", vocab_size=16, d_model=16, n_layers=1))
+    ckpt = run / (run / "latest").read_text().strip()
+    before = _tree(run)
+    for target in (run, ckpt):
+        with pytest.raises(ValueError, match="belongs to a training run"):
+            model.save_pretrained(target)
+    assert _tree(run) == before
+    for argv, said in (
+        (["train", *TASK, "--task-option", "num_pairs=3"], "--task-option num_pairs given twice"),
+        (["train", *TASK, "--eval-lengths", "32,32"], "TrainConfig.eval_lengths: expected distinct lengths"),
+        (["train", *TASK, "--sample-tokens", "20"], "--sample-tokens: text options"),
+        (
+            ["tokenizer", "train", "--data", "tinyshakespeare", "--vocab-size", "300", "--out", str(run)],
+            "is a training run's folder",
+        ),
+        (["train", "--d-model", "200000", "--out", str(tmp_path / "huge")], "choose a smaller model"),
+        (
+            ["harness", "--checkpoint", str(run), "--tasks", "x", "--limit", "1.5"],
+            "--limit: expected a fraction",
+        ),
+    ):
+        assert main([*argv, "--no-progress"] if argv[0] == "train" else argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    assert _tree(run) == before
+    # --init-from a run of another width: the differing field, not a screen of tensor shapes
+    argv = ["train", *TINY, "--d-model", "32", "--steps", "1", "--init-from", str(run)]
+    assert main([*argv, "--out", str(tmp_path / "wider")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "do not fit model 'transformer'" in err
+        and "d_model 16 there, 32 here" in err
+        and err.count("\n") == 1
+    )
+    # --overwrite: the old run's probes and TensorBoard events move aside, they are not deleted or mixed
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    (again / "probes").mkdir()
+    (again / "probes" / "circuits.json").write_text("{}")
+    assert main(["train", *TINY, "--steps", "2", "--out", str(again), "--overwrite"]) == 0
+    assert "the old run's probes/ moved to" in capsys.readouterr().err
+    assert not (again / "probes").exists()
+    assert (again / "kept" / "overwritten-1" / "probes" / "circuits.json").read_text() == "{}"
+    # a JSON Lines corpus: the bad line is named with its file and number
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.jsonl").write_text('{"text": "fine"}\n')
+    (docs / "b.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "\xff"}\n')
+    (docs / "c.jsonl").write_text('{"text": "fine"}\n\nnot json\n')
+    for name, said in (
+        ("b.jsonl", "b.jsonl line 2: not valid UTF-8"),
+        ("c.jsonl", "c.jsonl line 3: not JSON"),
+    ):
+        assert main(["train", *TINY, "--data", str(docs / name), "--out", str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    # the report's threshold is checked against the metric's range
+    db = tmp_path / "s.db"
+    from mnemo.sweep.db import SweepDB
+
+    SweepDB(db).close()
+    assert main(["report", str(db), "--threshold", "2"]) == 2
+    assert "val_acc is an accuracy in [0, 1]" in capsys.readouterr().err
+
+
+def test_bench_tables_say_slower_and_leave_missing_cells_blank():
+    from mnemo.bench.ops import _cell, _times
+
+    assert _times(3.0) == "3.0x faster" and _times(0.25) == "4.0x slower"
+    assert _cell(float("nan"), 6) == "     -" and _cell(12.345, 6) == "  12.3"
+
+
+def test_a_converted_config_that_contradicts_itself_is_refused(tmp_path):
+    from mnemo.hf.convert import _check_fields, find_architecture
+
+    with pytest.raises(
+        ValueError, match="architectures names MambaForCausalLM .* but model_type is 'mamba2'"
+    ):
+        find_architecture({"architectures": ["MambaForCausalLM"], "model_type": "mamba2"})
+    for field, value, said in (
+        ("tie_word_embeddings", "yes", "expected true or false, got 'yes'"),
+        ("rms_norm", False, "false (LayerNorm) is not supported"),
+        ("time_step_floor", -1, "expected a number >= 0, got -1"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            _check_fields(tmp_path / "config.json", {field: value})
+    _check_fields(
+        tmp_path / "config.json", {"tie_word_embeddings": True, "rms_norm": True, "time_step_floor": 1e-4}
+    )

@@ -377,8 +377,8 @@ def main(args) -> int:
                     rows.append(row)
                     print(
                         f"{bench.name:<26}{mode:<10}{dname:<6}{T:>6}{1e3 * f:>10.2f}{1e3 * fb:>12.2f}"
-                        f"{row['x_sdpa_fwd']:>11.2f}{row['x_sdpa_fwd_bwd']:>11.2f}{gflops:>9.1f}{local_peak:>6.0f}{pct:>7.1f}"
-                        f"{dec:>10.1f}",
+                        f"{row['x_sdpa_fwd']:>11.2f}{row['x_sdpa_fwd_bwd']:>11.2f}{_cell(gflops, 9)}"
+                        f"{local_peak:>6.0f}{_cell(pct, 7)}{_cell(dec, 10)}",
                         flush=True,
                     )
             _print_speedups(rows, T, dname)
@@ -420,6 +420,17 @@ def _print_speedups(rows: list[dict], T: int, dtype: str = "fp32") -> None:
         ref = at_T.get((op, "recurrent"))
         if mode == "chunk" and ref is not None:
             print(
-                f"{'':<26}{'':<10}{dtype:<6}{T:>6}   chunk is {ref['fwd_ms'] / r['fwd_ms']:.1f}x (fwd) and "
-                f"{ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:.1f}x (fwd+bwd) faster than recurrent [{op}]"
+                f"{'':<26}{'':<10}{dtype:<6}{T:>6}   chunk is "
+                f"{_times(ref['fwd_ms'] / r['fwd_ms'])} (fwd) and "
+                f"{_times(ref['fwd_bwd_ms'] / r['fwd_bwd_ms'])} (fwd+bwd) than recurrent [{op}]"
             )
+
+
+def _times(ratio: float) -> str:
+    """``3.0`` -> ``"3.0x faster"``, ``0.25`` -> ``"4.0x slower"`` (never "0.2x faster")."""
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+
+
+def _cell(value: float, width: int) -> str:
+    """A table cell of one decimal, or ``-`` where the value does not apply (not ``nan``)."""
+    return f"{'-':>{width}}" if value != value else f"{value:>{width}.1f}"

@@ -170,6 +170,11 @@ def run(args) -> int:
         raise ValueError(f"--batch-size: expected a positive int, got {args.batch_size}")
     if args.limit is not None and args.limit <= 0:
         raise ValueError(f"--limit: expected a positive number, got {args.limit}")
+    if args.limit is not None and args.limit > 1 and args.limit != int(args.limit):
+        raise ValueError(
+            "--limit: expected a fraction below 1 (of each task) or a whole number of documents, "
+            f"got {args.limit}"
+        )
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     ckpt = resolve_checkpoint(args.checkpoint, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     from .evaluate import refuse_task_checkpoint

@@ -75,6 +75,11 @@ def _cmd_report(args) -> int:
     from ..sweep.report import write_report
 
     _check_database(args.db, "db")
+    if args.threshold is not None and args.metric != "val_loss" and args.threshold > 1:
+        raise ValueError(
+            f"--threshold: {args.metric} is an accuracy in [0, 1], so a threshold above 1 counts no run; "
+            f"got {args.threshold}"
+        )
     result = write_report(
         args.db,
         args.out,

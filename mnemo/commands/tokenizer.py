@@ -121,6 +121,11 @@ def run_train(args) -> int:
     from ..data import HFTokenizer, load_corpus
 
     out = Path(args.out)
+    if kinds.is_run_folder(out):
+        raise ValueError(
+            f"--out: {out} is a training run's folder (the run's checkpoints carry its own tokenizer); "
+            "write the new tokenizer to a folder of its own, e.g. tokenizers/NAME"
+        )
     path = out / "tokenizer.json"
     if path.exists() and not args.overwrite:
         raise ValueError(f"--out: {path} exists (pass --overwrite to replace it)")

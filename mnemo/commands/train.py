@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 from .. import argtypes as kinds
@@ -68,6 +69,28 @@ def _default_out(model: str) -> Path:
     return Path(f"{base}-{i}")
 
 
+def _set_aside_old_results(out: Path) -> None:
+    """``--overwrite``: what the discarded run left beside its checkpoints (``probes/``: probe
+    figures and JSON; ``tb/``: TensorBoard events) describes the old model, so it moves to
+    ``OUT/kept/overwritten-N/`` with a warning instead of mixing with the new run's (nothing is
+    deleted)."""
+    old = [out / name for name in ("probes", "tb") if (out / name).exists()]
+    if not old:
+        return
+    n = 1
+    while (out / "kept" / f"overwritten-{n}").exists():
+        n += 1
+    dest = out / "kept" / f"overwritten-{n}"
+    dest.mkdir(parents=True)
+    for p in old:
+        p.rename(dest / p.name)
+    names = ", ".join(p.name + "/" for p in old)
+    print(
+        f"warning: --overwrite: the old run's {names} moved to {dest} (they describe the discarded model)",
+        file=sys.stderr,
+    )
+
+
 def _parse_task_options(items: list[str] | None) -> dict:
     """``["num_pairs=8", "filler=pad"]`` -> ``{"num_pairs": 8, "filler": "pad"}`` (YAML scalars)."""
     import yaml
@@ -77,7 +100,12 @@ def _parse_task_options(items: list[str] | None) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--task-option expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        key = key.strip()
+        if key in out:
+            raise ValueError(
+                f"--task-option {key} given twice ({key}={out[key]!r} and {item!r}): give each option once"
+            )
+        out[key] = yaml.safe_load(value) if value.strip() else None
     return out
 
 
@@ -159,10 +187,15 @@ def _cmd_train(args) -> int:
         for name in ("data", "tokenizer", "text_field", "pack_documents")
         if getattr(args, name, None) not in (None, False)
     ]
+    text_flags += [
+        "--" + name.replace("_", "-")
+        for name in ("sample_tokens", "sample_prompt", "sample_temperature")
+        if getattr(args, name, None) is not None
+    ]
     if text_flags and (d.get("task") or (args.resume and _saved_task(args.out))):
         raise ValueError(
             f"{', '.join(text_flags)}: text options; a --task run draws its sequences from the task "
-            "(its own vocabulary, no corpus or tokenizer)"
+            "(its own vocabulary, no corpus or tokenizer, no text sample at the end)"
         )
     if args.resume and args.overwrite:
         raise ValueError(
@@ -238,6 +271,7 @@ def _cmd_train(args) -> int:
                         discard_checkpoint(p, out)
                 elif p.exists():
                     p.unlink()
+            _set_aside_old_results(out)
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer = Trainer(

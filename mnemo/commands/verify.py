@@ -25,6 +25,11 @@ from pathlib import Path
 from .. import argtypes as kinds
 
 HELP = "check every op against its reference (the equivalence contract) and print a pass/FAIL table"
+#: ``mnemo verify --help``: the module docstring's usage (its first paragraph said HELP again)
+_DESCRIPTION = (
+    "Check every op against its reference (the equivalence contract) and print a pass/FAIL table. "
+    + (__doc__.split("\n\n", 1)[1].split("\n\n")[0].replace("\n", " "))
+)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,7 +66,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``verify`` subcommand to an ``argparse`` subparsers object (``set_defaults(func=run)``)."""
-    p = subparsers.add_parser("verify", help=HELP, description=__doc__.split("\n\n")[0] + " " + HELP + ".")
+    p = subparsers.add_parser("verify", help=HELP, description=_DESCRIPTION)
     _add_arguments(p)
     p.set_defaults(func=run)
     return p

@@ -17,6 +17,7 @@ characters of the documents joined by ``"\\n\\n"`` (for one document — a text 
 from __future__ import annotations
 
 import glob
+import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -215,17 +216,46 @@ def import_datasets():
     return datasets
 
 
+def _first_bad_json_line(files: list[Path]) -> str | None:
+    """``"FILE line N: ..."`` for the first line of the JSON Lines ``files`` that is not UTF-8 or
+    not one JSON object (blank lines are allowed), else ``None``."""
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                for n, raw in enumerate(fh, 1):
+                    if not raw.strip():
+                        continue
+                    try:
+                        record = json.loads(raw.decode("utf-8"))
+                    except UnicodeDecodeError as e:
+                        return f"{f} line {n}: not valid UTF-8 ({e.reason} at byte {e.start})"
+                    except json.JSONDecodeError as e:
+                        return f"{f} line {n}: not JSON ({e.msg} at column {e.colno}): {raw[:60]!r}"
+                    if not isinstance(record, dict):
+                        return f"{f} line {n}: a JSON {type(record).__name__}, expected one object per line"
+        except OSError as e:
+            return f"{f}: cannot be read ({e.strerror})"
+    return None
+
+
 def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> list[str]:
     """The ``text_field`` of every record of local ``files`` (``datasets``' ``fmt`` builder)."""
     datasets = import_datasets()
     quiet = datasets.is_progress_bar_enabled()
     if quiet:
         datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" line: said below
     try:
         ds = datasets.load_dataset(fmt, data_files=[str(f.resolve()) for f in files], split="train")
     except Exception as e:  # datasets' and pyarrow's own errors: report them as bad data
-        raise ValueError(f"data {data!r}: cannot read it as {fmt}: {type(e).__name__}: {e}") from e
+        where = _first_bad_json_line(files) if fmt == "json" else None
+        if where is not None:
+            raise ValueError(f"data {data!r}: {where}") from e
+        cause = e.__cause__ if e.__cause__ is not None and "error occurred" in str(e) else e
+        raise ValueError(f"data {data!r}: cannot read it as {fmt}: {type(cause).__name__}: {cause}") from e
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if quiet:
             datasets.enable_progress_bars()
     if text_field not in ds.column_names:
@@ -233,8 +263,13 @@ def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> li
             f"data {data!r}: the records have no field {text_field!r} (fields present: "
             f"{ds.column_names}); choose one with --text-field (TrainConfig.text_field)"
         )
+    try:
+        values = list(ds[text_field])
+    except UnicodeDecodeError as e:  # pyarrow keeps invalid UTF-8 until the values are read
+        where = _first_bad_json_line(files) if fmt == "json" else None
+        raise ValueError(f"data {data!r}: {where or f'a record is not valid UTF-8: {e}'}") from e
     docs = []
-    for i, value in enumerate(ds[text_field]):
+    for i, value in enumerate(values):
         if value is None:
             continue
         if not isinstance(value, str):

@@ -145,7 +145,13 @@ def find_architecture(hf_config: dict) -> Architecture | None:
     names = hf_config.get("architectures") or []
     for n in names:
         if n in ARCHITECTURES:
-            return ARCHITECTURES[n]
+            a = ARCHITECTURES[n]
+            if model_type is not None and a.model_type is not None and model_type != a.model_type:
+                raise ValueError(
+                    f"config: architectures names {n} (model_type {a.model_type!r}) but model_type is "
+                    f"{model_type!r}: the config contradicts itself; fix one of the two"
+                )
+            return a
     if model_type is not None:
         for a in ARCHITECTURES.values():
             if a.model_type == model_type:
@@ -297,7 +303,27 @@ _POSITIVE_FLOAT_FIELDS = (
 )
 
 
+#: config fields that are non-negative numbers wherever they appear
+_NONNEG_FLOAT_FIELDS = ("time_step_floor", "time_step_init_scale")
+
+#: config fields that are true/false wherever they appear (a string "yes" is not read as true)
+_BOOL_FIELDS = ("tie_word_embeddings", "rms_norm", "residual_in_fp32", "use_bias", "use_conv_bias")
+
+
 def _check_fields(path: Path, hf_config: dict) -> None:
+    for k in _BOOL_FIELDS:
+        v = hf_config.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"{path}: field {k!r}: expected true or false, got {v!r}")
+    if hf_config.get("rms_norm") is False:
+        raise ValueError(
+            f"{path}: field 'rms_norm': false (LayerNorm) is not supported: mnemo's blocks use RMSNorm"
+        )
+    for k in _NONNEG_FLOAT_FIELDS:
+        v = hf_config.get(k)
+        real = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if v is not None and not (real and 0 <= v < math.inf):
+            raise ValueError(f"{path}: field {k!r}: expected a number >= 0, got {v!r}")
     rank = hf_config.get("time_step_rank")
     if rank not in (None, "auto") and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
         raise ValueError(f"{path}: field 'time_step_rank': expected a positive int or \"auto\", got {rank!r}")

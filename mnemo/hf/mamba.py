@@ -147,7 +147,7 @@ def _vocab(where: str, weights: dict[str, Tensor], declared=None, pad_multiple: 
     if declared < rows and padded != rows:
         warnings.warn(
             f"{where}: vocab_size = {declared} but the embedding has {rows} rows; the model keeps all "
-            f"{rows} (ids {declared}..{rows - 1} are never produced by the tokenizer)",
+            f"{rows} (ids {declared}..{rows - 1} have weights but lie past the declared vocabulary)",
             stacklevel=3,
         )
     return rows

@@ -636,6 +636,7 @@ def induction_ablation(
     how: str = "mean",
     random_from: str = "rest",
     hook: str = "hook_o",
+    min_gain: float = 0.05,
 ) -> dict:
     """The causal check of induction heads: ablate the ``k`` heads with the highest induction
     score (:func:`~mnemo.interp.probe.circuit_scores`, on random tokens repeated twice) at their
@@ -653,7 +654,9 @@ def induction_ablation(
     Returns a JSON-ready dict: ``baseline``, ``top_k`` (metrics and ``heads`` ``[[layer, head,
     score], …]``), ``random`` (per metric ``mean``, ``std``, ``values``; and the drawn ``heads``),
     each with its ``gain_removed`` (``1 − gain_after / gain_before``; for ``random``, per draw with
-    its mean and std).
+    its mean and std). When the baseline gain is below ``min_gain`` nats (default 0.05: an
+    untrained model, or one that does not use its context) the fractions are ``None`` with a
+    ``note`` and a warning: a ratio of two near-zero gains says nothing.
     With ``random_from="rest"`` and fewer than ``k`` heads outside the top ``k``, the draws come from
     all heads, with a warning, and the result says ``"random_from": "all"``.
     Raises ``ValueError`` for ``k`` outside ``1 … number of heads − 1`` or a bad option."""
@@ -732,12 +735,23 @@ def induction_ablation(
     random = {key: stats(key) for key in ("icl_score", "repeat_loss", "first_half_loss")}
     gains = torch.tensor([gain(r) for r in rand_runs], dtype=torch.float64)
     g0 = gain(base)
-    removed = (1 - gains / g0) if g0 != 0 else gains * math.nan
-    random["gain_removed"] = {
-        "mean": float(removed.mean()),
-        "std": float(removed.std()) if draws > 1 else 0.0,
-        "values": removed.tolist(),
-    }
+    note = None
+    if abs(g0) < min_gain:  # a ratio of a near-zero gain is noise over noise, not a fraction removed
+        note = (
+            f"the baseline in-context gain is {g0:.4g} nats (below min_gain = {min_gain}): the model does "
+            "not use its context on this batch, so there is no gain to remove; gain_removed is null"
+        )
+        warnings.warn(f"induction_ablation: {note}", stacklevel=2)
+        random["gain_removed"] = {"mean": None, "std": None, "values": [None] * len(rand_runs)}
+        top_removed = None
+    else:
+        removed = 1 - gains / g0
+        random["gain_removed"] = {
+            "mean": float(removed.mean()),
+            "std": float(removed.std()) if draws > 1 else 0.0,
+            "values": removed.tolist(),
+        }
+        top_removed = 1 - gain(top_m) / g0
     return {
         "k": k,
         "how": how,
@@ -748,10 +762,11 @@ def induction_ablation(
         "draws": draws,
         "random_from": "rest" if pool is not ranked else "all",
         "baseline": {**base, "gain": g0},
+        **({"note": note} if note else {}),
         "top_k": {
             **top_m,
             "gain": gain(top_m),
-            "gain_removed": (1 - gain(top_m) / g0) if g0 != 0 else math.nan,
+            "gain_removed": top_removed,
             "heads": [[layer, h, round(s, 4)] for layer, h, s in top],
         },
         "random": {**random, "heads": rand_heads},

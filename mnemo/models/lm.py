@@ -82,6 +82,11 @@ class Block(nn.Module):
         return self.hook_resid_post(x), None
 
 
+#: files that mark a training run's folder or one of its checkpoints (mnemo.train.run_folder,
+#: mnemo.train.checkpoint); save_pretrained refuses to write among them
+_RUN_FILES = ("metrics.jsonl", "latest", ".lock", "trainer_state.pt", "manifest.json")
+
+
 class LanguageModel(nn.Module):
     """Decoder LM built from a :class:`ModelConfig`.
 
@@ -555,8 +560,21 @@ class LanguageModel(nn.Module):
         return total
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed).
+
+        Raises ``ValueError`` when ``directory`` is a training run's folder or one of its
+        checkpoints (it holds ``metrics.jsonl``, ``latest``, ``.lock``, ``trainer_state.pt`` or
+        ``manifest.json``): writing there would replace a checkpoint's verified weights or mix an
+        export into the run; ``NotADirectoryError`` when it is a file."""
         d = Path(directory)
+        if d.exists() and not d.is_dir():
+            raise NotADirectoryError(f"save_pretrained: directory {str(d)!r} is a file, expected a folder")
+        owned = [n for n in _RUN_FILES if (d / n).exists()]
+        if owned:
+            raise ValueError(
+                f"save_pretrained: directory {str(d)!r} belongs to a training run (it holds "
+                f"{', '.join(owned)}); writing here would replace the run's own files: choose a new folder"
+            )
         d.mkdir(parents=True, exist_ok=True)
         self.config.save(d / CONFIG_NAME)
         save_model(self, str(d / WEIGHTS_NAME))

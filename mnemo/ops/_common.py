@@ -95,9 +95,16 @@ _FINITE_CHECKS = os.environ.get("MNEMO_CHECK_FINITE", "1") != "0"
 
 
 def set_finite_checks(enabled: bool) -> None:
-    """Turn the ops' NaN/inf input checks on (default) or off (also: ``MNEMO_CHECK_FINITE=0``)."""
+    """Turn the ops' NaN/inf input checks on (default) or off (also: ``MNEMO_CHECK_FINITE=0``).
+    ``enabled`` must be a bool (``TypeError`` otherwise: ``"no"`` is not read as False)."""
     global _FINITE_CHECKS
-    _FINITE_CHECKS = bool(enabled)
+    _FINITE_CHECKS = _as_switch(enabled)
+
+
+def _as_switch(enabled) -> bool:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {type(enabled).__name__} {enabled!r}")
+    return enabled
 
 
 @contextlib.contextmanager
@@ -106,7 +113,7 @@ def finite_checks(enabled: bool) -> Iterator[None]:
     the previous setting (see :func:`set_finite_checks`) is restored on exit, also on an error."""
     global _FINITE_CHECKS
     was = _FINITE_CHECKS
-    _FINITE_CHECKS = bool(enabled)
+    _FINITE_CHECKS = _as_switch(enabled)
     try:
         yield
     finally:
@@ -115,7 +122,8 @@ def finite_checks(enabled: bool) -> Iterator[None]:
 
 def check_finite(values: dict, gates: dict | None = None) -> None:
     """Raise :class:`NonFiniteError` naming the first input with NaN/inf entries. Log-gates may be
-    ``-inf`` (a hard reset) but not NaN or ``+inf``.
+    ``-inf`` (a hard reset) but not NaN or ``+inf``; a positive log-gate (a decay above 1, which
+    the chunk forms' exponentials overflow on) raises ``ValueError``.
 
     Runs on CPU tensors only. Skipped while ``torch.compile`` traces (reading a sum back to Python
     would break the graph at every op call) and for tensors on any other device (CUDA, ``meta``):
@@ -135,8 +143,10 @@ def check_finite(values: dict, gates: dict | None = None) -> None:
     ts = [t for t in values.values() if t is not None]
     gs = [g for g in (gates or {}).values() if g is not None]
     ts, gs = [t.detach() for t in ts], [g.detach() for g in gs]  # no autograd graph for a check
+    # A gate's largest value is NaN when it holds a NaN (max propagates it), +inf when it holds a
+    # +inf and > 0 when any log-gate is positive: one read checks all three.
     if all(math.isfinite(float(t.sum())) for t in ts) and all(
-        not (math.isnan(x) or x == math.inf) for x in (float(g.sum()) for g in gs)
+        g.numel() == 0 or float(g.max()) <= 0 for g in gs
     ):
         return
     for name, t in values.items():
@@ -153,6 +163,35 @@ def check_finite(values: dict, gates: dict | None = None) -> None:
                 f"{name} (a log-gate) contains {n_nan} NaN and {n_pinf} +inf values; log-gates must be <= 0 "
                 "(-inf is allowed: a hard reset)"
             )
+        if g is not None and g.numel() and bool((g > 0).any()):
+            raise ValueError(
+                f"{name} (a log-gate) has {int((g > 0).sum())} of {g.numel()} values > 0 (largest "
+                f"{float(g.max()):.4g}); log-gates must be <= 0: the decay exp({name}) is at most 1 "
+                "(use -softplus(x) or logsigmoid(x) to map any value there)"
+            )
+
+
+def check_sign(name: str, t: torch.Tensor | None, sign: str, meaning: str) -> None:
+    """Raise ``ValueError`` when ``t`` has a value of the wrong sign: ``sign="<= 0"`` (e.g. an
+    SSM's ``A``, so that ``exp(Δ A) <= 1``) or ``">= 0"`` (a step size ``Δ``/``dt`` after its
+    bias and softplus). ``meaning`` ends the message (why the sign matters). Like
+    :func:`check_finite` (and switched with it): on CPU tensors only, not while ``torch.compile``
+    traces; one read (the extreme value)."""
+    if t is None or t.numel() == 0 or not _FINITE_CHECKS or torch.compiler.is_compiling():
+        return
+    if t.device.type != "cpu":
+        return
+    t = t.detach()
+    extreme = float(t.max() if sign == "<= 0" else t.min())
+    if (extreme <= 0) if sign == "<= 0" else (extreme >= 0):
+        return
+    if math.isnan(extreme):
+        return  # NaN is check_finite's to report
+    wrong = int((t > 0).sum() if sign == "<= 0" else (t < 0).sum())
+    raise ValueError(
+        f"{name} must be {sign}: {wrong} of {t.numel()} values are not (the most extreme is "
+        f"{extreme:.4g}); {meaning}"
+    )
 
 
 def check_floating(name: str, t: torch.Tensor) -> None:
@@ -298,8 +337,19 @@ def run_varlen(
 
 
 def default_scale(scale: float | None, K: int) -> float:
-    """The query scale: ``K ** -0.5`` unless given."""
-    return K**-0.5 if scale is None else scale
+    """The query scale: ``K ** -0.5`` unless given; a given one must be a finite real number
+    (``TypeError`` / ``ValueError`` naming ``scale`` otherwise; a tensor is taken as it is)."""
+    if scale is None:
+        return K**-0.5
+    if isinstance(scale, torch.Tensor):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(
+            f"scale must be a finite number (or None for K ** -0.5 = {K**-0.5:.4g}), got {scale}"
+        )
+    return scale
 
 
 def state_or_zeros(
@@ -438,7 +488,12 @@ def first_order(backward):
 def decay_matrix(g: torch.Tensor) -> torch.Tensor:
     """``Γ_ts = exp(Σ_{r=s+1..t} g_r)`` for ``s ≤ t`` and ``0`` above the diagonal: log gates
     ``g [B, T, H]`` -> ``[B, H, T, T]``; per-channel ``g [B, T, H, K]`` -> ``[B, H, T, T, K]``.
-    The sums are differences of cumulative sums of the clamped log gates (no products)."""
+    The sums are differences of cumulative sums of the clamped log gates (no products).
+    Raises ``ValueError`` when ``g`` is not 3-D or 4-D (``TypeError`` when not a float tensor)."""
+    check_floating("g", g)
+    if g.ndim not in (3, 4):
+        raise ValueError(f"g must have shape [B, T, H] or [B, T, H, K], got {_shape(g)}")
+    check_sign("g", g, "<= 0", "a log-gate's decay exp(g) is at most 1")
     mask = causal_mask(g.shape[1], g.device)
     if g.ndim == 3:
         b = clamp_log_gate(g).transpose(1, 2).cumsum(-1)  # [B, H, T]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import dispatch as _backends
@@ -71,6 +73,8 @@ def linear_attention(
     check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state})
     cd = compute_dtype(q, k, v, initial_state)
     scale = default_scale(scale, K)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0 (added to the normaliser), got {eps!r}")
     dtypes = tuple(t.dtype for t in (q, k, v, initial_state) if t is not None)
     backend = _backends.select(
         _backends.Call("linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None)

@@ -62,6 +62,7 @@ from ._common import (
     check_initial_state,
     check_ndim,
     check_shape,
+    check_sign,
     clamp_log_gate,
     compute_dtype,
     first_order,
@@ -698,6 +699,14 @@ def selective_scan(
             "initial_state": initial_state,
         }
     )
+    check_sign("A", A, "<= 0", "the decay exp(delta * A) must be at most 1 (A = -exp(A_log))")
+    if not delta_softplus:  # softplus makes any value a valid step
+        check_sign(
+            "delta" if delta_bias is None else "delta + delta_bias",
+            delta if delta_bias is None else delta + delta_bias,
+            ">= 0",
+            "a step size is not negative (pass delta_softplus=True to map any value there)",
+        )
     cd = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     uc, Ac, Bc, Cc = u.to(cd), A.to(cd), B4.to(cd), C4.to(cd)
     dt = delta.to(cd)

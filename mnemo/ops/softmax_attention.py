@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ._common import _shape, check_cu_seqlens, check_finite, check_floating, check_mode, compute_dtype
+from ._common import (
+    _shape,
+    check_cu_seqlens,
+    check_finite,
+    check_floating,
+    check_mode,
+    compute_dtype,
+    default_scale,
+)
 
 __all__ = ["softmax_attention", "KVCache", "attention_mask", "softmax_attention_map", "kept_keys"]
 
@@ -37,7 +45,21 @@ def attention_mask(
     when not causal); ``n_sink`` attention sinks (StreamingLLM) keep the first ``n_sink`` keys
     ``j < n_sink`` visible as well (causally). ``segment_ids: [S]`` further restricts attention to
     the same segment. Defaults: ``causal=True``, ``n_sink=0``.
+
+    Raises ``ValueError`` naming the argument: ``T``/``S`` not ints with ``0 <= T <= S``,
+    ``window`` not a positive int, ``n_sink`` not an int ``>= 0``, ``segment_ids`` not ``[S]``.
     """
+    for name, n in (("T", T), ("S", S), ("n_sink", n_sink)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"attention_mask: {name} must be an int >= 0, got {n!r}")
+    if S < T:
+        raise ValueError(f"attention_mask: S (keys) must be >= T (queries; S = P + T), got T = {T}, S = {S}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention_mask: window must be None or an int >= 1, got {window!r}")
+    if segment_ids is not None and tuple(segment_ids.shape) != (S,):
+        raise ValueError(
+            f"attention_mask: segment_ids must have shape [S] = [{S}], got {_shape(segment_ids)}"
+        )
     i = torch.arange(S - T, S, device=device)[:, None]
     j = torch.arange(S, device=device)[None, :]
     mask = torch.ones(T, S, dtype=torch.bool, device=device)
@@ -158,6 +180,8 @@ def _check(q, k, v, window, initial_state, n_sink=0, sink_q=None, causal=True):
         if not isinstance(initial_state, tuple) or len(initial_state) != 2:
             raise TypeError("initial_state must be a KVCache(k, v) tuple of past keys and values")
         kc, vc = initial_state
+        check_floating("initial_state.k", kc)
+        check_floating("initial_state.v", vc)
         if kc.ndim != 4 or (kc.shape[0], kc.shape[2], kc.shape[3]) != (B, Hkv, K):
             raise ValueError(
                 f"initial_state.k must have shape [B, P, Hkv, K] = [{B}, P, {Hkv}, {K}], got {_shape(kc)}"
@@ -222,8 +246,10 @@ def softmax_attention(
     """
     check_mode(mode, ("parallel", "recurrent"))
     B, T, H, K, Hkv = _check(q, k, v, window, initial_state, n_sink, sink_q, causal)
+    if initial_state is not None and not isinstance(initial_state, KVCache):
+        initial_state = KVCache(*initial_state)  # a plain (k, v) pair
     check_finite({"q": q, "k": k, "v": v})
-    scale = K**-0.5 if scale is None else scale
+    scale = default_scale(scale, K)
     segment_ids = None
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T)

@@ -26,6 +26,7 @@ from ._common import (
     check_initial_state,
     check_ndim,
     check_shape,
+    check_sign,
     compute_dtype,
     num_sequences,
 )
@@ -116,6 +117,13 @@ def ssd(
         dtc = dtc + dt_bias.to(cd)
     if dt_softplus:
         dtc = F.softplus(dtc)
+    check_sign("A", A, "<= 0", "the decay exp(dt * A) must be at most 1 (A = -exp(A_log))")
+    check_sign(
+        "dt" if dt_bias is None else "dt + dt_bias",
+        dtc,
+        ">= 0",
+        "a step size is not negative (pass dt_softplus=True to map any value there)",
+    )
     if backend == "mamba_ssm":
         from ._peer_ops import mamba_ssd
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..models import LanguageModel, build_config
-from ..models.lm import WEIGHTS_NAME
+from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
 from .checkpoint import resolve_checkpoint
 from .config import TrainConfig
 from .distributed import _check_recurrent
@@ -113,8 +113,32 @@ def load_weights(model: LanguageModel, source: str, model_name: str, device, sha
     except RuntimeError as e:  # missing/unexpected keys or shape mismatches
         raise ValueError(
             f"TrainConfig.init_from: the weights in {ckpt} do not fit model {model_name!r} "
-            f"(it needs the same architecture, width, depth and vocabulary): {e}"
+            f"(it needs the same architecture, width, depth and vocabulary): {_misfit(model, ckpt, e)}"
         ) from None
+
+
+def _misfit(model: LanguageModel, ckpt: Path, error: RuntimeError) -> str:
+    """One line on why ``ckpt``'s weights do not load into ``model``: the config fields that
+    differ (``d_model 32 there, 64 here``), else the first line of torch's report and how many
+    more it has (torch lists every tensor, one per line)."""
+    import dataclasses
+    import json
+
+    try:
+        theirs = json.loads((ckpt / CONFIG_NAME).read_text())
+        ours = dataclasses.asdict(model.config)
+        diff = [
+            f"{k} {theirs[k]!r} there, {ours[k]!r} here"
+            for k in ours
+            if k in theirs and theirs[k] != ours[k] and not isinstance(ours[k], (dict, list))
+        ]
+    except (OSError, ValueError, TypeError):
+        diff = []
+    if diff:
+        return "; ".join(diff)
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    more = len(lines) - 2
+    return " ".join(lines[:2]) + (f" (and {more} more)" if more > 0 else "")
 
 
 def load_checkpoint(model: LanguageModel, optimizer, ckpt: Path, state: dict, device, sharded: bool) -> None:

@@ -533,6 +533,8 @@ class TrainConfig:
             not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.eval_lengths
         ):
             bad("eval_lengths", "a list of positive ints")
+        if len(set(self.eval_lengths)) != len(self.eval_lengths):
+            bad("eval_lengths", "distinct lengths (each is evaluated once)")
         self.eval_lengths = list(self.eval_lengths)
         if self.task is None:
             if self.task_options:

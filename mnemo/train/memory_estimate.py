@@ -92,6 +92,12 @@ def check_memory(est: MemoryEstimate, device: torch.device, *, what: str) -> Non
     have, source = available_memory(device)
     if have is None or est.peak <= have:
         return
+    if est.parameters > have:  # no batch fits: the model itself is too large
+        raise ValueError(
+            f"TrainConfig.model: the model's parameters + optimizer state alone need "
+            f"{est.parameters / GiB:,.1f} GiB, but only {have / GiB:,.1f} GiB are available ({source}); "
+            "choose a smaller model (lower --d-model or --n-layers)"
+        )
     accum = ", or split the step with --grad-accum" if est.step >= est.peak else ""
     raise ValueError(
         f"TrainConfig.batch_size: {what} needs at least {est.peak / GiB:,.1f} GiB (logits "

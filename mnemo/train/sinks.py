@@ -5,7 +5,8 @@
 A record is a flat dict: ``step``, ``train_loss`` (nats/token, the mean over the evaluation
 interval's steps), the evaluation's metrics (``val_loss`` in nats/token, ``val_bpc`` or
 ``val_acc``/``val_seq_acc``, ``val_*@L`` at the final evaluation), ``tokens_per_s`` (global
-tokens per second of step time), ``lr``, ``elapsed_s``, the auxiliary losses' metrics
+tokens per second of step time), ``lr`` (the learning rate step ``step``'s update used),
+``elapsed_s``, the auxiliary losses' metrics
 (``moe_*``), then what callbacks add.
 
 Extension point: a new logger is any object with ``log(record: dict) -> None`` and ``close() ->

@@ -140,6 +140,7 @@ class Trainer:
         cfg = self.cfg
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = make_scheduler(self.optimizer, cfg, warn=self.is_main)
+        self.last_lr = self.scheduler.get_last_lr()[0]  # updated by every step
         if self.task is None:
             self.generator = torch.Generator().manual_seed(cfg.seed + 1)
         else:
@@ -291,6 +292,7 @@ class Trainer:
             norm_value = norm.item()
         if not math.isfinite(norm_value):
             raise self._diverged("gradient norm", norm_value)
+        self.last_lr = self.scheduler.get_last_lr()[0]  # the rate of this update (metrics' lr)
         self.optimizer.step()
         self.scheduler.step()
         for aux in self.aux_losses:
@@ -355,7 +357,7 @@ class Trainer:
                         "step": self.step,
                         "train_loss": self._acc_loss / max(self._acc_n, 1),
                         "tokens_per_s": self._acc_tokens / max(self._acc_time, 1e-9),
-                        "lr": self.scheduler.get_last_lr()[0],
+                        "lr": self.last_lr,
                         **aux,
                     }
                     if self.is_main or self.fsdp:  # FSDP: every rank runs the (sharded) model

@@ -339,3 +339,19 @@ def test_induction_ablation_says_when_the_control_cannot_come_from_the_rest():
     assert res["random_from"] == "all"
     drawn = {tuple(h[:2]) for draw in res["random"]["heads"] for h in draw}
     assert drawn & {tuple(h[:2]) for h in res["top_k"]["heads"]}  # from all heads: top ones included
+
+
+def test_induction_ablation_gives_no_ratio_of_near_zero_gains():
+    """Below ``min_gain`` nats of baseline in-context gain the fraction removed would be noise over
+    noise (an untrained model gave -3000%): it is null, with a note and a warning; above it, it is
+    ``1 - gain_after / gain_before`` of the reported gains."""
+    m = _model("transformer")
+    with pytest.warns(UserWarning, match="baseline in-context gain is .* nats"):
+        res = induction_ablation(m, 1, draws=2, length=8, batch=4, min_gain=1e9)
+    assert res["top_k"]["gain_removed"] is None and res["random"]["gain_removed"]["values"] == [None, None]
+    assert "no gain to remove" in res["note"]
+    json.dumps(res, allow_nan=False)  # strict JSON: no NaN anywhere
+    res = induction_ablation(m, 1, draws=2, length=8, batch=4, min_gain=0.0)
+    g0 = res["baseline"]["gain"]
+    assert res["top_k"]["gain_removed"] == pytest.approx(1 - res["top_k"]["gain"] / g0)
+    assert "note" not in res

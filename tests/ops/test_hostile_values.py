@@ -1,0 +1,176 @@
+"""Bad values given to the ops raise an error that names the argument (the seventh hostile list
+of issue 35): non-finite ``scale``/``eps``, positive log-gates, a positive SSM ``A`` or a negative
+step, malformed masks and caches, a switch that is not a bool."""
+
+import math
+
+import pytest
+import torch
+
+from mnemo.ops import (
+    KVCache,
+    attention_mask,
+    decay_matrix,
+    finite_checks,
+    gated_delta_rule,
+    gated_linear_attention,
+    linear_attention,
+    selective_scan,
+    set_finite_checks,
+    softmax_attention,
+    ssd,
+)
+
+
+def _qkv(B=1, T=5, H=2, K=4):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, T, H, K, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])
+def test_non_finite_scale_is_refused(scale):
+    q, k, v = _qkv()
+    g = -torch.rand(1, 5, 2)
+    for call in (
+        lambda: linear_attention(q, k, v, scale=scale),
+        lambda: softmax_attention(q, k, v, scale=scale),
+        lambda: gated_linear_attention(q, k, v, g, scale=scale),
+    ):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            call()
+
+
+def test_scale_of_the_wrong_type_is_refused():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        linear_attention(q, k, v, scale="0.5")
+
+
+@pytest.mark.parametrize("eps", [math.nan, -1.0, math.inf])
+def test_bad_eps_is_refused(eps):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        linear_attention(q, k, v, normalize=True, eps=eps)
+
+
+def test_a_given_scale_is_used_as_given():
+    """A valid scale still means what it says: scaling q by 2 equals scale = 2 * K ** -0.5."""
+    q, k, v = _qkv()
+    a, _ = linear_attention(q * 2, k, v)
+    b, _ = linear_attention(q, k, v, scale=2 * 4**-0.5)
+    torch.testing.assert_close(a, b)
+
+
+def test_positive_log_gates_are_refused():
+    q, k, v = _qkv()
+    g = -torch.rand(1, 5, 2)
+    g[0, 3, 1] = 0.25  # one decay above 1
+    with pytest.raises(ValueError, match=r"g \(a log-gate\) has 1 of 10 values > 0 \(largest 0.25\)"):
+        gated_linear_attention(q, k, v, g=g)
+    beta = torch.rand(1, 5, 2)
+    with pytest.raises(ValueError, match=r"g \(a log-gate\) has 1 of 10 values > 0"):
+        gated_delta_rule(q, torch.nn.functional.normalize(k, dim=-1), v, g=g, beta=beta)
+    with pytest.raises(ValueError, match="g must be <= 0: 1 of 10 values are not"):
+        decay_matrix(g)
+    # zero and -inf (a hard reset) stay allowed
+    g[0, 3, 1] = 0.0
+    g[0, 2, 0] = -math.inf
+    gated_linear_attention(q, k, v, g=g)
+    assert torch.equal(decay_matrix(g)[0, 0].diagonal(), torch.ones(5))
+
+
+def test_the_sign_checks_follow_the_finite_switch():
+    """MNEMO_CHECK_FINITE=0 / finite_checks(False) turns the range reads off with the NaN reads."""
+    q, k, v = _qkv()
+    g = torch.full((1, 5, 2), 0.1)
+    with finite_checks(False):
+        o, _ = gated_linear_attention(q, k, v, g=g)
+    assert torch.isfinite(o).all()
+
+
+def test_decay_matrix_shape_is_checked():
+    with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\] or \[B, T, H, K\], got \[5\]"):
+        decay_matrix(-torch.rand(5))
+
+
+def _ssd_inputs(T=6, H=2, P=3, N=4):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, T, H, P, generator=g)
+    dt = torch.rand(1, T, H, generator=g)
+    A = -torch.rand(H, generator=g)
+    B = torch.randn(1, T, N, generator=g)
+    C = torch.randn(1, T, N, generator=g)
+    return x, dt, A, B, C
+
+
+def test_ssd_refuses_a_positive_A_and_a_negative_step():
+    x, dt, A, B, C = _ssd_inputs()
+    with pytest.raises(ValueError, match="A must be <= 0: 1 of 2 values are not"):
+        ssd(x, dt, torch.tensor([-1.0, 0.5]), B, C)
+    bad = dt.clone()
+    bad[0, 2, 0] = -0.3
+    with pytest.raises(ValueError, match="dt must be >= 0: 1 of 12 values are not"):
+        ssd(x, bad, A, B, C)
+    with pytest.raises(ValueError, match=r"dt \+ dt_bias must be >= 0"):
+        ssd(x, dt, A, B, C, dt_bias=torch.tensor([-5.0, 0.0]))
+    ssd(x, bad, A, B, C, dt_softplus=True)  # softplus maps any dt to a valid step
+
+
+def test_selective_scan_refuses_a_positive_A_and_a_negative_step():
+    g = torch.Generator().manual_seed(2)
+    u, delta = torch.randn(1, 5, 3, generator=g), torch.rand(1, 5, 3, generator=g)
+    A = -torch.rand(3, 4, generator=g)
+    B, C = torch.randn(1, 5, 4, generator=g), torch.randn(1, 5, 4, generator=g)
+    bad_A = A.clone()
+    bad_A[1, 2] = 1.0
+    with pytest.raises(ValueError, match="A must be <= 0: 1 of 12 values are not"):
+        selective_scan(u, delta, bad_A, B, C)
+    with pytest.raises(ValueError, match="delta must be >= 0"):
+        selective_scan(u, -delta, A, B, C)
+    selective_scan(u, -delta, A, B, C, delta_softplus=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"T": -1, "S": 3}, "T must be an int >= 0, got -1"),
+        ({"T": 4, "S": 3}, r"S \(keys\) must be >= T"),
+        ({"T": 3, "S": 3, "window": 0}, "window must be None or an int >= 1, got 0"),
+        ({"T": 3, "S": 3, "n_sink": -2}, "n_sink must be an int >= 0"),
+        ({"T": 2.0, "S": 3}, "T must be an int >= 0, got 2.0"),
+    ],
+)
+def test_attention_mask_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        attention_mask(**kwargs)
+
+
+def test_attention_mask_window_means_what_it_says():
+    """A known answer: window 2 over 4 tokens keeps the diagonal and the one before it."""
+    m = attention_mask(4, 4, window=2)
+    assert m.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [False, True, True, False],
+        [False, False, True, True],
+    ]
+
+
+def test_softmax_attention_takes_a_plain_kv_pair_as_its_cache():
+    q, k, v = _qkv(T=6)
+    full, _ = softmax_attention(q, k, v)
+    _, cache = softmax_attention(q[:, :4], k[:, :4], v[:, :4], output_final_state=True)
+    tail, _ = softmax_attention(q[:, 4:], k[:, 4:], v[:, 4:], initial_state=(cache.k, cache.v))
+    torch.testing.assert_close(tail, full[:, 4:])
+    with pytest.raises(TypeError, match="initial_state.k must be a torch.Tensor"):
+        softmax_attention(q, k, v, initial_state=([1.0], cache.v))
+    assert isinstance(cache, KVCache)
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_the_finite_switch_takes_only_a_bool(value):
+    with pytest.raises(TypeError, match="enabled must be True or False"):
+        set_finite_checks(value)
+    with pytest.raises(TypeError, match="enabled must be True or False"):
+        with finite_checks(value):
+            pass
