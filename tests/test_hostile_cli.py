@@ -1141,3 +1141,24 @@ def test_a_converted_config_that_contradicts_itself_is_refused(tmp_path):
     _check_fields(
         tmp_path / "config.json", {"tie_word_embeddings": True, "rms_norm": True, "time_step_floor": 1e-4}
     )
+
+
+def test_a_metrics_log_that_is_not_utf8_is_named_by_line(run, tmp_path, capsys):
+    """A line of metrics.jsonl that is not UTF-8 is named with its file and line number (not a
+    codec's byte offset); a torn last line (a crash inside a multi-byte character) is set aside on
+    resume like any torn line."""
+    import json
+
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    good = (bad / "metrics.jsonl").read_bytes()
+    (bad / "metrics.jsonl").write_bytes(b'{"step": 1, "note": "\xff"}\n' + good)
+    assert main(["probe", "plot-training", str(bad), "--out", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl, line 1: not valid UTF-8" in err and err.count("\n") == 1, err
+    (bad / "metrics.jsonl").write_bytes(good + '{"step": 5, "x": "é'.encode()[:-1])
+    with pytest.warns(UserWarning, match="its last line is not JSON"):
+        assert _resume(bad, 6) == 0
+    assert (bad / "kept" / "metrics.jsonl.torn").read_text().startswith('{"step": 5, "x": "')
+    steps = [json.loads(x)["step"] for x in (bad / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6]

@@ -152,7 +152,9 @@ def _read_metrics(run_dir: Path) -> list[dict]:
     if not metrics.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (a run directory written by `mnemo train`)")
     rows = []
-    for i, line in enumerate(metrics.read_text().splitlines(), 1):
+    from ..train.sinks import metrics_lines
+
+    for i, line in enumerate(metrics_lines(metrics), 1):
         if not line.strip():
             continue
         try:

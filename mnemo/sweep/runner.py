@@ -40,7 +40,7 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
 
     from ..interp import circuit_callbacks
     from ..train import TrainConfig, Trainer, TrainingDiverged
-    from ..train.trainer import METRICS_NAME
+    from ..train.sinks import METRICS_NAME, metrics_lines
 
     if threads:
         torch.set_num_threads(threads)
@@ -76,7 +76,7 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
             result["state_size_bytes"] = trainer.model.state_size_bytes(1, cfg.seq_len)
             record = trainer.fit()
             if not record:  # already trained to the end before an interruption: the logged record
-                lines = (out / METRICS_NAME).read_text().splitlines()
+                lines = [x for x in metrics_lines(out / METRICS_NAME) if x.strip()]
                 record = json.loads(lines[-1]) if lines else trainer.evaluate(lengths=cfg.eval_lengths)
             result.update(status="done", metrics=record)
         except TrainingDiverged as e:

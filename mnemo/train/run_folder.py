@@ -39,7 +39,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .optim import algorithm1_only, schedule_factor
 from .sharded import save_sharded_checkpoint
-from .sinks import METRICS_NAME
+from .sinks import METRICS_NAME, metrics_lines
 
 LOCK_NAME = ".lock"
 
@@ -238,7 +238,7 @@ class RunFolder:
             p = self.out / METRICS_NAME
             if not p.is_file():
                 return
-            lines = p.read_text().splitlines()
+            lines = metrics_lines(p, torn_last=True)
             keep = []
             for i, line in enumerate(lines, 1):
                 if not line.strip():

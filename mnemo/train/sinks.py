@@ -26,6 +26,28 @@ from tqdm.auto import tqdm
 METRICS_NAME = "metrics.jsonl"
 
 
+def metrics_lines(path: str | Path, torn_last: bool = False) -> list[str]:
+    """The lines of a ``metrics.jsonl`` file, decoded one by one: a line that is not UTF-8 raises
+    ``ValueError`` naming the file and the line (the rest of the file is not read as text as a
+    whole, so the message says where, not at which byte offset). ``torn_last``: the last line may
+    be a write cut by a crash (possibly inside a multi-byte character): it is decoded with
+    replacement characters for the caller to drop as torn (default ``False``)."""
+    raws = Path(path).read_bytes().splitlines()
+    lines = []
+    for i, raw in enumerate(raws, 1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            if torn_last and i == len(raws):
+                lines.append(raw.decode("utf-8", errors="replace"))
+                continue
+            raise ValueError(
+                f"{path}, line {i}: not valid UTF-8 ({e.reason} at column {e.start + 1}): {raw[:60]!r}; "
+                "it is not a line mnemo wrote (the file was left as it is)"
+            ) from None
+    return lines
+
+
 class Sink(Protocol):
     def log(self, record: dict) -> None:
         """Take one evaluation record (rank 0 only)."""
