@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..plotting import legend
 from .db import SweepDB
+from .recipe import claims_markdown, judge_claim, left_plateau
 from .spec import METRICS_HIGHER_IS_BETTER
 from .stats import mean_interval
 
@@ -200,6 +201,8 @@ def cell_stats(
                 "n_reached": None
                 if threshold is None
                 else sum(_reached(v, threshold, metric) for v in values),
+                "plateau": [left_plateau(r["metrics"].get("curve"), metric, threshold) for r in done],
+                "budget_steps": max((int(r["config"].get("steps", 0)) for r in reported), default=None),
                 "n_finished": len(reported),
                 "n_diverged": sum(r["status"] == "diverged" for r in reported),
                 "lengths": {L: mean_interval(v, confidence) for L, v in sorted(lengths.items())},
@@ -483,6 +486,51 @@ def _tuned(rows: list[dict]) -> bool:
     return any(len(v) > 1 for v in values.values())
 
 
+def judge_claims(
+    claims: list[dict], cells: list[dict], metric: str, threshold, confidence=0.95
+) -> list[dict]:
+    """Each claim (``{"name", "better", "than"}``, labels) judged in every pair of cells that
+    differ only in the label (:func:`~mnemo.sweep.recipe.judge_claim`); the entry gets ``cell``
+    (the shared grid values). A claim whose labels share no such pair is not testable here."""
+    out = []
+    for claim in claims:
+        found = False
+        for a in cells:
+            if a["label"] != claim["better"]:
+                continue
+            where = {k: v for k, v in a["cell"].items() if k != "label"}
+            for b in cells:
+                if (
+                    b["label"] == claim["than"]
+                    and {k: v for k, v in b["cell"].items() if k != "label"} == where
+                ):
+                    found = True
+                    j = judge_claim(claim, a, b, metric=metric, threshold=threshold, confidence=confidence)
+                    if where:
+                        j["claim"] += " (" + ", ".join(f"{k}={v}" for k, v in where.items()) + ")"
+                    out.append({**j, "cell": where})
+        if not found:
+            out.append(
+                {
+                    "claim": claim["name"],
+                    "better": claim["better"],
+                    "than": claim["than"],
+                    "metric": metric,
+                    "seeds": [],
+                    "differences": [],
+                    "n": 0,
+                    "mean": None,
+                    "low": None,
+                    "high": None,
+                    "confidence": confidence,
+                    "cell": None,
+                    "verdict": "not testable here",
+                    "why": "no cell of the one model matches a cell of the other",
+                }
+            )
+    return out
+
+
 def write_report(
     db_path: str | Path,
     out_dir: str | Path | None = None,
@@ -553,6 +601,14 @@ def write_report(
             + markdown_table(rows, metric, threshold=threshold, **kw)
             + "\n"
         )
+        judged = judge_claims(metas[name].get("claims") or [], cells, metric, thr, confidence)
+        if judged:
+            text += (
+                f"\n### claims\n\nEach claim on `{metric}`, per cell, on the seeds both models report "
+                f"(paired: the difference per seed, then its {confidence:.0%} Student-t interval; "
+                "positive favours `better`). *not testable here*: fewer than 3 paired seeds, a run "
+                "still on its initial plateau, or both at the ceiling.\n\n" + claims_markdown(judged)
+            )
         files = [out / f"{name}.md", out / f"{name}.json"]
         files[0].write_text(text)
         summary = {
@@ -564,6 +620,8 @@ def write_report(
             "select_lr_on_seed": select,
             "seeds": seeds,
             "cells": cells,
+            "recipe": metas[name].get("recipe"),
+            "claims": judged,
         }
         files[1].write_text(json.dumps(summary, indent=1) + "\n")
         if plots:

@@ -78,7 +78,7 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
             if not record:  # already trained to the end before an interruption: the logged record
                 lines = [x for x in metrics_lines(out / METRICS_NAME) if x.strip()]
                 record = json.loads(lines[-1]) if lines else trainer.evaluate(lengths=cfg.eval_lengths)
-            result.update(status="done", metrics=record)
+            result.update(status="done", metrics={**record, "curve": _curve(out / METRICS_NAME)})
         except TrainingDiverged as e:
             result.update(status="diverged", metrics={"step": e.step}, error=str(e))
         except KeyboardInterrupt:
@@ -89,6 +89,24 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
     result["wall_time_s"] = wall()
     save_wall(None, None)
     return result
+
+
+def _curve(path) -> list[dict]:
+    """The run's evaluation curve from its ``metrics.jsonl``: per record ``step`` and the
+    validation metrics (``val_loss``, ``val_acc``, ``val_seq_acc`` where present), for the
+    plateau check of :func:`mnemo.sweep.recipe.left_plateau`."""
+    from ..train.sinks import metrics_lines
+
+    keep = ("step", "val_loss", "val_acc", "val_seq_acc")
+    curve = []
+    for line in metrics_lines(path) if Path(path).is_file() else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            curve.append({k: r[k] for k in keep if k in r})
+    return curve
 
 
 def _init_worker(threads: int | None) -> None:

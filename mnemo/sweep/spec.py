@@ -21,6 +21,9 @@ A sweep file looks like::
     tune: [lr]                       # axes whose best value is kept per cell (default [lr])
     seeds: [0, 1, 2, 3]              # every run once per seed (or ``seeds: 4`` = [0, 1, 2, 3])
     select_lr_on_seed: 0             # choose the tuned values (lr) on this seed only; report the rest
+    recipe: standard                 # refuse a sweep below the recipe standard (mnemo.sweep.recipe)
+    claims:                          # judged per cell in the report: reproduced / not reproduced /
+      - {name: gating helps, better: gated_deltanet-h1, than: transformer}   # not testable here
 
 Every run's config is ``base`` ← model entry ← grid point (deep-merged in that order) and is
 validated as a ``TrainConfig`` before anything runs. A **cell** is one model entry and one value of
@@ -69,6 +72,8 @@ _SPEC_KEYS = {
     "select_lr_on_seed",
     "db",
     "out",
+    "recipe",
+    "claims",
 }
 METRICS_HIGHER_IS_BETTER = {"val_acc": True, "val_seq_acc": True, "val_loss": False}
 
@@ -134,6 +139,8 @@ class SweepSpec:
     select_lr_on_seed: int | None = None
     db: str | None = None
     out: str | None = None
+    recipe: str | None = None  # "standard": checked against mnemo.sweep.recipe's standard
+    claims: list[dict] = field(default_factory=list)  # [{"name", "better", "than"}] judged in reports
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "sweep") -> SweepSpec:
@@ -195,6 +202,20 @@ class SweepSpec:
                     f"{source}: 'select_lr_on_seed' needs a tuned grid axis (tune {tune} matches none "
                     f"of the grid keys {sorted(grid)})"
                 )
+        recipe = d.get("recipe")
+        if recipe not in (None, "standard"):
+            raise ValueError(f"{source}: 'recipe' must be 'standard' (or absent), got {recipe!r}")
+        if recipe == "standard":
+            from .recipe import recipe_problems
+
+            problems = recipe_problems(grid.get("lr") if "lr" in tune else None, seeds, select)
+            if problems:
+                raise ValueError(
+                    f"{source}: 'recipe: standard' is not met: "
+                    + "; ".join(problems)
+                    + " (docs/results/README.md: the recipe standard)"
+                )
+        claims = _parse_claims(d.get("claims"), models, source)
         spec = cls(
             name=name,
             base=base,
@@ -207,6 +228,8 @@ class SweepSpec:
             select_lr_on_seed=select,
             db=d.get("db"),
             out=d.get("out"),
+            recipe=recipe,
+            claims=claims,
         )
         spec.runs()  # validates every run's TrainConfig now, before anything is trained
         return spec
@@ -244,6 +267,8 @@ class SweepSpec:
             "tune": self.tune,
             "seeds": self.seeds,
             "select_lr_on_seed": self.select_lr_on_seed,
+            "recipe": self.recipe,
+            "claims": self.claims,
         }
 
     def runs(self) -> list[Run]:
@@ -285,6 +310,32 @@ class SweepSpec:
         if len(set(ids)) != len(ids):
             raise ValueError(f"sweep {self.name!r}: two model entries or grid points give identical runs")
         return out
+
+
+def _parse_claims(value, models: list, source: str) -> list[dict]:
+    """``claims: [{name: ..., better: LABEL, than: LABEL}, ...]``: each names two model labels of
+    the sweep (judged per cell by :func:`mnemo.sweep.recipe.judge_claim`)."""
+    if value is None:
+        return []
+    labels = {m if isinstance(m, str) else str(m.get("label", m.get("model"))) for m in models if m}
+    if not isinstance(value, list):
+        raise ValueError(f"{source}: 'claims' must be a list of mappings with 'better' and 'than'")
+    out = []
+    for i, c in enumerate(value):
+        if not isinstance(c, dict) or set(c) - {"name", "better", "than"}:
+            raise ValueError(
+                f"{source}: claims[{i}] must be a mapping of 'name', 'better' and 'than', got {c!r}"
+            )
+        for key in ("better", "than"):
+            if c.get(key) not in labels:
+                raise ValueError(
+                    f"{source}: claims[{i}].{key} must be a model label of the sweep ({sorted(labels)}), "
+                    f"got {c.get(key)!r}"
+                )
+        if c["better"] == c["than"]:
+            raise ValueError(f"{source}: claims[{i}] compares {c['better']!r} with itself")
+        out.append({"name": str(c.get("name", f"{c['better']} beats {c['than']}")), **c})
+    return out
 
 
 def _parse_seeds(value, source: str) -> list[int] | None:

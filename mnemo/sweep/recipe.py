@@ -1,0 +1,209 @@
+"""The recipe standard of mnemo's published comparisons, and the verdict on a claim.
+
+A comparison a reviewer accepts gives every model its own learning rate, chosen on a seed that is
+not reported, trains until the runs have left the initial plateau, reports several seeds with
+intervals, and says for each claim whether the experiment could tell it from its negation. This
+module holds the three pieces the sweep machinery uses for that:
+
+* :func:`recipe_problems` — a sweep file with ``recipe: standard`` must tune ``lr`` per cell over
+  at least :data:`MIN_LR_VALUES` values spanning at least :data:`MIN_LR_SPAN` (max / min), select
+  it on a held-out seed (``select_lr_on_seed``) and report at least :data:`MIN_REPORTED_SEEDS`
+  other seeds. :meth:`mnemo.sweep.SweepSpec.from_dict` refuses a standard sweep that does not.
+* :func:`left_plateau` — whether one run's evaluation curve (``metrics.jsonl``, stored with each
+  sweep run as ``curve``) left its initial plateau: the metric improved on its first evaluation
+  by at least ``rise`` (accuracies: :data:`ACC_RISE` absolute; ``val_loss``: :data:`LOSS_RISE` of
+  the first value), or reached the threshold. A run that did not is still on the plateau: its
+  value says nothing about the model's ability, only about the budget.
+* :func:`judge_claim` — a claim ``better`` beats ``than`` on the sweep's metric, judged on the
+  seeds both report (paired: the difference per seed, then its Student-t interval,
+  :func:`~mnemo.sweep.stats.mean_interval`). The verdict is one of ``reproduced`` (the interval
+  lies above 0), ``not reproduced`` (it contains 0, or lies below: then the opposite holds), or
+  ``not testable here`` with the reason: fewer than :data:`MIN_REPORTED_SEEDS` paired seeds, a
+  run still on its plateau, or both models at the ceiling (every value past the threshold: the
+  task cannot separate them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .stats import mean_interval
+
+#: the standard's learning-rate grid: at least this many values ...
+MIN_LR_VALUES = 3
+#: ... spanning at least this factor (largest / smallest)
+MIN_LR_SPAN = 10.0
+#: seeds reported per cell (the held-out selection seed comes on top)
+MIN_REPORTED_SEEDS = 3
+#: an accuracy curve left its plateau when it rose this much (absolute) above its first value
+ACC_RISE = 0.1
+#: a loss curve left its plateau when it fell this fraction below its first value
+LOSS_RISE = 0.05
+
+VERDICTS = ("reproduced", "not reproduced", "not testable here")
+
+
+def recipe_problems(
+    lr_values: list | None, seeds: list[int] | None, select_lr_on_seed: int | None
+) -> list[str]:
+    """What a sweep lacks against the standard (empty when it meets it).
+
+    Args:
+        lr_values: the sweep's tuned ``lr`` grid (``None`` when ``lr`` is not a tuned axis).
+        seeds: the sweep's seeds (``None`` when it has none).
+        select_lr_on_seed: its held-out selection seed, or ``None``.
+    Returns:
+        One sentence per problem, each naming the sweep key to change.
+    """
+    problems = []
+    if not lr_values:
+        problems.append("'grid' has no tuned 'lr' axis: every model needs its own learning rate")
+    else:
+        lrs = [v for v in lr_values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+        if len(set(lrs)) < MIN_LR_VALUES:
+            problems.append(
+                f"'grid.lr' has {len(set(lrs))} distinct value(s); the standard needs >= {MIN_LR_VALUES}"
+            )
+        elif max(lrs) / min(lrs) < MIN_LR_SPAN:
+            problems.append(
+                f"'grid.lr' spans {max(lrs) / min(lrs):.3g}x ({min(lrs):g} … {max(lrs):g}); the standard "
+                f"needs >= {MIN_LR_SPAN:g}x"
+            )
+    if select_lr_on_seed is None:
+        problems.append("'select_lr_on_seed' is not set: the learning rate must be chosen on a held-out seed")
+    reported = [s for s in (seeds or []) if s != select_lr_on_seed]
+    if len(reported) < MIN_REPORTED_SEEDS:
+        problems.append(
+            f"'seeds' leaves {len(reported)} reported seed(s) besides the held-out one; the standard needs "
+            f">= {MIN_REPORTED_SEEDS}"
+        )
+    return problems
+
+
+def _higher_is_better(metric: str) -> bool:
+    return metric != "val_loss"
+
+
+def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None = None) -> bool | None:
+    """Whether a run's evaluation ``curve`` (records with ``step`` and ``metric``, in order) left
+    its initial plateau; ``None`` when the curve has fewer than one finite value (unknown).
+
+    Accuracies (higher is better): the best value is at least :data:`ACC_RISE` above the first,
+    or reaches ``threshold``. ``val_loss``: the best value is at least :data:`LOSS_RISE` × the
+    first value below it, or at most ``threshold``."""
+    values = [r.get(metric) for r in curve or []]
+    values = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not values:
+        return None
+    first = values[0]
+    if _higher_is_better(metric):
+        best = max(values)
+        return best - first >= ACC_RISE or (threshold is not None and best >= threshold)
+    best = min(values)
+    return first - best >= LOSS_RISE * abs(first) or (threshold is not None and best <= threshold)
+
+
+def judge_claim(
+    claim: dict[str, Any],
+    better: dict,
+    than: dict,
+    *,
+    metric: str,
+    threshold: float | None,
+    confidence: float = 0.95,
+) -> dict:
+    """The verdict on ``claim`` (``{"name", "better", "than"}``) from two cells' statistics.
+
+    ``better`` and ``than`` are :func:`~mnemo.sweep.report.cell_stats` entries with, per reported
+    seed, ``seeds``, ``values`` and ``plateau`` (:func:`left_plateau` of that run, or ``None``).
+    The difference per shared seed is ``better − than`` (``than − better`` for ``val_loss``, so
+    that a positive difference always favours ``better``).
+
+    Returns:
+        ``{"claim", "better", "than", "metric", "seeds", "differences", "n", "mean", "low",
+        "high", "confidence", "verdict", "why"}`` (``verdict`` in :data:`VERDICTS`; ``why`` one
+        sentence).
+    """
+    sign = 1.0 if _higher_is_better(metric) else -1.0
+    a = dict(zip(better["seeds"], better["values"]))
+    b = dict(zip(than["seeds"], than["values"]))
+    shared = sorted(set(a) & set(b))
+    diffs = [sign * (a[s] - b[s]) for s in shared]
+    st = mean_interval(diffs, confidence)
+    out = {
+        "claim": claim.get("name", f"{claim['better']} > {claim['than']}"),
+        "better": claim["better"],
+        "than": claim["than"],
+        "metric": metric,
+        "seeds": shared,
+        "differences": diffs,
+        "n": st["n"],
+        "mean": st["mean"],
+        "low": st["low"],
+        "high": st["high"],
+        "confidence": confidence,
+    }
+
+    def stuck(cell):
+        plateau = dict(zip(cell["seeds"], cell.get("plateau") or [None] * len(cell["seeds"])))
+        return [s for s in shared if plateau.get(s) is False]
+
+    stuck_a, stuck_b = stuck(better), stuck(than)
+    at_ceiling = (
+        threshold is not None
+        and shared
+        and all(
+            (v >= threshold) if _higher_is_better(metric) else (v <= threshold)
+            for v in [a[s] for s in shared] + [b[s] for s in shared]
+        )
+    )
+    if len(shared) < MIN_REPORTED_SEEDS:
+        verdict, why = "not testable here", f"{len(shared)} paired seed(s) (< {MIN_REPORTED_SEEDS})"
+    elif stuck_a or stuck_b:
+        who = [f"{claim['better']} seed(s) {stuck_a}"] * bool(stuck_a) + [
+            f"{claim['than']} seed(s) {stuck_b}"
+        ] * bool(stuck_b)
+        verdict, why = "not testable here", f"{' and '.join(who)} did not leave the initial plateau"
+    elif at_ceiling:
+        verdict = "not testable here"
+        why = (
+            f"every run of both reached {metric} {'≥' if sign > 0 else '≤'} {threshold:g}: the task cannot "
+            "separate them"
+        )
+    elif st["low"] > 0:
+        verdict, why = (
+            "reproduced",
+            f"paired difference {st['mean']:+.4g} [{st['low']:+.4g}, {st['high']:+.4g}] > 0",
+        )
+    elif st["high"] < 0:
+        verdict = "not reproduced"
+        why = f"the opposite holds: paired difference {_ci(st)} < 0"
+    else:
+        verdict = "not reproduced"
+        why = f"no difference: paired difference {_ci(st)} contains 0"
+    out.update(verdict=verdict, why=why)
+    return out
+
+
+def _ci(st: dict) -> str:
+    return f"{st['mean']:+.4g} [{st['low']:+.4g}, {st['high']:+.4g}]"
+
+
+def claims_markdown(judged: list[dict]) -> str:
+    """The claims table of a report: claim, paired seeds, difference with its interval, verdict."""
+    if not judged:
+        return ""
+    lines = [
+        "| claim | better | than | n (paired) | difference [CI] | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for j in judged:
+        diff = "—" if j["mean"] is None else f"{j['mean']:+.4f}"
+        if j["low"] is not None:
+            diff += f" [{j['low']:+.4f}, {j['high']:+.4f}]"
+        lines.append(
+            f"| {j['claim']} | {j['better']} | {j['than']} | {j['n']} | {diff} | "
+            f"**{j['verdict']}**: {j['why']} |"
+        )
+    return "\n".join(lines) + "\n"

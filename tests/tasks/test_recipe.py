@@ -1,0 +1,181 @@
+"""The recipe standard (issue 39 item 1): a standard sweep is refused below it, a run's curve
+says whether it left the initial plateau, and each claim gets one of three verdicts from a paired
+interval computed by hand here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import mnemo.sweep.runner as runner_mod
+from mnemo.sweep import SweepSpec, cell_stats, run_sweep, write_report
+from mnemo.sweep.recipe import judge_claim, left_plateau, recipe_problems
+from mnemo.sweep.stats import t_quantile
+
+BASE = {
+    "task": "mqar",
+    "task_options": {"num_pairs": 2, "vocab_size": 16},
+    "seq_len": 16,
+    "batch_size": 4,
+    "steps": 4,
+    "eval_interval": 2,
+    "eval_batches": 1,
+    "model_overrides": {"d_model": 16, "n_layers": 1},
+}
+STANDARD = {"grid": {"lr": [1e-3, 3e-3, 1e-2]}, "seeds": 4, "select_lr_on_seed": 0, "recipe": "standard"}
+
+
+def _spec(**kw) -> SweepSpec:
+    d = {"name": "recipe", "base": BASE, "models": ["gla", "retnet"], **STANDARD}
+    d.update(kw)
+    return SweepSpec.from_dict(d)
+
+
+def test_a_standard_sweep_meets_the_standard_or_is_refused_naming_what_lacks():
+    assert _spec().recipe == "standard"
+    for change, said in (
+        ({"grid": {"lr": [1e-3, 1e-2]}}, "'grid.lr' has 2 distinct value(s); the standard needs >= 3"),
+        (
+            {"grid": {"lr": [1e-3, 2e-3, 4e-3]}},
+            "'grid.lr' spans 4x (0.001 … 0.004); the standard needs >= 10x",
+        ),
+        ({"seeds": 3}, "'seeds' leaves 2 reported seed(s) besides the held-out one"),
+        ({"select_lr_on_seed": None}, "'select_lr_on_seed' is not set"),
+    ):
+        with pytest.raises(ValueError, match="'recipe: standard' is not met") as e:
+            _spec(**change)
+        assert said in str(e.value)
+    assert recipe_problems([1e-3, 3e-3, 1e-2], [0, 1, 2, 3], 0) == []
+    assert recipe_problems(None, [0, 1, 2, 3], 0) == [
+        "'grid' has no tuned 'lr' axis: every model needs its own learning rate"
+    ]
+    with pytest.raises(ValueError, match="'recipe' must be 'standard'"):
+        _spec(recipe="loose")
+
+
+def test_claims_name_labels_of_the_sweep():
+    spec = _spec(claims=[{"better": "gla", "than": "retnet"}])
+    assert spec.claims == [{"name": "gla beats retnet", "better": "gla", "than": "retnet"}]
+    assert spec.meta()["claims"] == spec.claims
+    with pytest.raises(ValueError, match=r"claims\[0\].than must be a model label of the sweep"):
+        _spec(claims=[{"better": "gla", "than": "mamba"}])
+    with pytest.raises(ValueError, match="compares 'gla' with itself"):
+        _spec(claims=[{"better": "gla", "than": "gla"}])
+
+
+def test_left_plateau_on_known_curves():
+    flat = [{"step": s, "val_acc": 0.02 + 0.01 * (s % 2)} for s in range(0, 100, 10)]
+    assert left_plateau(flat, "val_acc") is False  # 0.02..0.03: never rose by 0.1
+    rose = flat + [{"step": 100, "val_acc": 0.4}]
+    assert left_plateau(rose, "val_acc") is True
+    # a run whose first evaluation already sits at the ceiling has left it too
+    assert left_plateau([{"step": 2, "val_acc": 0.995}, {"step": 4, "val_acc": 0.996}], "val_acc", 0.99)
+    # losses: down by 5% of the first value
+    assert left_plateau([{"val_loss": 2.0}, {"val_loss": 1.91}], "val_loss") is False
+    assert left_plateau([{"val_loss": 2.0}, {"val_loss": 1.89}], "val_loss") is True
+    assert (
+        left_plateau([], "val_acc") is None and left_plateau([{"val_acc": float("nan")}], "val_acc") is None
+    )
+
+
+def _cell(seeds, values, plateau=None):
+    return {"seeds": seeds, "values": values, "plateau": plateau or [True] * len(seeds)}
+
+
+def test_each_verdict_from_a_paired_interval_computed_by_hand():
+    claim = {"name": "a beats b", "better": "a", "than": "b"}
+    a = _cell([1, 2, 3], [0.80, 0.80, 0.93])
+    b = _cell([1, 2, 3, 4], [0.60, 0.65, 0.75, 0.10])  # seed 4 is not paired
+    j = judge_claim(claim, a, b, metric="val_acc", threshold=0.99)
+    d = [0.20, 0.15, 0.18]
+    mean = sum(d) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
+    half = t_quantile(0.975, 2) * sd / math.sqrt(3)
+    assert j["seeds"] == [1, 2, 3] and j["differences"] == pytest.approx(d)
+    assert (j["mean"], j["low"], j["high"]) == pytest.approx((mean, mean - half, mean + half))
+    assert j["verdict"] == "reproduced" and mean - half > 0
+    # the same values the other way round: the opposite is significant
+    j = judge_claim({**claim, "better": "b", "than": "a"}, b, a, metric="val_acc", threshold=0.99)
+    assert j["verdict"] == "not reproduced" and "the opposite holds" in j["why"]
+    # a noisy difference: the interval contains 0
+    j = judge_claim(
+        claim,
+        _cell([1, 2, 3], [0.8, 0.5, 0.7]),
+        _cell([1, 2, 3], [0.6, 0.7, 0.6]),
+        metric="val_acc",
+        threshold=0.99,
+    )
+    assert j["verdict"] == "not reproduced" and "contains 0" in j["why"]
+    # val_loss: lower is better, so a positive difference still favours `better`
+    j = judge_claim(
+        claim,
+        _cell([1, 2, 3], [1.0, 1.1, 0.9]),
+        _cell([1, 2, 3], [1.5, 1.4, 1.6]),
+        metric="val_loss",
+        threshold=None,
+    )
+    assert j["differences"] == pytest.approx([0.5, 0.3, 0.7]) and j["verdict"] == "reproduced"
+
+
+def test_what_cannot_tell_the_claim_from_its_negation_is_not_testable_here():
+    claim = {"name": "a beats b", "better": "a", "than": "b"}
+    j = judge_claim(
+        claim, _cell([1, 2], [0.9, 0.8]), _cell([1, 2], [0.1, 0.2]), metric="val_acc", threshold=0.99
+    )
+    assert j["verdict"] == "not testable here" and "2 paired seed(s) (< 3)" in j["why"]
+    stuck = _cell([1, 2, 3], [0.9, 0.05, 0.8], plateau=[True, False, True])
+    j = judge_claim(claim, stuck, _cell([1, 2, 3], [0.1, 0.1, 0.1]), metric="val_acc", threshold=0.99)
+    assert (
+        j["verdict"] == "not testable here" and "a seed(s) [2] did not leave the initial plateau" in j["why"]
+    )
+    top = _cell([1, 2, 3], [0.995, 0.999, 1.0])
+    j = judge_claim(claim, top, _cell([1, 2, 3], [0.991, 0.992, 0.99]), metric="val_acc", threshold=0.99)
+    assert j["verdict"] == "not testable here" and "cannot separate them" in j["why"]
+
+
+def test_claims_through_the_sweep_and_its_report(tmp_path, monkeypatch):
+    """gla beats retnet by 0.2 at every reported seed (lr chosen on seed 0); retnet's seed 3 never
+    left its plateau in the second claim's sweep: the report says so instead of a verdict."""
+    acc = {"gla": [0.8, 0.7, 0.75, 0.9], "retnet": [0.6, 0.5, 0.55, 0.7]}
+
+    def run_one(config, run_dir, threads=None):
+        a = acc[config["model"]][config.get("seed", 0)] * (1.0 if config["lr"] == 3e-3 else 0.5)
+        curve = [{"step": 2, "val_acc": 0.02}, {"step": 4, "val_acc": a}]
+        return {
+            "status": "done",
+            "metrics": {"val_acc": a, "val_loss": 1 - a, "curve": curve},
+            "state_size_bytes": 256,
+            "n_params": 10,
+            "wall_time_s": 0.5,
+        }
+
+    monkeypatch.setattr(runner_mod, "run_one", run_one)
+    spec = _spec(claims=[{"name": "gating", "better": "gla", "than": "retnet"}])
+    db = tmp_path / "s.sqlite"
+    run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    res = write_report(db, tmp_path / "rep", plots=False)["recipe"]
+    cells = {c["label"]: c for c in res["cells"]}
+    assert cells["gla"]["tuned"] == {"lr": 3e-3} and cells["gla"]["seeds"] == [1, 2, 3]
+    assert cells["gla"]["plateau"] == [True, True, True] and cells["gla"]["budget_steps"] == 4
+    saved = json.loads((tmp_path / "rep" / "recipe.json").read_text())
+    (claim,) = saved["claims"]
+    assert claim["verdict"] == "reproduced" and claim["differences"] == pytest.approx([0.2, 0.2, 0.2])
+    assert "### claims" in res["markdown"] and "**reproduced**" in res["markdown"]
+    assert saved["recipe"] == "standard"
+    # the same sweep where retnet's seed 3 stays on the plateau
+    acc["retnet"][3] = 0.021
+    rows = [dict(r) for r in __import__("mnemo.sweep", fromlist=["SweepDB"]).SweepDB(db).rows("recipe")]
+    for r in rows:
+        if r["label"] == "retnet" and r["seed"] == 3:
+            r["metrics"] = {
+                **r["metrics"],
+                "val_acc": 0.021,
+                "curve": [{"val_acc": 0.02}, {"val_acc": 0.021}],
+            }
+    from mnemo.sweep.report import judge_claims
+
+    cells = cell_stats(rows, select_lr_on_seed=0)
+    (claim,) = judge_claims(spec.claims, cells, "val_acc", 0.99)
+    assert claim["verdict"] == "not testable here" and "retnet seed(s) [3]" in claim["why"]
