@@ -272,6 +272,27 @@ def _hope_reconstruction() -> ModelConfig:
     return _hope_config("reconstruction")
 
 
+#: DGD momentum of hope_paper (the paper gives no value; the conventional heavy-ball 0.9, as the
+#: CMS levels' Level.beta default)
+_PAPER_MOMENTUM = 0.9
+
+
+@register_model(
+    "hope_paper",
+    "HOPE as Table 6's full model (Behrouz et al. 2025): self-modifying Titans with self-generated "
+    f"targets, an adaptive inner-projection q and DGD with momentum {_PAPER_MOMENTUM}, then a 3-level "
+    f"CMS (periods 8/16/32); {_TASK}",
+)
+def _hope_paper() -> ModelConfig:
+    # what Table 6 ablates from the evaluated model ("w/o momentum", "w/o inner-projection q") is on;
+    # the targets are Eq. 84/94's self-generated M_memory(v_t); the CMS levels learn from the task loss
+    cfg = _hope_config("task")
+    cfg.mixer_options["self_modifying_titans"].update(
+        memory_target="self", adaptive_q=True, momentum=_PAPER_MOMENTUM
+    )
+    return cfg
+
+
 @register_model(
     "hope_attention",
     f"HOPE-attention: softmax attention followed by a 3-level CMS (periods 8/16/32); {_TASK}",
