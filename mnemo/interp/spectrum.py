@@ -195,7 +195,7 @@ def _self_modifying_transition(mixer, state):
 def _cms_levels(cms, x, state_fn, directions, context, irr, seed):
     """Per level of a Continuum Memory System: its own transition's spectrum (the diagonal block of
     the Jacobian; the other levels ride along on their trajectories). Levels feed one way in all
-    three transfers (sequential: faster into slower; independent: not at all; nested: slower into
+    three transfers (sequential: along the chain, in its order; independent: not at all; nested: slower into
     faster restarts), so the Jacobian over the whole CMS state is block-triangular and the levels'
     spectra together are the spectrum of the whole state."""
     from dataclasses import replace

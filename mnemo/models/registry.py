@@ -293,6 +293,23 @@ def _hope_paper() -> ModelConfig:
     return cfg
 
 
+#: paper-scale CMS periods (§9.1 groups its CMS variants by lowest frequency 512 and 2K): four
+#: levels, the slowest stepping every 2048 tokens
+_LONG_PERIODS = (16, 128, 512, 2048)
+
+
+@register_model(
+    "hope_long",
+    "hope with paper-scale CMS periods 16/128/512/2048 (its slow levels step only when the state is "
+    "carried across training windows: docs/guides/nested_learning.md, 'Paper-scale time scales'); "
+    f"{_TASK}",
+)
+def _hope_long() -> ModelConfig:
+    cfg = _hope_config("task")
+    cfg.mlp_options = {"levels": [{"period": p, "objective": "task"} for p in _LONG_PERIODS]}
+    return cfg
+
+
 @register_model(
     "hope_attention",
     f"HOPE-attention: softmax attention followed by a 3-level CMS (periods 8/16/32); {_TASK}",
