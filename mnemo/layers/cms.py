@@ -44,9 +44,9 @@ Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest l
   first; the levels keep their indices (``levels.{i}``, ``CMSState.levels[i]``, fastest first)
   either way. The paper leaves the direction open (Eq. 70 composes ``MLP^(f_k)(… MLP^(f_1)(x))``
   without saying whether ``f_1`` is the highest frequency). The default, fastest first, is
-  mnemo's reading, for three reasons: (1) it reads Eq. 70 with ``f_1`` the highest frequency, the
-  level numbering of §7.1 where a level's index grows with its period (``C^(1) < … < C^(k)``);
-  (2) the slow levels then read features the fast levels have already adapted to the current
+  mnemo's reading, for three reasons: (1) it reads Eq. 70 with ``f_1`` the highest frequency, as
+  the public transcriptions of §7.1 do ("level 1: high frequency"; not stated in the paper's text
+  as we could check it); (2) the slow levels then read features the fast levels have already adapted to the current
   context, so what they consolidate at their rare steps is the in-context-adapted representation
   (the fast-to-slow transfer §7.1 motivates); (3) it is the chain every mnemo result so far was
   measured with. ``"slowest_first"`` is the other reading, kept as an option to compare.
