@@ -46,10 +46,11 @@ Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest l
   without saying whether ``f_1`` is the highest frequency). The default, fastest first, is
   mnemo's reading, for three reasons: (1) it reads Eq. 70 with ``f_1`` the highest frequency, as
   the public transcriptions of §7.1 do ("level 1: high frequency"; not stated in the paper's text
-  as we could check it); (2) the slow levels then read features the fast levels have already adapted to the current
-  context, so what they consolidate at their rare steps is the in-context-adapted representation
-  (the fast-to-slow transfer §7.1 motivates); (3) it is the chain every mnemo result so far was
-  measured with. ``"slowest_first"`` is the other reading, kept as an option to compare.
+  as we could check it); (2) the slow levels then read features the fast levels have already
+  adapted to the current context, so what they consolidate at their rare steps is the
+  in-context-adapted representation (our argument, not the paper's); (3) it is the chain every
+  mnemo result so far was measured with. ``"slowest_first"`` is the other reading, kept as an
+  option to compare.
 * ``"independent"`` (Eq. 74, head-wise): the levels read the same input in parallel and their
   outputs are aggregated by a learned weighted sum, ``y = Σ_ℓ w_ℓ MLP_ℓ(LN(x))`` (``w_ℓ`` start
   at 1).
@@ -524,8 +525,9 @@ class ContinuumMemory(nn.Module):
     Raises:
         ValueError: no levels; an unknown ``transfer``, ``order`` or ``meta``; ``meta`` without
             nested transfer; ``order="slowest_first"`` without sequential transfer; sequential
-            levels not given fastest first (the message names the two periods); for ``"nested"``: unequal widths, a period that is not a multiple of the next
-            faster level's, or ``partial="flush"``.
+            levels not given fastest first (the message names the two periods); for
+            ``"nested"``: unequal widths, a period that is not a multiple of the next faster
+            level's, or ``partial="flush"``.
     """
 
     def __init__(

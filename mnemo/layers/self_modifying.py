@@ -49,9 +49,9 @@ stream position.
   self-modified memories (``□ ∈ {k, v, q, η, α, memory}`` as transcribed; the first line's
   ``q_t = x_t W_q`` is the default ``adaptive_q=False``). The slow ``W_q`` is then absent.
 - ``momentum=μ`` (``0 ≤ μ < 1``): DGD with momentum. The paper's Table 6 names the ablation but §8
-  writes no equation for it; mnemo's choice, Titans' momentum (Behrouz et al. 2024, Eq. 9–10:
-  ``S_t = η S_{t−1} − θ_t ∇ℓ``, ``M_t = (1 − α_t) M_{t−1} + S_t``) placed on the gradient term of
-  Eq. 88, the delta term staying on the weights::
+  writes no equation for it; mnemo's choice, Titans' momentum with forgetting (Behrouz et al. 2024,
+  §3.1: ``S_t = η_t S_{t−1} − θ_t ∇ℓ``, ``M_t = (1 − α_t) M_{t−1} + S_t``) placed on the gradient
+  term of Eq. 88, the delta term staying on the weights::
 
       G_□,t = μ G_□,t−1 − η_t ∇L(M_□,c; k_t, v̂_□,t)          M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) + G_□,t
 
@@ -296,7 +296,8 @@ def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
     # S_L = γ_L S_0 + E_L m_0 + Σ_s k_s (F_Ls u_s − (γ_L/γ_s) α_s β_s r_s)ᵀ
     wr = (torch.exp(gc[:, -1:] - gc) * log_alpha.exp() * beta)[:, None, :, None]
     inner = Fm[:, -1][:, None, :, None] * u - wr * r  # [B, G, L, h]
-    S = gc[:, -1].exp()[:, None, None, None] * Wa + E[:, -1][:, None, None, None] * ma + k[:, None].transpose(-1, -2) @ inner
+    S = gc[:, -1].exp()[:, None, None, None] * Wa + E[:, -1][:, None, None, None] * ma
+    S = S + k[:, None].transpose(-1, -2) @ inner
     idx = torch.arange(L, device=k.device)
     pw = (torch.as_tensor(mu, dtype=dt) ** (L - 1 - idx).to(dt))[None, None, :, None]  # μ^{L−s}
     m = (mu**L) * ma + k[:, None].transpose(-1, -2) @ (pw * u)
@@ -416,11 +417,7 @@ class SelfModifyingTitans(Mixer):
         self.memory_target = memory_target
         if not isinstance(adaptive_q, bool):
             raise ValueError(f"adaptive_q must be a bool, got {adaptive_q!r}")
-        if (
-            not isinstance(momentum, (int, float))
-            or isinstance(momentum, bool)
-            or not 0 <= momentum < 1
-        ):
+        if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0 <= momentum < 1:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
         self.adaptive_q, self.momentum = adaptive_q, float(momentum)
         self.projections = PROJECTIONS_Q if adaptive_q else PROJECTIONS

@@ -186,6 +186,7 @@ class LanguageModel(nn.Module):
         last value.
         """
         firings: dict = {}  # name -> {piece index: value} (the last firing within a piece)
+        repeated: set = set()  # hooks that fired more than once within one piece
         pieces: list | None = [] if self.task_segment is not None else None
 
         def keep(value, name):
@@ -195,7 +196,10 @@ class LanguageModel(nn.Module):
                 index = len(pieces) - 1
             else:
                 index = 0
-            firings.setdefault(name, {})[index] = detach_state(value) if detach else value
+            by_piece = firings.setdefault(name, {})
+            if index in by_piece:
+                repeated.add(name)
+            by_piece[index] = detach_state(value) if detach else value
 
         chosen = select(self.hook_points, names)
         self._hook_pieces = pieces
@@ -209,7 +213,9 @@ class LanguageModel(nn.Module):
         read = [i for i, p in enumerate(pieces) if p is not None]
         cache = {}
         for name, by_piece in firings.items():
-            if sorted(by_piece) != read:  # a hook that fired on some pieces only: its last value
+            if sorted(by_piece) != read or name in repeated:
+                # fired on some pieces only, or several times within a piece (a mixer's own
+                # segments): its last value, as for a model read in one pass
                 cache[name] = by_piece[max(by_piece)]
                 continue
             cache[name] = join_pieces(

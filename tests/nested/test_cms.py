@@ -667,7 +667,8 @@ def test_hope_long_slow_levels_step_when_the_state_is_carried_across_training_wi
     assert all(lv["objective"] == "task" for lv in cfg.mlp_options["levels"])
     small = [dict(lv, period=p) for lv, p in zip(cfg.mlp_options["levels"], (4, 8, 16, 32))]
     torch.manual_seed(0)
-    m = LanguageModel(build_config("hope_long", vocab_size=23, d_model=8, n_layers=1, mlp_options={"levels": small}))
+    cfg = build_config("hope_long", vocab_size=23, d_model=8, n_layers=1, mlp_options={"levels": small})
+    m = LanguageModel(cfg)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     ids = torch.randint(0, 23, (1, 40), generator=torch.Generator().manual_seed(0))
     S, W = 4, 13

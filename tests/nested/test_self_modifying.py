@@ -399,7 +399,7 @@ def test_options_gradients_agree_between_forms(C, Cp):
         grads[mode] = gm
     names = ["x", "m0_a", "m0_b"] + [n for n, _ in m.named_parameters()]
     for n, a, b in zip(names, grads["recurrent"], grads["chunk"]):
-        assert_close(b, a, TOL)
+        assert_close(b, a, TOL, what=n)
     for n, g in zip(names, grads["chunk"]):
         assert g.abs().sum() > 0, f"{n}: zero gradient"
 
