@@ -41,9 +41,11 @@ Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest l
   our choice (the paper writes the bare composition ``MLP^(f_k)(… MLP^(f_1)(x))``).
   The chain's direction is ``ContinuumMemory(order=...)``: ``"fastest_first"`` (default) passes the
   input through the level with the shortest period first, ``"slowest_first"`` through the longest
-  first; the levels keep their indices (``levels.{i}``, ``CMSState.levels[i]``, fastest first)
-  either way. The paper leaves the direction open (Eq. 70 composes ``MLP^(f_k)(… MLP^(f_1)(x))``
-  without saying whether ``f_1`` is the highest frequency). The default, fastest first, is
+  first (the levels sorted by period, whatever their list order; before issue 37 the chain
+  followed the list order, the same for the presets, which list their levels fastest first); the
+  levels keep their list indices (``levels.{i}``, ``CMSState.levels[i]``) either way. The paper
+  leaves the direction open (Eq. 70 composes ``MLP^(f_k)(… MLP^(f_1)(x))`` without saying whether
+  ``f_1`` is the highest frequency). The default, fastest first, is
   mnemo's reading, for three reasons: (1) it reads Eq. 70 with ``f_1`` the highest frequency, as
   the public transcriptions of §7.1 do ("level 1: high frequency"; not stated in the paper's text
   as we could check it); (2) the slow levels then read features the fast levels have already
@@ -508,8 +510,9 @@ class ContinuumMemory(nn.Module):
         transfer: how knowledge passes between levels: ``"sequential"`` (Eq. 73, default),
             ``"independent"`` (Eq. 74) or ``"nested"`` (Eq. 72); see the module docstring.
         order: (sequential transfer) the chain's direction, ``"fastest_first"`` (default) or
-            ``"slowest_first"`` (see the module docstring for the default's justification); the
-            levels must be given fastest first (non-decreasing periods) for either.
+            ``"slowest_first"``: the chain visits the levels sorted by period, ascending or
+            descending (stable: equal periods keep their list order), whatever their list order
+            (see the module docstring for the default's justification).
         meta: (nested transfer only) the slower levels' rule: ``"unrolled"`` (default; Eq. 72 as
             meta-learning: the gradient of the faster level's loss after its adaptation,
             back-propagated through the adaptation), ``"first_order"`` (the same loss's gradient at
@@ -524,8 +527,7 @@ class ContinuumMemory(nn.Module):
 
     Raises:
         ValueError: no levels; an unknown ``transfer``, ``order`` or ``meta``; ``meta`` without
-            nested transfer; ``order="slowest_first"`` without sequential transfer; sequential
-            levels not given fastest first (the message names the two periods); for
+            nested transfer; ``order="slowest_first"`` without sequential transfer; for
             ``"nested"``: unequal widths, a period that is not a multiple of the next faster
             level's, or ``partial="flush"``.
     """
@@ -551,15 +553,11 @@ class ContinuumMemory(nn.Module):
                 f"ContinuumMemory.order: {order!r} only with transfer='sequential' (a chain), got "
                 f"transfer={transfer!r}"
             )
-        if transfer == "sequential":
-            for i, (fast, slow) in enumerate(zip(levels, levels[1:])):
-                if slow.period < fast.period:
-                    raise ValueError(
-                        f"ContinuumMemory.levels: expected fastest first (non-decreasing periods; "
-                        f"the chain's direction is `order`), got level {i + 1} with period "
-                        f"{slow.period} after level {i} with period {fast.period}"
-                    )
         self.order = order
+        # the chain (sequential transfer): level indices sorted by period, stably (equal periods keep
+        # their list order), ascending or descending
+        sign = 1 if order == "fastest_first" else -1
+        self._chain = sorted(range(len(levels)), key=lambda i: sign * levels[i].period)
         if meta is not None and transfer != "nested":
             raise ValueError(f"ContinuumMemory.meta: only with transfer='nested', got transfer={transfer!r}")
         if transfer == "nested":
@@ -643,10 +641,7 @@ class ContinuumMemory(nn.Module):
         prev = state.levels if state is not None else [None] * len(self.levels)
         if self.transfer == "sequential":
             h, new = x, [None] * len(self.levels)
-            chain = range(len(self.levels))
-            if self.order == "slowest_first":
-                chain = reversed(chain)
-            for i in chain:  # the state and the hooks keep the levels' own (fastest-first) indices
+            for i in self._chain:  # the state and the hooks keep the levels' list indices
                 y, new[i] = self.levels[i](self.norms[i](h), prev[i])
                 h = h + y
             return h - x, self.hook_state(CMSState(levels=tuple(new)))

@@ -620,13 +620,21 @@ def test_chain_order_changes_the_output_and_slowest_first_is_the_reversed_compos
     assert_close(torch.cat([y1, y2], 1), ys, 1e-13)
 
 
-def test_chain_order_errors_name_the_argument():
+def test_chain_order_errors_name_the_argument_and_the_chain_follows_the_periods():
     with pytest.raises(ValueError, match="ContinuumMemory.order: expected one of"):
         ContinuumMemory(D, [Level(2), Level(4)], order="fast")
     with pytest.raises(ValueError, match="only with transfer='sequential'"):
         ContinuumMemory(D, [Level(2), Level(4)], transfer="independent", order="slowest_first")
-    with pytest.raises(ValueError, match="level 1 with period 2 after level 0 with period 4"):
-        ContinuumMemory(D, [Level(4), Level(2)])
+    # the chain follows the periods, not the list order: a list given slowest first, run
+    # fastest first, equals the same levels listed fastest first
+    torch.manual_seed(0)
+    a = ContinuumMemory(D, [Level(2, lr=4.0), Level(5, lr=4.0)]).double()
+    b = ContinuumMemory(D, [Level(5, lr=4.0), Level(2, lr=4.0)]).double()
+    b.levels[0].load_state_dict(a.levels[1].state_dict())
+    b.levels[1].load_state_dict(a.levels[0].state_dict())
+    x = _x(9)
+    with torch.no_grad():
+        assert_close(b(x)[0], a(x)[0], 1e-13)
 
 
 def test_paper_scale_levels_step_exactly_at_multiples_of_their_period_across_windows():
