@@ -362,3 +362,29 @@ def test_run_with_cache_streaming_leaves_out_the_signal_replay():
     for k, v in part.items():
         assert v.shape[1] == 5, k
         assert_close(v, whole[k][:, 8:], 1e-12)
+
+
+def test_run_with_cache_keeps_the_last_value_of_a_hook_fired_within_a_segment():
+    """Titans MAC fires its memory hooks once per MAC segment, inside each task segment: such a hook
+    keeps its last value, as in one pass of the same model with reconstruction levels (the same
+    keys and shapes), while the once-per-segment hooks are joined over the whole call."""
+    shapes = {}
+    for objective in ("task", "reconstruction"):
+        torch.manual_seed(0)
+        cfg = build_config(
+            "titans_mac",
+            vocab_size=V,
+            d_model=16,
+            n_layers=1,
+            mlp="cms",
+            mlp_options={"levels": [{"period": 8, "objective": objective}]},
+            mixer_options={"titans_mac": {"n_heads": 2, "segment": 4}},
+        )
+        with torch.no_grad():
+            _, cache = LanguageModel(cfg).eval().run_with_cache(_ids(21))
+        shapes[objective] = {k: v.shape for k, v in cache.items() if isinstance(v, torch.Tensor)}
+    task, recon = shapes["task"], shapes["reconstruction"]
+    assert all(task[k] == recon[k] for k in task), {
+        k: (task[k], recon[k]) for k in task if task[k] != recon[k]
+    }
+    assert task["blocks.0.hook_mixer_out"][1] == 21 and task["blocks.0.mixer.memory.hook_q"][1] == 1
