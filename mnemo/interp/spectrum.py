@@ -158,17 +158,22 @@ def _self_modifying_transition(mixer, state):
     rides along on its trajectory. ``None`` for another state."""
     from dataclasses import replace
 
-    if hasattr(state, "proj_anchor"):  # SelfModifyingTitansState: M_k, M_v, M_η, M_α and M_memory
+    if hasattr(state, "proj_anchor"):  # SelfModifyingTitansState: M_k, M_v, M_η, M_α (M_q) and M_memory
         period = math.lcm(int(mixer.chunk_size), int(mixer.proj_chunk_size))
+        momentum = state.memory_momentum is not None  # DGD with momentum: the buffers are state too
 
         def get(st):
-            return [*st.proj, *st.memory]
+            return [*st.proj, *st.memory, *(st.proj_momentum or ()), *(st.memory_momentum or ())]
 
         def put(st, ts):
-            proj, mem = tuple(ts[:2]), tuple(ts[2:])
-            return replace(st, proj=proj, proj_anchor=proj, memory=mem, memory_anchor=mem)
+            proj, mem = tuple(ts[:2]), tuple(ts[2:4])
+            st = replace(st, proj=proj, proj_anchor=proj, memory=mem, memory_anchor=mem)
+            if momentum:
+                st = replace(st, proj_momentum=tuple(ts[4:6]), memory_momentum=tuple(ts[6:8]))
+            return st
 
-        return period, get, put, "the projection memories and the main memory"
+        what = "the projection memories and the main memory"
+        return period, get, put, what + (" (weights and momentum)" if momentum else "")
     if hasattr(state, "memory_weights"):  # SelfModifyingProjectionsState: P and the main memory
         period = math.lcm(int(mixer.chunk_size), int(mixer.spec.chunk_size))
         keys = sorted(state.proj)
@@ -190,7 +195,7 @@ def _self_modifying_transition(mixer, state):
 def _cms_levels(cms, x, state_fn, directions, context, irr, seed):
     """Per level of a Continuum Memory System: its own transition's spectrum (the diagonal block of
     the Jacobian; the other levels ride along on their trajectories). Levels feed one way in all
-    three transfers (sequential: faster into slower; independent: not at all; nested: slower into
+    three transfers (sequential: along the chain, in its order; independent: not at all; nested: slower into
     faster restarts), so the Jacobian over the whole CMS state is block-triangular and the levels'
     spectra together are the spectrum of the whole state."""
     from dataclasses import replace

@@ -145,7 +145,10 @@ class Attention(Mixer):
             RotaryEmbedding(head_dim, rope_theta, rotary_dim, scaling=rope_scaling) if rope else None
         )
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
-        self.hook_pattern, self.hook_o, self.hook_state = HookPoint(), HookPoint(), HookPoint()
+        # the pattern's keys end at the call's last token (joined over pieces by column position,
+        # :func:`~mnemo.layers.hooks.join_pieces`); sink columns come first, so with sinks it is not
+        self.hook_pattern = HookPoint(time_dim=2, key_dim=3) if not n_sink else HookPoint(time_dim=None)
+        self.hook_o, self.hook_state = HookPoint(), HookPoint()
 
     def _mode(self, T: int, mode: str | None) -> str:
         return mode or self.mode

@@ -39,6 +39,20 @@ Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest l
   ``h_k − h_0`` (the block adds its own residual). Every level's initial weights are slow weights
   trained by the outer loop through the unrolled inner updates. The residual around every level is
   our choice (the paper writes the bare composition ``MLP^(f_k)(… MLP^(f_1)(x))``).
+  The chain's direction is ``ContinuumMemory(order=...)``: ``"fastest_first"`` (default) passes the
+  input through the level with the shortest period first, ``"slowest_first"`` through the longest
+  first (the levels sorted by period, whatever their list order; before issue 37 the chain
+  followed the list order, the same for the presets, which list their levels fastest first); the
+  levels keep their list indices (``levels.{i}``, ``CMSState.levels[i]``) either way. The paper
+  leaves the direction open (Eq. 70 composes ``MLP^(f_k)(… MLP^(f_1)(x))`` without saying whether
+  ``f_1`` is the highest frequency). The default, fastest first, is
+  mnemo's reading, for three reasons: (1) it reads Eq. 70 with ``f_1`` the highest frequency, as
+  the public transcriptions of §7.1 do ("level 1: high frequency"; not stated in the paper's text
+  as we could check it); (2) the slow levels then read features the fast levels have already
+  adapted to the current context, so what they consolidate at their rare steps is the
+  in-context-adapted representation (our argument, not the paper's); (3) it is the chain every
+  mnemo result so far was measured with. ``"slowest_first"`` is the other reading, kept as an
+  option to compare.
 * ``"independent"`` (Eq. 74, head-wise): the levels read the same input in parallel and their
   outputs are aggregated by a learned weighted sum, ``y = Σ_ℓ w_ℓ MLP_ℓ(LN(x))`` (``w_ℓ`` start
   at 1).
@@ -111,6 +125,7 @@ OPTIMIZERS = ("gd", "momentum", "delta_momentum")
 PARTIAL = ("carry", "flush")
 OBJECTIVES = ("reconstruction", "task")
 TRANSFERS = ("sequential", "independent", "nested")
+ORDERS = ("fastest_first", "slowest_first")
 METAS = ("unrolled", "first_order", "none")
 
 
@@ -494,6 +509,10 @@ class ContinuumMemory(nn.Module):
         d_model: width. levels: a sequence of :class:`Level` (or dicts of its fields), fastest first.
         transfer: how knowledge passes between levels: ``"sequential"`` (Eq. 73, default),
             ``"independent"`` (Eq. 74) or ``"nested"`` (Eq. 72); see the module docstring.
+        order: (sequential transfer) the chain's direction, ``"fastest_first"`` (default) or
+            ``"slowest_first"``: the chain visits the levels sorted by period, ascending or
+            descending (stable: equal periods keep their list order), whatever their list order
+            (see the module docstring for the default's justification).
         meta: (nested transfer only) the slower levels' rule: ``"unrolled"`` (default; Eq. 72 as
             meta-learning: the gradient of the faster level's loss after its adaptation,
             back-propagated through the adaptation), ``"first_order"`` (the same loss's gradient at
@@ -507,9 +526,10 @@ class ContinuumMemory(nn.Module):
     State: :class:`CMSState` (``levels``: one :class:`LevelState` per level).
 
     Raises:
-        ValueError: no levels; an unknown ``transfer`` or ``meta``; ``meta`` without nested
-            transfer; for ``"nested"``: unequal widths, a period that is not a multiple of the next
-            faster level's, or ``partial="flush"``.
+        ValueError: no levels; an unknown ``transfer``, ``order`` or ``meta``; ``meta`` without
+            nested transfer; ``order="slowest_first"`` without sequential transfer; for
+            ``"nested"``: unequal widths, a period that is not a multiple of the next faster
+            level's, or ``partial="flush"``.
     """
 
     def __init__(
@@ -518,6 +538,7 @@ class ContinuumMemory(nn.Module):
         levels=(Level(8), Level(16), Level(32)),
         transfer: str = "sequential",
         meta: str | None = None,
+        order: str = "fastest_first",
     ):
         super().__init__()
         levels = [lv if isinstance(lv, Level) else Level(**lv) for lv in levels]
@@ -525,6 +546,18 @@ class ContinuumMemory(nn.Module):
             raise ValueError("ContinuumMemory: levels must hold at least one Level, got none")
         if transfer not in TRANSFERS:
             raise ValueError(f"ContinuumMemory.transfer: expected one of {TRANSFERS}, got {transfer!r}")
+        if order not in ORDERS:
+            raise ValueError(f"ContinuumMemory.order: expected one of {ORDERS}, got {order!r}")
+        if order != "fastest_first" and transfer != "sequential":
+            raise ValueError(
+                f"ContinuumMemory.order: {order!r} only with transfer='sequential' (a chain), got "
+                f"transfer={transfer!r}"
+            )
+        self.order = order
+        # the chain (sequential transfer): level indices sorted by period, stably (equal periods keep
+        # their list order), ascending or descending
+        sign = 1 if order == "fastest_first" else -1
+        self._chain = sorted(range(len(levels)), key=lambda i: sign * levels[i].period)
         if meta is not None and transfer != "nested":
             raise ValueError(f"ContinuumMemory.meta: only with transfer='nested', got transfer={transfer!r}")
         if transfer == "nested":
@@ -607,11 +640,10 @@ class ContinuumMemory(nn.Module):
                 raise ValueError(f"state: it holds {batch} samples, but x has batch size {x.shape[0]}")
         prev = state.levels if state is not None else [None] * len(self.levels)
         if self.transfer == "sequential":
-            h, new = x, []
-            for level, norm, s in zip(self.levels, self.norms, prev):
-                y, s = level(norm(h), s)
+            h, new = x, [None] * len(self.levels)
+            for i in self._chain:  # the state and the hooks keep the levels' list indices
+                y, new[i] = self.levels[i](self.norms[i](h), prev[i])
                 h = h + y
-                new.append(s)
             return h - x, self.hook_state(CMSState(levels=tuple(new)))
         if self.transfer == "independent":
             out, new = 0, []

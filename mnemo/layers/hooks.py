@@ -12,6 +12,14 @@ intermediate downstream; :meth:`mnemo.models.LanguageModel.run_with_cache` and
 
 Values that cost extra to build (the softmax ``hook_pattern``, a ``T × T`` matrix the fused
 kernel never forms) are built only while a hook is attached: see :attr:`HookPoint.active`.
+
+**Pieces.** A model may read one call's tokens in consecutive pieces (a task-signal model reads
+segment by segment, :mod:`mnemo.models.task_signal`), so each hook fires once per piece.
+:func:`join_pieces` puts the pieces' values back together into the value one pass over the call
+would have passed: tensors are concatenated along their time axis (:attr:`HookPoint.time_dim`,
+``1`` by the layout convention ``[B, T, ...]``); a pattern over keys (:attr:`HookPoint.key_dim`)
+gets each piece's key columns placed at their positions in the call; a ``hook_state`` (the state
+after the call) and any non-tensor keep the last piece's value.
 """
 
 from __future__ import annotations
@@ -31,9 +39,15 @@ class HookPoint(nn.Module):
     (``blocks.0.mixer.hook_q``) so a hook function learns where it was called.
     """
 
-    def __init__(self):
+    def __init__(self, time_dim: int | None = 1, key_dim: int | None = None):
         super().__init__()
         self.name: str | None = None
+        #: the axis of the value that indexes this call's tokens (``1`` for ``[B, T, ...]``;
+        #: ``None``: the value is not per token) — how :func:`join_pieces` concatenates pieces
+        self.time_dim = time_dim
+        #: for a map over keys (``hook_pattern [B, H, T, S]``: ``3``): the axis of the keys, whose
+        #: last column is the piece's last token (``None`` for other values)
+        self.key_dim = key_dim
 
     def forward(self, x: Any) -> Any:
         return x
@@ -121,3 +135,62 @@ def attached(points: dict[str, HookPoint], hooks: Iterable[tuple[str, Callable]]
     finally:
         for h in handles:
             h.remove()
+
+
+def join_pieces(point: HookPoint, values: list, lengths: list[int]) -> Any:
+    """The value one pass over a call would have passed hook ``point``, from the values it passed
+    while the call was read in consecutive pieces of ``lengths`` tokens (one value per piece, in
+    order).
+
+    * a ``hook_state``, a non-tensor or a point with ``time_dim=None``: the last value (the state
+      after the call);
+    * a tensor: the values concatenated along ``point.time_dim`` (each must have its piece's length
+      there);
+    * a map over keys (``point.key_dim`` set, e.g. attention's ``hook_pattern [B, H, n, S]``): each
+      piece's ``S`` key columns end at the piece's last token; they are placed at those positions
+      in a zero map whose key axis spans from the earliest key any piece saw to the call's end
+      (keys from an earlier call, a window's cache, come first), and the pieces are concatenated
+      along ``time_dim``. A causal map is zero on the columns a piece did not see, so this equals
+      the map of one pass (for a cache that keeps every key, or a sliding window; not with
+      attention sinks, whose columns come first — such a point sets ``key_dim=None`` and
+      ``time_dim=None``).
+
+    Raises:
+        ValueError: ``values`` and ``lengths`` differ in number, or a value's time axis does not
+            have its piece's length (the message names the hook, the piece and both sizes).
+    """
+    import torch
+
+    name = point.name or "hook"
+    if len(values) != len(lengths):
+        raise ValueError(f"{name}: expected one value per piece ({len(lengths)}), got {len(values)}")
+    last = values[-1]
+    if (
+        len(values) == 1
+        or point.time_dim is None
+        or name.rsplit(".", 1)[-1] == "hook_state"
+        or not all(isinstance(v, torch.Tensor) for v in values)
+    ):
+        return last
+    td = point.time_dim
+    for i, (v, n) in enumerate(zip(values, lengths)):
+        if v.ndim <= td or v.shape[td] != n:
+            raise ValueError(
+                f"{name}: piece {i} covers {n} tokens, but its value {list(v.shape)} has "
+                f"{v.shape[td] if v.ndim > td else 'no'} entries along time_dim={td}"
+            )
+    if point.key_dim is None:
+        return torch.cat(values, td)
+    kd = point.key_dim
+    ends, end = [], 0
+    for n in lengths:
+        end += n
+        ends.append(end)
+    first = min(e - v.shape[kd] for v, e in zip(values, ends))  # the earliest key (≤ 0: cached keys)
+    width = end - first
+    out = []
+    for v, e in zip(values, ends):
+        start = e - v.shape[kd] - first
+        pad = [0, 0] * (v.ndim - 1 - kd) + [start, width - start - v.shape[kd]]
+        out.append(torch.nn.functional.pad(v, pad))  # zero columns: keys this piece did not see
+    return torch.cat(out, td)

@@ -39,6 +39,28 @@ Chunk boundaries are absolute stream positions, so any split of a stream (also i
 equals one pass: the state holds each memory's running weights, its chunk-start weights and the
 stream position.
 
+**The evaluated HOPE's options** (issue 37: the paper's Table 6 ablates "w/o momentum" and
+"w/o inner-projection q" from HOPE, so the evaluated model had both; §8's equations give neither):
+
+- ``adaptive_q=True``: the query is produced by its own adaptive memory, ``q_t = M_q,c(x̃_t)``
+  (L2-normalised), a fifth projection memory in the group of ``M_k, M_v, M_η, M_α`` — same
+  residual-MLP architecture, same chunk size ``proj_chunk_size``, written by the same DGD step
+  toward its self-generated value ``M_q,c(v_t)``. This is Eq. 83's update line with ``q`` among the
+  self-modified memories (``□ ∈ {k, v, q, η, α, memory}`` as transcribed; the first line's
+  ``q_t = x_t W_q`` is the default ``adaptive_q=False``). The slow ``W_q`` is then absent.
+- ``momentum=μ`` (``0 ≤ μ < 1``): DGD with momentum. The paper's Table 6 names the ablation but §8
+  writes no equation for it; mnemo's choice, Titans' momentum with forgetting (Behrouz et al. 2024,
+  §3.1: ``S_t = η_t S_{t−1} − θ_t ∇ℓ``, ``M_t = (1 − α_t) M_{t−1} + S_t``) placed on the gradient
+  term of Eq. 88, the delta term staying on the weights::
+
+      G_□,t = μ G_□,t−1 − η_t ∇L(M_□,c; k_t, v̂_□,t)          M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) + G_□,t
+
+  for every memory (the projection memories and the main one), one constant ``μ`` (Titans' rate
+  is data-dependent; here it is a hyperparameter), ``G_□,0 = 0`` at the start of a stream and
+  carried in the state. ``μ = 0`` is Eq. 88 exactly. In the chunk form the momentum's decayed sums
+  are products of two triangular ``L × L`` factors (:func:`_momentum_weights`) and the ``W_a``
+  recursion one triangular solve (:func:`_wa_chunk_momentum`).
+
 **DGD on an MLP memory** (choice; the paper writes ``M(αI − η k kᵀ)`` for the memory as a whole): the
 rank-one delta term acts on the layer whose input is ``k`` (``W_a``, input dim ``d``); the hidden
 layer (input ``σ(k W_a)``, not normalised) gets the retention ``α_t`` only::
@@ -76,7 +98,8 @@ recursion is a decayed sum in one product. The gradient factors are written out 
   through every fast-weight step (no stop-gradient anywhere); fast weights are per sample.
 
 Shapes: ``x, y: [B, T, d_model]``; state weights ``[B, G, d, h]`` / ``[B, G, h, d]`` with ``G = 4``
-projection memories (k, v, η, α) or ``G = 1`` (main memory), float32 (float64 for float64 input).
+projection memories (k, v, η, α; ``G = 5`` with q) or ``G = 1`` (main memory), float32 (float64 for
+float64 input); the momentum buffers (``momentum > 0``) shaped and typed like the weights.
 """
 
 from __future__ import annotations
@@ -99,6 +122,8 @@ from .state import spec, state_dataclass
 from .titans import state_dtypes
 
 PROJECTIONS = ("k", "v", "eta", "alpha")
+#: with ``adaptive_q=True`` the query is a fifth projection memory, ``q_t = M_q(x_t)``
+PROJECTIONS_Q = (*PROJECTIONS, "q")
 #: the main memory's write target: its self-generated ``M_memory(v_t)`` (Eq. 84/94) or ``v_t``
 MEMORY_TARGETS = ("self", "value")
 
@@ -115,6 +140,10 @@ class SelfModifyingTitansState:
         memory_anchor: its weights at the current memory chunk's start.
         conv: the short-conv tail ``[B, d, W − 1]`` (activation dtype) or ``None``.
         offset: tokens consumed (chunk boundaries are absolute stream positions; default ``0``).
+        proj_momentum, memory_momentum: (``momentum > 0``) the DGD momentum ``(m_a, m_b)`` of each
+            group, shaped like its weights; ``None`` without momentum (default).
+
+    With ``adaptive_q=True`` the projection group holds five memories (``G = 5``: k, v, η, α, q).
     """
 
     proj: tuple
@@ -123,16 +152,22 @@ class SelfModifyingTitansState:
     memory_anchor: tuple
     conv: torch.Tensor | None = None
     offset: int = 0
+    proj_momentum: tuple | None = None
+    memory_momentum: tuple | None = None
 
 
-def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
+def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0):
     """One DGD step of a group of ``G`` residual-MLP memories (the reference; autograd gradient).
 
     ``W``/``A``: running / chunk-start weights ``(W_a [B, G, d, h], W_b [B, G, h, d])``; ``k [B, d]``
-    (unit norm); ``vhat [B, G, d]`` targets; ``log_alpha, beta: [B]``; ``η = α β``. Returns the new
-    running weights::
+    (unit norm); ``vhat [B, G, d]`` targets; ``log_alpha, beta: [B]``; ``η = α β``. ``mom``: the
+    momentum ``(m_a, m_b)`` shaped like ``W`` (``None``: no momentum, ``mu`` must be 0). Returns the
+    new running weights and momentum::
 
-        W_a ← α W_a − η k (kᵀ W_a) − η ∇_{W_a} L(A; k, v̂)      W_b ← α W_b − η ∇_{W_b} L(A; k, v̂)
+        m_a ← μ m_a − η ∇_{W_a} L(A; k, v̂)             m_b ← μ m_b − η ∇_{W_b} L(A; k, v̂)
+        W_a ← α W_a − η k (kᵀ W_a) + m_a                 W_b ← α W_b + m_b
+
+    (with ``μ = 0`` this is Eq. 88's step, ``W_a ← α W_a − η k kᵀ W_a − η ∇``).
     """
     need_graph = torch.is_grad_enabled()
     alpha = log_alpha.exp()
@@ -146,12 +181,15 @@ def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
         ga, gb = torch.autograd.grad(loss, A_eff, create_graph=need_graph)
     Wa, Wb = W
     a4, e4 = alpha[:, None, None, None], eta[:, None, None, None]
+    ma, mb = -e4 * ga, -e4 * gb
+    if mom is not None:
+        ma, mb = mu * mom[0] + ma, mu * mom[1] + mb
     kW = torch.einsum("bd,bgdh->bgh", k, Wa)
-    Wa = a4 * Wa - e4 * torch.einsum("bd,bgh->bgdh", k, kW) - e4 * ga
-    Wb = a4 * Wb - e4 * gb
+    Wa = a4 * Wa - e4 * torch.einsum("bd,bgh->bgdh", k, kW) + ma
+    Wb = a4 * Wb + mb
     if not need_graph:
-        Wa, Wb = Wa.detach(), Wb.detach()
-    return Wa, Wb
+        Wa, Wb, ma, mb = Wa.detach(), Wb.detach(), ma.detach(), mb.detach()
+    return (Wa, Wb), ((ma, mb) if mom is not None else None)
 
 
 def _wmul(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
@@ -200,14 +238,82 @@ def _wa_chunk(k, Wa, u, log_alpha, beta):
     return gc[:, -1].exp()[:, None, None, None] * Wa + upd
 
 
-def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
+def _momentum_weights(log_alpha, mu: float, L: int):
+    """``(F [B, L, L], E [B, L])`` of the momentum's decayed sums over a chunk (tokens ``1 … L``,
+    ``γ_t = Π_{r≤t} α_r``): ``F_ts = Σ_{j=s}^{t} (γ_t/γ_j) μ^{j−s}`` (``s ≤ t``, else 0) and
+    ``E_t = Σ_{j≤t} (γ_t/γ_j) μ^j``, so that ``Σ_{j≤t} (γ_t/γ_j) m_j = E_t m_0 + Σ_{s≤t} F_ts k_s u_sᵀ``
+    for ``m_j = μ m_{j−1} + k_j u_jᵀ``. Built as products of lower-triangular factors whose entries
+    are ``≤ 1`` (masked in log space before ``exp``)."""
+    gc = clamp_log_gate(log_alpha).cumsum(-1)
+    idx = torch.arange(L, device=log_alpha.device)
+    incl = idx[:, None] >= idx[None, :]
+    G = (gc[:, :, None] - gc[:, None, :]).masked_fill(~incl, float("-inf")).exp()  # γ_t/γ_j, j ≤ t
+    lag = (idx[:, None] - idx[None, :]).clamp_min(0).to(log_alpha.dtype)
+    Mu = torch.where(incl, torch.as_tensor(mu, dtype=log_alpha.dtype) ** lag, 0.0)  # μ^{j−s}, s ≤ j
+    F = G @ Mu
+    E = G @ (torch.as_tensor(mu, dtype=log_alpha.dtype) ** (idx + 1).to(log_alpha.dtype))
+    return F, E
+
+
+def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
+    """Final ``(S_L, m_L)`` over one chunk of the DGD recursion with momentum on its gradient term::
+
+        m_t = μ m_{t−1} + k_t u_tᵀ          S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + m_t
+
+    ``k [B, L, d]`` (shared by the ``G`` memories), ``Wa = S_0, ma = m_0 [B, G, d, h]``,
+    ``u [B, G, L, h]`` (here ``−η_t δ_t``), ``log_alpha, beta [B, L]``. With ``r_t = k_tᵀ S_{t−1}``
+    the recursion is ``S_t = α_t S_{t−1} + m_t − α_t β_t k_t r_t``; unrolled (``F, E`` of
+    :func:`_momentum_weights`)::
+
+        S_t = γ_t S_0 + E_t m_0 + Σ_{s≤t} k_s (F_ts u_s − (γ_t/γ_s) α_s β_s r_s)ᵀ
+
+    so the ``r_t`` solve the unit lower-triangular system
+    ``r_t + Σ_{s<t} (k_tᵀk_s)(γ_{t−1}/γ_{s−1}) β_s r_s = γ_{t−1} k_tᵀS_0 + E_{t−1} k_tᵀm_0 +
+    Σ_{s<t} (k_tᵀk_s) F_{t−1,s} u_s``, and ``S_L`` follows from the line above at ``t = L``;
+    ``m_L = μ^L m_0 + Σ_s μ^{L−s} k_s u_sᵀ``. With ``μ = 0`` this is :func:`_wa_chunk`.
+    """
+    B, L = log_alpha.shape
+    G, h = Wa.shape[1], Wa.shape[3]
+    dt = log_alpha.dtype
+    gc = clamp_log_gate(log_alpha).cumsum(-1)  # log γ_t
+    gprev = torch.cat([gc.new_zeros(B, 1), gc[:, :-1]], 1)  # log γ_{t−1}
+    Fm, E = _momentum_weights(log_alpha, mu, L)
+    Fprev = torch.cat([Fm.new_zeros(B, 1, L), Fm[:, :-1]], 1)  # F_{t−1, s} (row t = 1: none)
+    Eprev = torch.cat([E.new_zeros(B, 1), E[:, :-1]], 1)
+    lower = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
+    kk = k @ k.transpose(-1, -2)  # k_tᵀ k_s
+    # (γ_{t−1}/γ_{s−1}) β_s for s < t (masked before exp: every factor ≤ 1)
+    decay = (gprev[:, :, None] - gprev[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+    A = kk * decay * beta[:, None, :]
+    Wk = k[:, None] @ Wa  # k_tᵀ S_0   [B, G, L, h]
+    mk = k[:, None] @ ma  # k_tᵀ m_0
+    rhs = gprev.exp()[:, None, :, None] * Wk + Eprev[:, None, :, None] * mk
+    rhs = rhs + ((kk * lower) * Fprev)[:, None] @ u  # Σ_{s<t} (k_tᵀk_s) F_{t−1,s} u_s
+    rhs = rhs.transpose(1, 2).reshape(B, L, G * h)
+    eye = torch.eye(L, dtype=A.dtype, device=A.device).expand(B, L, L)
+    r = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True) @ rhs
+    r = r.reshape(B, L, G, h).transpose(1, 2)  # [B, G, L, h]
+    # S_L = γ_L S_0 + E_L m_0 + Σ_s k_s (F_Ls u_s − (γ_L/γ_s) α_s β_s r_s)ᵀ
+    wr = (torch.exp(gc[:, -1:] - gc) * log_alpha.exp() * beta)[:, None, :, None]
+    inner = Fm[:, -1][:, None, :, None] * u - wr * r  # [B, G, L, h]
+    S = gc[:, -1].exp()[:, None, None, None] * Wa + E[:, -1][:, None, None, None] * ma
+    S = S + k[:, None].transpose(-1, -2) @ inner
+    idx = torch.arange(L, device=k.device)
+    pw = (torch.as_tensor(mu, dtype=dt) ** (L - 1 - idx).to(dt))[None, None, :, None]  # μ^{L−s}
+    m = (mu**L) * ma + k[:, None].transpose(-1, -2) @ (pw * u)
+    return S, m
+
+
+def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0):
     """``L`` DGD steps inside one chunk (all gradients at the chunk-start weights ``A``), batched.
 
     ``W, A`` as in :func:`dgd_token`; ``k [B, L, d]``; ``vhat [B, G, L, d]``; ``log_alpha, beta:
-    [B, L]``. ``W_a`` follows the gated delta rule ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} +
-    β_t k_t (−α_t δ_t)ᵀ`` (final state only, :func:`_wa_chunk`; the same recursion as
-    :func:`mnemo.ops.gated_delta_rule`); ``W_b`` the decayed sum
-    ``W_b,L = (Π α) W_b − Σ_s η_s (Π_{r>s} α_r) a_sᵀ e_s``.
+    [B, L]``. Without momentum (``mom=None``) ``W_a`` follows the gated delta rule
+    ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t (−α_t δ_t)ᵀ`` (final state only,
+    :func:`_wa_chunk`; the same recursion as :func:`mnemo.ops.gated_delta_rule`) and ``W_b`` the
+    decayed sum ``W_b,L = (Π α) W_b − Σ_s η_s (Π_{r>s} α_r) a_sᵀ e_s``. With momentum ``(m_a, m_b)``
+    (coefficient ``mu``): :func:`_wa_chunk_momentum` for ``W_a`` and the same decayed sums
+    (:func:`_momentum_weights`) for ``W_b``. Returns ``(W, mom)`` as :func:`dgd_token`.
     """
     Wa, Wb = W
     B, G = Wa.shape[:2]
@@ -219,11 +325,27 @@ def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta):
     e = kg + _wmul(a, A[1]) - vhat
     delta = _wmul(e, A[1].transpose(-1, -2)) * slope
     alpha = log_alpha.exp()
+    if mom is not None:
+        eta = (alpha * beta)[:, None, :, None]
+        Wa_new, ma = _wa_chunk_momentum(k, Wa, mom[0], -eta * delta, log_alpha, beta, mu)
+        Fm, E = _momentum_weights(log_alpha, mu, L)
+        gcum = clamp_log_gate(log_alpha).cumsum(-1)
+        # W_b,L = γ_L W_b + E_L m_b + Σ_s F_Ls a_s (−η_s e_s)ᵀ;  m_b,L = μ^L m_b + Σ_s μ^{L−s} a_s (−η_s e_s)ᵀ
+        idx = torch.arange(L, device=k.device)
+        pw = torch.as_tensor(mu, dtype=log_alpha.dtype) ** (L - 1 - idx).to(log_alpha.dtype)
+        ae = a.transpose(-1, -2)
+        Wb_new = (
+            gcum[:, -1].exp()[:, None, None, None] * Wb
+            + E[:, -1][:, None, None, None] * mom[1]
+            - ae @ (Fm[:, -1][:, None, :, None] * eta * e)
+        )
+        mb = (mu**L) * mom[1] - ae @ (pw[None, None, :, None] * eta * e)
+        return (Wa_new.to(Wa.dtype), Wb_new), (ma, mb)
     Wa_new = _wa_chunk(k, Wa, -alpha[:, None, :, None] * delta, log_alpha, beta)
     gcum = log_alpha.cumsum(-1)
     w = alpha * beta * torch.exp(gcum[:, -1:] - gcum)  # η_s Π_{r>s} α_r
     Wb_new = gcum[:, -1].exp()[:, None, None, None] * Wb - (a * w[:, None, :, None]).transpose(-1, -2) @ e
-    return Wa_new.to(Wa.dtype), Wb_new
+    return (Wa_new.to(Wa.dtype), Wb_new), None
 
 
 @register_mixer("self_modifying_titans")
@@ -244,6 +366,11 @@ class SelfModifyingTitans(Mixer):
         mode: ``"chunk"`` (default for ``T > 1``) or ``"recurrent"`` (token loop).
         memory_target: ``"self"`` (default; Eq. 84/94: the main memory is written toward its own
             ``M_memory(v_t)``) or ``"value"`` (toward ``v_t``, Titans' association; a variant).
+        adaptive_q: the query from its own adaptive memory, ``q_t = M_q,c(x̃_t)`` (L2-normalised),
+            a fifth projection memory rewritten by DGD like ``M_k`` (see the module docstring);
+            ``False`` (default): the slow projection ``q_t = x̃_t W_q`` of Eq. 83's first line.
+        momentum: ``μ ∈ [0, 1)``, the DGD momentum of every memory (see the module docstring;
+            default ``0.0``: Eq. 88's plain step, no momentum state).
 
     Hook points (float32, float64 for a float64 model): the main memory's inputs, as ``M_memory``'s
     reads and DGD steps consume them —
@@ -264,8 +391,9 @@ class SelfModifyingTitans(Mixer):
 
     Raises:
         ValueError: ``d_model`` not a multiple of ``n_heads``, a chunk size < 1, ``beta_max`` outside
-            ``(0, 1]``, a bad ``mode`` or ``memory_target``; ``forward`` on ``x`` not
-            ``[B, T, d_model]`` or a state from another batch size.
+            ``(0, 1]``, ``momentum`` outside ``[0, 1)``, a bad ``mode`` or ``memory_target``;
+            ``forward`` on ``x`` not ``[B, T, d_model]``, a state from another batch size, or a
+            state without the momentum this mixer needs (or with momentum it does not have).
     """
 
     def __init__(
@@ -280,11 +408,19 @@ class SelfModifyingTitans(Mixer):
         conv_size: int = 4,
         mode: str = "chunk",
         memory_target: str = "self",
+        adaptive_q: bool = False,
+        momentum: float = 0.0,
     ):
         super().__init__(mode)
         if memory_target not in MEMORY_TARGETS:
             raise ValueError(f"memory_target must be one of {MEMORY_TARGETS}, got {memory_target!r}")
         self.memory_target = memory_target
+        if not isinstance(adaptive_q, bool):
+            raise ValueError(f"adaptive_q must be a bool, got {adaptive_q!r}")
+        if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        self.adaptive_q, self.momentum = adaptive_q, float(momentum)
+        self.projections = PROJECTIONS_Q if adaptive_q else PROJECTIONS
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         proj_chunk_size = chunk_size if proj_chunk_size is None else proj_chunk_size
@@ -310,8 +446,9 @@ class SelfModifyingTitans(Mixer):
         (_, h), _ = self.spec.layer_dims(D, D)
         self.hidden = h
         # initial (slow, meta-learned) weights: M(x) = x + gelu(x W_a) W_b, near the identity
-        self.proj_wa = nn.Parameter(torch.randn(len(PROJECTIONS), D, h) * D**-0.5)
-        self.proj_wb = nn.Parameter(torch.randn(len(PROJECTIONS), h, D) * (0.1 * h**-0.5))
+        G = len(self.projections)
+        self.proj_wa = nn.Parameter(torch.randn(G, D, h) * D**-0.5)
+        self.proj_wb = nn.Parameter(torch.randn(G, h, D) * (0.1 * h**-0.5))
         self.memory_wa = nn.Parameter(torch.randn(1, D, h) * D**-0.5)
         self.memory_wb = nn.Parameter(torch.randn(1, h, D) * (0.1 * h**-0.5))
         # slow read-outs of the scalar gates: α ≈ sigmoid(5) ≈ 0.993, β ≈ 0.1 · beta_max at init
@@ -319,7 +456,8 @@ class SelfModifyingTitans(Mixer):
         self.alpha_bias = nn.Parameter(torch.tensor(5.0))
         self.eta_readout = nn.Parameter(torch.zeros(D))
         self.eta_bias = nn.Parameter(torch.tensor(-2.2))
-        self.q_proj = nn.Linear(D, D, bias=False)
+        # the slow query projection (adaptive_q: the query comes from M_q instead)
+        self.q_proj = None if adaptive_q else nn.Linear(D, D, bias=False)
         self.g_proj = nn.Linear(D, D, bias=False)
         self.conv = ShortConvolution(D, conv_size) if short_conv else None
         self.norm = RMSNorm(D // n_heads)
@@ -340,7 +478,14 @@ class SelfModifyingTitans(Mixer):
 
         proj = (ex(self.proj_wa), ex(self.proj_wb))
         mem = (ex(self.memory_wa), ex(self.memory_wb))
-        return SelfModifyingTitansState(proj=proj, proj_anchor=proj, memory=mem, memory_anchor=mem)
+        pm = mm = None
+        if self.momentum:  # zero momentum, per sample, in the compute dtype (float32; float64)
+            cd = torch.float64 if self.proj_wa.dtype == torch.float64 else torch.float32
+            pm = tuple(w.new_zeros(B, *w.shape, dtype=cd) for w in (self.proj_wa, self.proj_wb))
+            mm = tuple(w.new_zeros(B, *w.shape, dtype=cd) for w in (self.memory_wa, self.memory_wb))
+        return SelfModifyingTitansState(
+            proj=proj, proj_anchor=proj, memory=mem, memory_anchor=mem, proj_momentum=pm, memory_momentum=mm
+        )
 
     def gates(self, raw_eta: torch.Tensor, raw_alpha: torch.Tensor):
         """``(log α_t, β_t)`` from the outputs of ``M_η, M_α`` (``[..., d]``); ``η_t = α_t β_t``."""
@@ -359,23 +504,25 @@ class SelfModifyingTitans(Mixer):
             t += L
         return out
 
-    def _run(self, W, A, pos, T, C, token, read_in):
+    def _run(self, W, A, mom, pos, T, C, token, read_in):
         """Advance one memory group over ``T`` tokens: ``read_in(t, L, A)`` reads at the chunk-start
         weights and returns the update inputs ``(k, vhat, log_alpha, beta)`` and the read; the step is
-        :func:`dgd_token` (``token``) or :func:`dgd_chunk`."""
+        :func:`dgd_token` (``token``) or :func:`dgd_chunk` (``mom``: the group's momentum or
+        ``None``). Returns ``(W, A, mom, reads)``."""
         reads = []
+        mu = self.momentum
         for t, L in self._pieces(pos, T, C, token):
             if (pos + t) % C == 0:
                 A = W
             (k, vhat, la, be), r = read_in(t, L, A)
             reads.append(r)
             if token:
-                W = dgd_token(self.spec, W, A, k[:, 0], vhat[:, :, 0], la[:, 0], be[:, 0])
+                W, mom = dgd_token(self.spec, W, A, k[:, 0], vhat[:, :, 0], la[:, 0], be[:, 0], mom, mu)
             else:
-                W = dgd_chunk(self.spec, W, A, k, vhat, la, be)
+                W, mom = dgd_chunk(self.spec, W, A, k, vhat, la, be, mom, mu)
         if (pos + T) % C == 0:
             A = W
-        return W, A, reads
+        return W, A, mom, reads
 
     def _target(self, A, v: torch.Tensor) -> torch.Tensor:
         """The main memory's write target for values ``v [B, 1, L, d]`` at its chunk-start weights
@@ -384,12 +531,14 @@ class SelfModifyingTitans(Mixer):
 
     def _projections(self, xc: torch.Tensor, st: SelfModifyingTitansState, cd, token: bool):
         """Stage 1: run ``M_k, M_v, M_η, M_α`` over ``xc [B, T, d]`` (they do not depend on
-        ``M_memory``). Returns their new running and chunk-start weights and, per token,
-        ``(k [B, T, d], v [B, T, d], log α [B, T], β [B, T])``."""
+        ``M_memory``). Returns their new running and chunk-start weights, their momentum and, per
+        token, ``(k [B, T, d], v [B, T, d], log α [B, T], β [B, T])`` and (``adaptive_q``)
+        ``q [B, T, d]`` (``q_t = M_q(x_t)``, L2-normalised)."""
         B, T = xc.shape[:2]
-        G = len(PROJECTIONS)
+        G = len(self.projections)
         proj = tuple(w.to(cd) for w in st.proj)
         proj_a = tuple(w.to(cd) for w in st.proj_anchor)
+        pm = None if st.proj_momentum is None else tuple(w.to(cd) for w in st.proj_momentum)
 
         def proj_in(t, L, A):
             xs = xc[:, t : t + L]
@@ -398,10 +547,14 @@ class SelfModifyingTitans(Mixer):
             v = raw[:, 1]  # v_t = M_v(x_t)
             la, be = self.gates(raw[:, 2], raw[:, 3])  # η_t ← M_η(x_t), α_t ← M_α(x_t)
             vhat = _mlp(A, v[:, None].expand(B, G, L, -1))  # v̂_□ = M_□(v_t)
+            if self.adaptive_q:  # q_t = M_q(x_t), L2-normalised
+                return (k, vhat, la, be), (k, v, la, be, F.normalize(raw[:, 4], dim=-1))
             return (k, vhat, la, be), (k, v, la, be)
 
-        proj, proj_a, pieces = self._run(proj, proj_a, st.offset, T, self.proj_chunk_size, token, proj_in)
-        return proj, proj_a, tuple(torch.cat(z, 1) for z in zip(*pieces))
+        proj, proj_a, pm, pieces = self._run(
+            proj, proj_a, pm, st.offset, T, self.proj_chunk_size, token, proj_in
+        )
+        return proj, proj_a, pm, tuple(torch.cat(z, 1) for z in zip(*pieces))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """``log α_t [B, T]``: the retention this mixer applies to every memory on ``x [B, T, d]``
@@ -410,7 +563,7 @@ class SelfModifyingTitans(Mixer):
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         xin = self.conv(x)[0] if self.conv is not None else x
         token = T == 1 or self.mode == "recurrent"
-        return self._projections(xin.to(cd), self.initial_state(B), cd, token)[2][2]
+        return self._projections(xin.to(cd), self.initial_state(B), cd, token)[3][2]
 
     def forward(
         self, x: torch.Tensor, state: SelfModifyingTitansState | None = None, *, mode: str | None = None
@@ -422,6 +575,12 @@ class SelfModifyingTitans(Mixer):
         st = state if state is not None else self.initial_state(B)
         if st.proj[0].shape[0] != B:
             raise ValueError(f"state has batch size {st.proj[0].shape[0]}, x has {B}")
+        if (st.memory_momentum is None) != (self.momentum == 0):
+            raise ValueError(
+                f"state: momentum={self.momentum} needs a state "
+                f"{'with' if self.momentum else 'without'} momentum buffers, got one "
+                f"{'without' if st.memory_momentum is None else 'with'} (pass the state this mixer returned)"
+            )
         if T == 0:  # an empty call passes the state through
             return x.new_zeros(B, 0, self.d_model), st
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -430,13 +589,18 @@ class SelfModifyingTitans(Mixer):
         xin = x
         if self.conv is not None:
             xin, conv = self.conv(x, conv)
-        q = F.normalize(upcast(self.q_proj(xin)).to(cd), dim=-1)  # q_t = x̃_t W_q, L2-normalised
         xc = xin.to(cd)
-        proj, proj_a, (k, v, la, be) = self._projections(xc, st, cd, token)
+        proj, proj_a, pm, gen = self._projections(xc, st, cd, token)
+        k, v, la, be = gen[:4]
+        if self.adaptive_q:
+            q = gen[4]  # q_t = M_q(x̃_t), L2-normalised
+        else:
+            q = F.normalize(upcast(self.q_proj(xin)).to(cd), dim=-1)  # q_t = x̃_t W_q, L2-normalised
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         la, be = self.hook_g(la), self.hook_beta(be)
         mem = tuple(w.to(cd) for w in st.memory)
         mem_a = tuple(w.to(cd) for w in st.memory_anchor)
+        mm = None if st.memory_momentum is None else tuple(w.to(cd) for w in st.memory_momentum)
 
         # 2) the main memory: read o_t at the chunk-start weights, write toward M_memory(v_t)
         def mem_in(t, L, A):
@@ -444,7 +608,7 @@ class SelfModifyingTitans(Mixer):
             sl = slice(t, t + L)
             return (k[:, sl], self._target(A, v[:, None, sl]), la[:, sl], be[:, sl]), o
 
-        mem, mem_a, outs = self._run(mem, mem_a, st.offset, T, self.chunk_size, token, mem_in)
+        mem, mem_a, mm, outs = self._run(mem, mem_a, mm, st.offset, T, self.chunk_size, token, mem_in)
         o = self.hook_o(torch.cat(outs, 1)).to(x.dtype)
         H = self.n_heads
         o = self.norm(  # RMSNorm(o) ⊙ silu(W_g x), fused
@@ -452,7 +616,14 @@ class SelfModifyingTitans(Mixer):
         )
         y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
         new = SelfModifyingTitansState(
-            proj=proj, proj_anchor=proj_a, memory=mem, memory_anchor=mem_a, conv=conv, offset=st.offset + T
+            proj=proj,
+            proj_anchor=proj_a,
+            memory=mem,
+            memory_anchor=mem_a,
+            conv=conv,
+            offset=st.offset + T,
+            proj_momentum=pm,
+            memory_momentum=mm,
         )
         return y, self.hook_state(new)
 
@@ -495,7 +666,8 @@ class SelfModifyingTitans(Mixer):
                 return (kr[:, sl], tgt, lr[:, sl], br[:, sl]), _mlp(A, qr[:, None, sl])[:, 0]
 
             # the token-loop form (the chunk form's batched gradients carry no forward-mode rule)
-            _, _, outs = self._run(W0, W0, 0, T, self.chunk_size, True, mem_in)
+            m0 = tuple(torch.zeros_like(w) for w in W0) if self.momentum else None
+            outs = self._run(W0, W0, m0, 0, T, self.chunk_size, True, mem_in)[3]
             return torch.cat(outs, 1)[:, :, None]
 
         return attribution_of_read(
@@ -528,11 +700,14 @@ class SelfModifyingTitans(Mixer):
             return (spec((B, G, D, h), cd), spec((B, G, h, D), cd))
 
         conv = self.conv
+        G = len(self.projections)
         return SelfModifyingTitansState(
-            proj=group(len(PROJECTIONS)),
-            proj_anchor=group(len(PROJECTIONS)),
+            proj=group(G),
+            proj_anchor=group(G),
             memory=group(1),
             memory_anchor=group(1),
             conv=None if conv is None else spec((B, conv.channels, conv.kernel_size - 1), act),
             offset=seq_len,
+            proj_momentum=group(G) if self.momentum else None,
+            memory_momentum=group(1) if self.momentum else None,
         )

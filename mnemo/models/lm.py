@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..layers import MIXERS, RMSNorm, SwiGLU
 from ..layers.cms import ContinuumMemory
-from ..layers.hooks import HookPoint, attached, name_hook_points, select
+from ..layers.hooks import HookPoint, attached, join_pieces, name_hook_points, select
 from ..layers.moe import MoE
 from ..layers.state import BlockState
 from ..layers.state import detach as detach_state
@@ -150,6 +150,9 @@ class LanguageModel(nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.hook_points: dict[str, HookPoint] = name_hook_points(self)
+        # while run_with_cache records a task-signal model: the token count of each piece the call
+        # is read in (None for a segment run again for its signal; mnemo.models.task_signal)
+        self._hook_pieces: list | None = None
 
     def run_with_hooks(self, input_ids: torch.Tensor, hooks, state=None, *, mode: str | None = None):
         """``forward`` with ``hooks`` attached for this call only: ``[(name, fn), ...]`` where
@@ -175,18 +178,54 @@ class LanguageModel(nn.Module):
         default ``detach=True``).
 
         ``names``: ``None`` (every hook point), a name or suffix (``"hook_q"``), a list of them, or a
-        predicate ``f(name) -> bool``. A hook that fires more than once in one call (a task-signal
-        model's segments, activation recomputation) keeps its last value. Costly values
-        (``hook_pattern``) are built only when requested.
+        predicate ``f(name) -> bool``. Costly values (``hook_pattern``) are built only when
+        requested.
+
+        A model whose CMS levels learn from the next-token loss reads a call segment by segment
+        (:mod:`mnemo.models.task_signal`), so its hooks fire once per segment; the cache holds each
+        hook's values joined over the segments (:func:`~mnemo.layers.hooks.join_pieces`: concatenated
+        along time, a ``hook_state`` the state after the call), the same keys and shapes as one pass
+        of a model without task levels; a segment run again to take its signal (streaming, when its
+        reads began in an earlier call) is not recorded. Otherwise a hook that fires more than once
+        in one call (activation recomputation, a mixer's own segments such as Titans MAC's) keeps its
+        last value.
         """
-        cache: dict = {}
+        firings: dict = {}  # name -> {piece index: value} (the last firing within a piece)
+        repeated: set = set()  # hooks that fired more than once within one piece
+        pieces: list | None = [] if self.task_segment is not None else None
 
         def keep(value, name):
-            cache[name] = detach_state(value) if detach else value
+            if pieces:
+                if pieces[-1] is None:  # a segment run again for its signal: not what the call read
+                    return
+                index = len(pieces) - 1
+            else:
+                index = 0
+            by_piece = firings.setdefault(name, {})
+            if index in by_piece:
+                repeated.add(name)
+            by_piece[index] = detach_state(value) if detach else value
 
         chosen = select(self.hook_points, names)
-        with attached(self.hook_points, [(n, keep) for n in chosen]):
-            logits, _ = self(input_ids, state, mode=mode)
+        self._hook_pieces = pieces
+        try:
+            with attached(self.hook_points, [(n, keep) for n in chosen]):
+                logits, _ = self(input_ids, state, mode=mode)
+        finally:
+            self._hook_pieces = None
+        if not pieces:
+            return logits, {n: v[0] for n, v in firings.items()}
+        read = [i for i, p in enumerate(pieces) if p is not None]
+        cache = {}
+        for name, by_piece in firings.items():
+            if sorted(by_piece) != read or name in repeated:
+                # fired on some pieces only, or several times within a piece (a mixer's own
+                # segments): its last value, as for a model read in one pass
+                cache[name] = by_piece[max(by_piece)]
+                continue
+            cache[name] = join_pieces(
+                self.hook_points[name], [by_piece[i] for i in read], [pieces[i] for i in read]
+            )
         return logits, cache
 
     def reset_parameters(self) -> None:

@@ -272,6 +272,44 @@ def _hope_reconstruction() -> ModelConfig:
     return _hope_config("reconstruction")
 
 
+#: DGD momentum of hope_paper (the paper gives no value; the conventional heavy-ball 0.9, as the
+#: CMS levels' Level.beta default)
+_PAPER_MOMENTUM = 0.9
+
+
+@register_model(
+    "hope_paper",
+    "HOPE as Table 6's full model (Behrouz et al. 2025): self-modifying Titans with self-generated "
+    f"targets, an adaptive inner-projection q and DGD with momentum {_PAPER_MOMENTUM}, then a 3-level "
+    f"CMS (periods 8/16/32); {_TASK}",
+)
+def _hope_paper() -> ModelConfig:
+    # what Table 6 ablates from the evaluated model ("w/o momentum", "w/o inner-projection q") is on;
+    # the targets are Eq. 84/94's self-generated M_memory(v_t); the CMS levels learn from the task loss
+    cfg = _hope_config("task")
+    cfg.mixer_options["self_modifying_titans"].update(
+        memory_target="self", adaptive_q=True, momentum=_PAPER_MOMENTUM
+    )
+    return cfg
+
+
+#: paper-scale CMS periods (§9.1 groups its CMS variants by lowest frequency 512 and 2K): four
+#: levels, the slowest stepping every 2048 tokens
+_LONG_PERIODS = (16, 128, 512, 2048)
+
+
+@register_model(
+    "hope_long",
+    "hope with paper-scale CMS periods 16/128/512/2048 (its slow levels step only when the state is "
+    "carried across training windows: docs/guides/nested_learning.md, 'Paper-scale time scales'); "
+    f"{_TASK}",
+)
+def _hope_long() -> ModelConfig:
+    cfg = _hope_config("task")
+    cfg.mlp_options = {"levels": [{"period": p, "objective": "task"} for p in _LONG_PERIODS]}
+    return cfg
+
+
 @register_model(
     "hope_attention",
     f"HOPE-attention: softmax attention followed by a 3-level CMS (periods 8/16/32); {_TASK}",

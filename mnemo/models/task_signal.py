@@ -126,6 +126,14 @@ def _pending_of(model, state, ids) -> Pending:
     return pending
 
 
+def _piece(model, n: int | None) -> None:
+    """Tell a recording :meth:`~mnemo.models.LanguageModel.run_with_cache` that the next
+    ``_forward`` reads the call's next ``n`` tokens (``None``: runs a segment again for its signal)."""
+    pieces = getattr(model, "_hook_pieces", None)
+    if pieces is not None:
+        pieces.append(n)
+
+
 def _outer(model) -> bool:
     """Outer gradients through the steps (``x``, ``η``) only when the caller builds a graph the step
     can join."""
@@ -171,6 +179,7 @@ def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> li
     ids = torch.cat([pending.ids, nxt], 1)
     where = _task_levels(model)
     levels = [model.blocks[i].mlp.levels[j] for i, j in where]
+    _piece(model, None)
     with torch.enable_grad():
         with _Recording(levels) as rec:
             logits, _ = model._forward(ids[:, :-1], pending.start, mode, allow_checkpoint=False)
@@ -202,6 +211,7 @@ def forward(model, input_ids: torch.Tensor, state, mode):
         if n == S and t + S < T:
             # a whole segment and its next token in this call: the read's graph gives the signal
             # (one forward for the read and the signal)
+            _piece(model, S)
             with torch.enable_grad(), _Recording(levels) as rec:
                 logits, state = model._forward(input_ids[:, t : t + S], state, mode, allow_checkpoint=False)
             labels = input_ids[:, t + 1 : t + S + 1]
@@ -214,6 +224,7 @@ def forward(model, input_ids: torch.Tensor, state, mode):
             pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
             t += S
             continue
+        _piece(model, n)
         logits, state = model._forward(input_ids[:, t : t + n], state, mode)
         outs.append(logits)
         pending = dataclasses.replace(pending, ids=torch.cat([pending.ids, input_ids[:, t : t + n]], 1))

@@ -193,9 +193,9 @@ def test_attribution_matches_a_finite_difference_jacobian():
 
 def test_titans_models_give_maps_and_scores():
     torch.manual_seed(0)
-    # hope_reconstruction: the hope preset's task-signal levels read in segments, and a hook that fires
-    # more than once in a call keeps its last value (LanguageModel.run_with_cache)
-    for name in ("titans_lmm", "titans_mag", "titans_mal", "titans_mac", "hope_reconstruction"):
+    # hope reads in task-signal segments; run_with_cache joins its hooks over them (hope_reconstruction
+    # has the same mixer, read in one pass)
+    for name in ("titans_lmm", "titans_mag", "titans_mal", "titans_mac", "hope"):
         m = LanguageModel(build_config(name, vocab_size=20, d_model=16, n_layers=1))
         mixer = m.blocks[0].mixer
         mixer.attribution_steps = 2 if hasattr(mixer, "attribution_steps") else None

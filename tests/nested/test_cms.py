@@ -576,3 +576,120 @@ def test_a_meta_learned_nested_state_matches_its_spec():
         if st is not None:
             assert [s.inputs.shape for s in st.levels[1:]] == [s.inputs.shape for s in spec.levels[1:]]
             assert nbytes(st) == nbytes(spec)
+
+
+# --------------------------------------------------------------------------------------------
+# chain order and paper-scale periods (issue 37 item 4)
+# --------------------------------------------------------------------------------------------
+
+
+def test_chain_order_changes_the_output_and_slowest_first_is_the_reversed_composition():
+    """slowest_first equals the hand composition of one-level CMSs (same weights) applied from the
+    longest period to the shortest, each with its own residual and norm; fastest_first is the
+    other composition, and the two differ."""
+    torch.manual_seed(0)
+    levels = [Level(2, lr=4.0), Level(3, lr=4.0), Level(6, lr=4.0)]
+    fast = ContinuumMemory(D, levels).double()
+    slow = ContinuumMemory(D, levels, order="slowest_first").double()
+    slow.load_state_dict(fast.state_dict())
+    singles = []
+    for i, lv in enumerate(levels):
+        one = ContinuumMemory(D, [lv]).double()
+        one.levels[0].load_state_dict(fast.levels[i].state_dict())
+        singles.append(one)
+    x = _x(13)
+    with torch.no_grad():
+        ys, ss = slow(x)
+        yf, _ = fast(x)
+        h, states = x, [None] * 3
+        for i in (2, 1, 0):  # slowest first
+            y, st = singles[i](h)
+            h, states[i] = h + y, st.levels[0]
+    assert_close(ys, h - x, 1e-13)
+    for a, b in zip(ss.levels, states):
+        assert a.updates == b.updates
+        for u, w in zip(a.weights, b.weights):
+            assert_close(u, w, 1e-13)
+    rel = ((ys - yf).norm() / yf.norm()).item()
+    print(f"slowest_first vs fastest_first: relative output change {rel:.1%}")
+    assert rel > 0.01
+    # streaming with the order: any split equals one pass
+    with torch.no_grad():
+        y1, s1 = slow(x[:, :5])
+        y2, _ = slow(x[:, 5:], s1)
+    assert_close(torch.cat([y1, y2], 1), ys, 1e-13)
+
+
+def test_chain_order_errors_name_the_argument_and_the_chain_follows_the_periods():
+    with pytest.raises(ValueError, match="ContinuumMemory.order: expected one of"):
+        ContinuumMemory(D, [Level(2), Level(4)], order="fast")
+    with pytest.raises(ValueError, match="only with transfer='sequential'"):
+        ContinuumMemory(D, [Level(2), Level(4)], transfer="independent", order="slowest_first")
+    # the chain follows the periods, not the list order: a list given slowest first, run
+    # fastest first, equals the same levels listed fastest first
+    torch.manual_seed(0)
+    a = ContinuumMemory(D, [Level(2, lr=4.0), Level(5, lr=4.0)]).double()
+    b = ContinuumMemory(D, [Level(5, lr=4.0), Level(2, lr=4.0)]).double()
+    b.levels[0].load_state_dict(a.levels[1].state_dict())
+    b.levels[1].load_state_dict(a.levels[0].state_dict())
+    x = _x(9)
+    with torch.no_grad():
+        assert_close(b(x)[0], a(x)[0], 1e-13)
+
+
+def test_paper_scale_levels_step_exactly_at_multiples_of_their_period_across_windows():
+    """Periods 128/512/2048 (hope_long's slow levels) streamed over 2,400 tokens in windows of 300
+    (no window boundary on a period boundary past the first): at every window end each level has
+    taken ⌊position / period⌋ steps, and its weights changed in exactly the windows holding a
+    multiple of its period."""
+    torch.manual_seed(0)
+    periods = (128, 512, 2048)
+    cms = ContinuumMemory(4, [Level(p) for p in periods])
+    x = torch.randn(1, 2400, 4, generator=torch.Generator().manual_seed(0))
+    state, pos = None, 0
+    with torch.no_grad():
+        while pos < x.shape[1]:
+            n = min(300, x.shape[1] - pos)
+            before = None if state is None else [lv.weights[0].clone() for lv in state.levels]
+            _, state = cms(x[:, pos : pos + n], state)
+            for j, (p, lv) in enumerate(zip(periods, state.levels)):
+                assert lv.updates == (pos + n) // p, (pos + n, p, lv.updates)
+                if before is not None:
+                    stepped = (pos + n) // p > pos // p
+                    assert stepped == (not torch.equal(lv.weights[0], before[j])), (pos, p)
+            pos += n
+    assert [lv.updates for lv in state.levels] == [18, 4, 1]
+
+
+def test_hope_long_slow_levels_step_when_the_state_is_carried_across_training_windows():
+    """hope_long has the paper-scale periods; the documented recipe (consecutive windows, state
+    carried and detached, an optimizer step per window) steps every level at multiples of its
+    period. Run here with periods 4/8/16/32 (2048 tokens would take minutes on a CPU) in windows of
+    13 tokens: with the task objective a level's step at a multiple of its period waits for the next
+    token, so after ``p`` tokens a level has ⌊S ⌊(p − 1) / S⌋ / period⌋ steps (``S = 4``, the
+    shortest period)."""
+    from mnemo.layers.state import detach
+
+    cfg = build_config("hope_long", vocab_size=23, d_model=8, n_layers=1)
+    assert [lv["period"] for lv in cfg.mlp_options["levels"]] == [16, 128, 512, 2048]
+    assert all(lv["objective"] == "task" for lv in cfg.mlp_options["levels"])
+    small = [dict(lv, period=p) for lv, p in zip(cfg.mlp_options["levels"], (4, 8, 16, 32))]
+    torch.manual_seed(0)
+    cfg = build_config("hope_long", vocab_size=23, d_model=8, n_layers=1, mlp_options={"levels": small})
+    m = LanguageModel(cfg)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    ids = torch.randint(0, 23, (1, 40), generator=torch.Generator().manual_seed(0))
+    S, W = 4, 13
+    state, pos = None, 0
+    periods = [lv["period"] for lv in small]
+    while pos + W < ids.shape[1]:
+        logits, state = m(ids[:, pos : pos + W], state)
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, pos + 1 : pos + W + 1].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state = detach(state)
+        pos += W
+        absorbed = S * ((pos - 1) // S)
+        assert [lv.updates for lv in state[0].mlp.levels] == [absorbed // p for p in periods], pos
+    assert pos == 39 and state[0].mlp.levels[-1].updates == 1  # the slowest level stepped, in window 3

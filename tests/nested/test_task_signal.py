@@ -287,3 +287,104 @@ def test_the_steps_equal_an_autograd_gradient_through_per_token_copies_of_the_we
         for w, ref, w0 in zip(s.weights, W2[i], W0[i]):
             assert (ref - w0).abs().max() > 1e-4  # the steps are not negligible
             assert_close(w, ref, 1e-14, what=f"level {i}")  # measured ≤ 1e-16
+
+
+# --------------------------------------------------------------------------------------------
+# run_with_cache on a task-signal model: the hooks fire once per segment, the cache joins them
+# --------------------------------------------------------------------------------------------
+
+
+def _presets(name, d_model=8, n_layers=2, seed=0):
+    torch.manual_seed(seed)
+    return LanguageModel(build_config(name, vocab_size=V, d_model=d_model, n_layers=n_layers)).double().eval()
+
+
+@pytest.mark.parametrize("name", ["hope", "hope_attention"])
+def test_run_with_cache_on_task_presets_holds_the_whole_call(name):
+    """21 tokens read in segments of 8, 8 and 5: every tensor hook holds all 21 positions (the keys
+    and shapes of the *_reconstruction preset, less the reconstruction levels' own target and rate
+    hooks), and the joined values are the values of the call: block 0's mixer (before any CMS)
+    run alone over the whole call equals the cached hooks, each task level's cached read equals its
+    MLP at the weights it had in that segment (initial weights in the first, the returned state's in
+    the last), and the joined attention pattern is softmax(q kᵀ) of the joined queries and keys."""
+    m, recon = _presets(name), _presets(name + "_reconstruction")
+    ids = _ids(21)
+    with torch.no_grad():
+        logits, cache = m.run_with_cache(ids)
+        want, state = m(ids)
+        _, rcache = recon.run_with_cache(ids)
+    assert_close(logits, want, 1e-12)  # with hook_pattern recorded, attention runs as pattern @ v
+    extra = {k for k in rcache if k.endswith(("hook_v", "hook_eta")) and ".mlp.levels." in k}
+    assert set(cache) == set(rcache) - extra
+    for k, v in rcache.items():
+        if isinstance(v, torch.Tensor) and k in cache:
+            assert cache[k].shape == v.shape, (k, cache[k].shape, v.shape)
+    assert cache["blocks.0.mixer.hook_q"].shape[1] == 21  # before the fix: 5 (the last segment)
+    # block 0's mixer sees no CMS: one pass of it alone over the 21 tokens
+    b0 = m.blocks[0]
+    x = cache["blocks.0.hook_resid_pre"]
+    assert torch.equal(x, m.embed(ids))
+    with torch.no_grad():
+        y, _ = b0.mixer(b0.mixer_norm(x))
+    assert_close(cache["blocks.0.hook_mixer_out"], y, 1e-12)
+    # each task level's read: its MLP at the weights of the segment (levels read LN of their input)
+    for i, blk in enumerate(m.blocks):
+        for j, lv in enumerate(blk.mlp.levels):
+            xin = cache[f"blocks.{i}.mlp.levels.{j}.hook_in"]
+            out = cache[f"blocks.{i}.mlp.levels.{j}.hook_out"]
+
+            def mlp(w, x):
+                return F.gelu(x @ w[0]) @ w[1]
+
+            assert_close(out[:, :8], mlp((lv.W_in, lv.W_out), xin[:, :8]), 1e-12)
+            assert_close(out[:, 16:], mlp(state[i].mlp.levels[j].weights, xin[:, 16:]), 1e-12)
+    assert state[0].mlp.levels[0].updates == 2  # the level-0 steps (period 8) did happen in between
+    if name == "hope_attention":
+        with torch.no_grad():
+            _, pc = m.run_with_cache(ids, names="hook_pattern")
+        q, k = cache["blocks.1.mixer.hook_q"], cache["blocks.1.mixer.hook_k"]
+        s = torch.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+        s = s.masked_fill(torch.ones(21, 21, dtype=torch.bool).triu(1), float("-inf"))
+        assert pc["blocks.1.mixer.hook_pattern"].shape == (2, m.blocks[1].mixer.n_heads, 21, 21)
+        assert_close(pc["blocks.1.mixer.hook_pattern"], s.softmax(-1), 1e-12)
+
+
+def test_run_with_cache_streaming_leaves_out_the_signal_replay():
+    """A call whose first segment began in the previous call runs that segment again to take its
+    signal; the cache holds this call's tokens only, equal to those positions of one whole pass."""
+    m = _presets("hope")
+    ids = _ids(13)
+    with torch.no_grad():
+        _, whole = m.run_with_cache(ids, names=["hook_q", "hook_out"])
+        _, state = m(ids[:, :8])  # one full segment, its signal waits for token 8
+        _, part = m.run_with_cache(ids[:, 8:], names=["hook_q", "hook_out"], state=state)
+    assert set(part) == set(whole)
+    for k, v in part.items():
+        assert v.shape[1] == 5, k
+        assert_close(v, whole[k][:, 8:], 1e-12)
+
+
+def test_run_with_cache_keeps_the_last_value_of_a_hook_fired_within_a_segment():
+    """Titans MAC fires its memory hooks once per MAC segment, inside each task segment: such a hook
+    keeps its last value, as in one pass of the same model with reconstruction levels (the same
+    keys and shapes), while the once-per-segment hooks are joined over the whole call."""
+    shapes = {}
+    for objective in ("task", "reconstruction"):
+        torch.manual_seed(0)
+        cfg = build_config(
+            "titans_mac",
+            vocab_size=V,
+            d_model=16,
+            n_layers=1,
+            mlp="cms",
+            mlp_options={"levels": [{"period": 8, "objective": objective}]},
+            mixer_options={"titans_mac": {"n_heads": 2, "segment": 4}},
+        )
+        with torch.no_grad():
+            _, cache = LanguageModel(cfg).eval().run_with_cache(_ids(21))
+        shapes[objective] = {k: v.shape for k, v in cache.items() if isinstance(v, torch.Tensor)}
+    task, recon = shapes["task"], shapes["reconstruction"]
+    assert all(task[k] == recon[k] for k in task), {
+        k: (task[k], recon[k]) for k in task if task[k] != recon[k]
+    }
+    assert task["blocks.0.hook_mixer_out"][1] == 21 and task["blocks.0.mixer.memory.hook_q"][1] == 1
