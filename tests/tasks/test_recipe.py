@@ -179,3 +179,15 @@ def test_claims_through_the_sweep_and_its_report(tmp_path, monkeypatch):
     cells = cell_stats(rows, select_lr_on_seed=0)
     (claim,) = judge_claims(spec.claims, cells, "val_acc", 0.99)
     assert claim["verdict"] == "not testable here" and "retnet seed(s) [3]" in claim["why"]
+
+
+def test_the_standard_configs_meet_the_standard():
+    """Every sweep under configs/standard/ loads (each run's config validated) with ``recipe:
+    standard`` and at least one claim to judge."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parents[2] / "configs" / "standard").glob("*.yaml"))
+    assert files
+    for f in files:
+        spec = SweepSpec.load(f)
+        assert spec.recipe == "standard" and spec.claims, f
