@@ -11,7 +11,7 @@ A sweep file looks like::
       task_options: {num_pairs: 8}
       model_overrides: {d_model: 64, n_layers: 2}
     models:                          # registry names, or mappings of TrainConfig fields + label
-      - transformer
+      - transformer                  # (a mapping may hold its own ``grid:`` axes, e.g. m3_eps)
       - label: gated_deltanet-h1     # a variant: its own row in the table, its own point in plots
         model: gated_deltanet
         model_overrides: {mixer_options: {gated_deltanet: {n_heads: 1}}}
@@ -166,6 +166,9 @@ class SweepSpec:
         if not isinstance(tune, list):
             raise ValueError(f"{source}: 'tune' must be a list of grid keys")
         grid_keys = set(d.get("grid") or {}) if isinstance(d.get("grid") or {}, dict) else set()
+        for m in models:  # a model entry's own axes (``grid:`` inside the entry) may be tuned too
+            if isinstance(m, dict) and isinstance(m.get("grid"), dict):
+                grid_keys |= set(m["grid"])
         untuned = [t for t in tune if t not in grid_keys]
         if "tune" in d and untuned:  # (the default ['lr'] may name no axis: then nothing is tuned)
             raise ValueError(
@@ -221,7 +224,7 @@ class SweepSpec:
             base=base,
             models=models,
             grid=grid,
-            tune=[t for t in tune if t in grid],
+            tune=[t for t in tune if t in grid_keys],
             metric=metric,
             description=str(d.get("description", "")),
             seeds=seeds,
@@ -274,11 +277,17 @@ class SweepSpec:
     def runs(self) -> list[Run]:
         """Every run of the grid, in a stable order (model entries outermost, then grid axes, then
         seeds)."""
-        keys = list(self.grid)
         out = []
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         for label, fields in self._model_entries():
-            for values in itertools.product(*(self.grid[k] for k in keys)):
+            own = fields.pop("grid", None) or {}  # this model's own axes (e.g. m3_eps for M3 only)
+            if not isinstance(own, dict) or any(not isinstance(v, list) or not v for v in own.values()):
+                raise ValueError(
+                    f"sweep {self.name!r}, model {label!r}: 'grid' must map keys to non-empty lists of values"
+                )
+            grid = {**self.grid, **own}
+            keys = list(grid)
+            for values in itertools.product(*(grid[k] for k in keys)):
                 cfg = deep_merge(self.base, fields)
                 point = dict(zip(keys, values))
                 for k, v in point.items():

@@ -191,3 +191,24 @@ def test_the_standard_configs_meet_the_standard():
     for f in files:
         spec = SweepSpec.load(f)
         assert spec.recipe == "standard" and spec.claims, f
+
+
+def test_a_model_entry_may_carry_its_own_grid_axes():
+    """M3's eps is tuned for M3 only: AdamW's runs are not tripled by an axis they ignore, and an
+    entry's own lr values replace the sweep's for that model."""
+    spec = _spec(
+        models=[
+            "gla",
+            {"label": "gla-m3", "model": "gla", "optimizer": "m3", "grid": {"m3_eps": [1e-3, 1e-2]}},
+        ],
+        tune=["lr", "m3_eps"],
+    )
+    runs = spec.runs()
+    plain = [r for r in runs if r.label == "gla"]
+    m3 = [r for r in runs if r.label == "gla-m3"]
+    assert len(plain) == 3 * 4 and len(m3) == 3 * 2 * 4
+    assert all("m3_eps" not in r.tuned for r in plain) and {r.tuned["m3_eps"] for r in m3} == {1e-3, 1e-2}
+    assert all(r.config["m3_eps"] == r.tuned["m3_eps"] and "grid" not in r.config for r in m3)
+    assert len({r.cell_key for r in runs}) == 2  # the eps is tuned: not part of the cell
+    with pytest.raises(ValueError, match="'grid' must map keys to non-empty lists"):
+        _spec(models=[{"label": "x", "model": "gla", "grid": {"m3_eps": []}}]).runs()
