@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -85,6 +86,15 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
         raise ValueError(
             f"rope_scaling: expected beta_slow < beta_fast, got beta_slow = {out['beta_slow']} and "
             f"beta_fast = {out['beta_fast']}"
+        )
+    turns = L / (2 * math.pi)  # rotations of the fastest dimension (θ = 1) over the training context
+    if out["beta_fast"] > turns:
+        warnings.warn(
+            f"rope_scaling: beta_fast = {out['beta_fast']:g} rotations, but over "
+            f"original_max_position_embeddings = {L} tokens the fastest dimension turns only {turns:.3g} "
+            f"times, so no dimension keeps its frequency and YaRN's ramp blends them all; the paper's 32 "
+            f"assumes a context of thousands of tokens: choose beta_fast <= L / 2π = {turns:.3g}",
+            stacklevel=2,
         )
     af = d.get("attention_factor")
     out["attention_factor"] = None if af is None else _number("attention_factor", af, 0.0, strict=True)

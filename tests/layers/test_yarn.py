@@ -228,3 +228,26 @@ def test_mnemo_eval_yarn_per_length(tmp_path, capsys):
     assert "rope_scaling" not in plain and plain["val_loss"] != rows[1]["val_loss"]
     assert main(["eval", "--checkpoint", str(out), "--yarn", "0.5"]) == 2
     assert "argument --yarn: expected a finite number >= 1 or 'auto', got '0.5'" in capsys.readouterr().err
+
+
+def test_a_beta_fast_no_dimension_reaches_is_said():
+    """(issue 39, YaRN) β_fast counts rotations over the training context; at L = 64 the fastest
+    dimension (θ = 1) turns 64 / 2π = 10.2 times, so the paper's β_fast = 32 leaves no dimension
+    unscaled: said, with the bound. β_fast = 8 (< 10.2) is quiet, and the frequencies mean what the
+    warning says: with β_fast = 32 even θ = 1 is blended (changed), with 8 it is kept."""
+    import math
+    import warnings
+
+    from mnemo.layers.rotary import check_rope_scaling, yarn_inv_freq
+
+    with pytest.warns(UserWarning, match=r"turns only 10.2 times.*beta_fast <= L / 2π = 10.2"):
+        check_rope_scaling({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_rope_scaling(
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 8}
+        )
+    inv = torch.tensor([1.0, 0.1], dtype=torch.float64)
+    assert yarn_inv_freq(inv, 4.0, 64, beta_fast=32)[0] < 1.0  # blended toward 1/4
+    assert yarn_inv_freq(inv, 4.0, 64, beta_fast=8)[0] == 1.0  # 10.2 turns > 8: kept
+    assert 64 / (2 * math.pi) == pytest.approx(10.19, abs=0.01)
