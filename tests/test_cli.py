@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -275,7 +276,9 @@ def test_bench_prints_a_table(capsys, tmp_path, fast_peak):
         == 0
     )
     text = capsys.readouterr().out
-    assert "x SDPA" in text and "faster than recurrent [delta_rule]" in text
+    speed = r"[0-9.]+x (faster|slower)"  # (on a loaded machine the chunk form can be the slower)
+    said = rf"chunk is {speed} \(fwd\) and {speed} \(fwd\+bwd\) than recurrent \[delta_rule\]"
+    assert "x SDPA" in text and re.search(said, text)
     rows = json.loads(out.read_text())["rows"]
     assert {(r["op"], r["mode"]) for r in rows} >= {
         ("softmax_attention", "parallel"),
