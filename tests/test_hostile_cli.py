@@ -387,7 +387,7 @@ TASK = ["--task", "mqar", "--task-option", "num_pairs=2", "--task-option", "voca
     "argv, flag",
     [
         (["train", "--batch-size", HUGE], "TrainConfig.batch_size"),
-        (["train", "--d-model", str(2**20), "--n-layers", "64"], "TrainConfig.batch_size"),
+        (["train", "--d-model", str(2**20), "--n-layers", "64"], "TrainConfig.model: the model's parameters"),
         (["train", "--seq-len", HUGE], "--seq-len"),
         (["train", "--circuit-length", HUGE, "--track-circuits"], "--circuit-length"),
         (["eval", "--checkpoint", "RUN", "--seq-len", HUGE], "--seq-len"),

@@ -206,6 +206,9 @@ def add_commands(sub) -> None:
     c.add_argument(
         "--out", type=kinds.OutDir(), help=f"where to write circuits.png (default: {_DEFAULT_OUT})"
     )
+    c.add_argument(
+        "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
+    )
     c.set_defaults(func=_cmd_circuits)
     t = ps.add_parser("timescales", help="decay half-life distributions per layer (JSON) + a plot")
     t.add_argument("--checkpoint", required=True, type=_CKPT)
@@ -223,12 +226,15 @@ def add_commands(sub) -> None:
     t.add_argument(
         "--out", type=kinds.OutDir(), help=f"where to write timescales.png (default: {_DEFAULT_OUT})"
     )
+    t.add_argument(
+        "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
+    )
     t.set_defaults(func=_cmd_timescales)
     pt = ps.add_parser("plot-training", help="plot loss and tracked scores of a run against steps")
     pt.add_argument("run_dir", type=kinds.ExistingDir("a run folder"))
     pt.add_argument("--out", type=kinds.OutFile(suffix=".png"), help="PNG path (default: RUN/training.png)")
     pt.add_argument(
-        "--overwrite", action="store_true", help="replace an existing --out file (default: refuse)"
+        "--overwrite", action="store_true", help="replace the PNG(s) if they exist (default: refuse)"
     )
     pt.set_defaults(func=_cmd_plot_training)
     ab = ps.add_parser(
@@ -260,6 +266,9 @@ def add_commands(sub) -> None:
         "--out",
         type=kinds.OutPath(".json"),
         help=f"JSON path, or a directory for ablate-topK.json (default: {_DEFAULT_OUT})",
+    )
+    ab.add_argument(
+        "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
     )
     ab.set_defaults(func=_cmd_ablate)
     sp = ps.add_parser(
@@ -294,14 +303,34 @@ def add_commands(sub) -> None:
         type=kinds.OutDir(),
         help=f"where to write spectrum.json and spectrum.png (default: {_DEFAULT_OUT})",
     )
+    sp.add_argument(
+        "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
+    )
     sp.set_defaults(func=_cmd_spectrum)
+
+
+def _refuse_outputs(args, *paths: Path) -> None:
+    """Before any work: an output file that exists is replaced only with ``--overwrite`` (it may
+    be the user's, or an earlier probe's result), whether ``--out`` was given or defaulted."""
+    for p in paths:
+        kinds.refuse_existing(p, "--out" if args.out else "the default --out", args.overwrite)
+
+
+def _say_fewer_tokens(asked: int, got: int, data: str) -> None:
+    """A text shorter than ``--tokens``: the probe runs on all of it, and says so."""
+    if got < asked:
+        print(
+            f"note: --tokens {asked:,}: {data} gives only {got:,} tokens; the probe ran on all of them",
+            file=sys.stderr,
+        )
 
 
 def _cmd_circuits(args) -> int:
     ckpt, model = _load(args.checkpoint)
+    out = Path(args.out) if args.out else default_out(ckpt)
+    _refuse_outputs(args, out / "circuits.png")
     _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
     scores = circuit_scores(model, args.length, args.batch, args.seed)
-    out = Path(args.out) if args.out else default_out(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
@@ -324,6 +353,8 @@ def _cmd_timescales(args) -> int:
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
     ckpt, model = _load(args.checkpoint)
+    out = Path(args.out) if args.out else default_out(ckpt)
+    _refuse_outputs(args, out / "timescales.png")
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     data = args.data or tcfg.get("data") or "tinyshakespeare"
     _check_probe_memory(model, 1, args.tokens, "--tokens", maps=False)
@@ -333,8 +364,8 @@ def _cmd_timescales(args) -> int:
         )
     else:
         ids = load_tokenizer(ckpt).encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
+    _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = timescales(model, ids)
-    out = Path(args.out) if args.out else default_out(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     path = plot(result, out / "timescales.png", title=checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
@@ -343,7 +374,10 @@ def _cmd_timescales(args) -> int:
 
 
 def _cmd_plot_training(args) -> int:
-    kinds.refuse_existing(args.out, "--out", args.overwrite)
+    target = Path(args.out) if args.out else Path(args.run_dir) / "training.png"
+    flow = target.with_name(target.stem + "_spectrum" + target.suffix)
+    for p in (target, flow):  # the default path too: a file there may be the user's
+        kinds.refuse_existing(p, "--out" if args.out else "the default output", args.overwrite)
     path = plot_training(args.run_dir, args.out)
     print(f"wrote {path}")
     return 0
@@ -353,6 +387,9 @@ def _cmd_ablate(args) -> int:
     from ..interp.interventions import induction_ablation
 
     ckpt, model = _load(args.checkpoint)
+    out = Path(args.out) if args.out else default_out(ckpt)
+    path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
+    _refuse_outputs(args, path)
     _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
     result = induction_ablation(
         model,
@@ -365,8 +402,6 @@ def _cmd_ablate(args) -> int:
         random_from=args.random_from,
     )
     result = {"checkpoint": str(ckpt), **result}
-    out = Path(args.out) if args.out else default_out(ckpt)
-    path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
     _write_json(path, result)
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
     print(_json(result))
@@ -384,6 +419,8 @@ def _cmd_spectrum(args) -> int:
             f"context, --tokens {args.tokens}: a longer half-life is marginal, not irrelevant"
         )
     ckpt, model = _load(args.checkpoint)
+    out = Path(args.out) if args.out else default_out(ckpt)
+    _refuse_outputs(args, out / "spectrum.json", out / "spectrum.png")
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
     data = args.data or tcfg.get("data") or "tinyshakespeare"
     _check_probe_memory(model, 1, args.tokens, "--tokens", maps=False)
@@ -398,10 +435,10 @@ def _cmd_spectrum(args) -> int:
         )
     else:
         ids = tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
+    _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = memory_spectrum(
         model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life
     )
-    out = Path(args.out) if args.out else default_out(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     record = to_json({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result})
     _write_json(out / "spectrum.json", record)

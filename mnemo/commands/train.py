@@ -190,7 +190,7 @@ def _cmd_train(args) -> int:
     text_flags += [
         "--" + name.replace("_", "-")
         for name in ("sample_tokens", "sample_prompt", "sample_temperature")
-        if getattr(args, name, None) is not None
+        if getattr(args, name, None) not in (None, 0)  # --sample-tokens 0 asks for no sample: fine
     ]
     if text_flags and (d.get("task") or (args.resume and _saved_task(args.out))):
         raise ValueError(
