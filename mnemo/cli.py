@@ -66,9 +66,20 @@ _COMMAND_MODULES: list[str] = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``mnemo`` command: its exit status (0 done, 1 a failed check or a diverged run, 2 a
+    usage or data error in one line, 130 interrupted)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # while the libraries load or the arguments are read: no work yet
+        print("\nmnemo: interrupted before any work began; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     import os
 
     from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
+    from .ops.dispatch import BackendError
     from .runtime import tune_malloc
     from .train import TrainingDiverged
     from .train.distributed import cleanup
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         report(f"mnemo: {e}")
         return 1
     # user errors; anything else (a TypeError included) is a bug and shows its traceback
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, FileNotFoundError, ImportError, BackendError) as e:
         report(f"mnemo {command}: error: {e}")
         return 2
     except OSError as e:  # the file system refused (a full disk, a read-only place, a permission)

@@ -1162,3 +1162,95 @@ def test_a_metrics_log_that_is_not_utf8_is_named_by_line(run, tmp_path, capsys):
     assert (bad / "kept" / "metrics.jsonl.torn").read_text().startswith('{"step": 5, "x": "')
     steps = [json.loads(x)["step"] for x in (bad / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6]
+
+
+def test_seventh_trial_findings(run, tmp_path, capsys, monkeypatch):
+    """(seventh trial, 252 commands) outputs that exist are replaced only with --overwrite,
+    whether --out was given or defaulted; --overwrite keeps files that only look like
+    checkpoints; a forced backend that cannot serve is one line; messages name the flag given."""
+    from mnemo.models import LanguageModel
+
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    (figs / "circuits.png").write_text("mine")
+    argv = [
+        "probe",
+        "circuits",
+        "--checkpoint",
+        str(run),
+        "--length",
+        "4",
+        "--batch",
+        "1",
+        "--out",
+        str(figs),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "circuits.png exists; pass --overwrite" in err and err.count("\n") == 1
+    assert (figs / "circuits.png").read_text() == "mine"
+    assert main([*argv, "--overwrite"]) == 0 and (figs / "circuits.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    plotted = tmp_path / "plotted"
+    shutil.copytree(run, plotted)
+    (plotted / "training.png").write_text("mine")
+    assert main(["probe", "plot-training", str(plotted)]) == 2
+    err = capsys.readouterr().err
+    assert "the default output: " in err and "training.png exists; pass --overwrite" in err, err
+    assert (plotted / "training.png").read_text() == "mine"
+    # --overwrite discards checkpoint folders only: a file named ckpt-… stays
+    mixed = tmp_path / "mixed"
+    shutil.copytree(run, mixed)
+    (mixed / "ckpt-000099.txt").write_text("notes")
+    (mixed / "ckpt-notes").write_text("more notes")
+    assert main(["train", *TINY, "--steps", "2", "--out", str(mixed), "--overwrite"]) == 0
+    assert (mixed / "ckpt-000099.txt").read_text() == "notes" and (mixed / "ckpt-notes").is_file()
+    capsys.readouterr()
+    # a forced backend that cannot serve the call: one line, exit 2
+    monkeypatch.setenv("MNEMO_BACKEND", "fla")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gla = tmp_path / "gla"
+    assert main(["train", *TINY, "--model", "gla", "--steps", "1", "--out", str(gla)]) == 2
+    err = capsys.readouterr().err
+    assert "backend 'fla' cannot serve this call" in err and err.count("\n") == 1 and "Traceback" not in err
+    monkeypatch.delenv("MNEMO_BACKEND")
+    # the flag the user gave is the one named
+    assert main(["eval", "--checkpoint", str(run), "--length", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert "a longer file or a smaller --length)" in err and "--seq-len" not in err, err
+    assert main(["train", *TINY, "--steps", "1", "--out", "/proc/mnemo_never"]) == 2
+    assert "--out: /proc/mnemo_never cannot be created" in capsys.readouterr().err
+    with pytest.raises(NotADirectoryError, match="is a file; expected a checkpoint folder"):
+        LanguageModel.from_pretrained(run / "metrics.jsonl")
+    lists = tmp_path / "lists.jsonl"
+    lists.write_text("[1, 2, 3]\n")
+    assert main(["train", *TINY, "--data", str(lists), "--out", str(tmp_path / "never")]) == 2
+    assert "lists.jsonl line 1: a JSON list, expected one object per line" in capsys.readouterr().err
+
+
+def test_a_changed_sweep_is_not_pooled_as_seeds():
+    """Two runs at the same cell, learning rate and seed are two configurations (the sweep file
+    changed under the same name), not two seeds: the report keeps the newest and counts the rest."""
+    from mnemo.sweep.report import cell_stats, newest_runs
+
+    def row(run_id, steps, acc):
+        return {
+            "run_id": run_id,
+            "label": "gla",
+            "model": "gla",
+            "cell": {"label": "gla"},
+            "tuned": {"lr": 0.01},
+            "seed": 0,
+            "config": {"steps": steps, "seq_len": 16},
+            "status": "done",
+            "metrics": {"val_acc": acc, "val_loss": 1.0},
+            "state_size_bytes": 1,
+            "n_params": 1,
+            "wall_time_s": 1.0,
+        }
+
+    rows = [row("a", 2, 0.1), row("b", 3, 0.3)]
+    kept, superseded = newest_runs(rows)
+    assert [r["run_id"] for r in kept] == ["b"] and superseded == {'{"label": "gla"}': 1}
+    (c,) = cell_stats(rows)
+    assert c["n"] == 1 and c["values"] == [0.3] and c["n_superseded"] == 1

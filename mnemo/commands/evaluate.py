@@ -144,7 +144,9 @@ def _cmd_eval(args) -> int:
         if yarn is not None:
             yarn(L)
         extra = _yarn_extra(model) if yarn is not None else None
-        code = _cmd_eval_text(args, tcfg, ckpt, model, tok, L, extra)
+        code = _cmd_eval_text(
+            args, tcfg, ckpt, model, tok, L, extra, flag="--length" if lengths else "--seq-len"
+        )
         if code:
             return code
     return 0
@@ -191,7 +193,9 @@ def _yarn_extra(model) -> dict:
     return {}
 
 
-def _cmd_eval_text(args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict | None = None) -> int:
+def _cmd_eval_text(
+    args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict | None = None, flag: str = "--seq-len"
+) -> int:
     """``mnemo eval`` on a text checkpoint with windows of ``seq_len`` tokens: one JSON line
     (``extra`` added to it)."""
     import math
@@ -220,7 +224,10 @@ def _cmd_eval_text(args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict
     bf16 = (args.precision or tcfg.get("precision", "fp32")) == "bf16"
     corpus = load_corpus(data, text_field)
     val_docs = corpus.split()[1] if not args.full else corpus
-    stream = val_docs.stream(tok, seq_len)  # documents joined as in training (the tokenizer's separator)
+    try:  # documents joined as in training (the tokenizer's separator)
+        stream = val_docs.stream(tok, seq_len)
+    except ValueError as e:  # too short for one window: name the flag the user gave
+        raise ValueError(str(e).replace("--seq-len", flag)) from None
     unknown = getattr(tok, "unknown_share", None)
     share = unknown(val_docs.text) if unknown is not None else 0.0
     if share > 0:
@@ -247,7 +254,7 @@ def _cmd_eval_text(args, tcfg: dict, ckpt, model, tok, seq_len: int, extra: dict
     if count == 0:
         raise ValueError(
             f"--data: the {'file' if args.full else 'validation split'} of {data!r} is shorter than one "
-            f"window of --seq-len {seq_len} + 1 tokens"
+            f"window of {flag} {seq_len} + 1 tokens"
         )
     val_loss = total / count
     tokens_per_char = stream.ids.numel() / stream.num_chars
@@ -309,6 +316,12 @@ def _cmd_generate(args) -> int:
         print(
             f"warning: --prompt: {len(unknown)} character(s) are not in the checkpoint's vocabulary and "
             f"are read as <unk> (shown as \ufffd): {''.join(unknown)!r}",
+            file=sys.stderr,
+        )
+    vocab = model.config.vocab_size
+    if args.top_k is not None and args.top_k >= vocab:
+        print(
+            f"note: --top-k {args.top_k} >= the vocabulary ({vocab} tokens): sampling from every token",
             file=sys.stderr,
         )
     text = generate_text(

@@ -80,6 +80,15 @@ def _cmd_report(args) -> int:
             f"--threshold: {args.metric} is an accuracy in [0, 1], so a threshold above 1 counts no run; "
             f"got {args.threshold}"
         )
+    from ..sweep.db import SweepDB
+
+    out = Path(args.out) if args.out else Path(args.db).with_name(Path(args.db).stem + "_report")
+    with SweepDB(args.db, create=False) as db:
+        names = [args.sweep] if args.sweep else db.sweeps()
+    suffixes = (".md", ".json", "_acc_vs_state.png", "_acc_vs_length.png")
+    for name in names:  # before the work: a file there may be the user's or an earlier report
+        for suffix in suffixes:
+            kinds.refuse_existing(out / f"{name}{suffix}", "--out", args.overwrite)
     result = write_report(
         args.db,
         args.out,
@@ -152,6 +161,9 @@ def add_commands(sub) -> None:
         "--out",
         type=kinds.OutDir(),
         help="directory for NAME.md and the PNG plots (default: DB_STEM_report/ next to DB)",
+    )
+    r.add_argument(
+        "--overwrite", action="store_true", help="replace report files that exist (default: refuse)"
     )
     r.add_argument(
         "--sweep", type=kinds.Text("a sweep name"), help="only this sweep (a database may hold several)"

@@ -233,6 +233,12 @@ def _cmd_train(args) -> int:
         out = _default_out(cfg.model)
     else:
         out = Path(args.out)
+        if not out.exists() and main:  # prove it can be made before the model and data load
+            try:
+                out.mkdir(parents=True)
+                out.rmdir()  # (the Trainer makes it again, and owns it)
+            except OSError as e:
+                raise ValueError(f"--out: {out} cannot be created: {e.strerror}") from None
         has_ckpt = (out / "latest").exists()
         # a run whose `latest` was lost still holds its checkpoints and log
         leftovers = sorted(p.name for p in out.glob("ckpt-[0-9]*") if p.is_dir()) if out.is_dir() else []
@@ -265,11 +271,11 @@ def _cmd_train(args) -> int:
 
             # a checkpoint's own files go; anything else in it (a user's notes, probe outputs) is
             # moved to OUT/kept/ckpt-NNNNNN/ with a warning, as rotation does
-            for p in list(out.glob("ckpt-*")) + [out / "latest", out / "metrics.jsonl"]:
-                if p.is_dir():
-                    if re.fullmatch(r"ckpt-\d+", p.name):  # a folder the user named ckpt-x stays
-                        discard_checkpoint(p, out)
-                elif p.exists():
+            for p in out.glob("ckpt-*"):  # checkpoint folders only: a file or a folder named
+                if p.is_dir() and re.fullmatch(r"ckpt-\d+", p.name):  # ckpt-notes stays
+                    discard_checkpoint(p, out)
+            for p in (out / "latest", out / "metrics.jsonl"):
+                if p.is_file():
                     p.unlink()
             _set_aside_old_results(out)
     if args.threads:

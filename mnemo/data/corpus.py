@@ -273,8 +273,12 @@ def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> li
         if value is None:
             continue
         if not isinstance(value, str):
+            where = _first_bad_json_line(files) if fmt == "json" else None
             raise ValueError(
-                f"data {data!r}: record {i}: field {text_field!r} holds {type(value).__name__}, not text"
+                f"data {data!r}: {where}"
+                if where
+                else f"data {data!r}: record {i + 1} (counting from 1): field {text_field!r} holds "
+                f"{type(value).__name__}, not text"
             )
         docs.append(value)
     return docs

@@ -631,6 +631,11 @@ class LanguageModel(nn.Module):
         (``import mnemo.hf``, which the ``mnemo`` command does; :mod:`mnemo.models.formats`); an
         unsupported architecture raises ``ValueError`` naming it."""
         d = Path(directory)
+        if d.is_file():
+            raise NotADirectoryError(
+                f"from_pretrained: {str(d)!r} is a file; expected a checkpoint folder (config.json and "
+                "model.safetensors)"
+            )
         cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
         check_device(map_location)
         import dataclasses

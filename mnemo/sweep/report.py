@@ -20,6 +20,7 @@ import json
 import math
 import re
 import textwrap
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -136,11 +137,12 @@ def cell_stats(
         raise ValueError(
             f"cell_stats: select_lr_on_seed must be an int seed or None, got {select_lr_on_seed!r}"
         )
+    rows, superseded = newest_runs(rows)
     cells: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         cells[json.dumps(r["cell"], sort_keys=True)].append(r)
     out = []
-    for group in cells.values():
+    for key, group in cells.items():
         by_tuned: dict[str, list[dict]] = defaultdict(list)
         for r in group:
             by_tuned[json.dumps(r["tuned"], sort_keys=True)].append(r)
@@ -213,9 +215,26 @@ def cell_stats(
                 "n_runs": len(group),
                 "n_failed": sum(r["status"] != "done" for r in group),
                 "cell_wall_time_s": sum(r["wall_time_s"] or 0.0 for r in group),
+                "n_superseded": superseded.get(key, 0),
             }
         )
     return out
+
+
+def newest_runs(rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
+    """One run per (cell, tuned values, seed): the newest (``rows`` in database order). Two runs
+    there have different configurations — the sweep file changed something every run shares
+    (e.g. ``base.steps``) under the same name — and pooling them would count two settings as two
+    seeds. Returns the kept rows and, per cell key, how many older runs were left out."""
+    newest: dict[tuple, dict] = {}
+    superseded: dict[str, int] = defaultdict(int)
+    for r in rows:
+        cell = json.dumps(r["cell"], sort_keys=True)
+        k = (cell, json.dumps(r["tuned"], sort_keys=True), _seed(r))
+        if k in newest:
+            superseded[cell] += 1
+        newest[k] = r
+    return list(newest.values()), dict(superseded)
 
 
 def _axes(rows: list[dict]) -> list[str]:
@@ -581,6 +600,14 @@ def write_report(
         select = select_lr_on_seed if select_lr_on_seed is not None else metas[name].get("select_lr_on_seed")
         kw = {"select_lr_on_seed": select, "confidence": confidence}
         cells = cell_stats(rows, metric, threshold=threshold, **kw)
+        old_runs = sum(c["n_superseded"] for c in cells)
+        if old_runs:
+            warnings.warn(
+                f"sweep {name!r} in {db_path}: {old_runs} run(s) of an earlier version of the sweep file "
+                "(same cell, learning rate and seed, another configuration) are left out; the report "
+                "uses the newest run of each (give a changed sweep a new name to keep both)",
+                stacklevel=2,
+            )
         thr = cells[0]["threshold"] if cells else threshold
         seeds = sorted({_seed(r) for r in rows})
         n_done = sum(r["status"] == "done" for r in rows)

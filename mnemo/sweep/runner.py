@@ -142,6 +142,14 @@ def run_sweep(
         db.set_meta(spec.name, spec.meta())
         finished = db.finished_ids()
         todo = [r for r in runs if r.run_id not in finished]
+        ids = {r.run_id for r in runs}
+        stale = [r for r in db.rows(spec.name) if r["run_id"] not in ids]
+        if stale:
+            log(
+                f"warning: {db_path} holds {len(stale)} run(s) of sweep {spec.name!r} that this file no "
+                "longer defines (a setting every run shares changed?); the report keeps the newest run per "
+                "cell, learning rate and seed — give a changed sweep a new name to compare both"
+            )
         counts = {"total": len(runs), "skipped": len(runs) - len(todo), "ran": 0}
         counts.update(done=0, diverged=0, failed=0)
         bar = tqdm(
