@@ -28,7 +28,7 @@ reason, a failed one with ``status: "error"`` (a peer not installed: ``"unavaila
 
     python scripts/gpu_bench.py [--out gpu_check.json] [--tiny] [--device cuda]
 
-``--tiny`` (d_model 32, 2 layers, vocabulary 256, T 32 and 64, 128 tokens per step, a 16-token
+``--tiny`` (d_model 32, 2 layers, vocabulary 256, T 16 and 32, 64 tokens per step, an 8-token
 prompt, 4 new tokens) runs anywhere, the CPU included: the test suite runs it to keep this script
 working (tests/test_gpu_bench.py).
 """
@@ -72,7 +72,7 @@ CASE_FIELDS = (
     "dispatch",
 )
 FULL = dict(d_model=1024, n_layers=24, vocab=32000, lengths=(2048, 8192), tokens=16384, prompt=512, new=128)
-TINY = dict(d_model=32, n_layers=2, vocab=256, lengths=(32, 64), tokens=128, prompt=16, new=4)
+TINY = dict(d_model=32, n_layers=2, vocab=256, lengths=(16, 32), tokens=64, prompt=8, new=4)
 DEFAULT_MODELS = ("gated_deltanet", "gla", "mamba2", "transformer")
 #: the peer paired with each preset: (impl, description)
 PEERS = {
@@ -94,7 +94,9 @@ def versions() -> dict:
         try:
             from importlib.metadata import PackageNotFoundError, version
 
-            dist = {"fla": "fla-core", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}.get(mod, mod)
+            dist = {"fla": "fla-core", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}.get(
+                mod, mod
+            )
             try:
                 out[mod] = version(dist)
             except PackageNotFoundError:
@@ -171,6 +173,10 @@ def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def _first(model):
+    return lambda ids: model(ids)[0]
+
+
 def _train_step(model, forward, opt, ids, device) -> float:
     t0 = time.perf_counter()
     with _autocast(device):
@@ -221,7 +227,7 @@ def run_case(impl, name, backend, T, size, device, case_s, step_budget) -> dict:
         dispatch.reset_dispatch_log()
         with ctx:
             model.train()
-            forward = (lambda x: model(x)[0]) if impl == "mnemo" else model  # mnemo: (logits, state)
+            forward = _first(model) if impl == "mnemo" else model  # mnemo returns (logits, state)
             rec["warmup_s"] = _train_step(model, forward, opt, ids, device)
             times, t_case = [], time.perf_counter()
             while len(times) < step_budget and time.perf_counter() - t_case < case_s:
@@ -249,7 +255,9 @@ def run_case(impl, name, backend, T, size, device, case_s, step_budget) -> dict:
             for (op, b, _), n in sorted(dispatch.dispatch_log().items()):
                 rec["dispatch"][f"{op}:{b}"] = rec["dispatch"].get(f"{op}:{b}", 0) + n
     except Exception as e:  # recorded: one case's failure must not end the check
-        rec.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        rec.update(
+            status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        )
     finally:
         del model, opt
         gc.collect()
@@ -269,15 +277,21 @@ def _write(path: Path, result: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON (default gpu_check.json)")
+    ap.add_argument(
+        "--out", type=Path, default=Path("gpu_check.json"), help="the JSON (default gpu_check.json)"
+    )
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny size that runs anywhere (the test's)")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help="mnemo presets, comma-separated")
     ap.add_argument("--no-peers", action="store_true", help="mnemo's cases only")
     ap.add_argument("--budget-s", type=float, default=300.0, help="seconds for all cases (default 300)")
     ap.add_argument("--case-s", type=float, default=8.0, help="seconds of timed steps per case (default 8)")
-    ap.add_argument("--min-case-s", type=float, default=20.0, help="start a case only with this left (default 20)")
-    ap.add_argument("--max-step-s", type=float, default=3.0, help="skip longer T above this step time (default 3)")
+    ap.add_argument(
+        "--min-case-s", type=float, default=20.0, help="start a case only with this left (default 20)"
+    )
+    ap.add_argument(
+        "--max-step-s", type=float, default=3.0, help="skip longer T above this step time (default 3)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed train steps per case at most (default 3)")
     ap.add_argument("--tests-log", type=Path, help="a pytest log to summarise into the JSON (gpu_check.sh)")
     ap.add_argument("--tests-rc", type=int, help="that pytest run's exit status")
@@ -330,7 +344,10 @@ def main(argv=None) -> int:
                 key = (impl, n, backend)
                 if key in slow or left < args.min_case_s:
                     rec = dict.fromkeys(CASE_FIELDS)
-                    why = slow.get(key) or f"time budget: {left:.0f} s left < --min-case-s {args.min_case_s:.0f}"
+                    why = (
+                        slow.get(key)
+                        or f"time budget: {left:.0f} s left < --min-case-s {args.min_case_s:.0f}"
+                    )
                     rec.update(impl=impl, model=n, backend=backend, T=T, status="skipped", reason=why)
                 else:
                     rec = run_case(impl, n, backend, T, size, device, min(args.case_s, left), args.steps)
@@ -343,7 +360,10 @@ def main(argv=None) -> int:
                 _write(args.out, result)  # after every case: a check stopped from outside leaves its cases
                 msg = f"{impl:9s} {n:16s} {backend:6s} T={T:<6d} {rec['status']:11s}"
                 if rec["status"] == "ok":
-                    msg += f" step {rec['train_step_s']:.3f} s  {rec['train_tokens_per_s']:,.0f} tok/s  decode {rec['decode_tokens_per_s']:,.1f} tok/s"
+                    msg += (
+                        f" step {rec['train_step_s']:.3f} s  {rec['train_tokens_per_s']:,.0f} tok/s"
+                        f"  decode {rec['decode_tokens_per_s']:,.1f} tok/s"
+                    )
                 else:
                     msg += f" {rec['reason'][:100]}"
                 print(msg, flush=True)

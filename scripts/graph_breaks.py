@@ -49,7 +49,9 @@ def _step_fn(model: LanguageModel, precision: str, device: str):
     """The training forward and its loss, as the trainer computes them."""
 
     def step(ids: torch.Tensor) -> torch.Tensor:
-        ctx = torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        ctx = (
+            torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        )
         with ctx:
             logits, _ = model(ids)
         return F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -111,7 +113,10 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     names = args.names or model_names()
-    header = f"{'preset':30s} {'cpu graphs':>10s} {'breaks':>6s} {'bwd':>4s} {'fla graphs':>10s} {'breaks':>6s} {'ops':>4s}  first break"
+    header = (
+        f"{'preset':30s} {'cpu graphs':>10s} {'breaks':>6s} {'bwd':>4s} "
+        f"{'fla graphs':>10s} {'breaks':>6s} {'ops':>4s}  first break"
+    )
     lines = [header, "-" * len(header)]
     t0 = time.perf_counter()
     for name in names:
@@ -125,11 +130,16 @@ def main() -> None:
             except Exception as e:  # reported in the table
                 fla = ("error", type(e).__name__, "-")
         reason = _first_reason(ex)
-        line = f"{name:30s} {ex.graph_count:>10d} {ex.graph_break_count:>6d} {bwd:>4s} {fla[0]:>10s} {fla[1]:>6s} {fla[2]:>4s}  {reason}"
+        line = (
+            f"{name:30s} {ex.graph_count:>10d} {ex.graph_break_count:>6d} {bwd:>4s} "
+            f"{fla[0]:>10s} {fla[1]:>6s} {fla[2]:>4s}  {reason}"
+        )
         lines.append(line)
         print(line, flush=True)
     took = time.perf_counter() - t0
-    cmd = "python scripts/graph_breaks.py" + (f" --precision {args.precision}" if args.precision != "fp32" else "")
+    cmd = "python scripts/graph_breaks.py" + (
+        f" --precision {args.precision}" if args.precision != "fp32" else ""
+    )
     head = [
         f"# {cmd} (torch {torch.__version__}, {torch.get_num_threads()} threads, {took:.0f} s wall)",
         f"# training forward + float32 cross-entropy, d_model {TINY['d_model']}, {TINY['n_layers']} layers, "

@@ -34,19 +34,21 @@ def test_tiny_run_on_cpu_writes_the_json_schema(tmp_path):
     assert bench.main([*argv, "--tests-log", str(log), "--tests-rc", "0"]) == 0
     result = json.loads(out.read_text())
     assert result["schema"] == bench.SCHEMA and result["device"] == "cpu" and result["complete"] is True
-    assert result["config"]["size"] == "tiny" and result["config"]["lengths"] == [32, 64]
+    assert result["config"]["size"] == "tiny" and result["config"]["lengths"] == [16, 32]
     assert result["tests"] == {"rc": 0, "summary": "3 passed in 1.00s", "log": str(log)}
     assert {"torch", "triton", "fla", "mamba_ssm", "gpu"} <= set(result["versions"])
     cases = result["cases"]
     # two lengths x (mnemo auto, mnemo torch, the fla peer), the shorter length first
     assert [(c["impl"], c["backend"], c["T"]) for c in cases] == [
-        (impl, backend, T) for T in (32, 64) for impl, backend in (("mnemo", "auto"), ("mnemo", "torch"), ("fla", "-"))
+        (impl, backend, T)
+        for T in (16, 32)
+        for impl, backend in (("mnemo", "auto"), ("mnemo", "torch"), ("fla", "-"))
     ]
     for c in cases:
         assert set(c) == set(bench.CASE_FIELDS), c
     for c in (c for c in cases if c["impl"] == "mnemo"):
         assert c["status"] == "ok", c
-        assert c["batch"] == 128 // c["T"] and c["params"] > 0
+        assert c["batch"] == 64 // c["T"] and c["params"] > 0
         assert c["train_step_s"] > 0 and c["train_steps_timed"] == 1
         assert c["train_tokens_per_s"] == pytest.approx(c["batch"] * c["T"] / c["train_step_s"])
         assert c["decode_tokens_per_s"] == pytest.approx(4 / c["generate_s"])
@@ -55,7 +57,7 @@ def test_tiny_run_on_cpu_writes_the_json_schema(tmp_path):
     peer = cases[2]
     if importlib.util.find_spec("fla.models") is None:
         assert peer["status"] == "unavailable" and "fla.models" in peer["reason"]
-        assert cases[5]["status"] == "skipped" and "failed at T=32: unavailable" in cases[5]["reason"]
+        assert cases[5]["status"] == "skipped" and "failed at T=16: unavailable" in cases[5]["reason"]
 
 
 def test_a_case_that_cannot_start_in_the_budget_is_skipped_with_the_reason(tmp_path):

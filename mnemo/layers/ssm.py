@@ -387,7 +387,9 @@ class Mamba2(Mixer):
         if grouped and mode == "chunk" and xs.numel() and Bg.numel():
             cd = compute_dtype(xs, dt, g, Bg, Cg)
             if g is g_raw:  # the op's backend table (mamba-ssm's kernel on CUDA, fed x in its dtype)
-                o, h = ssd(xs, dt, A, Bg, Cg, initial_state=h0, output_final_state=True, chunk_size=self.chunk_size)
+                o, h = ssd(
+                    xs, dt, A, Bg, Cg, initial_state=h0, output_final_state=True, chunk_size=self.chunk_size
+                )
             else:  # a hook replaced the log decay: the grouped chunk form with it
                 o, h = run_ssd_chunk(Cg, Bg, xs.to(cd) * dt.to(cd)[..., None], g, h0, self.chunk_size)
         else:

@@ -35,7 +35,7 @@ def autocast_off(fn):
 
 
 def autocast_disabled(device_type: str):
-    """A context with ``torch.autocast`` off on ``device_type`` (``"cuda"``, ``"cpu"``; a device
+    r"""A context with ``torch.autocast`` off on ``device_type`` (``"cuda"``, ``"cpu"``; a device
     without autocast, e.g. ``"meta"``: a no-op context). Code that promises float32 accumulation
     (the chunk ``Function``\ s, the test-time-trained memories) runs in it, so an enclosing bf16
     autocast does not turn its matmuls into bfloat16."""

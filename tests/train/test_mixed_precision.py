@@ -49,7 +49,9 @@ def test_bf16_steps_keep_float32_weights_gradients_optimizer_state_and_loss(tmp_
     tr.model.blocks[0].mixer.qkv_proj.register_forward_hook(lambda m, i, o: linear_out.append(o.dtype))
     real_ce = F.cross_entropy
     monkeypatch.setattr(
-        trainer_module.F, "cross_entropy", lambda logits, *a, **k: ce_in.append(logits.dtype) or real_ce(logits, *a, **k)
+        trainer_module.F,
+        "cross_entropy",
+        lambda logits, *a, **k: ce_in.append(logits.dtype) or real_ce(logits, *a, **k),
     )
     for _ in range(3):
         loss = tr.train_step()
