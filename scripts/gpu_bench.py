@@ -270,6 +270,7 @@ def run_case(impl, name, backend, T, size, device, case_s, step_budget) -> dict:
 
 
 def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(path)

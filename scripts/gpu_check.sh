@@ -13,7 +13,8 @@
 #    left of the 8 minutes, and writes one JSON with the tests' summary, the versions and the cases
 #    (rewritten after every case: a benchmark stopped by the time limit leaves "complete": false).
 #
-# Exit status: 0 when the tests passed and the JSON was written; otherwise the first failure's.
+# Exit status: 0 when the tests passed and the JSON was written; otherwise the first failure's
+# (pytest: 5 = no test ran, e.g. no CUDA device). GPU_BENCH_ARGS adds options to gpu_bench.py.
 set -u
 START=$(date +%s)
 TOTAL_S=${GPU_CHECK_TOTAL_S:-440}            # margin under the 8 minutes
@@ -21,6 +22,7 @@ TESTS_S=${GPU_CHECK_TESTS_S:-200}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(realpath -m "${1:-gpu_check.json}")
 LOG="${OUT%.json}.pytest.log"
+mkdir -p "$(dirname "$OUT")"
 
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python
@@ -50,8 +52,10 @@ tail -n 3 "$LOG"
 LEFT=$(( TOTAL_S - ($(date +%s) - START) - 20 ))   # 20 s for start-up and writing
 [ "$LEFT" -lt 60 ] && LEFT=60
 echo "== model benchmark (budget ${LEFT} s) -> $OUT"
+# $GPU_BENCH_ARGS: more options for gpu_bench.py (e.g. "--tiny" to try this script on a CPU)
+# shellcheck disable=SC2086
 timeout --kill-after=10 $(( LEFT + 30 )) "$PY" scripts/gpu_bench.py --out "$OUT" --budget-s "$LEFT" \
-    --tests-log "$LOG" --tests-rc "$TESTS_RC"
+    --tests-log "$LOG" --tests-rc "$TESTS_RC" ${GPU_BENCH_ARGS:-}
 BENCH_RC=$?
 echo "== done in $(( $(date +%s) - START )) s: tests rc $TESTS_RC, benchmark rc $BENCH_RC"
 [ "$TESTS_RC" != 0 ] && exit "$TESTS_RC"
