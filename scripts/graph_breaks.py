@@ -13,7 +13,9 @@ For each preset at a tiny size (d_model 32, 2 layers, vocabulary 32, batch 2, T 
   forced, for the presets whose ops have an fla kernel: the ops enter the graph as the custom ops
   ``mnemo::<op>_fla`` (their fake kernels; ``ops`` counts them in the graphs), which is what a CUDA
   run with fla-core installed traces. ``-``: the preset calls no op with an fla kernel;
-* ``first break``: the first break's reason, shortened.
+* ``first break / backward error``: the first break's reason and the backward's error, shortened.
+
+With ``--precision bf16`` the ``fla`` column is not measured (the meta device has no autocast).
 
     python scripts/graph_breaks.py [--out docs/benchmarks/graph_breaks_cpu.txt] [--precision bf16] [NAME ...]
 
@@ -115,24 +117,36 @@ def main() -> None:
     names = args.names or model_names()
     header = (
         f"{'preset':30s} {'cpu graphs':>10s} {'breaks':>6s} {'bwd':>4s} "
-        f"{'fla graphs':>10s} {'breaks':>6s} {'ops':>4s}  first break"
+        f"{'fla graphs':>10s} {'breaks':>6s} {'ops':>4s}  first break / backward error"
     )
     lines = [header, "-" * len(header)]
     t0 = time.perf_counter()
     for name in names:
-        ex = explain(name, args.precision)
+        try:
+            ex = explain(name, args.precision)
+        except Exception as e:  # dynamo refused the trace: reported in the table
+            why = " ".join(str(e).split())[:90]
+            lines.append(
+                f"{name:30s} {'error':>10s} {'-':>6s} {'-':>4s} {'-':>10s} {'-':>6s} {'-':>4s}  {why}"
+            )
+            print(lines[-1], flush=True)
+            continue
         bwd = "-" if args.no_backward else backward_ok(name, args.precision)
+        note = _first_reason(ex)
+        if bwd not in ("-", "ok"):
+            note, bwd = f"backward: {bwd}" + (f"; {note}" if note else ""), "fail"
         fla = ("-", "-", "-")
-        if _uses_fla(name):
+        if args.precision == "bf16":
+            pass  # (no autocast on the meta device: the fla column is fp32's)
+        elif _uses_fla(name):
             try:
                 exf = explain(name, args.precision, "meta", "fla")
                 fla = (str(exf.graph_count), str(exf.graph_break_count), str(_custom_ops(exf)))
             except Exception as e:  # reported in the table
                 fla = ("error", type(e).__name__, "-")
-        reason = _first_reason(ex)
         line = (
             f"{name:30s} {ex.graph_count:>10d} {ex.graph_break_count:>6d} {bwd:>4s} "
-            f"{fla[0]:>10s} {fla[1]:>6s} {fla[2]:>4s}  {reason}"
+            f"{fla[0]:>10s} {fla[1]:>6s} {fla[2]:>4s}  {note}"
         )
         lines.append(line)
         print(line, flush=True)
