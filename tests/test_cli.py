@@ -616,6 +616,7 @@ FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written
     "context_parallel",
     "fsdp",
     "activation_checkpointing",
+    "compile",  # added with issue 36 (mnemo train --compile)
     "steps",
     "lr",
     "warmup_steps",

@@ -29,6 +29,12 @@ What is checked, on the device under test:
    is finite, the checkpoint loads on the CPU with the same weights and logits, and a CPU trainer
    resumes from it. Circuit tracking (``track_circuits``) during a device run.
 
+5. Each peer backend the table offers on the device (fla-core, mamba-ssm: ``mnemo.ops.backends``),
+   forced with ``use_backend``: outputs, final states and all gradients equal the ``torch``
+   backend's on the same device (float32 ``1e-4``; bfloat16 inputs ``3e-2``, states float32).
+
+Marked ``cuda`` (``pytest -m cuda``; ``scripts/gpu_check.sh`` runs them).
+
 Matmuls run at full float32 precision here (``torch.set_float32_matmul_precision("highest")``,
 restored afterwards): TF32 would need looser tolerances and is not what these checks are about.
 """
@@ -43,6 +49,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.cuda  # scripts/gpu_check.sh selects them with -m cuda
 
 DEVICE_NAME = os.environ.get("MNEMO_TEST_DEVICE", "cuda")
 DEVICE = torch.device(DEVICE_NAME)
@@ -319,3 +327,53 @@ def test_circuit_tracking_during_training_on_device(tmp_path):
     tracker = CircuitTracker(length=cfg.circuit_length)
     rec = Trainer(cfg, tmp_path, progress=False, log=lambda *a, **k: None, callbacks=[tracker]).fit()
     assert math.isfinite(rec["induction_max"]), rec
+
+
+# --- 5. the peers' kernels on the device ----------------------------------------------------------
+
+#: the op each spec of the equivalence contract calls (specs of other ops have no peer backend)
+SPEC_OP = {
+    "linear_attention": "linear_attention",
+    "gla_none": "gated_linear_attention",
+    "gla_scalar": "gated_linear_attention",
+    "gla_channel": "gated_linear_attention",
+    "delta_rule": "delta_rule",
+    "gated_delta_rule": "gated_delta_rule",
+    "ssd": "ssd",
+}
+
+
+def _peer_cases():
+    from mnemo.ops import dispatch
+
+    return [
+        pytest.param(spec, backend, id=f"{spec.name}-{backend}")
+        for spec in SPECS
+        if spec.name in SPEC_OP
+        for backend in ("fla", "mamba_ssm")
+        if (SPEC_OP[spec.name], backend) in dispatch.PEER_KERNELS
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec, backend", _peer_cases())
+def test_peer_backend_on_device_matches_the_torch_backend(spec, backend, dtype, monkeypatch):
+    from mnemo import ops
+    from mnemo.ops import dispatch
+
+    row = {(r.op, r.backend): r for r in ops.backends(DEVICE)}[(SPEC_OP[spec.name], backend)]
+    if not row.available:
+        pytest.skip(f"{backend} cannot serve {row.op} on {DEVICE}: {row.reason}")
+    if DEVICE.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bfloat16 wrongly (the table refuses it on a CPU)")
+    x = spec.inputs(T, dtype=torch.float32, dims=DIMS)
+    S0 = spec.state(B, dtype=torch.float32, dims=DIMS)
+    with ops.use_backend("torch"):
+        ref = _forward_backward(spec, x, S0, "chunk", DEVICE, dtype, monkeypatch)
+    dispatch.reset_dispatch_log()
+    with ops.use_backend(backend):
+        got = _forward_backward(spec, x, S0, "chunk", DEVICE, dtype, monkeypatch)
+    assert any(b == backend for (_, b, _) in ops.dispatch_log()), f"{backend} did not run"
+    assert got[0].dtype == dtype, f"output {got[0].dtype}, expected the inputs' {dtype}"
+    assert got[1].dtype == torch.float32, f"final state {got[1].dtype}, expected float32"
+    _compare(got, ref, BF16_TOL if dtype == torch.bfloat16 else F32_TOL, f"{spec.name} on {backend}")

@@ -423,7 +423,8 @@ class MoE(nn.Module):
                 parts.append(self._expert(xs[lo : lo + n], e))
         ys = torch.cat(parts) if parts else xs
         ys = ys * w_sorted.to(ys.dtype)[:, None]
-        return xf.new_zeros(xf.shape).index_add(0, t_sorted, ys)
+        # under autocast the experts' matmuls return bf16: summed into the input's dtype
+        return xf.new_zeros(xf.shape).index_add(0, t_sorted, ys.to(xf.dtype))
 
     def _padded(self, xf, e_sorted, t_sorted, slot, w_sorted, c_max: int, kept=None) -> Tensor:
         """Sorted tokens scattered into ``[E, C_max, d]``; all experts as two ``bmm``. With
@@ -440,7 +441,8 @@ class MoE(nn.Module):
         gate, up = torch.bmm(buf, self.w_in.transpose(1, 2)).chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, self.w_out.transpose(1, 2))  # [E, C_max, d]
         ys = out[e_sorted, slot] * w_sorted.to(out.dtype)[:, None]
-        return xf.new_zeros(xf.shape).index_add(0, t_sorted, ys)
+        # under autocast the experts' matmuls return bf16: summed into the input's dtype
+        return xf.new_zeros(xf.shape).index_add(0, t_sorted, ys.to(xf.dtype))
 
     def _dense(self, xf: Tensor, idx: Tensor, w: Tensor) -> Tensor:
         """Every expert on every token (``[N, E, d]``), mixed by the routing weights (zero for

@@ -230,6 +230,8 @@ def _wa_chunk(k, Wa, u, log_alpha, beta):
     # one solve for all G memories: they share k, β, α, so G is folded into the right-hand columns
     rhs = rhs.transpose(1, 2).reshape(B, L, G * h)
     # (I + A)⁻¹ (unit diagonal implied), then a matmul: much faster on CPU than solving the G·h columns
+    if A.dtype in (torch.bfloat16, torch.float16):  # (under autocast: the triangular solve takes neither)
+        A = A.float()
     eye = torch.eye(L, dtype=A.dtype, device=A.device).expand(B, L, L)
     ut = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True) @ rhs  # ũ = (I + A)⁻¹ rhs
     w = beta * torch.exp(gc[:, -1:] - gc)  # β_s γ_L/γ_s

@@ -12,7 +12,7 @@ from ..ops._common import compute_dtype
 from ..ops._ssd_chunk import run_ssd_chunk
 from ..ops.gated_linear_attention import gated_linear_attention
 from ..ops.selective_scan import selective_scan, selective_scan_map
-from ..ops.ssd import ssd_map
+from ..ops.ssd import ssd, ssd_map
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .delta import init_dt_bias
@@ -284,8 +284,10 @@ class Mamba2(Mixer):
 
     The recurrence is gated linear attention with ``q = C``, ``k = B``, ``v = Δ x``, ``g = Δ A`` and
     scale 1 (what :func:`~mnemo.ops.ssd` computes), so that each hook below is what the recurrence
-    consumes. The chunk form runs SSD's grouped kernel (:mod:`mnemo.ops._ssd_chunk`: ``B``, ``C``
-    once per group, safe for any decay); while a hook on ``hook_B`` / ``hook_C`` replaces its
+    consumes. The chunk form calls :func:`~mnemo.ops.ssd` (its backend table: mamba-ssm's kernel
+    on CUDA where installed, else SSD's grouped kernel :mod:`mnemo.ops._ssd_chunk`: ``B``, ``C``
+    once per group, safe for any decay; while a hook on ``hook_g`` replaces the log decay, the
+    grouped kernel with it); while a hook on ``hook_B`` / ``hook_C`` replaces its
     value, and in the other forms, :func:`~mnemo.ops.gated_linear_attention` runs on the per-head
     values. Hook points (``H`` heads of size ``P``):
 
@@ -377,12 +379,19 @@ class Mamba2(Mixer):
             Bh, Ch = (t.repeat_interleave(H // G, dim=2) for t in (Bg, Cg))  # head h: group h // (H/G)
             Bm, Cm = self.hook_B(Bh), self.hook_C(Ch)
             grouped = Bm is Bh and Cm is Ch
-        g = self.hook_g(dt * -upcast(self.A_log).exp())
+        A = -upcast(self.A_log).exp()
+        g_raw = dt * A
+        g = self.hook_g(g_raw)
         mode = self._mode(T, mode)
         h0 = state.ssm if state is not None else None
         if grouped and mode == "chunk" and xs.numel() and Bg.numel():
             cd = compute_dtype(xs, dt, g, Bg, Cg)
-            o, h = run_ssd_chunk(Cg, Bg, xs.to(cd) * dt.to(cd)[..., None], g, h0, self.chunk_size)
+            if g is g_raw:  # the op's backend table (mamba-ssm's kernel on CUDA, fed x in its dtype)
+                o, h = ssd(
+                    xs, dt, A, Bg, Cg, initial_state=h0, output_final_state=True, chunk_size=self.chunk_size
+                )
+            else:  # a hook replaced the log decay: the grouped chunk form with it
+                o, h = run_ssd_chunk(Cg, Bg, xs.to(cd) * dt.to(cd)[..., None], g, h0, self.chunk_size)
         else:
             if Bm is None:
                 Bm, Cm = (t.repeat_interleave(H // G, dim=2) for t in (Bg, Cg))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops._chunked import autocast_disabled
 from ..ops._common import LOG_GATE_MIN, check_finite, check_floating
 from .chunk import memory_chunk
 from .closed_form import _run_closed_form, closed_form_op
@@ -141,7 +142,8 @@ def neural_memory(
 
     Returns:
         ``o: [B, T, H, V]`` in ``q``'s dtype and the :class:`MemoryState` (``None`` unless
-        ``output_final_state``). Computation runs in float32 (float64 for float64 inputs).
+        ``output_final_state``). Computation runs in float32 (float64 for float64 inputs), also
+        under a bf16 ``torch.autocast`` (the memory's updates and state stay float32).
 
     Raises:
         ValueError: shapes or missing per-token inputs for the spec; the message names the argument.
@@ -170,7 +172,8 @@ def neural_memory(
     if T == 0:
         o, st_out = v.new_zeros(B, 0, H, V), st
     elif mode == "recurrent":
-        o, st_out = memory_recurrent(spec, *args, st)
+        with autocast_disabled(q.device.type):  # float32 under a bf16 autocast too
+            o, st_out = memory_recurrent(spec, *args, st)
         if not torch.is_grad_enabled():
             o = o.detach()
             st_out = _detach_state(st_out)
@@ -179,5 +182,6 @@ def neural_memory(
         if op is not None:
             o, st_out = _run_closed_form(op, spec, args[0], args[1], args[2], args[3], args[4], st)
         else:
-            o, st_out = memory_chunk(spec, *args, st)
+            with autocast_disabled(q.device.type):  # float32 under a bf16 autocast too
+                o, st_out = memory_chunk(spec, *args, st)
     return o.to(q.dtype), (st_out if output_final_state else None)

@@ -10,6 +10,7 @@ with a dtype cast and an element-wise factor (one pass over the data).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -27,12 +28,20 @@ def autocast_off(fn):
     @functools.wraps(fn)
     def wrapper(ctx, *args):
         dev = next(a.device.type for a in args if isinstance(a, torch.Tensor))
-        if not torch.amp.is_autocast_available(dev):
-            return fn(ctx, *args)
-        with torch.autocast(device_type=dev, enabled=False):
+        with autocast_disabled(dev):
             return fn(ctx, *args)
 
     return wrapper
+
+
+def autocast_disabled(device_type: str):
+    r"""A context with ``torch.autocast`` off on ``device_type`` (``"cuda"``, ``"cpu"``; a device
+    without autocast, e.g. ``"meta"``: a no-op context). Code that promises float32 accumulation
+    (the chunk ``Function``\ s, the test-time-trained memories) runs in it, so an enclosing bf16
+    autocast does not turn its matmuls into bfloat16."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype, factor=None, divide: bool = False) -> torch.Tensor:

@@ -251,11 +251,13 @@ def _problem(op: str, backend: str, call: Call) -> str | None:
     if backend == "torch":
         return None
     if backend == "native":
+        # first: while dynamo traces, nothing below may run (the first call of _native.library()
+        # builds the kernels under a lock, a graph break in a fresh process)
+        if torch.compiler.is_compiling():
+            return "torch.compile traces (a ctypes call is not traced)"
         why = _native_problem(call.device)
         if why is None and call.mode != "chunk":
             why = f"mode={call.mode!r} has no C kernel (only the chunk forms use them)"
-        if why is None and torch.compiler.is_compiling():
-            why = "torch.compile traces (a ctypes call is not traced)"
         return why
     return _peer_problem(op, backend, call)
 

@@ -120,7 +120,20 @@ class TrainConfig:
             ``eval_batches=8``.
         checkpoint_interval: save every this many steps (default: ``eval_interval``) and at the end.
         seed: seeds the weights and the batch order (default ``0``). device: ``"cpu"`` or ``"cuda"``.
-        precision: ``"fp32"`` or ``"bf16"`` (autocast; states still accumulate in fp32).
+        precision: ``"fp32"`` or ``"bf16"`` (default ``"fp32"``). ``"bf16"`` is mixed precision:
+            the forward runs under ``torch.autocast(device_type, torch.bfloat16)`` on the run's
+            device (CUDA or CPU), so the matmuls and the ops' backends (fla-core's and mamba-ssm's
+            kernels on CUDA) get bfloat16 ``q, k, v`` / ``x``; the parameters, gradients and
+            optimizer state stay float32 (master weights); the ops' recurrent states (matrix
+            memories, SSM states, the test-time-trained memories) accumulate and are returned in
+            float32; the cross-entropy is computed on float32 logits. The KV caches and the short
+            convolutions' windows hold activations, in bfloat16.
+        compile: train under ``torch.compile`` (default ``False``): the model's training forward
+            (and its backward, through AOTAutograd) is compiled once (tens of seconds on the first
+            steps; a new shape recompiles); ``Trainer.model`` stays the uncompiled module, so
+            checkpoints, evaluation, sampling and ``state_dict`` keys are unchanged (no
+            ``_orig_mod.`` prefix) and a compiled run resumes eagerly and vice versa. Not with
+            ``context_parallel`` (its ring exchanges run between the layers).
         sample_tokens, sample_prompt, sample_temperature: the text sample printed at the end
             (defaults ``sample_tokens=400``, ``sample_prompt="ROMEO:"``, ``sample_temperature=0.8``:
             400 tokens after ``"ROMEO:"``, sampled from logits / 0.8).
@@ -246,6 +259,13 @@ class TrainConfig:
         default=False,
         metadata=_flag(
             "recompute each block's activations in the backward pass (less memory, ~1 more forward)"
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=_flag(
+            "train the model under torch.compile (the first steps compile: tens of seconds; "
+            "checkpoints, evaluation and sampling use the uncompiled model)"
         ),
     )
     steps: int = field(
@@ -419,6 +439,10 @@ class TrainConfig:
             bad("context_parallel", "true or false")
         if not isinstance(self.fsdp, bool):
             bad("fsdp", "true or false")
+        if not isinstance(self.compile, bool):
+            bad("compile", "true or false")
+        if self.compile and self.context_parallel:
+            bad("compile", "false with context_parallel (the ring exchanges run between the layers, eagerly)")
         if self.fsdp and self.context_parallel:
             bad("fsdp", "false with context_parallel (sharded training splits the batch, not the sequences)")
         if self.fsdp and self.optimizer in ("m3", "m3_paper"):

@@ -66,6 +66,7 @@ RESUMABLE = (
     "context_parallel",
     "fsdp",
     "activation_checkpointing",
+    "compile",
 )
 RESCHEDULE = ("stretch", "hold")
 

@@ -110,6 +110,8 @@ class Trainer:
         elif self.cfg.init_from is not None:
             load_weights(self.model, self.cfg.init_from, self.cfg.model, self.device, self.fsdp)
         self.train_model = self.strategy.wrap(self.model)  # DDP's wrapper, or the plain forward
+        if self.cfg.compile:  # the training forward only: self.model (checkpoints, evaluation) stays eager
+            self.train_model = torch.compile(self.train_model)
         self.ddp = self.strategy.ddp
         self.evaluator = Evaluator(
             self.cfg, self.task, self.val_data, self.val_chars, self._autocast, self._test_sets
@@ -181,6 +183,8 @@ class Trainer:
         return self.last_checkpoint
 
     def _autocast(self):
+        """The forward passes' precision context: bf16 autocast on the run's device type
+        (``cfg.precision="bf16"``; parameters stay float32, see :class:`TrainConfig`), else none."""
         if self.cfg.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()

@@ -13,6 +13,8 @@ the others are ``slow``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -124,6 +126,41 @@ def test_the_training_forward_traces_as_one_graph(name):
     aside while torch.compile traces (the PyTorch forms run); ``T = 20`` spans chunks of the chunk
     forms (chunk_size 64 clipped to T) and the one-token path is the decode test above."""
     assert _graph_breaks(name, 20) == []
+
+
+def test_the_fla_custom_ops_trace_in_the_training_graph():
+    """With fla forced (on the meta device: the custom ops' fake kernels, what a CUDA run with
+    fla-core traces), gated DeltaNet's training forward and loss are one graph, no break, with one
+    ``mnemo::gated_delta_rule_fla`` node per layer (``scripts/graph_breaks.py`` for every preset)."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core not installed")
+    path = Path(__file__).parents[2] / "scripts" / "graph_breaks.py"
+    spec = importlib.util.spec_from_file_location("graph_breaks", path)
+    graph_breaks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph_breaks)
+
+    ex = graph_breaks.explain("gated_deltanet", device="meta", backend="fla")
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(b.reason)[:200] for b in ex.break_reasons]
+    targets = [str(n.target) for n in ex.graphs[0].graph.nodes if n.op == "call_function"]
+    assert graph_breaks._custom_ops(ex) == 2, targets
+    assert targets.count("mnemo.gated_delta_rule_fla.default") == 2, targets
+
+
+def test_dynamo_never_reaches_the_native_library_while_tracing(monkeypatch):
+    """A fresh process builds the C kernels on the first ``_native.library()`` call, under a lock
+    dynamo cannot trace (it broke ``mnemo train --compile``'s graph 7 times for gated DeltaNet): while
+    compiling, the dispatch refuses the native backend before asking for the library."""
+    from mnemo.ops import _native, dispatch
+
+    def no_library():
+        raise AssertionError("library() called while tracing")
+
+    monkeypatch.setattr(_native, "library", no_library)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    call = dispatch.Call("gated_delta_rule", torch.device("cpu"), (torch.float32,), "chunk", 20, 16)
+    assert "torch.compile traces" in dispatch._problem("gated_delta_rule", "native", call)
 
 
 # ------------------------------------------------------------------------------------------------
