@@ -59,7 +59,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 if need_h:
                     grad_h[start : start + chunk_rows] = g.to(weight.dtype) @ weight
                 if need_w:
-                    grad_w.addmm_(g.t(), hc.to(acc))  # (a no-op cast in float32)
+                    grad_w += g.t() @ hc.to(acc)  # (a no-op cast in float32; mm: FLOP counters see it)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
