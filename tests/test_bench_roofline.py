@@ -52,6 +52,16 @@ def test_a_transformer_counts_its_linears_and_causal_attention():
     assert any("scaled_dot_product" in k for k in per_op)
 
 
+@pytest.mark.parametrize("name", ["gla", "hope"])
+def test_flops_are_linear_in_the_batch(name):
+    """The suite counts one row and multiplies by B: every op is batched over the rows."""
+    m = roofline.build(name, 16, 1)
+    opt = torch.optim.AdamW(m.parameters())
+    one = roofline.count_flops(roofline.train_step_fn(m, opt, 16, 1).forward_backward)[0]
+    three = roofline.count_flops(roofline.train_step_fn(m, opt, 16, 3).forward_backward)[0]
+    assert three == 3 * one > 0
+
+
 def test_profile_groups_a_step_by_what_ran():
     torch.manual_seed(0)
     m = roofline.build("gla", 16, 1)

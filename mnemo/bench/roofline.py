@@ -12,7 +12,9 @@ process**, with every timing interleaved (round ``r`` runs every task once, rota
 * **training** (per model and ``TxB`` shape): one step = forward with the fused next-token loss
   (``LanguageModel.forward(targets=)``), backward, AdamW step. Its *real* FLOPs are counted once by
   ``torch.utils.flop_counter.FlopCounterMode`` (a ``TorchDispatchMode``) over one forward +
-  backward, so every matmul the step runs is counted: the projections, the MLPs, the head, and the
+  backward of one row of the batch, times ``B`` (every op is batched over the rows: the FLOPs are
+  linear in ``B``, which ``tests/test_bench_roofline.py`` checks), so every matmul the step runs is
+  counted: the projections, the MLPs, the head, and the
   chunked recurrences' own batched matmuls (``bmm``/``mm`` inside the ops) and causal SDPA
   (counted as torch counts it for the GPU kernels — backward recomputes the scores — times
   ``(T+1)/2T`` for the causal half the CPU kernel computes). Achieved FLOP/s = counted FLOPs /
@@ -418,8 +420,9 @@ def run(
         opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for T, B in shapes:
             step = train_step_fn(model, opts[name], T, B)
-            log(f"counting the FLOPs of {name} at T={T} B={B} ...")
-            flops[(name, T, B)] = count_flops(step.forward_backward)
+            log(f"counting the FLOPs of {name} at T={T} (one row, times B={B}) ...")
+            total, per_op, uncounted = count_flops(train_step_fn(model, opts[name], T, 1).forward_backward)
+            flops[(name, T, B)] = (B * total, {k: B * v for k, v in per_op.items()}, uncounted)
             steps[(name, T, B)] = step
             tasks[("train", name, T, B)] = step
         for b in gen_batches:
