@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import torch
 
-#: logits elements per chunk (``chunk_rows = max(1, CHUNK_ELEMENTS // vocab)``): 2**21 floats, 8 MiB
-CHUNK_ELEMENTS = 2**21
+#: logits elements per chunk (``chunk_rows = max(1, CHUNK_ELEMENTS // vocab)``): 2**25 floats, 128 MiB.
+#: Smaller chunks make the head's matmuls thin: at vocab 32k and d 128 on 2 cores (4096 tokens),
+#: 65-row chunks (8 MiB) made the loss 1.7x slower than the plain path, 256 rows 0.95x its time,
+#: 1024 rows 0.84x (docs/benchmarks/fused_loss_cpu_2core.txt)
+CHUNK_ELEMENTS = 2**25
 
 
 def default_chunk_rows(vocab: int) -> int:
     """Tokens per chunk for a vocabulary of ``vocab``: ``CHUNK_ELEMENTS // vocab`` (at least 1), so
-    a chunk's float32 logits take at most 8 MiB (8192 tokens at a byte vocabulary, 64 at 32k)."""
+    a chunk's float32 logits take at most 128 MiB (131,072 tokens at a byte vocabulary, 1,048 at 32k)."""
     return max(1, CHUNK_ELEMENTS // max(1, vocab))
 
 
