@@ -225,7 +225,7 @@ class LanguageModel(nn.Module):
 
         ``targets`` (``[B, T]`` integer, ``ignore_index`` (default ``-100``) where unsupervised):
         return ``(loss, state)`` instead, ``loss`` the **summed** next-token cross-entropy (0-d
-        float32) of the head at every position against ``targets``, equal to
+        float32; float64 for a float64 model) of the head at every position against ``targets``, equal to
         ``F.cross_entropy(forward(input_ids)[0].float().flatten(0, 1), targets.flatten(),
         ignore_index=ignore_index, reduction="sum")`` (to float rounding, gradients too) but
         computed without the ``[B, T, vocab]`` logits (:func:`mnemo.models.fused_loss.
@@ -398,7 +398,8 @@ class LanguageModel(nn.Module):
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross-entropy (nats per token) of ``targets [B, T]`` (without the MoE
         auxiliary losses: add :meth:`aux_loss` for the training objective). Targets equal to
-        ``ignore_index`` are left out (default ``ignore_index=-100``)."""
+        ``ignore_index`` are left out (default ``ignore_index=-100``). Computed without the
+        ``[B, T, vocab]`` logits (``forward(targets=)``)."""
         total, _ = self(input_ids, targets=targets, ignore_index=ignore_index)
         return total / (targets != ignore_index).sum()
 
