@@ -25,6 +25,14 @@ def test_a_linear_layer_counts_2mnk_three_times():
     assert roofline.count_flops(lambda: lin(x).sum().backward())[0] == 2 * 2 * M * N * K
 
 
+def test_in_place_accumulating_matmuls_are_counted():
+    acc, a, b = torch.zeros(3, 4, 5), torch.randn(3, 4, 6), torch.randn(3, 6, 5)
+    m, x, y = torch.zeros(4, 5), torch.randn(4, 6), torch.randn(6, 5)
+    total, _, uncounted = roofline.count_flops(lambda: (acc.baddbmm_(a, b), m.addmm_(x, y)))
+    assert total == 2 * 3 * 4 * 6 * 5 + 2 * 4 * 6 * 5
+    assert "baddbmm_" not in uncounted and "addmm_" not in uncounted
+
+
 def test_the_fused_lm_head_counts_three_matmuls_of_the_head():
     N, d, V = 40, 8, 33
     h = torch.randn(N, d, requires_grad=True)

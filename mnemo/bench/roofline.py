@@ -86,7 +86,7 @@ _CONV = "convolution"
 def _cpu_sdpa_formulas() -> dict:
     """FlopCounterMode formulas for the CPU flash-attention ops (torch counts the GPU kernels only),
     using torch's own formulas, times ``(T+1)/2T`` when causal (the CPU kernel skips the masked
-    blocks)."""
+    blocks), and for the in-place ``addmm_`` / ``baddbmm_`` (the chunk forms accumulate with them)."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
@@ -110,6 +110,16 @@ def _cpu_sdpa_formulas() -> dict:
             return int(fc.sdpa_backward_flop_count(grad_out, query, key, value) * causal_share(query, is_causal))
 
         out[bwd] = b
+    # in-place forms (FlopCounterMode has formulas for the out-of-place ones only)
+    for name, base in (("addmm_", "addmm"), ("baddbmm_", "baddbmm")):
+        op = getattr(aten, name, None)
+        if op is None:
+            continue
+
+        def inplace(self_shape, a, b, *args, out_shape=None, base=base, **kwargs):
+            return fc.addmm_flop(self_shape, a, b) if base == "addmm" else fc.baddbmm_flop(self_shape, a, b)
+
+        out[op] = inplace
     return out
 
 
