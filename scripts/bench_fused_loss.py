@@ -118,7 +118,10 @@ def main() -> int:
     args = ap.parse_args()
     parts = args.parts.split(",")
     sizes = args.sizes.split(",")
-    print(f"load average before: {os.getloadavg()}; {torch.get_num_threads()} threads; torch {torch.__version__}")
+    print(
+        f"load average before: {os.getloadavg()}; {torch.get_num_threads()} threads; "
+        f"torch {torch.__version__}"
+    )
     print(f"model {args.model} (registry defaults), {args.rounds} interleaved rounds\n")
 
     print("peak memory of one training step over the RSS before it (fresh process each, MiB)")
@@ -131,7 +134,8 @@ def main() -> int:
             runs = [peak_memory(size, fused, args.model)["peak_delta"] for _ in range(args.memory_runs)]
             peaks[fused] = statistics.median(runs) / 2**20
         print(
-            f"{size:<10}{logits:>12.1f}{peaks[False]:>10.1f}{peaks[True]:>10.1f}{peaks[False] - peaks[True]:>10.1f}",
+            f"{size:<10}{logits:>12.1f}{peaks[False]:>10.1f}{peaks[True]:>10.1f}"
+            f"{peaks[False] - peaks[True]:>10.1f}",
             flush=True,
         )
 
@@ -145,17 +149,27 @@ def main() -> int:
             opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
             tasks[fused] = step_fn(m, opt, s["vocab"], s["T"], s["B"], fused)
         med = interleaved(tasks, args.rounds)
-        print(f"{size:<10}{1e3 * med[False]:>10.1f}{1e3 * med[True]:>10.1f}{med[False] / med[True]:>8.2f}", flush=True)
+        print(
+            f"{size:<10}{1e3 * med[False]:>10.1f}{1e3 * med[True]:>10.1f}{med[False] / med[True]:>8.2f}",
+            flush=True,
+        )
         del tasks
 
     print("\nAdamW step alone on the model's gradients (ms, medians; ratio = for-loop / this)")
-    print(f"{'size':<10}{'params':>10}{'for-loop':>10}{'foreach':>10}{'fused':>10}{'r foreach':>10}{'r fused':>9}")
+    print(
+        f"{'size':<10}{'params':>10}{'for-loop':>10}{'foreach':>10}{'fused':>10}"
+        f"{'r foreach':>10}{'r fused':>9}"
+    )
     for size in sizes if "optimizer" in parts else ():
         s = SIZES[size]
         m = build(s["vocab"], args.model)
         step_fn(m, torch.optim.SGD(m.parameters(), lr=0.0), s["vocab"], s["T"], s["B"], True)()  # gradients
         tasks = {}
-        for kind, kw in (("loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        for kind, kw in (
+            ("loop", {"foreach": False}),
+            ("foreach", {"foreach": True}),
+            ("fused", {"fused": True}),
+        ):
             params = [p.detach().clone().requires_grad_() for p in m.parameters()]
             for p, q in zip(params, m.parameters()):
                 p.grad = q.grad.clone()
@@ -163,7 +177,8 @@ def main() -> int:
         med = interleaved(tasks, max(args.rounds, 5) * 4)
         n = sum(p.numel() for p in m.parameters())
         print(
-            f"{size:<10}{n:>10,}{1e3 * med['loop']:>10.2f}{1e3 * med['foreach']:>10.2f}{1e3 * med['fused']:>10.2f}"
+            f"{size:<10}{n:>10,}{1e3 * med['loop']:>10.2f}{1e3 * med['foreach']:>10.2f}"
+            f"{1e3 * med['fused']:>10.2f}"
             f"{med['loop'] / med['foreach']:>10.2f}{med['loop'] / med['fused']:>9.2f}",
             flush=True,
         )

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mnemo.bench import roofline
 from mnemo.cli import main
@@ -38,7 +37,9 @@ def test_the_fused_lm_head_counts_three_matmuls_of_the_head():
     h = torch.randn(N, d, requires_grad=True)
     w = torch.randn(V, d, requires_grad=True)
     y = torch.randint(0, V, (N,))
-    total, _, uncounted = roofline.count_flops(lambda: chunked_cross_entropy(h, w, y, chunk_rows=7).backward())
+    total, _, uncounted = roofline.count_flops(
+        lambda: chunked_cross_entropy(h, w, y, chunk_rows=7).backward()
+    )
     assert total == 3 * 2 * N * d * V
     assert "logsumexp" in uncounted  # the softmax is element-wise work, listed as not counted
 
@@ -52,7 +53,9 @@ def test_a_transformer_counts_its_linears_and_causal_attention():
     ids = torch.randint(0, V, (B, T))
     total, per_op, _ = roofline.count_flops(lambda: m(ids, targets=ids)[0].backward())
     M = B * T
-    linears = sum(6 * M * mod.in_features * mod.out_features for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    linears = sum(
+        6 * M * mod.in_features * mod.out_features for mod in m.modules() if isinstance(mod, torch.nn.Linear)
+    )
     H, D = m.blocks[0].mixer.n_heads, m.blocks[0].mixer.head_dim
     causal = (T + 1) / (2 * T)
     sdpa = int(2 * 2 * B * H * T * T * D * causal) + int(5 * 2 * B * H * T * T * D * causal)
@@ -112,7 +115,10 @@ def test_suite_runs_and_writes_the_schema(tmp_path, monkeypatch, capsys):
     for t in r["train"]:
         assert (t["T"], t["batch"]) == (16, 2)
         assert t["flops_fwd_bwd"] == sum(t["flops_by_op"].values()) > 0
-        assert abs(t["achieved_gflops"] - t["flops_fwd_bwd"] / (t["step_ms"] / 1e3) / 1e9) < 1e-9 * t["achieved_gflops"]
+        assert (
+            abs(t["achieved_gflops"] - t["flops_fwd_bwd"] / (t["step_ms"] / 1e3) / 1e9)
+            < 1e-9 * t["achieved_gflops"]
+        )
         assert abs(t["fraction_of_peak"] - t["achieved_gflops"] / t["gemm_peak_gflops"]) < 1e-12
     assert {(d["model"], d["batch"]) for d in r["decode"]} == {(n, b) for n in ("gla",) for b in (1, 2)}
     for d in r["decode"]:

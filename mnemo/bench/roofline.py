@@ -106,8 +106,12 @@ def _cpu_sdpa_formulas() -> dict:
     bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if bwd is not None:
 
-        def b(grad_out, query, key, value, out, lse, dropout_p=0.0, is_causal=False, *a, out_shape=None, **kw):
-            return int(fc.sdpa_backward_flop_count(grad_out, query, key, value) * causal_share(query, is_causal))
+        def b(
+            grad_out, query, key, value, out, lse, dropout_p=0.0, is_causal=False, *a, out_shape=None, **kw
+        ):
+            return int(
+                fc.sdpa_backward_flop_count(grad_out, query, key, value) * causal_share(query, is_causal)
+            )
 
         out[bwd] = b
     # in-place forms (FlopCounterMode has formulas for the out-of-place ones only)
@@ -125,7 +129,16 @@ def _cpu_sdpa_formulas() -> dict:
 
 _NO_WORK = {
     getattr(torch.ops.aten, n)
-    for n in ("detach", "t", "_local_scalar_dense", "alias", "empty_like", "empty", "empty_strided", "lift_fresh")
+    for n in (
+        "detach",
+        "t",
+        "_local_scalar_dense",
+        "alias",
+        "empty_like",
+        "empty",
+        "empty_strided",
+        "lift_fresh",
+    )
     if hasattr(torch.ops.aten, n)
 }
 
@@ -140,7 +153,11 @@ class _Uncounted(torch.utils._python_dispatch.TorchDispatchMode):
         self.calls: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket not in self.registry and not func.is_view and func.overloadpacket not in _NO_WORK:
+        if (
+            func.overloadpacket not in self.registry
+            and not func.is_view
+            and func.overloadpacket not in _NO_WORK
+        ):
             name = str(func.overloadpacket).replace("aten.", "")
             self.calls[name] = self.calls.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
@@ -158,7 +175,9 @@ def count_flops(fn: Callable[[], object]) -> tuple[int, dict[str, int], dict[str
     uncounted = _Uncounted(registry)
     with counter, uncounted:
         fn()
-    per_op = {str(k).replace("aten.", ""): int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    per_op = {
+        str(k).replace("aten.", ""): int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()
+    }
     return int(counter.get_total_flops()), per_op, uncounted.calls
 
 
@@ -442,7 +461,8 @@ def run(
     med = {k: _median(v) for k, v in times.items()}
 
     gemm = [
-        {"M": M, "K": K, "N": N, "gflops": 2 * M * K * N / med[("gemm", M, K, N)] / 1e9} for M, K, N in gemm_shapes
+        {"M": M, "K": K, "N": N, "gflops": 2 * M * K * N / med[("gemm", M, K, N)] / 1e9}
+        for M, K, N in gemm_shapes
     ]
     machine = {
         "gemm": gemm,
@@ -551,10 +571,12 @@ def print_tables(r: dict, log: Callable[[str], None] = print) -> None:
     log(f"not counted: {r['not_counted']}")
     if r["decode"]:
         log(
-            f"\ndecoding, one token per row after a {r['decode'][0]['context']}-token prompt; bytes = weights "
+            f"\ndecoding, one token per row after a {r['decode'][0]['context']}-token prompt; "
+            "bytes = weights "
             "read once (embedding rows only unless tied) + the state; fraction of the triad bandwidth"
         )
-        head = f"{'model':<16}{'B':>4}{'step ms':>10}{'tok/s':>10}{'weights MB':>12}{'state MB':>10}{'GB/s':>8}{'frac':>7}"
+        head = f"{'model':<16}{'B':>4}{'step ms':>10}{'tok/s':>10}{'weights MB':>12}{'state MB':>10}"
+        head += f"{'GB/s':>8}{'frac':>7}"
         log(head)
         log("-" * len(head))
         for d in r["decode"]:
@@ -564,7 +586,10 @@ def print_tables(r: dict, log: Callable[[str], None] = print) -> None:
                 f"{d['fraction_of_bandwidth']:>7.3f}"
             )
     if r["profile"]:
-        log("\nwhere a profiled training step's time goes (share of the step; 'mm in mixer' is part of matmul)")
+        log(
+            "\nwhere a profiled training step's time goes (share of the step; "
+            "'mm in mixer' is part of matmul)"
+        )
         cols = (*GROUPS, "mm in mixer")
         head = f"{'model':<22}{'ms':>8}" + "".join(f"{c:>12}" for c in cols)
         log(head)
@@ -574,7 +599,11 @@ def print_tables(r: dict, log: Callable[[str], None] = print) -> None:
 
 
 def main(args) -> int:
-    models = [m.strip() for m in args.models.split(",") if m.strip()] if getattr(args, "models", None) else list(DEFAULT_MODELS)
+    models = (
+        [m.strip() for m in args.models.split(",") if m.strip()]
+        if getattr(args, "models", None)
+        else list(DEFAULT_MODELS)
+    )
     shapes = parse_shapes(getattr(args, "model_shapes", None) or DEFAULT_SHAPES)
     gen_batches = parse_gen_batches(getattr(args, "gen_batches", None) or "1,8")
     d_model = getattr(args, "d_model", None) or 256

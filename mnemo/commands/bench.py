@@ -145,8 +145,8 @@ def add_commands(sub) -> None:
     b.add_argument(
         "--models",
         type=kinds.Text("comma-separated model names"),
-        help="models, decode and roofline suites: comma-separated model names (default: every registered model "
-        "for the models suite, seven typical ones for the decode suite, gated_deltanet, mamba2, gla, "
+        help="models, decode and roofline suites: comma-separated model names (default: every registered "
+        "model for the models suite, seven typical ones for the decode suite, gated_deltanet, mamba2, gla, "
         "transformer, titans_lmm and hope for the roofline suite; `mnemo models` lists them)",
     )
     b.add_argument(

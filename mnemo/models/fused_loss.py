@@ -98,8 +98,9 @@ def chunked_cross_entropy(
             when all are, as ``F.cross_entropy``).
         chunk_rows: tokens per chunk (default :func:`default_chunk_rows` of ``V``).
     Returns:
-        0-d float32 tensor (float64 for float64 inputs), differentiable with respect to ``h`` and ``weight`` (once: the gradient
-        is computed in the forward and the graph has no second derivative).
+        0-d float32 tensor (float64 for float64 inputs), differentiable with respect to ``h``
+        and ``weight`` (once: the gradient is computed in the forward and the graph has no second
+        derivative).
     Raises:
         ValueError: a shape, dtype, ``reduction`` or ``chunk_rows`` that does not fit; the message
             names the argument, what was expected and what was received.
@@ -112,11 +113,13 @@ def chunked_cross_entropy(
         raise ValueError(f"h: expected a floating [N, d] or [B, T, d] tensor, got {h.dtype} {list(h.shape)}")
     if weight.ndim != 2 or weight.shape[1] != h.shape[1] or not weight.is_floating_point():
         raise ValueError(
-            f"weight: expected a floating [V, d = {h.shape[1]}] tensor, got {weight.dtype} {list(weight.shape)}"
+            f"weight: expected a floating [V, d = {h.shape[1]}] tensor, "
+            f"got {weight.dtype} {list(weight.shape)}"
         )
     if targets.ndim != 1 or targets.shape[0] != h.shape[0] or targets.dtype not in (torch.long, torch.int32):
         raise ValueError(
-            f"targets: expected an integer [N = {h.shape[0]}] tensor, got {targets.dtype} {list(targets.shape)}"
+            f"targets: expected an integer [N = {h.shape[0]}] tensor, "
+            f"got {targets.dtype} {list(targets.shape)}"
         )
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")

@@ -275,7 +275,9 @@ class LanguageModel(nn.Module):
                     f"{targets.dtype} {list(targets.shape)}"
                 )
             if logits_at is not None or cu_seqlens is not None:
-                raise ValueError("targets: not with logits_at nor cu_seqlens (the loss covers every position)")
+                raise ValueError(
+                    "targets: not with logits_at nor cu_seqlens (the loss covers every position)"
+                )
         if cu_seqlens is not None:
             return self._forward_packed(input_ids, state, mode, cu_seqlens)
         if self.task_segment is not None:  # CMS levels learning from the next-token loss
@@ -283,10 +285,15 @@ class LanguageModel(nn.Module):
             if targets is None:
                 return logits, state
             loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten().long(), ignore_index=ignore_index, reduction="sum"
+                logits.float().flatten(0, 1),
+                targets.flatten().long(),
+                ignore_index=ignore_index,
+                reduction="sum",
             )
             return loss, state
-        return self._forward(input_ids, state, mode, logits_at=logits_at, targets=targets, ignore_index=ignore_index)
+        return self._forward(
+            input_ids, state, mode, logits_at=logits_at, targets=targets, ignore_index=ignore_index
+        )
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         """The vocabulary range of ``input_ids``. On CPU the values are read and a ``ValueError``

@@ -149,7 +149,8 @@ def adamw_implementation(model: torch.nn.Module) -> dict:
     form; ``foreach=True`` 0.77x and 1.17x (docs/benchmarks/fused_loss_cpu_2core.txt)."""
     params = [p for p in model.parameters() if p.requires_grad]
     ok = bool(params) and all(
-        type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
+        type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+        for p in params
     )
     return {"fused": True} if ok else {}
 

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mnemo.models import LanguageModel, build_config
-from mnemo.models import fused_loss
+from mnemo.models import LanguageModel, build_config, fused_loss
 from mnemo.models.fused_loss import chunked_cross_entropy
 
 
