@@ -1,4 +1,4 @@
-"""``mnemo bench``: the ops, peers, decode and models suites (tables, never asserted in tests)."""
+"""``mnemo bench``: the ops, peers, decode, models and roofline suites (tables, never asserted in tests)."""
 
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ SUITE_OPTIONS = {
     "modes": ("ops",),
     "recurrent_max_len": ("ops",),
     "ops": ("ops", "peers", "decode"),
-    "repeats": ("ops", "peers", "models"),
+    "repeats": ("ops", "peers", "models", "roofline"),
     "device": ("ops", "models"),
     "contexts": ("decode",),
     "decode_steps": ("decode",),
     "decode_processes": ("decode",),
-    "d_model": ("decode", "models"),
-    "n_layers": ("decode", "models"),
-    "models": ("decode", "models"),
+    "d_model": ("decode", "models", "roofline"),
+    "n_layers": ("decode", "models", "roofline"),
+    "models": ("decode", "models", "roofline"),
     "peers": ("models",),
-    "model_shapes": ("models",),
-    "gen_batches": ("models",),
-    "prompt_len": ("models",),
+    "model_shapes": ("models", "roofline"),
+    "gen_batches": ("models", "roofline"),
+    "prompt_len": ("models", "roofline"),
     "gen_tokens": ("models",),
     "compile": ("models",),
 }
@@ -67,6 +67,8 @@ def _run_suite(args) -> int:
             args.n_layers = 4
     elif args.suite == "models":
         from ..bench.models import main as bench_main
+    elif args.suite == "roofline":
+        from ..bench.roofline import main as bench_main
     else:
         from ..bench.ops import main as bench_main
     return bench_main(args)
@@ -102,11 +104,13 @@ def add_commands(sub) -> None:
     b = sub.add_parser("bench", help="time every op and form against causal SDPA (a table, not a test)")
     b.add_argument(
         "--suite",
-        choices=["ops", "peers", "decode", "models", "all"],
+        choices=["ops", "peers", "decode", "models", "roofline", "all"],
         default="ops",
         help="ops: every op and form vs causal SDPA; peers: ours vs installed PyPI peers; decode: one-token "
         "decoding speed and memory vs context length; models: whole models' training and generation "
-        "tokens/s beside the installed peers' equivalent models; all: the four in one run (one JSON)",
+        "tokens/s beside the installed peers' equivalent models; roofline: this machine's GEMM rate and "
+        "memory bandwidth, each model's training FLOP/s and decoding bytes/s as fractions of them, and "
+        "where the training step's time goes; all: ops, peers, decode and models in one run (one JSON)",
     )
     b.add_argument(
         "--dtypes",
@@ -129,18 +133,21 @@ def add_commands(sub) -> None:
         default=3,
         help="decode suite: fresh processes per row; the row is their median (default 3)",
     )
-    b.add_argument("--d-model", type=kinds.width, default=256, help="decode and models suites: model width")
+    b.add_argument(
+        "--d-model", type=kinds.width, default=256, help="decode, models and roofline suites: model width"
+    )
     b.add_argument(
         "--n-layers",
         type=kinds.depth,
         default=None,
-        help="decode and models suites: model depth (default 4 and 6)",
+        help="decode, models and roofline suites: model depth (default 4, 6 and 6)",
     )
     b.add_argument(
         "--models",
         type=kinds.Text("comma-separated model names"),
-        help="models and decode suites: comma-separated model names (default: every registered model for the "
-        "models suite, seven typical ones for the decode suite; `mnemo models` lists them)",
+        help="models, decode and roofline suites: comma-separated model names (default: every registered "
+        "model for the models suite, seven typical ones for the decode suite, gated_deltanet, mamba2, gla, "
+        "transformer, titans_lmm and hope for the roofline suite; `mnemo models` lists them)",
     )
     b.add_argument(
         "--peers",
@@ -152,19 +159,22 @@ def add_commands(sub) -> None:
     )
     b.add_argument(
         "--model-shapes",
-        default="1024x8,4096x2",
+        default=None,
         type=kinds.Text("TxB shapes or 'none'"),
-        help="models suite: training shapes TxB (sequence length x batch), comma-separated, or 'none' "
-        "(generation rows only)",
+        help="models and roofline suites: training shapes TxB (sequence length x batch), comma-separated "
+        "(default 1024x8,4096x2 and 1024x8), or 'none' for the models suite (generation rows only)",
     )
     b.add_argument(
         "--gen-batches",
         default="1,8",
         type=kinds.IntList(1, words=("none",)),
-        help="models suite: generation batch sizes, or 'none' (training rows only)",
+        help="models and roofline suites: generation (decoding) batch sizes, or 'none' (training rows only)",
     )
     b.add_argument(
-        "--prompt-len", type=kinds.positive_int, default=256, help="models suite: generation prompt tokens"
+        "--prompt-len",
+        type=kinds.positive_int,
+        default=256,
+        help="models and roofline suites: generation prompt tokens (roofline: the decoding state's context)",
     )
     b.add_argument(
         "--gen-tokens", type=kinds.positive_int, default=64, help="models suite: new tokens per generate()"

@@ -24,6 +24,7 @@ from ..layers.state import detach as detach_state
 from ..ops._common import assert_on_device, avoid_host_reads, pad_packed, unpad_packed, varlen_index
 from . import task_signal
 from .config import ModelConfig
+from .fused_loss import chunked_cross_entropy
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -261,8 +262,21 @@ class LanguageModel(nn.Module):
         mode: str | None = None,
         cu_seqlens: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        ignore_index: int = -100,
     ):
         """``(logits [B, T, vocab], state)``.
+
+        ``targets`` (``[B, T]`` integer, ``ignore_index`` (default ``-100``) where unsupervised):
+        return ``(loss, state)`` instead, ``loss`` the **summed** next-token cross-entropy (0-d
+        float32; float64 for a float64 model) of the head at every position against ``targets``, equal to
+        ``F.cross_entropy(forward(input_ids)[0].float().flatten(0, 1), targets.flatten(),
+        ignore_index=ignore_index, reduction="sum")`` (to float rounding, gradients too) but
+        computed without the ``[B, T, vocab]`` logits (:func:`mnemo.models.fused_loss.
+        chunked_cross_entropy`) — the training loss. Hooks and cached values are the same (there is
+        no hook on the logits). A model whose CMS levels learn from the next-token loss computes
+        its logits anyway (the signal needs them) and takes the plain loss of them. Not with
+        ``logits_at`` nor ``cu_seqlens``.
 
         ``logits_at`` (``[B, T]`` bool): apply the output head only where it is true and return
         ``logits [M, vocab]`` (``M`` = its number of true entries), equal to
@@ -298,11 +312,32 @@ class LanguageModel(nn.Module):
                     "logits_at: not with cu_seqlens, nor for a model whose CMS levels learn from the "
                     "next-token loss (they need every position's logits)"
                 )
+        if targets is not None:
+            if targets.shape != input_ids.shape or targets.dtype not in (torch.long, torch.int32):
+                raise ValueError(
+                    f"targets must be an integer tensor shaped like input_ids {list(input_ids.shape)}, got "
+                    f"{targets.dtype} {list(targets.shape)}"
+                )
+            if logits_at is not None or cu_seqlens is not None:
+                raise ValueError(
+                    "targets: not with logits_at nor cu_seqlens (the loss covers every position)"
+                )
         if cu_seqlens is not None:
             return self._forward_packed(input_ids, state, mode, cu_seqlens)
         if self.task_segment is not None:  # CMS levels learning from the next-token loss
-            return task_signal.forward(self, input_ids, state, mode)
-        return self._forward(input_ids, state, mode, logits_at=logits_at)
+            logits, state = task_signal.forward(self, input_ids, state, mode)
+            if targets is None:
+                return logits, state
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1),
+                targets.flatten().long(),
+                ignore_index=ignore_index,
+                reduction="sum",
+            )
+            return loss, state
+        return self._forward(
+            input_ids, state, mode, logits_at=logits_at, targets=targets, ignore_index=ignore_index
+        )
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         """The vocabulary range of ``input_ids``. On CPU the values are read and a ``ValueError``
@@ -356,9 +391,20 @@ class LanguageModel(nn.Module):
             logits = logits.float()
         return logits, None
 
-    def _forward(self, input_ids: torch.Tensor, state, mode, allow_checkpoint: bool = True, logits_at=None):
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        state,
+        mode,
+        allow_checkpoint: bool = True,
+        logits_at=None,
+        targets=None,
+        ignore_index: int = -100,
+    ):
         """Embedding → blocks → head on validated ``input_ids`` (one pass, no task signal); the
-        head only at ``logits_at`` (``[B, T]`` bool) when given."""
+        head only at ``logits_at`` (``[B, T]`` bool) when given; with ``targets`` the summed
+        cross-entropy in place of the logits (chunked, :func:`~mnemo.models.fused_loss.
+        chunked_cross_entropy`)."""
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             offset = state[0].offset if state is not None else 0
@@ -385,6 +431,9 @@ class LanguageModel(nn.Module):
                 x, s = block(x, state[i] if state is not None else None, mode=mode)
             new_state.append(s)
         h = self.norm(x)
+        if targets is not None:
+            loss = chunked_cross_entropy(h, self.lm_head.weight, targets, ignore_index=ignore_index)
+            return loss, new_state
         if logits_at is None:
             logits = self.lm_head(h)
         elif logits_at.device.type == "cpu" and h.device.type != "cpu":
@@ -400,9 +449,10 @@ class LanguageModel(nn.Module):
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross-entropy (nats per token) of ``targets [B, T]`` (without the MoE
         auxiliary losses: add :meth:`aux_loss` for the training objective). Targets equal to
-        ``ignore_index`` are left out (default ``ignore_index=-100``)."""
-        logits, _ = self(input_ids)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+        ``ignore_index`` are left out (default ``ignore_index=-100``). Computed without the
+        ``[B, T, vocab]`` logits (``forward(targets=)``)."""
+        total, _ = self(input_ids, targets=targets, ignore_index=ignore_index)
+        return total / (targets != ignore_index).sum()
 
     def moe_layers(self) -> list[tuple[int, MoE]]:
         """``[(block index, MoE)]`` for the blocks whose MLP is a :class:`~mnemo.layers.MoE`."""

@@ -37,7 +37,15 @@ class _Logits(torch.nn.Module):
         input_ids: torch.Tensor,
         first: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        ignore_index: int = -100,
     ) -> torch.Tensor:
+        """Logits, or with ``targets`` (not with ``first``) the summed cross-entropy (0-d float32)
+        computed without them (:meth:`LanguageModel.forward`'s ``targets``)."""
+        if targets is not None:
+            if first is not None:
+                raise ValueError("targets: not with first (packed documents return their logits)")
+            return self.model(input_ids, targets=targets, ignore_index=ignore_index)[0]
         if first is None:
             return self.model(input_ids, logits_at=logits_at)[0]
         return packed_logits(self.model, input_ids, first)

@@ -137,7 +137,22 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
             slow_every=cfg.m3_slow_every,
             ema=cfg.m3_ema and not algorithm1_only(cfg),
         )
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **adamw_implementation(model))
+
+
+def adamw_implementation(model: torch.nn.Module) -> dict:
+    """``{"fused": True}`` when every trainable parameter is a plain floating tensor on the CPU or a
+    CUDA device (torch's fused AdamW kernel: one pass over each parameter instead of a dozen
+    element-wise ops; the same update up to float rounding), else ``{}`` (torch's default: the
+    sharded ``DTensor`` parameters of an FSDP run, other devices). On 2 CPU cores the AdamW step
+    alone ran 4.2x (0.9M parameters) and 7.4x (5.0M) faster than torch's CPU default, the for-loop
+    form; ``foreach=True`` 0.77x and 1.17x (docs/benchmarks/fused_loss_cpu_2core.txt)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    ok = bool(params) and all(
+        type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+        for p in params
+    )
+    return {"fused": True} if ok else {}
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, warn: bool = True):

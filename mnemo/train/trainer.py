@@ -249,14 +249,15 @@ class Trainer:
                             # the mask on the host: selecting by it reads no device value
                             at = y_host != IGNORE_INDEX
                             logits, yi = self.train_model(xi, logits_at=at), y_host[at].to(self.device)
-                        else:
-                            logits = self.train_model(xi)
-                    ce = F.cross_entropy(
-                        logits.float().flatten(0, -2),
-                        yi.flatten(),
-                        ignore_index=IGNORE_INDEX,
-                        reduction="sum",
-                    )
+                        else:  # the summed loss, without the [B, T, vocab] logits (chunked head)
+                            logits, ce = None, self.train_model(xi, targets=yi, ignore_index=IGNORE_INDEX)
+                    if logits is not None:
+                        ce = F.cross_entropy(
+                            logits.float().flatten(0, -2),
+                            yi.flatten(),
+                            ignore_index=IGNORE_INDEX,
+                            reduction="sum",
+                        )
                 except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
                     error, ce = e, None
                 if deferred and error is None:  # checked with the gradient norm, after the backward

@@ -77,3 +77,29 @@ def test_the_m3_settings_default_to_m3s_own_defaults_except_eps():
         p["ema"].default,
     )
     assert cfg.m3_eps == 1e-2 != p["eps"].default  # the documented departure
+
+
+def test_adamw_is_torchs_fused_kernel_on_the_cpu_with_the_for_loop_update():
+    """make_optimizer picks fused AdamW for plain CPU parameters; three steps of it equal torch's
+    for-loop AdamW with the same groups (to float rounding)."""
+    torch.manual_seed(0)
+    net, ref = _Net(), _Net()
+    ref.load_state_dict(net.state_dict())
+    cfg = TrainConfig(lr=0.02, weight_decay=0.3, beta1=0.8, beta2=0.9)
+    opt = make_optimizer(net, cfg)
+    assert opt.defaults["fused"] is True
+    twin = dict(zip([id(p) for p in net.parameters()], ref.parameters()))
+    groups = [
+        {"params": [twin[id(p)] for p in g["params"]], "lr": g["lr"], "weight_decay": g["weight_decay"]}
+        for g in opt.param_groups
+    ]
+    ref_opt = torch.optim.AdamW(groups, betas=(0.8, 0.9), foreach=False, fused=False)
+    assert all(not g["fused"] for g in ref_opt.param_groups)
+    x = torch.randn(5, 3)
+    for _ in range(3):
+        for m, o in ((net, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m.b(torch.tanh(m.a(x))).square().sum().backward()
+            o.step()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), name

@@ -1,0 +1,146 @@
+"""``mnemo bench --suite roofline``: the FLOP count against hand counts, the profile's grouping, and
+the suite at a tiny size (its JSON schema and refused flags; never timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mnemo.bench import roofline
+from mnemo.cli import main
+from mnemo.models import LanguageModel, build_config
+from mnemo.models.fused_loss import chunked_cross_entropy
+
+
+def test_a_linear_layer_counts_2mnk_three_times():
+    M, K, N = 12, 7, 5
+    lin = torch.nn.Linear(K, N, bias=False)
+    x = torch.randn(M, K, requires_grad=True)
+    total, per_op, _ = roofline.count_flops(lambda: lin(x).sum().backward())
+    assert total == 3 * 2 * M * N * K  # y = x Wᵀ, ∂x = ∂y W, ∂W = ∂yᵀ x
+    x = torch.randn(M, K)  # no input gradient: the forward and ∂W only
+    assert roofline.count_flops(lambda: lin(x).sum().backward())[0] == 2 * 2 * M * N * K
+
+
+def test_in_place_accumulating_matmuls_are_counted():
+    acc, a, b = torch.zeros(3, 4, 5), torch.randn(3, 4, 6), torch.randn(3, 6, 5)
+    m, x, y = torch.zeros(4, 5), torch.randn(4, 6), torch.randn(6, 5)
+    total, _, uncounted = roofline.count_flops(lambda: (acc.baddbmm_(a, b), m.addmm_(x, y)))
+    assert total == 2 * 3 * 4 * 6 * 5 + 2 * 4 * 6 * 5
+    assert "baddbmm_" not in uncounted and "addmm_" not in uncounted
+
+
+def test_the_fused_lm_head_counts_three_matmuls_of_the_head():
+    N, d, V = 40, 8, 33
+    h = torch.randn(N, d, requires_grad=True)
+    w = torch.randn(V, d, requires_grad=True)
+    y = torch.randint(0, V, (N,))
+    total, _, uncounted = roofline.count_flops(
+        lambda: chunked_cross_entropy(h, w, y, chunk_rows=7).backward()
+    )
+    assert total == 3 * 2 * N * d * V
+    assert "logsumexp" in uncounted  # the softmax is element-wise work, listed as not counted
+
+
+def test_a_transformer_counts_its_linears_and_causal_attention():
+    """Hand count: every nn.Linear (their inputs all carry gradients) 6·M·K·N, the head 6·M·d·V, and
+    causal SDPA as torch's formulas (2 matmuls forward, 5 backward) times (T+1)/2T."""
+    torch.manual_seed(0)
+    B, T, V = 2, 16, 64
+    m = LanguageModel(build_config("transformer", vocab_size=V, d_model=32, n_layers=1))
+    ids = torch.randint(0, V, (B, T))
+    total, per_op, _ = roofline.count_flops(lambda: m(ids, targets=ids)[0].backward())
+    M = B * T
+    linears = sum(
+        6 * M * mod.in_features * mod.out_features for mod in m.modules() if isinstance(mod, torch.nn.Linear)
+    )
+    H, D = m.blocks[0].mixer.n_heads, m.blocks[0].mixer.head_dim
+    causal = (T + 1) / (2 * T)
+    sdpa = int(2 * 2 * B * H * T * T * D * causal) + int(5 * 2 * B * H * T * T * D * causal)
+    assert total == linears + sdpa
+    assert any("scaled_dot_product" in k for k in per_op)
+
+
+@pytest.mark.parametrize("name", ["gla", "hope"])
+def test_flops_are_linear_in_the_batch(name):
+    """The suite counts one row and multiplies by B: every op is batched over the rows."""
+    m = roofline.build(name, 16, 1)
+    opt = torch.optim.AdamW(m.parameters())
+    one = roofline.count_flops(roofline.train_step_fn(m, opt, 16, 1).forward_backward)[0]
+    three = roofline.count_flops(roofline.train_step_fn(m, opt, 16, 3).forward_backward)[0]
+    assert three == 3 * one > 0
+
+
+def test_profile_groups_a_step_by_what_ran():
+    torch.manual_seed(0)
+    m = roofline.build("gla", 16, 1)
+    opt = torch.optim.AdamW(m.parameters())
+    shares = roofline.profile_step(m, roofline.train_step_fn(m, opt, 16, 2))
+    assert set(roofline.GROUPS) <= set(shares)
+    assert abs(sum(shares[g] for g in roofline.GROUPS) - 1) < 1e-9
+    for g in ("matmul", "recurrence", "norms", "loss", "optimizer", "python"):
+        assert shares[g] > 0, g
+    assert 0 < shares["mm in mixer"] <= shares["matmul"]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_bytes_count_weights_once_and_embedding_rows(tie):
+    m = LanguageModel(build_config("gla", vocab_size=256, d_model=16, n_layers=1, tie_embeddings=tie))
+    every = sum(p.numel() * 4 for p in m.parameters())  # a tied table once
+    emb = m.embed.weight
+    # untied: the embedding reads 3 rows of its table; tied: the head reads the table whole
+    expected = every if tie else every - emb.numel() * 4 + 3 * emb.shape[1] * 4
+    assert roofline.weight_bytes_per_step(m, 3) == expected
+
+
+TINY = ["--d-model", "16", "--n-layers", "1", "--model-shapes", "16x2", "--gen-batches", "1,2"]
+TINY += ["--prompt-len", "8", "--repeats", "1"]
+
+
+def test_suite_runs_and_writes_the_schema(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(roofline, "STREAM_ELEMENTS", 2**16)
+    out = tmp_path / "roofline.json"
+    assert main(["bench", "--suite", "roofline", "--models", "gla", *TINY, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for heading in ("GEMM peak", "training step", "decoding", "where a profiled training step"):
+        assert heading in text
+    r = json.loads(out.read_text())
+    assert (r["d_model"], r["n_layers"], r["vocab"]) == (16, 1, 256)
+    assert {"gemm", "gemm_peak_gflops", "copy_gbs", "triad_gbs"} <= set(r["machine"])
+    assert r["machine"]["gemm_peak_gflops"] == max(g["gflops"] for g in r["machine"]["gemm"])
+    assert {(g["M"], g["K"], g["N"]) for g in r["machine"]["gemm"]} >= {(32, 16, 256)}  # the head's shape
+    assert [t["model"] for t in r["train"]] == ["gla"]
+    for t in r["train"]:
+        assert (t["T"], t["batch"]) == (16, 2)
+        assert t["flops_fwd_bwd"] == sum(t["flops_by_op"].values()) > 0
+        assert (
+            abs(t["achieved_gflops"] - t["flops_fwd_bwd"] / (t["step_ms"] / 1e3) / 1e9)
+            < 1e-9 * t["achieved_gflops"]
+        )
+        assert abs(t["fraction_of_peak"] - t["achieved_gflops"] / t["gemm_peak_gflops"]) < 1e-12
+    assert {(d["model"], d["batch"]) for d in r["decode"]} == {(n, b) for n in ("gla",) for b in (1, 2)}
+    for d in r["decode"]:
+        assert d["state_bytes"] > 0 and d["weight_bytes"] > 0
+        assert abs(d["fraction_of_bandwidth"] * r["machine"]["triad_gbs"] - d["achieved_gbs"]) < 1e-9
+    assert set(r["profile"]) == {"gla 16x2"}
+    assert r["load_average"] is not None and r["threads"] == torch.get_num_threads()
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["--contexts", "64"], "--contexts is read by --suite decode, not by --suite roofline"),
+        (["--peers", "none"], "--peers is read by --suite models, not by --suite roofline"),
+        (["--lengths", "64"], "--lengths is read by --suite ops, not by --suite roofline"),
+        (["--model-shapes", "none"], "--model-shapes: the roofline suite needs at least one training shape"),
+        (["--model-shapes", "16by2"], "--model-shapes: expected TxB"),
+        (["--models", "nosuch"], "--models: unknown model(s) ['nosuch']"),
+    ],
+)
+def test_bad_flags_are_refused_with_the_flag_named(argv, said, capsys, monkeypatch):
+    monkeypatch.setattr(roofline, "STREAM_ELEMENTS", 2**10)
+    assert main(["bench", "--suite", "roofline", *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err, err
