@@ -59,14 +59,21 @@ def _free_ssd_chunk(Cg, Bg, v, g, initial_state, chunk_size):
     return o, torch.zeros(B, H, Cg.shape[-1], P, dtype=v.dtype, device=v.device)
 
 
+def _free_ssd(x, dt, A, B, C, initial_state=None, output_final_state=False, chunk_size=None, **_):
+    """A stand-in for ``mnemo.ops.ssd`` (the Mamba-2 layer's call when no hook replaced ``g``): the
+    same inputs :func:`_free_ssd_chunk` gets from the layer's other path."""
+    return _free_ssd_chunk(C, B, x * dt[..., None], dt * A, initial_state, chunk_size)
+
+
 @contextlib.contextmanager
 def _mixer_core_free():
-    saved = delta_layer.gated_delta_rule, ssm_layer.run_ssd_chunk
+    saved = delta_layer.gated_delta_rule, ssm_layer.run_ssd_chunk, ssm_layer.ssd
     delta_layer.gated_delta_rule, ssm_layer.run_ssd_chunk = _free_gated_delta_rule, _free_ssd_chunk
+    ssm_layer.ssd = _free_ssd
     try:
         yield
     finally:
-        delta_layer.gated_delta_rule, ssm_layer.run_ssd_chunk = saved
+        delta_layer.gated_delta_rule, ssm_layer.run_ssd_chunk, ssm_layer.ssd = saved
 
 
 def main() -> None:

@@ -654,7 +654,7 @@ def induction_ablation(
     Returns a JSON-ready dict: ``baseline``, ``top_k`` (metrics and ``heads`` ``[[layer, head,
     score], …]``), ``random`` (per metric ``mean``, ``std``, ``values``; and the drawn ``heads``),
     each with its ``gain_removed`` (``1 − gain_after / gain_before``; for ``random``, per draw with
-    its mean and std). When the baseline gain is below ``min_gain`` nats (default 0.05: an
+    its mean and std). When the baseline gain is below ``min_gain`` nats (default ``min_gain=0.05``: an
     untrained model, or one that does not use its context) the fractions are ``None`` with a
     ``note`` and a warning: a ratio of two near-zero gains says nothing.
     With ``random_from="rest"`` and fewer than ``k`` heads outside the top ``k``, the draws come from

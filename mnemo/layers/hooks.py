@@ -36,7 +36,10 @@ class HookPoint(nn.Module):
     """Identity on any value (a tensor, a state record, ``None``); hooks attach to it.
 
     ``name`` is filled in by :func:`name_hook_points` with the module path
-    (``blocks.0.mixer.hook_q``) so a hook function learns where it was called.
+    (``blocks.0.mixer.hook_q``) so a hook function learns where it was called. ``time_dim``: the
+    time axis of a tensor value (segments are joined along it, :func:`join_pieces`), ``None`` for a
+    value without one; ``key_dim`` likewise for attention patterns' key axis. Defaults:
+    ``time_dim=1``.
     """
 
     def __init__(self, time_dim: int | None = 1, key_dim: int | None = None):

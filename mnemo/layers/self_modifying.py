@@ -167,7 +167,7 @@ def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: fl
         m_a ← μ m_a − η ∇_{W_a} L(A; k, v̂)             m_b ← μ m_b − η ∇_{W_b} L(A; k, v̂)
         W_a ← α W_a − η k (kᵀ W_a) + m_a                 W_b ← α W_b + m_b
 
-    (with ``μ = 0`` this is Eq. 88's step, ``W_a ← α W_a − η k kᵀ W_a − η ∇``).
+    (with ``μ = 0`` this is Eq. 88's step, ``W_a ← α W_a − η k kᵀ W_a − η ∇``). Defaults: ``mu=0.0``.
     """
     need_graph = torch.is_grad_enabled()
     alpha = log_alpha.exp()
@@ -315,7 +315,8 @@ def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: fl
     :func:`_wa_chunk`; the same recursion as :func:`mnemo.ops.gated_delta_rule`) and ``W_b`` the
     decayed sum ``W_b,L = (Π α) W_b − Σ_s η_s (Π_{r>s} α_r) a_sᵀ e_s``. With momentum ``(m_a, m_b)``
     (coefficient ``mu``): :func:`_wa_chunk_momentum` for ``W_a`` and the same decayed sums
-    (:func:`_momentum_weights`) for ``W_b``. Returns ``(W, mom)`` as :func:`dgd_token`.
+    (:func:`_momentum_weights`) for ``W_b``. Returns ``(W, mom)`` as :func:`dgd_token`. Defaults:
+    ``mu=0.0``.
     """
     Wa, Wb = W
     B, G = Wa.shape[:2]
@@ -370,7 +371,7 @@ class SelfModifyingTitans(Mixer):
             ``M_memory(v_t)``) or ``"value"`` (toward ``v_t``, Titans' association; a variant).
         adaptive_q: the query from its own adaptive memory, ``q_t = M_q,c(x̃_t)`` (L2-normalised),
             a fifth projection memory rewritten by DGD like ``M_k`` (see the module docstring);
-            ``False`` (default): the slow projection ``q_t = x̃_t W_q`` of Eq. 83's first line.
+            default ``False``: the slow projection ``q_t = x̃_t W_q`` of Eq. 83's first line.
         momentum: ``μ ∈ [0, 1)``, the DGD momentum of every memory (see the module docstring;
             default ``0.0``: Eq. 88's plain step, no momentum state).
 

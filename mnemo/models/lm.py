@@ -267,7 +267,8 @@ class LanguageModel(nn.Module):
     ):
         """``(logits [B, T, vocab], state)``.
 
-        ``targets`` (``[B, T]`` integer, ``ignore_index`` (default ``-100``) where unsupervised):
+        ``targets`` (``[B, T]`` integer, ``ignore_index`` where unsupervised; default
+        ``ignore_index=-100``):
         return ``(loss, state)`` instead, ``loss`` the **summed** next-token cross-entropy (0-d
         float32; float64 for a float64 model) of the head at every position against ``targets``, equal to
         ``F.cross_entropy(forward(input_ids)[0].float().flatten(0, 1), targets.flatten(),

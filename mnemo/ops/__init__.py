@@ -21,7 +21,7 @@ default): :func:`backends` lists what this machine can run, ``with use_backend("
 """
 
 from . import _workspace
-from ._common import NonFiniteError, decay_matrix, finite_checks, set_finite_checks
+from ._common import NonFiniteError, RangeWarning, decay_matrix, finite_checks, set_finite_checks
 from .delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .dispatch import BackendError, BackendRow, backends, current_backend, dispatch_log, use_backend
 from .feature_maps import FavorPlus, elu_plus_one, identity, relu, resolve_feature_map, taylor
@@ -51,6 +51,7 @@ def set_workspace_limit(nbytes: int) -> None:
 
 __all__ = [
     "NonFiniteError",
+    "RangeWarning",
     "finite_checks",
     "set_finite_checks",
     "softmax_attention",

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -87,6 +88,11 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     torch._assert_async(condition, message)
 
 
+class RangeWarning(UserWarning):
+    """An op's input lies outside the range its model produces (a positive log-gate, an SSM ``A > 0``,
+    a negative step): computed as given, since interventions may set such values on purpose."""
+
+
 class NonFiniteError(ValueError):
     """An op received NaN or infinite inputs (reported instead of propagated silently)."""
 
@@ -122,8 +128,8 @@ def finite_checks(enabled: bool) -> Iterator[None]:
 
 def check_finite(values: dict, gates: dict | None = None) -> None:
     """Raise :class:`NonFiniteError` naming the first input with NaN/inf entries. Log-gates may be
-    ``-inf`` (a hard reset) but not NaN or ``+inf``; a positive log-gate (a decay above 1, which
-    the chunk forms' exponentials overflow on) raises ``ValueError``.
+    ``-inf`` (a hard reset) but not NaN or ``+inf``; a positive log-gate (a decay above 1: the state
+    grows and long sequences overflow) is computed as given and said with a :class:`RangeWarning`.
 
     Runs on CPU tensors only. Skipped while ``torch.compile`` traces (reading a sum back to Python
     would break the graph at every op call) and for tensors on any other device (CUDA, ``meta``):
@@ -164,19 +170,23 @@ def check_finite(values: dict, gates: dict | None = None) -> None:
                 "(-inf is allowed: a hard reset)"
             )
         if g is not None and g.numel() and bool((g > 0).any()):
-            raise ValueError(
+            warnings.warn(
                 f"{name} (a log-gate) has {int((g > 0).sum())} of {g.numel()} values > 0 (largest "
-                f"{float(g.max()):.4g}); log-gates must be <= 0: the decay exp({name}) is at most 1 "
-                "(use -softplus(x) or logsigmoid(x) to map any value there)"
+                f"{float(g.max()):.4g}): a decay exp({name}) above 1 makes the state grow, and long "
+                "sequences overflow; a model's gates are <= 0 (-softplus(x), logsigmoid(x)). Computed "
+                "as given (an intervention may mean it)",
+                RangeWarning,
+                stacklevel=3,
             )
 
 
 def check_sign(name: str, t: torch.Tensor | None, sign: str, meaning: str) -> None:
-    """Raise ``ValueError`` when ``t`` has a value of the wrong sign: ``sign="<= 0"`` (e.g. an
-    SSM's ``A``, so that ``exp(Δ A) <= 1``) or ``">= 0"`` (a step size ``Δ``/``dt`` after its
-    bias and softplus). ``meaning`` ends the message (why the sign matters). Like
-    :func:`check_finite` (and switched with it): on CPU tensors only, not while ``torch.compile``
-    traces; one read (the extreme value)."""
+    """Say (a :class:`RangeWarning`) when ``t`` has a value of the wrong sign: ``sign="<= 0"`` (e.g.
+    an SSM's ``A``, so that ``exp(Δ A) <= 1``) or ``">= 0"`` (a step size ``Δ``/``dt`` after its
+    bias and softplus); ``meaning`` ends the message (why the sign matters). The op computes the
+    values as given: a hook that patches or steers may mean them. Like :func:`check_finite` (and
+    switched with it): on CPU tensors only, not while ``torch.compile`` traces; one read (the
+    extreme value)."""
     if t is None or t.numel() == 0 or not _FINITE_CHECKS or torch.compiler.is_compiling():
         return
     if t.device.type != "cpu":
@@ -188,9 +198,11 @@ def check_sign(name: str, t: torch.Tensor | None, sign: str, meaning: str) -> No
     if math.isnan(extreme):
         return  # NaN is check_finite's to report
     wrong = int((t > 0).sum() if sign == "<= 0" else (t < 0).sum())
-    raise ValueError(
-        f"{name} must be {sign}: {wrong} of {t.numel()} values are not (the most extreme is "
-        f"{extreme:.4g}); {meaning}"
+    warnings.warn(
+        f"{name} should be {sign}: {wrong} of {t.numel()} values are not (the most extreme is "
+        f"{extreme:.4g}); {meaning}. Computed as given (an intervention may mean it)",
+        RangeWarning,
+        stacklevel=3,
     )
 
 

@@ -31,7 +31,7 @@ def metrics_lines(path: str | Path, torn_last: bool = False) -> list[str]:
     ``ValueError`` naming the file and the line (the rest of the file is not read as text as a
     whole, so the message says where, not at which byte offset). ``torn_last``: the last line may
     be a write cut by a crash (possibly inside a multi-byte character): it is decoded with
-    replacement characters for the caller to drop as torn (default ``False``)."""
+    replacement characters for the caller to drop as torn (default ``torn_last=False``)."""
     raws = Path(path).read_bytes().splitlines()
     lines = []
     for i, raw in enumerate(raws, 1):

@@ -99,7 +99,7 @@ def test_missing_text_field_names_it_and_the_fields_present(tmp_path):
         assert load_corpus(str(p), text_field="body").documents == DOCS
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": 3}\n')
-    with pytest.raises(ValueError, match="record 2 (counting from 1): field 'text' holds int, not text"):
+    with pytest.raises(ValueError, match=r"record 2 \(counting from 1\): field 'text' holds int, not text"):
         load_corpus(str(bad))
 
 

@@ -15,7 +15,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mnemo.ops.dispatch as dispatch
 from mnemo.models import LanguageModel, build_config
@@ -42,22 +41,28 @@ def _trainer(tmp_path, name: str = "run", **kw) -> Trainer:
 
 
 def test_bf16_steps_keep_float32_weights_gradients_optimizer_state_and_loss(tmp_path, monkeypatch):
-    import mnemo.train.trainer as trainer_module
+    import mnemo.models.lm as lm_module
 
     tr = _trainer(tmp_path, precision="bf16")
-    linear_out, ce_in = [], []
+    linear_out, ce_in, ce_out = [], [], []
     tr.model.blocks[0].mixer.qkv_proj.register_forward_hook(lambda m, i, o: linear_out.append(o.dtype))
-    real_ce = F.cross_entropy
-    monkeypatch.setattr(
-        trainer_module.F,
-        "cross_entropy",
-        lambda logits, *a, **k: ce_in.append(logits.dtype) or real_ce(logits, *a, **k),
-    )
+    # the training loss is the chunked cross-entropy (no [B, T, vocab] logits): its logits reach
+    # logsumexp in float32 and its loss is float32
+    real_ce, real_lse = lm_module.chunked_cross_entropy, torch.logsumexp
+
+    def ce(*a, **k):
+        loss = real_ce(*a, **k)
+        ce_out.append(loss.dtype)
+        return loss
+
+    monkeypatch.setattr(lm_module, "chunked_cross_entropy", ce)
+    monkeypatch.setattr(torch, "logsumexp", lambda x, *a, **k: ce_in.append(x.dtype) or real_lse(x, *a, **k))
     for _ in range(3):
         loss = tr.train_step()
         assert isinstance(loss, float) and loss > 0
     assert linear_out == [torch.bfloat16] * 3, "the forward's matmuls did not run in bf16"
     assert ce_in == [torch.float32] * 3, "the cross-entropy must see float32 logits"
+    assert ce_out == [torch.float32] * 3, "the loss must be float32"
     for n, p in tr.model.named_parameters():
         assert p.dtype == torch.float32, f"{n}: master weights must stay float32"
         assert p.grad is None or p.grad.dtype == torch.float32, f"{n}: gradient not float32"
