@@ -743,6 +743,14 @@ def test_sweep_file_messages_say_what_is_wrong(tmp_path, capsys):
             "name: s\nmodels: [gla]\nselect_lr_on_seed: 5\ngrid: {lr: [0.001]}\n",
             "'select_lr_on_seed' 5 needs a 'seeds' list (or count) that holds it",
         ),
+        (
+            "name: s\nmodels: [gla]\nseeds: 2\nselect_lr_on_seed: 0\nselection: some\ngrid: {lr: [0.001]}\n",
+            "'selection' must be 'staged' or 'all', got 'some'",
+        ),
+        (
+            "name: s\nmodels: [gla]\nseeds: 2\nselection: all\ngrid: {lr: [0.001]}\n",
+            "'selection: all' needs 'select_lr_on_seed'",
+        ),
         (  # (fourth trial) a typo in tune: nothing tuned, every run reported
             "name: s\nmodels: [gla]\nbase: {steps: 2}\ngrid: {lr: [0.001]}\ntune: [nope]\n",
             "'tune' names ['nope'], which are not grid keys (grid: ['lr'])",

@@ -55,6 +55,12 @@ def _cmd_sweep(args) -> int:
         return 0
     cells = len({r.cell_key for r in runs})
     seeds = f" x {len(spec.seeds)} seeds" if spec.seeds else ""
+    if spec.select_lr_on_seed is not None and spec.selection == "staged":
+        n_staged = len([r for r in runs if r.seed == spec.select_lr_on_seed]) + cells * (len(spec.seeds) - 1)
+        seeds += (
+            f" (staged selection: seed {spec.select_lr_on_seed} at every value first, the other seeds at "
+            f"the chosen values only: {n_staged} runs)"
+        )
     print(
         f"mnemo sweep: {spec.name}: {len(runs)} runs in {cells} cells{seeds} -> {db} "
         f"(run directories in {out}), "
@@ -66,6 +72,8 @@ def _cmd_sweep(args) -> int:
         f"sweep {spec.name}: {counts['total']} runs, {counts['skipped']} already finished, "
         f"ran {counts['ran']} ({counts['done']} done, {counts['diverged']} diverged, "
         f"{counts['failed']} failed)"
+        + (f"; {counts['not_selected']} runs at values the held-out seed did not choose not run"
+           if counts.get("not_selected") else "")
     )
     print(f"try: mnemo report {db}")
     return 1 if counts["failed"] else 0

@@ -116,6 +116,18 @@ def _init_worker(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _chosen_values(db: SweepDB, spec: SweepSpec, ids: set[str]) -> dict[str, dict | None]:
+    """Per cell key: the tuned values seed ``spec.select_lr_on_seed`` chose (as the report chooses
+    them, :func:`mnemo.sweep.report.cell_stats`), or ``None`` when that seed has no done run there."""
+    from .report import cell_stats
+
+    rows = [r for r in db.rows(spec.name) if r["run_id"] in ids]
+    out: dict[str, dict | None] = {}
+    for c in cell_stats(rows, spec.metric, select_lr_on_seed=spec.select_lr_on_seed):
+        out[json.dumps(c["cell"], sort_keys=True)] = c["tuned"] if c["selection_value"] is not None else None
+    return out
+
+
 def run_sweep(
     spec: SweepSpec,
     db_path: str | Path,
@@ -133,15 +145,25 @@ def run_sweep(
     run is one grid point at one seed, so finished ``(cell, tuned value, seed)`` runs are never
     rerun. The sweep's report settings (:meth:`SweepSpec.meta`) are stored in the database.
     ``jobs > 1`` trains that many runs at once in worker processes (each with ``threads`` torch
-    threads). Returns ``{"total", "skipped", "ran", "done", "diverged", "failed"}``.
+    threads).
+
+    **Staged selection** (a held-out seed ``select_lr_on_seed: S`` with ``selection: staged``, the
+    default): the seed-``S`` runs go first; once all of a cell's seed-``S`` runs have finished, its
+    other seeds are queued at the tuned values seed ``S`` chose (the report's choice) and the
+    rest are not trained (``not_selected``). A cell whose seed-``S`` runs all diverged or failed
+    queues nothing (said in the log); a failed one is retried by the next call.
+
+    Returns ``{"total", "skipped", "ran", "done", "diverged", "failed", "not_selected"}``:
+    ``total`` counts the runs this sweep trains (staged: the held-out runs plus the chosen
+    values' runs, as far as known), ``skipped`` those already finished.
     """
     runs = spec.runs()
     out_dir = Path(out_dir)
     log = log or tqdm.write
+    staged = spec.select_lr_on_seed is not None and spec.selection == "staged"
     with SweepDB(db_path) as db:
         db.set_meta(spec.name, spec.meta())
         finished = db.finished_ids()
-        todo = [r for r in runs if r.run_id not in finished]
         ids = {r.run_id for r in runs}
         stale = [r for r in db.rows(spec.name) if r["run_id"] not in ids]
         if stale:
@@ -150,16 +172,63 @@ def run_sweep(
                 "longer defines (a setting every run shares changed?); the report keeps the newest run per "
                 "cell, learning rate and seed — give a changed sweep a new name to compare both"
             )
-        counts = {"total": len(runs), "skipped": len(runs) - len(todo), "ran": 0}
-        counts.update(done=0, diverged=0, failed=0)
+        # staged: the held-out seed's runs now, the rest per cell once that cell's are finished
+        first = [r for r in runs if not staged or r.seed == spec.select_lr_on_seed]
+        later: dict[str, list[Run]] = {}
+        for r in runs:
+            if staged and r.seed != spec.select_lr_on_seed:
+                later.setdefault(r.cell_key, []).append(r)
+        held_open = {}  # cell -> its held-out runs not finished yet
+        held_failed: set[str] = set()  # cells with a held-out run that failed in this call
+        for r in first:
+            if staged and r.run_id not in finished:
+                held_open[r.cell_key] = held_open.get(r.cell_key, 0) + 1
+        expected = len(first) + sum(len({r.seed for r in rs}) for rs in later.values())
+        counts = {"total": expected, "skipped": sum(r.run_id in finished for r in first), "ran": 0}
+        counts.update(done=0, diverged=0, failed=0, not_selected=0)
         bar = tqdm(
-            total=len(runs),
+            total=expected,
             initial=counts["skipped"],
             disable=not progress,
             desc=f"sweep {spec.name}",
             unit="run",
             dynamic_ncols=True,
         )
+        queue: list[Run] = [r for r in first if r.run_id not in finished]
+
+        def release(cell: str) -> None:
+            """Queue a cell's other seeds at the values its held-out runs chose."""
+            if cell not in later:
+                return
+            chosen = _chosen_values(db, spec, ids).get(cell)
+            if cell in held_failed:  # a held-out run failed: it is retried by the next call
+                log(
+                    f"{later[cell][0].label} {json.loads(cell)}: a run of the held-out seed "
+                    f"{spec.select_lr_on_seed} failed; its other seeds wait until it has run (run the sweep again)"
+                )
+                return
+            rs = later.pop(cell)
+            if chosen is None:
+                n_seeds = len({r.seed for r in rs})
+                counts["total"] -= n_seeds
+                bar.total = counts["total"]
+                log(
+                    f"{rs[0].label} {json.loads(cell)}: no done run of the held-out seed "
+                    f"{spec.select_lr_on_seed}; its {n_seeds} other seed(s) are not run"
+                )
+                return
+            keep = [r for r in rs if r.tuned == chosen]
+            counts["not_selected"] += len(rs) - len(keep)
+            done_before = [r for r in keep if r.run_id in finished]
+            counts["skipped"] += len(done_before)
+            bar.update(len(done_before))
+            new = [r for r in keep if r.run_id not in finished]
+            queue.extend(new)
+            tuned = " ".join(f"{k}={v}" for k, v in chosen.items())
+            log(
+                f"{rs[0].label}: seed {spec.select_lr_on_seed} chose {tuned}; {len(new)} run(s) of the other "
+                f"seeds queued, {len(rs) - len(keep)} at the other values not run"
+            )
 
         def finish(run: Run, res: dict) -> None:
             db.record(spec.name, run, res)
@@ -176,23 +245,37 @@ def run_sweep(
             )
             bar.set_postfix_str(f"{run.label} {shown}", refresh=False)
             bar.update(1)
+            if res["status"] != "failed":
+                finished.add(run.run_id)
+            if run.cell_key in held_open and run.seed == spec.select_lr_on_seed:
+                if res["status"] == "failed":
+                    held_failed.add(run.cell_key)
+                held_open[run.cell_key] -= 1
+                if held_open[run.cell_key] == 0:
+                    release(run.cell_key)
 
+        for cell in list(later):  # cells whose held-out runs finished in an earlier call
+            if cell not in held_open:
+                release(cell)
         try:
             if jobs <= 1:
-                for run in todo:
+                while queue:
+                    run = queue.pop(0)
                     finish(run, run_one(run.config, str(out_dir / run.run_id), threads))
             else:
                 ctx = multiprocessing.get_context("spawn")
                 with cf.ProcessPoolExecutor(
                     max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads,)
                 ) as pool:
-                    futures = {
-                        pool.submit(run_one, run.config, str(out_dir / run.run_id), threads): run
-                        for run in todo
-                    }
+                    futures: dict = {}
                     try:
-                        for fut in cf.as_completed(futures):
-                            finish(futures[fut], fut.result())
+                        while queue or futures:
+                            while queue:
+                                run = queue.pop(0)
+                                futures[pool.submit(run_one, run.config, str(out_dir / run.run_id), threads)] = run
+                            done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                            for fut in done:
+                                finish(futures.pop(fut), fut.result())
                     except BaseException:
                         for f in futures:
                             f.cancel()

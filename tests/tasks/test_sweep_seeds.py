@@ -173,8 +173,10 @@ def test_held_out_selection_from_the_sweep_file_through_the_report(tmp_path, mon
     monkeypatch.setattr(runner_mod, "run_one", _fake_run_one(acc, calls))
     spec = _spec(seeds=[0, 1, 2], select_lr_on_seed=0)
     db = tmp_path / "s.sqlite"
-    run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
-    assert sorted(calls) == sorted(acc)
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    # staged (the default): seed 0 at both rates, then seeds 1 and 2 at the rate it chose only
+    assert calls == [(1e-3, 0), (1e-2, 0), (1e-3, 1), (1e-3, 2)]
+    assert (counts["total"], counts["ran"], counts["not_selected"]) == (4, 4, 2)
     res = write_report(db, tmp_path / "rep", plots=False)["seeds"]
     (c,) = res["cells"]
     assert c["tuned"] == {"lr": 1e-3} and c["seeds"] == [1, 2] and c["mean"] == pytest.approx(0.65)
@@ -186,6 +188,81 @@ def test_held_out_selection_from_the_sweep_file_through_the_report(tmp_path, mon
     with pytest.raises(ValueError, match=r"seed 7 has no run in .*s.sqlite \(its seeds: 0, 1, 2\)"):
         write_report(db, tmp_path / "rep7", plots=False, select_lr_on_seed=7)
     assert not (tmp_path / "rep7").exists()
+
+
+def _fake_run_one_status(acc, calls, status):
+    """Like :func:`_fake_run_one`; ``status[(lr, seed)]`` overrides a run's outcome once."""
+    inner = _fake_run_one(acc, calls)
+
+    def run_one(config, run_dir, threads=None):
+        res = inner(config, run_dir, threads)
+        st = status.pop((config["lr"], config.get("seed", 0)), "done")
+        if st != "done":
+            res.update(status=st, metrics={}, error=f"fake {st}")
+        return res
+
+    return run_one
+
+
+def test_selection_all_trains_the_whole_product(tmp_path, monkeypatch):
+    _, acc = _held_out_rows()
+    calls = []
+    monkeypatch.setattr(runner_mod, "run_one", _fake_run_one(acc, calls))
+    spec = _spec(seeds=[0, 1, 2], select_lr_on_seed=0, selection="all")
+    counts = run_sweep(spec, tmp_path / "s.sqlite", tmp_path / "runs", progress=False, log=lambda s: None)
+    assert sorted(calls) == sorted(acc) and counts["not_selected"] == 0 and counts["total"] == 6
+    # the report is the same as the staged sweep's: the other rate's runs of seeds 1, 2 are not read
+    (c,) = write_report(tmp_path / "s.sqlite", tmp_path / "rep", plots=False)["seeds"]["cells"]
+    assert c["tuned"] == {"lr": 1e-3} and c["values"] == [0.6, 0.7]
+
+
+def test_staged_selection_waits_for_a_failed_held_out_run_and_resumes(tmp_path, monkeypatch):
+    _, acc = _held_out_rows()
+    calls, logs = [], []
+    # seed 0 at lr 1e-2 fails once (an error: retried by the next call)
+    monkeypatch.setattr(runner_mod, "run_one", _fake_run_one_status(acc, calls, {(1e-2, 0): "failed"}))
+    spec = _spec(seeds=[0, 1, 2], select_lr_on_seed=0)
+    db = tmp_path / "s.sqlite"
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=logs.append)
+    assert calls == [(1e-3, 0), (1e-2, 0)], "no other seed runs while the selection is incomplete"
+    assert counts["failed"] == 1 and any("failed; its other seeds wait" in m for m in logs)
+    calls.clear()
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=logs.append)
+    assert calls == [(1e-2, 0), (1e-3, 1), (1e-3, 2)], "the failed run again, then the chosen rate"
+    assert (counts["skipped"], counts["ran"], counts["not_selected"]) == (1, 3, 2)
+    calls.clear()
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=logs.append)
+    assert calls == [] and (counts["total"], counts["skipped"]) == (4, 4), "finished: nothing reruns"
+
+
+def test_staged_selection_runs_nothing_more_where_the_held_out_seed_diverged(tmp_path, monkeypatch):
+    _, acc = _held_out_rows()
+    calls, logs = [], []
+    status = {(1e-3, 0): "diverged", (1e-2, 0): "diverged"}
+    monkeypatch.setattr(runner_mod, "run_one", _fake_run_one_status(acc, calls, status))
+    counts = run_sweep(
+        _spec(seeds=[0, 1, 2], select_lr_on_seed=0), tmp_path / "s.sqlite", tmp_path / "runs",
+        progress=False, log=logs.append,
+    )
+    assert calls == [(1e-3, 0), (1e-2, 0)] and counts["total"] == 2
+    assert any("no done run of the held-out seed 0; its 2 other seed(s) are not run" in m for m in logs)
+
+
+def test_staged_selection_in_worker_processes_trains_the_chosen_rate_only(tmp_path):
+    """The process-pool path (``jobs=2``) with real tiny runs: seed 0 at both rates, then seed 1
+    at the rate seed 0 chose, which is the report's choice."""
+    base = {**BASE, "steps": 2, "eval_interval": 2}
+    spec = SweepSpec.from_dict(
+        {"name": "pool", "base": base, "models": ["gla"], "grid": {"lr": [1e-3, 3e-2]}, "seeds": 2,
+         "select_lr_on_seed": 0}
+    )
+    db = tmp_path / "p.sqlite"
+    counts = run_sweep(spec, db, tmp_path / "runs", jobs=2, threads=1, progress=False, log=lambda s: None)
+    assert (counts["ran"], counts["done"], counts["not_selected"]) == (3, 3, 1)
+    with SweepDB(db) as d:
+        rows = d.rows("pool")
+    (c,) = cell_stats(rows, select_lr_on_seed=0)
+    assert [(r["tuned"], r["seed"]) for r in rows if r["seed"] == 1] == [(c["tuned"], 1)]
 
 
 # --------------------------------------------------------------------------------------------
