@@ -124,8 +124,22 @@ def _cmd_tasks(args) -> int:
     return 0
 
 
+def _cmd_reproduce(args) -> int:
+    from ..sweep.reproduce import page_sweeps, reproduce_page
+
+    files = page_sweeps(args.page)  # errors (no directive, missing file) before anything runs
+    print(f"mnemo reproduce: {args.page}: {len(files)} sweep(s): {', '.join(map(str, files))}", flush=True)
+    res = reproduce_page(
+        args.page, run=not args.no_run, jobs=args.jobs, threads=args.threads, progress=not args.no_progress
+    )
+    failed = sum((r["counts"] or {}).get("failed", 0) for r in res.values())
+    if failed:
+        print(f"{failed} run(s) failed (see their train.log); run the same command again to retry them")
+    return 1 if failed else 0
+
+
 def add_commands(sub) -> None:
-    """Add ``sweep``, ``report`` and ``tasks`` to the ``mnemo`` sub-command parser."""
+    """Add ``sweep``, ``report``, ``reproduce`` and ``tasks`` to the ``mnemo`` sub-command parser."""
     s = sub.add_parser(
         "sweep",
         help="run a grid of training runs from a YAML file (resumable; results in SQLite)",
@@ -192,6 +206,21 @@ def add_commands(sub) -> None:
     )
     r.add_argument("--no-plots", action="store_true", help="only the markdown table and JSON")
     r.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser(
+        "reproduce",
+        help="rebuild a results page: run or resume its sweeps, then rewrite its tables and figures",
+        description="Run (or resume) every sweep a results page names in its "
+        "`<!-- mnemo:reproduce CONFIG -->` lines, then replace the text between its "
+        "`<!-- mnemo:begin NAME -->` / `<!-- mnemo:end NAME -->` markers with the commands, the table, "
+        "the claims and the figure (mnemo.sweep.reproduce). Text outside the markers is kept.",
+    )
+    p.add_argument("page", type=kinds.ExistingFile("an existing results page (.md)"), help="e.g. docs/results/zoology_equal_state.md")
+    p.add_argument("--jobs", type=kinds.Int(1, 256), default=1, help="runs trained at once (1)")
+    p.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (1)")
+    p.add_argument("--no-run", action="store_true", help="rebuild from the databases as they are; train nothing")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_reproduce)
 
     t = sub.add_parser("tasks", help="list the synthetic tasks and their options")
     t.set_defaults(func=_cmd_tasks)

@@ -1,0 +1,156 @@
+"""Rebuild a results page from its sweep files: ``mnemo reproduce docs/results/PAGE.md``.
+
+A results page names the sweeps it reports with one directive line each::
+
+    <!-- mnemo:reproduce configs/standard/zoology_equal_state.yaml -->
+
+and keeps the generated part of each between two markers::
+
+    <!-- mnemo:begin zoology_equal_state -->
+    ... (the commands, the report's table and claims, the figure) ...
+    <!-- mnemo:end zoology_equal_state -->
+
+:func:`reproduce_page` runs (or resumes: finished runs are never rerun) every named sweep with
+:func:`~mnemo.sweep.runner.run_sweep`, writes its report (:func:`~mnemo.sweep.report.write_report`:
+``NAME.md``, ``NAME.json`` and the figures) into the page's folder ``docs/results/PAGE/``, and
+replaces the text between the sweep's markers (appending the block at the end of the page the
+first time). Everything outside the markers — the claim, the discussion, the verdict in words — is
+the author's and is left as it is. The page is written atomically (a temporary file, then a rename).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+from .report import write_report
+from .runner import default_paths, run_sweep
+from .spec import SweepSpec
+
+DIRECTIVE = re.compile(r"^<!--\s*mnemo:reproduce\s+(\S+)\s*-->\s*$", re.M)
+
+
+def _shown(p: str | Path) -> str:
+    """``p`` relative to the working directory when it lies below it (as a user types it)."""
+    p = Path(p)
+    try:
+        return p.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- mnemo:begin {name} -->", f"<!-- mnemo:end {name} -->"
+
+
+def page_sweeps(page: str | Path) -> list[Path]:
+    """The sweep files a page names (its ``<!-- mnemo:reproduce PATH -->`` lines), resolved
+    against the working directory, else against the page's folder and its parents.
+
+    Raises:
+        FileNotFoundError: the page, or a sweep file it names, does not exist.
+        ValueError: the page names no sweep.
+    """
+    page = Path(page)
+    if not page.is_file():
+        raise FileNotFoundError(f"page: {page} is not a file (a results page, e.g. docs/results/moe.md)")
+    text = page.read_text()
+    found = []
+    for m in DIRECTIVE.finditer(text):
+        raw = Path(m.group(1))
+        candidates = [raw] if raw.is_absolute() else [Path.cwd() / raw, *(p / raw for p in page.resolve().parents)]
+        hit = next((c for c in candidates if c.is_file()), None)
+        if hit is None:
+            line = text[: m.start()].count("\n") + 1
+            raise FileNotFoundError(
+                f"{page}:{line}: the sweep file {raw} does not exist (looked in the working directory and "
+                "above the page)"
+            )
+        found.append(Path(_shown(hit)))
+    if not found:
+        raise ValueError(
+            f"{page} names no sweep: add one line `<!-- mnemo:reproduce configs/....yaml -->` per sweep "
+            "whose table the page reports"
+        )
+    return found
+
+
+def _replace_block(text: str, name: str, block: str, page: Path) -> str:
+    begin, end = _markers(name)
+    i, j = text.find(begin), text.find(end)
+    if i < 0 and j < 0:
+        return text.rstrip("\n") + f"\n\n{begin}\n{block}\n{end}\n"
+    if i < 0 or j < i:
+        raise ValueError(
+            f"{page}: the markers of sweep {name!r} are broken (need `{begin}` before `{end}`); fix them by "
+            "hand or delete both to have the block appended"
+        )
+    return text[:i] + f"{begin}\n{block}\n" + text[j:]
+
+
+def reproduce_page(
+    page: str | Path,
+    *,
+    run: bool = True,
+    jobs: int = 1,
+    threads: int | None = 1,
+    progress: bool = True,
+    log=print,
+) -> dict:
+    """Run or resume every sweep ``page`` names, then rewrite its generated blocks and figures.
+
+    Args:
+        page: a markdown results page with ``<!-- mnemo:reproduce PATH -->`` lines.
+        run: ``False`` rebuilds the page from the databases as they are (no training).
+        jobs, threads: worker processes and torch threads each (:func:`run_sweep`).
+        progress: a progress bar per sweep. log: where progress lines go.
+    Returns:
+        ``{sweep name: {"counts": run_sweep's counts or None, "report": write_report's entry,
+        "elapsed_s": seconds this call spent in the sweep}}``.
+    Raises:
+        FileNotFoundError: the page, a sweep file, or (``run=False``) a sweep's database is missing.
+        ValueError: the page names no sweep, or its markers are broken; a sweep file is invalid.
+    """
+    page = Path(page)
+    files = page_sweeps(page)
+    folder = page.with_suffix("")  # docs/results/PAGE/ holds the figures and the JSON
+    out: dict = {}
+    text = page.read_text()
+    for path in files:
+        spec = SweepSpec.load(path)
+        db, run_dir = default_paths(spec, path)
+        counts, t0 = None, time.perf_counter()
+        if run:
+            counts = run_sweep(spec, db, run_dir, jobs=jobs, threads=threads, progress=progress, log=log)
+        elif not Path(db).is_file():
+            raise FileNotFoundError(
+                f"{path}: its database {db} does not exist; run the sweep (drop --no-run) or run it where it was made"
+            )
+        elapsed = time.perf_counter() - t0
+        report = write_report(db, folder, sweep=spec.name, metric=spec.metric)[spec.name]
+        figures = [f for f in report["files"] if str(f).endswith(".png")]
+        rel = os.path.relpath(folder, page.parent)
+        block = "\n".join(
+            [
+                f"*Generated by `mnemo reproduce {_shown(page)}` from `{_shown(path)}`; "
+                "edits between these markers are replaced.* Commands (the same, step by step):",
+                "",
+                "```bash",
+                f"OMP_NUM_THREADS=1 mnemo sweep {_shown(path)} --jobs {jobs} --threads {threads or 1}",
+                f"mnemo report {_shown(db)} --metric {spec.metric}",
+                "```",
+                "",
+                report["markdown"].replace("## sweep", "#### sweep", 1).rstrip(),
+                "",
+                *(f"![{spec.name}]({rel}/{Path(f).name})" for f in figures),
+            ]
+        )
+        text = _replace_block(text, spec.name, block, page)
+        out[spec.name] = {"counts": counts, "report": report, "elapsed_s": elapsed}
+    tmp = page.with_name(f".{page.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, page)
+    log(f"rewrote {page} ({', '.join(out)}); figures and JSON in {folder}/")
+    return out
