@@ -102,7 +102,8 @@ def evaluate_task(
 ) -> dict[int, dict]:
     """:func:`task_metrics` on ``num_samples`` test sequences (the test seed of ``seed``) per length.
 
-    Sequences longer than ``train_len`` are streamed in pieces of ``train_len`` with
+    The metrics read :meth:`Task.scored <mnemo.data.tasks.base.Task.scored>` targets (for ``niah``
+    the answer only: ``seq_acc`` is exact match). Sequences longer than ``train_len`` are streamed in pieces of ``train_len`` with
     ``eval_batch_size`` sequences per pass. ``cache`` (a dict) keeps generated test sets by length.
     Returns ``{length: metrics}``.
     """
@@ -113,6 +114,7 @@ def evaluate_task(
             x, y = cache[key]
         else:
             x, y = task.sample(num_samples, L, seed=seed, split="test")
+            y = task.scored(x, y)
             if cache is not None:
                 cache[key] = (x, y)
         out[L] = task_metrics(

@@ -21,6 +21,7 @@ LENGTH = {
     "selective_copying": 64,
     "induction_heads": 64,
     "passkey": 64,
+    "niah": 64,
     "copying": 48,
     "repeat_segment": 64,
 }

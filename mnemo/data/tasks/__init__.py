@@ -11,6 +11,7 @@ disjoint train/test generator seeds.
 ``selective_copying``     copy the data tokens scattered among noise (Mamba §4.1)
 ``induction_heads``       recall the token after an earlier trigger; any test length (H3, Mamba)
 ``passkey``               a key–value needle in long filler (passkey test, S-NIAH)
+``niah``                  RULER's needles in text (noise / essay haystack, numbers / UUIDs, multi-key)
 ``copying``               copy a random string after a delay (copy memory, Repeat After Me)
 ``repeat_segment``        random tokens with one segment repeated later (induction-head emergence)
 ========================  =====================================================================
@@ -25,12 +26,13 @@ from .base import IGNORE_INDEX, Task, make_generator, sample_without_replacement
 from .copying import Copying
 from .induction_heads import InductionHeads
 from .mqar import MQAR
+from .niah import NIAH
 from .passkey import Passkey
 from .repeat_segment import RepeatSegment
 from .selective_copying import SelectiveCopying
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (MQAR, SelectiveCopying, InductionHeads, Passkey, Copying, RepeatSegment)
+    cls.name: cls for cls in (MQAR, SelectiveCopying, InductionHeads, Passkey, NIAH, Copying, RepeatSegment)
 }
 
 
@@ -74,6 +76,7 @@ __all__ = [
     "SelectiveCopying",
     "InductionHeads",
     "Passkey",
+    "NIAH",
     "Copying",
     "build_task",
     "make_generator",

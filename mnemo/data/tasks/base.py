@@ -122,6 +122,14 @@ class Task:
     def _generate(self, batch_size: int, seq_len: int, generator: torch.Generator):  # pragma: no cover
         raise NotImplementedError
 
+    def scored(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The targets a test set's metrics read (``[B, T]``; :data:`IGNORE_INDEX` elsewhere).
+
+        By default every supervised position. A task that trains on more positions than it scores
+        (``niah``'s haystack text) keeps only the scored ones here, so ``acc`` and ``seq_acc`` mean
+        what the task's paper measures."""
+        return targets
+
     def sample(
         self, batch_size: int, seq_len: int, seed: int = 0, split: str = "train"
     ) -> tuple[torch.Tensor, torch.Tensor]:

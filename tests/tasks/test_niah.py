@@ -1,0 +1,138 @@
+"""RULER's needles (``niah``): the layout read back by a hand scan, the haystack as the corpus or
+the noise sentence with the needles cut out, the haystack's next-token targets, and the headline
+metric — teacher-forced all-correct answers equal exact match of greedily generated values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnemo.data.tasks import IGNORE_INDEX, build_task
+from mnemo.data.tasks.niah import NOISE, _essay
+from mnemo.train.task_eval import evaluate_task
+
+
+def _scan(task, x):
+    """By hand: the needles (key -> value) before the query, the query's key, the haystack's text."""
+    A, L = task.text_vocab, task.value_len
+    H = x.numel() - L - 1
+    needles, text, t = {}, [], 0
+    while t < H:
+        if int(x[t]) == task.needle_token:
+            needles[int(x[t + 1])] = [int(v) for v in x[t + 2 : t + 2 + L]]
+            t += L + 2
+        else:
+            assert int(x[t]) < A, "outside a needle only text"
+            text.append(int(x[t]))
+            t += 1
+    assert int(x[H]) == task.query_token
+    return needles, int(x[H + 1]), text
+
+
+@pytest.mark.parametrize("haystack", ["essay", "noise", "random"])
+@pytest.mark.parametrize("num_needles", [1, 3])
+def test_the_answer_is_the_value_of_the_queried_key(haystack, num_needles):
+    task = build_task("niah", haystack=haystack, haystack_loss=haystack != "random", num_needles=num_needles,
+                      value_len=5)
+    x, y = task.sample(6, 97, seed=1)
+    alphabet, essay = _essay()
+    corpus = "".join(alphabet[i] for i in essay.tolist())
+    noise = NOISE * 3
+    for b in range(6):
+        needles, key, text = _scan(task, x[b])
+        assert len(needles) == num_needles, "distinct keys, non-overlapping needles"
+        assert y[b, -5:].tolist() == needles[key] and x[b, -4:].tolist() == needles[key][:4]
+        s = "".join(alphabet[i] for i in text)
+        assert len(s) == 97 - 6 - num_needles * 7
+        if haystack == "essay":
+            assert s in corpus, "the text goes on after a needle where it stopped before it"
+        if haystack == "noise":
+            assert s in noise
+        # next-token targets on the text, never where the next token is a needle's
+        for t in range(97 - 6):
+            if haystack == "random":
+                assert y[b, t] == IGNORE_INDEX
+            elif int(x[b, t + 1]) < task.text_vocab and t + 1 < 97 - 6:
+                assert y[b, t] == x[b, t + 1]
+            else:
+                assert y[b, t] == IGNORE_INDEX
+        scored = task.scored(x[b : b + 1], y[b : b + 1])[0]
+        assert (scored[:-5] == IGNORE_INDEX).all() and scored[-5:].tolist() == needles[key]
+
+
+def test_option_errors_name_the_option():
+    with pytest.raises(ValueError, match="niah option 'haystack_loss': a 'random' haystack cannot be predicted"):
+        build_task("niah", haystack="random")
+    with pytest.raises(ValueError, match=r"niah option 'haystack': expected 'noise', 'essay' or 'random', got 'x'"):
+        build_task("niah", haystack="x")
+    with pytest.raises(ValueError, match="niah option 'value'"):
+        build_task("niah", value="words")
+    with pytest.raises(ValueError, match="3 needles need as many distinct keys, but num_keys = 2"):
+        build_task("niah", num_needles=3, num_keys=2)
+    with pytest.raises(ValueError, match="seq_len: niah .* needs sequences of at least 18 tokens, got 17"):
+        build_task("niah").sample(1, 17)
+    x, _ = build_task("niah").sample(1, 18)  # the shortest: one needle, one text token, the query
+    assert x.shape == (1, 18) and int((x[0, :10] < build_task("niah").text_vocab).sum()) == 1
+
+
+class _Oracle(torch.nn.Module):
+    """A stand-in model that reads the needle's value out of its input and predicts it, except
+    that it gets digit 3 wrong in sequences whose queried key is even: some sequences are right,
+    some are not, with a known answer per sequence. Streams like a model (the state is the prefix)."""
+
+    def __init__(self, task):
+        super().__init__()
+        self.task = task
+
+    def forward(self, ids, state=None):
+        prefix = ids if state is None else torch.cat([state, ids], 1)
+        B, T = prefix.shape
+        V = self.task.vocab_size
+        logits = torch.zeros(B, ids.shape[1], V)
+        off = T - ids.shape[1]
+        for b in range(B):
+            row = prefix[b].tolist()
+            for t in range(off, T):
+                guess = 0
+                if self.task.query_token in row[:t]:
+                    q = row.index(self.task.query_token)
+                    key = row[q + 1]
+                    i = row.index(key)  # the needle's key (first occurrence)
+                    digit = t - (q + 1)  # which answer digit position t predicts
+                    if 0 <= digit < self.task.value_len:
+                        guess = row[i + 1 + digit]
+                        if digit == 3 and key % 2 == 0:
+                            guess = guess + 1 if guess + 1 < V else guess - 1
+                logits[b, t - off, guess] = 1.0
+        return logits, prefix
+
+
+def _greedy_exact_match(model, task, x):
+    """An independent exact match: generate ``value_len`` tokens greedily after ``? κ``."""
+    L = task.value_len
+    hits = []
+    for b in range(x.shape[0]):
+        prompt = x[b : b + 1, : x.shape[1] - L + 1]  # up to and including the key
+        out = prompt
+        for _ in range(L):
+            nxt = model(out)[0][:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], 1)
+        _, key, _ = _scan(task, x[b])
+        needles, _, _ = _scan(task, x[b])
+        hits.append(out[0, -L:].tolist() == needles[key])
+    return hits
+
+
+def test_seq_acc_is_exact_match_of_the_generated_value_at_every_length():
+    task = build_task("niah", haystack="noise", value_len=5, num_needles=2, num_keys=8)
+    model = _Oracle(task)
+    for T in (40, 120):  # 120: streamed in pieces of 40 with the state carried
+        x, y = task.sample(12, T, seed=0, split="test")
+        y = task.scored(x, y)
+        hits = _greedy_exact_match(model, task, x)
+        assert 0 < sum(hits) < len(hits), "the oracle is right on some sequences and wrong on others"
+        res = evaluate_task(model, task, [T], num_samples=12, batch_size=4, train_len=40, seed=0)[T]
+        assert res["seq_acc"] == pytest.approx(sum(hits) / len(hits))
+        wrong = len(hits) - sum(hits)
+        assert res["acc"] == pytest.approx(1 - wrong / (12 * 5)), "one wrong digit per missed sequence"
+        assert res["n"] == 12 * 5, "only the answers are scored, not the haystack"
