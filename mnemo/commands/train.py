@@ -310,8 +310,8 @@ def _cmd_train(args) -> int:
     if streams is not None:  # --carry-state: what each stream reads before all restart
         split = f"{split}, " if split else ""
         split += (
-            f"carried state: {c.batch_size} streams of {streams.stream_tokens:,} tokens "
-            f"({streams.windows:,} windows each, then all restart)"
+            f"carried state: {c.batch_size} streams of {streams.windows:,} windows = "
+            f"{streams.stream_tokens:,} tokens each, then all restart"
         )
     split = f" ({split})" if split else ""
     say(

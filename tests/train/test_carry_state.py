@@ -208,3 +208,21 @@ def test_models_and_runs_that_cannot_carry_state_are_named(tmp_path):
         check_carry_state(tr.model, tr.cfg, tr.data.streams.stream_tokens, world=2)
     with pytest.warns(UserWarning, match=r"CMS level 2 has period 64 >= the 48 tokens each of the 4 streams"):
         Trainer(_cfg(data, batch_size=4), tmp_path / "w", progress=False)
+
+
+def test_mnemo_train_carry_state_says_the_streams_and_warns_about_longer_periods(tmp_path, capsys):
+    """hope_long's own periods (16/128/512/2048) on 2 streams of 96 tokens: the three slow levels
+    never step before the restart, and the command says so."""
+    from mnemo.cli import main
+
+    argv = ["train", "--model", "hope_long", "--d-model", "8", "--n-layers", "1", "--carry-state"]
+    argv += ["--data", _text(tmp_path), "--seq-len", "16", "--batch-size", "2", "--steps", "2"]
+    argv += ["--warmup-steps", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+    argv += ["--out", str(tmp_path / "run")]
+    with pytest.warns(
+        UserWarning, match=r"period (128|512|2048) >= the 96 tokens each of the 2 streams"
+    ) as rec:
+        assert main(argv) == 0
+    assert sum("tokens each of the 2 streams" in str(w.message) for w in rec) == 3
+    out = capsys.readouterr().out
+    assert "carried state: 2 streams of 6 windows = 96 tokens each, then all restart" in out
