@@ -226,3 +226,24 @@ def test_mnemo_train_carry_state_says_the_streams_and_warns_about_longer_periods
     assert sum("tokens each of the 2 streams" in str(w.message) for w in rec) == 3
     out = capsys.readouterr().out
     assert "carried state: 2 streams of 6 windows = 96 tokens each, then all restart" in out
+
+
+def test_snapshot_copies_what_detach_leaves_aliased_to_the_parameters():
+    """A fresh CMS level's weights in the state are its parameters: after ``detach`` an optimizer
+    step changes the carried state in place; a snapshot keeps the values the window ended with."""
+    from mnemo.layers.state import detach, tensors
+    from mnemo.models import LanguageModel, build_config
+
+    levels = [{"period": p, "objective": "task"} for p in PERIODS]
+    torch.manual_seed(0)
+    m = LanguageModel(
+        build_config("hope_long", vocab_size=11, d_model=8, n_layers=1, mlp_options={"levels": levels})
+    )
+    _, state = m(torch.randint(0, 11, (2, T)))
+    storages = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    aliased = [t for t in tensors(detach(state)) if t.untyped_storage().data_ptr() in storages]
+    assert aliased  # (levels 1 and 2 have not stepped: their weights are W_in, W_out)
+    snap = snapshot(state)
+    assert not any(t.untyped_storage().data_ptr() in storages for t in tensors(snap))
+    assert all(torch.equal(a, b) for a, b in zip(tensors(state), tensors(snap)))
+    assert not any(t.requires_grad for t in tensors(snap))
