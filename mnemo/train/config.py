@@ -52,9 +52,9 @@ class TrainConfig:
         carry_state: truncated back-propagation through time over the text corpus: the batch is
             ``batch_size`` parallel streams (the training text cut into ``batch_size`` contiguous
             shards), every step feeds each stream its next ``seq_len``-token window, and the model
-            starts from the recurrent state it returned on the previous window (detached,
-            :func:`mnemo.layers.state.detach`: the gradient stops at the window's start, the state
-            goes on). Slow memories then step on the stream's time scale, e.g. CMS levels whose
+            starts from the recurrent state it returned on the previous window (detached and
+            copied, :func:`mnemo.layers.state.snapshot`: the gradient stops at the window's start,
+            the state goes on). Slow memories then step on the stream's time scale, e.g. CMS levels whose
             period is not shorter than ``seq_len`` (``hope_long``). All shards have one length, so
             all streams reach their end at the same step and all restart together from their
             shard's first token with a fresh state (:class:`mnemo.train.batches.CarriedStreams`).
