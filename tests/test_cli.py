@@ -609,6 +609,7 @@ FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written
     "data",
     "text_field",
     "pack_documents",
+    "carry_state",  # added with issue 37 (truncated BPTT: mnemo train --carry-state)
     "tokenizer",
     "seq_len",
     "batch_size",

@@ -928,7 +928,12 @@ def test_a_sweep_that_names_its_metric_runs(tmp_path):
 
 
 def test_text_options_on_a_task_run_are_refused(task_run, tmp_path, capsys):
-    for extra in (["--data", "tinyshakespeare"], ["--tokenizer", "byte"], ["--text-field", "body"]):
+    for extra in (
+        ["--data", "tinyshakespeare"],
+        ["--tokenizer", "byte"],
+        ["--text-field", "body"],
+        ["--carry-state"],
+    ):
         assert main(["train", *TASK, "--steps", "2", *extra, "--out", str(tmp_path / "never")]) == 2
         assert f"{extra[0]}: text options; a --task run draws its sequences from the task" in (
             capsys.readouterr().err

@@ -184,7 +184,7 @@ def _cmd_train(args) -> int:
         d["model_overrides"] = overrides
     text_flags = [
         "--" + name.replace("_", "-")
-        for name in ("data", "tokenizer", "text_field", "pack_documents")
+        for name in ("data", "tokenizer", "text_field", "pack_documents", "carry_state")
         if getattr(args, name, None) not in (None, False)
     ]
     text_flags += [
@@ -306,6 +306,13 @@ def _cmd_train(args) -> int:
         )
     elif world > 1:
         split = f"{world} processes x " + (split or f"{rows} sequences")
+    streams = trainer.data.streams
+    if streams is not None:  # --carry-state: what each stream reads before all restart
+        split = f"{split}, " if split else ""
+        split += (
+            f"carried state: {c.batch_size} streams of {streams.windows:,} windows = "
+            f"{streams.stream_tokens:,} tokens each, then all restart"
+        )
     split = f" ({split})" if split else ""
     say(
         f"mnemo train: model {c.model} ({n_params / 1e6:.2f}M parameters), {source}, "

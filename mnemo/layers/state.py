@@ -5,7 +5,8 @@ registers it with PyTorch's pytree utilities, so the generic functions below wor
 a mixer's, a block's (:class:`BlockState`), or a model's list of them — without knowing its type:
 
 * :func:`tensors` / :func:`map_tensors`: the tensors inside, or a copy with each one mapped;
-* :func:`detach`, :func:`to`: gradients cut, or moved to a device / dtype;
+* :func:`detach`, :func:`snapshot`, :func:`to`: gradients cut (and, for a snapshot, copied), or
+  moved to a device / dtype;
 * :func:`select_rows`, :func:`cat_rows`: one or several batch rows of a state, or states of
   several batches joined (every tensor's batch dimension is dim 0);
 * :func:`nbytes`: bytes of the tensors inside — on ``meta`` tensors too, so a mixer's
@@ -64,6 +65,17 @@ def detach(state):
     """``state`` with every tensor detached from the autograd graph (e.g. between training
     segments: truncated backpropagation through time)."""
     return map_tensors(torch.Tensor.detach, state)
+
+
+def snapshot(state):
+    """``state`` detached and copied: every tensor is a new one (``t.detach().clone()``), so no
+    later in-place change reaches it. A state can hold the parameters themselves (a CMS level that
+    has not stepped yet keeps its initial weights, a self-modifying memory the weights its chunk
+    started from); carried across an optimizer step with :func:`detach` alone, those entries would
+    change with the update. Taken right after the forward, a snapshot is the state the window ended
+    with: what truncated back-propagation through time in ``mnemo train --carry-state`` carries
+    (and what a checkpoint can save and restore exactly)."""
+    return map_tensors(lambda t: t.detach().clone(), state)
 
 
 def to(state, *args, **kwargs):

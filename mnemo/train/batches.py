@@ -3,7 +3,9 @@ training set (:func:`fixed_train_set`, read in order by :func:`fixed_batch`), pa
 (:func:`packed_logits`: one row with ``cu_seqlens``) and the training forward module the
 parallelism strategies wrap (:class:`_Logits`). Shapes: ``[B, T]`` token ids, ``[B, T, vocab]``
 logits. :class:`RunData` holds a run's data: the task or the text corpus with its tokenizer and
-train/validation streams, and draws each step's global batch.
+train/validation streams, and draws each step's global batch. :class:`CarriedStreams` reads a
+text corpus as ``B`` parallel streams of consecutive windows (``TrainConfig.carry_state``:
+truncated back-propagation through time).
 
 Extension point: a new data source is a ``TrainConfig.task`` (a registered task generator,
 :mod:`mnemo.data.tasks`) or a corpus format of :func:`mnemo.data.load_corpus`; the trainer only
@@ -89,18 +91,72 @@ def packed_logits(model: LanguageModel, input_ids: torch.Tensor, first: torch.Te
     return logits.reshape(B, T, -1)
 
 
+class CarriedStreams:
+    """A token stream ``ids`` (``[N]`` long) read as ``batch_size`` parallel streams of consecutive
+    windows of ``seq_len`` tokens, for truncated back-propagation through time
+    (``TrainConfig.carry_state``): the stream is cut into ``B`` contiguous shards of
+    ``shard = (N − 1) // B`` tokens (row ``b`` starts at token ``b · shard``), and optimizer step
+    ``k`` feeds every row the next window of its shard, window ``w = k mod windows`` with
+    ``windows = shard // seq_len`` (a shard's last ``shard mod seq_len`` tokens are never read):
+    inputs ``ids[b·shard + w·T : b·shard + (w+1)·T]``, targets one token later. All shards have the
+    same length, so every stream reaches its end at the same step: the next step starts an *epoch*
+    (``w = 0``) and every stream restarts at its shard's first token from a fresh state
+    (:meth:`restarts`). The window of a step depends on the step alone (no random draws), so a
+    resumed run continues where it stopped.
+
+    Raises:
+        ValueError: a shard is shorter than one window (``B · seq_len > N − 1``); the message names
+            ``batch_size``, ``seq_len`` and the stream's length.
+    """
+
+    def __init__(self, ids: torch.Tensor, batch_size: int, seq_len: int):
+        n = ids.numel()
+        self.ids, self.batch_size, self.seq_len = ids.reshape(-1), batch_size, seq_len
+        self.shard = (n - 1) // batch_size
+        self.windows = self.shard // seq_len
+        if self.windows < 1:
+            raise ValueError(
+                f"TrainConfig.carry_state: the training text ({n:,} tokens) cut into batch_size = "
+                f"{batch_size} streams gives {self.shard:,} tokens per stream, fewer than one window of "
+                f"seq_len = {seq_len}; expected batch_size x seq_len <= {n - 1:,} (use a longer text, a "
+                "smaller --batch-size or a smaller --seq-len)"
+            )
+        self.starts = torch.arange(batch_size) * self.shard  # each stream's first token
+
+    @property
+    def stream_tokens(self) -> int:
+        """Tokens each stream reads between two restarts (``windows · seq_len``)."""
+        return self.windows * self.seq_len
+
+    def window(self, step: int) -> int:
+        """The window index (0-based, within the epoch) that optimizer step ``step`` feeds."""
+        return step % self.windows
+
+    def restarts(self, step: int) -> bool:
+        """True when step ``step`` starts an epoch: every stream begins again from a fresh state."""
+        return self.window(step) == 0
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``, ``[B, seq_len]`` long: window :meth:`window` of every stream and its targets."""
+        first = self.starts + self.window(step) * self.seq_len
+        idx = first[:, None] + torch.arange(self.seq_len + 1)[None, :]
+        w = self.ids[idx].long()
+        return w[:, :-1], w[:, 1:]
+
+
 class RunData:
     """The data of the run ``cfg``: the task (``task``; with ``cfg.train_examples`` a fixed
     ``train_set``), or the text corpus with its ``tokenizer`` (the checkpoint ``ckpt``'s on resume,
     else built from the text) and the ``train_data`` / ``val_data`` streams (``val_chars``
-    characters of validation text). ``vocab_size``: the model's vocabulary. ``is_main`` (default
-    ``is_main=True``): this process alone warns."""
+    characters of validation text); with ``cfg.carry_state`` the training stream is read as
+    ``streams`` (:class:`CarriedStreams`, else ``None``). ``vocab_size``: the model's vocabulary.
+    ``is_main`` (default ``is_main=True``): this process alone warns."""
 
     def __init__(self, cfg: TrainConfig, ckpt=None, is_main: bool = True):
         self.cfg = cfg
         self.task = cfg.build_task()
         self.tokenizer = self.train_data = self.val_data = self.val_chars = None
-        self.train_set = None
+        self.train_set = self.streams = None
         if self.task is not None:
             if cfg.train_examples is not None:
                 check_sequences_memory(cfg.train_examples, cfg.seq_len, "cpu", flag="--train-examples")
@@ -123,14 +179,19 @@ class RunData:
         self.train_data = train_docs.stream(self.tokenizer, cfg.seq_len)
         self.val_data = val_docs.stream(self.tokenizer, cfg.seq_len)
         self.val_chars = self.val_data.num_chars
+        if cfg.carry_state:
+            self.streams = CarriedStreams(self.train_data.ids, cfg.batch_size, cfg.seq_len)
         self.vocab_size = self.tokenizer.vocab_size
 
     def next_batch(self, step: int, generator: torch.Generator):
         """The global batch of optimizer step ``step`` (0-based): ``(x, y, first)``, ``[B, T]`` long
         (``first``: where packed documents begin, else ``None``), drawn from ``generator`` (the
-        run's checkpointed batch stream) unless a fixed training set is read in order."""
+        run's checkpointed batch stream) unless a fixed training set is read in order or the
+        corpus is read as carried streams (:class:`CarriedStreams`: the step's windows)."""
         cfg, first = self.cfg, None
-        if self.task is None and cfg.pack_documents:
+        if self.streams is not None:
+            x, y = self.streams.batch(step)
+        elif self.task is None and cfg.pack_documents:
             x, y, first = self.train_data.sample(cfg.batch_size, generator, with_documents=True)
         elif self.task is None:
             x, y = self.train_data.sample(cfg.batch_size, generator)

@@ -77,10 +77,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
     model.activation_checkpointing = cfg.activation_checkpointing
     for i, block in enumerate(model.blocks):
         window_problems = getattr(block.mlp, "window_problems", None)
-        for msg in window_problems(cfg.seq_len) if window_problems else ():
+        # with carry_state the state goes on from window to window: such a level steps every
+        # `period` tokens of the stream (check_carry_state warns about periods beyond a stream)
+        for msg in window_problems(cfg.seq_len) if window_problems and not cfg.carry_state else ():
             warnings.warn(
-                f"model {cfg.model!r}, block {i}: {msg}; use periods < seq_len = {cfg.seq_len} "
-                "or a longer --seq-len",
+                f"model {cfg.model!r}, block {i}: {msg}; --carry-state carries the state from window "
+                f"to window (truncated BPTT), so it steps every period tokens of the stream; or use "
+                f"periods < seq_len = {cfg.seq_len} or a longer --seq-len",
                 stacklevel=3,  # the caller of Trainer(...)
             )
     if cfg.context_parallel:
@@ -90,6 +93,57 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
             raise ValueError(f"TrainConfig.context_parallel: model {cfg.model!r}: {e}") from None
     strategy.prepare(model)  # before the optimizer: it must hold the shards
     return model
+
+
+def check_carry_state(model: LanguageModel, cfg: TrainConfig, stream_tokens: int, world: int = 1) -> None:
+    """What ``cfg.carry_state`` needs of the run: one process (``world``, default ``world=1``), a
+    model that carries a recurrent state of a fixed size (its size after ``stream_tokens`` tokens,
+    what one stream reads between two restarts, equals its size after twice as many; a softmax
+    attention's KV cache grows), and learned positions (if any) covering ``stream_tokens``. Warns
+    about CMS levels whose period is not shorter than ``stream_tokens`` (they never step before the
+    streams restart).
+
+    Raises:
+        ValueError: naming ``TrainConfig.carry_state``, what was expected and what was found.
+    """
+    if world != 1:
+        raise ValueError(
+            f"TrainConfig.carry_state: expected one process (the carried state is not split over "
+            f"processes), got {world} processes under torchrun"
+        )
+    if model.state_size_bytes(1, stream_tokens) == 0:
+        raise ValueError(
+            f"TrainConfig.carry_state: expected a model with a recurrent state to carry, got model "
+            f"{cfg.model!r}, whose state is empty (state_size_bytes = 0)"
+        )
+    for i, block in enumerate(model.blocks):
+        here, later = (block.mixer.state_size_bytes(1, n) for n in (stream_tokens, 2 * stream_tokens))
+        if later > here:
+            raise ValueError(
+                f"TrainConfig.carry_state: expected a state of fixed size, got model {cfg.model!r}, whose "
+                f"block {i} ({type(block.mixer).__name__}) keeps a state that grows with the stream "
+                f"({here:,} bytes per stream after {stream_tokens:,} tokens, {later:,} after twice as "
+                "many: a KV cache); train it without --carry-state"
+            )
+    mc = model.config
+    if mc.pos_embedding == "learned" and stream_tokens > mc.max_position:
+        raise ValueError(
+            f"TrainConfig.carry_state: expected a stream of at most max_position = {mc.max_position} "
+            f"tokens (model {cfg.model!r} has learned positions), got {stream_tokens:,} tokens per "
+            "stream; raise --batch-size (shorter streams) or model_overrides.max_position"
+        )
+    for i, block in enumerate(model.blocks):
+        if getattr(block.mlp, "window_problems", None) is None:  # not a CMS
+            continue
+        for j, lv in enumerate(block.mlp.levels):
+            if lv.level.period >= stream_tokens:
+                warnings.warn(
+                    f"model {cfg.model!r}, block {i}: CMS level {j} has period {lv.level.period} >= the "
+                    f"{stream_tokens:,} tokens each of the {cfg.batch_size} streams reads before all "
+                    "restart (--carry-state): it never steps in training; use a smaller --batch-size "
+                    "or a longer text",
+                    stacklevel=3,  # the caller of Trainer(...)
+                )
 
 
 def load_weights(model: LanguageModel, source: str, model_name: str, device, sharded: bool) -> None:

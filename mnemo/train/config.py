@@ -49,6 +49,22 @@ class TrainConfig:
             empty state), so no attention and no state crosses a document boundary. The token
             after a document's last one (the separator's prediction) is still a target. Default
             ``False``.
+        carry_state: truncated back-propagation through time over the text corpus: the batch is
+            ``batch_size`` parallel streams (the training text cut into ``batch_size`` contiguous
+            shards), every step feeds each stream its next ``seq_len``-token window, and the model
+            starts from the recurrent state it returned on the previous window (detached and
+            copied, :func:`mnemo.layers.state.snapshot`: the gradient stops at the window's start,
+            the state goes on). Slow memories then step on the stream's time scale, e.g. CMS levels whose
+            period is not shorter than ``seq_len`` (``hope_long``). All shards have one length, so
+            all streams reach their end at the same step and all restart together from their
+            shard's first token with a fresh state (:class:`mnemo.train.batches.CarriedStreams`).
+            The stream positions follow from the step and the carried state is saved with every
+            checkpoint, so a resumed run continues exactly. Text corpora on one process only: not
+            with ``task``, ``pack_documents``, ``context_parallel``, ``fsdp``, ``compile`` or
+            ``activation_checkpointing``, nor under ``torchrun`` with several processes, nor for a
+            model without a recurrent state or whose state grows with the stream (a softmax
+            attention's KV cache); the trainer raises ``ValueError`` naming the setting. Evaluation
+            still runs the validation windows each from a fresh state. Default ``False``.
         tokenizer: ``"char"`` (vocabulary = the characters of the file), ``"byte"``, or a path to a
             Hugging Face ``tokenizer.json`` (BPE, Unigram, ...) or a folder holding one (e.g. from
             ``mnemo tokenizer train``; needs ``mnemo[hf]``). The checkpoints carry it.
@@ -212,6 +228,14 @@ class TrainConfig:
         metadata=_flag(
             "document packing: each document in a window is its own sequence (cu_seqlens through every "
             "mixer), so no attention or state crosses a document boundary"
+        ),
+    )
+    carry_state: bool = field(
+        default=False,
+        metadata=_flag(
+            "truncated BPTT: the batch is B parallel streams over the text, each step feeds each stream "
+            "its next window and carries the model's state over (detached); slow memories such as "
+            "CMS levels with periods >= the window then step (all streams restart together at the end)"
         ),
     )
     tokenizer: str = field(
@@ -451,6 +475,7 @@ class TrainConfig:
             bad("pack_documents", "true or false")
         if self.pack_documents and (self.task is not None or self.context_parallel):
             bad("pack_documents", "false with --task or --context-parallel (packing is for text corpora)")
+        self._validate_carry_state(bad)
         if self.init_from is not None and not isinstance(self.init_from, str):
             bad("init_from", "None or a path to a run or checkpoint directory")
         if not isinstance(self.track_circuits, bool):
@@ -535,6 +560,29 @@ class TrainConfig:
             bad("sample_temperature", "a number >= 0")
         self._validate_task(bad)
         return self
+
+    def _validate_carry_state(self, bad) -> None:
+        """The settings ``carry_state`` cannot run with (the trainer checks the processes, the
+        model and the text's length)."""
+        if not isinstance(self.carry_state, bool):
+            bad("carry_state", "true or false")
+        if not self.carry_state:
+            return
+        why = {
+            "task": "a task's examples are independent sequences, not one stream: leave task unset",
+            "pack_documents": "packing starts every document from an empty state",
+            "context_parallel": "the carried state is not split over processes",
+            "fsdp": "the carried state is not split over processes",
+            "compile": "the carried state's counters would recompile the forward at every window",
+            "activation_checkpointing": "the model recomputes blocks only when no state is passed in",
+        }
+        for name, reason in why.items():
+            value = getattr(self, name)
+            if value not in (None, False):
+                raise ValueError(
+                    f"TrainConfig.carry_state: expected {name} = {None if name == 'task' else False} "
+                    f"with carry_state = True ({reason}), got {name} = {value!r}"
+                )
 
     def _validate_task(self, bad) -> None:
         if not isinstance(self.task_options, dict):

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from ..data.tasks import IGNORE_INDEX, make_generator
+from ..layers import state as states
 from ..ops._common import NonFiniteError
 from .aux_losses import MoEBalance
 from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits  # noqa: F401
-from .build import _count_parameters, build_model, load_checkpoint, load_weights  # noqa: F401
+from .build import _count_parameters, build_model, check_carry_state, load_checkpoint, load_weights  # noqa: F401
 from .checkpoint import ckpt_name, save_torch  # noqa: F401  (save_torch: tests fake a full disk here)
 from .config import TrainConfig
 from .distributed import backend_for, barrier, init_from_env, local_device
@@ -68,6 +69,14 @@ class Trainer:
     (:mod:`mnemo.train.sinks`); ``aux_losses``: more auxiliary losses
     (:mod:`mnemo.train.aux_losses`). Defaults: none.
 
+    **Carried state** (``cfg.carry_state``: truncated back-propagation through time). The text is
+    read as ``batch_size`` parallel streams (:class:`~mnemo.train.batches.CarriedStreams`); each
+    step feeds every stream its next window and passes the model the state it returned on the
+    previous one, detached and copied (:func:`mnemo.layers.state.snapshot`); ``carried_state``
+    holds it between steps (``None`` at the start of every epoch, when all streams restart). The
+    checkpoints hold it and the next window, so resuming continues the streams exactly. One
+    process, no wrapper: the forward is ``model(x, carried_state, targets=y)``.
+
     **Parallelism** (:mod:`mnemo.train.strategy`). Launched by ``torchrun --nproc_per_node N``,
     the trainer joins the process group and trains data-parallel (DDP), sharded (``cfg.fsdp``:
     FSDP2) or context-parallel (``cfg.context_parallel``); the gradients and logged losses equal
@@ -104,6 +113,8 @@ class Trainer:
             setattr(self, name, getattr(self.data, name))  # (the attributes callbacks read)
         self._test_sets: dict = {}  # a task's test sets, by (length, rows)
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
+        if self.cfg.carry_state:
+            check_carry_state(self.model, self.cfg, self.data.streams.stream_tokens, self.world)
         self._setup_optimizer()
         if state is not None:
             self._restore_state(ckpt, state)
@@ -148,6 +159,7 @@ class Trainer:
         else:
             self.generator = make_generator(cfg.seed, "train")
         self.step = 0
+        self.carried_state = None  # cfg.carry_state: the model's state after the last window
         self.early_stopped = False  # TrainConfig.early_stop_acc reached (saved with checkpoints)
         self.last_checkpoint: Path | None = None
         self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
@@ -162,9 +174,24 @@ class Trainer:
         self.step = state["step"]
         self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
         self.early_stopped = bool(state.get("early_stopped", False))
+        if self.cfg.carry_state:
+            self._restore_carried_state(ckpt, state)
         self.last_checkpoint = ckpt
         if self.is_main:  # under the folder's lock: never trim a live run's log
             self.run_folder.truncate_metrics(self.step)
+
+    def _restore_carried_state(self, ckpt: Path, state: dict) -> None:
+        """Resume ``cfg.carry_state``: the carried state the checkpoint holds, on the run's device,
+        after checking that its stream window is the one the step says."""
+        streams = self.data.streams
+        if "carried_state" not in state or state.get("stream_window") != streams.window(self.step):
+            raise ValueError(
+                f"TrainConfig.carry_state: {ckpt} does not hold the carried state of step {self.step} "
+                f"(expected stream window {streams.window(self.step)} of {streams.windows}, got "
+                f"{state.get('stream_window')!r}); it was not written by this run"
+            )
+        carried = state["carried_state"]
+        self.carried_state = None if carried is None else states.to(carried, self.device)
 
     def _write_checkpoint(self) -> Path:
         """Rank 0 writes the checkpoint (FSDP: every rank calls this and writes its shards)."""
@@ -177,6 +204,10 @@ class Trainer:
             "acc_n": self._acc_n,
             "early_stopped": self.early_stopped,
         }
+        if self.cfg.carry_state:  # the next step's window and the state it starts from
+            state["stream_window"] = self.data.streams.window(self.step)
+            carried = self.carried_state
+            state["carried_state"] = None if carried is None else states.to(carried, "cpu")
         self.last_checkpoint = self.run_folder.write_checkpoint(
             self.step, self.model, self.optimizer, self.tokenizer, self.cfg, state, sharded=self.fsdp
         )
@@ -218,8 +249,16 @@ class Trainer:
         backward and before the optimizer step (the ops' checks are off there, and the MoE
         statistics stay on the device until they are logged). A NaN/inf loss or norm raises
         :class:`TrainingDiverged` with the step, as on the CPU; the optimizer has not stepped. With
-        several processes the per-micro-batch agreement of the ranks stays as it is."""
+        several processes the per-micro-batch agreement of the ranks stays as it is.
+
+        With ``cfg.carry_state`` the batch is the streams' next windows, the forward starts from
+        ``carried_state`` (its rows of micro-batch ``i`` under ``grad_accum``) and the model's new
+        state becomes ``carried_state`` (a snapshot, cut from the graph) once the step succeeded."""
         cfg, strategy = self.cfg, self.strategy
+        carry = cfg.carry_state  # truncated BPTT: this step's windows continue the last step's
+        if carry and self.data.streams.restarts(self.step):
+            self.carried_state = None  # every stream starts again at its shard's first token
+        carried_parts = []
         x, y, first = self.data.next_batch(self.step, self.generator)
         # every rank holds the whole global batch, so the global count needs no communication
         n_tokens = max(int((y != IGNORE_INDEX).sum()), 1)
@@ -241,7 +280,14 @@ class Trainer:
                 error, handle = None, None
                 try:
                     with self._autocast():
-                        if cp:
+                        if carry:  # one process, no wrapper (TrainConfig.carry_state): the model itself
+                            carried = self.carried_state
+                            if carried is not None and cfg.grad_accum > 1:
+                                carried = states.select_rows(carried, slice(i * micro, (i + 1) * micro))
+                            logits = None
+                            ce, new_state = self.model(xi, carried, targets=yi, ignore_index=IGNORE_INDEX)
+                            carried_parts.append(states.snapshot(new_state))  # a value: see snapshot
+                        elif cp:
                             logits, handle = strategy.forward(self.model, xi)
                         elif first is not None:
                             logits = self.train_model(xi, first[i * micro : (i + 1) * micro].to(self.device))
@@ -297,6 +343,10 @@ class Trainer:
             norm_value = norm.item()
         if not math.isfinite(norm_value):
             raise self._diverged("gradient norm", norm_value)
+        if carry:  # the next step starts from here (cut from this step's graph)
+            self.carried_state = (
+                carried_parts[0] if len(carried_parts) == 1 else states.cat_rows(carried_parts)
+            )
         self.last_lr = self.scheduler.get_last_lr()[0]  # the rate of this update (metrics' lr)
         self.optimizer.step()
         self.scheduler.step()
