@@ -72,8 +72,11 @@ def _cmd_sweep(args) -> int:
         f"sweep {spec.name}: {counts['total']} runs, {counts['skipped']} already finished, "
         f"ran {counts['ran']} ({counts['done']} done, {counts['diverged']} diverged, "
         f"{counts['failed']} failed)"
-        + (f"; {counts['not_selected']} runs at values the held-out seed did not choose not run"
-           if counts.get("not_selected") else "")
+        + (
+            f"; {counts['not_selected']} runs at values the held-out seed did not choose not run"
+            if counts.get("not_selected")
+            else ""
+        )
     )
     print(f"try: mnemo report {db}")
     return 1 if counts["failed"] else 0
@@ -215,10 +218,16 @@ def add_commands(sub) -> None:
         "`<!-- mnemo:begin NAME -->` / `<!-- mnemo:end NAME -->` markers with the commands, the table, "
         "the claims and the figure (mnemo.sweep.reproduce). Text outside the markers is kept.",
     )
-    p.add_argument("page", type=kinds.ExistingFile("an existing results page (.md)"), help="e.g. docs/results/zoology_equal_state.md")
+    p.add_argument(
+        "page",
+        type=kinds.ExistingFile("an existing results page (.md)"),
+        help="e.g. docs/results/zoology_equal_state.md",
+    )
     p.add_argument("--jobs", type=kinds.Int(1, 256), default=1, help="runs trained at once (1)")
     p.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (1)")
-    p.add_argument("--no-run", action="store_true", help="rebuild from the databases as they are; train nothing")
+    p.add_argument(
+        "--no-run", action="store_true", help="rebuild from the databases as they are; train nothing"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_reproduce)
 

@@ -60,7 +60,9 @@ def page_sweeps(page: str | Path) -> list[Path]:
     found = []
     for m in DIRECTIVE.finditer(text):
         raw = Path(m.group(1))
-        candidates = [raw] if raw.is_absolute() else [Path.cwd() / raw, *(p / raw for p in page.resolve().parents)]
+        candidates = (
+            [raw] if raw.is_absolute() else [Path.cwd() / raw, *(p / raw for p in page.resolve().parents)]
+        )
         hit = next((c for c in candidates if c.is_file()), None)
         if hit is None:
             line = text[: m.start()].count("\n") + 1
@@ -126,7 +128,8 @@ def reproduce_page(
             counts = run_sweep(spec, db, run_dir, jobs=jobs, threads=threads, progress=progress, log=log)
         elif not Path(db).is_file():
             raise FileNotFoundError(
-                f"{path}: its database {db} does not exist; run the sweep (drop --no-run) or run it where it was made"
+                f"{path}: its database {db} does not exist; run the sweep (drop --no-run) or run it "
+                "where it was made"
             )
         elapsed = time.perf_counter() - t0
         report = write_report(db, folder, sweep=spec.name, metric=spec.metric)[spec.name]

@@ -204,7 +204,8 @@ def run_sweep(
             if cell in held_failed:  # a held-out run failed: it is retried by the next call
                 log(
                     f"{later[cell][0].label} {json.loads(cell)}: a run of the held-out seed "
-                    f"{spec.select_lr_on_seed} failed; its other seeds wait until it has run (run the sweep again)"
+                    f"{spec.select_lr_on_seed} failed; its other seeds wait until it has run (run the "
+                    "sweep again)"
                 )
                 return
             rs = later.pop(cell)
@@ -272,7 +273,9 @@ def run_sweep(
                         while queue or futures:
                             while queue:
                                 run = queue.pop(0)
-                                futures[pool.submit(run_one, run.config, str(out_dir / run.run_id), threads)] = run
+                                futures[
+                                    pool.submit(run_one, run.config, str(out_dir / run.run_id), threads)
+                                ] = run
                             done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
                             for fut in done:
                                 finish(futures.pop(fut), fut.result())

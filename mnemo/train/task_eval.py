@@ -103,8 +103,9 @@ def evaluate_task(
     """:func:`task_metrics` on ``num_samples`` test sequences (the test seed of ``seed``) per length.
 
     The metrics read :meth:`Task.scored <mnemo.data.tasks.base.Task.scored>` targets (for ``niah``
-    the answer only: ``seq_acc`` is exact match). Sequences longer than ``train_len`` are streamed in pieces of ``train_len`` with
-    ``eval_batch_size`` sequences per pass. ``cache`` (a dict) keeps generated test sets by length.
+    the answer only: ``seq_acc`` is exact match). Sequences longer than ``train_len`` are streamed
+    in pieces of ``train_len`` with ``eval_batch_size`` sequences per pass. ``cache`` (a dict)
+    keeps generated test sets by length.
     Returns ``{length: metrics}``.
     """
     out = {}

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from ..data.tasks import IGNORE_INDEX, make_generator
-from ..layers import state as states
 from ..ops._common import NonFiniteError
 from .aux_losses import MoEBalance
 from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits  # noqa: F401
 from .build import _count_parameters, build_model, check_carry_state, load_checkpoint, load_weights  # noqa: F401
+from .carry import CarriedState
 from .checkpoint import ckpt_name, save_torch  # noqa: F401  (save_torch: tests fake a full disk here)
 from .config import TrainConfig
 from .distributed import backend_for, barrier, init_from_env, local_device
@@ -71,11 +71,8 @@ class Trainer:
 
     **Carried state** (``cfg.carry_state``: truncated back-propagation through time). The text is
     read as ``batch_size`` parallel streams (:class:`~mnemo.train.batches.CarriedStreams`); each
-    step feeds every stream its next window and passes the model the state it returned on the
-    previous one, detached and copied (:func:`mnemo.layers.state.snapshot`); ``carried_state``
-    holds it between steps (``None`` at the start of every epoch, when all streams restart). The
-    checkpoints hold it and the next window, so resuming continues the streams exactly. One
-    process, no wrapper: the forward is ``model(x, carried_state, targets=y)``.
+    step starts from the state the previous one ended with (``carried_state``; the part:
+    :class:`~mnemo.train.carry.CarriedState`), and the checkpoints hold it.
 
     **Parallelism** (:mod:`mnemo.train.strategy`). Launched by ``torchrun --nproc_per_node N``,
     the trainer joins the process group and trains data-parallel (DDP), sharded (``cfg.fsdp``:
@@ -113,8 +110,10 @@ class Trainer:
             setattr(self, name, getattr(self.data, name))  # (the attributes callbacks read)
         self._test_sets: dict = {}  # a task's test sets, by (length, rows)
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
+        self.carry = None  # cfg.carry_state: the state carried from step to step
         if self.cfg.carry_state:
             check_carry_state(self.model, self.cfg, self.data.streams.stream_tokens, self.world)
+            self.carry = CarriedState(self.data.streams, self.device)
         self._setup_optimizer()
         if state is not None:
             self._restore_state(ckpt, state)
@@ -159,7 +158,6 @@ class Trainer:
         else:
             self.generator = make_generator(cfg.seed, "train")
         self.step = 0
-        self.carried_state = None  # cfg.carry_state: the model's state after the last window
         self.early_stopped = False  # TrainConfig.early_stop_acc reached (saved with checkpoints)
         self.last_checkpoint: Path | None = None
         self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
@@ -174,24 +172,16 @@ class Trainer:
         self.step = state["step"]
         self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
         self.early_stopped = bool(state.get("early_stopped", False))
-        if self.cfg.carry_state:
-            self._restore_carried_state(ckpt, state)
+        if self.carry is not None:
+            self.carry.restore(ckpt, state, self.step)
         self.last_checkpoint = ckpt
         if self.is_main:  # under the folder's lock: never trim a live run's log
             self.run_folder.truncate_metrics(self.step)
 
-    def _restore_carried_state(self, ckpt: Path, state: dict) -> None:
-        """Resume ``cfg.carry_state``: the carried state the checkpoint holds, on the run's device,
-        after checking that its stream window is the one the step says."""
-        streams = self.data.streams
-        if "carried_state" not in state or state.get("stream_window") != streams.window(self.step):
-            raise ValueError(
-                f"TrainConfig.carry_state: {ckpt} does not hold the carried state of step {self.step} "
-                f"(expected stream window {streams.window(self.step)} of {streams.windows}, got "
-                f"{state.get('stream_window')!r}); it was not written by this run"
-            )
-        carried = state["carried_state"]
-        self.carried_state = None if carried is None else states.to(carried, self.device)
+    @property
+    def carried_state(self):
+        """``cfg.carry_state``: the model's state after the last step's windows (else ``None``)."""
+        return None if self.carry is None else self.carry.state
 
     def _write_checkpoint(self) -> Path:
         """Rank 0 writes the checkpoint (FSDP: every rank calls this and writes its shards)."""
@@ -204,10 +194,8 @@ class Trainer:
             "acc_n": self._acc_n,
             "early_stopped": self.early_stopped,
         }
-        if self.cfg.carry_state:  # the next step's window and the state it starts from
-            state["stream_window"] = self.data.streams.window(self.step)
-            carried = self.carried_state
-            state["carried_state"] = None if carried is None else states.to(carried, "cpu")
+        if self.carry is not None:  # the next step's window and the state it starts from
+            state.update(self.carry.save(self.step))
         self.last_checkpoint = self.run_folder.write_checkpoint(
             self.step, self.model, self.optimizer, self.tokenizer, self.cfg, state, sharded=self.fsdp
         )
@@ -252,13 +240,10 @@ class Trainer:
         several processes the per-micro-batch agreement of the ranks stays as it is.
 
         With ``cfg.carry_state`` the batch is the streams' next windows, the forward starts from
-        ``carried_state`` (its rows of micro-batch ``i`` under ``grad_accum``) and the model's new
-        state becomes ``carried_state`` (a snapshot, cut from the graph) once the step succeeded."""
-        cfg, strategy = self.cfg, self.strategy
-        carry = cfg.carry_state  # truncated BPTT: this step's windows continue the last step's
-        if carry and self.data.streams.restarts(self.step):
-            self.carried_state = None  # every stream starts again at its shard's first token
-        carried_parts = []
+        ``carried_state`` and the model's new state replaces it once the step succeeded."""
+        cfg, strategy, carry = self.cfg, self.strategy, self.carry
+        if carry is not None:  # truncated BPTT: this step's windows continue the last step's
+            carry.begin_step(self.step)
         x, y, first = self.data.next_batch(self.step, self.generator)
         # every rank holds the whole global batch, so the global count needs no communication
         n_tokens = max(int((y != IGNORE_INDEX).sum()), 1)
@@ -280,13 +265,9 @@ class Trainer:
                 error, handle = None, None
                 try:
                     with self._autocast():
-                        if carry:  # one process, no wrapper (TrainConfig.carry_state): the model itself
-                            carried = self.carried_state
-                            if carried is not None and cfg.grad_accum > 1:
-                                carried = states.select_rows(carried, slice(i * micro, (i + 1) * micro))
-                            logits = None
-                            ce, new_state = self.model(xi, carried, targets=yi, ignore_index=IGNORE_INDEX)
-                            carried_parts.append(states.snapshot(new_state))  # a value: see snapshot
+                        if carry is not None:  # one process, no wrapper: the model itself
+                            rows = slice(i * micro, (i + 1) * micro) if cfg.grad_accum > 1 else None
+                            logits, ce = None, carry.forward(self.model, xi, yi, rows)
                         elif cp:
                             logits, handle = strategy.forward(self.model, xi)
                         elif first is not None:
@@ -343,10 +324,8 @@ class Trainer:
             norm_value = norm.item()
         if not math.isfinite(norm_value):
             raise self._diverged("gradient norm", norm_value)
-        if carry:  # the next step starts from here (cut from this step's graph)
-            self.carried_state = (
-                carried_parts[0] if len(carried_parts) == 1 else states.cat_rows(carried_parts)
-            )
+        if carry is not None:  # the next step starts from here (cut from this step's graph)
+            carry.end_step()
         self.last_lr = self.scheduler.get_last_lr()[0]  # the rate of this update (metrics' lr)
         self.optimizer.step()
         self.scheduler.step()

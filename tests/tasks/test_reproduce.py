@@ -30,8 +30,13 @@ def _fake(calls):
         key = (config["lr"], config.get("seed", 0))
         calls.append(key)
         a = ACC[key]
-        return {"status": "done", "metrics": {"val_acc": a, "val_loss": 1 - a}, "state_size_bytes": 64,
-                "n_params": 10, "wall_time_s": 2.0}
+        return {
+            "status": "done",
+            "metrics": {"val_acc": a, "val_loss": 1 - a},
+            "state_size_bytes": 64,
+            "n_params": 10,
+            "wall_time_s": 2.0,
+        }
 
     return run_one
 
@@ -40,13 +45,23 @@ def _setup(tmp_path, monkeypatch, calls):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runner_mod, "run_one", _fake(calls))
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "tiny.yaml").write_text(yaml.safe_dump({
-        "name": "tiny", "base": BASE, "models": ["gla"], "grid": {"lr": [1e-3, 1e-2]}, "seeds": 4,
-        "select_lr_on_seed": 0,
-    }))
+    (tmp_path / "configs" / "tiny.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny",
+                "base": BASE,
+                "models": ["gla"],
+                "grid": {"lr": [1e-3, 1e-2]},
+                "seeds": 4,
+                "select_lr_on_seed": 0,
+            }
+        )
+    )
     page = tmp_path / "docs" / "results" / "tiny.md"
     page.parent.mkdir(parents=True)
-    page.write_text("# Tiny\n\nThe claim, in words.\n\n<!-- mnemo:reproduce configs/tiny.yaml -->\n\nThe verdict.\n")
+    page.write_text(
+        "# Tiny\n\nThe claim, in words.\n\n<!-- mnemo:reproduce configs/tiny.yaml -->\n\nThe verdict.\n"
+    )
     return page
 
 
@@ -84,7 +99,7 @@ def test_reproduce_errors_name_the_page_and_what_to_do(tmp_path, monkeypatch, ca
         page_sweeps(bare)
     missing = tmp_path / "missing.md"
     missing.write_text("x\n<!-- mnemo:reproduce configs/nope.yaml -->\n")
-    with pytest.raises(FileNotFoundError, match=r"missing.md:2: the sweep file configs/nope.yaml does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"missing.md:2: the sweep file configs/nope.yaml does not"):
         page_sweeps(missing)
     with pytest.raises(FileNotFoundError, match=r"its database runs/sweeps/tiny.sqlite does not exist"):
         reproduce_page(page, run=False, progress=False, log=lambda s: None)

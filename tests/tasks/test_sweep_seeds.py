@@ -241,8 +241,11 @@ def test_staged_selection_runs_nothing_more_where_the_held_out_seed_diverged(tmp
     status = {(1e-3, 0): "diverged", (1e-2, 0): "diverged"}
     monkeypatch.setattr(runner_mod, "run_one", _fake_run_one_status(acc, calls, status))
     counts = run_sweep(
-        _spec(seeds=[0, 1, 2], select_lr_on_seed=0), tmp_path / "s.sqlite", tmp_path / "runs",
-        progress=False, log=logs.append,
+        _spec(seeds=[0, 1, 2], select_lr_on_seed=0),
+        tmp_path / "s.sqlite",
+        tmp_path / "runs",
+        progress=False,
+        log=logs.append,
     )
     assert calls == [(1e-3, 0), (1e-2, 0)] and counts["total"] == 2
     assert any("no done run of the held-out seed 0; its 2 other seed(s) are not run" in m for m in logs)
@@ -253,8 +256,14 @@ def test_staged_selection_in_worker_processes_trains_the_chosen_rate_only(tmp_pa
     at the rate seed 0 chose, which is the report's choice."""
     base = {**BASE, "steps": 2, "eval_interval": 2}
     spec = SweepSpec.from_dict(
-        {"name": "pool", "base": base, "models": ["gla"], "grid": {"lr": [1e-3, 3e-2]}, "seeds": 2,
-         "select_lr_on_seed": 0}
+        {
+            "name": "pool",
+            "base": base,
+            "models": ["gla"],
+            "grid": {"lr": [1e-3, 3e-2]},
+            "seeds": 2,
+            "select_lr_on_seed": 0,
+        }
     )
     db = tmp_path / "p.sqlite"
     counts = run_sweep(spec, db, tmp_path / "runs", jobs=2, threads=1, progress=False, log=lambda s: None)

@@ -156,7 +156,9 @@ class NIAH(Task):
         alphabet, essay = _essay()
         if self.haystack == "essay":
             if n > essay.numel():
-                raise ValueError(f"niah: a haystack of {n} characters is longer than the corpus ({essay.numel()})")
+                raise ValueError(
+                    f"niah: a haystack of {n} characters is longer than the corpus ({essay.numel()})"
+                )
             start = torch.randint(0, essay.numel() - n + 1, (B, 1), generator=gen)
             return essay[start + torch.arange(n)]
         if self.haystack == "noise":
