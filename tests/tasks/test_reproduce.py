@@ -10,35 +10,14 @@ import mnemo.sweep.runner as runner_mod
 from mnemo.cli import main
 from mnemo.sweep.reproduce import page_sweeps, reproduce_page
 from mnemo.sweep.stats import mean_interval
+from tests.tasks.test_sweep_seeds import BASE, _fake_run_one
 
-BASE = {
-    "task": "mqar",
-    "task_options": {"num_pairs": 2, "vocab_size": 16},
-    "seq_len": 16,
-    "batch_size": 4,
-    "steps": 4,
-    "eval_interval": 2,
-    "eval_batches": 1,
-    "model_overrides": {"d_model": 16, "n_layers": 1},
-}
 #: seed 0 picks lr 1e-3 (0.9 > 0.5); seeds 1-3 are reported there
 ACC = {(1e-3, 0): 0.9, (1e-3, 1): 0.6, (1e-3, 2): 0.7, (1e-3, 3): 0.8, (1e-2, 0): 0.5}
 
 
 def _fake(calls):
-    def run_one(config, run_dir, threads=None):
-        key = (config["lr"], config.get("seed", 0))
-        calls.append(key)
-        a = ACC[key]
-        return {
-            "status": "done",
-            "metrics": {"val_acc": a, "val_loss": 1 - a},
-            "state_size_bytes": 64,
-            "n_params": 10,
-            "wall_time_s": 2.0,
-        }
-
-    return run_one
+    return _fake_run_one(ACC, calls)  # known accuracies, wall time 0.5 s a run
 
 
 def _setup(tmp_path, monkeypatch, calls):
