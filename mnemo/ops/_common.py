@@ -468,11 +468,11 @@ def decay_exp(log_decay: torch.Tensor, mask: torch.Tensor | None = None) -> torc
     given up to ``exp(DECAY_EXP_MAX)``.
 
     Computed as ``exp(clamp(log_decay, FLUSH_LOG, DECAY_EXP_MAX)) − exp(FLUSH_LOG)``, so nothing
-    overflows (masked entries may hold any finite value) and every factor moves by at most ``4e-18``
-    in absolute terms: each changed term is ``< 4e-18`` times the same term undecayed, below float64's rounding
-    error. Flushing keeps float32 subnormals (``< 1.2e-38``, several times slower on CPUs) out of
-    the matmuls, including products of two decay factors. The gradient is ``grad · out``: exact
-    where the factor is kept, ``0`` where it is flushed or masked.
+    overflows (masked entries may hold any finite value) and every factor moves by at most
+    ``4e-18`` in absolute terms: each changed term is ``< 4e-18`` times the same term undecayed,
+    below float64's rounding error. Flushing keeps float32 subnormals (``< 1.2e-38``, several times
+    slower on CPUs) out of the matmuls, including products of two decay factors. The gradient is
+    ``grad · out``: exact where the factor is kept, ``0`` where it is flushed or masked.
     """
     m = None if mask is None else mask.to(log_decay.dtype)
     return _DecayExp.apply(log_decay, m)
