@@ -133,6 +133,15 @@ def test_bad_arguments_are_named():
         chunked_cross_entropy(h, w, y, reduction="none")
     with pytest.raises(ValueError, match="chunk_rows: expected an int >= 1, got 0"):
         chunked_cross_entropy(h, w, y, chunk_rows=0)
+    bad = y.clone()
+    bad[3], bad[7] = 11, -3  # V = 11: one past the vocabulary, and a negative that is not ignore_index
+    with pytest.raises(
+        ValueError,
+        match=r"targets: expected class indices in \[0, vocab = 11\) or ignore_index = -100, got 2 "
+        r"outside \(values in \[-3, 11\]\)",
+    ):
+        chunked_cross_entropy(h, w, bad)
+    assert torch.isfinite(chunked_cross_entropy(h, w, y.masked_fill(y == -100, -1), ignore_index=-1))
     m = _tiny()
     ids = torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match="targets must be an integer tensor shaped like input_ids"):
