@@ -100,7 +100,7 @@ recursion is a decayed sum in one product. The gradient factors are written out 
 - one memory per ``□`` over the whole ``d_model`` (no heads inside the memories); ``n_heads``
   only groups the output norm and gate.
 - ``k_t`` and ``q_t`` are L2-normalised (§8.3 "L2 normalisation on q and k"); ``v_t`` is not.
-- a short causal convolution (+SiLU) on ``x`` feeds ``W_q`` and the four projection memories
+- a short causal convolution (+SiLU) on ``x`` feeds ``W_q`` (or ``M_q``) and the projection memories
   (§8.3 "local convolutions, window 4"); output ``y = W_o(RMSNorm(o) ⊙ silu(W_g x))`` per head
   (Titans' output gate).
 - σ = GELU; hidden width ``expansion · d`` (default ``d``).
@@ -707,7 +707,8 @@ class SelfModifyingTitans(Mixer):
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> SelfModifyingTitansState:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
-        default the parameters'): running and chunk-start weights of the five memories (float32,
+        default the parameters'): running and chunk-start weights of the five memories (six with
+        ``adaptive_q``: ``M_q`` too) and, with ``momentum > 0``, their momentum buffers (float32,
         float64 for float64) plus the conv tail; independent of ``seq_len``. Defaults:
         ``batch_size=1``, ``seq_len=0``."""
         act, cd = state_dtypes(self, dtype)
