@@ -247,3 +247,37 @@ def test_positive_log_gates_are_computed_as_given_by_every_form(op, path, monkey
                 o, _ = gated_delta_rule(q, k, v, g=g, beta=beta, mode=mode, chunk_size=16)
             rel = float((o - want).norm() / want.norm())
             assert rel < 1e-12, (mode, rel)
+
+
+@pytest.mark.parametrize("path", ["eager", "traced or CUDA"])
+def test_selective_scan_with_a_positive_A_and_a_negative_step_is_computed_as_given(path, monkeypatch):
+    """h_t = exp(Δ_t A) ⊙ h_{t−1} + Δ_t B_t u_t, y_t = h_t C_t by hand, with one A > 0 and one
+    Δ < 0: every form equals it (the RangeWarning's "computed as given")."""
+    import importlib
+
+    from mnemo.ops import use_backend
+
+    if path != "eager":
+        monkeypatch.setattr(
+            importlib.import_module("mnemo.ops.selective_scan"), "avoid_host_reads", lambda *t: True
+        )
+    g = torch.Generator().manual_seed(2)
+    T, D, N = 9, 3, 4
+    u, delta = (
+        torch.randn(1, T, D, generator=g, dtype=torch.float64),
+        torch.rand(1, T, D, generator=g, dtype=torch.float64),
+    )
+    A = -torch.rand(D, N, generator=g, dtype=torch.float64)
+    A[1, 2] = 0.7
+    delta[0, 4, 1] = -0.3
+    B, C = (torch.randn(1, T, N, generator=g, dtype=torch.float64) for _ in range(2))
+    h, ys = torch.zeros(D, N, dtype=torch.float64), []
+    for t in range(T):
+        h = torch.exp(delta[0, t, :, None] * A) * h + delta[0, t, :, None] * B[0, t] * u[0, t, :, None]
+        ys.append(h @ C[0, t])
+    want = torch.stack(ys)
+    with use_backend("torch"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RangeWarning)
+        for mode in ("recurrent", "chunk", "parallel"):
+            y, _ = selective_scan(u, delta, A, B, C, mode=mode)
+            assert float((y[0] - want).norm() / want.norm()) < 1e-12, mode
