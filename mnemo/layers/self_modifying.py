@@ -306,6 +306,8 @@ def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
     rhs = gprev.exp()[:, None, :, None] * Wk + Eprev[:, None, :, None] * mk
     rhs = rhs + ((kk * lower) * Fprev)[:, None] @ u  # Σ_{s<t} (k_tᵀk_s) F_{t−1,s} u_s
     rhs = rhs.transpose(1, 2).reshape(B, L, G * h)
+    if A.dtype in (torch.bfloat16, torch.float16):  # (under autocast: the triangular solve takes neither)
+        A = A.float()
     eye = torch.eye(L, dtype=A.dtype, device=A.device).expand(B, L, L)
     r = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True) @ rhs
     r = r.reshape(B, L, G, h).transpose(1, 2)  # [B, G, L, h]
