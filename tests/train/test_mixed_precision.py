@@ -171,3 +171,31 @@ def test_every_form_accumulates_in_float32_under_autocast(op, mode):
             o, s = run()
     assert s.dtype == torch.float32
     assert torch.equal(s, s_ref) and torch.equal(o, o_ref)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "parallel", "recurrent"])
+def test_the_ssm_scans_accumulate_in_float32_under_autocast(mode):
+    """Likewise for the selective scan and SSD: bf16 inputs under CPU bf16 autocast give the
+    autocast-free outputs and float32 states bit for bit (the selective scan's parallel form ran
+    its matmuls in bf16)."""
+    from mnemo.ops import selective_scan, ssd, use_backend
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, P, N, D = 2, 24, 2, 4, 4, 3
+    x = torch.randn(B, T, H, P, generator=gen).bfloat16()
+    dt, A = torch.rand(B, T, H, generator=gen) * 2, -torch.rand(H, generator=gen) * 3
+    Bs, Cs = (torch.randn(B, T, 1, N, generator=gen).bfloat16() for _ in range(2))
+    u, delta = torch.randn(1, T, D, generator=gen).bfloat16(), torch.rand(1, T, D, generator=gen) * 2
+    A2 = -torch.rand(D, N, generator=gen) * 3
+    B2, C2 = (torch.randn(1, T, N, generator=gen).bfloat16() for _ in range(2))
+    runs = {
+        "ssd": lambda: ssd(x, dt, A, Bs, Cs, mode=mode, output_final_state=True),
+        "selective_scan": lambda: selective_scan(u, delta, A2, B2, C2, mode=mode, output_final_state=True),
+    }
+    for name, run in runs.items():
+        with use_backend("torch"):
+            o_ref, s_ref = run()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                o, s = run()
+        assert s.dtype == torch.float32, name
+        assert torch.equal(s, s_ref) and torch.equal(o, o_ref), name
