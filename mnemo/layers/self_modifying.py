@@ -23,12 +23,13 @@ association; mnemo's default before issue 37 — a named variant, not the paper'
 (Equation numbers follow arXiv 2512.24695 as transcribed by public reimplementations — the NL
 context notes of aryateja2106/neural-memory-reproduction and kmccleary3301/nested_learning; the
 per-line numbering inside Eq. 83 was not checked against the PDF. The transcriptions differ there:
-one writes the reads, ``v̂`` and the update line all under Eq. 83; another numbers §8.1's build-up
-as Eq. 76–78 (slow projections), Eq. 79–82 (adaptive projections, ``q_t = M_q,t−1(x_t)``
-included), Eq. 83 (the reads, ``q_t = x_t W_q``), Eq. 84 (``v̂``), Eq. 85 (the objectives),
-Eq. 88 (the DGD step), Eq. 89 (the residual MLP). Both give Eq. 90 as the chunk-wise form,
-Eq. 91 as the MLP memory in it, Eq. 92/93 as the matrix-memory recurrences for the dot-product
-and L2 objectives. The numbers cited here agree with both where they agree.)
+the first writes the reads, ``v̂`` and the update line all under Eq. 83; the specs of
+toddwbucy/NL_Hecate number §8.1's build-up as Eq. 76–78 (slow projections), Eq. 79–82 (adaptive
+projections, ``q_t = M_q,t−1(x_t)`` included), Eq. 83 (the reads, ``q_t = x_t W_q``), Eq. 84
+(``v̂``), Eq. 85 (the objectives), Eq. 88 (the DGD step), Eq. 89 (the residual MLP). Both give
+Eq. 90 as the chunk-wise form, Eq. 91 as the MLP memory in it, Eq. 92/93 as the matrix-memory
+recurrences for the dot-product and L2 objectives. The numbers cited here agree with both where
+they agree.)
 
 with ``L(M; k, v) = ½‖M(k) − v‖²`` (the L2 attentional bias, Eq. 93; ``v̂`` is a constant of the
 inner gradient, as in Eq. 93's ``(M k − v̂) kᵀ``) and every memory a 2-layer residual MLP (Eq. 89/91)::
