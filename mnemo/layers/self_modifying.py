@@ -12,13 +12,24 @@ Eq. 83, the DGD step Eq. 88)::
     M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) − η_t ∇L(M_□,t−1; k_t, v̂_□,t)          (DGD, Eq. 88)
 
 Every memory, the main one included, is written toward the value it generates itself from ``v_t``
-(Eq. 84/87, and HOPE's Eq. 94 lists ``M_memory`` among the self-modified memories).
+(Eq. 84–85: ``v̂_□,t`` and the per-memory objective ``min L(M_□; k_t, v̂_□,t)``; HOPE's Eq. 94
+lists ``M_memory`` among the self-modified memories). The paper's set in Eq. 84–85 is
+``□ ∈ {k, v, q, η, α, memory}``: it names ``q`` although Eq. 83 reads ``q_t = x_t W_q`` through
+a slow projection, so there is no ``M_q`` to rewrite; with that slow ``W_q`` (the default) mnemo's
+set is the one above, without ``q``, and ``adaptive_q=True`` adds ``M_q`` (below).
 ``memory_target="value"`` writes the main memory toward ``v_t`` itself instead (Titans' ``k → v``
 association; mnemo's default before issue 37 — a named variant, not the paper's).
 
 (Equation numbers follow arXiv 2512.24695 as transcribed by public reimplementations — the NL
 context notes of aryateja2106/neural-memory-reproduction and kmccleary3301/nested_learning; the
-per-line numbering inside Eq. 83 was not checked against the PDF.)
+per-line numbering inside Eq. 83 was not checked against the PDF. The transcriptions differ there:
+the first writes the reads, ``v̂`` and the update line all under Eq. 83; the specs of
+toddwbucy/NL_Hecate number §8.1's build-up as Eq. 76–78 (slow projections), Eq. 79–82 (adaptive
+projections, ``q_t = M_q,t−1(x_t)`` included), Eq. 83 (the reads, ``q_t = x_t W_q``), Eq. 84
+(``v̂``), Eq. 85 (the objectives), Eq. 88 (the DGD step), Eq. 89 (the residual MLP). Both give
+Eq. 90 as the chunk-wise form, Eq. 91 as the MLP memory in it, Eq. 92/93 as the matrix-memory
+recurrences for the dot-product and L2 objectives. The numbers cited here agree with both where
+they agree.)
 
 with ``L(M; k, v) = ½‖M(k) − v‖²`` (the L2 attentional bias, Eq. 93; ``v̂`` is a constant of the
 inner gradient, as in Eq. 93's ``(M k − v̂) kᵀ``) and every memory a 2-layer residual MLP (Eq. 89/91)::
@@ -28,7 +39,10 @@ inner gradient, as in Eq. 93's ``(M k − v̂) kᵀ``) and every memory a 2-laye
 **Chunks** (Eq. 90, the chunk-wise form; Titans' mini-batch GD): with chunk size ``C`` every token
 of a chunk reads, generates its values and takes its gradient at the weights its memory had at the
 chunk start ``M_□,c`` (``c`` = the last multiple of ``C`` at or before the token's position), while
-the DGD recursion runs token by token on the running weights::
+the DGD recursion runs token by token on the running weights. (Eq. 90 writes the index as
+``C × ⌈t/C⌉``; read literally with ``t`` counted from 1 that is the state after the chunk's *last*
+token, so a token would read weights written by the tokens after it. mnemo takes the chunk-start
+state ``C × (⌈t/C⌉ − 1)``, the causal reading and the one Titans' mini-batch GD defines.)::
 
     k_t = M_k,c(x_t) …     o_t = M_memory,c(q_t)     v̂_□,t = M_□,c(v_t)   (□ = memory too)
     M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) − η_t ∇L(M_□,c; k_t, v̂_□,t)
@@ -45,9 +59,10 @@ stream position.
 - ``adaptive_q=True``: the query is produced by its own adaptive memory, ``q_t = M_q,c(x̃_t)``
   (L2-normalised), a fifth projection memory in the group of ``M_k, M_v, M_η, M_α`` — same
   residual-MLP architecture, same chunk size ``proj_chunk_size``, written by the same DGD step
-  toward its self-generated value ``M_q,c(v_t)``. This is Eq. 83's update line with ``q`` among the
-  self-modified memories (``□ ∈ {k, v, q, η, α, memory}`` as transcribed; the first line's
-  ``q_t = x_t W_q`` is the default ``adaptive_q=False``). The slow ``W_q`` is then absent.
+  toward its self-generated value ``M_q,c(v_t)``. The read ``q_t = M_q(x_t)`` is the query of
+  §8.1's adaptive-projection step (Eq. 79 as one transcription numbers it), and the write is
+  Eq. 84–85 with ``q`` in the paper's own set ``□ ∈ {k, v, q, η, α, memory}``; Eq. 83's reads keep
+  ``q_t = x_t W_q``, the default ``adaptive_q=False``. The slow ``W_q`` is then absent.
 - ``momentum=μ`` (``0 ≤ μ < 1``): DGD with momentum. The paper's Table 6 names the ablation but §8
   writes no equation for it; mnemo's choice, Titans' momentum with forgetting (Behrouz et al. 2024,
   §3.1: ``S_t = η_t S_{t−1} − θ_t ∇ℓ``, ``M_t = (1 − α_t) M_{t−1} + S_t``) placed on the gradient
@@ -86,7 +101,7 @@ recursion is a decayed sum in one product. The gradient factors are written out 
 - one memory per ``□`` over the whole ``d_model`` (no heads inside the memories); ``n_heads``
   only groups the output norm and gate.
 - ``k_t`` and ``q_t`` are L2-normalised (§8.3 "L2 normalisation on q and k"); ``v_t`` is not.
-- a short causal convolution (+SiLU) on ``x`` feeds ``W_q`` and the four projection memories
+- a short causal convolution (+SiLU) on ``x`` feeds ``W_q`` (or ``M_q``) and the projection memories
   (§8.3 "local convolutions, window 4"); output ``y = W_o(RMSNorm(o) ⊙ silu(W_g x))`` per head
   (Titans' output gate).
 - σ = GELU; hidden width ``expansion · d`` (default ``d``).
@@ -292,6 +307,8 @@ def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
     rhs = gprev.exp()[:, None, :, None] * Wk + Eprev[:, None, :, None] * mk
     rhs = rhs + ((kk * lower) * Fprev)[:, None] @ u  # Σ_{s<t} (k_tᵀk_s) F_{t−1,s} u_s
     rhs = rhs.transpose(1, 2).reshape(B, L, G * h)
+    if A.dtype in (torch.bfloat16, torch.float16):  # (under autocast: the triangular solve takes neither)
+        A = A.float()
     eye = torch.eye(L, dtype=A.dtype, device=A.device).expand(B, L, L)
     r = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True) @ rhs
     r = r.reshape(B, L, G, h).transpose(1, 2)  # [B, G, L, h]
@@ -693,7 +710,8 @@ class SelfModifyingTitans(Mixer):
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> SelfModifyingTitansState:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
-        default the parameters'): running and chunk-start weights of the five memories (float32,
+        default the parameters'): running and chunk-start weights of the five memories (six with
+        ``adaptive_q``: ``M_q`` too) and, with ``momentum > 0``, their momentum buffers (float32,
         float64 for float64) plus the conv tail; independent of ``seq_len``. Defaults:
         ``batch_size=1``, ``seq_len=0``."""
         act, cd = state_dtypes(self, dtype)

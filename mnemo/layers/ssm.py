@@ -374,19 +374,24 @@ class Mamba2(Mixer):
         # B, C go to the grouped chunk form as they are (one per group); per head (repeated) only for
         # the hooks and the other forms. A hook that replaces B or C per head sends the call to gated
         # linear attention with the replacements.
+        # (a hook that returns its value after changing it in place also replaces it: the tensor's
+        # version counter says so)
         grouped, Bm, Cm = True, None, None
         if self.hook_B.hooked or self.hook_C.hooked:
             Bh, Ch = (t.repeat_interleave(H // G, dim=2) for t in (Bg, Cg))  # head h: group h // (H/G)
+            versions = (Bh._version, Ch._version)
             Bm, Cm = self.hook_B(Bh), self.hook_C(Ch)
-            grouped = Bm is Bh and Cm is Ch
+            grouped = Bm is Bh and Cm is Ch and (Bh._version, Ch._version) == versions
         A = -upcast(self.A_log).exp()
         g_raw = dt * A
+        g_version = g_raw._version if self.hook_g.hooked else None
         g = self.hook_g(g_raw)
+        g_given = g is g_raw and (g_version is None or g_raw._version == g_version)
         mode = self._mode(T, mode)
         h0 = state.ssm if state is not None else None
         if grouped and mode == "chunk" and xs.numel() and Bg.numel():
             cd = compute_dtype(xs, dt, g, Bg, Cg)
-            if g is g_raw:  # the op's backend table (mamba-ssm's kernel on CUDA, fed x in its dtype)
+            if g_given:  # the op's backend table (mamba-ssm's kernel on CUDA, fed x in its dtype)
                 o, h = ssd(
                     xs, dt, A, Bg, Cg, initial_state=h0, output_final_state=True, chunk_size=self.chunk_size
                 )

@@ -436,15 +436,21 @@ FLUSH_LOG = -40.0
 _FLUSH = math.exp(FLUSH_LOG)
 
 
+#: Upper clamp of :func:`decay_exp`'s exponent: ``exp(60) ≈ 1e26`` fits float32, so a masked entry
+#: (any finite value) still gives an exact 0 after the mask, while a positive log-gate given on
+#: purpose (a :class:`RangeWarning`) is computed as given, as the hand-written chunk forms do.
+DECAY_EXP_MAX = 60.0
+
+
 class _DecayExp(torch.autograd.Function):
-    """``(exp(clamp(x, FLUSH_LOG, 0)) − exp(FLUSH_LOG)) · mask`` with the exp-like backward
-    ``grad · out``. Written out because on CPU every comparison-based formulation (``masked_fill``
+    """``(exp(clamp(x, FLUSH_LOG, DECAY_EXP_MAX)) − exp(FLUSH_LOG)) · mask`` with the exp-like
+    backward ``grad · out``. Written out because on CPU every comparison-based formulation (``masked_fill``
     with ``-inf``, ``where``, ``clamp``'s own backward) costs several times the ``exp`` itself:
     ``exp(-inf)`` alone runs ~8x slower than ``exp`` of finite numbers."""
 
     @staticmethod
     def forward(ctx, log_decay, mask):
-        e = log_decay.clamp(FLUSH_LOG, 0.0).exp()
+        e = log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp()
         e = e.sub_(_FLUSH) if mask is None else torch.addcmul(mask * -_FLUSH, e, mask)
         ctx.save_for_backward(e)
         return e
@@ -456,15 +462,17 @@ class _DecayExp(torch.autograd.Function):
 
 
 def decay_exp(log_decay: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``exp(log_decay)`` for ``log_decay ≤ 0``; exactly ``0`` where ``mask`` (bool, broadcast
-    against ``log_decay``) is False or where the factor is at most ``exp(FLUSH_LOG) ≈ 4e-18``.
+    """``exp(log_decay)``; exactly ``0`` where ``mask`` (bool, broadcast against ``log_decay``) is
+    False or where the factor is at most ``exp(FLUSH_LOG) ≈ 4e-18``. A model's decays are ``≤ 0``
+    in log space; a positive one (an intervention's, said by :class:`RangeWarning`) is computed as
+    given up to ``exp(DECAY_EXP_MAX)``.
 
-    Computed as ``exp(clamp(log_decay, FLUSH_LOG, 0)) − exp(FLUSH_LOG)``, so nothing overflows (masked
-    entries may hold any finite value) and every factor moves by at most ``4e-18`` in absolute
-    terms: each changed term is ``< 4e-18`` times the same term undecayed, below float64's rounding
-    error. Flushing keeps float32 subnormals (``< 1.2e-38``, several times slower on CPUs) out of
-    the matmuls, including products of two decay factors. The gradient is ``grad · out``: exact
-    where the factor is kept, ``0`` where it is flushed or masked.
+    Computed as ``exp(clamp(log_decay, FLUSH_LOG, DECAY_EXP_MAX)) − exp(FLUSH_LOG)``, so nothing
+    overflows (masked entries may hold any finite value) and every factor moves by at most
+    ``4e-18`` in absolute terms: each changed term is ``< 4e-18`` times the same term undecayed,
+    below float64's rounding error. Flushing keeps float32 subnormals (``< 1.2e-38``, several times
+    slower on CPUs) out of the matmuls, including products of two decay factors. The gradient is
+    ``grad · out``: exact where the factor is kept, ``0`` where it is flushed or masked.
     """
     m = None if mask is None else mask.to(log_decay.dtype)
     return _DecayExp.apply(log_decay, m)

@@ -67,6 +67,7 @@ from einops import rearrange
 from . import _workspace
 from . import dispatch as _backends
 from ._chunked import (
+    autocast_disabled,
     autocast_off,
     b3,
     head_groups,
@@ -354,13 +355,18 @@ def run_delta_core(q, k, v, beta, g, S0, mode: str, chunk_size: int, scale: floa
     also takes them in their own dtype and applies ``scale`` itself (default ``scale=1.0``)."""
     if q.shape[1] == 0:
         return v.new_zeros(v.shape, dtype=S0.dtype), S0
-    if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
-        return delta_chunk(q, k, v, beta, g, S0, chunk_size, scale)
-    cd = S0.dtype
-    q, k, v, beta = q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd)
-    if mode == "parallel":
-        return delta_parallel(q, k, v, beta, g, S0)
-    return delta_recurrent(q, k, v, beta, g, S0)
+    # every form in the compute dtype under an enclosing autocast too: the hand-written chunk
+    # Functions disable it themselves, but the autograd chunk form (strong decays, torch.compile,
+    # CUDA), the parallel and the recurrent forms would run their matmuls in bf16 and return a
+    # bf16 state
+    with autocast_disabled(q.device.type):
+        if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
+            return delta_chunk(q, k, v, beta, g, S0, chunk_size, scale)
+        cd = S0.dtype
+        q, k, v, beta = q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd)
+        if mode == "parallel":
+            return delta_parallel(q, k, v, beta, g, S0)
+        return delta_recurrent(q, k, v, beta, g, S0)
 
 
 def _delta(

@@ -31,6 +31,7 @@ from einops import rearrange
 from . import _workspace
 from . import dispatch as _backends
 from ._chunked import (
+    autocast_disabled,
     autocast_off,
     head_groups,
     mm,
@@ -351,10 +352,12 @@ def run_gla_core(q, k, v, g, S0, mode: str, chunk_size: int, scale: float = 1.0)
     ``scale=1.0``)."""
     if q.shape[1] == 0:
         return v.new_zeros(v.shape, dtype=S0.dtype), S0
-    if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
-        return gla_chunk(q, k, v, g, S0, chunk_size, scale)
-    cd = S0.dtype
-    return _CORES["recurrent" if mode == "chunk" else mode](q.to(cd) * scale, k.to(cd), v.to(cd), g, S0)
+    # every form in the compute dtype under an enclosing autocast too (see run_delta_core)
+    with autocast_disabled(q.device.type):
+        if mode == "chunk" and q.numel() and v.numel():  # (empty B, H or V: nothing to chunk)
+            return gla_chunk(q, k, v, g, S0, chunk_size, scale)
+        cd = S0.dtype
+        return _CORES["recurrent" if mode == "chunk" else mode](q.to(cd) * scale, k.to(cd), v.to(cd), g, S0)
 
 
 # ----------------------------------------------------------------------------------------------

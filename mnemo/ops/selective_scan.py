@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from . import _native, _workspace
+from ._chunked import autocast_disabled
 from ._common import (
     LOG_GATE_MIN,
     _shape,
@@ -594,13 +595,16 @@ def ss_chunk(delta, u, A, B, C, h0, chunk_size):
 
 
 def run_ss_core(delta, u, A, B, C, h0, mode: str, chunk_size: int):
+    r"""One form of the scan; every form with an enclosing autocast off (the parallel form's
+    matmuls would otherwise run in bf16), as the chunk ``Function``\ s do themselves."""
     if u.shape[1] == 0:
         return u.new_zeros(u.shape), h0
-    if mode == "chunk":
-        return ss_chunk(delta, u, A, B, C, h0, chunk_size)
-    if mode == "parallel":
-        return ss_parallel(delta, u, A, B, C, h0)
-    return ss_recurrent(delta, u, A, B, C, h0)
+    with autocast_disabled(u.device.type):
+        if mode == "chunk":
+            return ss_chunk(delta, u, A, B, C, h0, chunk_size)
+        if mode == "parallel":
+            return ss_parallel(delta, u, A, B, C, h0)
+        return ss_recurrent(delta, u, A, B, C, h0)
 
 
 # ----------------------------------------------------------------------------------------------

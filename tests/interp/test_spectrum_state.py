@@ -158,15 +158,28 @@ def test_self_modifying_state_at_a_step_boundary_is_its_running_weights(name):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_self_modifying_titans_matches_autograd_jacobians():
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"momentum": 0.6}, {"momentum": 0.6, "adaptive_q": True}],
+    ids=["plain", "momentum", "momentum+adaptive_q"],
+)
+def test_self_modifying_titans_matches_autograd_jacobians(extra):
     """The leading exponents of HOPE's mixer from central differences equal those of the same QR
-    iteration on the step Jacobians taken by autograd (same seeded start)."""
+    iteration on the step Jacobians taken by autograd (same seeded start). With DGD momentum
+    (hope_paper's options) the momentum buffers are state too: the transition covers weights and
+    momentum of every memory (8 tensors), and a fifth projection memory with adaptive q."""
     torch.manual_seed(0)
-    opts = {"self_modifying_titans": {"chunk_size": 2, "proj_chunk_size": 4, "n_heads": 2}}
+    opts = {"self_modifying_titans": {"chunk_size": 2, "proj_chunk_size": 4, "n_heads": 2, **extra}}
     mixer = LanguageModel(build_config("hope", vocab_size=16, d_model=4, n_layers=1, mixer_options=opts))
     mixer = mixer.double().eval().blocks[0].mixer
     st0 = mixer.initial_state(1)
-    period, get, put, _ = _self_modifying_transition(mixer, st0)
+    period, get, put, what = _self_modifying_transition(mixer, st0)
+    momentum = "momentum" in extra
+    assert len(get(st0)) == (8 if momentum else 4) and what.endswith("(weights and momentum)") == momentum
+    assert get(st0)[0].shape[1] == (5 if extra.get("adaptive_q") else 4)
+    if momentum:  # put places every tensor where get found it (a round trip on distinct values)
+        ts = [torch.full_like(t, float(i)) for i, t in enumerate(get(st0))]
+        assert all(torch.equal(a, b) for a, b in zip(get(put(st0, ts)), ts))
     x = _x(1, 2 * period, 4, seed=5)
     k = 6
     got, n = state_spectrum(

@@ -224,14 +224,32 @@ def test_mac_and_projections_raise_past_one_recorded_piece():
     assert rel(torch.einsum("bhts,bshv->bthv", one.maps, one.values), one.output) <= 1e-10
 
 
-def test_self_modifying_titans_attribution_is_complete_and_respects_chunks():
+@pytest.mark.parametrize(
+    "extra", [{}, {"momentum": 0.6, "adaptive_q": True}], ids=["plain", "hope_paper options"]
+)
+def test_self_modifying_titans_attribution_is_complete_and_respects_chunks(extra):
+    """Completeness (the contributions add up to the writes' part of the read) and Eq. 90's
+    chunk-start reads, also with DGD momentum (the attribution's token loop carries the momentum
+    from zero, as a fresh stream) and the adaptive query (read from the recorded hook_q)."""
     torch.manual_seed(0)
-    m = SelfModifyingTitans(16, n_heads=2, chunk_size=4, proj_chunk_size=3).double()
+    m = SelfModifyingTitans(16, n_heads=2, chunk_size=4, proj_chunk_size=3, **extra).double()
     x = torch.randn(2, 11, 16, dtype=F64)
     acts = m.mixing_acts(x)
     a = m.attribution(acts, steps=8)
     assert a.maps.shape == (2, 1, 11, 11) and not a.exact
     assert a.completeness_error() < 1e-3
+    # the attributed output is the forward's own: its read minus the read of the same forward with
+    # zero values written (hook_v zeroed; with momentum, the momentum of those writes carried too)
+    reads = {}
+    h_o = m.hook_o.register_forward_hook(lambda mod, i, out: reads.__setitem__("o", out))
+    with torch.no_grad():
+        m(x)
+        o = reads["o"]
+        h_v = m.hook_v.register_forward_hook(lambda mod, i, out: torch.zeros_like(out))
+        m(x)
+        h_v.remove()
+    h_o.remove()
+    assert rel(a.output[:, :, 0], o - reads["o"]) <= 1e-10
     # Eq. 90: a read inside a chunk uses the chunk-start weights, so no weight on its own chunk
     for t in range(11):
         c0 = t - t % 4

@@ -214,3 +214,24 @@ def test_generic_mixer_checks_with_options(name, options):
 
 def test_dt_limit_default_is_no_clamp():
     assert Mamba2(16).dt_limit == (0.0, math.inf)
+
+
+@pytest.mark.parametrize("point", ["hook_g", "hook_B"])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_mamba2_a_hook_that_changes_its_value_in_place_replaces_it(point, mode):
+    """A hook on hook_g / hook_B that scales its value in place and returns it acts as one that
+    returns the scaled copy, in every form: before, the chunk form saw the same tensor object come
+    back and ran the op on the unhooked dt·A (or the grouped B), dropping the intervention."""
+    m = _mamba2(dict(n_groups=2))
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    hook = getattr(m, point)
+    plain, _ = m(x, mode=mode)
+    with torch.no_grad():
+        h = hook.register_forward_hook(lambda mod, i, out: out * 0.5)
+        copy, _ = m(x, mode=mode)
+        h.remove()
+        h = hook.register_forward_hook(lambda mod, i, out: out.mul_(0.5))
+        inplace, _ = m(x, mode=mode)
+        h.remove()
+    assert rel_rms(copy, plain) > 1e-3  # the intervention matters
+    assert rel_rms(inplace, copy) <= TOL

@@ -26,7 +26,8 @@ def _inputs(dtype, N=37, d=8, V=11, seed=0):
     return h, w, y
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+# float32: the module docstring documents ~1e-7 (2.4e-7 the worst measured over 160 cases)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 5e-7)])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("chunk_rows", [1, 5, 37, 100])
 def test_loss_and_gradients_equal_plain_cross_entropy(dtype, tol, reduction, chunk_rows):
@@ -46,7 +47,26 @@ def test_loss_only_where_no_gradient_is_needed():
     with torch.no_grad():
         got = chunked_cross_entropy(h, w, y, chunk_rows=4)
     ref = F.cross_entropy(F.linear(h, w), y, reduction="sum")
-    assert abs(float(got) - float(ref)) <= 1e-6 * abs(float(ref))
+    assert abs(float(got) - float(ref)) <= 5e-7 * abs(float(ref))
+
+
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+def test_without_grad_mode_only_the_loss_is_computed(ctx):
+    """Known count: the head's matmul is 2·N·V·d FLOPs; with gradients the forward adds ∂h and ∂W
+    (3 matmuls of that size). Without grad mode (evaluation) inputs that require grad must not
+    make it compute them: 2·N·V·d FLOPs, the same loss."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    N, d, V = 37, 8, 11
+    h, w, y = _inputs(torch.float32, N=N, d=d, V=V)
+    with FlopCounterMode(display=False) as grad_mode:
+        with_grad = chunked_cross_entropy(h, w, y, chunk_rows=5)
+    assert grad_mode.get_total_flops() == 3 * 2 * N * V * d  # the path that trains
+    with ctx(), FlopCounterMode(display=False) as counter:
+        got = chunked_cross_entropy(h, w, y, chunk_rows=5)
+    assert counter.get_total_flops() == 2 * N * V * d
+    assert not got.requires_grad
+    assert float(got) == float(with_grad.detach())
 
 
 class _Largest(TorchDispatchMode):
@@ -113,6 +133,15 @@ def test_bad_arguments_are_named():
         chunked_cross_entropy(h, w, y, reduction="none")
     with pytest.raises(ValueError, match="chunk_rows: expected an int >= 1, got 0"):
         chunked_cross_entropy(h, w, y, chunk_rows=0)
+    bad = y.clone()
+    bad[3], bad[7] = 11, -3  # V = 11: one past the vocabulary, and a negative that is not ignore_index
+    with pytest.raises(
+        ValueError,
+        match=r"targets: expected class indices in \[0, vocab = 11\) or ignore_index = -100, got 2 "
+        r"outside \(values in \[-3, 11\]\)",
+    ):
+        chunked_cross_entropy(h, w, bad)
+    assert torch.isfinite(chunked_cross_entropy(h, w, y.masked_fill(y == -100, -1), ignore_index=-1))
     m = _tiny()
     ids = torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match="targets must be an integer tensor shaped like input_ids"):

@@ -412,6 +412,24 @@ def test_options_gradients_agree_between_forms(C, Cp):
         assert g.abs().sum() > 0, f"{n}: zero gradient"
 
 
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_options_gradients_equal_finite_differences(mode):
+    """Independent of the two forms' agreement: torch.autograd.gradcheck (central differences in
+    float64) of the output and the final momentum with respect to the input and the initial
+    momentum, momentum 0.6 and adaptive q, chunks of 2 and 3 over 5 tokens."""
+    m = _model(d=4, C=2, Cp=3, momentum=0.6, adaptive_q=True)
+    x = _x(B=1, T=5, d=4)
+    s0 = m.initial_state(1)
+    m0 = tuple(t.clone().normal_(0, 0.1) for t in s0.memory_momentum)
+
+    def f(xx, ma, mb):
+        y, st = m(xx, dataclasses.replace(s0, memory_momentum=(ma, mb)), mode=mode)
+        return y, st.memory_momentum[0], st.proj_momentum[1]
+
+    inputs = (x.requires_grad_(True), *(t.requires_grad_(True) for t in m0))
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
 def test_momentum_zero_is_the_plain_step_and_momentum_changes_the_reads():
     """The momentum forms at μ = 0 (zero buffers) equal the plain DGD step bit for bit up to
     rounding, through a different computation (the chunk form's momentum solve against the gated

@@ -186,3 +186,98 @@ def test_the_finite_switch_takes_only_a_bool(value):
     with pytest.raises(TypeError, match="enabled must be True or False"):
         with finite_checks(value):
             pass
+
+
+# ------------------------------------------------------------------------------------------------
+# "computed as given": every form, also the autograd chunk forms that run under torch.compile and
+# on CUDA (forced here by avoid_host_reads), against a hand loop of the recurrence's equation
+# ------------------------------------------------------------------------------------------------
+
+
+def _hand_gated(q, k, v, g, beta=None):
+    """Token loop of S_t = exp(g_t) ⊙ (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t K^-½
+    (β = None: gated linear attention, S_t = exp(g_t) ⊙ S_{t−1} + k_t v_tᵀ); g scalar [B, T, H] or
+    per channel [B, T, H, K] (decaying the rows of S)."""
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    out = []
+    for t in range(T):
+        a = g[:, t].exp()
+        a = a[..., None, None] if g.ndim == 3 else a[..., None]
+        kt, vt = k[:, t], v[:, t]
+        if beta is None:
+            S = a * S + kt[..., None] * vt[..., None, :]
+        else:
+            b = beta[:, t][..., None, None]
+            S = a * (S - b * kt[..., None] * torch.einsum("bhk,bhkv->bhv", kt, S)[..., None, :])
+            S = S + b * kt[..., None] * vt[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * K**-0.5, S))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("path", ["eager", "traced or CUDA"])
+@pytest.mark.parametrize("op", ["gla scalar", "gla per-channel", "gated delta rule"])
+def test_positive_log_gates_are_computed_as_given_by_every_form(op, path, monkeypatch):
+    """Gates in (0, 0.15] over a stretch of 12 tokens (decays above 1, the state grows): recurrent,
+    chunk (two chunks of 16 and a tail) and parallel equal the hand loop. Before the fix the autograd
+    chunk forms (torch.compile, CUDA, and the delta rule's parallel form) capped each decay factor
+    at 1 (28 % relative error here) while the CPU's hand-written forms did not."""
+    import importlib
+
+    from mnemo.ops import use_backend
+
+    if path != "eager":
+        for mod in ("mnemo.ops.delta_rule", "mnemo.ops.gated_linear_attention"):
+            monkeypatch.setattr(importlib.import_module(mod), "avoid_host_reads", lambda *t: True)
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 40, 2, 4, 3
+    q, k, v = (torch.randn(B, T, H, d, generator=gen, dtype=torch.float64) for d in (K, K, V))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    shape = (B, T, H, K) if op == "gla per-channel" else (B, T, H)
+    g = -0.1 * torch.rand(*shape, generator=gen, dtype=torch.float64)
+    g[:, 10:22] = 0.15 * torch.rand(*g[:, 10:22].shape, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64) if op == "gated delta rule" else None
+    want = _hand_gated(q, k, v, g, beta)
+    with use_backend("torch"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RangeWarning)
+        for mode in ("recurrent", "chunk", "parallel"):
+            if beta is None:
+                o, _ = gated_linear_attention(q, k, v, g=g, mode=mode, chunk_size=16)
+            else:
+                o, _ = gated_delta_rule(q, k, v, g=g, beta=beta, mode=mode, chunk_size=16)
+            rel = float((o - want).norm() / want.norm())
+            assert rel < 1e-12, (mode, rel)
+
+
+@pytest.mark.parametrize("path", ["eager", "traced or CUDA"])
+def test_selective_scan_with_a_positive_A_and_a_negative_step_is_computed_as_given(path, monkeypatch):
+    """h_t = exp(Δ_t A) ⊙ h_{t−1} + Δ_t B_t u_t, y_t = h_t C_t by hand, with one A > 0 and one
+    Δ < 0: every form equals it (the RangeWarning's "computed as given")."""
+    import importlib
+
+    from mnemo.ops import use_backend
+
+    if path != "eager":
+        monkeypatch.setattr(
+            importlib.import_module("mnemo.ops.selective_scan"), "avoid_host_reads", lambda *t: True
+        )
+    g = torch.Generator().manual_seed(2)
+    T, D, N = 9, 3, 4
+    u, delta = (
+        torch.randn(1, T, D, generator=g, dtype=torch.float64),
+        torch.rand(1, T, D, generator=g, dtype=torch.float64),
+    )
+    A = -torch.rand(D, N, generator=g, dtype=torch.float64)
+    A[1, 2] = 0.7
+    delta[0, 4, 1] = -0.3
+    B, C = (torch.randn(1, T, N, generator=g, dtype=torch.float64) for _ in range(2))
+    h, ys = torch.zeros(D, N, dtype=torch.float64), []
+    for t in range(T):
+        h = torch.exp(delta[0, t, :, None] * A) * h + delta[0, t, :, None] * B[0, t] * u[0, t, :, None]
+        ys.append(h @ C[0, t])
+    want = torch.stack(ys)
+    with use_backend("torch"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RangeWarning)
+        for mode in ("recurrent", "chunk", "parallel"):
+            y, _ = selective_scan(u, delta, A, B, C, mode=mode)
+            assert float((y[0] - want).norm() / want.norm()) < 1e-12, mode

@@ -103,3 +103,26 @@ def test_adamw_is_torchs_fused_kernel_on_the_cpu_with_the_for_loop_update():
             o.step()
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), name
+
+
+def test_adamw_falls_back_to_torchs_default_where_the_fused_kernel_does_not_apply():
+    """The fallback path of adamw_implementation: a parameter off the CPU/CUDA (``meta``, as a
+    stand-in for FSDP's DTensors and other devices), a tensor subclass, or no trainable parameter at
+    all gives ``{}`` (torch's default implementation); plain CPU parameters give fused."""
+    from mnemo.train.optim import adamw_implementation
+
+    assert adamw_implementation(_Net()) == {"fused": True}
+    meta = torch.nn.Linear(3, 3, device="meta")
+    assert adamw_implementation(meta) == {}
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.nn.Linear(3, 3)
+    sub.weight = torch.nn.Parameter(sub.weight.detach().as_subclass(Sub))
+    assert adamw_implementation(sub) == {}
+    frozen = torch.nn.Linear(3, 3).requires_grad_(False)
+    assert adamw_implementation(frozen) == {}
+    net = _Net()
+    net.a = torch.nn.Linear(net.a.in_features, net.a.out_features, device="meta").requires_grad_(False)
+    assert adamw_implementation(net) == {"fused": True}  # frozen parameters do not decide

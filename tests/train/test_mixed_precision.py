@@ -18,6 +18,7 @@ import torch
 
 import mnemo.ops.dispatch as dispatch
 from mnemo.models import LanguageModel, build_config
+from mnemo.models.registry import MODELS
 from mnemo.train import TrainConfig, Trainer
 
 #: state fields that hold activations (in the compute dtype), not a recurrent memory
@@ -118,3 +119,83 @@ def test_bf16_training_tracks_fp32_on_a_tiny_run(tmp_path):
     assert a[-1] < a[0] - 0.3, f"the fp32 run did not learn: {a.tolist()}"
     rel = ((b - a).abs() / a).max().item()
     assert rel < 2e-2, f"bf16 losses drift {rel:.2e} from fp32: {a.tolist()} vs {b.tolist()}"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_preset_trains_under_bf16_autocast_with_float32_recurrent_states(name):
+    """The bf16 claim for every registered preset (hope_paper's DGD momentum solve raised
+    "triangular_solve_cpu not implemented for 'BFloat16'" before its upcast): the fused loss and
+    its backward run under CPU bf16 autocast, finite, with float32 gradients and float32 recurrent
+    states in every block's mixer (KV caches and conv windows are activations, bf16)."""
+    torch.manual_seed(0)
+    model = LanguageModel(build_config(name, vocab_size=32, d_model=16, n_layers=1))
+    ids = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = model(ids, targets=ids)
+        _, state = model(ids)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    for n, p in model.named_parameters():
+        assert p.grad is None or (p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()), n
+    for field, dt in _state_dtypes(state[0].mixer).items():
+        leaf = field.split(".")[-1].split("[")[0]
+        if leaf in ACTIVATION_FIELDS | {"attn_k", "attn_v", "read_k", "read_v"} or leaf.endswith("conv"):
+            continue  # activations (conv windows, KV caches): the dtype they were computed in
+        assert dt == torch.float32, f"{name}: state {field} is {dt}, expected torch.float32"
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "gated_linear_attention"])
+@pytest.mark.parametrize("mode", ["chunk", "chunk (strong decay)", "parallel", "recurrent"])
+def test_every_form_accumulates_in_float32_under_autocast(op, mode):
+    """bf16 q, k, v under CPU bf16 autocast: every form returns a float32 state equal to the same
+    call without autocast (fp32 accumulation), also where a chunk decays by more than 30 nats and
+    the autograd chunk form takes over (it ran its matmuls in bf16 and returned a bf16 state)."""
+    from mnemo.ops import gated_delta_rule, gated_linear_attention, use_backend
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 2, 24, 2, 4
+    q, k, v = (torch.randn(B, T, H, K, generator=gen).bfloat16() for _ in range(3))
+    k = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
+    g = -torch.rand(B, T, H, generator=gen) * (3.0 if "strong" in mode else 0.1)
+    beta = torch.rand(B, T, H, generator=gen)
+    m = mode.split(" ")[0]
+
+    def run():
+        if op == "gated_delta_rule":
+            return gated_delta_rule(q, k, v, g=g, beta=beta, mode=m, output_final_state=True)
+        return gated_linear_attention(q, k, v, g=g, mode=m, output_final_state=True)
+
+    with use_backend("torch"):
+        o_ref, s_ref = run()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o, s = run()
+    assert s.dtype == torch.float32
+    assert torch.equal(s, s_ref) and torch.equal(o, o_ref)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "parallel", "recurrent"])
+def test_the_ssm_scans_accumulate_in_float32_under_autocast(mode):
+    """Likewise for the selective scan and SSD: bf16 inputs under CPU bf16 autocast give the
+    autocast-free outputs and float32 states bit for bit (the selective scan's parallel form ran
+    its matmuls in bf16)."""
+    from mnemo.ops import selective_scan, ssd, use_backend
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, P, N, D = 2, 24, 2, 4, 4, 3
+    x = torch.randn(B, T, H, P, generator=gen).bfloat16()
+    dt, A = torch.rand(B, T, H, generator=gen) * 2, -torch.rand(H, generator=gen) * 3
+    Bs, Cs = (torch.randn(B, T, 1, N, generator=gen).bfloat16() for _ in range(2))
+    u, delta = torch.randn(1, T, D, generator=gen).bfloat16(), torch.rand(1, T, D, generator=gen) * 2
+    A2 = -torch.rand(D, N, generator=gen) * 3
+    B2, C2 = (torch.randn(1, T, N, generator=gen).bfloat16() for _ in range(2))
+    runs = {
+        "ssd": lambda: ssd(x, dt, A, Bs, Cs, mode=mode, output_final_state=True),
+        "selective_scan": lambda: selective_scan(u, delta, A2, B2, C2, mode=mode, output_final_state=True),
+    }
+    for name, run in runs.items():
+        with use_backend("torch"):
+            o_ref, s_ref = run()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                o, s = run()
+        assert s.dtype == torch.float32, name
+        assert torch.equal(s, s_ref) and torch.equal(o, o_ref), name
