@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import IGNORE_INDEX, Task, sample_without_replacement
+from .base import IGNORE_INDEX, Task
+from .passkey import draw_needles
 
 #: RULER's repeated-noise haystack (its S-NIAH-1 "noise" sentences), repeated without end
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -172,17 +173,11 @@ class NIAH(Task):
         A, L, n = self.text_vocab, self.value_len, self.num_needles
         m = L + 2  # needle length
         H = T - (L + 1)  # haystack length
-        key0 = A + 2
-        val0 = key0 + self.num_keys
-        keys = sample_without_replacement(B, self.num_keys, n, gen) + key0  # [B, n] distinct
-        vals = torch.randint(val0, val0 + VALUE_SYMBOLS[self.value], (B, n, L), generator=gen)
-        # non-overlapping starts: distinct sorted c in [0, H − n(m−1)), pos_j = c_j + j(m − 1)
-        c = sample_without_replacement(B, H - n * (m - 1), n, gen).sort(dim=-1).values
-        pos = c + torch.arange(n) * (m - 1)  # [B, n]
-        needles = torch.cat([torch.full((B, n, 1), self.needle_token), keys[..., None], vals], dim=-1)
-        idx = (pos[..., None] + torch.arange(m)).reshape(B, n * m)
+        keys, vals, idx, needles = draw_needles(
+            B, H, n, L, A + 2, self.num_keys, VALUE_SYMBOLS[self.value], self.needle_token, gen
+        )
         in_needle = torch.zeros(B, H, dtype=torch.bool).scatter_(1, idx, True)
-        hay = torch.zeros(B, H, dtype=torch.long).scatter_(1, idx, needles.reshape(B, n * m))
+        hay = torch.zeros(B, H, dtype=torch.long).scatter_(1, idx, needles)
         # splice: the text goes on after a needle where it stopped before it
         text = self._text(B, H - n * m, gen)
         text_at = ((~in_needle).cumsum(1) - 1).clamp_min(0)

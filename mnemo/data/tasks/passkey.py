@@ -10,6 +10,28 @@ import torch
 from .base import IGNORE_INDEX, Task, sample_without_replacement
 
 
+def draw_needles(B, H, n, L, key0, num_keys, value_vocab, needle_token, gen):
+    """``n`` non-overlapping needles ``▷ κ d1 … dL`` per row at uniformly random depths of a
+    haystack of ``H`` positions, with distinct keys ``κ`` from ``[key0, key0 + num_keys)`` and
+    value tokens from the ``value_vocab`` ids after the keys (random draws: keys, values, depths).
+
+    Returns ``(keys [B, n], vals [B, n, L], idx [B, n·(L+2)], needles [B, n·(L+2)])``: the needles'
+    tokens and the haystack positions they occupy (``x.scatter_(1, idx, needles)`` places them).
+    """
+    m = L + 2  # needle length
+    val0 = key0 + num_keys
+    keys = sample_without_replacement(B, num_keys, n, gen) + key0  # [B, n] distinct
+    vals = torch.randint(val0, val0 + value_vocab, (B, n, L), generator=gen)
+    # non-overlapping starts: distinct sorted c in [0, H − n(m−1)), pos_j = c_j + j(m − 1)
+    c = sample_without_replacement(B, H - n * (m - 1), n, gen).sort(dim=-1).values
+    pos = c + torch.arange(n) * (m - 1)  # [B, n]
+    needles = torch.cat(
+        [torch.full((B, n, 1), needle_token, dtype=torch.long), keys[..., None], vals], dim=-1
+    )
+    idx = (pos[..., None] + torch.arange(m)).reshape(B, n * m)
+    return keys, vals, idx, needles.reshape(B, n * m)
+
+
 @dataclass
 class Passkey(Task):
     """A key–value needle hidden in long filler, retrieved at the end.
@@ -82,24 +104,15 @@ class Passkey(Task):
 
     def _generate(self, B: int, T: int, gen: torch.Generator):
         F, L, n = self.filler_vocab, self.value_len, self.num_needles
-        m = L + 2  # needle length
         H = T - (L + 1)  # haystack length
         if self.filler == "random":
             x = torch.randint(0, F, (B, T), generator=gen)
         else:
             x = (torch.arange(T) % F).expand(B, T).clone()
-        key0 = F + 2
-        val0 = key0 + self.num_keys
-        keys = sample_without_replacement(B, self.num_keys, n, gen) + key0  # [B, n] distinct
-        vals = torch.randint(val0, val0 + self.value_vocab, (B, n, L), generator=gen)
-        # non-overlapping starts: distinct sorted c in [0, H − n(m−1)), pos_j = c_j + j(m − 1)
-        c = sample_without_replacement(B, H - n * (m - 1), n, gen).sort(dim=-1).values
-        pos = c + torch.arange(n) * (m - 1)  # [B, n]
-        needles = torch.cat(
-            [torch.full((B, n, 1), self.needle_token, dtype=torch.long), keys[..., None], vals], dim=-1
-        )  # [B, n, m]
-        idx = (pos[..., None] + torch.arange(m)).reshape(B, n * m)
-        x.scatter_(1, idx, needles.reshape(B, n * m))
+        keys, vals, idx, needles = draw_needles(
+            B, H, n, L, F + 2, self.num_keys, self.value_vocab, self.needle_token, gen
+        )
+        x.scatter_(1, idx, needles)
         q = torch.randint(0, n, (B, 1), generator=gen)
         qkey = keys.gather(1, q)  # [B, 1]
         qval = vals.gather(1, q[..., None].expand(B, 1, L))[:, 0]  # [B, L]
