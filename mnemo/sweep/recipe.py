@@ -10,9 +10,9 @@ module holds the three pieces the sweep machinery uses for that:
   it on a held-out seed (``select_lr_on_seed``) and report at least :data:`MIN_REPORTED_SEEDS`
   other seeds. :meth:`mnemo.sweep.SweepSpec.from_dict` refuses a standard sweep that does not.
 * :func:`left_plateau` — whether one run's evaluation curve (``metrics.jsonl``, stored with each
-  sweep run as ``curve``) left its initial plateau: the metric improved on its first evaluation
-  by at least ``rise`` (accuracies: :data:`ACC_RISE` absolute; ``val_loss``: :data:`LOSS_RISE` of
-  the first value), or reached the threshold. A run that did not is still on the plateau: its
+  sweep run as ``curve``) left its initial plateau: its best value improved on the plateau's level
+  (the median of the curve's first half) by at least ``rise`` (accuracies: :data:`ACC_RISE`
+  absolute; ``val_loss``: :data:`LOSS_RISE` of the level), or reached the threshold. A run that did not is still on the plateau: its
   value says nothing about the model's ability, only about the budget.
 * :func:`judge_claim` — a claim ``better`` beats ``than`` on the sweep's metric, judged on the
   seeds both report (paired: the difference per seed, then its Student-t interval,
@@ -89,19 +89,23 @@ def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None 
     """Whether a run's evaluation ``curve`` (records with ``step`` and ``metric``, in order) left
     its initial plateau; ``None`` when the curve has fewer than one finite value (unknown).
 
-    Accuracies (higher is better): the best value is at least :data:`ACC_RISE` above the first,
-    or reaches ``threshold``. ``val_loss``: the best value is at least :data:`LOSS_RISE` × the
-    first value below it, or at most ``threshold``."""
+    The plateau's level is the median of the first half of the curve (its first ``⌈n/2⌉``
+    values), not its first value: a first evaluation often sits *below* the plateau (MQAR's
+    first evaluation at 0.16, then 0.24–0.28 for 900 steps, the level of guessing one of the
+    values present), and a rise from there is not learning. Accuracies (higher is better): the best
+    value is at least :data:`ACC_RISE` above that level, or reaches ``threshold``. ``val_loss``: the
+    best value is at least :data:`LOSS_RISE` × the level below it, or at most ``threshold``."""
     values = [r.get(metric) for r in curve or []]
     values = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     if not values:
         return None
-    first = values[0]
+    head = sorted(values[: (len(values) + 1) // 2])
+    level = head[(len(head) - 1) // 2]  # the (lower) median of the first half
     if _higher_is_better(metric):
         best = max(values)
-        return best - first >= ACC_RISE or (threshold is not None and best >= threshold)
+        return best - level >= ACC_RISE or (threshold is not None and best >= threshold)
     best = min(values)
-    return first - best >= LOSS_RISE * abs(first) or (threshold is not None and best <= threshold)
+    return level - best >= LOSS_RISE * abs(level) or (threshold is not None and best <= threshold)
 
 
 def judge_claim(
