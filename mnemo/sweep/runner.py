@@ -7,6 +7,9 @@ import concurrent.futures as cf
 import contextlib
 import json
 import multiprocessing
+import os
+import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -109,11 +112,38 @@ def _curve(path) -> list[dict]:
     return curve
 
 
-def _init_worker(threads: int | None) -> None:
+#: set in the sweep's workers by :func:`_init_worker`: the sweep is stopping, start no new run
+_STOP = None
+
+
+def _init_worker(threads: int | None, stop=None) -> None:
     import torch
 
+    global _STOP
+    _STOP = stop
     if threads:
         torch.set_num_threads(threads)
+
+
+def _run_in_worker(config: dict, run_dir: str, threads: int | None) -> dict:
+    """:func:`run_one` in a worker process, unless the sweep is stopping (then nothing starts)."""
+    if _STOP is not None and _STOP.is_set():
+        return {"status": "failed", "metrics": {}, "error": "the sweep was interrupted before this run"}
+    return run_one(config, run_dir, threads)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _stop_workers(pool, stop) -> None:
+    """An interrupted sweep: no queued run starts, and every running one gets SIGTERM, which its
+    trainer turns into a checkpoint of the last finished step (:mod:`mnemo.train.interrupts`), so
+    the pool's shutdown waits for a step, not for whole runs, and no worker outlives the sweep."""
+    stop.set()
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(ProcessLookupError, OSError):
+            os.kill(proc.pid, signal.SIGTERM)
 
 
 def _chosen_values(db: SweepDB, spec: SweepSpec, ids: set[str]) -> dict[str, dict | None]:
@@ -265,24 +295,32 @@ def run_sweep(
                     finish(run, run_one(run.config, str(out_dir / run.run_id), threads))
             else:
                 ctx = multiprocessing.get_context("spawn")
-                with cf.ProcessPoolExecutor(
-                    max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads,)
-                ) as pool:
-                    futures: dict = {}
-                    try:
-                        while queue or futures:
-                            while queue:
-                                run = queue.pop(0)
-                                futures[
-                                    pool.submit(run_one, run.config, str(out_dir / run.run_id), threads)
-                                ] = run
-                            done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
-                            for fut in done:
-                                finish(futures.pop(fut), fut.result())
-                    except BaseException:
-                        for f in futures:
-                            f.cancel()
-                        raise
+                stop = ctx.Event()
+                # SIGTERM (a scheduler's, `kill`) takes the same path as Ctrl-C: workers stop too
+                main = threading.current_thread() is threading.main_thread()
+                old_term = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
+                try:
+                    with cf.ProcessPoolExecutor(
+                        max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads, stop)
+                    ) as pool:
+                        futures: dict = {}
+                        try:
+                            while queue or futures:
+                                while queue:
+                                    run = queue.pop(0)
+                                    where = str(out_dir / run.run_id)
+                                    futures[pool.submit(_run_in_worker, run.config, where, threads)] = run
+                                done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                                for fut in done:
+                                    finish(futures.pop(fut), fut.result())
+                        except BaseException:
+                            for f in futures:
+                                f.cancel()
+                            _stop_workers(pool, stop)
+                            raise
+                finally:
+                    if old_term is not None:
+                        signal.signal(signal.SIGTERM, old_term)
         finally:
             bar.close()
     return counts
