@@ -5,14 +5,25 @@ here. ``config_flag_fields`` / ``add_config_flags`` (TrainConfig's flags) are re
 
 from __future__ import annotations
 
-import argparse
+# Nothing but ``sys`` at the top: the console script imports this module before ``main`` runs,
+# so an interrupt (Ctrl-C) during an import made here would print Python's traceback; every other
+# import is made inside ``main``, whose handler says it in one line.
 import sys
-import warnings
 
-from . import argtypes as kinds
-from .commands.train import add_config_flags, config_flag_fields
+TYPE_CHECKING = False  # (not typing's: importing typing costs start-up time)
+if TYPE_CHECKING:  # re-exported lazily (the module's __getattr__, below)
+    from .commands.train import add_config_flags, config_flag_fields
 
 __all__ = ["main", "build_parser", "add_config_flags", "config_flag_fields"]
+
+
+def __getattr__(name: str):
+    # TrainConfig's flags, re-exported without importing the train command at start-up
+    if name in ("add_config_flags", "config_flag_fields"):
+        from .commands import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _cmd_models(args) -> int:
@@ -30,7 +41,10 @@ def _cmd_models(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():
+    """The ``mnemo`` parser (an ``argparse.ArgumentParser``: :class:`mnemo.argtypes.Parser`)."""
+    from . import argtypes as kinds
+
     p = kinds.Parser(prog="mnemo", description="Sequence models as associative memories.")
     sub = p.add_subparsers(dest="command", required=True)
     # train, eval and generate, then models, then bench and the feature modules: the order of
@@ -77,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     import os
+    import warnings
 
     from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
     from .ops.dispatch import BackendError

@@ -18,6 +18,9 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -1254,3 +1257,115 @@ def test_a_changed_sweep_is_not_pooled_as_seeds():
     assert [r["run_id"] for r in kept] == ["b"] and superseded == {'{"label": "gla"}': 1}
     (c,) = cell_stats(rows)
     assert c["n"] == 1 and c["values"] == [0.3] and c["n_superseded"] == 1
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh interpreter that imports this checkout of mnemo."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_an_interrupt_while_the_command_module_imports_is_one_line():
+    """(left by the seventh trial) Ctrl-C while the console script imports ``mnemo.cli`` printed
+    Python's traceback: that import ran mnemo.argtypes and the train command before ``main`` and
+    its handler. Now ``import mnemo.cli`` imports nothing but itself (and ``mnemo``); every other
+    import is made inside ``main``, so an interrupt there is one line and exit status 130. (What
+    no package can reach: the interpreter's own start-up and the console script's ``import re``.)"""
+    loaded = _python(
+        """
+        import sys
+        before = set(sys.modules)
+        import mnemo.cli
+        print(sorted(set(sys.modules) - before))
+        """
+    )
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "['mnemo', 'mnemo.cli']", loaded
+    # an interrupt while the libraries load, as the console script runs it (its import, then main)
+    interrupted = _python(
+        """
+        import sys
+
+        class Interrupt:  # Ctrl-C while these modules load
+            def find_spec(self, name, path=None, target=None):
+                if name in ("argparse", "mnemo.argtypes", "mnemo.commands.train", "torch"):
+                    raise KeyboardInterrupt
+
+        sys.meta_path.insert(0, Interrupt())
+        from mnemo.cli import main
+        sys.exit(main(["models"]))
+        """
+    )
+    assert interrupted.returncode == 130, interrupted
+    assert interrupted.stderr.strip() == "mnemo: interrupted before any work began; nothing was written"
+    assert "Traceback" not in interrupted.stderr
+    from mnemo.cli import add_config_flags, config_flag_fields  # still re-exported
+
+    assert callable(add_config_flags) and "lr" in [f.name for f in config_flag_fields()]
+
+
+def test_a_failed_run_leaves_no_lock_and_no_folder_it_made(tmp_path, capsys):
+    """(left by the seventh trial) a run that failed after taking its folder left ``.lock`` there:
+    a folder holding only that file, which other commands then took for a run (``tokenizer train
+    --out`` and ``save_pretrained`` refuse a run's folder). Releasing the lock removes the file; a
+    folder the run made and never wrote to is removed too; one that existed stays, empty."""
+    from mnemo.train.run_folder import lock_run_folder
+
+    diverge = ["train", *TINY, "--steps", "2", "--lr", "1e30", "--warmup-steps", "0"]
+    made = tmp_path / "made"
+    assert main([*diverge, "--out", str(made)]) == 1
+    assert "no checkpoint was written yet" in capsys.readouterr().err
+    assert not made.exists()
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "notes.txt").write_text("mine")
+    assert main([*diverge, "--out", str(given)]) == 1
+    assert sorted(p.name for p in given.iterdir()) == ["notes.txt"]
+    capsys.readouterr()
+    # a finished run and --overwrite leave no lock either; the folder is then free for the next run
+    done = tmp_path / "done"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(done)]) == 0
+    assert not (done / ".lock").exists()
+    assert main(["train", *TINY, "--steps", "2", "--out", str(done), "--overwrite"]) == 0
+    assert not (done / ".lock").exists() and (done / "latest").is_file()
+    capsys.readouterr()
+    # the lock is still one holder at a time, and a released lock file is not taken over by a
+    # process that opened it before it went
+    lock = lock_run_folder(done)
+    stale = open(done / ".lock", "a+")
+    with pytest.raises(ValueError, match=r"is in use by another training process \(pid \d+\)"):
+        lock_run_folder(done)
+    lock.close()
+    assert not (done / ".lock").exists()
+    again = lock_run_folder(done)
+    assert not os.path.samestat(os.fstat(stale.fileno()), os.stat(done / ".lock"))
+    stale.close()
+    again.close()
+
+
+def test_pack_documents_on_a_single_document_is_refused(run, tmp_path, capsys):
+    """(left by the seventh trial: a warning) ``--pack-documents`` promises that no state crosses a
+    document boundary; on a plain text file (one document) it would do nothing while the run
+    records it as on. A researcher giving it most likely thinks the text holds documents (e.g.
+    separated by blank lines), so the run would not be what they think: refused before the work,
+    as every option that nothing reads is (``--text-field`` on plain text), naming the flag and
+    how to give documents. A run saved with it earlier is resumed with the old warning."""
+    text = tmp_path / "stories.txt"
+    text.write_text("Once upon a time.\n\nAnother story here.\n\n" * 200)
+    out = tmp_path / "packed"
+    for data in (str(text), "tinyshakespeare"):
+        argv = ["train", *TINY, "--steps", "2", "--data", data, "--pack-documents", "--out", str(out)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--pack-documents" in err and "is a single document" in err, err
+        assert "drop --pack-documents, or give the documents as JSONL/Parquet records" in err
+        assert not out.exists()
+    # two files are two documents: packing means something there, and runs
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("first document " * 100)
+    (docs / "b.txt").write_text("second document " * 100)
+    argv = ["train", *TINY, "--steps", "2", "--data", str(docs), "--pack-documents", "--out", str(out)]
+    assert main(argv) == 0
