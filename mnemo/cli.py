@@ -94,7 +94,7 @@ def _main(argv: list[str] | None) -> int:
     import warnings
 
     from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
-    from .ops.dispatch import BackendError
+    from .ops.dispatch import BackendError, current_backend
     from .runtime import tune_malloc
     from .train import TrainingDiverged
     from .train.distributed import cleanup
@@ -129,6 +129,7 @@ def _main(argv: list[str] | None) -> int:
     was_format = warnings.formatwarning
     warnings.formatwarning = one_line_warning
     try:
+        current_backend()  # an unknown MNEMO_BACKEND is said before any work, not at the first op call
         return args.func(args)
     except TrainingDiverged as e:
         report(f"mnemo: {e}")

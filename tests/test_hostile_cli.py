@@ -1369,3 +1369,168 @@ def test_pack_documents_on_a_single_document_is_refused(run, tmp_path, capsys):
     (docs / "b.txt").write_text("second document " * 100)
     argv = ["train", *TINY, "--steps", "2", "--data", str(docs), "--pack-documents", "--out", str(out)]
     assert main(argv) == 0
+
+
+def _standard_sweep(**change) -> dict:
+    """A sweep file (as a mapping) that meets the recipe standard, for ``SweepSpec.from_dict``."""
+    d = {
+        "name": "std",
+        "metric": "val_acc",
+        "recipe": "standard",
+        "base": {"task": "mqar", "seq_len": 32, "steps": 2},
+        "models": ["deltanet", "gated_deltanet"],
+        "grid": {"lr": [1.0e-3, 3.0e-3, 1.0e-2]},
+        "tune": ["lr"],
+        "seeds": 4,
+        "select_lr_on_seed": 0,
+        "claims": [{"name": "gating helps", "better": "gated_deltanet", "than": "deltanet"}],
+    }
+    d.update(change)
+    return d
+
+
+def test_eighth_trial_sweep_files(tmp_path):
+    """(eighth trial) a standard sweep's learning rates are checked where they are given: a model
+    entry's own ``grid.lr`` escaped the standard (3x passed), and a NaN, negative or YAML 1.1
+    string learning rate was counted out and blamed on the number of values; a per-model
+    ``seed`` axis beside ``seeds`` said 'identical runs'; a repeated claim was judged twice."""
+    from mnemo.sweep.spec import SweepSpec
+
+    SweepSpec.from_dict(_standard_sweep(), "std.yaml").runs()  # the standard itself passes
+    narrow = [{"label": "a", "model": "deltanet", "grid": {"lr": [1.0e-3, 2.0e-3, 3.0e-3]}}, "gated_deltanet"]
+    claims = [{"better": "a", "than": "gated_deltanet"}]
+    with pytest.raises(ValueError, match=r"'models\[a\].grid.lr' spans 3x \(0.001 … 0.003\); the standard"):
+        SweepSpec.from_dict(_standard_sweep(models=narrow, claims=claims), "std.yaml")
+    for bad, said in (
+        (math.nan, "holds nan, which is not a positive finite learning rate"),
+        (-1e-3, "holds -0.001, which is not a positive finite learning rate"),
+        ("1e-3", "holds '1e-3', which is not a positive finite learning rate .a string: YAML 1.1 reads"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            SweepSpec.from_dict(_standard_sweep(grid={"lr": [bad, 1.0e-3, 1.0e-2]}), "std.yaml")
+    seeded = [{"label": "a", "model": "deltanet", "grid": {"seed": [5, 6]}}, "gated_deltanet"]
+    with pytest.raises(ValueError, match="model 'a': give the seeds either as 'seeds' or as a grid axis"):
+        SweepSpec.from_dict(_standard_sweep(models=seeded, claims=claims), "std.yaml").runs()
+    twice = _standard_sweep()["claims"] * 2
+    with pytest.raises(ValueError, match=r"claims\[1\] repeats claims\[0\]"):
+        SweepSpec.from_dict(_standard_sweep(claims=twice), "std.yaml")
+
+
+def test_eighth_trial_report_uses_the_sweeps_metric(tmp_path, capsys):
+    """(eighth trial) ``mnemo report`` of a ``metric: val_loss`` sweep reported ``val_acc`` (its
+    flag's default): a table of 'done' without values, no paired seed, a claim 'not testable'.
+    The report now uses the sweep file's metric, and a metric no run measured is refused before
+    anything is written."""
+    f = tmp_path / "loss.yaml"
+    f.write_text(
+        "name: loss\nmodels: [gla]\nmetric: val_loss\ngrid: {lr: [0.001]}\n"
+        "base: {steps: 1, seq_len: 16, batch_size: 2, eval_batches: 1, sample_tokens: 0, "
+        "warmup_steps: 0, model_overrides: {d_model: 16, n_layers: 1}}\n"
+    )
+    db, out = tmp_path / "loss.sqlite", tmp_path / "report"
+    argv = ["sweep", str(f), "--db", str(db), "--out", str(tmp_path / "runs"), "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["report", str(db), "--out", str(out), "--no-plots", "--metric", "val_acc"]) == 2
+    err = capsys.readouterr().err
+    assert "metric 'val_acc' (--metric): no finished run of sweep 'loss'" in err and err.count("\n") == 1
+    assert "they measured: val_bpc, val_loss" in err and not out.exists()
+    assert main(["report", str(db), "--out", str(out), "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "| gla |" in text and "`val_loss`" in text and "val_acc" not in text
+
+
+def test_eighth_trial_commands(run, tmp_path, capsys, monkeypatch):
+    """(eighth trial) ``--optimizer m3_paper`` took ``--warmup-steps`` (and a config's weight
+    decay, clip, min lr) and ignored them; an unknown ``MNEMO_BACKEND`` was said only at the
+    first op call (after the data and model loaded) and never by commands without ops;
+    ``--pack-documents`` on a model whose CMS learns from the task loss failed at the first step
+    naming ``cu_seqlens``, and ``eval --pack-documents on`` of one document measured nothing new;
+    huge bench shapes were a traceback (the allocation); a model named twice was timed twice."""
+    out = tmp_path / "m3"
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                "--steps",
+                "1",
+                "--optimizer",
+                "m3_paper",
+                "--warmup-steps",
+                "5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "warmup_steps (--warmup-steps): not read with optimizer m3_paper" in err and not out.exists()
+    cfg = tmp_path / "m3.yaml"
+    cfg.write_text("optimizer: m3_paper\nweight_decay: 0.05\n")
+    assert main(["train", *TINY, "--steps", "1", "--config", str(cfg), "--out", str(out)]) == 2
+    assert "weight_decay: not read with optimizer m3_paper" in capsys.readouterr().err
+    monkeypatch.setenv("MNEMO_BACKEND", "nosuch")
+    assert main(["models"]) == 2
+    err = capsys.readouterr().err
+    assert "MNEMO_BACKEND must be one of auto, torch, native, fla, mamba_ssm, got 'nosuch'" in err
+    monkeypatch.delenv("MNEMO_BACKEND")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("first document " * 50)
+    (docs / "b.txt").write_text("second document " * 50)
+    hope = ["train", *TINY, "--steps", "1", "--model", "hope", "--data", str(docs), "--pack-documents"]
+    assert main([*hope, "--out", str(tmp_path / "hope")]) == 2
+    err = capsys.readouterr().err
+    assert "pack_documents (--pack-documents): not with model 'hope'" in err and "cu_seqlens" not in err
+    assert main(["eval", "--checkpoint", str(run), "--pack-documents", "on"]) == 2
+    assert "--pack-documents on: data 'tinyshakespeare' is a single document" in capsys.readouterr().err
+    for suite, extra in (("roofline", []), ("models", ["--peers", "none", "--gen-batches", "none"])):
+        argv = ["bench", "--suite", suite, "--models", "gla", "--d-model", "16", "--n-layers", "1"]
+        assert main([*argv, "--model-shapes", "100000000x1000", "--repeats", "1", *extra]) == 2
+        err = capsys.readouterr().err
+        assert (
+            "--model-shapes: 100000000x1000 (tokens x rows) needs at least" in err and "Traceback" not in err
+        )
+    assert main(["bench", "--suite", "roofline", "--models", "gla,gla", "--model-shapes", "32x1"]) == 2
+    assert "--models: 'gla' given twice; give each name once" in capsys.readouterr().err
+
+
+def test_eighth_trial_library_values():
+    """(eighth trial) ``forward(ids, targets=...)`` with a target outside the vocabulary raised
+    torch's 'index 25 is out of bounds' (an IndexError for HOPE), a float ``ignore_index`` was
+    truncated silently; ``mlp_options={"order": ...}`` on a HOPE preset dropped its CMS levels
+    (the default chain replaced the preset's three task-objective levels without a word);
+    ``ops.backends("nosuch")`` was torch's device-string error."""
+    import torch
+
+    from mnemo import ops
+    from mnemo.models import LanguageModel, build_config
+
+    model = LanguageModel(build_config("gla", vocab_size=20, d_model=16, n_layers=1))
+    ids = torch.randint(0, 20, (2, 8))
+    for bad in (25, -5):
+        with pytest.raises(
+            ValueError, match=rf"targets must be class ids in \[0, vocab_size = 20\) .* \(e.g. {bad}\)"
+        ):
+            model(ids, targets=torch.full_like(ids, bad))
+    loss, _ = model(ids, targets=torch.full_like(ids, -100))  # every target ignored: 0, legal
+    assert float(loss.detach()) == 0.0
+    with pytest.raises(TypeError, match="ignore_index must be an int .* got float 1.5"):
+        model(ids, targets=ids, ignore_index=1.5)
+    with pytest.raises(TypeError, match="targets must be a torch.Tensor of class ids, got list"):
+        model(ids, targets=ids.tolist())
+    hope = LanguageModel(build_config("hope", vocab_size=20, d_model=16, n_layers=1))
+    with pytest.raises(ValueError, match="targets must be class ids"):
+        hope(ids, targets=torch.full_like(ids, 30))
+    preset = build_config("hope", vocab_size=20, d_model=16, n_layers=1)
+    ordered = build_config(
+        "hope", vocab_size=20, d_model=16, n_layers=1, mlp_options={"order": "slowest_first"}
+    )
+    assert ordered.mlp_options == {**preset.mlp_options, "order": "slowest_first"}
+    assert build_config("hope", vocab_size=20, d_model=16, n_layers=1, mlp="swiglu").mlp_options == {}
+    with pytest.raises(
+        ValueError, match="device must be a torch.device or a name such as 'cpu'.*got 'nosuch'"
+    ):
+        ops.backends("nosuch")

@@ -104,6 +104,13 @@ class Trainer:
             setattr(self, name, getattr(self.data, name))  # (the attributes callbacks read)
         self._test_sets: dict = {}  # a task's test sets, by (length, rows)
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
+        if self.cfg.pack_documents and self.model.task_segment is not None:  # before any work
+            raise ValueError(
+                f"pack_documents (--pack-documents): not with model {self.cfg.model!r}, whose CMS levels "
+                "learn from the next-token loss over the whole window (packing would split it per "
+                "document); train it unpacked, or use a CMS with a reconstruction objective (e.g. "
+                "hope_reconstruction)"
+            )
         self._setup_optimizer()
         if state is not None:
             self._restore_state(ckpt, state)
