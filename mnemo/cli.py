@@ -81,7 +81,7 @@ _COMMAND_MODULES: list[str] = [
 
 def main(argv: list[str] | None = None) -> int:
     """The ``mnemo`` command: its exit status (0 done, 1 a failed check or a diverged run, 2 a
-    usage or data error in one line, 130 interrupted)."""
+    usage or data error in one line, 130 interrupted, 141 its output's reader went)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # while the libraries load or the arguments are read: no work yet
@@ -138,6 +138,13 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError, ImportError, BackendError) as e:
         report(f"mnemo {command}: error: {e}")
         return 2
+    except BrokenPipeError:  # the reader went (``mnemo models | head -1``): quiet, as a killed pipe
+        try:  # nothing more reaches the closed pipe (Python flushes stdout at exit)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     except OSError as e:  # the file system refused (a full disk, a read-only place, a permission)
         report(f"mnemo {command}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         return 2

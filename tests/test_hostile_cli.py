@@ -1534,3 +1534,20 @@ def test_eighth_trial_library_values():
         ValueError, match="device must be a torch.device or a name such as 'cpu'.*got 'nosuch'"
     ):
         ops.backends("nosuch")
+
+
+def test_output_cut_by_its_reader_is_quiet():
+    """(eighth trial) ``mnemo models | head -1`` said 'mnemo models: error: Broken pipe' (exit 2):
+    the reader leaving is no error of the command. Now quiet, exit status 141 (as a process that
+    SIGPIPE ends), and nothing on stderr."""
+    cut = _python(
+        """
+        import os, sys
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone
+        os.dup2(w, 1)
+        from mnemo.cli import main
+        sys.exit(main(["models"]))
+        """
+    )
+    assert cut.returncode == 141 and cut.stderr == "", cut
