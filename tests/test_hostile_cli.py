@@ -1438,6 +1438,13 @@ def test_eighth_trial_report_uses_the_sweeps_metric(tmp_path, capsys):
     assert main(["report", str(db), "--out", str(out), "--no-plots"]) == 0
     text = capsys.readouterr().out
     assert "| gla |" in text and "`val_loss`" in text and "val_acc" not in text
+    # a plot of an earlier report that this one (--no-plots) did not rewrite is said, not passed over
+    (out / "loss_acc_vs_state.png").write_bytes(b"an earlier plot")
+    assert main(["report", str(db), "--out", str(out), "--no-plots", "--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "loss_acc_vs_state.png is left from an earlier report (this one did not write it: --no-plots)" in err
+    )
 
 
 def test_eighth_trial_commands(run, tmp_path, capsys, monkeypatch):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .. import argtypes as kinds
@@ -102,10 +103,19 @@ def _cmd_report(args) -> int:
         threshold=args.threshold,
         select_lr_on_seed=args.select_lr_on_seed,
     )
-    for r in result.values():
+    for name, r in result.items():
         print(r["markdown"])
         for f in r["files"]:
             print(f"wrote {f}")
+        written = {Path(f).name for f in r["files"]}
+        stale = [f"{name}{x}" for x in suffixes if f"{name}{x}" not in written]
+        stale = [f for f in stale if (out / f).exists()]
+        if stale:  # (--overwrite) an earlier report's file beside this one, which did not rewrite it
+            print(
+                f"mnemo report: warning: {out}: {', '.join(stale)} is left from an earlier report (this one "
+                f"did not write it{': --no-plots' if args.no_plots else ''}); it may not match {name}.md",
+                file=sys.stderr,
+            )
     return 0
 
 
