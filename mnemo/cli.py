@@ -5,14 +5,25 @@ here. ``config_flag_fields`` / ``add_config_flags`` (TrainConfig's flags) are re
 
 from __future__ import annotations
 
-import argparse
+# Nothing but ``sys`` at the top: the console script imports this module before ``main`` runs,
+# so an interrupt (Ctrl-C) during an import made here would print Python's traceback; every other
+# import is made inside ``main``, whose handler says it in one line.
 import sys
-import warnings
 
-from . import argtypes as kinds
-from .commands.train import add_config_flags, config_flag_fields
+TYPE_CHECKING = False  # (not typing's: importing typing costs start-up time)
+if TYPE_CHECKING:  # re-exported lazily (the module's __getattr__, below)
+    from .commands.train import add_config_flags, config_flag_fields
 
 __all__ = ["main", "build_parser", "add_config_flags", "config_flag_fields"]
+
+
+def __getattr__(name: str):
+    # TrainConfig's flags, re-exported without importing the train command at start-up
+    if name in ("add_config_flags", "config_flag_fields"):
+        from .commands import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _cmd_models(args) -> int:
@@ -30,7 +41,10 @@ def _cmd_models(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():
+    """The ``mnemo`` parser (an ``argparse.ArgumentParser``: :class:`mnemo.argtypes.Parser`)."""
+    from . import argtypes as kinds
+
     p = kinds.Parser(prog="mnemo", description="Sequence models as associative memories.")
     sub = p.add_subparsers(dest="command", required=True)
     # train, eval and generate, then models, then bench and the feature modules: the order of
@@ -67,7 +81,7 @@ _COMMAND_MODULES: list[str] = [
 
 def main(argv: list[str] | None = None) -> int:
     """The ``mnemo`` command: its exit status (0 done, 1 a failed check or a diverged run, 2 a
-    usage or data error in one line, 130 interrupted)."""
+    usage or data error in one line, 130 interrupted, 141 its output's reader went)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # while the libraries load or the arguments are read: no work yet
@@ -77,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     import os
+    import warnings
 
     from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
-    from .ops.dispatch import BackendError
+    from .ops.dispatch import BackendError, current_backend
     from .runtime import tune_malloc
     from .train import TrainingDiverged
     from .train.distributed import cleanup
@@ -114,6 +129,7 @@ def _main(argv: list[str] | None) -> int:
     was_format = warnings.formatwarning
     warnings.formatwarning = one_line_warning
     try:
+        current_backend()  # an unknown MNEMO_BACKEND is said before any work, not at the first op call
         return args.func(args)
     except TrainingDiverged as e:
         report(f"mnemo: {e}")
@@ -122,6 +138,13 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError, ImportError, BackendError) as e:
         report(f"mnemo {command}: error: {e}")
         return 2
+    except BrokenPipeError:  # the reader went (``mnemo models | head -1``): quiet, as a killed pipe
+        try:  # nothing more reaches the closed pipe (Python flushes stdout at exit)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     except OSError as e:  # the file system refused (a full disk, a read-only place, a permission)
         report(f"mnemo {command}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         return 2

@@ -18,6 +18,9 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -1267,3 +1270,304 @@ def test_a_changed_sweep_is_not_pooled_as_seeds():
     assert [r["run_id"] for r in kept] == ["b"] and superseded == {'{"label": "gla"}': 1}
     (c,) = cell_stats(rows)
     assert c["n"] == 1 and c["values"] == [0.3] and c["n_superseded"] == 1
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh interpreter that imports this checkout of mnemo."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_an_interrupt_while_the_command_module_imports_is_one_line():
+    """(left by the seventh trial) Ctrl-C while the console script imports ``mnemo.cli`` printed
+    Python's traceback: that import ran mnemo.argtypes and the train command before ``main`` and
+    its handler. Now ``import mnemo.cli`` imports nothing but itself (and ``mnemo``); every other
+    import is made inside ``main``, so an interrupt there is one line and exit status 130. (What
+    no package can reach: the interpreter's own start-up and the console script's ``import re``.)"""
+    loaded = _python(
+        """
+        import sys
+        before = set(sys.modules)
+        import mnemo.cli
+        print(sorted(set(sys.modules) - before))
+        """
+    )
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "['mnemo', 'mnemo.cli']", loaded
+    # an interrupt while the libraries load, as the console script runs it (its import, then main)
+    interrupted = _python(
+        """
+        import sys
+
+        class Interrupt:  # Ctrl-C while these modules load
+            def find_spec(self, name, path=None, target=None):
+                if name in ("argparse", "mnemo.argtypes", "mnemo.commands.train", "torch"):
+                    raise KeyboardInterrupt
+
+        sys.meta_path.insert(0, Interrupt())
+        from mnemo.cli import main
+        sys.exit(main(["models"]))
+        """
+    )
+    assert interrupted.returncode == 130, interrupted
+    assert interrupted.stderr.strip() == "mnemo: interrupted before any work began; nothing was written"
+    assert "Traceback" not in interrupted.stderr
+    from mnemo.cli import add_config_flags, config_flag_fields  # still re-exported
+
+    assert callable(add_config_flags) and "lr" in [f.name for f in config_flag_fields()]
+
+
+def test_a_failed_run_leaves_no_lock_and_no_folder_it_made(tmp_path, capsys):
+    """(left by the seventh trial) a run that failed after taking its folder left ``.lock`` there:
+    a folder holding only that file, which other commands then took for a run (``tokenizer train
+    --out`` and ``save_pretrained`` refuse a run's folder). Releasing the lock removes the file; a
+    folder the run made and never wrote to is removed too; one that existed stays, empty."""
+    from mnemo.train.run_folder import lock_run_folder
+
+    diverge = ["train", *TINY, "--steps", "2", "--lr", "1e30", "--warmup-steps", "0"]
+    made = tmp_path / "made"
+    assert main([*diverge, "--out", str(made)]) == 1
+    assert "no checkpoint was written yet" in capsys.readouterr().err
+    assert not made.exists()
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "notes.txt").write_text("mine")
+    assert main([*diverge, "--out", str(given)]) == 1
+    assert sorted(p.name for p in given.iterdir()) == ["notes.txt"]
+    capsys.readouterr()
+    # a finished run and --overwrite leave no lock either; the folder is then free for the next run
+    done = tmp_path / "done"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(done)]) == 0
+    assert not (done / ".lock").exists()
+    assert main(["train", *TINY, "--steps", "2", "--out", str(done), "--overwrite"]) == 0
+    assert not (done / ".lock").exists() and (done / "latest").is_file()
+    capsys.readouterr()
+    # the lock is still one holder at a time, and a released lock file is not taken over by a
+    # process that opened it before it went
+    lock = lock_run_folder(done)
+    stale = open(done / ".lock", "a+")
+    with pytest.raises(ValueError, match=r"is in use by another training process \(pid \d+\)"):
+        lock_run_folder(done)
+    lock.close()
+    assert not (done / ".lock").exists()
+    again = lock_run_folder(done)
+    assert not os.path.samestat(os.fstat(stale.fileno()), os.stat(done / ".lock"))
+    stale.close()
+    again.close()
+
+
+def test_pack_documents_on_a_single_document_is_refused(run, tmp_path, capsys):
+    """(left by the seventh trial: a warning) ``--pack-documents`` promises that no state crosses a
+    document boundary; on a plain text file (one document) it would do nothing while the run
+    records it as on. A researcher giving it most likely thinks the text holds documents (e.g.
+    separated by blank lines), so the run would not be what they think: refused before the work,
+    as every option that nothing reads is (``--text-field`` on plain text), naming the flag and
+    how to give documents. A run saved with it earlier is resumed with the old warning."""
+    text = tmp_path / "stories.txt"
+    text.write_text("Once upon a time.\n\nAnother story here.\n\n" * 200)
+    out = tmp_path / "packed"
+    for data in (str(text), "tinyshakespeare"):
+        argv = ["train", *TINY, "--steps", "2", "--data", data, "--pack-documents", "--out", str(out)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--pack-documents" in err and "is a single document" in err, err
+        assert "drop --pack-documents, or give the documents as JSONL/Parquet records" in err
+        assert not out.exists()
+    # two files are two documents: packing means something there, and runs
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("first document " * 100)
+    (docs / "b.txt").write_text("second document " * 100)
+    argv = ["train", *TINY, "--steps", "2", "--data", str(docs), "--pack-documents", "--out", str(out)]
+    assert main(argv) == 0
+
+
+def _standard_sweep(**change) -> dict:
+    """A sweep file (as a mapping) that meets the recipe standard, for ``SweepSpec.from_dict``."""
+    d = {
+        "name": "std",
+        "metric": "val_acc",
+        "recipe": "standard",
+        "base": {"task": "mqar", "seq_len": 32, "steps": 2},
+        "models": ["deltanet", "gated_deltanet"],
+        "grid": {"lr": [1.0e-3, 3.0e-3, 1.0e-2]},
+        "tune": ["lr"],
+        "seeds": 4,
+        "select_lr_on_seed": 0,
+        "claims": [{"name": "gating helps", "better": "gated_deltanet", "than": "deltanet"}],
+    }
+    d.update(change)
+    return d
+
+
+def test_eighth_trial_sweep_files(tmp_path):
+    """(eighth trial) a standard sweep's learning rates are checked where they are given: a model
+    entry's own ``grid.lr`` escaped the standard (3x passed), and a NaN, negative or YAML 1.1
+    string learning rate was counted out and blamed on the number of values; a per-model
+    ``seed`` axis beside ``seeds`` said 'identical runs'; a repeated claim was judged twice."""
+    from mnemo.sweep.spec import SweepSpec
+
+    SweepSpec.from_dict(_standard_sweep(), "std.yaml").runs()  # the standard itself passes
+    narrow = [{"label": "a", "model": "deltanet", "grid": {"lr": [1.0e-3, 2.0e-3, 3.0e-3]}}, "gated_deltanet"]
+    claims = [{"better": "a", "than": "gated_deltanet"}]
+    with pytest.raises(ValueError, match=r"'models\[a\].grid.lr' spans 3x \(0.001 … 0.003\); the standard"):
+        SweepSpec.from_dict(_standard_sweep(models=narrow, claims=claims), "std.yaml")
+    for bad, said in (
+        (math.nan, "holds nan, which is not a positive finite learning rate"),
+        (-1e-3, "holds -0.001, which is not a positive finite learning rate"),
+        ("1e-3", "holds '1e-3', which is not a positive finite learning rate .a string: YAML 1.1 reads"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            SweepSpec.from_dict(_standard_sweep(grid={"lr": [bad, 1.0e-3, 1.0e-2]}), "std.yaml")
+    seeded = [{"label": "a", "model": "deltanet", "grid": {"seed": [5, 6]}}, "gated_deltanet"]
+    with pytest.raises(ValueError, match="model 'a': give the seeds either as 'seeds' or as a grid axis"):
+        SweepSpec.from_dict(_standard_sweep(models=seeded, claims=claims), "std.yaml").runs()
+    twice = _standard_sweep()["claims"] * 2
+    with pytest.raises(ValueError, match=r"claims\[1\] repeats claims\[0\]"):
+        SweepSpec.from_dict(_standard_sweep(claims=twice), "std.yaml")
+
+
+def test_eighth_trial_report_uses_the_sweeps_metric(tmp_path, capsys):
+    """(eighth trial) ``mnemo report`` of a ``metric: val_loss`` sweep reported ``val_acc`` (its
+    flag's default): a table of 'done' without values, no paired seed, a claim 'not testable'.
+    The report now uses the sweep file's metric, and a metric no run measured is refused before
+    anything is written."""
+    f = tmp_path / "loss.yaml"
+    f.write_text(
+        "name: loss\nmodels: [gla]\nmetric: val_loss\ngrid: {lr: [0.001]}\n"
+        "base: {steps: 1, seq_len: 16, batch_size: 2, eval_batches: 1, sample_tokens: 0, "
+        "warmup_steps: 0, model_overrides: {d_model: 16, n_layers: 1}}\n"
+    )
+    db, out = tmp_path / "loss.sqlite", tmp_path / "report"
+    argv = ["sweep", str(f), "--db", str(db), "--out", str(tmp_path / "runs"), "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["report", str(db), "--out", str(out), "--no-plots", "--metric", "val_acc"]) == 2
+    err = capsys.readouterr().err
+    assert "metric 'val_acc' (--metric): no finished run of sweep 'loss'" in err and err.count("\n") == 1
+    assert "they measured: val_bpc, val_loss" in err and not out.exists()
+    assert main(["report", str(db), "--out", str(out), "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "| gla |" in text and "`val_loss`" in text and "val_acc" not in text
+    # a plot of an earlier report that this one (--no-plots) did not rewrite is said, not passed over
+    (out / "loss_acc_vs_state.png").write_bytes(b"an earlier plot")
+    assert main(["report", str(db), "--out", str(out), "--no-plots", "--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "loss_acc_vs_state.png is left from an earlier report (this one did not write it: --no-plots)" in err
+    )
+
+
+def test_eighth_trial_commands(run, tmp_path, capsys, monkeypatch):
+    """(eighth trial) ``--optimizer m3_paper`` took ``--warmup-steps`` (and a config's weight
+    decay, clip, min lr) and ignored them; an unknown ``MNEMO_BACKEND`` was said only at the
+    first op call (after the data and model loaded) and never by commands without ops;
+    ``--pack-documents`` on a model whose CMS learns from the task loss failed at the first step
+    naming ``cu_seqlens``, and ``eval --pack-documents on`` of one document measured nothing new;
+    huge bench shapes were a traceback (the allocation); a model named twice was timed twice."""
+    out = tmp_path / "m3"
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                "--steps",
+                "1",
+                "--optimizer",
+                "m3_paper",
+                "--warmup-steps",
+                "5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "warmup_steps (--warmup-steps): not read with optimizer m3_paper" in err and not out.exists()
+    cfg = tmp_path / "m3.yaml"
+    cfg.write_text("optimizer: m3_paper\nweight_decay: 0.05\n")
+    assert main(["train", *TINY, "--steps", "1", "--config", str(cfg), "--out", str(out)]) == 2
+    assert "weight_decay: not read with optimizer m3_paper" in capsys.readouterr().err
+    monkeypatch.setenv("MNEMO_BACKEND", "nosuch")
+    assert main(["models"]) == 2
+    err = capsys.readouterr().err
+    assert "MNEMO_BACKEND must be one of auto, torch, native, fla, mamba_ssm, got 'nosuch'" in err
+    monkeypatch.delenv("MNEMO_BACKEND")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("first document " * 50)
+    (docs / "b.txt").write_text("second document " * 50)
+    hope = ["train", *TINY, "--steps", "1", "--model", "hope", "--data", str(docs), "--pack-documents"]
+    assert main([*hope, "--out", str(tmp_path / "hope")]) == 2
+    err = capsys.readouterr().err
+    assert "pack_documents (--pack-documents): not with model 'hope'" in err and "cu_seqlens" not in err
+    assert main(["eval", "--checkpoint", str(run), "--pack-documents", "on"]) == 2
+    assert "--pack-documents on: data 'tinyshakespeare' is a single document" in capsys.readouterr().err
+    for suite, extra in (("roofline", []), ("models", ["--peers", "none", "--gen-batches", "none"])):
+        argv = ["bench", "--suite", suite, "--models", "gla", "--d-model", "16", "--n-layers", "1"]
+        assert main([*argv, "--model-shapes", "100000000x1000", "--repeats", "1", *extra]) == 2
+        err = capsys.readouterr().err
+        assert (
+            "--model-shapes: 100000000x1000 (tokens x rows) needs at least" in err and "Traceback" not in err
+        )
+    assert main(["bench", "--suite", "roofline", "--models", "gla,gla", "--model-shapes", "32x1"]) == 2
+    assert "--models: 'gla' given twice; give each name once" in capsys.readouterr().err
+
+
+def test_eighth_trial_library_values():
+    """(eighth trial) ``forward(ids, targets=...)`` with a target outside the vocabulary raised
+    torch's 'index 25 is out of bounds' (an IndexError for HOPE), a float ``ignore_index`` was
+    truncated silently; ``mlp_options={"order": ...}`` on a HOPE preset dropped its CMS levels
+    (the default chain replaced the preset's three task-objective levels without a word);
+    ``ops.backends("nosuch")`` was torch's device-string error."""
+    import torch
+
+    from mnemo import ops
+    from mnemo.models import LanguageModel, build_config
+
+    model = LanguageModel(build_config("gla", vocab_size=20, d_model=16, n_layers=1))
+    ids = torch.randint(0, 20, (2, 8))
+    for bad in (25, -5):
+        with pytest.raises(
+            ValueError, match=rf"targets must be class ids in \[0, vocab_size = 20\) .* \(e.g. {bad}\)"
+        ):
+            model(ids, targets=torch.full_like(ids, bad))
+    loss, _ = model(ids, targets=torch.full_like(ids, -100))  # every target ignored: 0, legal
+    assert float(loss.detach()) == 0.0
+    with pytest.raises(TypeError, match="ignore_index must be an int .* got float 1.5"):
+        model(ids, targets=ids, ignore_index=1.5)
+    with pytest.raises(TypeError, match="targets must be a torch.Tensor of class ids, got list"):
+        model(ids, targets=ids.tolist())
+    hope = LanguageModel(build_config("hope", vocab_size=20, d_model=16, n_layers=1))
+    with pytest.raises(ValueError, match="targets must be class ids"):
+        hope(ids, targets=torch.full_like(ids, 30))
+    preset = build_config("hope", vocab_size=20, d_model=16, n_layers=1)
+    ordered = build_config(
+        "hope", vocab_size=20, d_model=16, n_layers=1, mlp_options={"order": "slowest_first"}
+    )
+    assert ordered.mlp_options == {**preset.mlp_options, "order": "slowest_first"}
+    assert build_config("hope", vocab_size=20, d_model=16, n_layers=1, mlp="swiglu").mlp_options == {}
+    with pytest.raises(
+        ValueError, match="device must be a torch.device or a name such as 'cpu'.*got 'nosuch'"
+    ):
+        ops.backends("nosuch")
+
+
+def test_output_cut_by_its_reader_is_quiet():
+    """(eighth trial) ``mnemo models | head -1`` said 'mnemo models: error: Broken pipe' (exit 2):
+    the reader leaving is no error of the command. Now quiet, exit status 141 (as a process that
+    SIGPIPE ends), and nothing on stderr."""
+    cut = _python(
+        """
+        import os, sys
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone
+        os.dup2(w, 1)
+        from mnemo.cli import main
+        sys.exit(main(["models"]))
+        """
+    )
+    assert cut.returncode == 141 and cut.stderr == "", cut

@@ -157,6 +157,31 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def check_shapes_memory(
+    shapes: list[tuple[int, int]], d_model: int, device="cpu", *, flag: str = "--model-shapes"
+) -> None:
+    """Refuse, before anything is allocated, a shape ``T x B`` (training, or a generation prompt:
+    ``flag``, default ``"--model-shapes"``) that cannot fit in the memory available on ``device``:
+    a lower bound, the int64 tokens (inputs and targets) and one fp32 ``[B·T, d_model]``
+    activation (the models and roofline suites; the roofline's GEMM probe allocates that
+    activation too).
+
+    Raises:
+        ValueError: naming ``flag``, the shape, both numbers and what to lower.
+    """
+    from ..train.memory_estimate import GiB, available_memory
+
+    have, source = available_memory(torch.device(device))
+    for T, B in shapes:
+        need = B * T * (16 + 4 * d_model)
+        if have is not None and need > have:
+            raise ValueError(
+                f"{flag}: {T}x{B} (tokens x rows) needs at least {need / GiB:,.1f} GiB for its tokens and "
+                f"one activation of width {d_model}, but only {have / GiB:,.1f} GiB are available "
+                f"({source}); lower them"
+            )
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         out = [int(v) for v in str(text).split(",")]
@@ -517,7 +542,16 @@ def main(args) -> int:
         getattr(args, "d_model", None) or DEFAULT_D_MODEL, getattr(args, "n_layers", None) or DEFAULT_N_LAYERS
     )
     shapes = parse_shapes(getattr(args, "model_shapes", None) or DEFAULT_SHAPES)
+    device = getattr(args, "device", "cpu")
+    check_shapes_memory(shapes, size.d_model, device)
     gen_batches = parse_gen_batches(getattr(args, "gen_batches", None) or DEFAULT_GEN_BATCHES)
+    prompt = getattr(args, "prompt_len", 256) + getattr(args, "gen_tokens", 64)
+    check_shapes_memory(
+        [(prompt, b) for b in gen_batches],
+        size.d_model,
+        device,
+        flag="--gen-batches x (--prompt-len + --gen-tokens)",
+    )
     if not shapes and not gen_batches:
         raise ValueError(
             "--model-shapes none with --gen-batches none: nothing to time (keep training shapes, generation "

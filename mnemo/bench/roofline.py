@@ -56,7 +56,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .models import interleaved, parse_gen_batches, parse_shapes
+from .models import check_shapes_memory, interleaved, parse_gen_batches, parse_shapes
 
 DEFAULT_MODELS = ("gated_deltanet", "mamba2", "gla", "transformer", "titans_lmm", "hope")
 DEFAULT_SHAPES = "1024x8"
@@ -608,6 +608,10 @@ def main(args) -> int:
     gen_batches = parse_gen_batches(getattr(args, "gen_batches", None) or "1,8")
     d_model = getattr(args, "d_model", None) or 256
     n_layers = getattr(args, "n_layers", None) or DEFAULT_N_LAYERS
+    check_shapes_memory(shapes, d_model)
+    check_shapes_memory(
+        [(args.prompt_len, b) for b in gen_batches], d_model, flag="--gen-batches x --prompt-len"
+    )
     print(
         f"mnemo bench --suite roofline: d_model={d_model}, {n_layers} layers, vocab {VOCAB}; training "
         f"{', '.join(f'{T}x{B}' for T, B in shapes)}; decoding batches {gen_batches} after "

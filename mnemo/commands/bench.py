@@ -52,6 +52,11 @@ def check_suite_options(args) -> None:
 def _cmd_bench(args) -> int:
     kinds.refuse_existing(args.json, "--json", args.overwrite)
     check_suite_options(args)
+    for dest in ("models", "peers", "ops"):  # a name twice would time (and print) its rows twice
+        names = [n.strip() for n in (getattr(args, dest, None) or "").split(",") if n.strip()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"--{dest}: {', '.join(map(repr, twice))} given twice; give each name once")
     if args.suite == "all":
         return _bench_all(args)
     return _run_suite(args)

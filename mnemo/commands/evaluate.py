@@ -223,6 +223,17 @@ def _cmd_eval_text(
             raise ValueError(f"--max-batches: expected a positive int or 'all', got {args.max_batches!r}")
     bf16 = (args.precision or tcfg.get("precision", "fp32")) == "bf16"
     corpus = load_corpus(data, text_field)
+    if args.pack_documents == "on" and len(corpus) < 2:  # asked for, and it would change nothing
+        raise ValueError(
+            f"--pack-documents on: data {data!r} is a single document (a plain text file is one; "
+            "JSONL/Parquet records or separate files are several), so packing would change nothing"
+        )
+    if pack and getattr(model, "task_segment", None) is not None:
+        raise ValueError(
+            "--pack-documents: not for this checkpoint's model, whose CMS levels learn from the "
+            "next-token loss over the whole window (packing would split it per document)"
+            + ("; evaluate it with --pack-documents off" if args.pack_documents == "on" else "")
+        )
     val_docs = corpus.split()[1] if not args.full else corpus
     try:  # documents joined as in training (the tokenizer's separator)
         stream = val_docs.stream(tok, seq_len)

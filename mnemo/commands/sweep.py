@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .. import argtypes as kinds
@@ -86,16 +87,20 @@ def _cmd_report(args) -> int:
     from ..sweep.report import write_report
 
     _check_database(args.db, "db")
-    if args.threshold is not None and args.metric != "val_loss" and args.threshold > 1:
-        raise ValueError(
-            f"--threshold: {args.metric} is an accuracy in [0, 1], so a threshold above 1 counts no run; "
-            f"got {args.threshold}"
-        )
     from ..sweep.db import SweepDB
+    from ..sweep.report import report_metric
 
     out = Path(args.out) if args.out else Path(args.db).with_name(Path(args.db).stem + "_report")
     with SweepDB(args.db, create=False) as db:
         names = [args.sweep] if args.sweep else db.sweeps()
+        metrics = {report_metric(db.meta(n), args.metric) for n in names if n in db.sweeps()}
+        metrics = metrics or {args.metric or "val_acc"}  # (no sweep: what a report would use)
+    for metric in sorted(metrics):
+        if args.threshold is not None and metric != "val_loss" and args.threshold > 1:
+            raise ValueError(
+                f"--threshold: {metric} is an accuracy in [0, 1], so a threshold above 1 counts no run; "
+                f"got {args.threshold}"
+            )
     suffixes = (".md", ".json", "_acc_vs_state.png", "_acc_vs_length.png")
     for name in names:  # before the work: a file there may be the user's or an earlier report
         for suffix in suffixes:
@@ -109,10 +114,19 @@ def _cmd_report(args) -> int:
         threshold=args.threshold,
         select_lr_on_seed=args.select_lr_on_seed,
     )
-    for r in result.values():
+    for name, r in result.items():
         print(r["markdown"])
         for f in r["files"]:
             print(f"wrote {f}")
+        written = {Path(f).name for f in r["files"]}
+        stale = [f"{name}{x}" for x in suffixes if f"{name}{x}" not in written]
+        stale = [f for f in stale if (out / f).exists()]
+        if stale:  # (--overwrite) an earlier report's file beside this one, which did not rewrite it
+            print(
+                f"mnemo report: warning: {out}: {', '.join(stale)} is left from an earlier report (this one "
+                f"did not write it{': --no-plots' if args.no_plots else ''}); it may not match {name}.md",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -193,7 +207,11 @@ def add_commands(sub) -> None:
     r.add_argument(
         "--sweep", type=kinds.Text("a sweep name"), help="only this sweep (a database may hold several)"
     )
-    r.add_argument("--metric", default="val_acc", choices=["val_acc", "val_seq_acc", "val_loss"])
+    r.add_argument(
+        "--metric",
+        choices=["val_acc", "val_seq_acc", "val_loss"],
+        help="the metric reported and judged (default: the sweep file's metric)",
+    )
     r.add_argument(
         "--threshold",
         type=kinds.nonneg_float,

@@ -209,6 +209,15 @@ def _cmd_train(args) -> int:
         if args.reschedule:
             raise ValueError("--reschedule applies to --resume (a changed --steps of a saved run)")
         cfg = TrainConfig.from_dict(d)
+    if d.get("optimizer", cfg.optimizer) == "m3_paper":  # Algorithm 1 alone: these are not read
+        unread = [k for k in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio") if k in d]
+        if unread:
+            named = ", ".join(f"{k} (--warmup-steps)" if k == "warmup_steps" else k for k in unread)
+            raise ValueError(
+                f"{named}: not read with optimizer m3_paper (Nested Learning's Algorithm 1 alone: a "
+                "constant lr, no warm-up, decay, weight decay or clipping); drop it, or use --optimizer m3 "
+                "(Algorithm 1 with this trainer's warm-up + cosine, weight decay and clipping)"
+            )
     # under torchrun: join the process group first; every rank checks the run directory before
     # rank 0 alone changes it (and alone prints)
     from ..train.distributed import backend_for, barrier, init_from_env, local_device

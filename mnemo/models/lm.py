@@ -277,7 +277,9 @@ class LanguageModel(nn.Module):
         chunked_cross_entropy`) — the training loss. Hooks and cached values are the same (there is
         no hook on the logits). A model whose CMS levels learn from the next-token loss computes
         its logits anyway (the signal needs them) and takes the plain loss of them. Not with
-        ``logits_at`` nor ``cu_seqlens``.
+        ``logits_at`` nor ``cu_seqlens``. A target outside ``[0, vocab)`` that is not
+        ``ignore_index`` raises ``ValueError`` naming ``targets`` (read on the CPU; asserted on
+        the device elsewhere); ``ignore_index`` must be an int.
 
         ``logits_at`` (``[B, T]`` bool): apply the output head only where it is true and return
         ``logits [M, vocab]`` (``M`` = its number of true entries), equal to
@@ -314,6 +316,13 @@ class LanguageModel(nn.Module):
                     "next-token loss (they need every position's logits)"
                 )
         if targets is not None:
+            if not isinstance(targets, torch.Tensor):
+                raise TypeError(f"targets must be a torch.Tensor of class ids, got {type(targets).__name__}")
+            if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+                raise TypeError(
+                    f"ignore_index must be an int (the target value left out of the loss), got "
+                    f"{type(ignore_index).__name__} {ignore_index!r}"
+                )
             if targets.shape != input_ids.shape or targets.dtype not in (torch.long, torch.int32):
                 raise ValueError(
                     f"targets must be an integer tensor shaped like input_ids {list(input_ids.shape)}, got "
@@ -323,6 +332,7 @@ class LanguageModel(nn.Module):
                 raise ValueError(
                     "targets: not with logits_at nor cu_seqlens (the loss covers every position)"
                 )
+            self._check_targets(targets, ignore_index)
         if cu_seqlens is not None:
             return self._forward_packed(input_ids, state, mode, cu_seqlens)
         if self.task_segment is not None:  # CMS levels learning from the next-token loss
@@ -359,6 +369,23 @@ class LanguageModel(nn.Module):
             raise ValueError(
                 f"input_ids must lie in [0, vocab_size = {V}), got values in "
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+
+    def _check_targets(self, targets: torch.Tensor, ignore_index: int) -> None:
+        """``targets`` are class ids in ``[0, vocab_size)`` or ``ignore_index``: read and named on
+        the CPU (one read), asserted on the device elsewhere, skipped while ``torch.compile``
+        traces (as :meth:`_check_ids`)."""
+        if not targets.numel() or torch.compiler.is_compiling():
+            return
+        V = self.config.vocab_size
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+        if avoid_host_reads(targets):
+            assert_on_device(~bad.any(), f"targets must lie in [0, vocab_size = {V}) or be ignore_index")
+        elif bool(bad.any()):
+            values = targets[bad]
+            raise ValueError(
+                f"targets must be class ids in [0, vocab_size = {V}) or ignore_index ({ignore_index}); "
+                f"{values.numel()} of {targets.numel()} are not (e.g. {int(values[0])})"
             )
 
     def _forward_packed(self, input_ids, state, mode, cu_seqlens):

@@ -45,7 +45,10 @@ def build_config(name: str, **overrides) -> ModelConfig:
     ``@register_mixer``) gives the default model built from that mixer: ``ModelConfig(mixer=name)``
     — so a new mixer trains with ``TrainConfig(model=name)`` without a model registration.
     ``mixer_options`` overrides are merged per mixer (``{"attention": {"n_heads": 2}}`` keeps the
-    preset's other attention options). Raises ``ValueError`` for an unknown name or field.
+    preset's other attention options); ``mlp_options`` overrides are merged into the preset's while
+    ``mlp`` stays the same (``{"order": "slowest_first"}`` keeps a HOPE preset's CMS levels), and an
+    ``mlp`` of another kind starts from no options. Raises ``ValueError`` for an unknown name or
+    field.
     """
     from ..layers import MIXERS
 
@@ -58,6 +61,7 @@ def build_config(name: str, **overrides) -> ModelConfig:
             f"unknown model {name!r}; registered models: {', '.join(model_names())} (or any mixer name: "
             f"{', '.join(sorted(MIXERS))})"
         )
+    preset_mlp, preset_mlp_options = cfg["mlp"], dict(cfg["mlp_options"] or {})
     for key, value in overrides.items():
         if key not in cfg:
             raise ValueError(f"unknown ModelConfig field {key!r} in overrides; known: {sorted(cfg)}")
@@ -73,7 +77,15 @@ def build_config(name: str, **overrides) -> ModelConfig:
             for m, o in (value or {}).items():
                 merged.setdefault(m, {}).update(o)
             value = merged
+        if (
+            key == "mlp_options"
+            and isinstance(value, dict)
+            and overrides.get("mlp", preset_mlp) == preset_mlp
+        ):
+            value = {**preset_mlp_options, **value}  # the same MLP: the preset's other options stay
         cfg[key] = value
+    if overrides.get("mlp", preset_mlp) != preset_mlp and "mlp_options" not in overrides:
+        cfg["mlp_options"] = {}  # another MLP: the preset's options were the old one's
     return ModelConfig.from_dict(cfg)
 
 

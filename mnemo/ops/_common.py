@@ -206,6 +206,29 @@ def check_sign(name: str, t: torch.Tensor | None, sign: str, meaning: str) -> No
     )
 
 
+def check_interval(name: str, t: torch.Tensor | None, lo: float, hi: float, meaning: str) -> None:
+    """Say (a :class:`RangeWarning`) when ``t`` has values outside ``[lo, hi]`` (e.g. the delta
+    rule's ``beta`` outside ``[0, 2]``); ``meaning`` ends the message (why the range matters). The
+    op computes the values as given. Like :func:`check_sign` (and switched with the finite checks):
+    on CPU tensors only, not while ``torch.compile`` traces; one read (the extremes)."""
+    if t is None or t.numel() == 0 or not _FINITE_CHECKS or torch.compiler.is_compiling():
+        return
+    if t.device.type != "cpu":
+        return
+    t = t.detach()
+    least, most = (float(x) for x in torch.aminmax(t))
+    if math.isnan(least) or math.isnan(most) or (least >= lo and most <= hi):
+        return  # (NaN is check_finite's to report)
+    wrong = int(((t < lo) | (t > hi)).sum())
+    worst = most if most - hi >= lo - least else least
+    warnings.warn(
+        f"{name} should be in [{lo:g}, {hi:g}]: {wrong} of {t.numel()} values are not (the most extreme "
+        f"is {worst:.4g}); {meaning}. Computed as given (an intervention may mean it)",
+        RangeWarning,
+        stacklevel=4,
+    )
+
+
 def check_floating(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -350,16 +373,27 @@ def run_varlen(
 
 def default_scale(scale: float | None, K: int) -> float:
     """The query scale: ``K ** -0.5`` unless given; a given one must be a finite real number
-    (``TypeError`` / ``ValueError`` naming ``scale`` otherwise; a tensor is taken as it is)."""
+    (``TypeError`` / ``ValueError`` naming ``scale`` otherwise; a tensor is taken as it is). A
+    negative one is computed as given and said with a :class:`RangeWarning` (for a tensor: on the
+    CPU, with the finite checks on, as :func:`check_sign`)."""
     if scale is None:
         return K**-0.5
     if isinstance(scale, torch.Tensor):
+        check_sign("scale", scale, ">= 0", "a negative scale turns the scores q·k around")
         return scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r}")
     if not math.isfinite(scale):
         raise ValueError(
             f"scale must be a finite number (or None for K ** -0.5 = {K**-0.5:.4g}), got {scale}"
+        )
+    if scale < 0:
+        warnings.warn(
+            f"scale should be >= 0 (None for K ** -0.5 = {K**-0.5:.4g}), got {scale}: a negative scale "
+            "turns the scores q·k around (softmax attention then prefers the least similar keys; a "
+            "linear memory's read changes sign). Computed as given (an intervention may mean it)",
+            RangeWarning,
+            stacklevel=3,
         )
     return scale
 

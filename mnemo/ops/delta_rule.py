@@ -87,6 +87,7 @@ from ._common import (
     avoid_host_reads,
     causal_mask,
     check_initial_state,
+    check_interval,
     check_matrix_op,
     check_shape,
     decay_exp,
@@ -377,6 +378,15 @@ def _delta(
     if gated:
         check_shape("g", g, (B, T, H), "[B, T, H]")
     check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
+    check_interval(
+        "beta",
+        beta,
+        0.0,
+        2.0,
+        "with unit-norm keys the transition I − beta k kᵀ is a contraction only for beta in [0, 2] "
+        "(beyond it the state can grow without bound; a model's beta is sigmoid(x), or 2·sigmoid(x) "
+        "with allow_neg_eigval)",
+    )
     dtypes = tuple(t.dtype for t in (q, k, v, beta, g, initial_state) if t is not None)
     op = "gated_delta_rule" if gated else "delta_rule"
     backend = _backends.select(_backends.Call(op, q.device, dtypes, mode, T, K, cu_seqlens is not None))
@@ -440,7 +450,8 @@ def delta_rule(
 
     Args:
         q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]``.
-        beta: ``[B, T, H]``, write strength in ``(0, 1]``.
+        beta: ``[B, T, H]``, write strength in ``(0, 1]`` (``(0, 2)`` with negative eigenvalues);
+            values outside ``[0, 2]`` are computed as given with a :class:`~mnemo.ops.RangeWarning`.
         scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size: as in
             :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``). Defaults:
             ``output_final_state=False``, ``chunk_size=64``.
@@ -490,7 +501,8 @@ def gated_delta_rule(
         g: ``[B, T, H]``, log decay (``≤ 0``; ``exp(g)`` is the retained fraction per token).
             Values below ``-60`` are clamped to ``-60`` (so ``-inf`` is a hard reset with no NaN);
             the chunked forms treat decay factors below ``exp(-40)`` as exactly ``0``.
-        beta: ``[B, T, H]``, write strength in ``(0, 1]``.
+        beta: ``[B, T, H]``, write strength in ``(0, 1]`` (``(0, 2)`` with negative eigenvalues);
+            values outside ``[0, 2]`` are computed as given with a :class:`~mnemo.ops.RangeWarning`.
         scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size: as in
             :func:`~mnemo.ops.gated_linear_attention` (state ``[B, H, K, V]``). Defaults:
             ``output_final_state=False``, ``chunk_size=64``.

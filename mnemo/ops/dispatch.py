@@ -332,10 +332,17 @@ def backends(device: str | torch.device | None = None) -> list[BackendRow]:
     (not installed, no CUDA, needs ``TRITON_INTERPRET=1`` on a CPU, an import failure, no kernel
     for the op). Options decided per call (dtype, mode, ``cu_seqlens``, ...) are listed in the
     module docstring; :func:`dispatch_log` shows the per-call reasons. Imports the installed
-    peers' kernels (a second or two, once)."""
+    peers' kernels (a second or two, once). Raises ``ValueError`` for a ``device`` that names none.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            "device must be a torch.device or a name such as 'cpu', 'cuda', 'cuda:1' or 'meta', "
+            f"got {device!r}"
+        ) from None
     rows = []
     for op in OPS:
         for backend in BACKENDS:

@@ -391,7 +391,8 @@ def gated_linear_attention(
             hard reset with no NaN); the chunked forms treat decay factors below ``exp(-40)`` as
             exactly ``0`` (a gradient that small, e.g. into ``initial_state`` across a strong
             decay, comes back as ``0``).
-        scale: multiplies ``q``; default ``K ** -0.5``.
+        scale: multiplies ``q``; default ``K ** -0.5``; a negative one is computed as given with a
+            :class:`~mnemo.ops.RangeWarning`.
         initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``); any float dtype,
             used in the compute dtype. Gradients flow into it.
         output_final_state: also return the state after the last token (default ``False``).

@@ -52,7 +52,8 @@ def linear_attention(
             ``[..., K] -> [..., F]`` (e.g. ``FavorPlus``). The state lives in feature space ``F``.
         normalize: divide by ``φ(q)ᵀ z`` (the normaliser is carried in the state, see below;
             default ``False``).
-        scale: multiplies ``q`` before ``φ``; default ``K ** -0.5``.
+        scale: multiplies ``q`` before ``φ``; default ``K ** -0.5``; a negative one is computed as
+            given with a :class:`~mnemo.ops.RangeWarning`.
         eps: added to the normaliser (``normalize=True`` only; default ``1e-6``).
         initial_state: ``[B, H, F, V]``, or ``[B, H, F, V + 1]`` when ``normalize=True`` (the last
             column is the normaliser ``z``). ``[N, ...]`` rows with ``cu_seqlens``.

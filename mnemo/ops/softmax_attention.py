@@ -226,7 +226,8 @@ def softmax_attention(
             with rotary positions counted *in the cache*, a query scores its window keys at its
             own position and the sinks at ``min(i, n_sink + window − 1)``
             (:class:`~mnemo.layers.Attention` passes both rotations; the op knows no positions).
-        scale: default ``K ** -0.5``.
+        scale: default ``K ** -0.5``; a negative one is computed as given with a
+            :class:`~mnemo.ops.RangeWarning`.
         initial_state: a :class:`KVCache` of ``P`` past keys/values; the new queries sit at
             positions ``P … P+T−1`` and also attend to them (one-token decoding: ``T = 1``).
         output_final_state: return the cache extended by this call's ``k, v`` (with a window,
@@ -286,7 +287,10 @@ def softmax_attention(
         o = rearrange(oh, "b h t d -> b t h d")
     elif mode == "parallel":
         if causal and window is None and segment_ids is None and S == T:
-            oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+            if isinstance(scale, torch.Tensor) or scale > 0:
+                oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+            else:  # the CPU kernel's is_causal gives NaN for a scale <= 0 (torch 2.13): folded into q
+                oh = F.scaled_dot_product_attention(qh * scale, kh, vh, is_causal=True, scale=1.0)
         elif causal and window is not None and segment_ids is None and T > WINDOW_BLOCK:
             oh = sliding_window_attention(qh, kh, vh, window, scale)
         else:

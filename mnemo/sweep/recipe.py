@@ -45,7 +45,10 @@ VERDICTS = ("reproduced", "not reproduced", "not testable here")
 
 
 def recipe_problems(
-    lr_values: list | None, seeds: list[int] | None, select_lr_on_seed: int | None
+    lr_values: list | None,
+    seeds: list[int] | None,
+    select_lr_on_seed: int | None,
+    where: str = "grid.lr",
 ) -> list[str]:
     """What a sweep lacks against the standard (empty when it meets it).
 
@@ -53,6 +56,8 @@ def recipe_problems(
         lr_values: the sweep's tuned ``lr`` grid (``None`` when ``lr`` is not a tuned axis).
         seeds: the sweep's seeds (``None`` when it has none).
         select_lr_on_seed: its held-out selection seed, or ``None``.
+        where: the sweep key that holds ``lr_values`` (a model entry's own ``grid:`` may;
+            default ``"grid.lr"``).
     Returns:
         One sentence per problem, each naming the sweep key to change.
     """
@@ -60,14 +65,26 @@ def recipe_problems(
     if not lr_values:
         problems.append("'grid' has no tuned 'lr' axis: every model needs its own learning rate")
     else:
-        lrs = [v for v in lr_values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
-        if len(set(lrs)) < MIN_LR_VALUES:
+        bad = [
+            v
+            for v in lr_values
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0)
+        ]
+        lrs = [v for v in lr_values if v not in bad]
+        if bad:  # named as such: counting them out would blame the number of values
+            from ..train.config import _yaml_hint
+
             problems.append(
-                f"'grid.lr' has {len(set(lrs))} distinct value(s); the standard needs >= {MIN_LR_VALUES}"
+                f"'{where}' holds {bad[0]!r}, which is not a positive finite learning rate"
+                + _yaml_hint(bad[0])
+            )
+        elif len(set(lrs)) < MIN_LR_VALUES:
+            problems.append(
+                f"'{where}' has {len(set(lrs))} distinct value(s); the standard needs >= {MIN_LR_VALUES}"
             )
         elif max(lrs) / min(lrs) < MIN_LR_SPAN:
             problems.append(
-                f"'grid.lr' spans {max(lrs) / min(lrs):.3g}x ({min(lrs):g} … {max(lrs):g}); the standard "
+                f"'{where}' spans {max(lrs) / min(lrs):.3g}x ({min(lrs):g} … {max(lrs):g}); the standard "
                 f"needs >= {MIN_LR_SPAN:g}x"
             )
     if select_lr_on_seed is None:

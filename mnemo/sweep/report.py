@@ -550,12 +550,18 @@ def judge_claims(
     return out
 
 
+def report_metric(meta: dict, metric: str | None) -> str:
+    """The metric a report of a sweep uses: ``metric`` if given, else the sweep file's (its stored
+    ``meta``), else ``val_acc``."""
+    return metric or meta.get("metric") or "val_acc"
+
+
 def write_report(
     db_path: str | Path,
     out_dir: str | Path | None = None,
     *,
     sweep: str | None = None,
-    metric: str = "val_acc",
+    metric: str | None = None,
     plots: bool = True,
     threshold: float | None = None,
     select_lr_on_seed: int | None = None,
@@ -565,7 +571,9 @@ def write_report(
     and (with ``plots``) ``SWEEP_acc_vs_state.png`` and ``SWEEP_acc_vs_length.png`` (means with
     confidence-interval error bars) for each sweep in the database (or just ``sweep``).
 
-    ``out_dir`` defaults to ``<db stem>_report/`` next to the database. ``threshold`` defaults to
+    ``metric`` defaults to each sweep file's ``metric`` (stored in the database; ``val_acc`` for a
+    database without it). ``out_dir`` defaults to ``<db stem>_report/`` next to the database.
+    ``threshold`` defaults to
     :func:`default_threshold` of ``metric`` (0.99 for accuracies); ``select_lr_on_seed`` defaults
     to the sweep file's (stored in the database by :func:`~mnemo.sweep.run_sweep`). Returns
     ``{sweep: {"markdown": text, "cells": cell_stats, "files": [paths]}}``.
@@ -573,7 +581,8 @@ def write_report(
     Raises:
         FileNotFoundError: the database does not exist. ValueError: it holds no (such) sweep, or
         ``threshold`` / ``select_lr_on_seed`` is malformed (see :func:`cell_stats`), or
-        ``select_lr_on_seed`` is a seed that no run of the database has.
+        ``select_lr_on_seed`` is a seed that no run of the database has, or no finished run of a
+        sweep measured ``metric`` (e.g. ``val_acc`` asked of a text sweep).
     """
     db_path = Path(db_path)
     with SweepDB(db_path, create=False) as db:
@@ -593,10 +602,25 @@ def write_report(
                 f"select_lr_on_seed (--select-lr-on-seed): seed {select_lr_on_seed} has no run in {db_path} "
                 f"(its seeds: {', '.join(map(str, ran))}); nothing could be selected on it"
             )
+    metrics = {n: report_metric(metas[n], metric) for n in names}
+    for name, rows in all_rows.items():  # before anything is written: a table of blanks is no report
+        m = metrics[name]
+        done = [r for r in rows if r["status"] == "done"]
+        if done and not any(m in (r["metrics"] or {}) for r in done):
+            have = sorted(
+                {k for r in done for k in (r["metrics"] or {}) if k.startswith("val_")} - {"val_tokens"}
+            )
+            given = "--metric" if metric is not None else "the sweep file's metric"
+            raise ValueError(
+                f"metric {m!r} ({given}): no finished run of sweep {name!r} in {db_path} measured it (they "
+                f"measured: {', '.join(have) or 'nothing'}); the sweep file's metric is "
+                f"{metas[name].get('metric', 'not stored')!r}"
+            )
     out = Path(out_dir) if out_dir else db_path.with_name(db_path.stem + "_report")
     out.mkdir(parents=True, exist_ok=True)
     result = {}
     for name, rows in all_rows.items():
+        metric = metrics[name]
         select = select_lr_on_seed if select_lr_on_seed is not None else metas[name].get("select_lr_on_seed")
         kw = {"select_lr_on_seed": select, "confidence": confidence}
         cells = cell_stats(rows, metric, threshold=threshold, **kw)

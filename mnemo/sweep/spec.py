@@ -231,6 +231,12 @@ class SweepSpec:
             from .recipe import recipe_problems
 
             problems = recipe_problems(grid.get("lr") if "lr" in tune else None, seeds, select)
+            for m in models:  # a model entry's own lr axis replaces the sweep's: held to the same
+                own = m.get("grid") if isinstance(m, dict) else None
+                if isinstance(own, dict) and isinstance(own.get("lr"), list) and "lr" in tune:
+                    label = m.get("label", m.get("model"))
+                    where = f"models[{label}].grid.lr"
+                    problems += [p for p in recipe_problems(own["lr"], seeds, select, where) if where in p]
             if problems:
                 raise ValueError(
                     f"{source}: 'recipe: standard' is not met: "
@@ -306,6 +312,11 @@ class SweepSpec:
                 raise ValueError(
                     f"sweep {self.name!r}, model {label!r}: 'grid' must map keys to non-empty lists of values"
                 )
+            if "seed" in own and self.seeds is not None:
+                raise ValueError(
+                    f"sweep {self.name!r}, model {label!r}: give the seeds either as 'seeds' or as a grid "
+                    "axis 'seed', not both"
+                )
             grid = {**self.grid, **own}
             keys = list(grid)
             for values in itertools.product(*(grid[k] for k in keys)):
@@ -364,6 +375,12 @@ def _parse_claims(value, models: list, source: str) -> list[dict]:
                 )
         if c["better"] == c["than"]:
             raise ValueError(f"{source}: claims[{i}] compares {c['better']!r} with itself")
+        same = [j for j, d in enumerate(out) if (d["better"], d["than"]) == (c["better"], c["than"])]
+        if same:  # one verdict, said twice in the report (or two names for one comparison)
+            raise ValueError(
+                f"{source}: claims[{i}] repeats claims[{same[0]}] ({c['better']!r} better than "
+                f"{c['than']!r}): give each comparison once"
+            )
         out.append({"name": str(c.get("name", f"{c['better']} beats {c['than']}")), **c})
     return out
 

@@ -168,12 +168,23 @@ class RunData:
             self.tokenizer = load_tokenizer(ckpt)
         else:  # a char vocabulary is read from the text; byte and tokenizer files need none
             self.tokenizer = build_tokenizer(cfg.tokenizer, corpus.text if cfg.tokenizer == "char" else "")
-        if cfg.pack_documents and len(corpus) < 2 and is_main:
-            warnings.warn(
-                f"pack_documents: {cfg.data!r} is a single document, so packing changes nothing "
-                "(JSONL/Parquet corpora give one document per record)",
-                stacklevel=2,  # (Trainer.__init__)
+        if cfg.pack_documents and len(corpus) < 2:
+            # the flag promises that no state crosses a document boundary: on one document it
+            # would do nothing while the run records it as on (e.g. a text file whose documents
+            # are only blank-line separated): refused, as every option that nothing reads is. A
+            # run saved with it before (resumed) keeps it, with a warning.
+            what = (
+                f"pack_documents (--pack-documents): data {cfg.data!r} is a single document (a plain text "
+                "file is one document; JSONL/Parquet corpora give one document per record, a folder or "
+                "glob one per file), so packing would change nothing"
             )
+            if ckpt is None:
+                raise ValueError(
+                    f"{what}; drop --pack-documents, or give the documents as JSONL/Parquet records or "
+                    "as separate files"
+                )
+            if is_main:
+                warnings.warn(what, stacklevel=2)  # (Trainer.__init__)
         train_docs, val_docs = corpus.split()
         # documents joined by the end-of-text token (char/byte: "\n\n"); .doc_starts keeps them
         self.train_data = train_docs.stream(self.tokenizer, cfg.seq_len)

@@ -38,7 +38,8 @@ def _count_parameters(model_cfg) -> int:
 def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> LanguageModel:
     """Seed and build the model on ``strategy.device``, after checking that the learned positions
     cover the lengths, that a step fits in memory, and (context parallelism) that the model can run
-    context-parallel; warns about CMS periods the training length never reaches; then
+    context-parallel, and that packing (``pack_documents``) does not split a CMS task signal; warns
+    about CMS periods the training length never reaches; then
     ``strategy.prepare`` (e.g. FSDP sharding, before the optimizer)."""
     device, world = strategy.device, strategy.world
     context_parallel = isinstance(strategy, ContextParallel)
@@ -75,6 +76,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
         check_forward_memory(model_cfg, 1, 2 * cfg.circuit_length, device, flag="--circuit-length", maps=True)
     model = LanguageModel(model_cfg).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.pack_documents and model.task_segment is not None:  # before any work
+        raise ValueError(
+            f"pack_documents (--pack-documents): not with model {cfg.model!r}, whose CMS levels "
+            "learn from the next-token loss over the whole window (packing would split it per "
+            "document); train it unpacked, or use a CMS with a reconstruction objective (e.g. "
+            "hope_reconstruction)"
+        )
     for i, block in enumerate(model.blocks):
         window_problems = getattr(block.mlp, "window_problems", None)
         # with carry_state the state goes on from window to window: such a level steps every

@@ -3,9 +3,10 @@ settings may change, :func:`resume_config`; the metrics log cut back to the resu
 checkpoints written atomically (:mod:`mnemo.train.checkpoint`: a temporary folder renamed into
 place, a manifest, ``latest``; a damaged checkpoint is skipped for the previous one on resume).
 
-Layout of ``out/``: ``.lock`` (the pid of the process that holds it), ``metrics.jsonl`` (one
-evaluation record per line, :mod:`mnemo.train.sinks`), ``ckpt-<step>/`` (model config and weights
-or DCP shards, tokenizer, ``train_config.json``, ``trainer_state.pt``), ``latest``, ``tb/``.
+Layout of ``out/``: ``.lock`` (the pid of the process that holds it; removed when it lets go),
+``metrics.jsonl`` (one evaluation record per line, :mod:`mnemo.train.sinks`), ``ckpt-<step>/``
+(model config and weights or DCP shards, tokenizer, ``train_config.json``, ``trainer_state.pt``),
+``latest``, ``tb/``.
 
 Extension point: what a checkpoint holds besides the weights is the ``state`` dict the trainer
 passes to :meth:`RunFolder.write_checkpoint` (restored by ``Trainer._restore_state``); a new
@@ -158,11 +159,45 @@ def resume_config(
     return cfg, notes
 
 
-def lock_run_folder(out: Path):
+class RunLock:
+    """The held lock of a run folder (:func:`lock_run_folder`). :meth:`close` releases it and
+    removes ``.lock``, so a folder that a run left (finished, failed or interrupted) holds nothing
+    of the lock; ``remove_empty``: the folder too, when this process created it and nothing else
+    was written there (a run that failed before its first record). Default ``remove_empty=False``."""
+
+    def __init__(self, file, path: Path, remove_empty: bool = False):
+        self.file, self.path, self.remove_empty = file, path, remove_empty
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
+    def close(self) -> None:
+        if self.file.closed:
+            return
+        try:  # unlinked while still held: a process that opened it meanwhile sees it went (below)
+            if os.path.samestat(os.fstat(self.file.fileno()), os.stat(self.path)):
+                self.path.unlink()
+        except OSError:
+            pass
+        finally:
+            self.file.close()
+        if self.remove_empty:
+            try:
+                self.path.parent.rmdir()  # only when empty
+            except OSError:
+                pass
+
+
+def lock_run_folder(out: Path, remove_empty: bool = False) -> RunLock | None:
     """Take the run folder ``out`` for this process: an exclusive advisory lock on ``out/.lock``
-    (``flock``), held until the returned file is closed. The kernel drops the lock when its process
-    dies, so a crashed run's lock is taken over without ceremony. On systems without ``fcntl`` this
-    is a no-op.
+    (``flock``), held until the returned :class:`RunLock` is closed (which removes ``.lock``;
+    ``remove_empty``: and ``out`` if nothing else is in it then; default ``remove_empty=False``).
+    The kernel drops the lock when its process dies, so a crashed run's lock is taken over without
+    ceremony. On systems without ``fcntl`` this is a no-op.
 
     Raises:
         ValueError: another live process holds the folder (the message names its pid).
@@ -171,22 +206,33 @@ def lock_run_folder(out: Path):
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
         return None
-    f = open(out / LOCK_NAME, "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise ValueError(
-            f"run folder {out} is in use by another training process (pid {holder}); wait for it to "
-            "finish, or pick another --out"
-        ) from None
+    path = out / LOCK_NAME
+    for _ in range(100):
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise ValueError(
+                f"run folder {out} is in use by another training process (pid {holder}); wait for it "
+                "to finish, or pick another --out"
+            ) from None
+        try:
+            same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()  # its holder removed the file between our open and our lock: take the new one
+    else:  # pragma: no cover - another process takes and releases the folder without pause
+        raise ValueError(f"run folder {out}: could not take its lock {path}")
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
-    return f
+    return RunLock(f, path, remove_empty)
 
 
 class RunFolder:
@@ -216,11 +262,19 @@ class RunFolder:
         return cfg, None, None, notes
 
     def open(self):
-        """Create and lock the folder (the returned lock file, or ``None`` without ``fcntl``, is
-        held until closed) and remove what a killed run left there (we hold the lock)."""
+        """Create and lock the folder (the returned :class:`RunLock`, or ``None`` without ``fcntl``,
+        is held until closed; closing removes ``.lock``, and the folder if this call created it and
+        it is still empty) and remove what a killed run left there (we hold the lock)."""
+        created = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
-        lock = lock_run_folder(self.out)
-        stale = clean_stale_temporaries(self.out)  # left by a killed run (we hold the lock)
+        # a run that fails before writing anything leaves no folder it made (nor its .lock)
+        lock = lock_run_folder(self.out, remove_empty=created)
+        try:
+            stale = clean_stale_temporaries(self.out)  # left by a killed run (we hold the lock)
+        except BaseException:
+            if lock is not None:
+                lock.close()
+            raise
         if stale:
             warnings.warn(f"removed what a stopped run left in {self.out}: {', '.join(stale)}", stacklevel=3)
         return lock

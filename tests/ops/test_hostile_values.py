@@ -86,6 +86,74 @@ def test_positive_log_gates_are_said_and_computed_as_given():
         assert torch.equal(decay_matrix(g)[0, 0].diagonal(), torch.ones(5))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_delta_rule_beta_outside_0_2_is_said_and_computed_as_given(gated):
+    """(left by the seventh trial) beta > 2 (or < 0): with unit-norm keys I − beta k kᵀ has the
+    eigenvalue 1 − beta along k, of modulus above 1, so the state grows without bound: said with
+    a RangeWarning (an intervention may set it) and computed as given; beta in [0, 2] is quiet."""
+    from mnemo.ops import delta_rule
+
+    q, k, v = _qkv(T=40)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = torch.zeros(1, 40, 2)
+
+    def op(beta, mode="chunk"):
+        if gated:
+            return gated_delta_rule(q, k, v, g, beta, mode=mode, output_final_state=True)
+        return delta_rule(q, k, v, beta, mode=mode, output_final_state=True)
+
+    beta = torch.full((1, 40, 2), 5.0)
+    said = r"beta should be in \[0, 2\]: 80 of 80 values are not \(the most extreme is 5\)"
+    with pytest.warns(RangeWarning, match=said):
+        o, S = op(beta)
+    with pytest.warns(RangeWarning, match="contraction only for beta in"):
+        ref, S_ref = op(beta, "recurrent")
+    torch.testing.assert_close(S, S_ref, rtol=1e-4, atol=1e-3)  # as given: and it grows
+    assert S.abs().max() > 1e6
+    with pytest.warns(RangeWarning, match="the most extreme is -0.5"):
+        op(torch.full((1, 40, 2), -0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        op(torch.full((1, 40, 2), 2.0))  # the edge (allow_neg_eigval's range is (0, 2))
+        op(torch.zeros(1, 40, 2))
+        with finite_checks(False):
+            op(beta)
+
+
+def test_a_negative_scale_is_said_and_computed_as_given():
+    """(left by the seventh trial) a negative scale turns softmax attention to the least similar
+    keys and flips a linear memory's read: said with a RangeWarning for every op that takes a
+    scale, computed as given (softmax with -s equals softmax of the negated queries). Found on the
+    way: causal softmax attention gave NaN rows for any scale <= 0 (torch's CPU kernel)."""
+    q, k, v = _qkv()
+    g = -torch.rand(1, 5, 2)
+    beta = torch.rand(1, 5, 2)
+    kn = torch.nn.functional.normalize(k, dim=-1)
+    for call in (
+        lambda s: linear_attention(q, k, v, scale=s),
+        lambda s: softmax_attention(q, k, v, scale=s),
+        lambda s: gated_linear_attention(q, k, v, g, scale=s),
+        lambda s: gated_delta_rule(q, kn, v, g, beta, scale=s),
+    ):
+        said = r"scale should be >= 0 \(None for K \*\* -0.5 = 0.5\), got -0.5"
+        with pytest.warns(RangeWarning, match=said):
+            call(-0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            call(0.0)  # zero is legal (uniform attention, an empty read)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref, _ = softmax_attention(-q, k, v, scale=0.5)
+    with pytest.warns(RangeWarning):
+        o, _ = softmax_attention(q, k, v, scale=-0.5)
+    torch.testing.assert_close(o, ref)  # (the CPU kernel's causal path gave NaN for scale <= 0)
+    o, _ = softmax_attention(q, k, v, scale=0.0)  # uniform over the keys so far: a known answer
+    mean = v.cumsum(1) / torch.arange(1, 6).view(1, 5, 1, 1)
+    torch.testing.assert_close(o, mean)
+    with pytest.warns(RangeWarning, match="scale should be >= 0"):
+        linear_attention(q, k, v, scale=torch.tensor(-0.5))
+
+
 def test_the_sign_checks_follow_the_finite_switch():
     """MNEMO_CHECK_FINITE=0 / finite_checks(False) turns the range reads off with the NaN reads."""
     q, k, v = _qkv()
