@@ -7,6 +7,7 @@ Eq. 83, the DGD step Eq. 88)::
 
     q_t = x_t W_q                                                   (slow projection)
     k_t = M_k,t−1(x_t)   v_t = M_v,t−1(x_t)   η_t ← M_η,t−1(x_t)   α_t ← M_α,t−1(x_t)
+                         (q_t, k_t and v_t L2-normalised: §8.3 for q, k; v a choice, below)
     o_t = M_memory,t−1(q_t)                                         (read before the write)
     v̂_□,t = M_□,t−1(v_t)       □ ∈ {k, v, η, α, memory}             (self-generated values, Eq. 84)
     M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) − η_t ∇L(M_□,t−1; k_t, v̂_□,t)          (DGD, Eq. 88)
@@ -66,30 +67,63 @@ stream position.
 - ``momentum=μ`` (``0 ≤ μ < 1``): DGD with momentum. The paper's Table 6 names the ablation but §8
   writes no equation for it; mnemo's choice, Titans' momentum with forgetting (Behrouz et al. 2024,
   §3.1: ``S_t = η_t S_{t−1} − θ_t ∇ℓ``, ``M_t = (1 − α_t) M_{t−1} + S_t``) placed on the gradient
-  term of Eq. 88, the delta term staying on the weights::
+  term of Eq. 88, the delta term staying on the weights, dampened (the gradient enters with weight
+  ``1 − μ``, as an exponential moving average, so a steady gradient moves the weights at the rate
+  ``η_t`` whatever ``μ``; choice, paper silent — see "Stability")::
 
-      G_□,t = μ G_□,t−1 − η_t ∇L(M_□,c; k_t, v̂_□,t)          M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) + G_□,t
+      G_□,t = μ G_□,t−1 − (1 − μ) η_t ∇L(M_□,c; k_t, v̂_□,t)    M_□,t = M_□,t−1 (α_t I − η_t k_t k_tᵀ) + G_□,t
 
-  for every memory (the projection memories and the main one), one constant ``μ`` (Titans' rate
-  is data-dependent; here it is a hyperparameter), ``G_□,0 = 0`` at the start of a stream and
-  carried in the state. ``μ = 0`` is Eq. 88 exactly. In the chunk form the momentum's decayed sums
+  (``W_b``'s part of ``G`` with its rate ``η_b,t``, below) for every memory (the projection
+  memories and the main one), one constant ``μ`` (Titans' rate is data-dependent; here it is a
+  hyperparameter), ``G_□,0 = 0`` at the start of a stream and carried in the state. ``μ = 0`` is
+  Eq. 88 exactly. In the chunk form the momentum's decayed sums
   are products of two triangular ``L × L`` factors (:func:`_momentum_weights`) and the ``W_a``
   recursion one triangular solve (:func:`_wa_chunk_momentum`).
 
-**DGD on an MLP memory** (choice; the paper writes ``M(αI − η k kᵀ)`` for the memory as a whole): the
-rank-one delta term acts on the layer whose input is ``k`` (``W_a``, input dim ``d``); the hidden
-layer (input ``σ(k W_a)``, not normalised) gets the retention ``α_t`` only::
+**DGD on an MLP memory** (choice, paper silent; the paper writes ``M(αI − η k kᵀ)`` and one rate
+``η_t`` for the memory as a whole): the rank-one delta term acts on the layer whose input is ``k``
+(``W_a``, input dim ``d``); the hidden layer, whose input ``h_t = σ(k_t W_a,c)`` is not normalised,
+gets the retention ``α_t`` and a normalised-LMS rate (``hidden_step="nlms"``, the default)::
 
     W_a ← (α_t I − η_t k_t k_tᵀ) W_a − η_t k_t δ_tᵀ        δ_t = ∂L/∂(k_t W_a) at M_□,c
-    W_b ← α_t W_b − η_t σ(k_t W_a,c)ᵀ e_t                  e_t = M_□,c(k_t) − v̂_□,t
+    W_b ← α_t W_b − η_b,t h_tᵀ e_t                          e_t = M_□,c(k_t) − v̂_□,t
+    η_b,t = η_t / max(1, ‖h_t‖²)                           h_t = σ(k_t W_a,c)
+
+so the effective step of the ``W_b`` update, ``η_b,t ‖h_t‖² ≤ η_t``, is bounded as unit keys bound
+``W_a``'s (a hidden input of norm ≤ 1 keeps Eq. 88's ``η_t``). ``hidden_step="plain"``:
+``η_b,t = η_t`` (mnemo before the fix; unbounded effective step ``η_t ‖h_t‖²``).
+
+**Stability: why ``v_t`` is normalised, ``W_b``'s rate is NLMS and the momentum dampened**
+(choices, paper silent; measured on tinyshakespeare with the ``hope`` presets at their default
+width ``d_model=128``, 4 layers). Before these choices every preset gave NaN logits at
+initialisation. With ``v_t = M_v(x_t)`` unnormalised (``‖v_t‖`` 2–5, against ``‖k_t‖ = 1``) and the
+self-generated target ``v̂ = M_c(v_t)``, a step toward ``v̂`` raises the target more than the
+prediction (``h_vᵀh_k > ‖h_k‖²`` for ``h_v = σ(v W_a)``): from the first token the error
+``‖M(k) − M(v)‖`` after a step is larger than before it (layer 2 of ``hope``, chunk size 1:
+0.88 → 0.90, where the same step with the target held fixed gives 0.86). ``W_b``'s spectral norm
+grows (0.19 → 1.3 in 14 tokens) while the plain step is far inside its LMS bound
+(``η‖h‖² ≈ 0.02``); once ``η σ_max(W_b)² ≈ 0.8`` (the gain of the ``W_a`` gradient step) the step
+is expansive even for a fixed target and the weights overflow within two tokens (NaN logits from
+token 19; with the default chunks 16/64 from token 112, ``‖W_b‖_F`` 1.1 → 3.3 over the first 88
+tokens first). Normalising
+``v_t`` (``v_norm=True``) removes the scale mismatch: every preset finite over 2,048 tokens; NLMS
+alone does not (NaN from tokens 96–177). The two further choices guard trained weights: after 40
+training steps at ``d_model=64`` (undampened momentum), ``hope_paper`` (``μ = 0.9``) with
+normalised ``v`` alone overflowed at token 720 (``η‖h‖²`` grew past 0.07, then ``‖h‖ > 1``), with
+NLMS too it stayed finite; on 256-token windows it still overflowed after 3 steps (NaN from token
+192), as the undampened momentum multiplies a chunk's gradient steps, all taken at the chunk-start
+weights, by up to ``1/(1 − μ) = 10``; dampened, it trained 20 steps (loss 3.99 → 2.59) and stayed
+finite over 2,048 tokens. Normalised ``v`` and NLMS did not change the training loss of ``hope`` at
+``d_model=64`` (no momentum; 40 steps, mean of the last five 2.366 before, 2.365 after).
 
 **Forms.** ``mode="recurrent"``: the token loop above (gradients by autograd, the rank-one term as
 written). ``mode="chunk"``: per chunk, all reads and all gradient factors in batched matmuls at the
 chunk-start weights; the ``W_a`` recursion is a gated delta rule (``exp(g) = α_t``, ``β = η_t/α_t``,
 value ``−α_t δ_t``), of which only the chunk's final state is formed (:func:`_wa_chunk`: one
 ``L × L`` triangular inverse shared by the memories of a group, no per-token output); the ``W_b``
-recursion is a decayed sum in one product. The gradient factors are written out by hand
-(``e``, ``δ`` of Eq. 93); weights still shared over the batch are read in one product (:func:`_wmul`).
+recursion is a decayed sum in one product (``η_b,t`` a per-token, per-memory factor in it). The
+gradient factors are written out by hand (``e``, ``δ`` of Eq. 93); weights still shared over the
+batch are read in one product (:func:`_wmul`).
 
 **Choices where the paper is silent** (all documented here, none hidden in the code):
 
@@ -100,7 +134,10 @@ recursion is a decayed sum in one product. The gradient factors are written out 
   contraction for unit ``k`` (the stability DGD's ``η' = η/(1+η)`` gives in Eq. 57).
 - one memory per ``□`` over the whole ``d_model`` (no heads inside the memories); ``n_heads``
   only groups the output norm and gate.
-- ``k_t`` and ``q_t`` are L2-normalised (§8.3 "L2 normalisation on q and k"); ``v_t`` is not.
+- ``k_t`` and ``q_t`` are L2-normalised (§8.3 "L2 normalisation on q and k"); ``v_t`` too
+  (``v_norm=True``, the default; the paper names q and k only — see "Stability" above;
+  ``v_norm=False``: the unnormalised ``v_t = M_v(x_t)``, mnemo before the fix, which overflows at
+  the default width).
 - a short causal convolution (+SiLU) on ``x`` feeds ``W_q`` (or ``M_q``) and the projection memories
   (§8.3 "local convolutions, window 4"); output ``y = W_o(RMSNorm(o) ⊙ silu(W_g x))`` per head
   (Titans' output gate).
@@ -141,6 +178,8 @@ PROJECTIONS = ("k", "v", "eta", "alpha")
 PROJECTIONS_Q = (*PROJECTIONS, "q")
 #: the main memory's write target: its self-generated ``M_memory(v_t)`` (Eq. 84/94) or ``v_t``
 MEMORY_TARGETS = ("self", "value")
+#: the rate of a memory's hidden layer ``W_b``: normalised by its input's norm (NLMS) or Eq. 88's ``η_t``
+HIDDEN_STEPS = ("nlms", "plain")
 
 
 @state_dataclass
@@ -171,7 +210,9 @@ class SelfModifyingTitansState:
     memory_momentum: tuple | None = None
 
 
-def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0):
+def dgd_token(
+    spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0, nlms: bool = False
+):
     """One DGD step of a group of ``G`` residual-MLP memories (the reference; autograd gradient).
 
     ``W``/``A``: running / chunk-start weights ``(W_a [B, G, d, h], W_b [B, G, h, d])``; ``k [B, d]``
@@ -179,10 +220,12 @@ def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: fl
     momentum ``(m_a, m_b)`` shaped like ``W`` (``None``: no momentum, ``mu`` must be 0). Returns the
     new running weights and momentum::
 
-        m_a ← μ m_a − η ∇_{W_a} L(A; k, v̂)             m_b ← μ m_b − η ∇_{W_b} L(A; k, v̂)
+        m_a ← μ m_a − (1 − μ) η ∇_{W_a} L(A; k, v̂)     m_b ← μ m_b − (1 − μ) η_b ∇_{W_b} L(A; k, v̂)
         W_a ← α W_a − η k (kᵀ W_a) + m_a                 W_b ← α W_b + m_b
 
-    (with ``μ = 0`` this is Eq. 88's step, ``W_a ← α W_a − η k kᵀ W_a − η ∇``). Defaults: ``mu=0.0``.
+    with ``η_b = η / max(1, ‖h‖²)``, ``h = σ(k A_a)`` per memory (``nlms=True``) or ``η_b = η``
+    (with ``μ = 0`` and ``η_b = η`` this is Eq. 88's step, ``W_a ← α W_a − η k kᵀ W_a − η ∇``).
+    Defaults: ``mu=0.0``, ``nlms=False``.
     """
     need_graph = torch.is_grad_enabled()
     alpha = log_alpha.exp()
@@ -196,9 +239,13 @@ def dgd_token(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: fl
         ga, gb = torch.autograd.grad(loss, A_eff, create_graph=need_graph)
     Wa, Wb = W
     a4, e4 = alpha[:, None, None, None], eta[:, None, None, None]
-    ma, mb = -e4 * ga, -e4 * gb
-    if mom is not None:
-        ma, mb = mu * mom[0] + ma, mu * mom[1] + mb
+    eb = e4
+    if nlms:  # W_b's rate η_t / max(1, ‖h_t‖²), h_t = σ(k_t W_a,c) the hidden layer's input (σ = GELU)
+        h = F.gelu(torch.einsum("bd,bgdh->bgh", k, A[0]))
+        eb = e4 / h.square().sum(-1).clamp_min(1.0)[:, :, None, None]
+    ma, mb = -e4 * ga, -eb * gb
+    if mom is not None:  # dampened: the gradient enters the momentum with weight 1 − μ
+        ma, mb = mu * mom[0] + (1 - mu) * ma, mu * mom[1] + (1 - mu) * mb
     kW = torch.einsum("bd,bgdh->bgh", k, Wa)
     Wa = a4 * Wa - e4 * torch.einsum("bd,bgh->bgdh", k, kW) + ma
     Wb = a4 * Wb + mb
@@ -278,9 +325,9 @@ def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
         m_t = μ m_{t−1} + k_t u_tᵀ          S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + m_t
 
     ``k [B, L, d]`` (shared by the ``G`` memories), ``Wa = S_0, ma = m_0 [B, G, d, h]``,
-    ``u [B, G, L, h]`` (here ``−η_t δ_t``), ``log_alpha, beta [B, L]``. With ``r_t = k_tᵀ S_{t−1}``
-    the recursion is ``S_t = α_t S_{t−1} + m_t − α_t β_t k_t r_t``; unrolled (``F, E`` of
-    :func:`_momentum_weights`)::
+    ``u [B, G, L, h]`` (here ``−(1 − μ) η_t δ_t``, dampened), ``log_alpha, beta [B, L]``. With
+    ``r_t = k_tᵀ S_{t−1}`` the recursion is ``S_t = α_t S_{t−1} + m_t − α_t β_t k_t r_t``; unrolled
+    (``F, E`` of :func:`_momentum_weights`)::
 
         S_t = γ_t S_0 + E_t m_0 + Σ_{s≤t} k_s (F_ts u_s − (γ_t/γ_s) α_s β_s r_s)ᵀ
 
@@ -323,17 +370,21 @@ def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
     return S, m
 
 
-def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0):
+def dgd_chunk(
+    spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0, nlms: bool = False
+):
     """``L`` DGD steps inside one chunk (all gradients at the chunk-start weights ``A``), batched.
 
     ``W, A`` as in :func:`dgd_token`; ``k [B, L, d]``; ``vhat [B, G, L, d]``; ``log_alpha, beta:
     [B, L]``. Without momentum (``mom=None``) ``W_a`` follows the gated delta rule
     ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t (−α_t δ_t)ᵀ`` (final state only,
     :func:`_wa_chunk`; the same recursion as :func:`mnemo.ops.gated_delta_rule`) and ``W_b`` the
-    decayed sum ``W_b,L = (Π α) W_b − Σ_s η_s (Π_{r>s} α_r) a_sᵀ e_s``. With momentum ``(m_a, m_b)``
-    (coefficient ``mu``): :func:`_wa_chunk_momentum` for ``W_a`` and the same decayed sums
-    (:func:`_momentum_weights`) for ``W_b``. Returns ``(W, mom)`` as :func:`dgd_token`. Defaults:
-    ``mu=0.0``.
+    decayed sum ``W_b,L = (Π α) W_b − Σ_s η_b,s (Π_{r>s} α_r) a_sᵀ e_s`` (``a_s = σ(k_s A_a)``;
+    ``η_b,s = η_s / max(1, ‖a_s‖²)`` per memory with ``nlms=True``, else ``η_s``). With momentum
+    ``(m_a, m_b)`` (coefficient ``mu``, dampened: the gradient's weight ``1 − μ``):
+    :func:`_wa_chunk_momentum` for ``W_a`` and the same decayed sums (:func:`_momentum_weights`)
+    for ``W_b``, with ``η_b,s``. Returns ``(W, mom)`` as
+    :func:`dgd_token`. Defaults: ``mu=0.0``, ``nlms=False``.
     """
     Wa, Wb = W
     B, G = Wa.shape[:2]
@@ -345,8 +396,12 @@ def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: fl
     e = kg + _wmul(a, A[1]) - vhat
     delta = _wmul(e, A[1].transpose(-1, -2)) * slope
     alpha = log_alpha.exp()
+    # W_b's per-token rate factor: 1, or 1 / max(1, ‖a_t‖²) (nlms)   [B, G, L, 1]
+    nb = 1.0 / a.square().sum(-1, keepdim=True).clamp_min(1.0) if nlms else None
     if mom is not None:
         eta = (alpha * beta)[:, None, :, None]
+        etb = eta if nb is None else eta * nb
+        eta, etb = (1 - mu) * eta, (1 - mu) * etb  # dampened momentum: the gradient's weight 1 − μ
         Wa_new, ma = _wa_chunk_momentum(k, Wa, mom[0], -eta * delta, log_alpha, beta, mu)
         Fm, E = _momentum_weights(log_alpha, mu, L)
         gcum = clamp_log_gate(log_alpha).cumsum(-1)
@@ -357,14 +412,16 @@ def dgd_chunk(spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: fl
         Wb_new = (
             gcum[:, -1].exp()[:, None, None, None] * Wb
             + E[:, -1][:, None, None, None] * mom[1]
-            - ae @ (Fm[:, -1][:, None, :, None] * eta * e)
+            - ae @ (Fm[:, -1][:, None, :, None] * etb * e)
         )
-        mb = (mu**L) * mom[1] - ae @ (pw[None, None, :, None] * eta * e)
+        mb = (mu**L) * mom[1] - ae @ (pw[None, None, :, None] * etb * e)
         return (Wa_new.to(Wa.dtype), Wb_new), (ma, mb)
     Wa_new = _wa_chunk(k, Wa, -alpha[:, None, :, None] * delta, log_alpha, beta)
     gcum = log_alpha.cumsum(-1)
-    w = alpha * beta * torch.exp(gcum[:, -1:] - gcum)  # η_s Π_{r>s} α_r
-    Wb_new = gcum[:, -1].exp()[:, None, None, None] * Wb - (a * w[:, None, :, None]).transpose(-1, -2) @ e
+    w = (alpha * beta * torch.exp(gcum[:, -1:] - gcum))[:, None, :, None]  # η_s Π_{r>s} α_r
+    if nb is not None:
+        w = w * nb
+    Wb_new = gcum[:, -1].exp()[:, None, None, None] * Wb - (a * w).transpose(-1, -2) @ e
     return (Wa_new.to(Wa.dtype), Wb_new), None
 
 
@@ -389,15 +446,21 @@ class SelfModifyingTitans(Mixer):
         adaptive_q: the query from its own adaptive memory, ``q_t = M_q,c(x̃_t)`` (L2-normalised),
             a fifth projection memory rewritten by DGD like ``M_k`` (see the module docstring);
             default ``False``: the slow projection ``q_t = x̃_t W_q`` of Eq. 83's first line.
-        momentum: ``μ ∈ [0, 1)``, the DGD momentum of every memory (see the module docstring;
-            default ``0.0``: Eq. 88's plain step, no momentum state).
+        momentum: ``μ ∈ [0, 1)``, the (dampened) DGD momentum of every memory (see the module
+            docstring; default ``0.0``: Eq. 88's plain step, no momentum state).
+        hidden_step: the rate of each memory's hidden layer ``W_b``: ``"nlms"`` (default,
+            ``η_t / max(1, ‖σ(k_t W_a,c)‖²)``) or ``"plain"`` (``η_t``; the step before the fix,
+            which diverges at the default width; see the module docstring, "Stability").
+        v_norm: L2-normalise ``v_t = M_v(x_t)`` (default ``True``; ``False``: unnormalised, the
+            value before the fix; see "Stability").
 
     Hook points (float32, float64 for a float64 model): the main memory's inputs, as ``M_memory``'s
     reads and DGD steps consume them —
 
     * ``hook_q`` ``[B, T, d]``: ``q_t = x̃_t W_q``, L2-normalised;
     * ``hook_k`` ``[B, T, d]``: ``k_t = M_k(x_t)``, L2-normalised; ``hook_v`` ``[B, T, d]``:
-      ``v_t = M_v(x_t)`` (the value every memory generates its target from);
+      ``v_t = M_v(x_t)``, L2-normalised with ``v_norm`` (the value every memory generates its
+      target from);
     * ``hook_g`` ``[B, T]``: the log retention ``log α_t`` (from ``M_α``);
     * ``hook_beta`` ``[B, T]``: ``β_t`` (from ``M_η``; the DGD rate is ``η_t = α_t β_t``);
 
@@ -411,7 +474,8 @@ class SelfModifyingTitans(Mixer):
 
     Raises:
         ValueError: ``d_model`` not a multiple of ``n_heads``, a chunk size < 1, ``beta_max`` outside
-            ``(0, 1]``, ``momentum`` outside ``[0, 1)``, a bad ``mode`` or ``memory_target``;
+            ``(0, 1]``, ``momentum`` outside ``[0, 1)``, a bad ``mode``, ``memory_target``,
+            ``hidden_step`` or ``v_norm``;
             ``forward`` on ``x`` not ``[B, T, d_model]``, a state from another batch size, or a
             state without the momentum this mixer needs (or with momentum it does not have).
     """
@@ -430,8 +494,15 @@ class SelfModifyingTitans(Mixer):
         memory_target: str = "self",
         adaptive_q: bool = False,
         momentum: float = 0.0,
+        hidden_step: str = "nlms",
+        v_norm: bool = True,
     ):
         super().__init__(mode)
+        if hidden_step not in HIDDEN_STEPS:
+            raise ValueError(f"hidden_step must be one of {HIDDEN_STEPS}, got {hidden_step!r}")
+        if not isinstance(v_norm, bool):
+            raise ValueError(f"v_norm must be a bool, got {v_norm!r}")
+        self.hidden_step, self.v_norm = hidden_step, v_norm
         if memory_target not in MEMORY_TARGETS:
             raise ValueError(f"memory_target must be one of {MEMORY_TARGETS}, got {memory_target!r}")
         self.memory_target = memory_target
@@ -528,18 +599,19 @@ class SelfModifyingTitans(Mixer):
         """Advance one memory group over ``T`` tokens: ``read_in(t, L, A)`` reads at the chunk-start
         weights and returns the update inputs ``(k, vhat, log_alpha, beta)`` and the read; the step is
         :func:`dgd_token` (``token``) or :func:`dgd_chunk` (``mom``: the group's momentum or
-        ``None``). Returns ``(W, A, mom, reads)``."""
+        ``None``; ``hidden_step="nlms"``: ``W_b``'s normalised rate). Returns ``(W, A, mom, reads)``."""
         reads = []
         mu = self.momentum
+        nlms = self.hidden_step == "nlms"
         for t, L in self._pieces(pos, T, C, token):
             if (pos + t) % C == 0:
                 A = W
             (k, vhat, la, be), r = read_in(t, L, A)
             reads.append(r)
             if token:
-                W, mom = dgd_token(self.spec, W, A, k[:, 0], vhat[:, :, 0], la[:, 0], be[:, 0], mom, mu)
+                W, mom = dgd_token(self.spec, W, A, k[:, 0], vhat[:, :, 0], la[:, 0], be[:, 0], mom, mu, nlms)
             else:
-                W, mom = dgd_chunk(self.spec, W, A, k, vhat, la, be, mom, mu)
+                W, mom = dgd_chunk(self.spec, W, A, k, vhat, la, be, mom, mu, nlms)
         if (pos + T) % C == 0:
             A = W
         return W, A, mom, reads
@@ -564,7 +636,7 @@ class SelfModifyingTitans(Mixer):
             xs = xc[:, t : t + L]
             raw = _mlp(A, xs[:, None].expand(B, G, L, -1))
             k = F.normalize(raw[:, 0], dim=-1)  # k_t = M_k(x_t), L2-normalised
-            v = raw[:, 1]  # v_t = M_v(x_t)
+            v = F.normalize(raw[:, 1], dim=-1) if self.v_norm else raw[:, 1]  # v_t = M_v(x_t)
             la, be = self.gates(raw[:, 2], raw[:, 3])  # η_t ← M_η(x_t), α_t ← M_α(x_t)
             vhat = _mlp(A, v[:, None].expand(B, G, L, -1))  # v̂_□ = M_□(v_t)
             if self.adaptive_q:  # q_t = M_q(x_t), L2-normalised
