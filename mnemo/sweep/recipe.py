@@ -12,8 +12,9 @@ module holds the three pieces the sweep machinery uses for that:
 * :func:`left_plateau` — whether one run's evaluation curve (``metrics.jsonl``, stored with each
   sweep run as ``curve``) left its initial plateau: its best value improved on the plateau's level
   (the median of the curve's first half) by at least ``rise`` (accuracies: :data:`ACC_RISE`
-  absolute; ``val_loss``: :data:`LOSS_RISE` of the level), or reached the threshold. A run that did not is still on the plateau: its
-  value says nothing about the model's ability, only about the budget.
+  absolute; ``val_loss``: :data:`LOSS_RISE` of the level), or reached the threshold. A run that
+  did not is still on the plateau: its value says nothing about the model's ability, only about
+  the budget.
 * :func:`judge_claim` — a claim ``better`` beats ``than`` on the sweep's metric, judged on the
   seeds both report (paired: the difference per seed, then its Student-t interval,
   :func:`~mnemo.sweep.stats.mean_interval`). The verdict is one of ``reproduced`` (the interval
