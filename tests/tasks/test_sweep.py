@@ -90,7 +90,15 @@ def test_sweep_runs_once_then_skips_everything(tmp_path, monkeypatch):
     spec = _spec()
     db = tmp_path / "s.sqlite"
     counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
-    assert counts == {"total": 4, "skipped": 0, "ran": 4, "done": 4, "diverged": 0, "failed": 0}
+    assert counts == {
+        "total": 4,
+        "skipped": 0,
+        "ran": 4,
+        "done": 4,
+        "diverged": 0,
+        "failed": 0,
+        "not_selected": 0,
+    }
     rows = SweepDB(db).rows()
     assert len(rows) == 4 and all(r["status"] == "done" for r in rows)
     r = rows[0]
