@@ -424,7 +424,15 @@ def test_eval_lengths_on_a_text_checkpoint(run_dir, capsys):
 def test_tasks_lists_the_tasks(capsys):
     assert main(["tasks"]) == 0
     names = {line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")}
-    assert names == {"mqar", "selective_copying", "induction_heads", "passkey", "copying", "repeat_segment"}
+    assert names == {
+        "mqar",
+        "selective_copying",
+        "induction_heads",
+        "passkey",
+        "niah",
+        "copying",
+        "repeat_segment",
+    }
 
 
 def test_sweep_then_report_from_the_command_line(tmp_path, capsys):
