@@ -416,6 +416,10 @@ def plot_accuracy_vs_state(
                 ax.scatter(x, y, s=12, alpha=0.35, color=bars[0].get_color(), linewidths=0, zorder=1)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decade labels only: minor ones overlap
+        sizes = sorted({r["state_size_bytes"] for r in group if r["state_size_bytes"] and r["n"]})
+        if sizes and math.floor(math.log10(sizes[0])) == math.floor(math.log10(sizes[-1])):
+            # every size inside one decade: no decade tick would show, so label the sizes themselves
+            ax.set_xticks(sizes, [f"{v:,}" for v in sizes])
         _panel(ax, name, "decoding state per sequence (bytes)", metric)
     return _save(plt, fig, path, title, return_figure)
 
