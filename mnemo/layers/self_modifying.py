@@ -156,6 +156,9 @@ float64 input); the momentum buffers (``momentum > 0``) shaped and typed like th
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -196,6 +199,11 @@ class SelfModifyingTitansState:
         offset: tokens consumed (chunk boundaries are absolute stream positions; default ``0``).
         proj_momentum, memory_momentum: (``momentum > 0``) the DGD momentum ``(m_a, m_b)`` of each
             group, shaped like its weights; ``None`` without momentum (default).
+        proj_pending, memory_pending: ``None`` (default) outside a task-signal model's segment loop.
+            Inside it (:meth:`SelfModifyingTitans.deferring`) the DGD steps of a chunk's tokens read
+            so far are kept as their inputs ``(k [B, n, d], v̂ [B, G, n, d], log α [B, n], β [B, n])``
+            and ``proj``/``memory`` (and the momentum) are the weights *before* those ``n`` tokens;
+            :meth:`SelfModifyingTitans.settle` applies them. A state a model returns never has them.
 
     With ``adaptive_q=True`` the projection group holds five memories (``G = 5``: k, v, η, α, q).
     """
@@ -208,6 +216,8 @@ class SelfModifyingTitansState:
     offset: int = 0
     proj_momentum: tuple | None = None
     memory_momentum: tuple | None = None
+    proj_pending: tuple | None = None
+    memory_pending: tuple | None = None
 
 
 def dgd_token(
@@ -595,14 +605,61 @@ class SelfModifyingTitans(Mixer):
             t += L
         return out
 
-    def _run(self, W, A, mom, pos, T, C, token, read_in):
+    #: set by :meth:`deferring`: keep a chunk's DGD steps as their inputs until the chunk ends
+    _defer_steps: bool = False
+
+    @contextmanager
+    def deferring(self):
+        """Within ``with``: a call that ends inside a memory chunk keeps the steps of that chunk's
+        tokens as their inputs in the state (``proj_pending``/``memory_pending``) and takes them,
+        in one :func:`dgd_chunk` over the whole chunk, when the chunk completes in a later call.
+        The result is the same recursion (any split of a chunk gives the same weights up to float
+        rounding), but a stream read in pieces shorter than a chunk — a task-signal model's
+        segments, :mod:`mnemo.models.task_signal` — moves the per-sample weights once per chunk
+        instead of once per piece. States made inside must be passed through :meth:`settle`
+        before they leave (the task-signal loop does)."""
+        prev, self._defer_steps = self._defer_steps, True
+        try:
+            yield self
+        finally:
+            self._defer_steps = prev
+
+    def _take_kept(self, W, A, mom, pend):
+        """Take the kept steps ``pend`` (or none) from ``(W, mom)``, gradients at ``A``."""
+        if pend is None:
+            return W, mom
+        k, vhat, la, be = pend
+        return dgd_chunk(self.spec, W, A, k, vhat, la, be, mom, self.momentum, self.hidden_step == "nlms")
+
+    def settle(self, state: SelfModifyingTitansState) -> SelfModifyingTitansState:
+        """The state with any kept steps taken (see :meth:`deferring`); unchanged without them."""
+        if state is None or (state.proj_pending is None and state.memory_pending is None):
+            return state
+        proj, pm = self._take_kept(state.proj, state.proj_anchor, state.proj_momentum, state.proj_pending)
+        mem, mm = self._take_kept(
+            state.memory, state.memory_anchor, state.memory_momentum, state.memory_pending
+        )
+        return replace(
+            state,
+            proj=proj,
+            proj_momentum=pm,
+            proj_pending=None,
+            memory=mem,
+            memory_momentum=mm,
+            memory_pending=None,
+        )
+
+    def _run(self, W, A, mom, pend, pos, T, C, token, read_in):
         """Advance one memory group over ``T`` tokens: ``read_in(t, L, A)`` reads at the chunk-start
         weights and returns the update inputs ``(k, vhat, log_alpha, beta)`` and the read; the step is
         :func:`dgd_token` (``token``) or :func:`dgd_chunk` (``mom``: the group's momentum or
-        ``None``; ``hidden_step="nlms"``: ``W_b``'s normalised rate). Returns ``(W, A, mom, reads)``."""
+        ``None``; ``hidden_step="nlms"``: ``W_b``'s normalised rate). ``pend``: steps kept from
+        earlier calls of this chunk (:meth:`deferring`), taken together with this call's.
+        Returns ``(W, A, mom, pend, reads)``."""
         reads = []
         mu = self.momentum
         nlms = self.hidden_step == "nlms"
+        defer = self._defer_steps and not token
         for t, L in self._pieces(pos, T, C, token):
             if (pos + t) % C == 0:
                 A = W
@@ -610,11 +667,18 @@ class SelfModifyingTitans(Mixer):
             reads.append(r)
             if token:
                 W, mom = dgd_token(self.spec, W, A, k[:, 0], vhat[:, :, 0], la[:, 0], be[:, 0], mom, mu, nlms)
+                continue
+            if pend is not None:  # this chunk's kept steps come first
+                cat = (torch.cat([p, n], d) for p, n, d in zip(pend, (k, vhat, la, be), (1, 2, 1, 1)))
+                k, vhat, la, be = cat
+                pend = None
+            if defer and (pos + t + L) % C:  # the chunk goes on after this call: keep its steps
+                pend = (k, vhat, la, be)
             else:
                 W, mom = dgd_chunk(self.spec, W, A, k, vhat, la, be, mom, mu, nlms)
         if (pos + T) % C == 0:
             A = W
-        return W, A, mom, reads
+        return W, A, mom, pend, reads
 
     def _target(self, A, v: torch.Tensor) -> torch.Tensor:
         """The main memory's write target for values ``v [B, 1, L, d]`` at its chunk-start weights
@@ -643,10 +707,10 @@ class SelfModifyingTitans(Mixer):
                 return (k, vhat, la, be), (k, v, la, be, F.normalize(raw[:, 4], dim=-1))
             return (k, vhat, la, be), (k, v, la, be)
 
-        proj, proj_a, pm, pieces = self._run(
-            proj, proj_a, pm, st.offset, T, self.proj_chunk_size, token, proj_in
+        proj, proj_a, pm, pend, pieces = self._run(
+            proj, proj_a, pm, st.proj_pending, st.offset, T, self.proj_chunk_size, token, proj_in
         )
-        return proj, proj_a, pm, tuple(torch.cat(z, 1) for z in zip(*pieces))
+        return proj, proj_a, pm, pend, tuple(torch.cat(z, 1) for z in zip(*pieces))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """``log α_t [B, T]``: the retention this mixer applies to every memory on ``x [B, T, d]``
@@ -655,7 +719,7 @@ class SelfModifyingTitans(Mixer):
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         xin = self.conv(x)[0] if self.conv is not None else x
         token = T == 1 or self.mode == "recurrent"
-        return self._projections(xin.to(cd), self.initial_state(B), cd, token)[3][2]
+        return self._projections(xin.to(cd), self.initial_state(B), cd, token)[4][2]
 
     def forward(
         self, x: torch.Tensor, state: SelfModifyingTitansState | None = None, *, mode: str | None = None
@@ -682,7 +746,9 @@ class SelfModifyingTitans(Mixer):
         if self.conv is not None:
             xin, conv = self.conv(x, conv)
         xc = xin.to(cd)
-        proj, proj_a, pm, gen = self._projections(xc, st, cd, token)
+        if token:  # the token loop steps the running weights: take any kept steps first
+            st = self.settle(st)
+        proj, proj_a, pm, proj_pend, gen = self._projections(xc, st, cd, token)
         k, v, la, be = gen[:4]
         if self.adaptive_q:
             q = gen[4]  # q_t = M_q(x̃_t), L2-normalised
@@ -700,7 +766,9 @@ class SelfModifyingTitans(Mixer):
             sl = slice(t, t + L)
             return (k[:, sl], self._target(A, v[:, None, sl]), la[:, sl], be[:, sl]), o
 
-        mem, mem_a, mm, outs = self._run(mem, mem_a, mm, st.offset, T, self.chunk_size, token, mem_in)
+        mem, mem_a, mm, mem_pend, outs = self._run(
+            mem, mem_a, mm, st.memory_pending, st.offset, T, self.chunk_size, token, mem_in
+        )
         o = self.hook_o(torch.cat(outs, 1)).to(x.dtype)
         H = self.n_heads
         o = self.norm(  # RMSNorm(o) ⊙ silu(W_g x), fused
@@ -716,7 +784,14 @@ class SelfModifyingTitans(Mixer):
             offset=st.offset + T,
             proj_momentum=pm,
             memory_momentum=mm,
+            proj_pending=proj_pend,
+            memory_pending=mem_pend,
         )
+        if self.hook_state.hooked and new is not (shown := self.settle(new)):
+            # kept steps: a hook sees the state with every step taken; unless it replaces that state,
+            # the stream goes on from the deferred one (the same weights; the same rounding as without hooks)
+            seen = self.hook_state(shown)
+            return y, new if seen is shown else seen
         return y, self.hook_state(new)
 
     # ------------------------------------------------------------------------------------------
@@ -759,7 +834,7 @@ class SelfModifyingTitans(Mixer):
 
             # the token-loop form (the chunk form's batched gradients carry no forward-mode rule)
             m0 = tuple(torch.zeros_like(w) for w in W0) if self.momentum else None
-            outs = self._run(W0, W0, m0, 0, T, self.chunk_size, True, mem_in)[3]
+            outs = self._run(W0, W0, m0, None, 0, T, self.chunk_size, True, mem_in)[4]
             return torch.cat(outs, 1)[:, :, None]
 
         return attribution_of_read(

@@ -42,6 +42,7 @@ has the measured ratios.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack
 
 import torch
 import torch.nn.functional as F
@@ -187,8 +188,39 @@ def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> li
     return _take_in(model, where, levels, [c[0] for c in rec.captures], loss, state, outer)
 
 
+def _settle(model, state: list | None) -> list | None:
+    """``state`` with the mixers' kept steps taken (:meth:`SelfModifyingTitans.deferring`)."""
+    if state is None:
+        return None
+    out = list(state)
+    for i, b in enumerate(model.blocks):
+        settle = getattr(b.mixer, "settle", None)
+        if settle is not None and out[i].mixer is not None:
+            out[i] = dataclasses.replace(out[i], mixer=settle(out[i].mixer))
+    return out
+
+
 def forward(model, input_ids: torch.Tensor, state, mode):
-    """``LanguageModel.forward`` for a model with task levels (see the module docstring)."""
+    """``LanguageModel.forward`` for a model with task levels (see the module docstring).
+
+    Mixers that can defer their in-chunk steps (:meth:`SelfModifyingTitans.deferring`) do so while
+    the segments are read — a segment is often shorter than their chunks — and the state returned
+    (with the pending segment's start state in it) has every step taken."""
+    with ExitStack() as stack:
+        for b in model.blocks:
+            if hasattr(b.mixer, "deferring"):
+                stack.enter_context(b.mixer.deferring())
+        logits, state = _segments(model, input_ids, state, mode)
+    state = _settle(model, state)
+    where = sorted({i for i, _ in _task_levels(model)})
+    pending = state[where[0]].mlp.pending  # one record, shared by the task blocks
+    pending = dataclasses.replace(pending, start=_settle(model, pending.start))
+    for i in where:
+        state[i] = dataclasses.replace(state[i], mlp=dataclasses.replace(state[i].mlp, pending=pending))
+    return logits, state
+
+
+def _segments(model, input_ids: torch.Tensor, state, mode):
     S = model.task_segment
     B, T = input_ids.shape
     if T == 0:

@@ -617,3 +617,103 @@ def test_hope_paper_trains_on_the_bundled_corpus_and_every_parameter_learns():
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses), losses
     print("hope_paper losses", [round(x, 3) for x in losses])
+
+
+# ------------------------------------------------------------------------------------------------
+# kept steps (deferring): a stream read in pieces shorter than a chunk, as a task-signal model reads
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opts", ["none", "both"])
+@pytest.mark.parametrize("cuts", [(2, 5, 7, 8, 11), (1, 3, 6, 11), (3, 6, 9, 11)])
+def test_deferred_steps_equal_one_pass_outputs_states_and_gradients(cuts, opts):
+    """Inside ``deferring()`` a call that ends inside a chunk keeps that chunk's steps as inputs and
+    its state's weights are the weights before them (here checked against the one pass's state at
+    the last chunk start); settled, the stream equals one pass: outputs, every weight and momentum,
+    and the gradients of both with respect to the input and every parameter."""
+    m = _model(C=4, Cp=3, **({} if opts == "none" else OPTIONS[opts]))
+    x = _x(T=11)
+    w = torch.randn(2, 11, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def loss(y, st):
+        return (y * w).sum() + sum(t.square().sum() for t in _states(st))
+
+    xx = x.clone().requires_grad_(True)
+    full, st_full = m(xx, mode="chunk")
+    want = torch.autograd.grad(loss(full, st_full), [xx, *m.parameters()])
+    xx = x.clone().requires_grad_(True)
+    outs, s, a, kept = [], None, 0, 0
+    with m.deferring():
+        for b in cuts:
+            y, s = m(xx[:, a:b], s, mode="chunk" if b - a > 1 else None)
+            outs.append(y)
+            kept += s.memory_pending is not None
+            if s.memory_pending is not None:
+                n = s.memory_pending[0].shape[1]  # a one-token call steps at once (the token loop)
+                assert 0 < n <= b % 4
+                if n == b % 4:  # every step of the chunk kept: the weights are the chunk start's
+                    for u, v in zip(s.memory, s.memory_anchor):
+                        assert torch.equal(u, v)
+            a = b
+    assert s.memory_pending is not None  # 11 tokens end inside the third 4-token chunk
+    s = m.settle(s)
+    assert s.memory_pending is None and s.proj_pending is None
+    y = torch.cat(outs, 1)
+    assert_close(y, full, TOL)
+    for u, v in zip(_states(s), _states(st_full)):
+        assert_close(u, v, TOL)
+    got = torch.autograd.grad(loss(y, s), [xx, *m.parameters()])
+    names = ["x"] + [n for n, _ in m.named_parameters()]
+    for n, g, h in zip(names, got, want):
+        assert_close(g, h, TOL, what=n)
+    assert kept >= 2  # the kept path really ran
+
+
+def test_deferred_state_settles_before_a_token_step_and_is_untouched_outside_deferring():
+    """A one-token (recurrent) call on a state with kept steps takes them first; outside
+    ``deferring()`` no call keeps steps; ``settle`` of a state without kept steps returns it as is."""
+    m = _model(C=4, Cp=3)
+    x = _x(T=6)
+    with torch.no_grad():
+        full, st_full = m(x, mode="chunk")
+        with m.deferring():
+            y1, s = m(x[:, :5], mode="chunk")  # chunks 4 and 3: one and two tokens kept
+        assert s.proj_pending[0].shape[1] == 2 and s.memory_pending[0].shape[1] == 1
+        y2, s = m(x[:, 5:6], s)  # T = 1: the token loop
+        assert s.memory_pending is None and s.proj_pending is None
+        _, plain = m(x[:, :5], mode="chunk")
+        assert plain.memory_pending is None and plain.proj_pending is None
+        assert m.settle(plain) is plain
+    assert_close(torch.cat([y1, y2], 1), full, TOL)
+    for u, v in zip(_states(s), _states(st_full)):
+        assert_close(u, v, TOL)
+
+
+def test_hope_returns_settled_states_and_keeps_steps_inside_its_segments():
+    """The task-signal loop defers the mixers' in-chunk steps (segments of 8 tokens, memory chunks
+    of 16): every state the model returns, and the pending segment's start state in it, has every
+    step taken, and the stream in 8 + 13 tokens equals the 21 tokens in one call."""
+    torch.manual_seed(0)
+    m = LanguageModel(build_config("hope", vocab_size=17, d_model=16, n_layers=2)).double()
+    seen = []
+    mixer = m.blocks[1].mixer
+    orig = mixer.forward
+
+    def spy(*a, **k):
+        out = orig(*a, **k)
+        seen.append(out[1].memory_pending is not None)
+        return out
+
+    mixer.forward = spy
+    ids = torch.randint(0, 17, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, st = m(ids)
+        a, s = m(ids[:, :8])
+        b, s = m(ids[:, 8:], s)
+    assert any(seen)  # 8-token segments inside a 16-token chunk: steps kept
+    for state in (st, s, st[0].mlp.pending.start, s[1].mlp.pending.start):
+        for blk in state:
+            assert blk.mixer.memory_pending is None and blk.mixer.proj_pending is None
+    assert_close(torch.cat([a, b], 1), full, 1e-10)
+    for u, v in zip(_states(s[1].mixer), _states(st[1].mixer)):
+        assert_close(u, v, 1e-10)
