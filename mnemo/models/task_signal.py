@@ -36,7 +36,10 @@ segment ``k``'s signal), each as one forward of ``S`` tokens and one backward of
 reads, then the outer backward runs over the whole window. On a CPU, where a small model's time is
 the per-operation overhead of these many small passes, a training step costs several times the
 reconstruction objective's (one forward of the window); docs/benchmarks/hope_task_signal_cpu.txt
-has the measured ratios.
+has the measured ratios. Segments are often shorter than a mixer's chunk (8-token segments, 16- and
+64-token chunks in the self-modifying Titans of ``hope``): mixers that can keep a chunk's steps until
+it completes do so inside the loop (:meth:`~mnemo.layers.SelfModifyingTitans.deferring`), so their
+per-sample weights move once per chunk, not once per segment.
 """
 
 from __future__ import annotations
