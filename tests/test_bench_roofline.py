@@ -4,6 +4,7 @@ the suite at a tiny size (its JSON schema and refused flags; never timings)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -73,11 +74,15 @@ def test_flops_are_linear_in_the_batch(name):
     assert three == 3 * one > 0
 
 
-def test_profile_groups_a_step_by_what_ran():
+def test_profile_groups_a_step_by_what_ran(capfd):
     torch.manual_seed(0)
     m = roofline.build("gla", 16, 1)
     opt = torch.optim.AdamW(m.parameters())
     shares = roofline.profile_step(m, roofline.train_step_fn(m, opt, 16, 2))
+    err = capfd.readouterr().err  # the profiler's native start/stop lines do not reach the table
+    assert "profiler_start" not in err and "USDT" not in err, err
+    print("after", file=sys.stderr)  # and stderr works again afterwards
+    assert capfd.readouterr().err == "after\n"
     assert set(roofline.GROUPS) <= set(shares)
     assert abs(sum(shares[g] for g in roofline.GROUPS) - 1) < 1e-9
     for g in ("matmul", "recurrence", "norms", "loss", "optimizer", "python"):

@@ -52,6 +52,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -383,15 +384,36 @@ def classify(events) -> dict[str, float]:
     return out
 
 
+@contextmanager
+def _native_stderr_muted():
+    """File descriptor 2 pointed at ``/dev/null`` within ``with`` (native code's writes to stderr;
+    Python's ``sys.stderr`` is flushed first and writes to the same descriptor)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def profile_step(model, step: Callable[[], None]) -> dict[str, float]:
     """Shares of one profiled training step's time per group (:func:`classify`), and its ``ms``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     scopes = _Scopes(model)
+    prof = profile(activities=[ProfilerActivity.CPU])
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _native_stderr_muted():  # the profiler's C++ start/stop log lines ("USDT: ... profiler_start")
+            prof.start()
+        try:
             with record_function("roofline/step"):
                 step()
+        finally:
+            with _native_stderr_muted():
+                prof.stop()
     finally:
         scopes.remove()
     events = prof.events()
