@@ -329,7 +329,7 @@ def _momentum_weights(log_alpha, mu: float, L: int):
     return F, E
 
 
-def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
+def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float, weights=None):
     """Final ``(S_L, m_L)`` over one chunk of the DGD recursion with momentum on its gradient term::
 
         m_t = μ m_{t−1} + k_t u_tᵀ          S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + m_t
@@ -345,13 +345,14 @@ def _wa_chunk_momentum(k, Wa, ma, u, log_alpha, beta, mu: float):
     ``r_t + Σ_{s<t} (k_tᵀk_s)(γ_{t−1}/γ_{s−1}) β_s r_s = γ_{t−1} k_tᵀS_0 + E_{t−1} k_tᵀm_0 +
     Σ_{s<t} (k_tᵀk_s) F_{t−1,s} u_s``, and ``S_L`` follows from the line above at ``t = L``;
     ``m_L = μ^L m_0 + Σ_s μ^{L−s} k_s u_sᵀ``. With ``μ = 0`` this is :func:`_wa_chunk`.
+    ``weights``: ``(F, E)`` of :func:`_momentum_weights` when the caller has them (default: built here).
     """
     B, L = log_alpha.shape
     G, h = Wa.shape[1], Wa.shape[3]
     dt = log_alpha.dtype
     gc = clamp_log_gate(log_alpha).cumsum(-1)  # log γ_t
     gprev = torch.cat([gc.new_zeros(B, 1), gc[:, :-1]], 1)  # log γ_{t−1}
-    Fm, E = _momentum_weights(log_alpha, mu, L)
+    Fm, E = _momentum_weights(log_alpha, mu, L) if weights is None else weights
     Fprev = torch.cat([Fm.new_zeros(B, 1, L), Fm[:, :-1]], 1)  # F_{t−1, s} (row t = 1: none)
     Eprev = torch.cat([E.new_zeros(B, 1), E[:, :-1]], 1)
     lower = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
@@ -412,8 +413,8 @@ def dgd_chunk(
         eta = (alpha * beta)[:, None, :, None]
         etb = eta if nb is None else eta * nb
         eta, etb = (1 - mu) * eta, (1 - mu) * etb  # dampened momentum: the gradient's weight 1 − μ
-        Wa_new, ma = _wa_chunk_momentum(k, Wa, mom[0], -eta * delta, log_alpha, beta, mu)
-        Fm, E = _momentum_weights(log_alpha, mu, L)
+        Fm, E = _momentum_weights(log_alpha, mu, L)  # shared by the W_a and W_b recursions
+        Wa_new, ma = _wa_chunk_momentum(k, Wa, mom[0], -eta * delta, log_alpha, beta, mu, (Fm, E))
         gcum = clamp_log_gate(log_alpha).cumsum(-1)
         # W_b,L = γ_L W_b + E_L m_b + Σ_s F_Ls a_s (−η_s e_s)ᵀ;  m_b,L = μ^L m_b + Σ_s μ^{L−s} a_s (−η_s e_s)ᵀ
         idx = torch.arange(L, device=k.device)
