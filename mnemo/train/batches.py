@@ -194,6 +194,14 @@ class RunData:
             self.streams = CarriedStreams(self.train_data.ids, cfg.batch_size, cfg.seq_len)
         self.vocab_size = self.tokenizer.vocab_size
 
+    def batch_generator(self) -> torch.Generator:
+        """A fresh run's generator of the batches :meth:`next_batch` draws (its state is
+        checkpointed, so resume stays exact): a task's train seed stream of ``cfg.seed`` (its test
+        sets come from the disjoint test seed), else one seeded with ``cfg.seed + 1``."""
+        if self.task is None:
+            return torch.Generator().manual_seed(self.cfg.seed + 1)
+        return make_generator(self.cfg.seed, "train")
+
     def next_batch(self, step: int, generator: torch.Generator):
         """The global batch of optimizer step ``step`` (0-based): ``(x, y, first)``, ``[B, T]`` long
         (``first``: where packed documents begin, else ``None``), drawn from ``generator`` (the

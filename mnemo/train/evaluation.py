@@ -79,6 +79,23 @@ class Evaluator:
             ev.update({k: v for k, v in longer.items() if "@" in k})
         return ev
 
+    def stops_early(self, record: dict, last: bool, agree, announce: bool = False) -> bool:
+        """Whether the evaluation of ``record`` ends the run: ``cfg.early_stop_acc`` reached before
+        the last step (``last``). ``agree``: rank 0's decision on every rank (a collective: every
+        rank calls this, those that did not evaluate with a record without ``val_acc``).
+        ``announce``: print the early stop (rank 0; default ``announce=False``)."""
+        cfg = self.cfg
+        if cfg.early_stop_acc is None or last:
+            return False
+        stops = agree(record.get("val_acc", 0.0) >= cfg.early_stop_acc)
+        if stops and announce:
+            print(
+                f"early stop at step {record['step']}: val_acc {record['val_acc']:.4f} >= "
+                f"{cfg.early_stop_acc}",
+                flush=True,
+            )
+        return stops
+
     def _evaluate_task(self, model, device, max_batches: int | None, lengths: list[int]) -> dict:
         cfg = self.cfg
         n = cfg.batch_size * (cfg.eval_batches if max_batches is None else min(max_batches, cfg.eval_batches))
