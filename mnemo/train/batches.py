@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from ..data import build_tokenizer, load_corpus
-from ..data.tasks import make_generator
+from ..data.tasks import IGNORE_INDEX, make_generator
 from ..data.tokenizer import load_tokenizer
 from ..models import LanguageModel
 from .config import TrainConfig
@@ -51,6 +51,15 @@ class _Logits(torch.nn.Module):
         if first is None:
             return self.model(input_ids, logits_at=logits_at)[0]
         return packed_logits(self.model, input_ids, first)
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy (0-d float32) of ``logits`` ``[..., vocab]`` against ``targets``
+    ``[...]``, skipping ``IGNORE_INDEX``: what :class:`_Logits` with ``targets`` computes without
+    the logits."""
+    return torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def fixed_train_set(

@@ -6,8 +6,11 @@ length and, at the final evaluation, at every ``eval_lengths``.
 Extension point: what is measured at each evaluation beyond this is a *callback*
 (``Trainer(..., callbacks=[f])``, ``f(trainer, record) -> dict | None``, e.g.
 :class:`mnemo.interp.CircuitTracker`): it runs after :meth:`Evaluator.evaluate`, on rank 0 (under
-FSDP on every rank), and its dict is merged into the record. A different validation metric for
-every run is a subclass of :class:`Evaluator` overriding ``evaluate``.
+FSDP on every rank), before the record is logged, and its dict is merged into the record; it must
+not touch the RNG streams the trainer uses. Instead of a sequence, ``callbacks`` may be a factory
+``f(cfg) -> sequence of callbacks``, called once with the run's resolved configuration
+(:func:`make_callbacks`). A different validation metric for every run is a subclass of
+:class:`Evaluator` overriding ``evaluate``.
 """
 
 from __future__ import annotations
@@ -122,12 +125,25 @@ class Evaluator:
         return out
 
 
-def make_callbacks(callbacks, cfg: TrainConfig) -> list:
-    """The evaluation callbacks: ``callbacks`` itself, or, when it is callable (a factory), what it
-    returns for the run's configuration ``cfg``. ``cfg.track_circuits`` needs one that tracks the
-    circuits (``tracks_circuits = True``): this package does not import :mod:`mnemo.interp`
-    (DESIGN.md §2), so the caller supplies it."""
-    made = list(callbacks(cfg) if callable(callbacks) else callbacks)
+class Callbacks(list):
+    """The run's evaluation callbacks, in order (:func:`make_callbacks`)."""
+
+    def merge(self, trainer, record: dict) -> dict:
+        """``record`` with what each callback returns for ``(trainer, record)`` merged into it, one
+        after the other (each sees what the ones before it added)."""
+        for callback in self:
+            extra = callback(trainer, record)
+            if extra:
+                record.update(extra)
+        return record
+
+
+def make_callbacks(callbacks, cfg: TrainConfig) -> Callbacks:
+    """The evaluation callbacks (:class:`Callbacks`): ``callbacks`` itself, or, when it is callable
+    (a factory), what it returns for the run's configuration ``cfg``. ``cfg.track_circuits`` needs
+    one that tracks the circuits (``tracks_circuits = True``): this package does not import
+    :mod:`mnemo.interp` (DESIGN.md §2), so the caller supplies it."""
+    made = Callbacks(callbacks(cfg) if callable(callbacks) else callbacks)
     if cfg.track_circuits and not any(getattr(cb, "tracks_circuits", False) for cb in made):
         raise ValueError(
             "TrainConfig.track_circuits: the trainer does not build the circuit tracker itself; "

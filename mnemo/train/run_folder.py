@@ -163,10 +163,17 @@ class RunLock:
     """The held lock of a run folder (:func:`lock_run_folder`). :meth:`close` releases it and
     removes ``.lock``, so a folder that a run left (finished, failed or interrupted) holds nothing
     of the lock; ``remove_empty``: the folder too, when this process created it and nothing else
-    was written there (a run that failed before its first record). Default ``remove_empty=False``."""
+    was written there (a run that failed before its first record). Default ``remove_empty=False``.
+    As a context manager it is closed when the ``with`` block ends."""
 
     def __init__(self, file, path: Path, remove_empty: bool = False):
         self.file, self.path, self.remove_empty = file, path, remove_empty
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def fileno(self) -> int:
         return self.file.fileno()

@@ -13,7 +13,7 @@ tokens per second of step time), ``lr`` (the learning rate step ``step``'s updat
 Extension point: a new logger is any object with ``log(record: dict) -> None`` and ``close() ->
 None`` (:class:`Sink`), passed as ``Trainer(..., sinks=[...])``; it gets every record after
 ``metrics.jsonl`` and TensorBoard, and ``close()`` at the end of every ``fit`` (a trainer may fit
-again: keep the sink usable).
+again: keep the sink usable). The trainer holds a process's sinks as a :class:`Logbook`.
 """
 
 from __future__ import annotations
@@ -202,3 +202,24 @@ class ProgressBar:
 def default_sinks(out: Path, tensorboard: bool) -> list[Sink]:
     """Rank 0's built-in sinks: ``out/metrics.jsonl``, and TensorBoard in ``out/tb`` when asked."""
     return [MetricsFile(out), *([TensorBoard(out)] if tensorboard else [])]
+
+
+class Logbook:
+    """The sinks of one process of the run in ``out``: on rank 0 (``enabled``) the built-in ones
+    (:func:`default_sinks`; TensorBoard with ``tensorboard``), then ``extra`` (the caller's); on
+    the other ranks none. Default ``enabled=True``."""
+
+    def __init__(self, out: Path, tensorboard: bool, extra=(), enabled: bool = True):
+        self.enabled = enabled
+        self.sinks: list[Sink] = [*default_sinks(out, tensorboard), *extra] if enabled else []
+
+    def log(self, record: dict, *more: Sink) -> None:
+        """``record`` to every sink, then to ``more`` (a ``fit``'s progress bar); nothing on the
+        other ranks."""
+        for sink in (*self.sinks, *more) if self.enabled else ():
+            sink.log(record)
+
+    def close(self) -> None:
+        """The end of a ``fit``: every sink's ``close()`` (not ``more``'s)."""
+        for sink in self.sinks:
+            sink.close()

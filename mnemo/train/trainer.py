@@ -15,12 +15,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..data.tasks import IGNORE_INDEX
 from ..ops._common import NonFiniteError
 from .aux_losses import AuxiliaryLosses, MoEBalance
-from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits  # noqa: F401
+from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits, summed_cross_entropy  # noqa: F401
 from .build import _count_parameters, build_model, check_carry_state, load_checkpoint, load_weights  # noqa: F401
 from .carry import CarriedState
 from .checkpoint import ckpt_name, save_torch  # noqa: F401  (save_torch: tests fake a full disk here)
@@ -32,7 +31,7 @@ from .generation import generate_text, sample_run
 from .interrupts import DeferredInterrupts, interrupted
 from .optim import grad_clip, lr_factor, make_optimizer, make_scheduler  # noqa: F401
 from .run_folder import LOCK_NAME, RESCHEDULE, RESUMABLE, RunFolder, lock_run_folder, resume_config  # noqa: F401
-from .sinks import METRICS_NAME, IntervalMeter, ProgressBar, default_sinks, evaluation_record  # noqa: F401
+from .sinks import METRICS_NAME, IntervalMeter, Logbook, ProgressBar, evaluation_record  # noqa: F401
 from .strategy import ContextParallel, Sharded, make_strategy
 
 __all__ = ["Trainer", "TrainingDiverged", "generate_text", "resume_config", "lock_run_folder"]
@@ -58,30 +57,24 @@ class Trainer:
     ``progress``: show a progress bar (on the main process). Defaults: ``resume=False``,
     ``progress=True``.
 
-    ``callbacks``: functions ``f(trainer, record) -> dict | None`` called after every evaluation,
-    before the record is written; a returned dict is merged into the record (e.g. circuit scores
-    tracked during training). They must not touch the RNG streams the trainer uses. Instead of a
-    sequence, ``callbacks`` may be a factory ``f(cfg) -> sequence of callbacks``, called once with
-    the run's resolved :class:`TrainConfig`. ``cfg.track_circuits`` needs a callback that tracks
-    the circuits, e.g. the factory ``callbacks=mnemo.interp.circuit_callbacks`` (what ``mnemo
-    train`` and ``mnemo sweep`` pass; :func:`~mnemo.train.evaluation.make_callbacks`): this package
-    does not import :mod:`mnemo.interp`. ``sinks``: more loggers of the evaluation records
-    (:mod:`mnemo.train.sinks`); ``aux_losses``: more auxiliary losses
-    (:mod:`mnemo.train.aux_losses`). Defaults: none.
+    The parts' extension points: ``callbacks`` (what each evaluation adds to its record, e.g.
+    circuit scores, or a factory of them: :mod:`mnemo.train.evaluation`; ``cfg.track_circuits``
+    needs one, e.g. ``callbacks=mnemo.interp.circuit_callbacks``, what ``mnemo train`` and ``mnemo
+    sweep`` pass: this package does not import :mod:`mnemo.interp`), ``sinks`` (more loggers of
+    the evaluation records: :mod:`mnemo.train.sinks`), ``aux_losses`` (more auxiliary losses:
+    :mod:`mnemo.train.aux_losses`). Defaults: none.
 
     **Carried state** (``cfg.carry_state``: truncated back-propagation through time). The text is
     read as ``batch_size`` parallel streams (:class:`~mnemo.train.batches.CarriedStreams`); each
     step starts from the state the previous one ended with (``carried_state``; the part:
     :class:`~mnemo.train.carry.CarriedState`), and the checkpoints hold it.
 
-    **Parallelism** (:mod:`mnemo.train.strategy`). Launched by ``torchrun --nproc_per_node N``,
-    the trainer joins the process group and trains data-parallel (DDP), sharded (``cfg.fsdp``:
-    FSDP2) or context-parallel (``cfg.context_parallel``); the gradients and logged losses equal
-    the single-process run's up to float rounding, and a checkpoint resumes on any number of
-    processes. ``self.model`` stays the plain :class:`LanguageModel` (evaluation, checkpoints,
-    sampling). Only rank 0 evaluates (under FSDP every rank does), logs, prints and writes
-    checkpoints (FSDP: every rank its shards); ``fit`` returns the other ranks the record without
-    the evaluation metrics. ``rank``, ``world`` and ``is_main`` tell where a trainer runs.
+    **Parallelism**. Launched by ``torchrun --nproc_per_node N``, the trainer joins the process
+    group and trains as :mod:`mnemo.train.strategy` describes: data-parallel (DDP), sharded
+    (``cfg.fsdp``: FSDP2) or context-parallel (``cfg.context_parallel``), with the single-process
+    run's gradients and losses, and rank 0 evaluating, logging and writing checkpoints (resumed on
+    any number of processes). ``self.model`` stays the plain :class:`LanguageModel` (evaluation,
+    checkpoints, sampling); ``rank``, ``world`` and ``is_main`` tell where a trainer runs.
     """
 
     def __init__(
@@ -127,7 +120,7 @@ class Trainer:
         moe = MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)
         self.aux_losses = AuxiliaryLosses([moe, *aux_losses])  # the built-in one, then the caller's
         # rank 0 logs: metrics.jsonl, TensorBoard (cfg.tensorboard), then the caller's sinks
-        self.sinks = [*default_sinks(self.out, self.cfg.tensorboard), *sinks] if self.is_main else []
+        self.logbook = Logbook(self.out, self.cfg.tensorboard, sinks, enabled=self.is_main)
         self.interrupts = DeferredInterrupts(enabled=self.world == 1)
 
     def _join_processes(self, cfg: TrainConfig, notes: list[str]) -> None:
@@ -269,13 +262,8 @@ class Trainer:
                             logits, yi = self.train_model(xi, logits_at=at), y_host[at].to(self.device)
                         else:  # the summed loss, without the [B, T, vocab] logits (chunked head)
                             logits, ce = None, self.train_model(xi, targets=yi, ignore_index=IGNORE_INDEX)
-                    if logits is not None:
-                        ce = F.cross_entropy(
-                            logits.float().flatten(0, -2),
-                            yi.flatten(),
-                            ignore_index=IGNORE_INDEX,
-                            reduction="sum",
-                        )
+                    if logits is not None:  # (in float32, outside the autocast)
+                        ce = summed_cross_entropy(logits, yi)
                 except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
                     error, ce = e, None
                 if deferred and error is None:  # checked with the gradient norm, after the backward
@@ -327,13 +315,9 @@ class Trainer:
         (on ranks other than 0: without the evaluation metrics). SIGINT/SIGTERM stop between two
         steps with a checkpoint (:mod:`mnemo.train.interrupts`)."""
         stop = self.cfg.steps if until is None else min(until, self.cfg.steps)
-        lock = self.run_folder.open() if self.is_main else None
-        try:
-            with self.interrupts:
-                return self._fit(stop)
-        finally:
-            if lock is not None:
-                lock.close()  # releases the lock
+        lock = self.run_folder.open() if self.is_main else None  # (None: another rank, or no fcntl)
+        with lock or contextlib.nullcontext(), self.interrupts:  # the lock is released at the end
+            return self._fit(stop)
 
     def _fit(self, stop: int) -> dict:
         cfg = self.cfg
@@ -379,8 +363,7 @@ class Trainer:
                     break
         finally:
             bar.close()
-            for sink in self.sinks:
-                sink.close()
+            self.logbook.close()
         return record
 
     def _eval_record(self, record: dict, last: bool, t_start: float, bar: ProgressBar) -> dict:
@@ -394,12 +377,8 @@ class Trainer:
         except NonFiniteError as e:  # an op of the evaluation found NaN/inf: the run diverged
             raise self._diverged("validation loss", math.nan, _nonfinite_detail(e), step=self.step) from e
         record = evaluation_record(record, ev, elapsed_s=time.perf_counter() - t_start)
-        for callback in self.callbacks:
-            extra = callback(self, record)
-            if extra:
-                record.update(extra)
-        for sink in (*self.sinks, bar) if self.is_main else ():
-            sink.log(record)  # metrics.jsonl, TensorBoard, yours, the summary line
+        record = self.callbacks.merge(self, record)  # what the callbacks add (e.g. circuit scores)
+        self.logbook.log(record, bar)  # rank 0: metrics.jsonl, TensorBoard, yours, the summary line
         return record
 
     def sample(
