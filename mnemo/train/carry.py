@@ -8,8 +8,9 @@ resumed run continues the streams exactly. One process, no wrapper: the forward 
 step starts from a fresh state; nothing to save); :meth:`CarriedState.for_run` picks one.
 
 Extension point: another policy for the state a step starts from is an object with the methods of
-:class:`FreshState` (``active`` true when the trainer runs ``forward`` instead of its own forward),
-returned by :meth:`CarriedState.for_run`.
+:class:`FreshState`, and, when its ``active`` is true, a ``forward`` like
+:meth:`CarriedState.forward` that the trainer runs instead of its own; :meth:`CarriedState.for_run`
+returns it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class CarriedState(FreshState):
         :class:`FreshState`."""
         if not cfg.carry_state:
             return FreshState()
-        check_carry_state(model, cfg, streams.stream_tokens, world, stacklevel=3)  # Trainer(...)'s caller
+        # its warnings point at the caller of our caller (Trainer(...)'s, as before)
+        check_carry_state(model, cfg, streams.stream_tokens, world, stacklevel=3)
         return cls(streams, device)
 
     def __init__(self, streams: CarriedStreams, device):

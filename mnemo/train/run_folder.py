@@ -9,9 +9,10 @@ Layout of ``out/``: ``.lock`` (the pid of the process that holds it; removed whe
 ``latest``, ``tb/``.
 
 Extension point: what a checkpoint holds besides the weights is the ``state`` dict the trainer
-passes to :meth:`RunFolder.write_checkpoint` (restored by ``Trainer._restore_state``); a new
-resumable setting goes in :data:`RESUMABLE` (it must leave the model, data, batches and update
-rule alone).
+passes to :meth:`RunFolder.write_checkpoint` (restored by ``Trainer._restore_state``; parts add
+their keys: :meth:`~mnemo.train.sinks.IntervalMeter.state_dict`,
+:meth:`~mnemo.train.carry.CarriedState.save`); a new resumable setting goes in :data:`RESUMABLE`
+(it must leave the model, data, batches and update rule alone).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 parallelism (:mod:`~mnemo.train.strategy`), the run folder, resume and checkpoints
 (:mod:`~mnemo.train.run_folder`), auxiliary losses (:mod:`~mnemo.train.aux_losses`), logging
 (:mod:`~mnemo.train.sinks`), interrupts (:mod:`~mnemo.train.interrupts`), evaluation
-(:mod:`~mnemo.train.evaluation`), data (:mod:`~mnemo.train.batches`), the model
-(:mod:`~mnemo.train.build`), text generation (:mod:`~mnemo.train.generation`)."""
+(:mod:`~mnemo.train.evaluation`), data (:mod:`~mnemo.train.batches`), the carried state
+(:mod:`~mnemo.train.carry`), the model (:mod:`~mnemo.train.build`), text generation
+(:mod:`~mnemo.train.generation`)."""
 
 from __future__ import annotations
 
