@@ -3,7 +3,8 @@ their own bookkeeping per step and per logging interval. The one built in is :cl
 (mixture-of-experts load balancing and router z-loss, :class:`mnemo.layers.MoE`).
 
 Extension point: a new auxiliary loss is an object with three methods (:class:`AuxiliaryLoss`),
-passed as ``Trainer(..., aux_losses=[...])`` (added after the built-in MoE one):
+passed as ``Trainer(..., aux_losses=[...])`` (added after the built-in MoE one; the trainer holds
+them as :class:`AuxiliaryLosses`, which calls each in that order):
 
 * ``collect(model) -> Tensor | None`` — after each micro-batch's forward (before its backward):
   the 0-d term to add to that micro-batch's loss, already weighted (the loss a rank back-propagates
@@ -31,6 +32,26 @@ class AuxiliaryLoss(Protocol):
     def after_step(self, model) -> None: ...
 
     def record(self) -> dict: ...
+
+
+class AuxiliaryLosses(list):
+    """The run's auxiliary losses, in order (the built-in :class:`MoEBalance` first), called as one."""
+
+    def add_to(self, loss: torch.Tensor, model) -> torch.Tensor:
+        """``loss`` plus each loss's ``collect(model)`` term, added one after the other (after a
+        micro-batch's forward)."""
+        for term in (aux.collect(model) for aux in self):
+            loss = loss if term is None else loss + term
+        return loss
+
+    def after_step(self, model) -> None:
+        """Each loss's ``after_step(model)`` (after the optimizer step; every rank, same order)."""
+        for aux in self:
+            aux.after_step(model)
+
+    def record(self) -> dict:
+        """The logging interval's metrics of every loss, merged in order (and each one's reset)."""
+        return {k: v for aux in self for k, v in aux.record().items()}
 
 
 class MoEBalance:

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from ..data import build_tokenizer, load_corpus
-from ..data.tasks import make_generator
+from ..data.tasks import IGNORE_INDEX, make_generator
 from ..data.tokenizer import load_tokenizer
 from ..models import LanguageModel
 from .config import TrainConfig
@@ -51,6 +51,15 @@ class _Logits(torch.nn.Module):
         if first is None:
             return self.model(input_ids, logits_at=logits_at)[0]
         return packed_logits(self.model, input_ids, first)
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy (0-d float32) of ``logits`` ``[..., vocab]`` against ``targets``
+    ``[...]``, skipping ``IGNORE_INDEX``: what :class:`_Logits` with ``targets`` computes without
+    the logits."""
+    return torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def fixed_train_set(
@@ -193,6 +202,14 @@ class RunData:
         if cfg.carry_state:
             self.streams = CarriedStreams(self.train_data.ids, cfg.batch_size, cfg.seq_len)
         self.vocab_size = self.tokenizer.vocab_size
+
+    def batch_generator(self) -> torch.Generator:
+        """A fresh run's generator of the batches :meth:`next_batch` draws (its state is
+        checkpointed, so resume stays exact): a task's train seed stream of ``cfg.seed`` (its test
+        sets come from the disjoint test seed), else one seeded with ``cfg.seed + 1``."""
+        if self.task is None:
+            return torch.Generator().manual_seed(self.cfg.seed + 1)
+        return make_generator(self.cfg.seed, "train")
 
     def next_batch(self, step: int, generator: torch.Generator):
         """The global batch of optimizer step ``step`` (0-based): ``(x, y, first)``, ``[B, T]`` long

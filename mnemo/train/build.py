@@ -103,13 +103,17 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
     return model
 
 
-def check_carry_state(model: LanguageModel, cfg: TrainConfig, stream_tokens: int, world: int = 1) -> None:
+def check_carry_state(
+    model: LanguageModel, cfg: TrainConfig, stream_tokens: int, world: int = 1, stacklevel: int = 2
+) -> None:
     """What ``cfg.carry_state`` needs of the run: one process (``world``, default ``world=1``), a
     model that carries a recurrent state of a fixed size (its size after ``stream_tokens`` tokens,
     what one stream reads between two restarts, equals its size after twice as many; a softmax
     attention's KV cache grows), and learned positions (if any) covering ``stream_tokens``. Warns
     about CMS levels whose period is not shorter than ``stream_tokens`` (they never step before the
-    streams restart).
+    streams restart), pointing ``stacklevel`` frames up from this function's caller, as
+    :func:`warnings.warn` counts them (default ``stacklevel=2``: the caller's caller, the caller of
+    ``Trainer(...)`` when the trainer calls this).
 
     Raises:
         ValueError: naming ``TrainConfig.carry_state``, what was expected and what was found.
@@ -150,7 +154,7 @@ def check_carry_state(model: LanguageModel, cfg: TrainConfig, stream_tokens: int
                     f"{stream_tokens:,} tokens each of the {cfg.batch_size} streams reads before all "
                     "restart (--carry-state): it never steps in training; use a smaller --batch-size "
                     "or a longer text",
-                    stacklevel=3,  # the caller of Trainer(...)
+                    stacklevel=stacklevel + 1,  # (+1: this function's own frame)
                 )
 
 

@@ -6,8 +6,11 @@ length and, at the final evaluation, at every ``eval_lengths``.
 Extension point: what is measured at each evaluation beyond this is a *callback*
 (``Trainer(..., callbacks=[f])``, ``f(trainer, record) -> dict | None``, e.g.
 :class:`mnemo.interp.CircuitTracker`): it runs after :meth:`Evaluator.evaluate`, on rank 0 (under
-FSDP on every rank), and its dict is merged into the record. A different validation metric for
-every run is a subclass of :class:`Evaluator` overriding ``evaluate``.
+FSDP on every rank), before the record is logged, and its dict is merged into the record; it must
+not touch the RNG streams the trainer uses. Instead of a sequence, ``callbacks`` may be a factory
+``f(cfg) -> sequence of callbacks``, called once with the run's resolved configuration
+(:func:`make_callbacks`). A different validation metric for every run is a subclass of
+:class:`Evaluator` overriding ``evaluate``.
 """
 
 from __future__ import annotations
@@ -79,6 +82,23 @@ class Evaluator:
             ev.update({k: v for k, v in longer.items() if "@" in k})
         return ev
 
+    def stops_early(self, record: dict, last: bool, agree, announce: bool = False) -> bool:
+        """Whether the evaluation of ``record`` ends the run: ``cfg.early_stop_acc`` reached before
+        the last step (``last``). ``agree``: rank 0's decision on every rank (a collective: every
+        rank calls this, those that did not evaluate with a record without ``val_acc``).
+        ``announce``: print the early stop (rank 0; default ``announce=False``)."""
+        cfg = self.cfg
+        if cfg.early_stop_acc is None or last:
+            return False
+        stops = agree(record.get("val_acc", 0.0) >= cfg.early_stop_acc)
+        if stops and announce:
+            print(
+                f"early stop at step {record['step']}: val_acc {record['val_acc']:.4f} >= "
+                f"{cfg.early_stop_acc}",
+                flush=True,
+            )
+        return stops
+
     def _evaluate_task(self, model, device, max_batches: int | None, lengths: list[int]) -> dict:
         cfg = self.cfg
         n = cfg.batch_size * (cfg.eval_batches if max_batches is None else min(max_batches, cfg.eval_batches))
@@ -105,12 +125,25 @@ class Evaluator:
         return out
 
 
-def make_callbacks(callbacks, cfg: TrainConfig) -> list:
-    """The evaluation callbacks: ``callbacks`` itself, or, when it is callable (a factory), what it
-    returns for the run's configuration ``cfg``. ``cfg.track_circuits`` needs one that tracks the
-    circuits (``tracks_circuits = True``): this package does not import :mod:`mnemo.interp`
-    (DESIGN.md §2), so the caller supplies it."""
-    made = list(callbacks(cfg) if callable(callbacks) else callbacks)
+class Callbacks(list):
+    """The run's evaluation callbacks, in order (:func:`make_callbacks`)."""
+
+    def merge(self, trainer, record: dict) -> dict:
+        """``record`` with what each callback returns for ``(trainer, record)`` merged into it, one
+        after the other (each sees what the ones before it added)."""
+        for callback in self:
+            extra = callback(trainer, record)
+            if extra:
+                record.update(extra)
+        return record
+
+
+def make_callbacks(callbacks, cfg: TrainConfig) -> Callbacks:
+    """The evaluation callbacks (:class:`Callbacks`): ``callbacks`` itself, or, when it is callable
+    (a factory), what it returns for the run's configuration ``cfg``. ``cfg.track_circuits`` needs
+    one that tracks the circuits (``tracks_circuits = True``): this package does not import
+    :mod:`mnemo.interp` (DESIGN.md §2), so the caller supplies it."""
+    made = Callbacks(callbacks(cfg) if callable(callbacks) else callbacks)
     if cfg.track_circuits and not any(getattr(cb, "tracks_circuits", False) for cb in made):
         raise ValueError(
             "TrainConfig.track_circuits: the trainer does not build the circuit tracker itself; "

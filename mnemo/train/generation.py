@@ -1,5 +1,6 @@
 """Text generation from a trained model: :func:`generate_text` (what ``Trainer.sample``, ``mnemo
-generate`` and the end-of-run sample use)."""
+generate`` and the end-of-run sample use); :func:`sample_run` fills in a run's sampling settings
+(``TrainConfig.sample_*``)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,33 @@ def generate_text(
     )
     text = tokenizer.decode(out[0].cpu())
     return text if prompt else text[1:]
+
+
+def sample_run(
+    cfg,
+    model,
+    tokenizer,
+    device,
+    prompt: str | None = None,
+    max_new_tokens: int | None = None,
+    *,
+    seed: int | None = None,
+    temperature: float | None = None,
+) -> str:
+    """:func:`generate_text` with the run ``cfg``'s settings for what is ``None``: ``prompt``
+    (``cfg.sample_prompt``), ``max_new_tokens`` (``cfg.sample_tokens``), ``temperature``
+    (``cfg.sample_temperature``), ``seed`` (``cfg.seed``); what ``Trainer.sample`` runs.
+
+    Raises:
+        ValueError: ``tokenizer`` is ``None`` (a task run: there is no text to sample)."""
+    if tokenizer is None:
+        raise ValueError(f"no text to sample: this run trains on the task {cfg.task!r}")
+    return generate_text(
+        model,
+        tokenizer,
+        cfg.sample_prompt if prompt is None else prompt,
+        cfg.sample_tokens if max_new_tokens is None else max_new_tokens,
+        temperature=cfg.sample_temperature if temperature is None else temperature,
+        seed=cfg.seed if seed is None else seed,
+        device=device,
+    )

@@ -6,7 +6,8 @@ half-way. A second SIGINT interrupts at once.
 Extension point: another stop condition (a file, a wall-clock budget, a scheduler's pre-emption
 notice) is an object with the same shape as :class:`DeferredInterrupts` — a context manager whose
 ``requested`` is ``None`` until a stop is wanted, then a short name for the log line
-(``"<name> at step <n>: ..."``); the trainer reads ``requested`` before every step.
+(``"<name> at step <n>: ..."``, :func:`interrupted`); the trainer reads ``requested`` before every
+step.
 """
 
 from __future__ import annotations
@@ -42,3 +43,9 @@ class DeferredInterrupts:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old = {}
+
+
+def interrupted(requested: str, step: int, checkpoint) -> KeyboardInterrupt:
+    """What ``fit`` raises for a stop ``requested`` (a stop condition's name) before the step after
+    ``step``: the log line names it, the step and the ``checkpoint`` that holds every finished step."""
+    return KeyboardInterrupt(f"{requested} at step {step}: checkpoint {checkpoint} holds every finished step")

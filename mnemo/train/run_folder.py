@@ -9,9 +9,10 @@ Layout of ``out/``: ``.lock`` (the pid of the process that holds it; removed whe
 ``latest``, ``tb/``.
 
 Extension point: what a checkpoint holds besides the weights is the ``state`` dict the trainer
-passes to :meth:`RunFolder.write_checkpoint` (restored by ``Trainer._restore_state``); a new
-resumable setting goes in :data:`RESUMABLE` (it must leave the model, data, batches and update
-rule alone).
+passes to :meth:`RunFolder.write_checkpoint` (restored by ``Trainer._restore_state``; parts add
+their keys: :meth:`~mnemo.train.sinks.IntervalMeter.state_dict`,
+:meth:`~mnemo.train.carry.CarriedState.save`); a new resumable setting goes in :data:`RESUMABLE`
+(it must leave the model, data, batches and update rule alone).
 """
 
 from __future__ import annotations
@@ -163,10 +164,17 @@ class RunLock:
     """The held lock of a run folder (:func:`lock_run_folder`). :meth:`close` releases it and
     removes ``.lock``, so a folder that a run left (finished, failed or interrupted) holds nothing
     of the lock; ``remove_empty``: the folder too, when this process created it and nothing else
-    was written there (a run that failed before its first record). Default ``remove_empty=False``."""
+    was written there (a run that failed before its first record). Default ``remove_empty=False``.
+    As a context manager it is closed when the ``with`` block ends."""
 
     def __init__(self, file, path: Path, remove_empty: bool = False):
         self.file, self.path, self.remove_empty = file, path, remove_empty
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def fileno(self) -> int:
         return self.file.fileno()

@@ -1,6 +1,7 @@
-"""Where a run's evaluation records go: ``metrics.jsonl`` (:class:`MetricsFile`), TensorBoard
-(:class:`TensorBoard`) and the progress bar's one-line summaries (:class:`ProgressBar`). Only rank
-0 logs.
+"""Where a run's evaluation records come from and go: the training metrics of a logging interval
+(:class:`IntervalMeter`, completed by :func:`evaluation_record`), ``metrics.jsonl``
+(:class:`MetricsFile`), TensorBoard (:class:`TensorBoard`) and the progress bar's one-line
+summaries (:class:`ProgressBar`). Only rank 0 logs.
 
 A record is a flat dict: ``step``, ``train_loss`` (nats/token, the mean over the evaluation
 interval's steps), the evaluation's metrics (``val_loss`` in nats/token, ``val_bpc`` or
@@ -12,7 +13,7 @@ tokens per second of step time), ``lr`` (the learning rate step ``step``'s updat
 Extension point: a new logger is any object with ``log(record: dict) -> None`` and ``close() ->
 None`` (:class:`Sink`), passed as ``Trainer(..., sinks=[...])``; it gets every record after
 ``metrics.jsonl`` and TensorBoard, and ``close()`` at the end of every ``fit`` (a trainer may fit
-again: keep the sink usable).
+again: keep the sink usable). The trainer holds a process's sinks as a :class:`Logbook`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,67 @@ def metrics_lines(path: str | Path, torn_last: bool = False) -> list[str]:
                 "it is not a line mnemo wrote (the file was left as it is)"
             ) from None
     return lines
+
+
+class IntervalMeter:
+    """The training metrics of one logging interval (the steps since the last evaluation): the
+    mean step loss and the global tokens per second of step time. The loss sums are checkpointed
+    (:meth:`state_dict`), so a resumed run's first record averages the same steps as an
+    uninterrupted run's; the throughput's sums start again with the process."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """A new interval: nothing measured yet."""
+        self.loss, self.n, self.tokens, self.seconds = 0.0, 0, 0, 0.0
+
+    def add(self, loss: float, tokens: int, seconds: float) -> None:
+        """One step: its loss, its global tokens and its time."""
+        self.loss += loss
+        self.n += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def record(self, step: int, lr: float, extra: dict) -> dict:
+        """The interval's record at step ``step``, and a reset: ``step``, ``train_loss``,
+        ``tokens_per_s``, ``lr`` (the rate of the last update), then ``extra`` (the auxiliary
+        losses' metrics). Without an evaluation (ranks other than 0) it is the whole record."""
+        record = {
+            "step": step,
+            "train_loss": self.loss / max(self.n, 1),
+            "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+            "lr": lr,
+            **extra,
+        }
+        self.reset()
+        return record
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds of the interval (the keys of the trainer state it joins)."""
+        return {"acc_loss": self.loss, "acc_n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the interval of a checkpoint's trainer ``state``."""
+        self.loss, self.n = state["acc_loss"], state["acc_n"]
+
+
+_TRAINING_KEYS = ("step", "train_loss", "tokens_per_s", "lr")
+
+
+def evaluation_record(record: dict, metrics: dict, elapsed_s: float) -> dict:
+    """An interval's ``record`` (:meth:`IntervalMeter.record`) completed with an evaluation's
+    ``metrics`` and the run's ``elapsed_s``, in the documented order (the module's docstring)."""
+    extra = {k: v for k, v in record.items() if k not in _TRAINING_KEYS}
+    return {
+        "step": record["step"],
+        "train_loss": record["train_loss"],
+        **metrics,
+        "tokens_per_s": record["tokens_per_s"],
+        "lr": record["lr"],
+        "elapsed_s": elapsed_s,
+        **extra,
+    }
 
 
 class Sink(Protocol):
@@ -96,12 +158,13 @@ class TensorBoard:
 class ProgressBar:
     """A tqdm bar over the ``cfg.steps`` of a run (one per ``fit``, from step ``initial``;
     ``enabled=False`` shows nothing; ``task``: a task run, which reports accuracy) with the
-    loss's moving average and tokens/s, and one summary line per record: ``step, train loss, val
-    loss, bpc (text) or accuracy (task; at the final evaluation also at every eval length),
-    tok/s``."""
+    loss's moving average (``0.9 · ema + 0.1 · loss``, from this ``fit``'s first step) and
+    tokens/s, and one summary line per record: ``step, train loss, val loss, bpc (text) or
+    accuracy (task; at the final evaluation also at every eval length), tok/s``."""
 
     def __init__(self, cfg, initial: int, enabled: bool, task: bool):
         self.task, self.eval_lengths = task, list(cfg.eval_lengths)
+        self.ema: float | None = None
         self.bar = tqdm(
             total=cfg.steps,
             initial=initial,
@@ -112,10 +175,11 @@ class ProgressBar:
             mininterval=0.5,
         )
 
-    def update(self, loss_ema: float, tokens_per_s: float) -> None:
-        """One step done."""
+    def update(self, loss: float, tokens_per_s: float) -> None:
+        """One step done, with its ``loss``."""
+        self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        self.bar.set_postfix(loss=f"{self.ema:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
 
     def log(self, record: dict) -> None:
         if not self.task:
@@ -138,3 +202,24 @@ class ProgressBar:
 def default_sinks(out: Path, tensorboard: bool) -> list[Sink]:
     """Rank 0's built-in sinks: ``out/metrics.jsonl``, and TensorBoard in ``out/tb`` when asked."""
     return [MetricsFile(out), *([TensorBoard(out)] if tensorboard else [])]
+
+
+class Logbook:
+    """The sinks of one process of the run in ``out``: on rank 0 (``enabled``) the built-in ones
+    (:func:`default_sinks`; TensorBoard with ``tensorboard``), then ``extra`` (the caller's); on
+    the other ranks none. Default ``enabled=True``."""
+
+    def __init__(self, out: Path, tensorboard: bool, extra=(), enabled: bool = True):
+        self.enabled = enabled
+        self.sinks: list[Sink] = [*default_sinks(out, tensorboard), *extra] if enabled else []
+
+    def log(self, record: dict, *more: Sink) -> None:
+        """``record`` to every sink, then to ``more`` (a ``fit``'s progress bar); nothing on the
+        other ranks."""
+        for sink in (*self.sinks, *more) if self.enabled else ():
+            sink.log(record)
+
+    def close(self) -> None:
+        """The end of a ``fit``: every sink's ``close()`` (not ``more``'s)."""
+        for sink in self.sinks:
+            sink.close()

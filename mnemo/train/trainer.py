@@ -4,8 +4,9 @@
 parallelism (:mod:`~mnemo.train.strategy`), the run folder, resume and checkpoints
 (:mod:`~mnemo.train.run_folder`), auxiliary losses (:mod:`~mnemo.train.aux_losses`), logging
 (:mod:`~mnemo.train.sinks`), interrupts (:mod:`~mnemo.train.interrupts`), evaluation
-(:mod:`~mnemo.train.evaluation`), data (:mod:`~mnemo.train.batches`), the model
-(:mod:`~mnemo.train.build`), text generation (:mod:`~mnemo.train.generation`)."""
+(:mod:`~mnemo.train.evaluation`), data (:mod:`~mnemo.train.batches`), the carried state
+(:mod:`~mnemo.train.carry`), the model (:mod:`~mnemo.train.build`), text generation
+(:mod:`~mnemo.train.generation`)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from ..data.tasks import IGNORE_INDEX, make_generator
+from ..data.tasks import IGNORE_INDEX
 from ..ops._common import NonFiniteError
-from .aux_losses import MoEBalance
-from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits  # noqa: F401
+from .aux_losses import AuxiliaryLosses, MoEBalance
+from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits, summed_cross_entropy  # noqa: F401
 from .build import _count_parameters, build_model, check_carry_state, load_checkpoint, load_weights  # noqa: F401
 from .carry import CarriedState
 from .checkpoint import ckpt_name, save_torch  # noqa: F401  (save_torch: tests fake a full disk here)
@@ -28,11 +28,11 @@ from .config import TrainConfig
 from .distributed import backend_for, barrier, init_from_env, local_device
 from .diverged import TrainingDiverged, _nonfinite_detail, _nonfinite_weights
 from .evaluation import Evaluator, make_callbacks
-from .generation import generate_text
-from .interrupts import DeferredInterrupts
+from .generation import generate_text, sample_run
+from .interrupts import DeferredInterrupts, interrupted
 from .optim import grad_clip, lr_factor, make_optimizer, make_scheduler  # noqa: F401
 from .run_folder import LOCK_NAME, RESCHEDULE, RESUMABLE, RunFolder, lock_run_folder, resume_config  # noqa: F401
-from .sinks import METRICS_NAME, ProgressBar, default_sinks  # noqa: F401
+from .sinks import METRICS_NAME, IntervalMeter, Logbook, ProgressBar, evaluation_record  # noqa: F401
 from .strategy import ContextParallel, Sharded, make_strategy
 
 __all__ = ["Trainer", "TrainingDiverged", "generate_text", "resume_config", "lock_run_folder"]
@@ -58,30 +58,24 @@ class Trainer:
     ``progress``: show a progress bar (on the main process). Defaults: ``resume=False``,
     ``progress=True``.
 
-    ``callbacks``: functions ``f(trainer, record) -> dict | None`` called after every evaluation,
-    before the record is written; a returned dict is merged into the record (e.g. circuit scores
-    tracked during training). They must not touch the RNG streams the trainer uses. Instead of a
-    sequence, ``callbacks`` may be a factory ``f(cfg) -> sequence of callbacks``, called once with
-    the run's resolved :class:`TrainConfig`. ``cfg.track_circuits`` needs a callback that tracks
-    the circuits, e.g. the factory ``callbacks=mnemo.interp.circuit_callbacks`` (what ``mnemo
-    train`` and ``mnemo sweep`` pass; :func:`~mnemo.train.evaluation.make_callbacks`): this package
-    does not import :mod:`mnemo.interp`. ``sinks``: more loggers of the evaluation records
-    (:mod:`mnemo.train.sinks`); ``aux_losses``: more auxiliary losses
-    (:mod:`mnemo.train.aux_losses`). Defaults: none.
+    The parts' extension points: ``callbacks`` (what each evaluation adds to its record, e.g.
+    circuit scores, or a factory of them: :mod:`mnemo.train.evaluation`; ``cfg.track_circuits``
+    needs one, e.g. ``callbacks=mnemo.interp.circuit_callbacks``, what ``mnemo train`` and ``mnemo
+    sweep`` pass: this package does not import :mod:`mnemo.interp`), ``sinks`` (more loggers of
+    the evaluation records: :mod:`mnemo.train.sinks`), ``aux_losses`` (more auxiliary losses:
+    :mod:`mnemo.train.aux_losses`). Defaults: none.
 
     **Carried state** (``cfg.carry_state``: truncated back-propagation through time). The text is
     read as ``batch_size`` parallel streams (:class:`~mnemo.train.batches.CarriedStreams`); each
     step starts from the state the previous one ended with (``carried_state``; the part:
     :class:`~mnemo.train.carry.CarriedState`), and the checkpoints hold it.
 
-    **Parallelism** (:mod:`mnemo.train.strategy`). Launched by ``torchrun --nproc_per_node N``,
-    the trainer joins the process group and trains data-parallel (DDP), sharded (``cfg.fsdp``:
-    FSDP2) or context-parallel (``cfg.context_parallel``); the gradients and logged losses equal
-    the single-process run's up to float rounding, and a checkpoint resumes on any number of
-    processes. ``self.model`` stays the plain :class:`LanguageModel` (evaluation, checkpoints,
-    sampling). Only rank 0 evaluates (under FSDP every rank does), logs, prints and writes
-    checkpoints (FSDP: every rank its shards); ``fit`` returns the other ranks the record without
-    the evaluation metrics. ``rank``, ``world`` and ``is_main`` tell where a trainer runs.
+    **Parallelism**. Launched by ``torchrun --nproc_per_node N``, the trainer joins the process
+    group and trains as :mod:`mnemo.train.strategy` describes: data-parallel (DDP), sharded
+    (``cfg.fsdp``: FSDP2) or context-parallel (``cfg.context_parallel``), with the single-process
+    run's gradients and losses, and rank 0 evaluating, logging and writing checkpoints (resumed on
+    any number of processes). ``self.model`` stays the plain :class:`LanguageModel` (evaluation,
+    checkpoints, sampling); ``rank``, ``world`` and ``is_main`` tell where a trainer runs.
     """
 
     def __init__(
@@ -110,10 +104,8 @@ class Trainer:
             setattr(self, name, getattr(self.data, name))  # (the attributes callbacks read)
         self._test_sets: dict = {}  # a task's test sets, by (length, rows)
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
-        self.carry = None  # cfg.carry_state: the state carried from step to step
-        if self.cfg.carry_state:
-            check_carry_state(self.model, self.cfg, self.data.streams.stream_tokens, self.world)
-            self.carry = CarriedState(self.data.streams, self.device)
+        # cfg.carry_state: the state carried from step to step (else a fresh state every step)
+        self.carry = CarriedState.for_run(self.model, self.cfg, self.data.streams, self.device, self.world)
         self._setup_optimizer()
         if state is not None:
             self._restore_state(ckpt, state)
@@ -126,10 +118,10 @@ class Trainer:
         self.evaluator = Evaluator(
             self.cfg, self.task, self.val_data, self.val_chars, self._autocast, self._test_sets
         )
-        self.aux_losses = [MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)]
-        self.aux_losses += list(aux_losses)
+        moe = MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)
+        self.aux_losses = AuxiliaryLosses([moe, *aux_losses])  # the built-in one, then the caller's
         # rank 0 logs: metrics.jsonl, TensorBoard (cfg.tensorboard), then the caller's sinks
-        self.sinks = [*default_sinks(self.out, self.cfg.tensorboard), *sinks] if self.is_main else []
+        self.logbook = Logbook(self.out, self.cfg.tensorboard, sinks, enabled=self.is_main)
         self.interrupts = DeferredInterrupts(enabled=self.world == 1)
 
     def _join_processes(self, cfg: TrainConfig, notes: list[str]) -> None:
@@ -153,14 +145,11 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = make_scheduler(self.optimizer, cfg, warn=self.is_main)
         self.last_lr = self.scheduler.get_last_lr()[0]  # updated by every step
-        if self.task is None:
-            self.generator = torch.Generator().manual_seed(cfg.seed + 1)
-        else:
-            self.generator = make_generator(cfg.seed, "train")
+        self.generator = self.data.batch_generator()
         self.step = 0
         self.early_stopped = False  # TrainConfig.early_stop_acc reached (saved with checkpoints)
         self.last_checkpoint: Path | None = None
-        self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
+        self.meter = IntervalMeter()  # the logging interval's training metrics (checkpointed)
 
     def _restore_state(self, ckpt: Path, state: dict) -> None:
         """Resume: the checkpoint's weights, optimizer, schedule, generator and torch RNG states
@@ -170,10 +159,9 @@ class Trainer:
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
-        self._acc_loss, self._acc_n = state["acc_loss"], state["acc_n"]
+        self.meter.load_state_dict(state)
         self.early_stopped = bool(state.get("early_stopped", False))
-        if self.carry is not None:
-            self.carry.restore(ckpt, state, self.step)
+        self.carry.restore(ckpt, state, self.step)
         self.last_checkpoint = ckpt
         if self.is_main:  # under the folder's lock: never trim a live run's log
             self.run_folder.truncate_metrics(self.step)
@@ -181,7 +169,7 @@ class Trainer:
     @property
     def carried_state(self):
         """``cfg.carry_state``: the model's state after the last step's windows (else ``None``)."""
-        return None if self.carry is None else self.carry.state
+        return self.carry.state
 
     def _write_checkpoint(self) -> Path:
         """Rank 0 writes the checkpoint (FSDP: every rank calls this and writes its shards)."""
@@ -190,12 +178,10 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
-            "acc_loss": self._acc_loss,
-            "acc_n": self._acc_n,
+            **self.meter.state_dict(),
             "early_stopped": self.early_stopped,
+            **self.carry.save(self.step),  # carry_state: the next step's window and its starting state
         }
-        if self.carry is not None:  # the next step's window and the state it starts from
-            state.update(self.carry.save(self.step))
         self.last_checkpoint = self.run_folder.write_checkpoint(
             self.step, self.model, self.optimizer, self.tokenizer, self.cfg, state, sharded=self.fsdp
         )
@@ -242,8 +228,7 @@ class Trainer:
         With ``cfg.carry_state`` the batch is the streams' next windows, the forward starts from
         ``carried_state`` and the model's new state replaces it once the step succeeded."""
         cfg, strategy, carry = self.cfg, self.strategy, self.carry
-        if carry is not None:  # truncated BPTT: this step's windows continue the last step's
-            carry.begin_step(self.step)
+        carry.begin_step(self.step)  # truncated BPTT: this step's windows continue the last step's
         x, y, first = self.data.next_batch(self.step, self.generator)
         # every rank holds the whole global batch, so the global count needs no communication
         n_tokens = max(int((y != IGNORE_INDEX).sum()), 1)
@@ -265,7 +250,7 @@ class Trainer:
                 error, handle = None, None
                 try:
                     with self._autocast():
-                        if carry is not None:  # one process, no wrapper: the model itself
+                        if carry.active:  # carry_state: one process, no wrapper: the model itself
                             rows = slice(i * micro, (i + 1) * micro) if cfg.grad_accum > 1 else None
                             logits, ce = None, carry.forward(self.model, xi, yi, rows)
                         elif cp:
@@ -278,13 +263,8 @@ class Trainer:
                             logits, yi = self.train_model(xi, logits_at=at), y_host[at].to(self.device)
                         else:  # the summed loss, without the [B, T, vocab] logits (chunked head)
                             logits, ce = None, self.train_model(xi, targets=yi, ignore_index=IGNORE_INDEX)
-                    if logits is not None:
-                        ce = F.cross_entropy(
-                            logits.float().flatten(0, -2),
-                            yi.flatten(),
-                            ignore_index=IGNORE_INDEX,
-                            reduction="sum",
-                        )
+                    if logits is not None:  # (in float32, outside the autocast)
+                        ce = summed_cross_entropy(logits, yi)
                 except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
                     error, ce = e, None
                 if deferred and error is None:  # checked with the gradient norm, after the backward
@@ -298,9 +278,7 @@ class Trainer:
                     raise self._diverged("loss", math.nan, where) from error
                 if not math.isfinite(part):
                     raise self._diverged("loss", part / n_tokens)
-                loss = ce * scale
-                for term in (aux.collect(self.model) for aux in self.aux_losses):  # e.g. MoE balance
-                    loss = loss if term is None else loss + term
+                loss = self.aux_losses.add_to(ce * scale, self.model)  # e.g. MoE balance
                 try:
                     if handle is not None:
                         handle.backward(loss)  # the state gradients cross ranks here
@@ -324,13 +302,11 @@ class Trainer:
             norm_value = norm.item()
         if not math.isfinite(norm_value):
             raise self._diverged("gradient norm", norm_value)
-        if carry is not None:  # the next step starts from here (cut from this step's graph)
-            carry.end_step()
+        carry.end_step()  # carry_state: the next step starts from here (cut from this step's graph)
         self.last_lr = self.scheduler.get_last_lr()[0]  # the rate of this update (metrics' lr)
         self.optimizer.step()
         self.scheduler.step()
-        for aux in self.aux_losses:
-            aux.after_step(self.model)
+        self.aux_losses.after_step(self.model)
         self.step += 1
         return total / n_tokens
 
@@ -340,13 +316,9 @@ class Trainer:
         (on ranks other than 0: without the evaluation metrics). SIGINT/SIGTERM stop between two
         steps with a checkpoint (:mod:`mnemo.train.interrupts`)."""
         stop = self.cfg.steps if until is None else min(until, self.cfg.steps)
-        lock = self.run_folder.open() if self.is_main else None
-        try:
-            with self.interrupts:
-                return self._fit(stop)
-        finally:
-            if lock is not None:
-                lock.close()  # releases the lock
+        lock = self.run_folder.open() if self.is_main else None  # (None: another rank, or no fcntl)
+        with lock or contextlib.nullcontext(), self.interrupts:  # the lock is released at the end
+            return self._fit(stop)
 
     def _fit(self, stop: int) -> dict:
         cfg = self.cfg
@@ -354,30 +326,19 @@ class Trainer:
         tokens_per_step = cfg.batch_size * cfg.seq_len  # the global batch: global tokens/s
         bar = ProgressBar(cfg, self.step, enabled=self.progress and self.is_main, task=self.task is not None)
         record: dict = {}
-        ema = None
         t_start = time.perf_counter()
         try:
             while self.step < stop and not self.early_stopped:
-                if self.interrupts.requested is not None:
-                    if (
-                        self.is_main
-                        and self.step > 0
-                        and self.step != RunFolder.saved_step(self.last_checkpoint)
-                    ):
+                if self.interrupts.requested is not None:  # a checkpoint of every finished step, then stop
+                    saved = RunFolder.saved_step(self.last_checkpoint)
+                    if self.is_main and self.step > 0 and self.step != saved:
                         self._write_checkpoint()
-                    raise KeyboardInterrupt(
-                        f"{self.interrupts.requested} at step {self.step}: checkpoint {self.last_checkpoint} "
-                        "holds every finished step"
-                    )
+                    raise interrupted(self.interrupts.requested, self.step, self.last_checkpoint)
                 t0 = time.perf_counter()
                 loss = self.train_step()
                 dt = time.perf_counter() - t0
-                self._acc_loss += loss
-                self._acc_n += 1
-                self._acc_tokens += tokens_per_step
-                self._acc_time += dt
-                ema = loss if ema is None else 0.9 * ema + 0.1 * loss
-                bar.update(ema, tokens_per_step / dt)
+                self.meter.add(loss, tokens_per_step, dt)
+                bar.update(loss, tokens_per_step / dt)
                 last = self.step == cfg.steps
                 evaluate = self.step % cfg.eval_interval == 0 or last
                 save = self.step % cfg.ckpt_every == 0 or last or self.step == stop
@@ -386,29 +347,12 @@ class Trainer:
                     if bad:
                         raise self._diverged("weights", math.nan, _nonfinite_weights(bad), step=self.step)
                 if evaluate:
-                    aux = {k: v for part in self.aux_losses for k, v in part.record().items()}
-                    record = {
-                        "step": self.step,
-                        "train_loss": self._acc_loss / max(self._acc_n, 1),
-                        "tokens_per_s": self._acc_tokens / max(self._acc_time, 1e-9),
-                        "lr": self.last_lr,
-                        **aux,
-                    }
+                    # the interval's training metrics (and a new interval), the auxiliary losses' metrics
+                    record = self.meter.record(self.step, self.last_lr, self.aux_losses.record())
                     if self.is_main or self.fsdp:  # FSDP: every rank runs the (sharded) model
-                        record = self._eval_record(record, aux, last, t_start, bar)
-                    self._acc_loss, self._acc_n, self._acc_tokens, self._acc_time = 0.0, 0, 0, 0.0
-                    if cfg.early_stop_acc is not None and not last:
-                        self.early_stopped = self.strategy.agree(
-                            record.get("val_acc", 0.0) >= cfg.early_stop_acc
-                        )
-                        if self.early_stopped:
-                            save = True
-                            if self.is_main:
-                                print(
-                                    f"early stop at step {self.step}: val_acc {record['val_acc']:.4f} >= "
-                                    f"{cfg.early_stop_acc}",
-                                    flush=True,
-                                )
+                        record = self._eval_record(record, last, t_start, bar)
+                    if self.evaluator.stops_early(record, last, self.strategy.agree, announce=self.is_main):
+                        self.early_stopped = save = True  # (the checkpoint resumes as stopped)
                 if save:
                     if self.is_main or self.fsdp:
                         self._write_checkpoint()
@@ -420,35 +364,22 @@ class Trainer:
                     break
         finally:
             bar.close()
-            for sink in self.sinks:
-                sink.close()
+            self.logbook.close()
         return record
 
-    def _eval_record(self, record: dict, aux: dict, last: bool, t_start: float, bar: ProgressBar) -> dict:
-        """Rank 0: evaluate, complete ``record``, run the callbacks, log and print it. Under FSDP
-        every rank calls this (the sharded model needs all of them, in the evaluation and in
-        callbacks that run it); only rank 0 logs and prints."""
+    def _eval_record(self, record: dict, last: bool, t_start: float, bar: ProgressBar) -> dict:
+        """Rank 0: evaluate, complete the interval's ``record``, run the callbacks, log and print
+        it. Under FSDP every rank calls this (the sharded model needs all of them, in the
+        evaluation and in callbacks that run it); only rank 0 logs and prints."""
         # FSDP: every rank is here and an evaluation is collective, so rank 0 decides an early stop
         agree = self.strategy.agree if self.fsdp else bool
         try:
             ev = self.evaluator.during_training(self.evaluate, last, agree)
         except NonFiniteError as e:  # an op of the evaluation found NaN/inf: the run diverged
             raise self._diverged("validation loss", math.nan, _nonfinite_detail(e), step=self.step) from e
-        record = {
-            "step": record["step"],
-            "train_loss": record["train_loss"],
-            **ev,
-            "tokens_per_s": record["tokens_per_s"],
-            "lr": record["lr"],
-            "elapsed_s": time.perf_counter() - t_start,
-            **aux,
-        }
-        for callback in self.callbacks:
-            extra = callback(self, record)
-            if extra:
-                record.update(extra)
-        for sink in (*self.sinks, bar) if self.is_main else ():
-            sink.log(record)  # metrics.jsonl, TensorBoard, yours, the summary line
+        record = evaluation_record(record, ev, elapsed_s=time.perf_counter() - t_start)
+        record = self.callbacks.merge(self, record)  # what the callbacks add (e.g. circuit scores)
+        self.logbook.log(record, bar)  # rank 0: metrics.jsonl, TensorBoard, yours, the summary line
         return record
 
     def sample(
@@ -459,16 +390,7 @@ class Trainer:
         seed: int | None = None,
         temperature: float | None = None,
     ) -> str:
-        """Generate text from ``prompt`` with the current model (text runs only)."""
-        cfg = self.cfg
-        if self.tokenizer is None:
-            raise ValueError(f"no text to sample: this run trains on the task {cfg.task!r}")
-        return generate_text(
-            self.model,
-            self.tokenizer,
-            cfg.sample_prompt if prompt is None else prompt,
-            cfg.sample_tokens if max_new_tokens is None else max_new_tokens,
-            temperature=cfg.sample_temperature if temperature is None else temperature,
-            seed=cfg.seed if seed is None else seed,
-            device=self.device,
-        )
+        """Generate text from ``prompt`` with the current model (text runs only; what is ``None``
+        comes from the run's config: :func:`~mnemo.train.generation.sample_run`)."""
+        args = (self.cfg, self.model, self.tokenizer, self.device, prompt, max_new_tokens)
+        return sample_run(*args, seed=seed, temperature=temperature)
