@@ -1,8 +1,9 @@
 """Every mixer stays finite over very long sequences at initialisation (DESIGN §8, issue 9).
 
 The fast forms run at T = 65,536 in the default suite. The token-loop (recurrent) forms repeat the
-same bounded per-token update, so the default suite runs them at T = 8,192; the full 65,536-token
-recurrent runs are marked ``slow`` (``python -m pytest -m slow``).
+same bounded per-token update, so the default suite runs them at T = 8,192 (MAG and MAL, whose
+recurrent form is their memory's, through that memory: see ``THROUGH_THEIR_MEMORY``); the full
+65,536-token recurrent runs are marked ``slow`` (``python -m pytest -m slow``).
 """
 
 from __future__ import annotations
@@ -45,12 +46,31 @@ def test_fast_forms_finite_at_65536(name):
     _check(name, 65536, None)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if not isinstance(_mixer(n), Attention)])
+#: MAG and MAL: ``mode`` reaches only their memory branch (a :class:`~mnemo.layers.NeuralMemory`,
+#: spec ``titans``, with 4 persistent tokens); their sliding-window attention runs the same code in
+#: every mode, at 65,536 tokens above. The memory's token loop is run at 8,192 tokens by the
+#: ``neural_memory`` case (the same module and spec), so here, as MAC is exercised through its
+#: memory, their recurrent forms run at 2,048 tokens: past ``WINDOW_BLOCK`` (1,024, the blockwise
+#: window path of the long run) and 32 memory chunks, for the wiring of the token loop into them.
+THROUGH_THEIR_MEMORY = ("titans_mag", "titans_mal")
+RECURRENT = [n for n in NAMES if not isinstance(_mixer(n), Attention)]
+
+
+@pytest.mark.parametrize("name", [n for n in RECURRENT if n not in THROUGH_THEIR_MEMORY])
 def test_recurrent_forms_finite_at_8192(name):
     _check(name, 8192, "recurrent")
 
 
+@pytest.mark.parametrize("name", THROUGH_THEIR_MEMORY)
+def test_recurrent_forms_of_mag_and_mal_finite_at_2048(name):
+    from mnemo.ops.softmax_attention import WINDOW_BLOCK
+
+    memory, alone = _mixer(name).memory, _mixer("neural_memory")  # the module run at 8,192 tokens
+    assert type(memory) is type(alone) and memory.spec == alone.spec and 2048 > WINDOW_BLOCK
+    _check(name, 2048, "recurrent")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in NAMES if not isinstance(_mixer(n), Attention)])
+@pytest.mark.parametrize("name", RECURRENT)
 def test_recurrent_forms_finite_at_65536(name):
     _check(name, 65536, "recurrent")

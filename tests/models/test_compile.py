@@ -35,14 +35,20 @@ def _compile_works() -> bool:
 needs_compile = pytest.mark.skipif(not _compile_works(), reason="torch.compile unavailable here")
 
 
-def _model(name: str, d_model: int = 16) -> LanguageModel:
+def _model(name: str, d_model: int = 16, n_layers: int = 2) -> LanguageModel:
     torch.manual_seed(0)
-    return LanguageModel(build_config(name, vocab_size=32, d_model=d_model, n_layers=2))
+    return LanguageModel(build_config(name, vocab_size=32, d_model=d_model, n_layers=n_layers))
 
 
-def _check_family(name: str, T: int = 20, d_model: int = 16, decode: bool = True) -> None:
+#: the default run's compiled models have one layer: every family's layers are copies of one block
+#: (the same code, traced and compiled the same way), so a second layer adds trace and compile time
+#: (dynamo inlines each layer) but no code path; the ``slow`` tests keep two
+ONE_LAYER = 1
+
+
+def _check_family(name: str, T: int = 20, d_model: int = 16, decode: bool = True, n_layers: int = 2) -> None:
     torch._dynamo.reset()
-    model = _model(name, d_model)
+    model = _model(name, d_model, n_layers)
     compiled = torch.compile(model)
     ids = torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(1))
 
@@ -77,7 +83,7 @@ def _check_family(name: str, T: int = 20, d_model: int = 16, decode: bool = True
 
 @needs_compile
 def test_compiled_transformer_equals_eager():
-    _check_family("transformer")
+    _check_family("transformer", n_layers=ONE_LAYER)
 
 
 @needs_compile
@@ -85,7 +91,7 @@ def test_compiled_mamba2_over_several_chunks_equals_eager():
     """Three chunks (T = 150, chunk_size 64) and 4 heads sharing one B/C group: the grouped SSD
     kernel's stacking copies (which failed to compile when they wrote with ``out=``) and its
     inter-chunk state pass are in the graph. (Its decode step: test_generate_compiled_equals_eager.)"""
-    _check_family("mamba2", T=150, d_model=64, decode=False)
+    _check_family("mamba2", T=150, d_model=64, decode=False, n_layers=ONE_LAYER)
 
 
 @needs_compile
@@ -104,7 +110,7 @@ BREAKS_EXPECTED = {"gated_deltanet_attention_moe": "MoE dispatch: data-dependent
 def _graph_breaks(name: str, T: int) -> list[str]:
     torch._dynamo.reset()
     ids = torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(1))
-    ex = torch._dynamo.explain(_model(name))(ids)
+    ex = torch._dynamo.explain(_model(name, n_layers=ONE_LAYER))(ids)
     return [str(b.reason).splitlines()[0] for b in ex.break_reasons]
 
 
@@ -184,7 +190,7 @@ def test_generate_compiled_equals_eager():
     from mnemo.layers.state import tensors
 
     counters.clear()
-    model = _model("mamba2")
+    model = _model("mamba2", n_layers=ONE_LAYER)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 32, (3, T), generator=gen) for T in (9, 13)]
     import warnings

@@ -30,27 +30,37 @@ def _ids():
     return torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def _cp_worker(rank, world, port, name, out):
+def _cp_worker(rank, world, port, names, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from mnemo.train.distributed import context_parallel_forward
 
         torch.set_num_threads(1)
-        model = _model(name)
-        logits, handle = context_parallel_forward(model, _ids(), rank, world)
-        handle.backward(logits.square().sum())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        torch.save({"logits": logits.detach(), "grads": grads}, os.path.join(out, f"rank{rank}.pt"))
+        for name in names:
+            model = _model(name)
+            logits, handle = context_parallel_forward(model, _ids(), rank, world)
+            handle.backward(logits.square().sum())
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            result = {"logits": logits.detach(), "grads": grads}
+            torch.save(result, os.path.join(out, f"{name}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def cp_parts(tmp_path_factory):
+    """One pair of processes runs every model of ``MODELS`` in turn (starting the processes is most
+    of the cost); each model's pass writes its own files."""
+    out = tmp_path_factory.mktemp("cp")
+    spawn(_cp_worker, (2, free_port(), MODELS, str(out)), 2)
+    return out
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_context_parallel_equals_single_process(name, tmp_path):
+def test_context_parallel_equals_single_process(name, cp_parts):
     world = 2
-    spawn(_cp_worker, (world, free_port(), name, str(tmp_path)), world)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    parts = [torch.load(cp_parts / f"{name}-rank{r}.pt") for r in range(world)]
     model = _model(name)
     logits, _ = model(_ids())
     logits.square().sum().backward()
