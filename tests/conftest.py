@@ -1,0 +1,17 @@
+"""Test-session settings shared by every test module.
+
+Under pytest-xdist (the default run: ``addopts`` in pyproject.toml, one worker per core) each worker
+computes with one intra-op thread, and so do the processes the tests start: two workers with two
+threads each on a 2-core machine spend their time in OpenMP's spin-waits (measured: the same file
+took 4x the wall time with 2 threads beside another job as with 1)."""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
