@@ -112,6 +112,7 @@ projections get no gradient and it would step at evaluation with untrained setti
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -240,6 +241,12 @@ class LevelState:
         inputs: (nested transfer with a meta-learning rule, every level but the fastest) the inputs
             ``[B, n, d]`` of the level's current period so far (its step replays the faster level
             on them), else ``None``.
+        applied, current: ``None`` (default) outside a task-signal model's segment loop. Inside it
+            (:meth:`CMSLevel.deferring`, a ``"task"`` level with the ``"gd"`` optimizer) the steps
+            are kept as their factors ``(X [B, r, d], DZ [B, r, h], A [B, r, h], E [B, r, d])``:
+            ``applied`` for the completed periods — the weights are ``(W_in − Xᵀ DZ, W_out − Aᵀ E)`` —
+            and ``current`` for the period so far — the gradient is ``grad + (Xᵀ DZ, Aᵀ E)``;
+            :meth:`CMSLevel.settle` materialises them. A state a model returns never has them.
     """
 
     weights: tuple
@@ -249,6 +256,12 @@ class LevelState:
     updates: int = 0
     absorbed: int = 0
     inputs: torch.Tensor | None = None
+    applied: tuple | None = None
+    current: tuple | None = None
+
+
+def _cat_factors(a: tuple | None, b: tuple) -> tuple:
+    return b if a is None else tuple(torch.cat([u, v], 1) for u, v in zip(a, b))
 
 
 def _mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
@@ -374,6 +387,81 @@ class CMSLevel(nn.Module):
             st = self._step(st)
         return y, st
 
+    #: set by :meth:`deferring`
+    _defer_steps: bool = False
+
+    @contextmanager
+    def deferring(self):
+        """Within ``with`` (a ``"task"`` level with the ``"gd"`` optimizer; otherwise a no-op): the
+        steps are kept as low-rank factors (:class:`LevelState` ``applied``/``current``) and the reads
+        use them, ``x W = x W_0 − (x Xᵀ) DZ``, instead of writing the per-sample weights at every
+        period end (the dual form of the same steps: equal up to float rounding). Factors of at most
+        ``min(d, h)`` tokens are kept before they are folded into the weights. States made inside
+        must pass through :meth:`settle` before they leave (the task-signal loop does)."""
+        on = self.level.objective == "task" and self.level.optimizer == "gd"
+        prev, self._defer_steps = self._defer_steps, on or self._defer_steps
+        try:
+            yield self
+        finally:
+            self._defer_steps = prev
+
+    @staticmethod
+    def settle(st: LevelState | None) -> LevelState | None:
+        """The state with its kept factors folded into the weights and the gradient (see
+        :meth:`deferring`); unchanged without them."""
+        if st is None or (st.applied is None and st.current is None):
+            return st
+        w, g = st.weights, st.grad
+        if st.applied is not None:
+            X, DZ, A, E = st.applied
+            w = (
+                torch.baddbmm(w[0], X.transpose(-1, -2), DZ, alpha=-1.0),
+                torch.baddbmm(w[1], A.transpose(-1, -2), E, alpha=-1.0),
+            )
+        if st.current is not None:
+            X, DZ, A, E = st.current
+            g = (torch.baddbmm(g[0], X.transpose(-1, -2), DZ), torch.baddbmm(g[1], A.transpose(-1, -2), E))
+        return replace(st, weights=w, grad=g, applied=None, current=None)
+
+    def _fold_period(self, st: LevelState) -> LevelState:
+        """A period ends while its steps are kept (gd): its factors join the applied ones."""
+        cur = st.current
+        if cur[0].shape[1] < self.level.period:
+            # the period began before the factors (its first part is in the gradient buffers):
+            # materialise and step as without deferral
+            st = self.settle(st)
+            w = tuple(a - g for a, g in zip(st.weights, st.grad))
+            zeros = tuple(torch.zeros_like(g) for g in st.grad)
+            return replace(st, weights=w, grad=zeros, updates=st.updates + 1)
+        applied = _cat_factors(st.applied, cur)
+        st = replace(st, applied=applied, current=None, updates=st.updates + 1)
+        if applied[0].shape[1] >= min(cur[0].shape[-1], cur[1].shape[-1]):  # bound the reads' rank
+            st = self.settle(st)
+        return st
+
+    @staticmethod
+    def _read(x: torch.Tensor, st: LevelState):
+        """``(z, a, y)`` of the MLP at the current weights, factored ones included."""
+        W_in, W_out = st.weights
+        z = _mm(x, W_in)
+        if st.applied is not None:
+            X, DZ, A, E = st.applied
+            z = z - (x @ X.transpose(-1, -2)) @ DZ
+        a = F.gelu(z)
+        y = _mm(a, W_out)
+        if st.applied is not None:
+            y = y - (a @ A.transpose(-1, -2)) @ E
+        return z, a, y
+
+    @staticmethod
+    def _back_out(err: torch.Tensor, st: LevelState) -> torch.Tensor:
+        """``err W_outᵀ`` at the current weights, factored ones included."""
+        g = _mm(err, st.weights[1].transpose(-1, -2))
+        if st.applied is not None:
+            X, DZ, A, E = st.applied
+            g = g - (err @ E.transpose(-1, -2)) @ A
+        return g
+
     def absorb(
         self, x: torch.Tensor, delta: torch.Tensor, st: LevelState, read: tuple | None = None
     ) -> LevelState:
@@ -392,11 +480,17 @@ class CMSLevel(nn.Module):
             if read is not None and n == L:
                 z, a = read
             else:
-                z = _mm(xs, W_in)
-                a = F.gelu(z)
-            dz = torch.ops.aten.gelu_backward(_mm(err, W_out.transpose(-1, -2)), z)
+                z, a, _ = self._read(xs, st)
+            dz = torch.ops.aten.gelu_backward(self._back_out(err, st), z)
             fresh = st.absorbed % C == 0  # a period starts here: its gradient buffers hold zeros
             ends = (st.absorbed + n) % C == 0
+            if self._defer_steps:  # keep the step as factors (see deferring)
+                cur = _cat_factors(st.current, (xs, dz, a, err))
+                st = replace(st, current=cur, absorbed=st.absorbed + n)
+                if ends:
+                    st = self._fold_period(st)
+                t += n
+                continue
             if fresh and ends and self.level.optimizer == "gd":
                 # a whole period in one piece: θ − Σ_t x_t ⊗ δ_t fused, the zero buffers untouched
                 w = (
@@ -443,15 +537,19 @@ class CMSLevel(nn.Module):
         st = state if state is not None else self.initial_state(B, initial_weights)
         x = self.hook_in(x)
         if self.level.objective == "task":  # read only: the steps come with the error signal (absorb)
-            W_in, W_out = st.weights
-            z = _mm(x, W_in)
-            a = F.gelu(z)
-            y = self.hook_out(_mm(a, W_out))
+            z, a, y = self._read(x, st)
+            y = self.hook_out(y)
             if self._capture is not None:  # the tensor the signal's gradient ∂L/∂y is taken against
                 if not y.requires_grad:  # nothing upstream needs a gradient: a zero to take it against
                     y = y + torch.zeros_like(y, requires_grad=True)
                 self._capture.append((x, y, (z, a)))
-            return y, self.hook_state(replace(st, position=st.position + T))
+            st = replace(st, position=st.position + T)
+            if self.hook_state.hooked and st is not (shown := self.settle(st)):
+                # kept factors: a hook sees the materialised state; unless it replaces it, the
+                # stream goes on from the factored one
+                seen = self.hook_state(shown)
+                return y, st if seen is shown else seen
+            return y, self.hook_state(st)
         C = self.level.period
         v = self.hook_v(self.value(x))  # slow projections of all tokens at once
         eta = self.hook_eta(self.rates(x))
@@ -658,14 +756,14 @@ class ContinuumMemory(nn.Module):
             for i in self._chain:  # the state and the hooks keep the levels' list indices
                 y, new[i] = self.levels[i](self.norms[i](h), prev[i])
                 h = h + y
-            return h - x, self.hook_state(CMSState(levels=tuple(new)))
+            return h - x, self._emit(CMSState(levels=tuple(new)))
         if self.transfer == "independent":
             out, new = 0, []
             for i, (level, norm, s) in enumerate(zip(self.levels, self.norms, prev)):
                 y, s = level(norm(x), s)
                 out = out + self.weights[i] * y
                 new.append(s)
-            return out, self.hook_state(CMSState(levels=tuple(new)))
+            return out, self._emit(CMSState(levels=tuple(new)))
         if self.meta != "none":
             return self._nested_meta(self.norms[0](x), prev)
         # nested: slowest first; each faster level restarts from the next slower one's weights
@@ -679,6 +777,16 @@ class ContinuumMemory(nn.Module):
             y, new[i] = self.levels[i](xn, prev[i], restarts=restarts, record=record, initial_weights=init)
             restarts = dict(record) if record is not None else None
         return y, self.hook_state(CMSState(levels=tuple(new)))
+
+    def _emit(self, st: CMSState) -> CMSState:
+        """``hook_state``: a hook sees the levels with their kept factors folded in
+        (:meth:`CMSLevel.deferring`); unless it replaces the state, the stream goes on unchanged."""
+        if self.hook_state.hooked:
+            shown = replace(st, levels=tuple(CMSLevel.settle(s) for s in st.levels))
+            if any(a is not b for a, b in zip(shown.levels, st.levels)):
+                seen = self.hook_state(shown)
+                return st if seen is shown else seen
+        return self.hook_state(st)
 
     def _nested_meta(self, xn: torch.Tensor, prev):
         """Nested transfer with a meta-learned rule (Eq. 72): the fastest level reads and learns by

@@ -50,7 +50,7 @@ from contextlib import ExitStack
 import torch
 import torch.nn.functional as F
 
-from ..layers.cms import CMSState, ContinuumMemory
+from ..layers.cms import CMSLevel, CMSState, ContinuumMemory
 from ..layers.state import detach as detach_state
 from ..layers.state import state_dataclass
 
@@ -192,7 +192,8 @@ def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> li
 
 
 def _settle(model, state: list | None) -> list | None:
-    """``state`` with the mixers' kept steps taken (:meth:`SelfModifyingTitans.deferring`)."""
+    """``state`` with the kept steps taken: the mixers' (:meth:`SelfModifyingTitans.deferring`) and
+    the CMS levels' (:meth:`~mnemo.layers.cms.CMSLevel.deferring`)."""
     if state is None:
         return None
     out = list(state)
@@ -200,19 +201,32 @@ def _settle(model, state: list | None) -> list | None:
         settle = getattr(b.mixer, "settle", None)
         if settle is not None and out[i].mixer is not None:
             out[i] = dataclasses.replace(out[i], mixer=settle(out[i].mixer))
+        mlp = out[i].mlp
+        if isinstance(mlp, CMSState):
+            levels = tuple(CMSLevel.settle(s) for s in mlp.levels)
+            out[i] = dataclasses.replace(out[i], mlp=dataclasses.replace(mlp, levels=levels))
     return out
+
+
+def _deferrable(model):
+    """The modules that keep their steps inside the segment loop."""
+    for b in model.blocks:
+        if hasattr(b.mixer, "deferring"):
+            yield b.mixer
+        if isinstance(b.mlp, ContinuumMemory) and b.mlp.transfer != "nested":
+            yield from b.mlp.levels
 
 
 def forward(model, input_ids: torch.Tensor, state, mode):
     """``LanguageModel.forward`` for a model with task levels (see the module docstring).
 
     Mixers that can defer their in-chunk steps (:meth:`SelfModifyingTitans.deferring`) do so while
-    the segments are read — a segment is often shorter than their chunks — and the state returned
-    (with the pending segment's start state in it) has every step taken."""
+    the segments are read — a segment is often shorter than their chunks — and so do the task
+    levels (:meth:`~mnemo.layers.cms.CMSLevel.deferring`: their steps kept as low-rank factors);
+    the state returned (with the pending segment's start state in it) has every step taken."""
     with ExitStack() as stack:
-        for b in model.blocks:
-            if hasattr(b.mixer, "deferring"):
-                stack.enter_context(b.mixer.deferring())
+        for m in _deferrable(model):
+            stack.enter_context(m.deferring())
         logits, state = _segments(model, input_ids, state, mode)
     state = _settle(model, state)
     where = sorted({i for i, _ in _task_levels(model)})

@@ -388,3 +388,69 @@ def test_run_with_cache_keeps_the_last_value_of_a_hook_fired_within_a_segment():
         k: (task[k], recon[k]) for k in task if task[k] != recon[k]
     }
     assert task["blocks.0.hook_mixer_out"][1] == 21 and task["blocks.0.mixer.memory.hook_q"][1] == 1
+
+
+@pytest.mark.parametrize("d", [8, 16])
+@pytest.mark.parametrize("cuts", [(40,), (8, 21, 40), (5, 13, 29, 40)])
+def test_factored_steps_equal_materialised_steps(cuts, d):
+    """Inside the segment loop a task level keeps its steps as low-rank factors and reads through
+    them (``CMSLevel.deferring``); the same stream with the factors turned off (every step written
+    into the weights) gives the same logits, states and gradients w.r.t. every parameter, over
+    calls that end inside periods (the materialising branch of a period begun in an earlier call)
+    and past the rank bound ``min(d, h)`` (8: folded after every period of 8; 16: reads through two
+    periods' factors before they are folded)."""
+    import contextlib
+
+    ids = _ids(41)
+    runs = {}
+    for factored in (True, False):
+        m = _presets("hope_attention", d_model=d).double()
+        if not factored:
+            for b in m.blocks:
+                for lv in b.mlp.levels:
+                    lv.deferring = contextlib.nullcontext
+        outs, state, a = [], None, 0
+        for b in cuts:
+            y, state = m(ids[:, a:b], state)
+            outs.append(y)
+            a = b
+        logits = torch.cat(outs, 1)
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss = loss + sum(s.weights[0].square().sum() for s in state[1].mlp.levels)
+        grads = torch.autograd.grad(loss, list(m.parameters()))
+        for blk in state:  # what leaves the model is materialised
+            assert all(s.applied is None and s.current is None for s in blk.mlp.levels)
+        runs[factored] = (logits, state, grads, [n for n, _ in m.named_parameters()])
+    (l1, s1, g1, names), (l0, s0, g0, _) = runs[True], runs[False]
+    assert_close(l1, l0, 1e-10)
+    for b1, b0 in zip(s1, s0):
+        for u, v in zip(b1.mlp.levels, b0.mlp.levels):
+            assert u.updates == v.updates and u.absorbed == v.absorbed
+            for x, y in zip(u.weights + u.grad, v.weights + v.grad):
+                assert_close(x, y, 1e-10)
+    for n, x, y in zip(names, g1, g0):
+        assert_close(x, y, 1e-10, what=n)
+    assert any(s.updates > 0 for s in s1[0].mlp.levels)
+
+
+def test_factored_state_is_kept_inside_the_loop_and_shown_materialised_to_hooks():
+    """The factors exist inside the loop (a spy on a level's absorb sees them), a ``hook_state``
+    sees the materialised state, and the stream's logits do not change when the hook is attached."""
+    m = _presets("hope_attention", d_model=16).double()  # rank bound 16: two periods of factors
+    lv = m.blocks[0].mlp.levels[0]
+    seen, orig = [], lv.absorb
+
+    def spy(*a, **k):
+        st = orig(*a, **k)
+        seen.append(st.applied is not None)
+        return st
+
+    lv.absorb = spy
+    ids = _ids(33)
+    with torch.no_grad():
+        want, _ = m(ids)
+        got, cache = m.run_with_cache(ids)
+    assert any(seen)
+    assert_close(got, want, 1e-12)
+    st = cache["blocks.0.mlp.levels.0.hook_state"]
+    assert st.applied is None and st.current is None
