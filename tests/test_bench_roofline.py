@@ -149,3 +149,30 @@ def test_bad_flags_are_refused_with_the_flag_named(argv, said, capsys, monkeypat
     assert main(["bench", "--suite", "roofline", *argv]) == 2
     err = capsys.readouterr().err
     assert said in err, err
+
+
+def test_a_model_too_large_to_build_is_a_one_line_error(capsys):
+    """A width the parser accepts but the allocator cannot serve: exit 2 naming the flags, no
+    traceback (it was the allocator's RuntimeError, 12 frames; hostile trial 9)."""
+    rc = main(
+        [
+            "bench",
+            "--suite",
+            "roofline",
+            "--models",
+            "gated_deltanet",
+            "--d-model",
+            "1048576",
+            "--n-layers",
+            "1",
+            "--model-shapes",
+            "1x1",
+            "--gen-batches",
+            "none",
+            "--repeats",
+            "1",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--d-model" in err and "does not fit" in err and "Traceback" not in err

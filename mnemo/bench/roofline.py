@@ -399,6 +399,21 @@ def _native_stderr_muted():
         os.close(saved)
 
 
+def _build_or_refuse(name: str, d_model: int, n_layers: int):
+    """:func:`build`, with a model whose weights this machine cannot allocate refused as a user
+    error (``ValueError`` naming the flags) instead of the allocator's traceback."""
+    try:
+        return build(name, d_model, n_layers)
+    except (RuntimeError, MemoryError) as e:
+        if not isinstance(e, MemoryError) and "allocate" not in str(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"--d-model/--n-layers: {name} at d_model {d_model} with {n_layers} layer(s) does not fit in "
+            f"this machine's memory ({first})"
+        ) from None
+
+
 def profile_step(model, step: Callable[[], None]) -> dict[str, float]:
     """Shares of one profiled training step's time per group (:func:`classify`), and its ``ms``."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -454,7 +469,7 @@ def run(
         raise ValueError(f"--models: unknown model(s) {unknown}; registered: {', '.join(known)}")
     if not shapes:
         raise ValueError("--model-shapes: the roofline suite needs at least one training shape TxB, got none")
-    built = {name: build(name, d_model, n_layers) for name in models}
+    built = {name: _build_or_refuse(name, d_model, n_layers) for name in models}
     tasks: dict = {}
     gemm_shapes: dict[tuple[int, int, int], None] = {}
     for T, B in shapes:
