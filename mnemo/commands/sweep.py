@@ -47,12 +47,15 @@ def _cmd_sweep(args) -> int:
     _check_database(db, "--db")
     runs = spec.runs()
     if args.list:
-        from ..sweep.db import SweepDB
+        from collections import Counter
 
-        finished = SweepDB(db).finished_ids() if db.is_file() else set()
-        for r in runs:
-            mark = "done" if r.run_id in finished else "todo"
-            print(f"{r.run_id}  {mark}  {r.label}  {r.cell}  {r.tuned}  seed={r.seed}")
+        from ..sweep.runner import sweep_plan
+
+        plan = sweep_plan(spec, db)
+        for r, state in plan:
+            print(f"{r.run_id}  {state}  {r.label}  {r.cell}  {r.tuned}  seed={r.seed}")
+        counts = Counter(state for _, state in plan)
+        print(f"{spec.name}: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
         return 0
     cells = len({r.cell_key for r in runs})
     seeds = f" x {len(spec.seeds)} seeds" if spec.seeds else ""
@@ -144,10 +147,20 @@ def _cmd_tasks(args) -> int:
 def _cmd_reproduce(args) -> int:
     from ..sweep.reproduce import page_sweeps, reproduce_page
 
+    if args.partial and not args.no_run:
+        raise ValueError(
+            "--partial: goes with --no-run (a call that trains writes the page whatever happens, and marks "
+            "it partial when runs fail)"
+        )
     files = page_sweeps(args.page)  # errors (no directive, missing file) before anything runs
     print(f"mnemo reproduce: {args.page}: {len(files)} sweep(s): {', '.join(map(str, files))}", flush=True)
     res = reproduce_page(
-        args.page, run=not args.no_run, jobs=args.jobs, threads=args.threads, progress=not args.no_progress
+        args.page,
+        run=not args.no_run,
+        jobs=args.jobs,
+        threads=args.threads,
+        progress=not args.no_progress,
+        partial=args.partial,
     )
     failed = sum((r["counts"] or {}).get("failed", 0) for r in res.values())
     if failed:
@@ -183,7 +196,10 @@ def add_commands(sub) -> None:
     )
     s.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (1)")
     s.add_argument(
-        "--list", action="store_true", help="list the runs and whether each is done; train nothing"
+        "--list",
+        action="store_true",
+        help="list the runs and the state of each (done, diverged, failed, todo; staged selection: "
+        "waiting, not-chosen, not-run); train nothing",
     )
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=_cmd_sweep)
@@ -244,7 +260,15 @@ def add_commands(sub) -> None:
     p.add_argument("--jobs", type=kinds.Int(1, 256), default=1, help="runs trained at once (1)")
     p.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (1)")
     p.add_argument(
-        "--no-run", action="store_true", help="rebuild from the databases as they are; train nothing"
+        "--no-run",
+        action="store_true",
+        help="rebuild from the databases as they are; train nothing (refused while a sweep has runs left "
+        "to train, unless --partial)",
+    )
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="with --no-run: write the page even if a sweep is unfinished (its block says so)",
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_reproduce)

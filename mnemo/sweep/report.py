@@ -211,7 +211,7 @@ def cell_stats(
                 "state_size_bytes": rep["state_size_bytes"],
                 "n_params": rep["n_params"],
                 "seq_len": int(rep["config"].get("seq_len", 0)),
-                "status": "done" if done else no_selection or (reported or group)[0]["status"],
+                "status": _cell_status(done, reported, group, no_selection, select_lr_on_seed, tuned),
                 "n_runs": len(group),
                 "n_failed": sum(r["status"] != "done" for r in group),
                 "cell_wall_time_s": sum(r["wall_time_s"] or 0.0 for r in group),
@@ -219,6 +219,20 @@ def cell_stats(
             }
         )
     return out
+
+
+def _cell_status(done, reported, group, no_selection, select, tuned) -> str:
+    """What a cell's metric column says when no reported run measured the metric."""
+    if done:
+        return "done"
+    if no_selection:
+        return no_selection
+    if reported:
+        return reported[0]["status"]  # e.g. every reported seed diverged
+    if select is not None:  # seed S chose, and no other seed has finished there yet
+        at = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tuned.items())
+        return f"no other seed finished{' at ' + at if at else ''}"
+    return group[0]["status"]
 
 
 def newest_runs(rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
@@ -570,6 +584,7 @@ def write_report(
     threshold: float | None = None,
     select_lr_on_seed: int | None = None,
     confidence: float = 0.95,
+    run_ids: set[str] | None = None,
 ) -> dict:
     """Write ``SWEEP.md`` (the :func:`markdown_table`), ``SWEEP.json`` (the :func:`cell_stats`)
     and (with ``plots``) ``SWEEP_acc_vs_state.png`` and ``SWEEP_acc_vs_length.png`` (means with
@@ -579,7 +594,9 @@ def write_report(
     database without it). ``out_dir`` defaults to ``<db stem>_report/`` next to the database.
     ``threshold`` defaults to
     :func:`default_threshold` of ``metric`` (0.99 for accuracies); ``select_lr_on_seed`` defaults
-    to the sweep file's (stored in the database by :func:`~mnemo.sweep.run_sweep`). Returns
+    to the sweep file's (stored in the database by :func:`~mnemo.sweep.run_sweep`). ``run_ids``
+    keeps only those runs (the runs a sweep file defines now: :func:`mnemo.sweep.reproduce_page`
+    leaves out the runs of an earlier version of the file, or of another file with the same name). Returns
     ``{sweep: {"markdown": text, "cells": cell_stats, "files": [paths]}}``.
 
     Raises:
@@ -597,7 +614,7 @@ def write_report(
             names = [sweep]
         if not names:
             raise ValueError(f"{db_path} holds no runs yet (run `mnemo sweep CONFIG` first)")
-        all_rows = {n: db.rows(n) for n in names}
+        all_rows = {n: [r for r in db.rows(n) if run_ids is None or r["run_id"] in run_ids] for n in names}
         metas = {n: db.meta(n) for n in names}
     if select_lr_on_seed is not None:  # a seed given by hand must be one the sweeps ran
         ran = sorted({_seed(r) for rows in all_rows.values() for r in rows})
@@ -656,6 +673,16 @@ def write_report(
             + markdown_table(rows, metric, threshold=threshold, **kw)
             + "\n"
         )
+        planned = metas[name].get("seeds")  # the sweep file's seeds (stored by run_sweep)
+        if planned and cells:
+            per_cell = len([s for s in planned if s != select])
+            short = [c for c in cells if c["n_finished"] < per_cell]
+            if short:
+                text += (
+                    f"\n**Partial:** {', '.join(sorted({c['label'] for c in short}))}: fewer than the "
+                    f"{per_cell} seed(s) the sweep file reports per cell have finished; `mnemo sweep "
+                    "CONFIG --list` shows what is left, and running the sweep again finishes it.\n"
+                )
         judged = judge_claims(metas[name].get("claims") or [], cells, metric, thr, confidence)
         if judged:
             text += (

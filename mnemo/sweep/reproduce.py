@@ -23,10 +23,12 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
+from .db import SweepDB
 from .report import write_report
-from .runner import default_paths, run_sweep
+from .runner import PENDING, default_paths, run_sweep, sweep_plan
 from .spec import SweepSpec
 
 DIRECTIVE = re.compile(r"^<!--\s*mnemo:reproduce\s+(\S+)\s*-->\s*$", re.M)
@@ -79,6 +81,18 @@ def page_sweeps(page: str | Path) -> list[Path]:
     return found
 
 
+def _pending(plan) -> dict[str, int]:
+    """``{state: count}`` of the runs of a :func:`sweep_plan` still to train."""
+    return dict(Counter(state for _, state in plan if state in PENDING))
+
+
+def _pending_text(pending: dict[str, int]) -> str:
+    n = sum(pending.values())
+    what = {"todo": "not run yet", "failed": "failed", "waiting": "waiting for their held-out seed"}
+    parts = ", ".join(f"{k} {what[s]}" for s, k in sorted(pending.items()))
+    return f"{n} run(s) of the sweep have not finished ({parts})"
+
+
 def _replace_block(text: str, name: str, block: str, page: Path) -> str:
     begin, end = _markers(name)
     i, j = text.find(begin), text.find(end)
@@ -99,6 +113,7 @@ def reproduce_page(
     jobs: int = 1,
     threads: int | None = 1,
     progress: bool = True,
+    partial: bool = False,
     log=print,
 ) -> dict:
     """Run or resume every sweep ``page`` names, then rewrite its generated blocks and figures.
@@ -108,31 +123,64 @@ def reproduce_page(
         run: ``False`` rebuilds the page from the databases as they are (no training).
         jobs, threads: worker processes and torch threads each (:func:`run_sweep`).
         progress: a progress bar per sweep. log: where progress lines go.
+        partial: with ``run=False``, write the page even when a sweep has runs left to train
+            (its block then opens with a **Partial** line counting them); without it that is an
+            error and the page is left as it is.
+
+    The page reports exactly the runs each sweep file defines as it reads now
+    (:func:`~mnemo.sweep.runner.sweep_plan`): runs that the database holds under the same sweep
+    name but that the file no longer defines (an edited file, another file with the same
+    ``name``) are left out, and the log says how many. A sweep still missing runs after this call
+    (a failed run; ``run=False`` with ``partial``) gets the **Partial** line in its block.
     Returns:
         ``{sweep name: {"counts": run_sweep's counts or None, "report": write_report's entry,
-        "elapsed_s": seconds this call spent in the sweep}}``.
+        "elapsed_s": seconds this call spent in the sweep, "pending": {state: runs} still to
+        train}}``.
     Raises:
         FileNotFoundError: the page, a sweep file, or (``run=False``) a sweep's database is missing.
-        ValueError: the page names no sweep, or its markers are broken; a sweep file is invalid.
+        ValueError: the page names no sweep, or its markers are broken; a sweep file is invalid;
+            ``run=False`` without ``partial`` and a sweep has runs left to train (checked for every
+            sweep before anything is written).
     """
     page = Path(page)
     files = page_sweeps(page)
     folder = page.with_suffix("")  # docs/results/PAGE/ holds the figures and the JSON
     out: dict = {}
     text = page.read_text()
-    for path in files:
-        spec = SweepSpec.load(path)
+    specs = [(path, SweepSpec.load(path)) for path in files]
+    if not run:  # every sweep checked before any page or report file is written
+        for path, spec in specs:
+            db, _ = default_paths(spec, path)
+            if not Path(db).is_file():
+                raise FileNotFoundError(
+                    f"{path}: its database {db} does not exist; run the sweep (drop --no-run) or run it "
+                    "where it was made"
+                )
+            pending = _pending(sweep_plan(spec, db))
+            if pending and not partial:
+                raise ValueError(
+                    f"{path}: {_pending_text(pending)} in {db}, so the page would report a partial sweep "
+                    f"(`mnemo sweep {_shown(path)} --list` lists them); run them (drop --no-run), or add "
+                    "--partial to write the page marked as partial; the page was left as it is"
+                )
+    for path, spec in specs:
         db, run_dir = default_paths(spec, path)
         counts, t0 = None, time.perf_counter()
         if run:
             counts = run_sweep(spec, db, run_dir, jobs=jobs, threads=threads, progress=progress, log=log)
-        elif not Path(db).is_file():
-            raise FileNotFoundError(
-                f"{path}: its database {db} does not exist; run the sweep (drop --no-run) or run it "
-                "where it was made"
-            )
         elapsed = time.perf_counter() - t0
-        report = write_report(db, folder, sweep=spec.name, metric=spec.metric)[spec.name]
+        plan = sweep_plan(spec, db)
+        pending = _pending(plan)
+        ids = {r.run_id for r, _ in plan}
+        with SweepDB(db, create=False) as handle:
+            other = sum(r["run_id"] not in ids for r in handle.rows(spec.name))
+        if other:
+            log(
+                f"{spec.name}: {db} holds {other} run(s) of sweep {spec.name!r} that {path} does not "
+                "define (an earlier version of the file, or another file with this name); the page leaves "
+                "them out"
+            )
+        report = write_report(db, folder, sweep=spec.name, metric=spec.metric, run_ids=ids)[spec.name]
         figures = [f for f in report["files"] if str(f).endswith(".png")]
         rel = os.path.relpath(folder, page.parent)
         block = "\n".join(
@@ -145,13 +193,24 @@ def reproduce_page(
                 f"mnemo report {_shown(db)} --metric {spec.metric}",
                 "```",
                 "",
+                *(
+                    [
+                        f"**Partial:** {_pending_text(pending)} when this block was written; the table "
+                        "reports the finished runs only.",
+                        "",
+                    ]
+                    if pending
+                    else []
+                ),
                 report["markdown"].replace("## sweep", "#### sweep", 1).rstrip(),
                 "",
                 *(f"![{spec.name}]({rel}/{Path(f).name})" for f in figures),
             ]
         )
         text = _replace_block(text, spec.name, block, page)
-        out[spec.name] = {"counts": counts, "report": report, "elapsed_s": elapsed}
+        out[spec.name] = {"counts": counts, "report": report, "elapsed_s": elapsed, "pending": pending}
+        if pending:
+            log(f"{spec.name}: partial: {_pending_text(pending)}")
     tmp = page.with_name(f".{page.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, page)

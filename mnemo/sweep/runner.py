@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .db import SweepDB
+from .db import FINISHED, SweepDB
 from .spec import Run, SweepSpec
 
 WALL_NAME = "sweep_wall_time.json"
@@ -155,6 +155,49 @@ def _chosen_values(db: SweepDB, spec: SweepSpec, ids: set[str]) -> dict[str, dic
     out: dict[str, dict | None] = {}
     for c in cell_stats(rows, spec.metric, select_lr_on_seed=spec.select_lr_on_seed):
         out[json.dumps(c["cell"], sort_keys=True)] = c["tuned"] if c["selection_value"] is not None else None
+    return out
+
+
+#: the states :func:`sweep_plan` gives a run that a complete sweep still has to train
+PENDING = ("todo", "failed", "waiting")
+
+
+def sweep_plan(spec: SweepSpec, db_path: str | Path) -> list[tuple[Run, str]]:
+    """Each run ``spec`` defines, with its state in the database ``db_path`` (which need not exist):
+
+    ``done`` / ``diverged`` (finished, never rerun); ``failed`` (retried by the next call);
+    ``todo`` (not run yet); and under staged selection (see :func:`run_sweep`), for the runs of
+    the other seeds: ``waiting`` (its cell's held-out runs have not all finished, so its value is
+    not chosen yet), ``not-chosen`` (the held-out seed chose another value: never trained) and
+    ``not-run`` (no held-out run of its cell is ``done``, so nothing was chosen). The runs a
+    complete sweep still needs are those in :data:`PENDING`.
+    """
+    runs = spec.runs()
+    staged = spec.select_lr_on_seed is not None and spec.selection == "staged"
+    status: dict[str, str] = {}
+    chosen: dict[str, dict | None] = {}
+    if Path(db_path).is_file():
+        with SweepDB(db_path, create=False) as db:
+            ids = {r.run_id for r in runs}
+            status = {r["run_id"]: r["status"] for r in db.rows(spec.name) if r["run_id"] in ids}
+            if staged:
+                chosen = _chosen_values(db, spec, ids)
+    held_open = {
+        r.cell_key
+        for r in runs
+        if staged and r.seed == spec.select_lr_on_seed and status.get(r.run_id) not in FINISHED
+    }
+    out = []
+    for r in runs:
+        st = status.get(r.run_id, "todo")
+        if staged and r.seed != spec.select_lr_on_seed and st not in FINISHED:
+            if r.cell_key in held_open:
+                st = "waiting"
+            elif chosen.get(r.cell_key) is None:
+                st = "not-run"
+            elif r.tuned != chosen[r.cell_key]:
+                st = "not-chosen"
+        out.append((r, st))
     return out
 
 

@@ -99,3 +99,94 @@ def test_the_cli_rebuilds_the_page(tmp_path, monkeypatch, capsys):
     assert main(["reproduce", str(page), "--no-progress"]) == 0
     assert len(calls) == 5 and "<!-- mnemo:begin tiny -->" in page.read_text()
     assert "rewrote" in capsys.readouterr().out
+
+
+def _seed0_only(tmp_path, monkeypatch, calls):
+    """The page's sweep with only its held-out seed run: the other seeds' runs fail."""
+    from tests.tasks.test_sweep_seeds import _fake_run_one_status
+
+    page = _setup(tmp_path, monkeypatch, calls)
+    fails = {(1e-3, s): "failed" for s in (1, 2, 3)}
+    monkeypatch.setattr(runner_mod, "run_one", _fake_run_one_status(ACC, calls, fails))
+    return page
+
+
+def test_a_partial_sweep_is_never_reported_as_finished(tmp_path, monkeypatch, capsys):
+    """Hostile trial 9, finding 1: `--no-run` rewrote a page from a half-run database (the value
+    cell read `done`, n 0) with exit 0 and no word. Now it refuses, unless asked to write a page
+    that says it is partial; a call that trains and has failures marks its block the same way."""
+    calls, logs = [], []
+    page = _seed0_only(tmp_path, monkeypatch, calls)
+    res = reproduce_page(page, progress=False, log=logs.append)
+    assert calls == [(1e-3, 0), (1e-2, 0), (1e-3, 1), (1e-3, 2), (1e-3, 3)]
+    assert res["tiny"]["pending"] == {"failed": 3}
+    text = page.read_text()
+    assert "**Partial:** 3 run(s) of the sweep have not finished (3 failed)" in text
+    # the table says why the value is missing instead of `done` (and n is 0)
+    assert "| no other seed finished at lr=0.001 | – | 0 |" in text
+    assert any("partial: 3 run(s)" in line for line in logs)
+    # `mnemo report` (which knows the database, not the file) says it from the stored seeds
+    assert "**Partial:** gla: fewer than the 3 seed(s) the sweep file reports per cell" in (
+        res["tiny"]["report"]["markdown"]
+    )
+
+    # --no-run on that database: refused, the page as it was
+    before = page.read_text()
+    with pytest.raises(ValueError, match=r"tiny.yaml: 3 run\(s\) of the sweep have not finished \(3 failed\)"):
+        reproduce_page(page, run=False, progress=False, log=lambda s: None)
+    assert page.read_text() == before
+    assert main(["reproduce", str(page), "--no-run"]) == 2
+    err = capsys.readouterr().err
+    assert "add --partial" in err and "left as it is" in err and "Traceback" not in err
+    assert main(["reproduce", str(page), "--partial"]) == 2, "--partial only means something with --no-run"
+    assert "--partial: goes with --no-run" in capsys.readouterr().err
+    # asked for: written, and marked
+    page.write_text(before.replace("**Partial:**", "(was partial)"))
+    assert main(["reproduce", str(page), "--no-run", "--partial", "--no-progress"]) == 0
+    assert "**Partial:** 3 run(s)" in page.read_text()
+
+    # running again finishes the sweep; the mark goes away
+    monkeypatch.setattr(runner_mod, "run_one", _fake(calls))
+    res = reproduce_page(page, progress=False, log=lambda s: None)
+    assert res["tiny"]["pending"] == {} and "**Partial:**" not in page.read_text()
+    assert reproduce_page(page, run=False, progress=False, log=lambda s: None)["tiny"]["pending"] == {}
+
+
+def test_the_page_reports_only_the_runs_its_sweep_file_defines(tmp_path, monkeypatch):
+    """Hostile trial 9, finding 1: runs under the same sweep name from another file (or an earlier
+    version of this one) were pooled into the page. They are left out, and the log says so."""
+    calls, logs = [], []
+    page = _setup(tmp_path, monkeypatch, calls)
+    reproduce_page(page, progress=False, log=lambda s: None)
+    clean = page.read_text()
+    # another file, same name, another model and budget, into the same database
+    other = yaml.safe_load((tmp_path / "configs" / "tiny.yaml").read_text())
+    other.update(models=["deltanet"], base={**BASE, "steps": 6})
+    (tmp_path / "configs" / "other.yaml").write_text(yaml.safe_dump(other))
+    assert main(["sweep", str(tmp_path / "configs" / "other.yaml"), "--no-progress"]) == 0
+    reproduce_page(page, run=False, progress=False, log=logs.append)
+    text = page.read_text()
+    assert "deltanet" not in text and text == clean
+    assert any("holds 5 run(s) of sweep 'tiny' that configs/tiny.yaml does not define" in s for s in logs)
+
+
+def test_sweep_list_says_which_runs_staged_selection_will_not_train(tmp_path, monkeypatch, capsys):
+    """Hostile trial 9, finding 3: `sweep --list` showed the runs at values the held-out seed did not
+    choose as `todo` forever. States: done, waiting (held-out seed not finished), not-chosen, todo."""
+    calls = []
+    page = _setup(tmp_path, monkeypatch, calls)
+    cfg = tmp_path / "configs" / "tiny.yaml"
+
+    def states():
+        assert main(["sweep", str(cfg), "--list"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return [tuple(line.split("  ")[1:2] + [line.split("seed=")[1]]) for line in lines[:-1]], lines[-1]
+
+    listed, summary = states()
+    assert [s for s, _ in listed] == ["todo"] + ["waiting"] * 3 + ["todo"] + ["waiting"] * 3
+    assert summary == "tiny: 2 todo, 6 waiting" and calls == []
+    reproduce_page(page, progress=False, log=lambda s: None)
+    listed, summary = states()
+    # seed 0 chose lr 1e-3: its other seeds are done, lr 1e-2's are never trained
+    assert [s for s, _ in listed] == ["done"] * 4 + ["done"] + ["not-chosen"] * 3
+    assert summary == "tiny: 5 done, 3 not-chosen"
