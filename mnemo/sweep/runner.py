@@ -357,8 +357,10 @@ def run_sweep(
                                 for fut in done:
                                     finish(futures.pop(fut), fut.result())
                         except BaseException:
-                            for f in futures:
-                                f.cancel()
+                            # no f.cancel(): the stop event already makes a queued run return at
+                            # once, and a cancelled future meets CPython 3.11's race when a worker
+                            # killed while it starts breaks the pool (the manager thread then raises
+                            # InvalidStateError on it: gh-107219)
                             _stop_workers(pool, stop)
                             raise
                 finally:

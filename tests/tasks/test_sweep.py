@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
 
 import pytest
 import yaml
@@ -314,3 +315,53 @@ def test_a_signal_to_a_parallel_sweep_stops_its_workers_with_checkpoints(tmp_pat
     for run in runs.iterdir():
         assert list(run.glob("ckpt-*")), f"{run.name}: no checkpoint of the interrupted run"
         assert (run / "latest").is_file()
+
+
+def test_a_signal_while_the_workers_start_stops_the_sweep_without_a_traceback(tmp_path):
+    """Hostile trial 9, finding 2: SIGTERM to ``sweep --jobs 2`` while its worker processes were
+    still importing killed them (no handler yet), which broke the pool; the futures the sweep had
+    cancelled then met CPython 3.11's race (gh-107219) and the executor's thread printed an
+    ``InvalidStateError`` traceback. Reproduced 2 of 2 before the fix (signal 0.2 s and 1 s after
+    the workers appear). ~7 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "s.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "base": {**BASE, "steps": 100_000, "eval_interval": 100_000},
+                "models": ["gla"],
+                "grid": {"lr": [1e-3, 1e-2, 3e-2, 1e-1]},
+            }
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mnemo", "sweep", "s.yaml", "--jobs", "2", "--no-progress"]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline, workers = time.monotonic() + 60, []
+    while time.monotonic() < deadline and len(workers) < 2:
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [k for k in kids if "spawn_main" in _cmdline(k)]
+        time.sleep(0.05)
+    assert len(workers) == 2, "the sweep's two worker processes did not appear"
+    time.sleep(0.2)  # importing torch: the trainers' handlers are not installed yet
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "InvalidStateError" not in out, out
+    assert "interrupted (SIGTERM)" in out and "run the same mnemo sweep command again" in out
+    for pid in workers:  # no worker outlives the sweep
+        assert not Path(f"/proc/{pid}").exists() or "spawn_main" not in _cmdline(pid), pid
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
