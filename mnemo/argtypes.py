@@ -297,10 +297,12 @@ class ExistingDir(_PathKind):
 
 class OutDir(_PathKind):
     """A folder to write into: an existing folder, or a new one that can be created (its
-    nearest existing ancestor is a writable folder)."""
+    nearest existing ancestor is a writable folder); never inside a checkpoint, and with
+    ``not_a_run`` not the root of a training run's folder (:func:`is_run_folder`)."""
 
-    def __init__(self, what: str = "a folder to write into"):
+    def __init__(self, what: str = "a folder to write into", not_a_run: bool = False):
         super().__init__(what)
+        self.not_a_run = not_a_run
 
     def __call__(self, text: str) -> str:
         p = self._path(text)
@@ -308,6 +310,12 @@ class OutDir(_PathKind):
         if p.exists():
             if not p.is_dir():
                 self.fail(text, " (an existing file)")
+            if self.not_a_run and is_run_folder(p):
+                self.fail(
+                    text,
+                    " (a training run's folder: what this writes would mix with the run's files; choose "
+                    "another folder)",
+                )
             if not os.access(p, os.W_OK | os.X_OK):
                 self.fail(text, " (not writable)")
             return text

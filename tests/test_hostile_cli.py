@@ -276,6 +276,30 @@ def test_a_checkpoint_link_out_of_the_run_is_not_followed(run, tmp_path):
         resolve_checkpoint(mine)
 
 
+def test_a_latest_made_as_a_link_is_followed_inside_the_run_only(run, tmp_path):
+    """Hostile trial 9, finding 6: ``ln -s ckpt-000002 latest`` was reported as "latest is missing"
+    (and the newest checkpoint used). A link to one of the run's own checkpoints is now followed
+    like the pointer file, silently; a link anywhere else is refused as a foreign pointer."""
+    import shutil
+    import warnings
+
+    from mnemo.train import ForeignCheckpointError, resolve_checkpoint
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    (mine / "latest").unlink()
+    (mine / "latest").symlink_to("ckpt-000002")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "missing" warning, no other
+        assert resolve_checkpoint(mine) == mine / "ckpt-000002"
+    shutil.copytree(run, tmp_path / "other")
+    for dest in (tmp_path / "other" / "ckpt-000002", tmp_path / "other" / "latest", mine / "metrics.jsonl"):
+        (mine / "latest").unlink()
+        (mine / "latest").symlink_to(dest)
+        with pytest.raises(ForeignCheckpointError, match=rf"latest is a link to '{dest}', which is not one"):
+            resolve_checkpoint(mine)
+
+
 def test_probe_results_default_beside_the_checkpoint_and_survive_training(run, tmp_path, capsys):
     import shutil
 
@@ -1576,3 +1600,20 @@ def test_output_cut_by_its_reader_is_quiet():
         """
     )
     assert cut.returncode == 141 and cut.stderr == "", cut
+
+
+def test_an_empty_config_file_is_refused_not_trained_with_defaults(tmp_path, capsys):
+    """Hostile trial 9, finding 7: `train --config` of a 0-byte file trained with every default.
+    Now exit 2 naming the file; an explicit `{}` still means the defaults."""
+    for text in ("", "# only a comment\n"):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(text)
+        out = tmp_path / "run"
+        assert main(["train", "--config", str(cfg), "--out", str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"config file '{cfg}' is empty" in err and "Traceback" not in err, err
+        assert not out.exists(), "nothing trained"
+    from mnemo.train import load_config_file
+
+    cfg.write_text("{}\n")
+    assert load_config_file(cfg) == {}

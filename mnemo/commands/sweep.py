@@ -41,7 +41,7 @@ def _cmd_sweep(args) -> int:
     if not args.db:
         _check_place(kinds.OutFile("a database file"), db, f"{args.config}: db")
     if not args.out:
-        _check_place(kinds.OutDir(), out, f"{args.config}: out")
+        _check_place(kinds.OutDir(not_a_run=True), out, f"{args.config}: out")
     db = Path(args.db) if args.db else db
     out = Path(args.out) if args.out else out
     _check_database(db, "--db")
@@ -188,7 +188,7 @@ def add_commands(sub) -> None:
     )
     s.add_argument(
         "--out",
-        type=kinds.OutDir(),
+        type=kinds.OutDir(not_a_run=True),
         help="run directories (default: the file's 'out', else runs/sweeps/NAME/)",
     )
     s.add_argument(
@@ -214,7 +214,7 @@ def add_commands(sub) -> None:
     )
     r.add_argument(
         "--out",
-        type=kinds.OutDir(),
+        type=kinds.OutDir(not_a_run=True),
         help="directory for NAME.md and the PNG plots (default: DB_STEM_report/ next to DB)",
     )
     r.add_argument(

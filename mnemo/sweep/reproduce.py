@@ -95,6 +95,14 @@ def _pending_text(pending: dict[str, int]) -> str:
 
 def _replace_block(text: str, name: str, block: str, page: Path) -> str:
     begin, end = _markers(name)
+    for mark in (begin, end):
+        second = text.find(mark, text.find(mark) + 1) if mark in text else -1
+        if second >= 0:
+            raise ValueError(
+                f"{page}:{text[:second].count(chr(10)) + 1}: a second `{mark}`: sweep {name!r} may have "
+                "one generated block (only one would be rewritten, the other would go stale); delete the "
+                "extra block"
+            )
     i, j = text.find(begin), text.find(end)
     if i < 0 and j < 0:
         return text.rstrip("\n") + f"\n\n{begin}\n{block}\n{end}\n"

@@ -265,7 +265,9 @@ class SweepSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> SweepSpec:
-        d = load_config_file(path, kind="sweep file", holds="sweep keys (name, models, grid, ...)")
+        d = load_config_file(
+            path, kind="sweep file", holds="sweep keys (name, models, grid, ...)", empty_ok=True
+        )
         if not d:
             raise ValueError(f"{path}: the sweep file is empty (it needs at least 'name' and 'models')")
         return cls.from_dict(d, source=str(path))

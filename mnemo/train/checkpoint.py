@@ -284,7 +284,8 @@ def resolve_checkpoint(
     (default: ``warnings.warn``) is told which file was bad and which checkpoint is used.
 
     ``latest`` is followed only to one of the run directory's own checkpoints (a ``ckpt-NNNNNN``
-    directory inside it, not a link out of it).
+    directory inside it, not a link out of it); a ``latest`` made by hand as a symbolic link to
+    one of them is followed like the file.
 
     Raises:
         FileNotFoundError: nothing at ``path``, or no checkpoint in it (says what was looked for).
@@ -306,12 +307,22 @@ def resolve_checkpoint(
         return p
     latest = p / LATEST
     own = [c for c in p.glob("ckpt-*") if c.is_dir() and _CKPT_NAME.fullmatch(c.name)]
-    if not latest.is_file() and not own:
+    linked = None  # ``latest`` made by hand as a symbolic link (``ln -s ckpt-000500 latest``)
+    if latest.is_symlink():
+        dest = latest.resolve()
+        if not (dest.is_dir() and dest.parent == p.resolve() and _CKPT_NAME.fullmatch(dest.name)):
+            raise ForeignCheckpointError(
+                f"{latest} is a link to {os.readlink(latest)!r}, which is not one of this run's checkpoints "
+                f"(mnemo writes {LATEST} as a text file naming a ckpt-NNNNNN directory inside {p}); refusing "
+                f"to follow it. Fix or delete {latest}"
+            )
+        linked = dest.name
+    if linked is None and not latest.is_file() and not own:
         raise FileNotFoundError(
             f"no checkpoint in {str(path)!r}: expected {CONFIG_NAME} + {WEIGHTS_NAME} there, or a "
             f"'{LATEST}' file naming a checkpoint directory (a run directory written by `mnemo train`)"
         )
-    if not latest.is_file():  # the pointer was lost: the newest intact checkpoint of the run, said
+    if linked is None and not latest.is_file():  # the pointer was lost: the newest intact checkpoint, said
         newest = max(own, key=_step_of)
         if not verify:
             return newest
@@ -323,7 +334,7 @@ def resolve_checkpoint(
                 return c
         lost = [f"{latest} is missing", "no intact checkpoint is left in the run directory"]
         raise CorruptCheckpointError(p, lost)
-    name = latest.read_text().strip()
+    name = linked or latest.read_text().strip()
     target = p / name
     if name and (
         not _CKPT_NAME.fullmatch(name) or (target.exists() and target.resolve().parent != p.resolve())

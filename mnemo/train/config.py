@@ -694,10 +694,16 @@ def _looks_like_path(value: str) -> bool:
 
 
 def load_config_file(
-    path: str | Path, kind: str = "config file", holds: str = "TrainConfig fields"
+    path: str | Path, kind: str = "config file", holds: str = "TrainConfig fields", empty_ok: bool = False
 ) -> dict[str, Any]:
     """Read a YAML or JSON mapping of :class:`TrainConfig` fields (raises naming the file; ``kind``
-    and ``holds`` name the file and its contents in the messages, e.g. for a sweep file)."""
+    and ``holds`` name the file and its contents in the messages, e.g. for a sweep file).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not UTF-8, not YAML/JSON, not a mapping, or
+            empty (a 0-byte or comments-only file: an explicit ``{}`` is how to ask for defaults),
+            unless ``empty_ok`` (then ``{}``: the caller says what an empty file lacks).
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{kind} not found: {str(path)!r}")
@@ -712,8 +718,13 @@ def load_config_file(
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         where = " ".join(str(e).split())  # one line: YAML's message draws the place over several
         raise ValueError(f"cannot parse {kind} {str(path)!r}: {where}") from e
-    if d is None:
-        return {}
+    if d is None:  # an empty file (or only comments): every setting would silently be a default
+        if empty_ok:
+            return {}
+        raise ValueError(
+            f"{kind} {str(path)!r} is empty (no {holds}); write the settings in it (an explicit `{{}}` "
+            "asks for every default)"
+        )
     if not isinstance(d, dict):
         raise ValueError(f"{kind} {str(path)!r} must hold a mapping of {holds}, got a {type(d).__name__}")
     return d

@@ -126,13 +126,16 @@ def test_a_partial_sweep_is_never_reported_as_finished(tmp_path, monkeypatch, ca
     assert "| no other seed finished at lr=0.001 | – | 0 |" in text
     assert any("partial: 3 run(s)" in line for line in logs)
     # `mnemo report` (which knows the database, not the file) says it from the stored seeds
-    assert "**Partial:** gla: fewer than the 3 seed(s) the sweep file reports per cell" in (
-        res["tiny"]["report"]["markdown"]
+    assert (
+        "**Partial:** gla: fewer than the 3 seed(s) the sweep file reports per cell"
+        in (res["tiny"]["report"]["markdown"])
     )
 
     # --no-run on that database: refused, the page as it was
     before = page.read_text()
-    with pytest.raises(ValueError, match=r"tiny.yaml: 3 run\(s\) of the sweep have not finished \(3 failed\)"):
+    with pytest.raises(
+        ValueError, match=r"tiny.yaml: 3 run\(s\) of the sweep have not finished \(3 failed\)"
+    ):
         reproduce_page(page, run=False, progress=False, log=lambda s: None)
     assert page.read_text() == before
     assert main(["reproduce", str(page), "--no-run"]) == 2
@@ -190,3 +193,38 @@ def test_sweep_list_says_which_runs_staged_selection_will_not_train(tmp_path, mo
     # seed 0 chose lr 1e-3: its other seeds are done, lr 1e-2's are never trained
     assert [s for s, _ in listed] == ["done"] * 4 + ["done"] + ["not-chosen"] * 3
     assert summary == "tiny: 5 done, 3 not-chosen"
+
+
+def test_a_second_block_of_the_same_sweep_is_an_error_not_a_stale_copy(tmp_path, monkeypatch):
+    """Hostile trial 9, finding 4: a page with two begin/end blocks of one sweep had the first
+    rewritten and the second left stale. Now: an error naming the line; the page as it was."""
+    calls = []
+    page = _setup(tmp_path, monkeypatch, calls)
+    reproduce_page(page, progress=False, log=lambda s: None)
+    doubled = page.read_text() + "\n<!-- mnemo:begin tiny -->\nold table\n<!-- mnemo:end tiny -->\n"
+    page.write_text(doubled)
+    line = doubled[: doubled.rindex("<!-- mnemo:begin tiny -->")].count("\n") + 1
+    with pytest.raises(ValueError, match=rf"tiny.md:{line}: a second `<!-- mnemo:begin tiny -->`"):
+        reproduce_page(page, run=False, progress=False, log=lambda s: None)
+    assert page.read_text() == doubled
+
+
+def test_sweep_and_report_refuse_a_training_runs_folder_as_out(tmp_path, monkeypatch, capsys):
+    """Hostile trial 9, finding 5: `sweep --out` and `report --out` wrote into a training run's
+    folder. Now exit 2 before any work, one line naming the flag."""
+    calls = []
+    page = _setup(tmp_path, monkeypatch, calls)
+    reproduce_page(page, progress=False, log=lambda s: None)
+    run = tmp_path / "myrun"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.name for p in run.iterdir())
+    for argv in (
+        ["sweep", "configs/tiny.yaml", "--out", str(run), "--no-progress"],
+        ["report", "runs/sweeps/tiny.sqlite", "--out", str(run), "--no-plots"],
+    ):
+        calls.clear()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "--out" in err and "a training run's folder" in err and "Traceback" not in err, err
+        assert calls == [] and sorted(p.name for p in run.iterdir()) == before
