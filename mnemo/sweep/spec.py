@@ -195,7 +195,7 @@ class SweepSpec:
             raise ValueError(f"{source}: give the seeds either as 'seeds' or as a grid axis 'seed', not both")
         select = d.get("select_lr_on_seed")
         if select is not None:
-            tuned_axes = [t for t in tune if t in grid]
+            tuned_axes = [t for t in tune if t in grid_keys]  # (a model entry's own axes count)
             if isinstance(select, bool) or not isinstance(select, int):
                 raise ValueError(f"{source}: 'select_lr_on_seed' must be an int seed, got {select!r}")
             if seeds is None:
@@ -214,7 +214,7 @@ class SweepSpec:
             if not tuned_axes:
                 raise ValueError(
                     f"{source}: 'select_lr_on_seed' needs a tuned grid axis (tune {tune} matches none "
-                    f"of the grid keys {sorted(grid)})"
+                    f"of the grid keys {sorted(grid_keys)})"
                 )
         selection = d.get("selection", "staged")
         if selection not in ("staged", "all"):
@@ -231,6 +231,13 @@ class SweepSpec:
             from .recipe import recipe_problems
 
             problems = recipe_problems(grid.get("lr") if "lr" in tune else None, seeds, select)
+            if "lr" in tune and all(
+                isinstance(m, dict)
+                and isinstance(m.get("grid"), dict)
+                and isinstance(m["grid"].get("lr"), list)
+                for m in models
+            ):  # every model entry has its own lr axis (each checked below): none is needed at the top
+                problems = [p for p in problems if not p.startswith("'grid' has no tuned 'lr' axis")]
             for m in models:  # a model entry's own lr axis replaces the sweep's: held to the same
                 own = m.get("grid") if isinstance(m, dict) else None
                 if isinstance(own, dict) and isinstance(own.get("lr"), list) and "lr" in tune:

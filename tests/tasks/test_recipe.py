@@ -55,6 +55,30 @@ def test_a_standard_sweep_meets_the_standard_or_is_refused_naming_what_lacks():
         _spec(recipe="loose")
 
 
+def test_each_model_may_tune_its_own_learning_rates_under_a_held_out_seed():
+    """Every model entry with its own ``grid: {lr: [...]}`` and no top-level lr axis: the held-out
+    seed selects on those axes (it was refused: "needs a tuned grid axis ... grid keys []"), the
+    standard holds each entry's axis to the rules, and the top level is not asked for one."""
+    own = [
+        {"model": "gla", "grid": {"lr": [1e-3, 3e-3, 1e-2]}},
+        {"model": "retnet", "grid": {"lr": [3e-3, 1e-2, 3e-2]}},
+    ]
+    spec = _spec(models=own, grid={})
+    runs = spec.runs()
+    by = {}
+    for r in runs:
+        by.setdefault(r.label, set()).add(r.tuned["lr"])
+    assert by == {"gla": {1e-3, 3e-3, 1e-2}, "retnet": {3e-3, 1e-2, 3e-2}} and len(runs) == 24
+    own[1]["grid"] = {"lr": [1e-2, 3e-2]}
+    with pytest.raises(ValueError, match="'recipe: standard' is not met") as e:
+        _spec(models=own, grid={})
+    assert "'models[retnet].grid.lr' has 2 distinct value(s)" in str(e.value)
+    assert "'grid' has no tuned 'lr' axis" not in str(e.value)
+    # a model without an lr axis of its own still needs the top-level one
+    with pytest.raises(ValueError, match="needs a tuned grid axis|has no tuned 'lr' axis"):
+        _spec(models=[own[0], "retnet"], grid={})
+
+
 def test_claims_name_labels_of_the_sweep():
     spec = _spec(claims=[{"better": "gla", "than": "retnet"}])
     assert spec.claims == [{"name": "gla beats retnet", "better": "gla", "than": "retnet"}]
