@@ -702,7 +702,8 @@ def load_config_file(
     Raises:
         FileNotFoundError: no such file. ValueError: not UTF-8, not YAML/JSON, not a mapping, or
             empty (a 0-byte or comments-only file: an explicit ``{}`` is how to ask for defaults),
-            unless ``empty_ok`` (then ``{}``: the caller says what an empty file lacks).
+            unless ``empty_ok`` (then ``{}``: the caller says what an empty file lacks); default
+            ``empty_ok=False``.
     """
     p = Path(path)
     if not p.is_file():
