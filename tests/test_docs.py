@@ -5,6 +5,7 @@ builds with ``--strict``."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -114,6 +115,133 @@ def test_every_command_line_parses_with_todays_flags(page, monkeypatch):
                 parser.parse_args(argv)
             except SystemExit as e:
                 pytest.fail(f"{page.name}: `mnemo {' '.join(argv)}` no longer parses (exit {e.code})")
+
+
+# ------------------------------------------------------------------------------------------------
+# the shell blocks' commands, run at small sizes
+
+
+#: flags appended to a command (argparse keeps the last value of a flag), by sub-command: the
+#: documented command runs as written, only smaller
+SMALL = {
+    "train": ["--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--batch-size", "4"]
+    + ["--sample-tokens", "0", "--no-progress"],
+    "generate": ["--max-new-tokens", "8"],
+    "eval": ["--max-batches", "1", "--batch-size", "2"],
+    "probe circuits": ["--length", "32", "--batch", "2"],
+    "probe ablate": ["--length", "32", "--batch", "2", "--draws", "1"],
+    "probe timescales": ["--tokens", "512"],
+    "probe spectrum": ["--tokens", "512"],
+    "verify": ["--quick"],
+    "continual": ["--seeds", "1", "--steps", "2", "--workers", "1", "--no-progress"],
+    # the benchmark suites read different flags (and refuse the others)
+    "bench ops": ["--lengths", "64", "--repeats", "1", "--dtypes", "fp32"],
+    "bench decode": ["--contexts", "64", "--decode-steps", "2", "--decode-processes", "1"]
+    + ["--d-model", "16", "--n-layers", "1"],
+    "bench models": ["--model-shapes", "32x1", "--gen-batches", "1", "--prompt-len", "8", "--gen-tokens", "2"]
+    + ["--d-model", "16", "--n-layers", "1"],
+    "bench roofline": ["--model-shapes", "32x1", "--gen-batches", "1", "--d-model", "16", "--n-layers", "1"],
+}
+#: what a reader's machine has and this one does not (each a reason a command is parsed, not run)
+ELSEWHERE = [
+    (lambda a: any(w.startswith(("~/", "/shared")) for w in a), "a path on the reader's machine"),
+    (lambda a: "cuda" in a or "--fsdp" in a, "needs a CUDA device or torchrun's processes"),
+    (
+        lambda a: a[0] == "bench" and ("--compile" in a or _suite(a) in ("peers", "all")),
+        "a benchmark of every suite or of torch.compile: minutes by design (tests/test_bench_*.py)",
+    ),
+    (lambda a: a[0] == "harness", "needs the reader's lm-eval task folder"),
+    (lambda a: a[0] == "sweep", "a whole sweep: its file sets the sizes (tests/tasks/test_sweep*.py)"),
+    (lambda a: "corpus.jsonl" in a, "needs the reader's own corpus file"),
+    (lambda a: a[:2] == ["verify", "--third-party"], "a third-party kernel check (tests/test_verify.py)"),
+]
+
+
+def _suite(argv: list[str]) -> str:
+    return argv[argv.index("--suite") + 1] if "--suite" in argv[:-1] else "ops"
+
+
+def _small(argv: list[str]) -> list[str]:
+    cmd = " ".join(argv[:2]) if argv[0] == "probe" else argv[0]
+    if argv[0] == "bench":
+        cmd = f"bench {_suite(argv)}"
+    extra = list(SMALL.get(cmd, []))
+    if cmd in ("bench models", "bench roofline", "bench decode") and "--models" not in argv:
+        extra += ["--models", "gla"]  # (every model of the registry, or seven, by default)
+    if cmd == "bench models" and "--peers" not in argv:
+        extra += ["--peers", "none"]
+    if argv[0] == "train" and "--resume" in argv:
+        # two steps more than the run it resumes where the page asks for more steps (and says how
+        # the schedule changes); as written otherwise (a finished run's resume ends at once)
+        extra = extra[2:] if "--steps" not in argv else ["--steps", "4", *extra[2:]]
+    if argv[0] == "eval" and _is_task_run(_value(argv, "--checkpoint")):
+        extra = ["--num-samples", "4", "--batch-size", "2"]  # (a task's fresh draws, not text batches)
+    if argv[:2] == ["verify", "--list"]:
+        extra = []
+    return argv + extra
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+
+def _is_task_run(folder: str | None) -> bool:
+    """Whether a run (any of its checkpoints) or a checkpoint folder was trained on a task."""
+    cfgs = sorted(Path(folder or "-").glob("**/train_config.json"))
+    return bool(cfgs) and bool(json.loads(cfgs[-1].read_text()).get("task"))
+
+
+def _inputs(argv: list[str]) -> list[str]:
+    """The runs or files a command reads (``--checkpoint``, ``--init-from``, ``export``'s source)."""
+    out = [v for f in ("--checkpoint", "--init-from") if (v := _value(argv, f))]
+    if argv[0] == "export":
+        out += [w for w in argv[1:] if not w.startswith("-")][:1]
+    return out
+
+
+def _made_by(argv: list[str]) -> list[str]:
+    """The folders or files a command writes (its ``--out``; ``convert``/``export``'s destination)."""
+    out = [argv[i + 1] for i, w in enumerate(argv[:-1]) if w == "--out"]
+    if argv[0] in ("convert", "export"):
+        out += [w for w in argv[1:] if not w.startswith("-")][1:2]
+    return out
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if any(_commands(b) for b in _blocks(p, "bash"))], ids=lambda p: p.name
+)
+def test_every_command_line_runs_at_small_size(page, tmp_path, monkeypatch, capsys):
+    """The page's ``mnemo`` commands run in order, as a reader would type them, in an empty folder
+    (``configs/`` linked in), each with :data:`SMALL`'s flags appended; exit 0 is required. A
+    command that needs what only a reader's machine has (:data:`ELSEWHERE`), or the output of
+    such a command, is only parsed (the test above). Every page runs at least one command."""
+    from mnemo.cli import main
+
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
+    missing: dict[str, str] = {}  # outputs of the commands not run here -> why
+    ran, skipped = [], []
+    for block in _blocks(page, "bash"):
+        for argv in _commands(block):
+            if not argv or argv[0] in ("--help", "report"):
+                continue  # (report reads a sweep's database: the sweep is not run here)
+            why = next((w for test, w in ELSEWHERE if test(argv)), None)
+            needs = next((missing[w] for w in argv if w in missing), None)
+            absent = [w for w in _inputs(argv) if not Path(w).exists()]
+            if absent and not (why or needs):
+                needs = f"{absent[0]} is a run the page assumes, made by no command on it"
+            if why or needs:
+                skipped.append((argv, why or f"its input comes from a command not run here ({needs})"))
+                for out in _made_by(argv):
+                    missing[out] = why or needs
+                continue
+            code = main(_small(argv))
+            out = capsys.readouterr()
+            assert code == 0, (
+                f"{page.name}: `mnemo {' '.join(_small(argv))}` exited {code}:\n{out.err[-2000:]}"
+            )
+            ran.append(argv)
+    assert ran, f"{page.name}: no command of the page ran here (skipped: {skipped})"
 
 
 def test_the_site_builds_strict(tmp_path):
