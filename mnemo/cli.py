@@ -150,12 +150,14 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except KeyboardInterrupt as e:
         detail = f" ({e})" if str(e) else ""
-        then = {
-            "train": "; the last checkpoint is intact: continue with --resume",
-            "sweep": "; finished runs are stored: run the same mnemo sweep command again to continue",
-        }.get(args.command, "")
+        then = getattr(e, "then", None)  # (the command knows better: nothing saved yet, say)
+        if then is None:
+            then = {
+                "train": "; the last checkpoint is intact: continue with --resume",
+                "sweep": "; finished runs are stored: run the same mnemo sweep command again to continue",
+            }.get(args.command, "")
         report(f"\nmnemo: interrupted{detail}{then}")
-        return 130
+        return 143 if getattr(e, "signal", None) == "SIGTERM" else 130  # 128 + the signal's number
     finally:
         warnings.formatwarning = was_format
         cleanup()

@@ -580,7 +580,8 @@ def test_a_run_folder_in_use_is_refused_and_left_untouched(run_dir, capsys):
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(tmp_path, capsys, monkeypatch, signame):
     """A signal during step 3 of 6 (eval every 2): the run stops after that step with a checkpoint of
-    step 3 (not the step-2 one), exits 130, and --resume then gives the uninterrupted run's log."""
+    step 3 (not the step-2 one), exits 128 + the signal's number (130, 143), and --resume then gives
+    the uninterrupted run's log."""
     import os
     import signal
 
@@ -599,7 +600,7 @@ def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(tmp_path, ca
 
     monkeypatch.setattr(Trainer, "train_step", step_and_signal)
     cut = tmp_path / "cut"
-    assert main(["train", "--out", str(cut), *args]) == 130
+    assert main(["train", "--out", str(cut), *args]) == {"SIGINT": 130, "SIGTERM": 143}[signame]
     assert f"{signame} at step 3" in capsys.readouterr().err
     assert (cut / "latest").read_text().strip() == "ckpt-000003"
     monkeypatch.setattr(Trainer, "train_step", real)

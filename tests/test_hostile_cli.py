@@ -1617,3 +1617,91 @@ def test_an_empty_config_file_is_refused_not_trained_with_defaults(tmp_path, cap
 
     cfg.write_text("{}\n")
     assert load_config_file(cfg) == {}
+
+
+def test_overwrite_discards_the_old_run_only_once_the_new_one_is_built(run, tmp_path, capsys):
+    """Hostile trial 10, finding 1: `train --overwrite` deleted the old run's checkpoints, then
+    failed on a bad --data/--model/--tokenizer/--d-model: the old run was gone and nothing replaced
+    it. Now the data, tokenizer, model and weights load first; the folder is untouched on failure."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    before = _tree(mine)
+    base = ["train", *TINY, "--steps", "2", "--out", str(mine), "--overwrite"]
+    for bad in (
+        ["--data", str(tmp_path / "nonexist.txt")],
+        ["--model", "bogus"],
+        ["--tokenizer", str(tmp_path / "no-tokenizer.json")],
+        ["--d-model", "3"],
+    ):
+        assert main([*base, *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "error:" in err, (bad, err)
+        assert _tree(mine) == before, f"{bad}: the old run was changed"
+    assert main([*base, "--eval-interval", "2"]) == 0  # a good command still starts over
+    assert (mine / "ckpt-000002").is_dir() and not (mine / "ckpt-000004").exists()
+
+
+def test_overwrite_refuses_an_input_inside_the_run_it_discards(run, tmp_path, capsys):
+    """Hostile trial 10, finding 2: `--init-from RUN --out RUN --overwrite` (or a tokenizer read
+    from the run's checkpoint) discarded its own input. Now refused up front, naming the flag."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    (mine / "ckpt-000004" / "my-tokenizer.json").write_text("{}")
+    before = _tree(mine)
+    base = ["train", *TINY, "--steps", "2", "--out", str(mine), "--overwrite"]
+    for flag, value in (
+        ("--init-from", mine),
+        ("--init-from", mine / "ckpt-000004"),
+        ("--tokenizer", mine / "ckpt-000004" / "my-tokenizer.json"),
+    ):
+        assert main([*base, flag, str(value)]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: {value} is part of the run in {mine}, which --overwrite discards" in err, err
+        assert _tree(mine) == before
+    other = tmp_path / "other"
+    shutil.copytree(run, other)  # from another run: allowed
+    assert main([*base, "--init-from", str(other)]) == 0
+    assert _tree(other) == _tree(run)
+
+
+def test_an_interrupt_before_any_checkpoint_says_nothing_was_saved(run, tmp_path, capsys, monkeypatch):
+    """Hostile trial 10, findings 3 and 7: Ctrl-C just after --overwrite's deletion said "the last
+    checkpoint is intact" over an empty folder, and SIGTERM exited 130. Now an interrupt while the
+    run is set up leaves the folder as it was (and says so); one before the first step says
+    nothing was saved; a SIGTERM exits 143 (128 + 15), a SIGINT 130."""
+    import mnemo.train.trainer as trainer_module
+    from mnemo.train.interrupts import DeferredInterrupts
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    before = _tree(mine)
+    argv = ["train", *TINY, "--steps", "2", "--out", str(mine), "--overwrite"]
+
+    def interrupt_while_building(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module.Trainer, "__init__", interrupt_while_building)
+        assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert f"the run was still being set up: {mine} is as it was" in err and "intact" not in err, err
+    assert _tree(mine) == before
+
+    for signal_name, status in (("SIGTERM", 143), ("SIGINT", 130)):
+
+        class StopAtOnce(DeferredInterrupts):
+            name = signal_name
+
+            def __enter__(self):
+                super().__enter__()
+                self.requested = self.name  # as if the signal came before the first step
+                return self
+
+        fresh = tmp_path / f"fresh-{signal_name}"
+        with monkeypatch.context() as m:
+            m.setattr(trainer_module, "DeferredInterrupts", StopAtOnce)
+            assert main(["train", *TINY, "--steps", "2", "--out", str(fresh)]) == status
+        err = capsys.readouterr().err
+        assert f"interrupted ({signal_name} at step 0, before any checkpoint was written)" in err, err
+        assert "nothing was trained or saved" in err and "--resume" not in err, err
+        assert not list(fresh.glob("ckpt-*"))

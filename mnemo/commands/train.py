@@ -91,6 +91,41 @@ def _set_aside_old_results(out: Path) -> None:
     )
 
 
+def _discard_old_run(out: Path) -> None:
+    """``--overwrite``, once the new run is built: a checkpoint's own files go; anything else in it
+    (a user's notes, probe outputs) is moved to ``OUT/kept/ckpt-NNNNNN/`` with a warning, as
+    rotation does; ``latest`` and ``metrics.jsonl`` go; ``probes/`` and ``tb/`` are set aside."""
+    from ..train.checkpoint import discard_checkpoint
+
+    for p in out.glob("ckpt-*"):  # checkpoint folders only: a file or a folder named
+        if p.is_dir() and re.fullmatch(r"ckpt-\d+", p.name):  # ckpt-notes stays
+            discard_checkpoint(p, out)
+    for p in (out / "latest", out / "metrics.jsonl"):
+        if p.is_file():
+            p.unlink()
+    _set_aside_old_results(out)
+
+
+def _refuse_inputs_discarded(out: Path, cfg) -> None:
+    """``--overwrite`` discards ``out``'s checkpoints, ``latest`` and ``metrics.jsonl``: a run that
+    reads one of them (``--init-from``, ``--data``, ``--tokenizer``) would destroy its own input.
+
+    Raises:
+        ValueError: naming the flag, its value and the run folder.
+    """
+    doomed = [out / "latest", out / "metrics.jsonl", *(p for p in out.glob("ckpt-*") if p.is_dir())]
+    doomed = [p.resolve() for p in doomed if re.fullmatch(r"ckpt-\d+|latest|metrics\.jsonl", p.name)]
+    for flag, value in (("--init-from", cfg.init_from), ("--data", cfg.data), ("--tokenizer", cfg.tokenizer)):
+        if not value or not isinstance(value, (str, Path)):
+            continue
+        p = Path(value).resolve()
+        if (flag == "--init-from" and p == out.resolve()) or any(p == d or d in p.parents for d in doomed):
+            raise ValueError(
+                f"{flag}: {value} is part of the run in {out}, which --overwrite discards: copy it "
+                "elsewhere first, or pick another --out"
+            )
+
+
 def _parse_task_options(items: list[str] | None) -> dict:
     """``["num_pairs=8", "filler=pad"]`` -> ``{"num_pairs": 8, "filler": "pad"}`` (YAML scalars)."""
     import yaml
@@ -275,28 +310,25 @@ def _cmd_train(args) -> int:
             lock = lock_run_folder(out)  # refuses while another process trains in the folder
             if lock is not None:
                 lock.close()
-
-            from ..train.checkpoint import discard_checkpoint
-
-            # a checkpoint's own files go; anything else in it (a user's notes, probe outputs) is
-            # moved to OUT/kept/ckpt-NNNNNN/ with a warning, as rotation does
-            for p in out.glob("ckpt-*"):  # checkpoint folders only: a file or a folder named
-                if p.is_dir() and re.fullmatch(r"ckpt-\d+", p.name):  # ckpt-notes stays
-                    discard_checkpoint(p, out)
-            for p in (out / "latest", out / "metrics.jsonl"):
-                if p.is_file():
-                    p.unlink()
-            _set_aside_old_results(out)
+            _refuse_inputs_discarded(out, cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
-    trainer = Trainer(
-        d if args.resume else cfg,
-        out,
-        resume=args.resume,
-        reschedule=args.reschedule,
-        progress=not args.no_progress,
-        callbacks=circuit_callbacks,  # the tracker when the run's config asks (--track-circuits)
-    )
+    try:  # the data, tokenizer, model and --init-from weights load before --overwrite discards
+        trainer = Trainer(
+            d if args.resume else cfg,
+            out,
+            resume=args.resume,
+            reschedule=args.reschedule,
+            progress=not args.no_progress,
+            callbacks=circuit_callbacks,  # the tracker when the run's config asks (--track-circuits)
+        )
+    except KeyboardInterrupt as e:
+        e.then = f"; the run was still being set up: {out} is as it was"
+        raise
+    if args.overwrite and args.out is not None:
+        if main and out.exists():
+            _discard_old_run(out)
+        barrier()
     n_params = trainer.model.num_parameters()
     if trainer.task is None:
         source = (

@@ -47,5 +47,16 @@ class DeferredInterrupts:
 
 def interrupted(requested: str, step: int, checkpoint) -> KeyboardInterrupt:
     """What ``fit`` raises for a stop ``requested`` (a stop condition's name) before the step after
-    ``step``: the log line names it, the step and the ``checkpoint`` that holds every finished step."""
-    return KeyboardInterrupt(f"{requested} at step {step}: checkpoint {checkpoint} holds every finished step")
+    ``step``: the log line names it, the step and the ``checkpoint`` that holds every finished step
+    (``None``: stopped before a first step, nothing written). The exception carries ``signal``
+    (``requested``: the command's exit status follows a SIGTERM) and, without a checkpoint,
+    ``then`` (what the command says instead of "continue with --resume")."""
+    if checkpoint is None:
+        e = KeyboardInterrupt(f"{requested} at step {step}, before any checkpoint was written")
+        e.then = "; nothing was trained or saved: run the command again to start"
+    else:
+        e = KeyboardInterrupt(
+            f"{requested} at step {step}: checkpoint {checkpoint} holds every finished step"
+        )
+    e.signal = requested
+    return e
