@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -1705,3 +1706,70 @@ def test_an_interrupt_before_any_checkpoint_says_nothing_was_saved(run, tmp_path
         assert f"interrupted ({signal_name} at step 0, before any checkpoint was written)" in err, err
         assert "nothing was trained or saved" in err and "--resume" not in err, err
         assert not list(fresh.glob("ckpt-*"))
+
+
+def test_a_tiny_temperature_is_the_greedy_limit_not_a_traceback(run, capsys):
+    """Hostile trial 10, finding 5: `generate --temperature 1e-40` raised torch's "probability tensor
+    contains inf/nan" (logits / 1e-40 overflow). The shift by the row maximum keeps the
+    distribution: a tiny temperature draws the top token (ties shared), a usual one draws as
+    softmax(logits / T) does."""
+    import torch
+
+    from mnemo.models.lm import sample_next
+
+    assert (
+        main(["generate", "--checkpoint", str(run), "--temperature", "1e-40", "--max-new-tokens", "4"]) == 0
+    )
+    assert "Traceback" not in capsys.readouterr().err
+    logits = torch.tensor([[3.0, -1.0, 2.5, 0.0], [1.0, 1.0, -5.0, 0.0]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits * 1e6, 1e-40, None, g) for _ in range(200)])
+    assert (draws[:, 0] == 0).all() and set(draws[:, 1].tolist()) == {0, 1}  # the tie is shared
+    for t in (0.5, 1.0, 3.0):  # the same draws as the unshifted formula, from the same seed
+        a = sample_next(logits.repeat(64, 1), t, None, torch.Generator().manual_seed(1))
+        b = torch.multinomial(
+            (logits.repeat(64, 1) / t).softmax(-1), 1, generator=torch.Generator().manual_seed(1)
+        )
+        assert torch.equal(a, b[:, 0])
+
+
+def test_a_latest_that_is_a_folder_is_not_called_missing(run, tmp_path, capsys):
+    """Hostile trial 10, finding 7: a `latest` made a folder was reported "missing"."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    (mine / "latest").unlink()
+    (mine / "latest").mkdir()
+    assert main(["eval", "--checkpoint", str(mine), "--max-batches", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"{mine / 'latest'} is not a file (a folder, say) — using {mine / 'ckpt-000004'}" in err, err
+
+
+def test_verify_list_json_and_empty_patterns(tmp_path, capsys):
+    """Hostile trial 10, finding 9: `verify --list --json F` wrote nothing, and `--ops ','` (no
+    pattern at all) checked every op. Now the listing is written as JSON, and an empty pattern
+    list is refused naming the flag."""
+    out = tmp_path / "list.json"
+    assert main(["verify", "--list", "--third-party", "none", "--ops", "gla*", "--json", str(out)]) == 0
+    printed = [ln.split()[0] for ln in capsys.readouterr().out.splitlines() if ln and not ln.startswith("#")]
+    listed = json.loads(out.read_text())
+    assert [r["spec"] for r in listed] == printed[: len(listed)] and listed
+    assert {r["group"] for r in listed} == {"mnemo"} and all(r["spec"].startswith("gla") for r in listed)
+    for flag in ("--ops", "--checks"):
+        for empty in (",", " , "):
+            assert main(["verify", "--list", flag, empty]) == 2
+            err = capsys.readouterr().err
+            assert f"{flag}: expected comma-separated names or patterns, got {empty!r}" in err, err
+
+
+def test_a_sweep_name_may_not_be_dot_or_dot_dot(tmp_path):
+    """Hostile trial 10, finding 8: `name: ..` made runs/sweeps/../ the sweep's folder (runs/)."""
+    from mnemo.sweep.spec import SweepSpec
+
+    for bad in (".", ".."):
+        f = tmp_path / "s.yaml"
+        f.write_text(f"name: '{bad}'\nmodels: [gla]\ngrid: {{lr: [1e-3]}}\n")
+        with pytest.raises(
+            ValueError,
+            match=re.escape(f"other than '.' and '..' (it names folders: runs/sweeps/NAME/), got {bad!r}"),
+        ):
+            SweepSpec.load(f)

@@ -130,9 +130,17 @@ def _row_json(group: str, r) -> dict:
 
 
 def run(args) -> int:
-    kinds.refuse_existing(args.json, "--json", args.overwrite)
     """Run the checks chosen by ``args`` (from :func:`add_parser` / :func:`build_parser`), print the
-    tables, return the exit status."""
+    tables, return the exit status (``--list``: print the chosen specs, and with ``--json`` write
+    them as ``[{"group", "spec", "note"}]``)."""
+    kinds.refuse_existing(args.json, "--json", args.overwrite)
+    for flag, text in (("--ops", args.ops), ("--checks", args.checks)):
+        if text is not None and not _split(text):  # ',' or ' ': not "all" by accident
+            print(
+                f"mnemo verify: {flag}: expected comma-separated names or patterns, got {text!r}",
+                file=sys.stderr,
+            )
+            return 2
     import torch
 
     from mnemo.testing import Report, format_table, run_contract
@@ -181,11 +189,15 @@ def run(args) -> int:
             return 2
 
     if args.list:
-        for _, title, specs in groups:
+        listed = []
+        for group, title, specs in groups:
             if specs:
                 print(f"# {title}")
                 for s in specs:
                     print(f"{s.name:<44} {s.note}")
+                    listed.append({"group": group, "spec": s.name, "note": s.note})
+        if args.json:
+            _write_json(args.json, listed)
         return 0
 
     rc = 0
@@ -217,12 +229,16 @@ def run(args) -> int:
         print(line)
     print(f"{'all passed' if rc == 0 else 'some checks FAILED'} in {time.perf_counter() - t_all:.1f} s")
     if args.json:
-        from mnemo.train.checkpoint import atomic_write_text
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.json, json.dumps(rows_json, indent=2))
-        print(f"wrote {args.json}")
+        _write_json(args.json, rows_json)
     return rc
+
+
+def _write_json(path: str, rows: list[dict]) -> None:
+    from mnemo.train.checkpoint import atomic_write_text
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(rows, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

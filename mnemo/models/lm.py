@@ -876,10 +876,14 @@ def _caller_level() -> int:
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
-    """Draw one token per row from ``logits [B, vocab]`` (greedy when ``temperature == 0``)."""
+    """Draw one token per row from ``logits [B, vocab]`` (greedy when ``temperature == 0``).
+
+    The logits are shifted by their row maximum before the division by ``temperature``: the same
+    distribution, and a tiny temperature (``1e-40``) gives the greedy limit (the top tokens at
+    probability 1, ties shared) instead of ``inf / inf``."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

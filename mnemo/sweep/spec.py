@@ -162,8 +162,11 @@ class SweepSpec:
         if unknown:
             raise ValueError(f"{source}: unknown sweep key(s) {unknown}; known keys: {sorted(_SPEC_KEYS)}")
         name = d.get("name")
-        if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
-            raise ValueError(f"{source}: 'name' must be a non-empty string without spaces or slashes")
+        if not isinstance(name, str) or not name or any(c in name for c in "/\\ ") or name in (".", ".."):
+            raise ValueError(
+                f"{source}: 'name' must be a non-empty string without spaces or slashes, other than '.' "
+                f"and '..' (it names folders: runs/sweeps/NAME/), got {name!r}"
+            )
         base = d.get("base") or {}
         if not isinstance(base, dict):
             raise ValueError(f"{source}: 'base' must be a mapping of TrainConfig fields")

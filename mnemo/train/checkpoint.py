@@ -326,13 +326,14 @@ def resolve_checkpoint(
         newest = max(own, key=_step_of)
         if not verify:
             return newest
+        lost_how = "not a file (a folder, say)" if latest.exists() else "missing"
         for c in sorted(own, key=_step_of, reverse=True):
             problems = verify_checkpoint(c)
             if not problems:
-                warn(f"{latest} is missing — using {c}, the run's newest intact checkpoint")
+                warn(f"{latest} is {lost_how} — using {c}, the run's newest intact checkpoint")
                 _warn_unverified(c, warn)
                 return c
-        lost = [f"{latest} is missing", "no intact checkpoint is left in the run directory"]
+        lost = [f"{latest} is {lost_how}", "no intact checkpoint is left in the run directory"]
         raise CorruptCheckpointError(p, lost)
     name = linked or latest.read_text().strip()
     target = p / name
