@@ -1773,3 +1773,29 @@ def test_a_sweep_name_may_not_be_dot_or_dot_dot(tmp_path):
             match=re.escape(f"other than '.' and '..' (it names folders: runs/sweeps/NAME/), got {bad!r}"),
         ):
             SweepSpec.load(f)
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(run, tmp_path, capsys):
+    """Hostile trial 10, finding 4: `--resume` with `latest` pointed back at an older checkpoint
+    silently replaced the newer one, and never said which checkpoint it resumed. Now it names the
+    checkpoint and step, and the later checkpoints move to kept/superseded-N/ intact."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    newer = _tree(mine / "ckpt-000004")
+    (mine / "latest").write_text("ckpt-000002\n")
+    kept = mine / "kept" / "superseded-1" / "ckpt-000004"
+    said = f"the run's later checkpoints (ckpt-000004) moved to {kept.parent}, not replaced"
+    with pytest.warns(UserWarning, match=re.escape(said)):
+        assert main(["train", "--out", str(mine), "--resume", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert f"resume: from {mine / 'ckpt-000002'} (step 2)" in out.out, out.out
+    assert _tree(kept) == newer  # the other history, whole
+    assert (mine / "latest").read_text() == "ckpt-000004\n" and _tree(mine / "ckpt-000004") != newer
+    # a plain resume of the newest checkpoint moves nothing
+    assert (
+        main(
+            ["train", "--out", str(mine), "--resume", "--steps", "6", "--reschedule", "hold", "--no-progress"]
+        )
+        == 0
+    )
+    assert not (mine / "kept" / "superseded-2").exists()

@@ -29,8 +29,10 @@ from ..data.tokenizer import save_tokenizer
 from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
 from . import checkpoint
 from .checkpoint import (
+    _CKPT_NAME,
     STATE_NAME,
     TRAIN_CONFIG_NAME,
+    _step_of,
     atomic_write_text,
     clean_stale_temporaries,
     load_json,
@@ -261,6 +263,7 @@ class RunFolder:
             saved = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
             state = load_trainer_state(ckpt)
             cfg, changed = resume_config(saved, cfg, reschedule, step=state["step"])
+            notes += [f"resume: from {ckpt} (step {state['step']})"]
             notes += [f"resume: {c}" for c in changed]
             return cfg, ckpt, state, notes
         if cfg is None or isinstance(cfg, dict):
@@ -286,6 +289,40 @@ class RunFolder:
         if stale:
             warnings.warn(f"removed what a stopped run left in {self.out}: {', '.join(stale)}", stacklevel=3)
         return lock
+
+    def set_aside_newer(self, step: int) -> list[Path]:
+        """Resume from ``step`` while the run holds checkpoints of later steps (``latest`` was
+        pointed back by hand, or a newer checkpoint is damaged): training on would replace them
+        one by one and rotation would mix two histories. They move to ``OUT/kept/superseded-N/``
+        (under the folder's lock), with a warning; returns their new paths."""
+        newer = [
+            p
+            for p in self.out.glob("ckpt-*")
+            if p.is_dir() and _CKPT_NAME.fullmatch(p.name) and _step_of(p) > step
+        ]
+        if not newer:
+            return []
+        lock = lock_run_folder(self.out)
+        try:
+            n = 1
+            while (self.out / "kept" / f"superseded-{n}").exists():
+                n += 1
+            dest = self.out / "kept" / f"superseded-{n}"
+            dest.mkdir(parents=True)
+            moved = []
+            for p in sorted(newer, key=_step_of):
+                p.rename(dest / p.name)
+                moved.append(dest / p.name)
+        finally:
+            if lock is not None:
+                lock.close()
+        warnings.warn(
+            f"resume from step {step}: the run's later checkpoints ({', '.join(p.name for p in moved)}) "
+            f"moved to {dest}, not replaced (to go back to them, move them into {self.out} and write "
+            "their name into latest)",
+            stacklevel=3,
+        )
+        return moved
 
     def truncate_metrics(self, step: int) -> None:
         """Drop the metrics records after ``step`` (and a torn last line), under the folder's lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -343,8 +344,12 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     again = Trainer(None, tmp_path / "b", resume=True, progress=False, log=said.append)
     assert again.step == 6 and again.last_checkpoint.name == "ckpt-000006"
     assert any(f"{w} has" in m and "(truncated)" in m and "ckpt-000006 instead" in m for m in said), said
+    # the damaged later checkpoint is set aside (kept/superseded-1/), not replaced by the new step 9
+    aside = tmp_path / "b" / "kept" / "superseded-1" / "ckpt-000009" / "model.safetensors"
+    assert aside.is_file() and not w.exists()
     assert _losses(again, 6) == ref[6:]
     # every checkpoint damaged: an error naming each bad file
+    shutil.move(aside.parent, w.parent)  # (the damaged one back in the run)
     c = tmp_path / "b" / "ckpt-000006" / "config.json"
     c.write_text(c.read_text().replace(":", ";", 1))  # same size, other bytes
     with pytest.raises(CorruptCheckpointError) as e:
