@@ -1799,3 +1799,34 @@ def test_a_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(run, tmp_pa
         == 0
     )
     assert not (mine / "kept" / "superseded-2").exists()
+
+
+def test_tenth_trial_messages(run, tmp_path, capsys):
+    """Hostile trial 10, finding 7: messages that named the wrong thing. `eval --data` of a short
+    file did not say that only its last 10% (the validation split) is read; a JSON file that is no
+    tokenizer said "unknown tokenizer kind None"; `--d-model 3` (4 heads) said "rotary embeddings
+    need an even head_dim, got 0"."""
+    short = tmp_path / "short.txt"
+    short.write_text("hello world, a short file\n" * 4)
+    assert main(["eval", "--checkpoint", str(run), "--data", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert f"this is the validation split, the last 10% of {str(short)!r} (--full reads all of it)" in err, (
+        err
+    )
+    assert (
+        main(["eval", "--checkpoint", str(run), "--data", str(short), "--full"]) == 0
+    )  # 104 tokens: 6 windows
+    capsys.readouterr()
+    tok = tmp_path / "tok.json"
+    tok.write_text('{"foo": 1}')
+    assert main(["train", *TINY, "--tokenizer", str(tok), "--steps", "1", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"corrupt tokenizer file {tok}: a JSON object with neither 'kind'" in err and "None" not in err, (
+        err
+    )
+    assert (
+        main(["train", "--d-model", "3", "--steps", "1", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "d_model: 3 is smaller than n_heads = 4, so each head would have head_dim" in err, err
+    assert not (tmp_path / "r").exists()

@@ -204,6 +204,7 @@ def _cmd_eval_text(
 
     from ..data import load_corpus
     from ..data.corpus import inherited_text_field
+    from ..data.text import VAL_FRACTION
     from ..train.trainer import packed_logits
 
     data = args.data or tcfg.get("data", "tinyshakespeare")
@@ -238,7 +239,15 @@ def _cmd_eval_text(
     try:  # documents joined as in training (the tokenizer's separator)
         stream = val_docs.stream(tok, seq_len)
     except ValueError as e:  # too short for one window: name the flag the user gave
-        raise ValueError(str(e).replace("--seq-len", flag)) from None
+        where = (
+            ""
+            if args.full
+            else (
+                f"; this is the validation split, the last {VAL_FRACTION:.0%} of {data!r} (--full reads "
+                "all of it)"
+            )
+        )
+        raise ValueError(str(e).replace("--seq-len", flag) + where) from None
     unknown = getattr(tok, "unknown_share", None)
     share = unknown(val_docs.text) if unknown is not None else 0.0
     if share > 0:

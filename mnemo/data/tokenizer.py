@@ -238,6 +238,11 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         return CharTokenizer(d["chars"])
     if kind == "byte":
         return ByteTokenizer()
+    if kind is None:
+        raise ValueError(
+            f"a JSON object with neither 'kind' (mnemo's char/byte tokenizers) nor 'model' (a Hugging "
+            f"Face tokenizer.json), so not a tokenizer; its keys: {sorted(d)[:8]}"
+        )
     raise ValueError(
         f"unknown tokenizer kind {kind!r} (expected 'char', 'byte' or a Hugging Face tokenizer.json)"
     )
@@ -276,7 +281,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return HFTokenizer.from_str(text, source=str(p))
     try:
         return tokenizer_from_dict(d)
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"corrupt tokenizer file {p}: {e}") from e
 
 

@@ -132,6 +132,11 @@ class Attention(Mixer):
         n_kv_heads = n_kv_heads or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if not head_dim and d_model < n_heads:
+            raise ValueError(
+                f"d_model: {d_model} is smaller than n_heads = {n_heads}, so each head would have "
+                f"head_dim = d_model // n_heads = 0 dimensions; give d_model >= n_heads (or fewer heads)"
+            )
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.window, self.n_sink = window, n_sink
