@@ -319,10 +319,19 @@ class OutDir(_PathKind):
             if not os.access(p, os.W_OK | os.X_OK):
                 self.fail(text, " (not writable)")
             return text
+        if p.suffix.lower() in _FILE_SUFFIXES:  # `--out scores.png`: a file's name, not a folder's
+            self.fail(
+                text, f" (a file name: this is the folder the files go into, e.g. {str(p.parent or '.')!r})"
+            )
         _, why = _writable_ancestor(p)
         if why:
             self.fail(text, why)
         return text
+
+
+#: suffixes that name a file, refused for a new folder (an existing folder of such a name is fine)
+_FILE_SUFFIXES = {".png", ".pdf", ".svg", ".jpg", ".json", ".jsonl", ".csv", ".txt", ".md", ".html"}
+_FILE_SUFFIXES |= {".yaml", ".yml", ".pt", ".safetensors", ".sqlite", ".parquet"}
 
 
 def refuse_existing(path, flag: str, overwrite: bool) -> None:

@@ -1830,3 +1830,28 @@ def test_tenth_trial_messages(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "d_model: 3 is smaller than n_heads = 4, so each head would have head_dim" in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_an_output_folder_named_like_a_file_or_a_run_is_refused(run, tmp_path, capsys):
+    """Hostile trial 10, finding 9: `probe ablate --out x.png` made a folder named x.png, and
+    `continual`/`probe --out` accepted a training run's own folder (their files mixed with the
+    run's). Both are refused before any work, naming the flag; an existing folder named x.png is
+    still a folder to write into."""
+    png = tmp_path / "scores.png"
+    for argv in (
+        ["probe", "ablate", "--checkpoint", str(run), "--out", str(png)],
+        ["probe", "circuits", "--checkpoint", str(run), "--out", str(png)],
+        ["continual", "--out", str(tmp_path / "results.json")],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "--out" in err and "(a file name: this is the folder the files go into" in err, err
+        assert not png.exists()
+    for argv in (
+        ["probe", "circuits", "--checkpoint", str(run), "--out", str(run)],
+        ["continual", "--out", str(run)],
+    ):
+        assert main(argv) == 2, argv
+        assert "(a training run's folder: what this writes would mix" in capsys.readouterr().err
+    png.mkdir()
+    assert kinds.OutDir()(str(png)) == str(png)

@@ -591,7 +591,9 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--workers", type=kinds.Int(1, 256), default=2, help="runs in parallel (one process per run)"
     )
-    p.add_argument("--out", default="runs/continual", type=kinds.OutDir(), help="folder for the results")
+    p.add_argument(
+        "--out", default="runs/continual", type=kinds.OutDir(not_a_run=True), help="folder for the results"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--force", action="store_true", help="replace the results already in --out")
     p.set_defaults(func=_cmd)

@@ -204,7 +204,9 @@ def add_commands(sub) -> None:
     c.add_argument("--batch", type=kinds.positive_int, default=8, help="random sequences (default 8)")
     c.add_argument("--seed", type=kinds.seed, default=0)
     c.add_argument(
-        "--out", type=kinds.OutDir(), help=f"where to write circuits.png (default: {_DEFAULT_OUT})"
+        "--out",
+        type=kinds.OutDir(not_a_run=True),
+        help=f"where to write circuits.png (default: {_DEFAULT_OUT})",
     )
     c.add_argument(
         "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
@@ -224,7 +226,9 @@ def add_commands(sub) -> None:
     )
     t.add_argument("--tokens", type=kinds.positive_int, default=2048, help="tokens to run (default 2048)")
     t.add_argument(
-        "--out", type=kinds.OutDir(), help=f"where to write timescales.png (default: {_DEFAULT_OUT})"
+        "--out",
+        type=kinds.OutDir(not_a_run=True),
+        help=f"where to write timescales.png (default: {_DEFAULT_OUT})",
     )
     t.add_argument(
         "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
@@ -300,7 +304,7 @@ def add_commands(sub) -> None:
     )
     sp.add_argument(
         "--out",
-        type=kinds.OutDir(),
+        type=kinds.OutDir(not_a_run=True),
         help=f"where to write spectrum.json and spectrum.png (default: {_DEFAULT_OUT})",
     )
     sp.add_argument(
