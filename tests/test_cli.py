@@ -578,7 +578,9 @@ def test_a_run_folder_in_use_is_refused_and_left_untouched(run_dir, capsys):
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
-def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(tmp_path, capsys, monkeypatch, signame):
+def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(
+    tmp_path, capsys, monkeypatch, request, signame
+):
     """A signal during step 3 of 6 (eval every 2): the run stops after that step with a checkpoint of
     step 3 (not the step-2 one), exits 128 + the signal's number (130, 143), and --resume then gives
     the uninterrupted run's log."""
@@ -587,7 +589,14 @@ def test_an_interrupt_saves_every_finished_step_and_resumes_exactly(tmp_path, ca
 
     from mnemo.train.trainer import Trainer
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # SIG_IGN in a background job
+    # a shell script's background job starts with SIGINT ignored, which the trainer respects: this
+    # test takes the handlers a terminal gives, and gives the old ones back at the end
+    olds = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    }
+    request.addfinalizer(lambda: [signal.signal(s, h) for s, h in olds.items()])
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     args = [a if a != "4" else "6" for a in FAST]
     assert main(["train", "--out", str(tmp_path / "whole"), *args]) == 0
     real = Trainer.train_step

@@ -1855,3 +1855,35 @@ def test_an_output_folder_named_like_a_file_or_a_run_is_refused(run, tmp_path, c
         assert "(a training run's folder: what this writes would mix" in capsys.readouterr().err
     png.mkdir()
     assert kinds.OutDir()(str(png)) == str(png)
+
+
+def test_a_signal_the_process_started_ignoring_stays_ignored():
+    """Hostile trial 10, finding 6: a Ctrl-C (SIGINT) sent early to a training started in a
+    shell script's background job was ignored, one sent later stopped it: POSIX shells start such
+    a job with SIGINT ignored, and the trainer installed its handler over that during training
+    only. Now an ignored signal stays ignored throughout (SIGTERM still stops it); a handled one
+    is deferred as before, and the old handlers come back on exit."""
+    import signal
+
+    from mnemo.train.interrupts import DeferredInterrupts
+
+    olds = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with DeferredInterrupts() as d:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            assert d.requested is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert d.requested == "SIGTERM"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with DeferredInterrupts() as d:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert d.requested == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for s, h in olds.items():
+            signal.signal(s, h)

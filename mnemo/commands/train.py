@@ -323,7 +323,9 @@ def _cmd_train(args) -> int:
             callbacks=circuit_callbacks,  # the tracker when the run's config asks (--track-circuits)
         )
     except KeyboardInterrupt as e:
-        e.then = f"; the run was still being set up: {out} is as it was"
+        e.then = "; the run was still being set up: " + (
+            f"{out} is as it was" if out.exists() else "nothing was written"
+        )
         raise
     if args.overwrite and args.out is not None:
         if main and out.exists():

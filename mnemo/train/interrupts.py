@@ -18,7 +18,8 @@ import threading
 
 class DeferredInterrupts:
     """While entered (single process, main thread), SIGINT/SIGTERM set :attr:`requested` to the
-    signal's name instead of raising (default ``enabled=True``). Several processes (torchrun;
+    signal's name instead of raising (default ``enabled=True``); a signal already ignored
+    (``SIG_IGN``, e.g. SIGINT in a shell script's background job) stays ignored. Several processes (torchrun;
     ``enabled=False``) keep the default handlers: the ranks could not agree on the step. The old
     handlers come back on exit."""
 
@@ -36,7 +37,11 @@ class DeferredInterrupts:
                 raise KeyboardInterrupt  # asked twice: stop now
             self.requested = signal.Signals(signum).name
 
-        self._old = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # a signal the process was started ignoring stays ignored (a script's background job
+        # ignores SIGINT, as POSIX shells start it): honoured here only, it would stop training but
+        # not the seconds before it, which read as "sometimes ignored"
+        ours = [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not signal.SIG_IGN]
+        self._old = {sig: signal.signal(sig, request) for sig in ours}
         return self
 
     def __exit__(self, *exc) -> None:
