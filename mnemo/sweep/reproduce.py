@@ -49,7 +49,8 @@ def _markers(name: str) -> tuple[str, str]:
 
 def page_sweeps(page: str | Path) -> list[Path]:
     """The sweep files a page names (its ``<!-- mnemo:reproduce PATH -->`` lines), resolved
-    against the working directory, else against the page's folder and its parents.
+    against the page's folder and its parents (the page's own checkout), else against the working
+    directory: the same page names the same files from any working directory.
 
     Raises:
         FileNotFoundError: the page, or a sweep file it names, does not exist.
@@ -63,14 +64,14 @@ def page_sweeps(page: str | Path) -> list[Path]:
     for m in DIRECTIVE.finditer(text):
         raw = Path(m.group(1))
         candidates = (
-            [raw] if raw.is_absolute() else [Path.cwd() / raw, *(p / raw for p in page.resolve().parents)]
+            [raw] if raw.is_absolute() else [*(p / raw for p in page.resolve().parents), Path.cwd() / raw]
         )
         hit = next((c for c in candidates if c.is_file()), None)
         if hit is None:
             line = text[: m.start()].count("\n") + 1
             raise FileNotFoundError(
-                f"{page}:{line}: the sweep file {raw} does not exist (looked in the working directory and "
-                "above the page)"
+                f"{page}:{line}: the sweep file {raw} does not exist (looked above the page and in the "
+                "working directory)"
             )
         found.append(Path(_shown(hit)))
     if not found:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -228,3 +230,23 @@ def test_sweep_and_report_refuse_a_training_runs_folder_as_out(tmp_path, monkeyp
         err = capsys.readouterr().err
         assert "--out" in err and "a training run's folder" in err and "Traceback" not in err, err
         assert calls == [] and sorted(p.name for p in run.iterdir()) == before
+
+
+def test_a_page_names_its_own_checkouts_sweep_files_from_any_working_directory(tmp_path, monkeypatch):
+    """Hostile trial 10, finding 9: run from another checkout's folder, `mnemo reproduce PAGE`
+    took that folder's configs/ file of the same path, not the page's own. The page's folder and
+    its parents come first now; the working directory is the fallback."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for root in (mine, other):
+        (root / "configs").mkdir(parents=True)
+        (root / "configs" / "s.yaml").write_text(f"# {root.name}\n")
+    page = mine / "docs" / "results" / "p.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("<!-- mnemo:reproduce configs/s.yaml -->\n")
+    monkeypatch.chdir(other)
+    (found,) = page_sweeps(page)
+    assert Path(found).resolve() == (mine / "configs" / "s.yaml").resolve()
+    (other / "only-here.yaml").write_text("# other\n")
+    page.write_text("<!-- mnemo:reproduce only-here.yaml -->\n")
+    (found,) = page_sweeps(page)  # not above the page: the working directory's
+    assert Path(found).resolve() == (other / "only-here.yaml").resolve()
