@@ -314,7 +314,8 @@ def markdown_table(
     """:func:`cell_stats` as a GitHub markdown table (sorted by axes, then state size): per cell the
     chosen tuned values, state bytes, parameters, the mean ``metric`` over the reported seeds, its
     confidence interval (``n=1``: none), ``n``, the runs that reached ``threshold`` (``k/N``), the
-    mean ± half-width at every further test length, all runs of the cell and their wall time."""
+    mean ± half-width at every further test length, all runs of the cell and their wall time. An
+    accuracy's interval that reaches past [0, 1] is marked ``†`` and explained under the table."""
     stats = cell_stats(
         rows, metric, threshold=threshold, select_lr_on_seed=select_lr_on_seed, confidence=confidence
     )
@@ -340,8 +341,11 @@ def markdown_table(
     )
     stats.sort(key=lambda r: ([str(r["cell"].get(a)) for a in axes], r["state_size_bytes"] or 0, r["label"]))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    outside = False  # an accuracy's interval that reaches past [0, 1] (marked, not clipped)
     for r in stats:
         n = f"{r['n']}" + (f" ({r['n_diverged']} diverged)" if r["n_diverged"] else "")
+        past = metric in FRACTION_METRICS and (r.get("n") or 0) >= 2 and (r["low"] < 0 or r["high"] > 1)
+        outside |= past
         cells = (
             [r["label"], *(_fmt(r["cell"].get(a)) for a in axes)]
             + [
@@ -349,7 +353,7 @@ def markdown_table(
                 for k in tuned_keys
             ]
             + [_bytes(r["state_size_bytes"]), _fmt(r["n_params"])]
-            + [_fmt(r["mean"]) if r["n"] else r["status"], _interval(r), n]
+            + [_fmt(r["mean"]) if r["n"] else r["status"], _interval(r) + (" †" if past else ""), n]
             + ([f"{r['n_reached']}/{r['n_finished']}"] if thr is not None else [])
             + [_mean_pm(r["lengths"].get(L)) for L in lengths]
             + [
@@ -358,7 +362,17 @@ def markdown_table(
             ]
         )
         lines.append("| " + " | ".join(cells) + " |")
+    if outside:
+        lines += [
+            "",
+            f"† the Student-t interval reaches outside [0, 1], where {metric} lives: the seeds disagree "
+            "(reported as computed, not clipped; see mnemo.sweep.stats).",
+        ]
     return "\n".join(lines)
+
+
+#: metrics that are fractions in [0, 1] (their intervals are marked when they reach past it)
+FRACTION_METRICS = ("val_acc", "val_seq_acc")
 
 
 def _groups(best: list[dict], along_line: str | None = None) -> dict[str, list[dict]]:

@@ -124,6 +124,24 @@ def test_threshold_count_and_diverged_runs():
     assert "| model | best lr | state | params | val_acc | 95% CI | n | ≥ 0.99 | runs | wall (s) |" in table
     assert "| 3 (1 diverged) | 2/4 |" in table
     assert "n=1" in markdown_table([_row(1e-3, 0, 0.5)])
+    assert ", 1.0073] † |" in table  # 0.9883 ± 0.0190 reaches past 1: marked
+
+
+def test_an_accuracy_interval_past_zero_or_one_is_marked_not_clipped():
+    """Hostile trial 10: the 95% interval of an accuracy was printed reaching past [0, 1]
+    (e.g. [-0.11, 1.14]) without a word. It stays as computed (the seeds disagree) and is marked
+    with a footnote; a loss's interval is never marked."""
+    from mnemo.sweep.stats import mean_interval
+
+    rows = [_row(1e-3, 0, 0.02), _row(1e-3, 1, 0.98), _row(1e-3, 2, 0.5)]
+    st = mean_interval([0.02, 0.98, 0.5])
+    assert st["low"] < 0 and st["high"] > 1  # t_{0.975,2} = 4.30: 0.5 ± 1.19
+    table = markdown_table(rows)
+    assert f"| [{st['low']:.4f}, {st['high']:.4f}] † | 3 |" in table, table
+    assert table.endswith(
+        "where val_acc lives: the seeds disagree (reported as computed, not clipped; see mnemo.sweep.stats)."
+    )
+    assert "†" not in markdown_table(rows, "val_loss")
 
 
 def _held_out_rows():
