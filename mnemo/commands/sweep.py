@@ -161,6 +161,7 @@ def _cmd_reproduce(args) -> int:
         threads=args.threads,
         progress=not args.no_progress,
         partial=args.partial,
+        only=[n.strip() for n in args.sweep.split(",") if n.strip()] if args.sweep is not None else None,
     )
     failed = sum((r["counts"] or {}).get("failed", 0) for r in res.values())
     if failed:
@@ -269,6 +270,13 @@ def add_commands(sub) -> None:
         "--partial",
         action="store_true",
         help="with --no-run: write the page even if a sweep is unfinished (its block says so)",
+    )
+    p.add_argument(
+        "--sweep",
+        metavar="NAME",
+        type=kinds.Text("sweep names, comma-separated"),
+        help="only these sweeps of the page (their 'name'), comma-separated; the page's other blocks are "
+        "left as they are (default: every sweep the page names)",
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_reproduce)

@@ -123,6 +123,7 @@ def reproduce_page(
     threads: int | None = 1,
     progress: bool = True,
     partial: bool = False,
+    only: list[str] | None = None,
     log=print,
 ) -> dict:
     """Run or resume every sweep ``page`` names, then rewrite its generated blocks and figures.
@@ -135,6 +136,8 @@ def reproduce_page(
         partial: with ``run=False``, write the page even when a sweep has runs left to train
             (its block then opens with a **Partial** line counting them); without it that is an
             error and the page is left as it is.
+        only: the names of the sweeps to run and rewrite (default: every sweep the page names);
+            the page's other blocks are left as they are.
 
     The page reports exactly the runs each sweep file defines as it reads now
     (:func:`~mnemo.sweep.runner.sweep_plan`): runs that the database holds under the same sweep
@@ -148,6 +151,7 @@ def reproduce_page(
     Raises:
         FileNotFoundError: the page, a sweep file, or (``run=False``) a sweep's database is missing.
         ValueError: the page names no sweep, or its markers are broken; a sweep file is invalid;
+            ``only`` names a sweep the page does not (or none at all);
             ``run=False`` without ``partial`` and a sweep has runs left to train (checked for every
             sweep before anything is written).
     """
@@ -157,6 +161,15 @@ def reproduce_page(
     out: dict = {}
     text = page.read_text()
     specs = [(path, SweepSpec.load(path)) for path in files]
+    if only is not None:
+        names = [spec.name for _, spec in specs]
+        unknown = [n for n in only if n not in names]
+        if unknown or not only:
+            raise ValueError(
+                f"--sweep: {', '.join(map(repr, unknown)) or 'no name given'}; {page} names the sweeps "
+                f"{', '.join(map(repr, names))}"
+            )
+        specs = [(path, spec) for path, spec in specs if spec.name in only]
     if not run:  # every sweep checked before any page or report file is written
         for path, spec in specs:
             db, _ = default_paths(spec, path)

@@ -250,3 +250,26 @@ def test_a_page_names_its_own_checkouts_sweep_files_from_any_working_directory(t
     page.write_text("<!-- mnemo:reproduce only-here.yaml -->\n")
     (found,) = page_sweeps(page)  # not above the page: the working directory's
     assert Path(found).resolve() == (other / "only-here.yaml").resolve()
+
+
+def test_only_the_named_sweep_of_a_page_is_run_and_rewritten(tmp_path, monkeypatch, capsys):
+    """``reproduce --sweep NAME``: a page naming two sweeps, one of whose databases is absent here
+    (made on another machine), rebuilds the other alone and leaves the first block as it was."""
+    calls = []
+    page = _setup(tmp_path, monkeypatch, calls)
+    other = yaml.safe_load((tmp_path / "configs" / "tiny.yaml").read_text()) | {"name": "elsewhere"}
+    (tmp_path / "configs" / "elsewhere.yaml").write_text(yaml.safe_dump(other))
+    kept = "<!-- mnemo:begin elsewhere -->\nmade elsewhere\n<!-- mnemo:end elsewhere -->\n"
+    page.write_text("<!-- mnemo:reproduce configs/elsewhere.yaml -->\n\n" + kept + page.read_text())
+    with pytest.raises(FileNotFoundError, match="elsewhere.sqlite does not exist"):
+        reproduce_page(page, run=False, progress=False, log=lambda s: None)
+    reproduce_page(page, only=["tiny"], progress=False, log=lambda s: None)
+    text = page.read_text()
+    assert kept in text and text.count("<!-- mnemo:begin tiny -->") == 1 and len(calls) == 5
+    assert not (tmp_path / "runs" / "sweeps" / "elsewhere.sqlite").exists()
+    before = page.read_text()
+    assert main(["reproduce", str(page), "--no-run", "--sweep", "tiny"]) == 0
+    assert main(["reproduce", str(page), "--no-run", "--sweep", "tiny,nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "--sweep: 'nosuch'; " in err and "names the sweeps 'elsewhere', 'tiny'" in err, err
+    assert page.read_text() == before
