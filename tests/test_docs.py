@@ -244,6 +244,31 @@ def test_every_command_line_runs_at_small_size(page, tmp_path, monkeypatch, caps
     assert ran, f"{page.name}: no command of the page ran here (skipped: {skipped})"
 
 
+def test_the_mutation_pages_show_command_shows_its_mutant(capsys):
+    """docs/mutation.md's ``--show ID`` example names a mutant that exists (the other commands of
+    that page run the targeted tests once per mutant: minutes by design, not run here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_script", ROOT / "scripts" / "mutation.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # (its dataclasses look their module up)
+    spec.loader.exec_module(script)
+    shows = [
+        words[words.index("--show") + 1]
+        for block in _blocks(ROOT / "docs" / "mutation.md", "bash")
+        for line in block.splitlines()
+        if "--show" in (words := shlex.split(line, comments=True))
+    ]
+    assert shows, "docs/mutation.md shows no --show example"
+    for ident in shows:
+        assert script.main(["--show", ident]) == 0, (
+            f"docs/mutation.md: --show {ident!r} names no mutant now (the source moved): take an id "
+            f"from `python scripts/mutation.py --files {ident.split(':')[0]} --list --no-coverage`"
+        )
+        diff = capsys.readouterr().out
+        assert diff.startswith(f"--- a/{ident.split(':')[0]}") and "\n+" in diff
+
+
 def test_the_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
