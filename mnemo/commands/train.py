@@ -304,13 +304,14 @@ def _cmd_train(args) -> int:
         if args.resume and not has_ckpt and not any(n.startswith("ckpt-") for n in leftovers):
             raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
         barrier()
-        if main and args.overwrite and out.exists():
-            from ..train.trainer import lock_run_folder
+        if args.overwrite and out.exists():
+            _refuse_inputs_discarded(out, cfg)  # (every rank: each stops with the same error)
+            if main:
+                from ..train.trainer import lock_run_folder
 
-            lock = lock_run_folder(out)  # refuses while another process trains in the folder
-            if lock is not None:
-                lock.close()
-            _refuse_inputs_discarded(out, cfg)
+                lock = lock_run_folder(out)  # refuses while another process trains in the folder
+                if lock is not None:
+                    lock.close()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:  # the data, tokenizer, model and --init-from weights load before --overwrite discards
