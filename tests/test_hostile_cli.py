@@ -1887,3 +1887,35 @@ def test_a_signal_the_process_started_ignoring_stays_ignored():
     finally:
         for s, h in olds.items():
             signal.signal(s, h)
+
+
+def test_an_overwrite_whose_new_run_fails_before_a_checkpoint_keeps_the_old_run(run, tmp_path, capsys):
+    """Hostile trial 11, finding 1: `train --overwrite --lr 1e30` diverged at step 2, before any
+    checkpoint, and left the folder empty: the old run was deleted for nothing. The old run now
+    moves aside while the new one trains and comes back whole when the new one writes no
+    checkpoint; once it has one, the old run is discarded (and nothing is left aside)."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    before = _tree(mine)
+    argv = ["train", *TINY, "--steps", "4", "--out", str(mine), "--overwrite", "--warmup-steps", "1"]
+    assert main([*argv, "--lr", "1e30"]) == 1
+    err = capsys.readouterr().err
+    assert "training stopped at step" in err and f"the old run in {mine} is back as it was" in err, err
+    assert _tree(mine) == before and not list(mine.glob(".overwritten-*"))
+    assert main([*argv, "--eval-interval", "2"]) == 0
+    assert not list(mine.glob(".overwritten-*")) and (mine / "latest").read_text() == "ckpt-000004\n"
+    assert _tree(mine / "ckpt-000004") != _tree(run / "ckpt-000004")
+
+
+def test_a_temperature_below_the_dtypes_range_is_greedy():
+    """Hostile trial 11, finding 2: 1e-46 (below float32's smallest subnormal: it rounds to 0)
+    still raised "probability tensor contains inf/nan". Below the dtype's smallest normal number
+    the draw is the argmax."""
+    import torch
+
+    from mnemo.models.lm import sample_next
+
+    logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    for t in (1e-39, 1e-46, 5e-324):
+        assert sample_next(logits, t, None, torch.Generator()).tolist() == [1, 0]
+        assert sample_next(logits, t, 2, torch.Generator()).tolist() == [1, 0]

@@ -5,7 +5,9 @@ the command, which resolves the run folder (new, --resume, --overwrite) and runs
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -91,19 +93,46 @@ def _set_aside_old_results(out: Path) -> None:
     )
 
 
-def _discard_old_run(out: Path) -> None:
-    """``--overwrite``, once the new run is built: a checkpoint's own files go; anything else in it
-    (a user's notes, probe outputs) is moved to ``OUT/kept/ckpt-NNNNNN/`` with a warning, as
-    rotation does; ``latest`` and ``metrics.jsonl`` go; ``probes/`` and ``tb/`` are set aside."""
+def _set_aside_old_run(out: Path) -> Path | None:
+    """``--overwrite``, once the new run is built: the old run's checkpoints, ``latest`` and
+    ``metrics.jsonl`` move to ``OUT/.overwritten-PID/`` (out of the new run's way; a kill leaves
+    them there, whole), ``probes/`` and ``tb/`` to ``OUT/kept/``. :func:`_settle_old_run` then
+    discards them once the new run has a checkpoint, or puts them back if it has none."""
+    old = [p for p in out.glob("ckpt-*") if p.is_dir() and re.fullmatch(r"ckpt-\d+", p.name)]
+    old += [p for p in (out / "latest", out / "metrics.jsonl") if p.is_file()]  # (ckpt-notes stays)
+    _set_aside_old_results(out)
+    if not old:
+        return None
+    aside = out / f".overwritten-{os.getpid()}"
+    aside.mkdir()
+    for p in old:
+        p.rename(aside / p.name)
+    return aside
+
+
+def _settle_old_run(aside: Path | None, out: Path, replaced: bool) -> None:
+    """After ``fit`` (returned or raised): with a new checkpoint (``replaced``), each old checkpoint's
+    own files go and anything else in it (a user's notes, probe outputs) moves to
+    ``OUT/kept/ckpt-NNNNNN/`` with a warning, as rotation does; without one, the old run comes back
+    as it was (the new run's ``metrics.jsonl`` of steps that no checkpoint holds is dropped), said."""
     from ..train.checkpoint import discard_checkpoint
 
-    for p in out.glob("ckpt-*"):  # checkpoint folders only: a file or a folder named
-        if p.is_dir() and re.fullmatch(r"ckpt-\d+", p.name):  # ckpt-notes stays
+    if aside is None:
+        return
+    if replaced:
+        for p in aside.glob("ckpt-*"):
             discard_checkpoint(p, out)
-    for p in (out / "latest", out / "metrics.jsonl"):
-        if p.is_file():
-            p.unlink()
-    _set_aside_old_results(out)
+        shutil.rmtree(aside)
+        return
+    for name in ("latest", "metrics.jsonl"):
+        (out / name).unlink(missing_ok=True)  # (the new run's: no checkpoint holds its steps)
+    for p in aside.iterdir():
+        p.rename(out / p.name)
+    aside.rmdir()
+    print(
+        f"--overwrite: the new run wrote no checkpoint; the old run in {out} is back as it was",
+        file=sys.stderr,
+    )
 
 
 def _refuse_inputs_discarded(out: Path, cfg) -> None:
@@ -328,9 +357,10 @@ def _cmd_train(args) -> int:
             f"{out} is as it was" if out.exists() else "nothing was written"
         )
         raise
+    aside = None
     if args.overwrite and args.out is not None:
         if main and out.exists():
-            _discard_old_run(out)
+            aside = _set_aside_old_run(out)
         barrier()
     n_params = trainer.model.num_parameters()
     if trainer.task is None:
@@ -369,7 +399,12 @@ def _cmd_train(args) -> int:
         say(describe_optimizer(c), flush=True)
     if trainer.step >= c.steps:
         say(f"already trained to step {trainer.step} (raise --steps to continue)")
-    record = trainer.fit()
+    try:
+        record = trainer.fit()
+    except BaseException:  # a divergence, an interrupt, a full disk: the old run stays if nothing replaced it
+        _settle_old_run(aside, out, replaced=trainer.last_checkpoint is not None)
+        raise
+    _settle_old_run(aside, out, replaced=trainer.last_checkpoint is not None)
     if record:
         say(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
     if trainer.task is not None:

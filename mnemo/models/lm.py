@@ -879,9 +879,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, gen
     """Draw one token per row from ``logits [B, vocab]`` (greedy when ``temperature == 0``).
 
     The logits are shifted by their row maximum before the division by ``temperature``: the same
-    distribution, and a tiny temperature (``1e-40``) gives the greedy limit (the top tokens at
-    probability 1, ties shared) instead of ``inf / inf``."""
-    if temperature == 0:
+    distribution, and a tiny temperature (``1e-40`` on float64 logits) gives the greedy limit (the
+    top tokens at probability 1, ties shared) instead of ``inf / inf``. A temperature below the
+    logits' dtype's smallest normal number (``1.2e-38`` for float32; it would round to 0 or lose
+    its digits) is greedy: ``argmax``, as ``temperature == 0``."""
+    if temperature == 0 or temperature < torch.finfo(logits.dtype).smallest_normal:
         return logits.argmax(-1)
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
