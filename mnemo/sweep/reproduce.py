@@ -115,6 +115,34 @@ def _replace_block(text: str, name: str, block: str, page: Path) -> str:
     return text[:i] + f"{begin}\n{block}\n" + text[j:]
 
 
+def _refuse_foreign_outputs(page: Path, folder: Path, text: str, specs) -> None:
+    """``folder`` (``docs/results/PAGE/``) receives each sweep's ``NAME.md``, ``NAME.json`` and
+    ``NAME_*.png``: never into a training run's folder, and never over files of those names that
+    an earlier call did not write (the page has no generated block of that sweep yet).
+
+    Raises:
+        ValueError: naming the folder or the files, before anything is trained or written.
+    """
+    from ..argtypes import is_run_folder
+
+    if is_run_folder(folder):
+        raise ValueError(
+            f"{page}: its figures and JSON go to {folder}, which is a training run's folder (they would mix "
+            "with the run's files): rename the page or move the run"
+        )
+    for _, spec in specs:
+        if _markers(spec.name)[0] in text:
+            continue  # the page's own earlier output: replaced, as the block says
+        clash = [folder / f"{spec.name}.{ext}" for ext in ("md", "json")]
+        clash = [p for p in clash if p.exists()] + sorted(folder.glob(f"{spec.name}_*.png"))
+        if clash:
+            raise ValueError(
+                f"{page}: sweep {spec.name!r} has no generated block on the page yet, but "
+                f"{', '.join(map(str, clash))} exist: reproduce would replace files it did not write; "
+                "move them away first"
+            )
+
+
 def reproduce_page(
     page: str | Path,
     *,
@@ -170,6 +198,7 @@ def reproduce_page(
                 f"{', '.join(map(repr, names))}"
             )
         specs = [(path, spec) for path, spec in specs if spec.name in only]
+    _refuse_foreign_outputs(page, folder, text, specs)
     if not run:  # every sweep checked before any page or report file is written
         for path, spec in specs:
             db, _ = default_paths(spec, path)

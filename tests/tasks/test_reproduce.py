@@ -273,3 +273,29 @@ def test_only_the_named_sweep_of_a_page_is_run_and_rewritten(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert "--sweep: 'nosuch'; " in err and "names the sweeps 'elsewhere', 'tiny'" in err, err
     assert page.read_text() == before
+
+
+def test_reproduce_never_writes_into_a_run_or_over_files_it_did_not_write(tmp_path, monkeypatch, capsys):
+    """Hostile trial 11, finding 3: a page's first `reproduce` replaced a user's files named like its
+    outputs (PAGE/NAME.md, NAME.json), and a page named like a training run (r1.md) wrote into the
+    run's folder r1/. Both are refused before anything runs; the page's own earlier outputs are still
+    replaced."""
+    calls = []
+    page = _setup(tmp_path, monkeypatch, calls)
+    mine = page.with_suffix("")
+    mine.mkdir()
+    (mine / "tiny.json").write_text("precious")
+    with pytest.raises(ValueError, match="reproduce would replace files it did not write"):
+        reproduce_page(page, progress=False, log=lambda s: None)
+    assert (mine / "tiny.json").read_text() == "precious" and calls == []
+    (mine / "tiny.json").unlink()
+    reproduce_page(page, progress=False, log=lambda s: None)  # now the page has its block:
+    assert main(["reproduce", str(page), "--no-run"]) == 0  # its own outputs are replaced
+    run = page.parent / "r1"
+    (run / "ckpt-000002").mkdir(parents=True)
+    (run / "latest").write_text("ckpt-000002\n")
+    other = page.parent / "r1.md"
+    other.write_text(page.read_text())
+    assert main(["reproduce", str(other), "--no-run"]) == 2
+    assert f"its figures and JSON go to {run}, which is a training run's folder" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt-000002", "latest"]
