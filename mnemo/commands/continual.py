@@ -617,4 +617,12 @@ def _cmd(args) -> int:
     for r in res["experiments"].values():
         print(table(r) + "\n")
     print("wrote " + ", ".join(res["paths"]))
+    # --force replaced continual.json/.md: a plot of an experiment they no longer hold would read
+    # as part of these results
+    stale = [Path(args.out) / f"{e}.png" for e in EXPERIMENTS if e not in exps]
+    stale = [p for p in stale if p.is_file()]
+    for p in stale:
+        p.unlink()
+    if stale:
+        print("removed the replaced results' plots: " + ", ".join(p.name for p in stale))
     return 0

@@ -209,3 +209,14 @@ def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path, capsys):
         assert (tmp_path / f"{exp}.png").stat().st_size > 0
     md = (tmp_path / "continual.md").read_text()
     assert "**abab**" in md and "**class_incremental**" in md and "| cms-1 |" in md
+    # --force with one experiment: the plots of the experiments it no longer holds go (hostile
+    # trial 11: abab.png stayed beside results without abab)
+    one = ["continual", "--experiment", "abab", "--seeds", "1", "--steps", "2", "--eval-streams", "4"]
+    one += ["--models", "cms-1", "--workers", "1", "--out", str(tmp_path), "--no-progress"]
+    assert main(one) == 2 and "already holds results" in capsys.readouterr().err
+    assert main([*one, "--force"]) == 0
+    assert "removed the replaced results' plots: forgetting_mqar.png, class_incremental.png" in (
+        capsys.readouterr().out
+    )
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["abab.png"]
+    assert set(json.loads((tmp_path / "continual.json").read_text())["experiments"]) == {"abab"}
