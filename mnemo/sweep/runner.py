@@ -235,9 +235,18 @@ def run_sweep(
     log = log or tqdm.write
     staged = spec.select_lr_on_seed is not None and spec.selection == "staged"
     with SweepDB(db_path) as db:
+        ids = {r.run_id for r in runs}
+        # a run is one configuration (its id hashes it) and one row: shared with another sweep's
+        # name, this sweep would count the other's runs as its own and record none (its report empty)
+        foreign = sorted({r["sweep"] for r in db.rows() if r["run_id"] in ids and r["sweep"] != spec.name})
+        if foreign:
+            raise ValueError(
+                f"sweep {spec.name!r}: {db_path} already holds runs of the same configurations under sweep "
+                f"{', '.join(map(repr, foreign))}; give this sweep its own database (drop --db: "
+                f"runs/sweeps/{spec.name}.sqlite) or its file the name {foreign[0]!r}"
+            )
         db.set_meta(spec.name, spec.meta())
         finished = db.finished_ids()
-        ids = {r.run_id for r in runs}
         stale = [r for r in db.rows(spec.name) if r["run_id"] not in ids]
         if stale:
             log(

@@ -299,3 +299,26 @@ def test_reproduce_never_writes_into_a_run_or_over_files_it_did_not_write(tmp_pa
     assert main(["reproduce", str(other), "--no-run"]) == 2
     assert f"its figures and JSON go to {run}, which is a training run's folder" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["ckpt-000002", "latest"]
+
+
+def test_a_sweep_refuses_a_database_holding_its_runs_under_another_name(tmp_path, monkeypatch, capsys):
+    """Hostile trial 11: `mnemo sweep s2.yaml --db s1.sqlite` (s2 = s1 renamed) exited 0 saying
+    "2 already finished" and recorded nothing under s2, so `report --sweep s2` found no sweep. A
+    run's id hashes its configuration and has one row: the sweep now refuses, naming the database
+    and the other sweep, before anything is trained or recorded."""
+    calls = []
+    _setup(tmp_path, monkeypatch, calls)
+    assert main(["sweep", "configs/tiny.yaml", "--no-progress"]) == 0
+    trained = len(calls)
+    spec = yaml.safe_load((tmp_path / "configs" / "tiny.yaml").read_text()) | {"name": "tiny2"}
+    (tmp_path / "configs" / "tiny2.yaml").write_text(yaml.safe_dump(spec))
+    argv = ["sweep", "configs/tiny2.yaml", "--db", "runs/sweeps/tiny.sqlite", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "runs/sweeps/tiny.sqlite already holds runs of the same configurations under sweep 'tiny'" in err
+    assert len(calls) == trained
+    from mnemo.sweep.db import SweepDB
+
+    with SweepDB(tmp_path / "runs" / "sweeps" / "tiny.sqlite", create=False) as db:
+        assert db.sweeps() == ["tiny"]
+    assert main(["sweep", "configs/tiny2.yaml", "--no-progress"]) == 0  # its own database: fine
