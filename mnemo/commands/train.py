@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -79,11 +78,9 @@ def _set_aside_old_results(out: Path) -> None:
     old = [out / name for name in ("probes", "tb") if (out / name).exists()]
     if not old:
         return
-    n = 1
-    while (out / "kept" / f"overwritten-{n}").exists():
-        n += 1
-    dest = out / "kept" / f"overwritten-{n}"
-    dest.mkdir(parents=True)
+    from ..train.checkpoint import new_kept_folder
+
+    dest = new_kept_folder(out, "overwritten")
     for p in old:
         p.rename(dest / p.name)
     names = ", ".join(p.name + "/" for p in old)
@@ -98,8 +95,9 @@ def _set_aside_old_run(out: Path) -> Path | None:
     ``metrics.jsonl`` move to ``OUT/.overwritten-PID/`` (out of the new run's way; a kill leaves
     them there, whole), ``probes/`` and ``tb/`` to ``OUT/kept/``. :func:`_settle_old_run` then
     discards them once the new run has a checkpoint, or puts them back if it has none."""
-    old = [p for p in out.glob("ckpt-*") if p.is_dir() and re.fullmatch(r"ckpt-\d+", p.name)]
-    old += [p for p in (out / "latest", out / "metrics.jsonl") if p.is_file()]  # (ckpt-notes stays)
+    from ..train.checkpoint import run_checkpoints
+
+    old = run_checkpoints(out) + [p for p in (out / "latest", out / "metrics.jsonl") if p.is_file()]
     _set_aside_old_results(out)
     if not old:
         return None
@@ -142,8 +140,9 @@ def _refuse_inputs_discarded(out: Path, cfg) -> None:
     Raises:
         ValueError: naming the flag, its value and the run folder.
     """
-    doomed = [out / "latest", out / "metrics.jsonl", *(p for p in out.glob("ckpt-*") if p.is_dir())]
-    doomed = [p.resolve() for p in doomed if re.fullmatch(r"ckpt-\d+|latest|metrics\.jsonl", p.name)]
+    from ..train.checkpoint import run_checkpoints
+
+    doomed = [p.resolve() for p in (out / "latest", out / "metrics.jsonl", *run_checkpoints(out))]
     for flag, value in (("--init-from", cfg.init_from), ("--data", cfg.data), ("--tokenizer", cfg.tokenizer)):
         if not value or not isinstance(value, (str, Path)):
             continue

@@ -178,9 +178,7 @@ def save_checkpoint(
         os.replace(tmp, final)
     _fsync_dir(out)
     atomic_write_text(out / LATEST, final.name + "\n")
-    ckpts = sorted(  # by step, not name; only mnemo's own names (a user's ckpt-abc is left alone)
-        (p for p in out.glob("ckpt-*") if p.is_dir() and _CKPT_NAME.fullmatch(p.name)), key=_step_of
-    )
+    ckpts = run_checkpoints(out)  # by step, not name; only mnemo's own names (a user's ckpt-abc stays)
     for old in ckpts[:-keep] if keep > 0 else []:
         if old != final:
             # out of sight first: a crash mid-delete must not leave a half checkpoint to resume from
@@ -266,6 +264,24 @@ def clean_stale_temporaries(out: str | Path) -> list[str]:
     return removed
 
 
+def run_checkpoints(out: str | Path) -> list[Path]:
+    """The checkpoint folders of run folder ``out`` that mnemo names (``ckpt-NNNNNN``; a user's
+    ``ckpt-notes`` is not one), sorted by step."""
+    own = (p for p in Path(out).glob("ckpt-*") if p.is_dir() and _CKPT_NAME.fullmatch(p.name))
+    return sorted(own, key=_step_of)
+
+
+def new_kept_folder(out: str | Path, prefix: str) -> Path:
+    """Make and return ``OUT/kept/PREFIX-N`` for the smallest ``N >= 1`` not taken: where a run
+    sets aside what it does not delete (``overwritten-N``, ``superseded-N``)."""
+    n = 1
+    while (Path(out) / "kept" / f"{prefix}-{n}").exists():
+        n += 1
+    dest = Path(out) / "kept" / f"{prefix}-{n}"
+    dest.mkdir(parents=True)
+    return dest
+
+
 def _step_of(p: Path) -> int:
     try:
         return int(p.name.split("-")[-1])
@@ -306,7 +322,7 @@ def resolve_checkpoint(
             _warn_unverified(p, warn)
         return p
     latest = p / LATEST
-    own = [c for c in p.glob("ckpt-*") if c.is_dir() and _CKPT_NAME.fullmatch(c.name)]
+    own = run_checkpoints(p)
     linked = None  # ``latest`` made by hand as a symbolic link (``ln -s ckpt-000500 latest``)
     if latest.is_symlink():
         dest = latest.resolve()

@@ -29,15 +29,15 @@ from ..data.tokenizer import save_tokenizer
 from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
 from . import checkpoint
 from .checkpoint import (
-    _CKPT_NAME,
     STATE_NAME,
     TRAIN_CONFIG_NAME,
-    _step_of,
     atomic_write_text,
     clean_stale_temporaries,
     load_json,
     load_trainer_state,
+    new_kept_folder,
     resolve_checkpoint,
+    run_checkpoints,
     save_checkpoint,
 )
 from .config import TrainConfig
@@ -295,22 +295,14 @@ class RunFolder:
         pointed back by hand, or a newer checkpoint is damaged): training on would replace them
         one by one and rotation would mix two histories. They move to ``OUT/kept/superseded-N/``
         (under the folder's lock), with a warning; returns their new paths."""
-        newer = [
-            p
-            for p in self.out.glob("ckpt-*")
-            if p.is_dir() and _CKPT_NAME.fullmatch(p.name) and _step_of(p) > step
-        ]
+        newer = [p for p in run_checkpoints(self.out) if self.saved_step(p) > step]
         if not newer:
             return []
         lock = lock_run_folder(self.out)
         try:
-            n = 1
-            while (self.out / "kept" / f"superseded-{n}").exists():
-                n += 1
-            dest = self.out / "kept" / f"superseded-{n}"
-            dest.mkdir(parents=True)
+            dest = new_kept_folder(self.out, "superseded")
             moved = []
-            for p in sorted(newer, key=_step_of):
+            for p in newer:
                 p.rename(dest / p.name)
                 moved.append(dest / p.name)
         finally:
