@@ -297,16 +297,27 @@ class ExistingDir(_PathKind):
 
 class OutDir(_PathKind):
     """A folder to write into: an existing folder, or a new one that can be created (its
-    nearest existing ancestor is a writable folder); never inside a checkpoint, and with
-    ``not_a_run`` not the root of a training run's folder (:func:`is_run_folder`)."""
+    nearest existing ancestor is a writable folder); never inside a checkpoint, with
+    ``not_a_run`` not the root of a training run's folder (:func:`is_run_folder`), and with
+    ``not_inside_run`` not inside one (a run's ``--overwrite`` discards, and its resume sets
+    aside, what lies in its folder: a run nested in ``RUN/kept/`` would go with them)."""
 
-    def __init__(self, what: str = "a folder to write into", not_a_run: bool = False):
+    def __init__(self, what: str = "a folder to write into", not_a_run: bool = False, not_inside_run=False):
         super().__init__(what)
         self.not_a_run = not_a_run
+        self.not_inside_run = not_inside_run
 
     def __call__(self, text: str) -> str:
         p = self._path(text)
         self._not_in_checkpoint(text, p)
+        if self.not_inside_run:
+            for a in p.absolute().parents:  # `.lock` alone is no mark here: other tools (pytest) make one
+                if any((a / name).is_file() for name in ("latest", "metrics.jsonl")):
+                    self.fail(
+                        text,
+                        f" (inside the training run {a}, whose --overwrite discards and whose resume sets "
+                        "aside what its folder holds: choose a folder outside it)",
+                    )
         if p.exists():
             if not p.is_dir():
                 self.fail(text, " (an existing file)")

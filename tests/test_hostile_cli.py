@@ -1919,3 +1919,49 @@ def test_a_temperature_below_the_dtypes_range_is_greedy():
     for t in (1e-39, 1e-46, 5e-324):
         assert sample_next(logits, t, None, torch.Generator()).tolist() == [1, 0]
         assert sample_next(logits, t, 2, torch.Generator()).tolist() == [1, 0]
+
+
+def test_a_damaged_newest_checkpoint_set_aside_leaves_latest_naming_the_resumed_one(run, tmp_path, capsys):
+    """Hostile trial 11: `--resume` past a damaged newest checkpoint resumed the older one and
+    moved the damaged one to kept/superseded-N, but `latest` still named it: a run that stopped
+    before its next checkpoint (here: already at --steps) left `latest` dangling. Now `latest`
+    names the checkpoint the run resumed from, and the warning says so."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    w = mine / "ckpt-000004" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-7])  # torn: fails its manifest
+    said = "moved to " + str(mine / "kept" / "superseded-1") + ", not replaced"
+    with pytest.warns(UserWarning, match=re.escape(said) + r".*latest now names ckpt-000002"):
+        assert _resume(mine, 2) == 0
+    assert (mine / "latest").read_text() == "ckpt-000002\n"
+    assert (mine / "kept" / "superseded-1" / "ckpt-000004").is_dir()
+    assert "already trained to step 2 (raise --steps to continue)" in capsys.readouterr().out
+
+
+def test_resume_with_fewer_steps_than_trained_says_so(run, tmp_path, capsys):
+    """Hostile trial 11: `--resume --steps 2` on a run at step 4 said only "already trained to
+    step 4", as if --steps had not been read. Now the message names the lower --steps and that the
+    run is not cut back; its checkpoints stay."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    before = _tree(mine / "ckpt-000004")
+    assert _resume(mine, 2) == 0
+    out = capsys.readouterr().out
+    assert (
+        "already trained to step 4, past --steps 2: nothing to do (the run is not cut back; raise "
+        "--steps above 4 to continue)" in out
+    ), out
+    assert _tree(mine / "ckpt-000004") == before and (mine / "latest").read_text() == "ckpt-000004\n"
+
+
+def test_train_out_inside_another_run_is_refused(run, tmp_path, capsys):
+    """Hostile trial 11: `train --out RUN/kept` trained a run inside another run's folder, where
+    that run's --overwrite would discard it. Refused before any work, naming the run."""
+    for inside in (run / "kept", run / "kept" / "x", run / "sub"):
+        assert main(["train", *TINY, "--steps", "1", "--out", str(inside)]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"--out: expected a run folder to write, got {str(inside)!r} (inside the training run {run},"
+            in err
+        )
+        assert not inside.exists()

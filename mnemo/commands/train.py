@@ -396,7 +396,12 @@ def _cmd_train(args) -> int:
         from ..train.optim import describe_optimizer
 
         say(describe_optimizer(c), flush=True)
-    if trainer.step >= c.steps:
+    if trainer.step > c.steps:  # --steps below the checkpoint's step: say so, the run is not cut back
+        say(
+            f"already trained to step {trainer.step}, past --steps {c.steps}: nothing to do (the run is "
+            f"not cut back; raise --steps above {trainer.step} to continue)"
+        )
+    elif trainer.step >= c.steps:
         say(f"already trained to step {trainer.step} (raise --steps to continue)")
     try:
         record = trainer.fit()
@@ -436,7 +441,7 @@ def add_commands(sub) -> None:
     run.add_argument(
         "--out",
         metavar="DIR",
-        type=kinds.OutDir("a run folder to write"),
+        type=kinds.OutDir("a run folder to write", not_inside_run=True),
         help="run directory (default runs/MODEL, runs/MODEL-2, ...)",
     )
     run.add_argument(

@@ -29,6 +29,7 @@ from ..data.tokenizer import save_tokenizer
 from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
 from . import checkpoint
 from .checkpoint import (
+    LATEST,
     STATE_NAME,
     TRAIN_CONFIG_NAME,
     atomic_write_text,
@@ -290,11 +291,13 @@ class RunFolder:
             warnings.warn(f"removed what a stopped run left in {self.out}: {', '.join(stale)}", stacklevel=3)
         return lock
 
-    def set_aside_newer(self, step: int) -> list[Path]:
+    def set_aside_newer(self, step: int, resumed: Path | None = None) -> list[Path]:
         """Resume from ``step`` while the run holds checkpoints of later steps (``latest`` was
         pointed back by hand, or a newer checkpoint is damaged): training on would replace them
         one by one and rotation would mix two histories. They move to ``OUT/kept/superseded-N/``
-        (under the folder's lock), with a warning; returns their new paths."""
+        (under the folder's lock), with a warning; returns their new paths. ``resumed``: the
+        checkpoint resumed from; when it is one of the run's own, ``latest`` is rewritten to name
+        it (it named a checkpoint that just moved, and would dangle until the next checkpoint)."""
         newer = [p for p in run_checkpoints(self.out) if self.saved_step(p) > step]
         if not newer:
             return []
@@ -305,13 +308,16 @@ class RunFolder:
             for p in newer:
                 p.rename(dest / p.name)
                 moved.append(dest / p.name)
+            own = resumed is not None and Path(resumed).absolute().parent == self.out.absolute()
+            if own:
+                atomic_write_text(self.out / LATEST, Path(resumed).name + "\n")
         finally:
             if lock is not None:
                 lock.close()
         warnings.warn(
             f"resume from step {step}: the run's later checkpoints ({', '.join(p.name for p in moved)}) "
             f"moved to {dest}, not replaced (to go back to them, move them into {self.out} and write "
-            "their name into latest)",
+            "their name into latest)" + (f"; latest now names {Path(resumed).name}" if own else ""),
             stacklevel=3,
         )
         return moved

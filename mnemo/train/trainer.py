@@ -164,7 +164,7 @@ class Trainer:
         self.carry.restore(ckpt, state, self.step)
         self.last_checkpoint = ckpt
         if self.is_main:  # under the folder's lock: never trim a live run's log
-            self.run_folder.set_aside_newer(self.step)
+            self.run_folder.set_aside_newer(self.step, ckpt)
             self.run_folder.truncate_metrics(self.step)
 
     @property

@@ -314,9 +314,9 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
 
     argv = ["train", "--model", "transformer", "--d-model", "16", "--n-layers", "1", "--seq-len", "16"]
     argv += ["--batch-size", "4", "--steps", "2", "--eval-interval", "2", "--eval-batches", "1"]
-    argv += ["--sample-tokens", "0", "--no-progress", "--out", str(tmp_path)]
+    argv += ["--sample-tokens", "0", "--no-progress", "--out", str(tmp_path / "a")]
     assert main(argv + ["--grad-accum", "2", "--activation-checkpointing"]) == 0
-    saved = json.loads((tmp_path / "ckpt-000002" / "train_config.json").read_text())
+    saved = json.loads((tmp_path / "a" / "ckpt-000002" / "train_config.json").read_text())
     assert saved["grad_accum"] == 2 and saved["activation_checkpointing"] is True
     assert "(2 micro-batches of 2 sequences)" in capsys.readouterr().out
     assert main(argv[:-2] + ["--out", str(tmp_path / "b"), "--grad-accum", "3"]) == 2

@@ -347,9 +347,11 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     # the damaged later checkpoint is set aside (kept/superseded-1/), not replaced by the new step 9
     aside = tmp_path / "b" / "kept" / "superseded-1" / "ckpt-000009" / "model.safetensors"
     assert aside.is_file() and not w.exists()
+    assert (tmp_path / "b" / "latest").read_text() == "ckpt-000006\n"  # not the checkpoint set aside
     assert _losses(again, 6) == ref[6:]
     # every checkpoint damaged: an error naming each bad file
-    shutil.move(aside.parent, w.parent)  # (the damaged one back in the run)
+    shutil.move(aside.parent, w.parent)  # (the damaged one back in the run, and latest naming it)
+    (tmp_path / "b" / "latest").write_text("ckpt-000009\n")
     c = tmp_path / "b" / "ckpt-000006" / "config.json"
     c.write_text(c.read_text().replace(":", ";", 1))  # same size, other bytes
     with pytest.raises(CorruptCheckpointError) as e:
