@@ -176,3 +176,39 @@ def test_a_model_too_large_to_build_is_a_one_line_error(capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "--d-model" in err and "does not fit" in err and "Traceback" not in err
+
+
+def test_decode_floor_counts_the_operators_a_step_dispatches():
+    """scripts/bench_decode_floor.py (issue 40 item 3): its operator counter counts each
+    dispatched ATen call once (a known expression: 3 ops), and a decode step's row holds its
+    operator count, its floor, the target time and at least the bytes of every block weight."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_floor.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_floor", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    with mod.CountOps() as c:
+        (a + b).mul(b).sum()
+    assert c.n == 3
+    rows = mod.main(
+        [
+            "--models",
+            "gla",
+            "--batches",
+            "1",
+            "--repeats",
+            "1",
+            "--stream-elements",
+            "4096",
+            "--context",
+            "16",
+        ]
+    )
+    (row,) = rows
+    assert row["ops"] > 50 and row["floor_s"] > 0 and row["target_s"] > 0 and row["step_s"] > 0
+    model = roofline.build("gla", 128, 4)
+    body = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks."))
+    assert row["model"] == "gla" and row["bytes"] >= 4 * body  # every block weight read once, fp32

@@ -1,0 +1,121 @@
+"""What bounds one-token decoding on a CPU (issue 40 item 3: decoding at >= 50% of the memory
+bandwidth limit): the bytes a step must read against the operators it dispatches.
+
+For each preset at the main job's size (registry defaults: d_model 128, 4 layers; vocabulary 256 as
+in ``mnemo bench --suite roofline``) and batch 1 and 8, in one process, interleaved:
+
+- ``bytes``: weights read once (the embedding only for the looked-up rows) + the recurrent state
+  (or KV cache) after a 256-token prompt, as the roofline suite counts them;
+- ``t(50% bw)``: the time those bytes take at half this run's STREAM triad bandwidth: the step time
+  the target asks for;
+- ``ops``: the ATen operators one decode step dispatches (counted with a ``TorchDispatchMode``:
+  every call that reaches a kernel, views included);
+- ``floor``: ``ops`` x this run's median cost of one dispatched operator on a one-element tensor
+  (a mix of add, mul, view and a 1x1 matmul): the time eager PyTorch needs to launch them, whatever
+  they compute;
+- ``step``: the measured decode step.
+
+When ``floor`` alone exceeds ``t(50% bw)``, no eager decode step that dispatches these operators one
+by one can meet the target: it needs fewer operators (fusion into one kernel per layer or per step).
+
+    python scripts/bench_decode_floor.py [--models gated_deltanet,mamba2,gla,transformer] [--repeats 20]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mnemo.bench.models import interleaved
+from mnemo.bench.roofline import build, decode_step_fn, stream_tasks, weight_bytes_per_step
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every ATen operator call that reaches dispatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_floor_task(n: int = 200):
+    """``n`` one-element operators of four kinds (add, mul, view, 1x1 matmul), ``n`` in all."""
+    a, b = torch.ones(1, 1), torch.ones(1, 1)
+
+    def run():
+        for _ in range(n // 4):
+            c = a + b
+            c = c * b
+            c = c.view(1)
+            torch.mm(a, b)
+
+    return run, n
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gated_deltanet,mamba2,gla,transformer")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--stream-elements", type=int, default=None, help="triad array length (default: the roofline's)"
+    )
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    models = a.models.split(",")
+    batches = [int(b) for b in a.batches.split(",")]
+    built = {m: build(m, 128, 4) for m in models}
+    tasks, ops = {}, {}
+    for m, model in built.items():
+        for b in batches:
+            step = decode_step_fn(model, b, a.context)
+            step()
+            with CountOps() as c:
+                step()
+            ops[(m, b)] = c.n
+            tasks[("decode", m, b)] = step
+    floor_fn, floor_n = op_floor_task()
+    tasks["floor"] = floor_fn
+    stream = stream_tasks() if a.stream_elements is None else stream_tasks(a.stream_elements)
+    tasks["triad"] = stream["triad"][0]
+    t0 = time.time()
+    times = interleaved(tasks, a.repeats, warmup=2)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    triad = stream["triad"][1] / med["triad"]
+    per_op = med["floor"] / floor_n
+    print(
+        f"# {a.threads} threads, torch {torch.__version__}, {a.repeats} interleaved rounds, medians; "
+        f"triad {triad / 1e9:.1f} GB/s; one dispatched operator {per_op * 1e6:.2f} us; "
+        f"timing took {time.time() - t0:.0f} s"
+    )
+    print(
+        "model            batch   bytes MB  t(50% bw) ms   ops  floor ms  step ms  floor/t(50%)  "
+        "step/floor  fraction of bw"
+    )
+    rows = []
+    for m, model in built.items():
+        for b in batches:
+            nbytes = weight_bytes_per_step(model, b) + model.state_size_bytes(b, a.context)
+            target = nbytes / (0.5 * triad)
+            floor = ops[(m, b)] * per_op
+            step = med[("decode", m, b)]
+            print(
+                f"{m:16s} {b:5d} {nbytes / 1e6:10.2f} {target * 1e3:13.3f} {ops[(m, b)]:5d} "
+                f"{floor * 1e3:9.3f} "
+                f"{step * 1e3:8.3f} {floor / target:13.1f} {step / floor:11.2f} {nbytes / step / triad:15.3f}"
+            )
+            rows.append({"model": m, "batch": b, "bytes": nbytes, "ops": ops[(m, b)], "floor_s": floor})
+            rows[-1].update(target_s=target, step_s=step)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
