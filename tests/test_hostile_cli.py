@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -1378,8 +1379,18 @@ def test_a_failed_run_leaves_no_lock_and_no_folder_it_made(tmp_path, capsys):
     # process that opened it before it went
     lock = lock_run_folder(done)
     stale = open(done / ".lock", "a+")
-    with pytest.raises(ValueError, match=r"is in use by another training process \(pid \d+\)"):
-        lock_run_folder(done)
+    refused = []
+
+    def other_holder():  # another thread, like another process (the same thread takes it again)
+        try:
+            lock_run_folder(done)
+        except ValueError as e:
+            refused.append(str(e))
+
+    worker = threading.Thread(target=other_holder)
+    worker.start()
+    worker.join()
+    assert len(refused) == 1 and re.search(r"is in use by another training process \(pid \d+\)", refused[0])
     lock.close()
     assert not (done / ".lock").exists()
     again = lock_run_folder(done)
@@ -1965,3 +1976,40 @@ def test_train_out_inside_another_run_is_refused(run, tmp_path, capsys):
             in err
         )
         assert not inside.exists()
+
+
+@pytest.mark.parametrize("second", [[], ["--overwrite"]])
+def test_a_second_training_cannot_start_in_a_folder_whose_run_is_being_set_up(
+    tmp_path, monkeypatch, capsys, second
+):
+    """Hostile trial 12, data loss 1: `train --out cf` checked the folder, then loaded its data (8 s
+    of a large corpus) before taking the folder's lock; a second `train --out cf` (or `--overwrite`)
+    ran whole in between, and the first then trained into its run (latest replaced, its
+    checkpoint rotated away on resume). Now the command takes the folder first: the second is
+    refused while the first is still being set up, and the first run is whole."""
+    import mnemo.train as train_pkg
+
+    out = tmp_path / "cf"
+    real, second_status = train_pkg.Trainer, []
+
+    def while_setting_up(*a, **k):  # the second command, started while the first builds its run
+        if second_status:  # (the second command's own Trainer, if it gets that far)
+            return real(*a, **k)
+        second_status.append(None)
+        t = threading.Thread(
+            target=lambda: second_status.append(
+                main(["train", *TINY, "--steps", "3", "--warmup-steps", "1", "--out", str(out), *second])
+            )
+        )
+        t.start()
+        t.join()
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_pkg, "Trainer", while_setting_up)
+    assert main(["train", *TINY, "--steps", "2", "--warmup-steps", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert second_status == [None, 2], err
+    assert f"run folder {out} is in use by another training process (pid {os.getpid()})" in err
+    assert (out / "latest").read_text() == "ckpt-000002\n" and not (out / "ckpt-000003").exists()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2]

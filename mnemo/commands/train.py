@@ -4,6 +4,7 @@ the command, which resolves the run folder (new, --resume, --overwrite) and runs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -222,6 +223,11 @@ def _saved_task(out) -> str | None:
 
 
 def _cmd_train(args) -> int:
+    with contextlib.ExitStack() as held:  # the run folder's lock, once taken: until the command ends
+        return _train(args, held)
+
+
+def _train(args, held: contextlib.ExitStack) -> int:
     import torch
 
     from ..interp import circuit_callbacks
@@ -305,12 +311,18 @@ def _cmd_train(args) -> int:
         out = _default_out(cfg.model)
     else:
         out = Path(args.out)
-        if not out.exists() and main:  # prove it can be made before the model and data load
-            try:
-                out.mkdir(parents=True)
-                out.rmdir()  # (the Trainer makes it again, and owns it)
-            except OSError as e:
-                raise ValueError(f"--out: {out} cannot be created: {e.strerror}") from None
+    existed = out.exists()
+    if main:  # the folder is this process's from here on: what is checked below stays true until the end
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out: {out} cannot be created: {e.strerror}") from None
+        from ..train.run_folder import lock_run_folder
+
+        lock = lock_run_folder(out, remove_empty=not existed)  # refuses while another process holds it
+        if lock is not None:
+            held.enter_context(lock)
+    if args.out is not None:
         has_ckpt = (out / "latest").exists()
         # a run whose `latest` was lost still holds its checkpoints and log
         leftovers = sorted(p.name for p in out.glob("ckpt-[0-9]*") if p.is_dir()) if out.is_dir() else []
@@ -334,12 +346,6 @@ def _cmd_train(args) -> int:
         barrier()
         if args.overwrite and out.exists():
             _refuse_inputs_discarded(out, cfg)  # (every rank: each stops with the same error)
-            if main:
-                from ..train.trainer import lock_run_folder
-
-                lock = lock_run_folder(out)  # refuses while another process trains in the folder
-                if lock is not None:
-                    lock.close()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:  # the data, tokenizer, model and --init-from weights load before --overwrite discards
@@ -353,7 +359,7 @@ def _cmd_train(args) -> int:
         )
     except KeyboardInterrupt as e:
         e.then = "; the run was still being set up: " + (
-            f"{out} is as it was" if out.exists() else "nothing was written"
+            f"{out} is as it was" if existed else "nothing was written"
         )
         raise
     aside = None

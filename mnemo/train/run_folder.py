@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -172,6 +173,7 @@ class RunLock:
 
     def __init__(self, file, path: Path, remove_empty: bool = False):
         self.file, self.path, self.remove_empty = file, path, remove_empty
+        self.key = _held_key(path.parent)
 
     def __enter__(self) -> RunLock:
         return self
@@ -189,6 +191,7 @@ class RunLock:
     def close(self) -> None:
         if self.file.closed:
             return
+        _HELD.pop(self.key, None)
         try:  # unlinked while still held: a process that opened it meanwhile sees it went (below)
             if os.path.samestat(os.fstat(self.file.fileno()), os.stat(self.path)):
                 self.path.unlink()
@@ -203,12 +206,48 @@ class RunLock:
                 pass
 
 
-def lock_run_folder(out: Path, remove_empty: bool = False) -> RunLock | None:
+class _HeldAgain:
+    """What :func:`lock_run_folder` returns to a thread that already holds the folder (the
+    ``train`` command holds it from its first check to its end, the Trainer takes it again in
+    ``fit``): the outer :class:`RunLock` stays held; closing this does nothing."""
+
+    def __init__(self, outer: RunLock):
+        self.outer = outer
+
+    def __enter__(self) -> _HeldAgain:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self.outer.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self.outer.closed
+
+    def close(self) -> None:
+        pass
+
+
+#: the run folders this process holds, by (real path, process, thread): a thread that holds one may
+#: take it again (:class:`_HeldAgain`); another thread, like another process (a forked child too), is
+#: refused
+_HELD: dict[tuple[str, int, int], RunLock] = {}
+
+
+def _held_key(out: Path) -> tuple[str, int, int]:
+    return os.path.realpath(out), os.getpid(), threading.get_ident()
+
+
+def lock_run_folder(out: Path, remove_empty: bool = False) -> RunLock | _HeldAgain | None:
     """Take the run folder ``out`` for this process: an exclusive advisory lock on ``out/.lock``
     (``flock``), held until the returned :class:`RunLock` is closed (which removes ``.lock``;
     ``remove_empty``: and ``out`` if nothing else is in it then; default ``remove_empty=False``).
     The kernel drops the lock when its process dies, so a crashed run's lock is taken over without
-    ceremony. On systems without ``fcntl`` this is a no-op.
+    ceremony. On systems without ``fcntl`` this is a no-op. A thread that already holds the folder
+    gets a :class:`_HeldAgain` (the lock stays held until the first holder closes it).
 
     Raises:
         ValueError: another live process holds the folder (the message names its pid).
@@ -217,6 +256,9 @@ def lock_run_folder(out: Path, remove_empty: bool = False) -> RunLock | None:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
         return None
+    again = _HELD.get(_held_key(out))
+    if again is not None and not again.closed:
+        return _HeldAgain(again)
     path = out / LOCK_NAME
     for _ in range(100):
         f = open(path, "a+")
@@ -243,7 +285,9 @@ def lock_run_folder(out: Path, remove_empty: bool = False) -> RunLock | None:
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
-    return RunLock(f, path, remove_empty)
+    lock = RunLock(f, path, remove_empty)
+    _HELD[lock.key] = lock
+    return lock
 
 
 class RunFolder:
