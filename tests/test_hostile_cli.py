@@ -2013,3 +2013,34 @@ def test_a_second_training_cannot_start_in_a_folder_whose_run_is_being_set_up(
     assert (out / "latest").read_text() == "ckpt-000002\n" and not (out / "ckpt-000003").exists()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2]
+
+
+def test_an_export_exported_again_keeps_its_tokenizer(tmp_path, capsys):
+    """Hostile trial 12, data loss 2: `mnemo export exp1 exp2` of an exported folder wrote exp2
+    without mnemo's tokenizer (exp1 holds it as mnemo_tokenizer.json), `convert exp2` then made
+    a checkpoint that `generate` refused, and both said only "wrote". Now the tokenizer travels,
+    and a source without any tokenizer is said in a warning."""
+    rm = tmp_path / "rm"
+    assert (
+        main(["train", *TINY, "--model", "mamba", "--steps", "2", "--warmup-steps", "1", "--out", str(rm)])
+        == 0
+    )
+    with pytest.warns(UserWarning, match="mnemo's own char/byte tokenizer"):
+        assert main(["export", str(rm), str(tmp_path / "exp1")]) == 0
+    assert main(["export", str(tmp_path / "exp1"), str(tmp_path / "exp2")]) == 0
+    tok = (rm / "ckpt-000002" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "exp2" / "mnemo_tokenizer.json").read_bytes() == tok
+    assert main(["convert", str(tmp_path / "exp2"), str(tmp_path / "conv")]) == 0
+    assert (tmp_path / "conv" / "tokenizer.json").read_bytes() == tok
+    capsys.readouterr()
+    assert (
+        main(["generate", "--checkpoint", str(tmp_path / "conv"), "--prompt", "KI", "--max-new-tokens", "3"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("KI")
+    # no tokenizer in the source: the export and the conversion say so
+    (tmp_path / "exp2" / "mnemo_tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match=r"exp2 holds no tokenizer .* so .*exp3 has none"):
+        assert main(["export", str(tmp_path / "exp2"), str(tmp_path / "exp3")]) == 0
+    with pytest.warns(UserWarning, match=r"exp3 holds no tokenizer .* so .*conv3 has none"):
+        assert main(["convert", str(tmp_path / "exp3"), str(tmp_path / "conv3")]) == 0

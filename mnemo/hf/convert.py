@@ -387,7 +387,18 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
         # unless a Hugging Face tokenizer.json came with it
         back = f.name == MNEMO_TOKENIZER_NAME and "tokenizer.json" not in names
         shutil.copy2(f, o / ("tokenizer.json" if back else f.name))
+    if not tok:
+        _warn_no_tokenizer(src, o)
     return o
+
+
+def _warn_no_tokenizer(src, out: Path) -> None:
+    """``src`` held no tokenizer file, so ``out`` has none: said, since text commands need one."""
+    warnings.warn(
+        f"{src} holds no tokenizer ({', '.join((*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME))}), so {out} has "
+        "none: `mnemo generate` and `mnemo eval` on text need one (copy it in as tokenizer.json)",
+        stacklevel=3,
+    )
 
 
 def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
@@ -445,6 +456,10 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
                     )
                     continue
                 shutil.copy2(src / n, o / n)
+        if (src / MNEMO_TOKENIZER_NAME).is_file() and not (src / "tokenizer.json").is_file():
+            shutil.copy2(src / MNEMO_TOKENIZER_NAME, o / MNEMO_TOKENIZER_NAME)  # an export exported again
+        if not any((o / n).is_file() for n in (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)):
+            _warn_no_tokenizer(src, o)
         eos = _eos_token_id(src)
         if eos is not None and "eos_token_id" not in hf_config:
             hf_config["eos_token_id"] = eos
