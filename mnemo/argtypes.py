@@ -260,8 +260,7 @@ class _PathKind(Kind):
         if ckpt is not None:
             self.fail(
                 text,
-                f" (inside the checkpoint {ckpt}, which training rotates away: write beside it, e.g. "
-                f"{ckpt.parent / 'probes'})",
+                f" (inside the checkpoint {ckpt}, which training rotates away: choose a folder outside it)",
             )
 
 

@@ -596,6 +596,30 @@ def test_the_yaml_number_trap_is_explained(tmp_path, capsys):
     assert "0.003" in err
 
 
+def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path, capsys):
+    """Hostile trial 12: `steps: 2` then `steps: 3` trained 3 steps without a word (PyYAML keeps
+    the last); the same in JSON. Refused, naming the key (and in YAML its lines). A quoted number
+    in a JSON file was explained as YAML 1.1's trap alone: the hint now says what to write in JSON."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("steps: 2\nlr: 0.001\nsteps: 3\n")
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "the key 'steps' is written twice (lines 1 and 3); keep one" in err, err
+    js = tmp_path / "c.json"
+    js.write_text('{"steps": 2, "steps": 3}')
+    assert main(["train", "--config", str(js), "--out", str(tmp_path / "r")]) == 2
+    assert "the key(s) ['steps'] are written twice in one object" in capsys.readouterr().err
+    js.write_text('{"lr": "3e-3"}')
+    assert main(["train", "--config", str(js), "--out", str(tmp_path / "r")]) == 2
+    assert "or as 0.003; in a JSON file, without quotes)" in capsys.readouterr().err
+    nested = tmp_path / "n.yaml"  # the same key in two different mappings is fine
+    nested.write_text("model_overrides: {d_model: 16}\nsteps: 1\nd_model_note: {d_model: 8}\n")
+    from mnemo.train.config import load_config_file
+
+    assert load_config_file(nested)["model_overrides"] == {"d_model": 16}
+    assert not (tmp_path / "r").exists()
+
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -754,7 +778,8 @@ def test_config_values_out_of_range_are_refused_as_the_flags_are(tmp_path, capsy
         ("seed: -3\n", "TrainConfig.seed: expected an int in 0 … 2**63 − 1"),
         (
             "steps: 1e3\n",
-            "got '1e3' (a string: YAML 1.1 reads 1e3 as text, not a number; write the int as 1000)",
+            "got '1e3' (a string: YAML 1.1 reads 1e3 as text, not a number; write the int as 1000; in a JSON "
+            "file, without quotes)",
         ),
         ("sample_tokens: 1000000000\n", "TrainConfig.sample_tokens: expected an int in 0 … 100,000"),
     ):
@@ -2044,3 +2069,19 @@ def test_an_export_exported_again_keeps_its_tokenizer(tmp_path, capsys):
         assert main(["export", str(tmp_path / "exp2"), str(tmp_path / "exp3")]) == 0
     with pytest.warns(UserWarning, match=r"exp3 holds no tokenizer .* so .*conv3 has none"):
         assert main(["convert", str(tmp_path / "exp3"), str(tmp_path / "conv3")]) == 0
+
+
+def test_sweep_out_inside_a_training_run_is_refused(run, tmp_path, capsys):
+    """Hostile trial 12: `sweep --out RUN/probes` put a sweep's runs inside a training run's folder
+    (whose --overwrite would discard them); and the refusal of --out inside a checkpoint suggested
+    `RUN/probes`, which `train` then refused. Both now name what to choose."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\nmodels: [gla]\ngrid: {lr: [1e-3]}\n")
+    assert main(["sweep", str(spec), "--out", str(run / "probes")]) == 2
+    assert f"(inside the training run {run}," in capsys.readouterr().err
+    assert main(["train", *TINY, "--out", str(run / "ckpt-000004" / "x")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"(inside the checkpoint {run / 'ckpt-000004'}, which training rotates away: choose a folder " in err
+    )
+    assert "probes" not in err and not (run / "probes").exists()

@@ -51,6 +51,8 @@ def check_suite_options(args) -> None:
 
 def _cmd_bench(args) -> int:
     kinds.refuse_existing(args.json, "--json", args.overwrite)
+    if args.json:  # its folder now, not after the work (each suite writes the file itself)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     check_suite_options(args)
     for dest in ("models", "peers", "ops"):  # a name twice would time (and print) its rows twice
         names = [n.strip() for n in (getattr(args, dest, None) or "").split(",") if n.strip()]
@@ -99,7 +101,9 @@ def _bench_all(args) -> int:
             path = Path(a.json)
             combined[suite] = json.loads(path.read_text()) if path.is_file() else None
     if args.json:
-        Path(args.json).write_text(json.dumps(combined, indent=2))
+        from ..train.checkpoint import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(combined, indent=2))
         print(f"wrote {args.json}")
     return rc
 

@@ -189,7 +189,7 @@ def add_commands(sub) -> None:
     )
     s.add_argument(
         "--out",
-        type=kinds.OutDir(not_a_run=True),
+        type=kinds.OutDir(not_a_run=True, not_inside_run=True),
         help="run directories (default: the file's 'out', else runs/sweeps/NAME/)",
     )
     s.add_argument(

@@ -97,7 +97,7 @@ def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
         if size != want["bytes"]:
             problems.append(
                 f"{f} has {size:,} bytes, its manifest says {want['bytes']:,}"
-                + (" (truncated)" if size < want["bytes"] else "")
+                + (" (shorter: truncated or edited)" if size < want["bytes"] else " (edited)")
             )
         elif _sha256(f) != want["sha256"]:
             problems.append(f"{f} has a different SHA-256 than its manifest (changed after it was written)")

@@ -676,13 +676,17 @@ def _yaml_hint(value, integer: bool = False) -> str:
         unquoted = value
     if not isinstance(unquoted, str):  # YAML reads it as a number: it was quoted (or came from JSON)
         return " (a string: write the number without quotes)"
+    json_too = "; in a JSON file, without quotes"  # (which kind of file it came from is not known here)
     if integer:
         if not (math.isfinite(number) and number == int(number)):
             return ""
-        return f" (a string: YAML 1.1 reads {value} as text, not a number; write the int as {int(number)})"
+        return (
+            f" (a string: YAML 1.1 reads {value} as text, not a number; write the int as {int(number)}"
+            f"{json_too})"
+        )
     return (
         f" (a string: YAML 1.1 reads {value} as text, not a number; write it with a dot and a signed "
-        f"exponent, e.g. {number:.1e}, or as {number!r})"
+        f"exponent, e.g. {number:.1e}, or as {number!r}{json_too})"
     )
 
 
@@ -693,6 +697,38 @@ def _looks_like_path(value: str) -> bool:
     return bool(value) and (Path(value).exists() or "/" in value or "\\" in value or value.endswith(".json"))
 
 
+class _RepeatedKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (PyYAML keeps the last
+    silently: ``steps: 2`` then ``steps: 3`` would train 3 steps without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise _RepeatedKey(
+                    f"the key {key!r} is written twice (lines {first} and {key_node.start_mark.line + 1}); "
+                    "keep one"
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _no_repeated_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"the key(s) {twice} are written twice in one object; keep one of each")
+    return dict(pairs)
+
+
 def load_config_file(
     path: str | Path, kind: str = "config file", holds: str = "TrainConfig fields", empty_ok: bool = False
 ) -> dict[str, Any]:
@@ -701,7 +737,8 @@ def load_config_file(
 
     Raises:
         FileNotFoundError: no such file. ValueError: not UTF-8, not YAML/JSON, not a mapping, or
-            empty (a 0-byte or comments-only file: an explicit ``{}`` is how to ask for defaults),
+            a key written twice in one mapping, or empty (a 0-byte or comments-only file: an
+            explicit ``{}`` is how to ask for defaults),
             unless ``empty_ok`` (then ``{}``: the caller says what an empty file lacks); default
             ``empty_ok=False``.
     """
@@ -715,8 +752,12 @@ def load_config_file(
             f"{kind} {str(path)!r} is not UTF-8 text (a YAML or JSON file of {holds}): {e}"
         ) from e
     try:
-        d = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        d = (
+            json.loads(text, object_pairs_hook=_no_repeated_keys)
+            if p.suffix == ".json"
+            else yaml.load(text, Loader=_UniqueKeyLoader)
+        )
+    except (json.JSONDecodeError, yaml.YAMLError, ValueError) as e:
         where = " ".join(str(e).split())  # one line: YAML's message draws the place over several
         raise ValueError(f"cannot parse {kind} {str(path)!r}: {where}") from e
     if d is None:  # an empty file (or only comments): every setting would silently be a default
