@@ -2085,3 +2085,15 @@ def test_sweep_out_inside_a_training_run_is_refused(run, tmp_path, capsys):
         f"(inside the checkpoint {run / 'ckpt-000004'}, which training rotates away: choose a folder " in err
     )
     assert "probes" not in err and not (run / "probes").exists()
+
+
+def test_a_checkpoint_without_manifest_is_warned_about_once(run, tmp_path, capsys):
+    """Hostile trial 12: eval of a checkpoint whose manifest.json was deleted printed the
+    "loading it unverified" warning twice (the checkpoint is resolved twice); once per command now,
+    and again by the next command."""
+    mine = tmp_path / "mine"
+    shutil.copytree(run, mine)
+    (mine / "ckpt-000004" / "manifest.json").unlink()
+    for _ in range(2):
+        assert main(["eval", "--checkpoint", str(mine), "--max-batches", "1"]) == 0
+        assert capsys.readouterr().err.count("has no manifest.json") == 1

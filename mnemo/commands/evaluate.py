@@ -26,8 +26,13 @@ def refuse_task_checkpoint(ckpt, why: str) -> None:
         )
 
 
+_SAID: set[str] = set()  # warnings already printed by this process (a checkpoint is resolved twice)
+
+
 def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)
+    if msg not in _SAID:
+        _SAID.add(msg)
+        print(f"warning: {msg}", file=sys.stderr)
 
 
 def _refuse_sharded(ckpt, given) -> None:
@@ -106,6 +111,7 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
 
 
 def _cmd_eval(args) -> int:
+    _SAID.clear()  # (once per command, not per process: tests call main() again)
     from ..train import resolve_checkpoint
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
@@ -325,6 +331,7 @@ def _check_generate_memory(model, length: int, device: str) -> None:
 
 
 def _cmd_generate(args) -> int:
+    _SAID.clear()  # (once per command, not per process: tests call main() again)
     from ..train import generate_text
 
     if args.max_new_tokens < 0:
