@@ -678,7 +678,9 @@ def write_report(
             else ""
         )
         text = (
-            f"## sweep `{name}`\n\n{len(rows)} runs ({n_done} done) over seeds {seeds}, total wall "
+            f"## sweep `{name}`\n\n{len(rows)} runs ({n_done} done"
+            + (f"; {old_runs} of an earlier version of the sweep file, left out" if old_runs else "")
+            + f") over seeds {seeds}, total wall "
             f"time {total_wall / 60:.1f} min; {_selection_note(select, seeds, metric, _tuned(rows))}. "
             f"`{metric}`: mean over the reported seeds that finished training; `{confidence:.0%} CI`: "
             f"Student-t interval of that mean (mean ± t·s/√n, none for n=1); n: seeds in the mean"

@@ -365,3 +365,16 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_the_report_header_says_which_runs_an_edited_sweep_left_out(tmp_path):
+    """Hostile trial 12: after the sweep file was edited and run again under the same name, the
+    report's header said "2 runs (2 done)" while its table used 1 (the other is of the earlier
+    version). The header now says how many it left out."""
+    db = tmp_path / "s.sqlite"
+    for steps in (2, 3):
+        spec = _spec(models=["gla"], grid={"lr": [1e-2]}, base={**BASE, "steps": steps})
+        run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    with pytest.warns(UserWarning, match="1 run"):
+        text = write_report(db, tmp_path / "rep")["tiny"]["markdown"]
+    assert "2 runs (2 done; 1 of an earlier version of the sweep file, left out) over seeds [0]" in text
