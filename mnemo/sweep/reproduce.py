@@ -121,10 +121,16 @@ def _refuse_foreign_outputs(page: Path, folder: Path, text: str, specs) -> None:
     an earlier call did not write (the page has no generated block of that sweep yet).
 
     Raises:
-        ValueError: naming the folder or the files, before anything is trained or written.
+        ValueError: naming the folder or the files (or the file where the folder goes), before
+            anything is trained or written.
     """
     from ..argtypes import is_run_folder
 
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(
+            f"{page}: its figures and JSON go to the folder {folder}, which is a file: rename the page or "
+            "move the file"
+        )
     if is_run_folder(folder):
         raise ValueError(
             f"{page}: its figures and JSON go to {folder}, which is a training run's folder (they would mix "

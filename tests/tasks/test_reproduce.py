@@ -299,6 +299,13 @@ def test_reproduce_never_writes_into_a_run_or_over_files_it_did_not_write(tmp_pa
     assert main(["reproduce", str(other), "--no-run"]) == 2
     assert f"its figures and JSON go to {run}, which is a training run's folder" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["ckpt-000002", "latest"]
+    # (hostile trial 12) a file where the folder goes: refused up front, not "File exists" at the end
+    (page.parent / "T").write_text("mine")
+    (page.parent / "T.md").write_text(page.read_text())
+    assert main(["reproduce", str(page.parent / "T.md"), "--no-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"its figures and JSON go to the folder {page.parent / 'T'}, which is a file" in err, err
+    assert (page.parent / "T").read_text() == "mine"
 
 
 def test_a_sweep_refuses_a_database_holding_its_runs_under_another_name(tmp_path, monkeypatch, capsys):
