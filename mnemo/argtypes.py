@@ -301,7 +301,9 @@ class OutDir(_PathKind):
     ``not_inside_run`` not inside one (a run's ``--overwrite`` discards, and its resume sets
     aside, what lies in its folder: a run nested in ``RUN/kept/`` would go with them)."""
 
-    def __init__(self, what: str = "a folder to write into", not_a_run: bool = False, not_inside_run=False):
+    def __init__(
+        self, what: str = "a folder to write into", not_a_run: bool = False, not_inside_run: bool = False
+    ):
         super().__init__(what)
         self.not_a_run = not_a_run
         self.not_inside_run = not_inside_run

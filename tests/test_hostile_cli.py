@@ -612,6 +612,10 @@ def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path, capsys):
     js.write_text('{"lr": "3e-3"}')
     assert main(["train", "--config", str(js), "--out", str(tmp_path / "r")]) == 2
     assert "or as 0.003; in a JSON file, without quotes)" in capsys.readouterr().err
+    flow = tmp_path / "f.yaml"  # two on one line
+    flow.write_text("model_overrides: {d_model: 16, d_model: 32}\n")
+    assert main(["train", "--config", str(flow), "--out", str(tmp_path / "r")]) == 2
+    assert "the key 'd_model' is written twice (lines 1 and 1); keep one" in capsys.readouterr().err
     nested = tmp_path / "n.yaml"  # the same key in two different mappings is fine
     nested.write_text("model_overrides: {d_model: 16}\nsteps: 1\nd_model_note: {d_model: 8}\n")
     from mnemo.train.config import load_config_file

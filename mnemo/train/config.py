@@ -706,18 +706,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     silently: ``steps: 2`` then ``steps: 3`` would train 3 steps without a word)."""
 
     def construct_mapping(self, node, deep=False):
-        seen = {}
+        seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
             try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
+                first = seen.get(key)
             except TypeError:  # an unhashable key: the base class reports it
                 continue
-            if first != key_node.start_mark.line + 1:
-                raise _RepeatedKey(
-                    f"the key {key!r} is written twice (lines {first} and {key_node.start_mark.line + 1}); "
-                    "keep one"
-                )
+            if first is not None:
+                raise _RepeatedKey(f"the key {key!r} is written twice (lines {first} and {line}); keep one")
+            seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
 
