@@ -2101,3 +2101,45 @@ def test_a_checkpoint_without_manifest_is_warned_about_once(run, tmp_path, capsy
     for _ in range(2):
         assert main(["eval", "--checkpoint", str(mine), "--max-batches", "1"]) == 0
         assert capsys.readouterr().err.count("has no manifest.json") == 1
+
+
+def test_an_interrupted_generate_prints_what_it_made(run, monkeypatch, capsys):
+    """Hostile trial 12: Ctrl-C during `generate --max-new-tokens 100000` printed only "mnemo:
+    interrupted" after minutes of decoding (the text is printed at the end). Now the text made
+    before the interrupt is printed, and the message says how many tokens it holds; greedy, it is
+    the start of the uninterrupted generation."""
+    import mnemo.models.lm as lm
+
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "KING:", "--temperature", "0"]
+    assert main([*argv, "--max-new-tokens", "12"]) == 0
+    full = capsys.readouterr().out.rstrip("\n")
+    real, calls = lm.sample_next, []
+
+    def interrupted_at_the_sixth(*a, **k):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(lm, "sample_next", interrupted_at_the_sixth)
+    assert main([*argv, "--max-new-tokens", "100000"]) == 130
+    out = capsys.readouterr()
+    assert out.out.rstrip("\n") == full[: len("KING:") + 5], (out.out, full)
+    assert "the text above holds the 5 of 100,000 new tokens made before it" in out.err, out.err
+
+
+def test_generate_on_token_sees_each_new_token_as_returned():
+    """LanguageModel.generate(on_token=...): called once per new token with the [B] ids the result
+    holds; refused with attention_mask (its groups decode one after another)."""
+    import torch
+
+    from mnemo.models import LanguageModel, build_config
+
+    torch.manual_seed(0)
+    model = LanguageModel(build_config("gla", vocab_size=32, d_model=16, n_layers=1))
+    seen = []
+    g = torch.Generator().manual_seed(3)
+    out = model.generate(torch.randint(0, 32, (2, 5)), 7, generator=g, on_token=seen.append)
+    assert len(seen) == 7 and torch.equal(torch.stack(seen, 1), out[:, 5:])
+    with pytest.raises(ValueError, match="on_token: not supported with attention_mask"):
+        model.generate(torch.ones(1, 3, dtype=torch.long), 2, attention_mask=torch.ones(1, 3), on_token=print)

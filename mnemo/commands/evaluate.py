@@ -351,17 +351,28 @@ def _cmd_generate(args) -> int:
             f"note: --top-k {args.top_k} >= the vocabulary ({vocab} tokens): sampling from every token",
             file=sys.stderr,
         )
-    text = generate_text(
-        model,
-        tok,
-        args.prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
-        device=args.device,
-        compile=args.compile,
-    )
+    made: list[int] = []  # the new tokens so far: an interrupt prints them (a long run's work is kept)
+    try:
+        text = generate_text(
+            model,
+            tok,
+            args.prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            device=args.device,
+            compile=args.compile,
+            made=made,
+        )
+    except KeyboardInterrupt as e:
+        from ..train.generation import decoded
+
+        print(decoded(tok, args.prompt, made))
+        e.then = (
+            f"; the text above holds the {len(made):,} of {args.max_new_tokens:,} new tokens made before it"
+        )
+        raise
     print(text)
     return 0
 

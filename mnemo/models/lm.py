@@ -506,6 +506,7 @@ class LanguageModel(nn.Module):
         generator: torch.Generator | None = None,
         attention_mask: torch.Tensor | None = None,
         compile: bool = False,
+        on_token=None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` continuation tokens; returns ``[B, T + max_new_tokens]``.
 
@@ -536,9 +537,17 @@ class LanguageModel(nn.Module):
         tokens equal eager decoding up to float rounding (greedy argmax ties aside). Where compiling
         fails (no C compiler, an unsupported op) a ``RuntimeWarning`` says why and the generation
         continues eagerly. Default ``compile=False``.
+
+        ``on_token``: called with each new token ``[B]`` (int64) as soon as it is sampled, so a
+        caller can show or keep what was made before an interruption (without ``attention_mask``
+        only: ``ValueError`` with it). Default ``None``.
         """
         step = _DecodeStep(self, compile)
         if attention_mask is not None:
+            if on_token is not None:
+                raise ValueError(
+                    "on_token: not supported with attention_mask (groups decode one after another)"
+                )
             return self._generate_padded(
                 input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
             )
@@ -555,6 +564,8 @@ class LanguageModel(nn.Module):
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, generator)
             out.append(nxt[:, None])
+            if on_token is not None:
+                on_token(nxt)
             if i + 1 < max_new_tokens:  # the last token's logits are never read
                 logits, state = step(nxt[:, None], state)
         self.train(was_training)

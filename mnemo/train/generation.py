@@ -18,11 +18,13 @@ def generate_text(
     seed: int = 0,
     device="cpu",
     compile: bool = False,
+    made: list | None = None,
 ) -> str:
     """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline), sampled
     at ``temperature`` (``0``: greedy) from a generator seeded with ``seed``; ``compile``: decode
-    under ``torch.compile`` (:meth:`~mnemo.models.LanguageModel.generate`). Defaults:
-    ``temperature=0.8``, ``seed=0``, ``compile=False``."""
+    under ``torch.compile`` (:meth:`~mnemo.models.LanguageModel.generate`). ``made``: a list that
+    receives each new token id as it is sampled (what an interruption leaves: :func:`decoded`).
+    Defaults: ``temperature=0.8``, ``seed=0``, ``compile=False``, ``made=None``."""
     ids = tokenizer.encode(prompt or "\n")
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(
@@ -32,8 +34,17 @@ def generate_text(
         top_k=top_k,
         generator=gen,
         compile=compile,
+        on_token=None if made is None else (lambda nxt: made.append(int(nxt[0]))),
     )
     text = tokenizer.decode(out[0].cpu())
+    return text if prompt else text[1:]
+
+
+def decoded(tokenizer, prompt: str, made: list) -> str:
+    """The text of ``prompt`` followed by the token ids ``made`` (as :func:`generate_text` returns
+    it; for the part of a generation that finished before an interruption)."""
+    ids = torch.cat([tokenizer.encode(prompt or "\n"), torch.tensor(made, dtype=torch.long)])
+    text = tokenizer.decode(ids)
     return text if prompt else text[1:]
 
 
