@@ -612,6 +612,10 @@ def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path, capsys):
     js.write_text('{"lr": "3e-3"}')
     assert main(["train", "--config", str(js), "--out", str(tmp_path / "r")]) == 2
     assert "or as 0.003; in a JSON file, without quotes)" in capsys.readouterr().err
+    js.write_text('{"lr": "NaN"}')  # (trial 13: the hint suggested writing it "as nan")
+    assert main(["train", "--config", str(js), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "TrainConfig.lr: expected a finite number, got 'NaN'" in err and "write it" not in err, err
     flow = tmp_path / "f.yaml"  # two on one line
     flow.write_text("model_overrides: {d_model: 16, d_model: 32}\n")
     assert main(["train", "--config", str(flow), "--out", str(tmp_path / "r")]) == 2

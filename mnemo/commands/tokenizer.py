@@ -126,6 +126,12 @@ def run_train(args) -> int:
             f"--out: {out} is a training run's folder (the run's checkpoints carry its own tokenizer); "
             "write the new tokenizer to a folder of its own, e.g. tokenizers/NAME"
         )
+    if (out / "config.json").is_file() or any(out.glob("*.safetensors")):
+        raise ValueError(
+            f"--out: {out} holds a model checkpoint (config.json / *.safetensors) whose tokenizer the new "
+            "one would replace, leaving a model that reads other ids (--overwrite does not write into "
+            "one); write the new tokenizer to a folder of its own, e.g. tokenizers/NAME"
+        )
     path = out / "tokenizer.json"
     if path.exists() and not args.overwrite:
         raise ValueError(f"--out: {path} exists (pass --overwrite to replace it)")

@@ -229,7 +229,69 @@ def run_sweep(
     Returns ``{"total", "skipped", "ran", "done", "diverged", "failed", "not_selected"}``:
     ``total`` counts the runs this sweep trains (staged: the held-out runs plus the chosen
     values' runs, as far as known), ``skipped`` those already finished.
+
+    One sweep at a time per database: the call holds an exclusive lock on ``DB.lock`` (beside
+    the database) until it returns.
+
+    Raises:
+        ValueError: another process is running a sweep on ``db_path`` (the message names its pid).
     """
+    with _DatabaseLock(Path(db_path)):
+        return _run_sweep(spec, db_path, out_dir, jobs=jobs, threads=threads, progress=progress, log=log)
+
+
+class _DatabaseLock:
+    """An exclusive ``flock`` on ``DB.lock`` while a sweep runs (two sweeps on one database both
+    trained its runs, and the one that failed on the other's rotated checkpoint recorded a finished
+    run as failed). The kernel drops it when the process dies; release removes the file. No-op
+    without ``fcntl``."""
+
+    def __init__(self, db: Path):
+        self.path = db.with_name(db.name + ".lock")
+        self.file = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):
+            f = open(self.path, "a+")
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                f.close()
+                db = self.path.with_name(self.path.name.removesuffix(".lock"))
+                raise ValueError(
+                    f"sweep database {db} is in use by another mnemo sweep (pid {holder}); wait for it "
+                    "to finish (runs it finishes are kept), or give another --db"
+                ) from None
+            try:  # its holder removed the file between our open and our lock: take the new one
+                if os.path.samestat(os.fstat(f.fileno()), os.stat(self.path)):
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+        else:  # pragma: no cover - another process takes and releases it without pause
+            raise ValueError(f"sweep database lock {self.path}: could not take it")
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.file = f
+        return self
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            self.path.unlink(missing_ok=True)
+            self.file.close()
+            self.file = None
+
+
+def _run_sweep(spec: SweepSpec, db_path, out_dir, *, jobs, threads, progress, log) -> dict:
     runs = spec.runs()
     out_dir = Path(out_dir)
     log = log or tqdm.write

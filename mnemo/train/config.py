@@ -670,6 +670,8 @@ def _yaml_hint(value, integer: bool = False) -> str:
         number = float(value)
     except ValueError:
         return ""
+    if not math.isfinite(number):  # "NaN", "inf": no spelling of it is a valid value
+        return ""
     try:
         unquoted = yaml.safe_load(value)
     except yaml.YAMLError:

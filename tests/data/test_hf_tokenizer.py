@@ -167,3 +167,18 @@ def test_tokenizer_command_errors(tok_dir, tmp_path, capsys):
     argv = ["tokenizer", "train", "--data", "tinyshakespeare", "--vocab-size", "300", "--kind", "unigram"]
     assert main([*argv, "--min-frequency", "2", "--out", str(tmp_path / "u")]) == 2
     assert "--min-frequency applies to --kind bpe only" in capsys.readouterr().err
+
+
+def test_tokenizer_train_refuses_a_model_checkpoint(tmp_path, capsys):
+    """Hostile trial 13: `tokenizer train --out CKPT --overwrite` into a standalone checkpoint (a
+    conversion or an export) replaced its tokenizer with one of other ids: generate then failed
+    with "input_ids must lie in [0, vocab_size)". Refused before the work; the files stay."""
+    ck = tmp_path / "cv1"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    (ck / "model.safetensors").write_bytes(b"x")
+    (ck / "tokenizer.json").write_text('{"kind": "char"}')
+    argv = ["tokenizer", "train", "--data", "tinyshakespeare", "--vocab-size", "300", "--overwrite"]
+    assert main([*argv, "--out", str(ck)]) == 2
+    assert f"--out: {ck} holds a model checkpoint (config.json / *.safetensors)" in capsys.readouterr().err
+    assert (ck / "tokenizer.json").read_text() == '{"kind": "char"}'

@@ -378,3 +378,26 @@ def test_the_report_header_says_which_runs_an_edited_sweep_left_out(tmp_path):
     with pytest.warns(UserWarning, match="1 run"):
         text = write_report(db, tmp_path / "rep")["tiny"]["markdown"]
     assert "2 runs (2 done; 1 of an earlier version of the sweep file, left out) over seeds [0]" in text
+
+
+def test_one_sweep_at_a_time_per_database(tmp_path):
+    """Hostile trial 13: two `mnemo sweep` processes on one database both trained its runs; the one
+    that lost (the other's rotation had removed a checkpoint it was resuming from) recorded a
+    finished run as failed, and the next call would train it again. A sweep now holds DB.lock
+    while it runs: a second is refused before it trains anything, naming the holder; the lock file
+    goes when the sweep ends."""
+    import os
+
+    from mnemo.sweep.runner import _DatabaseLock
+
+    db = tmp_path / "s.sqlite"
+    spec = _spec(models=["gla"], grid={"lr": [1e-2]})
+    with _DatabaseLock(db):
+        with pytest.raises(
+            ValueError, match=rf"sweep database {db} is in use by another mnemo sweep \(pid {os.getpid()}\)"
+        ):
+            run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert not (tmp_path / "runs").exists()
+    counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    assert counts["done"] == 1 and not (tmp_path / "s.sqlite.lock").exists()
+    assert [r["status"] for r in SweepDB(db).rows()] == ["done"]
