@@ -252,36 +252,20 @@ class _DatabaseLock:
 
     def __enter__(self):
         try:
-            import fcntl
+            import fcntl  # noqa: F401
         except ImportError:  # pragma: no cover - not POSIX
             return self
+        from ..train.run_folder import take_lock_file
+
+        db = self.path.with_name(self.path.name.removesuffix(".lock"))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(100):
-            f = open(self.path, "a+")
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                f.seek(0)
-                holder = f.read().strip() or "unknown"
-                f.close()
-                db = self.path.with_name(self.path.name.removesuffix(".lock"))
-                raise ValueError(
-                    f"sweep database {db} is in use by another mnemo sweep (pid {holder}); wait for it "
-                    "to finish (runs it finishes are kept), or give another --db"
-                ) from None
-            try:  # its holder removed the file between our open and our lock: take the new one
-                if os.path.samestat(os.fstat(f.fileno()), os.stat(self.path)):
-                    break
-            except FileNotFoundError:
-                pass
-            f.close()
-        else:  # pragma: no cover - another process takes and releases it without pause
-            raise ValueError(f"sweep database lock {self.path}: could not take it")
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        self.file = f
+        self.file = take_lock_file(
+            self.path,
+            lambda holder: (
+                f"sweep database {db} is in use by another mnemo sweep (pid {holder}); wait "
+                "for it to finish (runs it finishes are kept), or give another --db"
+            ),
+        )
         return self
 
     def __exit__(self, *exc):

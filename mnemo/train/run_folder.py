@@ -241,6 +241,42 @@ def _held_key(out: Path) -> tuple[str, int, int]:
     return os.path.realpath(out), os.getpid(), threading.get_ident()
 
 
+def take_lock_file(path: Path, busy) -> object:
+    """Open ``path`` and take an exclusive ``flock`` on it without waiting; write this process's
+    pid into it and return the open file (closing it releases the lock). The kernel drops the lock
+    when its process dies. A file its holder removed between our open and our lock is not taken:
+    the new one is. Requires ``fcntl`` (POSIX).
+
+    Raises:
+        ValueError: another process holds it: ``busy(holder_pid_text)`` is the message.
+    """
+    import fcntl
+
+    for _ in range(100):
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise ValueError(busy(holder)) from None
+        try:
+            same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()  # its holder removed the file between our open and our lock: take the new one
+    else:  # pragma: no cover - another process takes and releases it without pause
+        raise ValueError(f"could not take the lock {path}")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def lock_run_folder(out: Path, remove_empty: bool = False) -> RunLock | _HeldAgain | None:
     """Take the run folder ``out`` for this process: an exclusive advisory lock on ``out/.lock``
     (``flock``), held until the returned :class:`RunLock` is closed (which removes ``.lock``;
@@ -253,38 +289,20 @@ def lock_run_folder(out: Path, remove_empty: bool = False) -> RunLock | _HeldAga
         ValueError: another live process holds the folder (the message names its pid).
     """
     try:
-        import fcntl
+        import fcntl  # noqa: F401  (take_lock_file's)
     except ImportError:  # pragma: no cover - not POSIX
         return None
     again = _HELD.get(_held_key(out))
     if again is not None and not again.closed:
         return _HeldAgain(again)
     path = out / LOCK_NAME
-    for _ in range(100):
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            f.close()
-            raise ValueError(
-                f"run folder {out} is in use by another training process (pid {holder}); wait for it "
-                "to finish, or pick another --out"
-            ) from None
-        try:
-            same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        f.close()  # its holder removed the file between our open and our lock: take the new one
-    else:  # pragma: no cover - another process takes and releases the folder without pause
-        raise ValueError(f"run folder {out}: could not take its lock {path}")
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    f = take_lock_file(
+        path,
+        lambda holder: (
+            f"run folder {out} is in use by another training process (pid {holder}); wait for "
+            "it to finish, or pick another --out"
+        ),
+    )
     lock = RunLock(f, path, remove_empty)
     _HELD[lock.key] = lock
     return lock
