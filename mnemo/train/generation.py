@@ -23,7 +23,8 @@ def generate_text(
     """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline), sampled
     at ``temperature`` (``0``: greedy) from a generator seeded with ``seed``; ``compile``: decode
     under ``torch.compile`` (:meth:`~mnemo.models.LanguageModel.generate`). ``made``: a list that
-    receives each new token id as it is sampled (what an interruption leaves: :func:`decoded`).
+    receives each new token id (a 0-d tensor, on ``device``) as it is sampled (what an
+    interruption leaves: :func:`decoded`).
     Defaults: ``temperature=0.8``, ``seed=0``, ``compile=False``, ``made=None``."""
     ids = tokenizer.encode(prompt or "\n")
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -34,7 +35,7 @@ def generate_text(
         top_k=top_k,
         generator=gen,
         compile=compile,
-        on_token=None if made is None else (lambda nxt: made.append(int(nxt[0]))),
+        on_token=None if made is None else (lambda nxt: made.append(nxt[0])),  # no host sync per token
     )
     text = tokenizer.decode(out[0].cpu())
     return text if prompt else text[1:]
@@ -43,7 +44,8 @@ def generate_text(
 def decoded(tokenizer, prompt: str, made: list) -> str:
     """The text of ``prompt`` followed by the token ids ``made`` (as :func:`generate_text` returns
     it; for the part of a generation that finished before an interruption)."""
-    ids = torch.cat([tokenizer.encode(prompt or "\n"), torch.tensor(made, dtype=torch.long)])
+    new = torch.stack(made).cpu().long() if made else torch.zeros(0, dtype=torch.long)
+    ids = torch.cat([tokenizer.encode(prompt or "\n"), new])
     text = tokenizer.decode(ids)
     return text if prompt else text[1:]
 
