@@ -62,7 +62,9 @@ class Attention(Mixer):
             ``transformers``' ``rope_scaling``; see :func:`~mnemo.layers.rotary.check_rope_scaling`):
             NTK-by-parts frequencies, and the logits multiplied by ``(0.1 ln s + 1)²`` (the
             temperature ``√(1/t)`` on both q and k; ``scale`` = that / ``√head_dim``).
-            :meth:`set_rope_scaling` sets it on a trained model (evaluation beyond ``L``).
+            :meth:`set_rope_scaling` sets it on a trained model (evaluation beyond ``L``). Also
+            Position Interpolation ``{"rope_type": "linear", "factor": s}`` and static NTK-aware
+            scaling ``{"rope_type": "ntk", "factor": s}`` (no logit factor for either).
         n_sink: attention sinks (StreamingLLM, Xiao et al. 2023; needs ``window``): the first
             ``n_sink`` tokens stay visible to every query besides the ``window`` most recent, and
             the cache keeps them: decoding streams indefinitely with at most ``n_sink + window − 1``

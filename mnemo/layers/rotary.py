@@ -33,6 +33,16 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     """Validate a ``rope_scaling`` mapping and fill its defaults; ``None`` (or ``rope_type``
     ``"default"``) means plain RoPE and returns ``None``.
 
+    Position Interpolation (Chen et al. 2023, "Extending Context Window of Large Language Models
+    via Positional Interpolation"): ``{"rope_type": "linear", "factor": s}`` — every frequency
+    divided by ``s`` (positions squeezed into the trained range; ``transformers``' ``"linear"``).
+
+    NTK-aware scaling (bloc97 2023; YaRN paper §3.1, eq. 16): ``{"rope_type": "ntk", "factor":
+    s}`` — the base ``θ`` becomes ``θ · s^{R/(R−2)}`` (``R`` the rotary dimension), so the
+    slowest frequency is divided by ``s`` and the fastest kept. This is the *static* form the YaRN
+    paper compares against; ``transformers``' ``"dynamic"`` recomputes the base per length and is
+    not this.
+
     YaRN: ``{"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L,
     "beta_fast": 32, "beta_slow": 1, "attention_factor": None}`` — ``s ≥ 1`` the context
     extension, ``L`` the training context, ``beta_slow < beta_fast`` the ramp bounds ``α, β`` (in
@@ -68,8 +78,20 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
             "rope_scaling: rope_type 'default' (plain RoPE) takes no other keys, "
             f"got {sorted(set(d) - {'rope_type'})}"
         )
+    if kind in ("linear", "ntk"):
+        extra = sorted(set(d) - {"rope_type", "factor", "original_max_position_embeddings"})
+        if extra:
+            raise ValueError(f"rope_scaling: rope_type {kind!r} takes 'factor' only, got also {extra}")
+        if "factor" not in d:
+            raise ValueError(f"rope_scaling: rope_type {kind!r} needs 'factor', got keys {sorted(d)}")
+        out = {"rope_type": kind, "factor": _number("factor", d["factor"], 1.0)}
+        if "original_max_position_embeddings" in d:  # informative only (transformers' configs carry it)
+            out["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        return out
     if kind != "yarn":
-        raise ValueError(f"rope_scaling['rope_type']: expected 'yarn' (or 'default'), got {kind!r}")
+        raise ValueError(
+            f"rope_scaling['rope_type']: expected 'yarn', 'linear', 'ntk' (or 'default'), got {kind!r}"
+        )
     for key in ("factor", "original_max_position_embeddings"):
         if key not in d:
             raise ValueError(f"rope_scaling: YaRN needs {key!r}, got keys {sorted(d)}")
@@ -140,6 +162,15 @@ def yarn_inv_freq(
     return h.to(inv_freq.dtype)
 
 
+def ntk_inv_freq(theta: float, rotary_dim: int, factor: float) -> torch.Tensor:
+    """NTK-aware frequencies (bloc97 2023; Peng et al. 2023, eq. 16): RoPE's ``θ'^{−2i/R}``,
+    ``i < R/2``, with the base ``θ' = θ · s^{R/(R−2)}``. Returns ``[R/2]`` float64. ``R = 2`` (one
+    frequency, the fastest, 1 at every base) is returned unchanged."""
+    R = rotary_dim
+    base = theta * factor ** (R / (R - 2)) if R > 2 else theta
+    return base ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+
+
 def yarn_attention_factor(factor: float) -> float:
     """YaRN's attention temperature as a factor on q and k (Peng et al. 2023, eq. 22):
     ``√(1/t) = 0.1 · ln s + 1`` (so the logits are multiplied by its square); ``1`` at ``s = 1``."""
@@ -159,7 +190,9 @@ class RotaryEmbedding(nn.Module):
     ``transformers``' ``rope_scaling``): the frequencies become :func:`yarn_inv_freq`'s and
     :attr:`attention_factor` is ``0.1 ln s + 1`` — a factor the *attention* applies to both q and k
     (its logits scale by the square); this module only rotates. :meth:`set_scaling` changes it on
-    a built module (YaRN applied at evaluation time to a model trained at ``L`` tokens).
+    a built module (YaRN applied at evaluation time to a model trained at ``L`` tokens). The
+    ``"linear"`` (Position Interpolation) and ``"ntk"`` mappings divide every frequency by ``s``,
+    or use :func:`ntk_inv_freq`'s; their :attr:`attention_factor` is 1.
 
     ``forward(x [B, T, H, D], offset) -> [B, T, H, D]`` for positions ``offset … offset+T−1``;
     :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
@@ -198,6 +231,10 @@ class RotaryEmbedding(nn.Module):
         base = self.base_inv_freq
         if s is None:
             inv, af = base.clone(), 1.0
+        elif s["rope_type"] == "linear":
+            inv, af = base / s["factor"], 1.0
+        elif s["rope_type"] == "ntk":
+            inv, af = ntk_inv_freq(self.theta, self.rotary_dim, s["factor"]).to(base.dtype), 1.0
         else:
             inv = yarn_inv_freq(
                 base, s["factor"], s["original_max_position_embeddings"], s["beta_fast"], s["beta_slow"]

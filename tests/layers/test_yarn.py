@@ -12,6 +12,7 @@ from mnemo.layers import Attention
 from mnemo.layers.rotary import (
     RotaryEmbedding,
     check_rope_scaling,
+    ntk_inv_freq,
     yarn_attention_factor,
     yarn_inv_freq,
     yarn_ramp,
@@ -163,7 +164,18 @@ def test_config_round_trip_json_and_yaml(tmp_path):
         ),
         ({**YARN, "beta_slow": 40}, ValueError, "expected beta_slow < beta_fast, got beta_slow = 40.0"),
         ({**YARN, "beta_fast": -1}, ValueError, r"rope_scaling\['beta_fast'\]"),
-        ({**YARN, "rope_type": "linear"}, ValueError, r"rope_scaling\['rope_type'\]: expected 'yarn'"),
+        (
+            {**YARN, "rope_type": "linear", "beta_fast": 8},
+            ValueError,
+            r"rope_type 'linear' takes 'factor' only, got also \['beta",
+        ),
+        ({"rope_type": "ntk"}, ValueError, "rope_type 'ntk' needs 'factor'"),
+        ({"rope_type": "ntk", "factor": 0.5}, ValueError, r"rope_scaling\['factor'\]: expected a finite"),
+        (
+            {**YARN, "rope_type": "dynamic"},
+            ValueError,
+            r"rope_scaling\['rope_type'\]: expected 'yarn', 'linear'",
+        ),
         ({**YARN, "mscale": 1}, ValueError, r"unknown key\(s\) \['mscale'\]"),
         (
             {**YARN, "type": "dynamic"},
@@ -251,3 +263,60 @@ def test_a_beta_fast_no_dimension_reaches_is_said():
     assert yarn_inv_freq(inv, 4.0, 64, beta_fast=32)[0] < 1.0  # blended toward 1/4
     assert yarn_inv_freq(inv, 4.0, 64, beta_fast=8)[0] == 1.0  # 10.2 turns > 8: kept
     assert 64 / (2 * math.pi) == pytest.approx(10.19, abs=0.01)
+
+
+def test_position_interpolation_and_ntk_frequencies_by_hand():
+    """PI (Chen et al. 2023) divides every θ_d by s. NTK-aware (YaRN paper eq. 16) raises the base
+    to θ s^{R/(R−2)}: with R = 8, θ = 10⁴ and s = 4 the base is 10⁴ · 4^{4/3}, so the fastest
+    frequency stays 1 and the slowest, 10⁴^{-6/8} · 4^{-1}, is divided by exactly s."""
+    s = 4.0
+    pi = RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": s})
+    theta = torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64)
+    assert torch.allclose(pi.inv_freq.double(), theta / s, rtol=1e-6)
+    assert pi.attention_factor == 1.0
+    ntk = RotaryEmbedding(8, scaling={"rope_type": "ntk", "factor": s})
+    base = 1e4 * s ** (8 / 6)
+    by_hand = torch.tensor([base ** (-i / 8) for i in (0, 2, 4, 6)], dtype=torch.float64)
+    assert torch.allclose(ntk.inv_freq.double(), by_hand, rtol=1e-6)
+    assert ntk.inv_freq[0] == 1.0
+    assert ntk.inv_freq[-1].item() == pytest.approx(0.001 / s, rel=1e-6)
+    assert ntk.attention_factor == 1.0
+    assert torch.equal(ntk_inv_freq(1e4, 8, s).float(), ntk.inv_freq)
+    # a PI model at position s·p rotates exactly as plain RoPE at p
+    x = torch.randn(1, 3, 2, 8)
+    plain = RotaryEmbedding(8)
+    p = torch.tensor([0.0, 1.0, 5.0])
+    assert torch.allclose(pi.rotate(x, p * s), plain.rotate(x, p), atol=1e-5)
+    # set_scaling back to None restores plain RoPE; the logit scale of an Attention is untouched
+    pi.set_scaling(None)
+    assert torch.equal(pi.inv_freq, plain.inv_freq)
+    att = Attention(32, n_heads=2, rope_scaling={"rope_type": "ntk", "factor": 8})
+    assert att.scale == pytest.approx(16**-0.5)
+
+
+def test_position_interpolation_matches_transformers_linear():
+    """``transformers``' ``"linear"`` rope type is PI: the same frequencies (an independent
+    implementation)."""
+    modeling_rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
+    )
+    inv, attention_scaling = modeling_rope_utils.ROPE_INIT_FUNCTIONS["linear"](cfg, "cpu")
+    ours = RotaryEmbedding(32, theta=500.0, scaling={"rope_type": "linear", "factor": 4.0})
+    assert torch.allclose(ours.inv_freq, inv.float(), rtol=1e-6)
+    assert attention_scaling == 1.0
+
+
+@pytest.mark.parametrize("kind", ["linear", "ntk"])
+def test_pi_and_ntk_forms_agree(kind):
+    """Splits, token steps, cached decoding, hooks and maps with the frequencies scaled."""
+    failed = [
+        r
+        for r in check_mixer("attention", options={"rope_scaling": {"rope_type": kind, "factor": 3}})
+        if not r.passed
+    ]
+    assert not failed, failed
