@@ -27,7 +27,9 @@ A sweep file looks like::
       - {name: gating helps, better: gated_deltanet-h1, than: transformer}   # not testable here
 
 Every run's config is ``base`` ← model entry ← grid point (deep-merged in that order) and is
-validated as a ``TrainConfig`` before anything runs. A **cell** is one model entry and one value of
+validated as a ``TrainConfig`` before anything runs. ``{seed}`` in ``init_from`` becomes the
+run's seed: ``init_from: runs/pretrain/seed{seed}`` fine-tunes each seed from its own pretrained
+run (docs/results/context_extension.md). A **cell** is one model entry and one value of
 every grid axis not in ``tune``; the report keeps each cell's best tuned values (the papers' "best
 learning rate per point") and summarises the seeds run there (:func:`mnemo.sweep.report.cell_stats`).
 A run is identified by a hash of its full config, so editing the file adds runs without
@@ -358,6 +360,8 @@ class SweepSpec:
                 for seed in self.seeds if self.seeds is not None else [own_seed]:
                     # the config's own seed keeps the config (and id) it has without ``seeds``
                     c = cfg if seed == own_seed else {**cfg, "seed": seed}
+                    if isinstance(c.get("init_from"), str) and "{seed}" in c["init_from"]:
+                        c = {**c, "init_from": c["init_from"].replace("{seed}", str(seed))}
                     out.append(Run(run_id(c), label, c, cell, tuned, seed))
         ids = [r.run_id for r in out]
         if len(set(ids)) != len(ids):

@@ -311,6 +311,17 @@ def test_seeds_axis_expands_runs_and_keeps_seed_zero_ids():
     assert [r.seed for r in _spec(seeds=[5, 7]).runs()] == [5, 7, 5, 7]
 
 
+def test_seed_in_init_from_names_each_runs_own_pretrained_run():
+    """``init_from: .../seed{seed}`` fine-tunes every seed from its own pretrained run (the held-out
+    seed too); a path without ``{seed}`` is left as written."""
+    spec = _spec(base={**BASE, "init_from": "runs/pre/seed{seed}"}, select_lr_on_seed=0)
+    got = [(r.seed, r.config["init_from"]) for r in spec.runs()]
+    assert got == [(s, f"runs/pre/seed{s}") for _ in (1e-3, 1e-2) for s in (0, 1, 2)]
+    assert len({r.run_id for r in spec.runs()}) == 6
+    plain = _spec(base={**BASE, "init_from": "runs/pre/seed0"}).runs()
+    assert {r.config["init_from"] for r in plain} == {"runs/pre/seed0"}
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
