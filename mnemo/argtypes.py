@@ -15,7 +15,7 @@ Kinds:
   :data:`probability`, :data:`finite_float`.
 - :class:`IntList`: comma-separated ints in a range (``1024,4096``), optionally one of a few words
   (``none``, ``all``); the value is returned as given, for the command to split.
-- :class:`Text`: a non-empty string.
+- :class:`Text`: a non-empty string. :class:`Token`: a non-empty string, blanks included.
 - Paths: :class:`ExistingFile`, :class:`ExistingDir` (what a command
   reads), :class:`OutDir` (a folder to create or write into), :class:`OutFile` (a file to
   write), :class:`OutPath` (either). An output is checked for writability here, before the work:
@@ -175,6 +175,20 @@ class Text(Kind):
 
     def __call__(self, text: str) -> str:
         if not str(text).strip():
+            self.fail(text)
+        return text
+
+
+class Token(Kind):
+    """A non-empty string, blanks included (``"\\n"`` is a character token): text meant to be one
+    token, checked against the tokenizer where it is used."""
+
+    def __init__(self, what: str = "a non-empty text (one token)"):
+        self.expected = what
+        self.hostile = ("",)
+
+    def __call__(self, text: str) -> str:
+        if not text:
             self.fail(text)
         return text
 

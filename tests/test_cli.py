@@ -628,6 +628,7 @@ FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written
     "text_field",
     "pack_documents",
     "carry_state",  # added with issue 37 (truncated BPTT: mnemo train --carry-state)
+    "bos",  # added with issue 39 (a fixed first token: mnemo train --bos)
     "tokenizer",
     "seq_len",
     "batch_size",

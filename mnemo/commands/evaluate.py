@@ -211,6 +211,7 @@ def _cmd_eval_text(
     from ..data import load_corpus
     from ..data.corpus import inherited_text_field
     from ..data.text import VAL_FRACTION
+    from ..train.batches import bos_id, with_bos
     from ..train.trainer import packed_logits
 
     data = args.data or tcfg.get("data", "tinyshakespeare")
@@ -261,12 +262,13 @@ def _cmd_eval_text(
             f"{share:.1%} of the characters of {data!r} are outside the tokenizer's vocabulary and are "
             "read as <unk>: the loss is not comparable to the training log's"
         )
+    bos = bos_id(tok, tcfg.get("bos"))  # the run's fixed first token, as training measured it
     model.eval()
     total, count, sequences = 0.0, 0, 0
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
     with torch.no_grad():
         for batch in stream.eval_batches(batch_size, max_batches, with_documents=pack):
-            x, y = batch[0], batch[1]
+            x, y = with_bos(batch[0], bos), batch[1]
             with autocast:
                 if pack:  # each document alone, as training measured it
                     logits = packed_logits(model, x.to(args.device), batch[2].to(args.device))

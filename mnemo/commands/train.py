@@ -253,7 +253,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
         d["model_overrides"] = overrides
     text_flags = [
         "--" + name.replace("_", "-")
-        for name in ("data", "tokenizer", "text_field", "pack_documents", "carry_state")
+        for name in ("data", "tokenizer", "text_field", "pack_documents", "carry_state", "bos")
         if getattr(args, name, None) not in (None, False)
     ]
     text_flags += [

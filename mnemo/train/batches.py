@@ -153,6 +153,30 @@ class CarriedStreams:
         return w[:, :-1], w[:, 1:]
 
 
+def bos_id(tokenizer, bos: str | None) -> int | None:
+    """The id of ``TrainConfig.bos`` under ``tokenizer`` (``None`` for ``None``). Raises
+    ``ValueError`` naming ``bos`` when the text is not exactly one token."""
+    if bos is None:
+        return None
+    ids = tokenizer.encode(bos)
+    if ids.numel() != 1:
+        raise ValueError(
+            f"TrainConfig.bos (--bos): expected a text of exactly one token under this run's tokenizer, "
+            f"got {bos!r} = {ids.numel()} tokens {ids.tolist()[:8]}"
+        )
+    return int(ids[0])
+
+
+def with_bos(x: torch.Tensor, bos: int | None) -> torch.Tensor:
+    """``x [B, T]`` with its first column replaced by ``bos`` (a copy; ``x`` itself when ``bos`` is
+    ``None``): the windows then read ``[BOS, t_1 … t_{T−1}]`` (``TrainConfig.bos``)."""
+    if bos is None:
+        return x
+    x = x.clone()
+    x[:, 0] = bos
+    return x
+
+
 class RunData:
     """The data of the run ``cfg``: the task (``task``; with ``cfg.train_examples`` a fixed
     ``train_set``), or the text corpus with its ``tokenizer`` (the checkpoint ``ckpt``'s on resume,
@@ -165,7 +189,7 @@ class RunData:
         self.cfg = cfg
         self.task = cfg.build_task()
         self.tokenizer = self.train_data = self.val_data = self.val_chars = None
-        self.train_set = self.streams = None
+        self.train_set = self.streams = self.bos_id = None
         if self.task is not None:
             if cfg.train_examples is not None:
                 check_sequences_memory(cfg.train_examples, cfg.seq_len, "cpu", flag="--train-examples")
@@ -202,6 +226,7 @@ class RunData:
         if cfg.carry_state:
             self.streams = CarriedStreams(self.train_data.ids, cfg.batch_size, cfg.seq_len)
         self.vocab_size = self.tokenizer.vocab_size
+        self.bos_id = bos_id(self.tokenizer, cfg.bos)
 
     def batch_generator(self) -> torch.Generator:
         """A fresh run's generator of the batches :meth:`next_batch` draws (its state is
@@ -223,6 +248,7 @@ class RunData:
             x, y, first = self.train_data.sample(cfg.batch_size, generator, with_documents=True)
         elif self.task is None:
             x, y = self.train_data.sample(cfg.batch_size, generator)
+            x = with_bos(x, self.bos_id)
         elif self.train_set is not None:
             x, y = fixed_batch(self.train_set, step, cfg.batch_size)
         else:

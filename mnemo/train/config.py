@@ -65,6 +65,14 @@ class TrainConfig:
             model without a recurrent state or whose state grows with the stream (a softmax
             attention's KV cache); the trainer raises ``ValueError`` naming the setting. Evaluation
             still runs the validation windows each from a fresh state. Default ``False``.
+        bos: a fixed first token — every training and validation window of a text corpus starts
+            with this text (the window's first token is replaced, so the model reads ``[BOS,
+            t_1 … t_{T−1}]`` and predicts ``t_1 … t_T``), as documents start with a BOS token;
+            StreamingLLM (Xiao et al. 2023, §3.3) pretrains with such a token and the attention
+            sink forms on it. It must encode to exactly one token (with the char tokenizer a
+            character absent from the text encodes to the unknown id 0, a token the text never
+            holds). ``mnemo eval`` applies it too (it reads the run's config). Text corpora only:
+            not with ``task``, ``pack_documents`` or ``carry_state``. Default ``None``.
         tokenizer: ``"char"`` (vocabulary = the characters of the file), ``"byte"``, or a path to a
             Hugging Face ``tokenizer.json`` (BPE, Unigram, ...) or a folder holding one (e.g. from
             ``mnemo tokenizer train``; needs ``mnemo[hf]``). The checkpoints carry it.
@@ -236,6 +244,16 @@ class TrainConfig:
             "truncated BPTT: the batch is B parallel streams over the text, each step feeds each stream "
             "its next window and carries the model's state over (detached); slow memories such as "
             "CMS levels with periods >= the window then step (all streams restart together at the end)"
+        ),
+    )
+    bos: str | None = field(
+        default=None,
+        metadata=_flag(
+            "a fixed first token: every training and validation window of the text starts with this "
+            "text, which must be one token (char tokenizer: a character the text never holds is the "
+            "unknown id, a token of its own)",
+            metavar="TEXT",
+            type=kinds.Token(),
         ),
     )
     tokenizer: str = field(
@@ -476,6 +494,16 @@ class TrainConfig:
         if self.pack_documents and (self.task is not None or self.context_parallel):
             bad("pack_documents", "false with --task or --context-parallel (packing is for text corpora)")
         self._validate_carry_state(bad)
+        if self.bos is not None:
+            if not isinstance(self.bos, str) or not self.bos:
+                bad("bos", "None or a non-empty text (one token)")
+            for name in ("task", "pack_documents", "carry_state"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(
+                        f"TrainConfig.bos: a fixed first token is for text windows; expected {name} = "
+                        f"{None if name == 'task' else False} with bos = {self.bos!r}, got {name} = "
+                        f"{getattr(self, name)!r}"
+                    )
         if self.init_from is not None and not isinstance(self.init_from, str):
             bad("init_from", "None or a path to a run or checkpoint directory")
         if not isinstance(self.track_circuits, bool):

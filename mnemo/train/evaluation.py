@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .batches import packed_logits
+from .batches import packed_logits, with_bos
 from .config import TrainConfig
 from .task_eval import evaluate_task
 
@@ -29,9 +29,9 @@ class Evaluator:
     ``(length, rows)``), else on the text stream ``val_data`` of ``val_chars`` characters; forward
     passes under ``autocast()``."""
 
-    def __init__(self, cfg: TrainConfig, task, val_data, val_chars, autocast, cache: dict):
+    def __init__(self, cfg: TrainConfig, task, val_data, val_chars, autocast, cache: dict, bos=None):
         self.cfg, self.task, self.val_data, self.val_chars = cfg, task, val_data, val_chars
-        self.autocast, self.cache = autocast, cache
+        self.autocast, self.cache, self.bos = autocast, cache, bos  # bos: TrainConfig.bos's id
 
     @torch.no_grad()
     def evaluate(
@@ -45,7 +45,7 @@ class Evaluator:
         total, count = 0.0, 0
         pack = self.cfg.pack_documents
         for batch in self.val_data.eval_batches(self.cfg.batch_size, max_batches, with_documents=pack):
-            x, y = batch[0].to(device), batch[1].to(device)
+            x, y = with_bos(batch[0], self.bos).to(device), batch[1].to(device)
             with self.autocast():
                 if pack:
                     logits = packed_logits(model, x, batch[2].to(device))

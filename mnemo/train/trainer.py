@@ -116,7 +116,13 @@ class Trainer:
             self.train_model = torch.compile(self.train_model)
         self.ddp = self.strategy.ddp
         self.evaluator = Evaluator(
-            self.cfg, self.task, self.val_data, self.val_chars, self._autocast, self._test_sets
+            self.cfg,
+            self.task,
+            self.val_data,
+            self.val_chars,
+            self._autocast,
+            self._test_sets,
+            self.data.bos_id,
         )
         moe = MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)
         self.aux_losses = AuxiliaryLosses([moe, *aux_losses])  # the built-in one, then the caller's

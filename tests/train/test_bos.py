@@ -1,0 +1,93 @@
+"""``TrainConfig.bos``: a fixed first token at position 0 of every text window (StreamingLLM's
+pretraining with a sink token), in training, in the training log's evaluation and in ``mnemo eval``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mnemo.cli import main
+from mnemo.train import TrainConfig
+from mnemo.train.batches import RunData, bos_id, with_bos
+
+BASE = dict(model="gla", model_overrides={"d_model": 32, "n_layers": 1}, seq_len=16, batch_size=4)
+
+
+def test_the_windows_start_with_the_token_and_are_otherwise_the_same_text():
+    plain = RunData(TrainConfig(**BASE))
+    data = RunData(TrainConfig(**BASE, bos="\x02"))
+    assert data.bos_id == 0  # an absent character: the char tokenizer's unknown id, which no text id is
+    assert not (data.train_data.ids == 0).any()
+    x0, y0, _ = plain.next_batch(0, plain.batch_generator())
+    x, y, _ = data.next_batch(0, data.batch_generator())
+    assert (x[:, 0] == 0).all()
+    assert torch.equal(x[:, 1:], x0[:, 1:]) and torch.equal(y, y0)  # [BOS, t1 … t_{T-1}] -> t1 … t_T
+    # a character of the text is that character's id
+    assert RunData(TrainConfig(**BASE, bos="\n")).bos_id == plain.tokenizer.encode("\n").item()
+    assert with_bos(x0, None) is x0
+
+
+def test_a_text_of_more_than_one_token_is_refused_naming_bos():
+    data = RunData(TrainConfig(**BASE))
+    with pytest.raises(ValueError, match=r"TrainConfig.bos \(--bos\): expected a text of exactly one token"):
+        bos_id(data.tokenizer, "<s>")
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"task": "mqar"}, "expected task = None with bos = '<'"),
+        ({"pack_documents": True}, "expected pack_documents = False"),
+        ({"carry_state": True}, "expected carry_state = False"),
+        ({"bos": ""}, r"TrainConfig.bos: expected None or a non-empty text"),
+    ],
+)
+def test_settings_bos_cannot_run_with_are_named(extra, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{**BASE, "bos": "<", **extra}).validate()
+
+
+def test_mnemo_eval_measures_what_training_logged_with_the_first_token(tmp_path, capsys):
+    """The run's log and ``mnemo eval`` read the same windows with BOS first: the same loss; a
+    model evaluated without it reads other inputs (a different loss)."""
+    out = tmp_path / "run"
+    flags = ["--model", "gla", "--d-model", "32", "--n-layers", "1", "--seq-len", "16"]
+    flags += [
+        "--batch-size",
+        "4",
+        "--steps",
+        "3",
+        "--eval-interval",
+        "3",
+        "--eval-batches",
+        "2",
+        "--warmup-steps",
+        "1",
+    ]
+    flags += ["--sample-tokens", "0", "--no-progress", "--bos", "\x02"]
+    assert main(["train", "--out", str(out), *flags]) == 0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out)]) == 0
+    measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert measured["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
+    saved = json.loads(next(out.glob("ckpt-*/train_config.json")).read_text())
+    assert saved["bos"] == "\x02"
+    # the first token matters: the same model without it gives another number
+    from mnemo.models import LanguageModel
+    from mnemo.train import resolve_checkpoint
+
+    model = LanguageModel.from_pretrained(resolve_checkpoint(out)).eval()
+    data = RunData(TrainConfig(**BASE, bos="\x02"))
+    x, y = next(iter(data.val_data.eval_batches(4, 1)))
+    with torch.no_grad():
+        a = torch.nn.functional.cross_entropy(model(with_bos(x, 0))[0].transpose(1, 2), y)
+        b = torch.nn.functional.cross_entropy(model(x)[0].transpose(1, 2), y)
+    assert a.item() != b.item()
+
+
+def test_a_task_run_refuses_bos_on_the_command_line(tmp_path, capsys):
+    assert main(["train", "--task", "mqar", "--bos", "<", "--out", str(tmp_path / "r")]) == 2
+    assert "--bos: text options" in capsys.readouterr().err
