@@ -30,6 +30,7 @@ from .scores import (
     normalise,
     previous_token_score,
     repeated_random_tokens,
+    sink_score,
 )
 from .spectrum import (
     classify,
@@ -54,6 +55,7 @@ __all__ = [
     "previous_token_score",
     "duplicate_token_score",
     "induction_score",
+    "sink_score",
     "copying_score",
     "icl_score",
     "repeated_random_tokens",

@@ -48,6 +48,21 @@ def repeated_random_tokens(
     return torch.cat([seq, seq], 1)
 
 
+def sink_score(maps: torch.Tensor, start: int | None = None) -> tuple[torch.Tensor, float]:
+    """Attention-sink score (Xiao et al. 2023, StreamingLLM §3.1): the mean weight that queries at
+    positions ``t ≥ start`` (default ``T // 2``) put on position 0, per head: ``[H]``, and the same
+    mean under uniform causal attention, ``mean_t 1 / (t + 1)`` — a head with a sink puts many times
+    that on the first token (a score near 1: almost all of its weight). ``maps [B, H, T, T]``;
+    raises ``ValueError`` for ``start`` outside ``[0, T)``."""
+    p = normalise(maps)
+    T = p.shape[-1]
+    start = T // 2 if start is None else start
+    if not 0 <= start < T:
+        raise ValueError(f"start: expected a query position in [0, {T}), got {start}")
+    uniform = sum(1 / (t + 1) for t in range(start, T)) / (T - start)
+    return p[..., start:, 0].mean((0, -1)), uniform
+
+
 def induction_score(maps: torch.Tensor, length: int) -> torch.Tensor:
     """On a random sequence of length ``L`` repeated twice: mean weight from position ``i`` of the
     second copy to ``i − L + 1`` (the token after the previous occurrence), per head: ``[H]``."""

@@ -15,6 +15,7 @@ from mnemo.interp import (
     induction_score,
     mixing,
     previous_token_score,
+    sink_score,
 )
 from mnemo.layers import Attention
 from mnemo.models import LanguageModel, build_config
@@ -167,3 +168,27 @@ def test_icl_score_and_capture_on_a_model():
     maps = capture_maps(m, ids)
     assert set(maps) == {0, 1} and maps[0].shape == (3, 4, 40, 40)
     assert_close(maps[0].sum(-1), torch.ones(3, 4, 40), 1e-6, what="softmax rows sum to one")
+
+
+def test_sink_score_on_known_maps():
+    """Uniform causal attention puts 1/(t+1) on position 0: the score equals the uniform level
+    (mean over t = 4..7 of 1/(t+1) = (1/5 + 1/6 + 1/7 + 1/8) / 4); a head whose every query attends
+    to position 0 alone scores 1; a previous-token head 0 (past position 1)."""
+    T = 8
+    causal = torch.tril(torch.ones(T, T))
+    uniform_map = (causal / causal.sum(-1, keepdim=True))[None, None]
+    sink = torch.zeros(T, T)
+    sink[:, 0] = 1.0
+    prev = torch.zeros(T, T)
+    prev[0, 0] = 1.0
+    prev[torch.arange(1, T), torch.arange(T - 1)] = 1.0
+    maps = torch.cat([uniform_map, sink[None, None], prev[None, None]], dim=1)  # [1, 3, T, T]
+    score, uniform = sink_score(maps)
+    level = (1 / 5 + 1 / 6 + 1 / 7 + 1 / 8) / 4
+    assert uniform == pytest.approx(level, rel=1e-12)
+    assert score.tolist() == pytest.approx([level, 1.0, 0.0], abs=1e-7)
+    score2, uniform2 = sink_score(maps, start=1)
+    assert uniform2 == pytest.approx(sum(1 / (t + 1) for t in range(1, T)) / (T - 1))
+    assert score2[1] == 1.0
+    with pytest.raises(ValueError, match=r"start: expected a query position in \[0, 8\), got 8"):
+        sink_score(maps, start=8)
