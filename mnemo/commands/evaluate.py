@@ -332,13 +332,23 @@ def _check_generate_memory(model, length: int, device: str) -> None:
         )
 
 
+def _run_bos(ckpt, tok) -> int | None:
+    """The id of the run's ``TrainConfig.bos`` (its windows' fixed first token), or ``None``."""
+    from ..train.batches import bos_id
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    path = ckpt / TRAIN_CONFIG_NAME
+    return bos_id(tok, load_json(path).get("bos")) if path.is_file() else None
+
+
 def _cmd_generate(args) -> int:
     _SAID.clear()  # (once per command, not per process: tests call main() again)
     from ..train import generate_text
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
-    _, model, tok = _load(args.checkpoint, args.device)
+    ckpt, model, tok = _load(args.checkpoint, args.device)
+    bos = _run_bos(ckpt, tok)
     _check_generate_memory(model, len(tok.encode(args.prompt or "\n")) + args.max_new_tokens, args.device)
     unknown = sorted(set(args.prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
     if unknown:
@@ -366,11 +376,12 @@ def _cmd_generate(args) -> int:
             device=args.device,
             compile=args.compile,
             made=made,
+            bos=bos,
         )
     except KeyboardInterrupt as e:
         from ..train.generation import decoded
 
-        print(decoded(tok, args.prompt, made))
+        print(decoded(tok, args.prompt, made, bos))
         e.then = (
             f"; the text above holds the {len(made):,} of {args.max_new_tokens:,} new tokens made before it"
         )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .batches import bos_id
+
 
 def generate_text(
     model,
@@ -19,14 +21,17 @@ def generate_text(
     device="cpu",
     compile: bool = False,
     made: list | None = None,
+    bos: int | None = None,
 ) -> str:
     """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline), sampled
     at ``temperature`` (``0``: greedy) from a generator seeded with ``seed``; ``compile``: decode
     under ``torch.compile`` (:meth:`~mnemo.models.LanguageModel.generate`). ``made``: a list that
     receives each new token id (a 0-d tensor, on ``device``) as it is sampled (what an
-    interruption leaves: :func:`decoded`).
-    Defaults: ``temperature=0.8``, ``seed=0``, ``compile=False``, ``made=None``."""
-    ids = tokenizer.encode(prompt or "\n")
+    interruption leaves: :func:`decoded`). ``bos``: a token id read before the prompt and not
+    returned (a run trained with ``TrainConfig.bos``: its windows start with it; then an empty
+    prompt starts from it alone).
+    Defaults: ``temperature=0.8``, ``seed=0``, ``compile=False``, ``made=None``, ``bos=None``."""
+    ids = _prompt_ids(tokenizer, prompt, bos)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(
         ids[None].to(device),
@@ -37,17 +42,28 @@ def generate_text(
         compile=compile,
         on_token=None if made is None else (lambda nxt: made.append(nxt[0])),  # no host sync per token
     )
-    text = tokenizer.decode(out[0].cpu())
-    return text if prompt else text[1:]
+    return _text(tokenizer, prompt, bos, out[0].cpu())
 
 
-def decoded(tokenizer, prompt: str, made: list) -> str:
-    """The text of ``prompt`` followed by the token ids ``made`` (as :func:`generate_text` returns
-    it; for the part of a generation that finished before an interruption)."""
-    new = torch.stack(made).cpu().long() if made else torch.zeros(0, dtype=torch.long)
-    ids = torch.cat([tokenizer.encode(prompt or "\n"), new])
+def _prompt_ids(tokenizer, prompt: str, bos: int | None) -> torch.Tensor:
+    if bos is None:
+        return tokenizer.encode(prompt or "\n")
+    return torch.cat([torch.tensor([bos], dtype=torch.long), tokenizer.encode(prompt)])
+
+
+def _text(tokenizer, prompt: str, bos: int | None, ids: torch.Tensor) -> str:
+    """The text of ``ids`` (prompt, then new tokens), less what :func:`_prompt_ids` put first."""
+    if bos is not None:
+        return tokenizer.decode(ids[1:])
     text = tokenizer.decode(ids)
     return text if prompt else text[1:]
+
+
+def decoded(tokenizer, prompt: str, made: list, bos: int | None = None) -> str:
+    """The text of ``prompt`` followed by the token ids ``made`` (as :func:`generate_text` returns
+    it, ``bos`` likewise; for the part of a generation that finished before an interruption)."""
+    new = torch.stack(made).cpu().long() if made else torch.zeros(0, dtype=torch.long)
+    return _text(tokenizer, prompt, bos, torch.cat([_prompt_ids(tokenizer, prompt, bos), new]))
 
 
 def sample_run(
@@ -77,4 +93,5 @@ def sample_run(
         temperature=cfg.sample_temperature if temperature is None else temperature,
         seed=cfg.seed if seed is None else seed,
         device=device,
+        bos=bos_id(tokenizer, cfg.bos),
     )

@@ -91,3 +91,45 @@ def test_mnemo_eval_measures_what_training_logged_with_the_first_token(tmp_path,
 def test_a_task_run_refuses_bos_on_the_command_line(tmp_path, capsys):
     assert main(["train", "--task", "mqar", "--bos", "<", "--out", str(tmp_path / "r")]) == 2
     assert "--bos: text options" in capsys.readouterr().err
+
+
+def test_generation_reads_the_first_token_before_the_prompt_and_does_not_print_it(tmp_path, capsys):
+    """``mnemo generate`` on a run trained with ``--bos`` gives the model ``[BOS] + prompt``, as
+    its windows were; greedy decoding equals a hand loop from those ids, and the text holds the
+    prompt and the new characters only."""
+    from mnemo.data import load_tokenizer
+    from mnemo.models import LanguageModel
+    from mnemo.train import resolve_checkpoint
+
+    out = tmp_path / "run"
+    flags = ["--model", "gla", "--d-model", "32", "--n-layers", "1", "--seq-len", "16", "--batch-size", "4"]
+    flags += ["--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--warmup-steps", "1"]
+    assert (
+        main(["train", "--out", str(out), *flags, "--sample-tokens", "0", "--no-progress", "--bos", "\x02"])
+        == 0
+    )
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(out),
+                "--prompt",
+                "ROM",
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out.rstrip("\n")
+    ckpt = resolve_checkpoint(out)
+    model, tok = LanguageModel.from_pretrained(ckpt).eval(), load_tokenizer(ckpt)
+    ids = torch.cat([torch.tensor([0]), tok.encode("ROM")])[None]
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert text == tok.decode(ids[0, 1:]) and text.startswith("ROM") and len(text) == 9
