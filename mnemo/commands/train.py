@@ -409,6 +409,11 @@ def _train(args, held: contextlib.ExitStack) -> int:
         )
     elif trainer.step >= c.steps:
         say(f"already trained to step {trainer.step} (raise --steps to continue)")
+    elif trainer.early_stopped:  # the checkpoint resumes as stopped: fit() trains nothing
+        say(
+            f"already stopped early at step {trainer.step} (val_acc reached --early-stop-acc "
+            f"{c.early_stop_acc:g}): nothing to do"
+        )
     try:
         record = trainer.fit()
     except BaseException:  # a divergence, an interrupt, a full disk: the old run stays if nothing replaced it

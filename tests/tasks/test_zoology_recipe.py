@@ -134,6 +134,29 @@ def test_early_stop_ends_the_run_at_the_first_evaluation_over_the_threshold(tmp_
     assert rec["step"] == 6 and not full.early_stopped
 
 
+def test_resuming_an_early_stopped_run_says_there_is_nothing_to_do(tmp_path, capsys):
+    """``mnemo train --resume`` on a run that stopped early trains nothing, and says why (it
+    printed the training header and a checkpoint line as if it had trained)."""
+    from mnemo.cli import main
+
+    out = tmp_path / "r"
+    flags = ["--task", "mqar", "--task-option", "num_pairs=2", "--task-option", "vocab_size=16"]
+    flags += ["--model", "gla", "--d-model", "16", "--n-layers", "1", "--seq-len", "16"]
+    flags += ["--batch-size", "4", "--steps", "8", "--eval-interval", "2", "--eval-batches", "16"]
+    flags += ["--early-stop-acc", "1e-9", "--warmup-steps", "0", "--no-progress", "--out", str(out)]
+    assert main(["train", *flags]) == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] < 8  # it stopped early
+    capsys.readouterr()
+    assert main(["train", *flags, "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"already stopped early at step {steps[-1]} (val_acc reached --early-stop-acc 1e-09): nothing to do"
+        in said
+    )
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == steps
+
+
 def test_the_evaluation_that_stops_the_run_is_the_final_one_with_eval_lengths(tmp_path):
     cfg = _cfg(steps=12, eval_interval=3, early_stop_acc=1e-9, eval_lengths=[32])
     tr = Trainer(cfg, tmp_path, progress=False)
