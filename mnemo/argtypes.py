@@ -270,7 +270,7 @@ class _PathKind(Kind):
         return Path(text).expanduser()
 
     def _not_in_checkpoint(self, text: str, p: Path) -> None:
-        ckpt = checkpoint_around(p.absolute())
+        ckpt = checkpoint_around(p.resolve())  # where the path leads (`..` and links), not its text
         if ckpt is not None:
             self.fail(
                 text,
@@ -326,7 +326,7 @@ class OutDir(_PathKind):
         p = self._path(text)
         self._not_in_checkpoint(text, p)
         if self.not_inside_run:
-            for a in p.absolute().parents:  # `.lock` alone is no mark here: other tools (pytest) make one
+            for a in p.resolve().parents:  # `.lock` alone is no mark here: other tools (pytest) make one
                 if any((a / name).is_file() for name in ("latest", "metrics.jsonl")):
                     self.fail(
                         text,

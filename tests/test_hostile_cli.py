@@ -2147,3 +2147,20 @@ def test_generate_on_token_sees_each_new_token_as_returned():
     assert len(seen) == 7 and torch.equal(torch.stack(seen, 1), out[:, 5:])
     with pytest.raises(ValueError, match="on_token: not supported with attention_mask"):
         model.generate(torch.ones(1, 3, dtype=torch.long), 2, attention_mask=torch.ones(1, 3), on_token=print)
+
+
+def test_a_path_that_leaves_a_run_through_dot_dot_is_judged_where_it_leads(run, tmp_path, monkeypatch):
+    """Hostile trial 14: `export rm rm/ckpt-000002/../../rm2x` was refused as "inside the
+    checkpoint" (the path's text was read, not where it leads). A path is now judged where it
+    resolves: out of the run is allowed, into its checkpoint still refused."""
+    monkeypatch.chdir(run.parent)
+    name = run.name
+    out = kinds.OutDir("a folder", not_inside_run=True)
+    escaped = f"{name}/ckpt-000004/../../{name}-exported"
+    assert out(escaped) == escaped
+    assert kinds.OutPath("a path")(escaped) == escaped
+    for into in (f"{name}/x/../ckpt-000004/y", f"{name}-other/../{name}/ckpt-000004"):
+        with pytest.raises(argparse.ArgumentTypeError, match="inside the checkpoint"):
+            out(into)
+    with pytest.raises(argparse.ArgumentTypeError, match="inside the training run"):
+        out(f"{name}-other/../{name}/probes")
