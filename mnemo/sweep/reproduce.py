@@ -54,12 +54,19 @@ def page_sweeps(page: str | Path) -> list[Path]:
 
     Raises:
         FileNotFoundError: the page, or a sweep file it names, does not exist.
-        ValueError: the page names no sweep.
+        ValueError: the page names no sweep, or is not UTF-8 text.
     """
     page = Path(page)
     if not page.is_file():
         raise FileNotFoundError(f"page: {page} is not a file (a results page, e.g. docs/results/moe.md)")
-    text = page.read_text()
+    try:
+        text = page.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"page: {page} is not a UTF-8 text file (byte {e.start}: {e.reason}); give a markdown results "
+            "page such as docs/results/moe.md"
+            + (" (a sweep database is read by `mnemo report`)" if page.suffix in (".sqlite", ".db") else "")
+        ) from None
     found = []
     for m in DIRECTIVE.finditer(text):
         raw = Path(m.group(1))

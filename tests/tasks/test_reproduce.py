@@ -93,6 +93,13 @@ def test_reproduce_errors_name_the_page_and_what_to_do(tmp_path, monkeypatch, ca
     calls.clear()
     assert main(["reproduce", str(bare)]) == 2
     assert "names no sweep" in capsys.readouterr().err and calls == []
+    # a database given for the page (hostile trial 14: a bare "'utf-8' codec can't decode" line)
+    db = tmp_path / "s.sqlite"
+    db.write_bytes(b"SQLite format 3\x00\xf8\xff")
+    assert main(["reproduce", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert f"page: {db} is not a UTF-8 text file (byte 16: invalid start byte)" in err
+    assert "a sweep database is read by `mnemo report`" in err and calls == []
 
 
 def test_the_cli_rebuilds_the_page(tmp_path, monkeypatch, capsys):
