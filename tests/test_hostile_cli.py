@@ -2164,3 +2164,26 @@ def test_a_path_that_leaves_a_run_through_dot_dot_is_judged_where_it_leads(run, 
             out(into)
     with pytest.raises(argparse.ArgumentTypeError, match="inside the training run"):
         out(f"{name}-other/../{name}/probes")
+
+
+def test_a_new_run_in_a_folder_of_other_files_says_so_and_leaves_them(tmp_path, capsys):
+    """Hostile trial 14: `train --out user --overwrite` into a folder of unrelated files trained
+    beside them without a word. It still trains (a folder holding the run's own config file is a
+    common layout) but says what is there, that it is left alone, and that --overwrite has no run
+    to discard; the config file itself is not news."""
+    short = ["--steps", "2", "--eval-interval", "2", "--warmup-steps", "0"]
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine\n")
+    (user / "c.yaml").write_text("model: gla\n")
+    assert main(["train", *TINY, *short, "--out", str(user), "--overwrite", "--config", str(user / "c.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: --out {user} already holds files that are not a run's (notes.txt): the run's " in err
+    assert "; --overwrite has no earlier run there to discard" in err
+    assert (user / "notes.txt").read_text() == "mine\n" and (user / "latest").is_file()
+    # a run folder resumed or overwritten is not warned about
+    assert main(["train", *TINY, *short, "--out", str(user), "--overwrite"]) == 0
+    assert "already holds files" not in capsys.readouterr().err
+    # a fresh folder says nothing
+    assert main(["train", *TINY, *short, "--out", str(tmp_path / "new")]) == 0
+    assert "already holds files" not in capsys.readouterr().err

@@ -109,6 +109,23 @@ def _set_aside_old_run(out: Path) -> Path | None:
     return aside
 
 
+def _say_foreign_entries(out: Path, args) -> None:
+    """A new run in a folder that already holds other things (a user's files): say that the run's
+    files go beside them, and that ``--overwrite`` has no run there to discard (hostile trial 14:
+    it trained into a folder of unrelated files without a word). The ``--config`` file is no news."""
+    config = Path(args.config).resolve() if getattr(args, "config", None) else None
+    other = sorted(p.name for p in out.iterdir() if p.name != ".lock" and p.resolve() != config)
+    if not other:
+        return
+    shown = ", ".join(other[:3]) + (f", … ({len(other)} in all)" if len(other) > 3 else "")
+    print(
+        f"warning: --out {out} already holds files that are not a run's ({shown}): the run's files go "
+        "beside them, which are left as they are"
+        + ("; --overwrite has no earlier run there to discard" if args.overwrite else ""),
+        file=sys.stderr,
+    )
+
+
 def _settle_old_run(aside: Path | None, out: Path, replaced: bool) -> None:
     """After ``fit`` (returned or raised): with a new checkpoint (``replaced``), each old checkpoint's
     own files go and anything else in it (a user's notes, probe outputs) moves to
@@ -343,6 +360,8 @@ def _train(args, held: contextlib.ExitStack) -> int:
             )
         if args.resume and not has_ckpt and not any(n.startswith("ckpt-") for n in leftovers):
             raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
+        if main and existed and not has_ckpt and not leftovers:
+            _say_foreign_entries(out, args)
         barrier()
         if args.overwrite and out.exists():
             _refuse_inputs_discarded(out, cfg)  # (every rank: each stops with the same error)
