@@ -30,7 +30,7 @@ from .recipe import claims_markdown, judge_claim, left_plateau
 from .spec import METRICS_HIGHER_IS_BETTER
 from .stats import mean_interval
 
-_LEN_KEY = re.compile(r"^val_acc@(\d+)$")
+_LEN_KEY = re.compile(r"^(val_acc|val_seq_acc)@(\d+)$")
 
 
 def _score(row: dict, metric: str) -> float:
@@ -119,7 +119,9 @@ def cell_stats(
         (:func:`~mnemo.sweep.stats.mean_interval`; ``None`` when ``n < 2``), ``confidence``,
         ``threshold``, ``n_reached`` and ``n_finished`` (reported runs that reached the threshold /
         that finished, done or diverged), ``n_diverged``, ``lengths`` (``{L: mean_interval}`` of
-        ``val_acc@L``, the training length included), ``state_size_bytes``, ``n_params``,
+        the accuracy at test length ``L``, the training length included: ``val_seq_acc@L`` for a
+        ``val_seq_acc`` sweep, else ``val_acc@L``), ``at_length`` (``{L: {"seeds", "values"}}``,
+        the same per seed), ``state_size_bytes``, ``n_params``,
         ``seq_len``, ``status`` (``"done"`` when some reported run is, else the runs' status),
         ``n_runs``, ``n_failed`` (not-done runs of the whole cell) and ``cell_wall_time_s``.
     Raises:
@@ -182,9 +184,12 @@ def cell_stats(
         values = [_value(r, metric) for r in done]
         stats = mean_interval(values, confidence)
         lengths: dict[int, list[float]] = defaultdict(list)
+        at_length: dict[int, dict] = defaultdict(lambda: {"seeds": [], "values": []})
         for r in done:
-            for L, v in _lengths(r).items():
+            for L, v in _lengths(r, metric).items():
                 lengths[L].append(v)
+                at_length[L]["seeds"].append(_seed(r))
+                at_length[L]["values"].append(v)
         rep = (done or reported or group)[0]
         out.append(
             {
@@ -208,6 +213,7 @@ def cell_stats(
                 "n_finished": len(reported),
                 "n_diverged": sum(r["status"] == "diverged" for r in reported),
                 "lengths": {L: mean_interval(v, confidence) for L, v in sorted(lengths.items())},
+                "at_length": dict(sorted(at_length.items())),  # per seed, for claims per test length
                 "state_size_bytes": rep["state_size_bytes"],
                 "n_params": rep["n_params"],
                 "seq_len": int(rep["config"].get("seq_len", 0)),
@@ -260,16 +266,22 @@ def _axes(rows: list[dict]) -> list[str]:
     return keys
 
 
-def _lengths(row: dict) -> dict[int, float]:
-    """``{test length: accuracy}`` including the training length."""
-    m = row["metrics"]
+def _length_metric(metric: str) -> str:
+    """The accuracy measured per test length for a sweep on ``metric``: the metric itself when it
+    is an accuracy (``val_seq_acc``: exact match at every length), else ``val_acc``."""
+    return metric if metric in FRACTION_METRICS else "val_acc"
+
+
+def _lengths(row: dict, metric: str = "val_acc") -> dict[int, float]:
+    """``{test length: accuracy}`` including the training length (:func:`_length_metric`)."""
+    m, name = row["metrics"], _length_metric(metric)
     out = {}
-    if isinstance(m.get("val_acc"), (int, float)):
-        out[int(row["config"].get("seq_len", 0))] = m["val_acc"]
+    if isinstance(m.get(name), (int, float)):
+        out[int(row["config"].get("seq_len", 0))] = m[name]
     for k, v in m.items():
         hit = _LEN_KEY.match(k)
-        if hit and isinstance(v, (int, float)):
-            out[int(hit.group(1))] = v
+        if hit and hit.group(1) == name and isinstance(v, (int, float)):
+            out[int(hit.group(2))] = v
     return dict(sorted(out.items()))
 
 
@@ -336,7 +348,7 @@ def markdown_table(
             if thr is not None
             else []
         )
-        + [f"acc@{L}" for L in lengths]
+        + [f"{_length_metric(metric).removeprefix('val_')}@{L}" for L in lengths]
         + ["runs", "wall (s)"]
     )
     stats.sort(key=lambda r: ([str(r["cell"].get(a)) for a in axes], r["state_size_bytes"] or 0, r["label"]))
@@ -537,6 +549,31 @@ def _tuned(rows: list[dict]) -> bool:
     return any(len(v) > 1 for v in values.values())
 
 
+def judge_claims_at_lengths(
+    claims: list[dict], cells: list[dict], metric: str, threshold, confidence=0.95
+) -> list[dict]:
+    """:func:`judge_claims` once per test length longer than the training length, on the cells'
+    per-seed accuracy there (``at_length``, :func:`_length_metric`); each entry's claim names the
+    length and carries ``length``. The plateau flags are the training metric's. Empty when no
+    accuracy was measured at a longer length."""
+    lengths = sorted({L for c in cells for L in c.get("at_length", {}) if L != c["seq_len"]})
+    out = []
+    for L in lengths:
+        at = [
+            {**c, **c["at_length"][L], "plateau": _plateau_at(c, c["at_length"][L]["seeds"])}
+            for c in cells
+            if L in c.get("at_length", {})
+        ]
+        for j in judge_claims(claims, at, _length_metric(metric), threshold, confidence):
+            out.append({**j, "claim": f"{j['claim']} (at {L} tokens)", "length": L})
+    return out
+
+
+def _plateau_at(cell: dict, seeds: list) -> list:
+    by_seed = dict(zip(cell["seeds"], cell.get("plateau") or [None] * len(cell["seeds"])))
+    return [by_seed.get(s) for s in seeds]
+
+
 def judge_claims(
     claims: list[dict], cells: list[dict], metric: str, threshold, confidence=0.95
 ) -> list[dict]:
@@ -684,7 +721,8 @@ def write_report(
             f"time {total_wall / 60:.1f} min; {_selection_note(select, seeds, metric, _tuned(rows))}. "
             f"`{metric}`: mean over the reported seeds that finished training; `{confidence:.0%} CI`: "
             f"Student-t interval of that mean (mean ± t·s/√n, none for n=1); n: seeds in the mean"
-            f"{thr_note}; acc@L: mean ± half-width. State = decoding state per sequence at the "
+            f"{thr_note}; {_length_metric(metric).removeprefix('val_')}@L: mean ± half-width. State = "
+            "decoding state per sequence at the "
             "training length (KV cache for attention).\n\n"
             + markdown_table(rows, metric, threshold=threshold, **kw)
             + "\n"
@@ -707,6 +745,13 @@ def write_report(
                 "positive favours `better`). *not testable here*: fewer than 3 paired seeds, a run "
                 "still on its initial plateau, or both at the ceiling.\n\n" + claims_markdown(judged)
             )
+        longer = judge_claims_at_lengths(metas[name].get("claims") or [], cells, metric, thr, confidence)
+        if longer:
+            text += (
+                f"\n\nThe same claims on `{_length_metric(metric)}` at each longer test length "
+                "(`eval_lengths`, through the same runs at the learning rate chosen above):\n\n"
+                + claims_markdown(longer)
+            )
         files = [out / f"{name}.md", out / f"{name}.json"]
         files[0].write_text(text)
         summary = {
@@ -720,6 +765,7 @@ def write_report(
             "cells": cells,
             "recipe": metas[name].get("recipe"),
             "claims": judged,
+            "claims_at_lengths": longer,
         }
         files[1].write_text(json.dumps(summary, indent=1) + "\n")
         if plots:

@@ -243,3 +243,56 @@ def test_a_model_entry_may_carry_its_own_grid_axes():
     assert len({r.cell_key for r in runs}) == 2  # the eps is tuned: not part of the cell
     with pytest.raises(ValueError, match="'grid' must map keys to non-empty lists"):
         _spec(models=[{"label": "x", "model": "gla", "grid": {"m3_eps": []}}]).runs()
+
+
+def test_claims_are_also_judged_at_each_longer_test_length(tmp_path, monkeypatch):
+    """A ``val_seq_acc`` sweep with ``eval_lengths``: the table's length columns are exact match
+    (``seq_acc@L``), and each claim is judged again at every longer length on the same runs,
+    with the paired differences computed here by hand: at the training length both models sit at
+    the ceiling (not testable here); at 64 tokens yarn beats pi by 0.2, 0.25, 0.3."""
+    at64 = {"yarn": [0.5, 0.8, 0.85, 0.9], "pi": [0.5, 0.6, 0.6, 0.6]}
+
+    def run_one(config, run_dir, threads=None):
+        s, label = config.get("seed", 0), config["model_overrides"]["label_hint"]
+        full = config["lr"] == 3e-3
+        metrics = {
+            "val_seq_acc": 1.0 if full else 0.5,
+            "val_acc": 1.0,
+            "val_seq_acc@64": at64[label][s] if full else 0.1,
+            "val_acc@64": 0.9,
+            "curve": [{"step": 2, "val_seq_acc": 0.3}, {"step": 4, "val_seq_acc": 1.0}],
+        }
+        return {
+            "status": "done",
+            "metrics": metrics,
+            "state_size_bytes": 8,
+            "n_params": 1,
+            "wall_time_s": 0.1,
+        }
+
+    monkeypatch.setattr(runner_mod, "run_one", run_one)
+    monkeypatch.setattr("mnemo.sweep.spec.build_config", lambda *a, **k: None)  # label_hint is no model field
+    models = [
+        {"label": "yarn", "model": "transformer", "model_overrides": {"label_hint": "yarn"}},
+        {"label": "pi", "model": "transformer", "model_overrides": {"label_hint": "pi"}},
+    ]
+    base = {**BASE, "task": "passkey", "task_options": {}, "eval_lengths": [64]}
+    spec = _spec(
+        base=base,
+        models=models,
+        metric="val_seq_acc",
+        claims=[{"name": "yarn", "better": "yarn", "than": "pi"}],
+    )
+    db = tmp_path / "s.sqlite"
+    run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
+    res = write_report(db, tmp_path / "rep", plots=False)["recipe"]
+    assert "| seq_acc@64 |" in res["markdown"].replace(" | runs", " |")
+    saved = json.loads((tmp_path / "rep" / "recipe.json").read_text())
+    (at_train,) = saved["claims"]
+    assert at_train["verdict"] == "not testable here" and "cannot separate them" in at_train["why"]
+    (longer,) = saved["claims_at_lengths"]
+    assert longer["length"] == 64 and longer["claim"] == "yarn (at 64 tokens)"
+    assert longer["seeds"] == [1, 2, 3] and longer["differences"] == pytest.approx([0.2, 0.25, 0.3])
+    half = t_quantile(0.975, 2) * 0.05 / math.sqrt(3)  # s = 0.05
+    assert (longer["low"], longer["high"]) == pytest.approx((0.25 - half, 0.25 + half))
+    assert longer["verdict"] == "reproduced" and "(at 64 tokens)" in res["markdown"]
