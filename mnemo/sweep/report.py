@@ -117,7 +117,9 @@ def cell_stats(
         ``selection_value`` (seed ``S``'s metric at ``tuned``), ``seeds`` and ``values`` (the reported
         ``done`` runs, by seed), ``n``, ``mean``, ``std``, ``half_width``, ``low``, ``high``
         (:func:`~mnemo.sweep.stats.mean_interval`; ``None`` when ``n < 2``), ``confidence``,
-        ``threshold``, ``n_reached`` and ``n_finished`` (reported runs that reached the threshold /
+        ``threshold``, ``plateau`` (per reported seed: whether its run left the initial plateau,
+        ``None`` where unknown or for a fine-tuning run, :func:`_plateau`), ``n_reached`` and
+        ``n_finished`` (reported runs that reached the threshold /
         that finished, done or diverged), ``n_diverged``, ``lengths`` (``{L: mean_interval}`` of
         the accuracy at test length ``L``, the training length included: ``val_seq_acc@L`` for a
         ``val_seq_acc`` sweep, else ``val_acc@L``), ``at_length`` (``{L: {"seeds", "values"}}``,
@@ -208,7 +210,7 @@ def cell_stats(
                 "n_reached": None
                 if threshold is None
                 else sum(_reached(v, threshold, metric) for v in values),
-                "plateau": [left_plateau(r["metrics"].get("curve"), metric, threshold) for r in done],
+                "plateau": [_plateau(r, metric, threshold) for r in done],
                 "budget_steps": max((int(r["config"].get("steps", 0)) for r in reported), default=None),
                 "n_finished": len(reported),
                 "n_diverged": sum(r["status"] == "diverged" for r in reported),
@@ -264,6 +266,16 @@ def _axes(rows: list[dict]) -> list[str]:
             if k != "label" and k not in keys:
                 keys.append(k)
     return keys
+
+
+def _plateau(row: dict, metric: str, threshold) -> bool | None:
+    """:func:`~mnemo.sweep.recipe.left_plateau` of a run's curve; ``None`` (not judged) for a run
+    that starts from another run's weights (``init_from``: fine-tuning), which has no initial
+    plateau to leave — its first evaluation may already sit near the ceiling, where no curve can
+    rise by the rule's margin."""
+    if row["config"].get("init_from"):
+        return None
+    return left_plateau(row["metrics"].get("curve"), metric, threshold)
 
 
 def _length_metric(metric: str) -> str:

@@ -296,3 +296,42 @@ def test_claims_are_also_judged_at_each_longer_test_length(tmp_path, monkeypatch
     half = t_quantile(0.975, 2) * 0.05 / math.sqrt(3)  # s = 0.05
     assert (longer["low"], longer["high"]) == pytest.approx((0.25 - half, 0.25 + half))
     assert longer["verdict"] == "reproduced" and "(at 64 tokens)" in res["markdown"]
+
+
+def test_a_fine_tuning_run_has_no_initial_plateau_to_leave(tmp_path, monkeypatch):
+    """A run that starts at 0.92 and ends at 0.95 (below the 0.99 threshold) never rises 0.1 above
+    its first half: from scratch that is a run stuck on its plateau; started from another run's
+    weights (``init_from``) it is a fine-tune near the ceiling, and the rule is not applied
+    (``None``), so its claim gets a verdict."""
+
+    def run_one(config, run_dir, threads=None):
+        a = 0.95 if config["model"] == "gla" else 0.90
+        curve = [{"step": 2, "val_acc": 0.92}, {"step": 4, "val_acc": 0.93}, {"step": 6, "val_acc": a}]
+        return {
+            "status": "done",
+            "metrics": {"val_acc": a, "val_loss": 1 - a, "curve": curve},
+            "state_size_bytes": 8,
+            "n_params": 1,
+            "wall_time_s": 0.1,
+        }
+
+    monkeypatch.setattr(runner_mod, "run_one", run_one)
+    claims = [{"name": "c", "better": "gla", "than": "retnet"}]
+    for base, plateau in ((BASE, False), ({**BASE, "init_from": "runs/pre/seed{seed}"}, None)):
+        db = tmp_path / f"{plateau}.sqlite"
+        run_sweep(_spec(base=base, claims=claims), db, tmp_path / "runs", progress=False, log=lambda s: None)
+        res = json.loads(
+            (
+                write_report(db, tmp_path / f"rep{plateau}", plots=False)
+                and tmp_path / f"rep{plateau}" / "recipe.json"
+            ).read_text()
+        )
+        assert [c["plateau"] for c in res["cells"]] == [[plateau] * 3] * 2
+        (claim,) = res["claims"]
+        if plateau is None:
+            assert claim["verdict"] == "reproduced" and claim["differences"] == pytest.approx([0.05] * 3)
+        else:
+            assert (
+                claim["verdict"] == "not testable here"
+                and "did not leave the initial plateau" in claim["why"]
+            )
