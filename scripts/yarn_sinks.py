@@ -32,8 +32,10 @@ from pathlib import Path
 import torch
 
 from mnemo.data import load_corpus, load_tokenizer
+from mnemo.interp import sink_score
 from mnemo.models import LanguageModel
 from mnemo.train import resolve_checkpoint
+from mnemo.train.batches import with_bos
 
 
 def train(out: Path, seed: int, seq_len: int, batch_size: int, steps: int) -> float:
@@ -119,13 +121,16 @@ def cli_eval(ckpt, lengths, yarn: bool) -> dict[int, float]:
     return {r["seq_len"]: r["val_loss"] for r in map(json.loads, buf.getvalue().strip().splitlines())}
 
 
-def sink_table(ckpt, window, n_sink, stream_len, n_streams, ranges):
+def sink_table(ckpt, window, n_sink, stream_len, n_streams, ranges, bos=None):
+    """Loss per position range on ``n_streams`` validation streams under each cache; ``bos`` (a
+    token id, for a model trained with ``--bos``): every stream starts with it, and the
+    re-computed sliding windows are ``[BOS, last W − 1 tokens]``."""
     model = LanguageModel.from_pretrained(ckpt).eval()
     tok = load_tokenizer(ckpt)
     ids = load_corpus("tinyshakespeare").split()[1].stream(tok, stream_len).ids
     starts = torch.arange(n_streams) * (stream_len + 1)
     idx = starts[:, None] + torch.arange(stream_len + 1)[None]
-    x, y = ids[idx][:, :-1], ids[idx][:, 1:]
+    x, y = with_bos(ids[idx][:, :-1], bos), ids[idx][:, 1:]
     rows = {}
     for name, w, s in (
         ("full attention", None, 0),
@@ -141,7 +146,7 @@ def sink_table(ckpt, window, n_sink, stream_len, n_streams, ranges):
     W = window
     losses = rows["full attention"].clone()
     wins = x.unfold(1, W, 1)  # [B, T − W + 1, W]: window ending at t = W − 1 + n
-    flat = wins.reshape(-1, W)
+    flat = with_bos(wins.reshape(-1, W), bos)
     last = []
     with torch.no_grad():
         for i in range(0, flat.shape[0], 512):
@@ -166,19 +171,19 @@ def sink_table(ckpt, window, n_sink, stream_len, n_streams, ranges):
     return table, diff, cache
 
 
-def first_token_mass(ckpt, length: int, n: int = 8) -> list[float]:
+def first_token_mass(ckpt, length: int, n: int = 8, bos=None, per_head: bool = False) -> list:
     """Per layer: the mean attention probability on the window's first token from queries in the
-    second half of ``n`` validation windows of ``length`` tokens (max over heads), to compare with
-    the ``1 / (i + 1)`` of uniform attention — a sink takes far more."""
+    second half of ``n`` validation windows of ``length`` tokens (max over heads;
+    :func:`mnemo.interp.sink_score`), to compare with the ``1 / (i + 1)`` of uniform attention — a
+    sink takes far more. ``bos``: the windows start with that token id. ``per_head``: every
+    head's weight (a list per layer) instead of the largest."""
     model = LanguageModel.from_pretrained(ckpt).eval()
     ids = load_corpus("tinyshakespeare").split()[1].stream(load_tokenizer(ckpt), length).ids
-    x = ids[: n * length].view(n, length)
+    x = with_bos(ids[: n * length].view(n, length), bos)
     with torch.no_grad():
         _, cache = model.run_with_cache(x, names="hook_pattern")
-    return [
-        cache[f"blocks.{i}.mixer.hook_pattern"][:, :, length // 2 :, 0].mean((0, 2)).max().item()
-        for i in range(len(model.blocks))
-    ]
+    heads = [sink_score(cache[f"blocks.{i}.mixer.hook_pattern"])[0] for i in range(len(model.blocks))]
+    return [h.tolist() for h in heads] if per_head else [h.max().item() for h in heads]
 
 
 def main() -> None:
