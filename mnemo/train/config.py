@@ -71,7 +71,8 @@ class TrainConfig:
             StreamingLLM (Xiao et al. 2023, §3.3) pretrains with such a token and the attention
             sink forms on it. It must encode to exactly one token (with the char tokenizer a
             character absent from the text encodes to the unknown id 0, a token the text never
-            holds). ``mnemo eval`` applies it too (it reads the run's config). Text corpora only:
+            holds). ``mnemo eval`` and ``mnemo generate`` apply it too (they read the run's
+            config; generation reads ``[BOS] + prompt``). Text corpora only:
             not with ``task``, ``pack_documents`` or ``carry_state``. Default ``None``.
         tokenizer: ``"char"`` (vocabulary = the characters of the file), ``"byte"``, or a path to a
             Hugging Face ``tokenizer.json`` (BPE, Unigram, ...) or a folder holding one (e.g. from
