@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from yarn_sinks import first_token_mass, sink_table  # noqa: E402  (the scripts folder)
+from train_runs import train_runs  # noqa: E402  (the scripts folder)
+from yarn_sinks import first_token_mass, sink_table  # noqa: E402
 
 from mnemo.data import load_tokenizer  # noqa: E402
 from mnemo.sweep.recipe import claims_markdown, judge_claim  # noqa: E402
@@ -60,31 +59,6 @@ def train_argv(run: Path, seed: int, bos: bool, args) -> list[str]:
     argv += ["--d-model", str(args.d_model)] if args.d_model else []
     argv += ["--n-layers", str(args.n_layers)] if args.n_layers else []
     return argv + (["--resume"] if (run / "latest").is_file() else [])
-
-
-def train_all(jobs: list[tuple[Path, list[str]]], parallel: int) -> dict[str, float]:
-    """Run the ``mnemo train`` commands ``parallel`` at a time; a finished run resumes as done at
-    once. Returns the wall time per run folder (s); exits 1 naming the log of a failed run."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    queue, running, walls = list(jobs), [], {}
-    while queue or running:
-        while queue and len(running) < parallel:
-            run, argv = queue.pop(0)
-            run.parent.mkdir(parents=True, exist_ok=True)
-            log = open(run.with_name(run.name + ".log"), "a")
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running.append((run, proc, log, time.time()))
-        time.sleep(1)
-        for item in list(running):
-            run, proc, log, t0 = item
-            if proc.poll() is None:
-                continue
-            log.close()
-            running.remove(item)
-            if proc.returncode != 0:
-                raise SystemExit(f"training {run} failed (exit {proc.returncode}): see {log.name}")
-            walls[str(run)] = time.time() - t0
-    return walls
 
 
 def measure(run: Path, bos: bool, args) -> dict:
@@ -241,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {(kind, s): out / f"{kind}-seed{s}" for kind in ("bos", "plain") for s in seeds}
     jobs = [(run, train_argv(run, s, k == "bos", args)) for (k, s), run in runs.items()]
     new = {str(run) for run in runs.values() if not (run / "latest").is_file()}
-    walls = {k: v for k, v in train_all(jobs, args.jobs).items() if k in new}
+    walls = {k: v for k, v in train_runs(jobs, args.jobs).items() if k in new}
     results: dict = {"bos": {}, "plain": {}}
     for (kind, s), run in runs.items():
         results[kind][s] = measure(run, kind == "bos", args)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from mnemo.sweep import SweepSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_runs import train_runs  # noqa: E402  (the scripts folder)
 
 PRETRAIN = "configs/context_extension/pretrain.yaml"
 SWEEP = "configs/standard/context_extension.yaml"
@@ -46,31 +47,6 @@ def pretrain_commands(spec: SweepSpec, config: str, threads: int) -> list[tuple[
             argv.append("--resume")
         out.append((run, argv))
     return out
-
-
-def run_all(commands: list[tuple[Path, list[str]]], jobs: int) -> None:
-    """Run the commands ``jobs`` at a time (each logs to ``RUN.log`` beside its folder); exit 1 if
-    any failed, naming its log."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    queue, running, failed = list(commands), [], []
-    while queue or running:
-        while queue and len(running) < jobs:
-            run, argv = queue.pop(0)
-            run.parent.mkdir(parents=True, exist_ok=True)
-            log = open(run.with_name(run.name + ".log"), "a")
-            print(f"stage 1: {' '.join(argv[2:])}", flush=True)
-            running.append((run, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        time.sleep(1)
-        for item in list(running):
-            run, proc, log = item
-            if proc.poll() is not None:
-                log.close()
-                running.remove(item)
-                if proc.returncode != 0:
-                    failed.append(run)
-                    print(f"stage 1: {run} failed (exit {proc.returncode}): see {log.name}", flush=True)
-    if failed:
-        raise SystemExit(1)
 
 
 def scalings(spec: SweepSpec) -> dict[str, dict | None]:
@@ -179,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
     spec = SweepSpec.load(SWEEP)
     if args.stage in ("1", "all"):
-        run_all(pretrain_commands(spec, PRETRAIN, args.threads), args.jobs)
+        train_runs(pretrain_commands(spec, PRETRAIN, args.threads), args.jobs, label="stage 1")
     if args.stage in ("zero-shot", "all"):
         import time
 

@@ -98,3 +98,21 @@ def test_context_extension_zero_shot_block_from_known_numbers():
     assert "yarn extends the context better than pi without fine-tuning (at 512 tokens)" in block
     assert "(at 256 tokens)" not in block and "**reproduced**" in block
     assert "Wall time: 1.0 min" in block
+
+
+def test_train_runs_logs_each_command_and_names_every_failure(tmp_path):
+    """The results scripts' runner: each command's output in RUN.log beside its folder; a failing
+    command does not stop the others, and the exit names its log and status."""
+    import pytest
+
+    mod = _load("train_runs")
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    jobs = [
+        (bad, [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]),
+        (ok, [sys.executable, "-c", "import time; time.sleep(1.5); print('fine')"]),
+    ]
+    with pytest.raises(SystemExit, match=rf"failed: {bad} \(exit 3\): see {tmp_path / 'bad.log'}"):
+        mod.train_runs(jobs, parallel=1, label="t")
+    assert (tmp_path / "bad.log").read_text() == "boom\n" and (tmp_path / "ok.log").read_text() == "fine\n"
+    walls = mod.train_runs(jobs[1:], parallel=2)
+    assert list(walls) == [str(ok)] and walls[str(ok)] >= 1.5
