@@ -462,7 +462,17 @@ def test_sweep_then_report_from_the_command_line(tmp_path, capsys):
     assert main(["sweep", str(path), "--no-progress"]) == 0
     assert "4 already finished, ran 0" in capsys.readouterr().out
     assert main(["sweep", str(path), "--list"]) == 0
-    assert capsys.readouterr().out.count("  done  ") == 4
+    listed = capsys.readouterr().out
+    assert listed.count("  done  ") == 4 and "gone" not in listed
+    # a finished run whose folder was deleted: still done (its results are in the database), and said
+    import shutil
+
+    (first,) = [line.split()[0] for line in listed.splitlines() if "mamba" in line and "0.001" in line]
+    shutil.rmtree(tmp_path / "runs" / first)
+    assert main(["sweep", str(path), "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert listed.count("  done  ") == 4 and listed.count("is gone; the results stay in the database") == 1
+    assert f"{first}  done" in listed and "(1 finished run folder(s) gone)" in listed
     assert main(["report", str(tmp_path / "cli.sqlite"), "--out", str(tmp_path / "rep")]) == 0
     text = capsys.readouterr().out
     assert "| mamba |" in text and "| transformer_abs |" in text and "acc@64" in text

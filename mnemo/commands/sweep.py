@@ -52,10 +52,20 @@ def _cmd_sweep(args) -> int:
         from ..sweep.runner import sweep_plan
 
         plan = sweep_plan(spec, db)
+        gone = 0
         for r, state in plan:
-            print(f"{r.run_id}  {state}  {r.label}  {r.cell}  {r.tuned}  seed={r.seed}")
+            # a finished run's results are in the database (what the report reads); its folder
+            # (checkpoints, logs) may have been deleted since
+            missing = state in ("done", "diverged") and not (out / r.run_id).is_dir()
+            gone += missing
+            note = f"  (its folder {out / r.run_id} is gone; the results stay in the database)" * missing
+            print(f"{r.run_id}  {state}  {r.label}  {r.cell}  {r.tuned}  seed={r.seed}{note}")
         counts = Counter(state for _, state in plan)
-        print(f"{spec.name}: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+        print(
+            f"{spec.name}: "
+            + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+            + (f" ({gone} finished run folder(s) gone)" if gone else "")
+        )
         return 0
     cells = len({r.cell_key for r in runs})
     seeds = f" x {len(spec.seeds)} seeds" if spec.seeds else ""
