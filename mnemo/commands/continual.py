@@ -22,8 +22,13 @@ Models compared (defaults: ``d_model = 16``, per-level expansion ``e = 1``, peri
 * ``cms-1`` … ``cms-4``: the first 1…4 levels of that chain (learned inner rates, ``lr = 1``);
 * ``static-4``: ``cms-4`` with every level's ``lr = 0`` (its fast weights never move: a static MLP
   chain; no in-context learning — chance level is the floor);
+* ``flat-4``: ``cms-4``'s levels, every one at period 1 (the equal-capacity single-frequency
+  control: the same chain, the same widths and parameters, one frequency);
+* ``hope-3``: three levels at the periods of the ``hope`` presets' CMS (8/16/32,
+  :mod:`mnemo.models.registry`), at this chain's width and with the reconstruction objective (the
+  presets' task-loss objective runs only inside a language model);
 * ``wide-1``: one period-1 level whose hidden width is chosen so its parameter count matches
-  ``cms-4`` (the capacity control: same parameters, one frequency).
+  ``cms-4`` (the capacity control: same parameters, one frequency, one level).
 
 Tasks (all positions unsupervised except the query answers; ``?`` is the query marker):
 
@@ -57,6 +62,13 @@ Training: every model is trained on its task by AdamW (:func:`mnemo.train.optim.
 warm-up + cosine schedule, gradient clipping at 1.0), the same streams for every model of a seed.
 Evaluation: ``eval_streams`` held-out streams per seed. A seed fixes the model initialisation, the
 training streams and the evaluation streams. Results: mean ± 95% t-interval over seeds.
+
+The recipe standard (issue 39, :mod:`mnemo.sweep.recipe`): ``--lr-grid`` chooses each model's outer
+learning rate on a held-out seed (:func:`run_experiment`); every run records its training-loss curve
+and how much the loss still fell over its last fifth (``loss_fall_last_fifth``: near 0 once it has
+converged); the claims "each multi-level chain beats its equal-capacity ``flat`` control and the
+single level ``cms-1``" get a paired verdict (:func:`judge_claims`). ``--slow-rate-lr-scale`` gives
+the slow levels' inner rates their own outer learning rate.
 
     mnemo continual --experiment all --seeds 3 --out runs/continual
 """
@@ -146,13 +158,23 @@ class ContinualNet(nn.Module):
     """Embeddings with a one-token lag, a :class:`ContinuumMemory`, a head (module docstring).
     No attention or other mixer: the CMS fast weights are the only memory of the stream."""
 
-    def __init__(self, vocab_size: int, d_model: int, levels, feat_dim: int = 0):
+    def __init__(
+        self, vocab_size: int, d_model: int, levels, feat_dim: int = 0, slow_rate_lr_scale: float = 1.0
+    ):
+        """``slow_rate_lr_scale`` multiplies the outer learning rate of the rate parameters
+        (``w_η``, ``b_η``: the inner step size) of every level with ``period > 1``, so that a slow
+        level's rate, which starts at ``sigmoid(b_η) = 1/(2C)``, can move as far as the outer loop
+        needs; its weights keep the common rate."""
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.prev = nn.Embedding(vocab_size, d_model)
         self.feat = nn.Linear(feat_dim, d_model, bias=False) if feat_dim else None
         self.feat_prev = nn.Linear(feat_dim, d_model, bias=False) if feat_dim else None
         self.cms = ContinuumMemory(d_model, levels)
+        if slow_rate_lr_scale != 1.0:
+            for lv in self.cms.levels:
+                if lv.level.period > 1:
+                    lv.rate.outer_lr_scale = float(slow_rate_lr_scale)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
@@ -172,19 +194,35 @@ def _cms_params(d_model: int, levels) -> int:
     return sum(p.numel() for p in ContinuumMemory(d_model, levels).parameters())
 
 
-def model_specs(d_model: int = 16, expansion: float = 1.0, periods=(1, 4, 16, 64), lr: float = 1.0) -> dict:
+#: HOPE's CMS periods (the ``hope`` presets of :mod:`mnemo.models.registry`)
+HOPE_PERIODS = (8, 16, 32)
+
+
+def model_specs(
+    d_model: int = 16,
+    expansion: float = 1.0,
+    periods=(1, 4, 16, 64),
+    lr: float = 1.0,
+) -> dict:
     """The compared models: name -> list of level dicts (see the module docstring)."""
-    chain = [{"period": p, "expansion": expansion, "lr": lr} for p in periods]
+
+    def level(p, e=expansion):
+        return {"period": p, "expansion": e, "lr": lr}
+
+    chain = [level(p) for p in periods]
     specs = {f"cms-{n}": chain[:n] for n in range(1, len(chain) + 1)}
     deepest = chain
     specs[f"static-{len(chain)}"] = [dict(lv, lr=0.0) for lv in deepest]
+    # the equal-capacity single-frequency control: the deepest chain's levels, every one at period 1
+    specs[f"flat-{len(chain)}"] = [level(1) for _ in deepest]
+    specs["hope-3"] = [level(p) for p in HOPE_PERIODS]
     target = _cms_params(d_model, deepest)
     per_hidden = _cms_params(d_model, [{"period": 1, "expansion": 2.0}]) - _cms_params(
         d_model, [{"period": 1, "expansion": 1.0}]
     )  # parameters per d_model hidden units
     base = _cms_params(d_model, [{"period": 1, "expansion": 1.0}]) - per_hidden
     hidden = max(1, round((target - base) / per_hidden * d_model))
-    specs["wide-1"] = [{"period": periods[0], "expansion": hidden / d_model, "lr": lr}]
+    specs["wide-1"] = [level(periods[0], hidden / d_model)]
     return specs
 
 
@@ -206,6 +244,9 @@ class Settings:
     expansion: float = 1.0
     periods: tuple = (1, 4, 16, 64)
     task: dict = field(default_factory=dict)
+    #: outer-lr multiplier of the rate parameters (``w_η``, ``b_η``) of the levels with period > 1
+    #: (:class:`ContinualNet`)
+    slow_rate_lr_scale: float = 1.0
 
 
 DEFAULTS = {
@@ -278,6 +319,7 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         s.d_model,
         levels,
         getattr(task, "feat_dim", 0) if experiment == "class_incremental" else 0,
+        s.slow_rate_lr_scale,
     )
     tcfg = TrainConfig(lr=s.lr, steps=s.steps, warmup_steps=min(s.warmup, s.steps), weight_decay=0.0)
     opt = make_optimizer(model, tcfg)
@@ -303,6 +345,14 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
             bar.update(1)
     acc = evaluate(model, task, torch.Generator().manual_seed(10_000 + seed), s.eval_streams, 64)
     tail = losses[-max(1, len(losses) // 10) :] if losses else [float("nan")]
+    every = max(1, s.steps // CURVE_POINTS)
+    curve = [
+        {
+            "step": i + len(losses[i : i + every]),
+            "loss": sum(losses[i : i + every]) / len(losses[i : i + every]),
+        }
+        for i in range(0, len(losses), every)
+    ]
     metrics = _derived(experiment, task, acc)
     if diverged is not None:  # reported as NaN (dropped from the means, counted); kept for the record
         at_divergence, metrics = metrics, {k: float("nan") for k in metrics}
@@ -312,9 +362,30 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         **metrics,
         "accuracy_by_tag": acc,
         "final_train_loss": sum(tail) / len(tail),
+        "loss_curve": curve,
+        "loss_fall_last_fifth": _still_falling(curve),
+        "rate_scale": [torch.sigmoid(lv.rate.bias).item() * 2 * lv.level.period for lv in model.cms.levels],
+        "lr": s.lr,
         "diverged_at_step": diverged,
         "wall_s": time.time() - t0,
     }
+
+
+#: points of a run's training-loss curve (``loss_curve``: the mean loss of each window of steps)
+CURVE_POINTS = 40
+
+
+def _still_falling(curve: list[dict]) -> float:
+    """The training loss's relative fall over the last fifth of the run, ``(L(0.8) − L(1)) / L(0.8)``
+    from the loss curve (``nan`` for fewer than 5 points): near 0 once the run has converged."""
+    if len(curve) < 5:
+        return float("nan")
+    a, b = curve[(4 * len(curve)) // 5 - 1]["loss"], curve[-1]["loss"]
+    return (a - b) / a if a else float("nan")
+
+
+#: the metric a learning rate is chosen on and the claims are judged on, per experiment
+PRIMARY = {"abab": "A_after_B", "forgetting_mqar": "reassigned", "class_incremental": "avg_acc"}
 
 
 def _scalar_metrics(experiment: str, task) -> list[str]:
@@ -337,9 +408,26 @@ def run_experiment(
     progress: bool = True,
     models=None,
     workers: int = 1,
+    lr_grid=None,
+    select_seed: int | None = None,
 ) -> dict:
     """Every model of :func:`model_specs` on ``experiment`` for seeds ``0 … seeds−1``, ``workers``
-    runs at a time (separate single-threaded processes when ``workers > 1``)."""
+    runs at a time (separate single-threaded processes when ``workers > 1``).
+
+    With ``lr_grid`` (the recipe standard, :mod:`mnemo.sweep.recipe`: at least 3 outer learning
+    rates spanning 10×) each model first trains on the held-out seed ``select_seed`` (not reported;
+    default ``1000``) at every rate of the grid; the rate with the best :data:`PRIMARY` metric on
+    that seed's evaluation streams (ties: the smaller rate) is the model's rate for the reported
+    seeds. Without it every model uses ``settings.lr``.
+
+    Raises:
+        ValueError: unknown ``models``; an ``lr_grid`` that does not meet the standard; a
+            ``select_seed`` among the reported seeds.
+    """
+    from dataclasses import replace
+
+    from ..sweep.recipe import recipe_problems
+
     s = settings or DEFAULTS[experiment]
     task = make_task(experiment, **s.task)
     specs = model_specs(s.d_model, s.expansion, s.periods)
@@ -348,25 +436,71 @@ def run_experiment(
         if unknown:
             raise ValueError(f"models: expected names from {sorted(specs)}, got {sorted(unknown)}")
         specs = {k: v for k, v in specs.items() if k in models}
+    if lr_grid is not None:
+        lr_grid = sorted(float(x) for x in lr_grid)
+        select_seed = 1000 if select_seed is None else select_seed
+        problems = recipe_problems(lr_grid, [*range(seeds), select_seed], select_seed, where="lr_grid")
+        if select_seed < seeds:
+            problems.append(
+                f"select_seed: expected a seed outside the reported 0..{seeds - 1}, got {select_seed}"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
     cms_md5 = _git()["cms_md5"]
     t0 = time.time()
-    bar = tqdm(total=len(specs) * seeds * s.steps, disable=not progress, desc=f"continual {experiment}")
-    jobs = [(name, seed) for name in specs for seed in range(seeds)]
-    done = {}
-    if workers <= 1:
-        for name, seed in jobs:
-            bar.set_postfix_str(f"{name} seed {seed}")
-            done[name, seed] = train_one(experiment, task, specs[name], s, seed, bar)
-    else:  # one single-threaded process per run: results do not depend on the scheduling
+    n_select = len(specs) * len(lr_grid or []) * s.steps
+    bar = tqdm(
+        total=len(specs) * seeds * s.steps + n_select, disable=not progress, desc=f"continual {experiment}"
+    )
+    if workers > 1:  # one single-threaded process per run: results do not depend on the scheduling
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(_worker, experiment, task, specs[n], s, seed): (n, seed) for n, seed in jobs}
-            for f in as_completed(futs):
-                done[futs[f]] = f.result()
-                bar.set_postfix_str(f"{futs[f][0]} seed {futs[f][1]} done")
-                bar.update(s.steps)
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+    else:
+        pool = None
+
+    def train_all(jobs):  # jobs: key -> (levels, settings, seed)
+        done = {}
+        if pool is None:
+            for key, (levels, js, seed) in jobs.items():
+                bar.set_postfix_str(f"{key[0]} seed {seed} lr {js.lr:g}")
+                done[key] = train_one(experiment, task, levels, js, seed, bar)
+            return done
+        from concurrent.futures import as_completed
+
+        futs = {pool.submit(_worker, experiment, task, *job): key for key, job in jobs.items()}
+        for f in as_completed(futs):
+            done[futs[f]] = f.result()
+            bar.set_postfix_str(f"{futs[f][0]} seed {jobs[futs[f]][2]} done")
+            bar.update(s.steps)
+        return done
+
+    metric = PRIMARY[experiment]
+    selection = {}
+    try:
+        chosen = {name: s.lr for name in specs}
+        if lr_grid is not None:
+            runs = train_all(
+                {(n, lr): (specs[n], replace(s, lr=lr), select_seed) for n in specs for lr in lr_grid}
+            )
+            for n in specs:
+                vals = [runs[n, lr][metric] for lr in lr_grid]
+                finite = [(v, -i) for i, v in enumerate(vals) if math.isfinite(v)]
+                chosen[n] = lr_grid[-max(finite)[1]] if finite else lr_grid[0]
+                selection[n] = {
+                    "seed": select_seed,
+                    "metric": metric,
+                    "lr": chosen[n],
+                    "values": dict(zip([f"{x:g}" for x in lr_grid], vals)),
+                    "runs": [runs[n, lr] for lr in lr_grid],
+                }
+        done = train_all(
+            {(n, seed): (specs[n], replace(s, lr=chosen[n]), seed) for n in specs for seed in range(seeds)}
+        )
+    finally:
+        if pool is not None:
+            pool.shutdown()
     results = {}
     for name, levels in specs.items():
         per_seed = [done[name, seed] for seed in range(seeds)]
@@ -379,13 +513,14 @@ def run_experiment(
         metrics = _scalar_metrics(experiment, task)
         results[name] = {
             "levels": levels,
+            "lr": chosen[name],
             "parameters": probe.num_parameters(),
             "cms_parameters": sum(p.numel() for p in probe.cms.parameters()),
             "fast_weights_per_stream": sum(lv.W_in.numel() + lv.W_out.numel() for lv in probe.cms.levels),
             "per_seed": per_seed,
             "summary": {
                 m: {**mean_ci95([r[m] for r in per_seed]), "values": [r[m] for r in per_seed]}
-                for m in metrics
+                for m in metrics + ["loss_fall_last_fifth"]
             },
             "diverged": [
                 {"seed": r["seed"], "step": r["diverged_at_step"]}
@@ -394,6 +529,8 @@ def run_experiment(
             ],
             "wall_s": sum(r["wall_s"] for r in per_seed),
         }
+        if name in selection:
+            results[name]["selection"] = selection[name]
     bar.close()
     return {
         "experiment": experiment,
@@ -401,11 +538,63 @@ def run_experiment(
         "settings": asdict(s),
         "task": asdict(task),
         "chance": _chance(experiment, task),
+        "lr_grid": lr_grid,
         "models": results,
+        "claims": judge_claims(experiment, results),
         "workers": workers,
         "cms_md5": cms_md5,  # the cms.py the runs of this experiment imported (checked at its start)
         "wall_s": time.time() - t0,
     }
+
+
+#: a query accuracy at or above this is the ceiling: two models both there cannot be told apart
+CEILING = 0.95
+
+
+def claim_pairs(models) -> list[tuple[str, str]]:
+    """The claims judged: every multi-level model (``cms-k``, ``k ≥ 2``, and ``hope-3``) beats the
+    equal-capacity single-frequency control with as many levels (``flat-k``) and the single level
+    ``cms-1``."""
+    pairs = []
+    for name in models:
+        if name.startswith(("cms-", "hope-")) and name != "cms-1":
+            k = int(name.split("-")[1])
+            pairs += [(name, other) for other in (f"flat-{k}", "cms-1") if other in models]
+    return pairs
+
+
+def judge_claims(experiment: str, results: dict) -> list[dict]:
+    """Paired verdicts (:func:`mnemo.sweep.recipe.judge_claim`) on the :data:`PRIMARY` metric for
+    :func:`claim_pairs`. A seed whose training loss never fell 5% below its first half's level is
+    on the plateau (:func:`mnemo.sweep.recipe.left_plateau` of the loss curve); a diverged seed
+    has no value (its pair is dropped)."""
+    from ..sweep.recipe import judge_claim, left_plateau
+
+    metric = PRIMARY[experiment]
+
+    def cell(name):
+        rows = [r for r in results[name]["per_seed"] if math.isfinite(r[metric])]
+        return {
+            "seeds": [r["seed"] for r in rows],
+            "values": [r[metric] for r in rows],
+            "plateau": [
+                left_plateau(
+                    [{"step": c["step"], "val_loss": c["loss"]} for c in r["loss_curve"]], "val_loss"
+                )
+                for r in rows
+            ],
+        }
+
+    return [
+        judge_claim(
+            {"name": f"{a} > {b}", "better": a, "than": b},
+            cell(a),
+            cell(b),
+            metric=metric,
+            threshold=CEILING,
+        )
+        for a, b in claim_pairs(results)
+    ]
 
 
 def _chance(experiment, task) -> float:
@@ -423,18 +612,34 @@ _TITLES = {
 
 
 def table(result: dict) -> str:
-    """A markdown table: mean ± 95% t-interval half-width over the seeds, per model and metric."""
+    """A markdown table: mean ± 95% t-interval half-width over the seeds, per model and metric; with a
+    learning-rate grid, each model's rate and its held-out seed's values; then the claims' verdicts."""
     exp = result["experiment"]
     models = result["models"]
     metrics = list(next(iter(models.values()))["summary"])
     n = len(result["seeds"])
+    s = result["settings"]
+    grid = result.get("lr_grid")
+    how = (
+        f"outer lr per model chosen on held-out seed {next(iter(models.values()))['selection']['seed']} "
+        f"from {', '.join(f'{x:g}' for x in grid)} by {PRIMARY[exp]}"
+        if grid
+        else f"outer lr {s['lr']:g}"
+    )
     lines = [
         f"**{exp}** — {n} seeds, mean ± 95% t-interval half-width; chance {result['chance']:.3f}; "
         f"wall time {result['wall_s']:.0f} s ({result.get('workers', 1)} worker processes); "
-        f"{result['settings']['steps']} outer steps × batch {result['settings']['batch_size']}",
+        f"{s['steps']} outer steps (warm-up {s['warmup']}) × batch {s['batch_size']}; {how}"
+        + (
+            f"; slow levels' rate parameters at {s['slow_rate_lr_scale']:g}× the outer lr"
+            if s.get("slow_rate_lr_scale", 1.0) != 1.0
+            else ""
+        ),
         "",
-        "| model | levels (period×expansion, lr) | params | " + " | ".join(metrics) + " | diverged |",
-        "|---|---|---|" + "---|" * len(metrics) + "---|",
+        "| model | levels (period×expansion, lr) | params | outer lr | "
+        + " | ".join(metrics)
+        + " | diverged |",
+        "|---|---|---|---|" + "---|" * len(metrics) + "---|",
     ]
     for name, r in models.items():
         lv = ", ".join(f"{v['period']}×{v['expansion']:.3g}" for v in r["levels"])
@@ -447,10 +652,34 @@ def table(result: dict) -> str:
         div = ", ".join(f"seed {d['seed']} at step {d['step']}" for d in r["diverged"]) or "—"
         lines.append(
             f"| {name} | {lv} (lr {'/'.join(f'{x:g}' for x in lrs)}) | {r['parameters']:,} | "
-            + " | ".join(cells)
-            + f" | {div} |"
+            f"{r.get('lr', s['lr']):g} | " + " | ".join(cells) + f" | {div} |"
         )
+    if grid:
+        lines += ["", f"Held-out seed's {PRIMARY[exp]} per outer lr:", ""]
+        lines += ["| model | " + " | ".join(f"{x:g}" for x in grid) + " |", "|---|" + "---|" * len(grid)]
+        for name, r in models.items():
+            vals = r["selection"]["values"]
+            lines.append(
+                f"| {name} | "
+                + " | ".join(
+                    ("**" if x == r["lr"] else "") + _num(vals[f"{x:g}"]) + ("**" if x == r["lr"] else "")
+                    for x in grid
+                )
+                + " |"
+            )
+    if result.get("claims"):
+        lines += ["", f"Claims (paired over seeds, {PRIMARY[exp]}; 95% t-interval of the difference):", ""]
+        lines += ["| claim | n | difference [95% interval] | verdict |", "|---|---|---|---|"]
+        for c in result["claims"]:
+            lines.append(
+                f"| {c['claim']} | {c['n']} | {_num(c['mean'], '+.3f')} "
+                f"[{_num(c['low'], '+.3f')}, {_num(c['high'], '+.3f')}] | {c['verdict']} ({c['why']}) |"
+            )
     return "\n".join(lines)
+
+
+def _num(x, fmt=".3f") -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -462,7 +691,11 @@ def plot(result: dict, path: Path) -> None:
 
     models = result["models"]
     names = list(models)
-    metrics = [m for m in next(iter(models.values()))["summary"] if m != "final_train_loss"]
+    metrics = [
+        m
+        for m in next(iter(models.values()))["summary"]
+        if m not in ("final_train_loss", "loss_fall_last_fifth")
+    ]
     fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
     width = 0.8 / len(metrics)
     for i, m in enumerate(metrics):
@@ -527,9 +760,12 @@ def run(
     overrides: dict | None = None,
     models=None,
     workers: int = 1,
+    lr_grid=None,
+    select_seed: int | None = None,
 ) -> dict:
     """Run ``experiments``; write ``continual.json``, ``continual.md`` and ``<experiment>.png`` under
-    ``out``. ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``)."""
+    ``out``. ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``);
+    ``lr_grid`` and ``select_seed`` as in :func:`run_experiment`."""
     if seeds < 1:
         raise ValueError(f"seeds: expected >= 1, got {seeds}")
     results = {
@@ -541,7 +777,9 @@ def run(
     }
     for exp in experiments:
         s = Settings(**{**asdict(DEFAULTS[exp]), **(overrides or {})})
-        results["experiments"][exp] = run_experiment(exp, seeds, s, progress, models, workers)
+        results["experiments"][exp] = run_experiment(
+            exp, seeds, s, progress, models, workers, lr_grid, select_seed
+        )
     if out is not None:
         from ..train.checkpoint import atomic_write_text
 
@@ -594,6 +832,43 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--out", default="runs/continual", type=kinds.OutDir(not_a_run=True), help="folder for the results"
     )
+    p.add_argument(
+        "--lr", type=kinds.positive_float, help="outer learning rate of every model (default 1e-2)"
+    )
+    p.add_argument(
+        "--lr-grid",
+        type=kinds.FloatList(),
+        help="comma-separated outer learning rates (>= 3 spanning 10x): each model's is chosen on "
+        "--select-seed, e.g. 3e-3,1e-2,3e-2",
+    )
+    p.add_argument(
+        "--select-seed",
+        type=kinds.Int(0, 1_000_000),
+        help="the held-out seed that chooses the learning rate (default 1000; with --lr-grid)",
+    )
+    p.add_argument(
+        "--periods",
+        type=kinds.IntList(),
+        help="the CMS chain's periods, fastest first (default 1,4,16,64)",
+    )
+    p.add_argument(
+        "--slow-rate-lr-scale",
+        type=kinds.positive_float,
+        help="outer-lr multiplier of the inner-rate parameters of the levels with period > 1 (default 1)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=kinds.nonneg_int,
+        help="outer warm-up steps (default: 20, or a tenth of --steps when that is fewer)",
+    )
+    p.add_argument(
+        "--task",
+        action="append",
+        type=kinds.Text("KEY=INT"),
+        default=[],
+        metavar="KEY=INT",
+        help="a task size, e.g. --task n_keys=64 --task n_a=16 --task n_b=48 (repeatable)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--force", action="store_true", help="replace the results already in --out")
     p.set_defaults(func=_cmd)
@@ -612,8 +887,28 @@ def _cmd(args) -> int:
         overrides["warmup"] = min(DEFAULTS[exps[0]].warmup, max(1, args.steps // 10))
     if args.eval_streams is not None:
         overrides["eval_streams"] = args.eval_streams
+    for name in ("lr", "periods", "slow_rate_lr_scale", "warmup"):
+        if getattr(args, name) is not None:
+            v = getattr(args, name)
+            overrides[name] = tuple(int(x) for x in v.split(",")) if name == "periods" else v
+    if args.select_seed is not None and args.lr_grid is None:
+        raise ValueError("--select-seed: it chooses among --lr-grid's rates; pass --lr-grid too")
+    if args.lr is not None and args.lr_grid is not None:
+        raise ValueError("--lr: each model's rate is chosen from --lr-grid; pass one of the two")
+    if args.task:
+        overrides["task"] = _task_overrides(args.task, exps)
     models = args.models.split(",") if args.models else None
-    res = run(exps, args.seeds, args.out, not args.no_progress, overrides, models, args.workers)
+    res = run(
+        exps,
+        args.seeds,
+        args.out,
+        not args.no_progress,
+        overrides,
+        models,
+        args.workers,
+        [float(x) for x in args.lr_grid.split(",")] if args.lr_grid else None,
+        args.select_seed,
+    )
     for r in res["experiments"].values():
         print(table(r) + "\n")
     print("wrote " + ", ".join(res["paths"]))
@@ -626,3 +921,26 @@ def _cmd(args) -> int:
     if stale:
         print("removed the replaced results' plots: " + ", ".join(p.name for p in stale))
     return 0
+
+
+def _task_overrides(items: list[str], exps) -> dict:
+    """``["n_keys=64", ...]`` -> ``{"n_keys": 64, ...}``, checked against every experiment's task."""
+    import dataclasses
+
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        try:
+            out[key] = int(value)
+        except ValueError:
+            out[key] = None
+        if not eq or out[key] is None:
+            raise ValueError(f"--task: expected KEY=INT (e.g. n_keys=64), got {item!r}")
+    for exp in exps:
+        fields = {f.name for f in dataclasses.fields(type(make_task(exp)))}
+        unknown = sorted(set(out) - fields)
+        if unknown:
+            raise ValueError(f"--task: {exp} has no size {unknown}; expected one of {sorted(fields)}")
+        make_task(exp, **out)  # the task's own checks (e.g. n_a + n_b <= n_keys)
+    return out

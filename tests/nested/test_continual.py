@@ -150,11 +150,15 @@ def test_mean_ci95_is_the_t_interval():
 
 def test_model_specs_controls():
     specs = model_specs(d_model=16, expansion=1.0, periods=(1, 4, 16, 64))
-    assert list(specs) == ["cms-1", "cms-2", "cms-3", "cms-4", "static-4", "wide-1"]
+    assert list(specs) == ["cms-1", "cms-2", "cms-3", "cms-4", "static-4", "flat-4", "hope-3", "wide-1"]
     assert [lv["period"] for lv in specs["cms-4"]] == [1, 4, 16, 64]
     assert all(lv["lr"] == 0 for lv in specs["static-4"])
+    # the equal-capacity single-frequency control: cms-4's levels, every one at period 1
+    assert specs["flat-4"] == [dict(lv, period=1) for lv in specs["cms-4"]]
+    assert [lv["period"] for lv in specs["hope-3"]] == [8, 16, 32]  # the hope presets' CMS periods
     count = {n: sum(p.numel() for p in ContinualNet(50, 16, lv).parameters()) for n, lv in specs.items()}
-    assert count["static-4"] == count["cms-4"]
+    assert count["static-4"] == count["cms-4"] == count["flat-4"]
+    assert count["hope-3"] == count["cms-3"]
     assert abs(count["wide-1"] - count["cms-4"]) / count["cms-4"] < 0.01  # matched parameters
     assert len(specs["wide-1"]) == 1 and specs["wide-1"][0]["period"] == 1
 
@@ -197,7 +201,7 @@ def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path, capsys):
         r = res["experiments"][exp]
         assert r["seeds"] == [0] and set(r["models"]) == {"cms-1", "static-4"}
         for m in r["models"].values():
-            assert set(m["summary"]) == set(metrics)
+            assert set(m["summary"]) == {*metrics, "loss_fall_last_fifth"}
             assert {"mean", "ci95", "n", "values"} <= set(m["summary"][metrics[0]])
             (seed,) = m["per_seed"]
             assert set(metrics) <= set(seed) and seed["diverged_at_step"] is None
@@ -220,3 +224,148 @@ def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path, capsys):
     )
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["abab.png"]
     assert set(json.loads((tmp_path / "continual.json").read_text())["experiments"]) == {"abab"}
+
+
+def test_slow_rate_lr_scale_reaches_only_the_slow_levels_rates():
+    from mnemo.train.config import TrainConfig
+    from mnemo.train.optim import make_optimizer
+
+    net = ContinualNet(20, 8, model_specs(8, 1.0, (1, 4, 16))["cms-3"], slow_rate_lr_scale=10.0)
+    opt = make_optimizer(net, TrainConfig(lr=1e-3, steps=10, warmup_steps=0, weight_decay=0.0))
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    fast, slow4, slow16 = net.cms.levels
+    for p in [*slow4.rate.parameters(), *slow16.rate.parameters()]:
+        assert lr_of[id(p)] == pytest.approx(1e-2)
+    for p in [*fast.rate.parameters(), slow4.W_in, slow16.W_out, *net.embed.parameters()]:
+        assert lr_of[id(p)] == pytest.approx(1e-3)
+    plain = ContinualNet(20, 8, model_specs(8, 1.0, (1, 4, 16))["cms-3"])
+    opt = make_optimizer(plain, TrainConfig(lr=1e-3, steps=10, warmup_steps=0, weight_decay=0.0))
+    assert {g["lr"] for g in opt.param_groups} == {1e-3}
+
+
+def test_loss_fall_over_the_last_fifth_on_known_curves():
+    from mnemo.commands.continual import _still_falling
+
+    flat = [{"step": i, "loss": 2.0} for i in range(10)]
+    assert _still_falling(flat) == 0.0
+    falling = [{"step": i, "loss": 10.0 - i} for i in range(10)]  # L(0.8) = curve[7] = 3, L(1) = 1
+    assert _still_falling(falling) == pytest.approx(2 / 3)
+    assert math.isnan(_still_falling(falling[:4]))
+
+
+def test_claims_pair_each_chain_with_its_equal_capacity_control():
+    from mnemo.commands.continual import claim_pairs
+
+    names = ["cms-1", "cms-3", "flat-3", "hope-3", "wide-1", "static-3"]
+    assert claim_pairs(names) == [
+        ("cms-3", "flat-3"),
+        ("cms-3", "cms-1"),
+        ("hope-3", "flat-3"),
+        ("hope-3", "cms-1"),
+    ]
+    assert claim_pairs(["cms-4", "flat-3"]) == []  # flat-3 has not cms-4's capacity
+
+
+def _fake_run(seed, value, losses):
+    return {
+        "seed": seed,
+        "A_after_B": value,
+        "loss_curve": [{"step": i, "loss": x} for i, x in enumerate(losses)],
+    }
+
+
+def test_judge_claims_paired_verdicts():
+    from mnemo.commands.continual import judge_claims
+
+    learned = [3.0, 2.9, 2.0, 1.0, 0.5, 0.4]
+    stuck = [2.8, 2.8, 2.79, 2.8, 2.8, 2.8]
+
+    def res(a, b, curve_b=learned):
+        return {
+            "cms-3": {"per_seed": [_fake_run(s, v, learned) for s, v in enumerate(a)]},
+            "flat-3": {"per_seed": [_fake_run(s, v, curve_b) for s, v in enumerate(b)]},
+        }
+
+    (c,) = judge_claims("abab", res([0.5, 0.6, 0.7], [0.3, 0.35, 0.5]))
+    diffs = [0.2, 0.25, 0.2]
+    mean = sum(diffs) / 3
+    half = t_quantile_975(2) * math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2) / math.sqrt(3)
+    assert c["claim"] == "cms-3 > flat-3" and c["n"] == 3 and c["verdict"] == "reproduced"
+    assert c["mean"] == pytest.approx(mean) and c["low"] == pytest.approx(
+        mean - half, abs=1e-4
+    )  # t table to 3 decimals
+    (c,) = judge_claims("abab", res([0.3, 0.6, 0.4], [0.4, 0.5, 0.45]))
+    assert c["verdict"] == "not reproduced"
+    (c,) = judge_claims("abab", res([0.5, 0.6, 0.7], [0.3, 0.35, 0.5], stuck))
+    assert c["verdict"] == "not testable here" and "plateau" in c["why"]
+    (c,) = judge_claims("abab", res([0.5, float("nan"), 0.7], [0.3, 0.35, 0.5]))  # a diverged seed
+    assert c["n"] == 2 and c["verdict"] == "not testable here"
+
+
+def test_lr_grid_chooses_each_models_rate_on_the_held_out_seed(monkeypatch):
+    import mnemo.commands.continual as cont
+
+    calls = []
+
+    def fake_train(experiment, task, levels, s, seed, bar=None):  # a known answer per (model, lr)
+        calls.append((len(levels), s.lr, seed))
+        best = {1: 1e-2, 3: 3e-2}[len(levels)]  # cms-1's best rate is 1e-2, cms-3's 3e-2
+        value = 1.0 - abs(math.log10(s.lr / best)) / 10 + (0.01 * seed if seed < 100 else 0)
+        return {
+            "seed": seed, "A_after_B": value, "B": 0.5, "A_before_B": 0.5, "forgetting": 0.0,
+            "final_train_loss": 1.0, "loss_fall_last_fifth": 0.0, "diverged_at_step": None, "wall_s": 0.0,
+            "loss_curve": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.0}], "lr": s.lr,
+        }  # fmt: skip
+
+    monkeypatch.setattr(cont, "train_one", fake_train)
+    s = cont.Settings(steps=2, periods=(1, 4, 16), task={"n_keys": 8, "n_a": 2, "n_b": 6})
+    grid = [3e-3, 1e-2, 3e-2]
+    r = cont.run_experiment("abab", 3, s, False, ["cms-1", "cms-3"], 1, grid, 500)
+    assert r["models"]["cms-1"]["lr"] == 1e-2 and r["models"]["cms-3"]["lr"] == 3e-2
+    sel = r["models"]["cms-3"]["selection"]
+    assert sel["seed"] == 500 and sel["values"]["0.03"] == pytest.approx(1.0)
+    # the held-out seed trains at every rate; the reported seeds only at the chosen one
+    assert sorted(c for c in calls if c[2] == 500) == sorted((n, lr, 500) for n in (1, 3) for lr in grid)
+    assert sorted(c for c in calls if c[2] != 500) == sorted(
+        [(1, 1e-2, seed) for seed in range(3)] + [(3, 3e-2, seed) for seed in range(3)]
+    )
+    assert r["models"]["cms-3"]["summary"]["A_after_B"]["values"] == pytest.approx([1.0, 1.01, 1.02])
+    assert [c["claim"] for c in r["claims"]] == ["cms-3 > cms-1"]
+    md = cont.table(r)
+    assert "chosen on held-out seed 500" in md and "**1.000**" in md and "cms-3 > cms-1" in md
+    for bad, why in [
+        ([1e-3, 3e-3], "needs >= 3"),
+        ([1e-3, 2e-3, 3e-3], "span"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            cont.run_experiment("abab", 3, s, False, ["cms-1"], 1, bad, 500)
+    with pytest.raises(ValueError, match="select_seed"):
+        cont.run_experiment("abab", 3, s, False, ["cms-1"], 1, grid, 1)
+
+
+def test_cli_task_sizes_and_rate_flags_are_checked(tmp_path, capsys):
+    from mnemo.cli import main
+
+    base = ["continual", "--experiment", "abab", "--seeds", "1", "--steps", "2", "--eval-streams", "4"]
+    base += ["--models", "cms-1,flat-2", "--periods", "1,4", "--workers", "1", "--no-progress"]
+    for extra, msg in [
+        (["--task", "n_keys"], "--task: expected KEY=INT"),
+        (["--task", "n_keys=x"], "--task: expected KEY=INT"),
+        (["--task", "width=3"], "abab has no size ['width']"),
+        (["--task", "n_keys=4"], "n_a + n_b"),
+        (["--select-seed", "7"], "--select-seed"),
+        (["--lr", "1e-3", "--lr-grid", "1e-3,3e-3,1e-2"], "--lr:"),
+        (["--lr-grid", "1e-3,0"], "--lr-grid"),
+    ]:
+        assert main([*base, "--out", str(tmp_path / "x"), *extra]) == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    out = tmp_path / "ok"
+    extra = ["--task", "n_keys=8", "--task", "n_a=2", "--task", "n_b=6", "--lr", "3e-3", "--warmup", "1"]
+    assert main([*base, "--out", str(out), *extra, "--slow-rate-lr-scale", "5"]) == 0
+    r = json.loads((out / "continual.json").read_text())["experiments"]["abab"]
+    assert r["task"]["n_keys"] == 8 and r["settings"]["lr"] == 3e-3 and r["settings"]["warmup"] == 1
+    assert r["settings"]["slow_rate_lr_scale"] == 5 and r["settings"]["periods"] == [1, 4]
+    assert r["models"]["flat-2"]["levels"] == [{"period": 1, "expansion": 1.0, "lr": 1.0}] * 2
+    assert [c["claim"] for c in r["claims"]] == []  # cms-1 is the only chain: nothing to claim
+    seed = r["models"]["cms-1"]["per_seed"][0]
+    assert [c["step"] for c in seed["loss_curve"]] == [1, 2] and seed["lr"] == 3e-3
