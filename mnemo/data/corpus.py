@@ -177,6 +177,14 @@ def _files(data: str) -> list[Path]:
     if p.exists() and not p.is_dir():
         raise ValueError(f"data {data!r} is neither a regular file nor a folder (a device or a pipe?)")
     if p.is_dir():
+        from ..argtypes import checkpoint_around, is_run_folder
+
+        if is_run_folder(p) or checkpoint_around(p) is not None:  # metrics.jsonl would read as text
+            raise ValueError(
+                f"data {data!r} is a training run's folder or checkpoint (its .jsonl files are logs, "
+                "not text); give a corpus: a bundled name, a text/.jsonl/.parquet file, or a folder or "
+                "glob of them"
+            )
         files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
         known = [f for f in files if corpus_format(f) != "text" or f.suffix.lower() in (".txt", ".text")]
         if not known:

@@ -120,6 +120,19 @@ def test_folders_globs_and_errors(tmp_path):
         load_corpus(str(tmp_path / "empty.txt"))
 
 
+def test_a_run_folder_is_not_a_corpus(tmp_path):
+    """Hostile trial 13: ``eval --data RUN`` read the run's metrics.jsonl as a corpus."""
+    run = tmp_path / "run"
+    (run / "ckpt-000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "text": "val_loss 3.1"}) + "\n")
+    (run / "latest").write_text("ckpt-000002")
+    (run / "ckpt-000002" / "notes.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    for where in (run, run / "ckpt-000002"):
+        with pytest.raises(ValueError, match="is a training run's folder or checkpoint"):
+            load_corpus(str(where))
+    assert load_corpus(str(run / "metrics.jsonl")).documents == ["val_loss 3.1"]  # a file named on purpose
+
+
 def test_missing_datasets_library_says_how_to_install(tmp_path, monkeypatch):
     jsonl, _, txt = _write(tmp_path)
     monkeypatch.setitem(sys.modules, "datasets", None)
