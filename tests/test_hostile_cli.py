@@ -1503,6 +1503,28 @@ def test_eighth_trial_sweep_files(tmp_path):
         SweepSpec.from_dict(_standard_sweep(claims=twice), "std.yaml")
 
 
+def test_a_new_sweep_database_needs_a_database_suffix(tmp_path, capsys):
+    """(trial 13) ``sweep --db swdir`` made an SQLite file named ``swdir`` (meant as a folder); a
+    new database now needs a suffix, and nothing is made or trained before the refusal."""
+    f = tmp_path / "s.yaml"
+    f.write_text(
+        "name: s\nmodels: [gla]\nmetric: val_loss\ngrid: {lr: [0.001]}\nbase: {steps: 1, seq_len: 16, batch_size: 2, "
+        "eval_batches: 1, sample_tokens: 0, warmup_steps: 0, model_overrides: {d_model: 16, n_layers: 1}}\n"
+    )
+    argv = ["sweep", str(f), "--out", str(tmp_path / "runs"), "--no-progress"]
+    assert main([*argv, "--db", str(tmp_path / "swdir")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--db: a new sweep database is one SQLite file named with a suffix" in err and "swdir.sqlite" in err
+    )
+    assert not (tmp_path / "swdir").exists() and not (tmp_path / "runs").exists()
+    f.write_text(f.read_text() + f"db: {tmp_path / 'fromfile'}\n")
+    assert main(argv) == 2
+    assert f"{f}: db: a new sweep database" in capsys.readouterr().err
+    assert main([*argv, "--db", str(tmp_path / "swdir"), "--list"]) == 0  # listing creates nothing
+    assert not (tmp_path / "swdir").exists()
+
+
 def test_eighth_trial_report_uses_the_sweeps_metric(tmp_path, capsys):
     """(eighth trial) ``mnemo report`` of a ``metric: val_loss`` sweep reported ``val_acc`` (its
     flag's default): a table of 'done' without values, no paired seed, a claim 'not testable'.
@@ -2084,7 +2106,7 @@ def test_sweep_out_inside_a_training_run_is_refused(run, tmp_path, capsys):
     (whose --overwrite would discard them); and the refusal of --out inside a checkpoint suggested
     `RUN/probes`, which `train` then refused. Both now name what to choose."""
     spec = tmp_path / "s.yaml"
-    spec.write_text("name: s\nmodels: [gla]\ngrid: {lr: [1e-3]}\n")
+    spec.write_text("name: s\nmodels: [gla]\nmetric: val_loss\ngrid: {lr: [1e-3]}\n")
     assert main(["sweep", str(spec), "--out", str(run / "probes")]) == 2
     assert f"(inside the training run {run}," in capsys.readouterr().err
     assert main(["train", *TINY, "--out", str(run / "ckpt-000004" / "x")]) == 2
@@ -2176,7 +2198,10 @@ def test_a_new_run_in_a_folder_of_other_files_says_so_and_leaves_them(tmp_path, 
     user.mkdir()
     (user / "notes.txt").write_text("mine\n")
     (user / "c.yaml").write_text("model: gla\n")
-    assert main(["train", *TINY, *short, "--out", str(user), "--overwrite", "--config", str(user / "c.yaml")]) == 0
+    assert (
+        main(["train", *TINY, *short, "--out", str(user), "--overwrite", "--config", str(user / "c.yaml")])
+        == 0
+    )
     err = capsys.readouterr().err
     assert f"warning: --out {user} already holds files that are not a run's (notes.txt): the run's " in err
     assert "; --overwrite has no earlier run there to discard" in err

@@ -18,9 +18,10 @@ def _check_place(kind, path, where: str) -> None:
         raise ValueError(f"{where}: {e}") from None
 
 
-def _check_database(path, flag: str) -> None:
+def _check_database(path, flag: str, create: bool = False) -> None:
     """An existing file must already be an SQLite database: reading or listing never turns another
-    file (an empty one, a YAML file) into one."""
+    file (an empty one, a YAML file) into one. A file to ``create`` must end with one of
+    :data:`DB_SUFFIXES` (a bare name is more often meant as a folder)."""
     p = Path(path)
     if p.exists():
         with open(p, "rb") as f:
@@ -29,6 +30,15 @@ def _check_database(path, flag: str) -> None:
             raise ValueError(
                 f"{flag}: {p} is not an SQLite database (a sweep's database); it was left as it is"
             )
+    elif create and p.suffix.lower() not in DB_SUFFIXES:  # e.g. --db swdir, meant as a folder
+        raise ValueError(
+            f"{flag}: a new sweep database is one SQLite file named with a suffix "
+            f"({', '.join(DB_SUFFIXES)}), e.g. {p.name}.sqlite; got {str(p)!r} (the run folders go to --out)"
+        )
+
+
+#: the names a new sweep database may end with
+DB_SUFFIXES = (".sqlite", ".sqlite3", ".db")
 
 
 def _cmd_sweep(args) -> int:
@@ -44,7 +54,7 @@ def _cmd_sweep(args) -> int:
         _check_place(kinds.OutDir(not_a_run=True), out, f"{args.config}: out")
     db = Path(args.db) if args.db else db
     out = Path(args.out) if args.out else out
-    _check_database(db, "--db")
+    _check_database(db, "--db" if args.db else f"{args.config}: db", create=not args.list)
     runs = spec.runs()
     if args.list:
         from collections import Counter
