@@ -201,7 +201,8 @@ def test_sweep_list_says_which_runs_staged_selection_will_not_train(tmp_path, mo
     listed, summary = states()
     # seed 0 chose lr 1e-3: its other seeds are done, lr 1e-2's are never trained
     assert [s for s, _ in listed] == ["done"] * 4 + ["done"] + ["not-chosen"] * 3
-    assert summary == "tiny: 5 done, 3 not-chosen"
+    # (the faked training makes no run folders, and the listing says so)
+    assert summary == "tiny: 5 done, 3 not-chosen (5 finished run folder(s) gone)"
 
 
 def test_a_second_block_of_the_same_sweep_is_an_error_not_a_stale_copy(tmp_path, monkeypatch):
