@@ -1508,8 +1508,8 @@ def test_a_new_sweep_database_needs_a_database_suffix(tmp_path, capsys):
     new database now needs a suffix, and nothing is made or trained before the refusal."""
     f = tmp_path / "s.yaml"
     f.write_text(
-        "name: s\nmodels: [gla]\nmetric: val_loss\ngrid: {lr: [0.001]}\nbase: {steps: 1, seq_len: 16, batch_size: 2, "
-        "eval_batches: 1, sample_tokens: 0, warmup_steps: 0, model_overrides: {d_model: 16, n_layers: 1}}\n"
+        "name: s\nmodels: [gla]\nmetric: val_loss\ngrid: {lr: [0.001]}\n"
+        "base: {steps: 1, seq_len: 16, batch_size: 2, eval_batches: 1, sample_tokens: 0, warmup_steps: 0, model_overrides: {d_model: 16, n_layers: 1}}\n"
     )
     argv = ["sweep", str(f), "--out", str(tmp_path / "runs"), "--no-progress"]
     assert main([*argv, "--db", str(tmp_path / "swdir")]) == 2
@@ -2068,6 +2068,30 @@ def test_a_second_training_cannot_start_in_a_folder_whose_run_is_being_set_up(
     assert (out / "latest").read_text() == "ckpt-000002\n" and not (out / "ckpt-000003").exists()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2]
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_named(run, tmp_path, capsys):
+    """(trial 13) a checkpoint whose tokenizer.json was replaced by a larger one failed with
+    "input_ids must lie in [0, vocab_size)"; the commands that read text with it now say which
+    tokenizer does not fit which model, before any work."""
+    import shutil
+
+    from mnemo.data.tokenizer import build_tokenizer, save_tokenizer
+
+    ckpt = tmp_path / "cv1"
+    shutil.copytree(run / (run / "latest").read_text().strip(), ckpt)
+    (ckpt / "manifest.json").unlink()  # a converted checkpoint has none to catch the edit
+    tok = build_tokenizer("byte")
+    save_tokenizer(tok, ckpt)
+    for argv in (
+        ["generate", "--checkpoint", str(ckpt), "--prompt", "ab", "--max-new-tokens", "2"],
+        ["eval", "--checkpoint", str(ckpt), "--max-batches", "1"],
+        ["probe", "spectrum", "--checkpoint", str(ckpt), "--tokens", "16", "--out", str(tmp_path / "p")],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"--checkpoint {ckpt}: its tokenizer has {tok.vocab_size} ids but the model reads" in err, err
+        assert "must lie in" not in err
 
 
 def test_an_export_exported_again_keeps_its_tokenizer(tmp_path, capsys):

@@ -48,6 +48,7 @@ def _refuse_sharded(ckpt, given) -> None:
 
 def _load(checkpoint: str, device: str):
     from ..data import load_tokenizer
+    from ..data.tokenizer import check_tokenizer_fits
     from ..models import LanguageModel
     from ..train import resolve_checkpoint
 
@@ -56,6 +57,7 @@ def _load(checkpoint: str, device: str):
     refuse_task_checkpoint(ckpt, "generate writes text")  # (eval sends task checkpoints elsewhere first)
     model = LanguageModel.from_pretrained(ckpt, map_location=device)
     tok = load_tokenizer(ckpt)
+    check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {checkpoint}")
     return ckpt, model, tok
 
 

@@ -353,6 +353,7 @@ def _text_field(args, tcfg: dict) -> str:
 
 def _cmd_timescales(args) -> int:
     from ..data import load_text, load_tokenizer
+    from ..data.tokenizer import check_tokenizer_fits
     from ..interp.timescales import plot, timescales
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
@@ -367,7 +368,9 @@ def _cmd_timescales(args) -> int:
             0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
         )
     else:
-        ids = load_tokenizer(ckpt).encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
+        tok = load_tokenizer(ckpt)
+        check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {args.checkpoint}")
+        ids = tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = timescales(model, ids)
     out.mkdir(parents=True, exist_ok=True)
@@ -414,6 +417,7 @@ def _cmd_ablate(args) -> int:
 
 def _cmd_spectrum(args) -> int:
     from ..data import load_text, load_tokenizer
+    from ..data.tokenizer import check_tokenizer_fits
     from ..interp.spectrum import memory_spectrum, plot, to_json
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
@@ -433,6 +437,8 @@ def _cmd_spectrum(args) -> int:
     except FileNotFoundError:
         tok = None
         print("no tokenizer in the checkpoint: random tokens", file=sys.stderr)
+    if tok is not None:
+        check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {args.checkpoint}")
     if tok is None:  # a task model (or no tokenizer): random tokens
         ids = torch.randint(
             0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)

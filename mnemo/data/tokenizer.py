@@ -285,6 +285,22 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise ValueError(f"corrupt tokenizer file {p}: {e}") from e
 
 
+def check_tokenizer_fits(tok, vocab_size: int, where: str) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding table (a checkpoint whose
+    ``tokenizer.json`` was replaced by another one, say): every text it encodes could hold an id
+    the model cannot read.
+
+    Raises:
+        ValueError: ``tok.vocab_size > vocab_size``; the message names ``where`` and both sizes.
+    """
+    if tok.vocab_size > vocab_size:
+        raise ValueError(
+            f"{where}: its tokenizer has {tok.vocab_size} ids but the model reads {vocab_size} "
+            "(vocab_size): the tokenizer is not the one the model was trained with (was its "
+            "tokenizer.json replaced?)"
+        )
+
+
 def document_separator(tok) -> tuple[torch.Tensor, int]:
     """The ids put between two documents and the characters they stand for: the end-of-text
     token (0 characters) when the tokenizer has one, else :data:`DOC_SEPARATOR` encoded."""
