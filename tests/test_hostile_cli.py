@@ -1509,7 +1509,8 @@ def test_a_new_sweep_database_needs_a_database_suffix(tmp_path, capsys):
     f = tmp_path / "s.yaml"
     f.write_text(
         "name: s\nmodels: [gla]\nmetric: val_loss\ngrid: {lr: [0.001]}\n"
-        "base: {steps: 1, seq_len: 16, batch_size: 2, eval_batches: 1, sample_tokens: 0, warmup_steps: 0, model_overrides: {d_model: 16, n_layers: 1}}\n"
+        "base: {steps: 1, seq_len: 16, batch_size: 2, eval_batches: 1, sample_tokens: 0, "
+        "warmup_steps: 0, model_overrides: {d_model: 16, n_layers: 1}}\n"
     )
     argv = ["sweep", str(f), "--out", str(tmp_path / "runs"), "--no-progress"]
     assert main([*argv, "--db", str(tmp_path / "swdir")]) == 2
