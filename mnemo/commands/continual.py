@@ -244,6 +244,9 @@ class Settings:
     expansion: float = 1.0
     periods: tuple = (1, 4, 16, 64)
     task: dict = field(default_factory=dict)
+    #: the outer optimizer: "adamw" or "m3" (:func:`mnemo.train.optim.make_optimizer`), and M3's ε
+    optimizer: str = "adamw"
+    m3_eps: float = 1e-2
     #: outer-lr multiplier of the rate parameters (``w_η``, ``b_η``) of the levels with period > 1
     #: (:class:`ContinualNet`)
     slow_rate_lr_scale: float = 1.0
@@ -321,7 +324,14 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         getattr(task, "feat_dim", 0) if experiment == "class_incremental" else 0,
         s.slow_rate_lr_scale,
     )
-    tcfg = TrainConfig(lr=s.lr, steps=s.steps, warmup_steps=min(s.warmup, s.steps), weight_decay=0.0)
+    tcfg = TrainConfig(
+        lr=s.lr,
+        steps=s.steps,
+        warmup_steps=min(s.warmup, s.steps),
+        weight_decay=0.0,
+        optimizer=s.optimizer,
+        m3_eps=s.m3_eps,
+    )
     opt = make_optimizer(model, tcfg)
     gen = torch.Generator().manual_seed(seed)  # the same training streams for every model of a seed
     diverged, losses = None, []
@@ -366,6 +376,7 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         "loss_fall_last_fifth": _still_falling(curve),
         "rate_scale": [torch.sigmoid(lv.rate.bias).item() * 2 * lv.level.period for lv in model.cms.levels],
         "lr": s.lr,
+        **({"m3_eps": s.m3_eps} if s.optimizer == "m3" else {}),
         "diverged_at_step": diverged,
         "wall_s": time.time() - t0,
     }
@@ -410,19 +421,23 @@ def run_experiment(
     workers: int = 1,
     lr_grid=None,
     select_seed: int | None = None,
+    eps_grid=None,
 ) -> dict:
     """Every model of :func:`model_specs` on ``experiment`` for seeds ``0 … seeds−1``, ``workers``
     runs at a time (separate single-threaded processes when ``workers > 1``).
 
     With ``lr_grid`` (the recipe standard, :mod:`mnemo.sweep.recipe`: at least 3 outer learning
     rates spanning 10×) each model first trains on the held-out seed ``select_seed`` (not reported;
-    default ``1000``) at every rate of the grid; the rate with the best :data:`PRIMARY` metric on
-    that seed's evaluation streams (ties: the smaller rate) is the model's rate for the reported
-    seeds. Without it every model uses ``settings.lr``.
+    default ``1000``) at every rate of the grid — with ``settings.optimizer == "m3"`` and
+    ``eps_grid``, at every (rate, M3 ε) pair, since M3's effective step is set by ε as much as by
+    the rate; the values with the best :data:`PRIMARY` metric on that seed's evaluation streams
+    (ties: the smaller rate, then the smaller ε) are the model's for the reported seeds. Without
+    it every model uses ``settings.lr`` (and ``settings.m3_eps``).
 
     Raises:
         ValueError: unknown ``models``; an ``lr_grid`` that does not meet the standard; a
-            ``select_seed`` among the reported seeds.
+            ``select_seed`` among the reported seeds; an ``eps_grid`` without ``lr_grid`` or
+            with another optimizer than M3.
     """
     from dataclasses import replace
 
@@ -446,9 +461,19 @@ def run_experiment(
             )
         if problems:
             raise ValueError("; ".join(problems))
+    if eps_grid is not None:
+        if lr_grid is None or s.optimizer != "m3":
+            raise ValueError(
+                f"eps_grid: M3's ε is tuned with lr_grid and optimizer 'm3'; got lr_grid {lr_grid}, "
+                f"optimizer {s.optimizer!r}"
+            )
+        eps_grid = sorted(float(x) for x in eps_grid)
+    points = [
+        {"lr": lr, "m3_eps": eps} for lr in (lr_grid or []) for eps in (eps_grid or [s.m3_eps])
+    ]  # the held-out seed's grid, in tie-break order
     cms_md5 = _git()["cms_md5"]
     t0 = time.time()
-    n_select = len(specs) * len(lr_grid or []) * s.steps
+    n_select = len(specs) * len(points) * s.steps
     bar = tqdm(
         total=len(specs) * seeds * s.steps + n_select, disable=not progress, desc=f"continual {experiment}"
     )
@@ -479,24 +504,29 @@ def run_experiment(
     metric = PRIMARY[experiment]
     selection = {}
     try:
-        chosen = {name: s.lr for name in specs}
-        if lr_grid is not None:
+        chosen = {name: {"lr": s.lr, "m3_eps": s.m3_eps} for name in specs}
+        if points:
             runs = train_all(
-                {(n, lr): (specs[n], replace(s, lr=lr), select_seed) for n in specs for lr in lr_grid}
+                {
+                    (n, i): (specs[n], replace(s, **pt), select_seed)
+                    for n in specs
+                    for i, pt in enumerate(points)
+                }
             )
             for n in specs:
-                vals = [runs[n, lr][metric] for lr in lr_grid]
+                vals = [runs[n, i][metric] for i in range(len(points))]
                 finite = [(v, -i) for i, v in enumerate(vals) if math.isfinite(v)]
-                chosen[n] = lr_grid[-max(finite)[1]] if finite else lr_grid[0]
+                chosen[n] = points[-max(finite)[1]] if finite else points[0]
                 selection[n] = {
                     "seed": select_seed,
                     "metric": metric,
-                    "lr": chosen[n],
-                    "values": dict(zip([f"{x:g}" for x in lr_grid], vals)),
-                    "runs": [runs[n, lr] for lr in lr_grid],
+                    "lr": chosen[n]["lr"],
+                    **({"m3_eps": chosen[n]["m3_eps"]} if eps_grid else {}),
+                    "values": {_point(pt, eps_grid): v for pt, v in zip(points, vals)},
+                    "runs": [runs[n, i] for i in range(len(points))],
                 }
         done = train_all(
-            {(n, seed): (specs[n], replace(s, lr=chosen[n]), seed) for n in specs for seed in range(seeds)}
+            {(n, seed): (specs[n], replace(s, **chosen[n]), seed) for n in specs for seed in range(seeds)}
         )
     finally:
         if pool is not None:
@@ -513,7 +543,8 @@ def run_experiment(
         metrics = _scalar_metrics(experiment, task)
         results[name] = {
             "levels": levels,
-            "lr": chosen[name],
+            "lr": chosen[name]["lr"],
+            **({"m3_eps": chosen[name]["m3_eps"]} if s.optimizer == "m3" else {}),
             "parameters": probe.num_parameters(),
             "cms_parameters": sum(p.numel() for p in probe.cms.parameters()),
             "fast_weights_per_stream": sum(lv.W_in.numel() + lv.W_out.numel() for lv in probe.cms.levels),
@@ -539,12 +570,18 @@ def run_experiment(
         "task": asdict(task),
         "chance": _chance(experiment, task),
         "lr_grid": lr_grid,
+        "eps_grid": eps_grid,
         "models": results,
         "claims": judge_claims(experiment, results),
         "workers": workers,
         "cms_md5": cms_md5,  # the cms.py the runs of this experiment imported (checked at its start)
         "wall_s": time.time() - t0,
     }
+
+
+def _point(pt: dict, eps_grid) -> str:
+    """The label of a grid point: ``"0.01"``, or ``"0.01, eps 0.1"`` with an ε grid."""
+    return f"{pt['lr']:g}" + (f", eps {pt['m3_eps']:g}" if eps_grid else "")
 
 
 #: a query accuracy at or above this is the ceiling: two models both there cannot be told apart
@@ -620,11 +657,15 @@ def table(result: dict) -> str:
     n = len(result["seeds"])
     s = result["settings"]
     grid = result.get("lr_grid")
+    eps_grid = result.get("eps_grid")
+    opt = s.get("optimizer", "adamw")
     how = (
-        f"outer lr per model chosen on held-out seed {next(iter(models.values()))['selection']['seed']} "
-        f"from {', '.join(f'{x:g}' for x in grid)} by {PRIMARY[exp]}"
+        f"{opt}; outer lr{' and ε' if eps_grid else ''} per model chosen on held-out seed "
+        f"{next(iter(models.values()))['selection']['seed']} from lr {', '.join(f'{x:g}' for x in grid)}"
+        + (f" × ε {', '.join(f'{x:g}' for x in eps_grid)}" if eps_grid else "")
+        + f" by {PRIMARY[exp]}"
         if grid
-        else f"outer lr {s['lr']:g}"
+        else f"{opt}, outer lr {s['lr']:g}" + (f", ε {s['m3_eps']:g}" if opt == "m3" else "")
     )
     lines = [
         f"**{exp}** — {n} seeds, mean ± 95% t-interval half-width; chance {result['chance']:.3f}; "
@@ -655,18 +696,19 @@ def table(result: dict) -> str:
             f"{r.get('lr', s['lr']):g} | " + " | ".join(cells) + f" | {div} |"
         )
     if grid:
-        lines += ["", f"Held-out seed's {PRIMARY[exp]} per outer lr:", ""]
+        lines += ["", f"Held-out seed's {PRIMARY[exp]} per outer lr (bold: chosen):", ""]
         lines += ["| model | " + " | ".join(f"{x:g}" for x in grid) + " |", "|---|" + "---|" * len(grid)]
         for name, r in models.items():
             vals = r["selection"]["values"]
-            lines.append(
-                f"| {name} | "
-                + " | ".join(
-                    ("**" if x == r["lr"] else "") + _num(vals[f"{x:g}"]) + ("**" if x == r["lr"] else "")
-                    for x in grid
-                )
-                + " |"
-            )
+            for eps in eps_grid or [None]:
+                cells = []
+                for x in grid:
+                    pt = {"lr": x, "m3_eps": eps}
+                    mine = x == r["lr"] and (eps is None or eps == r.get("m3_eps"))
+                    v = _num(vals[_point(pt, eps_grid)])
+                    cells.append(f"**{v}**" if mine else v)
+                label = name + (f" (ε {eps:g})" if eps is not None else "")
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if result.get("claims"):
         lines += ["", f"Claims (paired over seeds, {PRIMARY[exp]}; 95% t-interval of the difference):", ""]
         lines += ["| claim | n | difference [95% interval] | verdict |", "|---|---|---|---|"]
@@ -762,10 +804,11 @@ def run(
     workers: int = 1,
     lr_grid=None,
     select_seed: int | None = None,
+    eps_grid=None,
 ) -> dict:
     """Run ``experiments``; write ``continual.json``, ``continual.md`` and ``<experiment>.png`` under
     ``out``. ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``);
-    ``lr_grid`` and ``select_seed`` as in :func:`run_experiment`."""
+    ``lr_grid``, ``select_seed`` and ``eps_grid`` as in :func:`run_experiment`."""
     if seeds < 1:
         raise ValueError(f"seeds: expected >= 1, got {seeds}")
     results = {
@@ -778,7 +821,7 @@ def run(
     for exp in experiments:
         s = Settings(**{**asdict(DEFAULTS[exp]), **(overrides or {})})
         results["experiments"][exp] = run_experiment(
-            exp, seeds, s, progress, models, workers, lr_grid, select_seed
+            exp, seeds, s, progress, models, workers, lr_grid, select_seed, eps_grid
         )
     if out is not None:
         from ..train.checkpoint import atomic_write_text
@@ -842,6 +885,17 @@ def add_commands(sub) -> None:
         "--select-seed, e.g. 3e-3,1e-2,3e-2",
     )
     p.add_argument(
+        "--optimizer",
+        choices=("adamw", "m3"),
+        help="the outer optimizer (default adamw; m3: Nested Learning's Multi-scale Momentum Muon)",
+    )
+    p.add_argument("--m3-eps", type=kinds.positive_float, help="M3's ε (default 1e-2)")
+    p.add_argument(
+        "--eps-grid",
+        type=kinds.FloatList(),
+        help="comma-separated M3 ε values chosen with --lr-grid on --select-seed (with --optimizer m3)",
+    )
+    p.add_argument(
         "--select-seed",
         type=kinds.Int(0, 1_000_000),
         help="the held-out seed that chooses the learning rate (default 1000; with --lr-grid)",
@@ -887,7 +941,7 @@ def _cmd(args) -> int:
         overrides["warmup"] = min(DEFAULTS[exps[0]].warmup, max(1, args.steps // 10))
     if args.eval_streams is not None:
         overrides["eval_streams"] = args.eval_streams
-    for name in ("lr", "periods", "slow_rate_lr_scale", "warmup"):
+    for name in ("lr", "periods", "slow_rate_lr_scale", "warmup", "optimizer", "m3_eps"):
         if getattr(args, name) is not None:
             v = getattr(args, name)
             overrides[name] = tuple(int(x) for x in v.split(",")) if name == "periods" else v
@@ -895,6 +949,12 @@ def _cmd(args) -> int:
         raise ValueError("--select-seed: it chooses among --lr-grid's rates; pass --lr-grid too")
     if args.lr is not None and args.lr_grid is not None:
         raise ValueError("--lr: each model's rate is chosen from --lr-grid; pass one of the two")
+    if (args.m3_eps is not None or args.eps_grid is not None) and args.optimizer != "m3":
+        raise ValueError("--m3-eps / --eps-grid: they set M3's ε; pass --optimizer m3 too")
+    if args.eps_grid is not None and args.lr_grid is None:
+        raise ValueError("--eps-grid: ε is chosen with the learning rate; pass --lr-grid too")
+    if args.m3_eps is not None and args.eps_grid is not None:
+        raise ValueError("--m3-eps: ε is chosen from --eps-grid; pass one of the two")
     if args.task:
         overrides["task"] = _task_overrides(args.task, exps)
     models = args.models.split(",") if args.models else None
@@ -908,6 +968,7 @@ def _cmd(args) -> int:
         args.workers,
         [float(x) for x in args.lr_grid.split(",")] if args.lr_grid else None,
         args.select_seed,
+        [float(x) for x in args.eps_grid.split(",")] if args.eps_grid else None,
     )
     for r in res["experiments"].values():
         print(table(r) + "\n")

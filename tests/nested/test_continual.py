@@ -369,3 +369,63 @@ def test_cli_task_sizes_and_rate_flags_are_checked(tmp_path, capsys):
     assert [c["claim"] for c in r["claims"]] == []  # cms-1 is the only chain: nothing to claim
     seed = r["models"]["cms-1"]["per_seed"][0]
     assert [c["step"] for c in seed["loss_curve"]] == [1, 2] and seed["lr"] == 3e-3
+
+
+def test_m3_eps_grid_is_chosen_with_the_rate_on_the_held_out_seed(monkeypatch):
+    import mnemo.commands.continual as cont
+
+    calls = []
+
+    def fake_train(experiment, task, levels, s, seed, bar=None):  # best at lr 3e-3, eps 0.1
+        calls.append((s.optimizer, s.lr, s.m3_eps, seed))
+        value = 1.0 - abs(math.log10(s.lr / 3e-3)) / 10 - abs(math.log10(s.m3_eps / 0.1)) / 20
+        return {
+            "seed": seed, "A_after_B": value, "B": 0.5, "A_before_B": 0.5, "forgetting": 0.0,
+            "final_train_loss": 1.0, "loss_fall_last_fifth": 0.0, "diverged_at_step": None, "wall_s": 0.0,
+            "loss_curve": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.0}], "lr": s.lr,
+        }  # fmt: skip
+
+    monkeypatch.setattr(cont, "train_one", fake_train)
+    s = cont.Settings(steps=2, periods=(1, 4), optimizer="m3", task={"n_keys": 8, "n_a": 2, "n_b": 6})
+    r = cont.run_experiment("abab", 3, s, False, ["cms-2"], 1, [1e-3, 3e-3, 1e-2], 77, [1.0, 0.01, 0.1])
+    m = r["models"]["cms-2"]
+    assert (m["lr"], m["m3_eps"]) == (3e-3, 0.1) and r["eps_grid"] == [0.01, 0.1, 1.0]
+    held = sorted(c for c in calls if c[3] == 77)
+    assert held == sorted(("m3", lr, eps, 77) for lr in (1e-3, 3e-3, 1e-2) for eps in (0.01, 0.1, 1.0))
+    assert sorted(c for c in calls if c[3] != 77) == [("m3", 3e-3, 0.1, seed) for seed in range(3)]
+    assert m["selection"]["values"]["0.003, eps 0.1"] == pytest.approx(1.0)
+    md = cont.table(r)
+    assert "m3; outer lr and ε per model chosen on held-out seed 77" in md
+    assert "| cms-2 (ε 0.1) | 0.952 | **1.000** | 0.948 |" in md
+    with pytest.raises(ValueError, match="eps_grid"):
+        cont.run_experiment(
+            "abab", 3, cont.Settings(steps=2), False, ["cms-1"], 1, [1e-3, 3e-3, 1e-2], 77, [0.1]
+        )
+
+
+def test_cli_m3_runs_and_its_flags_are_checked(tmp_path, capsys):
+    from mnemo.cli import main
+
+    base = ["continual", "--experiment", "abab", "--seeds", "1", "--steps", "2", "--eval-streams", "4"]
+    base += ["--models", "cms-2", "--periods", "1,4", "--workers", "1", "--no-progress"]
+    base += ["--task", "n_keys=8", "--task", "n_a=2", "--task", "n_b=6"]
+    for extra, msg in [
+        (["--m3-eps", "0.1"], "pass --optimizer m3 too"),
+        (["--optimizer", "m3", "--eps-grid", "0.1,1"], "pass --lr-grid too"),
+        (
+            ["--optimizer", "m3", "--m3-eps", "0.1", "--lr-grid", "1e-3,3e-3,1e-2", "--eps-grid", "1"],
+            "--m3-eps:",
+        ),
+    ]:
+        assert main([*base, "--out", str(tmp_path / "x"), *extra]) == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    out = tmp_path / "m3"
+    assert (
+        main([*base, "--out", str(out), "--optimizer", "m3", "--m3-eps", "0.5", "--slow-rate-lr-scale", "3"])
+        == 0
+    )
+    r = json.loads((out / "continual.json").read_text())["experiments"]["abab"]
+    assert r["settings"]["optimizer"] == "m3" and r["models"]["cms-2"]["m3_eps"] == 0.5
+    seed = r["models"]["cms-2"]["per_seed"][0]
+    assert seed["m3_eps"] == 0.5 and math.isfinite(seed["final_train_loss"])
+    assert "m3, outer lr 0.01, ε 0.5" in capsys.readouterr().out
