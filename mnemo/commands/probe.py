@@ -351,6 +351,19 @@ def _text_field(args, tcfg: dict) -> str:
     return inherited_text_field(args.data or tcfg.get("data") or "tinyshakespeare", tcfg.get("text_field"))
 
 
+def _with_run_bos(ids: torch.Tensor, tok, tcfg: dict) -> torch.Tensor:
+    """The text's ids as the run's windows read them: with ``TrainConfig.bos`` its first token is
+    that fixed token (:func:`mnemo.train.batches.with_bos`; said on stderr)."""
+    from ..train.batches import bos_id, with_bos
+
+    bos = bos_id(tok, tcfg.get("bos"))
+    if bos is not None and ids.shape[1]:
+        print(
+            f"the run's first token {tcfg['bos']!r} (id {bos}) at position 0, as in training", file=sys.stderr
+        )
+    return with_bos(ids, bos) if ids.shape[1] else ids
+
+
 def _cmd_timescales(args) -> int:
     from ..data import load_text, load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
@@ -370,7 +383,9 @@ def _cmd_timescales(args) -> int:
     else:
         tok = load_tokenizer(ckpt)
         check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {args.checkpoint}")
-        ids = tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
+        ids = _with_run_bos(
+            tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None], tok, tcfg
+        )
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = timescales(model, ids)
     out.mkdir(parents=True, exist_ok=True)
@@ -444,7 +459,9 @@ def _cmd_spectrum(args) -> int:
             0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
         )
     else:
-        ids = tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None]
+        ids = _with_run_bos(
+            tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None], tok, tcfg
+        )
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = memory_spectrum(
         model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life

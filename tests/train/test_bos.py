@@ -133,3 +133,31 @@ def test_generation_reads_the_first_token_before_the_prompt_and_does_not_print_i
         for _ in range(6):
             ids = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
     assert text == tok.decode(ids[0, 1:]) and text.startswith("ROM") and len(text) == 9
+
+
+def test_probe_timescales_reads_the_text_with_the_runs_first_token(tmp_path, capsys):
+    """``mnemo probe timescales`` on a run trained with ``--bos`` measures the gates on the text as
+    the run's windows read it (the BOS at position 0): equal to :func:`timescales` on those ids by
+    hand, and different from the plain text's (a gated model's gates depend on the token)."""
+    from mnemo.data import load_text, load_tokenizer
+    from mnemo.interp.timescales import timescales
+    from mnemo.models import LanguageModel
+    from mnemo.train import resolve_checkpoint
+
+    out = tmp_path / "run"
+    flags = ["--model", "gla", "--d-model", "32", "--n-layers", "1", "--seq-len", "16", "--batch-size", "4"]
+    flags += ["--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--warmup-steps", "1"]
+    flags += ["--sample-tokens", "0", "--no-progress", "--bos", "\x02"]
+    assert main(["train", "--out", str(out), *flags]) == 0
+    capsys.readouterr()
+    argv = ["probe", "timescales", "--checkpoint", str(out), "--tokens", "24", "--out", str(tmp_path / "p")]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    got = json.loads(captured.out.strip().splitlines()[-1])["layers"]
+    assert "the run's first token '\\x02'" in captured.err
+    ckpt = resolve_checkpoint(out)
+    model, tok = LanguageModel.from_pretrained(ckpt).eval(), load_tokenizer(ckpt)
+    ids = tok.encode(load_text("tinyshakespeare")[:24])[None]
+    as_trained = json.loads(json.dumps(timescales(model, with_bos(ids, bos_id(tok, "\x02")))))
+    plain = json.loads(json.dumps(timescales(model, ids)))
+    assert got == as_trained and got != plain
