@@ -166,26 +166,14 @@ class IntList(Kind):
         return t
 
 
-class FloatList(Kind):
+class FloatList(IntList):
     """Comma-separated finite numbers ``> 0`` (at least one); returns the text as given (stripped),
     for the command to split."""
 
     def __init__(self):
-        self.item = Float(0, lo_open=True)
+        self.item, self.words = Float(0, lo_open=True), ()
         self.expected = "comma-separated finite numbers > 0"
         self.hostile = ("", ",", "0", "-5", "1,x", "nan", "1,,2", "inf")
-
-    def __call__(self, text: str) -> str:
-        t = str(text).strip()
-        parts = [p.strip() for p in t.split(",")]
-        if not t or any(not p for p in parts):
-            self.fail(text)
-        for p in parts:
-            try:
-                self.item(p)
-            except argparse.ArgumentTypeError:
-                self.fail(text)
-        return t
 
 
 class Text(Kind):

@@ -302,6 +302,15 @@ def test_judge_claims_paired_verdicts():
     assert c["n"] == 2 and c["verdict"] == "not testable here"
 
 
+def _fake_result(seed: int, value: float, lr: float) -> dict:
+    """What :func:`train_one` returns for an abab run, with recall of A after B = ``value``."""
+    return {
+        "seed": seed, "A_after_B": value, "B": 0.5, "A_before_B": 0.5, "forgetting": 0.0,
+        "final_train_loss": 1.0, "loss_fall_last_fifth": 0.0, "diverged_at_step": None, "wall_s": 0.0,
+        "loss_curve": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.0}], "lr": lr,
+    }  # fmt: skip
+
+
 def test_lr_grid_chooses_each_models_rate_on_the_held_out_seed(monkeypatch):
     import mnemo.commands.continual as cont
 
@@ -311,11 +320,7 @@ def test_lr_grid_chooses_each_models_rate_on_the_held_out_seed(monkeypatch):
         calls.append((len(levels), s.lr, seed))
         best = {1: 1e-2, 3: 3e-2}[len(levels)]  # cms-1's best rate is 1e-2, cms-3's 3e-2
         value = 1.0 - abs(math.log10(s.lr / best)) / 10 + (0.01 * seed if seed < 100 else 0)
-        return {
-            "seed": seed, "A_after_B": value, "B": 0.5, "A_before_B": 0.5, "forgetting": 0.0,
-            "final_train_loss": 1.0, "loss_fall_last_fifth": 0.0, "diverged_at_step": None, "wall_s": 0.0,
-            "loss_curve": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.0}], "lr": s.lr,
-        }  # fmt: skip
+        return _fake_result(seed, value, s.lr)
 
     monkeypatch.setattr(cont, "train_one", fake_train)
     s = cont.Settings(steps=2, periods=(1, 4, 16), task={"n_keys": 8, "n_a": 2, "n_b": 6})
@@ -379,11 +384,7 @@ def test_m3_eps_grid_is_chosen_with_the_rate_on_the_held_out_seed(monkeypatch):
     def fake_train(experiment, task, levels, s, seed, bar=None):  # best at lr 3e-3, eps 0.1
         calls.append((s.optimizer, s.lr, s.m3_eps, seed))
         value = 1.0 - abs(math.log10(s.lr / 3e-3)) / 10 - abs(math.log10(s.m3_eps / 0.1)) / 20
-        return {
-            "seed": seed, "A_after_B": value, "B": 0.5, "A_before_B": 0.5, "forgetting": 0.0,
-            "final_train_loss": 1.0, "loss_fall_last_fifth": 0.0, "diverged_at_step": None, "wall_s": 0.0,
-            "loss_curve": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.0}], "lr": s.lr,
-        }  # fmt: skip
+        return _fake_result(seed, value, s.lr)
 
     monkeypatch.setattr(cont, "train_one", fake_train)
     s = cont.Settings(steps=2, periods=(1, 4), optimizer="m3", task={"n_keys": 8, "n_a": 2, "n_b": 6})
