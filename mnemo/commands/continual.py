@@ -724,6 +724,13 @@ def _num(x, fmt=".3f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
 
+def _plot_title(result: dict) -> str:
+    """The figure's title: the experiment, the seeds, and which models lost seeds to divergence."""
+    lost = [f"{n} {len(r['diverged'])}" for n, r in result["models"].items() if r.get("diverged")]
+    tail = f"; diverged seeds left out: {', '.join(lost)}" if lost else ""
+    return f"{_TITLES[result['experiment']]}\n({len(result['seeds'])} seeds, 95% t-intervals{tail})"
+
+
 def plot(result: dict, path: Path) -> None:
     """Grouped bars (one group per model, one bar per metric) with 95% t-interval error bars."""
     import matplotlib
@@ -754,9 +761,7 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(0, color="black", lw=0.5)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("accuracy" + (" / BWT" if result["experiment"] == "class_incremental" else ""))
-    ax.set_title(
-        f"{_TITLES[result['experiment']]}\n({len(result['seeds'])} seeds, 95% t-intervals)", fontsize=10
-    )
+    ax.set_title(_plot_title(result), fontsize=10)
     legend(ax, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -430,3 +430,19 @@ def test_cli_m3_runs_and_its_flags_are_checked(tmp_path, capsys):
     seed = r["models"]["cms-2"]["per_seed"][0]
     assert seed["m3_eps"] == 0.5 and math.isfinite(seed["final_train_loss"])
     assert "m3, outer lr 0.01, ε 0.5" in capsys.readouterr().out
+
+
+def test_the_figure_title_names_the_seeds_lost_to_divergence():
+    from mnemo.commands.continual import _plot_title
+
+    result = {
+        "experiment": "abab",
+        "seeds": [0, 1, 2],
+        "models": {
+            "cms-3": {"diverged": [{"seed": 1, "step": 52}, {"seed": 2, "step": 84}]},
+            "wide-1": {"diverged": []},
+        },
+    }
+    assert _plot_title(result).endswith("(3 seeds, 95% t-intervals; diverged seeds left out: cms-3 2)")
+    result["models"]["cms-3"]["diverged"] = []
+    assert _plot_title(result).endswith("(3 seeds, 95% t-intervals)")
