@@ -333,8 +333,8 @@ def _cmd_circuits(args) -> int:
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
     _refuse_outputs(args, out / "circuits.png")
-    _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
-    scores = circuit_scores(model, args.length, args.batch, args.seed)
+    _check_probe_memory(model, args.batch, 2 * args.length + 1, "--length / --batch")
+    scores = circuit_scores(model, args.length, args.batch, args.seed, bos=_run_bos_id(ckpt, model))
     out.mkdir(parents=True, exist_ok=True)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
@@ -362,6 +362,28 @@ def _with_run_bos(ids: torch.Tensor, tok, tcfg: dict) -> torch.Tensor:
             f"the run's first token {tcfg['bos']!r} (id {bos}) at position 0, as in training", file=sys.stderr
         )
     return with_bos(ids, bos) if ids.shape[1] else ids
+
+
+def _run_bos_id(ckpt: Path, model) -> int | None:
+    """The id of the run's fixed first token (``TrainConfig.bos``; ``None`` without one), said on
+    stderr: the circuit probe puts it before its random sequences, as the run trained."""
+    from ..data import load_tokenizer
+    from ..data.tokenizer import check_tokenizer_fits
+    from ..train.batches import bos_id
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    if tcfg.get("bos") is None:
+        return None
+    tok = load_tokenizer(ckpt)
+    check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {ckpt}")
+    bos = bos_id(tok, tcfg["bos"])
+    print(
+        f"the run's first token {tcfg['bos']!r} (id {bos}) before each sequence, as in training; "
+        "the scores leave it out",
+        file=sys.stderr,
+    )
+    return bos
 
 
 def _cmd_timescales(args) -> int:

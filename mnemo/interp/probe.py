@@ -29,14 +29,26 @@ from .scores import (
 )
 
 
-def circuit_scores(model, length: int = 32, batch: int = 8, seed: int = 0, vocab_offset: int = 0) -> dict:
+def circuit_scores(
+    model, length: int = 32, batch: int = 8, seed: int = 0, vocab_offset: int = 0, bos: int | None = None
+) -> dict:
     """Per layer and head: previous-token, duplicate-token and induction scores on random tokens
     repeated twice (``length`` each), and the copying score of softmax heads. The ``batch``
-    sequences are drawn with ``seed`` from the ids ``vocab_offset … vocab − 1``. Defaults:
-    ``length=32``, ``batch=8``, ``seed=0``, ``vocab_offset=0``."""
+    sequences are drawn with ``seed`` from the ids ``vocab_offset … vocab − 1``. ``bos``: the id
+    of a run's fixed first token (``TrainConfig.bos``), put before the sequences as in training;
+    the scores then leave position 0 out as query and key, without renormalising the rows (a
+    head's weight on the BOS sink counts for no circuit). Defaults: ``length=32``, ``batch=8``,
+    ``seed=0``, ``vocab_offset=0``, ``bos=None``. Raises ``ValueError`` for a ``bos`` outside the
+    vocabulary."""
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     ids = repeated_random_tokens(batch, length, V, gen, offset=min(vocab_offset, V - 1))
+    skip = 0
+    if bos is not None:
+        if not 0 <= bos < V:
+            raise ValueError(f"bos: expected a token id in [0, {V}), got {bos}")
+        ids = torch.cat([torch.full((batch, 1), bos, dtype=ids.dtype), ids], 1)
+        skip = 1
     param = next(model.parameters(), None)
     if param is not None:
         ids = ids.to(param.device)  # the generator draws on CPU (same tokens on every device)
@@ -45,9 +57,9 @@ def circuit_scores(model, length: int = 32, batch: int = 8, seed: int = 0, vocab
     for layer, m in maps.items():
         entry = {
             "mixer": type(model.blocks[layer].mixer).__name__,
-            "previous_token": previous_token_score(m).tolist(),
-            "duplicate_token": duplicate_token_score(m, ids).tolist(),
-            "induction": induction_score(m, length).tolist(),
+            "previous_token": previous_token_score(m, skip).tolist(),
+            "duplicate_token": duplicate_token_score(m, ids, skip).tolist(),
+            "induction": induction_score(m, length, skip).tolist(),
         }
         if model.blocks[layer].mixer.ov_matrices() is not None:  # softmax heads
             entry["copying"] = copying_score(model, layer).tolist()
@@ -64,7 +76,8 @@ class CircuitTracker:
     (``tracks_circuits = True``, as this class does). ``length, batch, seed, vocab_offset``: as in
     :func:`circuit_scores` (the same tokens at every evaluation). Defaults: ``length=32``,
     ``batch=8``, ``seed=1234``, ``vocab_offset=0``, ``spectrum=False``, ``spectrum_tokens=256``,
-    ``spectrum_directions=8``.
+    ``spectrum_directions=8``. A run with a fixed first token (``TrainConfig.bos``) is scored on
+    sequences that start with it, as it trained (``bos`` of :func:`circuit_scores`).
 
     ``spectrum=True`` also records the memory spectrum (:func:`mnemo.interp.spectrum.memory_spectrum`
     on ``spectrum_tokens`` seeded random tokens, ``spectrum_directions`` exponents per head of a
@@ -127,7 +140,8 @@ class CircuitTracker:
         was = model.training
         model.eval()
         try:
-            scores = circuit_scores(model, self.length, self.batch, self.seed, self.vocab_offset)
+            bos = getattr(getattr(trainer, "data", None), "bos_id", None)  # the run's fixed BOS
+            scores = circuit_scores(model, self.length, self.batch, self.seed, self.vocab_offset, bos)
             extra = self._spectrum(model) if self.spectrum else {}
         finally:
             model.train(was)

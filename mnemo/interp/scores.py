@@ -20,16 +20,29 @@ def normalise(maps: torch.Tensor) -> torch.Tensor:
     return a / a.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
-def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
-    """Mean weight from position ``t`` to ``t − 1`` (``t ≥ 1``), per head: ``[H]``."""
-    p = normalise(maps)
+def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
+    """The normalised maps without their first ``skip`` positions as queries and as keys. The rows
+    are normalised over every key first: weight a query puts on a skipped position (a BOS sink) is
+    dropped from its scores, not shared out over the others."""
+    T = maps.shape[-1]
+    if not 0 <= skip < T:
+        raise ValueError(f"skip: expected a number of leading positions in [0, {T}), got {skip}")
+    return normalise(maps)[..., skip:, skip:]
+
+
+def previous_token_score(maps: torch.Tensor, skip: int = 0) -> torch.Tensor:
+    """Mean weight from position ``t`` to ``t − 1`` (``t ≥ 1``), per head: ``[H]``. ``skip``
+    (default 0): leading positions left out as queries and keys, e.g. 1 for a run's fixed BOS
+    (rows normalised before they are left out)."""
+    p = _skipped(maps, skip)
     return torch.diagonal(p, offset=-1, dim1=-2, dim2=-1).mean((0, -1))
 
 
-def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor, skip: int = 0) -> torch.Tensor:
     """Mean weight from ``t`` onto earlier positions holding the same token (over ``t`` that have
-    one), per head: ``[H]``. ``ids: [B, T]``."""
-    p = normalise(maps)
+    one), per head: ``[H]``. ``ids: [B, T]``. ``skip``: as in :func:`previous_token_score`."""
+    p = _skipped(maps, skip)
+    ids = ids[:, skip:]
     T = ids.shape[1]
     same = (ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril(
         -1
@@ -63,13 +76,17 @@ def sink_score(maps: torch.Tensor, start: int | None = None) -> tuple[torch.Tens
     return p[..., start:, 0].mean((0, -1)), uniform
 
 
-def induction_score(maps: torch.Tensor, length: int) -> torch.Tensor:
+def induction_score(maps: torch.Tensor, length: int, skip: int = 0) -> torch.Tensor:
     """On a random sequence of length ``L`` repeated twice: mean weight from position ``i`` of the
-    second copy to ``i − L + 1`` (the token after the previous occurrence), per head: ``[H]``."""
-    p = normalise(maps)
-    T = p.shape[-1]
+    second copy to ``i − L + 1`` (the token after the previous occurrence), per head: ``[H]``.
+    ``skip``: leading positions before the first copy (e.g. 1 for a BOS), as in
+    :func:`previous_token_score`."""
+    T = maps.shape[-1] - skip
     if T < 2 * length:
-        raise ValueError(f"induction_score: maps cover {T} positions, need 2 * length = {2 * length}")
+        raise ValueError(
+            f"induction_score: maps cover {T} positions after skip = {skip}, need 2 * length = {2 * length}"
+        )
+    p = _skipped(maps, skip)
     i = torch.arange(length, 2 * length - 1, device=p.device)
     return p[..., i, i - length + 1].mean((0, -1))
 

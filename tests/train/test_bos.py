@@ -161,3 +161,54 @@ def test_probe_timescales_reads_the_text_with_the_runs_first_token(tmp_path, cap
     as_trained = json.loads(json.dumps(timescales(model, with_bos(ids, bos_id(tok, "\x02")))))
     plain = json.loads(json.dumps(timescales(model, ids)))
     assert got == as_trained and got != plain
+
+
+def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, capsys):
+    """``mnemo probe circuits`` on a ``--bos`` run puts the BOS before its random sequences and
+    leaves position 0 out of the scores (equal to :func:`circuit_scores` with ``bos`` and to the
+    scores computed by hand from the maps on those ids); the tracker reads the run's BOS from the
+    trainer's data; a BOS outside the vocabulary is refused."""
+    from mnemo.data import load_tokenizer
+    from mnemo.interp import CircuitTracker, capture_maps, circuit_scores, induction_score
+    from mnemo.interp.scores import normalise, repeated_random_tokens
+    from mnemo.models import LanguageModel
+    from mnemo.train import resolve_checkpoint
+
+    out = tmp_path / "run"
+    flags = ["--model", "transformer", "--d-model", "32", "--n-layers", "1", "--seq-len", "16"]
+    flags += ["--batch-size", "4", "--steps", "2", "--eval-interval", "2", "--eval-batches", "1"]
+    flags += ["--warmup-steps", "1", "--sample-tokens", "0", "--no-progress", "--bos", "\x02"]
+    assert main(["train", "--out", str(out), *flags]) == 0
+    capsys.readouterr()
+    argv = ["probe", "circuits", "--checkpoint", str(out), "--length", "8", "--batch", "2"]
+    assert main([*argv, "--out", str(tmp_path / "p")]) == 0
+    captured = capsys.readouterr()
+    got = json.loads(captured.out.strip().splitlines()[-1])["layers"]
+    assert "the run's first token '\\x02' (id 0) before each sequence" in captured.err
+    ckpt = resolve_checkpoint(out)
+    model = LanguageModel.from_pretrained(ckpt).eval()
+    bos = bos_id(load_tokenizer(ckpt), "\x02")
+    want = json.loads(json.dumps(circuit_scores(model, 8, 2, 0, bos=bos)))
+    assert got == want
+    # by hand: the maps on [BOS, seq, seq], rows normalised over all 17 keys, position 0 dropped
+    seq = repeated_random_tokens(2, 8, model.config.vocab_size, torch.Generator().manual_seed(0))
+    ids = torch.cat([torch.full((2, 1), bos), seq], 1)
+    p = normalise(capture_maps(model, ids)[0])[..., 1:, 1:]
+    i = torch.arange(8, 15)
+    assert want["0"]["induction"] == pytest.approx(p[..., i, i - 7].mean((0, -1)).tolist(), abs=1e-6)
+    assert want["0"]["induction"] == pytest.approx(
+        induction_score(capture_maps(model, ids)[0], 8, 1).tolist()
+    )
+    assert want != json.loads(json.dumps(circuit_scores(model, 8, 2, 0)))  # the plain sequences differ
+    with pytest.raises(ValueError, match=r"bos: expected a token id in \[0, \d+\), got -1"):
+        circuit_scores(model, 8, 2, 0, bos=-1)
+
+    class Data:
+        bos_id = bos
+
+    class Trainer:
+        data = Data()
+
+    Trainer.model = model
+    extra = CircuitTracker(length=8, batch=2, seed=0)(Trainer(), {})
+    assert extra["induction_by_layer"] == [pytest.approx(max(want["0"]["induction"]))]
