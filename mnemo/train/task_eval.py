@@ -26,6 +26,7 @@ def task_metrics(
     piece_len: int | None = None,
     device: str | torch.device = "cpu",
     autocast=contextlib.nullcontext,
+    units: torch.Tensor | None = None,
 ) -> dict:
     """Mean cross-entropy and accuracy of ``model`` on the supervised positions of a test set.
 
@@ -35,28 +36,44 @@ def task_metrics(
         batch_size: sequences per forward pass. piece_len: stream sequences longer than this in
             pieces of ``piece_len`` tokens, carrying the state (``None``: one pass).
         autocast: a context-manager factory (e.g. bf16 autocast).
+        units: ``[N, T]`` long, the answer each supervised position belongs to (``0, 1, …``; −1
+            elsewhere) for sequences with several answers
+            (:meth:`~mnemo.data.tasks.base.Task.answer_units`); ``None``: a sequence is one answer.
     Returns:
         ``{"loss": nats per supervised token, "acc": token accuracy, "seq_acc": fraction of
-        sequences with every supervised token right, "n": supervised tokens}``.
+        answers (sequences, without ``units``) with every supervised token right, "n": supervised
+        tokens}``.
     Raises:
-        ValueError: the shapes of ``input_ids`` and ``targets`` differ or nothing is supervised.
+        ValueError: the shapes of ``input_ids``, ``targets`` and ``units`` differ, nothing is
+        supervised, or ``units`` puts no answer on some supervised position.
     """
     if input_ids.shape != targets.shape or input_ids.ndim != 2:
         raise ValueError(
             f"input_ids and targets must both be [N, T], got {list(input_ids.shape)} and "
             f"{list(targets.shape)}"
         )
+    if units is not None:
+        if units.shape != targets.shape:
+            raise ValueError(
+                f"units: expected the targets' shape {list(targets.shape)}, got {list(units.shape)}"
+            )
+        if ((units < 0) & (targets != IGNORE_INDEX)).any():
+            raise ValueError("units: every supervised position needs an answer index >= 0, got -1 on one")
     was = model.training
     model.eval()
     N, T = input_ids.shape
     piece = T if piece_len is None else max(1, piece_len)
-    total_loss, correct, count, seq_ok = 0.0, 0, 0, 0
+    total_loss, correct, count, seq_ok, n_answers = 0.0, 0, 0, 0, 0
+    n_units = int(units.max()) + 1 if units is not None and units.numel() else 1
     try:
         for b in range(0, N, batch_size):
             x = input_ids[b : b + batch_size].to(device)
             y = targets[b : b + batch_size].to(device)
             state = None
-            row_ok = torch.ones(x.shape[0], dtype=torch.bool, device=device)
+            # per row and answer: one of its positions supervised, one missed
+            u = units[b : b + batch_size].to(device) if units is not None else None
+            has = torch.zeros(x.shape[0], n_units, dtype=torch.bool, device=device)
+            missed = torch.zeros_like(has)
             for a in range(0, T, piece):
                 yp = y[:, a : a + piece]
                 with autocast():
@@ -70,16 +87,24 @@ def task_metrics(
                 hit = lg.argmax(-1) == tg
                 correct += int(hit.sum())
                 count += int(mask.sum())
-                # rows with a miss: scatter the misses back to their rows
+                # the misses scattered back to their rows (and answers)
                 miss = torch.zeros_like(mask)
                 miss[mask] = ~hit
-                row_ok &= ~miss.any(dim=1)
-            seq_ok += int(row_ok.sum())
+                if u is None:
+                    missed[:, 0] |= miss.any(dim=1)
+                else:
+                    up = u[:, a : a + piece]
+                    has[mask.nonzero(as_tuple=True)[0], up[mask]] = True
+                    missed[miss.nonzero(as_tuple=True)[0], up[miss]] = True
+            if u is None:  # a sequence is one answer, scored even where nothing was supervised
+                has[:, 0] = True
+            seq_ok += int((has & ~missed).sum())
+            n_answers += int(has.sum())
     finally:
         model.train(was)
     if count == 0:
         raise ValueError("the test set has no supervised positions (all targets are IGNORE_INDEX)")
-    return {"loss": total_loss / count, "acc": correct / count, "seq_acc": seq_ok / N, "n": count}
+    return {"loss": total_loss / count, "acc": correct / count, "seq_acc": seq_ok / n_answers, "n": count}
 
 
 def eval_batch_size(batch_size: int, train_len: int, length: int) -> int:
@@ -103,21 +128,23 @@ def evaluate_task(
     """:func:`task_metrics` on ``num_samples`` test sequences (the test seed of ``seed``) per length.
 
     The metrics read :meth:`Task.scored <mnemo.data.tasks.base.Task.scored>` targets (for ``niah``
-    the answer only: ``seq_acc`` is exact match). Sequences longer than ``train_len`` are streamed
-    in pieces of ``train_len`` with ``eval_batch_size`` sequences per pass. ``cache`` (a dict)
-    keeps generated test sets by length.
+    the answer only: ``seq_acc`` is exact match) and, where the task has them,
+    :meth:`~mnemo.data.tasks.base.Task.answer_units` (``seq_acc`` per answer). Sequences longer
+    than ``train_len`` are streamed in pieces of ``train_len`` with ``eval_batch_size`` sequences
+    per pass. ``cache`` (a dict) keeps generated test sets by length.
     Returns ``{length: metrics}``.
     """
     out = {}
     for L in lengths:
         key = (L, num_samples)
         if cache is not None and key in cache:
-            x, y = cache[key]
+            x, y, units = cache[key]
         else:
             x, y = task.sample(num_samples, L, seed=seed, split="test")
             y = task.scored(x, y)
+            units = task.answer_units(x, y)
             if cache is not None:
-                cache[key] = (x, y)
+                cache[key] = (x, y, units)
         out[L] = task_metrics(
             model,
             x,
@@ -126,5 +153,6 @@ def evaluate_task(
             piece_len=train_len if L > train_len else None,
             device=device,
             autocast=autocast,
+            units=units,
         )
     return out

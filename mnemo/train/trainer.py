@@ -102,7 +102,7 @@ class Trainer:
         self.data = RunData(self.cfg, ckpt if state is not None else None, self.is_main)
         for name in ("task", "tokenizer", "train_data", "val_data", "train_set", "val_chars"):
             setattr(self, name, getattr(self.data, name))  # (the attributes callbacks read)
-        self._test_sets: dict = {}  # a task's test sets, by (length, rows)
+        self._test_sets: dict = {}  # a task's test sets (ids, scored targets, answer units) by (length, rows)
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
         # cfg.carry_state: the state carried from step to step (else a fresh state every step)
         self.carry = CarriedState.for_run(self.model, self.cfg, self.data.streams, self.device, self.world)

@@ -137,3 +137,119 @@ def test_seq_acc_is_exact_match_of_the_generated_value_at_every_length():
         wrong = len(hits) - sum(hits)
         assert res["acc"] == pytest.approx(1 - wrong / (12 * 5)), "one wrong digit per missed sequence"
         assert res["n"] == 12 * 5, "only the answers are scored, not the haystack"
+
+
+def _scan_queries(task, x):
+    """By hand: the needles before the first query and the ``(key, value)`` blocks of the queries
+    (the last block's value is one token short: the sequence ends before its last digit)."""
+    L, m = task.value_len, task.value_len + 2
+    H = x.numel() - (task.num_queries * m - 1)
+    needles, t = {}, 0
+    while t < H:
+        if int(x[t]) == task.needle_token:
+            needles[int(x[t + 1])] = [int(v) for v in x[t + 2 : t + 2 + L]]
+            t += m
+        else:
+            t += 1
+    blocks = []
+    for j in range(task.num_queries):
+        o = H + j * m
+        assert int(x[o]) == task.query_token
+        blocks.append((int(x[o + 1]), [int(v) for v in x[o + 2 : o + 2 + L]]))
+    return needles, blocks, H
+
+
+@pytest.mark.parametrize("num_queries", [2, 4])
+def test_multi_query_asks_distinct_needles_and_trains_every_answer(num_queries):
+    """MQ-NIAH: ``q`` queries name ``q`` distinct needles; each answer's targets are its needle's
+    value, shown teacher-forced; only the answers are scored, and each belongs to its own unit."""
+    task = build_task("niah", haystack="noise", num_needles=4, num_queries=num_queries, value_len=3)
+    T = 80
+    x, y = task.sample(10, T, seed=2)
+    scored, units = task.scored(x, y), task.answer_units(x, task.scored(x, y))
+    for b in range(10):
+        needles, blocks, H = _scan_queries(task, x[b])
+        assert len(needles) == 4 and H == T - num_queries * 5 + 1
+        keys = [k for k, _ in blocks]
+        assert len(set(keys)) == num_queries and set(keys) <= set(needles)
+        for j, (key, shown) in enumerate(blocks):
+            o = H + j * 5
+            want = needles[key]
+            assert y[b, o + 1 : o + 4].tolist() == want, "at κ: d1, at d_i: d_(i+1)"
+            assert shown == want[: len(shown)], "the values are teacher-forced"
+            assert y[b, o] == IGNORE_INDEX and (j == num_queries - 1 or y[b, o + 4] == IGNORE_INDEX)
+            assert units[b, o + 1 : o + 4].tolist() == [j] * 3
+        assert (scored[b, :H] == IGNORE_INDEX).all() and int(
+            (scored[b] != IGNORE_INDEX).sum()
+        ) == 3 * num_queries
+        assert ((units[b] >= 0) == (scored[b] != IGNORE_INDEX)).all()
+    assert task.min_length == (4 + num_queries) * 5
+    assert build_task("niah").answer_units(x, y) is None
+
+
+class _MultiOracle(_Oracle):
+    """The oracle for several queries: it answers the latest ``? κ`` before each position, and gets
+    digit 1 wrong when the key is even."""
+
+    def forward(self, ids, state=None):
+        prefix = ids if state is None else torch.cat([state, ids], 1)
+        B, T = prefix.shape
+        V = self.task.vocab_size
+        logits = torch.zeros(B, ids.shape[1], V)
+        off = T - ids.shape[1]
+        for b in range(B):
+            row = prefix[b].tolist()
+            for t in range(off, T):
+                guess = 0
+                qs = [i for i in range(t + 1) if row[i] == self.task.query_token]
+                if qs:
+                    key = row[qs[-1] + 1] if qs[-1] + 1 <= t else None
+                    digit = t - (qs[-1] + 1)
+                    if key is not None and 0 <= digit < self.task.value_len:
+                        i = row.index(key)
+                        guess = row[i + 1 + digit]
+                        if digit == 1 and key % 2 == 0:
+                            guess = guess + 1 if guess + 1 < V else guess - 1
+                logits[b, t - off, guess] = 1.0
+        return logits, prefix
+
+
+def test_multi_query_seq_acc_is_the_share_of_answers_generated_exactly():
+    """With several queries ``seq_acc`` is the fraction of answers whose value greedy decoding
+    generates exactly (each answer generated after the true earlier ones), at the training length
+    and streamed at 3x; ``acc`` counts digits."""
+    L, nq = 4, 3
+    task = build_task("niah", haystack="noise", value_len=L, num_needles=3, num_queries=nq, num_keys=8)
+    model = _MultiOracle(task)
+    for T in (50, 150):
+        x, _ = task.sample(8, T, seed=0, split="test")
+        hits = []
+        for b in range(8):
+            needles, blocks, H = _scan_queries(task, x[b])
+            for j, (key, _) in enumerate(blocks):
+                out = x[b : b + 1, : H + j * (L + 2) + 2]  # up to and including this query's key
+                for _ in range(L):
+                    out = torch.cat([out, model(out)[0][:, -1].argmax(-1, keepdim=True)], 1)
+                hits.append(out[0, -L:].tolist() == needles[key])
+        assert 0 < sum(hits) < len(hits)
+        res = evaluate_task(model, task, [T], num_samples=8, batch_size=3, train_len=50, seed=0)[T]
+        assert res["seq_acc"] == pytest.approx(sum(hits) / len(hits))
+        assert res["acc"] == pytest.approx(1 - (len(hits) - sum(hits)) / (8 * nq * L))
+        assert res["n"] == 8 * nq * L
+
+
+def test_multi_query_and_unit_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"'num_queries': expected at most num_needles = 2 queries .* got 3"):
+        build_task("niah", num_needles=2, num_queries=3)
+    with pytest.raises(ValueError, match="num_queries"):
+        build_task("niah", num_queries=0)
+    from mnemo.train.task_eval import task_metrics
+
+    task = build_task("niah", haystack="noise", num_needles=2, num_queries=2, value_len=2)
+    x, y = task.sample(2, 30, seed=0)
+    y = task.scored(x, y)
+    units = task.answer_units(x, y)
+    with pytest.raises(ValueError, match=r"units: expected the targets' shape \[2, 30\], got \[2, 29\]"):
+        task_metrics(_MultiOracle(task), x, y, batch_size=2, units=units[:, 1:])
+    with pytest.raises(ValueError, match="units: every supervised position needs an answer index"):
+        task_metrics(_MultiOracle(task), x, y, batch_size=2, units=torch.full_like(units, -1))

@@ -67,7 +67,7 @@ def test_eval_at_a_longer_length_for_a_recurrent_model(tmp_path):
     tr.model.eval()
     for L in (64, 128):
         # the metrics at L, recomputed here in one plain forward pass over the same test set
-        x, y = tr._test_sets[(L, n)]
+        x, y, _ = tr._test_sets[(L, n)]  # (ids, scored targets, answer units)
         with torch.no_grad():
             logits = tr.model(x)[0].float()
         sup = y != IGNORE_INDEX
@@ -78,7 +78,7 @@ def test_eval_at_a_longer_length_for_a_recurrent_model(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "val_acc@128" not in lines[0] and "val_acc@128" in lines[1], "extra lengths at the end only"
     # the test sets come from the test seed at each length
-    x, y = tr._test_sets[(128, cfg.eval_batches * cfg.batch_size)]
+    x, y, _ = tr._test_sets[(128, cfg.eval_batches * cfg.batch_size)]
     ref = build_task("mqar", EASY).sample(cfg.eval_batches * cfg.batch_size, 128, seed=cfg.seed, split="test")
     assert torch.equal(x, ref[0]) and torch.equal(y, ref[1])
 

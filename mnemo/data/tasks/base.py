@@ -130,6 +130,13 @@ class Task:
         what the task's paper measures."""
         return targets
 
+    def answer_units(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """For a test set whose sequences hold several answers scored one by one: per position of the
+        :meth:`scored` targets, the answer it belongs to (``[B, T]`` long, ``0, 1, …`` on scored
+        positions, −1 elsewhere); ``seq_acc`` is then the fraction of answers with every position
+        right. ``None`` (the default): a sequence is one answer."""
+        return None
+
     def sample(
         self, batch_size: int, seq_len: int, seed: int = 0, split: str = "train"
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,9 +34,9 @@ def _essay() -> tuple[str, torch.Tensor]:
 
 @dataclass
 class NIAH(Task):
-    """Needles in a haystack of text (RULER's S-NIAH / MK-NIAH), scored by exact match.
+    """Needles in a haystack of text (RULER's S-NIAH / MK-NIAH / MQ-NIAH), scored by exact match.
 
-    Layout of one sequence of length ``T`` (``L = value_len``, ``n = num_needles``)::
+    Layout of one sequence of length ``T`` (``L = value_len``, ``n = num_needles``, one query)::
 
         t t t t ▷ κ d1 … dL t t t t … t t | ? κ d1 … d(L−1)
         └──────── haystack, H = T − L − 1 ───┘ └─ query, L + 1 ─┘
@@ -45,6 +45,12 @@ class NIAH(Task):
     random depths (the text continues after each needle where it stopped before it; needles never
     overlap; their keys ``κ`` are distinct). The query ``? κ`` names one needle's key and the model
     must produce that needle's value: ``targets`` at ``κ`` is ``d1``, at ``d_i`` it is ``d(i+1)``.
+
+    Multi-query (MQ-NIAH, ``num_queries = q > 1``): ``q`` distinct needles are queried one after
+    the other, ``? κ1 d1 … dL ? κ2 d1 … dL … ? κq d1 … d(L−1)`` (``q·(L + 2) − 1`` tokens; the
+    haystack is ``H = T − q·(L + 2) + 1``); each answer is trained and scored as above (the ``?``
+    after an answer is not a target). The answers are teacher-forced: a later query sees the true
+    values of the earlier ones, as when each is asked after the right answers.
 
     Haystacks (RULER's variants):
 
@@ -60,11 +66,13 @@ class NIAH(Task):
     memory, as in RULER, where the model is a language model. Positions whose next token belongs to
     a needle are never supervised (the needle's place and content are random).
 
-    **Metric.** :meth:`scored` keeps only the ``L`` answer positions, so a test set's ``acc`` is
+    **Metric.** :meth:`scored` keeps only the answer positions (``q·L``), so a test set's ``acc`` is
     per-digit accuracy and its ``seq_acc`` is **exact match**, RULER's metric: with teacher forcing
     every answer digit is the argmax exactly when greedy decoding from ``? κ`` generates the whole
     value (each greedy step then sees the true digits before it), so teacher-forced all-correct
-    equals the generated value matching.
+    equals the generated value matching. With several queries :meth:`answer_units` makes
+    ``seq_acc`` the fraction of *answers* matched exactly (RULER scores a multi-query sample by the
+    share of its values recalled).
 
     Values: ``"number"`` (digits, RULER's 7-digit numbers: ``value_len`` 7) or ``"uuid"``
     (hexadecimal symbols; RULER's UUIDs have 32). Multi-key (MK-NIAH): ``num_needles > 1``, the
@@ -80,10 +88,11 @@ class NIAH(Task):
             ``"random"``, where it is refused).
         value: ``"number"`` (default) or ``"uuid"``. value_len: ``L`` symbols (7).
         num_keys: ``K`` distinct key tokens (16), ``>= num_needles``. num_needles: ``n`` (1).
+        num_queries: ``q`` needles queried (1), ``<= num_needles``.
     """
 
     name = "niah"
-    paper = "Hsieh et al. 2024, RULER (S-NIAH-1/2/3, MK-NIAH; exact match)"
+    paper = "Hsieh et al. 2024, RULER (S-NIAH-1/2/3, MK-NIAH, MQ-NIAH; exact match)"
 
     haystack: str = "essay"
     haystack_loss: bool = True
@@ -91,6 +100,7 @@ class NIAH(Task):
     value_len: int = 7
     num_keys: int = 16
     num_needles: int = 1
+    num_queries: int = 1
 
     def validate(self) -> NIAH:
         if self.haystack not in ("noise", "essay", "random"):
@@ -111,6 +121,12 @@ class NIAH(Task):
             raise ValueError(
                 f"niah option 'num_needles': {self.num_needles} needles need as many distinct keys, but "
                 f"num_keys = {self.num_keys}"
+            )
+        self._int("num_queries", 1)
+        if self.num_queries > self.num_needles:
+            raise ValueError(
+                f"niah option 'num_queries': expected at most num_needles = {self.num_needles} queries "
+                f"(each asks for a different needle), got {self.num_queries}"
             )
         return self
 
@@ -133,7 +149,7 @@ class NIAH(Task):
 
     @property
     def min_length(self) -> int:
-        return self.num_needles * (self.value_len + 2) + self.value_len + 2
+        return (self.num_needles + self.num_queries) * (self.value_len + 2)
 
     def decode_text(self, ids) -> str:
         """The characters of text ids (other tokens as ``▷``, ``?``, ``k<i>``, ``v<i>``), for reading."""
@@ -169,10 +185,14 @@ class NIAH(Task):
             return noise[(phase + torch.arange(n)) % noise.numel()]
         return torch.randint(0, len(alphabet), (B, n), generator=gen)
 
+    def _query_len(self) -> int:
+        """Tokens after the haystack: ``q`` blocks ``? κ d1 … dL`` without the last ``dL``."""
+        return self.num_queries * (self.value_len + 2) - 1
+
     def _generate(self, B: int, T: int, gen: torch.Generator):
-        A, L, n = self.text_vocab, self.value_len, self.num_needles
-        m = L + 2  # needle length
-        H = T - (L + 1)  # haystack length
+        A, L, n, nq = self.text_vocab, self.value_len, self.num_needles, self.num_queries
+        m = L + 2  # needle length (and a query block's)
+        H = T - self._query_len()  # haystack length
         keys, vals, idx, needles = draw_needles(
             B, H, n, L, A + 2, self.num_keys, VALUE_SYMBOLS[self.value], self.needle_token, gen
         )
@@ -182,20 +202,40 @@ class NIAH(Task):
         text = self._text(B, H - n * m, gen)
         text_at = ((~in_needle).cumsum(1) - 1).clamp_min(0)
         hay = torch.where(in_needle, hay, text.gather(1, text_at.clamp_max(max(H - n * m - 1, 0))))
-        q = torch.randint(0, n, (B, 1), generator=gen)
-        qkey = keys.gather(1, q)
-        qval = vals.gather(1, q[..., None].expand(B, 1, L))[:, 0]  # [B, L]
-        x = torch.cat([hay, torch.full((B, 1), self.query_token), qkey, qval[:, : L - 1]], dim=1)
+        if nq == 1:
+            q = torch.randint(0, n, (B, 1), generator=gen)
+        else:  # distinct needles, in random order
+            q = torch.rand(B, n, generator=gen).argsort(dim=1)[:, :nq]
+        qkey = keys.gather(1, q)  # [B, q]
+        qval = vals.gather(1, q[..., None].expand(B, nq, L))  # [B, q, L]
+        blocks = torch.cat([torch.full((B, nq, 1), self.query_token), qkey[..., None], qval], dim=2)
+        ignore = torch.full((B, nq, 1), IGNORE_INDEX)
+        answers = torch.cat([ignore, qval, ignore], dim=2)  # the target at each block position
+        x = torch.cat([hay, blocks.reshape(B, nq * m)[:, :-1]], dim=1)
         y = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
         if self.haystack_loss:  # next-token targets where the next token is haystack text
             nxt_text = ~in_needle[:, 1:]
             y[:, : H - 1] = torch.where(nxt_text, hay[:, 1:], IGNORE_INDEX)
-        y[:, H + 1 :] = qval
+        y[:, H:] = answers.reshape(B, nq * m)[:, :-1]
         return x, y
 
     def scored(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The answer positions only (the last ``value_len``): ``acc`` per symbol, ``seq_acc`` exact
-        match. The haystack's next-token targets train the model but are not scored."""
+        """The answer positions only (the last ``value_len``; ``q·L`` with ``q`` queries): ``acc`` per
+        symbol, ``seq_acc`` exact match. The haystack's next-token targets train the model but are
+        not scored."""
         out = torch.full_like(targets, IGNORE_INDEX)
-        out[:, -self.value_len :] = targets[:, -self.value_len :]
+        H = targets.shape[1] - self._query_len()
+        out[:, H:] = targets[:, H:]
         return out
+
+    def answer_units(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """With several queries, the query each answer position belongs to (``[B, T]``: ``0 … q−1``
+        on the answers, −1 elsewhere), so ``seq_acc`` counts answers; ``None`` with one query."""
+        if self.num_queries == 1:
+            return None
+        T, m = targets.shape[1], self.value_len + 2
+        H = T - self._query_len()
+        units = torch.full_like(targets, -1)
+        block = torch.arange(T - H, device=targets.device) // m
+        units[:, H:] = torch.where(targets[:, H:] != IGNORE_INDEX, block, -1)
+        return units
