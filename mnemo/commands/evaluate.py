@@ -82,7 +82,7 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
 
     batch = args.batch_size or cfg.batch_size
     for L in lengths:  # refused before anything is drawn or allocated
-        check_sequences_memory(num, L, args.device, flag="--num-samples / --length")
+        check_sequences_memory(num, L, args.device, flag="--num-samples / --length", bytes_per_token=20)
         check_forward_memory(model.config, min(batch, num), L, args.device, flag="--batch-size / --length")
     res = evaluate_task(
         model,
@@ -103,6 +103,7 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
                     "task": cfg.task,
                     "length": L,
                     "sequences": num,
+                    "answers": r["answers"],  # val_seq_acc's denominator (several per sequence in some tasks)
                     "val_loss": r["loss"],
                     "val_acc": r["acc"],
                     "val_seq_acc": r["seq_acc"],

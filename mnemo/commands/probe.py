@@ -435,6 +435,15 @@ def _cmd_ablate(args) -> int:
     path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
     _refuse_outputs(args, path)
     _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    if tcfg.get("bos") is not None:
+        print(
+            f"note: this run trained with the first token {tcfg['bos']!r} at position 0; the ablation's "
+            "random sequences do not start with it (unlike `mnemo probe circuits`)",
+            file=sys.stderr,
+        )
     result = induction_ablation(
         model,
         args.top_induction,

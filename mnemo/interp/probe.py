@@ -35,18 +35,25 @@ def circuit_scores(
     """Per layer and head: previous-token, duplicate-token and induction scores on random tokens
     repeated twice (``length`` each), and the copying score of softmax heads. The ``batch``
     sequences are drawn with ``seed`` from the ids ``vocab_offset … vocab − 1``. ``bos``: the id
-    of a run's fixed first token (``TrainConfig.bos``), put before the sequences as in training;
-    the scores then leave position 0 out as query and key, without renormalising the rows (a
-    head's weight on the BOS sink counts for no circuit). Defaults: ``length=32``, ``batch=8``,
-    ``seed=0``, ``vocab_offset=0``, ``bos=None``. Raises ``ValueError`` for a ``bos`` outside the
-    vocabulary."""
+    of a run's fixed first token (``TrainConfig.bos``), put before the sequences as in training
+    (which then never hold it); the scores leave position 0 out as query and key, without
+    renormalising the rows (a head's weight on the BOS sink counts for no circuit). Defaults:
+    ``length=32``, ``batch=8``, ``seed=0``, ``vocab_offset=0``, ``bos=None``. Raises
+    ``ValueError`` for a ``bos`` outside the vocabulary."""
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
-    ids = repeated_random_tokens(batch, length, V, gen, offset=min(vocab_offset, V - 1))
     skip = 0
-    if bos is not None:
+    if bos is None:
+        ids = repeated_random_tokens(batch, length, V, gen, offset=min(vocab_offset, V - 1))
+    else:
         if not 0 <= bos < V:
             raise ValueError(f"bos: expected a token id in [0, {V}), got {bos}")
+        offset = min(vocab_offset, V - 2)
+        if bos >= offset:  # the random tokens never hold the BOS: draw one id fewer, skip over it
+            ids = repeated_random_tokens(batch, length, V - 1, gen, offset=offset)
+            ids = ids + (ids >= bos).long()
+        else:
+            ids = repeated_random_tokens(batch, length, V, gen, offset=offset)
         ids = torch.cat([torch.full((batch, 1), bos, dtype=ids.dtype), ids], 1)
         skip = 1
     param = next(model.parameters(), None)
@@ -77,7 +84,8 @@ class CircuitTracker:
     :func:`circuit_scores` (the same tokens at every evaluation). Defaults: ``length=32``,
     ``batch=8``, ``seed=1234``, ``vocab_offset=0``, ``spectrum=False``, ``spectrum_tokens=256``,
     ``spectrum_directions=8``. A run with a fixed first token (``TrainConfig.bos``) is scored on
-    sequences that start with it, as it trained (``bos`` of :func:`circuit_scores`).
+    sequences that start with it, as it trained (``bos`` of :func:`circuit_scores`; the spectrum's
+    tokens start with it as ``mnemo probe spectrum``'s do).
 
     ``spectrum=True`` also records the memory spectrum (:func:`mnemo.interp.spectrum.memory_spectrum`
     on ``spectrum_tokens`` seeded random tokens, ``spectrum_directions`` exponents per head of a
@@ -113,11 +121,13 @@ class CircuitTracker:
         asks the trainer's callbacks for)."""
         return self.spectrum
 
-    def _spectrum(self, model) -> dict:
+    def _spectrum(self, model, bos: int | None = None) -> dict:
+        from ..train.batches import with_bos
         from .spectrum import CLASSES, memory_spectrum, summary_line
 
         gen = torch.Generator().manual_seed(self.seed)
         ids = torch.randint(0, model.config.vocab_size, (1, self.spectrum_tokens), generator=gen)
+        ids = with_bos(ids, bos)  # a run's fixed first token at position 0, as its windows read
         rows = summary_line(memory_spectrum(model, ids, directions=self.spectrum_directions))
         if not rows:
             return {}
@@ -142,7 +152,7 @@ class CircuitTracker:
         try:
             bos = getattr(getattr(trainer, "data", None), "bos_id", None)  # the run's fixed BOS
             scores = circuit_scores(model, self.length, self.batch, self.seed, self.vocab_offset, bos)
-            extra = self._spectrum(model) if self.spectrum else {}
+            extra = self._spectrum(model, bos) if self.spectrum else {}
         finally:
             model.train(was)
         for name in ("induction", "previous_token", "duplicate_token"):

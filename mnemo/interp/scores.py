@@ -25,8 +25,11 @@ def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
     are normalised over every key first: weight a query puts on a skipped position (a BOS sink) is
     dropped from its scores, not shared out over the others."""
     T = maps.shape[-1]
-    if not 0 <= skip < T:
-        raise ValueError(f"skip: expected a number of leading positions in [0, {T}), got {skip}")
+    if not 0 <= skip <= T - 2:
+        raise ValueError(
+            f"skip: expected a number of leading positions in [0, {T - 2}] (two positions must remain), "
+            f"got {skip}"
+        )
     return normalise(maps)[..., skip:, skip:]
 
 
@@ -81,12 +84,12 @@ def induction_score(maps: torch.Tensor, length: int, skip: int = 0) -> torch.Ten
     second copy to ``i − L + 1`` (the token after the previous occurrence), per head: ``[H]``.
     ``skip``: leading positions before the first copy (e.g. 1 for a BOS), as in
     :func:`previous_token_score`."""
-    T = maps.shape[-1] - skip
+    p = _skipped(maps, skip)
+    T = p.shape[-1]
     if T < 2 * length:
         raise ValueError(
             f"induction_score: maps cover {T} positions after skip = {skip}, need 2 * length = {2 * length}"
         )
-    p = _skipped(maps, skip)
     i = torch.arange(length, 2 * length - 1, device=p.device)
     return p[..., i, i - length + 1].mean((0, -1))
 

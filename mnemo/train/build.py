@@ -70,10 +70,12 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
     if cfg.eval_lengths:  # the final evaluation's test sets at the longer lengths
         rows = cfg.eval_batches * cfg.batch_size
         for L in cfg.eval_lengths:
-            check_sequences_memory(rows, L, device, flag="--eval-lengths")
+            check_sequences_memory(rows, L, device, flag="--eval-lengths", bytes_per_token=20)
             check_forward_memory(model_cfg, cfg.batch_size, L, device, flag="--eval-lengths")
     if cfg.track_circuits:  # the tracker runs one repeated random sequence (and its maps) per evaluation
-        check_forward_memory(model_cfg, 1, 2 * cfg.circuit_length, device, flag="--circuit-length", maps=True)
+        check_forward_memory(
+            model_cfg, 1, 2 * cfg.circuit_length + 1, device, flag="--circuit-length", maps=True
+        )
     model = LanguageModel(model_cfg).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.pack_documents and model.task_segment is not None:  # before any work

@@ -195,8 +195,8 @@ class TrainConfig:
         init_from: start from the weights of another run (a run or checkpoint directory) instead of
             a fresh initialisation — fine-tuning, or a curriculum (e.g. MQAR at 64 tokens, then at
             128); the model must have the same shapes; the optimizer and schedule start fresh.
-        circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens;
-            default ``32``).
+        circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens,
+            ``2 L + 1`` after a ``bos``; default ``32``).
         track_spectrum: at every evaluation also record the memory spectrum of every memory
             (:func:`mnemo.interp.spectrum.memory_spectrum` on 256 seeded random tokens: the shares
             of irrelevant / intermediate / marginal / relevant directions and the median half-life

@@ -108,19 +108,23 @@ def check_memory(est: MemoryEstimate, device: torch.device, *, what: str) -> Non
     )
 
 
-def check_sequences_memory(n_sequences: int, length: int, device, *, flag: str) -> None:
-    """Refuse a test set of ``n_sequences`` sequences of ``length`` tokens (int64 inputs and
-    labels: 16 bytes a token) that cannot fit in the memory available on ``device``.
+def check_sequences_memory(
+    n_sequences: int, length: int, device, *, flag: str, bytes_per_token: int = 16
+) -> None:
+    """Refuse a set of ``n_sequences`` sequences of ``length`` tokens that cannot fit in the memory
+    available on ``device``. ``bytes_per_token``: 16 for int64 inputs and labels (the default);
+    a test set adds int32 answer units (:meth:`~mnemo.data.tasks.base.Task.answer_units`): 20.
 
     Raises:
         ValueError: it cannot (the message gives both numbers and names ``flag``).
     """
-    need = 16 * n_sequences * length
+    need = bytes_per_token * n_sequences * length
     have, source = available_memory(torch.device(device))
     if have is not None and need > have:
         raise ValueError(
             f"{flag}: {n_sequences:,} sequence(s) of {length:,} tokens need at least {need / GiB:,.1f} GiB "
-            f"as int64 tokens, but only {have / GiB:,.1f} GiB are available ({source}); lower {flag}"
+            f"at {bytes_per_token} bytes a token, but only {have / GiB:,.1f} GiB are available ({source}); "
+            f"lower {flag}"
         )
 
 

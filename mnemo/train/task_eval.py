@@ -36,13 +36,13 @@ def task_metrics(
         batch_size: sequences per forward pass. piece_len: stream sequences longer than this in
             pieces of ``piece_len`` tokens, carrying the state (``None``: one pass).
         autocast: a context-manager factory (e.g. bf16 autocast).
-        units: ``[N, T]`` long, the answer each supervised position belongs to (``0, 1, …``; −1
+        units: ``[N, T]`` integers, the answer each supervised position belongs to (``0, 1, …``; −1
             elsewhere) for sequences with several answers
             (:meth:`~mnemo.data.tasks.base.Task.answer_units`); ``None``: a sequence is one answer.
     Returns:
         ``{"loss": nats per supervised token, "acc": token accuracy, "seq_acc": fraction of
-        answers (sequences, without ``units``) with every supervised token right, "n": supervised
-        tokens}``.
+        answers (sequences, without ``units``) with every supervised token right, "answers": their
+        number, "n": supervised tokens}``.
     Raises:
         ValueError: the shapes of ``input_ids``, ``targets`` and ``units`` differ, nothing is
         supervised, or ``units`` puts no answer on some supervised position.
@@ -57,8 +57,13 @@ def task_metrics(
             raise ValueError(
                 f"units: expected the targets' shape {list(targets.shape)}, got {list(units.shape)}"
             )
-        if ((units < 0) & (targets != IGNORE_INDEX)).any():
-            raise ValueError("units: every supervised position needs an answer index >= 0, got -1 on one")
+        bad = ((units < 0) & (targets != IGNORE_INDEX)).nonzero()
+        if len(bad):
+            r, t = bad[0].tolist()
+            raise ValueError(
+                f"units: every supervised position needs an answer index >= 0, got {int(units[r, t])} at "
+                f"sequence {r}, position {t}"
+            )
     was = model.training
     model.eval()
     N, T = input_ids.shape
@@ -93,7 +98,7 @@ def task_metrics(
                 if u is None:
                     missed[:, 0] |= miss.any(dim=1)
                 else:
-                    up = u[:, a : a + piece]
+                    up = u[:, a : a + piece].long()
                     has[mask.nonzero(as_tuple=True)[0], up[mask]] = True
                     missed[miss.nonzero(as_tuple=True)[0], up[miss]] = True
             if u is None:  # a sequence is one answer, scored even where nothing was supervised
@@ -104,7 +109,13 @@ def task_metrics(
         model.train(was)
     if count == 0:
         raise ValueError("the test set has no supervised positions (all targets are IGNORE_INDEX)")
-    return {"loss": total_loss / count, "acc": correct / count, "seq_acc": seq_ok / n_answers, "n": count}
+    return {
+        "loss": total_loss / count,
+        "acc": correct / count,
+        "seq_acc": seq_ok / n_answers,
+        "answers": n_answers,
+        "n": count,
+    }
 
 
 def eval_batch_size(batch_size: int, train_len: int, length: int) -> int:

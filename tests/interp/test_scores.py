@@ -195,20 +195,19 @@ def test_sink_score_on_known_maps():
 
 
 def test_scores_skip_a_bos_sink_without_renormalising_the_rows():
-    """A head that puts half of every row on position 0 (a BOS sink) and half on the previous token:
-    with ``skip=1`` its previous-token score is 0.5 (the sink's half is dropped, not shared out:
-    renormalising would read 1.0), its induction and duplicate-token scores follow the same rule,
-    and ``skip=0`` reads the map as before."""
+    """A head that puts 0.6 of every row on position 0 (a BOS sink) and 0.4 on the previous token
+    (the first real token: all on the sink): with ``skip=1`` its previous-token score is 0.4 (the
+    sink's share is dropped, not shared out: renormalising would read 1.0); without the skip the
+    step from position 1 onto the BOS counts too, (1 + 5 · 0.4) / 6 = 0.5. Its induction and
+    duplicate-token scores follow the same rule."""
     L = 3
     T = 1 + 2 * L  # BOS, a b c, a b c
     ids = torch.tensor([[9, 1, 2, 3, 1, 2, 3]])
     m = torch.zeros(1, 1, T, T)
-    m[0, 0, 0, 0] = 1.0
-    m[0, 0, 1, 0] = m[0, 0, 1, 1] = 0.5  # the first real token: sink and itself
+    m[0, 0, 0, 0] = m[0, 0, 1, 0] = 1.0
     for t in range(2, T):
-        m[0, 0, t, 0] = m[0, 0, t, t - 1] = 0.5
-    assert previous_token_score(m, skip=1).item() == pytest.approx(0.5)
-    # without the skip, the step from position 1 onto the BOS counts too: 0.5 on every row
+        m[0, 0, t, 0], m[0, 0, t, t - 1] = 0.6, 0.4
+    assert previous_token_score(m, skip=1).item() == pytest.approx(0.4)
     assert previous_token_score(m).item() == pytest.approx(0.5)
     # an induction head shape: from real position i of the second copy to i − L + 1, weight 0.25
     ind = torch.zeros(1, 1, T, T)
@@ -227,7 +226,7 @@ def test_scores_skip_a_bos_sink_without_renormalising_the_rows():
     for t in range(1, T):
         dup[0, 0, t, t - L if t > L else t] += 0.5
     assert duplicate_token_score(dup, ids, skip=1).item() == pytest.approx(0.5)
-    with pytest.raises(ValueError, match=r"skip: expected a number of leading positions in \[0, 7\), got 7"):
-        previous_token_score(m, skip=T)
+    with pytest.raises(ValueError, match=r"skip: expected a number of leading positions in \[0, 5\] .*got 6"):
+        previous_token_score(m, skip=T - 1)
     with pytest.raises(ValueError, match="maps cover 6 positions after skip = 1, need 2 \\* length = 8"):
         induction_score(ind, 4, skip=1)

@@ -163,13 +163,13 @@ def test_probe_timescales_reads_the_text_with_the_runs_first_token(tmp_path, cap
     assert got == as_trained and got != plain
 
 
-def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, capsys):
+def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, capsys, monkeypatch):
     """``mnemo probe circuits`` on a ``--bos`` run puts the BOS before its random sequences and
     leaves position 0 out of the scores (equal to :func:`circuit_scores` with ``bos`` and to the
     scores computed by hand from the maps on those ids); the tracker reads the run's BOS from the
     trainer's data; a BOS outside the vocabulary is refused."""
     from mnemo.data import load_tokenizer
-    from mnemo.interp import CircuitTracker, capture_maps, circuit_scores, induction_score
+    from mnemo.interp import capture_maps, circuit_scores, induction_score
     from mnemo.interp.scores import normalise, repeated_random_tokens
     from mnemo.models import LanguageModel
     from mnemo.train import resolve_checkpoint
@@ -178,8 +178,14 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
     flags = ["--model", "transformer", "--d-model", "32", "--n-layers", "1", "--seq-len", "16"]
     flags += ["--batch-size", "4", "--steps", "2", "--eval-interval", "2", "--eval-batches", "1"]
     flags += ["--warmup-steps", "1", "--sample-tokens", "0", "--no-progress", "--bos", "\x02"]
+    flags += ["--track-circuits", "--circuit-length", "8"]
     assert main(["train", "--out", str(out), *flags]) == 0
     capsys.readouterr()
+    import mnemo.interp.probe as probe_module
+
+    seen = []
+    capture = probe_module.capture_maps
+    monkeypatch.setattr(probe_module, "capture_maps", lambda m, ids: seen.append(ids) or capture(m, ids))
     argv = ["probe", "circuits", "--checkpoint", str(out), "--length", "8", "--batch", "2"]
     assert main([*argv, "--out", str(tmp_path / "p")]) == 0
     captured = capsys.readouterr()
@@ -188,11 +194,14 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
     ckpt = resolve_checkpoint(out)
     model = LanguageModel.from_pretrained(ckpt).eval()
     bos = bos_id(load_tokenizer(ckpt), "\x02")
+    assert bos == 0
+    ids = seen[0]  # [BOS, seq, seq]: the random tokens never hold the BOS
+    assert (ids[:, 0] == bos).all() and (ids[:, 1:] != bos).all() and torch.equal(ids[:, 1:9], ids[:, 9:])
     want = json.loads(json.dumps(circuit_scores(model, 8, 2, 0, bos=bos)))
     assert got == want
     # by hand: the maps on [BOS, seq, seq], rows normalised over all 17 keys, position 0 dropped
-    seq = repeated_random_tokens(2, 8, model.config.vocab_size, torch.Generator().manual_seed(0))
-    ids = torch.cat([torch.full((2, 1), bos), seq], 1)
+    seq = repeated_random_tokens(2, 8, model.config.vocab_size - 1, torch.Generator().manual_seed(0)) + 1
+    assert torch.equal(ids[:, 1:], seq)
     p = normalise(capture_maps(model, ids)[0])[..., 1:, 1:]
     i = torch.arange(8, 15)
     assert want["0"]["induction"] == pytest.approx(p[..., i, i - 7].mean((0, -1)).tolist(), abs=1e-6)
@@ -203,12 +212,14 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
     with pytest.raises(ValueError, match=r"bos: expected a token id in \[0, \d+\), got -1"):
         circuit_scores(model, 8, 2, 0, bos=-1)
 
-    class Data:
-        bos_id = bos
-
-    class Trainer:
-        data = Data()
-
-    Trainer.model = model
-    extra = CircuitTracker(length=8, batch=2, seed=0)(Trainer(), {})
-    assert extra["induction_by_layer"] == [pytest.approx(max(want["0"]["induction"]))]
+    # the tracker during training read the run's BOS: its last record equals the scores with it
+    # on the same (final) weights and its own tokens (seed 1234, batch 8)
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    tracked = circuit_scores(model, 8, 8, 1234, bos=bos)
+    assert last["induction_by_layer"] == pytest.approx([max(tracked["0"]["induction"])])
+    plain = circuit_scores(model, 8, 8, 1234)
+    assert max(plain["0"]["induction"]) != pytest.approx(max(tracked["0"]["induction"]))
+    # the ablation does not put the BOS first yet, and says so
+    argv = ["probe", "ablate", "--checkpoint", str(out), "--top-induction", "1", "--draws", "1"]
+    assert main([*argv, "--length", "8", "--batch", "2", "--out", str(tmp_path / "a.json")]) == 0
+    assert "the ablation's random sequences do not start with it" in capsys.readouterr().err

@@ -132,7 +132,7 @@ class Task:
 
     def answer_units(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """For a test set whose sequences hold several answers scored one by one: per position of the
-        :meth:`scored` targets, the answer it belongs to (``[B, T]`` long, ``0, 1, …`` on scored
+        :meth:`scored` targets, the answer it belongs to (``[B, T]`` int32, ``0, 1, …`` on scored
         positions, −1 elsewhere); ``seq_acc`` is then the fraction of answers with every position
         right. ``None`` (the default): a sequence is one answer."""
         return None

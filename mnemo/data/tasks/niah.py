@@ -1,7 +1,8 @@
 """RULER's needle-in-a-haystack family at token level, with a haystack the model must process.
 
 Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?"
-(§3.1: S-NIAH-1/2/3, MK-NIAH); the variants Gated DeltaNet (Yang et al. 2024, Table 2) reports.
+(§3.1: S-NIAH-1/2/3, MK-NIAH, and an adaptation of MQ-NIAH with the keys asked in turn); the
+variants Gated DeltaNet (Yang et al. 2024, Table 2) reports.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _essay() -> tuple[str, torch.Tensor]:
 
 @dataclass
 class NIAH(Task):
-    """Needles in a haystack of text (RULER's S-NIAH / MK-NIAH / MQ-NIAH), scored by exact match.
+    """Needles in a haystack of text (RULER's S-NIAH / MK-NIAH; several queries), scored by exact match.
 
     Layout of one sequence of length ``T`` (``L = value_len``, ``n = num_needles``, one query)::
 
@@ -46,11 +47,13 @@ class NIAH(Task):
     overlap; their keys ``κ`` are distinct). The query ``? κ`` names one needle's key and the model
     must produce that needle's value: ``targets`` at ``κ`` is ``d1``, at ``d_i`` it is ``d(i+1)``.
 
-    Multi-query (MQ-NIAH, ``num_queries = q > 1``): ``q`` distinct needles are queried one after
-    the other, ``? κ1 d1 … dL ? κ2 d1 … dL … ? κq d1 … d(L−1)`` (``q·(L + 2) − 1`` tokens; the
-    haystack is ``H = T − q·(L + 2) + 1``); each answer is trained and scored as above (the ``?``
-    after an answer is not a target). The answers are teacher-forced: a later query sees the true
-    values of the earlier ones, as when each is asked after the right answers.
+    Several queries (``num_queries = q > 1``), an adaptation of RULER's MQ-NIAH: ``q`` distinct
+    needles are queried **in turn**, ``? κ1 d1 … dL ? κ2 d1 … dL … ? κq d1 … d(L−1)``
+    (``q·(L + 2) − 1`` tokens; the haystack is ``H = T − q·(L + 2) + 1``); each answer is trained
+    and scored as above (the ``?`` after an answer is not a target). RULER instead asks for all
+    ``q`` keys in one question and scores one free-running answer by the share of the values it
+    contains; here the model never holds unanswered keys, and the answers are teacher-forced: a
+    later query sees the true values of the earlier ones (a wrong early answer cannot derail it).
 
     Haystacks (RULER's variants):
 
@@ -71,8 +74,8 @@ class NIAH(Task):
     every answer digit is the argmax exactly when greedy decoding from ``? κ`` generates the whole
     value (each greedy step then sees the true digits before it), so teacher-forced all-correct
     equals the generated value matching. With several queries :meth:`answer_units` makes
-    ``seq_acc`` the fraction of *answers* matched exactly (RULER scores a multi-query sample by the
-    share of its values recalled).
+    ``seq_acc`` the fraction of *answers* matched exactly (every sample has ``q`` answers, so this
+    is RULER's mean over samples of the share of values recalled).
 
     Values: ``"number"`` (digits, RULER's 7-digit numbers: ``value_len`` 7) or ``"uuid"``
     (hexadecimal symbols; RULER's UUIDs have 32). Multi-key (MK-NIAH): ``num_needles > 1``, the
@@ -80,7 +83,7 @@ class NIAH(Task):
 
     Vocabulary: text characters ``[0, A)`` (``A`` = :attr:`text_vocab`: the corpus' characters and
     the noise sentence's), ``▷ = A``, ``? = A + 1``, keys ``[A + 2, A + 2 + K)``, value symbols after
-    them. ``min_length = n · (L + 2) + L + 1 + 1`` (one text token at least).
+    them. ``min_length = (n + q) · (L + 2)``: the needles, the queries and one text token.
 
     Options:
         haystack: ``"noise"``, ``"essay"`` (default) or ``"random"``.
@@ -88,11 +91,11 @@ class NIAH(Task):
             ``"random"``, where it is refused).
         value: ``"number"`` (default) or ``"uuid"``. value_len: ``L`` symbols (7).
         num_keys: ``K`` distinct key tokens (16), ``>= num_needles``. num_needles: ``n`` (1).
-        num_queries: ``q`` needles queried (1), ``<= num_needles``.
+        num_queries: ``q`` needles queried in turn (1), ``<= num_needles``.
     """
 
     name = "niah"
-    paper = "Hsieh et al. 2024, RULER (S-NIAH-1/2/3, MK-NIAH, MQ-NIAH; exact match)"
+    paper = "Hsieh et al. 2024, RULER (S-NIAH-1/2/3, MK-NIAH, MQ-NIAH asked in turn; exact match)"
 
     haystack: str = "essay"
     haystack_loss: bool = True
@@ -235,7 +238,7 @@ class NIAH(Task):
             return None
         T, m = targets.shape[1], self.value_len + 2
         H = T - self._query_len()
-        units = torch.full_like(targets, -1)
-        block = torch.arange(T - H, device=targets.device) // m
+        units = torch.full(targets.shape, -1, dtype=torch.int32, device=targets.device)
+        block = torch.arange(T - H, dtype=torch.int32, device=targets.device) // m
         units[:, H:] = torch.where(targets[:, H:] != IGNORE_INDEX, block, -1)
         return units
