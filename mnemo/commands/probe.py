@@ -333,8 +333,9 @@ def _cmd_circuits(args) -> int:
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
     _refuse_outputs(args, out / "circuits.png")
-    _check_probe_memory(model, args.batch, 2 * args.length + 1, "--length / --batch")
-    scores = circuit_scores(model, args.length, args.batch, args.seed, bos=_run_bos_id(ckpt, model))
+    bos = _run_bos_id(ckpt, model)
+    _check_probe_memory(model, args.batch, 2 * args.length + (bos is not None), "--length / --batch")
+    scores = circuit_scores(model, args.length, args.batch, args.seed, bos=bos)
     out.mkdir(parents=True, exist_ok=True)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line

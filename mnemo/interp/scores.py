@@ -35,15 +35,16 @@ def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
 
 def previous_token_score(maps: torch.Tensor, skip: int = 0) -> torch.Tensor:
     """Mean weight from position ``t`` to ``t − 1`` (``t ≥ 1``), per head: ``[H]``. ``skip``
-    (default 0): leading positions left out as queries and keys, e.g. 1 for a run's fixed BOS
-    (rows normalised before they are left out)."""
+    (default ``skip=0``): leading positions left out as queries and keys, e.g. 1 for a run's fixed
+    BOS (rows normalised before they are left out)."""
     p = _skipped(maps, skip)
     return torch.diagonal(p, offset=-1, dim1=-2, dim2=-1).mean((0, -1))
 
 
 def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor, skip: int = 0) -> torch.Tensor:
     """Mean weight from ``t`` onto earlier positions holding the same token (over ``t`` that have
-    one), per head: ``[H]``. ``ids: [B, T]``. ``skip``: as in :func:`previous_token_score`."""
+    one), per head: ``[H]``. ``ids: [B, T]``. ``skip`` (default ``skip=0``): as in
+    :func:`previous_token_score`."""
     p = _skipped(maps, skip)
     ids = ids[:, skip:]
     T = ids.shape[1]
@@ -82,8 +83,8 @@ def sink_score(maps: torch.Tensor, start: int | None = None) -> tuple[torch.Tens
 def induction_score(maps: torch.Tensor, length: int, skip: int = 0) -> torch.Tensor:
     """On a random sequence of length ``L`` repeated twice: mean weight from position ``i`` of the
     second copy to ``i − L + 1`` (the token after the previous occurrence), per head: ``[H]``.
-    ``skip``: leading positions before the first copy (e.g. 1 for a BOS), as in
-    :func:`previous_token_score`."""
+    ``skip`` (default ``skip=0``): leading positions before the first copy (e.g. 1 for a BOS), as
+    in :func:`previous_token_score`."""
     p = _skipped(maps, skip)
     T = p.shape[-1]
     if T < 2 * length:

@@ -112,8 +112,9 @@ def check_sequences_memory(
     n_sequences: int, length: int, device, *, flag: str, bytes_per_token: int = 16
 ) -> None:
     """Refuse a set of ``n_sequences`` sequences of ``length`` tokens that cannot fit in the memory
-    available on ``device``. ``bytes_per_token``: 16 for int64 inputs and labels (the default);
-    a test set adds int32 answer units (:meth:`~mnemo.data.tasks.base.Task.answer_units`): 20.
+    available on ``device``. ``bytes_per_token`` (default ``bytes_per_token=16``): int64 inputs
+    and labels; a test set adds int32 answer units (:meth:`~mnemo.data.tasks.base.Task.answer_units`):
+    20.
 
     Raises:
         ValueError: it cannot (the message gives both numbers and names ``flag``).
