@@ -85,26 +85,33 @@ class _Oracle(torch.nn.Module):
         super().__init__()
         self.task = task
 
+    def _guess(self, row: list[int], t: int) -> int:
+        """The token predicted at position ``t`` of ``row`` (0 outside an answer)."""
+        if self.task.query_token not in row[:t]:
+            return 0
+        q = row.index(self.task.query_token)
+        return self._answer(row, q, t, wrong_digit=3)
+
+    def _answer(self, row: list[int], q: int, t: int, wrong_digit: int) -> int:
+        """The digit that position ``t`` predicts after the query ``? κ`` at ``q`` (0 outside its
+        answer), one off at ``wrong_digit`` for an even key."""
+        key, digit = row[q + 1], t - (q + 1)  # which answer digit position t predicts
+        if not 0 <= digit < self.task.value_len:
+            return 0
+        guess = row[row.index(key) + 1 + digit]  # after the needle's key (its first occurrence)
+        if digit == wrong_digit and key % 2 == 0:
+            guess = guess + 1 if guess + 1 < self.task.vocab_size else guess - 1
+        return guess
+
     def forward(self, ids, state=None):
         prefix = ids if state is None else torch.cat([state, ids], 1)
         B, T = prefix.shape
-        V = self.task.vocab_size
-        logits = torch.zeros(B, ids.shape[1], V)
+        logits = torch.zeros(B, ids.shape[1], self.task.vocab_size)
         off = T - ids.shape[1]
         for b in range(B):
             row = prefix[b].tolist()
             for t in range(off, T):
-                guess = 0
-                if self.task.query_token in row[:t]:
-                    q = row.index(self.task.query_token)
-                    key = row[q + 1]
-                    i = row.index(key)  # the needle's key (first occurrence)
-                    digit = t - (q + 1)  # which answer digit position t predicts
-                    if 0 <= digit < self.task.value_len:
-                        guess = row[i + 1 + digit]
-                        if digit == 3 and key % 2 == 0:
-                            guess = guess + 1 if guess + 1 < V else guess - 1
-                logits[b, t - off, guess] = 1.0
+                logits[b, t - off, self._guess(row, t)] = 1.0
         return logits, prefix
 
 
@@ -191,27 +198,9 @@ class _MultiOracle(_Oracle):
     """The oracle for several queries: it answers the latest ``? κ`` before each position, and gets
     digit 1 wrong when the key is even."""
 
-    def forward(self, ids, state=None):
-        prefix = ids if state is None else torch.cat([state, ids], 1)
-        B, T = prefix.shape
-        V = self.task.vocab_size
-        logits = torch.zeros(B, ids.shape[1], V)
-        off = T - ids.shape[1]
-        for b in range(B):
-            row = prefix[b].tolist()
-            for t in range(off, T):
-                guess = 0
-                qs = [i for i in range(t + 1) if row[i] == self.task.query_token]
-                if qs:
-                    key = row[qs[-1] + 1] if qs[-1] + 1 <= t else None
-                    digit = t - (qs[-1] + 1)
-                    if key is not None and 0 <= digit < self.task.value_len:
-                        i = row.index(key)
-                        guess = row[i + 1 + digit]
-                        if digit == 1 and key % 2 == 0:
-                            guess = guess + 1 if guess + 1 < V else guess - 1
-                logits[b, t - off, guess] = 1.0
-        return logits, prefix
+    def _guess(self, row: list[int], t: int) -> int:
+        qs = [i for i in range(t) if row[i] == self.task.query_token]  # its key is at ≤ t
+        return self._answer(row, qs[-1], t, wrong_digit=1) if qs else 0
 
 
 def test_multi_query_seq_acc_is_the_share_of_answers_generated_exactly():
