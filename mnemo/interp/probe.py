@@ -46,8 +46,8 @@ def circuit_scores(
     if bos is None:
         ids = repeated_random_tokens(batch, length, V, gen, offset=min(vocab_offset, V - 1))
     else:
-        if not 0 <= bos < V:
-            raise ValueError(f"bos: expected a token id in [0, {V}), got {bos}")
+        if not 0 <= bos < V or V < 2:
+            raise ValueError(f"bos: expected a token id in [0, {V}) of a vocabulary of >= 2 ids, got {bos}")
         offset = min(vocab_offset, V - 2)
         if bos >= offset:  # the random tokens never hold the BOS: draw one id fewer, skip over it
             ids = repeated_random_tokens(batch, length, V - 1, gen, offset=offset)

@@ -25,7 +25,7 @@ def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
     are normalised over every key first: weight a query puts on a skipped position (a BOS sink) is
     dropped from its scores, not shared out over the others."""
     T = maps.shape[-1]
-    if not 0 <= skip <= T - 2:
+    if skip < 0 or (skip and skip > T - 2):
         raise ValueError(
             f"skip: expected a number of leading positions in [0, {T - 2}] (two positions must remain), "
             f"got {skip}"

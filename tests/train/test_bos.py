@@ -209,7 +209,9 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
         induction_score(capture_maps(model, ids)[0], 8, 1).tolist()
     )
     assert want != json.loads(json.dumps(circuit_scores(model, 8, 2, 0)))  # the plain sequences differ
-    with pytest.raises(ValueError, match=r"bos: expected a token id in \[0, \d+\), got -1"):
+    with pytest.raises(
+        ValueError, match=r"bos: expected a token id in \[0, \d+\) of a vocabulary of >= 2 ids, got -1"
+    ):
         circuit_scores(model, 8, 2, 0, bos=-1)
 
     # the tracker during training read the run's BOS: its last record equals the scores with it
