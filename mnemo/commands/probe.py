@@ -365,15 +365,21 @@ def _with_run_bos(ids: torch.Tensor, tok, tcfg: dict) -> torch.Tensor:
     return with_bos(ids, bos) if ids.shape[1] else ids
 
 
+def _train_config(ckpt: Path) -> dict:
+    """The run's saved training configuration (``{}`` for a checkpoint without one)."""
+    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
+
+    return load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+
+
 def _run_bos_id(ckpt: Path, model) -> int | None:
     """The id of the run's fixed first token (``TrainConfig.bos``; ``None`` without one), said on
     stderr: the circuit probe puts it before its random sequences, as the run trained."""
     from ..data import load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
     from ..train.batches import bos_id
-    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
-    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    tcfg = _train_config(ckpt)
     if tcfg.get("bos") is None:
         return None
     tok = load_tokenizer(ckpt)
@@ -391,12 +397,11 @@ def _cmd_timescales(args) -> int:
     from ..data import load_text, load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
     from ..interp.timescales import plot, timescales
-    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
     _refuse_outputs(args, out / "timescales.png")
-    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    tcfg = _train_config(ckpt)
     data = args.data or tcfg.get("data") or "tinyshakespeare"
     _check_probe_memory(model, 1, args.tokens, "--tokens", maps=False)
     if tcfg.get("task") and not args.data:
@@ -436,9 +441,8 @@ def _cmd_ablate(args) -> int:
     path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
     _refuse_outputs(args, path)
     _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
-    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
-    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    tcfg = _train_config(ckpt)
     if tcfg.get("bos") is not None:
         print(
             f"note: this run trained with the first token {tcfg['bos']!r} at position 0; the ablation's "
@@ -466,7 +470,6 @@ def _cmd_spectrum(args) -> int:
     from ..data import load_text, load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
     from ..interp.spectrum import memory_spectrum, plot, to_json
-    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
     if args.irrelevant_half_life >= args.tokens:
         raise ValueError(
@@ -476,7 +479,7 @@ def _cmd_spectrum(args) -> int:
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
     _refuse_outputs(args, out / "spectrum.json", out / "spectrum.png")
-    tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    tcfg = _train_config(ckpt)
     data = args.data or tcfg.get("data") or "tinyshakespeare"
     _check_probe_memory(model, 1, args.tokens, "--tokens", maps=False)
     try:
