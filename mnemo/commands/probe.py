@@ -387,7 +387,7 @@ def _run_bos_id(ckpt: Path, model) -> int | None:
     bos = bos_id(tok, tcfg["bos"])
     print(
         f"the run's first token {tcfg['bos']!r} (id {bos}) before each sequence, as in training; "
-        "the scores leave it out",
+        "the scores and losses leave it out",
         file=sys.stderr,
     )
     return bos
@@ -440,15 +440,8 @@ def _cmd_ablate(args) -> int:
     out = Path(args.out) if args.out else default_out(ckpt)
     path = out if out.suffix == ".json" else out / f"ablate-top{args.top_induction}.json"
     _refuse_outputs(args, path)
-    _check_probe_memory(model, args.batch, 2 * args.length, "--length / --batch")
-
-    tcfg = _train_config(ckpt)
-    if tcfg.get("bos") is not None:
-        print(
-            f"note: this run trained with the first token {tcfg['bos']!r} at position 0; the ablation's "
-            "random sequences do not start with it (unlike `mnemo probe circuits`)",
-            file=sys.stderr,
-        )
+    bos = _run_bos_id(ckpt, model)
+    _check_probe_memory(model, args.batch, 2 * args.length + (bos is not None), "--length / --batch")
     result = induction_ablation(
         model,
         args.top_induction,
@@ -458,6 +451,7 @@ def _cmd_ablate(args) -> int:
         seed=args.seed,
         how=args.how,
         random_from=args.random_from,
+        bos=bos,
     )
     result = {"checkpoint": str(ckpt), **result}
     _write_json(path, result)

@@ -610,18 +610,20 @@ def _heads_of(model, scores: dict) -> list[tuple[int, int, float]]:
 
 
 @torch.no_grad()
-def _icl_metrics(model, ids: torch.Tensor, length: int, hooks: Hooks) -> dict:
+def _icl_metrics(model, ids: torch.Tensor, length: int, hooks: Hooks, skip: int = 0) -> dict:
     """ICL score (:func:`~mnemo.interp.scores.icl_score`) and the losses on each half of a
-    repeated sequence ``ids [B, 2L]``, with ``hooks`` attached."""
+    repeated sequence ``ids [B, skip + 2L]`` (``skip``: a BOS before the copies), with ``hooks``
+    attached."""
     from .scores import icl_score
 
     with attached(model.hook_points, hooks):
         icl = icl_score(model, ids)
         logits, _ = model(ids)
     loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # target t+1
-    # targets 1 … L−1: first copy (unpredictable); L+1 … 2L−1: the repeat (predictable by induction)
-    first = loss[:, : length - 1].mean()
-    repeat = loss[:, length:].mean()
+    # the copies' positions 1 … L−1: the first copy (unpredictable); L+1 … 2L−1: the repeat (by
+    # induction); loss[:, t] predicts position t + 1, and the copies start at position ``skip``
+    first = loss[:, skip : skip + length - 1].mean()
+    repeat = loss[:, skip + length :].mean()
     return {"icl_score": icl, "repeat_loss": float(repeat), "first_half_loss": float(first)}
 
 
@@ -637,6 +639,7 @@ def induction_ablation(
     random_from: str = "rest",
     hook: str = "hook_o",
     min_gain: float = 0.05,
+    bos: int | None = None,
 ) -> dict:
     """The causal check of induction heads: ablate the ``k`` heads with the highest induction
     score (:func:`~mnemo.interp.probe.circuit_scores`, on random tokens repeated twice) at their
@@ -650,6 +653,12 @@ def induction_ablation(
     the first half (targets ``1 … L−1``), and the in-context gain ``first − repeat``. Mean-ablation
     uses each hook's mean over the batch and positions of another such batch. Defaults:
     ``draws=10``, ``length=32``, ``batch=16``, ``seed=0``.
+
+    ``bos``: the id of a run's fixed first token (``TrainConfig.bos``): every sequence (the scored
+    ones, the mean-ablation reference, the ranking's) then starts with it, as the run's windows did,
+    and the copies never hold it; the two halves' losses are taken on the copies (the BOS and the
+    prediction of the first token from it count for neither), the ICL score on the whole sequence,
+    and mean-ablation's means over all the reference's positions, the BOS's included.
 
     Returns a JSON-ready dict: ``baseline``, ``top_k`` (metrics and ``heads`` ``[[layer, head,
     score], …]``), ``random`` (per metric ``mean``, ``std``, ``values``; and the drawn ``heads``),
@@ -672,7 +681,7 @@ def induction_ablation(
     was = model.training
     model.eval()
     try:
-        scores = circuit_scores(model, length, batch, seed)
+        scores = circuit_scores(model, length, batch, seed, bos=bos)
         heads = _heads_of(model, scores)
         if len(heads) < 2:
             raise ValueError(
@@ -689,8 +698,13 @@ def induction_ablation(
         top = ranked[:k]
         V = model.config.vocab_size
         device = next(model.parameters()).device
-        ids = repeated_random_tokens(batch, length, V, torch.Generator().manual_seed(seed + 1)).to(device)
-        ref = repeated_random_tokens(batch, length, V, torch.Generator().manual_seed(seed + 2)).to(device)
+        ids, ref = (
+            repeated_random_tokens(batch, length, V, torch.Generator().manual_seed(seed + i), bos=bos).to(
+                device
+            )
+            for i in (1, 2)
+        )
+        skip = 0 if bos is None else 1
         layer_hooks = sorted({_mixer_hook(model, layer, hook) for layer, _, _ in heads})
         means = mean_activations(model, ref, layer_hooks) if how == "mean" else None
 
@@ -705,8 +719,8 @@ def induction_ablation(
                 )
             )
 
-        base = _icl_metrics(model, ids, length, [])
-        top_m = _icl_metrics(model, ids, length, hooks_for(top))
+        base = _icl_metrics(model, ids, length, [], skip)
+        top_m = _icl_metrics(model, ids, length, hooks_for(top), skip)
         pool = ranked[k:] if random_from == "rest" and len(ranked) - k >= k else ranked
         if random_from == "rest" and pool is ranked:
             warnings.warn(
@@ -720,7 +734,7 @@ def induction_ablation(
         for _ in range(draws):
             pick = [pool[int(i)] for i in torch.randperm(len(pool), generator=gen)[:k]]
             rand_heads.append([[layer, h, round(s, 4)] for layer, h, s in pick])
-            rand_runs.append(_icl_metrics(model, ids, length, hooks_for(pick)))
+            rand_runs.append(_icl_metrics(model, ids, length, hooks_for(pick), skip))
     finally:
         model.train(was)
 
@@ -759,6 +773,7 @@ def induction_ablation(
         "length": length,
         "batch": batch,
         "seed": seed,
+        "bos": bos,
         "draws": draws,
         "random_from": "rest" if pool is not ranked else "all",
         "baseline": {**base, "gain": g0},

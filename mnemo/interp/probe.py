@@ -42,20 +42,9 @@ def circuit_scores(
     ``ValueError`` for a ``bos`` outside the vocabulary."""
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
-    skip = 0
-    if bos is None:
-        ids = repeated_random_tokens(batch, length, V, gen, offset=min(vocab_offset, V - 1))
-    else:
-        if not 0 <= bos < V or V < 2:
-            raise ValueError(f"bos: expected a token id in [0, {V}) of a vocabulary of >= 2 ids, got {bos}")
-        offset = min(vocab_offset, V - 2)
-        if bos >= offset:  # the random tokens never hold the BOS: draw one id fewer, skip over it
-            ids = repeated_random_tokens(batch, length, V - 1, gen, offset=offset)
-            ids = ids + (ids >= bos).long()
-        else:
-            ids = repeated_random_tokens(batch, length, V, gen, offset=offset)
-        ids = torch.cat([torch.full((batch, 1), bos, dtype=ids.dtype), ids], 1)
-        skip = 1
+    offset = min(vocab_offset, V - 1) if bos is None else vocab_offset
+    ids = repeated_random_tokens(batch, length, V, gen, offset=offset, bos=bos)
+    skip = 0 if bos is None else 1
     param = next(model.parameters(), None)
     if param is not None:
         ids = ids.to(param.device)  # the generator draws on CPU (same tokens on every device)

@@ -57,12 +57,25 @@ def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor, skip: int = 0) 
 
 
 def repeated_random_tokens(
-    batch: int, length: int, vocab: int, generator=None, offset: int = 0
+    batch: int, length: int, vocab: int, generator=None, offset: int = 0, bos: int | None = None
 ) -> torch.Tensor:
     """A random sequence of ``length`` tokens (ids ``offset … vocab − 1``) repeated twice: ``[B, 2L]``
-    (default ``offset=0``)."""
-    seq = torch.randint(offset, vocab, (batch, length), generator=generator)
-    return torch.cat([seq, seq], 1)
+    (default ``offset=0``). ``bos``: the id of a run's fixed first token (``TrainConfig.bos``), put
+    before the two copies (``[B, 2L + 1]``, as the run saw its windows); the random tokens then
+    never hold it (drawn from one id fewer and shifted over it when it lies in their range).
+    Raises ``ValueError`` for a ``bos`` outside ``[0, vocab)`` or a vocabulary of fewer than 2 ids."""
+    if bos is None:
+        seq = torch.randint(offset, vocab, (batch, length), generator=generator)
+        return torch.cat([seq, seq], 1)
+    if not 0 <= bos < vocab or vocab < 2:
+        raise ValueError(f"bos: expected a token id in [0, {vocab}) of a vocabulary of >= 2 ids, got {bos}")
+    offset = min(offset, vocab - 2)
+    if bos >= offset:  # draw one id fewer and skip over the BOS
+        seq = torch.randint(offset, vocab - 1, (batch, length), generator=generator)
+        seq = seq + (seq >= bos).long()
+    else:
+        seq = torch.randint(offset, vocab, (batch, length), generator=generator)
+    return torch.cat([torch.full((batch, 1), bos, dtype=seq.dtype), seq, seq], 1)
 
 
 def sink_score(maps: torch.Tensor, start: int | None = None) -> tuple[torch.Tensor, float]:

@@ -230,3 +230,22 @@ def test_scores_skip_a_bos_sink_without_renormalising_the_rows():
         previous_token_score(m, skip=T - 1)
     with pytest.raises(ValueError, match="maps cover 6 positions after skip = 1, need 2 \\* length = 8"):
         induction_score(ind, 4, skip=1)
+
+
+def test_repeated_random_tokens_put_a_bos_first_and_never_draw_it():
+    """``bos``: ``[BOS, seq, seq]``; the copies never hold the BOS (drawn from one id fewer and
+    shifted over it when it lies in their range; unchanged when it lies below ``offset``)."""
+    from mnemo.interp.scores import repeated_random_tokens
+
+    plain = repeated_random_tokens(64, 5, 6, torch.Generator().manual_seed(3))
+    assert plain.shape == (64, 10) and torch.equal(plain[:, :5], plain[:, 5:])
+    ids = repeated_random_tokens(64, 5, 6, torch.Generator().manual_seed(3), bos=2)
+    assert ids.shape == (64, 11) and (ids[:, 0] == 2).all() and torch.equal(ids[:, 1:6], ids[:, 6:])
+    drawn = torch.randint(0, 5, (64, 5), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(ids[:, 1:6], drawn + (drawn >= 2).long())  # 0 1 | 3 4 5: every id but the BOS
+    assert set(ids[:, 1:].unique().tolist()) == {0, 1, 3, 4, 5}
+    low = repeated_random_tokens(64, 5, 6, torch.Generator().manual_seed(3), offset=3, bos=1)
+    assert set(low[:, 1:].unique().tolist()) == {3, 4, 5} and (low[:, 0] == 1).all()
+    for bad in (-1, 6):
+        with pytest.raises(ValueError, match=rf"bos: expected a token id in \[0, 6\) .* got {bad}"):
+            repeated_random_tokens(2, 5, 6, bos=bad)

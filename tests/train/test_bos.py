@@ -221,7 +221,22 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
     assert last["induction_by_layer"] == pytest.approx([max(tracked["0"]["induction"])])
     plain = circuit_scores(model, 8, 8, 1234)
     assert max(plain["0"]["induction"]) != pytest.approx(max(tracked["0"]["induction"]))
-    # the ablation does not put the BOS first yet, and says so
+    # the ablation puts the BOS first too: its baseline halves are the mean losses on the copies'
+    # positions 1 … 7 and 9 … 15 of [BOS, seq, seq] (seq drawn with seed + 1), computed here by hand
     argv = ["probe", "ablate", "--checkpoint", str(out), "--top-induction", "1", "--draws", "1"]
     assert main([*argv, "--length", "8", "--batch", "2", "--out", str(tmp_path / "a.json")]) == 0
-    assert "the ablation's random sequences do not start with it" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    res = json.loads(captured.out.strip().splitlines()[-1])
+    assert "the run's first token '\\x02' (id 0) before each sequence" in captured.err
+    assert res["bos"] == bos == 0
+    V = model.config.vocab_size
+    seq = torch.randint(0, V - 1, (2, 8), generator=torch.Generator().manual_seed(1)) + 1  # skips id 0
+    ids = torch.cat([torch.zeros(2, 1, dtype=torch.long), seq, seq], 1)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids)[0].double(), -1)
+    nll = [[-float(logp[b, t - 1, ids[b, t]]) for t in range(17)] for b in range(2)]
+    first = sum(nll[b][t] for b in range(2) for t in range(2, 9)) / 14  # copy 1, positions 1 … 7
+    repeat = sum(nll[b][t] for b in range(2) for t in range(10, 17)) / 14  # copy 2, positions 1 … 7
+    assert res["baseline"]["first_half_loss"] == pytest.approx(first, rel=1e-5)
+    assert res["baseline"]["repeat_loss"] == pytest.approx(repeat, rel=1e-5)
+    assert res["top_k"]["heads"][0][2] == pytest.approx(max(want["0"]["induction"]), abs=1e-4)
