@@ -13,12 +13,17 @@ in ``mnemo bench --suite roofline``) and batch 1 and 8, in one process, interlea
 - ``floor``: ``ops`` x this run's median cost of one dispatched operator on a one-element tensor
   (a mix of add, mul, view and a 1x1 matmul): the time eager PyTorch needs to launch them, whatever
   they compute;
-- ``step``: the measured decode step.
+- ``step``: the measured decode step (``--steps-per-call`` steps back to back, per step);
+- with ``--compile``, ``compiled``: the same step as ``LanguageModel.generate(compile=True)`` runs
+  it (``mnemo.models.lm._compiled(model, "step")``: inductor fuses the elementwise operators into a
+  few C++ loops and calls the matmuls directly, so the per-operator floor no longer applies), and
+  its fraction of the bandwidth.
 
 When ``floor`` alone exceeds ``t(50% bw)``, no eager decode step that dispatches these operators one
 by one can meet the target: it needs fewer operators (fusion into one kernel per layer or per step).
 
     python scripts/bench_decode_floor.py [--models gated_deltanet,mamba2,gla,transformer] [--repeats 20]
+        [--compile]
 """
 
 import argparse
@@ -29,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mnemo.bench.models import interleaved
-from mnemo.bench.roofline import build, decode_step_fn, stream_tasks, weight_bytes_per_step
+from mnemo.bench.roofline import VOCAB, build, decode_step_fn, stream_tasks, weight_bytes_per_step
 
 
 class CountOps(TorchDispatchMode):
@@ -58,13 +63,56 @@ def op_floor_task(n: int = 200):
     return run, n
 
 
+def repeated(fn, n: int):
+    """``fn`` called ``n`` times in a row, as one task."""
+
+    def run():
+        for _ in range(n):
+            fn()
+
+    return run
+
+
+def compiled_step_fn(model, batch: int, context: int):
+    """:func:`decode_step_fn`'s step through ``generate(compile=True)``'s compiled one-token
+    function (compiled on the first call), and its logits' largest difference from the eager step."""
+    from mnemo.models.lm import _compiled
+
+    fn = _compiled(model, "step")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (batch, context), generator=g)
+    tok = torch.randint(0, VOCAB, (batch, 1), generator=g)
+    model.eval()
+    with torch.no_grad():
+        _, state = model(prompt)
+        diff = float((fn(model, tok, state)[0] - model(tok, state)[0]).abs().max())
+
+    def step():
+        with torch.no_grad():
+            fn(model, tok, state)
+
+    return step, diff
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gated_deltanet,mamba2,gla,transformer")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=20,
+        help="decode steps back to back in one timed call (as generation runs them; 1 = each step "
+        "timed alone, after the other tasks have evicted its weights from the caches)",
+    )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the step generate(compile=True) runs (compiles each model and batch first)",
+    )
     p.add_argument(
         "--stream-elements", type=int, default=None, help="triad array length (default: the roofline's)"
     )
@@ -73,7 +121,7 @@ def main(argv=None):
     models = a.models.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     built = {m: build(m, 128, 4) for m in models}
-    tasks, ops = {}, {}
+    tasks, ops, diffs, compile_s = {}, {}, {}, {}
     for m, model in built.items():
         for b in batches:
             step = decode_step_fn(model, b, a.context)
@@ -81,25 +129,36 @@ def main(argv=None):
             with CountOps() as c:
                 step()
             ops[(m, b)] = c.n
-            tasks[("decode", m, b)] = step
+            tasks[("decode", m, b)] = repeated(step, a.steps_per_call)
+            if a.compile:
+                t = time.time()
+                fn, diffs[(m, b)] = compiled_step_fn(model, b, a.context)
+                fn()
+                compile_s[(m, b)] = time.time() - t
+                tasks[("compiled", m, b)] = repeated(fn, a.steps_per_call)
     floor_fn, floor_n = op_floor_task()
     tasks["floor"] = floor_fn
     stream = stream_tasks() if a.stream_elements is None else stream_tasks(a.stream_elements)
     tasks["triad"] = stream["triad"][0]
     t0 = time.time()
     times = interleaved(tasks, a.repeats, warmup=2)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {
+        k: statistics.median(v) / (a.steps_per_call if k[0] in ("decode", "compiled") else 1)
+        for k, v in times.items()
+    }
     triad = stream["triad"][1] / med["triad"]
     per_op = med["floor"] / floor_n
     print(
-        f"# {a.threads} threads, torch {torch.__version__}, {a.repeats} interleaved rounds, medians; "
+        f"# {a.threads} threads, torch {torch.__version__}, {a.repeats} interleaved rounds of "
+        f"{a.steps_per_call} decode step(s) per call, medians; "
         f"triad {triad / 1e9:.1f} GB/s; one dispatched operator {per_op * 1e6:.2f} us; "
         f"timing took {time.time() - t0:.0f} s"
     )
-    print(
-        "model            batch   bytes MB  t(50% bw) ms   ops  floor ms  step ms  floor/t(50%)  "
-        "step/floor  fraction of bw"
-    )
+    head = "model            batch   bytes MB  t(50% bw) ms   ops  floor ms  step ms  floor/t(50%)  "
+    head += "step/floor  fraction of bw"
+    if a.compile:
+        head += "  compiled ms  fraction of bw  compile s  max |logit diff|"
+    print(head)
     rows = []
     for m, model in built.items():
         for b in batches:
@@ -107,13 +166,19 @@ def main(argv=None):
             target = nbytes / (0.5 * triad)
             floor = ops[(m, b)] * per_op
             step = med[("decode", m, b)]
-            print(
+            line = (
                 f"{m:16s} {b:5d} {nbytes / 1e6:10.2f} {target * 1e3:13.3f} {ops[(m, b)]:5d} "
                 f"{floor * 1e3:9.3f} "
                 f"{step * 1e3:8.3f} {floor / target:13.1f} {step / floor:11.2f} {nbytes / step / triad:15.3f}"
             )
             rows.append({"model": m, "batch": b, "bytes": nbytes, "ops": ops[(m, b)], "floor_s": floor})
             rows[-1].update(target_s=target, step_s=step)
+            if a.compile:
+                comp = med[("compiled", m, b)]
+                line += f" {comp * 1e3:12.3f} {nbytes / comp / triad:15.3f} {compile_s[(m, b)]:10.1f}"
+                line += f" {diffs[(m, b)]:17.1e}"
+                rows[-1].update(compiled_s=comp, logit_diff=diffs[(m, b)])
+            print(line)
     return rows
 
 

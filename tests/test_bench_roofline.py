@@ -212,3 +212,23 @@ def test_decode_floor_counts_the_operators_a_step_dispatches():
     model = roofline.build("gla", 128, 4)
     body = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks."))
     assert row["model"] == "gla" and row["bytes"] >= 4 * body  # every block weight read once, fp32
+
+
+def test_decode_floor_times_the_step_generate_compiles():
+    """``--compile``: the row adds the step that ``generate(compile=True)`` runs, timed per step over
+    ``--steps-per-call`` steps, and its logits equal the eager step's to float rounding."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_floor.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_floor", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = []
+    counted = mod.repeated(lambda: calls.append(1), 3)
+    counted()
+    assert len(calls) == 3
+    argv = ["--models", "mamba2", "--batches", "1", "--repeats", "1", "--stream-elements", "4096"]
+    (row,) = mod.main([*argv, "--context", "16", "--compile", "--steps-per-call", "2"])
+    assert row["compiled_s"] > 0 and row["step_s"] > 0
+    assert 0 <= row["logit_diff"] < 1e-4  # fp32 logits of a random model: |logit| ~ 1
