@@ -530,11 +530,12 @@ class LanguageModel(nn.Module):
         256 ran 2x faster than eager on 2 cores (``docs/benchmarks/models_cpu_2core.txt``), its
         128-token prefill 1.3-1.4x (batch 8) and 1.8-2.2x (batch 1); smaller models gain more
         (per-op overhead dominates them): at d_model 128 and 4 layers, batch 1, decoding ran
-        3.4x (transformer) to 6.6x (Mamba-2) faster (``docs/benchmarks/notes.md``, "What bounds
-        one-token decoding"). The first call compiles (tens of seconds); later calls
-        with the same model, batch size, prompt length and dtype reuse the graphs. A second prompt
-        length compiles once more, with the length symbolic from then on, except where a chunked
-        form unrolls its loop over chunks (Mamba-2's SSD: one more graph per number of chunks); past
+        3.0x (transformer) to 7.2x (Mamba-2) faster
+        (``docs/benchmarks/generate_compiled_cpu_2core.txt``). The first call compiles (tens of
+        seconds); later calls with the same model, batch size, prompt length and dtype reuse the
+        graphs. A second prompt length compiles once more, with the length symbolic from then on,
+        except where a chunked form unrolls its loop over chunks (Mamba-2's SSD: one more graph per
+        number of chunks); past
         dynamo's ``recompile_limit`` (8 graphs per model and function) new shapes run eagerly. The
         tokens equal eager decoding up to float rounding (greedy argmax ties aside). Where compiling
         fails (no C compiler, an unsupported op) a ``RuntimeWarning`` says why and the generation
