@@ -374,7 +374,8 @@ def _train_config(ckpt: Path) -> dict:
 
 def _run_bos_id(ckpt: Path, model) -> int | None:
     """The id of the run's fixed first token (``TrainConfig.bos``; ``None`` without one), said on
-    stderr: the circuit probe puts it before its random sequences, as the run trained."""
+    stderr: ``probe circuits`` and ``probe ablate`` put it before their random sequences, as the
+    run trained."""
     from ..data import load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
     from ..train.batches import bos_id
@@ -387,7 +388,7 @@ def _run_bos_id(ckpt: Path, model) -> int | None:
     bos = bos_id(tok, tcfg["bos"])
     print(
         f"the run's first token {tcfg['bos']!r} (id {bos}) before each sequence, as in training; "
-        "the scores and losses leave it out",
+        "no score or loss counts position 0",
         file=sys.stderr,
     )
     return bos

@@ -617,7 +617,7 @@ def _icl_metrics(model, ids: torch.Tensor, length: int, hooks: Hooks, skip: int 
     from .scores import icl_score
 
     with attached(model.hook_points, hooks):
-        icl = icl_score(model, ids)
+        icl = icl_score(model, ids, skip=skip)
         logits, _ = model(ids)
     loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # target t+1
     # the copies' positions 1 … L−1: the first copy (unpredictable); L+1 … 2L−1: the repeat (by
@@ -657,8 +657,8 @@ def induction_ablation(
     ``bos``: the id of a run's fixed first token (``TrainConfig.bos``): every sequence (the scored
     ones, the mean-ablation reference, the ranking's) then starts with it, as the run's windows did,
     and the copies never hold it; the two halves' losses are taken on the copies (the BOS and the
-    prediction of the first token from it count for neither), the ICL score on the whole sequence,
-    and mean-ablation's means over all the reference's positions, the BOS's included.
+    prediction of the first token from it count for neither; nor for the ICL score's spans), and
+    mean-ablation's means are over all the reference's positions, the BOS's included.
 
     Returns a JSON-ready dict: ``baseline``, ``top_k`` (metrics and ``heads`` ``[[layer, head,
     score], …]``), ``random`` (per metric ``mean``, ``std``, ``values``; and the drawn ``heads``),

@@ -62,8 +62,9 @@ def repeated_random_tokens(
     """A random sequence of ``length`` tokens (ids ``offset … vocab − 1``) repeated twice: ``[B, 2L]``
     (default ``offset=0``). ``bos``: the id of a run's fixed first token (``TrainConfig.bos``), put
     before the two copies (``[B, 2L + 1]``, as the run saw its windows); the random tokens then
-    never hold it (drawn from one id fewer and shifted over it when it lies in their range).
-    Raises ``ValueError`` for a ``bos`` outside ``[0, vocab)`` or a vocabulary of fewer than 2 ids."""
+    never hold it (drawn from one id fewer and shifted over it when it lies in their range;
+    ``offset`` is then at most ``vocab − 2``, so that two ids remain). Raises ``ValueError`` for a
+    ``bos`` outside ``[0, vocab)`` or a vocabulary of fewer than 2 ids."""
     if bos is None:
         seq = torch.randint(offset, vocab, (batch, length), generator=generator)
         return torch.cat([seq, seq], 1)
@@ -130,11 +131,14 @@ def copying_score(model, layer: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0)) -> float:
+def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0), skip: int = 0) -> float:
     """In-context-learning score: mean next-token loss at late positions minus at early positions
-    (fractions of the context length; negative when later tokens are predicted better)."""
+    (fractions of the context length; negative when later tokens are predicted better). ``skip``:
+    leading positions whose prediction counts for neither span (1 for a run's BOS: the prediction
+    of the first token from it), the fractions then taken of the rest (default 0)."""
     logits, _ = model(input_ids[:, :-1])
     loss = F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none").mean(0)  # [T]
+    loss = loss[skip:]
     T = loss.shape[0]
 
     def span(a, b):

@@ -234,9 +234,14 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
     ids = torch.cat([torch.zeros(2, 1, dtype=torch.long), seq, seq], 1)
     with torch.no_grad():
         logp = torch.log_softmax(model(ids)[0].double(), -1)
-    nll = [[-float(logp[b, t - 1, ids[b, t]]) for t in range(17)] for b in range(2)]
-    first = sum(nll[b][t] for b in range(2) for t in range(2, 9)) / 14  # copy 1, positions 1 … 7
-    repeat = sum(nll[b][t] for b in range(2) for t in range(10, 17)) / 14  # copy 2, positions 1 … 7
+    nll = {(b, t): -float(logp[b, t - 1, ids[b, t]]) for t in range(1, 17) for b in range(2)}
+    first = sum(nll[b, t] for b in range(2) for t in range(2, 9)) / 14  # copy 1, positions 1 … 7
+    repeat = sum(nll[b, t] for b in range(2) for t in range(10, 17)) / 14  # copy 2, positions 1 … 7
     assert res["baseline"]["first_half_loss"] == pytest.approx(first, rel=1e-5)
     assert res["baseline"]["repeat_loss"] == pytest.approx(repeat, rel=1e-5)
+    # the ICL score on the 15 predictions after the BOS's (positions 2 … 16): late 80-100% (the
+    # last 3) minus early 5-15% (the first 3), each averaged over the batch
+    per_t = [sum(nll[b, t] for b in range(2)) / 2 for t in range(2, 17)]
+    icl = sum(per_t[12:]) / 3 - sum(per_t[:3]) / 3
+    assert res["baseline"]["icl_score"] == pytest.approx(icl, rel=1e-5, abs=1e-6)
     assert res["top_k"]["heads"][0][2] == pytest.approx(max(want["0"]["induction"]), abs=1e-4)
