@@ -135,7 +135,7 @@ def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0
     """In-context-learning score: mean next-token loss at late positions minus at early positions
     (fractions of the context length; negative when later tokens are predicted better). ``skip``:
     leading positions whose prediction counts for neither span (1 for a run's BOS: the prediction
-    of the first token from it), the fractions then taken of the rest (default 0)."""
+    of the first token from it), the fractions then taken of the rest (default ``skip=0``)."""
     logits, _ = model(input_ids[:, :-1])
     loss = F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none").mean(0)  # [T]
     loss = loss[skip:]
