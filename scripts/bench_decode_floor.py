@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mnemo.bench.models import interleaved
-from mnemo.bench.roofline import VOCAB, build, decode_step_fn, stream_tasks, weight_bytes_per_step
+from mnemo.bench.roofline import build, decode_step_fn, stream_tasks, weight_bytes_per_step
 
 
 class CountOps(TorchDispatchMode):
@@ -78,20 +78,9 @@ def compiled_step_fn(model, batch: int, context: int):
     function (compiled on the first call), and its logits' largest difference from the eager step."""
     from mnemo.models.lm import _compiled
 
-    fn = _compiled(model, "step")
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, VOCAB, (batch, context), generator=g)
-    tok = torch.randint(0, VOCAB, (batch, 1), generator=g)
-    model.eval()
-    with torch.no_grad():
-        _, state = model(prompt)
-        diff = float((fn(model, tok, state)[0] - model(tok, state)[0]).abs().max())
-
-    def step():
-        with torch.no_grad():
-            fn(model, tok, state)
-
-    return step, diff
+    step = decode_step_fn(model, batch, context, step_fn=_compiled(model, "step"))
+    eager = decode_step_fn(model, batch, context)
+    return step, float((step() - eager()).abs().max())
 
 
 def main(argv=None):

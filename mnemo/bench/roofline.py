@@ -263,8 +263,11 @@ def weight_bytes_per_step(model, batch: int) -> int:
     return total
 
 
-def decode_step_fn(model, batch: int, context: int) -> Callable[[], None]:
-    """One one-token step on the state a ``context``-token prompt leaves (reused every call)."""
+def decode_step_fn(model, batch: int, context: int, step_fn=None) -> Callable[[], torch.Tensor]:
+    """One one-token step on the state a ``context``-token prompt leaves (reused every call; the
+    same tokens for every call of this function); the step returns its logits ``[batch, 1, V]``.
+    ``step_fn(model, ids, state) -> (logits, state)`` runs the step (default: the model itself;
+    e.g. ``mnemo.models.lm._compiled(model, "step")``, what ``generate(compile=True)`` runs)."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (batch, context), generator=g)
     tok = torch.randint(0, VOCAB, (batch, 1), generator=g)
@@ -274,7 +277,7 @@ def decode_step_fn(model, batch: int, context: int) -> Callable[[], None]:
 
     def step():
         with torch.no_grad():
-            model(tok, state)
+            return model(tok, state)[0] if step_fn is None else step_fn(model, tok, state)[0]
 
     return step
 
