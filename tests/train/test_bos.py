@@ -221,8 +221,9 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
     assert last["induction_by_layer"] == pytest.approx([max(tracked["0"]["induction"])])
     plain = circuit_scores(model, 8, 8, 1234)
     assert max(plain["0"]["induction"]) != pytest.approx(max(tracked["0"]["induction"]))
-    # the ablation puts the BOS first too: its baseline halves are the mean losses on the copies'
-    # positions 1 … 7 and 9 … 15 of [BOS, seq, seq] (seq drawn with seed + 1), computed here by hand
+    # the ablation puts the BOS first too: its baseline halves are the mean losses at positions
+    # 2 … 8 and 10 … 16 of [BOS, seq, seq] (each copy's own positions 1 … 7; seq drawn with
+    # seed + 1), computed here by hand
     argv = ["probe", "ablate", "--checkpoint", str(out), "--top-induction", "1", "--draws", "1"]
     assert main([*argv, "--length", "8", "--batch", "2", "--out", str(tmp_path / "a.json")]) == 0
     captured = capsys.readouterr()
