@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.rounds):
         pk, t_op, t_pr = rows["peak"][i], rows["op"][i], rows["products"][i]
         print(
-            f"{i + 1:>6}{pk:14.0f}{t_op:9.2f}{100 * flops / t_op / 1e6 / pk:10.1f}{t_pr:13.2f}"
-            f"{100 * prod_flops / t_pr / 1e6 / pk:16.1f}{t_pr / t_op:7.2f}"
-            + "".join(f"{100 * prod_flops / rows[f'g{n}'][i] / 1e6 / pk:11.1f}" for n in groups)
+            f"{i + 1:>6}{pk:14.0f}{t_op:9.2f}{100 * flops / t_op / 1e6 / pk:10.3g}{t_pr:13.2f}"
+            f"{100 * prod_flops / t_pr / 1e6 / pk:16.3g}{t_pr / t_op:7.3g}"
+            + "".join(f"{100 * prod_flops / rows[f'g{n}'][i] / 1e6 / pk:11.3g}" for n in groups)
         )
     return 0
 
