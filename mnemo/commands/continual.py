@@ -79,6 +79,7 @@ import json
 import math
 import platform
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -412,6 +413,36 @@ def _worker(experiment, task, levels, s, seed):
     return train_one(experiment, task, levels, s, seed)
 
 
+#: the modules whose code decides a run's numbers: a cached run is reused only while they are unchanged
+_RUN_SOURCES = ("layers/cms.py", "data/tasks/continual.py", "commands/continual.py", "train/optim.py")
+
+
+def _source_md5() -> str:
+    """md5 over the files of :data:`_RUN_SOURCES` (mnemo's own, as imported)."""
+    import hashlib
+
+    package = Path(__file__).resolve().parents[1]
+    h = hashlib.md5()
+    for rel in _RUN_SOURCES:
+        h.update((package / rel).read_bytes())
+    return h.hexdigest()
+
+
+def run_key(experiment: str, name: str, task, levels, s: Settings, seed: int, sources: str) -> str:
+    """The file name of one finished run in a cache (:func:`run_experiment`'s ``cache_dir``):
+    readable parts, then 16 hex digits of a SHA-256 over everything the run's numbers depend on —
+    the experiment, the task's sizes, the model's levels, the :class:`Settings` (learning rate, ε,
+    steps, periods, …), the seed and ``sources`` (:func:`_source_md5`)."""
+    import hashlib
+
+    blob = json.dumps(
+        [experiment, asdict(task), levels, asdict(s), seed, sources], sort_keys=True, default=repr
+    )
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    eps = f"-eps{s.m3_eps:g}" if s.optimizer == "m3" else ""
+    return f"{name}-seed{seed}-lr{s.lr:g}{eps}-{digest}.json"
+
+
 def run_experiment(
     experiment: str,
     seeds: int = 3,
@@ -422,9 +453,19 @@ def run_experiment(
     lr_grid=None,
     select_seed: int | None = None,
     eps_grid=None,
+    cache_dir: str | Path | None = None,
+    fresh: bool = False,
 ) -> dict:
     """Every model of :func:`model_specs` on ``experiment`` for seeds ``0 … seeds−1``, ``workers``
     runs at a time (separate single-threaded processes when ``workers > 1``).
+
+    With ``cache_dir`` every finished run is kept there as ``<experiment>/<model>-seed<S>-lr<LR>
+    [-eps<ε>]-<key>.json`` (written atomically as soon as the run ends), and a run whose file is
+    already there is read instead of trained: an interrupted experiment resumes where it stopped,
+    with the numbers it would have had (a run is a deterministic function of what the key hashes,
+    :func:`run_key`). Each finished run prints one line to stderr (model, seed, rate, the
+    :data:`PRIMARY` metric, seconds). ``fresh`` deletes this experiment's kept runs first (once the
+    arguments have been checked), so that every run trains again.
 
     With ``lr_grid`` (the recipe standard, :mod:`mnemo.sweep.recipe`: at least 3 outer learning
     rates spanning 10×) each model first trains on the held-out seed ``select_seed`` (not reported;
@@ -485,19 +526,61 @@ def run_experiment(
     else:
         pool = None
 
+    cache = None if cache_dir is None else Path(cache_dir) / experiment
+    if fresh and cache is not None and cache.is_dir():
+        import shutil
+
+        shutil.rmtree(cache)
+    sources = _source_md5()
+
+    def cached(key, job) -> Path | None:
+        if cache is None:
+            return None
+        levels, js, seed = job
+        return cache / run_key(experiment, key[0], task, levels, js, seed, sources)
+
+    def finished(key, job, result) -> None:
+        levels, js, seed = job
+        path = cached(key, job)
+        if path is not None:
+            from ..train.checkpoint import atomic_write_text
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(result))
+        v = result[metric]
+        step = result["diverged_at_step"]
+        how = f"diverged at step {step}" if step else f"{metric} {v:.3f}"
+        eps = f", eps {js.m3_eps:g}" if js.optimizer == "m3" else ""
+        what = f"{key[0]} seed {seed} lr {js.lr:g}{eps}"
+        bar.write(f"continual {experiment}: {what}: {how} ({result['wall_s']:.0f} s)", file=sys.stderr)
+
     def train_all(jobs):  # jobs: key -> (levels, settings, seed)
         done = {}
+        for key, job in jobs.items():
+            path = cached(key, job)
+            if path is not None and path.is_file():
+                done[key] = json.loads(path.read_text())
+                bar.update(s.steps)
+        if done:
+            bar.write(
+                f"continual {experiment}: {len(done)} of {len(jobs)} run(s) read from {cache}",
+                file=sys.stderr,
+            )
+        todo = {key: job for key, job in jobs.items() if key not in done}
         if pool is None:
-            for key, (levels, js, seed) in jobs.items():
+            for key, (levels, js, seed) in todo.items():
                 bar.set_postfix_str(f"{key[0]} seed {seed} lr {js.lr:g}")
                 done[key] = train_one(experiment, task, levels, js, seed, bar)
+                finished(key, todo[key], done[key])
             return done
         from concurrent.futures import as_completed
 
-        futs = {pool.submit(_worker, experiment, task, *job): key for key, job in jobs.items()}
+        futs = {pool.submit(_worker, experiment, task, *job): key for key, job in todo.items()}
         for f in as_completed(futs):
-            done[futs[f]] = f.result()
-            bar.set_postfix_str(f"{futs[f][0]} seed {jobs[futs[f]][2]} done")
+            key = futs[f]
+            done[key] = f.result()
+            finished(key, todo[key], done[key])
+            bar.set_postfix_str(f"{key[0]} seed {todo[key][2]} done")
             bar.update(s.steps)
         return done
 
@@ -799,6 +882,10 @@ def _finite(x):
     return x
 
 
+#: the folder under ``--out`` that keeps each finished run (resuming an interrupted command)
+RUNS_DIR = "runs"
+
+
 def run(
     experiments=EXPERIMENTS,
     seeds: int = 3,
@@ -810,10 +897,13 @@ def run(
     lr_grid=None,
     select_seed: int | None = None,
     eps_grid=None,
+    fresh: bool = False,
 ) -> dict:
     """Run ``experiments``; write ``continual.json``, ``continual.md`` and ``<experiment>.png`` under
-    ``out``. ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``);
-    ``lr_grid``, ``select_seed`` and ``eps_grid`` as in :func:`run_experiment`."""
+    ``out``, and every finished run under ``out/runs/`` as it ends (:func:`run_experiment`'s
+    ``cache_dir``: running the same call again after an interrupt trains only the runs that are
+    missing). ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``);
+    ``lr_grid``, ``select_seed``, ``eps_grid`` and ``fresh`` as in :func:`run_experiment`."""
     if seeds < 1:
         raise ValueError(f"seeds: expected >= 1, got {seeds}")
     results = {
@@ -826,7 +916,17 @@ def run(
     for exp in experiments:
         s = Settings(**{**asdict(DEFAULTS[exp]), **(overrides or {})})
         results["experiments"][exp] = run_experiment(
-            exp, seeds, s, progress, models, workers, lr_grid, select_seed, eps_grid
+            exp,
+            seeds,
+            s,
+            progress,
+            models,
+            workers,
+            lr_grid,
+            select_seed,
+            eps_grid,
+            cache_dir=None if out is None else Path(out) / RUNS_DIR,
+            fresh=fresh,
         )
     if out is not None:
         from ..train.checkpoint import atomic_write_text
@@ -940,6 +1040,7 @@ def _cmd(args) -> int:
             f"--out: {args.out} already holds results ({', '.join(old)}); pick another --out or pass --force"
         )
     exps = EXPERIMENTS if args.experiment == "all" else (args.experiment,)
+    kept = [Path(args.out) / RUNS_DIR / e for e in exps if (Path(args.out) / RUNS_DIR / e).is_dir()]
     overrides = {}
     if args.steps is not None:
         overrides["steps"] = args.steps
@@ -963,18 +1064,32 @@ def _cmd(args) -> int:
     if args.task:
         overrides["task"] = _task_overrides(args.task, exps)
     models = args.models.split(",") if args.models else None
-    res = run(
-        exps,
-        args.seeds,
-        args.out,
-        not args.no_progress,
-        overrides,
-        models,
-        args.workers,
-        [float(x) for x in args.lr_grid.split(",")] if args.lr_grid else None,
-        args.select_seed,
-        [float(x) for x in args.eps_grid.split(",")] if args.eps_grid else None,
-    )
+    if kept and not args.force:
+        n = sum(len(list(d.glob("*.json"))) for d in kept)
+        print(
+            f"--out: {n} finished run(s) kept in {Path(args.out) / RUNS_DIR}: those that match are reused",
+            file=sys.stderr,
+        )
+    try:
+        res = run(
+            exps,
+            args.seeds,
+            args.out,
+            not args.no_progress,
+            overrides,
+            models,
+            args.workers,
+            [float(x) for x in args.lr_grid.split(",")] if args.lr_grid else None,
+            args.select_seed,
+            [float(x) for x in args.eps_grid.split(",")] if args.eps_grid else None,
+            fresh=args.force,  # replacing the results retrains their runs too
+        )
+    except KeyboardInterrupt as e:
+        e.then = (
+            f"; the finished runs are kept in {Path(args.out) / RUNS_DIR}: run the same mnemo continual "
+            "command again to continue"
+        )
+        raise
     for r in res["experiments"].values():
         print(table(r) + "\n")
     print("wrote " + ", ".join(res["paths"]))

@@ -446,3 +446,99 @@ def test_the_figure_title_names_the_seeds_lost_to_divergence():
     assert _plot_title(result).endswith("(3 seeds, 95% t-intervals; diverged seeds left out: cms-3 2)")
     result["models"]["cms-3"]["diverged"] = []
     assert _plot_title(result).endswith("(3 seeds, 95% t-intervals)")
+
+
+def test_an_interrupted_experiment_resumes_from_its_kept_runs(monkeypatch, tmp_path, capsys):
+    """Each finished run is kept as it ends; the same call again trains only the missing ones, with
+    the held-out choice and the reported results of an uninterrupted call; other settings or
+    ``fresh`` train again."""
+    import mnemo.commands.continual as cont
+
+    calls, stop_after = [], [None]
+
+    def fake_train(experiment, task, levels, s, seed, bar=None):
+        if stop_after[0] is not None and len(calls) == stop_after[0]:
+            raise KeyboardInterrupt  # Ctrl-C during the next run
+        calls.append((len(levels), s.lr, seed))
+        value = {1e-2: 0.9, 3e-3: 0.5, 3e-2: 0.7}[s.lr] + 0.01 * (seed % 100)  # 1e-2 is best
+        return _fake_result(seed, value, s.lr)
+
+    monkeypatch.setattr(cont, "train_one", fake_train)
+    s = cont.Settings(steps=2, periods=(1, 4), task={"n_keys": 8, "n_a": 2, "n_b": 6})
+    grid = [3e-3, 1e-2, 3e-2]
+
+    def go(settings=s, fresh=False):
+        return cont.run_experiment(
+            "abab", 3, settings, False, ["cms-1", "cms-2"], 1, grid, 500, cache_dir=tmp_path, fresh=fresh
+        )
+
+    whole = go()  # 2 models x (3 held-out + 3 reported) = 12 runs
+    assert len(calls) == 12 and len(list((tmp_path / "abab").glob("*.json"))) == 12
+    err = capsys.readouterr().err
+    assert "continual abab: cms-2 seed 500 lr 0.03: A_after_B 0.700 (0 s)" in err
+    assert err.count("continual abab: ") == 12
+
+    # interrupted after 4 runs: those 4 are kept, the rest are not
+    for f in (tmp_path / "abab").glob("*.json"):
+        f.unlink()
+    calls.clear()
+    stop_after[0] = 4
+    with pytest.raises(KeyboardInterrupt):
+        go()
+    kept = sorted(f.name for f in (tmp_path / "abab").glob("*.json"))
+    assert len(kept) == 4 and all(n.startswith(("cms-1-seed500-", "cms-2-seed500-")) for n in kept)
+    # the same call again: the 8 missing runs only, and the results of the uninterrupted call
+    calls.clear()
+    stop_after[0] = None
+    again = go()
+    assert len(calls) == 8 and "4 of 6 run(s) read from" in capsys.readouterr().err
+    for name in ("cms-1", "cms-2"):
+        a, b = whole["models"][name], again["models"][name]
+        assert a["lr"] == b["lr"] == 1e-2 and a["per_seed"] == b["per_seed"]
+        assert a["selection"]["values"] == b["selection"]["values"]
+    assert whole["claims"] == again["claims"]
+    # nothing to train now; another setting is another run; fresh retrains everything
+    calls.clear()
+    go()
+    assert calls == []
+    go(cont.Settings(**{**cont.asdict(s), "steps": 3}))
+    assert len(calls) == 12
+    calls.clear()
+    go(fresh=True)
+    assert len(calls) == 12
+
+
+def test_cli_kept_runs_hold_the_numbers_a_retrained_run_gets(tmp_path, capsys, monkeypatch):
+    """A real run (two steps, in a worker process): the command again after its results were moved
+    away reads every run from ``--out/runs`` (nothing trains), and ``--force`` retrains them (in
+    this process) to the same numbers."""
+    import mnemo.commands.continual as cont
+    from mnemo.cli import main
+
+    argv = ["continual", "--experiment", "abab", "--seeds", "1", "--steps", "2", "--eval-streams", "4"]
+    argv += ["--models", "cms-2", "--workers", "1", "--out", str(tmp_path), "--no-progress"]
+    argv += ["--task", "n_keys=8", "--task", "n_a=2", "--task", "n_b=6"]
+    workers = argv.index("--workers") + 1
+    argv[workers] = "2"  # the process pool writes the kept runs too
+    assert main(argv) == 0
+    argv[workers] = "1"
+    first = json.loads((tmp_path / "continual.json").read_text())["experiments"]["abab"]
+    (kept,) = (tmp_path / "runs" / "abab").glob("*.json")
+    assert kept.name.startswith("cms-2-seed0-lr0.01-")
+    (tmp_path / "continual.json").unlink()
+    (tmp_path / "continual.md").unlink()
+
+    def no_training(*a, **k):
+        raise AssertionError("a kept run was trained again")
+
+    with monkeypatch.context() as m:
+        m.setattr(cont, "train_one", no_training)
+        assert main(argv) == 0
+    assert "1 finished run(s) kept in" in capsys.readouterr().err
+    second = json.loads((tmp_path / "continual.json").read_text())["experiments"]["abab"]
+    assert second["models"]["cms-2"]["per_seed"] == first["models"]["cms-2"]["per_seed"]
+    assert main([*argv, "--force"]) == 0
+    third = json.loads((tmp_path / "continual.json").read_text())["experiments"]["abab"]
+    (a,), (b,) = first["models"]["cms-2"]["per_seed"], third["models"]["cms-2"]["per_seed"]
+    assert a.pop("wall_s") >= 0 and b.pop("wall_s") >= 0
+    assert a == b  # retrained: the same numbers (a run is deterministic in what its key hashes)
