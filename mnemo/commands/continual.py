@@ -814,8 +814,29 @@ def _plot_title(result: dict) -> str:
     return f"{_TITLES[result['experiment']]}\n({len(result['seeds'])} seeds, 95% t-intervals{tail})"
 
 
+def phase_curves(result: dict) -> dict:
+    """Class-incremental only: per model, the accuracy of each phase's classes just after the phase
+    (``R[p, p]``) and at the end (``R[P, p]``), each the mean over the seeds that did not diverge
+    (``{model: {"just_after": [P], "final": [P], "n": seeds}}``; models with no such seed are left
+    out). Shows whether the loss from ``R[p, p]`` to ``R[P, p]`` grows with a phase's age."""
+    P = result["task"]["phases"]
+    out = {}
+    for name, m in result["models"].items():
+        # (the raw tags: ``R[P, P]`` replaces the last phase's just-after value in ``just_after``)
+        rows = [r["accuracy_by_tag"] for r in m["per_seed"] if r.get("diverged_at_step") is None]
+        if rows:
+            out[name] = {
+                key: [sum(acc[f"{key}_{p}"] for acc in rows) / len(rows) for p in range(P)]
+                for key in ("just_after", "final")
+            }
+            out[name]["n"] = len(rows)
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
-    """Grouped bars (one group per model, one bar per metric) with 95% t-interval error bars."""
+    """Grouped bars (one group per model, one bar per metric) with 95% t-interval error bars; for
+    the class-incremental task a second panel draws :func:`phase_curves` (accuracy per phase just
+    after it and at the end)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -828,12 +849,27 @@ def plot(result: dict, path: Path) -> None:
         for m in next(iter(models.values()))["summary"]
         if m not in ("final_train_loss", "loss_fall_last_fifth")
     ]
-    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
+    curves = phase_curves(result) if result["experiment"] == "class_incremental" else {}
+    if curves:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(1.3 * len(names) + 7, 4))
+        for i, (name, c) in enumerate(curves.items()):
+            color = f"C{i}"
+            phases = range(1, len(c["final"]) + 1)
+            ax2.plot(phases, c["just_after"], "--", color=color, lw=1)
+            ax2.plot(phases, c["final"], "-o", color=color, ms=3, label=f"{name} (n={c['n']})")
+        ax2.axhline(result["chance"], color="grey", lw=0.8, ls=":", label="chance")
+        ax2.set_xlabel("phase (1 = oldest)")
+        ax2.set_ylabel("accuracy on the phase's classes")
+        ax2.set_ylim(0, 1)
+        ax2.set_title("dashed: just after the phase; solid: at the end", fontsize=9)
+        legend(ax2, fontsize=7)
+    else:
+        fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
     width = 0.8 / len(metrics)
     for i, m in enumerate(metrics):
         means = [models[n]["summary"][m]["mean"] for n in names]
         errs = [models[n]["summary"][m]["ci95"] for n in names]
-        errs = [e if math.isfinite(e) else 0.0 for e in errs]
+        errs = [e if e is not None and math.isfinite(e) else 0.0 for e in errs]  # (None: read from JSON)
         xs = [j + (i - (len(metrics) - 1) / 2) * width for j in range(len(names))]
         ax.bar(xs, means, width, yerr=errs, capsize=3, label=m)
         for j, n in enumerate(names):  # per-seed points

@@ -542,3 +542,39 @@ def test_cli_kept_runs_hold_the_numbers_a_retrained_run_gets(tmp_path, capsys, m
     (a,), (b,) = first["models"]["cms-2"]["per_seed"], third["models"]["cms-2"]["per_seed"]
     assert a.pop("wall_s") >= 0 and b.pop("wall_s") >= 0
     assert a == b  # retrained: the same numbers (a run is deterministic in what its key hashes)
+
+
+def test_phase_curves_average_the_raw_tags_over_the_seeds_that_did_not_diverge(tmp_path):
+    """Known answer: two kept seeds and a diverged one; the last phase's just-after value comes from
+    its own tag (``R[P, P]`` would hide it behind the final value); the figure gains the panel."""
+    from mnemo.commands.continual import phase_curves, plot
+
+    def seed(s, ja, fin, diverged=None):
+        tags = {
+            **{f"just_after_{p}": v for p, v in enumerate(ja)},
+            **{f"final_{p}": v for p, v in enumerate(fin)},
+        }
+        nan = float("nan")
+        return {
+            "seed": s, "accuracy_by_tag": tags, "diverged_at_step": diverged,
+            "avg_acc": nan if diverged else sum(fin) / 3, "BWT": nan if diverged else 0.0,
+            "just_after": [*ja[:2], fin[2]], "final": fin,
+        }  # fmt: skip
+
+    rows = [seed(0, [0.9, 0.8, 0.7], [0.1, 0.2, 0.3]), seed(1, [0.7, 0.6, 0.5], [0.3, 0.4, 0.5])]
+    rows.append(seed(2, [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], diverged=5))
+    summary = {m: {"mean": 0.5, "ci95": None, "values": [0.5]} for m in ("avg_acc", "BWT")}
+    result = {
+        "experiment": "class_incremental", "task": {"phases": 3}, "seeds": [0, 1, 2], "chance": 1 / 16,
+        "models": {
+            "cms-3": {"per_seed": rows, "summary": summary, "diverged": [{"seed": 2, "step": 5}]},
+            "lost": {"per_seed": [rows[2]], "summary": summary, "diverged": [{"seed": 2, "step": 5}]},
+        },
+    }  # fmt: skip
+    curves = phase_curves(result)
+    assert set(curves) == {"cms-3"}  # a model whose every seed diverged has no curve
+    assert curves["cms-3"]["n"] == 2
+    assert curves["cms-3"]["just_after"] == pytest.approx([0.8, 0.7, 0.6])  # 0.6, not R[P, P] = 0.4
+    assert curves["cms-3"]["final"] == pytest.approx([0.2, 0.3, 0.4])
+    plot(result, tmp_path / "ci.png")
+    assert (tmp_path / "ci.png").stat().st_size > 0
