@@ -414,7 +414,13 @@ def _worker(experiment, task, levels, s, seed):
 
 
 #: the modules whose code decides a run's numbers: a cached run is reused only while they are unchanged
-_RUN_SOURCES = ("layers/cms.py", "data/tasks/continual.py", "commands/continual.py", "train/optim.py")
+_RUN_SOURCES = (
+    "layers/cms.py",
+    "data/tasks/continual.py",
+    "commands/continual.py",
+    "train/optim.py",
+    "train/m3.py",
+)
 
 
 def _source_md5() -> str:
@@ -559,7 +565,13 @@ def run_experiment(
         for key, job in jobs.items():
             path = cached(key, job)
             if path is not None and path.is_file():
-                done[key] = json.loads(path.read_text())
+                try:
+                    done[key] = json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ValueError(
+                        f"kept run {path} is damaged ({e}): delete it to train that run again, "
+                        "or pass --force"
+                    ) from e
                 bar.update(s.steps)
         if done:
             bar.write(

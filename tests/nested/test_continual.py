@@ -501,6 +501,12 @@ def test_an_interrupted_experiment_resumes_from_its_kept_runs(monkeypatch, tmp_p
     calls.clear()
     go()
     assert calls == []
+    damaged = sorted((tmp_path / "abab").glob("cms-1-seed0-*.json"))[0]
+    good = damaged.read_text()
+    damaged.write_text(good[:20])  # a kept run cut short is named, not read as a bare JSON error
+    with pytest.raises(ValueError, match=f"kept run {damaged} is damaged"):
+        go()
+    damaged.write_text(good)
     go(cont.Settings(**{**cont.asdict(s), "steps": 3}))
     assert len(calls) == 12
     calls.clear()
