@@ -58,6 +58,15 @@ token. Phase ``p`` shows ``s`` examples per class, then ``q`` queries per class 
 queries per class of every phase (final accuracy ``R[P, p]``). Metrics: ``avg_acc = mean_p R[P, p]`` and
 ``BWT = mean_{p<P} (R[P, p] − R[p, p])``. Defaults: ``P = 4, k = 2, s = 3, q = 1, q_final = 2, σ = 1``.
 
+``retention`` (recall graded by age): ``n = 48`` key–value pairs with distinct keys (of 64; 16
+values), then ``per_bin = 2`` queries from each of ``bins = 4`` age bins (the pairs cut into four
+consecutive groups in the order shown), shuffled. Metrics: ``age_0`` (the newest group) …
+``age_3`` (the oldest), ``oldest``, ``newest``, ``recall`` (all queries) and ``age_drop =
+newest − oldest``: a memory that forgets by age has ``age_drop > 0``; the claim under test is that
+the multi-frequency chain keeps the oldest pairs better than its single-frequency control. Unlike
+``class_incremental``'s final block (32 queries, each a write), 8 queries against 48 pairs leave
+what is read nearly as it was written.
+
 Training: every model is trained on its task by AdamW (:func:`mnemo.train.optim.make_optimizer`,
 warm-up + cosine schedule, gradient clipping at 1.0), the same streams for every model of a seed.
 Evaluation: ``eval_streams`` held-out streams per seed. A seed fixes the model initialisation, the
@@ -98,6 +107,7 @@ from ..data.tasks.continual import (  # noqa: F401  (the streams, also this modu
     Batch,
     ClassIncrementalTask,
     ForgettingMQARTask,
+    RetentionTask,
     make_task,
 )
 from ..layers.cms import ContinuumMemory
@@ -257,6 +267,7 @@ DEFAULTS = {
     "abab": Settings(),
     "forgetting_mqar": Settings(),
     "class_incremental": Settings(),
+    "retention": Settings(),
 }
 
 
@@ -292,6 +303,10 @@ def _derived(experiment: str, task, acc: dict) -> dict:
     """Experiment-level metrics from the per-tag accuracies."""
     if experiment == "abab":
         return {**acc, "forgetting": acc["A_before_B"] - acc["A_after_B"]}
+    if experiment == "retention":
+        newest, oldest = acc["age_0"], acc[f"age_{task.bins - 1}"]
+        recall = sum(acc[f"age_{j}"] for j in range(task.bins)) / task.bins  # equal queries per bin
+        return {"oldest": oldest, "newest": newest, "recall": recall, "age_drop": newest - oldest}
     if experiment != "class_incremental":
         return acc
     P = task.phases
@@ -397,7 +412,12 @@ def _still_falling(curve: list[dict]) -> float:
 
 
 #: the metric a learning rate is chosen on and the claims are judged on, per experiment
-PRIMARY = {"abab": "A_after_B", "forgetting_mqar": "reassigned", "class_incremental": "avg_acc"}
+PRIMARY = {
+    "abab": "A_after_B",
+    "forgetting_mqar": "reassigned",
+    "class_incremental": "avg_acc",
+    "retention": "oldest",
+}
 
 
 def _scalar_metrics(experiment: str, task) -> list[str]:
@@ -405,6 +425,8 @@ def _scalar_metrics(experiment: str, task) -> list[str]:
         return ["A_after_B", "B", "A_before_B", "forgetting", "final_train_loss"]
     if experiment == "forgetting_mqar":
         return ["reassigned", "untouched", "reassigned_old", "final_train_loss"]
+    if experiment == "retention":
+        return ["oldest", "newest", "recall", "age_drop", "final_train_loss"]
     return ["avg_acc", "BWT", "final_train_loss"]
 
 
@@ -740,6 +762,7 @@ _TITLES = {
     "abab": "In-context A → B → A (disjoint keys): recall of A after B",
     "forgetting_mqar": "Forgetting-MQAR: reassigned keys must return the latest value",
     "class_incremental": "In-context class-incremental learning",
+    "retention": "Recall graded by age: the oldest pairs against the newest",
 }
 
 
@@ -845,10 +868,26 @@ def phase_curves(result: dict) -> dict:
     return out
 
 
+def age_curves(result: dict) -> dict:
+    """Retention only: per model, the recall of each age bin (``age_0`` the newest pairs …), the mean
+    over the seeds that did not diverge (``{model: {"recall": [bins], "n": seeds}}``; models with no
+    such seed are left out). A memory that forgets by age draws a falling curve."""
+    bins = result["task"]["bins"]
+    out = {}
+    for name, m in result["models"].items():
+        rows = [r["accuracy_by_tag"] for r in m["per_seed"] if r.get("diverged_at_step") is None]
+        if rows:
+            out[name] = {
+                "recall": [sum(acc[f"age_{j}"] for acc in rows) / len(rows) for j in range(bins)],
+                "n": len(rows),
+            }
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
     """Grouped bars (one group per model, one bar per metric) with 95% t-interval error bars; for
     the class-incremental task a second panel draws :func:`phase_curves` (accuracy per phase just
-    after it and at the end)."""
+    after it and at the end), for the retention task :func:`age_curves` (recall per age bin)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -862,7 +901,20 @@ def plot(result: dict, path: Path) -> None:
         if m not in ("final_train_loss", "loss_fall_last_fifth")
     ]
     curves = phase_curves(result) if result["experiment"] == "class_incremental" else {}
-    if curves:
+    ages = age_curves(result) if result["experiment"] == "retention" else {}
+    if ages:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(1.3 * len(names) + 7, 4))
+        for i, (name, c) in enumerate(ages.items()):
+            ax2.plot(
+                range(len(c["recall"])), c["recall"], "-o", color=f"C{i}", ms=3, label=f"{name} (n={c['n']})"
+            )
+        ax2.axhline(result["chance"], color="grey", lw=0.8, ls=":", label="chance")
+        ax2.set_xlabel(f"age bin (0 = the newest {result['task']['n'] // result['task']['bins']} pairs)")
+        ax2.set_ylabel("recall")
+        ax2.set_ylim(0, 1)
+        ax2.set_xticks(range(result["task"]["bins"]))
+        legend(ax2, fontsize=7)
+    elif curves:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(1.3 * len(names) + 7, 4))
         for i, (name, c) in enumerate(curves.items()):
             color = f"C{i}"
@@ -891,7 +943,9 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(result["chance"], color="grey", lw=0.8, ls="--", label="chance")
     ax.axhline(0, color="black", lw=0.5)
     ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("accuracy" + (" / BWT" if result["experiment"] == "class_incremental" else ""))
+    ax.set_ylabel(
+        "accuracy" + {"class_incremental": " / BWT", "retention": " / age_drop"}.get(result["experiment"], "")
+    )
     ax.set_title(_plot_title(result), fontsize=10)
     legend(ax, fontsize=8)
     fig.tight_layout()
@@ -1005,7 +1059,8 @@ def run(
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "continual",
-        help="in-context continual learning of the CMS: A→B→A recall, forgetting-MQAR, class-incremental",
+        help="in-context continual learning of the CMS: A→B→A recall, forgetting-MQAR, class-incremental, "
+        "recall graded by age",
     )
     p.add_argument("--experiment", default="all", choices=(*EXPERIMENTS, "all"))
     p.add_argument("--seeds", type=kinds.Int(1, 1000), default=3, help="seeds 0..N-1 (model init + data)")

@@ -13,6 +13,7 @@ from mnemo.commands.continual import (
     ClassIncrementalTask,
     ContinualNet,
     ForgettingMQARTask,
+    RetentionTask,
     backward_transfer,
     mean_ci95,
     model_specs,
@@ -123,6 +124,66 @@ def test_class_incremental_label_sets_are_disjoint_per_phase():
     assert (b.feats[b.ids != 2] == 0).all() and (b.feats[b.ids == 2] != 0).any()
 
 
+def test_retention_queries_each_age_bin_with_the_value_shown():
+    task = RetentionTask(n=10, bins=3, per_bin=2, n_keys=12, n_values=5)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        s = task.stream(gen)
+        assert len(s.ids) == 1 + 2 * task.n + 2 * task.bins * task.per_bin
+        pairs, queries = _pairs_and_queries(s.ids, s.tgt, s.tag)
+        assert len(pairs) == task.n and len({k for k, _, _ in pairs}) == task.n  # distinct keys
+        assert all(p < queries[0][-1] for *_, p in pairs)  # every pair before every query
+        # groups by hand: 10 pairs in 3 groups of shown order -> sizes 4, 3, 3 (i * 3 // 10)
+        group = {k: (0 if i < 4 else 1 if i < 7 else 2) for i, (k, _, _) in enumerate(pairs)}
+        value = {k: v for k, v, _ in pairs}
+        assert len({k for k, *_ in queries}) == len(queries)  # no key asked twice
+        for k, target, tag, _, _ in queries:
+            assert target == value[k]
+            assert tag == 1 + (task.bins - 1 - group[k])  # tag 1 = the newest group
+        assert sorted(tag for _, _, tag, _, _ in queries) == [1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="per_bin"):
+        RetentionTask(n=10, bins=3, per_bin=4)
+    with pytest.raises(ValueError, match="bins"):
+        RetentionTask(bins=1)
+
+
+class _RecencyOracle(torch.nn.Module):
+    """Answers a query from the last ``keep`` pairs shown (exactly), and wrongly for any older key:
+    a memory with a hard recency window, whose recall by age is known in closed form."""
+
+    def __init__(self, task, keep):
+        super().__init__()
+        self.task, self.keep = task, keep
+
+    def forward(self, ids, feats=None):
+        logits = torch.zeros(*ids.shape, self.task.vocab_size)
+        for r, row in enumerate(ids.tolist()):
+            shown = []
+            for t in range(1, len(row)):
+                if row[t] == QUERY:
+                    recent = dict(shown[-self.keep :])
+                    v = recent.get(row[t - 1], None)
+                    V = 2 + self.task.n_keys
+                    wrong = V + (dict(shown)[row[t - 1]] - V + 1) % self.task.n_values  # never the value
+                    logits[r, t, v if v is not None else wrong] = 1.0
+                elif t % 2 == 0:
+                    shown.append((row[t - 1], row[t]))
+        return logits, None
+
+
+def test_retention_metrics_read_a_recency_window_as_forgetting_by_age():
+    from mnemo.commands.continual import _derived, evaluate
+
+    task = RetentionTask(n=12, bins=4, per_bin=2, n_keys=16, n_values=5)
+    for keep, expected in ((3, [1, 0, 0, 0]), (6, [1, 1, 0, 0]), (12, [1, 1, 1, 1])):
+        acc = evaluate(_RecencyOracle(task, keep), task, torch.Generator().manual_seed(0), 20, 8)
+        assert [acc[f"age_{j}"] for j in range(4)] == expected
+        d = _derived("retention", task, acc)
+        assert d["newest"] == 1 and d["oldest"] == expected[-1]
+        assert d["recall"] == pytest.approx(sum(expected) / 4)
+        assert d["age_drop"] == 1 - expected[-1]
+
+
 def test_backward_transfer_on_a_hand_made_matrix():
     nan = float("nan")
     acc = [[0.9, nan, nan], [0.7, 0.8, nan], [0.5, 0.6, 1.0]]  # only the diagonal and last row count
@@ -196,6 +257,7 @@ def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path, capsys):
         "abab": ["A_after_B", "B", "A_before_B", "forgetting", "final_train_loss"],
         "forgetting_mqar": ["reassigned", "untouched", "reassigned_old", "final_train_loss"],
         "class_incremental": ["avg_acc", "BWT", "final_train_loss"],
+        "retention": ["oldest", "newest", "recall", "age_drop", "final_train_loss"],
     }
     for exp, metrics in expected.items():
         r = res["experiments"][exp]
@@ -219,8 +281,9 @@ def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path, capsys):
     one += ["--models", "cms-1", "--workers", "1", "--out", str(tmp_path), "--no-progress"]
     assert main(one) == 2 and "already holds results" in capsys.readouterr().err
     assert main([*one, "--force"]) == 0
-    assert "removed the replaced results' plots: forgetting_mqar.png, class_incremental.png" in (
-        capsys.readouterr().out
+    assert (
+        "removed the replaced results' plots: forgetting_mqar.png, class_incremental.png, retention.png"
+        in capsys.readouterr().out
     )
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["abab.png"]
     assert set(json.loads((tmp_path / "continual.json").read_text())["experiments"]) == {"abab"}
@@ -584,3 +647,29 @@ def test_phase_curves_average_the_raw_tags_over_the_seeds_that_did_not_diverge(t
     assert curves["cms-3"]["final"] == pytest.approx([0.2, 0.3, 0.4])
     plot(result, tmp_path / "ci.png")
     assert (tmp_path / "ci.png").stat().st_size > 0
+
+
+def test_age_curves_average_each_bin_over_the_seeds_that_did_not_diverge(tmp_path):
+    """Known answer: two kept seeds and a diverged one; the figure gains the recall-by-age panel."""
+    from mnemo.commands.continual import age_curves, plot
+
+    def seed(s, by_age, diverged=None):
+        return {
+            "seed": s, "accuracy_by_tag": {f"age_{j}": v for j, v in enumerate(by_age)},
+            "diverged_at_step": diverged,
+        }  # fmt: skip
+
+    rows = [seed(0, [1.0, 0.5, 0.25]), seed(1, [0.8, 0.3, 0.05]), seed(2, [0.0, 0.0, 0.0], diverged=7)]
+    summary = {m: {"mean": 0.5, "ci95": None, "values": [0.5]} for m in ("oldest", "age_drop")}
+    result = {
+        "experiment": "retention", "task": {"bins": 3, "n": 12}, "seeds": [0, 1, 2], "chance": 1 / 16,
+        "models": {
+            "cms-3": {"per_seed": rows, "summary": summary, "diverged": [{"seed": 2, "step": 7}]},
+            "lost": {"per_seed": [rows[2]], "summary": summary, "diverged": [{"seed": 2, "step": 7}]},
+        },
+    }  # fmt: skip
+    curves = age_curves(result)
+    assert set(curves) == {"cms-3"} and curves["cms-3"]["n"] == 2
+    assert curves["cms-3"]["recall"] == pytest.approx([0.9, 0.4, 0.15])
+    plot(result, tmp_path / "age.png")
+    assert (tmp_path / "age.png").stat().st_size > 0

@@ -1,7 +1,7 @@
 """The in-context continual-learning streams of ``mnemo continual`` (:mod:`mnemo.commands.continual`
-defines each task, its metrics and the model that reads them): ``abab``, ``forgetting_mqar`` and
-``class_incremental``. They are not registry tasks (:mod:`mnemo.data.tasks`): a stream carries
-vector inputs and a tag per query beside its tokens and targets (:class:`Batch`).
+defines each task, its metrics and the model that reads them): ``abab``, ``forgetting_mqar``,
+``class_incremental`` and ``retention``. They are not registry tasks (:mod:`mnemo.data.tasks`): a
+stream carries vector inputs and a tag per query beside its tokens and targets (:class:`Batch`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-EXPERIMENTS = ("abab", "forgetting_mqar", "class_incremental")
+EXPERIMENTS = ("abab", "forgetting_mqar", "class_incremental", "retention")
 BOS, QUERY = 0, 1  # token ids shared by every task
 
 # --------------------------------------------------------------------------------------------
@@ -237,8 +237,71 @@ class ClassIncrementalTask:
         return _stack([self.stream(gen)[0] for _ in range(batch_size)])
 
 
+@dataclass
+class RetentionTask:
+    """Recall graded by age: ``n`` key–value pairs with distinct keys, then ``per_bin`` queries from
+    each of ``bins`` age bins, shuffled; the target is the key's value. The pairs are cut into
+    ``bins`` consecutive groups in the order they were shown (pair ``i`` falls in group
+    ``i · bins // n``); age bin ``j = bins − 1 − group``, so ``j = 0`` holds the newest pairs and
+    ``j = bins − 1`` the oldest. Tags: ``1 + j``. Few queries (``bins · per_bin`` against ``n``
+    pairs), so that the queries' own writes barely disturb what they read."""
+
+    n: int = 48
+    bins: int = 4
+    per_bin: int = 2
+    n_keys: int = 64
+    n_values: int = 16
+
+    def __post_init__(self):
+        if not 0 < self.n <= self.n_keys:
+            raise ValueError(f"n: expected 0 < n <= n_keys = {self.n_keys}, got {self.n}")
+        if self.bins < 2:
+            raise ValueError(f"bins: expected >= 2 (an oldest and a newest), got {self.bins}")
+        if not 0 < self.per_bin <= self.n // self.bins:
+            raise ValueError(
+                f"per_bin: expected 1 .. n // bins = {self.n // self.bins} (the smallest bin's pairs), "
+                f"got {self.per_bin}"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return 2 + self.n_keys + self.n_values
+
+    @property
+    def metrics(self):
+        return {f"age_{j}": 1 + j for j in range(self.bins)}
+
+    def stream(self, gen: torch.Generator) -> _Builder:
+        keys = torch.randperm(self.n_keys, generator=gen)[: self.n].tolist()
+        vals = torch.randint(self.n_values, (self.n,), generator=gen).tolist()
+        s = _Builder()
+        s.add(BOS)
+        K, V = 2, 2 + self.n_keys
+        for k, v in zip(keys, vals):
+            s.add(K + k)
+            s.add(V + v)
+        asked = []  # (pair index, age bin)
+        for group in range(self.bins):
+            members = [i for i in range(self.n) if i * self.bins // self.n == group]
+            pick = torch.randperm(len(members), generator=gen)[: self.per_bin].tolist()
+            asked += [(members[i], self.bins - 1 - group) for i in pick]
+        for o in torch.randperm(len(asked), generator=gen).tolist():
+            i, j = asked[o]
+            s.add(K + keys[i])
+            s.add(QUERY, V + vals[i], 1 + j)
+        return s
+
+    def batch(self, batch_size: int, gen: torch.Generator) -> Batch:
+        return _stack([self.stream(gen) for _ in range(batch_size)])
+
+
 def make_task(experiment: str, **overrides):
-    cls = {"abab": ABABTask, "forgetting_mqar": ForgettingMQARTask, "class_incremental": ClassIncrementalTask}
+    cls = {
+        "abab": ABABTask,
+        "forgetting_mqar": ForgettingMQARTask,
+        "class_incremental": ClassIncrementalTask,
+        "retention": RetentionTask,
+    }
     if experiment not in cls:
         raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
     return cls[experiment](**overrides)
