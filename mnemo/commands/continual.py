@@ -58,14 +58,20 @@ token. Phase ``p`` shows ``s`` examples per class, then ``q`` queries per class 
 queries per class of every phase (final accuracy ``R[P, p]``). Metrics: ``avg_acc = mean_p R[P, p]`` and
 ``BWT = mean_{p<P} (R[P, p] − R[p, p])``. Defaults: ``P = 4, k = 2, s = 3, q = 1, q_final = 2, σ = 1``.
 
-``retention`` (recall graded by age): ``n = 48`` key–value pairs with distinct keys (of 64; 16
+``retention`` (recall graded by age): ``n = 24`` key–value pairs with distinct keys (of 64; 16
 values), then ``per_bin = 2`` queries from each of ``bins = 4`` age bins (the pairs cut into four
-consecutive groups in the order shown), shuffled. Metrics: ``age_0`` (the newest group) …
-``age_3`` (the oldest), ``oldest``, ``newest``, ``recall`` (all queries) and ``age_drop =
-newest − oldest``: a memory that forgets by age has ``age_drop > 0``; the claim under test is that
-the multi-frequency chain keeps the oldest pairs better than its single-frequency control. Unlike
-``class_incremental``'s final block (32 queries, each a write), 8 queries against 48 pairs leave
-what is read nearly as it was written.
+consecutive groups in the order shown), shuffled; the pairs start after a random ``0 … 8`` extra
+``BOS`` pairs, so that the slow levels' period boundaries fall on different pairs per stream.
+Metrics: ``age_0`` (the newest group) … ``age_3`` (the oldest), ``oldest``, ``newest``, ``recall``
+(all queries) and ``age_drop = newest − oldest``: a memory that forgets by age has ``age_drop >
+0``. The claims are judged on ``oldest`` (the multi-frequency chain keeps the oldest pairs better
+than its equal-capacity single-frequency control); ``age_drop`` tells a chain that keeps old pairs
+from one that is better everywhere. 8 queries against 24 pairs keep the queries' own writes few
+(``class_incremental``'s final block writes 2 queries per class: 16 at the defaults). At 24 pairs a
+``d_model = 16`` memory recalls its newest pairs well enough for an age slope to show (at 48 the
+newest were already at 0.2–0.35 in a smoke run; ``docs/results/continual.md``). Its evaluation
+uses 2,048 streams (an age bin's recall then has a standard error of ~0.008, against ~0.02 at
+256).
 
 Training: every model is trained on its task by AdamW (:func:`mnemo.train.optim.make_optimizer`,
 warm-up + cosine schedule, gradient clipping at 1.0), the same streams for every model of a seed.
@@ -267,7 +273,7 @@ DEFAULTS = {
     "abab": Settings(),
     "forgetting_mqar": Settings(),
     "class_incremental": Settings(),
-    "retention": Settings(),
+    "retention": Settings(eval_streams=2048),
 }
 
 
@@ -1070,7 +1076,7 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--eval-streams",
         type=kinds.Int(1, 100_000),
-        help="held-out streams per seed, at most 100,000 (default 256)",
+        help="held-out streams per seed, at most 100,000 (default 256; 2,048 for retention)",
     )
     p.add_argument(
         "--models",

@@ -125,26 +125,48 @@ def test_class_incremental_label_sets_are_disjoint_per_phase():
 
 
 def test_retention_queries_each_age_bin_with_the_value_shown():
-    task = RetentionTask(n=10, bins=3, per_bin=2, n_keys=12, n_values=5)
+    task = RetentionTask(n=10, bins=3, per_bin=2, n_keys=12, n_values=5, offset=3)
     gen = torch.Generator().manual_seed(3)
-    for _ in range(20):
+    leads, orders, picked = set(), set(), set()
+    for _ in range(60):
         s = task.stream(gen)
-        assert len(s.ids) == 1 + 2 * task.n + 2 * task.bins * task.per_bin
-        pairs, queries = _pairs_and_queries(s.ids, s.tgt, s.tag)
+        assert len(s.ids) == 1 + 2 * task.offset + 2 * task.n + 2 * task.bins * task.per_bin
+        lead = next(i for i, t in enumerate(s.ids) if t != BOS) - 1  # extra BOS before the pairs
+        tail = len(s.ids) - 1 - max(i for i, t in enumerate(s.ids) if t != BOS)
+        assert lead % 2 == 0 and tail % 2 == 0 and lead + tail == 2 * task.offset
+        leads.add(lead)
+        body = s.ids[lead : len(s.ids) - tail]
+        pairs, queries = _pairs_and_queries(
+            body, s.tgt[lead : len(s.ids) - tail], s.tag[lead : len(s.ids) - tail]
+        )
+        assert all(t == -100 for t in s.tgt[:lead] + s.tgt[len(s.ids) - tail :])  # padding: no loss
         assert len(pairs) == task.n and len({k for k, _, _ in pairs}) == task.n  # distinct keys
         assert all(p < queries[0][-1] for *_, p in pairs)  # every pair before every query
         # groups by hand: 10 pairs in 3 groups of shown order -> sizes 4, 3, 3 (i * 3 // 10)
-        group = {k: (0 if i < 4 else 1 if i < 7 else 2) for i, (k, _, _) in enumerate(pairs)}
+        order = {k: i for i, (k, _, _) in enumerate(pairs)}
+        group = {k: (0 if i < 4 else 1 if i < 7 else 2) for k, i in order.items()}
         value = {k: v for k, v, _ in pairs}
         assert len({k for k, *_ in queries}) == len(queries)  # no key asked twice
         for k, target, tag, _, _ in queries:
             assert target == value[k]
             assert tag == 1 + (task.bins - 1 - group[k])  # tag 1 = the newest group
-        assert sorted(tag for _, _, tag, _, _ in queries) == [1, 1, 2, 2, 3, 3]
+        tags = [tag for _, _, tag, _, _ in queries]
+        assert sorted(tags) == [1, 1, 2, 2, 3, 3]
+        orders.add(tuple(tags))
+        picked |= {order[k] for k, *_ in queries}
+    assert leads == {0, 2, 4, 6}  # r = 0 … offset, each seen
+    assert len(orders) > 20  # the queries' order is shuffled, not tied to age
+    assert picked == set(range(task.n))  # any pair of a group can be asked
     with pytest.raises(ValueError, match="per_bin"):
         RetentionTask(n=10, bins=3, per_bin=4)
     with pytest.raises(ValueError, match="bins"):
         RetentionTask(bins=1)
+    with pytest.raises(ValueError, match="n_values"):
+        RetentionTask(n_values=1)
+    with pytest.raises(ValueError, match="offset"):
+        RetentionTask(offset=-1)
+    with pytest.raises(ValueError, match="n_values"):
+        ForgettingMQARTask(n_values=0)
 
 
 class _RecencyOracle(torch.nn.Module):
@@ -166,7 +188,7 @@ class _RecencyOracle(torch.nn.Module):
                     V = 2 + self.task.n_keys
                     wrong = V + (dict(shown)[row[t - 1]] - V + 1) % self.task.n_values  # never the value
                     logits[r, t, v if v is not None else wrong] = 1.0
-                elif t % 2 == 0:
+                elif row[t] != BOS and row[t - 1] != BOS and t % 2 == 0:
                     shown.append((row[t - 1], row[t]))
         return logits, None
 
@@ -175,7 +197,8 @@ def test_retention_metrics_read_a_recency_window_as_forgetting_by_age():
     from mnemo.commands.continual import _derived, evaluate
 
     task = RetentionTask(n=12, bins=4, per_bin=2, n_keys=16, n_values=5)
-    for keep, expected in ((3, [1, 0, 0, 0]), (6, [1, 1, 0, 0]), (12, [1, 1, 1, 1])):
+    cases = ((3, [1, 0, 0, 0]), (6, [1, 1, 0, 0]), (9, [1, 1, 1, 0]), (12, [1, 1, 1, 1]))
+    for keep, expected in cases:  # each bin told from its neighbours
         acc = evaluate(_RecencyOracle(task, keep), task, torch.Generator().manual_seed(0), 20, 8)
         assert [acc[f"age_{j}"] for j in range(4)] == expected
         d = _derived("retention", task, acc)
@@ -271,6 +294,11 @@ def test_cli_end_to_end_writes_json_markdown_and_plots(tmp_path, capsys):
                 assert seed["forgetting"] == pytest.approx(seed["A_before_B"] - seed["A_after_B"])
             if exp == "class_incremental":
                 assert len(seed["just_after"]) == len(seed["final"]) == r["task"]["phases"]
+            if exp == "retention":
+                by_age = [seed["accuracy_by_tag"][f"age_{j}"] for j in range(r["task"]["bins"])]
+                assert (seed["newest"], seed["oldest"]) == (by_age[0], by_age[-1])
+                assert seed["age_drop"] == pytest.approx(by_age[0] - by_age[-1])
+                assert seed["recall"] == pytest.approx(sum(by_age) / len(by_age))
             assert {"parameters", "levels", "wall_s"} <= set(m)
         assert (tmp_path / f"{exp}.png").stat().st_size > 0
     md = (tmp_path / "continual.md").read_text()

@@ -133,6 +133,8 @@ class ForgettingMQARTask:
     metrics = {"reassigned": 1, "untouched": 2}
 
     def __post_init__(self):
+        if self.n_values < 2:
+            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values}")
         if not 0 < self.m <= self.n <= self.n_keys:
             raise ValueError(f"(n, m): expected 0 < m <= n <= n_keys = {self.n_keys}, got {(self.n, self.m)}")
 
@@ -244,15 +246,30 @@ class RetentionTask:
     ``bins`` consecutive groups in the order they were shown (pair ``i`` falls in group
     ``i · bins // n``); age bin ``j = bins − 1 − group``, so ``j = 0`` holds the newest pairs and
     ``j = bins − 1`` the oldest. Tags: ``1 + j``. Few queries (``bins · per_bin`` against ``n``
-    pairs), so that the queries' own writes barely disturb what they read."""
+    pairs) limit the queries' own writes; shuffling spreads them evenly over the bins.
 
-    n: int = 48
+    The pairs start after ``2r`` extra ``BOS`` tokens, ``r`` uniform in ``0 … offset`` per stream,
+    and ``2(offset − r)`` more ``BOS`` close the stream after the last query (every stream of a
+    batch has the same length): a slow level's period boundaries fall on different pairs in
+    different streams, so no pair's age is tied to one absolute position.
+
+    Raises:
+        ValueError: ``n`` not in ``1 … n_keys``; ``bins < 2``; ``per_bin`` not in ``1 … n // bins``
+            (the smallest bin's pairs); ``n_values < 2``; ``offset < 0``.
+    """
+
+    n: int = 24
     bins: int = 4
     per_bin: int = 2
     n_keys: int = 64
     n_values: int = 16
+    offset: int = 8
 
     def __post_init__(self):
+        if self.n_values < 2:
+            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values}")
+        if self.offset < 0:
+            raise ValueError(f"offset: expected >= 0, got {self.offset}")
         if not 0 < self.n <= self.n_keys:
             raise ValueError(f"n: expected 0 < n <= n_keys = {self.n_keys}, got {self.n}")
         if self.bins < 2:
@@ -274,8 +291,10 @@ class RetentionTask:
     def stream(self, gen: torch.Generator) -> _Builder:
         keys = torch.randperm(self.n_keys, generator=gen)[: self.n].tolist()
         vals = torch.randint(self.n_values, (self.n,), generator=gen).tolist()
+        r = int(torch.randint(self.offset + 1, (1,), generator=gen))
         s = _Builder()
-        s.add(BOS)
+        for _ in range(1 + 2 * r):
+            s.add(BOS)
         K, V = 2, 2 + self.n_keys
         for k, v in zip(keys, vals):
             s.add(K + k)
@@ -289,6 +308,8 @@ class RetentionTask:
             i, j = asked[o]
             s.add(K + keys[i])
             s.add(QUERY, V + vals[i], 1 + j)
+        for _ in range(2 * (self.offset - r)):
+            s.add(BOS)
         return s
 
     def batch(self, batch_size: int, gen: torch.Generator) -> Batch:
