@@ -96,6 +96,7 @@ import platform
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -526,6 +527,17 @@ def run_experiment(
         if unknown:
             raise ValueError(f"models: expected names from {sorted(specs)}, got {sorted(unknown)}")
         specs = {k: v for k, v in specs.items() if k in models}
+    length = task.batch(1, torch.Generator().manual_seed(0)).ids.shape[1]  # every stream's length
+    for name, levels in specs.items():
+        for i, lv in enumerate(levels):
+            if lv["period"] >= length:
+                warnings.warn(
+                    f"{experiment}: model {name!r}: CMS level {i} has period {lv['period']} >= the "
+                    f"stream's {length} tokens, so it never steps inside a stream (its fast weights "
+                    "stay at their initial value and its rate gets no gradient); use shorter --periods "
+                    "or a longer stream (--task)",
+                    stacklevel=2,
+                )
     if lr_grid is not None:
         lr_grid = sorted(float(x) for x in lr_grid)
         select_seed = 1000 if select_seed is None else select_seed

@@ -701,3 +701,23 @@ def test_age_curves_average_each_bin_over_the_seeds_that_did_not_diverge(tmp_pat
     assert curves["cms-3"]["recall"] == pytest.approx([0.9, 0.4, 0.15])
     plot(result, tmp_path / "age.png")
     assert (tmp_path / "age.png").stat().st_size > 0
+
+
+def test_a_level_that_never_steps_inside_a_stream_is_warned_about():
+    """A 13-token stream (4 pairs, 2 queries, no offset): the period-16 level of ``cms-3`` never
+    steps, the period-4 level does; the defaults' streams (81–97 tokens) hold every default period."""
+    from mnemo.commands.continual import Settings, run_experiment
+
+    tiny = {"n": 4, "bins": 2, "per_bin": 1, "offset": 0}
+    s = Settings(steps=1, warmup=0, eval_streams=2, periods=(1, 4, 16), task=tiny)
+    with pytest.warns(UserWarning, match=r"'cms-3': CMS level 2 has period 16 >= the stream's 13 tokens"):
+        run_experiment("retention", seeds=1, settings=s, progress=False, models=["cms-3"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for exp in ("abab", "forgetting_mqar", "class_incremental", "retention"):
+            run_experiment(
+                exp, seeds=1, settings=Settings(steps=1, warmup=0, eval_streams=2), progress=False,
+                models=["cms-4"],
+            )  # fmt: skip
