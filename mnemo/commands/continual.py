@@ -24,6 +24,11 @@ Models compared (defaults: ``d_model = 16``, per-level expansion ``e = 1``, peri
   chain; no in-context learning — chance level is the floor);
 * ``flat-4``: ``cms-4``'s levels, every one at period 1 (the equal-capacity single-frequency
   control: the same chain, the same widths and parameters, one frequency);
+* ``flat-4-rates``: ``flat-4`` with each level's inner rate starting where its ``cms-4``
+  counterpart's does (``sigmoid(b_η) = 1/(2C)``: 1/2, 1/8, 1/32, 1/128; ``Level.rate_init``) and
+  trained with the slow levels' outer rate (``--slow-rate-lr-scale``): the control in which only
+  the period differs from ``cms-4`` (``flat-4``'s levels all start at 1/2, so against ``cms-4`` it
+  changes the rates' starting point as well as the period);
 * ``hope-3``: three levels at the periods of the ``hope`` presets' CMS (8/16/32,
   :mod:`mnemo.models.registry`), at this chain's width and with the reconstruction objective (the
   presets' task-loss objective runs only inside a language model);
@@ -65,13 +70,13 @@ consecutive groups in the order shown), shuffled; the pairs start after a random
 Metrics: ``age_0`` (the newest group) … ``age_3`` (the oldest), ``oldest``, ``newest``, ``recall``
 (all queries) and ``age_drop = newest − oldest``: a memory that forgets by age has ``age_drop >
 0``. The claims are judged on ``oldest`` (the multi-frequency chain keeps the oldest pairs better
-than its equal-capacity single-frequency control); ``age_drop`` tells a chain that keeps old pairs
-from one that is better everywhere. 8 queries against 24 pairs keep the queries' own writes few
-(``class_incremental``'s final block writes 2 queries per class: 16 at the defaults). At 24 pairs a
-``d_model = 16`` memory recalls its newest pairs well enough for an age slope to show (at 48 the
-newest were already at 0.2–0.35 in a smoke run; ``docs/results/continual.md``). Its evaluation
-uses 2,048 streams (an age bin's recall then has a standard error of ~0.008, against ~0.02 at
-256).
+than its equal-capacity single-frequency control) and on ``age_drop``, lower better ("forgets less
+by age"): the second tells a chain that keeps old pairs from one that is better everywhere. 8
+queries against 24 pairs keep the queries' own writes few (``class_incremental``'s final block
+writes 2 queries per class: 16 at the defaults). At 24 pairs a ``d_model = 16`` memory recalls its
+newest pairs well enough for an age slope to show (at 48 the newest were already at 0.2–0.35 in a
+smoke run; ``docs/results/continual.md``). Its evaluation uses 2,048 streams (an age bin's recall
+then has a standard error of ~0.008, against ~0.02 at 256).
 
 Training: every model is trained on its task by AdamW (:func:`mnemo.train.optim.make_optimizer`,
 warm-up + cosine schedule, gradient clipping at 1.0), the same streams for every model of a seed.
@@ -180,9 +185,11 @@ class ContinualNet(nn.Module):
         self, vocab_size: int, d_model: int, levels, feat_dim: int = 0, slow_rate_lr_scale: float = 1.0
     ):
         """``slow_rate_lr_scale`` multiplies the outer learning rate of the rate parameters
-        (``w_η``, ``b_η``: the inner step size) of every level with ``period > 1``, so that a slow
-        level's rate, which starts at ``sigmoid(b_η) = 1/(2C)``, can move as far as the outer loop
-        needs; its weights keep the common rate."""
+        (``w_η``, ``b_η``: the inner step size) of every slow level — ``period > 1``, or a
+        ``rate_init`` below ``1/2`` (a period-1 level given a slow level's starting rate, the
+        ``flat-k-rates`` control) — so that a slow level's rate, which starts at
+        ``sigmoid(b_η) = 1/(2C)``, can move as far as the outer loop needs; its weights keep the
+        common rate."""
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.prev = nn.Embedding(vocab_size, d_model)
@@ -191,7 +198,8 @@ class ContinualNet(nn.Module):
         self.cms = ContinuumMemory(d_model, levels)
         if slow_rate_lr_scale != 1.0:
             for lv in self.cms.levels:
-                if lv.level.period > 1:
+                r = lv.level.rate_init
+                if lv.level.period > 1 or (r is not None and r < 0.5):
                     lv.rate.outer_lr_scale = float(slow_rate_lr_scale)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
@@ -233,6 +241,8 @@ def model_specs(
     specs[f"static-{len(chain)}"] = [dict(lv, lr=0.0) for lv in deepest]
     # the equal-capacity single-frequency control: the deepest chain's levels, every one at period 1
     specs[f"flat-{len(chain)}"] = [level(1) for _ in deepest]
+    # the same, each level starting at its chain counterpart's rate 1/(2C): period alone differs
+    specs[f"flat-{len(chain)}-rates"] = [dict(level(1), rate_init=1 / (2 * p)) for p in periods]
     specs["hope-3"] = [level(p) for p in HOPE_PERIODS]
     target = _cms_params(d_model, deepest)
     per_hidden = _cms_params(d_model, [{"period": 1, "expansion": 2.0}]) - _cms_params(
@@ -398,6 +408,8 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         "loss_curve": curve,
         "loss_fall_last_fifth": _still_falling(curve),
         "rate_scale": [torch.sigmoid(lv.rate.bias).item() * 2 * lv.level.period for lv in model.cms.levels],
+        # sigmoid(b_η) per level after training (it starts at 1/(2C), or Level.rate_init)
+        "rate_sigmoid_bias": [torch.sigmoid(lv.rate.bias).item() for lv in model.cms.levels],
         "lr": s.lr,
         **({"m3_eps": s.m3_eps} if s.optimizer == "m3" else {}),
         "diverged_at_step": diverged,
@@ -726,25 +738,34 @@ CEILING = 0.95
 def claim_pairs(models) -> list[tuple[str, str]]:
     """The claims judged: every multi-level model (``cms-k``, ``k ≥ 2``, and ``hope-3``) beats the
     equal-capacity single-frequency control with as many levels (``flat-k``) and the single level
-    ``cms-1``."""
+    ``cms-1``; ``cms-k`` also beats ``flat-k-rates`` (the control whose levels start at the chain's
+    rates: only the period differs)."""
     pairs = []
     for name in models:
         if name.startswith(("cms-", "hope-")) and name != "cms-1":
             k = int(name.split("-")[1])
-            pairs += [(name, other) for other in (f"flat-{k}", "cms-1") if other in models]
+            others = [f"flat-{k}", *([f"flat-{k}-rates"] if name.startswith("cms-") else []), "cms-1"]
+            pairs += [(name, other) for other in others if other in models]
     return pairs
+
+
+#: per experiment, a second metric the claims are judged on, where a lower value is better:
+#: retention's ``age_drop`` (newest − oldest recall), the claim about forgetting *by age*, which
+#: ``oldest`` alone mixes with how much a memory holds at all
+SLOPE_CLAIMS = {"retention": "age_drop"}
 
 
 def judge_claims(experiment: str, results: dict) -> list[dict]:
     """Paired verdicts (:func:`mnemo.sweep.recipe.judge_claim`) on the :data:`PRIMARY` metric for
-    :func:`claim_pairs`. A seed whose training loss never fell 5% below its first half's level is
-    on the plateau (:func:`mnemo.sweep.recipe.left_plateau` of the loss curve); a diverged seed
-    has no value (its pair is dropped)."""
+    :func:`claim_pairs`, then (retention) on :data:`SLOPE_CLAIMS`'s ``age_drop``, lower better,
+    named ``"a forgets less by age than b"``. A seed whose training loss never fell 5% below its
+    first half's level is on the plateau (:func:`mnemo.sweep.recipe.left_plateau` of the loss
+    curve); a diverged seed has no value (its pair is dropped). An ``age_drop`` claim is not
+    testable when every run of both models recalls even its oldest pairs at :data:`CEILING` or
+    above (no room to forget)."""
     from ..sweep.recipe import judge_claim, left_plateau
 
-    metric = PRIMARY[experiment]
-
-    def cell(name):
+    def cell(name, metric):
         rows = [r for r in results[name]["per_seed"] if math.isfinite(r[metric])]
         return {
             "seeds": [r["seed"] for r in rows],
@@ -757,16 +778,38 @@ def judge_claims(experiment: str, results: dict) -> list[dict]:
             ],
         }
 
-    return [
+    metric = PRIMARY[experiment]
+    pairs = claim_pairs(results)
+    out = [
         judge_claim(
             {"name": f"{a} > {b}", "better": a, "than": b},
-            cell(a),
-            cell(b),
+            cell(a, metric),
+            cell(b, metric),
             metric=metric,
             threshold=CEILING,
         )
-        for a, b in claim_pairs(results)
+        for a, b in pairs
     ]
+    slope = SLOPE_CLAIMS.get(experiment)
+    for a, b in pairs if slope else []:
+        ca, cb = cell(a, slope), cell(b, slope)
+        # judged on the negated drop: a positive paired difference then favours ``a`` (a smaller drop)
+        c = judge_claim(
+            {"name": f"{a} forgets less by age than {b}", "better": a, "than": b},
+            {**ca, "values": [-v for v in ca["values"]]},
+            {**cb, "values": [-v for v in cb["values"]]},
+            metric=f"-{slope}",
+            threshold=None,
+        )
+        oldest = {n: dict(zip(cell(n, metric)["seeds"], cell(n, metric)["values"])) for n in (a, b)}
+        full = [oldest[n].get(seed, 0.0) >= CEILING for n in (a, b) for seed in c["seeds"]]
+        if c["verdict"] != "not testable here" and full and all(full):
+            c["verdict"] = "not testable here"
+            c["why"] = (
+                f"every run of both recalls its oldest pairs at ≥ {CEILING:g}: no room to forget by age"
+            )
+        out.append(c)
+    return out
 
 
 def _chance(experiment, task) -> float:
@@ -819,7 +862,11 @@ def table(result: dict) -> str:
         "|---|---|---|---|" + "---|" * len(metrics) + "---|",
     ]
     for name, r in models.items():
-        lv = ", ".join(f"{v['period']}×{v['expansion']:.3g}" for v in r["levels"])
+        lv = ", ".join(
+            f"{v['period']}×{v['expansion']:.3g}"
+            + (f" (rate₀ {v['rate_init']:.3g})" if v.get("rate_init") is not None else "")
+            for v in r["levels"]
+        )
         lrs = sorted({v.get("lr", 1.0) for v in r["levels"]})
         cells = []
         for m in metrics:
@@ -846,11 +893,15 @@ def table(result: dict) -> str:
                 label = name + (f" (ε {eps:g})" if eps is not None else "")
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if result.get("claims"):
-        lines += ["", f"Claims (paired over seeds, {PRIMARY[exp]}; 95% t-interval of the difference):", ""]
-        lines += ["| claim | n | difference [95% interval] | verdict |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Claims (paired over seeds; 95% t-interval of the difference, positive favours the claim):",
+            "",
+        ]
+        lines += ["| claim | metric | n | difference [95% interval] | verdict |", "|---|---|---|---|---|"]
         for c in result["claims"]:
             lines.append(
-                f"| {c['claim']} | {c['n']} | {_num(c['mean'], '+.3f')} "
+                f"| {c['claim']} | {c.get('metric', PRIMARY[exp])} | {c['n']} | {_num(c['mean'], '+.3f')} "
                 f"[{_num(c['low'], '+.3f')}, {_num(c['high'], '+.3f')}] | {c['verdict']} ({c['why']}) |"
             )
     return "\n".join(lines)
@@ -867,39 +918,36 @@ def _plot_title(result: dict) -> str:
     return f"{_TITLES[result['experiment']]}\n({len(result['seeds'])} seeds, 95% t-intervals{tail})"
 
 
+def _tag_means(result: dict, series: dict) -> dict:
+    """Per model, each of ``series`` (``{key: [tag names]}``) as the mean of those raw
+    ``accuracy_by_tag`` entries over the seeds that did not diverge, and ``n`` those seeds; models
+    with no such seed are left out."""
+    out = {}
+    for name, m in result["models"].items():
+        rows = [r["accuracy_by_tag"] for r in m["per_seed"] if r.get("diverged_at_step") is None]
+        if rows:
+            out[name] = {
+                key: [sum(acc[t] for acc in rows) / len(rows) for t in tags] for key, tags in series.items()
+            }
+            out[name]["n"] = len(rows)
+    return out
+
+
 def phase_curves(result: dict) -> dict:
     """Class-incremental only: per model, the accuracy of each phase's classes just after the phase
     (``R[p, p]``) and at the end (``R[P, p]``), each the mean over the seeds that did not diverge
     (``{model: {"just_after": [P], "final": [P], "n": seeds}}``; models with no such seed are left
     out). Shows whether the loss from ``R[p, p]`` to ``R[P, p]`` grows with a phase's age."""
     P = result["task"]["phases"]
-    out = {}
-    for name, m in result["models"].items():
-        # (the raw tags: ``R[P, P]`` replaces the last phase's just-after value in ``just_after``)
-        rows = [r["accuracy_by_tag"] for r in m["per_seed"] if r.get("diverged_at_step") is None]
-        if rows:
-            out[name] = {
-                key: [sum(acc[f"{key}_{p}"] for acc in rows) / len(rows) for p in range(P)]
-                for key in ("just_after", "final")
-            }
-            out[name]["n"] = len(rows)
-    return out
+    # (the raw tags: ``R[P, P]`` replaces the last phase's just-after value in ``just_after``)
+    return _tag_means(result, {key: [f"{key}_{p}" for p in range(P)] for key in ("just_after", "final")})
 
 
 def age_curves(result: dict) -> dict:
     """Retention only: per model, the recall of each age bin (``age_0`` the newest pairs …), the mean
     over the seeds that did not diverge (``{model: {"recall": [bins], "n": seeds}}``; models with no
     such seed are left out). A memory that forgets by age draws a falling curve."""
-    bins = result["task"]["bins"]
-    out = {}
-    for name, m in result["models"].items():
-        rows = [r["accuracy_by_tag"] for r in m["per_seed"] if r.get("diverged_at_step") is None]
-        if rows:
-            out[name] = {
-                "recall": [sum(acc[f"age_{j}"] for acc in rows) / len(rows) for j in range(bins)],
-                "n": len(rows),
-            }
-    return out
+    return _tag_means(result, {"recall": [f"age_{j}" for j in range(result["task"]["bins"])]})
 
 
 def plot(result: dict, path: Path) -> None:

@@ -31,7 +31,8 @@ Rates and the sum. Eq. 71 sums the period's terms (it does not average them), so
 ``C`` moves ``C`` tokens' worth of gradient at once. The rate bias ``b_η`` is initialised so that
 ``sigmoid(b_η) = 1 / (2C)``: at initialisation the summed step of a period equals one token's step
 at the rate ``lr / 2d`` (the same size for every period); the rates are learned from there, per
-token and per level.
+token and per level. ``Level.rate_init`` overrides that starting value (a control that gives a
+period-1 level a slow level's small rate, to tell the period from the rate's initialisation).
 
 Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest level first:
 
@@ -185,6 +186,8 @@ class Level:
             see the module docstring).
         outer_lr_scale: multiplier of the outer optimizer's learning rate for this level's slow
             parameters (the trainer puts them in their own parameter group); default ``1.0``.
+        rate_init: ``sigmoid(b_η)`` at initialisation, in ``(0, 1)``; default ``rate_init=None``,
+            which means ``1 / (2C)`` (the module docstring's "Rates and the sum").
     """
 
     period: int
@@ -195,6 +198,7 @@ class Level:
     partial: str = "carry"
     objective: str = "reconstruction"
     outer_lr_scale: float = 1.0
+    rate_init: float | None = None
 
     def validate(self) -> Level:
         def bad(name, expected):
@@ -219,6 +223,8 @@ class Level:
             bad("objective", f"one of {OBJECTIVES}")
         if not number(self.outer_lr_scale) or not self.outer_lr_scale > 0:
             bad("outer_lr_scale", "a finite positive number")
+        if self.rate_init is not None and not (number(self.rate_init) and 0 < self.rate_init < 1):
+            bad("rate_init", "None or a number in (0, 1)")
         if self.objective == "task" and self.partial != "carry":
             bad("partial", "'carry' with objective 'task' (its steps wait for the next token)")
         return self
@@ -318,10 +324,12 @@ class CMSLevel(nn.Module):
         self._init_special()
 
     def _init_special(self) -> None:
-        """Rate bias with ``sigmoid(b) = 1 / (2C)`` (see the module docstring). The language model
-        calls this again after its generic re-initialisation (which zeroes biases)."""
+        """Rate bias with ``sigmoid(b) = 1 / (2C)`` (see the module docstring), or ``Level.rate_init``.
+        The language model calls this again after its generic re-initialisation (which zeroes biases)."""
+        r = self.level.rate_init
+        b = -math.log(2 * self.level.period - 1) if r is None else math.log(r / (1 - r))
         with torch.no_grad():
-            self.rate.bias.fill_(-math.log(2 * self.level.period - 1))
+            self.rate.bias.fill_(b)
 
     def initial_state(self, batch_size: int, weights: tuple | None = None) -> LevelState:
         """Weights start shared (``[d, h]``, broadcast over the batch — no per-sample copies until the

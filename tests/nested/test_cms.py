@@ -352,6 +352,18 @@ def test_the_rate_starts_at_one_over_two_periods(period):
         assert torch.sigmoid(level.rate.bias).item() == pytest.approx(1 / (2 * period), rel=1e-6)
 
 
+def test_rate_init_sets_the_starting_rate_whatever_the_period():
+    for period, r in [(1, 1 / 32), (4, 0.5), (16, 0.9)]:
+        lv = CMSLevel(D, Level(period, rate_init=r))
+        assert torch.sigmoid(lv.rate.bias).item() == pytest.approx(r, rel=1e-6)
+        # the data-dependent rate at x = 0 is lr · rate_init / d (the module docstring's η_t)
+        eta = lv.level.lr * torch.sigmoid(lv.rate(torch.zeros(1, D))).item() / D
+        assert eta == pytest.approx(r / D, rel=1e-6)
+    for bad in (0, 1, -0.1, float("nan"), True):
+        with pytest.raises(ValueError, match="rate_init"):
+            Level(4, rate_init=bad).validate()
+
+
 def test_independent_levels_read_the_same_input_and_are_weighted():
     cms = _cms("independent", (2, 3))
     x = _x(9)

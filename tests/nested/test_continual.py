@@ -234,14 +234,28 @@ def test_mean_ci95_is_the_t_interval():
 
 def test_model_specs_controls():
     specs = model_specs(d_model=16, expansion=1.0, periods=(1, 4, 16, 64))
-    assert list(specs) == ["cms-1", "cms-2", "cms-3", "cms-4", "static-4", "flat-4", "hope-3", "wide-1"]
+    assert list(specs) == [
+        "cms-1", "cms-2", "cms-3", "cms-4", "static-4", "flat-4", "flat-4-rates", "hope-3", "wide-1"
+    ]  # fmt: skip
     assert [lv["period"] for lv in specs["cms-4"]] == [1, 4, 16, 64]
     assert all(lv["lr"] == 0 for lv in specs["static-4"])
     # the equal-capacity single-frequency control: cms-4's levels, every one at period 1
     assert specs["flat-4"] == [dict(lv, period=1) for lv in specs["cms-4"]]
+    # ... and the one whose levels also start at cms-4's rates 1/(2C)
+    assert specs["flat-4-rates"] == [
+        dict(lv, period=1, rate_init=1 / (2 * lv["period"])) for lv in specs["cms-4"]
+    ]
+    start = ContinualNet(50, 16, specs["flat-4-rates"]).cms.levels
+    chain = ContinualNet(50, 16, specs["cms-4"]).cms.levels
+    assert [torch.sigmoid(a.rate.bias).item() for a in start] == pytest.approx(
+        [torch.sigmoid(b.rate.bias).item() for b in chain], rel=1e-6
+    )
+    assert [torch.sigmoid(a.rate.bias).item() for a in start] == pytest.approx(
+        [1 / 2, 1 / 8, 1 / 32, 1 / 128]
+    )
     assert [lv["period"] for lv in specs["hope-3"]] == [8, 16, 32]  # the hope presets' CMS periods
     count = {n: sum(p.numel() for p in ContinualNet(50, 16, lv).parameters()) for n, lv in specs.items()}
-    assert count["static-4"] == count["cms-4"] == count["flat-4"]
+    assert count["static-4"] == count["cms-4"] == count["flat-4"] == count["flat-4-rates"]
     assert count["hope-3"] == count["cms-3"]
     assert abs(count["wide-1"] - count["cms-4"]) / count["cms-4"] < 0.01  # matched parameters
     assert len(specs["wide-1"]) == 1 and specs["wide-1"][0]["period"] == 1
@@ -332,6 +346,16 @@ def test_slow_rate_lr_scale_reaches_only_the_slow_levels_rates():
     plain = ContinualNet(20, 8, model_specs(8, 1.0, (1, 4, 16))["cms-3"])
     opt = make_optimizer(plain, TrainConfig(lr=1e-3, steps=10, warmup_steps=0, weight_decay=0.0))
     assert {g["lr"] for g in opt.param_groups} == {1e-3}
+    # the control with the chain's starting rates: its levels 2 and 3 stand in for the slow ones
+    ctrl = ContinualNet(20, 8, model_specs(8, 1.0, (1, 4, 16))["flat-3-rates"], slow_rate_lr_scale=10.0)
+    opt = make_optimizer(ctrl, TrainConfig(lr=1e-3, steps=10, warmup_steps=0, weight_decay=0.0))
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    fast, slow4, slow16 = ctrl.cms.levels
+    assert all(lv.level.period == 1 for lv in ctrl.cms.levels)
+    for p in [*slow4.rate.parameters(), *slow16.rate.parameters()]:
+        assert lr_of[id(p)] == pytest.approx(1e-2)
+    for p in [*fast.rate.parameters(), slow4.W_in, slow16.W_out]:
+        assert lr_of[id(p)] == pytest.approx(1e-3)
 
 
 def test_loss_fall_over_the_last_fifth_on_known_curves():
@@ -355,6 +379,8 @@ def test_claims_pair_each_chain_with_its_equal_capacity_control():
         ("hope-3", "cms-1"),
     ]
     assert claim_pairs(["cms-4", "flat-3"]) == []  # flat-3 has not cms-4's capacity
+    # the rate-matched control is paired with the cms chain (hope-3's periods are not its own)
+    assert claim_pairs(["cms-3", "flat-3-rates", "hope-3"]) == [("cms-3", "flat-3-rates")]
 
 
 def _fake_run(seed, value, losses):
@@ -391,6 +417,46 @@ def test_judge_claims_paired_verdicts():
     assert c["verdict"] == "not testable here" and "plateau" in c["why"]
     (c,) = judge_claims("abab", res([0.5, float("nan"), 0.7], [0.3, 0.35, 0.5]))  # a diverged seed
     assert c["n"] == 2 and c["verdict"] == "not testable here"
+
+
+def test_retention_claims_judge_the_age_drop_lower_is_better():
+    from mnemo.commands.continual import judge_claims
+
+    learned = [3.0, 2.9, 2.0, 1.0, 0.5, 0.4]
+
+    def run(seed, newest, oldest):
+        return {
+            "seed": seed, "oldest": oldest, "newest": newest, "age_drop": newest - oldest,
+            "loss_curve": [{"step": i, "loss": x} for i, x in enumerate(learned)],
+        }  # fmt: skip
+
+    def res(a, b):
+        return {
+            "cms-3": {"per_seed": [run(s, *v) for s, v in enumerate(a)]},
+            "flat-3": {"per_seed": [run(s, *v) for s, v in enumerate(b)]},
+        }
+
+    # cms-3 recalls less overall but loses less with age: oldest says flat-3, the drop says cms-3
+    cms = [(0.60, 0.50), (0.62, 0.55), (0.58, 0.50)]  # drops 0.10, 0.07, 0.08
+    flat = [(0.90, 0.60), (0.88, 0.62), (0.92, 0.58)]  # drops 0.30, 0.26, 0.34
+    on_oldest, on_drop = judge_claims("retention", res(cms, flat))
+    assert on_oldest["metric"] == "oldest" and on_oldest["verdict"] == "not reproduced"
+    assert on_drop["claim"] == "cms-3 forgets less by age than flat-3"
+    assert on_drop["verdict"] == "reproduced"
+    assert on_drop["differences"] == pytest.approx([0.20, 0.19, 0.26])  # flat's drop − cms's drop
+    # the opposite: cms-3 drops more
+    _, on_drop = judge_claims("retention", res(flat, cms))
+    assert on_drop["verdict"] == "not reproduced" and on_drop["high"] < 0
+    # both keep their oldest pairs at the ceiling: nothing to forget, not testable
+    full = [(1.0, 0.99), (0.99, 0.97), (1.0, 0.96)]
+    fuller = [(1.0, 1.0), (1.0, 0.999), (1.0, 0.998)]
+    _, on_drop = judge_claims("retention", res(fuller, full))
+    assert on_drop["verdict"] == "not testable here" and "no room to forget" in on_drop["why"]
+    # other experiments have no age claim
+    assert len(judge_claims("abab", {
+        "cms-3": {"per_seed": [_fake_run(s, 0.5, learned) for s in range(3)]},
+        "flat-3": {"per_seed": [_fake_run(s, 0.4, learned) for s in range(3)]},
+    })) == 1  # fmt: skip
 
 
 def _fake_result(seed: int, value: float, lr: float) -> dict:
