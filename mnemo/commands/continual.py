@@ -95,6 +95,7 @@ the slow levels' inner rates their own outer learning rate.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import platform
@@ -766,7 +767,8 @@ def judge_claims(experiment: str, results: dict) -> list[dict]:
     from ..sweep.recipe import judge_claim, left_plateau
 
     def cell(name, metric):
-        rows = [r for r in results[name]["per_seed"] if math.isfinite(r[metric])]
+        # (a diverged seed's value: nan in memory, null once written to continual.json)
+        rows = [r for r in results[name]["per_seed"] if r[metric] is not None and math.isfinite(r[metric])]
         return {
             "seeds": [r["seed"] for r in rows],
             "values": [r[metric] for r in rows],
@@ -801,6 +803,7 @@ def judge_claims(experiment: str, results: dict) -> list[dict]:
             metric=f"-{slope}",
             threshold=None,
         )
+        c["metric"] = f"{slope} (lower is better)"
         oldest = {n: dict(zip(cell(n, metric)["seeds"], cell(n, metric)["values"])) for n in (a, b)}
         full = [oldest[n].get(seed, 0.0) >= CEILING for n in (a, b) for seed in c["seeds"]]
         if c["verdict"] != "not testable here" and full and all(full):
@@ -848,7 +851,8 @@ def table(result: dict) -> str:
     )
     lines = [
         f"**{exp}** — {n} seeds, mean ± 95% t-interval half-width; chance {result['chance']:.3f}; "
-        f"wall time {result['wall_s']:.0f} s ({result.get('workers', 1)} worker processes); "
+        f"wall time {result['wall_s']:.0f} s ({result.get('workers', 1)} worker processes; the runs' own "
+        f"{run_seconds(result) / 60:.1f} min summed); "
         f"{s['steps']} outer steps (warm-up {s['warmup']}) × batch {s['batch_size']}; {how}"
         + (
             f"; slow levels' rate parameters at {s['slow_rate_lr_scale']:g}× the outer lr"
@@ -871,8 +875,9 @@ def table(result: dict) -> str:
         cells = []
         for m in metrics:
             sm = r["summary"][m]
-            ci = "n/a" if not math.isfinite(sm["ci95"]) else f"{sm['ci95']:.3f}"
-            cells.append(f"{sm['mean']:.3f} ± {ci}" + (f" (n={sm['n']})" if sm["n"] != n else ""))
+            cells.append(
+                f"{_num(sm['mean'])} ± {_num(sm['ci95'])}" + (f" (n={sm['n']})" if sm["n"] != n else "")
+            )
         div = ", ".join(f"seed {d['seed']} at step {d['step']}" for d in r["diverged"]) or "—"
         lines.append(
             f"| {name} | {lv} (lr {'/'.join(f'{x:g}' for x in lrs)}) | {r['parameters']:,} | "
@@ -905,6 +910,16 @@ def table(result: dict) -> str:
                 f"[{_num(c['low'], '+.3f')}, {_num(c['high'], '+.3f')}] | {c['verdict']} ({c['why']}) |"
             )
     return "\n".join(lines)
+
+
+def run_seconds(result: dict) -> float:
+    """The training time of every run of an experiment's result, summed (the reported seeds' and the
+    held-out seed's, s): what it costs to train, whether this call trained them or read them kept."""
+    total = 0.0
+    for m in result["models"].values():
+        total += sum(r.get("wall_s") or 0.0 for r in m["per_seed"])
+        total += sum(r.get("wall_s") or 0.0 for r in m.get("selection", {}).get("runs", []))
+    return total
 
 
 def _num(x, fmt=".3f") -> str:
@@ -1182,7 +1197,8 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--slow-rate-lr-scale",
         type=kinds.positive_float,
-        help="outer-lr multiplier of the inner-rate parameters of the levels with period > 1 (default 1)",
+        help="outer-lr multiplier of the inner-rate parameters of the slow levels: period > 1, or a "
+        "flat-k-rates level standing in for one (default 1)",
     )
     p.add_argument(
         "--warmup",
@@ -1202,14 +1218,34 @@ def add_commands(sub) -> None:
     p.set_defaults(func=_cmd)
 
 
-def _cmd(args) -> int:
-    old = [p.name for p in (Path(args.out) / "continual.json", Path(args.out) / "continual.md") if p.exists()]
-    if old and not args.force:
-        raise ValueError(
-            f"--out: {args.out} already holds results ({', '.join(old)}); pick another --out or pass --force"
-        )
+class _Refusal(ValueError):
+    """A command line that :func:`parse_command` refuses (argparse's message)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and exit the process
+        raise _Refusal(message)
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """The arguments of ``mnemo continual ARGV`` (a results page's ``<!-- mnemo:continual ARGV
+    -->`` line, :mod:`mnemo.sweep.reproduce`), checked as the CLI checks them.
+
+    Raises:
+        ValueError: what the CLI would refuse, with argparse's message.
+    """
+    parser = _Parser(prog="mnemo")
+    add_commands(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["continual", *argv])
+
+
+def run_arguments(args) -> tuple[tuple[str, ...], dict]:
+    """``(experiments, keyword arguments of :func:`run`)`` of parsed ``mnemo continual`` arguments.
+
+    Raises:
+        ValueError: arguments that contradict each other (``--lr`` with ``--lr-grid``, …).
+    """
     exps = EXPERIMENTS if args.experiment == "all" else (args.experiment,)
-    kept = [Path(args.out) / RUNS_DIR / e for e in exps if (Path(args.out) / RUNS_DIR / e).is_dir()]
     overrides = {}
     if args.steps is not None:
         overrides["steps"] = args.steps
@@ -1232,7 +1268,28 @@ def _cmd(args) -> int:
         raise ValueError("--m3-eps: ε is chosen from --eps-grid; pass one of the two")
     if args.task:
         overrides["task"] = _task_overrides(args.task, exps)
-    models = args.models.split(",") if args.models else None
+    return exps, {
+        "seeds": args.seeds,
+        "out": args.out,
+        "progress": not args.no_progress,
+        "overrides": overrides,
+        "models": args.models.split(",") if args.models else None,
+        "workers": args.workers,
+        "lr_grid": [float(x) for x in args.lr_grid.split(",")] if args.lr_grid else None,
+        "select_seed": args.select_seed,
+        "eps_grid": [float(x) for x in args.eps_grid.split(",")] if args.eps_grid else None,
+        "fresh": args.force,  # replacing the results retrains their runs too
+    }
+
+
+def _cmd(args) -> int:
+    old = [p.name for p in (Path(args.out) / "continual.json", Path(args.out) / "continual.md") if p.exists()]
+    if old and not args.force:
+        raise ValueError(
+            f"--out: {args.out} already holds results ({', '.join(old)}); pick another --out or pass --force"
+        )
+    exps, kwargs = run_arguments(args)
+    kept = [Path(args.out) / RUNS_DIR / e for e in exps if (Path(args.out) / RUNS_DIR / e).is_dir()]
     if kept and not args.force:
         n = sum(len(list(d.glob("*.json"))) for d in kept)
         print(
@@ -1240,19 +1297,7 @@ def _cmd(args) -> int:
             file=sys.stderr,
         )
     try:
-        res = run(
-            exps,
-            args.seeds,
-            args.out,
-            not args.no_progress,
-            overrides,
-            models,
-            args.workers,
-            [float(x) for x in args.lr_grid.split(",")] if args.lr_grid else None,
-            args.select_seed,
-            [float(x) for x in args.eps_grid.split(",")] if args.eps_grid else None,
-            fresh=args.force,  # replacing the results retrains their runs too
-        )
+        res = run(exps, **kwargs)
     except KeyboardInterrupt as e:
         e.then = (
             f"; the finished runs are kept in {Path(args.out) / RUNS_DIR}: run the same mnemo continual "

@@ -165,7 +165,7 @@ def _cmd_tasks(args) -> int:
 
 
 def _cmd_reproduce(args) -> int:
-    from ..sweep.reproduce import page_sweeps, reproduce_page
+    from ..sweep.reproduce import page_continual, page_sweeps, reproduce_page
 
     if args.partial and not args.no_run:
         raise ValueError(
@@ -173,7 +173,13 @@ def _cmd_reproduce(args) -> int:
             "it partial when runs fail)"
         )
     files = page_sweeps(args.page)  # errors (no directive, missing file) before anything runs
-    print(f"mnemo reproduce: {args.page}: {len(files)} sweep(s): {', '.join(map(str, files))}", flush=True)
+    commands = page_continual(args.page)
+    print(
+        f"mnemo reproduce: {args.page}: {len(files)} sweep(s)"
+        + (f": {', '.join(map(str, files))}" if files else "")
+        + (f"; {len(commands)} mnemo continual command(s)" if commands else ""),
+        flush=True,
+    )
     res = reproduce_page(
         args.page,
         run=not args.no_run,
@@ -269,7 +275,8 @@ def add_commands(sub) -> None:
         "reproduce",
         help="rebuild a results page: run or resume its sweeps, then rewrite its tables and figures",
         description="Run (or resume) every sweep a results page names in its "
-        "`<!-- mnemo:reproduce CONFIG -->` lines, then replace the text between its "
+        "`<!-- mnemo:reproduce CONFIG -->` lines (and every `mnemo continual` command in its "
+        "`<!-- mnemo:continual ARGS -->` lines), then replace the text between its "
         "`<!-- mnemo:begin NAME -->` / `<!-- mnemo:end NAME -->` markers with the commands, the table, "
         "the claims and the figure (mnemo.sweep.reproduce). Text outside the markers is kept.",
     )
@@ -295,8 +302,9 @@ def add_commands(sub) -> None:
         "--sweep",
         metavar="NAME",
         type=kinds.Text("sweep names, comma-separated"),
-        help="only these sweeps of the page (their 'name'), comma-separated; the page's other blocks are "
-        "left as they are (default: every sweep the page names)",
+        help="only these sweeps of the page (their 'name'; a mnemo continual line's block is named after "
+        "its --out folder), comma-separated; the page's other blocks are left as they are (default: every "
+        "sweep the page names)",
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_reproduce)

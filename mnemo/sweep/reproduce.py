@@ -10,12 +10,23 @@ and keeps the generated part of each between two markers::
     ... (the commands, the report's table and claims, the figure) ...
     <!-- mnemo:end zoology_equal_state -->
 
+A ``mnemo continual`` experiment (which is not a sweep: its runs are kept in its ``--out`` folder's
+``runs/``) is named by its command line instead; its block is named after the ``--out`` folder
+(``continual_retention`` below; ``continual_`` is put in front of a name that lacks it)::
+
+    <!-- mnemo:continual --experiment retention --seeds 3 ... --out docs/results/continual_retention -->
+
 :func:`reproduce_page` runs (or resumes: finished runs are never rerun) every named sweep with
 :func:`~mnemo.sweep.runner.run_sweep`, writes its report (:func:`~mnemo.sweep.report.write_report`:
 ``NAME.md``, ``NAME.json`` and the figures) into the page's folder ``docs/results/PAGE/``, and
 replaces the text between the sweep's markers (appending the block at the end of the page the
 first time). Everything outside the markers — the claim, the discussion, the verdict in words — is
 the author's and is left as it is. The page is written atomically (a temporary file, then a rename).
+
+For a continual line, :func:`mnemo.commands.continual.run` runs or resumes the command (finished
+runs whose code is unchanged are read from ``--out/runs/``, :func:`~mnemo.commands.continual.run_key`),
+rewrites ``--out``'s ``continual.json``, ``continual.md`` and figures, and the block gets the command,
+the tables with the claims (:func:`~mnemo.commands.continual.table`) and the figures.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from .runner import PENDING, default_paths, run_sweep, sweep_plan
 from .spec import SweepSpec
 
 DIRECTIVE = re.compile(r"^<!--\s*mnemo:reproduce\s+(\S+)\s*-->\s*$", re.M)
+CONTINUAL = re.compile(r"^<!--\s*mnemo:continual\s+(.+?)\s*-->\s*$", re.M)
 
 
 def _shown(p: str | Path) -> str:
@@ -47,14 +59,36 @@ def _markers(name: str) -> tuple[str, str]:
     return f"<!-- mnemo:begin {name} -->", f"<!-- mnemo:end {name} -->"
 
 
+def page_continual(page: str | Path) -> list[tuple[int, list[str]]]:
+    """The ``mnemo continual`` command lines a page names (its ``<!-- mnemo:continual ARGS -->``
+    lines) as ``(line number, argv)``; ``[]`` when it names none.
+
+    Raises:
+        ValueError: a line that does not parse as shell words.
+    """
+    import shlex
+
+    page = Path(page)
+    text = page.read_text(encoding="utf-8")
+    out = []
+    for m in CONTINUAL.finditer(text):
+        line = text[: m.start()].count("\n") + 1
+        try:
+            out.append((line, shlex.split(m.group(1))))
+        except ValueError as e:
+            raise ValueError(f"{page}:{line}: the mnemo:continual line does not parse ({e})") from None
+    return out
+
+
 def page_sweeps(page: str | Path) -> list[Path]:
     """The sweep files a page names (its ``<!-- mnemo:reproduce PATH -->`` lines), resolved
     against the page's folder and its parents (the page's own checkout), else against the working
-    directory: the same page names the same files from any working directory.
+    directory: the same page names the same files from any working directory. ``[]`` for a page
+    that names only ``mnemo continual`` commands (:func:`page_continual`).
 
     Raises:
         FileNotFoundError: the page, or a sweep file it names, does not exist.
-        ValueError: the page names no sweep, or is not UTF-8 text.
+        ValueError: the page names no sweep and no continual command, or is not UTF-8 text.
     """
     page = Path(page)
     if not page.is_file():
@@ -81,12 +115,87 @@ def page_sweeps(page: str | Path) -> list[Path]:
                 "working directory)"
             )
         found.append(Path(_shown(hit)))
-    if not found:
+    if not found and not CONTINUAL.search(text):
         raise ValueError(
             f"{page} names no sweep: add one line `<!-- mnemo:reproduce configs/....yaml -->` per sweep "
-            "whose table the page reports"
+            "whose table the page reports (or `<!-- mnemo:continual ARGS -->` per mnemo continual command)"
         )
     return found
+
+
+def _continual_jobs(page: Path, *, run: bool) -> list[dict]:
+    """Each ``mnemo:continual`` line of ``page``, checked before anything runs: ``{"line", "argv",
+    "name" (its block: ``--out``'s folder name, prefixed with ``continual_`` unless it starts
+    with ``continual``), "out", "experiments", "kwargs"}``.
+
+    Raises:
+        ValueError: a line the CLI refuses, one with ``--force`` (it would retrain every run at each
+            rebuild), two lines with one block name.
+        FileNotFoundError: ``run=False`` and the line's ``--out`` holds no ``continual.json`` with
+            its experiments.
+    """
+    import json
+
+    from ..commands import continual
+
+    jobs: list[dict] = []
+    for line, argv in page_continual(page):
+        where = f"{page}:{line}"
+        try:
+            args = continual.parse_command(argv)
+            if args.force:
+                raise ValueError(
+                    "--force: it retrains every run at each rebuild; the page's line resumes from the kept "
+                    "runs (delete them to retrain)"
+                )
+            exps, kwargs = continual.run_arguments(args)
+        except ValueError as e:
+            raise ValueError(f"{where}: mnemo continual {' '.join(argv)}: {e}") from None
+        out = Path(args.out)
+        folder = out.resolve().name
+        name = folder if folder.startswith("continual") else f"continual_{folder}"
+        if any(j["name"] == name for j in jobs):
+            raise ValueError(f"{where}: a second mnemo:continual line writes to {out.name}: block {name!r}")
+        if not run:
+            path = out / "continual.json"
+            held = json.loads(path.read_text()).get("experiments", {}) if path.is_file() else {}
+            missing = [e for e in exps if e not in held]
+            if missing:
+                raise FileNotFoundError(
+                    f"{where}: {path} holds no results of {', '.join(missing)}; run the command (drop "
+                    "--no-run)"
+                )
+        jobs.append(
+            {"line": line, "argv": argv, "name": name, "out": out, "experiments": exps, "kwargs": kwargs}
+        )
+    return jobs
+
+
+def _continual_block(page: Path, job: dict, results: dict) -> str:
+    """The generated block of one ``mnemo:continual`` line: the command, each experiment's table
+    with its claims judged again from the kept numbers (:func:`~mnemo.commands.continual.judge_claims`:
+    the current rules, on the stored values), and the figures."""
+    import shlex
+
+    from ..commands import continual
+
+    rel = os.path.relpath(job["out"], page.parent)
+    lines = [
+        f"*Generated by `mnemo reproduce {_shown(page)}` from its `mnemo:continual` line; edits between "
+        "these markers are replaced.* Command (it resumes from the runs kept in its `--out`'s `runs/`):",
+        "",
+        "```bash",
+        f"OMP_NUM_THREADS=1 mnemo continual {shlex.join(job['argv'])}",
+        "```",
+        "",
+    ]
+    for exp in job["experiments"]:
+        r = results[exp]
+        r = {**r, "claims": continual.judge_claims(exp, r["models"])}
+        lines += [continual.table(r), ""]
+        if (job["out"] / f"{exp}.png").is_file():
+            lines += [f"![{exp}]({rel}/{exp}.png)", ""]
+    return "\n".join(lines).rstrip()
 
 
 def _pending(plan) -> dict[str, int]:
@@ -170,15 +279,17 @@ def reproduce_page(
     """Run or resume every sweep ``page`` names, then rewrite its generated blocks and figures.
 
     Args:
-        page: a markdown results page with ``<!-- mnemo:reproduce PATH -->`` lines.
+        page: a markdown results page with ``<!-- mnemo:reproduce PATH -->`` lines and/or
+            ``<!-- mnemo:continual ARGS -->`` lines (those are run after the sweeps; their
+            ``report`` and ``counts`` are ``None``).
         run: ``False`` rebuilds the page from the databases as they are (no training).
         jobs, threads: worker processes and torch threads each (:func:`run_sweep`).
         progress: a progress bar per sweep. log: where progress lines go.
         partial: with ``run=False``, write the page even when a sweep has runs left to train
             (its block then opens with a **Partial** line counting them); without it that is an
             error and the page is left as it is.
-        only: the names of the sweeps to run and rewrite (default: every sweep the page names);
-            the page's other blocks are left as they are.
+        only: the names of the sweeps (or continual blocks, named after their ``--out``) to run and rewrite
+            (default: every one the page names); the page's other blocks are left as they are.
 
     The page reports exactly the runs each sweep file defines as it reads now
     (:func:`~mnemo.sweep.runner.sweep_plan`): runs that the database holds under the same sweep
@@ -202,8 +313,9 @@ def reproduce_page(
     out: dict = {}
     text = page.read_text()
     specs = [(path, SweepSpec.load(path)) for path in files]
+    cjobs = _continual_jobs(page, run=run)
     if only is not None:
-        names = [spec.name for _, spec in specs]
+        names = [spec.name for _, spec in specs] + [j["name"] for j in cjobs]
         unknown = [n for n in only if n not in names]
         if unknown or not only:
             raise ValueError(
@@ -211,6 +323,7 @@ def reproduce_page(
                 f"{', '.join(map(repr, names))}"
             )
         specs = [(path, spec) for path, spec in specs if spec.name in only]
+        cjobs = [j for j in cjobs if j["name"] in only]
     _refuse_foreign_outputs(page, folder, text, specs)
     if not run:  # every sweep checked before any page or report file is written
         for path, spec in specs:
@@ -275,6 +388,23 @@ def reproduce_page(
         out[spec.name] = {"counts": counts, "report": report, "elapsed_s": elapsed, "pending": pending}
         if pending:
             log(f"{spec.name}: partial: {_pending_text(pending)}")
+    for job in cjobs:
+        import json
+
+        from ..commands import continual
+
+        t0 = time.perf_counter()
+        if run:
+            res = continual.run(job["experiments"], **{**job["kwargs"], "progress": progress})["experiments"]
+        else:
+            res = json.loads((job["out"] / "continual.json").read_text())["experiments"]
+        text = _replace_block(text, job["name"], _continual_block(page, job, res), page)
+        out[job["name"]] = {
+            "counts": None,
+            "report": None,
+            "elapsed_s": time.perf_counter() - t0,
+            "pending": {},
+        }
     tmp = page.with_name(f".{page.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, page)

@@ -337,3 +337,83 @@ def test_a_sweep_refuses_a_database_holding_its_runs_under_another_name(tmp_path
     with SweepDB(tmp_path / "runs" / "sweeps" / "tiny.sqlite", create=False) as db:
         assert db.sweeps() == ["tiny"]
     assert main(["sweep", "configs/tiny2.yaml", "--no-progress"]) == 0  # its own database: fine
+
+
+def _fake_retention(calls):
+    """``train_one`` for the retention task with known numbers: recall of the oldest pairs 0.5 (cms-1)
+    or 0.8 (cms-3) + 0.01·seed, of the newest 0.9 for both."""
+
+    def train(experiment, task, levels, s, seed, bar=None):
+        calls.append((len(levels), s.lr, seed))
+        oldest = (0.5 if len(levels) == 1 else 0.8) + 0.01 * (seed % 100) - (s.lr != 1e-2) * 0.1
+        by_age = [0.9, 0.8, 0.7, oldest]
+        return {
+            "seed": seed, "oldest": oldest, "newest": 0.9, "recall": sum(by_age) / 4,
+            "age_drop": 0.9 - oldest,
+            "accuracy_by_tag": {f"age_{j}": v for j, v in enumerate(by_age)}, "final_train_loss": 1.0,
+            "loss_curve": [{"step": i, "loss": x} for i, x in enumerate([3.0, 2.9, 2.0, 1.0, 0.5, 0.4])],
+            "loss_fall_last_fifth": 0.0, "diverged_at_step": None, "wall_s": 30.0, "lr": s.lr,
+        }  # fmt: skip
+
+    return train
+
+
+def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, monkeypatch):
+    import mnemo.commands.continual as cont
+
+    calls = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cont, "train_one", _fake_retention(calls))
+    line = (
+        "--experiment retention --seeds 3 --steps 2 --eval-streams 4 --lr-grid 3e-3,1e-2,3e-2 "
+        "--models cms-1,cms-3 --periods 1,4,16 --workers 1 --no-progress --out docs/results/continual_ret"
+    )
+    page = tmp_path / "docs" / "results" / "cont.md"
+    page.parent.mkdir(parents=True)
+    page.write_text(f"# Continual\n\nThe claim.\n\n<!-- mnemo:continual {line} -->\n\nThe verdict.\n")
+    res = reproduce_page(page, progress=False, log=lambda s: None)
+    assert len(calls) == 2 * (3 + 3)  # held-out seed at 3 rates + 3 reported seeds, per model
+    assert set(res) == {"continual_ret"} and res["continual_ret"]["report"] is None
+    text = page.read_text()
+    assert text.startswith("# Continual\n\nThe claim.\n") and "The verdict.\n" in text
+    assert text.count("<!-- mnemo:begin continual_ret -->") == 1
+    assert f"OMP_NUM_THREADS=1 mnemo continual {line}" in text
+    # the numbers: both at lr 1e-2 (the held-out seed's best), seeds 0-2: oldest 0.50/0.51/0.52 and
+    # 0.80/0.81/0.82, so each paired difference is exactly +0.3, on oldest and on the age drop
+    assert "| cms-1 | 1×1 (lr 1) |" in text and "| 0.01 | 0.510 ± 0.025 |" in text
+    assert "| cms-3 > cms-1 | oldest | 3 | +0.300 [+0.300, +0.300] | reproduced" in text
+    assert "| cms-3 forgets less by age than cms-1 | age_drop (lower is better) | 3 | +0.300" in text
+    assert "the runs' own 6.0 min summed" in text  # 12 runs × 30 s
+    assert "![retention](continual_ret/retention.png)" in text
+    assert (tmp_path / "docs/results/continual_ret/retention.png").is_file()
+
+    # again: every run is read from --out/runs/, nothing trains; then without running at all
+    calls.clear()
+    page.write_text(page.read_text().replace("The verdict.", "The verdict, revised."))
+    reproduce_page(page, progress=False, log=lambda s: None)
+    reproduce_page(page, run=False, progress=False, log=lambda s: None)
+    text = page.read_text()
+    assert calls == [] and text.count("<!-- mnemo:begin continual_ret -->") == 1
+    assert "The verdict, revised." in text and "+0.300 [+0.300, +0.300] | reproduced" in text
+
+
+def test_a_continual_line_is_checked_before_anything_runs(tmp_path, monkeypatch):
+    import mnemo.commands.continual as cont
+
+    calls = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cont, "train_one", _fake_retention(calls))
+    page = tmp_path / "p.md"
+    for bad, match in [
+        ("--experiment retention --lr 1e-2 --lr-grid 1e-3,1e-2,3e-2 --out o", r"p.md:3: .*--lr: each model"),
+        ("--experiment retention --models cms-1 --out o --force", r"p.md:3: .*--force: it retrains"),
+        ("--experiment nope --out o", r"p.md:3: .*invalid choice: 'nope'"),
+        ("--experiment retention --out 'o", r"p.md:3: the mnemo:continual line does not parse"),
+    ]:
+        page.write_text(f"# p\n\n<!-- mnemo:continual {bad} -->\n")
+        with pytest.raises(ValueError, match=match):
+            reproduce_page(page, progress=False, log=lambda s: None)
+    page.write_text("# p\n\n<!-- mnemo:continual --experiment retention --models cms-1 --out o -->\n")
+    with pytest.raises(FileNotFoundError, match=r"o/continual.json holds no results of retention"):
+        reproduce_page(page, run=False, progress=False, log=lambda s: None)
+    assert calls == [] and "mnemo:begin" not in page.read_text()
