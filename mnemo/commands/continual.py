@@ -431,6 +431,9 @@ def _still_falling(curve: list[dict]) -> float:
     return (a - b) / a if a else float("nan")
 
 
+#: the held-out seed that chooses the learning rate when ``select_seed`` is not given
+SELECT_SEED = 1000
+
 #: the metric a learning rate is chosen on and the claims are judged on, per experiment
 PRIMARY = {
     "abab": "A_after_B",
@@ -553,7 +556,7 @@ def run_experiment(
                 )
     if lr_grid is not None:
         lr_grid = sorted(float(x) for x in lr_grid)
-        select_seed = 1000 if select_seed is None else select_seed
+        select_seed = SELECT_SEED if select_seed is None else select_seed
         problems = recipe_problems(lr_grid, [*range(seeds), select_seed], select_seed, where="lr_grid")
         if select_seed < seeds:
             problems.append(

@@ -377,6 +377,8 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
     text = page.read_text()
     assert text.startswith("# Continual\n\nThe claim.\n") and "The verdict.\n" in text
     assert text.count("<!-- mnemo:begin continual_ret -->") == 1
+    # the first block goes right below its line, not at the page's end
+    assert text.index(line) < text.index("<!-- mnemo:begin continual_ret -->") < text.index("The verdict.")
     assert f"OMP_NUM_THREADS=1 mnemo continual {line}" in text
     # the numbers: both at lr 1e-2 (the held-out seed's best), seeds 0-2: oldest 0.50/0.51/0.52 and
     # 0.80/0.81/0.82, so each paired difference is exactly +0.3, on oldest and on the age drop
@@ -395,6 +397,21 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
     text = page.read_text()
     assert calls == [] and text.count("<!-- mnemo:begin continual_ret -->") == 1
     assert "The verdict, revised." in text and "+0.300 [+0.300, +0.300] | reproduced" in text
+    # a line that no longer says what the kept results ran is refused without --no-run's rebuild
+    for edit, says in [
+        (("--steps 2", "--steps 3"), "steps 2 against 3"),
+        (("--models cms-1,cms-3", "--models cms-3"), "models ['cms-1', 'cms-3'] against --models ['cms-3']"),
+        (("--lr-grid 3e-3,1e-2,3e-2", "--lr-grid 3e-3,1e-2,1e-1"), "lr_grid [0.003, 0.01, 0.03] against"),
+        (("--periods 1,4,16", "--periods 1,4"), "periods [1, 4, 16] against (1, 4)"),
+        (("--seeds 3", "--seeds 2"), "seeds [0, 1, 2] against --seeds 2"),
+    ]:
+        page.write_text(text.replace(*edit))
+        with pytest.raises(ValueError, match=r"cont.md:5: .*holds results of another command"):
+            try:
+                reproduce_page(page, run=False, progress=False, log=lambda s: None)
+            except ValueError as e:
+                assert says in str(e)
+                raise
 
 
 def test_a_continual_line_is_checked_before_anything_runs(tmp_path, monkeypatch):
