@@ -70,8 +70,10 @@ consecutive groups in the order shown), shuffled; the pairs start after a random
 Metrics: ``age_0`` (the newest group) … ``age_3`` (the oldest), ``oldest``, ``newest``, ``recall``
 (all queries) and ``age_drop = newest − oldest``: a memory that forgets by age has ``age_drop >
 0``. The claims are judged on ``oldest`` (the multi-frequency chain keeps the oldest pairs better
-than its equal-capacity single-frequency control) and on ``age_drop``, lower better ("forgets less
-by age"): the second tells a chain that keeps old pairs from one that is better everywhere. 8
+than its equal-capacity single-frequency control) and on forgetting *by age* ("forgets less by age":
+the share of its newest recall above chance that a model keeps at the oldest age,
+:func:`retained_share`, higher better): the second tells a chain that keeps old pairs from one that
+is better everywhere, which ``age_drop`` alone does not (it favours a memory that holds little). 8
 queries against 24 pairs keep the queries' own writes few (``class_incremental``'s final block
 writes 2 queries per class: 16 at the defaults). At 24 pairs a ``d_model = 16`` memory recalls its
 newest pairs well enough for an age slope to show (at 48 the newest were already at 0.2–0.35 in a
@@ -276,8 +278,8 @@ class Settings:
     #: the outer optimizer: "adamw" or "m3" (:func:`mnemo.train.optim.make_optimizer`), and M3's ε
     optimizer: str = "adamw"
     m3_eps: float = 1e-2
-    #: outer-lr multiplier of the rate parameters (``w_η``, ``b_η``) of the levels with period > 1
-    #: (:class:`ContinualNet`)
+    #: outer-lr multiplier of the rate parameters (``w_η``, ``b_η``) of the slow levels: period > 1,
+    #: or a ``flat-k-rates`` level standing in for one (:class:`ContinualNet`)
     slow_rate_lr_scale: float = 1.0
 
 
@@ -408,14 +410,19 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         "final_train_loss": sum(tail) / len(tail),
         "loss_curve": curve,
         "loss_fall_last_fifth": _still_falling(curve),
-        "rate_scale": [torch.sigmoid(lv.rate.bias).item() * 2 * lv.level.period for lv in model.cms.levels],
-        # sigmoid(b_η) per level after training (it starts at 1/(2C), or Level.rate_init)
+        # sigmoid(b_η) per level after training over its start (1/(2C), or Level.rate_init): 1 = unmoved
+        "rate_scale": [torch.sigmoid(lv.rate.bias).item() / _rate_start(lv.level) for lv in model.cms.levels],
         "rate_sigmoid_bias": [torch.sigmoid(lv.rate.bias).item() for lv in model.cms.levels],
         "lr": s.lr,
         **({"m3_eps": s.m3_eps} if s.optimizer == "m3" else {}),
         "diverged_at_step": diverged,
         "wall_s": time.time() - t0,
     }
+
+
+def _rate_start(level) -> float:
+    """``sigmoid(b_η)`` of a level at initialisation (:meth:`mnemo.layers.cms.CMSLevel._init_special`)."""
+    return level.rate_init if level.rate_init is not None else 1 / (2 * level.period)
 
 
 #: points of a run's training-loss curve (``loss_curve``: the mean loss of each window of steps)
@@ -723,7 +730,7 @@ def run_experiment(
         "lr_grid": lr_grid,
         "eps_grid": eps_grid,
         "models": results,
-        "claims": judge_claims(experiment, results),
+        "claims": judge_claims(experiment, results, _chance(experiment, task)),
         "workers": workers,
         "cms_md5": cms_md5,  # the cms.py the runs of this experiment imported (checked at its start)
         "wall_s": time.time() - t0,
@@ -753,20 +760,33 @@ def claim_pairs(models) -> list[tuple[str, str]]:
     return pairs
 
 
-#: per experiment, a second metric the claims are judged on, where a lower value is better:
-#: retention's ``age_drop`` (newest − oldest recall), the claim about forgetting *by age*, which
-#: ``oldest`` alone mixes with how much a memory holds at all
-SLOPE_CLAIMS = {"retention": "age_drop"}
+#: a model whose newest recall is less than this above chance holds too little for its share
+#: retained with age to mean anything (:func:`judge_claims`)
+FLOOR = 0.1
 
 
-def judge_claims(experiment: str, results: dict) -> list[dict]:
+def retained_share(newest: float, oldest: float, chance: float) -> float:
+    """The share of a memory's recall above chance at the newest age that it keeps at the oldest,
+    ``(oldest − chance) / (newest − chance)``: 1 for no forgetting by age, 0 for oldest at chance,
+    above 1 when the oldest pairs are recalled better than the newest; ``nan`` when the newest are
+    at or below chance. Unlike ``age_drop`` it does not reward a memory for holding little: at
+    chance 1/16, one falling from 0.3 to 0.25 drops less (0.05) than one falling from 0.9 to 0.8
+    (0.1) but keeps a smaller share (0.79 against 0.88); two flat curves both give 1."""
+    held = newest - chance
+    return (oldest - chance) / held if held > 0 else float("nan")
+
+
+def judge_claims(experiment: str, results: dict, chance: float | None = None) -> list[dict]:
     """Paired verdicts (:func:`mnemo.sweep.recipe.judge_claim`) on the :data:`PRIMARY` metric for
-    :func:`claim_pairs`, then (retention) on :data:`SLOPE_CLAIMS`'s ``age_drop``, lower better,
-    named ``"a forgets less by age than b"``. A seed whose training loss never fell 5% below its
-    first half's level is on the plateau (:func:`mnemo.sweep.recipe.left_plateau` of the loss
-    curve); a diverged seed has no value (its pair is dropped). An ``age_drop`` claim is not
-    testable when every run of both models recalls even its oldest pairs at :data:`CEILING` or
-    above (no room to forget)."""
+    :func:`claim_pairs`, then, for retention with ``chance`` given, the claim about forgetting *by
+    age* (``"a forgets less by age than b"``) on :func:`retained_share`, higher better: ``oldest``
+    alone mixes forgetting by age with how much a memory holds at all, and ``age_drop`` favours a
+    memory that holds little. A seed whose training loss never fell 5% below its first half's
+    level is on the plateau (:func:`mnemo.sweep.recipe.left_plateau` of the loss curve); a diverged
+    seed has no value (its pair is dropped). The share claim is not testable when a run of either
+    model recalls its newest pairs less than :data:`FLOOR` above chance (nothing to keep), or when
+    every run of both recalls even its oldest pairs at :data:`CEILING` or above (no room to
+    forget)."""
     from ..sweep.recipe import judge_claim, left_plateau
 
     def cell(name, metric):
@@ -775,6 +795,7 @@ def judge_claims(experiment: str, results: dict) -> list[dict]:
         return {
             "seeds": [r["seed"] for r in rows],
             "values": [r[metric] for r in rows],
+            "newest": [r.get("newest") for r in rows],
             "plateau": [
                 left_plateau(
                     [{"step": c["step"], "val_loss": c["loss"]} for c in r["loss_curve"]], "val_loss"
@@ -795,25 +816,38 @@ def judge_claims(experiment: str, results: dict) -> list[dict]:
         )
         for a, b in pairs
     ]
-    slope = SLOPE_CLAIMS.get(experiment)
-    for a, b in pairs if slope else []:
-        ca, cb = cell(a, slope), cell(b, slope)
-        # judged on the negated drop: a positive paired difference then favours ``a`` (a smaller drop)
+    if experiment != "retention" or chance is None:
+        return out
+    for a, b in pairs:
+        ca, cb = cell(a, metric), cell(b, metric)
+        share = [
+            {**c, "values": [retained_share(n, o, chance) for n, o in zip(c["newest"], c["values"])]}
+            for c in (ca, cb)
+        ]
         c = judge_claim(
             {"name": f"{a} forgets less by age than {b}", "better": a, "than": b},
-            {**ca, "values": [-v for v in ca["values"]]},
-            {**cb, "values": [-v for v in cb["values"]]},
-            metric=f"-{slope}",
+            share[0],
+            share[1],
+            metric="retained_share",
             threshold=None,
         )
-        c["metric"] = f"{slope} (lower is better)"
-        oldest = {n: dict(zip(cell(n, metric)["seeds"], cell(n, metric)["values"])) for n in (a, b)}
-        full = [oldest[n].get(seed, 0.0) >= CEILING for n in (a, b) for seed in c["seeds"]]
-        if c["verdict"] != "not testable here" and full and all(full):
-            c["verdict"] = "not testable here"
-            c["why"] = (
-                f"every run of both recalls its oldest pairs at ≥ {CEILING:g}: no room to forget by age"
-            )
+        c["metric"] = "retained share (oldest − chance) / (newest − chance)"
+        if c["verdict"] != "not testable here":
+            newest = {n: dict(zip(x["seeds"], x["newest"])) for n, x in ((a, ca), (b, cb))}
+            oldest = {n: dict(zip(x["seeds"], x["values"])) for n, x in ((a, ca), (b, cb))}
+            low = [n for n in (a, b) if any(newest[n][seed] - chance < FLOOR for seed in c["seeds"])]
+            full = [oldest[n][seed] >= CEILING for n in (a, b) for seed in c["seeds"]]
+            if low:
+                c["verdict"] = "not testable here"
+                c["why"] = (
+                    f"{' and '.join(low)}: newest recall less than {FLOOR:g} above chance on some seed: "
+                    "too little held to measure what is kept"
+                )
+            elif full and all(full):
+                c["verdict"] = "not testable here"
+                c["why"] = (
+                    f"every run of both recalls its oldest pairs at ≥ {CEILING:g}: no room to forget by age"
+                )
         out.append(c)
     return out
 
@@ -1237,6 +1271,8 @@ def parse_command(argv: list[str]) -> argparse.Namespace:
     Raises:
         ValueError: what the CLI would refuse, with argparse's message.
     """
+    if {"-h", "--help"} & set(argv):
+        raise ValueError("-h/--help: a command line to run, not to print its help, is expected")
     parser = _Parser(prog="mnemo")
     add_commands(parser.add_subparsers(dest="command"))
     return parser.parse_args(["continual", *argv])

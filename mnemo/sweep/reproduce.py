@@ -129,22 +129,28 @@ def page_sweeps(page: str | Path) -> list[Path]:
     return found
 
 
-def _continual_jobs(page: Path, *, run: bool) -> list[dict]:
-    """Each ``mnemo:continual`` line of ``page``, checked before anything runs: ``{"line", "argv",
+def _page_root(page: Path) -> Path | None:
+    """The checkout a page lives in: its nearest parent holding ``pyproject.toml`` or ``.git``."""
+    return next(
+        (p for p in page.resolve().parents if (p / "pyproject.toml").is_file() or (p / ".git").exists()), None
+    )
+
+
+def _continual_jobs(page: Path) -> list[dict]:
+    """Each ``mnemo:continual`` line of ``page``, parsed before anything runs: ``{"line", "argv",
     "name" (its block: ``--out``'s folder name, prefixed with ``continual_`` unless it starts
-    with ``continual``), "out", "experiments", "kwargs"}``.
+    with ``continual``), "out", "experiments", "kwargs"}``. A relative ``--out`` is resolved like
+    a sweep file (:func:`page_sweeps`): against the page's checkout (its nearest parent with
+    ``pyproject.toml`` or ``.git``), else the working directory.
 
     Raises:
         ValueError: a line the CLI refuses, one with ``--force`` (it would retrain every run at each
             rebuild), two lines with one block name.
-        FileNotFoundError: ``run=False`` and the line's ``--out`` holds no ``continual.json`` with
-            its experiments.
     """
-    import json
-
     from ..commands import continual
 
     jobs: list[dict] = []
+    root = _page_root(page)
     for line, argv in page_continual(page):
         where = f"{page}:{line}"
         try:
@@ -158,49 +164,74 @@ def _continual_jobs(page: Path, *, run: bool) -> list[dict]:
         except ValueError as e:
             raise ValueError(f"{where}: mnemo continual {' '.join(argv)}: {e}") from None
         out = Path(args.out)
+        if not out.is_absolute():
+            out = (root or Path.cwd()) / out
+        kwargs["out"] = out
         folder = out.resolve().name
         name = folder if folder.startswith("continual") else f"continual_{folder}"
         if any(j["name"] == name for j in jobs):
             raise ValueError(f"{where}: a second mnemo:continual line writes to {out.name}: block {name!r}")
-        if not run:
-            path = out / "continual.json"
-            held = json.loads(path.read_text()).get("experiments", {}) if path.is_file() else {}
-            missing = [e for e in exps if e not in held]
-            if missing:
-                raise FileNotFoundError(
-                    f"{where}: {path} holds no results of {', '.join(missing)}; run the command (drop "
-                    "--no-run)"
-                )
-            differ = [f"{e}: {d}" for e in exps for d in _continual_mismatch(held[e], kwargs)]
-            if differ:
-                raise ValueError(
-                    f"{where}: {path} holds results of another command than the page's line ("
-                    + "; ".join(differ)
-                    + "): fix the line, or run it (drop --no-run)"
-                )
         jobs.append(
             {"line": line, "argv": argv, "name": name, "out": out, "experiments": exps, "kwargs": kwargs}
         )
     return jobs
 
 
-def _continual_mismatch(result: dict, kwargs: dict) -> list[str]:
+def _check_stored(page: Path, job: dict) -> None:
+    """``--no-run``: the line's ``--out`` must hold ``continual.json`` with results of every one of
+    its experiments, made by the command the line names (:func:`_continual_mismatch`).
+
+    Raises:
+        FileNotFoundError: no such results. ValueError: results of another command.
+    """
+    import json
+
+    where, path = f"{page}:{job['line']}", job["out"] / "continual.json"
+    held = json.loads(path.read_text()).get("experiments", {}) if path.is_file() else {}
+    missing = [e for e in job["experiments"] if e not in held]
+    if missing:
+        raise FileNotFoundError(
+            f"{where}: {_shown(path)} holds no results of {', '.join(missing)}; run the command "
+            "(drop --no-run)"
+        )
+    differ = [f"{e}: {d}" for e in job["experiments"] for d in _continual_mismatch(e, held[e], job["kwargs"])]
+    if differ:
+        raise ValueError(
+            f"{where}: {_shown(path)} holds results of another command than the page's line ("
+            + "; ".join(differ)
+            + "): fix the line, or run it (drop --no-run)"
+        )
+
+
+def _continual_mismatch(experiment: str, result: dict, kwargs: dict) -> list[str]:
     """Where one experiment's stored ``result`` (``continual.json``) differs from what the line's
-    :func:`~mnemo.commands.continual.run` arguments ``kwargs`` would train: the seeds, the models,
-    the grids and every setting or task size the line sets."""
+    :func:`~mnemo.commands.continual.run` arguments ``kwargs`` would train: the seeds, the models
+    (the default set when the line names none), the grids and the held-out seed, every
+    :class:`~mnemo.commands.continual.Settings` field and every task size — defaults included, so a
+    flag dropped from the line counts as much as one changed. A field that results written by
+    older code do not record is compared with its default (a task size they do not record is
+    skipped: older tasks had fewer)."""
+    from dataclasses import asdict, fields
+
     from ..commands import continual
 
     def same(a, b):
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
             return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
         return a == b
 
     out = []
+    overrides = kwargs["overrides"] or {}
+    settings = continual.Settings(**{**asdict(continual.DEFAULTS[experiment]), **overrides})
     if result["seeds"] != list(range(kwargs["seeds"])):
         out.append(f"seeds {result['seeds']} against --seeds {kwargs['seeds']}")
     models = kwargs["models"]
-    if models is not None and set(result["models"]) != set(models):
-        out.append(f"models {sorted(result['models'])} against --models {sorted(models)}")
+    if models is None:
+        models = list(continual.model_specs(settings.d_model, settings.expansion, settings.periods))
+    if set(result["models"]) != set(models):
+        out.append(f"models {sorted(result['models'])} against {sorted(models)}")
     for key in ("lr_grid", "eps_grid"):
         want = sorted(kwargs[key]) if kwargs[key] is not None else None
         if not same(result.get(key), want):
@@ -210,13 +241,16 @@ def _continual_mismatch(result: dict, kwargs: dict) -> list[str]:
         want_seed = kwargs["select_seed"] if kwargs["select_seed"] is not None else continual.SELECT_SEED
         if chosen_on != {want_seed}:
             out.append(f"held-out seed {sorted(chosen_on, key=str)} against --select-seed {want_seed}")
-    for key, value in (kwargs["overrides"] or {}).items():
-        if key == "task":
-            for k, v in value.items():
-                if result["task"].get(k) != v:
-                    out.append(f"task {k}={result['task'].get(k)} against --task {k}={v}")
-        elif not same(result["settings"].get(key), value):
-            out.append(f"{key} {result['settings'].get(key)} against {value}")
+    stored = result["settings"]
+    for f in fields(continual.Settings):
+        want = getattr(settings, f.name)
+        have = stored[f.name] if f.name in stored else asdict(continual.Settings())[f.name]
+        if not same(have, want):
+            out.append(f"{f.name} {have} against {want}")
+    task = asdict(continual.make_task(experiment, **settings.task))
+    for k, v in task.items():
+        if k in result["task"] and not same(result["task"][k], v):
+            out.append(f"task {k}={result['task'][k]} against {k}={v}")
     return out
 
 
@@ -241,7 +275,7 @@ def _continual_block(page: Path, job: dict, results: dict) -> str:
     ]
     for exp in job["experiments"]:
         r = results[exp]
-        r = {**r, "claims": continual.judge_claims(exp, r["models"])}
+        r = {**r, "claims": continual.judge_claims(exp, r["models"], r["chance"])}
         lines += [continual.table(r), ""]
         if (job["out"] / f"{exp}.png").is_file():
             lines += [f"![{exp}]({rel}/{exp}.png)", ""]
@@ -369,7 +403,7 @@ def reproduce_page(
     out: dict = {}
     text = page.read_text()
     specs = [(path, SweepSpec.load(path)) for path in files]
-    cjobs = _continual_jobs(page, run=run)
+    cjobs = _continual_jobs(page)
     if only is not None:
         names = [spec.name for _, spec in specs] + [j["name"] for j in cjobs]
         unknown = [n for n in only if n not in names]
@@ -381,6 +415,8 @@ def reproduce_page(
         specs = [(path, spec) for path, spec in specs if spec.name in only]
         cjobs = [j for j in cjobs if j["name"] in only]
     _refuse_foreign_outputs(page, folder, text, specs)
+    for job in cjobs if not run else []:  # every selected line checked before anything is written
+        _check_stored(page, job)
     if not run:  # every sweep checked before any page or report file is written
         for path, spec in specs:
             db, _ = default_paths(spec, path)
@@ -451,6 +487,14 @@ def reproduce_page(
 
         t0 = time.perf_counter()
         if run:
+            stored, kept = job["out"] / "continual.json", job["out"] / continual.RUNS_DIR
+            if stored.is_file():
+                n = sum(1 for e in job["experiments"] for _ in (kept / e).glob("*.json"))
+                log(
+                    f"{job['name']}: replacing {_shown(stored)}; {n} run(s) kept in {_shown(kept)} "
+                    "(those made with today's code and settings are read, every other run trains again; "
+                    "--no-run rebuilds the block from the stored results without training)"
+                )
             res = continual.run(job["experiments"], **{**job["kwargs"], "progress": progress})["experiments"]
         else:
             res = json.loads((job["out"] / "continual.json").read_text())["experiments"]

@@ -253,6 +253,17 @@ def test_model_specs_controls():
     assert [torch.sigmoid(a.rate.bias).item() for a in start] == pytest.approx(
         [1 / 2, 1 / 8, 1 / 32, 1 / 128]
     )
+    # a run records each level's rate over its own start: 1 for every level of an untrained model
+    from mnemo.commands.continual import Settings, train_one
+
+    task, s = (
+        RetentionTask(n=8, n_keys=8, offset=0),
+        Settings(steps=0, eval_streams=2, periods=(1, 4, 16, 64)),
+    )
+    for name in ("cms-4", "flat-4-rates"):
+        run = train_one("retention", task, specs[name], s, 0)
+        assert run["rate_scale"] == pytest.approx([1.0] * 4, rel=1e-6)
+    assert run["rate_sigmoid_bias"] == pytest.approx([1 / 2, 1 / 8, 1 / 32, 1 / 128], rel=1e-6)
     assert [lv["period"] for lv in specs["hope-3"]] == [8, 16, 32]  # the hope presets' CMS periods
     count = {n: sum(p.numel() for p in ContinualNet(50, 16, lv).parameters()) for n, lv in specs.items()}
     assert count["static-4"] == count["cms-4"] == count["flat-4"] == count["flat-4-rates"]
@@ -419,10 +430,11 @@ def test_judge_claims_paired_verdicts():
     assert c["n"] == 2 and c["verdict"] == "not testable here"
 
 
-def test_retention_claims_judge_the_age_drop_lower_is_better():
-    from mnemo.commands.continual import judge_claims
+def test_retention_claims_judge_the_share_kept_with_age():
+    from mnemo.commands.continual import judge_claims, retained_share
 
     learned = [3.0, 2.9, 2.0, 1.0, 0.5, 0.4]
+    chance = 1 / 16
 
     def run(seed, newest, oldest):
         return {
@@ -436,27 +448,40 @@ def test_retention_claims_judge_the_age_drop_lower_is_better():
             "flat-3": {"per_seed": [run(s, *v) for s, v in enumerate(b)]},
         }
 
-    # cms-3 recalls less overall but loses less with age: oldest says flat-3, the drop says cms-3
-    cms = [(0.60, 0.50), (0.62, 0.55), (0.58, 0.50)]  # drops 0.10, 0.07, 0.08
-    flat = [(0.90, 0.60), (0.88, 0.62), (0.92, 0.58)]  # drops 0.30, 0.26, 0.34
-    on_oldest, on_drop = judge_claims("retention", res(cms, flat))
+    def share(newest, oldest):  # written out from the definition
+        return (oldest - chance) / (newest - chance)
+
+    assert retained_share(0.9, 0.8, chance) == pytest.approx(share(0.9, 0.8))
+    assert retained_share(0.5, 0.5, chance) == 1.0 and math.isnan(retained_share(chance, 0.5, chance))
+    # cms-3 recalls less overall but keeps more of it with age: oldest says flat-3, the share cms-3
+    cms = [(0.60, 0.50), (0.62, 0.55), (0.58, 0.50)]
+    flat = [(0.90, 0.60), (0.88, 0.62), (0.92, 0.58)]
+    on_oldest, on_age = judge_claims("retention", res(cms, flat), chance)
     assert on_oldest["metric"] == "oldest" and on_oldest["verdict"] == "not reproduced"
-    assert on_drop["claim"] == "cms-3 forgets less by age than flat-3"
-    assert on_drop["verdict"] == "reproduced"
-    assert on_drop["differences"] == pytest.approx([0.20, 0.19, 0.26])  # flat's drop − cms's drop
-    # the opposite: cms-3 drops more
-    _, on_drop = judge_claims("retention", res(flat, cms))
-    assert on_drop["verdict"] == "not reproduced" and on_drop["high"] < 0
+    assert on_age["claim"] == "cms-3 forgets less by age than flat-3"
+    assert on_age["verdict"] == "reproduced"
+    assert on_age["differences"] == pytest.approx([share(*x) - share(*y) for x, y in zip(cms, flat)])
+    # a weak memory that barely falls does not win by its small drop: 0.30 -> 0.25 keeps a smaller
+    # share than 0.90 -> 0.80 (the drop, 0.05 against 0.10, would have said the opposite)
+    weak = [(0.30, 0.25), (0.31, 0.26), (0.29, 0.24)]
+    strong = [(0.90, 0.80), (0.91, 0.81), (0.89, 0.79)]
+    _, on_age = judge_claims("retention", res(weak, strong), chance)
+    assert on_age["verdict"] == "not reproduced" and on_age["high"] < 0
+    # a memory whose newest recall is near chance holds too little: not testable
+    near = [(chance + 0.05, chance + 0.05), (0.40, 0.40), (0.40, 0.40)]
+    _, on_age = judge_claims("retention", res(near, strong), chance)
+    assert on_age["verdict"] == "not testable here" and "cms-3: newest recall less than 0.1" in on_age["why"]
     # both keep their oldest pairs at the ceiling: nothing to forget, not testable
     full = [(1.0, 0.99), (0.99, 0.97), (1.0, 0.96)]
     fuller = [(1.0, 1.0), (1.0, 0.999), (1.0, 0.998)]
-    _, on_drop = judge_claims("retention", res(fuller, full))
-    assert on_drop["verdict"] == "not testable here" and "no room to forget" in on_drop["why"]
-    # other experiments have no age claim
+    _, on_age = judge_claims("retention", res(fuller, full), chance)
+    assert on_age["verdict"] == "not testable here" and "no room to forget" in on_age["why"]
+    # without chance, or for another experiment, there is no age claim
+    assert len(judge_claims("retention", res(cms, flat))) == 1
     assert len(judge_claims("abab", {
         "cms-3": {"per_seed": [_fake_run(s, 0.5, learned) for s in range(3)]},
         "flat-3": {"per_seed": [_fake_run(s, 0.4, learned) for s in range(3)]},
-    })) == 1  # fmt: skip
+    }, chance)) == 1  # fmt: skip
 
 
 def _fake_result(seed: int, value: float, lr: float) -> dict:

@@ -363,6 +363,7 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
 
     calls = []
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")  # the page's checkout: its --out is resolved there
     monkeypatch.setattr(cont, "train_one", _fake_retention(calls))
     line = (
         "--experiment retention --seeds 3 --steps 2 --eval-streams 4 --lr-grid 3e-3,1e-2,3e-2 "
@@ -384,7 +385,15 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
     # 0.80/0.81/0.82, so each paired difference is exactly +0.3, on oldest and on the age drop
     assert "| cms-1 | 1×1 (lr 1) |" in text and "| 0.01 | 0.510 ± 0.025 |" in text
     assert "| cms-3 > cms-1 | oldest | 3 | +0.300 [+0.300, +0.300] | reproduced" in text
-    assert "| cms-3 forgets less by age than cms-1 | age_drop (lower is better) | 3 | +0.300" in text
+    # the share kept with age, (oldest − 1/16) / (0.9 − 1/16), per seed, paired
+    share = [
+        ((0.8 + 0.01 * s) - 1 / 16) / (0.9 - 1 / 16) - ((0.5 + 0.01 * s) - 1 / 16) / (0.9 - 1 / 16)
+        for s in range(3)
+    ]
+    assert (
+        "| cms-3 forgets less by age than cms-1 | retained share (oldest − chance) / (newest − chance) "
+        f"| 3 | +{sum(share) / 3:.3f} [+{min(share):.3f}, +{max(share):.3f}] | reproduced" in text
+    )
     assert "the runs' own 6.0 min summed" in text  # 12 runs × 30 s
     assert "![retention](continual_ret/retention.png)" in text
     assert (tmp_path / "docs/results/continual_ret/retention.png").is_file()
@@ -397,10 +406,26 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
     text = page.read_text()
     assert calls == [] and text.count("<!-- mnemo:begin continual_ret -->") == 1
     assert "The verdict, revised." in text and "+0.300 [+0.300, +0.300] | reproduced" in text
+    # from another working directory the line's --out is still the checkout's
+    monkeypatch.chdir(page.parent)
+    reproduce_page(page.name, run=False, progress=False, log=lambda s: None)
+    assert calls == [] and "| cms-3 > cms-1 | oldest | 3 | +0.300" in page.read_text()
+    monkeypatch.chdir(tmp_path)
+    # a second line whose results are missing does not stop a rebuild of the first alone
+    page.write_text(
+        text + "\n<!-- mnemo:continual --experiment retention --out docs/results/continual_other -->\n"
+    )
+    with pytest.raises(FileNotFoundError, match=r"continual_other/continual.json holds no results"):
+        reproduce_page(page, run=False, progress=False, log=lambda s: None)
+    reproduce_page(page, run=False, only=["continual_ret"], progress=False, log=lambda s: None)
     # a line that no longer says what the kept results ran is refused without --no-run's rebuild
     for edit, says in [
         (("--steps 2", "--steps 3"), "steps 2 against 3"),
-        (("--models cms-1,cms-3", "--models cms-3"), "models ['cms-1', 'cms-3'] against --models ['cms-3']"),
+        (("--models cms-1,cms-3", "--models cms-3"), "models ['cms-1', 'cms-3'] against ['cms-3']"),
+        # a flag dropped from the line counts as much as one changed (its default differs)
+        ((" --periods 1,4,16", ""), "periods [1, 4, 16] against (1, 4, 16, 64)"),
+        ((" --eval-streams 4", ""), "eval_streams 4 against 2048"),
+        ((" --models cms-1,cms-3", ""), "against ['cms-1', 'cms-2', 'cms-3', 'flat-3', 'flat-3-rates'"),
         (("--lr-grid 3e-3,1e-2,3e-2", "--lr-grid 3e-3,1e-2,1e-1"), "lr_grid [0.003, 0.01, 0.03] against"),
         (("--periods 1,4,16", "--periods 1,4"), "periods [1, 4, 16] against (1, 4)"),
         (("--seeds 3", "--seeds 2"), "seeds [0, 1, 2] against --seeds 2"),
@@ -426,6 +451,7 @@ def test_a_continual_line_is_checked_before_anything_runs(tmp_path, monkeypatch)
         ("--experiment retention --models cms-1 --out o --force", r"p.md:3: .*--force: it retrains"),
         ("--experiment nope --out o", r"p.md:3: .*invalid choice: 'nope'"),
         ("--experiment retention --out 'o", r"p.md:3: the mnemo:continual line does not parse"),
+        ("--experiment retention --out o -h", r"p.md:3: .*-h/--help: a command line to run"),
     ]:
         page.write_text(f"# p\n\n<!-- mnemo:continual {bad} -->\n")
         with pytest.raises(ValueError, match=match):
