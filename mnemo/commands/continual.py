@@ -460,6 +460,22 @@ def _scalar_metrics(experiment: str, task) -> list[str]:
     return ["avg_acc", "BWT", "final_train_loss"]
 
 
+def stop_pool(pool) -> None:
+    """An interrupted experiment: queued runs are cancelled and the running ones' worker processes
+    terminated, so that none outlives the command (each would otherwise finish a run whose result
+    nobody reads: a ``kill`` of the command alone left them training)."""
+    import contextlib
+
+    # (no future is cancelled: with a worker killed as it starts, CPython 3.11's pool manager can then
+    # raise InvalidStateError, gh-107219; a terminated worker breaks the pool, which fails the rest)
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, OSError):
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=10)
+
+
 def _worker(experiment, task, levels, s, seed):
     torch.set_num_threads(1)
     return train_one(experiment, task, levels, s, seed)
@@ -661,6 +677,14 @@ def run_experiment(
 
     metric = PRIMARY[experiment]
     selection = {}
+    # SIGTERM (`kill`, a scheduler's) takes Ctrl-C's path: the kept runs stay, the workers stop too
+    import signal
+    import threading
+
+    from ..sweep.runner import _raise_interrupt
+
+    main = pool is not None and threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
     try:
         chosen = {name: {"lr": s.lr, "m3_eps": s.m3_eps} for name in specs}
         if points:
@@ -686,9 +710,15 @@ def run_experiment(
         done = train_all(
             {(n, seed): (specs[n], replace(s, **chosen[n]), seed) for n in specs for seed in range(seeds)}
         )
+    except BaseException:
+        if pool is not None:
+            stop_pool(pool)
+        raise
     finally:
         if pool is not None:
             pool.shutdown()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     results = {}
     for name, levels in specs.items():
         per_seed = [done[name, seed] for seed in range(seeds)]

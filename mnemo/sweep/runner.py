@@ -133,7 +133,10 @@ def _run_in_worker(config: dict, run_dir: str, threads: int | None) -> dict:
 
 
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    """A signal handler: Ctrl-C's path for SIGTERM; ``signal`` tells the CLI which (exit 143)."""
+    e = KeyboardInterrupt(signal.Signals(signum).name)
+    e.signal = signal.Signals(signum).name
+    raise e
 
 
 def _stop_workers(pool, stop) -> None:

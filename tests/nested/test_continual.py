@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -812,3 +813,66 @@ def test_a_level_that_never_steps_inside_a_stream_is_warned_about():
                 exp, seeds=1, settings=Settings(steps=1, warmup=0, eval_streams=2), progress=False,
                 models=["cms-4"],
             )  # fmt: skip
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":  # ppid; not a zombie
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads child processes from /proc")
+def test_a_killed_experiment_stops_its_worker_processes(tmp_path):
+    """``kill`` (SIGTERM) of the command alone used to leave its worker processes training runs
+    whose results nobody reads; now they stop with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-m", "mnemo", "continual", "--experiment", "retention", "--seeds", "2"]
+    argv += ["--steps", "100000", "--models", "cms-1,cms-2", "--workers", "2", "--no-progress"]
+    argv += ["--out", str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        workers: list[int] = []
+        while time.time() < deadline and len(workers) < 2:
+            time.sleep(0.5)
+            workers = [c for c in _children(proc.pid) if b"spawn_main" in _cmdline(c)]
+        assert len(workers) >= 2, "the two worker processes never started"
+        time.sleep(2)  # inside their runs
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143  # 128 + SIGTERM, as the CLI reports an interrupt
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.2)
+        alive = [w for w in workers if _alive(w)]
+        assert alive == [], f"worker processes {alive} outlived the command"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
