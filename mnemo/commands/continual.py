@@ -219,6 +219,60 @@ class ContinualNet(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def _period_sums(t: torch.Tensor, C: int) -> torch.Tensor:
+    """``t [B, T]`` summed over each period of ``C`` tokens from the first → ``[B, ⌈T/C⌉]`` (the
+    last, partial period: zeros add nothing to its sum)."""
+    return F.pad(t, (0, (-t.shape[1]) % C)).reshape(t.shape[0], -1, C).sum(-1)
+
+
+@torch.no_grad()
+def inner_step_stats(model: ContinualNet, ids: torch.Tensor) -> list[dict]:
+    """How close each level's inner gradient step comes to gradient descent's stability limit on
+    the streams ``ids [B, T]`` (fresh fast state; the model's ``sequential`` chain of levels).
+
+    A level of period ``C`` takes, at each period end, the sum of its ``C`` tokens' steps at one
+    set of weights (Eq. 71), each scaled by ``η_t = lr · σ_t / d`` with ``σ_t = sigmoid(w_η · x_t +
+    b_η)``. On the output matrix alone the reconstruction loss ``½‖W_outᵀ a_t − v_t‖²`` has the
+    Hessian ``a_t a_tᵀ`` (``a_t`` the level's hidden activation), so a period's step multiplies
+    the error along a direction by ``1 − λ`` for the eigenvalues ``λ`` of ``Σ_t η_t a_t a_tᵀ``: it
+    overshoots and grows the error once ``λ > 2``. ``bound``, the largest ``Σ_t η_t ‖a_t‖²`` over
+    periods and streams, is an upper bound of ``λ`` (equal to it when the ``a_t`` are parallel).
+
+    Returns per level, in the chain's order: ``{"level" (its index in the model's list),
+    "period", "sigma_mean", "sigma_max", "summed_sigma_max" (the largest Σ_t σ_t of a period),
+    "a2_max" (the largest ‖a_t‖²), "bound"}``; the last, partial period counts as it is.
+
+    Raises:
+        ValueError: a CMS whose levels are not a sequential chain.
+    """
+    prev = F.pad(ids[:, :-1], (1, 0), value=BOS)
+    h = model.embed(ids) + model.prev(prev)
+    cms = model.cms
+    if cms.transfer != "sequential":
+        raise ValueError(f"model: expected a sequential CMS chain, got transfer {cms.transfer!r}")
+    out = []
+    for i in cms._chain:  # the chain's order (fastest first by default), as its forward runs it
+        lv, x = cms.levels[i], cms.norms[i](h)
+        sigma = torch.sigmoid(lv.rate(x)).squeeze(-1)  # [B, T]
+        a2 = F.gelu(x @ lv.W_in).square().sum(-1)  # [B, T]
+        C = lv.level.period
+        eta = lv.level.lr * sigma / x.shape[-1]
+        out.append(
+            {
+                "level": i,
+                "period": C,
+                "sigma_mean": float(sigma.mean()),
+                "sigma_max": float(sigma.max()),
+                "summed_sigma_max": float(_period_sums(sigma, C).max()),
+                "a2_max": float(a2.max()),
+                "bound": float(_period_sums(eta * a2, C).max()),
+            }
+        )
+        y, _ = lv(x)
+        h = h + y
+    return out
+
+
 def _cms_params(d_model: int, levels) -> int:
     return sum(p.numel() for p in ContinuumMemory(d_model, levels).parameters())
 

@@ -876,3 +876,59 @@ def test_a_killed_experiment_stops_its_worker_processes(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_inner_step_stats_against_a_hand_loop():
+    """The bound of a period's inner step, Σ_t η_t ‖a_t‖² (η_t = lr·σ_t/d), written out token by
+    token from the level's definition, on two levels whose rates are known constants."""
+    import torch.nn.functional as F
+
+    from mnemo.commands.continual import BOS, inner_step_stats
+
+    torch.manual_seed(3)
+    levels = [{"period": 1, "expansion": 1.0, "lr": 1.0}, {"period": 2, "expansion": 2.0, "lr": 0.5}]
+    net = ContinualNet(10, 4, levels)
+    sig = [0.3, 0.8]
+    with torch.no_grad():
+        for lv, s in zip(net.cms.levels, sig):
+            lv.rate.weight.zero_()
+            lv.rate.bias.fill_(math.log(s / (1 - s)))
+    ids = torch.randint(0, 10, (2, 5))  # 5 tokens: periods of 2 end with a partial one
+    stats = inner_step_stats(net, ids)
+    # the hand loop: the chain's input, each level's read, its hidden activation per token
+    h = net.embed(ids) + net.prev(torch.cat([torch.full((2, 1), BOS), ids[:, :-1]], 1))
+    for k, (lv, s) in enumerate(zip(net.cms.levels, sig)):
+        x = F.layer_norm(h, (4,))
+        a2 = [[float(F.gelu(x[b, t] @ lv.W_in).square().sum()) for t in range(5)] for b in range(2)]
+        C, eta = levels[k]["period"], levels[k]["lr"] * s / 4
+        sums = [sum(a2[b][t] for t in range(p, min(p + C, 5))) for b in range(2) for p in range(0, 5, C)]
+        r = stats[k]
+        assert (r["level"], r["period"]) == (k, C)
+        assert r["sigma_max"] == pytest.approx(s) and r["sigma_mean"] == pytest.approx(s)
+        assert r["summed_sigma_max"] == pytest.approx(C * s)  # a full period of constant rates
+        assert r["a2_max"] == pytest.approx(max(max(row) for row in a2), rel=1e-5)
+        assert r["bound"] == pytest.approx(eta * max(sums), rel=1e-5)
+        h = h + lv(x)[0]
+
+
+def test_the_divergence_script_retrains_the_run_it_names(capsys):
+    """scripts/cms_divergence.py retrains the same run as ``train_one`` (the same loss at every
+    step) and prints each level's bound."""
+    import importlib.util
+
+    from mnemo.commands.continual import Settings, train_one
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "cms_divergence.py"
+    spec = importlib.util.spec_from_file_location("cms_divergence", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = ["--model", "cms-2", "--periods", "1,4", "--task", "n=8", "--steps", "3", "--warmup", "1"]
+    argv += ["--every", "1"]
+    assert mod.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 3] and "L1(4):" in out and "no divergence" in out
+    s = Settings(steps=3, lr=1e-2, warmup=1, periods=(1, 4), slow_rate_lr_scale=10.0, task={"n": 8})
+    task = RetentionTask(n=8)
+    run = train_one("retention", task, model_specs(16, 1.0, (1, 4))["cms-2"], s, 0)
+    assert [float(r[1]) for r in rows] == pytest.approx([c["loss"] for c in run["loss_curve"]], abs=6e-4)
