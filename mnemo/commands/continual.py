@@ -515,9 +515,9 @@ def _scalar_metrics(experiment: str, task) -> list[str]:
 
 
 def stop_pool(pool) -> None:
-    """An interrupted experiment: queued runs are cancelled and the running ones' worker processes
-    terminated, so that none outlives the command (each would otherwise finish a run whose result
-    nobody reads: a ``kill`` of the command alone left them training)."""
+    """An interrupted experiment: the worker processes are terminated, so that none outlives the
+    command (each would otherwise finish a run whose result nobody reads: a ``kill`` of the command
+    alone left them training); the broken pool then starts no queued run."""
     import contextlib
 
     # (no future is cancelled: with a worker killed as it starts, CPython 3.11's pool manager can then
@@ -902,25 +902,31 @@ def judge_claims(experiment: str, results: dict, chance: float | None = None) ->
     ]
     if experiment != "retention" or chance is None:
         return out
+
+    def share_cell(c):  # seeds whose newest recall is above chance (else the share is undefined)
+        keep = [i for i, n in enumerate(c["newest"]) if n - chance > 0]
+        return {
+            "seeds": [c["seeds"][i] for i in keep],
+            "values": [retained_share(c["newest"][i], c["values"][i], chance) for i in keep],
+            "plateau": [c["plateau"][i] for i in keep],
+        }
+
     for a, b in pairs:
         ca, cb = cell(a, metric), cell(b, metric)
-        share = [
-            {**c, "values": [retained_share(n, o, chance) for n, o in zip(c["newest"], c["values"])]}
-            for c in (ca, cb)
-        ]
         c = judge_claim(
             {"name": f"{a} forgets less by age than {b}", "better": a, "than": b},
-            share[0],
-            share[1],
+            share_cell(ca),
+            share_cell(cb),
             metric="retained_share",
             threshold=None,
         )
         c["metric"] = "retained share (oldest − chance) / (newest − chance)"
         if c["verdict"] != "not testable here":
+            shared = sorted(set(ca["seeds"]) & set(cb["seeds"]))  # every seed that pairs on `oldest`
             newest = {n: dict(zip(x["seeds"], x["newest"])) for n, x in ((a, ca), (b, cb))}
             oldest = {n: dict(zip(x["seeds"], x["values"])) for n, x in ((a, ca), (b, cb))}
-            low = [n for n in (a, b) if any(newest[n][seed] - chance < FLOOR for seed in c["seeds"])]
-            full = [oldest[n][seed] >= CEILING for n in (a, b) for seed in c["seeds"]]
+            low = [n for n in (a, b) if any(newest[n][seed] - chance < FLOOR for seed in shared)]
+            full = [oldest[n][seed] >= CEILING for n in (a, b) for seed in shared]
             if low:
                 c["verdict"] = "not testable here"
                 c["why"] = (
@@ -1439,6 +1445,176 @@ def _cmd(args) -> int:
     if stale:
         print("removed the replaced results' plots: " + ", ".join(p.name for p in stale))
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# results pages: a `<!-- mnemo:continual ARGS -->` line (mnemo reproduce, mnemo.sweep.reproduce)
+
+
+def _page_root(page: Path) -> Path | None:
+    """The checkout a page lives in: its nearest parent holding ``pyproject.toml`` or ``.git``."""
+    return next(
+        (p for p in page.resolve().parents if (p / "pyproject.toml").is_file() or (p / ".git").exists()), None
+    )
+
+
+def page_jobs(page: Path) -> list[dict]:
+    """Each ``mnemo:continual`` line of ``page``, parsed before anything runs: ``{"line", "argv",
+    "name" (its block: ``--out``'s folder name, prefixed with ``continual_`` unless it starts
+    with ``continual``), "out", "experiments", "kwargs"}``. A relative ``--out`` is resolved like
+    a sweep file (:func:`mnemo.sweep.reproduce.page_sweeps`): against the page's checkout (its
+    nearest parent with ``pyproject.toml`` or ``.git``), else the working directory.
+
+    Raises:
+        ValueError: a line the CLI refuses, one with ``--force`` (it would retrain every run at each
+            rebuild), two lines with one block name.
+    """
+    from ..sweep.reproduce import page_continual
+
+    jobs: list[dict] = []
+    root = _page_root(page)
+    for line, argv in page_continual(page):
+        where = f"{page}:{line}"
+        try:
+            args = parse_command(argv)
+            if args.force:
+                raise ValueError(
+                    "--force: it retrains every run at each rebuild; the page's line resumes from the kept "
+                    "runs (delete them to retrain)"
+                )
+            exps, kwargs = run_arguments(args)
+        except ValueError as e:
+            raise ValueError(f"{where}: mnemo continual {' '.join(argv)}: {e}") from None
+        out = Path(args.out)
+        if not out.is_absolute():
+            out = (root or Path.cwd()) / out
+        kwargs["out"] = out
+        folder = out.resolve().name
+        name = folder if folder.startswith("continual") else f"continual_{folder}"
+        if any(j["name"] == name for j in jobs):
+            raise ValueError(f"{where}: a second mnemo:continual line writes to {out.name}: block {name!r}")
+        jobs.append(
+            {"line": line, "argv": argv, "name": name, "out": out, "experiments": exps, "kwargs": kwargs}
+        )
+    return jobs
+
+
+def check_page_job(page: Path, job: dict) -> None:
+    """``--no-run``: the line's ``--out`` must hold ``continual.json`` with results of every one of
+    its experiments, made by the command the line names (:func:`_continual_mismatch`).
+
+    Raises:
+        FileNotFoundError: no such results. ValueError: results of another command.
+    """
+    from ..sweep.reproduce import _shown
+
+    where, path = f"{page}:{job['line']}", job["out"] / "continual.json"
+    held = json.loads(path.read_text()).get("experiments", {}) if path.is_file() else {}
+    missing = [e for e in job["experiments"] if e not in held]
+    if missing:
+        raise FileNotFoundError(
+            f"{where}: {_shown(path)} holds no results of {', '.join(missing)}; run the command "
+            "(drop --no-run)"
+        )
+    differ = [f"{e}: {d}" for e in job["experiments"] for d in _mismatch(e, held[e], job["kwargs"])]
+    if differ:
+        raise ValueError(
+            f"{where}: {_shown(path)} holds results of another command than the page's line ("
+            + "; ".join(differ)
+            + "): fix the line, or run it (drop --no-run)"
+        )
+
+
+def _mismatch(experiment: str, result: dict, kwargs: dict) -> list[str]:
+    """Where one experiment's stored ``result`` (``continual.json``) differs from what the line's
+    :func:`~mnemo.commands.continual.run` arguments ``kwargs`` would train: the seeds, the models
+    (the default set when the line names none), the grids and the held-out seed, every
+    :class:`~mnemo.commands.Settings` field and every task size — defaults included, so a
+    flag dropped from the line counts as much as one changed. A field that results written by
+    older code do not record is compared with its default (a task size they do not record is
+    skipped: older tasks had fewer)."""
+    from dataclasses import asdict, fields
+
+    def same(a, b):
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    out = []
+    overrides = kwargs["overrides"] or {}
+    settings = Settings(**{**asdict(DEFAULTS[experiment]), **overrides})
+    if result["seeds"] != list(range(kwargs["seeds"])):
+        out.append(f"seeds {result['seeds']} against --seeds {kwargs['seeds']}")
+    models = kwargs["models"]
+    if models is None:
+        models = list(model_specs(settings.d_model, settings.expansion, settings.periods))
+    if set(result["models"]) != set(models):
+        out.append(f"models {sorted(result['models'])} against {sorted(models)}")
+    for key in ("lr_grid", "eps_grid"):
+        want = sorted(kwargs[key]) if kwargs[key] is not None else None
+        if not same(result.get(key), want):
+            out.append(f"{key} {result.get(key)} against {want}")
+    if kwargs["lr_grid"] is not None:
+        chosen_on = {m.get("selection", {}).get("seed") for m in result["models"].values()}
+        want_seed = kwargs["select_seed"] if kwargs["select_seed"] is not None else SELECT_SEED
+        if chosen_on != {want_seed}:
+            out.append(f"held-out seed {sorted(chosen_on, key=str)} against --select-seed {want_seed}")
+    stored = result["settings"]
+    for f in fields(Settings):
+        want = getattr(settings, f.name)
+        have = stored[f.name] if f.name in stored else asdict(Settings())[f.name]
+        if not same(have, want):
+            out.append(f"{f.name} {have} against {want}")
+    task = asdict(make_task(experiment, **settings.task))
+    for k, v in task.items():
+        if k in result["task"] and not same(result["task"][k], v):
+            out.append(f"task {k}={result['task'][k]} against {k}={v}")
+    return out
+
+
+def page_block(page: Path, job: dict, *, train: bool, progress: bool = True, log=print) -> str:
+    """The generated block of one ``mnemo:continual`` line (:func:`page_jobs`): with ``train``, the
+    command run or resumed (:func:`run`; a warning first when it replaces stored results), else its
+    stored ``continual.json``; then the command, each experiment's table with its claims judged
+    again from the kept numbers (:func:`judge_claims`: the current rules, on the stored values),
+    and the figures."""
+    from ..sweep.reproduce import _shown
+
+    if train:
+        stored, kept = job["out"] / "continual.json", job["out"] / RUNS_DIR
+        if stored.is_file():
+            n = sum(1 for e in job["experiments"] for _ in (kept / e).glob("*.json"))
+            log(
+                f"{job['name']}: replacing {_shown(stored)}; {n} run(s) kept in {_shown(kept)} "
+                "(those made with today's code and settings are read, every other run trains again; "
+                "--no-run rebuilds the block from the stored results without training)"
+            )
+        results = run(job["experiments"], **{**job["kwargs"], "progress": progress})["experiments"]
+    else:
+        results = json.loads((job["out"] / "continual.json").read_text())["experiments"]
+    import os
+    import shlex
+
+    rel = os.path.relpath(job["out"], page.parent)
+    lines = [
+        f"*Generated by `mnemo reproduce {_shown(page)}` from its `mnemo:continual` line; edits between "
+        "these markers are replaced.* Command (where it ran before, it resumes from the runs kept in its "
+        "`--out`'s `runs/`, which git ignores):",
+        "",
+        "```bash",
+        f"OMP_NUM_THREADS=1 mnemo continual {shlex.join(job['argv'])}",
+        "```",
+        "",
+    ]
+    for exp in job["experiments"]:
+        r = results[exp]
+        r = {**r, "claims": judge_claims(exp, r["models"], r["chance"])}
+        lines += [table(r), ""]
+        if (job["out"] / f"{exp}.png").is_file():
+            lines += [f"![{exp}]({rel}/{exp}.png)", ""]
+    return "\n".join(lines).rstrip()
 
 
 def _task_overrides(items: list[str], exps) -> dict:

@@ -166,6 +166,7 @@ def _cmd_tasks(args) -> int:
 
 def _cmd_reproduce(args) -> int:
     from ..sweep.reproduce import page_continual, page_sweeps, reproduce_page
+    from . import continual
 
     if args.partial and not args.no_run:
         raise ValueError(
@@ -188,6 +189,7 @@ def _cmd_reproduce(args) -> int:
         progress=not args.no_progress,
         partial=args.partial,
         only=[n.strip() for n in args.sweep.split(",") if n.strip()] if args.sweep is not None else None,
+        continual=continual,
     )
     failed = sum((r["counts"] or {}).get("failed", 0) for r in res.values())
     if failed:

@@ -129,159 +129,6 @@ def page_sweeps(page: str | Path) -> list[Path]:
     return found
 
 
-def _page_root(page: Path) -> Path | None:
-    """The checkout a page lives in: its nearest parent holding ``pyproject.toml`` or ``.git``."""
-    return next(
-        (p for p in page.resolve().parents if (p / "pyproject.toml").is_file() or (p / ".git").exists()), None
-    )
-
-
-def _continual_jobs(page: Path) -> list[dict]:
-    """Each ``mnemo:continual`` line of ``page``, parsed before anything runs: ``{"line", "argv",
-    "name" (its block: ``--out``'s folder name, prefixed with ``continual_`` unless it starts
-    with ``continual``), "out", "experiments", "kwargs"}``. A relative ``--out`` is resolved like
-    a sweep file (:func:`page_sweeps`): against the page's checkout (its nearest parent with
-    ``pyproject.toml`` or ``.git``), else the working directory.
-
-    Raises:
-        ValueError: a line the CLI refuses, one with ``--force`` (it would retrain every run at each
-            rebuild), two lines with one block name.
-    """
-    from ..commands import continual
-
-    jobs: list[dict] = []
-    root = _page_root(page)
-    for line, argv in page_continual(page):
-        where = f"{page}:{line}"
-        try:
-            args = continual.parse_command(argv)
-            if args.force:
-                raise ValueError(
-                    "--force: it retrains every run at each rebuild; the page's line resumes from the kept "
-                    "runs (delete them to retrain)"
-                )
-            exps, kwargs = continual.run_arguments(args)
-        except ValueError as e:
-            raise ValueError(f"{where}: mnemo continual {' '.join(argv)}: {e}") from None
-        out = Path(args.out)
-        if not out.is_absolute():
-            out = (root or Path.cwd()) / out
-        kwargs["out"] = out
-        folder = out.resolve().name
-        name = folder if folder.startswith("continual") else f"continual_{folder}"
-        if any(j["name"] == name for j in jobs):
-            raise ValueError(f"{where}: a second mnemo:continual line writes to {out.name}: block {name!r}")
-        jobs.append(
-            {"line": line, "argv": argv, "name": name, "out": out, "experiments": exps, "kwargs": kwargs}
-        )
-    return jobs
-
-
-def _check_stored(page: Path, job: dict) -> None:
-    """``--no-run``: the line's ``--out`` must hold ``continual.json`` with results of every one of
-    its experiments, made by the command the line names (:func:`_continual_mismatch`).
-
-    Raises:
-        FileNotFoundError: no such results. ValueError: results of another command.
-    """
-    import json
-
-    where, path = f"{page}:{job['line']}", job["out"] / "continual.json"
-    held = json.loads(path.read_text()).get("experiments", {}) if path.is_file() else {}
-    missing = [e for e in job["experiments"] if e not in held]
-    if missing:
-        raise FileNotFoundError(
-            f"{where}: {_shown(path)} holds no results of {', '.join(missing)}; run the command "
-            "(drop --no-run)"
-        )
-    differ = [f"{e}: {d}" for e in job["experiments"] for d in _continual_mismatch(e, held[e], job["kwargs"])]
-    if differ:
-        raise ValueError(
-            f"{where}: {_shown(path)} holds results of another command than the page's line ("
-            + "; ".join(differ)
-            + "): fix the line, or run it (drop --no-run)"
-        )
-
-
-def _continual_mismatch(experiment: str, result: dict, kwargs: dict) -> list[str]:
-    """Where one experiment's stored ``result`` (``continual.json``) differs from what the line's
-    :func:`~mnemo.commands.continual.run` arguments ``kwargs`` would train: the seeds, the models
-    (the default set when the line names none), the grids and the held-out seed, every
-    :class:`~mnemo.commands.continual.Settings` field and every task size — defaults included, so a
-    flag dropped from the line counts as much as one changed. A field that results written by
-    older code do not record is compared with its default (a task size they do not record is
-    skipped: older tasks had fewer)."""
-    from dataclasses import asdict, fields
-
-    from ..commands import continual
-
-    def same(a, b):
-        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-        if isinstance(a, dict) and isinstance(b, dict):
-            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-        return a == b
-
-    out = []
-    overrides = kwargs["overrides"] or {}
-    settings = continual.Settings(**{**asdict(continual.DEFAULTS[experiment]), **overrides})
-    if result["seeds"] != list(range(kwargs["seeds"])):
-        out.append(f"seeds {result['seeds']} against --seeds {kwargs['seeds']}")
-    models = kwargs["models"]
-    if models is None:
-        models = list(continual.model_specs(settings.d_model, settings.expansion, settings.periods))
-    if set(result["models"]) != set(models):
-        out.append(f"models {sorted(result['models'])} against {sorted(models)}")
-    for key in ("lr_grid", "eps_grid"):
-        want = sorted(kwargs[key]) if kwargs[key] is not None else None
-        if not same(result.get(key), want):
-            out.append(f"{key} {result.get(key)} against {want}")
-    if kwargs["lr_grid"] is not None:
-        chosen_on = {m.get("selection", {}).get("seed") for m in result["models"].values()}
-        want_seed = kwargs["select_seed"] if kwargs["select_seed"] is not None else continual.SELECT_SEED
-        if chosen_on != {want_seed}:
-            out.append(f"held-out seed {sorted(chosen_on, key=str)} against --select-seed {want_seed}")
-    stored = result["settings"]
-    for f in fields(continual.Settings):
-        want = getattr(settings, f.name)
-        have = stored[f.name] if f.name in stored else asdict(continual.Settings())[f.name]
-        if not same(have, want):
-            out.append(f"{f.name} {have} against {want}")
-    task = asdict(continual.make_task(experiment, **settings.task))
-    for k, v in task.items():
-        if k in result["task"] and not same(result["task"][k], v):
-            out.append(f"task {k}={result['task'][k]} against {k}={v}")
-    return out
-
-
-def _continual_block(page: Path, job: dict, results: dict) -> str:
-    """The generated block of one ``mnemo:continual`` line: the command, each experiment's table
-    with its claims judged again from the kept numbers (:func:`~mnemo.commands.continual.judge_claims`:
-    the current rules, on the stored values), and the figures."""
-    import shlex
-
-    from ..commands import continual
-
-    rel = os.path.relpath(job["out"], page.parent)
-    lines = [
-        f"*Generated by `mnemo reproduce {_shown(page)}` from its `mnemo:continual` line; edits between "
-        "these markers are replaced.* Command (where it ran before, it resumes from the runs kept in its "
-        "`--out`'s `runs/`, which git ignores):",
-        "",
-        "```bash",
-        f"OMP_NUM_THREADS=1 mnemo continual {shlex.join(job['argv'])}",
-        "```",
-        "",
-    ]
-    for exp in job["experiments"]:
-        r = results[exp]
-        r = {**r, "claims": continual.judge_claims(exp, r["models"], r["chance"])}
-        lines += [continual.table(r), ""]
-        if (job["out"] / f"{exp}.png").is_file():
-            lines += [f"![{exp}]({rel}/{exp}.png)", ""]
-    return "\n".join(lines).rstrip()
-
-
 def _pending(plan) -> dict[str, int]:
     """``{state: count}`` of the runs of a :func:`sweep_plan` still to train."""
     return dict(Counter(state for _, state in plan if state in PENDING))
@@ -365,6 +212,7 @@ def reproduce_page(
     partial: bool = False,
     only: list[str] | None = None,
     log=print,
+    continual=None,
 ) -> dict:
     """Run or resume every sweep ``page`` names, then rewrite its generated blocks and figures.
 
@@ -372,6 +220,10 @@ def reproduce_page(
         page: a markdown results page with ``<!-- mnemo:reproduce PATH -->`` lines and/or
             ``<!-- mnemo:continual ARGS -->`` lines (those are run after the sweeps; their
             ``report`` and ``counts`` are ``None``).
+        continual: what runs and writes a ``mnemo:continual`` line's block: the module
+            :mod:`mnemo.commands.continual` (its ``page_jobs``, ``check_page_job`` and
+            ``page_block``; passed in, since this layer does not import the commands); a page with
+            such lines and no ``continual`` is refused.
         run: ``False`` rebuilds the page from the databases as they are (no training).
         jobs, threads: worker processes and torch threads each (:func:`run_sweep`).
         progress: a progress bar per sweep. log: where progress lines go.
@@ -403,7 +255,12 @@ def reproduce_page(
     out: dict = {}
     text = page.read_text()
     specs = [(path, SweepSpec.load(path)) for path in files]
-    cjobs = _continual_jobs(page)
+    if continual is None and page_continual(page):
+        raise ValueError(
+            f"{page} has mnemo:continual lines: rebuild it with the `mnemo reproduce` command (or pass "
+            "continual=mnemo.commands.continual)"
+        )
+    cjobs = continual.page_jobs(page) if continual is not None else []
     if only is not None:
         names = [spec.name for _, spec in specs] + [j["name"] for j in cjobs]
         unknown = [n for n in only if n not in names]
@@ -416,7 +273,7 @@ def reproduce_page(
         cjobs = [j for j in cjobs if j["name"] in only]
     _refuse_foreign_outputs(page, folder, text, specs)
     for job in cjobs if not run else []:  # every selected line checked before anything is written
-        _check_stored(page, job)
+        continual.check_page_job(page, job)
     if not run:  # every sweep checked before any page or report file is written
         for path, spec in specs:
             db, _ = default_paths(spec, path)
@@ -481,30 +338,15 @@ def reproduce_page(
         if pending:
             log(f"{spec.name}: partial: {_pending_text(pending)}")
     for job in cjobs:
-        import json
-
-        from ..commands import continual
-
         t0 = time.perf_counter()
-        if run:
-            stored, kept = job["out"] / "continual.json", job["out"] / continual.RUNS_DIR
-            if stored.is_file():
-                n = sum(1 for e in job["experiments"] for _ in (kept / e).glob("*.json"))
-                log(
-                    f"{job['name']}: replacing {_shown(stored)}; {n} run(s) kept in {_shown(kept)} "
-                    "(those made with today's code and settings are read, every other run trains again; "
-                    "--no-run rebuilds the block from the stored results without training)"
-                )
-            res = continual.run(job["experiments"], **{**job["kwargs"], "progress": progress})["experiments"]
-        else:
-            res = json.loads((job["out"] / "continual.json").read_text())["experiments"]
+        block = continual.page_block(page, job, train=run, progress=progress, log=log)
         # a first block goes below its line (found again: earlier blocks have moved it)
         at = next(
             i + 1
             for i, x in enumerate(text.split("\n"))
             if CONTINUAL.fullmatch(x) and _argv(x) == job["argv"]
         )
-        text = _replace_block(text, job["name"], _continual_block(page, job, res), page, after=at)
+        text = _replace_block(text, job["name"], block, page, after=at)
         out[job["name"]] = {
             "counts": None,
             "report": None,

@@ -472,6 +472,10 @@ def test_retention_claims_judge_the_share_kept_with_age():
     near = [(chance + 0.05, chance + 0.05), (0.40, 0.40), (0.40, 0.40)]
     _, on_age = judge_claims("retention", res(near, strong), chance)
     assert on_age["verdict"] == "not testable here" and "cms-3: newest recall less than 0.1" in on_age["why"]
+    # newest at chance on a seed: the share is undefined there, the claim not testable (no error)
+    at_chance = [(chance, 0.1), (0.40, 0.40), (0.40, 0.40)]
+    _, on_age = judge_claims("retention", res(at_chance, strong), chance)
+    assert on_age["verdict"] == "not testable here"
     # both keep their oldest pairs at the ceiling: nothing to forget, not testable
     full = [(1.0, 0.99), (0.99, 0.97), (1.0, 0.96)]
     fuller = [(1.0, 1.0), (1.0, 0.999), (1.0, 0.998)]

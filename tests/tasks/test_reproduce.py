@@ -372,7 +372,7 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
     page = tmp_path / "docs" / "results" / "cont.md"
     page.parent.mkdir(parents=True)
     page.write_text(f"# Continual\n\nThe claim.\n\n<!-- mnemo:continual {line} -->\n\nThe verdict.\n")
-    res = reproduce_page(page, progress=False, log=lambda s: None)
+    res = reproduce_page(page, progress=False, log=lambda s: None, continual=cont)
     assert len(calls) == 2 * (3 + 3)  # held-out seed at 3 rates + 3 reported seeds, per model
     assert set(res) == {"continual_ret"} and res["continual_ret"]["report"] is None
     text = page.read_text()
@@ -401,14 +401,14 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
     # again: every run is read from --out/runs/, nothing trains; then without running at all
     calls.clear()
     page.write_text(page.read_text().replace("The verdict.", "The verdict, revised."))
-    reproduce_page(page, progress=False, log=lambda s: None)
-    reproduce_page(page, run=False, progress=False, log=lambda s: None)
+    reproduce_page(page, progress=False, log=lambda s: None, continual=cont)
+    reproduce_page(page, run=False, progress=False, log=lambda s: None, continual=cont)
     text = page.read_text()
     assert calls == [] and text.count("<!-- mnemo:begin continual_ret -->") == 1
     assert "The verdict, revised." in text and "+0.300 [+0.300, +0.300] | reproduced" in text
     # from another working directory the line's --out is still the checkout's
     monkeypatch.chdir(page.parent)
-    reproduce_page(page.name, run=False, progress=False, log=lambda s: None)
+    reproduce_page(page.name, run=False, progress=False, log=lambda s: None, continual=cont)
     assert calls == [] and "| cms-3 > cms-1 | oldest | 3 | +0.300" in page.read_text()
     monkeypatch.chdir(tmp_path)
     # a second line whose results are missing does not stop a rebuild of the first alone
@@ -416,8 +416,10 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
         text + "\n<!-- mnemo:continual --experiment retention --out docs/results/continual_other -->\n"
     )
     with pytest.raises(FileNotFoundError, match=r"continual_other/continual.json holds no results"):
-        reproduce_page(page, run=False, progress=False, log=lambda s: None)
-    reproduce_page(page, run=False, only=["continual_ret"], progress=False, log=lambda s: None)
+        reproduce_page(page, run=False, progress=False, log=lambda s: None, continual=cont)
+    reproduce_page(
+        page, run=False, only=["continual_ret"], progress=False, log=lambda s: None, continual=cont
+    )
     # a line that no longer says what the kept results ran is refused without --no-run's rebuild
     for edit, says in [
         (("--steps 2", "--steps 3"), "steps 2 against 3"),
@@ -433,7 +435,7 @@ def test_a_page_rebuilds_its_continual_experiment_from_the_kept_runs(tmp_path, m
         page.write_text(text.replace(*edit))
         with pytest.raises(ValueError, match=r"cont.md:5: .*holds results of another command"):
             try:
-                reproduce_page(page, run=False, progress=False, log=lambda s: None)
+                reproduce_page(page, run=False, progress=False, log=lambda s: None, continual=cont)
             except ValueError as e:
                 assert says in str(e)
                 raise
@@ -455,8 +457,10 @@ def test_a_continual_line_is_checked_before_anything_runs(tmp_path, monkeypatch)
     ]:
         page.write_text(f"# p\n\n<!-- mnemo:continual {bad} -->\n")
         with pytest.raises(ValueError, match=match):
-            reproduce_page(page, progress=False, log=lambda s: None)
+            reproduce_page(page, progress=False, log=lambda s: None, continual=cont)
     page.write_text("# p\n\n<!-- mnemo:continual --experiment retention --models cms-1 --out o -->\n")
+    with pytest.raises(ValueError, match=r"has mnemo:continual lines: rebuild it with the `mnemo reproduce`"):
+        reproduce_page(page, run=False, progress=False, log=lambda s: None)  # the sweep layer alone
     with pytest.raises(FileNotFoundError, match=r"o/continual.json holds no results of retention"):
-        reproduce_page(page, run=False, progress=False, log=lambda s: None)
+        reproduce_page(page, run=False, progress=False, log=lambda s: None, continual=cont)
     assert calls == [] and "mnemo:begin" not in page.read_text()
