@@ -231,9 +231,10 @@ def inner_step_stats(model: ContinualNet, ids: torch.Tensor) -> list[dict]:
     the streams ``ids [B, T]`` (fresh fast state; the model's ``sequential`` chain of levels).
 
     A level of period ``C`` takes, at each period end, the sum of its ``C`` tokens' steps at one
-    set of weights (Eq. 71), each scaled by ``η_t = lr · σ_t / d`` with ``σ_t = sigmoid(w_η · x_t +
-    b_η)``. On the output matrix alone the reconstruction loss ``½‖W_outᵀ a_t − v_t‖²`` has the
-    Hessian ``a_t a_tᵀ`` (``a_t`` the level's hidden activation), so a period's step multiplies
+    set of weights (Eq. 71), each scaled by ``η_t = lr · σ_t / d`` (``/ (d C)`` with
+    ``Level.rate_per_period``) with ``σ_t = sigmoid(w_η · x_t + b_η)``. On the output matrix
+    alone the reconstruction loss ``½‖W_outᵀ a_t − v_t‖²`` has the Hessian ``a_t a_tᵀ`` (``a_t``
+    the level's hidden activation), so a period's step multiplies
     the error along a direction by ``1 − λ`` for the eigenvalues ``λ`` of ``Σ_t η_t a_t a_tᵀ``: it
     overshoots and grows the error once ``λ > 2``. ``bound``, the largest ``Σ_t η_t ‖a_t‖²`` over
     periods and streams, is an upper bound of ``λ`` (equal to it when the ``a_t`` are parallel).
@@ -256,7 +257,7 @@ def inner_step_stats(model: ContinualNet, ids: torch.Tensor) -> list[dict]:
         sigma = torch.sigmoid(lv.rate(x)).squeeze(-1)  # [B, T]
         a2 = F.gelu(x @ lv.W_in).square().sum(-1)  # [B, T]
         C = lv.level.period
-        eta = lv.level.lr * sigma / x.shape[-1]
+        eta = lv.rates(x).squeeze(-1)  # lr · σ_t / d (/ C with Level.rate_per_period)
         out.append(
             {
                 "level": i,
@@ -286,11 +287,20 @@ def model_specs(
     expansion: float = 1.0,
     periods=(1, 4, 16, 64),
     lr: float = 1.0,
+    rate_per_period: bool = False,
 ) -> dict:
-    """The compared models: name -> list of level dicts (see the module docstring)."""
+    """The compared models: name -> list of level dicts (see the module docstring);
+    ``rate_per_period`` sets :class:`~mnemo.layers.cms.Level`'s of every level (a period's summed
+    inner rate capped at one token's; ``flat-k-rates``' period-1 levels then start at the chain's
+    rates but keep a per-token level's ceiling)."""
 
     def level(p, e=expansion):
-        return {"period": p, "expansion": e, "lr": lr}
+        return {
+            "period": p,
+            "expansion": e,
+            "lr": lr,
+            **({"rate_per_period": True} if rate_per_period else {}),
+        }
 
     chain = [level(p) for p in periods]
     specs = {f"cms-{n}": chain[:n] for n in range(1, len(chain) + 1)}
@@ -335,6 +345,9 @@ class Settings:
     #: outer-lr multiplier of the rate parameters (``w_η``, ``b_η``) of the slow levels: period > 1,
     #: or a ``flat-k-rates`` level standing in for one (:class:`ContinualNet`)
     slow_rate_lr_scale: float = 1.0
+    #: every level's :class:`~mnemo.layers.cms.Level` ``rate_per_period`` (a period's summed inner
+    #: rate capped at one token's; :func:`model_specs`)
+    rate_per_period: bool = False
 
 
 DEFAULTS = {
@@ -614,7 +627,7 @@ def run_experiment(
 
     s = settings or DEFAULTS[experiment]
     task = make_task(experiment, **s.task)
-    specs = model_specs(s.d_model, s.expansion, s.periods)
+    specs = model_specs(s.d_model, s.expansion, s.periods, rate_per_period=s.rate_per_period)
     if models is not None:
         unknown = set(models) - set(specs)
         if unknown:
@@ -1328,6 +1341,12 @@ def add_commands(sub) -> None:
         "flat-k-rates level standing in for one (default 1)",
     )
     p.add_argument(
+        "--rate-per-period",
+        action="store_true",
+        help="cap each CMS level's summed inner rate over a period at one token's: eta_t = lr * "
+        "sigmoid(.) / (d C) (Level.rate_per_period; default: the per-token cap lr / d)",
+    )
+    p.add_argument(
         "--warmup",
         type=kinds.nonneg_int,
         help="outer warm-up steps (default: 20, or a tenth of --steps when that is fewer)",
@@ -1385,6 +1404,8 @@ def run_arguments(args) -> tuple[tuple[str, ...], dict]:
         if getattr(args, name) is not None:
             v = getattr(args, name)
             overrides[name] = tuple(int(x) for x in v.split(",")) if name == "periods" else v
+    if args.rate_per_period:
+        overrides["rate_per_period"] = True
     if args.select_seed is not None and args.lr_grid is None:
         raise ValueError("--select-seed: it chooses among --lr-grid's rates; pass --lr-grid too")
     if args.lr is not None and args.lr_grid is not None:
@@ -1549,7 +1570,7 @@ def _mismatch(experiment: str, result: dict, kwargs: dict) -> list[str]:
         out.append(f"seeds {result['seeds']} against --seeds {kwargs['seeds']}")
     models = kwargs["models"]
     if models is None:
-        models = list(model_specs(settings.d_model, settings.expansion, settings.periods))
+        models = list(model_specs(settings.d_model, settings.expansion, settings.periods))  # names only
     if set(result["models"]) != set(models):
         out.append(f"models {sorted(result['models'])} against {sorted(models)}")
     for key in ("lr_grid", "eps_grid"):

@@ -187,7 +187,15 @@ class Level:
         outer_lr_scale: multiplier of the outer optimizer's learning rate for this level's slow
             parameters (the trainer puts them in their own parameter group); default ``1.0``.
         rate_init: ``sigmoid(b_η)`` at initialisation, in ``(0, 1)``; default ``rate_init=None``,
-            which means ``1 / (2C)`` (the module docstring's "Rates and the sum").
+            which means ``1 / (2C)`` (the module docstring's "Rates and the sum"), or ``1/2`` with
+            ``rate_per_period``.
+        rate_per_period: ``True`` divides the rate's ceiling by the period, ``η_t = lr ·
+            sigmoid(·) / (d C)``, with ``sigmoid(b_η)`` starting at 1/2 (the same starting rate as
+            the default's): a period's summed step can then never exceed one token's largest, a
+            bound the default lacks (its learned per-token rates can sum to ``C`` tokens' worth,
+            which is what made the slow levels' inner step diverge in docs/results/continual.md).
+            mnemo's choice, not the paper's (Eq. 71 leaves the rates' form open); default
+            ``rate_per_period=False``.
     """
 
     period: int
@@ -199,6 +207,7 @@ class Level:
     objective: str = "reconstruction"
     outer_lr_scale: float = 1.0
     rate_init: float | None = None
+    rate_per_period: bool = False
 
     def validate(self) -> Level:
         def bad(name, expected):
@@ -225,6 +234,8 @@ class Level:
             bad("outer_lr_scale", "a finite positive number")
         if self.rate_init is not None and not (number(self.rate_init) and 0 < self.rate_init < 1):
             bad("rate_init", "None or a number in (0, 1)")
+        if not isinstance(self.rate_per_period, bool):
+            bad("rate_per_period", "a bool")
         if self.objective == "task" and self.partial != "carry":
             bad("partial", "'carry' with objective 'task' (its steps wait for the next token)")
         return self
@@ -327,7 +338,10 @@ class CMSLevel(nn.Module):
         """Rate bias with ``sigmoid(b) = 1 / (2C)`` (see the module docstring), or ``Level.rate_init``.
         The language model calls this again after its generic re-initialisation (which zeroes biases)."""
         r = self.level.rate_init
-        b = -math.log(2 * self.level.period - 1) if r is None else math.log(r / (1 - r))
+        if r is None:
+            b = 0.0 if self.level.rate_per_period else -math.log(2 * self.level.period - 1)
+        else:
+            b = math.log(r / (1 - r))
         with torch.no_grad():
             self.rate.bias.fill_(b)
 
@@ -522,8 +536,10 @@ class CMSLevel(nn.Module):
         return st
 
     def rates(self, x: torch.Tensor) -> torch.Tensor:
-        """``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` for ``x [B, T, d]`` → ``[B, T, 1]``."""
-        return self.level.lr * torch.sigmoid(self.rate(x)) / x.shape[-1]
+        """``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` (``/ (d C)`` with ``Level.rate_per_period``)
+        for ``x [B, T, d]`` → ``[B, T, 1]``."""
+        scale = x.shape[-1] * (self.level.period if self.level.rate_per_period else 1)
+        return self.level.lr * torch.sigmoid(self.rate(x)) / scale
 
     def forward(
         self,

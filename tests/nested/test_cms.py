@@ -352,6 +352,34 @@ def test_the_rate_starts_at_one_over_two_periods(period):
         assert torch.sigmoid(level.rate.bias).item() == pytest.approx(1 / (2 * period), rel=1e-6)
 
 
+def test_rate_per_period_caps_a_periods_summed_rate_at_one_tokens():
+    """``Level.rate_per_period``: the same starting rate as the default (lr / (2 d C) at w_η = 0),
+    and, with every token's sigmoid driven to 1, a period's summed rate lr / d (one token's largest)
+    where the default sums to C times that."""
+    x = torch.randn(2, 8, D)
+    for period in (1, 4):
+        plain, capped = (
+            CMSLevel(D, Level(period, lr=2.0)),
+            CMSLevel(D, Level(period, lr=2.0, rate_per_period=True)),
+        )
+        assert torch.sigmoid(capped.rate.bias).item() == pytest.approx(0.5)
+        for lv in (plain, capped):
+            with torch.no_grad():
+                lv.rate.weight.zero_()
+        assert_close(capped.rates(x), plain.rates(x), 3e-7)  # float32: a few ulps
+        assert_close(
+            plain.rates(x), torch.full((2, 8, 1), 2.0 / (2 * D * period)), 3e-7
+        )  # float32: a few ulps
+        for lv in (plain, capped):
+            with torch.no_grad():
+                lv.rate.bias.fill_(50.0)  # sigmoid = 1 for every token
+        summed = {k: lv.rates(x)[:, :period].sum(1) for k, lv in (("plain", plain), ("capped", capped))}
+        assert_close(summed["capped"], torch.full((2, 1), 2.0 / D), 3e-7)  # float32: a few ulps
+        assert_close(summed["plain"], torch.full((2, 1), 2.0 * period / D), 3e-7)  # float32: a few ulps
+    with pytest.raises(ValueError, match="rate_per_period"):
+        Level(4, rate_per_period=1).validate()
+
+
 def test_rate_init_sets_the_starting_rate_whatever_the_period():
     for period, r in [(1, 1 / 32), (4, 0.5), (16, 0.9)]:
         lv = CMSLevel(D, Level(period, rate_init=r))

@@ -936,3 +936,17 @@ def test_the_divergence_script_retrains_the_run_it_names(capsys):
     task = RetentionTask(n=8)
     run = train_one("retention", task, model_specs(16, 1.0, (1, 4))["cms-2"], s, 0)
     assert [float(r[1]) for r in rows] == pytest.approx([c["loss"] for c in run["loss_curve"]], abs=6e-4)
+
+
+def test_rate_per_period_reaches_every_level_from_the_command_line():
+    from mnemo.commands.continual import parse_command, run_arguments
+
+    _, kwargs = run_arguments(parse_command(["--experiment", "retention", "--rate-per-period", "--out", "o"]))
+    assert kwargs["overrides"]["rate_per_period"] is True
+    _, kwargs = run_arguments(parse_command(["--experiment", "retention", "--out", "o"]))
+    assert "rate_per_period" not in kwargs["overrides"]  # the default level dicts (and run keys) unchanged
+    specs = model_specs(16, 1.0, (1, 4), rate_per_period=True)
+    assert all(lv["rate_per_period"] for name in ("cms-2", "flat-2", "flat-2-rates") for lv in specs[name])
+    assert all("rate_per_period" not in lv for lv in model_specs(16, 1.0, (1, 4))["cms-2"])
+    net = ContinualNet(20, 16, specs["cms-2"])
+    assert [lv.level.rate_per_period for lv in net.cms.levels] == [True, True]
