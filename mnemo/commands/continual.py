@@ -489,7 +489,9 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
 
 def _rate_start(level) -> float:
     """``sigmoid(b_η)`` of a level at initialisation (:meth:`mnemo.layers.cms.CMSLevel._init_special`)."""
-    return level.rate_init if level.rate_init is not None else 1 / (2 * level.period)
+    if level.rate_init is not None:
+        return level.rate_init
+    return 0.5 if level.rate_per_period else 1 / (2 * level.period)
 
 
 #: points of a run's training-loss curve (``loss_curve``: the mean loss of each window of steps)

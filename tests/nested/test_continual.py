@@ -261,6 +261,8 @@ def test_model_specs_controls():
         RetentionTask(n=8, n_keys=8, offset=0),
         Settings(steps=0, eval_streams=2, periods=(1, 4, 16, 64)),
     )
+    capped = model_specs(16, 1.0, (1, 4, 16, 64), rate_per_period=True)["cms-4"]
+    assert train_one("retention", task, capped, s, 0)["rate_scale"] == pytest.approx([1.0] * 4, rel=1e-6)
     for name in ("cms-4", "flat-4-rates"):
         run = train_one("retention", task, specs[name], s, 0)
         assert run["rate_scale"] == pytest.approx([1.0] * 4, rel=1e-6)
