@@ -28,7 +28,9 @@ Models compared (defaults: ``d_model = 16``, per-level expansion ``e = 1``, peri
   counterpart's does (``sigmoid(b_η) = 1/(2C)``: 1/2, 1/8, 1/32, 1/128; ``Level.rate_init``) and
   trained with the slow levels' outer rate (``--slow-rate-lr-scale``): the control in which only
   the period differs from ``cms-4`` (``flat-4``'s levels all start at 1/2, so against ``cms-4`` it
-  changes the rates' starting point as well as the period);
+  changes the rates' starting point as well as the period). With ``--rate-per-period`` (the
+  chain's ``η_t = lr · σ_t / (d C)``, ``σ`` starting at 1/2) each stand-in instead gets the inner
+  rate ``lr / C``: the same per-token rate function as its counterpart, start and ceiling;
 * ``hope-3``: three levels at the periods of the ``hope`` presets' CMS (8/16/32,
   :mod:`mnemo.models.registry`), at this chain's width and with the reconstruction objective (the
   presets' task-loss objective runs only inside a language model);
@@ -188,11 +190,11 @@ class ContinualNet(nn.Module):
         self, vocab_size: int, d_model: int, levels, feat_dim: int = 0, slow_rate_lr_scale: float = 1.0
     ):
         """``slow_rate_lr_scale`` multiplies the outer learning rate of the rate parameters
-        (``w_η``, ``b_η``: the inner step size) of every slow level — ``period > 1``, or a
-        ``rate_init`` below ``1/2`` (a period-1 level given a slow level's starting rate, the
-        ``flat-k-rates`` control) — so that a slow level's rate, which starts at
-        ``sigmoid(b_η) = 1/(2C)``, can move as far as the outer loop needs; its weights keep the
-        common rate."""
+        (``w_η``, ``b_η``: the inner step size) of every slow level — ``period > 1``, or a period-1
+        level standing in for one in the ``flat-k-rates`` control: a ``rate_init`` below ``1/2``
+        (a slow level's starting rate) or an inner ``lr`` below the largest of the model's levels (a
+        slow level's capped rate, ``rate_per_period``) — so that a slow level's rate, which starts
+        small, can move as far as the outer loop needs; its weights keep the common rate."""
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.prev = nn.Embedding(vocab_size, d_model)
@@ -200,9 +202,10 @@ class ContinualNet(nn.Module):
         self.feat_prev = nn.Linear(feat_dim, d_model, bias=False) if feat_dim else None
         self.cms = ContinuumMemory(d_model, levels)
         if slow_rate_lr_scale != 1.0:
+            top = max(lv.level.lr for lv in self.cms.levels)
             for lv in self.cms.levels:
                 r = lv.level.rate_init
-                if lv.level.period > 1 or (r is not None and r < 0.5):
+                if lv.level.period > 1 or (r is not None and r < 0.5) or lv.level.lr < top:
                     lv.rate.outer_lr_scale = float(slow_rate_lr_scale)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
@@ -291,8 +294,11 @@ def model_specs(
 ) -> dict:
     """The compared models: name -> list of level dicts (see the module docstring);
     ``rate_per_period`` sets :class:`~mnemo.layers.cms.Level`'s of every level (a period's summed
-    inner rate capped at one token's; ``flat-k-rates``' period-1 levels then start at the chain's
-    rates but keep a per-token level's ceiling)."""
+    inner rate capped at one token's: ``η_t = lr · σ_t / (d C)``, ``σ`` starting at 1/2). The
+    ``flat-k-rates`` control then gives its period-1 stand-in for a level of period ``C`` the inner
+    rate ``lr / C`` (``σ`` starting at 1/2 too), so its per-token rate is the same function of
+    ``σ_t`` as its counterpart's, start and ceiling alike: only the period differs. (Without the
+    cap the stand-in starts at ``σ = 1/(2C)`` through ``rate_init``, as its counterpart does.)"""
 
     def level(p, e=expansion):
         return {
@@ -308,8 +314,11 @@ def model_specs(
     specs[f"static-{len(chain)}"] = [dict(lv, lr=0.0) for lv in deepest]
     # the equal-capacity single-frequency control: the deepest chain's levels, every one at period 1
     specs[f"flat-{len(chain)}"] = [level(1) for _ in deepest]
-    # the same, each level starting at its chain counterpart's rate 1/(2C): period alone differs
-    specs[f"flat-{len(chain)}-rates"] = [dict(level(1), rate_init=1 / (2 * p)) for p in periods]
+    # the same, each level's per-token rate that of its chain counterpart: period alone differs
+    if rate_per_period:  # the counterpart's lr·σ/(dC) as (lr/C)·σ/d, σ starting at 1/2 in both
+        specs[f"flat-{len(chain)}-rates"] = [dict(level(1), lr=lr / p) for p in periods]
+    else:  # the counterpart's lr·σ/d with σ starting at 1/(2C)
+        specs[f"flat-{len(chain)}-rates"] = [dict(level(1), rate_init=1 / (2 * p)) for p in periods]
     specs["hope-3"] = [level(p) for p in HOPE_PERIODS]
     target = _cms_params(d_model, deepest)
     per_hidden = _cms_params(d_model, [{"period": 1, "expansion": 2.0}]) - _cms_params(

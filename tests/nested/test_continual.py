@@ -952,3 +952,35 @@ def test_rate_per_period_reaches_every_level_from_the_command_line():
     assert all("rate_per_period" not in lv for lv in model_specs(16, 1.0, (1, 4))["cms-2"])
     net = ContinualNet(20, 16, specs["cms-2"])
     assert [lv.level.rate_per_period for lv in net.cms.levels] == [True, True]
+
+
+def test_capped_rate_control_has_its_chain_counterparts_rate_function():
+    """With ``rate_per_period`` the chain's level of period C steps at ``lr · σ_t / (d C)``; the
+    ``flat-k-rates`` stand-in (period 1, inner lr ``lr / C``) must step at the same rate for the same
+    ``σ_t``, at the start and at the ceiling (σ → 1), and get the slow levels' outer rate."""
+    from mnemo.train.config import TrainConfig
+    from mnemo.train.optim import make_optimizer
+
+    specs = model_specs(8, 1.0, (1, 4, 16), rate_per_period=True)
+    assert specs["flat-3-rates"] == [dict(lv, period=1, lr=1 / lv["period"]) for lv in specs["cms-3"]]
+    chain = ContinualNet(20, 8, specs["cms-3"], slow_rate_lr_scale=10.0)
+    flat = ContinualNet(20, 8, specs["flat-3-rates"], slow_rate_lr_scale=10.0)
+    x = torch.randn(2, 5, 8)
+    for bias in (None, 30.0):  # the rates at initialisation; then σ saturated at 1 (the ceiling)
+        for a, b in zip(chain.cms.levels, flat.cms.levels):
+            b.rate.load_state_dict(a.rate.state_dict())  # the same σ_t in both
+            if bias is not None:
+                for lv in (a, b):
+                    torch.nn.init.zeros_(lv.rate.weight)
+                    torch.nn.init.constant_(lv.rate.bias, bias)
+            torch.testing.assert_close(b.rates(x), a.rates(x), rtol=1e-6, atol=0)
+    # the ceiling by hand: lr / (d C) = 1 / (8 C) for C = 1, 4, 16
+    for lv, C in zip(flat.cms.levels, (1, 4, 16)):
+        torch.testing.assert_close(lv.rates(x), torch.full((2, 5, 1), 1 / (8 * C)), rtol=1e-6, atol=0)
+    opt = make_optimizer(flat, TrainConfig(lr=1e-3, steps=10, warmup_steps=0, weight_decay=0.0))
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    fast, slow4, slow16 = flat.cms.levels
+    for p in [*slow4.rate.parameters(), *slow16.rate.parameters()]:
+        assert lr_of[id(p)] == pytest.approx(1e-2)
+    for p in [*fast.rate.parameters(), slow4.W_in, slow16.W_out]:
+        assert lr_of[id(p)] == pytest.approx(1e-3)
