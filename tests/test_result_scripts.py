@@ -116,3 +116,47 @@ def test_train_runs_logs_each_command_and_names_every_failure(tmp_path):
     assert (tmp_path / "bad.log").read_text() == "boom\n" and (tmp_path / "ok.log").read_text() == "fine\n"
     walls = mod.train_runs(jobs[1:], parallel=2)
     assert list(walls) == [str(ok)] and walls[str(ok)] >= 1.5
+
+
+def test_spectrum_page_trains_probes_and_writes_its_block(tmp_path):
+    """Two tiny runs (a diagonal memory and HOPE's test-time-trained ones), their spectra read into
+    the table (each row's numbers are the probe's own summary), the figures copied, the block
+    appended below the prose; a second call trains and probes nothing and writes the same table."""
+    mod = _load("spectrum_page")
+    page = tmp_path / "spectrum.md"
+    page.write_text("# Spectrum\n\nprose stays\n")
+    argv = ["--models", "gla,hope_reconstruction", "--steps", "2", "--d-model", "32", "--n-layers", "1"]
+    argv += ["--batch-size", "2", "--seq-len", "32", "--tokens", "64", "--directions", "3"]
+    argv += ["--runs", str(tmp_path / "runs"), "--figures", str(tmp_path / "fig"), "--page", str(page)]
+    assert mod.main(argv) == 0
+    text = page.read_text()
+    assert text.startswith("# Spectrum\n\nprose stays\n")
+    assert text.count("<!-- mnemo:begin spectrum -->") == 1 and "<!-- mnemo:end spectrum -->" in text
+    assert {p.name for p in (tmp_path / "fig").iterdir()} == {
+        "spectrum_gla.png",
+        "spectrum_hope_reconstruction.png",
+    }
+    for model in ("gla", "hope_reconstruction"):
+        spec = json.loads((tmp_path / "runs" / f"spec-{model}" / "spectrum" / "spectrum.json").read_text())
+        for key, entry in spec["layers"].items():
+            s = entry.get("summary")
+            if s is None:
+                continue
+            row = next(
+                r
+                for r in mod.rows(model, spec)
+                if r.startswith(f"| {model} | {mod._layer_label(key, entry)} |")
+            )
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert row in text
+            assert float(cells[3]) == round(s["irrelevant"], 2 if s["irrelevant"] >= 0.01 else 3)
+            assert float(cells[9].replace("−", "-")) == round(s["max_exponent"], 4)
+            if s["computed"] < s["directions"]:  # hope's memories: 3 leading exponents per head
+                assert cells[2] == f"{s['directions']} (3)"
+    labels = [r.split("|")[2].strip() for r in mod.rows("hope_reconstruction", spec)]
+    assert labels[0] == "0 (self-modifying Titans)" and labels[1].startswith("0, CMS level 0 (period ")
+    before = {p: p.stat().st_mtime for p in (tmp_path / "runs").rglob("spectrum.json")}
+    assert mod.main(argv) == 0
+    assert {p: p.stat().st_mtime for p in (tmp_path / "runs").rglob("spectrum.json")} == before
+    assert "every run and spectrum reused" in page.read_text()
+    assert page.read_text().count("<!-- mnemo:begin spectrum -->") == 1
