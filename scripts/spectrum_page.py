@@ -60,8 +60,12 @@ def probe_argv(model: str, run: Path, out: Path, args) -> list[str]:
 
 
 def _share(x: float) -> str:
+    """A share of directions: 2 decimals, 3 below 0.01, one significant digit below 0.001 (a
+    handful of directions out of thousands is not 0)."""
     if x == 0:
         return "0"
+    if x < 0.001:
+        return f"{x:.0e}"
     return f"{x:.3f}" if x < 0.01 else f"{x:.2f}"
 
 

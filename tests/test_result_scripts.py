@@ -1,5 +1,5 @@
-"""The scripts that rebuild results pages (issue 39): attention sinks and context extension, at a
-tiny size (the numbers on the pages come from the full-size commands)."""
+"""The scripts that rebuild results pages (issue 39): attention sinks, context extension and the
+memory spectrum, at a tiny size (the numbers on the pages come from the full-size commands)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -149,7 +151,11 @@ def test_spectrum_page_trains_probes_and_writes_its_block(tmp_path):
             )
             cells = [c.strip() for c in row.strip("|").split("|")]
             assert row in text
-            assert float(cells[3]) == round(s["irrelevant"], 2 if s["irrelevant"] >= 0.01 else 3)
+            for cell, c in zip(
+                cells[3:8], ("irrelevant", "intermediate", "marginal", "relevant", "unresolved")
+            ):
+                assert float(cell) == pytest.approx(s[c], abs=0.005)
+                assert (float(cell) == 0) == (s[c] == 0)  # a share that is not 0 never reads 0
             assert float(cells[9].replace("−", "-")) == round(s["max_exponent"], 4)
             if s["computed"] < s["directions"]:  # hope's memories: 3 leading exponents per head
                 assert cells[2] == f"{s['directions']} (3)"
