@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--slow-rate-lr-scale", type=float, default=10.0)
     p.add_argument("--task", action="append", default=[], metavar="KEY=INT")
     p.add_argument("--rate-per-period", action="store_true", help="Level.rate_per_period on every level")
+    p.add_argument("--nlms", action="store_true", help="Level.nlms on every level")
     p.add_argument("--every", type=int, default=10, help="print the stats every N steps (default 10)")
     p.add_argument("--stop", type=int, default=None, help="stop after N steps (default: --steps)")
     args = p.parse_args(argv)
@@ -53,11 +54,13 @@ def main(argv=None) -> int:
             **vars(DEFAULTS[args.experiment]),
             "steps": args.steps, "lr": args.lr, "warmup": args.warmup, "periods": periods,
             "slow_rate_lr_scale": args.slow_rate_lr_scale, "task": task_sizes,
-            "rate_per_period": args.rate_per_period,
+            "rate_per_period": args.rate_per_period, "nlms": args.nlms,
         }
     )  # fmt: skip
     task = make_task(args.experiment, **task_sizes)
-    levels = model_specs(s.d_model, s.expansion, s.periods, rate_per_period=s.rate_per_period)[args.model]
+    levels = model_specs(s.d_model, s.expansion, s.periods, rate_per_period=s.rate_per_period, nlms=s.nlms)[
+        args.model
+    ]
     # as mnemo.commands.continual.train_one: the seed, then the model, then the streams' generator
     torch.manual_seed(args.seed)
     model = ContinualNet(task.vocab_size, s.d_model, levels, 0, s.slow_rate_lr_scale)

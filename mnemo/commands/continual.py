@@ -235,7 +235,8 @@ def inner_step_stats(model: ContinualNet, ids: torch.Tensor) -> list[dict]:
 
     A level of period ``C`` takes, at each period end, the sum of its ``C`` tokens' steps at one
     set of weights (Eq. 71), each scaled by ``η_t = lr · σ_t / d`` (``/ (d C)`` with
-    ``Level.rate_per_period``) with ``σ_t = sigmoid(w_η · x_t + b_η)``. On the output matrix
+    ``Level.rate_per_period``; the output matrix's ``lr · σ_t / (‖a_t‖² + ε)`` with ``Level.nlms``)
+    with ``σ_t = sigmoid(w_η · x_t + b_η)``. On the output matrix
     alone the reconstruction loss ``½‖W_outᵀ a_t − v_t‖²`` has the Hessian ``a_t a_tᵀ`` (``a_t``
     the level's hidden activation), so a period's step multiplies
     the error along a direction by ``1 − λ`` for the eigenvalues ``λ`` of ``Σ_t η_t a_t a_tᵀ``: it
@@ -258,9 +259,11 @@ def inner_step_stats(model: ContinualNet, ids: torch.Tensor) -> list[dict]:
     for i in cms._chain:  # the chain's order (fastest first by default), as its forward runs it
         lv, x = cms.levels[i], cms.norms[i](h)
         sigma = torch.sigmoid(lv.rate(x)).squeeze(-1)  # [B, T]
-        a2 = F.gelu(x @ lv.W_in).square().sum(-1)  # [B, T]
+        a = F.gelu(x @ lv.W_in)
+        a2 = a.square().sum(-1)  # [B, T]
         C = lv.level.period
-        eta = lv.rates(x).squeeze(-1)  # lr · σ_t / d (/ C with Level.rate_per_period)
+        # the output matrix's rate: lr · σ_t / d (/ C with Level.rate_per_period; Level.nlms: ‖a_t‖² + ε)
+        eta = lv._out_err(lv.rates(x), x, a).squeeze(-1)
         out.append(
             {
                 "level": i,
@@ -291,6 +294,7 @@ def model_specs(
     periods=(1, 4, 16, 64),
     lr: float = 1.0,
     rate_per_period: bool = False,
+    nlms: bool = False,
 ) -> dict:
     """The compared models: name -> list of level dicts (see the module docstring);
     ``rate_per_period`` sets :class:`~mnemo.layers.cms.Level`'s of every level (a period's summed
@@ -298,7 +302,10 @@ def model_specs(
     ``flat-k-rates`` control then gives its period-1 stand-in for a level of period ``C`` the inner
     rate ``lr / C`` (``σ`` starting at 1/2 too), so its per-token rate is the same function of
     ``σ_t`` as its counterpart's, start and ceiling alike: only the period differs. (Without the
-    cap the stand-in starts at ``σ = 1/(2C)`` through ``rate_init``, as its counterpart does.)"""
+    cap the stand-in starts at ``σ = 1/(2C)`` through ``rate_init``, as its counterpart does.)
+    ``nlms`` sets ``Level.nlms`` of every level (each fast matrix's step normalised by its own
+    input's squared norm instead of ``d``; the stand-ins keep their counterparts' rates the same
+    way, the norm replacing ``d`` in both)."""
 
     def level(p, e=expansion):
         return {
@@ -306,6 +313,7 @@ def model_specs(
             "expansion": e,
             "lr": lr,
             **({"rate_per_period": True} if rate_per_period else {}),
+            **({"nlms": True} if nlms else {}),
         }
 
     chain = [level(p) for p in periods]
@@ -357,6 +365,9 @@ class Settings:
     #: every level's :class:`~mnemo.layers.cms.Level` ``rate_per_period`` (a period's summed inner
     #: rate capped at one token's; :func:`model_specs`)
     rate_per_period: bool = False
+    #: every level's :class:`~mnemo.layers.cms.Level` ``nlms`` (each fast matrix's step normalised by
+    #: its own input's squared norm; :func:`model_specs`)
+    nlms: bool = False
 
 
 DEFAULTS = {
@@ -638,7 +649,7 @@ def run_experiment(
 
     s = settings or DEFAULTS[experiment]
     task = make_task(experiment, **s.task)
-    specs = model_specs(s.d_model, s.expansion, s.periods, rate_per_period=s.rate_per_period)
+    specs = model_specs(s.d_model, s.expansion, s.periods, rate_per_period=s.rate_per_period, nlms=s.nlms)
     if models is not None:
         unknown = set(models) - set(specs)
         if unknown:
@@ -1358,6 +1369,12 @@ def add_commands(sub) -> None:
         "sigmoid(.) / (d C) (Level.rate_per_period; default: the per-token cap lr / d)",
     )
     p.add_argument(
+        "--nlms",
+        action="store_true",
+        help="normalise each fast matrix's step by its own input's squared norm instead of d "
+        "(Level.nlms: normalised LMS; the output matrix's step then cannot overshoot a token's error)",
+    )
+    p.add_argument(
         "--warmup",
         type=kinds.nonneg_int,
         help="outer warm-up steps (default: 20, or a tenth of --steps when that is fewer)",
@@ -1417,6 +1434,8 @@ def run_arguments(args) -> tuple[tuple[str, ...], dict]:
             overrides[name] = tuple(int(x) for x in v.split(",")) if name == "periods" else v
     if args.rate_per_period:
         overrides["rate_per_period"] = True
+    if args.nlms:
+        overrides["nlms"] = True
     if args.select_seed is not None and args.lr_grid is None:
         raise ValueError("--select-seed: it chooses among --lr-grid's rates; pass --lr-grid too")
     if args.lr is not None and args.lr_grid is not None:

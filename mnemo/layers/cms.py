@@ -25,7 +25,9 @@ Inner objective (``Level.objective``; the error signal ``f``):
   read time, so it is cheaper and works in any block.
 
 Both scale the error by a data-dependent rate ``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` (the
-``1/d`` makes one token's step size independent of the width, as in normalised LMS).
+``1/d`` makes one token's step size independent of the width, as in normalised LMS, for the hidden
+matrix, whose input ``x_t`` is layer-normalised; ``Level.nlms`` normalises each matrix by its own
+input's squared norm instead, the output matrix's included, whose input can grow).
 
 Rates and the sum. Eq. 71 sums the period's terms (it does not average them), so a level of period
 ``C`` moves ``C`` tokens' worth of gradient at once. The rate bias ``b_η`` is initialised so that
@@ -126,6 +128,10 @@ from .state import nbytes, spec, state_dataclass
 OPTIMIZERS = ("gd", "momentum", "delta_momentum")
 PARTIAL = ("carry", "flush")
 OBJECTIVES = ("reconstruction", "task")
+#: ``ε`` of ``Level.nlms``'s normalisation ``‖input‖² + ε`` (the inputs' squared norms are ``≈ d``
+#: for the layer-normalised ``x_t`` and of the same order for ``a_t``; ε keeps a near-zero input
+#: from taking an unbounded step)
+NLMS_EPS = 1.0
 TRANSFERS = ("sequential", "independent", "nested")
 ORDERS = ("fastest_first", "slowest_first")
 METAS = ("unrolled", "first_order", "none")
@@ -196,6 +202,19 @@ class Level:
             which is what made the slow levels' inner step diverge in docs/results/continual.md).
             mnemo's choice, not the paper's (Eq. 71 leaves the rates' form open); default
             ``rate_per_period=False``.
+        nlms: ``True`` divides each fast matrix's step by its own input's squared norm instead of
+            the width ``d`` (normalised least mean squares, Nagumo & Noda 1967; the step a delta
+            rule with L2-normalised keys takes): the hidden matrix's rate is ``lr · sigmoid(·) /
+            (‖x_t‖² + ε)``, the output matrix's ``lr · sigmoid(·) / (‖a_t‖² + ε)`` with ``a_t =
+            gelu(W_inᵀ x_t)`` its input and ``ε =`` :data:`NLMS_EPS` (both ``/ C`` more with
+            ``rate_per_period``). One token's step on the output matrix then shrinks that token's
+            reconstruction error by the factor ``1 − lr σ_t ‖a_t‖² / (‖a_t‖² + ε)``, inside ``(1 −
+            lr, 1]`` however large ``a_t`` grows, where the default's ``1 − lr σ_t ‖a_t‖² / d``
+            overshoots once ``‖a_t‖² > 2d / (lr σ_t)`` (the divergence of the tuned chains in
+            docs/results/continual.md). The hidden matrix's curvature also depends on ``W_out``,
+            which no input normalisation bounds. Not with ``transfer="nested"`` (its meta-learned
+            loss weights each token by one rate). mnemo's choice, not the paper's; default
+            ``nlms=False``.
     """
 
     period: int
@@ -208,6 +227,7 @@ class Level:
     outer_lr_scale: float = 1.0
     rate_init: float | None = None
     rate_per_period: bool = False
+    nlms: bool = False
 
     def validate(self) -> Level:
         def bad(name, expected):
@@ -236,6 +256,8 @@ class Level:
             bad("rate_init", "None or a number in (0, 1)")
         if not isinstance(self.rate_per_period, bool):
             bad("rate_per_period", "a bool")
+        if not isinstance(self.nlms, bool):
+            bad("nlms", "a bool")
         if self.objective == "task" and self.partial != "carry":
             bad("partial", "'carry' with objective 'task' (its steps wait for the next token)")
         return self
@@ -392,6 +414,7 @@ class CMSLevel(nn.Module):
         y = _mm(a, W_out)
         err = (y - v) * eta  # η_t ∂ℓ_t/∂y
         dz = torch.ops.aten.gelu_backward(_mm(err, W_out.transpose(-1, -2)), z)
+        err = self._out_err(err, x, a)  # the output matrix's own rate (Level.nlms)
         L = x.shape[1]
         st = replace(st, position=st.position + L)
         if whole and self.level.optimizer == "gd":  # fused: θ − Σ_t x ⊗ δ, no gradient buffers
@@ -504,6 +527,7 @@ class CMSLevel(nn.Module):
             else:
                 z, a, _ = self._read(xs, st)
             dz = torch.ops.aten.gelu_backward(self._back_out(err, st), z)
+            err = self._out_err(err, xs, a)  # the output matrix's own rate (Level.nlms)
             fresh = st.absorbed % C == 0  # a period starts here: its gradient buffers hold zeros
             ends = (st.absorbed + n) % C == 0
             if self._defer_steps:  # keep the step as factors (see deferring)
@@ -536,10 +560,22 @@ class CMSLevel(nn.Module):
         return st
 
     def rates(self, x: torch.Tensor) -> torch.Tensor:
-        """``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` (``/ (d C)`` with ``Level.rate_per_period``)
-        for ``x [B, T, d]`` → ``[B, T, 1]``."""
-        scale = x.shape[-1] * (self.level.period if self.level.rate_per_period else 1)
+        """``η_t = lr · sigmoid(w_η · x_t + b_η) / d`` (``/ (d C)`` with ``Level.rate_per_period``;
+        ``‖x_t‖² + ε`` in place of ``d`` with ``Level.nlms``: then the hidden matrix's rate) for
+        ``x [B, T, d]`` → ``[B, T, 1]``."""
+        norm = x.square().sum(-1, keepdim=True) + NLMS_EPS if self.level.nlms else x.shape[-1]
+        scale = norm * (self.level.period if self.level.rate_per_period else 1)
         return self.level.lr * torch.sigmoid(self.rate(x)) / scale
+
+    def _out_err(self, err: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The output matrix's error factor from ``err = η_t ∂ℓ_t/∂y`` (the hidden matrix's rate):
+        unchanged by default; with ``Level.nlms`` rescaled from the hidden matrix's normalisation
+        ``‖x_t‖² + ε`` to the output matrix's own, ``‖a_t‖² + ε`` (``x [B, L, d]``, ``a [B, L, h]``)."""
+        if not self.level.nlms:
+            return err
+        return err * (
+            (x.square().sum(-1, keepdim=True) + NLMS_EPS) / (a.square().sum(-1, keepdim=True) + NLMS_EPS)
+        )
 
     def forward(
         self,
@@ -718,6 +754,12 @@ class ContinuumMemory(nn.Module):
                 raise ValueError(
                     "ContinuumMemory(transfer='nested'): objective 'task' is not supported with nested "
                     "transfer (use 'sequential' or 'independent')"
+                )
+            if any(lv.nlms for lv in levels):
+                raise ValueError(
+                    "ContinuumMemory(transfer='nested'): Level.nlms is not supported with nested transfer "
+                    "(its meta-learned loss weights each token by one rate; use 'sequential' or "
+                    "'independent')"
                 )
             for i, lv in enumerate(levels):
                 if lv.partial != "carry":

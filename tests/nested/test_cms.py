@@ -230,7 +230,19 @@ def _ref_stream(levels, xs, init, transfer, meta="none"):
             xt = xs[i][:, t : t + 1]
             y = _ref_read(W[i], xt)  # read with the period-start weights
             reads[i].append(y)
-            if meta == "none" or i == 0:
+            if lv.level.nlms:  # each matrix's rate normalised by its own input: ‖x_t‖², ‖a_t‖² (+ ε)
+                sq = 0.5 * (y - lv.value(xt)).square().sum(-1, keepdim=True)
+                cap = lv.level.period if lv.level.rate_per_period else 1
+                rate = lv.level.lr * torch.sigmoid(lv.rate(xt)) / cap
+                a_t = F.gelu(xt @ W[i][0])
+                eta_in = rate / (xt.square().sum(-1, keepdim=True) + 1.0)
+                eta_out = rate / (a_t.square().sum(-1, keepdim=True) + 1.0)
+                g = (
+                    torch.autograd.grad((eta_in * sq).sum(), W[i][0], create_graph=True)[0],
+                    torch.autograd.grad((eta_out * sq).sum(), W[i][1], create_graph=True)[0],
+                )
+                G[i] = tuple(a + b for a, b in zip(G[i], g))
+            elif meta == "none" or i == 0:
                 eta = lv.level.lr * torch.sigmoid(lv.rate(xt)) / d  # η_t (a learned function of x_t)
                 loss = (eta * 0.5 * (y - lv.value(xt)).square().sum(-1, keepdim=True)).sum()
                 g = torch.autograd.grad(loss, W[i], create_graph=True)
@@ -270,11 +282,12 @@ def _ref_cms(cms, x):
     return reads[0]
 
 
-def _cms(transfer, periods, optimizer="gd", seed=0, expansion=1.5, meta=None, lrs=None):
+def _cms(transfer, periods, optimizer="gd", seed=0, expansion=1.5, meta=None, lrs=None, **level):
     torch.manual_seed(seed)
     lrs = lrs or [1.0] * len(periods)
     levels = [
-        Level(p, expansion=expansion, lr=r, optimizer=optimizer, beta=0.7) for p, r in zip(periods, lrs)
+        Level(p, expansion=expansion, lr=r, optimizer=optimizer, beta=0.7, **level)
+        for p, r in zip(periods, lrs)
     ]
     cms = ContinuumMemory(D, levels, transfer=transfer, meta=meta).double()
     with torch.no_grad():
@@ -312,6 +325,85 @@ def test_cms_matches_a_token_loop_written_from_the_equations(transfer, periods, 
     for n, a, b in zip(names, got, want):
         assert_close(a, b, 1e-10, what=f"grad {n}")
         assert a.abs().sum() > 0, f"{n} gets no gradient"
+
+
+@pytest.mark.parametrize(
+    "transfer,periods,optimizer,rate_per_period",
+    [
+        ("sequential", (1, 3), "gd", False),
+        ("sequential", (2, 5), "momentum", True),
+        ("independent", (1, 4), "delta_momentum", False),
+        ("independent", (3, 3), "gd", True),
+    ],
+)
+def test_nlms_levels_match_a_token_loop_written_from_the_equations(
+    transfer, periods, optimizer, rate_per_period
+):
+    """``Level.nlms``: each matrix steps on its own input's normalisation (the loop's two losses,
+    ``η_in = lr σ / (‖x_t‖² + 1)`` on ``W_in``, ``η_out = lr σ / (‖a_t‖² + 1)`` on ``W_out``);
+    outputs and every outer gradient equal the module's (float64), in one pass and split in pieces."""
+    if optimizer == "delta_momentum":  # the loop's optimizer step knows gd and momentum only
+        optimizer = "momentum"
+    cms = _cms(transfer, periods, optimizer, nlms=True, rate_per_period=rate_per_period)
+    x = _x(17).requires_grad_(True)
+    y, st = cms(x)
+    ref = _ref_cms(cms, x)
+    assert_close(y, ref, 1e-12, what="output")
+    w = torch.randn_like(y)
+    params = [p for p in cms.parameters()]
+    got = torch.autograd.grad((y * w).sum(), [x, *params])
+    want = torch.autograd.grad((ref * w).sum(), [x, *params])
+    for n, a, b in zip(["x"] + [n for n, _ in cms.named_parameters()], got, want):
+        assert_close(a, b, 1e-10, what=f"grad {n}")
+        assert a.abs().sum() > 0, f"{n} gets no gradient"
+    outs, part, a = [], None, 0
+    for b in (2, 7, 8, 17):
+        yb, part = cms(x[:, a:b].detach(), part)
+        outs.append(yb)
+        a = b
+    assert_close(torch.cat(outs, 1), y.detach(), 1e-12, what="split")
+
+
+def test_nlms_step_shrinks_the_error_by_the_normalised_factor_however_large_the_input():
+    """One token, one level (C = 1, σ driven to 1, lr 1): the output matrix's own step moves the read
+    by ``−‖a‖² / (‖a‖² + 1) · (y − v)`` and the hidden matrix's moves ``z`` by ``−‖x‖² / (‖x‖² + 1) ·
+    gelu'(z) ⊙ ((y − v) W_outᵀ)`` (closed forms). Repeated on one token whose activation is 30×
+    larger than the width allows, the plain rate's first step overshoots by orders of magnitude; the
+    normalised one's error falls to ~0 and never grows."""
+    torch.manual_seed(0)
+    lv = CMSLevel(D, Level(1, lr=1.0, nlms=True)).double()
+    with torch.no_grad():
+        lv.rate.weight.zero_()
+        lv.rate.bias.fill_(50.0)
+    x = _x(1, B=1)
+    W_in, W_out = lv.W_in.detach(), lv.W_out.detach()
+    z = x @ W_in
+    a = F.gelu(z)
+    y0, v = a @ W_out, lv.value(x).detach()
+    _, st = lv(x)
+    new_in, new_out = (w[0] for w in st.weights)
+    a2, x2 = a.square().sum(), x.square().sum()
+    assert_close(a @ new_out, y0 - a2 / (a2 + 1) * (y0 - v), 1e-12, what="output matrix alone")
+    dz = torch.ops.aten.gelu_backward((y0 - v) @ W_out.T, z)
+    assert_close(x @ new_in, z - x2 / (x2 + 1) * dz, 1e-12, what="hidden matrix alone")
+    errs = {}
+    for nlms in (False, True):
+        big = CMSLevel(D, Level(1, lr=1.0, nlms=nlms)).double()
+        big.load_state_dict(lv.state_dict())
+        with torch.no_grad():
+            big.W_in.mul_(30.0)  # ‖a‖² ≫ 2d: the plain rate lr σ ‖a‖² / d overshoots
+        st, err = None, []
+        for _ in range(6):  # the same token again and again: online GD on one example
+            y, st = big(x, st)
+            err.append((y - big.value(x)).norm().item())
+        errs[nlms] = err
+    assert errs[False][1] > 100 * errs[False][0]  # the plain step overshoots (3.6 -> 2,250 here)
+    assert errs[True][1] < 0.01 * errs[True][0]  # the factor ε / (‖a‖² + ε) of the closed form, ~0
+    assert all(b <= a + 1e-12 for a, b in zip(errs[True], errs[True][1:]))  # and never grows
+    with pytest.raises(ValueError, match="nlms"):
+        Level(1, nlms=1).validate()
+    with pytest.raises(ValueError, match="nlms"):
+        ContinuumMemory(D, [Level(2, nlms=True), Level(4, nlms=True)], transfer="nested")
 
 
 def test_a_period_step_is_the_sum_of_its_tokens_gradients_not_the_mean():

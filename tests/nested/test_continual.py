@@ -884,15 +884,18 @@ def test_a_killed_experiment_stops_its_worker_processes(tmp_path):
             proc.kill()
 
 
-def test_inner_step_stats_against_a_hand_loop():
-    """The bound of a period's inner step, Σ_t η_t ‖a_t‖² (η_t = lr·σ_t/d), written out token by
-    token from the level's definition, on two levels whose rates are known constants."""
+@pytest.mark.parametrize("nlms", [False, True])
+def test_inner_step_stats_against_a_hand_loop(nlms):
+    """The bound of a period's inner step, Σ_t η_t ‖a_t‖² (η_t = lr·σ_t/d; with ``Level.nlms`` the
+    output matrix's lr·σ_t/(‖a_t‖² + 1)), written out token by token from the level's definition, on
+    two levels whose rates are known constants."""
     import torch.nn.functional as F
 
     from mnemo.commands.continual import BOS, inner_step_stats
 
     torch.manual_seed(3)
     levels = [{"period": 1, "expansion": 1.0, "lr": 1.0}, {"period": 2, "expansion": 2.0, "lr": 0.5}]
+    levels = [dict(lv, nlms=nlms) for lv in levels]
     net = ContinualNet(10, 4, levels)
     sig = [0.3, 0.8]
     with torch.no_grad():
@@ -907,13 +910,17 @@ def test_inner_step_stats_against_a_hand_loop():
         x = F.layer_norm(h, (4,))
         a2 = [[float(F.gelu(x[b, t] @ lv.W_in).square().sum()) for t in range(5)] for b in range(2)]
         C, eta = levels[k]["period"], levels[k]["lr"] * s / 4
-        sums = [sum(a2[b][t] for t in range(p, min(p + C, 5))) for b in range(2) for p in range(0, 5, C)]
+        # per token η ‖a‖² / η: ‖a‖² with the width's rate, ‖a‖² · d / (‖a‖² + 1) with nlms
+        share = [[q * 4 / (q + 1) if nlms else q for q in row] for row in a2]
+        sums = [sum(share[b][t] for t in range(p, min(p + C, 5))) for b in range(2) for p in range(0, 5, C)]
         r = stats[k]
         assert (r["level"], r["period"]) == (k, C)
         assert r["sigma_max"] == pytest.approx(s) and r["sigma_mean"] == pytest.approx(s)
         assert r["summed_sigma_max"] == pytest.approx(C * s)  # a full period of constant rates
         assert r["a2_max"] == pytest.approx(max(max(row) for row in a2), rel=1e-5)
         assert r["bound"] == pytest.approx(eta * max(sums), rel=1e-5)
+        if nlms:  # each token adds less than lr · σ: a period's bound is below lr · C · σ
+            assert r["bound"] < levels[k]["lr"] * C * s
         h = h + lv(x)[0]
 
 
@@ -952,6 +959,12 @@ def test_rate_per_period_reaches_every_level_from_the_command_line():
     assert all("rate_per_period" not in lv for lv in model_specs(16, 1.0, (1, 4))["cms-2"])
     net = ContinualNet(20, 16, specs["cms-2"])
     assert [lv.level.rate_per_period for lv in net.cms.levels] == [True, True]
+    _, kwargs = run_arguments(parse_command(["--experiment", "retention", "--nlms", "--out", "o"]))
+    assert kwargs["overrides"]["nlms"] is True
+    specs = model_specs(16, 1.0, (1, 4), nlms=True)
+    assert all(lv["nlms"] for name in ("cms-2", "flat-2", "flat-2-rates", "wide-1") for lv in specs[name])
+    assert all("nlms" not in lv for lv in model_specs(16, 1.0, (1, 4))["flat-2-rates"])
+    assert all(lv.level.nlms for lv in ContinualNet(20, 16, specs["flat-2-rates"]).cms.levels)
 
 
 def test_capped_rate_control_has_its_chain_counterparts_rate_function():

@@ -218,15 +218,22 @@ def test_scaling_the_untied_head_moves_task_levels_and_leaves_reconstruction_lev
     assert changes["hope_attention_reconstruction"][1] == 0.0, changes
 
 
-def test_the_steps_equal_an_autograd_gradient_through_per_token_copies_of_the_weights():
+@pytest.mark.parametrize("nlms", [False, True])
+def test_the_steps_equal_an_autograd_gradient_through_per_token_copies_of_the_weights(nlms):
     """Independent computation (hand-written, not the module's code path): one layer, a sequential
     chain of two task levels (periods S and 2S), data-dependent rates. The first layer's mixer sees
     only embeddings, so its output is taken from the model; the CMS chain, the head and the loss are
     written here. Each token reads through its own copy of a level's weights, and autograd of the
     segment's summed next-token loss with respect to the copies gives every token's term; the step
-    is ``θ − Σ_t η_t ∂L_seg/∂θ_t`` (Eq. 71), summed over the level's period."""
+    is ``θ − Σ_t η_t ∂L_seg/∂θ_t`` (Eq. 71), summed over the level's period. With ``Level.nlms``
+    each matrix has its own rate: ``lr σ_t / (‖x_t‖² + 1)`` for ``W_in``, ``lr σ_t / (‖a_t‖² + 1)``
+    for ``W_out`` (``a_t`` the token's hidden activation at its read weights)."""
     S, B = 3, 2
-    m = _model([{"period": S, "objective": "task"}, {"period": 2 * S, "objective": "task"}], n_layers=1)
+    levels = [
+        {"period": S, "objective": "task", "nlms": nlms},
+        {"period": 2 * S, "objective": "task", "nlms": nlms},
+    ]
+    m = _model(levels, n_layers=1)
     with torch.no_grad():
         for lv in m.blocks[0].mlp.levels:
             lv.rate.weight.normal_(0, 0.5)
@@ -241,8 +248,10 @@ def test_the_steps_equal_an_autograd_gradient_through_per_token_copies_of_the_we
     def ln(x):
         return F.layer_norm(x, (D,))
 
-    def rate(lv, x):
-        return lv.level.lr * torch.sigmoid(x @ lv.rate.weight.detach().T + lv.rate.bias.detach()) / D
+    def rate(lv, x, norm_of=None):
+        """``lr σ_t / d``, or with nlms ``lr σ_t / (‖norm_of_t‖² + 1)``."""
+        norm = D if not nlms else norm_of.square().sum(-1, keepdim=True) + 1.0
+        return lv.level.lr * torch.sigmoid(x @ lv.rate.weight.detach().T + lv.rate.bias.detach()) / norm
 
     def run(W, tok):
         """Reads of tokens ``tok`` with per-token weights ``W[ℓ] = (W_in [B, n, d, h], W_out [B, n, h, d])``;
@@ -266,8 +275,12 @@ def test_the_steps_equal_an_autograd_gradient_through_per_token_copies_of_the_we
         grads = torch.autograd.grad(loss, [w for p in Wt for w in p])
         out = []
         for i, lv in enumerate(levels):
-            eta = rate(lv, xs[i].detach())[..., None]  # [B, n, 1, 1]
-            out.append(tuple((eta * g).sum(1) for g in grads[2 * i : 2 * i + 2]))
+            u = xs[i].detach()
+            a = F.gelu(torch.einsum("bnd,bdh->bnh", u, W[i][0].detach()))  # the hidden activations
+            eta_in = rate(lv, u, u)[..., None]  # [B, n, 1, 1]
+            eta_out = rate(lv, u, a)[..., None]
+            g_in, g_out = grads[2 * i : 2 * i + 2]
+            out.append(((eta_in * g_in).sum(1), (eta_out * g_out).sum(1)))
         return out, logits.detach()
 
     W0 = [tuple(w.detach().expand(B, -1, -1) for w in (lv.W_in, lv.W_out)) for lv in levels]
@@ -390,9 +403,11 @@ def test_run_with_cache_keeps_the_last_value_of_a_hook_fired_within_a_segment():
     assert task["blocks.0.hook_mixer_out"][1] == 21 and task["blocks.0.mixer.memory.hook_q"][1] == 1
 
 
-@pytest.mark.parametrize("d", [8, 16])
+@pytest.mark.parametrize(
+    "d,nlms", [(8, False), (16, False), (16, True)]
+)  # nlms: the output matrix's factor E carries its own rate
 @pytest.mark.parametrize("cuts", [(40,), (8, 21, 40), (5, 13, 29, 40)])
-def test_factored_steps_equal_materialised_steps(cuts, d):
+def test_factored_steps_equal_materialised_steps(cuts, d, nlms):
     """Inside the segment loop a task level keeps its steps as low-rank factors and reads through
     them (``CMSLevel.deferring``); the same stream with the factors turned off (every step written
     into the weights) gives the same logits, states and gradients w.r.t. every parameter, over
@@ -405,6 +420,10 @@ def test_factored_steps_equal_materialised_steps(cuts, d):
     runs = {}
     for factored in (True, False):
         m = _presets("hope_attention", d_model=d).double()
+        if nlms:
+            for b in m.blocks:
+                for lv in b.mlp.levels:
+                    lv.level = dataclasses.replace(lv.level, nlms=True)
         if not factored:
             for b in m.blocks:
                 for lv in b.mlp.levels:
