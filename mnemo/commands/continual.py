@@ -1011,9 +1011,11 @@ def table(result: dict) -> str:
         if grid
         else f"{opt}, outer lr {s['lr']:g}" + (f", ε {s['m3_eps']:g}" if opt == "m3" else "")
     )
+    workers = result.get("workers", 1)
     lines = [
         f"**{exp}** — {n} seeds, mean ± 95% t-interval half-width; chance {result['chance']:.3f}; "
-        f"wall time {result['wall_s']:.0f} s ({result.get('workers', 1)} worker processes; the runs' own "
+        f"wall time {result['wall_s']:.0f} s ({workers} worker process{'es' if workers != 1 else ''}; "
+        "the runs' own "
         f"{run_seconds(result) / 60:.1f} min summed); "
         f"{s['steps']} outer steps (warm-up {s['warmup']}) × batch {s['batch_size']}; {how}"
         + (
