@@ -325,8 +325,9 @@ class CMSLevel(nn.Module):
 
     * ``hook_in``: the level's input ``x_t`` (layer-normalised by the CMS);
     * ``hook_v`` (reconstruction objective): the target ``W_v x_t``;
-    * ``hook_eta`` ``[B, T, 1]`` (reconstruction objective): the rates ``η_t`` (a task level's
-      rates and error signal enter with :meth:`absorb`, outside ``forward``);
+    * ``hook_eta`` ``[B, T, 1]`` (reconstruction objective): the rates ``η_t`` (with
+      ``Level.nlms`` the hidden matrix's; a task level's rates and error signal enter with
+      :meth:`absorb`, outside ``forward``);
     * ``hook_out``: the level's read ``MLP_θ(x_t)`` with the period-start weights (what the next
       level or the aggregate receives);
     * ``hook_state``: the :class:`LevelState` after the call.
