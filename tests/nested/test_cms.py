@@ -312,41 +312,14 @@ def _cms(transfer, periods, optimizer="gd", seed=0, expansion=1.5, meta=None, lr
 )
 def test_cms_matches_a_token_loop_written_from_the_equations(transfer, periods, optimizer, meta):
     """Outputs and the outer gradients of every slow parameter equal the per-token loop (float64)."""
-    cms = _cms(transfer, periods, optimizer, meta=meta)
-    x = _x(17).requires_grad_(True)
+    _assert_matches_the_token_loop(_cms(transfer, periods, optimizer, meta=meta), _x(17))
+
+
+def _assert_matches_the_token_loop(cms, x):
+    """The module's output on ``x`` and the outer gradients of ``x`` and every slow parameter equal
+    the per-token loop's (float64); every one of them gets a gradient. Returns the output."""
+    x = x.requires_grad_(True)
     y, _ = cms(x)
-    ref = _ref_cms(cms, x)
-    assert_close(y, ref, 1e-12, what="output")
-    w = torch.randn_like(y)
-    params = [p for p in cms.parameters()]
-    got = torch.autograd.grad((y * w).sum(), [x, *params])
-    want = torch.autograd.grad((ref * w).sum(), [x, *params])
-    names = ["x"] + [n for n, _ in cms.named_parameters()]
-    for n, a, b in zip(names, got, want):
-        assert_close(a, b, 1e-10, what=f"grad {n}")
-        assert a.abs().sum() > 0, f"{n} gets no gradient"
-
-
-@pytest.mark.parametrize(
-    "transfer,periods,optimizer,rate_per_period",
-    [
-        ("sequential", (1, 3), "gd", False),
-        ("sequential", (2, 5), "momentum", True),
-        ("independent", (1, 4), "delta_momentum", False),
-        ("independent", (3, 3), "gd", True),
-    ],
-)
-def test_nlms_levels_match_a_token_loop_written_from_the_equations(
-    transfer, periods, optimizer, rate_per_period
-):
-    """``Level.nlms``: each matrix steps on its own input's normalisation (the loop's two losses,
-    ``η_in = lr σ / (‖x_t‖² + 1)`` on ``W_in``, ``η_out = lr σ / (‖a_t‖² + 1)`` on ``W_out``);
-    outputs and every outer gradient equal the module's (float64), in one pass and split in pieces."""
-    if optimizer == "delta_momentum":  # the loop's optimizer step knows gd and momentum only
-        optimizer = "momentum"
-    cms = _cms(transfer, periods, optimizer, nlms=True, rate_per_period=rate_per_period)
-    x = _x(17).requires_grad_(True)
-    y, st = cms(x)
     ref = _ref_cms(cms, x)
     assert_close(y, ref, 1e-12, what="output")
     w = torch.randn_like(y)
@@ -356,6 +329,27 @@ def test_nlms_levels_match_a_token_loop_written_from_the_equations(
     for n, a, b in zip(["x"] + [n for n, _ in cms.named_parameters()], got, want):
         assert_close(a, b, 1e-10, what=f"grad {n}")
         assert a.abs().sum() > 0, f"{n} gets no gradient"
+    return y
+
+
+@pytest.mark.parametrize(
+    "transfer,periods,optimizer,rate_per_period",
+    [
+        ("sequential", (1, 3), "gd", False),
+        ("sequential", (2, 5), "momentum", True),
+        ("independent", (1, 4), "momentum", False),
+        ("independent", (3, 3), "gd", True),
+    ],
+)
+def test_nlms_levels_match_a_token_loop_written_from_the_equations(
+    transfer, periods, optimizer, rate_per_period
+):
+    """``Level.nlms``: each matrix steps on its own input's normalisation (the loop's two losses,
+    ``η_in = lr σ / (‖x_t‖² + 1)`` on ``W_in``, ``η_out = lr σ / (‖a_t‖² + 1)`` on ``W_out``);
+    outputs and every outer gradient equal the module's (float64), in one pass and split in pieces."""
+    cms = _cms(transfer, periods, optimizer, nlms=True, rate_per_period=rate_per_period)
+    x = _x(17)
+    y = _assert_matches_the_token_loop(cms, x)
     outs, part, a = [], None, 0
     for b in (2, 7, 8, 17):
         yb, part = cms(x[:, a:b].detach(), part)
