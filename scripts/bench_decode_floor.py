@@ -2,7 +2,8 @@
 bandwidth limit): the bytes a step must read against the operators it dispatches.
 
 For each preset at the main job's size (registry defaults: d_model 128, 4 layers; vocabulary 256 as
-in ``mnemo bench --suite roofline``) and batch 1 and 8, in one process, interleaved:
+in ``mnemo bench --suite roofline``; ``--d-model``/``--n-layers`` for the roofline's and issue 40's
+larger sizes, e.g. 512 x 8) and batch 1 and 8, in one process, interleaved:
 
 - ``bytes``: weights read once (the embedding only for the looked-up rows) + the recurrent state
   (or KV cache) after a 256-token prompt, as the roofline suite counts them;
@@ -23,7 +24,7 @@ When ``floor`` alone exceeds ``t(50% bw)``, no eager decode step that dispatches
 by one can meet the target: it needs fewer operators (fusion into one kernel per layer or per step).
 
     python scripts/bench_decode_floor.py [--models gated_deltanet,mamba2,gla,transformer] [--repeats 20]
-        [--compile]
+        [--compile] [--d-model 128] [--n-layers 4]
 """
 
 import argparse
@@ -97,6 +98,8 @@ def main(argv=None):
         "timed alone, after the other tasks have evicted its weights from the caches)",
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128, help="model width (default: the main job's, 128)")
+    p.add_argument("--n-layers", type=int, default=4, help="blocks (default: the main job's, 4)")
     p.add_argument(
         "--compile",
         action="store_true",
@@ -109,7 +112,7 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     models = a.models.split(",")
     batches = [int(b) for b in a.batches.split(",")]
-    built = {m: build(m, 128, 4) for m in models}
+    built = {m: build(m, a.d_model, a.n_layers) for m in models}
     tasks, ops, diffs, compile_s = {}, {}, {}, {}
     for m, model in built.items():
         for b in batches:
@@ -138,7 +141,8 @@ def main(argv=None):
     triad = stream["triad"][1] / med["triad"]
     per_op = med["floor"] / floor_n
     print(
-        f"# {a.threads} threads, torch {torch.__version__}, {a.repeats} interleaved rounds of "
+        f"# d_model {a.d_model}, {a.n_layers} layers; {a.threads} threads, torch {torch.__version__}, "
+        f"{a.repeats} interleaved rounds of "
         f"{a.steps_per_call} decode step(s) per call, medians; "
         f"triad {triad / 1e9:.1f} GB/s; one dispatched operator {per_op * 1e6:.2f} us; "
         f"timing took {time.time() - t0:.0f} s"

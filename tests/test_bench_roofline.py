@@ -232,3 +232,41 @@ def test_decode_floor_times_the_step_generate_compiles():
     (row,) = mod.main([*argv, "--context", "16", "--compile", "--steps-per-call", "2"])
     assert row["compiled_s"] > 0 and row["step_s"] > 0
     assert 0 <= row["logit_diff"] < 1e-4  # fp32 logits of a random model: |logit| ~ 1
+
+
+def test_compile_adds_the_step_generate_compiles_to_each_decode_row(tmp_path, monkeypatch, capsys):
+    """``--compile`` (issue 40 item 3): each decode row also times the step ``generate(compile=True)``
+    runs; its logits equal the eager step's to float rounding, and its fraction is its bytes over its
+    own time, of the same triad."""
+    monkeypatch.setattr(roofline, "STREAM_ELEMENTS", 2**16)
+    out = tmp_path / "roofline.json"
+    argv = ["bench", "--suite", "roofline", "--models", "mamba2", *TINY, "--compile", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "compiled ms" in text and "the compiled decode step too" in text
+    r = json.loads(out.read_text())
+    assert r["compile"] == "on" and len(r["decode"]) == 2
+    for d in r["decode"]:
+        assert d["compiled_step_ms"] > 0 and d["compile_s"] > 0
+        assert 0 <= d["compiled_max_logit_diff"] < 1e-4  # fp32 logits of a random model: |logit| ~ 1
+        bytes_ = d["weight_bytes"] + d["state_bytes"]
+        expect = bytes_ / (d["compiled_step_ms"] / 1e3) / 1e9 / r["machine"]["triad_gbs"]
+        assert abs(d["compiled_fraction_of_bandwidth"] - expect) < 1e-9 * expect
+        assert abs(d["compiled_tokens_per_s"] - d["batch"] / (d["compiled_step_ms"] / 1e3)) < 1e-6
+
+
+def test_compile_unavailable_keeps_the_eager_rows_and_says_why(tmp_path, monkeypatch, capsys):
+    """Where ``torch.compile`` cannot run (no C compiler, ...), ``--compile`` reports why and the
+    suite finishes with its eager decode rows."""
+    from mnemo.bench import model_entries
+
+    monkeypatch.setattr(roofline, "STREAM_ELEMENTS", 2**16)
+    monkeypatch.setattr(model_entries, "compile_available", lambda: (False, "no C compiler (test)"))
+    out = tmp_path / "roofline.json"
+    argv = ["bench", "--suite", "roofline", "--models", "gla", *TINY, "--compile", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "torch.compile is unavailable here (no C compiler (test))" in text
+    r = json.loads(out.read_text())
+    assert r["compile"] == "unavailable: no C compiler (test)"
+    assert len(r["decode"]) == 2 and not any("compiled_step_ms" in d for d in r["decode"])

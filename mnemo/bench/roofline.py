@@ -30,7 +30,11 @@ process**, with every timing interleaved (round ``r`` runs every task once, rota
   unless tied to the head, which reads it whole) + the decoding state (``state_size_bytes(b, L)``,
   read once; its writes are not counted); achieved bytes/s = that / median step time, as a
   fraction of the triad bandwidth. Small models' weights partly fit the 32 MiB L3, so a fraction
-  above 1 is possible and means "cache-resident";
+  above 1 is possible and means "cache-resident". With ``--compile`` each row also times the step
+  ``generate(compile=True)`` runs (``mnemo.models.lm._compiled(model, "step")``, compiled before
+  the timing; its compile time and largest logit difference from the eager step are reported);
+  where ``torch.compile`` does not work here (no C compiler, ...), the suite says so and keeps the
+  eager rows;
 * **where the step's time goes**: ``torch.profiler`` over one training step per model, every op's
   *self* time put in one group: ``matmul`` (mm/bmm/addmm/baddbmm anywhere; the part inside the
   mixers' ops is shown again as ``mm in mixer``), ``recurrence`` (the mixer's other ops, causal
@@ -51,6 +55,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -462,8 +467,11 @@ def run(
     profile: bool = True,
     stream_elements: int = STREAM_ELEMENTS,
     log: Callable[[str], None] = print,
+    compile: bool = False,
 ) -> dict:
-    """Measure and return the JSON-ready result (module docstring; :func:`print_tables` prints it)."""
+    """Measure and return the JSON-ready result (module docstring; :func:`print_tables` prints it).
+    ``compile``: also time each decode step as ``generate(compile=True)`` runs it (``"compile"`` in
+    the result: ``"on"``, ``"off"`` or ``"unavailable: why"``, then eager rows only)."""
     from ..models import model_names
 
     known = model_names()
@@ -484,7 +492,16 @@ def run(
     stream = stream_tasks(stream_elements)
     for kind, (fn, _) in stream.items():
         tasks[("stream", kind)] = fn
-    opts, steps, flops = {}, {}, {}
+    opts, steps, flops, compiled = {}, {}, {}, {}
+    compile_status = "off"
+    if compile and gen_batches:
+        from ..models.lm import _compiled
+        from .model_entries import compile_available
+
+        ok, why = compile_available()
+        compile_status = "on" if ok else f"unavailable: {why}"
+        if not ok:
+            log(f"--compile: torch.compile is unavailable here ({why}); decoding eager only")
     for name, model in built.items():
         opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for T, B in shapes:
@@ -496,6 +513,13 @@ def run(
             tasks[("train", name, T, B)] = step
         for b in gen_batches:
             tasks[("decode", name, b)] = decode_step_fn(model, b, context)
+            if compile_status == "on":
+                log(f"compiling the decode step of {name} at batch {b} ...")
+                t0 = time.perf_counter()
+                fn = decode_step_fn(model, b, context, step_fn=_compiled(model, "step"))
+                diff = float((fn() - tasks[("decode", name, b)]()).abs().max())
+                compiled[(name, b)] = (time.perf_counter() - t0, diff)
+                tasks[("decode_compiled", name, b)] = fn
     log(f"timing {len(tasks)} tasks, {repeats} interleaved rounds after one warm-up ...")
     times = interleaved(tasks, repeats)
     med = {k: _median(v) for k, v in times.items()}
@@ -555,6 +579,15 @@ def run(
                     "fraction_of_bandwidth": (wb + sb) / t / 1e9 / machine["triad_gbs"],
                 }
             )
+            if (name, b) in compiled:
+                tc = med[("decode_compiled", name, b)]
+                decode_rows[-1].update(
+                    compiled_step_ms=1e3 * tc,
+                    compiled_tokens_per_s=b / tc,
+                    compiled_fraction_of_bandwidth=(wb + sb) / tc / 1e9 / machine["triad_gbs"],
+                    compile_s=compiled[(name, b)][0],
+                    compiled_max_logit_diff=compiled[(name, b)][1],
+                )
     profiles = {}
     if profile:
         for (name, T, B), step in steps.items():
@@ -574,6 +607,7 @@ def run(
         "not_counted": NOT_COUNTED,
         "train": train_rows,
         "decode": decode_rows,
+        "compile": compile_status,
         "profile": profiles,
     }
 
@@ -617,14 +651,31 @@ def print_tables(r: dict, log: Callable[[str], None] = print) -> None:
         )
         head = f"{'model':<16}{'B':>4}{'step ms':>10}{'tok/s':>10}{'weights MB':>12}{'state MB':>10}"
         head += f"{'GB/s':>8}{'frac':>7}"
+        comp = any("compiled_step_ms" in d for d in r["decode"])
+        if comp:
+            head += f"{'compiled ms':>13}{'tok/s':>10}{'frac':>7}{'compile s':>11}{'max |dlogit|':>14}"
         log(head)
         log("-" * len(head))
         for d in r["decode"]:
-            log(
+            line = (
                 f"{d['model']:<16}{d['batch']:>4}{d['step_ms']:>10.2f}{d['tokens_per_s']:>10.0f}"
                 f"{d['weight_bytes'] / 1e6:>12.2f}{d['state_bytes'] / 1e6:>10.2f}{d['achieved_gbs']:>8.2f}"
                 f"{d['fraction_of_bandwidth']:>7.3f}"
             )
+            if "compiled_step_ms" in d:
+                line += (
+                    f"{d['compiled_step_ms']:>13.2f}{d['compiled_tokens_per_s']:>10.0f}"
+                    f"{d['compiled_fraction_of_bandwidth']:>7.3f}{d['compile_s']:>11.1f}"
+                    f"{d['compiled_max_logit_diff']:>14.1e}"
+                )
+            log(line)
+        if comp:
+            log(
+                "compiled: the step generate(compile=True) runs (torch.compile, inductor), timed in the "
+                "same rounds; max |dlogit| = its largest logit difference from the eager step"
+            )
+        elif str(r.get("compile", "off")).startswith("unavailable"):
+            log(f"--compile: {r['compile']}; eager rows only")
     if r["profile"]:
         log(
             "\nwhere a profiled training step's time goes (share of the step; "
@@ -656,7 +707,8 @@ def main(args) -> int:
         f"mnemo bench --suite roofline: d_model={d_model}, {n_layers} layers, vocab {VOCAB}; training "
         f"{', '.join(f'{T}x{B}' for T, B in shapes)}; decoding batches {gen_batches} after "
         f"{args.prompt_len} tokens; {torch.get_num_threads()} threads; medians of {args.repeats} "
-        "interleaved rounds after one warm-up\n",
+        "interleaved rounds after one warm-up"
+        f"{'; --compile: the compiled decode step too' if getattr(args, 'compile', False) else ''}\n",
         flush=True,
     )
     result = run(
@@ -669,6 +721,7 @@ def main(args) -> int:
         repeats=args.repeats,
         stream_elements=STREAM_ELEMENTS,
         log=lambda s: print(s, flush=True),
+        compile=getattr(args, "compile", False),
     )
     print_tables(result)
     if args.json:

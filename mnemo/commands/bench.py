@@ -30,7 +30,7 @@ SUITE_OPTIONS = {
     "gen_batches": ("models", "roofline"),
     "prompt_len": ("models", "roofline"),
     "gen_tokens": ("models",),
-    "compile": ("models",),
+    "compile": ("models", "roofline"),
 }
 _DEFAULTS: dict = {}
 
@@ -192,7 +192,8 @@ def add_commands(sub) -> None:
         "--compile",
         action="store_true",
         help="models suite: also time every mnemo model under torch.compile (train forward/backward and "
-        "the decode step), with its graph breaks; eager only where compilation is unavailable",
+        "the decode step), with its graph breaks; roofline suite: also time the decode step "
+        "generate(compile=True) runs; eager only where compilation is unavailable",
     )
     b.add_argument(
         "--lengths", default="512,1024,2048,4096,8192", type=kinds.IntList(1), help="comma-separated T values"
