@@ -16,9 +16,10 @@ larger sizes, e.g. 512 x 8) and batch 1 and 8, in one process, interleaved:
   they compute;
 - ``step``: the measured decode step (``--steps-per-call`` steps back to back, per step);
 - with ``--compile``, ``compiled``: the same step as ``LanguageModel.generate(compile=True)`` runs
-  it (``mnemo.models.lm._compiled(model, "step")``: inductor fuses the elementwise operators into a
-  few C++ loops and calls the matmuls directly, so the per-operator floor no longer applies), and
-  its fraction of the bandwidth.
+  it (``mnemo.models.lm._compile_kind("step")``, a fresh one per model and batch: inductor fuses
+  the elementwise operators into a few C++ loops, so the per-operator floor no longer applies, and
+  writes products of at most 8 rows as fused multiply-sums instead of BLAS calls), and its
+  fraction of the bandwidth.
 
 When ``floor`` alone exceeds ``t(50% bw)``, no eager decode step that dispatches these operators one
 by one can meet the target: it needs fewer operators (fusion into one kernel per layer or per step).
@@ -75,11 +76,13 @@ def repeated(fn, n: int):
 
 
 def compiled_step_fn(model, batch: int, context: int):
-    """:func:`decode_step_fn`'s step through ``generate(compile=True)``'s compiled one-token
-    function (compiled on the first call), and its logits' largest difference from the eager step."""
-    from mnemo.models.lm import _compiled
+    """:func:`decode_step_fn`'s step through the one-token function ``generate(compile=True)``
+    compiles (a fresh one per model and batch, as a first generation at that batch compiles it:
+    one shared by both batches would make the batch dimension dynamic), and its logits' largest
+    difference from the eager step."""
+    from mnemo.models.lm import _compile_kind
 
-    step = decode_step_fn(model, batch, context, step_fn=_compiled(model, "step"))
+    step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step"))
     eager = decode_step_fn(model, batch, context)
     return step, float((step() - eager()).abs().max())
 

@@ -31,10 +31,11 @@ process**, with every timing interleaved (round ``r`` runs every task once, rota
   read once; its writes are not counted); achieved bytes/s = that / median step time, as a
   fraction of the triad bandwidth. Small models' weights partly fit the 32 MiB L3, so a fraction
   above 1 is possible and means "cache-resident". With ``--compile`` each row also times the step
-  ``generate(compile=True)`` runs (``mnemo.models.lm._compiled(model, "step")``, compiled before
-  the timing; its compile time and largest logit difference from the eager step are reported);
-  where ``torch.compile`` does not work here (no C compiler, ...), the suite says so and keeps the
-  eager rows;
+  ``generate(compile=True)`` runs (``mnemo.models.lm._compile_kind("step")``, a fresh one per
+  model and batch as a first generation at that batch compiles it, compiled before the timing,
+  its small matrix products as fused multiply-sums; its compile time and largest logit difference
+  from the eager step are reported); where ``torch.compile`` does not work here (no C compiler,
+  ...), the suite says so and keeps the eager rows;
 * **where the step's time goes**: ``torch.profiler`` over one training step per model, every op's
   *self* time put in one group: ``matmul`` (mm/bmm/addmm/baddbmm anywhere; the part inside the
   mixers' ops is shown again as ``mm in mixer``), ``recurrence`` (the mixer's other ops, causal
@@ -495,7 +496,7 @@ def run(
     opts, steps, flops, compiled = {}, {}, {}, {}
     compile_status = "off"
     if compile and gen_batches:
-        from ..models.lm import _compiled
+        from ..models.lm import _compile_kind
         from .model_entries import compile_available
 
         ok, why = compile_available()
@@ -516,7 +517,7 @@ def run(
             if compile_status == "on":
                 log(f"compiling the decode step of {name} at batch {b} ...")
                 t0 = time.perf_counter()
-                fn = decode_step_fn(model, b, context, step_fn=_compiled(model, "step"))
+                fn = decode_step_fn(model, b, context, step_fn=_compile_kind("step"))
                 diff = float((fn() - tasks[("decode", name, b)]()).abs().max())
                 compiled[(name, b)] = (time.perf_counter() - t0, diff)
                 tasks[("decode_compiled", name, b)] = fn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import types
@@ -813,7 +814,19 @@ def _prefill(model, ids):
 
 
 _compiled_fns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compiled_serial = itertools.count()
 _COMPILED_KINDS = {"prefill": _prefill, "step": _one_token}
+
+
+def _decode_options() -> dict | None:
+    """``torch.compile`` options of the one-token step: :class:`mnemo.models._matvec.MatvecPass`
+    (small CPU matrix products as streamed multiply-sums), or ``None`` where this torch's inductor
+    lacks the custom-pass interface it needs (then the step calls BLAS, as before)."""
+    try:
+        from ._matvec import MatvecPass
+    except ImportError:
+        return None
+    return {"post_grad_custom_pre_pass": MatvecPass()}
 
 
 def _compiled(model: nn.Module, kind: str):
@@ -823,16 +836,31 @@ def _compiled(model: nn.Module, kind: str):
     ``torch._dynamo.config.recompile_limit`` (8) of them: one function shared by every model would
     run out after a few families or batch sizes in one process and silently run eagerly, so each
     model and kind gets a copy of the code object and so a cache of its own (its batch sizes,
-    dtypes, prompt and cache lengths)."""
+    dtypes, prompt and cache lengths). The step computes its small CPU matrix products as streamed
+    multiply-sums (:func:`_decode_options`)."""
     fns = _compiled_fns.get(model)
     if fns is None:
         fns = _compiled_fns[model] = {}
     fn = fns.get(kind)
     if fn is None:
-        src = _COMPILED_KINDS[kind]
-        code = src.__code__.replace()  # a distinct code object: a distinct dynamo cache
-        fn = fns[kind] = torch.compile(types.FunctionType(code, src.__globals__, src.__name__))
+        fn = fns[kind] = _compile_kind(kind)
     return fn
+
+
+def _compile_kind(kind: str):
+    """A new compiled function of ``kind`` (``"prefill"`` or ``"step"``) with a dynamo cache of its
+    own (nothing compiled yet): what :func:`_compiled` keeps per model. Its code object is a copy
+    with a name of its own (``_one_token_3``): dynamo keeps its graphs per code object, and its
+    record of which dimensions changed between calls (automatic dynamic shapes) per file, line
+    and name, so a shared name would compile a second model's first batch size as a dynamic
+    dimension when another model had seen two batch sizes."""
+    src = _COMPILED_KINDS[kind]
+    name = f"{src.__name__}_{next(_compiled_serial)}"
+    code = src.__code__.replace(co_name=name, co_qualname=name)
+    fresh = types.FunctionType(code, src.__globals__, name)
+    if kind == "step":
+        return torch.compile(fresh, options=_decode_options())
+    return torch.compile(fresh)
 
 
 class _DecodeStep:

@@ -399,7 +399,7 @@ def test_each_model_gets_its_own_compiled_step():
     fa, fb = lm._compiled(a, "step"), lm._compiled(b, "step")
     pa = lm._compiled(a, "prefill")
     assert lm._compiled(a, "step") is fa and lm._compiled(a, "prefill") is pa and fa is not fb
-    code = [f._torchdynamo_orig_callable.__code__ for f in (fa, fb, pa)]
+    code = [getattr(f, "compiled", f)._torchdynamo_orig_callable.__code__ for f in (fa, fb, pa)]
     assert len({id(c) for c in code}) == 3
     assert code[0] is not lm._one_token.__code__ and code[2] is not lm._prefill.__code__
     assert code[0].co_code == lm._one_token.__code__.co_code
@@ -408,3 +408,82 @@ def test_each_model_gets_its_own_compiled_step():
     del a, fa, pa
     gc.collect()
     assert len(lm._compiled_fns) == n - 1
+
+
+@needs_compile
+@pytest.mark.parametrize("batch,fused", [(1, True), (8, True), (9, False)])
+def test_the_compiled_step_writes_small_matrix_products_as_multiply_sums(batch, fused):
+    """Issue 40 item 3: MKL's matrix-vector product reads weights at a quarter of this machine's
+    bandwidth, so the compiled decode step rewrites each CPU product of at most ``MAX_ROWS`` rows
+    as a multiply and a sum (``counters["inductor"]["mnemo_matvec"]`` counts the rewrites; above
+    the limit the BLAS call stays). The logits equal the eager step's."""
+    from torch._dynamo.utils import counters
+
+    import mnemo.models.lm as lm
+    from mnemo.models import _matvec
+
+    assert _matvec.MAX_ROWS == 8  # the parameters above straddle it
+    model = _model("gla").eval()
+    ids = torch.randint(0, 32, (batch, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, state = model(ids[:, :4])
+        ref, _ = model(ids[:, 4:], state)
+        _, state = model(ids[:, :4])
+        counters.clear()
+        out, _ = lm._compile_kind("step")(model, ids[:, 4:], state)
+    assert rel_rms(out, ref) < FWD_TOL
+    n = counters["inductor"]["mnemo_matvec"]
+    assert (n > 0) if fused else (n == 0), dict(counters["inductor"])
+    torch._dynamo.reset()
+
+
+@needs_compile
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_multiply_sum_is_the_matrix_product(bias):
+    """The rewrite on its own: a compiled ``F.linear`` (``aten.mm``; with a bias ``aten.addmm``)
+    for 1, 3 and 8 rows, float32 and float64, against the eager product, rewritten once per
+    graph; 9 rows are left to BLAS."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    from mnemo.models._matvec import MatvecPass
+
+    g = torch.Generator().manual_seed(0)
+    for rows, dtype in ((1, torch.float32), (3, torch.float64), (8, torch.float32), (9, torch.float32)):
+        x = torch.randn(rows, 40, generator=g, dtype=dtype)
+        w = torch.randn(24, 40, generator=g, dtype=dtype)
+        b = torch.randn(24, generator=g, dtype=dtype) if bias else None
+        counters.clear()
+        fn = torch.compile(
+            lambda x, w, b: F.linear(x, w, b), options={"post_grad_custom_pre_pass": MatvecPass()}
+        )
+        out = fn(x, w, b)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        assert rel_rms(out, x @ w.t() + (0 if b is None else b)) < tol, (rows, dtype)
+        assert counters["inductor"]["mnemo_matvec"] == (1 if rows <= 8 else 0), (
+            rows,
+            dict(counters["inductor"]),
+        )
+        torch._dynamo.reset()
+
+
+def test_without_the_custom_pass_interface_the_step_compiles_plainly(monkeypatch):
+    """A torch whose inductor lacks the custom post-grad pass interface (the pass module cannot be
+    imported): the step compiles without options (BLAS products), not an import error."""
+    import sys
+
+    import mnemo.models.lm as lm
+
+    assert lm._decode_options() is not None
+    monkeypatch.setitem(sys.modules, "mnemo.models._matvec", None)  # import raises ImportError
+    assert lm._decode_options() is None
+    step = lm._compile_kind("step")
+    model = _model("gla").eval()
+    ids = torch.randint(0, 32, (1, 3), generator=torch.Generator().manual_seed(0))
+    if _compile_works():
+        with torch.no_grad():
+            _, state = model(ids[:, :2])
+            ref, _ = model(ids[:, 2:], state)
+            _, state = model(ids[:, :2])
+            assert rel_rms(step(model, ids[:, 2:], state)[0], ref) < FWD_TOL
+        torch._dynamo.reset()
