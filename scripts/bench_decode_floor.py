@@ -25,7 +25,7 @@ When ``floor`` alone exceeds ``t(50% bw)``, no eager decode step that dispatches
 by one can meet the target: it needs fewer operators (fusion into one kernel per layer or per step).
 
     python scripts/bench_decode_floor.py [--models gated_deltanet,mamba2,gla,transformer] [--repeats 20]
-        [--compile] [--d-model 128] [--n-layers 4]
+        [--compile [--blas-too]] [--d-model 128] [--n-layers 4]
 """
 
 import argparse
@@ -75,14 +75,14 @@ def repeated(fn, n: int):
     return run
 
 
-def compiled_step_fn(model, batch: int, context: int):
+def compiled_step_fn(model, batch: int, context: int, matvec: bool = True):
     """:func:`decode_step_fn`'s step through the one-token function ``generate(compile=True)``
     compiles (a fresh one per model and batch, as a first generation at that batch compiles it:
     one shared by both batches would make the batch dimension dynamic), and its logits' largest
     difference from the eager step."""
     from mnemo.models.lm import _compile_kind
 
-    step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step"))
+    step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step", matvec=matvec))
     eager = decode_step_fn(model, batch, context)
     return step, float((step() - eager()).abs().max())
 
@@ -109,6 +109,12 @@ def main(argv=None):
         help="also time the step generate(compile=True) runs (compiles each model and batch first)",
     )
     p.add_argument(
+        "--blas-too",
+        action="store_true",
+        help="with --compile: also time the compiled step with BLAS products (no fused multiply-sums, "
+        "as generate(compile=True) ran before issue 40's matvec pass), in the same rounds",
+    )
+    p.add_argument(
         "--stream-elements", type=int, default=None, help="triad array length (default: the roofline's)"
     )
     a = p.parse_args(argv)
@@ -131,6 +137,10 @@ def main(argv=None):
                 fn()
                 compile_s[(m, b)] = time.time() - t
                 tasks[("compiled", m, b)] = repeated(fn, a.steps_per_call)
+                if a.blas_too:
+                    blas, _ = compiled_step_fn(model, b, a.context, matvec=False)
+                    blas()
+                    tasks[("blas", m, b)] = repeated(blas, a.steps_per_call)
     floor_fn, floor_n = op_floor_task()
     tasks["floor"] = floor_fn
     stream = stream_tasks() if a.stream_elements is None else stream_tasks(a.stream_elements)
@@ -138,7 +148,7 @@ def main(argv=None):
     t0 = time.time()
     times = interleaved(tasks, a.repeats, warmup=2)
     med = {
-        k: statistics.median(v) / (a.steps_per_call if k[0] in ("decode", "compiled") else 1)
+        k: statistics.median(v) / (a.steps_per_call if k[0] in ("decode", "compiled", "blas") else 1)
         for k, v in times.items()
     }
     triad = stream["triad"][1] / med["triad"]
@@ -154,6 +164,8 @@ def main(argv=None):
     head += "step/floor  fraction of bw"
     if a.compile:
         head += "  compiled ms  fraction of bw  compile s  max |logit diff|"
+        if a.blas_too:
+            head += "  BLAS ms  fraction of bw  BLAS/compiled"
     print(head)
     rows = []
     for m, model in built.items():
@@ -174,6 +186,10 @@ def main(argv=None):
                 line += f" {comp * 1e3:12.3f} {nbytes / comp / triad:15.3f} {compile_s[(m, b)]:10.1f}"
                 line += f" {diffs[(m, b)]:17.1e}"
                 rows[-1].update(compiled_s=comp, logit_diff=diffs[(m, b)])
+                if a.blas_too:
+                    blas = med[("blas", m, b)]
+                    line += f" {blas * 1e3:8.3f} {nbytes / blas / triad:15.3f} {blas / comp:14.2f}"
+                    rows[-1].update(blas_s=blas)
             print(line)
     return rows
 

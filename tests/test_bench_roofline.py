@@ -229,8 +229,8 @@ def test_decode_floor_times_the_step_generate_compiles():
     counted()
     assert len(calls) == 3
     argv = ["--models", "mamba2", "--batches", "1", "--repeats", "1", "--stream-elements", "4096"]
-    (row,) = mod.main([*argv, "--context", "16", "--compile", "--steps-per-call", "2"])
-    assert row["compiled_s"] > 0 and row["step_s"] > 0
+    (row,) = mod.main([*argv, "--context", "16", "--compile", "--steps-per-call", "2", "--blas-too"])
+    assert row["compiled_s"] > 0 and row["step_s"] > 0 and row["blas_s"] > 0
     assert 0 <= row["logit_diff"] < 1e-4  # fp32 logits of a random model: |logit| ~ 1
 
 
@@ -270,3 +270,18 @@ def test_compile_unavailable_keeps_the_eager_rows_and_says_why(tmp_path, monkeyp
     r = json.loads(out.read_text())
     assert r["compile"] == "unavailable: no C compiler (test)"
     assert len(r["decode"]) == 2 and not any("compiled_step_ms" in d for d in r["decode"])
+
+
+def test_matvec_bench_times_each_way_against_the_triad():
+    """scripts/bench_matvec.py (issue 40 item 3): every task gets a time and a fraction of the
+    triad (bytes over time over bandwidth) at 2 threads and 1."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_matvec.py"
+    spec = importlib.util.spec_from_file_location("bench_matvec", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--rounds", "1", "--matrices", "2", "--stream-elements", "4096"])
+    assert {r["threads"] for r in rows} == {1, 2} and len(rows) == 10
+    assert all(r["s"] > 0 and r["fraction"] > 0 for r in rows)

@@ -847,9 +847,10 @@ def _compiled(model: nn.Module, kind: str):
     return fn
 
 
-def _compile_kind(kind: str):
+def _compile_kind(kind: str, matvec: bool = True):
     """A new compiled function of ``kind`` (``"prefill"`` or ``"step"``) with a dynamo cache of its
-    own (nothing compiled yet): what :func:`_compiled` keeps per model. Its code object is a copy
+    own (nothing compiled yet): what :func:`_compiled` keeps per model. ``matvec=False`` compiles
+    the step without :func:`_decode_options`' pass (BLAS products; for benchmarks). Its code object is a copy
     with a name of its own (``_one_token_3``): dynamo keeps its graphs per code object, and its
     record of which dimensions changed between calls (automatic dynamic shapes) per file, line
     and name, so a shared name would compile a second model's first batch size as a dynamic
@@ -858,7 +859,7 @@ def _compile_kind(kind: str):
     name = f"{src.__name__}_{next(_compiled_serial)}"
     code = src.__code__.replace(co_name=name, co_qualname=name)
     fresh = types.FunctionType(code, src.__globals__, name)
-    if kind == "step":
+    if kind == "step" and matvec:
         return torch.compile(fresh, options=_decode_options())
     return torch.compile(fresh)
 
