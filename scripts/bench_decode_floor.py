@@ -118,6 +118,8 @@ def main(argv=None):
         "--stream-elements", type=int, default=None, help="triad array length (default: the roofline's)"
     )
     a = p.parse_args(argv)
+    if a.blas_too and not a.compile:
+        p.error("--blas-too: times the compiled step without the pass, so it needs --compile")
     torch.set_num_threads(a.threads)
     models = a.models.split(",")
     batches = [int(b) for b in a.batches.split(",")]

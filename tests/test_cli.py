@@ -90,7 +90,7 @@ def test_generate_compile_flag_decodes_through_the_compiled_step(run_dir, capsys
         steps.append(ids.shape)
         return lm._one_token(model, ids, state)
 
-    monkeypatch.setattr(lm, "_compiled", lambda model, kind: spy)
+    monkeypatch.setattr(lm, "_compiled", lambda model, kind, batch=None: spy)
     args = ["generate", "--checkpoint", str(run_dir), "--prompt", "RO", "--max-new-tokens", "5"]
     assert main([*args, "--temperature", "0"]) == 0
     eager = capsys.readouterr().out

@@ -2,13 +2,16 @@
 item 3).
 
 A decode step multiplies one to a few rows by every weight matrix once: it is bound by reading the
-weights, not by arithmetic. On the 2-core AMD machine of ``docs/benchmarks/notes.md`` MKL's
-``sgemv``/``sgemm`` read ``[2048, 512]`` float32 weights at ~10 GB/s for 1 row and ~9 GB/s for 8,
-with one thread or two: 0.27 of the STREAM triad bandwidth measured in the same rounds, while a
-multiply and a sum over the shared dimension that inductor compiles into one C++ loop streams
-them at 0.77 of the triad for 1 row. Inside whole decode steps (d_model 512, 8 layers, 1 row)
-that takes the compiled step from 0.15-0.28 of the triad to 0.47-0.78; at 8 rows the loop rereads
-each weight once a row (from the L3 cache), and the gain is 1.2x (0.24 -> 0.28).
+weights, not by arithmetic. On the 2-core AMD machine of ``docs/benchmarks/notes.md``
+(``docs/benchmarks/matvec_cpu_2core.txt``, ``python scripts/bench_matvec.py``), MKL's
+``sgemv``/``sgemm`` read 48 ``[2048, 512]`` float32 matrices at 11.0 GB/s for 1 row and 9.9 for 8
+(and at 11.0 with 1 thread): 0.29 and 0.26 of the STREAM triad measured in the same rounds
+(37.8 GB/s). A multiply and a sum over the shared dimension that inductor compiles into one C++
+loop reads them at 26.1 GB/s for 1 row (0.69) and 12.2 for 8 (0.32). Inside whole decode steps
+(d_model 512, 8 layers; ``docs/benchmarks/decode_floor_cpu_2core.txt``, the ``--blas-too`` run)
+that takes the compiled step at 1 row from 0.25-0.26 of the triad to 0.58-0.67 (2.2-2.6x faster);
+at 8 rows the loop rereads each weight once a row (from the L3 cache) and the gain is 1.16-1.28x
+(0.22-0.23 -> 0.25-0.28).
 
 :class:`MatvecPass` is an inductor post-grad pass (``torch.compile(options=
 {"post_grad_custom_pre_pass": MatvecPass()})``) that rewrites every CPU ``aten.mm(x [M, K],
@@ -18,9 +21,11 @@ w [K, N])`` and ``aten.addmm(b, x, w)`` with a static ``M ≤ MAX_ROWS`` (float3
 product to float rounding (another summation order). Each rewrite adds 1 to dynamo's
 ``counters["inductor"]["mnemo_matvec"]``. ``mnemo.models.lm`` compiles
 ``generate(compile=True)``'s one-token step with it; training and prefill compile without it
-(their products have thousands of rows, where BLAS is the right kernel). A form with the weight's
-rows outermost (``(w.T[:, None, :] * x[None]).sum(-1).T``) streamed 8 rows at 0.51 of the triad
-alone but made whole 8-row decode steps 8x slower than BLAS, so it is not used.
+(their products have thousands of rows, where BLAS is the right kernel). ``addmm`` with ``beta``
+or ``alpha`` other than 1 is left alone. A form with the weight's rows outermost
+(``(w.T[:, None, :] * x[None]).sum(-1).T``) was tried: faster for 8 rows on its own, it made whole
+8-row decode steps several times slower than BLAS (an ad hoc measurement of session 27), so it is
+not used.
 """
 
 from __future__ import annotations
@@ -82,6 +87,9 @@ def _mm_as_multiply_sum(match: Match, x, w):
 @register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()), pass_dict=_PATTERNS)
 def _addmm_as_multiply_sum(match: Match, bias, x, w):
     if not _qualifies(x, w) or not isinstance(bias, torch.fx.Node):
+        return
+    scale = match.output_node().kwargs  # the pattern does not name beta and alpha: keep them 1
+    if scale.get("beta", 1) != 1 or scale.get("alpha", 1) != 1:
         return
 
     def multiply_sum(bias, x, w):

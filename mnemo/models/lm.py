@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 import types
 import warnings
 import weakref
@@ -824,40 +825,53 @@ def _decode_options() -> dict | None:
     lacks the custom-pass interface it needs (then the step calls BLAS, as before)."""
     try:
         from ._matvec import MatvecPass
-    except ImportError:
+
+        return {"post_grad_custom_pre_pass": MatvecPass()}
+    except Exception:  # an inductor without the interfaces the pass is built on: BLAS products
         return None
-    return {"post_grad_custom_pre_pass": MatvecPass()}
 
 
-def _compiled(model: nn.Module, kind: str):
+def _compiled(model: nn.Module, kind: str, batch: int | None = None):
     """``model``'s compiled prefill ``(model, ids) -> (logits, state)`` (``kind="prefill"``) or
     one-token step ``(model, ids, state) -> (logits, state)`` (``kind="step"``), made once per model
     and kind (and dropped with the model). Dynamo keeps its graphs per code object, up to
     ``torch._dynamo.config.recompile_limit`` (8) of them: one function shared by every model would
     run out after a few families or batch sizes in one process and silently run eagerly, so each
     model and kind gets a copy of the code object and so a cache of its own (its batch sizes,
-    dtypes, prompt and cache lengths). The step computes its small CPU matrix products as streamed
-    multiply-sums (:func:`_decode_options`)."""
+    dtypes, prompt and cache lengths). The step computes its small CPU matrix products as fused
+    multiply-sums (:func:`_decode_options`), which need the batch dimension static: given
+    ``batch`` up to ``mnemo.models._matvec.MAX_ROWS``, the step is one function per batch size (a
+    function that has seen two batch sizes makes the dimension dynamic and keeps BLAS products);
+    larger or unknown batches share one."""
+    key = kind
+    if kind == "step" and batch is not None:
+        try:
+            from ._matvec import MAX_ROWS
+        except Exception:  # no pass (see _decode_options): one step for every batch size
+            MAX_ROWS = 0
+        if batch <= MAX_ROWS:
+            key = (kind, batch)
     fns = _compiled_fns.get(model)
     if fns is None:
         fns = _compiled_fns[model] = {}
-    fn = fns.get(kind)
+    fn = fns.get(key)
     if fn is None:
-        fn = fns[kind] = _compile_kind(kind)
+        fn = fns[key] = _compile_kind(kind)
     return fn
 
 
 def _compile_kind(kind: str, matvec: bool = True):
     """A new compiled function of ``kind`` (``"prefill"`` or ``"step"``) with a dynamo cache of its
     own (nothing compiled yet): what :func:`_compiled` keeps per model. ``matvec=False`` compiles
-    the step without :func:`_decode_options`' pass (BLAS products; for benchmarks). Its code object is a copy
-    with a name of its own (``_one_token_3``): dynamo keeps its graphs per code object, and its
-    record of which dimensions changed between calls (automatic dynamic shapes) per file, line
-    and name, so a shared name would compile a second model's first batch size as a dynamic
-    dimension when another model had seen two batch sizes."""
+    the step without :func:`_decode_options`' pass (BLAS products; for benchmarks). Its code
+    object is a copy with a name of its own (``_one_token_3``): dynamo keeps its graphs per code
+    object, and its record of which dimensions changed between calls (automatic dynamic shapes)
+    per file, line and name, so a shared name would compile a second model's first batch size as a
+    dynamic dimension when another model had seen two batch sizes."""
     src = _COMPILED_KINDS[kind]
     name = f"{src.__name__}_{next(_compiled_serial)}"
-    code = src.__code__.replace(co_name=name, co_qualname=name)
+    names = {"co_name": name} | ({"co_qualname": name} if sys.version_info >= (3, 11) else {})
+    code = src.__code__.replace(**names)
     fresh = types.FunctionType(code, src.__globals__, name)
     if kind == "step" and matvec:
         return torch.compile(fresh, options=_decode_options())
@@ -878,7 +892,7 @@ class _DecodeStep:
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.model = model
-        self.fns = {kind: _compiled(model, kind) for kind in _COMPILED_KINDS} if compile else {}
+        self.compile = compile
 
     def prefill(self, ids):
         return self._run("prefill", ids)
@@ -887,9 +901,9 @@ class _DecodeStep:
         return self._run("step", ids, state)
 
     def _run(self, kind, *args):
-        fn = self.fns.get(kind)
-        if fn is None:
+        if not self.compile:
             return self.model(*args)
+        fn = _compiled(self.model, kind, args[0].shape[0])
         try:
             return fn(self.model, *args)
         except torch._dynamo.exc.TorchDynamoException as e:  # dynamo compiles a graph before running it
@@ -900,7 +914,7 @@ class _DecodeStep:
                 RuntimeWarning,
                 stacklevel=_caller_level(),
             )
-            self.fns = {}
+            self.compile = False
             return self.model(*args)
 
 
