@@ -821,7 +821,7 @@ _COMPILED_KINDS = {"prefill": _prefill, "step": _one_token}
 
 def _decode_options() -> dict | None:
     """``torch.compile`` options of the one-token step: :class:`mnemo.models._matvec.MatvecPass`
-    (small CPU matrix products as streamed multiply-sums), or ``None`` where this torch's inductor
+    (small CPU matrix products as fused multiply-sums), or ``None`` where this torch's inductor
     lacks the custom-pass interface it needs (then the step calls BLAS, as before)."""
     try:
         from ._matvec import MatvecPass
