@@ -36,7 +36,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mnemo.bench.models import interleaved
-from mnemo.bench.roofline import build, decode_step_fn, stream_tasks, weight_bytes_per_step
+from mnemo.bench.roofline import (
+    build,
+    compiled_decode_step_fn,
+    decode_step_fn,
+    stream_tasks,
+    weight_bytes_per_step,
+)
 
 
 class CountOps(TorchDispatchMode):
@@ -73,18 +79,6 @@ def repeated(fn, n: int):
             fn()
 
     return run
-
-
-def compiled_step_fn(model, batch: int, context: int, matvec: bool = True):
-    """:func:`decode_step_fn`'s step through the one-token function ``generate(compile=True)``
-    compiles (a fresh one per model and batch, as a first generation at that batch compiles it:
-    one shared by both batches would make the batch dimension dynamic), and its logits' largest
-    difference from the eager step."""
-    from mnemo.models.lm import _compile_kind
-
-    step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step", matvec=matvec))
-    eager = decode_step_fn(model, batch, context)
-    return step, float((step() - eager()).abs().max())
 
 
 def main(argv=None):
@@ -135,12 +129,12 @@ def main(argv=None):
             tasks[("decode", m, b)] = repeated(step, a.steps_per_call)
             if a.compile:
                 t = time.time()
-                fn, diffs[(m, b)] = compiled_step_fn(model, b, a.context)
+                fn, diffs[(m, b)] = compiled_decode_step_fn(model, b, a.context)
                 fn()
                 compile_s[(m, b)] = time.time() - t
                 tasks[("compiled", m, b)] = repeated(fn, a.steps_per_call)
                 if a.blas_too:
-                    blas, _ = compiled_step_fn(model, b, a.context, matvec=False)
+                    blas, _ = compiled_decode_step_fn(model, b, a.context, matvec=False)
                     blas()
                     tasks[("blas", m, b)] = repeated(blas, a.steps_per_call)
     floor_fn, floor_n = op_floor_task()

@@ -288,6 +288,21 @@ def decode_step_fn(model, batch: int, context: int, step_fn=None) -> Callable[[]
     return step
 
 
+def compiled_decode_step_fn(
+    model, batch: int, context: int, matvec: bool = True
+) -> tuple[Callable[[], torch.Tensor], float]:
+    """:func:`decode_step_fn`'s step through the one-token function ``generate(compile=True)``
+    compiles (``mnemo.models.lm._compile_kind("step")``: a fresh one per model and batch, as a
+    first generation at that batch compiles it; one shared by two batches would make the batch
+    dimension dynamic), compiled here by its first call, and its logits' largest difference from
+    the eager step. ``matvec=False``: without the fused multiply-sums (BLAS products)."""
+    from ..models.lm import _compile_kind
+
+    step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step", matvec=matvec))
+    eager = decode_step_fn(model, batch, context)
+    return step, float((step() - eager()).abs().max())
+
+
 # ------------------------------------------------------------------------------------------------
 # profile
 # ------------------------------------------------------------------------------------------------
@@ -496,7 +511,6 @@ def run(
     opts, steps, flops, compiled = {}, {}, {}, {}
     compile_status = "off"
     if compile and gen_batches:
-        from ..models.lm import _compile_kind
         from .model_entries import compile_available
 
         ok, why = compile_available()
@@ -517,8 +531,7 @@ def run(
             if compile_status == "on":
                 log(f"compiling the decode step of {name} at batch {b} ...")
                 t0 = time.perf_counter()
-                fn = decode_step_fn(model, b, context, step_fn=_compile_kind("step"))
-                diff = float((fn() - tasks[("decode", name, b)]()).abs().max())
+                fn, diff = compiled_decode_step_fn(model, b, context)
                 compiled[(name, b)] = (time.perf_counter() - t0, diff)
                 tasks[("decode_compiled", name, b)] = fn
     log(f"timing {len(tasks)} tasks, {repeats} interleaved rounds after one warm-up ...")
