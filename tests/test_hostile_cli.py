@@ -429,6 +429,8 @@ TASK = ["--task", "mqar", "--task-option", "num_pairs=2", "--task-option", "voca
         (["probe", "ablate", "--checkpoint", "RUN", "--top-induction", "1", "--length", HUGE], "--length"),
         (["probe", "timescales", "--checkpoint", "RUN", "--tokens", HUGE], "--tokens"),
         (["probe", "spectrum", "--checkpoint", "RUN", "--tokens", HUGE], "--tokens"),
+        (["probe", "capacity", "--pairs", HUGE, "--out", "OUT"], "--streams / --pairs"),
+        (["probe", "capacity", "--streams", "1000000", "--key-dim", "4096", "--out", "OUT"], "--key-dim"),
         (["train", *TASK, "--eval-lengths", HUGE], "--eval-lengths"),
         (["bench", "--ops", "linear_attention", "--repeats", "1", "--lengths", HUGE], "--lengths"),
         (["bench", "--ops", "linear_attention", "--repeats", "1", "--batch", HUGE], "--batch"),
@@ -437,7 +439,7 @@ TASK = ["--task", "mqar", "--task-option", "num_pairs=2", "--task-option", "voca
 def test_legal_but_huge_values_are_refused_before_allocating(argv, flag, run, tmp_path, capsys):
     """Values in their declared range that no machine could hold: refused up front (a memory
     check or the data's length), one line, nothing written."""
-    argv = [str(run) if a == "RUN" else a for a in argv]
+    argv = [str(run) if a == "RUN" else str(tmp_path / "r") if a == "OUT" else a for a in argv]
     if argv[0] == "train":
         argv += ["--steps", "1", "--sample-tokens", "0", "--no-progress", "--out", str(tmp_path / "r")]
     before = _tree(run)

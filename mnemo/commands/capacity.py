@@ -1,0 +1,231 @@
+"""``mnemo probe capacity``: the memory-capacity probe's command, its claims, table and figure.
+
+The probe itself (the variants, the writes and reads, the sweep over pair counts) is library code
+in :mod:`mnemo.interp.capacity`; this module judges its claims on the recipe standard's paired
+intervals (:func:`mnemo.sweep.recipe.judge_claim`) and writes the results folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import argtypes as kinds
+from ..sweep.recipe import judge_claim
+from ..sweep.stats import mean_interval
+
+#: the claims the probe judges: (name, better, than)
+CLAIMS = (
+    ("a deep memory stores more pairs than a matrix (Titans §3.1)", "mlp", "matrix"),
+    ("... at equal parameters (hidden K/2)", "mlp_equal", "matrix"),
+    ("... without residual and norm", "mlp_plain", "matrix_plain"),
+)
+
+
+def _ok(r) -> bool:
+    """A recall that was measured (``None`` marks a cell whose reads were not finite)."""
+    return r is not None and math.isfinite(r)
+
+
+def _cell(result: dict, variant: str, n: int, p: int) -> dict | None:
+    for c in result["cells"]:
+        if c["variant"] == variant and c["n_pairs"] == n and c["passes"] == p:
+            return c
+    return None
+
+
+def capacity_claims(result: dict, ceiling: float = 0.99) -> list[dict]:
+    """Each claim of :data:`CLAIMS` whose two variants ran, per (passes, ``N``): the paired difference
+    in recall over the reported seeds (the same pairs on a seed) and its verdict
+    (:func:`mnemo.sweep.recipe.judge_claim`; both at or above ``ceiling`` on every seed: not testable)."""
+    out = []
+    for name, better, than in CLAIMS:
+        for p in result["settings"]["passes"]:
+            for n in result["settings"]["n_pairs"]:
+                a, b = _cell(result, better, n, p), _cell(result, than, n, p)
+                if a is None or b is None:
+                    continue
+
+                def stats(c):
+                    ok = [(s, r) for s, r in zip(c["seeds"], c["recall"]) if _ok(r)]
+                    return {"seeds": [s for s, _ in ok], "values": [r for _, r in ok], "plateau": None}
+
+                j = judge_claim(
+                    {"name": name, "better": better, "than": than},
+                    stats(a),
+                    stats(b),
+                    metric="recall",
+                    threshold=ceiling,
+                )
+                j.update(n_pairs=n, passes=p)
+                out.append(j)
+    return out
+
+
+def capacity_markdown(result: dict) -> str:
+    """The page's tables: recall (mean ± 95% t-interval over the reported seeds) and the chosen ``θ``
+    per variant and ``N``, one table per number of passes; then the claims."""
+    s = result["settings"]
+    variants = list(s["variants"])
+    lines = [
+        f"Key dimension {s['key_dim']}, {s['streams']} streams a seed, seeds {s['seeds']} reported, "
+        f"θ per cell chosen on seed {s['select_seed']} from {s['theta_grid']}; chance = 1/N.",
+        "",
+    ]
+    for p in s["passes"]:
+        lines += [
+            f"**{p} pass{'es' if p > 1 else ''} over the pairs** — recall (θ):",
+            "",
+            "| N | " + " | ".join(variants) + " |",
+            "|---" * (len(variants) + 1) + "|",
+        ]
+        for n in s["n_pairs"]:
+            row = [str(n)]
+            for v in variants:
+                c = _cell(result, v, n, p)
+                if c is None:
+                    row.append("—")
+                    continue
+                vals = [r for r in c["recall"] if _ok(r)]
+                st = mean_interval(vals)
+                if not vals:
+                    row.append(f"diverged (θ {c['theta']:g})")
+                elif st["half_width"] is None:
+                    row.append(f"{st['mean']:.3f} (θ {c['theta']:g})")
+                else:
+                    row.append(f"{st['mean']:.3f} ± {st['half_width']:.3f} (θ {c['theta']:g})")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    judged = capacity_claims(result)
+    if judged:
+        lines += [
+            "| claim | passes | N | n | recall difference [95% CI] | verdict |",
+            "|---|---|---|---|---|---|",
+        ]
+        for j in judged:
+            d = "—" if j["mean"] is None else f"{j['mean']:+.3f}"
+            if j["low"] is not None:
+                d += f" [{j['low']:+.3f}, {j['high']:+.3f}]"
+            verdict = j["verdict"]
+            if verdict == "not reproduced":
+                verdict += ": the opposite holds" if j["high"] < 0 else ": no difference"
+            lines.append(
+                f"| {j['claim']} ({j['better']} − {j['than']}) | {j['passes']} | {j['n_pairs']} | {j['n']} | "
+                f"{d} | {verdict} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def capacity_figure(result: dict, title: str | None = None):
+    """Recall against the number of pairs (log scale), one panel per number of passes, one line per
+    variant with its 95% interval; chance ``1/N`` dashed. Returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    s = result["settings"]
+    ps = s["passes"]
+    fig, axes = plt.subplots(1, len(ps), figsize=(5.2 * len(ps), 4.0), squeeze=False, sharey=True)
+    ns = s["n_pairs"]
+    for ax, p in zip(axes[0], ps):
+        for v in s["variants"]:
+            xs, ms, lo, hi = [], [], [], []
+            for n in ns:
+                c = _cell(result, v, n, p)
+                vals = [] if c is None else [r for r in c["recall"] if _ok(r)]
+                if not vals:
+                    continue
+                st = mean_interval(vals)
+                h = st["half_width"] or 0.0
+                xs.append(n), ms.append(st["mean"]), lo.append(st["mean"] - h), hi.append(st["mean"] + h)
+            if xs:
+                (line,) = ax.plot(xs, ms, marker="o", label=v)
+                ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color())
+        ax.plot(ns, [1 / n for n in ns], "k--", lw=1, label="chance 1/N")
+        ax.axvline(s["key_dim"], color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"pairs N (dotted: key dimension {s['key_dim']})")
+        ax.set_title(f"{p} pass{'es' if p > 1 else ''}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("recall (nearest value)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title or "What a test-time-trained memory can store: write N pairs, read every key")
+    fig.tight_layout()
+    return fig
+
+
+def _check_capacity_memory(args, specs, pairs: list[int], passes: list[int]) -> None:
+    """Refuse, before any work, a probe whose largest cell cannot fit in memory: per stream the
+    written sequence and its per-token work (``6K + 3h`` numbers a token, ``h`` the widest layer)
+    and the ``N × N`` similarity matrix."""
+    from ..train.memory_estimate import GiB, available_memory
+
+    width = max(max(o for _, o in s.layer_dims(args.key_dim, args.key_dim)) for s in specs)
+    n, p = max(pairs), max(passes)
+    per_stream = n * p * (6 * args.key_dim + 3 * width) + n * n
+    need = args.streams * per_stream * (8 if args.float64 else 4)
+    have, source = available_memory(torch.device("cpu"))
+    if have is not None and need > have:
+        raise ValueError(
+            f"--streams / --pairs / --passes / --key-dim: the largest cell ({args.streams:,} streams of "
+            f"{n:,} pairs x {p} passes, key dim {args.key_dim}) needs about {need / GiB:,.1f} GiB, but only "
+            f"{have / GiB:,.1f} GiB are available ({source}); lower one of them"
+        )
+
+
+def run(args) -> int:
+    """``mnemo probe capacity``: run the sweep, write ``capacity.json``, ``.md`` and ``.png``."""
+    import matplotlib.pyplot as plt
+
+    from ..interp.capacity import capacity_sweep, capacity_variants
+
+    grid = [float(x) for x in args.theta_grid.split(",")]
+    every = capacity_variants(args.base, chunk_size=args.chunk_size, max_lr=max(grid))
+    names = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in names if v not in every]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"--variants: expected distinct names among {sorted(every)}, got {args.variants!r}")
+    if args.select_seed < args.seeds:
+        raise ValueError(
+            f"--select-seed {args.select_seed} is one of the reported seeds 0..{args.seeds - 1}: "
+            "choose another"
+        )
+    pairs = [int(x) for x in args.pairs.split(",")]
+    passes = [int(x) for x in args.passes.split(",")]
+    _check_capacity_memory(args, [every[v][0] for v in names], pairs, passes)
+    out = Path(args.out)
+    files = [out / "capacity.json", out / "capacity.md", out / "capacity.png"]
+    for f in files:  # before any work: an existing result is replaced only with --overwrite
+        kinds.refuse_existing(f, "--out", args.overwrite)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    result = capacity_sweep(
+        {v: every[v] for v in names},
+        pairs,
+        passes,
+        grid,
+        list(range(args.seeds)),
+        args.select_seed,
+        args.key_dim,
+        args.streams,
+        torch.float64 if args.float64 else torch.float32,
+        progress=not args.no_progress,
+    )
+    result["settings"].update(base=args.base, chunk_size=args.chunk_size, threads=torch.get_num_threads())
+    result["wall_s"] = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    from ..train.checkpoint import atomic_write_text
+
+    atomic_write_text(files[0], json.dumps(result, indent=1, allow_nan=False) + "\n")
+    atomic_write_text(files[1], capacity_markdown(result))
+    fig = capacity_figure(
+        result, f"memory capacity: {args.base}, key dim {args.key_dim}, chunk {args.chunk_size}"
+    )
+    fig.savefig(files[2], dpi=120)
+    plt.close(fig)
+    print(f"wrote {files[0]}, {files[1]} and {files[2]} ({result['wall_s']:.0f} s)", file=sys.stderr)
+    return 0

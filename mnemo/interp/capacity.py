@@ -1,0 +1,257 @@
+"""How many key–value pairs a test-time-trained memory can store: write, then recall.
+
+The probe behind the claim that a *deep* memory holds more than a matrix (Titans, Behrouz et al.
+2024, §3.1 and Table 5's "deep memory" ablation), taken apart from any outer training: a stream of
+``N`` random pairs ``(k_i, v_i)`` is written into a fresh memory by its own inner update
+(:func:`mnemo.memory.neural_memory`: ``W ← W − θ ∇_W ½‖M_W(k_i) − v_i‖²`` per token, or per
+``chunk_size`` tokens as mini-batch GD), ``passes`` times over in the same order; then every key is
+read from the final weights, ``y_i = M_W(k_i)``, and the read counts as recalled when its nearest
+value by cosine among the stream's ``N`` values is ``v_i``. Chance is ``1/N``.
+
+Data. Keys are unit vectors (the Titans layer L2-normalises ``q`` and ``k``), values have unit
+variance per coordinate (the scale a ``x + LN(·)`` memory produces); both are drawn first from the
+seed's generator, so every variant sees the same pairs on a seed (paired comparisons).
+
+Initial weights. Each layer ``N(0, 1/in)``, the Titans layer's initialisation of a deep memory,
+except a matrix memory without a norm, which starts at zero: the delta rule's start (with a norm,
+``LN(0·k)`` has no gradient direction, so a normed matrix starts random too — mnemo's Titans layer
+*learns* its initial weights, which this probe does not).
+
+What this is not: a trained model's recall. In a model the keys are learned projections and the
+initial weights are meta-learned; here they are random, which isolates what the update rule and the
+architecture can store. Retention (forgetting) and momentum are off (``retention="none"``,
+``optimizer="gd"``): the question is what fits, not what is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..memory import MemorySpec, init_state, neural_memory, preset
+from ..memory.objective import memory_apply
+from ..ops._common import RangeWarning
+
+__all__ = [
+    "capacity_variants",
+    "initial_weights",
+    "random_pairs",
+    "recall_accuracy",
+    "write_and_recall",
+    "capacity_sweep",
+]
+
+
+def capacity_variants(base: str = "titans", chunk_size: int = 1, max_lr: float = 10.0) -> dict:
+    """Memory variants to compare, ``name -> (MemorySpec, description)``, all built on the preset
+    ``base`` (default ``"titans"``: ``x + LN(W₂ σ(W₁ x))``, hidden ``4K``) with retention and momentum
+    off, the given ``chunk_size`` and ``max_lr`` (the clamp of ``θ``; set it at or above the grid's top).
+
+    - ``mlp``: the deep memory (2 layers, expansion 4: ``8K²`` weights per head);
+    - ``matrix``: ``x + LN(W x)`` (``K²``), the Titans ablation's linear memory;
+    - ``mlp_equal``: the deep memory at expansion 1/2, ``K²`` weights: depth at equal parameters;
+    - ``matrix_plain``: ``W x``, no residual, no norm (the delta rule with ``chunk_size = 1``);
+    - ``mlp_plain``: ``W₂ σ(W₁ x)``, no residual, no norm.
+
+    Raises:
+        ValueError: ``base`` is not a memory preset with an MLP architecture, or ``chunk_size`` /
+            ``max_lr`` is not positive.
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if not (isinstance(max_lr, (int, float)) and max_lr > 0 and math.isfinite(max_lr)):
+        raise ValueError(f"max_lr must be a positive number, got {max_lr!r}")
+    spec = preset(base)
+    if spec.architecture != "mlp":
+        raise ValueError(
+            f"base must be a memory preset with a deep (mlp) memory, got {base!r} ({spec.architecture})"
+        )
+    s = spec.replace(retention="none", optimizer="gd", chunk_size=chunk_size, max_lr=float(max_lr))
+    h = s.expansion
+    return {
+        "mlp": (
+            s,
+            f"{base}'s deep memory: {'x + LN(MLP(x))' if s.norm else 'MLP(x)'}, hidden {h:g}K",
+        ),
+        "matrix": (s.replace(architecture="matrix"), "the matrix memory in the same form (K² weights)"),
+        "mlp_equal": (s.replace(expansion=0.5), "the deep memory at hidden K/2: K² weights, as the matrix"),
+        "matrix_plain": (
+            s.replace(architecture="matrix", residual=False, norm=False),
+            "W x, no residual, no norm (the delta rule at chunk_size 1)",
+        ),
+        "mlp_plain": (s.replace(residual=False, norm=False), f"MLP(x), no residual, no norm, hidden {h:g}K"),
+    }
+
+
+def random_pairs(n_pairs: int, key_dim: int, streams: int, generator: torch.Generator, dtype=torch.float32):
+    """``(k, v)``, each ``[streams, n_pairs, 1, key_dim]``: unit-norm keys, values ``N(0, 1)`` per
+    coordinate (one head)."""
+    k = F.normalize(torch.randn(streams, n_pairs, 1, key_dim, generator=generator, dtype=dtype), dim=-1)
+    v = torch.randn(streams, n_pairs, 1, key_dim, generator=generator, dtype=dtype)
+    return k, v
+
+
+def initial_weights(
+    spec: MemorySpec, key_dim: int, streams: int, generator: torch.Generator, dtype=torch.float32
+):
+    """One initial weight set shared by the streams, ``[streams, 1, in, out]`` per layer: ``N(0, 1/in)``,
+    zeros for a matrix memory without a norm (see the module docstring)."""
+    out = []
+    for i, o in spec.layer_dims(key_dim, key_dim):
+        if spec.architecture == "matrix" and not spec.norm:
+            w = torch.zeros(1, 1, i, o, dtype=dtype)
+        else:
+            w = torch.randn(1, 1, i, o, generator=generator, dtype=dtype) * i**-0.5
+        out.append(w.expand(streams, 1, i, o))
+    return out
+
+
+def recall_accuracy(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Per stream, the share of reads ``y_i`` whose nearest value by cosine among ``v_1 … v_N`` is
+    ``v_i``. ``y, v: [B, N, H, D]`` → ``[B]`` (averaged over heads and pairs). Ties go to the lower
+    index (``argmax``)."""
+    if y.shape != v.shape or y.ndim != 4:
+        raise ValueError(
+            f"y and v must have the same shape [B, N, H, D], got {list(y.shape)} and {list(v.shape)}"
+        )
+    sim = torch.einsum("bihd,bjhd->bhij", F.normalize(y, dim=-1), F.normalize(v, dim=-1))
+    hit = sim.argmax(-1) == torch.arange(y.shape[1], device=y.device)
+    return hit.to(y.dtype).mean(dim=(1, 2))
+
+
+@torch.no_grad()
+def write_and_recall(
+    spec: MemorySpec,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: float,
+    weights: Sequence[torch.Tensor],
+    passes: int = 1,
+) -> dict:
+    """Write the pairs ``passes`` times with inner rate ``theta``, then read every key.
+
+    Args:
+        spec: the memory (retention ``"none"``, optimizer ``"gd"``: the probe passes no gates).
+        k, v: ``[B, N, H, K]`` keys and ``[B, N, H, V]`` values.
+        theta: the inner learning rate ``θ`` of every token (> 0; ``spec.max_lr`` clamps it).
+        weights: the initial weights ``[B, H, in, out]`` per layer.
+        passes: how many times the stream is written, in the same order (≥ 1).
+
+    Returns:
+        ``{"recall": [B], "nmse": [B]}``: recall by nearest value (:func:`recall_accuracy`) and
+        ``mean_i ‖y_i − v_i‖² / ‖v_i‖²`` per stream (a non-finite read gives ``nan`` in both).
+
+    Raises:
+        ValueError: a spec with retention or momentum, ``theta`` ≤ 0, ``passes`` < 1.
+    """
+    if spec.retention != "none" or spec.optimizer != "gd":
+        raise ValueError(
+            "write_and_recall needs retention='none' and optimizer='gd', got "
+            f"{spec.retention!r} / {spec.optimizer!r}"
+        )
+    if not (isinstance(theta, (int, float)) and theta > 0 and math.isfinite(theta)):
+        raise ValueError(f"theta must be a positive number, got {theta!r}")
+    if not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a positive integer, got {passes!r}")
+    kk, vv = k.repeat(1, passes, 1, 1), v.repeat(1, passes, 1, 1)
+    th = torch.full(kk.shape[:3], float(theta), dtype=k.dtype)
+    _, st = neural_memory(
+        spec, kk, kk, vv, th, initial_state=init_state(spec, list(weights)), output_final_state=True
+    )
+    y, _, _ = memory_apply(spec, st.weights, k.transpose(1, 2))  # [B, H, N, V]
+    y = y.transpose(1, 2)
+    nmse = ((y - v) ** 2).sum(-1) / (v**2).sum(-1)
+    bad = ~torch.isfinite(y).all(dim=-1).all(dim=-1).all(dim=-1)
+    recall = recall_accuracy(torch.nan_to_num(y), v)
+    recall[bad] = float("nan")
+    return {"recall": recall, "nmse": nmse.mean(dim=(1, 2))}
+
+
+def _one(spec, n_pairs, key_dim, streams, seed, theta, passes, dtype) -> dict:
+    """Mean recall and error over the seed's streams; ``None`` (JSON ``null``) where not finite."""
+    g = torch.Generator().manual_seed(int(seed))
+    k, v = random_pairs(n_pairs, key_dim, streams, g, dtype)
+    w = initial_weights(spec, key_dim, streams, g, dtype)
+    r = write_and_recall(spec, k, v, theta, w, passes)
+    out = {name: float(x.mean()) for name, x in r.items()}
+    return {name: (x if math.isfinite(x) else None) for name, x in out.items()}
+
+
+def capacity_sweep(
+    variants: dict,
+    n_pairs: Iterable[int],
+    passes: Iterable[int] = (1,),
+    theta_grid: Sequence[float] = (0.01, 0.03, 0.1, 0.3, 1.0),
+    seeds: Sequence[int] = (0, 1, 2),
+    select_seed: int = 1000,
+    key_dim: int = 16,
+    streams: int = 256,
+    dtype=torch.float32,
+    progress: bool = True,
+) -> dict:
+    """Recall per variant, pair count and number of passes, each at its own ``θ``.
+
+    ``θ`` is chosen per (variant, ``N``, passes) as the grid value with the highest mean recall on
+    ``select_seed`` (not reported); the reported ``seeds`` then run at that ``θ``. A ``θ`` whose
+    reads are not finite scores ``None`` and is never chosen; a reported seed's ``None`` is left
+    out of the statistics.
+
+    Returns:
+        ``{"settings", "cells": [{"variant", "n_pairs", "passes", "theta", "selection": {θ: recall},
+        "seeds", "recall": [...], "nmse": [...]}]}`` (JSON-ready).
+
+    Raises:
+        ValueError: an empty grid or seed list, a ``select_seed`` among the reported seeds, a pair
+            count or ``key_dim`` below 1.
+    """
+    from tqdm.auto import tqdm
+
+    n_pairs, passes, theta_grid, seeds = list(n_pairs), list(passes), list(theta_grid), list(seeds)
+    if not theta_grid or not seeds or not n_pairs or not passes:
+        raise ValueError("capacity_sweep: theta_grid, seeds, n_pairs and passes must be non-empty")
+    if select_seed in seeds:
+        raise ValueError(f"select_seed {select_seed} must not be a reported seed {seeds}")
+    if min(n_pairs) < 1 or key_dim < 1 or streams < 1:
+        raise ValueError(f"n_pairs, key_dim and streams must be ≥ 1, got {n_pairs}, {key_dim}, {streams}")
+    cells = []
+    jobs = [(name, n, p) for p in passes for n in n_pairs for name in variants]
+    bar = tqdm(jobs, desc="capacity", disable=not progress, leave=False)
+    for name, n, p in bar:
+        spec = variants[name][0]
+        bar.set_postfix_str(f"{name} N={n} passes={p}")
+        with warnings.catch_warnings():  # θ > 2 on the delta rule is a grid point, on purpose
+            warnings.filterwarnings("ignore", category=RangeWarning)
+            sel = {
+                th: _one(spec, n, key_dim, streams, select_seed, th, p, dtype)["recall"] for th in theta_grid
+            }
+        finite = {th: r for th, r in sel.items() if r is not None}
+        theta = max(finite, key=finite.get) if finite else theta_grid[0]
+        runs = [_one(spec, n, key_dim, streams, s, theta, p, dtype) for s in seeds]
+        cells.append(
+            {
+                "variant": name,
+                "n_pairs": n,
+                "passes": p,
+                "theta": theta,
+                "selection": {f"{th:g}": r for th, r in sel.items()},
+                "seeds": seeds,
+                "recall": [r["recall"] for r in runs],
+                "nmse": [r["nmse"] for r in runs],
+            }
+        )
+    settings = {
+        "variants": {name: {"spec": s.to_dict(), "description": d} for name, (s, d) in variants.items()},
+        "n_pairs": n_pairs,
+        "passes": passes,
+        "theta_grid": theta_grid,
+        "seeds": seeds,
+        "select_seed": select_seed,
+        "key_dim": key_dim,
+        "streams": streams,
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+    return {"settings": settings, "cells": cells}
