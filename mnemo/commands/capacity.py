@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,8 +22,8 @@ from ..sweep.stats import mean_interval
 
 #: the claims the probe judges: (name, better, than)
 CLAIMS = (
-    ("a deep memory stores more pairs than a matrix (Titans §3.1)", "mlp", "matrix"),
-    ("... at equal parameters (hidden K/2)", "mlp_equal", "matrix"),
+    ("a deep memory stores more pairs than a matrix", "mlp", "matrix"),
+    ("... at equal parameters (hidden K/2, a rank-K/2 bottleneck)", "mlp_equal", "matrix"),
     ("... without residual and norm", "mlp_plain", "matrix_plain"),
 )
 
@@ -73,8 +74,10 @@ def capacity_markdown(result: dict) -> str:
     s = result["settings"]
     variants = list(s["variants"])
     lines = [
-        f"Key dimension {s['key_dim']}, {s['streams']} streams a seed, seeds {s['seeds']} reported, "
-        f"θ per cell chosen on seed {s['select_seed']} from {s['theta_grid']}; chance = 1/N.",
+        f"Memory preset {s.get('base', '?')!r}, chunk size {s.get('chunk_size', '?')}, key dimension "
+        f"{s['key_dim']}, {s['streams']} streams a seed, seeds {s['seeds']} reported, θ per cell chosen on "
+        f"seed {s['select_seed']} from {s['theta_grid']}; chance = 1/N. A cell over fewer seeds gives "
+        "its n (the others' reads were not finite).",
         "",
     ]
     for p in s["passes"]:
@@ -95,10 +98,10 @@ def capacity_markdown(result: dict) -> str:
                 st = mean_interval(vals)
                 if not vals:
                     row.append(f"diverged (θ {c['theta']:g})")
-                elif st["half_width"] is None:
-                    row.append(f"{st['mean']:.3f} (θ {c['theta']:g})")
                 else:
-                    row.append(f"{st['mean']:.3f} ± {st['half_width']:.3f} (θ {c['theta']:g})")
+                    ci = "" if st["half_width"] is None else f" ± {st['half_width']:.3f}"
+                    n_of = "" if len(vals) == len(c["recall"]) else f", n = {len(vals)}"
+                    row.append(f"{st['mean']:.3f}{ci} (θ {c['theta']:g}{n_of})")
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     judged = capacity_claims(result)
@@ -159,19 +162,21 @@ def capacity_figure(result: dict, title: str | None = None):
 
 def _check_capacity_memory(args, specs, pairs: list[int], passes: list[int]) -> None:
     """Refuse, before any work, a probe whose largest cell cannot fit in memory: per stream the
-    written sequence and its per-token work (``6K + 3h`` numbers a token, ``h`` the widest layer)
-    and the ``N × N`` similarity matrix."""
+    written sequence and its per-token work (``6K + 3h`` numbers a token, ``h`` the widest layer),
+    the chunk form's ``[C, C]`` matrices and the ``N × N`` similarity matrix."""
     from ..train.memory_estimate import GiB, available_memory
 
     width = max(max(o for _, o in s.layer_dims(args.key_dim, args.key_dim)) for s in specs)
     n, p = max(pairs), max(passes)
-    per_stream = n * p * (6 * args.key_dim + 3 * width) + n * n
+    chunk = min(args.chunk_size, n * p)  # the chunk form's [C, C] coefficients and scores, a few
+    per_stream = n * p * (6 * args.key_dim + 3 * width) + n * n + 8 * chunk * chunk
     need = args.streams * per_stream * (8 if args.float64 else 4)
     have, source = available_memory(torch.device("cpu"))
     if have is not None and need > have:
         raise ValueError(
-            f"--streams / --pairs / --passes / --key-dim: the largest cell ({args.streams:,} streams of "
-            f"{n:,} pairs x {p} passes, key dim {args.key_dim}) needs about {need / GiB:,.1f} GiB, but only "
+            f"--streams / --pairs / --passes / --key-dim / --chunk-size: the largest cell ({args.streams:,} "
+            f"streams of {n:,} pairs x {p} passes, key dim {args.key_dim}, chunk {args.chunk_size}) needs "
+            f"about {need / GiB:,.1f} GiB, but only "
             f"{have / GiB:,.1f} GiB are available ({source}); lower one of them"
         )
 
@@ -183,7 +188,10 @@ def run(args) -> int:
     from ..interp.capacity import capacity_sweep, capacity_variants
 
     grid = [float(x) for x in args.theta_grid.split(",")]
-    every = capacity_variants(args.base, chunk_size=args.chunk_size, max_lr=max(grid))
+    try:
+        every = capacity_variants(args.base, chunk_size=args.chunk_size, max_lr=max(grid))
+    except ValueError as e:
+        raise ValueError(f"--base: {e}") from None
     names = [v.strip() for v in args.variants.split(",")]
     unknown = [v for v in names if v not in every]
     if unknown or len(set(names)) != len(names):
@@ -193,8 +201,11 @@ def run(args) -> int:
             f"--select-seed {args.select_seed} is one of the reported seeds 0..{args.seeds - 1}: "
             "choose another"
         )
-    pairs = [int(x) for x in args.pairs.split(",")]
-    passes = [int(x) for x in args.passes.split(",")]
+    pairs, passes = ([int(x) for x in a.split(",")] for a in (args.pairs, args.passes))
+    for flag, vals in (("--pairs", pairs), ("--passes", passes)):
+        if len(set(vals)) != len(vals):
+            raise ValueError(f"{flag}: expected distinct values, got {','.join(map(str, vals))}")
+    pairs, passes = sorted(pairs), sorted(passes)
     _check_capacity_memory(args, [every[v][0] for v in names], pairs, passes)
     out = Path(args.out)
     files = [out / "capacity.json", out / "capacity.md", out / "capacity.png"]
@@ -225,7 +236,9 @@ def run(args) -> int:
     fig = capacity_figure(
         result, f"memory capacity: {args.base}, key dim {args.key_dim}, chunk {args.chunk_size}"
     )
-    fig.savefig(files[2], dpi=120)
+    tmp = files[2].with_name(f".{files[2].name}.tmp")
+    fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
+    os.replace(tmp, files[2])
     print(f"wrote {files[0]}, {files[1]} and {files[2]} ({result['wall_s']:.0f} s)", file=sys.stderr)
     return 0

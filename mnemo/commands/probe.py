@@ -195,6 +195,10 @@ def plot_training(run_dir, path=None) -> Path:
     return path
 
 
+#: ``mnemo probe capacity``'s default θ grid: 1-2-5 steps over seven decades
+_THETA_GRID = ",".join(f"{m}e{e}" for e in range(-6, 1) for m in (1, 2, 5))
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("probe", help="circuit scores, memory time scales, training curves, memory capacity")
     ps = p.add_subparsers(dest="probe_command", required=True)
@@ -331,7 +335,10 @@ def add_commands(sub) -> None:
         help="which of mlp, matrix, mlp_equal, matrix_plain, mlp_plain (default: all)",
     )
     cap.add_argument(
-        "--pairs", type=kinds.IntList(1), default="4,8,16,32,64,128", help="pair counts N (default 4..128)"
+        "--pairs",
+        type=kinds.IntList(1),
+        default="4,8,16,32,64,128,256",
+        help="pair counts N (default 4..256)",
     )
     cap.add_argument(
         "--passes", type=kinds.IntList(1), default="1,4", help="writes of the stream (default 1,4)"
@@ -339,8 +346,9 @@ def add_commands(sub) -> None:
     cap.add_argument(
         "--theta-grid",
         type=kinds.FloatList(),
-        default="0.01,0.03,0.1,0.3,1",
-        help="inner learning rates; each cell's is chosen on --select-seed (default 0.01..1)",
+        default=_THETA_GRID,
+        help="inner learning rates; each cell's is chosen on --select-seed (default 1e-6..5 in 1-2-5 steps: "
+        "a matrix memory with a norm, started at zero, wants ~1e-5)",
     )
     cap.add_argument("--seeds", type=kinds.Int(3), default=5, help="reported seeds 0..N-1 (default 5)")
     cap.add_argument(
@@ -354,7 +362,7 @@ def add_commands(sub) -> None:
     )
     cap.add_argument(
         "--chunk-size",
-        type=kinds.positive_int,
+        type=kinds.Int(1, 65536),
         default=1,
         help="tokens per inner step (default 1: online GD)",
     )

@@ -10,12 +10,18 @@ value by cosine among the stream's ``N`` values is ``v_i``. Chance is ``1/N``.
 
 Data. Keys are unit vectors (the Titans layer L2-normalises ``q`` and ``k``), values have unit
 variance per coordinate (the scale a ``x + LN(·)`` memory produces); both are drawn first from the
-seed's generator, so every variant sees the same pairs on a seed (paired comparisons).
+seed's generator (in float64, then cast), so every variant sees the same pairs on a seed (paired
+comparisons), whatever the dtype.
 
-Initial weights. Each layer ``N(0, 1/in)``, the Titans layer's initialisation of a deep memory,
-except a matrix memory without a norm, which starts at zero: the delta rule's start (with a norm,
-``LN(0·k)`` has no gradient direction, so a normed matrix starts random too — mnemo's Titans layer
-*learns* its initial weights, which this probe does not).
+Initial weights, as mnemo's Titans layer initialises its memory (``mnemo/layers/titans.py``): a
+matrix memory at zero (normed or not: the first step of ``k + LN(W k)`` from ``W = 0`` is scaled by
+``1/√eps`` of the norm, so such a memory wants a very small ``θ``, which the sweep's grid must
+reach), each layer of a deep memory ``N(0, 1/in)``. In the layer these are learned starting
+points; here they stay at their initialisation.
+
+Chunks run over the repeated stream as over any stream: with ``chunk_size = C`` and ``N < C`` one
+chunk holds every pair of a pass (and of several passes), so its gradients are all taken at the
+same weights.
 
 What this is not: a trained model's recall. In a model the keys are learned projections and the
 initial weights are meta-learned; here they are random, which isolates what the update rule and the
@@ -53,19 +59,28 @@ def capacity_variants(base: str = "titans", chunk_size: int = 1, max_lr: float =
 
     - ``mlp``: the deep memory (2 layers, expansion 4: ``8K²`` weights per head);
     - ``matrix``: ``x + LN(W x)`` (``K²``), the Titans ablation's linear memory;
-    - ``mlp_equal``: the deep memory at expansion 1/2, ``K²`` weights: depth at equal parameters;
+    - ``mlp_equal``: the deep memory at expansion 1/2, ``K²`` weights: depth at equal parameters
+      (its hidden width ``K/2`` is also a rank bottleneck: ``W₂``'s output spans ``K/2`` dimensions);
     - ``matrix_plain``: ``W x``, no residual, no norm (the delta rule with ``chunk_size = 1``);
     - ``mlp_plain``: ``W₂ σ(W₁ x)``, no residual, no norm.
 
     Raises:
-        ValueError: ``base`` is not a memory preset with an MLP architecture, or ``chunk_size`` /
-            ``max_lr`` is not positive.
+        ValueError: ``base`` is not a memory preset with an MLP architecture and the ``l2`` objective
+            (the probe writes ``½‖M(k) − v‖²``), or ``chunk_size`` / ``max_lr`` is not positive.
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if not (isinstance(max_lr, (int, float)) and max_lr > 0 and math.isfinite(max_lr)):
         raise ValueError(f"max_lr must be a positive number, got {max_lr!r}")
-    spec = preset(base)
+    try:
+        spec = preset(base)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"base must be a memory preset name, got {base!r} ({e})") from None
+    if spec.objective != "l2":
+        raise ValueError(
+            f"base must be a memory preset with the l2 objective ½‖M(k) − v‖² (titans, ttt_mlp), got "
+            f"{base!r} (objective {spec.objective!r})"
+        )
     if spec.architecture != "mlp":
         raise ValueError(
             f"base must be a memory preset with a deep (mlp) memory, got {base!r} ({spec.architecture})"
@@ -78,7 +93,10 @@ def capacity_variants(base: str = "titans", chunk_size: int = 1, max_lr: float =
             f"{base}'s deep memory: {'x + LN(MLP(x))' if s.norm else 'MLP(x)'}, hidden {h:g}K",
         ),
         "matrix": (s.replace(architecture="matrix"), "the matrix memory in the same form (K² weights)"),
-        "mlp_equal": (s.replace(expansion=0.5), "the deep memory at hidden K/2: K² weights, as the matrix"),
+        "mlp_equal": (
+            s.replace(expansion=0.5),
+            "the deep memory at hidden K/2: K² weights, as the matrix (and a rank-K/2 bottleneck)",
+        ),
         "matrix_plain": (
             s.replace(architecture="matrix", residual=False, norm=False),
             "W x, no residual, no norm (the delta rule at chunk_size 1)",
@@ -90,22 +108,24 @@ def capacity_variants(base: str = "titans", chunk_size: int = 1, max_lr: float =
 def random_pairs(n_pairs: int, key_dim: int, streams: int, generator: torch.Generator, dtype=torch.float32):
     """``(k, v)``, each ``[streams, n_pairs, 1, key_dim]``: unit-norm keys, values ``N(0, 1)`` per
     coordinate (one head)."""
-    k = F.normalize(torch.randn(streams, n_pairs, 1, key_dim, generator=generator, dtype=dtype), dim=-1)
-    v = torch.randn(streams, n_pairs, 1, key_dim, generator=generator, dtype=dtype)
-    return k, v
+    d = torch.float64  # drawn in float64 whatever ``dtype``: the same pairs in every precision
+    k = F.normalize(torch.randn(streams, n_pairs, 1, key_dim, generator=generator, dtype=d), dim=-1)
+    v = torch.randn(streams, n_pairs, 1, key_dim, generator=generator, dtype=d)
+    return k.to(dtype), v.to(dtype)
 
 
 def initial_weights(
     spec: MemorySpec, key_dim: int, streams: int, generator: torch.Generator, dtype=torch.float32
 ):
-    """One initial weight set shared by the streams, ``[streams, 1, in, out]`` per layer: ``N(0, 1/in)``,
-    zeros for a matrix memory without a norm (see the module docstring)."""
+    """One initial weight set shared by the streams, ``[streams, 1, in, out]`` per layer, as the Titans
+    layer initialises its memory: zeros for a matrix memory, ``N(0, 1/in)`` for each layer of a deep
+    one (drawn in float64, then cast)."""
     out = []
     for i, o in spec.layer_dims(key_dim, key_dim):
-        if spec.architecture == "matrix" and not spec.norm:
+        if spec.architecture == "matrix":
             w = torch.zeros(1, 1, i, o, dtype=dtype)
         else:
-            w = torch.randn(1, 1, i, o, generator=generator, dtype=dtype) * i**-0.5
+            w = (torch.randn(1, 1, i, o, generator=generator, dtype=torch.float64) * i**-0.5).to(dtype)
         out.append(w.expand(streams, 1, i, o))
     return out
 
@@ -113,13 +133,13 @@ def initial_weights(
 def recall_accuracy(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Per stream, the share of reads ``y_i`` whose nearest value by cosine among ``v_1 … v_N`` is
     ``v_i``. ``y, v: [B, N, H, D]`` → ``[B]`` (averaged over heads and pairs). Ties go to the lower
-    index (``argmax``)."""
+    index (``argmax``); a read of zero norm is a miss."""
     if y.shape != v.shape or y.ndim != 4:
         raise ValueError(
             f"y and v must have the same shape [B, N, H, D], got {list(y.shape)} and {list(v.shape)}"
         )
     sim = torch.einsum("bihd,bjhd->bhij", F.normalize(y, dim=-1), F.normalize(v, dim=-1))
-    hit = sim.argmax(-1) == torch.arange(y.shape[1], device=y.device)
+    hit = (sim.argmax(-1) == torch.arange(y.shape[1], device=y.device)) & (y.norm(dim=-1) > 0).transpose(1, 2)
     return hit.to(y.dtype).mean(dim=(1, 2))
 
 
@@ -158,7 +178,7 @@ def write_and_recall(
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be a positive integer, got {passes!r}")
     kk, vv = k.repeat(1, passes, 1, 1), v.repeat(1, passes, 1, 1)
-    th = torch.full(kk.shape[:3], float(theta), dtype=k.dtype)
+    th = torch.full(kk.shape[:3], float(theta), dtype=k.dtype, device=k.device)
     _, st = neural_memory(
         spec, kk, kk, vv, th, initial_state=init_state(spec, list(weights)), output_final_state=True
     )
