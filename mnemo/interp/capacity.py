@@ -55,7 +55,8 @@ __all__ = [
 def capacity_variants(base: str = "titans", chunk_size: int = 1, max_lr: float = 10.0) -> dict:
     """Memory variants to compare, ``name -> (MemorySpec, description)``, all built on the preset
     ``base`` (default ``"titans"``: ``x + LN(W₂ σ(W₁ x))``, hidden ``4K``) with retention and momentum
-    off, the given ``chunk_size`` and ``max_lr`` (the clamp of ``θ``; set it at or above the grid's top).
+    off, the given ``chunk_size`` (tokens per inner step, default ``chunk_size=1``: online GD) and
+    ``max_lr`` (the clamp of ``θ``, default ``max_lr=10.0``; set it at or above the grid's top).
 
     - ``mlp``: the deep memory (2 layers, expansion 4: ``8K²`` weights per head);
     - ``matrix``: ``x + LN(W x)`` (``K²``), the Titans ablation's linear memory;
@@ -159,7 +160,7 @@ def write_and_recall(
         k, v: ``[B, N, H, K]`` keys and ``[B, N, H, V]`` values.
         theta: the inner learning rate ``θ`` of every token (> 0; ``spec.max_lr`` clamps it).
         weights: the initial weights ``[B, H, in, out]`` per layer.
-        passes: how many times the stream is written, in the same order (≥ 1).
+        passes: how many times the stream is written, in the same order (≥ 1; default ``passes=1``).
 
     Returns:
         ``{"recall": [B], "nmse": [B]}``: recall by nearest value (:func:`recall_accuracy`) and
@@ -216,7 +217,10 @@ def capacity_sweep(
     """Recall per variant, pair count and number of passes, each at its own ``θ``.
 
     ``θ`` is chosen per (variant, ``N``, passes) as the grid value with the highest mean recall on
-    ``select_seed`` (not reported); the reported ``seeds`` then run at that ``θ``. A ``θ`` whose
+    ``select_seed`` (not reported; default ``select_seed=1000``); the reported ``seeds`` then run at
+    that ``θ``. Each seed draws ``streams`` streams (default ``streams=256``) of keys in ``key_dim``
+    dimensions (default ``key_dim=16``); a progress bar shows unless ``progress=False`` (default
+    ``progress=True``). A ``θ`` whose
     reads are not finite scores ``None`` and is never chosen; a reported seed's ``None`` is left
     out of the statistics.
 
