@@ -14,11 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from .. import argtypes as kinds
-from ..sweep.recipe import judge_claim
-from ..sweep.stats import mean_interval
 
 #: the claims the probe judges: (name, better, than)
 CLAIMS = (
@@ -44,6 +40,8 @@ def capacity_claims(result: dict, ceiling: float = 0.99) -> list[dict]:
     """Each claim of :data:`CLAIMS` whose two variants ran, per (passes, ``N``): the paired difference
     in recall over the reported seeds (the same pairs on a seed) and its verdict
     (:func:`mnemo.sweep.recipe.judge_claim`; both at or above ``ceiling`` on every seed: not testable)."""
+    from ..sweep.recipe import judge_claim
+
     out = []
     for name, better, than in CLAIMS:
         for p in result["settings"]["passes"]:
@@ -71,6 +69,8 @@ def capacity_claims(result: dict, ceiling: float = 0.99) -> list[dict]:
 def capacity_markdown(result: dict) -> str:
     """The page's tables: recall (mean ± 95% t-interval over the reported seeds) and the chosen ``θ``
     per variant and ``N``, one table per number of passes; then the claims."""
+    from ..sweep.stats import mean_interval
+
     s = result["settings"]
     variants = list(s["variants"])
     lines = [
@@ -129,6 +129,8 @@ def capacity_figure(result: dict, title: str | None = None):
     variant with its 95% interval; chance ``1/N`` dashed. Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
+    from ..sweep.stats import mean_interval
+
     s = result["settings"]
     ps = s["passes"]
     fig, axes = plt.subplots(1, len(ps), figsize=(5.2 * len(ps), 4.0), squeeze=False, sharey=True)
@@ -160,10 +162,77 @@ def capacity_figure(result: dict, title: str | None = None):
     return fig
 
 
+#: ``mnemo probe capacity``'s default θ grid: 1-2-5 steps over seven decades
+_THETA_GRID = ",".join(f"{m}e{e}" for e in range(-6, 1) for m in (1, 2, 5))
+
+
+def add_parser(ps) -> None:
+    """Add ``capacity`` to ``mnemo probe``'s sub-command parser ``ps``."""
+    cap = ps.add_parser(
+        "capacity",
+        help="how many key-value pairs a test-time-trained memory stores: write N pairs, read every key "
+        "(JSON + table + plot; no checkpoint)",
+    )
+    cap.add_argument(
+        "--base",
+        type=kinds.Text("a memory preset with a deep memory"),
+        default="titans",
+        help="the memory preset the variants are built on (default titans)",
+    )
+    cap.add_argument(
+        "--variants",
+        type=kinds.Text("comma-separated variant names"),
+        default="mlp,matrix,mlp_equal,matrix_plain,mlp_plain",
+        help="which of mlp, matrix, mlp_equal, matrix_plain, mlp_plain (default: all)",
+    )
+    cap.add_argument(
+        "--pairs",
+        type=kinds.IntList(1),
+        default="4,8,16,32,64,128,256",
+        help="pair counts N (default 4..256)",
+    )
+    cap.add_argument(
+        "--passes", type=kinds.IntList(1), default="1,4", help="writes of the stream (default 1,4)"
+    )
+    cap.add_argument(
+        "--theta-grid",
+        type=kinds.FloatList(),
+        default=_THETA_GRID,
+        help="inner learning rates; each cell's is chosen on --select-seed (default 1e-6..5 in 1-2-5 steps: "
+        "a matrix memory with a norm, started at zero, wants ~1e-5)",
+    )
+    cap.add_argument("--seeds", type=kinds.Int(3), default=5, help="reported seeds 0..N-1 (default 5)")
+    cap.add_argument(
+        "--select-seed", type=kinds.seed, default=1000, help="the seed that chooses θ (default 1000)"
+    )
+    cap.add_argument(
+        "--key-dim", type=kinds.Int(1, 4096), default=16, help="key (and value) dimension (default 16)"
+    )
+    cap.add_argument(
+        "--streams", type=kinds.Int(1, 1_000_000), default=256, help="streams per seed (default 256)"
+    )
+    cap.add_argument(
+        "--chunk-size",
+        type=kinds.Int(1, 65536),
+        default=1,
+        help="tokens per inner step (default 1: online GD)",
+    )
+    cap.add_argument("--float64", action="store_true", help="compute in float64 (default float32)")
+    cap.add_argument("--threads", type=kinds.threads, help="intra-op threads (default: torch's)")
+    cap.add_argument("--out", type=kinds.OutDir(not_a_run=True), required=True, help="folder for the results")
+    cap.add_argument(
+        "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
+    )
+    cap.add_argument("--no-progress", action="store_true")
+    cap.set_defaults(func=run)
+
+
 def _check_capacity_memory(args, specs, pairs: list[int], passes: list[int]) -> None:
     """Refuse, before any work, a probe whose largest cell cannot fit in memory: per stream the
     written sequence and its per-token work (``6K + 3h`` numbers a token, ``h`` the widest layer),
     the chunk form's ``[C, C]`` matrices and the ``N × N`` similarity matrix."""
+    import torch
+
     from ..train.memory_estimate import GiB, available_memory
 
     width = max(max(o for _, o in s.layer_dims(args.key_dim, args.key_dim)) for s in specs)
@@ -184,6 +253,7 @@ def _check_capacity_memory(args, specs, pairs: list[int], passes: list[int]) -> 
 def run(args) -> int:
     """``mnemo probe capacity``: run the sweep, write ``capacity.json``, ``.md`` and ``.png``."""
     import matplotlib.pyplot as plt
+    import torch
 
     from ..interp.capacity import capacity_sweep, capacity_variants
 
@@ -242,3 +312,126 @@ def run(args) -> int:
     os.replace(tmp, files[2])
     print(f"wrote {files[0]}, {files[1]} and {files[2]} ({result['wall_s']:.0f} s)", file=sys.stderr)
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# results pages: a `<!-- mnemo:capacity ARGS -->` line (mnemo reproduce, mnemo.sweep.reproduce)
+
+
+def parse_command(argv: list[str]):
+    """The arguments of ``mnemo probe capacity ARGV`` (a results page's line), checked as the CLI
+    checks them.
+
+    Raises:
+        ValueError: what the CLI would refuse, with argparse's message.
+    """
+    from .continual import _Parser
+
+    if {"-h", "--help"} & set(argv):
+        raise ValueError("-h/--help: a command line to run, not to print its help, is expected")
+    parser = _Parser(prog="mnemo probe")
+    add_parser(parser.add_subparsers(dest="probe_command"))
+    return parser.parse_args(["capacity", *argv])
+
+
+def page_jobs(page: Path) -> list[dict]:
+    """Each ``mnemo:capacity`` line of ``page``: ``{"line", "argv", "name" (its block: ``--out``'s
+    folder name), "out", "args"}``; a relative ``--out`` is resolved against the page's checkout
+    (as a sweep file's path is).
+
+    Raises:
+        ValueError: a line the CLI refuses; two lines with one block name.
+    """
+    from ..sweep.reproduce import page_lines
+    from .continual import _page_root
+
+    jobs: list[dict] = []
+    root = _page_root(page)
+    for line, argv in page_lines(page, "capacity"):
+        where = f"{page}:{line}"
+        try:
+            args = parse_command(argv)
+        except ValueError as e:
+            raise ValueError(f"{where}: mnemo probe capacity {' '.join(argv)}: {e}") from None
+        out = Path(args.out)
+        if not out.is_absolute():
+            out = (root or Path.cwd()) / out
+        args.out = str(out)
+        name = out.resolve().name
+        if any(j["name"] == name for j in jobs):
+            raise ValueError(f"{where}: a second mnemo:capacity line writes to {out.name}: block {name!r}")
+        jobs.append({"line": line, "argv": argv, "name": name, "out": out, "args": args})
+    return jobs
+
+
+def _expected_settings(args) -> dict:
+    """The ``settings`` a run of ``args`` records (the fields a stored result is checked against)."""
+    return {
+        "variants": [v.strip() for v in args.variants.split(",")],
+        "n_pairs": sorted(int(x) for x in args.pairs.split(",")),
+        "passes": sorted(int(x) for x in args.passes.split(",")),
+        "theta_grid": [float(x) for x in args.theta_grid.split(",")],
+        "seeds": list(range(args.seeds)),
+        "select_seed": args.select_seed,
+        "key_dim": args.key_dim,
+        "streams": args.streams,
+        "dtype": "float64" if args.float64 else "float32",
+        "base": args.base,
+        "chunk_size": args.chunk_size,
+    }
+
+
+def check_page_job(page: Path, job: dict) -> None:
+    """``--no-run``: the line's ``--out`` must hold ``capacity.json`` made by the line's command.
+
+    Raises:
+        FileNotFoundError: no such results. ValueError: results of another command (names the fields).
+    """
+    from ..sweep.reproduce import _shown
+
+    where, path = f"{page}:{job['line']}", job["out"] / "capacity.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{where}: {_shown(path)} does not exist; run the command (drop --no-run)")
+    held = json.loads(path.read_text())["settings"]
+    held = {**held, "variants": list(held["variants"])}
+    want = _expected_settings(job["args"])
+    differ = [f"{k} {held.get(k)} against {v}" for k, v in want.items() if held.get(k) != v]
+    if differ:
+        raise ValueError(
+            f"{where}: {_shown(path)} holds results of another command than the page's line ("
+            + "; ".join(differ)
+            + "): fix the line, or run it (drop --no-run)"
+        )
+
+
+def page_block(page: Path, job: dict, *, train: bool, progress: bool = True, log=print) -> str:
+    """The generated block of one ``mnemo:capacity`` line: with ``train`` the probe runs again (it
+    is deterministic and takes minutes; its files in ``--out`` are replaced), else its stored
+    ``capacity.json`` is read (:func:`check_page_job`); then the command, the tables with the claims
+    judged again from the stored recalls, and the figure."""
+    import argparse
+    import shlex
+
+    from ..sweep.reproduce import _shown
+
+    if train:
+        run(argparse.Namespace(**{**vars(job["args"]), "overwrite": True, "no_progress": not progress}))
+    else:
+        check_page_job(page, job)
+    result = json.loads((job["out"] / "capacity.json").read_text())
+    rel = os.path.relpath(job["out"], page.parent)
+    return "\n".join(
+        [
+            f"*Generated by `mnemo reproduce {_shown(page)}` from its `mnemo:capacity` line; edits between "
+            f"these markers are replaced.* Command (wall time {result['wall_s']:.0f} s, "
+            f"{result['settings'].get('threads', '?')} thread(s)):",
+            "",
+            "```bash",
+            f"mnemo probe capacity {shlex.join(job['argv'])}",
+            "```",
+            "",
+            capacity_markdown(result).rstrip(),
+            "",
+            f"![capacity]({rel}/capacity.png)",
+        ]
+    )

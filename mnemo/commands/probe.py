@@ -195,10 +195,6 @@ def plot_training(run_dir, path=None) -> Path:
     return path
 
 
-#: ``mnemo probe capacity``'s default θ grid: 1-2-5 steps over seven decades
-_THETA_GRID = ",".join(f"{m}e{e}" for e in range(-6, 1) for m in (1, 2, 5))
-
-
 def add_commands(sub) -> None:
     p = sub.add_parser("probe", help="circuit scores, memory time scales, training curves, memory capacity")
     ps = p.add_subparsers(dest="probe_command", required=True)
@@ -317,63 +313,9 @@ def add_commands(sub) -> None:
         "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
     )
     sp.set_defaults(func=_cmd_spectrum)
-    cap = ps.add_parser(
-        "capacity",
-        help="how many key-value pairs a test-time-trained memory stores: write N pairs, read every key "
-        "(JSON + table + plot; no checkpoint)",
-    )
-    cap.add_argument(
-        "--base",
-        type=kinds.Text("a memory preset with a deep memory"),
-        default="titans",
-        help="the memory preset the variants are built on (default titans)",
-    )
-    cap.add_argument(
-        "--variants",
-        type=kinds.Text("comma-separated variant names"),
-        default="mlp,matrix,mlp_equal,matrix_plain,mlp_plain",
-        help="which of mlp, matrix, mlp_equal, matrix_plain, mlp_plain (default: all)",
-    )
-    cap.add_argument(
-        "--pairs",
-        type=kinds.IntList(1),
-        default="4,8,16,32,64,128,256",
-        help="pair counts N (default 4..256)",
-    )
-    cap.add_argument(
-        "--passes", type=kinds.IntList(1), default="1,4", help="writes of the stream (default 1,4)"
-    )
-    cap.add_argument(
-        "--theta-grid",
-        type=kinds.FloatList(),
-        default=_THETA_GRID,
-        help="inner learning rates; each cell's is chosen on --select-seed (default 1e-6..5 in 1-2-5 steps: "
-        "a matrix memory with a norm, started at zero, wants ~1e-5)",
-    )
-    cap.add_argument("--seeds", type=kinds.Int(3), default=5, help="reported seeds 0..N-1 (default 5)")
-    cap.add_argument(
-        "--select-seed", type=kinds.seed, default=1000, help="the seed that chooses θ (default 1000)"
-    )
-    cap.add_argument(
-        "--key-dim", type=kinds.Int(1, 4096), default=16, help="key (and value) dimension (default 16)"
-    )
-    cap.add_argument(
-        "--streams", type=kinds.Int(1, 1_000_000), default=256, help="streams per seed (default 256)"
-    )
-    cap.add_argument(
-        "--chunk-size",
-        type=kinds.Int(1, 65536),
-        default=1,
-        help="tokens per inner step (default 1: online GD)",
-    )
-    cap.add_argument("--float64", action="store_true", help="compute in float64 (default float32)")
-    cap.add_argument("--threads", type=kinds.threads, help="intra-op threads (default: torch's)")
-    cap.add_argument("--out", type=kinds.OutDir(not_a_run=True), required=True, help="folder for the results")
-    cap.add_argument(
-        "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
-    )
-    cap.add_argument("--no-progress", action="store_true")
-    cap.set_defaults(func=_cmd_capacity)
+    from .capacity import add_parser as add_capacity
+
+    add_capacity(ps)
 
 
 def _refuse_outputs(args, *paths: Path) -> None:
@@ -566,9 +508,3 @@ def _cmd_spectrum(args) -> int:
     print(f"wrote {out / 'spectrum.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line
     print(_json(record))
     return 0
-
-
-def _cmd_capacity(args) -> int:
-    from .capacity import run
-
-    return run(args)

@@ -165,8 +165,8 @@ def _cmd_tasks(args) -> int:
 
 
 def _cmd_reproduce(args) -> int:
-    from ..sweep.reproduce import page_continual, page_sweeps, reproduce_page
-    from . import continual
+    from ..sweep.reproduce import page_lines, page_sweeps, reproduce_page
+    from . import capacity, continual
 
     if args.partial and not args.no_run:
         raise ValueError(
@@ -174,11 +174,13 @@ def _cmd_reproduce(args) -> int:
             "it partial when runs fail)"
         )
     files = page_sweeps(args.page)  # errors (no directive, missing file) before anything runs
-    commands = page_continual(args.page)
+    commands = page_lines(args.page, "continual")
+    probes = page_lines(args.page, "capacity")
     print(
         f"mnemo reproduce: {args.page}: {len(files)} sweep(s)"
         + (f": {', '.join(map(str, files))}" if files else "")
-        + (f"; {len(commands)} mnemo continual command(s)" if commands else ""),
+        + (f"; {len(commands)} mnemo continual command(s)" if commands else "")
+        + (f"; {len(probes)} mnemo probe capacity command(s)" if probes else ""),
         flush=True,
     )
     res = reproduce_page(
@@ -190,6 +192,7 @@ def _cmd_reproduce(args) -> int:
         partial=args.partial,
         only=[n.strip() for n in args.sweep.split(",") if n.strip()] if args.sweep is not None else None,
         continual=continual,
+        capacity=capacity,
     )
     failed = sum((r["counts"] or {}).get("failed", 0) for r in res.values())
     if failed:
@@ -304,9 +307,9 @@ def add_commands(sub) -> None:
         "--sweep",
         metavar="NAME",
         type=kinds.Text("sweep names, comma-separated"),
-        help="only these sweeps of the page (their 'name'; a mnemo continual line's block is named after "
-        "its --out folder), comma-separated; the page's other blocks are left as they are (default: every "
-        "sweep the page names)",
+        help="only these sweeps of the page (their 'name'; a mnemo continual or mnemo probe capacity line's "
+        "block is named after its --out folder), comma-separated; the page's other blocks are left as they "
+        "are (default: every sweep the page names)",
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_reproduce)

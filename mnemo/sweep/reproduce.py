@@ -23,6 +23,9 @@ replaces the text between the sweep's markers (appending the block at the end of
 first time). Everything outside the markers — the claim, the discussion, the verdict in words — is
 the author's and is left as it is. The page is written atomically (a temporary file, then a rename).
 
+A ``mnemo probe capacity`` command (:mod:`mnemo.commands.capacity`) is named the same way,
+``<!-- mnemo:capacity ARGS -->``; its block is named after its ``--out`` folder as it is.
+
 For a continual line, :func:`mnemo.commands.continual.run` runs or resumes the command (finished
 runs whose code is unchanged are read from ``--out/runs/``, :func:`~mnemo.commands.continual.run_key`),
 rewrites ``--out``'s ``continual.json``, ``continual.md`` and figures, and the block gets the command,
@@ -44,6 +47,12 @@ from .spec import SweepSpec
 
 DIRECTIVE = re.compile(r"^<!--\s*mnemo:reproduce\s+(\S+)\s*-->\s*$", re.M)
 CONTINUAL = re.compile(r"^<!--\s*mnemo:continual\s+(.+?)\s*-->\s*$", re.M)
+#: the command lines a page may name besides sweep files: ``<!-- mnemo:KIND ARGS -->``
+LINE_KINDS = ("continual", "capacity")
+
+
+def _line_re(kind: str) -> re.Pattern:
+    return re.compile(rf"^<!--\s*mnemo:{kind}\s+(.+?)\s*-->\s*$", re.M)
 
 
 def _shown(p: str | Path) -> str:
@@ -59,10 +68,10 @@ def _markers(name: str) -> tuple[str, str]:
     return f"<!-- mnemo:begin {name} -->", f"<!-- mnemo:end {name} -->"
 
 
-def _argv(line: str) -> list[str]:
+def _argv(line: str, kind: str = "continual") -> list[str]:
     import shlex
 
-    return shlex.split(CONTINUAL.fullmatch(line).group(1))
+    return shlex.split(_line_re(kind).fullmatch(line).group(1))
 
 
 def page_continual(page: str | Path) -> list[tuple[int, list[str]]]:
@@ -72,17 +81,30 @@ def page_continual(page: str | Path) -> list[tuple[int, list[str]]]:
     Raises:
         ValueError: a line that does not parse as shell words.
     """
+    return page_lines(page, "continual")
+
+
+def page_lines(page: str | Path, kind: str) -> list[tuple[int, list[str]]]:
+    """The ``<!-- mnemo:KIND ARGS -->`` lines of ``page`` (``kind`` one of :data:`LINE_KINDS`:
+    ``continual`` for ``mnemo continual``, ``capacity`` for ``mnemo probe capacity``) as
+    ``(line number, argv)``; ``[]`` when it names none.
+
+    Raises:
+        ValueError: an unknown ``kind``; a line that does not parse as shell words.
+    """
     import shlex
 
+    if kind not in LINE_KINDS:
+        raise ValueError(f"kind must be one of {LINE_KINDS}, got {kind!r}")
     page = Path(page)
     text = page.read_text(encoding="utf-8")
     out = []
-    for m in CONTINUAL.finditer(text):
+    for m in _line_re(kind).finditer(text):
         line = text[: m.start()].count("\n") + 1
         try:
             out.append((line, shlex.split(m.group(1))))
         except ValueError as e:
-            raise ValueError(f"{page}:{line}: the mnemo:continual line does not parse ({e})") from None
+            raise ValueError(f"{page}:{line}: the mnemo:{kind} line does not parse ({e})") from None
     return out
 
 
@@ -90,7 +112,7 @@ def page_sweeps(page: str | Path) -> list[Path]:
     """The sweep files a page names (its ``<!-- mnemo:reproduce PATH -->`` lines), resolved
     against the page's folder and its parents (the page's own checkout), else against the working
     directory: the same page names the same files from any working directory. ``[]`` for a page
-    that names only ``mnemo continual`` commands (:func:`page_continual`).
+    that names only commands (``mnemo continual``, ``mnemo probe capacity``: :func:`page_lines`).
 
     Raises:
         FileNotFoundError: the page, or a sweep file it names, does not exist.
@@ -121,10 +143,11 @@ def page_sweeps(page: str | Path) -> list[Path]:
                 "working directory)"
             )
         found.append(Path(_shown(hit)))
-    if not found and not CONTINUAL.search(text):
+    if not found and not any(_line_re(k).search(text) for k in LINE_KINDS):
         raise ValueError(
             f"{page} names no sweep: add one line `<!-- mnemo:reproduce configs/....yaml -->` per sweep "
-            "whose table the page reports (or `<!-- mnemo:continual ARGS -->` per mnemo continual command)"
+            "whose table the page reports (or `<!-- mnemo:continual ARGS -->` per mnemo continual command, "
+            "`<!-- mnemo:capacity ARGS -->` per mnemo probe capacity command)"
         )
     return found
 
@@ -213,6 +236,7 @@ def reproduce_page(
     only: list[str] | None = None,
     log=print,
     continual=None,
+    capacity=None,
 ) -> dict:
     """Run or resume every sweep ``page`` names, then rewrite its generated blocks and figures.
 
@@ -224,13 +248,15 @@ def reproduce_page(
             :mod:`mnemo.commands.continual` (its ``page_jobs``, ``check_page_job`` and
             ``page_block``; passed in, since this layer does not import the commands); a page with
             such lines and no ``continual`` is refused.
+        capacity: the same for ``<!-- mnemo:capacity ARGS -->`` lines (``mnemo probe capacity``):
+            the module :mod:`mnemo.commands.capacity`.
         run: ``False`` rebuilds the page from the databases as they are (no training).
         jobs, threads: worker processes and torch threads each (:func:`run_sweep`).
         progress: a progress bar per sweep. log: where progress lines go.
         partial: with ``run=False``, write the page even when a sweep has runs left to train
             (its block then opens with a **Partial** line counting them); without it that is an
             error and the page is left as it is.
-        only: the names of the sweeps (or continual blocks, named after their ``--out``) to run and rewrite
+        only: the names of the sweeps (or command lines' blocks, named after their ``--out``) to run and rewrite
             (default: every one the page names); the page's other blocks are left as they are.
 
     The page reports exactly the runs each sweep file defines as it reads now
@@ -255,12 +281,19 @@ def reproduce_page(
     out: dict = {}
     text = page.read_text()
     specs = [(path, SweepSpec.load(path)) for path in files]
-    if continual is None and page_continual(page):
-        raise ValueError(
-            f"{page} has mnemo:continual lines: rebuild it with the `mnemo reproduce` command (or pass "
-            "continual=mnemo.commands.continual)"
-        )
-    cjobs = continual.page_jobs(page) if continual is not None else []
+    handlers = {"continual": continual, "capacity": capacity}
+    for kind, module in handlers.items():
+        if module is None and page_lines(page, kind):
+            raise ValueError(
+                f"{page} has mnemo:{kind} lines: rebuild it with the `mnemo reproduce` command (or pass "
+                f"{kind}=mnemo.commands.{kind})"
+            )
+    cjobs = [
+        {**job, "kind": kind}
+        for kind, module in handlers.items()
+        if module is not None
+        for job in module.page_jobs(page)
+    ]
     if only is not None:
         names = [spec.name for _, spec in specs] + [j["name"] for j in cjobs]
         unknown = [n for n in only if n not in names]
@@ -273,7 +306,7 @@ def reproduce_page(
         cjobs = [j for j in cjobs if j["name"] in only]
     _refuse_foreign_outputs(page, folder, text, specs)
     for job in cjobs if not run else []:  # every selected line checked before anything is written
-        continual.check_page_job(page, job)
+        handlers[job["kind"]].check_page_job(page, job)
     if not run:  # every sweep checked before any page or report file is written
         for path, spec in specs:
             db, _ = default_paths(spec, path)
@@ -339,12 +372,13 @@ def reproduce_page(
             log(f"{spec.name}: partial: {_pending_text(pending)}")
     for job in cjobs:
         t0 = time.perf_counter()
-        block = continual.page_block(page, job, train=run, progress=progress, log=log)
+        block = handlers[job["kind"]].page_block(page, job, train=run, progress=progress, log=log)
         # a first block goes below its line (found again: earlier blocks have moved it)
+        line_re = _line_re(job["kind"])
         at = next(
             i + 1
             for i, x in enumerate(text.split("\n"))
-            if CONTINUAL.fullmatch(x) and _argv(x) == job["argv"]
+            if line_re.fullmatch(x) and _argv(x, job["kind"]) == job["argv"]
         )
         text = _replace_block(text, job["name"], block, page, after=at)
         out[job["name"]] = {

@@ -243,3 +243,27 @@ def test_cli_refuses_bad_settings_before_any_work(extra, flag, tmp_path, capsys)
     err = capsys.readouterr().err
     assert flag in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_a_results_page_line_is_rebuilt_by_mnemo_reproduce(tmp_path, capsys):
+    """``<!-- mnemo:capacity ARGS -->``: ``mnemo reproduce`` runs the probe and writes its block;
+    ``--no-run`` rebuilds it from the stored JSON and refuses results of another command."""
+    out = tmp_path / "cap"
+    args = "--variants matrix_plain,mlp --pairs 4,8 --passes 1 --seeds 3 --streams 4 --theta-grid 0.1,1"
+    page = tmp_path / "page.md"
+    page.write_text(f"# capacity\n\nprose kept\n\n<!-- mnemo:capacity {args} --no-progress --out {out} -->\n")
+    assert main(["reproduce", str(page), "--no-progress"]) == 0
+    text = page.read_text()
+    assert "prose kept" in text and "<!-- mnemo:begin cap -->" in text and "<!-- mnemo:end cap -->" in text
+    assert f"mnemo probe capacity {args}" in text and "![capacity](cap/capacity.png)" in text
+    assert "| 8 |" in text and (out / "capacity.json").is_file()
+    block = text[text.index("<!-- mnemo:begin cap -->") :]
+    stamp = (out / "capacity.json").stat().st_mtime_ns
+    assert main(["reproduce", str(page), "--no-run"]) == 0  # from the stored JSON, nothing rerun
+    assert (out / "capacity.json").stat().st_mtime_ns == stamp
+    assert page.read_text()[page.read_text().index("<!-- mnemo:begin cap -->") :] == block
+    capsys.readouterr()
+    page.write_text(page.read_text().replace("--streams 4", "--streams 8"))
+    assert main(["reproduce", str(page), "--no-run"]) == 2
+    err = capsys.readouterr().err
+    assert "streams 4 against 8" in err and "page.md:5" in err
