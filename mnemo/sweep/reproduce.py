@@ -256,8 +256,8 @@ def reproduce_page(
         partial: with ``run=False``, write the page even when a sweep has runs left to train
             (its block then opens with a **Partial** line counting them); without it that is an
             error and the page is left as it is.
-        only: the names of the sweeps (or command lines' blocks, named after their ``--out``) to run and rewrite
-            (default: every one the page names); the page's other blocks are left as they are.
+        only: the names of the sweeps (or command lines' blocks, named after their ``--out``) to run and
+            rewrite (default: every one the page names); the page's other blocks are left as they are.
 
     The page reports exactly the runs each sweep file defines as it reads now
     (:func:`~mnemo.sweep.runner.sweep_plan`): runs that the database holds under the same sweep
@@ -294,6 +294,13 @@ def reproduce_page(
         if module is not None
         for job in module.page_jobs(page)
     ]
+    seen = Counter(j["name"] for j in cjobs) + Counter(spec.name for _, spec in specs)
+    twice = sorted(n for n, k in seen.items() if k > 1)
+    if twice:
+        raise ValueError(
+            f"{page}: two of its sweeps or command lines write the block {', '.join(map(repr, twice))} "
+            "(a line's block is named after its --out folder): give each its own --out"
+        )
     if only is not None:
         names = [spec.name for _, spec in specs] + [j["name"] for j in cjobs]
         unknown = [n for n in only if n not in names]

@@ -267,3 +267,14 @@ def test_a_results_page_line_is_rebuilt_by_mnemo_reproduce(tmp_path, capsys):
     assert main(["reproduce", str(page), "--no-run"]) == 2
     err = capsys.readouterr().err
     assert "streams 4 against 8" in err and "page.md:5" in err
+
+
+def test_two_lines_with_one_block_name_are_refused(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    same = tmp_path / "continual_same"  # (a continual block is named after its --out too)
+    a = f"<!-- mnemo:capacity --pairs 4 --seeds 3 --out {same} -->"
+    b = f"<!-- mnemo:continual --experiment abab --seeds 3 --out {same} -->"
+    page.write_text(f"# p\n\n{a}\n\n{b}\n")
+    assert main(["reproduce", str(page), "--no-run"]) == 2
+    assert "give each its own --out" in capsys.readouterr().err
+    assert not same.exists()
