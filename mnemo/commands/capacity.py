@@ -73,11 +73,12 @@ def capacity_markdown(result: dict) -> str:
 
     s = result["settings"]
     variants = list(s["variants"])
+    momentum = "no momentum" if s.get("momentum") is None else f"momentum {s['momentum']:g}"
     lines = [
-        f"Memory preset {s.get('base', '?')!r}, chunk size {s.get('chunk_size', '?')}, key dimension "
-        f"{s['key_dim']}, {s['streams']} streams a seed, seeds {s['seeds']} reported, θ per cell chosen on "
-        f"seed {s['select_seed']} from {s['theta_grid']}; chance = 1/N. A cell over fewer seeds gives "
-        "its n (the others' reads were not finite).",
+        f"Memory preset {s.get('base', '?')!r}, chunk size {s.get('chunk_size', '?')}, {momentum}, "
+        f"key dimension {s['key_dim']}, {s['streams']} streams a seed, seeds {s['seeds']} reported, "
+        f"θ per cell chosen on seed {s['select_seed']} from {s['theta_grid']}; chance = 1/N. A cell over "
+        "fewer seeds gives its n (the others' reads were not finite).",
         "",
     ]
     for p in s["passes"]:
@@ -217,6 +218,11 @@ def add_parser(ps) -> None:
         default=1,
         help="tokens per inner step (default 1: online GD)",
     )
+    cap.add_argument(
+        "--momentum",
+        type=kinds.Float(0, 1, hi_open=True),
+        help="momentum eta of the inner update, S <- eta S - theta grad, W <- W + S (default: plain GD)",
+    )
     cap.add_argument("--float64", action="store_true", help="compute in float64 (default float32)")
     cap.add_argument("--threads", type=kinds.threads, help="intra-op threads (default: torch's)")
     cap.add_argument("--out", type=kinds.OutDir(not_a_run=True), required=True, help="folder for the results")
@@ -259,7 +265,9 @@ def run(args) -> int:
 
     grid = [float(x) for x in args.theta_grid.split(",")]
     try:
-        every = capacity_variants(args.base, chunk_size=args.chunk_size, max_lr=max(grid))
+        every = capacity_variants(
+            args.base, chunk_size=args.chunk_size, max_lr=max(grid), momentum=args.momentum is not None
+        )
     except ValueError as e:
         raise ValueError(f"--base: {e}") from None
     names = [v.strip() for v in args.variants.split(",")]
@@ -295,6 +303,7 @@ def run(args) -> int:
         args.streams,
         torch.float64 if args.float64 else torch.float32,
         progress=not args.no_progress,
+        eta=args.momentum,
     )
     result["settings"].update(base=args.base, chunk_size=args.chunk_size, threads=torch.get_num_threads())
     result["wall_s"] = time.perf_counter() - t0
@@ -304,7 +313,9 @@ def run(args) -> int:
     atomic_write_text(files[0], json.dumps(result, indent=1, allow_nan=False) + "\n")
     atomic_write_text(files[1], capacity_markdown(result))
     fig = capacity_figure(
-        result, f"memory capacity: {args.base}, key dim {args.key_dim}, chunk {args.chunk_size}"
+        result,
+        f"memory capacity: {args.base}, key dim {args.key_dim}, chunk {args.chunk_size}"
+        + (f", momentum {args.momentum:g}" if args.momentum is not None else ""),
     )
     tmp = files[2].with_name(f".{files[2].name}.tmp")
     fig.savefig(tmp, dpi=120, format="png")
@@ -378,6 +389,7 @@ def _expected_settings(args) -> dict:
         "dtype": "float64" if args.float64 else "float32",
         "base": args.base,
         "chunk_size": args.chunk_size,
+        "momentum": args.momentum,
     }
 
 

@@ -25,8 +25,10 @@ same weights.
 
 What this is not: a trained model's recall. In a model the keys are learned projections and the
 initial weights are meta-learned; here they are random, which isolates what the update rule and the
-architecture can store. Retention (forgetting) and momentum are off (``retention="none"``,
-``optimizer="gd"``): the question is what fits, not what is kept.
+architecture can store. Retention (forgetting) is off (``retention="none"``): the question is what
+fits, not what is kept. Momentum is off by default (``optimizer="gd"``); with ``momentum=η`` the
+update is Titans' surprise with momentum, ``S ← η S − θ ∇``, ``W ← W + S`` (a constant ``η``), which
+keeps applying each gradient over the tokens after it.
 """
 
 from __future__ import annotations
@@ -52,11 +54,15 @@ __all__ = [
 ]
 
 
-def capacity_variants(base: str = "titans", chunk_size: int = 1, max_lr: float = 10.0) -> dict:
+def capacity_variants(
+    base: str = "titans", chunk_size: int = 1, max_lr: float = 10.0, momentum: bool = False
+) -> dict:
     """Memory variants to compare, ``name -> (MemorySpec, description)``, all built on the preset
     ``base`` (default ``"titans"``: ``x + LN(W₂ σ(W₁ x))``, hidden ``4K``) with retention and momentum
     off, the given ``chunk_size`` (tokens per inner step, default ``chunk_size=1``: online GD) and
-    ``max_lr`` (the clamp of ``θ``, default ``max_lr=10.0``; set it at or above the grid's top).
+    ``max_lr`` (the clamp of ``θ``, default ``max_lr=10.0``; set it at or above the grid's top);
+    ``momentum=True`` gives every variant the momentum optimizer (its ``η`` is
+    :func:`write_and_recall`'s ``eta``; default ``momentum=False``: plain GD).
 
     - ``mlp``: the deep memory (2 layers, expansion 4: ``8K²`` weights per head);
     - ``matrix``: ``x + LN(W x)`` (``K²``), the Titans ablation's linear memory;
@@ -86,7 +92,8 @@ def capacity_variants(base: str = "titans", chunk_size: int = 1, max_lr: float =
         raise ValueError(
             f"base must be a memory preset with a deep (mlp) memory, got {base!r} ({spec.architecture})"
         )
-    s = spec.replace(retention="none", optimizer="gd", chunk_size=chunk_size, max_lr=float(max_lr))
+    opt = "momentum" if momentum else "gd"
+    s = spec.replace(retention="none", optimizer=opt, chunk_size=chunk_size, max_lr=float(max_lr))
     h = s.expansion
     return {
         "mlp": (
@@ -152,37 +159,47 @@ def write_and_recall(
     theta: float,
     weights: Sequence[torch.Tensor],
     passes: int = 1,
+    eta: float | None = None,
 ) -> dict:
     """Write the pairs ``passes`` times with inner rate ``theta``, then read every key.
 
     Args:
-        spec: the memory (retention ``"none"``, optimizer ``"gd"``: the probe passes no gates).
+        spec: the memory (retention ``"none"``; optimizer ``"gd"``, or ``"momentum"`` with ``eta``).
         k, v: ``[B, N, H, K]`` keys and ``[B, N, H, V]`` values.
         theta: the inner learning rate ``θ`` of every token (> 0; ``spec.max_lr`` clamps it).
         weights: the initial weights ``[B, H, in, out]`` per layer.
         passes: how many times the stream is written, in the same order (≥ 1; default ``passes=1``).
+        eta: the momentum ``η ∈ [0, 1)`` of every token, for a spec with optimizer ``"momentum"``
+            (default ``eta=None``: plain GD).
 
     Returns:
         ``{"recall": [B], "nmse": [B]}``: recall by nearest value (:func:`recall_accuracy`) and
         ``mean_i ‖y_i − v_i‖² / ‖v_i‖²`` per stream (a non-finite read gives ``nan`` in both).
 
     Raises:
-        ValueError: a spec with retention or momentum, ``theta`` ≤ 0, ``passes`` < 1.
+        ValueError: a spec with retention, a momentum spec without ``eta`` (or ``eta`` without
+            one, or outside [0, 1)), ``theta`` ≤ 0, ``passes`` < 1.
     """
-    if spec.retention != "none" or spec.optimizer != "gd":
+    if spec.retention != "none" or spec.optimizer not in ("gd", "momentum"):
         raise ValueError(
-            "write_and_recall needs retention='none' and optimizer='gd', got "
+            "write_and_recall needs retention='none' and optimizer 'gd' or 'momentum', got "
             f"{spec.retention!r} / {spec.optimizer!r}"
         )
+    if (spec.optimizer == "momentum") != (eta is not None):
+        raise ValueError(
+            f"eta goes with optimizer='momentum' (and only with it), got {spec.optimizer!r}, eta={eta!r}"
+        )
+    if eta is not None and not (isinstance(eta, (int, float)) and 0 <= eta < 1):
+        raise ValueError(f"eta must be a number in [0, 1), got {eta!r}")
     if not (isinstance(theta, (int, float)) and theta > 0 and math.isfinite(theta)):
         raise ValueError(f"theta must be a positive number, got {theta!r}")
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be a positive integer, got {passes!r}")
     kk, vv = k.repeat(1, passes, 1, 1), v.repeat(1, passes, 1, 1)
     th = torch.full(kk.shape[:3], float(theta), dtype=k.dtype, device=k.device)
-    _, st = neural_memory(
-        spec, kk, kk, vv, th, initial_state=init_state(spec, list(weights)), output_final_state=True
-    )
+    et = None if eta is None else torch.full_like(th, float(eta))
+    st0 = init_state(spec, list(weights))
+    _, st = neural_memory(spec, kk, kk, vv, th, eta=et, initial_state=st0, output_final_state=True)
     y, _, _ = memory_apply(spec, st.weights, k.transpose(1, 2))  # [B, H, N, V]
     y = y.transpose(1, 2)
     nmse = ((y - v) ** 2).sum(-1) / (v**2).sum(-1)
@@ -192,12 +209,12 @@ def write_and_recall(
     return {"recall": recall, "nmse": nmse.mean(dim=(1, 2))}
 
 
-def _one(spec, n_pairs, key_dim, streams, seed, theta, passes, dtype) -> dict:
+def _one(spec, n_pairs, key_dim, streams, seed, theta, passes, dtype, eta=None) -> dict:
     """Mean recall and error over the seed's streams; ``None`` (JSON ``null``) where not finite."""
     g = torch.Generator().manual_seed(int(seed))
     k, v = random_pairs(n_pairs, key_dim, streams, g, dtype)
     w = initial_weights(spec, key_dim, streams, g, dtype)
-    r = write_and_recall(spec, k, v, theta, w, passes)
+    r = write_and_recall(spec, k, v, theta, w, passes, eta)
     out = {name: float(x.mean()) for name, x in r.items()}
     return {name: (x if math.isfinite(x) else None) for name, x in out.items()}
 
@@ -213,6 +230,7 @@ def capacity_sweep(
     streams: int = 256,
     dtype=torch.float32,
     progress: bool = True,
+    eta: float | None = None,
 ) -> dict:
     """Recall per variant, pair count and number of passes, each at its own ``θ``.
 
@@ -220,7 +238,8 @@ def capacity_sweep(
     ``select_seed`` (not reported; default ``select_seed=1000``); the reported ``seeds`` then run at
     that ``θ``. Each seed draws ``streams`` streams (default ``streams=256``) of keys in ``key_dim``
     dimensions (default ``key_dim=16``); a progress bar shows unless ``progress=False`` (default
-    ``progress=True``). A ``θ`` whose
+    ``progress=True``). ``eta`` is the momentum of variants built with ``momentum=True`` (default
+    ``eta=None``: plain GD; :func:`write_and_recall`). A ``θ`` whose
     reads are not finite scores ``None`` and is never chosen; a reported seed's ``None`` is left
     out of the statistics.
 
@@ -250,11 +269,12 @@ def capacity_sweep(
         with warnings.catch_warnings():  # θ > 2 on the delta rule is a grid point, on purpose
             warnings.filterwarnings("ignore", category=RangeWarning)
             sel = {
-                th: _one(spec, n, key_dim, streams, select_seed, th, p, dtype)["recall"] for th in theta_grid
+                th: _one(spec, n, key_dim, streams, select_seed, th, p, dtype, eta)["recall"]
+                for th in theta_grid
             }
         finite = {th: r for th, r in sel.items() if r is not None}
         theta = max(finite, key=finite.get) if finite else theta_grid[0]
-        runs = [_one(spec, n, key_dim, streams, s, theta, p, dtype) for s in seeds]
+        runs = [_one(spec, n, key_dim, streams, s, theta, p, dtype, eta) for s in seeds]
         cells.append(
             {
                 "variant": name,
@@ -277,5 +297,6 @@ def capacity_sweep(
         "key_dim": key_dim,
         "streams": streams,
         "dtype": str(dtype).replace("torch.", ""),
+        "momentum": eta,
     }
     return {"settings": settings, "cells": cells}

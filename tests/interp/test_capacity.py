@@ -126,8 +126,8 @@ def test_bad_input_is_refused():
     s = capacity_variants()["mlp"][0]
     k, v = random_pairs(3, 4, 1, torch.Generator().manual_seed(0))
     w = initial_weights(s, 4, 1, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="retention='none' and optimizer='gd'"):
-        write_and_recall(s.replace(optimizer="momentum"), k, v, 0.1, w)
+    with pytest.raises(ValueError, match="retention='none'"):
+        write_and_recall(s.replace(retention="decay"), k, v, 0.1, w)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="theta must be a positive number"):
             write_and_recall(s, k, v, bad, w)
@@ -278,3 +278,36 @@ def test_two_lines_with_one_block_name_are_refused(tmp_path, capsys):
     assert main(["reproduce", str(page), "--no-run"]) == 2
     assert "give each its own --out" in capsys.readouterr().err
     assert not same.exists()
+
+
+@pytest.mark.parametrize("variant", ["mlp", "matrix"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_momentum_matches_a_hand_loop(variant, chunk):
+    """Titans' surprise with momentum, written from the equation: the gradients of a chunk taken at
+    its starting weights, then token by token ``S ← η S − θ G_t``, ``W ← W + S``."""
+    spec = capacity_variants(chunk_size=chunk, momentum=True)[variant][0]
+    K, N, B, theta, eta, passes = 4, 5, 2, 0.2, 0.7, 2
+    g = torch.Generator().manual_seed(4)
+    k, v = random_pairs(N, K, B, g, D)
+    w = initial_weights(spec, K, B, g, D)
+    r = write_and_recall(spec, k, v, theta, w, passes, eta=eta)
+    for b in range(B):
+        Ws = [x[b, 0].clone() for x in w]
+        S = [torch.zeros_like(x) for x in Ws]
+        ks, vs = k[b, :, 0].repeat(passes, 1), v[b, :, 0].repeat(passes, 1)
+        for s in range(0, len(ks), chunk):
+            a = [x.clone().requires_grad_() for x in Ws]
+            grads = [
+                torch.autograd.grad(0.5 * ((_read(ks[t], a, spec.residual, spec.norm) - vs[t]) ** 2).sum(), a)
+                for t in range(s, min(s + chunk, len(ks)))
+            ]
+            for G in grads:
+                S = [eta * m - theta * gi for m, gi in zip(S, G)]
+                Ws = [x + m for x, m in zip(Ws, S)]
+        y = torch.stack([_read(kk, Ws, spec.residual, spec.norm) for kk in k[b, :, 0]])
+        nmse = (((y - v[b, :, 0]) ** 2).sum(-1) / (v[b, :, 0] ** 2).sum(-1)).mean()
+        assert float(r["nmse"][b]) == pytest.approx(float(nmse), rel=1e-9)
+    with pytest.raises(ValueError, match="eta goes with"):
+        write_and_recall(spec, k, v, theta, w, passes)
+    with pytest.raises(ValueError, match="eta must be"):
+        write_and_recall(spec, k, v, theta, w, passes, eta=1.0)
