@@ -7,6 +7,7 @@ intervals (:func:`mnemo.sweep.recipe.judge_claim`) and writes the results folder
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -256,12 +257,15 @@ def _check_capacity_memory(args, specs, pairs: list[int], passes: list[int]) -> 
         )
 
 
-def run(args) -> int:
-    """``mnemo probe capacity``: run the sweep, write ``capacity.json``, ``.md`` and ``.png``."""
-    import matplotlib.pyplot as plt
-    import torch
+def prepare(args) -> tuple[dict, list[str], list[int], list[int], list[float]]:
+    """Every check of a ``mnemo probe capacity`` command that needs no work, as the CLI makes them:
+    returns ``(variants, names, pairs, passes, theta grid)``.
 
-    from ..interp.capacity import capacity_sweep, capacity_variants
+    Raises:
+        ValueError: naming the flag (``--base``, ``--variants``, ``--select-seed``, ``--pairs``,
+            ``--passes``; the memory check).
+    """
+    from ..interp.capacity import capacity_variants
 
     grid = [float(x) for x in args.theta_grid.split(",")]
     try:
@@ -285,30 +289,50 @@ def run(args) -> int:
             raise ValueError(f"{flag}: expected distinct values, got {','.join(map(str, vals))}")
     pairs, passes = sorted(pairs), sorted(passes)
     _check_capacity_memory(args, [every[v][0] for v in names], pairs, passes)
+    return every, names, pairs, passes, grid
+
+
+def run(args) -> int:
+    """``mnemo probe capacity``: run the sweep, write ``capacity.json``, ``.md`` and ``.png``."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from ..interp.capacity import capacity_sweep
+
+    every, names, pairs, passes, grid = prepare(args)
     out = Path(args.out)
     files = [out / "capacity.json", out / "capacity.md", out / "capacity.png"]
     for f in files:  # before any work: an existing result is replaced only with --overwrite
         kinds.refuse_existing(f, "--out", args.overwrite)
+    threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    result = capacity_sweep(
-        {v: every[v] for v in names},
-        pairs,
-        passes,
-        grid,
-        list(range(args.seeds)),
-        args.select_seed,
-        args.key_dim,
-        args.streams,
-        torch.float64 if args.float64 else torch.float32,
-        progress=not args.no_progress,
-        eta=args.momentum,
-    )
-    result["settings"].update(base=args.base, chunk_size=args.chunk_size, threads=torch.get_num_threads())
-    result["wall_s"] = time.perf_counter() - t0
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = capacity_sweep(
+            {v: every[v] for v in names},
+            pairs,
+            passes,
+            grid,
+            list(range(args.seeds)),
+            args.select_seed,
+            args.key_dim,
+            args.streams,
+            torch.float64 if args.float64 else torch.float32,
+            progress=not args.no_progress,
+            eta=args.momentum,
+        )
+        result["settings"].update(base=args.base, chunk_size=args.chunk_size, threads=torch.get_num_threads())
+    finally:  # (a page's next line, or the caller, keeps its own thread count)
+        torch.set_num_threads(threads_before)
+    return _write(args, result, files, t0, plt)
+
+
+def _write(args, result: dict, files: list[Path], t0: float, plt) -> int:
     from ..train.checkpoint import atomic_write_text
+
+    result["wall_s"] = time.perf_counter() - t0
+    files[0].parent.mkdir(parents=True, exist_ok=True)
 
     atomic_write_text(files[0], json.dumps(result, indent=1, allow_nan=False) + "\n")
     atomic_write_text(files[1], capacity_markdown(result))
@@ -348,10 +372,11 @@ def parse_command(argv: list[str]):
 def page_jobs(page: Path) -> list[dict]:
     """Each ``mnemo:capacity`` line of ``page``: ``{"line", "argv", "name" (its block: ``--out``'s
     folder name), "out", "args"}``; a relative ``--out`` is resolved against the page's checkout
-    (as a sweep file's path is).
+    (as a sweep file's path is) and checked there as the CLI checks a folder to write into.
 
     Raises:
-        ValueError: a line the CLI refuses; two lines with one block name.
+        ValueError: a line the CLI refuses (any check that needs no work: :func:`prepare`), naming the
+            page and line; two lines with one block name.
     """
     from ..sweep.reproduce import page_lines
     from .continual import _page_root
@@ -362,12 +387,13 @@ def page_jobs(page: Path) -> list[dict]:
         where = f"{page}:{line}"
         try:
             args = parse_command(argv)
-        except ValueError as e:
+            out = Path(args.out).expanduser()
+            if not out.is_absolute():
+                out = (root or Path.cwd()) / out
+            args.out = kinds.OutDir(not_a_run=True)(str(out))  # checked where it will be written
+            prepare(args)  # every check that needs no work, before any line runs
+        except (ValueError, argparse.ArgumentTypeError) as e:
             raise ValueError(f"{where}: mnemo probe capacity {' '.join(argv)}: {e}") from None
-        out = Path(args.out)
-        if not out.is_absolute():
-            out = (root or Path.cwd()) / out
-        args.out = str(out)
         name = out.resolve().name
         if any(j["name"] == name for j in jobs):
             raise ValueError(f"{where}: a second mnemo:capacity line writes to {out.name}: block {name!r}")
@@ -404,8 +430,14 @@ def check_page_job(page: Path, job: dict) -> None:
     where, path = f"{page}:{job['line']}", job["out"] / "capacity.json"
     if not path.is_file():
         raise FileNotFoundError(f"{where}: {_shown(path)} does not exist; run the command (drop --no-run)")
-    held = json.loads(path.read_text())["settings"]
-    held = {**held, "variants": list(held["variants"])}
+    try:
+        held = json.loads(path.read_text())["settings"]
+        held = {**held, "variants": list(held["variants"])}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{where}: {_shown(path)} is not a result of mnemo probe capacity ({type(e).__name__}: {e}); "
+            "run the command (drop --no-run)"
+        ) from None
     want = _expected_settings(job["args"])
     differ = [f"{k} {held.get(k)} against {v}" for k, v in want.items() if held.get(k) != v]
     if differ:
@@ -421,12 +453,13 @@ def page_block(page: Path, job: dict, *, train: bool, progress: bool = True, log
     is deterministic and takes minutes; its files in ``--out`` are replaced), else its stored
     ``capacity.json`` is read (:func:`check_page_job`); then the command, the tables with the claims
     judged again from the stored recalls, and the figure."""
-    import argparse
     import shlex
 
     from ..sweep.reproduce import _shown
 
     if train:
+        if (job["out"] / "capacity.json").is_file():
+            log(f"{job['name']}: replacing the results in {_shown(job['out'])} (--no-run rebuilds from them)")
         run(argparse.Namespace(**{**vars(job["args"]), "overwrite": True, "no_progress": not progress}))
     else:
         check_page_job(page, job)

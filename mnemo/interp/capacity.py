@@ -26,9 +26,10 @@ same weights.
 What this is not: a trained model's recall. In a model the keys are learned projections and the
 initial weights are meta-learned; here they are random, which isolates what the update rule and the
 architecture can store. Retention (forgetting) is off (``retention="none"``): the question is what
-fits, not what is kept. Momentum is off by default (``optimizer="gd"``); with ``momentum=η`` the
-update is Titans' surprise with momentum, ``S ← η S − θ ∇``, ``W ← W + S`` (a constant ``η``), which
-keeps applying each gradient over the tokens after it.
+fits, not what is kept. Momentum is off by default (``optimizer="gd"``); variants built with
+``capacity_variants(momentum=True)`` and written with ``eta=η`` take Titans' surprise with
+momentum, ``S ← η S − θ ∇``, ``W ← W + S`` (a constant ``η``), which keeps applying each gradient
+over the tokens after it.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def capacity_variants(
     base: str = "titans", chunk_size: int = 1, max_lr: float = 10.0, momentum: bool = False
 ) -> dict:
     """Memory variants to compare, ``name -> (MemorySpec, description)``, all built on the preset
-    ``base`` (default ``"titans"``: ``x + LN(W₂ σ(W₁ x))``, hidden ``4K``) with retention and momentum
-    off, the given ``chunk_size`` (tokens per inner step, default ``chunk_size=1``: online GD) and
-    ``max_lr`` (the clamp of ``θ``, default ``max_lr=10.0``; set it at or above the grid's top);
+    ``base`` (default ``"titans"``: ``x + LN(W₂ σ(W₁ x))``, hidden ``4K``) with retention off, the
+    given ``chunk_size`` (tokens per inner step, default ``chunk_size=1``: online GD) and ``max_lr``
+    (the clamp of ``θ``, default ``max_lr=10.0``; set it at or above the grid's top);
     ``momentum=True`` gives every variant the momentum optimizer (its ``η`` is
     :func:`write_and_recall`'s ``eta``; default ``momentum=False``: plain GD).
 

@@ -128,6 +128,8 @@ def test_bad_input_is_refused():
     w = initial_weights(s, 4, 1, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="retention='none'"):
         write_and_recall(s.replace(retention="decay"), k, v, 0.1, w)
+    with pytest.raises(ValueError, match="eta goes with"):
+        write_and_recall(s, k, v, 0.1, w, eta=0.5)  # a GD spec given a momentum
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="theta must be a positive number"):
             write_and_recall(s, k, v, bad, w)
@@ -311,3 +313,55 @@ def test_momentum_matches_a_hand_loop(variant, chunk):
         write_and_recall(spec, k, v, theta, w, passes)
     with pytest.raises(ValueError, match="eta must be"):
         write_and_recall(spec, k, v, theta, w, passes, eta=1.0)
+
+
+def test_a_page_line_is_checked_where_it_writes_and_before_any_line_runs(tmp_path, monkeypatch, capsys):
+    """A relative ``--out`` is the page checkout's: checked there (a training run's folder is
+    refused wherever ``mnemo reproduce`` is called from); a line refused by a check that needs no
+    work stops the page before an earlier line trains."""
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    (root / "pyproject.toml").write_text("")
+    run = root / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "latest").write_text("ckpt-000001\n")
+    (run / "metrics.jsonl").write_text("")
+    page = root / "docs" / "page.md"
+    small = "--pairs 4 --passes 1 --seeds 3 --streams 2 --theta-grid 0.1 --no-progress"
+    page.write_text(f"# p\n\n<!-- mnemo:capacity {small} --out runs/r1 -->\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # runs/r1 does not exist here
+    assert main(["reproduce", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert "page.md:3" in err and "training run" in err
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "metrics.jsonl"]
+    page.write_text(
+        f"# p\n\n<!-- mnemo:capacity {small} --out runs/good -->\n\n"
+        f"<!-- mnemo:capacity {small} --variants bogus --out runs/bad -->\n"
+    )
+    assert main(["reproduce", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert "page.md:5" in err and "--variants" in err
+    assert not (root / "runs" / "good").exists()  # nothing ran
+
+
+def test_the_command_leaves_the_thread_count_as_it_found_it(tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    argv = [
+        "probe",
+        "capacity",
+        "--variants",
+        "matrix_plain",
+        "--pairs",
+        "4",
+        "--passes",
+        "1",
+        "--seeds",
+        "3",
+    ]
+    argv += ["--streams", "2", "--theta-grid", "0.1", "--threads", str(before + 1), "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 0
+    assert torch.get_num_threads() == before
+    assert json.loads((tmp_path / "o" / "capacity.json").read_text())["settings"]["threads"] == before + 1
