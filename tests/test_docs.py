@@ -132,7 +132,18 @@ SMALL = {
     "probe ablate": ["--length", "32", "--batch", "2", "--draws", "1"],
     "probe timescales": ["--tokens", "512"],
     "probe spectrum": ["--tokens", "512"],
-    "probe capacity": ["--pairs", "4", "--passes", "1", "--seeds", "3", "--streams", "2", "--theta-grid", "0.1"]
+    "probe capacity": [
+        "--pairs",
+        "4",
+        "--passes",
+        "1",
+        "--seeds",
+        "3",
+        "--streams",
+        "2",
+        "--theta-grid",
+        "0.1",
+    ]
     + ["--no-progress"],
     "verify": ["--quick"],
     "continual": ["--seeds", "1", "--steps", "2", "--workers", "1", "--no-progress"],
