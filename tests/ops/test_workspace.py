@@ -95,6 +95,30 @@ def test_a_buffer_moved_to_shared_memory_leaves_the_cache():
     assert ws.stats()["buffers"] == 1  # the shared one was dropped
 
 
+def test_a_shared_buffer_in_use_is_not_handed_out_and_leaves_once_free():
+    a = ws.empty(SHAPE, torch.float32, "cpu")
+    a.share_memory_()
+    b = ws.empty(SHAPE, torch.float32, "cpu")  # a is still held: a second buffer
+    assert b.data_ptr() != a.data_ptr() and ws.stats()["buffers"] == 2
+    ptr_a, ptr_b = a.data_ptr(), b.data_ptr()
+    del a, b
+    c = ws.empty(SHAPE, torch.float32, "cpu")
+    assert c.data_ptr() == ptr_b and ws.stats()["buffers"] == 1  # the shared one was found free and dropped
+    assert all(x.data_ptr() != ptr_a for _, x in ws._order.values())
+
+
+def test_a_scan_asks_is_shared_of_free_buffers_only(monkeypatch):
+    """The scan over a key's buffers reads each storage's count through its kept handle; the costly
+    ``is_shared`` is asked only of a buffer found free."""
+    held = [ws.empty(SHAPE, torch.float32, "cpu") for _ in range(5)]
+    asked = []
+    real = torch.Tensor.is_shared
+    monkeypatch.setattr(torch.Tensor, "is_shared", lambda t: asked.append(t.data_ptr()) or real(t))
+    free_ptr = held.pop(3).data_ptr()
+    d = ws.empty(SHAPE, torch.float32, "cpu")
+    assert d.data_ptr() == free_ptr and asked == [free_ptr]
+
+
 def test_handed_out_tensors_are_not_views():
     a = ws.empty(SHAPE, torch.float32, "cpu")
     assert a._base is None and a.is_contiguous() and a.storage_offset() == 0
