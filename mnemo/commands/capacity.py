@@ -379,18 +379,16 @@ def page_jobs(page: Path) -> list[dict]:
             page and line; two lines with one block name.
     """
     from ..sweep.reproduce import page_lines
-    from .continual import _page_root
+    from .continual import _page_root, _parse_in, page_out
 
     jobs: list[dict] = []
     root = _page_root(page)
     for line, argv in page_lines(page, "capacity"):
         where = f"{page}:{line}"
         try:
-            args = parse_command(argv)
-            out = Path(args.out).expanduser()
-            if not out.is_absolute():
-                out = (root or Path.cwd()) / out
-            args.out = kinds.OutDir(not_a_run=True)(str(out))  # checked where it will be written
+            args = _parse_in(root or Path.cwd(), parse_command, argv)  # --out checked where it is written
+            out = page_out(args, root)
+            args.out = str(out)
             prepare(args)  # every check that needs no work, before any line runs
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise ValueError(f"{where}: mnemo probe capacity {' '.join(argv)}: {e}") from None

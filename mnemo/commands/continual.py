@@ -1511,12 +1511,34 @@ def _page_root(page: Path) -> Path | None:
     )
 
 
+def _parse_in(folder: Path, parse, argv: list[str]):
+    """``parse(argv)`` with ``folder`` as the working directory: a page line's relative paths are
+    its checkout's, and the CLI's checks of them (``--out`` a folder it may write into, not a
+    training run's) must look there, not wherever ``mnemo reproduce`` was called from."""
+    import os
+
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        return parse(argv)
+    finally:
+        os.chdir(here)
+
+
+def page_out(args, root: Path | None) -> Path:
+    """A page line's ``--out`` as a path: ``~`` expanded, a relative one read against the page's
+    checkout ``root`` (else the working directory)."""
+    out = Path(args.out).expanduser()
+    return out if out.is_absolute() else (root or Path.cwd()) / out
+
+
 def page_jobs(page: Path) -> list[dict]:
     """Each ``mnemo:continual`` line of ``page``, parsed before anything runs: ``{"line", "argv",
     "name" (its block: ``--out``'s folder name, prefixed with ``continual_`` unless it starts
     with ``continual``), "out", "experiments", "kwargs"}``. A relative ``--out`` is resolved like
     a sweep file (:func:`mnemo.sweep.reproduce.page_sweeps`): against the page's checkout (its
-    nearest parent with ``pyproject.toml`` or ``.git``), else the working directory.
+    nearest parent with ``pyproject.toml`` or ``.git``), else the working directory, and checked
+    there as the CLI checks a folder to write into; ``~`` is expanded.
 
     Raises:
         ValueError: a line the CLI refuses, one with ``--force`` (it would retrain every run at each
@@ -1529,7 +1551,7 @@ def page_jobs(page: Path) -> list[dict]:
     for line, argv in page_continual(page):
         where = f"{page}:{line}"
         try:
-            args = parse_command(argv)
+            args = _parse_in(root or Path.cwd(), parse_command, argv)
             if args.force:
                 raise ValueError(
                     "--force: it retrains every run at each rebuild; the page's line resumes from the kept "
@@ -1538,9 +1560,7 @@ def page_jobs(page: Path) -> list[dict]:
             exps, kwargs = run_arguments(args)
         except ValueError as e:
             raise ValueError(f"{where}: mnemo continual {' '.join(argv)}: {e}") from None
-        out = Path(args.out)
-        if not out.is_absolute():
-            out = (root or Path.cwd()) / out
+        out = page_out(args, root)
         kwargs["out"] = out
         folder = out.resolve().name
         name = folder if folder.startswith("continual") else f"continual_{folder}"

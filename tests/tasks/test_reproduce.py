@@ -464,3 +464,38 @@ def test_a_continual_line_is_checked_before_anything_runs(tmp_path, monkeypatch)
     with pytest.raises(FileNotFoundError, match=r"o/continual.json holds no results of retention"):
         reproduce_page(page, run=False, progress=False, log=lambda s: None, continual=cont)
     assert calls == [] and "mnemo:begin" not in page.read_text()
+
+
+def _training_run(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "latest").write_text("ckpt-000001\n")
+    (folder / "metrics.jsonl").write_text("")
+
+
+def test_a_continual_lines_out_is_checked_in_the_pages_checkout_and_expands_home(tmp_path, monkeypatch):
+    """A relative ``--out`` is the checkout's wherever ``mnemo reproduce`` runs: a training run's
+    folder at that path in the working directory does not refuse the line, one in the checkout
+    does; ``~/...`` is the home folder, not a folder named ``~`` in the checkout."""
+    import mnemo.commands.continual as cont
+
+    root, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    (root / "docs").mkdir(parents=True)
+    (root / "pyproject.toml").write_text("")
+    _training_run(elsewhere / "runs" / "r1")
+    monkeypatch.chdir(elsewhere)
+    page = root / "docs" / "p.md"
+    page.write_text("# p\n\n<!-- mnemo:continual --experiment retention --models cms-1 --out runs/r1 -->\n")
+    (job,) = cont.page_jobs(page)  # runs/r1 is a training run here, not in the checkout
+    assert job["out"] == root / "runs" / "r1" and job["kwargs"]["out"] == root / "runs" / "r1"
+    _training_run(root / "runs" / "r1")
+    (elsewhere / "runs" / "r1" / "latest").unlink()
+    (elsewhere / "runs" / "r1" / "metrics.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"p.md:3: .*training run's folder"):
+        cont.page_jobs(page)
+    assert Path.cwd() == elsewhere  # the working directory is given back, refused or not
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    page.write_text("# p\n\n<!-- mnemo:continual --experiment retention --models cms-1 --out ~/cont -->\n")
+    (job,) = cont.page_jobs(page)
+    assert job["out"] == home / "cont" and job["name"] == "continual_cont"
