@@ -279,6 +279,12 @@ class _PathKind(Kind):
             self.fail(text)
         return Path(text).expanduser()
 
+    @staticmethod
+    def _value(text: str) -> str:
+        """The value the command receives: the text as given, with a leading ``~`` expanded (the
+        path the checks looked at; a shell leaves ``--out=~/x`` and a quoted ``'~/x'`` alone)."""
+        return os.path.expanduser(text) if str(text).startswith("~") else text
+
     def _not_in_checkpoint(self, text: str, p: Path) -> None:
         ckpt = checkpoint_around(p.resolve())  # where the path leads (`..` and links), not its text
         if ckpt is not None:
@@ -300,7 +306,7 @@ class ExistingFile(_PathKind):
             self.fail(text, " (a folder)")
         if not p.is_file():
             self.fail(text, " (not found)")
-        return text
+        return self._value(text)
 
 
 class ExistingDir(_PathKind):
@@ -315,7 +321,7 @@ class ExistingDir(_PathKind):
             self.fail(text, " (a file)")
         if not p.is_dir():
             self.fail(text, " (not found)")
-        return text
+        return self._value(text)
 
 
 class OutDir(_PathKind):
@@ -354,7 +360,7 @@ class OutDir(_PathKind):
                 )
             if not os.access(p, os.W_OK | os.X_OK):
                 self.fail(text, " (not writable)")
-            return text
+            return self._value(text)
         if p.suffix.lower() in _FILE_SUFFIXES:  # `--out scores.png`: a file's name, not a folder's
             self.fail(
                 text, f" (a file name: this is the folder the files go into, e.g. {str(p.parent or '.')!r})"
@@ -362,7 +368,7 @@ class OutDir(_PathKind):
         _, why = _writable_ancestor(p)
         if why:
             self.fail(text, why)
-        return text
+        return self._value(text)
 
 
 #: suffixes that name a file, refused for a new folder (an existing folder of such a name is fine)
@@ -397,11 +403,11 @@ class OutFile(_PathKind):
         if p.exists():
             if not os.access(p, os.W_OK):
                 self.fail(text, " (not writable)")
-            return text
+            return self._value(text)
         _, why = _writable_ancestor(p)
         if why:
             self.fail(text, why)
-        return text
+        return self._value(text)
 
 
 class OutPath(_PathKind):

@@ -2239,3 +2239,16 @@ def test_a_new_run_in_a_folder_of_other_files_says_so_and_leaves_them(tmp_path, 
     # a fresh folder says nothing
     assert main(["train", *TINY, *short, "--out", str(tmp_path / "new")]) == 0
     assert "already holds files" not in capsys.readouterr().err
+
+
+def test_a_path_flag_with_a_tilde_is_the_path_its_checks_looked_at(tmp_path, monkeypatch):
+    """A shell leaves ``--out=~/x`` and a quoted ``'~/x'`` alone: each path kind checks the home
+    folder's path and hands the command that same path, not the text (a folder named ``~``)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "f.txt").write_text("x")
+    (tmp_path / "d").mkdir()
+    assert kinds.ExistingFile()("~/f.txt") == str(tmp_path / "f.txt")
+    assert kinds.ExistingDir()("~/d") == str(tmp_path / "d")
+    assert kinds.OutDir()("~/new") == str(tmp_path / "new")
+    assert kinds.OutFile()("~/new.json") == str(tmp_path / "new.json")
+    assert kinds.OutDir()("runs/x") == "runs/x"  # no tilde: the text as given

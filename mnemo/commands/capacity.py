@@ -77,7 +77,8 @@ def capacity_markdown(result: dict) -> str:
     momentum = "no momentum" if s.get("momentum") is None else f"momentum {s['momentum']:g}"
     lines = [
         f"Memory preset {s.get('base', '?')!r}, chunk size {s.get('chunk_size', '?')}, {momentum}, "
-        f"key dimension {s['key_dim']}, {s['streams']} streams a seed, seeds {s['seeds']} reported, "
+        f"key dimension {s['key_dim']}, {s.get('dtype', 'float32')}, {s['streams']} streams a seed, "
+        f"seeds {s['seeds']} reported, "
         f"θ per cell chosen on seed {s['select_seed']} from {s['theta_grid']}; chance = 1/N. A cell over "
         "fewer seeds gives its n (the others' reads were not finite).",
         "",
@@ -174,6 +175,12 @@ def add_parser(ps) -> None:
         "capacity",
         help="how many key-value pairs a test-time-trained memory stores: write N pairs, read every key "
         "(JSON + table + plot; no checkpoint)",
+        description="Write N random key-value pairs (unit keys, N(0, 1) values) into a fresh memory by its "
+        "own inner update, --passes times, then read every key back from the final weights; a key counts "
+        "as recalled when its value is the nearest by cosine. Each (variant, N, passes) cell takes its "
+        "inner rate θ from --theta-grid on --select-seed, then reports seeds 0..--seeds-1 (at least 3) "
+        "with 95% intervals and the paired verdicts of the deep-memory claims. Writes capacity.json "
+        "(everything), capacity.md (the tables) and capacity.png (recall against N) into --out.",
     )
     cap.add_argument(
         "--base",
@@ -203,7 +210,9 @@ def add_parser(ps) -> None:
         help="inner learning rates; each cell's is chosen on --select-seed (default 1e-6..5 in 1-2-5 steps: "
         "a matrix memory with a norm, started at zero, wants ~1e-5)",
     )
-    cap.add_argument("--seeds", type=kinds.Int(3), default=5, help="reported seeds 0..N-1 (default 5)")
+    cap.add_argument(
+        "--seeds", type=kinds.Int(3), default=5, help="reported seeds 0..N-1, N >= 3 (default 5)"
+    )
     cap.add_argument(
         "--select-seed", type=kinds.seed, default=1000, help="the seed that chooses θ (default 1000)"
     )
@@ -237,15 +246,18 @@ def add_parser(ps) -> None:
 def _check_capacity_memory(args, specs, pairs: list[int], passes: list[int]) -> None:
     """Refuse, before any work, a probe whose largest cell cannot fit in memory: per stream the
     written sequence and its per-token work (``6K + 3h`` numbers a token, ``h`` the widest layer),
-    the chunk form's ``[C, C]`` matrices and the ``N × N`` similarity matrix."""
+    the chunk form's ``[C, C]`` matrices, the ``N × N`` similarity matrix and the memory's own
+    weights, a few copies of them (the weights, their gradient, the stepped weights, the momentum)."""
     import torch
 
     from ..train.memory_estimate import GiB, available_memory
 
     width = max(max(o for _, o in s.layer_dims(args.key_dim, args.key_dim)) for s in specs)
+    weights = max(sum(i * o for i, o in s.layer_dims(args.key_dim, args.key_dim)) for s in specs)
     n, p = max(pairs), max(passes)
     chunk = min(args.chunk_size, n * p)  # the chunk form's [C, C] coefficients and scores, a few
-    per_stream = n * p * (6 * args.key_dim + 3 * width) + n * n + 8 * chunk * chunk
+    copies = 3 + (args.momentum is not None)
+    per_stream = n * p * (6 * args.key_dim + 3 * width) + n * n + 8 * chunk * chunk + copies * weights
     need = args.streams * per_stream * (8 if args.float64 else 4)
     have, source = available_memory(torch.device("cpu"))
     if have is not None and need > have:
@@ -268,6 +280,10 @@ def prepare(args) -> tuple[dict, list[str], list[int], list[int], list[float]]:
     from ..interp.capacity import capacity_variants
 
     grid = [float(x) for x in args.theta_grid.split(",")]
+    if len({f"{x:g}" for x in grid}) != len(grid):  # results key θ by its %g text
+        raise ValueError(
+            f"--theta-grid: expected distinct values (to 6 significant digits), got {args.theta_grid}"
+        )
     try:
         every = capacity_variants(
             args.base, chunk_size=args.chunk_size, max_lr=max(grid), momentum=args.momentum is not None
@@ -275,6 +291,10 @@ def prepare(args) -> tuple[dict, list[str], list[int], list[int], list[float]]:
     except ValueError as e:
         raise ValueError(f"--base: {e}") from None
     names = [v.strip() for v in args.variants.split(",")]
+    if "" in names:
+        raise ValueError(
+            f"--variants: an empty name in {args.variants!r}; expected names among {sorted(every)}"
+        )
     unknown = [v for v in names if v not in every]
     if unknown or len(set(names)) != len(names):
         raise ValueError(f"--variants: expected distinct names among {sorted(every)}, got {args.variants!r}")
@@ -339,7 +359,8 @@ def _write(args, result: dict, files: list[Path], t0: float, plt) -> int:
     fig = capacity_figure(
         result,
         f"memory capacity: {args.base}, key dim {args.key_dim}, chunk {args.chunk_size}"
-        + (f", momentum {args.momentum:g}" if args.momentum is not None else ""),
+        + (f", momentum {args.momentum:g}" if args.momentum is not None else "")
+        + (", float64" if args.float64 else ""),
     )
     tmp = files[2].with_name(f".{files[2].name}.tmp")
     fig.savefig(tmp, dpi=120, format="png")
@@ -429,8 +450,11 @@ def check_page_job(page: Path, job: dict) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"{where}: {_shown(path)} does not exist; run the command (drop --no-run)")
     try:
-        held = json.loads(path.read_text())["settings"]
-        held = {**held, "variants": list(held["variants"])}
+        stored = json.loads(path.read_text())
+        held = {**stored["settings"], "variants": list(stored["settings"]["variants"])}
+        for key, kind in (("cells", list), ("wall_s", (int, float))):
+            if not isinstance(stored[key], kind):
+                raise TypeError(f"{key!r} is a {type(stored[key]).__name__}")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"{where}: {_shown(path)} is not a result of mnemo probe capacity ({type(e).__name__}: {e}); "
@@ -446,11 +470,14 @@ def check_page_job(page: Path, job: dict) -> None:
         )
 
 
-def page_block(page: Path, job: dict, *, train: bool, progress: bool = True, log=print) -> str:
+def page_block(
+    page: Path, job: dict, *, train: bool, progress: bool = True, log=print, threads: int | None = None
+) -> str:
     """The generated block of one ``mnemo:capacity`` line: with ``train`` the probe runs again (it
-    is deterministic and takes minutes; its files in ``--out`` are replaced), else its stored
-    ``capacity.json`` is read (:func:`check_page_job`); then the command, the tables with the claims
-    judged again from the stored recalls, and the figure."""
+    is deterministic and takes minutes; its files in ``--out`` are replaced), on the line's
+    ``--threads``, else ``threads`` (``mnemo reproduce --threads``; ``None``: torch's), else its
+    stored ``capacity.json`` is read (:func:`check_page_job`); then the command, the tables with the
+    claims judged again from the stored recalls, and the figure."""
     import shlex
 
     from ..sweep.reproduce import _shown
@@ -458,7 +485,17 @@ def page_block(page: Path, job: dict, *, train: bool, progress: bool = True, log
     if train:
         if (job["out"] / "capacity.json").is_file():
             log(f"{job['name']}: replacing the results in {_shown(job['out'])} (--no-run rebuilds from them)")
-        run(argparse.Namespace(**{**vars(job["args"]), "overwrite": True, "no_progress": not progress}))
+        args = vars(job["args"])
+        run(
+            argparse.Namespace(
+                **{
+                    **args,
+                    "threads": args["threads"] or threads,
+                    "overwrite": True,
+                    "no_progress": not progress,
+                }
+            )
+        )
     else:
         check_page_job(page, job)
     result = json.loads((job["out"] / "capacity.json").read_text())

@@ -1647,9 +1647,13 @@ def _mismatch(experiment: str, result: dict, kwargs: dict) -> list[str]:
     return out
 
 
-def page_block(page: Path, job: dict, *, train: bool, progress: bool = True, log=print) -> str:
+def page_block(
+    page: Path, job: dict, *, train: bool, progress: bool = True, log=print, threads: int | None = None
+) -> str:
     """The generated block of one ``mnemo:continual`` line (:func:`page_jobs`): with ``train``, the
-    command run or resumed (:func:`run`; a warning first when it replaces stored results), else its
+    command run or resumed (:func:`run`; a warning first when it replaces stored results; with
+    ``--workers 1`` on ``threads`` torch threads, ``mnemo reproduce --threads``, ``None``: torch's;
+    each worker process takes one), else its
     stored ``continual.json``; then the command, each experiment's table with its claims judged
     again from the kept numbers (:func:`judge_claims`: the current rules, on the stored values),
     and the figures."""
@@ -1664,7 +1668,13 @@ def page_block(page: Path, job: dict, *, train: bool, progress: bool = True, log
                 "(those made with today's code and settings are read, every other run trains again; "
                 "--no-run rebuilds the block from the stored results without training)"
             )
-        results = run(job["experiments"], **{**job["kwargs"], "progress": progress})["experiments"]
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            results = run(job["experiments"], **{**job["kwargs"], "progress": progress})["experiments"]
+        finally:
+            torch.set_num_threads(before)
     else:
         results = json.loads((job["out"] / "continual.json").read_text())["experiments"]
     import os

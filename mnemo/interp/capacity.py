@@ -250,13 +250,15 @@ def capacity_sweep(
 
     Raises:
         ValueError: an empty grid or seed list, a ``select_seed`` among the reported seeds, a pair
-            count or ``key_dim`` below 1.
+            count or ``key_dim`` below 1, two ``θ`` alike to 6 significant digits.
     """
     from tqdm.auto import tqdm
 
     n_pairs, passes, theta_grid, seeds = list(n_pairs), list(passes), list(theta_grid), list(seeds)
     if not theta_grid or not seeds or not n_pairs or not passes:
         raise ValueError("capacity_sweep: theta_grid, seeds, n_pairs and passes must be non-empty")
+    if len({f"{th:g}" for th in theta_grid}) != len(theta_grid):  # the cells key θ by its %g text
+        raise ValueError(f"theta_grid: expected distinct values (to 6 significant digits), got {theta_grid}")
     if select_seed in seeds:
         raise ValueError(f"select_seed {select_seed} must not be a reported seed {seeds}")
     if min(n_pairs) < 1 or key_dim < 1 or streams < 1:
@@ -273,9 +275,9 @@ def capacity_sweep(
                 th: _one(spec, n, key_dim, streams, select_seed, th, p, dtype, eta)["recall"]
                 for th in theta_grid
             }
-        finite = {th: r for th, r in sel.items() if r is not None}
-        theta = max(finite, key=finite.get) if finite else theta_grid[0]
-        runs = [_one(spec, n, key_dim, streams, s, theta, p, dtype, eta) for s in seeds]
+            finite = {th: r for th, r in sel.items() if r is not None}
+            theta = max(finite, key=finite.get) if finite else theta_grid[0]
+            runs = [_one(spec, n, key_dim, streams, s, theta, p, dtype, eta) for s in seeds]
         cells.append(
             {
                 "variant": name,

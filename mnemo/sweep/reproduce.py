@@ -225,6 +225,30 @@ def _refuse_foreign_outputs(page: Path, folder: Path, text: str, specs) -> None:
             )
 
 
+def _refuse_foreign_results(page: Path, job: dict, module, text: str) -> None:
+    """A command line's ``--out`` that holds results of another command while the page has no
+    generated block of that line yet: they are not the page's own, and running the line would
+    replace them (an earlier block of the line's name means an earlier version of the line wrote
+    them: replaced, as the block says; results of the very same command are adopted).
+
+    Raises:
+        ValueError: naming the page, the line and the folder, before anything runs.
+    """
+    if _markers(job["name"])[0] in text:
+        return
+    try:
+        module.check_page_job(page, job)
+    except FileNotFoundError:
+        return  # nothing of this kind there yet
+    except ValueError:
+        raise ValueError(
+            f"{page}:{job['line']}: the page has no generated block {job['name']!r} yet, but "
+            f"{_shown(job['out'])} holds results of another command than this line (`mnemo reproduce "
+            "--no-run` names the differences): reproduce would replace results it did not write; "
+            "move them away first, or give the line another --out"
+        ) from None
+
+
 def reproduce_page(
     page: str | Path,
     *,
@@ -314,6 +338,8 @@ def reproduce_page(
     _refuse_foreign_outputs(page, folder, text, specs)
     for job in cjobs if not run else []:  # every selected line checked before anything is written
         handlers[job["kind"]].check_page_job(page, job)
+    for job in cjobs if run else []:
+        _refuse_foreign_results(page, job, handlers[job["kind"]], text)
     if not run:  # every sweep checked before any page or report file is written
         for path, spec in specs:
             db, _ = default_paths(spec, path)
@@ -379,7 +405,9 @@ def reproduce_page(
             log(f"{spec.name}: partial: {_pending_text(pending)}")
     for job in cjobs:
         t0 = time.perf_counter()
-        block = handlers[job["kind"]].page_block(page, job, train=run, progress=progress, log=log)
+        block = handlers[job["kind"]].page_block(
+            page, job, train=run, progress=progress, log=log, threads=threads
+        )
         # a first block goes below its line (found again: earlier blocks have moved it)
         line_re = _line_re(job["kind"])
         at = next(

@@ -238,6 +238,9 @@ def test_claims_pair_the_seeds_and_know_the_ceiling_and_the_lost_seeds():
             ["--pairs", "1024", "--passes", "4", "--chunk-size", "65536", "--streams", "100000"],
             "--chunk-size",
         ),
+        (["--theta-grid", "0.1,0.1"], "--theta-grid"),
+        (["--theta-grid", "0.1,0.1000001"], "--theta-grid"),  # alike in the results' %g keys
+        (["--variants", "mlp,,matrix"], "--variants: an empty name"),
     ],
 )
 def test_cli_refuses_bad_settings_before_any_work(extra, flag, tmp_path, capsys):
@@ -365,3 +368,112 @@ def test_the_command_leaves_the_thread_count_as_it_found_it(tmp_path):
     assert main([*argv, "--out", str(tmp_path / "o")]) == 0
     assert torch.get_num_threads() == before
     assert json.loads((tmp_path / "o" / "capacity.json").read_text())["settings"]["threads"] == before + 1
+
+
+SMALL = ["--variants", "matrix_plain", "--pairs", "4", "--passes", "1", "--seeds", "3", "--streams", "2"]
+
+
+def test_the_memory_check_counts_the_memorys_own_weights(tmp_path, monkeypatch, capsys):
+    """The deep memory's weights are per stream: at key dimension 256 an ``mlp`` memory holds
+    8·256² = 524,288 weights a stream, 3 copies (weights, gradient, stepped weights) of them in 2,000
+    streams is 11.7 GiB in float32, where the sequence and its work take ~0.15 GB (the run, measured:
+    a peak of 8.9 GB)."""
+    import mnemo.train.memory_estimate as est
+
+    monkeypatch.setattr(est, "available_memory", lambda device: (4 << 30, "test"))
+    argv = ["probe", "capacity", "--variants", "mlp", "--pairs", "4", "--passes", "1", "--seeds", "3"]
+    argv += ["--key-dim", "256", "--streams", "2000", "--theta-grid", "0.1", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "GiB, but only 4.0 GiB are available" in err
+    need = float(err.split("needs about ")[1].split(" GiB")[0])
+    weights = 3 * 8 * 256**2 * 2000 * 4 / (1 << 30)
+    assert weights < need < weights + 0.3
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    """``--out '~/x'`` (quoted, or ``--out=~/x``: no shell expands it) is checked and written under
+    the home folder, not in a folder named ``~``."""
+    home, wd = tmp_path / "home", tmp_path / "wd"
+    home.mkdir(), wd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(wd)
+    argv = ["probe", "capacity", *SMALL, "--theta-grid", "0.1", "--no-progress"]
+    assert main([*argv, "--out=~/cap"]) == 0
+    assert (home / "cap" / "capacity.json").is_file() and not (wd / "~").exists()
+    assert main([*argv, "--out", "~/cap"]) == 2  # the results there are found: not replaced
+    assert main([*argv, "--out", "~/cap", "--overwrite"]) == 0
+
+
+def test_reported_seeds_at_a_theta_past_the_delta_rules_range_do_not_warn():
+    import warnings
+
+    from mnemo.ops._common import RangeWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RangeWarning)
+        r = capacity_sweep(
+            {"matrix_plain": capacity_variants()["matrix_plain"]},
+            [4],
+            [1],
+            [5.0],
+            seeds=[0, 1, 2],
+            select_seed=1000,
+            streams=2,
+            progress=False,
+        )
+    assert r["cells"][0]["theta"] == 5.0
+
+
+def _page_with(tmp_path, line_args: str, out: str = "cap"):
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True, exist_ok=True)
+    (root / "pyproject.toml").write_text("")
+    page = root / "docs" / "p.md"
+    page.write_text(f"# p\n\n<!-- mnemo:capacity {line_args} --no-progress --out {out} -->\n")
+    return page
+
+
+def test_a_line_does_not_replace_results_it_did_not_write(tmp_path, capsys):
+    """The line's --out holds another command's results and the page has no block of the line yet:
+    refused before anything runs, the results untouched; with the block there (an earlier version
+    of the line wrote them) they are replaced; results of the very same command are adopted."""
+    small = " ".join(SMALL)
+    page = _page_with(tmp_path, f"{small} --theta-grid 0.1")
+    out = page.parents[1] / "cap"
+    argv = ["probe", "capacity", *SMALL, "--theta-grid", "0.1,1", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0  # another command's results (another grid)
+    stamp = (out / "capacity.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["reproduce", str(page), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "p.md:3" in err and "no generated block 'cap' yet" in err and "move them away" in err
+    assert (out / "capacity.json").stat().st_mtime_ns == stamp and "mnemo:begin" not in page.read_text()
+    page.write_text(page.read_text().replace("--theta-grid 0.1 ", "--theta-grid 0.1,1 "))
+    assert main(["reproduce", str(page), "--no-progress"]) == 0  # the same command: adopted, rerun
+    page.write_text(page.read_text().replace("--theta-grid 0.1,1 ", "--theta-grid 0.1 "))
+    assert main(["reproduce", str(page), "--no-progress"]) == 0  # its own block: replaced
+    assert json.loads((out / "capacity.json").read_text())["settings"]["theta_grid"] == [0.1]
+
+
+def test_reproduce_threads_reach_a_line_without_its_own(tmp_path):
+    before = torch.get_num_threads()
+    page = _page_with(tmp_path, " ".join(SMALL) + " --theta-grid 0.1")
+    want = before + 1
+    assert main(["reproduce", str(page), "--no-progress", "--threads", str(want)]) == 0
+    held = json.loads((page.parents[1] / "cap" / "capacity.json").read_text())["settings"]
+    assert held["threads"] == want and torch.get_num_threads() == before
+
+
+def test_a_broken_result_file_is_named_not_a_traceback(tmp_path, capsys):
+    page = _page_with(tmp_path, " ".join(SMALL) + " --theta-grid 0.1")
+    assert main(["reproduce", str(page), "--no-progress"]) == 0
+    path = page.parents[1] / "cap" / "capacity.json"
+    held = json.loads(path.read_text())
+    for key in ("cells", "wall_s"):
+        path.write_text(json.dumps({k: v for k, v in held.items() if k != key}))
+        capsys.readouterr()
+        assert main(["reproduce", str(page), "--no-run"]) == 2
+        err = capsys.readouterr().err
+        assert "is not a result of mnemo probe capacity" in err and key in err and "Traceback" not in err
