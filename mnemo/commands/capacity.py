@@ -414,8 +414,13 @@ def page_jobs(page: Path) -> list[dict]:
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise ValueError(f"{where}: mnemo probe capacity {' '.join(argv)}: {e}") from None
         name = out.resolve().name
-        if any(j["name"] == name for j in jobs):
-            raise ValueError(f"{where}: a second mnemo:capacity line writes to {out.name}: block {name!r}")
+        first = next((j for j in jobs if j["name"] == name), None)
+        if first is not None:
+            raise ValueError(
+                f"{where}: its block {name!r} (named after the --out folder's name) is also the block of"
+                f" line {first['line']} (--out {first['out']}): give each line an --out"
+                " folder of its own name"
+            )
         jobs.append({"line": line, "argv": argv, "name": name, "out": out, "args": args})
     return jobs
 

@@ -477,3 +477,13 @@ def test_a_broken_result_file_is_named_not_a_traceback(tmp_path, capsys):
         assert main(["reproduce", str(page), "--no-run"]) == 2
         err = capsys.readouterr().err
         assert "is not a result of mnemo probe capacity" in err and key in err and "Traceback" not in err
+
+
+def test_two_lines_whose_folders_share_a_name_are_told_apart(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    a, b = tmp_path / "x" / "c", tmp_path / "y" / "c"
+    page.write_text(f"# p\n\n<!-- mnemo:capacity --out {a} -->\n\n<!-- mnemo:capacity --out {b} -->\n")
+    assert main(["reproduce", str(page), "--no-run"]) == 2
+    err = capsys.readouterr().err
+    assert "page.md:5" in err and "also the block of line 3" in err and f"--out {a}" in err
+    assert not a.exists() and not b.exists()
