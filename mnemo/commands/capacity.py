@@ -443,36 +443,54 @@ def _expected_settings(args) -> dict:
     }
 
 
-def check_page_job(page: Path, job: dict) -> None:
-    """``--no-run``: the line's ``--out`` must hold ``capacity.json`` made by the line's command.
-
-    Raises:
-        FileNotFoundError: no such results. ValueError: results of another command (names the fields).
-    """
-    from ..sweep.reproduce import _shown
-
-    where, path = f"{page}:{job['line']}", job["out"] / "capacity.json"
+def _stored_difference(job: dict) -> str | None:
+    """What the line's ``--out`` holds, when it is not the line's own results: ``None`` for no
+    ``capacity.json`` or one made by the line's command, else why (a file that is not a result of
+    the probe, or results of another command, naming the fields)."""
+    path = job["out"] / "capacity.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{where}: {_shown(path)} does not exist; run the command (drop --no-run)")
+        return None
     try:
         stored = json.loads(path.read_text())
         held = {**stored["settings"], "variants": list(stored["settings"]["variants"])}
         for key, kind in (("cells", list), ("wall_s", (int, float))):
             if not isinstance(stored[key], kind):
                 raise TypeError(f"{key!r} is a {type(stored[key]).__name__}")
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{where}: {_shown(path)} is not a result of mnemo probe capacity ({type(e).__name__}: {e}); "
-            "run the command (drop --no-run)"
-        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"is not a result of mnemo probe capacity ({type(e).__name__}: {e})"
     want = _expected_settings(job["args"])
     differ = [f"{k} {held.get(k)} against {v}" for k, v in want.items() if held.get(k) != v]
     if differ:
-        raise ValueError(
-            f"{where}: {_shown(path)} holds results of another command than the page's line ("
-            + "; ".join(differ)
-            + "): fix the line, or run it (drop --no-run)"
-        )
+        return "holds results of another command than the page's line (" + "; ".join(differ) + ")"
+    return None
+
+
+def check_page_job(page: Path, job: dict) -> None:
+    """``--no-run``: the line's ``--out`` must hold ``capacity.json`` made by the line's command.
+
+    Raises:
+        FileNotFoundError: no such results. ValueError: results of another command (names the fields),
+            or a file that is not a result of the probe.
+    """
+    from ..sweep.reproduce import _shown
+
+    where, path = f"{page}:{job['line']}", job["out"] / "capacity.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{where}: {_shown(path)} does not exist; run the command (drop --no-run)")
+    why = _stored_difference(job)
+    if why is not None:
+        fix = "run the command" if why.startswith("is not") else "fix the line, or run it"
+        raise ValueError(f"{where}: {_shown(path)} {why}: {fix} (drop --no-run)")
+
+
+def foreign_results(page: Path, job: dict) -> str | None:
+    """Before a run (:func:`mnemo.sweep.reproduce.reproduce_page`): why the line's ``--out`` holds
+    results that running the line would replace and that are not its command's (``None``: nothing
+    there, or the line's own)."""
+    from ..sweep.reproduce import _shown
+
+    why = _stored_difference(job)
+    return None if why is None else f"{_shown(job['out'] / 'capacity.json')} {why}"
 
 
 def page_block(

@@ -1582,20 +1582,70 @@ def check_page_job(page: Path, job: dict) -> None:
     from ..sweep.reproduce import _shown
 
     where, path = f"{page}:{job['line']}", job["out"] / "continual.json"
-    held = json.loads(path.read_text()).get("experiments", {}) if path.is_file() else {}
-    missing = [e for e in job["experiments"] if e not in held]
+    try:
+        held = _stored_experiments(path)
+        missing = [e for e in job["experiments"] if e not in held]
+        differ = [
+            f"{e}: {d}" for e in job["experiments"] if e in held for d in _mismatch(e, held[e], job["kwargs"])
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{where}: {_shown(path)} is not a result of mnemo continual ({type(e).__name__}: {e}); run the "
+            "command (drop --no-run)"
+        ) from None
     if missing:
         raise FileNotFoundError(
             f"{where}: {_shown(path)} holds no results of {', '.join(missing)}; run the command "
             "(drop --no-run)"
         )
-    differ = [f"{e}: {d}" for e in job["experiments"] for d in _mismatch(e, held[e], job["kwargs"])]
     if differ:
         raise ValueError(
             f"{where}: {_shown(path)} holds results of another command than the page's line ("
             + "; ".join(differ)
             + "): fix the line, or run it (drop --no-run)"
         )
+
+
+def _stored_experiments(path: Path) -> dict:
+    """``{experiment: result}`` of a ``continual.json`` (``{}`` when there is none).
+
+    Raises:
+        ValueError, KeyError, TypeError: a file that is not one.
+    """
+    if not path.is_file():
+        return {}
+    held = json.loads(path.read_text())["experiments"]
+    if not isinstance(held, dict):
+        raise TypeError(f"'experiments' is a {type(held).__name__}")
+    return held
+
+
+def foreign_results(page: Path, job: dict) -> str | None:
+    """Before a run (:func:`mnemo.sweep.reproduce.reproduce_page`): why the line's ``--out`` holds
+    results that running the line would replace and that are not its command's — experiments the
+    line does not run (the new ``continual.json`` holds the line's only), or results of one it runs
+    made with other settings (:func:`_mismatch`), or a file that is not a result; ``None``: nothing
+    there, or the line's own (possibly fewer experiments than it runs)."""
+    from ..sweep.reproduce import _shown
+
+    path = job["out"] / "continual.json"
+    try:
+        held = _stored_experiments(path)
+        extra = sorted(set(held) - set(job["experiments"]))
+        differ = [
+            f"{e}: {d}" for e in job["experiments"] if e in held for d in _mismatch(e, held[e], job["kwargs"])
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{_shown(path)} is not a result of mnemo continual ({type(e).__name__}: {e})"
+    if extra:
+        return f"{_shown(path)} holds results of {', '.join(extra)}, which the line does not run"
+    if differ:
+        return (
+            f"{_shown(path)} holds results of another command than the page's line ("
+            + "; ".join(differ)
+            + ")"
+        )
+    return None
 
 
 def _mismatch(experiment: str, result: dict, kwargs: dict) -> list[str]:

@@ -225,28 +225,63 @@ def _refuse_foreign_outputs(page: Path, folder: Path, text: str, specs) -> None:
             )
 
 
+def _checkout(page: Path) -> Path | None:
+    """The page's checkout: its nearest parent holding ``pyproject.toml`` or ``.git``."""
+    return next(
+        (p for p in page.resolve().parents if (p / "pyproject.toml").is_file() or (p / ".git").exists()), None
+    )
+
+
+#: a generated block's command line (``mnemo:continual`` and ``mnemo:capacity`` blocks)
+_BLOCK_COMMAND = re.compile(r"^(?:OMP_NUM_THREADS=\S+ )?mnemo (?:continual|probe capacity) (.+)$", re.M)
+
+
+def _block_out(page: Path, text: str, name: str) -> Path | None:
+    """The folder the page's existing block ``name`` was made for: the ``--out`` of the command it
+    shows, read as a page line's (``~`` expanded, a relative one against the page's checkout);
+    ``None`` when the page has no such block or its command does not say."""
+    import shlex
+
+    begin, end = _markers(name)
+    if begin not in text or end not in text:
+        return None
+    m = _BLOCK_COMMAND.search(text[text.index(begin) : text.index(end)])
+    try:
+        argv = shlex.split(m.group(1)) if m else []
+    except ValueError:
+        return None
+    out = None
+    for i, a in enumerate(argv):  # (argparse: the last --out wins)
+        if a == "--out" and i + 1 < len(argv):
+            out = argv[i + 1]
+        elif a.startswith("--out="):
+            out = a[len("--out=") :]
+    if not out:
+        return None
+    path = Path(out).expanduser()
+    return path if path.is_absolute() else (_checkout(page) or Path.cwd()) / path
+
+
 def _refuse_foreign_results(page: Path, job: dict, module, text: str) -> None:
-    """A command line's ``--out`` that holds results of another command while the page has no
-    generated block of that line yet: they are not the page's own, and running the line would
-    replace them (an earlier block of the line's name means an earlier version of the line wrote
-    them: replaced, as the block says; results of the very same command are adopted).
+    """A command line's ``--out`` that holds results this run would replace and that are not the
+    line's command's (``module.foreign_results``), while the page has no generated block made for
+    that folder: they are not the page's own. (A block of the line's name made for the same folder
+    means an earlier version of the line wrote them: replaced, as the block says; results of the
+    very same command are adopted.)
 
     Raises:
-        ValueError: naming the page, the line and the folder, before anything runs.
+        ValueError: naming the page, the line, the folder and why, before anything runs.
     """
-    if _markers(job["name"])[0] in text:
+    made_for = _block_out(page, text, job["name"])
+    if made_for is not None and made_for.resolve() == Path(job["out"]).resolve():
         return
-    try:
-        module.check_page_job(page, job)
-    except FileNotFoundError:
-        return  # nothing of this kind there yet
-    except ValueError:
+    why = module.foreign_results(page, job)
+    if why is not None:
         raise ValueError(
-            f"{page}:{job['line']}: the page has no generated block {job['name']!r} yet, but "
-            f"{_shown(job['out'])} holds results of another command than this line (`mnemo reproduce "
-            "--no-run` names the differences): reproduce would replace results it did not write; "
-            "move them away first, or give the line another --out"
-        ) from None
+            f"{page}:{job['line']}: the page has no generated block made for {_shown(job['out'])} yet, "
+            f"but {why}: reproduce would replace results it did not write; move them away first, or "
+            "give the line another --out"
+        )
 
 
 def reproduce_page(

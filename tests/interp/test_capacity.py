@@ -448,13 +448,28 @@ def test_a_line_does_not_replace_results_it_did_not_write(tmp_path, capsys):
     capsys.readouterr()
     assert main(["reproduce", str(page), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "p.md:3" in err and "no generated block 'cap' yet" in err and "move them away" in err
+    assert "p.md:3" in err and "no generated block made for" in err and "theta_grid [0.1, 1.0] against" in err
+    assert "move them away" in err
     assert (out / "capacity.json").stat().st_mtime_ns == stamp and "mnemo:begin" not in page.read_text()
     page.write_text(page.read_text().replace("--theta-grid 0.1 ", "--theta-grid 0.1,1 "))
     assert main(["reproduce", str(page), "--no-progress"]) == 0  # the same command: adopted, rerun
     page.write_text(page.read_text().replace("--theta-grid 0.1,1 ", "--theta-grid 0.1 "))
     assert main(["reproduce", str(page), "--no-progress"]) == 0  # its own block: replaced
     assert json.loads((out / "capacity.json").read_text())["settings"]["theta_grid"] == [0.1]
+    # the block of that name was made for another folder: a line moved to other/cap, which holds
+    # another command's results, is refused; so is a broken file where the results would go
+    other = page.parents[1] / "other" / "cap"
+    assert main([*argv[:-1], str(other)]) == 0
+    page.write_text(page.read_text().replace("--out cap -->", "--out other/cap -->"))
+    capsys.readouterr()
+    assert main(["reproduce", str(page), "--no-progress"]) == 2
+    assert "no generated block made for other/cap" in capsys.readouterr().err.replace(
+        str(page.parents[1]) + "/", ""
+    )
+    (other / "capacity.json").write_text("[]")
+    assert main(["reproduce", str(page), "--no-progress"]) == 2
+    assert "is not a result of mnemo probe capacity" in capsys.readouterr().err
+    assert (other / "capacity.json").read_text() == "[]"
 
 
 def test_reproduce_threads_reach_a_line_without_its_own(tmp_path):

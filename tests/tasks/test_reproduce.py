@@ -499,3 +499,48 @@ def test_a_continual_lines_out_is_checked_in_the_pages_checkout_and_expands_home
     page.write_text("# p\n\n<!-- mnemo:continual --experiment retention --models cms-1 --out ~/cont -->\n")
     (job,) = cont.page_jobs(page)
     assert job["out"] == home / "cont" and job["name"] == "continual_cont"
+
+
+def test_a_continual_line_does_not_replace_results_it_did_not_write(tmp_path, monkeypatch):
+    """``continual.json`` holding an experiment the line does not run, results of another command,
+    or a broken file, with no block made for the folder on the page: refused before anything
+    trains, the file untouched. Results of the same command, made by the CLI, are adopted."""
+    import json
+
+    import mnemo.commands.continual as cont
+
+    calls = []
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")
+    monkeypatch.setattr(cont, "train_one", _fake_retention(calls))
+    line = (
+        "--experiment retention --seeds 3 --steps 2 --eval-streams 4 --models cms-1 --workers 1 --no-progress"
+    )
+    out = tmp_path / "res" / "c"
+    page = tmp_path / "docs" / "p.md"
+    page.parent.mkdir()
+    page.write_text(f"# p\n\n<!-- mnemo:continual {line} --out res/c -->\n")
+    out.mkdir(parents=True)
+    path = out / "continual.json"
+    for held, says in [
+        ({"experiments": {"abab": {}}}, "holds results of abab, which the line does not run"),
+        ([], "is not a result of mnemo continual"),
+        ({"experiments": []}, "is not a result of mnemo continual"),
+    ]:
+        path.write_text(json.dumps(held))
+        with pytest.raises(ValueError, match="no generated block made for") as e:
+            reproduce_page(page, progress=False, log=lambda s: None, continual=cont)
+        assert says in str(e.value) and json.loads(path.read_text()) == held and calls == []
+        if says.startswith("is not"):  # --no-run names it too, without a traceback
+            with pytest.raises(ValueError, match="is not a result of mnemo continual"):
+                reproduce_page(page, run=False, progress=False, log=lambda s: None, continual=cont)
+    path.unlink()
+    assert main(["continual", *line.split(), "--out", str(out)]) == 0  # the CLI, then the page
+    n = len(calls)
+    reproduce_page(page, progress=False, log=lambda s: None, continual=cont)
+    assert len(calls) == n and "<!-- mnemo:begin continual_c -->" in page.read_text()  # adopted, resumed
+    held = json.loads(path.read_text())
+    page.write_text(page.read_text().replace("--seeds 3", "--seeds 4", 1))  # the line's own block: replaced
+    reproduce_page(page, progress=False, log=lambda s: None, continual=cont)
+    assert json.loads(path.read_text())["experiments"]["retention"]["seeds"] == [0, 1, 2, 3]
+    assert held["experiments"]["retention"]["seeds"] == [0, 1, 2]
