@@ -277,7 +277,10 @@ class _PathKind(Kind):
     def _path(self, text: str) -> Path:
         if not str(text).strip():
             self.fail(text)
-        return Path(text).expanduser()
+        try:
+            return Path(text).expanduser()
+        except RuntimeError:  # ~name of no such user
+            self.fail(text, " (no such user's home folder)")
 
     @staticmethod
     def _value(text: str) -> str:

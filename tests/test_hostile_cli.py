@@ -2252,3 +2252,5 @@ def test_a_path_flag_with_a_tilde_is_the_path_its_checks_looked_at(tmp_path, mon
     assert kinds.OutDir()("~/new") == str(tmp_path / "new")
     assert kinds.OutFile()("~/new.json") == str(tmp_path / "new.json")
     assert kinds.OutDir()("runs/x") == "runs/x"  # no tilde: the text as given
+    with pytest.raises(argparse.ArgumentTypeError, match="no such user's home folder"):
+        kinds.OutDir()("~nosuchuser_mnemo/x")
