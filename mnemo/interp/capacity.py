@@ -67,7 +67,8 @@ def capacity_variants(
 
     - ``mlp``: the deep memory (2 layers, expansion 4: ``8K²`` weights per head);
     - ``matrix``: ``x + LN(W x)`` (``K²``), the Titans ablation's linear memory;
-    - ``mlp_equal``: the deep memory at expansion 1/2, ``K²`` weights: depth at equal parameters
+    - ``mlp_equal``: the deep memory at expansion 1/2, ``K²`` weights (an even ``K``; an odd one
+      rounds the hidden width): depth at equal parameters
       (its hidden width ``K/2`` is also a rank bottleneck: ``W₂``'s output spans ``K/2`` dimensions);
     - ``matrix_plain``: ``W x``, no residual, no norm (the delta rule with ``chunk_size = 1``);
     - ``mlp_plain``: ``W₂ σ(W₁ x)``, no residual, no norm.
@@ -104,7 +105,8 @@ def capacity_variants(
         "matrix": (s.replace(architecture="matrix"), "the matrix memory in the same form (K² weights)"),
         "mlp_equal": (
             s.replace(expansion=0.5),
-            "the deep memory at hidden K/2: K² weights, as the matrix (and a rank-K/2 bottleneck)",
+            "the deep memory at hidden K/2 (rounded): K² weights for an even K, as the matrix (and a "
+            "rank-K/2 bottleneck)",
         ),
         "matrix_plain": (
             s.replace(architecture="matrix", residual=False, norm=False),
