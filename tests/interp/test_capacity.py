@@ -352,19 +352,7 @@ def test_the_command_leaves_the_thread_count_as_it_found_it(tmp_path):
     import torch
 
     before = torch.get_num_threads()
-    argv = [
-        "probe",
-        "capacity",
-        "--variants",
-        "matrix_plain",
-        "--pairs",
-        "4",
-        "--passes",
-        "1",
-        "--seeds",
-        "3",
-    ]
-    argv += ["--streams", "2", "--theta-grid", "0.1", "--threads", str(before + 1), "--no-progress"]
+    argv = ["probe", "capacity", *SMALL, "--theta-grid", "0.1", "--threads", str(before + 1), "--no-progress"]
     assert main([*argv, "--out", str(tmp_path / "o")]) == 0
     assert torch.get_num_threads() == before
     assert json.loads((tmp_path / "o" / "capacity.json").read_text())["settings"]["threads"] == before + 1
