@@ -46,3 +46,29 @@ def test_gated_norm_bench_prints_both_gate_orders_and_a_model_row(capsys):
     import mnemo.layers.norm as norm_mod
 
     assert norm_mod.gated_rms_norm is mod.FORMS["kernel"]  # the switch is put back
+
+
+def test_strong_gates_bench_prints_every_form_and_restores_the_halving(capsys):
+    """scripts/bench_strong_gates.py (docs/benchmarks/notes.md, "Strong gates and the chunk size"):
+    one tiny round prints the five forms of each op and one model row; its "before" switch sends a
+    call whose 64-token chunks decay past 30 nats to the fallback and "after" halves it to 32; the
+    halving is back on when it returns."""
+    import torch
+
+    mod = _load("bench_strong_gates")
+    argv = ["--rounds", "1", "--op-shape", "1x16x1x4", "--models", "gated_deltanet"]
+    assert mod.main(argv + ["--model-sizes", "16x1x16x2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    forms = [line for line in out if line.startswith(("gated delta rule", "GLA"))]
+    assert len(forms) == 10 and sum("autograd, chunk 64" in line for line in forms) == 2
+    row = next(line for line in out if line.startswith("gated_deltanet"))
+    assert all(float(v.rstrip("x")) > 0 for v in row.split()[-5:])
+    g = torch.full((1, 128, 1), -0.6)  # 38.4 nats in 64 tokens, 19.2 in 32
+    mod.halving(False)
+    assert mod.dr.chunks_within_span(g, 64, torch.float32, 30.0) == (None, None)
+    mod.halving(True)
+    assert mod.dr.chunks_within_span(g, 64, torch.float32, 30.0)[0] == 32
+    import mnemo.ops._chunked as chunked
+
+    assert mod.dr.chunks_within_span is chunked.chunks_within_span
+    assert mod.gla.chunks_within_span is chunked.chunks_within_span

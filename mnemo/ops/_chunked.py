@@ -75,6 +75,36 @@ def to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype, factor=None, divide: 
     return out.view(B, H, n, C, D)
 
 
+#: The smallest chunk :func:`chunks_within_span` halves ``chunk_size`` down to: below 16 tokens the
+#: batched ``[C, C]`` products get small enough that the autograd form at the full chunk size is
+#: the better choice again (docs/benchmarks/notes.md, "Strong gates and the chunk size").
+MIN_SPLIT_CHUNK = 16
+
+
+def chunks_within_span(
+    g: torch.Tensor, C: int, dtype: torch.dtype, safe_span: float, min_chunk: int = MIN_SPLIT_CHUNK
+) -> tuple[int | None, torch.Tensor | None]:
+    """The chunk size the factorised (hand-written backward) chunk forms can run a gated call at.
+
+    ``g``: log gates ``[B, T, H]`` (one per head) or ``[B, T, H, K]`` (one per key channel), ``≤ 0``.
+    Tries ``C``, then ``C // 2``, ``C // 4``, … while the size stays ``≥ min_chunk``, and returns the
+    first size at which no chunk decays by more than ``safe_span`` nats, with ``b``, the gates'
+    inclusive cumulative sum within each chunk in the chunk layout ``[B, H, n, C', G]`` (``G`` = 1
+    or ``K``) and ``dtype``. Every size computes the same function (the chunk form is exact for any
+    chunk size): halving only trades larger batched products for a decay range the factorised form
+    can represent (``e^{±safe_span}``). ``(None, None)`` when even the smallest size decays too much
+    (strong gates, hard resets ``-inf``): the caller's autograd form, safe for any decay, takes over.
+    A NaN gate is not a decay: the first size is returned, as the factorised form handled it before.
+    Reads the decay back to the host (one ``float`` per size tried): CPU eager calls only."""
+    while True:
+        b = to_chunks(g, C, dtype).cumsum_(-2)
+        if not float(b[..., -1, :].min()) < -safe_span:
+            return C, b
+        if C // 2 < min_chunk:
+            return None, None
+        C //= 2
+
+
 def unchunk(y: torch.Tensor, T: int) -> torch.Tensor:
     """``[B, H, n, C, D]`` → ``[B, H, T, D]`` (a view, padding dropped)."""
     B, H, n, C, D = y.shape

@@ -40,12 +40,14 @@ The three forms below compute exactly the same function:
   Two implementations of this form, same results:
 
   - :class:`_DeltaChunk` (used whenever no chunk decays by more than ``_SAFE_SPAN = 30`` nats, and
-    for ``g = None``): carries the similarity through to the values as well,
-    ``U = exp(b) ⊙ Ã⁻¹ diag(β) (V ⊙ exp(−b))``, so the gated chunk is the *ungated* one on rescaled
-    values (outputs times ``exp(b)``, chunk transition times ``exp(b_C)``), one ``Ã⁻¹`` (formed by
-    recursive blocking, :func:`~._chunked.unit_lower_inverse_`) serves both right-hand sides, and
-    the backward pass is written by hand (reverse state recursion, batched matmuls, recomputation
-    instead of per-token states).
+    for ``g = None``; when a chunk of ``chunk_size`` decays by more, the chunk is halved, down to
+    16 tokens, until none does, :func:`~._chunked.chunks_within_span`): carries the similarity
+    through to the values as well, ``U = exp(b) ⊙ Ã⁻¹ diag(β) (V ⊙ exp(−b))``, so the gated chunk
+    is the *ungated* one on rescaled values (outputs times ``exp(b)``, chunk transition times
+    ``exp(b_C)``), one ``Ã⁻¹`` (formed by recursive blocking,
+    :func:`~._chunked.unit_lower_inverse_`) serves both right-hand sides, and the backward pass is
+    written by hand (reverse state recursion, batched matmuls, recomputation instead of per-token
+    states).
   - :func:`delta_chunk_autograd` (any decay, gradients by autograd): decays are formed as ``exp`` of
     differences masked *before* the ``exp`` (``Γ``) or of non-positive cumulative sums
     (``exp(b)``, ``exp(b_C − b)``, ``exp(b_C)``), never ``exp(−b)``, so extreme gates cannot
@@ -70,6 +72,7 @@ from ._chunked import (
     autocast_disabled,
     autocast_off,
     b3,
+    chunks_within_span,
     head_groups,
     mm,
     mm_add_,
@@ -326,11 +329,13 @@ class _DeltaChunk(torch.autograd.Function):
 
 def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     """Chunk form. ``q, k, v, beta`` in any float dtype (``scale`` is applied here), ``g`` clamped,
-    ``S0`` in the compute dtype. Uses :class:`_DeltaChunk` (hand-written backward) unless some chunk
-    decays by more than ``_SAFE_SPAN`` nats (strong gates, hard resets): there the autograd form
-    :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``, takes over (as it does
-    whenever ``torch.compile`` traces the call). Default ``scale=1.0`` (the inputs are used as
-    given)."""
+    ``S0`` in the compute dtype. Uses :class:`_DeltaChunk` (hand-written backward) while no chunk
+    decays by more than ``_SAFE_SPAN`` nats; where one does (strong gates) it runs at ``chunk_size
+    / 2``, ``/ 4``, … down to 16 tokens, the first size at which none does (the same function;
+    :func:`~._chunked.chunks_within_span`), and only past that (hard resets, decays of ≳ 2 nats a
+    token) the autograd form :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``,
+    takes over at ``chunk_size`` (as it does whenever ``torch.compile`` traces the call). Default
+    ``scale=1.0`` (the inputs are used as given)."""
     C = min(int(chunk_size), q.shape[1])
     # traced, or off the CPU (reading the decay back would be a host sync): the autograd form
     if avoid_host_reads(q):  # (see gla_chunk)
@@ -339,10 +344,11 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     b = None
     if g is not None:
         with torch.no_grad():
-            b = to_chunks(g, C, S0.dtype)[..., 0].cumsum(-1)
-        if float(b[..., -1].min()) < -_SAFE_SPAN:
+            C, b = chunks_within_span(g, C, S0.dtype, _SAFE_SPAN)
+        if C is None:
             cd = S0.dtype
             return delta_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
+        b = b[..., 0]
     return _DeltaChunk.apply(q, k, v, beta, g, S0, b, float(scale), C)
 
 

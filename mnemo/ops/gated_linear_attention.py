@@ -16,11 +16,13 @@ The three forms below compute exactly the same function:
   While no chunk decays by more than 30 nats (``_SAFE_SPAN``, the usual case) the decays factor
   as row scalings ``q ⊙ e^b``, ``k ⊙ e^{−b}`` (exact in fp32: every factor within ``e^{±30}``)
   and :class:`_GLAChunk` runs the whole form, with a hand-written backward pass, for scalar,
-  per-channel and no gates alike. Otherwise :func:`gla_chunk_autograd` (gradients by autograd)
-  forms scalar decays as ``exp`` of *differences* of cumulative log gates, masked before the
-  ``exp`` so every factor is ``≤ 1``, and per-channel decays by a two-level split of each chunk
-  whose factors are all ``≤ 1`` (see :func:`_intra_chunk_channel_scores`), so long chunks and
-  extreme gates (hard resets) cannot overflow.
+  per-channel and no gates alike; a chunk that decays by more is halved first, down to 16 tokens,
+  until none does (:func:`~._chunked.chunks_within_span`). Past that :func:`gla_chunk_autograd`
+  (gradients by autograd) forms scalar decays as ``exp`` of *differences* of cumulative log
+  gates, masked before the ``exp`` so every factor is ``≤ 1``, and per-channel decays by a
+  two-level split of each chunk whose factors are all ``≤ 1`` (see
+  :func:`_intra_chunk_channel_scores`), so long chunks and extreme gates (hard resets) cannot
+  overflow.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from . import dispatch as _backends
 from ._chunked import (
     autocast_disabled,
     autocast_off,
+    chunks_within_span,
     head_groups,
     mm,
     mm_add_,
@@ -321,10 +324,12 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
     """Chunkwise-parallel form; see the module docstring. ``q, k, v`` may be in any float dtype
     and are multiplied by ``scale`` here; ``g`` is clamped, in the compute dtype (``S0``'s).
 
-    Uses :class:`_GLAChunk` (hand-written backward) unless some chunk decays by more than
-    ``_SAFE_SPAN`` nats (strong gates, hard resets): there :func:`gla_chunk_autograd` keeps every
-    factor ``≤ 1``; it also runs whenever ``torch.compile`` traces the call. Default ``scale=1.0``
-    (the inputs are used as given)."""
+    Uses :class:`_GLAChunk` (hand-written backward) while no chunk decays by more than
+    ``_SAFE_SPAN`` nats; where one does it runs at ``chunk_size / 2``, ``/ 4``, … down to 16 tokens,
+    the first size at which none does (:func:`~._chunked.chunks_within_span`), and only past that
+    (hard resets, very strong gates) :func:`gla_chunk_autograd`, which keeps every factor ``≤ 1``,
+    takes over at ``chunk_size``; it also runs whenever ``torch.compile`` traces the call. Default
+    ``scale=1.0`` (the inputs are used as given)."""
     T = q.shape[1]
     C = min(int(chunk_size), T)
     if avoid_host_reads(q):
@@ -336,8 +341,8 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
     b = None
     if g is not None:
         with torch.no_grad():
-            b = to_chunks(g, C, S0.dtype).cumsum_(-2)
-        if float(b[..., -1, :].min()) < -_SAFE_SPAN:
+            C, b = chunks_within_span(g, C, S0.dtype, _SAFE_SPAN)
+        if C is None:
             cd = S0.dtype
             return gla_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), g, S0, chunk_size)
     return _GLAChunk.apply(q, k, v, g, S0, b, float(scale), C)

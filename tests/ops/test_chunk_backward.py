@@ -313,3 +313,111 @@ def test_zero_head_dim_is_a_clear_error():
     q = torch.randn(1, 4, 2, 0)
     with pytest.raises(ValueError, match="head dimension K >= 1"):
         gated_linear_attention(q, q, torch.randn(1, 4, 2, 3), None)
+
+
+# -- strong gates: the chunk is halved before the autograd fallback takes over ------------------
+
+GATED = [c for c in CASES if c[2] is not None]
+
+
+@pytest.fixture
+def fast_chunk_sizes(monkeypatch):
+    """Records the chunk size each call of the hand-written chunk Functions ran at."""
+    dr = importlib.import_module("mnemo.ops.delta_rule")
+    gla = importlib.import_module("mnemo.ops.gated_linear_attention")
+    sizes = []
+    for cls in (dr._DeltaChunk, gla._GLAChunk):
+        orig = cls.apply
+
+        def spy(*a, _orig=orig):
+            sizes.append(a[-1])  # the chunk size is the last argument of both
+            return _orig(*a)
+
+        monkeypatch.setattr(cls, "apply", spy)
+    return sizes
+
+
+def _with_gate(name, gate, per_token, T):
+    """Float64 inputs whose log gates lie in ``per_token`` (a ``(low, high)`` range, nats per token)."""
+    x = _prepare(name, gate, T=T, K=5, V=4)
+    gen = torch.Generator().manual_seed(11)
+    lo, hi = per_token
+    x["g"] = -(lo + (hi - lo) * torch.rand(x["g"].shape, generator=gen, dtype=x["g"].dtype))
+    return x
+
+
+@pytest.mark.parametrize("name, fn, gate, names", GATED, ids=[c[0] for c in GATED])
+@pytest.mark.parametrize("T", [100, 128])
+def test_strong_gates_halve_the_chunk_and_match_the_reference(
+    name, fn, gate, names, T, fast_chunk_sizes, fallback_calls
+):
+    """0.5-0.7 nats a token: a 64-token chunk decays by 32-45 nats (past the factorised form's 30),
+    a 32-token one by at most 22.4. The call runs the hand-written form at 32 (no autograd
+    fallback) and its outputs, final state and every gradient equal the token loop's (1e-10), for
+    a whole and a partial last chunk."""
+    x = _with_gate(name, gate, (0.5, 0.7), T)
+    results = {}
+    for mode in ("recurrent", "chunk"):
+        xs = {n: t.clone().requires_grad_(n in names) for n, t in x.items()}
+        o, s = fn(**xs, mode=mode, chunk_size=64)
+        gen = torch.Generator().manual_seed(3)
+        loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+        loss = loss + (s * torch.randn(s.shape, generator=gen, dtype=s.dtype)).sum()
+        loss.backward()
+        results[mode] = (o, s, {n: xs[n].grad for n in names})
+    assert fast_chunk_sizes == [32] and not fallback_calls
+    (o_ref, s_ref, g_ref), (o, s, grads) = results["recurrent"], results["chunk"]
+    assert_close(o, o_ref, 1e-10, what=f"{name} output")
+    assert_close(s, s_ref, 1e-10, what=f"{name} state")
+    for n in names:
+        assert_close(grads[n], g_ref[n], 1e-10, what=f"{name} d/d{n}")
+
+
+@pytest.mark.parametrize("name, fn, gate, names", GATED, ids=[c[0] for c in GATED])
+@pytest.mark.parametrize("chunk_size, per_token", [(64, (2.0, 2.5)), (8, (5.0, 6.0)), (64, "reset")])
+def test_halving_stops_at_the_floor_then_falls_back(
+    name, fn, gate, names, chunk_size, per_token, fast_chunk_sizes, fallback_calls
+):
+    """2-2.5 nats a token decay by ≥ 32 nats even in a 16-token chunk, the smallest it halves to;
+    a chunk of 8 (already below 16) is not halved; a hard reset (``-inf``) decays without bound.
+    All three take the autograd form at the caller's chunk size, which matches the token loop."""
+    if per_token == "reset":
+        x = _with_gate(name, gate, (0.1, 0.2), 40)
+        x["g"][:, 17] = -torch.inf
+    else:
+        x = _with_gate(name, gate, per_token, 40)
+    args = {n: x[n] for n in x}
+    o, s = fn(**args, mode="chunk", chunk_size=chunk_size)
+    assert fallback_calls == [1] and fast_chunk_sizes == []
+    o_ref, s_ref = fn(**args, mode="recurrent")
+    assert_close(o, o_ref, 1e-10, what=f"{name} output")
+    assert_close(s, s_ref, 1e-10, what=f"{name} state")
+
+
+def test_chunks_within_span_by_hand():
+    """The chunk size and cumulative gates of :func:`chunks_within_span` against a hand loop: a
+    constant 0.6 nats a token spans 38.4 nats in 64 tokens and 19.2 in 32, so 64 → 32; ``b`` is the
+    running sum within each 32-token chunk (zero-padded past ``T``); per-channel gates keep their
+    channel axis; a NaN gate keeps the first size; ``-inf`` or a span past the smallest size gives
+    ``(None, None)``."""
+    from mnemo.ops._chunked import chunks_within_span
+
+    B, T, H, K = 2, 70, 3, 4
+    g = torch.full((B, T, H), -0.6, dtype=torch.float64)
+    C, b = chunks_within_span(g, 64, torch.float64, 30.0)
+    assert C == 32 and b.shape == (B, H, 3, 32, 1)
+    for t in range(96):
+        expect = -0.6 * (t % 32 + 1) if t < T else -0.6 * (T - 64)  # padding adds zero gates
+        assert b[0, 0, t // 32, t % 32, 0].item() == pytest.approx(expect, abs=1e-12)
+    gc = torch.full((B, T, H, K), -0.1, dtype=torch.float64)
+    gc[..., 0] = -0.6
+    C, b = chunks_within_span(gc, 64, torch.float32, 30.0)
+    assert C == 32 and b.shape == (B, H, 3, 32, K) and b.dtype == torch.float32
+    assert C == chunks_within_span(g, 64, torch.float64, 30.0, min_chunk=32)[0]
+    assert chunks_within_span(g, 64, torch.float64, 30.0, min_chunk=33) == (None, None)
+    gn = g.clone()
+    gn[0, 5, 0] = torch.nan
+    assert chunks_within_span(gn, 64, torch.float64, 30.0)[0] == 64
+    gi = torch.full((B, T, H), -0.01, dtype=torch.float64)
+    gi[1, 40, 2] = -torch.inf
+    assert chunks_within_span(gi, 64, torch.float64, 30.0) == (None, None)
