@@ -72,3 +72,19 @@ def test_strong_gates_bench_prints_every_form_and_restores_the_halving(capsys):
 
     assert mod.dr.chunks_within_span is chunked.chunks_within_span
     assert mod.gla.chunks_within_span is chunked.chunks_within_span
+
+
+def test_swiglu_bench_prints_the_op_and_a_model_row_and_restores_the_kernel(capsys):
+    """scripts/bench_swiglu.py (docs/benchmarks/notes.md, "SwiGLU's gate"): one tiny round prints
+    the op row and one training-step row with positive times; the kernel is switched back on."""
+    import mnemo.layers.mlp as mlp
+
+    mod = _load("bench_swiglu")
+    argv = ["--rounds", "1", "--op-shape", "8x4", "--models", "gated_deltanet", "--model-sizes", "16x1x16x2"]
+    assert mod.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith(("gate alone", "train step"))]
+    assert len(rows) == 2 and rows[1].startswith("train step gated_deltanet d 16 x 1, 16 x 2")
+    for r in rows:
+        assert all(float(v.rstrip("x")) > 0 for v in r.split()[-3:])
+    assert mlp.swiglu is mod._KERNEL and mlp.swiglu.__name__ == "swiglu"

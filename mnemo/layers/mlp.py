@@ -6,12 +6,89 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import _native, _workspace
+from .norm import _transformed
+
 
 def swiglu_hidden(d_model: int, multiple_of: int = 32) -> int:
     """``8/3 · d_model`` rounded up to a multiple of ``multiple_of`` (LLaMA's choice; default
     ``multiple_of=32``)."""
     h = int(8 * d_model / 3)
     return multiple_of * (-(-h // multiple_of))
+
+
+def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+    """The PyTorch form of :func:`swiglu` (the native kernel's twin; any dtype)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+#: The smallest ``h`` (in elements) whose gate runs the C kernel: below it the kernel's fixed cost
+#: per call (~20 us) exceeds what it saves (``scripts/bench_swiglu.py``; docs/benchmarks/notes.md).
+_KERNEL_MIN_NUMEL = 1 << 15
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer 2020, "GLU Variants Improve Transformer", Eq. 6): ``silu(a) ⊙ b`` for
+    ``h = [a, b]`` split in halves on the last dimension (``a`` the gate projection's output, ``b``
+    the up projection's; ``silu(a) = a · σ(a)``).
+
+    Args:
+        h: ``[..., 2H]``.
+    Returns:
+        ``[..., H]`` in ``h``'s dtype.
+    Dtypes and forms: a float32/float64 CPU ``h`` of at least ``2**15`` elements that needs a
+    gradient runs one C kernel each way (:mod:`mnemo.ops._native`, ``swiglu.c``: one pass over
+    memory instead of the PyTorch form's SiLU and product forward and five passes backward, and
+    the gradient written in ``h``'s layout, so the split's backward concatenation goes too: 2-3x
+    faster forward and backward together). Everything else runs the PyTorch form: calls without a
+    gradient (evaluation, decoding; the forward alone is no faster in C), small calls (the
+    kernel's fixed cost), bfloat16, CUDA, ``MNEMO_NATIVE=0``, while ``torch.compile`` traces,
+    under forward-mode AD or a ``torch.func`` transform. Both are twice differentiable (a graph of
+    the kernel's gradient is built by the PyTorch form).
+    Raises:
+        ValueError: the last dimension of ``h`` is odd (or ``h`` is a scalar).
+    """
+    if h.ndim == 0 or h.shape[-1] % 2:
+        raise ValueError(f"h: expected an even last dimension [..., 2H], got shape {list(h.shape)}")
+    if (
+        h.numel() >= _KERNEL_MIN_NUMEL
+        and h.requires_grad
+        and torch.is_grad_enabled()
+        and _native.usable(h)
+        and not _transformed(h)
+    ):
+        return _SwiGLU.apply(h)
+    return _swiglu_reference(h)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """:func:`swiglu` through the C kernels ``glu_fwd`` / ``glu_bwd`` (``swiglu.c``); when a graph
+    of the gradient is asked for (``create_graph=True``) the backward differentiates the PyTorch
+    form instead."""
+
+    @staticmethod
+    def forward(ctx, h):
+        h = h.contiguous()
+        H = h.shape[-1] // 2
+        R = h.numel() // (2 * H)
+        y = _workspace.empty((*h.shape[:-1], H), h.dtype, h.device)  # reused across calls
+        _native.call("glu_fwd", h.dtype, R, _native.slots(R), [H, h, y])
+        ctx.save_for_backward(h)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the PyTorch form's autograd, on the saved input
+            with torch.enable_grad():
+                y = _swiglu_reference(h)
+            return torch.autograd.grad(y, h, dy, create_graph=True)[0]
+        H = h.shape[-1] // 2
+        R = h.numel() // (2 * H)
+        dh = _workspace.empty(h.shape, h.dtype, h.device)
+        _native.call("glu_bwd", h.dtype, R, _native.slots(R), [H, h, dy.contiguous(), dh])
+        return dh
 
 
 class SwiGLU(nn.Module):
@@ -27,5 +104,4 @@ class SwiGLU(nn.Module):
         self.w_out = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_in(x).chunk(2, dim=-1)
-        return self.w_out(F.silu(gate) * up)
+        return self.w_out(swiglu(self.w_in(x)))

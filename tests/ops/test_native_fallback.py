@@ -1,7 +1,7 @@
 """Both sides of every native kernel, in one process, whatever the machine has.
 
 Each entry point of :mod:`mnemo.ops._native` (the selective scan, the short causal convolution, the
-gated RMSNorm,
+gated RMSNorm, SwiGLU's gate,
 the delta rule's and gated linear attention's chunk-state passes and the unit lower-triangular
 inverse, forward and backward) has a PyTorch twin that runs when the kernels are off
 (``MNEMO_NATIVE=0``), when no C compiler is found or when the build fails. On a machine with a
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mnemo.layers.conv import ShortConvolution
+from mnemo.layers.mlp import swiglu
 from mnemo.layers.norm import gated_rms_norm
 from mnemo.ops import (
     _native,
@@ -39,6 +40,7 @@ from tests.helpers import assert_close
 ch = importlib.import_module("mnemo.ops._chunked")
 ss = importlib.import_module("mnemo.ops.selective_scan")
 nm = importlib.import_module("mnemo.layers.norm")
+mlp = importlib.import_module("mnemo.layers.mlp")
 
 #: every kernel of the library, without its ``_f32`` / ``_f64`` suffix
 KERNELS = sorted({name.rsplit("_", 1)[0] for name in _native._ENTRY_POINTS})
@@ -56,6 +58,8 @@ TWINS = {
     "conv_bwd": None,
     "gn_fwd": (nm, "_gated_rms_norm_reference"),
     "gn_bwd": (nm, "_gated_rms_norm_reference"),
+    "glu_fwd": (mlp, "_swiglu_reference"),
+    "glu_bwd": (mlp, "_swiglu_reference"),
 }
 
 
@@ -305,6 +309,23 @@ def _gated_norm_case(gate_first):
     return inputs, run
 
 
+def _swiglu_case():
+    def inputs(gen, dtype):  # 2H = 26: a partial SIMD register at every width; 22 rows over the threads
+        return {"h": 3 * _rand(gen, B, 11, 26, dtype=dtype)}  # both tails of the sigmoid
+
+    def run(x, mode):
+        if mode == "recurrent":  # the definition, channel by channel: a / (1 + e^-a) * b
+            a, b = x["h"][..., :13].unbind(-1), x["h"][..., 13:].unbind(-1)
+            return (torch.stack([ai / (1 + torch.exp(-ai)) * bi for ai, bi in zip(a, b)], -1),)
+        small, mlp._KERNEL_MIN_NUMEL = mlp._KERNEL_MIN_NUMEL, 0  # this case is below the kernel's size
+        try:
+            return (swiglu(x["h"]),)
+        finally:
+            mlp._KERNEL_MIN_NUMEL = small
+
+    return inputs, run
+
+
 #: case -> (inputs, run, the kernels it must reach on the native side)
 CASES = {
     "delta_rule": (*_delta_case(False, 8), {"unit_lower_inv", "scan_mat_fwd", "scan_mat_bwd"}),
@@ -319,6 +340,7 @@ CASES = {
     "short_conv_no_bias": (*_conv_case(False), {"conv_fwd", "conv_bwd"}),
     "gated_norm_gate_first": (*_gated_norm_case(True), {"gn_fwd", "gn_bwd"}),
     "gated_norm_gate_after": (*_gated_norm_case(False), {"gn_fwd", "gn_bwd"}),
+    "swiglu": (*_swiglu_case(), {"glu_fwd", "glu_bwd"}),
 }
 
 #: relative RMS error against the float64 token loop, outputs and gradients: float64 agrees to

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mnemo.layers.conv import ShortConvolution
+from mnemo.layers.mlp import swiglu
 from mnemo.layers.norm import gated_rms_norm
 from mnemo.ops import _native, delta_rule, gated_delta_rule, gated_linear_attention, selective_scan
 
@@ -81,6 +82,7 @@ def recorded():
     mp = pytest.MonkeyPatch()
     mp.setenv("MNEMO_NATIVE", "1")
     mp.setattr(_native, "call", spy)
+    mp.setattr("mnemo.layers.mlp._KERNEL_MIN_NUMEL", 0)  # SwiGLU's kernel at this small size too
     try:
         g = torch.Generator().manual_seed(0)
         B, T, H, K, V = 2, 21, 2, 8, 4
@@ -104,6 +106,7 @@ def recorded():
         )
         loss = loss + y.sum() + ShortConvolution(D, 4)(u)[0].sum()
         loss = loss + gated_rms_norm(u, z, r(D), groups=4, gate_first=True).sum()
+        loss = loss + swiglu(r(B, T, 2 * D)).sum()
         loss.backward()
     finally:
         mp.undo()

@@ -5,10 +5,11 @@ dispatch or too light for its memory traffic: the selective scan's diagonal recu
 ``[B, D, N]`` multiply-add per token), the short causal depthwise convolution (a few
 multiply-adds per element, which PyTorch runs as one pass over memory per tap), the gated
 RMSNorm of the mixers' outputs (``gated_norm.c``: a SiLU gate and a norm, one pass each way
-instead of PyTorch's half-dozen elementwise passes), and the sequential parts of the chunked forms
-(``chunk_scan.c``: the chunk-to-chunk state pass of the delta rule and of gated linear attention,
-one small operator per chunk in PyTorch, and the per-chunk unit lower-triangular inverse of the
-delta rule).
+instead of PyTorch's half-dozen elementwise passes), SwiGLU's gate between the MLP's two
+projections (``swiglu.c``: one pass each way instead of five, and no concatenation), and the
+sequential parts of the chunked forms (``chunk_scan.c``: the chunk-to-chunk state pass of the
+delta rule and of gated linear attention, one small operator per chunk in PyTorch, and the
+per-chunk unit lower-triangular inverse of the delta rule).
 Each kernel has a pure-PyTorch twin that computes the same function; :func:`library` returns
 ``None`` (and the twin is used) when
 
@@ -73,11 +74,11 @@ __all__ = [
     "QUERIES",
 ]
 
-_SOURCES = ("selective_scan.c", "causal_conv.c", "chunk_scan.c", "gated_norm.c")
+_SOURCES = ("selective_scan.c", "causal_conv.c", "chunk_scan.c", "gated_norm.c", "swiglu.c")
 _HEADERS = ("selective_scan_body.h", "chunk_scan_body.h", "slots.h", "simd.h", "vexp.h")
 _ENTRY_POINTS = [
     f"{op}_{t}"
-    for op in ("ss_fwd", "ss_bwd", "conv_fwd", "conv_bwd", "gn_fwd", "gn_bwd")
+    for op in ("ss_fwd", "ss_bwd", "conv_fwd", "conv_bwd", "gn_fwd", "gn_bwd", "glu_fwd", "glu_bwd")
     + ("scan_mat_fwd", "scan_mat_bwd", "scan_dec_fwd", "scan_dec_bwd", "unit_lower_inv")
     for t in ("f32", "f64")
 ]
@@ -375,6 +376,8 @@ SIGNATURES: dict[str, str] = {
         " dw[nt*D]"
         " | G >= 1; D % G == 0; gate_first in (0, 1)"
     ),
+    "glu_fwd": "H x[jobs*2*H] y[jobs*H] | H >= 1",
+    "glu_bwd": "H x[jobs*2*H] dy[jobs*H] dx[jobs*2*H] | H >= 1",
     "conv_bwd": (
         "B T C W xp[B*(T+W-1)*C] w[W*C] dy[B*T*C] dxp?[B*(T+W-1)*C] dw[W*C] dbias?[C] | jobs == C; W >= 1"
     ),
