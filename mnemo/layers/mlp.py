@@ -69,12 +69,11 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h):
-        h = h.contiguous()
         H = h.shape[-1] // 2
         R = h.numel() // (2 * H)
         y = _workspace.empty((*h.shape[:-1], H), h.dtype, h.device)  # reused across calls
-        _native.call("glu_fwd", h.dtype, R, _native.slots(R), [H, h, y])
-        ctx.save_for_backward(h)
+        _native.call("glu_fwd", h.dtype, R, _native.slots(R), [H, h.contiguous(), y])
+        ctx.save_for_backward(h)  # the input itself (not a copy): the create_graph path differentiates it
         return y
 
     @staticmethod
@@ -87,7 +86,7 @@ class _SwiGLU(torch.autograd.Function):
         H = h.shape[-1] // 2
         R = h.numel() // (2 * H)
         dh = _workspace.empty(h.shape, h.dtype, h.device)
-        _native.call("glu_bwd", h.dtype, R, _native.slots(R), [H, h, dy.contiguous(), dh])
+        _native.call("glu_bwd", h.dtype, R, _native.slots(R), [H, h.contiguous(), dy.contiguous(), dh])
         return dh
 
 

@@ -71,13 +71,14 @@ def test_kernel_matches_the_pytorch_form(dtype, tol, H, any_size, monkeypatch):
         assert_close(a, b, tol, what=what)
 
 
-def test_the_equation_by_hand():
+@pytest.mark.parametrize("fn", [swiglu, _swiglu_reference], ids=["swiglu", "pytorch"])
+def test_the_equation_by_hand(fn, any_size):
     """A hand loop of ``silu(a) ⊙ b`` and of its gradient ``(dy b silu'(a), dy silu(a))``, in
-    Python floats, on a 2 x 2H input with H = 3 (the kernel when it builds, else the PyTorch form),
-    including a gate of -800 (the sigmoid's exp overflows: the value is -0, not NaN)."""
+    Python floats, on a 2 x 2H input with H = 3 (``swiglu``: the kernel when it builds), including
+    a gate of -800 (the sigmoid's exp overflows: the value is -0, not NaN)."""
     h, dy = _inputs((2,), 3, torch.float64, seed=3)
     h[1, 0] = -800.0
-    y, dh = _value_and_grad(swiglu, h, dy)
+    y, dh = _value_and_grad(fn, h, dy)
 
     def sig(t):
         return 1 / (1 + math.exp(-t)) if t > -700 else 0.0
@@ -99,6 +100,14 @@ def test_gradients_by_finite_differences_and_a_graph_of_the_gradient(any_size):
     h, _ = _inputs((2, 3), 5, torch.float64, seed=1)
     assert torch.autograd.gradcheck(swiglu, (h.requires_grad_(True),))
     assert torch.autograd.gradgradcheck(swiglu, (h,))
+    # a non-contiguous input (a transpose): the graph of the gradient is the input's own
+    h_t = torch.randn(6, 10, dtype=torch.float64).t().requires_grad_(True)
+    assert not h_t.is_contiguous()
+    assert torch.autograd.gradgradcheck(swiglu, (h_t,))
+    (g,) = torch.autograd.grad(swiglu(h_t).square().sum(), h_t, create_graph=True)
+    (g_ref,) = torch.autograd.grad(_swiglu_reference(h_t).square().sum(), h_t, create_graph=True)
+    assert_close(g, g_ref, 1e-13)
+    assert_close(torch.autograd.grad(g.sum(), h_t)[0], torch.autograd.grad(g_ref.sum(), h_t)[0], 1e-12)
 
 
 def test_fallbacks_compute_the_same(monkeypatch, any_size):
