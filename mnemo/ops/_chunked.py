@@ -94,8 +94,8 @@ def chunks_within_span(
     chunk size): halving only trades larger batched products for a decay range the factorised form
     can represent (``e^{±safe_span}``). ``(None, None)`` when even the smallest size decays too much
     (strong gates, hard resets ``-inf``): the caller's autograd form, safe for any decay, takes over.
-    A NaN gate is not a decay: the first size is returned, as the factorised form handled it before.
-    Reads the decay back to the host (one ``float`` per size tried): CPU eager calls only."""
+    (The public ops refuse NaN gates before this point; a NaN here keeps the first size.) Reads the
+    decay back to the host (one ``float`` per size tried): CPU eager calls only."""
     while True:
         b = to_chunks(g, C, dtype).cumsum_(-2)
         if not float(b[..., -1, :].min()) < -safe_span:
