@@ -87,10 +87,10 @@ def chunks_within_span(
     """The chunk size the factorised (hand-written backward) chunk forms can run a gated call at.
 
     ``g``: log gates ``[B, T, H]`` (one per head) or ``[B, T, H, K]`` (one per key channel), ``≤ 0``.
-    Tries ``C``, then ``C // 2``, ``C // 4``, … while the size stays ``≥ min_chunk``, and returns the
-    first size at which no chunk decays by more than ``safe_span`` nats, with ``b``, the gates'
-    inclusive cumulative sum within each chunk in the chunk layout ``[B, H, n, C', G]`` (``G`` = 1
-    or ``K``) and ``dtype``. Every size computes the same function (the chunk form is exact for any
+    Tries ``C``, then ``C // 2``, ``C // 4``, … while the size stays ``≥ min_chunk`` (default
+    ``min_chunk=16``, :data:`MIN_SPLIT_CHUNK`), and returns the first size at which no chunk decays
+    by more than ``safe_span`` nats, with ``b``, the gates' inclusive cumulative sum within each
+    chunk in the chunk layout ``[B, H, n, C', G]`` (``G`` = 1 or ``K``) and ``dtype``. Every size computes the same function (the chunk form is exact for any
     chunk size): halving only trades larger batched products for a decay range the factorised form
     can represent (``e^{±safe_span}``). ``(None, None)`` when even the smallest size decays too much
     (strong gates, hard resets ``-inf``): the caller's autograd form, safe for any decay, takes over.
