@@ -90,11 +90,12 @@ def chunks_within_span(
     Tries ``C``, then ``C // 2``, ``C // 4``, … while the size stays ``≥ min_chunk`` (default
     ``min_chunk=16``, :data:`MIN_SPLIT_CHUNK`), and returns the first size at which no chunk decays
     by more than ``safe_span`` nats, with ``b``, the gates' inclusive cumulative sum within each
-    chunk in the chunk layout ``[B, H, n, C', G]`` (``G`` = 1 or ``K``) and ``dtype``. Every size computes the same function (the chunk form is exact for any
-    chunk size): halving only trades larger batched products for a decay range the factorised form
-    can represent (``e^{±safe_span}``). ``(None, None)`` when even the smallest size decays too much
-    (strong gates, hard resets ``-inf``): the caller's autograd form, safe for any decay, takes over.
-    (The public ops refuse NaN gates before this point; a NaN here keeps the first size.) Reads the
+    chunk in the chunk layout ``[B, H, n, C', G]`` (``G`` = 1 or ``K``) and ``dtype``. Every size
+    computes the same function (the chunk form is exact for any chunk size): halving only trades
+    larger batched products for a decay range the factorised form can represent
+    (``e^{±safe_span}``). ``(None, None)`` when even the smallest size decays too much (strong
+    gates, hard resets ``-inf``): the caller's autograd form, safe for any decay, takes over. (The
+    public ops refuse NaN gates before this point; a NaN here keeps the first size.) Reads the
     decay back to the host (one ``float`` per size tried): CPU eager calls only."""
     while True:
         b = to_chunks(g, C, dtype).cumsum_(-2)
