@@ -94,14 +94,15 @@ def chunks_within_span(
     computes the same function (the chunk form is exact for any chunk size): halving only trades
     larger batched products for a decay range the factorised form can represent
     (``e^{±safe_span}``). ``(None, None)`` when even the smallest size decays too much (strong
-    gates, hard resets ``-inf``): the caller's autograd form, safe for any decay, takes over. (The
-    public ops refuse NaN gates before this point; a NaN here keeps the first size.) Reads the
-    decay back to the host (one ``float`` per size tried): CPU eager calls only."""
+    gates; a hard reset ``-inf`` at once): the caller's autograd form, safe for any decay, takes
+    over. (The public ops refuse NaN gates before this point; a NaN here keeps the first size.)
+    Reads the decay back to the host (one ``float`` per size tried): CPU eager calls only."""
     while True:
         b = to_chunks(g, C, dtype).cumsum_(-2)
-        if not float(b[..., -1, :].min()) < -safe_span:
+        span = float(b[..., -1, :].min())
+        if not span < -safe_span:
             return C, b
-        if C // 2 < min_chunk:
+        if C // 2 < min_chunk or span == float("-inf"):  # a hard reset fits no chunk size
             return None, None
         C //= 2
 

@@ -420,4 +420,12 @@ def test_chunks_within_span_by_hand():
     assert chunks_within_span(gn, 64, torch.float64, 30.0)[0] == 64
     gi = torch.full((B, T, H), -0.01, dtype=torch.float64)
     gi[1, 40, 2] = -torch.inf
-    assert chunks_within_span(gi, 64, torch.float64, 30.0) == (None, None)
+    chunked = importlib.import_module("mnemo.ops._chunked")
+    tried = []
+    real = chunked.to_chunks
+    chunked.to_chunks = lambda x, C, *a, **k: tried.append(C) or real(x, C, *a, **k)
+    try:
+        assert chunks_within_span(gi, 64, torch.float64, 30.0) == (None, None)
+    finally:
+        chunked.to_chunks = real
+    assert tried == [64]  # a hard reset fits no chunk size: no halving is tried
