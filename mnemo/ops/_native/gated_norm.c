@@ -29,20 +29,6 @@
 #include "vexp.h"
 
 #define DEFINE_GN(SUF, S, V, EXPV)                                                                 \
-    static inline V load_##SUF(const S *p, int64_t n) {                                            \
-        V v = {0};                                                                                 \
-        if (n == W)                                                                                \
-            memcpy(&v, p, sizeof(V));                                                              \
-        else                                                                                       \
-            memcpy(&v, p, (size_t)n * sizeof(S));                                                  \
-        return v;                                                                                  \
-    }                                                                                              \
-    static inline void store_##SUF(S *p, V v, int64_t n) {                                         \
-        if (n == W)                                                                                \
-            memcpy(p, &v, sizeof(V));                                                              \
-        else                                                                                       \
-            memcpy(p, &v, (size_t)n * sizeof(S));                                                  \
-    }                                                                                              \
     static inline S hsum_##SUF(V v) {                                                              \
         S s = 0;                                                                                   \
         for (int j = 0; j < W; j++) s += v[j];                                                     \
@@ -64,11 +50,11 @@
                 V acc = {0};                                                                       \
                 for (int64_t i = 0; i < c; i += W) {                                               \
                     const int64_t n = c - i < W ? c - i : W;                                       \
-                    V a = load_##SUF(xr + i, n);                                                   \
+                    V a = vload_##SUF(xr + i, n);                                                   \
                     if (gf) {                                                                      \
-                        const V zv = load_##SUF(zr + i, n);                                        \
+                        const V zv = vload_##SUF(zr + i, n);                                        \
                         a = a * zv * sigmoid_##SUF(zv);                                            \
-                        store_##SUF(yr + i, a, n);                                                 \
+                        vstore_##SUF(yr + i, a, n);                                                 \
                     }                                                                              \
                     acc += a * a;                                                                  \
                 }                                                                                  \
@@ -76,15 +62,15 @@
                 rstd[r * G + g] = rs;                                                              \
                 for (int64_t i = 0; i < c; i += W) {                                               \
                     const int64_t n = c - i < W ? c - i : W;                                       \
-                    const V wv = load_##SUF(wr + i, n);                                            \
+                    const V wv = vload_##SUF(wr + i, n);                                            \
                     V out;                                                                         \
                     if (gf) {                                                                      \
-                        out = load_##SUF(yr + i, n) * rs * wv;                                     \
+                        out = vload_##SUF(yr + i, n) * rs * wv;                                     \
                     } else {                                                                       \
-                        const V zv = load_##SUF(zr + i, n);                                        \
-                        out = load_##SUF(xr + i, n) * rs * wv * (zv * sigmoid_##SUF(zv));          \
+                        const V zv = vload_##SUF(zr + i, n);                                        \
+                        out = vload_##SUF(xr + i, n) * rs * wv * (zv * sigmoid_##SUF(zv));          \
                     }                                                                              \
-                    store_##SUF(yr + i, out, n);                                                   \
+                    vstore_##SUF(yr + i, out, n);                                                   \
                 }                                                                                  \
             }                                                                                      \
     }                                                                                              \
@@ -107,8 +93,8 @@
                 V dot = {0};                                                                       \
                 for (int64_t i = 0; i < c; i += W) {                                               \
                     const int64_t n = c - i < W ? c - i : W;                                       \
-                    const V xv = load_##SUF(xr + i, n), zv = load_##SUF(zr + i, n);                \
-                    const V gv = load_##SUF(gr + i, n), wv = load_##SUF(wr + i, n);                \
+                    const V xv = vload_##SUF(xr + i, n), zv = vload_##SUF(zr + i, n);                \
+                    const V gv = vload_##SUF(gr + i, n), wv = vload_##SUF(wr + i, n);                \
                     const V s = sigmoid_##SUF(zv), sl = zv * s;                                    \
                     const V dsl = s * ((S)1 + zv * ((S)1 - s));                                    \
                     V nv, dn, dwv;                                                                 \
@@ -116,31 +102,31 @@
                         nv = xv * sl * rs;                                                         \
                         dn = gv * wv;                                                              \
                         dwv = gv * nv;                                                             \
-                        store_##SUF(dzr + i, xv * dsl, n);                                         \
+                        vstore_##SUF(dzr + i, xv * dsl, n);                                         \
                     } else {                                                                       \
                         nv = xv * rs;                                                              \
                         const V gw = gv * wv;                                                      \
                         dn = gw * sl;                                                              \
                         dwv = gv * nv * sl;                                                        \
-                        store_##SUF(dzr + i, gw * nv * dsl, n);                                    \
+                        vstore_##SUF(dzr + i, gw * nv * dsl, n);                                    \
                     }                                                                              \
-                    store_##SUF(dxr + i, sl, n);                                                   \
-                    store_##SUF(dwr + i, load_##SUF(dwr + i, n) + dwv, n);                         \
+                    vstore_##SUF(dxr + i, sl, n);                                                   \
+                    vstore_##SUF(dwr + i, vload_##SUF(dwr + i, n) + dwv, n);                         \
                     dot += dn * nv;                                                                \
                 }                                                                                  \
                 const S m = hsum_##SUF(dot) / (S)c;                                                \
                 for (int64_t i = 0; i < c; i += W) {                                               \
                     const int64_t n = c - i < W ? c - i : W;                                       \
-                    const V xv = load_##SUF(xr + i, n), sl = load_##SUF(dxr + i, n);               \
-                    const V gv = load_##SUF(gr + i, n), wv = load_##SUF(wr + i, n);                \
+                    const V xv = vload_##SUF(xr + i, n), sl = vload_##SUF(dxr + i, n);               \
+                    const V gv = vload_##SUF(gr + i, n), wv = vload_##SUF(wr + i, n);                \
                     if (gf) {                                                                      \
                         const V nv = xv * sl * rs;                                                 \
                         const V da = rs * (gv * wv - nv * m);                                      \
-                        store_##SUF(dxr + i, da * sl, n);                                          \
-                        store_##SUF(dzr + i, da * load_##SUF(dzr + i, n), n);                      \
+                        vstore_##SUF(dxr + i, da * sl, n);                                          \
+                        vstore_##SUF(dzr + i, da * vload_##SUF(dzr + i, n), n);                      \
                     } else {                                                                       \
                         const V nv = xv * rs;                                                      \
-                        store_##SUF(dxr + i, rs * (gv * wv * sl - nv * m), n);                     \
+                        vstore_##SUF(dxr + i, rs * (gv * wv * sl - nv * m), n);                     \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \

@@ -21,21 +21,6 @@
 #include "vexp.h"
 
 #define DEFINE_GLU(SUF, S, V, EXPV)                                                                \
-    static inline V gload_##SUF(const S *p, int64_t n) {                                           \
-        V v = {0};                                                                                 \
-        if (n == W)                                                                                \
-            memcpy(&v, p, sizeof(V));                                                              \
-        else                                                                                       \
-            memcpy(&v, p, (size_t)n * sizeof(S));                                                  \
-        return v;                                                                                  \
-    }                                                                                              \
-    static inline void gstore_##SUF(S *p, V v, int64_t n) {                                        \
-        if (n == W)                                                                                \
-            memcpy(p, &v, sizeof(V));                                                              \
-        else                                                                                       \
-            memcpy(p, &v, (size_t)n * sizeof(S));                                                  \
-    }                                                                                              \
-                                                                                                   \
     static void glu_fwd_range_##SUF(int64_t r0, int64_t r1, int64_t H, const S *restrict x,        \
                                     S *restrict y) {                                               \
         for (int64_t r = r0; r < r1; r++) {                                                        \
@@ -43,8 +28,8 @@
             S *restrict yr = y + r * H;                                                            \
             for (int64_t i = 0; i < H; i += W) {                                                   \
                 const int64_t n = H - i < W ? H - i : W;                                           \
-                const V a = gload_##SUF(ar + i, n), b = gload_##SUF(br + i, n);                    \
-                gstore_##SUF(yr + i, a / ((S)1 + EXPV(-a)) * b, n);                                \
+                const V a = vload_##SUF(ar + i, n), b = vload_##SUF(br + i, n);                    \
+                vstore_##SUF(yr + i, a / ((S)1 + EXPV(-a)) * b, n);                                \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
@@ -57,11 +42,11 @@
             S *restrict dar = dx + r * 2 * H, *restrict dbr = dar + H;                             \
             for (int64_t i = 0; i < H; i += W) {                                                   \
                 const int64_t n = H - i < W ? H - i : W;                                           \
-                const V a = gload_##SUF(ar + i, n), b = gload_##SUF(br + i, n);                    \
-                const V g = gload_##SUF(gr + i, n);                                                \
+                const V a = vload_##SUF(ar + i, n), b = vload_##SUF(br + i, n);                    \
+                const V g = vload_##SUF(gr + i, n);                                                \
                 const V s = (S)1 / ((S)1 + EXPV(-a)), sl = a * s;                                  \
-                gstore_##SUF(dar + i, g * b * (s + sl * ((S)1 - s)), n);                           \
-                gstore_##SUF(dbr + i, g * sl, n);                                                  \
+                vstore_##SUF(dar + i, g * b * (s + sl * ((S)1 - s)), n);                           \
+                vstore_##SUF(dbr + i, g * sl, n);                                                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \

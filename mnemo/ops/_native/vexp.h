@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -41,6 +42,26 @@ static inline vf32 exp_vf32(vf32 x0) {
     e = (vf32)((vi32)e & ~under);
     return (vf32)(((vi32)x0 & nan) | ((vi32)e & ~nan));
 }
+
+/* n ≤ W lanes from or to memory (the partial register at a row's end: only its n lanes are touched;
+   the rest of a load is 0), for the kernels that walk rows W at a time (gated_norm.c, swiglu.c). */
+#define MNEMO_DEFINE_VMEM(SUF, S, V)                                                               \
+    static inline V vload_##SUF(const S *p, int64_t n) {                                           \
+        V v = {0};                                                                                 \
+        if (n == W)                                                                                \
+            memcpy(&v, p, sizeof(V));                                                              \
+        else                                                                                       \
+            memcpy(&v, p, (size_t)n * sizeof(S));                                                  \
+        return v;                                                                                  \
+    }                                                                                              \
+    static inline void vstore_##SUF(S *p, V v, int64_t n) {                                        \
+        if (n == W)                                                                                \
+            memcpy(p, &v, sizeof(V));                                                              \
+        else                                                                                       \
+            memcpy(p, &v, (size_t)n * sizeof(S));                                                  \
+    }
+MNEMO_DEFINE_VMEM(f32, float, vf32)
+MNEMO_DEFINE_VMEM(f64, double, vf64)
 
 /* float64 (the tests and float64 research runs): libm's exp per lane. */
 static inline vf64 exp_vf64(vf64 x) {
