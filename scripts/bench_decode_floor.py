@@ -18,14 +18,16 @@ larger sizes, e.g. 512 x 8) and batch 1 and 8, in one process, interleaved:
 - with ``--compile``, ``compiled``: the same step as ``LanguageModel.generate(compile=True)`` runs
   it (``mnemo.models.lm._compile_kind("step")``, a fresh one per model and batch: inductor fuses
   the elementwise operators into a few C++ loops, so the per-operator floor no longer applies, and
-  writes products of at most 8 rows as fused multiply-sums instead of BLAS calls), and its
-  fraction of the bandwidth.
+  hands products of at most 8 rows to ``mnemo.ops.small_mm``'s C kernel, or writes the smaller ones
+  as fused multiply-sums, instead of BLAS calls), and its fraction of the bandwidth; with
+  ``--blas-too`` also the compiled step with BLAS products, with ``--fused-too`` the compiled step
+  with fused multiply-sums only (the pass before the kernel), in the same rounds.
 
 When ``floor`` alone exceeds ``t(50% bw)``, no eager decode step that dispatches these operators one
 by one can meet the target: it needs fewer operators (fusion into one kernel per layer or per step).
 
     python scripts/bench_decode_floor.py [--models gated_deltanet,mamba2,gla,transformer] [--repeats 20]
-        [--compile [--blas-too]] [--d-model 128] [--n-layers 4]
+        [--compile [--blas-too] [--fused-too]] [--d-model 128] [--n-layers 4]
 """
 
 import argparse
@@ -109,11 +111,19 @@ def main(argv=None):
         "as generate(compile=True) ran before issue 40's matvec pass), in the same rounds",
     )
     p.add_argument(
+        "--fused-too",
+        action="store_true",
+        help="with --compile: also time the compiled step whose products are all fused multiply-sums "
+        "(no mnemo.ops.small_mm kernel, as generate(compile=True) ran in sessions 27-30), in the same rounds",
+    )
+    p.add_argument(
         "--stream-elements", type=int, default=None, help="triad array length (default: the roofline's)"
     )
     a = p.parse_args(argv)
     if a.blas_too and not a.compile:
         p.error("--blas-too: times the compiled step without the pass, so it needs --compile")
+    if a.fused_too and not a.compile:
+        p.error("--fused-too: times the compiled step without the kernel, so it needs --compile")
     torch.set_num_threads(a.threads)
     models = a.models.split(",")
     batches = [int(b) for b in a.batches.split(",")]
@@ -137,6 +147,10 @@ def main(argv=None):
                     blas, _ = compiled_decode_step_fn(model, b, a.context, matvec=False)
                     blas()
                     tasks[("blas", m, b)] = repeated(blas, a.steps_per_call)
+                if a.fused_too:
+                    fused, _ = compiled_decode_step_fn(model, b, a.context, kernel=False)
+                    fused()
+                    tasks[("fused", m, b)] = repeated(fused, a.steps_per_call)
     floor_fn, floor_n = op_floor_task()
     tasks["floor"] = floor_fn
     stream = stream_tasks() if a.stream_elements is None else stream_tasks(a.stream_elements)
@@ -144,7 +158,7 @@ def main(argv=None):
     t0 = time.time()
     times = interleaved(tasks, a.repeats, warmup=2)
     med = {
-        k: statistics.median(v) / (a.steps_per_call if k[0] in ("decode", "compiled", "blas") else 1)
+        k: statistics.median(v) / (a.steps_per_call if k[0] in ("decode", "compiled", "blas", "fused") else 1)
         for k, v in times.items()
     }
     triad = stream["triad"][1] / med["triad"]
@@ -162,6 +176,8 @@ def main(argv=None):
         head += "  compiled ms  fraction of bw  compile s  max |logit diff|"
         if a.blas_too:
             head += "  BLAS ms  fraction of bw  BLAS/compiled"
+        if a.fused_too:
+            head += "  fused ms  fraction of bw  fused/compiled"
     print(head)
     rows = []
     for m, model in built.items():
@@ -186,6 +202,10 @@ def main(argv=None):
                     blas = med[("blas", m, b)]
                     line += f" {blas * 1e3:8.3f} {nbytes / blas / triad:15.3f} {blas / comp:14.2f}"
                     rows[-1].update(blas_s=blas)
+                if a.fused_too:
+                    fused = med[("fused", m, b)]
+                    line += f" {fused * 1e3:9.3f} {nbytes / fused / triad:15.3f} {fused / comp:15.2f}"
+                    rows[-1].update(fused_s=fused)
             print(line)
     return rows
 

@@ -8,7 +8,11 @@ per call, in one process, interleaved, medians; with 2 threads, then 1:
 - ``F.linear``: PyTorch's BLAS path (MKL ``sgemv`` for 1 row, ``sgemm`` for 8);
 - ``multiply-sum eager``: ``(w * x).sum(-1)`` in eager PyTorch (1 row);
 - ``multiply-sum compiled``: ``(x[:, :, None] * w.T[None]).sum(-2)`` under ``torch.compile``, the
-  form ``MatvecPass`` writes (one C++ loop; one compiled function per row count, static);
+  form ``MatvecPass`` writes for small weights and single rows (one C++ loop; one compiled function
+  per row count, static);
+- ``small_mm kernel``: ``torch.ops.mnemo.small_mm`` (``mnemo/ops/_native/small_mm.c``: each weight
+  row read once for all rows), what ``MatvecPass`` calls for 2-8 rows in steps whose weights exceed
+  the last-level cache; ``F.linear`` where the native kernels are unavailable;
 
     python scripts/bench_matvec.py [--rounds 11]
 """
@@ -20,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import mnemo.ops.small_mm  # noqa: F401  (registers torch.ops.mnemo.small_mm)
 from mnemo.bench.roofline import stream_tasks
 
 
@@ -37,6 +42,9 @@ def main(argv=None):
     def fused():  # one compiled function per row count: its rows a static dimension, as in the pass
         return torch.compile(lambda x, w: (x[:, :, None] * w.t()[None]).sum(-2), dynamic=False)
 
+    def kernel(x, w):
+        return torch.ops.mnemo.small_mm(x, w, None)
+
     def over_weights(fn, rows):
         x = torch.randn(rows, d, generator=g)
 
@@ -52,6 +60,8 @@ def main(argv=None):
         "multiply-sum eager, 1 row": over_weights(lambda x, w: (w * x).sum(-1), 1),
         "multiply-sum compiled, 1 row": over_weights(fused(), 1),
         "multiply-sum compiled, 8 rows": over_weights(fused(), 8),
+        "small_mm kernel, 1 row": over_weights(kernel, 1),
+        "small_mm kernel, 8 rows": over_weights(kernel, 8),
     }
     stream = stream_tasks() if a.stream_elements is None else stream_tasks(a.stream_elements)
     tasks["triad"] = stream["triad"][0]

@@ -289,16 +289,17 @@ def decode_step_fn(model, batch: int, context: int, step_fn=None) -> Callable[[]
 
 
 def compiled_decode_step_fn(
-    model, batch: int, context: int, matvec: bool = True
+    model, batch: int, context: int, matvec: bool = True, kernel: bool = True
 ) -> tuple[Callable[[], torch.Tensor], float]:
     """:func:`decode_step_fn`'s step through the one-token function ``generate(compile=True)``
     compiles (``mnemo.models.lm._compile_kind("step")``: a fresh one per model and batch, as a
     first generation at that batch compiles it; one shared by two batches would make the batch
     dimension dynamic), compiled here by its first call, and its logits' largest difference from
-    the eager step. ``matvec=False``: without the fused multiply-sums (BLAS products)."""
+    the eager step. ``matvec=False``: without the decode pass (BLAS products); ``kernel=False``:
+    with its fused multiply-sums but not :func:`mnemo.ops.small_mm.small_mm`'s C kernel."""
     from ..models.lm import _compile_kind
 
-    step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step", matvec=matvec))
+    step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step", matvec=matvec, kernel=kernel))
     eager = decode_step_fn(model, batch, context)
     return step, float((step() - eager()).abs().max())
 

@@ -819,14 +819,15 @@ _compiled_serial = itertools.count()
 _COMPILED_KINDS = {"prefill": _prefill, "step": _one_token}
 
 
-def _decode_options() -> dict | None:
+def _decode_options(kernel: bool = True) -> dict | None:
     """``torch.compile`` options of the one-token step: :class:`mnemo.models._matvec.MatvecPass`
-    (small CPU matrix products as fused multiply-sums), or ``None`` where this torch's inductor
+    (small CPU matrix products through :func:`mnemo.ops.small_mm.small_mm`'s C kernel or as fused
+    multiply-sums; ``kernel=False``: multiply-sums only), or ``None`` where this torch's inductor
     lacks the custom-pass interface it needs (then the step calls BLAS, as before)."""
     try:
         from ._matvec import MatvecPass
 
-        return {"post_grad_custom_pre_pass": MatvecPass()}
+        return {"post_grad_custom_pre_pass": MatvecPass(kernel=kernel)}
     except Exception:  # an inductor without the interfaces the pass is built on: BLAS products
         return None
 
@@ -860,10 +861,11 @@ def _compiled(model: nn.Module, kind: str, batch: int | None = None):
     return fn
 
 
-def _compile_kind(kind: str, matvec: bool = True):
+def _compile_kind(kind: str, matvec: bool = True, kernel: bool = True):
     """A new compiled function of ``kind`` (``"prefill"`` or ``"step"``) with a dynamo cache of its
     own (nothing compiled yet): what :func:`_compiled` keeps per model. ``matvec=False`` compiles
-    the step without :func:`_decode_options`' pass (BLAS products; for benchmarks). Its code
+    the step without :func:`_decode_options`' pass (BLAS products; for benchmarks), ``kernel=False``
+    with the pass's multiply-sums only (no C kernel; for benchmarks). Its code
     object is a copy with a name of its own (``_one_token_3``): dynamo keeps its graphs per code
     object, and its record of which dimensions changed between calls (automatic dynamic shapes)
     per file, line and name, so a shared name would compile a second model's first batch size as a
@@ -874,7 +876,7 @@ def _compile_kind(kind: str, matvec: bool = True):
     code = src.__code__.replace(**names)
     fresh = types.FunctionType(code, src.__globals__, name)
     if kind == "step" and matvec:
-        return torch.compile(fresh, options=_decode_options())
+        return torch.compile(fresh, options=_decode_options(kernel))
     return torch.compile(fresh)
 
 

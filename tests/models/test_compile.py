@@ -503,6 +503,81 @@ def test_the_multiply_sum_is_the_matrix_product(bias):
 
 
 @needs_compile
+@pytest.mark.parametrize("bias", [False, True])
+def test_large_enough_products_of_two_rows_or_more_go_to_the_kernel(bias, monkeypatch):
+    """A compiled ``F.linear`` whose weight has at least ``KERNEL_MIN_WEIGHT`` elements, in a graph
+    that reads ``KERNEL_MIN_STEP_BYTES`` of weights: 2 and 8 rows become
+    ``torch.ops.mnemo.small_mm`` (the C kernel, seen by a spy on the native call), 1 row the
+    multiply-sum; with ``MNEMO_NATIVE=0``, ``MatvecPass(kernel=False)`` or a graph whose weights
+    stay under ``KERNEL_MIN_STEP_BYTES`` (they fit in the cache) every row count up to 8 is a
+    multiply-sum. The values are the eager product's each time."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    from mnemo.models._matvec import MatvecPass
+    from mnemo.ops import _native
+    from mnemo.ops import small_mm as sm
+
+    if _native.library() is None:
+        pytest.skip("native kernels unavailable")
+    ran = []
+    real = _native.call
+    monkeypatch.setattr(_native, "call", lambda name, *a: (ran.append(name), real(name, *a))[1])
+    g = torch.Generator().manual_seed(0)
+    K, N = 256, 300
+    assert K * N >= sm.KERNEL_MIN_WEIGHT and sm.KERNEL_MIN_ROWS == 2
+    monkeypatch.setattr(sm, "KERNEL_MIN_STEP_BYTES", K * N * 4)  # this one weight is the whole step
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    for native, kernel, step_min in (("1", True, 1), ("0", True, 1), ("1", False, 1), ("1", True, 2)):
+        monkeypatch.setenv("MNEMO_NATIVE", native)
+        monkeypatch.setattr(sm, "KERNEL_MIN_STEP_BYTES", step_min * K * N * 4)
+        for rows in (1, 2, 8):
+            x = torch.randn(rows, K, generator=g)
+            counters.clear()
+            ran.clear()
+            fn = torch.compile(
+                lambda x, w, b: F.linear(x, w, b),
+                options={"post_grad_custom_pre_pass": MatvecPass(kernel=kernel)},
+            )
+            try:
+                with torch.no_grad():
+                    out = fn(x, w, b)
+            finally:
+                torch._dynamo.reset()
+            assert rel_rms(out, x @ w.t() + (0 if b is None else b)) < 1e-6, (native, kernel, rows)
+            to_kernel = native == "1" and kernel and step_min == 1 and rows >= 2
+            assert counters["inductor"]["mnemo_matvec"] == 1
+            assert counters["inductor"]["mnemo_small_mm"] == int(to_kernel), (native, kernel, rows)
+            assert ran == (["smm_fwd"] if to_kernel else []), (native, kernel, rows)
+
+
+@needs_compile
+def test_the_compiled_step_of_a_batch_calls_the_kernel(monkeypatch):
+    """A whole decode step at batch 2 with the weight thresholds lowered to 0 (the test models are
+    tiny): its products go to the kernel, and its logits equal the eager step's; at batch 1 none
+    does."""
+    from mnemo.ops import _native
+    from mnemo.ops import small_mm as sm
+
+    if _native.library() is None:
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setenv("MNEMO_NATIVE", "1")
+    monkeypatch.setattr(sm, "KERNEL_MIN_WEIGHT", 0)
+    monkeypatch.setattr(sm, "KERNEL_MIN_STEP_BYTES", 0)
+    from torch._dynamo.utils import counters
+
+    model = _model("gla").eval()
+    try:
+        assert _step_rewrites(model, 2) > 0
+        assert counters["inductor"]["mnemo_small_mm"] > 0
+        assert _step_rewrites(model, 1) > 0
+        assert counters["inductor"]["mnemo_small_mm"] == 0
+    finally:
+        torch._dynamo.reset()
+
+
+@needs_compile
 @pytest.mark.parametrize("beta,alpha", [(0.5, 1.0), (1.0, 2.0), (0.0, 3.0)])
 def test_a_scaled_addmm_is_left_to_blas(beta, alpha):
     """``addmm(b, x, w, beta=, alpha=)`` with a scale other than 1: the pattern does not name the

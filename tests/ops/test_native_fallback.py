@@ -41,6 +41,7 @@ ch = importlib.import_module("mnemo.ops._chunked")
 ss = importlib.import_module("mnemo.ops.selective_scan")
 nm = importlib.import_module("mnemo.layers.norm")
 mlp = importlib.import_module("mnemo.layers.mlp")
+smm = importlib.import_module("mnemo.ops.small_mm")
 
 #: every kernel of the library, without its ``_f32`` / ``_f64`` suffix
 KERNELS = sorted({name.rsplit("_", 1)[0] for name in _native._ENTRY_POINTS})
@@ -60,6 +61,7 @@ TWINS = {
     "gn_bwd": (nm, "_gated_rms_norm_reference"),
     "glu_fwd": (mlp, "_swiglu_reference"),
     "glu_bwd": (mlp, "_swiglu_reference"),
+    "smm_fwd": (smm, "_linear"),
 }
 
 
@@ -326,6 +328,27 @@ def _swiglu_case():
     return inputs, run
 
 
+def _small_mm_case():
+    def inputs(gen, dtype):  # K = 45: a partial SIMD register at every width; N = 37: rows after the blocks
+        return {
+            "x": _rand(gen, 6, 45, dtype=dtype),
+            "w": _rand(gen, 37, 45, dtype=dtype),
+            "b": _rand(gen, 37, dtype=dtype),
+        }
+
+    def run(x, mode):
+        if mode == "recurrent":  # the definition: one dot product per output, plus the bias
+            rows = [[(xi * wn).sum() + bn for wn, bn in zip(x["w"], x["b"])] for xi in x["x"]]
+            return (torch.stack([torch.stack(r) for r in rows]),)
+        threaded, smm._THREADED_MIN_WEIGHT = smm._THREADED_MIN_WEIGHT, 0  # both threads at this size
+        try:
+            return (smm.small_mm(x["x"], x["w"], x["b"]),)
+        finally:
+            smm._THREADED_MIN_WEIGHT = threaded
+
+    return inputs, run
+
+
 #: case -> (inputs, run, the kernels it must reach on the native side)
 CASES = {
     "delta_rule": (*_delta_case(False, 8), {"unit_lower_inv", "scan_mat_fwd", "scan_mat_bwd"}),
@@ -341,6 +364,7 @@ CASES = {
     "gated_norm_gate_first": (*_gated_norm_case(True), {"gn_fwd", "gn_bwd"}),
     "gated_norm_gate_after": (*_gated_norm_case(False), {"gn_fwd", "gn_bwd"}),
     "swiglu": (*_swiglu_case(), {"glu_fwd", "glu_bwd"}),
+    "small_mm": (*_small_mm_case(), {"smm_fwd"}),
 }
 
 #: relative RMS error against the float64 token loop, outputs and gradients: float64 agrees to

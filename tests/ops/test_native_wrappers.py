@@ -24,6 +24,7 @@ from mnemo.layers.conv import ShortConvolution
 from mnemo.layers.mlp import swiglu
 from mnemo.layers.norm import gated_rms_norm
 from mnemo.ops import _native, delta_rule, gated_delta_rule, gated_linear_attention, selective_scan
+from mnemo.ops.small_mm import small_mm
 
 needs_native = pytest.mark.skipif(
     _native.library() is None,
@@ -107,6 +108,7 @@ def recorded():
         loss = loss + y.sum() + ShortConvolution(D, 4)(u)[0].sum()
         loss = loss + gated_rms_norm(u, z, r(D), groups=4, gate_first=True).sum()
         loss = loss + swiglu(r(B, T, 2 * D)).sum()
+        loss = loss + small_mm(r(3, D), r(N, D), r(N)).sum()
         loss.backward()
     finally:
         mp.undo()

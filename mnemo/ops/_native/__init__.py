@@ -9,7 +9,9 @@ instead of PyTorch's half-dozen elementwise passes), SwiGLU's gate between the M
 projections (``swiglu.c``: one pass each way instead of five, and no concatenation), and the
 sequential parts of the chunked forms (``chunk_scan.c``: the chunk-to-chunk state pass of the
 delta rule and of gated linear attention, one small operator per chunk in PyTorch, and the
-per-chunk unit lower-triangular inverse of the delta rule).
+per-chunk unit lower-triangular inverse of the delta rule), and the products of one-token
+decoding (``small_mm.c``: a few rows times a weight matrix, each weight row read once for all of
+them, where BLAS reads the weights at a quarter of the memory bandwidth).
 Each kernel has a pure-PyTorch twin that computes the same function; :func:`library` returns
 ``None`` (and the twin is used) when
 
@@ -74,12 +76,12 @@ __all__ = [
     "QUERIES",
 ]
 
-_SOURCES = ("selective_scan.c", "causal_conv.c", "chunk_scan.c", "gated_norm.c", "swiglu.c")
+_SOURCES = ("selective_scan.c", "causal_conv.c", "chunk_scan.c", "gated_norm.c", "swiglu.c", "small_mm.c")
 _HEADERS = ("selective_scan_body.h", "chunk_scan_body.h", "slots.h", "simd.h", "vexp.h")
 _ENTRY_POINTS = [
     f"{op}_{t}"
     for op in ("ss_fwd", "ss_bwd", "conv_fwd", "conv_bwd", "gn_fwd", "gn_bwd", "glu_fwd", "glu_bwd")
-    + ("scan_mat_fwd", "scan_mat_bwd", "scan_dec_fwd", "scan_dec_bwd", "unit_lower_inv")
+    + ("scan_mat_fwd", "scan_mat_bwd", "scan_dec_fwd", "scan_dec_bwd", "unit_lower_inv", "smm_fwd")
     for t in ("f32", "f64")
 ]
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi"]
@@ -378,6 +380,7 @@ SIGNATURES: dict[str, str] = {
     ),
     "glu_fwd": "H x[jobs*2*H] y[jobs*H] | H >= 1",
     "glu_bwd": "H x[jobs*2*H] dy[jobs*H] dx[jobs*2*H] | H >= 1",
+    "smm_fwd": "M K x[M*K] w[jobs*K] bias?[jobs] y[M*jobs] | 1 <= M <= 8; K >= 1",
     "conv_bwd": (
         "B T C W xp[B*(T+W-1)*C] w[W*C] dy[B*T*C] dxp?[B*(T+W-1)*C] dw[W*C] dbias?[C] | jobs == C; W >= 1"
     ),

@@ -1,0 +1,187 @@
+"""Products of a few rows with a weight matrix, for one-token decoding (issue 40 item 3): ``y = x wᵀ
++ b`` with ``x: [M, K]``, ``M ≤ 8``, read at the speed of the weight's memory.
+
+A decode step multiplies its batch (1-8 rows) by every weight matrix once, so it is bound by
+reading the weights. MKL's ``sgemv``/``sgemm`` read them at about a quarter of the STREAM triad
+on the 2-core machine of ``docs/benchmarks/notes.md``, and the multiply-sum loop inductor compiles
+(:mod:`mnemo.models._matvec`) rereads each weight row once per row of ``x``: 12 GB/s for 8 rows.
+The C kernel (``mnemo/ops/_native/small_mm.c``) reads each weight row once for all rows of ``x``,
+with the next rows prefetched while a block is multiplied (``python scripts/bench_matvec.py``).
+
+:func:`small_mm` is the function (the custom op ``torch.ops.mnemo.small_mm``, opaque to
+``torch.compile``); the compiled decode step calls it for every product whose weight is large
+enough, in a step whose weights do not fit in the last-level cache (:data:`KERNEL_MIN_WEIGHT`,
+:data:`KERNEL_MIN_STEP_BYTES`; :class:`mnemo.models._matvec.MatvecPass`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import _native
+
+__all__ = [
+    "small_mm",
+    "last_level_cache_bytes",
+    "MAX_ROWS",
+    "KERNEL_MIN_ROWS",
+    "KERNEL_MIN_WEIGHT",
+    "KERNEL_MIN_STEP_BYTES",
+]
+
+#: the most rows of ``x`` the kernel takes (a decode step's batch)
+MAX_ROWS = 8
+
+#: the smallest weight (``N · K`` elements) the compiled decode step hands to the kernel: a call
+#: through the op costs ~12 us of Python and splits inductor's fused loops around it, which a small
+#: product does not win back
+KERNEL_MIN_WEIGHT = 1 << 16
+
+
+def last_level_cache_bytes(
+    default: int = 32 << 20, root: str | Path = "/sys/devices/system/cpu/cpu0/cache"
+) -> int:
+    """The largest CPU cache's size in bytes, read from Linux sysfs.
+
+    Args:
+        default: the answer where no size can be read (default ``33554432``: 32 MiB, the AMD EPYC
+            machine of ``docs/benchmarks/notes.md``).
+        root: ``cpu0``'s cache directory, each ``index*/size`` such as ``32768K``.
+    """
+    best = 0
+    for index in Path(root).glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best or default
+
+
+#: the kernel serves a compiled decode step only when the step's products' weights together exceed
+#: this many bytes (default: the last-level cache's size, :func:`last_level_cache_bytes`). A model
+#: whose weights fit there reads them from the cache, where inductor's fused loop is as fast and
+#: needs no call: at d_model 128 and 256 (2-12 MB of weights) 8-row steps were 0.74-1.09x as fast
+#: through the kernel; at d_model 512 (112 MB), 1.4-1.5x (``docs/benchmarks/notes.md``)
+KERNEL_MIN_STEP_BYTES = last_level_cache_bytes()
+
+#: the fewest rows of ``x`` the compiled decode step hands to the kernel: one row is a pure read
+#: of the weight, which inductor's fused loop does as fast without the op's call
+#: (``docs/benchmarks/notes.md``)
+KERNEL_MIN_ROWS = 2
+
+#: the smallest weight split across threads (below it one thread: an OpenMP region's start and end
+#: cost more than half the product)
+_THREADED_MIN_WEIGHT = 1 << 15
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x: expected [M, K] with 1 <= M <= {MAX_ROWS}, got shape {list(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"weight: expected [N, K] with K = {x.shape[1]} (x's last dimension), "
+            f"got shape {list(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias: expected shape [{weight.shape[0]}] (weight's rows), got {list(bias.shape)}")
+    dtypes = {t.dtype for t in (x, weight, bias) if t is not None}
+    if len(dtypes) != 1:
+        raise ValueError(f"x, weight, bias: expected one dtype, got {sorted(map(str, dtypes))}")
+
+
+def small_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``F.linear``) for a few rows: the products of one-token decoding.
+
+    Args:
+        x: ``[M, K]``, ``1 ≤ M ≤`` :data:`MAX_ROWS`.
+        weight: ``[N, K]`` (an ``nn.Linear`` weight).
+        bias: ``[N]`` or ``None``.
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    Forms: float32/float64 CPU tensors run the C kernel ``small_mm.c`` through the op
+    ``torch.ops.mnemo.small_mm`` (each weight row read once for all ``M`` rows; a contiguous copy of
+    ``x`` or ``weight`` is made if they are not, which for the weight costs a full extra pass);
+    everything else (CUDA, bfloat16, ``MNEMO_NATIVE=0``, no C compiler) runs ``F.linear``. The two
+    differ by float rounding only (another summation order). Differentiable: the gradients are
+    PyTorch products (``dx = dy · weight``, ``dweight = dyᵀ · x``, ``dbias = Σ_rows dy``); the op
+    itself, which the compiled decode step calls, has no backward.
+    Raises:
+        ValueError: shapes or dtypes as above.
+    """
+    _check(x, weight, bias)
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return _SmallMM.apply(x, weight, bias)
+    return torch.ops.mnemo.small_mm(x, weight, bias)
+
+
+class _SmallMM(torch.autograd.Function):
+    """:func:`small_mm` with a gradient: the op forward, PyTorch products backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mnemo.small_mm(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = dy.t() @ x if ctx.needs_input_grad[1] else None
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's PyTorch twin: ``F.linear``."""
+    return F.linear(x, weight, bias)
+
+
+# A plain operator (torch.library.Library), not torch.library.custom_op: a call through custom_op's
+# Python wrappers costs ~26 us here, through the dispatcher straight to the CPU kernel below ~12 us
+# (the decode step makes one call per weight matrix). Opaque to torch.compile (its fake kernel
+# gives the shape).
+_LIB = torch.library.Library("mnemo", "FRAGMENT")
+_LIB.define("small_mm(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _small_mm_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The CPU kernel of ``torch.ops.mnemo.small_mm`` (no shape checks: :func:`small_mm` and the
+    decode step's pass make them; the native call checks sizes before the C code runs)."""
+    dtype = x.dtype
+    if (
+        dtype not in (torch.float32, torch.float64)
+        or weight.dtype != dtype
+        or (bias is not None and bias.dtype != dtype)
+        or not _native.enabled()
+        or _native.library() is None
+    ):  # (cheaper than _native.usable_opaque: this runs once per weight matrix and decode step)
+        return _linear(x, weight, bias)
+    M, K = x.shape
+    N = weight.shape[0]
+    y = x.new_empty((M, N))
+    nt = _native.slots(N) if N * K >= _THREADED_MIN_WEIGHT else 1
+    args = [M, K, x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), y]
+    _native.call("smm_fwd", dtype, N, nt, args)
+    return y
+
+
+def _small_mm_other(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _linear(x, weight, bias)
+
+
+_LIB.impl("small_mm", _small_mm_cpu, "CPU")
+_LIB.impl("small_mm", _small_mm_other, "CompositeExplicitAutograd")  # other devices: F.linear
+
+
+@torch.library.register_fake("mnemo::small_mm")
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
