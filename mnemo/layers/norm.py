@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops import _native, _workspace
+from ..ops._common import transformed as _transformed
 
 __all__ = ["RMSNorm", "gated_rms_norm"]
 
@@ -104,15 +104,6 @@ def gated_rms_norm(
     if x.numel() and _native.usable(x, z, weight) and not _transformed(x, z, weight):
         return _GatedRMSNorm.apply(x, z, weight, float(eps), groups, bool(gate_first))
     return _gated_rms_norm_reference(x, z, weight, eps, groups, gate_first)
-
-
-def _transformed(*tensors: torch.Tensor) -> bool:
-    """Whether forward-mode AD (a dual tensor) or a ``torch.func`` transform sees any of these: the
-    kernel's Function has neither a ``jvp`` nor a batching rule, the PyTorch form has both."""
-    return any(
-        fwAD.unpack_dual(t).tangent is not None or torch._C._functorch.is_functorch_wrapped_tensor(t)
-        for t in tensors
-    )
 
 
 def _rows(t: torch.Tensor) -> list:

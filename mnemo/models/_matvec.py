@@ -12,7 +12,8 @@ loop reads them at 26.1 GB/s for 1 row (0.69) and 12.2 for 8 (0.32). Inside whol
 that takes the compiled step at 1 row from 0.25-0.26 of the triad to 0.58-0.67 (2.2-2.6x faster);
 at 8 rows the loop rereads each weight once a row (from the L3 cache) and the gain is 1.16-1.28x
 (0.22-0.23 -> 0.25-0.28). :func:`mnemo.ops.small_mm.small_mm`'s C kernel (session 31) reads each
-weight row once for all rows: 1.2-1.6x the fused loop from 2 to 8 rows, and no faster at 1 row,
+weight row once for all rows: 1.11-1.78x the fused loop from 2 to 8 rows at d_model 512 (1.43-1.78x
+at 8), and no faster at 1 row,
 where the loop is a pure read and the kernel pays a Python call through its op
 (``docs/benchmarks/notes.md``).
 
@@ -21,7 +22,7 @@ where the loop is a pure read and the kernel pays a Python call through its op
 w [K, N])`` and ``aten.addmm(b, x, w)`` with a static ``M ≤ MAX_ROWS`` (float32 or float64):
 
 * into ``torch.ops.mnemo.small_mm(x, w.T, b)`` (the C kernel) where the graph's products read
-  more weights than the last-level cache holds (``KERNEL_MIN_STEP_BYTES``), ``M ≥
+  at least as many weight bytes as the last-level cache holds (``KERNEL_MIN_STEP_BYTES``), ``M ≥
   KERNEL_MIN_ROWS`` (2), ``w`` is an ``nn.Linear`` weight seen through its transpose (strides
   ``(1, K)``) of at least ``KERNEL_MIN_WEIGHT`` (65,536) elements, ``b`` is ``[N]``, and the native
   library builds and is enabled (``MNEMO_NATIVE``) when the step compiles (constants of
@@ -81,8 +82,11 @@ def _qualifies(x, w) -> bool:
 
 
 def _is_linear_weight(w) -> bool:
-    """``w`` is an ``nn.Linear`` weight seen through its transpose: ``[K, N]``, strides ``(1, K)``."""
+    """``w`` is an ``nn.Linear`` weight seen through its transpose: ``[K, N]`` of static sizes,
+    strides ``(1, K)`` (a symbolic size would make the thresholds below add guards)."""
     val = w.meta["val"]
+    if not all(isinstance(n, int) for n in (*val.shape, *val.stride())):
+        return False
     return val.stride() == (1, val.shape[0])
 
 

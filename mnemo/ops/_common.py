@@ -554,3 +554,15 @@ def decay_matrix(g: torch.Tensor) -> torch.Tensor:
         return (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()
     b = clamp_log_gate(g).permute(0, 2, 1, 3).cumsum(-2)  # [B, H, T, K]
     return (b[..., :, None, :] - b[..., None, :, :]).masked_fill(~mask[..., None], float("-inf")).exp()
+
+
+def transformed(*tensors: torch.Tensor) -> bool:
+    """Whether forward-mode AD (a dual tensor) or a ``torch.func`` transform sees any of these: a
+    native kernel's ``autograd.Function`` has neither a ``jvp`` nor a batching rule, its PyTorch
+    twin has both (callers run the twin then)."""
+    import torch.autograd.forward_ad as fwAD
+
+    return any(
+        fwAD.unpack_dual(t).tangent is not None or torch._C._functorch.is_functorch_wrapped_tensor(t)
+        for t in tensors
+    )

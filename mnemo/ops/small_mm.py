@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
+from ._common import transformed
 
 __all__ = [
     "small_mm",
@@ -64,11 +65,12 @@ def last_level_cache_bytes(
     return best or default
 
 
-#: the kernel serves a compiled decode step only when the step's products' weights together exceed
+#: the kernel serves a compiled decode step only when the step's products' weights together reach
 #: this many bytes (default: the last-level cache's size, :func:`last_level_cache_bytes`). A model
 #: whose weights fit there reads them from the cache, where inductor's fused loop is as fast and
-#: needs no call: at d_model 128 and 256 (2-12 MB of weights) 8-row steps were 0.74-1.09x as fast
-#: through the kernel; at d_model 512 (112 MB), 1.4-1.5x (``docs/benchmarks/notes.md``)
+#: needs no call: at d_model 128 and 256 (2-21 MB of weights, under this machine's 32 MB L3),
+#: drafts that routed by weight size alone made 8-row steps 0.74-1.09x as fast; at d_model 512
+#: (54-110 MB of weights) 8-row steps run 1.43-1.78x as fast (``docs/benchmarks/notes.md``)
 KERNEL_MIN_STEP_BYTES = last_level_cache_bytes()
 
 #: the fewest rows of ``x`` the compiled decode step hands to the kernel: one row is a pure read
@@ -110,13 +112,18 @@ def small_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     ``x`` or ``weight`` is made if they are not, which for the weight costs a full extra pass);
     everything else (CUDA, bfloat16, ``MNEMO_NATIVE=0``, no C compiler) runs ``F.linear``. The two
     differ by float rounding only (another summation order). Differentiable: the gradients are
-    PyTorch products (``dx = dy · weight``, ``dweight = dyᵀ · x``, ``dbias = Σ_rows dy``); the op
-    itself, which the compiled decode step calls, has no backward.
+    PyTorch products (``dx = dy · weight``, ``dweight = dyᵀ · x``, ``dbias = Σ_rows dy``); under
+    forward-mode AD or a ``torch.func`` transform the whole call is ``F.linear``. The op itself,
+    which the compiled decode step calls, has no backward: called directly on tensors that need a
+    gradient, its output's backward leaves their gradients unset (PyTorch warns that no autograd
+    kernel is registered; registering one would put a Python call on every decode product).
     Raises:
         ValueError: shapes or dtypes as above.
     """
     _check(x, weight, bias)
     operands = (x, weight) if bias is None else (x, weight, bias)
+    if transformed(*operands):  # forward-mode AD, torch.func: F.linear has their rules
+        return _linear(x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return _SmallMM.apply(x, weight, bias)
     return torch.ops.mnemo.small_mm(x, weight, bias)
@@ -167,6 +174,8 @@ def _small_mm_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return _linear(x, weight, bias)
     M, K = x.shape
     N = weight.shape[0]
+    if K == 0:  # (the kernel takes K >= 1; the product is then the bias)
+        return _linear(x, weight, bias)
     y = x.new_empty((M, N))
     nt = _native.slots(N) if N * K >= _THREADED_MIN_WEIGHT else 1
     args = [M, K, x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), y]

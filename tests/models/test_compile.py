@@ -553,10 +553,47 @@ def test_large_enough_products_of_two_rows_or_more_go_to_the_kernel(bias, monkey
 
 
 @needs_compile
+def test_products_the_kernel_cannot_take_stay_multiply_sums(monkeypatch):
+    """With every threshold lowered to 0, the pass still keeps a product out of the kernel when its
+    operands are not what the kernel reads: an ``addmm`` bias of shape ``[M, N]`` or ``[1, N]``
+    (the kernel adds a ``[N]`` bias), a right operand stored ``[K, N]`` contiguous (not a weight
+    seen through its transpose). Each stays a multiply-sum with the eager values."""
+    from torch._dynamo.utils import counters
+
+    from mnemo.models._matvec import MatvecPass
+    from mnemo.ops import _native
+    from mnemo.ops import small_mm as sm
+
+    if _native.library() is None:
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setenv("MNEMO_NATIVE", "1")
+    for name in ("KERNEL_MIN_WEIGHT", "KERNEL_MIN_STEP_BYTES"):
+        monkeypatch.setattr(sm, name, 0)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(4, 24, generator=g), torch.randn(40, 24, generator=g)
+    cases = {
+        "bias [M, N]": (lambda x, w, b: torch.addmm(b, x, w.t()), torch.randn(4, 40, generator=g)),
+        "bias [1, N]": (lambda x, w, b: torch.addmm(b, x, w.t()), torch.randn(1, 40, generator=g)),
+        "w [K, N] contiguous": (lambda x, w, b: x @ b, torch.randn(24, 40, generator=g)),
+    }
+    for what, (f, b) in cases.items():
+        counters.clear()
+        fn = torch.compile(f, options={"post_grad_custom_pre_pass": MatvecPass()})
+        try:
+            with torch.no_grad():
+                out = fn(x, w, b)
+        finally:
+            torch._dynamo.reset()
+        assert rel_rms(out, f(x, w, b)) < 1e-6, what
+        assert counters["inductor"]["mnemo_matvec"] == 1, what
+        assert counters["inductor"]["mnemo_small_mm"] == 0, what
+
+
+@needs_compile
 def test_the_compiled_step_of_a_batch_calls_the_kernel(monkeypatch):
     """A whole decode step at batch 2 with the weight thresholds lowered to 0 (the test models are
-    tiny): its products go to the kernel, and its logits equal the eager step's; at batch 1 none
-    does."""
+    tiny): its products go to the kernel (each rewritten product ran it once, seen by a spy on the
+    native call), and its logits equal the eager step's; at batch 1 none does."""
     from mnemo.ops import _native
     from mnemo.ops import small_mm as sm
 
@@ -567,10 +604,14 @@ def test_the_compiled_step_of_a_batch_calls_the_kernel(monkeypatch):
     monkeypatch.setattr(sm, "KERNEL_MIN_STEP_BYTES", 0)
     from torch._dynamo.utils import counters
 
+    ran = []
+    real = _native.call
+    monkeypatch.setattr(_native, "call", lambda name, *a: (ran.append(name), real(name, *a))[1])
     model = _model("gla").eval()
     try:
         assert _step_rewrites(model, 2) > 0
         assert counters["inductor"]["mnemo_small_mm"] > 0
+        assert ran.count("smm_fwd") == counters["inductor"]["mnemo_small_mm"]  # each ran once
         assert _step_rewrites(model, 1) > 0
         assert counters["inductor"]["mnemo_small_mm"] == 0
     finally:

@@ -119,6 +119,34 @@ def test_gradients_are_the_linear_maps(monkeypatch):
             assert_close(a, e, 1e-13)
 
 
+def test_forward_mode_and_func_transforms_get_the_linear_map(monkeypatch):
+    """A dual tensor (forward-mode AD) or a ``torch.func`` transform runs ``F.linear``, whose rules
+    they need: the tangent of ``x ↦ x wᵀ`` is ``t wᵀ`` (not zero), ``vmap`` maps over rows."""
+    import torch.autograd.forward_ad as fwAD
+
+    monkeypatch.setenv("MNEMO_NATIVE", "1")
+    g = torch.Generator().manual_seed(8)
+    x, t, w = (
+        torch.randn(3, 10, generator=g),
+        torch.randn(3, 10, generator=g),
+        torch.randn(4, 10, generator=g),
+    )
+    _, tangent = torch.func.jvp(lambda x: small_mm(x, w), (x,), (t,))
+    assert_close(tangent, t @ w.t(), 1e-6)
+    with fwAD.dual_level():
+        y = small_mm(fwAD.make_dual(x, t), w)
+        assert_close(fwAD.unpack_dual(y).tangent, t @ w.t(), 1e-6)
+    batched = torch.func.vmap(lambda xi: small_mm(xi[None], w)[0])(x)
+    assert_close(batched, x @ w.t(), 1e-6)
+
+
+def test_an_empty_shared_dimension_gives_the_bias(native_on):
+    """``K = 0`` (the kernel takes ``K ≥ 1``): the product is the bias on every row, or zeros."""
+    x, w, b = torch.zeros(3, 0), torch.zeros(5, 0), torch.arange(5.0)
+    assert torch.equal(small_mm(x, w, b), b.expand(3, 5))
+    assert torch.equal(small_mm(x, w), torch.zeros(3, 5))
+
+
 def test_the_twin_runs_where_the_kernel_cannot(monkeypatch):
     """``MNEMO_NATIVE=0`` and bfloat16 go to ``F.linear`` (the twin, seen by a spy), never to the
     native call, with ``F.linear``'s values."""

@@ -15,7 +15,7 @@
    Summation order: lane-wise partial sums over K, then a tree over the lanes (another rounding
    than BLAS's, within the same float error bound).
    Layouts (contiguous): x [M, K]; w [jobs, K] (jobs = N, the weight's rows: the unit a slot splits);
-   bias [jobs] or NULL; y [M, jobs]. The PyTorch twin is mnemo.ops.matvec's reference (F.linear). */
+   bias [jobs] or NULL; y [M, jobs]. The PyTorch twin is mnemo.ops.small_mm._linear (F.linear). */
 
 #include <stdint.h>
 #include <string.h>
