@@ -533,7 +533,11 @@ class LanguageModel(nn.Module):
         128-token prefill 1.3-1.4x (batch 8) and 1.8-2.2x (batch 1); smaller models gain more
         (per-op overhead dominates them): at d_model 128 and 4 layers, batch 1, decoding ran
         3.0x (transformer) to 7.2x (Mamba-2) faster
-        (``docs/benchmarks/generate_compiled_cpu_2core.txt``). The first call compiles (tens of
+        (``docs/benchmarks/generate_compiled_cpu_2core.txt``). Batches of 2-8 rows of a model whose
+        weights exceed the last-level cache multiply by their weights in a C kernel
+        (:mod:`mnemo.ops.small_mm`): at d_model 512 and batch 8 the compiled step ran 1.4-1.8x faster
+        than with inductor's own loops, 2.6x faster than eager decoding through ``mnemo bench``
+        (Mamba-2, gated DeltaNet; ``docs/benchmarks/notes.md``). The first call compiles (tens of
         seconds); later calls with the same model, batch size, prompt length and dtype reuse the
         graphs. A second prompt length compiles once more, with the length symbolic from then on,
         except where a chunked form unrolls its loop over chunks (Mamba-2's SSD: one more graph per
