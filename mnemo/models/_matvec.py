@@ -12,10 +12,9 @@ loop reads them at 26.1 GB/s for 1 row (0.69) and 12.2 for 8 (0.32). Inside whol
 that takes the compiled step at 1 row from 0.25-0.26 of the triad to 0.58-0.67 (2.2-2.6x faster);
 at 8 rows the loop rereads each weight once a row (from the L3 cache) and the gain is 1.16-1.28x
 (0.22-0.23 -> 0.25-0.28). :func:`mnemo.ops.small_mm.small_mm`'s C kernel (session 31) reads each
-weight row once for all rows: 1.11-1.78x the fused loop from 2 to 8 rows at d_model 512 (1.43-1.78x
-at 8), and no faster at 1 row,
-where the loop is a pure read and the kernel pays a Python call through its op
-(``docs/benchmarks/notes.md``).
+weight row once for all rows: 1.11-1.78x the fused loop from 2 to 8 rows at d_model 512
+(1.43-1.78x at 8), and no faster at 1 row, where the loop is a pure read and the kernel pays a
+Python call through its op (``docs/benchmarks/notes.md``).
 
 :class:`MatvecPass` is an inductor post-grad pass (``torch.compile(options=
 {"post_grad_custom_pre_pass": MatvecPass()})``) that rewrites every CPU ``aten.mm(x [M, K],
