@@ -27,6 +27,9 @@
 #define SMM_ACC ((W) >= 16 ? 24 : 12)
 #define SMM_R(M) (SMM_ACC / (M) < 8 ? (SMM_ACC / (M) > 0 ? SMM_ACC / (M) : 1) : 8)
 
+/* the fewest rows of x for which the next block is prefetched: one row is a pure read that the
+   hardware prefetcher keeps up with, and the prefetches would take load slots (session 31, 1 row:
+   33.5-33.7 GB/s with them against 34.8-37.0 without, two [1536 or 2752, 512] shapes) */
 #ifndef SMM_PREFETCH_MIN_M
 #define SMM_PREFETCH_MIN_M 2
 #endif
