@@ -88,3 +88,19 @@ def spawn(fn, args: tuple, nprocs: int, timeout_s: float = 300.0) -> None:
                     p.kill()
                     p.join(5)
             pytest.fail(f"ranks {alive} of {nprocs} still running after {timeout_s:.0f} s: killed")
+
+
+def spy_native_calls(monkeypatch) -> list[str]:
+    """Record the name of every :func:`mnemo.ops._native.call` from now on (the kernel still
+    runs); returns the list the names go to. Undone with ``monkeypatch``."""
+    from mnemo.ops import _native
+
+    names: list[str] = []
+    real = _native.call
+
+    def spy(name, *args, **kwargs):
+        names.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(_native, "call", spy)
+    return names

@@ -15,7 +15,7 @@ import torch
 import mnemo.layers.norm as norm_mod
 from mnemo.layers.norm import RMSNorm, _gated_rms_norm_reference, gated_rms_norm
 from mnemo.ops import _native
-from tests.helpers import assert_close
+from tests.helpers import assert_close, spy_native_calls
 
 needs_native = pytest.mark.skipif(
     _native.library() is None,
@@ -175,14 +175,7 @@ def test_layers_with_the_kernel_equal_the_pytorch_form(name, monkeypatch):
         cfg = build_config(name, vocab_size=32, d_model=32, n_layers=2)
     model = LanguageModel(cfg)
     ids = torch.randint(0, 32, (2, 19))
-    calls = []
-    real = _native.call
-
-    def spy(kernel, *args):
-        calls.append(kernel)
-        return real(kernel, *args)
-
-    monkeypatch.setattr(_native, "call", spy)
+    calls = spy_native_calls(monkeypatch)
 
     def run():
         model.zero_grad(set_to_none=True)

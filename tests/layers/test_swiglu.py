@@ -16,7 +16,7 @@ import torch
 import mnemo.layers.mlp as mlp_mod
 from mnemo.layers.mlp import SwiGLU, _swiglu_reference, swiglu
 from mnemo.ops import _native
-from tests.helpers import assert_close
+from tests.helpers import assert_close, spy_native_calls
 
 needs_native = pytest.mark.skipif(
     _native.library() is None,
@@ -31,14 +31,7 @@ def any_size(monkeypatch):
 
 
 def _spy_calls(monkeypatch):
-    calls = []
-    real = _native.call
-
-    def spy(name, *args):
-        calls.append(name)
-        return real(name, *args)
-
-    monkeypatch.setattr(_native, "call", spy)
+    calls = spy_native_calls(monkeypatch)
     return calls
 
 

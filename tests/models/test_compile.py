@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mnemo.models import LanguageModel, build_config, model_names
-from tests.helpers import rel_rms
+from tests.helpers import rel_rms, spy_native_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -329,14 +329,7 @@ def test_compiled_selective_scan_over_several_blocks_matches_float64(kernel, mon
         pytest.skip("native CPU kernels unavailable")
     if kernel == "twin":
         monkeypatch.setenv("MNEMO_NATIVE", "0")
-    calls = []
-    real_call = _native.call
-
-    def spy(name, *args, **kwargs):
-        calls.append(name)
-        return real_call(name, *args, **kwargs)
-
-    monkeypatch.setattr(_native, "call", spy)
+    calls = spy_native_calls(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     Bsz, T, D, G, N = 2, 70, 8, 2, 4
     x64 = {
@@ -520,9 +513,7 @@ def test_large_enough_products_of_two_rows_or_more_go_to_the_kernel(bias, monkey
 
     if _native.library() is None:
         pytest.skip("native kernels unavailable")
-    ran = []
-    real = _native.call
-    monkeypatch.setattr(_native, "call", lambda name, *a: (ran.append(name), real(name, *a))[1])
+    ran = spy_native_calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
     K, N = 256, 300
     assert K * N >= sm.KERNEL_MIN_WEIGHT and sm.KERNEL_MIN_ROWS == 2
@@ -604,9 +595,7 @@ def test_the_compiled_step_of_a_batch_calls_the_kernel(monkeypatch):
     monkeypatch.setattr(sm, "KERNEL_MIN_STEP_BYTES", 0)
     from torch._dynamo.utils import counters
 
-    ran = []
-    real = _native.call
-    monkeypatch.setattr(_native, "call", lambda name, *a: (ran.append(name), real(name, *a))[1])
+    ran = spy_native_calls(monkeypatch)
     model = _model("gla").eval()
     try:
         assert _step_rewrites(model, 2) > 0

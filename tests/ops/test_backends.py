@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import mnemo.ops as ops
 from mnemo.ops import _native, _peer_ops, dispatch
-from tests.helpers import assert_close
+from tests.helpers import assert_close, spy_native_calls
 
 
 def _gdn_inputs(B=1, T=20, H=2, K=8, V=8, device="cpu", seed=0):
@@ -88,9 +88,7 @@ def test_auto_on_cpu_is_unchanged(no_interpreter):
 def test_forced_torch_turns_the_c_kernels_off(no_interpreter, monkeypatch):
     if _native.library() is None:
         pytest.skip("no C compiler: the native kernels are unavailable here")
-    calls = []
-    real = _native.call
-    monkeypatch.setattr(_native, "call", lambda name, *a: (calls.append(name), real(name, *a))[1])
+    calls = spy_native_calls(monkeypatch)
     q, k, v, g, beta = _gdn_inputs(T=70)
     o_auto, _ = ops.gated_delta_rule(q, k, v, g, beta)
     assert calls, "auto on a CPU should have used a C kernel"

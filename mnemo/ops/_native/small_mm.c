@@ -37,46 +37,33 @@
 typedef float smm_vf32 __attribute__((vector_size(W * sizeof(float))));
 typedef double smm_vf64 __attribute__((vector_size(W / 2 * sizeof(double)))); /* one register */
 
-/* the lanes' sum as a tree: add the register's halves, then their halves, ... (half-width vector
-   types, so the compiler emits lane extracts and vector adds, not a chain of scalar adds) */
+/* the lanes' sum as a tree: add the register's halves, then their halves, ... down to 2 lanes
+   (half-width vector types, so the compiler emits lane extracts and vector adds, not a chain of
+   scalar adds); HALVE(T, a, b) writes the sum of b's two halves into a of type T */
+#define HALVE(T, a, b)                                                                             \
+    do {                                                                                           \
+        T lo_, hi_;                                                                                \
+        memcpy(&lo_, &(b), sizeof lo_);                                                            \
+        memcpy(&hi_, (const char *)&(b) + sizeof lo_, sizeof hi_);                                 \
+        (a) = lo_ + hi_;                                                                           \
+    } while (0)
+
 #define DEFINE_HSUM(SUF, S, V)                                                                     \
     static inline S hsum_##SUF(V v) {                                                              \
         typedef S V8 __attribute__((vector_size(8 * sizeof(S))));                                  \
         typedef S V4 __attribute__((vector_size(4 * sizeof(S))));                                  \
         typedef S V2 __attribute__((vector_size(2 * sizeof(S))));                                  \
         enum { L = sizeof(V) / sizeof(S) };                                                        \
-        V2 p;                                                                                      \
-        if (L == 16) {                                                                             \
-            V8 a, b;                                                                               \
-            memcpy(&a, &v, sizeof a);                                                              \
-            memcpy(&b, (const char *)&v + sizeof a, sizeof b);                                     \
-            V4 c, d;                                                                               \
-            a += b;                                                                                \
-            memcpy(&c, &a, sizeof c);                                                              \
-            memcpy(&d, (const char *)&a + sizeof c, sizeof d);                                     \
-            c += d;                                                                                \
-            V2 e, f;                                                                               \
-            memcpy(&e, &c, sizeof e);                                                              \
-            memcpy(&f, (const char *)&c + sizeof e, sizeof f);                                     \
-            p = e + f;                                                                             \
-        } else if (L == 8) {                                                                       \
-            V4 c, d;                                                                               \
-            memcpy(&c, &v, sizeof c);                                                              \
-            memcpy(&d, (const char *)&v + sizeof c, sizeof d);                                     \
-            c += d;                                                                                \
-            V2 e, f;                                                                               \
-            memcpy(&e, &c, sizeof e);                                                              \
-            memcpy(&f, (const char *)&c + sizeof e, sizeof f);                                     \
-            p = e + f;                                                                             \
-        } else if (L == 4) {                                                                       \
-            V2 e, f;                                                                               \
-            memcpy(&e, &v, sizeof e);                                                              \
-            memcpy(&f, (const char *)&v + sizeof e, sizeof f);                                     \
-            p = e + f;                                                                             \
-        } else {                                                                                   \
-            memcpy(&p, &v, sizeof p);                                                              \
-        }                                                                                          \
-        return p[0] + p[1];                                                                        \
+        V8 a8 = {0};                                                                               \
+        V4 a4 = {0};                                                                               \
+        V2 a2;                                                                                     \
+        if (L == 16) HALVE(V8, a8, v);                                                             \
+        if (L == 8) memcpy(&a8, &v, sizeof a8);                                                    \
+        if (L >= 8) HALVE(V4, a4, a8);                                                             \
+        if (L == 4) memcpy(&a4, &v, sizeof a4);                                                    \
+        if (L >= 4) HALVE(V2, a2, a4);                                                             \
+        else memcpy(&a2, &v, sizeof a2);                                                           \
+        return a2[0] + a2[1];                                                                      \
     }
 DEFINE_HSUM(f32, float, smm_vf32)
 DEFINE_HSUM(f64, double, smm_vf64)
