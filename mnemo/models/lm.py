@@ -844,7 +844,9 @@ def _compiled(model: nn.Module, kind: str, batch: int | None = None):
     run out after a few families or batch sizes in one process and silently run eagerly, so each
     model and kind gets a copy of the code object and so a cache of its own (its batch sizes,
     dtypes, prompt and cache lengths). The step computes its small CPU matrix products as fused
-    multiply-sums (:func:`_decode_options`), which need the batch dimension static: given
+    multiply-sums or, for 2-8 rows of large weights, with :func:`mnemo.ops.small_mm.small_mm`'s C
+    kernel (:func:`_decode_options`, :class:`mnemo.models._matvec.MatvecPass`); both need the batch
+    dimension static: given
     ``batch`` up to ``mnemo.models._matvec.MAX_ROWS``, the step is one function per batch size (a
     function that has seen two batch sizes makes the dimension dynamic and keeps BLAS products);
     larger or unknown batches share one."""

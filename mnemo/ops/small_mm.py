@@ -84,6 +84,11 @@ _THREADED_MIN_WEIGHT = 1 << 15
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
+            raise TypeError(
+                f"{name}: expected a tensor{' or None' if name == 'bias' else ''}, got {type(t).__name__}"
+            )
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x: expected [M, K] with 1 <= M <= {MAX_ROWS}, got shape {list(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
@@ -93,9 +98,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias: expected shape [{weight.shape[0]}] (weight's rows), got {list(bias.shape)}")
-    dtypes = {t.dtype for t in (x, weight, bias) if t is not None}
-    if len(dtypes) != 1:
-        raise ValueError(f"x, weight, bias: expected one dtype, got {sorted(map(str, dtypes))}")
+    given = {n: t.dtype for n, t in (("x", x), ("weight", weight), ("bias", bias)) if t is not None}
+    if len(set(given.values())) != 1:
+        names = ", ".join(given)
+        got = ", ".join(f"{n} {d}" for n, d in given.items())
+        raise ValueError(f"{names}: expected one dtype, got {got}")
 
 
 def small_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +110,8 @@ def small_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
     Args:
         x: ``[M, K]``, ``1 ≤ M ≤`` :data:`MAX_ROWS`.
-        weight: ``[N, K]`` (an ``nn.Linear`` weight).
-        bias: ``[N]`` or ``None``.
+        weight: ``[N, K]`` (an ``nn.Linear`` weight), ``x``'s dtype.
+        bias: ``[N]`` in ``x``'s dtype, or ``None``.
     Returns:
         ``[M, N]`` in ``x``'s dtype.
     Forms: float32/float64 CPU tensors run the C kernel ``small_mm.c`` through the op
@@ -118,11 +125,14 @@ def small_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     gradient, its output's backward leaves their gradients unset (PyTorch warns that no autograd
     kernel is registered; registering one would put a Python call on every decode product).
     Raises:
-        ValueError: shapes or dtypes as above.
+        TypeError: ``x`` or ``weight`` not a tensor, ``bias`` neither a tensor nor ``None``.
+        ValueError: shapes or dtypes as above (naming the argument, the expected and the received).
     """
     _check(x, weight, bias)
     operands = (x, weight) if bias is None else (x, weight, bias)
-    if transformed(*operands):  # forward-mode AD, torch.func: F.linear has their rules
+    # forward-mode AD, torch.func: F.linear has their rules (dynamo traces the transforms itself
+    # and cannot trace this check: under torch.compile the op goes into the graph)
+    if not torch.compiler.is_compiling() and transformed(*operands):
         return _linear(x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return _SmallMM.apply(x, weight, bias)
@@ -161,15 +171,21 @@ _LIB.define("small_mm(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 def _small_mm_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The CPU kernel of ``torch.ops.mnemo.small_mm`` (no shape checks: :func:`small_mm` and the
-    decode step's pass make them; the native call checks sizes before the C code runs)."""
+    """The CPU kernel of ``torch.ops.mnemo.small_mm``: the checks of :func:`small_mm` (which the
+    decode step's pass has made when it built the call) only where a cheap test of the shapes and
+    dtypes fails, so that a wrong call raises the same error as on other devices."""
+    if (
+        x.dim() != 2
+        or weight.dim() != 2
+        or not 1 <= x.shape[0] <= MAX_ROWS
+        or weight.shape[1] != x.shape[1]
+        or weight.dtype != x.dtype
+        or (bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype))
+    ):
+        _check(x, weight, bias)  # raises
     dtype = x.dtype
     if (
-        dtype not in (torch.float32, torch.float64)
-        or weight.dtype != dtype
-        or (bias is not None and bias.dtype != dtype)
-        or not _native.enabled()
-        or _native.library() is None
+        dtype not in (torch.float32, torch.float64) or not _native.enabled() or _native.library() is None
     ):  # (cheaper than _native.usable_opaque: this runs once per weight matrix and decode step)
         return _linear(x, weight, bias)
     M, K = x.shape
@@ -184,6 +200,7 @@ def _small_mm_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _small_mm_other(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _check(x, weight, bias)  # (the op takes what small_mm takes on every device)
     return _linear(x, weight, bias)
 
 
@@ -193,4 +210,5 @@ _LIB.impl("small_mm", _small_mm_other, "CompositeExplicitAutograd")  # other dev
 
 @torch.library.register_fake("mnemo::small_mm")
 def _(x, weight, bias):
+    _check(x, weight, bias)
     return x.new_empty((x.shape[0], weight.shape[0]))

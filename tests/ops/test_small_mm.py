@@ -185,13 +185,53 @@ def test_the_fake_kernel_gives_the_shape_without_reading_values():
         ((torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(4)), r"bias: expected shape \[3\].*got \[4\]"),
         (
             (torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.float64)),
-            r"x, weight, bias: expected one dtype, got \['torch.float32', 'torch.float64'\]",
+            r"x, weight: expected one dtype, got x torch.float32, weight torch.float64",
         ),
+        (
+            (torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(3, dtype=torch.float64)),
+            r"x, weight, bias: expected one dtype, got x torch.float32, weight torch.float32, "
+            r"bias torch.float64",
+        ),
+        ((torch.zeros(2, 4), torch.zeros(3, 4, 1)), r"weight: expected \[N, K\].*got shape \[3, 4, 1\]"),
     ],
 )
-def test_bad_input_names_the_argument(args, match):
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_bad_input_names_the_argument(args, match, native, monkeypatch):
+    """The function and the operator itself raise the same error, with the kernel and with its
+    twin (a wrong call to the op must not be computed as some other shape)."""
+    monkeypatch.setenv("MNEMO_NATIVE", native)
     with pytest.raises(ValueError, match=match):
         small_mm(*args)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.mnemo.small_mm(*args, *([None] if len(args) == 2 else []))
+
+
+def test_a_bias_that_is_not_a_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match="bias: expected a tensor or None, got float"):
+        small_mm(torch.zeros(2, 4), torch.zeros(3, 4), 0.5)
+
+
+def test_compiles_into_one_graph():
+    """``small_mm`` under ``torch.compile(fullgraph=True)``: no graph break (the transform check
+    is skipped while tracing), the values and gradients of ``F.linear``."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(5, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=g, dtype=torch.float64)
+
+    def f(x, w, b):
+        return small_mm(x, w, b).relu()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert_close(compiled(x, w, b), F.linear(x, w, b).relu(), 1e-12)
+    y = compiled(x, w, b)
+    (gw,) = torch.autograd.grad(y.sum(), [w])
+    w2 = w.detach().requires_grad_(True)
+    (gw2,) = torch.autograd.grad(F.linear(x, w2, b).relu().sum(), [w2])
+    assert_close(gw, gw2, 1e-12)
+    torch._dynamo.reset()
 
 
 def test_the_last_level_cache_size_is_read_from_sysfs(tmp_path):
