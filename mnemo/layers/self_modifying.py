@@ -220,6 +220,11 @@ class SelfModifyingTitansState:
     memory_pending: tuple | None = None
 
 
+# eager under torch.compile (a graph break): dynamo (torch 2.13) traces the fresh alias and the
+# autograd.grad below into a graph whose loss is not connected to the alias, and the gradient call
+# fails ("appears to not have been used in the graph"); the token path is decoding's and the
+# reference's, the training chunks use dgd_chunk
+@torch.compiler.disable
 def dgd_token(
     spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0, nlms: bool = False
 ):

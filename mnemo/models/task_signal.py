@@ -174,6 +174,15 @@ class _Recording:
             lv._capture = None
 
 
+#: Under ``torch.compile`` the two places that take the signal (:func:`_absorb`, :func:`_read_with_signal`)
+#: run eagerly (a graph break each): dynamo (torch 2.13) traces a read made under ``enable_grad`` and
+#: the ``autograd.grad`` after it into a graph whose loss is not connected to the captured reads, and
+#: the gradient call then fails ("appears to not have been used in the graph"), in a compiled training
+#: forward and in ``generate(compile=True)`` alike. The other pieces of a call still compile.
+_eager = torch.compiler.disable
+
+
+@_eager
 def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> list:
     """Run the complete pending segment again from its start state, back-propagate its next-token
     loss (labels: the segment shifted by one and ``nxt [B, 1]``) to every task level's reads, and let
@@ -237,6 +246,24 @@ def forward(model, input_ids: torch.Tensor, state, mode):
     return logits, state
 
 
+@_eager
+def _read_with_signal(model, ids: torch.Tensor, state: list, mode, outer: bool):
+    """Read the segment ``ids[:, :-1]`` (a whole one), back-propagate its next-token loss (labels
+    ``ids[:, 1:]``) to every task level's reads on the read's own graph, and let each level absorb
+    its signal: ``(logits, state)``."""
+    where = _task_levels(model)
+    levels = [model.blocks[i].mlp.levels[j] for i, j in where]
+    _piece(model, ids.shape[1] - 1)
+    with torch.enable_grad(), _Recording(levels) as rec:
+        logits, state = model._forward(ids[:, :-1], state, mode, allow_checkpoint=False)
+    with torch.enable_grad():
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    state = _take_in(model, where, levels, [c[0] for c in rec.captures], loss, state, outer)
+    if not outer:  # the graph served the signal only
+        logits, state = logits.detach(), detach_state(state)
+    return logits, state
+
+
 def _segments(model, input_ids: torch.Tensor, state, mode):
     S = model.task_segment
     B, T = input_ids.shape
@@ -250,7 +277,6 @@ def _segments(model, input_ids: torch.Tensor, state, mode):
     pending = _pending_of(model, state, input_ids)
     outer = _outer(model)
     where = _task_levels(model)
-    levels = [model.blocks[i].mlp.levels[j] for i, j in where]
     outs, t = [], 0
     while t < T:
         if pending.ids.shape[1] == S:  # the segment is complete and its last label has arrived
@@ -260,15 +286,7 @@ def _segments(model, input_ids: torch.Tensor, state, mode):
         if n == S and t + S < T:
             # a whole segment and its next token in this call: the read's graph gives the signal
             # (one forward for the read and the signal)
-            _piece(model, S)
-            with torch.enable_grad(), _Recording(levels) as rec:
-                logits, state = model._forward(input_ids[:, t : t + S], state, mode, allow_checkpoint=False)
-            labels = input_ids[:, t + 1 : t + S + 1]
-            with torch.enable_grad():
-                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-            state = _take_in(model, where, levels, [c[0] for c in rec.captures], loss, state, outer)
-            if not outer:  # the graph served the signal only
-                logits, state = logits.detach(), detach_state(state)
+            logits, state = _read_with_signal(model, input_ids[:, t : t + S + 1], state, mode, outer)
             outs.append(logits)
             pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
             t += S

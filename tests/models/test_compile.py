@@ -103,15 +103,27 @@ def test_compiled_model_equals_eager(name):
 
 
 #: families whose forward is not one graph, and why: the MoE router's token-to-expert dispatch has
-#: data-dependent shapes (the tokens each expert receives)
-BREAKS_EXPECTED = {"gated_deltanet_attention_moe": "MoE dispatch: data-dependent shapes"}
+#: data-dependent shapes (the tokens each expert receives); CMS levels that learn from the next-token
+#: loss take its gradient on a read's graph inside the forward, which runs eagerly under
+#: torch.compile (``mnemo.models.task_signal``: dynamo's trace of it lost the reads' graph)
+_TASK_SIGNAL = "CMS task signal: autograd.grad inside the forward runs eagerly"
+BREAKS_EXPECTED = {
+    "gated_deltanet_attention_moe": "MoE dispatch: data-dependent shapes",
+    "hope": _TASK_SIGNAL,
+    "hope_attention": _TASK_SIGNAL,
+    "hope_long": _TASK_SIGNAL,
+    "hope_paper": _TASK_SIGNAL,
+}
 
 
 def _graph_breaks(name: str, T: int) -> list[str]:
+    """Every graph break of the forward: the reasons dynamo gives, and one entry per break it gives
+    none for (a call of a function dynamo skips, e.g. ``torch.compiler.disable``d)."""
     torch._dynamo.reset()
     ids = torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(1))
     ex = torch._dynamo.explain(_model(name, n_layers=ONE_LAYER))(ids)
-    return [str(b.reason).splitlines()[0] for b in ex.break_reasons]
+    reasons = [str(b.reason).splitlines()[0] for b in ex.break_reasons]
+    return reasons + ["(no reason given)"] * max(0, ex.graph_break_count - len(reasons))
 
 
 #: one family per code path that could break a graph (chunk forms, native kernels, memory
@@ -209,6 +221,61 @@ def test_generate_compiled_equals_eager():
             assert [b.offset for b in sc] == [b.offset for b in se] == [ids.shape[1]] * len(se)
             got, want = tensors(sc), tensors(se)
             assert len(got) == len(want) > 0 and all(rel_rms(a, b) < 1e-5 for a, b in zip(got, want))
+
+
+def _aot_eager(monkeypatch):
+    """``torch.compile`` as dynamo's trace and AOTAutograd without inductor (``aot_eager``): what
+    the graph-capture tests need, without a C++ build per graph."""
+    compile_ = torch.compile
+
+    def compile_aot_eager(fn=None, **kwargs):
+        return compile_(fn, backend="aot_eager")
+
+    monkeypatch.setattr(torch, "compile", compile_aot_eager)
+
+
+def test_a_model_whose_memories_take_gradients_inside_its_forward_trains_compiled(monkeypatch):
+    """``hope`` (self-modifying Titans, CMS levels that learn from the next-token loss: an
+    ``autograd.grad`` on a read's graph inside the forward) under ``torch.compile``: the loss and
+    every parameter's gradient are eager's. (Dynamo traced the read and the gradient into a graph
+    whose loss was not connected to the reads: "appears to not have been used in the graph".)"""
+    torch._dynamo.reset()
+    model = _model("hope", n_layers=ONE_LAYER)
+    ids = torch.randint(0, 32, (2, 21), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(f):
+        model.zero_grad(set_to_none=True)
+        loss, _ = f(ids[:, :-1], targets=ids[:, 1:])
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want_loss, want = loss_and_grads(model)
+    got_loss, got = loss_and_grads(torch.compile(model, backend="aot_eager"))
+    assert rel_rms(got_loss, want_loss) < 1e-6
+    assert len(got) == len(want) > 0 and all(rel_rms(a, b) < 1e-5 for a, b in zip(got, want))
+    torch._dynamo.reset()
+
+
+def test_generate_compiled_runs_memories_that_take_gradients(monkeypatch):
+    """``generate(compile=True)`` of ``hope`` (its self-modifying Titans' one-token DGD step takes
+    ``autograd.grad``, and its CMS levels the next-token loss's gradient when a segment completes:
+    in the prompt and every 8 decoded tokens): no error, no eager fallback, and eager's greedy
+    tokens. Traced with ``aot_eager`` (dynamo's capture, where the failure was)."""
+    torch._dynamo.reset()
+    _aot_eager(monkeypatch)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = _model("hope", n_layers=ONE_LAYER)
+    ids = torch.randint(0, 32, (2, 11), generator=torch.Generator().manual_seed(3))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"generate\(compile=True\)")
+        got = _greedy(model, ids, 12, compile=True)
+    assert torch.equal(got, _greedy(model, ids, 12))
+    assert counters["stats"]["unique_graphs"] >= 2
+    torch._dynamo.reset()
 
 
 @needs_compile
