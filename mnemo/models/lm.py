@@ -543,9 +543,11 @@ class LanguageModel(nn.Module):
         except where a chunked form unrolls its loop over chunks (Mamba-2's SSD: one more graph per
         number of chunks); past
         dynamo's ``recompile_limit`` (8 graphs per model and function) new shapes run eagerly. The
-        tokens equal eager decoding up to float rounding (greedy argmax ties aside). Where compiling
-        fails (no C compiler, an unsupported op) a ``RuntimeWarning`` says why and the generation
-        continues eagerly. Default ``compile=False``.
+        tokens equal eager decoding up to float rounding (greedy argmax ties aside). Memories that
+        take a gradient inside the forward (HOPE's CMS levels with the next-token objective when a
+        segment completes, the self-modifying Titans' one-token DGD step) run those pieces eagerly
+        between the compiled graphs. Where compiling fails (no C compiler, an unsupported op) a
+        ``RuntimeWarning`` says why and the generation continues eagerly. Default ``compile=False``.
 
         ``on_token``: called with each new token ``[B]`` (int64) as soon as it is sampled, so a
         caller can show or keep what was made before an interruption (without ``attention_mask``
