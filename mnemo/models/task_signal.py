@@ -178,7 +178,9 @@ class _Recording:
 #: run eagerly (a graph break each): dynamo (torch 2.13) traces a read made under ``enable_grad`` and
 #: the ``autograd.grad`` after it into a graph whose loss is not connected to the captured reads, and
 #: the gradient call then fails ("appears to not have been used in the graph"), in a compiled training
-#: forward and in ``generate(compile=True)`` alike. The other pieces of a call still compile.
+#: forward and in ``generate(compile=True)`` alike. What still compiles is the rest of a call: the
+#: reads of partial segments (decoding's one-token steps between two signals), the settling of the
+#: kept steps; a training window, read almost entirely in whole segments, runs nearly eagerly.
 _eager = torch.compiler.disable
 
 

@@ -120,7 +120,8 @@ def small_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     everything else (CUDA, bfloat16, ``MNEMO_NATIVE=0``, no C compiler) runs ``F.linear``. The two
     differ by float rounding only (another summation order). Differentiable: the gradients are
     PyTorch products (``dx = dy · weight``, ``dweight = dyᵀ · x``, ``dbias = Σ_rows dy``); under
-    forward-mode AD or a ``torch.func`` transform the whole call is ``F.linear``. The op itself,
+    forward-mode AD, a ``torch.func`` transform or ``torch.compile`` the whole call is ``F.linear``
+    (the compiled decode step puts the op into its graphs through its own pass). The op itself,
     which the compiled decode step calls, has no backward: called directly on tensors that need a
     gradient, its output's backward leaves their gradients unset (PyTorch warns that no autograd
     kernel is registered; registering one would put a Python call on every decode product).
@@ -130,9 +131,10 @@ def small_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """
     _check(x, weight, bias)
     operands = (x, weight) if bias is None else (x, weight, bias)
-    # forward-mode AD, torch.func: F.linear has their rules (dynamo traces the transforms itself
-    # and cannot trace this check: under torch.compile the op goes into the graph)
-    if not torch.compiler.is_compiling() and transformed(*operands):
+    # forward-mode AD, torch.func: F.linear has their rules. Under torch.compile F.linear too: dynamo
+    # cannot trace the check, and a transform it traces would meet the op, which has no rule for it
+    # (the decode step's pass puts the op into its graphs itself)
+    if torch.compiler.is_compiling() or transformed(*operands):
         return _linear(x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return _SmallMM.apply(x, weight, bias)

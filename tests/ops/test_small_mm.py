@@ -212,8 +212,9 @@ def test_a_bias_that_is_not_a_tensor_is_a_type_error():
 
 
 def test_compiles_into_one_graph():
-    """``small_mm`` under ``torch.compile(fullgraph=True)``: no graph break (the transform check
-    is skipped while tracing), the values and gradients of ``F.linear``."""
+    """``small_mm`` under ``torch.compile(fullgraph=True)``: no graph break (while tracing it is
+    ``F.linear``), the values and gradients of ``F.linear``, also through ``torch.func.grad`` and
+    ``jvp`` traced by dynamo (the op has no rule for them)."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 16, generator=g, dtype=torch.float64)
@@ -231,6 +232,16 @@ def test_compiles_into_one_graph():
     w2 = w.detach().requires_grad_(True)
     (gw2,) = torch.autograd.grad(F.linear(x, w2, b).relu().sum(), [w2])
     assert_close(gw, gw2, 1e-12)
+
+    def loss(w):
+        return small_mm(x, w, b).square().sum()
+
+    w0, t = w.detach(), torch.randn(5, 16, generator=g, dtype=torch.float64)
+    want = torch.func.grad(lambda w: F.linear(x, w, b).square().sum())(w0)
+    assert_close(torch.compile(torch.func.grad(loss), fullgraph=True, backend="aot_eager")(w0), want, 1e-12)
+    _, tangent = torch.compile(lambda w, t: torch.func.jvp(loss, (w,), (t,)), backend="aot_eager")(w0, t)
+    _, want_tangent = torch.func.jvp(lambda w: F.linear(x, w, b).square().sum(), (w0,), (t,))
+    assert_close(tangent, want_tangent, 1e-12)
     torch._dynamo.reset()
 
 
