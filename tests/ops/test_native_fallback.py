@@ -35,7 +35,7 @@ from mnemo.ops import (
     linear_attention,
     selective_scan,
 )
-from tests.helpers import assert_close
+from tests.helpers import assert_close, spy_native_calls
 
 ch = importlib.import_module("mnemo.ops._chunked")
 ss = importlib.import_module("mnemo.ops.selective_scan")
@@ -74,15 +74,8 @@ def backend(request, monkeypatch):
             pytest.skip("native kernels unavailable (MNEMO_NATIVE=0, no C compiler, or the build failed)")
     else:
         monkeypatch.setenv("MNEMO_NATIVE", "0")
-    native_calls: list[str] = []
+    native_calls = spy_native_calls(monkeypatch)
     twin_calls: list[str] = []
-    real_call = _native.call
-
-    def spy_call(name, *args, **kwargs):
-        native_calls.append(name)
-        return real_call(name, *args, **kwargs)
-
-    monkeypatch.setattr(_native, "call", spy_call)
     for mod, fname in {t for t in TWINS.values() if t is not None}:
         real = getattr(mod, fname)
 
