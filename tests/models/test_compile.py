@@ -234,7 +234,7 @@ def _aot_eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", compile_aot_eager)
 
 
-def test_a_model_whose_memories_take_gradients_inside_its_forward_trains_compiled(monkeypatch):
+def test_a_model_whose_memories_take_gradients_inside_its_forward_trains_compiled():
     """``hope`` (self-modifying Titans, CMS levels that learn from the next-token loss: an
     ``autograd.grad`` on a read's graph inside the forward) under ``torch.compile``: the loss and
     every parameter's gradient are eager's. (Dynamo traced the read and the gradient into a graph
