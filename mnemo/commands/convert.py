@@ -4,8 +4,12 @@
     mnemo convert --from-dcp RUN OUT     # a sharded (FSDP) checkpoint as a single-file run folder
     mnemo export CKPT OUT --format hf    # a mnemo checkpoint (or run folder) as a folder transformers loads
 
-Both refuse a non-empty ``OUT`` unless ``--force``; errors are one line (exit status 2).
-See :mod:`mnemo.hf.convert` for the formats and what is refused.
+``convert SRC OUT`` and ``export`` write ``OUT`` whole into a temporary sibling folder and move
+it into place when complete: a failed write (a full disk, a file size limit) leaves ``OUT`` as it
+was. Both refuse a non-empty ``OUT`` unless ``--force``, which replaces a checkpoint folder (one
+holding ``config.json``) whole once the new one is complete; never a training run's folder or
+checkpoint. Errors are one line (exit status 2). See :mod:`mnemo.hf.convert` for the formats,
+what is carried and what is refused.
 """
 
 from __future__ import annotations
@@ -51,7 +55,11 @@ def add_commands(subparsers) -> None:
         "src", type=kinds.ExistingDir(), help="the checkpoint folder to read (config.json and weights)"
     )
     p.add_argument("out", type=kinds.OutDir(), help="the mnemo checkpoint folder to write")
-    p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT when it is a non-empty checkpoint folder (once the new one is complete)",
+    )
     p.add_argument(
         "--from-dcp",
         action="store_true",
@@ -73,7 +81,11 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument("out", type=kinds.OutDir(), help="the folder to write")
     p.add_argument("--format", default="hf", choices=["hf"], help="hf: transformers' own classes (default)")
-    p.add_argument("--force", action="store_true", help="write into OUT even when it is not empty")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT when it is a non-empty checkpoint folder (once the new one is complete)",
+    )
     p.set_defaults(func=_export)
 
 

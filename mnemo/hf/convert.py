@@ -29,6 +29,18 @@ Weights: ``model.safetensors``, sharded safetensors (``model.safetensors.index.j
 state dict that ``import_hf`` returns loads into ``LanguageModel(config)`` with ``strict=True`` in
 the checkpoint's dtype; :func:`convert` stores a float32 model (what ``LanguageModel`` builds).
 
+Folders: :func:`convert` and :func:`export_hf` write the whole output folder into a hidden
+temporary sibling (``.OUT.partial-…``) and move it into place only when it is complete, so a failed
+write (a full disk, a file size limit) leaves ``OUT`` as it was and raises ``OSError``; with
+``force`` an existing checkpoint folder is replaced whole (no file of its previous content stays),
+after the new one is complete. Neither writes into a training run's folder or checkpoint. Besides
+the model, they carry the tokenizer files (:data:`TOKENIZER_FILES`, the chat template included),
+``generation_config.json`` and the source ``config.json``'s special token ids and
+``residual_in_fp32`` (:data:`CARRIED_FIELDS`, kept in a converted checkpoint's
+:data:`CARRIED_CONFIG_NAME` and written back on export). mnemo's own generation does not stop at
+the end-of-text id (``LanguageModel.generate`` runs ``max_new_tokens`` steps); the ids are kept for
+``transformers``.
+
 The Mamba formats live in :mod:`mnemo.hf.mamba`, Qwen3-Next in :mod:`mnemo.hf.qwen3_next`; this
 module holds the registry, the folders and the checks every format shares.
 
@@ -42,7 +54,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import shutil
+import stat
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +79,7 @@ from .mamba import (  # noqa: F401  (the decoding-cache converters are part of t
     import_mamba,
     import_mamba2,
     import_mamba_ssm,
+    json_float,
     layer_states_from_hf,
     layer_states_of_hf_cache,
     layer_states_to_hf,
@@ -82,7 +98,21 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "chat_template.jinja",  # a tokenizer's chat template (transformers 5; before: in tokenizer_config.json)
 )
+#: other files of a checkpoint folder that convert and export copy as they are, when present:
+#: ``transformers``' generation defaults (bos / eos / pad ids, sampling settings)
+CARRIED_FILES = ("generation_config.json",)
+#: ``config.json`` fields that the mnemo model does not use but that :func:`convert` keeps (those the
+#: source has) in :data:`CARRIED_CONFIG_NAME` and :func:`export_hf` writes back: the special token
+#: ids, and Mamba's ``residual_in_fp32`` (how ``transformers`` adds the residual in bf16/fp16; mnemo
+#: computes a converted model in float32, where it changes nothing)
+CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "residual_in_fp32")
+#: the file of a converted mnemo checkpoint holding :data:`CARRIED_FIELDS`:
+#: ``{"source_architecture": NAME, "fields": {FIELD: VALUE, ...}}``
+CARRIED_CONFIG_NAME = "hf_config_carried.json"
+#: the special token ids among :data:`CARRIED_FIELDS`
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 #: the ``model_type`` of mnemo's own config.json (a config without one is mnemo's too)
 MNEMO_MODEL_TYPE = "mnemo"
 
@@ -136,13 +166,20 @@ def find_architecture(hf_config: dict) -> Architecture | None:
     ``"mnemo"``, or none of ``architectures`` / ``model_type`` and no ``detect`` match).
 
     Raises ``ValueError`` naming the architecture and listing the supported ones when the config is
-    a foreign one that is not registered."""
+    a foreign one that is not registered — also when its ``model_type`` is a registered one but its
+    ``architectures`` name another class of it (``MambaModel``: the backbone without its
+    language-model head) — or when ``architectures`` is not a list of class names."""
     if not isinstance(hf_config, dict):
         raise ValueError(f"config: expected a JSON object, got {type(hf_config).__name__}")
     model_type = hf_config.get("model_type")
     if model_type == MNEMO_MODEL_TYPE:
         return None
     names = hf_config.get("architectures") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"config: field 'architectures': expected a list of class names such as "
+            f"['Mamba2ForCausalLM'], got {names!r}"
+        )
     for n in names:
         if n in ARCHITECTURES:
             a = ARCHITECTURES[n]
@@ -155,6 +192,13 @@ def find_architecture(hf_config: dict) -> Architecture | None:
     if model_type is not None:
         for a in ARCHITECTURES.values():
             if a.model_type == model_type:
+                if names:  # another class of the same family: its weights are not the ones read here
+                    raise ValueError(
+                        f"unsupported architecture {', '.join(names)} (model_type {model_type!r}): of "
+                        f"model_type {model_type!r} mnemo reads {a.name}, the language model with its "
+                        f"head (lm_head); {', '.join(names)} is another class (a backbone without the head, "
+                        f"or another head). Save the {a.name} instead; supported: {_supported()}"
+                    )
                 return a
     if names or model_type is not None:
         raise ValueError(
@@ -210,7 +254,7 @@ def load_weights(directory: str | Path) -> dict[str, Tensor]:
         ("pytorch_model.bin.index.json", load_bin),
     ):
         if (d / index).is_file():
-            weight_map = json.loads((d / index).read_text()).get("weight_map", {})
+            weight_map = _weight_map(d / index)
             out: dict[str, Tensor] = {}
             for shard in sorted(set(weight_map.values())):
                 if not (d / shard).is_file():
@@ -228,13 +272,44 @@ def load_weights(directory: str | Path) -> dict[str, Tensor]:
     )
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index file: ``ValueError`` naming the file when
+    it is not JSON or holds no ``{"weight_map": {weight name: shard file}}``."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt index file {index}: not JSON ({e})") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+        raise ValueError(
+            f"corrupt index file {index}: expected a JSON object with a non-empty 'weight_map' "
+            f"(weight name → shard file), got {json.dumps(data)[:120]}"
+        )
+    return wm
+
+
 def import_hf(src: str | Path) -> tuple[ModelConfig, dict[str, Tensor], list[Path]]:
     """Read the foreign checkpoint folder ``src``: returns ``(config, state_dict, tokenizer_files)``
     where ``state_dict`` loads into ``LanguageModel(config)`` with ``strict=True`` and
     ``tokenizer_files`` are the tokenizer files present in ``src``.
 
     Raises ``FileNotFoundError`` (no config / weights) or ``ValueError`` naming an unsupported
-    architecture or option."""
+    architecture or option, a field of the wrong kind (expected vs received), a corrupt file, or a
+    weight whose shape the config contradicts (with the config fields that set it)."""
+    imported = _import(src)
+    return imported.config, imported.state, imported.tokenizer_files
+
+
+@dataclass(frozen=True)
+class _Imported:
+    arch: Architecture
+    config: ModelConfig
+    state: dict[str, Tensor]
+    tokenizer_files: list[Path]
+    carried: dict  # the source config's CARRIED_FIELDS (those it has)
+
+
+def _import(src: str | Path) -> _Imported:
     d = Path(src)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
@@ -265,7 +340,32 @@ def import_hf(src: str | Path) -> tuple[ModelConfig, dict[str, Tensor], list[Pat
         raise ValueError(f"{cfg_path}: a field of the {arch.name} config has the wrong kind: {e}") from None
     _check_state(config, state, arch.name)
     names = (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)  # the last: mnemo's own, as `export_hf` names it
-    return config, state, [d / n for n in names if (d / n).is_file()]
+    files = [d / n for n in names if (d / n).is_file()]
+    return _Imported(arch, config, state, files, _carried_fields(cfg_path, hf_config))
+
+
+def _carried_fields(where, fields: dict) -> dict:
+    """The :data:`CARRIED_FIELDS` that ``fields`` (a config) has, checked: a token id is an int or
+    null (``eos_token_id`` also a list of ints, as ``transformers`` allows); ``residual_in_fp32`` is
+    true or false. ``ValueError`` naming the field and the received value otherwise."""
+    out = {}
+    for k in CARRIED_FIELDS:
+        if k not in fields:
+            continue
+        v = fields[k]
+        if k in TOKEN_ID_FIELDS:
+            many = k == "eos_token_id" and isinstance(v, list) and v and all(map(_is_int, v))
+            if not (v is None or _is_int(v) or many):
+                kinds = "an int, a list of ints or null" if k == "eos_token_id" else "an int or null"
+                raise ValueError(f"{where}: field {k!r}: expected a token id ({kinds}), got {v!r}")
+        elif not isinstance(v, bool):
+            raise ValueError(f"{where}: field {k!r}: expected true or false, got {v!r}")
+        out[k] = v
+    return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 #: config fields that are sizes or counts wherever they appear (checked before any importer reads them)
@@ -307,7 +407,15 @@ _POSITIVE_FLOAT_FIELDS = (
 _NONNEG_FLOAT_FIELDS = ("time_step_floor", "time_step_init_scale")
 
 #: config fields that are true/false wherever they appear (a string "yes" is not read as true)
-_BOOL_FIELDS = ("tie_word_embeddings", "rms_norm", "residual_in_fp32", "use_bias", "use_conv_bias")
+_BOOL_FIELDS = (
+    "tie_word_embeddings",
+    "rms_norm",
+    "residual_in_fp32",
+    "use_bias",
+    "use_conv_bias",
+    "attention_bias",
+    "norm_topk_prob",
+)
 
 
 def _check_fields(path: Path, hf_config: dict) -> None:
@@ -355,41 +463,175 @@ def check_not_source(out: str | Path, *sources: str | Path) -> None:
             )
 
 
-def _prepare_out(out: str | Path, force: bool) -> Path:
-    o = Path(out)
-    if o.exists() and not o.is_dir():
-        raise ValueError(f"output {o} exists and is not a folder")
+def _refuse_run_out(o: Path) -> None:
+    """Refuse ``o`` when it belongs to a training run: a run's folder, or one of its checkpoints or
+    inside one. The marks are the ones mnemo already checks: the run files that
+    :meth:`~mnemo.models.LanguageModel.save_pretrained` refuses to write among
+    (``mnemo.models.lm._RUN_FILES``: ``latest``, ``metrics.jsonl``, ``.lock``, ``trainer_state.pt``,
+    ``manifest.json``) and the commands' ``OUT`` check (:func:`mnemo.argtypes.checkpoint_around`)."""
+    from ..argtypes import checkpoint_around
+    from ..models.lm import _RUN_FILES
+
     if (o / "latest").is_file():  # files at a run's root would hide its checkpoints
         raise ValueError(
             f"OUT: {o} is a training run folder; --force does not write into one: pick another folder"
         )
-    if o.is_dir() and any(o.iterdir()) and not force:
-        raise ValueError(f"output folder {o} is not empty (use --force / force=True to write into it)")
-    o.mkdir(parents=True, exist_ok=True)
+    owned = [n for n in _RUN_FILES if (o / n).exists()]
+    ckpt = checkpoint_around(o.resolve())
+    if owned or ckpt is not None:
+        why = f"it holds {', '.join(owned)}" if owned else f"it lies inside the checkpoint {ckpt}"
+        raise ValueError(
+            f"OUT: {o} belongs to a training run ({why}); writing there would replace the run's own "
+            "files (--force does not change that): pick another folder"
+        )
+
+
+def _prepare_out(out: str | Path, force: bool) -> Path:
+    """The folder to write (a link: the folder it points to), after the checks: not a file, not a
+    training run's (:func:`_refuse_run_out`), and either empty or, with ``force``, a checkpoint
+    folder (one holding ``config.json``) that is not the current folder nor holds it, which is
+    replaced whole. Creates nothing; ``ValueError`` naming ``OUT`` otherwise."""
+    o = Path(out)
+    if o.is_symlink():
+        o = o.resolve()
+    if o.exists() and not o.is_dir():
+        raise ValueError(f"OUT: {o} exists and is not a folder")
+    _refuse_run_out(o)
+    held = sorted(p.name for p in o.iterdir()) if o.is_dir() else []
+    if held and not force:
+        raise ValueError(f"output folder {o} is not empty (use --force / force=True to replace it)")
+    if held and not (o / "config.json").is_file():
+        shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+        raise ValueError(
+            f"OUT: {o} holds {shown} but no config.json, so it is not a checkpoint folder; --force "
+            "replaces a checkpoint folder whole and would delete these: pick another folder"
+        )
+    here = Path.cwd().resolve()
+    if held and (here == o.resolve() or o.resolve() in here.parents):
+        raise ValueError(
+            f"OUT: {o} is the current folder or holds it; --force replaces OUT whole, which would leave "
+            "this shell in a deleted folder: run the command from outside it"
+        )
     return o
+
+
+def _write_folder(o: Path, write: Callable[[Path], None]) -> None:
+    """Write the folder ``o`` all at once: ``write(tmp)`` fills a fresh hidden sibling folder,
+    which then takes ``o``'s place (an existing ``o`` is set aside, and removed once the new folder
+    is in place; an empty ``o`` is kept and the files are moved into it). When ``write`` or the
+    move fails, ``o`` is left as it was and the temporary folder is removed; a failure of the file
+    system (a full disk, a file size limit, a permission; ``safetensors``' I/O errors included)
+    raises ``OSError`` saying so, anything else propagates."""
+    from safetensors import SafetensorError
+
+    o = Path(os.path.abspath(o))
+    existed = o.exists()
+    kept = f"{o} was left as it was" if existed else f"{o} was not created"
+    o.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _fresh_sibling(o, "partial")
+    old = None
+    try:
+        write(tmp)
+        if existed and not any(o.iterdir()):  # an empty folder (the current one, say): filled, kept
+            _move_entries(tmp, o)
+            tmp.rmdir()
+            return
+        if existed:  # keep the folder's permissions
+            os.chmod(tmp, stat.S_IMODE(o.stat().st_mode))
+            old = o.parent / f".{o.name}.old-{secrets.token_hex(4)}"
+            os.rename(o, old)
+        os.rename(tmp, o)
+    except BaseException as e:
+        if old is not None and not o.exists():
+            os.rename(old, o)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, SafetensorError)):
+            raise OSError(f"writing {o} failed ({e}); {kept} (the partial copy was removed)") from e
+        raise
+    if old is not None:
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            warnings.warn(
+                f"{o} was written, but its previous content, set aside as {old}, could not be removed "
+                f"({e}): delete it by hand",
+                stacklevel=3,
+            )
+
+
+def _move_entries(src: Path, dst: Path) -> None:
+    """Move every entry of ``src`` into the empty folder ``dst`` (``config.json`` last, so that
+    ``dst`` is a checkpoint only once its weights are there); on a failure the entries moved so far
+    go back, leaving ``dst`` empty, and the error propagates."""
+    names = sorted((p.name for p in src.iterdir()), key=lambda n: n == "config.json")
+    moved: list[str] = []
+    try:
+        for n in names:
+            os.rename(src / n, dst / n)
+            moved.append(n)
+    except BaseException:
+        for n in moved:
+            os.rename(dst / n, src / n)
+        raise
+
+
+def _fresh_sibling(o: Path, tag: str) -> Path:
+    """A new empty folder next to ``o``, hidden (``.NAME.TAG-XXXXXXXX``), made with the usual
+    permissions (the umask's)."""
+    while True:
+        p = o.parent / f".{o.name}.{tag}-{secrets.token_hex(4)}"
+        try:
+            p.mkdir()
+            return p
+        except FileExistsError:
+            continue
 
 
 def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
-    """Convert the foreign checkpoint ``src`` into a mnemo checkpoint folder ``out``
-    (``config.json``, ``model.safetensors`` and the tokenizer files found in ``src``). Refuses a
-    non-empty ``out`` unless ``force``. Returns ``out``."""
+    """Convert the foreign checkpoint ``src`` into a mnemo checkpoint folder ``out``:
+    ``config.json``, ``model.safetensors``, the tokenizer files of ``src`` (:data:`TOKENIZER_FILES`,
+    the chat template included), its :data:`CARRIED_FILES` (``generation_config.json``) and
+    :data:`CARRIED_CONFIG_NAME` with those of :data:`CARRIED_FIELDS` (the bos / eos / pad token
+    ids, ``residual_in_fp32``) that its ``config.json`` has, which :func:`export_hf` writes back.
+    mnemo does not read these ids: ``LanguageModel.generate`` (``mnemo generate``) and
+    ``MnemoForCausalLM.generate`` (which equals it) do not stop at an end-of-text token (pass
+    ``eos_token_id=`` to ``transformers``' ``generate`` for that); they are kept for the export.
+
+    The folder is written whole into a temporary sibling and moved into place when complete:
+    ``out`` must be empty or new, or with ``force`` a checkpoint folder (holding ``config.json``)
+    that is replaced once the new one is complete. Returns ``out``.
+
+    Raises ``FileNotFoundError`` / ``ValueError`` as :func:`import_hf` does; ``ValueError`` for an
+    ``out`` that is ``src`` or inside it, a training run's folder or one of its checkpoints
+    (``force`` or not), not empty without ``force``, or with ``force`` not a checkpoint folder or
+    the current folder; ``OSError`` when writing fails (``out`` is then left as it was)."""
     from ..models.lm import LanguageModel
 
     check_not_source(out, src)
-    config, state, tok = import_hf(src)
+    imported = _import(src)
     o = _prepare_out(out, force)
-    model = LanguageModel(config)
-    model.load_state_dict(state, strict=True)
-    model.save_pretrained(o)
+    model = LanguageModel(imported.config)
+    model.load_state_dict(imported.state, strict=True)
+    tok = imported.tokenizer_files
     names = {f.name for f in tok}
-    for f in tok:
-        # mnemo's own char/byte tokenizer, renamed on export, gets its checkpoint name back
-        # unless a Hugging Face tokenizer.json came with it
-        back = f.name == MNEMO_TOKENIZER_NAME and "tokenizer.json" not in names
-        shutil.copy2(f, o / ("tokenizer.json" if back else f.name))
+    carried_files = [Path(src) / n for n in CARRIED_FILES if (Path(src) / n).is_file()]
+
+    def write(d: Path) -> None:
+        model.save_pretrained(d)
+        for f in tok:
+            # mnemo's own char/byte tokenizer, renamed on export, gets its checkpoint name back
+            # unless a Hugging Face tokenizer.json came with it
+            back = f.name == MNEMO_TOKENIZER_NAME and "tokenizer.json" not in names
+            shutil.copy2(f, d / ("tokenizer.json" if back else f.name))
+        for f in carried_files:
+            shutil.copy2(f, d / f.name)
+        record = {"source_architecture": imported.arch.name, "fields": imported.carried}
+        (d / CARRIED_CONFIG_NAME).write_text(json.dumps(record, indent=2) + "\n")
+
+    _write_folder(o, write)
     if not tok:
         _warn_no_tokenizer(src, o)
-    return o
+    return Path(out)
 
 
 def _warn_no_tokenizer(src, out: Path) -> None:
@@ -404,9 +646,27 @@ def _warn_no_tokenizer(src, out: Path) -> None:
 def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     """Write the mnemo model ``ckpt`` (a checkpoint folder or a ``LanguageModel``) as a folder that
     ``transformers`` loads with its own class (``config.json`` with ``architectures``,
-    ``model.safetensors`` in the model's dtype, the tokenizer files of a ``ckpt`` folder).
+    ``model.safetensors`` in the model's dtype; from a ``ckpt`` folder also its tokenizer files,
+    the chat template included, and its ``generation_config.json``).
 
-    Raises ``ValueError`` naming what the target class cannot express. Returns ``out``."""
+    ``config.json`` is written as ``transformers`` writes it (an infinite float, such as
+    Mamba-2's default ``time_step_limit`` bound, as ``{"__float__": "Infinity"}``). The special
+    token ids: a checkpoint made by :func:`convert` gets its source's back (with
+    ``residual_in_fp32``; :data:`CARRIED_CONFIG_NAME`; one its source left out stays out, so the
+    class's default applies as it did there); otherwise ``eos_token_id`` is the end-of-text
+    token of the checkpoint's Hugging Face tokenizer and every id it does not know is written as
+    null (the target class's defaults, such as Mamba's ``eos_token_id = 0``, would make real tokens
+    special). mnemo's own ``LanguageModel.generate`` does not stop at ``eos_token_id``;
+    ``transformers``' ``generate`` on the export does.
+
+    The folder is written whole into a temporary sibling and moved into place when complete:
+    ``out`` must be empty or new, or with ``force`` a checkpoint folder (holding ``config.json``)
+    that is replaced once the new one is complete. Returns ``out``.
+
+    Raises ``ValueError`` naming what the target class cannot express, or for an ``out`` that is
+    the source or inside it, a training run's folder or one of its checkpoints (``force`` or not),
+    not empty without ``force``, or with ``force`` not a checkpoint folder or the current folder;
+    ``OSError`` when writing fails (``out`` is then left as it was)."""
     from safetensors.torch import save_file
 
     from ..models.lm import LanguageModel
@@ -434,37 +694,86 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
         hf_config["model_type"] = arch.model_type
     dtype = next(iter(hf_weights.values())).dtype
     hf_config.setdefault("dtype", str(dtype).removeprefix("torch."))
+    carried = None
+    if src is not None and is_foreign_checkpoint(src):  # a transformers folder, converted in memory
+        carried = _carried_fields(src / "config.json", json.loads((src / "config.json").read_text()))
+    elif src is not None:
+        carried = _read_carried(src)
+    for k, v in (carried or {}).items():
+        if k in TOKEN_ID_FIELDS or k in hf_config:  # residual_in_fp32: where the target class has it
+            hf_config[k] = v
+    if carried is None:  # a model of mnemo's own: the ids its tokenizer knows, null for the others
+        eos = _eos_token_id(src) if src is not None else None
+        for k in TOKEN_ID_FIELDS:
+            hf_config.setdefault(k, eos if k == "eos_token_id" else None)
+    text = json.dumps(_json_safe(hf_config), indent=2, allow_nan=False)
     o = _prepare_out(out, force)
-    (o / "config.json").write_text(json.dumps(hf_config, indent=2))
-    save_file(
-        {k: v.contiguous().clone() for k, v in hf_weights.items()},
-        str(o / "model.safetensors"),
-        {"format": "pt"},
+    mnemo_tok = (
+        src is not None and (src / "tokenizer.json").is_file() and _is_mnemo_tokenizer(src / "tokenizer.json")
     )
-    if src is not None:
+
+    def write(d: Path) -> None:
+        (d / "config.json").write_text(text)
+        save_file(
+            {k: v.contiguous().clone() for k, v in hf_weights.items()},
+            str(d / "model.safetensors"),
+            {"format": "pt"},
+        )
+        if src is None:
+            return
         for n in TOKENIZER_FILES:
             if (src / n).is_file():
-                if n == "tokenizer.json" and _is_mnemo_tokenizer(src / n):
-                    # mnemo's char/byte format is not a Hugging Face tokenizer: keep it under
-                    # another name so transformers' AutoTokenizer does not misread it
-                    shutil.copy2(src / n, o / MNEMO_TOKENIZER_NAME)
-                    warnings.warn(
-                        f"{src / n} is mnemo's own char/byte tokenizer, which transformers cannot load; "
-                        f"written as {o / MNEMO_TOKENIZER_NAME} (mnemo.data.load_tokenizer and "
-                        "`mnemo convert` read it)",
-                        stacklevel=2,
-                    )
-                    continue
-                shutil.copy2(src / n, o / n)
+                # mnemo's char/byte format is not a Hugging Face tokenizer: kept under another name
+                # so that transformers' AutoTokenizer does not misread it
+                shutil.copy2(
+                    src / n, d / (MNEMO_TOKENIZER_NAME if n == "tokenizer.json" and mnemo_tok else n)
+                )
         if (src / MNEMO_TOKENIZER_NAME).is_file() and not (src / "tokenizer.json").is_file():
-            shutil.copy2(src / MNEMO_TOKENIZER_NAME, o / MNEMO_TOKENIZER_NAME)  # an export exported again
-        if not any((o / n).is_file() for n in (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)):
-            _warn_no_tokenizer(src, o)
-        eos = _eos_token_id(src)
-        if eos is not None and "eos_token_id" not in hf_config:
-            hf_config["eos_token_id"] = eos
-            (o / "config.json").write_text(json.dumps(hf_config, indent=2))
-    return o
+            shutil.copy2(src / MNEMO_TOKENIZER_NAME, d / MNEMO_TOKENIZER_NAME)  # an export exported again
+        for n in CARRIED_FILES:
+            if (src / n).is_file():
+                shutil.copy2(src / n, d / n)
+
+    _write_folder(o, write)
+    if mnemo_tok:
+        warnings.warn(
+            f"{src / 'tokenizer.json'} is mnemo's own char/byte tokenizer, which transformers cannot load; "
+            f"written as {o / MNEMO_TOKENIZER_NAME} (mnemo.data.load_tokenizer and `mnemo convert` read it)",
+            stacklevel=2,
+        )
+    if src is not None and not any((o / n).is_file() for n in (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)):
+        _warn_no_tokenizer(src, o)
+    return Path(out)
+
+
+def _read_carried(ckpt: Path) -> dict | None:
+    """The fields :func:`convert` kept in ``ckpt`` / :data:`CARRIED_CONFIG_NAME` (``None``: no such
+    file, a checkpoint of mnemo's own). ``ValueError`` naming the file when it is damaged."""
+    p = ckpt / CARRIED_CONFIG_NAME
+    if not p.is_file():
+        return None
+    try:
+        record = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt file {p}: not JSON ({e})") from None
+    fields = record.get("fields") if isinstance(record, dict) else None
+    if not isinstance(fields, dict):
+        raise ValueError(
+            f"corrupt file {p}: expected a JSON object with a 'fields' object, got {json.dumps(record)[:120]}"
+        )
+    unknown = sorted(set(fields) - set(CARRIED_FIELDS))
+    if unknown:
+        raise ValueError(f"{p}: unknown field(s) {unknown}; expected among {list(CARRIED_FIELDS)}")
+    return _carried_fields(p, fields)
+
+
+def _json_safe(v):
+    """``v`` (a config) with every non-finite float as ``transformers`` writes it (:func:`json_float`)."""
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return json_float(v)
 
 
 def _is_mnemo_tokenizer(path: Path) -> bool:

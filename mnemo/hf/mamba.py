@@ -109,11 +109,15 @@ def _defaults(mixer: str) -> dict[str, Any]:
     return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
 
 
-def _d_inner_expand(where: str, hidden: int, expand) -> int:
+def _d_inner_expand(where: str, hidden: int, expand, field: str = "expand") -> int:
+    """``expand`` (the config's ``field``) as an int: ``ValueError`` naming the field for a value
+    that is not a positive number, or whose ``expand · hidden`` is not a multiple of ``hidden``."""
+    if isinstance(expand, bool) or not isinstance(expand, (int, float)) or not 0 < expand < math.inf:
+        raise ValueError(f"{where}: field {field!r}: expected a positive int, got {expand!r}")
     d_inner = expand * hidden
     if d_inner != int(d_inner) or int(d_inner) % hidden:
         _refuse(
-            where, f"expand = {expand} (d_inner = expand · hidden_size must be a multiple of hidden_size)"
+            where, f"{field} = {expand} (d_inner = expand · hidden_size must be a multiple of hidden_size)"
         )
     return int(d_inner) // hidden
 
@@ -153,12 +157,14 @@ def _vocab(where: str, weights: dict[str, Tensor], declared=None, pad_multiple: 
     return rows
 
 
-def _mamba_options(where, hidden, state_size, expand, conv, rank, bias, conv_bias) -> dict[str, Any]:
+def _mamba_options(
+    where, hidden, state_size, expand, conv, rank, bias, conv_bias, *, expand_field: str = "expand"
+) -> dict[str, Any]:
     if rank in (None, "auto"):
         rank = math.ceil(hidden / 16)
     return {
         "d_state": int(state_size),
-        "expand": _d_inner_expand(where, hidden, expand),
+        "expand": _d_inner_expand(where, hidden, expand, expand_field),
         "conv_size": int(conv),
         "dt_rank": int(rank),
         "bias": bool(bias),
@@ -167,9 +173,23 @@ def _mamba_options(where, hidden, state_size, expand, conv, rank, bias, conv_bia
 
 
 def _mamba2_options(
-    where, hidden, state_size, expand, head_dim, n_groups, conv, bias, conv_bias, dt_limit, eps, n_heads=None
+    where,
+    hidden,
+    state_size,
+    expand,
+    head_dim,
+    n_groups,
+    conv,
+    bias,
+    conv_bias,
+    dt_limit,
+    eps,
+    n_heads=None,
+    *,
+    expand_field: str = "expand",
+    limit_field: str = "time_step_limit",
 ) -> dict[str, Any]:
-    e = _d_inner_expand(where, hidden, expand)
+    e = _d_inner_expand(where, hidden, expand, expand_field)
     d_inner = e * hidden
     if d_inner % head_dim or (n_heads is not None and n_heads * head_dim != d_inner):
         _refuse(where, f"num_heads · head_dim = {n_heads} · {head_dim} ≠ expand · hidden_size = {d_inner}")
@@ -185,17 +205,51 @@ def _mamba2_options(
         "conv_bias": bool(conv_bias),
         "norm_eps": float(eps),
     }
-    lo, hi = (_number(v) for v in (dt_limit if dt_limit is not None else (0.0, math.inf)))
+    lo, hi = _dt_limit(where, limit_field, dt_limit)
     if (lo, hi) != (0.0, math.inf):
         opts["dt_limit"] = [lo, hi]
     return opts
 
 
+#: how ``transformers`` 5 writes a non-finite float in a ``config.json`` (JSON has no ``Infinity``)
+_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
 def _number(v) -> float:
-    """A float of a config (``transformers`` 5 writes ``inf`` as ``{"__float__": "Infinity"}``)."""
-    if isinstance(v, dict) and "__float__" in v:
-        v = v["__float__"]
+    """A float of a config (``transformers`` 5 writes ``inf`` as ``{"__float__": "Infinity"}``);
+    ``ValueError`` (no field named: the caller names it) for anything but a number."""
+    if isinstance(v, dict) and set(v) == {"__float__"} and v["__float__"] in _FLOAT_TAGS:
+        return _FLOAT_TAGS[v["__float__"]]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected a number, got {v!r}")
     return float(v)
+
+
+def _dt_limit(where: str, field: str, value) -> tuple[float, float]:
+    """``time_step_limit`` / ``ssm_cfg.dt_limit``: ``[min, max]``, two numbers (``inf`` as
+    ``transformers`` writes it) with ``min <= max``; ``None`` means ``(0, inf)``. Raises
+    ``ValueError`` naming ``field`` and the received value for anything else."""
+    if value is None:
+        return 0.0, math.inf
+    expected = f"{where}: field {field!r}: expected [min, max], two numbers with min <= max, got {value!r}"
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(expected)
+    try:
+        lo, hi = (_number(v) for v in value)
+    except ValueError:
+        raise ValueError(expected) from None
+    if not lo <= hi:  # NaN included
+        raise ValueError(expected)
+    return lo, hi
+
+
+def json_float(v: float):
+    """``v`` as ``transformers`` 5 writes a float in a ``config.json``: ``inf``, ``-inf`` and
+    ``nan`` as ``{"__float__": "Infinity" | "-Infinity" | "NaN"}`` (what :func:`_number` reads
+    back), every other value as it is."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return {"__float__": "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")}
+    return v
 
 
 def _model_config(vocab, hidden, n_layers, mixer, options, tie, eps) -> ModelConfig:
@@ -210,6 +264,103 @@ def _model_config(vocab, hidden, n_layers, mixer, options, tie, eps) -> ModelCon
         tie_embeddings=bool(tie),
         norm_eps=float(eps),
     ).validate()
+
+
+# --- which config fields decide a weight's shape ---------------------------------------------------
+
+#: per mixer: the config fields (``transformers``' names) that decide the shape of each weight, by
+#: the weight's mnemo name without its ``blocks.N.`` prefix (the longest matching prefix counts)
+SHAPE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "mamba": {
+        "embed.weight": ("vocab_size", "hidden_size"),
+        "lm_head.weight": ("vocab_size", "hidden_size"),
+        "norm.weight": ("hidden_size",),
+        "mixer_norm.weight": ("hidden_size",),
+        "mixer.in_proj": ("hidden_size", "expand"),
+        "mixer.conv": ("hidden_size", "expand", "conv_kernel"),
+        "mixer.x_proj": ("hidden_size", "expand", "time_step_rank", "state_size"),
+        "mixer.dt_proj.weight": ("hidden_size", "expand", "time_step_rank"),
+        "mixer.dt_proj.bias": ("hidden_size", "expand"),
+        "mixer.A_log": ("hidden_size", "expand", "state_size"),
+        "mixer.D": ("hidden_size", "expand"),
+        "mixer.o_proj": ("hidden_size", "expand"),
+    },
+    "mamba2": {
+        "embed.weight": ("vocab_size", "hidden_size"),
+        "lm_head.weight": ("vocab_size", "hidden_size"),
+        "norm.weight": ("hidden_size",),
+        "mixer_norm.weight": ("hidden_size",),
+        "mixer.in_proj": ("hidden_size", "expand", "n_groups", "state_size", "num_heads", "head_dim"),
+        "mixer.conv": ("hidden_size", "expand", "n_groups", "state_size", "conv_kernel"),
+        "mixer.A_log": ("num_heads", "head_dim", "hidden_size", "expand"),
+        "mixer.D": ("num_heads", "head_dim", "hidden_size", "expand"),
+        "mixer.dt_bias": ("num_heads", "head_dim", "hidden_size", "expand"),
+        "mixer.norm.weight": ("hidden_size", "expand"),
+        "mixer.o_proj": ("hidden_size", "expand"),
+    },
+}
+#: the same fields under the original mamba-ssm layout's names
+_SSM_FIELD_NAMES = {
+    "hidden_size": "d_model",
+    "expand": "ssm_cfg.expand",
+    "conv_kernel": "ssm_cfg.d_conv",
+    "time_step_rank": "ssm_cfg.dt_rank",
+    "state_size": "ssm_cfg.d_state",
+    "n_groups": "ssm_cfg.ngroups",
+    "head_dim": "ssm_cfg.headdim",
+    "num_heads": None,  # not a field there: expand · d_model / headdim
+}
+
+
+def _shown(fields: dict, defaults: dict, names=None) -> dict[str, str]:
+    """``{name: "value"}`` of the config fields, ``"value (default)"`` for one the config leaves out
+    (``names``: the fields' names in the config, when not ``transformers``')."""
+    out = {}
+    for k, default in defaults.items():
+        name = (names or {}).get(k, k)
+        if name is None:
+            continue
+        out[name] = f"{fields[k]!r}" if k in fields else f"{default!r} (default)"
+    return out
+
+
+def _foreign_name(key: str, table: list[tuple[str, str]]) -> str:
+    """The file's name of the mnemo weight ``key`` (``table``: ``(theirs, ours)`` pairs)."""
+    for theirs, ours in table:
+        m = re.fullmatch(ours.replace(".", r"\.").replace("{i}", r"(?P<i>\d+)"), key)
+        if m:
+            return theirs.replace("{i}", m.group("i")) if "{i}" in theirs else theirs
+    return key
+
+
+def _check_shapes(
+    where: str,
+    config: ModelConfig,
+    state: dict[str, Tensor],
+    table: list[tuple[str, str]],
+    shown: dict[str, str],
+    names: dict[str, str | None] | None = None,
+) -> None:
+    """Refuse a weight whose shape is not the one ``config`` gives, naming the weight (its file
+    name) and the config fields that decide its shape with their values (``shown``)."""
+    from ..models.lm import LanguageModel
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in LanguageModel(config).state_dict().items()}
+    fields_of = SHAPE_FIELDS[config.mixer]
+    for k, t in state.items():
+        want = expected.get(k)
+        if want is None or tuple(t.shape) == want:
+            continue  # an unexpected key is left to the caller's check
+        local = re.sub(r"^blocks\.\d+\.", "", k)
+        best = max((p for p in fields_of if local.startswith(p)), key=len, default=None)
+        fields = [(names or {}).get(f, f) for f in (fields_of[best] if best else ())]
+        said = ", ".join(f"{f} = {shown[f]}" for f in fields if f is not None and f in shown)
+        raise ValueError(
+            f"{where}: weight {_foreign_name(k, table)} has shape {list(t.shape)}, but the config"
+            + (f" ({said})" if said else "")
+            + f" gives {list(want)}: the config and the weights disagree"
+        )
 
 
 # --- transformers MambaForCausalLM / Mamba2ForCausalLM ------------------------------------------
@@ -232,16 +383,15 @@ def import_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConf
         c.get("use_conv_bias", True),
     )
     tie = c.get("tie_word_embeddings", True)
+    vocab = _vocab(where, weights, c.get("vocab_size"))
     config = _model_config(
-        _vocab(where, weights, c.get("vocab_size")),
-        hidden,
-        c["num_hidden_layers"],
-        "mamba",
-        opts,
-        tie,
-        c.get("layer_norm_epsilon", 1e-5),
+        vocab, hidden, c["num_hidden_layers"], "mamba", opts, tie, c.get("layer_norm_epsilon", 1e-5)
     )
-    return config, _import_weights(weights, MAMBA_KEYS, tie, where)
+    state = _import_weights(weights, MAMBA_KEYS, tie, where)
+    defaults = dict(vocab_size=vocab, hidden_size=None, expand=2, conv_kernel=4, time_step_rank="auto")
+    defaults["state_size"] = 16
+    _check_shapes(where, config, state, MAMBA_KEYS, _shown(c, defaults))
+    return config, state
 
 
 def import_mamba2(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
@@ -269,7 +419,11 @@ def import_mamba2(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelCon
     tie = c.get("tie_word_embeddings", False)
     vocab = _vocab(where, weights, c.get("vocab_size"))
     config = _model_config(vocab, hidden, c["num_hidden_layers"], "mamba2", opts, tie, eps)
-    return config, _import_weights(weights, MAMBA2_KEYS, tie, where)
+    state = _import_weights(weights, MAMBA2_KEYS, tie, where)
+    defaults = dict(vocab_size=vocab, hidden_size=None, expand=2, n_groups=8, state_size=128)
+    defaults |= dict(num_heads=opts["expand"] * hidden // opts["head_dim"], head_dim=64, conv_kernel=4)
+    _check_shapes(where, config, state, MAMBA2_KEYS, _shown(c, defaults))
+    return config, state
 
 
 def _single_mixer(config: ModelConfig, name: str, where: str) -> dict[str, Any]:
@@ -428,12 +582,14 @@ def import_mamba_ssm(cfg: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig
             ssm.get("dt_rank", "auto"),
             ssm.get("bias", False),
             ssm.get("conv_bias", True),
+            expand_field="ssm_cfg.expand",
         )
         mixer, table = "mamba", MAMBA_KEYS
+        defaults = dict(expand=2, conv_kernel=4, time_step_rank="auto", state_size=16)
     else:
         if not ssm.get("rmsnorm", True):
             _refuse(where, "ssm_cfg.rmsnorm = false (a Mamba2 layer without its gated norm)")
-        e = _d_inner_expand(where, hidden, ssm.get("expand", 2))
+        e = _d_inner_expand(where, hidden, ssm.get("expand", 2), "ssm_cfg.expand")
         if ssm.get("d_ssm") not in (None, e * hidden):
             _refuse(where, f"ssm_cfg.d_ssm = {ssm['d_ssm']} (a gated MLP beside the SSM)")
         opts = _mamba2_options(
@@ -448,14 +604,25 @@ def import_mamba_ssm(cfg: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig
             ssm.get("conv_bias", True),
             ssm.get("dt_limit"),
             MAMBA_SSM_EPS,
+            expand_field="ssm_cfg.expand",
+            limit_field="ssm_cfg.dt_limit",
         )
         if ssm.get("D_has_hdim"):
             opts["D_has_hdim"] = True
         if ssm.get("norm_before_gate"):
             opts["norm_before_gate"] = True
         mixer, table = "mamba2", MAMBA2_KEYS
+        defaults = dict(expand=2, conv_kernel=4, state_size=128, n_groups=1, head_dim=64)
     config = _model_config(vocab, hidden, cfg["n_layer"], mixer, opts, tie, MAMBA_SSM_EPS)
-    return config, _import_weights(weights, table, tie, where)
+    state = _import_weights(weights, table, tie, where)
+    # the fields under this layout's names (d_model, ssm_cfg.d_state, ...)
+    given = {"hidden_size": hidden, "vocab_size": vocab}
+    for k, name in _SSM_FIELD_NAMES.items():
+        if name is not None and name.startswith("ssm_cfg.") and name.removeprefix("ssm_cfg.") in ssm:
+            given[k] = ssm[name.removeprefix("ssm_cfg.")]
+    shown = _shown(given, {"hidden_size": None, "vocab_size": None, **defaults}, _SSM_FIELD_NAMES)
+    _check_shapes(where, config, state, table, shown, _SSM_FIELD_NAMES)
+    return config, state
 
 
 # --- decoding caches ----------------------------------------------------------------------------

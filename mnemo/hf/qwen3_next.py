@@ -39,7 +39,9 @@ The correspondence, layer by layer:
   norm of the linear-attention layers multiplies by ``w`` directly and is copied.
 
 Anything mnemo cannot express exactly raises ``ValueError`` naming the option; nothing is
-approximated. ``attention_dropout`` acts only in training and is not carried; multi-token
+approximated. RoPE is plain both ways: a checkpoint's ``rope_scaling`` / ``rope_type`` other than
+``"default"`` is refused on import, and a mnemo model's ``mixer_options['attention']['rope_scaling']``
+(linear, NTK, YaRN) on export. ``attention_dropout`` acts only in training and is not carried; multi-token
 prediction weights (``mtp.*``, unused by ``Qwen3NextForCausalLM``) are dropped on import.
 """
 
@@ -53,6 +55,7 @@ from torch import Tensor
 
 from ..layers import MIXERS
 from ..layers.mlp import swiglu_hidden
+from ..layers.rotary import check_rope_scaling
 from ..models.config import ModelConfig
 
 #: ``Qwen3NextConfig``'s defaults for the fields the conversion reads (a ``config.json`` may
@@ -93,6 +96,69 @@ QK_L2NORM_EPS = 1e-6
 
 def _refuse(what: str) -> None:
     raise ValueError(f"Qwen3-Next conversion: {what}")
+
+
+#: config fields that are true / false (a string "no" would read as true)
+_BOOL_FIELDS = ("attention_bias", "tie_word_embeddings", "norm_topk_prob")
+
+#: the config fields that decide the shape of each weight, by the end of its name in the file
+#: (the longest matching end counts)
+SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "embed_tokens.weight": ("vocab_size", "hidden_size"),
+    "lm_head.weight": ("vocab_size", "hidden_size"),
+    "norm.weight": ("hidden_size",),
+    "input_layernorm.weight": ("hidden_size",),
+    "post_attention_layernorm.weight": ("hidden_size",),
+    "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj.weight": ("intermediate_size", "hidden_size"),
+    "linear_attn.in_proj_qkvz.weight": (
+        "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+        "hidden_size",
+    ),
+    "linear_attn.in_proj_ba.weight": ("linear_num_value_heads", "hidden_size"),
+    "linear_attn.conv1d.weight": (
+        "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    ),
+    "linear_attn.A_log": ("linear_num_value_heads",),
+    "linear_attn.dt_bias": ("linear_num_value_heads",),
+    "linear_attn.norm.weight": ("linear_value_head_dim",),
+    "linear_attn.out_proj.weight": ("hidden_size", "linear_num_value_heads", "linear_value_head_dim"),
+    "self_attn.q_proj.weight": ("num_attention_heads", "head_dim", "hidden_size"),
+    "self_attn.q_proj.bias": ("num_attention_heads", "head_dim"),
+    "self_attn.k_proj.weight": ("num_key_value_heads", "head_dim", "hidden_size"),
+    "self_attn.k_proj.bias": ("num_key_value_heads", "head_dim"),
+    "self_attn.v_proj.weight": ("num_key_value_heads", "head_dim", "hidden_size"),
+    "self_attn.v_proj.bias": ("num_key_value_heads", "head_dim"),
+    "self_attn.o_proj.weight": ("hidden_size", "num_attention_heads", "head_dim"),
+    "self_attn.o_proj.bias": ("hidden_size",),
+    "self_attn.q_norm.weight": ("head_dim",),
+    "self_attn.k_norm.weight": ("head_dim",),
+    "mlp.gate.weight": ("num_experts", "hidden_size"),
+    "mlp.experts.gate_up_proj": ("num_experts", "moe_intermediate_size", "hidden_size"),
+    "mlp.experts.down_proj": ("num_experts", "moe_intermediate_size", "hidden_size"),
+    "gate_proj.weight": ("moe_intermediate_size", "hidden_size"),  # experts.{e}.*
+    "up_proj.weight": ("moe_intermediate_size", "hidden_size"),
+    "down_proj.weight": ("moe_intermediate_size", "hidden_size"),
+    "shared_expert.gate_proj.weight": ("shared_expert_intermediate_size", "hidden_size"),
+    "shared_expert.up_proj.weight": ("shared_expert_intermediate_size", "hidden_size"),
+    "shared_expert.down_proj.weight": ("shared_expert_intermediate_size", "hidden_size"),
+    "shared_expert_gate.weight": ("hidden_size",),
+}  # fmt: skip
+
+
+def _shape_fields(cfg: dict, key: str) -> str:
+    """``" (set by f = v, ...)"``: the config fields deciding the shape of the weight ``key``,
+    ``"v (default)"`` for one the config leaves out; ``""`` when none is known."""
+    best = max((e for e in SHAPE_FIELDS if key == e or key.endswith("." + e)), key=len, default=None)
+    if best is None:
+        return ""
+    said = ", ".join(
+        f"{f} = {cfg[f]!r}" if cfg.get(f) is not None else f"{f} = {HF_DEFAULTS[f]!r} (default)"
+        for f in SHAPE_FIELDS[best]
+    )
+    return f" (its shape is set by {said}: the config and the weights disagree)"
 
 
 def _get(cfg: dict, key: str):
@@ -148,9 +214,10 @@ def _minus_one(w: Tensor) -> Tensor:
 class _Weights:
     """A state dict consumed key by key; :meth:`finish` refuses what was not consumed."""
 
-    def __init__(self, weights: dict[str, Tensor], ignore: tuple[str, ...] = ()):
+    def __init__(self, weights: dict[str, Tensor], ignore: tuple[str, ...] = (), cfg: dict | None = None):
         self.w = {k: v for k, v in weights.items() if not k.startswith(ignore)}
         self.used: set[str] = set()
+        self.cfg = cfg  # a Qwen3-Next config: a shape error names the fields that set the shape
 
     def __contains__(self, key: str) -> bool:
         return key in self.w
@@ -160,7 +227,8 @@ class _Weights:
             _refuse(f"weight {key!r} is missing")
         t = self.w[key]
         if shape is not None and tuple(t.shape) != tuple(shape):
-            _refuse(f"weight {key!r} has shape {list(t.shape)}, expected {list(shape)}")
+            why = _shape_fields(self.cfg, key) if self.cfg is not None else ""
+            _refuse(f"weight {key!r} has shape {list(t.shape)}, expected {list(shape)}{why}")
         self.used.add(key)
         return t
 
@@ -179,11 +247,16 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
     ``hf_config``: the config dict (``config.json`` or ``Qwen3NextConfig.to_dict()``);
     ``weights``: the ``Qwen3NextForCausalLM`` state dict (``model.*``, ``lm_head.weight``).
     Raises ``ValueError`` for a mix of dense and MoE layers, RoPE scaling, another activation than
-    SiLU, a missing, mis-shaped or unexpected weight — anything not reproduced exactly.
+    SiLU, a true/false field (``attention_bias``, ``tie_word_embeddings``, ``norm_topk_prob``) of
+    another kind, a missing, mis-shaped (naming the config fields that set the shape) or unexpected
+    weight — anything not reproduced exactly.
     """
     cfg = dict(hf_config)
     if cfg.get("model_type", "qwen3_next") != "qwen3_next":
         _refuse(f"model_type {cfg['model_type']!r} is not 'qwen3_next'")
+    for k in _BOOL_FIELDS:
+        if cfg.get(k) is not None and not isinstance(cfg[k], bool):
+            _refuse(f"field {k!r}: expected true or false, got {cfg[k]!r}")
     n, d = _get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size")
     if _get(cfg, "hidden_act") != "silu":
         _refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
@@ -244,7 +317,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         init_std=float(_get(cfg, "initializer_range")),
     ).validate()
 
-    w = _Weights(weights, ignore=("mtp.",))
+    w = _Weights(weights, ignore=("mtp.",), cfg=cfg)
     sd: dict[str, Tensor] = {}
     emb = w.pop("model.embed_tokens.weight", (config.vocab_size, d))
     sd["embed.weight"] = emb
@@ -375,8 +448,9 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
 
     The model must be a stack of ``"gated_deltanet"`` and ``"attention"`` layers with SwiGLU MLPs
     and the options Qwen3-Next fixes (see the module docstring: no conv or β bias, ``qk_norm_eps
-    = 1e-6``, output gates, q/k norms, one RMSNorm epsilon throughout, …); anything else raises
-    ``ValueError`` naming the option.
+    = 1e-6``, output gates, q/k norms, one RMSNorm epsilon throughout, plain RoPE: a
+    ``mixer_options['attention']['rope_scaling']`` other than ``None`` is refused, …); anything else
+    raises ``ValueError`` naming the option and the received value.
     """
     config = config.validate()
     types = config.layer_mixers()
@@ -402,6 +476,11 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
     for key, val in dict(rope=True, window=None, qk_norm=True, output_gate=True, norm_eps=eps).items():
         if ATTN in types:
             _require(f"mixer_options[{ATTN!r}]", a, key, val)
+    if ATTN in types and check_rope_scaling(a.get("rope_scaling")) is not None:
+        _refuse(
+            f"mixer_options[{ATTN!r}]['rope_scaling'] = {a['rope_scaling']!r}: only plain RoPE (rope_type "
+            "'default', rope_scaling None) is exported; a scaled RoPE is refused, not approximated"
+        )
     Hk = g["n_heads"]
     K = g["head_dim"] or d // Hk
     V = g["value_head_dim"] or K

@@ -363,3 +363,181 @@ def test_commands(tmp_path, capsys):
         assert rel_rms(lm(ids)[0], back(ids).logits) <= TOL[torch.float32]
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
     assert "argument src: expected an existing folder" in capsys.readouterr().err
+
+
+def _strict_json(path):
+    """``path`` read as strict JSON (``Infinity`` / ``NaN`` are not JSON: other readers refuse them)."""
+
+    def refuse(token):
+        raise ValueError(f"{path}: {token} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_mamba2_export_writes_an_infinite_limit_as_transformers_does(tmp_path):
+    """Mamba-2's default ``time_step_limit`` (0, inf): the export writes the upper bound as
+    transformers 5 itself does (``{"__float__": "Infinity"}``, valid JSON), and it reads back as
+    inf in transformers and in mnemo; a finite limit stays a plain number."""
+    hf = _hf_model("mamba2", dict(n_groups=2), torch.float32)
+    hf.save_pretrained(tmp_path / "hf")
+    theirs = _strict_json(tmp_path / "hf" / "config.json")["time_step_limit"]
+    assert theirs == [0.0, {"__float__": "Infinity"}]
+    convert(tmp_path / "hf", tmp_path / "mn")
+    export_hf(tmp_path / "mn", tmp_path / "ex")
+    assert _strict_json(tmp_path / "ex" / "config.json")["time_step_limit"] == theirs
+    back = transformers.Mamba2Config.from_pretrained(tmp_path / "ex")
+    assert tuple(back.time_step_limit) == (0.0, float("inf"))
+    config, _, _ = import_hf(tmp_path / "ex")
+    assert "dt_limit" not in config.mixer_options["mamba2"]  # (0, inf): the default, as it came in
+    lm = _mnemo_model("mamba2", dict(d_state=4, head_dim=4, n_groups=4, dt_limit=(0.01, 5.0)))
+    export_hf(lm, tmp_path / "finite")
+    assert _strict_json(tmp_path / "finite" / "config.json")["time_step_limit"] == [0.01, 5.0]
+
+
+def _saved_with(tmp_path, name, hf, **config_over):
+    """``hf`` saved into ``tmp_path / name`` with ``config_over`` written over its config.json."""
+    d = tmp_path / name
+    hf.save_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **config_over}))
+    return d
+
+
+#: a bad field of a saved Mamba2ForCausalLM's config.json and what the error says
+BAD_MAMBA2_FIELDS = [
+    (dict(time_step_limit=[0.0, "abc"]), "field 'time_step_limit': expected [min, max], two numbers"),
+    (dict(time_step_limit=[0.0, 0.1, 0.2]), "got [0.0, 0.1, 0.2]"),
+    (dict(time_step_limit=[0.1]), "field 'time_step_limit': expected [min, max]"),
+    (dict(time_step_limit=0.1), "field 'time_step_limit': expected [min, max]"),
+    (dict(time_step_limit=[0.2, 0.1]), "min <= max, got [0.2, 0.1]"),
+    (dict(expand="2"), "field 'expand': expected a positive int, got '2'"),
+    (dict(expand=0), "field 'expand': expected a positive int, got 0"),
+    (dict(expand=-2), "field 'expand': expected a positive int, got -2"),
+    (
+        dict(n_groups=1),
+        "conv1d.bias has shape [48], but the config (hidden_size = 16, expand = 2, n_groups = 1",
+    ),
+    (
+        dict(state_size=8),
+        "state_size = 8, conv_kernel = 4) gives [64]: the config and the weights disagree",
+    ),
+    (dict(conv_kernel=3), "conv1d.weight has shape [48, 1, 4], but the config"),
+    (dict(num_heads=4, head_dim=8), "A_log has shape [8], but the config (num_heads = 4, head_dim = 8"),
+    (dict(bos_token_id="<s>"), "field 'bos_token_id': expected a token id (an int or null), got '<s>'"),
+    (dict(architectures="Mamba2ForCausalLM"), "field 'architectures': expected a list of class names"),
+]
+
+
+@pytest.mark.parametrize(
+    "over, message", BAD_MAMBA2_FIELDS, ids=[json.dumps(o)[:40] for o, _ in BAD_MAMBA2_FIELDS]
+)
+def test_bad_mamba2_fields_are_named(over, message, tmp_path):
+    """Each bad field is refused by name with the received value (review: unpacking errors,
+    mnemo's internal shape errors); nothing is written."""
+    d = _saved_with(tmp_path, "hf", _hf_model("mamba2", dict(n_groups=2), torch.float32), **over)
+    with pytest.raises(ValueError) as e:
+        convert(d, tmp_path / "out")
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_mamba_fields_and_files_are_named(tmp_path):
+    """Mamba-1 shapes name their fields; a corrupt shard index names its file; a saved
+    ``MambaModel`` (the backbone without the head) names the architecture."""
+    hf = _hf_model("mamba", {}, torch.float32)
+    for over, message in [
+        (dict(time_step_rank=2), "dt_proj.weight has shape [32, 1], but the config (hidden_size = 16, "
+         "expand = 2, time_step_rank = 2) gives [32, 2]"),
+        (dict(state_size=8), "A_log has shape [32, 4], but the config (hidden_size = 16, expand = 2, "
+         "state_size = 8)"),
+    ]:  # fmt: skip
+        name = next(iter(over))
+        with pytest.raises(ValueError) as e:
+            import_hf(_saved_with(tmp_path, name, hf, **over))
+        assert message in str(e.value)
+    d = tmp_path / "sharded"
+    hf.save_pretrained(d)
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": ')
+    with pytest.raises(
+        ValueError, match=f"corrupt index file {d / 'model.safetensors.index.json'}: not JSON"
+    ):
+        import_hf(d)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": []}')
+    with pytest.raises(
+        ValueError, match="corrupt index file .*expected a JSON object with a non-empty 'weight_map'"
+    ):
+        import_hf(d)
+    transformers.MambaModel(hf.config).save_pretrained(tmp_path / "backbone")
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture MambaModel \(model_type 'mamba'\).*lm_head"
+    ):
+        import_hf(tmp_path / "backbone")
+    with pytest.raises(ValueError, match="MambaModel"):
+        LanguageModel.from_pretrained(tmp_path / "backbone")
+
+
+def _hf_tokenizer(folder, chat_template: str):
+    """A byte-level BPE tokenizer with special tokens and a chat template, saved by transformers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:30],
+        show_progress=False,
+    )
+    tok.train_from_iterator(["hello world"] * 5, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = chat_template
+    fast.save_pretrained(folder)
+
+
+def test_options_and_files_carried_through_convert_and_export(tmp_path):
+    """``residual_in_fp32: false``, the bos / eos / pad ids, ``generation_config.json`` and the chat
+    template (``chat_template.jinja``) go through convert and export unchanged (the review: they
+    came back as true / defaults / missing); a model of mnemo's own exports null ids, not the
+    transformers class's defaults."""
+    pytest.importorskip("tokenizers")
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    hf = _hf_model("mamba2", dict(n_groups=2, residual_in_fp32=False), torch.float32)
+    hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id = 0, 1, 2
+    hf.generation_config.bos_token_id, hf.generation_config.eos_token_id = 0, 1
+    hf.generation_config.pad_token_id = 2
+    hf.generation_config.max_new_tokens = 7
+    hf.save_pretrained(tmp_path / "hf")
+    _hf_tokenizer(tmp_path / "hf", template)
+    assert (tmp_path / "hf" / "chat_template.jinja").is_file()
+    convert(tmp_path / "hf", tmp_path / "mn")
+    carried = json.loads((tmp_path / "mn" / "hf_config_carried.json").read_text())
+    assert carried == {
+        "source_architecture": "Mamba2ForCausalLM",
+        "fields": {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "residual_in_fp32": False},
+    }
+    LanguageModel.from_pretrained(tmp_path / "mn")  # still an ordinary mnemo checkpoint
+    export_hf(tmp_path / "mn", tmp_path / "ex")
+    for name in ("generation_config.json", "chat_template.jinja"):
+        assert (tmp_path / "ex" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    back = transformers.Mamba2Config.from_pretrained(tmp_path / "ex")
+    assert back.residual_in_fp32 is False
+    assert (back.bos_token_id, back.eos_token_id, back.pad_token_id) == (0, 1, 2)
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "ex")
+    assert (gen.eos_token_id, gen.max_new_tokens) == (1, 7)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "ex").chat_template == template
+    # a transformers folder exported as it is (converted in memory) keeps them too
+    export_hf(tmp_path / "hf", tmp_path / "direct")
+    direct = _strict_json(tmp_path / "direct" / "config.json")
+    assert direct == _strict_json(tmp_path / "ex" / "config.json")
+    # a model built in mnemo: no ids known, so none is claimed (Mamba2Config would say eos 2, pad 1)
+    export_hf(_mnemo_model("mamba2", dict(d_state=4, head_dim=4, n_groups=4)), tmp_path / "native")
+    cfg = _strict_json(tmp_path / "native" / "config.json")
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (None, None, None)
+    assert cfg["residual_in_fp32"] is True
+    # a damaged record is named, not silently dropped
+    (tmp_path / "mn" / "hf_config_carried.json").write_text('{"fields": {"eos_token_id": "x"}}')
+    with pytest.raises(ValueError, match="hf_config_carried.json: field 'eos_token_id': expected a token id"):
+        export_hf(tmp_path / "mn", tmp_path / "ex2")

@@ -324,3 +324,77 @@ def test_moe_import_layouts_and_routing(tmp_path):
         ours = cache[f"blocks.{i}.mlp.hook_topk_indices"].reshape(-1, MOE["num_experts_per_tok"])
         assert torch.equal(ours.sort(-1).values, picked[i].sort(-1).values), f"layer {i}"
     assert len(set(torch.cat([v.reshape(-1) for v in picked.values()]).tolist())) == MOE["num_experts"]
+
+
+ROPE_SCALINGS = [
+    {"rope_type": "linear", "factor": 8.0},
+    {"rope_type": "ntk", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+]
+
+
+def _native_config(**attn_over) -> ModelConfig:
+    gdn = dict(n_heads=2, n_v_heads=4, head_dim=8, value_head_dim=6, conv_bias=False, beta_bias=False,
+               qk_norm_eps=1e-6, norm_eps=1e-6)  # fmt: skip
+    attn = dict(
+        n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True, output_gate=True, rotary_dim=6, norm_eps=1e-6
+    )
+    return ModelConfig(
+        vocab_size=VOCAB, d_model=32, n_layers=2, layers=["gated_deltanet", "attention"],
+        mixer_options={"gated_deltanet": gdn, "attention": {**attn, **attn_over}}, mlp_hidden=40,
+        norm_eps=1e-6,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling", ROPE_SCALINGS, ids=[s["rope_type"] for s in ROPE_SCALINGS])
+def test_export_refuses_rope_scaling(scaling, tmp_path):
+    """A scaled RoPE has no exact Qwen3-Next export here: refused by name with the value (the
+    review: linear scaling was written as rope_type 'default' and the logits differed by 0.027);
+    nothing is written. Plain RoPE spelled out (``{"rope_type": "default"}``) still exports."""
+    from mnemo.hf.convert import export_hf
+
+    config = _native_config(rope_scaling=scaling)
+    lm = LanguageModel(config).eval()
+    with pytest.raises(ValueError) as e:
+        export_qwen3_next(config, lm.state_dict())
+    assert f"mixer_options['attention']['rope_scaling'] = {scaling!r}" in str(e.value)
+    with pytest.raises(ValueError, match=r"mixer_options\['attention'\]\['rope_scaling'\] = \{'rope_type'"):
+        export_hf(lm, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    plain = _native_config(rope_scaling={"rope_type": "default"})
+    torch.manual_seed(0)
+    lm = LanguageModel(plain).eval()
+    export_hf(lm, tmp_path / "plain")
+    hf = Qwen3NextForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    assert hf.config.rope_parameters["rope_type"] == "default"
+    ids = _ids(T=12)
+    with torch.no_grad():
+        assert max_rel(lm(ids)[0], hf(ids).logits) <= TOL[torch.float32]
+
+
+def test_bad_fields_are_named(tmp_path):
+    """``attention_bias: "no"`` is refused as a field (it read as true and then as a missing bias
+    weight); a head count that contradicts the weights names the fields that set the shape."""
+    from mnemo.hf.convert import import_hf
+
+    hf = hf_model(hf_config(), torch.float32)
+    cfg, sd = saved(hf, tmp_path / "hf")
+    with pytest.raises(ValueError, match="field 'attention_bias': expected true or false, got 'no'"):
+        import_qwen3_next({**cfg, "attention_bias": "no"}, sd)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "attention_bias": "no"}))
+    with pytest.raises(ValueError, match="field 'attention_bias': expected true or false, got 'no'"):
+        import_hf(tmp_path / "hf")
+    with pytest.raises(ValueError) as e:
+        import_qwen3_next({**cfg, "linear_num_value_heads": 2}, sd)
+    assert "'model.layers.0.linear_attn.in_proj_qkvz.weight' has shape [80, 32], expected [56, 32]" in str(
+        e.value
+    )
+    assert (
+        "its shape is set by linear_num_key_heads = 2, linear_key_head_dim = 8, linear_num_value_heads = 2, "
+        "linear_value_head_dim = 6, hidden_size = 32: the config and the weights disagree"
+    ) in str(e.value)
+    with pytest.raises(ValueError, match=r"set by num_attention_heads = 4, head_dim = 16, hidden_size = 32"):
+        import_qwen3_next({**cfg, "head_dim": 16}, sd)
+    without = {k: v for k, v in cfg.items() if k != "intermediate_size"}
+    with pytest.raises(ValueError, match=r"set by intermediate_size = 5632 \(default\), hidden_size = 32"):
+        import_qwen3_next(without, sd)
