@@ -334,13 +334,34 @@ def _say_fewer_tokens(asked: int, got: int, data: str) -> None:
         )
 
 
+def _scored(run, length: int, bos):
+    """``run()`` (a probe that reads the layers' maps on ``2 · length`` random tokens, after a BOS
+    with ``bos``); a layer whose map cannot cover that many tokens (a mixer
+    whose map spans one chunk, whose ``NotImplementedError`` states the limit) becomes one
+    ``ValueError`` naming ``--length`` and that limit."""
+    try:
+        return run()
+    except NotImplementedError as e:
+        T = 2 * length + (bos is not None)
+        tokens = f"2 × --length{' + 1 (the BOS)' if bos is not None else ''} = {T} tokens"
+        reason = " ".join(str(e).split())  # one line
+        raise ValueError(
+            f"--length {length}: {tokens} are more than a layer's map covers: {reason}"
+        ) from None
+
+
 def _cmd_circuits(args) -> int:
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
     _refuse_outputs(args, out / "circuits.png")
     bos = _run_bos_id(ckpt, model)
     _check_probe_memory(model, args.batch, 2 * args.length + (bos is not None), "--length / --batch")
-    scores = circuit_scores(model, args.length, args.batch, args.seed, bos=bos)
+    scores = _scored(
+        lambda: circuit_scores(model, args.length, args.batch, args.seed, bos=bos), args.length, bos
+    )
+    for layer, entry in scores.items():
+        if entry.get("note"):
+            print(f"note: layer {layer}: {entry['note']} (--length {args.length})", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
@@ -448,16 +469,20 @@ def _cmd_ablate(args) -> int:
     _refuse_outputs(args, path)
     bos = _run_bos_id(ckpt, model)
     _check_probe_memory(model, args.batch, 2 * args.length + (bos is not None), "--length / --batch")
-    result = induction_ablation(
-        model,
-        args.top_induction,
-        draws=args.draws,
-        length=args.length,
-        batch=args.batch,
-        seed=args.seed,
-        how=args.how,
-        random_from=args.random_from,
-        bos=bos,
+    result = _scored(
+        lambda: induction_ablation(
+            model,
+            args.top_induction,
+            draws=args.draws,
+            length=args.length,
+            batch=args.batch,
+            seed=args.seed,
+            how=args.how,
+            random_from=args.random_from,
+            bos=bos,
+        ),
+        args.length,
+        bos,
     )
     result = {"checkpoint": str(ckpt), **result}
     _write_json(path, result)

@@ -22,13 +22,26 @@ hooks on one point run in list order, each seeing the previous one's replacement
 - :func:`induction_ablation`: the causal check of induction circuits behind ``mnemo probe ablate``
   (ablate the top-K induction heads, or K random ones, and measure in-context learning).
 
-Axes. Mixer hook values are ``[B, T, H, …]`` (``[B, T, D]`` for Mamba's channels, which are its
-heads in the maps), so the **head axis is 2** and the **position axis is 1**; for ``hook_pattern``
-``[B, H, T, S]`` the head axis is 1 and the position (query) axis 2. Channels are the last axis.
-Typed states (``hook_state`` of a KV cache, a Titans memory …) are ablated whole.
+Axes. Mixer hook values are ``[B, T, H, …]``, so the **head axis is 2** and the **position axis
+is 1**; for ``hook_pattern`` ``[B, H, T, S]`` the head axis is 1 and the position (query) axis 2.
+Channels are the last axis. The heads are those of the layer's map
+(:attr:`mnemo.layers.Mixer.map_heads`): a value ``[B, T, H]`` (a per-head gate; Mamba's
+``[B, T, D]`` channels, which are its heads in the maps) has them on axis 2, and a mixer whose map
+has one head (HOPE's self-modifying Titans, a memory over the whole ``d_model``) has it whole in
+every value (``heads=0`` selects all of it). A value without such an axis (the residual stream,
+Mamba's ``hook_B [B, T, N]``) takes no ``heads``. Typed states (``hook_state`` of a KV cache, a
+Titans memory …) are ablated whole.
+
+Positions are the call's tokens (``0 … T − 1`` of ``input_ids``), also where a hook fires once per
+piece of the call — a task-signal model's segments, Titans MAC's or the self-modifying projections'
+own segments, a memory's learned prefix: each piece knows where it sits
+(:func:`mnemo.layers.hooks.span`), so ``positions=[2]`` acts on token 2 only, a patch takes each
+piece's rows from a clean value recorded over the whole call (``run_with_cache`` joins the
+pieces), and per-position means are cut the same way.
 
 Errors: an unknown hook name raises ``KeyError`` listing the known suffixes; a layer, head,
-position or channel out of range raises ``ValueError`` naming it, the hook and the value's shape.
+position or channel out of range (or not an integer) raises ``ValueError`` naming it, the hook and
+the value's shape.
 """
 
 from __future__ import annotations
@@ -42,7 +55,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from ..layers.hooks import attached, select
+from ..layers.hooks import attached, piece_stop, select, span
 from ..layers.state import cat_rows, map_tensors
 
 Hooks = list[tuple[str, Callable]]
@@ -86,17 +99,24 @@ def hook_names(model, names) -> list[str]:
 
 def _mixer_hook(model, layer: int, hook: str) -> str:
     """``blocks.{layer}.mixer.{hook}``, validated (``ValueError`` for the layer, ``KeyError`` for
-    the hook)."""
+    the hook). A mixer whose map is a submodule's (Titans MAC/MAG/MAL: ``memory.hook_*``) and that
+    has no ``hook`` of its own gives that submodule's (``blocks.{layer}.mixer.memory.hook_o``): the
+    hook whose heads are the map's heads."""
     n = len(model.blocks)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
         raise ValueError(f"layer: expected an int in [0, {n}) (the model has {n} layers), got {layer!r}")
-    name = f"blocks.{layer}.mixer.{hook}"
-    if name not in model.hook_points:
-        known = sorted(
-            n.rsplit(".", 1)[-1] for n in model.hook_points if n.startswith(f"blocks.{layer}.mixer.")
-        )
-        raise KeyError(f"no hook point named {name!r}; layer {layer}'s mixer has {known}")
-    return name
+    base = f"blocks.{layer}.mixer."
+    name = base + hook
+    if name in model.hook_points:
+        return name
+    mixer = model.blocks[layer].mixer
+    owners = {h.rsplit(".", 1)[0] for h in getattr(mixer, "mixing_hooks", ()) if "." in h}
+    if len(owners) == 1 and "." not in hook:
+        sub = f"{base}{owners.pop()}.{hook}"
+        if sub in model.hook_points:
+            return sub
+    known = sorted(nm for nm in model.hook_points if nm.startswith(base))
+    raise KeyError(f"no hook point named {name!r}; layer {layer}'s mixer has {known}")
 
 
 def _axes(name: str) -> tuple[int, int]:
@@ -104,51 +124,180 @@ def _axes(name: str) -> tuple[int, int]:
     return (1, 2) if name.endswith("hook_pattern") else (2, 1)
 
 
-def _as_index(what: str, idx, size: int, name: str, shape) -> torch.Tensor:
-    """``idx`` (an int, a sequence, a slice, a bool/long tensor) as a boolean mask of ``size``."""
+def _as_index(what: str, idx, size: int, name: str, shape, unit: str = "") -> torch.Tensor:
+    """``idx`` (an int, a sequence, a slice, a bool/long tensor) as a boolean mask of ``size``.
+    ``ValueError`` naming ``what`` for an entry out of range or not an integer."""
     mask = torch.zeros(size, dtype=torch.bool)
     if idx is None:
         return ~mask
     if isinstance(idx, slice):
         mask[idx] = True
         return mask
-    t = torch.as_tensor(idx).cpu()
+    try:
+        t = torch.as_tensor(idx).cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"{what}: expected an int, a sequence of ints, a slice or a boolean mask, got {idx!r}"
+        ) from None
     if t.dtype == torch.bool:
         if t.shape != (size,):
             raise ValueError(
                 f"{what}: a boolean mask must have {size} entries for {name} {shape}, got {list(t.shape)}"
             )
         return t.clone()
+    if (t.is_floating_point() or t.is_complex()) and t.numel():  # [] is an empty selection
+        raise ValueError(f"{what}: expected integer indices, got {idx!r} ({t.dtype})")
     t = t.reshape(-1).long()
     bad = [int(i) for i in t if not -size <= int(i) < size]
     if bad:
         raise ValueError(
-            f"{what} {bad[0] if len(bad) == 1 else bad} out of range: {name} has {size} {what}s "
-            f"(value of shape {shape})"
+            f"{what} {bad[0] if len(bad) == 1 else bad} out of range: {name} has {size} "
+            f"{unit or what + 's'}" + (f" (value of shape {shape})" if shape is not None else "")
         )
     mask[t] = True
     return mask
 
 
-def _mask(value: torch.Tensor, name: str, heads=None, positions=None, channels=None) -> torch.Tensor | None:
+def _layer_of(model, name: str):
+    """The mixer hook ``name`` belongs to (``blocks.{i}.mixer…``), else ``None``."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "blocks" and parts[2] == "mixer" and parts[1].isdigit():
+        return model.blocks[int(parts[1])].mixer
+    return None
+
+
+def _head_axis(model, name: str, value: torch.Tensor) -> tuple[int | None, int]:
+    """``(axis, heads)`` of the map's heads in the value now passing hook ``name``: ``axis=None``
+    when the value is one head's whole (a mixer whose map has one head). ``ValueError`` naming
+    ``heads`` for a value without a head axis."""
+    if name.endswith("hook_pattern"):
+        return 1, value.shape[1]
+    mixer = _layer_of(model, name)
+    H = getattr(mixer, "map_heads", None) if mixer is not None else None
+    if value.ndim >= 4:
+        return 2, value.shape[2]
+    if H is not None and value.ndim == 3 and value.shape[2] == H:
+        return 2, H
+    if H == 1 and value.ndim >= 2:
+        return None, 1
+    maps = f"; the layer's map has {H} head(s)" if H is not None else ""
+    raise ValueError(
+        f"heads: {name} has no head axis (value of shape {list(value.shape)}{maps}); select channels "
+        "with channels=, or name a hook with heads (hook_o, hook_v …)"
+    )
+
+
+def _rows(value: torch.Tensor, name: str) -> tuple[int, int, int | None, int | None]:
+    """``(position axis, offset, n, length)``: the value's ``n`` rows along its position axis are
+    the call's tokens ``offset … offset + n − 1`` of ``length`` (:func:`~mnemo.layers.hooks.span`;
+    one pass: ``offset = 0``, ``length = n``). ``n`` is ``None`` for a value without that axis."""
+    p_ax = _axes(name)[1]
+    n = value.shape[p_ax] if value.ndim > p_ax else None
+    offset, length = span()
+    if length is None:
+        return p_ax, 0, n, n
+    return p_ax, offset, n, length
+
+
+def _pieced(value: torch.Tensor, name: str) -> bool:
+    """Whether the value now passing covers less or more than the call's tokens (a piece)."""
+    _, offset, n, length = _rows(value, name)
+    return offset != 0 or n != length
+
+
+def _position_rows(positions, value: torch.Tensor, name: str) -> torch.Tensor:
+    """Boolean ``[n]``: which rows of the value now passing are among the call's ``positions``."""
+    p_ax, offset, n, length = _rows(value, name)
+    shape = list(value.shape)
+    if n is None or length is None:
+        raise ValueError(f"position: {name} has no position axis (value of shape {shape})")
+    call = _as_index(
+        "position", positions, length, name, shape, unit=f"positions in a call of {length} tokens"
+    )
+    idx = torch.arange(offset, offset + n)
+    inside = (idx >= 0) & (idx < length)
+    rows = torch.zeros(n, dtype=torch.bool)
+    rows[inside] = call[idx[inside]]
+    return rows
+
+
+def _mask(
+    model, value: torch.Tensor, name: str, heads=None, positions=None, channels=None
+) -> torch.Tensor | None:
     """A boolean mask broadcastable to ``value`` selecting the given heads × positions × channels
     (``None`` for an axis: all of it); ``None`` when everything is selected."""
     if heads is None and positions is None and channels is None:
         return None
     shape = list(value.shape)
-    h_ax, p_ax = _axes(name)
     mask = torch.ones([1] * value.ndim, dtype=torch.bool)
-    for what, idx, ax in (("head", heads, h_ax), ("position", positions, p_ax), ("channel", channels, -1)):
-        if idx is None:
-            continue
-        if ax != -1 and value.ndim <= ax:
-            raise ValueError(f"{what}: {name} has no {what} axis (value of shape {shape})")
-        ax = ax % value.ndim
-        m = _as_index(what, idx, shape[ax], name, shape)
+
+    def along(m, ax):
         view = [1] * value.ndim
-        view[ax] = shape[ax]
-        mask = mask & m.view(view)
+        view[ax] = m.shape[0]
+        return m.view(view)
+
+    if heads is not None:
+        ax, H = _head_axis(model, name, value)
+        m = _as_index("head", heads, H, name, shape)
+        mask = mask & (along(m, ax) if ax is not None else m.all().view([1] * value.ndim))
+    if positions is not None:
+        mask = mask & along(_position_rows(positions, value, name), _axes(name)[1])
+    if channels is not None:
+        mask = mask & along(_as_index("channel", channels, shape[-1], name, shape), value.ndim - 1)
     return mask.to(value.device)
+
+
+def _aligned(ref: torch.Tensor, value: torch.Tensor, name: str, model, what: str) -> torch.Tensor:
+    """``ref`` — a value recorded over a whole call of the same length (``run_with_cache``, pieces
+    joined) — cut to the value now passing hook ``name``. In one pass the two have one shape. Where
+    the call is read in pieces (:func:`_rows`) the value's rows are the call's tokens ``offset …
+    offset + n − 1``: they take ``ref``'s rows there (rows before the call — a segment run again —
+    keep the value's own); a map over keys takes the piece's key columns too. A value that starts
+    before the call and covers all of ``ref`` (a learned prefix) takes it whole. ``ValueError``
+    naming ``what`` when they cannot match (another length or shape)."""
+
+    def differ(detail: str = "") -> ValueError:
+        return ValueError(
+            f"{name}: {what} {list(ref.shape)} does not match the value {list(value.shape)}{detail} "
+            "(record it on an input of the same shape)"
+        )
+
+    p_ax, offset, n, length = _rows(value, name)
+    if span()[1] is None or n is None or ref.ndim != value.ndim:  # one pass: the same shape
+        if ref.shape != value.shape:
+            raise differ()
+        return ref
+    R = ref.shape[p_ax]
+    where = f" (the call's tokens {offset} … {offset + n - 1} of {length})"
+    if R == n and offset + n == length:  # starts before the call (a learned prefix) and covers it
+        out = ref
+    elif R == length:
+        lo, hi = max(offset, 0), min(offset + n, length)
+        if lo >= hi:
+            return value
+        out = ref.narrow(p_ax, lo, hi - lo)
+        kd = model.hook_points[name].key_dim if name in model.hook_points else None
+        if kd is not None and value.ndim > kd:  # a map over keys: the piece's columns end at its end
+            if (lo, hi) != (offset, offset + n):
+                raise differ(where)
+            W, S = ref.shape[kd], value.shape[kd]
+            c0 = (offset + n - S) - (length - W)
+            if c0 < 0 or c0 + S > W:
+                raise differ(where)
+            out = out.narrow(kd, c0, S)
+        if (lo, hi) != (offset, offset + n):  # rows outside the call keep the value's own
+            if [s for i, s in enumerate(out.shape) if i != p_ax] != [
+                s for i, s in enumerate(value.shape) if i != p_ax
+            ]:
+                raise differ(where)
+            full = value.clone()
+            full.narrow(p_ax, lo - offset, hi - lo).copy_(out)
+            out = full
+    else:
+        raise differ(where)
+    if out.shape != value.shape:
+        raise differ(where)
+    return out
 
 
 def _tensor_value(value, name: str) -> torch.Tensor:
@@ -185,12 +334,25 @@ def mean_activations(model, input_ids: torch.Tensor, names, over: str = "batch_p
     return out
 
 
-def _mean_for(value: torch.Tensor, name: str, means) -> torch.Tensor:
+def _mean_for(value: torch.Tensor, name: str, means, model) -> torch.Tensor:
     if means is None:  # the current run's own mean over its batch and positions
+        if _pieced(value, name):
+            _, offset, n, length = _rows(value, name)
+            raise ValueError(
+                f"means: {name} passes the call in pieces (now tokens {offset} … {offset + n - 1} of "
+                f"{length}: a task-signal model's or a mixer's own segments), so the run's own mean over "
+                "its positions is not known when a piece is read; pass means=mean_activations(model, ids, "
+                "names) from a reference input"
+            )
         return value.mean((0, _axes(name)[1]), keepdim=True).expand_as(value)
     if name not in means:
         raise KeyError(f"means has no entry for {name!r} (it has {sorted(means)}); see mean_activations")
     m = means[name].to(value.device, value.dtype)
+    p_ax = _axes(name)[1]
+    if m.ndim == value.ndim and m.shape[p_ax] != 1:  # per-position means (over="batch")
+        if m.shape[0] == 1:  # one mean for every row of the batch
+            m = m.expand(value.shape[0], *m.shape[1:])
+        m = _aligned(m, value, name, model, f"means[{name!r}]")
     try:
         return torch.broadcast_to(m, value.shape)
     except RuntimeError:
@@ -218,19 +380,23 @@ def ablate(
     Args:
         names: a full hook name (``blocks.0.mixer.hook_o``), a suffix (``"hook_o"``: every layer's),
             a list, or a predicate (as :func:`hook_names`).
-        heads, positions, channels: what to replace on the head axis (2; 1 for ``hook_pattern``),
-            the position axis (1; 2 for ``hook_pattern``) and the last axis: an int, a sequence,
-            a slice or a boolean mask; ``None`` = all of that axis.
+        heads, positions, channels: what to replace on the head axis (the layer's map heads: axis
+            2, 1 for ``hook_pattern``; a one-head map's value whole — see the module docstring),
+            the position axis (the call's tokens; axis 1, 2 for ``hook_pattern``) and the last
+            axis: an int, a sequence, a slice or a boolean mask; ``None`` = all of that axis.
         how: ``"zero"`` or ``"mean"``. The mean is ``means[name]`` (from :func:`mean_activations` on
-            a reference input) broadcast to the value, or, with ``means=None``, the value's own
-            mean over the current run's batch and positions.
+            a reference input) broadcast to the value (per-position means cut to the piece passing),
+            or, with ``means=None``, the value's own mean over the current run's batch and
+            positions (not where the hook passes the call in pieces: ``ValueError``).
     Returns:
         ``[(full name, fn), …]`` for ``run_with_hooks``; each ``fn`` returns a new tensor of the
         value's shape and dtype (the input is not modified in place).
     Raises:
         KeyError: an unknown hook name (listing the known suffixes), or ``means`` without the name.
-        ValueError: ``how`` unknown; at run time, a head/position/channel out of range (naming the
-        hook and the value's shape), or a value without that axis.
+        ValueError: ``how`` unknown; at run time, a head/position/channel out of range or not an
+        integer (naming the hook and the value's shape), a value without that axis (``heads`` on
+        ``hook_resid_pre``), or ``how="mean"`` without ``means`` on a hook that passes the call
+        in pieces.
     """
     if how not in ("zero", "mean"):
         raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
@@ -238,8 +404,8 @@ def ablate(
 
     def fn(value, name):
         value = _tensor_value(value, name)
-        mask = _mask(value, name, heads, positions, channels)
-        new = torch.zeros_like(value) if how == "zero" else _mean_for(value, name, means)
+        mask = _mask(model, value, name, heads, positions, channels)
+        new = torch.zeros_like(value) if how == "zero" else _mean_for(value, name, means, model)
         return new.clone() if mask is None else torch.where(mask, new, value)
 
     return [(n, fn) for n in chosen]
@@ -249,16 +415,23 @@ def ablate_head(
     model, layer: int, heads, *, hook: str = "hook_o", how: str = "zero", means=None, positions=None
 ) -> Hooks:
     """Ablate head(s) ``heads`` of layer ``layer``'s mixer at ``hook`` (default ``hook_o``, the
-    heads' outputs before the output projection: ``[B, T, H, V]``; Mamba's ``[B, T, D]`` channels).
-    ``hook="hook_v"`` removes the heads' values instead (what they write into the memory; with
-    grouped-query attention ``hook_k``/``hook_v`` have the ``H_kv`` key/value heads).
+    heads' outputs before the output projection: ``[B, T, H, V]``; Mamba's ``[B, T, D]`` channels;
+    a one-head map's whole ``[B, T, d]``, HOPE's self-modifying Titans). The heads are the layer's
+    map heads (those :func:`~mnemo.interp.probe.circuit_scores` scores); a mixer whose map is a
+    submodule's and that has no ``hook`` of its own ablates that submodule's (Titans MAC/MAG/MAL:
+    ``memory.hook_o``). ``hook="hook_v"`` removes the heads' values instead (what they write into
+    the memory; with grouped-query attention ``hook_k``/``hook_v`` have the ``H_kv`` key/value
+    heads).
 
     Zero-ablating ``hook_o`` head ``h`` of attention equals zeroing rows ``h·D … (h+1)·D − 1`` of
     the output projection's input. See :func:`ablate` for ``how``, ``means``, ``positions`` and
-    the errors; ``heads`` out of range raises ``ValueError`` naming the hook and its head count."""
-    return ablate(
-        model, _mixer_hook(model, layer, hook), heads=heads, positions=positions, how=how, means=means
-    )
+    the errors; ``heads`` out of range or not integers raises ``ValueError`` naming ``heads``, the
+    hook and its head count (at once where the layer's head count is known)."""
+    name = _mixer_hook(model, layer, hook)
+    H = getattr(model.blocks[layer].mixer, "map_heads", None)
+    if heads is not None and H is not None and hook == "hook_o":
+        _as_index("head", heads, H, name, None, unit=f"heads (layer {layer}'s map)")
+    return ablate(model, name, heads=heads, positions=positions, how=how, means=means)
 
 
 def ablate_channel(model, names, channels, *, how: str = "zero", means=None, positions=None) -> Hooks:
@@ -290,12 +463,18 @@ def ablate_state(model, layer: int, *, how: str = "zero", means=None, hook: str 
 
     The state after a call is what the *next* call continues from: the ablation acts on
     streaming/decoding (run a prefix with these hooks, continue from the returned state), not on
-    the outputs of the call itself. Raises ``KeyError``/``ValueError`` as :func:`ablate`."""
+    the outputs of the call itself — also where the hook fires once per piece of the call (a
+    task-signal model's segments, a mixer's own segments): only the state after the last piece is
+    replaced, never one that the call's next piece reads. Raises ``KeyError``/``ValueError`` as
+    :func:`ablate`."""
     if how not in ("zero", "mean"):
         raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
     name = _mixer_hook(model, layer, hook)
 
     def fn(value, name):
+        stop, length = piece_stop(), span()[1]
+        if length is not None and stop is not None and stop != length:
+            return None  # a state between two pieces of the call: the call itself continues from it
         if how == "zero":
             return map_tensors(torch.zeros_like, value)
         if means is not None:
@@ -327,7 +506,8 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
 
     ``direction`` matches the value's trailing axes: ``[d_model]`` at a residual hook
     (``blocks.1.hook_resid_pre``), ``[H, V]`` (or ``[V]``, every head) at a mixer's ``hook_o`` …;
-    it broadcasts over the batch and positions (all positions, or ``positions`` only). The result
+    it broadcasts over the batch and positions (all positions, or ``positions`` only: the call's
+    tokens, also where the hook passes the call in pieces). The result
     is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``). Raises
     ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's shape is
     not a suffix of the value's."""
@@ -343,7 +523,7 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
                 f"{list(value.shape)} (after batch and position)"
             )
         shifted = value + scale * d
-        mask = _mask(value, name, positions=positions)
+        mask = _mask(model, value, name, positions=positions)
         return shifted if mask is None else torch.where(mask, shifted, value)
 
     return [(n, fn) for n in chosen]
@@ -357,8 +537,12 @@ def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channe
     ``clean_cache`` (``model.run_with_cache(clean_ids, names=...)``; same shapes: clean and
     corrupted inputs of one length). ``heads``/``positions``/``channels`` as :func:`ablate`;
     ``None`` everywhere patches the whole value, and an empty selection (``positions=[]``) patches
-    nothing. Raises ``KeyError`` for an unknown name or one the cache lacks, and at run time
-    ``ValueError`` for an index out of range or a shape that differs from the clean value's."""
+    nothing. Where a hook passes the call in pieces (a task-signal model's segments, a mixer's own
+    segments) each piece takes its rows of the clean value, which ``run_with_cache`` recorded over
+    the whole call — so patching a model with its own cache reproduces its run. Raises
+    ``KeyError`` for an unknown name or one the cache lacks, and at run time ``ValueError`` for an
+    index out of range or a clean value that does not cover the value passing (another shape or
+    length)."""
     chosen = hook_names(model, names)
     missing = [n for n in chosen if n not in clean_cache]
     if missing:
@@ -368,14 +552,9 @@ def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channe
 
     def fn(value, name):
         value = _tensor_value(value, name)
-        clean = clean_cache[name]
-        if clean.shape != value.shape:
-            raise ValueError(
-                f"{name}: the clean value {list(clean.shape)} and the corrupted one {list(value.shape)} "
-                f"differ in shape (patch inputs of one shape)"
-            )
-        clean = clean.to(value.device, value.dtype)
-        mask = _mask(value, name, heads, positions, channels)
+        clean = _tensor_value(clean_cache[name], name)
+        clean = _aligned(clean, value, name, model, "the clean value").to(value.device, value.dtype)
+        mask = _mask(model, value, name, heads, positions, channels)
         return clean.clone() if mask is None else torch.where(mask, clean, value)
 
     return [(n, fn) for n in chosen]
@@ -384,15 +563,32 @@ def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channe
 def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tensor], torch.Tensor]:
     """Metric ``logits [B, T, V] -> scalar``: the mean over the batch of
     ``logits[b, position, correct[b]] − logits[b, position, wrong[b]]`` (``correct``, ``wrong``: an
-    int or ``[B]`` token ids). Default ``position=-1`` (the last position)."""
+    int or ``[B]`` token ids). Default ``position=-1`` (the last position). Raises ``ValueError``
+    naming the argument, when called, for a token id outside ``[0, V)``, ids that are not one per
+    row, or a position outside ``[−T, T)``."""
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
+        B, T, V = logits.shape
+        if not -T <= position < T:
+            raise ValueError(
+                f"position: expected an int in [-{T}, {T}) (logits of {T} positions), got {position}"
+            )
         last = logits[:, position].float()
-        B = last.shape[0]
-        c = torch.as_tensor(correct, device=last.device).long().expand(B)
-        w = torch.as_tensor(wrong, device=last.device).long().expand(B)
+        ids = []
+        for what, tok in (("correct", correct), ("wrong", wrong)):
+            t = torch.as_tensor(tok, device=last.device)
+            if t.is_floating_point() or t.ndim > 1 or (t.ndim == 1 and t.shape[0] not in (1, B)):
+                raise ValueError(
+                    f"{what}: expected an int token id or {B} of them (one per row), got {tok!r}"
+                )
+            t = t.long()
+            if bool(((t < 0) | (t >= V)).any()):
+                raise ValueError(
+                    f"{what}: token ids must lie in [0, {V}) (the logits' vocabulary), got {tok!r}"
+                )
+            ids.append(t.expand(B))
         rows = torch.arange(B, device=last.device)
-        return (last[rows, c] - last[rows, w]).mean()
+        return (last[rows, ids[0]] - last[rows, ids[1]]).mean()
 
     return metric
 
@@ -400,17 +596,32 @@ def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tens
 def next_token_loss(input_ids: torch.Tensor, positions=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """Metric ``logits [B, T, V] -> scalar``: the mean next-token cross-entropy (nats) of
     ``input_ids [B, T]`` — the logits at ``t`` predict ``input_ids[:, t + 1]`` — over the target
-    positions ``positions`` (indices into ``1 … T − 1``; default all)."""
+    positions ``positions`` (ints in ``1 … T − 1``: the tokens predicted; default all). Raises
+    ``ValueError`` naming ``positions`` for one outside ``1 … T − 1`` (position 0 has no
+    prediction) or not an integer."""
+    T = input_ids.shape[-1]
+    idx = None
+    if positions is not None:
+        t = torch.as_tensor(positions)
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"positions: expected target positions (ints in 1 … {T - 1}), got {positions!r}")
+        t = t.reshape(-1).long()
+        bad = [int(i) for i in t if not 1 <= int(i) <= T - 1]
+        if bad:
+            raise ValueError(
+                f"positions: target positions must lie in 1 … {T - 1} (input_ids has {T} tokens; position 0 "
+                f"is not predicted), got {bad}"
+            )
+        idx = t - 1
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         ids = input_ids.to(logits.device)
         loss = F.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
         )  # [B, T-1]
-        if positions is None:
+        if idx is None:
             return loss.mean()
-        idx = torch.as_tensor(positions, device=loss.device).long() - 1
-        return loss[:, idx].mean()
+        return loss[:, idx.to(loss.device)].mean()
 
     return metric
 
@@ -477,11 +688,15 @@ def activation_patching(
     sizes = []
     for n in chosen:
         v = _tensor_value(cache[n], n)
-        h_ax, p_ax = _axes(n)
-        H = v.shape[h_ax] if per in ("head", "head_position") and v.ndim > h_ax else 1
-        if per in ("head", "head_position") and v.ndim <= h_ax:
-            raise ValueError(f"per={per!r}: {n} has no head axis (value of shape {list(v.shape)})")
-        sizes.append((H, v.shape[p_ax]))
+        H = 1
+        if per in ("head", "head_position"):
+            try:
+                H = _head_axis(model, n, v)[1]
+            except ValueError:
+                raise ValueError(
+                    f"per={per!r}: {n} has no head axis (value of shape {list(v.shape)})"
+                ) from None
+        sizes.append((H, clean_ids.shape[1]))  # positions: the call's tokens
     Hmax, T = max(s[0] for s in sizes), max(s[1] for s in sizes)
     shape = {"layer": [len(chosen)], "head": [len(chosen), Hmax], "position": [len(chosen), T]}.get(
         per, [len(chosen), Hmax, T]

@@ -47,8 +47,15 @@ def mixing(mixer, x: torch.Tensor) -> Mixing:
 @torch.no_grad()
 def capture_maps(model, input_ids: torch.Tensor, layers=None) -> dict[int, torch.Tensor]:
     """``{layer: [B, H, T, T]}`` for every mixing layer of ``model`` on ``input_ids`` (layers without
-    a map are skipped). The hooks only read; the forward pass is unchanged. ``input_ids`` are
-    moved to the model's device."""
+    a map are skipped), or for the layers ``layers`` (ints) only. The hooks only read; the forward
+    pass is unchanged. ``input_ids`` are moved to the model's device. Raises ``ValueError`` naming
+    ``layers`` for an index out of range."""
+    n = len(model.blocks)
+    if layers is not None:
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise ValueError(f"layers: {bad} out of range; the model has {n} layers (0 … {n - 1})")
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)

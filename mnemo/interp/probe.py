@@ -38,8 +38,16 @@ def circuit_scores(
     of a run's fixed first token (``TrainConfig.bos``), put before the sequences as in training
     (which then never hold it); the scores leave position 0 out as query and key, without
     renormalising the rows (a head's weight on the BOS sink counts for no circuit). Defaults:
-    ``length=32``, ``batch=8``, ``seed=0``, ``vocab_offset=0``, ``bos=None``. Raises
-    ``ValueError`` for a ``bos`` outside the vocabulary."""
+    ``length=32``, ``batch=8``, ``seed=0``, ``vocab_offset=0``, ``bos=None``.
+
+    A layer whose map is exactly zero on these tokens (a memory read at its chunk-start weights,
+    HOPE's self-modifying Titans, when all ``2 · length`` tokens lie in its first chunk) scores 0
+    everywhere; its entry then carries a ``"note"`` saying so (and which ``length`` would leave
+    the first chunk). Raises ``ValueError`` for a ``length`` that is not an int ``≥ 2``, a
+    ``batch`` that is not an int ``≥ 1``, or a ``bos`` outside the vocabulary."""
+    for what, value, low in (("length", length, 2), ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{what}: expected an int >= {low}, got {value!r}")
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     offset = min(vocab_offset, V - 1) if bos is None else vocab_offset
@@ -59,8 +67,22 @@ def circuit_scores(
         }
         if model.blocks[layer].mixer.ov_matrices() is not None:  # softmax heads
             entry["copying"] = copying_score(model, layer).tolist()
+        if not bool(m.ne(0).any()):
+            entry["note"] = _zero_map_note(model.blocks[layer].mixer, ids.shape[1], skip)
         out[str(layer)] = entry
     return out
+
+
+def _zero_map_note(mixer, T: int, skip: int) -> str:
+    """Why a layer scored 0 everywhere: its map is exactly zero on the ``T`` tokens scored."""
+    note = f"the map of {type(mixer).__name__} is exactly zero on these {T} tokens, so every score is 0"
+    chunk = getattr(mixer, "chunk_size", None)
+    if isinstance(chunk, int) and T <= chunk:
+        note += (
+            f": it reads each memory chunk ({chunk} tokens) with the weights of the chunk's start, and all "
+            f"{T} tokens lie in the first chunk; a length > {(chunk - skip) // 2} reaches the next one"
+        )
+    return note
 
 
 class CircuitTracker:

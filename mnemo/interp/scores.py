@@ -20,10 +20,25 @@ def normalise(maps: torch.Tensor) -> torch.Tensor:
     return a / a.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
+def _check_maps(maps) -> None:
+    """``maps`` must be ``[B, H, T, T]`` (a floating tensor, square over queries and keys)."""
+    if not isinstance(maps, torch.Tensor) or maps.ndim != 4 or maps.shape[-1] != maps.shape[-2]:
+        got = list(maps.shape) if isinstance(maps, torch.Tensor) else type(maps).__name__
+        raise ValueError(f"maps: expected a tensor [B, H, T, T] (queries × keys), got {got}")
+
+
+def _check_int(what: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{what}: expected an int >= {low}, got {value!r}")
+
+
 def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
     """The normalised maps without their first ``skip`` positions as queries and as keys. The rows
     are normalised over every key first: weight a query puts on a skipped position (a BOS sink) is
     dropped from its scores, not shared out over the others."""
+    _check_maps(maps)
+    if isinstance(skip, bool) or not isinstance(skip, int):
+        raise ValueError(f"skip: expected an int number of leading positions, got {skip!r}")
     T = maps.shape[-1]
     if skip < 0 or (skip and skip > T - 2):
         raise ValueError(
@@ -34,17 +49,24 @@ def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
 
 
 def previous_token_score(maps: torch.Tensor, skip: int = 0) -> torch.Tensor:
-    """Mean weight from position ``t`` to ``t − 1`` (``t ≥ 1``), per head: ``[H]``. ``skip``
-    (default ``skip=0``): leading positions left out as queries and keys, e.g. 1 for a run's fixed
-    BOS (rows normalised before they are left out)."""
+    """Mean weight from position ``t`` to ``t − 1`` (``t ≥ 1``), per head: ``[H]``, from ``maps
+    [B, H, T, T]``. ``skip`` (default ``skip=0``): leading positions left out as queries and keys,
+    e.g. 1 for a run's fixed BOS (rows normalised before they are left out). Raises ``ValueError``
+    for maps of another shape or a ``skip`` that leaves fewer than two positions."""
     p = _skipped(maps, skip)
     return torch.diagonal(p, offset=-1, dim1=-2, dim2=-1).mean((0, -1))
 
 
 def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor, skip: int = 0) -> torch.Tensor:
     """Mean weight from ``t`` onto earlier positions holding the same token (over ``t`` that have
-    one), per head: ``[H]``. ``ids: [B, T]``. ``skip`` (default ``skip=0``): as in
-    :func:`previous_token_score`."""
+    one), per head: ``[H]``. ``maps [B, H, T, T]``, ``ids: [B, T]`` (the tokens the maps were
+    taken on). ``skip`` (default ``skip=0``): as in :func:`previous_token_score`. Raises
+    ``ValueError`` for maps of another shape or ``ids`` that are not ``[B, T]``."""
+    _check_maps(maps)
+    B, _, T, _ = maps.shape
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or tuple(ids.shape) != (B, T):
+        got = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"ids: expected the maps' tokens [B, T] = [{B}, {T}], got {got}")
     p = _skipped(maps, skip)
     ids = ids[:, skip:]
     T = ids.shape[1]
@@ -95,17 +117,23 @@ def sink_score(maps: torch.Tensor, start: int | None = None) -> tuple[torch.Tens
 
 
 def induction_score(maps: torch.Tensor, length: int, skip: int = 0) -> torch.Tensor:
-    """On a random sequence of length ``L`` repeated twice: mean weight from position ``i`` of the
-    second copy to ``i − L + 1`` (the token after the previous occurrence), per head: ``[H]``.
-    ``skip`` (default ``skip=0``): leading positions before the first copy (e.g. 1 for a BOS), as
-    in :func:`previous_token_score`."""
+    """On a random sequence of length ``L`` repeated twice (``maps [B, H, T, T]`` with ``T ≥ 2L``
+    after ``skip``): mean weight from **every** position ``i`` of the second copy (``L … 2L − 1``)
+    to ``i − L + 1``, the token after the previous occurrence of token ``i`` (Olsson et al. 2022's
+    prefix matching): per head, ``[H]``. The last query, ``2L − 1``, counts too: its earlier
+    occurrence is the first copy's last token, followed by the second copy's first (``L``), a key
+    it sees. ``skip`` (default ``skip=0``): leading positions before the first copy (e.g. 1 for a
+    BOS), as in :func:`previous_token_score`. Raises ``ValueError`` for maps of another shape, a
+    ``length`` that is not an int ``≥ 2`` (with ``L = 1`` the target is the query itself), or maps
+    shorter than ``2L``."""
+    _check_int("length", length, 2)
     p = _skipped(maps, skip)
     T = p.shape[-1]
     if T < 2 * length:
         raise ValueError(
             f"induction_score: maps cover {T} positions after skip = {skip}, need 2 * length = {2 * length}"
         )
-    i = torch.arange(length, 2 * length - 1, device=p.device)
+    i = torch.arange(length, 2 * length, device=p.device)
     return p[..., i, i - length + 1].mean((0, -1))
 
 
@@ -114,7 +142,11 @@ def copying_score(model, layer: int) -> torch.Tensor:
     ``W_E W_V^h W_O^h W_U`` give ``Σλ / Σ|λ|`` (1: the head copies the attended token into the
     logits). The ``V × V`` matrix has the eigenvalues of the ``D × D`` product
     ``W_V^h W_O^h W_U W_E`` plus zeros, which is what is computed. Norms are ignored (the usual
-    approximation). Raises ``TypeError`` for non-attention layers."""
+    approximation). Raises ``ValueError`` for a layer out of range, ``TypeError`` for
+    non-attention layers."""
+    n = len(model.blocks)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+        raise ValueError(f"layer: expected an int in [0, {n}) (the model has {n} layers), got {layer!r}")
     mixer = model.blocks[layer].mixer
     heads = mixer.ov_matrices()
     if heads is None:

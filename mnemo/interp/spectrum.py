@@ -266,7 +266,8 @@ def memory_spectrum(
     ``"identity"``, ``"attention"``, ``"unsupported"``), and for a memory with transitions:
     ``"heads"``, ``"dim"`` (exponents per head in full), ``"multiplicity"`` (memory directions
     each exponent stands for: the value columns a left-acting transition treats alike),
-    ``"exponents"`` ``[heads][computed]`` (nats/token, descending), ``"half_lives"`` (tokens),
+    ``"exponents"`` ``[heads][computed]`` (row ``h`` is head ``h``; nats/token, descending within
+    the row), ``"half_lives"`` (tokens),
     ``"summary"`` (:func:`classify` over all heads) and ``"per_head"`` (the shares and median
     half-life of each head). ``context`` (default ``T``) sets the marginal band ``|λ| < ln 2 /
     context``; ``directions`` (default ``32``) and ``method``: the exponents computed per head of a
@@ -371,9 +372,10 @@ def memory_spectrum(
             mult = _multiplicity(hook("hook_state"), lam.shape[0], kk.shape[-1])
             entry.update(_layer_entry("delta", lam, kk.shape[-1], mult, context, irr))
         elif g is not None and g.ndim in (3, 4) and g.shape[1] == T:
-            lam = diagonal_spectrum(g).sort(-1, descending=True).values
-            per_head = g.ndim == 3  # one scalar per head (RetNet, Mamba-2): one exponent per head
-            lam = lam[:, None] if per_head else lam
+            lam = diagonal_spectrum(g)  # [H] (one scalar per head) or [H, K] (per channel)
+            per_head = g.ndim == 3  # RetNet, Mamba-2: one exponent per head, row h = head h
+            # per channel: each head's exponents in descending order (never across heads)
+            lam = lam[:, None] if per_head else lam.sort(-1, descending=True).values
             mult = _multiplicity(hook("hook_state"), lam.shape[0], lam.shape[1])
             entry.update(
                 _layer_entry(

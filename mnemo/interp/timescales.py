@@ -18,9 +18,26 @@ LN2 = math.log(2.0)
 
 
 def decay_kind(g: torch.Tensor) -> str:
-    """What a log-decay tensor's entries are: one per head ``[B, T, H]`` or one per channel
-    (``[B, T, H, K]``; Mamba's ``[B, T, D, N]``, per channel and state)."""
-    return "per-head" if g.ndim == 3 else "per-channel"
+    """What a log-decay tensor's entries are: one for the whole memory per token (``[B, T]``:
+    ``"per-token"``, HOPE's self-modifying Titans), one per head (``[B, T, H]``: ``"per-head"``) or
+    one per channel (``[B, T, H, K]``; Mamba's ``[B, T, D, N]``, per channel and state:
+    ``"per-channel"``)."""
+    return {2: "per-token", 3: "per-head"}.get(g.ndim, "per-channel")
+
+
+def decay_hook(model, layer: int) -> str | None:
+    """The full name of the hook carrying layer ``layer``'s log decay: the mixer's own ``hook_g``,
+    else the ``hook_g`` of the memory inside it whose map is the mixer's (Titans MAC/MAG/MAL:
+    ``memory.hook_g``), else the only ``hook_g`` below the mixer; ``None`` without one."""
+    base = f"blocks.{layer}.mixer."
+    if base + "hook_g" in model.hook_points:
+        return base + "hook_g"
+    below = [n for n in model.hook_points if n.startswith(base) and n.endswith(".hook_g")]
+    mixing = [base + h for h in getattr(model.blocks[layer].mixer, "mixing_hooks", ())]
+    for n in below:
+        if n in mixing:
+            return n
+    return below[0] if len(below) == 1 else None
 
 
 def summarize(half_lives: torch.Tensor) -> dict:
@@ -45,25 +62,28 @@ def summarize(half_lives: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def timescales(model, input_ids: torch.Tensor) -> dict:
-    """``{layer: {"mixer", "kind", "half_life": summary}}`` (plus ``"cms_periods"``) on ``input_ids``.
+    """``{layer: {"mixer", "kind", "hook", "half_life": summary}}`` (plus ``"cms_periods"``) on
+    ``input_ids``.
 
     The log decays are what each mixer's ``hook_g`` carries on this input (recorded with
-    ``run_with_cache``): the gates the model actually produces; a mixer without ``hook_g`` has
+    ``run_with_cache``): the gates the model actually produces — the mixer's own, or that of the
+    memory inside it (Titans MAC/MAG/MAL: ``memory.hook_g``; :func:`decay_hook`; ``"hook"`` names
+    it); ``"kind"`` says what one gate is (:func:`decay_kind`). A mixer without a ``hook_g`` has
     no decaying memory (``"kind": "no decay"``)."""
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)
-    names = [f"blocks.{i}.mixer.hook_g" for i in range(len(model.blocks))]
-    names = [n for n in names if n in model.hook_points]
+    hooks = {i: decay_hook(model, i) for i in range(len(model.blocks))}
+    names = [n for n in hooks.values() if n is not None]
     cache = model.run_with_cache(input_ids, names=names)[1] if names else {}
     out = {}
     for i, block in enumerate(model.blocks):
         entry = {"mixer": type(block.mixer).__name__}
-        g = cache.get(f"blocks.{i}.mixer.hook_g")
+        g = cache.get(hooks[i]) if hooks[i] is not None else None
         if g is not None:
             g = g.float().clamp(max=0.0)
             hl = torch.where(g < 0, -LN2 / g, torch.full_like(g, float("inf")))
-            entry.update(kind=decay_kind(g), half_life=summarize(hl))
+            entry.update(kind=decay_kind(g), hook=hooks[i], half_life=summarize(hl))
         else:
             entry["kind"] = "no decay"
         periods = getattr(block.mlp, "periods", None)

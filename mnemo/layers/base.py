@@ -55,6 +55,15 @@ class Mixer(nn.Module):
         super().__init__()
         self.mode = mode
 
+    @property
+    def map_heads(self) -> int | None:
+        """Heads of the map :meth:`mixing` returns (``H`` of ``[B, H, T, T]``), known without running
+        it — what ``heads=`` of :mod:`mnemo.interp`'s interventions index: a hook value
+        ``[B, T, H, …]`` has them on axis 2, and a mixer whose map has one head (a memory over the
+        whole ``d_model``) has it whole in every value. Default: ``n_heads`` for a mixer with
+        :attr:`mixing_hooks`, ``None`` without a map."""
+        return getattr(self, "n_heads", None) if self.mixing_hooks else None
+
     def ov_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per head ``(W_V [d_model, D], W_O [D, d_model])`` — what a head writes to the residual
         stream for the token it attends to (the OV circuit of Elhage et al. 2021) — for mixers whose

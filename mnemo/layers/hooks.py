@@ -19,17 +19,182 @@ segment by segment, :mod:`mnemo.models.task_signal`), so each hook fires once pe
 would have passed: tensors are concatenated along their time axis (:attr:`HookPoint.time_dim`,
 ``1`` by the layout convention ``[B, T, ...]``); a pattern over keys (:attr:`HookPoint.key_dim`)
 gets each piece's key columns placed at their positions in the call; a ``hook_state`` (the state
-after the call) and any non-tensor keep the last piece's value.
+after the call) and any non-tensor keep the last piece's value. A mixer that reads its input in
+segments of its own (Titans MAC, the self-modifying projections) fires its hooks once per segment
+the same way. Whoever reads in pieces says where each piece sits in the call (:func:`set_span`,
+:func:`enter_piece` / :func:`leave_pieces`); a hook function learns it from :func:`span` — so an
+intervention's ``positions`` are the call's tokens and a value recorded over the whole call can be
+cut to a piece (:mod:`mnemo.interp`). The span is module state: one hooked call at a time per
+process (as the hooks themselves, which are attached to the model's modules).
+
+**Replacements are checked.** A hook function that returns a value replaces the intermediate; the
+replacement must have the value's shape, dtype and device (a state record: the same type, and the
+same shape and dtype leaf by leaf), or the call raises ``ValueError`` naming the hook — nothing
+downstream broadcasts a wrong shape (:meth:`HookPoint.add`).
+
+**Backward hooks and recomputation.** A backward hook registered on a hook point fires (the point
+leaves its fast path while one is attached). With activation checkpointing, the model passes
+:func:`checkpoint_hooks` to ``torch.utils.checkpoint``, so the hooks attached at the forward run
+again in the backward's recomputation and the gradients are those of the hooked forward.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules import module as _module
+
+
+class _Span:
+    """Where the values the hook points pass now sit in the model call: ``offset`` (the call
+    position of the value's first token along its time axis), ``length`` (the call's tokens;
+    ``None`` while the call is read in one pass, every value then covering the whole call) and
+    ``again`` (the tokens are being read again, e.g. a segment re-run for its training signal:
+    not a new read of the call); ``stop``: the call token after the piece now read (``None`` in
+    one pass)."""
+
+    __slots__ = ("offset", "length", "again", "stop")
+
+    def __init__(self):
+        self.offset, self.length, self.again, self.stop = 0, None, False, None
+
+
+_SPAN = _Span()
+
+
+def span() -> tuple[int, int | None]:
+    """``(offset, length)`` of the value a hook function is now called with: its first token (along
+    the hook's time axis) is the call's token ``offset``, and the call has ``length`` tokens. While
+    a call is read in one pass ``(0, None)``: the value covers the whole call. While it is read in
+    pieces (a task-signal model's segments, a mixer's own segments, :func:`set_span`) each value
+    covers ``[offset, offset + n)`` of the call's ``length`` tokens (``n`` its size along the time
+    axis); a negative offset: tokens before the call (a learned prefix, a segment run again)."""
+    return _SPAN.offset, _SPAN.length
+
+
+def piece_stop() -> int | None:
+    """The call token after the piece now read (``offset + n`` of :func:`span`; ``None`` while the
+    call is read in one pass): a piece with ``piece_stop() == length`` is the call's last, whose
+    ``hook_state`` is the state after the call (the states between pieces are what the call itself
+    continues from)."""
+    return _SPAN.stop
+
+
+def reading_again() -> bool:
+    """Whether the tokens now passing the hook points are read again (a task-signal model's segment
+    re-run from its start state to take its training signal; :func:`set_span` ``again=True``):
+    what the call returns was read before, so a recording skips these values."""
+    return _SPAN.again
+
+
+def set_span(offset: int, length: int | None, again: bool = False, stop: int | None = None) -> tuple:
+    """Say that the values the hook points pass from now on start at the call's token ``offset``
+    of ``length`` and end before token ``stop`` (see :func:`span`, :func:`piece_stop`; ``again``:
+    see :func:`reading_again`; default ``again=False``); returns the previous setting, restored by ``set_span(*previous)``.
+    A no-op while ``torch.compile`` traces (nothing is written from a compiled graph)."""
+    if torch.compiler.is_compiling():
+        return 0, None, False, None
+    prev = _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop
+    _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = offset, length, again, stop
+    return prev
+
+
+def enter_piece(start: int, n: int, total: int) -> tuple | None:
+    """For a module that reads its ``total`` input tokens in pieces: the piece of ``n`` tokens at
+    ``start`` of its input begins (nested in the enclosing span, so a mixer's segments inside a
+    task-signal segment are placed in the call). Returns what :func:`leave_pieces` restores;
+    ``None`` (and nothing set) when the piece is the whole input."""
+    if n == total or torch.compiler.is_compiling():
+        return None
+    prev = _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop
+    _SPAN.offset = prev[0] + start
+    _SPAN.length = prev[1] if prev[1] is not None else total
+    _SPAN.stop = prev[0] + start + n
+    return prev
+
+
+def leave_pieces(prev: tuple | None) -> None:
+    """Restore the span :func:`enter_piece` returned (a no-op for ``None``)."""
+    if prev is not None:
+        _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = prev
+
+
+def _reset_span() -> None:
+    _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = 0, None, False, None
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {value.dtype} on {value.device}"
+    return type(value).__name__
+
+
+def check_replacement(name: str | None, value: Any, new: Any) -> None:
+    """Raise ``ValueError`` naming hook ``name`` unless ``new`` can replace ``value``: a tensor of
+    the same shape, dtype and device; for a structured value (a state record, a tuple), the same
+    type and structure with tensors of the same shape, dtype and device leaf by leaf (and other
+    leaves of the same type)."""
+    name = name or "hook"
+    if isinstance(value, torch.Tensor):
+        if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (
+            value.shape,
+            value.dtype,
+            value.device,
+        ):
+            raise ValueError(
+                f"{name}: a hook returned a replacement {_describe(new)}; it must have the shape, "
+                f"dtype and device of the value it replaces, {_describe(value)}"
+            )
+        return
+    leaves, spec = pytree.tree_flatten(value)
+    new_leaves, new_spec = pytree.tree_flatten(new)
+    if new_spec != spec:
+        what = (
+            f"a {type(new).__name__}"
+            if type(new) is not type(value)
+            else f"a {type(new).__name__} of another structure ({len(new_leaves)} leaves, not {len(leaves)})"
+        )
+        raise ValueError(
+            f"{name}: a hook returned {what}; it must be a {type(value).__name__} structured as the "
+            f"value it replaces ({len(leaves)} leaves: {', '.join(_describe(x) for x in leaves[:4])}"
+            f"{', …' if len(leaves) > 4 else ''})"
+        )
+    for i, (a, b) in enumerate(zip(leaves, new_leaves)):
+        if isinstance(a, torch.Tensor):
+            if not isinstance(b, torch.Tensor) or (b.shape, b.dtype, b.device) != (
+                a.shape,
+                a.dtype,
+                a.device,
+            ):
+                raise ValueError(
+                    f"{name}: a hook returned a {type(value).__name__} whose leaf {i} is {_describe(b)}; "
+                    f"it must have the shape, dtype and device of the one it replaces, {_describe(a)}"
+                )
+        elif type(b) is not type(a):
+            raise ValueError(
+                f"{name}: a hook returned a {type(value).__name__} whose leaf {i} is a "
+                f"{type(b).__name__}; the value it replaces has a {type(a).__name__} there"
+            )
+
+
+# the global module hooks (``torch.nn.modules.module.register_module_forward_hook`` …): dicts that
+# PyTorch mutates in place, bound here so the hook points' fast path reads them in one lookup
+_GLOBAL_FORWARD = _module._global_forward_hooks
+_GLOBAL_FORWARD_PRE = _module._global_forward_pre_hooks
+_GLOBAL_BACKWARD = _module._global_backward_hooks
+_GLOBAL_BACKWARD_PRE = _module._global_backward_pre_hooks
+
+
+def _wake(module, args) -> None:
+    """A forward pre-hook that does nothing (the marker of a hook point's backward hook)."""
+    return None
 
 
 class HookPoint(nn.Module):
@@ -57,22 +222,58 @@ class HookPoint(nn.Module):
 
     def __call__(self, x: Any) -> Any:
         # the common case, nothing attached: skip nn.Module's call machinery (a hook point sits on
-        # every intermediate, so this is most of its cost in one-token decoding)
-        if not self.hooked:
+        # every intermediate, so this is most of its cost in one-token decoding). A backward hook
+        # of this point leaves a marker among its forward pre-hooks (see register_full_backward_hook),
+        # so two instance checks and the four global ones cover every kind of hook.
+        if not (
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or _GLOBAL_FORWARD
+            or _GLOBAL_FORWARD_PRE
+            or _GLOBAL_BACKWARD
+            or _GLOBAL_BACKWARD_PRE
+        ):
             return x
         return super().__call__(x)
 
     @property
     def hooked(self) -> bool:
-        """Whether calling this point runs any hook (its own forward or pre-forward hooks, or a global
-        module hook); when ``False`` it returns its input untouched, so a mixer may skip building
-        the value it would pass (and use a cheaper equivalent)."""
+        """Whether calling this point runs any hook (its own forward, pre-forward, backward or
+        pre-backward hooks, or a global module hook); when ``False`` it returns its input untouched,
+        so a mixer may skip building the value it would pass (and use a cheaper equivalent)."""
         return bool(
             self._forward_hooks
             or self._forward_pre_hooks
-            or _module._global_forward_hooks
-            or _module._global_forward_pre_hooks
+            or self._backward_hooks
+            or self._backward_pre_hooks
+            or _GLOBAL_FORWARD
+            or _GLOBAL_FORWARD_PRE
+            or _GLOBAL_BACKWARD
+            or _GLOBAL_BACKWARD_PRE
         )
+
+    def _marked(self, handle):
+        """``handle`` (of a backward hook) also holds a no-op forward pre-hook under its id, so the
+        fast path of :meth:`__call__` sends calls through ``nn.Module``'s (which runs backward
+        hooks) while the backward hook is attached; ``handle.remove()`` removes both."""
+        self._forward_pre_hooks[handle.id] = _wake
+        handle.extra_dict_ref = (*handle.extra_dict_ref, weakref.ref(self._forward_pre_hooks))
+        return handle
+
+    def register_full_backward_hook(self, hook, prepend: bool = False):
+        """``nn.Module.register_full_backward_hook`` (default ``prepend=False``); the hook fires (the
+        point leaves its fast path while it is attached)."""
+        return self._marked(super().register_full_backward_hook(hook, prepend))
+
+    def register_full_backward_pre_hook(self, hook, prepend: bool = False):
+        """``nn.Module.register_full_backward_pre_hook`` (default ``prepend=False``); the hook fires
+        (see :meth:`register_full_backward_hook`)."""
+        return self._marked(super().register_full_backward_pre_hook(hook, prepend))
+
+    def register_backward_hook(self, hook):
+        """``nn.Module.register_backward_hook`` (deprecated by PyTorch); the hook fires (see
+        :meth:`register_full_backward_hook`)."""
+        return self._marked(super().register_backward_hook(hook))
 
     @property
     def active(self) -> bool:
@@ -80,11 +281,20 @@ class HookPoint(nn.Module):
         return bool(self._forward_hooks)
 
     def add(self, fn: Callable[[Any, str], Any]):
-        """Attach ``fn(value, name) -> replacement or None``; returns the handle (``.remove()``)."""
+        """Attach ``fn(value, name) -> replacement or None``; returns the handle (``.remove()``).
+
+        A replacement is checked before it goes on (:func:`check_replacement`): a tensor must have
+        the value's shape, dtype and device, a structured value (a state record) the same type and
+        the same tensor shapes and dtypes leaf by leaf; otherwise the call raises ``ValueError``
+        naming the hook (its full name), the expected and the received value. An edit made in
+        place on the value passed (``v.mul_(0)``, returning ``None`` or ``v``) takes effect too."""
         name = self.name
 
         def hook(module, inputs, output):
-            return fn(output, name)
+            new = fn(output, name)
+            if new is not None and new is not output:
+                check_replacement(name, output, new)
+            return new
 
         return self.register_forward_hook(hook)
 
@@ -125,19 +335,118 @@ def select(points: dict[str, HookPoint], names) -> list[str]:
     return chosen
 
 
+def check_hooks(hooks) -> list[tuple[Any, Callable]]:
+    """``hooks`` as a list of ``(name, fn)`` pairs; ``ValueError`` naming ``hooks`` and the entry
+    otherwise (a bare pair ``("hook_q", fn)`` instead of a list of pairs, a non-callable ``fn``)."""
+    if isinstance(hooks, tuple) and len(hooks) == 2 and isinstance(hooks[0], str):
+        raise ValueError(
+            f"hooks: expected a list of (name, fn) pairs, got the pair itself ({hooks[0]!r}, ...); "
+            f"pass [({hooks[0]!r}, fn)]"
+        )
+    if isinstance(hooks, (str, bytes, dict)) or not isinstance(hooks, Iterable):
+        raise ValueError(f"hooks: expected a list of (name, fn) pairs, got a {type(hooks).__name__}")
+    out = []
+    for i, pair in enumerate(hooks):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not callable(pair[1]):
+            got = type(pair).__name__ if not isinstance(pair, (tuple, list)) else f"{len(pair)} items"
+            if isinstance(pair, (tuple, list)) and len(pair) == 2:
+                got = f"a {type(pair[1]).__name__} as fn"
+            raise ValueError(f"hooks[{i}]: expected a (name, fn) pair with a callable fn, got {got}")
+        out.append((pair[0], pair[1]))
+    return out
+
+
 @contextmanager
 def attached(points: dict[str, HookPoint], hooks: Iterable[tuple[str, Callable]]) -> Iterator[None]:
     """Attach ``(name, fn)`` pairs for the duration of a ``with`` block (removed on exit, also on
-    error). A name selects like :func:`select` (a suffix attaches to every layer's hook)."""
+    error). A name selects like :func:`select` (a suffix attaches to every layer's hook). Raises
+    ``ValueError`` for ``hooks`` that are not ``(name, fn)`` pairs (:func:`check_hooks`),
+    ``KeyError`` for an unknown name."""
     handles = []
+    pairs = check_hooks(hooks)
+    _reset_span()  # a call read in one pass, until a piecewise reader says otherwise
     try:
-        for name, fn in hooks:
+        for name, fn in pairs:
             for n in select(points, name):
                 handles.append(points[n].add(fn))
         yield
     finally:
         for h in handles:
             h.remove()
+        _reset_span()
+
+
+_POINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _points_below(module: nn.Module) -> list[HookPoint]:
+    points = _POINTS.get(module)
+    if points is None:
+        points = [m for m in module.modules() if isinstance(m, HookPoint)]
+        _POINTS[module] = points
+    return points
+
+
+def checkpoint_hooks(module: nn.Module) -> dict:
+    """Keyword arguments for ``torch.utils.checkpoint.checkpoint(module, ..., use_reentrant=False,
+    **checkpoint_hooks(module))``: while hooks are attached to ``module``'s hook points, the
+    recomputation in the backward pass runs the same hooks (the ones attached at the forward, in
+    their order, with the forward's :func:`span`), so a replacement holds there too and the
+    gradients are those of the hooked forward (a reading hook is called again in the
+    recomputation). ``{}`` when none is attached (the default context, no cost) and while
+    ``torch.compile`` traces (a compiled graph runs no Python hooks of its own)."""
+    if torch.compiler.is_compiling():
+        return {}
+    attached_now = [
+        (p, OrderedDict(p._forward_hooks), OrderedDict(p._forward_pre_hooks))
+        for p in _points_below(module)
+        if p._forward_hooks or p._forward_pre_hooks
+    ]
+    if not attached_now:
+        return {}
+    forward_span = (_SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop)
+    flags = [
+        (
+            dict(p._forward_hooks_with_kwargs),
+            dict(p._forward_hooks_always_called),
+            dict(p._forward_pre_hooks_with_kwargs),
+        )
+        for p, _, _ in attached_now
+    ]
+
+    @contextmanager
+    def recompute():
+        saved = [
+            (
+                p,
+                p._forward_hooks,
+                p._forward_pre_hooks,
+                p._forward_hooks_with_kwargs,
+                p._forward_hooks_always_called,
+                p._forward_pre_hooks_with_kwargs,
+            )
+            for p, _, _ in attached_now
+        ]
+        prev = (_SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop)
+        try:
+            for (p, fwd, pre), (kw, always, pre_kw) in zip(attached_now, flags):
+                p._forward_hooks, p._forward_pre_hooks = OrderedDict(fwd), OrderedDict(pre)
+                p._forward_hooks_with_kwargs, p._forward_hooks_always_called = dict(kw), dict(always)
+                p._forward_pre_hooks_with_kwargs = dict(pre_kw)
+            set_span(*forward_span)
+            yield
+        finally:
+            for p, fwd, pre, kw, always, pre_kw in saved:
+                p._forward_hooks, p._forward_pre_hooks = fwd, pre
+                p._forward_hooks_with_kwargs, p._forward_hooks_always_called = kw, always
+                p._forward_pre_hooks_with_kwargs = pre_kw
+            set_span(*prev)
+
+    @contextmanager
+    def forward():
+        yield
+
+    return {"context_fn": lambda: (forward(), recompute())}
 
 
 def join_pieces(point: HookPoint, values: list, lengths: list[int]) -> Any:

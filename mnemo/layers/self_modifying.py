@@ -576,6 +576,12 @@ class SelfModifyingTitans(Mixer):
         self.hook_g, self.hook_beta = HookPoint(), HookPoint()
         self.hook_o, self.hook_state = HookPoint(), HookPoint()
 
+    @property
+    def map_heads(self) -> int:
+        """One: the main memory spans the whole ``d_model`` (its map is ``[B, 1, T, T]``; ``n_heads``
+        only groups the output norm), so a head of the map is every channel of ``hook_o``."""
+        return 1
+
     # ------------------------------------------------------------------------------------------
     def initial_state(self, B: int) -> SelfModifyingTitansState:
         """A fresh stream: the learned initial weights, expanded over the batch (no copies)."""

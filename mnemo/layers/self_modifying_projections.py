@@ -47,7 +47,7 @@ from torch import nn
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
-from .hooks import HookPoint
+from .hooks import HookPoint, enter_piece, leave_pieces
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -115,7 +115,9 @@ class SelfModifyingProjections(Mixer):
 
     Hook points (the main memory's inputs and output, as it and the chunk's rewrite consume them;
     each fires once per chunk piece of ``L`` tokens, in stream order, since a chunk's projections
-    depend on the previous chunk's rewrite — a recording keeps the last piece):
+    depend on the previous chunk's rewrite; each piece is placed in the call
+    (:func:`~mnemo.layers.hooks.span`), so a recording joins the pieces and an intervention's
+    positions are the call's tokens):
 
     * ``hook_q``, ``hook_k`` ``[B, L, H, D]`` (after the conv, L2-normalised), ``hook_v``
       ``[B, L, H, D]``;
@@ -236,7 +238,9 @@ class SelfModifyingProjections(Mixer):
         outs, t = [], 0
         while t < T:
             L = min(self.chunk_size - pos % self.chunk_size, T - t)
+            piece = enter_piece(t, L, T)  # the hooks' values of this chunk: tokens t … t + L − 1
             o, r, mem, conv = self._chunk(x[:, t : t + L], P, r, mem, conv, mode)
+            leave_pieces(piece)
             outs.append(o)
             t += L
             pos += L
@@ -276,16 +280,16 @@ class SelfModifyingProjections(Mixer):
         values of one fresh-stream call. Inside the first chunk the projections are fixed, so this
         is the whole mixer's implicit attention.
 
-        Raises ``NotImplementedError`` for a stream longer than one chunk: the hooks fire once per
-        chunk (a recording keeps the last one), and later chunks' keys and values depend on earlier
-        reads through the projections' rewrite."""
+        Raises ``NotImplementedError`` for a stream longer than one chunk (later chunks' keys and
+        values depend on earlier reads through the projections' rewrite, so the main memory's map
+        is not the mixer's), or hook values that do not cover the stream."""
         from ..memory.attribution import value_attribution
 
-        if acts["hook_q"].shape[1] != acts["hook_state"].offset:
+        T, offset = acts["hook_q"].shape[1], acts["hook_state"].offset
+        if T != offset or T > self.chunk_size:
             raise NotImplementedError(
-                f"SelfModifyingProjections: the hooks recorded the last chunk only "
-                f"({acts['hook_q'].shape[1]} of {acts['hook_state'].offset} tokens); a map needs a stream "
-                f"of at most one chunk ({self.chunk_size} tokens)"
+                f"SelfModifyingProjections: a map needs a stream of at most one chunk "
+                f"({self.chunk_size} tokens) recorded whole; got {T} recorded of {offset} tokens"
             )
         a = value_attribution(
             self.spec,

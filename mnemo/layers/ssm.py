@@ -86,7 +86,8 @@ class Mamba(Mixer):
     * ``hook_dt`` ``[B, T, D]``: the step ``Δ = softplus(W_dt dt + b_dt)`` (float32 / float64);
     * ``hook_B``, ``hook_C`` ``[B, T, N]``;
     * ``hook_g`` ``[B, T, D, N]``: the log decay ``Δ A``, built only while a hook is attached; a
-      replacement is scanned as given (the scan then runs as per-channel gated linear attention);
+      replacement (returned, or made in place on the value passed) is scanned as given (the scan
+      then runs as per-channel gated linear attention);
     * ``hook_o`` ``[B, T, D]``: the scan's read-out ``C_t h_t``, before the ``D`` skip and the gate;
     * ``hook_state`` ``[B, D, N]``: ``h`` after the call.
 
@@ -96,6 +97,11 @@ class Mamba(Mixer):
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
     offset_free = True  # no positions: the state alone decides the output
+
+    @property
+    def map_heads(self) -> int:
+        """The map's heads are the ``d_inner`` channels (``hook_o [B, T, D]``)."""
+        return self.d_inner
 
     def __init__(
         self,
@@ -164,8 +170,11 @@ class Mamba(Mixer):
         g = None
         if self.hook_g.active:
             g0 = delta[..., None] * A  # [B, T, D, N]
+            version = g0._version
             g = self.hook_g(g0)
-            g = None if g is g0 else g  # only read: the scan forms Δ A itself
+            # only read (the same tensor, unchanged): the scan forms Δ A itself; a hook that edited
+            # it in place (its version counter moved) replaced it, as one that returned a new tensor
+            g = None if g is g0 and g0._version == version else g
         if g is None:
             o, h = selective_scan(
                 u,

@@ -29,7 +29,7 @@ from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural
 from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
-from .hooks import HookPoint
+from .hooks import HookPoint, enter_piece, leave_pieces
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -127,8 +127,10 @@ class NeuralMemory(Mixer):
     initial weights are learned parameters (one set per head); a matrix memory starts at zero, each
     ``[in, out]`` layer of an MLP memory at ``N(0, 1/in)`` (fan-in scaling).
 
-    Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream; each
-    value as the memory engine receives it, so a replacement changes the write and the read):
+    Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream, whose
+    rows come first: :func:`~mnemo.layers.hooks.span` places them before the call's token 0, so an
+    intervention's positions are the call's tokens; each value as the memory engine receives it,
+    so a replacement changes the write and the read):
 
     * ``hook_q``, ``hook_k`` ``[B, T', H, D]`` (after the conv and the L2 normalisation),
       ``hook_v`` ``[B, T', H, D]``;
@@ -263,6 +265,8 @@ class NeuralMemory(Mixer):
             x = torch.cat([self.persistent.to(x.dtype).expand(B, -1, -1), x], dim=1)
         q, k, v, gate, conv_state = self.qkv(x, state.conv if state is not None else None)
         theta, g, eta, delta = self._gates(x)
+        # with the prefix, the hooks' rows are the prefix and then the call's tokens 0 … T − 1
+        piece = enter_piece(-n_prefix, T + n_prefix, T)
         q, k, v, theta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_theta(theta)
         if g is not None:
             g = self.hook_g(g)
@@ -285,6 +289,7 @@ class NeuralMemory(Mixer):
             mode=self._mode(x.shape[1], mode),
         )
         o = self.hook_o(o)
+        leave_pieces(piece)
         y = self.read_out(o, gate)[:, n_prefix:]
         new = NeuralMemoryState.from_memory_state(mem, conv=conv_state, offset=offset + T)
         return y, self.hook_state(new)

@@ -19,7 +19,7 @@ from ..memory.engine import memory_apply, retention_map
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
 from .base import Mixer, Mixing, check_input
-from .hooks import HookPoint
+from .hooks import HookPoint, enter_piece, leave_pieces
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -221,6 +221,11 @@ class _MemoryAndWindow(Mixer):
         return tuple(f"memory.{h}" for h in self.memory.mixing_hooks)
 
     @property
+    def map_heads(self) -> int:
+        """The long-term memory's heads (its map is the mixer's; ``memory.hook_o [B, T', H, D]``)."""
+        return self.memory.n_heads
+
+    @property
     def mixing_exact(self) -> bool:
         return self.memory.mixing_exact
 
@@ -356,13 +361,14 @@ class TitansMAC(Mixer):
     reaches a token only through the memory.
 
     Hook points (``[B, L, d_model]``; each fires once per segment piece of ``L`` tokens, in stream
-    order, since a segment's memory read depends on the previous segment's write — a recording
-    keeps the last piece): ``hook_mem_read`` (``h``, the read-before context of step 1),
-    ``hook_attn_out`` (``y``, step 2, which the memory then writes), ``hook_mem_out`` (``m``, the
-    read after the write, step 3), ``hook_gate`` (``sigmoid(m)``, step 4); ``hook_state`` (the
-    :class:`TitansMACState` after the call, once). The memory's own hooks (``memory.hook_q`` …,
-    the write of step 3) and the attention's (``attn.hook_q``, ``attn.hook_k``, ``attn.hook_v``,
-    ``attn.hook_o``) fire once per piece too.
+    order, since a segment's memory read depends on the previous segment's write; each piece is
+    placed in the call (:func:`~mnemo.layers.hooks.span`), so a recording joins the pieces and an
+    intervention's positions are the call's tokens): ``hook_mem_read`` (``h``, the read-before
+    context of step 1), ``hook_attn_out`` (``y``, step 2, which the memory then writes),
+    ``hook_mem_out`` (``m``, the read after the write, step 3), ``hook_gate`` (``sigmoid(m)``,
+    step 4); ``hook_state`` (the :class:`TitansMACState` after the call, once). The memory's own
+    hooks (``memory.hook_q`` …, the write of step 3) and the attention's (``attn.hook_q``,
+    ``attn.hook_k``, ``attn.hook_v``, ``attn.hook_o``) fire once per piece too.
 
     State: :class:`TitansMACState`.
     """
@@ -392,6 +398,11 @@ class TitansMAC(Mixer):
         return tuple(f"memory.{h}" for h in self.memory.mixing_hooks) + ("hook_state",)
 
     @property
+    def map_heads(self) -> int:
+        """The long-term memory's heads (its map is the mixer's; ``memory.hook_o [B, L, H, D]``)."""
+        return self.memory.n_heads
+
+    @property
     def mixing_exact(self) -> bool:
         return self.memory.mixing_exact
 
@@ -401,16 +412,18 @@ class TitansMAC(Mixer):
 
     def mixing(self, acts: dict) -> Mixing:
         """The long-term memory's map (:meth:`NeuralMemory.mixing`): its read after each write
-        (``m``, step 3) attributed to the values it wrote (from the attention outputs ``y``).
+        (``m``, step 3) attributed to the values it wrote (from the attention outputs ``y``), over
+        the whole stream (the segments' recorded values joined by ``run_with_cache``; the memory's
+        chunks are the segments, so this is the memory's own map of one call over them).
 
-        Raises ``NotImplementedError`` when the stream spans more than one segment: the memory's
-        hooks fire once per segment and a recording keeps the last one only."""
+        Raises ``NotImplementedError`` when the memory hooks hold fewer tokens than the stream
+        (a recording of the last segment only, made without ``run_with_cache``)."""
         mem = {h.removeprefix("memory."): a for h, a in acts.items() if h.startswith("memory.")}
         if mem["hook_q"].shape[1] != acts["hook_state"].offset:
             raise NotImplementedError(
-                f"TitansMAC: the memory hooks recorded the last segment only ({mem['hook_q'].shape[1]} "
-                f"of {acts['hook_state'].offset} tokens); a map needs a stream of at most one segment "
-                f"({self.segment} tokens)"
+                f"TitansMAC: the memory hooks recorded {mem['hook_q'].shape[1]} of the stream's "
+                f"{acts['hook_state'].offset} tokens (one segment of {self.segment}?); a map needs them all "
+                "(record with LanguageModel.run_with_cache, which joins the segments)"
             )
         return self.memory.mixing(mem)
 
@@ -436,6 +449,7 @@ class TitansMAC(Mixer):
                 att_cache = extra_cache = None
             L = min(self.segment - pos % self.segment, T - t)
             xs = x[:, t : t + L]
+            piece = enter_piece(t, L, T)  # the hooks' values of this segment: tokens t … t + L − 1
             h, read_conv = self.read_before(xs, mem_state, read_conv)
             h = self.hook_mem_read(h)
             y, att_cache, extra_cache = self.attn(
@@ -445,6 +459,7 @@ class TitansMAC(Mixer):
             m, mem_state = self.memory(y, mem_state, mode=mode)
             m = self.hook_mem_out(m)
             outs.append(self.o_proj(y * self.hook_gate(torch.sigmoid(m))))
+            leave_pieces(piece)
             t += L
             pos += L
         new = TitansMACState(

@@ -19,7 +19,16 @@ from torch.utils.checkpoint import checkpoint
 
 from ..layers import MIXERS, RMSNorm, SwiGLU
 from ..layers.cms import ContinuumMemory
-from ..layers.hooks import HookPoint, attached, join_pieces, name_hook_points, select
+from ..layers.hooks import (
+    HookPoint,
+    attached,
+    checkpoint_hooks,
+    join_pieces,
+    name_hook_points,
+    reading_again,
+    select,
+    span,
+)
 from ..layers.moe import MoE
 from ..layers.state import BlockState
 from ..layers.state import detach as detach_state
@@ -153,9 +162,6 @@ class LanguageModel(nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.hook_points: dict[str, HookPoint] = name_hook_points(self)
-        # while run_with_cache records a task-signal model: the token count of each piece the call
-        # is read in (None for a segment run again for its signal; mnemo.models.task_signal)
-        self._hook_pieces: list | None = None
 
     def run_with_hooks(self, input_ids: torch.Tensor, hooks, state=None, *, mode: str | None = None):
         """``forward`` with ``hooks`` attached for this call only: ``[(name, fn), ...]`` where
@@ -163,7 +169,16 @@ class LanguageModel(nn.Module):
         (an intervention). ``name`` is a full hook name (``blocks.1.mixer.hook_k``) or a suffix
         that attaches to every layer's (``hook_k``). Returns ``(logits, state)``.
 
-        Raises ``KeyError`` naming the unknown hook (and listing the known suffixes)."""
+        A replacement must have the value's shape, dtype and device (a state record: its type and
+        shapes leaf by leaf; :meth:`~mnemo.layers.hooks.HookPoint.add`). Where a call is read in
+        pieces (a task-signal model's segments, a mixer's own segments) a hook fires once per piece
+        and :func:`~mnemo.layers.hooks.span` tells it where the piece sits in the call. With
+        :attr:`activation_checkpointing` on (training), the hooks run again in the backward's
+        recomputation, so the gradients are those of the hooked forward.
+
+        Raises ``KeyError`` naming the unknown hook (and listing the known suffixes), ``ValueError``
+        for ``hooks`` that are not a list of ``(name, fn)`` pairs or a replacement of the wrong
+        shape, dtype or device (naming the hook)."""
         with attached(self.hook_points, hooks):
             return self(input_ids, state, mode=mode)
 
@@ -184,51 +199,53 @@ class LanguageModel(nn.Module):
         predicate ``f(name) -> bool``. Costly values (``hook_pattern``) are built only when
         requested.
 
-        A model whose CMS levels learn from the next-token loss reads a call segment by segment
-        (:mod:`mnemo.models.task_signal`), so its hooks fire once per segment; the cache holds each
-        hook's values joined over the segments (:func:`~mnemo.layers.hooks.join_pieces`: concatenated
-        along time, a ``hook_state`` the state after the call), the same keys and shapes as one pass
-        of a model without task levels; a segment run again to take its signal (streaming, when its
-        reads began in an earlier call) is not recorded. Otherwise a hook that fires more than once
-        in one call (activation recomputation, a mixer's own segments such as Titans MAC's) keeps its
-        last value.
+        A call read in pieces — a model whose CMS levels learn from the next-token loss reads it
+        segment by segment (:mod:`mnemo.models.task_signal`), Titans MAC and the self-modifying
+        projections read their input in segments of their own — fires a hook once per piece, each
+        placed in the call (:func:`~mnemo.layers.hooks.span`); the cache holds each hook's values
+        joined over the pieces (:func:`~mnemo.layers.hooks.join_pieces`: concatenated along time, a
+        ``hook_state`` the state after the call), the same keys and shapes as one pass over the
+        call. A segment run again to take its signal (streaming, when its reads began in an
+        earlier call) lies before the call and is not recorded. A hook that fires more than once
+        for the same tokens keeps its last value; one whose pieces do not tile the call keeps its
+        last piece, with a ``UserWarning`` naming it.
         """
-        firings: dict = {}  # name -> {piece index: value} (the last firing within a piece)
-        repeated: set = set()  # hooks that fired more than once within one piece
-        pieces: list | None = [] if self.task_segment is not None else None
+        firings: dict = {}  # name -> [(offset, value)] in firing order
 
         def keep(value, name):
-            if pieces:
-                if pieces[-1] is None:  # a segment run again for its signal: not what the call read
-                    return
-                index = len(pieces) - 1
-            else:
-                index = 0
-            by_piece = firings.setdefault(name, {})
-            if index in by_piece:
-                repeated.add(name)
-            by_piece[index] = detach_state(value) if detach else value
+            if reading_again():  # a segment run again for its signal: not what the call read
+                return
+            firings.setdefault(name, []).append((span()[0], detach_state(value) if detach else value))
 
         chosen = select(self.hook_points, names)
-        self._hook_pieces = pieces
-        try:
-            with attached(self.hook_points, [(n, keep) for n in chosen]):
-                logits, _ = self(input_ids, state, mode=mode)
-        finally:
-            self._hook_pieces = None
-        if not pieces:
-            return logits, {n: v[0] for n, v in firings.items()}
-        read = [i for i, p in enumerate(pieces) if p is not None]
+        with attached(self.hook_points, [(n, keep) for n in chosen]):
+            logits, _ = self(input_ids, state, mode=mode)
+        T = input_ids.shape[1]
         cache = {}
-        for name, by_piece in firings.items():
-            if sorted(by_piece) != read or name in repeated:
-                # fired on some pieces only, or several times within a piece (a mixer's own
-                # segments): its last value, as for a model read in one pass
-                cache[name] = by_piece[max(by_piece)]
+        for name, fired in firings.items():
+            by_offset = dict(fired)  # the last firing for the same tokens
+            if len(by_offset) == 1:
+                cache[name] = fired[-1][1]
                 continue
-            cache[name] = join_pieces(
-                self.hook_points[name], [by_piece[i] for i in read], [pieces[i] for i in read]
-            )
+            point = self.hook_points[name]
+            offsets = sorted(by_offset)
+            values = [by_offset[o] for o in offsets]
+            td = point.time_dim
+            tiles = td is not None and all(isinstance(v, torch.Tensor) and v.ndim > td for v in values)
+            lengths = [v.shape[td] for v in values] if tiles else []
+            if tiles:
+                ends = [o + n for o, n in zip(offsets, lengths)]
+                tiles = ends[-1] == T and all(e == o for e, o in zip(ends, offsets[1:]))
+            if name.rsplit(".", 1)[-1] == "hook_state" or not tiles:
+                if not (name.rsplit(".", 1)[-1] == "hook_state" or td is None):
+                    warnings.warn(
+                        f"run_with_cache: {name} fired {len(values)} times at call positions {offsets}, "
+                        f"pieces that do not tile the call's {T} tokens; the cache keeps the last one",
+                        stacklevel=2,
+                    )
+                cache[name] = fired[-1][1]
+                continue
+            cache[name] = join_pieces(point, values, lengths)
         return logits, cache
 
     def reset_parameters(self) -> None:
@@ -413,7 +430,9 @@ class LanguageModel(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:
-                x, _ = checkpoint(block, x, None, mode=mode, cu_seqlens=cu, use_reentrant=False)
+                x, _ = checkpoint(
+                    block, x, None, mode=mode, cu_seqlens=cu, use_reentrant=False, **checkpoint_hooks(block)
+                )
             else:
                 x, _ = block(x, None, mode=mode, cu_seqlens=cu)
         logits = self.lm_head(self.norm(x))
@@ -456,7 +475,7 @@ class LanguageModel(nn.Module):
         )
         for i, block in enumerate(self.blocks):
             if recompute:
-                x, s = checkpoint(block, x, None, mode=mode, use_reentrant=False)
+                x, s = checkpoint(block, x, None, mode=mode, use_reentrant=False, **checkpoint_hooks(block))
             else:
                 x, s = block(x, state[i] if state is not None else None, mode=mode)
             new_state.append(s)

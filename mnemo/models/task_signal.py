@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.cms import CMSLevel, CMSState, ContinuumMemory
+from ..layers.hooks import set_span
 from ..layers.state import detach as detach_state
 from ..layers.state import state_dataclass
 
@@ -130,12 +131,11 @@ def _pending_of(model, state, ids) -> Pending:
     return pending
 
 
-def _piece(model, n: int | None) -> None:
-    """Tell a recording :meth:`~mnemo.models.LanguageModel.run_with_cache` that the next
-    ``_forward`` reads the call's next ``n`` tokens (``None``: runs a segment again for its signal)."""
-    pieces = getattr(model, "_hook_pieces", None)
-    if pieces is not None:
-        pieces.append(n)
+def _piece(offset: int, stop: int, length: int, again: bool = False) -> None:
+    """Tell the hooks that the next ``_forward`` reads the call's tokens ``offset … stop − 1``, of a
+    call of ``length`` tokens (``again``: a segment run again for its signal, which starts in an
+    earlier call; :func:`mnemo.layers.hooks.span`)."""
+    set_span(offset, length, again, stop)
 
 
 def _outer(model) -> bool:
@@ -185,16 +185,19 @@ _eager = torch.compiler.disable
 
 
 @_eager
-def _absorb(model, pending: Pending, nxt: torch.Tensor, state: list, mode) -> list:
+def _absorb(
+    model, pending: Pending, nxt: torch.Tensor, state: list, mode, at: tuple = (0, None, None)
+) -> list:
     """Run the complete pending segment again from its start state, back-propagate its next-token
     loss (labels: the segment shifted by one and ``nxt [B, 1]``) to every task level's reads, and let
     each level absorb its signal into ``state`` (the state after reading the segment). Used when the
-    segment's reads were made in earlier calls (their graph is not kept)."""
+    segment's reads were made in earlier calls (their graph is not kept). ``at``: where the segment
+    sits in the call, for the hooks (``(offset, stop, call length)``; it starts before the call)."""
     outer = _outer(model)
     ids = torch.cat([pending.ids, nxt], 1)
     where = _task_levels(model)
     levels = [model.blocks[i].mlp.levels[j] for i, j in where]
-    _piece(model, None)
+    _piece(*at, again=True)
     with torch.enable_grad():
         with _Recording(levels) as rec:
             logits, _ = model._forward(ids[:, :-1], pending.start, mode, allow_checkpoint=False)
@@ -249,13 +252,14 @@ def forward(model, input_ids: torch.Tensor, state, mode):
 
 
 @_eager
-def _read_with_signal(model, ids: torch.Tensor, state: list, mode, outer: bool):
+def _read_with_signal(model, ids: torch.Tensor, state: list, mode, outer: bool, at: tuple = (0, None, None)):
     """Read the segment ``ids[:, :-1]`` (a whole one), back-propagate its next-token loss (labels
     ``ids[:, 1:]``) to every task level's reads on the read's own graph, and let each level absorb
-    its signal: ``(logits, state)``."""
+    its signal: ``(logits, state)``. ``at``: ``(offset, stop, call length)`` of the segment, for
+    the hooks."""
     where = _task_levels(model)
     levels = [model.blocks[i].mlp.levels[j] for i, j in where]
-    _piece(model, ids.shape[1] - 1)
+    _piece(*at)
     with torch.enable_grad(), _Recording(levels) as rec:
         logits, state = model._forward(ids[:, :-1], state, mode, allow_checkpoint=False)
     with torch.enable_grad():
@@ -282,22 +286,25 @@ def _segments(model, input_ids: torch.Tensor, state, mode):
     outs, t = [], 0
     while t < T:
         if pending.ids.shape[1] == S:  # the segment is complete and its last label has arrived
-            state = _absorb(model, pending, input_ids[:, t : t + 1], state, mode)
+            state = _absorb(model, pending, input_ids[:, t : t + 1], state, mode, (t - S, t, T))
             pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
         n = min(S - pending.ids.shape[1], T - t)
         if n == S and t + S < T:
             # a whole segment and its next token in this call: the read's graph gives the signal
             # (one forward for the read and the signal)
-            logits, state = _read_with_signal(model, input_ids[:, t : t + S + 1], state, mode, outer)
+            logits, state = _read_with_signal(
+                model, input_ids[:, t : t + S + 1], state, mode, outer, (t, t + S, T)
+            )
             outs.append(logits)
             pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
             t += S
             continue
-        _piece(model, n)
+        _piece(t, t + n, T)
         logits, state = model._forward(input_ids[:, t : t + n], state, mode)
         outs.append(logits)
         pending = dataclasses.replace(pending, ids=torch.cat([pending.ids, input_ids[:, t : t + n]], 1))
         t += n
+    set_span(0, None)  # the pieces are read: the hooks' values cover whole calls again
     for i in sorted({i for i, _ in where}):
         state = list(state)
         state[i] = dataclasses.replace(state[i], mlp=dataclasses.replace(state[i].mlp, pending=pending))

@@ -44,12 +44,15 @@ def test_duplicate_token_score_averages_over_positions_with_an_earlier_copy():
 def test_induction_score_reads_the_token_after_the_previous_occurrence():
     L = 3
     p = torch.eye(2 * L)[None, None].clone()
-    # second copy, positions i = 3, 4: the token after the earlier occurrence is at i − L + 1
+    # every position i = 3, 4, 5 of the second copy: the token after the earlier occurrence is at
+    # i − L + 1 (for the last, 5, that is the second copy's first token, 3)
     p[0, 0, 3] = 0.0
     p[0, 0, 3, 1], p[0, 0, 3, 3] = 0.5, 0.5
     p[0, 0, 4] = 0.0
     p[0, 0, 4, 2] = 1.0
-    assert induction_score(p, L).item() == pytest.approx(0.75)
+    p[0, 0, 5] = 0.0
+    p[0, 0, 5, 3], p[0, 0, 5, 5] = 0.25, 0.75
+    assert induction_score(p, L).item() == pytest.approx((0.5 + 1.0 + 0.25) / 3)
 
 
 def test_circuit_tracker_defaults_score_tokens_of_the_whole_vocabulary():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mnemo.cli import main
+from mnemo.interp.probe import circuit_scores
 from mnemo.interp.timescales import timescales
 from mnemo.models import LanguageModel, build_config
 
@@ -240,3 +241,68 @@ def test_track_circuits_flag_and_shipped_phase_change_configs(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv[:-3] + ["--circuit-length", "1", "--out", str(tmp_path / "bad"), "--no-progress"]) != 0
     assert "argument --circuit-length: expected an int >= 2, got '1'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["titans_mac", "titans_mag", "titans_mal"])
+def test_timescales_read_the_titans_memorys_gate(name):
+    """MAC/MAG/MAL keep their decay in the memory inside them (``memory.hook_g``): timescales reads
+    it (naming the hook) and its half-lives are ``−ln 2 / g`` of that hook, by hand."""
+    torch.manual_seed(0)
+    m = LanguageModel(build_config(name, vocab_size=20, d_model=16, n_layers=1))
+    ids = torch.randint(0, 20, (1, 24))
+    e = timescales(m, ids)["0"]
+    _, cache = m.run_with_cache(ids, names="blocks.0.mixer.memory.hook_g")
+    g = cache["blocks.0.mixer.memory.hook_g"].double()
+    hl = (-0.6931471805599453 / g).flatten()
+    assert e["kind"] == "per-head" and e["hook"] == "blocks.0.mixer.memory.hook_g"
+    assert e["half_life"]["count"] == hl.numel()
+    assert e["half_life"]["median"] == pytest.approx(hl.median().item(), rel=1e-3)
+    assert e["half_life"]["min"] == pytest.approx(hl.min().item(), rel=1e-5)
+
+
+def test_timescales_labels_a_gate_per_token():
+    """HOPE's self-modifying Titans: one retention gate for its whole memory per token ([B, T])."""
+    torch.manual_seed(0)
+    m = LanguageModel(build_config("hope_reconstruction", vocab_size=20, d_model=16, n_layers=1))
+    e = timescales(m, torch.randint(0, 20, (1, 12)))["0"]
+    assert e["kind"] == "per-token" and e["hook"] == "blocks.0.mixer.hook_g"
+
+
+def test_a_layer_whose_map_is_zero_on_the_scored_tokens_says_why():
+    """HOPE reads each memory chunk (16 tokens) at its start weights: on 2 · 8 tokens its map is
+    zero and so is every score — the entry says so; on 2 · 9 it is not and carries no note."""
+    torch.manual_seed(0)
+    m = LanguageModel(build_config("hope_reconstruction", vocab_size=20, d_model=16, n_layers=1)).eval()
+    assert m.blocks[0].mixer.chunk_size == 16
+    zero = circuit_scores(m, length=8, batch=1)["0"]
+    assert zero["induction"] == [0.0] and zero["previous_token"] == [0.0]
+    assert zero["note"] == (
+        "the map of SelfModifyingTitans is exactly zero on these 16 tokens, so every score is 0: it reads "
+        "each memory chunk (16 tokens) with the weights of the chunk's start, and all 16 tokens lie in the "
+        "first chunk; a length > 8 reaches the next one"
+    )
+    assert "note" not in circuit_scores(m, length=9, batch=1)["0"]
+
+
+def test_probe_circuits_covers_titans_mac_segments_and_names_length_where_a_map_cannot(tmp_path, capsys):
+    """Titans MAC's map joins its segments (64 tokens): ``--length 40`` (80 tokens) scores as the
+    library does; a mixer whose map spans one chunk (the self-modifying projections, 64 tokens) is
+    refused in one line naming ``--length`` and the limit."""
+    torch.manual_seed(0)
+    mac = LanguageModel(build_config("titans_mac", vocab_size=20, d_model=16, n_layers=1)).eval()
+    mac.save_pretrained(tmp_path / "mac")
+    argv = ["probe", "circuits", "--checkpoint", str(tmp_path / "mac"), "--length", "40", "--batch", "1"]
+    assert main([*argv, "--out", str(tmp_path / "p1")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["layers"]
+    want = json.loads(json.dumps(circuit_scores(mac, 40, 1, 0)))
+    assert got == want and len(got["0"]["induction"]) == 4
+    smp = LanguageModel(build_config("self_modifying_projections", vocab_size=20, d_model=16, n_layers=1))
+    smp.eval().save_pretrained(tmp_path / "smp")
+    argv = ["probe", "circuits", "--checkpoint", str(tmp_path / "smp"), "--length", "40", "--batch", "1"]
+    assert main([*argv, "--out", str(tmp_path / "p2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(
+        "mnemo probe circuits: error: --length 40: 2 × --length = 80 tokens are more than a layer's"
+    )
+    assert "a map needs a stream of at most one chunk (64 tokens)" in err

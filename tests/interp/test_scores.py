@@ -212,7 +212,7 @@ def test_scores_skip_a_bos_sink_without_renormalising_the_rows():
     # an induction head shape: from real position i of the second copy to i − L + 1, weight 0.25
     ind = torch.zeros(1, 1, T, T)
     ind[..., :, 0] = 0.75
-    for i in range(L, 2 * L - 1):  # real positions; +1 in the map
+    for i in range(L, 2 * L):  # every real position of the second copy; +1 in the map
         ind[0, 0, 1 + i, 1 + i - L + 1] = 0.25
     ind[0, 0, 0, 0] = 1.0
     for t in range(1, T):
@@ -249,3 +249,47 @@ def test_repeated_random_tokens_put_a_bos_first_and_never_draw_it():
     for bad in (-1, 6):
         with pytest.raises(ValueError, match=rf"bos: expected a token id in \[0, 6\) .* got {bad}"):
             repeated_random_tokens(2, 5, 6, bos=bad)
+
+
+def test_induction_score_averages_every_query_of_the_second_copy():
+    """Olsson et al.'s prefix matching: from each position ``i`` of the second copy (``L … 2L − 1``,
+    all ``L`` of them; the last one's earlier occurrence is followed by the second copy's first
+    token) to ``i − L + 1``, on the row-normalised maps; a hand loop over random maps."""
+    gen = torch.Generator().manual_seed(0)
+    L, skip = 5, 1
+    maps = torch.rand(2, 3, 2 * L + skip, 2 * L + skip, generator=gen, dtype=torch.float64).tril()
+    p = maps / maps.sum(-1, keepdim=True)
+    hand = torch.zeros(3, dtype=torch.float64)
+    for h in range(3):
+        vals = [p[b, h, skip + i, skip + i - L + 1] for b in range(2) for i in range(L, 2 * L)]
+        hand[h] = sum(vals) / len(vals)
+    assert_close(induction_score(maps, L, skip=skip), hand, 1e-12)
+
+
+def test_score_inputs_are_named_when_they_are_wrong():
+    from mnemo.interp import capture_maps, circuit_scores
+
+    maps = torch.rand(1, 2, 6, 6)
+    with pytest.raises(ValueError, match=r"length: expected an int >= 2, got 0"):
+        induction_score(maps, 0)
+    with pytest.raises(ValueError, match=r"length: expected an int >= 2, got 1"):
+        induction_score(maps, 1)
+    with pytest.raises(ValueError, match=r"maps: expected a tensor \[B, H, T, T\] .*got \[2, 6, 6\]"):
+        induction_score(maps[0], 3)
+    with pytest.raises(ValueError, match=r"maps: expected a tensor \[B, H, T, T\] .*got \[6, 6\]"):
+        previous_token_score(maps[0, 0])
+    with pytest.raises(ValueError, match=r"ids: expected the maps' tokens \[B, T\] = \[1, 6\], got \[1, 5\]"):
+        duplicate_token_score(maps, torch.zeros(1, 5, dtype=torch.long))
+    torch.manual_seed(0)
+    m = LanguageModel(build_config("transformer", vocab_size=V, d_model=16, n_layers=1)).eval()
+    with pytest.raises(
+        ValueError, match=r"layer: expected an int in \[0, 1\) \(the model has 1 layers\), got 7"
+    ):
+        copying_score(m, 7)
+    with pytest.raises(ValueError, match=r"layers: \[7\] out of range; the model has 1 layers"):
+        capture_maps(m, torch.zeros(1, 4, dtype=torch.long), layers=[7])
+    with pytest.raises(ValueError, match=r"batch: expected an int >= 1, got 0"):
+        circuit_scores(m, length=4, batch=0)
+    with pytest.raises(ValueError, match=r"length: expected an int >= 2, got 1"):
+        circuit_scores(m, length=1, batch=1)
+    assert list(capture_maps(m, torch.zeros(1, 4, dtype=torch.long), layers=0)) == [0]

@@ -220,6 +220,29 @@ def test_diagonal_mixers_are_their_mean_log_decays_as_timescales_reads_them(name
             assert mine[key] == pytest.approx(ts[layer]["half_life"][key], rel=1e-5), key
 
 
+@pytest.mark.parametrize("name", ["retnet", "mamba2"])
+def test_per_head_gates_keep_row_h_for_head_h(name):
+    """One scalar gate per head (RetNet's fixed γ_h = 1 − 2^(−5−h), Mamba-2's Δ A): row ``h`` of the
+    exponents, half-lives and per-head shares is head ``h`` — by hand, ``−ln 2 / mean_t g_h``
+    (RetNet's half-lives grow with ``h``: 21.8, 44.0, 88.4, 177.1 tokens), never sorted across
+    heads."""
+    model, ids = _model(name), _ids(T=40)
+    e = memory_spectrum(model, ids)["0"]
+    _, cache = model.run_with_cache(ids, names="hook_g")
+    g = cache["blocks.0.mixer.hook_g"].double()  # [B, T, H]
+    H = g.shape[-1]
+    hand_lam = [g[..., h].mean().item() for h in range(H)]
+    hand_hl = [math.log(2) / -lam for lam in hand_lam]
+    assert e["gate"] == "per-head" and e["heads"] == H
+    assert [row[0] for row in e["exponents"]] == pytest.approx(hand_lam, rel=1e-9)
+    assert [row[0] for row in e["half_lives"]] == pytest.approx(hand_hl, rel=1e-9)
+    assert [p["median_half_life"] for p in e["per_head"]] == pytest.approx(hand_hl, rel=1e-9)
+    if name == "retnet":
+        gammas = [1 - 2 ** (-5 - h) for h in range(H)]
+        assert hand_hl == pytest.approx([math.log(2) / -math.log(c) for c in gammas], rel=1e-5)
+        assert hand_hl == sorted(hand_hl)  # head 0 forgets fastest
+
+
 def test_fixed_gates_reproduce_timescales_on_any_length():
     model, ids = _model("retnet"), _ids(T=40)
     ts, sp = timescales(model, ids), memory_spectrum(model, ids)

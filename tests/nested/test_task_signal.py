@@ -377,10 +377,11 @@ def test_run_with_cache_streaming_leaves_out_the_signal_replay():
         assert_close(v, whole[k][:, 8:], 1e-12)
 
 
-def test_run_with_cache_keeps_the_last_value_of_a_hook_fired_within_a_segment():
-    """Titans MAC fires its memory hooks once per MAC segment, inside each task segment: such a hook
-    keeps its last value, as in one pass of the same model with reconstruction levels (the same
-    keys and shapes), while the once-per-segment hooks are joined over the whole call."""
+def test_run_with_cache_joins_a_hook_fired_per_mixer_segment_within_task_segments():
+    """Titans MAC fires its memory hooks once per MAC segment, inside each task segment: each firing
+    is placed in the call (the MAC segment's offset within the task segment's), so such a hook is
+    joined over the whole call too, as in one pass of the same model with reconstruction levels
+    (the same keys and shapes)."""
     shapes = {}
     for objective in ("task", "reconstruction"):
         torch.manual_seed(0)
@@ -400,7 +401,7 @@ def test_run_with_cache_keeps_the_last_value_of_a_hook_fired_within_a_segment():
     assert all(task[k] == recon[k] for k in task), {
         k: (task[k], recon[k]) for k in task if task[k] != recon[k]
     }
-    assert task["blocks.0.hook_mixer_out"][1] == 21 and task["blocks.0.mixer.memory.hook_q"][1] == 1
+    assert task["blocks.0.hook_mixer_out"][1] == 21 and task["blocks.0.mixer.memory.hook_q"][1] == 21
 
 
 @pytest.mark.parametrize(

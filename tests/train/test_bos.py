@@ -203,7 +203,7 @@ def test_probe_circuits_and_the_tracker_score_a_bos_run_as_it_trained(tmp_path, 
     seq = repeated_random_tokens(2, 8, model.config.vocab_size - 1, torch.Generator().manual_seed(0)) + 1
     assert torch.equal(ids[:, 1:], seq)
     p = normalise(capture_maps(model, ids)[0])[..., 1:, 1:]
-    i = torch.arange(8, 15)
+    i = torch.arange(8, 16)  # every position of the second copy
     assert want["0"]["induction"] == pytest.approx(p[..., i, i - 7].mean((0, -1)).tolist(), abs=1e-6)
     assert want["0"]["induction"] == pytest.approx(
         induction_score(capture_maps(model, ids)[0], 8, 1).tolist()
