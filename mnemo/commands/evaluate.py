@@ -336,12 +336,58 @@ def _check_generate_memory(model, length: int, device: str) -> None:
 
 
 def _run_bos(ckpt, tok) -> int | None:
-    """The id of the run's ``TrainConfig.bos`` (its windows' fixed first token), or ``None``."""
+    """The token read before the prompt: a training run's ``TrainConfig.bos`` (its windows' fixed
+    first token) or ``None`` when it had none; for a checkpoint that no mnemo training run made (a
+    converted one, a ``transformers`` folder), the BOS its tokenizer's own post-processor puts
+    before a text (:meth:`~mnemo.data.tokenizer.HFTokenizer.special_prefix`), as ``transformers``'
+    ``tokenizer(prompt)`` does, else ``None``. A post-processor that puts more than one token first
+    is said on stderr and not followed."""
     from ..train.batches import bos_id
     from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
 
     path = ckpt / TRAIN_CONFIG_NAME
-    return bos_id(tok, load_json(path).get("bos")) if path.is_file() else None
+    if path.is_file():
+        return bos_id(tok, load_json(path).get("bos"))
+    prefix = tok.special_prefix() if hasattr(tok, "special_prefix") else []
+    if len(prefix) > 1:
+        print(
+            f"warning: the tokenizer puts {len(prefix)} special tokens {prefix} before a text; the "
+            "prompt is read without them",
+            file=sys.stderr,
+        )
+    return prefix[0] if len(prefix) == 1 else None
+
+
+def _checkpoint_eos(ckpt) -> int | list[int] | None:
+    """The end-of-text id(s) a checkpoint that no mnemo training run made declares, as
+    ``transformers`` reads them: ``generation_config.json``'s ``eos_token_id``, else the one
+    :func:`mnemo.hf.convert.convert` kept from the source (``hf_config_carried.json``), else a
+    ``transformers`` ``config.json``'s own; ``None`` for a mnemo run or a checkpoint without one
+    (generation then runs ``--max-new-tokens`` steps)."""
+    from ..hf.convert import CARRIED_CONFIG_NAME, MNEMO_MODEL_TYPE
+    from ..train.checkpoint import TRAIN_CONFIG_NAME
+
+    if (ckpt / TRAIN_CONFIG_NAME).is_file():
+        return None
+
+    def read(name: str) -> dict:
+        path = ckpt / name
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--checkpoint: {path} is not a readable JSON file ({e})") from None
+        return data if isinstance(data, dict) else {}
+
+    config = read("config.json")
+    for fields in (
+        read("generation_config.json"),
+        read(CARRIED_CONFIG_NAME).get("fields") or {},
+        config if config.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {},
+    ):
+        eos = fields.get("eos_token_id")
+        if eos is not None and eos != []:
+            return eos
+    return None
 
 
 def _cmd_generate(args) -> int:
@@ -352,6 +398,7 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     ckpt, model, tok = _load(args.checkpoint, args.device)
     bos = _run_bos(ckpt, tok)
+    eos = None if args.ignore_eos else _checkpoint_eos(ckpt)
     _check_generate_memory(model, len(tok.encode(args.prompt or "\n")) + args.max_new_tokens, args.device)
     unknown = sorted(set(args.prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
     if unknown:
@@ -380,6 +427,7 @@ def _cmd_generate(args) -> int:
             compile=args.compile,
             made=made,
             bos=bos,
+            eos=eos,
         )
     except KeyboardInterrupt as e:
         from ..train.generation import decoded
@@ -485,5 +533,12 @@ def add_commands(sub) -> None:
         action="store_true",
         help="prefill and decode under torch.compile (the first call compiles for tens of seconds; pays off "
         "on long outputs)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="a converted or transformers checkpoint stops at the end-of-text id it declares "
+        "(generation_config.json / config.json's eos_token_id), as transformers does; with this flag it "
+        "runs --max-new-tokens steps (mnemo's own runs never stop early)",
     )
     g.set_defaults(func=_cmd_generate)

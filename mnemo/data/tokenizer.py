@@ -166,6 +166,22 @@ class HFTokenizer:
         """The ids of each text (``tokenizers``' parallel batch encoder)."""
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
+    def special_prefix(self) -> list[int]:
+        """The special token ids this tokenizer's own post-processor puts before a single text (a
+        Llama- or Mistral-style BOS: what ``transformers``' ``tokenizer(text)`` starts with, and
+        what models released with such a tokenizer saw first), ``[]`` when it puts none. ``encode``
+        never adds them (see the class docstring); ``mnemo generate`` reads them before the prompt
+        of a checkpoint that no mnemo training run made (a converted one)."""
+        if self.tokenizer.post_processor is None:
+            return []
+        enc = self.tokenizer.encode("a", add_special_tokens=True)
+        prefix = []
+        for i, special in zip(enc.ids, enc.special_tokens_mask):
+            if not special:
+                break
+            prefix.append(i)
+        return prefix
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode(_to_list(ids), skip_special_tokens=False)
 

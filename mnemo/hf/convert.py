@@ -37,9 +37,10 @@ after the new one is complete. Neither writes into a training run's folder or ch
 the model, they carry the tokenizer files (:data:`TOKENIZER_FILES`, the chat template included),
 ``generation_config.json`` and the source ``config.json``'s special token ids and
 ``residual_in_fp32`` (:data:`CARRIED_FIELDS`, kept in a converted checkpoint's
-:data:`CARRIED_CONFIG_NAME` and written back on export). mnemo's own generation does not stop at
-the end-of-text id (``LanguageModel.generate`` runs ``max_new_tokens`` steps); the ids are kept for
-``transformers``.
+:data:`CARRIED_CONFIG_NAME` and written back on export). ``mnemo generate`` reads them as
+``transformers`` does: the prompt starts with the BOS the tokenizer's post-processor puts first,
+and the text ends at the declared end-of-text id (``LanguageModel.generate`` stops there only when
+given ``eos_token_id``).
 
 The Mamba formats live in :mod:`mnemo.hf.mamba`, Qwen3-Next in :mod:`mnemo.hf.qwen3_next`; this
 module holds the registry, the folders and the checks every format shares.
@@ -593,9 +594,10 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     the chat template included), its :data:`CARRIED_FILES` (``generation_config.json``) and
     :data:`CARRIED_CONFIG_NAME` with those of :data:`CARRIED_FIELDS` (the bos / eos / pad token
     ids, ``residual_in_fp32``) that its ``config.json`` has, which :func:`export_hf` writes back.
-    mnemo does not read these ids: ``LanguageModel.generate`` (``mnemo generate``) and
-    ``MnemoForCausalLM.generate`` (which equals it) do not stop at an end-of-text token (pass
-    ``eos_token_id=`` to ``transformers``' ``generate`` for that); they are kept for the export.
+    ``mnemo generate`` stops at the end-of-text id they declare (``--ignore-eos``: it does not);
+    ``LanguageModel.generate`` stops only when given ``eos_token_id``, and
+    ``MnemoForCausalLM.generate`` (which equals it) only when ``transformers``' ``generate`` is
+    passed ``eos_token_id=``.
 
     The folder is written whole into a temporary sibling and moved into place when complete:
     ``out`` must be empty or new, or with ``force`` a checkpoint folder (holding ``config.json``)
@@ -656,8 +658,8 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     class's default applies as it did there); otherwise ``eos_token_id`` is the end-of-text
     token of the checkpoint's Hugging Face tokenizer and every id it does not know is written as
     null (the target class's defaults, such as Mamba's ``eos_token_id = 0``, would make real tokens
-    special). mnemo's own ``LanguageModel.generate`` does not stop at ``eos_token_id``;
-    ``transformers``' ``generate`` on the export does.
+    special). ``transformers``' ``generate`` on the export stops at ``eos_token_id``; mnemo's
+    ``LanguageModel.generate`` when given ``eos_token_id``.
 
     The folder is written whole into a temporary sibling and moved into place when complete:
     ``out`` must be empty or new, or with ``force`` a checkpoint folder (holding ``config.json``)

@@ -9,6 +9,7 @@ import sys
 import types
 import warnings
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -528,8 +529,10 @@ class LanguageModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         compile: bool = False,
         on_token=None,
+        eos_token_id: int | Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` continuation tokens; returns ``[B, T + max_new_tokens]``.
+        """Sample ``max_new_tokens`` continuation tokens; returns ``[B, T + max_new_tokens]``
+        (fewer new tokens when ``eos_token_id`` stops every row earlier).
 
         The prompt is processed in one pass (prefill), then one token at a time with the per-layer
         state, so recurrent models decode in constant memory. ``temperature = 0`` is greedy
@@ -571,12 +574,26 @@ class LanguageModel(nn.Module):
         ``on_token``: called with each new token ``[B]`` (int64) as soon as it is sampled, so a
         caller can show or keep what was made before an interruption (without ``attention_mask``
         only: ``ValueError`` with it). Default ``None``.
+
+        ``eos_token_id``: an end-of-text id, or several. A row that samples one has finished: its
+        later tokens are that row's first sampled end id again (``transformers`` pads with
+        ``pad_token_id`` instead), and generation stops as soon as every row has finished, so the
+        result may have fewer than ``max_new_tokens`` new tokens. Checking costs a host
+        synchronisation per token (on a GPU). Not with ``attention_mask`` (``ValueError``). Default
+        ``None``: every row runs ``max_new_tokens`` steps. Raises ``ValueError`` for an id outside
+        ``[0, vocab_size)``.
         """
         step = _DecodeStep(self, compile)
+        eos = _eos_ids(eos_token_id, self.config.vocab_size)
         if attention_mask is not None:
             if on_token is not None:
                 raise ValueError(
                     "on_token: not supported with attention_mask (groups decode one after another)"
+                )
+            if eos is not None:
+                raise ValueError(
+                    "eos_token_id: not supported with attention_mask (groups decode one after another); "
+                    "generate each prompt length alone, or cut the rows at their first end id"
                 )
             return self._generate_padded(
                 input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
@@ -591,11 +608,19 @@ class LanguageModel(nn.Module):
         self.eval()
         logits, state = step.prefill(input_ids)
         out = [input_ids]
+        ended = None  # per row: the end id it sampled first (-1: not yet); with eos_token_id only
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+            if eos is not None:
+                if ended is None:
+                    ended = torch.full_like(nxt, -1)
+                nxt = torch.where(ended >= 0, ended, nxt)
+                ended = torch.where((ended < 0) & torch.isin(nxt, eos.to(nxt.device)), nxt, ended)
             out.append(nxt[:, None])
             if on_token is not None:
                 on_token(nxt)
+            if eos is not None and bool((ended >= 0).all()):
+                break
             if i + 1 < max_new_tokens:  # the last token's logits are never read
                 logits, state = step(nxt[:, None], state)
         self.train(was_training)
@@ -959,6 +984,21 @@ def _caller_level() -> int:
         if level >= 1 and not info.filename.startswith(skip):
             return level
     return 2
+
+
+def _eos_ids(eos_token_id, vocab_size: int) -> torch.Tensor | None:
+    """``eos_token_id`` (an int, a sequence of ints or ``None``) as a long tensor of ids, checked
+    against the vocabulary (``ValueError`` naming ``eos_token_id``)."""
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if not isinstance(eos_token_id, (list, tuple)) else list(eos_token_id)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
+    if not ids or bad:
+        raise ValueError(
+            f"eos_token_id: expected a token id or a non-empty list of them in [0, {vocab_size}), "
+            f"got {eos_token_id!r}"
+        )
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:

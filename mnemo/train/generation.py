@@ -22,6 +22,7 @@ def generate_text(
     compile: bool = False,
     made: list | None = None,
     bos: int | None = None,
+    eos: int | list[int] | None = None,
 ) -> str:
     """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline), sampled
     at ``temperature`` (``0``: greedy) from a generator seeded with ``seed``; ``compile``: decode
@@ -29,20 +30,31 @@ def generate_text(
     receives each new token id (a 0-d tensor, on ``device``) as it is sampled (what an
     interruption leaves: :func:`decoded`). ``bos``: a token id read before the prompt and not
     returned (a run trained with ``TrainConfig.bos``: its windows start with it; then an empty
-    prompt starts from it alone).
-    Defaults: ``temperature=0.8``, ``seed=0``, ``compile=False``, ``made=None``, ``bos=None``."""
-    ids = _prompt_ids(tokenizer, prompt, bos)
+    prompt starts from it alone). ``eos``: an end-of-text id (or several) that ends the text: the
+    generation stops there, and the end token itself is not part of the text
+    (:meth:`~mnemo.models.LanguageModel.generate`'s ``eos_token_id``).
+    Defaults: ``temperature=0.8``, ``seed=0``, ``compile=False``, ``made=None``, ``bos=None``,
+    ``eos=None``."""
+    prompt_ids = _prompt_ids(tokenizer, prompt, bos)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(
-        ids[None].to(device),
+        prompt_ids[None].to(device),
         max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         generator=gen,
         compile=compile,
         on_token=None if made is None else (lambda nxt: made.append(nxt[0])),  # no host sync per token
+        eos_token_id=eos,
     )
-    return _text(tokenizer, prompt, bos, out[0].cpu())
+    ids = out[0].cpu()
+    if eos is not None:  # the text ends before the first end id among the new tokens
+        ends = set([eos] if isinstance(eos, int) else eos)
+        new = ids[len(prompt_ids) :].tolist()
+        cut = next((i for i, t in enumerate(new) if t in ends), None)
+        if cut is not None:
+            ids = ids[: len(ids) - len(new) + cut]
+    return _text(tokenizer, prompt, bos, ids)
 
 
 def _prompt_ids(tokenizer, prompt: str, bos: int | None) -> torch.Tensor:
