@@ -97,8 +97,9 @@ def reading_again() -> bool:
 def set_span(offset: int, length: int | None, again: bool = False, stop: int | None = None) -> tuple:
     """Say that the values the hook points pass from now on start at the call's token ``offset``
     of ``length`` and end before token ``stop`` (see :func:`span`, :func:`piece_stop`; ``again``:
-    see :func:`reading_again`; default ``again=False``); returns the previous setting, restored by ``set_span(*previous)``.
-    A no-op while ``torch.compile`` traces (nothing is written from a compiled graph)."""
+    see :func:`reading_again`; default ``again=False``); returns the previous setting, restored by
+    ``set_span(*previous)``. A no-op while ``torch.compile`` traces (nothing is written from a
+    compiled graph)."""
     if torch.compiler.is_compiling():
         return 0, None, False, None
     prev = _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop
@@ -136,6 +137,11 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
+def _same_kind(a: torch.Tensor, b: Any) -> bool:
+    """Whether ``b`` is a tensor of ``a``'s shape, dtype and device."""
+    return isinstance(b, torch.Tensor) and (b.shape, b.dtype, b.device) == (a.shape, a.dtype, a.device)
+
+
 def check_replacement(name: str | None, value: Any, new: Any) -> None:
     """Raise ``ValueError`` naming hook ``name`` unless ``new`` can replace ``value``: a tensor of
     the same shape, dtype and device; for a structured value (a state record, a tuple), the same
@@ -143,11 +149,7 @@ def check_replacement(name: str | None, value: Any, new: Any) -> None:
     leaves of the same type)."""
     name = name or "hook"
     if isinstance(value, torch.Tensor):
-        if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (
-            value.shape,
-            value.dtype,
-            value.device,
-        ):
+        if not _same_kind(value, new):
             raise ValueError(
                 f"{name}: a hook returned a replacement {_describe(new)}; it must have the shape, "
                 f"dtype and device of the value it replaces, {_describe(value)}"
@@ -167,17 +169,12 @@ def check_replacement(name: str | None, value: Any, new: Any) -> None:
             f"{', …' if len(leaves) > 4 else ''})"
         )
     for i, (a, b) in enumerate(zip(leaves, new_leaves)):
-        if isinstance(a, torch.Tensor):
-            if not isinstance(b, torch.Tensor) or (b.shape, b.dtype, b.device) != (
-                a.shape,
-                a.dtype,
-                a.device,
-            ):
-                raise ValueError(
-                    f"{name}: a hook returned a {type(value).__name__} whose leaf {i} is {_describe(b)}; "
-                    f"it must have the shape, dtype and device of the one it replaces, {_describe(a)}"
-                )
-        elif type(b) is not type(a):
+        if isinstance(a, torch.Tensor) and not _same_kind(a, b):
+            raise ValueError(
+                f"{name}: a hook returned a {type(value).__name__} whose leaf {i} is {_describe(b)}; "
+                f"it must have the shape, dtype and device of the one it replaces, {_describe(a)}"
+            )
+        if not isinstance(a, torch.Tensor) and type(b) is not type(a):
             raise ValueError(
                 f"{name}: a hook returned a {type(value).__name__} whose leaf {i} is a "
                 f"{type(b).__name__}; the value it replaces has a {type(a).__name__} there"
