@@ -360,10 +360,10 @@ def _run_bos(ckpt, tok) -> int | None:
 
 def _checkpoint_eos(ckpt) -> int | list[int] | None:
     """The end-of-text id(s) a checkpoint that no mnemo training run made declares, as
-    ``transformers`` reads them: ``generation_config.json``'s ``eos_token_id``, else the one
-    :func:`mnemo.hf.convert.convert` kept from the source (``hf_config_carried.json``), else a
-    ``transformers`` ``config.json``'s own; ``None`` for a mnemo run or a checkpoint without one
-    (generation then runs ``--max-new-tokens`` steps)."""
+    ``transformers`` reads them: ``generation_config.json``'s ``eos_token_id`` where that file
+    exists (none there: none at all), else the one :func:`mnemo.hf.convert.convert` kept from the
+    source (``hf_config_carried.json``), else a ``transformers`` ``config.json``'s own; ``None`` for
+    a mnemo run or a checkpoint without one (generation then runs ``--max-new-tokens`` steps)."""
     from ..hf.convert import CARRIED_CONFIG_NAME, MNEMO_MODEL_TYPE
     from ..train.checkpoint import TRAIN_CONFIG_NAME
 
@@ -378,16 +378,15 @@ def _checkpoint_eos(ckpt) -> int | list[int] | None:
             raise ValueError(f"--checkpoint: {path} is not a readable JSON file ({e})") from None
         return data if isinstance(data, dict) else {}
 
-    config = read("config.json")
-    for fields in (
-        read("generation_config.json"),
-        read(CARRIED_CONFIG_NAME).get("fields") or {},
-        config if config.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {},
-    ):
-        eos = fields.get("eos_token_id")
-        if eos is not None and eos != []:
-            return eos
-    return None
+    if (ckpt / "generation_config.json").is_file():  # transformers reads the ids from it alone then
+        fields = read("generation_config.json")
+    else:
+        config = read("config.json")
+        fields = read(CARRIED_CONFIG_NAME).get("fields") or (
+            config if config.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {}
+        )
+    eos = fields.get("eos_token_id")
+    return None if eos == [] else eos
 
 
 def _cmd_generate(args) -> int:

@@ -517,33 +517,47 @@ def _prepare_out(out: str | Path, force: bool) -> Path:
 
 
 def _write_folder(o: Path, write: Callable[[Path], None]) -> None:
-    """Write the folder ``o`` all at once: ``write(tmp)`` fills a fresh hidden sibling folder,
-    which then takes ``o``'s place (an existing ``o`` is set aside, and removed once the new folder
-    is in place; an empty ``o`` is kept and the files are moved into it). When ``write`` or the
-    move fails, ``o`` is left as it was and the temporary folder is removed; a failure of the file
-    system (a full disk, a file size limit, a permission; ``safetensors``' I/O errors included)
-    raises ``OSError`` saying so, anything else propagates."""
+    """Write the folder ``o`` all at once: ``write(tmp)`` fills a fresh hidden temporary folder,
+    whose content then takes ``o``'s place. The temporary folder is a sibling of ``o``, which it
+    replaces by a rename (an existing ``o`` is set aside and removed once the new folder is in
+    place) — except where ``o`` must stay the folder it is: an empty ``o`` (the current folder,
+    say) or a mount point (a volume: no rename crosses its boundary) gets the temporary folder
+    inside it, and its entries are swapped in place (a previous content set aside inside it first).
+    When ``write`` or the move fails, ``o`` is left as it was and the temporary folder is removed; a
+    failure of the file system (a full disk, a file size limit, a permission; ``safetensors``' I/O
+    errors included) raises ``OSError`` saying so, anything else propagates."""
     from safetensors import SafetensorError
 
     o = Path(os.path.abspath(o))
     existed = o.exists()
     kept = f"{o} was left as it was" if existed else f"{o} was not created"
     o.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _fresh_sibling(o, "partial")
+    inside = existed and (not any(o.iterdir()) or os.path.ismount(o))
+    tmp = _fresh_sibling(o / "mnemo" if inside else o, "partial")  # inside: o/.mnemo.partial-…
     old = None
     try:
         write(tmp)
-        if existed and not any(o.iterdir()):  # an empty folder (the current one, say): filled, kept
+        if inside:
+            held = [p for p in o.iterdir() if p != tmp]
+            if held:  # a mount point's previous content: set aside inside it
+                old = _fresh_sibling(o / "mnemo", "old")
+                for p in held:
+                    os.rename(p, old / p.name)
             _move_entries(tmp, o)
             tmp.rmdir()
-            return
-        if existed:  # keep the folder's permissions
-            os.chmod(tmp, stat.S_IMODE(o.stat().st_mode))
-            old = o.parent / f".{o.name}.old-{secrets.token_hex(4)}"
-            os.rename(o, old)
-        os.rename(tmp, o)
+        else:
+            if existed:  # keep the folder's permissions
+                os.chmod(tmp, stat.S_IMODE(o.stat().st_mode))
+                old = o.parent / f".{o.name}.old-{secrets.token_hex(4)}"
+                os.rename(o, old)
+            os.rename(tmp, o)
     except BaseException as e:
-        if old is not None and not o.exists():
+        if old is not None and inside:
+            for p in list(old.iterdir()):
+                if not (o / p.name).exists():
+                    os.rename(p, o / p.name)
+            shutil.rmtree(old, ignore_errors=True)
+        elif old is not None and not o.exists():
             os.rename(old, o)
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, SafetensorError)):
@@ -561,9 +575,9 @@ def _write_folder(o: Path, write: Callable[[Path], None]) -> None:
 
 
 def _move_entries(src: Path, dst: Path) -> None:
-    """Move every entry of ``src`` into the empty folder ``dst`` (``config.json`` last, so that
-    ``dst`` is a checkpoint only once its weights are there); on a failure the entries moved so far
-    go back, leaving ``dst`` empty, and the error propagates."""
+    """Move every entry of ``src`` into ``dst``, which holds none of their names (``config.json``
+    last, so that ``dst`` is a checkpoint only once its weights are there); on a failure the entries
+    moved so far go back, leaving ``dst`` as it was, and the error propagates."""
     names = sorted((p.name for p in src.iterdir()), key=lambda n: n == "config.json")
     moved: list[str] = []
     try:

@@ -200,9 +200,10 @@ def _rows(value: torch.Tensor, name: str) -> tuple[int, int, int | None, int | N
 
 
 def _pieced(value: torch.Tensor, name: str) -> bool:
-    """Whether the value now passing covers less or more than the call's tokens (a piece)."""
+    """Whether the value now passing is a piece of the call: it does not reach from the call's first
+    token (or before it: a learned prefix) to its last."""
     _, offset, n, length = _rows(value, name)
-    return offset != 0 or n != length
+    return n is not None and length is not None and (offset > 0 or offset + n != length)
 
 
 def _position_rows(positions, value: torch.Tensor, name: str) -> torch.Tensor:
@@ -539,7 +540,12 @@ def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channe
     ``None`` everywhere patches the whole value, and an empty selection (``positions=[]``) patches
     nothing. Where a hook passes the call in pieces (a task-signal model's segments, a mixer's own
     segments) each piece takes its rows of the clean value, which ``run_with_cache`` recorded over
-    the whole call — so patching a model with its own cache reproduces its run. Raises
+    the whole call — so patching a model with its own cache reproduces its outputs. On a model
+    whose CMS levels learn from the next-token loss inside the forward, a replaced value is a
+    constant: the levels' training signal no longer flows through it (the intervention
+    ``do(value = clean)``), so from the next segment on a self-patch that replaces a value between
+    a level's read and the loss differs from the unpatched run by what that signal would have
+    written (``mnemo.models.task_signal``). Raises
     ``KeyError`` for an unknown name or one the cache lacks, and at run time ``ValueError`` for an
     index out of range or a clean value that does not cover the value passing (another shape or
     length)."""
@@ -553,8 +559,10 @@ def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channe
     def fn(value, name):
         value = _tensor_value(value, name)
         clean = _tensor_value(clean_cache[name], name)
-        clean = _aligned(clean, value, name, model, "the clean value").to(value.device, value.dtype)
         mask = _mask(model, value, name, heads, positions, channels)
+        if mask is not None and not bool(mask.any()):  # nothing of this piece is selected
+            return None
+        clean = _aligned(clean, value, name, model, "the clean value").to(value.device, value.dtype)
         return clean.clone() if mask is None else torch.where(mask, clean, value)
 
     return [(n, fn) for n in chosen]

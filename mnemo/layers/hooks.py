@@ -131,6 +131,21 @@ def _reset_span() -> None:
     _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = 0, None, False, None
 
 
+@contextmanager
+def kept_span() -> Iterator[None]:
+    """Restore the span as it was on entry when the block ends (also on error): a call made from
+    inside another (a model run from a hook function, a task-signal model's pieces) leaves the
+    enclosing call's span as it found it."""
+    if torch.compiler.is_compiling():  # nothing is written from a compiled graph (set_span)
+        yield
+        return
+    prev = _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop
+    try:
+        yield
+    finally:
+        _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = prev
+
+
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{list(value.shape)} {value.dtype} on {value.device}"
@@ -361,16 +376,16 @@ def attached(points: dict[str, HookPoint], hooks: Iterable[tuple[str, Callable]]
     ``KeyError`` for an unknown name."""
     handles = []
     pairs = check_hooks(hooks)
-    _reset_span()  # a call read in one pass, until a piecewise reader says otherwise
-    try:
-        for name, fn in pairs:
-            for n in select(points, name):
-                handles.append(points[n].add(fn))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        _reset_span()
+    with kept_span():  # a model run from inside another call's hook leaves that call's span as it was
+        _reset_span()  # a call read in one pass, until a piecewise reader says otherwise
+        try:
+            for name, fn in pairs:
+                for n in select(points, name):
+                    handles.append(points[n].add(fn))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 _POINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -613,9 +613,9 @@ class LanguageModel(nn.Module):
             nxt = sample_next(logits[:, -1], temperature, top_k, generator)
             if eos is not None:
                 if ended is None:
-                    ended = torch.full_like(nxt, -1)
+                    ended, eos = torch.full_like(nxt, -1), eos.to(nxt.device)
                 nxt = torch.where(ended >= 0, ended, nxt)
-                ended = torch.where((ended < 0) & torch.isin(nxt, eos.to(nxt.device)), nxt, ended)
+                ended = torch.where((ended < 0) & torch.isin(nxt, eos), nxt, ended)
             out.append(nxt[:, None])
             if on_token is not None:
                 on_token(nxt)

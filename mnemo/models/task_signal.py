@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.cms import CMSLevel, CMSState, ContinuumMemory
-from ..layers.hooks import set_span
+from ..layers.hooks import kept_span, set_span
 from ..layers.state import detach as detach_state
 from ..layers.state import state_dataclass
 
@@ -146,8 +146,24 @@ def _outer(model) -> bool:
 
 def _take_in(model, where, levels, captures, loss, state, outer) -> list:
     """Back-propagate the segment's ``loss`` to every task level's reads (``captures``: per level,
-    ``(x, y, (z, a))`` of the read) and let each level absorb its signal into ``state``."""
-    deltas = torch.autograd.grad(loss, [c[1] for c in captures], retain_graph=outer)
+    ``(x, y, (z, a))`` of the read) and let each level absorb its signal into ``state``.
+
+    A hook that replaces a value between a level's read and the loss (an intervention:
+    :mod:`mnemo.interp`) cuts the loss's dependence on the read through that value — the
+    replacement is a constant — so the level's signal is what flows around it, zero where nothing
+    does (as the intervention ``do(value = replacement)`` implies). Without hooks a read the loss
+    does not depend on is a defect of the model and raises ``RuntimeError``."""
+    ys = [c[1] for c in captures]
+    deltas = (
+        torch.autograd.grad(loss, ys, retain_graph=outer, allow_unused=True)
+        if loss.requires_grad
+        else (None,) * len(ys)
+    )
+    if any(d is None for d in deltas):
+        if not any(p._forward_hooks for p in model.hook_points.values()):
+            cut = [f"blocks.{i}.mlp.levels.{j}" for (i, j), d in zip(where, deltas) if d is None]
+            raise RuntimeError(f"the segment's next-token loss does not depend on the reads of {cut}")
+        deltas = [torch.zeros_like(y) if d is None else d for d, y in zip(deltas, ys)]
     for (i, j), lv, (x, _, read), delta in zip(where, levels, captures, deltas):
         level_states = list(state[i].mlp.levels)
         if not outer:
@@ -241,7 +257,8 @@ def forward(model, input_ids: torch.Tensor, state, mode):
     with ExitStack() as stack:
         for m in _deferrable(model):
             stack.enter_context(m.deferring())
-        logits, state = _segments(model, input_ids, state, mode)
+        with kept_span():  # the pieces' spans end with the call (restored also on error)
+            logits, state = _segments(model, input_ids, state, mode)
     state = _settle(model, state)
     where = sorted({i for i, _ in _task_levels(model)})
     pending = state[where[0]].mlp.pending  # one record, shared by the task blocks
@@ -304,7 +321,6 @@ def _segments(model, input_ids: torch.Tensor, state, mode):
         outs.append(logits)
         pending = dataclasses.replace(pending, ids=torch.cat([pending.ids, input_ids[:, t : t + n]], 1))
         t += n
-    set_span(0, None)  # the pieces are read: the hooks' values cover whole calls again
     for i in sorted({i for i, _ in where}):
         state = list(state)
         state[i] = dataclasses.replace(state[i], mlp=dataclasses.replace(state[i].mlp, pending=pending))

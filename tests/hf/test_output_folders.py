@@ -167,3 +167,56 @@ def test_force_replaces_a_checkpoint_folder_whole(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="is the current folder or holds it"):
         convert(tmp_path / "without", ".", force=True)
     assert (here / "tokenizer.json").is_file()
+
+
+def test_a_mount_point_out_is_written_and_replaced_in_place(tmp_path, monkeypatch):
+    """Review of b1c98af: OUT a mount point (a volume) — no rename crosses its boundary, so the
+    sibling staging failed with EXDEV. Simulated here: ``os.path.ismount`` says OUT is one and
+    ``os.rename`` refuses any move between inside and outside OUT. An empty mount point is filled,
+    a checkpoint on one is replaced in place with ``force`` (no file of the old content stays, no
+    temporary folder is left inside or beside it), and a failed write leaves the old content."""
+    import errno
+    import os
+
+    import mnemo.hf.convert as hc
+
+    out = tmp_path / "vol"
+    out.mkdir()
+    real_rename, real_ismount = os.rename, os.path.ismount
+
+    def inside(p) -> bool:
+        p = os.path.abspath(p)
+        return p == str(out) or p.startswith(str(out) + os.sep)
+
+    def rename(a, b):
+        if inside(a) != inside(b) or os.path.abspath(a) == str(out):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(a))
+        return real_rename(a, b)
+
+    monkeypatch.setattr(hc.os, "rename", rename)
+    monkeypatch.setattr(hc.os.path, "ismount", lambda p: os.path.abspath(p) == str(out) or real_ismount(p))
+    a = _mamba2(tmp_path / "A_hf", 0)
+    (tmp_path / "A_hf" / "tokenizer.json").write_text("{}")
+    b = _mamba2(tmp_path / "B_hf", 1)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    def logits():
+        with torch.no_grad():
+            return LanguageModel.from_pretrained(out)(ids)[0]
+
+    convert(tmp_path / "A_hf", out)
+    assert torch.allclose(logits(), a(ids).logits, atol=1e-5) and (out / "tokenizer.json").is_file()
+    before = _tree(out)
+
+    def broken(model_self, d, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(LanguageModel, "save_pretrained", broken)
+        with pytest.raises(OSError, match="was left as it was"):
+            convert(tmp_path / "B_hf", out, force=True)
+    assert _tree(out) == before and [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+    convert(tmp_path / "B_hf", out, force=True)
+    assert torch.allclose(logits(), b(ids).logits, atol=1e-5)
+    assert not (out / "tokenizer.json").exists()  # replaced whole
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [] and _leftovers(out) == []

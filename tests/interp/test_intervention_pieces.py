@@ -310,3 +310,78 @@ def test_indices_are_integers_and_token_ids_in_the_vocabulary():
         logit_difference(2, 1, position=9)(logits)
     hand = (logits[:, -1, 2] - logits[:, -1, 1]).mean()
     assert logit_difference(2, 1)(logits).item() == pytest.approx(hand.item())
+
+
+# ------------------------------------------------------------------ second review (session 33)
+
+
+def test_a_model_run_from_inside_a_hook_leaves_the_calls_span_as_it_was():
+    """A read-only hook that runs another model (with hooks of its own) in the middle of a Titans
+    MAC call: the MAC segments after it still see their own spans, so ``positions=[1]`` zeroes
+    token 1 only (before the fix every later piece saw ``(0, None)`` and tokens 5 and 9 were zeroed
+    too)."""
+    from mnemo.layers.hooks import span
+
+    mac, other = _mac(segment=4), _model("transformer")
+    ids = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(1))
+    seen = []
+
+    def side(v, name):
+        other.run_with_hooks(torch.zeros(1, 3, dtype=torch.long), [("hook_q", lambda v, n: None)])
+
+    def zero_rows(v, name):
+        seen.append((span(), v[0].abs().sum(-1).eq(0).nonzero().flatten().tolist()))
+
+    B = "blocks.0.mixer.hook_mem_out"
+    with torch.no_grad():
+        mac.run_with_hooks(
+            ids, [("blocks.0.mixer.hook_attn_out", side)] + ablate(mac, B, positions=[1]) + [(B, zero_rows)]
+        )
+    assert seen == [((0, 11), [1]), ((4, 11), []), ((8, 11), [])]
+
+
+def test_patching_between_a_task_levels_read_and_the_loss_runs_as_an_intervention():
+    """HOPE's task levels learn from the next-token loss inside the forward: a patched value is a
+    constant, so the signal through it is cut (zero where nothing else flows) instead of raising
+    "not used in the graph". Patching the whole MLP output with the model's own cache gives its
+    logits (every later segment reads the clean MLP outputs anyway); residual patching per layer
+    runs and equals patching each layer by hand."""
+    m = _model("hope_attention")
+    x = torch.randint(0, V, (2, 19), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, V, (2, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        clean, cache = m.run_with_cache(x)
+        out, _ = m.run_with_hooks(x, patch(m, cache, "blocks.0.hook_mlp_out"))
+        torch.testing.assert_close(out, clean, rtol=0, atol=1e-6)
+        metric = next_token_loss(x)
+        res = activation_patching(m, x, y, metric, names="hook_resid_post", per="layer")
+        _, xcache = m.run_with_cache(x, names="hook_resid_post")  # clean x into corrupted y
+        by_hand = metric(m.run_with_hooks(y, patch(m, xcache, "blocks.0.hook_resid_post"))[0])
+    assert torch.allclose(res.values.flatten()[0], by_hand)
+
+
+def test_own_mean_ablation_covers_a_titans_memorys_learned_prefix_as_one_pass():
+    """``titans_lmm``'s memory reads 4 persistent tokens before the call: its values span tokens
+    −4 … T − 1, one pass over the call, not a piece, so ``how="mean"`` without ``means`` takes the
+    mean over the batch and every row, as a hand hook does."""
+    m = _model("titans_lmm")
+    x = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
+    name = "blocks.0.mixer.hook_v"
+    with torch.no_grad():
+        out, _ = m.run_with_hooks(x, ablate(m, name, how="mean"))
+        ref, _ = m.run_with_hooks(x, [(name, lambda v, n: v.mean((0, 1), keepdim=True).expand_as(v).clone())])
+    assert torch.equal(out, ref)
+
+
+def test_a_patch_that_selects_nothing_of_a_piece_leaves_it_alone():
+    """``hope_attention`` with a state from a 3-token call reads a segment again that starts before
+    this call; its key map cannot take the clean map's columns, but ``positions=[10]`` selects
+    nothing there, so the patch leaves that piece alone and a self-patch gives the run's logits."""
+    m = _model("hope_attention")
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        _, st = m(torch.randint(0, V, (2, 3), generator=g))
+        x = torch.randint(0, V, (2, 19), generator=g)
+        clean, cache = m.run_with_cache(x, names=["blocks.0.mixer.hook_pattern"], state=st)
+        out, _ = m.run_with_hooks(x, patch(m, cache, "blocks.0.mixer.hook_pattern", positions=[10]), st)
+    assert torch.equal(out, clean)
