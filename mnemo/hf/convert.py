@@ -553,10 +553,7 @@ def _write_folder(o: Path, write: Callable[[Path], None]) -> None:
             os.rename(tmp, o)
     except BaseException as e:
         if old is not None and inside:
-            for p in list(old.iterdir()):
-                if not (o / p.name).exists():
-                    os.rename(p, o / p.name)
-            shutil.rmtree(old, ignore_errors=True)
+            kept = _restore_inside(o, old, tmp, kept)
         elif old is not None and not o.exists():
             os.rename(old, o)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -572,6 +569,25 @@ def _write_folder(o: Path, write: Callable[[Path], None]) -> None:
                 f"({e}): delete it by hand",
                 stacklevel=3,
             )
+
+
+def _restore_inside(o: Path, old: Path, tmp: Path, kept: str) -> str:
+    """Put back the previous content of ``o`` set aside in ``old`` (inside ``o``) after a failed
+    in-place swap: an entry of the new content still in ``o`` under the same name goes back to
+    ``tmp`` first. ``old`` is removed only once every entry is back; otherwise it stays, and the
+    returned sentence (``kept`` when all went back) says where the previous content is."""
+    for p in list(old.iterdir()):
+        dst = o / p.name
+        try:
+            if dst.exists() or dst.is_symlink():
+                os.rename(dst, tmp / p.name)
+            os.rename(p, dst)
+        except OSError:
+            continue
+    if any(old.iterdir()):
+        return f"its previous content is kept, partly, in {old} (move it back by hand)"
+    old.rmdir()
+    return kept
 
 
 def _move_entries(src: Path, dst: Path) -> None:

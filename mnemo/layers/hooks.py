@@ -127,6 +127,17 @@ def leave_pieces(prev: tuple | None) -> None:
         _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = prev
 
 
+#: replacements hook functions have returned in this process (:func:`replacement_count`)
+_REPLACED = [0]
+
+
+def replacement_count() -> int:
+    """How many replacements hook functions attached with :meth:`HookPoint.add` have returned in this
+    process so far (a counter: compare two readings to learn whether a stretch of a call was
+    intervened on; an edit made in place does not count)."""
+    return _REPLACED[0]
+
+
 def _reset_span() -> None:
     _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = 0, None, False, None
 
@@ -306,6 +317,7 @@ class HookPoint(nn.Module):
             new = fn(output, name)
             if new is not None and new is not output:
                 check_replacement(name, output, new)
+                _REPLACED[0] += 1
             return new
 
         return self.register_forward_hook(hook)

@@ -239,8 +239,10 @@ class SelfModifyingProjections(Mixer):
         while t < T:
             L = min(self.chunk_size - pos % self.chunk_size, T - t)
             piece = enter_piece(t, L, T)  # the hooks' values of this chunk: tokens t … t + L − 1
-            o, r, mem, conv = self._chunk(x[:, t : t + L], P, r, mem, conv, mode)
-            leave_pieces(piece)
+            try:
+                o, r, mem, conv = self._chunk(x[:, t : t + L], P, r, mem, conv, mode)
+            finally:
+                leave_pieces(piece)
             outs.append(o)
             t += L
             pos += L

@@ -267,29 +267,31 @@ class NeuralMemory(Mixer):
         theta, g, eta, delta = self._gates(x)
         # with the prefix, the hooks' rows are the prefix and then the call's tokens 0 … T − 1
         piece = enter_piece(-n_prefix, T + n_prefix, T)
-        q, k, v, theta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_theta(theta)
-        if g is not None:
-            g = self.hook_g(g)
-        if eta is not None:
-            eta = self.hook_eta(eta)
-        if delta is not None:
-            delta = self.hook_delta(delta)
-        mem = (state if state is not None else self.initial_state(B)).memory_state()
-        o, mem = neural_memory(
-            self.spec,
-            q,
-            k,
-            v,
-            theta,
-            g=g,
-            eta=eta,
-            delta=delta,
-            initial_state=mem,
-            output_final_state=True,
-            mode=self._mode(x.shape[1], mode),
-        )
-        o = self.hook_o(o)
-        leave_pieces(piece)
+        try:
+            q, k, v, theta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_theta(theta)
+            if g is not None:
+                g = self.hook_g(g)
+            if eta is not None:
+                eta = self.hook_eta(eta)
+            if delta is not None:
+                delta = self.hook_delta(delta)
+            mem = (state if state is not None else self.initial_state(B)).memory_state()
+            o, mem = neural_memory(
+                self.spec,
+                q,
+                k,
+                v,
+                theta,
+                g=g,
+                eta=eta,
+                delta=delta,
+                initial_state=mem,
+                output_final_state=True,
+                mode=self._mode(x.shape[1], mode),
+            )
+            o = self.hook_o(o)
+        finally:
+            leave_pieces(piece)
         y = self.read_out(o, gate)[:, n_prefix:]
         new = NeuralMemoryState.from_memory_state(mem, conv=conv_state, offset=offset + T)
         return y, self.hook_state(new)

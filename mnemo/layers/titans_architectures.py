@@ -450,16 +450,18 @@ class TitansMAC(Mixer):
             L = min(self.segment - pos % self.segment, T - t)
             xs = x[:, t : t + L]
             piece = enter_piece(t, L, T)  # the hooks' values of this segment: tokens t … t + L − 1
-            h, read_conv = self.read_before(xs, mem_state, read_conv)
-            h = self.hook_mem_read(h)
-            y, att_cache, extra_cache = self.attn(
-                xs, att_cache, pos % self.segment, extra=h, extra_cache=extra_cache
-            )
-            y = self.hook_attn_out(y)
-            m, mem_state = self.memory(y, mem_state, mode=mode)
-            m = self.hook_mem_out(m)
-            outs.append(self.o_proj(y * self.hook_gate(torch.sigmoid(m))))
-            leave_pieces(piece)
+            try:
+                h, read_conv = self.read_before(xs, mem_state, read_conv)
+                h = self.hook_mem_read(h)
+                y, att_cache, extra_cache = self.attn(
+                    xs, att_cache, pos % self.segment, extra=h, extra_cache=extra_cache
+                )
+                y = self.hook_attn_out(y)
+                m, mem_state = self.memory(y, mem_state, mode=mode)
+                m = self.hook_mem_out(m)
+                outs.append(self.o_proj(y * self.hook_gate(torch.sigmoid(m))))
+            finally:
+                leave_pieces(piece)
             t += L
             pos += L
         new = TitansMACState(

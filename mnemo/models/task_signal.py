@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.cms import CMSLevel, CMSState, ContinuumMemory
-from ..layers.hooks import kept_span, set_span
+from ..layers.hooks import kept_span, replacement_count, set_span
 from ..layers.state import detach as detach_state
 from ..layers.state import state_dataclass
 
@@ -144,15 +144,16 @@ def _outer(model) -> bool:
     return torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
 
 
-def _take_in(model, where, levels, captures, loss, state, outer) -> list:
+def _take_in(model, where, levels, captures, loss, state, outer, intervened: bool = False) -> list:
     """Back-propagate the segment's ``loss`` to every task level's reads (``captures``: per level,
     ``(x, y, (z, a))`` of the read) and let each level absorb its signal into ``state``.
 
-    A hook that replaces a value between a level's read and the loss (an intervention:
-    :mod:`mnemo.interp`) cuts the loss's dependence on the read through that value — the
-    replacement is a constant — so the level's signal is what flows around it, zero where nothing
-    does (as the intervention ``do(value = replacement)`` implies). Without hooks a read the loss
-    does not depend on is a defect of the model and raises ``RuntimeError``."""
+    ``intervened``: a hook returned a replacement while the segment was read
+    (:func:`~mnemo.layers.hooks.replacement_count`). A replacement between a level's read and the
+    loss (an intervention: :mod:`mnemo.interp`) cuts the loss's dependence on the read through that
+    value — the replacement is a constant — so the level's signal is what flows around it, zero
+    where nothing does (as the intervention ``do(value = replacement)`` implies). Otherwise a read
+    the loss does not depend on is a defect and raises ``RuntimeError``."""
     ys = [c[1] for c in captures]
     deltas = (
         torch.autograd.grad(loss, ys, retain_graph=outer, allow_unused=True)
@@ -160,9 +161,13 @@ def _take_in(model, where, levels, captures, loss, state, outer) -> list:
         else (None,) * len(ys)
     )
     if any(d is None for d in deltas):
-        if not any(p._forward_hooks for p in model.hook_points.values()):
+        if not intervened:
             cut = [f"blocks.{i}.mlp.levels.{j}" for (i, j), d in zip(where, deltas) if d is None]
-            raise RuntimeError(f"the segment's next-token loss does not depend on the reads of {cut}")
+            raise RuntimeError(
+                f"the segment's next-token loss does not depend on the reads of {cut} (no hook replaced "
+                "a value on the way; a hook that runs this same model again inside its own call mixes "
+                "the two calls' reads: run a copy of the model there)"
+            )
         deltas = [torch.zeros_like(y) if d is None else d for d, y in zip(deltas, ys)]
     for (i, j), lv, (x, _, read), delta in zip(where, levels, captures, deltas):
         level_states = list(state[i].mlp.levels)
@@ -214,11 +219,13 @@ def _absorb(
     where = _task_levels(model)
     levels = [model.blocks[i].mlp.levels[j] for i, j in where]
     _piece(*at, again=True)
+    replaced = replacement_count()
     with torch.enable_grad():
         with _Recording(levels) as rec:
             logits, _ = model._forward(ids[:, :-1], pending.start, mode, allow_checkpoint=False)
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-    return _take_in(model, where, levels, [c[0] for c in rec.captures], loss, state, outer)
+    captures = [c[0] for c in rec.captures]
+    return _take_in(model, where, levels, captures, loss, state, outer, replacement_count() > replaced)
 
 
 def _settle(model, state: list | None) -> list | None:
@@ -277,11 +284,13 @@ def _read_with_signal(model, ids: torch.Tensor, state: list, mode, outer: bool, 
     where = _task_levels(model)
     levels = [model.blocks[i].mlp.levels[j] for i, j in where]
     _piece(*at)
+    replaced = replacement_count()
     with torch.enable_grad(), _Recording(levels) as rec:
         logits, state = model._forward(ids[:, :-1], state, mode, allow_checkpoint=False)
     with torch.enable_grad():
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-    state = _take_in(model, where, levels, [c[0] for c in rec.captures], loss, state, outer)
+    captures = [c[0] for c in rec.captures]
+    state = _take_in(model, where, levels, captures, loss, state, outer, replacement_count() > replaced)
     if not outer:  # the graph served the signal only
         logits, state = logits.detach(), detach_state(state)
     return logits, state

@@ -220,3 +220,39 @@ def test_a_mount_point_out_is_written_and_replaced_in_place(tmp_path, monkeypatc
     assert torch.allclose(logits(), b(ids).logits, atol=1e-5)
     assert not (out / "tokenizer.json").exists()  # replaced whole
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [] and _leftovers(out) == []
+
+
+def test_a_failed_rollback_on_a_mount_point_keeps_the_old_content(tmp_path, monkeypatch):
+    """A forced replace of a checkpoint on a mount point where the new ``config.json``'s move fails
+    and then the first rename of the rollback fails too: the old content goes back whole (a new
+    entry of the same name is moved out of its way), nothing is deleted that did not go back."""
+    import errno
+    import os
+
+    import mnemo.hf.convert as hc
+
+    out = tmp_path / "vol"
+    out.mkdir()
+    real_rename, real_ismount = os.rename, os.path.ismount
+    monkeypatch.setattr(hc.os.path, "ismount", lambda p: os.path.abspath(p) == str(out) or real_ismount(p))
+    _mamba2(tmp_path / "A_hf", 0)
+    _mamba2(tmp_path / "B_hf", 1)
+    convert(tmp_path / "A_hf", out)
+    before = _tree(out)
+    failed = []
+
+    def rename(a, b):
+        a, b = os.fspath(a), os.fspath(b)
+        if not failed and os.path.basename(b) == "config.json" and os.path.dirname(b) == str(out):
+            failed.append("config")
+            raise OSError(errno.EIO, "injected", a)
+        if failed == ["config"] and os.path.dirname(a) == str(out) and ".mnemo.partial" in b:
+            failed.append("rollback")
+            raise OSError(errno.EIO, "injected in the rollback", a)
+        return real_rename(a, b)
+
+    monkeypatch.setattr(hc.os, "rename", rename)
+    with pytest.raises(OSError, match="was left as it was"):
+        convert(tmp_path / "B_hf", out, force=True)
+    assert failed == ["config", "rollback"]
+    assert _tree(out) == before and [p.name for p in out.iterdir() if p.name.startswith(".")] == []

@@ -385,3 +385,53 @@ def test_a_patch_that_selects_nothing_of_a_piece_leaves_it_alone():
         clean, cache = m.run_with_cache(x, names=["blocks.0.mixer.hook_pattern"], state=st)
         out, _ = m.run_with_hooks(x, patch(m, cache, "blocks.0.mixer.hook_pattern", positions=[10]), st)
     assert torch.equal(out, clean)
+
+
+def test_a_read_only_hook_does_not_hide_a_level_cut_off_from_the_loss():
+    """The zero-signal rule for a cut read applies only where a hook returned a replacement: a
+    level whose read the loss does not depend on (a defect, simulated by a plain torch hook that
+    detaches the level's output) raises with and without read-only hooks (``run_with_cache``)."""
+    from mnemo.models.task_signal import _task_levels
+
+    m = _model("hope_attention")
+    i, j = _task_levels(m)[0]
+    m.blocks[i].mlp.levels[j].register_forward_hook(lambda mod, inp, out: (out[0].detach(), out[1]))
+    x = torch.randint(0, V, (2, 19), generator=torch.Generator().manual_seed(1))
+    for run in (lambda: m(x), lambda: m.run_with_cache(x, names="hook_embed")):
+        with torch.no_grad(), pytest.raises(RuntimeError, match=f"levels.{j}'.*no hook replaced"):
+            run()
+
+
+def test_a_call_interrupted_inside_a_segment_leaves_no_span_behind():
+    """An exception in the second MAC segment (from a hook added with ``HookPoint.add``) leaves the
+    span at one pass, so a later hook on another model reads positions as that call's tokens."""
+    from mnemo.layers.hooks import span
+
+    mac, gpt = _mac(segment=4), _model("transformer")
+    x = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def boom(v, name):
+        calls.append(span())
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    handle = mac.hook_points["blocks.0.mixer.hook_mem_out"].add(boom)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        mac(x)
+    handle.remove()
+    assert calls == [(0, 11), (4, 11)] and span() == (0, None)
+    name = "blocks.0.hook_resid_post"
+    ((_, fn),) = ablate(gpt, name, positions=[1])
+    seen = {}
+    handles = [
+        gpt.hook_points[name].add(fn),
+        gpt.hook_points[name].add(
+            lambda v, n: seen.update(rows=v[0].abs().sum(-1).eq(0).nonzero().flatten())
+        ),
+    ]
+    with torch.no_grad():
+        gpt(x)
+    for h in handles:
+        h.remove()
+    assert seen["rows"].tolist() == [1]
