@@ -104,3 +104,17 @@ def spy_native_calls(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(_native, "call", spy)
     return names
+
+
+def tiny_titans_mac(vocab_size: int, segment: int = 4, seed: int = 0, **options):
+    """A one-layer ``titans_mac`` of ``d_model`` 16 with 2 heads and MAC segments of ``segment``
+    tokens (seeded; ``options``: more ``build_config`` overrides, e.g. task-signal CMS levels), in
+    eval mode: what the tests of a call read in pieces use."""
+    from mnemo.models import LanguageModel, build_config
+
+    torch.manual_seed(seed)
+    mixer = {"titans_mac": {"n_heads": 2, "segment": segment}}
+    cfg = build_config(
+        "titans_mac", vocab_size=vocab_size, d_model=16, n_layers=1, mixer_options=mixer, **options
+    )
+    return LanguageModel(cfg).eval()

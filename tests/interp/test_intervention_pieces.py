@@ -22,6 +22,7 @@ from mnemo.interp.interventions import (
     steer,
 )
 from mnemo.models import LanguageModel, build_config
+from tests.helpers import tiny_titans_mac
 
 V = 17
 
@@ -32,15 +33,7 @@ def _model(name, n_layers=1, **kw):
 
 
 def _mac(segment=4):
-    torch.manual_seed(0)
-    cfg = build_config(
-        "titans_mac",
-        vocab_size=V,
-        d_model=16,
-        n_layers=1,
-        mixer_options={"titans_mac": {"n_heads": 2, "segment": segment}},
-    )
-    return LanguageModel(cfg).eval()
+    return tiny_titans_mac(V, segment)
 
 
 def _keep(store: dict, suffix: str = ""):

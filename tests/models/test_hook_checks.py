@@ -12,6 +12,7 @@ import torch
 from mnemo.interp import ablate_head, steer
 from mnemo.layers.hooks import HookPoint
 from mnemo.models import LanguageModel, build_config
+from tests.helpers import tiny_titans_mac
 
 V = 17
 
@@ -210,15 +211,7 @@ def test_run_with_cache_joins_titans_mac_segments_into_the_memorys_one_call():
     hook over the whole call, and the memory's hooks joined over the segments are those of the
     memory run once over the joined attention outputs (its chunks are the segments) — so its map
     covers the call."""
-    torch.manual_seed(0)
-    cfg = build_config(
-        "titans_mac",
-        vocab_size=V,
-        d_model=16,
-        n_layers=1,
-        mixer_options={"titans_mac": {"n_heads": 2, "segment": 4}},
-    )
-    m = LanguageModel(cfg).double().eval()
+    m = tiny_titans_mac(V).double()
     mixer = m.blocks[0].mixer
     mixer.memory.attribution_steps = 2
     ids = _ids(T=11)
@@ -242,17 +235,7 @@ def test_the_mac_memory_within_task_segments_is_placed_in_the_call():
     """MAC segments of 4 inside task segments of 8 (21 tokens): each memory firing is placed in the
     call (the MAC segment's offset within the task segment's), so the memory hooks are joined over
     the call and equal the mixer's own one pass over the block's recorded input."""
-    torch.manual_seed(0)
-    cfg = build_config(
-        "titans_mac",
-        vocab_size=V,
-        d_model=16,
-        n_layers=1,
-        mlp="cms",
-        mlp_options={"levels": [{"period": 8, "objective": "task"}]},
-        mixer_options={"titans_mac": {"n_heads": 2, "segment": 4}},
-    )
-    m = LanguageModel(cfg).eval()
+    m = tiny_titans_mac(V, mlp="cms", mlp_options={"levels": [{"period": 8, "objective": "task"}]})
     assert m.task_segment == 8
     with torch.no_grad():
         _, cache = m.run_with_cache(_ids(21), names=["mixer.memory.hook_k", "blocks.0.hook_resid_pre"])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from mnemo.layers.cms import ContinuumMemory, Level
 from mnemo.models import LanguageModel, build_config
-from tests.helpers import assert_close
+from tests.helpers import assert_close, tiny_titans_mac
 
 V, D = 23, 16
 
@@ -384,18 +384,9 @@ def test_run_with_cache_joins_a_hook_fired_per_mixer_segment_within_task_segment
     (the same keys and shapes)."""
     shapes = {}
     for objective in ("task", "reconstruction"):
-        torch.manual_seed(0)
-        cfg = build_config(
-            "titans_mac",
-            vocab_size=V,
-            d_model=16,
-            n_layers=1,
-            mlp="cms",
-            mlp_options={"levels": [{"period": 8, "objective": objective}]},
-            mixer_options={"titans_mac": {"n_heads": 2, "segment": 4}},
-        )
+        levels = {"levels": [{"period": 8, "objective": objective}]}
         with torch.no_grad():
-            _, cache = LanguageModel(cfg).eval().run_with_cache(_ids(21))
+            _, cache = tiny_titans_mac(V, mlp="cms", mlp_options=levels).run_with_cache(_ids(21))
         shapes[objective] = {k: v.shape for k, v in cache.items() if isinstance(v, torch.Tensor)}
     task, recon = shapes["task"], shapes["reconstruction"]
     assert all(task[k] == recon[k] for k in task), {
