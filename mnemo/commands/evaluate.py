@@ -214,7 +214,8 @@ def _cmd_eval_text(
     from ..data import load_corpus
     from ..data.corpus import inherited_text_field
     from ..data.text import VAL_FRACTION
-    from ..train.batches import bos_id, with_bos
+    from ..hf.special_ids import checkpoint_bos
+    from ..train.batches import with_bos
     from ..train.trainer import packed_logits
 
     data = args.data or tcfg.get("data", "tinyshakespeare")
@@ -265,7 +266,9 @@ def _cmd_eval_text(
             f"{share:.1%} of the characters of {data!r} are outside the tokenizer's vocabulary and are "
             "read as <unk>: the loss is not comparable to the training log's"
         )
-    bos = bos_id(tok, tcfg.get("bos"))  # the run's fixed first token, as training measured it
+    # a run's fixed first token, as training measured it; for a checkpoint no mnemo run made, the
+    # BOS its tokenizer puts before a text (each window then reads like a text of its own)
+    bos = checkpoint_bos(ckpt, tok)
     model.eval()
     total, count, sequences = 0.0, 0, 0
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
@@ -313,6 +316,7 @@ def _cmd_eval_text(
         "bpc": val_loss * tokens_per_char / math.log(2),
         # True: the measurement the training log's val_loss makes (same windows and precision)
         "as_in_training": same,
+        "bos_id": bos,  # the id put first in each window (None: the windows are read as they are)
         **(extra or {}),
     }
     print(json.dumps(result))
@@ -335,69 +339,16 @@ def _check_generate_memory(model, length: int, device: str) -> None:
         )
 
 
-def _run_bos(ckpt, tok) -> int | None:
-    """The token read before the prompt: a training run's ``TrainConfig.bos`` (its windows' fixed
-    first token) or ``None`` when it had none; for a checkpoint that no mnemo training run made (a
-    converted one, a ``transformers`` folder), the BOS its tokenizer's own post-processor puts
-    before a text (:meth:`~mnemo.data.tokenizer.HFTokenizer.special_prefix`), as ``transformers``'
-    ``tokenizer(prompt)`` does, else ``None``. A post-processor that puts more than one token first
-    is said on stderr and not followed."""
-    from ..train.batches import bos_id
-    from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
-
-    path = ckpt / TRAIN_CONFIG_NAME
-    if path.is_file():
-        return bos_id(tok, load_json(path).get("bos"))
-    prefix = tok.special_prefix() if hasattr(tok, "special_prefix") else []
-    if len(prefix) > 1:
-        print(
-            f"warning: the tokenizer puts {len(prefix)} special tokens {prefix} before a text; the "
-            "prompt is read without them",
-            file=sys.stderr,
-        )
-    return prefix[0] if len(prefix) == 1 else None
-
-
-def _checkpoint_eos(ckpt) -> int | list[int] | None:
-    """The end-of-text id(s) a checkpoint that no mnemo training run made declares, as
-    ``transformers`` reads them: ``generation_config.json``'s ``eos_token_id`` where that file
-    exists (none there: none at all), else the one :func:`mnemo.hf.convert.convert` kept from the
-    source (``hf_config_carried.json``), else a ``transformers`` ``config.json``'s own; ``None`` for
-    a mnemo run or a checkpoint without one (generation then runs ``--max-new-tokens`` steps)."""
-    from ..hf.convert import CARRIED_CONFIG_NAME, MNEMO_MODEL_TYPE
-    from ..train.checkpoint import TRAIN_CONFIG_NAME
-
-    if (ckpt / TRAIN_CONFIG_NAME).is_file():
-        return None
-
-    def read(name: str) -> dict:
-        path = ckpt / name
-        try:
-            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--checkpoint: {path} is not a readable JSON file ({e})") from None
-        return data if isinstance(data, dict) else {}
-
-    if (ckpt / "generation_config.json").is_file():  # transformers reads the ids from it alone then
-        fields = read("generation_config.json")
-    else:
-        config = read("config.json")
-        fields = read(CARRIED_CONFIG_NAME).get("fields") or (
-            config if config.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {}
-        )
-    eos = fields.get("eos_token_id")
-    return None if eos == [] else eos
-
-
 def _cmd_generate(args) -> int:
     _SAID.clear()  # (once per command, not per process: tests call main() again)
+    from ..hf.special_ids import checkpoint_bos, checkpoint_eos
     from ..train import generate_text
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     ckpt, model, tok = _load(args.checkpoint, args.device)
-    bos = _run_bos(ckpt, tok)
-    eos = None if args.ignore_eos else _checkpoint_eos(ckpt)
+    bos = checkpoint_bos(ckpt, tok)
+    eos = None if args.ignore_eos else checkpoint_eos(ckpt)
     _check_generate_memory(model, len(tok.encode(args.prompt or "\n")) + args.max_new_tokens, args.device)
     unknown = sorted(set(args.prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
     if unknown:

@@ -61,7 +61,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-args",
         default="",
         help="more options of the mnemo lm-eval model as key=value,...: max_length, rolling "
-        "(state|window), prefix_token_id, max_gen_toks, dtype (see mnemo.hf.harness)",
+        "(state|window), prefix_token_id, add_bos_token (true|false), max_gen_toks, dtype "
+        "(see mnemo.hf.harness)",
     )
     p.add_argument(
         "--out",
@@ -125,7 +126,7 @@ def _task_manager(tasks: list[str], include_path: str | None):
 
 
 #: the options of the mnemo lm-eval model that --model-args may set (the checkpoint is --checkpoint)
-MODEL_ARGS = ("max_length", "rolling", "prefix_token_id", "max_gen_toks", "dtype")
+MODEL_ARGS = ("max_length", "rolling", "prefix_token_id", "add_bos_token", "max_gen_toks", "dtype")
 
 
 def parse_model_args(text: str) -> dict[str, str]:

@@ -29,15 +29,21 @@ checkpoint's own tokenizer (:func:`mnemo.data.load_tokenizer`), scoring runs on 
   decoded text (the output is cut before it), an end-of-text token (when the tokenizer has one), or
   ``max_gen_toks`` tokens. Requests with equal prompt length and options are batched.
 
-**The first token.** mnemo's char/byte tokenizers have no begin-of-text token. The first token of
-a document (and of a continuation with an empty context) is conditioned on ``prefix_token_id``
-when one is known — the model argument, else the tokenizer's ``bos_token_id`` or
-``eos_token_id`` — and otherwise is not scored (its log-probability counts as 0).
+**The first token.** The first token of a document (and of a continuation with an empty context)
+is conditioned on ``prefix_token_id`` when one is known, as lm-eval's Hugging Face model does:
+the model argument, else the checkpoint's BOS (:func:`mnemo.hf.special_ids.checkpoint_bos`: a
+training run's ``TrainConfig.bos``, or the BOS a converted checkpoint's tokenizer puts before a
+text), else its end-of-text id (:func:`~mnemo.hf.special_ids.checkpoint_eos`, else the
+tokenizer's ``eot_id``); with none (mnemo's char/byte tokenizers without ``--bos``) it is not
+scored (its log-probability counts as 0). ``add_bos_token`` (default: on exactly when the
+checkpoint has a BOS) puts ``prefix_token_id`` before every context too — a run trained with
+``--bos`` saw it first in every window, and lm-eval encodes with the tokenizer's own BOS by
+default. Generation stops at any of the checkpoint's end-of-text ids and the tokenizer's.
 
 Model arguments (``--model-args``-style ``key=value``): ``checkpoint`` (or ``pretrained``; a
 checkpoint or run directory), ``device`` (``cpu``), ``batch_size`` (int; ``auto`` = 16),
-``max_length``, ``rolling``, ``prefix_token_id``, ``max_gen_toks`` (256), ``dtype``
-(``float32`` / ``bfloat16`` / ``float16``).
+``max_length``, ``rolling``, ``prefix_token_id``, ``add_bos_token`` (``true`` / ``false``),
+``max_gen_toks`` (256), ``dtype`` (``float32`` / ``bfloat16`` / ``float16``).
 """
 
 from __future__ import annotations
@@ -73,6 +79,37 @@ def _int_or_none(name: str, value) -> int | None:
     return v
 
 
+def _bool_or_none(name: str, value) -> bool | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{name}: expected true or false, got {value!r}")
+
+
+def _special_ids(ckpt: Path | None, tokenizer) -> tuple[int | None, list[int]]:
+    """The checkpoint's BOS (``None``: none) and its end-of-text ids (the ones it declares, then the
+    tokenizer's ``eot_id``), for a model given in memory (``ckpt`` ``None``) the tokenizer's alone."""
+    from .special_ids import checkpoint_bos, checkpoint_eos
+
+    if ckpt is not None:
+        bos = checkpoint_bos(ckpt, tokenizer, warn=log.warning)
+        eos = checkpoint_eos(ckpt)
+    else:
+        prefix = tokenizer.special_prefix() if hasattr(tokenizer, "special_prefix") else []
+        bos, eos = (prefix[0] if len(prefix) == 1 else None), None
+    stop = [] if eos is None else ([eos] if isinstance(eos, int) else [int(i) for i in eos])
+    eot = getattr(tokenizer, "eot_id", None)
+    if eot is not None and eot not in stop:
+        stop.append(eot)
+    return bos, stop
+
+
 @register_model("mnemo")
 class MnemoLM(LM):
     """A mnemo checkpoint as an lm-eval ``LM`` (see the module docstring for what each request
@@ -89,6 +126,7 @@ class MnemoLM(LM):
         max_length: int | None = None,
         rolling: str | None = None,
         prefix_token_id: int | None = None,
+        add_bos_token: bool | str | None = None,
         max_gen_toks: int = 256,
         dtype: str | None = None,
         model: LanguageModel | None = None,
@@ -102,12 +140,13 @@ class MnemoLM(LM):
         check_device(device)
         self._device = torch.device(device)
         path = checkpoint if checkpoint is not None else pretrained
+        ckpt = None
         if model is None:
             if path is None:
                 raise ValueError("checkpoint: required (model_args='checkpoint=DIR')")
             from ..train import resolve_checkpoint
 
-            ckpt = resolve_checkpoint(str(path), warn=log.warning)
+            ckpt = resolve_checkpoint(str(path), warn=log.warning)  # (read below for its special ids)
             model = LanguageModel.from_pretrained(ckpt, map_location=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt)
         elif tokenizer is None:
@@ -141,18 +180,25 @@ class MnemoLM(LM):
         if self.rolling == "state" and learned:
             raise ValueError("rolling: 'state' needs a model without learned positions (use 'window')")
         self.truncate = learned  # only learned positions bound the context
+        bos, stop = _special_ids(ckpt, tokenizer)
         pid = _int_or_none("prefix_token_id", prefix_token_id)
         if pid is None:
-            for attr in ("bos_token_id", "eos_token_id"):
-                pid = getattr(tokenizer, attr, None)
-                if pid is not None:
-                    break
+            pid = bos if bos is not None else (stop[0] if stop else None)
         if pid is not None and not 0 <= pid < cfg.vocab_size:
             raise ValueError(
                 f"prefix_token_id: expected an id in 0 … {cfg.vocab_size - 1} (the vocabulary), got {pid}"
             )
         self.prefix_token_id = pid
-        self.eot_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.add_bos_token = _bool_or_none("add_bos_token", add_bos_token)
+        if self.add_bos_token is None:
+            self.add_bos_token = bos is not None
+        if self.add_bos_token and pid is None:
+            raise ValueError(
+                "add_bos_token: this checkpoint declares no BOS and its tokenizer no end-of-text id; give "
+                "prefix_token_id=ID"
+            )
+        self.stop_token_ids = [i for i in stop if 0 <= i < cfg.vocab_size]
+        self.eot_token_id = self.stop_token_ids[0] if self.stop_token_ids else None
         self.max_gen_toks = _int_or_none("max_gen_toks", max_gen_toks)
         if self.max_gen_toks is None or self.max_gen_toks < 1:
             raise ValueError(f"max_gen_toks: expected a positive int, got {max_gen_toks!r}")
@@ -173,6 +219,12 @@ class MnemoLM(LM):
     def tok_decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def _with_prefix(self, ctx: list[int]) -> list[int]:
+        """``ctx`` with ``prefix_token_id`` first when the context is empty or ``add_bos_token``."""
+        if self.prefix_token_id is not None and (self.add_bos_token or not ctx):
+            return [self.prefix_token_id] + ctx
+        return ctx
+
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         n = len(context) - len(context.rstrip())
         if n > 0:
@@ -189,8 +241,7 @@ class MnemoLM(LM):
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
         items = []
         for i, (ctx, cont) in enumerate(pairs):
-            if not ctx and self.prefix_token_id is not None:
-                ctx = [self.prefix_token_id]
+            ctx = self._with_prefix(ctx)
             whole = ctx + cont
             n_scored = len(cont) if ctx else len(cont) - 1  # no context: the first token is not scored
             if n_scored <= 0:
@@ -272,7 +323,7 @@ class MnemoLM(LM):
                 if done[r]:
                     continue
                 t = int(nxt[r])
-                if self.eot_token_id is not None and t == self.eot_token_id:
+                if t in self.stop_token_ids:
                     done[r] = True
                     continue
                 gen[r].append(t)
@@ -303,9 +354,7 @@ class MnemoLM(LM):
             temperature = float(kw.pop("temperature", 0.0) or 0.0) if do_sample else 0.0
             if kw:
                 log.warning("mnemo: generate_until ignores %s", sorted(kw))
-            ctx = self.tok_encode(context)
-            if self.prefix_token_id is not None and not ctx:
-                ctx = [self.prefix_token_id]
+            ctx = self._with_prefix(self.tok_encode(context))
             if not ctx:
                 raise ValueError("generate_until: an empty context needs a prefix_token_id to start from")
             if self.truncate:

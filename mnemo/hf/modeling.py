@@ -54,12 +54,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    GenerationMixin,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.state import select_rows
 from ..models.config import MODEL_TYPE, ModelConfig
 from ..models.lm import CONFIG_NAME, LanguageModel
+
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 __all__ = ["MnemoCache", "MnemoConfig", "MnemoForCausalLM", "register"]
 
@@ -296,6 +305,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         (CUDA when available). Hub options (``revision``, ``cache_dir``, ``local_files_only``,
         ``token``, ``subfolder``) apply to a repository id; other ``transformers`` loading options
         are ignored; remaining keyword arguments set attributes of the config (``use_cache=False``).
+        A ``generation_config.json`` in the folder (a converted checkpoint carries its source's)
+        becomes ``generation_config`` (end-of-text ids, default lengths), as ``transformers``
+        loads it for its own models.
         """
         if model_args:
             raise TypeError("MnemoForCausalLM.from_pretrained takes no positional model arguments")
@@ -325,6 +337,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             setattr(config, k, v)
         config.name_or_path = str(pretrained_model_name_or_path)
         model = cls(config, model=lm)
+        if (path / GENERATION_CONFIG_NAME).is_file():  # as transformers' own loader reads it
+            model.generation_config = GenerationConfig.from_pretrained(path)
         dtype = dtype if dtype is not None else torch_dtype
         if dtype is not None and dtype != "auto":
             model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
@@ -339,10 +353,23 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """Write mnemo's checkpoint format (``config.json`` + ``model.safetensors``), which
-        :meth:`from_pretrained`, ``AutoModelForCausalLM`` and mnemo itself load."""
+        :meth:`from_pretrained`, ``AutoModelForCausalLM`` and mnemo itself load, and
+        ``generation_config.json`` where ``generation_config`` says more than the model config."""
         if kwargs.get("push_to_hub"):
             raise NotImplementedError("MnemoForCausalLM.save_pretrained: push_to_hub is not supported")
         self.model.save_pretrained(save_directory)
+        if self._generation_config_is_set():  # written only where it says more than the config
+            self.generation_config.save_pretrained(save_directory)
+
+    def _generation_config_is_set(self) -> bool:
+        """Whether ``generation_config`` differs from the one ``transformers`` derives from the
+        model config (a loaded ``generation_config.json``, or one the user changed)."""
+        skip = {"transformers_version", "_from_model_config"}
+
+        def fields(g: GenerationConfig) -> dict:
+            return {k: v for k, v in g.to_diff_dict().items() if k not in skip}
+
+        return fields(self.generation_config) != fields(GenerationConfig.from_model_config(self.config))
 
 
 def register() -> None:

@@ -156,25 +156,25 @@ def test_the_end_id_is_read_where_transformers_reads_it(tmp_path):
     config or a training run."""
     import json
 
-    from mnemo.commands.evaluate import _checkpoint_eos
+    from mnemo.hf.special_ids import checkpoint_eos
 
     def write(name, data):
         (tmp_path / name).write_text(json.dumps(data))
 
     write("config.json", {"model_type": "mamba2", "eos_token_id": 5})
-    assert _checkpoint_eos(tmp_path) == 5
+    assert checkpoint_eos(tmp_path) == 5
     write(
         "hf_config_carried.json", {"source_architecture": "Mamba2ForCausalLM", "fields": {"eos_token_id": 7}}
     )
-    assert _checkpoint_eos(tmp_path) == 7
+    assert checkpoint_eos(tmp_path) == 7
     write("generation_config.json", {"eos_token_id": [3, 4]})
-    assert _checkpoint_eos(tmp_path) == [3, 4]
+    assert checkpoint_eos(tmp_path) == [3, 4]
     write("generation_config.json", {"_from_model_config": True})
-    assert _checkpoint_eos(tmp_path) is None
+    assert checkpoint_eos(tmp_path) is None
     (tmp_path / "generation_config.json").unlink()
     (tmp_path / "hf_config_carried.json").unlink()
     write("config.json", {"model_type": "mnemo", "eos_token_id": 5})
-    assert _checkpoint_eos(tmp_path) is None
+    assert checkpoint_eos(tmp_path) is None
     write("config.json", {"model_type": "mamba2", "eos_token_id": 5})
     write("train_config.json", {})
-    assert _checkpoint_eos(tmp_path) is None
+    assert checkpoint_eos(tmp_path) is None

@@ -195,3 +195,33 @@ def test_checkpoint_written_by_mnemo_train(tmp_path):
     got = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, lm.generate(ids, 8, temperature=0))
     assert tok.decode(got[0]).startswith("KING:")
+
+
+def test_generation_config_json_is_loaded_used_and_saved(tmp_path):
+    """A folder's ``generation_config.json`` (a converted checkpoint carries its source's) becomes
+    the model's ``generation_config``, so ``generate`` stops at its end id and runs its default
+    length, as ``transformers`` does for its own models; saving writes it back, and a model whose
+    generation config says nothing more than its config writes none."""
+    from transformers import GenerationConfig
+
+    lm = _tiny("gla")
+    src = tmp_path / "src"
+    lm.save_pretrained(src)
+    plain = AutoModelForCausalLM.from_pretrained(src)
+    ids = torch.tensor([[3, 7, 11]])
+    free = plain.generate(ids, max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert len(free) == 8
+    end = free[3]
+    cut = free.index(end)
+    GenerationConfig(eos_token_id=end, max_new_tokens=6, pad_token_id=0).save_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    assert model.generation_config.eos_token_id == end and model.generation_config.max_new_tokens == 6
+    assert model.generate(ids, do_sample=False)[0, 3:].tolist() == free[: cut + 1]  # stops at the end id
+    GenerationConfig(max_new_tokens=5).save_pretrained(tmp_path / "src")
+    assert AutoModelForCausalLM.from_pretrained(src).generate(ids, do_sample=False).shape == (1, 3 + 5)
+    GenerationConfig(eos_token_id=end, max_new_tokens=6, pad_token_id=0).save_pretrained(src)
+    model.save_pretrained(tmp_path / "copy")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+    assert again.generation_config.eos_token_id == end and again.generation_config.max_new_tokens == 6
+    plain.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "generation_config.json").exists()
