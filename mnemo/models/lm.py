@@ -252,7 +252,9 @@ class LanguageModel(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights, zero biases, residual outputs scaled by ``1/sqrt(2 L)``.
 
-        Mixers and MLPs may define ``_init_special()`` for parameters with their own init (gates, A_log…).
+        Mixers and MLPs may define ``_init_special()`` for parameters with their own init (gates, A_log…);
+        so may a module nested in a mixer or MLP without one (the memory inside Titans MAC / MAG /
+        MAL): each is called once, the outermost first (a module that has one inits its own parts).
         """
         std = self.config.init_std
         for module in self.modules():
@@ -267,10 +269,8 @@ class LanguageModel(nn.Module):
             for proj in (getattr(block.mixer, "o_proj", None), getattr(block.mlp, "w_out", None)):
                 if isinstance(proj, nn.Linear):
                     nn.init.normal_(proj.weight, std=out_std)
-            for part in (block.mixer, block.mlp):
-                special = getattr(part, "_init_special", None)
-                if special is not None:
-                    special()
+            for part in _special_init_parts(block):
+                part._init_special()
             if isinstance(block.mlp, MoE):  # stacked expert weights: inputs std, outputs out_std
                 block.mlp.init_weights(std, out_std)
 
@@ -984,6 +984,24 @@ def _caller_level() -> int:
         if level >= 1 and not info.filename.startswith(skip):
             return level
     return 2
+
+
+def _special_init_parts(block: nn.Module) -> list[nn.Module]:
+    """The modules of ``block`` whose ``_init_special`` :meth:`LanguageModel.reset_parameters`
+    calls: each outermost module that defines one (its own parts are its business), in order."""
+    parts: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if hasattr(module, "_init_special"):
+            parts.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    for part in (block.mixer, block.mlp):
+        if part is not None:  # (a block without an MLP)
+            visit(part)
+    return parts
 
 
 def _eos_ids(eos_token_id, vocab_size: int) -> torch.Tensor | None:

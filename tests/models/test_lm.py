@@ -139,3 +139,22 @@ def test_generate_validates_max_new_tokens():
         with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 0"):
             m.generate(ids, bad)
     assert m.generate(ids, 0).shape == (1, 2)
+
+
+@pytest.mark.parametrize("name", ["titans_mac", "titans_mag", "titans_mal"])
+def test_the_memory_inside_a_titans_architecture_starts_as_titans_lmm(name):
+    """The neural memory nested in MAC / MAG / MAL gets its own init after the model's generic one
+    (which zeroes every bias): at initialisation its gates read what ``titans_lmm``'s do — θ =
+    0.1 · max_lr, forgetting 1 − α = 1 − sigmoid(5) ≈ 0.0067 a token — not sigmoid(0) = 0.5."""
+    from mnemo.models.registry import build_config
+
+    torch.manual_seed(0)
+    lm = LanguageModel(build_config(name, vocab_size=64, d_model=32, n_layers=2))
+    ref = LanguageModel(build_config("titans_lmm", vocab_size=64, d_model=32, n_layers=2))
+    x = torch.zeros(1, 5, 32)  # the gates then read their biases alone
+    for block in lm.blocks:
+        memory = block.mixer.memory
+        theta, g, _, _ = memory._gates(x)
+        assert torch.allclose(theta, torch.full_like(theta, 0.1 * memory.max_lr), rtol=1e-5)
+        assert torch.allclose(1 - g.exp(), torch.full_like(g, 1 - torch.sigmoid(torch.tensor(5.0)).item()))
+        assert torch.equal(memory.gate_proj.bias, ref.blocks[0].mixer.gate_proj.bias)
