@@ -80,7 +80,7 @@ def test_a_held_buffer_is_not_handed_out(holder):
     hits = ws.stats()["hits"]
     c = ws.empty(SHAPE, torch.float32, "cpu")  # free again once the holder is gone
     assert ws.stats()["hits"] == hits + 1
-    assert c.data_ptr() in {ptr, *(x.data_ptr() for _, x in ws._order.values())}
+    assert c.data_ptr() in {ptr, *(x.data_ptr() for _, x, _ in ws._order.values())}
 
 
 def test_a_buffer_moved_to_shared_memory_leaves_the_cache():
@@ -104,7 +104,7 @@ def test_a_shared_buffer_in_use_is_not_handed_out_and_leaves_once_free():
     del a, b
     c = ws.empty(SHAPE, torch.float32, "cpu")
     assert c.data_ptr() == ptr_b and ws.stats()["buffers"] == 1  # the shared one was found free and dropped
-    assert all(x.data_ptr() != ptr_a for _, x in ws._order.values())
+    assert all(x.data_ptr() != ptr_a for _, x, _ in ws._order.values())
 
 
 def test_a_scan_asks_is_shared_of_free_buffers_only(monkeypatch):
@@ -117,6 +117,27 @@ def test_a_scan_asks_is_shared_of_free_buffers_only(monkeypatch):
     free_ptr = held.pop(3).data_ptr()
     d = ws.empty(SHAPE, torch.float32, "cpu")
     assert d.data_ptr() == free_ptr and asked == [free_ptr]
+
+
+def test_eviction_asks_nothing_costly_of_buffers_in_use_and_drops_free_ones_shared_or_not(monkeypatch):
+    """A miss while the cache is full walks every buffer, LRU first: it reads each count through the
+    kept handle (``is_shared`` is asked of none), passes over the ones in use, drops free ones —
+    a free buffer moved to shared memory among them — until the request fits."""
+    ws.set_limit(4 * NBYTES)
+    held = [ws.empty(SHAPE, torch.float32, "cpu") for _ in range(4)]
+    shared = held.pop(1)
+    shared.share_memory_()  # free once dropped below, and shared: it goes as a free one does
+    plain_ptr = held.pop(1).data_ptr()  # free too
+    del shared
+    asked = []
+    real = torch.Tensor.is_shared
+    monkeypatch.setattr(torch.Tensor, "is_shared", lambda t: asked.append(t.data_ptr()) or real(t))
+    bigger = ws.empty((2 * SHAPE[0], SHAPE[1]), torch.float32, "cpu")  # another key: a miss
+    assert asked == []
+    s = ws.stats()
+    assert (s["buffers"], s["held_bytes"], s["in_use"]) == (3, 4 * NBYTES, 3)  # two evicted, the new one kept
+    assert all(x.data_ptr() != plain_ptr for _, x, _ in ws._order.values())
+    assert all(not ws._unused(t) for t in held) and bigger.shape == (128, 1024)
 
 
 def test_handed_out_tensors_are_not_views():
@@ -188,7 +209,7 @@ def test_limit_evicts_least_recently_used_free_buffers_then_bypasses():
     d = ws.empty((32, 1024), torch.float32, "cpu")  # new size: a's (free, LRU) buffer is evicted
     s = ws.stats()
     assert s["buffers"] == 2 and s["held_bytes"] == NBYTES + NBYTES // 2 and s["bypassed"] == bypassed + 1
-    assert all(x.data_ptr() != pa for _, x in ws._order.values())
+    assert all(x.data_ptr() != pa for _, x, _ in ws._order.values())
     del b, d
     assert ws.release() == NBYTES + NBYTES // 2 and ws.stats()["held_bytes"] == 0
     ws.set_limit(0)
