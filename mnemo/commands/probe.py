@@ -420,6 +420,19 @@ def _run_bos_id(ckpt: Path, model) -> int | None:
     return bos
 
 
+def _text_ids(tok, text: str, tokens: int) -> torch.Tensor:
+    """The first ``tokens`` token ids of ``text``, ``[1, T]`` (``T < tokens`` only when the whole text
+    is shorter): ``--tokens`` counts tokens, not characters (a byte or a BPE tokenizer's token is not
+    one character). Encodes a prefix of the text that grows until it gives more than ``tokens`` ids
+    (the last, which a cut may have split, is then left out), not the whole corpus."""
+    chars = max(int(tokens), 1)
+    while True:
+        ids = tok.encode(text[:chars])
+        if ids.numel() > tokens or chars >= len(text):
+            return ids[:tokens][None]
+        chars *= 2
+
+
 def _cmd_timescales(args) -> int:
     from ..data import load_text, load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
@@ -438,9 +451,7 @@ def _cmd_timescales(args) -> int:
     else:
         tok = load_tokenizer(ckpt)
         check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {args.checkpoint}")
-        ids = _with_run_bos(
-            tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None], tok, tcfg
-        )
+        ids = _with_run_bos(_text_ids(tok, load_text(data, _text_field(args, tcfg)), args.tokens), tok, tcfg)
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = timescales(model, ids)
     out.mkdir(parents=True, exist_ok=True)
@@ -519,9 +530,7 @@ def _cmd_spectrum(args) -> int:
             0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)
         )
     else:
-        ids = _with_run_bos(
-            tok.encode(load_text(data, _text_field(args, tcfg))[: args.tokens])[None], tok, tcfg
-        )
+        ids = _with_run_bos(_text_ids(tok, load_text(data, _text_field(args, tcfg)), args.tokens), tok, tcfg)
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = memory_spectrum(
         model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life

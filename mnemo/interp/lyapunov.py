@@ -8,6 +8,7 @@ each kind's transition ``A_t`` is and applies these to every layer of a model.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -50,7 +51,12 @@ def lyapunov_spectrum(
     the leading exponents need a generic start) or a tensor ``[*batch_shape, n, k]``.
     ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
     generic start; default ``sort=True``). ``seed``: the seed of the ``"random"`` basis (default
-    ``seed=0``)."""
+    ``seed=0``). Raises ``ValueError`` for a ``burn_in`` outside ``[0, T)`` (no step left to
+    average)."""
+    if isinstance(burn_in, bool) or not isinstance(burn_in, numbers.Integral) or not 0 <= burn_in < max(T, 1):
+        raise ValueError(
+            f"burn_in: expected an int number of steps in [0, {T}) (of T = {T}), got {burn_in!r}"
+        )
     k = n if k is None else min(int(k), n)
     if q0 is None:
         q0 = "identity" if k == n else "random"
@@ -379,8 +385,12 @@ def classify(
     total = H * n
     out = {c: counts[c] / total for c in CLASSES}
     out["unresolved"] = unresolved / total
-    qs = torch.quantile(lam.flatten(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    # an exponent of −inf (a direction annihilated exactly) as the lowest float: quantiles then
+    # interpolate instead of giving nan (−inf + inf), and a quantile down there is a half-life of 0
+    low = torch.finfo(torch.float64).min
+    qs = torch.quantile(lam.flatten().clamp_min(low), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
     hl = half_lives(qs)  # the half-life grows with λ: λ's quantiles are the half-lives' ones
+    hl = torch.where(qs < low / 2, torch.zeros_like(hl), hl)
     out.update(
         directions=total,
         computed=H * m,

@@ -106,7 +106,8 @@ def sink_score(maps: torch.Tensor, start: int | None = None) -> tuple[torch.Tens
     positions ``t ≥ start`` (default ``T // 2``) put on position 0, per head: ``[H]``, and the same
     mean under uniform causal attention, ``mean_t 1 / (t + 1)`` — a head with a sink puts many times
     that on the first token (a score near 1: almost all of its weight). ``maps [B, H, T, T]``;
-    raises ``ValueError`` for ``start`` outside ``[0, T)``."""
+    raises ``ValueError`` for maps of another shape or ``start`` outside ``[0, T)``."""
+    _check_maps(maps)
     p = normalise(maps)
     T = p.shape[-1]
     start = T // 2 if start is None else start

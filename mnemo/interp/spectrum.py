@@ -272,8 +272,29 @@ def memory_spectrum(
     half-life of each head). ``context`` (default ``T``) sets the marginal band ``|λ| < ln 2 /
     context``; ``directions`` (default ``32``) and ``method``: the exponents computed per head of a
     test-time-trained memory (the leading ``min(directions, dim)``) and how
-    (:func:`memory_jvp_spectrum`). Defaults: ``directions=32``, ``irrelevant_half_life=4.0``
-    (:func:`classify`)."""
+    (:func:`memory_jvp_spectrum`). ``layers``: the blocks to read (an int or ints; default all).
+    Defaults: ``directions=32``, ``irrelevant_half_life=4.0`` (:func:`classify`).
+
+    Raises:
+        ValueError: naming the argument: a layer out of range, ``directions`` not an int ``≥ 1``,
+            ``context`` not a finite number ``> 0``, ``method`` not ``"central"`` or ``"forward"``,
+            ``irrelevant_half_life`` not a finite number ``> 0``."""
+    n_blocks = len(model.blocks)
+    if layers is not None:
+        layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else list(layers)
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_blocks]
+        if bad:
+            raise ValueError(
+                f"layers: {bad} out of range; the model has {n_blocks} layers (0 … {n_blocks - 1})"
+            )
+    if isinstance(directions, bool) or not isinstance(directions, int) or directions < 1:
+        raise ValueError(f"directions: expected an int >= 1, got {directions!r}")
+    if method not in ("central", "forward"):
+        raise ValueError(f"method: 'central' or 'forward', got {method!r}")
+    if context is not None and (
+        isinstance(context, bool) or not isinstance(context, (int, float)) or not 0 < context < math.inf
+    ):
+        raise ValueError(f"context: expected a finite number of tokens > 0, got {context!r}")
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)
@@ -281,7 +302,7 @@ def memory_spectrum(
     context = float(context if context is not None else T)
     check_irrelevant_half_life(irrelevant_half_life)
     irr = irrelevant_half_life
-    wanted = [i for i in range(len(model.blocks)) if layers is None or i in layers]
+    wanted = [i for i in range(n_blocks) if layers is None or i in layers]
     prefixes = tuple(f"blocks.{i}.mixer." for i in wanted)
     names = [nm for nm in model.hook_points if nm.startswith(prefixes) and nm.rsplit(".", 1)[-1] in _SUFFIXES]
     # the inputs of the memories whose update is known only as code (run again in float64 below)
