@@ -223,7 +223,10 @@ def _saved_config(out: str | None, changes: dict):
     except (FileNotFoundError, ValueError):
         saved = {}  # the Trainer reports it (or falls back to an older checkpoint)
     known = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
-    return TrainConfig.from_dict({**known, "device": changes.get("device", known.get("device", "cpu"))})
+    try:
+        return TrainConfig.from_dict({**known, "device": changes.get("device", known.get("device", "cpu"))})
+    except ValueError:  # a saved setting this mnemo refuses: the Trainer names the file
+        return TrainConfig.from_dict({"device": changes.get("device", known.get("device", "cpu"))})
 
 
 def _saved_task(out) -> str | None:
@@ -354,12 +357,25 @@ def _train(args, held: contextlib.ExitStack) -> int:
                 f"{out} already holds a run; pass --resume to continue it or --overwrite to start over"
             )
         if not has_ckpt and leftovers and not (args.resume or args.overwrite):
+            if leftovers == ["metrics.jsonl"]:  # a run that stopped before its first checkpoint
+                raise ValueError(
+                    f"{out} holds the metrics.jsonl of a run that wrote no checkpoint (nothing to resume); "
+                    "pass --overwrite to start over (its log is discarded once the new run has a "
+                    "checkpoint), or pick another --out"
+                )
             raise ValueError(
                 f"{out} holds a run without its `latest` pointer ({', '.join(leftovers[-3:])}); pass "
                 "--resume to continue from its newest intact checkpoint or --overwrite to start over"
             )
         if args.resume and not has_ckpt and not any(n.startswith("ckpt-") for n in leftovers):
-            raise FileNotFoundError(f"--resume: no checkpoint in {out} (expected {out}/latest)")
+            raise FileNotFoundError(
+                f"--resume: no checkpoint in {out} (expected {out}/latest)"
+                + (
+                    "; its metrics.jsonl is of a run that wrote none: --overwrite starts over"
+                    if leftovers
+                    else ""
+                )
+            )
         if main and existed and not has_ckpt and not leftovers:
             _say_foreign_entries(out, args)
         barrier()

@@ -43,6 +43,7 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
 
     from ..interp import circuit_callbacks
     from ..train import TrainConfig, Trainer, TrainingDiverged
+    from ..train.checkpoint import LATEST, run_checkpoints
     from ..train.sinks import METRICS_NAME, metrics_lines
 
     if threads:
@@ -70,7 +71,9 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
             trainer = Trainer(
                 cfg,
                 out,
-                resume=(out / "latest").is_file(),
+                # a kill between a first checkpoint and its ``latest`` pointer leaves checkpoints
+                # alone: resumed from the newest intact one (a new run would be refused there)
+                resume=(out / LATEST).is_file() or bool(run_checkpoints(out)),
                 progress=False,
                 # the circuit tracker when the run's config asks for it (``track_circuits``)
                 callbacks=lambda c: [save_wall, *circuit_callbacks(c)],

@@ -13,6 +13,7 @@ calls :meth:`RunData.next_batch`."""
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
@@ -227,6 +228,22 @@ class RunData:
             self.streams = CarriedStreams(self.train_data.ids, cfg.batch_size, cfg.seq_len)
         self.vocab_size = self.tokenizer.vocab_size
         self.bos_id = bos_id(self.tokenizer, cfg.bos)
+
+    def fingerprint(self) -> dict | None:
+        """What a checkpoint records of a text run's tokens (``None`` for a task, whose batches follow
+        from its saved settings): how many train and validation tokens, and the SHA-256 of both
+        streams. A resumed run compares it with its own: the same path can hold other text by then,
+        and the batches it draws would not be the uninterrupted run's."""
+        if self.task is not None:
+            return None
+        h = hashlib.sha256()
+        for stream in (self.train_data, self.val_data):
+            h.update(stream.ids.contiguous().numpy())
+        return {
+            "train_tokens": self.train_data.ids.numel(),
+            "val_tokens": self.val_data.ids.numel(),
+            "sha256": h.hexdigest(),
+        }
 
     def batch_generator(self) -> torch.Generator:
         """A fresh run's generator of the batches :meth:`next_batch` draws (its state is

@@ -167,3 +167,16 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, warn: boo
             stacklevel=3,  # (Trainer.__init__)
         )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule_factor(cfg, s))
+
+
+def load_schedule(scheduler, state: dict) -> None:
+    """Restore ``scheduler`` (a :func:`make_scheduler` schedule) from its saved ``state`` and set
+    every param group's learning rate to the schedule's value at the saved step. The optimizer's
+    saved learning rates are the saved schedule's, which a resumed run may have replaced (``mnemo
+    train --resume --reschedule stretch``): without this, the first resumed step would still train
+    at the old schedule's rate. An unchanged schedule gives the same rates, bit for bit."""
+    scheduler.load_state_dict(state)
+    lrs = [base * f(scheduler.last_epoch) for f, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() returns (LambdaLR sets it the same way in step())

@@ -164,6 +164,23 @@ def resume_config(
     return cfg, notes
 
 
+def saved_train_config(ckpt: Path) -> TrainConfig:
+    """The :class:`TrainConfig` saved in checkpoint ``ckpt`` (``train_config.json``).
+
+    Raises:
+        FileNotFoundError: the file is missing. ValueError: it is not JSON, or not a configuration
+            this mnemo reads (an unknown field or a bad value: a checkpoint of another version?); the
+            message names the file.
+    """
+    path = Path(ckpt) / TRAIN_CONFIG_NAME
+    try:
+        return TrainConfig.from_dict(load_json(path))
+    except ValueError as e:
+        if str(path) in str(e):  # (load_json's own message names it)
+            raise
+        raise ValueError(f"{path}: the run's saved settings do not load: {e}") from None
+
+
 class RunLock:
     """The held lock of a run folder (:func:`lock_run_folder`). :meth:`close` releases it and
     removes ``.lock``, so a folder that a run left (finished, failed or interrupted) holds nothing
@@ -323,7 +340,7 @@ class RunFolder:
         notes: list[str] = []
         if resume:
             ckpt = resolve_checkpoint(self.out, verify=True, warn=notes.append)
-            saved = TrainConfig.from_dict(load_json(ckpt / TRAIN_CONFIG_NAME))
+            saved = saved_train_config(ckpt)
             state = load_trainer_state(ckpt)
             cfg, changed = resume_config(saved, cfg, reschedule, step=state["step"])
             notes += [f"resume: from {ckpt} (step {state['step']})"]
@@ -352,6 +369,25 @@ class RunFolder:
         if stale:
             warnings.warn(f"removed what a stopped run left in {self.out}: {', '.join(stale)}", stacklevel=3)
         return lock
+
+    def refuse_other_run(self) -> None:
+        """A new run (not resumed) starts only in a folder that holds no run's checkpoints: its own
+        would replace theirs step by step, ``latest`` would name a mix of two runs and its records
+        would go into their ``metrics.jsonl``. (``mnemo train`` refuses such a folder before any
+        work, and ``--overwrite`` sets the old run aside first.)
+
+        Raises:
+            ValueError: naming the folder and what of the other run is there.
+        """
+        latest = self.out / LATEST
+        held = [p.name for p in run_checkpoints(self.out)]
+        held += [LATEST] if latest.is_symlink() or latest.exists() else []
+        if held:
+            raise ValueError(
+                f"{self.out} already holds a run ({', '.join(held[-3:])}): a new run there would replace "
+                "its checkpoints; resume it (resume=True, mnemo train --resume), or choose another folder "
+                "(mnemo train --overwrite sets the old run aside)"
+            )
 
     def set_aside_newer(self, step: int, resumed: Path | None = None) -> list[Path]:
         """Resume from ``step`` while the run holds checkpoints of later steps (``latest`` was

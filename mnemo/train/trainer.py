@@ -13,24 +13,26 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..data.tasks import IGNORE_INDEX
 from ..ops._common import NonFiniteError
 from .aux_losses import AuxiliaryLosses, MoEBalance
 from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits, summed_cross_entropy  # noqa: F401
-from .build import _count_parameters, build_model, check_carry_state, load_checkpoint, load_weights  # noqa: F401
+from .build import _count_parameters, _misfit, build_model, check_carry_state, load_checkpoint, load_weights  # noqa: F401
 from .carry import CarriedState
-from .checkpoint import ckpt_name, save_torch  # noqa: F401  (save_torch: tests fake a full disk here)
+from .checkpoint import MANIFEST_NAME, CorruptCheckpointError, ckpt_name, save_torch  # noqa: F401  (save_torch: tests fake a full disk here)
 from .config import TrainConfig
 from .distributed import backend_for, barrier, init_from_env, local_device
 from .diverged import TrainingDiverged, _nonfinite_detail, _nonfinite_weights
 from .evaluation import Evaluator, make_callbacks
 from .generation import generate_text, sample_run
 from .interrupts import DeferredInterrupts, interrupted
-from .optim import grad_clip, lr_factor, make_optimizer, make_scheduler  # noqa: F401
+from .optim import grad_clip, load_schedule, lr_factor, make_optimizer, make_scheduler  # noqa: F401
 from .run_folder import LOCK_NAME, RESCHEDULE, RESUMABLE, RunFolder, lock_run_folder, resume_config  # noqa: F401
 from .sinks import METRICS_NAME, IntervalMeter, Logbook, ProgressBar, evaluation_record  # noqa: F401
 from .strategy import ContextParallel, Sharded, make_strategy
@@ -103,6 +105,7 @@ class Trainer:
         for name in ("task", "tokenizer", "train_data", "val_data", "train_set", "val_chars"):
             setattr(self, name, getattr(self.data, name))  # (the attributes callbacks read)
         self._test_sets: dict = {}  # a task's test sets (ids, scored targets, answer units) by (length, rows)
+        self.data_fingerprint = self.data.fingerprint()  # (saved with every checkpoint)
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
         # cfg.carry_state: the state carried from step to step (else a fresh state every step)
         self.carry = CarriedState.for_run(self.model, self.cfg, self.data.streams, self.device, self.world)
@@ -160,18 +163,44 @@ class Trainer:
     def _restore_state(self, ckpt: Path, state: dict) -> None:
         """Resume: the checkpoint's weights, optimizer, schedule, generator and torch RNG states
         and step; the metrics log is cut back to that step (rank 0, under the folder's lock)."""
-        load_checkpoint(self.model, self.optimizer, ckpt, state, self.device, self.fsdp)
-        self.scheduler.load_state_dict(state["scheduler"])
+        try:
+            load_checkpoint(self.model, self.optimizer, ckpt, state, self.device, self.fsdp)
+        except torch.OutOfMemoryError:
+            raise
+        except (SafetensorError, RuntimeError) as e:  # a damaged file the manifest did not cover, or misfit
+            detail = _misfit(self.model, ckpt, e) if isinstance(e, RuntimeError) else str(e)
+            unchecked = "" if (ckpt / MANIFEST_NAME).is_file() else f" (it has no {MANIFEST_NAME}: unchecked)"
+            raise CorruptCheckpointError(
+                ckpt, [f"its weights do not load into model {self.cfg.model!r}{unchecked}: {detail}"]
+            ) from e
+        load_schedule(self.scheduler, state["scheduler"])  # (a stretched cosine: its rate from here on)
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.meter.load_state_dict(state)
         self.early_stopped = bool(state.get("early_stopped", False))
+        self._check_same_data(ckpt, state.get("data"))
         self.carry.restore(ckpt, state, self.step)
         self.last_checkpoint = ckpt
         if self.is_main:  # under the folder's lock: never trim a live run's log
             self.run_folder.set_aside_newer(self.step, ckpt)
             self.run_folder.truncate_metrics(self.step)
+
+    def _check_same_data(self, ckpt: Path, saved: dict | None) -> None:
+        """Warn (rank 0) when the run's text is not the one checkpoint ``ckpt`` was trained on
+        (``saved``: its :meth:`~mnemo.train.batches.RunData.fingerprint`; absent in checkpoints of an
+        older mnemo): the file at ``cfg.data`` changed, so the resumed batches are not the
+        uninterrupted run's. Training goes on, on the new text."""
+        now = self.data_fingerprint
+        if not self.is_main or saved is None or now is None or saved == now:
+            return
+        counts = lambda d: f"{d['train_tokens']:,} train / {d['val_tokens']:,} val tokens"  # noqa: E731
+        warnings.warn(
+            f"resume: data {self.cfg.data!r} is not the text {ckpt} was trained on ({counts(saved)} then, "
+            f"{counts(now)} now{', other tokens' if counts(saved) == counts(now) else ''}): the resumed "
+            "run trains on the new text, so its batches and losses differ from an uninterrupted run's",
+            stacklevel=3,
+        )
 
     @property
     def carried_state(self):
@@ -187,12 +216,30 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             **self.meter.state_dict(),
             "early_stopped": self.early_stopped,
+            "data": self.data_fingerprint,  # (a resumed run checks that its text is the same)
             **self.carry.save(self.step),  # carry_state: the next step's window and its starting state
         }
-        self.last_checkpoint = self.run_folder.write_checkpoint(
-            self.step, self.model, self.optimizer, self.tokenizer, self.cfg, state, sharded=self.fsdp
-        )
+        with self._writing(f"the checkpoint of step {self.step} ({self.out / ckpt_name(self.step)})"):
+            self.last_checkpoint = self.run_folder.write_checkpoint(
+                self.step, self.model, self.optimizer, self.tokenizer, self.cfg, state, sharded=self.fsdp
+            )
         return self.last_checkpoint
+
+    @contextlib.contextmanager
+    def _writing(self, what: str):
+        """An ``OSError`` (a full disk, a file-size limit, a read-only folder) while writing ``what``
+        is raised again saying what was being written and which checkpoint still holds the run (the
+        file system's own message names neither)."""
+        try:
+            yield
+        except OSError as e:
+            kept = (
+                f"the last checkpoint, {self.last_checkpoint}, is intact"
+                if self.last_checkpoint is not None
+                else "no checkpoint was written before it"
+            )
+            msg = f"{e.strerror or e} while writing {what}; {kept}"
+            raise (OSError(e.errno, msg, e.filename) if e.errno is not None else OSError(msg)) from e
 
     def _autocast(self):
         """The forward passes' precision context: bf16 autocast on the run's device type
@@ -325,6 +372,8 @@ class Trainer:
         stop = self.cfg.steps if until is None else min(until, self.cfg.steps)
         lock = self.run_folder.open() if self.is_main else None  # (None: another rank, or no fcntl)
         with lock or contextlib.nullcontext(), self.interrupts:  # the lock is released at the end
+            if self.last_checkpoint is None:  # a new run: never into the checkpoints of another one
+                self.run_folder.refuse_other_run()
             return self._fit(stop)
 
     def _fit(self, stop: int) -> dict:
@@ -369,6 +418,11 @@ class Trainer:
                     barrier()  # the other ranks wait while rank 0 evaluates and writes
                 if self.early_stopped:
                     break
+            if self.interrupts.requested is not None:  # asked during the last step, which is saved
+                e = interrupted(self.interrupts.requested, self.step, self.last_checkpoint)
+                if self.step >= cfg.steps or self.early_stopped:
+                    e.then = f"; the run had reached its end (step {self.step}): nothing is left to resume"
+                raise e
         finally:
             bar.close()
             self.logbook.close()
@@ -386,7 +440,8 @@ class Trainer:
             raise self._diverged("validation loss", math.nan, _nonfinite_detail(e), step=self.step) from e
         record = evaluation_record(record, ev, elapsed_s=time.perf_counter() - t_start)
         record = self.callbacks.merge(self, record)  # what the callbacks add (e.g. circuit scores)
-        self.logbook.log(record, bar)  # rank 0: metrics.jsonl, TensorBoard, yours, the summary line
+        with self._writing(f"the metrics of step {self.step} ({self.out / METRICS_NAME})"):
+            self.logbook.log(record, bar)  # rank 0: metrics.jsonl, TensorBoard, yours, the summary line
         return record
 
     def sample(

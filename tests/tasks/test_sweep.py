@@ -401,3 +401,20 @@ def test_one_sweep_at_a_time_per_database(tmp_path):
     counts = run_sweep(spec, db, tmp_path / "runs", progress=False, log=lambda s: None)
     assert counts["done"] == 1 and not (tmp_path / "s.sqlite.lock").exists()
     assert [r["status"] for r in SweepDB(db).rows()] == ["done"]
+
+
+def test_a_run_killed_before_its_latest_pointer_resumes_from_its_checkpoints(tmp_path):
+    """A kill between a checkpoint and its ``latest`` pointer leaves checkpoints without it: the
+    retried run resumes from the newest intact one (a new run there is refused by the trainer) and
+    ends where the uninterrupted run did."""
+    cfg = dict(
+        model="gla", model_overrides={"d_model": 16, "n_layers": 1}, seq_len=16, batch_size=2, steps=4,
+        eval_interval=2, eval_batches=1, sample_tokens=0,
+    )  # fmt: skip
+    whole = run_one(cfg, str(tmp_path / "whole"))
+    cut = tmp_path / "cut"
+    run_one({**cfg, "steps": 4}, str(cut))
+    (cut / "latest").unlink()
+    again = run_one(cfg, str(cut))
+    assert again["status"] == "done", again["error"]
+    assert again["metrics"]["val_loss"] == whole["metrics"]["val_loss"]
