@@ -314,7 +314,8 @@ def num_sequences(cu_seqlens: torch.Tensor | None, B: int, T: int) -> int:
 def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
     """Validate packed-sequence offsets; return the number of sequences ``N``."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1:
-        raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of sequence offsets")
+        got = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1] of sequence offsets, got {got}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if B != 1:

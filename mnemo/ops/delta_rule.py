@@ -179,8 +179,9 @@ def delta_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
     for i in range(n):
         states.append(S)
         S = torch.baddbmm(Ds[i], Ms[i], S)
-    states = rearrange(torch.stack(states, 0), "n (b h) k v -> b h n k v", b=B)  # entering each chunk
-    S = rearrange(S, "(b h) k v -> b h k v", b=B)
+    # entering each chunk (unflatten, not rearrange's b=B: that divides by B, and B may be 0)
+    states = rearrange(torch.stack(states, 0).unflatten(1, (B, H)), "n b h k v -> b h n k v")
+    S = S.unflatten(0, (B, H))
     ws = W @ states
     v_new = U - (ws if eb is None else eb * ws)  # written values U − W S per chunk
     o = q_in @ states + P @ v_new
@@ -337,6 +338,8 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     takes over at ``chunk_size`` (as it does whenever ``torch.compile`` traces the call). Default
     ``scale=1.0`` (the inputs are used as given)."""
     C = min(int(chunk_size), q.shape[1])
+    if isinstance(scale, torch.Tensor):  # (a tensor scale, e.g. learned: applied here so autograd reaches it)
+        q, scale = q.to(S0.dtype) * scale, 1.0
     # traced, or off the CPU (reading the decay back would be a host sync): the autograd form
     if avoid_host_reads(q):  # (see gla_chunk)
         cd = S0.dtype

@@ -332,6 +332,8 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
     ``scale=1.0`` (the inputs are used as given)."""
     T = q.shape[1]
     C = min(int(chunk_size), T)
+    if isinstance(scale, torch.Tensor):  # (a tensor scale, e.g. learned: applied here so autograd reaches it)
+        q, scale = q.to(S0.dtype) * scale, 1.0
     if avoid_host_reads(q):
         # traced: the autograd form (no data-dependent branch, no out= writes into views, safe for
         # any decay); inductor fuses its element-wise work and derives the backward. Likewise off

@@ -597,7 +597,7 @@ def ss_chunk(delta, u, A, B, C, h0, chunk_size):
 def run_ss_core(delta, u, A, B, C, h0, mode: str, chunk_size: int):
     r"""One form of the scan; every form with an enclosing autocast off (the parallel form's
     matmuls would otherwise run in bf16), as the chunk ``Function``\ s do themselves."""
-    if u.shape[1] == 0:
+    if u.numel() == 0 or A.shape[-1] == 0:  # nothing to scan (T, B or D is 0), or no state (N = 0)
         return u.new_zeros(u.shape), h0
     with autocast_disabled(u.device.type):
         if mode == "chunk":

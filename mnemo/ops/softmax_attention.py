@@ -162,7 +162,7 @@ def _check(q, k, v, window, initial_state, n_sink=0, sink_q=None, causal=True):
             f"the number of query heads must be a multiple of the key/value heads (grouped-query "
             f"attention), got H = {H} query heads and Hkv = {Hkv}"
         )
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
     if not isinstance(n_sink, int) or isinstance(n_sink, bool) or n_sink < 0:
         raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
@@ -274,6 +274,13 @@ def softmax_attention(
     qh = rearrange(q, "b t h d -> b h t d")
     kh = repeat(k_all, "b s h d -> b (h g) s d", g=G)
     vh = repeat(v_all, "b s h d -> b (h g) s d", g=G)
+    if mode == "parallel":
+        if not q.dtype == k_all.dtype == v_all.dtype:  # SDPA takes one dtype: the compute dtype
+            cd = compute_dtype(q, k_all, v_all)
+            qh, kh, vh = qh.to(cd), kh.to(cd), vh.to(cd)
+            sink_q = None if sink_q is None else sink_q.to(cd)
+        if isinstance(scale, torch.Tensor):  # SDPA takes a float scale: a tensor one (learned) scales q
+            qh, sink_q, scale = qh * scale, None if sink_q is None else sink_q * scale, 1.0
     if T == 0:
         o = q.new_zeros(B, 0, H, v.shape[-1])
     elif mode == "parallel" and n_sink:
@@ -284,10 +291,10 @@ def softmax_attention(
         else:
             mask = attention_mask(T, S, window=window, n_sink=n_sink, device=q.device)
             oh = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-        o = rearrange(oh, "b h t d -> b t h d")
+        o = rearrange(oh, "b h t d -> b t h d").to(q.dtype)
     elif mode == "parallel":
         if causal and window is None and segment_ids is None and S == T:
-            if isinstance(scale, torch.Tensor) or scale > 0:
+            if scale > 0:
                 oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
             else:  # the CPU kernel's is_causal gives NaN for a scale <= 0 (torch 2.13): folded into q
                 oh = F.scaled_dot_product_attention(qh * scale, kh, vh, is_causal=True, scale=1.0)
@@ -301,7 +308,7 @@ def softmax_attention(
                     T, S, causal=causal, window=window, segment_ids=segment_ids, device=q.device
                 )
             oh = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-        o = rearrange(oh, "b h t d -> b t h d")
+        o = rearrange(oh, "b h t d -> b t h d").to(q.dtype)
     else:
         cd = compute_dtype(q, k, v)
         mask = attention_mask(

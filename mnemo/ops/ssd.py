@@ -21,6 +21,7 @@ from einops import repeat
 from . import dispatch as _backends
 from ._common import (
     _shape,
+    check_finite,
     check_form,
     check_groups,
     check_initial_state,
@@ -107,6 +108,10 @@ def ssd(
     nseq = num_sequences(cu_seqlens, Bsz, T)
     check_initial_state(
         initial_state, (nseq, H, N, P), "H, N, P", varlen=cu_seqlens is not None, seqs="num_seqs"
+    )
+    # NaN/inf named as given (the forms below see only dt·x and dt·A, and never D)
+    check_finite(
+        {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "initial_state": initial_state}
     )
     cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
     dtypes = tuple(t.dtype for t in (x, dt, A, B, C, D, dt_bias, initial_state) if t is not None)
