@@ -150,7 +150,8 @@ class NeuralMemory(Mixer):
         short_conv / conv_size: causal depthwise conv + SiLU on q, k, v (defaults
             ``short_conv=True``, ``conv_size=4``).
         persistent_tokens: learned vectors prepended to the stream, see above (default ``0``).
-        max_lr: upper bound of ``θ`` (default: the spec's ``max_lr`` or 1).
+        max_lr: upper bound of ``θ`` (default: the spec's ``max_lr`` or 1); given, it also replaces
+            the spec's ``max_lr`` clamp when the spec has one.
         mode: ``"chunk"`` or ``"recurrent"`` (reference) for ``T > 1``.
 
     State: :class:`NeuralMemoryState`.
@@ -171,6 +172,8 @@ class NeuralMemory(Mixer):
     ):
         super().__init__(mode)
         self.spec = _spec(spec, spec_overrides)
+        if max_lr is not None and self.spec.max_lr is not None:  # the engine's clamp is the same bound
+            self.spec = self.spec.replace(max_lr=max_lr)
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.max_lr = max_lr if max_lr is not None else (self.spec.max_lr or 1.0)
@@ -260,7 +263,7 @@ class NeuralMemory(Mixer):
         B, T = check_input(x, self.d_model)
         offset = state.offset if state is not None else 0
         n_prefix = 0
-        if self.persistent is not None and offset == 0:
+        if self.persistent is not None and offset == 0 and T > 0:  # written once, with the first token
             n_prefix = self.persistent.shape[0]
             x = torch.cat([self.persistent.to(x.dtype).expand(B, -1, -1), x], dim=1)
         q, k, v, gate, conv_state = self.qkv(x, state.conv if state is not None else None)

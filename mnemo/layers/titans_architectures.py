@@ -384,6 +384,10 @@ class TitansMAC(Mixer):
         **spec_overrides,
     ):
         super().__init__(mode)
+        if "chunk_size" in spec_overrides:
+            raise ValueError(
+                "TitansMAC: the memory's inner chunk is the segment; pass segment=, not chunk_size="
+            )
         self.d_model, self.segment = d_model, segment
         self.memory = NeuralMemory(
             d_model, n_heads, spec=spec, chunk_size=segment, mode=mode, **spec_overrides

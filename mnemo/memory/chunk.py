@@ -287,6 +287,8 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
     qh, kh, vh, th, gh, eh, dh = (_flat_heads(x) for x in (q, k, v, theta, g, eta, delta))
     state = _map_state(state, lambda x: x.reshape(B * H, *x.shape[2:]))
     C = spec.chunk_size
+    if state.position % C == 0:  # at a chunk start the anchor is the current state (as in the token loop)
+        state = MemoryState(state.weights, state.momentum, state.weights, None, state.position)
     first = min((C - state.position % C) % C, T)
     n_full = (T - first) // C
     groups = [(first, 1), (n_full * C, n_full), (T - first - n_full * C, 1)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .spec import MemorySpec
 from .state import MemoryState
 
@@ -36,10 +38,31 @@ def closed_form_op(spec: MemorySpec) -> str | None:
 
 
 def _run_closed_form(name, spec, q, k, v, theta, g, state: MemoryState):
+    """The op over the call, cut at the last inner-chunk boundary inside it, so that the returned
+    anchor is the state at that boundary (as the engine's other forms leave it)."""
+    T, pos = q.shape[1], state.position
+    cut = (pos + T) // spec.chunk_size * spec.chunk_size - pos  # tokens up to the last boundary
+    S0 = state.weights[0]
+    if cut < 0:  # no boundary in [pos, pos + T]: the anchor stays
+        anchor = state.anchor[0]
+    elif cut == 0:  # the call starts at a boundary and crosses no other
+        anchor = S0
+    elif cut < T:
+        o1, anchor = _closed_form_piece(name, spec, q, k, v, theta, g, S0, 0, cut)
+        o2, S = _closed_form_piece(name, spec, q, k, v, theta, g, anchor, cut, T)
+        return torch.cat([o1, o2], 1), MemoryState((S,), None, (anchor,), None, pos + T)
+    o, S = _closed_form_piece(name, spec, q, k, v, theta, g, S0, 0, T)
+    return o, MemoryState((S,), None, (S if cut == T else anchor,), None, pos + T)
+
+
+def _closed_form_piece(name, spec, q, k, v, theta, g, S0, a: int, b: int):
+    """The op over tokens ``a … b − 1`` from the state ``S0``: ``(o, S)``."""
     from ..ops import delta_rule, gated_delta_rule, gated_linear_attention, linear_attention
 
+    if (a, b) != (0, q.shape[1]):
+        q, k, v, theta = (x[:, a:b] for x in (q, k, v, theta))
+        g = None if g is None else g[:, a:b]
     th = theta if spec.max_lr is None else theta.clamp(max=spec.max_lr)
-    S0 = state.weights[0]
     kw = dict(scale=1.0, initial_state=S0, output_final_state=True)
     if name == "linear_attention":
         o, S = linear_attention(q, k * th[..., None], v, **kw)
@@ -49,6 +72,4 @@ def _run_closed_form(name, spec, q, k, v, theta, g, state: MemoryState):
         o, S = delta_rule(q, k, v, th, **kw)
     else:
         o, S = gated_delta_rule(q, k, v, g, th, **kw)
-    S = S.to(S0.dtype)
-    pos = state.position + q.shape[1]
-    return o, MemoryState((S,), None, (S,), None, pos)
+    return o, S.to(S0.dtype)

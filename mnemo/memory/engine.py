@@ -89,9 +89,15 @@ def _check(spec, q, k, v, theta, g, eta, delta, state):
             raise ValueError(
                 f"optimizer 'momentum' needs eta of shape [B, T, H] = [{B}, {T}, {H}], got {got}"
             )
+    elif eta is not None:
+        raise ValueError(
+            f"eta was given but the optimizer is {spec.optimizer!r} (eta is the momentum of 'momentum')"
+        )
     if spec.objective == "huber" and (delta is None or delta.shape != (B, T, H)):
         got = None if delta is None else list(delta.shape)
         raise ValueError(f"objective 'huber' needs delta of shape [B, T, H] = [{B}, {T}, {H}], got {got}")
+    if spec.objective != "huber" and delta is not None:
+        raise ValueError(f"delta was given but the objective is {spec.objective!r} (not 'huber')")
     dims = spec.layer_dims(K, v.shape[-1])
     if spec.residual and K != v.shape[-1]:
         raise ValueError(f"a residual memory needs K == V, got K = {K}, V = {v.shape[-1]}")
@@ -99,12 +105,32 @@ def _check(spec, q, k, v, theta, g, eta, delta, state):
         return
     if len(state.weights) != len(dims):
         raise ValueError(f"initial_state has {len(state.weights)} layers, the spec has {len(dims)}")
-    for i, (w, (din, dout)) in enumerate(zip(state.weights, dims)):
-        if tuple(w.shape) != (B, H, din, dout):
-            raise ValueError(
-                f"initial_state.weights[{i}] must have shape [B, H, in, out] = [{B}, {H}, {din}, {dout}], "
-                f"got {list(w.shape)}"
-            )
+    if (state.momentum is None) != (spec.optimizer != "momentum"):
+        raise ValueError(
+            f"initial_state.momentum must be {'buffers' if spec.optimizer == 'momentum' else 'None'} for "
+            f"optimizer {spec.optimizer!r}, got {'None' if state.momentum is None else 'buffers'} "
+            "(build the state for this spec with init_state)"
+        )
+    for field in ("weights", "momentum", "anchor"):
+        layers = getattr(state, field)
+        if layers is None:
+            continue
+        if len(layers) != len(dims):
+            raise ValueError(f"initial_state.{field} has {len(layers)} layers, the spec has {len(dims)}")
+        for i, (w, (din, dout)) in enumerate(zip(layers, dims)):
+            if tuple(w.shape) != (B, H, din, dout):
+                raise ValueError(
+                    f"initial_state.{field}[{i}] must have shape [B, H, in, out] = "
+                    f"[{B}, {H}, {din}, {dout}], got {list(w.shape)}"
+                )
+    if state.position < 0:
+        raise ValueError(f"initial_state.position must be >= 0, got {state.position!r}")
+    d0 = state.anchor_decay
+    if d0 is not None:
+        want = (B, H, K) if spec.decay_per_channel else (B, H)
+        if not (spec.decay_first and spec.decays) or tuple(d0.shape) != want:
+            expected = f"shape {list(want)}" if spec.decay_first and spec.decays else "None (no decay_first)"
+            raise ValueError(f"initial_state.anchor_decay must be {expected}, got {list(d0.shape)}")
 
 
 def neural_memory(
@@ -130,10 +156,11 @@ def neural_memory(
         theta: ``[B, T, H]`` inner learning rate ``θ_t`` (> 0; clamped to ``spec.max_lr``).
         g: log retention ``[B, T, H]`` (``[B, T, H, K]`` with ``decay_per_channel``), ``≤ 0``; needed
             unless the retention is ``"none"`` (``exp(g) = 1 − α`` in Titans' notation).
-        eta: ``[B, T, H]`` momentum ``η_t ∈ [0, 1)`` (optimizer ``"momentum"``).
-        delta: ``[B, T, H]`` Huber threshold ``δ_t > 0`` (objective ``"huber"``; compared with the
+        eta: ``[B, T, H]`` momentum ``η_t ∈ [0, 1)`` (optimizer ``"momentum"`` only).
+        delta: ``[B, T, H]`` Huber threshold ``δ_t > 0`` (objective ``"huber"`` only; compared with the
             error norm ``‖M(k_t) − v_t‖₂`` with ``huber_mode="token"``, with each coordinate otherwise).
-        initial_state: a :class:`MemoryState` (see :func:`init_state`); zeros when ``None``.
+        initial_state: a :class:`MemoryState` for this spec (see :func:`init_state`: momentum
+            buffers exactly with optimizer ``"momentum"``); zeros when ``None``.
         output_final_state: also return the state after the last token (default ``False``).
         mode: ``"chunk"`` (training; the closed-form op when one exists and ``use_closed_form``)
             or ``"recurrent"`` (the token-loop reference).

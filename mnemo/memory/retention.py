@@ -19,7 +19,8 @@ def retention_map(spec: MemorySpec, A: torch.Tensor) -> torch.Tensor:
     """``W = N(A)``: identity, ``A / ‖A‖_q^{q−2}`` (norm over each layer's matrix) or
     ``kl_scale · softmax(A)`` over the input axis (dim ``-2``)."""
     if spec.retention == "lq":
-        norm = A.abs().pow(spec.q).sum((-2, -1), keepdim=True).pow(1.0 / spec.q)
+        # (vector_norm's backward is 0 at A = 0, where |A|^q summed then ^(1/q) gives 0 · ∞ = NaN)
+        norm = torch.linalg.vector_norm(A, spec.q, dim=(-2, -1), keepdim=True)
         return A / (norm + 1e-6).pow(spec.q - 2)
     if spec.retention == "kl":
         return spec.kl_scale * torch.softmax(A, dim=-2)

@@ -119,6 +119,16 @@ class MemorySpec:
         ):
             if getattr(self, name) not in options:
                 bad(name, f"one of {options}")
+
+        def number(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        for name in ("expansion", "p", "lp_eps", "q", "kl_scale", "l1"):
+            if not number(getattr(self, name)):
+                bad(name, "a finite number")
+        for name in ("max_lr", "grad_clip"):
+            if getattr(self, name) is not None and not number(getattr(self, name)):
+                bad(name, "None or a finite number")
         if not isinstance(self.depth, int) or self.depth < 1:
             bad("depth", "an int >= 1")
         if self.expansion <= 0:
@@ -129,6 +139,8 @@ class MemorySpec:
             bad("p", "a number >= 1")
         if self.retention == "lq" and self.q <= 0:
             bad("q", "a positive number")
+        if self.retention == "kl" and self.kl_scale <= 0:
+            bad("kl_scale", "a positive number")
         if self.retention == "elastic_net" and not (
             isinstance(self.l1, (int, float)) and math.isfinite(self.l1) and self.l1 >= 0
         ):
