@@ -122,7 +122,7 @@ def test_resume_extends_a_run(tmp_path, capsys):
     assert main([*resume, "--steps", "8", "--reschedule", "hold", "--sample-tokens", "5"]) == 0
     printed = capsys.readouterr().out
     assert "resume: steps 4 -> 8" in printed and "resume: sample_tokens 0 -> 5" in printed
-    assert "learning-rate cosine over 4 steps (was 4)" in printed
+    assert "learning-rate cosine over 4 steps, as saved" in printed
     assert "eval_interval" not in printed  # not given, not changed
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6, 8]  # the saved eval_interval (2), not 100

@@ -156,7 +156,10 @@ def resume_config(
             )
         if reschedule is not None:
             cfg = stretched if reschedule == "stretch" else held
-        notes.append(f"learning-rate cosine over {cfg.cosine_steps} steps (was {saved.cosine_steps})")
+        if cfg.cosine_steps != saved.cosine_steps:
+            notes.append(f"learning-rate cosine over {cfg.cosine_steps} steps (was {saved.cosine_steps})")
+        else:  # (--reschedule hold, or a stretch to the same length)
+            notes.append(f"learning-rate cosine over {cfg.cosine_steps} steps, as saved")
         at = saved.steps if step is None else step
         notes.append(
             f"lr at step {at}: {step_lr(saved, at):.3g} on the saved schedule, {step_lr(cfg, at):.3g} now"
