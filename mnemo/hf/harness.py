@@ -34,11 +34,13 @@ is conditioned on ``prefix_token_id`` when one is known, as lm-eval's Hugging Fa
 the model argument, else the checkpoint's BOS (:func:`mnemo.hf.special_ids.checkpoint_bos`: a
 training run's ``TrainConfig.bos``, or the BOS a converted checkpoint's tokenizer puts before a
 text), else its end-of-text id (:func:`~mnemo.hf.special_ids.checkpoint_eos`, else the
-tokenizer's ``eot_id``); with none (mnemo's char/byte tokenizers without ``--bos``) it is not
-scored (its log-probability counts as 0). ``add_bos_token`` (default: on exactly when the
-checkpoint has a BOS) puts ``prefix_token_id`` before every context too — a run trained with
-``--bos`` saw it first in every window, and lm-eval encodes with the tokenizer's own BOS by
-default. Generation stops at any of the checkpoint's end-of-text ids and the tokenizer's.
+tokenizer's ``eot_id``; a model given in memory, whose training the adapter cannot read, has no
+BOS unless told); with none (mnemo's char/byte tokenizers without ``--bos``) it is not scored (its
+log-probability counts as 0). ``add_bos_token`` (default: on exactly when the
+checkpoint has a BOS) puts ``prefix_token_id`` before every context too (each rolling window's;
+the first window's context is that one id, read once) — a run trained with ``--bos`` saw it first
+in every window, and lm-eval encodes with the tokenizer's own BOS by default. Generation stops at
+any of the checkpoint's end-of-text ids and the tokenizer's.
 
 Model arguments (``--model-args``-style ``key=value``): ``checkpoint`` (or ``pretrained``; a
 checkpoint or run directory), ``device`` (``cpu``), ``batch_size`` (int; ``auto`` = 16),
@@ -94,15 +96,15 @@ def _bool_or_none(name: str, value) -> bool | None:
 
 def _special_ids(ckpt: Path | None, tokenizer) -> tuple[int | None, list[int]]:
     """The checkpoint's BOS (``None``: none) and its end-of-text ids (the ones it declares, then the
-    tokenizer's ``eot_id``), for a model given in memory (``ckpt`` ``None``) the tokenizer's alone."""
+    tokenizer's ``eot_id``). For a model given in memory (``ckpt`` ``None``) nothing says whether it
+    was trained with a BOS: none is assumed (give ``prefix_token_id`` / ``add_bos_token``), and the
+    end id is the tokenizer's."""
     from .special_ids import checkpoint_bos, checkpoint_eos
 
+    bos = eos = None
     if ckpt is not None:
         bos = checkpoint_bos(ckpt, tokenizer, warn=log.warning)
         eos = checkpoint_eos(ckpt)
-    else:
-        prefix = tokenizer.special_prefix() if hasattr(tokenizer, "special_prefix") else []
-        bos, eos = (prefix[0] if len(prefix) == 1 else None), None
     stop = [] if eos is None else ([eos] if isinstance(eos, int) else [int(i) for i in eos])
     eot = getattr(tokenizer, "eot_id", None)
     if eot is not None and eot not in stop:
@@ -305,6 +307,8 @@ class MnemoLM(LM):
             if windows and self.prefix_token_id is None:  # first window: nothing before token 0
                 ctx, cont = windows[0]
                 windows[0] = ([], ctx[1:] + cont) if ctx[:1] == [-1] else (ctx, cont)
+            elif windows and self.add_bos_token:  # the first context is the prefix: _score puts it once
+                windows[0] = ([], windows[0][1])
             out.append(sum(lp for lp, _ in self._score(windows)))
         return out
 

@@ -207,6 +207,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = model if model is not None else LanguageModel(config.to_model_config())
         self.post_init()
+        # the generation config transformers derived from the config: save_pretrained writes one
+        # only where it says more (a later change of the config, e.g. use_cache, is not one)
+        self._derived_generation = _generation_fields(self.generation_config)
 
     def _init_weights(self, module) -> None:
         """A no-op: :class:`~mnemo.models.LanguageModel` initialises its own parameters (mnemo's
@@ -362,14 +365,16 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             self.generation_config.save_pretrained(save_directory)
 
     def _generation_config_is_set(self) -> bool:
-        """Whether ``generation_config`` differs from the one ``transformers`` derives from the
-        model config (a loaded ``generation_config.json``, or one the user changed)."""
-        skip = {"transformers_version", "_from_model_config"}
+        """Whether ``generation_config`` differs from the one ``transformers`` derived from the
+        model config when the model was built (a loaded ``generation_config.json``, or one the user
+        changed)."""
+        return _generation_fields(self.generation_config) != self._derived_generation
 
-        def fields(g: GenerationConfig) -> dict:
-            return {k: v for k, v in g.to_diff_dict().items() if k not in skip}
 
-        return fields(self.generation_config) != fields(GenerationConfig.from_model_config(self.config))
+def _generation_fields(g: GenerationConfig | None) -> dict:
+    """``g``'s settings that differ from the defaults, without its bookkeeping fields."""
+    skip = {"transformers_version", "_from_model_config"}
+    return {} if g is None else {k: v for k, v in g.to_diff_dict().items() if k not in skip}
 
 
 def register() -> None:

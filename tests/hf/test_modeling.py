@@ -225,3 +225,24 @@ def test_generation_config_json_is_loaded_used_and_saved(tmp_path):
     assert again.generation_config.eos_token_id == end and again.generation_config.max_new_tokens == 6
     plain.save_pretrained(tmp_path / "plain")
     assert not (tmp_path / "plain" / "generation_config.json").exists()
+
+
+def test_a_config_change_writes_no_generation_config_json(tmp_path):
+    """``model.config.use_cache = False`` (what training code sets) is no generation setting: saving
+    wrote a ``generation_config.json`` that said nothing new, and over a converted checkpoint whose
+    end id lives in ``hf_config_carried.json`` (``mnemo generate`` reads it there) that empty file
+    took the end id away (``transformers`` reads the ids from that file alone)."""
+    from mnemo.hf.special_ids import checkpoint_eos
+
+    folder = tmp_path / "converted"
+    _tiny("gla").save_pretrained(folder)
+    carried = {"source_architecture": "LlamaForCausalLM", "fields": {"eos_token_id": 2}}
+    (folder / "hf_config_carried.json").write_text(json.dumps(carried))
+    model = MnemoForCausalLM.from_pretrained(folder)
+    model.config.use_cache = False
+    model.save_pretrained(folder)
+    assert not (folder / "generation_config.json").exists()
+    assert checkpoint_eos(folder) == 2
+    model.generation_config.max_new_tokens = 7  # a generation setting: written
+    model.save_pretrained(tmp_path / "set")
+    assert MnemoForCausalLM.from_pretrained(tmp_path / "set").generation_config.max_new_tokens == 7

@@ -145,3 +145,55 @@ def test_harness_reads_a_run_trained_with_bos_with_its_bos_first(tmp_path):
     assert got == pytest.approx(logp[2, ids[3]].item(), abs=1e-5)
     (doc,) = model.loglikelihood_rolling(_instances("loglikelihood_rolling", [("bcd",)]))
     assert doc == pytest.approx(sum(logp[j, ids[j + 1]].item() for j in range(3)), abs=1e-5)
+
+
+def test_harness_rolling_windows_read_the_bos_once(tmp_path):
+    """``rolling=window`` with ``add_bos_token``: the first window's context is the BOS already (the
+    prefix of lm-eval's rolling windows); it read ``[BOS, BOS, t0 …]``. A document within one
+    window now scores as the one-pass ``rolling=state`` does; a later window reads its own context
+    after the BOS (a fresh state, as each training window began)."""
+    tok = CharTokenizer.from_text("abcdefgh ")
+    torch.manual_seed(0)
+    lm = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, mixer="gla")).eval()
+    run = tmp_path / "run"
+    lm.save_pretrained(run)
+    save_tokenizer(tok, run)
+    (run / "train_config.json").write_text(json.dumps({"bos": "a"}))
+    a = tok.encode("a").tolist()[0]
+    doc = "bcdhgfe"
+    ids = tok.encode(doc).tolist()
+    req = _instances("loglikelihood_rolling", [(doc,)])
+
+    @torch.no_grad()
+    def score(inp: list[int], targets: list[int]) -> float:
+        logp = torch.log_softmax(lm(torch.tensor(inp)[None])[0][0], -1)
+        return sum(logp[len(inp) - len(targets) + j, t].item() for j, t in enumerate(targets))
+
+    whole = score([a] + ids[:-1], ids)
+    (state,) = MnemoLM(checkpoint=str(run), rolling="state").loglikelihood_rolling(req)
+    (one,) = MnemoLM(checkpoint=str(run), rolling="window", max_length=64).loglikelihood_rolling(req)
+    assert state == pytest.approx(whole, abs=1e-5) and one == pytest.approx(whole, abs=1e-5)
+    # max_length 4: [BOS] → t0…t3, then the last window's context t2 t3 after the BOS → t4…t6
+    (two,) = MnemoLM(checkpoint=str(run), rolling="window", max_length=4).loglikelihood_rolling(req)
+    want = score([a] + ids[:3], ids[:4]) + score([a] + ids[2:6], ids[4:])
+    assert two == pytest.approx(want, abs=1e-5)
+
+
+def test_a_model_given_in_memory_is_assumed_to_have_no_bos(tmp_path):
+    """Nothing about a model in memory says it was trained with a BOS (the same run loaded by
+    ``checkpoint=`` reads its train config): the tokenizer's template is not taken for one; the
+    tokenizer's end-of-text id conditions the first token; ``add_bos_token=true`` with an explicit
+    ``prefix_token_id`` gives the BOS reading."""
+    from mnemo.data import load_tokenizer
+
+    fast, hf, mn = _folder(tmp_path, True)
+    tok = load_tokenizer(mn)
+    lm = LanguageModel.from_pretrained(mn)
+    plain = MnemoLM(model=lm, tokenizer=tok)
+    assert (plain.prefix_token_id, plain.add_bos_token, plain.stop_token_ids) == (1, False, [1])
+    told = MnemoLM(model=lm, tokenizer=tok, prefix_token_id=0, add_bos_token=True)
+    ctx, cont = "the memory", " of the model"
+    c = fast(ctx, add_special_tokens=False).input_ids
+    whole = fast(ctx + cont, add_special_tokens=False).input_ids
+    ((got, _),) = told.loglikelihood(_instances("loglikelihood", [(ctx, cont)]))
+    assert got == pytest.approx(_hf_logprob(hf, [0] + c, whole[len(c) :]), abs=1e-4)

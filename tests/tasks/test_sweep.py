@@ -417,4 +417,5 @@ def test_a_run_killed_before_its_latest_pointer_resumes_from_its_checkpoints(tmp
     (cut / "latest").unlink()
     again = run_one(cfg, str(cut))
     assert again["status"] == "done", again["error"]
+    assert f"resume: from {cut / 'ckpt-000004'} (step 4)" in (cut / "train.log").read_text()  # not retrained
     assert again["metrics"]["val_loss"] == whole["metrics"]["val_loss"]
