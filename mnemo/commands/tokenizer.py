@@ -133,11 +133,16 @@ def run_train(args) -> int:
             "one); write the new tokenizer to a folder of its own, e.g. tokenizers/NAME"
         )
     path = out / "tokenizer.json"
-    if path.exists() and not args.overwrite:
-        raise ValueError(f"--out: {path} exists (pass --overwrite to replace it)")
+    # tokenizer_config.json is written with it (transformers reads both): an old one, kept, would
+    # give the new tokenizer the old one's end-of-text token and settings
+    config = out / "tokenizer_config.json"
+    for p in (path, config):
+        if p.exists() and not args.overwrite:
+            raise ValueError(f"--out: {p} exists (pass --overwrite to replace it)")
     corpus = load_corpus(args.data, args.text_field)
     tok = HFTokenizer(train_tokenizer(corpus.documents, args.vocab_size, args.kind, args.min_frequency))
     out.mkdir(parents=True, exist_ok=True)
+    config.unlink(missing_ok=True)  # HFTokenizer.save writes a config only where none is
     tok.save(out)
     ids, _, chars = corpus.encode(tok)
     stats = {

@@ -122,7 +122,9 @@ class Corpus:
 def load_corpus(data: str, text_field: str = "text") -> Corpus:
     """The documents of ``data``: a bundled name (``"tinyshakespeare"``), a UTF-8 text file (one
     document), a ``.jsonl``/``.json`` or ``.parquet`` file (one document per record, its
-    ``text_field``), a folder of such files (all of one format) or a glob pattern.
+    ``text_field``; records whose field is null are skipped), a folder of such files (all of one
+    format) or a glob pattern. A text file is read with universal newlines (``"\\r\\n"`` and
+    ``"\\r"`` become ``"\\n"``) and without a leading UTF-8 byte order mark.
 
     Raises:
         FileNotFoundError: nothing at ``data`` (and not a bundled name).
@@ -205,7 +207,7 @@ def _files(data: str) -> list[Path]:
 
 def _read_text(p: Path, data: str) -> str:
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a leading byte order mark is no text
     except UnicodeDecodeError as e:
         raise ValueError(f"data file {str(p)!r} is not valid UTF-8: {e}") from e
     if not text and str(p) == data:
@@ -246,6 +248,26 @@ def _first_bad_json_line(files: list[Path]) -> str | None:
     return None
 
 
+def _blank(f: Path) -> bool:
+    """Whether file ``f`` holds nothing but whitespace."""
+    with open(f, "rb") as fh:
+        return all(not chunk.strip() for chunk in iter(lambda: fh.read(1 << 20), b""))
+
+
+def _json_records(files: list[Path]):
+    """``(where, record)`` for every record of the JSON ``files`` (datasets has read them, so they
+    parse): a file whose text starts with ``[`` is one array of records, else JSON Lines."""
+    for f in files:
+        text = f.read_text(encoding="utf-8-sig")
+        if text.lstrip().startswith("["):
+            for n, record in enumerate(json.loads(text), 1):
+                yield f"{f} record {n}", record
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                yield f"{f} line {n}", json.loads(line)
+
+
 def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> list[str]:
     """The ``text_field`` of every record of local ``files`` (``datasets``' ``fmt`` builder)."""
     datasets = import_datasets()
@@ -260,6 +282,9 @@ def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> li
         where = _first_bad_json_line(files) if fmt == "json" else None
         if where is not None:
             raise ValueError(f"data {data!r}: {where}") from e
+        if fmt == "json" and all(_blank(f) for f in files):
+            what = f"data file {data!r} is empty" if len(files) == 1 and str(files[0]) == data else None
+            raise ValueError(what or f"data {data!r} holds no text (every file is empty)") from e
         cause = e.__cause__ if e.__cause__ is not None and "error occurred" in str(e) else e
         raise ValueError(f"data {data!r}: cannot read it as {fmt}: {type(cause).__name__}: {cause}") from e
     finally:
@@ -276,17 +301,23 @@ def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> li
     except UnicodeDecodeError as e:  # pyarrow keeps invalid UTF-8 until the values are read
         where = _first_bad_json_line(files) if fmt == "json" else None
         raise ValueError(f"data {data!r}: {where or f'a record is not valid UTF-8: {e}'}") from e
+    wheres = None
+    plain = not any(f.name.lower().endswith(_COMPRESSED) for f in files)
+    if fmt == "json" and plain and any(v is not None and not isinstance(v, str) for v in values):
+        # datasets infers a column type: strings that look like dates come back as datetimes, and
+        # in a mixed column the string "1" as an int: the files themselves say what each record holds
+        records = list(_json_records(files))
+        values = [r.get(text_field) if isinstance(r, dict) else None for _, r in records]
+        wheres = [where for where, _ in records]
     docs = []
     for i, value in enumerate(values):
         if value is None:
             continue
         if not isinstance(value, str):
-            where = _first_bad_json_line(files) if fmt == "json" else None
+            at = f" ({wheres[i]})" if wheres else ""
             raise ValueError(
-                f"data {data!r}: {where}"
-                if where
-                else f"data {data!r}: record {i + 1} (counting from 1): field {text_field!r} holds "
-                f"{type(value).__name__}, not text"
+                f"data {data!r}: record {i + 1} (counting from 1): field {text_field!r} holds "
+                f"{type(value).__name__}, not text{at}"
             )
         docs.append(value)
     return docs

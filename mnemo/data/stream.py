@@ -26,6 +26,8 @@ class TokenStream:
         doc_starts: torch.Tensor | None = None,
         num_chars: int | None = None,
     ):
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
         if ids.numel() < seq_len + 1:
             raise ValueError(
                 f"the text is too short: {ids.numel()} tokens, but a window of seq_len + 1 = {seq_len + 1} "

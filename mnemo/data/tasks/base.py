@@ -100,8 +100,10 @@ class Task:
         return dataclasses.asdict(self)
 
     def check_length(self, seq_len: int, what: str = "seq_len") -> None:
-        """Raise ``ValueError`` naming ``what`` when ``seq_len`` is below :attr:`min_length`."""
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < self.min_length:
+        """Raise ``ValueError`` naming ``what`` when ``seq_len`` is no int or is below :attr:`min_length`."""
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool):
+            raise ValueError(f"{what}: expected an int, got {seq_len!r} ({type(seq_len).__name__})")
+        if seq_len < self.min_length:
             raise ValueError(
                 f"{what}: {self.name} with options {self.options()} needs sequences of at least "
                 f"{self.min_length} tokens, got {seq_len!r}"
@@ -111,7 +113,7 @@ class Task:
         self, batch_size: int, seq_len: int, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [B, T] long, targets [B, T] long)`` drawn from ``generator``."""
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         self.check_length(seq_len)
         if not isinstance(generator, torch.Generator):

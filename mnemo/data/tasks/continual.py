@@ -46,6 +46,14 @@ class _Builder:
             self.feat.append(feat if feat is not None else torch.zeros(self.feat_dim))
 
 
+def _check_sizes(task, **minimum: int) -> None:
+    """Raise ``ValueError`` naming the first size of ``task`` that is not an int ``>= minimum[name]``."""
+    for name, low in minimum.items():
+        v = getattr(task, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+
+
 def _stack(builders) -> Batch:
     def t(name):
         return torch.tensor([getattr(b, name) for b in builders], dtype=torch.long)
@@ -71,6 +79,8 @@ class ABABTask:
     metrics = {"A_after_B": 1, "B": 2, "A_before_B": 3}
 
     def __post_init__(self):
+        # an A key to query (else A_after_B is a mean of nothing); two values (one is no recall)
+        _check_sizes(self, n_a=1, n_b=1, n_keys=1, n_values=2)
         if self.n_a + self.n_b > self.n_keys:
             raise ValueError(f"n_a + n_b: expected <= n_keys = {self.n_keys}, got {self.n_a + self.n_b}")
         if self.n_a > self.n_b:
@@ -187,6 +197,10 @@ class ClassIncrementalTask:
     noise: float = 1.0
 
     def __post_init__(self):
+        # every phase shows and queries a class, and an example carries features to classify by
+        _check_sizes(self, classes_per_phase=1, shots=1, queries=1, final_queries=1, n_labels=1, feat_dim=1)
+        if not isinstance(self.noise, (int, float)) or isinstance(self.noise, bool) or not self.noise >= 0:
+            raise ValueError(f"noise: expected a number >= 0, got {self.noise!r}")
         if self.phases * self.classes_per_phase > self.n_labels:
             raise ValueError(
                 f"phases * classes_per_phase: expected <= n_labels = {self.n_labels}, "

@@ -28,7 +28,8 @@ class Copying(Task):
     attention, whose cache holds the whole string.
 
     Options:
-        vocab_size: ``V`` including blank and marker (32), ``>= 3``.
+        vocab_size: ``V`` including blank and marker (32), ``>= 4`` (two data tokens at least:
+            with one, every target is known in advance).
         copy_len: ``L`` (16); ``None`` copies as much as fits, ``L = T // 2`` (no delay).
         teacher_forcing: see above (True).
 
@@ -43,7 +44,7 @@ class Copying(Task):
     teacher_forcing: bool = True
 
     def validate(self) -> Copying:
-        self._int("vocab_size", 3)
+        self._int("vocab_size", 4)
         self._int("copy_len", 1, allow_none=True)
         if not isinstance(self.teacher_forcing, bool):
             self._bad("teacher_forcing", "True or False")

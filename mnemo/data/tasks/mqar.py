@@ -53,7 +53,8 @@ class MQAR(Task):
     def validate(self) -> MQAR:
         self._int("vocab_size", 4)
         self._int("num_pairs", 1)
-        if not isinstance(self.power_a, (int, float)) or not (0 < self.power_a <= 1):
+        a = self.power_a
+        if not isinstance(a, (int, float)) or isinstance(a, bool) or not (0 < a <= 1):
             self._bad("power_a", "a number in (0, 1]")
         if self.filler not in ("random", "pad"):
             self._bad("filler", "'random' or 'pad'")

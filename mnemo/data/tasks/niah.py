@@ -115,7 +115,7 @@ class NIAH(Task):
                 "niah option 'haystack_loss': a 'random' haystack cannot be predicted, so it carries no "
                 "loss; set haystack_loss: false, or use haystack 'noise' or 'essay'"
             )
-        if self.value not in VALUE_SYMBOLS:
+        if not isinstance(self.value, str) or self.value not in VALUE_SYMBOLS:
             self._bad("value", f"one of {sorted(VALUE_SYMBOLS)}")
         self._int("value_len", 1)
         self._int("num_keys", 1)
@@ -177,7 +177,9 @@ class NIAH(Task):
         if self.haystack == "essay":
             if n > essay.numel():
                 raise ValueError(
-                    f"niah: a haystack of {n} characters is longer than the corpus ({essay.numel()})"
+                    f"seq_len: niah's 'essay' haystack holds at most {essay.numel()} characters of text "
+                    f"(the bundled corpus' training split), this length needs {n}; use a shorter "
+                    "seq_len or haystack 'noise'"
                 )
             start = torch.randint(0, essay.numel() - n + 1, (B, 1), generator=gen)
             return essay[start + torch.arange(n)]

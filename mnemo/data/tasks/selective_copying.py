@@ -26,7 +26,8 @@ class SelectiveCopying(Task):
     on content, fails at); every other position is :data:`IGNORE_INDEX`.
 
     Options:
-        vocab_size: ``V`` including the noise and marker tokens (Mamba: 16), ``>= 3``.
+        vocab_size: ``V`` including the noise and marker tokens (Mamba: 16), ``>= 4`` (two data
+            tokens at least: with one, every target is known in advance).
         num_tokens: ``n`` data tokens to copy (Mamba: 16).
 
     ``min_length = 2 n`` (a context of at least ``n`` positions, then ``n`` markers).
@@ -39,7 +40,7 @@ class SelectiveCopying(Task):
     num_tokens: int = 16
 
     def validate(self) -> SelectiveCopying:
-        self._int("vocab_size", 3)
+        self._int("vocab_size", 4)
         self._int("num_tokens", 1)
         return self
 
