@@ -7,12 +7,12 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
-from ..ops._common import compute_dtype
+from ..ops._common import check_mode, compute_dtype
 from ..ops.ring_attention import current_ring, ring_attention
 from ..ops.softmax_attention import KVCache, keep_cache, kept_keys, softmax_attention, softmax_attention_map
 from .base import Mixer, Mixing, check_input
 from .hooks import HookPoint
-from .linear_attention import state_dtypes
+from .linear_attention import check_heads, check_int, state_dtypes
 from .norm import RMSNorm
 from .registry import register_mixer
 from .rotary import RotaryEmbedding
@@ -95,7 +95,8 @@ class Attention(Mixer):
     last ``window − 1`` keys (and the ``n_sink`` first), so decoding memory stays bounded.
 
     Raises:
-        ValueError: bad head counts, ``n_sink`` (negative, or without ``window``) or
+        ValueError: bad head counts or sizes, ``window`` (not ``None`` or an int ``>= 1``), ``n_sink``
+            (negative, or without ``window``), ``rope_theta`` (not a positive number) or
             ``rope_scaling`` (without ``rope``, or a bad value); the message names the argument.
     """
 
@@ -131,14 +132,13 @@ class Attention(Mixer):
             raise ValueError(
                 f"rope_scaling: needs rope=True, got rope_scaling = {rope_scaling!r} with rope=False"
             )
+        check_heads(d_model, n_heads, head_dim)
+        check_int("n_kv_heads", n_kv_heads, optional=True)
+        check_int("window", window, optional=True)
+        check_mode(mode, ("parallel", "recurrent"))
         n_kv_heads = n_kv_heads or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
-        if not head_dim and d_model < n_heads:
-            raise ValueError(
-                f"d_model: {d_model} is smaller than n_heads = {n_heads}, so each head would have "
-                f"head_dim = d_model // n_heads = 0 dimensions; give d_model >= n_heads (or fewer heads)"
-            )
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.window, self.n_sink = window, n_sink

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import _native, _workspace
+from ..ops._common import check_cu_seqlens
 from .state import spec
 
 
@@ -62,7 +63,10 @@ class ShortConvolution(nn.Module):
     def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Packed documents ``x [1, N, C]`` with boundaries ``cu_seqlens [D + 1]``: each document
         is convolved from a zero state (a tap that would reach into the previous document reads
-        zero), ``y [1, N, C]``. W masked shifted multiply-adds (``W`` is a few taps)."""
+        zero), ``y [1, N, C]``. W masked shifted multiply-adds (``W`` is a few taps). Raises
+        ``ValueError`` / ``TypeError`` for boundaries that do not pack ``x`` (``B ≠ 1``, not from
+        0 to ``N``, decreasing, not integers)."""
+        check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
         N, W = x.shape[1], self.kernel_size
         cu = cu_seqlens.to(device=x.device, dtype=torch.long)
         pos = torch.arange(N, device=x.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops._common import MODES, check_chunk_size, check_mode
 from ..ops.delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
-from .linear_attention import MatrixState, state_dtypes
+from .linear_attention import MatrixState, check_heads, check_int, state_dtypes
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec
@@ -93,6 +94,10 @@ class DeltaNet(Mixer):
 
     State: :class:`~mnemo.layers.linear_attention.MatrixState` (memory ``[B, H_v, K, V]`` float32,
     conv tail ``[B, 2 H_k K + H_v V, conv_size − 1]`` — channels ``[q | k | v]``, offset).
+    Raises:
+        ValueError: a head count or size that is not a positive int (or ``d_model < n_heads``
+            without a ``head_dim``), ``n_v_heads`` not a multiple of ``n_heads``, or a bad
+            ``qk_norm_eps``; the message names the argument.
     """
 
     offset_free = True  # no positions: the state alone decides the output
@@ -118,6 +123,11 @@ class DeltaNet(Mixer):
         norm_eps: float = 1e-5,
     ):
         super().__init__(mode)
+        check_heads(d_model, n_heads, head_dim)
+        check_int("value_head_dim", value_head_dim, optional=True)
+        check_int("n_v_heads", n_v_heads, optional=True)
+        check_mode(mode, MODES)
+        check_chunk_size(chunk_size)
         head_dim = head_dim or d_model // n_heads
         value_head_dim = value_head_dim or head_dim
         n_v_heads = n_v_heads or n_heads

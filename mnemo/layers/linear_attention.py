@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops._common import MODES, check_chunk_size, check_mode
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from ..ops.linear_attention import linear_attention, linear_attention_map
@@ -36,6 +39,30 @@ class MatrixState:
     offset: int = 0
 
 
+def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
+    """Raise ``ValueError`` naming the constructor argument ``name`` with the expected and the received
+    value unless ``value`` is an int ``>= minimum`` (or ``None`` with ``optional=True``). Defaults:
+    ``minimum=1``, ``optional=False``."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        expected = f"{'None or ' if optional else ''}an int >= {minimum}"
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def check_heads(d_model: int, n_heads: int, head_dim: int | None) -> None:
+    """The head arguments of a multi-head mixer: ``n_heads >= 1``, ``head_dim`` ``None`` or ``>= 1``,
+    and without a ``head_dim`` at least one channel per head (``d_model // n_heads >= 1``)."""
+    check_int("d_model", d_model)
+    check_int("n_heads", n_heads)
+    check_int("head_dim", head_dim, optional=True)
+    if head_dim is None and d_model < n_heads:
+        raise ValueError(
+            f"d_model: {d_model} is smaller than n_heads = {n_heads}, so each head would have "
+            f"head_dim = d_model // n_heads = 0 dimensions; give d_model >= n_heads (or fewer heads)"
+        )
+
+
 def state_dtypes(module: nn.Module, dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
     """``(activation dtype, memory dtype)`` of ``module``'s state: ``dtype`` (default: its
     parameters') for caches and conv tails, and the ops' compute dtype for recurrent memories
@@ -55,6 +82,8 @@ class _QKVMixer(Mixer):
 
     def __init__(self, d_model, n_heads, key_dim, value_dim, short_conv, conv_size, mode, chunk_size):
         super().__init__(mode)
+        check_mode(mode, MODES)
+        check_chunk_size(chunk_size)
         self.d_model, self.n_heads, self.key_dim, self.value_dim = d_model, n_heads, key_dim, value_dim
         self.chunk_size = chunk_size
         width = n_heads * (2 * key_dim + value_dim)
@@ -142,6 +171,7 @@ class LinearAttention(_QKVMixer):
             if not head_dim or d_model % head_dim:
                 raise ValueError(f"n_heads=None needs a head_dim dividing d_model {d_model}, got {head_dim}")
             n_heads = d_model // head_dim
+        check_heads(d_model, n_heads, head_dim)
         head_dim = head_dim or d_model // n_heads
         super().__init__(d_model, n_heads, head_dim, head_dim, short_conv, conv_size, mode, chunk_size)
         self.normalize = normalize
@@ -235,6 +265,17 @@ class GatedLinearAttention(_QKVMixer):
     ):
         if gate not in ("gla", "retnet", "scalar"):
             raise ValueError(f"gate must be one of ('gla', 'retnet', 'scalar'), got {gate!r}")
+        check_int("d_model", d_model)
+        check_int("n_heads", n_heads)
+        check_int("gate_rank", gate_rank)
+        for name, value in (
+            ("expand_k", expand_k),
+            ("expand_v", expand_v),
+            ("gate_normalizer", gate_normalizer),
+        ):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value <= 0:
+                raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
         key_dim = max(1, int(d_model * expand_k) // n_heads)
         value_dim = max(1, int(d_model * expand_v) // n_heads)
         super().__init__(d_model, n_heads, key_dim, value_dim, short_conv, conv_size, mode, chunk_size)
@@ -253,6 +294,16 @@ class GatedLinearAttention(_QKVMixer):
         self.out_gate = nn.Linear(d_model, n_heads * value_dim, bias=False)
         self.norm = RMSNorm(value_dim)
         self.hook_g = HookPoint()
+
+    def _apply(self, fn, recurse=True):
+        # move RetNet's fixed log decays with the module, but keep them in float32 through
+        # a cast to half precision (bf16 would round log γ by up to 0.4%; the learned gates are
+        # computed in float32 too)
+        kept = getattr(self, "log_gamma", None)
+        super()._apply(fn, recurse)
+        if kept is not None and self.log_gamma.dtype not in (torch.float32, torch.float64):
+            self.log_gamma = kept.to(self.log_gamma.device, torch.float32)
+        return self
 
     @property
     def offset_free(self) -> bool:  # type: ignore[override]

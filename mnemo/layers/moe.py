@@ -326,6 +326,13 @@ class MoE(nn.Module):
                 f"got {idx.dtype} {list(idx.shape)}"
             )
         E = self.n_experts
+        if self.hook_topk_indices.hooked and idx.numel():  # a replacement: its experts must exist
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= E:
+                raise ValueError(
+                    f"hook_topk_indices: expected expert indices in [0, {E - 1}] (n_experts = {E}), "
+                    f"got values from {lo} to {hi}"
+                )
         return logits.reshape(-1, E), scores.reshape(-1, E), idx.reshape(-1, self.top_k)
 
     def forward(self, x: Tensor) -> Tensor:

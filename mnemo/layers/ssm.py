@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common import compute_dtype
+from ..ops._common import MODES, check_chunk_size, check_mode, compute_dtype
 from ..ops._ssd_chunk import run_ssd_chunk
 from ..ops.gated_linear_attention import gated_linear_attention
 from ..ops.selective_scan import selective_scan, selective_scan_map
@@ -17,7 +17,7 @@ from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .delta import init_dt_bias
 from .hooks import add_hook_points
-from .linear_attention import state_dtypes
+from .linear_attention import check_int, state_dtypes
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -93,6 +93,10 @@ class Mamba(Mixer):
 
     State: :class:`MambaState` (``ssm``: ``h [B, d_inner, N]`` float32, ``conv``:
     ``[B, d_inner, conv_size − 1]``, ``offset``).
+
+    Raises:
+        ValueError: ``d_model``, ``d_state``, ``expand`` or ``dt_rank`` is not a positive int (the
+            message names the argument, expected vs received).
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
@@ -117,6 +121,12 @@ class Mamba(Mixer):
         chunk_size: int | None = None,
     ):
         super().__init__(mode)
+        for name, value in (("d_model", d_model), ("d_state", d_state), ("expand", expand)):
+            check_int(name, value)
+        check_int("dt_rank", dt_rank, optional=True)
+        check_mode(mode, MODES)
+        if chunk_size is not None:
+            check_chunk_size(chunk_size)
         self.d_model, self.d_state, self.selective = d_model, d_state, selective
         self.d_inner = expand * d_model
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
@@ -309,6 +319,12 @@ class Mamba2(Mixer):
 
     State: :class:`Mamba2State` (``ssm``: ``h [B, H, N, P]`` float32, ``conv``:
     ``[B, d_inner + 2 G N, conv_size − 1]``, ``offset``).
+
+    Raises:
+        ValueError: a size argument (``d_model``, ``d_state``, ``head_dim``, ``expand``,
+            ``n_groups``) is not a positive int, or the sizes do not divide (``head_dim`` into
+            ``d_inner``, ``n_groups`` into the heads, ``norm_groups`` into ``d_inner``), or a bad
+            ``dt_limit``; the message names the argument.
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
@@ -333,6 +349,12 @@ class Mamba2(Mixer):
         chunk_size: int = 64,
     ):
         super().__init__(mode)
+        for name, value in (("d_model", d_model), ("d_state", d_state), ("head_dim", head_dim)):
+            check_int(name, value)
+        for name, value in (("expand", expand), ("n_groups", n_groups)):
+            check_int(name, value)
+        check_mode(mode, MODES)
+        check_chunk_size(chunk_size)
         self.d_model, self.d_state, self.n_groups = d_model, d_state, n_groups
         if len(dt_limit) != 2 or not float(dt_limit[0]) <= float(dt_limit[1]):
             raise ValueError(f"dt_limit: expected (min, max) with min <= max, got {dt_limit!r}")
