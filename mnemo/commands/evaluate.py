@@ -148,6 +148,12 @@ def _cmd_eval(args) -> int:
     if lengths and args.seq_len:
         raise ValueError("--length and --seq-len: give one of them (--length L1,L2 evaluates at each)")
     ckpt, model, tok = _load(str(ckpt), args.device)
+    longest = max(lengths or [args.seq_len or tcfg.get("seq_len", 128)])
+    if model.config.pos_embedding == "learned" and longest > model.config.max_position:
+        raise ValueError(
+            f"{'--length' if lengths else '--seq-len'}: {longest} tokens exceed the model's learned "
+            f"positions (max_position = {model.config.max_position})"
+        )
     yarn = _yarn_setting(args.yarn, tcfg, model) if args.yarn is not None else None
     for L in lengths or [args.seq_len or tcfg.get("seq_len", 128)]:  # one JSON line per length
         if yarn is not None:
@@ -339,17 +345,39 @@ def _check_generate_memory(model, length: int, device: str) -> None:
         )
 
 
+def _check_generate_positions(model, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse, before decoding, a generation that would run past a model's learned positions
+    (``max_position``): the prompt's tokens and all but the last new token are read."""
+    cfg = model.config
+    if cfg.pos_embedding != "learned":
+        return
+    if prompt_len > cfg.max_position:
+        raise ValueError(
+            f"--prompt: {prompt_len} tokens exceed the model's learned positions (max_position = "
+            f"{cfg.max_position})"
+        )
+    if prompt_len + max_new_tokens - 1 > cfg.max_position:
+        raise ValueError(
+            f"--max-new-tokens: a prompt of {prompt_len} tokens and {max_new_tokens:,} new ones pass the "
+            f"model's learned positions (max_position = {cfg.max_position}); at most "
+            f"{cfg.max_position - prompt_len + 1:,} new tokens fit"
+        )
+
+
 def _cmd_generate(args) -> int:
     _SAID.clear()  # (once per command, not per process: tests call main() again)
     from ..hf.special_ids import checkpoint_bos, checkpoint_eos
     from ..train import generate_text
+    from ..train.generation import _prompt_ids
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     ckpt, model, tok = _load(args.checkpoint, args.device)
     bos = checkpoint_bos(ckpt, tok)
     eos = None if args.ignore_eos else checkpoint_eos(ckpt)
-    _check_generate_memory(model, len(tok.encode(args.prompt or "\n")) + args.max_new_tokens, args.device)
+    prompt_len = len(_prompt_ids(tok, args.prompt, bos))
+    _check_generate_positions(model, prompt_len, args.max_new_tokens)
+    _check_generate_memory(model, prompt_len + args.max_new_tokens, args.device)
     unknown = sorted(set(args.prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
     if unknown:
         print(

@@ -322,6 +322,11 @@ class LanguageModel(nn.Module):
                 f"input_ids must be an integer tensor [B, T], got {input_ids.dtype} {list(input_ids.shape)}"
             )
         self._check_ids(input_ids)
+        if state is not None and (isinstance(state, BlockState) or not hasattr(state, "__len__")):
+            raise ValueError(
+                f"state must be the list of per-layer BlockState that forward returned "
+                f"({len(self.blocks)} entries), got {type(state).__name__}"
+            )
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
         if logits_at is not None:
@@ -536,7 +541,10 @@ class LanguageModel(nn.Module):
 
         The prompt is processed in one pass (prefill), then one token at a time with the per-layer
         state, so recurrent models decode in constant memory. ``temperature = 0`` is greedy
-        (default ``temperature=1.0``).
+        (default ``temperature=1.0``); ``top_k``: sample among the ``top_k`` likeliest tokens (those
+        tied with the ``k``-th too; default ``None``: every token). A ``temperature`` that is not a
+        finite number ``>= 0``, a ``top_k`` that is not an int ``>= 1``, and (learned positions) a
+        prompt plus ``max_new_tokens`` past ``max_position`` raise ``ValueError`` before any work.
 
         ``attention_mask [B, T]`` (1 = token, 0 = padding) batches prompts of different lengths,
         **left-padded** (each row ``0 … 0 1 … 1``; ``ValueError`` naming the row otherwise). Pad
@@ -585,6 +593,8 @@ class LanguageModel(nn.Module):
         """
         step = _DecodeStep(self, compile)
         eos = _eos_ids(eos_token_id, self.config.vocab_size)
+        if on_token is not None and not callable(on_token):
+            raise ValueError(f"on_token: expected a function of the new tokens [B] or None, got {on_token!r}")
         if attention_mask is not None:
             if on_token is not None:
                 raise ValueError(
@@ -598,33 +608,59 @@ class LanguageModel(nn.Module):
             return self._generate_padded(
                 input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
             )
-        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self._check_generate(input_ids, max_new_tokens, temperature, top_k)
+        self._check_positions(input_ids.shape[1], max_new_tokens)
         was_training = self.training
         self.eval()
-        logits, state = step.prefill(input_ids)
-        out = [input_ids]
-        ended = None  # per row: the end id it sampled first (-1: not yet); with eos_token_id only
-        for i in range(max_new_tokens):
-            nxt = sample_next(logits[:, -1], temperature, top_k, generator)
-            if eos is not None:
-                if ended is None:
-                    ended, eos = torch.full_like(nxt, -1), eos.to(nxt.device)
-                nxt = torch.where(ended >= 0, ended, nxt)
-                ended = torch.where((ended < 0) & torch.isin(nxt, eos), nxt, ended)
-            out.append(nxt[:, None])
-            if on_token is not None:
-                on_token(nxt)
-            if eos is not None and bool((ended >= 0).all()):
-                break
-            if i + 1 < max_new_tokens:  # the last token's logits are never read
-                logits, state = step(nxt[:, None], state)
-        self.train(was_training)
+        try:  # (the training mode comes back also when a step fails or the caller interrupts)
+            logits, state = step.prefill(input_ids)
+            out = [input_ids]
+            ended = None  # per row: the end id it sampled first (-1: not yet); with eos_token_id only
+            for i in range(max_new_tokens):
+                nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+                if eos is not None:
+                    if ended is None:
+                        ended, eos = torch.full_like(nxt, -1), eos.to(nxt.device)
+                    nxt = torch.where(ended >= 0, ended, nxt)
+                    ended = torch.where((ended < 0) & torch.isin(nxt, eos), nxt, ended)
+                out.append(nxt[:, None])
+                if on_token is not None:
+                    on_token(nxt)
+                if eos is not None and bool((ended >= 0).all()):
+                    break
+                if i + 1 < max_new_tokens:  # the last token's logits are never read
+                    logits, state = step(nxt[:, None], state)
+        finally:
+            self.train(was_training)
         return torch.cat(out, dim=1)
+
+    def _check_generate(self, input_ids, max_new_tokens, temperature, top_k) -> None:
+        """:meth:`generate`'s arguments (``ValueError`` naming the argument, expected vs received)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {got}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
+        try:
+            ok = not isinstance(temperature, bool) and math.isfinite(temperature) and temperature >= 0
+        except (TypeError, ValueError, RuntimeError):  # not a number (a tensor of several values)
+            ok = False
+        if not ok:
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+            raise ValueError(f"top_k: expected an int >= 1 or None, got {top_k!r}")
+
+    def _check_positions(self, longest: int, max_new_tokens: int) -> None:
+        """Refuse, before any work, a generation whose tokens would run past the learned positions
+        (the last new token is returned, not read)."""
+        P = self.config.max_position
+        need = longest + max_new_tokens - 1
+        if self.pos_embed is not None and longest <= P and need > P:
+            raise ValueError(
+                f"max_new_tokens: a prompt of {longest} tokens and {max_new_tokens} new ones read {need} "
+                f"positions, but the learned positions cover max_position = {P}: at most "
+                f"{P - longest + 1} new tokens fit"
+            )
 
     @property
     def offset_free(self) -> bool:
@@ -637,10 +673,19 @@ class LanguageModel(nn.Module):
 
     def _padded_groups(self, input_ids, attention_mask) -> dict[int, list[int]]:
         """Rows of a left-padded batch grouped by prompt length (validated)."""
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(
+                f"attention_mask: expected a tensor [B, T] of 0 and 1, got {type(attention_mask).__name__}"
+            )
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, "
                 f"got {list(attention_mask.shape)}"
+            )
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            found = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+            raise ValueError(
+                f"attention_mask: expected 1 (token) and 0 (padding) only, got {found[0].item()!r} too"
             )
         mask = attention_mask.to(torch.bool)
         T = input_ids.shape[1]
@@ -703,30 +748,28 @@ class LanguageModel(nn.Module):
     def _generate_padded(
         self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
     ):
-        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self._check_generate(input_ids, max_new_tokens, temperature, top_k)
         groups = self._padded_groups(input_ids, attention_mask)
+        self._check_positions(max(groups), max_new_tokens)
         was_training = self.training
         self.eval()
-        B = input_ids.shape[0]
-        new = input_ids.new_empty(B, max_new_tokens)
-        if self.offset_free:  # one batch: rows back in their order
-            logits, state = self.prefill_left_padded(input_ids, attention_mask)
-            runs = [(list(range(B)), logits[:, -1], state)]
-        else:  # per group of equal length (positions, windows, periods are per stream)
-            runs = [(rows, lg[:, -1], st) for rows, lg, st in self._prefill_groups(input_ids, groups)]
-        for rows, last, state in runs:
-            for i in range(max_new_tokens):
-                nxt = sample_next(last, temperature, top_k, generator)
-                new[rows, i] = nxt
-                if i + 1 < max_new_tokens:
-                    logits, state = step(nxt[:, None], state)
-                    last = logits[:, -1]
-        self.train(was_training)
+        try:  # (the training mode comes back also when a step fails or the caller interrupts)
+            B = input_ids.shape[0]
+            new = input_ids.new_empty(B, max_new_tokens)
+            if self.offset_free:  # one batch: rows back in their order
+                logits, state = self.prefill_left_padded(input_ids, attention_mask)
+                runs = [(list(range(B)), logits[:, -1], state)]
+            else:  # per group of equal length (positions, windows, periods are per stream)
+                runs = [(rows, lg[:, -1], st) for rows, lg, st in self._prefill_groups(input_ids, groups)]
+            for rows, last, state in runs:
+                for i in range(max_new_tokens):
+                    nxt = sample_next(last, temperature, top_k, generator)
+                    new[rows, i] = nxt
+                    if i + 1 < max_new_tokens:
+                        logits, state = step(nxt[:, None], state)
+                        last = logits[:, -1]
+        finally:
+            self.train(was_training)
         return torch.cat([input_ids, new], dim=1)
 
     def num_parameters(self) -> int:
@@ -734,7 +777,11 @@ class LanguageModel(nn.Module):
 
     def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0) -> int:
         """Bytes of the decoding state after ``seq_len`` tokens (KV caches grow with it). Defaults:
-        ``batch_size=1``, ``seq_len=0``."""
+        ``batch_size=1``, ``seq_len=0``. Raises ``ValueError`` naming an argument that is not an int
+        >= 0."""
+        for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"state_size_bytes: {name} expected an int >= 0, got {v!r}")
         total = 0
         for b in self.blocks:
             total += b.mixer.state_size_bytes(batch_size, seq_len)
