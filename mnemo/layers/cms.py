@@ -303,6 +303,37 @@ def _cat_factors(a: tuple | None, b: tuple) -> tuple:
     return b if a is None else tuple(torch.cat([u, v], 1) for u, v in zip(a, b))
 
 
+def _check_width(owner: str, d_model) -> None:
+    if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model < 1:
+        raise ValueError(f"{owner}.d_model: expected an int >= 1, got {d_model!r}")
+
+
+def _as_levels(levels) -> list:
+    """``levels`` as a list of :class:`Level` (each a ``Level`` or a dict of its fields)."""
+    if isinstance(levels, (Level, dict, str)) or not hasattr(levels, "__iter__"):
+        raise ValueError(
+            f"ContinuumMemory.levels: expected a sequence of Level (or dicts of its fields), got {levels!r}"
+        )
+    fields = set(Level.__dataclass_fields__)
+    out = []
+    for i, lv in enumerate(levels):
+        if isinstance(lv, dict):
+            unknown = sorted(set(lv) - fields)
+            if unknown:
+                raise ValueError(
+                    f"ContinuumMemory.levels[{i}]: unknown Level field(s) {unknown}; expected some of "
+                    f"{sorted(fields)}"
+                )
+            lv = Level(**lv)
+        elif not isinstance(lv, Level):
+            raise ValueError(
+                f"ContinuumMemory.levels[{i}]: expected a Level or a dict of its fields, got "
+                f"{type(lv).__name__} {lv!r}"
+            )
+        out.append(lv)
+    return out
+
+
 def _mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """``x [B, L, i] @ W [B, i, o]``; weights still shared over the batch (expanded with batch
     stride 0) take one ``[B·L, i] @ [i, o]`` product (no per-sample copies)."""
@@ -337,6 +368,9 @@ class CMSLevel(nn.Module):
 
     def __init__(self, d_model: int, level: Level, own_weights: bool = True, target: bool = True):
         super().__init__()
+        _check_width("CMSLevel", d_model)
+        if not isinstance(level, Level):
+            raise ValueError(f"CMSLevel.level: expected a Level, got {type(level).__name__} {level!r}")
         self.level = level.validate()
         self.outer_lr_scale = float(level.outer_lr_scale)
         hidden = max(1, int(round(level.expansion * d_model)))
@@ -379,6 +413,33 @@ class CMSLevel(nn.Module):
         zeros = tuple(x.new_zeros(batch_size, *x.shape[-2:]) for x in w)
         mom = zeros if self.level.optimizer != "gd" else None
         return LevelState(weights=w, momentum=mom, grad=zeros)
+
+    def check_state(self, st, batch_size: int, name: str = "state") -> None:
+        """Raise ``ValueError`` unless ``st`` is a :class:`LevelState` this level can continue: fast
+        weights (and gradient buffers) ``[batch_size, d, h]`` and ``[batch_size, h, d]`` of this level's
+        widths, and momentum buffers exactly when its optimizer keeps them (``name``: the state's name
+        in the message)."""
+        if not isinstance(st, LevelState):
+            raise ValueError(f"{name}: expected a LevelState, got {type(st).__name__}")
+        d, h = self.rate.in_features, self.hidden
+        want = ([batch_size, d, h], [batch_size, h, d])
+        for what, pair in (("weights", st.weights), ("grad", st.grad), ("momentum", st.momentum)):
+            if pair is None:
+                continue
+            got = [list(w.shape) for w in pair]
+            if got != list(want):
+                raise ValueError(
+                    f"{name}.{what}: expected shapes {list(want)} (batch, d_model = {d}, hidden = {h}), "
+                    f"got {got} (a state from another configuration?)"
+                )
+        needs = self.level.optimizer != "gd"
+        if needs != (st.momentum is not None):
+            raise ValueError(
+                f"{name}.momentum: the level's optimizer {self.level.optimizer!r} needs "
+                f"{'momentum buffers' if needs else 'none'}, got "
+                f"{'none' if st.momentum is None else 'momentum buffers'} (pass back the state this "
+                "module returned)"
+            )
 
     def _step(self, st: LevelState) -> LevelState:
         """Apply the period's summed gradient (Eq. 71) with the level's optimizer."""
@@ -699,7 +760,8 @@ class ContinuumMemory(nn.Module):
     State: :class:`CMSState` (``levels``: one :class:`LevelState` per level).
 
     Raises:
-        ValueError: no levels; an unknown ``transfer``, ``order`` or ``meta``; ``meta`` without
+        ValueError: ``d_model`` not an int ``≥ 1``; ``levels`` not a sequence of :class:`Level` (or
+            dicts of its fields) or empty; an unknown ``transfer``, ``order`` or ``meta``; ``meta`` without
             nested transfer; ``order="slowest_first"`` without sequential transfer; for
             ``"nested"``: unequal widths, a period that is not a multiple of the next faster
             level's, or ``partial="flush"``.
@@ -714,7 +776,8 @@ class ContinuumMemory(nn.Module):
         order: str = "fastest_first",
     ):
         super().__init__()
-        levels = [lv if isinstance(lv, Level) else Level(**lv) for lv in levels]
+        _check_width("ContinuumMemory", d_model)
+        levels = _as_levels(levels)
         if not levels:
             raise ValueError("ContinuumMemory: levels must hold at least one Level, got none")
         if transfer not in TRANSFERS:
@@ -804,8 +867,9 @@ class ContinuumMemory(nn.Module):
         """``x [B, T, d_model] -> (y [B, T, d_model], CMSState)``.
 
         Raises:
-            ValueError: ``x`` is not ``[B, T, d_model]``; ``state`` holds another number of levels
-                or another batch size.
+            ValueError: ``x`` is not ``[B, T, d_model]``; ``state`` holds another number of levels,
+                another batch size, or a level state this module cannot continue (weights of other
+                widths, momentum buffers missing for a momentum optimizer or present for ``"gd"``).
         """
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x: expected [B, T, {self.d_model}], got {list(x.shape)}")
@@ -817,6 +881,8 @@ class ContinuumMemory(nn.Module):
             batch = state.levels[0].grad[0].shape[0]
             if batch != x.shape[0]:
                 raise ValueError(f"state: it holds {batch} samples, but x has batch size {x.shape[0]}")
+            for i, (level, s) in enumerate(zip(self.levels, state.levels)):
+                level.check_state(s, x.shape[0], f"state.levels[{i}]")
         prev = state.levels if state is not None else [None] * len(self.levels)
         if self.transfer == "sequential":
             h, new = x, [None] * len(self.levels)

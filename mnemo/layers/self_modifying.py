@@ -492,7 +492,8 @@ class SelfModifyingTitans(Mixer):
         ValueError: ``d_model`` not a multiple of ``n_heads``, a chunk size < 1, ``beta_max`` outside
             ``(0, 1]``, ``momentum`` outside ``[0, 1)``, a bad ``mode``, ``memory_target``,
             ``hidden_step`` or ``v_norm``;
-            ``forward`` on ``x`` not ``[B, T, d_model]``, a state from another batch size, or a
+            ``forward`` on ``x`` not ``[B, T, d_model]``, a state from another batch size, a state
+            whose memories have other shapes (another ``expansion`` or ``adaptive_q``), or a
             state without the momentum this mixer needs (or with momentum it does not have).
     """
 
@@ -532,10 +533,10 @@ class SelfModifyingTitans(Mixer):
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         proj_chunk_size = chunk_size if proj_chunk_size is None else proj_chunk_size
         for name, c in (("chunk_size", chunk_size), ("proj_chunk_size", proj_chunk_size)):
-            if not isinstance(c, int) or c < 1:
+            if not isinstance(c, int) or isinstance(c, bool) or c < 1:
                 raise ValueError(f"{name} must be a positive int, got {c!r}")
-        if not 0 < beta_max <= 1:
-            raise ValueError(f"beta_max must be in (0, 1], got {beta_max}")
+        if not isinstance(beta_max, (int, float)) or isinstance(beta_max, bool) or not 0 < beta_max <= 1:
+            raise ValueError(f"beta_max must be a number in (0, 1], got {beta_max!r}")
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
         self.d_model, self.n_heads = d_model, n_heads
@@ -749,6 +750,15 @@ class SelfModifyingTitans(Mixer):
                 f"{'with' if self.momentum else 'without'} momentum buffers, got one "
                 f"{'without' if st.memory_momentum is None else 'with'} (pass the state this mixer returned)"
             )
+        D, h, G = self.d_model, self.hidden, len(self.projections)
+        for name, pair, g in (("proj", st.proj, G), ("memory", st.memory, 1)):
+            want = [[B, g, D, h], [B, g, h, D]]
+            if [list(w.shape) for w in pair] != want:
+                raise ValueError(
+                    f"state.{name}: expected weights of shapes {want} (batch, memories, d_model, hidden), "
+                    f"got {[list(w.shape) for w in pair]} (a state from another configuration: "
+                    f"adaptive_q={self.adaptive_q}, expansion gives hidden = {h})"
+                )
         if T == 0:  # an empty call passes the state through
             return x.new_zeros(B, 0, self.d_model), st
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
