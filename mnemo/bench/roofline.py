@@ -580,7 +580,7 @@ def run(
         for b in gen_batches:
             t = med[("decode", name, b)]
             wb = weight_bytes_per_step(model, b)
-            sb = model.state_size_bytes(b, context)
+            sb = model.state_size_bytes(b, context, pending=False)  # what a step reads
             decode_rows.append(
                 {
                     "model": name,

@@ -775,13 +775,31 @@ class LanguageModel(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
-    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0) -> int:
+    def state_size_bytes(self, batch_size: int = 1, seq_len: int = 0, *, pending: bool = True) -> int:
         """Bytes of the decoding state after ``seq_len`` tokens (KV caches grow with it). Defaults:
-        ``batch_size=1``, ``seq_len=0``. Raises ``ValueError`` naming an argument that is not an int
-        >= 0."""
+        ``batch_size=1``, ``seq_len=0``, ``pending=True``. Raises ``ValueError`` naming an argument
+        that is not an int >= 0.
+
+        A model whose CMS levels learn from the task signal (``task_segment`` ``S``) also carries
+        its pending segment: the state at the segment's start (a snapshot, free at the first
+        segment) and the segment's token ids so far (counted as int64). That part is counted in full:
+        an upper bound, as the snapshot shares with the current state the tensors the segment has
+        not changed (exact for ``seq_len <= S``). ``pending=False`` leaves it out: the state a
+        decoding step reads (the snapshot is read once per segment)."""
         for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"state_size_bytes: {name} expected an int >= 0, got {v!r}")
+        total = self._state_bytes(batch_size, seq_len)
+        S = self.task_segment
+        if S is not None and seq_len > 0 and pending:
+            start = (seq_len - 1) // S * S  # where the pending segment began
+            total += (self._state_bytes(batch_size, start) if start else 0) + 8 * batch_size * (
+                seq_len - start
+            )
+        return total
+
+    def _state_bytes(self, batch_size: int, seq_len: int) -> int:
+        """The per-layer states' bytes after ``seq_len`` tokens (no pending segment)."""
         total = 0
         for b in self.blocks:
             total += b.mixer.state_size_bytes(batch_size, seq_len)

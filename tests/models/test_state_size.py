@@ -56,3 +56,32 @@ def test_attention_grows_with_length_recurrent_models_do_not():
     assert gdn.state_size_bytes(1, 512) == gdn.state_size_bytes(1, 256) > 0
     # 2 layers x 4 heads x (8 x 8 fp32 matrix) + conv tail (3 taps x 96 channels fp32)
     assert gdn.state_size_bytes(1, 0) == 2 * (4 * 8 * 8 * 4 + 3 * 96 * 4)
+
+
+@pytest.mark.parametrize("name", ["hope", "hope_attention", "hope_paper"])
+def test_a_task_signal_models_state_size_counts_its_pending_segment(name):
+    """A model whose levels learn from the task signal carries its pending segment (the state at
+    the segment's start and the segment's ids): the report bounds the bytes of the distinct
+    tensors of the state it returns (this file's count) — after one pass and after token-by-token
+    decoding — and is exact within the first segment (the start state is the initial one, nothing
+    is snapshotted). It used to count
+    the current state alone (245 KB reported, 345 KB held: hope_paper at 37 tokens)."""
+    torch.manual_seed(0)
+    m = LanguageModel(build_config(name, vocab_size=32, d_model=16, n_layers=2)).eval()
+    S = m.task_segment
+    ids = torch.randint(0, 32, (2, 40))
+    for T in (1, S, S + 1, 2 * S, 37, 40):
+        with torch.no_grad():
+            _, whole = m(ids[:, :T])
+            _, stepped = m(ids[:, :1])
+            for t in range(1, T):
+                _, stepped = m(ids[:, t : t + 1], stepped)
+        reported = m.state_size_bytes(2, T)
+        held = max(_bytes(whole, set()), _bytes(stepped, set()))
+        assert reported >= held, (name, T, reported, held)
+        if T <= S:
+            assert reported == _bytes(whole, set()) == _bytes(stepped, set()), (name, T)
+    # the current state alone no longer bounds it: past the first segment the snapshot is held too
+    with torch.no_grad():
+        _, state = m(ids[:, :37])
+    assert _bytes(state, set()) > m.state_size_bytes(2, 37, pending=False)
