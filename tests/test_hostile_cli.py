@@ -1043,7 +1043,7 @@ def test_mixer_options_of_any_shape_are_refused_in_one_line(tmp_path, capsys):
         ("model: gla\nmodel_overrides: {mixer_options: {gla: {bogus_opt: 3}}}\n", "got 'bogus_opt'"),
         (
             "model: transformer\nmodel_overrides: {mixer_options: {attention: {n_heads: 0}}}\n",
-            "ModelConfig.mixer_options['attention'] = {'n_heads': 0}: integer modulo by zero",
+            "ModelConfig.mixer_options['attention'] = {'n_heads': 0}: n_heads: expected an int >= 1, got 0",
         ),
         # (sixth list) a value of the wrong kind is named by its option and its default, once
         (

@@ -256,10 +256,10 @@ def _blank(f: Path) -> bool:
 
 def _json_records(files: list[Path]):
     """``(where, record)`` for every record of the JSON ``files`` (datasets has read them, so they
-    parse): a file whose text starts with ``[`` is one array of records, else JSON Lines."""
+    parse): a ``.json`` file whose text starts with ``[`` is one array of records, else JSON Lines."""
     for f in files:
         text = f.read_text(encoding="utf-8-sig")
-        if text.lstrip().startswith("["):
+        if not f.name.lower().endswith(".jsonl") and text.lstrip().startswith("["):
             for n, record in enumerate(json.loads(text), 1):
                 yield f"{f} record {n}", record
             continue
@@ -307,6 +307,12 @@ def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> li
         # datasets infers a column type: strings that look like dates come back as datetimes, and
         # in a mixed column the string "1" as an int: the files themselves say what each record holds
         records = list(_json_records(files))
+        for where, record in records:
+            if not isinstance(record, dict):
+                unit = "line" if " line " in where else "record"
+                raise ValueError(
+                    f"data {data!r}: {where}: a JSON {type(record).__name__}, expected one object per {unit}"
+                )
         values = [r.get(text_field) if isinstance(r, dict) else None for _, r in records]
         wheres = [where for where, _ in records]
     docs = []
