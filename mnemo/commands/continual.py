@@ -916,8 +916,9 @@ def judge_claims(experiment: str, results: dict, chance: float | None = None) ->
             "values": [r[metric] for r in rows],
             "newest": [r.get("newest") for r in rows],
             "plateau": [
-                left_plateau(
-                    [{"step": c["step"], "val_loss": c["loss"]} for c in r["loss_curve"]], "val_loss"
+                left_plateau(  # (results written before runs kept their curve: unknown)
+                    [{"step": c["step"], "val_loss": c["loss"]} for c in r.get("loss_curve") or []],
+                    "val_loss",
                 )
                 for r in rows
             ],

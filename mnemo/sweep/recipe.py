@@ -37,9 +37,10 @@ MIN_LR_VALUES = 3
 MIN_LR_SPAN = 10.0
 #: seeds reported per cell (the held-out selection seed comes on top)
 MIN_REPORTED_SEEDS = 3
-#: an accuracy curve left its plateau when it rose this much (absolute) above its first value
+#: an accuracy curve left its plateau when its best value rose this much (absolute) above the
+#: plateau's level (the median of the curve's first half, :func:`left_plateau`)
 ACC_RISE = 0.1
-#: a loss curve left its plateau when it fell this fraction below its first value
+#: a loss curve left its plateau when its best value fell this fraction of the level below it
 LOSS_RISE = 0.05
 
 VERDICTS = ("reproduced", "not reproduced", "not testable here")
@@ -105,7 +106,8 @@ def _higher_is_better(metric: str) -> bool:
 
 def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None = None) -> bool | None:
     """Whether a run's evaluation ``curve`` (records with ``step`` and ``metric``, in order) left
-    its initial plateau; ``None`` when the curve has fewer than one finite value (unknown).
+    its initial plateau; ``None`` (unknown) when the curve has no finite value, or only one that did
+    not reach ``threshold``: a single evaluation shows no rise and no plateau either.
 
     The plateau's level is the median of the first half of the curve (its first ``⌈n/2⌉``
     values), not its first value: a first evaluation often sits *below* the plateau (MQAR's
@@ -117,6 +119,11 @@ def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None 
     values = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     if not values:
         return None
+    if len(values) == 1:  # one evaluation: reached the threshold, or nothing to compare it with
+        reached = threshold is not None and (
+            values[0] >= threshold if _higher_is_better(metric) else values[0] <= threshold
+        )
+        return True if reached else None
     head = sorted(values[: (len(values) + 1) // 2])
     level = head[(len(head) - 1) // 2]  # the (lower) median of the first half
     if _higher_is_better(metric):

@@ -566,8 +566,12 @@ def judge_claims_at_lengths(
 ) -> list[dict]:
     """:func:`judge_claims` once per test length longer than the training length, on the cells'
     per-seed accuracy there (``at_length``, :func:`_length_metric`); each entry's claim names the
-    length and carries ``length``. The plateau flags are the training metric's. Empty when no
-    accuracy was measured at a longer length."""
+    length and carries ``length``. The plateau flags are the training metric's. ``threshold`` is
+    the metric's; when the accuracy at length is another metric (a ``val_loss`` report), its own
+    :func:`default_threshold` is the ceiling instead. Empty when no accuracy was measured at a
+    longer length."""
+    if _length_metric(metric) != metric:  # a loss threshold says nothing about an accuracy
+        threshold = default_threshold(_length_metric(metric))
     lengths = sorted({L for c in cells for L in c.get("at_length", {}) if L != c["seq_len"]})
     out = []
     for L in lengths:
@@ -648,6 +652,7 @@ def write_report(
     select_lr_on_seed: int | None = None,
     confidence: float = 0.95,
     run_ids: set[str] | None = None,
+    meta: dict | None = None,
 ) -> dict:
     """Write ``SWEEP.md`` (the :func:`markdown_table`), ``SWEEP.json`` (the :func:`cell_stats`)
     and (with ``plots``) ``SWEEP_acc_vs_state.png`` and ``SWEEP_acc_vs_length.png`` (means with
@@ -659,15 +664,21 @@ def write_report(
     :func:`default_threshold` of ``metric`` (0.99 for accuracies); ``select_lr_on_seed`` defaults
     to the sweep file's (stored in the database by :func:`~mnemo.sweep.run_sweep`). ``run_ids``
     keeps only those runs (the runs a sweep file defines now: :func:`mnemo.sweep.reproduce_page`
-    leaves out the runs of an earlier version of the file, or of another file with the same name). Returns
-    ``{sweep: {"markdown": text, "cells": cell_stats, "files": [paths]}}``.
+    leaves out the runs of an earlier version of the file, or of another file with the same name).
+    ``meta`` (with ``sweep``): the sweep file's settings as it reads now (:meth:`SweepSpec.meta`:
+    claims, seeds, held-out seed, ...), used instead of those the database stored when the sweep last
+    ran (:func:`mnemo.sweep.reproduce_page` without running: a claim added to the file since is
+    judged). Returns ``{sweep: {"markdown": text, "cells": cell_stats, "files": [paths]}}``.
 
     Raises:
         FileNotFoundError: the database does not exist. ValueError: it holds no (such) sweep, or
         ``threshold`` / ``select_lr_on_seed`` is malformed (see :func:`cell_stats`), or
         ``select_lr_on_seed`` is a seed that no run of the database has, or no finished run of a
-        sweep measured ``metric`` (e.g. ``val_acc`` asked of a text sweep).
+        sweep measured ``metric`` (e.g. ``val_acc`` asked of a text sweep), or ``meta`` is given
+        without ``sweep``.
     """
+    if meta is not None and sweep is None:
+        raise ValueError("write_report: meta (a sweep file's settings) needs sweep (the sweep it belongs to)")
     db_path = Path(db_path)
     with SweepDB(db_path, create=False) as db:
         names = db.sweeps()
@@ -679,6 +690,8 @@ def write_report(
             raise ValueError(f"{db_path} holds no runs yet (run `mnemo sweep CONFIG` first)")
         all_rows = {n: [r for r in db.rows(n) if run_ids is None or r["run_id"] in run_ids] for n in names}
         metas = {n: db.meta(n) for n in names}
+    if meta is not None:
+        metas[sweep] = {**metas[sweep], **meta}
     if select_lr_on_seed is not None:  # a seed given by hand must be one the sweeps ran
         ran = sorted({_seed(r) for rows in all_rows.values() for r in rows})
         if select_lr_on_seed not in ran:

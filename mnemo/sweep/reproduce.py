@@ -321,8 +321,10 @@ def reproduce_page(
     The page reports exactly the runs each sweep file defines as it reads now
     (:func:`~mnemo.sweep.runner.sweep_plan`): runs that the database holds under the same sweep
     name but that the file no longer defines (an edited file, another file with the same
-    ``name``) are left out, and the log says how many. A sweep still missing runs after this call
-    (a failed run; ``run=False`` with ``partial``) gets the **Partial** line in its block.
+    ``name``) are left out, and the log says how many; its claims, seeds and held-out seed are the
+    file's as it reads now too, not those the database stored when it last ran. A sweep still
+    missing runs after this call (a failed run; ``run=False`` with ``partial``) gets the **Partial**
+    line in its block.
     Returns:
         ``{sweep name: {"counts": run_sweep's counts or None, "report": write_report's entry,
         "elapsed_s": seconds this call spent in the sweep, "pending": {state: runs} still to
@@ -407,7 +409,8 @@ def reproduce_page(
                 "define (an earlier version of the file, or another file with this name); the page leaves "
                 "them out"
             )
-        report = write_report(db, folder, sweep=spec.name, metric=spec.metric, run_ids=ids)[spec.name]
+        reports = write_report(db, folder, sweep=spec.name, metric=spec.metric, run_ids=ids, meta=spec.meta())
+        report = reports[spec.name]
         figures = [f for f in report["files"] if str(f).endswith(".png")]
         rel = os.path.relpath(folder, page.parent)
         block = "\n".join(

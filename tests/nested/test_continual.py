@@ -433,6 +433,22 @@ def test_judge_claims_paired_verdicts():
     assert c["n"] == 2 and c["verdict"] == "not testable here"
 
 
+def test_claims_of_results_kept_before_runs_had_loss_curves_are_judged_not_a_key_error():
+    """A continual.json from before runs kept their training-loss curve (docs/results/continual/)
+    raised a bare KeyError: 'loss_curve' when its claims were judged (a page's block rebuilt from
+    it); without a curve the plateau is unknown, as for a sweep run without one."""
+    from mnemo.commands.continual import judge_claims
+
+    def res(a, b):
+        return {
+            name: {"per_seed": [{"seed": s, "A_after_B": v} for s, v in enumerate(vals)]}
+            for name, vals in (("cms-3", a), ("flat-3", b))
+        }
+
+    (c,) = judge_claims("abab", res([0.5, 0.6, 0.7], [0.3, 0.35, 0.5]))
+    assert c["verdict"] == "reproduced" and c["n"] == 3
+
+
 def test_retention_claims_judge_the_share_kept_with_age():
     from mnemo.commands.continual import judge_claims, retained_share
 
