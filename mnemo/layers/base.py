@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops._common import pad_packed, unpad_packed, varlen_index
+from ..ops._common import check_cu_seqlens, pad_packed, unpad_packed, varlen_index
 from .state import nbytes
 
 
@@ -105,7 +105,9 @@ class Mixer(nn.Module):
         and runs one call: a mixer's output at a token never depends on later tokens (any split
         of a stream equals one pass — the contract every mixer is tested on), so the padding
         after a document cannot reach it. Hooks then see the padded batch. A mixer whose op
-        takes ``cu_seqlens`` may override this with an unpadded call."""
+        takes ``cu_seqlens`` may override this with an unpadded call. Raises ``ValueError`` for
+        offsets that do not cover ``x`` (:func:`~mnemo.ops._common.check_cu_seqlens`)."""
+        check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])  # (else the documents past c_D vanish)
         idx, valid, _ = varlen_index(cu_seqlens, x.device)
         y, _ = self(pad_packed(x, idx, valid), None, mode=mode)
         return unpad_packed(y, valid)

@@ -149,3 +149,21 @@ def test_moe_replaced_routing_outside_the_experts_is_named(bad):
     m.hook_topk_indices.register_forward_hook(lambda mod, args, out: idx.view(1, 3, 2))
     with pytest.raises(ValueError, match=rf"hook_topk_indices: expected expert indices in \[0, 3\] .*{bad}"):
         m(torch.randn(1, 3, 8))
+
+
+@pytest.mark.parametrize("name", ["mamba", "attention", "deltanet"])
+def test_the_default_packed_form_names_offsets_that_do_not_cover_the_input(name):
+    """``Mixer.forward_packed`` (the padded default) called on a layer with offsets ending before the
+    input's last token returned fewer tokens than it was given; now a named error. Offsets that do
+    cover it still equal each document alone."""
+    from mnemo.layers import MIXERS
+
+    torch.manual_seed(0)
+    layer = MIXERS[name](16)
+    x = torch.randn(1, 7, 16)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at T = 7"):
+        layer.forward_packed(x, torch.tensor([0, 3, 6]))
+    y = layer.forward_packed(x, torch.tensor([0, 3, 7]))
+    first, _ = layer(x[:, :3])
+    second, _ = layer(x[:, 3:])
+    torch.testing.assert_close(y, torch.cat([first, second], 1))
