@@ -169,9 +169,17 @@ class Trainer:
             raise
         except (SafetensorError, RuntimeError) as e:  # a damaged file the manifest did not cover, or misfit
             detail = _misfit(self.model, ckpt, e) if isinstance(e, RuntimeError) else str(e)
-            unchecked = "" if (ckpt / MANIFEST_NAME).is_file() else f" (it has no {MANIFEST_NAME}: unchecked)"
+            if (ckpt / MANIFEST_NAME).is_file():  # its files were verified: intact, but not this model's
+                raise ValueError(
+                    f"checkpoint {ckpt}: its (verified) weights do not fit model {self.cfg.model!r} as this "
+                    f"mnemo builds it — written by another version? {detail}"
+                ) from e
             raise CorruptCheckpointError(
-                ckpt, [f"its weights do not load into model {self.cfg.model!r}{unchecked}: {detail}"]
+                ckpt,
+                [
+                    f"its weights do not load into model {self.cfg.model!r} (it has no {MANIFEST_NAME}: "
+                    f"unchecked): {detail}"
+                ],
             ) from e
         load_schedule(self.scheduler, state["scheduler"])  # (a stretched cosine: its rate from here on)
         self.generator.set_state(state["generator"])

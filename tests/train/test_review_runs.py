@@ -159,6 +159,13 @@ def test_an_unverified_damaged_or_foreign_checkpoint_is_an_error_not_a_traceback
     weights.write_bytes((tmp_path / "b" / "ckpt-000002" / "model.safetensors").read_bytes())
     with pytest.raises(CorruptCheckpointError, match=r"do not load into model 'transformer'.*size mismatch"):
         _trainer(tmp_path / "a", resume=True)
+    # verified files that do not fit the model (another mnemo's parameters): not called damaged
+    from mnemo.train.checkpoint import write_manifest
+
+    write_manifest(ckpt)
+    with pytest.raises(ValueError, match=r"\(verified\) weights do not fit model 'transformer'") as info:
+        _trainer(tmp_path / "a", resume=True)
+    assert not isinstance(info.value, CorruptCheckpointError) and "size mismatch" in str(info.value)
 
 
 def test_a_saved_config_this_mnemo_refuses_names_its_file(tmp_path, capsys):
