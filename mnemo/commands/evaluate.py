@@ -400,6 +400,7 @@ def _cmd_generate(args) -> int:
             args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
+            top_p=args.top_p,
             seed=args.seed,
             device=args.device,
             compile=args.compile,
@@ -504,6 +505,12 @@ def add_commands(sub) -> None:
     )
     g.add_argument("--temperature", type=kinds.nonneg_float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=kinds.positive_int, help="sample among the K likeliest tokens")
+    g.add_argument(
+        "--top-p",
+        type=kinds.Float(0, 1, lo_open=True),
+        help="nucleus sampling: among the fewest likeliest tokens whose probability sums to P "
+        "(after --top-k)",
+    )
     g.add_argument("--seed", type=kinds.seed, default=0)
     g.add_argument("--device", default="cpu", type=kinds.device)
     g.add_argument(

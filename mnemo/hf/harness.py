@@ -25,9 +25,10 @@ checkpoint's own tokenizer (:func:`mnemo.data.load_tokenizer`), scoring runs on 
     rolling windows of ``max_length`` tokens, each scored from a fresh state.
 
 * ``generate_until``: greedy decoding (temperature sampling when a task sets ``do_sample`` and a
-  ``temperature > 0``) with the state, one token per step, until a stop string appears in the
-  decoded text (the output is cut before it), an end-of-text token (when the tokenizer has one), or
-  ``max_gen_toks`` tokens. Requests with equal prompt length and options are batched.
+  ``temperature > 0``, within its ``top_k`` / ``top_p`` where it sets them) with the state, one
+  token per step, until a stop string appears in the decoded text (the output is cut before it),
+  an end-of-text token (when the checkpoint or tokenizer declares one), or ``max_gen_toks``
+  tokens. Requests with equal prompt length and options are batched.
 
 **The first token.** The first token of a document (and of a continuation with an empty context)
 is conditioned on ``prefix_token_id`` when one is known, as lm-eval's Hugging Face model does:
@@ -314,7 +315,13 @@ class MnemoLM(LM):
 
     @torch.no_grad()
     def _generate(
-        self, prompts: list[list[int]], until: list[str], max_gen: int, temperature: float
+        self,
+        prompts: list[list[int]],
+        until: list[str],
+        max_gen: int,
+        temperature: float,
+        top_k: int | None = None,
+        top_p: float | None = None,
     ) -> list[str]:
         x = torch.tensor(prompts, device=self._device)
         logits, state = self.model(x)
@@ -322,7 +329,7 @@ class MnemoLM(LM):
         gen: list[list[int]] = [[] for _ in range(rows)]
         done = [False] * rows
         for step in range(max_gen):
-            nxt = sample_next(logits[:, -1].float(), temperature, None, None)
+            nxt = sample_next(logits[:, -1].float(), temperature, top_k, None, top_p)
             for r in range(rows):
                 if done[r]:
                     continue
@@ -356,6 +363,9 @@ class MnemoLM(LM):
             max_gen = kw.pop("max_gen_toks", kw.pop("max_new_tokens", self.max_gen_toks))
             do_sample = bool(kw.pop("do_sample", False))
             temperature = float(kw.pop("temperature", 0.0) or 0.0) if do_sample else 0.0
+            top_k, top_p = kw.pop("top_k", None), kw.pop("top_p", None)
+            top_k = int(top_k) if do_sample and top_k else None  # (0 / None: every token)
+            top_p = float(top_p) if do_sample and top_p is not None and 0 < float(top_p) < 1 else None
             if kw:
                 log.warning("mnemo: generate_until ignores %s", sorted(kw))
             ctx = self._with_prefix(self.tok_encode(context))
@@ -363,16 +373,20 @@ class MnemoLM(LM):
                 raise ValueError("generate_until: an empty context needs a prefix_token_id to start from")
             if self.truncate:
                 ctx = ctx[-max(1, self.max_length - int(max_gen)) :]
-            key = (len(ctx), tuple(until), int(max_gen), temperature)
+            key = (len(ctx), tuple(until), int(max_gen), temperature, top_k, top_p)
             groups.setdefault(key, []).append((i, ctx))
         out: list[str | None] = [None] * len(requests)
-        for (_, until, max_gen, temperature), members in sorted(groups.items(), key=lambda kv: -kv[0][0]):
+        for (_, until, max_gen, temperature, top_k, top_p), members in sorted(
+            groups.items(), key=lambda kv: -kv[0][0]
+        ):
             for s in range(0, len(members), self.batch_size):
                 chunk = members[s : s + self.batch_size]
                 if max_gen <= 0:
                     texts = [""] * len(chunk)
                 else:
-                    texts = self._generate([c for _, c in chunk], list(until), max_gen, temperature)
+                    texts = self._generate(
+                        [c for _, c in chunk], list(until), max_gen, temperature, top_k, top_p
+                    )
                 for (i, _), text in zip(chunk, texts):
                     out[i] = text
         return out  # type: ignore[return-value]

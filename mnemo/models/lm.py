@@ -530,6 +530,7 @@ class LanguageModel(nn.Module):
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
+        top_p: float | None = None,
         generator: torch.Generator | None = None,
         attention_mask: torch.Tensor | None = None,
         compile: bool = False,
@@ -542,9 +543,13 @@ class LanguageModel(nn.Module):
         The prompt is processed in one pass (prefill), then one token at a time with the per-layer
         state, so recurrent models decode in constant memory. ``temperature = 0`` is greedy
         (default ``temperature=1.0``); ``top_k``: sample among the ``top_k`` likeliest tokens (those
-        tied with the ``k``-th too; default ``None``: every token). A ``temperature`` that is not a
-        finite number ``>= 0``, a ``top_k`` that is not an int ``>= 1``, and (learned positions) a
-        prompt plus ``max_new_tokens`` past ``max_position`` raise ``ValueError`` before any work.
+        tied with the ``k``-th too; default ``None``: every token); ``top_p``: nucleus sampling
+        (Holtzman et al. 2020), among the fewest likeliest tokens whose probability sums to at
+        least ``top_p``, renormalised (default ``None``: every token); applied in the order
+        temperature, ``top_k``, ``top_p`` (as ``transformers`` does). A ``temperature`` that is not
+        a finite number ``>= 0``, a ``top_k`` that is not an int ``>= 1``, a ``top_p`` outside
+        ``(0, 1]``, and (learned positions) a prompt plus ``max_new_tokens`` past ``max_position``
+        raise ``ValueError`` before any work.
 
         ``attention_mask [B, T]`` (1 = token, 0 = padding) batches prompts of different lengths,
         **left-padded** (each row ``0 … 0 1 … 1``; ``ValueError`` naming the row otherwise). Pad
@@ -606,9 +611,9 @@ class LanguageModel(nn.Module):
                     "generate each prompt length alone, or cut the rows at their first end id"
                 )
             return self._generate_padded(
-                input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
+                input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step, top_p
             )
-        self._check_generate(input_ids, max_new_tokens, temperature, top_k)
+        self._check_generate(input_ids, max_new_tokens, temperature, top_k, top_p)
         self._check_positions(input_ids.shape[1], max_new_tokens)
         was_training = self.training
         self.eval()
@@ -617,7 +622,7 @@ class LanguageModel(nn.Module):
             out = [input_ids]
             ended = None  # per row: the end id it sampled first (-1: not yet); with eos_token_id only
             for i in range(max_new_tokens):
-                nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+                nxt = sample_next(logits[:, -1], temperature, top_k, generator, top_p)
                 if eos is not None:
                     if ended is None:
                         ended, eos = torch.full_like(nxt, -1), eos.to(nxt.device)
@@ -634,7 +639,7 @@ class LanguageModel(nn.Module):
             self.train(was_training)
         return torch.cat(out, dim=1)
 
-    def _check_generate(self, input_ids, max_new_tokens, temperature, top_k) -> None:
+    def _check_generate(self, input_ids, max_new_tokens, temperature, top_k, top_p=None) -> None:
         """:meth:`generate`'s arguments (``ValueError`` naming the argument, expected vs received)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 1:
             got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -649,6 +654,10 @@ class LanguageModel(nn.Module):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
             raise ValueError(f"top_k: expected an int >= 1 or None, got {top_k!r}")
+        if top_p is not None and (
+            isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
+        ):
+            raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
 
     def _check_positions(self, longest: int, max_new_tokens: int) -> None:
         """Refuse, before any work, a generation whose tokens would run past the learned positions
@@ -746,9 +755,9 @@ class LanguageModel(nn.Module):
 
     @torch.no_grad()
     def _generate_padded(
-        self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step
+        self, input_ids, attention_mask, max_new_tokens, temperature, top_k, generator, step, top_p=None
     ):
-        self._check_generate(input_ids, max_new_tokens, temperature, top_k)
+        self._check_generate(input_ids, max_new_tokens, temperature, top_k, top_p)
         groups = self._padded_groups(input_ids, attention_mask)
         self._check_positions(max(groups), max_new_tokens)
         was_training = self.training
@@ -763,7 +772,7 @@ class LanguageModel(nn.Module):
                 runs = [(rows, lg[:, -1], st) for rows, lg, st in self._prefill_groups(input_ids, groups)]
             for rows, last, state in runs:
                 for i in range(max_new_tokens):
-                    nxt = sample_next(last, temperature, top_k, generator)
+                    nxt = sample_next(last, temperature, top_k, generator, top_p)
                     new[rows, i] = nxt
                     if i + 1 < max_new_tokens:
                         logits, state = step(nxt[:, None], state)
@@ -1084,8 +1093,13 @@ def _eos_ids(eos_token_id, vocab_size: int) -> torch.Tensor | None:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
-    """Draw one token per row from ``logits [B, vocab]`` (greedy when ``temperature == 0``).
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator, top_p: float | None = None
+) -> torch.Tensor:
+    """Draw one token per row from ``logits [B, vocab]`` (greedy when ``temperature == 0``), among
+    the ``top_k`` likeliest (ties with the ``k``-th kept) and then the nucleus of ``top_p`` (the
+    fewest likeliest tokens whose probabilities sum to ``>= top_p``; among equal probabilities at
+    its edge, the lower ids first). Default ``top_p=None``: no nucleus.
 
     The logits are shifted by their row maximum before the division by ``temperature``: the same
     distribution, and a tiny temperature (``1e-40`` on float64 logits) gives the greedy limit (the
@@ -1099,4 +1113,10 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, gen
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
+    if top_p is not None and top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # the mass of the likelier tokens
+        outside = before >= top_p  # in sorted order; the likeliest token is always kept
+        drop = torch.empty_like(outside).scatter_(-1, order, outside)  # back to vocabulary order
+        probs = probs.masked_fill(drop, 0.0)  # (multinomial renormalises)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

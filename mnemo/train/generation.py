@@ -17,6 +17,7 @@ def generate_text(
     *,
     temperature: float = 0.8,
     top_k: int | None = None,
+    top_p: float | None = None,
     seed: int = 0,
     device="cpu",
     compile: bool = False,
@@ -25,7 +26,8 @@ def generate_text(
     eos: int | list[int] | None = None,
 ) -> str:
     """Decode ``max_new_tokens`` after ``prompt`` (an empty prompt starts from a newline), sampled
-    at ``temperature`` (``0``: greedy) from a generator seeded with ``seed``; ``compile``: decode
+    at ``temperature`` (``0``: greedy) from a generator seeded with ``seed``, among the ``top_k``
+    likeliest tokens and the ``top_p`` nucleus where given; ``compile``: decode
     under ``torch.compile`` (:meth:`~mnemo.models.LanguageModel.generate`). ``made``: a list that
     receives each new token id (a 0-d tensor, on ``device``) as it is sampled (what an
     interruption leaves: :func:`decoded`). ``bos``: a token id read before the prompt and not
@@ -33,8 +35,8 @@ def generate_text(
     prompt starts from it alone). ``eos``: an end-of-text id (or several) that ends the text: the
     generation stops there, and the end token itself is not part of the text
     (:meth:`~mnemo.models.LanguageModel.generate`'s ``eos_token_id``).
-    Defaults: ``temperature=0.8``, ``seed=0``, ``compile=False``, ``made=None``, ``bos=None``,
-    ``eos=None``."""
+    Defaults: ``temperature=0.8``, ``top_k=None``, ``top_p=None``, ``seed=0``, ``compile=False``,
+    ``made=None``, ``bos=None``, ``eos=None``."""
     prompt_ids = _prompt_ids(tokenizer, prompt, bos)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(
@@ -42,6 +44,7 @@ def generate_text(
         max_new_tokens,
         temperature=temperature,
         top_k=top_k,
+        top_p=top_p,
         generator=gen,
         compile=compile,
         on_token=None if made is None else (lambda nxt: made.append(nxt[0])),  # no host sync per token

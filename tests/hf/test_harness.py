@@ -219,3 +219,21 @@ def test_harness_command_errors(tmp_path, capsys):
     ):
         assert main([*argv, "--tasks", "mnemo_test_mc", "--model-args", bad]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_generate_until_samples_within_the_tasks_top_k_and_top_p():
+    """A task that samples (``do_sample``, ``temperature > 0``) with ``top_k=1`` or a tiny ``top_p``
+    gets the greedy text (a nucleus or top-k of the likeliest token alone); without them it samples
+    (the same prompt gives another text for some seed of the process-wide generator)."""
+    lm, tok = _model()
+    model = MnemoLM(model=lm, tokenizer=tok)
+
+    def gen(**kw):
+        args = ("The quick", {"until": [], "max_gen_toks": 12, **kw})
+        return model.generate_until([Instance("generate_until", {}, args, 0)])[0]
+
+    greedy = gen()
+    assert gen(do_sample=True, temperature=1.0, top_k=1) == greedy
+    assert gen(do_sample=True, temperature=1.0, top_p=1e-9) == greedy
+    torch.manual_seed(0)
+    assert any(gen(do_sample=True, temperature=1.0) != greedy for _ in range(5))

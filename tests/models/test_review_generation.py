@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from mnemo.models import LanguageModel, build_config, model_names
+from mnemo.models import LanguageModel, ModelConfig, build_config, model_names
 from mnemo.models.lm import sample_next
 
 
@@ -246,3 +246,62 @@ def test_a_state_that_is_not_the_per_layer_list_is_named():
         m(torch.randint(0, 20, (2, 1)), tuple(state))  # a tuple of them is fine
         with pytest.raises(ValueError, match=r"state must be the list of per-layer BlockState .* got int"):
             m(torch.randint(0, 20, (2, 1)), 3)
+
+
+def _frequencies(logits, n=20000, **kw):
+    gen = torch.Generator().manual_seed(0)
+    draws = sample_next(logits.expand(n, -1), kw.pop("temperature", 1.0), kw.pop("top_k", None), gen, **kw)
+    return torch.bincount(draws, minlength=logits.shape[-1]).double() / n
+
+
+def test_top_p_samples_the_nucleus_renormalised():
+    """Nucleus sampling (Holtzman et al. 2020) on a known distribution, against a hand computation:
+    probabilities 0.5 / 0.3 / 0.15 / 0.05 with top_p 0.7 keep the first two (0.5 < 0.7 before the
+    second, 0.8 >= 0.7 before the third) at 0.625 / 0.375; top_p 0.5 keeps the first alone; 1 keeps
+    all; after top_k 3 and temperature 2 the nucleus is taken on the tempered, cut distribution."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = p.log()[None]
+    n = 20000
+
+    def close(got, want):
+        sigma = (torch.as_tensor(want) * (1 - torch.as_tensor(want)) / n).sqrt()
+        assert ((got - torch.as_tensor(want)).abs() <= 5 * sigma + 1e-12).all(), (got, want)
+
+    close(_frequencies(logits, top_p=0.7), [0.625, 0.375, 0, 0])
+    close(_frequencies(logits, top_p=0.5), [1, 0, 0, 0])
+    close(_frequencies(logits, top_p=1.0), p.tolist())
+    tempered = p.sqrt()[:3] / p.sqrt()[:3].sum()  # temperature 2, then the top 3
+    assert tempered[0] < 0.75 <= tempered[0] + tempered[1]  # the nucleus is the first two
+    want = torch.zeros(4, dtype=torch.float64)
+    want[:2] = tempered[:2] / tempered[:2].sum()
+    close(_frequencies(logits, temperature=2.0, top_k=3, top_p=0.75), want.tolist())
+    # equal probabilities at the nucleus' edge: the lower id is taken first
+    tie = torch.tensor([[0.0, 0.0, -30.0]], dtype=torch.float64)
+    close(_frequencies(tie, top_p=0.4), [1, 0, 0])
+
+
+def test_top_p_through_generate_and_the_cli(tmp_path, capsys):
+    from mnemo.cli import main
+
+    torch.manual_seed(0)
+    lm = LanguageModel(ModelConfig(vocab_size=20, d_model=16, n_layers=1, mixer="gla")).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    greedy = lm.generate(ids, 6, temperature=0)
+    tiny = lm.generate(ids, 6, top_p=1e-9, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(tiny, greedy)  # the nucleus of the likeliest token alone
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="top_p: expected a number in \\(0, 1\\] or None"):
+            lm.generate(ids, 2, top_p=bad)
+    from mnemo.data.tokenizer import CharTokenizer, save_tokenizer
+
+    ck = tmp_path / "ck"
+    lm.save_pretrained(ck)
+    save_tokenizer(CharTokenizer.from_text("abcdefghij"), ck)
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(ck), "--prompt", "abc", "--max-new-tokens", "8"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    greedy_text = capsys.readouterr().out
+    assert main([*argv, "--top-p", "1e-9", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy_text
+    assert main([*argv, "--top-p", "0"]) == 2
+    assert "argument --top-p: expected a finite number in (0, 1]" in capsys.readouterr().err
