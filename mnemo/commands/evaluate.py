@@ -64,7 +64,7 @@ def _load(checkpoint: str, device: str):
 def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
     from ..models import LanguageModel
     from ..train import TrainConfig
-    from ..train.task_eval import evaluate_task
+    from ..train.task_eval import eval_batch_size, evaluate_task
 
     cfg = TrainConfig.from_dict(tcfg)
     task = cfg.build_task()
@@ -83,7 +83,9 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
     batch = args.batch_size or cfg.batch_size
     for L in lengths:  # refused before anything is drawn or allocated
         check_sequences_memory(num, L, args.device, flag="--num-samples / --length", bytes_per_token=20)
-        check_forward_memory(model.config, min(batch, num), L, args.device, flag="--batch-size / --length")
+        # longer than training: streamed in pieces of seq_len, with fewer rows (evaluate_task)
+        rows, piece = (eval_batch_size(batch, cfg.seq_len, L), cfg.seq_len) if L > cfg.seq_len else (batch, L)
+        check_forward_memory(model.config, min(rows, num), piece, args.device, flag="--batch-size / --length")
     res = evaluate_task(
         model,
         task,

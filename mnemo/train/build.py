@@ -23,6 +23,7 @@ from .distributed import _check_recurrent
 from .memory_estimate import check_forward_memory, check_memory, check_sequences_memory, estimate_memory
 from .sharded import is_sharded, load_sharded
 from .strategy import ContextParallel, Strategy
+from .task_eval import eval_batch_size
 
 
 def _count_parameters(model_cfg) -> int:
@@ -56,7 +57,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
             )
     cp_world = world if context_parallel else 1
     rows = cfg.batch_size // ((1 if context_parallel else world) * cfg.grad_accum)
-    est = estimate_memory(
+    sizes = dict(
         n_params=_count_parameters(model_cfg),
         vocab_size=vocab_size,
         d_model=model_cfg.d_model,
@@ -65,19 +66,32 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
         micro_rows=rows,
         seq_len=cfg.seq_len // cp_world,
         activation_checkpointing=cfg.activation_checkpointing,
+        eval_log_softmax=cfg.task is None,  # a text run's validation loss: the batch's log-softmax
     )
-    check_memory(est, device, what=f"a step of {cfg.batch_size:,} x {cfg.seq_len} tokens")
+    what = f"a step of {cfg.batch_size:,} x {cfg.seq_len} tokens"
+    # packed documents and context parallelism hold a micro-batch's full logits (the chunked head
+    # does not); so do CMS levels learning from the task signal, known once the model is built
+    full_logits = cfg.pack_documents or context_parallel
+    check_memory(estimate_memory(**sizes, full_logits=full_logits), device, what=what)
     if cfg.eval_lengths:  # the final evaluation's test sets at the longer lengths
         rows = cfg.eval_batches * cfg.batch_size
         for L in cfg.eval_lengths:
             check_sequences_memory(rows, L, device, flag="--eval-lengths", bytes_per_token=20)
-            check_forward_memory(model_cfg, cfg.batch_size, L, device, flag="--eval-lengths")
+            # streamed in pieces of seq_len with the state carried (evaluate_task): one piece's pass
+            rows_L, piece = (
+                (eval_batch_size(cfg.batch_size, cfg.seq_len, L), cfg.seq_len)
+                if L > cfg.seq_len
+                else (cfg.batch_size, L)
+            )
+            check_forward_memory(model_cfg, rows_L, piece, device, flag="--eval-lengths")
     if cfg.track_circuits:  # the tracker runs one repeated random sequence (and its maps) per evaluation
         check_forward_memory(
             model_cfg, 1, 2 * cfg.circuit_length + 1, device, flag="--circuit-length", maps=True
         )
     model = LanguageModel(model_cfg).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if model.task_segment is not None and not full_logits:  # before the first step's logits
+        check_memory(estimate_memory(**sizes, full_logits=True), device, what=what)
     if cfg.pack_documents and model.task_segment is not None:  # before any work
         raise ValueError(
             f"pack_documents (--pack-documents): not with model {cfg.model!r}, whose CMS levels "

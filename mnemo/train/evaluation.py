@@ -44,18 +44,20 @@ class Evaluator:
         model.eval()
         total, count = 0.0, 0
         pack = self.cfg.pack_documents
-        for batch in self.val_data.eval_batches(self.cfg.batch_size, max_batches, with_documents=pack):
-            x, y = with_bos(batch[0], self.bos).to(device), batch[1].to(device)
-            with self.autocast():
-                if pack:
-                    logits = packed_logits(model, x, batch[2].to(device))
-                else:
-                    logits, _ = model(x)
-            total += torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), y.flatten(), reduction="sum"
-            ).item()
-            count += y.numel()
-        model.train(was)
+        try:
+            for batch in self.val_data.eval_batches(self.cfg.batch_size, max_batches, with_documents=pack):
+                x, y = with_bos(batch[0], self.bos).to(device), batch[1].to(device)
+                with self.autocast():
+                    if pack:
+                        logits = packed_logits(model, x, batch[2].to(device))
+                    else:
+                        logits, _ = model(x)
+                total += torch.nn.functional.cross_entropy(
+                    logits.float().flatten(0, 1), y.flatten(), reduction="sum"
+                ).item()
+                count += y.numel()
+        finally:  # the mode it found, also when a forward pass raises (e.g. NaN/inf in an op's input)
+            model.train(was)
         val_loss = total / max(count, 1)
         # bits per character: tokens per character of the validation text (1 for char-level)
         tokens_per_char = self.val_data.ids.numel() / max(self.val_chars, 1)

@@ -1,11 +1,14 @@
 """A lower bound on the memory one training step needs, checked before anything is allocated.
 
 The bound counts only what certainly exists at the peak of a step: the fp32 parameters, their
-gradients and two optimizer moments; the token batch (int64 windows and their index); the logits
-of a micro-batch with their log-softmax and gradient; and, per block, a few ``d_model``-wide fp32
-activations kept for the backward pass (one per block with activation checkpointing). The real
-peak is higher (attention scores, MLP hidden states, recurrent states), so a refusal based on it
-is never a false alarm; a run it lets through can still run out of memory.
+gradients and two optimizer moments; the token batch (int64 windows and their index); per block, a
+few ``d_model``-wide fp32 activations kept for the backward pass (one per block with activation
+checkpointing); and the fp32 logits of one evaluation batch, which both evaluators compute whole.
+A training step's ``[rows, T, vocab]`` logits are counted only where the forward holds them
+(``full_logits``): the chunked head of a text run (:mod:`mnemo.models.fused_loss`) and a task's
+head (its supervised positions only) never do. The real peak is higher (attention scores, MLP
+hidden states, recurrent states), so a refusal based on it is never a false alarm; a run it lets
+through can still run out of memory.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ class MemoryEstimate:
 
     parameters: int  # weights + gradients + two optimizer moments, fp32
     batch: int  # int64 token windows and the index that gathers them
-    logits: int  # logits, log-softmax and their gradient for one micro-batch
+    logits: int  # logits, log-softmax and their gradient for one micro-batch (``full_logits``; else 0)
     activations: int  # per-block activations kept for the backward pass
-    eval_logits: int  # logits and log-softmax of one evaluation batch (no gradients)
+    eval_logits: int  # fp32 logits (and log-softmax: ``eval_log_softmax``) of one evaluation batch
 
     @property
     def step(self) -> int:
@@ -50,20 +53,27 @@ def estimate_memory(
     micro_rows: int,
     seq_len: int,
     activation_checkpointing: bool = False,
+    full_logits: bool = False,
+    eval_log_softmax: bool = False,
 ) -> MemoryEstimate:
     """Lower bounds (bytes) for a step on ``micro_rows`` rows of a global ``batch_size`` batch of
     ``seq_len`` tokens, and for an evaluation batch of ``batch_size`` rows.
-    ``activation_checkpointing`` as in :class:`~mnemo.train.TrainConfig` (default
-    ``activation_checkpointing=False``)."""
+    ``activation_checkpointing`` as in :class:`~mnemo.train.TrainConfig`. ``full_logits``: the
+    training forward holds a micro-batch's ``[rows, T, vocab]`` logits with their log-softmax and
+    gradient (packed documents, context parallelism, CMS levels learning from the task signal);
+    ``eval_log_softmax``: the evaluation holds the log-softmax of its whole batch too (a text run's
+    validation loss). Without them the bound counts neither, since the chunked head and a task's
+    head never hold them: a bound that counted them would refuse runs that fit. Defaults
+    ``activation_checkpointing=False``, ``full_logits=False``, ``eval_log_softmax=False``."""
     f32, i64 = 4, 8
     tokens = micro_rows * seq_len
     kept = 1 if activation_checkpointing else ACTS_PER_BLOCK
     return MemoryEstimate(
         parameters=4 * n_params * f32,
         batch=2 * batch_size * (seq_len + 1) * i64,
-        logits=3 * tokens * vocab_size * f32,
+        logits=3 * tokens * vocab_size * f32 if full_logits else 0,
         activations=n_layers * kept * tokens * d_model * f32,
-        eval_logits=2 * batch_size * seq_len * vocab_size * f32,
+        eval_logits=(2 if eval_log_softmax else 1) * batch_size * seq_len * vocab_size * f32,
     )
 
 
