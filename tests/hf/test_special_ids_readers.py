@@ -125,9 +125,9 @@ def test_harness_add_bos_token_without_any_id_is_refused():
         MnemoLM(model=lm, tokenizer=tok, add_bos_token="true")
 
 
-def test_harness_reads_a_run_trained_with_bos_with_its_bos_first(tmp_path):
-    """A run trained with ``--bos 'a'`` saw ``a`` first in every window: every context starts with
-    it (a hand computation on the model itself), and the first token of a document is scored."""
+def _run_with_bos(tmp_path):
+    """A char-level GLA checkpoint whose (stand-in) training run read ``a`` first in every window:
+    ``(tokenizer, model, folder)``."""
     tok = CharTokenizer.from_text("abcdefgh ")
     torch.manual_seed(0)
     lm = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, mixer="gla")).eval()
@@ -135,6 +135,13 @@ def test_harness_reads_a_run_trained_with_bos_with_its_bos_first(tmp_path):
     lm.save_pretrained(run)
     save_tokenizer(tok, run)
     (run / "train_config.json").write_text(json.dumps({"bos": "a"}))
+    return tok, lm, run
+
+
+def test_harness_reads_a_run_trained_with_bos_with_its_bos_first(tmp_path):
+    """A run trained with ``--bos 'a'`` saw ``a`` first in every window: every context starts with
+    it (a hand computation on the model itself), and the first token of a document is scored."""
+    tok, lm, run = _run_with_bos(tmp_path)
     model = MnemoLM(checkpoint=str(run))
     a = tok.encode("a").tolist()[0]
     assert (model.prefix_token_id, model.add_bos_token) == (a, True)
@@ -152,13 +159,7 @@ def test_harness_rolling_windows_read_the_bos_once(tmp_path):
     prefix of lm-eval's rolling windows); it read ``[BOS, BOS, t0 …]``. A document within one
     window now scores as the one-pass ``rolling=state`` does; a later window reads its own context
     after the BOS (a fresh state, as each training window began)."""
-    tok = CharTokenizer.from_text("abcdefgh ")
-    torch.manual_seed(0)
-    lm = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, mixer="gla")).eval()
-    run = tmp_path / "run"
-    lm.save_pretrained(run)
-    save_tokenizer(tok, run)
-    (run / "train_config.json").write_text(json.dumps({"bos": "a"}))
+    tok, lm, run = _run_with_bos(tmp_path)
     a = tok.encode("a").tolist()[0]
     doc = "bcdhgfe"
     ids = tok.encode(doc).tolist()

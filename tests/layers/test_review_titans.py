@@ -8,18 +8,10 @@ import torch
 
 from mnemo.layers import NeuralMemory, TitansMAC
 from tests.helpers import assert_close
+from tests.layers.test_titans import _make
 
 D = 16
 TOL = 1e-10
-
-
-def _make(ctor):
-    torch.manual_seed(0)
-    m = ctor().double()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return m
 
 
 def _x(T, B=2, seed=1):

@@ -19,7 +19,7 @@ TOL = 1e-10  # float64, as documented for every form (docs/testing.md); measured
 PREFIX_TOL = 1e-5  # float32, chunk form against the token loop over 128 tokens (measured 3.3e-7)
 
 
-def _inputs(spec: MemorySpec, T: int, seed: int = 0, dtype=torch.float64, B=B):
+def _inputs(spec: MemorySpec, T: int, seed: int = 0, dtype=torch.float64, B=B, K=K, V=V):
     g_ = torch.Generator().manual_seed(seed)
     x = {
         "q": torch.randn(B, T, H, K, generator=g_, dtype=dtype),

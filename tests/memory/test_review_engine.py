@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from mnemo.memory import MemorySpec, init_state, neural_memory, preset
 from tests.helpers import assert_close
+from tests.memory.test_engine import _inputs as engine_inputs
 
 B, T, H, K = 2, 7, 2, 3
 TOL = 1e-10
@@ -19,21 +20,8 @@ F64 = torch.float64
 
 
 def _inputs(spec: MemorySpec, T: int = T, seed: int = 0):
-    g_ = torch.Generator().manual_seed(seed)
-    x = {
-        "q": torch.randn(B, T, H, K, generator=g_, dtype=F64),
-        "k": F.normalize(torch.randn(B, T, H, K, generator=g_, dtype=F64), dim=-1),
-        "v": torch.randn(B, T, H, K, generator=g_, dtype=F64),
-        "theta": torch.rand(B, T, H, generator=g_, dtype=F64) * 0.5 + 0.1,
-    }
-    if spec.retention != "none":
-        shape = (B, T, H, K) if spec.decay_per_channel else (B, T, H)
-        x["g"] = F.logsigmoid(torch.randn(shape, generator=g_, dtype=F64) + 2)
-    if spec.optimizer == "momentum":
-        x["eta"] = torch.rand(B, T, H, generator=g_, dtype=F64) * 0.9
-    if spec.objective == "huber":
-        x["delta"] = torch.rand(B, T, H, generator=g_, dtype=F64) * 0.5 + 0.05
-    return x
+    """The engine tests' inputs (:func:`tests.memory.test_engine._inputs`) at this file's sizes."""
+    return engine_inputs(spec, T, seed, B=B, K=K, V=K)
 
 
 def _run(spec, x, state=None, **kw):
