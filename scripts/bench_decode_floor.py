@@ -182,7 +182,7 @@ def main(argv=None):
     rows = []
     for m, model in built.items():
         for b in batches:
-            nbytes = weight_bytes_per_step(model, b) + model.state_size_bytes(b, a.context)
+            nbytes = weight_bytes_per_step(model, b) + model.state_size_bytes(b, a.context, pending=False)
             target = nbytes / (0.5 * triad)
             floor = ops[(m, b)] * per_op
             step = med[("decode", m, b)]

@@ -256,14 +256,22 @@ def _blank(f: Path) -> bool:
 
 def _json_records(files: list[Path]):
     """``(where, record)`` for every record of the JSON ``files`` (datasets has read them, so they
-    parse): a ``.json`` file whose text starts with ``[`` is one array of records, else JSON Lines."""
+    parse): a file whose text is one JSON array is its records (in a ``.jsonl`` file only an array
+    of objects, as datasets reads it), else JSON Lines (lines end at ``"\\n"`` alone: a string may
+    hold U+2028, U+2029 or NEL raw, where ``str.splitlines`` would cut it)."""
     for f in files:
         text = f.read_text(encoding="utf-8-sig")
-        if not f.name.lower().endswith(".jsonl") and text.lstrip().startswith("["):
-            for n, record in enumerate(json.loads(text), 1):
-                yield f"{f} record {n}", record
-            continue
-        for n, line in enumerate(text.splitlines(), 1):
+        if text.lstrip().startswith("["):
+            try:
+                array = json.loads(text)
+            except json.JSONDecodeError:  # JSON Lines whose first line is an array
+                array = None
+            jsonl = f.name.lower().endswith(".jsonl")
+            if isinstance(array, list) and (not jsonl or all(isinstance(r, dict) for r in array)):
+                for n, record in enumerate(array, 1):
+                    yield f"{f} record {n}", record
+                continue
+        for n, line in enumerate(text.split("\n"), 1):
             if line.strip():
                 yield f"{f} line {n}", json.loads(line)
 

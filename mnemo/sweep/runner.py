@@ -79,7 +79,9 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
                 callbacks=lambda c: [save_wall, *circuit_callbacks(c)],
             )
             result["n_params"] = trainer.model.num_parameters()
-            result["state_size_bytes"] = trainer.model.state_size_bytes(1, cfg.seq_len)
+            # the memory's state (the axis of the recall-vs-state plots), not a task-signal model's
+            # pending-segment bookkeeping (LanguageModel.state_size_bytes)
+            result["state_size_bytes"] = trainer.model.state_size_bytes(1, cfg.seq_len, pending=False)
             record = trainer.fit()
             if not record:  # already trained to the end before an interruption: the logged record
                 lines = [x for x in metrics_lines(out / METRICS_NAME) if x.strip()]

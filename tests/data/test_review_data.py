@@ -92,3 +92,29 @@ def test_tokenizer_train_overwrite_replaces_the_transformers_config(tmp_path, ca
     assert main([*argv, "--overwrite"]) == 0
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["eos_token"] == "<|endoftext|>" and config["add_eos_token"] is False
+
+
+@pytest.mark.parametrize("sep", ["\u2028", "\u2029", "\x85"])
+def test_a_line_separator_inside_a_json_string_does_not_split_its_line(tmp_path, sep):
+    """The re-read after datasets' type guesses split the file with ``str.splitlines``, which also
+    breaks at U+2028, U+2029 and NEL: JSON allows them raw inside a string (``ensure_ascii=False``
+    writes them so), and the half line failed as ``Unterminated string`` with neither file nor line."""
+    pytest.importorskip("datasets")
+    p = tmp_path / "sep.jsonl"
+    records = [{"text": f"one{sep}two"}, {"text": "2024-01-01"}, {"text": 5}]
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"record 3 \(counting from 1\): field 'text' holds int.*line 3"):
+        load_corpus(str(p))
+
+
+def test_a_jsonl_file_holding_one_array_of_records_is_read_as_datasets_reads_it(tmp_path):
+    """datasets reads a ``.jsonl`` file that is one (pretty-printed) array of records; the re-read
+    read it line by line and failed on the ``[`` line with an unnamed ``JSONDecodeError``."""
+    pytest.importorskip("datasets")
+    values = ["2024-01-01", "2024-01-02"]
+    p = tmp_path / "array.jsonl"
+    p.write_text(json.dumps([{"text": v} for v in values], indent=1))
+    assert load_corpus(str(p)).documents == values
+    p.write_text(json.dumps([{"text": "a"}, {"text": 7}], indent=1))
+    with pytest.raises(ValueError, match=r"record 2 \(counting from 1\): field 'text' holds int.*record 2\)"):
+        load_corpus(str(p))

@@ -419,3 +419,17 @@ def test_a_run_killed_before_its_latest_pointer_resumes_from_its_checkpoints(tmp
     assert again["status"] == "done", again["error"]
     assert f"resume: from {cut / 'ckpt-000004'} (step 4)" in (cut / "train.log").read_text()  # not retrained
     assert again["metrics"]["val_loss"] == whole["metrics"]["val_loss"]
+
+
+def test_a_run_records_its_memorys_state_not_the_task_signals_bookkeeping(tmp_path):
+    """The recall-vs-state axis is the memory's state: a task-signal model's pending segment (kept
+    to re-run the segment for its update) is not counted, so ``hope`` and ``hope_reconstruction``
+    — the same memory — record the same bytes."""
+    base = dict(
+        model_overrides={"d_model": 16, "n_layers": 1}, seq_len=32, batch_size=2, steps=1, eval_interval=1,
+        eval_batches=1, sample_tokens=0, warmup_steps=0,
+    )  # fmt: skip
+    task = run_one({**base, "model": "hope"}, str(tmp_path / "task"))
+    recon = run_one({**base, "model": "hope_reconstruction"}, str(tmp_path / "recon"))
+    assert task["status"] == recon["status"] == "done", (task["error"], recon["error"])
+    assert task["state_size_bytes"] == recon["state_size_bytes"] > 0
