@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="4096")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     a = p.parse_args(argv)
+    if a.json and os.path.exists(a.json) and not a.overwrite:  # refused before the long run, not after
+        p.error(f"--json: {a.json} exists; pass --overwrite to replace it")
     bench_args = ["--ops", a.ops, "--lengths", a.lengths, "--dtypes", "fp32", "--repeats", str(a.repeats)]
     bench_args += ["--modes", "chunk"]
     runs: dict[str, list[list[dict]]] = {v: [] for v in VARIANTS}

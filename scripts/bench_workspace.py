@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     a = p.parse_args(argv)
+    if a.json and os.path.exists(a.json) and not a.overwrite:  # refused before the long run, not after
+        p.error(f"--json: {a.json} exists; pass --overwrite to replace it")
     ops = a.ops.split(",")
     cells: dict[tuple[str, str], list[dict]] = {}
     for r in range(a.rounds):

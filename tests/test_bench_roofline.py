@@ -66,7 +66,8 @@ def test_a_transformer_counts_its_linears_and_causal_attention():
 
 @pytest.mark.parametrize("name", ["gla", "hope"])
 def test_flops_are_linear_in_the_batch(name):
-    """The suite counts one row and multiplies by B: every op is batched over the rows."""
+    """Every op is batched over the rows (at gates that keep one chunk size; the suite counts the
+    step's own batch all the same: tests/test_review_bench.py)."""
     m = roofline.build(name, 16, 1)
     opt = torch.optim.AdamW(m.parameters())
     one = roofline.count_flops(roofline.train_step_fn(m, opt, 16, 1).forward_backward)[0]

@@ -49,6 +49,14 @@ def _delta_flops(B, T, H, D, C=64):
     return B * H * (4 * T * C * D + T * C * 2 * D + 2 * T * C * D + 8 * T * D * D + 2 * (T // C) * D * D * D)
 
 
+def _ssd_flops(B, T, H, D, C=64):
+    """Mamba-2's SSD with one group of ``B``/``C`` shared by the ``H`` heads (``d_state = D``, as
+    this suite builds it), forward: the ``[C, C]`` scores ``C Bᵀ`` once per group (``2TCD``; per
+    head, as :func:`_linear_flops` counts QKᵀ, would be ``H`` times too many), per head ``A v``
+    (``2TCD``) and the state products ``C S`` and ``Bᵀ v`` (``4TD²``)."""
+    return B * (2 * T * C * D + H * (2 * T * C * D + 4 * T * D * D))
+
+
 def _sdpa_flops(B, T, H, D):
     """Causal softmax attention, forward: QKᵀ and PV over the lower triangle."""
     return B * H * 2 * T * T * D
@@ -183,7 +191,7 @@ def _registry() -> list[OpBench]:
             ("chunk", "parallel", "recurrent"),
             make_ssd,
             lambda x, mode: ssd(x["x"], x["dt"], x["A"], x["B"], x["C"], dt_softplus=True, mode=mode)[0],
-            chunk_flops=_linear_flops,
+            chunk_flops=_ssd_flops,
         ),
     ]
 

@@ -12,9 +12,9 @@ process**, with every timing interleaved (round ``r`` runs every task once, rota
 * **training** (per model and ``TxB`` shape): one step = forward with the fused next-token loss
   (``LanguageModel.forward(targets=)``), backward, AdamW step. Its *real* FLOPs are counted once by
   ``torch.utils.flop_counter.FlopCounterMode`` (a ``TorchDispatchMode``) over one forward +
-  backward of one row of the batch, times ``B`` (every op is batched over the rows: the FLOPs are
-  linear in ``B``, which ``tests/test_bench_roofline.py`` checks), so every matmul the step runs is
-  counted: the projections, the MLPs, the head, and the
+  backward of the step's own ``[B, T]`` batch (not one row times ``B``: the chunk forms halve their
+  chunk while *any* row's gates decay too fast, so one row can run at another chunk size than the
+  batch), so every matmul the step runs is counted: the projections, the MLPs, the head, and the
   chunked recurrences' own batched matmuls (``bmm``/``mm`` inside the ops) and causal SDPA
   (counted as torch counts it for the GPU kernels — backward recomputes the scores — times
   ``(T+1)/2T`` for the causal half the CPU kernel computes). Achieved FLOP/s = counted FLOPs /
@@ -27,14 +27,15 @@ process**, with every timing interleaved (round ``r`` runs every task once, rota
 * **decoding** (per model and ``--gen-batches`` batch ``b``): one one-token step on the state a
   ``--prompt-len`` prompt leaves behind (the same state every time, so a KV cache stays at that
   length). Bytes per step = every weight once (the embedding table only for the ``b`` rows read,
-  unless tied to the head, which reads it whole) + the decoding state (``state_size_bytes(b, L)``,
-  read once; its writes are not counted); achieved bytes/s = that / median step time, as a
-  fraction of the triad bandwidth. Small models' weights partly fit the 32 MiB L3, so a fraction
-  above 1 is possible and means "cache-resident". With ``--compile`` each row also times the step
-  ``generate(compile=True)`` runs (``mnemo.models.lm._compile_kind("step")``, a fresh one per
-  model and batch as a first generation at that batch compiles it, compiled before the timing,
-  its small matrix products as fused multiply-sums; its compile time and largest logit difference
-  from the eager step are reported); where ``torch.compile`` does not work here (no C compiler,
+  unless tied to the head, which reads it whole; a learned position table for its one row) + the
+  decoding state (``state_size_bytes(b, L)``, read once; its writes are not counted); achieved
+  bytes/s = that / median step time, as a fraction of the triad bandwidth. Small models' weights
+  partly fit the 32 MiB L3, so a fraction above 1 is possible and means "cache-resident". With
+  ``--compile`` each row also times the step ``generate(compile=True)`` runs
+  (``mnemo.models.lm._compile_kind("step")``, a fresh one per model and batch as a first
+  generation at that batch compiles it, compiled before the timing, its small matrix products as
+  fused multiply-sums; its compile time and largest logit difference from the eager step are
+  reported); where ``torch.compile`` does not work here (no C compiler,
   ...), the suite says so and keeps the eager rows;
 * **where the step's time goes**: ``torch.profiler`` over one training step per model, every op's
   *self* time put in one group: ``matmul`` (mm/bmm/addmm/baddbmm anywhere; the part inside the
@@ -256,16 +257,17 @@ def train_step_fn(model, opt, T: int, B: int, seed: int = 0) -> Callable[[], Non
 
 
 def weight_bytes_per_step(model, batch: int) -> int:
-    """Bytes of weights one decode step reads: every parameter once, the (untied) embedding tables
-    only for the ``batch`` rows looked up."""
+    """Bytes of weights one decode step reads: every parameter once, the (untied) token embedding
+    only for the ``batch`` rows looked up, a learned position table for its one row (every row of
+    the batch is at the same position)."""
     unique = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in unique.values())
     head = model.lm_head.weight
-    for emb in (model.embed, model.pos_embed):
+    for emb, rows in ((model.embed, batch), (model.pos_embed, 1)):
         if emb is None or emb.weight is head:
             continue
         w = emb.weight
-        total -= w.numel() * w.element_size() - batch * w.shape[1] * w.element_size()
+        total -= w.numel() * w.element_size() - rows * w.shape[1] * w.element_size()
     return total
 
 
@@ -522,9 +524,8 @@ def run(
         opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for T, B in shapes:
             step = train_step_fn(model, opts[name], T, B)
-            log(f"counting the FLOPs of {name} at T={T} (one row, times B={B}) ...")
-            total, per_op, uncounted = count_flops(train_step_fn(model, opts[name], T, 1).forward_backward)
-            flops[(name, T, B)] = (B * total, {k: B * v for k, v in per_op.items()}, uncounted)
+            log(f"counting the FLOPs of {name} at T={T} B={B} ...")
+            flops[(name, T, B)] = count_flops(step.forward_backward)  # the batch the step runs
             steps[(name, T, B)] = step
             tasks[("train", name, T, B)] = step
         for b in gen_batches:
