@@ -168,7 +168,15 @@ def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0
     """In-context-learning score: mean next-token loss at late positions minus at early positions
     (fractions of the context length; negative when later tokens are predicted better). ``skip``:
     leading positions whose prediction counts for neither span (1 for a run's BOS: the prediction
-    of the first token from it), the fractions then taken of the rest (default ``skip=0``)."""
+    of the first token from it), the fractions then taken of the rest (default ``skip=0``).
+    Raises ``ValueError`` naming ``skip`` when it leaves no prediction to score (the spans would
+    be means of nothing: NaN)."""
+    n_pred = input_ids.shape[-1] - 1
+    if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < n_pred:
+        raise ValueError(
+            f"skip: expected an int in [0, {n_pred}) (the {n_pred} predictions of {n_pred + 1} tokens), "
+            f"got {skip!r}"
+        )
     logits, _ = model(input_ids[:, :-1])
     loss = F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none").mean(0)  # [T]
     loss = loss[skip:]

@@ -171,3 +171,21 @@ def test_probe_runs_on_the_tokens_asked_for(byte_run, command, tmp_path, capsys)
     captured = capsys.readouterr()
     assert json.loads(captured.out)["tokens"] == 40
     assert "gives only" not in captured.err
+
+
+def test_icl_score_refuses_a_skip_that_leaves_nothing_to_score():
+    """``skip`` ≥ the number of predictions gave NaN (means of empty spans); named now. Within range
+    the score is the late span's mean loss minus the early span's (a hand computation)."""
+    from mnemo.interp.scores import icl_score
+
+    m = _tiny("gla", layers=1)
+    ids = torch.randint(0, 30, (2, 21), generator=torch.Generator().manual_seed(0))
+    for bad in (20, 25, -1, True):
+        with pytest.raises(ValueError, match="skip: expected an int in \\[0, 20\\)"):
+            icl_score(m, ids, skip=bad)
+    with torch.no_grad():
+        logits, _ = m(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(0)
+        got = icl_score(m, ids, skip=0)
+    want = loss[16:20].mean() - loss[1:3].mean()  # late (0.8, 1.0) and early (0.05, 0.15) of 20
+    assert got == pytest.approx(float(want), abs=1e-6)
