@@ -15,6 +15,7 @@ hybrids.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ _LEFT_KEY = "mnemo/cleanup/left"
 _cleanups = 0  # this process's cleanups so far: one store key per process-group lifetime
 
 
-def cleanup(timeout_s: float = 60.0) -> None:
+def cleanup(timeout_s: float = 60.0, failed: bool | None = None) -> None:
     """Leave the process group (if one was joined). All ranks meet at a barrier first, so no rank
     tears its connections down while a peer still uses them (gloo aborts the peer otherwise).
     The barrier is skipped when it fails (a peer already gone): leaving must not raise.
@@ -76,9 +77,19 @@ def cleanup(timeout_s: float = 60.0) -> None:
     torchrun's agent-hosted store the wait is harmless. No wait when the barrier failed (a peer is
     already gone).
 
+    A process that leaves because of an error its peers do not share (an exception on this rank
+    only: bad data, out of memory) must not wait for them: they may be blocked in a collective of
+    the step this rank never reached, which the barrier would never match (or would match
+    wrongly), so both would wait until the group's timeout. With ``failed`` (by default: when
+    called while an exception propagates, e.g. from a ``finally`` block) the barrier and the wait
+    are skipped; the process leaves at once, its peers' collectives fail on the closed connection
+    (and torchrun stops the other workers when this one exits with an error).
+
     Args:
         timeout_s: how long rank 0 waits for the others to count themselves out, in seconds;
             default ``60.0``.
+        failed: leave without meeting the others (see above); default ``None``: whether an
+            exception is propagating (``sys.exc_info()``).
     """
     global _cleanups
     if not (dist.is_available() and dist.is_initialized()):
@@ -87,7 +98,9 @@ def cleanup(timeout_s: float = 60.0) -> None:
     _cleanups += 1
     key = f"{_LEFT_KEY}/{_cleanups}"
     store = None
-    if world > 1:
+    if failed is None:  # called from a ``finally`` while an exception propagates
+        failed = sys.exc_info()[0] is not None
+    if world > 1 and not failed:
         try:
             dist.barrier()
             # the default group's store; private in torch, so its absence only loses the ordering

@@ -55,9 +55,22 @@ def is_sharded(ckpt: str | Path) -> bool:
 def shard_model(model, device: torch.device):
     """``fully_shard`` every block of ``model`` (a :class:`~mnemo.models.LanguageModel`), then the
     root; returns the same module (its class becomes an FSDP subclass, its parameters
-    ``DTensor`` shards). Needs an initialised process group. Build the optimizer afterwards."""
+    ``DTensor`` shards). Needs an initialised process group. Build the optimizer afterwards.
+
+    Raises:
+        ValueError: the model has scalar (0-d) parameters (e.g. the HOPE models' self-modifying
+            mixers), which ``fully_shard`` cannot split; raised before anything is sharded.
+    """
     from torch.distributed.fsdp import fully_shard
 
+    scalars = [name for name, p in model.named_parameters() if p.ndim == 0]
+    if scalars:
+        more = f" and {len(scalars) - 2} more" if len(scalars) > 2 else ""
+        raise ValueError(
+            f"TrainConfig.fsdp: this model has scalar (0-d) parameters ({', '.join(scalars[:2])}{more}), "
+            "which FSDP2 (fully_shard) cannot shard; train it without --fsdp (data-parallel: every "
+            "process holds the whole model)"
+        )
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -132,7 +145,8 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     intact checkpoint) as an ordinary single-file checkpoint ``OUT/ckpt-{step}`` of the run
     directory ``out`` (``latest`` included): ``model.safetensors``, and ``trainer_state.pt`` with the
     whole optimizer state, so ``mnemo eval/generate`` read it and ``mnemo train --resume --out OUT``
-    continues the run in one process (or data-parallel). Runs in one process, no process group.
+    continues the run in one process (or data-parallel: its ``train_config.json`` says ``fsdp: false``).
+    Runs in one process, no process group.
     Returns the new checkpoint's path.
 
     Raises:
@@ -167,6 +181,9 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
                 shutil.copy2(f, tmp / f.name)
         save_model(model, str(tmp / WEIGHTS_NAME))
         save_torch(state, tmp / STATE_NAME)
-        json.loads((tmp / TRAIN_CONFIG_NAME).read_text())  # copied intact
+        # no longer a sharded run: its resume (one process or data-parallel) must not be sharded,
+        # and no flag of a resumed `mnemo train` turns a saved --fsdp off
+        saved = json.loads((tmp / TRAIN_CONFIG_NAME).read_text())
+        (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps({**saved, "fsdp": False}, indent=2))
 
     return save_checkpoint(out, state["step"], write)

@@ -195,6 +195,16 @@ class Sharded(Strategy):
     name = "sharded (FSDP2)"
 
     def prepare(self, model) -> None:
+        # packed documents can be shorter than a CMS level's period: the level then gets a gradient
+        # on some processes and not on others, and their reduce-scatters no longer match (gloo
+        # aborts; DDP searches for unused parameters instead, see DataParallel.wrap)
+        if self.cfg.pack_documents and any(b.stateful_mlp for b in model.blocks):
+            raise ValueError(
+                "TrainConfig.fsdp: not with pack_documents and a model with CMS levels (a packed "
+                "document shorter than a level's period leaves the level without a gradient on some "
+                "processes only, which FSDP2's reduce-scatter cannot match); train it without --fsdp "
+                "(data-parallel) or unpacked"
+            )
         shard_model(model, self.device)
         self._model = model
 

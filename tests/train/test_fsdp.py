@@ -169,3 +169,18 @@ def test_fsdp_flag_is_validated():
         _cfg(context_parallel=True).validate()
     with pytest.raises(ValueError, match="TrainConfig.fsdp: expected false with optimizer 'm3'"):
         _cfg(optimizer="m3").validate()
+
+
+def test_a_consolidated_checkpoint_resumes_data_parallel(spawned, tmp_path):
+    """The single-file checkpoint is no longer a sharded run's: its saved ``fsdp`` is off, so a
+    resume under torchrun runs data-parallel (no flag of ``mnemo train --resume`` turns a saved
+    ``--fsdp`` off, and a sharded resume of a single-file checkpoint is refused)."""
+    from mnemo.train.sharded import consolidate_checkpoint
+    from mnemo.train.strategy import DataParallel, make_strategy
+
+    ckpt = consolidate_checkpoint(spawned / "whole", tmp_path / "single")
+    saved = json.loads((ckpt / "train_config.json").read_text())
+    original = json.loads((spawned / "whole" / "ckpt-000004" / "train_config.json").read_text())
+    assert original["fsdp"] is True and saved == {**original, "fsdp": False}
+    cfg = TrainConfig.from_dict(saved)
+    assert isinstance(make_strategy(cfg, torch.device("cpu"), 0, 2), DataParallel)
