@@ -118,3 +118,14 @@ def tiny_titans_mac(vocab_size: int, segment: int = 4, seed: int = 0, **options)
         "titans_mac", vocab_size=vocab_size, d_model=16, n_layers=1, mixer_options=mixer, **options
     )
     return LanguageModel(cfg).eval()
+
+
+def prefill_then_tokens(m, x: torch.Tensor, prefill: int) -> torch.Tensor:
+    """``m``'s output over ``x [B, T, ...]`` read as a decoder does: the first ``prefill`` tokens in
+    one call, then one token a call with the state carried, concatenated over time."""
+    y, s = m(x[:, :prefill])
+    outs = [y]
+    for t in range(prefill, x.shape[1]):
+        y, s = m(x[:, t : t + 1], s)
+        outs.append(y)
+    return torch.cat(outs, 1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mnemo.layers import NeuralMemory, TitansMAC
-from tests.helpers import assert_close
+from tests.helpers import assert_close, prefill_then_tokens
 from tests.layers.test_titans import _make
 
 D = 16
@@ -26,12 +26,7 @@ def test_mac_over_a_closed_form_memory_decodes_and_streams_like_the_full_pass(sp
     m = _make(lambda: TitansMAC(D, n_heads=2, segment=4, persistent_tokens=2, spec=spec))
     x = _x(10)
     full, _ = m(x)
-    y, s = m(x[:, :2])
-    outs = [y]
-    for t in range(2, 10):
-        y, s = m(x[:, t : t + 1], s)
-        outs.append(y)
-    assert_close(torch.cat(outs, 1), full, TOL, what=f"{spec} decoding")
+    assert_close(prefill_then_tokens(m, x, 2), full, TOL, what=f"{spec} decoding")
     y1, s = m(x[:, :6])
     y2, _ = m(x[:, 6:], s)
     assert_close(torch.cat([y1, y2], 1), full, TOL, what=f"{spec} cut at 6")

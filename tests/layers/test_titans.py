@@ -8,7 +8,7 @@ import torch
 from mnemo.layers import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
 from mnemo.memory import neural_memory
 from mnemo.memory.engine import memory_apply
-from tests.helpers import assert_close, assert_directional_derivatives
+from tests.helpers import assert_close, assert_directional_derivatives, prefill_then_tokens
 
 D = 32
 TOL = 1e-10
@@ -67,12 +67,7 @@ def test_token_by_token_decoding_equals_full(name, ctor):
     m = _make(ctor)
     x = _x(10)
     full, _ = m(x)
-    y, s = m(x[:, :2])
-    outs = [y]
-    for t in range(2, 10):
-        y, s = m(x[:, t : t + 1], s)
-        outs.append(y)
-    assert_close(torch.cat(outs, 1), full, TOL, what=name)
+    assert_close(prefill_then_tokens(m, x, 2), full, TOL, what=name)
 
 
 @pytest.mark.parametrize("name, ctor", CASES, ids=IDS)
