@@ -43,6 +43,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ._chunked import autocast_disabled, autocast_off
 from ._common import _shape, check_floating, compute_dtype
 
 __all__ = [
@@ -254,6 +255,7 @@ def _block_grads(q5, k, v, do5, delta, lse, scale, mask):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
+    @autocast_off  # the einsums accumulate in float32 under a bf16 autocast too
     def forward(ctx, q, k, v, ring: Ring, causal: bool, window, scale: float):
         B, n, H, K = q.shape
         Hkv, V = k.shape[2], v.shape[3]
@@ -276,6 +278,7 @@ class _RingAttention(torch.autograd.Function):
         return o.reshape(B, n, H, V).to(q.dtype)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, do):
         q, k, v, o5, lse = ctx.saved_tensors
         ring, causal, window, scale = ctx.ring, ctx.causal, ctx.window, ctx.scale
@@ -400,6 +403,12 @@ def blockwise_attention(
     B, T, H, K = q.shape
     if not isinstance(n_blocks, int) or n_blocks < 1 or T % n_blocks:
         raise ValueError(f"n_blocks must be a positive divisor of T = {T}, got {n_blocks!r}")
+    with autocast_disabled(q.device.type):  # float32 accumulation under a bf16 autocast too
+        return _blockwise(q, k, v, n_blocks, causal, window, scale)
+
+
+def _blockwise(q, k, v, n_blocks, causal, window, scale):
+    B, T, H, K = q.shape
     n, Hkv, V = T // n_blocks, k.shape[2], v.shape[3]
     cd = compute_dtype(q, k, v)
     outs = []

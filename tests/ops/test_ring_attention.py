@@ -139,3 +139,23 @@ def test_bad_arguments_name_the_argument():
         ring_attention(q, k, v, ring=ring, window=0)
     with pytest.raises(ValueError, match="n_blocks must be a positive divisor of T = 12, got 5"):
         blockwise_attention(q, k, v, 5)
+
+
+def test_bf16_autocast_keeps_float32_accumulation():
+    """The docstring's promise (float32 accumulation) under an enclosing bf16 autocast: the ring's
+    forward/backward and the blockwise form compute exactly what they compute without autocast
+    (their einsums were cast to bfloat16: errors ~1e-2)."""
+    q, k, v = (t.float() for t in _qkv(H=4, Hkv=2))
+    w = torch.randn(q.shape[:3] + v.shape[3:], generator=torch.Generator().manual_seed(5))
+
+    def run(autocast):
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            o = ring_attention(qr, kr, vr, ring=ThreadRing.make(1)[0], window=7)
+            (o * w).sum().backward()
+            ob = blockwise_attention(q, k, v, 3, window=7)
+        return o.detach(), qr.grad, kr.grad, vr.grad, ob
+
+    for name, a, b in zip(("o", "dq", "dk", "dv", "blockwise"), run(True), run(False)):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
