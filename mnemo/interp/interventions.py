@@ -29,8 +29,9 @@ Channels are the last axis. The heads are those of the layer's map
 ``[B, T, D]`` channels, which are its heads in the maps) has them on axis 2, and a mixer whose map
 has one head (HOPE's self-modifying Titans, a memory over the whole ``d_model``) has it whole in
 every value (``heads=0`` selects all of it). A value without such an axis (the residual stream,
-Mamba's ``hook_B [B, T, N]``) takes no ``heads``. Typed states (``hook_state`` of a KV cache, a
-Titans memory …) are ablated whole.
+Mamba's ``hook_B [B, T, N]``) takes no ``heads``. A state after the call (``hook_state``) has no
+position axis; a tensor one (a matrix memory ``[B, H, K, V]``, Mamba's ``[B, D, N]``) has its heads
+on axis 1. Typed states (``hook_state`` of a KV cache, a Titans memory …) are ablated whole.
 
 Positions are the call's tokens (``0 … T − 1`` of ``input_ids``), also where a hook fires once per
 piece of the call — a task-signal model's segments, Titans MAC's or the self-modifying projections'
@@ -93,8 +94,12 @@ def compose(*interventions: Iterable[tuple[str, Callable]]) -> Hooks:
 def hook_names(model, names) -> list[str]:
     """The full hook names ``names`` selects on ``model`` (a full name, a suffix such as ``"hook_o"``
     matching every layer's, a list, or a predicate). Raises ``KeyError`` listing the known suffixes
-    when a name matches nothing."""
-    return select(model.hook_points, names)
+    when a name matches nothing, or naming ``names`` when the selection is empty (``[]``, a
+    predicate true for no hook point): an intervention on nothing would be a silent no-op."""
+    chosen = select(model.hook_points, names)
+    if not chosen:
+        raise KeyError(f"names: selects no hook point (got {names!r}); see model.hook_points for the names")
+    return chosen
 
 
 def _mixer_hook(model, layer: int, hook: str) -> str:
@@ -119,8 +124,11 @@ def _mixer_hook(model, layer: int, hook: str) -> str:
     raise KeyError(f"no hook point named {name!r}; layer {layer}'s mixer has {known}")
 
 
-def _axes(name: str) -> tuple[int, int]:
-    """``(head axis, position axis)`` of hook ``name``'s value."""
+def _axes(name: str) -> tuple[int, int | None]:
+    """``(head axis, position axis)`` of hook ``name``'s value; a ``hook_state`` (the state after
+    the call, ``[B, H, …]`` for a matrix memory) has no position axis (``None``)."""
+    if name.endswith("hook_state"):
+        return 1, None
     return (1, 2) if name.endswith("hook_pattern") else (2, 1)
 
 
@@ -131,7 +139,10 @@ def _as_index(what: str, idx, size: int, name: str, shape, unit: str = "") -> to
     if idx is None:
         return ~mask
     if isinstance(idx, slice):
-        mask[idx] = True
+        try:
+            mask[idx] = True
+        except (TypeError, ValueError) as e:  # a zero step, a bound that is not an int
+            raise ValueError(f"{what}: {e} (got {idx!r})") from None
         return mask
     try:
         t = torch.as_tensor(idx).cpu()
@@ -170,7 +181,7 @@ def _head_axis(model, name: str, value: torch.Tensor) -> tuple[int | None, int]:
     """``(axis, heads)`` of the map's heads in the value now passing hook ``name``: ``axis=None``
     when the value is one head's whole (a mixer whose map has one head). ``ValueError`` naming
     ``heads`` for a value without a head axis."""
-    if name.endswith("hook_pattern"):
+    if name.endswith("hook_pattern") or (name.endswith("hook_state") and value.ndim >= 3):
         return 1, value.shape[1]
     mixer = _layer_of(model, name)
     H = getattr(mixer, "map_heads", None) if mixer is not None else None
@@ -192,7 +203,7 @@ def _rows(value: torch.Tensor, name: str) -> tuple[int, int, int | None, int | N
     the call's tokens ``offset … offset + n − 1`` of ``length`` (:func:`~mnemo.layers.hooks.span`;
     one pass: ``offset = 0``, ``length = n``). ``n`` is ``None`` for a value without that axis."""
     p_ax = _axes(name)[1]
-    n = value.shape[p_ax] if value.ndim > p_ax else None
+    n = value.shape[p_ax] if p_ax is not None and value.ndim > p_ax else None
     offset, length = span()
     if length is None:
         return p_ax, 0, n, n
@@ -320,15 +331,17 @@ def mean_activations(model, input_ids: torch.Tensor, names, over: str = "batch_p
     ``over="batch_position"`` (default): the mean over the batch and position axes, kept as size-1
     axes (``[1, 1, H, V]`` for ``hook_o``), so it replaces a value of any length;
     ``over="batch"``: the mean over the batch only (``[1, T, H, V]``: per position, the same
-    length only). A typed state (``hook_state`` of a cache) is averaged over its batch rows.
+    length only). A state after the call (``hook_state``: a matrix memory ``[B, H, K, V]``, a typed
+    state such as a cache) has no position axis: it is averaged over its batch rows only.
     Raises ``KeyError`` for an unknown name, ``ValueError`` for an unknown ``over``."""
     if over not in ("batch_position", "batch"):
         raise ValueError(f"over: expected 'batch_position' or 'batch', got {over!r}")
-    _, cache = model.run_with_cache(input_ids, names=names)
+    _, cache = model.run_with_cache(input_ids, names=hook_names(model, names))
     out = {}
     for name, v in cache.items():
         if isinstance(v, torch.Tensor):
-            dims = (0,) if over == "batch" else (0, _axes(name)[1])
+            p_ax = _axes(name)[1]
+            dims = (0,) if over == "batch" or p_ax is None else (0, p_ax)
             out[name] = v.mean(dims, keepdim=True)
         else:
             out[name] = map_tensors(lambda t: t.mean(0, keepdim=True), v)
@@ -345,12 +358,13 @@ def _mean_for(value: torch.Tensor, name: str, means, model) -> torch.Tensor:
                 "its positions is not known when a piece is read; pass means=mean_activations(model, ids, "
                 "names) from a reference input"
             )
-        return value.mean((0, _axes(name)[1]), keepdim=True).expand_as(value)
+        p_ax = _axes(name)[1]
+        return value.mean((0,) if p_ax is None else (0, p_ax), keepdim=True).expand_as(value)
     if name not in means:
         raise KeyError(f"means has no entry for {name!r} (it has {sorted(means)}); see mean_activations")
     m = means[name].to(value.device, value.dtype)
     p_ax = _axes(name)[1]
-    if m.ndim == value.ndim and m.shape[p_ax] != 1:  # per-position means (over="batch")
+    if p_ax is not None and m.ndim == value.ndim and m.shape[p_ax] != 1:  # per-position means
         if m.shape[0] == 1:  # one mean for every row of the batch
             m = m.expand(value.shape[0], *m.shape[1:])
         m = _aligned(m, value, name, model, f"means[{name!r}]")
@@ -393,7 +407,8 @@ def ablate(
         ``[(full name, fn), …]`` for ``run_with_hooks``; each ``fn`` returns a new tensor of the
         value's shape and dtype (the input is not modified in place).
     Raises:
-        KeyError: an unknown hook name (listing the known suffixes), or ``means`` without the name.
+        KeyError: an unknown hook name (listing the known suffixes), a selection of no hook point,
+            or ``means`` without the name.
         ValueError: ``how`` unknown; at run time, a head/position/channel out of range or not an
         integer (naming the hook and the value's shape), a value without that axis (``heads`` on
         ``hook_resid_pre``), or ``how="mean"`` without ``means`` on a hook that passes the call
@@ -485,13 +500,18 @@ def ablate_state(model, layer: int, *, how: str = "zero", means=None, hook: str 
             refs = pytree.tree_flatten(means[name])[0]
             if len(refs) != len(leaves):
                 raise ValueError(f"means[{name!r}] is structured differently from the state")
-            return pytree.tree_unflatten(
-                [
-                    torch.broadcast_to(r.to(t), t.shape).clone() if isinstance(t, torch.Tensor) else t
-                    for t, r in zip(leaves, refs)
-                ],
-                spec,
-            )
+            new = []
+            for i, (t, r) in enumerate(zip(leaves, refs)):
+                if isinstance(t, torch.Tensor):
+                    try:
+                        t = torch.broadcast_to(r.to(t), t.shape).clone()
+                    except RuntimeError:
+                        raise ValueError(
+                            f"means[{name!r}]: leaf {i} of shape {list(r.shape)} does not broadcast to the "
+                            f"state's {list(t.shape)} (record the means on an input of the same length)"
+                        ) from None
+                new.append(t)
+            return pytree.tree_unflatten(new, spec)
         return map_tensors(
             lambda t: t.mean(0, keepdim=True).expand_as(t).clone() if t.is_floating_point() else t, value
         )
@@ -513,7 +533,10 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
     ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's shape is
     not a suffix of the value's."""
     chosen = hook_names(model, names)
-    direction = torch.as_tensor(direction)
+    try:
+        direction = torch.as_tensor(direction)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"direction: expected a tensor (or numbers), got {direction!r}") from None
 
     def fn(value, name):
         value = _tensor_value(value, name)
@@ -573,7 +596,9 @@ def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tens
     ``logits[b, position, correct[b]] − logits[b, position, wrong[b]]`` (``correct``, ``wrong``: an
     int or ``[B]`` token ids). Default ``position=-1`` (the last position). Raises ``ValueError``
     naming the argument, when called, for a token id outside ``[0, V)``, ids that are not one per
-    row, or a position outside ``[−T, T)``."""
+    row, or a position outside ``[−T, T)`` (one that is not an int: at once)."""
+    if isinstance(position, bool) or not isinstance(position, int):
+        raise ValueError(f"position: expected an int (a position of the logits), got {position!r}")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         B, T, V = logits.shape
@@ -606,7 +631,8 @@ def next_token_loss(input_ids: torch.Tensor, positions=None) -> Callable[[torch.
     ``input_ids [B, T]`` — the logits at ``t`` predict ``input_ids[:, t + 1]`` — over the target
     positions ``positions`` (ints in ``1 … T − 1``: the tokens predicted; default all). Raises
     ``ValueError`` naming ``positions`` for one outside ``1 … T − 1`` (position 0 has no
-    prediction) or not an integer."""
+    prediction) or not an integer, and, when called, naming ``logits`` when they are not
+    ``[B, T, vocab]`` for ``input_ids [B, T]``."""
     T = input_ids.shape[-1]
     idx = None
     if positions is not None:
@@ -623,6 +649,11 @@ def next_token_loss(input_ids: torch.Tensor, positions=None) -> Callable[[torch.
         idx = t - 1
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
+        if logits.ndim != 3 or logits.shape[:2] != input_ids.shape:
+            raise ValueError(
+                f"logits: expected [{', '.join(map(str, input_ids.shape))}, vocab] (input_ids "
+                f"{list(input_ids.shape)}), got {list(logits.shape)}"
+            )
         ids = input_ids.to(logits.device)
         loss = F.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
@@ -677,7 +708,8 @@ def activation_patching(
     ``"head_position"``).
 
     Returns a :class:`Patching` (``.values``, ``.restored``). Raises ``ValueError`` for an unknown
-    ``per`` or inputs of different shapes, ``KeyError`` for an unknown hook name."""
+    ``per`` or inputs of different shapes, ``KeyError`` for an unknown hook name, an empty
+    selection or a selected hook that does not fire on the clean run."""
     if per not in PER:
         raise ValueError(f"per: expected one of {PER}, got {per!r}")
     if clean_ids.shape != corrupted_ids.shape:
@@ -687,6 +719,13 @@ def activation_patching(
         )
     chosen = hook_names(model, names)
     clean_logits, cache = model.run_with_cache(clean_ids, names=chosen)
+    silent = [n for n in chosen if n not in cache]
+    if silent:
+        raise KeyError(
+            f"names: {silent} did not fire on this model's forward (a point of a part the layer does not "
+            "run, e.g. the MLP hooks of a block without an MLP), so there is nothing to patch; name "
+            "the hooks that do"
+        )
     corrupted_logits, _ = model(corrupted_ids)
     clean_m, corrupted_m = float(metric(clean_logits)), float(metric(corrupted_logits))
 
@@ -817,7 +856,7 @@ def state_patch(
     _, source_state = model(source_ids[:, :at], mode=mode)
     if source_ids.shape[0] == 1 and B > 1:
         source_state = cat_rows([source_state] * B)
-    _, target_state = model(target_ids[:, :at], mode=mode) if len(chosen) < n else (None, None)
+    _, target_state = model(target_ids[:, :at], mode=mode) if len(set(chosen)) < n else (None, None)
     state = [source_state[i] if i in chosen else target_state[i] for i in range(n)]
     with attached(model.hook_points, hooks):
         return model(target_ids[:, at:], state, mode=mode)
@@ -899,8 +938,8 @@ def induction_ablation(
         raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
     if random_from not in ("rest", "all"):
         raise ValueError(f"random_from: expected 'rest' or 'all', got {random_from!r}")
-    if draws < 1:
-        raise ValueError(f"draws: expected ≥ 1, got {draws}")
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise ValueError(f"draws: expected an int ≥ 1, got {draws!r}")
     was = model.training
     model.eval()
     try:
@@ -912,7 +951,7 @@ def induction_ablation(
                 f"{sorted({type(b.mixer).__name__ for b in model.blocks})}); ablating the top-K against K "
                 "random heads needs at least 2"
             )
-        if not isinstance(k, int) or not 1 <= k < len(heads):
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < len(heads):
             raise ValueError(
                 f"k: expected an int in 1 … {len(heads) - 1} (fewer than the {len(heads)} heads with a map, "
                 f"so that K random heads are a control and not the same heads), got {k!r}"

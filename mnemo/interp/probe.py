@@ -14,6 +14,7 @@ loads checkpoints and runs, lives in :mod:`mnemo.commands.probe`.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -44,10 +45,18 @@ def circuit_scores(
     HOPE's self-modifying Titans, when all ``2 · length`` tokens lie in its first chunk) scores 0
     everywhere; its entry then carries a ``"note"`` saying so (and which ``length`` would leave
     the first chunk). Raises ``ValueError`` for a ``length`` that is not an int ``≥ 2``, a
-    ``batch`` that is not an int ``≥ 1``, or a ``bos`` outside the vocabulary."""
+    ``batch`` that is not an int ``≥ 1``, a ``seed`` that is not an int, a ``vocab_offset`` that is
+    not an int ``≥ 0`` (an offset past the vocabulary draws its last id), or a ``bos`` outside the
+    vocabulary."""
     for what, value, low in (("length", length, 2), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{what}: expected an int >= {low}, got {value!r}")
+    try:
+        seed, vocab_offset = operator.index(seed), operator.index(vocab_offset)
+    except TypeError:
+        raise ValueError(f"seed, vocab_offset: expected ints, got {seed!r} and {vocab_offset!r}") from None
+    if vocab_offset < 0:
+        raise ValueError(f"vocab_offset: expected an int >= 0 (the first token id drawn), got {vocab_offset}")
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     offset = min(vocab_offset, V - 1) if bos is None else vocab_offset

@@ -343,14 +343,20 @@ def select(points: dict[str, HookPoint], names) -> list[str]:
     """The hook names chosen by ``names``: ``None`` (all), a string (one name, or a suffix such as
     ``"hook_k"`` matching every layer's), a list of those, or a predicate ``f(name) -> bool``.
 
-    Raises ``KeyError`` listing close names when a requested name matches nothing."""
+    Raises ``KeyError`` listing the known suffixes when a requested name matches nothing,
+    ``TypeError`` naming ``names`` for a value of another type (``3``, ``[3]``)."""
     if names is None:
         return list(points)
     if callable(names):
         return [n for n in points if names(n)]
-    wanted = [names] if isinstance(names, str) else list(names)
+    wanted = [names] if isinstance(names, str) else list(names) if isinstance(names, Iterable) else [names]
     chosen: list[str] = []
     for w in wanted:
+        if not isinstance(w, str):
+            raise TypeError(
+                "names: expected a hook name or suffix, a list of them, a predicate or None, got "
+                f"{w!r} ({type(w).__name__})" + (f" in {names!r}" if w is not names else "")
+            )
         hits = [n for n in points if n == w or n.endswith("." + w)]
         if not hits:
             suffixes = sorted({n.rsplit(".", 1)[-1] for n in points})
