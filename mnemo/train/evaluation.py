@@ -59,7 +59,8 @@ class Evaluator:
         finally:  # the mode it found, also when a forward pass raises (e.g. NaN/inf in an op's input)
             model.train(was)
         val_loss = total / max(count, 1)
-        # bits per character: tokens per character of the validation text (1 for char-level)
+        # bits per character: tokens per character of the whole validation split (1 for char-level;
+        # for byte and subword tokenizers the split's average, not the evaluated windows' own ratio)
         tokens_per_char = self.val_data.ids.numel() / max(self.val_chars, 1)
         return {
             "val_loss": val_loss,
