@@ -189,8 +189,8 @@ class MoE(nn.Module):
     replacement changes scores, choice and weights), ``hook_topk_indices [B, T, k]`` long (the
     chosen experts, best first; a replacement forces the routing and the weights follow it),
     ``hook_topk_weights [B, T, k]`` (the mixing weights of those experts, after dropping: a dropped
-    assignment has weight 0), ``hook_shared_out [B, T, d]`` (the shared expert's gated output, when
-    there is one). Loads per expert: :func:`expert_load` of the indices, or ``last_load``.
+    assignment has weight 0), ``hook_shared_out [B, T, d]`` (the shared expert's gated output; only
+    with a shared expert). Loads per expert: :func:`expert_load` of the indices, or ``last_load``.
 
     After each forward the module holds: ``last_aux_loss`` and ``last_z_loss`` (0-d tensors with
     their graph, for the training loss), ``last_load [E]`` (fraction of assignments, detached),
@@ -254,7 +254,8 @@ class MoE(nn.Module):
         self.hook_router_logits = HookPoint()
         self.hook_topk_indices = HookPoint()
         self.hook_topk_weights = HookPoint()
-        self.hook_shared_out = HookPoint()
+        if self.shared_expert is not None:  # no point that would never fire
+            self.hook_shared_out = HookPoint()
         self.init_weights()
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None

@@ -46,8 +46,8 @@ class Block(nn.Module):
     """``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm residual block).
 
     Hook points (all ``[B, T, d_model]``): ``hook_resid_pre`` (the block input), ``hook_mixer_out``
-    (the mixer's output), ``hook_resid_mid`` (after the mixer's residual add), ``hook_mlp_out`` and
-    ``hook_resid_post`` (the block output).
+    (the mixer's output), ``hook_resid_mid`` (after the mixer's residual add), ``hook_mlp_out`` (only
+    in a block with an MLP) and ``hook_resid_post`` (the block output).
     """
 
     def __init__(self, mixer: nn.Module, d_model: int, mlp: nn.Module | None, eps: float):
@@ -60,7 +60,8 @@ class Block(nn.Module):
         self.hook_resid_pre = HookPoint()
         self.hook_mixer_out = HookPoint()
         self.hook_resid_mid = HookPoint()
-        self.hook_mlp_out = HookPoint()
+        if mlp is not None:  # a block without an MLP (Mamba's) has no point that would never fire
+            self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
     def forward(self, x, state: BlockState | None = None, mode=None, cu_seqlens=None):
@@ -112,9 +113,9 @@ class LanguageModel(nn.Module):
 
     **Hook points.** Every intermediate passes through a named :class:`~mnemo.layers.hooks.HookPoint`:
     ``hook_embed`` (token + position embedding ``[B, T, d]``), each block's ``hook_resid_pre``,
-    ``hook_mixer_out``, ``hook_resid_mid``, ``hook_mlp_out``, ``hook_resid_post``, and each mixer's
-    own (``blocks.{i}.mixer.hook_q`` …; see the mixer's docstring for its names and shapes), and a
-    mixture-of-experts MLP's router decisions (``blocks.{i}.mlp.hook_router_logits`` …,
+    ``hook_mixer_out``, ``hook_resid_mid``, ``hook_mlp_out`` (blocks with an MLP), ``hook_resid_post``,
+    and each mixer's own (``blocks.{i}.mixer.hook_q`` …; see the mixer's docstring for its names and
+    shapes), and a mixture-of-experts MLP's router decisions (``blocks.{i}.mlp.hook_router_logits`` …,
     :class:`~mnemo.layers.MoE`; its auxiliary losses: :meth:`aux_loss`).
     :meth:`run_with_cache` records them, :meth:`run_with_hooks` reads or replaces them;
     :attr:`hook_points` lists them.

@@ -20,7 +20,7 @@ from mnemo.interp.interventions import (
     state_patch,
     steer,
 )
-from mnemo.layers.hooks import select
+from mnemo.layers.hooks import HookPoint, name_hook_points, select
 from mnemo.models import LanguageModel, build_config
 
 V = 17
@@ -91,9 +91,26 @@ def test_a_selection_of_no_hook_point_is_refused_not_a_silent_no_op():
 
 
 def test_activation_patching_names_a_hook_that_never_fires():
-    m, ids = _model("mamba"), _ids()  # Mamba blocks have no MLP: hook_mlp_out never fires
-    with pytest.raises(KeyError, match=r"blocks\.0\.hook_mlp_out.*did not fire"):
-        activation_patching(m, ids, ids.flip(0), next_token_loss(ids), "hook_mlp_out", per="layer")
+    m, ids = _model("mamba"), _ids()
+    m.blocks[0].hook_never = HookPoint()  # a point of a part the forward does not run
+    m.hook_points = name_hook_points(m)
+    with pytest.raises(KeyError, match=r"blocks\.0\.hook_never.*did not fire"):
+        activation_patching(m, ids, ids.flip(0), next_token_loss(ids), "hook_never", per="layer")
+
+
+def test_a_block_without_an_mlp_has_no_mlp_hook_and_moe_no_shared_hook_without_a_shared_expert():
+    """Points of parts a model does not have are not created (they would never fire: ablating
+    ``hook_mlp_out`` on Mamba was a silent no-op); naming one is an unknown name."""
+    m = _model("mamba")
+    assert not any(n.endswith("hook_mlp_out") for n in m.hook_points)
+    with pytest.raises(KeyError, match="hook_mlp_out"):
+        ablate(m, "hook_mlp_out")
+    assert any(n.endswith("hook_mlp_out") for n in _model("gla").hook_points)
+    from mnemo.layers import MoE
+
+    assert not hasattr(MoE(16, n_experts=4, top_k=2, expert_hidden=8), "hook_shared_out")
+    moe = MoE(16, n_experts=4, top_k=2, expert_hidden=8, shared_expert_hidden=8)
+    assert "hook_shared_out" in name_hook_points(moe)
 
 
 # ------------------------------------------------------------------------------------- metrics
