@@ -29,18 +29,18 @@ Weights: ``model.safetensors``, sharded safetensors (``model.safetensors.index.j
 state dict that ``import_hf`` returns loads into ``LanguageModel(config)`` with ``strict=True`` in
 the checkpoint's dtype; :func:`convert` stores a float32 model (what ``LanguageModel`` builds).
 
-Folders: :func:`convert` and :func:`export_hf` write the whole output folder into a hidden
-temporary sibling (``.OUT.partial-…``) and move it into place only when it is complete, so a failed
-write (a full disk, a file size limit) leaves ``OUT`` as it was and raises ``OSError``; with
-``force`` an existing checkpoint folder is replaced whole (no file of its previous content stays),
-after the new one is complete. Neither writes into a training run's folder or checkpoint. Besides
-the model, they carry the tokenizer files (:data:`TOKENIZER_FILES`, the chat template included),
-``generation_config.json`` and the source ``config.json``'s special token ids and
-``residual_in_fp32`` (:data:`CARRIED_FIELDS`, kept in a converted checkpoint's
+Folders: :func:`convert` and :func:`export_hf` write the whole output folder into a hidden temporary
+sibling (``.OUT.partial-…``) and move it into place only when it is complete, so a failed write (a
+full disk, a file size limit) leaves ``OUT`` as it was and raises ``OSError``; with ``force`` an
+existing checkpoint folder is replaced whole (no file of its previous content stays), after the new
+one is complete; never one that holds the source. Neither writes into a training run's folder or
+checkpoint. Besides the model, they carry the tokenizer files (:data:`TOKENIZER_FILES`, the chat
+template included), ``generation_config.json`` and the source ``config.json``'s special token ids
+and ``residual_in_fp32`` (:data:`CARRIED_FIELDS`, kept in a converted checkpoint's
 :data:`CARRIED_CONFIG_NAME` and written back on export). ``mnemo generate`` reads them as
-``transformers`` does: the prompt starts with the BOS the tokenizer's post-processor puts first,
-and the text ends at the declared end-of-text id (``LanguageModel.generate`` stops there only when
-given ``eos_token_id``).
+``transformers`` does: the prompt starts with the BOS the tokenizer's post-processor puts first, and
+the text ends at the declared end-of-text id (``LanguageModel.generate`` stops there only when given
+``eos_token_id``).
 
 The Mamba formats live in :mod:`mnemo.hf.mamba`, Qwen3-Next in :mod:`mnemo.hf.qwen3_next`; this
 module holds the registry, the folders and the checks every format shares.
@@ -217,8 +217,8 @@ def is_foreign_checkpoint(directory: str | Path) -> bool:
     ``False`` for mnemo's own, a missing file or one that is not JSON (left to the caller)."""
     p = Path(directory) / "config.json"
     try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return False
     if not isinstance(cfg, dict) or cfg.get("model_type") == MNEMO_MODEL_TYPE:
         return False
@@ -322,9 +322,9 @@ def _import(src: str | Path) -> _Imported:
             )
         raise FileNotFoundError(f"checkpoint file missing: {cfg_path}")
     try:
-        hf_config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"corrupt config {cfg_path}: {e}") from e
+        hf_config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt config {cfg_path}: not JSON ({e})") from e
     arch = find_architecture(hf_config)
     if arch is None:
         raise ValueError(
@@ -461,6 +461,18 @@ def check_not_source(out: str | Path, *sources: str | Path) -> None:
             raise ValueError(
                 f"OUT: {out} is {'the source' if o == s else 'inside the source'} {src}; writing there "
                 "would overwrite what is read (--force does not change that): pick another folder"
+            )
+
+
+def _refuse_out_holding_source(out: str | Path, *sources: str | Path) -> None:
+    """Refuse an output folder that holds a source: ``force`` replaces ``OUT`` whole, which would
+    delete the source read (the conversion, done in memory, would succeed and the source be gone)."""
+    o = Path(out).resolve()
+    for src in sources:
+        if src is not None and o in Path(src).resolve().parents:
+            raise ValueError(
+                f"OUT: {out} holds the source {src}; replacing OUT (--force) would delete it: "
+                "pick another folder, or move the source out first"
             )
 
 
@@ -634,12 +646,13 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     that is replaced once the new one is complete. Returns ``out``.
 
     Raises ``FileNotFoundError`` / ``ValueError`` as :func:`import_hf` does; ``ValueError`` for an
-    ``out`` that is ``src`` or inside it, a training run's folder or one of its checkpoints
+    ``out`` that is ``src``, inside it or holds it, a training run's folder or one of its checkpoints
     (``force`` or not), not empty without ``force``, or with ``force`` not a checkpoint folder or
     the current folder; ``OSError`` when writing fails (``out`` is then left as it was)."""
     from ..models.lm import LanguageModel
 
     check_not_source(out, src)
+    _refuse_out_holding_source(out, src)
     imported = _import(src)
     o = _prepare_out(out, force)
     model = LanguageModel(imported.config)
@@ -696,7 +709,7 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     that is replaced once the new one is complete. Returns ``out``.
 
     Raises ``ValueError`` naming what the target class cannot express, or for an ``out`` that is
-    the source or inside it, a training run's folder or one of its checkpoints (``force`` or not),
+    the source, inside it or holds it, a training run's folder or one of its checkpoints (``force`` or not),
     not empty without ``force``, or with ``force`` not a checkpoint folder or the current folder;
     ``OSError`` when writing fails (``out`` is then left as it was)."""
     from safetensors.torch import save_file
@@ -710,6 +723,7 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
 
         src = resolve_checkpoint(ckpt)  # a run folder means its latest intact checkpoint
         check_not_source(out, ckpt, src)
+        _refuse_out_holding_source(out, ckpt, src)
         model = LanguageModel.from_pretrained(src)
     config = model.config
     arch = _exporter(config)

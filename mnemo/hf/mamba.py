@@ -76,12 +76,23 @@ MAMBA2_KEYS = _COMMON + [
 ]
 
 
-def _import_weights(weights: dict[str, Tensor], table, tie: bool, where: str) -> dict[str, Tensor]:
+def _import_weights(
+    weights: dict[str, Tensor], table, tie: bool, where: str, tie_field: str = "tie_word_embeddings"
+) -> dict[str, Tensor]:
+    """The weights under mnemo's names. With ``tie`` (the config's ``tie_field``) a ``lm_head.weight``
+    in the file must equal the embedding: one that differs is refused (``transformers`` keeps such a
+    head apart from the embedding, so a tied model would compute other logits)."""
     w = dict(weights)
     if "backbone.embedding.weight" in w:  # the name in mamba-ssm and older transformers files
         w["backbone.embeddings.weight"] = w.pop("backbone.embedding.weight")
-    if tie:
-        w.pop("lm_head.weight", None)
+    if tie and "lm_head.weight" in w:
+        head, emb = w.pop("lm_head.weight"), w.get("backbone.embeddings.weight")
+        if emb is not None and (head.shape != emb.shape or not torch.equal(head, emb)):
+            raise ValueError(
+                f"{where}: {tie_field} is true but lm_head.weight differs from the embedding "
+                f"(backbone.embeddings.weight): the head is not tied; set {tie_field} to false in "
+                "config.json to convert the model with its own head"
+            )
     state = _rename(w, table, where)
     if "embed.weight" not in state:
         raise ValueError(f"{where}: no embedding weight (backbone.embeddings.weight)")
@@ -547,6 +558,35 @@ _SSM2_KEYS = {
 MAMBA_SSM_EPS = 1e-5
 
 
+#: the mamba-ssm layout's fields that are sizes (top level, then ``ssm_cfg``) and true/false
+_SSM_TOP_INTS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple")
+_SSM_TOP_BOOLS = ("tie_embeddings", "residual_in_fp32", "fused_add_norm")
+_SSM_INTS = ("d_state", "d_conv", "headdim", "ngroups", "d_ssm")
+_SSM_BOOLS = ("bias", "conv_bias", "D_has_hdim", "rmsnorm", "norm_before_gate")
+
+
+def _check_ssm_fields(where: str, cfg: dict, ssm: dict) -> None:
+    """The mamba-ssm layout's fields of the right kind (``transformers``' names are checked by
+    :func:`mnemo.hf.convert._check_fields`): ``ValueError`` naming the field and the received value
+    for a size that is not a positive int, or a true/false field that is not a JSON boolean (a
+    string ``"false"`` would read as true)."""
+    for fields, names, prefix in ((cfg, _SSM_TOP_INTS, ""), (ssm, _SSM_INTS, "ssm_cfg.")):
+        for k in names:
+            v = fields.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{where}: field '{prefix}{k}': expected a positive int, got {v!r}")
+    for fields, names, prefix in ((cfg, _SSM_TOP_BOOLS, ""), (ssm, _SSM_BOOLS, "ssm_cfg.")):
+        for k in names:
+            v = fields.get(k)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{where}: field '{prefix}{k}': expected true or false, got {v!r}")
+    rank = ssm.get("dt_rank")
+    if rank not in (None, "auto") and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(
+            f"{where}: field 'ssm_cfg.dt_rank': expected a positive int or \"auto\", got {rank!r}"
+        )
+
+
 def _is_mamba_ssm(cfg: dict) -> bool:
     return "n_layer" in cfg and "d_model" in cfg
 
@@ -561,7 +601,11 @@ def import_mamba_ssm(cfg: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig
         _refuse(where, f"attn_layer_idx = {cfg['attn_layer_idx']} (attention layers)")
     if not cfg.get("rms_norm", True):
         _refuse(where, "rms_norm = false (LayerNorm blocks)")
-    ssm = dict(cfg.get("ssm_cfg") or {})
+    ssm = cfg.get("ssm_cfg") or {}
+    if not isinstance(ssm, dict):
+        raise ValueError(f"{where}: field 'ssm_cfg': expected an object of Mamba options, got {ssm!r}")
+    ssm = dict(ssm)
+    _check_ssm_fields(where, cfg, ssm)
     layer = ssm.get("layer", "Mamba1")
     if layer not in ("Mamba1", "Mamba2"):
         _refuse(where, f"ssm_cfg.layer = {layer!r} (supported: 'Mamba1', 'Mamba2')")
@@ -614,7 +658,7 @@ def import_mamba_ssm(cfg: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig
         mixer, table = "mamba2", MAMBA2_KEYS
         defaults = dict(expand=2, conv_kernel=4, state_size=128, n_groups=1, head_dim=64)
     config = _model_config(vocab, hidden, cfg["n_layer"], mixer, opts, tie, MAMBA_SSM_EPS)
-    state = _import_weights(weights, table, tie, where)
+    state = _import_weights(weights, table, tie, where, "tie_embeddings")
     # the fields under this layout's names (d_model, ssm_cfg.d_state, ...)
     given = {"hidden_size": hidden, "vocab_size": vocab}
     for k, name in _SSM_FIELD_NAMES.items():

@@ -39,8 +39,9 @@ The correspondence, layer by layer:
   norm of the linear-attention layers multiplies by ``w`` directly and is copied.
 
 Anything mnemo cannot express exactly raises ``ValueError`` naming the option; nothing is
-approximated. RoPE is plain both ways: a checkpoint's ``rope_scaling`` / ``rope_type`` other than
-``"default"`` is refused on import, and a mnemo model's ``mixer_options['attention']['rope_scaling']``
+approximated. RoPE is plain both ways: a checkpoint's ``rope_type`` other than ``"default"`` (in
+``rope_parameters``, or in a non-empty legacy ``rope_scaling``, which ``transformers`` reads in its
+place) is refused on import, and a mnemo model's ``mixer_options['attention']['rope_scaling']``
 (linear, NTK, YaRN) on export. ``attention_dropout`` acts only in training and is not carried; multi-token
 prediction weights (``mtp.*``, unused by ``Qwen3NextForCausalLM``) are dropped on import.
 """
@@ -48,6 +49,7 @@ prediction weights (``mtp.*``, unused by ``Qwen3NextForCausalLM``) are dropped o
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -167,17 +169,30 @@ def _get(cfg: dict, key: str):
 
 def _rope(cfg: dict) -> tuple[float, float]:
     """``(rope_theta, partial_rotary_factor)`` from ``rope_parameters`` (or the legacy top-level
-    ``rope_theta`` / ``partial_rotary_factor`` / ``rope_scaling``); other RoPE types are refused."""
-    rp = cfg.get("rope_parameters")
-    if rp is None:
-        if cfg.get("rope_scaling") not in (None, {}):
-            _refuse(f"rope_scaling {cfg['rope_scaling']!r} is not supported (only plain RoPE)")
-        rp = {"rope_type": "default"}
+    ``rope_theta`` / ``partial_rotary_factor``); other RoPE types are refused. A non-empty legacy
+    ``rope_scaling`` takes the place of ``rope_parameters``, as in ``transformers``, which then
+    ignores ``rope_parameters``. ``ValueError`` naming the field for a value of the wrong kind."""
+    field, rp = "rope_parameters", cfg.get("rope_parameters")
+    if cfg.get("rope_scaling") not in (None, {}):
+        field, rp = "rope_scaling", cfg["rope_scaling"]
+    rp = {"rope_type": "default"} if rp is None else rp
+    if not isinstance(rp, dict):
+        _refuse(
+            f"field {field!r}: expected an object such as {{'rope_type': 'default', 'rope_theta': 10000.0}}, "
+            f"got {rp!r}"
+        )
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type != "default":
-        _refuse(f"rope_type {rope_type!r} is not supported (only 'default')")
+        _refuse(f"{field}: rope_type {rope_type!r} is not supported (only 'default', plain RoPE)")
     theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    for name, v, top, kind in (
+        ("rope_theta", theta, float("inf"), "a positive number"),
+        ("partial_rotary_factor", factor, 1.0, "a number in (0, 1], the share of head_dim rotated"),
+    ):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= top or v == float("inf"):
+            where = f"{field}.{name}" if name in rp else name
+            _refuse(f"field {where!r}: expected {kind}, got {v!r}")
     return float(theta), float(factor)
 
 
@@ -186,6 +201,10 @@ def _layer_types(cfg: dict, n: int) -> list[str]:
     if types is None:
         interval = cfg.get("full_attention_interval", 4)
         types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+    if not isinstance(types, list):
+        _refuse(
+            f"field 'layer_types': expected a list of {LINEAR!r} / {FULL!r}, one per layer, got {types!r}"
+        )
     if len(types) != n:
         _refuse(f"layer_types has {len(types)} entries for num_hidden_layers = {n}")
     for i, t in enumerate(types):
@@ -195,9 +214,30 @@ def _layer_types(cfg: dict, n: int) -> list[str]:
 
 
 def _moe_layers(cfg: dict, n: int) -> list[int]:
-    only = set(_get(cfg, "mlp_only_layers") or [])
+    """The layers with a sparse MoE MLP, as ``Qwen3NextDecoderLayer`` picks them; ``ValueError``
+    naming ``num_experts``, ``decoder_sparse_step`` or ``mlp_only_layers`` when of the wrong kind."""
+    only = _get(cfg, "mlp_only_layers") or []
     experts, step = _get(cfg, "num_experts"), _get(cfg, "decoder_sparse_step")
-    return [i for i in range(n) if i not in only and experts > 0 and (i + 1) % step == 0]
+    if not isinstance(only, list) or not all(_is_int(i) for i in only):
+        _refuse(f"field 'mlp_only_layers': expected a list of layer indices, got {only!r}")
+    if not _is_int(experts) or experts < 0:
+        _refuse(f"field 'num_experts': expected an int >= 0 (0: dense MLPs), got {experts!r}")
+    if experts == 0:
+        return []
+    if not _is_int(step) or step < 1:
+        _refuse(f"field 'decoder_sparse_step': expected a positive int, got {step!r}")
+    return [i for i in range(n) if i not in only and (i + 1) % step == 0]
+
+
+def _init_std(v) -> float:
+    """``initializer_range`` (the weights' init scale, carried as ``init_std``), a number >= 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        _refuse(f"field 'initializer_range': expected a number >= 0, got {v!r}")
+    return float(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _plus_one(w: Tensor) -> Tensor:
@@ -314,7 +354,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         pos_embedding="none",
         tie_embeddings=tie,
         norm_eps=eps,
-        init_std=float(_get(cfg, "initializer_range")),
+        init_std=_init_std(_get(cfg, "initializer_range")),
     ).validate()
 
     w = _Weights(weights, ignore=("mtp.",), cfg=cfg)
@@ -491,6 +531,8 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
     D = a["head_dim"] or d // H
     R = a["rotary_dim"] if a.get("rotary_dim") is not None else D
     factor = R / D
+    while int(D * factor) < R:  # R / D rounded down (D = 47, R = 6): transformers' int() would give R − 1
+        factor = math.nextafter(factor, math.inf)
     if int(D * factor) != R:
         _refuse(f"rotary_dim {R} of head_dim {D} is not reproduced by partial_rotary_factor {factor}")
     bias = bool(a["bias"])
