@@ -208,14 +208,15 @@ class Device(Kind):
     when asked for, importing torch then)."""
 
     expected = "'cpu', 'cuda' or 'cuda:N'"
-    hostile = ("", "gpu", "cuda:-1", "cuda:x", "tpu")
+    hostile = ("", "gpu", "cuda:-1", "cuda:x", "tpu", "cuda:")
 
     def __call__(self, text: str) -> str:
         t = str(text).strip()
         if t == "cpu":
             return t
-        name, _, index = t.partition(":")
-        if name != "cuda" or (index and not index.isdigit()):
+        name, colon, index = t.partition(":")
+        # (`cuda:` with no index, or an index in other digits than 0-9, is no device torch names)
+        if name != "cuda" or (colon and not (index.isascii() and index.isdigit())):
             self.fail(text)
         import torch  # only for a CUDA device
 
@@ -274,6 +275,17 @@ class _PathKind(Kind):
         self.expected = expected
         self.hostile = ("", "   ")
 
+    def __call__(self, text: str) -> str:
+        try:
+            return self._check(text)
+        except OSError as e:  # a name too long for the file system, a folder it may not look in, ...
+            self.fail(text, f" ({e.strerror or e})")
+        except RuntimeError as e:  # pathlib's resolve() meeting a loop of symbolic links
+            self.fail(text, " (a loop of symbolic links)" if "loop" in str(e).lower() else f" ({e})")
+
+    def _check(self, text: str) -> str:
+        raise NotImplementedError
+
     def _path(self, text: str) -> Path:
         if not str(text).strip():
             self.fail(text)
@@ -303,12 +315,12 @@ class ExistingFile(_PathKind):
     def __init__(self, what: str = "an existing file"):
         super().__init__(what)
 
-    def __call__(self, text: str) -> str:
+    def _check(self, text: str) -> str:
         p = self._path(text)
         if p.is_dir():
             self.fail(text, " (a folder)")
-        if not p.is_file():
-            self.fail(text, " (not found)")
+        if not p.is_file():  # (a device or a pipe is there, but no file to read)
+            self.fail(text, " (not a regular file)" if p.exists() else " (not found)")
         return self._value(text)
 
 
@@ -318,12 +330,12 @@ class ExistingDir(_PathKind):
     def __init__(self, what: str = "an existing folder"):
         super().__init__(what)
 
-    def __call__(self, text: str) -> str:
+    def _check(self, text: str) -> str:
         p = self._path(text)
         if p.is_file():
             self.fail(text, " (a file)")
         if not p.is_dir():
-            self.fail(text, " (not found)")
+            self.fail(text, " (not a folder)" if p.exists() else " (not found)")
         return self._value(text)
 
 
@@ -341,7 +353,7 @@ class OutDir(_PathKind):
         self.not_a_run = not_a_run
         self.not_inside_run = not_inside_run
 
-    def __call__(self, text: str) -> str:
+    def _check(self, text: str) -> str:
         p = self._path(text)
         self._not_in_checkpoint(text, p)
         if self.not_inside_run:
@@ -394,7 +406,7 @@ class OutFile(_PathKind):
         super().__init__(what if suffix is None else f"{what} ending in {suffix}")
         self.suffix = suffix
 
-    def __call__(self, text: str) -> str:
+    def _check(self, text: str) -> str:
         p = self._path(text)
         if p.is_dir() or str(text).endswith(("/", os.sep)):
             self.fail(text, " (a folder)")
@@ -420,7 +432,7 @@ class OutPath(_PathKind):
         super().__init__(what or f"a {suffix} file or a folder to write into")
         self.file, self.dir = OutFile(suffix=suffix), OutDir()
 
-    def __call__(self, text: str) -> str:
+    def _check(self, text: str) -> str:
         kind = self.file if Path(str(text)).suffix == self.file.suffix else self.dir
         try:
             return kind(text)

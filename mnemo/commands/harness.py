@@ -74,7 +74,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--overwrite", action="store_true", help="replace the --out file if it exists (default: refuse)"
     )
     p.add_argument(
-        "--seed", type=kinds.seed, default=0, help="seed of lm-eval's sampling and few-shot choice"
+        "--seed",
+        type=kinds.Int(0, 2**32 - 1),  # (lm-eval seeds numpy with it too, which takes no more)
+        default=0,
+        help="seed of lm-eval's sampling and few-shot choice, below 2**32 (default 0)",
     )
     p.add_argument(
         "--log-samples",
@@ -131,7 +134,7 @@ MODEL_ARGS = ("max_length", "rolling", "prefix_token_id", "add_bos_token", "max_
 
 def parse_model_args(text: str) -> dict[str, str]:
     """``"k=v,k2=v2"`` as a dict; ``ValueError`` for an item without ``=``, an empty or repeated key,
-    or a key the mnemo model does not read (:data:`MODEL_ARGS`)."""
+    an empty value, or a key the mnemo model does not read (:data:`MODEL_ARGS`)."""
     out: dict[str, str] = {}
     for item in (text or "").split(","):
         if not item.strip():
@@ -148,6 +151,10 @@ def parse_model_args(text: str) -> dict[str, str]:
             )
         if key in out:
             raise ValueError(f"--model-args: {key!r} is given twice")
+        if not value.strip():  # the model reads an empty value as its default: said, not ignored
+            raise ValueError(
+                f"--model-args: {key!r} has no value, got {item.strip()!r} (leave it out for its default)"
+            )
         out[key] = value.strip()
     return out
 

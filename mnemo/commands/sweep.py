@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,6 +31,11 @@ def _check_database(path, flag: str, create: bool = False) -> None:
             raise ValueError(
                 f"{flag}: {p} is not an SQLite database (a sweep's database); it was left as it is"
             )
+        why = _not_a_sweep_database(p)
+        if why:
+            raise ValueError(
+                f"{flag}: {p} is an SQLite database but not a sweep's ({why}); it was left as it is"
+            )
     elif create and p.suffix.lower() not in DB_SUFFIXES:  # e.g. --db swdir, meant as a folder
         raise ValueError(
             f"{flag}: a new sweep database is one SQLite file named with a suffix "
@@ -37,8 +43,47 @@ def _check_database(path, flag: str, create: bool = False) -> None:
         )
 
 
+def _not_a_sweep_database(p: Path) -> str:
+    """Why the SQLite file ``p`` is no sweep's database ('' if it may be one), read without writing:
+    a sweep's tables would otherwise be added to another program's database (or its own ``runs``
+    table, of other columns, fail the first query)."""
+    import sqlite3
+
+    from ..sweep.db import _COLUMNS
+
+    try:
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            tables = [
+                r[0]
+                for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                if not r[0].startswith("sqlite_")
+            ]
+            columns = {
+                t: {r[1] for r in conn.execute(f"PRAGMA table_info({t})")} for t in ("runs", "sweep_meta")
+            }
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        return f"it cannot be read: {e}"
+    if tables and "runs" not in tables:  # (no table at all: an empty database, which a sweep may fill)
+        return f"its tables: {', '.join(sorted(tables))}; a sweep's has 'runs'"
+    need = {"runs": set(_COLUMNS) - {"seed"}, "sweep_meta": {"sweep", "meta"}}  # (seed: added to old ones)
+    for table, cols in need.items():
+        missing = sorted(cols - columns[table]) if table in tables else []
+        if missing:
+            named = ", ".join(map(repr, missing[:3])) + (
+                f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            )
+            return f"its table {table!r} has no column {named}"
+    return ""
+
+
 #: the names a new sweep database may end with
 DB_SUFFIXES = (".sqlite", ".sqlite3", ".db")
+#: the kinds of ``--db`` and ``--out``, which a sweep file's ``db`` and ``out`` get too
+DB_KIND = kinds.OutFile("a database file")
+OUT_KIND = kinds.OutDir(not_a_run=True, not_inside_run=True)
 
 
 def _cmd_sweep(args) -> int:
@@ -49,9 +94,9 @@ def _cmd_sweep(args) -> int:
     db, out = default_paths(spec)
     # the file's (or the default) places get the checks the flags get, before any run starts
     if not args.db:
-        _check_place(kinds.OutFile("a database file"), db, f"{args.config}: db")
+        _check_place(DB_KIND, db, f"{args.config}: db")
     if not args.out:
-        _check_place(kinds.OutDir(not_a_run=True), out, f"{args.config}: out")
+        _check_place(OUT_KIND, out, f"{args.config}: out")
     db = Path(args.db) if args.db else db
     out = Path(args.out) if args.out else out
     _check_database(db, "--db" if args.db else f"{args.config}: db", create=not args.list)
@@ -102,7 +147,7 @@ def _cmd_sweep(args) -> int:
             else ""
         )
     )
-    print(f"try: mnemo report {db}")
+    print(f"try: mnemo report {shlex.quote(str(db))}")  # (a command to paste: a space in the path)
     return 1 if counts["failed"] else 0
 
 
@@ -215,12 +260,12 @@ def add_commands(sub) -> None:
     )
     s.add_argument(
         "--db",
-        type=kinds.OutFile("a database file"),
+        type=DB_KIND,
         help="SQLite database (default: the file's 'db', else runs/sweeps/NAME.sqlite)",
     )
     s.add_argument(
         "--out",
-        type=kinds.OutDir(not_a_run=True, not_inside_run=True),
+        type=OUT_KIND,
         help="run directories (default: the file's 'out', else runs/sweeps/NAME/)",
     )
     s.add_argument(

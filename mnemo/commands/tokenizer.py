@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -132,6 +133,15 @@ def run_train(args) -> int:
             "one would replace, leaving a model that reads other ids (--overwrite does not write into "
             "one); write the new tokenizer to a folder of its own, e.g. tokenizers/NAME"
         )
+    data = Path(args.data)
+    if data.is_dir() and out.resolve() == data.resolve():  # (a folder's corpus is the files in it)
+        raise ValueError(
+            f"--out: {out} is the --data folder: tokenizer.json and tokenizer_config.json would be read "
+            "as files of its corpus from then on; write the tokenizer to a folder of its own, e.g. "
+            "tokenizers/NAME"
+        )
+    if args.kind != "bpe" and args.min_frequency is not None:  # before the corpus is read (minutes, may be)
+        raise ValueError(f"--min-frequency applies to --kind bpe only (got --kind {args.kind})")
     path = out / "tokenizer.json"
     # tokenizer_config.json is written with it (transformers reads both): an old one, kept, would
     # give the new tokenizer the old one's end-of-text token and settings
@@ -160,7 +170,10 @@ def run_train(args) -> int:
         f"{ids.numel():,} tokens)",
         file=sys.stderr,
     )
-    print(f"train with: mnemo train --tokenizer {out} --data {args.data}", file=sys.stderr)
+    # a command the shell reads back as it is: the field too, and quoted (a glob, a space in a path)
+    again = ["mnemo", "train", "--tokenizer", str(out), "--data", args.data]
+    again += ["--text-field", args.text_field] if args.text_field != "text" else []
+    print(f"train with: {shlex.join(again)}", file=sys.stderr)
     print(json.dumps(stats))
     if tok.vocab_size < args.vocab_size:
         print(
