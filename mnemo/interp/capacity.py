@@ -141,16 +141,37 @@ def initial_weights(
     return out
 
 
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """``x / ‖x‖`` over the last dim, first scaled by its largest entry so that the norm neither
+    overflows (a finite read of ``|x| ≳ 2e19`` squares past float32's range) nor underflows; a zero
+    vector stays zero."""
+    top = x.abs().amax(-1, keepdim=True)
+    return F.normalize(x / torch.where(top > 0, top, torch.ones_like(top)), dim=-1)
+
+
 def recall_accuracy(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Per stream, the share of reads ``y_i`` whose nearest value by cosine among ``v_1 … v_N`` is
-    ``v_i``. ``y, v: [B, N, H, D]`` → ``[B]`` (averaged over heads and pairs). Ties go to the lower
-    index (``argmax``); a read of zero norm is a miss."""
+    ``v_i`` alone. ``y, v: [B, N, H, D]`` → ``[B]`` (averaged over heads and pairs). A read as near
+    another value as ``v_i`` (a tie) is a miss, and so is a read of zero norm or with a non-finite
+    entry; the cosine is scale-free also for reads whose squared norm overflows.
+
+    Raises:
+        ValueError: ``y`` and ``v`` differ in shape or are not 4-D; ``v`` has a non-finite entry.
+    """
     if y.shape != v.shape or y.ndim != 4:
         raise ValueError(
             f"y and v must have the same shape [B, N, H, D], got {list(y.shape)} and {list(v.shape)}"
         )
-    sim = torch.einsum("bihd,bjhd->bhij", F.normalize(y, dim=-1), F.normalize(v, dim=-1))
-    hit = (sim.argmax(-1) == torch.arange(y.shape[1], device=y.device)) & (y.norm(dim=-1) > 0).transpose(1, 2)
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError(
+            f"v: expected finite values, got {int((~torch.isfinite(v)).sum())} non-finite entries"
+        )
+    ok = torch.isfinite(y).all(-1) & (y != 0).any(-1)  # [B, N, H]: a read that points somewhere
+    sim = torch.einsum("bihd,bjhd->bhij", _unit(torch.where(ok[..., None], y, 0)), _unit(v))
+    own = sim.diagonal(dim1=-2, dim2=-1).clone()  # [B, H, N]
+    sim.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))  # (in place: no second [N, N] per stream)
+    others = sim.amax(-1)  # the nearest other value; -inf with a single pair
+    hit = (own > others) & ok.transpose(1, 2)
     return hit.to(y.dtype).mean(dim=(1, 2))
 
 
@@ -205,11 +226,12 @@ def write_and_recall(
     _, st = neural_memory(spec, kk, kk, vv, th, eta=et, initial_state=st0, output_final_state=True)
     y, _, _ = memory_apply(spec, st.weights, k.transpose(1, 2))  # [B, H, N, V]
     y = y.transpose(1, 2)
-    nmse = ((y - v) ** 2).sum(-1) / (v**2).sum(-1)
+    nmse = (((y - v) ** 2).sum(-1) / (v**2).sum(-1)).mean(dim=(1, 2))
     bad = ~torch.isfinite(y).all(dim=-1).all(dim=-1).all(dim=-1)
-    recall = recall_accuracy(torch.nan_to_num(y), v)
+    recall = recall_accuracy(y, v)
     recall[bad] = float("nan")
-    return {"recall": recall, "nmse": nmse.mean(dim=(1, 2))}
+    nmse[bad] = float("nan")  # (an inf read would give inf, a NaN one NaN)
+    return {"recall": recall, "nmse": nmse}
 
 
 def _one(spec, n_pairs, key_dim, streams, seed, theta, passes, dtype, eta=None) -> dict:
@@ -252,7 +274,8 @@ def capacity_sweep(
 
     Raises:
         ValueError: an empty grid or seed list, a ``select_seed`` among the reported seeds, a pair
-            count or ``key_dim`` below 1, two ``θ`` alike to 6 significant digits.
+            count or ``key_dim`` below 1, two ``θ`` alike to 6 significant digits, a ``θ`` above a
+            variant's ``max_lr``.
     """
     from tqdm.auto import tqdm
 
@@ -265,6 +288,12 @@ def capacity_sweep(
         raise ValueError(f"select_seed {select_seed} must not be a reported seed {seeds}")
     if min(n_pairs) < 1 or key_dim < 1 or streams < 1:
         raise ValueError(f"n_pairs, key_dim and streams must be ≥ 1, got {n_pairs}, {key_dim}, {streams}")
+    for name, (spec, _) in variants.items():  # θ above max_lr is clamped: the cell would misreport it
+        if spec.max_lr is not None and max(theta_grid) > spec.max_lr:
+            raise ValueError(
+                f"theta_grid: expected values ≤ the max_lr {spec.max_lr:g} of variant {name!r} (θ is "
+                f"clamped to it, so a cell would record a θ it did not run), got {max(theta_grid):g}"
+            )
     cells = []
     jobs = [(name, n, p) for p in passes for n in n_pairs for name in variants]
     bar = tqdm(jobs, desc="capacity", disable=not progress, leave=False)

@@ -48,6 +48,7 @@ calls of the memory's token-loop reference (forward-over-reverse through its inn
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -172,9 +173,9 @@ def attribute_read(
     ``J_ts v_s`` for every ``t`` at once — batched as copies of the batch, at most ``max_rows``
     rows ``R·B`` per pass (at least one seed). Defaults: ``start=0``, ``steps=1``,
     ``max_rows=1024``."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    steps = _as_int("steps", steps, 1)
     B, T, H, _ = v.shape
+    start = _as_int("start", start, 0, T)
     v = v.detach()
     mask = torch.zeros(1, T, 1, 1, dtype=v.dtype, device=v.device)
     mask[:, start:] = 1
@@ -207,6 +208,19 @@ def attribute_read(
         for r, (_, s) in enumerate(block):
             contrib[:, :, :, s - start] += jv[r].transpose(1, 2) / len(alphas)
     return _causal(contrib), (o - base)[:, start:], base[:, start:]
+
+
+def _as_int(name: str, x, lo: int, hi: int | None = None) -> int:
+    """``x`` as an int in ``[lo, hi]`` (no upper bound when ``hi`` is ``None``), else a ValueError
+    naming ``name``, the range and the value."""
+    try:
+        i = None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        i = None
+    if i is None or i < lo or (hi is not None and i > hi):
+        want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {want}, got {x!r}")
+    return i
 
 
 def _causal(c: torch.Tensor) -> torch.Tensor:
@@ -275,12 +289,19 @@ def value_attribution(
     ``steps, max_rows``: as in :func:`attribute_read` (the Jacobian method only).
     Computation runs in float32 (float64 for float64 inputs). Defaults: ``start=0``, ``steps=1``,
     ``max_rows=1024``.
+
+    Raises:
+        ValueError: ``method`` unknown, or ``"exact"`` for a memory not linear in its values;
+            ``start`` not an int in ``[0, T]``; ``steps`` not an int ``>= 1``; the inputs'
+            shapes (from :func:`~mnemo.memory.neural_memory`).
     """
     if method not in ("auto", "exact", "jacobian"):
         raise ValueError(f"method must be 'auto', 'exact' or 'jacobian', got {method!r}")
     exact = linear_in_values(spec)
     if method == "exact" and not exact:
         raise ValueError("method='exact' needs a memory linear in its values (linear_in_values)")
+    start = _as_int("start", start, 0, q.shape[1])
+    steps = _as_int("steps", steps, 1)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, theta, g, eta, delta = (
         None if x is None else x.detach().to(cd) for x in (q, k, v, theta, g, eta, delta)
