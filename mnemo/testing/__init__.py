@@ -15,10 +15,13 @@ The checks (DESIGN.md §4), each a ``check_*`` function returning a :class:`Chec
 ==========================  =======================================================================
 ``forms`` / ``forms+S0``    each mode equals the reference: outputs and final states, from a zero
                             and from a random initial state, at odd lengths ``1, c−1, c, c+1,
-                            2c+5, 37`` (``c`` the chunk size)
+                            2c+5, 37`` (``c`` the chunk size); the output also with
+                            ``output_final_state=False``; the inputs and the initial state
+                            left unchanged
 ``split``                   ``x[:, :a]`` then ``x[:, a:]`` from the carried state == one run
 ``decode``                  prefill, then 1-token steps from the carried state == one run
-``grad``                    gradients w.r.t. every input and the initial state == the reference's
+``grad``                    gradients w.r.t. every input (per-op parameters such as ssd's ``A``
+                            too: ``OpSpec.static``) and the initial state == the reference's
 ``gradcheck``               ``torch.autograd.gradcheck`` of the reference (when it is the op's own)
 ``varlen`` / ``varlen+S0``  sequences packed with ``cu_seqlens`` == each sequence alone
 ``float32``                 float32 at a realistic size vs the float64 reference

@@ -6,9 +6,10 @@ its own, so that neither of those imports the other."""
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Callable, Iterable
 
-from .contract import OpSpec, Report, run_contract
+from .contract import OpSpec, Report, plan, run_contract
 from .specs import get_spec
 
 
@@ -45,7 +46,7 @@ def claim(
         raise ValueError(f"spec {base.name!r} has no `arguments` to call an op with; use calling='inputs'")
     fields = dict(
         name=name or getattr(op, "__name__", "op"),
-        modes=tuple(modes) if modes is not None else base.modes,
+        modes=((modes,) if isinstance(modes, str) else tuple(modes)) if modes is not None else base.modes,
         reference=base.reference_callable(),
         claims=base.name,
     )
@@ -74,7 +75,29 @@ def verify(
         report = verify(my_gated_delta_rule, claims="gated_delta_rule", modes=("chunk",))
         print(report.table())
         assert report.passed
+
+    ``checks``: glob patterns of the rows to run (``"forms*"``, ``"grad*"``; see :func:`plan`).
+
+    Raises:
+        ValueError: a ``checks`` pattern matches no check of the op (a mistyped pattern would
+        otherwise give an empty report that passes).
     """
+    spec = _spec(op, claims, claim_options)
+    pats = [checks] if isinstance(checks, str) else list(checks or [])
+    if pats:
+        rows = [name for name, _ in plan(spec, quick)]
+        names = set(rows) | {r.split("[")[0] for r in rows}
+        missing = [p for p in pats if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if missing:
+            raise ValueError(
+                f"checks: {', '.join(map(repr, missing))} matches no check of {spec.name!r}; "
+                f"known: {', '.join(sorted(names))}"
+            )
+    return run_contract(spec, quick, pats or None)
+
+
+def _spec(op, claims, claim_options: dict) -> OpSpec:
+    """The :class:`OpSpec` :func:`verify` runs."""
     if isinstance(op, OpSpec):
         if "calling" in claim_options:
             raise TypeError("verify(spec, ...): calling= applies to a callable, not to an OpSpec")
@@ -84,7 +107,7 @@ def verify(
             spec = dataclasses.replace(spec, reference=base.reference_callable(), claims=base.name)
         if claim_options:
             spec = dataclasses.replace(spec, **claim_options)
-        return run_contract(spec, quick, checks)
+        return spec
     if claims is None:
         raise TypeError("verify(op, claims=...): name the recurrence the op claims to implement")
-    return run_contract(claim(op, claims, **claim_options), quick, checks)
+    return claim(op, claims, **claim_options)

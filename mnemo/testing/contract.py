@@ -42,6 +42,11 @@ class OpSpec:
     chunk_size) -> (o, S)`` or, when ``None``, the op's own ``mode="recurrent"`` (the token loop).
     Every mode in :attr:`fast_modes` is compared against it.
 
+    ``static`` names the inputs without a time dimension (per-op parameters, e.g. ssd's ``A``,
+    ``D``, ``dt_bias``): ``make`` draws them like the others but must draw the same values for a
+    given shape (a fixed seed), since they are passed whole to every piece of a split, decoded or
+    packed run; list them in ``grad_inputs`` to check their gradients too.
+
     Tolerances (relative RMS): ``f64_tol`` for float64 checks (default ``1e-10``), ``f32_tol`` for
     the float32 check at ``big_dims`` (default ``2e-5``). ``supports`` names the :data:`FEATURES`
     the op has (a third-party reference without ``cu_seqlens`` drops ``"varlen"``, say).
@@ -62,11 +67,19 @@ class OpSpec:
     arguments: Callable | None = None
     reference: Callable | None = None
     supports: frozenset = FEATURES
+    static: tuple[str, ...] = ()
     claims: str | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if isinstance(self.modes, str):  # modes="chunk" is one mode, not five one-letter ones
+            self.modes = (self.modes,)
+        self.modes = tuple(self.modes)
+        if not self.modes or not all(isinstance(m, str) and m for m in self.modes):
+            raise ValueError(
+                f"OpSpec {self.name!r}: modes must be a non-empty tuple of mode names, got {self.modes!r}"
+            )
         if self.call is None and (self.op is None or self.arguments is None):
             raise ValueError(f"OpSpec {self.name!r}: give call, or op and arguments")
         if self.state_shape is None:
@@ -110,12 +123,14 @@ class OpSpec:
         """The mode of the 1-token decoding steps (``"recurrent"`` when the op has it)."""
         return "recurrent" if "recurrent" in self.modes else self.modes[0]
 
-    def run(self, inputs, mode, initial_state=None, cu_seqlens=None, chunk_size=None):
+    def run(
+        self, inputs, mode, initial_state=None, cu_seqlens=None, chunk_size=None, output_final_state=True
+    ):
         """``(o, final_state)`` of the op in ``mode``."""
         kw = dict(
             mode=mode,
             initial_state=initial_state,
-            output_final_state=True,
+            output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
             chunk_size=chunk_size or self.chunk_size,
         )
@@ -283,16 +298,16 @@ def _guarded(check: str) -> Callable:
     return wrap
 
 
-def _slice(inputs: dict, a: int, b: int) -> dict:
-    return {n: t[:, a:b] for n, t in inputs.items()}
+def _slice(spec: OpSpec, inputs: dict, a: int, b: int) -> dict:
+    return {n: t if n in spec.static else t[:, a:b] for n, t in inputs.items()}
 
 
-def _cat(parts: list[dict]) -> dict:
-    return {n: torch.cat([p[n] for p in parts], dim=1) for n in parts[0]}
+def _cat(spec: OpSpec, parts: list[dict]) -> dict:
+    return {n: parts[0][n] if n in spec.static else torch.cat([p[n] for p in parts], dim=1) for n in parts[0]}
 
 
-def _batch(x: dict) -> int:
-    return next(iter(x.values())).shape[0]
+def _batch(spec: OpSpec, x: dict) -> int:
+    return next(t for n, t in x.items() if n not in spec.static).shape[0]
 
 
 def _modes(spec: OpSpec, mode) -> tuple[str, ...]:
@@ -309,16 +324,28 @@ def _tag(base: str, mode) -> str:
 @_guarded(lambda spec, T, with_state, mode=None: _tag("forms+S0" if with_state else "forms", mode))
 def check_forms_agree(spec: OpSpec, T: int, with_state: bool, mode: str | None = None) -> CheckResult:
     """§4.1: every fast form (or just ``mode``) equals the reference — outputs and final states, in
-    float64, for length ``T``, from a zero or a random initial state. Tolerance ``spec.f64_tol``."""
+    float64, for length ``T``, from a zero or a random initial state; the output also when no final
+    state is asked for (``output_final_state=False``, the training call). The op must leave its
+    inputs and the initial state unchanged. Tolerance ``spec.f64_tol``."""
     w = _Worst(spec, _tag("forms+S0" if with_state else "forms", mode), spec.f64_tol)
     x = spec.inputs(T)
-    S0 = spec.state(_batch(x)) if with_state else None
+    S0 = spec.state(_batch(spec, x)) if with_state else None
     o_ref, s_ref = spec.run_reference(x, S0)
+    given = {n: t.clone() for n, t in x.items()}
+    if S0 is not None:
+        given["initial_state"] = S0.clone()
     for m in _modes(spec, mode):
         o, s = spec.run(x, m, S0)
         w.close(o, o_ref, f"{m} output T={T}")
         if spec.has("final_state"):
             w.close(s, s_ref, f"{m} final state T={T}")
+            o, _ = spec.run(x, m, S0, output_final_state=False)
+            w.close(o, o_ref, f"{m} output T={T} (output_final_state=False)")
+        now = {**x, "initial_state": S0}
+        changed = [n for n, t in given.items() if not torch.equal(now[n], t)]
+        if changed:
+            w.fail(f"{m} modified {', '.join(changed)} in place (T={T})")
+            break
     return w.result()
 
 
@@ -328,10 +355,10 @@ def check_split(spec: OpSpec, T: int, a: int, mode: str) -> CheckResult:
     and final state, float64, ``spec.f64_tol``)."""
     w = _Worst(spec, f"split[{mode}]", spec.f64_tol)
     x = spec.inputs(T)
-    S0 = spec.state(_batch(x))
+    S0 = spec.state(_batch(spec, x))
     o_full, s_full = spec.run(x, mode, S0)
-    o1, s1 = spec.run(_slice(x, 0, a), mode, S0)
-    o2, s2 = spec.run(_slice(x, a, T), mode, s1)
+    o1, s1 = spec.run(_slice(spec, x, 0, a), mode, S0)
+    o2, s2 = spec.run(_slice(spec, x, a, T), mode, s1)
     w.close(torch.cat([o1, o2], 1), o_full, f"split@{a} of T={T} output")
     w.close(s2, s_full, f"split@{a} of T={T} state")
     return w.result()
@@ -345,10 +372,10 @@ def check_token_steps_after_prefill(spec: OpSpec, T: int, prefill: int, mode: st
     x = spec.inputs(T)
     o_full, s_full = spec.run(x, mode)
     outs = []
-    o, s = spec.run(_slice(x, 0, prefill), mode)
+    o, s = spec.run(_slice(spec, x, 0, prefill), mode)
     outs.append(o)
     for t in range(prefill, T):
-        o, s = spec.run(_slice(x, t, t + 1), spec.decode_mode, s)
+        o, s = spec.run(_slice(spec, x, t, t + 1), spec.decode_mode, s)
         outs.append(o)
     w.close(torch.cat(outs, 1), o_full, f"decode after prefill {prefill} output")
     w.close(s, s_full, f"decode after prefill {prefill} state")
@@ -380,7 +407,7 @@ def check_gradients_agree(spec: OpSpec, T: int, mode: str | None = None) -> Chec
     ``spec.f64_tol``)."""
     w = _Worst(spec, _tag("grad", mode), spec.f64_tol)
     x = spec.inputs(T)
-    S0 = spec.state(_batch(x)) if spec.has("initial_state") else None
+    S0 = spec.state(_batch(spec, x)) if spec.has("initial_state") else None
     ref = _loss_grads(spec, x, S0, lambda xi, s: spec.run_reference(xi, s))
     for m in _modes(spec, mode):
         got = _loss_grads(spec, x, S0, lambda xi, s, m=m: spec.run(xi, m, s))
@@ -400,15 +427,18 @@ def check_gradcheck_reference(spec: OpSpec) -> CheckResult:
     ``atol=1e-6``); measures no relative error (``error`` is ``None``)."""
     dims = (1, 2, 3, 2)
     x = spec.inputs(5, dims=dims)
-    S0 = spec.state(1, dims=dims)
     names = list(spec.grad_inputs)
+    with_state = spec.has("initial_state")
 
     def f(*args):
         xi = dict(x)
-        xi.update(dict(zip(names, args[:-1])))
-        return spec.run_reference(xi, args[-1])
+        xi.update(dict(zip(names, args)))
+        o, s = spec.run_reference(xi, args[len(names)] if with_state else None)
+        return (o, s) if spec.has("final_state") else o
 
-    args = [x[n].detach().clone().requires_grad_(True) for n in names] + [S0.requires_grad_(True)]
+    args = [x[n].detach().clone().requires_grad_(True) for n in names]
+    if with_state:
+        args.append(spec.state(1, dims=dims).requires_grad_(True))
     torch.autograd.gradcheck(f, tuple(args), eps=1e-6, atol=1e-6)
     return CheckResult(spec.name, "gradcheck", True, None, None, "eps 1e-6, atol 1e-6")
 
@@ -419,16 +449,18 @@ def check_varlen(spec: OpSpec, lengths: list[int], mode: str, with_state: bool) 
     (outputs and the ``[N, ...]`` final states, float64, ``spec.f64_tol``)."""
     w = _Worst(spec, f"varlen{'+S0' if with_state else ''}[{mode}]", spec.f64_tol)
     seqs = [spec.inputs(L, B=1, seed=10 + i) for i, L in enumerate(lengths)]
+    seqs = [{**x, **{n: seqs[0][n] for n in spec.static}} for x in seqs]  # one set of parameters
     S0 = spec.state(len(lengths)) if with_state else None
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    o, s = spec.run(_cat(seqs), mode, S0, cu_seqlens=cu)
+    o, s = spec.run(_cat(spec, seqs), mode, S0, cu_seqlens=cu)
     outs, states = [], []
     for i, xi in enumerate(seqs):
         oi, si = spec.run(xi, mode, S0[i : i + 1] if S0 is not None else None)
         outs.append(oi)
         states.append(si)
     w.close(o, torch.cat(outs, 1), f"lengths {lengths} output")
-    w.close(s, torch.cat(states, 0), f"lengths {lengths} states")
+    if spec.has("final_state"):
+        w.close(s, torch.cat(states, 0), f"lengths {lengths} states")
     return w.result()
 
 
@@ -458,14 +490,17 @@ def check_float32_realistic(spec: OpSpec, mode: str) -> CheckResult:
 def check_empty(spec: OpSpec, mode: str) -> CheckResult:
     """``T = 0`` returns an empty output and passes the initial state through unchanged (exactly)."""
     x = spec.inputs(0)
-    S0 = spec.state(_batch(x))
+    S0 = spec.state(_batch(spec, x))
+    given = S0.clone()  # compare with the state as drawn: an op may write into the one it was given
     o, s = spec.run(x, mode, S0)
     if o.shape[1] != 0:
         return CheckResult(
             spec.name, f"empty[{mode}]", False, float("inf"), 0.0, f"output length {o.shape[1]}"
         )
-    err, problem = compare(s, S0)
-    ok = not problem and torch.equal(s, S0)
+    err, problem = compare(s, given)
+    ok = not problem and torch.equal(s, given) and torch.equal(S0, given)
+    if not problem and not torch.equal(S0, given):
+        problem = "the op modified initial_state in place"
     msg = problem or ("" if ok else "final state differs from the initial state")
     return CheckResult(spec.name, f"empty[{mode}]", ok, err, 0.0, msg)
 

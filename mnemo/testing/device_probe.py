@@ -245,7 +245,7 @@ class HostReadCounter(TorchDispatchMode):
                 if packet is aten._to_copy:
                     dtype = kwargs.get("dtype") or src.dtype
                     return torch.zeros(src.shape, dtype=dtype, device="cpu")
-                return args[0] if packet is aten.copy_ else args[1]
+                return (args[0] if packet is aten.copy_ else args[1]).zero_()  # the destination
             return func(*args, **kwargs)
         if _value_shaped(func, args, kwargs):
             on_device = any(

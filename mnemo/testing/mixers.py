@@ -39,11 +39,16 @@ def _x(B, T, d, seed=1):
     return torch.randn(B, T, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
+def _worst(*errors: float) -> float:
+    """The largest error, a NaN counting as ``inf`` (``max`` would keep whichever came first)."""
+    return max((math.inf if math.isnan(e) else e for e in errors), default=0.0)
+
+
 def _state_error(a, b) -> float:
     ta, tb = tensors(a), tensors(b)
     if len(ta) != len(tb) or any(x.shape != y.shape for x, y in zip(ta, tb)):
         return math.inf
-    return max((rel_rms(x.double(), y.double()) for x, y in zip(ta, tb)), default=0.0)
+    return _worst(*(rel_rms(x.double(), y.double()) for x, y in zip(ta, tb)))
 
 
 def _result(name, check, error, tol, message="") -> CheckResult:
@@ -61,7 +66,7 @@ def check_split(name, d_model=32, options=None, T=13, splits=(1, 5, 12)) -> Chec
         for a in splits:
             y1, s1 = m(x[:, :a])
             y2, s2 = m(x[:, a:], s1)
-            worst = max(worst, rel_rms(torch.cat([y1, y2], 1), y), _state_error(s2, s))
+            worst = _worst(worst, rel_rms(torch.cat([y1, y2], 1), y), _state_error(s2, s))
     return _result(name, "split", worst, F64_TOL, f"splits {splits} of T={T} differ from one call")
 
 
@@ -75,7 +80,7 @@ def check_token_steps(name, d_model=32, options=None, T=9) -> CheckResult:
         for t in range(T):
             yt, st = m(x[:, t : t + 1], st)
             outs.append(yt)
-    err = max(rel_rms(torch.cat(outs, 1), y), _state_error(st, s))
+    err = _worst(rel_rms(torch.cat(outs, 1), y), _state_error(st, s))
     return _result(name, "token_steps", err, F64_TOL, "token-by-token decoding differs from one call")
 
 
@@ -203,7 +208,11 @@ def check_cached_decoding(name, d_model=32, options=None, T=10, prefill=3) -> Ch
 
 def check_mixer(name: str, d_model: int = 32, options: dict | None = None) -> list[CheckResult]:
     """Run every check of this module on the registered mixer ``name`` (built with
-    ``MIXERS[name](d_model, **options)``); returns one result per check that applies."""
+    ``MIXERS[name](d_model, **options)``); returns one result per check that applies. Raises
+    ``KeyError`` naming the registered mixers when ``name`` is not one of them (a mistyped name is
+    not a broken mixer)."""
+    if name not in MIXERS:
+        raise KeyError(f"mixer {name!r} is not registered; registered: {sorted(MIXERS)}")
     runs = [
         check_split,
         check_token_steps,

@@ -155,8 +155,9 @@ SPECS += [
 # --- selective scan (Mamba / S6) and SSD (Mamba-2) -----------------------------------------------
 # The contract's dims (B, H, K, V) map to selective_scan as D = H * V channels with N = K states
 # (groups of B/C: G = H, so each group has V channels), and to ssd as H heads, N = K, P = V.
-# Parameters that are not per-token (A, D, delta_bias / dt_bias) are fixed functions of the shape,
-# made by ``_fixed`` at call time (looked up in this module, so a test may move them to a device).
+# Parameters that are not per-token (A, D, delta_bias / dt_bias) are fixed functions of the shape
+# (``_fixed``, a seed of its own), drawn with the inputs as ``OpSpec.static`` entries so that the
+# gradient checks cover them too.
 
 
 def _fixed(shape, seed, dtype, scale=1.0):
@@ -177,6 +178,10 @@ def _ss_inputs(grouped, full):
         }
         if full:
             x["z"] = torch.randn(B, T, D, generator=gen, dtype=dtype)
+        x["A"] = -_fixed((D, K), 3, dtype, 0.5).exp()
+        if full:
+            x["D"] = _fixed(D, 4, dtype)
+            x["delta_bias"] = _fixed(D, 5, dtype, 0.5)
         return x
 
     return make
@@ -184,18 +189,10 @@ def _ss_inputs(grouped, full):
 
 def _ss_args(full):
     def arguments(x):
-        u = x["u"]
-        D, N = u.shape[-1], x["B"].shape[-1]
-        A = -_fixed((D, N), 3, u.dtype, 0.5).exp()
+        args = (x["u"], x["delta"], x["A"], x["B"], x["C"])
         if not full:
-            return (u, x["delta"], A, x["B"], x["C"]), {}
-        kwargs = dict(
-            D=_fixed(D, 4, u.dtype),
-            z=x["z"],
-            delta_bias=_fixed(D, 5, u.dtype, 0.5),
-            delta_softplus=True,
-        )
-        return (u, x["delta"], A, x["B"], x["C"]), kwargs
+            return args, {}
+        return args, dict(D=x["D"], z=x["z"], delta_bias=x["delta_bias"], delta_softplus=True)
 
     return arguments
 
@@ -208,16 +205,17 @@ def _ssd_inputs(groups):
             "dt": torch.randn(B, T, H, generator=gen, dtype=dtype) - 1.0,
             "B": torch.randn(bc, generator=gen, dtype=dtype),
             "C": torch.randn(bc, generator=gen, dtype=dtype),
+            "A": -_fixed(H, 6, dtype, 0.5).exp(),
+            "D": _fixed(H, 7, dtype),
+            "dt_bias": _fixed(H, 8, dtype, 0.5),
         }
 
     return make
 
 
 def _ssd_args(x):
-    X = x["x"]
-    H = X.shape[2]
-    kwargs = dict(D=_fixed(H, 7, X.dtype), dt_bias=_fixed(H, 8, X.dtype, 0.5), dt_softplus=True)
-    return (X, x["dt"], -_fixed(H, 6, X.dtype, 0.5).exp(), x["B"], x["C"]), kwargs
+    kwargs = dict(D=x["D"], dt_bias=x["dt_bias"], dt_softplus=True)
+    return (x["x"], x["dt"], x["A"], x["B"], x["C"]), kwargs
 
 
 def _ss_state(N, H, K, V):
@@ -231,7 +229,8 @@ SPECS += [
         op=selective_scan,
         arguments=_ss_args(False),
         state_shape=_ss_state,
-        grad_inputs=("u", "delta", "B", "C"),
+        grad_inputs=("u", "delta", "B", "C", "A"),
+        static=("A",),
         big_dims=(1, 2, 256, 16, 16),
         note="selective_scan, one B/C group",
     ),
@@ -241,7 +240,8 @@ SPECS += [
         op=selective_scan,
         arguments=_ss_args(True),
         state_shape=_ss_state,
-        grad_inputs=("u", "delta", "B", "C", "z"),
+        grad_inputs=("u", "delta", "B", "C", "z", "A", "D", "delta_bias"),
+        static=("A", "D", "delta_bias"),
         big_dims=(1, 2, 256, 16, 16),
         note="selective_scan, grouped B/C, D, z gate, delta bias + softplus",
     ),
@@ -251,7 +251,8 @@ SPECS += [
         op=ssd,
         arguments=_ssd_args,
         state_shape=_kv_state,
-        grad_inputs=("x", "dt", "B", "C"),
+        grad_inputs=("x", "dt", "B", "C", "A", "D", "dt_bias"),
+        static=("A", "D", "dt_bias"),
         note="ssd, one B/C group",
     ),
     OpSpec(
@@ -260,7 +261,8 @@ SPECS += [
         op=ssd,
         arguments=_ssd_args,
         state_shape=_kv_state,
-        grad_inputs=("x", "dt", "B", "C"),
+        grad_inputs=("x", "dt", "B", "C", "A", "D", "dt_bias"),
+        static=("A", "D", "dt_bias"),
         dims=(2, 4, 8, 6),
         big_dims=(1, 4, 256, 32, 32),
         note="ssd, grouped B/C",

@@ -53,13 +53,19 @@ def third_party_specs(package: str = "fla") -> list[OpSpec]:
     """The :class:`~mnemo.testing.OpSpec` of ``package``'s reference functions (``"fla"``:
     fla-core's ``naive`` functions). Raises :class:`ThirdPartyUnavailable` when the package is
     missing and ``ValueError`` for an unknown package."""
-    if package != "fla":
-        raise ValueError(f"unknown third-party package {package!r}; known: {', '.join(KNOWN)}")
+    _known(package)
     return _fla_specs()
 
 
+def _known(package: str) -> None:
+    if package not in KNOWN:
+        raise ValueError(f"unknown third-party package {package!r}; known: {', '.join(KNOWN)}")
+
+
 def available(package: str = "fla") -> bool:
-    """Whether ``package`` can be checked here (installed, with its reference files)."""
+    """Whether ``package`` can be checked here (installed, with its reference files). Raises
+    ``ValueError`` for an unknown package."""
+    _known(package)
     try:
         _fla_root()
     except ThirdPartyUnavailable:
@@ -68,6 +74,9 @@ def available(package: str = "fla") -> bool:
 
 
 def version(package: str = "fla") -> str:
+    """The installed version of ``package`` (``"unknown version"`` if not installed). Raises
+    ``ValueError`` for an unknown package."""
+    _known(package)
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as _v
 
