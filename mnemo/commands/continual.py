@@ -385,7 +385,8 @@ def _loss(model, b: Batch):
 
 @torch.no_grad()
 def evaluate(model, task, gen: torch.Generator, n_streams: int, batch_size: int) -> dict:
-    """Accuracy per metric over ``n_streams`` fresh streams (``alt`` rates as ``<metric>_old``)."""
+    """Accuracy per metric over ``n_streams`` fresh streams (``alt`` rates as ``<metric>_old``);
+    ``nan`` for a metric none of the streams queries (e.g. ``untouched`` with every key reassigned)."""
     model.eval()
     hit, alt, cnt = {}, {}, {}
     done = 0
@@ -401,8 +402,8 @@ def evaluate(model, task, gen: torch.Generator, n_streams: int, batch_size: int)
             if am.any():
                 alt[name] = alt.get(name, 0) + int((pred[am] == b.alt[am]).sum())
     model.train()
-    out = {name: hit[name] / max(1, cnt[name]) for name in task.metrics}
-    out.update({f"{name}_old": alt[name] / max(1, cnt[name]) for name in alt})
+    out = {name: hit[name] / cnt[name] if cnt[name] else float("nan") for name in task.metrics}
+    out.update({f"{name}_old": alt[name] / cnt[name] for name in alt})  # (alt: cnt[name] > 0)
     return out
 
 
@@ -424,7 +425,8 @@ def _derived(experiment: str, task, acc: dict) -> dict:
     return {
         "avg_acc": sum(R[P - 1]) / P,
         "BWT": backward_transfer(R),
-        "just_after": [R[p][p] for p in range(P)],
+        # (the raw tags: R[P, P] took the last phase's just-after value's place in R)
+        "just_after": [acc[f"just_after_{p}"] for p in range(P)],
         "final": list(R[P - 1]),
     }
 
@@ -432,7 +434,8 @@ def _derived(experiment: str, task, acc: dict) -> dict:
 def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -> dict:
     """Train one model for one seed; returns its metrics, parameter count, loss and timing.
 
-    A non-finite loss stops training; ``diverged_at_step`` names the step (1-based), the metrics are
+    A non-finite loss stops training; ``diverged_at_step`` names the step (1-based; the last step
+    when its own update left non-finite weights, which no later loss would show), the metrics are
     ``nan`` (the means drop them and count them) and ``metrics_at_divergence`` holds the evaluation of
     the weights of the last finite step."""
     from ..train.config import TrainConfig
@@ -476,6 +479,8 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         losses.append(loss.item())
         if bar is not None:
             bar.update(1)
+    if diverged is None and s.steps and not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        diverged = s.steps  # (a finite loss with a non-finite gradient at the last step)
     acc = evaluate(model, task, torch.Generator().manual_seed(10_000 + seed), s.eval_streams, 64)
     tail = losses[-max(1, len(losses) // 10) :] if losses else [float("nan")]
     every = max(1, s.steps // CURVE_POINTS)
@@ -577,6 +582,7 @@ _RUN_SOURCES = (
     "commands/continual.py",
     "train/optim.py",
     "train/m3.py",
+    "train/config.py",  # TrainConfig's defaults: AdamW's and M3's betas, the schedule's floor
 )
 
 
@@ -591,16 +597,25 @@ def _source_md5() -> str:
     return h.hexdigest()
 
 
+#: :class:`Settings` fields that reach a run only through its levels or its task (:func:`run_key`)
+_KEYED_ELSEWHERE = ("periods", "expansion", "rate_per_period", "nlms", "task")
+
+
 def run_key(experiment: str, name: str, task, levels, s: Settings, seed: int, sources: str) -> str:
     """The file name of one finished run in a cache (:func:`run_experiment`'s ``cache_dir``):
     readable parts, then 16 hex digits of a SHA-256 over everything the run's numbers depend on —
-    the experiment, the task's sizes, the model's levels, the :class:`Settings` (learning rate, ε,
-    steps, periods, …), the seed and ``sources`` (:func:`_source_md5`)."""
+    the experiment, the task's sizes, the model's levels, the :class:`Settings` the training reads
+    (learning rate, steps, the warm-up it takes, M3's ε with M3, …), the seed and ``sources``
+    (:func:`_source_md5`). Settings that reach a run only through its levels or its task (``periods``,
+    ``expansion``, ``rate_per_period``, ``nlms``, ``task``) are left to those: a run whose levels and
+    task are the same is the same run (``cms-1`` under ``--periods 1,4`` and ``1,4,16``)."""
     import hashlib
 
-    blob = json.dumps(
-        [experiment, asdict(task), levels, asdict(s), seed, sources], sort_keys=True, default=repr
-    )
+    read = {k: v for k, v in asdict(s).items() if k not in _KEYED_ELSEWHERE}
+    read["warmup"] = min(s.warmup, s.steps)  # (train_one's)
+    if s.optimizer != "m3":
+        read.pop("m3_eps")
+    blob = json.dumps([experiment, asdict(task), levels, read, seed, sources], sort_keys=True, default=repr)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
     eps = f"-eps{s.m3_eps:g}" if s.optimizer == "m3" else ""
     return f"{name}-seed{seed}-lr{s.lr:g}{eps}-{digest}.json"
@@ -627,8 +642,8 @@ def run_experiment(
     already there is read instead of trained: an interrupted experiment resumes where it stopped,
     with the numbers it would have had (a run is a deterministic function of what the key hashes,
     :func:`run_key`). Each finished run prints one line to stderr (model, seed, rate, the
-    :data:`PRIMARY` metric, seconds). ``fresh`` deletes this experiment's kept runs first (once the
-    arguments have been checked), so that every run trains again.
+    :data:`PRIMARY` metric, seconds). ``fresh``: every run of this call trains again, none is read
+    (its kept file is replaced as it ends); kept runs of other models, seeds or settings stay.
 
     With ``lr_grid`` (the recipe standard, :mod:`mnemo.sweep.recipe`: at least 3 outer learning
     rates spanning 10×) each model first trains on the held-out seed ``select_seed`` (not reported;
@@ -647,6 +662,7 @@ def run_experiment(
 
     from ..sweep.recipe import recipe_problems
 
+    _check_experiments([experiment], seeds)
     s = settings or DEFAULTS[experiment]
     task = make_task(experiment, **s.task)
     specs = model_specs(s.d_model, s.expansion, s.periods, rate_per_period=s.rate_per_period, nlms=s.nlms)
@@ -701,10 +717,6 @@ def run_experiment(
         pool = None
 
     cache = None if cache_dir is None else Path(cache_dir) / experiment
-    if fresh and cache is not None and cache.is_dir():
-        import shutil
-
-        shutil.rmtree(cache)
     sources = _source_md5()
 
     def cached(key, job) -> Path | None:
@@ -732,7 +744,7 @@ def run_experiment(
         done = {}
         for key, job in jobs.items():
             path = cached(key, job)
-            if path is not None and path.is_file():
+            if path is not None and path.is_file() and not fresh:
                 try:
                     done[key] = json.loads(path.read_text())
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -826,10 +838,7 @@ def run_experiment(
             "cms_parameters": sum(p.numel() for p in probe.cms.parameters()),
             "fast_weights_per_stream": sum(lv.W_in.numel() + lv.W_out.numel() for lv in probe.cms.levels),
             "per_seed": per_seed,
-            "summary": {
-                m: {**mean_ci95([r[m] for r in per_seed]), "values": [r[m] for r in per_seed]}
-                for m in metrics + ["loss_fall_last_fifth"]
-            },
+            "summary": summarise(per_seed, metrics + ["loss_fall_last_fifth"]),
             "diverged": [
                 {"seed": r["seed"], "step": r["diverged_at_step"]}
                 for r in per_seed
@@ -854,6 +863,30 @@ def run_experiment(
         "cms_md5": cms_md5,  # the cms.py the runs of this experiment imported (checked at its start)
         "wall_s": time.time() - t0,
     }
+
+
+def summarise(per_seed: list[dict], metrics) -> dict:
+    """Per metric, :func:`mean_ci95` of the seeds' values and the values themselves. A seed that
+    diverged counts in none, its training loss and its curve's fall included (they stop at the
+    divergence: averaged with finished runs', they would mix runs of other lengths); a value
+    missing or ``null`` (read from ``continual.json``) counts as ``nan``."""
+    out = {}
+    for m in metrics:
+        vals = [
+            float("nan") if r.get("diverged_at_step") is not None or r.get(m) is None else r[m]
+            for r in per_seed
+        ]
+        out[m] = {**mean_ci95(vals), "values": vals}
+    return out
+
+
+def _check_experiments(experiments, seeds) -> None:
+    """Raise ``ValueError`` naming an unknown experiment, or ``seeds`` not an int >= 1."""
+    unknown = [e for e in experiments if e not in DEFAULTS]
+    if unknown:
+        raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {unknown}")
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
+        raise ValueError(f"seeds: expected an int >= 1, got {seeds!r}")
 
 
 def _point(pt: dict, eps_grid) -> str:
@@ -1252,8 +1285,7 @@ def run(
     ``cache_dir``: running the same call again after an interrupt trains only the runs that are
     missing). ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``);
     ``lr_grid``, ``select_seed``, ``eps_grid`` and ``fresh`` as in :func:`run_experiment`."""
-    if seeds < 1:
-        raise ValueError(f"seeds: expected >= 1, got {seeds}")
+    _check_experiments(experiments, seeds)
     results = {
         "git": _git(),
         "torch": torch.__version__,
@@ -1391,7 +1423,11 @@ def add_commands(sub) -> None:
         help="a task size, e.g. --task n_keys=64 --task n_a=16 --task n_b=48 (repeatable)",
     )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--force", action="store_true", help="replace the results already in --out")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the results already in --out; this command's runs train again (other kept runs stay)",
+    )
     p.set_defaults(func=_cmd)
 
 
@@ -1707,7 +1743,8 @@ def page_block(
     each worker process takes one), else its
     stored ``continual.json``; then the command, each experiment's table with its claims judged
     again from the kept numbers (:func:`judge_claims`: the current rules, on the stored values),
-    and the figures."""
+    and the figures; the summaries are also taken again from the kept per-seed values
+    (:func:`summarise`)."""
     from ..sweep.reproduce import _shown
 
     if train:
@@ -1744,7 +1781,10 @@ def page_block(
     ]
     for exp in job["experiments"]:
         r = results[exp]
-        r = {**r, "claims": judge_claims(exp, r["models"], r["chance"])}
+        models = {  # the summaries too, by the current rules (diverged seeds out of every metric)
+            n: {**m, "summary": summarise(m["per_seed"], list(m["summary"]))} for n, m in r["models"].items()
+        }
+        r = {**r, "models": models, "claims": judge_claims(exp, models, r["chance"])}
         lines += [table(r), ""]
         if (job["out"] / f"{exp}.png").is_file():
             lines += [f"![{exp}]({rel}/{exp}.png)", ""]

@@ -128,6 +128,13 @@ def _pending_of(model, state, ids) -> Pending:
             "state: this model has CMS levels with objective 'task', and the state passed in does not "
             "carry their pending segment (pass back the state the model returned, unchanged)"
         )
+    shape, S = list(pending.ids.shape), model.task_segment
+    if len(shape) != 2 or shape[0] != ids.shape[0] or shape[1] > S:
+        raise ValueError(
+            f"state: the pending segment's ids must be [B, n] with B = {ids.shape[0]} (input_ids' batch) "
+            f"and n <= {S} (this model's segment length), got {shape}: a state of "
+            "another batch or another model"
+        )
     return pending
 
 
@@ -223,7 +230,7 @@ def _absorb(
     with torch.enable_grad():
         with _Recording(levels) as rec:
             logits, _ = model._forward(ids[:, :-1], pending.start, mode, allow_checkpoint=False)
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten().long(), reduction="sum")
     captures = [c[0] for c in rec.captures]
     return _take_in(model, where, levels, captures, loss, state, outer, replacement_count() > replaced)
 
@@ -288,7 +295,7 @@ def _read_with_signal(model, ids: torch.Tensor, state: list, mode, outer: bool, 
     with torch.enable_grad(), _Recording(levels) as rec:
         logits, state = model._forward(ids[:, :-1], state, mode, allow_checkpoint=False)
     with torch.enable_grad():
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten().long(), reduction="sum")
     captures = [c[0] for c in rec.captures]
     state = _take_in(model, where, levels, captures, loss, state, outer, replacement_count() > replaced)
     if not outer:  # the graph served the signal only
