@@ -206,6 +206,21 @@ class MnemoLM(LM):
         if self.max_gen_toks is None or self.max_gen_toks < 1:
             raise ValueError(f"max_gen_toks: expected a positive int, got {max_gen_toks!r}")
 
+    def get_model_info(self) -> dict:
+        """What lm-eval adds to its results' ``config`` (it asks every model that has this method):
+        the parameter count and dtype, and the special ids and lengths resolved from the checkpoint
+        and the model arguments (``prefix_token_id``, ``add_bos_token``, ``stop_token_ids``,
+        ``max_length``, ``rolling``), so a results file says how its texts were read."""
+        return {
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_dtype": str(next(self.model.parameters()).dtype),
+            "prefix_token_id": self.prefix_token_id,
+            "add_bos_token": self.add_bos_token,
+            "stop_token_ids": list(self.stop_token_ids),
+            "max_length": self.max_length,
+            "rolling": self.rolling,
+        }
+
     # -------------------------------------------------------------------------------- helpers
     @property
     def device(self):

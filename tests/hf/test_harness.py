@@ -111,6 +111,11 @@ def test_mnemo_harness_command_matches_direct_computation(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "mnemo_test_mc" in printed and "word_perplexity" in printed and f"wrote {out}" in printed
     res = json.loads(out.read_text())
+    # the ids the texts were read with are in the results file (no BOS: the end-of-text id conditions)
+    cfg = res["config"]
+    assert cfg["prefix_token_id"] == tok.eot_id and cfg["add_bos_token"] is False
+    assert cfg["stop_token_ids"] == ([] if tok.eot_id is None else [tok.eot_id]) and cfg["rolling"] == "state"
+    assert cfg["model_num_parameters"] == sum(p.numel() for p in lm.parameters())
 
     diffs = []
     mc = res["samples"]["mnemo_test_mc"]

@@ -80,6 +80,8 @@ def test_harness_puts_the_release_bos_first_and_stops_at_its_end_id(tmp_path):
     fast, hf, mn = _folder(tmp_path, True)  # BOS <s> = 0 before every text, end id </s> = 1
     lm = MnemoLM(checkpoint=str(mn))
     assert (lm.prefix_token_id, lm.add_bos_token, lm.stop_token_ids, lm.eot_token_id) == (0, True, [1], 1)
+    info = lm.get_model_info()  # what lm-eval writes into its results' config
+    assert (info["prefix_token_id"], info["add_bos_token"], info["stop_token_ids"]) == (0, True, [1])
     ctx, cont = "the memory", " of the model"
     c = fast(ctx, add_special_tokens=False).input_ids
     whole = fast(ctx + cont, add_special_tokens=False).input_ids
