@@ -205,3 +205,15 @@ def test_the_harness_seed_is_refused_where_numpy_would_refuse_it(tmp_path, capsy
     assert e.value.code == 2
     assert "in [0, 4294967295], got '4294967296'" in _one_line(capsys.readouterr().err, "--seed")
     assert parser.parse_args([*argv, str(2**32 - 1)]).seed == 2**32 - 1
+
+
+def test_force_with_from_dcp_is_refused_not_ignored(tmp_path, capsys):
+    """``--from-dcp`` adds a checkpoint to the run folder OUT and replaces nothing: ``--force`` had
+    no effect there and was silently accepted."""
+    from mnemo.cli import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    assert main(["convert", "--from-dcp", str(src), str(tmp_path / "out"), "--force"]) == 2
+    assert "--force: does not apply to --from-dcp" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

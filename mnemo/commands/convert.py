@@ -23,6 +23,11 @@ def _convert(args) -> int:
         from ..train.sharded import consolidate_checkpoint
 
         check_not_source(args.out, args.src)
+        if args.force:  # (it would be silently ignored: nothing of OUT is replaced)
+            raise ValueError(
+                "--force: does not apply to --from-dcp, which adds OUT/ckpt-STEP (and OUT/latest) to the "
+                "run folder OUT and replaces nothing else; leave --force out"
+            )
         out = consolidate_checkpoint(args.src, args.out)
         print(f"wrote single-file checkpoint {out} (from the sharded checkpoint {args.src})")
         return 0
@@ -58,7 +63,8 @@ def add_commands(subparsers) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="replace OUT when it is a non-empty checkpoint folder (once the new one is complete)",
+        help="replace OUT when it is a non-empty checkpoint folder (once the new one is complete); "
+        "not with --from-dcp",
     )
     p.add_argument(
         "--from-dcp",
