@@ -9,7 +9,8 @@ reproduces the op's output; gradients reach every parameter; and inside a
 :class:`~mnemo.testing.CheckResult` (``error`` is the worst relative RMS difference, or ``0`` /
 ``inf`` for yes/no checks), so tests can ``require`` them and ``mnemo verify`` could print them.
 
-All checks run in float64 on the CPU at small sizes; the tolerance is ``1e-10`` (relative RMS).
+All checks run on the CPU at small sizes, in float64 (``state_size`` in float32, the dtype whose bytes
+it counts); the tolerance is ``1e-10`` (relative RMS).
 """
 
 from __future__ import annotations
