@@ -34,6 +34,25 @@ def autocast_off(fn):
     return wrapper
 
 
+def native_as_in_forward(fn):
+    r"""For the ``forward`` *and* the ``backward`` of the chunk ``Function``\ s: the forward records
+    whether the C kernels were off (``MNEMO_NATIVE=0``, the ``torch`` backend's
+    :class:`~mnemo.ops._native.suppressed` block), and the backward runs without them too, also
+    when it runs after the block has ended (a backward runs the backward of what its forward ran).
+    A forward that ran with them lets the backward choose by the switch as it is then."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        if fn.__name__ == "forward":
+            ctx.native_off = not _native.enabled()
+        elif getattr(ctx, "native_off", False):
+            with _native.suppressed():
+                return fn(ctx, *args)
+        return fn(ctx, *args)
+
+    return wrapper
+
+
 def autocast_disabled(device_type: str):
     r"""A context with ``torch.autocast`` off on ``device_type`` (``"cuda"``, ``"cpu"``; a device
     without autocast, e.g. ``"meta"``: a no-op context). Code that promises float32 accumulation

@@ -239,7 +239,19 @@ def _rows(B: int, initial_state: Tensor | None, cu_seqlens: Tensor | None) -> in
 # ----------------------------------------------------------------------------------------------
 
 
+def _nothing_to_compute(q, v, S_shape, output_final_state):
+    """``(o, state)`` for a call without elements (no batch row, head or value channel; ``T`` and
+    ``K`` are at least 1 here): zeros, the state as empty as ``o``. The peers' launchers are not
+    asked (fla's delta rule divides by the number of heads: ``ZeroDivisionError`` for ``H = 0``)."""
+    o = q.new_zeros((*q.shape[:3], v.shape[-1]))
+    return o, _state_or_empty(q.new_zeros(S_shape, dtype=torch.float32), output_final_state, q)
+
+
 def _run_gdn(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+    if q.numel() == 0 or v.numel() == 0:
+        B, _, H, K = q.shape
+        S_shape = (_rows(B, initial_state, cu_seqlens), H, K, v.shape[-1])
+        return _nothing_to_compute(q, v, S_shape, output_final_state)
     o, S = _fn("fla", "gated_delta_rule")(
         q,
         k,
@@ -413,6 +425,10 @@ delta_rule_fla.register_autograd(_grad_delta, setup_context=_setup_delta)
 
 
 def _run_gla(q, k, v, g, initial_state, cu_seqlens, scale, output_final_state):
+    if q.numel() == 0 or v.numel() == 0:
+        B, _, H, K = q.shape
+        S_shape = (_rows(B, initial_state, cu_seqlens), H, K, v.shape[-1])
+        return _nothing_to_compute(q, v, S_shape, output_final_state)
     kw = dict(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens
     )
@@ -533,6 +549,9 @@ linear_attention_fla.register_autograd(_grad_la, setup_context=_setup_la)
 
 
 def _run_ssd(x, dt, A, B, C, initial_state, chunk_size, output_final_state):
+    if x.numel() == 0:
+        Bsz, _, H, P = x.shape
+        return _nothing_to_compute(x, x, (Bsz, H, B.shape[-1], P), output_final_state)
     h0 = (
         None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
     )  # [B,H,N,P] -> [B,H,P,N]

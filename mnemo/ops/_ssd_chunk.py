@@ -46,6 +46,7 @@ from ._chunked import (
     b3,
     mm,
     mm_add_,
+    native_as_in_forward,
     rev_cumsum,
     rowdot,
     scan_decay_,
@@ -161,6 +162,7 @@ class _SSDChunk(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @native_as_in_forward
     def forward(ctx, Cg, Bg, v, g, S0, C):
         cd, T = S0.dtype, v.shape[1]
         G, H = Cg.shape[2], v.shape[2]
@@ -190,6 +192,7 @@ class _SSDChunk(torch.autograd.Function):
     @staticmethod
     @first_order
     @autocast_off
+    @native_as_in_forward
     def backward(ctx, dO, dSf):
         Cc, Bc, vc, wv, u, w, lam, M, L, A, states, Ss, S, o_in = ctx.saved_tensors
         T, C, G, *likes = ctx.meta

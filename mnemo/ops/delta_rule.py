@@ -76,6 +76,7 @@ from ._chunked import (
     head_groups,
     mm,
     mm_add_,
+    native_as_in_forward,
     raw_empty,
     rev_cumsum,
     rowdot,
@@ -214,6 +215,7 @@ class _DeltaChunk(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @native_as_in_forward
     def forward(ctx, q, k, v, beta, g, S0, b, scale, C):
         cd, T, dev = S0.dtype, q.shape[1], S0.device
         K = q.shape[-1]
@@ -255,6 +257,7 @@ class _DeltaChunk(torch.autograd.Function):
     @staticmethod
     @first_order
     @autocast_off
+    @native_as_in_forward
     def backward(ctx, dO, dSf):
         qc, kc, bc, v0, Ai, X, M, states, S, vt, P, ot, e, lam = ctx.saved_tensors
         T, C, scale, q_, k_, v_, beta_, g_ = ctx.meta

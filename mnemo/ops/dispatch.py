@@ -188,8 +188,12 @@ def _installed(backend: str) -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result
 def _import_problem(backend: str) -> str | None:
-    """Import the peer's kernels (once); why that failed, or ``None``."""
+    """Import the peer's kernels (once); why that failed, or ``None``. Run as Python, not traced,
+    when ``torch.compile`` meets it (its result enters the graph as a constant): the first call of
+    a process imports under a lock, which dynamo cannot enter (a graph break, an error under
+    ``fullgraph=True``)."""
     from . import _peer_ops
 
     return _peer_ops.import_problem(backend)

@@ -39,6 +39,7 @@ from ._chunked import (
     head_groups,
     mm,
     mm_add_,
+    native_as_in_forward,
     raw_empty,
     rev_cumsum_rows,
     scan_decay_,
@@ -243,6 +244,7 @@ class _GLAChunk(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
+    @native_as_in_forward
     def forward(ctx, q, k, v, g, S0, b, scale, C):
         cd, T = S0.dtype, q.shape[1]
         if b is None:
@@ -269,6 +271,7 @@ class _GLAChunk(torch.autograd.Function):
     @staticmethod
     @first_order
     @autocast_off
+    @native_as_in_forward
     def backward(ctx, dO, dSf):
         qi, kt, vc, A, states, S, e, lam = ctx.saved_tensors
         T, C, scale, q, k, v, g = ctx.meta

@@ -15,7 +15,8 @@ them, where BLAS reads the weights at a quarter of the memory bandwidth).
 Each kernel has a pure-PyTorch twin that computes the same function; :func:`library` returns
 ``None`` (and the twin is used) when
 
-* the environment sets ``MNEMO_NATIVE=0``,
+* the environment sets ``MNEMO_NATIVE=0`` (or ``false``, ``off``, ``no``; an unknown value raises
+  ``ValueError``),
 * no C compiler is found (``$CC``, else ``cc``, ``gcc``, ``clang``), or the build fails (a
   :class:`RuntimeWarning` says why, once per process).
 
@@ -106,18 +107,33 @@ if hasattr(os, "register_at_fork"):
 _suppressed = threading.local()
 
 
+_SWITCH_ON = ("", "1", "true", "on", "yes")
+_SWITCH_OFF = ("0", "false", "off", "no")
+
+
 def enabled() -> bool:
-    """Whether native kernels may be used (``MNEMO_NATIVE`` is not ``0``/``false``/``off``, and no
-    :func:`suppressed` block is open in this thread)."""
+    """Whether native kernels may be used (``MNEMO_NATIVE`` is not ``0``/``false``/``off``/``no``,
+    and no :func:`suppressed` block is open in this thread). Raises ``ValueError`` for a value of
+    ``MNEMO_NATIVE`` that is neither (a typo must not leave the kernels on silently)."""
     if getattr(_suppressed, "depth", 0):
         return False
-    return os.environ.get("MNEMO_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+    raw = os.environ.get("MNEMO_NATIVE", "1")
+    value = raw.strip().lower()
+    if value in _SWITCH_OFF:
+        return False
+    if value not in _SWITCH_ON:
+        raise ValueError(
+            f"MNEMO_NATIVE must be one of {', '.join(_SWITCH_ON[1:])} (the C kernels on) or "
+            f"{', '.join(_SWITCH_OFF)} (off), got {raw!r}"
+        )
+    return True
 
 
 class suppressed:
     """``with suppressed():`` the kernels are off in this thread, as with ``MNEMO_NATIVE=0`` (the
-    ``torch`` backend of :mod:`mnemo.ops.dispatch`). A backward pass run after the block ends
-    chooses again, by the switch as it is then (the two sides compute the same function)."""
+    ``torch`` backend of :mod:`mnemo.ops.dispatch`). The backward of a chunk form whose forward
+    ran in the block runs without them too, also after the block has ended
+    (:func:`mnemo.ops._chunked.native_as_in_forward`)."""
 
     def __enter__(self):
         _suppressed.depth = getattr(_suppressed, "depth", 0) + 1
