@@ -475,12 +475,15 @@ def train_one(experiment: str, task, levels, s: Settings, seed: int, bar=None) -
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if step == s.steps - 1:  # the last finite weights, should this last update leave non-finite ones
+            last_finite = {k: v.clone() for k, v in model.state_dict().items()}
         opt.step()
         losses.append(loss.item())
         if bar is not None:
             bar.update(1)
     if diverged is None and s.steps and not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         diverged = s.steps  # (a finite loss with a non-finite gradient at the last step)
+        model.load_state_dict(last_finite)  # what metrics_at_divergence evaluates
     acc = evaluate(model, task, torch.Generator().manual_seed(10_000 + seed), s.eval_streams, 64)
     tail = losses[-max(1, len(losses) // 10) :] if losses else [float("nan")]
     every = max(1, s.steps // CURVE_POINTS)

@@ -46,13 +46,15 @@ def _check_database(path, flag: str, create: bool = False) -> None:
 def _not_a_sweep_database(p: Path) -> str:
     """Why the SQLite file ``p`` is no sweep's database ('' if it may be one), read without writing:
     a sweep's tables would otherwise be added to another program's database (or its own ``runs``
-    table, of other columns, fail the first query)."""
+    table, of other columns, fail the first query). A hot journal (a sweep killed inside its
+    transaction) is rolled back, as any SQLite reader does; a read-only connection cannot."""
     import sqlite3
 
     from ..sweep.db import _COLUMNS
 
     try:
-        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        # (mode=rw: mode=ro raised "attempt to write a readonly database" on a hot journal)
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=rw", uri=True, timeout=30)
         try:
             tables = [
                 r[0]
