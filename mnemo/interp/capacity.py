@@ -142,11 +142,14 @@ def initial_weights(
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
-    """``x / ‖x‖`` over the last dim, first scaled by its largest entry so that the norm neither
-    overflows (a finite read of ``|x| ≳ 2e19`` squares past float32's range) nor underflows; a zero
-    vector stays zero."""
+    """``x / ‖x‖`` over the last dim; a vector whose norm overflows (a finite read of ``|x| ≳ 2e19``
+    squares past float32's range) or underflows is first scaled by its largest entry. Every other
+    vector is normalised as ``F.normalize`` does, rounding included (the published recalls: a
+    rescaled vector's cosines round differently, which flips near-ties). A zero vector stays zero."""
     top = x.abs().amax(-1, keepdim=True)
-    return F.normalize(x / torch.where(top > 0, top, torch.ones_like(top)), dim=-1)
+    plain = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    scaled = F.normalize(x / torch.where(top > 0, top, torch.ones_like(top)), dim=-1)
+    return torch.where(torch.isfinite(plain) & (plain > 1e-12), F.normalize(x, dim=-1), scaled)
 
 
 def recall_accuracy(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

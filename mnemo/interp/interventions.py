@@ -48,6 +48,7 @@ the value's shape.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -310,6 +311,17 @@ def _aligned(ref: torch.Tensor, value: torch.Tensor, name: str, model, what: str
     if out.shape != value.shape:
         raise differ(where)
     return out
+
+
+def _an_int(x) -> int | None:
+    """``x`` as an int — a numpy or 0-d torch integer too (``operator.index``) — or ``None`` (a
+    bool, a float, anything else)."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def _tensor_value(value, name: str) -> torch.Tensor:
@@ -597,8 +609,10 @@ def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tens
     int or ``[B]`` token ids). Default ``position=-1`` (the last position). Raises ``ValueError``
     naming the argument, when called, for a token id outside ``[0, V)``, ids that are not one per
     row, or a position outside ``[−T, T)`` (one that is not an int: at once)."""
-    if isinstance(position, bool) or not isinstance(position, int):
+    pos = _an_int(position)
+    if pos is None:
         raise ValueError(f"position: expected an int (a position of the logits), got {position!r}")
+    position = pos
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         B, T, V = logits.shape
@@ -938,8 +952,10 @@ def induction_ablation(
         raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
     if random_from not in ("rest", "all"):
         raise ValueError(f"random_from: expected 'rest' or 'all', got {random_from!r}")
-    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+    n_draws = _an_int(draws)
+    if n_draws is None or n_draws < 1:
         raise ValueError(f"draws: expected an int ≥ 1, got {draws!r}")
+    draws = n_draws
     was = model.training
     model.eval()
     try:
