@@ -94,6 +94,7 @@ def _main(argv: list[str] | None) -> int:
     import warnings
 
     from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
+    from .ops._native import enabled as native_enabled
     from .ops.dispatch import BackendError, current_backend
     from .runtime import tune_malloc
     from .train import TrainingDiverged
@@ -103,7 +104,6 @@ def _main(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2): returned, as every other status
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    tune_malloc()  # freed tensors' memory stays in the process: no page fault per new tensor
     # under torchrun every rank meets the same error: rank 0 reports it
     quiet = os.environ.get("RANK", "0") != "0"
 
@@ -129,7 +129,10 @@ def _main(argv: list[str] | None) -> int:
     was_format = warnings.formatwarning
     warnings.formatwarning = one_line_warning
     try:
-        current_backend()  # an unknown MNEMO_BACKEND is said before any work, not at the first op call
+        # an unknown MNEMO_BACKEND / MNEMO_NATIVE / MNEMO_MALLOC_TUNE is said before any work (one line)
+        current_backend()
+        native_enabled()
+        tune_malloc()  # freed tensors' memory stays in the process: no page fault per new tensor
         return args.func(args)
     except TrainingDiverged as e:
         report(f"mnemo: {e}")

@@ -24,6 +24,7 @@ process calling them touches no fresh pages after the first call of a shape eith
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
 import platform
 
@@ -44,7 +45,8 @@ def tune_malloc(
 
     Args:
         mmap_threshold: blocks of at least this many bytes get their own ``mmap`` unless the top of
-            the heap has room for them (glibc caps it at 32 MiB on 64-bit systems).
+            the heap has room for them (32 MiB: where glibc's own adjustment of it stops on 64-bit
+            systems).
         trim_threshold: freed memory at the top of the heap stays mapped up to this many bytes.
         top_pad: extra bytes the heap grows by whenever it grows (address space; pages count in
             the resident set only once touched).
@@ -54,9 +56,26 @@ def tune_malloc(
         (macOS, musl, Windows), ``MNEMO_MALLOC_TUNE`` is ``0``/``false``/``off``/``no``, or glibc
         refused a value. The process is left as it was in every ``False`` case except the last
         (where some of the settings may have been applied).
+
+    Raises:
+        ValueError: a setting that is not an int in ``[0, 2**31 - 1]`` (``mallopt`` takes a C
+            ``int``), naming it; checked before anything is applied. ``MNEMO_MALLOC_TUNE`` set to
+            neither an on nor an off value (``1``/``true``/``on``/``yes``, ``0``/``false``/``off``/``no``).
     """
-    if os.environ.get("MNEMO_MALLOC_TUNE", "1").strip().lower() in ("0", "false", "off", "no"):
+    given = dict(mmap_threshold=mmap_threshold, trim_threshold=trim_threshold, top_pad=top_pad)
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < 1 << 31:
+            raise ValueError(
+                f"tune_malloc: {name}: expected an int in [0, 2**31 - 1] bytes (mallopt takes a C int), "
+                f"got {value!r}"
+            )
+    switch = os.environ.get("MNEMO_MALLOC_TUNE", "1")
+    if switch.strip().lower() in ("0", "false", "off", "no"):
         return False
+    if switch.strip().lower() not in ("", "1", "true", "on", "yes"):  # (as MNEMO_NATIVE: a typo is said)
+        raise ValueError(
+            f"MNEMO_MALLOC_TUNE must be one of 1, true, on, yes (tuned) or 0, false, off, no, got {switch!r}"
+        )
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

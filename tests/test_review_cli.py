@@ -217,3 +217,13 @@ def test_force_with_from_dcp_is_refused_not_ignored(tmp_path, capsys):
     assert main(["convert", "--from-dcp", str(src), str(tmp_path / "out"), "--force"]) == 2
     assert "--force: does not apply to --from-dcp" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("var", ["MNEMO_MALLOC_TUNE", "MNEMO_NATIVE"])
+def test_a_mistyped_switch_in_the_environment_is_one_line_before_any_work(var, monkeypatch, capsys):
+    from mnemo.cli import main
+
+    monkeypatch.setenv(var, "maybe")
+    assert main(["models"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {var} must be one of" in err and "Traceback" not in err

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,13 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+
+    def __post_init__(self):
+        # JSON has no tuples: keep ``pattern``/``layers`` as lists, so that a config saved and
+        # loaded again equals itself
+        for name in ("pattern", "layers"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
 
     def layer_mixers(self) -> list[str]:
         if self.layers is not None:
@@ -124,6 +132,23 @@ class ModelConfig:
             not isinstance(self.mlp_hidden, int) or isinstance(self.mlp_hidden, bool) or self.mlp_hidden < 1
         ):
             bad("mlp_hidden", "a positive int or None", self.mlp_hidden)
+        if self.mlp == "cms":
+            from ..layers.cms import ContinuumMemory, _as_levels
+
+            if not isinstance(self.mlp_options, dict):
+                bad("mlp_options", "a dict of ContinuumMemory options", self.mlp_options)
+            unknown = _unknown_options(ContinuumMemory, self.mlp_options)
+            if unknown:
+                known = ", ".join(_known_options(ContinuumMemory))
+                bad("mlp_options", f"options of ContinuumMemory ({known})", ", ".join(unknown))
+            for key, expected in _mistyped_options(ContinuumMemory, self.mlp_options):
+                bad(f"mlp_options[{key!r}]", expected, self.mlp_options[key])
+            if "levels" in self.mlp_options:
+                try:
+                    for level in _as_levels(self.mlp_options["levels"]):
+                        level.validate()
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"ModelConfig.mlp_options: {e}") from None
         if self.mlp == "moe":
             from ..layers.moe import check_moe_options
 
@@ -151,6 +176,10 @@ class ModelConfig:
         """A validated config from a dict of its fields. ``model_type`` (written by :meth:`save` for
         ``transformers``; must be ``"mnemo"`` when present) is accepted and dropped; configs written
         before it existed load unchanged. Any other unknown key raises ``ValueError``."""
+        if not isinstance(d, Mapping):
+            raise ValueError(
+                f"ModelConfig: expected a mapping of its fields (a JSON object), got {type(d).__name__} {d!r}"
+            )
         d = dict(d)
         model_type = d.pop("model_type", MODEL_TYPE)
         if model_type != MODEL_TYPE:

@@ -14,21 +14,27 @@ from .config import ModelConfig
 
 @dataclass(frozen=True)
 class ModelEntry:
+    """A registered model: ``factory() -> ModelConfig``, and ``derive(cfg, overrides)`` (optional),
+    which re-derives, in the overridden config's dict ``cfg``, the fields the preset sizes from
+    others (unless ``overrides`` gives them)."""
+
     name: str
     description: str
     factory: Callable[[], ModelConfig]
+    derive: Callable[[dict, dict], None] | None = None
 
 
 MODELS: dict[str, ModelEntry] = {}
 
 
-def register_model(name: str, description: str):
-    """Decorator: register ``factory() -> ModelConfig`` under ``name``."""
+def register_model(name: str, description: str, derive: Callable[[dict, dict], None] | None = None):
+    """Decorator: register ``factory() -> ModelConfig`` under ``name`` (``derive``: see
+    :class:`ModelEntry`; default ``None``)."""
 
     def deco(factory):
         if name in MODELS:
             raise ValueError(f"model {name!r} is already registered")
-        MODELS[name] = ModelEntry(name, description, factory)
+        MODELS[name] = ModelEntry(name, description, factory, derive)
         return factory
 
     return deco
@@ -47,8 +53,12 @@ def build_config(name: str, **overrides) -> ModelConfig:
     ``mixer_options`` overrides are merged per mixer (``{"attention": {"n_heads": 2}}`` keeps the
     preset's other attention options); ``mlp_options`` overrides are merged into the preset's while
     ``mlp`` stays the same (``{"order": "slowest_first"}`` keeps a HOPE preset's CMS levels), and an
-    ``mlp`` of another kind starts from no options. Raises ``ValueError`` for an unknown name or
-    field.
+    ``mlp`` of another kind starts from no options. Likewise a ``mixer`` override on a preset with a
+    ``pattern`` (a hybrid) drops the pattern, so that every layer uses that mixer (give ``pattern``
+    or ``layers`` too to keep one). Fields a preset sizes from others follow the overrides (e.g.
+    ``gated_deltanet_attention_moe``'s ``expert_hidden``, half the dense width). Raises
+    ``ValueError`` for an unknown name or field, or an ``mlp_hidden`` for a model without a dense
+    MLP (``mlp`` ``"none"`` or ``"cms"``: it would be ignored).
     """
     from ..layers import MIXERS
 
@@ -86,6 +96,17 @@ def build_config(name: str, **overrides) -> ModelConfig:
         cfg[key] = value
     if overrides.get("mlp", preset_mlp) != preset_mlp and "mlp_options" not in overrides:
         cfg["mlp_options"] = {}  # another MLP: the preset's options were the old one's
+    if "mixer" in overrides and "pattern" not in overrides and "layers" not in overrides:
+        cfg["pattern"] = cfg["layers"] = None  # the preset's hybrid would hide the mixer asked for
+    if overrides.get("mlp_hidden") is not None and cfg["mlp"] in ("none", "cms"):
+        # (asked for and ignored; a saved config that holds one still loads)
+        raise ValueError(
+            f"ModelConfig.mlp_hidden: expected None for mlp {cfg['mlp']!r} (it is the width of 'swiglu' and "
+            f"'moe'), got {overrides['mlp_hidden']!r}"
+        )
+    derive = MODELS[name].derive if name in MODELS else None
+    if derive is not None:
+        derive(cfg, overrides)
     return ModelConfig.from_dict(cfg)
 
 
@@ -171,10 +192,30 @@ def _gdn_hybrid() -> ModelConfig:
     )
 
 
+def _half_dense_experts(cfg: dict, overrides: dict) -> None:
+    """``expert_hidden`` = half the dense SwiGLU width (``mlp_hidden``, else ``d_model``'s) of the
+    overridden config, unless the overrides give it (or make the config invalid: validation says so)."""
+    opts, d, h = cfg["mlp_options"], cfg["d_model"], cfg["mlp_hidden"]
+    given = overrides.get("mlp_options")
+    if (
+        cfg["mlp"] != "moe"
+        or not isinstance(opts, dict)
+        or (isinstance(given, dict) and "expert_hidden" in given)
+    ):
+        return
+    for v in (d, 1 if h is None else h):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return
+    from ..layers.mlp import swiglu_hidden
+
+    opts["expert_hidden"] = max(1, (h if h is not None else swiglu_hidden(d)) // 2)
+
+
 @register_model(
     "gated_deltanet_attention_moe",
     "Gated DeltaNet + attention every 4th layer with a mixture-of-experts MLP: 8 SwiGLU experts, "
     "top-2, each half the dense width (the active MLP equals gated_deltanet_hybrid's)",
+    derive=_half_dense_experts,
 )
 def _gdn_attention_moe() -> ModelConfig:
     # active MLP parameters per token: 2 experts x 176 hidden = the dense SwiGLU's 352 at d_model 128

@@ -47,9 +47,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
     torch.manual_seed(cfg.seed)
     model_cfg = build_config(cfg.model, vocab_size=vocab_size, **cfg.model_overrides)
     if model_cfg.pos_embedding == "learned":
-        longest = max([cfg.seq_len, *cfg.eval_lengths])
+        # every length a forward pass reads: training, the evaluations, the circuit tracker's
+        # repeated sequence (2 L + 1 tokens, as its memory check below)
+        lengths = [("seq_len", cfg.seq_len), *(("eval_lengths", L) for L in cfg.eval_lengths)]
+        if cfg.track_circuits:
+            lengths.append(("circuit_length", 2 * cfg.circuit_length + 1))
+        name, longest = max(lengths, key=lambda nl: nl[1])
         if longest > model_cfg.max_position:
-            name = "eval_lengths" if longest > cfg.seq_len else "seq_len"
             raise ValueError(
                 f"TrainConfig.{name}: {longest} tokens exceed the learned positions of model "
                 f"{cfg.model!r} (max_position = {model_cfg.max_position}); raise "
