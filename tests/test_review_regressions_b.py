@@ -1,6 +1,7 @@
 """Regressions the review of today's break-it fixes found (ring attention's autocast, the checkpoint
 converters, the CLI's argument layer, mnemo continual and the task-signal model): each test fails on
-the code before its fix."""
+the code before its fix. (The continual one joined its first test in
+tests/nested/test_review_continual.py.)"""
 
 from __future__ import annotations
 
@@ -54,41 +55,3 @@ def test_a_sweep_database_left_with_a_hot_journal_is_still_a_sweeps(tmp_path):
     _check_database(db, "db")  # mnemo report's check (and mnemo sweep --db's); raised ValueError
     with SweepDB(db, create=False) as d:
         assert [r["run_id"] for r in d.rows()] == ["r"]  # the killed transaction rolled back
-
-
-def test_a_divergence_at_the_last_update_records_the_last_finite_weights(monkeypatch):
-    """8c2e018 made a last step that leaves non-finite weights a divergence, but its
-    ``metrics_at_divergence`` evaluated those NaN weights (every prediction token 0) where the
-    docstring promises "the evaluation of the weights of the last finite step"."""
-    import math
-
-    import torch
-
-    from mnemo.commands import continual as cont
-
-    clip, calls, finite = torch.nn.utils.clip_grad_norm_, [0], []
-
-    def nan_at_the_last_step(params, max_norm):
-        params = list(params)
-        calls[0] += 1
-        if calls[0] == 2:  # before the last update: the weights the first one left
-            finite.extend(p.detach().clone() for p in params)
-            for p in params:
-                p.grad.fill_(float("nan"))
-        return clip(params, max_norm)
-
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_at_the_last_step)
-    s = cont.Settings(steps=2, warmup=1, eval_streams=8, d_model=8, periods=(1,))
-    s.task = {"n_keys": 8, "n_a": 2, "n_b": 6}
-    task = cont.make_task("abab", **s.task)
-    levels = cont.model_specs(8, periods=(1,))["cms-1"]
-    r = cont.train_one("abab", task, levels, s, 0)
-    assert r["diverged_at_step"] == 2 and math.isnan(r["A_after_B"])
-    torch.manual_seed(0)
-    net = cont.ContinualNet(task.vocab_size, s.d_model, levels, 0, s.slow_rate_lr_scale)
-    assert len(finite) == len(list(net.parameters()))
-    with torch.no_grad():
-        for p, q in zip(net.parameters(), finite):
-            p.copy_(q)
-    want = cont._derived("abab", task, cont.evaluate(net, task, torch.Generator().manual_seed(10_000), 8, 64))
-    assert r["metrics_at_divergence"] == want

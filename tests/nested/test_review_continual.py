@@ -205,13 +205,16 @@ def test_class_incremental_just_after_holds_the_last_phases_own_queries():
 
 def test_a_last_step_that_leaves_non_finite_weights_is_a_divergence(monkeypatch):
     """A finite loss with a non-finite gradient at the last step: the weights the evaluation reads
-    are NaN (every prediction token 0, recall 0.000), and the run was reported as finished."""
-    clip, calls = torch.nn.utils.clip_grad_norm_, [0]
+    are NaN (every prediction token 0, recall 0.000), and the run was reported as finished. Now a
+    divergence at that step, whose ``metrics_at_divergence`` evaluate the last finite weights (as
+    the docstring promises; the first fix evaluated the NaN ones)."""
+    clip, calls, finite = torch.nn.utils.clip_grad_norm_, [0], []
 
     def nan_at_the_last_step(params, max_norm):
         params = list(params)
         calls[0] += 1
-        if calls[0] == 2:
+        if calls[0] == 2:  # before the last update: the weights the first one left
+            finite.extend(p.detach().clone() for p in params)
             for p in params:
                 p.grad.fill_(float("nan"))
         return clip(params, max_norm)
@@ -220,8 +223,17 @@ def test_a_last_step_that_leaves_non_finite_weights_is_a_divergence(monkeypatch)
     s = cont.Settings(steps=2, warmup=1, eval_streams=8, d_model=8, periods=(1,))
     s.task = {"n_keys": 8, "n_a": 2, "n_b": 6}
     task = cont.make_task("abab", **s.task)
-    r = cont.train_one("abab", task, cont.model_specs(8, periods=(1,))["cms-1"], s, 0)
+    levels = cont.model_specs(8, periods=(1,))["cms-1"]
+    r = cont.train_one("abab", task, levels, s, 0)
     assert r["diverged_at_step"] == 2 and math.isnan(r["A_after_B"])
+    torch.manual_seed(0)
+    net = cont.ContinualNet(task.vocab_size, s.d_model, levels, 0, s.slow_rate_lr_scale)
+    assert len(finite) == len(list(net.parameters()))
+    with torch.no_grad():
+        for p, q in zip(net.parameters(), finite):
+            p.copy_(q)
+    want = cont._derived("abab", task, cont.evaluate(net, task, torch.Generator().manual_seed(10_000), 8, 64))
+    assert r["metrics_at_divergence"] == want
 
 
 def test_a_pages_block_summarises_the_stored_seeds_again(monkeypatch, tmp_path):
