@@ -39,10 +39,14 @@ def native_as_in_forward(fn):
     whether the C kernels were off (``MNEMO_NATIVE=0``, the ``torch`` backend's
     :class:`~mnemo.ops._native.suppressed` block), and the backward runs without them too, also
     when it runs after the block has ended (a backward runs the backward of what its forward ran).
-    A forward that ran with them lets the backward choose by the switch as it is then."""
+    A forward that ran with them lets the backward choose by the switch as it is then. While
+    ``torch.compile`` traces, nothing is recorded or switched (a traced graph never calls the C
+    kernels, and dynamo would run the ``suppressed`` block's entry without its exit)."""
 
     @functools.wraps(fn)
     def wrapper(ctx, *args):
+        if torch.compiler.is_compiling():
+            return fn(ctx, *args)
         if fn.__name__ == "forward":
             ctx.native_off = not _native.enabled()
         elif getattr(ctx, "native_off", False):

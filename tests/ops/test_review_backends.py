@@ -184,3 +184,42 @@ def test_mamba_custom_op_on_a_call_without_elements(monkeypatch):
     assert calls == [] and y.shape == x.shape and S.shape == (1, 0, 4, 3)
     (y.sum() + S.sum()).backward()
     assert x.grad.shape == x.shape and torch.equal(Bm.grad, torch.zeros_like(Bm))
+
+
+def test_the_gpu_suites_peer_cases_name_real_specs():
+    """tests/test_cuda.py compares each peer kernel with the torch backend for the specs its
+    SPEC_OP names; a name matching no spec drops the case silently (``gla_none`` did: the
+    ungated GLA never ran against fla on a GPU). Read from the file: the module skips without CUDA."""
+    import ast
+    from pathlib import Path
+
+    from mnemo.testing.specs import spec_names
+
+    tree = ast.parse((Path(__file__).parents[1] / "test_cuda.py").read_text())
+    (table,) = [
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SPEC_OP"
+    ]
+    names = {ast.literal_eval(k) for k in table.keys}
+    assert names <= set(spec_names()), sorted(names - set(spec_names()))
+
+
+@needs_native
+def test_a_compiled_chunk_form_leaves_the_native_switch_as_it_found_it(clean_env):
+    """The backward's ``suppressed()`` block (``native_as_in_forward``) traced by dynamo ran its
+    entry without its exit: after a compiled model's step the kernels stayed off in the thread for
+    good (the compile tests then skipped as "native kernels unavailable")."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 12, 2, 4, generator=gen, requires_grad=True)
+    dt = torch.randn(1, 12, 2, generator=gen)
+    B, C = (torch.randn(1, 12, 1, 3, generator=gen) for _ in range(2))
+    A = -torch.rand(2, generator=gen) - 0.5
+
+    def step(x):
+        o, _ = ops.ssd(x, dt, A, B, C, chunk_size=4)
+        return o.square().sum()
+
+    torch.compile(step, backend="aot_eager")(x).backward()
+    assert getattr(_native._suppressed, "depth", 0) == 0 and _native.enabled()
