@@ -330,7 +330,7 @@ def test_circuit_tracking_during_training_on_device(tmp_path):
 
 #: the op each spec of the equivalence contract calls (specs of other ops have no peer backend)
 SPEC_OP = {
-    "linear_attention": "linear_attention",
+    "linear_identity": "linear_attention",
     "gla_nogate": "gated_linear_attention",
     "gla_scalar": "gated_linear_attention",
     "gla_channel": "gated_linear_attention",
