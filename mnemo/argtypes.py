@@ -143,13 +143,16 @@ class Float(Kind):
 
 class IntList(Kind):
     """Comma-separated ints in ``[lo, hi]`` (at least one), or one of ``words``; returns the text
-    as given (stripped), for the command to split."""
+    as given (stripped), for the command to split. ``unique``: a value given twice is refused (a
+    list of lengths or sizes, where a repeat would only do the same work twice; default ``False``)."""
 
-    def __init__(self, lo: int | None = 1, hi: int | None = None, words: tuple[str, ...] = ()):
-        self.item, self.words = Int(lo, hi), tuple(words)
+    def __init__(
+        self, lo: int | None = 1, hi: int | None = None, words: tuple[str, ...] = (), unique: bool = False
+    ):
+        self.item, self.words, self.unique = Int(lo, hi), tuple(words), unique
         alt = "".join(f" or '{w}'" for w in words)
         self.expected = f"comma-separated {self.item.expected.replace('an int', 'ints')}{alt}"
-        self.hostile = ("", ",", "0", "-5", "1,x", "1.5", "nan", "1,,0")
+        self.hostile = ("", ",", "0", "-5", "1,x", "1.5", "nan", "1,,0") + (("4,4",) if unique else ())
 
     def __call__(self, text: str) -> str:
         t = str(text).strip()
@@ -163,6 +166,11 @@ class IntList(Kind):
                 self.item(p)
             except argparse.ArgumentTypeError:
                 self.fail(text)
+        if self.unique:
+            values = [int(p) for p in parts]
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                self.fail(text, f" ({', '.join(map(str, twice))} given twice)")
         return t
 
 
@@ -171,7 +179,7 @@ class FloatList(IntList):
     for the command to split."""
 
     def __init__(self):
-        self.item, self.words = Float(0, lo_open=True), ()
+        self.item, self.words, self.unique = Float(0, lo_open=True), (), False
         self.expected = "comma-separated finite numbers > 0"
         self.hostile = ("", ",", "0", "-5", "1,x", "nan", "1,,2", "inf")
 

@@ -227,3 +227,20 @@ def test_a_mistyped_switch_in_the_environment_is_one_line_before_any_work(var, m
     assert main(["models"]) == 2
     err = capsys.readouterr().err
     assert f"error: {var} must be one of" in err and "Traceback" not in err
+
+
+def test_a_length_or_size_given_twice_is_refused(capsys):
+    """``eval --length 64,64`` evaluated the same length twice, ``bench --lengths`` /
+    ``--contexts`` / ``--gen-batches`` measured the same row twice (``train --eval-lengths`` was
+    refused already, by TrainConfig); a list of periods may repeat (``continual --periods``)."""
+    from mnemo import argtypes as kinds
+    from mnemo.cli import main
+
+    assert main(["eval", "--length", "64,128,64"]) == 2
+    assert "argument --length: expected comma-separated ints >= 1, got '64,128,64' (64 given twice)" in (
+        capsys.readouterr().err
+    )
+    assert main(["bench", "--lengths", "512,512"]) == 2
+    assert "(512 given twice)" in capsys.readouterr().err
+    assert kinds.IntList(1, unique=True)("64, 128") == "64, 128"
+    assert kinds.IntList(1)("1,1") == "1,1"

@@ -130,7 +130,7 @@ def add_commands(sub) -> None:
     b.add_argument(
         "--contexts",
         default="1024,4096,16384,65536",
-        type=kinds.IntList(1),
+        type=kinds.IntList(1, unique=True),
         help="decode suite: context lengths",
     )
     b.add_argument(
@@ -176,7 +176,7 @@ def add_commands(sub) -> None:
     b.add_argument(
         "--gen-batches",
         default="1,8",
-        type=kinds.IntList(1, words=("none",)),
+        type=kinds.IntList(1, words=("none",), unique=True),
         help="models and roofline suites: generation (decoding) batch sizes, or 'none' (training rows only)",
     )
     b.add_argument(
@@ -196,7 +196,10 @@ def add_commands(sub) -> None:
         "generate(compile=True) runs; eager only where compilation is unavailable",
     )
     b.add_argument(
-        "--lengths", default="512,1024,2048,4096,8192", type=kinds.IntList(1), help="comma-separated T values"
+        "--lengths",
+        default="512,1024,2048,4096,8192",
+        type=kinds.IntList(1, unique=True),
+        help="comma-separated T values",
     )
     b.add_argument("--heads", type=kinds.Int(1, 4096), default=4)
     b.add_argument("--head-dim", type=kinds.Int(1, 65536), default=64)

@@ -469,7 +469,7 @@ def add_commands(sub) -> None:
     )
     e.add_argument(
         "--length",
-        type=kinds.IntList(1),
+        type=kinds.IntList(1, unique=True),
         help="comma-separated test lengths, one JSON line each (default: the training length; text "
         "checkpoints: window lengths, as --seq-len)",
     )

@@ -526,7 +526,7 @@ def add_commands(sub) -> None:
     settings.add_argument(
         "--eval-lengths",
         metavar="L1,L2",
-        type=kinds.IntList(1),
+        type=kinds.IntList(1),  # (TrainConfig refuses a length given twice, naming the field)
         help="task runs: also test at these lengths at the end, e.g. 1024,4096",
     )
     sizes = t.add_argument_group("model size", "TrainConfig.model_overrides (over the config file's)")
