@@ -90,6 +90,9 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):  # as train_one: the last
+        print(f"non-finite weights after the last step ({args.stop or s.steps}): a non-finite gradient")
+        return 1
     print("no divergence")
     return 0
 
