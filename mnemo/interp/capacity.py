@@ -159,12 +159,15 @@ def recall_accuracy(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     entry; the cosine is scale-free also for reads whose squared norm overflows.
 
     Raises:
-        ValueError: ``y`` and ``v`` differ in shape or are not 4-D; ``v`` has a non-finite entry.
+        ValueError: ``y`` and ``v`` differ in shape or are not 4-D; ``v`` has no pairs or no
+            channels; ``v`` has a non-finite entry.
     """
     if y.shape != v.shape or y.ndim != 4:
         raise ValueError(
             f"y and v must have the same shape [B, N, H, D], got {list(y.shape)} and {list(v.shape)}"
         )
+    if v.shape[1] == 0 or v.shape[3] == 0:
+        raise ValueError(f"v: expected N >= 1 pairs and D >= 1 channels, got shape {list(v.shape)}")
     if not bool(torch.isfinite(v).all()):
         raise ValueError(
             f"v: expected finite values, got {int((~torch.isfinite(v)).sum())} non-finite entries"

@@ -98,6 +98,8 @@ def ssd(
     check_shape("A", A, (H,), "[H]")
     B4 = check_groups("B", B, Bsz, T, None, H, "H")
     N = B4.shape[-1]
+    if N == 0:
+        raise ValueError(f"B and C need a state size N >= 1, got B of shape {_shape(B)}")
     C4 = check_groups("C", C, Bsz, T, N, H, "H")
     if C4.shape[2] != B4.shape[2]:
         raise ValueError(f"C must have the same number of groups as B = {B4.shape[2]}, got {_shape(C)}")
