@@ -23,3 +23,53 @@ def test_recall_accuracy_without_pairs_or_channels_is_refused(shape):
     # an IndexError from amax() before
     with pytest.raises(ValueError, match=r"v: expected N >= 1 pairs and D >= 1 channels"):
         recall_accuracy(torch.randn(shape), torch.randn(shape))
+
+
+def test_the_memory_check_counts_an_fsdp_process_its_shard_of_the_parameters(monkeypatch):
+    # every process was counted the whole model's parameters, gradients and moments: a model that
+    # fits only sharded was refused (the estimate is a lower bound, never a false alarm)
+    from types import SimpleNamespace
+
+    from mnemo.train import TrainConfig
+    from mnemo.train import memory_estimate as me
+    from mnemo.train.build import _count_parameters, build_model
+
+    def cfg(fsdp):
+        return TrainConfig(
+            model="transformer", model_overrides={"d_model": 64, "n_layers": 2}, seq_len=8, batch_size=4,
+            steps=1, eval_batches=1, warmup_steps=0, sample_tokens=0, fsdp=fsdp,
+        )  # fmt: skip
+
+    from mnemo.models import build_config
+
+    whole = 4 * 4 * _count_parameters(build_config("transformer", vocab_size=16, d_model=64, n_layers=2))
+    monkeypatch.setattr(me, "available_memory", lambda device: (int(0.6 * whole), "a test"))
+    strategy = SimpleNamespace(device=torch.device("cpu"), world=4, prepare=lambda model: None)
+    with pytest.raises(ValueError, match="the model's parameters \\+ optimizer state alone need"):
+        build_model(cfg(False), 16, strategy)  # data-parallel: every process holds the whole model
+    assert build_model(cfg(True), 16, strategy).num_parameters() * 16 == whole  # sharded: a quarter each
+
+
+def test_a_resumed_moe_run_records_the_whole_intervals_expert_loads(tmp_path):
+    # MoEBalance's interval was not checkpointed: after a resume in the middle of a logging interval
+    # the record's moe_load / moe_aux_loss / moe_z_loss covered only the resumed steps
+    import json
+
+    from mnemo.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        model="gated_deltanet_attention_moe", model_overrides={"d_model": 16, "n_layers": 1}, seq_len=16,
+        batch_size=4, eval_batches=1, sample_tokens=0, warmup_steps=1, steps=6, eval_interval=3, seed=2,
+    )  # fmt: skip
+    Trainer(cfg, tmp_path / "a", progress=False, log=lambda *a: None).fit()
+    Trainer(cfg, tmp_path / "b", progress=False, log=lambda *a: None).fit(until=2)
+    Trainer(None, tmp_path / "b", resume=True, progress=False, log=lambda *a: None).fit(until=4)
+    Trainer(None, tmp_path / "b", resume=True, progress=False, log=lambda *a: None).fit()
+
+    def records(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")} for r in rows]
+
+    a, b = records("a"), records("b")
+    assert [r["step"] for r in a] == [3, 6] and "moe_load" in a[0] and a[1]["moe_aux_loss"] > 0
+    assert b == a

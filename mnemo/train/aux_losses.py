@@ -15,6 +15,10 @@ them as :class:`AuxiliaryLosses`, which calls each in that order):
 * ``record() -> dict`` — the logging interval's metrics, merged into the evaluation record (keys
   of your own prefix), then reset.
 
+Optionally ``state_dict() -> dict`` / ``load_state_dict(dict)``: the interval's bookkeeping a
+checkpoint keeps (tensors, numbers, lists), so the first record after a resume covers the whole
+interval, as the uninterrupted run's does.
+
 The step's returned and logged ``train_loss`` stays the cross-entropy.
 """
 
@@ -52,6 +56,21 @@ class AuxiliaryLosses(list):
     def record(self) -> dict:
         """The logging interval's metrics of every loss, merged in order (and each one's reset)."""
         return {k: v for aux in self for k, v in aux.record().items()}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds (the key of the trainer state it joins): each loss's
+        ``state_dict()``, in order (``None`` for a loss without one)."""
+        return {"aux_losses": [aux.state_dict() if hasattr(aux, "state_dict") else None for aux in self]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume each loss's interval from a checkpoint's trainer ``state`` (one written before
+        auxiliary losses were checkpointed, or with other losses: the intervals start afresh)."""
+        saved = state.get("aux_losses")
+        if saved is None or len(saved) != len(self):
+            return
+        for aux, s in zip(self, saved):
+            if s is not None and hasattr(aux, "load_state_dict"):
+                aux.load_state_dict(s)
 
 
 class MoEBalance:
@@ -119,6 +138,8 @@ class MoEBalance:
                 m.update_bias(s_[:-3])
         if self._interval is None:
             self._interval = [torch.zeros_like(s_) for s_ in sums]
+        elif self._interval[0].device != sums[0].device:  # resumed (a checkpoint keeps it on the CPU)
+            self._interval = [a.to(s_.device) for a, s_ in zip(self._interval, sums)]
         for a, s_ in zip(self._interval, sums):
             a += s_
         # micro-batches (× ranks) that contributed a loss value, for the interval means
@@ -148,3 +169,12 @@ class MoEBalance:
             "moe_aux_loss": sum(float(a[-2]) for a in interval) / (n * len(interval)),
             "moe_z_loss": sum(float(a[-1]) for a in interval) / (n * len(interval)),
         }
+
+    def state_dict(self) -> dict:
+        """The logging interval's statistics so far (on the CPU; ``None`` before the first step)."""
+        interval = None if self._interval is None else [a.detach().cpu() for a in self._interval]
+        return {"interval": interval, "interval_n": self._interval_n}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the interval of :meth:`state_dict` (its tensors on the device the sums live on)."""
+        self._interval, self._interval_n = state["interval"], int(state["interval_n"])

@@ -61,8 +61,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
             )
     cp_world = world if context_parallel else 1
     rows = cfg.batch_size // ((1 if context_parallel else world) * cfg.grad_accum)
+    # FSDP2: each process holds 1/world of the parameters, their gradients and moments (a layer is
+    # gathered whole only while it runs); counted whole, a model that fits only sharded was refused
+    shards = world if cfg.fsdp else 1
     sizes = dict(
-        n_params=_count_parameters(model_cfg),
+        n_params=_count_parameters(model_cfg) // shards,
         vocab_size=vocab_size,
         d_model=model_cfg.d_model,
         n_layers=model_cfg.n_layers,

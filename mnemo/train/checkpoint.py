@@ -83,9 +83,18 @@ def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
     m = d / MANIFEST_NAME
     if not m.is_file():
         return []
-    try:
-        files = json.loads(m.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    try:  # (a manifest damaged on disk: not UTF-8, not JSON, or JSON of another shape)
+        files = json.loads(m.read_text(encoding="utf-8"))["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"'files' is a {type(files).__name__}, expected a mapping")
+        for name, want in files.items():
+            if not (
+                isinstance(want, dict)
+                and type(want.get("bytes")) is int
+                and isinstance(want.get("sha256"), str)
+            ):
+                raise TypeError(f"entry {name!r} is {want!r}, expected {{'bytes': int, 'sha256': str}}")
+    except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError, UnicodeDecodeError: ValueErrors)
         return [f"{m} is unreadable ({e})"]
     problems = []
     for name, want in files.items():

@@ -160,10 +160,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, warn: boo
     ``LambdaLR``; warns (``warn``: on the main process; default ``warn=True``) when the warm-up is
     as long as the schedule."""
     if cfg.warmup_steps >= cfg.cosine_steps and warn and not algorithm1_only(cfg):
+        # the last update's factor is cosine_steps / warmup_steps: 1 when they are equal
+        reach = (
+            f"reaches lr={cfg.lr:g} only at its last step"
+            if cfg.warmup_steps == cfg.cosine_steps
+            else f"never reaches lr={cfg.lr:g} (at most {cfg.lr * cfg.cosine_steps / cfg.warmup_steps:.3g})"
+        )
         warnings.warn(
             f"warmup_steps {cfg.warmup_steps} >= the {cfg.cosine_steps}-step learning-rate schedule: "
-            f"the lr never reaches lr={cfg.lr:g} (at most "
-            f"{cfg.lr * cfg.cosine_steps / cfg.warmup_steps:.3g}) and never decays; lower --warmup-steps",
+            f"the lr {reach} and never decays; lower --warmup-steps",
             stacklevel=3,  # (Trainer.__init__)
         )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule_factor(cfg, s))

@@ -343,16 +343,25 @@ class RunFolder:
         notes: list[str] = []
         if resume:
             ckpt = resolve_checkpoint(self.out, verify=True, warn=notes.append)
+            if ckpt.resolve() == self.out.resolve():  # a checkpoint's own folder, not its run's
+                raise ValueError(
+                    f"out_dir: {self.out} is a checkpoint, not a run folder: the resumed run would write its "
+                    f"checkpoints and log inside it; resume {self.out.parent} (its run folder, when it is "
+                    "one), or start a new run from these weights with init_from"
+                )
             saved = saved_train_config(ckpt)
             state = load_trainer_state(ckpt)
             cfg, changed = resume_config(saved, cfg, reschedule, step=state["step"])
             notes += [f"resume: from {ckpt} (step {state['step']})"]
             notes += [f"resume: {c}" for c in changed]
             return cfg, ckpt, state, notes
+        if reschedule is not None:  # (whatever form cfg takes: a TrainConfig, a dict or None)
+            raise ValueError(
+                f"reschedule: applies to a resumed run (resume=True) only, got reschedule={reschedule!r} "
+                "for a new run"
+            )
         if cfg is None or isinstance(cfg, dict):
             cfg = TrainConfig.from_dict(cfg or {})
-        elif reschedule is not None:
-            raise ValueError("reschedule: applies to a resumed run (resume=True) only")
         return cfg, None, None, notes
 
     def open(self):
@@ -377,11 +386,18 @@ class RunFolder:
         """A new run (not resumed) starts only in a folder that holds no run's checkpoints: its own
         would replace theirs step by step, ``latest`` would name a mix of two runs and its records
         would go into their ``metrics.jsonl``. (``mnemo train`` refuses such a folder before any
-        work, and ``--overwrite`` sets the old run aside first.)
+        work, and ``--overwrite`` sets the old run aside first.) Nor in a checkpoint's own folder
+        (``config.json`` / ``model.safetensors``: a resume would find those weights, not the run's).
 
         Raises:
             ValueError: naming the folder and what of the other run is there.
         """
+        weights = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if (self.out / name).is_file()]
+        if weights:  # a checkpoint's (or an export's) folder: resolving it would find those weights
+            raise ValueError(
+                f"{self.out} holds a checkpoint ({', '.join(weights)}): a run there would be hidden behind "
+                "it (a resume would find its weights, not the run's); choose another folder"
+            )
         latest = self.out / LATEST
         held = [p.name for p in run_checkpoints(self.out)]
         held += [LATEST] if latest.is_symlink() or latest.exists() else []
@@ -391,6 +407,25 @@ class RunFolder:
                 "its checkpoints; resume it (resume=True, mnemo train --resume), or choose another folder "
                 "(mnemo train --overwrite sets the old run aside)"
             )
+
+    def set_aside_unfinished_log(self) -> Path | None:
+        """A new run (not resumed) in a folder whose ``metrics.jsonl`` belongs to a run that wrote
+        no checkpoint (it failed or was killed before its first one: nothing to resume): the new
+        run's records would be appended to that run's, and the log would read ``2, 4, 2, 4, 6``.
+        The old log moves to ``OUT/kept/unfinished-N/metrics.jsonl``, with a warning; returns its
+        new path (``None``: no such log). Call it holding the folder's lock, after
+        :meth:`refuse_other_run`."""
+        log = self.out / METRICS_NAME
+        if not log.is_file():
+            return None
+        dest = new_kept_folder(self.out, "unfinished") / METRICS_NAME
+        log.rename(dest)
+        warnings.warn(
+            f"{log} is the metrics.jsonl of a run that wrote no checkpoint (nothing to resume); the new "
+            f"run starts a log of its own, and the old one is kept in {dest}",
+            stacklevel=3,
+        )
+        return dest
 
     def set_aside_newer(self, step: int, resumed: Path | None = None) -> list[Path]:
         """Resume from ``step`` while the run holds checkpoints of later steps (``latest`` was

@@ -109,6 +109,9 @@ class Trainer:
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
         # cfg.carry_state: the state carried from step to step (else a fresh state every step)
         self.carry = CarriedState.for_run(self.model, self.cfg, self.data.streams, self.device, self.world)
+        moe = MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)
+        # the built-in one, then the caller's (before a resume, which restores their intervals)
+        self.aux_losses = AuxiliaryLosses([moe, *aux_losses])
         self._setup_optimizer()
         if state is not None:
             self._restore_state(ckpt, state)
@@ -127,8 +130,6 @@ class Trainer:
             self._test_sets,
             self.data.bos_id,
         )
-        moe = MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)
-        self.aux_losses = AuxiliaryLosses([moe, *aux_losses])  # the built-in one, then the caller's
         # rank 0 logs: metrics.jsonl, TensorBoard (cfg.tensorboard), then the caller's sinks
         self.logbook = Logbook(self.out, self.cfg.tensorboard, sinks, enabled=self.is_main)
         self.interrupts = DeferredInterrupts(enabled=self.world == 1)
@@ -186,6 +187,7 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.meter.load_state_dict(state)
+        self.aux_losses.load_state_dict(state)  # (e.g. the MoE loads of the interval so far)
         self.early_stopped = bool(state.get("early_stopped", False))
         self._check_same_data(ckpt, state.get("data"))
         self.carry.restore(ckpt, state, self.step)
@@ -223,6 +225,7 @@ class Trainer:
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             **self.meter.state_dict(),
+            **self.aux_losses.state_dict(),
             "early_stopped": self.early_stopped,
             "data": self.data_fingerprint,  # (a resumed run checks that its text is the same)
             **self.carry.save(self.step),  # carry_state: the next step's window and its starting state
@@ -382,6 +385,8 @@ class Trainer:
         with lock or contextlib.nullcontext(), self.interrupts:  # the lock is released at the end
             if self.last_checkpoint is None:  # a new run: never into the checkpoints of another one
                 self.run_folder.refuse_other_run()
+                if self.is_main:  # nor into the log of a run that wrote no checkpoint
+                    self.run_folder.set_aside_unfinished_log()
             return self._fit(stop)
 
     def _fit(self, stop: int) -> dict:
@@ -396,6 +401,10 @@ class Trainer:
                 if self.interrupts.requested is not None:  # a checkpoint of every finished step, then stop
                     saved = RunFolder.saved_step(self.last_checkpoint)
                     if self.is_main and self.step > 0 and self.step != saved:
+                        # as every scheduled checkpoint: never one of weights that overflowed
+                        bad = self.strategy.nonfinite_parameters(self.model)
+                        if bad:
+                            raise self._diverged("weights", math.nan, _nonfinite_weights(bad), step=self.step)
                         self._write_checkpoint()
                     raise interrupted(self.interrupts.requested, self.step, self.last_checkpoint)
                 t0 = time.perf_counter()
