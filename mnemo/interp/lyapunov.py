@@ -52,8 +52,10 @@ def lyapunov_spectrum(
     ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
     generic start; default ``sort=True``). ``seed``: the seed of the ``"random"`` basis (default
     ``seed=0``). Raises ``ValueError`` for a ``burn_in`` outside ``[0, T)`` (no step left to
-    average)."""
-    if isinstance(burn_in, bool) or not isinstance(burn_in, numbers.Integral) or not 0 <= burn_in < max(T, 1):
+    average) or a ``T`` below 1 (no transition: no exponent, rather than zeros)."""
+    if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
+        raise ValueError(f"T: expected at least one step (transition) to average, got {T!r}")
+    if isinstance(burn_in, bool) or not isinstance(burn_in, numbers.Integral) or not 0 <= burn_in < T:
         raise ValueError(
             f"burn_in: expected an int number of steps in [0, {T}) (of T = {T}), got {burn_in!r}"
         )
@@ -133,6 +135,12 @@ def delta_rule_spectrum(
     return lam.mean(0)
 
 
+def _check_directions(directions) -> None:
+    """Raise ``ValueError`` unless ``directions`` (exponents to compute per head) is an int ``>= 1``."""
+    if isinstance(directions, bool) or not isinstance(directions, numbers.Integral) or directions < 1:
+        raise ValueError(f"directions: expected an int >= 1 (exponents to compute), got {directions!r}")
+
+
 def memory_jvp_spectrum(
     spec,
     state,
@@ -170,12 +178,13 @@ def memory_jvp_spectrum(
     error ``O(ε²)`` plus ``~1e-16/ε`` of rounding, ``≈ 1e-10`` relative at the default, far below
     what moves an exponent), about twice the cost of the plain update. ``seed``: the seed of the
     random starting basis of :func:`lyapunov_spectrum`. Defaults: ``directions=32``, ``eps=1e-6``,
-    ``seed=0``."""
+    ``seed=0``. Raises ``ValueError`` naming ``method`` or ``directions`` (an int ``>= 1``)."""
     from ..memory.recurrent import memory_recurrent
     from ..memory.state import MemoryState
 
     if method not in ("central", "forward"):
         raise ValueError(f"method: 'central' or 'forward', got {method!r}")
+    _check_directions(directions)
     f64 = torch.float64
 
     def d(x):
@@ -286,11 +295,13 @@ def state_spectrum(
     ``~1e-16/ε`` rounding, about ``1e-10`` relative at the default ``eps``).
 
     Raises:
-        ValueError: fewer than ``period`` tokens, or ``get`` lists no tensor.
+        ValueError: fewer than ``period`` tokens, ``get`` lists no tensor, or ``directions`` is not
+            an int ``>= 1``.
 
     Defaults: ``directions=32``, ``eps=1e-6``, ``seed=0``."""
     from ..layers.state import map_tensors
 
+    _check_directions(directions)
     B, T = int(x.shape[0]), int(x.shape[1])
     steps = T // int(period)
     if steps < 1:

@@ -317,7 +317,9 @@ def spectrum_flow_figure(rows: list[dict], title: str | None = None):
             math.nan if g is None else (top if g["median_half_life"] is None else g["median_half_life"])
             for g in got
         ]
-        kept = [math.nan if g is None else 1.0 - g["irrelevant"] for g in got]
+        # the classes kept beyond the threshold (not 1 − irrelevant: that would count the
+        # unresolved directions of a memory whose exponents were computed only in part)
+        kept = [math.nan if g is None else g["intermediate"] + g["marginal"] + g["relevant"] for g in got]
         label = f"L{key.replace('.cms', ' CMS level ')}"
         ax.plot(steps, hl, ".-", label=label)
         bx.plot(steps, kept, ".-", label=label)

@@ -40,7 +40,11 @@ def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
     if isinstance(skip, bool) or not isinstance(skip, int):
         raise ValueError(f"skip: expected an int number of leading positions, got {skip!r}")
     T = maps.shape[-1]
-    if skip < 0 or (skip and skip > T - 2):
+    if T < 2:
+        raise ValueError(
+            f"maps: expected at least 2 positions (queries × keys) to score, got {list(maps.shape)}"
+        )
+    if skip < 0 or skip > T - 2:
         raise ValueError(
             f"skip: expected a number of leading positions in [0, {T - 2}] (two positions must remain), "
             f"got {skip}"
@@ -61,7 +65,8 @@ def duplicate_token_score(maps: torch.Tensor, ids: torch.Tensor, skip: int = 0) 
     """Mean weight from ``t`` onto earlier positions holding the same token (over ``t`` that have
     one), per head: ``[H]``. ``maps [B, H, T, T]``, ``ids: [B, T]`` (the tokens the maps were
     taken on). ``skip`` (default ``skip=0``): as in :func:`previous_token_score`. Raises
-    ``ValueError`` for maps of another shape or ``ids`` that are not ``[B, T]``."""
+    ``ValueError`` for maps of another shape or of fewer than two positions, or ``ids`` that are
+    not ``[B, T]``."""
     _check_maps(maps)
     B, _, T, _ = maps.shape
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or tuple(ids.shape) != (B, T):
@@ -85,14 +90,26 @@ def repeated_random_tokens(
     (default ``offset=0``). ``bos``: the id of a run's fixed first token (``TrainConfig.bos``), put
     before the two copies (``[B, 2L + 1]``, as the run saw its windows); the random tokens then
     never hold it (drawn from one id fewer and shifted over it when it lies in their range;
-    ``offset`` is then at most ``vocab − 2``, so that two ids remain). Raises ``ValueError`` for a
-    ``bos`` outside ``[0, vocab)`` or a vocabulary of fewer than 2 ids."""
+    ``offset`` is then lowered as far as needed for two ids other than the BOS to remain, where the
+    vocabulary has them). Raises ``ValueError`` for a ``bos`` outside ``[0, vocab)``, a
+    vocabulary of fewer than 2 ids, or an ``offset`` that is negative (or, without ``bos``, not
+    below ``vocab``)."""
+    if (
+        isinstance(offset, bool)
+        or not isinstance(offset, int)
+        or offset < 0
+        or (bos is None and offset >= vocab)
+    ):
+        top = f"[0, {vocab})" if bos is None else ">= 0"
+        raise ValueError(f"offset: expected the first token id drawn, an int in {top}, got {offset!r}")
     if bos is None:
         seq = torch.randint(offset, vocab, (batch, length), generator=generator)
         return torch.cat([seq, seq], 1)
     if not 0 <= bos < vocab or vocab < 2:
         raise ValueError(f"bos: expected a token id in [0, {vocab}) of a vocabulary of >= 2 ids, got {bos}")
     offset = min(offset, vocab - 2)
+    while offset > 0 and vocab - offset - (bos >= offset) < 2:  # two ids besides the BOS
+        offset -= 1
     if bos >= offset:  # draw one id fewer and skip over the BOS
         seq = torch.randint(offset, vocab - 1, (batch, length), generator=generator)
         seq = seq + (seq >= bos).long()

@@ -40,13 +40,29 @@ def decay_hook(model, layer: int) -> str | None:
     return below[0] if len(below) == 1 else None
 
 
+def _quantiles(values: torch.Tensor, ps: tuple[float, ...]) -> list[float]:
+    """The ``ps`` quantiles of ``values`` (1-D, non-empty), linearly interpolated as
+    ``torch.quantile`` does, but by sorting: ``torch.quantile`` refuses more than ``2**24`` values,
+    which a Mamba layer's per-(channel, state) gates reach within a few thousand tokens."""
+    s = values.sort().values
+    n = s.numel()
+    out = []
+    for p in ps:
+        pos = p * (n - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, n - 1)
+        out.append(float(s[lo] + (s[hi] - s[lo]) * (pos - lo)))
+    return out
+
+
 def summarize(half_lives: torch.Tensor) -> dict:
-    """Quantiles (tokens) and a log-spaced histogram of half-lives (``inf`` = no decay)."""
+    """Quantiles (tokens) and a log-spaced histogram of half-lives (``inf`` = no decay), of any
+    number of half-lives."""
     h = half_lives.flatten().double()
     finite = h[torch.isfinite(h)]
     out = {"count": int(h.numel()), "never_decays": int((~torch.isfinite(h)).sum())}
     if finite.numel():
-        qs = torch.quantile(finite, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+        qs = _quantiles(finite, (0.1, 0.5, 0.9))
         out.update(
             min=float(finite.min()),
             p10=float(qs[0]),

@@ -45,8 +45,11 @@ def task_metrics(
         number, "n": supervised tokens}``.
     Raises:
         ValueError: the shapes of ``input_ids``, ``targets`` and ``units`` differ, nothing is
-        supervised, or ``units`` puts no answer on some supervised position.
+        supervised, ``units`` puts no answer on some supervised position, or ``batch_size`` is not
+        an int ``>= 1``.
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1 (sequences per pass), got {batch_size!r}")
     if input_ids.shape != targets.shape or input_ids.ndim != 2:
         raise ValueError(
             f"input_ids and targets must both be [N, T], got {list(input_ids.shape)} and "
