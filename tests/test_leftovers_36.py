@@ -73,3 +73,17 @@ def test_a_resumed_moe_run_records_the_whole_intervals_expert_loads(tmp_path):
     a, b = records("a"), records("b")
     assert [r["step"] for r in a] == [3, 6] and "moe_load" in a[0] and a[1]["moe_aux_loss"] > 0
     assert b == a
+
+
+def test_generate_on_a_checkpoint_without_a_tokenizer_says_what_to_do(tmp_path, capsys):
+    # it said only "checkpoint file missing: .../tokenizer.json" (a new user's report)
+    from mnemo.cli import main
+    from mnemo.models import LanguageModel, build_config
+
+    LanguageModel(build_config("gla", vocab_size=32, d_model=16, n_layers=1)).save_pretrained(tmp_path / "m")
+    assert main(["generate", "--checkpoint", str(tmp_path / "m"), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "tokenizer.json" in err
+        and f"copy the tokenizer.json of the model's source into {tmp_path / 'm'}" in err
+    )

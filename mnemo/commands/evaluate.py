@@ -56,7 +56,13 @@ def _load(checkpoint: str, device: str):
     _refuse_sharded(ckpt, checkpoint)
     refuse_task_checkpoint(ckpt, "generate writes text")  # (eval sends task checkpoints elsewhere first)
     model = LanguageModel.from_pretrained(ckpt, map_location=device)
-    tok = load_tokenizer(ckpt)
+    try:
+        tok = load_tokenizer(ckpt)
+    except FileNotFoundError as e:  # e.g. a converted checkpoint whose source had no tokenizer file
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint}: {e}; text in and out needs the model's tokenizer: copy the "
+            f"tokenizer.json of the model's source into {ckpt} (mnemo convert names a missing one)"
+        ) from None
     check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {checkpoint}")
     return ckpt, model, tok
 
