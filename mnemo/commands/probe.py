@@ -208,7 +208,7 @@ def add_commands(sub) -> None:
     c.add_argument(
         "--out",
         type=kinds.OutDir(not_a_run=True),
-        help=f"where to write circuits.png (default: {_DEFAULT_OUT})",
+        help=f"where to write circuits.json and circuits.png (default: {_DEFAULT_OUT})",
     )
     c.add_argument(
         "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
@@ -230,7 +230,7 @@ def add_commands(sub) -> None:
     t.add_argument(
         "--out",
         type=kinds.OutDir(not_a_run=True),
-        help=f"where to write timescales.png (default: {_DEFAULT_OUT})",
+        help=f"where to write timescales.json and timescales.png (default: {_DEFAULT_OUT})",
     )
     t.add_argument(
         "--overwrite", action="store_true", help="replace output files that exist (default: refuse)"
@@ -353,7 +353,7 @@ def _scored(run, length: int, bos):
 def _cmd_circuits(args) -> int:
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
-    _refuse_outputs(args, out / "circuits.png")
+    _refuse_outputs(args, out / "circuits.json", out / "circuits.png")
     bos = _run_bos_id(ckpt, model)
     _check_probe_memory(model, args.batch, 2 * args.length + (bos is not None), "--length / --batch")
     scores = _scored(
@@ -363,9 +363,11 @@ def _cmd_circuits(args) -> int:
         if entry.get("note"):
             print(f"note: layer {layer}: {entry['note']} (--length {args.length})", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
+    record = {"checkpoint": str(ckpt), "length": args.length, "layers": scores}
+    _write_json(out / "circuits.json", record)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
-    print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
-    print(_json({"checkpoint": str(ckpt), "length": args.length, "layers": scores}))
+    print(f"wrote {out / 'circuits.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line
+    print(_json(record))
     return 0
 
 
@@ -440,7 +442,7 @@ def _cmd_timescales(args) -> int:
 
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
-    _refuse_outputs(args, out / "timescales.png")
+    _refuse_outputs(args, out / "timescales.json", out / "timescales.png")
     tcfg = _train_config(ckpt)
     data = args.data or tcfg.get("data") or "tinyshakespeare"
     _check_probe_memory(model, 1, args.tokens, "--tokens", maps=False)
@@ -455,9 +457,11 @@ def _cmd_timescales(args) -> int:
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
     result = timescales(model, ids)
     out.mkdir(parents=True, exist_ok=True)
+    record = {"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result}
+    _write_json(out / "timescales.json", record)
     path = plot(result, out / "timescales.png", title=checkpoint_label(ckpt))
-    print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
-    print(_json({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result}))
+    print(f"wrote {out / 'timescales.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line
+    print(_json(record))
     return 0
 
 

@@ -91,7 +91,9 @@ def test_probe_circuits_prints_scores_and_writes_heatmaps(hybrid_run, capsys, sa
     assert len(layers["3"]["induction"]) == 4 and "copying" in layers["3"]  # the attention layer
     assert all(0 <= s <= 1 for s in layers["0"]["induction"])
     png = hybrid_run / "probes" / "ckpt-000004" / "circuits.png"  # beside the checkpoint, not in it
-    assert png.exists() and f"wrote {png}" in captured.err.splitlines()
+    saved = png.with_suffix(".json")  # the scores kept beside the figure, as printed
+    assert png.exists() and f"wrote {saved} and {png}" in captured.err.splitlines()
+    assert json.loads(saved.read_text()) == result
     (fig,) = saved_figures
     title = _title(fig)
     assert "gla_hybrid (4 layers)" in title and "ckpt-000004 (step 4)" in title
@@ -110,7 +112,7 @@ def test_probe_circuits_without_softmax_heads_says_na(tmp_path, capsys, saved_fi
     out = tmp_path / "figs"
     argv = ["probe", "circuits", "--checkpoint", str(tmp_path / "gla"), "--length", "6", "--batch", "1"]
     assert main([*argv, "--out", str(out)]) == 0
-    assert f"wrote {out / 'circuits.png'}" in capsys.readouterr().err
+    assert f"wrote {out / 'circuits.json'} and {out / 'circuits.png'}" in capsys.readouterr().err
     (fig,) = saved_figures
     assert "gla (1 layer)" in _title(fig) and "gla" in fig.texts[0].get_text()
     assert [t.get_text().split()[0] for t in _panel(fig, "copying").texts] == ["n/a"]
@@ -123,7 +125,9 @@ def test_probe_timescales(hybrid_run, capsys, saved_figures):
     assert result["layers"]["0"]["kind"] == "per-channel" and result["layers"]["0"]["half_life"]["median"] > 0
     assert result["layers"]["3"]["kind"] == "no decay"
     png = hybrid_run / "probes" / "ckpt-000004" / "timescales.png"
-    assert png.exists() and f"wrote {png}" in captured.err.splitlines()
+    saved = png.with_suffix(".json")
+    assert png.exists() and f"wrote {saved} and {png}" in captured.err.splitlines()
+    assert json.loads(saved.read_text()) == result
     (fig,) = saved_figures
     assert "gla_hybrid (4 layers)" in _title(fig) and "ckpt-000004 (step 4)" in _title(fig)
     _texts_inside_figure(fig)  # the title used to run off both edges
