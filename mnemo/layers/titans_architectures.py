@@ -142,6 +142,10 @@ class _PrefixAttention(nn.Module):
         k, v = self.kv(x, offset)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if cache is not None:
+            if cache.k.shape[0] != B:
+                raise ValueError(
+                    f"state: the attention's KV cache holds batch size {cache.k.shape[0]}, the input has {B}"
+                )
             k_all, v_all = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
         else:
             k_all, v_all = k, v
@@ -258,6 +262,8 @@ class TitansMAG(_MemoryAndWindow):
     """Memory as a Gate (Titans §4.2): sliding-window attention and the memory branch, combined by a
     gate. ``o = W_o (RMSNorm(y_attn) ⊙ sigmoid(RMSNorm(y_mem)))`` with both branches over the same
     input; persistent tokens are keys every query sees (attention) and a prefix the memory writes.
+    (The paper prepends one set ``p`` to both branches' input ``[p ‖ x]``; here each branch learns its
+    own ``persistent_tokens`` vectors, ``attn.persistent`` and ``memory.persistent``.)
     Defaults: ``n_heads=4``, ``window=64``, ``persistent_tokens=4``.
 
     Hook points (all ``[B, T, d_model]`` unless named): ``hook_attn_out`` (``y_attn``, the attention
@@ -304,8 +310,14 @@ class TitansMAG(_MemoryAndWindow):
 @register_mixer("titans_mal")
 class TitansMAL(_MemoryAndWindow):
     """Memory as a Layer (Titans §4.3): the memory layer, then sliding-window attention on its output
-    (with persistent keys). ``o = SWA(M(x))``. Defaults: ``n_heads=4``, ``window=64``,
+    (with persistent keys). ``o = SWA(RMSNorm(M(x)))``. Defaults: ``n_heads=4``, ``window=64``,
     ``persistent_tokens=4``.
+
+    Deviations from the paper (Eq. 29-31: ``y = M([p ‖ x])``, ``o = SW-Attn(y)``): the memory's
+    output is RMS-normalised before the attention, and the attention has persistent keys of its own
+    (learned vectors, always visible) besides the prefix the memory writes; in the paper the
+    attention sees the persistent tokens only as the memory's outputs at the start of the stream,
+    inside its window.
 
     Hook points: ``hook_mem_out`` ``[B, T, d_model]`` (the memory layer's output, before the norm
     and the attention), ``hook_attn_out`` ``[B, T, d_model]`` (the attention's output, the mixer's
@@ -360,6 +372,12 @@ class TitansMAC(Mixer):
     Attention is thus segment-local (its cache resets at each segment boundary); everything older
     reaches a token only through the memory.
 
+    Deviation from the paper (Titans Eq. 21-25): there ``o_t = y_t ⊗ M*_t(y_t)`` reads the memory
+    after the *whole* segment has been written, so a token's output would depend on the later tokens
+    of its segment; here each token reads the weights after its own write (step 3), which keeps the
+    mixer causal and makes decoding inside a segment equal to the full pass. The read-outs ``h_i``
+    are visible causally (step 2) for the same reason.
+
     Hook points (``[B, L, d_model]``; each fires once per segment piece of ``L`` tokens, in stream
     order, since a segment's memory read depends on the previous segment's write; each piece is
     placed in the call (:func:`~mnemo.layers.hooks.span`), so a recording joins the pieces and an
@@ -384,6 +402,8 @@ class TitansMAC(Mixer):
         **spec_overrides,
     ):
         super().__init__(mode)
+        if isinstance(segment, bool) or not isinstance(segment, int) or segment < 1:
+            raise ValueError(f"TitansMAC: segment must be an int >= 1 (tokens per segment), got {segment!r}")
         if "chunk_size" in spec_overrides:
             raise ValueError(
                 "TitansMAC: the memory's inner chunk is the segment; pass segment=, not chunk_size="

@@ -16,7 +16,10 @@ def closed_form_op(spec: MemorySpec) -> str | None:
     Hebbian (``dot``) matrix memories with plain GD are linear attention / gated linear attention
     for every chunk size (their gradient does not depend on the weights); ``l2`` matrix memories with
     plain GD and ``chunk_size = 1`` are the delta rule, and with a decay applied first the gated
-    delta rule.
+    delta rule. Not with ``decay_first`` and a decay inside chunks of more than one token: there the
+    stream's state carries the decay accumulated since the chunk start (``anchor_decay``), which the
+    dedicated ops do not track, so the engine's own forms run (the state is then the same whichever
+    form, or a one-token decoding step, produced it).
     """
     if (
         spec.architecture != "matrix"
@@ -25,6 +28,7 @@ def closed_form_op(spec: MemorySpec) -> str | None:
         or spec.optimizer != "gd"
         or spec.grad_clip is not None
         or spec.retention not in ("none", "decay")
+        or (spec.decay_first and spec.decays and spec.chunk_size > 1)
     ):
         return None
     if spec.objective == "dot":

@@ -16,7 +16,8 @@ def soft_threshold(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
 
 
 def retention_map(spec: MemorySpec, A: torch.Tensor) -> torch.Tensor:
-    """``W = N(A)``: identity, ``A / ‖A‖_q^{q−2}`` (norm over each layer's matrix) or
+    """``W = N(A)``: identity, ``A / (‖A‖_q + 10⁻⁶)^{q−2}`` (norm over each layer's matrix; the
+    offset, not in Moneta's equation, keeps ``W`` and its gradient finite at ``A = 0``) or
     ``kl_scale · softmax(A)`` over the input axis (dim ``-2``)."""
     if spec.retention == "lq":
         # (vector_norm's backward is 0 at A = 0, where |A|^q summed then ^(1/q) gives 0 · ∞ = NaN)

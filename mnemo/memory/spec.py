@@ -32,8 +32,10 @@ class MemorySpec:
             residual (TTT: ``x + LN(f(x))``; parameter-free LN). Both default off (the ``mlp``
             presets turn them on).
     Attentional bias (inner objective on ``e = M(k) − v``):
-        ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule);
-        ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}``;
+        ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule; Titans, Eq. 12, and
+        TTT write ``‖e‖²`` without the ½, so their ``θ`` is half the ``θ`` here);
+        ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}`` (Moneta,
+        Miras Eq. 11, writes ``‖e‖_p^p`` without the ``1/p``: its ``η`` is ``θ / p`` here);
         ``"huber"``: Huber with a data-dependent threshold ``δ_t`` (the per-token input ``delta``),
         in one of two forms chosen by ``huber_mode``:
 
@@ -48,7 +50,9 @@ class MemorySpec:
         ``"none"``: ``A_t = A_{t−1} + step``;
         ``"decay"``: ``A_t = exp(g_t) A_{t−1} + step`` (``exp(g_t) = 1 − α_t``, Titans' weight decay;
             ``decay_per_channel`` gives one decay per key channel, matrix memories only);
-        ``"lq"``: decay as above and ``W = A / ‖A‖_q^{q−2}`` (Moneta's ℓq retention);
+        ``"lq"``: decay as above and ``W = A / ‖A‖_q^{q−2}`` (Moneta's ℓq retention; the norm, over
+            each layer's matrix, is offset by ``10⁻⁶``, ``(‖A‖_q + 10⁻⁶)^{q−2}``, so that ``W`` and its
+            gradient are finite at ``A = 0``);
         ``"kl"``: decay as above and ``W = kl_scale · softmax(A)`` over each layer's input axis
             (Memora's KL retention: ``softmax(α log W − η∇)`` is exactly this map of a linearly
             decayed logit accumulator).
