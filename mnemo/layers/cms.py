@@ -8,7 +8,11 @@ over the period of its tokens' error signals (Eq. 71)::
     θ^(ℓ)_{i+1} = θ^(ℓ)_i                                                  otherwise
 
 with ``f`` the gradient of the level's inner objective at the period-start weights (the weights do
-not move inside a period, so every term of the sum is taken at ``θ^(ℓ)_i``). Reads inside a period
+not move inside a period, so every term of the sum is taken at ``θ^(ℓ)_i``). Reading of the sum's
+range, named: the paper writes ``Σ_{t=i−C^(ℓ)}^{i}`` (``C + 1`` indices, the last token of the
+previous period included); mnemo sums the ``C`` tokens of the period that ends at ``i``,
+``t = i−C+1 … i``, so every token enters exactly one step (the reading
+:mod:`mnemo.train.m3` takes for Algorithm 1's slow sum). Reads inside a period
 use the period-start weights; with ``C = 1`` and one level the CMS is plain per-token online gradient
 descent (predict, then step).
 
@@ -274,7 +278,8 @@ class LevelState:
         momentum: the momentum buffers, shaped like ``weights`` (optimizers ``"momentum"`` and
             ``"delta_momentum"``), or ``None``.
         grad: the gradient accumulated in the current period, shaped like ``weights``.
-        position: tokens read (default ``0``).
+        position: tokens read (default ``0``); with ``Level(partial="flush")`` the tokens read
+            since the last flush (a flush restarts it at ``0``: the next call starts a fresh period).
         updates: steps taken (default ``0``).
         absorbed: (task objective) tokens whose error signal has been absorbed (default ``0``).
         inputs: (nested transfer with a meta-learning rule, every level but the fastest) the inputs
@@ -764,7 +769,7 @@ class ContinuumMemory(nn.Module):
             dicts of its fields) or empty; an unknown ``transfer``, ``order`` or ``meta``; ``meta`` without
             nested transfer; ``order="slowest_first"`` without sequential transfer; for
             ``"nested"``: unequal widths, a period that is not a multiple of the next faster
-            level's, or ``partial="flush"``.
+            level's, ``partial="flush"``, ``objective="task"`` or ``Level.nlms``.
     """
 
     def __init__(

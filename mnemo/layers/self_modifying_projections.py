@@ -27,7 +27,7 @@ Per chunk of ``C`` tokens (absolute positions, like the memory's mini-batches):
 3. rewrite every projection memory ``M_□`` with one delta-rule step on the chunk, toward targets it
    generates itself from the memory's output, ``ŷ_□ = o M_□`` (self-referential values)::
 
-       M_□ ← M_□ (α_□ I − η_□ X̂ᵀX̂ / C) + η_□ X̂ᵀ Ŷ_□ / C       (x̂ = x / ‖x‖)
+       M_□ ← (α_□ I − η_□ X̂ᵀX̂ / C) M_□ + η_□ X̂ᵀ Ŷ_□ / C       (x̂ = x / ‖x‖; M_□ is [d, out])
 
    i.e. ``M ← α M − η ∇_M ½ mean_t ‖x̂_tᵀ M − ŷ_t‖²``, with learned scalars ``α_□, η_□``. Because
    ``Ŷ_□ = O M_□``, the step is ``α M − η R M / C`` with one ``R = X̂ᵀ (X̂ − O)`` shared by all
