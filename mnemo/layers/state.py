@@ -57,8 +57,20 @@ def tensors(state) -> list[torch.Tensor]:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state):
-    """A copy of ``state`` with every tensor ``t`` replaced by ``fn(t)``."""
-    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, state)
+    """A copy of ``state`` with every tensor ``t`` replaced by ``fn(t)``. A tensor that appears in
+    several places (a record shared by several blocks: the task signal's pending segment) is mapped
+    once and its result shared in the same places, so a copy or a move holds it once, as ``state``
+    does."""
+    done: dict[int, torch.Tensor] = {}
+
+    def one(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in done:
+            done[id(x)] = fn(x)
+        return done[id(x)]
+
+    return pytree.tree_map(one, state)
 
 
 def detach(state):
@@ -79,8 +91,17 @@ def snapshot(state):
 
 
 def to(state, *args, **kwargs):
-    """``state`` with every tensor moved like ``Tensor.to(*args, **kwargs)`` (device, dtype)."""
-    return map_tensors(lambda t: t.to(*args, **kwargs), state)
+    """``state`` with every tensor moved like ``Tensor.to(*args, **kwargs)`` (device, dtype); as
+    ``nn.Module.to``, a dtype converts the floating-point tensors only: integer entries (the token
+    ids of a task signal's pending segment) keep theirs and move to the device alone."""
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and (t.is_floating_point() or t.is_complex()):
+            return t.to(device, dtype, non_blocking=non_blocking)
+        return t.to(device, non_blocking=non_blocking)
+
+    return map_tensors(move, state)
 
 
 def select_rows(state, rows):
@@ -91,7 +112,8 @@ def select_rows(state, rows):
 
 
 def cat_rows(states: list):
-    """States of several batches, joined along the batch dimension (all must share one structure).
+    """States of several batches, joined along the batch dimension (all must share one structure);
+    a tensor shared between places of every state is joined once and stays shared.
 
     Raises ``ValueError`` naming the first position where the structures differ."""
     if not states:
@@ -101,10 +123,13 @@ def cat_rows(states: list):
     for i, (_, other) in enumerate(flat[1:], 1):
         if other != spec:
             raise ValueError(f"cat_rows: state {i} is structured differently from state 0")
-    leaves = []
+    leaves, done = [], {}  # (tensors shared between places stay shared, as in map_tensors)
     for parts in zip(*(leaves for leaves, _ in flat)):
         if isinstance(parts[0], torch.Tensor):
-            leaves.append(torch.cat(parts, dim=0))
+            key = tuple(id(p) for p in parts)
+            if key not in done:
+                done[key] = torch.cat(parts, dim=0)
+            leaves.append(done[key])
         else:
             if any(p != parts[0] for p in parts):
                 raise ValueError(f"cat_rows: a non-tensor field differs between states: {parts}")

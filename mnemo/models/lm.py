@@ -1116,7 +1116,9 @@ def sample_next(
     probs = logits.softmax(-1)
     if top_p is not None and top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # the mass of the likelier tokens
+        # the mass of the likelier tokens: the running sum up to the token before (``cumsum − p``
+        # rounds, and kept a second token when top_p equals the likeliest token's probability)
+        before = F.pad(sorted_p.cumsum(-1)[..., :-1], (1, 0))
         outside = before >= top_p  # in sorted order; the likeliest token is always kept
         drop = torch.empty_like(outside).scatter_(-1, order, outside)  # back to vocabulary order
         probs = probs.masked_fill(drop, 0.0)  # (multinomial renormalises)
