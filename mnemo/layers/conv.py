@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,13 +26,15 @@ class ShortConvolution(nn.Module):
 
     ``forward(x [B, T, C], state [B, C, W−1] | None) -> (y [B, T, C], state [B, C, W−1])``:
     ``state`` holds the last ``W − 1`` inputs (zeros at the start), so any ``T`` (also
-    ``T < W − 1``) continues a stream exactly.
+    ``T < W − 1``) continues a stream exactly. Raises ``ValueError`` (naming ``x``, expected vs
+    received shape) unless ``x`` is ``[B, T, channels]``.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, activation: bool = True, bias: bool = True):
         super().__init__()
-        if kernel_size < 1:
-            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+        for name, value in (("channels", channels), ("kernel_size", kernel_size)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
@@ -39,6 +43,7 @@ class ShortConvolution(nn.Module):
     def forward(
         self, x: torch.Tensor, state: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_input(x)
         B, T, C = x.shape
         W = self.kernel_size
         if state is None:
@@ -66,6 +71,7 @@ class ShortConvolution(nn.Module):
         zero), ``y [1, N, C]``. W masked shifted multiply-adds (``W`` is a few taps). Raises
         ``ValueError`` / ``TypeError`` for boundaries that do not pack ``x`` (``B ≠ 1``, not from
         0 to ``N``, decreasing, not integers)."""
+        self._check_input(x)
         check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
         N, W = x.shape[1], self.kernel_size
         cu = cu_seqlens.to(device=x.device, dtype=torch.long)
@@ -78,6 +84,13 @@ class ShortConvolution(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return F.silu(y) if self.activation else y
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """``x`` must be ``[B, T, channels]``: a wrong channel count would broadcast against the
+        per-channel taps (one channel silently became ``channels``) or fail inside a kernel."""
+        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != self.channels:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected shape [B, T, C] = [B, T, {self.channels}], got {got}")
 
     def state_spec(self, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The streaming state ``[B, C, W − 1]`` as a ``meta`` tensor (it is in the input's dtype;

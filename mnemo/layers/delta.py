@@ -15,7 +15,7 @@ from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .linear_attention import MatrixState, check_heads, check_int, state_dtypes
-from .norm import RMSNorm
+from .norm import RMSNorm, check_eps
 from .registry import register_mixer
 from .state import spec
 
@@ -35,9 +35,10 @@ def init_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, generator=No
 
 def l2_normalize(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """``x / ‖x‖`` over the last dimension: ``F.normalize`` (``x / max(‖x‖, 1e-12)``) when ``eps``
-    is ``None``, else ``x / sqrt(Σ x² + eps)`` (the form of the Gated DeltaNet reference code and
-    of Qwen3-Next, ``eps = 1e-6``)."""
-    if eps is None:
+    is ``None`` or ``0`` (``x / sqrt(Σ x²)`` itself would turn a zero vector, e.g. a padded token,
+    into NaN), else ``x / sqrt(Σ x² + eps)`` (the form of the Gated DeltaNet reference code and of
+    Qwen3-Next, ``eps = 1e-6``)."""
+    if eps is None or eps == 0:
         return F.normalize(x, dim=-1)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
@@ -53,7 +54,10 @@ class DeltaNet(Mixer):
 
     With ``gated=True`` this is **Gated DeltaNet** (Yang et al. 2024, "Gated Delta Networks"):
     ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ`` with the Mamba-2-style decay
-    ``log α_t = −exp(A_log) · softplus(W_a x + dt_bias)`` per (value) head.
+    ``log α_t = −exp(A_log) · softplus(W_a x + dt_bias)`` per (value) head. Initialisation:
+    ``exp(A_log) ~ U[1, 16]`` (Mamba-2's range; a deviation: the reference code, fla's
+    ``GatedDeltaNet`` and Qwen3-Next draw ``U[0, 16]``, the paper does not say) and ``dt_bias`` the
+    inverse softplus of ``Δ ~ LogUniform[1e-3, 1e-1]`` (as the reference code).
 
     Args:
         d_model, n_heads: model width; query/key heads ``H_k`` (default ``n_heads=4``).
@@ -75,9 +79,10 @@ class DeltaNet(Mixer):
         allow_neg_eigval: ``β = 2 · sigmoid(W_β x) ∈ (0, 2)``, so the transition
             ``I − β k kᵀ`` may have a negative eigenvalue (Grazzi et al. 2024); default ``False``
             (``β ∈ (0, 1)``, the paper's).
-        qk_norm_eps: ``None`` (default, as before): ``F.normalize`` (``x / max(‖x‖, 1e-12)``); a
-            float: ``x / sqrt(Σx² + eps)`` (the reference code and Qwen3-Next use ``1e-6``; the
-            paper writes the exact L2 normalisation).
+        qk_norm_eps: ``None`` (default, as before) or ``0``: ``F.normalize``
+            (``x / max(‖x‖, 1e-12)``, so a zero vector stays zero); a float ``> 0``:
+            ``x / sqrt(Σx² + eps)`` (the reference code and Qwen3-Next use ``1e-6``; the paper writes
+            the exact L2 normalisation).
         output_gate: ``RMSNorm(o) ⊙ silu(W_g x)`` per value head before the output projection
             (default ``True``; with grouped heads this is Qwen3-Next's gated norm, ``W_g`` = its ``z``).
         norm_eps: the output RMSNorm's epsilon (default ``1e-5``, as before; Qwen3-Next: its
@@ -97,7 +102,7 @@ class DeltaNet(Mixer):
     Raises:
         ValueError: a head count or size that is not a positive int (or ``d_model < n_heads``
             without a ``head_dim``), ``n_v_heads`` not a multiple of ``n_heads``, or a bad
-            ``qk_norm_eps``; the message names the argument.
+            ``qk_norm_eps`` or ``norm_eps`` (negative, not finite); the message names the argument.
     """
 
     offset_free = True  # no positions: the state alone decides the output
@@ -135,6 +140,7 @@ class DeltaNet(Mixer):
             raise ValueError(f"n_v_heads ({n_v_heads}) must be a multiple of n_heads ({n_heads})")
         if qk_norm_eps is not None and not qk_norm_eps >= 0:
             raise ValueError(f"qk_norm_eps must be None or >= 0, got {qk_norm_eps!r}")
+        check_eps("norm_eps", norm_eps)
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.n_v_heads, self.value_head_dim = n_v_heads, value_head_dim
         self.chunk_size, self.gated = chunk_size, gated

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,11 +19,13 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019): ``y = x / sqrt(mean(x²) + eps) · weight``.
 
     Normalises the last dimension ``dim``; computed in at least float32 (float64 stays float64)
-    and returned in ``x``'s dtype. Default ``eps=1e-5``.
+    and returned in ``x``'s dtype. Default ``eps=1e-5``. Raises ``ValueError`` (naming ``eps``)
+    unless ``eps`` is a finite number ``>= 0`` (a negative one silently gave NaN or a wrong scale).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
+        check_eps("eps", eps)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
@@ -43,6 +48,13 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def check_eps(name: str, eps) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``eps`` is a finite real number ``>= 0``."""
+    ok = isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0
+    if not ok:
+        raise ValueError(f"{name}: expected a finite number >= 0 (added to mean(x²)), got {eps!r}")
 
 
 def _rms_groups(x: torch.Tensor, weight: torch.Tensor, eps: float, groups: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from .conv import ShortConvolution
 from .delta import init_dt_bias
 from .hooks import add_hook_points
 from .linear_attention import check_int, state_dtypes
-from .norm import RMSNorm
+from .norm import RMSNorm, check_eps
 from .registry import register_mixer
 from .state import spec, state_dataclass
 
@@ -324,7 +324,8 @@ class Mamba2(Mixer):
         ValueError: a size argument (``d_model``, ``d_state``, ``head_dim``, ``expand``,
             ``n_groups``) is not a positive int, or the sizes do not divide (``head_dim`` into
             ``d_inner``, ``n_groups`` into the heads, ``norm_groups`` into ``d_inner``), or a bad
-            ``dt_limit``; the message names the argument.
+            ``dt_limit`` (not two numbers ``min <= max``) or ``norm_eps`` (negative, not finite); the
+            message names the argument.
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
@@ -356,9 +357,14 @@ class Mamba2(Mixer):
         check_mode(mode, MODES)
         check_chunk_size(chunk_size)
         self.d_model, self.d_state, self.n_groups = d_model, d_state, n_groups
-        if len(dt_limit) != 2 or not float(dt_limit[0]) <= float(dt_limit[1]):
+        try:
+            lo, hi = (float(v) for v in dt_limit)
+        except (TypeError, ValueError):
+            lo = hi = math.nan
+        if not lo <= hi:
             raise ValueError(f"dt_limit: expected (min, max) with min <= max, got {dt_limit!r}")
-        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        check_eps("norm_eps", norm_eps)
+        self.dt_limit = (lo, hi)
         self.D_has_hdim, self.norm_before_gate = bool(D_has_hdim), bool(norm_before_gate)
         self.norm_groups = n_groups if norm_groups is None else norm_groups
         self.d_inner = expand * d_model
