@@ -87,3 +87,25 @@ def test_generate_on_a_checkpoint_without_a_tokenizer_says_what_to_do(tmp_path, 
         "tokenizer.json" in err
         and f"copy the tokenizer.json of the model's source into {tmp_path / 'm'}" in err
     )
+
+
+def test_the_state_space_parameters_are_kept_out_of_weight_decay(tmp_path):
+    # Mamba's A_log [d_inner, N] is a matrix by ndim, so AdamW decayed it towards 0 (every state's
+    # A = -exp(A_log) drifting to -1); mamba-ssm marks A_log and D _no_weight_decay
+    from mnemo.models import LanguageModel, build_config
+    from mnemo.train import TrainConfig
+    from mnemo.train.optim import make_optimizer
+
+    model = LanguageModel(build_config("mamba", vocab_size=16, d_model=16, n_layers=1))
+    opt = make_optimizer(model, TrainConfig(lr=0.1, weight_decay=0.5))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    mixer = model.blocks[0].mixer
+    assert mixer.A_log.ndim == 2 and id(mixer.A_log) not in decayed and id(mixer.D) not in decayed
+    assert id(mixer.in_proj.weight) in decayed  # the projections still are
+    # what it means: a step with no gradient leaves A_log as it was, and shrinks a projection by lr * wd
+    before_A, before_W = mixer.A_log.detach().clone(), mixer.in_proj.weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(mixer.A_log, before_A)
+    torch.testing.assert_close(mixer.in_proj.weight, before_W * (1 - 0.1 * 0.5), rtol=0, atol=1e-7)

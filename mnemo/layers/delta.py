@@ -106,6 +106,7 @@ class DeltaNet(Mixer):
     """
 
     offset_free = True  # no positions: the state alone decides the output
+    no_weight_decay = ("A_log", "dt_bias")  # (as fla: make_optimizer reads it)
 
     def __init__(
         self,

@@ -66,6 +66,7 @@ class Mamba(Mixer):
 
     ``A = −exp(A_log)`` with the S4D-real init ``A_log[d, n] = log(n + 1)``; ``b_dt`` is the inverse
     softplus of ``Δ ~ LogUniform[1e-3, 1e-1]``; ``W_dt`` uniform in ``±dt_rank^{-1/2}``; ``D = 1``.
+    ``A_log`` and ``D`` are kept out of weight decay (``no_weight_decay``, as mamba-ssm marks them).
 
     Args:
         d_model; d_state: ``N`` (default ``d_state=16``); expand: ``d_inner = expand · d_model``
@@ -101,6 +102,7 @@ class Mamba(Mixer):
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
     offset_free = True  # no positions: the state alone decides the output
+    no_weight_decay = ("A_log", "D")  # (as mamba-ssm: make_optimizer reads it)
 
     @property
     def map_heads(self) -> int:
@@ -330,6 +332,7 @@ class Mamba2(Mixer):
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
     offset_free = True  # no positions: the state alone decides the output
+    no_weight_decay = ("A_log", "dt_bias", "D")  # (as mamba-ssm: make_optimizer reads it)
 
     def __init__(
         self,

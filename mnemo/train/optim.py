@@ -95,8 +95,25 @@ def _outer_lr_scales(model: torch.nn.Module) -> dict[int, float]:
     return scales
 
 
+def _no_weight_decay(model: torch.nn.Module) -> set[int]:
+    """``id``s of the parameters a module names in its ``no_weight_decay`` attribute (names of its
+    own parameters; one it lacks is skipped): the state-space parameters that the reference code
+    keeps out of weight decay (mamba-ssm's ``_no_weight_decay`` on Mamba's ``A_log`` and ``D``,
+    Mamba-2's and fla's Gated DeltaNet's ``A_log``, ``dt_bias``, ``D``). Read by name, so it holds
+    after FSDP2 replaced the parameters by sharded ones."""
+    out: set[int] = set()
+    for module in model.modules():
+        for name in getattr(module, "no_weight_decay", ()):
+            p = module._parameters.get(name)
+            if p is not None:
+                out.add(id(p))
+    return out
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (or M3) with weight decay on matrices (``ndim >= 2``) only.
+    """AdamW (or M3) with weight decay on matrices (``ndim >= 2``) only, and not on the parameters
+    a module lists in ``no_weight_decay`` (Mamba's 2-D ``A_log``: decayed towards 0, every state's
+    ``A = −exp(A_log)`` drifted to ``−1``; :func:`_no_weight_decay`).
 
     Param groups: ``[decay (ndim >= 2), no decay]`` at ``cfg.lr`` for every parameter, except the
     parameters of modules that carry a float attribute ``outer_lr_scale`` (e.g. the CMS levels of
@@ -107,7 +124,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     ``beta1, beta2, m3_beta3, m3_alpha, m3_eps, m3_ns_steps, m3_slow_every, m3_ema``; ``"m3_paper"``
     the same without weight decay or EMA (Algorithm 1 alone).
     """
-    scales = _outer_lr_scales(model)
+    scales, exempt = _outer_lr_scales(model), _no_weight_decay(model)
     decay, no_decay, seen = [], [], set()
     scaled: dict[float, tuple[list, list]] = {}
     for p in model.parameters():
@@ -116,7 +133,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
         seen.add(id(p))
         scale = scales.get(id(p), 1.0)
         d, nd = (decay, no_decay) if scale == 1.0 else scaled.setdefault(scale, ([], []))
-        (d if p.ndim >= 2 else nd).append(p)
+        (d if p.ndim >= 2 and id(p) not in exempt else nd).append(p)
     weight_decay = 0.0 if algorithm1_only(cfg) else cfg.weight_decay
     groups = [
         {"params": decay, "weight_decay": weight_decay},
