@@ -94,10 +94,18 @@ class SwiGLU(nn.Module):
     """Gated MLP ``W_down (silu(W_gate x) ⊙ W_up x)`` (Shazeer 2020, "GLU Variants").
 
     ``x: [..., d_model] -> [..., d_model]``; ``hidden`` defaults to :func:`swiglu_hidden`.
+
+    Raises:
+        ValueError: ``d_model`` not an int ``>= 1``, or ``hidden`` not ``None`` or an int ``>= 1``.
     """
 
     def __init__(self, d_model: int, hidden: int | None = None):
         super().__init__()
+        for name, n, optional in (("d_model", d_model, False), ("hidden", hidden, True)):
+            if (n is None and not optional) or (
+                n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1)
+            ):
+                raise ValueError(f"{name}: expected {'None or ' if optional else ''}an int >= 1, got {n!r}")
         hidden = hidden or swiglu_hidden(d_model)
         self.w_in = nn.Linear(d_model, 2 * hidden, bias=False)
         self.w_out = nn.Linear(hidden, d_model, bias=False)

@@ -19,8 +19,11 @@ Losses (on the module after each forward, see :class:`MoE`):
   ``k`` times this value):
   ``L_aux = E · Σ_e f_e · P_e`` with ``f_e = (1 / (N k)) Σ_n Σ_j 1{idx[n, j] = e}`` (fraction of
   the ``N k`` assignments of the ``N`` tokens that go to ``e``) and ``P_e = (1/N) Σ_n s_e(x_n)``
-  (mean router probability). Its minimum value 1 is reached by uniform routing (``f = P = 1/E``);
-  it equals 1 whenever ``P`` is uniform.
+  (mean router probability). It is 1 under uniform routing (``f = P = 1/E``), whenever ``P`` or
+  ``f`` is uniform, and ``E`` when every token goes to one expert with certainty; it is not
+  bounded below by 1 (``f`` counts choices, ``P`` averages scores: tokens that narrowly prefer
+  one expert and a confident token for another give ``f = (2/3, 1/3)``, ``P ≈ (0.34, 0.66)``,
+  ``L_aux ≈ 0.89``), and its gradient (through ``P`` only) lowers the scores of the busiest experts.
 * router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``L_z = (1/N) Σ_n (log Σ_e exp z_e(x_n))²``.
 
 Auxiliary-loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
@@ -52,10 +55,11 @@ their slice lengths (``counts.tolist()``), ``C_max`` (``counts.max()``) and the 
 assignments (a boolean index) are each a host synchronisation per layer and forward. ``"fixed"``
 keeps all ``k N`` assignments with the same shapes every call: a dropped one is written to a spare
 row of the buffer and weighs 0. Without a capacity it computes ``E · N`` expert rows (as much as
-``"reference"``, ``E / k`` times the routed work); with ``capacity_factor = c``, ``E · (C + 1)``
-rows, about ``c · k · N``. The assignment counts are a ``scatter_add`` (``bincount``'s output size
-depends on the values). Measured (CPU, one thread, float32,
-forward + backward, 4 shapes × 3 runs, ``scripts/moe_dispatch_bench.py``): ``sorted`` / ``padded``
+``"reference"``, ``E / k`` times the routed work; ``E · k N`` while ``hook_topk_indices`` has a
+hook, since a replaced routing may send a token to one expert more than once); with
+``capacity_factor = c``, ``E · (C + 1)`` rows, about ``c · k · N``. The assignment counts are a
+``scatter_add`` (``bincount``'s output size depends on the values). Measured (CPU, one thread,
+float32, forward + backward, 4 shapes × 3 runs, ``scripts/moe_dispatch_bench.py``): ``sorted`` / ``padded``
 time ratio 0.85–1.22, median 0.96 — neither consistently faster — and both 2.5–7× faster than
 ``reference``. ``sorted`` is the default because its work does not grow with imbalance
 (``padded`` computes ``E × max_load`` rows); see ``docs/results/moe.md``.
@@ -64,6 +68,7 @@ time ratio 0.85–1.22, median 0.96 — neither consistently faster — and both
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -175,7 +180,8 @@ class MoE(nn.Module):
             and counted in ``last_dropped``.
         aux_loss_coef, z_loss_coef: weights of ``L_aux`` and ``L_z`` in :meth:`loss` (defaults
             ``aux_loss_coef=0.01``, ``z_loss_coef=0.0``).
-        bias_balancing: keep the auxiliary-loss-free bias (buffer ``expert_bias [E]``, float32)
+        bias_balancing: keep the auxiliary-loss-free bias (buffer ``expert_bias [E]``, float32,
+            also through a cast of the module to half precision; float64 in a float64 module)
             and use it for the top-k choice (default ``False``). bias_update_rate: its step ``u``
             (default ``bias_update_rate=1e-3``).
         dispatch: ``"sorted"`` | ``"padded"`` | ``"fixed"`` | ``"reference"`` (same results; see
@@ -277,6 +283,16 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             nn.init.normal_(self.shared_gate.weight, std=std)
 
+    def _apply(self, fn, recurse=True):
+        # move the balancing bias with the module, but keep it in float32 through a cast to half
+        # precision (``model.to(torch.bfloat16)``): in bf16 a step ``u = 1e-3`` on a bias of 0.5 or
+        # more rounds away (spacing 2⁻⁸) and the balancing silently stops
+        kept = self.expert_bias
+        super()._apply(fn, recurse)
+        if kept is not None and self.expert_bias.dtype not in (torch.float32, torch.float64):
+            self.expert_bias = kept.to(self.expert_bias.device, torch.float32)
+        return self
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
@@ -361,7 +377,8 @@ class MoE(nn.Module):
         keep = None
         capacity = None
         if self.capacity_factor is not None and self.training and N > 0:
-            capacity = math.ceil(self.capacity_factor * N * k / E)
+            # exact for the decimal the user wrote: 1.1 · 100 / 2 is 55.000000000000007 in floats
+            capacity = math.ceil(Fraction(str(self.capacity_factor)) * N * k / E)
             keep_sorted = slot < capacity
             keep = torch.empty_like(keep_sorted)
             keep[order] = keep_sorted
@@ -376,8 +393,10 @@ class MoE(nn.Module):
             y = self._dense(xf, idx, w)
         elif dispatch == "fixed":
             # every assignment stays (fixed shapes); a dropped one (slot >= capacity, weight 0)
-            # goes to the spare row ``capacity`` of the buffer
-            c_max = N if capacity is None else capacity + 1
+            # goes to the spare row ``capacity`` of the buffer. top-k never picks an expert twice
+            # for a token (at most N per expert), but a replaced routing may: then up to k N
+            rows = N * k if self.hook_topk_indices.hooked else N
+            c_max = rows if capacity is None else capacity + 1
             kept = None if keep is None else keep_sorted
             y = self._padded(xf, e_sorted, t_sorted, slot.clamp(max=c_max - 1), w_sorted, c_max, kept)
         else:

@@ -44,7 +44,9 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     not this.
 
     YaRN: ``{"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L,
-    "beta_fast": 32, "beta_slow": 1, "attention_factor": None}`` — ``s ≥ 1`` the context
+    "beta_fast": 32, "beta_slow": 1, "attention_factor": None}`` (the paper's ramp, linear in the
+    rotations ``r``; ``transformers``' ramp is linear in the dimension index and gives other
+    frequencies inside the ramp: :func:`yarn_inv_freq`) — ``s ≥ 1`` the context
     extension, ``L`` the training context, ``beta_slow < beta_fast`` the ramp bounds ``α, β`` (in
     rotations per ``L`` tokens; the paper's defaults for LLaMA), ``attention_factor`` overrides
     ``√(1/t) = 0.1 ln s + 1``.
@@ -147,8 +149,14 @@ def yarn_inv_freq(
     than ``β`` times in ``L`` tokens keep ``θ_d`` (extrapolate), those turning less than ``α``
     times are divided by ``s`` (interpolate, as Position Interpolation), and the ramp blends the
     two in between (defaults ``beta_fast=32.0``, ``beta_slow=1.0``, the paper's). The ramp is
-    linear in ``r`` as in the paper (not rounded to whole dimensions). ``factor = 1`` returns
-    ``inv_freq`` unchanged.
+    linear in ``r`` as the paper's eq. 18 writes it. This is *not* the frequencies of the authors'
+    code nor of ``transformers``' ``_compute_yarn_parameters``: those ramp linearly in the
+    dimension index ``d`` (i.e. in ``log r``) between the dimensions where ``r = β`` and ``r = α``
+    (rounded down/up to whole dimensions), so inside the ramp their frequencies are higher (up to
+    1.7× these for ``s = 4``, ``L = 4096``, ``R = 128``); only the ends (``r > β`` kept, ``r < α``
+    divided by ``s``) and the temperature agree. A checkpoint trained with their YaRN is not
+    reproduced by this one (``mnemo.hf`` refuses scaled RoPE for that reason). ``factor = 1``
+    returns ``inv_freq`` unchanged.
     Returns ``[R/2]`` in ``inv_freq``'s dtype (computed in float64).
     """
     if factor == 1:
@@ -196,7 +204,8 @@ class RotaryEmbedding(nn.Module):
 
     ``forward(x [B, T, H, D], offset) -> [B, T, H, D]`` for positions ``offset … offset+T−1``;
     :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
-    returned in ``x``'s dtype. ``R`` must be even and at most ``D``.
+    returned in ``x``'s dtype; the frequencies stay float32 through a cast to half precision, and a
+    float64 module (``.double()``) recomputes them in float64. ``R`` must be even and at most ``D``.
 
     Raises:
         ValueError: bad ``theta`` (named ``rope_theta``, the attention's argument), ``rotary_dim`` or
@@ -239,11 +248,26 @@ class RotaryEmbedding(nn.Module):
             new = getattr(self, name)
             if new.dtype not in (torch.float32, torch.float64):
                 setattr(self, name, old.to(new.device, torch.float32))
+        base = self.base_inv_freq
+        if base.dtype == torch.float64 and kept["base_inv_freq"].dtype != torch.float64:
+            # a float64 module: the frequencies of the equation in float64, not float32's rounded
+            # ones cast up (``10000^{-1/4}`` off by 1.5e-9: angles off by 1e-6 at position 1000)
+            exact = self.theta ** (
+                -torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
+            )
+            self.base_inv_freq = exact.to(base.device)
+            self.inv_freq = self._frequencies(self.scaling)[0].to(self.inv_freq.device, self.inv_freq.dtype)
         return self
 
     def set_scaling(self, scaling: dict[str, Any] | None) -> None:
         """Replace the frequency scaling (``None``: plain RoPE); see :func:`check_rope_scaling`."""
         s = check_rope_scaling(scaling)
+        inv, af = self._frequencies(s)
+        self.inv_freq = inv.to(self.inv_freq.device)
+        self.scaling, self.attention_factor = s, af
+
+    def _frequencies(self, s: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+        """``(inv_freq, attention_factor)`` of a checked scaling ``s`` from ``base_inv_freq``."""
         base = self.base_inv_freq
         if s is None:
             inv, af = base.clone(), 1.0
@@ -260,8 +284,7 @@ class RotaryEmbedding(nn.Module):
                 if s["attention_factor"] is not None
                 else yarn_attention_factor(s["factor"])
             )
-        self.inv_freq = inv.to(self.inv_freq.device)
-        self.scaling, self.attention_factor = s, af
+        return inv, af
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.scaling}"
