@@ -42,6 +42,9 @@ MIN_REPORTED_SEEDS = 3
 ACC_RISE = 0.1
 #: a loss curve left its plateau when its best value fell this fraction of the level below it
 LOSS_RISE = 0.05
+#: slack on the rise rules: a rise of exactly ``ACC_RISE`` (0.25 to 0.35, whose float difference is
+#: 0.09999999999999998) or ``LOSS_RISE`` counts as a rise, not as rounding's "still on the plateau"
+_RISE_SLACK = 1e-9
 
 VERDICTS = ("reproduced", "not reproduced", "not testable here")
 
@@ -128,9 +131,11 @@ def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None 
     level = head[(len(head) - 1) // 2]  # the (lower) median of the first half
     if _higher_is_better(metric):
         best = max(values)
-        return best - level >= ACC_RISE or (threshold is not None and best >= threshold)
+        return best - level >= ACC_RISE - _RISE_SLACK or (threshold is not None and best >= threshold)
     best = min(values)
-    return level - best >= LOSS_RISE * abs(level) or (threshold is not None and best <= threshold)
+    return level - best >= LOSS_RISE * abs(level) * (1 - _RISE_SLACK) or (
+        threshold is not None and best <= threshold
+    )
 
 
 def judge_claim(
@@ -147,7 +152,9 @@ def judge_claim(
     ``better`` and ``than`` are :func:`~mnemo.sweep.report.cell_stats` entries with, per reported
     seed, ``seeds``, ``values`` and ``plateau`` (:func:`left_plateau` of that run, or ``None``).
     The difference per shared seed is ``better − than`` (``than − better`` for ``val_loss``, so
-    that a positive difference always favours ``better``).
+    that a positive difference always favours ``better``). A seed where either cell's run diverged
+    (its ``diverged_seeds``) has no value to pair, so it is left out of the difference; ``why``
+    names it (a divergence is a result about the model, not a missing measurement).
 
     Returns:
         ``{"claim", "better", "than", "metric", "seeds", "differences", "n", "mean", "low",
@@ -211,6 +218,13 @@ def judge_claim(
     else:
         verdict = "not reproduced"
         why = f"no difference: paired difference {_ci(st)} contains 0"
+    lost = [
+        f"{claim[side]} seed(s) {gone}"
+        for side, cell in (("better", better), ("than", than))
+        if (gone := sorted(set(cell.get("diverged_seeds") or [])))
+    ]
+    if lost:  # never silently: the paired seeds above are fewer than the runs of the two cells
+        why += f"; left out of the pairs: {' and '.join(lost)} diverged"
     out.update(verdict=verdict, why=why)
     return out
 

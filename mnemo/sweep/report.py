@@ -11,7 +11,10 @@ sample standard deviation; see :mod:`mnemo.sweep.stats` for why t and not a boot
 ``n = 1``; and how many runs reached the threshold (default 0.99 for accuracies, the early-stop
 level of Zoology). ``n`` counts runs that finished training (``done``); a diverged run has no
 metric, so it is left out of the mean but counts in the threshold's denominator as a run that did
-not reach it; ``failed`` runs (errors, retried by the next ``mnemo sweep``) count nowhere.
+not reach it; ``failed`` runs (errors, retried by the next ``mnemo sweep``) count nowhere. The
+table's ``n`` column names every reported run left out of the mean (``3 (1 diverged, 1 without
+val_loss)``: a ``done`` run whose metric is missing or not finite), and a claim names the seeds a
+divergence left out of its pairs.
 """
 
 from __future__ import annotations
@@ -120,7 +123,8 @@ def cell_stats(
         ``threshold``, ``plateau`` (per reported seed: whether its run left the initial plateau,
         ``None`` where unknown or for a fine-tuning run, :func:`_plateau`), ``n_reached`` and
         ``n_finished`` (reported runs that reached the threshold /
-        that finished, done or diverged), ``n_diverged``, ``lengths`` (``{L: mean_interval}`` of
+        that finished, done or diverged), ``n_diverged`` and ``diverged_seeds`` (their seeds),
+        ``lengths`` (``{L: mean_interval}`` of
         the accuracy at test length ``L``, the training length included: ``val_seq_acc@L`` for a
         ``val_seq_acc`` sweep, else ``val_acc@L``), ``at_length`` (``{L: {"seeds", "values"}}``,
         the same per seed), ``state_size_bytes``, ``n_params``,
@@ -214,6 +218,7 @@ def cell_stats(
                 "budget_steps": max((int(r["config"].get("steps", 0)) for r in reported), default=None),
                 "n_finished": len(reported),
                 "n_diverged": sum(r["status"] == "diverged" for r in reported),
+                "diverged_seeds": [_seed(r) for r in reported if r["status"] == "diverged"],
                 "lengths": {L: mean_interval(v, confidence) for L, v in sorted(lengths.items())},
                 "at_length": dict(sorted(at_length.items())),  # per seed, for claims per test length
                 "state_size_bytes": rep["state_size_bytes"],
@@ -247,16 +252,43 @@ def newest_runs(rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
     """One run per (cell, tuned values, seed): the newest (``rows`` in database order). Two runs
     there have different configurations — the sweep file changed something every run shares
     (e.g. ``base.steps``) under the same name — and pooling them would count two settings as two
-    seeds. Returns the kept rows and, per cell key, how many older runs were left out."""
+    seeds. Of the rest, a cell keeps only the runs of its newest run's setting (:func:`_setting`):
+    after such an edit, the other seeds' runs of the earlier version would otherwise be reported at
+    the rate the new version's held-out seed chose, one mean over two configurations. Returns the
+    kept rows and, per cell key, how many runs were left out."""
     newest: dict[tuple, dict] = {}
     superseded: dict[str, int] = defaultdict(int)
+    latest: dict[str, str] = {}  # cell -> the setting of its newest run
     for r in rows:
         cell = json.dumps(r["cell"], sort_keys=True)
         k = (cell, json.dumps(r["tuned"], sort_keys=True), _seed(r))
         if k in newest:
             superseded[cell] += 1
         newest[k] = r
-    return list(newest.values()), dict(superseded)
+        latest[cell] = _setting(r)
+    kept = []
+    for (cell, _, _), r in newest.items():
+        if _setting(r) == latest[cell]:
+            kept.append(r)
+        else:
+            superseded[cell] += 1
+    return kept, dict(superseded)
+
+
+def _setting(row: dict) -> str:
+    """A run's configuration without what varies inside one version of a sweep's cell: its seed,
+    its tuned values (dotted grid keys) and ``init_from`` (which may name the seed)."""
+    cfg = json.loads(json.dumps(row.get("config") or {}, default=str))
+    cfg.pop("seed", None)
+    cfg.pop("init_from", None)
+    for key in row.get("tuned") or {}:
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return json.dumps(cfg, sort_keys=True)
 
 
 def _axes(rows: list[dict]) -> list[str]:
@@ -305,6 +337,12 @@ def _fmt(v, digits=4) -> str:
     return str(v)
 
 
+def _axis(v) -> str:
+    """A grid axis value as the table shows it: a float in ``g`` format, as the tuned values (4 fixed
+    decimals printed 1e-5 and 2e-5 both as 0.0000: two cells under one label)."""
+    return f"{v:g}" if isinstance(v, float) else _fmt(v)
+
+
 def _bytes(n) -> str:
     if n is None:
         return "–"
@@ -345,7 +383,9 @@ def markdown_table(
     )
     axes = _axes(stats)
     tuned_keys = sorted({k for r in stats for k in r["tuned"]})
-    lengths = sorted({L for r in stats for L in r["lengths"]} - {r["seq_len"] for r in stats})
+    # every length some cell was tested at beyond its own training length (not minus the others':
+    # a cell trained at 128 must not hide the 128-token test of a cell trained at 64)
+    lengths = sorted({L for r in stats for L in r["lengths"] if L != r["seq_len"]})
     thr = stats[0]["threshold"] if stats else threshold
     chosen = (
         (lambda k: f"{k} (seed {select_lr_on_seed})")
@@ -367,11 +407,16 @@ def markdown_table(
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     outside = False  # an accuracy's interval that reaches past [0, 1] (marked, not clipped)
     for r in stats:
-        n = f"{r['n']}" + (f" ({r['n_diverged']} diverged)" if r["n_diverged"] else "")
+        # every reported run that is not in the mean is named: diverged, or done without a finite metric
+        blank = r["n_finished"] - r["n_diverged"] - (r["n"] or 0)
+        notes = [f"{r['n_diverged']} diverged"] * bool(r["n_diverged"]) + [f"{blank} without {metric}"] * (
+            blank > 0
+        )
+        n = f"{r['n']}" + (f" ({', '.join(notes)})" if notes else "")
         past = metric in FRACTION_METRICS and (r.get("n") or 0) >= 2 and (r["low"] < 0 or r["high"] > 1)
         outside |= past
         cells = (
-            [r["label"], *(_fmt(r["cell"].get(a)) for a in axes)]
+            [r["label"], *(_axis(r["cell"].get(a)) for a in axes)]
             + [
                 f"{r['tuned'][k]:g}" if isinstance(r["tuned"].get(k), float) else _fmt(r["tuned"].get(k), 6)
                 for k in tuned_keys
@@ -472,7 +517,7 @@ def plot_accuracy_vs_state(
         if sizes and math.floor(math.log10(sizes[0])) == math.floor(math.log10(sizes[-1])):
             # every size inside one decade: no decade tick would show, so label the sizes themselves
             ax.set_xticks(sizes, [f"{v:,}" for v in sizes])
-        _panel(ax, name, "decoding state per sequence (bytes)", metric)
+        _panel(ax, name, "decoding state per sequence (bytes)", metric, fraction=metric in FRACTION_METRICS)
     return _save(plt, fig, path, title, return_figure)
 
 
@@ -513,11 +558,14 @@ def plot_accuracy_vs_length(
     return _save(plt, fig, path, title, return_figure)
 
 
-def _panel(ax, name: str, xlabel: str, ylabel: str) -> None:
-    """Labels, accuracy range [0, 1], grid and legend of one panel."""
+def _panel(ax, name: str, xlabel: str, ylabel: str, fraction: bool = True) -> None:
+    """Labels, grid and legend of one panel, and the accuracy range [0, 1] when the values are
+    fractions (``fraction``); a loss keeps matplotlib's range (in [0, 1] its nats were off the
+    chart: an empty figure)."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_ylim(-0.02, 1.02)
+    if fraction:
+        ax.set_ylim(-0.02, 1.02)
     ax.set_title(name, fontsize=9)
     ax.grid(alpha=0.3)
     legend(ax, fontsize=8)
@@ -538,6 +586,11 @@ def _save(plt, fig, path: str | Path, title: str, return_figure: bool = False):
 
 def _selection_note(select: int | None, seeds: list[int], metric: str, tuned: bool = True) -> str:
     if not tuned:
+        if select is not None:  # nothing to choose, but seed S is still held out of the statistics
+            return (
+                f"one setting per cell (nothing tuned); held-out seed {select} is never reported, "
+                "every other run of a cell is"
+            )
         return "one setting per cell (nothing tuned): every run of a cell is reported"
     if select is not None:
         return (
@@ -725,8 +778,8 @@ def write_report(
         if old_runs:
             warnings.warn(
                 f"sweep {name!r} in {db_path}: {old_runs} run(s) of an earlier version of the sweep file "
-                "(same cell, learning rate and seed, another configuration) are left out; the report "
-                "uses the newest run of each (give a changed sweep a new name to keep both)",
+                "(same cell, another configuration) are left out; the report uses the runs of each cell's "
+                "newest configuration (give a changed sweep a new name to keep both)",
                 stacklevel=2,
             )
         thr = cells[0]["threshold"] if cells else threshold
@@ -800,7 +853,7 @@ def write_report(
                     rows,
                     out / f"{name}_acc_vs_state.png",
                     metric,
-                    f"{name}: recall vs state size{bars}",
+                    f"{name}: {'recall' if metric in FRACTION_METRICS else metric} vs state size{bars}",
                     **kw,
                 )
             )

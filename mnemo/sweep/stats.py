@@ -23,6 +23,7 @@ to machine precision (and ``t = √ν · tan θ``).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 
@@ -50,15 +51,18 @@ def t_quantile(p: float, df: int) -> float:
 
     Args:
         p: probability in (0, 1); e.g. ``0.975`` for a two-sided 95% interval.
-        df: degrees of freedom, an int ≥ 1 (``n − 1`` for the mean of ``n`` values).
+        df: degrees of freedom, an int ≥ 1 (``n − 1`` for the mean of ``n`` values; a NumPy
+            integer scalar counts as an int).
     Returns:
-        ``t`` with ``P(T ≤ t) = p``; e.g. ``t_quantile(0.975, 2) = 4.302652729911275``.
+        ``t`` with ``P(T ≤ t) = p``; e.g. ``t_quantile(0.975, 2) = 4.302652729749464`` (the closed form
+        ``(2p − 1) / √(2p(1 − p))`` of ``df = 2``; some tables print 4.302652729911275).
     Raises:
         ValueError: ``p`` is not in (0, 1) or ``df`` is not an int ≥ 1 (names the argument).
     """
-    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+    if isinstance(df, bool) or not isinstance(df, numbers.Integral) or df < 1:
         raise ValueError(f"t_quantile: df must be an int >= 1, got {df!r}")
-    if not isinstance(p, (int, float)) or not 0.0 < p < 1.0:
+    df = int(df)
+    if not isinstance(p, numbers.Real) or not 0.0 < p < 1.0:
         raise ValueError(f"t_quantile: p must be a probability in (0, 1), got {p!r}")
     if p == 0.5:
         return 0.0
@@ -85,7 +89,7 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
     ``[mean − half_width, mean + half_width]`` in the units of ``values``.
 
     Args:
-        values: the per-seed results (finite floats), any number ≥ 0.
+        values: the per-seed results (finite real numbers: Python or NumPy scalars), any number ≥ 0.
         confidence: coverage of the interval in (0, 1), default 0.95.
     Returns:
         ``{"n", "mean", "std", "half_width", "low", "high"}``; with ``n = 1`` only ``n`` and
@@ -94,11 +98,11 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
     Raises:
         ValueError: a value is not a finite number, or ``confidence`` is not in (0, 1).
     """
-    if not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
+    if not isinstance(confidence, numbers.Real) or not 0.0 < confidence < 1.0:
         raise ValueError(f"mean_interval: confidence must be in (0, 1), got {confidence!r}")
     xs = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise ValueError(f"mean_interval: values[{i}] must be a finite number, got {v!r}")
         xs.append(float(v))
     n = len(xs)
