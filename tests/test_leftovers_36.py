@@ -109,3 +109,38 @@ def test_the_state_space_parameters_are_kept_out_of_weight_decay(tmp_path):
     opt.step()
     assert torch.equal(mixer.A_log, before_A)
     torch.testing.assert_close(mixer.in_proj.weight, before_W * (1 - 0.1 * 0.5), rtol=0, atol=1e-7)
+
+
+def test_a_state_plot_redrawn_from_the_kept_json_is_the_reports(tmp_path):
+    # the loss sweeps' published state plots were empty axes (fixed in the report); their databases
+    # are not kept, so the figures are redrawn from the report's kept SWEEP.json
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from mnemo.sweep.report import cell_stats, plot_accuracy_vs_state, replot_state_from_summary
+    from tests.tasks.test_review2_sweep_stats import _row
+
+    rows = [_row(1e-3, s, 0.5, loss=v) for s, v in enumerate([2.1, 2.3, 2.2, 2.6])]
+    rows += [_row(1e-3, s, 0.5, label="mamba", loss=v) for s, v in enumerate([1.1, 1.4, 1.2, 1.3])]
+    cells = cell_stats(rows, "val_loss")
+    summary = {"sweep": "s", "metric": "val_loss", "confidence": 0.95, "seeds": [0, 1, 2, 3], "cells": cells}
+    (tmp_path / "s.json").write_text(json.dumps(summary))
+
+    def drawn(fig):  # the title and each line's points (the means: marker "o"; the caps: "_")
+        ax = fig.axes[0]
+        lines = sorted((l.get_marker(), tuple(l.get_xdata()), tuple(l.get_ydata())) for l in ax.lines)
+        return ax.get_title(), lines
+
+    title = "s: val_loss vs state size (mean over seeds, bars: 95% CI)"
+    _, a = plot_accuracy_vs_state(rows, tmp_path / "a.png", "val_loss", title, return_figure=True)
+    _, b = plot_accuracy_vs_state([], tmp_path / "b.png", "val_loss", title, stats=cells, return_figure=True)
+    try:
+        assert drawn(a) == drawn(b)
+        means = sorted(y for m, _, ys in drawn(a)[1] if m == "o" for y in ys)
+        assert means == [pytest.approx(1.25), pytest.approx(2.3)]
+    finally:
+        plt.close(a)
+        plt.close(b)
+    assert replot_state_from_summary(tmp_path / "s.json", tmp_path / "c.png") == tmp_path / "c.png"
+    assert (tmp_path / "c.png").read_bytes() == (tmp_path / "b.png").read_bytes()

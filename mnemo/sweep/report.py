@@ -480,15 +480,19 @@ def plot_accuracy_vs_state(
     select_lr_on_seed: int | None = None,
     confidence: float = 0.95,
     return_figure: bool = False,
+    stats: list[dict] | None = None,
 ):
     """Mean ``metric`` over seeds (:func:`cell_stats`) vs decoding-state bytes per sequence, with the
     confidence interval as error bars and each reported seed as a faint dot, one line per model
     entry (its label: a sweep's variants of one registry model get a line each) through its model
     sizes (``model_overrides.*`` grid axes such as ``d_model``), one panel per setting of the other
     grid axes (the Zoology / Based recall–memory plot). Cells without a finished run are left out.
+    ``stats``: the cells' statistics already computed (e.g. a report's kept ``SWEEP.json``
+    ``"cells"``, :func:`replot_state_from_summary`); ``rows`` are then not read.
     Returns the path, or ``(path, figure)`` with ``return_figure`` (then the caller closes it)."""
     plt = _pyplot()
-    stats = cell_stats(rows, metric, select_lr_on_seed=select_lr_on_seed, confidence=confidence)
+    if stats is None:
+        stats = cell_stats(rows, metric, select_lr_on_seed=select_lr_on_seed, confidence=confidence)
     groups = _groups(stats, along_line="model_overrides.")
     fig, axs = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
     for ax, (name, group) in zip(axs[0], groups.items()):
@@ -519,6 +523,22 @@ def plot_accuracy_vs_state(
             ax.set_xticks(sizes, [f"{v:,}" for v in sizes])
         _panel(ax, name, "decoding state per sequence (bytes)", metric, fraction=metric in FRACTION_METRICS)
     return _save(plt, fig, path, title, return_figure)
+
+
+def state_plot_title(name: str, metric: str, seeds: list, confidence: float) -> str:
+    """The title :func:`write_report` gives sweep ``name``'s state plot."""
+    bars = f" (mean over seeds, bars: {confidence:.0%} CI)" if len(seeds) > 1 else ""
+    return f"{name}: {'recall' if metric in FRACTION_METRICS else metric} vs state size{bars}"
+
+
+def replot_state_from_summary(summary_path: str | Path, path: str | Path) -> Path:
+    """Redraw a report's state plot (``SWEEP_acc_vs_state.png``) from its kept ``SWEEP.json``: the
+    same cells, means, intervals and seeds :func:`write_report` drew from the database (for a page
+    whose databases are not at hand)."""
+    summary = json.loads(Path(summary_path).read_text())
+    metric, confidence, seeds = summary["metric"], summary["confidence"], summary["seeds"]
+    title = state_plot_title(summary["sweep"], metric, seeds, confidence)
+    return plot_accuracy_vs_state([], path, metric, title, confidence=confidence, stats=summary["cells"])
 
 
 def plot_accuracy_vs_length(
@@ -853,7 +873,7 @@ def write_report(
                     rows,
                     out / f"{name}_acc_vs_state.png",
                     metric,
-                    f"{name}: {'recall' if metric in FRACTION_METRICS else metric} vs state size{bars}",
+                    state_plot_title(name, metric, seeds, confidence),
                     **kw,
                 )
             )
