@@ -328,7 +328,7 @@ def spectrum_flow_figure(rows: list[dict], title: str | None = None):
     ax.set_ylabel("median half-life (tokens, log; top = never halves)")
     ax.set_title("median half-life per memory", fontsize=9)
     bx.set_xlabel("step")
-    bx.set_ylabel("share of directions not irrelevant")
+    bx.set_ylabel("share kept (intermediate + marginal + relevant)")
     bx.set_ylim(0, 1.05)
     bx.set_title("directions kept beyond a few tokens", fontsize=9)
     legend(bx, fontsize=7, loc="best")

@@ -9,6 +9,7 @@ key), so the same detectors read every memory.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -92,16 +93,16 @@ def repeated_random_tokens(
     never hold it (drawn from one id fewer and shifted over it when it lies in their range;
     ``offset`` is then lowered as far as needed for two ids other than the BOS to remain, where the
     vocabulary has them). Raises ``ValueError`` for a ``bos`` outside ``[0, vocab)``, a
-    vocabulary of fewer than 2 ids, or an ``offset`` that is negative (or, without ``bos``, not
-    below ``vocab``)."""
-    if (
-        isinstance(offset, bool)
-        or not isinstance(offset, int)
-        or offset < 0
-        or (bos is None and offset >= vocab)
-    ):
+    vocabulary of fewer than 2 ids, or an ``offset`` that is not an integer (a numpy or 0-d tensor
+    one is taken), negative, or (without ``bos``) not below ``vocab``."""
+    given = offset
+    try:  # (a numpy or 0-d tensor integer too, as torch.randint takes it)
+        offset = None if isinstance(offset, bool) else operator.index(offset)
+    except TypeError:
+        offset = None
+    if offset is None or offset < 0 or (bos is None and offset >= vocab):
         top = f"[0, {vocab})" if bos is None else ">= 0"
-        raise ValueError(f"offset: expected the first token id drawn, an int in {top}, got {offset!r}")
+        raise ValueError(f"offset: expected the first token id drawn, an int in {top}, got {given!r}")
     if bos is None:
         seq = torch.randint(offset, vocab, (batch, length), generator=generator)
         return torch.cat([seq, seq], 1)
