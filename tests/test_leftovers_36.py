@@ -144,3 +144,15 @@ def test_a_state_plot_redrawn_from_the_kept_json_is_the_reports(tmp_path):
         plt.close(b)
     assert replot_state_from_summary(tmp_path / "s.json", tmp_path / "c.png") == tmp_path / "c.png"
     assert (tmp_path / "c.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+
+
+@pytest.mark.parametrize("N", [0, 1, 2])
+def test_a_packed_short_convolution_shorter_than_its_kernel(N):
+    # x[:, :N - lag] with N < lag kept elements (a negative stop), and the shapes no longer matched
+    from mnemo.layers.conv import ShortConvolution
+
+    torch.manual_seed(0)
+    conv = ShortConvolution(3, 4).double()
+    x = torch.randn(1, N, 3, dtype=torch.float64)
+    y = conv.forward_packed(x, torch.tensor([0, N]))
+    torch.testing.assert_close(y, conv(x)[0], rtol=0, atol=1e-12)  # one document = the plain call

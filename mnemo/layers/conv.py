@@ -79,7 +79,7 @@ class ShortConvolution(nn.Module):
         w = self.weight[:, 0, :].to(x.dtype)  # [C, W]; tap i reads x_{t - (W - 1 - i)}
         y = x * w[:, W - 1]
         for lag in range(1, W):
-            shifted = F.pad(x[:, : N - lag], (0, 0, lag, 0))
+            shifted = F.pad(x, (0, 0, lag, 0))[:, :N]  # (x[:, :N - lag] kept all of x for N < lag)
             y = y + shifted * (pos >= lag).to(x.dtype)[None, :, None] * w[:, W - 1 - lag]
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
