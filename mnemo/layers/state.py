@@ -93,13 +93,18 @@ def snapshot(state):
 def to(state, *args, **kwargs):
     """``state`` with every tensor moved like ``Tensor.to(*args, **kwargs)`` (device, dtype); as
     ``nn.Module.to``, a dtype converts the floating-point tensors only: integer entries (the token
-    ids of a task signal's pending segment) keep theirs and move to the device alone."""
-    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+    ids of a task signal's pending segment) keep theirs and move to the device alone. ``copy`` and
+    ``memory_format`` apply to every tensor, as in ``Tensor.to``."""
+    copy = kwargs.pop("copy", False)  # (which _parse_to refuses)
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    how = dict(non_blocking=non_blocking, copy=copy)
+    if memory_format is not None:
+        how["memory_format"] = memory_format
 
     def move(t: torch.Tensor) -> torch.Tensor:
         if dtype is not None and (t.is_floating_point() or t.is_complex()):
-            return t.to(device, dtype, non_blocking=non_blocking)
-        return t.to(device, non_blocking=non_blocking)
+            return t.to(device, dtype, **how)
+        return t.to(device, **how)
 
     return map_tensors(move, state)
 

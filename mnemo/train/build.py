@@ -17,10 +17,12 @@ import torch
 
 from ..models import LanguageModel, build_config
 from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
+from . import memory_estimate
 from .checkpoint import resolve_checkpoint
 from .config import TrainConfig
 from .distributed import _check_recurrent
-from .memory_estimate import check_forward_memory, check_memory, check_sequences_memory, estimate_memory
+from .memory_estimate import GiB, check_forward_memory, check_memory, check_sequences_memory, estimate_memory
+from .optim import match_saved_groups
 from .sharded import is_sharded, load_sharded
 from .strategy import ContextParallel, Strategy
 from .task_eval import eval_batch_size
@@ -64,8 +66,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
     # FSDP2: each process holds 1/world of the parameters, their gradients and moments (a layer is
     # gathered whole only while it runs); counted whole, a model that fits only sharded was refused
     shards = world if cfg.fsdp else 1
+    total = _count_parameters(model_cfg)
     sizes = dict(
-        n_params=_count_parameters(model_cfg) // shards,
+        n_params=total // shards,
         vocab_size=vocab_size,
         d_model=model_cfg.d_model,
         n_layers=model_cfg.n_layers,
@@ -79,6 +82,16 @@ def build_model(cfg: TrainConfig, vocab_size: int, strategy: Strategy) -> Langua
     # packed documents and context parallelism hold a micro-batch's full logits (the chunked head
     # does not); so do CMS levels learning from the task signal, known once the model is built
     full_logits = cfg.pack_documents or context_parallel
+    if shards > 1:  # but each process builds the whole model on its device before it is sharded
+        have, source = memory_estimate.available_memory(device)
+        whole = 4 * total  # fp32 weights
+        if have is not None and whole > have:
+            raise ValueError(
+                f"TrainConfig.fsdp: each of the {world} processes builds the whole model on its device "
+                f"before sharding it: {total:,} fp32 weights need {whole / GiB:,.2f} GiB, but only "
+                f"{have / GiB:,.1f} GiB are available ({source}); choose a smaller model (lower "
+                "--d-model or --n-layers)"
+            )
     check_memory(estimate_memory(**sizes, full_logits=full_logits), device, what=what)
     if cfg.eval_lengths:  # the final evaluation's test sets at the longer lengths
         rows = cfg.eval_batches * cfg.batch_size
@@ -244,4 +257,5 @@ def load_checkpoint(model: LanguageModel, optimizer, ckpt: Path, state: dict, de
         )
     else:
         load_model(model, str(ckpt / WEIGHTS_NAME), device=str(device))
+        match_saved_groups(optimizer, model, state["optimizer"])  # (a checkpoint of older groups)
         optimizer.load_state_dict(state["optimizer"])

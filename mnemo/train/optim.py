@@ -100,14 +100,69 @@ def _no_weight_decay(model: torch.nn.Module) -> set[int]:
     own parameters; one it lacks is skipped): the state-space parameters that the reference code
     keeps out of weight decay (mamba-ssm's ``_no_weight_decay`` on Mamba's ``A_log`` and ``D``,
     Mamba-2's and fla's Gated DeltaNet's ``A_log``, ``dt_bias``, ``D``). Read by name, so it holds
-    after FSDP2 replaced the parameters by sharded ones."""
+    after FSDP2 replaced the parameters by sharded ones. The attribute may also be a method that
+    returns the names (timm's convention) or one name as a string."""
     out: set[int] = set()
     for module in model.modules():
-        for name in getattr(module, "no_weight_decay", ()):
+        names = getattr(module, "no_weight_decay", ())
+        names = names() if callable(names) else names
+        for name in (names,) if isinstance(names, str) else names:
             p = module._parameters.get(name)
             if p is not None:
                 out.add(id(p))
     return out
+
+
+def _param_groups(model: torch.nn.Module, exempt: set[int]) -> list[tuple[list, bool, float]]:
+    """``(params, decayed, lr scale)`` of :func:`make_optimizer`'s groups, in order: the decayed
+    (``ndim >= 2``, not in ``exempt``) and the other parameters at scale 1, then the two of each
+    ``outer_lr_scale`` (those that hold parameters)."""
+    scales = _outer_lr_scales(model)
+    decay, no_decay, seen = [], [], set()
+    scaled: dict[float, tuple[list, list]] = {}
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        scale = scales.get(id(p), 1.0)
+        d, nd = (decay, no_decay) if scale == 1.0 else scaled.setdefault(scale, ([], []))
+        (d if p.ndim >= 2 and id(p) not in exempt else nd).append(p)
+    groups = [(decay, True, 1.0), (no_decay, False, 1.0)]
+    for scale, (d, nd) in scaled.items():
+        groups += [(params, decayed, scale) for params, decayed in ((d, True), (nd, False)) if params]
+    return groups
+
+
+def match_saved_groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict) -> bool:
+    """Before ``optimizer.load_state_dict(saved)`` on resume: a checkpoint written before
+    :func:`make_optimizer` read ``no_weight_decay`` holds Mamba-1's 2-D ``A_log`` in the decayed
+    group, so its groups hold other numbers of parameters than ``optimizer``'s and torch refuses
+    it. When ``saved``'s group sizes are those of that grouping, ``optimizer``'s groups take it (the
+    resumed run decays those parameters as its first steps did: the run it continues, bit for
+    bit), with a warning; returns whether it did."""
+    sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
+    if sizes == [len(g["params"]) for g in optimizer.param_groups]:
+        return False
+    before = _param_groups(model, exempt=set())
+    if sizes != [len(params) for params, _, _ in before] or len(before) != len(optimizer.param_groups):
+        return False  # (not that grouping: torch's own error follows)
+    moved = {id(p) for params, decayed, _ in before if decayed for p in params}
+    moved -= {
+        id(p)
+        for params, decayed, _ in _param_groups(model, _no_weight_decay(model))
+        if decayed
+        for p in params
+    }
+    for group, (params, _, _) in zip(optimizer.param_groups, before):
+        group["params"][:] = params
+    names = [n for n, p in model.named_parameters() if id(p) in moved]
+    shown = ", ".join(names[:3]) + (f", … ({len(names)} in all)" if len(names) > 3 else "")
+    warnings.warn(
+        f"the checkpoint was written before {shown} (no_weight_decay) were kept out of weight decay: "
+        "the resumed run decays them as it was trained (a new run does not)",
+        stacklevel=2,
+    )
+    return True
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -124,25 +179,12 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     ``beta1, beta2, m3_beta3, m3_alpha, m3_eps, m3_ns_steps, m3_slow_every, m3_ema``; ``"m3_paper"``
     the same without weight decay or EMA (Algorithm 1 alone).
     """
-    scales, exempt = _outer_lr_scales(model), _no_weight_decay(model)
-    decay, no_decay, seen = [], [], set()
-    scaled: dict[float, tuple[list, list]] = {}
-    for p in model.parameters():
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        scale = scales.get(id(p), 1.0)
-        d, nd = (decay, no_decay) if scale == 1.0 else scaled.setdefault(scale, ([], []))
-        (d if p.ndim >= 2 and id(p) not in exempt else nd).append(p)
     weight_decay = 0.0 if algorithm1_only(cfg) else cfg.weight_decay
     groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": weight_decay if decayed else 0.0}
+        | ({} if scale == 1.0 else {"lr": cfg.lr * scale})
+        for params, decayed, scale in _param_groups(model, _no_weight_decay(model))
     ]
-    for scale, (d, nd) in scaled.items():
-        for params, wd in ((d, weight_decay), (nd, 0.0)):
-            if params:
-                groups.append({"params": params, "weight_decay": wd, "lr": cfg.lr * scale})
     if cfg.optimizer in ("m3", "m3_paper"):
         return M3(
             groups,

@@ -137,6 +137,11 @@ def load_sharded(ckpt: str | Path, model, optimizer=None) -> None:
     if optimizer is None:
         set_model_state_dict(model, sd["model"])
         return
+    from .optim import match_saved_groups
+
+    # a checkpoint of older groups (before no_weight_decay): without this, set_state_dict left a
+    # group without its hyperparameters (lr, weight_decay, ...)
+    match_saved_groups(optimizer, model, sd["optim"])
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 

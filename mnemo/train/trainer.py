@@ -385,7 +385,9 @@ class Trainer:
         with lock or contextlib.nullcontext(), self.interrupts:  # the lock is released at the end
             if self.last_checkpoint is None:  # a new run: never into the checkpoints of another one
                 self.run_folder.refuse_other_run()
-                if self.is_main:  # nor into the log of a run that wrote no checkpoint
+                # nor into the log of a run that wrote no checkpoint (before this trainer's first
+                # step: after it, the log is its own, e.g. a second fit() after a failed one)
+                if self.is_main and self.step == 0:
                     self.run_folder.set_aside_unfinished_log()
             return self._fit(stop)
 
