@@ -283,6 +283,18 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             nn.init.normal_(self.shared_gate.weight, std=std)
 
+    @property
+    def capacity_factor(self) -> float | None:
+        return self._capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, c: float | None) -> None:
+        # the decimal the user wrote as an exact ratio of ints (1.1 · 100 / 2 is 55.000000000000007
+        # in floats), taken here once: the forward's ceiling is then int arithmetic, which
+        # torch.compile traces (``str`` of a float is a graph break, an error under fullgraph)
+        self._capacity_factor = c
+        self._capacity_ratio = None if c is None else Fraction(str(c)).as_integer_ratio()
+
     def _apply(self, fn, recurse=True):
         # move the balancing bias with the module, but keep it in float32 through a cast to half
         # precision (``model.to(torch.bfloat16)``): in bf16 a step ``u = 1e-3`` on a bias of 0.5 or
@@ -377,8 +389,9 @@ class MoE(nn.Module):
         keep = None
         capacity = None
         if self.capacity_factor is not None and self.training and N > 0:
-            # exact for the decimal the user wrote: 1.1 · 100 / 2 is 55.000000000000007 in floats
-            capacity = math.ceil(Fraction(str(self.capacity_factor)) * N * k / E)
+            # ceil(c · N k / E) exactly for the decimal c the user wrote (see ``capacity_factor``)
+            num, den = self._capacity_ratio
+            capacity = -(-num * N * k // (den * E))
             keep_sorted = slot < capacity
             keep = torch.empty_like(keep_sorted)
             keep[order] = keep_sorted

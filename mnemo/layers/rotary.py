@@ -205,7 +205,8 @@ class RotaryEmbedding(nn.Module):
     ``forward(x [B, T, H, D], offset) -> [B, T, H, D]`` for positions ``offset … offset+T−1``;
     :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
     returned in ``x``'s dtype; the frequencies stay float32 through a cast to half precision, and a
-    float64 module (``.double()``) recomputes them in float64. ``R`` must be even and at most ``D``.
+    float64 module (``.double()``) recomputes them in float64 (and a cast back, in float32: the
+    float32 module's). ``R`` must be even and at most ``D``.
 
     Raises:
         ValueError: bad ``theta`` (named ``rope_theta``, the attention's argument), ``rotary_dim`` or
@@ -231,7 +232,7 @@ class RotaryEmbedding(nn.Module):
                 else f"rotary embeddings need an even head_dim, got {head_dim}"
             )
         self.head_dim, self.rotary_dim, self.theta = head_dim, rotary_dim, theta
-        inv = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+        inv = self._base(torch.float32)
         self.register_buffer("base_inv_freq", inv, persistent=False)
         self.register_buffer("inv_freq", inv.clone(), persistent=False)
         self.scaling: dict[str, Any] | None = None
@@ -249,15 +250,18 @@ class RotaryEmbedding(nn.Module):
             if new.dtype not in (torch.float32, torch.float64):
                 setattr(self, name, old.to(new.device, torch.float32))
         base = self.base_inv_freq
-        if base.dtype == torch.float64 and kept["base_inv_freq"].dtype != torch.float64:
-            # a float64 module: the frequencies of the equation in float64, not float32's rounded
-            # ones cast up (``10000^{-1/4}`` off by 1.5e-9: angles off by 1e-6 at position 1000)
-            exact = self.theta ** (
-                -torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
-            )
-            self.base_inv_freq = exact.to(base.device)
+        if base.dtype != kept["base_inv_freq"].dtype:
+            # recomputed in the new dtype, a function of it alone: a float64 module gets the
+            # frequencies of the equation in float64, not float32's rounded ones cast up
+            # (``10000^{-1/4}`` off by 1.5e-9: angles off by 1e-6 at position 1000), and a cast back
+            # to float32 (or half precision) those of a float32 module, not float64's rounded down
+            self.base_inv_freq = self._base(base.dtype).to(base.device)
             self.inv_freq = self._frequencies(self.scaling)[0].to(self.inv_freq.device, self.inv_freq.dtype)
         return self
+
+    def _base(self, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE's ``θ^{−2i/R}``, ``i < R/2``, computed in ``dtype``."""
+        return self.theta ** (-torch.arange(0, self.rotary_dim, 2, dtype=dtype) / self.rotary_dim)
 
     def set_scaling(self, scaling: dict[str, Any] | None) -> None:
         """Replace the frequency scaling (``None``: plain RoPE); see :func:`check_rope_scaling`."""
