@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -35,6 +36,8 @@ PARQUET_SUFFIXES = (".parquet",)
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 #: documents per call of a batch encoder
 _BATCH = 1024
+#: whitespace between JSON values
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def corpus_format(path: str | Path) -> str:
@@ -122,14 +125,16 @@ class Corpus:
 def load_corpus(data: str, text_field: str = "text") -> Corpus:
     """The documents of ``data``: a bundled name (``"tinyshakespeare"``), a UTF-8 text file (one
     document), a ``.jsonl``/``.json`` or ``.parquet`` file (one document per record, its
-    ``text_field``; records whose field is null are skipped), a folder of such files (all of one
-    format) or a glob pattern. A text file is read with universal newlines (``"\\r\\n"`` and
-    ``"\\r"`` become ``"\\n"``) and without a leading UTF-8 byte order mark.
+    ``text_field``; records whose field is null or absent are skipped), a folder of such files (all
+    of one format; records with other fields in other files are fine) or a glob pattern. A text
+    file is read with universal newlines (``"\\r\\n"`` and ``"\\r"`` become ``"\\n"``) and without a
+    leading UTF-8 byte order mark.
 
     Raises:
         FileNotFoundError: nothing at ``data`` (and not a bundled name).
         ValueError: an empty corpus, a text file that is not UTF-8, files of mixed formats, a
-            missing ``text_field`` (the message names the fields present), a non-string value, a
+            missing ``text_field`` (the message names the fields present; or a file of several
+            whose records never hold it), a non-string value (in any file, the message names it), a
             ``text_field`` other than ``"text"`` for plain text (which has no fields), a path that is
             neither a file nor a folder (``/dev/null``, a pipe).
         ImportError: JSONL/Parquet without the ``datasets`` library (``pip install "mnemo[hf]"``).
@@ -254,38 +259,171 @@ def _blank(f: Path) -> bool:
         return all(not chunk.strip() for chunk in iter(lambda: fh.read(1 << 20), b""))
 
 
+def _json_documents(text: str):
+    """``(line, value)`` for each JSON value of ``text`` in turn (JSON Lines, or objects written
+    over several lines one after another, as datasets reads them), ``line`` where it starts."""
+    decoder, pos, line = json.JSONDecoder(), 0, 1
+    while True:
+        gap = _JSON_SPACE.match(text, pos).end()
+        line, pos = line + text.count("\n", pos, gap), gap
+        if pos >= len(text):
+            return
+        value, end = decoder.raw_decode(text, pos)
+        yield line, value
+        line, pos = line + text.count("\n", pos, end), end
+
+
 def _json_records(files: list[Path]):
-    """``(where, record)`` for every record of the JSON ``files`` (datasets has read them, so they
-    parse): a file whose text is one JSON array is its records (in a ``.jsonl`` file only an array
-    of objects, as datasets reads it), else JSON Lines (lines end at ``"\\n"`` alone: a string may
-    hold U+2028, U+2029 or NEL raw, where ``str.splitlines`` would cut it)."""
+    """``(where, record)`` for every record of the JSON ``files``: a file whose text is one JSON
+    array is its records (in a ``.jsonl`` file only an array of objects, as datasets reads it; an
+    array of other values, strings say, is a column ``"text"``, as datasets reads it too), else
+    each JSON value of the file (JSON Lines, an indented object) is one record, named by the line it
+    starts on (lines end at ``"\\n"`` alone: a string may hold U+2028, U+2029 or NEL raw).
+
+    Raises:
+        UnicodeDecodeError, json.JSONDecodeError: a file that is not UTF-8 JSON.
+    """
     for f in files:
-        text = f.read_text(encoding="utf-8-sig")
-        if text.lstrip().startswith("["):
-            try:
-                array = json.loads(text)
-            except json.JSONDecodeError:  # JSON Lines whose first line is an array
-                array = None
+        values = _json_documents(f.read_text(encoding="utf-8-sig"))
+        first = next(values, None)
+        second = next(values, None)
+        if first is not None and second is None and isinstance(first[1], list):
             jsonl = f.name.lower().endswith(".jsonl")
-            if isinstance(array, list) and (not jsonl or all(isinstance(r, dict) for r in array)):
-                for n, record in enumerate(array, 1):
-                    yield f"{f} record {n}", record
+            if not jsonl or all(isinstance(r, dict) for r in first[1]):
+                # datasets reads an array of values that are not objects as one column "text"
+                column = not any(isinstance(r, dict) for r in first[1])
+                for n, record in enumerate(first[1], 1):
+                    yield f"{f} record {n}", {"text": record} if column else record
                 continue
-        for n, line in enumerate(text.split("\n"), 1):
-            if line.strip():
-                yield f"{f} line {n}", json.loads(line)
+        for line, record in (v for v in (first, second) if v is not None):
+            yield f"{f} line {line}", record
+        for line, record in values:
+            yield f"{f} line {line}", record
+
+
+def _json_values(
+    files: list[Path], text_field: str, data: str, unchecked: bool = False
+) -> tuple[list[str | None], list[str]]:
+    """The ``text_field`` of every record of the plain JSON ``files`` as the files hold them
+    (``None`` where a record lacks it) and the fields the records hold, in order of appearance;
+    ``unchecked``: files datasets did not read, whose strings may hold an escaped lone surrogate.
+
+    Raises:
+        ValueError: a record that is not an object, or whose ``text_field`` is not text (null or
+            absent is allowed) or holds a lone surrogate (the message names the record, its file
+            and its line); a file none of whose records hold ``text_field`` while others' do.
+    """
+    values: list[str | None] = []
+    missing: list[tuple[Path, list[str]]] = []
+    fields: dict[str, None] = {}
+    for f in files:
+        own: dict[str, None] = {}
+        for where, record in _json_records([f]):
+            i = len(values)
+            if not isinstance(record, dict):
+                unit = "line" if " line " in where else "record"
+                raise ValueError(
+                    f"data {data!r}: {where}: a JSON {type(record).__name__}, expected one object per {unit}"
+                )
+            own.update(dict.fromkeys(record))
+            value = record.get(text_field)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(
+                    f"data {data!r}: record {i + 1} (counting from 1): field {text_field!r} holds "
+                    f"{type(value).__name__}, not text ({where})"
+                )
+            if unchecked and isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:  # an escaped lone surrogate ("\ud800"): no character
+                    raise ValueError(
+                        f"data {data!r}: record {i + 1} (counting from 1): field {text_field!r} holds "
+                        f"{value[e.start : e.end]!r}, a lone surrogate, not text ({where})"
+                    ) from e
+            values.append(value)
+        if own and text_field not in own:
+            missing.append((f, list(own)))
+        fields.update(own)
+    if missing and text_field in fields:
+        raise _file_without_field(data, text_field, *missing[0])
+    return values, list(fields)
+
+
+def _file_without_field(data: str, text_field: str, f: Path, fields: list[str]) -> ValueError:
+    """A file of a folder or glob whose records never hold ``text_field`` while other files' do (a
+    stray file, or a shard written with another field name)."""
+    return ValueError(
+        f"data {data!r}: the records of {str(f)!r} have no field {text_field!r} (its fields: {fields}), "
+        "those of the other files do; remove the file from the corpus or give its records the field"
+    )
+
+
+def _parquet_files(files: list[Path], text_field: str, data: str) -> list[Path]:
+    """The Parquet ``files``, checked from their schemas: datasets casts every file to the first
+    one's columns and types (a later int column would come back as text, a later file with other
+    columns fails), so each file's ``text_field`` must be text; it is read alone.
+
+    Raises:
+        ValueError: no file holds ``text_field`` (the message names the fields present), one file
+            lacks it while others hold it, a file whose ``text_field`` is not text, or a file that
+            is not Parquet.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names: dict[str, None] = {}
+    holding = []
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except (OSError, pa.ArrowException) as e:
+            raise ValueError(
+                f"data {data!r}: cannot read {str(f)!r} as parquet: {type(e).__name__}: {e}"
+            ) from e
+        names.update(dict.fromkeys(schema.names))
+        if text_field not in schema.names:
+            continue
+        kind = schema.field(text_field).type
+        text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+        if not (text or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+            raise ValueError(f"data {data!r}: field {text_field!r} holds {kind}, not text (file {f})")
+        holding.append(f)
+    if not holding:
+        raise _no_field(data, text_field, list(names))
+    for f in files:
+        if f not in holding:
+            raise _file_without_field(data, text_field, f, pq.read_schema(f).names)
+    return holding
+
+
+def _no_field(data: str, text_field: str, fields: list[str]) -> ValueError:
+    return ValueError(
+        f"data {data!r}: the records have no field {text_field!r} (fields present: "
+        f"{fields}); choose one with --text-field (TrainConfig.text_field)"
+    )
 
 
 def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> list[str]:
-    """The ``text_field`` of every record of local ``files`` (``datasets``' ``fmt`` builder)."""
+    """The ``text_field`` of every record of local ``files`` (``datasets``' ``fmt`` builder). Plain
+    (uncompressed) JSON files are read again as the files hold them: datasets infers a column type
+    (strings that look like dates come back as datetimes, in a mixed column the string "1" as an
+    int) and casts every file, and every 10 MB chunk of one, to the first one's types (a later int
+    comes back as the text "7") and fields (a later record with another field fails); of Parquet
+    files only those holding ``text_field`` are read, that column alone (:func:`_parquet_files`)."""
     datasets = import_datasets()
+    plain_json = fmt == "json" and not any(f.name.lower().endswith(_COMPRESSED) for f in files)
+    options = {}
+    if fmt == "parquet":
+        files, options = _parquet_files(files, text_field, data), {"columns": [text_field]}
     quiet = datasets.is_progress_bar_enabled()
     if quiet:
         datasets.disable_progress_bars()
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" line: said below
     try:
-        ds = datasets.load_dataset(fmt, data_files=[str(f.resolve()) for f in files], split="train")
+        ds = datasets.load_dataset(
+            fmt, data_files=[str(f.resolve()) for f in files], split="train", **options
+        )
     except Exception as e:  # datasets' and pyarrow's own errors: report them as bad data
         where = _first_bad_json_line(files) if fmt == "json" else None
         if where is not None:
@@ -293,45 +431,42 @@ def _read_records(files: list[Path], fmt: str, text_field: str, data: str) -> li
         if fmt == "json" and all(_blank(f) for f in files):
             what = f"data file {data!r} is empty" if len(files) == 1 and str(files[0]) == data else None
             raise ValueError(what or f"data {data!r} holds no text (every file is empty)") from e
-        cause = e.__cause__ if e.__cause__ is not None and "error occurred" in str(e) else e
-        raise ValueError(f"data {data!r}: cannot read it as {fmt}: {type(cause).__name__}: {cause}") from e
+        if not plain_json:
+            cause = e.__cause__ if e.__cause__ is not None and "error occurred" in str(e) else e
+            raise ValueError(
+                f"data {data!r}: cannot read it as {fmt}: {type(cause).__name__}: {cause}"
+            ) from e
+        ds = None  # e.g. files whose records hold different fields: the records are read below
     finally:
         datasets.logging.set_verbosity(verbosity)
         if quiet:
             datasets.enable_progress_bars()
-    if text_field not in ds.column_names:
-        raise ValueError(
-            f"data {data!r}: the records have no field {text_field!r} (fields present: "
-            f"{ds.column_names}); choose one with --text-field (TrainConfig.text_field)"
-        )
+    if plain_json:
+        try:
+            values, columns = _json_values(files, text_field, data, unchecked=ds is None)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if ds is not None and not isinstance(e, UnicodeDecodeError):  # read by datasets alone
+                plain_json = False
+            else:
+                raise ValueError(f"data {data!r}: {_first_bad_json_line(files) or e}") from e
+    if not plain_json:
+        columns = ds.column_names
+    if text_field not in columns:
+        raise _no_field(data, text_field, columns)
+    if plain_json:
+        return [v for v in values if v is not None]
     try:
         values = list(ds[text_field])
     except UnicodeDecodeError as e:  # pyarrow keeps invalid UTF-8 until the values are read
-        where = _first_bad_json_line(files) if fmt == "json" else None
-        raise ValueError(f"data {data!r}: {where or f'a record is not valid UTF-8: {e}'}") from e
-    wheres = None
-    plain = not any(f.name.lower().endswith(_COMPRESSED) for f in files)
-    if fmt == "json" and plain and any(v is not None and not isinstance(v, str) for v in values):
-        # datasets infers a column type: strings that look like dates come back as datetimes, and
-        # in a mixed column the string "1" as an int: the files themselves say what each record holds
-        records = list(_json_records(files))
-        for where, record in records:
-            if not isinstance(record, dict):
-                unit = "line" if " line " in where else "record"
-                raise ValueError(
-                    f"data {data!r}: {where}: a JSON {type(record).__name__}, expected one object per {unit}"
-                )
-        values = [r.get(text_field) if isinstance(r, dict) else None for _, r in records]
-        wheres = [where for where, _ in records]
+        raise ValueError(f"data {data!r}: a record is not valid UTF-8: {e}") from e
     docs = []
     for i, value in enumerate(values):
         if value is None:
             continue
         if not isinstance(value, str):
-            at = f" ({wheres[i]})" if wheres else ""
             raise ValueError(
                 f"data {data!r}: record {i + 1} (counting from 1): field {text_field!r} holds "
-                f"{type(value).__name__}, not text{at}"
+                f"{type(value).__name__}, not text"
             )
         docs.append(value)
     return docs
