@@ -22,7 +22,9 @@ checkpoint's own tokenizer (:func:`mnemo.data.load_tokenizer`), scoring runs on 
     for linear/SSM mixers, the growing KV cache for softmax attention. This equals one forward
     pass over the document; chunking only bounds activation memory.
   - ``"window"`` (default with learned positions, capped at ``max_position``): lm-eval's disjoint
-    rolling windows of ``max_length`` tokens, each scored from a fresh state.
+    rolling windows of ``max_length`` tokens, each scored from a fresh state (with ``add_bos_token``,
+    each after ``prefix_token_id``: ``max_length - 1`` tokens of the document with learned
+    positions, so that the input fits ``max_length`` and every window reads the prefix first).
 
 * ``generate_until``: greedy decoding (temperature sampling when a task sets ``do_sample`` and a
   ``temperature > 0``, within its ``top_k`` / ``top_p`` where it sets them) with the state, one
@@ -316,9 +318,13 @@ class MnemoLM(LM):
                 out.append(self._rolling_state(tokens))
                 continue
             prefix = self.prefix_token_id if self.prefix_token_id is not None else -1
+            # with add_bos_token each window is read after the prefix; a learned-position model's
+            # inputs are cut to max_length from the left, which would drop it from every window but
+            # the first: its windows are max_length - 1 tokens of the document, so that it fits
+            span = self.max_length - 1 if self.add_bos_token and self.truncate else self.max_length
             windows = [
                 make_disjoint_window(w)
-                for w in get_rolling_token_windows(tokens, prefix, self.max_length, context_len=1)
+                for w in get_rolling_token_windows(tokens, prefix, span, context_len=1)
             ]
             if windows and self.prefix_token_id is None:  # first window: nothing before token 0
                 ctx, cont = windows[0]

@@ -66,7 +66,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.state import select_rows
 from ..models.config import MODEL_TYPE, ModelConfig
-from ..models.lm import CONFIG_NAME, LanguageModel
+from ..models.lm import CONFIG_NAME, WEIGHTS_NAME, LanguageModel
+from .convert import is_foreign_checkpoint
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 
@@ -193,8 +194,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
 
     ``forward(input_ids [B, T], attention_mask=None, cache=None, labels=None, use_cache=None)``
     returns ``CausalLMOutputWithPast(loss, logits [B, T, vocab], cache)``; ``labels`` are shifted
-    inside (the ``transformers`` convention, ``-100`` ignored). See the module docstring for the cache,
-    padding and loading rules.
+    inside (the ``transformers`` convention, ``-100`` ignored; the loss is their mean, or their sum
+    over ``num_items_in_batch`` when given, as ``transformers.Trainer`` does with gradient
+    accumulation). See the module docstring for the cache, padding and loading rules.
     """
 
     config_class = MnemoConfig
@@ -251,11 +253,18 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             logits, state = self.model(input_ids, cache.states if cache is not None else None)
         loss = None
         if labels is not None:
+            # transformers' causal-LM loss: the mean over the labelled tokens, or their sum over
+            # ``num_items_in_batch`` when the Trainer passes it (with gradient accumulation it does
+            # not divide the loss by the number of steps then: it counts on the model to)
+            n_items = kwargs.get("num_items_in_batch")
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(),
                 labels[:, 1:].flatten().to(logits.device),
                 ignore_index=-100,
+                reduction="mean" if n_items is None else "sum",
             )
+            if n_items is not None:
+                loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         seen = (cache.seen_tokens if cache is not None else 0) + input_ids.shape[1]
         out = CausalLMOutputWithPast(
@@ -303,11 +312,14 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> MnemoForCausalLM:
         """Load a mnemo checkpoint directory (or a Hub repository holding one) with mnemo's loader.
 
-        ``dtype`` (or ``torch_dtype``): a ``torch.dtype`` or its name to cast to (``"auto"`` / ``None``
-        keep the stored float32); ``device_map``: a device (``"cpu"``, ``"cuda:0"``) or ``"auto"``
-        (CUDA when available). Hub options (``revision``, ``cache_dir``, ``local_files_only``,
-        ``token``, ``subfolder``) apply to a repository id; other ``transformers`` loading options
-        are ignored; remaining keyword arguments set attributes of the config (``use_cache=False``).
+        ``dtype`` (or ``torch_dtype``): a ``torch.dtype`` or its name to cast to; ``"auto"`` / ``None``
+        (``transformers``' default) load in the dtype the weights are stored in (the first floating
+        tensor of ``model.safetensors``: float32 for a training run's checkpoint, float64 or bfloat16
+        for a model saved in that dtype; float32 for another library's folder, converted in memory);
+        ``device_map``: a device (``"cpu"``, ``"cuda:0"``) or ``"auto"`` (CUDA when available).
+        Hub options (``revision``, ``cache_dir``, ``local_files_only``, ``token``, ``subfolder``)
+        apply to a repository id; other ``transformers`` loading options are ignored; remaining
+        keyword arguments set attributes of the config (``use_cache=False``).
         A ``generation_config.json`` in the folder (a converted checkpoint carries its source's)
         becomes ``generation_config`` (end-of-text ids, default lengths), as ``transformers``
         loads it for its own models.
@@ -343,7 +355,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         if (path / GENERATION_CONFIG_NAME).is_file():  # as transformers' own loader reads it
             model.generation_config = GenerationConfig.from_pretrained(path)
         dtype = dtype if dtype is not None else torch_dtype
-        if dtype is not None and dtype != "auto":
+        if dtype is None or dtype == "auto":  # as transformers: the dtype the weights are stored in
+            dtype = None if is_foreign_checkpoint(path) else _stored_dtype(path / WEIGHTS_NAME)
+        if dtype is not None:
             model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         if device_map is not None:
             if device_map == "auto":
@@ -369,6 +383,29 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         model config when the model was built (a loaded ``generation_config.json``, or one the user
         changed)."""
         return _generation_fields(self.generation_config) != self._derived_generation
+
+
+_SAFETENSORS_FLOATS = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+}
+
+
+def _stored_dtype(weights: Path) -> torch.dtype | None:
+    """The dtype of the first floating tensor in the safetensors file ``weights`` (``None``: no such
+    file or no floating tensor)."""
+    if not weights.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        for k in f.keys():
+            dtype = _SAFETENSORS_FLOATS.get(f.get_slice(k).get_dtype())
+            if dtype is not None:
+                return dtype
+    return None
 
 
 def _generation_fields(g: GenerationConfig | None) -> dict:
