@@ -91,6 +91,10 @@ def to_chunks(x: torch.Tensor, C: int, dtype: torch.dtype, factor=None, divide: 
     src, dst = x.transpose(1, 2), out[:, :, :T]
     if factor is None or (not isinstance(factor, torch.Tensor) and factor == 1.0):
         dst.copy_(src)
+    elif not isinstance(factor, torch.Tensor) and src.dtype != dtype:
+        # a number times a bf16/fp16 tensor is computed (and rounded) in that dtype: convert first
+        dst.copy_(src)
+        dst.div_(factor) if divide else dst.mul_(factor)
     else:
         if isinstance(factor, torch.Tensor):
             factor = unchunk(factor, T)

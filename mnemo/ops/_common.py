@@ -478,15 +478,16 @@ DECAY_EXP_MAX = 60.0
 
 
 class _DecayExp(torch.autograd.Function):
-    """``(exp(clamp(x, FLUSH_LOG, DECAY_EXP_MAX)) − exp(FLUSH_LOG)) · mask`` with the exp-like
-    backward ``grad · out``. Written out because on CPU every comparison-based formulation (``masked_fill``
-    with ``-inf``, ``where``, ``clamp``'s own backward) costs several times the ``exp`` itself:
-    ``exp(-inf)`` alone runs ~8x slower than ``exp`` of finite numbers."""
+    """``exp(clamp(x, FLUSH_LOG, DECAY_EXP_MAX)) · mask``, with factors at or below ``exp(FLUSH_LOG)``
+    set to ``0`` (one ``threshold``, as cheap as ``clamp``), and the exp-like backward ``grad · out``.
+    Written out because on CPU ``masked_fill`` with ``-inf``, ``where`` and ``clamp``'s own backward
+    cost several times the ``exp`` itself: ``exp(-inf)`` alone runs ~8x slower than ``exp`` of
+    finite numbers."""
 
     @staticmethod
     def forward(ctx, log_decay, mask):
-        e = log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp()
-        e = e.sub_(_FLUSH) if mask is None else torch.addcmul(mask * -_FLUSH, e, mask)
+        e = torch.nn.functional.threshold_(log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp(), _FLUSH, 0.0)
+        e = e if mask is None else e * mask
         ctx.save_for_backward(e)
         return e
 
@@ -502,10 +503,11 @@ def decay_exp(log_decay: torch.Tensor, mask: torch.Tensor | None = None) -> torc
     in log space; a positive one (an intervention's, said by :class:`RangeWarning`) is computed as
     given up to ``exp(DECAY_EXP_MAX)``.
 
-    Computed as ``exp(clamp(log_decay, FLUSH_LOG, DECAY_EXP_MAX)) − exp(FLUSH_LOG)``, so nothing
-    overflows (masked entries may hold any finite value) and every factor moves by at most
-    ``4e-18`` in absolute terms: each changed term is ``< 4e-18`` times the same term undecayed,
-    below float64's rounding error. Flushing keeps float32 subnormals (``< 1.2e-38``, several times
+    Computed as ``exp(clamp(log_decay, FLUSH_LOG, DECAY_EXP_MAX))`` with the factors at or below
+    ``exp(FLUSH_LOG)`` then set to ``0``, so nothing overflows (masked entries may hold any finite
+    value), a factor above ``exp(FLUSH_LOG)`` is exact and a flushed one moves by at most ``4e-18``
+    in absolute terms: each changed term is ``< 4e-18`` times the same term undecayed, below
+    float64's rounding error. Flushing keeps float32 subnormals (``< 1.2e-38``, several times
     slower on CPUs) out of the matmuls, including products of two decay factors. The gradient is
     ``grad · out``: exact where the factor is kept, ``0`` where it is flushed or masked.
     """

@@ -67,9 +67,9 @@ __all__ = ["run_ssd_chunk", "ssd_chunk"]
 
 
 def _flushed_exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` with factors at or below ``e^{FLUSH_LOG}`` flushed to ``0`` (a new tensor):
-    ``exp(max(x, FLUSH_LOG)) − e^{FLUSH_LOG}``."""
-    return x.clamp_min(FLUSH_LOG).exp_().sub_(_FLUSH)
+    """``exp(x)`` with factors at or below ``e^{FLUSH_LOG}`` flushed to ``0`` (a new tensor; the
+    others exact): ``exp(max(x, FLUSH_LOG))``, thresholded at ``e^{FLUSH_LOG}``."""
+    return torch.nn.functional.threshold_(x.clamp_min(FLUSH_LOG).exp_(), _FLUSH, 0.0)
 
 
 def _group_sum(x: torch.Tensor, G: int) -> torch.Tensor:

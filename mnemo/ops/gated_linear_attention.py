@@ -302,12 +302,16 @@ class _GLAChunk(torch.autograd.Function):
             Dq = mm_add_(mm(dOg, stg.mT), dA, ktg)  # ∂L/∂q̃
             Dk = mm_add_(mm(dA.mT, qig), vcg, Gg.mT)  # ∂L/∂k̃ (both uses of k̃)
             dvc = mm_add_(mm(ktg, Gg), Ag.mT, dOg)
-            # ∂L/∂q = ∂L/∂q̃ ⊙ e^b · scale (the scale in place: no e^b · scale tensor)
-            torch.mul(
-                unchunk_heads(Dq, T), scale if e is None else unchunk_heads(e[sl], T), out=dq_t[bi, h0:h1]
-            )
-            if e is not None and scale != 1.0:
-                dq_t[bi, h0:h1].mul_(scale)
+            # ∂L/∂q = ∂L/∂q̃ ⊙ e^b · scale (the scale in place: no e^b · scale tensor; for a bf16/fp16
+            # q the product is formed in the compute dtype and rounded once)
+            if e is None:
+                torch.mul(unchunk_heads(Dq, T), scale, out=dq_t[bi, h0:h1])
+            elif scale == 1.0 or dq_t.dtype == cd:
+                torch.mul(unchunk_heads(Dq, T), unchunk_heads(e[sl], T), out=dq_t[bi, h0:h1])
+                if scale != 1.0:
+                    dq_t[bi, h0:h1].mul_(scale)
+            else:
+                dq_t[bi, h0:h1].copy_(torch.mul(unchunk_heads(Dq, T), unchunk_heads(e[sl], T)).mul_(scale))
             if e is None:
                 dk_t[bi, h0:h1].copy_(unchunk_heads(Dk, T))
             else:

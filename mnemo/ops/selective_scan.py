@@ -643,7 +643,7 @@ def selective_scan(
         u: ``[B, T, D]`` input. delta: ``[B, T, D]`` step size ``δ`` (before bias / softplus).
         A: ``[D, N]`` state matrix (diagonal per channel), real, typically negative
             (``A = −exp(A_log)``). ``Δ A`` is clamped from below at ``-60``.
-        B, C: ``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``D % G == 0``.
+        B, C: ``[B, T, N]`` (one group) or ``[B, T, G, N]`` with ``D % G == 0``, the same ``G`` for both.
         D: ``[D]`` skip connection, or ``None``. z: ``[B, T, D]`` output gate, or ``None``.
         delta_bias: ``[D]`` added to ``δ``, or ``None``. delta_softplus: apply softplus to get Δ.
             Defaults: ``delta_softplus=False``, ``output_final_state=False``.
@@ -682,6 +682,8 @@ def selective_scan(
     N = A.shape[1]
     B4 = check_groups("B", B, Bsz, T, N, Dm, "D")
     C4 = check_groups("C", C, Bsz, T, N, Dm, "D")
+    if C4.shape[2] != B4.shape[2]:  # (the chunk forms read one group index for both)
+        raise ValueError(f"C must have the same number of groups as B = {B4.shape[2]}, got {_shape(C)}")
     if D is not None:
         check_shape("D", D, (Dm,), "[D]")
     if z is not None:
@@ -747,9 +749,14 @@ def selective_scan_map(delta, A, B, C) -> torch.Tensor:
     """The ``T × T`` matrix of the selective scan per channel ``d`` (Mamba), from a zero state and
     without the ``D`` skip: ``M^(d)_ts = Σ_n C_tn exp(Σ_{r=s+1..t} Δ_rd A_dn) B_sn Δ_sd`` for
     ``s ≤ t``, so that ``y_d = M^(d) u_d``. ``delta [Bt, T, D]`` (after softplus and bias),
-    ``A [D, N]``, ``B, C [Bt, T, N]``. Returns ``[Bt, D, T, T]``."""
+    ``A [D, N]``, ``B, C [Bt, T, N]`` or, as the op takes them, ``[Bt, T, G, N]`` (channel ``d``
+    reads group ``d // (D / G)``). Returns ``[Bt, D, T, T]``."""
+    Bt, T, Dm = delta.shape
+    N = A.shape[-1]
+    Bd = _per_channel(check_groups("B", B, Bt, T, N, Dm, "D"), Dm)  # [Bt, T, D, N]
+    Cd = _per_channel(check_groups("C", C, Bt, T, N, Dm, "D"), Dm)
     L = torch.einsum("btd,dn->bdnt", delta, A).clamp(min=-60.0).cumsum(-1)  # [Bt, D, N, T]
-    mask = causal_mask(delta.shape[1], delta.device)
+    mask = causal_mask(T, delta.device)
     decay = (L[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")).exp()  # [Bt,D,N,T,T]
-    M = torch.einsum("btn,bdnts,bsn->bdts", C, decay, B)
+    M = torch.einsum("btdn,bdnts,bsdn->bdts", Cd, decay, Bd)
     return M * rearrange(delta, "b s d -> b d 1 s")

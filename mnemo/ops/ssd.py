@@ -201,6 +201,11 @@ def _ssd_own(
 def ssd_map(dt, A, B, C) -> torch.Tensor:
     """The ``T × T`` matrix of SSD (Mamba-2) per head, from a zero state and without the ``D``
     skip: ``M_ts = (C_t · B_s) exp(Σ_{r=s+1..t} dt_r A_h) dt_s`` for ``s ≤ t``, so that
-    ``y = M x``. ``dt [B, T, H]`` (after softplus and bias), ``A [H]`` (negative), ``B, C`` per
-    head ``[B, T, H, N]``. Returns ``[B, H, T, T]``."""
-    return gated_linear_attention_map(C, B, dt * A, scale=1.0) * dt.transpose(1, 2)[:, :, None, :]
+    ``y = M x``. ``dt [B, T, H]`` (after softplus and bias), ``A [H]`` (negative), ``B, C`` as the
+    op takes them: ``[B, T, N]`` or ``[B, T, G, N]`` (head ``h`` reads group ``h // (H / G)``; ``G = H``:
+    per head). Returns ``[B, H, T, T]``."""
+    Bsz, T, H = dt.shape
+    B4 = check_groups("B", B, Bsz, T, None, H, "H")
+    C4 = check_groups("C", C, Bsz, T, B4.shape[-1], H, "H")
+    q, k = (repeat(X, "b t g n -> b t (g r) n", r=H // X.shape[2]) for X in (C4, B4))
+    return gated_linear_attention_map(q, k, dt * A, scale=1.0) * dt.transpose(1, 2)[:, :, None, :]
