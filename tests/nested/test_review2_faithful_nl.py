@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 import mnemo.layers.cms as cms_module
 import mnemo.layers.self_modifying_projections as smp_module
-from mnemo.layers import SelfModifyingProjections, SelfModifyingTitans
+from mnemo.layers import SelfModifyingProjections
 from mnemo.layers.cms import CMSLevel, ContinuumMemory, Level, LevelState
 from mnemo.train.m3 import M3
 from tests.helpers import assert_close
+from tests.nested.test_self_modifying import _model
 
 D = 4
 
@@ -187,18 +188,8 @@ def test_nested_refusals_are_listed_in_the_docstring():
 
 
 def _smt(C, Cp, **kw):
-    torch.manual_seed(0)
-    m = SelfModifyingTitans(8, n_heads=2, chunk_size=C, proj_chunk_size=Cp, **kw).double()
-    with torch.no_grad():  # gates and hidden layers large enough that every memory moves
-        m.eta_bias.fill_(0.5)
-        m.alpha_bias.fill_(2.0)
-        m.eta_readout.normal_(0, 0.5)
-        m.alpha_readout.normal_(0, 0.5)
-        m.proj_wb.normal_(0, 0.3)
-        m.memory_wb.normal_(0, 0.3)
-        m.proj_wa.mul_(3.0)
-        m.memory_wa.mul_(3.0)
-    return m
+    # gates and hidden layers large enough that every memory moves (W_a × 3: hidden inputs straddle 1)
+    return _model(d=8, heads=2, C=C, Cp=Cp, wa_scale=3.0, **kw)
 
 
 def _leaf_state(st):
