@@ -275,10 +275,10 @@ def _json_documents(text: str):
 
 def _json_records(files: list[Path]):
     """``(where, record)`` for every record of the JSON ``files``: a file whose text is one JSON
-    array is its records (in a ``.jsonl`` file only an array of objects, as datasets reads it; an
-    array of other values, strings say, is a column ``"text"``, as datasets reads it too), else
-    each JSON value of the file (JSON Lines, an indented object) is one record, named by the line it
-    starts on (lines end at ``"\\n"`` alone: a string may hold U+2028, U+2029 or NEL raw).
+    array is its records (an array of values that are not objects, strings say, is a column
+    ``"text"``, as datasets reads it; in a ``.jsonl`` file only an array of objects or of strings),
+    else each JSON value of the file (JSON Lines, an indented object) is one record, named by the
+    line it starts on (lines end at ``"\\n"`` alone: a string may hold U+2028, U+2029 or NEL raw).
 
     Raises:
         UnicodeDecodeError, json.JSONDecodeError: a file that is not UTF-8 JSON.
@@ -289,9 +289,11 @@ def _json_records(files: list[Path]):
         second = next(values, None)
         if first is not None and second is None and isinstance(first[1], list):
             jsonl = f.name.lower().endswith(".jsonl")
-            if not jsonl or all(isinstance(r, dict) for r in first[1]):
-                # datasets reads an array of values that are not objects as one column "text"
-                column = not any(isinstance(r, dict) for r in first[1])
+            # datasets reads an array of values that are not objects as one column "text" (in a
+            # .jsonl file too: there, unless an array of texts, it is named as a line that is a list)
+            column = not any(isinstance(r, dict) for r in first[1])
+            texts = all(r is None or isinstance(r, str) for r in first[1])
+            if not jsonl or texts or all(isinstance(r, dict) for r in first[1]):
                 for n, record in enumerate(first[1], 1):
                     yield f"{f} record {n}", {"text": record} if column else record
                 continue
@@ -384,8 +386,10 @@ def _parquet_files(files: list[Path], text_field: str, data: str) -> list[Path]:
         if text_field not in schema.names:
             continue
         kind = schema.field(text_field).type
-        text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
-        if not (text or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        # a dictionary-encoded column (pandas' category) holds its values' type
+        held = kind.value_type if pa.types.is_dictionary(kind) else kind
+        text = pa.types.is_string(held) or pa.types.is_large_string(held) or pa.types.is_null(held)
+        if not (text or getattr(pa.types, "is_string_view", lambda _: False)(held)):
             raise ValueError(f"data {data!r}: field {text_field!r} holds {kind}, not text (file {f})")
         holding.append(f)
     if not holding:
