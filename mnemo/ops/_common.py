@@ -471,6 +471,14 @@ FLUSH_LOG = -40.0
 _FLUSH = math.exp(FLUSH_LOG)
 
 
+def _flush_at(dtype: torch.dtype) -> float:
+    """The ``threshold`` that flushes ``exp(FLUSH_LOG)`` as rounded in ``dtype`` (bf16's ``4.2555e-18``
+    lies above the float64 ``4.2484e-18``): ``exp(FLUSH_LOG)`` raised by ``4`` units of ``dtype``'s
+    epsilon, while the ``exp`` of the next exponent above ``FLUSH_LOG`` that ``dtype`` holds is ``32``
+    epsilons above it, so still kept."""
+    return _FLUSH * (1.0 + 4.0 * torch.finfo(dtype).eps)
+
+
 #: Upper clamp of :func:`decay_exp`'s exponent: ``exp(60) ≈ 1e26`` fits float32, so a masked entry
 #: (any finite value) still gives an exact 0 after the mask, while a positive log-gate given on
 #: purpose (a :class:`RangeWarning`) is computed as given, as the hand-written chunk forms do.
@@ -486,7 +494,8 @@ class _DecayExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_decay, mask):
-        e = torch.nn.functional.threshold_(log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp(), _FLUSH, 0.0)
+        e = log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp()
+        e = torch.nn.functional.threshold_(e, _flush_at(e.dtype), 0.0)
         e = e if mask is None else e * mask
         ctx.save_for_backward(e)
         return e

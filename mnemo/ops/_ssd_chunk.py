@@ -54,8 +54,8 @@ from ._chunked import (
     to_chunks,
 )
 from ._common import (
-    _FLUSH,
     FLUSH_LOG,
+    _flush_at,
     check_finite,
     clamp_log_gate,
     compute_dtype,
@@ -69,7 +69,7 @@ __all__ = ["run_ssd_chunk", "ssd_chunk"]
 def _flushed_exp(x: torch.Tensor) -> torch.Tensor:
     """``exp(x)`` with factors at or below ``e^{FLUSH_LOG}`` flushed to ``0`` (a new tensor; the
     others exact): ``exp(max(x, FLUSH_LOG))``, thresholded at ``e^{FLUSH_LOG}``."""
-    return torch.nn.functional.threshold_(x.clamp_min(FLUSH_LOG).exp_(), _FLUSH, 0.0)
+    return torch.nn.functional.threshold_(x.clamp_min(FLUSH_LOG).exp_(), _flush_at(x.dtype), 0.0)
 
 
 def _group_sum(x: torch.Tensor, G: int) -> torch.Tensor:
