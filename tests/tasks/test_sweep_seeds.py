@@ -15,7 +15,7 @@ from mnemo.sweep import SweepDB, SweepSpec, cell_stats, markdown_table, run_swee
 from mnemo.sweep.report import plot_accuracy_vs_length, plot_accuracy_vs_state
 from mnemo.sweep.stats import mean_interval, t_quantile
 
-T_975_2 = 4.302652729911275  # t_{0.975, 2} as tabulated (the exact value is 4.30265272974946…)
+T_975_2 = 0.95 / math.sqrt(2 * 0.975 * 0.025)  # t_{0.975, 2} in closed form, (2p − 1) / √(2p(1 − p))
 
 BASE = {
     "task": "mqar",
@@ -41,7 +41,8 @@ def _spec(**kw) -> SweepSpec:
 
 
 def test_t_interval_matches_a_hand_computation():
-    assert t_quantile(0.975, 2) == pytest.approx(T_975_2, rel=1e-10)
+    assert t_quantile(0.975, 2) == pytest.approx(T_975_2, rel=1e-14)
+    assert T_975_2 == pytest.approx(4.302652729749464, rel=1e-15)  # (tables print 4.302652729911275)
     # closed forms: ν = 1 is Cauchy, ν = 2 has t = (2p − 1) / √(2p(1 − p))
     p = 0.975
     assert t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-13)
