@@ -37,8 +37,13 @@ _DEFAULTS: dict = {}
 
 def check_suite_options(args) -> None:
     """``ValueError`` for an option given with a suite that does not read it (``--suite all``
-    reads them all)."""
+    reads them all but ``--ops``, which it does not apply: refused too)."""
     if args.suite == "all":
+        if getattr(args, "ops", None) is not None:  # (each suite runs whole: it would time every op)
+            raise ValueError(
+                f"--ops {args.ops}: --suite all runs each suite whole and does not apply it; drop --ops, "
+                "or time the chosen ops with --suite ops, peers or decode"
+            )
         return
     for dest, suites in SUITE_OPTIONS.items():
         if args.suite not in suites and dest in _DEFAULTS and getattr(args, dest, None) != _DEFAULTS[dest]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 from .. import argtypes as kinds
@@ -42,7 +43,7 @@ def _refuse_sharded(ckpt, given) -> None:
     if is_sharded(ckpt):
         raise ValueError(
             f"--checkpoint: {ckpt} is a sharded checkpoint of `mnemo train --fsdp`; write a single-file "
-            f"copy first: mnemo convert --from-dcp {given} OUT"
+            f"copy first: mnemo convert --from-dcp {shlex.quote(str(given))} OUT"
         )
 
 
@@ -129,6 +130,8 @@ def _cmd_eval(args) -> int:
     ckpt = resolve_checkpoint(args.checkpoint, warn=_warn)
     _refuse_sharded(ckpt, args.checkpoint)
     tcfg = load_json(ckpt / TRAIN_CONFIG_NAME) if (ckpt / TRAIN_CONFIG_NAME).is_file() else {}
+    if args.length and args.seq_len:  # (a task run read --length alone: --seq-len went unused)
+        raise ValueError("--length and --seq-len: give one of them (--length L1,L2 evaluates at each)")
     if tcfg.get("task"):
         text_only = {
             "--yarn": args.yarn is not None,
@@ -153,8 +156,6 @@ def _cmd_eval(args) -> int:
         if value is not None and value < 1:
             raise ValueError(f"{flag}: expected a positive int, got {value}")
     lengths = _parse_lengths(args.length, "--length")
-    if lengths and args.seq_len:
-        raise ValueError("--length and --seq-len: give one of them (--length L1,L2 evaluates at each)")
     ckpt, model, tok = _load(str(ckpt), args.device)
     longest = max(lengths or [args.seq_len or tcfg.get("seq_len", 128)])
     if model.config.pos_embedding == "learned" and longest > model.config.max_position:
@@ -308,7 +309,7 @@ def _cmd_eval_text(
     tokens_per_char = stream.ids.numel() / stream.num_chars
     same = (
         not args.full
-        and data == tcfg.get("data", "tinyshakespeare")
+        and _same_data(data, tcfg.get("data", "tinyshakespeare"))
         and seq_len == tcfg.get("seq_len")
         and batch_size == tcfg.get("batch_size")
         and max_batches == tcfg.get("eval_batches")
@@ -335,6 +336,20 @@ def _cmd_eval_text(
     }
     print(json.dumps(result))
     return 0
+
+
+def _same_data(given: str, saved: str) -> bool:
+    """Whether ``--data`` names the corpus the run saved: the same text, or the same path however
+    it is written (``c.txt`` for a run that saved ``/home/me/c.txt``)."""
+    import os
+
+    from ..data.corpus import BUNDLED
+
+    if given == saved:
+        return True
+    if given in BUNDLED or saved in BUNDLED:
+        return False
+    return os.path.abspath(os.path.expanduser(given)) == os.path.abspath(os.path.expanduser(saved))
 
 
 def _check_generate_memory(model, length: int, device: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -199,6 +200,21 @@ def _parse_lengths(text: str | None, flag: str) -> list[int] | None:
         raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
 
 
+def _absolute_data(value):
+    """A new run's ``data`` as it is saved: a relative path (or glob) made absolute, so that a later
+    ``--resume``, ``mnemo eval`` or ``mnemo generate`` from another working directory reads the same
+    text, not whatever that directory holds under the same name; a bundled name, an absolute path
+    and a path that exists nowhere (refused later, as given) stay as they are."""
+    from ..data.corpus import BUNDLED
+
+    if not isinstance(value, str) or value in BUNDLED:
+        return value
+    p = os.path.expanduser(value)
+    if os.path.isabs(p) or not (os.path.exists(p) or any(c in p for c in "*?[")):
+        return value
+    return os.path.abspath(p)
+
+
 def _mapping(d: dict, key: str) -> dict:
     """``d[key]`` of a config file, which flags add keys to: a mapping (``{}`` when absent)."""
     value = d.get(key) or {}
@@ -297,6 +313,8 @@ def _train(args, held: contextlib.ExitStack) -> int:
     else:
         if args.reschedule:
             raise ValueError("--reschedule applies to --resume (a changed --steps of a saved run)")
+        if "data" in d:
+            d["data"] = _absolute_data(d["data"])
         cfg = TrainConfig.from_dict(d)
     if d.get("optimizer", cfg.optimizer) == "m3_paper":  # Algorithm 1 alone: these are not read
         unread = [k for k in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio") if k in d]
@@ -459,7 +477,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
         say(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
     if trainer.task is not None:
         say(f"checkpoint: {trainer.last_checkpoint}")
-        say(f"try: mnemo eval --checkpoint {out} --length {4 * c.seq_len}")
+        say(f"try: mnemo eval --checkpoint {shlex.quote(str(out))} --length {4 * c.seq_len}")
         return 0
     if c.sample_tokens > 0 and (main or trainer.fsdp):  # FSDP: every rank runs the sharded model
         text = trainer.sample()
@@ -468,7 +486,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
             print(text)
             print("--------------")
     say(f"checkpoint: {trainer.last_checkpoint}")
-    say(f"try: mnemo generate --checkpoint {out} --prompt 'KING:'")
+    say(f"try: mnemo generate --checkpoint {shlex.quote(str(out))} --prompt 'KING:'")
     return 0
 
 
