@@ -647,10 +647,13 @@ def _common_dtype(*tensors: Tensor) -> torch.dtype:
 
 def _matrix_inputs(q, k, v, initial_state, cu_seqlens, scale):
     dt = _common_dtype(q, k, v)
+    scale = default_scale(scale, q.shape[-1])
+    if isinstance(scale, Tensor):  # a tensor scale (e.g. learned) scales q here, so autograd reaches it
+        q, scale = q.to(torch.float32) * scale, 1.0
     q, k, v = (t.to(dt).contiguous() for t in (q, k, v))
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long)
-    return q, k, v, h0, cu, float(default_scale(scale, q.shape[-1]))
+    return q, k, v, h0, cu, float(scale)
 
 
 def _clamped(g: Tensor) -> Tensor:

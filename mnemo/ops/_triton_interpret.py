@@ -49,11 +49,13 @@ _RANGE_NAME = "_mnemo_interpreter_range"
 
 
 def interpreting() -> bool:
-    """Whether Triton's interpreter is requested (``TRITON_INTERPRET`` set to ``1``/``true``).
+    """Whether Triton's interpreter is requested (``TRITON_INTERPRET`` set to ``1``, ``true``,
+    ``yes`` or ``on``, any case, no surrounding blanks: read as Triton reads it, which does not
+    strip them).
 
     Triton reads the variable when a kernel is defined (``@triton.jit`` picks the interpreted
     function then), so it must be set before the peer's kernel modules are imported."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def installed() -> tuple[str, ...]:

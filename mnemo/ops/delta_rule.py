@@ -401,7 +401,7 @@ def _delta(
     )
     dtypes = tuple(t.dtype for t in (q, k, v, beta, g, initial_state) if t is not None)
     op = "gated_delta_rule" if gated else "delta_rule"
-    backend = _backends.select(_backends.Call(op, q.device, dtypes, mode, T, K, cu_seqlens is not None))
+    backend = _backends.select(_backends.Call(op, q.device, dtypes, mode, T, K, cu_seqlens is not None, V))
     if backend == "fla":
         from ._peer_ops import fla_gated_delta_rule
 

@@ -20,10 +20,10 @@ Five public ops can run on more than one implementation (a *backend*):
   ``torch.library`` custom op ``mnemo::<op>_<backend>`` (see :mod:`mnemo.ops._peer_ops`) with a
   fake kernel and an autograd formula, so meta tensors, ``FakeTensorMode`` and ``torch.compile``
   see through it. The glue keeps mnemo's semantics: log-gates clamped at ``-60`` first (fla gives
-  NaN for ``-inf``), ``scale``, ``initial_state``, ``cu_seqlens``, float32 states under bfloat16
-  inputs, mnemo's layouts (mamba-ssm's states are ``[B, H, P, N]``, mnemo's ``[B, H, N, P]``).
-  The ``chunk_size`` argument tunes mnemo's forms only; the peers use their own chunk length
-  (the result does not depend on it).
+  NaN for ``-inf``), ``scale`` (a tensor one multiplies ``q`` first, so it gets its gradient),
+  ``initial_state``, ``cu_seqlens``, float32 states under bfloat16 inputs, mnemo's layouts
+  (mamba-ssm's states are ``[B, H, P, N]``, mnemo's ``[B, H, N, P]``). The ``chunk_size`` argument
+  tunes mnemo's forms only; the peers use their own chunk length (the result does not depend on it).
 
 Choosing. ``auto`` (the default) takes, per call, the first backend in the order below that can
 serve the call (device, dtypes, shape, options), and records the reasons of those it skipped
@@ -41,9 +41,12 @@ backend, whether it is available here and why not. ``mnemo info`` prints that ta
 
 What each peer cannot serve (auto falls back, forcing raises): ``mode="recurrent"`` (the
 token-loop reference stays mnemo's) and ``mode="parallel"`` (mnemo's quadratic form); float64;
-``T = 0``; head dims ``K > 256`` for the delta rules; ``cu_seqlens`` for ``mamba_ssm`` (its
-packed path has no per-sequence initial state). ``create_graph=True`` through a peer's backward
-raises, as through mnemo's chunk forms (use ``mode="recurrent"``).
+``T = 0``; head dims ``K > 256`` for the delta rules; bfloat16/float16 with an odd ``K`` or ``V``
+for ``gated_linear_attention`` and ``linear_attention`` (fla's ``chunk_simple_gla`` backward asserts
+even head dims in 16 bits; the rule, applied before the gate's shape or the feature map is looked
+at, also keeps ``chunk_gla`` and a feature-mapped linear attention off fla there); ``cu_seqlens``
+for ``mamba_ssm`` (its packed path has no per-sequence initial state). ``create_graph=True``
+through a peer's backward raises, as through mnemo's chunk forms (use ``mode="recurrent"``).
 """
 
 from __future__ import annotations
@@ -117,8 +120,8 @@ class BackendRow:
 @dataclass
 class Call:
     """What the table needs to know of one op call (filled in by the op after its checks): the
-    op, the device, the dtypes of its tensors, ``mode``, ``T``, the head dim ``K`` (default
-    ``K=0``: not known) and whether ``cu_seqlens`` is given (default ``varlen=False``)."""
+    op, the device, the dtypes of its tensors, ``mode``, ``T``, the head dims ``K`` and ``V``
+    (default ``0``: not known) and whether ``cu_seqlens`` is given (default ``varlen=False``)."""
 
     op: str
     device: torch.device
@@ -127,6 +130,7 @@ class Call:
     T: int
     K: int = 0
     varlen: bool = False
+    V: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,6 +230,10 @@ _MODE_REASON = {
 }
 
 
+#: the ops whose fla route may run ``chunk_simple_gla`` on the caller's 16-bit tensors
+_SIMPLE_GLA_OPS = ("gated_linear_attention", "linear_attention")
+
+
 def _peer_problem(op: str, backend: str, call: Call) -> str | None:
     """Why the Triton ``backend`` cannot serve this call of ``op`` (``None``: it can)."""
     if (op, backend) not in PEER_KERNELS:
@@ -243,6 +251,15 @@ def _peer_problem(op: str, backend: str, call: Call) -> str | None:
         return "T = 0 (nothing to compute)"
     if op in ("gated_delta_rule", "delta_rule") and call.K > 256:
         return f"head dim K = {call.K} > 256 (fla's delta-rule kernels)"
+    if (
+        op in _SIMPLE_GLA_OPS
+        and (call.K % 2 or call.V % 2)
+        and any(d in (torch.bfloat16, torch.float16) for d in call.dtypes)
+    ):
+        return (
+            f"bfloat16/float16 with an odd head dim (K = {call.K}, V = {call.V}): fla's simple-GLA "
+            "backward (chunk_bwd_dv) asserts even K and V in 16 bits"
+        )
     if backend == "mamba_ssm" and call.varlen:
         return "cu_seqlens (mamba-ssm's packed path has no per-sequence initial state)"
     if call.device.type != "meta":

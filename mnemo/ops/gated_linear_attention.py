@@ -435,7 +435,7 @@ def gated_linear_attention(
             )
     check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
     dtypes = tuple(t.dtype for t in (q, k, v, g, initial_state) if t is not None)
-    call = _backends.Call("gated_linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None)
+    call = _backends.Call("gated_linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None, V)
     backend = _backends.select(call)
     if backend == "fla":
         from ._peer_ops import fla_gated_linear_attention

@@ -117,7 +117,7 @@ def ssd(
     )
     cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
     dtypes = tuple(t.dtype for t in (x, dt, A, B, C, D, dt_bias, initial_state) if t is not None)
-    backend = _backends.select(_backends.Call("ssd", x.device, dtypes, mode, T, N, cu_seqlens is not None))
+    backend = _backends.select(_backends.Call("ssd", x.device, dtypes, mode, T, N, cu_seqlens is not None, P))
     xc = x.to(cd)
     dtc = dt.to(cd)
     if dt_bias is not None:
