@@ -44,6 +44,7 @@ from mnemo.sweep.recipe import claims_markdown, judge_claim  # noqa: E402
 from mnemo.sweep.stats import mean_interval  # noqa: E402
 from mnemo.train import resolve_checkpoint  # noqa: E402
 from mnemo.train.batches import bos_id  # noqa: E402
+from mnemo.train.sinks import loads_record  # noqa: E402
 
 BOS = "\x02"  # absent from tinyshakespeare: the char tokenizer's unknown id 0, a token of its own
 PAGE = "docs/results/attention_sinks.md"
@@ -71,7 +72,7 @@ def measure(run: Path, bos: bool, args) -> dict:
     mass = [max(h) for h in heads]
     uniform = sum(1 / (t + 1) for t in range(args.seq_len // 2, args.seq_len)) / (args.seq_len // 2)
     table, diff, cache = sink_table(ckpt, W, 4, S, args.streams, ranges, bos=bos_token)
-    log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    log = [loads_record(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {
         "val_loss": log[-1]["val_loss"],
         "train_s": log[-1].get("elapsed_s", float("nan")),

@@ -11,12 +11,13 @@ previous evaluation) and the validation loss of each run, their relative differe
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from mnemo.train.sinks import loads_record
 
 
 def _records(run: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [loads_record(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r for r in rows if "val_loss" in r}
 
 

@@ -13,13 +13,13 @@ curves (every ``eval_interval`` steps) of each variant.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
 
 from mnemo.sweep.db import SweepDB
 from mnemo.sweep.stats import mean_interval
+from mnemo.train.sinks import loads_record
 
 ORDER = ["full", "linear_memory", "no_convolution", "no_momentum", "no_weight_decay", "no_persistent_memory"]
 
@@ -82,7 +82,7 @@ def main() -> None:
         curves: dict[str, list[list[dict]]] = defaultdict(list)
         for r in rows:
             lines = (runs_dir / r["run_id"] / "metrics.jsonl").read_text().splitlines()
-            points = [json.loads(line) for line in lines if line.strip()]
+            points = [loads_record(line) for line in lines if line.strip()]
             curves[r["label"]].append([p for p in points if "val_acc" in p])
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
         for lab in labels:

@@ -16,9 +16,13 @@ characters of the documents joined by ``"\\n\\n"`` (for one document — a text 
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import json
+import lzma
 import re
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -34,19 +38,31 @@ VAL_FRACTION = 0.1
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+#: compressed plain text read as its text (``.txt.gz``); ``.zst``/``.lz4`` text is refused by name
+_TEXT_CODECS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}
+#: the suffixes of a plain text file in a folder (each also compressed: :data:`_TEXT_CODECS`)
+TEXT_SUFFIXES = (".txt", ".text")
 #: documents per call of a batch encoder
 _BATCH = 1024
 #: whitespace between JSON values
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
+def _compression(path: str | Path) -> str | None:
+    """The compression suffix of ``path``'s name (``".gz"``, ...), or ``None``."""
+    name = Path(path).name.lower()
+    return next((c for c in _COMPRESSED if name.endswith(c)), None)
+
+
+def _plain_name(path: str | Path) -> str:
+    """``path``'s name in lower case without its compression suffix (``a.txt.gz`` -> ``a.txt``)."""
+    name, c = Path(path).name.lower(), _compression(path)
+    return name[: -len(c)] if c else name
+
+
 def corpus_format(path: str | Path) -> str:
     """``"json"``, ``"parquet"`` or ``"text"`` (anything else), from the file name."""
-    name = Path(path).name.lower()
-    for c in _COMPRESSED:
-        if name.endswith(c):
-            name = name[: -len(c)]
-            break
+    name = _plain_name(path)
     if name.endswith(JSON_SUFFIXES):
         return "json"
     if name.endswith(PARQUET_SUFFIXES):
@@ -124,9 +140,11 @@ class Corpus:
 
 def load_corpus(data: str, text_field: str = "text") -> Corpus:
     """The documents of ``data``: a bundled name (``"tinyshakespeare"``), a UTF-8 text file (one
-    document), a ``.jsonl``/``.json`` or ``.parquet`` file (one document per record, its
-    ``text_field``; records whose field is null or absent are skipped), a folder of such files (all
-    of one format; records with other fields in other files are fine) or a glob pattern. A text
+    document; compressed as ``.gz``, ``.bz2`` or ``.xz`` too), a ``.jsonl``/``.json`` or
+    ``.parquet`` file (one document per record, its ``text_field``; records whose field is null or
+    absent are skipped; a Parquet file with no rows among others is skipped with a warning), a
+    folder of such files (all of one format; records with other fields in other files are fine;
+    an empty file among others adds nothing) or a glob pattern. A text
     file is read with universal newlines (``"\\r\\n"`` and ``"\\r"`` become ``"\\n"``) and without a
     leading UTF-8 byte order mark.
 
@@ -193,10 +211,11 @@ def _files(data: str) -> list[Path]:
                 "glob of them"
             )
         files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
-        known = [f for f in files if corpus_format(f) != "text" or f.suffix.lower() in (".txt", ".text")]
+        known = [f for f in files if corpus_format(f) != "text" or _plain_name(f).endswith(TEXT_SUFFIXES)]
         if not known:
             raise ValueError(
-                f"data must be a file, a glob or a folder of .txt/.jsonl/.json/.parquet files; "
+                f"data must be a file, a glob or a folder of .txt/.jsonl/.json/.parquet files (.txt.gz, "
+                f".jsonl.gz, ... too); "
                 f"the folder {data!r} holds none"
             )
         return known
@@ -211,10 +230,26 @@ def _files(data: str) -> list[Path]:
 
 
 def _read_text(p: Path, data: str) -> str:
+    """A text file's text (universal newlines, no byte order mark), decompressed first when its
+    name ends in ``.gz``, ``.bz2`` or ``.xz``."""
+    c = _compression(p)
+    if c is not None and c not in _TEXT_CODECS:
+        raise ValueError(
+            f"data file {str(p)!r}: {c} compressed text is not supported; compress plain text as "
+            f"{', '.join(_TEXT_CODECS)} (or give it uncompressed)"
+        )
+    opener = _TEXT_CODECS[c].open if c is not None else open
     try:
-        text = p.read_text(encoding="utf-8-sig")  # a leading byte order mark is no text
+        with opener(p, "rt", encoding="utf-8-sig") as fh:  # a leading byte order mark is no text
+            text = fh.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"data file {str(p)!r} is not valid UTF-8: {e}") from e
+        raise ValueError(
+            f"data file {str(p)!r} is not valid UTF-8{' (once decompressed)' if c else ''}: {e}"
+        ) from e
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        if c is None:
+            raise
+        raise ValueError(f"data file {str(p)!r} is not a valid {c} file: {type(e).__name__}: {e}") from e
     if not text and str(p) == data:
         raise ValueError(f"data file {data!r} is empty")
     return text
@@ -235,8 +270,11 @@ def _first_bad_json_line(files: list[Path]) -> str | None:
     """``"FILE line N: ..."`` for the first line of the JSON Lines ``files`` that is not UTF-8 or
     not one JSON object (blank lines are allowed), else ``None``."""
     for f in files:
+        opener = _byte_opener(f)
+        if opener is None:  # .zst, .lz4: left to datasets' own message
+            continue
         try:
-            with open(f, "rb") as fh:
+            with opener(f, "rb") as fh:
                 for n, raw in enumerate(fh, 1):
                     if not raw.strip():
                         continue
@@ -248,15 +286,33 @@ def _first_bad_json_line(files: list[Path]) -> str | None:
                         return f"{f} line {n}: not JSON ({e.msg} at column {e.colno}): {raw[:60]!r}"
                     if not isinstance(record, dict):
                         return f"{f} line {n}: a JSON {type(record).__name__}, expected one object per line"
-        except OSError as e:
+        except (OSError, EOFError, lzma.LZMAError) as e:
+            c = _compression(f)
+            if c is not None and not isinstance(e, (FileNotFoundError, PermissionError)):
+                return f"{f}: not a valid {c} file ({type(e).__name__}: {e})"
             return f"{f}: cannot be read ({e.strerror})"
     return None
 
 
+def _byte_opener(f: Path):
+    """``open`` for a file's bytes as stored, ``gzip.open`` etc. for its decompressed bytes when
+    its name ends in a compression suffix read here (:data:`_TEXT_CODECS`), else ``None``."""
+    c = _compression(f)
+    if c is None:
+        return open
+    return _TEXT_CODECS[c].open if c in _TEXT_CODECS else None
+
+
 def _blank(f: Path) -> bool:
-    """Whether file ``f`` holds nothing but whitespace."""
-    with open(f, "rb") as fh:
-        return all(not chunk.strip() for chunk in iter(lambda: fh.read(1 << 20), b""))
+    """Whether file ``f`` holds nothing but whitespace (once decompressed: ``.jsonl.gz``)."""
+    opener = _byte_opener(f)
+    if opener is None:
+        return False
+    try:
+        with opener(f, "rb") as fh:
+            return all(not chunk.strip() for chunk in iter(lambda: fh.read(1 << 20), b""))
+    except (OSError, EOFError, lzma.LZMAError):
+        return False
 
 
 def _json_documents(text: str):
@@ -374,14 +430,18 @@ def _parquet_files(files: list[Path], text_field: str, data: str) -> list[Path]:
     import pyarrow.parquet as pq
 
     names: dict[str, None] = {}
-    holding = []
+    holding, empty = [], []
     for f in files:
         try:
             schema = pq.read_schema(f)
+            rows = pq.read_metadata(f).num_rows
         except (OSError, pa.ArrowException) as e:
             raise ValueError(
                 f"data {data!r}: cannot read {str(f)!r} as parquet: {type(e).__name__}: {e}"
             ) from e
+        if rows == 0:  # no records: skipped as an empty text file is (datasets fails on it)
+            empty.append(f)
+            continue
         names.update(dict.fromkeys(schema.names))
         if text_field not in schema.names:
             continue
@@ -392,10 +452,16 @@ def _parquet_files(files: list[Path], text_field: str, data: str) -> list[Path]:
         if not (text or getattr(pa.types, "is_string_view", lambda _: False)(held)):
             raise ValueError(f"data {data!r}: field {text_field!r} holds {kind}, not text (file {f})")
         holding.append(f)
+    if empty and len(empty) == len(files):
+        if len(files) == 1 and str(files[0]) == data:
+            raise ValueError(f"data file {data!r} is empty (a Parquet file with no rows)")
+        raise ValueError(f"data {data!r} holds no text (every file is empty: Parquet files with no rows)")
+    for f in empty:
+        warnings.warn(f"data {data!r}: {str(f)!r} has no rows; it is skipped", stacklevel=4)
     if not holding:
         raise _no_field(data, text_field, list(names))
     for f in files:
-        if f not in holding:
+        if f not in holding and f not in empty:
             raise _file_without_field(data, text_field, f, pq.read_schema(f).names)
     return holding
 

@@ -3,10 +3,13 @@ time), and one row per sweep with the settings its report needs (``sweep_meta``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
 from pathlib import Path
+
+from ..train.sinks import dumps_record, loads_record
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -57,19 +60,36 @@ _COLUMNS = (
     "seed",
 )
 
+#: seconds a connection waits for another process's write to the database before it gives up
+#: (sqlite's busy timeout: a report or ``--list`` beside a running sweep waits, it does not fail)
+BUSY_TIMEOUT_S = 60.0
+
 #: a run in one of these states is not run again
 FINISHED = ("done", "diverged")
 
 
+def busy_error(path: Path, error: Exception) -> TimeoutError:
+    """The error of a database another process kept locked for longer than :data:`BUSY_TIMEOUT_S`."""
+    return TimeoutError(
+        f"sweep database {path} stayed locked by another process for {BUSY_TIMEOUT_S:g} s ({error}); "
+        "try again when it is done"
+    )
+
+
 class SweepDB:
-    """A thin wrapper over an SQLite file (created on first use, with its parent directory)."""
+    """A thin wrapper over an SQLite file (created on first use, with its parent directory).
+
+    Several processes may use one database (a sweep, its report, ``--list``): a connection waits up
+    to :data:`BUSY_TIMEOUT_S` for another one's write, then raises ``TimeoutError`` naming the
+    database. ``metrics`` is stored as strict JSON (:func:`~mnemo.train.sinks.dumps_record`: a
+    NaN/inf is ``null`` plus the record's ``"nonfinite"`` field) and read back with its NaN/inf."""
 
     def __init__(self, path: str | Path, create: bool = True):
         self.path = Path(path)
         if not create and not self.path.is_file():
             raise FileNotFoundError(f"sweep database not found: {str(path)!r}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(str(self.path), timeout=30)
+        self.conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
         self.conn.row_factory = sqlite3.Row
         try:
             with self.conn:
@@ -78,7 +98,13 @@ class SweepDB:
                 have = {r[1] for r in self.conn.execute("PRAGMA table_info(runs)")}
                 if "seed" not in have:  # a database written before sweeps had seeds
                     self.conn.execute("ALTER TABLE runs ADD COLUMN seed INTEGER")
+        except sqlite3.OperationalError as e:
+            self.conn.close()
+            if "locked" in str(e) or "busy" in str(e):  # a sweep database, held by another process
+                raise busy_error(self.path, e) from None
+            raise ValueError(f"{self.path} is not a sweep database: {e}") from None
         except sqlite3.DatabaseError as e:
+            self.conn.close()
             raise ValueError(f"{self.path} is not a sweep database: {e}") from None
 
     def close(self) -> None:
@@ -89,6 +115,16 @@ class SweepDB:
 
     def __exit__(self, *exc):
         self.close()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A write that waited :data:`BUSY_TIMEOUT_S` in vain raises :func:`busy_error`."""
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            if "locked" in str(e) or "busy" in str(e):
+                raise busy_error(self.path, e) from None
+            raise
 
     def finished_ids(self) -> set[str]:
         rows = self.conn.execute(
@@ -101,7 +137,7 @@ class SweepDB:
         (``status``, ``metrics``, ``state_size_bytes``, ``n_params``, ``wall_time_s``, ``error``)."""
         m = result.get("metrics") or {}
         columns, marks = ",".join(_COLUMNS), ",".join("?" * len(_COLUMNS))
-        with self.conn:
+        with self._writing(), self.conn:
             self.conn.execute(
                 f"INSERT OR REPLACE INTO runs ({columns}) VALUES ({marks})",
                 (
@@ -113,7 +149,7 @@ class SweepDB:
                     json.dumps(run.tuned, sort_keys=True),
                     json.dumps(run.config, sort_keys=True),
                     result["status"],
-                    json.dumps(m),
+                    dumps_record(m),  # strict JSON: sqlite's json_extract refuses a bare NaN
                     m.get("val_acc"),
                     m.get("val_loss"),
                     result.get("state_size_bytes"),
@@ -127,7 +163,7 @@ class SweepDB:
 
     def set_meta(self, sweep: str, meta: dict) -> None:
         """Store the settings of ``sweep`` that its report uses (:meth:`SweepSpec.meta`)."""
-        with self.conn:
+        with self._writing(), self.conn:
             self.conn.execute(
                 "INSERT OR REPLACE INTO sweep_meta VALUES (?, ?)", (sweep, json.dumps(meta, sort_keys=True))
             )
@@ -144,8 +180,9 @@ class SweepDB:
         out = []
         for r in self.conn.execute(q, (sweep,) if sweep else ()):
             d = dict(r)
-            for k in ("cell", "tuned", "config", "metrics"):
+            for k in ("cell", "tuned", "config"):
                 d[k] = json.loads(d[k]) if d[k] else {}
+            d["metrics"] = loads_record(d["metrics"]) if d["metrics"] else {}  # NaN/inf again
             if d.get("seed") is None:
                 d["seed"] = d["config"].get("seed", 0)
             out.append(d)

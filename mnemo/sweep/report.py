@@ -300,6 +300,19 @@ def _axes(rows: list[dict]) -> list[str]:
     return keys
 
 
+def _axis_key(v) -> tuple:
+    """A grid axis value's place in tables, panels and claims: numbers by value (64 before 128,
+    which as text sort the other way), before everything else, which sorts as its text."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return (0, v, "") if v == v else (0, math.inf, "nan")
+    return (1, 0, str(v))
+
+
+def _cell_key(cell: dict, axes: list[str]) -> list[tuple]:
+    """The order of a cell (its ``cell`` mapping) by its values of ``axes`` (:func:`_axis_key`)."""
+    return [_axis_key(cell.get(a)) for a in axes]
+
+
 def _plateau(row: dict, metric: str, threshold) -> bool | None:
     """:func:`~mnemo.sweep.recipe.left_plateau` of a run's curve; ``None`` (not judged) for a run
     that starts from another run's weights (``init_from``: fine-tuning), which has no initial
@@ -320,13 +333,18 @@ def _lengths(row: dict, metric: str = "val_acc") -> dict[int, float]:
     """``{test length: accuracy}`` including the training length (:func:`_length_metric`)."""
     m, name = row["metrics"], _length_metric(metric)
     out = {}
-    if isinstance(m.get(name), (int, float)):
+    if _finite(m.get(name)):
         out[int(row["config"].get("seq_len", 0))] = m[name]
     for k, v in m.items():
         hit = _LEN_KEY.match(k)
-        if hit and hit.group(1) == name and isinstance(v, (int, float)):
+        if hit and hit.group(1) == name and _finite(v):
             out[int(hit.group(2))] = v
     return dict(sorted(out.items()))
+
+
+def _finite(v) -> bool:
+    """A finite number (not a bool): a NaN accuracy at a length is no measurement (:func:`_value`)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _fmt(v, digits=4) -> str:
@@ -373,11 +391,11 @@ def markdown_table(
     select_lr_on_seed: int | None = None,
     confidence: float = 0.95,
 ) -> str:
-    """:func:`cell_stats` as a GitHub markdown table (sorted by axes, then state size): per cell the
-    chosen tuned values, state bytes, parameters, the mean ``metric`` over the reported seeds, its
-    confidence interval (``n=1``: none), ``n``, the runs that reached ``threshold`` (``k/N``), the
-    mean ± half-width at every further test length, all runs of the cell and their wall time. An
-    accuracy's interval that reaches past [0, 1] is marked ``†`` and explained under the table."""
+    """:func:`cell_stats` as a GitHub markdown table (sorted by axes, numbers by value, then state size): per
+    cell the chosen tuned values, state bytes, parameters, the mean ``metric`` over the reported seeds, its
+    confidence interval (``n=1``: none), ``n``, the runs that reached ``threshold`` (``k/N``), the mean ±
+    half-width at every further test length, all runs of the cell and their wall time. An accuracy's interval
+    that reaches past [0, 1] is marked ``†`` and explained under the table."""
     stats = cell_stats(
         rows, metric, threshold=threshold, select_lr_on_seed=select_lr_on_seed, confidence=confidence
     )
@@ -403,7 +421,7 @@ def markdown_table(
         + [f"{_length_metric(metric).removeprefix('val_')}@{L}" for L in lengths]
         + ["runs", "wall (s)"]
     )
-    stats.sort(key=lambda r: ([str(r["cell"].get(a)) for a in axes], r["state_size_bytes"] or 0, r["label"]))
+    stats.sort(key=lambda r: (_cell_key(r["cell"], axes), r["state_size_bytes"] or 0, r["label"]))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     outside = False  # an accuracy's interval that reaches past [0, 1] (marked, not clipped)
     for r in stats:
@@ -449,10 +467,12 @@ def _groups(best: list[dict], along_line: str | None = None) -> dict[str, list[d
     vary along each line of the panel instead)."""
     axes = [a for a in _axes(best) if not (along_line and a.startswith(along_line))]
     groups: dict[str, list[dict]] = defaultdict(list)
+    order: dict[str, list] = {}
     for r in best:
         name = ", ".join(f"{a.split('.')[-1]}={r['cell'].get(a)}" for a in axes) or "all runs"
         groups[name].append(r)
-    return dict(sorted(groups.items()))
+        order[name] = _cell_key(r["cell"], axes)
+    return {name: groups[name] for name in sorted(groups, key=lambda n: (order[n], n))}
 
 
 def _pyplot():
@@ -669,6 +689,8 @@ def judge_claims(
     """Each claim (``{"name", "better", "than"}``, labels) judged in every pair of cells that
     differ only in the label (:func:`~mnemo.sweep.recipe.judge_claim`); the entry gets ``cell``
     (the shared grid values). A claim whose labels share no such pair is not testable here."""
+    axes = _axes(cells)
+    cells = sorted(cells, key=lambda c: _cell_key(c["cell"], axes))  # as the table orders them
     out = []
     for claim in claims:
         found = False

@@ -44,7 +44,7 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
     from ..interp import circuit_callbacks
     from ..train import TrainConfig, Trainer, TrainingDiverged
     from ..train.checkpoint import LATEST, run_checkpoints
-    from ..train.sinks import METRICS_NAME, metrics_lines
+    from ..train.sinks import METRICS_NAME, loads_record, metrics_lines
 
     if threads:
         torch.set_num_threads(threads)
@@ -85,7 +85,7 @@ def run_one(config: dict, run_dir: str, threads: int | None = None) -> dict:
             record = trainer.fit()
             if not record:  # already trained to the end before an interruption: the logged record
                 lines = [x for x in metrics_lines(out / METRICS_NAME) if x.strip()]
-                record = json.loads(lines[-1]) if lines else trainer.evaluate(lengths=cfg.eval_lengths)
+                record = loads_record(lines[-1]) if lines else trainer.evaluate(lengths=cfg.eval_lengths)
             result.update(status="done", metrics={**record, "curve": _curve(out / METRICS_NAME)})
         except TrainingDiverged as e:
             result.update(status="diverged", metrics={"step": e.step}, error=str(e))
@@ -103,13 +103,13 @@ def _curve(path) -> list[dict]:
     """The run's evaluation curve from its ``metrics.jsonl``: per record ``step`` and the
     validation metrics (``val_loss``, ``val_acc``, ``val_seq_acc`` where present), for the
     plateau check of :func:`mnemo.sweep.recipe.left_plateau`."""
-    from ..train.sinks import metrics_lines
+    from ..train.sinks import loads_record, metrics_lines
 
     keep = ("step", "val_loss", "val_acc", "val_seq_acc")
     curve = []
     for line in metrics_lines(path) if Path(path).is_file() else []:
         try:
-            r = json.loads(line)
+            r = loads_record(line)
         except ValueError:
             continue
         if isinstance(r, dict):

@@ -19,12 +19,79 @@ again: keep the sink usable). The trainer holds a process's sinks as a :class:`L
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Protocol
 
 from tqdm.auto import tqdm
 
 METRICS_NAME = "metrics.jsonl"
+#: the field of a record that names its non-finite values (:func:`dumps_record`)
+NONFINITE_KEY = "nonfinite"
+_NONFINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _pointer_part(key) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def _strict(value, path: str, found: dict):
+    """``value`` with each non-finite float replaced by ``None``, its place noted in ``found``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        found[path] = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        return None
+    if isinstance(value, dict):
+        return {
+            k: _strict(v, f"{path}/{_pointer_part(k)}" if path else _pointer_part(k), found)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_strict(v, f"{path}/{i}" if path else str(i), found) for i, v in enumerate(value)]
+    return value
+
+
+def dumps_record(record: dict) -> str:
+    """``record`` as one line of strict JSON (what ``jq`` and JavaScript accept, RFC 8259): a
+    non-finite float (NaN, ±inf, which ``json.dumps`` writes as the bare tokens ``NaN`` and
+    ``Infinity``) is written as ``null``, and the record's field ``"nonfinite"`` maps where it
+    was (a JSON Pointer without its leading ``/``: the key itself for a top-level value,
+    ``curve/3/val_loss`` inside) to ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``.
+    :func:`loads_record` restores the floats."""
+    found: dict[str, str] = {}
+    strict = _strict(record, "", found)
+    if found and isinstance(strict, dict):
+        strict[NONFINITE_KEY] = found
+    return json.dumps(strict, allow_nan=False)
+
+
+def loads_record(line: str):
+    """A line of :func:`dumps_record` (or of a file written before it, with bare ``NaN``) as the
+    record it was written from: the values its ``"nonfinite"`` field names are floats again and
+    the field is dropped. Raises ``json.JSONDecodeError`` for a line that is not JSON."""
+    record = json.loads(line)
+    if not isinstance(record, dict) or not isinstance(record.get(NONFINITE_KEY), dict):
+        return record
+    for path, text in record.pop(NONFINITE_KEY).items():
+        if text not in _NONFINITE_TEXT or not isinstance(path, str):
+            continue
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")]
+        node = record
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else _index(node, part)
+        if isinstance(node, dict) and node.get(last, 0) is None:
+            node[last] = _NONFINITE_TEXT[text]
+        elif isinstance(node, list) and (i := _int(last)) is not None and i < len(node) and node[i] is None:
+            node[i] = _NONFINITE_TEXT[text]
+    return record
+
+
+def _int(part: str) -> int | None:
+    return int(part) if part.isdigit() else None
+
+
+def _index(node, part: str):
+    i = _int(part)
+    return node[i] if isinstance(node, list) and i is not None and i < len(node) else None
 
 
 def metrics_lines(path: str | Path, torn_last: bool = False) -> list[str]:
@@ -119,15 +186,17 @@ class Sink(Protocol):
 
 
 class MetricsFile:
-    """Appends each record as one JSON line to ``out/metrics.jsonl`` (opened per record: a crash
-    loses at most a torn last line, which resume drops)."""
+    """Appends each record as one line of strict JSON to ``out/metrics.jsonl`` (opened per record:
+    a crash loses at most a torn last line, which resume drops); a non-finite value is written as
+    ``null`` and named in the record's ``"nonfinite"`` field (:func:`dumps_record`; read it back
+    with :func:`loads_record`)."""
 
     def __init__(self, out: Path):
         self.path = out / METRICS_NAME
 
     def log(self, record: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps_record(record) + "\n")
 
     def close(self) -> None:
         pass
