@@ -154,7 +154,8 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 def recall_accuracy(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Per stream, the share of reads ``y_i`` whose nearest value by cosine among ``v_1 … v_N`` is
-    ``v_i`` alone. ``y, v: [B, N, H, D]`` → ``[B]`` (averaged over heads and pairs). A read as near
+    ``v_i`` alone. ``y, v: [B, N, H, D]`` → ``[B]`` (averaged over heads and pairs, in float32 at
+    least: a bf16 share would round 999 of 1000 to 1). A read as near
     another value as ``v_i`` (a tie) is a miss, and so is a read of zero norm or with a non-finite
     entry; the cosine is scale-free also for reads whose squared norm overflows.
 
@@ -178,7 +179,7 @@ def recall_accuracy(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     sim.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))  # (in place: no second [N, N] per stream)
     others = sim.amax(-1)  # the nearest other value; -inf with a single pair
     hit = (own > others) & ok.transpose(1, 2)
-    return hit.to(y.dtype).mean(dim=(1, 2))
+    return hit.to(torch.promote_types(y.dtype, torch.float32)).mean(dim=(1, 2))  # (bf16 rounds 0.999 to 1)
 
 
 @torch.no_grad()
@@ -204,7 +205,9 @@ def write_and_recall(
 
     Returns:
         ``{"recall": [B], "nmse": [B]}``: recall by nearest value (:func:`recall_accuracy`) and
-        ``mean_i ‖y_i − v_i‖² / ‖v_i‖²`` per stream (a non-finite read gives ``nan`` in both).
+        ``mean_i ‖y_i − v_i‖² / ‖v_i‖²`` per stream (a non-finite read gives ``nan`` in both). The
+        memory runs as :func:`~mnemo.memory.neural_memory` does (float32 weights for bf16 pairs);
+        the read is rounded to the pairs' dtype, and both numbers are computed in float32 at least.
 
     Raises:
         ValueError: a spec with retention, a momentum spec without ``eta`` (or ``eta`` without
@@ -230,8 +233,9 @@ def write_and_recall(
     et = None if eta is None else torch.full_like(th, float(eta))
     st0 = init_state(spec, list(weights))
     _, st = neural_memory(spec, kk, kk, vv, th, eta=et, initial_state=st0, output_final_state=True)
-    y, _, _ = memory_apply(spec, st.weights, k.transpose(1, 2))  # [B, H, N, V]
-    y = y.transpose(1, 2)
+    y, _, _ = memory_apply(spec, st.weights, k.transpose(1, 2).to(st.weights[0].dtype))  # [B, H, N, V]
+    cd = torch.promote_types(v.dtype, torch.float32)  # the error and recall of bf16 pairs in float32
+    y, v = y.transpose(1, 2).to(v.dtype).to(cd), v.to(cd)  # (the read rounded to the pairs' dtype)
     nmse = (((y - v) ** 2).sum(-1) / (v**2).sum(-1)).mean(dim=(1, 2))
     bad = ~torch.isfinite(y).all(dim=-1).all(dim=-1).all(dim=-1)
     recall = recall_accuracy(y, v)

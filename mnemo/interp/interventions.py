@@ -282,7 +282,7 @@ def _aligned(ref: torch.Tensor, value: torch.Tensor, name: str, model, what: str
         return ref
     R = ref.shape[p_ax]
     where = f" (the call's tokens {offset} … {offset + n - 1} of {length})"
-    if R == n and offset + n == length:  # starts before the call (a learned prefix) and covers it
+    if R == n and offset <= 0 and offset + n == length:  # starts before the call (a prefix), covers it
         out = ref
     elif R == length:
         lo, hi = max(offset, 0), min(offset + n, length)
@@ -322,6 +322,11 @@ def _an_int(x) -> int | None:
         return operator.index(x)
     except TypeError:
         return None
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or float64 where it is float64 (a metric of a float64 model is not rounded)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _tensor_value(value, name: str) -> torch.Tensor:
@@ -606,7 +611,8 @@ def patch(model, clean_cache: dict, names, *, heads=None, positions=None, channe
 def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tensor], torch.Tensor]:
     """Metric ``logits [B, T, V] -> scalar``: the mean over the batch of
     ``logits[b, position, correct[b]] − logits[b, position, wrong[b]]`` (``correct``, ``wrong``: an
-    int or ``[B]`` token ids). Default ``position=-1`` (the last position). Raises ``ValueError``
+    int or ``[B]`` token ids), in float32 (float64 for float64 logits). Default ``position=-1`` (the
+    last position). Raises ``ValueError``
     naming the argument, when called, for a token id outside ``[0, V)``, ids that are not one per
     row, or a position outside ``[−T, T)`` (one that is not an int: at once)."""
     pos = _an_int(position)
@@ -620,7 +626,7 @@ def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tens
             raise ValueError(
                 f"position: expected an int in [-{T}, {T}) (logits of {T} positions), got {position}"
             )
-        last = logits[:, position].float()
+        last = _at_least_float32(logits[:, position])
         ids = []
         for what, tok in (("correct", correct), ("wrong", wrong)):
             t = torch.as_tensor(tok, device=last.device)
@@ -643,7 +649,8 @@ def logit_difference(correct, wrong, position: int = -1) -> Callable[[torch.Tens
 def next_token_loss(input_ids: torch.Tensor, positions=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """Metric ``logits [B, T, V] -> scalar``: the mean next-token cross-entropy (nats) of
     ``input_ids [B, T]`` — the logits at ``t`` predict ``input_ids[:, t + 1]`` — over the target
-    positions ``positions`` (ints in ``1 … T − 1``: the tokens predicted; default all). Raises
+    positions ``positions`` (ints in ``1 … T − 1``: the tokens predicted; default all), in float32
+    (float64 for float64 logits). Raises
     ``ValueError`` naming ``positions`` for one outside ``1 … T − 1`` (position 0 has no
     prediction) or not an integer, and, when called, naming ``logits`` when they are not
     ``[B, T, vocab]`` for ``input_ids [B, T]``."""
@@ -670,7 +677,7 @@ def next_token_loss(input_ids: torch.Tensor, positions=None) -> Callable[[torch.
             )
         ids = input_ids.to(logits.device)
         loss = F.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+            _at_least_float32(logits[:, :-1]).transpose(1, 2), ids[:, 1:], reduction="none"
         )  # [B, T-1]
         if idx is None:
             return loss.mean()
@@ -684,8 +691,8 @@ class Patching(NamedTuple):
 
     ``values``: the metric of each patched run, ``[N]`` (``per="layer"``), ``[N, H]`` (``"head"``),
     ``[N, T]`` (``"position"``) or ``[N, H, T]`` (``"head_position"``), ``N = len(names)``
-    (missing heads of a layer with fewer are NaN); ``clean``, ``corrupted``: the metric of the
-    unpatched runs."""
+    (missing heads of a layer with fewer are NaN), float64 for a float64 metric (a float64 model's),
+    else float32; ``clean``, ``corrupted``: the metric of the unpatched runs."""
 
     values: torch.Tensor
     names: list[str]
@@ -741,7 +748,9 @@ def activation_patching(
             "the hooks that do"
         )
     corrupted_logits, _ = model(corrupted_ids)
-    clean_m, corrupted_m = float(metric(clean_logits)), float(metric(corrupted_logits))
+    clean_t = torch.as_tensor(metric(clean_logits))
+    clean_m, corrupted_m = float(clean_t), float(metric(corrupted_logits))
+    dtype = torch.float64 if clean_t.dtype == torch.float64 else torch.float32  # the metric's precision
 
     def run(hooks) -> float:
         return float(metric(model.run_with_hooks(corrupted_ids, hooks)[0]))
@@ -762,7 +771,7 @@ def activation_patching(
     shape = {"layer": [len(chosen)], "head": [len(chosen), Hmax], "position": [len(chosen), T]}.get(
         per, [len(chosen), Hmax, T]
     )
-    values = torch.full(shape, math.nan)
+    values = torch.full(shape, math.nan, dtype=dtype)
     for i, n in enumerate(chosen):
         H, Tn = sizes[i]
         if per == "layer":
@@ -895,7 +904,9 @@ def _icl_metrics(model, ids: torch.Tensor, length: int, hooks: Hooks, skip: int 
     with attached(model.hook_points, hooks):
         icl = icl_score(model, ids, skip=skip)
         logits, _ = model(ids)
-    loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")  # target t+1
+    loss = F.cross_entropy(
+        _at_least_float32(logits[:, :-1]).transpose(1, 2), ids[:, 1:], reduction="none"
+    )  # target t+1
     # the copies' positions 1 … L−1: the first copy (unpredictable); L+1 … 2L−1: the repeat (by
     # induction); loss[:, t] predicts position t + 1, and the copies start at position ``skip``
     first = loss[:, skip : skip + length - 1].mean()

@@ -52,12 +52,22 @@ def lyapunov_spectrum(
     ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
     generic start; default ``sort=True``). ``seed``: the seed of the ``"random"`` basis (default
     ``seed=0``). Raises ``ValueError`` for a ``burn_in`` outside ``[0, T)`` (no step left to
-    average) or a ``T`` below 1 (no transition: no exponent, rather than zeros)."""
+    average), a ``T`` below 1 (no transition: no exponent, rather than zeros), a ``k`` that is not
+    an int ``>= 1`` (one above ``n`` computes all ``n``) or a ``tokens`` that is not a finite
+    number ``> 0`` (a negative count would flip every exponent's sign)."""
     if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
         raise ValueError(f"T: expected at least one step (transition) to average, got {T!r}")
     if isinstance(burn_in, bool) or not isinstance(burn_in, numbers.Integral) or not 0 <= burn_in < T:
         raise ValueError(
             f"burn_in: expected an int number of steps in [0, {T}) (of T = {T}), got {burn_in!r}"
+        )
+    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+        raise ValueError(f"k: expected an int >= 1 (exponents to compute) or None (all {n}), got {k!r}")
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, numbers.Real) or not 0 < tokens < math.inf
+    ):
+        raise ValueError(
+            f"tokens: expected a finite number of tokens > 0 (the sums' divisor), got {tokens!r}"
         )
     k = n if k is None else min(int(k), n)
     if q0 is None:
@@ -374,8 +384,12 @@ def classify(
     (tokens) below which a direction is irrelevant (default ``irrelevant_half_life=4.0``,
     :data:`IRRELEVANT_HALF_LIFE`; ``ValueError`` unless a finite number > 0). When it is not
     shorter than ``context`` (a context of a few tokens) the irrelevant and marginal bands meet:
-    irrelevant wins, so the shares stay disjoint and sum to 1 and no direction is intermediate."""
+    irrelevant wins, so the shares stay disjoint and sum to 1 and no direction is intermediate.
+    ``context``: the tokens the marginal band ``|λ| < ln 2 / context`` is drawn for; ``ValueError``
+    unless a finite number > 0 (as :func:`~mnemo.interp.spectrum.memory_spectrum` asks)."""
     check_irrelevant_half_life(irrelevant_half_life)
+    if isinstance(context, bool) or not isinstance(context, numbers.Real) or not 0 < context < math.inf:
+        raise ValueError(f"context: expected a finite number of tokens > 0, got {context!r}")
     lam = torch.as_tensor(exponents, dtype=torch.float64)
     lam = lam.reshape(1, -1) if lam.ndim <= 1 else lam.reshape(-1, lam.shape[-1])
     H, m = lam.shape

@@ -48,15 +48,7 @@ def circuit_scores(
     ``batch`` that is not an int ``≥ 1``, a ``seed`` that is not an int, a ``vocab_offset`` that is
     not an int ``≥ 0`` (an offset past the vocabulary draws its last id), or a ``bos`` outside the
     vocabulary."""
-    for what, value, low in (("length", length, 2), ("batch", batch, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{what}: expected an int >= {low}, got {value!r}")
-    try:
-        seed, vocab_offset = operator.index(seed), operator.index(vocab_offset)
-    except TypeError:
-        raise ValueError(f"seed, vocab_offset: expected ints, got {seed!r} and {vocab_offset!r}") from None
-    if vocab_offset < 0:
-        raise ValueError(f"vocab_offset: expected an int >= 0 (the first token id drawn), got {vocab_offset}")
+    seed, vocab_offset = _check_circuit_settings(length, batch, seed, vocab_offset)
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     offset = min(vocab_offset, V - 1) if bos is None else vocab_offset
@@ -80,6 +72,21 @@ def circuit_scores(
             entry["note"] = _zero_map_note(model.blocks[layer].mixer, ids.shape[1], skip)
         out[str(layer)] = entry
     return out
+
+
+def _check_circuit_settings(length, batch, seed, vocab_offset) -> tuple[int, int]:
+    """``(seed, vocab_offset)`` as ints, after checking the settings of :func:`circuit_scores`
+    (``ValueError`` naming the one that is wrong)."""
+    for what, value, low in (("length", length, 2), ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{what}: expected an int >= {low}, got {value!r}")
+    try:
+        seed, vocab_offset = operator.index(seed), operator.index(vocab_offset)
+    except TypeError:
+        raise ValueError(f"seed, vocab_offset: expected ints, got {seed!r} and {vocab_offset!r}") from None
+    if vocab_offset < 0:
+        raise ValueError(f"vocab_offset: expected an int >= 0 (the first token id drawn), got {vocab_offset}")
+    return seed, vocab_offset
 
 
 def _zero_map_note(mixer, T: int, skip: int) -> str:
@@ -113,7 +120,11 @@ class CircuitTracker:
     intermediate, marginal, relevant}_by_layer`` (shares) and
     ``spectrum_median_half_life_by_layer`` (tokens; ``None`` for a median that never halves); and
     ``spectrum_by_memory``: ``{key: {shares…, median_half_life}}`` for every memory with a spectrum,
-    the mixers' (``"0"``, ``"1"``, …) and the CMS levels' (``"0.cms1"``: layer 0, level 1)."""
+    the mixers' (``"0"``, ``"1"``, …) and the CMS levels' (``"0.cms1"``: layer 0, level 1).
+
+    Raises ``ValueError`` when built (not at the first evaluation), naming a setting that
+    :func:`circuit_scores` would refuse, or a ``spectrum_tokens`` or ``spectrum_directions`` that
+    is not an int ``>= 1``."""
 
     tracks_circuits = True
 
@@ -128,6 +139,13 @@ class CircuitTracker:
         spectrum_tokens: int = 256,
         spectrum_directions: int = 8,
     ):
+        seed, vocab_offset = _check_circuit_settings(length, batch, seed, vocab_offset)
+        for what, value in (
+            ("spectrum_tokens", spectrum_tokens),
+            ("spectrum_directions", spectrum_directions),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what}: expected an int >= 1, got {value!r}")
         self.length, self.batch, self.seed, self.vocab_offset = length, batch, seed, vocab_offset
         self.spectrum, self.spectrum_tokens, self.spectrum_directions = (
             spectrum,

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 
 def normalise(maps: torch.Tensor) -> torch.Tensor:
-    """Row-normalised absolute weights (identity on softmax probabilities)."""
-    a = maps.abs()
+    """Row-normalised absolute weights (identity on softmax probabilities), in float32 at least (a
+    bf16 map's rows are summed and its scores averaged in float32, not rounded to bf16)."""
+    a = maps.abs().to(torch.promote_types(maps.dtype, torch.float32))
     return a / a.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
@@ -124,13 +125,19 @@ def sink_score(maps: torch.Tensor, start: int | None = None) -> tuple[torch.Tens
     positions ``t ≥ start`` (default ``T // 2``) put on position 0, per head: ``[H]``, and the same
     mean under uniform causal attention, ``mean_t 1 / (t + 1)`` — a head with a sink puts many times
     that on the first token (a score near 1: almost all of its weight). ``maps [B, H, T, T]``;
-    raises ``ValueError`` for maps of another shape or ``start`` outside ``[0, T)``."""
+    raises ``ValueError`` for maps of another shape or a ``start`` that is not an int (a numpy or
+    0-d tensor one is taken; not a bool or a float) in ``[0, T)``."""
     _check_maps(maps)
     p = normalise(maps)
     T = p.shape[-1]
-    start = T // 2 if start is None else start
-    if not 0 <= start < T:
-        raise ValueError(f"start: expected a query position in [0, {T}), got {start}")
+    given = start
+    try:
+        start = T // 2 if start is None else None if isinstance(start, bool) else operator.index(start)
+    except TypeError:
+        start = None
+    if start is None or not 0 <= start < T:
+        kind = "" if start is not None else f" (a {type(given).__name__}, not an int)"
+        raise ValueError(f"start: expected a query position in [0, {T}), got {given!r}{kind}")
     uniform = sum(1 / (t + 1) for t in range(start, T)) / (T - start)
     return p[..., start:, 0].mean((0, -1)), uniform
 
@@ -188,7 +195,21 @@ def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0
     leading positions whose prediction counts for neither span (1 for a run's BOS: the prediction
     of the first token from it), the fractions then taken of the rest (default ``skip=0``).
     Raises ``ValueError`` naming ``skip`` when it leaves no prediction to score (the spans would
-    be means of nothing: NaN)."""
+    be means of nothing: NaN), naming ``early`` or ``late`` for a span that is not ``(a, b)`` with
+    ``0 ≤ a < b ≤ 1`` (a reversed or empty span would score one position, or none), and naming
+    ``input_ids`` when they are not ``[B, T]`` with ``T ≥ 2``."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 2:
+        got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids: expected [B, T] token ids with T >= 2, got {got}")
+    for what, sp in (("early", early), ("late", late)):
+        try:
+            a, b = (float(x) for x in sp)
+        except (TypeError, ValueError):
+            a = b = math.nan
+        if not 0 <= a < b <= 1:
+            raise ValueError(
+                f"{what}: expected a span (a, b) of fractions of the context with 0 <= a < b <= 1, got {sp!r}"
+            )
     n_pred = input_ids.shape[-1] - 1
     if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < n_pred:
         raise ValueError(
@@ -196,7 +217,8 @@ def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0
             f"got {skip!r}"
         )
     logits, _ = model(input_ids[:, :-1])
-    loss = F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none").mean(0)  # [T]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (float64 stays float64)
+    loss = F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none").mean(0)  # [T]
     loss = loss[skip:]
     T = loss.shape[0]
 

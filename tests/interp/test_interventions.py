@@ -182,7 +182,7 @@ def test_activation_patching_per_layer_position_and_head():
     metric = logit_difference(clean[:, -1], corrupted[:, -1], position=-2)
     res = activation_patching(m, clean, corrupted, metric, "hook_resid_pre", per="layer")
     assert res.values.shape == (2,)
-    torch.testing.assert_close(res.values, torch.full((2,), res.clean), rtol=0, atol=0)
+    torch.testing.assert_close(res.values, torch.full((2,), res.clean, dtype=torch.float64), rtol=0, atol=0)
     torch.testing.assert_close(res.restored, torch.ones(2, dtype=res.values.dtype))
     # the last residual stream, per position: only position T-2 (the metric's) matters
     res = activation_patching(m, clean, corrupted, metric, "blocks.1.hook_resid_post", per="position")
@@ -200,7 +200,7 @@ def test_activation_patching_per_layer_position_and_head():
         o[:, :, h] = c["blocks.1.mixer.hook_o"][:, :, h]
         x = k["blocks.1.hook_resid_pre"] + blk.mixer.o_proj(o.flatten(2))
         x = x + blk.mlp(blk.mlp_norm(x))
-        torch.testing.assert_close(res.values[0, h], metric(_finish(m, x, 2)).float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(res.values[0, h], metric(_finish(m, x, 2)), rtol=1e-6, atol=1e-6)
     # head x position: one value per pair; the figure draws
     res = activation_patching(
         m, clean[:, :5], corrupted[:, :5], next_token_loss(clean[:, :5]), per="head_position"
