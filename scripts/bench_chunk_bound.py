@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
+
 
 def _median_ms(fn, repeats: int) -> float:
     fn()
@@ -36,12 +38,12 @@ def _median_ms(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--length", type=positive_int, default=4096)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--chunk", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument(
         "--groups",
         default="",

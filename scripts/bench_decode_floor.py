@@ -37,6 +37,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
 from mnemo.bench.models import interleaved
 from mnemo.bench.roofline import (
     build,
@@ -87,18 +88,20 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gated_deltanet,mamba2,gla,transformer")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--context", type=positive_int, default=256)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument(
         "--steps-per-call",
-        type=int,
+        type=positive_int,
         default=20,
         help="decode steps back to back in one timed call (as generation runs them; 1 = each step "
         "timed alone, after the other tasks have evicted its weights from the caches)",
     )
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128, help="model width (default: the main job's, 128)")
-    p.add_argument("--n-layers", type=int, default=4, help="blocks (default: the main job's, 4)")
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument(
+        "--d-model", type=positive_int, default=128, help="model width (default: the main job's, 128)"
+    )
+    p.add_argument("--n-layers", type=positive_int, default=4, help="blocks (default: the main job's, 4)")
     p.add_argument(
         "--compile",
         action="store_true",
@@ -117,7 +120,10 @@ def main(argv=None):
         "(no mnemo.ops.small_mm kernel, as generate(compile=True) ran in sessions 27-30), in the same rounds",
     )
     p.add_argument(
-        "--stream-elements", type=int, default=None, help="triad array length (default: the roofline's)"
+        "--stream-elements",
+        type=positive_int,
+        default=None,
+        help="triad array length (default: the roofline's)",
     )
     a = p.parse_args(argv)
     if a.blas_too and not a.compile:

@@ -33,6 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
+
 SIZES = {"main": dict(vocab=256, T=128, B=32), "vocab32k": dict(vocab=32000, T=128, B=32)}
 MODEL = "gated_deltanet"
 
@@ -110,10 +112,12 @@ def interleaved(tasks: dict, rounds: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--sizes", default="main,vocab32k")
     ap.add_argument("--model", default=MODEL)
-    ap.add_argument("--memory-runs", type=int, default=2, help="fresh processes per memory row (median)")
+    ap.add_argument(
+        "--memory-runs", type=positive_int, default=2, help="fresh processes per memory row (median)"
+    )
     ap.add_argument("--parts", default="memory,time,optimizer", help="which tables (comma-separated)")
     args = ap.parse_args()
     parts = args.parts.split(",")

@@ -19,6 +19,7 @@ import time
 import torch
 
 import mnemo.layers.norm as norm_mod
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
 
 
 def _reference(x, z, w, eps=1e-5, *, groups=1, gate_first=False):
@@ -50,8 +51,8 @@ def _row(label: str, ms: dict[str, float], ratios: list[float]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8x1024x512", help="B x T x D of the op rows (default 8x1024x512)")
-    p.add_argument("--groups", type=int, default=1, help="norm groups in the op rows (default 1)")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    p.add_argument("--groups", type=positive_int, default=1, help="norm groups in the op rows (default 1)")
+    p.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
     p.add_argument("--models", default="", help="families for training-step rows (default: none)")
     p.add_argument("--model-shape", default="1024x8", help="T x B of the model rows (default 1024x8)")
     a = p.parse_args(argv)

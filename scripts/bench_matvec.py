@@ -25,14 +25,15 @@ import torch
 import torch.nn.functional as F
 
 import mnemo.ops.small_mm  # noqa: F401  (registers torch.ops.mnemo.small_mm)
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
 from mnemo.bench.roofline import stream_tasks
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=11)
-    p.add_argument("--matrices", type=int, default=48)
-    p.add_argument("--stream-elements", type=int, default=None, help="triad array length")
+    p.add_argument("--rounds", type=positive_int, default=11)
+    p.add_argument("--matrices", type=positive_int, default=48)
+    p.add_argument("--stream-elements", type=positive_int, default=None, help="triad array length")
     a = p.parse_args(argv)
     d, n = 512, 2048
     g = torch.Generator().manual_seed(0)

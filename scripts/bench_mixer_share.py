@@ -31,6 +31,7 @@ import torch
 
 import mnemo.layers.delta as delta_layer
 import mnemo.layers.ssm as ssm_layer
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
 from mnemo.bench.model_peers import peer_transformers_mamba2, peer_transformers_qwen3_next
 from mnemo.bench.models import (
     Size,
@@ -79,7 +80,7 @@ def _mixer_core_free():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1024x8", help="TxB of the training batch (default 1024x8)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (default 3)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="interleaved timed rounds (default 3)")
     ap.add_argument(
         "--tune-malloc",
         action="store_true",

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
+
 VARIANTS = ("cli", "python", "python+tune")
 
 
@@ -44,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="gla_scalar,gated_delta_rule,ssd,gla_channel")
     p.add_argument("--lengths", default="4096")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     a = p.parse_args(argv)

@@ -28,6 +28,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
+
 dr = importlib.import_module("mnemo.ops.delta_rule")
 gla = importlib.import_module("mnemo.ops.gated_linear_attention")
 _HALVING = {m: m.chunks_within_span for m in (dr, gla)}
@@ -138,7 +140,7 @@ def _sizes(text: str) -> list[tuple[int, int, int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians; default 5)")
+    ap.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds (medians; default 5)")
     ap.add_argument("--op-shape", default="8x1024x4x64", help="BxTxHxK of the op table, or 'none'")
     ap.add_argument("--models", default="gated_deltanet,gla", help="presets of the model table, or 'none'")
     ap.add_argument(
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         default="128x4x128x32,256x6x1024x8,512x8x2048x1",
         help="d_model x layers x T x B, comma-separated",
     )
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit(f"--rounds: expected >= 1, got {a.rounds}")

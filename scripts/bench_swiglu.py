@@ -20,6 +20,7 @@ import time
 import torch
 
 import mnemo.layers.mlp as mlp
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
 from mnemo.runtime import tune_malloc
 
 _KERNEL = mlp.swiglu
@@ -54,13 +55,13 @@ def _dims(text: str, n: int, flag: str, example: str) -> list[tuple[int, ...]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (medians; default 7)")
+    ap.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (medians; default 7)")
     ap.add_argument("--op-shape", default="8192x704", help="R x H of the op row (h is [R, 2H]), or 'none'")
     ap.add_argument("--models", default="gated_deltanet,transformer,gla", help="presets, or 'none'")
     ap.add_argument(
         "--model-sizes", default="128x4x128x32,256x6x1024x8", help="d_model x layers x T x B, comma-separated"
     )
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     a = ap.parse_args(argv)
     if a.rounds < 1:
         raise SystemExit(f"--rounds: expected >= 1, got {a.rounds}")

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
 from mnemo.models import LanguageModel, build_config
 
 VOCAB = 256
@@ -46,8 +47,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="hope_attention,hope")
     ap.add_argument("--sizes", default="64x2x128x4")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=9)
+    ap.add_argument("--threads", type=positive_int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):

@@ -27,6 +27,8 @@ import statistics
 import subprocess
 import sys
 
+from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
+
 VARIANTS = ("cache", "no cache", "cache+tune")
 
 _CHILD = """
@@ -65,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ops", default="gla_scalar,gla_channel,gated_delta_rule,ssd", help="op rows or model:<name>"
     )
-    p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--length", type=positive_int, default=4096)
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     a = p.parse_args(argv)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
 
 import torch
+
+from . import write_json
 
 DEFAULT_MODELS = (
     "transformer",
@@ -89,7 +92,7 @@ def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) ->
     rss_mb = peak_rss_mb()
     # the median step: one scheduler hiccup on a shared 2-core machine moves a mean of 64 steps by
     # 20-30%, which would read as context dependence
-    median = sorted(times)[len(times) // 2]
+    median = statistics.median(times)
     return {
         "model": model_name,
         "context": L,
@@ -106,9 +109,11 @@ def main(args) -> int:
     # --models names the models (as in the models suite); --ops is the older spelling, still read
     chosen = getattr(args, "models", None) or getattr(args, "ops", None)
     models = [m.strip() for m in chosen.split(",") if m.strip()] if chosen else list(DEFAULT_MODELS)
+    flag = "--models" if getattr(args, "models", None) else "--ops"
+    if not models:
+        raise ValueError(f"{flag}: expected at least one model name, got {chosen!r}")
     unknown = [m for m in models if m not in model_names()]
     if unknown:
-        flag = "--models" if getattr(args, "models", None) else "--ops"
         raise ValueError(f"{flag}: unknown model(s) {unknown}; registered: {', '.join(model_names())}")
     contexts = [int(x) for x in str(args.contexts).split(",")]
     procs = max(1, getattr(args, "decode_processes", 3))
@@ -143,8 +148,7 @@ def main(args) -> int:
                 continue
             r = dict(runs[0])
             for key in ("tokens_per_s", "mean_tokens_per_s", "peak_rss_mb"):
-                values = sorted(x[key] for x in runs)
-                r[key] = values[len(values) // 2]
+                r[key] = statistics.median(x[key] for x in runs)
             r["tokens_per_s_runs"] = [x["tokens_per_s"] for x in runs]
             rows.append(r)
             print(
@@ -155,13 +159,12 @@ def main(args) -> int:
         if len(own) >= 2:
             a, b = own[0], own[-1]
             print(
-                f"{'':<16}{'':>8}   {b['context'] // a['context']}x context: tokens/s "
+                f"{'':<16}{'':>8}   {b['context'] / a['context']:g}x context: tokens/s "
                 f"x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
                 f"peak RSS x{b['peak_rss_mb'] / a['peak_rss_mb']:.2f}"
             )
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+        write_json(args.json, rows)
         print(f"\nwrote {args.json}")
     if failed:
         print(

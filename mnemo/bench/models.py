@@ -39,7 +39,6 @@ runs eager only.
 from __future__ import annotations
 
 import gc
-import json
 import math
 import statistics
 import sys
@@ -49,6 +48,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import write_json
 from .model_entries import (  # noqa: F401  (the rows, also mnemo.bench.models' API)
     DEFAULT_D_MODEL,
     DEFAULT_GEN_BATCHES,
@@ -532,12 +532,20 @@ def print_tables(result: dict, log: Callable[[str], None] = print) -> None:
         log(f"  {name}: failed: {why}")
 
 
+def _names(text: str, flag: str) -> list[str]:
+    """Comma-separated names, blanks around each dropped (as the CLI's duplicate check reads them)."""
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"{flag}: expected at least one name, got {text!r}")
+    return names
+
+
 def main(args) -> int:
     from ..models import model_names
 
-    models = args.models.split(",") if getattr(args, "models", None) else model_names()
+    models = _names(args.models, "--models") if getattr(args, "models", None) else model_names()
     peers_arg = getattr(args, "peers", None)
-    peers = [] if peers_arg == "none" else (peers_arg.split(",") if peers_arg else list(PEERS))
+    peers = [] if peers_arg == "none" else (_names(peers_arg, "--peers") if peers_arg else list(PEERS))
     size = Size(
         getattr(args, "d_model", None) or DEFAULT_D_MODEL, getattr(args, "n_layers", None) or DEFAULT_N_LAYERS
     )
@@ -578,8 +586,7 @@ def main(args) -> int:
     )
     print_tables(result)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json, result)
         print(f"\nwrote {args.json}")
     if not result["train"] and not result["generate"]:
         print(

@@ -8,11 +8,11 @@ shape and prints the ratio ``peer time / mnemo time`` (above 1: mnemo is faster)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import torch
 
+from . import write_json
 from .ops import _time
 
 
@@ -290,7 +290,6 @@ def main(args) -> int:
             print(f"  {label:<30}{times}{row['params']:>11,}{rf:>11.2f}{rb:>11.2f}")
         print()
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+        write_json(args.json, results)
         print(f"wrote {args.json}")
     return 0

@@ -53,7 +53,6 @@ Other processes on the machine change every number; the JSON records the load av
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
@@ -64,6 +63,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from . import write_json
 from .models import check_shapes_memory, interleaved, parse_gen_batches, parse_shapes
 
 DEFAULT_MODELS = ("gated_deltanet", "mamba2", "gla", "transformer", "titans_lmm", "hope")
@@ -494,6 +494,8 @@ def run(
     from ..models import model_names
 
     known = model_names()
+    if not models:
+        raise ValueError("--models: expected at least one model name, got none")
     unknown = [m for m in models if m not in known]
     if unknown:
         raise ValueError(f"--models: unknown model(s) {unknown}; registered: {', '.join(known)}")
@@ -741,8 +743,7 @@ def main(args) -> int:
     )
     print_tables(result)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json, result)
         print(f"\nwrote {args.json}")
     sys.stdout.flush()
     return 0

@@ -133,11 +133,11 @@ class MemorySpec:
         for name in ("max_lr", "grad_clip"):
             if getattr(self, name) is not None and not number(getattr(self, name)):
                 bad(name, "None or a finite number")
-        if not isinstance(self.depth, int) or self.depth < 1:
+        if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
             bad("depth", "an int >= 1")
         if self.expansion <= 0:
             bad("expansion", "a positive number")
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:
             bad("chunk_size", "a positive int")
         if self.objective == "lp" and self.p < 1:
             bad("p", "a number >= 1")
