@@ -53,6 +53,7 @@ checkpoint or run directory), ``device`` (``cpu``), ``batch_size`` (int; ``auto`
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -115,11 +116,23 @@ def _special_ids(ckpt: Path | None, tokenizer) -> tuple[int | None, list[int]]:
     return bos, stop
 
 
+def _changes(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> bool:
+    """Whether ``model.to(dtype)`` / ``.to(device)`` would change a parameter or buffer of ``model``."""
+    if dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+        return True  # (buffers such as rotary frequencies may stay float32 by design)
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+            return True
+    return False
+
+
 @register_model("mnemo")
 class MnemoLM(LM):
     """A mnemo checkpoint as an lm-eval ``LM`` (see the module docstring for what each request
     type computes). ``model`` may be given instead of ``checkpoint`` (with ``tokenizer``) to wrap a
-    model already in memory."""
+    model already in memory: it is used as it is (and put in eval mode), unless ``dtype`` or
+    ``device`` differ from its own, in which case a copy is cast or moved and the caller's model is
+    left unchanged."""
 
     def __init__(
         self,
@@ -156,10 +169,16 @@ class MnemoLM(LM):
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt)
         elif tokenizer is None:
             raise ValueError("tokenizer: required with model=")
+        target = None
         if dtype not in (None, "", "auto"):
             if dtype not in _DTYPES:
                 raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-            model = model.to(_DTYPES[dtype])
+            target = _DTYPES[dtype]
+        if ckpt is None and _changes(model, target, self._device):
+            # a model of the caller's: cast / moved as a copy (``nn.Module.to`` works in place)
+            model = copy.deepcopy(model)
+        if target is not None:
+            model = model.to(target)
         self.model = model.to(self._device).eval()
         self.tokenizer = tokenizer
         cfg = model.config

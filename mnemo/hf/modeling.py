@@ -66,8 +66,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.state import select_rows
 from ..models.config import MODEL_TYPE, ModelConfig
-from ..models.lm import CONFIG_NAME, WEIGHTS_NAME, LanguageModel
-from .convert import is_foreign_checkpoint
+from ..models.lm import CONFIG_NAME, LanguageModel
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 
@@ -169,6 +168,23 @@ class MnemoCache:
         return f"MnemoCache(layers={len(self.states)}, seen_tokens={self.seen_tokens})"
 
 
+def _check_mask(mask: torch.Tensor | None, input_ids: torch.Tensor, cache: MnemoCache | None) -> None:
+    """``attention_mask``: ``None`` or ``[B, T]`` for the ids ``[B, T]`` — with a cache, ``[B, S + T]``
+    (``S`` the tokens it consumed, as ``generate`` passes it) or ``[B, T]``. A mask of another rank
+    (1-D, or transformers' 4-D ``[B, 1, T, S]``) or shape cannot say which tokens are pads of which
+    row: ``ValueError`` naming the expected and the received shape."""
+    if mask is None:
+        return
+    B, T = input_ids.shape[:2]
+    widths = (T,) if cache is None else (T, cache.seen_tokens + T)
+    if mask.ndim != 2 or mask.shape[0] != B or mask.shape[1] not in widths:
+        with_cache = f" (or [B, S + T] = [{B}, {widths[-1]}] with the cache)" if cache is not None else ""
+        raise ValueError(
+            f"attention_mask: expected [B, T] = [{B}, {T}]{with_cache}, 1 = token and 0 = padding, one row "
+            f"per row of input_ids; got {list(mask.shape)}"
+        )
+
+
 def _padding(mask: torch.Tensor | None) -> str:
     """``"none"``, ``"right"`` (zeros only at the end of rows: a causal model never sees them) or
     ``"left"`` (each row ``0 … 0 1 … 1``); ``ValueError`` for anything else."""
@@ -246,6 +262,7 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the state as cache= or as past_key_values=, not both")
         cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
+        _check_mask(attention_mask, input_ids, cache)
         padding = _padding(attention_mask)
         if padding == "left" and cache is None:  # prefill without the pads (they never enter a state)
             logits, state = self.model.prefill_left_padded(input_ids, attention_mask)
@@ -272,6 +289,18 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return out if return_dict else out.to_tuple()
+
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """``transformers``' ``generate``; with learned positions (``pos_embedding="learned"``) a
+        prompt longer than ``max_position``, or one whose ``max_new_tokens`` (the argument, else the
+        generation config's) run past it, raises ``ValueError`` naming the lengths before any work
+        (:meth:`mnemo.models.LanguageModel.generate`'s check)."""
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if self.model.pos_embed is not None and torch.is_tensor(ids) and ids.ndim == 2:
+            gen = kwargs.get("generation_config") or self.generation_config
+            new = kwargs.get("max_new_tokens", getattr(gen, "max_new_tokens", None))
+            self.model._check_positions(ids.shape[1], new if isinstance(new, int) and new > 0 else 1)
+        return super().generate(inputs, *args, **kwargs)
 
     def prepare_inputs_for_generation(
         self,
@@ -313,9 +342,10 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         """Load a mnemo checkpoint directory (or a Hub repository holding one) with mnemo's loader.
 
         ``dtype`` (or ``torch_dtype``): a ``torch.dtype`` or its name to cast to; ``"auto"`` / ``None``
-        (``transformers``' default) load in the dtype the weights are stored in (the first floating
-        tensor of ``model.safetensors``: float32 for a training run's checkpoint, float64 or bfloat16
-        for a model saved in that dtype; float32 for another library's folder, converted in memory);
+        (``transformers``' default) load in the dtype the weights are stored in (that of most of
+        ``model.safetensors``' floating elements: float32 for a training run's checkpoint, float64 or bfloat16
+        for a model saved in that dtype; float32 for another library's folder, converted in memory,
+        or float64 when stored in float64: :meth:`mnemo.models.LanguageModel.from_pretrained`);
         ``device_map``: a device (``"cpu"``, ``"cuda:0"``) or ``"auto"`` (CUDA when available).
         Hub options (``revision``, ``cache_dir``, ``local_files_only``, ``token``, ``subfolder``)
         apply to a repository id; other ``transformers`` loading options are ignored; remaining
@@ -341,7 +371,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             "local_files_only", "proxies", "token", "subfolder", "code_revision", "_commit_hash",
             "low_cpu_mem_usage", "use_safetensors", "attn_implementation", "weights_only", "key_mapping",
         }  # fmt: skip
-        lm = LanguageModel.from_pretrained(path, map_location="cpu")
+        dtype = dtype if dtype is not None else torch_dtype
+        # None / "auto" (transformers' default): the dtype the weights are stored in, as transformers
+        lm = LanguageModel.from_pretrained(path, map_location="cpu", dtype=dtype)
         if config is None:
             config = MnemoConfig.from_model_config(lm.config)
         for k, v in kwargs.items():
@@ -354,11 +386,6 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         model = cls(config, model=lm)
         if (path / GENERATION_CONFIG_NAME).is_file():  # as transformers' own loader reads it
             model.generation_config = GenerationConfig.from_pretrained(path)
-        dtype = dtype if dtype is not None else torch_dtype
-        if dtype is None or dtype == "auto":  # as transformers: the dtype the weights are stored in
-            dtype = None if is_foreign_checkpoint(path) else _stored_dtype(path / WEIGHTS_NAME)
-        if dtype is not None:
-            model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         if device_map is not None:
             if device_map == "auto":
                 device_map = "cuda" if torch.cuda.is_available() else "cpu"
@@ -383,29 +410,6 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         model config when the model was built (a loaded ``generation_config.json``, or one the user
         changed)."""
         return _generation_fields(self.generation_config) != self._derived_generation
-
-
-_SAFETENSORS_FLOATS = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-}
-
-
-def _stored_dtype(weights: Path) -> torch.dtype | None:
-    """The dtype of the first floating tensor in the safetensors file ``weights`` (``None``: no such
-    file or no floating tensor)."""
-    if not weights.is_file():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(weights), framework="pt") as f:
-        for k in f.keys():
-            dtype = _SAFETENSORS_FLOATS.get(f.get_slice(k).get_dtype())
-            if dtype is not None:
-                return dtype
-    return None
 
 
 def _generation_fields(g: GenerationConfig | None) -> dict:

@@ -39,10 +39,13 @@ The correspondence, layer by layer:
   norm of the linear-attention layers multiplies by ``w`` directly and is copied.
 
 Anything mnemo cannot express exactly raises ``ValueError`` naming the option; nothing is
-approximated. RoPE is plain both ways: a checkpoint's ``rope_type`` other than ``"default"`` (in
-``rope_parameters``, or in a non-empty legacy ``rope_scaling``, which ``transformers`` reads in its
-place) is refused on import, and a mnemo model's ``mixer_options['attention']['rope_scaling']``
-(linear, NTK, YaRN) on export. ``attention_dropout`` acts only in training and is not carried; multi-token
+approximated. RoPE is plain, or YaRN as ``transformers`` computes it, both ways: a checkpoint's
+``rope_type`` ``"yarn"`` (in ``rope_parameters``, or in a non-empty legacy ``rope_scaling``, which
+``transformers`` reads in its place) becomes mnemo's ``"yarn_hf"``
+(:func:`~mnemo.layers.rotary.check_rope_scaling`; the same frequencies and cos/sin factor), and
+back on export; any other ``rope_type`` is refused on import, and a mnemo model's other
+``mixer_options['attention']['rope_scaling']`` (linear, NTK, the paper's YaRN) on export.
+``attention_dropout`` acts only in training and is not carried; multi-token
 prediction weights (``mtp.*``, unused by ``Qwen3NextForCausalLM``) are dropped on import.
 """
 
@@ -57,7 +60,7 @@ from torch import Tensor
 
 from ..layers import MIXERS
 from ..layers.mlp import swiglu_hidden
-from ..layers.rotary import check_rope_scaling
+from ..layers.rotary import YARN_HF_KEYS, check_rope_scaling
 from ..models.config import ModelConfig
 
 #: ``Qwen3NextConfig``'s defaults for the fields the conversion reads (a ``config.json`` may
@@ -89,6 +92,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "mlp_only_layers": None,
     "layer_types": None,
     "initializer_range": 0.02,
+    "max_position_embeddings": 32768,
 }
 LINEAR, FULL = "linear_attention", "full_attention"
 GDN, ATTN = "gated_deltanet", "attention"
@@ -167,11 +171,13 @@ def _get(cfg: dict, key: str):
     return cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]
 
 
-def _rope(cfg: dict) -> tuple[float, float]:
-    """``(rope_theta, partial_rotary_factor)`` from ``rope_parameters`` (or the legacy top-level
-    ``rope_theta`` / ``partial_rotary_factor``); other RoPE types are refused. A non-empty legacy
-    ``rope_scaling`` takes the place of ``rope_parameters``, as in ``transformers``, which then
-    ignores ``rope_parameters``. ``ValueError`` naming the field for a value of the wrong kind."""
+def _rope(cfg: dict) -> tuple[float, float, dict | None]:
+    """``(rope_theta, partial_rotary_factor, rope_scaling)`` from ``rope_parameters`` (or the legacy
+    top-level ``rope_theta`` / ``partial_rotary_factor``): ``rope_scaling`` is ``None`` for
+    ``rope_type`` ``"default"`` and mnemo's ``"yarn_hf"`` mapping (``transformers``' YaRN, exactly)
+    for ``"yarn"``; other RoPE types are refused. A non-empty legacy ``rope_scaling`` takes the
+    place of ``rope_parameters``, as in ``transformers``, which then ignores ``rope_parameters``.
+    ``ValueError`` naming the field for a value of the wrong kind."""
     field, rp = "rope_parameters", cfg.get("rope_parameters")
     if cfg.get("rope_scaling") not in (None, {}):
         field, rp = "rope_scaling", cfg["rope_scaling"]
@@ -182,8 +188,11 @@ def _rope(cfg: dict) -> tuple[float, float]:
             f"got {rp!r}"
         )
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type != "default":
-        _refuse(f"{field}: rope_type {rope_type!r} is not supported (only 'default', plain RoPE)")
+    if rope_type not in ("default", "yarn"):
+        _refuse(
+            f"{field}: rope_type {rope_type!r} is not supported (only 'default', plain RoPE, and 'yarn', "
+            "transformers' YaRN)"
+        )
     theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
     for name, v, top, kind in (
@@ -193,7 +202,24 @@ def _rope(cfg: dict) -> tuple[float, float]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= top or v == float("inf"):
             where = f"{field}.{name}" if name in rp else name
             _refuse(f"field {where!r}: expected {kind}, got {v!r}")
-    return float(theta), float(factor)
+    scaling = None
+    if rope_type == "yarn":  # as transformers' _compute_yarn_parameters reads it
+        keys = ("factor", "attention_factor", *YARN_HF_KEYS)
+        scaling = {"rope_type": "yarn_hf", **{k: rp[k] for k in keys if rp.get(k) is not None}}
+        scaling["beta_fast"] = rp.get("beta_fast") or 32  # (transformers: a 0 or null means the default)
+        scaling["beta_slow"] = rp.get("beta_slow") or 1
+        # the training context: a top-level field first (Phi-3's), then rope_parameters', then
+        # max_position_embeddings (transformers' standardize_rope_params)
+        n = _get(cfg, "max_position_embeddings")
+        L = cfg.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or n
+        scaling["original_max_position_embeddings"] = L
+        if scaling.get("factor") is None and _is_int(L) and L > 0 and isinstance(n, (int, float)):
+            scaling["factor"] = n / L  # transformers: the context extension
+        try:
+            scaling = check_rope_scaling(scaling)
+        except ValueError as e:
+            _refuse(f"field {field!r} (rope_type 'yarn'): {e}")
+    return float(theta), float(factor), scaling
 
 
 def _layer_types(cfg: dict, n: int) -> list[str]:
@@ -286,10 +312,10 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
 
     ``hf_config``: the config dict (``config.json`` or ``Qwen3NextConfig.to_dict()``);
     ``weights``: the ``Qwen3NextForCausalLM`` state dict (``model.*``, ``lm_head.weight``).
-    Raises ``ValueError`` for a mix of dense and MoE layers, RoPE scaling, another activation than
-    SiLU, a true/false field (``attention_bias``, ``tie_word_embeddings``, ``norm_topk_prob``) of
-    another kind, a missing, mis-shaped (naming the config fields that set the shape) or unexpected
-    weight — anything not reproduced exactly.
+    Raises ``ValueError`` for a mix of dense and MoE layers, RoPE scaling other than YaRN, another
+    activation than SiLU, a true/false field (``attention_bias``, ``tie_word_embeddings``,
+    ``norm_topk_prob``) of another kind, a missing, mis-shaped (naming the config fields that set
+    the shape) or unexpected weight — anything not reproduced exactly.
     """
     cfg = dict(hf_config)
     if cfg.get("model_type", "qwen3_next") != "qwen3_next":
@@ -310,7 +336,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         )
     moe_options = _moe_options(cfg) if moe else None
     eps = float(_get(cfg, "rms_norm_eps"))
-    theta, factor = _rope(cfg)
+    theta, factor, scaling = _rope(cfg)
     H, H_kv, D = _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads"), _get(cfg, "head_dim")
     rotary_dim = int(D * factor)
     if rotary_dim < 2 or rotary_dim % 2:
@@ -342,6 +368,8 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         )  # fmt: skip
         if rotary_dim != D:
             options[ATTN]["rotary_dim"] = rotary_dim
+        if scaling is not None:
+            options[ATTN]["rope_scaling"] = scaling
     config = ModelConfig(
         vocab_size=_get(cfg, "vocab_size"),
         d_model=d,
@@ -482,15 +510,28 @@ def _require(where: str, opts: dict, key: str, expected) -> None:
         _refuse(f"{where} option {key}={opts.get(key)!r} has no Qwen3-Next equivalent (needs {expected!r})")
 
 
+def _yarn_parameters(scaling: dict | None) -> dict[str, Any]:
+    """A checked ``"yarn_hf"`` scaling as the keys of ``transformers``' ``rope_parameters``
+    (``rope_type`` ``"yarn"``); ``{}`` for ``None``."""
+    if scaling is None:
+        return {}
+    out = {"rope_type": "yarn"}
+    for k, v in scaling.items():
+        if k != "rope_type" and v is not None:
+            out[k] = v
+    return out
+
+
 def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
     """A mnemo ``(ModelConfig, state dict)`` as a ``transformers`` Qwen3-Next ``(config dict,
     state dict)`` that ``Qwen3NextForCausalLM`` loads (``Qwen3NextConfig(**config_dict)``).
 
     The model must be a stack of ``"gated_deltanet"`` and ``"attention"`` layers with SwiGLU MLPs
     and the options Qwen3-Next fixes (see the module docstring: no conv or β bias, ``qk_norm_eps
-    = 1e-6``, output gates, q/k norms, one RMSNorm epsilon throughout, plain RoPE: a
-    ``mixer_options['attention']['rope_scaling']`` other than ``None`` is refused, …); anything else
-    raises ``ValueError`` naming the option and the received value.
+    = 1e-6``, output gates, q/k norms, one RMSNorm epsilon throughout, plain RoPE or
+    ``transformers``' YaRN: a ``mixer_options['attention']['rope_scaling']`` other than ``None`` or
+    ``"yarn_hf"`` is refused, …); anything else raises ``ValueError`` naming the option and the
+    received value.
     """
     config = config.validate()
     types = config.layer_mixers()
@@ -516,10 +557,12 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
     for key, val in dict(rope=True, window=None, qk_norm=True, output_gate=True, norm_eps=eps).items():
         if ATTN in types:
             _require(f"mixer_options[{ATTN!r}]", a, key, val)
-    if ATTN in types and check_rope_scaling(a.get("rope_scaling")) is not None:
+    scaling = check_rope_scaling(a.get("rope_scaling")) if ATTN in types else None
+    if scaling is not None and scaling["rope_type"] != "yarn_hf":
         _refuse(
             f"mixer_options[{ATTN!r}]['rope_scaling'] = {a['rope_scaling']!r}: only plain RoPE (rope_type "
-            "'default', rope_scaling None) is exported; a scaled RoPE is refused, not approximated"
+            "'default', rope_scaling None) and transformers' YaRN (rope_type 'yarn_hf') are exported; "
+            "another scaled RoPE is refused, not approximated"
         )
     Hk = g["n_heads"]
     K = g["head_dim"] or d // Hk
@@ -552,7 +595,7 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
         "rms_norm_eps": eps,
         "tie_word_embeddings": config.tie_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(a["rope_theta"]),
-                            "partial_rotary_factor": factor},
+                            "partial_rotary_factor": factor} | _yarn_parameters(scaling),
         "attention_bias": bias,
         "attention_dropout": 0.0,
         "linear_conv_kernel_dim": W,

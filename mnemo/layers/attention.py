@@ -64,7 +64,9 @@ class Attention(Mixer):
             temperature ``√(1/t)`` on both q and k; ``scale`` = that / ``√head_dim``).
             :meth:`set_rope_scaling` sets it on a trained model (evaluation beyond ``L``). Also
             Position Interpolation ``{"rope_type": "linear", "factor": s}`` and static NTK-aware
-            scaling ``{"rope_type": "ntk", "factor": s}`` (no logit factor for either).
+            scaling ``{"rope_type": "ntk", "factor": s}`` (no logit factor for either), and
+            ``transformers``' YaRN ``{"rope_type": "yarn_hf", ...}`` (its frequencies, and its factor
+            on the rotated channels of q and k rather than on the logits).
         n_sink: attention sinks (StreamingLLM, Xiao et al. 2023; needs ``window``): the first
             ``n_sink`` tokens stay visible to every query besides the ``window`` most recent, and
             the cache keeps them: decoding streams indefinitely with at most ``n_sink + window − 1``
@@ -216,7 +218,7 @@ class Attention(Mixer):
         sink_q, raw_cache = None, cache
         if self.n_sink:
             if self.hook_k.active and self.rotary is not None:  # keep a replaced key, unrotated
-                k_raw = self.rotary.rotate(k, -torch.arange(pos0, pos0 + T, device=k.device))
+                k_raw = self.rotary.undo(k, pos0)
             elif self.rotary is None:
                 k_raw = k
             sink_q = self._sink_queries(q, pos0)

@@ -18,7 +18,17 @@ ROPE_SCALING_KEYS = (
     "beta_fast",
     "beta_slow",
     "attention_factor",
+    *("rope_theta", "partial_rotary_factor"),
+    *("mscale", "mscale_all_dim", "truncate"),
 )
+#: the keys only ``"yarn_hf"`` (``transformers``' YaRN) reads
+YARN_HF_KEYS = ("mscale", "mscale_all_dim", "truncate")
+#: keys of ``transformers`` 5's ``rope_parameters`` that describe the plain RoPE rather than its
+#: scaling (the base ``θ`` and the rotated share of each head): accepted in any mapping, checked
+#: (a number > 0; ``partial_rotary_factor`` in ``(0, 1]``) and left out of the returned mapping;
+#: :meth:`RotaryEmbedding.set_scaling` refuses them where they disagree with its ``theta`` /
+#: ``rotary_dim``
+ROPE_BASE_KEYS = ("rope_theta", "partial_rotary_factor")
 
 
 def _number(name: str, value, minimum: float, *, strict: bool = False) -> float:
@@ -29,9 +39,26 @@ def _number(name: str, value, minimum: float, *, strict: bool = False) -> float:
     return float(value)
 
 
+def _check_base_keys(d: dict[str, Any]) -> None:
+    """``rope_theta`` (a finite number > 0) and ``partial_rotary_factor`` (in ``(0, 1]``), when present."""
+    if "rope_theta" in d:
+        _number("rope_theta", d["rope_theta"], 0.0, strict=True)
+    if (
+        "partial_rotary_factor" in d
+        and not 0 < _number("partial_rotary_factor", d["partial_rotary_factor"], 0.0, strict=True) <= 1
+    ):
+        raise ValueError(
+            f"rope_scaling['partial_rotary_factor']: expected a number in (0, 1] (the rotated share of "
+            f"each head), got {d['partial_rotary_factor']!r}"
+        )
+
+
 def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     """Validate a ``rope_scaling`` mapping and fill its defaults; ``None`` (or ``rope_type``
-    ``"default"``) means plain RoPE and returns ``None``.
+    ``"default"``) means plain RoPE and returns ``None``. ``transformers`` 5's ``rope_parameters``
+    also hold the plain RoPE's ``rope_theta`` and ``partial_rotary_factor`` (:data:`ROPE_BASE_KEYS`):
+    accepted with any type, checked and left out of the result (so ``{"rope_type": "default",
+    "rope_theta": 1e4}`` is plain RoPE too).
 
     Position Interpolation (Chen et al. 2023, "Extending Context Window of Large Language Models
     via Positional Interpolation"): ``{"rope_type": "linear", "factor": s}`` — every frequency
@@ -50,6 +77,15 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     extension, ``L`` the training context, ``beta_slow < beta_fast`` the ramp bounds ``α, β`` (in
     rotations per ``L`` tokens; the paper's defaults for LLaMA), ``attention_factor`` overrides
     ``√(1/t) = 0.1 ln s + 1``.
+
+    ``transformers``' YaRN (``_compute_yarn_parameters``, the form of the authors' code and of
+    released checkpoints such as Qwen2/Qwen3 and Llama configs with ``rope_type`` ``"yarn"``):
+    ``{"rope_type": "yarn_hf", "factor": s, "original_max_position_embeddings": L, "beta_fast": 32,
+    "beta_slow": 1, "attention_factor": None, "mscale": None, "mscale_all_dim": None, "truncate":
+    True}`` — a separate name because its frequencies differ from the paper's inside the ramp
+    (:func:`yarn_hf_inv_freq`) and its temperature scales only the rotated channels
+    (:func:`yarn_hf_attention_factor`, :class:`RotaryEmbedding`). ``mscale`` / ``mscale_all_dim`` /
+    ``truncate`` belong to it alone.
 
     Raises:
         TypeError: ``scaling`` is not a mapping.
@@ -72,6 +108,9 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     unknown = sorted(set(d) - set(ROPE_SCALING_KEYS))
     if unknown:
         raise ValueError(f"rope_scaling: unknown key(s) {unknown}; expected among {list(ROPE_SCALING_KEYS)}")
+    _check_base_keys(d)
+    for key in ROPE_BASE_KEYS:
+        d.pop(key, None)
     kind = d.get("rope_type")
     if kind == "default" and len(d) == 1:
         return None
@@ -90,14 +129,21 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
         if "original_max_position_embeddings" in d:  # informative only (transformers' configs carry it)
             out["original_max_position_embeddings"] = d["original_max_position_embeddings"]
         return out
-    if kind != "yarn":
+    if kind not in ("yarn", "yarn_hf"):
         raise ValueError(
-            f"rope_scaling['rope_type']: expected 'yarn', 'linear', 'ntk' (or 'default'), got {kind!r}"
+            f"rope_scaling['rope_type']: expected 'yarn', 'linear', 'ntk', 'yarn_hf' (or 'default'), "
+            f"got {kind!r}"
+        )
+    hf_only = sorted(set(d) & set(YARN_HF_KEYS))
+    if kind == "yarn" and hf_only:
+        raise ValueError(
+            f"rope_scaling: unknown key(s) {hf_only} for the paper's YaRN (rope_type 'yarn'): they belong "
+            "to transformers' YaRN (rope_type 'yarn_hf')"
         )
     for key in ("factor", "original_max_position_embeddings"):
         if key not in d:
             raise ValueError(f"rope_scaling: YaRN needs {key!r}, got keys {sorted(d)}")
-    out: dict[str, Any] = {"rope_type": "yarn", "factor": _number("factor", d["factor"], 1.0)}
+    out: dict[str, Any] = {"rope_type": kind, "factor": _number("factor", d["factor"], 1.0)}
     L = d["original_max_position_embeddings"]
     if not isinstance(L, int) or isinstance(L, bool) or L < 1:
         raise ValueError(
@@ -112,7 +158,7 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
             f"beta_fast = {out['beta_fast']}"
         )
     turns = L / (2 * math.pi)  # rotations of the fastest dimension (θ = 1) over the training context
-    if out["beta_fast"] > turns:
+    if kind == "yarn" and out["beta_fast"] > turns:
         warnings.warn(
             f"rope_scaling: beta_fast = {out['beta_fast']:g} rotations, but over "
             f"original_max_position_embeddings = {L} tokens the fastest dimension turns only {turns:.3g} "
@@ -122,6 +168,14 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
         )
     af = d.get("attention_factor")
     out["attention_factor"] = None if af is None else _number("attention_factor", af, 0.0, strict=True)
+    if kind == "yarn_hf":
+        for key in ("mscale", "mscale_all_dim"):
+            v = d.get(key)
+            out[key] = None if v is None else _number(key, v, 0.0)
+        truncate = d.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ValueError(f"rope_scaling['truncate']: expected true or false, got {truncate!r}")
+        out["truncate"] = truncate
     return out
 
 
@@ -170,6 +224,62 @@ def yarn_inv_freq(
     return h.to(inv_freq.dtype)
 
 
+def yarn_hf_inv_freq(
+    theta: float,
+    rotary_dim: int,
+    factor: float,
+    original_max_position: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> torch.Tensor:
+    """YaRN's frequencies as ``transformers``' ``_compute_yarn_parameters`` computes them (the
+    authors' code form; not the paper's eq. 18, :func:`yarn_inv_freq`). With ``R = rotary_dim``,
+    the plain frequencies ``θ_i = 1 / theta^{2i/R}``, ``i < R/2``, and the dimension (a real
+    number) whose frequency turns ``n`` times over ``L`` tokens
+
+        d(n) = R · ln(L / (2π n)) / (2 ln theta),
+
+    the ramp runs in the *index* ``i`` from ``lo = d(beta_fast)`` to ``hi = d(beta_slow)``
+    (``truncate``: ``lo`` rounded down and ``hi`` up; then ``lo ≥ 0``, ``hi ≤ R − 1``; ``hi`` moved
+    by ``0.001`` when they meet): ``γ_i = clamp((i − lo) / (hi − lo), 0, 1)`` and
+
+        h(θ_i) = γ_i · θ_i / s + (1 − γ_i) · θ_i
+
+    (fast dimensions, ``i < lo``, kept; slow ones divided by ``s``). Defaults ``beta_fast=32.0``,
+    ``beta_slow=1.0``, ``truncate=True``. Returns ``[R/2]`` float64 (``transformers`` computes in
+    float32)."""
+    R = rotary_dim
+    pos_freqs = theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+    extra, inter = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def dim_of(turns: float) -> float:
+        return R * math.log(original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, R - 1)
+    if lo == hi:
+        hi += 0.001
+    gamma = ((torch.arange(R // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0.0, 1.0)
+    return inter * gamma + extra * (1 - gamma)
+
+
+def yarn_hf_attention_factor(
+    factor: float, mscale: float | None = None, mscale_all_dim: float | None = None
+) -> float:
+    """The factor ``transformers``' YaRN multiplies ``cos`` and ``sin`` by (so the *rotated* channels
+    of q and k): ``m(s, mscale) / m(s, mscale_all_dim)`` when both are given (non-zero; DeepSeek's
+    form), else ``m(s, 1) = 0.1 ln s + 1``, with ``m(s, a) = 0.1 · a · ln s + 1`` (``1`` for
+    ``s ≤ 1``). An explicit ``attention_factor`` in the mapping replaces it."""
+
+    def m(a: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * a * math.log(factor) + 1.0
+
+    return m(mscale) / m(mscale_all_dim) if mscale and mscale_all_dim else m(1.0)
+
+
 def ntk_inv_freq(theta: float, rotary_dim: int, factor: float) -> torch.Tensor:
     """NTK-aware frequencies (bloc97 2023; Peng et al. 2023, eq. 16): RoPE's ``θ'^{−2i/R}``,
     ``i < R/2``, with the base ``θ' = θ · s^{R/(R−2)}``. Returns ``[R/2]`` float64. ``R = 2`` (one
@@ -200,7 +310,11 @@ class RotaryEmbedding(nn.Module):
     (its logits scale by the square); this module only rotates. :meth:`set_scaling` changes it on
     a built module (YaRN applied at evaluation time to a model trained at ``L`` tokens). The
     ``"linear"`` (Position Interpolation) and ``"ntk"`` mappings divide every frequency by ``s``,
-    or use :func:`ntk_inv_freq`'s; their :attr:`attention_factor` is 1.
+    or use :func:`ntk_inv_freq`'s; their :attr:`attention_factor` is 1. ``"yarn_hf"``
+    (``transformers``' YaRN) uses :func:`yarn_hf_inv_freq`'s frequencies and, as ``transformers``
+    multiplies ``cos`` and ``sin``, scales the *rotated* channels of what :meth:`forward` rotates by
+    :attr:`rotation_factor` (:func:`yarn_hf_attention_factor`; with partial rotary the other
+    channels are not scaled); its :attr:`attention_factor` (the attention's part) is then 1.
 
     ``forward(x [B, T, H, D], offset) -> [B, T, H, D]`` for positions ``offset … offset+T−1``;
     :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
@@ -237,6 +351,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv.clone(), persistent=False)
         self.scaling: dict[str, Any] | None = None
         self.attention_factor = 1.0
+        self.rotation_factor = 1.0
         self.set_scaling(scaling)
 
     def _apply(self, fn, recurse=True):
@@ -264,11 +379,33 @@ class RotaryEmbedding(nn.Module):
         return self.theta ** (-torch.arange(0, self.rotary_dim, 2, dtype=dtype) / self.rotary_dim)
 
     def set_scaling(self, scaling: dict[str, Any] | None) -> None:
-        """Replace the frequency scaling (``None``: plain RoPE); see :func:`check_rope_scaling`."""
+        """Replace the frequency scaling (``None``: plain RoPE); see :func:`check_rope_scaling`. A
+        ``rope_theta`` / ``partial_rotary_factor`` in ``scaling`` (``transformers`` 5's
+        ``rope_parameters``) must describe this module (``theta``; ``int(head_dim · factor) =
+        rotary_dim``, as ``transformers`` rounds): ``ValueError`` naming both values otherwise."""
         s = check_rope_scaling(scaling)
+        theta = scaling.get("rope_theta") if scaling else None
+        if theta is not None and float(theta) != float(self.theta):
+            raise ValueError(
+                f"rope_scaling['rope_theta']: {theta!r} disagrees with this rotary embedding's base "
+                f"rope_theta = {self.theta!r}"
+            )
+        prf = scaling.get("partial_rotary_factor") if scaling else None
+        if prf is not None and int(self.head_dim * prf) != self.rotary_dim:
+            raise ValueError(
+                f"rope_scaling['partial_rotary_factor']: {prf!r} rotates int({self.head_dim} · {prf!r}) = "
+                f"{int(self.head_dim * prf)} channels of head_dim = {self.head_dim}, but this rotary "
+                f"embedding rotates rotary_dim = {self.rotary_dim}"
+            )
         inv, af = self._frequencies(s)
         self.inv_freq = inv.to(self.inv_freq.device)
-        self.scaling, self.attention_factor = s, af
+        # transformers' YaRN scales cos and sin (the rotated channels); the paper's, the logits
+        hf = s is not None and s["rope_type"] == "yarn_hf"
+        self.scaling, self.attention_factor, self.rotation_factor = (
+            s,
+            (1.0 if hf else af),
+            (af if hf else 1.0),
+        )
 
     def _frequencies(self, s: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
         """``(inv_freq, attention_factor)`` of a checked scaling ``s`` from ``base_inv_freq``."""
@@ -279,6 +416,14 @@ class RotaryEmbedding(nn.Module):
             inv, af = base / s["factor"], 1.0
         elif s["rope_type"] == "ntk":
             inv, af = ntk_inv_freq(self.theta, self.rotary_dim, s["factor"]).to(base.dtype), 1.0
+        elif s["rope_type"] == "yarn_hf":
+            inv = yarn_hf_inv_freq(
+                self.theta, self.rotary_dim, s["factor"], s["original_max_position_embeddings"],
+                s["beta_fast"], s["beta_slow"], s["truncate"],
+            ).to(base.dtype)  # fmt: skip
+            af = s["attention_factor"]
+            if af is None:
+                af = yarn_hf_attention_factor(s["factor"], s["mscale"], s["mscale_all_dim"])
         else:
             inv = yarn_inv_freq(
                 base, s["factor"], s["original_max_position_embeddings"], s["beta_fast"], s["beta_slow"]
@@ -293,13 +438,17 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.scaling}"
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
         """``x: [B, T, H, D]`` rotated at ``positions: [T]`` (any numbers, negative included: a
-        rotation by ``−p`` undoes one by ``p``). Same shape and dtype as ``x``."""
+        rotation by ``−p`` undoes one by ``p``), the rotated channels times ``factor`` (default 1:
+        a pure rotation; :meth:`forward` passes :attr:`rotation_factor`). Same shape and dtype as
+        ``x``."""
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         pos = positions.to(device=x.device, dtype=cd)
         ang = pos[:, None] * self.inv_freq.to(device=x.device, dtype=cd)[None, :]  # [T, R/2]
         cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+        if factor != 1.0:  # as transformers: cos and sin scaled
+            cos, sin = cos * factor, sin * factor
         R = self.rotary_dim
         xr = x[..., :R].to(cd)
         x1, x2 = xr.chunk(2, dim=-1)
@@ -310,4 +459,13 @@ class RotaryEmbedding(nn.Module):
         """``x [B, T, H, D]`` rotated at positions ``offset … offset+T−1`` (default ``offset=0``)."""
         T = x.shape[1]
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return self.rotate(x, torch.arange(offset, offset + T, device=x.device, dtype=cd))
+        pos = torch.arange(offset, offset + T, device=x.device, dtype=cd)
+        return self.rotate(x, pos, self.rotation_factor)
+
+    def undo(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """The inverse of :meth:`forward`: ``x [B, T, H, D]`` rotated back from positions ``offset …``
+        and its rotated channels divided by :attr:`rotation_factor`."""
+        T = x.shape[1]
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        pos = -torch.arange(offset, offset + T, device=x.device, dtype=cd)
+        return self.rotate(x, pos, 1.0 / self.rotation_factor)

@@ -665,7 +665,12 @@ class LanguageModel(nn.Module):
         (the last new token is returned, not read)."""
         P = self.config.max_position
         need = longest + max_new_tokens - 1
-        if self.pos_embed is not None and longest <= P and need > P:
+        if self.pos_embed is not None and longest > P:
+            raise ValueError(
+                f"input_ids: a prompt of {longest} tokens is longer than the learned positions, which "
+                f"cover max_position = {P} tokens: shorten the prompt to at most {P} tokens"
+            )
+        if self.pos_embed is not None and need > P:
             raise ValueError(
                 f"max_new_tokens: a prompt of {longest} tokens and {max_new_tokens} new ones read {need} "
                 f"positions, but the learned positions cover max_position = {P}: at most "
@@ -839,10 +844,16 @@ class LanguageModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, map_location: str | torch.device = "cpu"
+        cls, directory: str | Path, map_location: str | torch.device = "cpu", dtype=None
     ) -> LanguageModel:
         """Load a model written by :meth:`save_pretrained` (raises ``FileNotFoundError`` /
         ``ValueError`` naming the missing or corrupt file).
+
+        ``dtype``: ``None`` / ``"auto"`` (default) keeps the dtype the weights are stored in (that
+        of most of ``model.safetensors``' floating elements: a float64 or bfloat16 model comes back as
+        it was saved; another library's folder, converted in memory, in float32, or float64 when
+        stored in float64); a ``torch.dtype`` or its name (``"float32"``, ``"float64"``,
+        ``"bfloat16"``, ``"float16"``) casts to it. ``ValueError`` naming ``dtype`` otherwise.
 
         A folder whose ``config.json`` is another library's (a ``transformers``
         ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` / ``Qwen3NextForCausalLM``, the original
@@ -857,6 +868,7 @@ class LanguageModel(nn.Module):
             )
         cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
         check_device(map_location)
+        dtype = _check_dtype(dtype)
         import dataclasses
 
         try:  # another library's config: a model_type other than mnemo's, or fields mnemo lacks
@@ -872,7 +884,10 @@ class LanguageModel(nn.Module):
             found = load_foreign(d)
             if found is not None:
                 config, weights = found
-                model = cls(config)
+                if dtype is None:  # float32, or float64 for a float64 checkpoint
+                    stored = next((v.dtype for v in weights.values() if v.is_floating_point()), None)
+                    dtype = torch.float64 if stored == torch.float64 else torch.float32
+                model = cls(config).to(dtype)
                 model.load_state_dict(weights, strict=True)
                 return model.to(map_location)
             if not FOREIGN_LOADERS:
@@ -889,11 +904,60 @@ class LanguageModel(nn.Module):
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"corrupt model config {cfg_path}: {e}") from e
         model = cls(config)
+        if dtype is None:
+            dtype = _stored_dtype(w_path) or torch.float32
+        model = model.to(dtype)  # before loading: the values are copied in, not rounded to float32
         try:
             load_model(model, str(w_path), strict=True, device=str(map_location))
         except Exception as e:  # safetensors raises several error types for damaged files
             raise ValueError(f"corrupt or incompatible weights file {w_path}: {e}") from e
         return model.to(map_location)
+
+
+_FLOAT_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_SAFETENSORS_FLOATS = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+}
+
+
+def _check_dtype(dtype) -> torch.dtype | None:
+    """``from_pretrained``'s ``dtype`` as a floating ``torch.dtype`` (``None``: the stored one)."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _FLOAT_DTYPES:
+        return _FLOAT_DTYPES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype in _FLOAT_DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype: expected None, 'auto' or one of {sorted(_FLOAT_DTYPES)}, got {dtype!r}")
+
+
+def _stored_dtype(weights: Path) -> torch.dtype | None:
+    """The floating dtype holding most of the elements of the safetensors file ``weights`` (a bf16
+    model's float32 buffers, such as MoE's ``expert_bias``, do not decide it); ``None``: no such
+    file, not readable, or no floating tensor."""
+    if not weights.is_file():
+        return None
+    from safetensors import safe_open
+
+    sizes: dict[torch.dtype, int] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for k in f.keys():
+                t = f.get_slice(k)
+                dtype = _SAFETENSORS_FLOATS.get(t.get_dtype())
+                if dtype is not None:
+                    sizes[dtype] = sizes.get(dtype, 0) + math.prod(t.get_shape())
+    except Exception:  # a damaged file: reported by the load that follows, naming it
+        return None
+    return max(sizes, key=sizes.get) if sizes else None
 
 
 def check_cu_seqlens(cu_seqlens, input_ids: torch.Tensor) -> torch.Tensor:

@@ -262,10 +262,10 @@ def test_moe_and_unsupported_options_are_refused():
     moe = hf_config(num_experts=4, mlp_only_layers=[0, 1]).to_dict()
     with pytest.raises(ValueError, match=r"layers \[2, 3\].*mixture-of-experts"):
         import_qwen3_next(moe, sd)
-    yarn = hf_config().to_dict()
-    yarn["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0}
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
-        import_qwen3_next(yarn, sd)
+    dynamic = hf_config().to_dict()  # (transformers' "yarn" imports: test_review2_interop)
+    dynamic["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        import_qwen3_next(dynamic, sd)
     gelu = hf_config().to_dict() | {"hidden_act": "gelu"}
     with pytest.raises(ValueError, match="hidden_act"):
         import_qwen3_next(gelu, sd)
