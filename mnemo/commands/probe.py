@@ -154,13 +154,13 @@ def _read_metrics(run_dir: Path) -> list[dict]:
     if not metrics.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (a run directory written by `mnemo train`)")
     rows = []
-    from ..train.sinks import metrics_lines
+    from ..train.sinks import loads_record, metrics_lines
 
     for i, line in enumerate(metrics_lines(metrics), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_record(line)  # a NaN written as null + "nonfinite" is a NaN again
         except ValueError as e:
             raise ValueError(f"{metrics}, line {i}: not JSON ({e})") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):

@@ -50,11 +50,11 @@ def _not_a_sweep_database(p: Path) -> str:
     transaction) is rolled back, as any SQLite reader does; a read-only connection cannot."""
     import sqlite3
 
-    from ..sweep.db import _COLUMNS
+    from ..sweep import db as dbmod
 
     try:
         # (mode=rw: mode=ro raised "attempt to write a readonly database" on a hot journal)
-        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=rw", uri=True, timeout=30)
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=rw", uri=True, timeout=dbmod.BUSY_TIMEOUT_S)
         try:
             tables = [
                 r[0]
@@ -66,11 +66,16 @@ def _not_a_sweep_database(p: Path) -> str:
             }
         finally:
             conn.close()
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e) or "busy" in str(e):  # held by another process (a running sweep), as SweepDB
+            raise dbmod.busy_error(p, e) from None
+        return f"it cannot be read: {e}"
     except sqlite3.DatabaseError as e:
         return f"it cannot be read: {e}"
     if tables and "runs" not in tables:  # (no table at all: an empty database, which a sweep may fill)
         return f"its tables: {', '.join(sorted(tables))}; a sweep's has 'runs'"
-    need = {"runs": set(_COLUMNS) - {"seed"}, "sweep_meta": {"sweep", "meta"}}  # (seed: added to old ones)
+    columns_of_runs = set(dbmod._COLUMNS) - {"seed"}  # (seed: added to old ones)
+    need = {"runs": columns_of_runs, "sweep_meta": {"sweep", "meta"}}
     for table, cols in need.items():
         missing = sorted(cols - columns[table]) if table in tables else []
         if missing:

@@ -310,6 +310,10 @@ def _train(args, held: contextlib.ExitStack) -> int:
     if args.resume:
         # a resumed run keeps every saved setting: ``d`` holds only what the command line changes
         cfg = _saved_config(args.out, d)
+        from .evaluate import _same_data
+
+        if isinstance(d.get("data"), str) and _same_data(d["data"], cfg.data):
+            d["data"] = cfg.data  # the saved file however written (a new run saves it absolute)
     else:
         if args.reschedule:
             raise ValueError("--reschedule applies to --resume (a changed --steps of a saved run)")
