@@ -691,8 +691,9 @@ class Patching(NamedTuple):
 
     ``values``: the metric of each patched run, ``[N]`` (``per="layer"``), ``[N, H]`` (``"head"``),
     ``[N, T]`` (``"position"``) or ``[N, H, T]`` (``"head_position"``), ``N = len(names)``
-    (missing heads of a layer with fewer are NaN), float64 for a float64 metric (a float64 model's),
-    else float32; ``clean``, ``corrupted``: the metric of the unpatched runs."""
+    (missing heads of a layer with fewer are NaN), float64 for a float64 metric (a float64 model's,
+    or a metric that returns a Python float), else float32; ``clean``, ``corrupted``: the metric of
+    the unpatched runs."""
 
     values: torch.Tensor
     names: list[str]
@@ -748,9 +749,11 @@ def activation_patching(
             "the hooks that do"
         )
     corrupted_logits, _ = model(corrupted_ids)
-    clean_t = torch.as_tensor(metric(clean_logits))
-    clean_m, corrupted_m = float(clean_t), float(metric(corrupted_logits))
-    dtype = torch.float64 if clean_t.dtype == torch.float64 else torch.float32  # the metric's precision
+    clean_raw = metric(clean_logits)
+    clean_m, corrupted_m = float(clean_raw), float(metric(corrupted_logits))
+    # the metric's precision: float64 for a float64 tensor or a Python/numpy float (a double)
+    wide = isinstance(clean_raw, float) or torch.as_tensor(clean_raw).dtype == torch.float64
+    dtype = torch.float64 if wide else torch.float32
 
     def run(hooks) -> float:
         return float(metric(model.run_with_hooks(corrupted_ids, hooks)[0]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,11 @@ CLASSES = ("irrelevant", "intermediate", "marginal", "relevant")
 # ------------------------------------------------------------------------------------------------
 # the QR iteration
 # ------------------------------------------------------------------------------------------------
+
+
+def _real_0d(x) -> bool:
+    """Whether ``x`` is a 0-d real (not bool, not complex) tensor."""
+    return isinstance(x, torch.Tensor) and x.ndim == 0 and x.dtype != torch.bool and not x.dtype.is_complex
 
 
 def lyapunov_spectrum(
@@ -61,8 +67,19 @@ def lyapunov_spectrum(
         raise ValueError(
             f"burn_in: expected an int number of steps in [0, {T}) (of T = {T}), got {burn_in!r}"
         )
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
-        raise ValueError(f"k: expected an int >= 1 (exponents to compute) or None (all {n}), got {k!r}")
+    if k is not None:  # (a numpy or 0-d tensor integer too, as int(k) took it before the check)
+        given = k
+        try:
+            bool_like = isinstance(k, bool) or (isinstance(k, torch.Tensor) and k.dtype == torch.bool)
+            k = None if bool_like else operator.index(k)
+        except TypeError:
+            k = None
+        if k is None or k < 1:
+            raise ValueError(
+                f"k: expected an int >= 1 (exponents to compute) or None (all {n}), got {given!r}"
+            )
+    if _real_0d(tokens):  # a 0-d tensor count, as the division took it before the check
+        tokens = float(tokens)
     if tokens is not None and (
         isinstance(tokens, bool) or not isinstance(tokens, numbers.Real) or not 0 < tokens < math.inf
     ):
