@@ -48,15 +48,17 @@ class Parser(argparse.ArgumentParser):
     ``add_subparsers`` are of this class too.
 
     A value that looks like a negative number, in any spelling ``float`` reads (``-1e9``, ``-inf``,
-    ``-nan``, ``-.5``), is read as the value of the option before it (``--lr -inf``), as argparse
+    ``-nan``, ``-.5``, ``-1_000``), is read as the value of the option before it (``--lr -inf``), as argparse
     already does for ``-5`` and ``-0.5``, so that it reaches the option's kind and is refused there
     with the usual message instead of "expected one argument"."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # argparse's own pattern knows only -5 and -0.5 (no option of mnemo looks like a number)
+        # argparse's own pattern knows only -5 and -0.5 (no option of mnemo looks like a number);
+        # digits may be grouped by single underscores, as int() and float() read them (-1_000)
+        d = r"\d(?:_?\d)*"
         self._negative_number_matcher = re.compile(
-            r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE
+            rf"^-({d}\.?(?:{d})?|\.{d})([eE][+-]?{d})?$|^-(inf|infinity|nan)$", re.IGNORECASE
         )
 
     def error(self, message: str):  # noqa: D102 - argparse's hook
@@ -134,6 +136,7 @@ class Float(Kind):
             self.fail(text)
         if not math.isfinite(v):
             self.fail(text)
+        v += 0.0  # -0.0 is 0.0 (a "-0" is no negative value, and prints as none)
         if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
             self.fail(text)
         if self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)):
@@ -408,7 +411,8 @@ def refuse_existing(path, flag: str, overwrite: bool) -> None:
 
 class OutFile(_PathKind):
     """A file to write (replaced if it exists): not an existing folder; its folder exists or can
-    be created. ``suffix``: the name must end with it (e.g. ``.json``)."""
+    be created, and takes new entries (a file is replaced through a temporary one beside it).
+    ``suffix``: the name must end with it (e.g. ``.json``)."""
 
     def __init__(self, what: str = "a file to write", suffix: str | None = None):
         super().__init__(what if suffix is None else f"{what} ending in {suffix}")
@@ -426,6 +430,10 @@ class OutFile(_PathKind):
         if p.exists():
             if not os.access(p, os.W_OK):
                 self.fail(text, " (not writable)")
+            # it is replaced through a temporary file beside it (atomic_write_text; SQLite's journal)
+            folder = p.parent
+            if not os.access(folder, os.W_OK | os.X_OK):
+                self.fail(text, f" ({folder} is not writable: the file is replaced through a new one there)")
             return self._value(text)
         _, why = _writable_ancestor(p)
         if why:

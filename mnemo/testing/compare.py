@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: float64 tolerance (relative RMS) between two forms of the same recurrence.
@@ -16,13 +18,17 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) ->
     """``rms(actual − expected) / max(rms(expected), floor)``, computed in float64.
 
     Both tensors are detached and moved to the CPU; an empty pair gives ``0.0``. Shapes must
-    broadcast (:func:`assert_close` requires them equal).
+    broadcast (:func:`assert_close` requires them equal). The same ratio at any magnitude: both
+    are divided by their largest absolute value first, so that the squares of values beyond
+    ``1e154`` do not overflow (``inf / inf``) nor those below ``1e-154`` underflow to ``0``.
     """
     a = actual.detach().to("cpu", torch.float64)
     b = expected.detach().to("cpu", torch.float64)
-    err = (a - b).pow(2).mean().sqrt().item() if a.numel() else 0.0
-    ref = b.pow(2).mean().sqrt().item() if b.numel() else 0.0
-    return err / max(ref, floor, 1e-300)
+    top = max((t.abs().max().item() for t in (a, b) if t.numel()), default=0.0)
+    s = top if 0.0 < top < math.inf else 1.0  # (inf or NaN values: left as they are)
+    err = ((a - b) / s).pow(2).mean().sqrt().item() if a.numel() else 0.0
+    ref = (b / s).pow(2).mean().sqrt().item() if b.numel() else 0.0
+    return err / max(ref, floor / s, 1e-300 / s)
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, floor: float = FLOOR) -> tuple[float, str]:

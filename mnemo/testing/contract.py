@@ -36,7 +36,8 @@ class OpSpec:
     or, when ``call`` is ``None``, as ``op(*args, **kwargs, mode=..., initial_state=...,
     output_final_state=..., cu_seqlens=..., chunk_size=...)`` with ``(args, kwargs) =
     arguments(inputs)`` — the calling convention of mnemo's ops, so :meth:`with_op` swaps in any
-    op with the same signature. ``state_shape(N, H, K, V)`` is the state's shape.
+    op with the same signature (compared with its own recurrent mode unless ``reference`` is set).
+    ``state_shape(N, H, K, V)`` is the state's shape.
 
     The reference is ``reference(inputs, *, initial_state, output_final_state, cu_seqlens,
     chunk_size) -> (o, S)`` or, when ``None``, the op's own ``mode="recurrent"`` (the token loop).
@@ -165,7 +166,12 @@ class OpSpec:
         return reference
 
     def with_op(self, op: Callable, **changes) -> OpSpec:
-        """This spec with another op of the same signature (and any other field changed)."""
+        """This spec with another op of the same signature (and any other field changed).
+
+        The reference stays what this spec's says: for mnemo's specs (``reference=None``) that is
+        the *new* op's own ``mode="recurrent"``, so its forms are checked against each other only,
+        and an op wrong in every form alike passes. To check an op against mnemo's recurrence, use
+        :func:`~mnemo.testing.claim` / :func:`~mnemo.testing.verify` (``claims=``) instead."""
         return dataclasses.replace(self, op=op, call=None, **changes)
 
 
@@ -266,6 +272,8 @@ class _Worst:
 
     def close(self, actual, expected, what: str) -> None:
         err, problem = compare(actual, expected)
+        if math.isnan(err):  # (NaN > worst is False: it would be dropped, and the check pass)
+            err, problem = math.inf, problem or "the error is NaN"
         if err > self.error or not self.message:
             self.error = err
             self.message = f"{what}: {problem}" if problem else what
@@ -466,8 +474,8 @@ def check_varlen(spec: OpSpec, lengths: list[int], mode: str, with_state: bool) 
 
 @_guarded(lambda spec, mode: f"float32[{mode}]")
 def check_float32_realistic(spec: OpSpec, mode: str) -> CheckResult:
-    """float32 at a realistic size (``spec.big_dims``, chunk 64): ``mode`` returns float32 outputs
-    within ``spec.f32_tol`` of the float64 reference on the same (upcast) inputs."""
+    """float32 at a realistic size (``spec.big_dims``, chunk 64): ``mode`` returns a float32 output
+    (and final state) within ``spec.f32_tol`` of the float64 reference on the same (upcast) inputs."""
     w = _Worst(spec, f"float32[{mode}]", spec.f32_tol)
     B, H, T, K, V = spec.big_dims
     dims = (B, H, K, V)
@@ -479,6 +487,9 @@ def check_float32_realistic(spec: OpSpec, mode: str) -> CheckResult:
     o, s = spec.run(x, mode, S0, chunk_size=64)
     if o.dtype != torch.float32:
         w.fail(f"output dtype {o.dtype} for float32 inputs")
+        return w.result()
+    if spec.has("final_state") and s is not None and s.dtype != torch.float32:
+        w.fail(f"final state dtype {s.dtype} for float32 inputs")
         return w.result()
     w.close(o, o_ref, f"B={B} H={H} T={T} K={K} V={V} output")
     if spec.has("final_state"):

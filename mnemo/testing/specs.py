@@ -1,7 +1,9 @@
 """:class:`~mnemo.testing.OpSpec` of every recurrent op variant of mnemo under the contract.
 
 Each spec calls the op through ``arguments(inputs) -> (args, kwargs)`` in the op's own signature, so
-``spec.with_op(other)`` (or :func:`~mnemo.testing.claim`) tests any op with the same signature.
+:func:`~mnemo.testing.claim` tests any op with the same signature against mnemo's recurrent form
+(``spec.with_op(other)`` swaps the op too, but then ``other``'s own recurrent mode is the reference:
+its forms are checked against each other only).
 Input draws: ``q, k, v ~ N(0, 1)``; log gates ``g = logsigmoid(N(0, 1) + 1)``; the delta rules use
 L2-normalised keys and ``beta = sigmoid(N(0, 1))``.
 """
