@@ -56,7 +56,9 @@ def _load(checkpoint: str, device: str):
     ckpt = resolve_checkpoint(checkpoint, warn=_warn)
     _refuse_sharded(ckpt, checkpoint)
     refuse_task_checkpoint(ckpt, "generate writes text")  # (eval sends task checkpoints elsewhere first)
-    model = LanguageModel.from_pretrained(ckpt, map_location=device)
+    # float32 whatever the stored dtype (a bf16 or float64 folder too): ``--precision`` (eval) and
+    # the JSON line's ``precision`` say how it computes (bf16 = autocast over float32 weights)
+    model = LanguageModel.from_pretrained(ckpt, map_location=device, dtype="float32")
     try:
         tok = load_tokenizer(ckpt)
     except FileNotFoundError as e:  # e.g. a converted checkpoint whose source had no tokenizer file
@@ -78,7 +80,7 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
     lengths = _parse_lengths(args.length, "--length") or [args.seq_len or cfg.seq_len]
     for L in lengths:
         task.check_length(L, "--length")
-    model = LanguageModel.from_pretrained(ckpt, map_location=args.device)
+    model = LanguageModel.from_pretrained(ckpt, map_location=args.device, dtype="float32")  # as _load
     if model.config.pos_embedding == "learned" and max(lengths) > model.config.max_position:
         raise ValueError(
             f"--length: {max(lengths)} tokens exceed the model's learned positions "
