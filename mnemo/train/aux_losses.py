@@ -18,6 +18,8 @@ them as :class:`AuxiliaryLosses`, which calls each in that order):
 Optionally ``state_dict() -> dict`` / ``load_state_dict(dict)``: the interval's bookkeeping a
 checkpoint keeps (tensors, numbers, lists), so the first record after a resume covers the whole
 interval, as the uninterrupted run's does.
+``discard_step()``, optionally too: a step raised before its optimizer update (an interrupt between
+two micro-batches, a NaN/inf loss): forget what ``collect`` gathered for it (the step is run again).
 
 The step's returned and logged ``train_loss`` stays the cross-entropy.
 """
@@ -52,6 +54,12 @@ class AuxiliaryLosses(list):
         """Each loss's ``after_step(model)`` (after the optimizer step; every rank, same order)."""
         for aux in self:
             aux.after_step(model)
+
+    def discard_step(self) -> None:
+        """Each loss's ``discard_step()`` where it has one: the step raised before its update."""
+        for aux in self:
+            if hasattr(aux, "discard_step"):
+                aux.discard_step()
 
     def record(self) -> dict:
         """The logging interval's metrics of every loss, merged in order (and each one's reset)."""
@@ -118,6 +126,10 @@ class MoEBalance:
         acc = self._step_sums
         self._step_sums = parts if acc is None else [a + b for a, b in zip(acc, parts)]
         return term
+
+    def discard_step(self) -> None:
+        """The step raised before its update: its micro-batches' statistics so far are dropped."""
+        self._step_sums = None
 
     def after_step(self, model) -> None:
         """After the optimizer step: sum the step's MoE statistics over ranks (one all-reduce), take

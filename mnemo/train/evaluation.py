@@ -37,7 +37,17 @@ class Evaluator:
     def evaluate(
         self, model, device, max_batches: int | None = None, lengths: list[int] | None = None
     ) -> dict:
-        """``model`` (on ``device``) evaluated: see :meth:`mnemo.train.Trainer.evaluate`."""
+        """``model`` (on ``device``) evaluated: see :meth:`mnemo.train.Trainer.evaluate`.
+
+        Raises:
+            ValueError: ``max_batches`` is not ``None`` or an int ``>= 1`` (no batch would give a
+            validation loss of 0)."""
+        if max_batches is not None and (
+            isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+        ):
+            raise ValueError(
+                f"max_batches: expected None or an int >= 1 (validation batches), got {max_batches!r}"
+            )
         if self.task is not None:
             return self._evaluate_task(model, device, max_batches, lengths or [])
         was = model.training

@@ -95,7 +95,10 @@ def resume_config(
     The learning rate follows a warm-up + cosine over ``cosine_steps`` (``schedule_steps`` or
     ``steps``). When new ``steps`` would move the end of that cosine, ``reschedule`` must say what
     happens, else ``ValueError`` naming both choices (``step``, the resumed step, only sets where
-    the note on the learning rate is taken; default the saved ``steps``):
+    the note on the learning rate is taken; default the saved ``steps``). So must a
+    ``schedule_steps`` of ``None`` that would unpin a held cosine (a full :class:`TrainConfig`
+    like the one that started the run, given again to resume a run resumed with ``"hold"``); a
+    ``schedule_steps`` given as a number pins the cosine there without ``reschedule``:
 
     * ``"stretch"``: the cosine is recomputed over the new ``steps`` — the learning rate at the
       resumed step jumps to its value on the longer (or shorter) cosine;
@@ -146,9 +149,16 @@ def resume_config(
     elif cfg.cosine_steps != saved.cosine_steps or reschedule is not None:
         stretched = dataclasses.replace(cfg, schedule_steps=None)
         held = dataclasses.replace(cfg, schedule_steps=saved.cosine_steps)
-        if reschedule is None and "schedule_steps" not in changes:
+        # a pinned schedule_steps says where the cosine ends; None (e.g. a full TrainConfig like the
+        # one that started a held run) would move its end silently: that is for reschedule to say
+        if reschedule is None and changes.get("schedule_steps") is None:
+            moved = (
+                f"TrainConfig.steps: {saved.steps} -> {cfg.steps}"
+                if cfg.steps != saved.steps
+                else f"TrainConfig.schedule_steps: {saved.schedule_steps} -> None (steps {cfg.steps})"
+            )
             raise ValueError(
-                f"TrainConfig.steps: {saved.steps} -> {cfg.steps} moves the end of the cosine "
+                f"{moved} moves the end of the cosine "
                 f"learning-rate schedule (now {saved.cosine_steps} steps); say what should happen: "
                 f"--reschedule stretch (a cosine over {cfg.steps} steps) or --reschedule hold (keep "
                 f"the {saved.cosine_steps}-step cosine, then lr · min_lr_ratio = "

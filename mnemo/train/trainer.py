@@ -260,11 +260,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     def evaluate(self, max_batches: int | None = None, *, lengths: list[int] | None = None) -> dict:
-        """Mean validation loss (nats/token) and bits per character over ``max_batches`` batches.
+        """Mean validation loss (nats/token) and bits per character over the first ``max_batches``
+        batches of the validation split (the whole split when ``None``).
 
         For a task: ``val_loss``, ``val_acc`` and ``val_seq_acc`` on the supervised positions of
-        ``max_batches · batch_size`` test sequences (all ``eval_batches`` when ``None``), plus
-        ``val_loss@L``, ``val_acc@L`` and ``val_seq_acc@L`` for each of ``lengths``.
+        ``min(max_batches, eval_batches) · batch_size`` test sequences (all ``eval_batches`` when
+        ``None``), plus ``val_loss@L``, ``val_acc@L`` and ``val_seq_acc@L`` for each of ``lengths``.
+        Raises ``ValueError`` naming ``max_batches`` when it is not ``None`` or an int ``>= 1``.
         """
         return self.evaluator.evaluate(self.model, self.device, max_batches, lengths)
 
@@ -291,7 +293,34 @@ class Trainer:
         several processes the per-micro-batch agreement of the ranks stays as it is.
 
         With ``cfg.carry_state`` the batch is the streams' next windows, the forward starts from
-        ``carried_state`` and the model's new state replaces it once the step succeeded."""
+        ``carried_state`` and the model's new state replaces it once the step succeeded.
+
+        A step that raises before its optimizer update (``TrainingDiverged``, an error or a
+        ``KeyboardInterrupt`` between two micro-batches) leaves nothing behind: its batch is drawn
+        again by the next step (a second ``fit`` trains on the batches of a run that never raised),
+        its partial gradients and auxiliary-loss statistics are dropped."""
+        # a step that raises before its update (an interrupt half-way through its micro-batches, a
+        # NaN/inf) leaves no trace: the next step draws the same batch, as a run that never raised
+        drawn = self.generator.get_state()
+        try:
+            total, n_tokens = self._gradients()
+        except BaseException:
+            self.generator.set_state(drawn)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.aux_losses.discard_step()
+            raise
+        self.carry.end_step()  # carry_state: the next step starts from here (cut from this step's graph)
+        self.last_lr = self.scheduler.get_last_lr()[0]  # the rate of this update (metrics' lr)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.aux_losses.after_step(self.model)
+        self.step += 1
+        return total / n_tokens
+
+    def _gradients(self) -> tuple[float, int]:
+        """The gradients of this step's global batch (summed over its micro-batches, synchronised and
+        clipped): ``(summed loss, supervised tokens)``; raises :class:`TrainingDiverged` before any
+        update (see :meth:`train_step`)."""
         cfg, strategy, carry = self.cfg, self.strategy, self.carry
         carry.begin_step(self.step)  # truncated BPTT: this step's windows continue the last step's
         x, y, first = self.data.next_batch(self.step, self.generator)
@@ -367,13 +396,7 @@ class Trainer:
             norm_value = norm.item()
         if not math.isfinite(norm_value):
             raise self._diverged("gradient norm", norm_value)
-        carry.end_step()  # carry_state: the next step starts from here (cut from this step's graph)
-        self.last_lr = self.scheduler.get_last_lr()[0]  # the rate of this update (metrics' lr)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.aux_losses.after_step(self.model)
-        self.step += 1
-        return total / n_tokens
+        return total, n_tokens
 
     def fit(self, until: int | None = None) -> dict:
         """Run until ``cfg.steps`` (or stop early after step ``until``, writing a checkpoint there, as
