@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from .. import argtypes as kinds
-from .train import _parse_lengths
+from .train import _parse_lengths, _same_data
 
 #: ``mnemo generate --max-new-tokens``'s bound: ~an hour of one-token steps on a laptop CPU
 MAX_NEW_TOKENS = 1_000_000
@@ -338,20 +338,6 @@ def _cmd_eval_text(
     }
     print(json.dumps(result))
     return 0
-
-
-def _same_data(given: str, saved: str) -> bool:
-    """Whether ``--data`` names the corpus the run saved: the same text, or the same path however
-    it is written (``c.txt`` for a run that saved ``/home/me/c.txt``)."""
-    import os
-
-    from ..data.corpus import BUNDLED
-
-    if given == saved:
-        return True
-    if given in BUNDLED or saved in BUNDLED:
-        return False
-    return os.path.abspath(os.path.expanduser(given)) == os.path.abspath(os.path.expanduser(saved))
 
 
 def _check_generate_memory(model, length: int, device: str) -> None:

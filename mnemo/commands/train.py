@@ -215,6 +215,20 @@ def _absolute_data(value):
     return os.path.abspath(p)
 
 
+def _same_data(given: str, saved: str) -> bool:
+    """Whether ``--data`` names the corpus the run saved: the same text, or the same path however
+    it is written (``c.txt`` for a run that saved ``/home/me/c.txt``)."""
+    import os
+
+    from ..data.corpus import BUNDLED
+
+    if given == saved:
+        return True
+    if given in BUNDLED or saved in BUNDLED:
+        return False
+    return os.path.abspath(os.path.expanduser(given)) == os.path.abspath(os.path.expanduser(saved))
+
+
 def _mapping(d: dict, key: str) -> dict:
     """``d[key]`` of a config file, which flags add keys to: a mapping (``{}`` when absent)."""
     value = d.get(key) or {}
@@ -310,8 +324,6 @@ def _train(args, held: contextlib.ExitStack) -> int:
     if args.resume:
         # a resumed run keeps every saved setting: ``d`` holds only what the command line changes
         cfg = _saved_config(args.out, d)
-        from .evaluate import _same_data
-
         if isinstance(d.get("data"), str) and _same_data(d["data"], cfg.data):
             d["data"] = cfg.data  # the saved file however written (a new run saves it absolute)
     else:
