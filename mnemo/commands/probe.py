@@ -75,7 +75,9 @@ def _load(checkpoint):
     from ..train import resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
-    return ckpt, LanguageModel.from_pretrained(ckpt).eval()
+    # float32 whatever the stored dtype, as eval/generate load (a bf16 folder probed in bf16 rounds
+    # every map and gate; before from_pretrained kept the stored dtype it was float32 here too)
+    return ckpt, LanguageModel.from_pretrained(ckpt, dtype="float32").eval()
 
 
 def _read_json(path: Path) -> dict:

@@ -28,7 +28,8 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) ->
     s = top if 0.0 < top < math.inf else 1.0  # (inf or NaN values: left as they are)
     err = ((a - b) / s).pow(2).mean().sqrt().item() if a.numel() else 0.0
     ref = (b / s).pow(2).mean().sqrt().item() if b.numel() else 0.0
-    return err / max(ref, floor / s, 1e-300 / s)
+    den = max(ref, floor / s, 1e-300 / s)  # (0 when 1e-300 / s underflows: an error past any bound)
+    return err / den if den > 0.0 else (math.inf if err > 0.0 else err)
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, floor: float = FLOOR) -> tuple[float, str]:
