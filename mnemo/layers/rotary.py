@@ -440,9 +440,9 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
         """``x: [B, T, H, D]`` rotated at ``positions: [T]`` (any numbers, negative included: a
-        rotation by ``−p`` undoes one by ``p``), the rotated channels times ``factor`` (default 1:
-        a pure rotation; :meth:`forward` passes :attr:`rotation_factor`). Same shape and dtype as
-        ``x``."""
+        rotation by ``−p`` undoes one by ``p``), the rotated channels times ``factor`` (default
+        ``factor=1.0``: a pure rotation; :meth:`forward` passes :attr:`rotation_factor`). Same shape
+        and dtype as ``x``."""
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         pos = positions.to(device=x.device, dtype=cd)
         ang = pos[:, None] * self.inv_freq.to(device=x.device, dtype=cd)[None, :]  # [T, R/2]
@@ -464,7 +464,7 @@ class RotaryEmbedding(nn.Module):
 
     def undo(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """The inverse of :meth:`forward`: ``x [B, T, H, D]`` rotated back from positions ``offset …``
-        and its rotated channels divided by :attr:`rotation_factor`."""
+        (default ``offset=0``) and its rotated channels divided by :attr:`rotation_factor`."""
         T = x.shape[1]
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         pos = -torch.arange(offset, offset + T, device=x.device, dtype=cd)

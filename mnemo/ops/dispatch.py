@@ -121,7 +121,7 @@ class BackendRow:
 class Call:
     """What the table needs to know of one op call (filled in by the op after its checks): the
     op, the device, the dtypes of its tensors, ``mode``, ``T``, the head dims ``K`` and ``V``
-    (default ``0``: not known) and whether ``cu_seqlens`` is given (default ``varlen=False``)."""
+    (defaults ``K=0``, ``V=0``: not known) and whether ``cu_seqlens`` is given (default ``varlen=False``)."""
 
     op: str
     device: torch.device
