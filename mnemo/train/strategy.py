@@ -34,7 +34,8 @@ Extension point: a new parallelism subclasses :class:`Strategy` and overrides wh
 ``check`` (configuration it cannot run), ``prepare`` (the model before the optimizer, e.g.
 sharding), ``wrap`` (the module the training forward runs through), ``split`` (this rank's part of
 the global batch and the loss scale), ``micro_batch`` (gradient-sync context per micro-batch),
-``forward`` (a forward that needs the ranks), ``sum_gradients``, ``grad_norm`` — and is returned by
+``forward`` (a forward that needs the ranks), ``sum_gradients``, ``discard_gradients`` (those a
+failed step left outside ``.grad``), ``grad_norm`` — and is returned by
 :func:`make_strategy`. The collectives ``agree``, ``reduce_loss`` and ``all_finite`` work for any
 number of processes.
 """
@@ -104,6 +105,10 @@ class Strategy:
     def sum_gradients(self, model) -> None:
         """After the last backward: make every rank's gradients the global ones (DDP and FSDP do
         it in the backward)."""
+
+    def discard_gradients(self, model) -> None:
+        """A step raised before its update: drop the gradients its micro-batches left anywhere but
+        the parameters' ``.grad`` (which the optimizer's ``zero_grad`` drops)."""
 
     def grad_norm(self, params: list, clip: float) -> torch.Tensor:
         """The global gradient norm of ``params``, clipped to ``clip`` when ``clip > 0``."""
@@ -212,6 +217,20 @@ class Sharded(Strategy):
         # FSDP2 likewise reduce-scatters in the last micro-batch's backward only
         self._model.set_requires_gradient_sync(i == n - 1)
         return contextlib.nullcontext()
+
+    def discard_gradients(self, model) -> None:
+        # FSDP2 keeps the gradients of a micro-batch run without sync unsharded, on its own
+        # parameters (not the sharded .grad the optimizer sees) until the last one reduce-scatters
+        for module in model.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # (torch releases with one group per module)
+                groups = [getattr(state, "_fsdp_param_group", None)]
+            for group in groups:
+                for param in getattr(group, "fsdp_params", ()):
+                    param.unsharded_accumulated_grad = None
+                    if hasattr(param, "_unsharded_param"):
+                        param._unsharded_param.grad = None
 
     def grad_norm(self, params: list, clip: float) -> torch.Tensor:
         # DTensor shards: the norm is reduced over the processes (inf: no clipping)

@@ -307,6 +307,7 @@ class Trainer:
         except BaseException:
             self.generator.set_state(drawn)
             self.optimizer.zero_grad(set_to_none=True)
+            self.strategy.discard_gradients(self.model)  # (FSDP2's unsharded micro-batch gradients)
             self.aux_losses.discard_step()
             raise
         self.carry.end_step()  # carry_state: the next step starts from here (cut from this step's graph)
