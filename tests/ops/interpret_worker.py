@@ -402,5 +402,23 @@ def main(names) -> None:
     print("JSON:" + json.dumps(results, default=str))
 
 
+def run_child(module: str, cases) -> dict:
+    """``python -m module case ...`` in a child process with ``TRITON_INTERPRET=1`` (one thread,
+    the repository on the path, no ``MNEMO_BACKEND``), and the ``{case: result}`` object it prints
+    after ``JSON:``; asserts that the child succeeded (its stderr's tail in the message)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env.pop("MNEMO_BACKEND", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *cases], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("JSON:")), None)
+    assert proc.returncode == 0 and line, f"child failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(line[5:])
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -19,10 +19,6 @@ Skipped (with the reason) when triton, fla-core or mamba-ssm are not installed.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -73,19 +69,8 @@ GRADS = {
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cases = [c for c in worker.CASES if MAMBA or "mamba" not in c]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.ops.interpret_worker", *cases],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("JSON:")), None)
-    assert proc.returncode == 0 and line, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(line[5:])
+    return worker.run_child("tests.ops.interpret_worker", cases)
 
 
 def _ok(res: dict, name: str) -> dict:

@@ -14,7 +14,6 @@ if __name__ == "__main__":  # the child: Triton's interpreter, set before triton
 
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -25,15 +24,11 @@ import torch.nn.functional as F  # noqa: E402
 
 import mnemo.ops as ops  # noqa: E402
 from mnemo.ops import dispatch  # noqa: E402
+from tests.ops.interpret_worker import rel, run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None
 needs_fla = pytest.mark.skipif(not PEERS, reason="triton or fla-core not installed")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return (a - b).square().mean().sqrt().item() / max(b.square().mean().sqrt().item(), 1e-30)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,19 +131,7 @@ def _child(names) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("MNEMO_BACKEND", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.ops.test_review2_backends", *CASES],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("JSON:")), None)
-    assert proc.returncode == 0 and line, f"child failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(line[5:])
+    return run_child("tests.ops.test_review2_backends", CASES)
 
 
 # ----------------------------------------------------------------------------------------------
