@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
+from mnemo.bench import write_json
 
 VARIANTS = ("cli", "python", "python+tune")
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"{row['cli_percent_of_peak']:>11.1f}{row['python_percent_of_peak']:>10.1f}"
         )
     if a.json:
-        Path(a.json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
+        write_json(a.json, {"summary": summary, "runs": runs})  # strict JSON: a NaN cell is null
         print(f"\nwrote {a.json}")
     return 0
 

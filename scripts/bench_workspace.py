@@ -28,6 +28,7 @@ import subprocess
 import sys
 
 from mnemo.argtypes import positive_int  # (a count or size of 0 or less is refused by name)
+from mnemo.bench import write_json
 
 VARIANTS = ("cache", "no cache", "cache+tune")
 
@@ -106,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':22}no cache/cache per round: " + " ".join(f"{x:.2f}" for x in per_round))
         rows.append({"op": op, "ms": ms, "faults_per_call": fl, "no_cache_over_cache_per_round": per_round})
     if a.json:
-        with open(a.json, "w") as f:
-            meta = {"length": a.length, "rounds": a.rounds, "repeats": a.repeats}
-            json.dump({**meta, "rows": rows}, f, indent=1)
+        meta = {"length": a.length, "rounds": a.rounds, "repeats": a.repeats}
+        write_json(a.json, {**meta, "rows": rows})  # strict JSON: a NaN ratio is null
     return 0
 
 

@@ -3,6 +3,8 @@ makes streams and :mod:`mnemo.data.text` re-exports the class, neither importing
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -44,8 +46,15 @@ class TokenStream:
         return self._windows(starts, with_documents)
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None, *, with_documents: bool = False):
-        """Yield non-overlapping ``(x, y)`` batches in order (at most ``max_batches``); with
-        ``with_documents``, ``(x, y, first)`` (:meth:`document_starts`)."""
+        """Yield non-overlapping ``(x, y)`` batches in order (at most ``max_batches``; default
+        ``max_batches=None``: all); with ``with_documents``, ``(x, y, first)``
+        (:meth:`document_starts`). Raises ``ValueError`` naming ``batch_size`` or ``max_batches``
+        when it is not an int ``>= 1`` (``0`` yielded nothing, ``-1`` dropped the last batch)."""
+        for what, value in (("batch_size", batch_size), ("max_batches", max_batches)):
+            if value is None and what == "max_batches":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{what}: expected an int >= 1, got {value!r}")
         n = (self.ids.numel() - 1) // self.seq_len
         starts = torch.arange(n) * self.seq_len
         if max_batches is not None:

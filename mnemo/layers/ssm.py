@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -379,6 +380,8 @@ class Mamba2(Mixer):
         self.n_heads = self.d_inner // self.head_dim
         if self.n_heads % n_groups:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_groups ({n_groups})")
+        if isinstance(self.norm_groups, bool) or not isinstance(self.norm_groups, numbers.Integral):
+            raise ValueError(f"norm_groups: expected an int >= 1 or None, got {norm_groups!r}")
         if self.norm_groups < 1 or self.d_inner % self.norm_groups:
             raise ValueError(f"norm_groups ({self.norm_groups}) must divide d_inner ({self.d_inner})")
         self.chunk_size = chunk_size
