@@ -15,22 +15,12 @@ import torch
 
 from mnemo.train import TrainConfig, Trainer
 from tests.helpers import free_port, join_as_torchrun, spawn
+from tests.train.test_fsdp import _cfg as fsdp_cfg
 
 
 def _cfg() -> TrainConfig:
-    return TrainConfig(
-        model="gated_deltanet_hybrid",
-        model_overrides={"d_model": 16, "n_layers": 2, "layers": ["gated_deltanet", "attention"]},
-        seq_len=16,
-        batch_size=4,
-        grad_accum=2,
-        steps=4,
-        eval_interval=1,
-        eval_batches=1,
-        warmup_steps=2,
-        sample_tokens=0,
-        fsdp=True,
-    )
+    """test_fsdp's hybrid (gated DeltaNet + attention, ``grad_accum=2``, FSDP), evaluated every step."""
+    return fsdp_cfg(eval_interval=1)
 
 
 def _records(run: Path) -> list[tuple]:
