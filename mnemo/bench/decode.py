@@ -98,6 +98,7 @@ def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) ->
         "context": L,
         "tokens_per_s": 1.0 / median,
         "mean_tokens_per_s": steps / sum(times),
+        # (the keys say "mb"; both values are MiB, 2**20 bytes, as the printed table says)
         "peak_rss_mb": rss_mb,
         "state_mb": model.state_size_bytes(1, L) / 2**20,
     }
@@ -121,7 +122,7 @@ def main(args) -> int:
         f"mnemo bench --suite decode: d_model={args.d_model}, {args.n_layers} layers, {args.decode_steps} "
         f"one-token steps after a context of L tokens; median of {procs} fresh processes per row\n"
     )
-    print(f"{'model':<16}{'L':>8}{'tokens/s':>12}{'peak RSS MB':>14}{'state MB':>11}")
+    print(f"{'model':<16}{'L':>8}{'tokens/s':>12}{'peak RSS MiB':>14}{'state MiB':>11}")
     rows, failed = [], []
     for name in models:
         for L in contexts:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 
@@ -105,10 +104,12 @@ def _cmd_eval_task(args, ckpt, tcfg: dict) -> int:
         seed=cfg.seed,
         device=args.device,
     )
+    from ..train.sinks import dumps_record  # strict JSON: a diverged model's NaN loss is null + "nonfinite"
+
     for L in lengths:
         r = res[L]
         print(
-            json.dumps(
+            dumps_record(
                 {
                     "checkpoint": str(ckpt),
                     "task": cfg.task,
@@ -336,7 +337,9 @@ def _cmd_eval_text(
         "bos_id": bos,  # the id put first in each window (None: the windows are read as they are)
         **(extra or {}),
     }
-    print(json.dumps(result))
+    from ..train.sinks import dumps_record  # strict JSON: a diverged model's NaN loss is null + "nonfinite"
+
+    print(dumps_record(result))
     return 0
 
 

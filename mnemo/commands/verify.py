@@ -234,10 +234,12 @@ def run(args) -> int:
 
 
 def _write_json(path: str, rows: list[dict]) -> None:
+    from mnemo.bench import json_safe
     from mnemo.train.checkpoint import atomic_write_text
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(rows, indent=2))
+    # strict JSON: an error that came out NaN (a kernel that wrote NaN) is null there
+    atomic_write_text(path, json.dumps(json_safe(rows), indent=2, allow_nan=False))
     print(f"wrote {path}")
 
 

@@ -218,15 +218,31 @@ def _files(data: str) -> list[Path]:
                 f".jsonl.gz, ... too); "
                 f"the folder {data!r} holds none"
             )
-        return known
+        return _no_twins(known, data)
     if any(c in data for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(data, recursive=True) if Path(f).is_file())
         if files:
-            return files
+            return _no_twins(files, data)
     raise FileNotFoundError(
         f"data file not found: {data!r} (give a path to a UTF-8 text, .jsonl or .parquet file, a folder or "
         f"glob of them, or one of {sorted(BUNDLED)})"
     )
+
+
+def _no_twins(files: list[Path], data: str) -> list[Path]:
+    """``files``, refused when two of them are one file with and without compression (``a.txt`` and
+    ``a.txt.gz`` in one folder: a compressed copy left beside its original would be read twice)."""
+    seen: dict[tuple[Path, str], Path] = {}
+    for f in files:
+        c = _compression(f)
+        key = (f.parent, f.name[: -len(c)] if c else f.name)
+        if key in seen and _compression(seen[key]) != c:
+            raise ValueError(
+                f"data {data!r}: {str(seen[key])!r} and {str(f)!r} are the same file with and without "
+                "compression (a copy would be read twice); keep one of them, or name the file itself"
+            )
+        seen[key] = f
+    return files
 
 
 def _read_text(p: Path, data: str) -> str:

@@ -118,7 +118,7 @@ class SweepDB:
 
     @contextlib.contextmanager
     def _writing(self):
-        """A write that waited :data:`BUSY_TIMEOUT_S` in vain raises :func:`busy_error`."""
+        """A write (or a read) that waited :data:`BUSY_TIMEOUT_S` in vain raises :func:`busy_error`."""
         try:
             yield
         except sqlite3.OperationalError as e:
@@ -127,10 +127,11 @@ class SweepDB:
             raise
 
     def finished_ids(self) -> set[str]:
-        rows = self.conn.execute(
-            f"SELECT run_id FROM runs WHERE status IN ({','.join('?' * len(FINISHED))})", FINISHED
-        )
-        return {r["run_id"] for r in rows}
+        with self._writing():
+            rows = self.conn.execute(
+                f"SELECT run_id FROM runs WHERE status IN ({','.join('?' * len(FINISHED))})", FINISHED
+            )
+            return {r["run_id"] for r in rows}
 
     def record(self, sweep: str, run, result: dict) -> None:
         """Insert or replace the row of ``run`` (a :class:`~mnemo.sweep.spec.Run`) with ``result``
@@ -170,7 +171,8 @@ class SweepDB:
 
     def meta(self, sweep: str) -> dict:
         """The stored settings of ``sweep`` (``{}`` when none were stored, e.g. an old database)."""
-        row = self.conn.execute("SELECT meta FROM sweep_meta WHERE sweep = ?", (sweep,)).fetchone()
+        with self._writing():
+            row = self.conn.execute("SELECT meta FROM sweep_meta WHERE sweep = ?", (sweep,)).fetchone()
         return json.loads(row["meta"]) if row else {}
 
     def rows(self, sweep: str | None = None) -> list[dict]:
@@ -178,7 +180,9 @@ class SweepDB:
         (taken from its config for rows stored before the column existed)."""
         q = "SELECT * FROM runs" + (" WHERE sweep = ?" if sweep else "") + " ORDER BY rowid"
         out = []
-        for r in self.conn.execute(q, (sweep,) if sweep else ()):
+        with self._writing():
+            found = self.conn.execute(q, (sweep,) if sweep else ()).fetchall()
+        for r in found:
             d = dict(r)
             for k in ("cell", "tuned", "config"):
                 d[k] = json.loads(d[k]) if d[k] else {}
@@ -189,4 +193,5 @@ class SweepDB:
         return out
 
     def sweeps(self) -> list[str]:
-        return [r[0] for r in self.conn.execute("SELECT DISTINCT sweep FROM runs ORDER BY sweep")]
+        with self._writing():
+            return [r[0] for r in self.conn.execute("SELECT DISTINCT sweep FROM runs ORDER BY sweep")]

@@ -28,6 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..plotting import legend
+from ..train.sinks import dumps_record, loads_record
 from .db import SweepDB
 from .recipe import claims_markdown, judge_claim, left_plateau
 from .spec import METRICS_HIGHER_IS_BETTER
@@ -555,7 +556,7 @@ def replot_state_from_summary(summary_path: str | Path, path: str | Path) -> Pat
     """Redraw a report's state plot (``SWEEP_acc_vs_state.png``) from its kept ``SWEEP.json``: the
     same cells, means, intervals and seeds :func:`write_report` drew from the database (for a page
     whose databases are not at hand)."""
-    summary = json.loads(Path(summary_path).read_text())
+    summary = loads_record(Path(summary_path).read_text())
     metric, confidence, seeds = summary["metric"], summary["confidence"], summary["seeds"]
     title = state_plot_title(summary["sweep"], metric, seeds, confidence)
     return plot_accuracy_vs_state([], path, metric, title, confidence=confidence, stats=summary["cells"])
@@ -887,7 +888,9 @@ def write_report(
             "claims": judged,
             "claims_at_lengths": longer,
         }
-        files[1].write_text(json.dumps(summary, indent=1) + "\n")
+        # strict JSON: a non-finite value is null, mapped under "nonfinite" (mnemo.train.sinks)
+        strict = json.loads(dumps_record(summary))
+        files[1].write_text(json.dumps(strict, indent=1, allow_nan=False) + "\n")
         if plots:
             bars = f" (mean over seeds, bars: {confidence:.0%} CI)" if len(seeds) > 1 else ""
             files.append(

@@ -1,0 +1,124 @@
+"""Leftovers of session 37's reviews, mended in session 38 (each test failed before its fix)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import sqlite3
+
+import pytest
+
+
+def _strict_json(text: str):
+    """``text`` parsed as RFC 8259 JSON (a bare NaN/Infinity token raises)."""
+
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# -- corpora: a compressed copy beside its original ---------------------------------------------
+
+
+def test_a_folder_holding_a_text_file_and_its_compressed_copy_is_refused_by_name(tmp_path):
+    from mnemo.data import load_corpus
+
+    (tmp_path / "a.txt").write_text("hello world\n")
+    with gzip.open(tmp_path / "a.txt.gz", "wt") as fh:
+        fh.write("hello world\n")
+    with pytest.raises(ValueError, match=r"a\.txt'.*a\.txt\.gz'.*same file with and without compression"):
+        load_corpus(str(tmp_path))
+    with pytest.raises(ValueError, match="same file with and without compression"):
+        load_corpus(str(tmp_path / "a.*"))
+    # the file named by itself is read, once
+    assert load_corpus(str(tmp_path / "a.txt.gz")).text == "hello world\n"
+
+
+def test_two_distinct_files_are_not_twins(tmp_path):
+    from mnemo.data import load_corpus
+
+    (tmp_path / "a.txt").write_text("one\n")
+    (tmp_path / "A.txt").write_text("two\n")  # another file on a case-sensitive file system
+    with gzip.open(tmp_path / "b.txt.gz", "wt") as fh:
+        fh.write("three\n")
+    docs = load_corpus(str(tmp_path)).documents
+    if (tmp_path / "A.txt").read_text() == "two\n" and (tmp_path / "a.txt").read_text() == "one\n":
+        assert sorted(docs) == ["one\n", "three\n", "two\n"]
+
+
+# -- the sweep database: a read that waited in vain ---------------------------------------------
+
+
+@pytest.mark.parametrize("read", ["rows", "meta", "sweeps", "finished_ids"])
+def test_a_read_of_a_locked_sweep_database_raises_timeout_error_naming_it(tmp_path, monkeypatch, read):
+    import mnemo.sweep.db as dbmod
+    from mnemo.sweep.db import SweepDB
+
+    path = tmp_path / "s.sqlite"
+    monkeypatch.setattr(dbmod, "BUSY_TIMEOUT_S", 0.05)
+    db = SweepDB(path)
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        args = ("s",) if read in ("rows", "meta") else ()
+        with pytest.raises(TimeoutError, match=r"s\.sqlite stayed locked by another process"):
+            getattr(db, read)(*args)
+    finally:
+        holder.execute("COMMIT")
+        holder.close()
+        db.close()
+
+
+# -- strict JSON where a value can be non-finite ------------------------------------------------
+
+
+def test_the_reports_summary_json_is_strict_and_the_state_plot_redraws_from_it(tmp_path, monkeypatch):
+    """``SWEEP.json`` was written with ``json.dumps`` (a non-finite value as a bare ``NaN``); a
+    non-finite statistic (here planted in every cell) is now ``null`` plus the ``"nonfinite"`` map,
+    and :func:`replot_state_from_summary` reads it back as the float."""
+    import mnemo.sweep.report as report
+    import mnemo.sweep.runner as runner_mod
+    from mnemo.sweep import SweepSpec, run_sweep, write_report
+    from mnemo.train.sinks import loads_record
+    from tests.tasks.test_sweep_seeds import BASE, _fake_run_one
+
+    acc = {(1e-3, s): v for s, v in enumerate([0.9, 0.6, 0.7, 0.8])}
+    monkeypatch.setattr(runner_mod, "run_one", _fake_run_one(acc, []))
+    real = report.cell_stats
+
+    def planted(*a, **k):
+        return [{**c, "planted": math.nan} for c in real(*a, **k)]
+
+    monkeypatch.setattr(report, "cell_stats", planted)
+    d = {"name": "one", "base": BASE, "models": ["gla"], "grid": {"lr": [1e-3]}, "seeds": 4}
+    run_sweep(SweepSpec.from_dict(d), tmp_path / "db.sqlite", tmp_path / "runs", progress=False, log=print)
+    write_report(tmp_path / "db.sqlite", tmp_path / "rep", plots=False)
+    summary_path = tmp_path / "rep" / "one.json"
+    text = summary_path.read_text()
+    strict = _strict_json(text)
+    assert strict["cells"][0]["planted"] is None
+    assert strict["nonfinite"] == {"cells/0/planted": "NaN"}
+    back = loads_record(text)
+    assert math.isnan(back["cells"][0]["planted"]) and back["cells"][0]["mean"] == pytest.approx(0.75)
+    pytest.importorskip("matplotlib")
+    replot_state = report.replot_state_from_summary(summary_path, tmp_path / "again.png")
+    assert replot_state.stat().st_size > 0
+
+
+def test_verify_json_is_strict_when_an_error_is_nan(tmp_path):
+    from mnemo.commands.verify import _write_json
+
+    out = tmp_path / "v.json"
+    _write_json(str(out), [{"name": "x", "max_rel_err": float("nan"), "passed": False}])
+    assert _strict_json(out.read_text()) == [{"name": "x", "max_rel_err": None, "passed": False}]
+
+
+def test_decode_suite_names_its_units_mib():
+    import inspect
+
+    import mnemo.bench.decode as decode
+
+    src = inspect.getsource(decode.main)
+    assert "peak RSS MiB" in src and "state MiB" in src and " MB'" not in src
