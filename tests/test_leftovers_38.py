@@ -122,3 +122,31 @@ def test_decode_suite_names_its_units_mib():
 
     src = inspect.getsource(decode.main)
     assert "peak RSS MiB" in src and "state MiB" in src and " MB'" not in src
+
+
+# -- model configuration: the neural-memory mixers' spec options --------------------------------
+
+
+@pytest.mark.parametrize("mixer", ["neural_memory", "titans_mac", "titans_mag", "titans_mal"])
+def test_an_unknown_neural_memory_option_is_refused_by_build_config(mixer):
+    """The neural-memory mixers take ``**spec_overrides``; an unknown key passed ``build_config``
+    and failed only when the model was built (deep in ``MemorySpec.replace``)."""
+    from mnemo.models import build_config
+
+    with pytest.raises(ValueError, match=rf"mixer_options\['{mixer}'\].*chunk_size.*got 'bogus'"):
+        build_config("transformer", vocab_size=16, mixer_options={mixer: {"bogus": 1}})
+
+
+def test_memory_spec_fields_and_constructor_options_still_pass():
+    from mnemo.models import LanguageModel, build_config
+
+    cfg = build_config(
+        "transformer",
+        vocab_size=16,
+        d_model=16,
+        n_layers=1,
+        mixer="neural_memory",
+        mixer_options={"neural_memory": {"chunk_size": 4, "objective": "huber", "short_conv": False}},
+    )
+    mixer = LanguageModel(cfg).blocks[0].mixer
+    assert mixer.spec.chunk_size == 4 and mixer.spec.objective == "huber" and mixer.conv is None

@@ -121,7 +121,7 @@ class ModelConfig:
             if unknown:
                 bad(
                     f"mixer_options[{m!r}]",
-                    f"options of the {m!r} mixer ({', '.join(_known_options(MIXERS[m]))})",
+                    f"options of the {m!r} mixer ({', '.join(_option_names(MIXERS[m]))})",
                     ", ".join(unknown),
                 )
             for key, expected in _mistyped_options(MIXERS[m], opts):
@@ -232,10 +232,36 @@ def _mistyped_options(cls, opts: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _keyword_fields(name: str) -> set[str] | None:
+    """What a constructor's ``**name`` takes, where mnemo knows it: the neural-memory mixers'
+    ``**spec_overrides`` are :class:`~mnemo.memory.MemorySpec` fields; ``None`` for anything else."""
+    if name != "spec_overrides":
+        return None
+    import dataclasses
+
+    from ..memory import MemorySpec
+
+    return {f.name for f in dataclasses.fields(MemorySpec)}
+
+
+def _option_names(cls) -> list[str]:
+    """The keyword options of ``cls``'s constructor, with those its ``**kwargs`` takes where known."""
+    names = _known_options(cls)
+    for p in inspect.signature(cls).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            names = names + sorted((_keyword_fields(p.name) or set()) - set(names))
+    return names
+
+
 def _unknown_options(cls, opts: dict) -> list[str]:
-    """Keys of ``opts`` the constructor does not take (none when it takes ``**kwargs``)."""
+    """Keys of ``opts`` the constructor does not take (none when it takes a ``**kwargs`` whose keys
+    mnemo does not know: :func:`_keyword_fields`)."""
     params = inspect.signature(cls).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return []
     known = set(_known_options(cls))
+    for p in params:
+        if p.kind is p.VAR_KEYWORD:
+            fields = _keyword_fields(p.name)
+            if fields is None:
+                return []
+            known |= fields
     return sorted(str(k) for k in opts if k not in known)
