@@ -150,3 +150,52 @@ def test_memory_spec_fields_and_constructor_options_still_pass():
     )
     mixer = LanguageModel(cfg).blocks[0].mixer
     assert mixer.spec.chunk_size == 4 and mixer.spec.objective == "huber" and mixer.conv is None
+
+
+# -- HF export: Qwen3-Next with transformers' YaRN ----------------------------------------------
+
+
+def test_an_exported_qwen3_next_yarn_config_states_its_post_yarn_context(tmp_path):
+    """The export wrote no ``max_position_embeddings``: transformers took its default 32768, which
+    with ``original_max_position_embeddings = 8`` implies factor 4096 against the explicit 4 (a
+    warning at every load). Now it is factor × the training context."""
+    pytest.importorskip("transformers")
+    import logging
+
+    from transformers import Qwen3NextConfig
+    from transformers.utils import logging as hf_logging
+
+    from mnemo.hf.convert import import_hf
+    from mnemo.hf.qwen3_next import export_qwen3_next
+    from tests.hf.test_review2_interop import _qwen3_next_yarn
+
+    hf = _qwen3_next_yarn()
+    hf.save_pretrained(tmp_path / "hf")
+    config, sd, _ = import_hf(tmp_path / "hf")
+    hf_cfg, _ = export_qwen3_next(config, sd)
+    rp = hf_cfg["rope_parameters"]
+    assert rp["factor"] == 4.0 and rp["original_max_position_embeddings"] == 8
+    assert hf_cfg["max_position_embeddings"] == 32
+
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logger = hf_logging.get_logger("transformers")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        Qwen3NextConfig(**{k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")})
+        Qwen3NextConfig(
+            **{
+                k: v
+                for k, v in hf_cfg.items()
+                if k not in ("architectures", "model_type", "max_position_embeddings")
+            }
+        )
+    finally:
+        logger.removeHandler(handler)
+    # the second construction (the old export) warns; the first does not
+    assert len([m for m in said if "does not match the ratio" in m]) == 1, said

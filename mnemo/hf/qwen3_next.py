@@ -608,6 +608,11 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
         "layer_types": [LINEAR if m == GDN else FULL for m in types],
         "initializer_range": config.init_std,
     }  # fmt: skip
+    yarn = hf["rope_parameters"]
+    if yarn.get("factor") is not None and yarn.get("original_max_position_embeddings") is not None:
+        # the post-YaRN context (factor × the training context): transformers' default 32768 would
+        # imply another factor, which it warns about (the explicit factor is the one it uses)
+        hf["max_position_embeddings"] = int(round(yarn["factor"] * yarn["original_max_position_embeddings"]))
 
     w = _Weights(weights)
     sd: dict[str, Tensor] = {}
