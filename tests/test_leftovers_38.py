@@ -199,3 +199,37 @@ def test_an_exported_qwen3_next_yarn_config_states_its_post_yarn_context(tmp_pat
         logger.removeHandler(handler)
     # the second construction (the old export) warns; the first does not
     assert len([m for m in said if "does not match the ratio" in m]) == 1, said
+
+
+# -- the lm-eval adapter keeps a float64 model's scores in float64 ------------------------------
+
+
+def test_lm_eval_adapter_scores_a_float64_model_in_float64():
+    """``logits.float()`` rounded a float64 model's logits to float32 before ``log_softmax``: the
+    sums differed from the float64 computation by ~1e-6 nats. They now agree to ~1e-12."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from mnemo.hf.harness import MnemoLM
+    from tests.hf.test_harness import _model
+
+    lm, tok = _model("gla", seed=1)
+    lm = lm.double()
+    context, continuation = "hello there", " world, again and again."
+    ctx, whole = tok.encode(context).tolist(), tok.encode(context + continuation).tolist()
+    import torch
+
+    with torch.no_grad():
+        logits, _ = lm(torch.tensor(whole[:-1])[None])
+    assert logits.dtype == torch.float64
+    logp = torch.log_softmax(logits[0], -1)[len(ctx) - 1 :]
+    want = logp.gather(-1, torch.tensor(whole[len(ctx) :])[:, None]).sum().item()
+    req = [Instance("loglikelihood", {}, (context, continuation), 0)]
+    got = MnemoLM(model=lm, tokenizer=tok).loglikelihood(req)[0][0]
+    assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (got, want)
+    rolling = [Instance("loglikelihood_rolling", {}, (context + continuation,), 0)]
+    got_r = MnemoLM(model=lm, tokenizer=tok, rolling="state", max_length=8).loglikelihood_rolling(rolling)[0]
+    with torch.no_grad():
+        full, _ = lm(torch.tensor(whole[:-1])[None])
+    want_r = torch.log_softmax(full[0], -1).gather(-1, torch.tensor(whole[1:])[:, None]).sum().item()
+    assert abs(got_r - want_r) <= 1e-10 * max(1.0, abs(want_r)), (got_r, want_r)

@@ -116,6 +116,12 @@ def _special_ids(ckpt: Path | None, tokenizer) -> tuple[int | None, list[int]]:
     return bos, stop
 
 
+def _wide(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in at least float32: 16-bit logits are upcast, float64 ones kept (``.float()``
+    rounded a float64 model's scores to float32)."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
 def _changes(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> bool:
     """Whether ``model.to(dtype)`` / ``.to(device)`` would change a parameter or buffer of ``model``."""
     if dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
@@ -299,7 +305,7 @@ class MnemoLM(LM):
             for r, (_, inp, _) in enumerate(batch):
                 x[r, : len(inp)] = torch.tensor(inp)
             logits, _ = self.model(x.to(self._device))
-            logp = F.log_softmax(logits.float(), dim=-1)
+            logp = F.log_softmax(_wide(logits), dim=-1)
             for r, (i, inp, target) in enumerate(batch):
                 n = len(target)
                 lp = logp[r, len(inp) - n : len(inp)]
@@ -326,7 +332,7 @@ class MnemoLM(LM):
             inp = ids[:, s : min(s + self.max_length, ids.shape[1] - 1)]
             tgt = ids[:, s + 1 : s + 1 + inp.shape[1]]
             logits, state = self.model(inp, state)
-            total += F.log_softmax(logits.float(), -1).gather(-1, tgt[..., None]).sum().item()
+            total += F.log_softmax(_wide(logits), -1).gather(-1, tgt[..., None]).sum().item()
         return total
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -369,7 +375,7 @@ class MnemoLM(LM):
         gen: list[list[int]] = [[] for _ in range(rows)]
         done = [False] * rows
         for step in range(max_gen):
-            nxt = sample_next(logits[:, -1].float(), temperature, top_k, None, top_p)
+            nxt = sample_next(_wide(logits[:, -1]), temperature, top_k, None, top_p)
             for r in range(rows):
                 if done[r]:
                     continue
