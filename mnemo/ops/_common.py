@@ -374,12 +374,29 @@ def run_varlen(
 
 def default_scale(scale: float | None, K: int) -> float:
     """The query scale: ``K ** -0.5`` unless given; a given one must be a finite real number
-    (``TypeError`` / ``ValueError`` naming ``scale`` otherwise; a tensor is taken as it is). A
-    negative one is computed as given and said with a :class:`RangeWarning` (for a tensor: on the
-    CPU, with the finite checks on, as :func:`check_sign`)."""
+    (``TypeError`` / ``ValueError`` naming ``scale`` otherwise). A tensor (e.g. a learned scale, so
+    that its gradient flows) must hold one value (``ValueError`` naming its shape: the forms
+    broadcast a larger one differently) and is taken as it is; NaN/inf in it raise ``ValueError``
+    as for a number (on the CPU, with the finite checks on, as :func:`check_finite`). A negative
+    one is computed as given and said with a :class:`RangeWarning` (for a tensor: on the CPU, with
+    the finite checks on, as :func:`check_sign`)."""
     if scale is None:
         return K**-0.5
     if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(
+                f"scale must be a number or a tensor of one value, got a tensor of shape {_shape(scale)}"
+            )
+        if (
+            _FINITE_CHECKS
+            and not torch.compiler.is_compiling()
+            and scale.device.type == "cpu"
+            and not math.isfinite(float(scale.detach()))
+        ):
+            raise ValueError(
+                f"scale must be a finite number (or None for K ** -0.5 = {K**-0.5:.4g}), "
+                f"got {float(scale.detach())}"
+            )
         check_sign("scale", scale, ">= 0", "a negative scale turns the scores q·k around")
         return scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):

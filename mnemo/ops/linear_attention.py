@@ -106,7 +106,7 @@ def linear_attention(
         qf, kf, vc, sc = phi(q.to(cd) * scale), phi(k.to(cd)), v.to(cd), 1.0
         _check_features(qf, kf, B, T, H)
         if normalize:
-            vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
+            vc = torch.cat([vc, vc.new_ones(*vc.shape[:-1], 1)], dim=-1)
     check_initial_state(
         initial_state, (N, H, qf.shape[-1], vc.shape[-1]), "H, K, V", varlen=cu_seqlens is not None
     )
@@ -155,7 +155,7 @@ def _linear_attention_own(
     Fdim = qf.shape[-1]
     vc = v.to(cd)
     if normalize:
-        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)
+        vc = torch.cat([vc, vc.new_ones(*vc.shape[:-1], 1)], dim=-1)
     Vs = vc.shape[-1]
     check_initial_state(initial_state, (N, H, Fdim, Vs), "H, K, V", varlen=cu_seqlens is not None)
     S0 = state_or_zeros(initial_state, (N, H, Fdim, Vs), cd, q)

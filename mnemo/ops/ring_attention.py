@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ._chunked import autocast_disabled, autocast_off
-from ._common import _shape, check_floating, compute_dtype
+from ._common import _shape, check_floating, compute_dtype, default_scale
 
 __all__ = [
     "Ring",
@@ -338,7 +338,13 @@ def _check(q, k, v, window, scale):
         )
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
-    return K**-0.5 if scale is None else float(scale)
+    scale = default_scale(scale, K)  # a number: finite (else ValueError), a negative one warned
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise TypeError(
+            "scale: the ring takes a number (its backward gives no gradient to the scale), got a tensor "
+            "that requires grad; pass float(scale), or use softmax_attention for a learned scale"
+        )
+    return float(scale)
 
 
 def ring_attention(
@@ -365,7 +371,8 @@ def ring_attention(
             :class:`ProcessRing` over the default process group.
         causal: mask future keys (default ``causal=True``). window: the ``window`` most recent
             keys only (itself included), as :func:`~mnemo.ops.softmax_attention`. scale: default
-            ``K ** -0.5``.
+            ``K ** -0.5``; a finite number (a negative one is computed with a
+            :class:`~mnemo.ops.RangeWarning`), or a one-value tensor that needs no gradient.
 
     Returns:
         ``o: [B, n, H, V]`` in ``q``'s dtype (accumulated in float32, float64 for float64 inputs).
@@ -373,7 +380,8 @@ def ring_attention(
         the ring; every member must call backward).
 
     Raises:
-        ValueError / TypeError: a shape, dtype, head count or window is wrong (named, expected, got).
+        ValueError / TypeError: a shape, dtype, head count, window or scale is wrong (named,
+            expected, got).
         RuntimeError: no ring given or set and no process group initialised.
     """
     scale = _check(q, k, v, window, scale)
