@@ -233,3 +233,60 @@ def test_lm_eval_adapter_scores_a_float64_model_in_float64():
         full, _ = lm(torch.tensor(whole[:-1])[None])
     want_r = torch.log_softmax(full[0], -1).gather(-1, torch.tensor(whole[1:])[:, None]).sum().item()
     assert abs(got_r - want_r) <= 1e-10 * max(1.0, abs(want_r)), (got_r, want_r)
+
+
+# -- interpretability: integer types, checks before work, float64 kept --------------------------
+
+
+def test_state_patch_takes_a_numpy_or_tensor_integer_position():
+    np = pytest.importorskip("numpy")
+    import torch
+
+    from mnemo.interp.interventions import state_patch
+    from tests.interp.test_interventions import _ids, _model
+
+    m = _model("gla")
+    A, B = _ids(T=10, seed=3), _ids(T=10, seed=4)
+    want, _ = state_patch(m, A, B, 4)
+    for at in (np.int64(4), torch.tensor(4)):
+        got, _ = state_patch(m, A, B, at)
+        assert torch.equal(got, want)
+    for bad in (True, 4.0, np.float64(4.0), 0, 10):
+        with pytest.raises(ValueError, match="at: expected an int"):
+            state_patch(m, A, B, bad)
+
+
+def test_induction_ablation_refuses_a_bad_k_before_scoring(monkeypatch):
+    import mnemo.interp.probe as probe
+    from mnemo.interp.interventions import induction_ablation
+    from tests.interp.test_interventions import _model
+
+    m = _model("transformer")
+
+    def boom(*a, **k):
+        raise AssertionError("scored before k was checked")
+
+    monkeypatch.setattr(probe, "circuit_scores", boom)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="k: expected an int"):
+            induction_ablation(m, bad, draws=1, length=8, batch=2)
+
+
+def test_timescales_keep_a_float64_models_gates_in_float64():
+    """The half-lives of a float64 model were computed from its gates cast to float32 (rounded,
+    relative error ~1e-8); now they are ``ln 2 / |g|`` of the float64 gates exactly."""
+    import math
+
+    import torch
+
+    from mnemo.interp.timescales import timescales
+    from tests.interp.test_interventions import _ids, _model
+
+    m = _model("gla", n_layers=1)
+    ids = _ids(T=9)
+    _, cache = m.run_with_cache(ids, names=["blocks.0.mixer.hook_g"])
+    g = cache["blocks.0.mixer.hook_g"]
+    assert g.dtype == torch.float64
+    hl = (-math.log(2) / g.clamp(max=0.0)).flatten().double()
+    out = timescales(m, ids)["0"]["half_life"]
+    assert out["min"] == hl.min().item() and out["max"] == hl.max().item()

@@ -867,11 +867,13 @@ def state_patch(
             f"{list(target_ids.shape)}"
         )
     B, T = target_ids.shape
-    if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at < T or at > source_ids.shape[1]:
+    at_int = _an_int(at)  # a numpy / 0-d tensor integer too
+    if at_int is None or not 1 <= at_int < T or at_int > source_ids.shape[1]:
         raise ValueError(
             f"at: expected an int with 1 ≤ at < {T} (target length) and at ≤ {source_ids.shape[1]} "
             f"(source length), got {at!r}"
         )
+    at = at_int
     if source_ids.shape[0] not in (1, B):
         raise ValueError(f"source_ids: expected {B} rows (or 1), got {source_ids.shape[0]}")
     n = len(model.blocks)
@@ -970,6 +972,10 @@ def induction_ablation(
     if n_draws is None or n_draws < 1:
         raise ValueError(f"draws: expected an int ≥ 1, got {draws!r}")
     draws = n_draws
+    k_int = _an_int(k)
+    if k_int is None or k_int < 1:  # (its upper bound needs the heads: checked after the scores)
+        raise ValueError(f"k: expected an int ≥ 1 (the number of top induction heads to ablate), got {k!r}")
+    k = k_int
     was = model.training
     model.eval()
     try:
@@ -981,7 +987,7 @@ def induction_ablation(
                 f"{sorted({type(b.mixer).__name__ for b in model.blocks})}); ablating the top-K against K "
                 "random heads needs at least 2"
             )
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < len(heads):
+        if not 1 <= k < len(heads):
             raise ValueError(
                 f"k: expected an int in 1 … {len(heads) - 1} (fewer than the {len(heads)} heads with a map, "
                 f"so that K random heads are a control and not the same heads), got {k!r}"

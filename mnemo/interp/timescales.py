@@ -97,7 +97,7 @@ def timescales(model, input_ids: torch.Tensor) -> dict:
         entry = {"mixer": type(block.mixer).__name__}
         g = cache.get(hooks[i]) if hooks[i] is not None else None
         if g is not None:
-            g = g.float().clamp(max=0.0)
+            g = (g if g.dtype == torch.float64 else g.float()).clamp(max=0.0)  # float64 kept
             hl = torch.where(g < 0, -LN2 / g, torch.full_like(g, float("inf")))
             entry.update(kind=decay_kind(g), hook=hooks[i], half_life=summarize(hl))
         else:
