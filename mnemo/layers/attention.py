@@ -10,7 +10,7 @@ from torch import nn
 from ..ops._common import check_mode, compute_dtype
 from ..ops.ring_attention import current_ring, ring_attention
 from ..ops.softmax_attention import KVCache, keep_cache, kept_keys, softmax_attention, softmax_attention_map
-from .base import Mixer, Mixing, check_input
+from .base import Mixer, Mixing, check_input, left_as_is, version_of
 from .hooks import HookPoint
 from .linear_attention import check_heads, check_int, state_dtypes
 from .norm import RMSNorm
@@ -84,7 +84,8 @@ class Attention(Mixer):
 
     * ``hook_q`` ``[B, T, H, K]``, ``hook_k`` ``[B, T, H_kv, K]`` (after rotary positions),
       ``hook_v`` ``[B, T, H_kv, V]``: this call's queries, keys and values as the op gets them
-      (with sinks the cache keeps ``hook_k``'s value rotated back to no position);
+      (with sinks the cache keeps a replaced ``hook_k`` value rotated back to no position; a hook
+      that only reads it changes nothing);
     * ``hook_pattern`` ``[B, H, T, S]``: the softmax probabilities over the cached and new keys,
       sink columns first (float32, float64 for a
       float64 model). Built only while a hook is attached; the output is then computed as
@@ -214,10 +215,14 @@ class Attention(Mixer):
         k_raw = k
         if self.rotary is not None:
             q, k = self.rotary(q, pos0), self.rotary(k, pos0)
+        k_rot, k_version = k, (version_of(k) if self.n_sink and self.hook_k.hooked else None)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         sink_q, raw_cache = None, cache
         if self.n_sink:
-            if self.hook_k.active and self.rotary is not None:  # keep a replaced key, unrotated
+            # keep a replaced key (returned, or edited in place: its version moved), unrotated; a hook
+            # that only reads it leaves the key before rotary as it was (rotating back would round it)
+            replaced = self.hook_k.hooked and not left_as_is(k_rot, k, k_version)
+            if replaced and self.rotary is not None:
                 k_raw = self.rotary.undo(k, pos0)
             elif self.rotary is None:
                 k_raw = k

@@ -139,8 +139,8 @@ class DeltaNet(Mixer):
         n_v_heads = n_v_heads or n_heads
         if n_v_heads % n_heads:
             raise ValueError(f"n_v_heads ({n_v_heads}) must be a multiple of n_heads ({n_heads})")
-        if qk_norm_eps is not None and not qk_norm_eps >= 0:
-            raise ValueError(f"qk_norm_eps must be None or >= 0, got {qk_norm_eps!r}")
+        if qk_norm_eps is not None:
+            check_eps("qk_norm_eps", qk_norm_eps, "Σx²")  # (inf made every q and k zero; True passed)
         check_eps("norm_eps", norm_eps)
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.n_v_heads, self.value_head_dim = n_v_heads, value_head_dim

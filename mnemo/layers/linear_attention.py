@@ -39,6 +39,12 @@ class MatrixState:
     offset: int = 0
 
 
+def retnet_log_gamma(n_heads: int) -> torch.Tensor:
+    """RetNet's fixed per-head log decays ``log γ_h = log(1 − 2^{−5−h})``, ``h < n_heads`` (Sun et al.
+    2023, §2.2), ``[n_heads]`` float64."""
+    return torch.log1p(-(2.0 ** (-5.0 - torch.arange(n_heads, dtype=torch.float64))))
+
+
 def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
     """Raise ``ValueError`` naming the constructor argument ``name`` with the expected and the received
     value unless ``value`` is an int ``>= minimum`` (or ``None`` with ``optional=True``). Defaults:
@@ -225,7 +231,8 @@ class GatedLinearAttention(_QKVMixer):
     ``gate`` selects where the log decay ``g`` comes from:
 
     * ``"retnet"``: fixed per-head decays ``γ_h = 1 − 2^{−5−h}`` (RetNet, Sun et al. 2023, §2.2),
-      ``g = log γ_h`` for every token; rotary positions on q/k (``rope``, on by default here).
+      ``g = log γ_h`` for every token (a float32 buffer, float64 in a float64 module); rotary
+      positions on q/k (``rope``, on by default here; the key size per head must then be even).
     * ``"gla"``: data-dependent per-channel gates ``g = logsigmoid(W₂ W₁ x + b) / τ`` with a
       low-rank (``gate_rank``) projection and ``τ = gate_normalizer`` (GLA, Yang et al. 2023, §4.4).
     * ``"scalar"``: data-dependent per-head gates ``g = logsigmoid(W x + b) / τ`` (Mamba-2-style
@@ -287,9 +294,13 @@ class GatedLinearAttention(_QKVMixer):
         elif gate == "scalar":
             self.gate_proj = nn.Linear(d_model, n_heads, bias=True)
         else:
-            gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(n_heads, dtype=torch.float64))
-            self.register_buffer("log_gamma", gamma.log().float(), persistent=False)
+            self.register_buffer("log_gamma", retnet_log_gamma(n_heads).float(), persistent=False)
         rope = (gate == "retnet") if rope is None else rope
+        if rope and key_dim % 2:
+            raise ValueError(
+                f"expand_k: rotary positions need an even key size per head, got max(1, int(d_model · "
+                f"expand_k) // n_heads) = max(1, int({d_model} · {expand_k}) // {n_heads}) = {key_dim}"
+            )
         self.rotary = RotaryEmbedding(key_dim) if rope else None
         self.out_gate = nn.Linear(d_model, n_heads * value_dim, bias=False)
         self.norm = RMSNorm(value_dim)
@@ -298,11 +309,15 @@ class GatedLinearAttention(_QKVMixer):
     def _apply(self, fn, recurse=True):
         # move RetNet's fixed log decays with the module, but keep them in float32 through
         # a cast to half precision (bf16 would round log γ by up to 0.4%; the learned gates are
-        # computed in float32 too)
+        # computed in float32 too); a float64 module gets log γ computed in float64, not the
+        # float32-rounded value cast up (off by up to 1e-9 per token), and a cast back float32's
         kept = getattr(self, "log_gamma", None)
         super()._apply(fn, recurse)
-        if kept is not None and self.log_gamma.dtype not in (torch.float32, torch.float64):
-            self.log_gamma = kept.to(self.log_gamma.device, torch.float32)
+        if kept is not None:
+            new = self.log_gamma
+            want = torch.float64 if new.dtype == torch.float64 else torch.float32
+            if new.dtype != want or new.dtype != kept.dtype:
+                self.log_gamma = retnet_log_gamma(self.n_heads).to(new.device, want)
         return self
 
     @property

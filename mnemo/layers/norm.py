@@ -50,11 +50,12 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def check_eps(name: str, eps) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``eps`` is a finite real number ``>= 0``."""
+def check_eps(name: str, eps, added_to: str = "mean(x²)") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``eps`` is a finite real number ``>= 0`` (the
+    message says what it is ``added_to``, default ``"mean(x²)"``)."""
     ok = isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0
     if not ok:
-        raise ValueError(f"{name}: expected a finite number >= 0 (added to mean(x²)), got {eps!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0 (added to {added_to}), got {eps!r}")
 
 
 def _rms_groups(x: torch.Tensor, weight: torch.Tensor, eps: float, groups: int) -> torch.Tensor:

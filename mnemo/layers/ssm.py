@@ -14,7 +14,7 @@ from ..ops._ssd_chunk import run_ssd_chunk
 from ..ops.gated_linear_attention import gated_linear_attention
 from ..ops.selective_scan import selective_scan, selective_scan_map
 from ..ops.ssd import ssd, ssd_map
-from .base import Mixer, Mixing, check_input, upcast
+from .base import Mixer, Mixing, check_input, left_as_is, upcast, version_of
 from .conv import ShortConvolution
 from .delta import init_dt_bias
 from .hooks import add_hook_points
@@ -183,11 +183,12 @@ class Mamba(Mixer):
         g = None
         if self.hook_g.active:
             g0 = delta[..., None] * A  # [B, T, D, N]
-            version = g0._version
+            version = version_of(g0)
             g = self.hook_g(g0)
             # only read (the same tensor, unchanged): the scan forms Δ A itself; a hook that edited
             # it in place (its version counter moved) replaced it, as one that returned a new tensor
-            g = None if g is g0 and g0._version == version else g
+            # (under torch.inference_mode, where there is no counter, it counts as replaced)
+            g = None if left_as_is(g0, g, version) else g
         if g is None:
             o, h = selective_scan(
                 u,
@@ -422,14 +423,14 @@ class Mamba2(Mixer):
         grouped, Bm, Cm = True, None, None
         if self.hook_B.hooked or self.hook_C.hooked:
             Bh, Ch = (t.repeat_interleave(H // G, dim=2) for t in (Bg, Cg))  # head h: group h // (H/G)
-            versions = (Bh._version, Ch._version)
+            versions = (version_of(Bh), version_of(Ch))
             Bm, Cm = self.hook_B(Bh), self.hook_C(Ch)
-            grouped = Bm is Bh and Cm is Ch and (Bh._version, Ch._version) == versions
+            grouped = left_as_is(Bh, Bm, versions[0]) and left_as_is(Ch, Cm, versions[1])
         A = -upcast(self.A_log).exp()
         g_raw = dt * A
-        g_version = g_raw._version if self.hook_g.hooked else None
+        g_version = version_of(g_raw) if self.hook_g.hooked else None
         g = self.hook_g(g_raw)
-        g_given = g is g_raw and (g_version is None or g_raw._version == g_version)
+        g_given = not self.hook_g.hooked or left_as_is(g_raw, g, g_version)
         mode = self._mode(T, mode)
         h0 = state.ssm if state is not None else None
         if grouped and mode == "chunk" and xs.numel() and Bg.numel():

@@ -110,9 +110,20 @@ def to(state, *args, **kwargs):
 
 
 def select_rows(state, rows):
-    """The batch rows ``rows`` (an int, a slice, or an index tensor) of every tensor in ``state``."""
-    if isinstance(rows, int):
-        rows = slice(rows, rows + 1)
+    """The batch rows ``rows`` (an int, a slice, or an index tensor) of every tensor in ``state``.
+    An int ``i`` keeps the batch dimension (one row) and counts from the end when negative, as
+    ``t[i]`` does; ``IndexError`` naming ``rows`` when it is outside ``[−B, B)``."""
+    if isinstance(rows, int) and not isinstance(rows, bool):
+        i = rows
+
+        def row(t: torch.Tensor) -> torch.Tensor:
+            n = t.shape[0]
+            if not -n <= i < n:
+                raise IndexError(f"rows: expected an int in [{-n}, {n}) (the batch size is {n}), got {i}")
+            j = i % n
+            return t[j : j + 1]
+
+        return map_tensors(row, state)
     return map_tensors(lambda t: t[rows], state)
 
 
@@ -120,7 +131,8 @@ def cat_rows(states: list):
     """States of several batches, joined along the batch dimension (all must share one structure);
     a tensor shared between places of every state is joined once and stays shared.
 
-    Raises ``ValueError`` naming the first position where the structures differ."""
+    Raises ``ValueError`` naming the first position where the structures differ, or a tensor whose
+    shape differs beyond the batch dimension (e.g. KV caches of different lengths)."""
     if not states:
         raise ValueError("cat_rows: expected at least one state, got none")
     flat = [pytree.tree_flatten(s) for s in states]
@@ -129,8 +141,15 @@ def cat_rows(states: list):
         if other != spec:
             raise ValueError(f"cat_rows: state {i} is structured differently from state 0")
     leaves, done = [], {}  # (tensors shared between places stay shared, as in map_tensors)
-    for parts in zip(*(leaves for leaves, _ in flat)):
+    for n, parts in enumerate(zip(*(leaves for leaves, _ in flat))):
         if isinstance(parts[0], torch.Tensor):
+            for i, p in enumerate(parts[1:], 1):  # (torch.cat's error names neither state nor entry)
+                if p.shape[1:] != parts[0].shape[1:]:
+                    raise ValueError(
+                        f"cat_rows: tensor {n} of state {i} has shape {list(p.shape)}, of state 0 "
+                        f"{list(parts[0].shape)}; all but the batch dimension (0) must agree (e.g. KV "
+                        "caches of streams of different lengths cannot be joined)"
+                    )
             key = tuple(id(p) for p in parts)
             if key not in done:
                 done[key] = torch.cat(parts, dim=0)
