@@ -290,3 +290,33 @@ def test_timescales_keep_a_float64_models_gates_in_float64():
     hl = (-math.log(2) / g.clamp(max=0.0)).flatten().double()
     out = timescales(m, ids)["0"]["half_life"]
     assert out["min"] == hl.min().item() and out["max"] == hl.max().item()
+
+
+# -- MoE: top-1 with renormalised weights --------------------------------------------------------
+
+
+def test_moe_top1_with_renormalised_weights_warns_and_its_router_gets_no_task_gradient():
+    """Seen by review 38-L: with ``top_k=1`` and the default ``norm_topk_prob=True`` every routing
+    weight is 1, so the task loss gives the router nothing (Switch's top-1 scales by the
+    probability). The constructor now says so; the gradient below shows why."""
+    import warnings
+
+    import torch
+
+    from mnemo.layers.moe import MoE
+
+    def router_grad(**kw):
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            m = MoE(8, n_experts=2, top_k=1, expert_hidden=8, aux_loss_coef=0.0, **kw).double()
+        y = m(torch.randn(2, 5, 8, dtype=torch.float64))
+        (y[0] if isinstance(y, tuple) else y).pow(2).sum().backward()
+        return m.router.weight.grad.abs().max().item(), [str(w.message) for w in said]
+
+    g_norm, said = router_grad()
+    assert len(said) == 1 and "norm_topk_prob=False" in said[0]
+    g_plain, said = router_grad(norm_topk_prob=False)
+    assert said == []
+    # (the experts' outputs are small at init: compare the two, ~4e-14 against ~9e-8 here)
+    assert g_plain > 0 and g_norm <= 1e-5 * g_plain, (g_norm, g_plain)

@@ -68,6 +68,7 @@ time ratio 0.85–1.22, median 0.96 — neither consistently faster — and both
 from __future__ import annotations
 
 import math
+import warnings
 from fractions import Fraction
 from typing import Any
 
@@ -175,6 +176,9 @@ class MoE(nn.Module):
             expert by ``σ(W_g x)`` (a learned scalar per token, as Qwen2-MoE / Qwen3-Next; default
             ``shared_expert_gate=False``).
         norm_topk_prob: renormalise the k chosen softmax weights to sum to 1 (default ``True``).
+            With ``top_k=1`` that makes every routing weight 1, so the router learns from the
+            auxiliary losses only, never from the task (a ``UserWarning`` says so); Switch's top-1
+            (Fedus et al. 2021, Eq. 2) scales by the unnormalised probability: ``norm_topk_prob=False``.
         capacity_factor: ``None`` (default, never drop) or ``c > 0``: at most ``ceil(c · N k / E)``
             assignments per expert in a training forward; overflow is dropped (zero contribution)
             and counted in ``last_dropped``.
@@ -245,6 +249,14 @@ class MoE(nn.Module):
         H = expert_hidden or swiglu_hidden(d_model)
         self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, H
         self.norm_topk_prob, self.capacity_factor = norm_topk_prob, capacity_factor
+        if top_k == 1 and norm_topk_prob:
+            warnings.warn(
+                "MoE: top_k=1 with norm_topk_prob=True gives every token the routing weight 1, so the "
+                "router gets no gradient from the task (only from the auxiliary losses); Switch's top-1 "
+                "scales by the router probability: pass norm_topk_prob=False",
+                UserWarning,
+                stacklevel=2,
+            )
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.bias_balancing, self.bias_update_rate = bias_balancing, float(bias_update_rate)
         self.dispatch = dispatch
