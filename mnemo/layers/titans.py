@@ -30,6 +30,7 @@ from ..memory.attribution import ValueAttribution, linear_in_values, value_attri
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces
+from .linear_attention import check_heads, check_int
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -171,6 +172,12 @@ class NeuralMemory(Mixer):
         **spec_overrides,
     ):
         super().__init__(mode)
+        check_heads(d_model, n_heads, head_dim)
+        check_int("persistent_tokens", persistent_tokens, 0)
+        if max_lr is not None and (
+            isinstance(max_lr, bool) or not isinstance(max_lr, (int, float)) or not 0 < max_lr < math.inf
+        ):  # θ = max_lr · sigmoid(·): a negative bound would ascend the inner loss
+            raise ValueError(f"max_lr: expected None or a positive finite number, got {max_lr!r}")
         self.spec = _spec(spec, spec_overrides)
         if max_lr is not None and self.spec.max_lr is not None:  # the engine's clamp is the same bound
             self.spec = self.spec.replace(max_lr=max_lr)

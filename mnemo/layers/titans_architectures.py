@@ -20,6 +20,7 @@ from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, slidi
 from .attention import Attention
 from .base import Mixer, Mixing, check_input
 from .hooks import HookPoint, enter_piece, leave_pieces
+from .linear_attention import check_int
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -105,6 +106,7 @@ class _PrefixAttention(nn.Module):
 
     def __init__(self, d_model, n_heads, persistent_tokens, window=None, rope=True):
         super().__init__()
+        check_int("persistent_tokens", persistent_tokens, 0)
         self.inner = Attention(d_model, n_heads, window=window, rope=rope)
         # ``inner`` only holds the projections and rotary table (its forward never runs here): its
         # hook points would never fire, so the ones of this module replace them

@@ -34,6 +34,8 @@ ops); this module is the entry point and keeps the public import path.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..ops._chunked import autocast_disabled
@@ -45,7 +47,7 @@ from .objective import memory_apply, objective_grad, objective_value
 from .recurrent import memory_recurrent
 from .retention import retention_map, soft_threshold
 from .spec import MemorySpec
-from .state import MemoryState, _detach_state, init_state
+from .state import MemoryState, _detach_state, _map_state, init_state
 
 __all__ = [
     "MemoryState",
@@ -133,6 +135,26 @@ def _check(spec, q, k, v, theta, g, eta, delta, state):
             raise ValueError(f"initial_state.anchor_decay must be {expected}, got {list(d0.shape)}")
 
 
+def _run_recurrent(spec, args, st: MemoryState, device_type: str):
+    """The token-loop reference, in float32 under a bf16 autocast too. It takes its inner gradients
+    with autograd, which ``torch.inference_mode`` switches off for every tensor made under it: under
+    it, or given such tensors (a state carried out of it), it runs outside inference mode on copies
+    of the inputs (the results come back detached)."""
+    inference = torch.is_inference_mode_enabled()
+    grad = torch.is_grad_enabled() and not inference
+    held = (*args, *st.weights, *(st.momentum or ()), *st.anchor, st.anchor_decay)
+    copy = inference or any(x is not None and x.is_inference() for x in held)
+    with torch.inference_mode(False) if inference else contextlib.nullcontext():
+        if copy:
+            args = [None if x is None else x.clone() for x in args]
+            st = _map_state(st, torch.clone)
+        with autocast_disabled(device_type):
+            o, st_out = memory_recurrent(spec, *args, st)
+        if not grad:
+            o, st_out = o.detach(), _detach_state(st_out)
+    return o, st_out
+
+
 def neural_memory(
     spec: MemorySpec,
     q: torch.Tensor,
@@ -170,7 +192,8 @@ def neural_memory(
     Returns:
         ``o: [B, T, H, V]`` in ``q``'s dtype and the :class:`MemoryState` (``None`` unless
         ``output_final_state``). Computation runs in float32 (float64 for float64 inputs), also
-        under a bf16 ``torch.autocast`` (the memory's updates and state stay float32).
+        under a bf16 ``torch.autocast`` (the memory's updates and state stay float32). Both forms run
+        under ``torch.inference_mode`` (the reference's inner autograd on copies made outside it).
 
     Raises:
         ValueError: shapes or missing per-token inputs for the spec; the message names the argument.
@@ -199,11 +222,7 @@ def neural_memory(
     if T == 0:
         o, st_out = v.new_zeros(B, 0, H, V), st
     elif mode == "recurrent":
-        with autocast_disabled(q.device.type):  # float32 under a bf16 autocast too
-            o, st_out = memory_recurrent(spec, *args, st)
-        if not torch.is_grad_enabled():
-            o = o.detach()
-            st_out = _detach_state(st_out)
+        o, st_out = _run_recurrent(spec, args, st, q.device.type)
     else:
         op = closed_form_op(spec) if use_closed_form else None
         if op is not None:

@@ -34,8 +34,9 @@ class MemorySpec:
     Attentional bias (inner objective on ``e = M(k) − v``):
         ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule; Titans, Eq. 12, and
         TTT write ``‖e‖²`` without the ½, so their ``θ`` is half the ``θ`` here);
-        ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}`` (Moneta,
-        Miras Eq. 11, writes ``‖e‖_p^p`` without the ``1/p``: its ``η`` is ``θ / p`` here);
+        ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}``, ``ε = lp_eps``
+        (nonzero when ``p < 2``: the slope at ``e = 0`` is ``0 · ∞`` otherwise; Moneta, Miras
+        Eq. 11, writes ``‖e‖_p^p`` without the ``1/p``: its ``η`` is ``θ / p`` here);
         ``"huber"``: Huber with a data-dependent threshold ``δ_t`` (the per-token input ``delta``),
         in one of two forms chosen by ``huber_mode``:
 
@@ -124,6 +125,10 @@ class MemorySpec:
             if getattr(self, name) not in options:
                 bad(name, f"one of {options}")
 
+        for name in ("residual", "norm", "decay_per_channel", "decay_first"):
+            if not isinstance(getattr(self, name), bool):  # a config's "False" is truthy
+                bad(name, "a bool")
+
         def number(x):
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -141,6 +146,8 @@ class MemorySpec:
             bad("chunk_size", "a positive int")
         if self.objective == "lp" and self.p < 1:
             bad("p", "a number >= 1")
+        if self.objective == "lp" and self.p < 2 and self.lp_eps == 0:  # |e|^{p−1}/|e| is 0/0 at e = 0
+            bad("lp_eps", f"a nonzero number with p = {self.p} < 2 (the slope at e = 0 is 0 · ∞ otherwise)")
         if self.retention == "lq" and self.q <= 0:
             bad("q", "a positive number")
         if self.retention == "kl" and self.kl_scale <= 0:
