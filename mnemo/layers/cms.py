@@ -126,7 +126,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hooks import HookPoint
+from .hooks import HookPoint, enter_piece, leave_pieces
 from .state import nbytes, spec, state_dataclass
 
 OPTIMIZERS = ("gd", "momentum", "delta_momentum")
@@ -872,13 +872,19 @@ class ContinuumMemory(nn.Module):
         """``x [B, T, d_model] -> (y [B, T, d_model], CMSState)``.
 
         Raises:
-            ValueError: ``x`` is not ``[B, T, d_model]``; ``state`` holds another number of levels,
+            ValueError: ``x`` is not ``[B, T, d_model]``; ``state`` is not a :class:`CMSState` or
+                ``None``, holds another number of levels,
                 another batch size, or a level state this module cannot continue (weights of other
                 widths, momentum buffers missing for a momentum optimizer or present for ``"gd"``).
         """
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x: expected [B, T, {self.d_model}], got {list(x.shape)}")
         if state is not None:
+            if not isinstance(state, CMSState):
+                raise ValueError(
+                    f"state: expected a CMSState (the state this module returned) or None, got "
+                    f"{type(state).__name__}"
+                )
             if len(state.levels) != len(self.levels):
                 raise ValueError(
                     f"state: expected the state of {len(self.levels)} levels, got {len(state.levels)}"
@@ -929,7 +935,9 @@ class ContinuumMemory(nn.Module):
     def _nested_meta(self, xn: torch.Tensor, prev):
         """Nested transfer with a meta-learned rule (Eq. 72): the fastest level reads and learns by
         Eq. 71; at the end of each of its periods a slower level steps by :meth:`_meta_grad`; then
-        each faster level restarts from the next slower one's weights."""
+        each faster level restarts from the next slower one's weights. The fastest level reads the
+        call in pieces (one per period), so its hooks fire once per piece, each placed in the call
+        (:func:`~mnemo.layers.hooks.span`; a recording joins them)."""
         levels = self.levels
         k = len(levels)
         B, T, d = xn.shape
@@ -946,7 +954,11 @@ class ContinuumMemory(nn.Module):
         while t < T:
             L = min(C0 - sts[0].position % C0, T - t)
             seg = xn[:, t : t + L]
-            y, sts[0] = levels[0](seg, sts[0])
+            piece = enter_piece(t, L, T)  # the fastest level's hooks: tokens t … t + L − 1 of the call
+            try:
+                y, sts[0] = levels[0](seg, sts[0])
+            finally:
+                leave_pieces(piece)
             outs.append(y)
             for i in range(1, k):
                 inputs = torch.cat([sts[i].inputs, seg], 1)

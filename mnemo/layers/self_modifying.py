@@ -171,6 +171,7 @@ from ..ops._common import clamp_log_gate
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
+from .linear_attention import check_heads
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -489,10 +490,12 @@ class SelfModifyingTitans(Mixer):
     State: :class:`SelfModifyingTitansState`.
 
     Raises:
-        ValueError: ``d_model`` not a multiple of ``n_heads``, a chunk size < 1, ``beta_max`` outside
+        ValueError: ``d_model`` or ``n_heads`` not an int ``≥ 1``, ``d_model`` not a multiple of
+            ``n_heads``, a chunk size < 1, ``beta_max`` outside
             ``(0, 1]``, ``momentum`` outside ``[0, 1)``, a bad ``mode``, ``memory_target``,
             ``hidden_step`` or ``v_norm``;
-            ``forward`` on ``x`` not ``[B, T, d_model]``, a state from another batch size, a state
+            ``forward`` on ``x`` not ``[B, T, d_model]``, a state that is not a
+            :class:`SelfModifyingTitansState`, a state from another batch size, a state
             whose memories have other shapes (another ``expansion`` or ``adaptive_q``), or a
             state without the momentum this mixer needs (or with momentum it does not have).
     """
@@ -529,6 +532,7 @@ class SelfModifyingTitans(Mixer):
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
         self.adaptive_q, self.momentum = adaptive_q, float(momentum)
         self.projections = PROJECTIONS_Q if adaptive_q else PROJECTIONS
+        check_heads(d_model, n_heads, None)
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         proj_chunk_size = chunk_size if proj_chunk_size is None else proj_chunk_size
@@ -741,6 +745,11 @@ class SelfModifyingTitans(Mixer):
         mode = self._mode(T, mode)
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
+        if state is not None and not isinstance(state, SelfModifyingTitansState):
+            raise ValueError(
+                f"state: expected a SelfModifyingTitansState (the state this mixer returned) or None, got "
+                f"{type(state).__name__}"
+            )
         st = state if state is not None else self.initial_state(B)
         if st.proj[0].shape[0] != B:
             raise ValueError(f"state has batch size {st.proj[0].shape[0]}, x has {B}")

@@ -48,6 +48,7 @@ from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces
+from .linear_attention import check_heads, check_int
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -113,6 +114,11 @@ class SelfModifyingProjections(Mixer):
             ``short_conv=True``, ``conv_size=4``).
         self_lr: upper bound of the projection memories' inner rate ``η_□`` (default ``0.1``).
 
+    Raises:
+        ValueError: ``d_model``, ``n_heads`` or ``chunk_size`` not an int ``≥ 1``, ``d_model`` not a
+            multiple of ``n_heads``, ``self_lr`` not a finite number ``≥ 0``; ``forward`` with a state
+            that is not this mixer's or holds another batch size.
+
     Hook points (the main memory's inputs and output, as it and the chunk's rewrite consume them;
     each fires once per chunk piece of ``L`` tokens, in stream order, since a chunk's projections
     depend on the previous chunk's rewrite; each piece is placed in the call
@@ -144,6 +150,14 @@ class SelfModifyingProjections(Mixer):
         mode: str = "chunk",
     ):
         super().__init__(mode)
+        check_heads(d_model, n_heads, None)
+        check_int("chunk_size", chunk_size)  # (a negative one looped forever, 0 divided by zero)
+        if (
+            not isinstance(self_lr, (int, float))
+            or isinstance(self_lr, bool)
+            or not 0 <= self_lr < float("inf")
+        ):
+            raise ValueError(f"self_lr: expected a finite number >= 0, got {self_lr!r}")
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         self.spec = preset(spec) if isinstance(spec, str) else spec.validate()
@@ -232,7 +246,19 @@ class SelfModifyingProjections(Mixer):
         self, x: torch.Tensor, state: SelfModifyingProjectionsState | None = None, *, mode: str | None = None
     ):
         B, T = check_input(x, self.d_model)
+        if state is not None and not isinstance(state, SelfModifyingProjectionsState):
+            raise ValueError(
+                f"state: expected a SelfModifyingProjectionsState (the state this mixer returned) or None, "
+                f"got {type(state).__name__}"
+            )
         st = state if state is not None else self.initial_state(B)
+        got = [list(st.proj[n].shape) for n in PROJECTIONS]
+        want = [[B, *self.init[n].shape] for n in PROJECTIONS]
+        if got != want:
+            raise ValueError(
+                f"state.proj: expected projection weights of shapes {want} (batch, d_model, outputs), got "
+                f"{got} (a state of another batch size or configuration)"
+            )
         mode = self._mode(T, mode)
         P, r, mem, conv, pos = st.proj, st.r, st.memory_state(), st.conv, st.offset
         outs, t = [], 0

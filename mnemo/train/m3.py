@@ -71,7 +71,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "quintic"
     values land in roughly ``[0.7, 1.2]`` rather than at 1. The cubic one converges to the exact
     polar factor (quadratically, once the singular values are near 1; a singular value ``σ`` far
     below 1 first grows by about 1.5× per step), for singular values in ``(0, √3)`` — always the
-    case after the Frobenius normalisation. A zero matrix (or an empty one) gives zeros.
+    case after the Frobenius normalisation. A zero matrix (or an empty one) gives zeros; a tiny or a
+    huge one gives the result of its rescaled self (the norm is taken after an exact power-of-two
+    scaling, so it neither underflows nor overflows).
 
     Args:
         G: ``[..., m, n]`` floating tensor; the leading dims are a batch (each matrix normalised
@@ -98,6 +100,10 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "quintic"
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
+    if X.numel():  # each matrix first scaled by a power of two to entries below 1 (exact): the
+        # Frobenius norm's sum of squares would underflow to 0 for a tiny G (which gave NaN) and
+        # overflow to inf for a huge one (which gave zeros)
+        X = torch.ldexp(X, -torch.frexp(X.abs().amax(dim=(-2, -1), keepdim=True)).exponent)
     norm = torch.linalg.matrix_norm(X, keepdim=True) if X.numel() else X.new_ones(())
     X = X / norm.clamp_min(torch.finfo(X.dtype).tiny)  # zero matrix -> zeros
     if coefficients == "quintic":
