@@ -47,7 +47,11 @@ def _two_sided_cdf(theta: float, df: int) -> float:
 
 
 def t_quantile(p: float, df: int) -> float:
-    """The ``p``-quantile ``t_{p, df}`` of Student's t distribution (exact to ~1e-15 relative).
+    """The ``p``-quantile ``t_{p, df}`` of Student's t distribution.
+
+    Accurate to ~1e-15 relative for the few degrees of freedom of a sweep and ``p ≤ 0.995`` (~1e-14
+    at ``df = 500``). In the far tail the error grows as ~1e-16 / (1 − p) (1e-10 at ``p = 1 − 1e-6``):
+    the bisection compares ``P(|T| ≤ t)`` with ``2p − 1``, both within 1e-16 of 1 there.
 
     Args:
         p: probability in (0, 1); e.g. ``0.975`` for a two-sided 95% interval.
@@ -109,7 +113,9 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
     out: dict = {"n": n, "mean": None, "std": None, "half_width": None, "low": None, "high": None}
     if n == 0:
         return out
-    mean = math.fsum(xs) / n
+    # the mean as the first value plus the mean offset from it: n equal values give that value
+    # exactly (fsum(3 × 0.99) / 3 is 0.9899999999999999) and a spread of exactly 0
+    mean = xs[0] + math.fsum(x - xs[0] for x in xs) / n
     out["mean"] = mean
     if n == 1:
         return out

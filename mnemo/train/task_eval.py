@@ -45,11 +45,15 @@ def task_metrics(
         number, "n": supervised tokens}``.
     Raises:
         ValueError: the shapes of ``input_ids``, ``targets`` and ``units`` differ, nothing is
-        supervised, ``units`` puts no answer on some supervised position, or ``batch_size`` is not
-        an int ``>= 1``.
+        supervised, ``units`` puts no answer on some supervised position, ``batch_size`` is not
+        an int ``>= 1``, or ``piece_len`` is neither ``None`` nor an int ``>= 1``.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1 (sequences per pass), got {batch_size!r}")
+    if piece_len is not None and (
+        isinstance(piece_len, bool) or not isinstance(piece_len, int) or piece_len < 1
+    ):
+        raise ValueError(f"piece_len: expected an int >= 1 (tokens per piece) or None, got {piece_len!r}")
     if input_ids.shape != targets.shape or input_ids.ndim != 2:
         raise ValueError(
             f"input_ids and targets must both be [N, T], got {list(input_ids.shape)} and "
@@ -70,7 +74,7 @@ def task_metrics(
     was = model.training
     model.eval()
     N, T = input_ids.shape
-    piece = T if piece_len is None else max(1, piece_len)
+    piece = T if piece_len is None else piece_len
     total_loss, correct, count, seq_ok, n_answers = 0.0, 0, 0, 0, 0
     n_units = int(units.max()) + 1 if units is not None and units.numel() else 1
     try:

@@ -33,12 +33,15 @@ def split_seed(seed: int, split: str) -> int:
     equals a test stream, for any pair of run seeds.
 
     Raises:
-        ValueError: ``split`` is not ``"train"``/``"test"`` or ``seed`` is negative.
+        ValueError: ``split`` is not ``"train"``/``"test"`` or ``seed`` is not in ``[0, 2^63)`` (a
+            generator seed is at most ``2^64 − 1``).
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(
+            f"seed must be a non-negative int below 2**63 (generator seeds are < 2**64), got {seed!r}"
+        )
     return 2 * seed + SPLITS.index(split)
 
 

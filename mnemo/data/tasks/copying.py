@@ -30,7 +30,8 @@ class Copying(Task):
     Options:
         vocab_size: ``V`` including blank and marker (32), ``>= 4`` (two data tokens at least:
             with one, every target is known in advance).
-        copy_len: ``L`` (16); ``None`` copies as much as fits, ``L = T // 2`` (no delay).
+        copy_len: ``L`` (16); ``None`` copies as much as fits, ``L = T // 2`` (no delay at an even
+            ``T``; one blank at an odd ``T``).
         teacher_forcing: see above (True).
 
     ``min_length = 2 L`` (2 when ``copy_len`` is ``None``).

@@ -19,7 +19,8 @@ class RepeatSegment(Task):
     model learns to copy the repeat) or only inside the repeat (``"repeat"``).
 
     Options:
-        vocab_size: ``V`` (64). segment_len: ``L`` (16). supervise: ``"all"`` or ``"repeat"``.
+        vocab_size: ``V`` (64). segment_len: ``L`` (16; ``>= 2`` with ``"repeat"``: a repeat of one
+            token holds no position whose next token it predicts). supervise: ``"all"`` or ``"repeat"``.
 
     ``min_length = 2 L``.
     """
@@ -36,6 +37,11 @@ class RepeatSegment(Task):
         self._int("segment_len", 1)
         if self.supervise not in ("all", "repeat"):
             self._bad("supervise", "'all' or 'repeat'")
+        if self.supervise == "repeat" and self.segment_len < 2:
+            self._bad(
+                "segment_len",
+                "an int >= 2 with supervise 'repeat' (the targets inside a repeat of L are L − 1)",
+            )
         return self
 
     @property
