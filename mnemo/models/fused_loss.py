@@ -73,6 +73,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # the stored gradients are constants: no second-order terms
+            raise RuntimeError(
+                "chunked_cross_entropy: its gradient is computed in the forward and is first order only, "
+                "so a graph of it (create_graph=True: a gradient penalty, a second derivative) would "
+                "silently miss the second-order terms; use F.cross_entropy(F.linear(h, weight), targets)"
+            )
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
@@ -123,7 +129,8 @@ def chunked_cross_entropy(
     Returns:
         0-d float32 tensor (float64 for float64 inputs), differentiable with respect to ``h``
         and ``weight`` (once: the gradient is computed in the forward and the graph has no second
-        derivative).
+        derivative; asking for a graph of the gradient, ``create_graph=True``, raises
+        ``RuntimeError`` rather than drop the second-order terms).
     Raises:
         ValueError: a shape, dtype, ``reduction`` or ``chunk_rows`` that does not fit, or (CPU
             tensors) a target outside ``[0, V)`` that is not ``ignore_index``; the message names

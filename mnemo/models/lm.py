@@ -330,6 +330,13 @@ class LanguageModel(nn.Module):
             )
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
+        if state is not None:
+            bad = next(((i, s) for i, s in enumerate(state) if not isinstance(s, BlockState)), None)
+            if bad is not None:  # (an AttributeError deep inside a block otherwise, or a silent restart)
+                raise ValueError(
+                    f"state[{bad[0]}]: expected the BlockState that forward returned for that layer, got "
+                    f"{type(bad[1]).__name__} (pass state=None to start from empty states)"
+                )
         if logits_at is not None:
             if logits_at.dtype != torch.bool or logits_at.shape != input_ids.shape:
                 raise ValueError(
@@ -365,8 +372,9 @@ class LanguageModel(nn.Module):
             logits, state = task_signal.forward(self, input_ids, state, mode)
             if targets is None:
                 return logits, state
+            # (float32 for a bf16/fp16 model's float32 logits, float64 kept for a float64 model)
             loss = F.cross_entropy(
-                logits.float().flatten(0, 1),
+                logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1),
                 targets.flatten().long(),
                 ignore_index=ignore_index,
                 reduction="sum",
@@ -770,7 +778,7 @@ class LanguageModel(nn.Module):
         self.eval()
         try:  # (the training mode comes back also when a step fails or the caller interrupts)
             B = input_ids.shape[0]
-            new = input_ids.new_empty(B, max_new_tokens)
+            new = input_ids.new_empty(B, max_new_tokens, dtype=torch.long)  # (int32 prompts too)
             if self.offset_free:  # one batch: rows back in their order
                 logits, state = self.prefill_left_padded(input_ids, attention_mask)
                 runs = [(list(range(B)), logits[:, -1], state)]
