@@ -298,7 +298,8 @@ def test_timescales_keep_a_float64_models_gates_in_float64():
 def test_moe_top1_with_renormalised_weights_warns_and_its_router_gets_no_task_gradient():
     """Seen by review 38-L: with ``top_k=1`` and the default ``norm_topk_prob=True`` every routing
     weight is 1, so the task loss gives the router nothing (Switch's top-1 scales by the
-    probability). The constructor now says so; the gradient below shows why."""
+    probability). The first training forward says so (review 38a: not the constructor); the gradient
+    below shows why."""
     import warnings
 
     import torch
@@ -310,7 +311,7 @@ def test_moe_top1_with_renormalised_weights_warns_and_its_router_gets_no_task_gr
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             m = MoE(8, n_experts=2, top_k=1, expert_hidden=8, aux_loss_coef=0.0, **kw).double()
-        y = m(torch.randn(2, 5, 8, dtype=torch.float64))
+            y = m(torch.randn(2, 5, 8, dtype=torch.float64))  # (the training forward warns)
         (y[0] if isinstance(y, tuple) else y).pow(2).sum().backward()
         return m.router.weight.grad.abs().max().item(), [str(w.message) for w in said]
 

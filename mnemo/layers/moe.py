@@ -177,7 +177,8 @@ class MoE(nn.Module):
             ``shared_expert_gate=False``).
         norm_topk_prob: renormalise the k chosen softmax weights to sum to 1 (default ``True``).
             With ``top_k=1`` that makes every routing weight 1, so the router learns from the
-            auxiliary losses only, never from the task (a ``UserWarning`` says so); Switch's top-1
+            auxiliary losses only, never from the task (a ``UserWarning`` at the first training forward
+            with gradients says so, once per module; not at construction); Switch's top-1
             (Fedus et al. 2021, Eq. 2) scales by the unnormalised probability: ``norm_topk_prob=False``.
         capacity_factor: ``None`` (default, never drop) or ``c > 0``: at most ``ceil(c · N k / E)``
             assignments per expert in a training forward; overflow is dropped (zero contribution)
@@ -249,14 +250,9 @@ class MoE(nn.Module):
         H = expert_hidden or swiglu_hidden(d_model)
         self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, H
         self.norm_topk_prob, self.capacity_factor = norm_topk_prob, capacity_factor
-        if top_k == 1 and norm_topk_prob:
-            warnings.warn(
-                "MoE: top_k=1 with norm_topk_prob=True gives every token the routing weight 1, so the "
-                "router gets no gradient from the task (only from the auxiliary losses); Switch's top-1 "
-                "scales by the router probability: pass norm_topk_prob=False",
-                UserWarning,
-                stacklevel=2,
-            )
+        # top_k=1 with norm_topk_prob: warned at the first training forward (_warn_top1), not here:
+        # a model built to run (an imported Qwen3-Next, a checkpoint loaded for eval) is not trained
+        self._top1_warned = False
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.bias_balancing, self.bias_update_rate = bias_balancing, float(bias_update_rate)
         self.dispatch = dispatch
@@ -376,12 +372,29 @@ class MoE(nn.Module):
                 )
         return logits.reshape(-1, E), scores.reshape(-1, E), idx.reshape(-1, self.top_k)
 
+    def _warn_top1(self) -> None:
+        """Once per module, in a training forward that records gradients for the router."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if not any(p.requires_grad for p in self.router.parameters()):
+            return
+        self._top1_warned = True
+        warnings.warn(
+            "MoE: top_k=1 with norm_topk_prob=True gives every token the routing weight 1, so the "
+            "router gets no gradient from the task (only from the auxiliary losses); Switch's top-1 "
+            "scales by the router probability: pass norm_topk_prob=False",
+            UserWarning,
+            stacklevel=3,
+        )
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x: expected [..., d_model = {self.d_model}], got {list(x.shape)}")
         lead = x.shape[:-1]
         xf = x.reshape(-1, self.d_model)
         N, E, k = xf.shape[0], self.n_experts, self.top_k
+        if k == 1 and self.norm_topk_prob and self.training and not getattr(self, "_top1_warned", False):
+            self._warn_top1()
         logits, scores, idx = self.route(x)
         w = scores.gather(-1, idx)  # [N, k], unbiased scores of the chosen experts
         if self.norm_topk_prob:
