@@ -36,6 +36,25 @@ class AttentionState:
     offset: int = 0
 
 
+def _same_values(before: torch.Tensor, after, version: int | None) -> bool:
+    """Whether a hook point gave back ``before``'s values untouched: ``before`` itself
+    (:func:`~mnemo.layers.base.left_as_is`), or a view of it with the same layout — what a backward
+    hook's wrapping (``BackwardHookFunction``) hands back — unchanged since ``version`` (a view
+    shares the counter). A detached copy or a new tensor counts as replaced."""
+    if left_as_is(before, after, version):
+        return True
+    if not isinstance(after, torch.Tensor) or version is None or after.is_inference():
+        return False
+    root = before if before._base is None else before._base
+    return (
+        after._base is root
+        and after.requires_grad == before.requires_grad
+        and (after.dtype, after.shape, after.stride()) == (before.dtype, before.shape, before.stride())
+        and after.storage_offset() == before.storage_offset()
+        and version_of(before) == version
+    )
+
+
 @register_mixer("attention")
 class Attention(Mixer):
     """Multi-head causal softmax attention (Vaswani et al. 2017) with rotary positions.
@@ -221,7 +240,7 @@ class Attention(Mixer):
         if self.n_sink:
             # keep a replaced key (returned, or edited in place: its version moved), unrotated; a hook
             # that only reads it leaves the key before rotary as it was (rotating back would round it)
-            replaced = self.hook_k.hooked and not left_as_is(k_rot, k, k_version)
+            replaced = self.hook_k.hooked and not _same_values(k_rot, k, k_version)
             if replaced and self.rotary is not None:
                 k_raw = self.rotary.undo(k, pos0)
             elif self.rotary is None:

@@ -231,7 +231,7 @@ class GatedLinearAttention(_QKVMixer):
     ``gate`` selects where the log decay ``g`` comes from:
 
     * ``"retnet"``: fixed per-head decays ``γ_h = 1 − 2^{−5−h}`` (RetNet, Sun et al. 2023, §2.2),
-      ``g = log γ_h`` for every token (a float32 buffer, float64 in a float64 module); rotary
+      ``g = log γ_h`` for every token (a float32 buffer, float64 after ``.double()``); rotary
       positions on q/k (``rope``, on by default here; the key size per head must then be even).
     * ``"gla"``: data-dependent per-channel gates ``g = logsigmoid(W₂ W₁ x + b) / τ`` with a
       low-rank (``gate_rank``) projection and ``τ = gate_normalizer`` (GLA, Yang et al. 2023, §4.4).
@@ -311,13 +311,15 @@ class GatedLinearAttention(_QKVMixer):
         # a cast to half precision (bf16 would round log γ by up to 0.4%; the learned gates are
         # computed in float32 too); a float64 module gets log γ computed in float64, not the
         # float32-rounded value cast up (off by up to 1e-9 per token), and a cast back float32's
+        # (as RotaryEmbedding's frequencies: a cast to half precision keeps the values as they are)
         kept = getattr(self, "log_gamma", None)
         super()._apply(fn, recurse)
         if kept is not None:
             new = self.log_gamma
-            want = torch.float64 if new.dtype == torch.float64 else torch.float32
-            if new.dtype != want or new.dtype != kept.dtype:
-                self.log_gamma = retnet_log_gamma(self.n_heads).to(new.device, want)
+            if new.dtype not in (torch.float32, torch.float64):
+                self.log_gamma = kept.to(new.device, torch.float32)
+            elif new.dtype != kept.dtype:
+                self.log_gamma = retnet_log_gamma(self.n_heads).to(new.device, new.dtype)
         return self
 
     @property

@@ -320,7 +320,7 @@ class _RingAttention(torch.autograd.Function):
         )
 
 
-def _check(q, k, v, window, scale):
+def _check(q, k, v, window, scale, *, learned: bool = False):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_floating(name, t)
         if t.ndim != 4:
@@ -339,6 +339,8 @@ def _check(q, k, v, window, scale):
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
     scale = default_scale(scale, K)  # a number: finite (else ValueError), a negative one warned
+    if learned and isinstance(scale, torch.Tensor):  # (blockwise: autograd reaches it)
+        return scale.reshape(())
     if isinstance(scale, torch.Tensor) and scale.requires_grad:
         raise TypeError(
             "scale: the ring takes a number (its backward gives no gradient to the scale), got a tensor "
@@ -405,12 +407,13 @@ def blockwise_attention(
     delivers them (its own, then ``r − 1, r − 2, …``) with merge (1). Equals
     :func:`~mnemo.ops.softmax_attention` (a check of the blockwise accumulation; differentiable
     by autograd). ``T`` must be a multiple of ``n_blocks``. Returns ``[B, T, H, V]`` in ``q``'s dtype.
-    ``causal, window, scale`` as in :func:`ring_attention` (default ``causal=True``).
+    ``causal, window, scale`` as in :func:`ring_attention` (default ``causal=True``), except that a
+    one-value tensor scale may need a gradient here (autograd reaches it, as in softmax attention).
 
     Raises:
         ValueError: ``n_blocks`` is not a positive divisor of ``T``, or a shape/window is wrong.
     """
-    scale = _check(q, k, v, window, scale)
+    scale = _check(q, k, v, window, scale, learned=True)
     B, T, H, K = q.shape
     if not isinstance(n_blocks, int) or n_blocks < 1 or T % n_blocks:
         raise ValueError(f"n_blocks must be a positive divisor of T = {T}, got {n_blocks!r}")
