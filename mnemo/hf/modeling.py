@@ -64,7 +64,7 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..layers.state import select_rows
+from ..layers.state import BlockState, select_rows
 from ..models.config import MODEL_TYPE, ModelConfig
 from ..models.lm import CONFIG_NAME, LanguageModel
 
@@ -137,7 +137,8 @@ class MnemoCache:
             return cache
         if isinstance(cache, (list, tuple)):
             states = list(cache)
-            return cls(states, states[0].offset if states else 0)
+            # (an entry that is not a BlockState: LanguageModel.forward names it)
+            return cls(states, states[0].offset if states and isinstance(states[0], BlockState) else 0)
         raise TypeError(
             f"cache: expected a MnemoCache or a list of mnemo per-layer states, got {type(cache).__name__}"
         )

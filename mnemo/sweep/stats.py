@@ -113,9 +113,17 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
     out: dict = {"n": n, "mean": None, "std": None, "half_width": None, "low": None, "high": None}
     if n == 0:
         return out
-    # the mean as the first value plus the mean offset from it: n equal values give that value
-    # exactly (fsum(3 × 0.99) / 3 is 0.9899999999999999) and a spread of exactly 0
-    mean = xs[0] + math.fsum(x - xs[0] for x in xs) / n
+    # Σx / n from the exact sum (fsum): the same mean in any order of the values (offsets from xs[0]
+    # rounded each, so the mean depended on which seed came first and cancelled 1e16, 1, −1e16 to 0);
+    # a sum past the float range is taken of the values scaled by 2^−k (exact). Clamped to
+    # [min, max]: n equal values give that value exactly (fsum(3 × 0.99) / 3 is 0.9899999999999999)
+    # and a spread of exactly 0
+    try:
+        mean = math.fsum(xs) / n
+    except OverflowError:
+        k = n.bit_length()
+        mean = math.ldexp(math.fsum(math.ldexp(x, -k) for x in xs) / n, k)
+    mean = min(max(mean, min(xs)), max(xs))
     out["mean"] = mean
     if n == 1:
         return out
