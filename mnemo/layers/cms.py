@@ -652,6 +652,7 @@ class CMSLevel(nn.Module):
         restarts: dict | None = None,
         record: list | None = None,
         initial_weights: tuple | None = None,
+        emit: bool = True,
     ):
         """``x [B, T, d] -> (MLP output [B, T, d], state)``; the loop runs over periods.
 
@@ -659,6 +660,8 @@ class CMSLevel(nn.Module):
         stream position the level restarts from those weights. ``record``: a list that receives
         ``(position, weights)`` at every period end (after the step and any restart).
         ``initial_weights``: the weights a fresh state starts from (default: the level's own).
+        ``emit=False``: ``hook_state`` does not fire (the caller changes the state further and
+        passes it itself; a reconstruction level only).
         """
         B, T, _ = x.shape
         st = state if state is not None else self.initial_state(B, initial_weights)
@@ -700,7 +703,7 @@ class CMSLevel(nn.Module):
             st = self._step(st)
             st = replace(st, position=0)  # a fresh period starts
         y = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, x.shape[-1])
-        return self.hook_out(y), self.hook_state(st)
+        return self.hook_out(y), (self.hook_state(st) if emit else st)
 
     def state_spec(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
@@ -956,22 +959,25 @@ class ContinuumMemory(nn.Module):
             seg = xn[:, t : t + L]
             piece = enter_piece(t, L, T)  # the fastest level's hooks: tokens t … t + L − 1 of the call
             try:
-                y, sts[0] = levels[0](seg, sts[0])
+                y, sts[0] = levels[0](seg, sts[0], emit=False)
+                outs.append(y)
+                for i in range(1, k):
+                    inputs = torch.cat([sts[i].inputs, seg], 1)
+                    sts[i] = replace(sts[i], inputs=inputs, position=sts[i].position + L)
+                pos = sts[0].position
+                for i in range(1, k):  # faster first: a slower level's step sees the faster one's last step
+                    if pos % levels[i].level.period == 0:
+                        g = self._meta_grad(i, sts[i].weights, sts[i].inputs, outer, sts[i - 1].weights)
+                        sts[i] = levels[i]._step(replace(sts[i], grad=g, inputs=sts[i].inputs[:, :0]))
+                for i in range(k - 2, -1, -1):  # then the restarts, slowest first
+                    if pos % levels[i + 1].level.period == 0:
+                        sts[i] = levels[i].restart(sts[i], sts[i + 1].weights)
+                # the fastest level's state after the piece's restarts: what the next piece (or call)
+                # continues from
+                sts[0] = levels[0].hook_state(sts[0])
             finally:
                 leave_pieces(piece)
-            outs.append(y)
-            for i in range(1, k):
-                inputs = torch.cat([sts[i].inputs, seg], 1)
-                sts[i] = replace(sts[i], inputs=inputs, position=sts[i].position + L)
             t += L
-            pos = sts[0].position
-            for i in range(1, k):  # faster first: a slower level's step sees the faster one's last step
-                if pos % levels[i].level.period == 0:
-                    g = self._meta_grad(i, sts[i].weights, sts[i].inputs, outer, sts[i - 1].weights)
-                    sts[i] = levels[i]._step(replace(sts[i], grad=g, inputs=sts[i].inputs[:, :0]))
-            for i in range(k - 2, -1, -1):  # then the restarts, slowest first
-                if pos % levels[i + 1].level.period == 0:
-                    sts[i] = levels[i].restart(sts[i], sts[i + 1].weights)
         for i in range(1, k):
             sts[i] = levels[i].hook_state(sts[i])
         y = torch.cat(outs, 1) if outs else xn.new_zeros(B, 0, d)
@@ -982,7 +988,17 @@ class ContinuumMemory(nn.Module):
         weights ``phi`` over the period): the gradient with respect to ``phi`` of the faster level's
         loss after its adaptation over the period from ``phi``,
         ``Σ_t η^(i)_t ½‖MLP_θ(x_t) − W_v^(i−1) x_t‖²`` with ``θ`` the faster level's weights after its
-        last step in the period (``adapted``; the unrolled rule recomputes them from ``phi``)."""
+        last step in the period (``adapted``; the unrolled rule recomputes them from ``phi``). Under
+        ``torch.inference_mode`` (no autograd there), or given tensors made under it, it runs outside
+        inference mode on copies."""
+        inference = torch.is_inference_mode_enabled()
+        held = (*phi, x, *(adapted or ()))
+        if inference or any(t.is_inference() for t in held):
+            grad = torch.is_grad_enabled() and not inference
+            with torch.inference_mode(False), torch.set_grad_enabled(grad):
+                phi, x = tuple(w.clone() for w in phi), x.clone()
+                adapted = None if adapted is None else tuple(w.clone() for w in adapted)
+                return self._meta_grad(i, phi, x, create_graph and grad, adapted)
         fast, slow = self.levels[i - 1], self.levels[i]
         v = fast.value(x)
         eta = slow.rates(x)

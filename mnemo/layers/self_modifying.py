@@ -241,8 +241,19 @@ def dgd_token(
 
     with ``η_b = η / max(1, ‖h‖²)``, ``h = σ(k A_a)`` per memory (``nlms=True``) or ``η_b = η``
     (with ``μ = 0`` and ``η_b = η`` this is Eq. 88's step, ``W_a ← α W_a − η k kᵀ W_a − η ∇``).
-    Defaults: ``mu=0.0``, ``nlms=False``.
+    Defaults: ``mu=0.0``, ``nlms=False``. Under ``torch.inference_mode`` (which switches off the
+    autograd the gradient needs), or given tensors made under it, the step runs outside inference
+    mode on copies (detached under inference mode).
     """
+    inference = torch.is_inference_mode_enabled()
+    held = (*W, *A, *(mom or ()), k, vhat, log_alpha, beta)
+    if inference or any(t.is_inference() for t in held):
+        grad = torch.is_grad_enabled() and not inference
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            W, A = tuple(w.clone() for w in W), tuple(a.clone() for a in A)
+            mom = None if mom is None else tuple(m.clone() for m in mom)
+            k, vhat, log_alpha, beta = k.clone(), vhat.clone(), log_alpha.clone(), beta.clone()
+            return dgd_token(spec, W, A, k, vhat, log_alpha, beta, mom, mu, nlms)
     need_graph = torch.is_grad_enabled()
     alpha = log_alpha.exp()
     eta = alpha * beta

@@ -135,6 +135,11 @@ def _check(spec, q, k, v, theta, g, eta, delta, state):
             raise ValueError(f"initial_state.anchor_decay must be {expected}, got {list(d0.shape)}")
 
 
+def _state_tensors(st: MemoryState) -> list:
+    held = (*st.weights, *(st.momentum or ()), *st.anchor, st.anchor_decay)
+    return [x for x in held if x is not None]
+
+
 def _run_recurrent(spec, args, st: MemoryState, device_type: str):
     """The token-loop reference, in float32 under a bf16 autocast too. It takes its inner gradients
     with autograd, which ``torch.inference_mode`` switches off for every tensor made under it: under
@@ -216,6 +221,10 @@ def neural_memory(
         None if initial_state.anchor_decay is None else initial_state.anchor_decay.to(cd),
         initial_state.position,
     )
+    if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in _state_tensors(st)):
+        # a state carried out of torch.inference_mode: autograd (the chunk form's backward too)
+        # cannot save its tensors, copies made here can
+        st = _map_state(st, torch.clone)
     args = [None if x is None else x.to(cd) for x in (q, k, v, theta, g, eta, delta)]
     if args[4] is not None:
         args[4] = args[4].clamp(min=LOG_GATE_MIN)

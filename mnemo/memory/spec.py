@@ -35,7 +35,8 @@ class MemorySpec:
         ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule; Titans, Eq. 12, and
         TTT write ``‖e‖²`` without the ½, so their ``θ`` is half the ``θ`` here);
         ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}``, ``ε = lp_eps``
-        (nonzero when ``p < 2``: the slope at ``e = 0`` is ``0 · ∞`` otherwise; Moneta, Miras
+        (``|ε| ≥ 2⁻⁶³`` when ``p < 2``, so that ``ε²`` is a normal float32: the slope at ``e = 0`` is
+        ``0 · ∞`` otherwise; Moneta, Miras
         Eq. 11, writes ``‖e‖_p^p`` without the ``1/p``: its ``η`` is ``θ / p`` here);
         ``"huber"``: Huber with a data-dependent threshold ``δ_t`` (the per-token input ``delta``),
         in one of two forms chosen by ``huber_mode``:
@@ -146,8 +147,13 @@ class MemorySpec:
             bad("chunk_size", "a positive int")
         if self.objective == "lp" and self.p < 1:
             bad("p", "a number >= 1")
-        if self.objective == "lp" and self.p < 2 and self.lp_eps == 0:  # |e|^{p−1}/|e| is 0/0 at e = 0
-            bad("lp_eps", f"a nonzero number with p = {self.p} < 2 (the slope at e = 0 is 0 · ∞ otherwise)")
+        if self.objective == "lp" and self.p < 2 and abs(self.lp_eps) < 2.0**-63:  # |e|^{p−1}/|e| is 0/0
+            # at e = 0 unless ε² is a normal float32 (the engine's compute dtype; a smaller ε² is 0 there)
+            bad(
+                "lp_eps",
+                f"a nonzero number of magnitude >= 2**-63 (~1.1e-19) with p = {self.p} < 2 (the slope "
+                "at e = 0 is 0 · ∞ otherwise; the engine adds lp_eps² in float32)",
+            )
         if self.retention == "lq" and self.q <= 0:
             bad("q", "a positive number")
         if self.retention == "kl" and self.kl_scale <= 0:
