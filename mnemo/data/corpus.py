@@ -154,7 +154,8 @@ def load_corpus(data: str, text_field: str = "text") -> Corpus:
             missing ``text_field`` (the message names the fields present; or a file of several
             whose records never hold it), a non-string value (in any file, the message names it), a
             ``text_field`` other than ``"text"`` for plain text (which has no fields), a path that is
-            neither a file nor a folder (``/dev/null``, a pipe).
+            neither a file nor a folder (``/dev/null``, a pipe), a folder or glob holding a file and
+            its compressed copy (``a.txt`` and ``a.txt.gz``: it would be read twice).
         ImportError: JSONL/Parquet without the ``datasets`` library (``pip install "mnemo[hf]"``).
     """
     if data in BUNDLED:
