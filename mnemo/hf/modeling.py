@@ -33,7 +33,8 @@ Right padding (zeros at the end of rows) is harmless for a causal model. Left pa
 prefill: each group of equal-length prompts runs without its pads and the states join into one
 batch (:meth:`mnemo.models.LanguageModel.prefill_left_padded`); this needs a model whose mixers
 use no positions (Mamba, Mamba-2, (Gated) DeltaNet, GLA, linear attention — ``ValueError``
-otherwise, naming the mixer). Each row then generates what its prompt alone generates.
+otherwise, naming the mixer). Each row then generates what its prompt alone generates. Tokens given
+with a cache must not be left-padded (their pads would sit inside the rows): ``ValueError``.
 
 Checkpoints written before ``config.json`` carried ``"model_type": "mnemo"`` load with
 ``MnemoForCausalLM.from_pretrained`` (not through ``AutoModelForCausalLM``, which dispatches on that
@@ -73,6 +74,11 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 __all__ = ["MnemoCache", "MnemoConfig", "MnemoForCausalLM", "register"]
 
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+#: the new tokens ``transformers``' ``generate`` makes when neither ``max_new_tokens`` nor ``max_length``
+#: is set anywhere (its default ``max_length``, counted after the prompt)
+_DEFAULT_MAX_NEW_TOKENS = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})().get(
+    "max_length", 20
+)
 
 
 class MnemoConfig(PretrainedConfig):
@@ -265,6 +271,16 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
         _check_mask(attention_mask, input_ids, cache)
         padding = _padding(attention_mask)
+        if (
+            cache is not None
+            and padding != "none"
+            and _padding(attention_mask[:, -input_ids.shape[1] :]) == "left"
+        ):
+            raise ValueError(
+                "attention_mask: with a cache, the new tokens must not be left-padded (0 … 0 1 … 1): the "
+                "cache already holds tokens of every row, so these pads would sit inside the rows and "
+                "enter the state; left-pad the prompts of the first call (without a cache) instead"
+            )
         if padding == "left" and cache is None:  # prefill without the pads (they never enter a state)
             logits, state = self.model.prefill_left_padded(input_ids, attention_mask)
         else:  # with a cache, the pads were left out when it was built: new tokens only
@@ -294,12 +310,19 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """``transformers``' ``generate``; with learned positions (``pos_embedding="learned"``) a
         prompt longer than ``max_position``, or one whose ``max_new_tokens`` (the argument, else the
-        generation config's) run past it, raises ``ValueError`` naming the lengths before any work
+        generation config's; without either, what ``max_length`` leaves, as ``transformers`` counts it)
+        run past it, raises ``ValueError`` naming the lengths before any work
         (:meth:`mnemo.models.LanguageModel.generate`'s check)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if self.model.pos_embed is not None and torch.is_tensor(ids) and ids.ndim == 2:
             gen = kwargs.get("generation_config") or self.generation_config
             new = kwargs.get("max_new_tokens", getattr(gen, "max_new_tokens", None))
+            if new is None:  # transformers then stops at max_length (the argument, else the configs'),
+                # and without one generates its default max_length (20) of new tokens
+                length = kwargs.get("max_length")
+                for g in (gen, self.generation_config):
+                    length = getattr(g, "max_length", None) if length is None else length
+                new = length - ids.shape[1] if isinstance(length, int) else _DEFAULT_MAX_NEW_TOKENS
             self.model._check_positions(ids.shape[1], new if isinstance(new, int) and new > 0 else 1)
         return super().generate(inputs, *args, **kwargs)
 
