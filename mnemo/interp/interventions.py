@@ -48,7 +48,6 @@ the value's shape.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -59,6 +58,7 @@ import torch.utils._pytree as pytree
 
 from ..layers.hooks import attached, piece_stop, select, span
 from ..layers.state import cat_rows, map_tensors
+from .maps import _index as _an_int  # an int, a numpy or 0-d tensor integer too; None otherwise
 
 Hooks = list[tuple[str, Callable]]
 
@@ -109,8 +109,9 @@ def _mixer_hook(model, layer: int, hook: str) -> str:
     has no ``hook`` of its own gives that submodule's (``blocks.{layer}.mixer.memory.hook_o``): the
     hook whose heads are the map's heads."""
     n = len(model.blocks)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-        raise ValueError(f"layer: expected an int in [0, {n}) (the model has {n} layers), got {layer!r}")
+    given, layer = layer, _an_int(layer)  # (a numpy or 0-d tensor integer too)
+    if layer is None or not 0 <= layer < n:
+        raise ValueError(f"layer: expected an int in [0, {n}) (the model has {n} layers), got {given!r}")
     base = f"blocks.{layer}.mixer."
     name = base + hook
     if name in model.hook_points:
@@ -313,17 +314,6 @@ def _aligned(ref: torch.Tensor, value: torch.Tensor, name: str, model, what: str
     return out
 
 
-def _an_int(x) -> int | None:
-    """``x`` as an int — a numpy or 0-d torch integer too (``operator.index``) — or ``None`` (a
-    bool, a float, anything else)."""
-    if isinstance(x, bool):
-        return None
-    try:
-        return operator.index(x)
-    except TypeError:
-        return None
-
-
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32, or float64 where it is float64 (a metric of a float64 model is not rounded)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -349,7 +339,9 @@ def mean_activations(model, input_ids: torch.Tensor, names, over: str = "batch_p
     axes (``[1, 1, H, V]`` for ``hook_o``), so it replaces a value of any length;
     ``over="batch"``: the mean over the batch only (``[1, T, H, V]``: per position, the same
     length only). A state after the call (``hook_state``: a matrix memory ``[B, H, K, V]``, a typed
-    state such as a cache) has no position axis: it is averaged over its batch rows only.
+    state such as a cache) has no position axis: it is averaged over its batch rows only. A hook
+    whose values are integers (a mixture-of-experts MLP's ``hook_topk_indices``: expert ids) has no
+    mean and gets no entry (so ``names=None``, every hook, works on such a model).
     Raises ``KeyError`` for an unknown name, ``ValueError`` for an unknown ``over``."""
     if over not in ("batch_position", "batch"):
         raise ValueError(f"over: expected 'batch_position' or 'batch', got {over!r}")
@@ -357,6 +349,8 @@ def mean_activations(model, input_ids: torch.Tensor, names, over: str = "batch_p
     out = {}
     for name, v in cache.items():
         if isinstance(v, torch.Tensor):
+            if not (v.is_floating_point() or v.is_complex()):
+                continue  # indices (an MoE's expert ids): no mean
             p_ax = _axes(name)[1]
             dims = (0,) if over == "batch" or p_ax is None else (0, p_ax)
             out[name] = v.mean(dims, keepdim=True)
@@ -366,6 +360,11 @@ def mean_activations(model, input_ids: torch.Tensor, names, over: str = "batch_p
 
 
 def _mean_for(value: torch.Tensor, name: str, means, model) -> torch.Tensor:
+    if not (value.is_floating_point() or value.is_complex()):
+        raise ValueError(
+            f"how='mean': {name} carries {value.dtype} values (indices, e.g. an MoE's expert ids), which "
+            "have no mean; ablate it with how='zero' or replace it with patch"
+        )
     if means is None:  # the current run's own mean over its batch and positions
         if _pieced(value, name):
             _, offset, n, length = _rows(value, name)
@@ -428,8 +427,8 @@ def ablate(
             or ``means`` without the name.
         ValueError: ``how`` unknown; at run time, a head/position/channel out of range or not an
         integer (naming the hook and the value's shape), a value without that axis (``heads`` on
-        ``hook_resid_pre``), or ``how="mean"`` without ``means`` on a hook that passes the call
-        in pieces.
+        ``hook_resid_pre``), ``how="mean"`` without ``means`` on a hook that passes the call
+        in pieces, or ``how="mean"`` on integer values (an MoE's ``hook_topk_indices``).
     """
     if how not in ("zero", "mean"):
         raise ValueError(f"how: expected 'zero' or 'mean', got {how!r}")
@@ -461,6 +460,7 @@ def ablate_head(
     the errors; ``heads`` out of range or not integers raises ``ValueError`` naming ``heads``, the
     hook and its head count (at once where the layer's head count is known)."""
     name = _mixer_hook(model, layer, hook)
+    layer = _an_int(layer)
     H = getattr(model.blocks[layer].mixer, "map_heads", None)
     if heads is not None and H is not None and hook == "hook_o":
         _as_index("head", heads, H, name, None, unit=f"heads (layer {layer}'s map)")
@@ -651,9 +651,15 @@ def next_token_loss(input_ids: torch.Tensor, positions=None) -> Callable[[torch.
     ``input_ids [B, T]`` — the logits at ``t`` predict ``input_ids[:, t + 1]`` — over the target
     positions ``positions`` (ints in ``1 … T − 1``: the tokens predicted; default all), in float32
     (float64 for float64 logits). Raises
-    ``ValueError`` naming ``positions`` for one outside ``1 … T − 1`` (position 0 has no
-    prediction) or not an integer, and, when called, naming ``logits`` when they are not
-    ``[B, T, vocab]`` for ``input_ids [B, T]``."""
+    ``ValueError`` naming ``input_ids`` when they are not ``[B, T]`` with ``T ≥ 2`` (one token
+    predicts nothing: the mean would be NaN), naming ``positions`` for one outside ``1 … T − 1``
+    (position 0 has no prediction) or not an integer, and, when called, naming ``logits`` when they
+    are not ``[B, T, vocab]`` for ``input_ids [B, T]``."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 2:
+        got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"input_ids: expected [B, T] token ids with T >= 2 (a next token to predict), got {got}"
+        )
     T = input_ids.shape[-1]
     idx = None
     if positions is not None:

@@ -17,6 +17,9 @@ submodules (``memory.hook_q``).
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
+
 import torch
 
 from ..layers.base import Mixing
@@ -44,18 +47,55 @@ def mixing(mixer, x: torch.Tensor) -> Mixing:
     return mixer.mixing(mixer.mixing_acts(x))
 
 
+def _index(x) -> int | None:
+    """``x`` as an int — a numpy or 0-d torch integer too (``operator.index``) — or ``None`` (a bool,
+    a float, anything else)."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+def layer_indices(layers, n: int) -> list[int]:
+    """``layers`` — a layer index (an int, a numpy or 0-d tensor integer) or a sequence of them — as a
+    list of ints in ``[0, n)``. Raises ``ValueError`` naming ``layers``, the model's ``n`` layers
+    and what was received otherwise."""
+    one = _index(layers)
+    if one is not None:
+        given = [layers]
+    elif (
+        isinstance(layers, (str, bytes))
+        or not isinstance(layers, Iterable)
+        or (isinstance(layers, torch.Tensor) and layers.ndim == 0)
+    ):
+        raise ValueError(
+            f"layers: expected a layer index or a sequence of them, ints in [0, {n}) (the model has {n} "
+            f"layers), got {layers!r}"
+        )
+    else:
+        given = list(layers)
+    out = [_index(i) for i in given]
+    bad = [i for i, j in zip(given, out) if j is None or not 0 <= j < n]
+    if bad:
+        raise ValueError(
+            f"layers: {bad} out of range; the model has {n} layers (0 … {n - 1}); expected ints in "
+            f"[0, {n}), got {layers!r}"
+        )
+    return out
+
+
 @torch.no_grad()
 def capture_maps(model, input_ids: torch.Tensor, layers=None) -> dict[int, torch.Tensor]:
     """``{layer: [B, H, T, T]}`` for every mixing layer of ``model`` on ``input_ids`` (layers without
     a map are skipped), or for the layers ``layers`` (ints) only. The hooks only read; the forward
-    pass is unchanged. ``input_ids`` are moved to the model's device. Raises ``ValueError`` naming
-    ``layers`` for an index out of range."""
+    pass is unchanged. ``input_ids`` are moved to the model's device. ``layers``: an int (a numpy or
+    0-d tensor integer too) or a sequence of them. Raises ``ValueError`` naming ``layers`` for an
+    index out of range or not an integer."""
     n = len(model.blocks)
     if layers is not None:
-        layers = [layers] if isinstance(layers, int) else list(layers)
-        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
-        if bad:
-            raise ValueError(f"layers: {bad} out of range; the model has {n} layers (0 … {n - 1})")
+        layers = layer_indices(layers, n)
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)

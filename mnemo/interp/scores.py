@@ -14,6 +14,8 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from .maps import _index
+
 
 def normalise(maps: torch.Tensor) -> torch.Tensor:
     """Row-normalised absolute weights (identity on softmax probabilities), in float32 at least (a
@@ -171,8 +173,9 @@ def copying_score(model, layer: int) -> torch.Tensor:
     approximation). Raises ``ValueError`` for a layer out of range, ``TypeError`` for
     non-attention layers."""
     n = len(model.blocks)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-        raise ValueError(f"layer: expected an int in [0, {n}) (the model has {n} layers), got {layer!r}")
+    given, layer = layer, _index(layer)  # (a numpy or 0-d tensor integer too)
+    if layer is None or not 0 <= layer < n:
+        raise ValueError(f"layer: expected an int in [0, {n}) (the model has {n} layers), got {given!r}")
     mixer = model.blocks[layer].mixer
     heads = mixer.ov_matrices()
     if heads is None:

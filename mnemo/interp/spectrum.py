@@ -74,6 +74,7 @@ from .lyapunov import (  # noqa: F401  (the exponents themselves, re-exported; a
     memory_jvp_spectrum,
     state_spectrum,
 )
+from .maps import layer_indices
 
 __all__ = [
     "lyapunov_spectrum",
@@ -272,7 +273,8 @@ def memory_spectrum(
     half-life of each head). ``context`` (default ``T``) sets the marginal band ``|λ| < ln 2 /
     context``; ``directions`` (default ``32``) and ``method``: the exponents computed per head of a
     test-time-trained memory (the leading ``min(directions, dim)``) and how
-    (:func:`memory_jvp_spectrum`). ``layers``: the blocks to read (an int or ints; default all).
+    (:func:`memory_jvp_spectrum`). ``layers``: the blocks to read (an int or ints, numpy or 0-d tensor
+    integers too; default all).
     Defaults: ``directions=32``, ``irrelevant_half_life=4.0`` (:func:`classify`).
 
     Raises:
@@ -281,12 +283,7 @@ def memory_spectrum(
             ``irrelevant_half_life`` not a finite number ``> 0``."""
     n_blocks = len(model.blocks)
     if layers is not None:
-        layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else list(layers)
-        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_blocks]
-        if bad:
-            raise ValueError(
-                f"layers: {bad} out of range; the model has {n_blocks} layers (0 … {n_blocks - 1})"
-            )
+        layers = layer_indices(layers, n_blocks)  # (a numpy or 0-d tensor integer too)
     if isinstance(directions, bool) or not isinstance(directions, int) or directions < 1:
         raise ValueError(f"directions: expected an int >= 1, got {directions!r}")
     if method not in ("central", "forward"):

@@ -166,6 +166,12 @@ class DeltaNet(Mixer):
         self._init_special()
 
     @property
+    def map_heads(self) -> int:
+        """The map's heads are the value heads ``H_v`` (``n_v_heads``; a key head serves
+        ``H_v / H`` of them): what ``hook_v``, ``hook_beta``, ``hook_o`` carry on axis 2."""
+        return self.n_v_heads
+
+    @property
     def mixing_hooks(self) -> tuple[str, ...]:  # type: ignore[override]
         base = ("hook_q", "hook_k", "hook_v", "hook_beta", "hook_o")
         return base + ("hook_g",) if self.gated else base
