@@ -309,19 +309,25 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """``transformers``' ``generate``; with learned positions (``pos_embedding="learned"``) a
-        prompt longer than ``max_position``, or one whose ``max_new_tokens`` (the argument, else the
-        generation config's; without either, what ``max_length`` leaves, as ``transformers`` counts it)
+        prompt longer than ``max_position``, or one whose ``max_new_tokens`` (the argument, else the given
+        generation config's, else the model's; without any, what ``max_length`` leaves, as
+        ``transformers`` counts it)
         run past it, raises ``ValueError`` naming the lengths before any work
         (:meth:`mnemo.models.LanguageModel.generate`'s check)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if self.model.pos_embed is not None and torch.is_tensor(ids) and ids.ndim == 2:
-            gen = kwargs.get("generation_config") or self.generation_config
-            new = kwargs.get("max_new_tokens", getattr(gen, "max_new_tokens", None))
+            configs = (kwargs.get("generation_config"), self.generation_config)
+
+            def setting(key):  # as transformers merges them: the argument, else the given generation
+                # config's, else the model's (it fills a given config's unset fields from it)
+                if key in kwargs:
+                    return kwargs[key]
+                return next((v for g in configs if (v := getattr(g, key, None)) is not None), None)
+
+            new = setting("max_new_tokens")
             if new is None:  # transformers then stops at max_length (the argument, else the configs'),
                 # and without one generates its default max_length (20) of new tokens
-                length = kwargs.get("max_length")
-                for g in (gen, self.generation_config):
-                    length = getattr(g, "max_length", None) if length is None else length
+                length = setting("max_length")
                 new = length - ids.shape[1] if isinstance(length, int) else _DEFAULT_MAX_NEW_TOKENS
             self.model._check_positions(ids.shape[1], new if isinstance(new, int) and new > 0 else 1)
         return super().generate(inputs, *args, **kwargs)

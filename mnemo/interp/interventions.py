@@ -59,6 +59,7 @@ import torch.utils._pytree as pytree
 from ..layers.hooks import attached, piece_stop, select, span
 from ..layers.state import cat_rows, map_tensors
 from .maps import _index as _an_int  # an int, a numpy or 0-d tensor integer too; None otherwise
+from .maps import layer_indices
 
 Hooks = list[tuple[str, Callable]]
 
@@ -883,14 +884,8 @@ def state_patch(
     if source_ids.shape[0] not in (1, B):
         raise ValueError(f"source_ids: expected {B} rows (or 1), got {source_ids.shape[0]}")
     n = len(model.blocks)
-    if layers is None:
-        chosen = list(range(n))
-    else:  # an int (a numpy / 0-d tensor integer too, as ``at``) or a sequence of them
-        chosen = [layers] if _an_int(layers) is not None else list(layers)
-    bad = [i for i in chosen if _an_int(i) is None or not 0 <= _an_int(i) < n]
-    if bad:
-        raise ValueError(f"layers: {bad} out of range; the model has {n} layers (0 … {n - 1})")
-    chosen = [_an_int(i) for i in chosen]
+    # an int (a numpy / 0-d tensor integer too, as ``at``) or a sequence of them
+    chosen = list(range(n)) if layers is None else layer_indices(layers, n)
     _, source_state = model(source_ids[:, :at], mode=mode)
     if source_ids.shape[0] == 1 and B > 1:
         source_state = cat_rows([source_state] * B)
