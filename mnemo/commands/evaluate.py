@@ -228,6 +228,7 @@ def _cmd_eval_text(
     import math
 
     import torch
+    from tqdm.auto import tqdm
 
     from ..data import load_corpus
     from ..data.corpus import inherited_text_field
@@ -290,7 +291,12 @@ def _cmd_eval_text(
     model.eval()
     total, count, sequences = 0.0, 0, 0
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
-    with torch.no_grad():
+    windows = (stream.ids.numel() - 1) // seq_len
+    if max_batches is not None:
+        windows = min(windows, max_batches * batch_size)
+    # a bar on a terminal only (``disable=None``): ``--max-batches all`` or ``--full`` reads for minutes
+    bar = tqdm(total=-(-windows // batch_size), desc="eval", unit="batch", disable=None, leave=False)
+    with torch.no_grad(), bar:
         for batch in stream.eval_batches(batch_size, max_batches, with_documents=pack):
             x, y = with_bos(batch[0], bos), batch[1]
             with autocast:
@@ -303,6 +309,7 @@ def _cmd_eval_text(
             ).item()
             count += y.numel()
             sequences += y.shape[0]
+            bar.update(1)
     if count == 0:
         raise ValueError(
             f"--data: the {'file' if args.full else 'validation split'} of {data!r} is shorter than one "
@@ -500,7 +507,7 @@ def add_commands(sub) -> None:
         type=kinds.positive_int,
         help="task checkpoints: test sequences (default: as in training)",
     )
-    e.add_argument("--device", default="cpu", type=kinds.device)
+    e.add_argument("--device", default="cpu", type=kinds.device, help="cpu or cuda[:N] (default cpu)")
     e.set_defaults(func=_cmd_eval)
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
@@ -517,7 +524,12 @@ def add_commands(sub) -> None:
         default=300,
         help=f"tokens to generate, at most {MAX_NEW_TOKENS:,} (the text is printed at the end) (default 300)",
     )
-    g.add_argument("--temperature", type=kinds.nonneg_float, default=0.8, help="0 = greedy")
+    g.add_argument(
+        "--temperature",
+        type=kinds.nonneg_float,
+        default=0.8,
+        help="sampling temperature, 0 = greedy (default 0.8)",
+    )
     g.add_argument("--top-k", type=kinds.positive_int, help="sample among the K likeliest tokens")
     g.add_argument(
         "--top-p",
@@ -525,8 +537,8 @@ def add_commands(sub) -> None:
         help="nucleus sampling: among the fewest likeliest tokens whose probability sums to P "
         "(after --top-k)",
     )
-    g.add_argument("--seed", type=kinds.seed, default=0)
-    g.add_argument("--device", default="cpu", type=kinds.device)
+    g.add_argument("--seed", type=kinds.seed, default=0, help="seeds the sampling (default 0)")
+    g.add_argument("--device", default="cpu", type=kinds.device, help="cpu or cuda[:N] (default cpu)")
     g.add_argument(
         "--compile",
         action="store_true",

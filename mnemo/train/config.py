@@ -377,7 +377,7 @@ class TrainConfig:
     sample_tokens: int = field(
         default=400,
         metadata=_flag(
-            "characters to sample at the end, 0 = none, at most 100,000",
+            "tokens to sample at the end (characters with the char tokenizer), 0 = none, at most 100,000",
             metavar="N",
             type=kinds.Int(0, 100_000),
         ),
@@ -527,7 +527,7 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 bad(name, "a non-negative int")
         if self.sample_tokens > 100_000:
-            bad("sample_tokens", "an int in 0 … 100,000 (characters sampled at the end of training)")
+            bad("sample_tokens", "an int in 0 … 100,000 (tokens sampled at the end of training)")
         if self.checkpoint_interval is not None and (
             not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1
         ):
