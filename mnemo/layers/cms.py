@@ -660,8 +660,9 @@ class CMSLevel(nn.Module):
         stream position the level restarts from those weights. ``record``: a list that receives
         ``(position, weights)`` at every period end (after the step and any restart).
         ``initial_weights``: the weights a fresh state starts from (default: the level's own).
-        ``emit`` (default ``True``): ``False`` keeps ``hook_state`` from firing (the caller changes
-        the state further and passes it itself; a reconstruction level only).
+        ``emit``: ``hook_state`` fires on the returned state (default ``emit=True``); ``False`` keeps
+        it from firing (the caller changes the state further and passes it itself; a reconstruction
+        level only).
         """
         B, T, _ = x.shape
         st = state if state is not None else self.initial_state(B, initial_weights)
