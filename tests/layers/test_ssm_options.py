@@ -138,8 +138,9 @@ def test_mamba2_groups_normalise_per_group():
     """With ``n_groups > 1`` the gated norm is per group (the original): scaling one group's
     channels of ``y ⊙ silu(z)`` leaves the other groups' outputs unchanged."""
     m = _mamba2(dict(n_groups=4))
-    y = torch.randn(1, 3, m.d_inner, dtype=torch.float64)
-    z = torch.randn(1, 3, m.d_inner, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)  # (unseeded draws failed the eps-limited check below at times)
+    y = torch.randn(1, 3, m.d_inner, dtype=torch.float64, generator=gen)
+    z = torch.randn(1, 3, m.d_inner, dtype=torch.float64, generator=gen)
     a = m._gated_norm(y, z)
     gs = m.d_inner // 4
     y2 = y.clone()
