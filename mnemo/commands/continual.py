@@ -624,6 +624,13 @@ def run_key(experiment: str, name: str, task, levels, s: Settings, seed: int, so
     return f"{name}-seed{seed}-lr{s.lr:g}{eps}-{digest}.json"
 
 
+def _stale(path: Path, fresh: bool | float) -> bool:
+    """Whether the kept run ``path`` trains again under ``fresh`` (:func:`run_experiment`)."""
+    if isinstance(fresh, bool):
+        return fresh
+    return path.stat().st_mtime < fresh
+
+
 def run_experiment(
     experiment: str,
     seeds: int = 3,
@@ -635,7 +642,7 @@ def run_experiment(
     select_seed: int | None = None,
     eps_grid=None,
     cache_dir: str | Path | None = None,
-    fresh: bool = False,
+    fresh: bool | float = False,
 ) -> dict:
     """Every model of :func:`model_specs` on ``experiment`` for seeds ``0 … seeds−1``, ``workers``
     runs at a time (separate single-threaded processes when ``workers > 1``).
@@ -646,7 +653,9 @@ def run_experiment(
     with the numbers it would have had (a run is a deterministic function of what the key hashes,
     :func:`run_key`). Each finished run prints one line to stderr (model, seed, rate, the
     :data:`PRIMARY` metric, seconds). ``fresh``: every run of this call trains again, none is read
-    (its kept file is replaced as it ends); kept runs of other models, seeds or settings stay.
+    (its kept file is replaced as it ends); kept runs of other models, seeds or settings stay. A
+    ``fresh`` time (``time.time()``'s) reads only the kept runs written since then: those an
+    interrupted ``fresh`` call finished (:func:`run`).
 
     With ``lr_grid`` (the recipe standard, :mod:`mnemo.sweep.recipe`: at least 3 outer learning
     rates spanning 10×) each model first trains on the held-out seed ``select_seed`` (not reported;
@@ -747,7 +756,7 @@ def run_experiment(
         done = {}
         for key, job in jobs.items():
             path = cached(key, job)
-            if path is not None and path.is_file() and not fresh:
+            if path is not None and path.is_file() and not _stale(path, fresh):
                 try:
                     done[key] = json.loads(path.read_text())
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -1287,8 +1296,16 @@ def run(
     ``out``, and every finished run under ``out/runs/`` as it ends (:func:`run_experiment`'s
     ``cache_dir``: running the same call again after an interrupt trains only the runs that are
     missing). ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``);
-    ``lr_grid``, ``select_seed``, ``eps_grid`` and ``fresh`` as in :func:`run_experiment`."""
+    ``lr_grid``, ``select_seed``, ``eps_grid`` and ``fresh`` as in :func:`run_experiment`. With
+    ``fresh`` and ``out``, ``out/runs/.fresh.json`` records when the call began (removed once it
+    ends): the same call again after an interrupt retrains only the runs kept before that time, not
+    those the interrupted call finished."""
     _check_experiments(experiments, seeds)
+    marker = None
+    if fresh is True and out is not None:
+        marker, fresh = _fresh_since(
+            Path(out) / RUNS_DIR, experiments, seeds, overrides, models, lr_grid, select_seed, eps_grid
+        )
     results = {
         "git": _git(),
         "torch": torch.__version__,
@@ -1334,7 +1351,29 @@ def run(
                 pass
         atomic_write_text(paths[1], "\n".join(md))
         results["paths"] = [str(p) for p in paths]
+    if marker is not None:
+        marker.unlink(missing_ok=True)
     return results
+
+
+def _fresh_since(cache: Path, *command) -> tuple[Path, float]:
+    """``run(fresh=True)``: ``(the marker file, the time kept runs must be newer than)``: the time
+    a ``fresh`` call of the same arguments began and was interrupted (its finished runs are read),
+    else now (recorded in the marker)."""
+    from ..train.checkpoint import atomic_write_text
+
+    marker = cache / ".fresh.json"
+    key = json.loads(json.dumps(command, sort_keys=True, default=repr))
+    try:
+        held = json.loads(marker.read_text())
+        if held["command"] == key:
+            return marker, float(held["since"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    since = time.time()
+    cache.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(marker, json.dumps({"command": key, "since": since}))
+    return marker, since
 
 
 def add_commands(sub) -> None:

@@ -60,6 +60,18 @@ def add_config_flags(parser, cls=None) -> list[str]:
 
 
 _MODEL_FLAGS = {"d_model": "d_model", "n_layers": "n_layers"}
+#: TrainConfig's settings of a text run, which a task run does not read
+_TEXT_FIELDS = (
+    "data",
+    "tokenizer",
+    "text_field",
+    "pack_documents",
+    "carry_state",
+    "bos",
+    "sample_tokens",
+    "sample_prompt",
+    "sample_temperature",
+)
 
 
 def _default_out(model: str) -> Path:
@@ -284,6 +296,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
     from ..train import TrainConfig, Trainer, load_config_file
 
     d = load_config_file(args.config) if args.config else {}
+    in_file = dict(d)
     for f in config_flag_fields(TrainConfig):
         value = getattr(args, f.name)
         if value is not None:
@@ -310,6 +323,17 @@ def _train(args, held: contextlib.ExitStack) -> int:
         "--" + name.replace("_", "-")
         for name in ("sample_tokens", "sample_prompt", "sample_temperature")
         if getattr(args, name, None) not in (None, 0)  # --sample-tokens 0 asks for no sample: fine
+    ]
+    # the config file's text settings too (a value other than the default: a saved train_config.json
+    # of a task run holds the defaults), which a task run would otherwise ignore without a word
+    defaults = TrainConfig()
+    text_flags += [
+        f"{args.config}: {name}"
+        for name in _TEXT_FIELDS
+        if name in in_file
+        and getattr(args, name, None) is None
+        and in_file[name] != getattr(defaults, name)
+        and not (name == "sample_tokens" and in_file[name] == 0)
     ]
     if text_flags and (d.get("task") or (args.resume and _saved_task(args.out))):
         raise ValueError(
@@ -490,7 +514,8 @@ def _train(args, held: contextlib.ExitStack) -> int:
         raise
     _settle_old_run(aside, out, replaced=trainer.last_checkpoint is not None)
     if record:
-        say(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}))
+        # 6 significant digits: a small value (the lr of a warm-up's first step) stays itself, not 0.0
+        say(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in record.items()}))
     if trainer.task is not None:
         say(f"checkpoint: {trainer.last_checkpoint}")
         say(f"try: mnemo eval --checkpoint {shlex.quote(str(out))} --length {4 * c.seq_len}")
