@@ -126,6 +126,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops._common import inference_involved
 from .hooks import HookPoint, enter_piece, leave_pieces
 from .state import nbytes, spec, state_dataclass
 
@@ -992,9 +993,8 @@ class ContinuumMemory(nn.Module):
         last step in the period (``adapted``; the unrolled rule recomputes them from ``phi``). Under
         ``torch.inference_mode`` (no autograd there), or given tensors made under it, it runs outside
         inference mode on copies."""
-        inference = torch.is_inference_mode_enabled()
-        held = (*phi, x, *(adapted or ()))
-        if inference or any(t.is_inference() for t in held):
+        inference, involved = inference_involved((*phi, x, *(adapted or ())))
+        if involved:
             grad = torch.is_grad_enabled() and not inference
             with torch.inference_mode(False), torch.set_grad_enabled(grad):
                 phi, x = tuple(w.clone() for w in phi), x.clone()

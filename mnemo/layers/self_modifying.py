@@ -167,7 +167,7 @@ from torch import nn
 from ..memory import MemorySpec
 from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
-from ..ops._common import clamp_log_gate
+from ..ops._common import clamp_log_gate, inference_involved
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
@@ -245,9 +245,8 @@ def dgd_token(
     autograd the gradient needs), or given tensors made under it, the step runs outside inference
     mode on copies (detached under inference mode).
     """
-    inference = torch.is_inference_mode_enabled()
-    held = (*W, *A, *(mom or ()), k, vhat, log_alpha, beta)
-    if inference or any(t.is_inference() for t in held):
+    inference, involved = inference_involved((*W, *A, *(mom or ()), k, vhat, log_alpha, beta))
+    if involved:
         grad = torch.is_grad_enabled() and not inference
         with torch.inference_mode(False), torch.set_grad_enabled(grad):
             W, A = tuple(w.clone() for w in W), tuple(a.clone() for a in A)

@@ -39,7 +39,7 @@ import contextlib
 import torch
 
 from ..ops._chunked import autocast_disabled
-from ..ops._common import LOG_GATE_MIN, check_finite, check_floating
+from ..ops._common import LOG_GATE_MIN, check_finite, check_floating, inference_involved
 from .chunk import memory_chunk
 from .closed_form import _run_closed_form, closed_form_op
 from .objective import _act_with_grad as _act_with_grad  # (used by mnemo.nested)
@@ -145,10 +145,9 @@ def _run_recurrent(spec, args, st: MemoryState, device_type: str):
     with autograd, which ``torch.inference_mode`` switches off for every tensor made under it: under
     it, or given such tensors (a state carried out of it), it runs outside inference mode on copies
     of the inputs (the results come back detached)."""
-    inference = torch.is_inference_mode_enabled()
-    grad = torch.is_grad_enabled() and not inference
     held = (*args, *st.weights, *(st.momentum or ()), *st.anchor, st.anchor_decay)
-    copy = inference or any(x is not None and x.is_inference() for x in held)
+    inference, copy = inference_involved(held)
+    grad = torch.is_grad_enabled() and not inference
     with torch.inference_mode(False) if inference else contextlib.nullcontext():
         if copy:
             args = [None if x is None else x.clone() for x in args]
@@ -221,7 +220,8 @@ def neural_memory(
         None if initial_state.anchor_decay is None else initial_state.anchor_decay.to(cd),
         initial_state.position,
     )
-    if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in _state_tensors(st)):
+    inference, involved = inference_involved(_state_tensors(st))
+    if involved and not inference:
         # a state carried out of torch.inference_mode: autograd (the chunk form's backward too)
         # cannot save its tensors, copies made here can
         st = _map_state(st, torch.clone)

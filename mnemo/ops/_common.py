@@ -372,6 +372,18 @@ def run_varlen(
     return unpad_packed(o, valid), state
 
 
+def inference_involved(tensors) -> tuple[bool, bool]:
+    """``(inference mode on, any of tensors made under it)`` — what decides whether a step that
+    takes autograd gradients inside a forward must run on copies outside ``torch.inference_mode``.
+    Both ``False`` while ``torch.compile`` traces (dynamo cannot trace these queries: a graph break
+    in every training forward; a compiled graph runs outside inference mode). ``None`` entries are
+    skipped."""
+    if torch.compiler.is_compiling():
+        return False, False
+    on = torch.is_inference_mode_enabled()
+    return on, on or any(t is not None and t.is_inference() for t in tensors)
+
+
 def default_scale(scale: float | None, K: int) -> float:
     """The query scale: ``K ** -0.5`` unless given; a given one must be a finite real number
     (``TypeError`` / ``ValueError`` naming ``scale`` otherwise). A tensor (e.g. a learned scale, so
