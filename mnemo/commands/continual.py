@@ -107,6 +107,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -624,10 +625,12 @@ def run_key(experiment: str, name: str, task, levels, s: Settings, seed: int, so
     return f"{name}-seed{seed}-lr{s.lr:g}{eps}-{digest}.json"
 
 
-def _stale(path: Path, fresh: bool | float) -> bool:
+def _stale(path: Path, fresh: bool | float | Callable[[Path], bool]) -> bool:
     """Whether the kept run ``path`` trains again under ``fresh`` (:func:`run_experiment`)."""
     if isinstance(fresh, bool):
         return fresh
+    if callable(fresh):
+        return fresh(path)
     return path.stat().st_mtime < fresh
 
 
@@ -642,7 +645,7 @@ def run_experiment(
     select_seed: int | None = None,
     eps_grid=None,
     cache_dir: str | Path | None = None,
-    fresh: bool | float = False,
+    fresh: bool | float | Callable[[Path], bool] = False,
 ) -> dict:
     """Every model of :func:`model_specs` on ``experiment`` for seeds ``0 … seeds−1``, ``workers``
     runs at a time (separate single-threaded processes when ``workers > 1``).
@@ -654,8 +657,9 @@ def run_experiment(
     :func:`run_key`). Each finished run prints one line to stderr (model, seed, rate, the
     :data:`PRIMARY` metric, seconds). ``fresh``: every run of this call trains again, none is read
     (its kept file is replaced as it ends); kept runs of other models, seeds or settings stay. A
-    ``fresh`` time (``time.time()``'s) reads only the kept runs written since then: those an
-    interrupted ``fresh`` call finished (:func:`run`).
+    ``fresh`` time (``time.time()``'s) reads only the kept runs written since then; a callable
+    ``fresh(path)`` says which kept runs train again (:func:`run`'s: all but those an interrupted
+    ``fresh`` call finished).
 
     With ``lr_grid`` (the recipe standard, :mod:`mnemo.sweep.recipe`: at least 3 outer learning
     rates spanning 10×) each model first trains on the held-out seed ``select_seed`` (not reported;
@@ -1297,9 +1301,9 @@ def run(
     ``cache_dir``: running the same call again after an interrupt trains only the runs that are
     missing). ``overrides`` replaces :class:`Settings` fields of every experiment (e.g. ``steps``);
     ``lr_grid``, ``select_seed``, ``eps_grid`` and ``fresh`` as in :func:`run_experiment`. With
-    ``fresh`` and ``out``, ``out/runs/.fresh.json`` records when the call began (removed once it
-    ends): the same call again after an interrupt retrains only the runs kept before that time, not
-    those the interrupted call finished."""
+    ``fresh`` and ``out``, ``out/runs/.fresh.json`` records the runs kept when the call began
+    (removed once it ends): the same call again after an interrupt retrains only those of them the
+    interrupted call did not replace, not those it finished."""
     _check_experiments(experiments, seeds)
     marker = None
     if fresh is True and out is not None:
@@ -1356,24 +1360,36 @@ def run(
     return results
 
 
-def _fresh_since(cache: Path, *command) -> tuple[Path, float]:
-    """``run(fresh=True)``: ``(the marker file, the time kept runs must be newer than)``: the time
-    a ``fresh`` call of the same arguments began and was interrupted (its finished runs are read),
-    else now (recorded in the marker)."""
+def _fresh_since(cache: Path, *command) -> tuple[Path, Callable[[Path], bool]]:
+    """``run(fresh=True)``: ``(the marker file, which kept runs train again)``: those kept when a
+    ``fresh`` call of the same arguments began and not replaced since (an interrupted call's finished
+    runs are read), else all kept now (recorded in the marker by content: file times travel badly —
+    ``cp`` renews them, another machine's clock may be ahead)."""
+    import hashlib
+
     from ..train.checkpoint import atomic_write_text
 
     marker = cache / ".fresh.json"
     key = json.loads(json.dumps(command, sort_keys=True, default=repr))
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
     try:
         held = json.loads(marker.read_text())
-        if held["command"] == key:
-            return marker, float(held["since"])
+        if held["command"] != key:
+            raise KeyError("command")
+        kept = dict(held["kept"])
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    since = time.time()
-    cache.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(marker, json.dumps({"command": key, "since": since}))
-    return marker, since
+        kept = {p.relative_to(cache).as_posix(): digest(p) for p in sorted(cache.glob("*/*.json"))}
+        cache.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(marker, json.dumps({"command": key, "since": time.time(), "kept": kept}))
+
+    def stale(path: Path) -> bool:
+        was = kept.get(path.relative_to(cache).as_posix())
+        return was is not None and digest(path) == was
+
+    return marker, stale
 
 
 def add_commands(sub) -> None:
