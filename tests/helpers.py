@@ -129,3 +129,14 @@ def prefill_then_tokens(m, x: torch.Tensor, prefill: int) -> torch.Tensor:
         y, s = m(x[:, t : t + 1], s)
         outs.append(y)
     return torch.cat(outs, 1)
+
+
+def fast_train_flags(seq_len: int = 32, batch_size: int = 4, sample_tokens: int | None = 0) -> list[str]:
+    """``mnemo train`` flags for a run of seconds: 2 steps of a 1-layer, d_model-16 model, one eval
+    batch, no progress bar (``sample_tokens=None``: the default end-of-training sample)."""
+    flags = ["--seq-len", str(seq_len), "--steps", "2", "--batch-size", str(batch_size)]
+    flags += ["--eval-interval", "2", "--eval-batches", "1", "--warmup-steps", "1"]
+    flags += ["--d-model", "16", "--n-layers", "1"]
+    if sample_tokens is not None:
+        flags += ["--sample-tokens", str(sample_tokens)]
+    return flags + ["--no-progress"]

@@ -10,6 +10,7 @@ import shlex
 import pytest
 
 from mnemo.cli import main
+from tests.helpers import fast_train_flags
 
 TASK_FAST = [
     "--task",
@@ -37,27 +38,7 @@ TASK_FAST = [
     "--no-progress",
 ]
 
-TEXT_FAST = [
-    "--seq-len",
-    "32",
-    "--steps",
-    "2",
-    "--batch-size",
-    "4",
-    "--eval-interval",
-    "2",
-    "--eval-batches",
-    "1",
-    "--warmup-steps",
-    "1",
-    "--d-model",
-    "16",
-    "--n-layers",
-    "1",
-    "--sample-tokens",
-    "0",
-    "--no-progress",
-]
+TEXT_FAST = fast_train_flags()
 
 
 def _corpus(path, seed: int) -> None:

@@ -12,26 +12,9 @@ import pytest
 
 from mnemo.cli import main
 from mnemo.train import TrainConfig
+from tests.helpers import fast_train_flags
 
-TEXT_FAST = [
-    "--seq-len",
-    "16",
-    "--steps",
-    "2",
-    "--batch-size",
-    "2",
-    "--eval-interval",
-    "2",
-    "--eval-batches",
-    "1",
-    "--warmup-steps",
-    "1",
-    "--d-model",
-    "16",
-    "--n-layers",
-    "1",
-    "--no-progress",
-]
+TEXT_FAST = fast_train_flags(seq_len=16, batch_size=2, sample_tokens=None)
 
 
 def _help(argv: list[str], capsys) -> str:

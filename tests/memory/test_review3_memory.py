@@ -9,7 +9,7 @@ import torch
 
 from mnemo.layers import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
 from mnemo.memory import MemorySpec, neural_memory, preset
-from tests.helpers import assert_close
+from tests.helpers import assert_close, prefill_then_tokens
 
 D = 16
 
@@ -105,14 +105,9 @@ def test_token_by_token_decoding_under_inference_mode_equals_the_full_pass(cls):
     x = torch.randn(2, 7, D, dtype=torch.float64)
     with torch.no_grad():
         full, _ = m(x)
-    outs = []
     with torch.inference_mode():
-        y, s = m(x[:, :2])
-        outs.append(y)
-        for t in range(2, 7):
-            y, s = m(x[:, t : t + 1], s)
-            outs.append(y)
-    assert_close(torch.cat(outs, 1), full, 1e-10, what=f"{cls} decoding under inference_mode")
+        got = prefill_then_tokens(m, x, 2)
+    assert_close(got, full, 1e-10, what=f"{cls} decoding under inference_mode")
 
 
 def test_a_state_carried_out_of_inference_mode_decodes_under_no_grad():
