@@ -321,3 +321,34 @@ def test_moe_top1_with_renormalised_weights_warns_and_its_router_gets_no_task_gr
     assert said == []
     # (the experts' outputs are small at init: compare the two, ~4e-14 against ~9e-8 here)
     assert g_plain > 0 and g_norm <= 1e-5 * g_plain, (g_norm, g_plain)
+
+
+# -- --help states the defaults of continual and the circuit probes (seen by review 38-U) ----------
+
+
+@pytest.mark.parametrize("path", [("continual",), ("probe", "circuits"), ("probe", "ablate")])
+def test_help_states_every_default_a_user_would_otherwise_run_blind(path):
+    """``mnemo continual --help`` hid ``--experiment all``, ``--seeds 3``, ``--workers 2`` and
+    ``--out runs/continual`` (a bare call starts every experiment); the circuit probes hid
+    ``--length``, ``--seed`` and ``--how``. Each option with a default other than off/None now
+    names it in its help, as the value the parser uses."""
+    import argparse
+
+    from mnemo.cli import build_parser
+
+    parser = build_parser()
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    checked = 0
+    for action in parser._actions:
+        off = action.default is None or action.default is False or action.default == []
+        if not action.option_strings or off or action.default == argparse.SUPPRESS:
+            continue
+        assert action.help and f"default {action.default}" in action.help.replace("default:", "default"), (
+            action.option_strings,
+            action.help,
+            action.default,
+        )
+        checked += 1
+    assert checked >= 3

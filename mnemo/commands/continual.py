@@ -1398,8 +1398,15 @@ def add_commands(sub) -> None:
         help="in-context continual learning of the CMS: A→B→A recall, forgetting-MQAR, class-incremental, "
         "recall graded by age",
     )
-    p.add_argument("--experiment", default="all", choices=(*EXPERIMENTS, "all"))
-    p.add_argument("--seeds", type=kinds.Int(1, 1000), default=3, help="seeds 0..N-1 (model init + data)")
+    p.add_argument(
+        "--experiment",
+        default="all",
+        choices=(*EXPERIMENTS, "all"),
+        help="which experiment to run (default all: every one, tens of minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--seeds", type=kinds.Int(1, 1000), default=3, help="seeds 0..N-1 (model init + data; default 3)"
+    )
     p.add_argument(
         "--steps", type=kinds.positive_int, help="outer-loop steps per model (default: per experiment)"
     )
@@ -1414,10 +1421,16 @@ def add_commands(sub) -> None:
         help="comma-separated subset, e.g. cms-1,cms-4 (default: all)",
     )
     p.add_argument(
-        "--workers", type=kinds.Int(1, 256), default=2, help="runs in parallel (one process per run)"
+        "--workers",
+        type=kinds.Int(1, 256),
+        default=2,
+        help="runs in parallel (one process per run; default 2)",
     )
     p.add_argument(
-        "--out", default="runs/continual", type=kinds.OutDir(not_a_run=True), help="folder for the results"
+        "--out",
+        default="runs/continual",
+        type=kinds.OutDir(not_a_run=True),
+        help="folder for the results (default runs/continual)",
     )
     p.add_argument(
         "--lr", type=kinds.positive_float, help="outer learning rate of every model (default 1e-2)"

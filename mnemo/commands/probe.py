@@ -203,10 +203,13 @@ def add_commands(sub) -> None:
     c = ps.add_parser("circuits", help="per-layer/head circuit scores of a checkpoint (JSON) + heatmaps")
     c.add_argument("--checkpoint", required=True, type=_CKPT)
     c.add_argument(
-        "--length", type=kinds.Int(2), default=32, help="length of the random sequence (repeated twice)"
+        "--length",
+        type=kinds.Int(2),
+        default=32,
+        help="length of the random sequence, repeated twice (default 32)",
     )
     c.add_argument("--batch", type=kinds.positive_int, default=8, help="random sequences (default 8)")
-    c.add_argument("--seed", type=kinds.seed, default=0)
+    c.add_argument("--seed", type=kinds.seed, default=0, help="seeds the random sequences (default 0)")
     c.add_argument(
         "--out",
         type=kinds.OutDir(not_a_run=True),
@@ -259,16 +262,23 @@ def add_commands(sub) -> None:
         help="draws of K random heads (the control), at most 10,000 (default 10)",
     )
     ab.add_argument(
-        "--length", type=kinds.Int(2), default=32, help="length of the random sequence (repeated twice)"
+        "--length",
+        type=kinds.Int(2),
+        default=32,
+        help="length of the random sequence, repeated twice (default 32)",
     )
     ab.add_argument("--batch", type=kinds.positive_int, default=16, help="random sequences (default 16)")
-    ab.add_argument("--seed", type=kinds.seed, default=0)
-    ab.add_argument("--how", choices=("zero", "mean"), default="mean", help="zero- or mean-ablation")
+    ab.add_argument(
+        "--seed", type=kinds.seed, default=0, help="seeds the random sequences and head draws (default 0)"
+    )
+    ab.add_argument(
+        "--how", choices=("zero", "mean"), default="mean", help="zero- or mean-ablation (default mean)"
+    )
     ab.add_argument(
         "--random-from",
         choices=("rest", "all"),
         default="rest",
-        help="draw the random heads from those outside the top K (default) or from all heads",
+        help="draw the random heads from those outside the top K (rest) or from all heads (default rest)",
     )
     ab.add_argument(
         "--out",
