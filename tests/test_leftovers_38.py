@@ -352,3 +352,36 @@ def test_help_states_every_default_a_user_would_otherwise_run_blind(path):
         )
         checked += 1
     assert checked >= 3
+
+
+# -- mnemo generate shows its progress on a terminal (seen by review 38-U) ------------------------
+
+
+def test_generate_shows_a_bar_of_new_tokens_on_a_terminal_and_keeps_stdout_the_text(
+    tmp_path, capsys, monkeypatch
+):
+    """A long ``mnemo generate`` printed nothing until its end; a bar of new tokens is now drawn on
+    stderr when it is a terminal, and stdout holds the text alone, as before (the same text as
+    :func:`~mnemo.train.generate_text` gives)."""
+    import random
+    import sys
+
+    from mnemo.cli import main
+    from tests.helpers import fast_train_flags
+    from tests.test_review_newuser import _Terminal
+
+    data = tmp_path / "corpus.txt"
+    rng = random.Random(1)
+    data.write_text("".join(rng.choice("abcdefgh \n") for _ in range(2000)))
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--out", str(out), *fast_train_flags(seq_len=16)]) == 0
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(out), "--prompt", "ab", "--max-new-tokens", "12"]
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    assert plain.err == ""  # not a terminal: no bar
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(argv) == 0
+    assert capsys.readouterr().out == plain.out  # the same text, alone on stdout
+    assert "generate:" in err.getvalue() and "0/12 " in err.getvalue()

@@ -385,6 +385,18 @@ def _check_generate_positions(model, prompt_len: int, max_new_tokens: int) -> No
         )
 
 
+class _Counted(list):
+    """A list of the new tokens that moves a progress bar by one at each append."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def append(self, item) -> None:
+        super().append(item)
+        self.bar.update(1)
+
+
 def _cmd_generate(args) -> int:
     _SAID.clear()  # (once per command, not per process: tests call main() again)
     from ..hf.special_ids import checkpoint_bos, checkpoint_eos
@@ -412,7 +424,12 @@ def _cmd_generate(args) -> int:
             f"note: --top-k {args.top_k} >= the vocabulary ({vocab} tokens): sampling from every token",
             file=sys.stderr,
         )
-    made: list[int] = []  # the new tokens so far: an interrupt prints them (a long run's work is kept)
+    from tqdm.auto import tqdm
+
+    # a bar of new tokens on a terminal only (``disable=None``): a long generation printed nothing
+    # until its end; stdout still holds the text alone
+    bar = tqdm(total=args.max_new_tokens, desc="generate", unit="tok", disable=None, leave=False)
+    made = _Counted(bar)  # the new tokens so far: an interrupt prints them (a long run's work is kept)
     try:
         text = generate_text(
             model,
@@ -432,11 +449,14 @@ def _cmd_generate(args) -> int:
     except KeyboardInterrupt as e:
         from ..train.generation import decoded
 
+        bar.close()
         print(decoded(tok, args.prompt, made, bos))
         e.then = (
             f"; the text above holds the {len(made):,} of {args.max_new_tokens:,} new tokens made before it"
         )
         raise
+    finally:
+        bar.close()  # (cleared: leave=False)
     print(text)
     return 0
 
