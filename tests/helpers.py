@@ -140,3 +140,14 @@ def fast_train_flags(seq_len: int = 32, batch_size: int = 4, sample_tokens: int 
     if sample_tokens is not None:
         flags += ["--sample-tokens", str(sample_tokens)]
     return flags + ["--no-progress"]
+
+
+def memory_gates(spec, B: int, T: int, H: int, gen: torch.Generator) -> dict:
+    """Per-token float64 inputs a ``neural_memory`` call of ``spec`` needs: ``theta`` in [0, 0.5),
+    and ``g`` in (−0.2, 0] where it decays, ``eta`` in [0, 0.9) with momentum."""
+    kw = {"theta": torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.5}
+    if spec.decays:
+        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.2
+    if spec.optimizer == "momentum":
+        kw["eta"] = torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.9
+    return kw

@@ -11,7 +11,7 @@ from mnemo.layers.cms import ContinuumMemory
 from mnemo.layers.self_modifying import SelfModifyingTitans
 from mnemo.memory import MemorySpec, neural_memory, preset
 from mnemo.models import LanguageModel, build_config
-from tests.helpers import assert_close
+from tests.helpers import assert_close, memory_gates
 
 
 @pytest.mark.parametrize("p", [1.0, 1.5])
@@ -39,11 +39,7 @@ def test_chunk_form_takes_a_gradient_from_a_state_made_under_inference_mode(spec
     B, T, H, K = 1, 6, 2, 4
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
-    kw = dict(theta=torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.5)
-    if s.decays:
-        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.2
-    if s.optimizer == "momentum":
-        kw["eta"] = torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.9
+    kw = memory_gates(s, B, T, H, gen)
     with torch.no_grad():
         _, ref_state = neural_memory(s, q, k, v, output_final_state=True, **kw)
     with torch.inference_mode():

@@ -9,7 +9,7 @@ import torch
 
 from mnemo.layers import NeuralMemory, TitansMAC, TitansMAG, TitansMAL
 from mnemo.memory import MemorySpec, neural_memory, preset
-from tests.helpers import assert_close, prefill_then_tokens
+from tests.helpers import assert_close, memory_gates, prefill_then_tokens
 
 D = 16
 
@@ -80,11 +80,7 @@ def test_recurrent_form_runs_under_inference_mode(spec):
     q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
-    kw = dict(theta=torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.5)
-    if s.decays:
-        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.2
-    if s.optimizer == "momentum":
-        kw["eta"] = torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.9
+    kw = memory_gates(s, B, T, H, gen)
     with torch.no_grad():
         ref, ref_state = neural_memory(s, q, k, v, output_final_state=True, mode="recurrent", **kw)
     with torch.inference_mode():
