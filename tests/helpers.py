@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -151,3 +153,22 @@ def memory_gates(spec, B: int, T: int, H: int, gen: torch.Generator) -> dict:
     if spec.optimizer == "momentum":
         kw["eta"] = torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.9
     return kw
+
+
+@contextlib.contextmanager
+def locked_sweep_db(path, monkeypatch):
+    """Within ``with``: the sweep database ``path`` (created) held under an exclusive lock by another
+    connection, and ``mnemo.sweep.db.BUSY_TIMEOUT_S`` at 0.05 s (set before the caller connects)."""
+    import sqlite3
+
+    import mnemo.sweep.db as dbmod
+
+    dbmod.SweepDB(path).close()
+    monkeypatch.setattr(dbmod, "BUSY_TIMEOUT_S", 0.05)
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        holder.execute("COMMIT")
+        holder.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import sqlite3
 
 import pytest
 
@@ -55,19 +54,17 @@ def test_two_distinct_files_are_not_twins(tmp_path):
 def test_a_read_of_a_locked_sweep_database_raises_timeout_error_naming_it(tmp_path, monkeypatch, read):
     import mnemo.sweep.db as dbmod
     from mnemo.sweep.db import SweepDB
+    from tests.helpers import locked_sweep_db
 
     path = tmp_path / "s.sqlite"
-    monkeypatch.setattr(dbmod, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(dbmod, "BUSY_TIMEOUT_S", 0.05)  # (before the connection is made)
     db = SweepDB(path)
-    holder = sqlite3.connect(str(path), isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
+    args = ("s",) if read in ("rows", "meta") else ()
     try:
-        args = ("s",) if read in ("rows", "meta") else ()
-        with pytest.raises(TimeoutError, match=r"s\.sqlite stayed locked by another process"):
-            getattr(db, read)(*args)
+        with locked_sweep_db(path, monkeypatch):
+            with pytest.raises(TimeoutError, match=r"s\.sqlite stayed locked by another process"):
+                getattr(db, read)(*args)
     finally:
-        holder.execute("COMMIT")
-        holder.close()
         db.close()
 
 

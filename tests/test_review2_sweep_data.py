@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 
 from mnemo.data.corpus import load_corpus
-from mnemo.sweep import db as dbmod
 from mnemo.sweep.db import SweepDB
 from mnemo.sweep.report import cell_stats, judge_claims, markdown_table, plot_accuracy_vs_state, write_report
 from mnemo.sweep.runner import _curve
 from mnemo.train.sinks import MetricsFile, dumps_record, loads_record
+from tests.helpers import locked_sweep_db
 
 
 def _strict_loads(text: str):
@@ -235,16 +235,9 @@ def test_a_writer_waits_for_another_process_lock(tmp_path):
 
 def test_a_database_locked_too_long_is_said_to_be_locked_not_foreign(tmp_path, monkeypatch):
     path = tmp_path / "s.sqlite"
-    SweepDB(path).close()
-    monkeypatch.setattr(dbmod, "BUSY_TIMEOUT_S", 0.05)
-    holder = sqlite3.connect(str(path), isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
+    with locked_sweep_db(path, monkeypatch):
         with pytest.raises(TimeoutError, match=r"s\.sqlite stayed locked by another process"):
             SweepDB(path)
-    finally:
-        holder.execute("COMMIT")
-        holder.close()
 
 
 def test_compressed_jsonl_errors_name_the_bad_line_not_utf8(tmp_path):

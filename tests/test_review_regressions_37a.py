@@ -4,16 +4,14 @@ defect the fixes introduced or left in a sibling path, failing before its own fi
 from __future__ import annotations
 
 import math
-import sqlite3
 import sys
 from pathlib import Path
 
 import pytest
 
 from mnemo.cli import main
-from mnemo.sweep import db as dbmod
-from mnemo.sweep.db import SweepDB
 from mnemo.train.sinks import MetricsFile
+from tests.helpers import locked_sweep_db
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_review2_cli import TEXT_FAST, _corpus  # noqa: E402
@@ -56,16 +54,9 @@ def test_a_locked_database_is_said_to_be_locked_by_the_cli_check_too(tmp_path, m
     from mnemo.commands.sweep import _check_database
 
     path = tmp_path / "s.sqlite"
-    SweepDB(path).close()
-    monkeypatch.setattr(dbmod, "BUSY_TIMEOUT_S", 0.05)
-    holder = sqlite3.connect(str(path), isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
+    with locked_sweep_db(path, monkeypatch):
         with pytest.raises(TimeoutError, match=r"s\.sqlite stayed locked by another process"):
             _check_database(path, "db")
-    finally:
-        holder.execute("COMMIT")
-        holder.close()
     _check_database(path, "db")  # unlocked: a sweep's database
 
 

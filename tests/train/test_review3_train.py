@@ -13,19 +13,9 @@ import torch
 
 from mnemo.train import TrainConfig, Trainer
 from mnemo.train.optim import lr_factor
+from tests.train.test_review2_training import TINY as REVIEW2_TINY
 
-TINY = dict(
-    model="gla",
-    model_overrides={"d_model": 16, "n_layers": 1},
-    seq_len=16,
-    batch_size=4,
-    eval_batches=1,
-    sample_tokens=0,
-    warmup_steps=2,
-    steps=8,
-    eval_interval=2,
-    seed=5,
-)
+TINY = {**REVIEW2_TINY, "warmup_steps": 2, "steps": 8}
 
 
 def _trainer(out, cfg=None, **kw):
