@@ -1268,17 +1268,6 @@ def _git() -> dict:
     }
 
 
-def _finite(x):
-    """JSON-safe: non-finite floats become ``null``."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
 #: the folder under ``--out`` that keeps each finished run (resuming an interrupted command)
 RUNS_DIR = "runs"
 
@@ -1333,12 +1322,13 @@ def run(
             fresh=fresh,
         )
     if out is not None:
+        from ..bench import json_safe
         from ..train.checkpoint import atomic_write_text
 
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         paths = [out / "continual.json", out / "continual.md"]
-        atomic_write_text(paths[0], json.dumps(_finite(results), indent=2))
+        atomic_write_text(paths[0], json.dumps(json_safe(results), indent=2, allow_nan=False))
         md = [
             "# mnemo continual",
             "",

@@ -43,18 +43,9 @@ def default_out(ckpt: Path) -> Path:
 
 def _json(record, **kw) -> str:
     """Strict JSON: a NaN or infinite score (undefined, e.g. no head to score) is ``null``."""
-    import math
+    from ..bench import json_safe
 
-    def clean(o):
-        if isinstance(o, float) and not math.isfinite(o):
-            return None
-        if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [clean(v) for v in o]
-        return o
-
-    return json.dumps(clean(record), allow_nan=False, **kw)
+    return json.dumps(json_safe(record), allow_nan=False, **kw)
 
 
 def _write_json(path: Path, record) -> None:

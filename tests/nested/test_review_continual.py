@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mnemo.commands.continual as cont
+from mnemo.bench import json_safe
 from mnemo.models import LanguageModel, build_config
 
 V, D = 23, 16
@@ -247,7 +248,7 @@ def test_a_pages_block_summarises_the_stored_seeds_again(monkeypatch, tmp_path):
     r = cont.run_experiment("abab", 3, s, False, ["cms-1"], 1)
     old = r["models"]["cms-1"]["summary"]["final_train_loss"]
     old.update(cont.mean_ci95([0.2, 2.8, 0.4]), values=[0.2, 2.8, 0.4])  # as the code wrote it
-    (tmp_path / "continual.json").write_text(json.dumps(cont._finite({"experiments": {"abab": r}})))
+    (tmp_path / "continual.json").write_text(json.dumps(json_safe({"experiments": {"abab": r}})))
     page = tmp_path / "page.md"
     page.write_text("")
     job = {"out": tmp_path, "experiments": ("abab",), "argv": ["--experiment", "abab"]}
