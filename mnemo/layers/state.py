@@ -162,7 +162,13 @@ def cat_rows(states: list):
 
 
 def nbytes(state) -> int:
-    """Bytes of every tensor inside ``state`` (``numel × element size``; works on ``meta``)."""
+    """Bytes of every tensor inside ``state`` (``numel × element size``; works on ``meta``).
+
+    A tensor reached from two places counts twice: this is the size of the state with each entry
+    held on its own (saved, copied or moved to another device), the quantity ``state_size_bytes``
+    declares. Where entries alias one storage at run time (a self-modifying memory's anchor equal
+    to its weights at a chunk boundary), the resident size can be smaller.
+    """
     return sum(t.numel() * t.element_size() for t in tensors(state))
 
 
