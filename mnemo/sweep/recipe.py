@@ -12,9 +12,10 @@ module holds the three pieces the sweep machinery uses for that:
 * :func:`left_plateau` — whether one run's evaluation curve (``metrics.jsonl``, stored with each
   sweep run as ``curve``) left its initial plateau: its best value improved on the plateau's level
   (the median of the curve's first half) by at least ``rise`` (accuracies: :data:`ACC_RISE`
-  absolute; ``val_loss``: :data:`LOSS_RISE` of the level), or reached the threshold. A run that
-  did not is still on the plateau: its value says nothing about the model's ability, only about
-  the budget.
+  absolute; ``val_loss``: :data:`LOSS_RISE` of the level), or reached the threshold (or, for an
+  accuracy, started within ``ACC_RISE`` of the ceiling: it left before the first evaluation). A
+  run that did not is still on the plateau: its value says nothing about the model's ability, only
+  about the budget.
 * :func:`judge_claim` — a claim ``better`` beats ``than`` on the sweep's metric, judged on the
   seeds both report (paired: the difference per seed, then its Student-t interval,
   :func:`~mnemo.sweep.stats.mean_interval`). The verdict is one of ``reproduced`` (the interval
@@ -94,7 +95,7 @@ def recipe_problems(
             )
     if select_lr_on_seed is None:
         problems.append("'select_lr_on_seed' is not set: the learning rate must be chosen on a held-out seed")
-    reported = [s for s in (seeds or []) if s != select_lr_on_seed]
+    reported = sorted({s for s in (seeds or []) if s != select_lr_on_seed})  # a repeated seed counts once
     if len(reported) < MIN_REPORTED_SEEDS:
         problems.append(
             f"'seeds' leaves {len(reported)} reported seed(s) besides the held-out one; the standard needs "
@@ -117,18 +118,30 @@ def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None 
     first evaluation at 0.16, then 0.24–0.28 for 900 steps, the level of guessing one of the
     values present), and a rise from there is not learning. Accuracies (higher is better): the best
     value is at least :data:`ACC_RISE` above that level, or reaches ``threshold``. ``val_loss``: the
-    best value is at least :data:`LOSS_RISE` × the level below it, or at most ``threshold``."""
+    best value is at least :data:`LOSS_RISE` × the level below it, or at most ``threshold``.
+
+    An accuracy curve whose level already lies within :data:`ACC_RISE` of the ceiling (``threshold``,
+    else 1) left its plateau before the first evaluation (``True``, also for a single evaluation):
+    there a rise by the margin could only be the threshold reached, so a run that learnt the task
+    to 0.93 at its first evaluation and ends at 0.95 (threshold 0.99) would read as "stuck"; the
+    initial plateau of a run from scratch is its untrained model's guessing level, which it has
+    left. (A run that starts from another run's weights is not judged at all: the report's
+    ``_plateau``.) A loss has no ceiling, so ``val_loss`` curves have no such rule."""
     values = [r.get(metric) for r in curve or []]
     values = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     if not values:
         return None
+    head = sorted(values[: (len(values) + 1) // 2])
+    level = head[(len(head) - 1) // 2]  # the (lower) median of the first half
+    if _higher_is_better(metric):
+        ceiling = 1.0 if threshold is None else min(threshold, 1.0)
+        if level >= ceiling - ACC_RISE - _RISE_SLACK:  # no room for a rise short of the ceiling:
+            return True  # the plateau (an untrained model's guessing) lay before the first evaluation
     if len(values) == 1:  # one evaluation: reached the threshold, or nothing to compare it with
         reached = threshold is not None and (
             values[0] >= threshold if _higher_is_better(metric) else values[0] <= threshold
         )
         return True if reached else None
-    head = sorted(values[: (len(values) + 1) // 2])
-    level = head[(len(head) - 1) // 2]  # the (lower) median of the first half
     if _higher_is_better(metric):
         best = max(values)
         return best - level >= ACC_RISE - _RISE_SLACK or (threshold is not None and best >= threshold)

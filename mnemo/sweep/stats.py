@@ -127,7 +127,11 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
     out["mean"] = mean
     if n == 1:
         return out
-    std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    # the deviations scaled by the largest first: their squares past the float range (values
+    # beyond ~1e154) raised OverflowError, where the mean above handles an overflowing sum
+    dev = [x - mean for x in xs]
+    big = max(abs(d) for d in dev)
+    std = big * math.sqrt(math.fsum((d / big) ** 2 for d in dev) / (n - 1)) if big > 0 else 0.0
     half = t_quantile(0.5 + confidence / 2, n - 1) * std / math.sqrt(n)
     out.update(std=std, half_width=half, low=mean - half, high=mean + half)
     return out

@@ -62,8 +62,10 @@ class Evaluator:
                         logits = packed_logits(model, x, batch[2].to(device))
                     else:
                         logits, _ = model(x)
+                # float32 at least (bf16 autocast's logits), a float64 model's own float64
+                logits = logits if logits.dtype == torch.float64 else logits.float()
                 total += torch.nn.functional.cross_entropy(
-                    logits.float().flatten(0, 1), y.flatten(), reduction="sum"
+                    logits.flatten(0, 1), y.flatten(), reduction="sum"
                 ).item()
                 count += y.numel()
         finally:  # the mode it found, also when a forward pass raises (e.g. NaN/inf in an op's input)

@@ -60,8 +60,10 @@ def test_the_interval_of_a_mean_by_hand():
 
 def test_a_single_evaluation_cannot_say_a_run_is_still_on_its_plateau():
     """One point has no plateau to measure a rise from: a run evaluated once at 0.95 (far above
-    MQAR's 0.25 of guessing) was called "still on its plateau", so its claims were not testable."""
-    assert left_plateau([{"step": 100, "val_acc": 0.95}], "val_acc", 0.99) is None
+    MQAR's 0.25 of guessing) was called "still on its plateau", so its claims were not testable.
+    (Review 4: 0.95 lies within ACC_RISE of the 0.99 threshold, so it left before that evaluation.)"""
+    assert left_plateau([{"step": 100, "val_acc": 0.95}], "val_acc", 0.99) is True
+    assert left_plateau([{"step": 100, "val_acc": 0.55}], "val_acc", 0.99) is None
     assert left_plateau([{"step": 100, "val_loss": 0.3}], "val_loss") is None
     # ... unless that one value reached the threshold
     assert left_plateau([{"step": 100, "val_acc": 0.995}], "val_acc", 0.99) is True
