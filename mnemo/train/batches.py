@@ -55,11 +55,12 @@ class _Logits(torch.nn.Module):
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed cross-entropy (0-d float32) of ``logits`` ``[..., vocab]`` against ``targets``
-    ``[...]``, skipping ``IGNORE_INDEX``: what :class:`_Logits` with ``targets`` computes without
-    the logits."""
+    """The summed cross-entropy (0-d; float32, float64 for float64 ``logits``) of ``logits``
+    ``[..., vocab]`` against ``targets`` ``[...]``, skipping ``IGNORE_INDEX``: what :class:`_Logits`
+    with ``targets`` computes without the logits."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # bf16 autocast's: float32
     return torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
