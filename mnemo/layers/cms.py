@@ -81,7 +81,8 @@ Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest l
     where ``θ(Φ)`` is the faster level's weights after its adaptation over ``P`` from ``Φ`` (its
     ``C^(ℓ+1)/C^(ℓ)`` steps, the last one at ``P``'s end) and ``W_v^(ℓ)`` the faster level's target:
     the faster level's loss on the slower level's context after learning it. The adaptation is
-    replayed from ``Φ`` on the period's inputs (kept in :attr:`LevelState.inputs`) and
+    replayed from ``Φ`` on the period's inputs (kept, with the fastest level's targets and rates,
+    in :attr:`LevelState.inputs`) and
     differentiated through (``create_graph``; a slower level's adaptation contains its own meta
     steps, so three levels take third derivatives). Choices where the paper is silent, named here:
     the task ``T`` is the slower level's period (the faster level's context between two restarts);
@@ -95,6 +96,19 @@ Knowledge transfer between levels (``ContinuumMemory(transfer=...)``), fastest l
     does not depend on the faster level's learning).
 
   :func:`meta_gradient` is the rule's one gradient, for any adaptation and loss.
+
+  Under ``torch.compile`` (e.g. ``TrainConfig.compile``) a slower level's step direction (the
+  replay and its gradient, ``ContinuumMemory._meta_grad``) runs eagerly, a graph break at every
+  slower level's period end: the gradient is taken with ``create_graph`` so that the outer loss
+  trains through it, and the outer backward through it is a double backward, which the graphs
+  AOTAutograd compiles do not support (torch raises "torch.compile with aot_autograd does not
+  currently support double backward"). The rest of the forward compiles.
+
+  Hooks: the replay runs on the fastest level's inputs, targets and rates as its hook points
+  (``levels.0.hook_in``, ``hook_v``, ``hook_eta``) passed them, so a replacement there reaches the
+  slower levels' meta-gradient as it reaches the fastest level's own steps (the period's values are
+  kept in :attr:`LevelState.inputs`); the slower levels never read, so only their ``hook_state``
+  fires.
 
 A partial period at the end of a call is handled by ``Level.partial``:
 
@@ -163,7 +177,8 @@ def meta_gradient(phi: tuple, adapt, loss, order: str = "unrolled", create_graph
     Returns:
         a tuple shaped like ``phi``; outside a graph (``create_graph=False``) detached.
     Raises:
-        ValueError: an unknown ``order``.
+        ValueError: an unknown ``order``; (``"first_order"``) ``adapt`` returns another number of
+            tensors than ``phi`` holds, or a tensor its ``phi`` tensor does not broadcast to.
     """
     if order not in ("unrolled", "first_order"):
         raise ValueError(f"order: expected 'unrolled' or 'first_order', got {order!r}")
@@ -173,7 +188,18 @@ def meta_gradient(phi: tuple, adapt, loss, order: str = "unrolled", create_graph
             inputs, value = start, loss(adapt(start))
         else:  # θ plus an identity path from a fresh Φ: the gradient of loss(θ), carried back to Φ
             inputs = tuple(p.detach().requires_grad_() for p in phi)
-            theta = tuple(w + (p - p.detach()).expand_as(w) for w, p in zip(adapt(phi), inputs))
+            adapted = tuple(adapt(phi))
+            shapes = [list(w.shape) for w in adapted]
+            fits = len(adapted) == len(inputs) and all(
+                p.ndim <= w.ndim and all(a in (1, b) for a, b in zip(p.shape[::-1], w.shape[::-1]))
+                for p, w in zip(inputs, adapted)
+            )
+            if not fits:
+                raise ValueError(
+                    f"adapt: expected a tuple of {len(inputs)} tensors, each of a shape its phi tensor "
+                    f"broadcasts to ({[list(p.shape) for p in inputs]}), got shapes {shapes}"
+                )
+            theta = tuple(w + (p - p.detach()).expand_as(w) for w, p in zip(adapted, inputs))
             value = loss(theta)
         grads = torch.autograd.grad(value, inputs, create_graph=create_graph, allow_unused=True)
     grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(inputs, grads))
@@ -283,9 +309,10 @@ class LevelState:
             since the last flush (a flush restarts it at ``0``: the next call starts a fresh period).
         updates: steps taken (default ``0``).
         absorbed: (task objective) tokens whose error signal has been absorbed (default ``0``).
-        inputs: (nested transfer with a meta-learning rule, every level but the fastest) the inputs
-            ``[B, n, d]`` of the level's current period so far (its step replays the faster level
-            on them), else ``None``.
+        inputs: (nested transfer with a meta-learning rule, every level but the fastest) the
+            fastest level's reads of the level's current period so far, ``[B, n, 2d + 1]``: per
+            token its input ``x_t``, its target ``W_v x_t`` and its rate ``η_t``, as its hook
+            points passed them (the level's step replays the faster levels on them), else ``None``.
         applied, current: ``None`` (default) outside a task-signal model's segment loop. Inside it
             (:meth:`CMSLevel.deferring`, a ``"task"`` level with the ``"gd"`` optimizer) the steps
             are kept as their factors ``(X [B, r, d], DZ [B, r, h], A [B, r, h], E [B, r, d])``:
@@ -654,6 +681,7 @@ class CMSLevel(nn.Module):
         record: list | None = None,
         initial_weights: tuple | None = None,
         emit: bool = True,
+        seen: list | None = None,
     ):
         """``x [B, T, d] -> (MLP output [B, T, d], state)``; the loop runs over periods.
 
@@ -663,7 +691,9 @@ class CMSLevel(nn.Module):
         ``initial_weights``: the weights a fresh state starts from (default: the level's own).
         ``emit``: ``hook_state`` fires on the returned state (default ``emit=True``); ``False`` keeps
         it from firing (the caller changes the state further and passes it itself; a reconstruction
-        level only).
+        level only). ``seen``: a list that receives ``(x, v, eta)``, the input, target and rates as
+        the level read them (after its hooks; a reconstruction level only: a meta-learned nested CMS
+        replays the fastest level on them).
         """
         B, T, _ = x.shape
         st = state if state is not None else self.initial_state(B, initial_weights)
@@ -685,6 +715,8 @@ class CMSLevel(nn.Module):
         C = self.level.period
         v = self.hook_v(self.value(x))  # slow projections of all tokens at once
         eta = self.hook_eta(self.rates(x))
+        if seen is not None:
+            seen.append((x, v, eta))
         outs, t = [], 0
         while t < T:
             start = st.position % C
@@ -899,6 +931,7 @@ class ContinuumMemory(nn.Module):
                 raise ValueError(f"state: it holds {batch} samples, but x has batch size {x.shape[0]}")
             for i, (level, s) in enumerate(zip(self.levels, state.levels)):
                 level.check_state(s, x.shape[0], f"state.levels[{i}]")
+                self._check_inputs(i, s, x.shape[0])
         prev = state.levels if state is not None else [None] * len(self.levels)
         if self.transfer == "sequential":
             h, new = x, [None] * len(self.levels)
@@ -927,6 +960,29 @@ class ContinuumMemory(nn.Module):
             restarts = dict(record) if record is not None else None
         return y, self.hook_state(CMSState(levels=tuple(new)))
 
+    def _check_inputs(self, i: int, st: LevelState, batch: int) -> None:
+        """Raise ``ValueError`` unless level ``i``'s kept period inputs fit this module (:attr:`LevelState.
+        inputs`): ``[batch, position % period, 2 d_model + 1]`` for a slower level of a meta-learned
+        nested CMS (its step replays the faster level on the whole period), ``None`` otherwise (a
+        state of a meta-learned nested CMS given to another one would replay part of a period)."""
+        name = f"state.levels[{i}].inputs"
+        if self.transfer == "nested" and self.meta != "none" and i > 0:
+            n = st.position % self.levels[i].level.period
+            want = [batch, n, 2 * self.d_model + 1]
+            got = None if st.inputs is None else list(st.inputs.shape)
+            if got != want:
+                raise ValueError(
+                    f"{name}: expected the fastest level's reads (x, W_v x, η) of the level's current "
+                    f"period, shape {want} (position {st.position}, period {self.levels[i].level.period}), "
+                    f"got {'None' if got is None else got} (a state of another configuration?)"
+                )
+        elif st.inputs is not None:
+            raise ValueError(
+                f"{name}: expected None (only the slower levels of a nested CMS with meta='unrolled' or "
+                f"'first_order' keep their period's inputs), got a tensor {list(st.inputs.shape)} "
+                "(a state of another configuration?)"
+            )
+
     def _emit(self, st: CMSState) -> CMSState:
         """``hook_state``: a hook sees the levels with their kept factors folded in
         (:meth:`CMSLevel.deferring`); unless it replaces the state, the stream goes on unchanged."""
@@ -950,7 +1006,7 @@ class ContinuumMemory(nn.Module):
         sts = [s if s is not None else lv.initial_state(B, init) for lv, s in zip(levels, prev)]
         for i in range(1, k):
             if sts[i].inputs is None:
-                sts[i] = replace(sts[i], inputs=xn.new_zeros(B, 0, d))
+                sts[i] = replace(sts[i], inputs=xn.new_zeros(B, 0, 2 * d + 1))
         outer = torch.is_grad_enabled() and (
             xn.requires_grad or any(p.requires_grad for p in self.parameters())
         )
@@ -961,10 +1017,14 @@ class ContinuumMemory(nn.Module):
             seg = xn[:, t : t + L]
             piece = enter_piece(t, L, T)  # the fastest level's hooks: tokens t … t + L − 1 of the call
             try:
-                y, sts[0] = levels[0](seg, sts[0], emit=False)
+                # the piece's input, target and rates as the fastest level read them (after its
+                # hooks): what the slower levels' replays of it see
+                read = []
+                y, sts[0] = levels[0](seg, sts[0], emit=False, seen=read)
                 outs.append(y)
+                read = torch.cat(read[0], -1)
                 for i in range(1, k):
-                    inputs = torch.cat([sts[i].inputs, seg], 1)
+                    inputs = torch.cat([sts[i].inputs, read], 1)
                     sts[i] = replace(sts[i], inputs=inputs, position=sts[i].position + L)
                 pos = sts[0].position
                 for i in range(1, k):  # faster first: a slower level's step sees the faster one's last step
@@ -985,14 +1045,19 @@ class ContinuumMemory(nn.Module):
         y = torch.cat(outs, 1) if outs else xn.new_zeros(B, 0, d)
         return y, self.hook_state(CMSState(levels=tuple(sts)))
 
+    # eager under torch.compile (a graph break): the gradient is taken with create_graph, and an outer
+    # backward through it is a double backward, which AOTAutograd's compiled graphs do not support
+    @torch.compiler.disable
     def _meta_grad(self, i: int, phi: tuple, x: torch.Tensor, create_graph: bool, adapted: tuple) -> tuple:
-        """Level ``i``'s step direction at the end of one of its periods (inputs ``x [B, C_i, d]``,
-        weights ``phi`` over the period): the gradient with respect to ``phi`` of the faster level's
-        loss after its adaptation over the period from ``phi``,
-        ``Σ_t η^(i)_t ½‖MLP_θ(x_t) − W_v^(i−1) x_t‖²`` with ``θ`` the faster level's weights after its
-        last step in the period (``adapted``; the unrolled rule recomputes them from ``phi``). Under
+        """Level ``i``'s step direction at the end of one of its periods (the fastest level's reads
+        ``x [B, C_i, 2d + 1]``, :attr:`LevelState.inputs`; weights ``phi`` over the period): the
+        gradient with respect to ``phi`` of the faster level's loss after its adaptation over the
+        period from ``phi``, ``Σ_t η^(i)_t ½‖MLP_θ(x_t) − W_v^(i−1) x_t‖²`` with ``θ`` the faster
+        level's weights after its last step in the period (``adapted``; the unrolled rule recomputes
+        them from ``phi``); the target ``W_v^(0) x_t`` of the fastest level is the one it read. Under
         ``torch.inference_mode`` (no autograd there), or given tensors made under it, it runs outside
-        inference mode on copies."""
+        inference mode on copies. Under ``torch.compile`` it runs eagerly (a graph break; see the
+        module docstring)."""
         inference, involved = inference_involved((*phi, x, *(adapted or ())))
         if involved:
             grad = torch.is_grad_enabled() and not inference
@@ -1001,7 +1066,10 @@ class ContinuumMemory(nn.Module):
                 adapted = None if adapted is None else tuple(w.clone() for w in adapted)
                 return self._meta_grad(i, phi, x, create_graph and grad, adapted)
         fast, slow = self.levels[i - 1], self.levels[i]
-        v = fast.value(x)
+        d = self.d_model
+        reads, x = x, x[..., :d]
+        # the faster level's target: the fastest level's as it read it, a slower level's (never read) anew
+        v = reads[..., d : 2 * d] if i == 1 else fast.value(x)
         eta = slow.rates(x)
 
         def loss(theta):
@@ -1011,17 +1079,19 @@ class ContinuumMemory(nn.Module):
         if self.meta == "first_order":
             return meta_gradient(phi, lambda _: adapted, loss, "first_order", create_graph)
         phi = tuple(w.contiguous() if w.stride(0) == 0 else w for w in phi)  # per-sample gradients
-        return meta_gradient(phi, lambda p: self._adapt(i - 1, p, x), loss, "unrolled", create_graph)
+        return meta_gradient(phi, lambda p: self._adapt(i - 1, p, reads), loss, "unrolled", create_graph)
 
     def _adapt(self, j: int, W: tuple, x: torch.Tensor) -> tuple:
-        """Level ``j``'s weights after learning, from a restart at ``W``, on ``x [B, n·C_j, d]``
-        (whole periods): Eq. 71 on its own loss for the fastest level, meta steps (with their graph)
-        for a slower one."""
+        """Level ``j``'s weights after learning, from a restart at ``W``, on the fastest level's
+        reads ``x [B, n·C_j, 2d + 1]`` (whole periods; :attr:`LevelState.inputs`): Eq. 71 on its own
+        loss, with the targets and rates it read, for the fastest level, meta steps (with their
+        graph) for a slower one."""
         lv = self.levels[j]
         st = lv.initial_state(x.shape[0], W)
         C = lv.level.period
         if j == 0:
-            v, eta = lv.value(x), lv.rates(x)
+            d = self.d_model
+            x, v, eta = x[..., :d], x[..., d : 2 * d], x[..., 2 * d :]
             for c in range(0, x.shape[1], C):
                 _, st = lv._period(x[:, c : c + C], v[:, c : c + C], eta[:, c : c + C], st, True)
             return st.weights
@@ -1052,21 +1122,24 @@ class ContinuumMemory(nn.Module):
     def state_spec(self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None) -> CMSState:
         """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: default the
         parameters'): per level, the fast weights, the accumulated gradient and (momentum
-        optimizers) the momentum; independent of ``seq_len``. (A task level's pending segment is
-        not counted: it holds a snapshot of the model state and the segment's tokens.) Defaults:
+        optimizers) the momentum, independent of ``seq_len``; with a meta-learned nested transfer
+        also every slower level's kept reads of its current period (``seq_len % period`` tokens of
+        ``2 d_model + 1`` numbers: :attr:`LevelState.inputs`). (A
+        task level's pending segment is not counted: it holds a snapshot of the model state and
+        the segment's tokens.) Defaults:
         ``batch_size=1``, ``seq_len=0``."""
         specs = [lv.state_spec(batch_size, seq_len, dtype) for lv in self.levels]
         if self.transfer == "nested" and self.meta != "none":  # the slower levels' period inputs
             for i in range(1, len(specs)):
                 n = seq_len % self.levels[i].level.period
                 specs[i] = replace(
-                    specs[i], inputs=spec((batch_size, n, self.d_model), specs[i].grad[0].dtype)
+                    specs[i], inputs=spec((batch_size, n, 2 * self.d_model + 1), specs[i].grad[0].dtype)
                 )
         return CMSState(levels=tuple(specs))
 
     def state_size_bytes(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
     ) -> int:
-        """Bytes of :meth:`state_spec` (weights, accumulated gradient, momentum per level).
-        Defaults: ``batch_size=1``, ``seq_len=0``."""
+        """Bytes of :meth:`state_spec` (weights, accumulated gradient, momentum per level; a
+        meta-learned nested CMS's kept period inputs). Defaults: ``batch_size=1``, ``seq_len=0``."""
         return nbytes(self.state_spec(batch_size, seq_len, dtype))
