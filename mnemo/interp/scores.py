@@ -170,8 +170,10 @@ def copying_score(model, layer: int) -> torch.Tensor:
     ``W_E W_V^h W_O^h W_U`` give ``Σλ / Σ|λ|`` (1: the head copies the attended token into the
     logits). The ``V × V`` matrix has the eigenvalues of the ``D × D`` product
     ``W_V^h W_O^h W_U W_E`` plus zeros, which is what is computed. Norms are ignored (the usual
-    approximation). Raises ``ValueError`` for a layer out of range, ``TypeError`` for
-    non-attention layers."""
+    approximation). Computed in float32 at least (a bf16 model's weights are promoted; float64
+    kept). Raises ``ValueError`` for a layer out of range, ``TypeError`` for a layer
+    without fixed OV matrices (:meth:`~mnemo.layers.Attention.ov_matrices`: a mixer other than
+    softmax attention, or attention with an output gate between ``W_V`` and ``W_O``)."""
     n = len(model.blocks)
     given, layer = layer, _index(layer)  # (a numpy or 0-d tensor integer too)
     if layer is None or not 0 <= layer < n:
@@ -180,13 +182,16 @@ def copying_score(model, layer: int) -> torch.Tensor:
     heads = mixer.ov_matrices()
     if heads is None:
         raise TypeError(
-            f"copying_score needs a softmax attention layer; layer {layer} is {type(mixer).__name__}"
+            f"copying_score needs a layer with fixed OV matrices (softmax attention without an output "
+            f"gate); layer {layer} is {type(mixer).__name__} without them"
         )
-    W_E = model.embed.weight.detach()  # [V, d]
-    W_U = model.lm_head.weight.detach().T  # [d, V]
+    # in float32 at least (float64 kept): no eigensolver takes bf16 / fp16 weights
+    cd = torch.promote_types(model.embed.weight.dtype, torch.float32)
+    W_E = model.embed.weight.detach().to(cd)  # [V, d]
+    W_U = model.lm_head.weight.detach().T.to(cd)  # [d, V]
     scores = []
     for Wv, Wo in heads:  # [d, D], [D, d]
-        lam = torch.linalg.eigvals(Wo @ W_U @ W_E @ Wv)  # the D × D cycle of the OV circuit
+        lam = torch.linalg.eigvals(Wo.to(cd) @ W_U @ W_E @ Wv.to(cd))  # the D × D cycle of the OV circuit
         scores.append((lam.sum() / lam.abs().sum().clamp_min(1e-12)).real)
     return torch.stack(scores)
 

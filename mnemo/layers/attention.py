@@ -10,8 +10,8 @@ from torch import nn
 from ..ops._common import check_mode, compute_dtype
 from ..ops.ring_attention import current_ring, ring_attention
 from ..ops.softmax_attention import KVCache, keep_cache, kept_keys, softmax_attention, softmax_attention_map
-from .base import Mixer, Mixing, check_input, left_as_is, version_of
-from .hooks import HookPoint
+from .base import Mixer, Mixing, check_input, version_of
+from .hooks import HookPoint, before_hook, left_unchanged
 from .linear_attention import check_heads, check_int, state_dtypes
 from .norm import RMSNorm
 from .registry import register_mixer
@@ -36,13 +36,16 @@ class AttentionState:
     offset: int = 0
 
 
-def _same_values(before: torch.Tensor, after, version: int | None) -> bool:
-    """Whether a hook point gave back ``before``'s values untouched: ``before`` itself
-    (:func:`~mnemo.layers.base.left_as_is`), or a view of it with the same layout — what a backward
-    hook's wrapping (``BackwardHookFunction``) hands back — unchanged since ``version`` (a view
-    shares the counter). A detached copy or a new tensor counts as replaced."""
-    if left_as_is(before, after, version):
+def _same_values(before: torch.Tensor, after, mark: tuple) -> bool:
+    """Whether a hook point gave back ``before``'s values untouched (``mark``:
+    :func:`~mnemo.layers.hooks.before_hook` before the call): ``before`` itself, unchanged
+    (:func:`~mnemo.layers.hooks.left_unchanged`; under ``torch.inference_mode``, equal to the copy
+    taken before the hook), or a view of it with the same layout — what a backward hook's wrapping
+    (``BackwardHookFunction``) hands back — unchanged since (a view shares the counter). A
+    detached copy or a new tensor counts as replaced where gradients are tracked."""
+    if left_unchanged(before, after, mark):
         return True
+    version = mark[0]
     if not isinstance(after, torch.Tensor) or version is None or after.is_inference():
         return False
     root = before if before._base is None else before._base
@@ -234,13 +237,13 @@ class Attention(Mixer):
         k_raw = k
         if self.rotary is not None:
             q, k = self.rotary(q, pos0), self.rotary(k, pos0)
-        k_rot, k_version = k, (version_of(k) if self.n_sink and self.hook_k.hooked else None)
+        k_rot, k_mark = k, (before_hook(k) if self.n_sink and self.hook_k.hooked else None)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         sink_q, raw_cache = None, cache
         if self.n_sink:
             # keep a replaced key (returned, or edited in place: its version moved), unrotated; a hook
             # that only reads it leaves the key before rotary as it was (rotating back would round it)
-            replaced = self.hook_k.hooked and not _same_values(k_rot, k, k_version)
+            replaced = self.hook_k.hooked and not _same_values(k_rot, k, k_mark)
             if replaced and self.rotary is not None:
                 k_raw = self.rotary.undo(k, pos0)
             elif self.rotary is None:
@@ -251,7 +254,7 @@ class Attention(Mixer):
         ring = current_ring()  # context parallelism (mnemo.train.distributed): the whole ring's keys
         if ring is not None:
             o, cache = self._attend_ring(q, k, v, ring, cache), None
-        elif self.hook_pattern.active:
+        elif self.hook_pattern.active:  # any hook of its own (a backward one too) sees the pattern
             o, cache = self._attend_through_pattern(q, k, v, cache, sink_q)
         else:
             o, cache = softmax_attention(

@@ -11,7 +11,8 @@ intermediate downstream; :meth:`mnemo.models.LanguageModel.run_with_cache` and
 :meth:`~mnemo.models.LanguageModel.run_with_hooks` are the public way to attach them.
 
 Values that cost extra to build (the softmax ``hook_pattern``, a ``T × T`` matrix the fused
-kernel never forms) are built only while a hook is attached: see :attr:`HookPoint.active`.
+kernel never forms) are built only while a hook of any kind — forward, pre-forward, backward — is
+attached to the point: see :attr:`HookPoint.active`.
 
 **Pieces.** A model may read one call's tokens in consecutive pieces (a task-signal model reads
 segment by segment, :mod:`mnemo.models.task_signal`), so each hook fires once per piece.
@@ -157,6 +158,26 @@ def kept_span() -> Iterator[None]:
         _SPAN.offset, _SPAN.length, _SPAN.again, _SPAN.stop = prev
 
 
+def before_hook(value: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
+    """What :func:`left_unchanged` needs to tell, after a hook point, whether a hook only read
+    ``value``: its version counter, or under ``torch.inference_mode`` (inference tensors have no
+    counter) a copy of it."""
+    if value.is_inference():
+        return None, value.clone()
+    return value._version, None
+
+
+def left_unchanged(before: torch.Tensor, after: Any, mark: tuple[int | None, torch.Tensor | None]) -> bool:
+    """Whether a hook point gave back ``before`` untouched (``mark`` from :func:`before_hook`):
+    ``before`` itself with its version counter unmoved, or, under ``torch.inference_mode``, a tensor
+    equal to the copy taken before the hook (no gradient flows there, so equal values are the same
+    value). A hook that edited the value in place or returned another one replaced it."""
+    version, copy = mark
+    if copy is not None:
+        return isinstance(after, torch.Tensor) and after.shape == copy.shape and torch.equal(after, copy)
+    return after is before and not before.is_inference() and before._version == version
+
+
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{list(value.shape)} {value.dtype} on {value.device}"
@@ -300,8 +321,13 @@ class HookPoint(nn.Module):
 
     @property
     def active(self) -> bool:
-        """Whether any forward hook is attached (lets a mixer skip building a costly value)."""
-        return bool(self._forward_hooks)
+        """Whether any hook of this point's own is attached: a forward, pre-forward, backward or
+        pre-backward hook. A mixer skips building a costly value (attention's ``hook_pattern``,
+        Mamba's ``hook_g``) unless this is true, so every hook attached to the point sees it;
+        PyTorch's global module hooks (:attr:`hooked` counts them) do not make it build one."""
+        return bool(
+            self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks
+        )
 
     def add(self, fn: Callable[[Any, str], Any]):
         """Attach ``fn(value, name) -> replacement or None``; returns the handle (``.remove()``).

@@ -14,10 +14,10 @@ from ..ops._ssd_chunk import run_ssd_chunk
 from ..ops.gated_linear_attention import gated_linear_attention
 from ..ops.selective_scan import selective_scan, selective_scan_map
 from ..ops.ssd import ssd, ssd_map
-from .base import Mixer, Mixing, check_input, left_as_is, upcast, version_of
+from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .delta import init_dt_bias
-from .hooks import add_hook_points
+from .hooks import add_hook_points, before_hook, left_unchanged
 from .linear_attention import check_int, state_dtypes
 from .norm import RMSNorm, check_eps
 from .registry import register_mixer
@@ -181,14 +181,14 @@ class Mamba(Mixer):
         A = -upcast(self.A_log).exp()
         h0 = state.ssm if state is not None else None
         g = None
-        if self.hook_g.active:
+        if self.hook_g.active:  # any hook of its own: forward, pre-forward, backward (gradients flow via g)
             g0 = delta[..., None] * A  # [B, T, D, N]
-            version = version_of(g0)
+            mark = before_hook(g0)
             g = self.hook_g(g0)
             # only read (the same tensor, unchanged): the scan forms Δ A itself; a hook that edited
             # it in place (its version counter moved) replaced it, as one that returned a new tensor
-            # (under torch.inference_mode, where there is no counter, it counts as replaced)
-            g = None if left_as_is(g0, g, version) else g
+            # (under torch.inference_mode, where there is no counter, a copy tells)
+            g = None if left_unchanged(g0, g, mark) else g
         if g is None:
             o, h = selective_scan(
                 u,
@@ -423,14 +423,14 @@ class Mamba2(Mixer):
         grouped, Bm, Cm = True, None, None
         if self.hook_B.hooked or self.hook_C.hooked:
             Bh, Ch = (t.repeat_interleave(H // G, dim=2) for t in (Bg, Cg))  # head h: group h // (H/G)
-            versions = (version_of(Bh), version_of(Ch))
+            marks = (before_hook(Bh), before_hook(Ch))
             Bm, Cm = self.hook_B(Bh), self.hook_C(Ch)
-            grouped = left_as_is(Bh, Bm, versions[0]) and left_as_is(Ch, Cm, versions[1])
+            grouped = left_unchanged(Bh, Bm, marks[0]) and left_unchanged(Ch, Cm, marks[1])
         A = -upcast(self.A_log).exp()
         g_raw = dt * A
-        g_version = version_of(g_raw) if self.hook_g.hooked else None
+        g_mark = before_hook(g_raw) if self.hook_g.hooked else None
         g = self.hook_g(g_raw)
-        g_given = not self.hook_g.hooked or left_as_is(g_raw, g, g_version)
+        g_given = not self.hook_g.hooked or left_unchanged(g_raw, g, g_mark)
         mode = self._mode(T, mode)
         h0 = state.ssm if state is not None else None
         if grouped and mode == "chunk" and xs.numel() and Bg.numel():
