@@ -138,6 +138,13 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+def buffer_dtype() -> torch.dtype:
+    """The dtype of a fixed float buffer made at construction (rotary frequencies, RetNet's log
+    decays, an MoE's balancing bias): float64 under ``torch.set_default_dtype(torch.float64)``, else
+    float32 (never half precision), so that a model built float64 equals one cast with ``.double()``."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t``'s version counter (it moves with every in-place change), or ``None`` for an inference
     tensor (made under ``torch.inference_mode``), which has none."""

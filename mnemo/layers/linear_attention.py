@@ -13,7 +13,7 @@ from ..ops._common import MODES, check_chunk_size, check_mode
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from ..ops.linear_attention import linear_attention, linear_attention_map
-from .base import Mixer, Mixing, check_input, upcast
+from .base import Mixer, Mixing, buffer_dtype, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
@@ -223,7 +223,7 @@ class LinearAttention(_QKVMixer):
 
 
 @register_mixer("gla", gate="gla")
-@register_mixer("retnet", gate="retnet", expand_k=1.0)
+@register_mixer("retnet", gate="retnet", expand_k=1.0, expand_v=2.0)
 @register_mixer("gated_linear_attention")
 class GatedLinearAttention(_QKVMixer):
     """Gated linear attention layer over :func:`mnemo.ops.gated_linear_attention`.
@@ -231,15 +231,25 @@ class GatedLinearAttention(_QKVMixer):
     ``gate`` selects where the log decay ``g`` comes from:
 
     * ``"retnet"``: fixed per-head decays ``γ_h = 1 − 2^{−5−h}`` (RetNet, Sun et al. 2023, §2.2),
-      ``g = log γ_h`` for every token (a float32 buffer, float64 after ``.double()``); rotary
-      positions on q/k (``rope``, on by default here; the key size per head must then be even).
+      ``g = log γ_h`` for every token (a float32 buffer; float64 after ``.double()`` or when built
+      under ``torch.set_default_dtype(torch.float64)``); rotary positions on q/k (``rope``, on by
+      default here; the key size per head must then be even): RoPE's frequencies ``10000^{−2i/K}``
+      (the paper's ``e^{inθ}`` leaves ``θ`` open; the authors' code spaces the exponents as
+      ``linspace(0, 1, K/2)`` instead).
     * ``"gla"``: data-dependent per-channel gates ``g = logsigmoid(W₂ W₁ x + b) / τ`` with a
       low-rank (``gate_rank``) projection and ``τ = gate_normalizer`` (GLA, Yang et al. 2023, §4.4).
     * ``"scalar"``: data-dependent per-head gates ``g = logsigmoid(W x + b) / τ`` (Mamba-2-style
       scalar decay).
 
     The read-out is ``o_proj(RMSNorm(o) ⊙ silu(W_r x))`` (output gate, as in RetNet and GLA).
-    Key/value sizes per head are ``expand_k · d_model / H`` and ``expand_v · d_model / H``.
+    Key/value sizes per head are ``expand_k · d_model / H`` and ``expand_v · d_model / H``. The
+    registered ``"retnet"`` preset takes the paper's sizes (Sun et al. 2023, §3.1: ``W_Q, W_K`` are
+    ``d × d``, ``W_V, W_G`` are ``d × 2d``, ``W_O`` is ``2d × d``): ``expand_k=1.0``,
+    ``expand_v=2.0``, so ``8 d²`` projection weights (the paper halves the FFN to ``2d`` to match a
+    Transformer's ``12 d²`` per block; the FFN is the model's choice here). Its RMSNorm per head
+    stands where the paper has a GroupNorm (which also subtracts the mean). The preset had
+    ``expand_v=1.0`` before: a checkpoint of that width is rebuilt with ``mixer_options={"retnet":
+    {"expand_v": 1.0}}``.
 
     Defaults: ``n_heads=4``, ``expand_k=0.5``, ``expand_v=1.0``, ``short_conv=False``,
     ``conv_size=4``, ``gate_rank=16``, ``gate_normalizer=16.0``, ``chunk_size=64`` (and
@@ -294,7 +304,7 @@ class GatedLinearAttention(_QKVMixer):
         elif gate == "scalar":
             self.gate_proj = nn.Linear(d_model, n_heads, bias=True)
         else:
-            self.register_buffer("log_gamma", retnet_log_gamma(n_heads).float(), persistent=False)
+            self.register_buffer("log_gamma", retnet_log_gamma(n_heads).to(buffer_dtype()), persistent=False)
         rope = (gate == "retnet") if rope is None else rope
         if rope and key_dim % 2:
             raise ValueError(

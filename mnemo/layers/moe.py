@@ -76,6 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .base import buffer_dtype
 from .hooks import HookPoint
 from .mlp import SwiGLU, swiglu_hidden
 
@@ -186,7 +187,8 @@ class MoE(nn.Module):
         aux_loss_coef, z_loss_coef: weights of ``L_aux`` and ``L_z`` in :meth:`loss` (defaults
             ``aux_loss_coef=0.01``, ``z_loss_coef=0.0``).
         bias_balancing: keep the auxiliary-loss-free bias (buffer ``expert_bias [E]``, float32,
-            also through a cast of the module to half precision; float64 in a float64 module)
+            also through a cast of the module to half precision; float64 in a float64 module, built so
+            or cast)
             and use it for the top-k choice (default ``False``). bias_update_rate: its step ``u``
             (default ``bias_update_rate=1e-3``).
         dispatch: ``"sorted"`` | ``"padded"`` | ``"fixed"`` | ``"reference"`` (same results; see
@@ -262,7 +264,7 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(d_model, shared_expert_hidden) if shared_expert_hidden else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_expert_gate else None
         if bias_balancing:
-            self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+            self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=buffer_dtype()))
         else:
             self.expert_bias = None
         self.hook_router_logits = HookPoint()

@@ -20,11 +20,15 @@ class RMSNorm(nn.Module):
 
     Normalises the last dimension ``dim``; computed in at least float32 (float64 stays float64)
     and returned in ``x``'s dtype. Default ``eps=1e-5``. Raises ``ValueError`` (naming ``eps``)
-    unless ``eps`` is a finite number ``>= 0`` (a negative one silently gave NaN or a wrong scale).
+    unless ``eps`` is a finite number ``>= 0`` (a negative one silently gave NaN or a wrong scale),
+    (naming ``dim``) unless ``dim`` is an int ``>= 1``, and (naming ``x``) in :meth:`forward` unless
+    ``x`` is ``[..., dim]``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
+        if not isinstance(dim, numbers.Integral) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"dim: expected an int >= 1 (the normalised width), got {dim!r}")
         check_eps("eps", eps)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -37,6 +41,8 @@ class RMSNorm(nn.Module):
         ``gate_first=True`` (default ``gate_first=False``). The layers call it through the module,
         so forward hooks on the norm see ``(x, z)``."""
         groups = getattr(self, "groups", 1)
+        if x.ndim == 0 or x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"x: expected shape [..., dim = {self.weight.shape[0]}], got {list(x.shape)}")
         if z is None:
             return _rms_groups(x, self.weight, self.eps, groups)
         return gated_rms_norm(x, z, self.weight, self.eps, groups=groups, gate_first=gate_first)

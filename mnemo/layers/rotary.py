@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base import buffer_dtype
+
 #: the keys a ``rope_scaling`` mapping may hold (the names of ``transformers``' ``rope_scaling`` /
 #: ``rope_parameters``, so that interop can pass them through); ``"type"`` is an alias of ``"rope_type"``
 ROPE_SCALING_KEYS = (
@@ -318,9 +320,10 @@ class RotaryEmbedding(nn.Module):
 
     ``forward(x [B, T, H, D], offset) -> [B, T, H, D]`` for positions ``offset … offset+T−1``;
     :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
-    returned in ``x``'s dtype; the frequencies stay float32 through a cast to half precision, and a
-    float64 module (``.double()``) recomputes them in float64 (and a cast back, in float32: the
-    float32 module's). ``R`` must be even and at most ``D``.
+    returned in ``x``'s dtype; the frequencies are float32 (float64 when built under
+    ``torch.set_default_dtype(torch.float64)``: :func:`~mnemo.layers.base.buffer_dtype`), stay
+    float32 through a cast to half precision, and a float64 module (``.double()``) recomputes them in
+    float64 (and a cast back, in float32: the float32 module's). ``R`` must be even and at most ``D``.
 
     Raises:
         ValueError: bad ``theta`` (named ``rope_theta``, the attention's argument), ``rotary_dim`` or
@@ -346,7 +349,7 @@ class RotaryEmbedding(nn.Module):
                 else f"rotary embeddings need an even head_dim, got {head_dim}"
             )
         self.head_dim, self.rotary_dim, self.theta = head_dim, rotary_dim, theta
-        inv = self._base(torch.float32)
+        inv = self._base(buffer_dtype())
         self.register_buffer("base_inv_freq", inv, persistent=False)
         self.register_buffer("inv_freq", inv.clone(), persistent=False)
         self.scaling: dict[str, Any] | None = None

@@ -505,7 +505,7 @@ def test_the_core_mixers_register_themselves():
         "linear_attention": (LinearAttention, {}),
         "gated_linear_attention": (GatedLinearAttention, {}),
         "gla": (GatedLinearAttention, {"gate": "gla"}),
-        "retnet": (GatedLinearAttention, {"gate": "retnet", "expand_k": 1.0}),
+        "retnet": (GatedLinearAttention, {"gate": "retnet", "expand_k": 1.0, "expand_v": 2.0}),
         "deltanet": (DeltaNet, {}),
         "gated_deltanet": (DeltaNet, {"gated": True}),
         "mamba": (Mamba, {}),
