@@ -27,6 +27,7 @@ from torch import nn
 
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
+from ..ops._common import check_mode
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces
@@ -135,7 +136,8 @@ class NeuralMemory(Mixer):
 
     * ``hook_q``, ``hook_k`` ``[B, T', H, D]`` (after the conv and the L2 normalisation),
       ``hook_v`` ``[B, T', H, D]``;
-    * ``hook_theta`` ``[B, T', H]``: the inner learning rate ``θ_t`` (float32);
+    * ``hook_theta`` ``[B, T', H]``: the inner learning rate ``θ_t`` (float32, float64 in a float64
+      model, as the gates below);
     * ``hook_g`` (specs with a retention): the log retention ``g_t = log(1 − α_t)`` (Titans'
       forget gate ``α_t``), ``[B, T', H]`` or ``[B, T', H, D]`` per channel;
     * ``hook_eta`` (optimizer ``"momentum"``): the momentum decay ``η_t`` ``[B, T', H]``;
@@ -172,6 +174,7 @@ class NeuralMemory(Mixer):
         **spec_overrides,
     ):
         super().__init__(mode)
+        check_mode(mode, ("chunk", "recurrent"))  # (else a typo surfaces only at the first T > 1 call)
         check_heads(d_model, n_heads, head_dim)
         check_int("persistent_tokens", persistent_tokens, 0)
         if max_lr is not None and (

@@ -16,10 +16,11 @@ from torch import nn
 from ..memory import MemoryState
 from ..memory.attribution import ValueAttribution
 from ..memory.engine import memory_apply, retention_map
+from ..ops._common import inference_involved
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
 from .base import Mixer, Mixing, check_input
-from .hooks import HookPoint, enter_piece, leave_pieces
+from .hooks import HookPoint, enter_piece, join_pieces, leave_pieces
 from .linear_attention import check_int
 from .norm import RMSNorm
 from .registry import register_mixer
@@ -432,32 +433,70 @@ class TitansMAC(Mixer):
     def mixing_exact(self) -> bool:
         return self.memory.mixing_exact
 
+    def mixing_acts(self, x: torch.Tensor) -> dict:
+        """The values of :attr:`mixing_hooks` on one fresh-stream call on ``x [B, T, d_model]``, each
+        joined over the call's segment pieces (:func:`~mnemo.layers.hooks.join_pieces`: the memory's
+        values concatenated along time, ``hook_state`` the state after the call), as
+        :meth:`~mnemo.models.LanguageModel.run_with_cache` records them."""
+        fired: dict[str, list] = {h: [] for h in self.mixing_hooks}
+        handles = [
+            self.get_submodule(h).register_forward_hook(lambda mod, args, out, h=h: fired[h].append(out))
+            for h in self.mixing_hooks
+        ]
+        try:
+            self(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+        acts = {}
+        for h, values in fired.items():
+            point = self.get_submodule(h)
+            td = point.time_dim
+            lengths = [v.shape[td] if isinstance(v, torch.Tensor) and td is not None else 0 for v in values]
+            acts[h] = join_pieces(point, values, lengths)
+        return acts
+
+    def _memory_acts(self, acts: dict) -> dict:
+        """The ``memory.hook_*`` values of ``acts`` (names relative to the memory), after checking
+        that they cover the whole stream (``NotImplementedError`` otherwise: a map of the last
+        segment alone would be read as a fresh stream from the learned initial weights)."""
+        mem = {h.removeprefix("memory."): a for h, a in acts.items() if h.startswith("memory.")}
+        state = acts.get("hook_state")
+        if state is not None and mem["hook_q"].shape[1] != state.offset:
+            raise NotImplementedError(
+                f"TitansMAC: the memory hooks recorded {mem['hook_q'].shape[1]} of the stream's "
+                f"{state.offset} tokens (one segment of {self.segment}?); a map needs them all "
+                "(record with mixing_acts or LanguageModel.run_with_cache, which join the segments)"
+            )
+        return mem
+
     def attribution(self, acts: dict, steps: int | None = None, method: str = "auto") -> ValueAttribution:
-        """The long-term memory's :meth:`NeuralMemory.attribution` (from the ``memory.hook_*`` values)."""
-        return self.memory.attribution({h.removeprefix("memory."): a for h, a in acts.items()}, steps, method)
+        """The long-term memory's :meth:`NeuralMemory.attribution` (from the ``memory.hook_*`` values,
+        covering the whole stream: see :meth:`mixing`)."""
+        return self.memory.attribution(self._memory_acts(acts), steps, method)
 
     def mixing(self, acts: dict) -> Mixing:
         """The long-term memory's map (:meth:`NeuralMemory.mixing`): its read after each write
         (``m``, step 3) attributed to the values it wrote (from the attention outputs ``y``), over
-        the whole stream (the segments' recorded values joined by ``run_with_cache``; the memory's
-        chunks are the segments, so this is the memory's own map of one call over them).
+        the whole stream (the segments' recorded values joined by :meth:`mixing_acts` or
+        ``run_with_cache``; the memory's chunks are the segments, so this is the memory's own map
+        of one call over them).
 
         Raises ``NotImplementedError`` when the memory hooks hold fewer tokens than the stream
-        (a recording of the last segment only, made without ``run_with_cache``)."""
-        mem = {h.removeprefix("memory."): a for h, a in acts.items() if h.startswith("memory.")}
-        if mem["hook_q"].shape[1] != acts["hook_state"].offset:
-            raise NotImplementedError(
-                f"TitansMAC: the memory hooks recorded {mem['hook_q'].shape[1]} of the stream's "
-                f"{acts['hook_state'].offset} tokens (one segment of {self.segment}?); a map needs them all "
-                "(record with LanguageModel.run_with_cache, which joins the segments)"
-            )
-        return self.memory.mixing(mem)
+        (a recording of the last segment only, made without joining the pieces)."""
+        return self.memory.mixing(self._memory_acts(acts))
 
     def read_before(self, x, mem: NeuralMemoryState | MemoryState, conv_state):
-        """``h = M*(q(x))`` with the segment-start weights (``N(anchor)``), no write."""
+        """``h = M*(q(x))`` with the segment-start weights (``N(anchor)``), no write. A state made
+        under ``torch.inference_mode`` and read outside it (with autograd) is read from copies:
+        autograd cannot save inference tensors."""
         m = self.memory
         q, _, _, gate, conv_state = m.qkv(x, conv_state)
-        W = [retention_map(m.spec, a).to(q.dtype) for a in mem.anchor]
+        anchor = mem.anchor
+        inference, involved = inference_involved(anchor)
+        if involved and not inference:
+            anchor = [a.clone() for a in anchor]
+        W = [retention_map(m.spec, a).to(q.dtype) for a in anchor]
         o, _, _ = memory_apply(m.spec, W, q.transpose(1, 2))
         return m.read_out(o.transpose(1, 2), gate), conv_state
 

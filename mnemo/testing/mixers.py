@@ -2,8 +2,9 @@
 
 A mixer (:class:`mnemo.layers.Mixer`) promises: ``forward(x, state) -> (y, state)`` streams — any
 split of the sequence, down to one token at a time, gives the one-call result; its typed state
-is what ``state_size_bytes`` says; every intermediate passes a hook point once per call, and a
-replaced value changes the result; its implicit attention (``mixing``), where it has one,
+is what ``state_size_bytes`` says; every intermediate passes a hook point once per call (a mixer
+that reads its input in segments of its own: once per segment piece, the pieces tiling the call),
+and a replaced value changes the result; its implicit attention (``mixing``), where it has one,
 reproduces the op's output; gradients reach every parameter; and inside a
 :class:`~mnemo.models.LanguageModel` cached decoding equals the full pass. Each check returns a
 :class:`~mnemo.testing.CheckResult` (``error`` is the worst relative RMS difference, or ``0`` /
@@ -20,7 +21,7 @@ import math
 import torch
 from einops import einsum
 
-from ..layers.hooks import HookPoint
+from ..layers.hooks import HookPoint, _reset_span, kept_span, piece_stop, span
 from ..layers.registry import MIXERS
 from ..layers.state import nbytes, tensors
 from .compare import F64_TOL, rel_rms
@@ -100,32 +101,65 @@ def check_state_size(name, d_model=32, options=None, T=7) -> CheckResult:
     )
 
 
+def _tiles(name: str, point: HookPoint, fired: list, T: int) -> bool:
+    """Whether hook ``name``'s firings ``[(offset, stop, value)]`` are one firing over the call, or pieces
+    that tile it in stream order: the first starts at or before token 0 (a learned prefix comes
+    first), each starts where the previous stopped, the last stops at ``T``, and a tensor value
+    with a time axis holds its piece's tokens there."""
+    if len(fired) == 1 and fired[0][1] is None:
+        return True
+    if any(stop is None for _, stop, _ in fired):
+        return False  # a firing over the whole call beside others
+    td = point.time_dim
+    for i, (offset, stop, value) in enumerate(fired):
+        if i == 0 and offset > 0 or i > 0 and offset != fired[i - 1][1]:
+            return False
+        per_token = isinstance(value, torch.Tensor) and td is not None and value.ndim > td
+        if per_token and name.rsplit(".", 1)[-1] != "hook_state" and value.shape[td] != stop - offset:
+            return False
+    return fired[-1][1] == T
+
+
 def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
-    """Every hook point fires exactly once per call; zeroing ``hook_o`` (or, without it, the
-    first tensor hook) changes the output — the hooked value is the one used downstream."""
+    """Every hook point fires exactly once per call — or, for a mixer that reads its input in
+    segments of its own (Titans MAC, the self-modifying projections; :mod:`mnemo.layers.hooks`),
+    once per piece, each placed in the call (:func:`~mnemo.layers.hooks.span`) so that the pieces
+    tile the call in stream order, a tensor value with the piece's tokens along its time axis; zeroing
+    ``hook_o`` (or, without it, the first tensor hook) changes the output — the hooked value is the
+    one used downstream (default ``T=6``)."""
     m = _build(name, d_model, options)
     points = {n: p for n, p in m.named_modules() if isinstance(p, HookPoint)}
     if not points:
         return _result(name, "hooks", math.inf, 0.0, "the mixer has no hook points")
-    calls: dict[str, int] = {}
+    calls: dict[str, list] = {}  # name -> [(offset, stop, value)] in firing order
     values: dict[str, object] = {}
-    handles = [
-        p.register_forward_hook(
-            lambda mod, i, out, n=n: (calls.__setitem__(n, calls.get(n, 0) + 1), values.__setitem__(n, out))[
-                0
-            ]
-        )
-        for n, p in points.items()
-    ]
+
+    def seen(n, out):
+        offset, length = span()
+        stop = piece_stop() if length is not None else None
+        calls.setdefault(n, []).append((offset, stop, out))
+        values[n] = out
+
+    handles = [p.register_forward_hook(lambda mod, i, out, n=n: seen(n, out)) for n, p in points.items()]
     x = _x(2, T, d_model)
-    with torch.no_grad():
-        y, _ = m(x)
-    for h in handles:
-        h.remove()
-    wrong = {n: c for n, c in calls.items() if c != 1}
+    try:
+        with torch.no_grad(), kept_span():
+            _reset_span()  # one call read in one pass until the mixer says it reads pieces
+            y, _ = m(x)
+    finally:
+        for h in handles:
+            h.remove()
+    wrong = {n: len(f) for n, f in calls.items() if not _tiles(n, points[n], f, T)}
     silent = sorted(set(points) - set(calls))
     if wrong or silent:
-        return _result(name, "hooks", math.inf, 0.0, f"hooks fired {wrong or ''} never: {silent}")
+        return _result(
+            name,
+            "hooks",
+            math.inf,
+            0.0,
+            f"hooks fired {wrong or ''} times (not once per call, nor once per piece of a tiling of the "
+            f"call's {T} tokens) never: {silent}",
+        )
     target = (
         "hook_o"
         if "hook_o" in points

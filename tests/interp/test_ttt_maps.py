@@ -211,11 +211,11 @@ def test_titans_models_give_maps_and_scores():
         assert torch.isfinite(induction_score(maps[0], 6)).all()
 
 
-def test_mac_and_projections_raise_past_one_recorded_piece():
+def test_mac_maps_span_its_segments_and_projections_raise_past_one_chunk():
     mac = TitansMAC(16, n_heads=2, segment=4, persistent_tokens=2)
-    # Mixer.mixing_acts records with plain forward hooks (the last segment); run_with_cache joins them
-    with pytest.raises(NotImplementedError, match="recorded 1 of the stream's 9 tokens"):
-        mixing(mac, torch.randn(1, 9, 16))
+    # MAC's mixing_acts joins its segments' pieces (review 4: it kept the last segment only, and
+    # mixing raised); the map's meaning over several segments: test_review4_memory
+    assert mixing(mac, torch.randn(1, 9, 16)).maps.shape == (1, 2, 9, 9)
     smp = SelfModifyingProjections(16, n_heads=2, chunk_size=4)
     with pytest.raises(NotImplementedError, match="a map needs a stream of at most one chunk"):
         mixing(smp, torch.randn(1, 9, 16))
