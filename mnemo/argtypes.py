@@ -65,6 +65,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
+def plain_text(doc: str) -> str:
+    """``doc`` (reStructuredText, e.g. a module docstring) as the plain text of a ``--help`` page:
+    ``:role:`target``` becomes ``target`` (``~a.b.c``: ``c``) and double backticks go."""
+    doc = re.sub(
+        r":[\w:.-]+:`~?([^`]*)`",
+        lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1),
+        doc,
+    )
+    return doc.replace("``", "")
+
+
 class Kind:
     """Base of the declared kinds: ``kind(text)`` returns the value or raises
     ``argparse.ArgumentTypeError("expected EXPECTED, got 'TEXT'")``."""

@@ -96,15 +96,26 @@ def _bench_all(args) -> int:
     import tempfile
 
     rc = 0
+    suites = ("ops", "peers", "decode", "models")
     combined = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for suite in ("ops", "peers", "decode", "models"):
-            a = copy.copy(args)
-            a.suite, a.ops, a.json = suite, None, str(Path(tmp) / f"{suite}.json")
-            print(f"\n=== mnemo bench --suite {suite} ===", flush=True)
-            rc = max(rc, _run_suite(a))
-            path = Path(a.json)
-            combined[suite] = json.loads(path.read_text()) if path.is_file() else None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for suite in suites:
+                a = copy.copy(args)
+                a.suite, a.ops, a.json = suite, None, str(Path(tmp) / f"{suite}.json")
+                print(f"\n=== mnemo bench --suite {suite} ===", flush=True)
+                rc = max(rc, _run_suite(a))
+                path = Path(a.json)
+                combined[suite] = json.loads(path.read_text()) if path.is_file() else None
+    except KeyboardInterrupt as e:  # the finished suites' rows are kept (the others are null)
+        if args.json and combined:
+            from ..bench import write_json
+
+            write_json(args.json, {s: combined.get(s) for s in suites})
+            e.then = f"; the rows of the finished suites ({', '.join(combined)}) are saved in {args.json}"
+        elif args.json:
+            e.then = f"; no suite finished: {args.json} was not written"
+        raise
     if args.json:
         from ..train.checkpoint import atomic_write_text
 

@@ -313,39 +313,120 @@ def prepare(args) -> tuple[dict, list[str], list[int], list[int], list[float]]:
 
 
 def run(args) -> int:
-    """``mnemo probe capacity``: run the sweep, write ``capacity.json``, ``.md`` and ``.png``."""
+    """``mnemo probe capacity``: run the sweep, write ``capacity.json``, ``.md`` and ``.png``.
+
+    The cells are measured one (N, passes) at a time; an interrupt (Ctrl-C) saves those measured
+    in ``--out/capacity.partial.json``, and the same command again measures only the others (a
+    partial file of other settings is replaced). It is removed once the results are written."""
     import matplotlib.pyplot as plt
     import torch
-
-    from ..interp.capacity import capacity_sweep
 
     every, names, pairs, passes, grid = prepare(args)
     out = Path(args.out)
     files = [out / "capacity.json", out / "capacity.md", out / "capacity.png"]
     for f in files:  # before any work: an existing result is replaced only with --overwrite
         kinds.refuse_existing(f, "--out", args.overwrite)
+    partial = out / PARTIAL_NAME
+    expected = json.loads(json.dumps(_expected_settings(args)))
+    done = _partial_cells(partial, expected)
+    if done:
+        print(f"{partial}: {len(done)} measured cell(s) kept from an interrupted run", file=sys.stderr)
     threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     try:
-        result = capacity_sweep(
-            {v: every[v] for v in names},
-            pairs,
-            passes,
-            grid,
-            list(range(args.seeds)),
-            args.select_seed,
-            args.key_dim,
-            args.streams,
-            torch.float64 if args.float64 else torch.float32,
-            progress=not args.no_progress,
-            eta=args.momentum,
-        )
-        result["settings"].update(base=args.base, chunk_size=args.chunk_size, threads=torch.get_num_threads())
+        cells = _measure(args, every, names, pairs, passes, grid, done, partial, expected)
+        dtype = torch.float64 if args.float64 else torch.float32
+        result = {
+            "settings": {  # as capacity_sweep records them
+                "variants": {n: {"spec": every[n][0].to_dict(), "description": every[n][1]} for n in names},
+                "n_pairs": pairs,
+                "passes": passes,
+                "theta_grid": grid,
+                "seeds": list(range(args.seeds)),
+                "select_seed": args.select_seed,
+                "key_dim": args.key_dim,
+                "streams": args.streams,
+                "dtype": str(dtype).replace("torch.", ""),
+                "momentum": args.momentum,
+                "base": args.base,
+                "chunk_size": args.chunk_size,
+                "threads": torch.get_num_threads(),
+            },
+            "cells": cells,
+        }
     finally:  # (a page's next line, or the caller, keeps its own thread count)
         torch.set_num_threads(threads_before)
-    return _write(args, result, files, t0, plt)
+    code = _write(args, result, files, t0, plt)
+    partial.unlink(missing_ok=True)
+    return code
+
+
+#: the cells an interrupted ``mnemo probe capacity`` measured (in ``--out``)
+PARTIAL_NAME = "capacity.partial.json"
+
+
+def _partial_cells(partial: Path, expected: dict) -> dict:
+    """The cells kept in ``partial`` by an interrupted run of the same settings, keyed by
+    ``(variant, n_pairs, passes)``; none when it is absent, unreadable or of other settings."""
+    try:
+        held = json.loads(partial.read_text())
+        if held["expected"] != expected:
+            return {}
+        return {(c["variant"], c["n_pairs"], c["passes"]): c for c in held["cells"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _measure(args, every, names, pairs, passes, grid, done, partial, expected) -> list[dict]:
+    """Every cell in :func:`~mnemo.interp.capacity.capacity_sweep`'s order (passes, then N, then
+    the variants), one (N, passes) at a time; those in ``done`` are not measured again. On an
+    interrupt the measured cells are saved in ``partial``."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..interp.capacity import capacity_sweep
+    from ..train.checkpoint import atomic_write_text
+
+    cells = []
+    jobs = [(n, p) for p in passes for n in pairs]
+    try:
+        bar = tqdm(jobs, desc="capacity", disable=args.no_progress, leave=False)
+        for n, p in bar:
+            todo = [v for v in names if (v, n, p) not in done]
+            bar.set_postfix_str(f"N={n} passes={p}")
+            new = {}
+            if todo:
+                got = capacity_sweep(
+                    {v: every[v] for v in todo},
+                    [n],
+                    [p],
+                    grid,
+                    list(range(args.seeds)),
+                    args.select_seed,
+                    args.key_dim,
+                    args.streams,
+                    torch.float64 if args.float64 else torch.float32,
+                    progress=False,
+                    eta=args.momentum,
+                )
+                new = {c["variant"]: c for c in got["cells"]}
+            cells += [new[v] if v in new else done[(v, n, p)] for v in names]
+    except KeyboardInterrupt as e:
+        kept = {(c["variant"], c["n_pairs"], c["passes"]): c for c in cells} | done
+        if kept:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            record = {"expected": expected, "cells": list(kept.values())}
+            atomic_write_text(partial, json.dumps(record, indent=1, allow_nan=False) + "\n")
+            e.then = (
+                f"; the {len(kept)} measured cell(s) of {len(jobs) * len(names)} are saved in {partial}: "
+                "run the same mnemo probe capacity command again to continue"
+            )
+        else:
+            e.then = "; no cell was measured yet: nothing was written"
+        raise
+    return cells
 
 
 def _write(args, result: dict, files: list[Path], t0: float, plt) -> int:

@@ -100,6 +100,7 @@ the slow levels' inner rates their own outer learning rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -1292,8 +1293,52 @@ def run(
     ``lr_grid``, ``select_seed``, ``eps_grid`` and ``fresh`` as in :func:`run_experiment`. With
     ``fresh`` and ``out``, ``out/runs/.fresh.json`` records the runs kept when the call began
     (removed once it ends): the same call again after an interrupt retrains only those of them the
-    interrupted call did not replace, not those it finished."""
+    interrupted call did not replace, not those it finished. ``out`` is this call's while it runs:
+    a second call (another process) on it is refused: ``out/.continual.lock`` is taken as
+    ``mnemo train`` takes its run folder's lock (:func:`~mnemo.train.run_folder.take_lock_file`;
+    released, and removed, when the call ends; a killed call's lock is free again)."""
     _check_experiments(experiments, seeds)
+    call = (experiments, seeds, out, progress, overrides, models, workers, lr_grid, select_seed, eps_grid)
+    if out is None:
+        return _run(*call, fresh)
+    with _lock_out(Path(out)):
+        return _run(*call, fresh)
+
+
+#: the lock of a ``mnemo continual --out`` folder (not ``.lock``: that marks a training run's folder)
+LOCK_NAME = ".continual.lock"
+
+
+@contextlib.contextmanager
+def _lock_out(out: Path):
+    """Hold ``out/.continual.lock`` (created with ``out``) while the block runs; refuse (ValueError
+    naming the holder's pid) while another process holds it."""
+    from ..train.run_folder import RunLock, take_lock_file
+
+    try:
+        import fcntl  # noqa: F401  (take_lock_file's)
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        yield
+        return
+    existed = out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out: {out} cannot be created: {e.strerror}") from None
+    f = take_lock_file(
+        out / LOCK_NAME,
+        lambda holder: (
+            f"--out: {out} is in use by another mnemo continual process (pid {holder}); wait for it "
+            "to finish, or pick another --out"
+        ),
+    )
+    with RunLock(f, out / LOCK_NAME, remove_empty=not existed):
+        yield
+
+
+def _run(
+    experiments, seeds, out, progress, overrides, models, workers, lr_grid, select_seed, eps_grid, fresh
+):
     marker = None
     if fresh is True and out is not None:
         marker, fresh = _fresh_since(

@@ -54,7 +54,7 @@ def add_commands(subparsers) -> None:
         "convert",
         help="convert a transformers (MambaForCausalLM, Mamba2ForCausalLM, Qwen3NextForCausalLM) or "
         "mamba-ssm checkpoint folder into a mnemo checkpoint folder",
-        description=__doc__.split("\n\n")[0],
+        description=kinds.plain_text(__doc__.split("\n\n")[0]),
     )
     p.add_argument(
         "src", type=kinds.ExistingDir(), help="the checkpoint folder to read (config.json and weights)"
@@ -78,7 +78,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "export",
         help="write a mnemo checkpoint as a folder that another library loads (--format hf: transformers)",
-        description=__doc__.split("\n\n")[0],
+        description=kinds.plain_text(__doc__.split("\n\n")[0]),
     )
     p.add_argument(
         "ckpt",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import warnings
 
 from .. import argtypes as kinds
 from .train import _parse_lengths, _same_data
@@ -138,6 +139,8 @@ def _cmd_eval(args) -> int:
     if tcfg.get("task"):
         text_only = {
             "--yarn": args.yarn is not None,
+            "--yarn-beta-fast/--yarn-beta-slow": args.yarn_beta_fast is not None
+            or args.yarn_beta_slow is not None,
             "--data": args.data is not None,
             "--text-field": args.text_field is not None,
             "--pack-documents": args.pack_documents is not None,
@@ -166,7 +169,13 @@ def _cmd_eval(args) -> int:
             f"{'--length' if lengths else '--seq-len'}: {longest} tokens exceed the model's learned "
             f"positions (max_position = {model.config.max_position})"
         )
-    yarn = _yarn_setting(args.yarn, tcfg, model) if args.yarn is not None else None
+    if args.yarn is None and (args.yarn_beta_fast is not None or args.yarn_beta_slow is not None):
+        raise ValueError("--yarn-beta-fast/--yarn-beta-slow: they set YaRN's ramp; pass --yarn too")
+    yarn = (
+        _yarn_setting(args.yarn, tcfg, model, args.yarn_beta_fast, args.yarn_beta_slow)
+        if args.yarn is not None
+        else None
+    )
     for L in lengths or [args.seq_len or tcfg.get("seq_len", 128)]:  # one JSON line per length
         if yarn is not None:
             yarn(L)
@@ -179,10 +188,11 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-def _yarn_setting(text: str, tcfg: dict, model):
+def _yarn_setting(text: str, tcfg: dict, model, beta_fast=None, beta_slow=None):
     """``--yarn [FACTOR]``: a function ``L -> None`` that sets YaRN on every attention layer for
     evaluation at length ``L`` (factor ``FACTOR``, or ``L / training seq_len`` for ``auto``; plain
-    RoPE where the factor is 1)."""
+    RoPE where the factor is 1), its ramp bounds ``beta_fast``/``beta_slow`` (``--yarn-beta-fast``,
+    ``--yarn-beta-slow``; ``None``: the paper's 32 and 1)."""
     train_len = tcfg.get("seq_len")
     if not train_len:
         raise ValueError("--yarn: the checkpoint has no training seq_len to extend (no train_config)")
@@ -199,6 +209,8 @@ def _yarn_setting(text: str, tcfg: dict, model):
     if not layers:
         raise ValueError("--yarn: the model has no attention layer with rotary positions")
 
+    said = set()  # each warning once per command, not once per --length
+
     def apply(L: int) -> None:
         s = factor if factor is not None else max(1.0, L / train_len)
         scaling = (
@@ -206,8 +218,24 @@ def _yarn_setting(text: str, tcfg: dict, model):
             if s == 1
             else {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": train_len}
         )
-        for m in layers:
-            m.set_rope_scaling(scaling)
+        if scaling is not None:
+            scaling |= {
+                k: v for k, v in (("beta_fast", beta_fast), ("beta_slow", beta_slow)) if v is not None
+            }
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                for m in layers:
+                    m.set_rope_scaling(scaling)
+            except ValueError as e:  # (beta_slow >= beta_fast): named by their flags
+                raise ValueError(f"--yarn-beta-fast/--yarn-beta-slow: {e}") from None
+        for w in seen:  # once each; the advice names the flag that sets beta_fast
+            text = str(w.message)
+            if text not in said:
+                said.add(text)
+                if "choose beta_fast" in text:
+                    text = text.replace("choose beta_fast", "choose beta_fast (--yarn-beta-fast)")
+                warnings.warn(text, w.category, stacklevel=2)
 
     return apply
 
@@ -521,6 +549,20 @@ def add_commands(sub) -> None:
         help="text checkpoints: apply YaRN (Peng et al. 2023) to every rotary attention layer for the "
         "evaluation, original context = the training seq_len, factor FACTOR or (default) length / "
         "training seq_len per --length; plain RoPE where that is 1",
+    )
+    e.add_argument(
+        "--yarn-beta-fast",
+        type=kinds.Float(0, lo_open=True),
+        metavar="B",
+        help="with --yarn: rotations over the training context above which a dimension keeps its "
+        "frequency (YaRN's beta; default 32, the paper's, which assumes a context of thousands of tokens)",
+    )
+    e.add_argument(
+        "--yarn-beta-slow",
+        type=kinds.Float(0, lo_open=True),
+        metavar="B",
+        help="with --yarn: rotations below which a dimension is fully interpolated (YaRN's alpha; "
+        "default 1, the paper's); must be below --yarn-beta-fast",
     )
     e.add_argument(
         "--num-samples",

@@ -87,7 +87,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("harness", help=HELP, description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("harness", help=HELP, description=kinds.plain_text(__doc__.split("\n\n")[0]))
     _add_arguments(p)
     p.set_defaults(func=run)
     return p

@@ -62,20 +62,26 @@ def add_commands(subparsers) -> None:
     """The hook ``mnemo.cli`` calls for each command module (see ``mnemo.cli._COMMAND_MODULES``)."""
     p = subparsers.add_parser("tokenizer", help="train Hugging Face tokenizers", description=HELP)
     sub = p.add_subparsers(dest="tokenizer_command", required=True, metavar="{train}")
-    t = sub.add_parser("train", help=HELP, description=__doc__.split("\n\n")[0])
+    t = sub.add_parser("train", help=HELP, description=kinds.plain_text(__doc__.split("\n\n")[0]))
     _add_train_arguments(t)
     t.set_defaults(func=run_train)
 
 
 def _chunks(documents):
-    """Each document, long ones in pieces of about ``_CHUNK`` characters cut after a newline."""
+    """Each document, long ones in pieces of at most ``_CHUNK`` characters, each cut before a
+    whitespace character that a non-whitespace one follows (a word's own leading space or newline):
+    the byte-level pre-tokenizer then splits the pieces into the words it splits the whole document
+    into, so the counts the trainer learns from are the same. A stretch of ``_CHUNK`` characters
+    without such a place (no whitespace in it) is cut at ``_CHUNK``."""
     for doc in documents:
         start = 0
         while start < len(doc):
             end = start + _CHUNK
             if end < len(doc):
-                nl = doc.rfind("\n", start, end)
-                end = nl + 1 if nl > start else end
+                k = end - 1
+                while k > start and not (doc[k].isspace() and not doc[k + 1].isspace()):
+                    k -= 1
+                end = k if k > start else end
             yield doc[start:end]
             start = end
 
@@ -149,12 +155,20 @@ def run_train(args) -> int:
     for p in (path, config):
         if p.exists() and not args.overwrite:
             raise ValueError(f"--out: {p} exists (pass --overwrite to replace it)")
-    corpus = load_corpus(args.data, args.text_field)
-    tok = HFTokenizer(train_tokenizer(corpus.documents, args.vocab_size, args.kind, args.min_frequency))
+    try:
+        corpus = load_corpus(args.data, args.text_field)
+        tok = HFTokenizer(train_tokenizer(corpus.documents, args.vocab_size, args.kind, args.min_frequency))
+    except KeyboardInterrupt as e:
+        e.then = f"; the tokenizer was not trained: {out} is as it was"
+        raise
     out.mkdir(parents=True, exist_ok=True)
     config.unlink(missing_ok=True)  # HFTokenizer.save writes a config only where none is
     tok.save(out)
-    ids, _, chars = corpus.encode(tok)
+    try:
+        ids, _, chars = corpus.encode(tok)
+    except KeyboardInterrupt as e:  # (encoding a large corpus for the statistics takes a while)
+        e.then = f"; {path} is written and complete, only its statistics on --data were not measured"
+        raise
     stats = {
         "tokenizer": str(path),
         "kind": args.kind,

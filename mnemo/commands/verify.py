@@ -28,7 +28,7 @@ HELP = "check every op against its reference (the equivalence contract) and prin
 #: ``mnemo verify --help``: the module docstring's usage (its first paragraph said HELP again)
 _DESCRIPTION = (
     "Check every op against its reference (the equivalence contract) and print a pass/FAIL table. "
-    + (__doc__.split("\n\n", 1)[1].split("\n\n")[0].replace("\n", " "))
+    + kinds.plain_text(__doc__.split("\n\n", 1)[1].split("\n\n")[0].replace("\n", " "))
 )
 
 

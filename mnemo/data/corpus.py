@@ -144,7 +144,8 @@ def load_corpus(data: str, text_field: str = "text") -> Corpus:
     ``.parquet`` file (one document per record, its ``text_field``; records whose field is null or
     absent are skipped; a Parquet file with no rows among others is skipped with a warning), a
     folder of such files (all of one format; records with other fields in other files are fine;
-    an empty file among others adds nothing) or a glob pattern. A text
+    an empty file among others adds nothing; its entries with other names, and its subfolders,
+    are not read: a warning names them) or a glob pattern. A text
     file is read with universal newlines (``"\\r\\n"`` and ``"\\r"`` become ``"\\n"``) and without a
     leading UTF-8 byte order mark.
 
@@ -182,7 +183,7 @@ def inherited_text_field(data: str, text_field: str | None) -> str:
     checkpoint was trained with) for records, ``"text"`` for plain text, which has no fields. A
     missing path gives ``text_field`` too (:func:`load_corpus` then names what is wrong)."""
     try:
-        plain = data in BUNDLED or all(corpus_format(f) == "text" for f in _files(data))
+        plain = data in BUNDLED or all(corpus_format(f) == "text" for f in _files(data, warn=False))
     except (OSError, ValueError):
         plain = False
     return "text" if plain or not text_field else text_field
@@ -196,7 +197,8 @@ def _no_fields(data: str, text_field: str) -> None:
         )
 
 
-def _files(data: str) -> list[Path]:
+def _files(data: str, warn: bool = True) -> list[Path]:
+    """The files of ``data`` to read; ``warn``: a warning names a folder's entries left unread."""
     p = Path(data)
     if p.is_file():
         return [p]
@@ -211,13 +213,24 @@ def _files(data: str) -> list[Path]:
                 "not text); give a corpus: a bundled name, a text/.jsonl/.parquet file, or a folder or "
                 "glob of them"
             )
-        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+        entries = sorted(f for f in p.iterdir() if not f.name.startswith("."))
+        files = [f for f in entries if f.is_file()]
         known = [f for f in files if corpus_format(f) != "text" or _plain_name(f).endswith(TEXT_SUFFIXES)]
         if not known:
             raise ValueError(
                 f"data must be a file, a glob or a folder of .txt/.jsonl/.json/.parquet files (.txt.gz, "
                 f".jsonl.gz, ... too); "
                 f"the folder {data!r} holds none"
+            )
+        skipped = [f.name + ("/" if f.is_dir() else "") for f in entries if f not in known]
+        # another extension, a subfolder (not read), a device: said, not silently left out
+        if skipped and warn:
+            shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
+            warnings.warn(
+                f"data {data!r}: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the folder "
+                f"not read (not .txt/.text/.jsonl/.json/.ndjson/.parquet, compressed or not, or a "
+                f"subfolder): {shown}",
+                stacklevel=3,
             )
         return _no_twins(known, data)
     if any(c in data for c in "*?["):
