@@ -287,14 +287,14 @@ SHAPE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
         "lm_head.weight": ("vocab_size", "hidden_size"),
         "norm.weight": ("hidden_size",),
         "mixer_norm.weight": ("hidden_size",),
-        "mixer.in_proj": ("hidden_size", "expand"),
-        "mixer.conv": ("hidden_size", "expand", "conv_kernel"),
-        "mixer.x_proj": ("hidden_size", "expand", "time_step_rank", "state_size"),
-        "mixer.dt_proj.weight": ("hidden_size", "expand", "time_step_rank"),
-        "mixer.dt_proj.bias": ("hidden_size", "expand"),
-        "mixer.A_log": ("hidden_size", "expand", "state_size"),
-        "mixer.D": ("hidden_size", "expand"),
-        "mixer.o_proj": ("hidden_size", "expand"),
+        "mixer.in_proj": ("hidden_size", "expand", "intermediate_size"),
+        "mixer.conv": ("hidden_size", "expand", "intermediate_size", "conv_kernel"),
+        "mixer.x_proj": ("hidden_size", "expand", "intermediate_size", "time_step_rank", "state_size"),
+        "mixer.dt_proj.weight": ("hidden_size", "expand", "intermediate_size", "time_step_rank"),
+        "mixer.dt_proj.bias": ("hidden_size", "expand", "intermediate_size"),
+        "mixer.A_log": ("hidden_size", "expand", "intermediate_size", "state_size"),
+        "mixer.D": ("hidden_size", "expand", "intermediate_size"),
+        "mixer.o_proj": ("hidden_size", "expand", "intermediate_size"),
     },
     "mamba2": {
         "embed.weight": ("vocab_size", "hidden_size"),
@@ -379,19 +379,32 @@ def _check_shapes(
 
 def import_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
     """``transformers`` ``MambaForCausalLM`` → mnemo layers ``mamba`` (no MLP, tied head by
-    ``tie_word_embeddings``, default true)."""
+    ``tie_word_embeddings``, default true; the inner width is ``intermediate_size`` where the config
+    gives it, as ``MambaMixer`` is built, else ``expand · hidden_size``)."""
     where, c = "MambaForCausalLM", hf_config
     _check_act(where, c.get("hidden_act", "silu"))
     hidden = int(c["hidden_size"])
+    expand, expand_field = c.get("expand", 2), "expand"
+    inner = c.get("intermediate_size")
+    if inner is not None:  # transformers' MambaMixer is built from it (expand only sets its default)
+        if isinstance(expand, bool) or not isinstance(expand, (int, float)) or not 0 < expand < math.inf:
+            raise ValueError(f"{where}: field 'expand': expected a positive int, got {expand!r}")
+        if isinstance(inner, bool) or not isinstance(inner, int) or inner < 1 or inner % hidden:
+            raise ValueError(
+                f"{where}: field 'intermediate_size': expected a positive multiple of hidden_size = {hidden} "
+                f"(mnemo's d_inner is expand · d_model, expand an int), got {inner!r}"
+            )
+        expand, expand_field = inner // hidden, "intermediate_size"
     opts = _mamba_options(
         where,
         hidden,
         c.get("state_size", 16),
-        c.get("expand", 2),
+        expand,
         c.get("conv_kernel", 4),
         c.get("time_step_rank", "auto"),
         c.get("use_bias", False),
         c.get("use_conv_bias", True),
+        expand_field=expand_field,
     )
     tie = c.get("tie_word_embeddings", True)
     vocab = _vocab(where, weights, c.get("vocab_size"))
@@ -401,7 +414,10 @@ def import_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConf
     state = _import_weights(weights, MAMBA_KEYS, tie, where)
     defaults = dict(vocab_size=vocab, hidden_size=None, expand=2, conv_kernel=4, time_step_rank="auto")
     defaults["state_size"] = 16
-    _check_shapes(where, config, state, MAMBA_KEYS, _shown(c, defaults))
+    shown = _shown(c, defaults)
+    if expand_field == "intermediate_size" and inner != c.get("expand", 2) * hidden:
+        shown["intermediate_size"] = repr(inner)  # (named in a shape error where it, not expand, decides)
+    _check_shapes(where, config, state, MAMBA_KEYS, shown)
     return config, state
 
 

@@ -50,6 +50,7 @@ by their constructors. ``save_pretrained`` writes mnemo's format (``config.json`
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,12 @@ class MnemoConfig(PretrainedConfig):
     """``transformers`` config of a mnemo model: the fields of :class:`mnemo.models.ModelConfig`
     (same names, same defaults) plus ``use_cache``. :meth:`to_model_config` gives the mnemo config;
     :meth:`from_model_config` builds one from it. ``save_pretrained`` writes mnemo's
-    ``config.json`` (the model fields and ``"model_type": "mnemo"``)."""
+    ``config.json`` (the model fields and ``"model_type": "mnemo"``).
+
+    ``max_position_embeddings`` (read-only, not saved): ``max_position`` with learned positions
+    (``pos_embedding="learned"``), ``None`` where positions are unbounded; ``transformers``' ``generate``
+    caps its default length at it, as for its own models. Setting it to another value raises
+    ``ValueError`` (set ``max_position``)."""
 
     model_type = MODEL_TYPE
 
@@ -105,6 +111,21 @@ class MnemoConfig(PretrainedConfig):
     norm_eps: float = 1e-5
     init_std: float = 0.02
     use_cache: bool = True
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        return self.max_position if self.pos_embedding == "learned" else None
+
+    @max_position_embeddings.setter
+    def max_position_embeddings(self, value) -> None:
+        # derived from pos_embedding and max_position; a config dict that carries it (written by
+        # transformers' to_dict elsewhere) loads when it agrees
+        if value != self.max_position_embeddings:
+            raise ValueError(
+                f"max_position_embeddings: derived from pos_embedding={self.pos_embedding!r} and "
+                f"max_position={self.max_position} (expected {self.max_position_embeddings}), got {value!r}; "
+                "set max_position (and pos_embedding) instead"
+            )
 
     def to_model_config(self) -> ModelConfig:
         """The mnemo :class:`~mnemo.models.ModelConfig` (validated: ``ValueError`` names a bad field)."""
@@ -266,6 +287,12 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("inputs_embeds: not supported by mnemo models; pass input_ids")
         if input_ids is None:
             raise ValueError("input_ids: required")
+        for k in ("output_hidden_states", "output_attentions"):  # would come back as None, silently
+            if kwargs.get(k):
+                raise ValueError(
+                    f"{k}: not supported by MnemoForCausalLM (expected None or False, got {kwargs[k]!r}); "
+                    "read the residual stream with LanguageModel.run_with_cache (model.model)"
+                )
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the state as cache= or as past_key_values=, not both")
         cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
@@ -308,12 +335,14 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         return out if return_dict else out.to_tuple()
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        """``transformers``' ``generate``; with learned positions (``pos_embedding="learned"``) a
-        prompt longer than ``max_position``, or one whose ``max_new_tokens`` (the argument, else the given
-        generation config's, else the model's; without any, what ``max_length`` leaves, as
-        ``transformers`` counts it)
-        run past it, raises ``ValueError`` naming the lengths before any work
-        (:meth:`mnemo.models.LanguageModel.generate`'s check)."""
+        """``transformers``' ``generate``. With learned positions (``pos_embedding="learned"``) the length
+        follows ``transformers``' rules for its own models: without ``max_new_tokens`` or ``max_length``
+        (the argument, else the given generation config's, else the model's) it makes its default 20 new
+        tokens, capped so that prompt and new tokens fit ``config.max_position_embeddings``
+        (``max_position``). A prompt longer than ``max_position``, a ``max_new_tokens`` or ``max_length``
+        that runs past it, or a default length that leaves no new token (a prompt of ``max_position``
+        tokens) raises ``ValueError`` before any work, naming the argument that was set and the lengths
+        (the last new token is returned, not read: ``max_length`` may reach ``max_position + 1``)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if self.model.pos_embed is not None and torch.is_tensor(ids) and ids.ndim == 2:
             configs = (kwargs.get("generation_config"), self.generation_config)
@@ -324,12 +353,24 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
                     return kwargs[key]
                 return next((v for g in configs if (v := getattr(g, key, None)) is not None), None)
 
-            new = setting("max_new_tokens")
-            if new is None:  # transformers then stops at max_length (the argument, else the configs'),
-                # and without one generates its default max_length (20) of new tokens
-                length = setting("max_length")
-                new = length - ids.shape[1] if isinstance(length, int) else _DEFAULT_MAX_NEW_TOKENS
-            self.model._check_positions(ids.shape[1], new if isinstance(new, int) and new > 0 else 1)
+            L, P = ids.shape[1], self.model.config.max_position
+            self.model._check_positions(L, 1)  # the prompt itself (named input_ids)
+            new, length = setting("max_new_tokens"), setting("max_length")
+            if new is not None:  # transformers: max_new_tokens takes precedence over max_length
+                self.model._check_positions(L, new if isinstance(new, int) and new > 0 else 1)
+            elif isinstance(length, int):
+                if length - 1 > P:
+                    raise ValueError(
+                        f"max_length: {length} tokens (a prompt of {L} and {length - L} new ones) read "
+                        f"{length - 1} positions, but the learned positions cover max_position = {P}: "
+                        f"max_length at most {P + 1}, or set max_new_tokens (at most {P - L + 1})"
+                    )
+            elif min(L + _DEFAULT_MAX_NEW_TOKENS, P) <= L:  # transformers' default, capped (none left)
+                raise ValueError(
+                    f"input_ids: a prompt of {L} tokens fills the learned positions (max_position = {P}), "
+                    f"so the default length (capped at max_position_embeddings = {P}, as transformers "
+                    "does) leaves no new token; set max_new_tokens=1 (the last new token is not read)"
+                )
         return super().generate(inputs, *args, **kwargs)
 
     def prepare_inputs_for_generation(
@@ -356,6 +397,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         inputs = {"input_ids": input_ids.contiguous(), "cache": cache, "attention_mask": attention_mask}
         if use_cache is not None:
             inputs["use_cache"] = use_cache
+        for k in ("output_hidden_states", "output_attentions"):  # asked for: forward refuses by name
+            if kwargs.get(k):
+                inputs[k] = kwargs[k]
         return inputs
 
     @classmethod
@@ -379,10 +423,14 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         ``device_map``: a device (``"cpu"``, ``"cuda:0"``) or ``"auto"`` (CUDA when available).
         Hub options (``revision``, ``cache_dir``, ``local_files_only``, ``token``, ``subfolder``)
         apply to a repository id; other ``transformers`` loading options are ignored; remaining
-        keyword arguments set attributes of the config (``use_cache=False``).
+        keyword arguments set attributes of the config (``use_cache=False``); a model field
+        (``norm_eps``, ``tie_embeddings``…) given there or in ``config`` that differs from the checkpoint's
+        raises ``ValueError`` naming it (the weights are loaded into the model the checkpoint describes).
         A ``generation_config.json`` in the folder (a converted checkpoint carries its source's)
         becomes ``generation_config`` (end-of-text ids, default lengths), as ``transformers``
-        loads it for its own models.
+        loads it for its own models; without one, the special token ids a converted checkpoint kept
+        from its source's ``config.json`` (``hf_config_carried.json``) set them, as ``transformers``
+        derives them from that config (a foreign folder loaded directly: its own ``config.json``'s).
         """
         if model_args:
             raise TypeError("MnemoForCausalLM.from_pretrained takes no positional model arguments")
@@ -412,10 +460,39 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             if not hasattr(config, k):
                 raise TypeError(f"MnemoForCausalLM.from_pretrained: unexpected argument {k!r}")
             setattr(config, k, v)
+        # the model is the one the checkpoint describes: a config (or an argument) that says another
+        # model field would be carried by model.config while the weights compute the checkpoint's
+        want, got = lm.config.to_dict(), config.to_model_config().to_dict()
+        for k in (k for k in want if got.get(k) != want[k]):
+            given = f"the argument {k}=" if k in kwargs else f"config.{k} = "
+            raise ValueError(
+                f"{k}: {given}{got.get(k)!r} differs from the checkpoint's config.json ({want[k]!r}); "
+                "MnemoForCausalLM.from_pretrained loads the model its checkpoint describes: change "
+                "config.json, or build LanguageModel(config) and load the weights into it"
+            )
         config.name_or_path = str(pretrained_model_name_or_path)
         model = cls(config, model=lm)
         if (path / GENERATION_CONFIG_NAME).is_file():  # as transformers' own loader reads it
             model.generation_config = GenerationConfig.from_pretrained(path)
+        else:  # none: the special ids a converted checkpoint kept from its source's config.json, or a
+            # foreign folder's own config.json declares (transformers derives its generation config
+            # from them for the source class)
+            from .convert import CARRIED_CONFIG_NAME, MNEMO_MODEL_TYPE, TOKEN_ID_FIELDS
+
+            def read(name):
+                f = path / name
+                data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+                return data if isinstance(data, dict) else {}
+
+            if (path / CARRIED_CONFIG_NAME).is_file():
+                fields = read(CARRIED_CONFIG_NAME).get("fields") or {}
+            else:
+                own = read(CONFIG_NAME)
+                fields = own if own.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {}
+            for k in TOKEN_ID_FIELDS:
+                if fields.get(k) is not None:
+                    setattr(model.generation_config, k, fields[k])
+            model._derived_generation = _generation_fields(model.generation_config)  # (derived too)
         if device_map is not None:
             if device_map == "auto":
                 device_map = "cuda" if torch.cuda.is_available() else "cpu"
