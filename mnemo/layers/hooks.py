@@ -170,12 +170,24 @@ def before_hook(value: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
 def left_unchanged(before: torch.Tensor, after: Any, mark: tuple[int | None, torch.Tensor | None]) -> bool:
     """Whether a hook point gave back ``before`` untouched (``mark`` from :func:`before_hook`):
     ``before`` itself with its version counter unmoved, or, under ``torch.inference_mode``, a tensor
-    equal to the copy taken before the hook (no gradient flows there, so equal values are the same
-    value). A hook that edited the value in place or returned another one replaced it."""
+    equal to the copy taken before the hook, NaN where it held NaN (no gradient flows there, so equal
+    values are the same value). A hook that edited the value in place or returned another one replaced it."""
     version, copy = mark
     if copy is not None:
-        return isinstance(after, torch.Tensor) and after.shape == copy.shape and torch.equal(after, copy)
+        return isinstance(after, torch.Tensor) and after.shape == copy.shape and _same_entries(after, copy)
     return after is before and not before.is_inference() and before._version == version
+
+
+def _same_entries(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, with a NaN equal to a NaN where it stands (a hook that only read a value
+    holding NaN left it as it was; ``torch.equal`` alone would count it replaced)."""
+    if torch.equal(a, b):
+        return True
+    return (
+        (a.is_floating_point() or a.is_complex())
+        and (a.dtype, a.device) == (b.dtype, b.device)
+        and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+    )
 
 
 def _describe(value) -> str:
