@@ -151,14 +151,6 @@ def version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def left_as_is(before: torch.Tensor, after, version: int | None) -> bool:
-    """Whether a hook point gave back ``before`` itself, unchanged since ``version`` (from
-    :func:`version_of` before the call): a hook that only read the value. ``False`` when that cannot
-    be told (an inference tensor): the caller then treats the value as replaced, which is correct,
-    only costlier."""
-    return after is before and version is not None and version_of(before) == version
-
-
 def check_input(x: torch.Tensor, d_model: int, name: str = "x") -> tuple[int, int]:
     if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d_model:
         shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
