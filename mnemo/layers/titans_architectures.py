@@ -433,6 +433,7 @@ class TitansMAC(Mixer):
     def mixing_exact(self) -> bool:
         return self.memory.mixing_exact
 
+    @torch.no_grad()  # as Mixer.mixing_acts: the recorded values carry no autograd graph
     def mixing_acts(self, x: torch.Tensor) -> dict:
         """The values of :attr:`mixing_hooks` on one fresh-stream call on ``x [B, T, d_model]``, each
         joined over the call's segment pieces (:func:`~mnemo.layers.hooks.join_pieces`: the memory's

@@ -105,17 +105,22 @@ def _tiles(name: str, point: HookPoint, fired: list, T: int) -> bool:
     """Whether hook ``name``'s firings ``[(offset, stop, value)]`` are one firing over the call, or pieces
     that tile it in stream order: the first starts at or before token 0 (a learned prefix comes
     first), each starts where the previous stopped, the last stops at ``T``, and a tensor value
-    with a time axis holds its piece's tokens there."""
+    with a time axis holds its piece's tokens there (one firing over the call: the call's ``T``; more
+    rows, a prefix, must be placed in the call as a piece, :func:`~mnemo.layers.hooks.enter_piece`)."""
+    td = point.time_dim
+
+    def holds(value, n: int) -> bool:  # a per-token tensor value has the n tokens it covers
+        per_token = isinstance(value, torch.Tensor) and td is not None and value.ndim > td
+        return not per_token or name.rsplit(".", 1)[-1] == "hook_state" or value.shape[td] == n
+
     if len(fired) == 1 and fired[0][1] is None:
-        return True
+        return holds(fired[0][2], T)
     if any(stop is None for _, stop, _ in fired):
         return False  # a firing over the whole call beside others
-    td = point.time_dim
     for i, (offset, stop, value) in enumerate(fired):
         if i == 0 and offset > 0 or i > 0 and offset != fired[i - 1][1]:
             return False
-        per_token = isinstance(value, torch.Tensor) and td is not None and value.ndim > td
-        if per_token and name.rsplit(".", 1)[-1] != "hook_state" and value.shape[td] != stop - offset:
+        if not holds(value, stop - offset):
             return False
     return fired[-1][1] == T
 
@@ -124,7 +129,8 @@ def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
     """Every hook point fires exactly once per call — or, for a mixer that reads its input in
     segments of its own (Titans MAC, the self-modifying projections; :mod:`mnemo.layers.hooks`),
     once per piece, each placed in the call (:func:`~mnemo.layers.hooks.span`) so that the pieces
-    tile the call in stream order, a tensor value with the piece's tokens along its time axis; zeroing
+    tile the call in stream order; a tensor value has the call's (the piece's) tokens along its time
+    axis, a learned prefix's rows in a piece placed before token 0; zeroing
     ``hook_o`` (or, without it, the first tensor hook) changes the output — the hooked value is the
     one used downstream (default ``T=6``)."""
     m = _build(name, d_model, options)
@@ -158,7 +164,7 @@ def check_hooks(name, d_model=32, options=None, T=6) -> CheckResult:
             math.inf,
             0.0,
             f"hooks fired {wrong or ''} times (not once per call, nor once per piece of a tiling of the "
-            f"call's {T} tokens) never: {silent}",
+            f"call's {T} tokens, each value holding its tokens along its time axis) never: {silent}",
         )
     target = (
         "hook_o"
