@@ -249,7 +249,8 @@ class GatedLinearAttention(_QKVMixer):
     Transformer's ``12 d²`` per block; the FFN is the model's choice here). Its RMSNorm per head
     stands where the paper has a GroupNorm (which also subtracts the mean). The preset had
     ``expand_v=1.0`` before: a checkpoint of that width is rebuilt with ``mixer_options={"retnet":
-    {"expand_v": 1.0}}``.
+    {"expand_v": 1.0}}`` (``LanguageModel.from_pretrained`` adds it when the saved config names no
+    ``expand_v`` and the weights have the old width; a training run resumed is not rebuilt so).
 
     Defaults: ``n_heads=4``, ``expand_k=0.5``, ``expand_v=1.0``, ``short_conv=False``,
     ``conv_size=4``, ``gate_rank=16``, ``gate_normalizer=16.0``, ``chunk_size=64`` (and

@@ -164,10 +164,11 @@ def cat_rows(states: list):
 def nbytes(state) -> int:
     """Bytes of every tensor inside ``state`` (``numel × element size``; works on ``meta``).
 
-    A tensor reached from two places counts twice: this is the size of the state with each entry
-    held on its own (saved, copied or moved to another device), the quantity ``state_size_bytes``
-    declares. Where entries alias one storage at run time (a self-modifying memory's anchor equal
-    to its weights at a chunk boundary), the resident size can be smaller.
+    A tensor reached from two places counts twice: the size of the state with each entry held on
+    its own, the quantity ``state_size_bytes`` declares (an upper bound). Where two entries are one
+    tensor (a self-modifying memory's anchor at a chunk boundary *is* its weights), the resident
+    size is smaller, and so is that of a copy or a move of it (:func:`snapshot`, :func:`to`: see
+    :func:`map_tensors`, which keeps a shared tensor shared).
     """
     return sum(t.numel() * t.element_size() for t in tensors(state))
 

@@ -911,6 +911,7 @@ class LanguageModel(nn.Module):
             config = ModelConfig.load(cfg_path)
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"corrupt model config {cfg_path}: {e}") from e
+        config = _legacy_retnet_width(config, w_path)
         model = cls(config)
         if dtype is None:
             dtype = _stored_dtype(w_path) or torch.float32
@@ -945,6 +946,33 @@ def _check_dtype(dtype) -> torch.dtype | None:
     if isinstance(dtype, torch.dtype) and dtype in _FLOAT_DTYPES.values():
         return dtype
     raise ValueError(f"dtype: expected None, 'auto' or one of {sorted(_FLOAT_DTYPES)}, got {dtype!r}")
+
+
+def _legacy_retnet_width(config: ModelConfig, weights: Path) -> ModelConfig:
+    """``config`` with ``mixer_options["retnet"]["expand_v"] = 1.0`` when it does not name
+    ``expand_v`` and the ``retnet`` weights in ``weights`` have that width: the ``retnet`` preset's
+    value width before it became the paper's ``expand_v = 2.0`` (a saved config names only the
+    options given, so such a folder would not load). Else ``config`` unchanged."""
+    names = config.layer_mixers()
+    opts = config.mixer_options.get("retnet", {})
+    if "retnet" not in names or not isinstance(opts, dict) or "expand_v" in opts:
+        return config
+    from safetensors import safe_open
+
+    key = f"blocks.{names.index('retnet')}.mixer.o_proj.weight"
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            stored = list(f.get_slice(key).get_shape()) if key in f.keys() else None
+        old = {**opts, "expand_v": 1.0}
+        with torch.device("meta"):
+            now, then = (list(MIXERS["retnet"](config.d_model, **o).o_proj.weight.shape) for o in (opts, old))
+    except Exception:  # unreadable weights or bad options: reported by what follows
+        return config
+    if stored != then or then == now:
+        return config
+    return ModelConfig.from_dict(
+        {**config.to_dict(), "mixer_options": {**config.mixer_options, "retnet": old}}
+    )
 
 
 def _stored_dtype(weights: Path) -> torch.dtype | None:

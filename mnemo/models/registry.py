@@ -111,7 +111,7 @@ def build_config(name: str, **overrides) -> ModelConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# The small defaults are sized for CPU experiments (d_model 128, 4 layers, ~0.8M parameters).
+# The small defaults are sized for CPU experiments (d_model 128, 4 layers, ~0.8-1.1M parameters).
 # --------------------------------------------------------------------------------------------
 
 _HEADS = 4
