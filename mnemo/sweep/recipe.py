@@ -111,7 +111,8 @@ def _higher_is_better(metric: str) -> bool:
 def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None = None) -> bool | None:
     """Whether a run's evaluation ``curve`` (records with ``step`` and ``metric``, in order) left
     its initial plateau; ``None`` (unknown) when the curve has no finite value, or only one that did
-    not reach ``threshold``: a single evaluation shows no rise and no plateau either.
+    not reach ``threshold`` (nor lies in the ceiling's band below): a single evaluation shows no rise
+    and no plateau either.
 
     The plateau's level is the median of the first half of the curve (its first ``⌈n/2⌉``
     values), not its first value: a first evaluation often sits *below* the plateau (MQAR's
@@ -121,7 +122,8 @@ def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None 
     best value is at least :data:`LOSS_RISE` × the level below it, or at most ``threshold``.
 
     An accuracy curve whose level already lies within :data:`ACC_RISE` of the ceiling (``threshold``,
-    else 1) left its plateau before the first evaluation (``True``, also for a single evaluation):
+    else 1; not for a threshold below ``1 − ACC_RISE``, which may lie within the margin of a task's
+    guessing) left its plateau before the first evaluation (``True``, also for a single evaluation):
     there a rise by the margin could only be the threshold reached, so a run that learnt the task
     to 0.93 at its first evaluation and ends at 0.95 (threshold 0.99) would read as "stuck"; the
     initial plateau of a run from scratch is its untrained model's guessing level, which it has
@@ -133,7 +135,9 @@ def left_plateau(curve: list[dict] | None, metric: str, threshold: float | None 
         return None
     head = sorted(values[: (len(values) + 1) // 2])
     level = head[(len(head) - 1) // 2]  # the (lower) median of the first half
-    if _higher_is_better(metric):
+    # (a threshold below 1 − ACC_RISE may lie within ACC_RISE of a task's guessing: MQAR's 0.25
+    # under --threshold 0.3; there the rule stays a rise or the threshold reached)
+    if _higher_is_better(metric) and (threshold is None or threshold >= 1 - ACC_RISE - _RISE_SLACK):
         ceiling = 1.0 if threshold is None else min(threshold, 1.0)
         if level >= ceiling - ACC_RISE - _RISE_SLACK:  # no room for a rise short of the ceiling:
             return True  # the plateau (an untrained model's guessing) lay before the first evaluation

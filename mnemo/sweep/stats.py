@@ -129,9 +129,11 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
         return out
     # the deviations scaled by the largest first: their squares past the float range (values
     # beyond ~1e154) raised OverflowError, where the mean above handles an overflowing sum
-    dev = [x - mean for x in xs]
+    dev, scale = [x - mean for x in xs], 1.0
+    if not all(map(math.isfinite, dev)):  # a difference itself past the range (values near ±1.8e308)
+        dev, scale = [x / 2 - mean / 2 for x in xs], 2.0
     big = max(abs(d) for d in dev)
-    std = big * math.sqrt(math.fsum((d / big) ** 2 for d in dev) / (n - 1)) if big > 0 else 0.0
-    half = t_quantile(0.5 + confidence / 2, n - 1) * std / math.sqrt(n)
+    std = big * math.sqrt(math.fsum((d / big) ** 2 for d in dev) / (n - 1)) * scale if big > 0 else 0.0
+    half = t_quantile(0.5 + confidence / 2, n - 1) * (std / math.sqrt(n))  # (t · std may overflow)
     out.update(std=std, half_width=half, low=mean - half, high=mean + half)
     return out

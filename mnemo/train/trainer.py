@@ -358,7 +358,7 @@ class Trainer:
                             logits, yi = self.train_model(xi, logits_at=at), y_host[at].to(self.device)
                         else:  # the summed loss, without the [B, T, vocab] logits (chunked head)
                             logits, ce = None, self.train_model(xi, targets=yi, ignore_index=IGNORE_INDEX)
-                    if logits is not None:  # (in float32, outside the autocast)
+                    if logits is not None:  # (in float32, float64 kept; outside the autocast)
                         ce = summed_cross_entropy(logits, yi)
                 except NonFiniteError as e:  # an op found NaN/inf in its inputs (MNEMO_CHECK_FINITE)
                     error, ce = e, None
