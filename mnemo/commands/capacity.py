@@ -316,8 +316,9 @@ def run(args) -> int:
     """``mnemo probe capacity``: run the sweep, write ``capacity.json``, ``.md`` and ``.png``.
 
     The cells are measured one (N, passes) at a time; an interrupt (Ctrl-C) saves those measured
-    in ``--out/capacity.partial.json``, and the same command again measures only the others (a
-    partial file of other settings is replaced). It is removed once the results are written."""
+    in ``--out/capacity.partial.json``, and the same command again, with the same code, measures
+    only the others (a partial file of other settings or code is replaced). It is removed once the
+    results are written."""
     import matplotlib.pyplot as plt
     import torch
 
@@ -327,7 +328,7 @@ def run(args) -> int:
     for f in files:  # before any work: an existing result is replaced only with --overwrite
         kinds.refuse_existing(f, "--out", args.overwrite)
     partial = out / PARTIAL_NAME
-    expected = json.loads(json.dumps(_expected_settings(args)))
+    expected = json.loads(json.dumps({**_expected_settings(args), "sources": _sources_md5()}))
     done = _partial_cells(partial, expected)
     if done:
         print(f"{partial}: {len(done)} measured cell(s) kept from an interrupted run", file=sys.stderr)
@@ -367,9 +368,25 @@ def run(args) -> int:
 PARTIAL_NAME = "capacity.partial.json"
 
 
+def _sources_md5() -> str:
+    """md5 over mnemo's own sources (every ``.py`` file of the package, as imported) and torch's
+    version: a partial file's cells are continued from only when the code that measured them is
+    today's (as :func:`mnemo.commands.continual.run_key` keys its kept runs)."""
+    import hashlib
+
+    import torch
+
+    package = Path(__file__).resolve().parents[1]
+    h = hashlib.md5(torch.__version__.encode())
+    for f in sorted(package.rglob("*.py")):
+        h.update(f.relative_to(package).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def _partial_cells(partial: Path, expected: dict) -> dict:
-    """The cells kept in ``partial`` by an interrupted run of the same settings, keyed by
-    ``(variant, n_pairs, passes)``; none when it is absent, unreadable or of other settings."""
+    """The cells kept in ``partial`` by an interrupted run of the same settings and sources
+    (:func:`_sources_md5`), keyed by ``(variant, n_pairs, passes)``; none when it is absent,
+    unreadable, of other settings or of other code."""
     try:
         held = json.loads(partial.read_text())
         if held["expected"] != expected:

@@ -67,19 +67,25 @@ def add_commands(subparsers) -> None:
     t.set_defaults(func=run_train)
 
 
+def _space(c: str) -> bool:
+    """Whitespace as the byte-level pre-tokenizer's ``\\s`` has it (Unicode White_Space):
+    ``str.isspace`` without the separators U+001C..U+001F, which ``\\s`` does not match."""
+    return c.isspace() and not "\x1c" <= c <= "\x1f"
+
+
 def _chunks(documents):
     """Each document, long ones in pieces of at most ``_CHUNK`` characters, each cut before a
-    whitespace character that a non-whitespace one follows (a word's own leading space or newline):
-    the byte-level pre-tokenizer then splits the pieces into the words it splits the whole document
-    into, so the counts the trainer learns from are the same. A stretch of ``_CHUNK`` characters
-    without such a place (no whitespace in it) is cut at ``_CHUNK``."""
+    whitespace character (:func:`_space`) that a non-whitespace one follows (a word's own leading
+    space or newline): the byte-level pre-tokenizer then splits the pieces into the words it splits
+    the whole document into, so the counts the trainer learns from are the same. A stretch of
+    ``_CHUNK`` characters without such a place (no whitespace in it) is cut at ``_CHUNK``."""
     for doc in documents:
         start = 0
         while start < len(doc):
             end = start + _CHUNK
             if end < len(doc):
                 k = end - 1
-                while k > start and not (doc[k].isspace() and not doc[k + 1].isspace()):
+                while k > start and not (_space(doc[k]) and not _space(doc[k + 1])):
                     k -= 1
                 end = k if k > start else end
             yield doc[start:end]

@@ -43,8 +43,8 @@ class _Logits(torch.nn.Module):
         targets: torch.Tensor | None = None,
         ignore_index: int = -100,
     ) -> torch.Tensor:
-        """Logits, or with ``targets`` (not with ``first``) the summed cross-entropy (0-d float32)
-        computed without them (:meth:`LanguageModel.forward`'s ``targets``)."""
+        """Logits, or with ``targets`` (not with ``first``) the summed cross-entropy (0-d float32;
+        float64 for a float64 model) computed without them (:meth:`LanguageModel.forward`'s ``targets``)."""
         if targets is not None:
             if first is not None:
                 raise ValueError("targets: not with first (packed documents return their logits)")
@@ -198,7 +198,10 @@ class RunData:
                 self.train_set = fixed_train_set(self.task, cfg.train_examples, cfg.seq_len, cfg.seed)
             self.vocab_size = self.task.vocab_size
             return
-        corpus = load_corpus(cfg.data, cfg.text_field)
+        with warnings.catch_warnings():  # (a --data folder's unread entries: said by rank 0 alone)
+            if not is_main:
+                warnings.simplefilter("ignore")
+            corpus = load_corpus(cfg.data, cfg.text_field)
         if ckpt is not None:
             self.tokenizer = load_tokenizer(ckpt)
         else:  # a char vocabulary is read from the text; byte and tokenizer files need none
