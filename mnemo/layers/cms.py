@@ -184,8 +184,13 @@ def meta_gradient(phi: tuple, adapt, loss, order: str = "unrolled", create_graph
         raise ValueError(f"order: expected 'unrolled' or 'first_order', got {order!r}")
     with torch.enable_grad():
         if order == "unrolled":
-            start = tuple(p if p.requires_grad else p.detach().requires_grad_() for p in phi)
-            inputs, value = start, loss(adapt(start))
+            # the gradient is taken at fresh leaves, carried back to Φ's own graph by an identity
+            # path: taken at Φ itself, autograd would also run every node between the loss and Φ
+            # (under torch.compile one node is a whole graph: one that read Φ's level, with
+            # create_graph, which compiled graphs refuse)
+            inputs = tuple(p.detach().requires_grad_() for p in phi)
+            start = tuple(q + (p - p.detach()) if p.requires_grad else q for q, p in zip(inputs, phi))
+            value = loss(adapt(start))
         else:  # θ plus an identity path from a fresh Φ: the gradient of loss(θ), carried back to Φ
             inputs = tuple(p.detach().requires_grad_() for p in phi)
             adapted = tuple(adapt(phi))
@@ -912,7 +917,8 @@ class ContinuumMemory(nn.Module):
             ValueError: ``x`` is not ``[B, T, d_model]``; ``state`` is not a :class:`CMSState` or
                 ``None``, holds another number of levels,
                 another batch size, or a level state this module cannot continue (weights of other
-                widths, momentum buffers missing for a momentum optimizer or present for ``"gd"``).
+                widths, momentum buffers missing for a momentum optimizer or present for ``"gd"``,
+                kept period inputs :attr:`LevelState.inputs` not those of this configuration).
         """
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x: expected [B, T, {self.d_model}], got {list(x.shape)}")
