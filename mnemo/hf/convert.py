@@ -637,9 +637,9 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     :data:`CARRIED_CONFIG_NAME` with those of :data:`CARRIED_FIELDS` (the bos / eos / pad token
     ids, ``residual_in_fp32``) that its ``config.json`` has, which :func:`export_hf` writes back.
     ``mnemo generate`` stops at the end-of-text id they declare (``--ignore-eos``: it does not);
-    ``LanguageModel.generate`` stops only when given ``eos_token_id``, and
-    ``MnemoForCausalLM.generate`` (which equals it) only when ``transformers``' ``generate`` is
-    passed ``eos_token_id=``.
+    ``LanguageModel.generate`` stops only when given ``eos_token_id``; ``MnemoForCausalLM.generate``
+    (which equals it) stops there too, as ``MnemoForCausalLM.from_pretrained`` sets its
+    ``generation_config`` from them (as ``transformers`` does for the source class).
 
     The folder is written whole into a temporary sibling and moved into place when complete:
     ``out`` must be empty or new, or with ``force`` a checkpoint folder (holding ``config.json``)

@@ -256,6 +256,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         # the generation config transformers derived from the config: save_pretrained writes one
         # only where it says more (a later change of the config, e.g. use_cache, is not one)
         self._derived_generation = _generation_fields(self.generation_config)
+        # the special ids from_pretrained took from hf_config_carried.json or a foreign config.json
+        self._source_ids: dict[str, Any] = {}
 
     def _init_weights(self, module) -> None:
         """A no-op: :class:`~mnemo.models.LanguageModel` initialises its own parameters (mnemo's
@@ -288,9 +290,12 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise ValueError("input_ids: required")
         for k in ("output_hidden_states", "output_attentions"):  # would come back as None, silently
-            if kwargs.get(k):
+            # (not given: the config's, as transformers' models read it)
+            v, src = (kwargs[k], "") if kwargs.get(k) is not None else (getattr(self.config, k, None), None)
+            if v:
+                got = f"{v!r}" if src is not None else f"config.{k} = {v!r}"
                 raise ValueError(
-                    f"{k}: not supported by MnemoForCausalLM (expected None or False, got {kwargs[k]!r}); "
+                    f"{k}: not supported by MnemoForCausalLM (expected None or False, got {got}); "
                     "read the residual stream with LanguageModel.run_with_cache (model.model)"
                 )
         if cache is not None and past_key_values is not None:
@@ -463,7 +468,14 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         # the model is the one the checkpoint describes: a config (or an argument) that says another
         # model field would be carried by model.config while the weights compute the checkpoint's
         want, got = lm.config.to_dict(), config.to_model_config().to_dict()
+        try:  # config.json as written (the loader may complete it, e.g. an old retnet width)
+            written = ModelConfig.load(path / CONFIG_NAME).to_dict()
+        except Exception:  # another library's config: converted in memory
+            written = {}
         for k in (k for k in want if got.get(k) != want[k]):
+            if k in written and got.get(k) == written[k]:  # what config.json says: the model it loads
+                setattr(config, k, want[k])
+                continue
             given = f"the argument {k}=" if k in kwargs else f"config.{k} = "
             raise ValueError(
                 f"{k}: {given}{got.get(k)!r} differs from the checkpoint's config.json ({want[k]!r}); "
@@ -481,17 +493,22 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
 
             def read(name):
                 f = path / name
-                data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+                try:
+                    data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+                except (OSError, ValueError) as e:  # (as mnemo generate and export_hf name it)
+                    raise ValueError(f"corrupt file {f}: not JSON ({e})") from None
                 return data if isinstance(data, dict) else {}
 
             if (path / CARRIED_CONFIG_NAME).is_file():
                 fields = read(CARRIED_CONFIG_NAME).get("fields") or {}
+                fields = fields if isinstance(fields, dict) else {}
             else:
                 own = read(CONFIG_NAME)
                 fields = own if own.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {}
             for k in TOKEN_ID_FIELDS:
                 if fields.get(k) is not None:
                     setattr(model.generation_config, k, fields[k])
+                    model._source_ids[k] = fields[k]  # (mnemo's config.json does not hold them)
             model._derived_generation = _generation_fields(model.generation_config)  # (derived too)
         if device_map is not None:
             if device_map == "auto":
@@ -505,12 +522,32 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """Write mnemo's checkpoint format (``config.json`` + ``model.safetensors``), which
         :meth:`from_pretrained`, ``AutoModelForCausalLM`` and mnemo itself load, and
-        ``generation_config.json`` where ``generation_config`` says more than the model config."""
+        ``generation_config.json`` where ``generation_config`` says more than the model config, or
+        holds special ids that :meth:`from_pretrained` took from a converted folder's
+        ``hf_config_carried.json`` (or a foreign ``config.json``) and ``save_directory`` would not
+        give back."""
         if kwargs.get("push_to_hub"):
             raise NotImplementedError("MnemoForCausalLM.save_pretrained: push_to_hub is not supported")
         self.model.save_pretrained(save_directory)
-        if self._generation_config_is_set():  # written only where it says more than the config
+        # written only where it says more than the config, or where the folder would not give back
+        # the special ids taken from the source (saved elsewhere than the converted folder)
+        if self._generation_config_is_set() or not self._source_ids_kept(save_directory):
             self.generation_config.save_pretrained(save_directory)
+
+    def _source_ids_kept(self, folder) -> bool:
+        """Whether ``folder``'s ``hf_config_carried.json`` gives back the special ids
+        :meth:`from_pretrained` took from outside ``generation_config.json`` (true when it took none)."""
+        if not self._source_ids:
+            return True
+        from .convert import CARRIED_CONFIG_NAME
+
+        try:
+            fields = json.loads((Path(folder) / CARRIED_CONFIG_NAME).read_text(encoding="utf-8")).get(
+                "fields"
+            )
+        except (OSError, ValueError, AttributeError):
+            return False
+        return isinstance(fields, dict) and all(fields.get(k) == v for k, v in self._source_ids.items())
 
     def _generation_config_is_set(self) -> bool:
         """Whether ``generation_config`` differs from the one ``transformers`` derived from the
