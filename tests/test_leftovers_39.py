@@ -2,9 +2,10 @@
 
 import math
 
+import pytest
 import torch
 
-from mnemo.models import LanguageModel, build_config
+from mnemo.models import LanguageModel, build_config, model_names
 from mnemo.train.batches import IGNORE_INDEX, _Logits, summed_cross_entropy
 
 
@@ -31,3 +32,17 @@ def test_the_summed_training_loss_of_a_float64_model_is_float64():
     assert abs(ce.item() - hand) <= 1e-12 * abs(hand)
     fused = _Logits(model)(x, targets=y, ignore_index=IGNORE_INDEX)
     assert fused.dtype == torch.float64 and abs(fused.item() - ce.item()) <= 1e-12 * abs(hand)
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_every_preset_reads_a_batch_of_zero_rows_and_continues_its_state(name):
+    """A batch of 0 rows (an empty shard, a filter that kept nothing) crashed every HOPE preset
+    (``W[0]`` of a zero-row batch of weights in the CMS; an ambiguous ``reshape(B, -1, …)`` in the
+    self-modifying memory), where the other presets give ``[0, T, vocab]`` logits: seen by review
+    4-O. Each call's logits are empty of the right shape, and the state carries to a second call."""
+    torch.manual_seed(0)
+    model = LanguageModel(build_config(name, vocab_size=19, d_model=16, n_layers=1))
+    logits, state = model(torch.zeros(0, 5, dtype=torch.long))
+    assert logits.shape == (0, 5, 19)
+    more, _ = model(torch.zeros(0, 3, dtype=torch.long), state=state)
+    assert more.shape == (0, 3, 19)

@@ -375,7 +375,7 @@ def _as_levels(levels) -> list:
 def _mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """``x [B, L, i] @ W [B, i, o]``; weights still shared over the batch (expanded with batch
     stride 0) take one ``[B·L, i] @ [i, o]`` product (no per-sample copies)."""
-    return x @ W[0] if W.stride(0) == 0 else x @ W
+    return x @ W[0] if W.stride(0) == 0 and W.shape[0] else x @ W  # (a batch of 0: no W[0])
 
 
 class CMSLevel(nn.Module):

@@ -324,7 +324,7 @@ def _wa_chunk(k, Wa, u, log_alpha, beta):
     ut = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True) @ rhs  # ũ = (I + A)⁻¹ rhs
     w = beta * torch.exp(gc[:, -1:] - gc)  # β_s γ_L/γ_s
     kw = (k * w[..., None]).transpose(-1, -2)  # [B, d, L]
-    upd = (kw @ ut).reshape(B, -1, G, h).transpose(1, 2)  # Σ_s β_s (γ_L/γ_s) k_s ũ_sᵀ   [B, G, d, h]
+    upd = (kw @ ut).reshape(B, k.shape[-1], G, h).transpose(1, 2)  # Σ_s β_s (γ_L/γ_s) k_s ũ_sᵀ   [B, G, d, h]
     return gc[:, -1].exp()[:, None, None, None] * Wa + upd
 
 
