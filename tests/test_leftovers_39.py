@@ -46,3 +46,12 @@ def test_every_preset_reads_a_batch_of_zero_rows_and_continues_its_state(name):
     assert logits.shape == (0, 5, 19)
     more, _ = model(torch.zeros(0, 3, dtype=torch.long), state=state)
     assert more.shape == (0, 3, 19)
+
+
+def test_a_numpy_max_new_tokens_is_refused_naming_its_type():
+    """``max_new_tokens=np.int64(5)`` was refused with "expected an int >= 0, got 5", which reads as
+    if 5 were wrong (review 4-O): the message names the type it got."""
+    np = pytest.importorskip("numpy")
+    model = LanguageModel(build_config("gla", vocab_size=11, d_model=16, n_layers=1))
+    with pytest.raises(ValueError, match=r"max_new_tokens: expected an int >= 0, got 5 \(int64\)"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=np.int64(5))

@@ -654,7 +654,10 @@ class LanguageModel(nn.Module):
             got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be [B, T] with T >= 1, got {got}")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
+            raise ValueError(
+                f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r} "
+                f"({type(max_new_tokens).__name__})"
+            )
         try:
             ok = not isinstance(temperature, bool) and math.isfinite(temperature) and temperature >= 0
         except (TypeError, ValueError, RuntimeError):  # not a number (a tensor of several values)
