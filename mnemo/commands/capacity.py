@@ -317,8 +317,8 @@ def run(args) -> int:
 
     The cells are measured one (N, passes) at a time; an interrupt (Ctrl-C) saves those measured
     in ``--out/capacity.partial.json``, and the same command again, with the same code, measures
-    only the others (a partial file of other settings or code is replaced). It is removed once the
-    results are written."""
+    only the others (a partial file of other settings or code is replaced, naming what differs). It
+    is removed once the results are written."""
     import matplotlib.pyplot as plt
     import torch
 
@@ -389,10 +389,25 @@ def _partial_cells(partial: Path, expected: dict) -> dict:
     unreadable, of other settings or of other code."""
     try:
         held = json.loads(partial.read_text())
-        if held["expected"] != expected:
+        if held["expected"] != expected:  # (said before its cells are lost: it is replaced)
+            was = held["expected"] if isinstance(held["expected"], dict) else {}
+            keys = [k for k in expected if was.get(k) != expected[k]]
+            why = "; ".join(
+                "mnemo's code or torch changed"
+                if k == "sources"
+                else f"{k} {was.get(k)!r} there, {expected[k]!r} now"
+                for k in keys
+            )
+            n = len(held.get("cells") or [])
+            print(
+                f"{partial}: its {n} measured cell(s) are of other settings or code ({why}): measuring "
+                "every cell anew (the file is replaced once a cell is measured; Ctrl-C before that "
+                "keeps it for the interrupted command)",
+                file=sys.stderr,
+            )
             return {}
         return {(c["variant"], c["n_pairs"], c["passes"]): c for c in held["cells"]}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 

@@ -547,8 +547,8 @@ def add_commands(sub) -> None:
         const="auto",
         metavar="FACTOR",
         help="text checkpoints: apply YaRN (Peng et al. 2023) to every rotary attention layer for the "
-        "evaluation, original context = the training seq_len, factor FACTOR or (default) length / "
-        "training seq_len per --length; plain RoPE where that is 1",
+        "evaluation, original context = the training seq_len, factor FACTOR (>= 1) or (no FACTOR, or "
+        "'auto') length / training seq_len per --length; plain RoPE where that is 1",
     )
     e.add_argument(
         "--yarn-beta-fast",

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..models import LanguageModel, build_config
-from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
+from ..models.lm import CONFIG_NAME, WEIGHTS_NAME, _legacy_retnet_width
 from . import memory_estimate
 from .checkpoint import resolve_checkpoint
 from .config import TrainConfig
@@ -221,8 +221,9 @@ def load_weights(model: LanguageModel, source: str, model_name: str, device, sha
 
 def _misfit(model: LanguageModel, ckpt: Path, error: RuntimeError) -> str:
     """One line on why ``ckpt``'s weights do not load into ``model``: the config fields that
-    differ (``d_model 32 there, 64 here``), else the first line of torch's report and how many
-    more it has (torch lists every tensor, one per line)."""
+    differ (``d_model 32 there, 64 here``), else what to do for a ``retnet`` checkpoint of the preset's
+    old value width, else the first line of torch's report and how many more it has (torch lists
+    every tensor, one per line)."""
     import dataclasses
     import json
 
@@ -238,6 +239,13 @@ def _misfit(model: LanguageModel, ckpt: Path, error: RuntimeError) -> str:
         diff = []
     if diff:
         return "; ".join(diff)
+    if _legacy_retnet_width(model.config, ckpt / WEIGHTS_NAME) != model.config:
+        return (
+            "its retnet layers have the preset's old value width (expand_v 1.0; it is now 2.0, the "
+            "paper's 2·d_model): build that width with model_overrides: {mixer_options: {retnet: "
+            "{expand_v: 1.0}}} in a --config file, and continue from these weights with --init-from "
+            "(a --resume keeps the saved model)"
+        )
     lines = [x.strip() for x in str(error).splitlines() if x.strip()]
     more = len(lines) - 2
     return " ".join(lines[:2]) + (f" (and {more} more)" if more > 0 else "")
