@@ -172,3 +172,36 @@ def locked_sweep_db(path, monkeypatch):
     finally:
         holder.execute("COMMIT")
         holder.close()
+
+
+def tiny_mqar_trainer(tmp_path, **kw):
+    """A :class:`mnemo.train.Trainer` of a one-layer d_model-16 transformer on a 2-pair MQAR
+    (seq_len 16, batch 4, 2 steps, evaluated at step 2 on 1 batch), in ``tmp_path / "run"``;
+    ``kw`` overrides any :class:`~mnemo.train.TrainConfig` field."""
+    from mnemo.train import TrainConfig, Trainer
+
+    cfg = dict(
+        model="transformer",
+        model_overrides={"d_model": 16, "n_layers": 1},
+        task="mqar",
+        task_options={"num_pairs": 2, "vocab_size": 16},
+        seq_len=16,
+        batch_size=4,
+        steps=2,
+        eval_interval=2,
+        eval_batches=1,
+        warmup_steps=0,
+    )
+    cfg.update(kw)
+    return Trainer(TrainConfig(**cfg), tmp_path / "run", progress=False)
+
+
+def tiny_mnemo_for_causal_lm(mixer: str, seed: int = 0, vocab_size: int = 40, **over):
+    """A ``MnemoForCausalLM`` (eval mode) around a 2-layer d_model-16 :class:`LanguageModel` of
+    ``mixer`` seeded with ``seed``; ``over``: other :class:`~mnemo.models.ModelConfig` fields."""
+    from mnemo.hf.modeling import MnemoConfig, MnemoForCausalLM
+    from mnemo.models import LanguageModel, ModelConfig
+
+    torch.manual_seed(seed)
+    lm = LanguageModel(ModelConfig(vocab_size=vocab_size, d_model=16, n_layers=2, mixer=mixer, **over)).eval()
+    return MnemoForCausalLM(MnemoConfig.from_model_config(lm.config), model=lm).eval()

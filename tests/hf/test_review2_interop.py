@@ -18,12 +18,11 @@ pytest.importorskip("transformers")
 
 from mnemo.hf.modeling import MnemoConfig, MnemoForCausalLM  # noqa: E402
 from mnemo.models import LanguageModel, ModelConfig  # noqa: E402
+from tests.helpers import tiny_mnemo_for_causal_lm  # noqa: E402
 
 
 def _mnemo(mixer: str = "mamba2", seed: int = 0, **over) -> MnemoForCausalLM:
-    torch.manual_seed(seed)
-    lm = LanguageModel(ModelConfig(vocab_size=40, d_model=16, n_layers=2, mixer=mixer, **over)).eval()
-    return MnemoForCausalLM(MnemoConfig.from_model_config(lm.config), model=lm).eval()
+    return tiny_mnemo_for_causal_lm(mixer, seed, 40, **over)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])

@@ -17,15 +17,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from mnemo.hf.modeling import MnemoConfig, MnemoForCausalLM  # noqa: E402
-from mnemo.models import LanguageModel, ModelConfig  # noqa: E402
+from tests.helpers import tiny_mnemo_for_causal_lm  # noqa: E402
 
 VOCAB = 40
 
 
 def _mnemo(mixer: str = "mamba", seed: int = 0, **over) -> MnemoForCausalLM:
-    torch.manual_seed(seed)
-    lm = LanguageModel(ModelConfig(vocab_size=VOCAB, d_model=16, n_layers=2, mixer=mixer, **over)).eval()
-    return MnemoForCausalLM(MnemoConfig.from_model_config(lm.config), model=lm).eval()
+    return tiny_mnemo_for_causal_lm(mixer, seed, VOCAB, **over)
 
 
 def _gpt2(n_positions: int) -> torch.nn.Module:

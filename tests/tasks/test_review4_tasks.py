@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mnemo.sweep.recipe import ACC_RISE, judge_claim, left_plateau
+from tests.helpers import tiny_mqar_trainer
 
 # --------------------------------------------------------------------------------------------
 # the plateau rule
@@ -48,22 +49,7 @@ def test_a_run_from_scratch_already_high_at_its_first_evaluation_left_its_platea
 
 
 def _trainer(tmp_path, **kw):
-    from mnemo.train import TrainConfig, Trainer
-
-    cfg = dict(
-        model="transformer",
-        model_overrides={"d_model": 16, "n_layers": 1},
-        task="mqar",
-        task_options={"num_pairs": 2, "vocab_size": 16},
-        seq_len=16,
-        batch_size=4,
-        steps=2,
-        eval_interval=2,
-        eval_batches=2,
-        warmup_steps=0,
-    )
-    cfg.update(kw)
-    return Trainer(TrainConfig(**cfg), tmp_path / "run", progress=False)
+    return tiny_mqar_trainer(tmp_path, **{"eval_batches": 2, **kw})
 
 
 def test_the_text_validation_loss_of_a_float64_model_is_computed_in_float64(tmp_path):

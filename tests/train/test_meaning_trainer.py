@@ -18,23 +18,11 @@ import torch
 from mnemo.train import TrainConfig, Trainer
 from mnemo.train.checkpoint import save_checkpoint, verify_checkpoint
 from mnemo.train.distributed import shard
+from tests.helpers import tiny_mqar_trainer
 
 
 def _trainer(tmp_path, **kw):
-    cfg = dict(
-        model="transformer",
-        model_overrides={"d_model": 16, "n_layers": 1},
-        task="mqar",
-        task_options={"num_pairs": 2, "vocab_size": 16},
-        seq_len=16,
-        batch_size=4,
-        steps=2,
-        eval_interval=2,
-        eval_batches=1,
-        warmup_steps=0,
-    )
-    cfg.update(kw)
-    return Trainer(TrainConfig(**cfg), tmp_path / "run", progress=False)
+    return tiny_mqar_trainer(tmp_path, **kw)
 
 
 def test_zero_weights_give_ln_v_per_token_and_throughput_is_tokens_over_step_time(tmp_path, monkeypatch):
