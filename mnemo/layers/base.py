@@ -145,6 +145,12 @@ def buffer_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def batch_mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``x [B, L, i] @ W [B, i, o]``; per-sample fast weights still shared over the batch (expanded
+    with batch stride 0) take one ``[B·L, i] @ [i, o]`` product (no per-sample copies)."""
+    return x @ W[0] if W.stride(0) == 0 and W.shape[0] else x @ W  # (a batch of 0: no W[0])
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t``'s version counter (it moves with every in-place change), or ``None`` for an inference
     tensor (made under ``torch.inference_mode``), which has none."""

@@ -141,6 +141,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops._common import inference_involved
+from .base import batch_mm as _mm
 from .hooks import HookPoint, enter_piece, leave_pieces
 from .state import nbytes, spec, state_dataclass
 
@@ -370,12 +371,6 @@ def _as_levels(levels) -> list:
             )
         out.append(lv)
     return out
-
-
-def _mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """``x [B, L, i] @ W [B, i, o]``; weights still shared over the batch (expanded with batch
-    stride 0) take one ``[B·L, i] @ [i, o]`` product (no per-sample copies)."""
-    return x @ W[0] if W.stride(0) == 0 and W.shape[0] else x @ W  # (a batch of 0: no W[0])
 
 
 class CMSLevel(nn.Module):

@@ -46,6 +46,7 @@ from torch import nn
 
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from .base import Mixer, Mixing, check_input, upcast
+from .base import batch_mm as _mm
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces
 from .linear_attention import check_heads, check_int
@@ -92,12 +93,6 @@ class SelfModifyingProjectionsState:
             self.memory_anchor_decay,
             self.offset,
         )
-
-
-def _mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """``x [B, L, i] @ W [B, i, o]``; weights still shared over the batch (expanded with batch
-    stride 0) take one ``[B·L, i] @ [i, o]`` product (no per-sample copies)."""
-    return x @ W[0] if W.stride(0) == 0 else x @ W
 
 
 @register_mixer("self_modifying_projections")

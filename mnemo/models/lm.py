@@ -665,7 +665,7 @@ class LanguageModel(nn.Module):
         if not ok:
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-            raise ValueError(f"top_k: expected an int >= 1 or None, got {top_k!r}")
+            raise ValueError(f"top_k: expected an int >= 1 or None, got {top_k!r} ({type(top_k).__name__})")
         if top_p is not None and (
             isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
         ):
