@@ -56,3 +56,26 @@ def test_a_numpy_max_new_tokens_is_refused_naming_its_type():
     model = LanguageModel(build_config("gla", vocab_size=11, d_model=16, n_layers=1))
     with pytest.raises(ValueError, match=r"max_new_tokens: expected an int >= 0, got \S*5\)? \(int64\)"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=np.int64(5))
+
+
+def test_induction_score_takes_numpy_integers_as_sink_score_does():
+    """``induction_score(maps, np.int64(3))`` was refused ("expected an int >= 2, got 3") where
+    ``sink_score`` takes numpy integers (review 4-P); ``skip`` too. The score of a map that puts all
+    weight on the induction target is 1 per head, a uniform causal map's the hand mean of 1/(i+2)."""
+    np = pytest.importorskip("numpy")
+    from mnemo.interp.scores import induction_score
+
+    L, T = 3, 7  # one BOS, then two copies of 3 tokens
+    target = torch.zeros(1, 2, T, T)
+    for t in range(T):
+        target[..., t, max(t - L + 1, 0) if t >= 1 + L else t] = 1.0
+    assert torch.equal(induction_score(target, np.int64(L), skip=np.int64(1)), torch.ones(2))
+    uniform = torch.tril(torch.ones(1, 1, T, T))
+    uniform = uniform / uniform.sum(-1, keepdim=True)
+    # query i of the kept maps (position i + 1, after the BOS) puts 1/(i + 2) on each of its keys;
+    # the BOS's share is dropped, not shared out (the rows are normalised over every key first)
+    want = sum(1 / (i + 2) for i in range(L, 2 * L)) / L
+    got = induction_score(uniform, np.int64(L), skip=np.int64(1))
+    assert abs(got.item() - want) <= 1e-6
+    with pytest.raises(ValueError, match="length: expected an int >= 2, got 1.5"):
+        induction_score(uniform, 1.5)

@@ -31,9 +31,12 @@ def _check_maps(maps) -> None:
         raise ValueError(f"maps: expected a tensor [B, H, T, T] (queries × keys), got {got}")
 
 
-def _check_int(what: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def _check_int(what: str, value, low: int) -> int:
+    """``value`` as an int ``>= low`` (a numpy or 0-d tensor integer too), else ``ValueError``."""
+    v = _index(value)
+    if v is None or v < low:
         raise ValueError(f"{what}: expected an int >= {low}, got {value!r}")
+    return v
 
 
 def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
@@ -41,8 +44,9 @@ def _skipped(maps: torch.Tensor, skip: int) -> torch.Tensor:
     are normalised over every key first: weight a query puts on a skipped position (a BOS sink) is
     dropped from its scores, not shared out over the others."""
     _check_maps(maps)
-    if isinstance(skip, bool) or not isinstance(skip, int):
-        raise ValueError(f"skip: expected an int number of leading positions, got {skip!r}")
+    given, skip = skip, _index(skip)  # (a numpy or 0-d tensor integer too)
+    if skip is None:
+        raise ValueError(f"skip: expected an int number of leading positions, got {given!r}")
     T = maps.shape[-1]
     if T < 2:
         raise ValueError(
@@ -154,7 +158,7 @@ def induction_score(maps: torch.Tensor, length: int, skip: int = 0) -> torch.Ten
     BOS), as in :func:`previous_token_score`. Raises ``ValueError`` for maps of another shape, a
     ``length`` that is not an int ``≥ 2`` (with ``L = 1`` the target is the query itself), or maps
     shorter than ``2L``."""
-    _check_int("length", length, 2)
+    length = _check_int("length", length, 2)
     p = _skipped(maps, skip)
     T = p.shape[-1]
     if T < 2 * length:
