@@ -79,3 +79,41 @@ def test_induction_score_takes_numpy_integers_as_sink_score_does():
     assert abs(got.item() - want) <= 1e-6
     with pytest.raises(ValueError, match="length: expected an int >= 2, got 1.5"):
         induction_score(uniform, 1.5)
+
+
+class _MaskedVocabModel(torch.nn.Module):
+    """Predicts token ``(x + 1) % 5`` with logit 3, 0 elsewhere, and ``-inf`` on token 4 unless it
+    is the prediction (a model that masks part of its vocabulary); ``nan_at``: a row of NaN."""
+
+    def __init__(self, nan_at=None):
+        super().__init__()
+        self.nan_at = nan_at
+
+    def forward(self, x, state=None):
+        pred = (x + 1) % 5
+        logits = torch.zeros(*x.shape, 5, dtype=torch.float64)
+        logits[..., 4] = float("-inf")
+        logits.scatter_(-1, pred[..., None], 3.0)
+        if self.nan_at is not None:
+            logits[self.nan_at] = float("nan")
+        return logits, state
+
+
+def test_task_accuracy_counts_a_right_answer_beside_a_masked_token():
+    """A row whose logits hold a ``-inf`` (a masked vocabulary entry) counted as a miss even when
+    its argmax was the target (review 4-P); only NaN/+inf (an overflow) predict nothing. The
+    accuracy and loss against a hand count: targets right at 5 of 6 positions, the loss of a right
+    position ``log(1 + 3 e^{-3})`` (four finite logits: 3, 0, 0, 0; five where the prediction is
+    token 4: ``log(1 + 4 e^{-3})``), of the wrong one ``3 + log(1 + 3 e^{-3})``."""
+    from mnemo.train.task_eval import task_metrics
+
+    x = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    y = (x + 1) % 5
+    y[1, 2] = 0  # wrong there (the model says 2)
+    r = task_metrics(_MaskedVocabModel(), x, y, batch_size=2)
+    right, right_at_4 = math.log(1 + 3 * math.exp(-3)), math.log(1 + 4 * math.exp(-3))
+    wrong = 3 + math.log(1 + 3 * math.exp(-3))
+    assert r["acc"] == 5 / 6 and r["seq_acc"] == 1 / 2 and r["n"] == 6
+    assert abs(r["loss"] - (4 * right + right_at_4 + wrong) / 6) <= 1e-12
+    nan = task_metrics(_MaskedVocabModel(nan_at=(0, 1)), x, y, batch_size=2)
+    assert nan["acc"] == 4 / 6 and nan["seq_acc"] == 0.0

@@ -49,8 +49,8 @@ def _two_sided_cdf(theta: float, df: int) -> float:
 def t_quantile(p: float, df: int) -> float:
     """The ``p``-quantile ``t_{p, df}`` of Student's t distribution.
 
-    Accurate to ~1e-15 relative for the few degrees of freedom of a sweep and ``p ≤ 0.995`` (~1e-14
-    at ``df = 500``). In the far tail the error grows as ~1e-16 / (1 − p) (1e-10 at ``p = 1 − 1e-6``):
+    Accurate to ≤ 6e-15 relative for the few degrees of freedom of a sweep and ``p ≤ 0.995``
+    (~1e-14 at ``df = 500``). In the far tail the error grows as ~1e-16 / (1 − p) (1e-10 at ``p = 1 − 1e-6``):
     the bisection compares ``P(|T| ≤ t)`` with ``2p − 1``, both within 1e-16 of 1 there.
 
     Args:

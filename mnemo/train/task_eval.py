@@ -96,8 +96,9 @@ def task_metrics(
                 lg = (logits if logits.dtype == torch.float64 else logits.float())[mask]
                 tg = yp[mask]
                 total_loss += F.cross_entropy(lg, tg, reduction="sum").item()
-                # logits that overflowed predict nothing (argmax would read a NaN as the largest)
-                hit = (lg.argmax(-1) == tg) & lg.isfinite().all(-1)
+                # logits that overflowed (NaN, +inf) predict nothing (argmax would read a NaN as the
+                # largest); a -inf logit is a masked token (a vocabulary mask), not an overflow
+                hit = (lg.argmax(-1) == tg) & ~(lg.isnan() | lg.isposinf()).any(-1)
                 correct += int(hit.sum())
                 count += int(mask.sum())
                 # the misses scattered back to their rows (and answers)
