@@ -1,5 +1,6 @@
 """Session 38's leftovers mended by the lead in session 39 (each test fails on the code before)."""
 
+import json
 import math
 
 import pytest
@@ -117,3 +118,37 @@ def test_task_accuracy_counts_a_right_answer_beside_a_masked_token():
     assert abs(r["loss"] - (4 * right + right_at_4 + wrong) / 6) <= 1e-12
     nan = task_metrics(_MaskedVocabModel(nan_at=(0, 1)), x, y, batch_size=2)
     assert nan["acc"] == 4 / 6 and nan["seq_acc"] == 0.0
+
+
+def test_a_resumed_capacity_probe_reports_the_wall_time_of_all_its_runs(tmp_path, capsys, monkeypatch):
+    """A capacity probe interrupted and continued wrote the continuing run's wall time alone as
+    ``wall_s`` (the page's "wall time" then under-reports the measurement; review 39f). The partial
+    file keeps the interrupted run's time, and the results add it: here set to 1000 s by hand."""
+    import time
+
+    import mnemo.interp.capacity as capacity_lib
+    from mnemo.cli import main
+
+    args = ["probe", "capacity", "--variants", "matrix_plain", "--pairs", "4,8", "--passes", "1"]
+    args += ["--seeds", "3", "--streams", "3", "--theta-grid", "0.1,1", "--no-progress"]
+    args += ["--out", str(tmp_path / "o")]
+    real, calls = capacity_lib.capacity_sweep, []
+
+    def interrupting(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(capacity_lib, "capacity_sweep", interrupting)
+    assert main(args) == 130
+    partial = tmp_path / "o" / "capacity.partial.json"
+    held = json.loads(partial.read_text())
+    assert held["wall_s"] > 0 and len(held["cells"]) == 1
+    partial.write_text(json.dumps({**held, "wall_s": 1000.0}))
+    monkeypatch.setattr(capacity_lib, "capacity_sweep", real)
+    t = time.perf_counter()
+    assert main(args) == 0
+    took = time.perf_counter() - t
+    wall = json.loads((tmp_path / "o" / "capacity.json").read_text())["wall_s"]
+    assert 1000.0 < wall <= 1000.0 + took

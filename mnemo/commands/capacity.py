@@ -318,7 +318,8 @@ def run(args) -> int:
     The cells are measured one (N, passes) at a time; an interrupt (Ctrl-C) saves those measured
     in ``--out/capacity.partial.json``, and the same command again, with the same code, measures
     only the others (a partial file of other settings or code is replaced, naming what differs). It
-    is removed once the results are written."""
+    is removed once the results are written; their ``wall_s`` counts the interrupted runs' wall time
+    too (kept in the partial file)."""
     import matplotlib.pyplot as plt
     import torch
 
@@ -330,14 +331,16 @@ def run(args) -> int:
     partial = out / PARTIAL_NAME
     expected = json.loads(json.dumps({**_expected_settings(args), "sources": _sources_md5()}))
     done = _partial_cells(partial, expected)
+    before = 0.0  # the interrupted runs' wall time: the results' wall_s is the whole measurement's
     if done:
+        before = _partial_wall(partial)
         print(f"{partial}: {len(done)} measured cell(s) kept from an interrupted run", file=sys.stderr)
     threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - before
     try:
-        cells = _measure(args, every, names, pairs, passes, grid, done, partial, expected)
+        cells = _measure(args, every, names, pairs, passes, grid, done, partial, expected, t0)
         dtype = torch.float64 if args.float64 else torch.float32
         result = {
             "settings": {  # as capacity_sweep records them
@@ -411,10 +414,20 @@ def _partial_cells(partial: Path, expected: dict) -> dict:
         return {}
 
 
-def _measure(args, every, names, pairs, passes, grid, done, partial, expected) -> list[dict]:
+def _partial_wall(partial: Path) -> float:
+    """The wall time (s) the interrupted runs behind ``partial`` spent measuring (0 when unknown)."""
+    try:
+        wall = json.loads(partial.read_text()).get("wall_s", 0.0)
+        return float(wall) if isinstance(wall, (int, float)) and wall >= 0 else 0.0
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+
+
+def _measure(args, every, names, pairs, passes, grid, done, partial, expected, t0: float) -> list[dict]:
     """Every cell in :func:`~mnemo.interp.capacity.capacity_sweep`'s order (passes, then N, then
     the variants), one (N, passes) at a time; those in ``done`` are not measured again. On an
-    interrupt the measured cells are saved in ``partial``."""
+    interrupt the measured cells are saved in ``partial``, with the wall time since ``t0`` (a
+    ``time.perf_counter()`` moved back by the earlier runs' wall time)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -449,7 +462,7 @@ def _measure(args, every, names, pairs, passes, grid, done, partial, expected) -
         kept = {(c["variant"], c["n_pairs"], c["passes"]): c for c in cells} | done
         if kept:
             partial.parent.mkdir(parents=True, exist_ok=True)
-            record = {"expected": expected, "cells": list(kept.values())}
+            record = {"expected": expected, "cells": list(kept.values()), "wall_s": time.perf_counter() - t0}
             atomic_write_text(partial, json.dumps(record, indent=1, allow_nan=False) + "\n")
             e.then = (
                 f"; the {len(kept)} measured cell(s) of {len(jobs) * len(names)} are saved in {partial}: "
