@@ -82,10 +82,15 @@ class Mixer(nn.Module):
     @torch.no_grad()
     def mixing_acts(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The values of :attr:`mixing_hooks` (names relative to this mixer, ``memory.hook_q``
-        included) on one fresh-stream call on ``x [B, T, d_model]``: what :meth:`mixing` takes."""
-        acts: dict[str, torch.Tensor] = {}
+        included) on one fresh-stream call on ``x [B, T, d_model]``: what :meth:`mixing` takes (a
+        hook point that fires more than once: its last value)."""
+        return {h: values[-1] for h, values in self._mixing_firings(x).items() if values}
+
+    def _mixing_firings(self, x: torch.Tensor) -> dict[str, list]:
+        """Every value each of :attr:`mixing_hooks` gave on one fresh-stream call on ``x``, in order."""
+        fired: dict[str, list] = {h: [] for h in self.mixing_hooks}
         handles = [
-            self.get_submodule(h).register_forward_hook(lambda mod, args, out, h=h: acts.__setitem__(h, out))
+            self.get_submodule(h).register_forward_hook(lambda mod, args, out, h=h: fired[h].append(out))
             for h in self.mixing_hooks
         ]
         try:
@@ -93,7 +98,7 @@ class Mixer(nn.Module):
         finally:
             for handle in handles:
                 handle.remove()
-        return acts
+        return fired
 
     def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, *, mode: str | None = None):
         """Several documents packed in one row: ``x [1, N, d_model]``, ``cu_seqlens [D + 1]``

@@ -439,18 +439,8 @@ class TitansMAC(Mixer):
         joined over the call's segment pieces (:func:`~mnemo.layers.hooks.join_pieces`: the memory's
         values concatenated along time, ``hook_state`` the state after the call), as
         :meth:`~mnemo.models.LanguageModel.run_with_cache` records them."""
-        fired: dict[str, list] = {h: [] for h in self.mixing_hooks}
-        handles = [
-            self.get_submodule(h).register_forward_hook(lambda mod, args, out, h=h: fired[h].append(out))
-            for h in self.mixing_hooks
-        ]
-        try:
-            self(x)
-        finally:
-            for handle in handles:
-                handle.remove()
         acts = {}
-        for h, values in fired.items():
+        for h, values in self._mixing_firings(x).items():
             point = self.get_submodule(h)
             td = point.time_dim
             lengths = [v.shape[td] if isinstance(v, torch.Tensor) and td is not None else 0 for v in values]
