@@ -213,8 +213,8 @@ def check_context_parallel(model) -> list[int]:
         elif any(isinstance(m, Attention) for m in b.mixer.modules()):
             raise ValueError(
                 f"layer {i}: mixer {type(b.mixer).__name__} holds softmax attention inside, whose KV "
-                "state grows with the tokens seen; context parallelism relays fixed-size states only "
-                "(use data parallelism)"
+                "state grows with the tokens seen; context parallelism would relay the whole cache rank "
+                "to rank (use data parallelism)"
             )
     return ring
 
@@ -229,6 +229,29 @@ def _check_recurrent(model) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def _send_shapes(tensors, dst: int, group) -> None:
+    """Send the shapes of ``tensors`` to ``dst`` (one int64 message: their count of dimensions, then
+    every size). A state's structure is known to both ranks (the dry run), its sizes need not be:
+    a meta-learned nested CMS keeps ``position mod period`` inputs per slower level."""
+    device = tensors[0].device if tensors else None
+    dims = [d for t in tensors for d in t.shape]
+    dist.send(torch.tensor([len(dims), *dims], dtype=torch.int64, device=device), dst=dst, group=group)
+
+
+def _recv_shapes(templates, src: int, group) -> list:
+    """``[(shape, template)]``: the shapes :func:`_send_shapes` sent for tensors like ``templates``."""
+    k = sum(t.dim() for t in templates)
+    device = templates[0].device if templates else None
+    got = torch.empty(k + 1, dtype=torch.int64, device=device)
+    dist.recv(got, src=src, group=group)
+    sizes = got.tolist()[1:]
+    out, at = [], 0
+    for t in templates:
+        out.append((tuple(sizes[at : at + t.dim()]), t))
+        at += t.dim()
+    return out
+
+
 class _RecvState(torch.autograd.Function):
     """Forward: receive a block's initial state from rank ``r − 1`` (``x`` passes through, to tie
     the node into the chain of block inputs). Backward: send the state's gradient back to ``r − 1``
@@ -236,7 +259,7 @@ class _RecvState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, src, group, *templates):
-        got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in templates]
+        got = [torch.empty(s, dtype=t.dtype, device=t.device) for s, t in _recv_shapes(templates, src, group)]
         for t in got:
             dist.recv(t, src=src, group=group)
         ctx.src, ctx.group = src, group
@@ -259,6 +282,7 @@ class _SendState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dst, group, *state):
+        _send_shapes(state, dst, group)
         for t in state:
             dist.send(t.detach().contiguous(), dst=dst, group=group)
         ctx.dst, ctx.group = dst, group
@@ -299,9 +323,11 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
       circulate, online-softmax accumulation; causal, with windows and grouped-query heads), its
       rotary positions starting at the global ``r·n`` (the block gets the state
       ``AttentionState(kv=None, offset=r·n)``);
-    * a **recurrent block** (any fixed-size state, a CMS MLP included) relays its state: rank
-      ``r`` receives the block's state from rank ``r − 1`` (rank 0 starts empty), runs its slice
-      from it and sends the block's final state to rank ``r + 1``. Send and receive are autograd
+    * a **recurrent block** (any state, a CMS MLP included) relays its state: rank ``r`` receives
+      the block's state from rank ``r − 1`` (rank 0 starts empty), runs its slice from it and sends
+      the block's final state to rank ``r + 1`` — its sizes first (one small message: a state's
+      structure is known from a one-token dry run, not its sizes, e.g. a meta-learned nested
+      CMS's ``position mod period`` kept inputs), then its tensors. Send and receive are autograd
       functions, so in the backward pass the state's gradient travels from ``r + 1`` back to ``r``.
 
     Rank ``r`` is in layer ``i`` only after rank ``r − 1`` finished layer ``i`` (a relay) and
@@ -310,7 +336,8 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
     ``r`` runs layer ``i``): ``L + N − 1`` slice-layer steps instead of the ``N · L`` of relaying
     the whole model rank after rank, so this one schedule serves recurrent models, transformers
     and hybrids alike. The backward pass runs the same wavefront in reverse. Per step and layer:
-    one state message (recurrent) or ``2(N − 1) + N`` key/value and gradient messages (attention).
+    one sizes message and one per state tensor (recurrent) or ``2(N − 1) + N`` key/value and
+    gradient messages (attention).
 
     Activation checkpointing (``model.activation_checkpointing`` in training) recomputes each
     block, the ring included (every rank recomputes the same layer together), never the
@@ -411,9 +438,10 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
             except Exception as e:  # keep the protocol going; every rank fails at the next agreement
                 failed = e
         if not got_state:  # drain what rank r − 1 sends (its real or NaN state)
-            for t in shapes:
-                dist.recv(torch.empty(t.shape, dtype=t.dtype, device=t.device), src=prev, group=group)
+            for size, t in _recv_shapes(shapes, prev, group):
+                dist.recv(torch.empty(size, dtype=t.dtype, device=t.device), src=prev, group=group)
         if nxt is not None:  # rank r + 1 waits for a state: let it fail as well
+            _send_shapes(shapes, nxt, group)
             for t in shapes:
                 fill = float("nan") if t.is_floating_point() else 0
                 dist.send(torch.full(t.shape, fill, dtype=t.dtype, device=t.device), dst=nxt, group=group)

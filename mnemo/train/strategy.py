@@ -220,22 +220,59 @@ class Sharded(Strategy):
 
     def discard_gradients(self, model) -> None:
         # FSDP2 keeps the gradients of a micro-batch run without sync unsharded, on its own
-        # parameters (not the sharded .grad the optimizer sees) until the last one reduce-scatters
+        # parameters (not the sharded .grad the optimizer sees) until the last one reduce-scatters;
+        # torch has no public call that drops them, so this reaches into FSDP2's private fields
+        # (see _fsdp_params) and raises where a torch release changed them, rather than let the
+        # next step add a failed step's gradients to its own
+        from torch.distributed.fsdp import FSDPModule
+
         for module in model.modules():
-            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # (torch releases with one group per module)
-                groups = [getattr(state, "_fsdp_param_group", None)]
-            for group in groups:
-                for param in getattr(group, "fsdp_params", ()):
+            if isinstance(module, FSDPModule):
+                for param in _fsdp_params(module):
                     param.unsharded_accumulated_grad = None
-                    if hasattr(param, "_unsharded_param"):
+                    if hasattr(param, "_unsharded_param"):  # (absent before the first all-gather)
                         param._unsharded_param.grad = None
 
     def grad_norm(self, params: list, clip: float) -> torch.Tensor:
         # DTensor shards: the norm is reduced over the processes (inf: no clipping)
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _fsdp_params(module) -> list:
+    """The ``FSDPParam`` objects of the FSDP2 module ``module`` — through torch's private
+    ``FSDPModule._get_fsdp_state()``, ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group`` in
+    releases with one group per module), ``FSDPParamGroup.fsdp_params`` and
+    ``FSDPParam.unsharded_accumulated_grad`` (all present in torch 2.13). Raises
+    ``RuntimeError`` naming the field this torch release lacks."""
+
+    def changed(what: str) -> RuntimeError:
+        return RuntimeError(
+            f"Sharded.discard_gradients: torch {torch.__version__}'s FSDP2 has no {what} (a private "
+            "field mnemo uses to drop the unsynchronised gradients of a failed step's micro-batches; "
+            "torch changed it): update mnemo.train.strategy for this torch release"
+        )
+
+    if not hasattr(module, "_get_fsdp_state"):
+        raise changed("FSDPModule._get_fsdp_state()")
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        groups = list(state._fsdp_param_groups)
+    elif hasattr(state, "_fsdp_param_group"):
+        groups = [state._fsdp_param_group]
+    else:
+        raise changed("FSDPState._fsdp_param_groups (nor _fsdp_param_group)")
+    params = []
+    for group in groups:
+        if group is None:  # a module without parameters of its own
+            continue
+        if not hasattr(group, "fsdp_params"):
+            raise changed("FSDPParamGroup.fsdp_params")
+        for param in group.fsdp_params:
+            if not hasattr(param, "unsharded_accumulated_grad"):
+                raise changed("FSDPParam.unsharded_accumulated_grad")
+            params.append(param)
+    return params
 
 
 class ContextParallel(Strategy):
