@@ -20,7 +20,9 @@ Losses (on the module after each forward, see :class:`MoE`):
   ``L_aux = E · Σ_e f_e · P_e`` with ``f_e = (1 / (N k)) Σ_n Σ_j 1{idx[n, j] = e}`` (fraction of
   the ``N k`` assignments of the ``N`` tokens that go to ``e``) and ``P_e = (1/N) Σ_n s_e(x_n)``
   (mean router probability). It is 1 under uniform routing (``f = P = 1/E``), whenever ``P`` or
-  ``f`` is uniform, and ``E`` when every token goes to one expert with certainty; it is not
+  ``f`` is uniform, and at most ``E / k`` (an expert takes at most one of a token's ``k`` choices,
+  so ``f_e ≤ 1/k``), reached when every token's router is certain of one same expert (``E`` for
+  top-1, ``E / 2`` for top-2: the second choices spread over experts of score 0); it is not
   bounded below by 1 (``f`` counts choices, ``P`` averages scores: tokens that narrowly prefer
   one expert and a confident token for another give ``f = (2/3, 1/3)``, ``P ≈ (0.34, 0.66)``,
   ``L_aux ≈ 0.89``), and its gradient (through ``P`` only) lowers the scores of the busiest experts.
@@ -315,6 +317,15 @@ class MoE(nn.Module):
             self.expert_bias = kept.to(self.expert_bias.device, torch.float32)
         return self
 
+    def __getstate__(self):
+        # a copy (``copy.deepcopy``, pickling) keeps the last losses' values, not their graph: a
+        # non-leaf tensor cannot be deep-copied, so a model copied after a training forward failed
+        state = super().__getstate__()
+        for name in ("last_aux_loss", "last_z_loss"):
+            if state.get(name) is not None:
+                state = {**state, name: state[name].detach()}
+        return state
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
@@ -398,9 +409,12 @@ class MoE(nn.Module):
         if k == 1 and self.norm_topk_prob and self.training and not getattr(self, "_top1_warned", False):
             self._warn_top1()
         logits, scores, idx = self.route(x)
-        w = scores.gather(-1, idx)  # [N, k], unbiased scores of the chosen experts
         if self.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
+            # s_e / Σ_TopK s_e' = the softmax of the chosen logits: the same value, but never 0 / 0
+            # where the chosen scores underflow (the balancing bias may choose experts of score 0)
+            w = torch.softmax(logits.to(scores.dtype).gather(-1, idx), dim=-1)
+        else:
+            w = scores.gather(-1, idx)  # [N, k], unbiased scores of the chosen experts
 
         # assignments in priority order: all first choices (token order), then all second, ...
         expert = idx.t().reshape(-1)  # [k N]

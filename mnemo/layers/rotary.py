@@ -208,9 +208,10 @@ def yarn_inv_freq(
     linear in ``r`` as the paper's eq. 18 writes it. This is *not* the frequencies of the authors'
     code nor of ``transformers``' ``_compute_yarn_parameters``: those ramp linearly in the
     dimension index ``d`` (i.e. in ``log r``) between the dimensions where ``r = β`` and ``r = α``
-    (rounded down/up to whole dimensions), so inside the ramp their frequencies are higher (up to
-    1.7× these for ``s = 4``, ``L = 4096``, ``R = 128``); only the ends (``r > β`` kept, ``r < α``
-    divided by ``s``) and the temperature agree. A checkpoint trained with their YaRN is not
+    (rounded down/up to whole dimensions), so inside the ramp their frequencies differ: mostly
+    higher, up to 1.73× these, and at the ramp's rounded-down fast end lower (0.977× for ``s = 4``,
+    ``L = 4096``, ``R = 128``, ``theta = 10000``); only the ends (``r > β`` kept, ``r < α`` divided
+    by ``s``) and the temperature agree. A checkpoint trained with their YaRN is not
     reproduced by this one (``mnemo.hf`` refuses scaled RoPE for that reason). ``factor = 1``
     returns ``inv_freq`` unchanged.
     Returns ``[R/2]`` in ``inv_freq``'s dtype (computed in float64).
@@ -323,7 +324,8 @@ class RotaryEmbedding(nn.Module):
     returned in ``x``'s dtype; the frequencies are float32 (float64 when built under
     ``torch.set_default_dtype(torch.float64)``: :func:`~mnemo.layers.base.buffer_dtype`), stay
     float32 through a cast to half precision, and a float64 module (``.double()``) recomputes them in
-    float64 (and a cast back, in float32: the float32 module's). ``R`` must be even and at most ``D``.
+    float64 (and a cast back, in float32: the float32 module's), and a module built on the ``meta``
+    device recomputes them when materialised (``to_empty``). ``R`` must be even and at most ``D``.
 
     Raises:
         ValueError: bad ``theta`` (named ``rope_theta``, the attention's argument), ``rotary_dim`` or
@@ -368,7 +370,10 @@ class RotaryEmbedding(nn.Module):
             if new.dtype not in (torch.float32, torch.float64):
                 setattr(self, name, old.to(new.device, torch.float32))
         base = self.base_inv_freq
-        if base.dtype != kept["base_inv_freq"].dtype:
+        # off the meta device (``to_empty`` after a ``with torch.device("meta")`` build): the new
+        # buffers are uninitialised memory, and ``load_state_dict`` does not fill them (not persistent)
+        materialised = kept["base_inv_freq"].is_meta and not base.is_meta
+        if base.dtype != kept["base_inv_freq"].dtype or materialised:
             # recomputed in the new dtype, a function of it alone: a float64 module gets the
             # frequencies of the equation in float64, not float32's rounded ones cast up
             # (``10000^{-1/4}`` off by 1.5e-9: angles off by 1e-6 at position 1000), and a cast back
