@@ -323,13 +323,17 @@ class GatedLinearAttention(_QKVMixer):
         # computed in float32 too); a float64 module gets log γ computed in float64, not the
         # float32-rounded value cast up (off by up to 1e-9 per token), and a cast back float32's
         # (as RotaryEmbedding's frequencies: a cast to half precision keeps the values as they are)
+        # (and off the meta device, ``to_empty`` after a ``with torch.device("meta")`` build, the new
+        # buffer is uninitialised memory that ``load_state_dict`` does not fill: recomputed)
         kept = getattr(self, "log_gamma", None)
         super()._apply(fn, recurse)
         if kept is not None:
             new = self.log_gamma
+            materialised = kept.is_meta and not new.is_meta
             if new.dtype not in (torch.float32, torch.float64):
-                self.log_gamma = kept.to(new.device, torch.float32)
-            elif new.dtype != kept.dtype:
+                src = retnet_log_gamma(self.n_heads) if materialised else kept
+                self.log_gamma = src.to(new.device, torch.float32)
+            elif new.dtype != kept.dtype or materialised:
                 self.log_gamma = retnet_log_gamma(self.n_heads).to(new.device, new.dtype)
         return self
 

@@ -81,9 +81,15 @@ class FavorPlus(nn.Module):
             )
         super().__init__()
         self.head_dim, self.num_features = head_dim, num_features
+        self.seed, self.orthogonal = seed, orthogonal
+        self.register_buffer("projection", self._draw().to(torch.get_default_device()), persistent=False)
+
+    def _draw(self) -> torch.Tensor:
+        """``W [m, K]`` float64 on the CPU, drawn from ``self.seed`` (see the class docstring)."""
+        head_dim, num_features = self.head_dim, self.num_features
         cpu = torch.device("cpu")
-        gen = torch.Generator().manual_seed(seed)
-        if orthogonal:
+        gen = torch.Generator().manual_seed(self.seed)
+        if self.orthogonal:
             blocks = []
             for _ in range(-(-num_features // head_dim)):
                 g = torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64, device=cpu)
@@ -95,13 +101,17 @@ class FavorPlus(nn.Module):
             w = w * norms.norm(dim=-1)[:, None]
         else:
             w = torch.randn(num_features, head_dim, generator=gen, dtype=torch.float64, device=cpu)
-        self.register_buffer("projection", w.to(torch.get_default_device()), persistent=False)
+        return w
 
     def _apply(self, fn, recurse=True):
         # move ``projection`` with the module but keep its float64 values through a dtype cast
+        # (and off the meta device, ``to_empty`` after a ``with torch.device("meta")`` build, the new
+        # buffer is uninitialised memory that ``load_state_dict`` does not fill: redrawn from the seed)
         kept = self.projection
         super()._apply(fn, recurse)
-        if self.projection.dtype != kept.dtype:
+        if kept.is_meta and not self.projection.is_meta:
+            self.projection = self._draw().to(self.projection.device)
+        elif self.projection.dtype != kept.dtype:
             self.projection = kept.to(self.projection.device)
         return self
 
