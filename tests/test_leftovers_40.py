@@ -55,3 +55,14 @@ def test_favor_features_after_to_empty_are_the_seeds_draw():
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         assert torch.equal(att(x)[0], ref(x)[0])
+
+
+def test_an_odd_derived_head_size_under_rope_names_d_model_and_n_heads():
+    """``Attention(16, n_heads=3)`` takes ``head_dim = 16 // 3 = 5`` and failed with "rotary
+    embeddings need an even head_dim, got 5", which does not say where the 5 came from."""
+    from mnemo.layers import Attention
+
+    with pytest.raises(ValueError, match=r"n_heads: .*d_model // n_heads = 16 // 3 = 5"):
+        Attention(16, n_heads=3)
+    assert Attention(16, n_heads=3, rope=False).head_dim == 5  # no rotary: any size
+    assert Attention(16, n_heads=3, head_dim=6).head_dim == 6

@@ -164,6 +164,12 @@ class Attention(Mixer):
         n_kv_heads = n_kv_heads or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if rope and head_dim is None and rotary_dim is None and (d_model // n_heads) % 2:
+            raise ValueError(
+                f"n_heads: rotary positions need an even head size, and without head_dim it is d_model // "
+                f"n_heads = {d_model} // {n_heads} = {d_model // n_heads}; choose n_heads so that it is "
+                "even, or give head_dim (or rotary_dim)"
+            )
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.window, self.n_sink = window, n_sink
