@@ -40,6 +40,10 @@ from .state import spec, state_dataclass
 def _spec(spec: MemorySpec | str, overrides: dict) -> MemorySpec:
     if isinstance(spec, str):
         return preset(spec, **overrides)
+    if not isinstance(spec, MemorySpec):  # (an int or a dict failed later with "no attribute 'validate'")
+        raise TypeError(
+            f"spec: expected a MemorySpec or a preset name (str), got {type(spec).__name__} {spec!r}"
+        )
     return spec.replace(**overrides) if overrides else spec.validate()
 
 
@@ -177,6 +181,8 @@ class NeuralMemory(Mixer):
         check_mode(mode, ("chunk", "recurrent"))  # (else a typo surfaces only at the first T > 1 call)
         check_heads(d_model, n_heads, head_dim)
         check_int("persistent_tokens", persistent_tokens, 0)
+        if not isinstance(short_conv, bool):  # a config's "False" is truthy and would build the conv
+            raise ValueError(f"short_conv: expected a bool, got {short_conv!r}")
         if max_lr is not None and (
             isinstance(max_lr, bool) or not isinstance(max_lr, (int, float)) or not 0 < max_lr < math.inf
         ):  # θ = max_lr · sigmoid(·): a negative bound would ascend the inner loss

@@ -174,6 +174,7 @@ def attribute_read(
     rows ``R·B`` per pass (at least one seed). Defaults: ``start=0``, ``steps=1``,
     ``max_rows=1024``."""
     steps = _as_int("steps", steps, 1)
+    max_rows = _as_int("max_rows", max_rows, 1)
     B, T, H, _ = v.shape
     start = _as_int("start", start, 0, T)
     v = v.detach()
@@ -292,8 +293,8 @@ def value_attribution(
 
     Raises:
         ValueError: ``method`` unknown, or ``"exact"`` for a memory not linear in its values;
-            ``start`` not an int in ``[0, T]``; ``steps`` not an int ``>= 1``; the inputs'
-            shapes (from :func:`~mnemo.memory.neural_memory`).
+            ``start`` not an int in ``[0, T]``; ``steps`` or ``max_rows`` not an int ``>= 1``; the
+            inputs' shapes (from :func:`~mnemo.memory.neural_memory`).
     """
     if method not in ("auto", "exact", "jacobian"):
         raise ValueError(f"method must be 'auto', 'exact' or 'jacobian', got {method!r}")
@@ -302,6 +303,7 @@ def value_attribution(
         raise ValueError("method='exact' needs a memory linear in its values (linear_in_values)")
     start = _as_int("start", start, 0, q.shape[1])
     steps = _as_int("steps", steps, 1)
+    max_rows = _as_int("max_rows", max_rows, 1)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, theta, g, eta, delta = (
         None if x is None else x.detach().to(cd) for x in (q, k, v, theta, g, eta, delta)

@@ -186,7 +186,12 @@ def neural_memory(
         delta: ``[B, T, H]`` Huber threshold ``δ_t > 0`` (objective ``"huber"`` only; compared with the
             error norm ``‖M(k_t) − v_t‖₂`` with ``huber_mode="token"``, with each coordinate otherwise).
         initial_state: a :class:`MemoryState` for this spec (see :func:`init_state`: momentum
-            buffers exactly with optimizer ``"momentum"``); zeros when ``None``.
+            buffers exactly with optimizer ``"momentum"``); zeros when ``None``. Zero weights are a
+            stationary point of an MLP memory (``depth ≥ 2``; every retention but ``"kl"``, whose zero
+            accumulators are uniform weights): every layer's gradient vanishes there, so from ``None``
+            such a memory never moves (``o = q`` with ``residual``, else ``0``); give it non-zero
+            initial weights (:class:`~mnemo.layers.NeuralMemory` passes its learned
+            ones, ``N(0, 1/in)`` at init).
         output_final_state: also return the state after the last token (default ``False``).
         mode: ``"chunk"`` (training; the closed-form op when one exists and ``use_closed_form``)
             or ``"recurrent"`` (the token-loop reference).
