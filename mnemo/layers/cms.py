@@ -138,11 +138,12 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..ops._common import inference_involved
 from .base import batch_mm as _mm
-from .hooks import HookPoint, enter_piece, leave_pieces
+from .hooks import HookPoint, before_hook, enter_piece, leave_pieces, left_unchanged
 from .state import nbytes, spec, state_dataclass
 
 OPTIMIZERS = ("gd", "momentum", "delta_momentum")
@@ -298,6 +299,31 @@ class Level:
         if self.objective == "task" and self.partial != "carry":
             bad("partial", "'carry' with objective 'task' (its steps wait for the next token)")
         return self
+
+
+def show_state(point: HookPoint, state, shown=None):
+    """Pass a state through ``point`` (a ``hook_state``) and return the state the stream goes on from.
+
+    A hook sees a copy of ``shown`` (``state`` as the hooks show it: kept steps taken,
+    :meth:`CMSLevel.settle`; default ``state`` itself), every tensor its own: a fresh state's weights
+    are the parameters expanded over the batch, a state's tensors may be held by the autograd graph
+    of the call or shared between its fields (a chunk's anchor and the running weights), so an edit
+    in place on the state itself would write a parameter, break the backward, or change two fields.
+    As at every hook point (:meth:`~mnemo.layers.hooks.HookPoint.add`) a replacement returned goes
+    on, and so does an edit made in place on the copy shown (as a replacement with that edit); a hook
+    that only read it leaves the stream on ``state`` (the same values; a deferred state stays
+    deferred). Without a hook: ``state``, untouched (nothing copied)."""
+    if not point.hooked:
+        return point(state)
+    leaves, tree = pytree.tree_flatten(state if shown is None else shown)
+    leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+    shown = pytree.tree_unflatten(leaves, tree)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    marks = [before_hook(x) for x in tensors]
+    seen = point(shown)
+    if seen is not shown:
+        return seen
+    return state if all(left_unchanged(x, x, m) for x, m in zip(tensors, marks)) else shown
 
 
 @state_dataclass
@@ -706,12 +732,9 @@ class CMSLevel(nn.Module):
                     y = y + torch.zeros_like(y, requires_grad=True)
                 self._capture.append((x, y, (z, a)))
             st = replace(st, position=st.position + T)
-            if self.hook_state.hooked and st is not (shown := self.settle(st)):
-                # kept factors: a hook sees the materialised state; unless it replaces it, the
-                # stream goes on from the factored one
-                seen = self.hook_state(shown)
-                return y, st if seen is shown else seen
-            return y, self.hook_state(st)
+            # kept factors: a hook sees the materialised state; unless it replaces or edits it, the
+            # stream goes on from the factored one
+            return y, show_state(self.hook_state, st, self.settle(st) if self.hook_state.hooked else st)
         C = self.level.period
         v = self.hook_v(self.value(x))  # slow projections of all tokens at once
         eta = self.hook_eta(self.rates(x))
@@ -737,7 +760,7 @@ class CMSLevel(nn.Module):
             st = self._step(st)
             st = replace(st, position=0)  # a fresh period starts
         y = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, x.shape[-1])
-        return self.hook_out(y), (self.hook_state(st) if emit else st)
+        return self.hook_out(y), (show_state(self.hook_state, st) if emit else st)
 
     def state_spec(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
@@ -959,7 +982,7 @@ class ContinuumMemory(nn.Module):
             record = [] if i > 0 else None
             y, new[i] = self.levels[i](xn, prev[i], restarts=restarts, record=record, initial_weights=init)
             restarts = dict(record) if record is not None else None
-        return y, self.hook_state(CMSState(levels=tuple(new)))
+        return y, show_state(self.hook_state, CMSState(levels=tuple(new)))
 
     def _check_inputs(self, i: int, st: LevelState, batch: int) -> None:
         """Raise ``ValueError`` unless level ``i``'s kept period inputs fit this module (:attr:`LevelState.
@@ -987,12 +1010,11 @@ class ContinuumMemory(nn.Module):
     def _emit(self, st: CMSState) -> CMSState:
         """``hook_state``: a hook sees the levels with their kept factors folded in
         (:meth:`CMSLevel.deferring`); unless it replaces the state, the stream goes on unchanged."""
-        if self.hook_state.hooked:
-            shown = replace(st, levels=tuple(CMSLevel.settle(s) for s in st.levels))
-            if any(a is not b for a, b in zip(shown.levels, st.levels)):
-                seen = self.hook_state(shown)
-                return st if seen is shown else seen
-        return self.hook_state(st)
+        if not self.hook_state.hooked:
+            return self.hook_state(st)
+        return show_state(
+            self.hook_state, st, replace(st, levels=tuple(CMSLevel.settle(s) for s in st.levels))
+        )
 
     def _nested_meta(self, xn: torch.Tensor, prev):
         """Nested transfer with a meta-learned rule (Eq. 72): the fastest level reads and learns by
@@ -1037,14 +1059,14 @@ class ContinuumMemory(nn.Module):
                         sts[i] = levels[i].restart(sts[i], sts[i + 1].weights)
                 # the fastest level's state after the piece's restarts: what the next piece (or call)
                 # continues from
-                sts[0] = levels[0].hook_state(sts[0])
+                sts[0] = show_state(levels[0].hook_state, sts[0])
             finally:
                 leave_pieces(piece)
             t += L
         for i in range(1, k):
-            sts[i] = levels[i].hook_state(sts[i])
+            sts[i] = show_state(levels[i].hook_state, sts[i])
         y = torch.cat(outs, 1) if outs else xn.new_zeros(B, 0, d)
-        return y, self.hook_state(CMSState(levels=tuple(sts)))
+        return y, show_state(self.hook_state, CMSState(levels=tuple(sts)))
 
     # eager under torch.compile (a graph break): the gradient is taken with create_graph, and an outer
     # backward through it is a double backward, which AOTAutograd's compiled graphs do not support

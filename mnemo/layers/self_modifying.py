@@ -169,6 +169,7 @@ from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
 from ..ops._common import clamp_log_gate, inference_involved
 from .base import Mixer, Mixing, check_input, upcast
+from .cms import show_state
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .linear_attention import check_heads
@@ -828,12 +829,10 @@ class SelfModifyingTitans(Mixer):
             proj_pending=proj_pend,
             memory_pending=mem_pend,
         )
-        if self.hook_state.hooked and new is not (shown := self.settle(new)):
-            # kept steps: a hook sees the state with every step taken; unless it replaces that state,
-            # the stream goes on from the deferred one (the same weights; the same rounding as without hooks)
-            seen = self.hook_state(shown)
-            return y, new if seen is shown else seen
-        return y, self.hook_state(new)
+        # kept steps: a hook sees the state with every step taken (a copy); unless it replaces
+        # or edits that state, the stream goes on from the deferred one (the same weights; the same
+        # rounding as without hooks)
+        return y, show_state(self.hook_state, new, self.settle(new) if self.hook_state.hooked else new)
 
     # ------------------------------------------------------------------------------------------
     # maps: the main memory's read attributed to its writes

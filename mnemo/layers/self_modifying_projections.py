@@ -47,6 +47,7 @@ from torch import nn
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from .base import Mixer, Mixing, check_input, upcast
 from .base import batch_mm as _mm
+from .cms import show_state
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces
 from .linear_attention import check_heads, check_int
@@ -284,7 +285,7 @@ class SelfModifyingProjections(Mixer):
             conv=conv,
             offset=pos,
         )
-        return y, self.hook_state(new)
+        return y, show_state(self.hook_state, new)  # a copy shown: an edit in place goes on
 
     @property
     def mixing_hooks(self) -> tuple[str, ...]:  # type: ignore[override]

@@ -252,6 +252,18 @@ def _settle(model, state: list | None) -> list | None:
     return out
 
 
+def _settle_levels(state: list) -> list:
+    """``state`` with the CMS levels' kept steps taken (:meth:`~mnemo.layers.cms.CMSLevel.settle`)."""
+    return [
+        dataclasses.replace(
+            s, mlp=dataclasses.replace(s.mlp, levels=tuple(CMSLevel.settle(x) for x in s.mlp.levels))
+        )
+        if isinstance(s.mlp, CMSState)
+        else s
+        for s in state
+    ]
+
+
 def _deferrable(model):
     """The modules that keep their steps inside the segment loop."""
     for b in model.blocks:
@@ -320,6 +332,10 @@ def _segments(model, input_ids: torch.Tensor, state, mode):
     while t < T:
         if pending.ids.shape[1] == S:  # the segment is complete and its last label has arrived
             state = _absorb(model, pending, input_ids[:, t : t + 1], state, mode, (t - S, t, T))
+            # the levels' new steps folded in now (a call's end would): the reads after a re-run
+            # segment (decoding's one-token calls, compiled) then always see settled level states,
+            # not factors of varying rank, which made torch.compile recompile at each segment
+            state = _settle_levels(state)
             pending = Pending(start=_strip(state), ids=input_ids.new_zeros(B, 0))
         n = min(S - pending.ids.shape[1], T - t)
         if n == S and t + S < T:
