@@ -48,6 +48,7 @@ the value's shape.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -549,8 +550,13 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
     tokens, also where the hook passes the call in pieces). The result
     is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``). Raises
     ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's shape is
-    not a suffix of the value's."""
+    not a suffix of the value's, and when built ``ValueError`` for a ``scale`` that is not a finite
+    real number."""
     chosen = hook_names(model, names)
+    if isinstance(scale, torch.Tensor) and scale.ndim == 0 and scale.dtype != torch.bool:
+        scale = scale.item()  # a 0-d tensor, as the product took it
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite real number, got {scale!r}")
     try:
         direction = torch.as_tensor(direction)
     except (TypeError, ValueError, RuntimeError):

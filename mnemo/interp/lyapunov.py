@@ -54,7 +54,9 @@ def lyapunov_spectrum(
 
     ``q0``: the starting basis — ``"identity"`` (the first ``k`` unit vectors; the default when
     ``k = n``), ``"random"`` (a seeded random orthonormal basis; the default when ``k < n``, where
-    the leading exponents need a generic start) or a tensor ``[*batch_shape, n, k]``.
+    the leading exponents need a generic start) or a tensor ``[*batch_shape, n, k]`` (orthonormalised
+    by its QR: any basis of full rank gives the exponents of the nested spans of its columns;
+    ``ValueError`` naming ``q0`` for a shape that does not broadcast to that).
     ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
     generic start; default ``sort=True``). ``seed``: the seed of the ``"random"`` basis (default
     ``seed=0``). Raises ``ValueError`` for a ``burn_in`` outside ``[0, T)`` (no step left to
@@ -90,7 +92,19 @@ def lyapunov_spectrum(
     if q0 is None:
         q0 = "identity" if k == n else "random"
     if isinstance(q0, torch.Tensor):
-        Q = q0.to(dtype=dtype, device=device)
+        want = (*batch_shape, n, k)
+        try:
+            if q0.ndim < 2 or tuple(q0.shape[-2:]) != (n, k):
+                raise RuntimeError
+            q0 = q0.to(dtype=dtype, device=device).expand(want)
+        except RuntimeError:
+            raise ValueError(
+                f"q0: expected a starting basis of shape [*batch_shape, n, k] = {list(want)} (or one "
+                f"that broadcasts to it), got {list(q0.shape)}"
+            ) from None
+        # orthonormal columns spanning the same nested subspaces (a scaled or skewed basis would add
+        # its own log-stretch to the first step's R)
+        Q = torch.linalg.qr(q0)[0]
     elif q0 == "identity":
         Q = torch.eye(n, k, dtype=dtype, device=device).expand(*batch_shape, n, k).clone()
     elif q0 == "random":
@@ -183,6 +197,7 @@ def memory_jvp_spectrum(
     method: str = "central",
     eps: float = 1e-6,
     seed: int = 0,
+    burn_in: int = 0,
 ) -> tuple[torch.Tensor, int]:
     """Leading exponents ``[H, directions]`` (descending, nats/token, batch-averaged) of a
     test-time-trained memory, and ``n``, the dimension of its state per head.
@@ -198,6 +213,16 @@ def memory_jvp_spectrum(
     :func:`~mnemo.memory.recurrent.memory_recurrent`, in float64. A trailing partial chunk is one
     step too.
 
+    A finite-length estimate: the logs are summed from ``state`` on and divided by the tokens, so
+    a transient of the first chunks counts once and fades only as ``1/T``. TTT-Linear
+    (``x + LN(W x)``) at its zero initial weights (a fresh model's; training moves the learned
+    ``W_0``) has there the Jacobian ``I − (Σ_t θ_t k_t k_tᵀ) ⊗ P / ε`` (``P`` the centring
+    projector, ``ε = 1e-5`` the layer norm's epsilon): its first chunk stretches by ``~θ|k|²/ε``
+    (``≈ e^10``), the later ones by ``≈ 1`` (no retention), so its leading exponents read
+    ``≈ 10/T`` — "relevant" at ``context = T`` whatever ``T``. That is a true property of the map
+    at ``W = 0``, not a rate of forgetting: ``burn_in`` (whole inner chunks to skip, default ``0``;
+    the divisor is then the tokens after them) gives the long-run rate.
+
     ``method``: ``"forward"`` — exact Jacobian-vector products by forward-mode AD (dual tensors
     through the engine's inner ``autograd.grad``; exact but slow, ~40× the plain update, because
     several ops of the engine fall back to Python decompositions under forward AD); ``"central"``
@@ -205,13 +230,19 @@ def memory_jvp_spectrum(
     error ``O(ε²)`` plus ``~1e-16/ε`` of rounding, ``≈ 1e-10`` relative at the default, far below
     what moves an exponent), about twice the cost of the plain update. ``seed``: the seed of the
     random starting basis of :func:`lyapunov_spectrum`. Defaults: ``directions=32``, ``eps=1e-6``,
-    ``seed=0``. Raises ``ValueError`` naming ``method`` or ``directions`` (an int ``>= 1``)."""
+    ``seed=0``. Raises ``ValueError`` naming ``method``, ``directions`` (an int ``>= 1``),
+    ``burn_in`` (an int in ``[0, chunks)``) or ``state`` (not at position 0)."""
     from ..memory.recurrent import memory_recurrent
     from ..memory.state import MemoryState
 
     if method not in ("central", "forward"):
         raise ValueError(f"method: 'central' or 'forward', got {method!r}")
     _check_directions(directions)
+    if int(state.position) != 0:  # the chunks below start at token 0 of a fresh stream
+        raise ValueError(
+            f"state: expected the memory's state at position 0 (a fresh stream; its chunks start at "
+            f"token 0), got a state at position {int(state.position)}"
+        )
     f64 = torch.float64
 
     def d(x):
@@ -235,6 +266,15 @@ def memory_jvp_spectrum(
     kd = min(int(directions), n)
     C = spec.chunk_size
     starts = list(range(0, Tp, C))
+    if (
+        isinstance(burn_in, bool)
+        or not isinstance(burn_in, numbers.Integral)
+        or not 0 <= burn_in < max(len(starts), 1)
+    ):
+        raise ValueError(
+            f"burn_in: expected an int number of inner chunks in [0, {len(starts)}) "
+            f"({Tp} tokens in chunks of {C}), got {burn_in!r}"
+        )
     copies = kd if method == "forward" else 2 * kd + 1  # central: +εv, −εv and the primal
 
     def rep(x, sl):
@@ -286,7 +326,15 @@ def memory_jvp_spectrum(
         return Z.permute(1, 2, 3, 0)
 
     lam = lyapunov_spectrum(
-        step, len(starts), n, kd, batch_shape=(B, H), tokens=Tp, seed=seed, device=q.device
+        step,
+        len(starts),
+        n,
+        kd,
+        batch_shape=(B, H),
+        tokens=Tp - C * burn_in,
+        burn_in=burn_in,
+        seed=seed,
+        device=q.device,
     )
     return lam.mean(0), n
 
