@@ -25,10 +25,13 @@ forward pass takes it as ``cache=`` (``past_key_values=`` is accepted as the old
 returns the advanced one in ``output.cache``; :meth:`MnemoForCausalLM.prepare_inputs_for_generation`
 feeds only the new tokens together with it, so decoding costs one token step per token, in
 constant memory for recurrent mixers. Greedy ``generate`` equals
-``LanguageModel.generate(..., temperature=0)``.
+``LanguageModel.generate(..., temperature=0)`` (``transformers`` picks the token from the logits cast
+to float32, so a float64 model's two logits closer than float32 can tell apart may pick differently).
 
 **Padding.** A recurrent state takes in every token it is given, so pads must never reach it.
-Right padding (zeros at the end of rows) is harmless for a causal model. Left padding (each row
+Right padding (zeros at the end of rows) is harmless for a causal model's logits, but the pads
+enter the returned cache: continuing a cache whose rows took in right padding raises ``ValueError``
+(``MnemoCache.padded_rows`` names them). Left padding (each row
 ``0 … 0 1 … 1``, what ``generate`` needs for prompts of different lengths) is handled at the
 prefill: each group of equal-length prompts runs without its pads and the states join into one
 batch (:meth:`mnemo.models.LanguageModel.prefill_left_padded`); this needs a model whose mixers
@@ -153,9 +156,12 @@ class MnemoCache:
 
     is_compileable = False
 
-    def __init__(self, states: list, seen_tokens: int):
+    def __init__(self, states: list, seen_tokens: int, padded_rows: list[int] | None = None):
         self.states = list(states)
         self.seen_tokens = int(seen_tokens)
+        #: rows whose state took in right padding (a forward with pads at the end of these rows): a
+        #: state cannot leave them out later, so continuing from this cache is refused
+        self.padded_rows = list(padded_rows or [])
 
     @classmethod
     def wrap(cls, cache) -> MnemoCache | None:
@@ -182,6 +188,9 @@ class MnemoCache:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep the batch rows ``beam_idx`` (beam search)."""
         self.states = select_rows(self.states, beam_idx)
+        if self.padded_rows:
+            kept = [i for i, r in enumerate(beam_idx.tolist()) if r in self.padded_rows]
+            self.padded_rows = kept
 
     def __len__(self) -> int:
         return len(self.states)
@@ -236,8 +245,10 @@ def _padding(mask: torch.Tensor | None) -> str:
 class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     """A mnemo :class:`~mnemo.models.LanguageModel` (``self.model``) as a ``transformers`` causal LM.
 
-    ``forward(input_ids [B, T], attention_mask=None, cache=None, labels=None, use_cache=None)``
-    returns ``CausalLMOutputWithPast(loss, logits [B, T, vocab], cache)``; ``labels`` are shifted
+    ``forward(input_ids [B, T], attention_mask=None, cache=None, labels=None, use_cache=None,
+    logits_to_keep=0)`` returns ``CausalLMOutputWithPast(loss, logits [B, T, vocab], cache)``
+    (``logits_to_keep``: the positions whose logits come back, as ``transformers`` slices them — an int
+    ``n`` the last ``n``, ``0`` all; the loss still covers every labelled position); ``labels`` are shifted
     inside (the ``transformers`` convention, ``-100`` ignored; the loss is their mean, or their sum
     over ``num_items_in_batch`` when given, as ``transformers.Trainer`` does with gradient
     accumulation). See the module docstring for the cache, padding and loading rules.
@@ -250,12 +261,29 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     supports_gradient_checkpointing = False
 
     def __init__(self, config: MnemoConfig, model: LanguageModel | None = None):
+        if model is not None:  # the config must describe the wrapped model (model.config carries it)
+            want, got = model.config.to_dict(), config.to_model_config().to_dict()
+            differ = [
+                f"{k} (expected {want[k]!r}, got {got.get(k)!r})" for k in want if got.get(k) != want[k]
+            ]
+            if differ:
+                raise ValueError(
+                    "config: differs from the wrapped model's config (model.config) in "
+                    + ", ".join(differ)
+                    + "; pass MnemoConfig.from_model_config(model.config)"
+                )
         super().__init__(config)
         self.model = model if model is not None else LanguageModel(config.to_model_config())
         self.post_init()
         # the generation config transformers derived from the config: save_pretrained writes one
-        # only where it says more (a later change of the config, e.g. use_cache, is not one)
-        self._derived_generation = _generation_fields(self.generation_config)
+        # only where it says more (a later change of the config, e.g. use_cache, is not one); special
+        # token ids the config gave (MnemoConfig(pad_token_id=...)) count as more, as mnemo's config.json
+        # does not hold them: generation_config.json keeps them
+        from .convert import TOKEN_ID_FIELDS
+
+        self._derived_generation = {
+            k: v for k, v in _generation_fields(self.generation_config).items() if k not in TOKEN_ID_FIELDS
+        }
         # the special ids from_pretrained took from hf_config_carried.json or a foreign config.json
         self._source_ids: dict[str, Any] = {}
 
@@ -273,6 +301,25 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.model.lm_head
 
+    def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
+        """Replace the embedding (``resize_token_embeddings``): the vocabulary size of ``config`` and of
+        ``model.config`` becomes its row count, and a tied head (``tie_embeddings``) shares its weight."""
+        self.model.embed = value
+        n = value.weight.shape[0]
+        if self.model.config.tie_embeddings:
+            self.model.lm_head.weight = value.weight
+            self.model.lm_head.out_features = n
+        self._set_vocab_size(n)
+
+    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
+        """Replace the output head (``resize_token_embeddings`` of an untied model)."""
+        self.model.lm_head = value
+        self._set_vocab_size(value.weight.shape[0])
+
+    def _set_vocab_size(self, n: int) -> None:
+        self.model.config = dataclasses.replace(self.model.config, vocab_size=n)
+        self.config.vocab_size = n
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -283,8 +330,13 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
         past_key_values: MnemoCache | list | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ):
+        if kwargs.get("num_logits_to_keep") is not None:  # (the name before transformers 4.50)
+            if not (logits_to_keep is None or isinstance(logits_to_keep, int) and logits_to_keep == 0):
+                raise ValueError("pass logits_to_keep= or num_logits_to_keep=, not both")
+            logits_to_keep = kwargs["num_logits_to_keep"]
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds: not supported by mnemo models; pass input_ids")
         if input_ids is None:
@@ -302,6 +354,12 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("pass the state as cache= or as past_key_values=, not both")
         cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
         _check_mask(attention_mask, input_ids, cache)
+        if cache is not None and cache.padded_rows:
+            raise ValueError(
+                f"cache: rows {cache.padded_rows} of this cache took in right padding (the attention_mask "
+                "of the call that made it had zeros at their end); a recurrent state cannot leave those "
+                "pads out, so they would sit inside the rows: left-pad the prompts instead"
+            )
         padding = _padding(attention_mask)
         if (
             cache is not None
@@ -323,18 +381,23 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             # ``num_items_in_batch`` when the Trainer passes it (with gradient accumulation it does
             # not divide the loss by the number of steps then: it counts on the model to)
             n_items = kwargs.get("num_items_in_batch")
+            # (float32 for bf16/fp16 logits, float64 kept for a float64 model, as mnemo's own losses)
             loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(),
+                logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                 labels[:, 1:].flatten().to(logits.device),
                 ignore_index=-100,
                 reduction="mean" if n_items is None else "sum",
             )
             if n_items is not None:
                 loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
+        logits = _keep_logits(logits, logits_to_keep)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         seen = (cache.seen_tokens if cache is not None else 0) + input_ids.shape[1]
+        padded = []
+        if padding == "right":  # (the new tokens' pads: the earlier ones were refused above)
+            padded = (~attention_mask[:, -input_ids.shape[1] :].bool()).any(-1).nonzero().flatten().tolist()
         out = CausalLMOutputWithPast(
-            loss=loss, logits=logits, cache=MnemoCache(state, seen) if use_cache else None
+            loss=loss, logits=logits, cache=MnemoCache(state, seen, padded) if use_cache else None
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return out if return_dict else out.to_tuple()
@@ -400,6 +463,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             elif input_ids.shape[1] > cache.seen_tokens:
                 input_ids = input_ids[:, cache.seen_tokens :]
         inputs = {"input_ids": input_ids.contiguous(), "cache": cache, "attention_mask": attention_mask}
+        if kwargs.get("logits_to_keep") is not None:  # (generate sets 1: only the next token's logits)
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
         if use_cache is not None:
             inputs["use_cache"] = use_cache
         for k in ("output_hidden_states", "output_attentions"):  # asked for: forward refuses by name
@@ -427,8 +492,11 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         or float64 when stored in float64: :meth:`mnemo.models.LanguageModel.from_pretrained`);
         ``device_map``: a device (``"cpu"``, ``"cuda:0"``) or ``"auto"`` (CUDA when available).
         Hub options (``revision``, ``cache_dir``, ``local_files_only``, ``token``, ``subfolder``)
-        apply to a repository id; other ``transformers`` loading options are ignored; remaining
-        keyword arguments set attributes of the config (``use_cache=False``); a model field
+        apply to a repository id; other ``transformers`` loading options are ignored; the special
+        token ids ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` set the config's and
+        ``generation_config``'s (as ``transformers`` does; :meth:`save_pretrained` keeps them in
+        ``generation_config.json``); remaining keyword arguments set attributes of the config
+        (``use_cache=False``; an unknown one: ``TypeError`` naming it); a model field
         (``norm_eps``, ``tie_embeddings``…) given there or in ``config`` that differs from the checkpoint's
         raises ``ValueError`` naming it (the weights are loaded into the model the checkpoint describes).
         A ``generation_config.json`` in the folder (a converted checkpoint carries its source's)
@@ -459,11 +527,19 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         lm = LanguageModel.from_pretrained(path, map_location="cpu", dtype=dtype)
         if config is None:
             config = MnemoConfig.from_model_config(lm.config)
+        from .convert import TOKEN_ID_FIELDS
+
+        token_ids = {k: kwargs[k] for k in TOKEN_ID_FIELDS if k in kwargs}  # set after the model is built
+        for k, v in token_ids.items():
+            _check_token_id(k, v, lm.config.vocab_size)
         for k, v in kwargs.items():
-            if k in ignored:
+            if k in ignored or k in token_ids:
                 continue
             if not hasattr(config, k):
-                raise TypeError(f"MnemoForCausalLM.from_pretrained: unexpected argument {k!r}")
+                raise TypeError(
+                    f"MnemoForCausalLM.from_pretrained: unexpected argument {k!r} (expected a field of "
+                    f"MnemoConfig, a special token id ({', '.join(TOKEN_ID_FIELDS)}) or a loading option)"
+                )
             setattr(config, k, v)
         # the model is the one the checkpoint describes: a config (or an argument) that says another
         # model field would be carried by model.config while the weights compute the checkpoint's
@@ -510,6 +586,11 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
                     setattr(model.generation_config, k, fields[k])
                     model._source_ids[k] = fields[k]  # (mnemo's config.json does not hold them)
             model._derived_generation = _generation_fields(model.generation_config)  # (derived too)
+        for k, v in token_ids.items():  # as transformers: the config's and the generation config's id
+            # (after _derived_generation: save_pretrained writes them to generation_config.json, as
+            # mnemo's config.json does not hold them)
+            setattr(config, k, v)
+            setattr(model.generation_config, k, v)
         if device_map is not None:
             if device_map == "auto":
                 device_map = "cuda" if torch.cuda.is_available() else "cpu"
@@ -554,6 +635,41 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         model config when the model was built (a loaded ``generation_config.json``, or one the user
         changed)."""
         return _generation_fields(self.generation_config) != self._derived_generation
+
+
+def _keep_logits(logits: torch.Tensor, keep) -> torch.Tensor:
+    """The logits ``[B, T, V]`` that ``logits_to_keep`` asks for, as ``transformers``' causal LMs slice
+    them (``hidden[:, slice(-n, None) if int else keep]``): an int ``n`` the last ``n`` positions
+    (``0``, or ``None``, all), a 1-D tensor of positions those positions of every row. Other tensors
+    raise ``ValueError`` (``transformers`` would index the positions axis with them as a whole)."""
+    if torch.is_tensor(keep):
+        if keep.ndim != 1 or keep.dtype == torch.bool or keep.is_floating_point():
+            raise ValueError(
+                "logits_to_keep: expected an int >= 0 or a 1-D integer tensor of positions, got a "
+                f"{keep.ndim}-D {keep.dtype} tensor"
+            )
+        return logits[:, keep.to(logits.device)]
+    if keep is None:  # (as 0: every position)
+        return logits
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise ValueError(
+            f"logits_to_keep: expected an int >= 0 (0 = all positions) or a tensor, got {keep!r}"
+        )
+    return logits if keep == 0 else logits[:, -keep:]
+
+
+def _check_token_id(name: str, v, vocab_size: int) -> None:
+    """A special token id given to :meth:`MnemoForCausalLM.from_pretrained`: ``None`` or an int in
+    ``0 .. vocab_size - 1`` (``eos_token_id`` also a list of them); ``ValueError`` naming it otherwise."""
+    many = name == "eos_token_id" and isinstance(v, (list, tuple)) and len(v) > 0
+    for x in v if many else [v]:
+        if x is None and not many:
+            continue
+        if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < vocab_size:
+            kinds = "an int, a list of ints or None" if name == "eos_token_id" else "an int or None"
+            raise ValueError(
+                f"{name}: expected a token id ({kinds}) in 0 .. {vocab_size - 1} (the vocabulary), got {v!r}"
+            )
 
 
 def _generation_fields(g: GenerationConfig | None) -> dict:
