@@ -66,3 +66,19 @@ def test_an_odd_derived_head_size_under_rope_names_d_model_and_n_heads():
         Attention(16, n_heads=3)
     assert Attention(16, n_heads=3, rope=False).head_dim == 5  # no rotary: any size
     assert Attention(16, n_heads=3, head_dim=6).head_dim == 6
+
+
+def test_ttt_linear_starts_its_learned_w0_as_the_ttt_reference_not_at_zero():
+    """TTT-Linear's ``x + LN(W x)`` started at ``W_0 = 0``, where the layer norm's gain is ``1/√ε``
+    (~316): the first chunk's step was hundreds of times the later ones (review 5-S measured the
+    first chunk's stretch at ``e^10``). The TTT authors' code draws ``W_0 ~ N(0, 0.02²)``; matrix
+    memories without the norm (the delta rule's state) still start at zero."""
+    from mnemo.layers import NeuralMemory
+
+    torch.manual_seed(0)
+    ttt = NeuralMemory(64, spec="ttt_linear", n_heads=1)
+    (w,) = list(ttt.init_weights)
+    assert w.shape == (1, 64, 64)
+    assert abs(w.std().item() - 0.02) < 0.001 and abs(w.mean().item()) < 0.001
+    delta = NeuralMemory(64, spec="deltanet", n_heads=1)
+    assert all(bool((p == 0).all()) for p in delta.init_weights)

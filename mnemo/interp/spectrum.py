@@ -29,10 +29,10 @@ What ``A_t`` is, per kind of memory (read from each mixer's hook points, as the 
   token (the sum of a chunk's logs over its tokens). Only the leading ``directions`` exponents of
   each head are computed (``n`` = all parameters of the memory is thousands); the others are
   ``≤`` the last computed one. The exponents are finite-length estimates from the memory's
-  initial state, so a first-chunk transient counts once over ``T`` tokens: TTT-Linear at its zero
-  initial weights (a fresh model's) stretches by ``~e^10`` in its first chunk (``LN`` at ``W = 0``),
-  so its exponents read ``≈ 10/T``, all "relevant"; :func:`memory_jvp_spectrum` with ``burn_in=1``
-  gives its long-run rate, ``≈ 0``.
+  initial state, so a first-chunk transient counts once over ``T`` tokens: TTT-Linear (``LN(W x)``,
+  whose gain grows as ``W`` shrinks) stretches in its first chunk by ``~e^10`` from zero weights and
+  by ``~e^5`` from a fresh layer's ``W_0 ~ N(0, 0.02²)``, so its exponents read ``≈ 5/T``, all
+  "relevant"; :func:`memory_jvp_spectrum` with ``burn_in=1`` gives its long-run rate, ``≈ 0``.
 - **memories known only as code** (HOPE's self-modifying Titans, the self-modifying projections,
   the levels of a Continuum Memory System): ``A_t`` is the Jacobian of the module's own state
   after one step with respect to the state before it, applied by central differences through the

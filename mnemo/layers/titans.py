@@ -130,8 +130,11 @@ class NeuralMemory(Mixer):
 
     ``persistent_tokens`` learned vectors (initialised ``N(0, 0.02²)``) are prepended to the stream
     once, at its start (Titans' persistent memory); their outputs are dropped. The memory's
-    initial weights are learned parameters (one set per head); a matrix memory starts at zero, each
-    ``[in, out]`` layer of an MLP memory at ``N(0, 1/in)`` (fan-in scaling).
+    initial weights are learned parameters (one set per head); a matrix memory starts at zero (with
+    ``norm``, TTT-Linear's ``x + LN(W x)``, at ``N(0, 0.02²)`` as the TTT authors' code initialises
+    ``W_0``: at ``W = 0`` the layer norm's gain ``1/√ε`` makes the first chunk's step hundreds of
+    times the later ones), each ``[in, out]`` layer of an MLP memory at ``N(0, 1/in)`` (fan-in
+    scaling).
 
     Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream, whose
     rows come first: :func:`~mnemo.layers.hooks.span` places them before the call's token 0, so an
@@ -232,7 +235,11 @@ class NeuralMemory(Mixer):
                 nn.init.normal_(self.persistent, std=0.02)
             arch_is_matrix = self.spec.architecture == "matrix"
             for w in self.init_weights:
-                if arch_is_matrix:
+                if arch_is_matrix and self.spec.norm:
+                    # x + LN(W x) (TTT-Linear): at W = 0 the norm's gain is 1/√ε, so the first
+                    # chunk's step would be ~300x the later ones; N(0, 0.02²) as TTT's reference W_0
+                    nn.init.normal_(w, std=0.02)
+                elif arch_is_matrix:
                     w.zero_()
                 else:
                     nn.init.normal_(w, std=w.shape[-2] ** -0.5)
