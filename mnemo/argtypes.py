@@ -65,14 +65,34 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
+#: roles whose text is shown as written (a literal: ``~`` in ``:file:`~/x``` is the home folder)
+_LITERAL_ROLES = {
+    "file", "samp", "envvar", "kbd", "command", "program", "option", "math", "code", "regexp",
+    "dfn", "abbr", "mimetype", "makevar", "manpage", "guilabel", "menuselection", "newsgroup",
+}  # fmt: skip
+
+
+def _role_text(role: str, text: str) -> str:
+    """What Sphinx shows for ``:role:`text```: a literal role its text; a cross-reference its
+    title (``title <target>``), else its target without a leading ``!``, and with ``~`` only
+    the target's last dotted part (``~a.B.c``: ``c``)."""
+    if role.rsplit(":", 1)[-1] in _LITERAL_ROLES:
+        return text
+    titled = re.fullmatch(r"(.*?)\s*<([^<>]*)>", text, re.S)
+    if titled and titled.group(1):
+        return titled.group(1)
+    text = text.lstrip("!")
+    if text.startswith("~"):
+        return text[1:].rsplit(".", 1)[-1]
+    return text
+
+
 def plain_text(doc: str) -> str:
     """``doc`` (reStructuredText, e.g. a module docstring) as the plain text of a ``--help`` page:
-    ``:role:`target``` becomes ``target`` (``~a.b.c``: ``c``) and double backticks go."""
-    doc = re.sub(
-        r":[\w:.-]+:`~?([^`]*)`",
-        lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1),
-        doc,
-    )
+    ``:role:`target``` becomes what Sphinx shows for it (``~a.b.c``: ``c``; ``title <target>``:
+    ``title``; a literal role such as ``:file:`~/x``` its text as written) and double backticks
+    go."""
+    doc = re.sub(r":([\w:.-]+):`([^`]*)`", lambda m: _role_text(m.group(1), m.group(2)), doc)
     return doc.replace("``", "")
 
 

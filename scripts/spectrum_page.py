@@ -20,13 +20,14 @@ levels' input alone (they would show as "unsupported"). Test-time-trained memori
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from mnemo.train.sinks import loads_record
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results" / "spectrum.md"
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             wall += _run(probe_argv(m, run, out, args))
         if wall:
             walls[m] = wall
-        results[m] = json.loads((out / "spectrum.json").read_text())
+        # null + "nonfinite" (an infinite half-life) restored; older files' "inf" strings read as they are
+        results[m] = loads_record((out / "spectrum.json").read_text())
         Path(args.figures).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "spectrum.png", Path(args.figures) / f"spectrum_{m}.png")
     block = table(results, walls, args)

@@ -48,6 +48,14 @@ def _json(record, **kw) -> str:
     return json.dumps(json_safe(record), allow_nan=False, **kw)
 
 
+def _nonfinite_mapped(record: dict) -> dict:
+    """``record`` with each non-finite float as ``None`` and its place under ``"nonfinite"``
+    (:func:`mnemo.train.sinks.dumps_record`): null as in every command's JSON, and not lost."""
+    from ..train.sinks import dumps_record
+
+    return json.loads(dumps_record(record))
+
+
 def _write_json(path: Path, record) -> None:
     from ..train.checkpoint import atomic_write_text
 
@@ -512,7 +520,7 @@ def _cmd_ablate(args) -> int:
 def _cmd_spectrum(args) -> int:
     from ..data import load_text, load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
-    from ..interp.spectrum import memory_spectrum, plot, to_json
+    from ..interp.spectrum import memory_spectrum, plot
 
     if args.irrelevant_half_life >= args.tokens:
         raise ValueError(
@@ -539,11 +547,20 @@ def _cmd_spectrum(args) -> int:
     else:
         ids = _with_run_bos(_text_ids(tok, load_text(data, _text_field(args, tcfg)), args.tokens), tok, tcfg)
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
+    if args.irrelevant_half_life >= ids.shape[1]:  # a short text: the context is what it gives
+        raise ValueError(
+            f"--irrelevant-half-life ({args.irrelevant_half_life:g} tokens) must be shorter than the "
+            f"context, the {int(ids.shape[1])} tokens that {data} gives (--tokens {args.tokens}): a longer "
+            "half-life is marginal, not irrelevant"
+        )
     result = memory_spectrum(
         model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life
     )
     out.mkdir(parents=True, exist_ok=True)
-    record = to_json({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result})
+    # strict JSON as every command writes it: an infinite half-life (a direction never forgotten) or
+    # a -inf exponent is null, and "nonfinite" maps where (mnemo.train.sinks.dumps_record;
+    # loads_record restores the floats; files of before, with "inf" strings, read as they were)
+    record = _nonfinite_mapped({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result})
     _write_json(out / "spectrum.json", record)
     path = plot(result, out / "spectrum.png", title=checkpoint_label(ckpt))
     print(f"wrote {out / 'spectrum.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line

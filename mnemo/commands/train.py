@@ -520,15 +520,41 @@ def _train(args, held: contextlib.ExitStack) -> int:
         say(f"checkpoint: {trainer.last_checkpoint}")
         say(f"try: mnemo eval --checkpoint {shlex.quote(str(out))} --length {4 * c.seq_len}")
         return 0
+    unknown = _unknown_chars(trainer.data.tokenizer, c.sample_prompt)
     if c.sample_tokens > 0 and (main or trainer.fsdp):  # FSDP: every rank runs the sharded model
+        if unknown and main:  # (the default ROMEO: on a corpus of other characters)
+            print(
+                f"warning: sample_prompt {c.sample_prompt!r} (a --config file sets it): {len(unknown)} "
+                f"character(s) are not in the run's vocabulary and are read as <unk>: {''.join(unknown)!r}",
+                file=sys.stderr,
+            )
         text = trainer.sample()
         if main:
             print("\n--- sample ---")
             print(text)
             print("--------------")
     say(f"checkpoint: {trainer.last_checkpoint}")
-    say(f"try: mnemo generate --checkpoint {shlex.quote(str(out))} --prompt 'KING:'")
+    prompt = _suggested_prompt(trainer.data, c.sample_prompt, unknown)
+    say(f"try: mnemo generate --checkpoint {shlex.quote(str(out))} --prompt {shlex.quote(prompt)}")
     return 0
+
+
+def _unknown_chars(tok, prompt: str) -> list[str]:
+    """The characters of ``prompt`` a char tokenizer does not hold (read as <unk>); [] otherwise."""
+    return sorted(set(prompt) - set(tok.chars)) if hasattr(tok, "chars") else []
+
+
+def _suggested_prompt(data, prompt: str, unknown: list[str]) -> str:
+    """A prompt for the closing ``try: mnemo generate`` line: ``KING:`` (a play's speaker) or else
+    the run's ``sample_prompt`` when the vocabulary holds it, else the first word of the training
+    text (the vocabulary's own)."""
+    if not _unknown_chars(data.tokenizer, "KING:"):
+        return "KING:"
+    if not unknown:
+        return prompt
+    text = data.tokenizer.decode(data.train_data.ids[:64].tolist())
+    words = text.split()
+    return words[0][:16] if words else prompt
 
 
 def add_commands(sub) -> None:

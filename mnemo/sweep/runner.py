@@ -398,7 +398,7 @@ def _run_sweep(spec: SweepSpec, db_path, out_dir, *, jobs, threads, progress, lo
             if jobs <= 1:
                 while queue:
                     run = queue.pop(0)
-                    finish(run, run_one(run.config, str(out_dir / run.run_id), threads))
+                    finish(run, run_one(run.train_config, str(out_dir / run.run_id), threads))
             else:
                 ctx = multiprocessing.get_context("spawn")
                 stop = ctx.Event()
@@ -415,7 +415,9 @@ def _run_sweep(spec: SweepSpec, db_path, out_dir, *, jobs, threads, progress, lo
                                 while queue:
                                     run = queue.pop(0)
                                     where = str(out_dir / run.run_id)
-                                    futures[pool.submit(_run_in_worker, run.config, where, threads)] = run
+                                    futures[pool.submit(_run_in_worker, run.train_config, where, threads)] = (
+                                        run
+                                    )
                                 done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
                                 for fut in done:
                                     finish(futures.pop(fut), fut.result())

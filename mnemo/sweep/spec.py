@@ -35,6 +35,16 @@ learning rate per point") and summarises the seeds run there (:func:`mnemo.sweep
 A run is identified by a hash of its full config, so editing the file adds runs without
 invalidating finished ones.
 
+**Relative paths.** A relative path in a sweep file (``data``, a ``tokenizer`` file or folder,
+``init_from``, in ``base``, a model entry or a grid axis; the top-level ``db`` and ``out``) is read
+against the sweep file's project folder: the nearest folder above the file holding
+``pyproject.toml`` or ``.git`` (where this repository's sweep files and their ``runs/`` live), else
+the sweep file's own folder; never against the working directory, so a sweep started or resumed
+from anywhere reads the same files (:meth:`SweepSpec.load`; ``~`` is the home folder). The runs
+train on the absolute paths (:attr:`Run.train_config`); a run's id and its stored config are the
+config as the file writes it, so a sweep stored before keeps its runs and its report.
+:meth:`SweepSpec.from_dict` without ``root`` leaves paths as given.
+
 **Seeds.** ``seeds`` runs every grid point once per seed (it sets ``TrainConfig.seed``, which
 seeds the weights, the training batches and a task's test set, so the spread over seeds covers all
 three). The seed is not part of the cell: a cell's runs are its tuned values × its seeds, and each
@@ -130,6 +140,13 @@ class Run:
     cell: dict[str, Any]  # label + the non-tuned grid values
     tuned: dict[str, Any]  # the tuned grid values (e.g. {"lr": 0.003})
     seed: int = 0  # TrainConfig.seed of the run (one of the sweep's ``seeds``)
+    root: str | None = None  # the folder its relative paths are read against (SweepSpec.root)
+
+    @property
+    def train_config(self) -> dict[str, Any]:
+        """:attr:`config` (as the sweep file writes it: hashed into :attr:`run_id` and stored) with
+        its relative paths read against :attr:`root`: the config the run trains with."""
+        return _absolute_config(self.root, self.config)
 
     @property
     def cell_key(self) -> str:
@@ -154,10 +171,12 @@ class SweepSpec:
     out: str | None = None
     recipe: str | None = None  # "standard": checked against mnemo.sweep.recipe's standard
     claims: list[dict] = field(default_factory=list)  # [{"name", "better", "than"}] judged in reports
+    root: str | None = None  # the folder relative paths are read against (None: as given)
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "sweep") -> SweepSpec:
-        """Validate and build (raises ``ValueError`` naming the offending key)."""
+    def from_dict(cls, d: dict, source: str = "sweep", root: str | Path | None = None) -> SweepSpec:
+        """Validate and build (raises ``ValueError`` naming the offending key). ``root``: the
+        folder a relative path of the file is read against (module docstring; ``None``: as given)."""
         if not isinstance(d, dict):
             raise ValueError(f"{source}: a sweep file must hold a mapping")
         unknown = sorted(set(d) - _SPEC_KEYS)
@@ -267,10 +286,11 @@ class SweepSpec:
             seeds=seeds,
             select_lr_on_seed=select,
             selection=selection,
-            db=d.get("db"),
-            out=d.get("out"),
+            db=_under(root, d.get("db")),
+            out=_under(root, d.get("out")),
             recipe=recipe,
             claims=claims,
+            root=None if root is None else str(root),
         )
         spec.runs()  # validates every run's TrainConfig now, before anything is trained
         return spec
@@ -282,7 +302,7 @@ class SweepSpec:
         )
         if not d:
             raise ValueError(f"{path}: the sweep file is empty (it needs at least 'name' and 'models')")
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(d, source=str(path), root=project_folder(path))
 
     def _model_entries(self) -> list[tuple[str, dict]]:
         entries, labels = [], set()
@@ -362,11 +382,47 @@ class SweepSpec:
                     c = cfg if seed == own_seed else {**cfg, "seed": seed}
                     if isinstance(c.get("init_from"), str) and "{seed}" in c["init_from"]:
                         c = {**c, "init_from": c["init_from"].replace("{seed}", str(seed))}
-                    out.append(Run(run_id(c), label, c, cell, tuned, seed))
+                    # the id: the config as the file writes it (stored sweeps keep their runs)
+                    out.append(Run(run_id(c), label, c, cell, tuned, seed, self.root))
         ids = [r.run_id for r in out]
         if len(set(ids)) != len(ids):
             raise ValueError(f"sweep {self.name!r}: two model entries or grid points give identical runs")
         return out
+
+
+def _absolute_config(root, config: dict) -> dict:
+    """``config`` with its relative paths (``data``, a ``tokenizer`` file, ``init_from``) read
+    against ``root`` (module docstring); ``root=None``: as it is."""
+    if root is None:
+        return config
+    from ..data.corpus import BUNDLED
+
+    out = dict(config)
+    if isinstance(out.get("data"), str) and out["data"] not in BUNDLED:
+        out["data"] = _under(root, out["data"])
+    if isinstance(out.get("tokenizer"), str) and out["tokenizer"] not in ("char", "byte"):
+        out["tokenizer"] = _under(root, out["tokenizer"])
+    if isinstance(out.get("init_from"), str):
+        out["init_from"] = _under(root, out["init_from"])
+    return out
+
+
+def project_folder(path: str | Path) -> Path:
+    """The folder a sweep file's relative paths are read against: the nearest folder above the
+    file holding ``pyproject.toml`` or ``.git``, else the file's own folder (absolute)."""
+    here = Path(path).expanduser().resolve().parent
+    return next(
+        (p for p in (here, *here.parents) if (p / "pyproject.toml").is_file() or (p / ".git").exists()), here
+    )
+
+
+def _under(root, value):
+    """``value`` (a path of a sweep file) made absolute against ``root``; ``~`` expanded; an
+    absolute path, a non-string and ``root=None`` as they are."""
+    if root is None or not isinstance(value, str) or not value:
+        return value
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else Path(root) / p)
 
 
 def _parse_claims(value, models: list, source: str) -> list[dict]:
