@@ -1,5 +1,6 @@
 """Leftovers mended by the lead in session 40 (each test fails on the code before)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -82,3 +83,23 @@ def test_ttt_linear_starts_its_learned_w0_as_the_ttt_reference_not_at_zero():
     assert abs(w.std().item() - 0.02) < 0.001 and abs(w.mean().item()) < 0.001
     delta = NeuralMemory(64, spec="deltanet", n_heads=1)
     assert all(bool((p == 0).all()) for p in delta.init_weights)
+
+
+def test_a_resumed_run_accepts_its_data_path_spelled_absolute(tmp_path, monkeypatch):
+    """Sweep files' relative paths are now made absolute (review 5-T), so a run interrupted before
+    that resumes with ``data`` spelled otherwise: it was refused as a change of data ("a resumed
+    run keeps data = 'corpus.txt'"). The same file under another spelling is no change; another
+    file still is."""
+    from mnemo.train.config import TrainConfig
+    from mnemo.train.run_folder import resume_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("abc " * 50)
+    (tmp_path / "other.txt").write_text("xyz " * 50)
+    saved = TrainConfig(data="corpus.txt", model="transformer", steps=4)
+    cfg, notes = resume_config(saved, {"data": str(tmp_path / "corpus.txt")})
+    assert cfg.data == "corpus.txt" and notes == []
+    cfg, _ = resume_config(saved, dataclasses.replace(saved, data=str(tmp_path / "corpus.txt")))
+    assert cfg.data == "corpus.txt"
+    with pytest.raises(ValueError, match=r"TrainConfig.data: a resumed run keeps data = 'corpus.txt'"):
+        resume_config(saved, {"data": str(tmp_path / "other.txt")})

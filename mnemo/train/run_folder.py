@@ -75,6 +75,21 @@ RESUMABLE = (
     "compile",
 )
 RESCHEDULE = ("stretch", "hold")
+#: settings that name a file or folder: a resumed run may spell them differently (relative or
+#: absolute, ``~``) as long as they name the same one
+PATH_FIELDS = ("data", "tokenizer", "init_from")
+
+
+def _same_path(a, b) -> bool:
+    """``a`` and ``b`` (strings) name the same existing file or folder (read from the working
+    directory; ``~`` expanded)."""
+    if not (isinstance(a, str) and isinstance(b, str) and a and b):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        return pa.exists() and pb.exists() and os.path.samefile(pa, pb)
+    except OSError:
+        return False
 
 
 def resume_config(
@@ -91,6 +106,8 @@ def resume_config(
     by key), a :class:`TrainConfig` is compared field by field, ``None``
     changes nothing. Only the :data:`RESUMABLE` fields may change (they leave the model, data,
     batches and update rule alone); any other difference raises ``ValueError`` naming the field.
+    A path setting (:data:`PATH_FIELDS`) spelled otherwise but naming the same existing file or
+    folder is no difference (the saved spelling is kept).
 
     The learning rate follows a warm-up + cosine over ``cosine_steps`` (``schedule_steps`` or
     ``steps``). When new ``steps`` would move the end of that cosine, ``reschedule`` must say what
@@ -129,6 +146,11 @@ def resume_config(
         changes = {k: v for k, v in given.items() if v != getattr(saved, k)}
     else:
         raise TypeError(f"cfg: expected a TrainConfig, a dict of changes or None, got {type(given).__name__}")
+    # a path that names the same file or folder is no change (a sweep file's relative data path,
+    # made absolute since: mnemo.sweep.spec); the run keeps the saved spelling
+    changes = {
+        k: v for k, v in changes.items() if not (k in PATH_FIELDS and _same_path(getattr(saved, k), v))
+    }
     fixed = sorted(k for k in changes if k not in RESUMABLE)
     if fixed:
         k = fixed[0]
