@@ -128,9 +128,10 @@ def random_pairs(n_pairs: int, key_dim: int, streams: int, generator: torch.Gene
 def initial_weights(
     spec: MemorySpec, key_dim: int, streams: int, generator: torch.Generator, dtype=torch.float32
 ):
-    """One initial weight set shared by the streams, ``[streams, 1, in, out]`` per layer, as the Titans
-    layer initialises its memory: zeros for a matrix memory, ``N(0, 1/in)`` for each layer of a deep
-    one (drawn in float64, then cast)."""
+    """One initial weight set shared by the streams, ``[streams, 1, in, out]`` per layer: zeros for a
+    matrix memory, ``N(0, 1/in)`` for each layer of a deep one (drawn in float64, then cast), as the
+    Titans layer initialises its memory except the normed matrix ``x + LN(W x)``, which the layer
+    starts at ``N(0, 0.02²)`` (TTT-Linear's ``W_0``) and the probe at zero (its published runs)."""
     out = []
     for i, o in spec.layer_dims(key_dim, key_dim):
         if spec.architecture == "matrix":

@@ -548,14 +548,19 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
     (``blocks.1.hook_resid_pre``), ``[H, V]`` (or ``[V]``, every head) at a mixer's ``hook_o`` …;
     it broadcasts over the batch and positions (all positions, or ``positions`` only: the call's
     tokens, also where the hook passes the call in pieces). The result
-    is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``). Raises
+    is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``; a
+    tensor too — 0-d, or one that broadcasts against ``scale · direction``'s product with the value,
+    e.g. ``[B, 1, 1]`` per row — which keeps its gradient where it requires one). Raises
     ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's shape is
     not a suffix of the value's, and when built ``ValueError`` for a ``scale`` that is not a finite
     real number."""
     chosen = hook_names(model, names)
-    if isinstance(scale, torch.Tensor) and scale.ndim == 0 and scale.dtype != torch.bool:
-        scale = scale.item()  # a 0-d tensor, as the product took it
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    if isinstance(scale, torch.Tensor):  # a 0-d scale, or one per row ([B, 1, 1]) that broadcasts
+        if scale.dtype == torch.bool or scale.is_complex() or not bool(torch.isfinite(scale.detach()).all()):
+            raise ValueError(f"scale: expected a finite real number (or a tensor of them), got {scale!r}")
+        if scale.ndim == 0 and not scale.requires_grad:
+            scale = scale.item()  # (a scale being optimised keeps its gradient)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite real number, got {scale!r}")
     try:
         direction = torch.as_tensor(direction)
@@ -570,7 +575,8 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
                 f"direction: shape {list(d.shape)} must match the trailing axes of {name} "
                 f"{list(value.shape)} (after batch and position)"
             )
-        shifted = value + scale * d
+        s = scale.to(value.device, value.dtype) if isinstance(scale, torch.Tensor) else scale
+        shifted = value + s * d
         mask = _mask(model, value, name, positions=positions)
         return shifted if mask is None else torch.where(mask, shifted, value)
 

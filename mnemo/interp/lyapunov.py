@@ -55,8 +55,8 @@ def lyapunov_spectrum(
     ``q0``: the starting basis — ``"identity"`` (the first ``k`` unit vectors; the default when
     ``k = n``), ``"random"`` (a seeded random orthonormal basis; the default when ``k < n``, where
     the leading exponents need a generic start) or a tensor ``[*batch_shape, n, k]`` (orthonormalised
-    by its QR: any basis of full rank gives the exponents of the nested spans of its columns;
-    ``ValueError`` naming ``q0`` for a shape that does not broadcast to that).
+    by its QR: any basis of full rank gives the exponents of the nested spans of its columns; its
+    batch axes broadcast with ``batch_shape``; ``ValueError`` naming ``q0`` for another shape).
     ``sort``: exponents in descending order (the QR iteration yields them ordered only for a
     generic start; default ``sort=True``). ``seed``: the seed of the ``"random"`` basis (default
     ``seed=0``). Raises ``ValueError`` for a ``burn_in`` outside ``[0, T)`` (no step left to
@@ -96,6 +96,8 @@ def lyapunov_spectrum(
         try:
             if q0.ndim < 2 or tuple(q0.shape[-2:]) != (n, k):
                 raise RuntimeError
+            # (a batched q0 with the default batch_shape=() runs per row, as step's Q)
+            want = (*torch.broadcast_shapes(tuple(q0.shape[:-2]), tuple(batch_shape)), n, k)
             q0 = q0.to(dtype=dtype, device=device).expand(want)
         except RuntimeError:
             raise ValueError(
@@ -203,8 +205,9 @@ def memory_jvp_spectrum(
     test-time-trained memory, and ``n``, the dimension of its state per head.
 
     ``spec``: the :class:`~mnemo.memory.MemorySpec`; ``state``: its
-    :class:`~mnemo.memory.MemoryState` at position 0 (a fresh stream); ``q … delta``: the engine's
-    inputs over the whole stream, as the memory's hook points record them (``[B, T, H, …]``).
+    :class:`~mnemo.memory.MemoryState` at position 0 (a fresh stream) or at another chunk boundary
+    (a multiple of ``chunk_size``: a memory after whole chunks, continued); ``q … delta``: the
+    engine's inputs from there on, as the memory's hook points record them (``[B, T, H, …]``).
 
     One step of the iteration is one inner chunk (the engine's gradients of a chunk are all taken
     at the chunk's start weights): the Jacobian of (accumulators, momentum) at the chunk's end with
@@ -234,17 +237,20 @@ def memory_jvp_spectrum(
     what moves an exponent), about twice the cost of the plain update. ``seed``: the seed of the
     random starting basis of :func:`lyapunov_spectrum`. Defaults: ``directions=32``, ``eps=1e-6``,
     ``seed=0``. Raises ``ValueError`` naming ``method``, ``directions`` (an int ``>= 1``),
-    ``burn_in`` (an int in ``[0, chunks)``) or ``state`` (not at position 0)."""
+    ``burn_in`` (an int in ``[0, chunks)``) or ``state`` (not at a chunk boundary)."""
     from ..memory.recurrent import memory_recurrent
     from ..memory.state import MemoryState
 
     if method not in ("central", "forward"):
         raise ValueError(f"method: 'central' or 'forward', got {method!r}")
     _check_directions(directions)
-    if int(state.position) != 0:  # the chunks below start at token 0 of a fresh stream
+    C = spec.chunk_size
+    # chunk boundaries are absolute (position mod C), and at one the anchor is the weights: the
+    # chunks below continue a state there exactly; inside a chunk (anchored elsewhere) they would not
+    if int(state.position) % C != 0:
         raise ValueError(
-            f"state: expected the memory's state at position 0 (a fresh stream; its chunks start at "
-            f"token 0), got a state at position {int(state.position)}"
+            f"state: expected the memory's state at position 0 (a fresh stream) or at another chunk "
+            f"boundary (a multiple of chunk_size {C}), got a state at position {int(state.position)}"
         )
     f64 = torch.float64
 
@@ -267,7 +273,6 @@ def memory_jvp_spectrum(
     sizes = [i * o for i, o in shapes]
     n = sum(sizes)
     kd = min(int(directions), n)
-    C = spec.chunk_size
     starts = list(range(0, Tp, C))
     if (
         isinstance(burn_in, bool)
