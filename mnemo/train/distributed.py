@@ -186,7 +186,7 @@ def check_context_parallel(model) -> list[int]:
             start of an unfinished segment); an attention block with a stateful MLP (a CMS: its
             state would have to be relayed while the ring runs); attention with sinks; a
             recurrent mixer holding softmax attention inside (its KV state grows with the tokens
-            seen, so its size is not known before it arrives).
+            seen: the relay would ship the whole cache rank to rank).
     """
     from ..layers import Attention
 
@@ -442,9 +442,11 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
                 dist.recv(torch.empty(size, dtype=t.dtype, device=t.device), src=prev, group=group)
         if nxt is not None:  # rank r + 1 waits for a state: let it fail as well
             _send_shapes(shapes, nxt, group)
-            for t in shapes:
-                fill = float("nan") if t.is_floating_point() else 0
-                dist.send(torch.full(t.shape, fill, dtype=t.dtype, device=t.device), dst=nxt, group=group)
+            for t in shapes:  # NaN values; the dry run's integer counters, which fit its sizes (0
+                # would not: a nested CMS's kept inputs number ``position mod period``)
+                if t.is_floating_point():
+                    t = torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device)
+                dist.send(t.contiguous(), dst=nxt, group=group)
     if failed is not None:
         raise failed
     logits = model.lm_head(model.norm(x))
