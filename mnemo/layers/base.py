@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -148,6 +149,13 @@ def buffer_dtype() -> torch.dtype:
     decays, an MoE's balancing bias): float64 under ``torch.set_default_dtype(torch.float64)``, else
     float32 (never half precision), so that a model built float64 equals one cast with ``.double()``."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def off_meta():
+    """A context for recomputing a fixed buffer in ``_apply``: the CPU as the default device while that
+    is ``meta`` (a module materialised with ``to_empty`` inside its ``with torch.device("meta")``
+    block: a constant made there has no values to copy), else nothing changed."""
+    return torch.device("cpu") if torch.get_default_device().type == "meta" else contextlib.nullcontext()
 
 
 def batch_mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from ..ops._common import MODES, check_chunk_size, check_mode
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from ..ops.linear_attention import linear_attention, linear_attention_map
-from .base import Mixer, Mixing, buffer_dtype, check_input, upcast
+from .base import Mixer, Mixing, buffer_dtype, check_input, off_meta, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
@@ -330,11 +330,13 @@ class GatedLinearAttention(_QKVMixer):
         if kept is not None:
             new = self.log_gamma
             materialised = kept.is_meta and not new.is_meta
+            with off_meta():  # (on the CPU inside a ``with torch.device("meta")`` block)
+                fresh = retnet_log_gamma(self.n_heads)
             if new.dtype not in (torch.float32, torch.float64):
-                src = retnet_log_gamma(self.n_heads) if materialised else kept
+                src = fresh if materialised else kept
                 self.log_gamma = src.to(new.device, torch.float32)
             elif new.dtype != kept.dtype or materialised:
-                self.log_gamma = retnet_log_gamma(self.n_heads).to(new.device, new.dtype)
+                self.log_gamma = fresh.to(new.device, new.dtype)
         return self
 
     @property

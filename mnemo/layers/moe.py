@@ -22,7 +22,8 @@ Losses (on the module after each forward, see :class:`MoE`):
   (mean router probability). It is 1 under uniform routing (``f = P = 1/E``), whenever ``P`` or
   ``f`` is uniform, and at most ``E / k`` (an expert takes at most one of a token's ``k`` choices,
   so ``f_e ≤ 1/k``), reached when every token's router is certain of one same expert (``E`` for
-  top-1, ``E / 2`` for top-2: the second choices spread over experts of score 0); it is not
+  top-1, ``E / 2`` for top-2: the second choices spread over experts of score 0; a
+  ``hook_topk_indices`` replacement that repeats an expert lifts the ceiling to ``E``); it is not
   bounded below by 1 (``f`` counts choices, ``P`` averages scores: tokens that narrowly prefer
   one expert and a confident token for another give ``f = (2/3, 1/3)``, ``P ≈ (0.34, 0.66)``,
   ``L_aux ≈ 0.89``), and its gradient (through ``P`` only) lowers the scores of the busiest experts.

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import buffer_dtype
+from .base import buffer_dtype, off_meta
 
 #: the keys a ``rope_scaling`` mapping may hold (the names of ``transformers``' ``rope_scaling`` /
 #: ``rope_parameters``, so that interop can pass them through); ``"type"`` is an alias of ``"rope_type"``
@@ -378,8 +378,11 @@ class RotaryEmbedding(nn.Module):
             # frequencies of the equation in float64, not float32's rounded ones cast up
             # (``10000^{-1/4}`` off by 1.5e-9: angles off by 1e-6 at position 1000), and a cast back
             # to float32 (or half precision) those of a float32 module, not float64's rounded down
-            self.base_inv_freq = self._base(base.dtype).to(base.device)
-            self.inv_freq = self._frequencies(self.scaling)[0].to(self.inv_freq.device, self.inv_freq.dtype)
+            # (computed on the CPU inside a ``with torch.device("meta")`` block: :func:`off_meta`)
+            with off_meta():
+                self.base_inv_freq = self._base(base.dtype).to(base.device)
+                inv = self._frequencies(self.scaling)[0]
+            self.inv_freq = inv.to(self.inv_freq.device, self.inv_freq.dtype)
         return self
 
     def _base(self, dtype: torch.dtype) -> torch.Tensor:
