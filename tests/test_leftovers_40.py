@@ -103,3 +103,16 @@ def test_a_resumed_run_accepts_its_data_path_spelled_absolute(tmp_path, monkeypa
     assert cfg.data == "corpus.txt"
     with pytest.raises(ValueError, match=r"TrainConfig.data: a resumed run keeps data = 'corpus.txt'"):
         resume_config(saved, {"data": str(tmp_path / "other.txt")})
+
+
+@pytest.mark.parametrize("mixer", ["linear_attention", "gla", "deltanet"])
+@pytest.mark.parametrize("bad", ["False", 0, None])
+def test_short_conv_must_be_a_bool_in_every_matrix_mixer(mixer, bad):
+    """Review 5-M made ``NeuralMemory`` refuse a non-bool ``short_conv`` (a config's "False" is
+    truthy and silently built the conv); its siblings took it by truthiness still."""
+    from mnemo.layers import DeltaNet, GatedLinearAttention
+
+    cls = {"linear_attention": LinearAttention, "gla": GatedLinearAttention, "deltanet": DeltaNet}[mixer]
+    with pytest.raises(ValueError, match=r"short_conv: expected a bool, got"):
+        cls(16, n_heads=2, short_conv=bad)
+    assert (cls(16, n_heads=2, short_conv=False).conv is None) and cls(16, n_heads=2, short_conv=True).conv

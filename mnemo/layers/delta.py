@@ -14,7 +14,7 @@ from ..ops.delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
-from .linear_attention import MatrixState, check_heads, check_int, state_dtypes
+from .linear_attention import MatrixState, check_bool, check_heads, check_int, state_dtypes
 from .norm import RMSNorm, check_eps
 from .registry import register_mixer
 from .state import spec
@@ -150,6 +150,7 @@ class DeltaNet(Mixer):
         self.key_width, self.value_width = key_width, value_width
         width = 2 * key_width + value_width
         self.qkv_proj = nn.Linear(d_model, width, bias=False)
+        check_bool("short_conv", short_conv)
         self.conv = ShortConvolution(width, conv_size, bias=conv_bias) if short_conv else None
         self.beta_proj = nn.Linear(d_model, n_v_heads, bias=beta_bias)
         if gated:

@@ -45,6 +45,13 @@ def retnet_log_gamma(n_heads: int) -> torch.Tensor:
     return torch.log1p(-(2.0 ** (-5.0 - torch.arange(n_heads, dtype=torch.float64))))
 
 
+def check_bool(name: str, value) -> None:
+    """Raise ``ValueError`` naming the constructor argument ``name`` unless ``value`` is a bool (a
+    config's ``"False"`` string, or ``0``/``1`` from a file, would otherwise switch by truthiness)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
 def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
     """Raise ``ValueError`` naming the constructor argument ``name`` with the expected and the received
     value unless ``value`` is an int ``>= minimum`` (or ``None`` with ``optional=True``). Defaults:
@@ -94,6 +101,7 @@ class _QKVMixer(Mixer):
         self.chunk_size = chunk_size
         width = n_heads * (2 * key_dim + value_dim)
         self.qkv_proj = nn.Linear(d_model, width, bias=False)
+        check_bool("short_conv", short_conv)
         self.conv = ShortConvolution(width, conv_size) if short_conv else None
         self.o_proj = nn.Linear(n_heads * value_dim, d_model, bias=False)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
