@@ -30,8 +30,9 @@ to float32, so a float64 model's two logits closer than float32 can tell apart m
 
 **Padding.** A recurrent state takes in every token it is given, so pads must never reach it.
 Right padding (zeros at the end of rows) is harmless for a causal model's logits, but the pads
-enter the returned cache: continuing a cache whose rows took in right padding raises ``ValueError``
-(``MnemoCache.padded_rows`` names them). Left padding (each row
+enter the returned cache: continuing a cache whose rows took in right padding with a token for
+those rows raises ``ValueError`` (``MnemoCache.padded_rows`` names them; more pads, mask 0, are
+accepted: they stay at the row's end). Left padding (each row
 ``0 … 0 1 … 1``, what ``generate`` needs for prompts of different lengths) is handled at the
 prefill: each group of equal-length prompts runs without its pads and the states join into one
 batch (:meth:`mnemo.models.LanguageModel.prefill_left_padded`); this needs a model whose mixers
@@ -160,7 +161,7 @@ class MnemoCache:
         self.states = list(states)
         self.seen_tokens = int(seen_tokens)
         #: rows whose state took in right padding (a forward with pads at the end of these rows): a
-        #: state cannot leave them out later, so continuing from this cache is refused
+        #: state cannot leave them out later, so giving these rows a token (not a pad) is refused
         self.padded_rows = list(padded_rows or [])
 
     @classmethod
@@ -354,12 +355,20 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("pass the state as cache= or as past_key_values=, not both")
         cache = MnemoCache.wrap(cache if cache is not None else past_key_values)
         _check_mask(attention_mask, input_ids, cache)
-        if cache is not None and cache.padded_rows:
-            raise ValueError(
-                f"cache: rows {cache.padded_rows} of this cache took in right padding (the attention_mask "
-                "of the call that made it had zeros at their end); a recurrent state cannot leave those "
-                "pads out, so they would sit inside the rows: left-pad the prompts instead"
-            )
+        if cache is not None and cache.padded_rows:  # refused where a token would follow the pads
+            # (a row that takes in only pads again, e.g. a finished one masked out, keeps them at its end)
+            new_mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else None
+            rows = [
+                r
+                for r in cache.padded_rows
+                if new_mask is None or r >= len(new_mask) or bool(new_mask[r].bool().any())
+            ]
+            if rows:
+                raise ValueError(
+                    f"cache: rows {rows} of this cache took in right padding (the attention_mask of the "
+                    "call that made it had zeros at their end); a recurrent state cannot leave those "
+                    "pads out, so they would sit inside the rows: left-pad the prompts instead"
+                )
         padding = _padding(attention_mask)
         if (
             cache is not None
@@ -393,9 +402,12 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         logits = _keep_logits(logits, logits_to_keep)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         seen = (cache.seen_tokens if cache is not None else 0) + input_ids.shape[1]
-        padded = []
-        if padding == "right":  # (the new tokens' pads: the earlier ones were refused above)
-            padded = (~attention_mask[:, -input_ids.shape[1] :].bool()).any(-1).nonzero().flatten().tolist()
+        padded = set(cache.padded_rows) if cache is not None else set()  # (those taking only pads)
+        if padding == "right":  # the new tokens' pads
+            padded |= set(
+                (~attention_mask[:, -input_ids.shape[1] :].bool()).any(-1).nonzero().flatten().tolist()
+            )
+        padded = sorted(padded)
         out = CausalLMOutputWithPast(
             loss=loss, logits=logits, cache=MnemoCache(state, seen, padded) if use_cache else None
         )
@@ -585,7 +597,13 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
                 if fields.get(k) is not None:
                     setattr(model.generation_config, k, fields[k])
                     model._source_ids[k] = fields[k]  # (mnemo's config.json does not hold them)
-            model._derived_generation = _generation_fields(model.generation_config)  # (derived too)
+            # (derived too, but for special ids the config gave: generation_config.json keeps those, as
+            # for MnemoForCausalLM(config))
+            model._derived_generation = {
+                k: v
+                for k, v in _generation_fields(model.generation_config).items()
+                if k not in TOKEN_ID_FIELDS or k in model._source_ids
+            }
         for k, v in token_ids.items():  # as transformers: the config's and the generation config's id
             # (after _derived_generation: save_pretrained writes them to generation_config.json, as
             # mnemo's config.json does not hold them)
