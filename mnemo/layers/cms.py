@@ -143,7 +143,7 @@ from torch import nn
 
 from ..ops._common import inference_involved
 from .base import batch_mm as _mm
-from .hooks import HookPoint, before_hook, enter_piece, leave_pieces, left_unchanged
+from .hooks import HookPoint, before_hook, check_replacement, enter_piece, leave_pieces, left_unchanged
 from .state import nbytes, spec, state_dataclass
 
 OPTIMIZERS = ("gd", "momentum", "delta_momentum")
@@ -312,18 +312,33 @@ def show_state(point: HookPoint, state, shown=None):
     As at every hook point (:meth:`~mnemo.layers.hooks.HookPoint.add`) a replacement returned goes
     on, and so does an edit made in place on the copy shown (as a replacement with that edit); a hook
     that only read it leaves the stream on ``state`` (the same values; a deferred state stays
-    deferred). Without a hook: ``state``, untouched (nothing copied)."""
+    deferred). An edit of the copy's fields (``st.weights = ...``, a dict entry set) is an edit in
+    place too, checked as a replacement (:func:`~mnemo.layers.hooks.check_replacement`).
+    Without a hook: ``state``, untouched (nothing copied)."""
     if not point.hooked:
         return point(state)
     leaves, tree = pytree.tree_flatten(state if shown is None else shown)
     leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
     shown = pytree.tree_unflatten(leaves, tree)
+    as_shown = pytree.tree_unflatten(leaves, tree)  # the copy as shown: an edited one is checked on it
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     marks = [before_hook(x) for x in tensors]
     seen = point(shown)
     if seen is not shown:
         return seen
+    now, now_tree = pytree.tree_flatten(shown)
+    if now_tree != tree or any(not _same_leaf(a, b) for a, b in zip(now, leaves)):
+        check_replacement(point.name, as_shown, shown)  # a field set anew: a replacement, checked
+        return shown
     return state if all(left_unchanged(x, x, m) for x, m in zip(tensors, marks)) else shown
+
+
+def _same_leaf(a, b) -> bool:
+    """Whether a state's leaf ``a`` after a hook is still ``b``, the one shown: the same tensor, or
+    an equal value of the same type (an int, a flag)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return a is b or (type(a) is type(b) and a == b)
 
 
 @state_dataclass

@@ -29,6 +29,7 @@ from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural
 from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
 from ..ops._common import check_mode
 from .base import Mixer, Mixing, check_input, upcast
+from .cms import show_state
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces
 from .linear_attention import check_heads, check_int
@@ -320,7 +321,7 @@ class NeuralMemory(Mixer):
             leave_pieces(piece)
         y = self.read_out(o, gate)[:, n_prefix:]
         new = NeuralMemoryState.from_memory_state(mem, conv=conv_state, offset=offset + T)
-        return y, self.hook_state(new)
+        return y, show_state(self.hook_state, new)  # a copy shown: the anchor may be a parameter
 
     # --------------------------------------------------------------------------------------------
     # maps (the per-token attribution of the read to the writes)

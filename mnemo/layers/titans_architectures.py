@@ -20,6 +20,7 @@ from ..ops._common import inference_involved
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
 from .base import Mixer, Mixing, check_input
+from .cms import show_state
 from .hooks import HookPoint, enter_piece, join_pieces, leave_pieces
 from .linear_attention import check_int
 from .norm import RMSNorm
@@ -307,7 +308,7 @@ class TitansMAG(_MemoryAndWindow):
         gate = self.hook_gate(torch.sigmoid(self.norm_mem(y_mem)))
         y = self.o_proj(self.norm_attn(y_attn) * gate)
         new = TitansMAGState(memory=mem_state, attn_k=cache.k, attn_v=cache.v, offset=offset + T)
-        return y, self.hook_state(new)
+        return y, show_state(self.hook_state, new)
 
 
 @register_mixer("titans_mal")
@@ -356,7 +357,7 @@ class TitansMAL(_MemoryAndWindow):
         y, cache, _ = self.attn(self.mid_norm(h), cache, offset)
         y = self.hook_attn_out(y)
         new = TitansMALState(memory=mem_state, attn_k=cache.k, attn_v=cache.v, offset=offset + T)
-        return y, self.hook_state(new)
+        return y, show_state(self.hook_state, new)
 
 
 @register_mixer("titans_mac")
@@ -530,7 +531,7 @@ class TitansMAC(Mixer):
             offset=pos,
         )
         y = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, self.d_model)
-        return y, self.hook_state(new)
+        return y, show_state(self.hook_state, new)
 
     def state_spec(
         self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
