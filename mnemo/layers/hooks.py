@@ -574,3 +574,43 @@ def join_pieces(point: HookPoint, values: list, lengths: list[int]) -> Any:
         pad = [0, 0] * (v.ndim - 1 - kd) + [start, width - start - v.shape[kd]]
         out.append(torch.nn.functional.pad(v, pad))  # zero columns: keys this piece did not see
     return torch.cat(out, td)
+
+
+def show_state(point: HookPoint, state, shown=None):
+    """Pass a state through ``point`` (a ``hook_state``) and return the state the stream goes on from.
+
+    A hook sees a copy of ``shown`` (``state`` as the hooks show it, e.g. with kept steps taken:
+    :meth:`mnemo.layers.cms.CMSLevel.settle`; default ``state`` itself), every tensor its own: a
+    fresh state's weights are the parameters expanded over the batch, a state's tensors may be held
+    by the autograd graph of the call or shared between its fields (a chunk's anchor and the running
+    weights), so an edit in place on the state itself would write a parameter, break the backward,
+    or change two fields. As at every hook point (:meth:`HookPoint.add`) a replacement returned goes
+    on, and so does an edit made in place on the copy shown (as a replacement with that edit); a hook
+    that only read it leaves the stream on ``state`` (the same values; a deferred state stays
+    deferred). An edit of the copy's fields (``st.weights = ...``, a dict entry set) is an edit in
+    place too, checked as a replacement (:func:`check_replacement`).
+    Without a hook: ``state``, untouched (nothing copied)."""
+    if not point.hooked:
+        return point(state)
+    leaves, tree = pytree.tree_flatten(state if shown is None else shown)
+    leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+    shown = pytree.tree_unflatten(leaves, tree)
+    as_shown = pytree.tree_unflatten(leaves, tree)  # the copy as shown: an edited one is checked on it
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    marks = [before_hook(x) for x in tensors]
+    seen = point(shown)
+    if seen is not shown:
+        return seen
+    now, now_tree = pytree.tree_flatten(shown)
+    if now_tree != tree or any(not _same_leaf(a, b) for a, b in zip(now, leaves)):
+        check_replacement(point.name, as_shown, shown)  # a field set anew: a replacement, checked
+        return shown
+    return state if all(left_unchanged(x, x, m) for x, m in zip(tensors, marks)) else shown
+
+
+def _same_leaf(a, b) -> bool:
+    """Whether a state's leaf ``a`` after a hook is still ``b``, the one shown: the same tensor, or
+    an equal value of the same type (an int, a flag)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return a is b or (type(a) is type(b) and a == b)

@@ -169,9 +169,8 @@ from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
 from ..ops._common import clamp_log_gate, inference_involved
 from .base import Mixer, Mixing, check_input, upcast
-from .cms import show_state
 from .conv import ShortConvolution
-from .hooks import HookPoint
+from .hooks import HookPoint, show_state
 from .linear_attention import check_heads
 from .norm import RMSNorm
 from .registry import register_mixer

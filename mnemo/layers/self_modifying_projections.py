@@ -47,9 +47,8 @@ from torch import nn
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from .base import Mixer, Mixing, check_input, upcast
 from .base import batch_mm as _mm
-from .cms import show_state
 from .conv import ShortConvolution
-from .hooks import HookPoint, enter_piece, leave_pieces
+from .hooks import HookPoint, enter_piece, leave_pieces, show_state
 from .linear_attention import check_heads, check_int
 from .norm import RMSNorm
 from .registry import register_mixer

@@ -29,9 +29,8 @@ from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural
 from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
 from ..ops._common import check_mode
 from .base import Mixer, Mixing, check_input, upcast
-from .cms import show_state
 from .conv import ShortConvolution
-from .hooks import HookPoint, enter_piece, leave_pieces
+from .hooks import HookPoint, enter_piece, leave_pieces, show_state
 from .linear_attention import check_heads, check_int
 from .norm import RMSNorm
 from .registry import register_mixer

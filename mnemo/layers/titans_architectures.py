@@ -20,8 +20,7 @@ from ..ops._common import inference_involved
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
 from .base import Mixer, Mixing, check_input
-from .cms import show_state
-from .hooks import HookPoint, enter_piece, join_pieces, leave_pieces
+from .hooks import HookPoint, enter_piece, join_pieces, leave_pieces, show_state
 from .linear_attention import check_int
 from .norm import RMSNorm
 from .registry import register_mixer

@@ -132,7 +132,7 @@ def test_neural_memory_hooks_hold_the_engines_inputs_and_theta_zero_freezes_the_
     q, _, _, _, _ = m.qkv(x, None)
     assert torch.equal(seen["hook_q"], q)
     assert seen["hook_theta"].shape == (2, 7, 2) and seen["hook_o"].shape == (2, 7, 2, 8)
-    # the hook sees a copy of the state returned (mnemo.layers.cms.show_state: its anchor may be
+    # the hook sees a copy of the state returned (mnemo.layers.hooks.show_state: its anchor may be
     # the initial weights parameter itself, which an edit in place would write)
     a, b = torch.utils._pytree.tree_flatten(seen["hook_state"]), torch.utils._pytree.tree_flatten(st)
     assert a[1] == b[1] and all(
@@ -196,7 +196,7 @@ def test_cms_rates_of_zero_freeze_a_level_and_its_read_reaches_the_next():
     assert st0.levels[0].updates == 3  # it still "steps" (by zero)
     static = torch.nn.functional.gelu(seen["levels.0.hook_in"] @ lv0.W_in) @ lv0.W_out
     assert_close(seen["levels.0.hook_out"], static, TOL)
-    # the hooks see (a copy of: an edit in place goes on, mnemo.layers.cms.show_state) the state returned
+    # the hooks see (a copy of: an edit in place goes on, mnemo.layers.hooks.show_state) the state returned
     for shown, returned in ((seen["hook_state"], st0), (seen["levels.1.hook_state"], st0.levels[1])):
         a, b = torch.utils._pytree.tree_flatten(shown), torch.utils._pytree.tree_flatten(returned)
         assert a[1] == b[1] and all(
