@@ -283,6 +283,12 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def backward(ctx, do):
+        if torch.is_grad_enabled():  # (every member raises here, before any message is sent)
+            raise RuntimeError(
+                "ring_attention: its backward (the FlashAttention-2 recomputation, a second trip around "
+                "the ring) is first order, so a graph of its gradient (create_graph=True) would miss the "
+                "second-order terms; use softmax_attention or blockwise_attention for higher-order gradients"
+            )
         q, k, v, o5, lse = ctx.saved_tensors
         ring, causal, window, scale = ctx.ring, ctx.causal, ctx.window, ctx.scale
         B, n, H, K = q.shape
@@ -379,12 +385,14 @@ def ring_attention(
     Returns:
         ``o: [B, n, H, V]`` in ``q``'s dtype (accumulated in float32, float64 for float64 inputs).
         Differentiable with respect to ``q, k, v`` (gradients computed by a second trip around
-        the ring; every member must call backward).
+        the ring; every member must call backward), first order only: a backward with
+        ``create_graph=True`` raises ``RuntimeError``.
 
     Raises:
         ValueError / TypeError: a shape, dtype, head count, window or scale is wrong (named,
             expected, got).
-        RuntimeError: no ring given or set and no process group initialised.
+        RuntimeError: no ring given or set and no process group initialised; a backward with
+            ``create_graph=True`` (second-order gradients).
     """
     scale = _check(q, k, v, window, scale)
     if ring is None:
@@ -415,7 +423,7 @@ def blockwise_attention(
     """
     scale = _check(q, k, v, window, scale, learned=True)
     B, T, H, K = q.shape
-    if not isinstance(n_blocks, int) or n_blocks < 1 or T % n_blocks:
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1 or T % n_blocks:
         raise ValueError(f"n_blocks must be a positive divisor of T = {T}, got {n_blocks!r}")
     with autocast_disabled(q.device.type):  # float32 accumulation under a bf16 autocast too
         return _blockwise(q, k, v, n_blocks, causal, window, scale)

@@ -355,7 +355,7 @@ def softmax_attention_map(
     (default ``n_sink=0``)."""
     T, S, H, Hk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     k = repeat(k, "b s h d -> b s (h g) d", g=H // Hk)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(scale, q.shape[-1])
     scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
     if sink_q is not None and n_sink:
         sink_scores = torch.einsum("bthd,bshd->bhts", sink_q, k) * scale
