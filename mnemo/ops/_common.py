@@ -384,15 +384,26 @@ def inference_involved(tensors) -> tuple[bool, bool]:
     return on, on or any(t is not None and t.is_inference() for t in tensors)
 
 
+def _default_text(K: int) -> str:
+    """The default scale as the messages of :func:`default_scale` show it (none for ``K = 0``)."""
+    return f"K ** -0.5 = {K**-0.5:.4g}" if K >= 1 else f"K ** -0.5, which needs K >= 1, got K = {K}"
+
+
 def default_scale(scale: float | None, K: int) -> float:
     """The query scale: ``K ** -0.5`` unless given; a given one must be a finite real number
     (``TypeError`` / ``ValueError`` naming ``scale`` otherwise). A tensor (e.g. a learned scale, so
     that its gradient flows) must hold one value (``ValueError`` naming its shape: the forms
-    broadcast a larger one differently) and is taken as it is; NaN/inf in it raise ``ValueError``
+    broadcast a larger one differently) and is taken as a 0-d tensor of its value (any shape of one
+    value, so it never adds dimensions to ``q``); NaN/inf in it raise ``ValueError``
     as for a number (on the CPU, with the finite checks on, as :func:`check_finite`). A negative
     one is computed as given and said with a :class:`RangeWarning` (for a tensor: on the CPU, with
-    the finite checks on, as :func:`check_sign`)."""
+    the finite checks on, as :func:`check_sign`). With ``scale=None`` and ``K = 0`` (no default
+    exists) it raises ``ValueError`` naming ``scale`` and ``K``."""
     if scale is None:
+        if K < 1:  # (0 ** -0.5 would raise a bare ZeroDivisionError)
+            raise ValueError(
+                f"scale: the default K ** -0.5 needs a head dimension K >= 1, got K = {K}; pass a scale"
+            )
         return K**-0.5
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
@@ -406,20 +417,17 @@ def default_scale(scale: float | None, K: int) -> float:
             and not math.isfinite(float(scale.detach()))
         ):
             raise ValueError(
-                f"scale must be a finite number (or None for K ** -0.5 = {K**-0.5:.4g}), "
-                f"got {float(scale.detach())}"
+                f"scale must be a finite number (or None for {_default_text(K)}), got {float(scale.detach())}"
             )
         check_sign("scale", scale, ">= 0", "a negative scale turns the scores q·k around")
-        return scale
+        return scale.reshape(())  # (one value of any shape, e.g. [1, 1, 1, 1, 1], scales as a scalar)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r}")
     if not math.isfinite(scale):
-        raise ValueError(
-            f"scale must be a finite number (or None for K ** -0.5 = {K**-0.5:.4g}), got {scale}"
-        )
+        raise ValueError(f"scale must be a finite number (or None for {_default_text(K)}), got {scale}")
     if scale < 0:
         warnings.warn(
-            f"scale should be >= 0 (None for K ** -0.5 = {K**-0.5:.4g}), got {scale}: a negative scale "
+            f"scale should be >= 0 (None for {_default_text(K)}), got {scale}: a negative scale "
             "turns the scores q·k around (softmax attention then prefers the least similar keys; a "
             "linear memory's read changes sign). Computed as given (an intervention may mean it)",
             RangeWarning,

@@ -150,7 +150,7 @@ def _fn(backend: str, key: str):
 
 
 # ----------------------------------------------------------------------------------------------
-# the backward: the peer's own autograd, re-run in a worker thread
+# the backward: the peer's own autograd, re-run (reentrant) on the calling thread
 # ----------------------------------------------------------------------------------------------
 
 _AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor")

@@ -15,8 +15,9 @@ so a GPU run is never touched):
    whose counter is a Triton scalar; the interpreter runs the loop in Python, so the counter is a
    plain ``int`` and kernels that write ``i.to(tl.int64)`` fail. The shim rewrites those loops in
    the interpreter's source rewrite (the same AST pass that already rewrites comparisons) to
-   iterate over :func:`_interpreter_range`, which yields interpreter scalars (``int32``, as the
-   compiler's counters; ``int64`` when a bound needs it). ``tl.static_range`` loops keep their
+   iterate over :func:`_interpreter_range`, which yields interpreter scalars of the type the
+   compiler gives the counter (its bounds' types promoted: ``int32`` for small Python ints,
+   ``int64`` for a bound that needs it or is an ``int64`` scalar). ``tl.static_range`` loops keep their
    Python ``int`` counters, as compiled code does.
 3. **CUDA calls in host code** (mamba-ssm). Its launchers run under
    ``with torch.cuda.device(x.device.index):``, documented as a no-op for ``None``, but in a
@@ -63,21 +64,37 @@ def installed() -> tuple[str, ...]:
     return _installed
 
 
+def _promote(a, b):
+    """The loop counter's type for two bound types, as compiled Triton promotes them
+    (``integer_promote_impl``: the wider type; an unsigned one wins at equal width)."""
+    ua, ub = a.is_int_unsigned(), b.is_int_unsigned()
+    if ua == ub:
+        return a if a.int_bitwidth > b.int_bitwidth else b
+    if ua:
+        return a if a.int_bitwidth >= b.int_bitwidth else b
+    return b if b.int_bitwidth >= a.int_bitwidth else a
+
+
 def _interpreter_range(*args):
-    """``range(*args)`` yielding interpreter scalars instead of Python ints (see shim 2)."""
+    """``range(*args)`` yielding interpreter scalars instead of Python ints (see shim 2), of the
+    type compiled Triton gives the counter: its bounds' types promoted (a Python int is ``int32``,
+    ``int64`` when it does not fit; a Triton scalar keeps its type, e.g. ``int64`` after
+    ``.to(tl.int64)``)."""
+    import numpy as np
     from triton.language import core as tlc
     from triton.runtime import interpreter as itp
 
-    bounds = [
-        int(a.value if isinstance(a, tlc.constexpr) else a.handle.data.item() if hasattr(a, "handle") else a)
-        for a in args
-    ]
-    r = range(*bounds)
-    wide = any(abs(b) > 2**31 - 1 for b in bounds)
-    dtype, ntype = (tlc.int64, "int64") if wide else (tlc.int32, "int32")
-    import numpy as np
-
-    for i in r:
+    bounds, dtype = [], None
+    for a in args:
+        if isinstance(a, tlc.tensor):
+            b, t = int(a.handle.data.item()), a.dtype
+        else:
+            b = int(a.value if isinstance(a, tlc.constexpr) else a)
+            t = tlc.int32 if -(2**31) <= b < 2**31 else tlc.int64
+        bounds.append(b)
+        dtype = t if dtype is None else _promote(dtype, t)
+    ntype = np.dtype(dtype.name)
+    for i in range(*bounds):
         yield tlc.tensor(itp.TensorHandle(np.array([i], dtype=ntype), dtype.scalar), dtype)
 
 

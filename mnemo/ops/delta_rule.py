@@ -390,6 +390,10 @@ def _delta(
     if gated:
         check_shape("g", g, (B, T, H), "[B, T, H]")
     check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
+    op = "gated_delta_rule" if gated else "delta_rule"
+    _backends.check_devices(
+        op, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
+    )
     check_interval(
         "beta",
         beta,
@@ -400,7 +404,6 @@ def _delta(
         "with allow_neg_eigval)",
     )
     dtypes = tuple(t.dtype for t in (q, k, v, beta, g, initial_state) if t is not None)
-    op = "gated_delta_rule" if gated else "delta_rule"
     backend = _backends.select(_backends.Call(op, q.device, dtypes, mode, T, K, cu_seqlens is not None, V))
     if backend == "fla":
         from ._peer_ops import fla_gated_delta_rule

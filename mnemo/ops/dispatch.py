@@ -34,6 +34,10 @@ serve the call (device, dtypes, shape, options), and records the reasons of thos
   under the interpreter (it is slow): there they run only when forced;
 * any other device (``meta``, ``mps``): ``torch``.
 
+The device is ``q``'s (``x``'s for ``ssd``); every other tensor of the call must be on it
+(:func:`check_devices`: ``ValueError`` naming the argument, else a CUDA tensor would reach the C
+kernels or a CPU one a Triton kernel; ``cu_seqlens`` may be anywhere, it is moved).
+
 ``with use_backend("fla"):`` or ``MNEMO_BACKEND=fla`` (``auto``, ``torch``, ``native``, ``fla``,
 ``mamba_ssm``) forces one backend: a call it cannot serve raises :class:`BackendError` naming
 the op, the backend and the reason; nothing falls back silently. :func:`backends` lists, per op and
@@ -72,6 +76,7 @@ __all__ = [
     "BackendError",
     "BackendRow",
     "backends",
+    "check_devices",
     "use_backend",
     "current_backend",
     "dispatch_log",
@@ -294,6 +299,22 @@ def _auto_order(op: str, device: torch.device) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------------------------
 # choosing, per call
 # ----------------------------------------------------------------------------------------------
+
+
+def check_devices(op: str, tensors: dict) -> None:
+    """Every tensor of ``tensors`` (``{name: tensor or None}``; the first one is the reference,
+    ``q`` or ``x``) on the reference's device, else ``ValueError`` naming the op, the argument, the
+    expected and the received device. The table picks a backend by the reference's device alone,
+    so a tensor elsewhere would reach a kernel of another device (a CUDA pointer in a C kernel, a
+    CPU one in a Triton kernel) or, from ``meta``, be read as uninitialised memory."""
+    items = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+    ref_name, ref = items[0]
+    for name, t in items[1:]:
+        if t.device != ref.device:
+            raise ValueError(
+                f"{op}: {name} must be on {ref_name}'s device {ref.device}, got {name} on {t.device}"
+            )
+
 
 _log: Counter = Counter()
 

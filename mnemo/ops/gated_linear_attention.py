@@ -435,6 +435,9 @@ def gated_linear_attention(
             )
     check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
     dtypes = tuple(t.dtype for t in (q, k, v, g, initial_state) if t is not None)
+    _backends.check_devices(
+        "gated_linear_attention", {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state}
+    )
     call = _backends.Call("gated_linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None, V)
     backend = _backends.select(call)
     if backend == "fla":

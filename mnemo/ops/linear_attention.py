@@ -70,6 +70,7 @@ def linear_attention(
             argument, the expected and the received value.
     """
     B, T, H, K, V, N = check_matrix_op(q, k, v, mode=mode, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+    _backends.check_devices("linear_attention", {"q": q, "k": k, "v": v, "initial_state": initial_state})
     phi = resolve_feature_map(feature_map)
     check_finite({"q": q, "k": k, "v": v, "initial_state": initial_state})
     cd = compute_dtype(q, k, v, initial_state)

@@ -107,6 +107,8 @@ def ssd(
         check_shape("D", D, (H,), "[H]")
     if dt_bias is not None:
         check_shape("dt_bias", dt_bias, (H,), "[H]")
+    tensors = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state)
+    _backends.check_devices("ssd", tensors)
     nseq = num_sequences(cu_seqlens, Bsz, T)
     check_initial_state(
         initial_state, (nseq, H, N, P), "H, N, P", varlen=cu_seqlens is not None, seqs="num_seqs"
