@@ -116,3 +116,20 @@ def test_short_conv_must_be_a_bool_in_every_matrix_mixer(mixer, bad):
     with pytest.raises(ValueError, match=r"short_conv: expected a bool, got"):
         cls(16, n_heads=2, short_conv=bad)
     assert (cls(16, n_heads=2, short_conv=False).conv is None) and cls(16, n_heads=2, short_conv=True).conv
+
+
+def test_verify_under_a_forced_backend_checks_its_forms_against_the_token_loop(monkeypatch, capsys):
+    """With ``MNEMO_BACKEND=native`` most of ``mnemo verify``'s checks failed with ``BackendError``
+    (review 5-F): the token-loop reference (``mode="recurrent"``) was refused under the forced
+    backend, and the forms it cannot serve (``parallel``) counted as failures. The reference now runs
+    on mnemo's PyTorch code, the native chunk form is checked against it, and unserved forms are
+    listed as n/a (exit 0)."""
+    from mnemo.commands import verify
+
+    monkeypatch.setenv("MNEMO_BACKEND", "native")
+    rc = verify.main(["--ops", "delta_rule", "--quick", "--third-party", "none"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "backend forced: native" in out and "n/a on 'native'" in out
+    assert "delta_rule" in out and " 0 failed" in out
+    assert "forms[chunk]" in out.split("n/a on backend")[0]  # the native chunk form was checked

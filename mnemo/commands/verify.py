@@ -200,26 +200,43 @@ def run(args) -> int:
             _write_json(args.json, listed)
         return 0
 
+    from mnemo.ops.dispatch import BackendError, current_backend
+
+    # a forced backend (MNEMO_BACKEND) runs the fast forms it serves; the token-loop reference runs
+    # on mnemo's PyTorch code (OpSpec.run), and a form the backend cannot serve is listed as n/a
+    forced = current_backend()
+    if forced != "auto":
+        print(f"backend forced: {forced} (MNEMO_BACKEND); the forms it cannot serve are listed as n/a")
     rc = 0
     summary, rows_json = [], []
     t_all = time.perf_counter()
     for group, title, specs in groups:
         if not specs:
             continue
-        report = Report()
+        report, unserved = Report(), []
         t0 = time.perf_counter()
         for spec in specs:
             progress = (
                 (lambda r: print(format_table([r]).splitlines()[-1], flush=True)) if args.verbose else None
             )
-            report += run_contract(spec, quick=args.quick, checks=checks or None, progress=progress)
+            for row in run_contract(spec, quick=args.quick, checks=checks or None, progress=progress):
+                if forced != "auto" and isinstance(row.exception, BackendError):
+                    unserved.append(row)
+                else:
+                    report.append(row)
         dt = time.perf_counter() - t0
         print(f"\n== {title} (torch {torch.__version__}{', quick' if args.quick else ''})")
         print(format_table(report))
+        if unserved:
+            print(
+                f"n/a on backend {forced!r} ({len(unserved)} checks): "
+                + ", ".join(f"{r.op} {r.check}" for r in unserved)
+            )
         n_fail = len(report.failures)
+        na = f", {len(unserved)} n/a on {forced!r}" if unserved else ""
         summary.append(
             f"{group}: {len(specs)} ops, {len(report)} checks, {len(report) - n_fail} passed, "
-            f"{n_fail} failed ({dt:.1f} s)"
+            f"{n_fail} failed{na} ({dt:.1f} s)"
         )
         rows_json += [_row_json(group, r) for r in report]
         if n_fail:

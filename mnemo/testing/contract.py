@@ -127,7 +127,18 @@ class OpSpec:
     def run(
         self, inputs, mode, initial_state=None, cu_seqlens=None, chunk_size=None, output_final_state=True
     ):
-        """``(o, final_state)`` of the op in ``mode``."""
+        """``(o, final_state)`` of the op in ``mode``. ``mode="recurrent"`` (the token loop, which
+        only mnemo's own PyTorch code implements) runs on the ``"torch"`` backend whatever backend
+        is forced (``MNEMO_BACKEND``, :func:`~mnemo.ops.dispatch.use_backend`), so the fast forms of
+        a forced backend are checked against it rather than refused."""
+        if mode == "recurrent":
+            from ..ops.dispatch import use_backend
+
+            with use_backend("torch"):
+                return self._run(inputs, mode, initial_state, cu_seqlens, chunk_size, output_final_state)
+        return self._run(inputs, mode, initial_state, cu_seqlens, chunk_size, output_final_state)
+
+    def _run(self, inputs, mode, initial_state, cu_seqlens, chunk_size, output_final_state):
         kw = dict(
             mode=mode,
             initial_state=initial_state,
