@@ -20,6 +20,7 @@ levels' input alone (they would show as "unsupported"). Test-time-trained memori
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import subprocess
@@ -92,7 +93,10 @@ def _order(key: str) -> tuple[int, int]:
 def rows(model: str, spectrum: dict) -> list[str]:
     """The table's rows for one model's ``spectrum.json`` (``mnemo probe spectrum``'s record):
     the shares of each class of direction, the median half-life (tokens) and the slowest
-    exponent λ (nats/token); a layer without a readable transition gets its kind and no numbers."""
+    exponent λ (nats/token); a layer without a readable transition gets its kind and no numbers.
+    The file as ``json.loads`` reads it too (a non-finite number null, mapped by "nonfinite")."""
+    if isinstance(spectrum.get("nonfinite"), dict):
+        spectrum = loads_record(json.dumps(spectrum))
     out = []
     for key in sorted(spectrum["layers"], key=_order):
         entry = spectrum["layers"][key]

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .db import FINISHED, SweepDB
-from .spec import Run, SweepSpec
+from .spec import Run, SweepSpec, check_paths
 
 WALL_NAME = "sweep_wall_time.json"
 
@@ -242,8 +242,11 @@ def run_sweep(
     the database) until it returns.
 
     Raises:
-        ValueError: another process is running a sweep on ``db_path`` (the message names its pid).
+        ValueError: another process is running a sweep on ``db_path`` (the message names its pid); a
+            relative path names nothing under the sweep file's project folder but something under
+            the working directory (:func:`~mnemo.sweep.spec.check_paths`), before anything is made.
     """
+    check_paths(spec)
     with _DatabaseLock(Path(db_path)):
         return _run_sweep(spec, db_path, out_dir, jobs=jobs, threads=threads, progress=progress, log=log)
 

@@ -43,7 +43,10 @@ the sweep file's own folder; never against the working directory, so a sweep sta
 from anywhere reads the same files (:meth:`SweepSpec.load`; ``~`` is the home folder). The runs
 train on the absolute paths (:attr:`Run.train_config`); a run's id and its stored config are the
 config as the file writes it, so a sweep stored before keeps its runs and its report.
-:meth:`SweepSpec.from_dict` without ``root`` leaves paths as given.
+:meth:`SweepSpec.from_dict` without ``root`` leaves paths as given. A path that names nothing
+there but something under the working directory is refused before a sweep trains
+(:func:`check_paths`); without ``db``/``out`` the sweep writes under the working directory
+(:func:`mnemo.sweep.runner.default_paths`).
 
 **Seeds.** ``seeds`` runs every grid point once per seed (it sets ``TrainConfig.seed``, which
 seeds the weights, the training batches and a task's test set, so the spread over seeds covers all
@@ -360,8 +363,8 @@ class SweepSpec:
                     if k.split(".")[0] not in known:
                         raise ValueError(f"sweep {self.name!r}: grid key {k!r} is not a TrainConfig field")
                     cfg = set_dotted(cfg, k, v)
-                try:
-                    tc = TrainConfig.from_dict(cfg)
+                try:  # as the run trains: its paths read against the project folder, not the cwd
+                    tc = TrainConfig.from_dict(_absolute_config(self.root, cfg))
                     task = tc.build_task()
                     build_config(tc.model, vocab_size=task.vocab_size if task else 256, **tc.model_overrides)
                 except (ValueError, TypeError) as e:
@@ -390,6 +393,35 @@ class SweepSpec:
         return out
 
 
+def check_paths(spec: SweepSpec) -> None:
+    """Before a sweep trains: refuse a relative path of its runs (``data``, ``tokenizer``,
+    ``init_from``) that names nothing under the project folder but a file or folder under the
+    working directory (a sweep file written for the old reading, or for a folder without
+    ``pyproject.toml`` or ``.git``): every run would fail on a path the file never wrote."""
+    import os
+
+    for run in spec.runs():
+        for key, value in run.train_config.items():
+            written = run.config.get(key)
+            if key not in ("data", "tokenizer", "init_from") or value == written:
+                continue
+            if _exists(value) or not _exists(written):
+                continue
+            raise ValueError(
+                f"sweep {spec.name!r}: {key} {written!r} is read against the sweep file's project folder "
+                f"{spec.root} (the nearest folder above the file with pyproject.toml or .git, else its own), "
+                f"where {value} does not exist; the working directory holds {os.path.abspath(written)}: "
+                "write the path relative to the project folder, or absolute"
+            )
+
+
+def _exists(path: str) -> bool:
+    """``path`` (a file, a folder or a glob) names something."""
+    import glob
+
+    return Path(path).exists() or bool(glob.glob(path))
+
+
 def _absolute_config(root, config: dict) -> dict:
     """``config`` with its relative paths (``data``, a ``tokenizer`` file, ``init_from``) read
     against ``root`` (module docstring); ``root=None``: as it is."""
@@ -400,11 +432,19 @@ def _absolute_config(root, config: dict) -> dict:
     out = dict(config)
     if isinstance(out.get("data"), str) and out["data"] not in BUNDLED:
         out["data"] = _under(root, out["data"])
-    if isinstance(out.get("tokenizer"), str) and out["tokenizer"] not in ("char", "byte"):
-        out["tokenizer"] = _under(root, out["tokenizer"])
+    tok = out.get("tokenizer")
+    # a path (as TrainConfig tells one) read against root; a name such as "bpe" stays, refused as given
+    if isinstance(tok, str) and tok not in ("char", "byte") and _looks_like_path(_under(root, tok), tok):
+        out["tokenizer"] = _under(root, tok)
     if isinstance(out.get("init_from"), str):
         out["init_from"] = _under(root, out["init_from"])
     return out
+
+
+def _looks_like_path(absolute: str, written: str) -> bool:
+    """``written`` (a tokenizer setting) names a path: it exists read against the project folder
+    (``absolute``), or is spelled as one (a separator, ``.json``; as TrainConfig tells one)."""
+    return Path(absolute).exists() or "/" in written or "\\" in written or written.endswith(".json")
 
 
 def project_folder(path: str | Path) -> Path:
