@@ -402,6 +402,20 @@ def main(names) -> None:
     print("JSON:" + json.dumps(results, default=str))
 
 
+def run_cases(cases: dict, names) -> None:
+    """The child's body for a test module's own interpreter cases: run ``names`` (default all) of
+    ``cases`` (one thread), print ``JSON:`` and the ``{case: result or {"error": traceback}}`` object
+    (:func:`run_child` reads it)."""
+    torch.set_num_threads(1)
+    res = {}
+    for name in names or cases:
+        try:
+            res[name] = cases[name]()
+        except Exception:  # noqa: BLE001 (reported to the test)
+            res[name] = {"error": traceback.format_exc()[-3000:]}
+    print("JSON:" + json.dumps(res, default=str))
+
+
 def run_child(module: str, cases) -> dict:
     """``python -m module case ...`` in a child process with ``TRITON_INTERPRET=1`` (one thread,
     the repository on the path, no ``MNEMO_BACKEND``), and the ``{case: result}`` object it prints

@@ -13,9 +13,7 @@ if __name__ == "__main__":  # the child: Triton's interpreter, set before triton
     os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -24,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mnemo.ops as ops  # noqa: E402
 from mnemo.ops import dispatch  # noqa: E402
-from tests.ops.interpret_worker import rel, run_child  # noqa: E402
+from tests.ops.interpret_worker import rel, run_cases, run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None
@@ -116,17 +114,6 @@ def case_bf16_odd_head_dims() -> dict:
 
 
 CASES = {"tensor_scale": case_tensor_scale, "bf16_odd_head_dims": case_bf16_odd_head_dims}
-
-
-def _child(names) -> None:
-    torch.set_num_threads(1)
-    res = {}
-    for name in names or CASES:
-        try:
-            res[name] = CASES[name]()
-        except Exception:  # noqa: BLE001
-            res[name] = {"error": traceback.format_exc()[-3000:]}
-    print("JSON:" + json.dumps(res, default=str))
 
 
 @pytest.fixture(scope="module")
@@ -259,4 +246,4 @@ def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value):
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1:])
+    run_cases(CASES, sys.argv[1:])

@@ -14,9 +14,7 @@ if __name__ == "__main__":  # the child: Triton's interpreter, set before triton
     os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
-import traceback  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
@@ -25,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mnemo.ops as ops  # noqa: E402
 from mnemo.ops import _peer_ops, dispatch  # noqa: E402
-from tests.ops.interpret_worker import rel, run_child  # noqa: E402
+from tests.ops.interpret_worker import rel, run_cases, run_child  # noqa: E402
 
 PEERS = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None
 needs_fla = pytest.mark.skipif(not PEERS, reason="triton or fla-core not installed")
@@ -112,17 +110,6 @@ def case_one_value_scale_on_fla() -> dict:
 
 
 CASES = {"range_counter": case_range_counter, "one_value_scale_on_fla": case_one_value_scale_on_fla}
-
-
-def _child(names) -> None:
-    torch.set_num_threads(1)
-    res = {}
-    for name in names or CASES:
-        try:
-            res[name] = CASES[name]()
-        except Exception:  # noqa: BLE001
-            res[name] = {"error": traceback.format_exc()[-3000:]}
-    print("JSON:" + json.dumps(res, default=str))
 
 
 @pytest.fixture(scope="module")
@@ -345,4 +332,4 @@ def test_mamba_glue_against_the_token_loop(monkeypatch, softplus):
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1:])
+    run_cases(CASES, sys.argv[1:])
