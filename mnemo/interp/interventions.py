@@ -549,15 +549,17 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
     it broadcasts over the batch and positions (all positions, or ``positions`` only: the call's
     tokens, also where the hook passes the call in pieces). The result
     is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``; a
-    tensor too — 0-d, or one that broadcasts against ``scale · direction``'s product with the value,
-    e.g. ``[B, 1, 1]`` per row — which keeps its gradient where it requires one). Raises
-    ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's shape is
-    not a suffix of the value's, and when built ``ValueError`` for a ``scale`` that is not a finite
-    real number."""
+    tensor too — one value, or one axis per axis of the value with 1 on the direction's axes, e.g.
+    ``[B, 1, 1]`` per row at a residual hook — which keeps its gradient where it requires one).
+    Raises ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's
+    shape is not a suffix of the value's or a tensor scale's shape is not such a one, and when
+    built ``ValueError`` for a ``scale`` that is not a finite real number."""
     chosen = hook_names(model, names)
     if isinstance(scale, torch.Tensor):  # a 0-d scale, or one per row ([B, 1, 1]) that broadcasts
         if scale.dtype == torch.bool or scale.is_complex() or not bool(torch.isfinite(scale.detach()).all()):
             raise ValueError(f"scale: expected a finite real number (or a tensor of them), got {scale!r}")
+        if scale.numel() == 1:
+            scale = scale.reshape(())  # a one-value scale of any shape is 0-d
         if scale.ndim == 0 and not scale.requires_grad:
             scale = scale.item()  # (a scale being optimised keeps its gradient)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
@@ -576,6 +578,20 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
                 f"{list(value.shape)} (after batch and position)"
             )
         s = scale.to(value.device, value.dtype) if isinstance(scale, torch.Tensor) else scale
+        if (
+            isinstance(s, torch.Tensor)
+            and s.ndim
+            and (
+                s.ndim != value.ndim
+                or any(n != 1 for n in s.shape[value.ndim - d.ndim :])
+                or any(n not in (1, v) for n, v in zip(s.shape, value.shape))
+            )
+        ):  # (a [B] scale would meet the direction's axes: per channel, or torch's bare error)
+            raise ValueError(
+                f"scale: shape {list(s.shape)} does not scale {name} {list(value.shape)} per row or "
+                f"position: give one axis per axis of the value, size 1 on its last "
+                f"{d.ndim} (the direction's; e.g. [B, 1, 1] per row at a residual hook), or one number"
+            )
         shifted = value + s * d
         mask = _mask(model, value, name, positions=positions)
         return shifted if mask is None else torch.where(mask, shifted, value)

@@ -171,7 +171,7 @@ from ..ops._common import clamp_log_gate, inference_involved
 from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint, show_state
-from .linear_attention import check_heads
+from .linear_attention import check_bool, check_heads
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -581,6 +581,7 @@ class SelfModifyingTitans(Mixer):
         # the slow query projection (adaptive_q: the query comes from M_q instead)
         self.q_proj = None if adaptive_q else nn.Linear(D, D, bias=False)
         self.g_proj = nn.Linear(D, D, bias=False)
+        check_bool("short_conv", short_conv)
         self.conv = ShortConvolution(D, conv_size) if short_conv else None
         self.norm = RMSNorm(D // n_heads)
         self.o_proj = nn.Linear(D, D, bias=False)

@@ -49,7 +49,7 @@ from .base import Mixer, Mixing, check_input, upcast
 from .base import batch_mm as _mm
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces, show_state
-from .linear_attention import check_heads, check_int
+from .linear_attention import check_bool, check_heads, check_int
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -168,6 +168,7 @@ class SelfModifyingProjections(Mixer):
         self.self_eta = nn.Parameter(torch.zeros(len(PROJECTIONS)))  # η_□ = self_lr · sigmoid(·)
         self.q_proj = nn.Linear(D, D, bias=False)
         self.g_proj = nn.Linear(D, D, bias=False)
+        check_bool("short_conv", short_conv)
         self.conv = ShortConvolution(3 * D, conv_size) if short_conv else None
         self.memory_init = nn.ParameterList(
             [

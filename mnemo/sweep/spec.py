@@ -400,12 +400,18 @@ def check_paths(spec: SweepSpec) -> None:
     ``pyproject.toml`` or ``.git``): every run would fail on a path the file never wrote."""
     import os
 
+    from ..data.corpus import BUNDLED
+
     for run in spec.runs():
-        for key, value in run.train_config.items():
+        for key in ("data", "tokenizer", "init_from"):
             written = run.config.get(key)
-            if key not in ("data", "tokenizer", "init_from") or value == written:
+            names = {"data": BUNDLED, "tokenizer": ("char", "byte")}.get(key, ())  # names, not paths
+            if not isinstance(written, str) or written in names:
                 continue
-            if _exists(value) or not _exists(written):
+            # where the file's rule reads it (a tokenizer name such as ``mytok``, kept as written
+            # when the project folder holds none, too: the runs would read it from the cwd)
+            value = _under(spec.root, written)
+            if value == written or _exists(value) or not _exists(written):
                 continue
             raise ValueError(
                 f"sweep {spec.name!r}: {key} {written!r} is read against the sweep file's project folder "

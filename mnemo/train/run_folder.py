@@ -81,11 +81,14 @@ PATH_FIELDS = ("data", "tokenizer", "init_from")
 
 
 def _same_path(a, b) -> bool:
-    """``a`` and ``b`` (strings) name the same existing file or folder (read from the working
-    directory; ``~`` expanded)."""
+    """``a`` and ``b`` (strings) name the same file or folder (read from the working directory;
+    ``~`` expanded): spelled alike once absolute (a glob, or a path no longer on disk, too), or
+    the same existing one."""
     if not (isinstance(a, str) and isinstance(b, str) and a and b):
         return False
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if os.path.abspath(pa) == os.path.abspath(pb):
+        return True
     try:
         return pa.exists() and pb.exists() and os.path.samefile(pa, pb)
     except OSError:
@@ -106,8 +109,8 @@ def resume_config(
     by key), a :class:`TrainConfig` is compared field by field, ``None``
     changes nothing. Only the :data:`RESUMABLE` fields may change (they leave the model, data,
     batches and update rule alone); any other difference raises ``ValueError`` naming the field.
-    A path setting (:data:`PATH_FIELDS`) spelled otherwise but naming the same existing file or
-    folder is no difference (the saved spelling is kept).
+    A path setting (:data:`PATH_FIELDS`) spelled otherwise but naming the same file or folder (the
+    same absolute spelling, or the same existing one) is no difference (the saved spelling is kept).
 
     The learning rate follows a warm-up + cosine over ``cosine_steps`` (``schedule_steps`` or
     ``steps``). When new ``steps`` would move the end of that cosine, ``reschedule`` must say what
