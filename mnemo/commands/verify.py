@@ -114,7 +114,10 @@ def _split(text: str | None) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def _row_json(group: str, r) -> dict:
+def _row_json(group: str, r, na: bool = False) -> dict:
+    """One row of ``--json``: ``status`` is ``"pass"``, ``"FAIL"`` or ``"n/a"`` (a form the forced
+    backend cannot serve: ``passed`` is then ``None`` and ``message`` the backend's reason)."""
+
     def num(x):
         return None if x is None or not math.isfinite(x) else x
 
@@ -122,7 +125,8 @@ def _row_json(group: str, r) -> dict:
         "group": group,
         "op": r.op,
         "check": r.check,
-        "passed": r.passed,
+        "status": "n/a" if na else "pass" if r.passed else "FAIL",
+        "passed": None if na else r.passed,
         "error": num(r.error),
         "tol": num(r.tol),
         "message": r.message,
@@ -207,6 +211,16 @@ def run(args) -> int:
     forced = current_backend()
     if forced != "auto":
         print(f"backend forced: {forced} (MNEMO_BACKEND); the forms it cannot serve are listed as n/a")
+
+    def unserved_row(r) -> bool:
+        return forced != "auto" and isinstance(r.exception, BackendError)
+
+    def show(r) -> None:  # (-v: an unserved form is said as n/a, as in the summary, not FAIL)
+        line = (
+            f"{r.op}  {r.check}  n/a on {forced!r}" if unserved_row(r) else format_table([r]).splitlines()[-1]
+        )
+        print(line, flush=True)
+
     rc = 0
     summary, rows_json = [], []
     t_all = time.perf_counter()
@@ -216,11 +230,9 @@ def run(args) -> int:
         report, unserved = Report(), []
         t0 = time.perf_counter()
         for spec in specs:
-            progress = (
-                (lambda r: print(format_table([r]).splitlines()[-1], flush=True)) if args.verbose else None
-            )
+            progress = show if args.verbose else None
             for row in run_contract(spec, quick=args.quick, checks=checks or None, progress=progress):
-                if forced != "auto" and isinstance(row.exception, BackendError):
+                if unserved_row(row):
                     unserved.append(row)
                 else:
                     report.append(row)
@@ -239,6 +251,7 @@ def run(args) -> int:
             f"{n_fail} failed{na} ({dt:.1f} s)"
         )
         rows_json += [_row_json(group, r) for r in report]
+        rows_json += [_row_json(group, r, na=True) for r in unserved]
         if n_fail:
             rc = 1
     print()
