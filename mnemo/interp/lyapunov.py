@@ -236,7 +236,7 @@ def memory_jvp_spectrum(
     error ``O(ε²)`` plus ``~1e-16/ε`` of rounding, ``≈ 1e-10`` relative at the default, far below
     what moves an exponent), about twice the cost of the plain update. ``seed``: the seed of the
     random starting basis of :func:`lyapunov_spectrum`. Defaults: ``directions=32``, ``eps=1e-6``,
-    ``seed=0``. Raises ``ValueError`` naming ``method``, ``directions`` (an int ``>= 1``),
+    ``burn_in=0``, ``seed=0``. Raises ``ValueError`` naming ``method``, ``directions`` (an int ``>= 1``),
     ``burn_in`` (an int in ``[0, chunks)``) or ``state`` (not at a chunk boundary)."""
     from ..memory.recurrent import memory_recurrent
     from ..memory.state import MemoryState
