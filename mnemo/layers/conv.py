@@ -63,7 +63,10 @@ class ShortConvolution(nn.Module):
             y = _CausalConv.apply(xp, w, b, T)
         if self.activation:
             y = F.silu(y)
-        return y, xp[:, xp.shape[1] - (W - 1) :].transpose(1, 2)  # [B, C, W-1]
+        # a copy of the tail (a view would keep the whole padded input [B, W-1+T, C] alive with the
+        # state: after a long prefill, megabytes per layer held through decoding for a few bytes)
+        tail = xp[:, xp.shape[1] - (W - 1) :].transpose(1, 2)
+        return y, tail.clone(memory_format=torch.contiguous_format)  # [B, C, W-1]
 
     def forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Packed documents ``x [1, N, C]`` with boundaries ``cu_seqlens [D + 1]``: each document

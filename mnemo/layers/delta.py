@@ -151,6 +151,8 @@ class DeltaNet(Mixer):
         width = 2 * key_width + value_width
         self.qkv_proj = nn.Linear(d_model, width, bias=False)
         check_bool("short_conv", short_conv)
+        if short_conv:
+            check_int("conv_size", conv_size)
         self.conv = ShortConvolution(width, conv_size, bias=conv_bias) if short_conv else None
         self.beta_proj = nn.Linear(d_model, n_v_heads, bias=beta_bias)
         if gated:

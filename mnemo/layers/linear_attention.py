@@ -102,6 +102,8 @@ class _QKVMixer(Mixer):
         width = n_heads * (2 * key_dim + value_dim)
         self.qkv_proj = nn.Linear(d_model, width, bias=False)
         check_bool("short_conv", short_conv)
+        if short_conv:
+            check_int("conv_size", conv_size)
         self.conv = ShortConvolution(width, conv_size) if short_conv else None
         self.o_proj = nn.Linear(n_heads * value_dim, d_model, bias=False)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()

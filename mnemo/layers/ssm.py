@@ -97,8 +97,8 @@ class Mamba(Mixer):
     ``[B, d_inner, conv_size − 1]``, ``offset``).
 
     Raises:
-        ValueError: ``d_model``, ``d_state``, ``expand`` or ``dt_rank`` is not a positive int (the
-            message names the argument, expected vs received).
+        ValueError: ``d_model``, ``d_state``, ``expand``, ``conv_size`` or ``dt_rank`` is not a
+            positive int (the message names the argument, expected vs received).
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
@@ -127,6 +127,7 @@ class Mamba(Mixer):
         for name, value in (("d_model", d_model), ("d_state", d_state), ("expand", expand)):
             check_int(name, value)
         check_int("dt_rank", dt_rank, optional=True)
+        check_int("conv_size", conv_size)
         check_mode(mode, MODES)
         if chunk_size is not None:
             check_chunk_size(chunk_size)
@@ -326,7 +327,7 @@ class Mamba2(Mixer):
 
     Raises:
         ValueError: a size argument (``d_model``, ``d_state``, ``head_dim``, ``expand``,
-            ``n_groups``) is not a positive int, or the sizes do not divide (``head_dim`` into
+            ``n_groups``, ``conv_size``) is not a positive int, or the sizes do not divide (``head_dim`` into
             ``d_inner``, ``n_groups`` into the heads, ``norm_groups`` into ``d_inner``), or a bad
             ``dt_limit`` (not two numbers ``min <= max``) or ``norm_eps`` (negative, not finite); the
             message names the argument.
@@ -357,7 +358,7 @@ class Mamba2(Mixer):
         super().__init__(mode)
         for name, value in (("d_model", d_model), ("d_state", d_state), ("head_dim", head_dim)):
             check_int(name, value)
-        for name, value in (("expand", expand), ("n_groups", n_groups)):
+        for name, value in (("expand", expand), ("n_groups", n_groups), ("conv_size", conv_size)):
             check_int(name, value)
         check_mode(mode, MODES)
         check_chunk_size(chunk_size)

@@ -19,6 +19,7 @@ Non-tensor leaves (``offset`` counters, flags) pass through unchanged.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -112,7 +113,14 @@ def to(state, *args, **kwargs):
 def select_rows(state, rows):
     """The batch rows ``rows`` (an int, a slice, or an index tensor) of every tensor in ``state``.
     An int ``i`` keeps the batch dimension (one row) and counts from the end when negative, as
-    ``t[i]`` does; ``IndexError`` naming ``rows`` when it is outside ``[−B, B)``."""
+    ``t[i]`` does; ``IndexError`` naming ``rows`` when it is outside ``[−B, B)``. An integer scalar
+    of another type (``numpy.int64``, a 0-d integer tensor such as an ``argmax``) counts as an int
+    (indexing with it as it is would drop the batch dimension)."""
+    if isinstance(rows, torch.Tensor) and rows.ndim == 0 and not rows.is_floating_point():
+        if rows.dtype != torch.bool:
+            rows = int(rows)
+    elif isinstance(rows, numbers.Integral) and not isinstance(rows, bool):
+        rows = int(rows)
     if isinstance(rows, int) and not isinstance(rows, bool):
         i = rows
 
@@ -156,9 +164,21 @@ def cat_rows(states: list):
             leaves.append(done[key])
         else:
             if any(p != parts[0] for p in parts):
-                raise ValueError(f"cat_rows: a non-tensor field differs between states: {parts}")
+                raise ValueError(
+                    f"cat_rows: the non-tensor field {_leaf_path(states[0], n)} differs between states: "
+                    f"{parts}"
+                )
             leaves.append(parts[0])
     return pytree.tree_unflatten(leaves, spec)
+
+
+def _leaf_path(state, n: int) -> str:
+    """The path of leaf ``n`` of ``state`` (``[0].mixer.offset``), for an error message; its index
+    where a node type has no keys."""
+    try:
+        return pytree.keystr(pytree.tree_flatten_with_path(state)[0][n][0])
+    except Exception:  # (a pytree node registered without keys)
+        return f"number {n}"
 
 
 def nbytes(state) -> int:
