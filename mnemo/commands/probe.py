@@ -307,13 +307,13 @@ def add_commands(sub) -> None:
         "--directions",
         type=kinds.positive_int,
         default=32,
-        help="exponents per head of a test-time-trained memory (JVP)",
+        help="exponents per head of a test-time-trained memory (JVP) (default 32)",
     )
     sp.add_argument(
         "--irrelevant-half-life",
         type=kinds.positive_float,
         default=4.0,
-        help="tokens: shorter half-lives are irrelevant",
+        help="tokens: shorter half-lives are irrelevant (default 4)",
     )
     sp.add_argument(
         "--out",

@@ -550,7 +550,9 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
     tokens, also where the hook passes the call in pieces). The result
     is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``; a
     tensor too — one value, or one axis per axis of the value with 1 on the direction's axes, e.g.
-    ``[B, 1, 1]`` per row at a residual hook — which keeps its gradient where it requires one).
+    ``[B, 1, 1]`` per row at a residual hook, or ``[1, T, 1]`` per position over the call's ``T``
+    tokens, also where the hook passes the call in pieces — which keeps its gradient where it
+    requires one).
     Raises ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's
     shape is not a suffix of the value's or a tensor scale's shape is not such a one, and when
     built ``ValueError`` for a ``scale`` that is not a finite real number."""
@@ -578,6 +580,10 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
                 f"{list(value.shape)} (after batch and position)"
             )
         s = scale.to(value.device, value.dtype) if isinstance(scale, torch.Tensor) else scale
+        if isinstance(s, torch.Tensor) and s.ndim == value.ndim:  # per position over the call's tokens
+            p_ax, offset, n, length = _rows(value, name)  # a piece of the call: its rows of the scale
+            if n is not None and n != length and s.shape[p_ax] == length and 0 <= offset <= length - n:
+                s = s.narrow(p_ax, offset, n)
         if (
             isinstance(s, torch.Tensor)
             and s.ndim
