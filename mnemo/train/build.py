@@ -194,13 +194,28 @@ def check_carry_state(
                 )
 
 
-def load_weights(model: LanguageModel, source: str, model_name: str, device, sharded: bool) -> None:
+def load_weights(
+    model: LanguageModel, source: str, model_name: str, device, sharded: bool, tokenizer=None
+) -> None:
     """Start ``model`` from the weights of another run's checkpoint ``source`` (same model shapes
     required; ``sharded``: this process keeps its FSDP shards); the optimizer, schedule and data
-    stream start fresh."""
+    stream start fresh. ``tokenizer``: this (text) run's, which must be the checkpoint's (when it
+    holds one; default ``None``: not checked): the same shapes with other ids (a char vocabulary
+    rebuilt from another text) would train every embedding row as another token, silently."""
     from safetensors.torch import load_model
 
     ckpt = resolve_checkpoint(source)
+    if tokenizer is not None and (ckpt / "tokenizer.json").is_file():
+        from ..data.tokenizer import load_tokenizer
+
+        theirs = load_tokenizer(ckpt)
+        if theirs.to_dict() != tokenizer.to_dict():
+            raise ValueError(
+                f"TrainConfig.init_from: {ckpt} was trained with another tokenizer than this run's "
+                f"({tokenizer.kind!r}; a char vocabulary is built from the run's text): its ids mean "
+                f"other tokens (vocabulary {theirs.vocab_size} there, {tokenizer.vocab_size} here); "
+                f"train with that checkpoint's vocabulary: tokenizer={str(ckpt)!r}"
+            )
     try:
         if is_sharded(ckpt):
             load_sharded(ckpt, model)

@@ -529,7 +529,9 @@ class TrainConfig:
         if self.sample_tokens > 100_000:
             bad("sample_tokens", "an int in 0 … 100,000 (tokens sampled at the end of training)")
         if self.checkpoint_interval is not None and (
-            not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1
+            not isinstance(self.checkpoint_interval, int)
+            or isinstance(self.checkpoint_interval, bool)
+            or self.checkpoint_interval < 1
         ):
             bad("checkpoint_interval", "None or a positive int")
         if self.schedule_steps is not None and (

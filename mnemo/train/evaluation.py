@@ -116,6 +116,8 @@ class Evaluator:
 
     def _evaluate_task(self, model, device, max_batches: int | None, lengths: list[int]) -> dict:
         cfg = self.cfg
+        for L in lengths:  # (else the task's own check names seq_len, which the caller did not give)
+            self.task.check_length(L, f"lengths (evaluate's {lengths!r})")
         n = cfg.batch_size * (cfg.eval_batches if max_batches is None else min(max_batches, cfg.eval_batches))
         wanted = [cfg.seq_len] + [L for L in lengths if L != cfg.seq_len]
         res = evaluate_task(

@@ -116,7 +116,9 @@ class Trainer:
         if state is not None:
             self._restore_state(ckpt, state)
         elif self.cfg.init_from is not None:
-            load_weights(self.model, self.cfg.init_from, self.cfg.model, self.device, self.fsdp)
+            load_weights(
+                self.model, self.cfg.init_from, self.cfg.model, self.device, self.fsdp, self.tokenizer
+            )
         self.train_model = self.strategy.wrap(self.model)  # DDP's wrapper, or the plain forward
         if self.cfg.compile:  # the training forward only: self.model (checkpoints, evaluation) stays eager
             self.train_model = torch.compile(self.train_model)
