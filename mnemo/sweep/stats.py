@@ -72,6 +72,8 @@ def t_quantile(p: float, df: int) -> float:
         return 0.0
     if p < 0.5:
         return -t_quantile(1.0 - p, df)
+    if df == 1:  # Cauchy: tan(π(p − ½)), as cot(π(1 − p)) in the tail (tan θ near π/2 lost 2.6e-14 at 0.995)
+        return math.tan(math.pi * (p - 0.5)) if p <= 0.75 else 1.0 / math.tan(math.pi * (1.0 - p))
     target = 2.0 * p - 1.0  # two-sided probability P(|T| <= t)
     lo, hi = 0.0, math.pi / 2
     for _ in range(200):  # bisection on θ: 200 halvings reach the float spacing long before the end

@@ -78,6 +78,7 @@ __all__ = [
     "Passkey",
     "NIAH",
     "Copying",
+    "RepeatSegment",
     "build_task",
     "make_generator",
     "sample_without_replacement",
