@@ -205,3 +205,36 @@ def tiny_mnemo_for_causal_lm(mixer: str, seed: int = 0, vocab_size: int = 40, **
     torch.manual_seed(seed)
     lm = LanguageModel(ModelConfig(vocab_size=vocab_size, d_model=16, n_layers=2, mixer=mixer, **over)).eval()
     return MnemoForCausalLM(MnemoConfig.from_model_config(lm.config), model=lm).eval()
+
+
+def assert_meta_build_equals_eager(name: str, inside: bool = False) -> None:
+    """Build preset ``name`` (tiny) eagerly and on the ``meta`` device, materialise the latter with
+    ``to_empty`` (inside the ``with torch.device("meta")`` block when ``inside``), load the eager
+    weights, and assert both give the same logits bit for bit (non-persistent buffers, which
+    ``load_state_dict`` never fills, must be recomputed on materialisation)."""
+    from mnemo.models import LanguageModel, build_config
+
+    torch.manual_seed(0)
+    cfg = build_config(name, vocab_size=13, d_model=16, n_layers=1)
+    ref = LanguageModel(cfg)
+    with torch.device("meta"):
+        lazy = LanguageModel(cfg)
+        if inside:
+            lazy.to_empty(device="cpu")
+    if not inside:
+        lazy.to_empty(device="cpu")
+    lazy.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 13, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(lazy(ids)[0], ref(ids)[0])
+
+
+def sweep_project(tmp_path) -> tuple:
+    """``(proj, away)``: a project folder (``pyproject.toml``) with an empty ``sweeps/`` and a folder
+    elsewhere, to run a sweep file from another working directory."""
+    proj = tmp_path / "proj"
+    (proj / "sweeps").mkdir(parents=True)
+    (proj / "pyproject.toml").write_text("")
+    away = tmp_path / "away"
+    away.mkdir()
+    return proj, away

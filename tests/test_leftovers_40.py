@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mnemo.layers.linear_attention import GatedLinearAttention, LinearAttention
-from mnemo.models import LanguageModel, build_config, model_names
+from mnemo.models import model_names
 from mnemo.ops.feature_maps import FavorPlus
+from tests.helpers import assert_meta_build_equals_eager
 
 
 @pytest.mark.parametrize("name", model_names())
@@ -17,16 +18,7 @@ def test_every_preset_built_on_meta_and_loaded_computes_what_an_eager_build_does
     leaves non-persistent buffers as uninitialised memory (``load_state_dict`` does not fill them):
     RetNet's fixed decays ``log γ`` read garbage (review 5-Y's leftover). Every preset's logits must
     equal an eager build's with the same weights, bit for bit."""
-    torch.manual_seed(0)
-    cfg = build_config(name, vocab_size=13, d_model=16, n_layers=1)
-    ref = LanguageModel(cfg)
-    with torch.device("meta"):
-        lazy = LanguageModel(cfg)
-    lazy.to_empty(device="cpu")
-    lazy.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 13, (2, 9))
-    with torch.no_grad():
-        assert torch.equal(lazy(ids)[0], ref(ids)[0])
+    assert_meta_build_equals_eager(name)
 
 
 def test_retnet_decays_after_to_empty_are_the_papers():

@@ -11,18 +11,9 @@ from pathlib import Path
 import pytest
 
 from mnemo.cli import main
+from tests.helpers import sweep_project
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _project(tmp_path: Path) -> tuple[Path, Path]:
-    """A project folder (pyproject.toml) with a sweep file in its ``sweeps/`` and a folder elsewhere."""
-    proj = tmp_path / "proj"
-    (proj / "sweeps").mkdir(parents=True)
-    (proj / "pyproject.toml").write_text("")
-    away = tmp_path / "away"
-    away.mkdir()
-    return proj, away
 
 
 def test_a_sweep_files_tokenizer_folder_named_without_a_slash_loads_from_any_working_directory(
@@ -35,7 +26,7 @@ def test_a_sweep_files_tokenizer_folder_named_without_a_slash_loads_from_any_wor
     from mnemo.data import build_tokenizer, save_tokenizer
     from mnemo.sweep import SweepSpec
 
-    proj, away = _project(tmp_path)
+    proj, away = sweep_project(tmp_path)
     (proj / "mytok").mkdir()
     save_tokenizer(build_tokenizer("char", "abc "), proj / "mytok")
     (proj / "corpus.txt").write_text("abc " * 100)

@@ -5,19 +5,11 @@ test fails on the code before its mend."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-
-def _project(tmp_path: Path) -> tuple[Path, Path]:
-    proj = tmp_path / "proj"
-    (proj / "sweeps").mkdir(parents=True)
-    (proj / "pyproject.toml").write_text("")
-    away = tmp_path / "away"
-    away.mkdir()
-    return proj, away
+from tests.helpers import sweep_project
 
 
 def test_a_tokenizer_folder_without_a_slash_found_only_under_the_working_directory_is_refused(
@@ -31,7 +23,7 @@ def test_a_tokenizer_folder_without_a_slash_found_only_under_the_working_directo
     from mnemo.data import build_tokenizer, save_tokenizer
     from mnemo.sweep.spec import SweepSpec, check_paths
 
-    proj, away = _project(tmp_path)
+    proj, away = sweep_project(tmp_path)
     (proj / "corpus.txt").write_text("abc " * 100)
     (away / "mytok").mkdir()
     save_tokenizer(build_tokenizer("char", "abc "), away / "mytok")

@@ -9,7 +9,7 @@ import torch
 
 from mnemo.layers.linear_attention import GatedLinearAttention
 from mnemo.layers.rotary import RotaryEmbedding
-from mnemo.models import LanguageModel, build_config
+from tests.helpers import assert_meta_build_equals_eager
 
 
 @pytest.mark.parametrize(
@@ -36,16 +36,7 @@ def test_materialised_inside_the_meta_block_recomputes_on_the_host(make):
 
 
 def test_a_transformer_materialised_inside_the_meta_block_equals_an_eager_build():
-    torch.manual_seed(0)
-    cfg = build_config("transformer", vocab_size=13, d_model=16, n_layers=1)
-    ref = LanguageModel(cfg)
-    with torch.device("meta"):
-        lazy = LanguageModel(cfg)
-        lazy.to_empty(device="cpu")
-    lazy.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 13, (2, 9))
-    with torch.no_grad():
-        assert torch.equal(lazy(ids)[0], ref(ids)[0])
+    assert_meta_build_equals_eager("transformer", inside=True)
 
 
 def test_aux_loss_ceiling_docstring_names_a_replaced_routing_that_repeats_an_expert():
