@@ -238,3 +238,21 @@ def sweep_project(tmp_path) -> tuple:
     away = tmp_path / "away"
     away.mkdir()
     return proj, away
+
+
+def nan_step_on_rank0(tr, rank: int, out) -> None:
+    """One good step of the trainer ``tr``, then NaN embeddings on rank 0 and a second step: each
+    rank writes ``diverged{rank}.txt`` (the ``TrainingDiverged`` message) into ``out``, or
+    ``other{rank}.txt`` for any other error (for the test to show)."""
+    from mnemo.train.diverged import TrainingDiverged
+
+    tr.train_step()
+    if rank == 0:
+        with torch.no_grad():
+            tr.model.embed.weight.fill_(float("nan"))
+    try:
+        tr.train_step()
+    except TrainingDiverged as e:
+        (out / f"diverged{rank}.txt").write_text(str(e))
+    except Exception as e:  # noqa: BLE001 - recorded for the test to show
+        (out / f"other{rank}.txt").write_text(f"{type(e).__name__}: {e}")

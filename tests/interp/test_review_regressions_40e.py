@@ -8,19 +8,8 @@ import torch
 
 from mnemo.interp.lyapunov import lyapunov_spectrum, memory_jvp_spectrum
 from mnemo.memory.recurrent import memory_recurrent
-from mnemo.memory.spec import MemorySpec
 from mnemo.memory.state import MemoryState, init_state
-
-
-def _ttt_linear(C=4):
-    return MemorySpec(objective="l2", retention="none", residual=True, norm=True, chunk_size=C)
-
-
-def _inputs(T, d=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, T, 1, d, generator=gen, dtype=torch.float64) for _ in range(3))
-    theta = 0.01 + 0.04 * torch.rand(1, T, 1, generator=gen, dtype=torch.float64)
-    return q, k, v, theta
+from tests.interp.test_review5_interp import _inputs, _ttt_linear  # noqa: E402 (the same tiny TTT-Linear)
 
 
 def test_a_state_at_a_chunk_boundary_is_taken_as_its_continuation_not_refused():

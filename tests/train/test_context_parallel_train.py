@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mnemo.train import TrainConfig, Trainer, TrainingDiverged
-from tests.helpers import free_port, join_as_torchrun, spawn
+from mnemo.train import TrainConfig, Trainer
+from tests.helpers import free_port, join_as_torchrun, nan_step_on_rank0, spawn
 
 RTOL = 1e-5
 MODELS = ["gated_deltanet", "mamba", "transformer", "hybrid"]  # the last two run ring attention
@@ -60,15 +60,7 @@ def _worker(rank, world, port, out):
         # the whole loop (rank-0 evaluation and checkpoints) with 2 micro-batches of 2 sequences
         Trainer(_cfg(grad_accum=2), out / "fit", progress=False).fit()
         # bad weights on rank 0 only: its forward fails, rank 1 (waiting for its state) fails too
-        tr = Trainer(_cfg(), out / "nan", progress=False)
-        tr.train_step()
-        if rank == 0:
-            with torch.no_grad():
-                tr.model.embed.weight.fill_(float("nan"))
-        try:
-            tr.train_step()
-        except TrainingDiverged as e:
-            (out / f"diverged{rank}.txt").write_text(str(e))
+        nan_step_on_rank0(Trainer(_cfg(), out / "nan", progress=False), rank, out)
     finally:
         cleanup()
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from mnemo.train import TrainConfig, Trainer, TrainingDiverged
-from tests.helpers import free_port, join_as_torchrun, spawn
+from mnemo.train import TrainConfig, Trainer
+from tests.helpers import free_port, join_as_torchrun, nan_step_on_rank0, spawn
 
 NESTED = {"levels": [{"period": 2}, {"period": 4}], "transfer": "nested", "meta": "unrolled"}
 
@@ -42,17 +40,7 @@ def _nan_worker(rank, world, port, out):
 
     out = Path(out)
     try:
-        tr = Trainer(_nested_cfg(), out / "nan", progress=False)
-        tr.train_step()
-        if rank == 0:
-            with torch.no_grad():
-                tr.model.embed.weight.fill_(float("nan"))
-        try:
-            tr.train_step()
-        except TrainingDiverged as e:
-            (out / f"diverged{rank}.txt").write_text(str(e))
-        except Exception as e:  # noqa: BLE001 - recorded for the test to show
-            (out / f"other{rank}.txt").write_text(f"{type(e).__name__}: {e}")
+        nan_step_on_rank0(Trainer(_nested_cfg(), out / "nan", progress=False), rank, out)
     finally:
         cleanup()
 
