@@ -85,7 +85,17 @@ class MoEBalance:
     """The MoE layers' auxiliary losses (``Σ_layers aux_loss_coef · L_aux + z_loss_coef · L_z``,
     :meth:`mnemo.models.LanguageModel.aux_loss`), expert loads and bias balancing, for a run of
     ``grad_accum`` micro-batches on ``world`` processes. Does nothing for a model without MoE
-    layers."""
+    layers.
+
+    A documented choice (the Switch/GShard convention, per device and per batch): ``L_aux = E · Σ_e
+    f_e · P_e`` is computed over each micro-batch's tokens on each rank (its slice of the sequence
+    under context parallelism), and the objective takes the **mean** of those values, not the loss
+    of the step's pooled tokens (``f`` and ``P`` are means, so their product is not additive; on a
+    tiny model the two differ by about 1%). Pooling over micro-batches would need every
+    micro-batch's graph kept until the last one. So changing ``grad_accum``, the number of
+    processes or ``context_parallel`` (even on resume) changes this term slightly, though not the
+    cross-entropy's gradients; ``L_z`` (a per-token mean over equal-sized slices) and the
+    ``bias_balancing`` counts (summed over the step and ranks) do not depend on the split."""
 
     def __init__(self, grad_accum: int, world: int, context_parallel: bool):
         self.grad_accum, self.world = grad_accum, world

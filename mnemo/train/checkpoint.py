@@ -74,10 +74,19 @@ def write_manifest(ckpt_dir: str | Path) -> None:
     (d / MANIFEST_NAME).write_text(json.dumps({"format": 1, "files": files}, indent=1) + "\n")
 
 
+def _inside(name: str) -> bool:
+    """Whether a manifest's file name is a plain relative path below the checkpoint (no empty, ``.``
+    or ``..`` part, not absolute, no backslash)."""
+    parts = name.split("/")
+    return bool(name) and "\\" not in name and all(part not in ("", ".", "..") for part in parts)
+
+
 def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
     """The problems of a checkpoint against its manifest: one line per missing, truncated or
     changed file (empty when intact). A checkpoint without ``manifest.json`` (written by an older
     mnemo, or by ``LanguageModel.save_pretrained``) has nothing to check and returns ``[]``.
+    A manifest naming a file outside the checkpoint (an absolute path, a ``..`` part) is refused
+    as unreadable, its one problem naming the entry: nothing outside the folder is read.
     """
     d = Path(ckpt_dir)
     m = d / MANIFEST_NAME
@@ -94,6 +103,11 @@ def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
                 and isinstance(want.get("sha256"), str)
             ):
                 raise TypeError(f"entry {name!r} is {want!r}, expected {{'bytes': int, 'sha256': str}}")
+            if not _inside(name):  # a crafted manifest must not make verification read other files
+                raise ValueError(
+                    f"'files' entry {name!r} is not a relative path inside the checkpoint (expected a "
+                    "name like 'model.safetensors' or 'sharded/__0_0.distcp': no '..', no absolute path)"
+                )
     except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError, UnicodeDecodeError: ValueErrors)
         return [f"{m} is unreadable ({e})"]
     problems = []
@@ -224,8 +238,12 @@ def discard_checkpoint(ckpt: Path, out: Path) -> list[Path]:
     """Delete a rotated-out checkpoint directory, but never a file its manifest does not list
     (figures or JSON a user or ``mnemo probe --out`` put there): those are moved to
     ``OUT/kept/ckpt-NNNNNN/`` first, with a warning naming them. In a directory without a manifest
-    (written by an older mnemo) the files mnemo writes count as listed. Returns the kept paths."""
+    (written by an older mnemo) the files mnemo writes count as listed. A symbolic link is removed
+    itself, its target left untouched. Returns the kept paths."""
     ckpt = Path(ckpt)
+    if ckpt.is_symlink():  # a link (made by hand): removed, never reached through into its target
+        ckpt.unlink()
+        return []
     try:
         listed = set(json.loads((ckpt / MANIFEST_NAME).read_text())["files"]) | {MANIFEST_NAME}
     except (OSError, ValueError, KeyError, TypeError):  # no manifest: the files mnemo writes
@@ -266,7 +284,10 @@ def clean_stale_temporaries(out: str | Path) -> list[str]:
     out = Path(out)
     removed = []
     for p in sorted(out.glob(".tmp-ckpt-*")):
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:  # a file, or a link (removed itself: rmtree refuses links, which stayed)
+            p.unlink(missing_ok=True)
         removed.append(p.name)
     for p in sorted(out.glob(".old-ckpt-*")):
         discard_checkpoint(p, out)
@@ -279,8 +300,13 @@ def clean_stale_temporaries(out: str | Path) -> list[str]:
 
 def run_checkpoints(out: str | Path) -> list[Path]:
     """The checkpoint folders of run folder ``out`` that mnemo names (``ckpt-NNNNNN``; a user's
-    ``ckpt-notes`` is not one), sorted by step."""
-    own = (p for p in Path(out).glob("ckpt-*") if p.is_dir() and _CKPT_NAME.fullmatch(p.name))
+    ``ckpt-notes`` is not one, nor a symbolic link (made by hand): never rotated out, never
+    resumed from), sorted by step."""
+    own = (
+        p
+        for p in Path(out).glob("ckpt-*")
+        if p.is_dir() and not p.is_symlink() and _CKPT_NAME.fullmatch(p.name)
+    )
     return sorted(own, key=_step_of)
 
 

@@ -51,7 +51,9 @@ LOCK_NAME = ".lock"
 
 
 # Settings a resumed run may change: none changes the model, the data, the batches or the update
-# rule (grad_accum and the parallel layouts give the same gradients). ``steps`` also moves the
+# rule (grad_accum and the parallel layouts give the same gradients; the one exception, an MoE
+# model's load-balancing loss, is computed per micro-batch and rank slice and changes slightly
+# with the split: see :class:`mnemo.train.aux_losses.MoEBalance`). ``steps`` also moves the
 # end of the cosine unless ``schedule_steps`` pins it, which must be chosen (``reschedule``).
 RESUMABLE = (
     "steps",
