@@ -55,6 +55,7 @@ class Mixer(nn.Module):
     def __init__(self, mode: str):
         super().__init__()
         self.mode = mode
+        self.register_load_state_dict_post_hook(refill_meta_constants)
 
     @property
     def map_heads(self) -> int | None:
@@ -156,6 +157,30 @@ def off_meta():
     is ``meta`` (a module materialised with ``to_empty`` inside its ``with torch.device("meta")``
     block: a constant made there has no values to copy), else nothing changed."""
     return torch.device("cpu") if torch.get_default_device().type == "meta" else contextlib.nullcontext()
+
+
+def refill_meta_constants(module: nn.Module, incompatible_keys=None) -> None:
+    """A ``load_state_dict`` post hook (every :class:`Mixer` registers it): after a build on the
+    ``meta`` device and ``load_state_dict(sd, assign=True)`` (no ``to_empty``), the weights are
+    real but the non-persistent constants (rotary frequencies, RetNet's decays, FAVOR+'s
+    projection: never in a state dict) are still on meta. Each submodule holding such a buffer is
+    materialised through its ``_apply`` (which recomputes them) on the device of the module's first
+    real parameter or buffer, in float64 when that is float64 (as ``.double()``), else float32.
+    Nothing happens while every tensor is on meta or none is."""
+    real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    if not real:
+        return
+    ref = next((t for t in real if t.is_floating_point()), real[0])
+    dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=ref.device)
+
+    for m in module.modules():
+        if any(b.is_meta for b in m.buffers(recurse=False)):
+            m._apply(fill, recurse=False)
 
 
 def batch_mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:

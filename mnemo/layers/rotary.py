@@ -325,7 +325,9 @@ class RotaryEmbedding(nn.Module):
     ``torch.set_default_dtype(torch.float64)``: :func:`~mnemo.layers.base.buffer_dtype`), stay
     float32 through a cast to half precision, and a float64 module (``.double()``) recomputes them in
     float64 (and a cast back, in float32: the float32 module's), and a module built on the ``meta``
-    device recomputes them when materialised (``to_empty``). ``R`` must be even and at most ``D``.
+    device recomputes them when materialised (``to_empty``, or the owning mixer's
+    ``load_state_dict(sd, assign=True)``: :func:`~mnemo.layers.base.refill_meta_constants`).
+    ``R`` must be even and at most ``D``.
 
     Raises:
         ValueError: bad ``theta`` (named ``rope_theta``, the attention's argument), ``rotary_dim`` or
