@@ -708,7 +708,7 @@ class CMSLevel(nn.Module):
             st = replace(st, position=st.position + T)
             # kept factors: a hook sees the materialised state; unless it replaces or edits it, the
             # stream goes on from the factored one
-            return y, show_state(self.hook_state, st, self.settle(st) if self.hook_state.hooked else st)
+            return y, show_state(self.hook_state, st, self.settle(st) if self.hook_state.active else st)
         C = self.level.period
         v = self.hook_v(self.value(x))  # slow projections of all tokens at once
         eta = self.hook_eta(self.rates(x))
@@ -984,7 +984,7 @@ class ContinuumMemory(nn.Module):
     def _emit(self, st: CMSState) -> CMSState:
         """``hook_state``: a hook sees the levels with their kept factors folded in
         (:meth:`CMSLevel.deferring`); unless it replaces the state, the stream goes on unchanged."""
-        if not self.hook_state.hooked:
+        if not self.hook_state.active:
             return self.hook_state(st)
         return show_state(
             self.hook_state, st, replace(st, levels=tuple(CMSLevel.settle(s) for s in st.levels))

@@ -589,8 +589,10 @@ def show_state(point: HookPoint, state, shown=None):
     that only read it leaves the stream on ``state`` (the same values; a deferred state stays
     deferred). An edit of the copy's fields (``st.weights = ...``, a dict entry set) is an edit in
     place too, checked as a replacement (:func:`check_replacement`).
-    Without a hook: ``state``, untouched (nothing copied)."""
-    if not point.hooked:
+    Without a hook of the point's own (:attr:`HookPoint.active`): ``state``, untouched (nothing
+    copied); a global module hook alone (e.g. ``FlopCounterMode``'s module tracker) sees ``state``
+    itself, to read."""
+    if not point.active:
         return point(state)
     leaves, tree = pytree.tree_flatten(state if shown is None else shown)
     leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]

@@ -832,7 +832,7 @@ class SelfModifyingTitans(Mixer):
         # kept steps: a hook sees the state with every step taken (a copy); unless it replaces
         # or edits that state, the stream goes on from the deferred one (the same weights; the same
         # rounding as without hooks)
-        return y, show_state(self.hook_state, new, self.settle(new) if self.hook_state.hooked else new)
+        return y, show_state(self.hook_state, new, self.settle(new) if self.hook_state.active else new)
 
     # ------------------------------------------------------------------------------------------
     # maps: the main memory's read attributed to its writes
