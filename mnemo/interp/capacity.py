@@ -16,8 +16,10 @@ comparisons), whatever the dtype.
 Initial weights, as mnemo's Titans layer initialises its memory (``mnemo/layers/titans.py``): a
 matrix memory at zero (normed or not: the first step of ``k + LN(W k)`` from ``W = 0`` is scaled by
 ``1/√eps`` of the norm, so such a memory wants a very small ``θ``, which the sweep's grid must
-reach), each layer of a deep memory ``N(0, 1/in)``. In the layer these are learned starting
-points; here they stay at their initialisation.
+reach), each layer of a deep memory ``N(0, 1/in)`` (the layer starts TTT-MLP's at ``N(0, 0.02²)``,
+TTT's reference: :func:`mnemo.layers.titans.initial_weight_std`; the probe keeps fan-in for every
+deep memory, its published runs' choice). In the layer these are learned starting points; here
+they stay at their initialisation.
 
 Chunks run over the repeated stream as over any stream: with ``chunk_size = C`` and ``N < C`` one
 chunk holds every pair of a pass (and of several passes), so its gradients are all taken at the
@@ -130,8 +132,9 @@ def initial_weights(
 ):
     """One initial weight set shared by the streams, ``[streams, 1, in, out]`` per layer: zeros for a
     matrix memory, ``N(0, 1/in)`` for each layer of a deep one (drawn in float64, then cast), as the
-    Titans layer initialises its memory except the normed matrix ``x + LN(W x)``, which the layer
-    starts at ``N(0, 0.02²)`` (TTT-Linear's ``W_0``) and the probe at zero (its published runs)."""
+    Titans layer initialises its memory except TTT's two (the normed matrix ``x + LN(W x)`` and the
+    TTT-MLP), which the layer starts at ``N(0, 0.02²)`` (TTT's reference ``W_0``) and the probe at
+    zero and at fan-in (its published runs)."""
     out = []
     for i, o in spec.layer_dims(key_dim, key_dim):
         if spec.architecture == "matrix":

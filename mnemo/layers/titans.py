@@ -57,6 +57,16 @@ def state_dtypes(module: nn.Module, dtype: torch.dtype | None = None) -> tuple[t
     return dtype, (torch.float64 if dtype == torch.float64 else torch.float32)
 
 
+def check_state_type(state, cls: type, owner: str) -> None:
+    """Refuse a ``state`` that is neither ``None`` nor a ``cls`` (e.g. the engine's
+    :class:`~mnemo.memory.MemoryState`, or another mixer's state), naming the argument."""
+    if state is not None and not isinstance(state, cls):
+        raise ValueError(
+            f"state: expected a {cls.__name__} (the state this {owner} returned) or None, got "
+            f"{type(state).__name__}"
+        )
+
+
 def _conv_spec(conv: ShortConvolution | None, batch_size: int, dtype: torch.dtype):
     """A conv tail ``[B, C, W − 1]`` as a ``meta`` tensor (``None`` without a conv)."""
     return None if conv is None else spec((batch_size, conv.channels, conv.kernel_size - 1), dtype)
@@ -114,6 +124,35 @@ class NeuralMemoryState:
         )
 
 
+def ttt_family(spec: MemorySpec) -> bool:
+    """``True`` for TTT's layers (Sun et al. 2024): ``x + LN(f(x))`` (``residual`` and ``norm``)
+    trained by plain mini-batch GD on the l2 loss, without retention (TTT-Linear, TTT-MLP)."""
+    return (
+        spec.residual
+        and spec.norm
+        and spec.objective == "l2"
+        and spec.retention == "none"
+        and spec.optimizer == "gd"
+    )
+
+
+def initial_weight_std(spec: MemorySpec, fan_in: int) -> float:
+    """The std of the normal draw of a memory layer's learned initial weights (``0``: zeros).
+
+    * a matrix memory with ``norm`` (TTT-Linear's ``x + LN(W x)``): ``0.02``, as TTT's reference
+      ``W_0`` (at ``W = 0`` the norm's gain is ``1/√ε``: the first chunk's step would be ~300x the
+      later ones); other matrix memories (the delta rules' state): ``0``;
+    * an MLP memory of the TTT family (:func:`ttt_family`, TTT-MLP): ``0.02`` for every layer, as
+      the TTT authors' code draws ``W1`` and ``W2`` (its biases ``b1``, ``b2`` start at zero; the
+      memory here has no biases);
+    * other MLP memories (Titans, Moneta, Yaad, Memora, whose papers give no initialisation):
+      ``fan_in ** -0.5`` (fan-in scaling).
+    """
+    if spec.architecture == "matrix":
+        return 0.02 if spec.norm else 0.0
+    return 0.02 if ttt_family(spec) else fan_in**-0.5
+
+
 # ------------------------------------------------------------------------------------------------
 # the long-term memory
 # ------------------------------------------------------------------------------------------------
@@ -133,8 +172,18 @@ class NeuralMemory(Mixer):
     initial weights are learned parameters (one set per head); a matrix memory starts at zero (with
     ``norm``, TTT-Linear's ``x + LN(W x)``, at ``N(0, 0.02²)`` as the TTT authors' code initialises
     ``W_0``: at ``W = 0`` the layer norm's gain ``1/√ε`` makes the first chunk's step hundreds of
-    times the later ones), each ``[in, out]`` layer of an MLP memory at ``N(0, 1/in)`` (fan-in
-    scaling).
+    times the later ones); each ``[in, out]`` layer of TTT-MLP (:func:`ttt_family`) at
+    ``N(0, 0.02²)`` as the TTT authors' ``W1``, ``W2`` (the memory has no biases; theirs start at
+    zero), of the other MLP memories at ``N(0, 1/in)`` (fan-in scaling; see
+    :func:`initial_weight_std`).
+
+    TTT (Sun et al. 2024; presets ``ttt_linear``, ``ttt_mlp``) follows the paper's mini-batch GD,
+    ``W_t = W_0 − Σ_{s ≤ t} θ_s ∇ℓ_s(W_0)`` inside a mini-batch, with three named differences from
+    the authors' layer: ``max_lr`` (default ``max_lr=1``) plays their ``η_base`` (1 for TTT-Linear,
+    0.1 for TTT-MLP, on the loss ``‖e‖²`` without the ½, so their ``θ`` is half the one here); their
+    code also divides ``η`` by the head size and scales the read of a mini-batch's ``i``-th token by
+    ``1/i`` (plus a learned offset), which this layer does not; the inner layer norm is
+    parameter-free (theirs has a learned per-head scale and shift).
 
     Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream, whose
     rows come first: :func:`~mnemo.layers.hooks.span` places them before the call's token 0, so an
@@ -233,16 +282,12 @@ class NeuralMemory(Mixer):
                 bias.fill_(self._GATE_BIAS[name])
             if self.persistent is not None:
                 nn.init.normal_(self.persistent, std=0.02)
-            arch_is_matrix = self.spec.architecture == "matrix"
             for w in self.init_weights:
-                if arch_is_matrix and self.spec.norm:
-                    # x + LN(W x) (TTT-Linear): at W = 0 the norm's gain is 1/√ε, so the first
-                    # chunk's step would be ~300x the later ones; N(0, 0.02²) as TTT's reference W_0
-                    nn.init.normal_(w, std=0.02)
-                elif arch_is_matrix:
+                std = initial_weight_std(self.spec, w.shape[-2])
+                if std == 0:
                     w.zero_()
                 else:
-                    nn.init.normal_(w, std=w.shape[-2] ** -0.5)
+                    nn.init.normal_(w, std=std)
 
     def _gates(self, x):
         """``θ, g, η, δ`` for input ``x [B, T, d_model]`` (``None`` where the spec needs none)."""
@@ -284,6 +329,7 @@ class NeuralMemory(Mixer):
 
     def forward(self, x: torch.Tensor, state: NeuralMemoryState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
+        check_state_type(state, NeuralMemoryState, "NeuralMemory")
         offset = state.offset if state is not None else 0
         n_prefix = 0
         if self.persistent is not None and offset == 0 and T > 0:  # written once, with the first token

@@ -25,7 +25,7 @@ from .linear_attention import check_int
 from .norm import RMSNorm
 from .registry import register_mixer
 from .state import spec, state_dataclass
-from .titans import NeuralMemory, NeuralMemoryState, _conv_spec, state_dtypes
+from .titans import NeuralMemory, NeuralMemoryState, _conv_spec, check_state_type, state_dtypes
 
 
 @state_dataclass
@@ -297,6 +297,7 @@ class TitansMAG(_MemoryAndWindow):
 
     def forward(self, x, state: TitansMAGState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
+        check_state_type(state, TitansMAGState, "TitansMAG")
         offset = state.offset if state is not None else 0
         cache = _kv(state.attn_k, state.attn_v) if state is not None else None
         mem_state = state.memory if state is not None else None
@@ -348,6 +349,7 @@ class TitansMAL(_MemoryAndWindow):
 
     def forward(self, x, state: TitansMALState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
+        check_state_type(state, TitansMALState, "TitansMAL")
         offset = state.offset if state is not None else 0
         cache = _kv(state.attn_k, state.attn_v) if state is not None else None
         mem_state = state.memory if state is not None else None
@@ -493,6 +495,7 @@ class TitansMAC(Mixer):
 
     def forward(self, x, state: TitansMACState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model)
+        check_state_type(state, TitansMACState, "TitansMAC")
         if state is not None:
             offset, mem_state, read_conv = state.offset, state.memory, state.read_conv
             att_cache, extra_cache = _kv(state.attn_k, state.attn_v), _kv(state.read_k, state.read_v)

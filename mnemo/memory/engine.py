@@ -191,7 +191,7 @@ def neural_memory(
             accumulators are uniform weights): every layer's gradient vanishes there, so from ``None``
             such a memory never moves (``o = q`` with ``residual``, else ``0``); give it non-zero
             initial weights (:class:`~mnemo.layers.NeuralMemory` passes its learned
-            ones, ``N(0, 1/in)`` at init).
+            ones, ``N(0, 1/in)`` at init, ``N(0, 0.02²)`` for TTT-MLP as the TTT authors' code).
         output_final_state: also return the state after the last token (default ``False``).
         mode: ``"chunk"`` (training; the closed-form op when one exists and ``use_closed_form``)
             or ``"recurrent"`` (the token-loop reference).

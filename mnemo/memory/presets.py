@@ -14,7 +14,9 @@ PRESETS: dict[str, tuple[MemorySpec, str]] = {
     ),
     "retnet": (
         MemorySpec(objective="dot", retention="decay"),
-        "matrix · dot · fixed per-head decay · GD = RetNet (Sun et al. 2023)",
+        "matrix · dot · per-head decay · GD = RetNet (Sun et al. 2023) when the caller's g is a fixed "
+        "decay per head; NeuralMemory computes g from the input (the mamba2 point), the retnet mixer "
+        "has RetNet's fixed decays",
     ),
     "gla": (
         MemorySpec(objective="dot", retention="decay", decay_per_channel=True),
