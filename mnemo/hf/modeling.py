@@ -88,9 +88,12 @@ _DEFAULT_MAX_NEW_TOKENS = getattr(GenerationConfig, "_get_default_generation_par
 
 class MnemoConfig(PretrainedConfig):
     """``transformers`` config of a mnemo model: the fields of :class:`mnemo.models.ModelConfig`
-    (same names, same defaults) plus ``use_cache``. :meth:`to_model_config` gives the mnemo config;
+    (same names, same defaults) plus ``use_cache`` and the special token ids ``pad_token_id=None``,
+    ``bos_token_id=None``, ``eos_token_id=None``. :meth:`to_model_config` gives the mnemo config;
     :meth:`from_model_config` builds one from it. ``save_pretrained`` writes mnemo's
-    ``config.json`` (the model fields and ``"model_type": "mnemo"``).
+    ``config.json`` (the model fields and ``"model_type": "mnemo"``; not the token ids, which
+    :meth:`MnemoForCausalLM.save_pretrained` keeps in ``generation_config.json`` and
+    :meth:`MnemoForCausalLM.from_pretrained` gives back to the config).
 
     ``max_position_embeddings`` (read-only, not saved): ``max_position`` with learned positions
     (``pos_embedding="learned"``), ``None`` where positions are unbounded; ``transformers``' ``generate``
@@ -115,6 +118,9 @@ class MnemoConfig(PretrainedConfig):
     norm_eps: float = 1e-5
     init_std: float = 0.02
     use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
 
     @property
     def max_position_embeddings(self) -> int | None:
@@ -249,7 +255,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     ``forward(input_ids [B, T], attention_mask=None, cache=None, labels=None, use_cache=None,
     logits_to_keep=0)`` returns ``CausalLMOutputWithPast(loss, logits [B, T, vocab], cache)``
     (``logits_to_keep``: the positions whose logits come back, as ``transformers`` slices them — an int
-    ``n`` the last ``n``, ``0`` all; the loss still covers every labelled position); ``labels`` are shifted
+    ``n`` the last ``n``, ``0`` all, a tensor positions (a 0-d one: one position, logits ``[B, V]``) or a
+    bool ``[B, T]`` mask; the loss still covers every labelled position); ``labels`` are shifted
     inside (the ``transformers`` convention, ``-100`` ignored; the loss is their mean, or their sum
     over ``num_items_in_batch`` when given, as ``transformers.Trainer`` does with gradient
     accumulation). See the module docstring for the cache, padding and loading rules.
@@ -516,6 +523,11 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         loads it for its own models; without one, the special token ids a converted checkpoint kept
         from its source's ``config.json`` (``hf_config_carried.json``) set them, as ``transformers``
         derives them from that config (a foreign folder loaded directly: its own ``config.json``'s).
+        The config's special ids that it leaves ``None`` are the source ``config.json``'s (those
+        ``hf_config_carried.json`` kept, or a foreign folder's own), and for a folder of mnemo's own
+        (whose ``config.json`` holds none) those of its ``generation_config.json``: ids given to
+        ``from_pretrained`` survive :meth:`save_pretrained` and a reload, config included. (An id set
+        on ``config`` alone, not on ``generation_config``, is not saved.)
         """
         if model_args:
             raise TypeError("MnemoForCausalLM.from_pretrained takes no positional model arguments")
@@ -572,27 +584,30 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             )
         config.name_or_path = str(pretrained_model_name_or_path)
         model = cls(config, model=lm)
+        from .convert import CARRIED_CONFIG_NAME, MNEMO_MODEL_TYPE
+
+        def read(name):
+            f = path / name
+            try:
+                data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+            except (OSError, ValueError) as e:  # (as mnemo generate and export_hf name it)
+                raise ValueError(f"corrupt file {f}: not JSON ({e})") from None
+            return data if isinstance(data, dict) else {}
+
+        # the special ids of the source's config.json: those a converted checkpoint kept from it, or a
+        # foreign folder's own config.json's
+        if (path / CARRIED_CONFIG_NAME).is_file():
+            fields = read(CARRIED_CONFIG_NAME).get("fields") or {}
+            fields = fields if isinstance(fields, dict) else {}
+            foreign = True
+        else:
+            own = read(CONFIG_NAME)
+            foreign = own.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE
+            fields = own if foreign else {}
         if (path / GENERATION_CONFIG_NAME).is_file():  # as transformers' own loader reads it
             model.generation_config = GenerationConfig.from_pretrained(path)
-        else:  # none: the special ids a converted checkpoint kept from its source's config.json, or a
-            # foreign folder's own config.json declares (transformers derives its generation config
-            # from them for the source class)
-            from .convert import CARRIED_CONFIG_NAME, MNEMO_MODEL_TYPE, TOKEN_ID_FIELDS
-
-            def read(name):
-                f = path / name
-                try:
-                    data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-                except (OSError, ValueError) as e:  # (as mnemo generate and export_hf name it)
-                    raise ValueError(f"corrupt file {f}: not JSON ({e})") from None
-                return data if isinstance(data, dict) else {}
-
-            if (path / CARRIED_CONFIG_NAME).is_file():
-                fields = read(CARRIED_CONFIG_NAME).get("fields") or {}
-                fields = fields if isinstance(fields, dict) else {}
-            else:
-                own = read(CONFIG_NAME)
-                fields = own if own.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {}
+        else:  # none: the source's special ids (transformers derives its generation config from them
+            # for the source class)
             for k in TOKEN_ID_FIELDS:
                 if fields.get(k) is not None:
                     setattr(model.generation_config, k, fields[k])
@@ -604,6 +619,13 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
                 for k, v in _generation_fields(model.generation_config).items()
                 if k not in TOKEN_ID_FIELDS or k in model._source_ids
             }
+        # the config's special ids that it leaves None (AutoModelForCausalLM passes the config it read
+        # from config.json), which a transformers config.json holds: the source's; for mnemo's own folder
+        # (its config.json holds none) those save_pretrained kept in generation_config.json
+        for k in TOKEN_ID_FIELDS:
+            v = fields.get(k) if foreign else getattr(model.generation_config, k, None)
+            if v is not None and getattr(config, k, None) is None:
+                setattr(config, k, v)
         for k, v in token_ids.items():  # as transformers: the config's and the generation config's id
             # (after _derived_generation: save_pretrained writes them to generation_config.json, as
             # mnemo's config.json does not hold them)
@@ -624,14 +646,38 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         ``generation_config.json`` where ``generation_config`` says more than the model config, or
         holds special ids that :meth:`from_pretrained` took from a converted folder's
         ``hf_config_carried.json`` (or a foreign ``config.json``) and ``save_directory`` would not
-        give back."""
+        give back. ``is_main_process=False`` writes nothing (as ``transformers``: ``Trainer``'s other
+        ranks); ``state_dict`` must be the model's own (else ``NotImplementedError``); other
+        ``transformers`` saving options are ignored."""
         if kwargs.get("push_to_hub"):
             raise NotImplementedError("MnemoForCausalLM.save_pretrained: push_to_hub is not supported")
+        if kwargs.get("state_dict") is not None:
+            self._check_state_dict(kwargs["state_dict"])
+        if not kwargs.get("is_main_process", True):  # (transformers.Trainer's other ranks: as transformers,
+            return  # only the main process writes)
         self.model.save_pretrained(save_directory)
         # written only where it says more than the config, or where the folder would not give back
         # the special ids taken from the source (saved elsewhere than the converted folder)
         if self._generation_config_is_set() or not self._source_ids_kept(save_directory):
             self.generation_config.save_pretrained(save_directory)
+
+    def _check_state_dict(self, state_dict: dict) -> None:
+        """``state_dict`` given to :meth:`save_pretrained` (``transformers.Trainer`` passes one): mnemo's
+        format is written from the model itself, so it must hold the model's own weights (keys as
+        :meth:`state_dict` names them, a ``torch.compile`` / DDP wrapper's ``_orig_mod.`` / ``module.``
+        prefix allowed); ``NotImplementedError`` naming the keys otherwise (another state dict, e.g.
+        FSDP's gathered one, would be silently replaced by the model's)."""
+        own = self.state_dict()
+        given = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in state_dict.items()}
+        differ = sorted(set(own) ^ set(given)) or [
+            k for k in own if given[k].shape != own[k].shape or not torch.equal(given[k].to(own[k]), own[k])
+        ]
+        if differ:
+            raise NotImplementedError(
+                "state_dict: MnemoForCausalLM.save_pretrained writes the model's own weights; expected None "
+                f"or the model's state_dict(), got one that differs in {differ[:5]}"
+                + (f" (and {len(differ) - 5} more)" if len(differ) > 5 else "")
+            )
 
     def _source_ids_kept(self, folder) -> bool:
         """Whether ``folder``'s ``hf_config_carried.json`` gives back the special ids
@@ -657,16 +703,28 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
 
 def _keep_logits(logits: torch.Tensor, keep) -> torch.Tensor:
     """The logits ``[B, T, V]`` that ``logits_to_keep`` asks for, as ``transformers``' causal LMs slice
-    them (``hidden[:, slice(-n, None) if int else keep]``): an int ``n`` the last ``n`` positions
-    (``0``, or ``None``, all), a 1-D tensor of positions those positions of every row. Other tensors
-    raise ``ValueError`` (``transformers`` would index the positions axis with them as a whole)."""
+    them (its ``slice_logits_to_keep``): an int ``n`` the last ``n`` positions (``0``, or ``None``, all);
+    a 0-d integer tensor the index of one position (the positions axis goes: ``[B, V]``); a 1-D
+    integer tensor those positions of every row; a 2-D integer tensor ``[B, N]`` positions per row;
+    a 2-D bool tensor ``[B, T]`` a mask of the positions kept, flattened to ``[kept, V]``. A float
+    tensor or one of another rank raises ``ValueError``."""
     if torch.is_tensor(keep):
-        if keep.ndim != 1 or keep.dtype == torch.bool or keep.is_floating_point():
+        if (
+            keep.is_floating_point()
+            or keep.is_complex()
+            or keep.ndim > 2
+            or (keep.ndim < 2 and keep.dtype == torch.bool)
+        ):
             raise ValueError(
-                "logits_to_keep: expected an int >= 0 or a 1-D integer tensor of positions, got a "
-                f"{keep.ndim}-D {keep.dtype} tensor"
+                "logits_to_keep: expected an int >= 0 or an integer tensor of positions (0-d, 1-D or "
+                f"[B, N]) or a bool [B, T] mask, got a {keep.ndim}-D {keep.dtype} tensor"
             )
-        return logits[:, keep.to(logits.device)]
+        keep = keep.to(logits.device)
+        if keep.ndim == 2 and keep.dtype == torch.bool:
+            return logits[keep]
+        if keep.ndim == 2:
+            return torch.take_along_dim(logits, keep[..., None], dim=1)
+        return logits[:, keep]
     if keep is None:  # (as 0: every position)
         return logits
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:

@@ -105,8 +105,8 @@ def test_loss_of_a_float64_model_is_float64_and_equals_a_hand_cross_entropy():
 def test_logits_to_keep_slices_the_logits_as_transformers_does():
     """``logits_to_keep`` was swallowed by ``**kwargs``: all ``T`` positions came back where a
     ``transformers`` model returns the last ``n``. Now it slices as ``transformers`` does (int, 1-D
-    positions; other tensors refused), the old name ``num_logits_to_keep`` too, and the
-    loss still covers every labelled position."""
+    positions; other tensors refused; review 6: 2-D as transformers 5), the old name
+    ``num_logits_to_keep`` too, and the loss still covers every labelled position."""
     m = _mnemo()
     ids = torch.tensor([[1, 5, 7, 2, 9, 4], [3, 3, 8, 1, 0, 6]])
     full = m(ids, labels=ids)
@@ -118,8 +118,9 @@ def test_logits_to_keep_slices_the_logits_as_transformers_does():
     torch.testing.assert_close(m(ids, num_logits_to_keep=2).logits, full.logits[:, -2:], rtol=0, atol=0)
     pos = torch.tensor([0, 3])
     torch.testing.assert_close(m(ids, logits_to_keep=pos).logits, full.logits[:, [0, 3]], rtol=0, atol=0)
-    for other in (torch.tensor([[1, 2], [4, 0]]), torch.zeros(2, 6, dtype=torch.bool)):  # 2-D: refused
-        with pytest.raises(ValueError, match=r"logits_to_keep: expected an int >= 0 or a 1-D integer"):
+    # (2-D tensors are taken as transformers 5 takes them: tests/hf/test_review6_interop.py)
+    for other in (torch.zeros(2, 6, 1, dtype=torch.long), torch.zeros(6, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"logits_to_keep: expected an int >= 0 or an integer tensor"):
             m(ids, logits_to_keep=other)
     torch.testing.assert_close(m(ids, logits_to_keep=None).logits, full.logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="logits_to_keep= or num_logits_to_keep="):
