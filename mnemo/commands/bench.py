@@ -135,22 +135,26 @@ def add_commands(sub) -> None:
         "decoding speed and memory vs context length; models: whole models' training and generation "
         "tokens/s beside the installed peers' equivalent models; roofline: this machine's GEMM rate and "
         "memory bandwidth, each model's training FLOP/s and decoding bytes/s as fractions of them, and "
-        "where the training step's time goes; all: ops, peers, decode and models in one run (one JSON)",
+        "where the training step's time goes; all: ops, peers, decode and models in one run (one JSON) "
+        "(default ops)",
     )
     b.add_argument(
         "--dtypes",
         default="fp32",
         type=kinds.Text("fp32 and/or bf16"),
-        help="ops suite: fp32 and/or bf16 (comma-separated)",
+        help="ops suite: fp32 and/or bf16 (comma-separated; default fp32)",
     )
     b.add_argument(
         "--contexts",
         default="1024,4096,16384,65536",
         type=kinds.IntList(1, unique=True),
-        help="decode suite: context lengths",
+        help="decode suite: context lengths (default 1024,4096,16384,65536)",
     )
     b.add_argument(
-        "--decode-steps", type=kinds.positive_int, default=64, help="decode suite: one-token steps timed"
+        "--decode-steps",
+        type=kinds.positive_int,
+        default=64,
+        help="decode suite: one-token steps timed (default 64)",
     )
     b.add_argument(
         "--decode-processes",
@@ -159,7 +163,10 @@ def add_commands(sub) -> None:
         help="decode suite: fresh processes per row; the row is their median (default 3)",
     )
     b.add_argument(
-        "--d-model", type=kinds.width, default=256, help="decode, models and roofline suites: model width"
+        "--d-model",
+        type=kinds.width,
+        default=256,
+        help="decode, models and roofline suites: model width (default 256)",
     )
     b.add_argument(
         "--n-layers",
@@ -193,16 +200,21 @@ def add_commands(sub) -> None:
         "--gen-batches",
         default="1,8",
         type=kinds.IntList(1, words=("none",), unique=True),
-        help="models and roofline suites: generation (decoding) batch sizes, or 'none' (training rows only)",
+        help="models and roofline suites: generation (decoding) batch sizes, or 'none' (training rows only) "
+        "(default 1,8)",
     )
     b.add_argument(
         "--prompt-len",
         type=kinds.positive_int,
         default=256,
-        help="models and roofline suites: generation prompt tokens (roofline: the decoding state's context)",
+        help="models and roofline suites: generation prompt tokens (roofline: the decoding state's context) "
+        "(default 256)",
     )
     b.add_argument(
-        "--gen-tokens", type=kinds.positive_int, default=64, help="models suite: new tokens per generate()"
+        "--gen-tokens",
+        type=kinds.positive_int,
+        default=64,
+        help="models suite: new tokens per generate() (default 64)",
     )
     b.add_argument(
         "--compile",
@@ -215,11 +227,13 @@ def add_commands(sub) -> None:
         "--lengths",
         default="512,1024,2048,4096,8192",
         type=kinds.IntList(1, unique=True),
-        help="comma-separated T values",
+        help="ops suite: comma-separated T values (default 512,1024,2048,4096,8192)",
     )
-    b.add_argument("--heads", type=kinds.Int(1, 4096), default=4)
-    b.add_argument("--head-dim", type=kinds.Int(1, 65536), default=64)
-    b.add_argument("--batch", type=kinds.positive_int, default=1)
+    b.add_argument("--heads", type=kinds.Int(1, 4096), default=4, help="ops suite: heads H (default 4)")
+    b.add_argument(
+        "--head-dim", type=kinds.Int(1, 65536), default=64, help="ops suite: head dimension (default 64)"
+    )
+    b.add_argument("--batch", type=kinds.positive_int, default=1, help="ops suite: batch size B (default 1)")
     b.add_argument(
         "--ops",
         type=kinds.Text("comma-separated op names"),
@@ -235,7 +249,7 @@ def add_commands(sub) -> None:
         "--recurrent-max-len",
         type=kinds.nonneg_int,
         default=2048,
-        help="skip the token-loop reference above this T (it is slow by design)",
+        help="ops suite: skip the token-loop reference above this T (it is slow by design; default 2048)",
     )
     b.add_argument(
         "--repeats",
@@ -248,6 +262,11 @@ def add_commands(sub) -> None:
     b.add_argument(
         "--overwrite", action="store_true", help="replace the --json file if it exists (default: refuse)"
     )
-    b.add_argument("--device", default="cpu", type=kinds.device)
+    b.add_argument(
+        "--device",
+        default="cpu",
+        type=kinds.device,
+        help="ops and models suites: cpu, cuda, ... (default cpu)",
+    )
     b.set_defaults(func=_cmd_bench)
     _DEFAULTS.update({dest: b.get_default(dest) for dest in SUITE_OPTIONS})

@@ -94,19 +94,29 @@ OUT_KIND = kinds.OutDir(not_a_run=True, not_inside_run=True)
 
 
 def _cmd_sweep(args) -> int:
+    import dataclasses
+
     from ..sweep.runner import default_paths, run_sweep
     from ..sweep.spec import SweepSpec
 
     spec = SweepSpec.load(args.config)
-    db, out = default_paths(spec)
+    # (a --db given: the file's or the default database is not looked for, an old one included)
+    db, out = default_paths(dataclasses.replace(spec, db=str(args.db)) if args.db else spec)
     # the file's (or the default) places get the checks the flags get, before any run starts
+    # (a file without 'db'/'out': the default place is named as such, with the flag that sets another)
+    db_where = f"{args.config}: " + (
+        "db" if spec.db else "the default database (the file sets no 'db'; --db)"
+    )
+    out_where = f"{args.config}: " + (
+        "out" if spec.out else "the default out (the file sets no 'out'; --out)"
+    )
     if not args.db:
-        _check_place(DB_KIND, db, f"{args.config}: db")
+        _check_place(DB_KIND, db, db_where)
     if not args.out:
-        _check_place(OUT_KIND, out, f"{args.config}: out")
+        _check_place(OUT_KIND, out, out_where)
     db = Path(args.db) if args.db else db
     out = Path(args.out) if args.out else out
-    _check_database(db, "--db" if args.db else f"{args.config}: db", create=not args.list)
+    _check_database(db, "--db" if args.db else db_where, create=not args.list)
     runs = spec.runs()
     if args.list:
         from collections import Counter
@@ -268,17 +278,24 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--db",
         type=DB_KIND,
-        help="SQLite database (default: the file's 'db', else runs/sweeps/NAME.sqlite)",
+        help="SQLite database (default: the file's 'db', else runs/sweeps/NAME.sqlite; both under the sweep "
+        "file's project folder, the nearest folder above it with pyproject.toml or .git, else its own "
+        "folder; a database an earlier version made at runs/sweeps/NAME.sqlite under the working directory "
+        "is continued there)",
     )
     s.add_argument(
         "--out",
         type=OUT_KIND,
-        help="run directories (default: the file's 'out', else runs/sweeps/NAME/)",
+        help="run directories (default: the file's 'out', else runs/sweeps/NAME/; both under the sweep "
+        "file's project folder, the nearest folder above it with pyproject.toml or .git, else its own)",
     )
     s.add_argument(
-        "--jobs", type=kinds.Int(1, 256), default=1, help="runs trained at once, in worker processes (1)"
+        "--jobs",
+        type=kinds.Int(1, 256),
+        default=1,
+        help="runs trained at once, in worker processes (default 1)",
     )
-    s.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (1)")
+    s.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (default 1)")
     s.add_argument(
         "--list",
         action="store_true",
@@ -342,8 +359,8 @@ def add_commands(sub) -> None:
         type=kinds.ExistingFile("an existing results page (.md)"),
         help="e.g. docs/results/zoology_equal_state.md",
     )
-    p.add_argument("--jobs", type=kinds.Int(1, 256), default=1, help="runs trained at once (1)")
-    p.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (1)")
+    p.add_argument("--jobs", type=kinds.Int(1, 256), default=1, help="runs trained at once (default 1)")
+    p.add_argument("--threads", type=kinds.threads, default=1, help="torch threads per run (default 1)")
     p.add_argument(
         "--no-run",
         action="store_true",

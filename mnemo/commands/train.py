@@ -389,6 +389,14 @@ def _train(args, held: contextlib.ExitStack) -> int:
         out = _default_out(cfg.model)
     else:
         out = Path(args.out)
+    # (a folder's corpus is the files in it)
+    data = Path(cfg.data).expanduser() if isinstance(cfg.data, str) and not cfg.task else None
+    if data is not None and data.is_dir() and out.resolve() == data.resolve():
+        raise ValueError(
+            f"--out: {out} is the --data folder: the run's files (metrics.jsonl, checkpoints) would go "
+            "among its corpus files and the folder would read as a run's, not a corpus; give the run a "
+            "folder of its own, e.g. runs/NAME"
+        )
     existed = out.exists()
     if main:  # the folder is this process's from here on: what is checked below stays true until the end
         try:

@@ -382,8 +382,8 @@ def reproduce_page(
             db, _ = default_paths(spec, path)
             if not Path(db).is_file():
                 raise FileNotFoundError(
-                    f"{path}: its database {db} does not exist; run the sweep (drop --no-run) or run it "
-                    "where it was made"
+                    f"{path}: its database {_shown(db)} does not exist; run the sweep (drop --no-run), or, "
+                    "for a sweep stored under another working directory by an earlier version, run from there"
                 )
             pending = _pending(sweep_plan(spec, db))
             if pending and not partial:

@@ -23,10 +23,36 @@ WALL_NAME = "sweep_wall_time.json"
 
 
 def default_paths(spec: SweepSpec, config_path: str | Path | None = None) -> tuple[Path, Path]:
-    """``(db, out)``: the spec's ``db``/``out`` keys, else ``runs/sweeps/NAME.sqlite`` and
-    ``runs/sweeps/NAME/`` (relative to the working directory)."""
-    db = Path(spec.db) if spec.db else Path("runs") / "sweeps" / f"{spec.name}.sqlite"
-    out = Path(spec.out) if spec.out else Path("runs") / "sweeps" / spec.name
+    """``(db, out)``: the spec's ``db``/``out`` keys (read against its project folder,
+    :attr:`SweepSpec.root`), else ``runs/sweeps/NAME.sqlite`` and ``runs/sweeps/NAME/`` under the
+    project folder too, so a sweep is stored in one place from any working directory (under the
+    working directory for a spec without a root: :meth:`SweepSpec.from_dict` without ``root``).
+
+    A database that an earlier mnemo made at the old default, ``runs/sweeps/NAME.sqlite`` under the
+    working directory, is continued there (with its ``runs/sweeps/NAME/`` unless ``out`` is set),
+    with a warning; if the project folder holds one as well, ``ValueError`` names both (give the
+    one to continue with ``--db``)."""
+    root = Path(spec.root) if spec.root is not None else Path()
+    db = Path(spec.db) if spec.db else root / "runs" / "sweeps" / f"{spec.name}.sqlite"
+    out = Path(spec.out) if spec.out else root / "runs" / "sweeps" / spec.name
+    old = Path("runs") / "sweeps" / f"{spec.name}.sqlite"
+    if spec.root is not None and not spec.db and old.is_file() and old.resolve() != db.resolve():
+        if db.exists():
+            raise ValueError(
+                f"sweep {spec.name!r} has two databases: {db} (the default: under the sweep file's project "
+                f"folder) and {old} under the working directory (the default of earlier versions); give "
+                "the one to continue with --db (and its run folders with --out), or move the other away"
+            )
+        import warnings
+
+        warnings.warn(
+            f"continuing {old} (and its run folders in {old.with_suffix('')}) under the working directory, "
+            f"where earlier versions stored sweep {spec.name!r}; the default is now {db} under the sweep "
+            f"file's project folder: move them there to continue from any working directory",
+            stacklevel=2,
+        )
+        db = old
+        out = Path(spec.out) if spec.out else old.with_suffix("")
     return db, out
 
 

@@ -45,7 +45,10 @@ train on the absolute paths (:attr:`Run.train_config`); a run's id and its store
 config as the file writes it, so a sweep stored before keeps its runs and its report.
 :meth:`SweepSpec.from_dict` without ``root`` leaves paths as given. A path that names nothing
 there but something under the working directory is refused before a sweep trains
-(:func:`check_paths`); without ``db``/``out`` the sweep writes under the working directory
+(:func:`check_paths`). Without ``db``/``out`` the sweep writes ``runs/sweeps/NAME.sqlite`` and
+``runs/sweeps/NAME/`` under the project folder too, so a sweep is stored, resumed and listed in
+one place from any working directory; a database that an earlier version made there under the
+working directory is continued where it is, with a warning
 (:func:`mnemo.sweep.runner.default_paths`).
 
 **Seeds.** ``seeds`` runs every grid point once per seed (it sets ``TrainConfig.seed``, which
@@ -278,6 +281,13 @@ class SweepSpec:
                     + " (docs/results/README.md: the recipe standard)"
                 )
         claims = _parse_claims(d.get("claims"), models, source)
+        for key in ("db", "out"):  # (a number or a list would reach Path() as a TypeError)
+            value = d.get(key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(
+                    f"{source}: {key!r} must be a path (a non-empty string; relative: under the project "
+                    f"folder), got {value!r}"
+                )
         spec = cls(
             name=name,
             base=base,

@@ -25,6 +25,7 @@ def _fake(calls):
 def _setup(tmp_path, monkeypatch, calls):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runner_mod, "run_one", _fake(calls))
+    (tmp_path / "pyproject.toml").write_text("")  # the checkout: its sweeps are stored in its runs/
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tiny.yaml").write_text(
         yaml.safe_dump(
