@@ -48,14 +48,6 @@ def _json(record, **kw) -> str:
     return json.dumps(json_safe(record), allow_nan=False, **kw)
 
 
-def _nonfinite_mapped(record: dict) -> dict:
-    """``record`` with each non-finite float as ``None`` and its place under ``"nonfinite"``
-    (:func:`mnemo.train.sinks.dumps_record`): null as in every command's JSON, and not lost."""
-    from ..train.sinks import dumps_record
-
-    return json.loads(dumps_record(record))
-
-
 def _write_json(path: Path, record) -> None:
     from ..train.checkpoint import atomic_write_text
 
@@ -316,6 +308,13 @@ def add_commands(sub) -> None:
         help="tokens: shorter half-lives are irrelevant (default 4)",
     )
     sp.add_argument(
+        "--burn-in",
+        type=kinds.Int(0),
+        default=0,
+        help="first tokens left out of the averages (a start transient; a layer stepping by chunks skips "
+        "the whole chunks that cover them) (default 0)",
+    )
+    sp.add_argument(
         "--out",
         type=kinds.OutDir(not_a_run=True),
         help=f"where to write spectrum.json and spectrum.png (default: {_DEFAULT_OUT})",
@@ -520,12 +519,18 @@ def _cmd_ablate(args) -> int:
 def _cmd_spectrum(args) -> int:
     from ..data import load_text, load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
-    from ..interp.spectrum import memory_spectrum, plot
+    from ..interp.spectrum import memory_spectrum, plot, to_json
 
-    if args.irrelevant_half_life >= args.tokens:
+    if args.burn_in >= args.tokens:
+        raise ValueError(
+            f"--burn-in: expected fewer tokens than --tokens {args.tokens} (some must be left to average), "
+            f"got {args.burn_in}"
+        )
+    if args.irrelevant_half_life >= args.tokens - args.burn_in:
         raise ValueError(
             f"--irrelevant-half-life ({args.irrelevant_half_life:g} tokens) must be shorter than the "
-            f"context, --tokens {args.tokens}: a longer half-life is marginal, not irrelevant"
+            f"context, --tokens {args.tokens}{f' - --burn-in {args.burn_in}' if args.burn_in else ''}: a "
+            "longer half-life is marginal, not irrelevant"
         )
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
@@ -547,20 +552,32 @@ def _cmd_spectrum(args) -> int:
     else:
         ids = _with_run_bos(_text_ids(tok, load_text(data, _text_field(args, tcfg)), args.tokens), tok, tcfg)
     _say_fewer_tokens(args.tokens, int(ids.shape[1]), data)
-    if args.irrelevant_half_life >= ids.shape[1]:  # a short text: the context is what it gives
+    if args.burn_in >= ids.shape[1]:
+        raise ValueError(
+            f"--burn-in: expected fewer tokens than the {int(ids.shape[1])} that {data} gives "
+            f"(--tokens {args.tokens}), got {args.burn_in}"
+        )
+    if args.irrelevant_half_life >= ids.shape[1] - args.burn_in:  # a short text: the context is what it gives
         raise ValueError(
             f"--irrelevant-half-life ({args.irrelevant_half_life:g} tokens) must be shorter than the "
-            f"context, the {int(ids.shape[1])} tokens that {data} gives (--tokens {args.tokens}): a longer "
+            f"context, the {int(ids.shape[1]) - args.burn_in} tokens that {data} gives "
+            f"(--tokens {args.tokens}{f', --burn-in {args.burn_in}' if args.burn_in else ''}): a longer "
             "half-life is marginal, not irrelevant"
         )
     result = memory_spectrum(
-        model, ids, directions=args.directions, irrelevant_half_life=args.irrelevant_half_life
+        model,
+        ids,
+        directions=args.directions,
+        irrelevant_half_life=args.irrelevant_half_life,
+        burn_in=args.burn_in,
     )
     out.mkdir(parents=True, exist_ok=True)
     # strict JSON as every command writes it: an infinite half-life (a direction never forgotten) or
-    # a -inf exponent is null, and "nonfinite" maps where (mnemo.train.sinks.dumps_record;
-    # loads_record restores the floats; files of before, with "inf" strings, read as they were)
-    record = _nonfinite_mapped({"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "layers": result})
+    # a -inf exponent is null, and "nonfinite" maps where (mnemo.interp.spectrum.to_json, the
+    # library's serialiser; loads_record restores the floats; files of before, with "inf" strings,
+    # read as they were)
+    record = {"checkpoint": str(ckpt), "tokens": int(ids.shape[1]), "burn_in": args.burn_in, "layers": result}
+    record = to_json(record)
     _write_json(out / "spectrum.json", record)
     path = plot(result, out / "spectrum.png", title=checkpoint_label(ckpt))
     print(f"wrote {out / 'spectrum.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line

@@ -143,11 +143,22 @@ def matrix_spectrum(A: torch.Tensor, k: int | None = None, **kwargs) -> torch.Te
 # ------------------------------------------------------------------------------------------------
 
 
-def diagonal_spectrum(g: torch.Tensor) -> torch.Tensor:
+def _check_burn_in(burn_in, steps: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``burn_in`` is an int in ``[0, steps)`` (a step left to average)."""
+    if isinstance(burn_in, bool) or not isinstance(burn_in, numbers.Integral) or not 0 <= burn_in < steps:
+        raise ValueError(f"burn_in: expected an int number of {what} in [0, {steps}), got {burn_in!r}")
+
+
+def diagonal_spectrum(g: torch.Tensor, *, burn_in: int = 0) -> torch.Tensor:
     """Exponents of diagonal transitions ``exp(g_t)`` for log decays ``g [B, T, *units]``: the time
-    average ``mean_t g_t`` (exact: the QR iteration of a diagonal product is the product of the
-    diagonals), averaged over the batch; ``[*units]``, float64."""
-    return g.double().mean(dim=(0, 1))
+    average ``mean_t g_t`` over ``t ≥ burn_in`` (exact: the QR iteration of a diagonal product is
+    the product of the diagonals), averaged over the batch; ``[*units]``, float64. ``burn_in``:
+    the first tokens left out, as in :func:`lyapunov_spectrum` (default ``burn_in=0``; ``ValueError``
+    outside ``[0, T)``)."""
+    if g.ndim < 2 or g.shape[1] < 1:
+        raise ValueError(f"g: expected log decays [B, T, *units] with T >= 1, got shape {list(g.shape)}")
+    _check_burn_in(burn_in, int(g.shape[1]), "tokens")
+    return g.double()[:, burn_in:].mean(dim=(0, 1))
 
 
 def delta_rule_spectrum(
@@ -358,6 +369,7 @@ def state_spectrum(
     directions: int = 32,
     eps: float = 1e-6,
     seed: int = 0,
+    burn_in: int = 0,
 ) -> tuple[torch.Tensor, int]:
     """Leading exponents ``[directions]`` (descending, nats/token, batch-averaged) of a stateful
     module's own transition, and ``n``, the dimension of the perturbed state per sample.
@@ -375,13 +387,15 @@ def state_spectrum(
     Each step applies the Jacobian to the ``directions`` columns of ``Q`` at once by central
     differences ``(F(s + εu) − F(s − εu)) / 2ε`` (each tangent on its own copy of the batch, with
     the primal as the last copy), so ``step`` must be a float64 computation (error ``O(ε²)`` plus
-    ``~1e-16/ε`` rounding, about ``1e-10`` relative at the default ``eps``).
+    ``~1e-16/ε`` rounding, about ``1e-10`` relative at the default ``eps``). ``burn_in``: whole
+    periods whose logs are left out (a transient from the module's initial state), the divisor then
+    the tokens of the periods after them, as in :func:`lyapunov_spectrum`.
 
     Raises:
-        ValueError: fewer than ``period`` tokens, ``get`` lists no tensor, or ``directions`` is not
-            an int ``>= 1``.
+        ValueError: fewer than ``period`` tokens, ``get`` lists no tensor, ``directions`` is not
+            an int ``>= 1``, or ``burn_in`` is not an int in ``[0, T // period)``.
 
-    Defaults: ``directions=32``, ``eps=1e-6``, ``seed=0``."""
+    Defaults: ``directions=32``, ``eps=1e-6``, ``seed=0``, ``burn_in=0``."""
     from ..layers.state import map_tensors
 
     _check_directions(directions)
@@ -389,6 +403,7 @@ def state_spectrum(
     steps = T // int(period)
     if steps < 1:
         raise ValueError(f"x: expected at least period = {period} tokens, got {T}")
+    _check_burn_in(burn_in, steps, f"periods of {period} tokens ({T} tokens)")
     first = get(state)
     if not first:
         raise ValueError("get: expected at least one state tensor, got none")
@@ -418,7 +433,15 @@ def state_spectrum(
         return torch.cat(jv, -1).permute(1, 2, 0)
 
     lam = lyapunov_spectrum(
-        one, steps, n, kd, batch_shape=(B,), tokens=steps * period, seed=seed, device=x.device
+        one,
+        steps,
+        n,
+        kd,
+        batch_shape=(B,),
+        tokens=(steps - burn_in) * period,
+        burn_in=burn_in,
+        seed=seed,
+        device=x.device,
     )
     return lam.mean(0), n
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from pathlib import Path
 
 import torch
@@ -197,7 +198,7 @@ def _self_modifying_transition(mixer, state):
     return None
 
 
-def _cms_levels(cms, x, state_fn, directions, context, irr, seed):
+def _cms_levels(cms, x, state_fn, directions, context, irr, seed, burn_in=0):
     """Per level of a Continuum Memory System: its own transition's spectrum (the diagonal block of
     the Jacobian; the other levels ride along on their trajectories). Levels feed one way in all
     three transfers (sequential: along the chain, in its order; independent: not at all; nested: slower into
@@ -222,6 +223,11 @@ def _cms_levels(cms, x, state_fn, directions, context, irr, seed):
             )
             out.append(entry)
             continue
+        skip = _whole_steps(burn_in, period)
+        if skip >= x.shape[1] // period:
+            entry.update(kind="unsupported", reason=_burnt_reason(burn_in, period, x.shape[1], "period"))
+            out.append(entry)
+            continue
 
         def get(st, li=li):
             level = st.levels[li]
@@ -244,12 +250,28 @@ def _cms_levels(cms, x, state_fn, directions, context, irr, seed):
             put=put,
             directions=directions,
             seed=seed,
+            burn_in=skip,
         )
+        extra = {"burn_in": skip * period} if burn_in else {}
         entry.update(
-            _layer_entry("test-time (state JVP)", lam[None], n, 1, context, irr, memory=f"level {li}")
+            _layer_entry(
+                "test-time (state JVP)", lam[None], n, 1, context, irr, memory=f"level {li}", **extra
+            )
         )
         out.append(entry)
     return out
+
+
+def _whole_steps(burn_in: int, step: int) -> int:
+    """The whole steps of ``step`` tokens that cover the first ``burn_in`` tokens."""
+    return -(-int(burn_in) // int(step))
+
+
+def _burnt_reason(burn_in: int, step: int, T: int, what: str) -> str:
+    return (
+        f"burn_in={burn_in} tokens leave no whole {what} of {step} tokens to average ({T} tokens): "
+        "a shorter burn_in or more tokens"
+    )
 
 
 def memory_spectrum(
@@ -261,6 +283,7 @@ def memory_spectrum(
     context: float | None = None,
     layers=None,
     method: str = "central",
+    burn_in: int = 0,
 ) -> dict:
     """``{layer: entry}`` for every block of ``model`` on ``input_ids`` ``[B, T]``, plus
     ``{"{layer}.cms{level}": entry}`` for each level of a block whose MLP is a Continuum Memory
@@ -274,17 +297,29 @@ def memory_spectrum(
     ``"exponents"`` ``[heads][computed]`` (row ``h`` is head ``h``; nats/token, descending within
     the row), ``"half_lives"`` (tokens),
     ``"summary"`` (:func:`classify` over all heads) and ``"per_head"`` (the shares and median
-    half-life of each head). ``context`` (default ``T``) sets the marginal band ``|λ| < ln 2 /
-    context``; ``directions`` (default ``32``) and ``method``: the exponents computed per head of a
-    test-time-trained memory (the leading ``min(directions, dim)``) and how
+    half-life of each head). ``context`` (default the tokens measured, ``T − burn_in``) sets the
+    marginal band ``|λ| < ln 2 / context``; ``directions`` (default ``32``) and ``method``: the
+    exponents computed per head of a test-time-trained memory (the leading ``min(directions, dim)``) and how
     (:func:`memory_jvp_spectrum`). ``layers``: the blocks to read (an int or ints, numpy or 0-d tensor
     integers too; default all).
-    Defaults: ``directions=32``, ``irrelevant_half_life=4.0`` (:func:`classify`).
+
+    ``burn_in``: the first tokens whose transitions are left out of every layer's average (the
+    divisor is then the tokens after them), so that a transient from the memories' initial state
+    (a first chunk's stretch of TTT-Linear from small weights, a start-of-text gate) does not bias a
+    finite-length estimate of the long-run rate: a diagonal or delta-rule layer skips ``burn_in``
+    tokens, a layer that steps by chunks or periods (a test-time-trained memory, a self-modifying
+    mixer, a CMS level) the whole steps that cover them (``burn_in=1`` with ``chunk_size`` 16 skips
+    one chunk, 16 tokens; such a layer's entry then says ``"burn_in"``: the tokens it skipped). The
+    tokens are those of the memory's own stream: a memory that reads persistent tokens first
+    (Titans) counts them among the first. A layer left with no whole step is ``"unsupported"`` with
+    the reason.
+    Defaults: ``directions=32``, ``burn_in=0``, ``irrelevant_half_life=4.0`` (:func:`classify`).
 
     Raises:
         ValueError: naming the argument: a layer out of range, ``directions`` not an int ``≥ 1``,
             ``context`` not a finite number ``> 0``, ``method`` not ``"central"`` or ``"forward"``,
-            ``irrelevant_half_life`` not a finite number ``> 0``."""
+            ``irrelevant_half_life`` not a finite number ``> 0``, ``burn_in`` not an int in
+            ``[0, T)``, ``input_ids`` not ``[B, T]`` with ``T ≥ 1``."""
     n_blocks = len(model.blocks)
     if layers is not None:
         layers = layer_indices(layers, n_blocks)  # (a numpy or 0-d tensor integer too)
@@ -296,11 +331,21 @@ def memory_spectrum(
         isinstance(context, bool) or not isinstance(context, (int, float)) or not 0 < context < math.inf
     ):
         raise ValueError(f"context: expected a finite number of tokens > 0, got {context!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 1:
+        got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"input_ids: expected token ids [B, T] with T >= 1 (a transition to read), got {got}"
+        )
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)
     T = int(input_ids.shape[1])
-    context = float(context if context is not None else T)
+    if isinstance(burn_in, bool) or not isinstance(burn_in, numbers.Integral) or not 0 <= burn_in < T:
+        raise ValueError(
+            f"burn_in: expected an int number of tokens in [0, {T}) (of T = {T}), got {burn_in!r}"
+        )
+    burn_in = int(burn_in)
+    context = float(context if context is not None else T - burn_in)
     check_irrelevant_half_life(irrelevant_half_life)
     irr = irrelevant_half_life
     wanted = [i for i in range(n_blocks) if layers is None or i in layers]
@@ -335,7 +380,14 @@ def memory_spectrum(
             q, kq, v, theta = (hook(h, path) for h in ("hook_q", "hook_k", "hook_v", "hook_theta"))
             if q is None:
                 entry.update(kind="unsupported", reason="the memory's hook points did not fire")
+            elif _whole_steps(burn_in, mem.spec.chunk_size) >= -(-q.shape[1] // mem.spec.chunk_size):
+                entry.update(
+                    kind="unsupported",
+                    reason=_burnt_reason(burn_in, mem.spec.chunk_size, q.shape[1], "inner chunk"),
+                )
             else:
+                C = mem.spec.chunk_size
+                skip = _whole_steps(burn_in, C)
                 state = mem.initial_state(q.shape[0]).memory_state()
                 lam, n = memory_jvp_spectrum(
                     mem.spec,
@@ -349,6 +401,7 @@ def memory_spectrum(
                     hook("hook_delta", path),
                     directions=directions,
                     method=method,
+                    burn_in=skip,
                 )
                 entry.update(
                     _layer_entry(
@@ -359,7 +412,8 @@ def memory_spectrum(
                         context,
                         irr,
                         memory=path or "mixer",
-                        chunk_size=mem.spec.chunk_size,
+                        chunk_size=C,
+                        **({"burn_in": skip * C} if burn_in else {}),
                     )
                 )
         elif hasattr(mixer, "spec"):
@@ -373,7 +427,10 @@ def memory_spectrum(
                 entry.update(
                     kind="unsupported", reason=f"needs at least {period} tokens (its chunks' common multiple)"
                 )
+            elif _whole_steps(burn_in, period) >= x.shape[1] // period:
+                entry.update(kind="unsupported", reason=_burnt_reason(burn_in, period, x.shape[1], "period"))
             else:
+                skip = _whole_steps(burn_in, period)
                 with torch.no_grad():
                     lam, n = state_spectrum(
                         lambda st, xs, m64=m64: m64(xs, st)[1],
@@ -383,18 +440,28 @@ def memory_spectrum(
                         get=get,
                         put=put,
                         directions=directions,
+                        burn_in=skip,
                     )
+                extra = {"burn_in": skip * period} if burn_in else {}
                 entry.update(
                     _layer_entry(
-                        "test-time (state JVP)", lam[None], n, 1, context, irr, memory=what, period=period
+                        "test-time (state JVP)",
+                        lam[None],
+                        n,
+                        1,
+                        context,
+                        irr,
+                        memory=what,
+                        period=period,
+                        **extra,
                     )
                 )
         elif beta is not None and kk is not None and beta.ndim == 3 and kk.ndim == 4 and kk.shape[1] == T:
-            lam = delta_rule_spectrum(kk, beta, g if g is not None and g.ndim == 3 else None)
+            lam = delta_rule_spectrum(kk, beta, g if g is not None and g.ndim == 3 else None, burn_in=burn_in)
             mult = _multiplicity(hook("hook_state"), lam.shape[0], kk.shape[-1])
             entry.update(_layer_entry("delta", lam, kk.shape[-1], mult, context, irr))
         elif g is not None and g.ndim in (3, 4) and g.shape[1] == T:
-            lam = diagonal_spectrum(g)  # [H] (one scalar per head) or [H, K] (per channel)
+            lam = diagonal_spectrum(g, burn_in=burn_in)  # [H] (one scalar per head) or [H, K] (per channel)
             per_head = g.ndim == 3  # RetNet, Mamba-2: one exponent per head, row h = head h
             # per channel: each head's exponents in descending order (never across heads)
             lam = lam[:, None] if per_head else lam.sort(-1, descending=True).values
@@ -425,22 +492,30 @@ def memory_spectrum(
             x = copy.deepcopy(model.blocks[i].mlp_norm).double()(cache[f"blocks.{i}.hook_resid_mid"].double())
             with torch.no_grad():
                 levels = _cms_levels(
-                    c64, x, lambda c64=c64, x=x: c64(x[:, :0])[1], directions, context, irr, seed=0
+                    c64, x, lambda c64=c64, x=x: c64(x[:, :0])[1], directions, context, irr, 0, burn_in
                 )
             for li, level in enumerate(levels):
                 out[f"{i}.cms{li}"] = level
     return out
 
 
-def to_json(obj):
-    """``obj`` with non-finite floats as strings (``"inf"``, ``"-inf"``, ``"nan"``), for strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)
-    if isinstance(obj, dict):
-        return {k: to_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_json(v) for v in obj]
-    return obj
+def to_json(record: dict) -> dict:
+    """``record`` (e.g. :func:`memory_spectrum`'s result) as strict JSON (RFC 8259) as every command
+    writes it (:func:`mnemo.train.sinks.dumps_record`): each non-finite float (an infinite half-life,
+    a ``-inf`` exponent) is ``None`` and the field ``"nonfinite"`` maps where it was (``"layers/0/
+    half_lives/0/1": "Infinity"``); :func:`mnemo.train.sinks.loads_record` restores the floats. (Files
+    of before, with ``"inf"`` strings, read as they were: ``float("inf")``.) Raises ``TypeError``
+    naming ``record`` for a value that is not a dict (a list has no place for the map)."""
+    import json
+
+    from ..train.sinks import dumps_record
+
+    if not isinstance(record, dict):
+        raise TypeError(
+            f"record: expected a dict (its non-finite floats are mapped under its 'nonfinite' field), "
+            f"got {type(record).__name__}"
+        )
+    return json.loads(dumps_record(record))
 
 
 def summary_line(result: dict) -> dict:

@@ -127,7 +127,10 @@ def test_classify_shares_and_thresholds():
     assert c["irrelevant"] == 9 / 10 and c["intermediate"] == 1 / 10
     c = classify(torch.tensor([[-0.01, -0.02]], dtype=F64), context=T, n=10)
     assert c["unresolved"] == 8 / 10 and c["intermediate"] == 2 / 10
-    assert to_json({"a": [math.inf, -math.inf, 1.0]}) == {"a": ["inf", "-inf", 1.0]}
+    assert to_json({"a": [math.inf, -math.inf, 1.0]}) == {
+        "a": [None, None, 1.0],
+        "nonfinite": {"a/0": "Infinity", "a/1": "-Infinity"},
+    }
     for bad in (0.0, -1.0, math.nan, math.inf, "4"):
         with pytest.raises(ValueError, match="irrelevant_half_life"):
             classify(lam, context=T, irrelevant_half_life=bad)
