@@ -41,15 +41,24 @@ class Evaluator:
 
         Raises:
             ValueError: ``max_batches`` is not ``None`` or an int ``>= 1`` (no batch would give a
-            validation loss of 0)."""
+            validation loss of 0); ``lengths`` is not ``None`` or a list (or tuple) of lengths, or
+            is not empty on a text run (they are a task's)."""
         if max_batches is not None and (
             isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
         ):
             raise ValueError(
                 f"max_batches: expected None or an int >= 1 (validation batches), got {max_batches!r}"
             )
+        if lengths is not None and not isinstance(lengths, (list, tuple)):  # (an int iterated, text by char)
+            raise ValueError(f"lengths: expected None or a list of test lengths (ints), got {lengths!r}")
         if self.task is not None:
             return self._evaluate_task(model, device, max_batches, lengths or [])
+        if lengths:  # (as TrainConfig.eval_lengths: the test lengths are a task's)
+            raise ValueError(
+                f"lengths: further test lengths apply to a task run (TrainConfig.task); this text run is "
+                f"evaluated on seq_len={self.cfg.seq_len} windows, got lengths={lengths!r} (a text "
+                "checkpoint at other window lengths: mnemo eval --checkpoint RUN --length L1,L2)"
+            )
         was = model.training
         model.eval()
         total, count = 0.0, 0

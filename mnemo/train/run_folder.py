@@ -116,8 +116,9 @@ def resume_config(
 
     The learning rate follows a warm-up + cosine over ``cosine_steps`` (``schedule_steps`` or
     ``steps``). When new ``steps`` would move the end of that cosine, ``reschedule`` must say what
-    happens, else ``ValueError`` naming both choices (``step``, the resumed step, only sets where
-    the note on the learning rate is taken; default the saved ``steps``). So must a
+    happens, else ``ValueError`` naming both choices (``step``, the resumed step, sets where the
+    note on the learning rate is taken, default the saved ``steps``; new ``steps`` below ``step``
+    raise ``ValueError`` naming ``steps`` instead: the resumed run would train nothing). So must a
     ``schedule_steps`` of ``None`` that would unpin a held cosine (a full :class:`TrainConfig`
     like the one that started the run, given again to resume a run resumed with ``"hold"``); a
     ``schedule_steps`` given as a number pins the cosine there without ``reschedule``:
@@ -179,6 +180,12 @@ def resume_config(
         # a pinned schedule_steps says where the cosine ends; None (e.g. a full TrainConfig like the
         # one that started a held run) would move its end silently: that is for reschedule to say
         if reschedule is None and changes.get("schedule_steps") is None:
+            if step is not None and cfg.steps < step:  # no schedule to choose: nothing would train
+                raise ValueError(
+                    f"TrainConfig.steps: the run is already at step {step}, past steps={cfg.steps} (saved "
+                    f"{saved.steps}): resuming would train nothing (a run is not cut back); raise steps "
+                    f"above {step} to continue it, or start a new run (e.g. with init_from)"
+                )
             moved = (
                 f"TrainConfig.steps: {saved.steps} -> {cfg.steps}"
                 if cfg.steps != saved.steps

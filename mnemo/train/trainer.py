@@ -268,7 +268,9 @@ class Trainer:
         For a task: ``val_loss``, ``val_acc`` and ``val_seq_acc`` on the supervised positions of
         ``min(max_batches, eval_batches) · batch_size`` test sequences (all ``eval_batches`` when
         ``None``), plus ``val_loss@L``, ``val_acc@L`` and ``val_seq_acc@L`` for each of ``lengths``.
-        Raises ``ValueError`` naming ``max_batches`` when it is not ``None`` or an int ``>= 1``.
+        Raises ``ValueError`` naming ``max_batches`` when it is not ``None`` or an int ``>= 1``, and
+        naming ``lengths`` when a text run is given any (a text checkpoint at other window lengths:
+        ``mnemo eval --length``).
         """
         return self.evaluator.evaluate(self.model, self.device, max_batches, lengths)
 
@@ -405,8 +407,21 @@ class Trainer:
         """Run until ``cfg.steps`` (or stop early after step ``until``, writing a checkpoint there, as
         an interruption would); evaluate, log and checkpoint on schedule; return the last record
         (on ranks other than 0: without the evaluation metrics). SIGINT/SIGTERM stop between two
-        steps with a checkpoint (:mod:`mnemo.train.interrupts`)."""
+        steps with a checkpoint (:mod:`mnemo.train.interrupts`). A run resumed past ``cfg.steps``
+        trains nothing and returns ``{}``, with a warning naming ``steps``.
+
+        Raises:
+            ValueError: ``until`` is not ``None`` or an int ``>= 0`` (a step number)."""
+        if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < 0):
+            raise ValueError(f"until: expected None or an int >= 0 (the step to stop after), got {until!r}")
         stop = self.cfg.steps if until is None else min(until, self.cfg.steps)
+        if self.is_main and self.step > self.cfg.steps:  # (a resumed run is never cut back)
+            warnings.warn(
+                f"steps: the run is already at step {self.step}, past steps={self.cfg.steps}: fit() trains "
+                f"nothing and returns no record (the run is not cut back); raise steps above {self.step} "
+                "to continue it (resume with reschedule), or start a new run",
+                stacklevel=2,
+            )
         lock = self.run_folder.open() if self.is_main else None  # (None: another rank, or no fcntl)
         with lock or contextlib.nullcontext(), self.interrupts:  # the lock is released at the end
             if self.last_checkpoint is None:  # a new run: never into the checkpoints of another one
