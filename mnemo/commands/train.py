@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from .. import argtypes as kinds
@@ -109,9 +110,12 @@ def _set_aside_old_run(out: Path) -> Path | None:
     ``metrics.jsonl`` move to ``OUT/.overwritten-PID/`` (out of the new run's way; a kill leaves
     them there, whole), ``probes/`` and ``tb/`` to ``OUT/kept/``. :func:`_settle_old_run` then
     discards them once the new run has a checkpoint, or puts them back if it has none."""
-    from ..train.checkpoint import run_checkpoints
+    from ..train.checkpoint import _CKPT_NAME, run_checkpoints
 
-    old = run_checkpoints(out) + [p for p in (out / "latest", out / "metrics.jsonl") if p.is_file()]
+    # (a ckpt-NNNNNN linked by hand goes aside too, the link itself: never a checkpoint of the new run)
+    linked = [p for p in out.glob("ckpt-*") if p.is_symlink() and p.is_dir() and _CKPT_NAME.fullmatch(p.name)]
+    old = run_checkpoints(out) + linked
+    old += [p for p in (out / "latest", out / "metrics.jsonl") if p.is_file()]
     _set_aside_old_results(out)
     if not old:
         return None
@@ -389,8 +393,11 @@ def _train(args, held: contextlib.ExitStack) -> int:
         out = _default_out(cfg.model)
     else:
         out = Path(args.out)
-    # (a folder's corpus is the files in it)
-    data = Path(cfg.data).expanduser() if isinstance(cfg.data, str) and not cfg.task else None
+    # (a folder's corpus is the files in it; a bundled name is never a folder, whatever the cwd holds)
+    from ..data.corpus import BUNDLED
+
+    named = isinstance(cfg.data, str) and not cfg.task and cfg.data not in BUNDLED
+    data = Path(cfg.data).expanduser() if named else None
     if data is not None and data.is_dir() and out.resolve() == data.resolve():
         raise ValueError(
             f"--out: {out} is the --data folder: the run's files (metrics.jsonl, checkpoints) would go "
@@ -516,7 +523,9 @@ def _train(args, held: contextlib.ExitStack) -> int:
             f"{c.early_stop_acc:g}): nothing to do"
         )
     try:
-        record = trainer.fit()
+        with warnings.catch_warnings():  # (said above, on stdout: not twice)
+            warnings.filterwarnings("ignore", message="steps: the run is already at step")
+            record = trainer.fit()
     except BaseException:  # a divergence, an interrupt, a full disk: the old run stays if nothing replaced it
         _settle_old_run(aside, out, replaced=trainer.last_checkpoint is not None)
         raise

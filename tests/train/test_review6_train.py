@@ -80,3 +80,15 @@ def test_evaluate_lengths_that_are_not_a_list_are_refused_naming_lengths(tmp_pat
     with pytest.raises(ValueError, match=rf"^lengths: expected None or a list .*got {lengths!r}$"):
         t.evaluate(1, lengths=lengths)
     assert "val_acc@64" in t.evaluate(1, lengths=(64,))
+
+
+def test_the_cli_says_a_resume_past_steps_once(run4, capsys):
+    """``mnemo train --resume --steps 2 --reschedule hold`` on a run at step 4 says so on stdout;
+    the library's warning of the same thing is not printed a second time (exit 0, as before)."""
+    argv = ["train", "--out", str(run4), "--resume", "--steps", "2", "--reschedule", "hold", "--no-progress"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "already trained to step 4, past --steps 2: nothing to do" in out, out
+    assert not [w for w in caught if "already at step" in str(w.message)], [str(w.message) for w in caught]
