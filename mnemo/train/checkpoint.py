@@ -376,6 +376,7 @@ def resolve_checkpoint(
         raise FileNotFoundError(
             f"no checkpoint in {str(path)!r}: expected {CONFIG_NAME} + {WEIGHTS_NAME} there, or a "
             f"'{LATEST}' file naming a checkpoint directory (a run directory written by `mnemo train`)"
+            + _linked_note(p)
         )
     if linked is None and not latest.is_file():  # the pointer was lost: the newest intact checkpoint, said
         newest = max(own, key=_step_of)
@@ -398,6 +399,7 @@ def resolve_checkpoint(
         raise ForeignCheckpointError(
             f"{latest} points to {name!r}, which is not one of this run's checkpoints (expected the "
             f"name of a ckpt-NNNNNN directory inside {p}); refusing to follow it. Fix or delete {latest}"
+            + _linked_note(p)
         )
     if not verify:
         if not name or not target.is_dir():
@@ -435,6 +437,19 @@ def resolve_checkpoint(
     if not bad:
         raise FileNotFoundError(f"{latest} points to {name!r}, which is not a checkpoint directory in {p}")
     raise CorruptCheckpointError(p, bad + ["no intact checkpoint is left in the run directory"])
+
+
+def _linked_note(run: Path) -> str:
+    """A note naming the run folder's ``ckpt-NNNNNN`` symbolic links, which are never resumed from
+    (:func:`run_checkpoints`): '' when it has none."""
+    links = sorted(p.name for p in run.glob("ckpt-*") if p.is_symlink() and _CKPT_NAME.fullmatch(p.name))
+    if not links:
+        return ""
+    return (
+        f"; {', '.join(links)} in {run} is a symbolic link, which mnemo never resumes from nor rotates "
+        "(a linked folder is not the run's own): move the checkpoint folder itself back into the run "
+        "folder (or move and link the whole run folder instead)"
+    )
 
 
 def _warn_unverified(ckpt: Path, warn) -> None:
