@@ -504,7 +504,8 @@ def to_json(record: dict) -> dict:
     writes it (:func:`mnemo.train.sinks.dumps_record`): each non-finite float (an infinite half-life,
     a ``-inf`` exponent) is ``None`` and the field ``"nonfinite"`` maps where it was (``"layers/0/
     half_lives/0/1": "Infinity"``); :func:`mnemo.train.sinks.loads_record` restores the floats. (Files
-    of before, with ``"inf"`` strings, read as they were: ``float("inf")``.) Raises ``TypeError``
+    of before hold ``"inf"`` strings, which ``loads_record`` leaves as they are; ``float(s)`` reads
+    them.) Raises ``TypeError``
     naming ``record`` for a value that is not a dict (a list has no place for the map)."""
     import json
 
