@@ -53,6 +53,7 @@ by their constructors. ``save_pretrained`` writes mnemo's format (``config.json`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -515,7 +516,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         token ids ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` set the config's and
         ``generation_config``'s (as ``transformers`` does; :meth:`save_pretrained` keeps them in
         ``generation_config.json``); remaining keyword arguments set attributes of the config
-        (``use_cache=False``; an unknown one: ``TypeError`` naming it); a model field
+        (``use_cache=False``; an unknown one: ``TypeError`` naming it; a given ``config`` is copied
+        first, as ``transformers`` does: the caller's object is left as it is); a model field
         (``norm_eps``, ``tie_embeddings``…) given there or in ``config`` that differs from the checkpoint's
         raises ``ValueError`` naming it (the weights are loaded into the model the checkpoint describes).
         A ``generation_config.json`` in the folder (a converted checkpoint carries its source's)
@@ -551,6 +553,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         lm = LanguageModel.from_pretrained(path, map_location="cpu", dtype=dtype)
         if config is None:
             config = MnemoConfig.from_model_config(lm.config)
+        else:  # (as transformers: the caller's object is not changed, e.g. reused for another folder)
+            config = copy.deepcopy(config)
         from .convert import TOKEN_ID_FIELDS
 
         token_ids = {k: kwargs[k] for k in TOKEN_ID_FIELDS if k in kwargs}  # set after the model is built
@@ -669,8 +673,15 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         FSDP's gathered one, would be silently replaced by the model's)."""
         own = self.state_dict()
         given = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in state_dict.items()}
+
+        def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # (a NaN weight equals itself: the model's own)
+            a = a.to(b)
+            return torch.equal(a, b) or (
+                b.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
+            )
+
         differ = sorted(set(own) ^ set(given)) or [
-            k for k in own if given[k].shape != own[k].shape or not torch.equal(given[k].to(own[k]), own[k])
+            k for k in own if given[k].shape != own[k].shape or not same(given[k], own[k])
         ]
         if differ:
             raise NotImplementedError(

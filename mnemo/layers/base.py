@@ -166,10 +166,20 @@ def refill_meta_constants(module: nn.Module, incompatible_keys=None) -> None:
     projection: never in a state dict) are still on meta. Each submodule holding such a buffer is
     materialised through its ``_apply`` (which recomputes them) on the device of the module's first
     real parameter or buffer, in float64 when that is float64 (as ``.double()``), else float32.
-    Nothing happens while every tensor is on meta or none is."""
+    Nothing happens while every tensor is on meta or none is, nor while a weight (a parameter or a
+    persistent buffer) is still on meta (a ``strict=False`` load without it: the constants stay on
+    meta, so that a forward fails rather than computing with the missing weight; a later load that
+    brings it, e.g. the next shard, fills them)."""
     real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
     if not real:
         return
+    for m in module.modules():
+        weights = (
+            *m.parameters(recurse=False),
+            *(b for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set),
+        )
+        if any(t.is_meta for t in weights):
+            return
     ref = next((t for t in real if t.is_floating_point()), real[0])
     dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
 
