@@ -23,11 +23,14 @@ class ShortConvolution(nn.Module):
             ``kernel_size=4``).
         activation: apply SiLU after the convolution (default ``True``).
         bias: a bias ``b`` (default ``True``; zeros at initialisation).
+        (``ValueError`` naming the argument unless the sizes are ints ``>= 1`` and the flags bools.)
 
     ``forward(x [B, T, C], state [B, C, W−1] | None) -> (y [B, T, C], state [B, C, W−1])``:
     ``state`` holds the last ``W − 1`` inputs (zeros at the start), so any ``T`` (also
-    ``T < W − 1``) continues a stream exactly. Raises ``ValueError`` (naming ``x``, expected vs
-    received shape) unless ``x`` is ``[B, T, channels]``.
+    ``T < W − 1``) continues a stream exactly. bfloat16/float16 inputs are convolved (and the SiLU
+    applied) in float32 and rounded once to the input's dtype; the state stays in that dtype.
+    Raises ``ValueError`` (naming ``x``, expected vs received shape) unless ``x`` is
+    ``[B, T, channels]``.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, activation: bool = True, bias: bool = True):
@@ -35,6 +38,9 @@ class ShortConvolution(nn.Module):
         for name, value in (("channels", channels), ("kernel_size", kernel_size)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name, value in (("activation", activation), ("bias", bias)):
+            if not isinstance(value, bool):  # (a config's "False" string would switch by truthiness)
+                raise ValueError(f"{name}: expected a bool, got {value!r}")
         self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
@@ -53,16 +59,21 @@ class ShortConvolution(nn.Module):
                 f"conv state must have shape [B, C, W-1] = [{B}, {C}, {W - 1}], got {list(state.shape)}"
             )
         xp = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, W-1+T, C]
-        w = self.weight[:, 0, :].to(x.dtype)  # [C, W]
-        b = None if self.bias is None else self.bias.to(x.dtype)
+        # bf16/fp16 inputs accumulate in float32 and are rounded once at the end (DESIGN §3), so
+        # the one-token step and the multi-token pass agree to one rounding of the output dtype
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xa = xp.to(acc)
+        w = self.weight[:, 0, :].to(acc)  # [C, W]
+        b = None if self.bias is None else self.bias.to(acc)
         if T == 1:  # one decoding step: W multiply-adds per channel; a kernel call costs more
-            y = (xp * w.t()).sum(1, keepdim=True)
+            y = (xa * w.t()).sum(1, keepdim=True)
             if b is not None:
                 y = y + b
         else:
-            y = _CausalConv.apply(xp, w, b, T)
+            y = _CausalConv.apply(xa, w, b, T)
         if self.activation:
             y = F.silu(y)
+        y = y.to(x.dtype)
         # a copy of the tail (a view would keep the whole padded input [B, W-1+T, C] alive with the
         # state: after a long prefill, megabytes per layer held through decoding for a few bytes)
         tail = xp[:, xp.shape[1] - (W - 1) :].transpose(1, 2)
@@ -79,14 +90,16 @@ class ShortConvolution(nn.Module):
         N, W = x.shape[1], self.kernel_size
         cu = cu_seqlens.to(device=x.device, dtype=torch.long)
         pos = torch.arange(N, device=x.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
-        w = self.weight[:, 0, :].to(x.dtype)  # [C, W]; tap i reads x_{t - (W - 1 - i)}
-        y = x * w[:, W - 1]
+        acc = torch.promote_types(x.dtype, torch.float32)  # bf16/fp16 accumulate in float32
+        xa = x.to(acc)
+        w = self.weight[:, 0, :].to(acc)  # [C, W]; tap i reads x_{t - (W - 1 - i)}
+        y = xa * w[:, W - 1]
         for lag in range(1, W):
-            shifted = F.pad(x, (0, 0, lag, 0))[:, :N]  # (x[:, :N - lag] kept all of x for N < lag)
-            y = y + shifted * (pos >= lag).to(x.dtype)[None, :, None] * w[:, W - 1 - lag]
+            shifted = F.pad(xa, (0, 0, lag, 0))[:, :N]  # (xa[:, :N - lag] kept all of xa for N < lag)
+            y = y + shifted * (pos >= lag).to(acc)[None, :, None] * w[:, W - 1 - lag]
         if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return F.silu(y) if self.activation else y
+            y = y + self.bias.to(acc)
+        return (F.silu(y) if self.activation else y).to(x.dtype)
 
     def _check_input(self, x: torch.Tensor) -> None:
         """``x`` must be ``[B, T, channels]``: a wrong channel count would broadcast against the

@@ -102,7 +102,9 @@ class DeltaNet(Mixer):
     Raises:
         ValueError: a head count or size that is not a positive int (or ``d_model < n_heads``
             without a ``head_dim``), ``n_v_heads`` not a multiple of ``n_heads``, or a bad
-            ``qk_norm_eps`` or ``norm_eps`` (negative, not finite); the message names the argument.
+            ``qk_norm_eps`` or ``norm_eps`` (negative, not finite), or a flag (``short_conv``,
+            ``output_gate``, ``gated``, ``conv_bias``, ``beta_bias``, ``allow_neg_eigval``) that is not
+            a bool; the message names the argument.
     """
 
     offset_free = True  # no positions: the state alone decides the output
@@ -150,7 +152,15 @@ class DeltaNet(Mixer):
         self.key_width, self.value_width = key_width, value_width
         width = 2 * key_width + value_width
         self.qkv_proj = nn.Linear(d_model, width, bias=False)
-        check_bool("short_conv", short_conv)
+        for name, value in (
+            ("short_conv", short_conv),
+            ("output_gate", output_gate),
+            ("gated", gated),
+            ("conv_bias", conv_bias),
+            ("beta_bias", beta_bias),
+            ("allow_neg_eigval", allow_neg_eigval),
+        ):
+            check_bool(name, value)
         if short_conv:
             check_int("conv_size", conv_size)
         self.conv = ShortConvolution(width, conv_size, bias=conv_bias) if short_conv else None

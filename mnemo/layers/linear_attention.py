@@ -152,7 +152,9 @@ class LinearAttention(_QKVMixer):
         feature_map: ``"identity"``, ``"elu"`` (default), ``"relu"``, ``"taylor"`` or ``"favor"``
             (FAVOR+ with ``num_features`` random features, default ``2 · head_dim``, fixed by
             ``seed``, default ``seed=0``).
-        normalize: divide by ``φ(q)ᵀ Σ φ(k)`` (the original formula; default ``True``).
+        normalize: divide by ``φ(q)ᵀ Σ φ(k)`` (the original formula; default ``True``). As in the
+            op, ``q`` is scaled by ``head_dim ** -0.5`` *before* ``φ`` (the paper has no scale: with
+            ``"elu"`` and ``normalize`` this is ``φ(q / √K)``, not a constant factor on ``φ(q)``).
         short_conv: causal depthwise conv (``conv_size`` taps) + SiLU on q, k, v (default ``False``;
             default ``conv_size=4``).
         output_norm: per-head RMSNorm of the read-out before the output projection (default
@@ -164,6 +166,9 @@ class LinearAttention(_QKVMixer):
     ``[B, T, H, V]``, ``hook_state`` ``[B, H, F, V + normalize]`` (feature size ``F``).
 
     State: :class:`MatrixState` (memory ``[B, H, F, V + normalize]``, conv tail, offset).
+
+    Raises ``ValueError`` naming the argument for a size that is not a positive int or a flag
+    (``normalize``, ``short_conv``, ``output_norm``) that is not a bool.
     """
 
     offset_free = True  # no positions: the state alone decides the output
@@ -183,8 +188,12 @@ class LinearAttention(_QKVMixer):
         mode: str = "chunk",
         chunk_size: int = 64,
     ):
+        check_bool("normalize", normalize)
+        check_bool("output_norm", output_norm)
         if n_heads is None:
-            if not head_dim or d_model % head_dim:
+            check_int("d_model", d_model)
+            check_int("head_dim", head_dim)  # (a negative one gave n_heads < 0, named as n_heads)
+            if d_model % head_dim:
                 raise ValueError(f"n_heads=None needs a head_dim dividing d_model {d_model}, got {head_dim}")
             n_heads = d_model // head_dim
         check_heads(d_model, n_heads, head_dim)
@@ -272,6 +281,10 @@ class GatedLinearAttention(_QKVMixer):
     ``scalar``, ``[B, T, H, K]`` for ``gla``), ``hook_state`` ``[B, H, K, V]``.
 
     State: :class:`MatrixState` (memory ``[B, H, K, V]``, conv tail, offset).
+
+    Raises ``ValueError`` naming the argument for a bad size, ``gate``, ``expand_k`` / ``expand_v`` /
+    ``gate_normalizer`` (not a finite number > 0), or a ``short_conv`` / ``rope`` that is not a bool
+    (``rope`` may be ``None``: on for ``retnet``).
     """
 
     mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_g", "hook_o")
@@ -316,6 +329,8 @@ class GatedLinearAttention(_QKVMixer):
             self.gate_proj = nn.Linear(d_model, n_heads, bias=True)
         else:
             self.register_buffer("log_gamma", retnet_log_gamma(n_heads).to(buffer_dtype()), persistent=False)
+        if rope is not None:
+            check_bool("rope", rope)  # (the string "False" turned rotary positions on)
         rope = (gate == "retnet") if rope is None else rope
         if rope and key_dim % 2:
             raise ValueError(

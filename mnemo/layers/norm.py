@@ -111,15 +111,17 @@ def gated_rms_norm(
     ``torch.func`` transform) runs the PyTorch form, which normalises in at least float32. Both are
     twice differentiable (a graph of the kernel's gradient is built by the PyTorch form).
     Raises:
-        ValueError: ``z`` or ``weight`` does not match ``x``, or ``groups`` does not divide ``D``.
+        ValueError: ``z`` or ``weight`` does not match ``x``, ``groups`` is not an int dividing
+            ``D``, or ``eps`` is not a finite number ``>= 0``.
     """
     D = x.shape[-1] if x.ndim else 0
     if z.shape != x.shape:
         raise ValueError(f"z: expected the shape of x {list(x.shape)}, got {list(z.shape)}")
     if weight.shape != (D,):
         raise ValueError(f"weight: expected shape [{D}] (the last dim of x), got {list(weight.shape)}")
-    if groups < 1 or D % groups:
-        raise ValueError(f"groups: expected a divisor of D = {D}, got {groups}")
+    if not isinstance(groups, numbers.Integral) or isinstance(groups, bool) or groups < 1 or D % groups:
+        raise ValueError(f"groups: expected a divisor of D = {D}, got {groups!r}")
+    check_eps("eps", eps)  # (a negative one gave NaN or a wrong scale, as in RMSNorm)
     if x.numel() and _native.usable(x, z, weight) and not _transformed(x, z, weight):
         return _GatedRMSNorm.apply(x, z, weight, float(eps), groups, bool(gate_first))
     return _gated_rms_norm_reference(x, z, weight, eps, groups, gate_first)

@@ -18,7 +18,7 @@ from .base import Mixer, Mixing, check_input, upcast
 from .conv import ShortConvolution
 from .delta import init_dt_bias
 from .hooks import add_hook_points, before_hook, left_unchanged
-from .linear_attention import check_int, state_dtypes
+from .linear_attention import check_bool, check_int, state_dtypes
 from .norm import RMSNorm, check_eps
 from .registry import register_mixer
 from .state import spec, state_dataclass
@@ -98,7 +98,8 @@ class Mamba(Mixer):
 
     Raises:
         ValueError: ``d_model``, ``d_state``, ``expand``, ``conv_size`` or ``dt_rank`` is not a
-            positive int (the message names the argument, expected vs received).
+            positive int, or ``selective``, ``bias``, ``conv_bias`` is not a bool (the message names
+            the argument, expected vs received).
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
@@ -128,6 +129,8 @@ class Mamba(Mixer):
             check_int(name, value)
         check_int("dt_rank", dt_rank, optional=True)
         check_int("conv_size", conv_size)
+        for name, value in (("selective", selective), ("bias", bias), ("conv_bias", conv_bias)):
+            check_bool(name, value)  # (a config's "False" string switched by truthiness)
         check_mode(mode, MODES)
         if chunk_size is not None:
             check_chunk_size(chunk_size)
@@ -261,8 +264,8 @@ class GroupRMSNorm(RMSNorm):
 
     def __init__(self, dim: int, eps: float = 1e-5, groups: int = 1):
         super().__init__(dim, eps)
-        if groups < 1 or dim % groups:
-            raise ValueError(f"groups ({groups}) must divide dim ({dim})")
+        if not isinstance(groups, numbers.Integral) or isinstance(groups, bool) or groups < 1 or dim % groups:
+            raise ValueError(f"groups: expected an int >= 1 dividing dim ({dim}), got {groups!r}")
         self.groups = groups
 
     def extra_repr(self) -> str:
@@ -329,7 +332,8 @@ class Mamba2(Mixer):
         ValueError: a size argument (``d_model``, ``d_state``, ``head_dim``, ``expand``,
             ``n_groups``, ``conv_size``) is not a positive int, or the sizes do not divide (``head_dim`` into
             ``d_inner``, ``n_groups`` into the heads, ``norm_groups`` into ``d_inner``), or a bad
-            ``dt_limit`` (not two numbers ``min <= max``) or ``norm_eps`` (negative, not finite); the
+            ``dt_limit`` (not two numbers ``min <= max``) or ``norm_eps`` (negative, not finite), or a
+            flag (``bias``, ``conv_bias``, ``D_has_hdim``, ``norm_before_gate``) that is not a bool; the
             message names the argument.
     """
 
@@ -370,8 +374,15 @@ class Mamba2(Mixer):
         if not lo <= hi:
             raise ValueError(f"dt_limit: expected (min, max) with min <= max, got {dt_limit!r}")
         check_eps("norm_eps", norm_eps)
+        for name, value in (
+            ("bias", bias),
+            ("conv_bias", conv_bias),
+            ("D_has_hdim", D_has_hdim),
+            ("norm_before_gate", norm_before_gate),
+        ):
+            check_bool(name, value)  # (bool("False") is True: a config's string flipped the option)
         self.dt_limit = (lo, hi)
-        self.D_has_hdim, self.norm_before_gate = bool(D_has_hdim), bool(norm_before_gate)
+        self.D_has_hdim, self.norm_before_gate = D_has_hdim, norm_before_gate
         self.norm_groups = n_groups if norm_groups is None else norm_groups
         self.d_inner = expand * d_model
         self.head_dim = min(head_dim, self.d_inner)
