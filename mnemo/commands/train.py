@@ -293,6 +293,35 @@ def _cmd_train(args) -> int:
         return _train(args, held)
 
 
+def _glob_reads(pattern: str, out: Path) -> bool:
+    """Whether ``glob.glob(pattern, recursive=True)`` would match a file a run writes in ``out``
+    (``metrics.jsonl``, a checkpoint's ``config.json``): ``**`` spans any folders, ``*``/``?``/``[``
+    one name, as ``glob`` reads them (a name starting with "." is not matched by a wildcard)."""
+    import fnmatch
+    import os
+
+    def parts(path: str) -> list[str]:
+        return list(Path(os.path.abspath(os.path.expanduser(path))).parts)
+
+    def match(pat: list[str], name: list[str]) -> bool:
+        if not pat:
+            return not name
+        if pat[0] == "**":  # zero or more folders, none hidden
+            hidden = [n.startswith(".") for n in name]
+            return any(match(pat[1:], name[i:]) for i in range(len(name) + 1) if not any(hidden[:i]))
+        if not name or (name[0].startswith(".") and not pat[0].startswith(".")):
+            return False
+        return fnmatch.fnmatchcase(name[0], pat[0]) and match(pat[1:], name[1:])
+
+    run = Path(os.path.abspath(out))
+    written = [
+        run / "metrics.jsonl",
+        run / "ckpt-000001" / "config.json",
+        run / "ckpt-000001" / "manifest.json",
+    ]
+    return any(match(parts(pattern), list(f.parts)) for f in written)
+
+
 def _train(args, held: contextlib.ExitStack) -> int:
     import torch
 
@@ -403,6 +432,12 @@ def _train(args, held: contextlib.ExitStack) -> int:
             f"--out: {out} is the --data folder: the run's files (metrics.jsonl, checkpoints) would go "
             "among its corpus files and the folder would read as a run's, not a corpus; give the run a "
             "folder of its own, e.g. runs/NAME"
+        )
+    if named and any(c in cfg.data for c in "*?[") and not data.exists() and _glob_reads(cfg.data, out):
+        raise ValueError(
+            f"--out: {out} is where --data {cfg.data!r} reads: the glob would match the run's own files "
+            "(metrics.jsonl, the checkpoints' .json files), so a --resume or mnemo eval of the run would "
+            "read its logs as corpus; give the run a folder outside the glob, e.g. runs/NAME"
         )
     existed = out.exists()
     if main:  # the folder is this process's from here on: what is checked below stays true until the end
