@@ -223,10 +223,11 @@ def icl_score(model, input_ids: torch.Tensor, early=(0.05, 0.15), late=(0.8, 1.0
                 f"{what}: expected a span (a, b) of fractions of the context with 0 <= a < b <= 1, got {sp!r}"
             )
     n_pred = input_ids.shape[-1] - 1
-    if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < n_pred:
+    given, skip = skip, _index(skip)  # (a numpy or 0-d tensor integer too, as the other scores take)
+    if skip is None or not 0 <= skip < n_pred:
         raise ValueError(
             f"skip: expected an int in [0, {n_pred}) (the {n_pred} predictions of {n_pred + 1} tokens), "
-            f"got {skip!r}"
+            f"got {given!r}"
         )
     logits, _ = model(input_ids[:, :-1])
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (float64 stays float64)

@@ -58,8 +58,9 @@ def t_quantile(p: float, df: int) -> float:
         df: degrees of freedom, an int ≥ 1 (``n − 1`` for the mean of ``n`` values; a NumPy
             integer scalar counts as an int).
     Returns:
-        ``t`` with ``P(T ≤ t) = p``; e.g. ``t_quantile(0.975, 2) = 4.302652729749464`` (the closed form
-        ``(2p − 1) / √(2p(1 − p))`` of ``df = 2``; some tables print 4.302652729911275).
+        ``t`` with ``P(T ≤ t) = p``; e.g. ``t_quantile(0.975, 2) = 4.302652729749462``: the closed form
+        ``(2p − 1) / √(2p(1 − p))`` of ``df = 2``, used as such, at the float ``0.975`` (the decimal
+        0.975 gives 4.3026527297494639; some tables print 4.302652729911275).
     Raises:
         ValueError: ``p`` is not in (0, 1) or ``df`` is not an int ≥ 1 (names the argument).
     """
@@ -74,6 +75,8 @@ def t_quantile(p: float, df: int) -> float:
         return -t_quantile(1.0 - p, df)
     if df == 1:  # Cauchy: tan(π(p − ½)), as cot(π(1 − p)) in the tail (tan θ near π/2 lost 2.6e-14 at 0.995)
         return math.tan(math.pi * (p - 0.5)) if p <= 0.75 else 1.0 / math.tan(math.pi * (1.0 - p))
+    if df == 2:  # closed form (the t of three seeds, the most common interval): exact to rounding
+        return (2.0 * p - 1.0) / math.sqrt(2.0 * p * (1.0 - p))
     target = 2.0 * p - 1.0  # two-sided probability P(|T| <= t)
     lo, hi = 0.0, math.pi / 2
     for _ in range(200):  # bisection on θ: 200 halvings reach the float spacing long before the end

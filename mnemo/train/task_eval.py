@@ -151,10 +151,17 @@ def evaluate_task(
     the answer only: ``seq_acc`` is exact match) and, where the task has them,
     :meth:`~mnemo.data.tasks.base.Task.answer_units` (``seq_acc`` per answer). Sequences longer
     than ``train_len`` are streamed in pieces of ``train_len`` with ``eval_batch_size`` sequences
-    per pass. ``cache`` (a dict) keeps generated test sets by length.
+    per pass. ``cache`` (a dict) keeps generated test sets by ``(length, rows)``, those of one seed and
+    task: its entry ``"for"`` names them, and a call for another seed or task empties it first (a
+    cache shared by such calls never hands one of them another's test set).
     Returns ``{length: metrics}``.
     """
     out = {}
+    if cache is not None:
+        owner = (task.name, repr(sorted(task.options().items())), seed)
+        if cache.get("for") != owner:
+            cache.clear()
+            cache["for"] = owner
     for L in lengths:
         key = (L, num_samples)
         if cache is not None and key in cache:

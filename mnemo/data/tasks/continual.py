@@ -143,8 +143,9 @@ class ForgettingMQARTask:
     metrics = {"reassigned": 1, "untouched": 2}
 
     def __post_init__(self):
-        if self.n_values < 2:
-            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values}")
+        _check_sizes(self, n=1, m=1, n_keys=1)  # (a float or bool size crashed in randperm/randint)
+        if not isinstance(self.n_values, int) or isinstance(self.n_values, bool) or self.n_values < 2:
+            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values!r}")
         if not 0 < self.m <= self.n <= self.n_keys:
             raise ValueError(f"(n, m): expected 0 < m <= n <= n_keys = {self.n_keys}, got {(self.n, self.m)}")
 
@@ -198,7 +199,9 @@ class ClassIncrementalTask:
 
     def __post_init__(self):
         # every phase shows and queries a class, and an example carries features to classify by
-        _check_sizes(self, classes_per_phase=1, shots=1, queries=1, final_queries=1, n_labels=1, feat_dim=1)
+        _check_sizes(
+            self, phases=1, classes_per_phase=1, shots=1, queries=1, final_queries=1, n_labels=1, feat_dim=1
+        )
         if not isinstance(self.noise, (int, float)) or isinstance(self.noise, bool) or not self.noise >= 0:
             raise ValueError(f"noise: expected a number >= 0, got {self.noise!r}")
         if self.phases * self.classes_per_phase > self.n_labels:
@@ -280,10 +283,9 @@ class RetentionTask:
     offset: int = 8
 
     def __post_init__(self):
-        if self.n_values < 2:
-            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values}")
-        if self.offset < 0:
-            raise ValueError(f"offset: expected >= 0, got {self.offset}")
+        _check_sizes(self, n=1, bins=1, per_bin=1, n_keys=1, offset=0)  # (a float or bool size crashed)
+        if not isinstance(self.n_values, int) or isinstance(self.n_values, bool) or self.n_values < 2:
+            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values!r}")
         if not 0 < self.n <= self.n_keys:
             raise ValueError(f"n: expected 0 < n <= n_keys = {self.n_keys}, got {self.n}")
         if self.bins < 2:
