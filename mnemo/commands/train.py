@@ -112,8 +112,9 @@ def _set_aside_old_run(out: Path) -> Path | None:
     discards them once the new run has a checkpoint, or puts them back if it has none."""
     from ..train.checkpoint import _CKPT_NAME, run_checkpoints
 
-    # (a ckpt-NNNNNN linked by hand goes aside too, the link itself: never a checkpoint of the new run)
-    linked = [p for p in out.glob("ckpt-*") if p.is_symlink() and p.is_dir() and _CKPT_NAME.fullmatch(p.name)]
+    # (a ckpt-NNNNNN linked by hand goes aside too, the link itself, also one whose target is gone: it
+    # would be in the way of the new run's checkpoint of that step)
+    linked = [p for p in out.glob("ckpt-*") if p.is_symlink() and _CKPT_NAME.fullmatch(p.name)]
     old = run_checkpoints(out) + linked
     old += [p for p in (out / "latest", out / "metrics.jsonl") if p.is_file()]
     _set_aside_old_results(out)
