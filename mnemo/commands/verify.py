@@ -2,10 +2,13 @@
 
 By default every spec of mnemo's own ops (:data:`mnemo.testing.SPECS`: each fast form against the
 op's ``mode="recurrent"`` token loop) and, when fla-core is installed, fla-core's pure-PyTorch
-reference functions against mnemo's recurrent references. Exit status: 0 when every check passed,
-1 when one failed, 2 for a usage error (an ``--ops`` or ``--checks`` pattern that matches nothing, a
-``--json`` path that cannot be written, or an explicitly
-requested third-party package that is missing — reported in one line).
+reference functions against mnemo's recurrent references. A backend forced by ``MNEMO_BACKEND``
+runs the fast forms it can serve; the others are listed as n/a. Exit status: 0 when every check
+passed, 1 when one failed, 2 for a usage error (an ``--ops`` or ``--checks`` pattern that matches
+nothing, a ``--json`` path that cannot be written, or an explicitly requested third-party package
+that is missing — reported in one line), 3 when a forced backend served none of the checked calls
+(nothing was verified on it: e.g. ``MNEMO_BACKEND=fla`` without fla-core, or on a CPU without
+``TRITON_INTERPRET=1``; a warning line says so).
 
     mnemo verify                          # everything
     mnemo verify --quick --ops 'gla*'     # fewer lengths, gated linear attention only
@@ -204,7 +207,7 @@ def run(args) -> int:
             _write_json(args.json, listed)
         return 0
 
-    from mnemo.ops.dispatch import BackendError, current_backend
+    from mnemo.ops.dispatch import BackendError, current_backend, dispatch_log
 
     # a forced backend (MNEMO_BACKEND) runs the fast forms it serves; the token-loop reference runs
     # on mnemo's PyTorch code (OpSpec.run), and a form the backend cannot serve is listed as n/a
@@ -221,8 +224,9 @@ def run(args) -> int:
         )
         print(line, flush=True)
 
+    served_before = sum(n for (_, b, _), n in dispatch_log().items() if b == forced)
     rc = 0
-    summary, rows_json = [], []
+    summary, rows_json, all_unserved = [], [], []
     t_all = time.perf_counter()
     for group, title, specs in groups:
         if not specs:
@@ -252,12 +256,24 @@ def run(args) -> int:
         )
         rows_json += [_row_json(group, r) for r in report]
         rows_json += [_row_json(group, r, na=True) for r in unserved]
+        all_unserved += unserved
         if n_fail:
             rc = 1
     print()
     for line in summary:
         print(line)
-    print(f"{'all passed' if rc == 0 else 'some checks FAILED'} in {time.perf_counter() - t_all:.1f} s")
+    served = sum(n for (_, b, _), n in dispatch_log().items() if b == forced) - served_before
+    if forced != "auto" and served == 0:  # every check ran on mnemo's PyTorch code: "all passed" would lie
+        why = f" (e.g. {all_unserved[0].exception})" if all_unserved else ""
+        print(
+            f"mnemo verify: WARNING: nothing verified on backend {forced!r} (MNEMO_BACKEND): it served "
+            f"none of the checked calls{why}",
+            file=sys.stderr,
+        )
+        print(f"nothing verified on backend {forced!r} in {time.perf_counter() - t_all:.1f} s")
+        rc = rc or 3
+    else:
+        print(f"{'all passed' if rc == 0 else 'some checks FAILED'} in {time.perf_counter() - t_all:.1f} s")
     if args.json:
         _write_json(args.json, rows_json)
     return rc

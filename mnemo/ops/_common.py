@@ -88,6 +88,15 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     torch._assert_async(condition, message)
 
 
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its ``torch.func`` wrappers (vmap's batched tensor, jvp's dual, grad's tracked
+    tensor): the values a check may read back (under ``vmap`` all the batch's at once). A plain
+    tensor comes back as it is."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 class RangeWarning(UserWarning):
     """An op's input lies outside the range its model produces (a positive log-gate, an SSM ``A > 0``,
     a negative step): computed as given, since interventions may set such values on purpose."""
@@ -148,13 +157,17 @@ def check_finite(values: dict, gates: dict | None = None) -> None:
     # or ``+inf`` whenever it holds a NaN or a ``+inf``, and otherwise finite or ``-inf``.
     ts = [t for t in values.values() if t is not None]
     gs = [g for g in (gates or {}).values() if g is not None]
-    ts, gs = [t.detach() for t in ts], [g.detach() for g in gs]  # no autograd graph for a check
+    # no autograd graph for a check; under torch.func (vmap, jvp, grad) the values read are the
+    # unwrapped ones (vmap cannot read a batched value back; the whole batch is checked instead)
+    ts, gs = [unwrapped(t.detach()) for t in ts], [unwrapped(g.detach()) for g in gs]
     # A gate's largest value is NaN when it holds a NaN (max propagates it), +inf when it holds a
     # +inf and > 0 when any log-gate is positive: one read checks all three.
     if all(math.isfinite(float(t.sum())) for t in ts) and all(
         g.numel() == 0 or float(g.max()) <= 0 for g in gs
     ):
         return
+    values = {name: None if t is None else unwrapped(t.detach()) for name, t in values.items()}
+    gates = {name: None if g is None else unwrapped(g.detach()) for name, g in (gates or {}).items()}
     for name, t in values.items():
         if t is not None and not bool(torch.isfinite(t).all()):
             n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
@@ -191,7 +204,7 @@ def check_sign(name: str, t: torch.Tensor | None, sign: str, meaning: str) -> No
         return
     if t.device.type != "cpu":
         return
-    t = t.detach()
+    t = unwrapped(t.detach())
     extreme = float(t.max() if sign == "<= 0" else t.min())
     if (extreme <= 0) if sign == "<= 0" else (extreme >= 0):
         return
@@ -215,7 +228,7 @@ def check_interval(name: str, t: torch.Tensor | None, lo: float, hi: float, mean
         return
     if t.device.type != "cpu":
         return
-    t = t.detach()
+    t = unwrapped(t.detach())
     least, most = (float(x) for x in torch.aminmax(t))
     if math.isnan(least) or math.isnan(most) or (least >= lo and most <= hi):
         return  # (NaN is check_finite's to report)
@@ -531,9 +544,7 @@ class _DecayExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_decay, mask):
-        e = log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp()
-        e = torch.nn.functional.threshold_(e, _flush_at(e.dtype), 0.0)
-        e = e if mask is None else e * mask
+        e = _decay_exp_values(log_decay, mask)
         ctx.save_for_backward(e)
         return e
 
@@ -541,6 +552,39 @@ class _DecayExp(torch.autograd.Function):
     def backward(ctx, grad):
         (e,) = ctx.saved_tensors
         return grad * e, None
+
+
+def _decay_exp_values(log_decay, mask):
+    e = log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp()
+    e = torch.nn.functional.threshold_(e, _flush_at(e.dtype), 0.0)
+    return e if mask is None else e * mask
+
+
+class _DecayExpTransformable(torch.autograd.Function):
+    """:class:`_DecayExp` for forward-mode AD (``jvp``: ``tangent · out``) and ``torch.func``
+    transforms (``setup_context`` and a generated ``vmap`` rule); a separate class because
+    ``torch.compile`` cannot trace a Function with a custom ``jvp``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(log_decay, mask):
+        return _decay_exp_values(log_decay, mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (e,) = ctx.saved_tensors
+        return grad * e, None
+
+    @staticmethod
+    def jvp(ctx, tangent, _mask_tangent):
+        (e,) = ctx.saved_tensors
+        return None if tangent is None else tangent * e
 
 
 def decay_exp(log_decay: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -558,6 +602,8 @@ def decay_exp(log_decay: torch.Tensor, mask: torch.Tensor | None = None) -> torc
     ``grad · out``: exact where the factor is kept, ``0`` where it is flushed or masked.
     """
     m = None if mask is None else mask.to(log_decay.dtype)
+    if transformed(log_decay):
+        return _DecayExpTransformable.apply(log_decay, m)
     return _DecayExp.apply(log_decay, m)
 
 
@@ -591,7 +637,9 @@ def first_order(backward):
 def decay_matrix(g: torch.Tensor) -> torch.Tensor:
     """``Γ_ts = exp(Σ_{r=s+1..t} g_r)`` for ``s ≤ t`` and ``0`` above the diagonal: log gates
     ``g [B, T, H]`` -> ``[B, H, T, T]``; per-channel ``g [B, T, H, K]`` -> ``[B, H, T, T, K]``.
-    The sums are differences of cumulative sums of the clamped log gates (no products).
+    The sums are differences of cumulative sums of the clamped log gates (no products), both formed
+    in float64 and rounded once to ``g``'s dtype: a float32 cumulative sum of hundreds of nats would
+    give every difference ``|b| · 2^-24`` of error.
     Raises ``ValueError`` when ``g`` is not 3-D or 4-D (``TypeError`` when not a float tensor)."""
     check_floating("g", g)
     if g.ndim not in (3, 4):
@@ -599,19 +647,27 @@ def decay_matrix(g: torch.Tensor) -> torch.Tensor:
     check_sign("g", g, "<= 0", "a log-gate's decay exp(g) is at most 1")
     mask = causal_mask(g.shape[1], g.device)
     if g.ndim == 3:
-        b = clamp_log_gate(g).transpose(1, 2).cumsum(-1)  # [B, H, T]
-        return (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()
-    b = clamp_log_gate(g).permute(0, 2, 1, 3).cumsum(-2)  # [B, H, T, K]
-    return (b[..., :, None, :] - b[..., None, :, :]).masked_fill(~mask[..., None], float("-inf")).exp()
+        b = clamp_log_gate(g).transpose(1, 2).to(torch.float64).cumsum(-1)  # [B, H, T]
+        diff = (b[..., :, None] - b[..., None, :]).to(g.dtype)
+        return diff.masked_fill(~mask, float("-inf")).exp()
+    b = clamp_log_gate(g).permute(0, 2, 1, 3).to(torch.float64).cumsum(-2)  # [B, H, T, K]
+    diff = (b[..., :, None, :] - b[..., None, :, :]).to(g.dtype)
+    return diff.masked_fill(~mask[..., None], float("-inf")).exp()
 
 
-def transformed(*tensors: torch.Tensor) -> bool:
-    """Whether forward-mode AD (a dual tensor) or a ``torch.func`` transform sees any of these: a
-    native kernel's ``autograd.Function`` has neither a ``jvp`` nor a batching rule, its PyTorch
-    twin has both (callers run the twin then)."""
+def transformed(*values) -> bool:
+    """Whether forward-mode AD (a dual tensor) or a ``torch.func`` transform (``grad``, ``vjp``,
+    ``jacrev``, ``jvp``, ``jacfwd``, ``vmap``) sees any tensor of ``values`` (others, ``None``
+    included, are ignored): a native kernel's or a chunk form's ``autograd.Function`` has neither a
+    ``jvp`` nor a batching rule, its PyTorch twin has both (callers run the twin then), and the
+    peers' custom ops neither (:func:`mnemo.ops.dispatch.under_transform`). ``False`` while dynamo
+    traces (it cannot trace the check: a graph break at every op)."""
+    if torch.compiler.is_compiling():
+        return False
     import torch.autograd.forward_ad as fwAD
 
     return any(
-        fwAD.unpack_dual(t).tangent is not None or torch._C._functorch.is_functorch_wrapped_tensor(t)
-        for t in tensors
+        isinstance(t, torch.Tensor)
+        and (fwAD.unpack_dual(t).tangent is not None or torch._C._functorch.is_functorch_wrapped_tensor(t))
+        for t in values
     )

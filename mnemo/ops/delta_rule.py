@@ -99,6 +99,7 @@ from ._common import (
     default_scale,
     first_order,
     run_matrix_op,
+    transformed,
 )
 
 __all__ = ["delta_rule", "gated_delta_rule", "delta_rule_map"]
@@ -159,8 +160,11 @@ def delta_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
         P = qk.masked_fill(~incl, 0.0)
         q_in, eb = qc, None
     else:
-        b = rearrange(g, "b (n c) h -> b h n c", c=C).cumsum(-1)
-        Gam = decay_exp(b[..., :, None] - b[..., None, :], incl)
+        # the cumulative log gate summed and differenced in float64, then rounded once: in float32 a
+        # long chunk (the parallel form's C = T) gives each difference |b| · 2^-24 of error
+        b64 = rearrange(g, "b (n c) h -> b h n c", c=C).to(torch.float64).cumsum(-1)
+        Gam = decay_exp((b64[..., :, None] - b64[..., None, :]).to(q.dtype), incl)
+        b = b64.to(q.dtype)
         A = (bkk * Gam).masked_fill(~strict, 0.0) + eye
         U = torch.linalg.solve_triangular(A, bc * vc, upper=False, unitriangular=True)
         # A = E Ã E⁻¹ with E = diag(exp(b)), so W = A⁻¹ diag(β) (K ⊙ exp(b)) = exp(b) ⊙ W̃ and
@@ -169,7 +173,7 @@ def delta_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
         eb = decay_exp(b[..., None])  # [B, H, n, C, 1]
         last = b[..., -1:]
         M = decay_exp(last)[..., None] * (eyeK - kt @ W_free)
-        D = (kc * decay_exp((last - b)[..., None])).transpose(-1, -2) @ U
+        D = (kc * decay_exp((b64[..., -1:] - b64).to(q.dtype)[..., None])).transpose(-1, -2) @ U
         P = qk * Gam
         q_in, W = qc * eb, W_free
     # unbind (not indexing) so the backward pass stacks the per-chunk gradients once
@@ -338,13 +342,14 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     / 2``, ``/ 4``, … down to 16 tokens, the first size at which none does (the same function;
     :func:`~._chunked.chunks_within_span`), and only past that (hard resets, decays of ≳ 2 nats a
     token) the autograd form :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``,
-    takes over at ``chunk_size`` (as it does whenever ``torch.compile`` traces the call). Default
+    takes over at ``chunk_size`` (as it does whenever ``torch.compile`` traces the call, and under
+    ``torch.func`` transforms and forward-mode AD, which the Function does not support). Default
     ``scale=1.0`` (the inputs are used as given)."""
     C = min(int(chunk_size), q.shape[1])
     if isinstance(scale, torch.Tensor):  # (a tensor scale, e.g. learned: applied here so autograd reaches it)
         q, scale = q.to(S0.dtype) * scale, 1.0
     # traced, or off the CPU (reading the decay back would be a host sync): the autograd form
-    if avoid_host_reads(q):  # (see gla_chunk)
+    if avoid_host_reads(q) or transformed(q, k, v, beta, g, S0):  # (see gla_chunk)
         cd = S0.dtype
         return delta_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
     b = None
@@ -404,7 +409,10 @@ def _delta(
         "with allow_neg_eigval)",
     )
     dtypes = tuple(t.dtype for t in (q, k, v, beta, g, initial_state) if t is not None)
-    backend = _backends.select(_backends.Call(op, q.device, dtypes, mode, T, K, cu_seqlens is not None, V))
+    in_transform = _backends.under_transform(q, k, v, g, beta, initial_state, scale)
+    backend = _backends.select(
+        _backends.Call(op, q.device, dtypes, mode, T, K, cu_seqlens is not None, V, in_transform)
+    )
     if backend == "fla":
         from ._peer_ops import fla_gated_delta_rule
 

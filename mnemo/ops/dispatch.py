@@ -44,7 +44,8 @@ the op, the backend and the reason; nothing falls back silently. :func:`backends
 backend, whether it is available here and why not. ``mnemo info`` prints that table.
 
 What each peer cannot serve (auto falls back, forcing raises): ``mode="recurrent"`` (the
-token-loop reference stays mnemo's) and ``mode="parallel"`` (mnemo's quadratic form); float64;
+token-loop reference stays mnemo's) and ``mode="parallel"`` (mnemo's quadratic form); calls under
+a ``torch.func`` transform or forward-mode AD (:func:`under_transform`); float64;
 ``T = 0``; head dims ``K > 256`` for the delta rules; bfloat16/float16 with an odd ``K`` or ``V``
 for ``gated_linear_attention`` and ``linear_attention`` (fla's ``chunk_simple_gla`` backward asserts
 even head dims in 16 bits; the rule, applied before the gate's shape or the feature map is looked
@@ -79,6 +80,7 @@ __all__ = [
     "check_devices",
     "use_backend",
     "current_backend",
+    "under_transform",
     "dispatch_log",
     "reset_dispatch_log",
     "format_table",
@@ -126,7 +128,9 @@ class BackendRow:
 class Call:
     """What the table needs to know of one op call (filled in by the op after its checks): the
     op, the device, the dtypes of its tensors, ``mode``, ``T``, the head dims ``K`` and ``V``
-    (defaults ``K=0``, ``V=0``: not known) and whether ``cu_seqlens`` is given (default ``varlen=False``)."""
+    (defaults ``K=0``, ``V=0``: not known), whether ``cu_seqlens`` is given (default
+    ``varlen=False``) and whether a ``torch.func`` transform or forward-mode AD sees an input
+    (default ``transformed=False``; :func:`under_transform`)."""
 
     op: str
     device: torch.device
@@ -136,6 +140,19 @@ class Call:
     K: int = 0
     varlen: bool = False
     V: int = 0
+    transformed: bool = False
+
+
+def under_transform(*values) -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``jvp``, ``jacfwd``,
+    ``vmap``) or forward-mode AD (a ``torch.autograd.forward_ad`` dual tensor) sees any tensor of
+    ``values`` (others are ignored; ``False`` while dynamo traces): :func:`mnemo.ops._common.transformed`.
+    The peers' custom ops cannot serve those calls: their autograd formula raises under the
+    ``torch.func`` transforms, and they have no jvp rule (a tangent came out as zeros, silently);
+    mnemo's forms support both."""
+    from ._common import transformed
+
+    return transformed(*values)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,6 +265,11 @@ def _peer_problem(op: str, backend: str, call: Call) -> str | None:
         return why
     if call.mode != "chunk":
         return _MODE_REASON.get(call.mode, f"mode={call.mode!r}")
+    if call.transformed:
+        return (
+            "a torch.func transform or forward-mode AD sees an input (the peer's custom op has no "
+            "jvp rule, and its autograd formula does not run under torch.func)"
+        )
     if torch.float64 in call.dtypes:
         return "float64 inputs (the Triton kernels compute in float32)"
     if call.device.type == "cpu" and any(d in (torch.bfloat16, torch.float16) for d in call.dtypes):
@@ -322,13 +344,35 @@ _log: Counter = Counter()
 def dispatch_log() -> dict[tuple[str, str, str], int]:
     """Counts of the choices made so far in this process: ``{(op, backend, reason): calls}``;
     ``reason`` is ``"forced"`` for a forced backend, else the skipped backends of ``auto`` with
-    their reasons (``""``: the first choice served)."""
+    their reasons (``""``: the first choice served). A call inside a function compiled by
+    ``torch.compile`` is counted when dynamo traces it, once per trace (the compiled graph's later
+    calls do not consult the table, so they are not counted), with ``"compiled; "`` before its
+    reason (``"compiled"`` alone for an empty one), e.g. ``"compiled; forced"``."""
     return dict(_log)
 
 
 def reset_dispatch_log() -> None:
     """Forget :func:`dispatch_log`'s counts."""
     _log.clear()
+
+
+#: the prefix of a :func:`dispatch_log` reason counted while ``torch.compile`` traced the call
+COMPILED = "compiled"
+
+
+@torch.compiler.assume_constant_result
+def _count_traced(op: str, backend: str, reason: str) -> bool:
+    """Count a choice made while dynamo traces: run as Python once per trace (its result enters
+    the graph as a constant), so no side effect is traced and ``fullgraph=True`` holds."""
+    _log[(op, backend, f"{COMPILED}; {reason}" if reason else COMPILED)] += 1
+    return True
+
+
+def _record(op: str, backend: str, reason: str) -> None:
+    if torch.compiler.is_compiling():
+        _count_traced(op, backend, reason)
+    else:
+        _log[(op, backend, reason)] += 1
 
 
 def select(call: Call) -> str:
@@ -339,15 +383,13 @@ def select(call: Call) -> str:
         why = _problem(call.op, want, call)
         if why is not None:
             raise BackendError(f"{call.op}: backend {want!r} cannot serve this call: {why}")
-        if not torch.compiler.is_compiling():
-            _log[(call.op, want, "forced")] += 1
+        _record(call.op, want, "forced")
         return want
     skipped = []
     for backend in _auto_order(call.op, call.device):
         why = _problem(call.op, backend, call)
         if why is None:
-            if not torch.compiler.is_compiling():
-                _log[(call.op, backend, "; ".join(skipped))] += 1
+            _record(call.op, backend, "; ".join(skipped))
             return backend
         skipped.append(f"{backend}: {why}")
     raise AssertionError("unreachable: torch serves every call")

@@ -59,6 +59,7 @@ from ._common import (
     default_scale,
     first_order,
     run_matrix_op,
+    transformed,
 )
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_map"]
@@ -87,7 +88,12 @@ def gla_recurrent(q, k, v, g, S0):
 
 
 def gla_parallel(q, k, v, g, S0):
-    """Quadratic masked form over the whole sequence (per-channel gates: a [T, T, K] tensor)."""
+    """Quadratic masked form over the whole sequence (per-channel gates: a [T, T, K] tensor).
+
+    The cumulative log gate ``b`` and its differences ``b_t − b_s`` are formed in float64 even for
+    float32 inputs (then rounded once): summed in float32, ``b`` over a long sequence reaches
+    hundreds of nats and each difference inherits ``|b| · 2^-24`` of error, a relative error of
+    ``~1e-5`` in the output at ``T = 2048`` with gates of ``≈ -0.5`` (now ``~3e-7``, as the token loop)."""
     T = q.shape[1]
     mask = causal_mask(T, q.device)
     qh, kh, vh = (rearrange(x, "b t h d -> b h t d") for x in (q, k, v))
@@ -96,19 +102,25 @@ def gla_parallel(q, k, v, g, S0):
         o = A @ vh + qh @ S0
         S = S0 + kh.transpose(-1, -2) @ vh
     elif g.ndim == 3:
-        b = rearrange(g, "b t h -> b h t").cumsum(-1)
-        D = (b[..., :, None] - b[..., None, :]).masked_fill(~mask, float("-inf")).exp()
+        # the cumulative log gate is summed, and differenced, in float64 (see the docstring)
+        cd = q.dtype
+        b = rearrange(g, "b t h -> b h t").to(torch.float64).cumsum(-1)
+        D = (b[..., :, None] - b[..., None, :]).to(cd).masked_fill(~mask, float("-inf")).exp()
         A = (qh @ kh.transpose(-1, -2)) * D
-        o = A @ vh + (qh * b[..., None].exp()) @ S0
+        o = A @ vh + (qh * b[..., None].to(cd).exp()) @ S0
         last = b[..., -1:]
-        S = last[..., None].exp() * S0 + (kh * (last - b)[..., None].exp()).transpose(-1, -2) @ vh
+        S = (
+            last[..., None].to(cd).exp() * S0
+            + (kh * (last - b)[..., None].to(cd).exp()).transpose(-1, -2) @ vh
+        )
     else:
-        b = rearrange(g, "b t h k -> b h t k").cumsum(-2)
-        diff = (b[..., :, None, :] - b[..., None, :, :]).masked_fill(~mask[..., None], float("-inf"))
+        cd = q.dtype
+        b = rearrange(g, "b t h k -> b h t k").to(torch.float64).cumsum(-2)
+        diff = (b[..., :, None, :] - b[..., None, :, :]).to(cd).masked_fill(~mask[..., None], float("-inf"))
         A = (qh[..., :, None, :] * kh[..., None, :, :] * diff.exp()).sum(-1)
-        o = A @ vh + (qh * b.exp()) @ S0
+        o = A @ vh + (qh * b.to(cd).exp()) @ S0
         last = b[..., -1:, :]
-        S = last.transpose(-1, -2).exp() * S0 + (kh * (last - b).exp()).transpose(-1, -2) @ vh
+        S = last.transpose(-1, -2).to(cd).exp() * S0 + (kh * (last - b).to(cd).exp()).transpose(-1, -2) @ vh
     return rearrange(o, "b h t v -> b t h v"), S
 
 
@@ -132,7 +144,7 @@ def _intra_chunk_channel_scores(q, k, b, sub: int = _SUB_BLOCK, safe_span: float
     mask = causal_mask(C, q.device)
     # while torch.compile traces, the decay is not read back (a graph break): the sub-block form
     # with exact diagonal blocks, right for any decay, runs; likewise off the CPU (a host sync)
-    traced = avoid_host_reads(q)
+    traced = avoid_host_reads(q) or transformed(q, k, b)
     if not traced and float(-b[..., -1, :].detach().min()) <= safe_span:
         A = (q * b.exp()) @ (k * (-b).exp()).transpose(-1, -2)
         return A.masked_fill(~mask, 0.0)
@@ -335,14 +347,16 @@ def gla_chunk(q, k, v, g, S0, chunk_size: int, scale: float = 1.0):
     ``_SAFE_SPAN`` nats; where one does it runs at ``chunk_size / 2``, ``/ 4``, … down to 16 tokens,
     the first size at which none does (:func:`~._chunked.chunks_within_span`), and only past that
     (hard resets, very strong gates) :func:`gla_chunk_autograd`, which keeps every factor ``≤ 1``,
-    takes over at ``chunk_size``; it also runs whenever ``torch.compile`` traces the call. Default
+    takes over at ``chunk_size``; it also runs whenever ``torch.compile`` traces the call, and under
+    ``torch.func`` transforms (``vmap``, ``jvp``, ``grad``) and forward-mode AD. Default
     ``scale=1.0`` (the inputs are used as given)."""
     T = q.shape[1]
     C = min(int(chunk_size), T)
     if isinstance(scale, torch.Tensor):  # (a tensor scale, e.g. learned: applied here so autograd reaches it)
         q, scale = q.to(S0.dtype) * scale, 1.0
-    if avoid_host_reads(q):
-        # traced: the autograd form (no data-dependent branch, no out= writes into views, safe for
+    if avoid_host_reads(q) or transformed(q, k, v, g, S0):
+        # traced (or under torch.func / forward-mode AD, which _GLAChunk does not support): the
+        # autograd form (no data-dependent branch, no out= writes into views, safe for
         # any decay); inductor fuses its element-wise work and derives the backward. Likewise off
         # the CPU: choosing the form reads the decay back, a host synchronisation per call
         cd = S0.dtype
@@ -438,7 +452,10 @@ def gated_linear_attention(
     _backends.check_devices(
         "gated_linear_attention", {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state}
     )
-    call = _backends.Call("gated_linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None, V)
+    in_transform = _backends.under_transform(q, k, v, g, initial_state, scale)
+    call = _backends.Call(
+        "gated_linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None, V, in_transform
+    )
     backend = _backends.select(call)
     if backend == "fla":
         from ._peer_ops import fla_gated_linear_attention

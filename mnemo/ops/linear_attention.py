@@ -79,7 +79,17 @@ def linear_attention(
         raise ValueError(f"eps must be a finite number >= 0 (added to the normaliser), got {eps!r}")
     dtypes = tuple(t.dtype for t in (q, k, v, initial_state) if t is not None)
     backend = _backends.select(
-        _backends.Call("linear_attention", q.device, dtypes, mode, T, K, cu_seqlens is not None, V)
+        _backends.Call(
+            "linear_attention",
+            q.device,
+            dtypes,
+            mode,
+            T,
+            K,
+            cu_seqlens is not None,
+            V,
+            _backends.under_transform(q, k, v, initial_state, scale),
+        )
     )
     if backend != "fla":
         with _backends.pure_torch(backend):

@@ -70,6 +70,7 @@ from ._common import (
     num_sequences,
     run_varlen,
     state_or_zeros,
+    transformed,
 )
 
 __all__ = ["selective_scan", "selective_scan_map"]
@@ -580,7 +581,10 @@ def ss_native(
 def _native_ok(*tensors: torch.Tensor) -> bool:
     """Whether the C kernel runs on these tensors: eagerly through :class:`_NativeScan`
     (:func:`_native.usable`), and while ``torch.compile`` traces as the opaque custom ops
-    ``mnemo::selective_scan_native`` / ``..._backward`` (:func:`_native.usable_opaque`)."""
+    ``mnemo::selective_scan_native`` / ``..._backward`` (:func:`_native.usable_opaque`); never under
+    ``torch.func`` transforms or forward-mode AD (:class:`_NativeScan` has no ``jvp``/``vmap`` rule)."""
+    if transformed(*tensors):
+        return False
     if torch.compiler.is_compiling():
         return _native.usable_opaque(*tensors)
     return _native.usable(*tensors)
@@ -588,7 +592,11 @@ def _native_ok(*tensors: torch.Tensor) -> bool:
 
 def ss_chunk(delta, u, A, B, C, h0, chunk_size):
     """The chunk form: the C kernel (:func:`ss_native`) where it can run, else its PyTorch twin
-    :func:`ss_chunk_torch`."""
+    :func:`ss_chunk_torch`. Under ``torch.func`` transforms (``vmap``, ``jvp``, ``grad``) and
+    forward-mode AD, which neither ``autograd.Function`` supports, the token loop
+    :func:`ss_recurrent` (same function, differentiated by autograd)."""
+    if transformed(delta, u, A, B, C, h0):
+        return ss_recurrent(delta, u, A, B, C, h0)
     if _native_ok(delta, u, A, B, C, h0):
         return ss_native(delta, u, A, B, C, h0, chunk_size)
     return ss_chunk_torch(delta, u, A, B, C, h0, chunk_size)
@@ -755,8 +763,10 @@ def selective_scan_map(delta, A, B, C) -> torch.Tensor:
     N = A.shape[-1]
     Bd = _per_channel(check_groups("B", B, Bt, T, N, Dm, "D"), Dm)  # [Bt, T, D, N]
     Cd = _per_channel(check_groups("C", C, Bt, T, N, Dm, "D"), Dm)
-    L = torch.einsum("btd,dn->bdnt", delta, A).clamp(min=-60.0).cumsum(-1)  # [Bt, D, N, T]
+    # (the cumulative sum and its differences in float64, rounded once: see decay_matrix)
+    L = torch.einsum("btd,dn->bdnt", delta, A).clamp(min=-60.0).to(torch.float64).cumsum(-1)  # [Bt,D,N,T]
     mask = causal_mask(T, delta.device)
-    decay = (L[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")).exp()  # [Bt,D,N,T,T]
+    diff = (L[..., :, None] - L[..., None, :]).to(delta.dtype)
+    decay = diff.masked_fill(~mask, float("-inf")).exp()  # [Bt, D, N, T, T]
     M = torch.einsum("btdn,bdnts,bsdn->bdts", Cd, decay, Bd)
     return M * rearrange(delta, "b s d -> b d 1 s")

@@ -30,6 +30,7 @@ from ._common import (
     check_sign,
     compute_dtype,
     num_sequences,
+    transformed,
 )
 from ._ssd_chunk import run_ssd_chunk
 from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
@@ -119,7 +120,10 @@ def ssd(
     )
     cd = compute_dtype(x, dt, A, B, C, D, dt_bias, initial_state)
     dtypes = tuple(t.dtype for t in (x, dt, A, B, C, D, dt_bias, initial_state) if t is not None)
-    backend = _backends.select(_backends.Call("ssd", x.device, dtypes, mode, T, N, cu_seqlens is not None, P))
+    in_transform = _backends.under_transform(x, dt, A, B, C, D, dt_bias, initial_state)
+    backend = _backends.select(
+        _backends.Call("ssd", x.device, dtypes, mode, T, N, cu_seqlens is not None, P, in_transform)
+    )
     xc = x.to(cd)
     dtc = dt.to(cd)
     if dt_bias is not None:
@@ -174,7 +178,10 @@ def _ssd_own(
     H = xc.shape[2]
     v = xc * dtc[..., None]
     g = dtc * A.to(cd)
-    if backend != "fla" and mode == "chunk" and cu_seqlens is None and x.numel() and B4.numel():
+    grouped = backend != "fla" and mode == "chunk" and cu_seqlens is None and x.numel() and B4.numel()
+    # (under torch.func transforms / forward-mode AD, which _SSDChunk does not support: GLA's chunk
+    # form, which runs its autograd form there)
+    if grouped and not transformed(v, g, B4, C4, initial_state):
         # the grouped chunk form: B, C never repeated over heads, safe for any decay
         y, S = run_ssd_chunk(C4, B4, v, g, initial_state, chunk_size)
         if D is not None:
