@@ -81,7 +81,8 @@ _COMMAND_MODULES: list[str] = [
 
 def main(argv: list[str] | None = None) -> int:
     """The ``mnemo`` command: its exit status (0 done, 1 a failed check or a diverged run, 2 a
-    usage or data error in one line, 130 interrupted, 141 its output's reader went)."""
+    usage or data error in one line, 3 ``mnemo verify`` on a forced backend that served nothing,
+    130 interrupted, 141 its output's reader went)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # while the libraries load or the arguments are read: no work yet
