@@ -658,10 +658,21 @@ def decay_matrix(g: torch.Tensor) -> torch.Tensor:
 def transformed(*values) -> bool:
     """Whether forward-mode AD (a dual tensor) or a ``torch.func`` transform (``grad``, ``vjp``,
     ``jacrev``, ``jvp``, ``jacfwd``, ``vmap``) sees any tensor of ``values`` (others, ``None``
-    included, are ignored): a native kernel's or a chunk form's ``autograd.Function`` has neither a
-    ``jvp`` nor a batching rule, its PyTorch twin has both (callers run the twin then), and the
-    peers' custom ops neither (:func:`mnemo.ops.dispatch.under_transform`). ``False`` while dynamo
-    traces (it cannot trace the check: a graph break at every op)."""
+    included, are ignored), or a ``torch.func`` transform is active at all: a native kernel's or a
+    chunk form's ``autograd.Function`` has neither a ``jvp`` nor a batching rule (and raises under
+    an active transform even on plain tensors, e.g. a log-gate that ``vmap`` does not batch), its
+    PyTorch twin has both (callers run the twin then). ``False`` while dynamo traces (it cannot
+    trace the check: a graph break at every op)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._are_functorch_transforms_active() or seen_by_transform(*values)
+
+
+def seen_by_transform(*values) -> bool:
+    """Whether forward-mode AD or a ``torch.func`` transform sees any tensor of ``values`` itself (a
+    dual or a ``torch.func``-wrapped tensor; others, ``None`` included, are ignored): the peers'
+    custom ops run on plain tensors under a transform, not on those
+    (:func:`mnemo.ops.dispatch.under_transform`). ``False`` while dynamo traces."""
     if torch.compiler.is_compiling():
         return False
     import torch.autograd.forward_ad as fwAD

@@ -146,13 +146,14 @@ class Call:
 def under_transform(*values) -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``jvp``, ``jacfwd``,
     ``vmap``) or forward-mode AD (a ``torch.autograd.forward_ad`` dual tensor) sees any tensor of
-    ``values`` (others are ignored; ``False`` while dynamo traces): :func:`mnemo.ops._common.transformed`.
+    ``values`` (others are ignored; ``False`` while dynamo traces):
+    :func:`mnemo.ops._common.seen_by_transform`.
     The peers' custom ops cannot serve those calls: their autograd formula raises under the
     ``torch.func`` transforms, and they have no jvp rule (a tangent came out as zeros, silently);
     mnemo's forms support both."""
-    from ._common import transformed
+    from ._common import seen_by_transform
 
-    return transformed(*values)
+    return seen_by_transform(*values)
 
 
 # ----------------------------------------------------------------------------------------------
