@@ -294,35 +294,6 @@ def _cmd_train(args) -> int:
         return _train(args, held)
 
 
-def _glob_reads(pattern: str, out: Path) -> bool:
-    """Whether ``glob.glob(pattern, recursive=True)`` would match a file a run writes in ``out``
-    (``metrics.jsonl``, a checkpoint's ``config.json``): ``**`` spans any folders, ``*``/``?``/``[``
-    one name, as ``glob`` reads them (a name starting with "." is not matched by a wildcard)."""
-    import fnmatch
-    import os
-
-    def parts(path: str) -> list[str]:
-        return list(Path(os.path.abspath(os.path.expanduser(path))).parts)
-
-    def match(pat: list[str], name: list[str]) -> bool:
-        if not pat:
-            return not name
-        if pat[0] == "**":  # zero or more folders, none hidden
-            hidden = [n.startswith(".") for n in name]
-            return any(match(pat[1:], name[i:]) for i in range(len(name) + 1) if not any(hidden[:i]))
-        if not name or (name[0].startswith(".") and not pat[0].startswith(".")):
-            return False
-        return fnmatch.fnmatchcase(name[0], pat[0]) and match(pat[1:], name[1:])
-
-    run = Path(os.path.abspath(out))
-    written = [
-        run / "metrics.jsonl",
-        run / "ckpt-000001" / "config.json",
-        run / "ckpt-000001" / "manifest.json",
-    ]
-    return any(match(parts(pattern), list(f.parts)) for f in written)
-
-
 def _train(args, held: contextlib.ExitStack) -> int:
     import torch
 
@@ -424,7 +395,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
     else:
         out = Path(args.out)
     # (a folder's corpus is the files in it; a bundled name is never a folder, whatever the cwd holds)
-    from ..data.corpus import BUNDLED
+    from ..data.corpus import BUNDLED, glob_reads_run
 
     named = isinstance(cfg.data, str) and not cfg.task and cfg.data not in BUNDLED
     data = Path(cfg.data).expanduser() if named else None
@@ -434,7 +405,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
             "among its corpus files and the folder would read as a run's, not a corpus; give the run a "
             "folder of its own, e.g. runs/NAME"
         )
-    if named and any(c in cfg.data for c in "*?[") and not data.exists() and _glob_reads(cfg.data, out):
+    if named and any(c in cfg.data for c in "*?[") and not data.exists() and glob_reads_run(cfg.data, out):
         raise ValueError(
             f"--out: {out} is where --data {cfg.data!r} reads: the glob would match the run's own files "
             "(metrics.jsonl, the checkpoints' .json files), so a --resume or mnemo eval of the run would "
@@ -454,7 +425,9 @@ def _train(args, held: contextlib.ExitStack) -> int:
     if args.out is not None:
         has_ckpt = (out / "latest").exists()
         # a run whose `latest` was lost still holds its checkpoints and log
-        leftovers = sorted(p.name for p in out.glob("ckpt-[0-9]*") if p.is_dir()) if out.is_dir() else []
+        # (a linked ckpt-* whose target is gone too: the new run's checkpoint of that step fails on it)
+        ckpts = out.glob("ckpt-[0-9]*") if out.is_dir() else []
+        leftovers = sorted(p.name for p in ckpts if p.is_dir() or p.is_symlink())
         leftovers += ["metrics.jsonl"] if (out / "metrics.jsonl").is_file() else []
         if not has_ckpt and ((out / "config.json").is_file() or (out / "model.safetensors").is_file()):
             raise ValueError(

@@ -243,6 +243,36 @@ def _files(data: str, warn: bool = True) -> list[Path]:
     )
 
 
+def glob_reads_run(pattern: str, out) -> bool:
+    """Whether ``glob.glob(pattern, recursive=True)`` would match a file a run writes in ``out``
+    (``metrics.jsonl``, a checkpoint's ``config.json``): ``**`` spans any folders, ``*``/``?``/``[``
+    one name, as ``glob`` reads them (a name starting with "." is not matched by a wildcard). ``mnemo
+    train`` and a sweep refuse a run folder that their ``data`` glob reads."""
+    import fnmatch
+    import os
+
+    def parts(path: str) -> list[str]:
+        return list(Path(os.path.abspath(os.path.expanduser(path))).parts)
+
+    def match(pat: list[str], name: list[str]) -> bool:
+        if not pat:
+            return not name
+        if pat[0] == "**":  # zero or more folders, none hidden
+            hidden = [n.startswith(".") for n in name]
+            return any(match(pat[1:], name[i:]) for i in range(len(name) + 1) if not any(hidden[:i]))
+        if not name or (name[0].startswith(".") and not pat[0].startswith(".")):
+            return False
+        return fnmatch.fnmatchcase(name[0], pat[0]) and match(pat[1:], name[1:])
+
+    run = Path(os.path.abspath(out))
+    written = [
+        run / "metrics.jsonl",
+        run / "ckpt-000001" / "config.json",
+        run / "ckpt-000001" / "manifest.json",
+    ]
+    return any(match(parts(pattern), list(f.parts)) for f in written)
+
+
 def _no_twins(files: list[Path], data: str) -> list[Path]:
     """``files``, refused when two of them are one file with and without compression (``a.txt`` and
     ``a.txt.gz`` in one folder: a compressed copy left beside its original would be read twice)."""

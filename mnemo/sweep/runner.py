@@ -270,11 +270,32 @@ def run_sweep(
     Raises:
         ValueError: another process is running a sweep on ``db_path`` (the message names its pid); a
             relative path names nothing under the sweep file's project folder but something under
-            the working directory (:func:`~mnemo.sweep.spec.check_paths`), before anything is made.
+            the working directory (:func:`~mnemo.sweep.spec.check_paths`), before anything is made;
+            a run's ``data`` glob reads its run folder (its ``metrics.jsonl`` would be read as
+            corpus by the runs after it).
     """
     check_paths(spec)
+    _check_data_globs(spec, Path(out_dir))
     with _DatabaseLock(Path(db_path)):
         return _run_sweep(spec, db_path, out_dir, jobs=jobs, threads=threads, progress=progress, log=log)
+
+
+def _check_data_globs(spec: SweepSpec, out_dir: Path) -> None:
+    """Refuse a run whose ``data`` glob would read the files it writes in its run folder (as
+    ``mnemo train`` refuses such an ``--out``): the next run, or its resume, would read them."""
+    from ..data.corpus import BUNDLED, glob_reads_run
+
+    for run in spec.runs():
+        cfg = run.train_config
+        data = cfg.get("data")
+        if cfg.get("task") or not isinstance(data, str) or data in BUNDLED or Path(data).exists():
+            continue
+        if any(c in data for c in "*?[") and glob_reads_run(data, out_dir / run.run_id):
+            raise ValueError(
+                f"sweep {spec.name!r}: its run folders in {out_dir} are where data {data!r} reads: the "
+                "glob would match the runs' own files (metrics.jsonl, the checkpoints' .json files) and "
+                "read them as corpus; give the sweep an out folder outside the glob"
+            )
 
 
 class _DatabaseLock:

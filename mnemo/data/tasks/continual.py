@@ -6,6 +6,7 @@ stream carries vector inputs and a tag per query beside its tokens and targets (
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,11 +48,13 @@ class _Builder:
 
 
 def _check_sizes(task, **minimum: int) -> None:
-    """Raise ``ValueError`` naming the first size of ``task`` that is not an int ``>= minimum[name]``."""
+    """Raise ``ValueError`` naming the first size of ``task`` that is not an int ``>= minimum[name]``;
+    a NumPy integer counts as an int and is kept as one (the task's sizes are saved as JSON)."""
     for name, low in minimum.items():
         v = getattr(task, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+        setattr(task, name, int(v))
 
 
 def _stack(builders) -> Batch:
@@ -144,8 +147,13 @@ class ForgettingMQARTask:
 
     def __post_init__(self):
         _check_sizes(self, n=1, m=1, n_keys=1)  # (a float or bool size crashed in randperm/randint)
-        if not isinstance(self.n_values, int) or isinstance(self.n_values, bool) or self.n_values < 2:
+        if (
+            isinstance(self.n_values, bool)
+            or not isinstance(self.n_values, numbers.Integral)
+            or self.n_values < 2
+        ):
             raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values!r}")
+        self.n_values = int(self.n_values)
         if not 0 < self.m <= self.n <= self.n_keys:
             raise ValueError(f"(n, m): expected 0 < m <= n <= n_keys = {self.n_keys}, got {(self.n, self.m)}")
 
@@ -284,8 +292,13 @@ class RetentionTask:
 
     def __post_init__(self):
         _check_sizes(self, n=1, bins=1, per_bin=1, n_keys=1, offset=0)  # (a float or bool size crashed)
-        if not isinstance(self.n_values, int) or isinstance(self.n_values, bool) or self.n_values < 2:
+        if (
+            isinstance(self.n_values, bool)
+            or not isinstance(self.n_values, numbers.Integral)
+            or self.n_values < 2
+        ):
             raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values!r}")
+        self.n_values = int(self.n_values)
         if not 0 < self.n <= self.n_keys:
             raise ValueError(f"n: expected 0 < n <= n_keys = {self.n_keys}, got {self.n}")
         if self.bins < 2:
