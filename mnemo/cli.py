@@ -94,12 +94,17 @@ def _main(argv: list[str] | None) -> int:
     import os
     import warnings
 
-    from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
-    from .ops._native import enabled as native_enabled
-    from .ops.dispatch import BackendError, current_backend
-    from .runtime import tune_malloc
-    from .train import TrainingDiverged
-    from .train.distributed import cleanup
+    try:  # an unknown MNEMO_CHECK_FINITE / MNEMO_WORKSPACE_MB (read as the ops load) is said in one line
+        from . import hf  # noqa: F401  (registers the converters: commands read transformers folders too)
+        from .ops._native import enabled as native_enabled
+        from .ops.dispatch import BackendError, current_backend
+        from .runtime import tune_malloc
+        from .train import TrainingDiverged
+        from .train.distributed import cleanup
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mnemo: error: {e}", file=sys.stderr)
+        return 2
 
     try:  # a bad value is refused here, before any work: one line on stderr, status 2
         args = build_parser().parse_args(argv)

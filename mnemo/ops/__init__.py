@@ -4,9 +4,10 @@ Layout: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, scalar gates ``[B, T, H]``,
 ``[B, T, H, K]``, matrix state ``[B, H, K, V]``. Forms are selected with ``mode=`` and agree.
 
 NaN/inf inputs raise :class:`NonFiniteError`; ``with finite_checks(False):`` (or
-:func:`set_finite_checks`, or ``MNEMO_CHECK_FINITE=0``) turns the checks off. Inside the modules
-``<op>_chunk`` is the chunk form's fast path and ``<op>_chunk_autograd`` / ``*_torch`` its
-fallbacks (see :mod:`mnemo.ops._common`).
+:func:`set_finite_checks`, or ``MNEMO_CHECK_FINITE=0``) turns the checks off; that variable, read at
+import, takes ``0``/``false``/``off``/``no`` or ``1``/``true``/``on``/``yes`` (any case; another value
+raises ``ValueError``). Inside the modules ``<op>_chunk`` is the chunk form's fast path and
+``<op>_chunk_autograd`` / ``*_torch`` its fallbacks (see :mod:`mnemo.ops._common`).
 
 The chunk forms take their large CPU tensors from a cache of buffers reused across calls (no fresh
 pages, hence no page faults, after the first call of a shape): :func:`workspace_stats`,

@@ -106,11 +106,29 @@ class NonFiniteError(ValueError):
     """An op received NaN or infinite inputs (reported instead of propagated silently)."""
 
 
-_FINITE_CHECKS = os.environ.get("MNEMO_CHECK_FINITE", "1") != "0"
+def _finite_checks_from_env() -> bool:
+    """``MNEMO_CHECK_FINITE``: ``1``/``true``/``on``/``yes`` (or unset) checks, ``0``/``false``/``off``/``no``
+    does not (any case); anything else raises ``ValueError`` (as ``MNEMO_NATIVE``: a typo must not leave
+    the checks on silently)."""
+    raw = os.environ.get("MNEMO_CHECK_FINITE", "1")
+    value = raw.strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value not in ("", "1", "true", "on", "yes"):
+        raise ValueError(
+            "MNEMO_CHECK_FINITE must be one of 1, true, on, yes (the NaN/inf checks on) or "
+            f"0, false, off, no (off), got {raw!r}"
+        )
+    return True
+
+
+_FINITE_CHECKS = _finite_checks_from_env()
 
 
 def set_finite_checks(enabled: bool) -> None:
-    """Turn the ops' NaN/inf input checks on (default) or off (also: ``MNEMO_CHECK_FINITE=0``).
+    """Turn the ops' NaN/inf input checks on (default) or off (also: ``MNEMO_CHECK_FINITE=0``, or
+    ``false``/``off``/``no``, read at import; another value than those and ``1``/``true``/``on``/``yes``
+    raises ``ValueError`` there).
     ``enabled`` must be a bool (``TypeError`` otherwise: ``"no"`` is not read as False)."""
     global _FINITE_CHECKS
     _FINITE_CHECKS = _as_switch(enabled)

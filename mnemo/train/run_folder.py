@@ -50,6 +50,14 @@ from .sinks import METRICS_NAME, metrics_lines
 LOCK_NAME = ".lock"
 
 
+def linked_checkpoints(out: Path) -> list[Path]:
+    """The ``ckpt-NNNNNN`` entries of ``out`` that are symbolic links, dangling ones too (made by
+    hand; :func:`run_checkpoints` skips them), sorted by step, never followed: not the run's own,
+    yet this run's checkpoint of that step would be written onto one."""
+    links = (p for p in out.glob("ckpt-*") if p.is_symlink() and checkpoint._CKPT_NAME.fullmatch(p.name))
+    return sorted(links, key=lambda p: int(p.name.split("-")[-1]))
+
+
 # Settings a resumed run may change: none changes the model, the data, the batches or the update
 # rule (grad_accum and the parallel layouts give the same gradients; the one exception, an MoE
 # model's load-balancing loss, is computed per micro-batch and rank slice and changes slightly
@@ -429,8 +437,9 @@ class RunFolder:
     def refuse_other_run(self) -> None:
         """A new run (not resumed) starts only in a folder that holds no run's checkpoints: its own
         would replace theirs step by step, ``latest`` would name a mix of two runs and its records
-        would go into their ``metrics.jsonl``. (``mnemo train`` refuses such a folder before any
-        work, and ``--overwrite`` sets the old run aside first.) Nor in a checkpoint's own folder
+        would go into their ``metrics.jsonl``; a linked ``ckpt-NNNNNN`` (dangling or not, never
+        followed) counts as one. (``mnemo train`` refuses such a folder before any work, and
+        ``--overwrite`` sets the old run aside first.) Nor in a checkpoint's own folder
         (``config.json`` / ``model.safetensors``: a resume would find those weights, not the run's).
 
         Raises:
@@ -443,7 +452,8 @@ class RunFolder:
                 "it (a resume would find its weights, not the run's); choose another folder"
             )
         latest = self.out / LATEST
-        held = [p.name for p in run_checkpoints(self.out)]
+        ckpts = sorted(run_checkpoints(self.out) + linked_checkpoints(self.out), key=self.saved_step)
+        held = [p.name for p in ckpts]  # (a linked one too, never followed: mnemo train counts it)
         held += [LATEST] if latest.is_symlink() or latest.exists() else []
         if held:
             raise ValueError(
@@ -474,11 +484,14 @@ class RunFolder:
     def set_aside_newer(self, step: int, resumed: Path | None = None) -> list[Path]:
         """Resume from ``step`` while the run holds checkpoints of later steps (``latest`` was
         pointed back by hand, or a newer checkpoint is damaged): training on would replace them
-        one by one and rotation would mix two histories. They move to ``OUT/kept/superseded-N/``
-        (under the folder's lock), with a warning; returns their new paths. ``resumed``: the
-        checkpoint resumed from; when it is one of the run's own, ``latest`` is rewritten to name
-        it (it named a checkpoint that just moved, and would dangle until the next checkpoint)."""
-        newer = [p for p in run_checkpoints(self.out) if self.saved_step(p) > step]
+        one by one and rotation would mix two histories (a linked ``ckpt-NNNNNN`` would fail the
+        write of its step: the link moves, its target is left as it is). They move to
+        ``OUT/kept/superseded-N/`` (under the folder's lock), with a warning; returns their new
+        paths. ``resumed``: the checkpoint resumed from; when it is one of the run's own, ``latest``
+        is rewritten to name it (it named a checkpoint that just moved, and would dangle until the
+        next checkpoint)."""
+        ckpts = run_checkpoints(self.out) + linked_checkpoints(self.out)  # (a link moves, not its target)
+        newer = sorted((p for p in ckpts if self.saved_step(p) > step), key=self.saved_step)
         if not newer:
             return []
         lock = lock_run_folder(self.out)
