@@ -42,10 +42,14 @@ def default_out(ckpt: Path) -> Path:
 
 
 def _json(record, **kw) -> str:
-    """Strict JSON: a NaN or infinite score (undefined, e.g. no head to score) is ``null``."""
-    from ..bench import json_safe
+    """Strict JSON as every command writes it (:func:`mnemo.train.sinks.dumps_record`): a NaN or
+    infinite value (an undefined score, e.g. no head to score; an infinite half-life) is ``null``
+    and the record's field ``"nonfinite"`` maps where it was, so that
+    :func:`mnemo.train.sinks.loads_record` restores the floats (files of before hold a bare ``null``,
+    which it leaves as it is)."""
+    from ..train.sinks import dumps_record
 
-    return json.dumps(json_safe(record), allow_nan=False, **kw)
+    return json.dumps(json.loads(dumps_record(record)), allow_nan=False, **kw)
 
 
 def _write_json(path: Path, record) -> None:
