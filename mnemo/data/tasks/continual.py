@@ -146,14 +146,8 @@ class ForgettingMQARTask:
     metrics = {"reassigned": 1, "untouched": 2}
 
     def __post_init__(self):
-        _check_sizes(self, n=1, m=1, n_keys=1)  # (a float or bool size crashed in randperm/randint)
-        if (
-            isinstance(self.n_values, bool)
-            or not isinstance(self.n_values, numbers.Integral)
-            or self.n_values < 2
-        ):
-            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values!r}")
-        self.n_values = int(self.n_values)
+        _check_sizes(self, n=1, m=1, n_keys=1, n_values=2)  # (a float or bool crashed in randperm/randint;
+        # one value is no recall)
         if not 0 < self.m <= self.n <= self.n_keys:
             raise ValueError(f"(n, m): expected 0 < m <= n <= n_keys = {self.n_keys}, got {(self.n, self.m)}")
 
@@ -291,14 +285,9 @@ class RetentionTask:
     offset: int = 8
 
     def __post_init__(self):
-        _check_sizes(self, n=1, bins=1, per_bin=1, n_keys=1, offset=0)  # (a float or bool size crashed)
-        if (
-            isinstance(self.n_values, bool)
-            or not isinstance(self.n_values, numbers.Integral)
-            or self.n_values < 2
-        ):
-            raise ValueError(f"n_values: expected >= 2 (one value is no recall), got {self.n_values!r}")
-        self.n_values = int(self.n_values)
+        _check_sizes(
+            self, n=1, bins=1, per_bin=1, n_keys=1, offset=0, n_values=2
+        )  # (a float or bool crashed)
         if not 0 < self.n <= self.n_keys:
             raise ValueError(f"n: expected 0 < n <= n_keys = {self.n_keys}, got {self.n}")
         if self.bins < 2:
