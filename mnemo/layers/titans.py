@@ -178,12 +178,20 @@ class NeuralMemory(Mixer):
     :func:`initial_weight_std`).
 
     TTT (Sun et al. 2024; presets ``ttt_linear``, ``ttt_mlp``) follows the paper's mini-batch GD,
-    ``W_t = W_0 − Σ_{s ≤ t} θ_s ∇ℓ_s(W_0)`` inside a mini-batch, with three named differences from
-    the authors' layer: ``max_lr`` (default ``max_lr=1``) plays their ``η_base`` (1 for TTT-Linear,
-    0.1 for TTT-MLP, on the loss ``‖e‖²`` without the ½, so their ``θ`` is half the one here); their
-    code also divides ``η`` by the head size and scales the read of a mini-batch's ``i``-th token by
-    ``1/i`` (plus a learned offset), which this layer does not; the inner layer norm is
-    parameter-free (theirs has a learned per-head scale and shift).
+    ``W_t = W_0 − Σ_{s ≤ t} θ_s ∇ℓ_s(W_0)`` inside a mini-batch, with these named differences from
+    the authors' layer (their code, ``ttt-lm-jax`` / ``ttt-lm-pytorch``):
+
+    * learning rate: ``max_lr`` (default ``max_lr=1``) plays their ``η_base`` (1 for TTT-Linear,
+      0.1 for TTT-MLP). Their code steps with ``LN(Z) − target``, the gradient of ``½‖e‖²`` as
+      here (the paper writes ``‖e‖²``), but divides ``η`` by the head size ``D``, which this layer
+      does not: for the same ``η_base`` and gate their step is this layer's divided by ``D``;
+    * no ``1/t`` in a mini-batch: their code scales the accumulated step of a mini-batch's
+      ``t``-th token by ``1/t`` (plus a learned offset per position, ``0`` at init), so its reads
+      use the running *mean* of the steps and its end-of-mini-batch weights take the mean of the
+      ``b`` tokens' steps (this layer's weights with ``θ / b``); here the steps are summed (the
+      paper's equation);
+    * the inner layer norm is parameter-free, with ``eps = 1e-5`` (theirs has a learned per-head
+      scale and shift, ``eps = 1e-6``), and the memory has no biases (theirs ``b1``, ``b2``).
 
     Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream, whose
     rows come first: :func:`~mnemo.layers.hooks.span` places them before the call's token 0, so an

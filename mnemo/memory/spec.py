@@ -33,7 +33,8 @@ class MemorySpec:
             presets turn them on).
     Attentional bias (inner objective on ``e = M(k) − v``):
         ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule; Titans, Eq. 12, and
-        TTT write ``‖e‖²`` without the ½, so their ``θ`` is half the ``θ`` here);
+        the TTT paper write ``‖e‖²`` without the ½, so their ``θ`` is half the ``θ`` here; the TTT
+        authors' code steps with ``e``, the ½ form, as here);
         ``"lp"``: ``(1/p) Σ |e|^p`` with the smooth surrogate ``|e| ≈ (e² + ε²)^{1/2}``, ``ε = lp_eps``
         (``|ε| ≥ 2⁻⁶³`` when ``p < 2``, so that ``ε²`` is a normal float32: the slope at ``e = 0`` is
         ``0 · ∞`` otherwise; Moneta, Miras
