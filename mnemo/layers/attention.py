@@ -13,7 +13,7 @@ from ..ops.softmax_attention import KVCache, keep_cache, kept_keys, softmax_atte
 from .base import Mixer, Mixing, check_input, version_of
 from .hooks import HookPoint, before_hook, left_unchanged
 from .linear_attention import check_heads, check_int, state_dtypes
-from .norm import RMSNorm
+from .norm import RMSNorm, check_eps
 from .registry import register_mixer
 from .rotary import RotaryEmbedding
 from .state import spec, state_dataclass
@@ -161,6 +161,7 @@ class Attention(Mixer):
         check_int("n_kv_heads", n_kv_heads, optional=True)
         check_int("window", window, optional=True)
         check_mode(mode, ("parallel", "recurrent"))
+        check_eps("norm_eps", norm_eps)  # (the q/k norms named it ``eps``, not the argument given)
         n_kv_heads = n_kv_heads or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")

@@ -12,6 +12,14 @@ al. 2021): for a token ``x`` (``[d]``) the router gives logits ``z = W_r x`` (``
 The weights use the unbiased scores: the bias changes which experts are chosen, never how much
 they count (DeepSeek-V3, §2.1.2, eq. 16).
 
+Scores (``score=``): ``"softmax"`` (default, above) or ``"sigmoid"``, the affinities of
+DeepSeek-V3 (Liu et al. 2024, §2.1.2, eq. 12–16): ``s_e = σ(z_e)`` (each expert scored alone, not
+summing to 1), chosen by ``s_e + b_e``, and weighted by the unbiased ``s_e / Σ_{e' ∈ TopK} s_e'``
+(``norm_topk_prob``, DeepSeek-V3's form) or ``s_e``. DeepSeek-V3's auxiliary-loss-free balancing is
+``score="sigmoid", norm_topk_prob=True, bias_balancing=True`` (its routed scaling factor, node-limited
+routing and sequence-wise loss are not part of this layer). With sigmoid scores ``L_aux`` below
+uses the scores normalised over all experts, ``s_e / Σ_e' s_e'`` (DeepSeek-V3 eq. 19–20), for ``P``.
+
 Losses (on the module after each forward, see :class:`MoE`):
 
 * load balance (Switch Transformer eq. 4–6, generalised to top-k as in DeepSeekMoE, counting
@@ -84,6 +92,7 @@ from .hooks import HookPoint
 from .mlp import SwiGLU, swiglu_hidden
 
 DISPATCH = ("sorted", "padded", "fixed", "reference")
+SCORES = ("softmax", "sigmoid")
 
 #: the options of :class:`MoE` that ``ModelConfig(mlp="moe", mlp_options=...)`` accepts, with
 #: their defaults (``expert_hidden = None``: ``ModelConfig.mlp_hidden``, else the dense SwiGLU width)
@@ -100,6 +109,7 @@ MOE_OPTIONS: dict[str, Any] = {
     "bias_balancing": False,
     "bias_update_rate": 1e-3,
     "dispatch": "sorted",
+    "score": "softmax",
 }
 
 
@@ -154,6 +164,8 @@ def check_moe_options(options: dict[str, Any]) -> None:
     _num("bias_update_rate", o["bias_update_rate"], positive=True)
     if o["dispatch"] not in DISPATCH:
         raise ValueError(f"dispatch: expected one of {DISPATCH}, got {o['dispatch']!r}")
+    if o["score"] not in SCORES:
+        raise ValueError(f"score: expected one of {SCORES}, got {o['score']!r}")
 
 
 def expert_load(indices: Tensor, n_experts: int) -> Tensor:
@@ -179,7 +191,7 @@ class MoE(nn.Module):
             none; Qwen2-MoE / Qwen3-Next / DeepSeekMoE). shared_expert_gate: scale the shared
             expert by ``σ(W_g x)`` (a learned scalar per token, as Qwen2-MoE / Qwen3-Next; default
             ``shared_expert_gate=False``).
-        norm_topk_prob: renormalise the k chosen softmax weights to sum to 1 (default ``True``).
+        norm_topk_prob: renormalise the k chosen scores (softmax or sigmoid) to sum to 1 (default ``True``).
             With ``top_k=1`` that makes every routing weight 1, so the router learns from the
             auxiliary losses only, never from the task (a ``UserWarning`` at the first training forward
             with gradients says so, once per module; not at construction); Switch's top-1
@@ -196,6 +208,8 @@ class MoE(nn.Module):
             (default ``bias_update_rate=1e-3``).
         dispatch: ``"sorted"`` | ``"padded"`` | ``"fixed"`` | ``"reference"`` (same results; see
             the module docstring; off the CPU ``"sorted"`` and ``"padded"`` run as ``"fixed"``).
+        score: ``"softmax"`` (default ``score="softmax"``) or ``"sigmoid"`` (DeepSeek-V3's
+            affinities ``σ(z_e)``; see the module docstring).
 
     Parameters: ``router.weight [E, d]``; ``w_in [E, 2H, d]`` (per expert ``[W_gate; W_up]``, the
     layout of :class:`~mnemo.layers.mlp.SwiGLU`'s ``w_in``), ``w_out [E, d, H]``;
@@ -233,6 +247,7 @@ class MoE(nn.Module):
         bias_balancing: bool = False,
         bias_update_rate: float = 1e-3,
         dispatch: str = "sorted",
+        score: str = "softmax",
     ):
         super().__init__()
         _int("d_model", d_model)
@@ -250,6 +265,7 @@ class MoE(nn.Module):
                 bias_balancing=bias_balancing,
                 bias_update_rate=bias_update_rate,
                 dispatch=dispatch,
+                score=score,
             )
         )
         H = expert_hidden or swiglu_hidden(d_model)
@@ -260,7 +276,7 @@ class MoE(nn.Module):
         self._top1_warned = False
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.bias_balancing, self.bias_update_rate = bias_balancing, float(bias_update_rate)
-        self.dispatch = dispatch
+        self.dispatch, self.score = dispatch, score
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(n_experts, 2 * H, d_model))
         self.w_out = nn.Parameter(torch.empty(n_experts, d_model, H))
@@ -331,7 +347,7 @@ class MoE(nn.Module):
         return (
             f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
             f"capacity_factor={self.capacity_factor}, bias_balancing={self.bias_balancing}, "
-            f"dispatch={self.dispatch!r}"
+            f"dispatch={self.dispatch!r}, score={getattr(self, 'score', 'softmax')!r}"
         )
 
     # ------------------------------------------------------------------------------------------
@@ -356,18 +372,27 @@ class MoE(nn.Module):
             return
         if tuple(counts.shape) != (self.n_experts,):
             raise ValueError(f"counts: expected shape [{self.n_experts}], got {list(counts.shape)}")
-        c = counts.to(self.expert_bias.device, torch.float32)
-        self.expert_bias.add_(self.bias_update_rate * torch.sign(c.mean() - c))
+        # sign(c̄ − c_e) = sign(Σ c − E c_e), exact in the counts' own dtype (long, or the trainer's
+        # float64 sums): in float32 counts above 2²⁴ (large steps) round, and near-balanced experts
+        # got no step or one in the wrong direction
+        c = counts if counts.is_floating_point() else counts.long()
+        step = torch.sign(c.sum() - self.n_experts * c)
+        self.expert_bias.add_(
+            self.bias_update_rate * step.to(self.expert_bias.device, self.expert_bias.dtype)
+        )
 
     # ------------------------------------------------------------------------------------------
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router logits ``[N, E]`` (through ``hook_router_logits``), scores ``softmax(logits)``
-        (float32/float64) and the chosen experts ``[N, k]`` (through ``hook_topk_indices``) of
-        tokens ``x [..., d]`` (flattened to ``N``)."""
+        (``sigmoid(logits)`` with ``score="sigmoid"``; float32/float64) and the chosen
+        experts ``[N, k]`` (through ``hook_topk_indices``) of tokens ``x [..., d]`` (flattened to ``N``)."""
         lead = x.shape[:-1]
         logits = self.hook_router_logits(self.router(x))
         cd = torch.promote_types(logits.dtype, torch.float32)
-        scores = torch.softmax(logits.to(cd), dim=-1)
+        if getattr(self, "score", "softmax") == "sigmoid":
+            scores = torch.sigmoid(logits.to(cd))
+        else:
+            scores = torch.softmax(logits.to(cd), dim=-1)
         sel = scores if self.expert_bias is None else scores + self.expert_bias.to(cd)
         idx = sel.topk(self.top_k, dim=-1).indices
         idx = self.hook_topk_indices(idx)
@@ -410,10 +435,13 @@ class MoE(nn.Module):
         if k == 1 and self.norm_topk_prob and self.training and not getattr(self, "_top1_warned", False):
             self._warn_top1()
         logits, scores, idx = self.route(x)
+        sigmoid = getattr(self, "score", "softmax") == "sigmoid"
         if self.norm_topk_prob:
-            # s_e / Σ_TopK s_e' = the softmax of the chosen logits: the same value, but never 0 / 0
-            # where the chosen scores underflow (the balancing bias may choose experts of score 0)
-            w = torch.softmax(logits.to(scores.dtype).gather(-1, idx), dim=-1)
+            # s_e / Σ_TopK s_e' = the softmax of the chosen logits (of the chosen log σ(z) for
+            # sigmoid scores): the same value, but never 0 / 0 where the chosen scores underflow
+            # (the balancing bias may choose experts of score 0)
+            chosen = logits.to(scores.dtype).gather(-1, idx)
+            w = torch.softmax(F.logsigmoid(chosen) if sigmoid else chosen, dim=-1)
         else:
             w = scores.gather(-1, idx)  # [N, k], unbiased scores of the chosen experts
 
@@ -479,7 +507,12 @@ class MoE(nn.Module):
 
         # statistics and auxiliary losses (Switch eq. 4–6 generalised to top-k; ST-MoE eq. 5)
         f = counts.to(scores.dtype) / max(N * k, 1)
-        P = scores.mean(0) if N else scores.new_zeros(E)
+        probs = (
+            scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+            if sigmoid
+            else scores
+        )
+        P = probs.mean(0) if N else scores.new_zeros(E)
         self.last_aux_loss = E * (f * P).sum()
         z = torch.logsumexp(logits.to(scores.dtype), dim=-1)
         self.last_z_loss = (z**2).mean() if N else scores.new_zeros(())
