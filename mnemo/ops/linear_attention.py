@@ -128,7 +128,11 @@ def linear_attention(
 
 
 def _check_features(qf, kf, B, T, H) -> None:
-    if qf.shape != kf.shape or qf.shape[:3] != (B, T, H):
+    if not (isinstance(qf, torch.Tensor) and isinstance(kf, torch.Tensor)):
+        raise TypeError(
+            f"feature_map must return a tensor [B, T, H, F], got {type(qf).__name__} and {type(kf).__name__}"
+        )
+    if qf.ndim != 4 or qf.shape != kf.shape or qf.shape[:3] != (B, T, H):
         raise ValueError(
             f"feature_map must map [B, T, H, K] to [B, T, H, F] for q and k alike, got "
             f"{list(qf.shape)} and {list(kf.shape)}"
@@ -188,5 +192,7 @@ def linear_attention_map(q, k, feature_map="elu", normalize: bool = True, scale:
     ``feature_map`` as in :func:`linear_attention`. Returns ``[B, H, T, T]``."""
     phi = resolve_feature_map(feature_map)
     scale = default_scale(scale, q.shape[-1])
-    M = gated_linear_attention_map(phi(q * scale), phi(k), scale=1.0)
+    qf, kf = phi(q * scale), phi(k)
+    _check_features(qf, kf, *q.shape[:3])
+    M = gated_linear_attention_map(qf, kf, scale=1.0)
     return M / (M.sum(-1, keepdim=True) + 1e-6) if normalize else M

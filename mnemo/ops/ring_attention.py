@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ._chunked import autocast_disabled, autocast_off
-from ._common import _shape, check_floating, compute_dtype, default_scale
+from ._common import _shape, check_floating, compute_dtype, default_scale, transformed
 
 __all__ = [
     "Ring",
@@ -392,9 +392,16 @@ def ring_attention(
         ValueError / TypeError: a shape, dtype, head count, window or scale is wrong (named,
             expected, got).
         RuntimeError: no ring given or set and no process group initialised; a backward with
-            ``create_graph=True`` (second-order gradients).
+            ``create_graph=True`` (second-order gradients); forward-mode AD or a ``torch.func``
+            transform (``vmap``, ``grad``, ``jvp``, …): :func:`blockwise_attention` takes those.
     """
     scale = _check(q, k, v, window, scale)
+    if transformed(q, k, v):  # (every member raises here, before any message is sent)
+        raise RuntimeError(
+            "ring_attention: forward-mode AD and torch.func transforms (vmap, grad, jvp, jacrev, ...) are "
+            "not supported (its messages and its backward run on plain tensors); use blockwise_attention "
+            "(the same computation in one process) or softmax_attention under a transform"
+        )
     if ring is None:
         ring = current_ring() or ProcessRing()
     return _RingAttention.apply(q, k, v, ring, causal, window, scale)

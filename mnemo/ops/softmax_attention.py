@@ -16,6 +16,7 @@ from ._common import (
     check_mode,
     compute_dtype,
     default_scale,
+    transformed,
 )
 
 __all__ = ["softmax_attention", "KVCache", "attention_mask", "softmax_attention_map", "kept_keys"]
@@ -26,6 +27,18 @@ class KVCache(NamedTuple):
 
     k: torch.Tensor
     v: torch.Tensor
+
+
+def _sdpa(q, k, v, **kw):
+    """``F.scaled_dot_product_attention``; under forward-mode AD or a ``torch.func`` transform with
+    the math kernel forced (the CPU flash kernel, which serves equal head dims, has no forward-mode
+    derivative: ``jvp`` raised ``NotImplementedError``)."""
+    if transformed(q, k, v):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 def attention_mask(
@@ -112,11 +125,7 @@ def sink_window_attention(qh, kh, vh, window: int, n_sink: int, scale: float, bl
         )
         i = torch.arange(S - T + t0, S - T + t1, device=qh.device)[:, None]
         mask = (idx[None] <= i) & ((i - idx[None] < window) | (idx[None] < n_sink))
-        outs.append(
-            F.scaled_dot_product_attention(
-                qh[:, :, t0:t1], kh[:, :, idx], vh[:, :, idx], attn_mask=mask, scale=scale
-            )
-        )
+        outs.append(_sdpa(qh[:, :, t0:t1], kh[:, :, idx], vh[:, :, idx], attn_mask=mask, scale=scale))
     return torch.cat(outs, 2)
 
 
@@ -141,7 +150,7 @@ def sliding_window_attention(
         if P:
             keys, vals = torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, vals], 2)
             mask = torch.cat([torch.ones(t1 - t0, P, dtype=torch.bool, device=qh.device), mask], 1)
-        outs.append(F.scaled_dot_product_attention(qh[:, :, t0:t1], keys, vals, attn_mask=mask, scale=scale))
+        outs.append(_sdpa(qh[:, :, t0:t1], keys, vals, attn_mask=mask, scale=scale))
     return torch.cat(outs, 2)
 
 
@@ -235,8 +244,9 @@ def softmax_attention(
             first ``n_sink`` too: :func:`kept_keys`). Default ``False``.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (``B = 1``): attention stays inside each
             sequence. No cache in or out in this case.
-        mode: ``"parallel"`` (``torch.nn.functional.scaled_dot_product_attention``) or
-            ``"recurrent"`` (a token loop with an explicit softmax, the reference).
+        mode: ``"parallel"`` (``torch.nn.functional.scaled_dot_product_attention``; its math kernel
+            under forward-mode AD or a ``torch.func`` transform) or ``"recurrent"`` (a token loop
+            with an explicit softmax, the reference).
 
     Returns:
         ``o: [B, T, H, V]`` in ``q``'s dtype, and the :class:`KVCache` or ``None``.
@@ -290,14 +300,14 @@ def softmax_attention(
             oh = sink_window_attention(qh, kh, vh, window, n_sink, scale)
         else:
             mask = attention_mask(T, S, window=window, n_sink=n_sink, device=q.device)
-            oh = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+            oh = _sdpa(qh, kh, vh, attn_mask=mask, scale=scale)
         o = rearrange(oh, "b h t d -> b t h d").to(q.dtype)
     elif mode == "parallel":
         if causal and window is None and segment_ids is None and S == T:
             if scale > 0:
-                oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+                oh = _sdpa(qh, kh, vh, is_causal=True, scale=scale)
             else:  # the CPU kernel's is_causal gives NaN for a scale <= 0 (torch 2.13): folded into q
-                oh = F.scaled_dot_product_attention(qh * scale, kh, vh, is_causal=True, scale=1.0)
+                oh = _sdpa(qh * scale, kh, vh, is_causal=True, scale=1.0)
         elif causal and window is not None and segment_ids is None and T > WINDOW_BLOCK:
             oh = sliding_window_attention(qh, kh, vh, window, scale)
         else:
@@ -307,7 +317,7 @@ def softmax_attention(
                 mask = attention_mask(
                     T, S, causal=causal, window=window, segment_ids=segment_ids, device=q.device
                 )
-            oh = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+            oh = _sdpa(qh, kh, vh, attn_mask=mask, scale=scale)
         o = rearrange(oh, "b h t d -> b t h d").to(q.dtype)
     else:
         cd = compute_dtype(q, k, v)
