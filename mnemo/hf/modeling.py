@@ -257,8 +257,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
     logits_to_keep=0)`` returns ``CausalLMOutputWithPast(loss, logits [B, T, vocab], cache)``
     (``logits_to_keep``: the positions whose logits come back, as ``transformers`` slices them — an int
     ``n`` the last ``n``, ``0`` all, a tensor positions (a 0-d one: one position, logits ``[B, V]``) or a
-    bool ``[B, T]`` mask; the loss still covers every labelled position); ``labels`` are shifted
-    inside (the ``transformers`` convention, ``-100`` ignored; the loss is their mean, or their sum
+    bool mask ``[T]`` (the same positions of every row) or ``[B, T]`` (flattened); the loss still
+    covers every labelled position); ``labels`` are shifted inside (the ``transformers`` convention,
+    ``-100`` ignored; the loss is their mean, or their sum
     over ``num_items_in_batch`` when given, as ``transformers.Trainer`` does with gradient
     accumulation). See the module docstring for the cache, padding and loading rules.
     """
@@ -295,6 +296,9 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         }
         # the special ids from_pretrained took from hf_config_carried.json or a foreign config.json
         self._source_ids: dict[str, Any] = {}
+        # the hf_config_carried.json of the converted folder from_pretrained read (save_pretrained
+        # writes it again)
+        self._carried_record: dict | None = None
 
     def _init_weights(self, module) -> None:
         """A no-op: :class:`~mnemo.models.LanguageModel` initialises its own parameters (mnemo's
@@ -524,7 +528,11 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         becomes ``generation_config`` (end-of-text ids, default lengths), as ``transformers``
         loads it for its own models; without one, the special token ids a converted checkpoint kept
         from its source's ``config.json`` (``hf_config_carried.json``) set them, as ``transformers``
-        derives them from that config (a foreign folder loaded directly: its own ``config.json``'s).
+        derives them from that config (a foreign folder loaded directly: its own ``config.json``'s);
+        a folder of mnemo's own with neither file gets the end-of-text token of its Hugging Face
+        tokenizer (a BPE run's ``<|endoftext|>``) as ``eos_token_id``, the id
+        :func:`~mnemo.hf.convert.export_hf` writes for it, so it generates as its export does.
+        :meth:`save_pretrained` writes the ``hf_config_carried.json`` read here again.
         The config's special ids that it leaves ``None`` are the source ``config.json``'s (those
         ``hf_config_carried.json`` kept, or a foreign folder's own), and for a folder of mnemo's own
         (whose ``config.json`` holds none) those of its ``generation_config.json``: ids given to
@@ -601,13 +609,23 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         # the special ids of the source's config.json: those a converted checkpoint kept from it, or a
         # foreign folder's own config.json's
         if (path / CARRIED_CONFIG_NAME).is_file():
-            fields = read(CARRIED_CONFIG_NAME).get("fields") or {}
+            carried = read(CARRIED_CONFIG_NAME)
+            fields = carried.get("fields") or {}
             fields = fields if isinstance(fields, dict) else {}
             foreign = True
+            model._carried_record = carried  # (save_pretrained writes it again: export_hf reads it)
         else:
             own = read(CONFIG_NAME)
             foreign = own.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE
             fields = own if foreign else {}
+            if not foreign and not (path / GENERATION_CONFIG_NAME).is_file():
+                # a folder of mnemo's own that declares no ids: the end-of-text token of its Hugging
+                # Face tokenizer (a BPE run's <|endoftext|>), the eos_token_id export_hf writes for it
+                from .convert import _eos_token_id
+
+                eot = _eos_token_id(path)
+                if eot is not None and eot < lm.config.vocab_size:
+                    fields, foreign = {"eos_token_id": eot}, True
         if (path / GENERATION_CONFIG_NAME).is_file():  # as transformers' own loader reads it
             model.generation_config = GenerationConfig.from_pretrained(path)
         else:  # none: the source's special ids (transformers derives its generation config from them
@@ -660,6 +678,13 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         if not kwargs.get("is_main_process", True):  # (transformers.Trainer's other ranks: as transformers,
             return  # only the main process writes)
         self.model.save_pretrained(save_directory)
+        if self._carried_record is not None:  # a converted folder's source fields, which export_hf
+            # writes back (special ids, residual_in_fp32): kept through a save -> reload -> save
+            from .convert import CARRIED_CONFIG_NAME
+
+            Path(save_directory, CARRIED_CONFIG_NAME).write_text(
+                json.dumps(self._carried_record, indent=2) + "\n", encoding="utf-8"
+            )
         # written only where it says more than the config, or where the folder would not give back
         # the special ids taken from the source (saved elsewhere than the converted folder)
         if self._generation_config_is_set() or not self._source_ids_kept(save_directory):
@@ -717,18 +742,25 @@ def _keep_logits(logits: torch.Tensor, keep) -> torch.Tensor:
     them (its ``slice_logits_to_keep``): an int ``n`` the last ``n`` positions (``0``, or ``None``, all);
     a 0-d integer tensor the index of one position (the positions axis goes: ``[B, V]``); a 1-D
     integer tensor those positions of every row; a 2-D integer tensor ``[B, N]`` positions per row;
-    a 2-D bool tensor ``[B, T]`` a mask of the positions kept, flattened to ``[kept, V]``. A float
-    tensor or one of another rank raises ``ValueError``."""
+    a 1-D bool tensor ``[T]`` a mask of the positions kept in every row (``[B, kept, V]``); a 2-D bool
+    tensor ``[B, T]`` a mask of the positions kept, flattened to ``[kept, V]``. A float tensor, a 0-d
+    bool one, a bool mask of another shape or a tensor of another rank raises ``ValueError``."""
     if torch.is_tensor(keep):
         if (
             keep.is_floating_point()
             or keep.is_complex()
             or keep.ndim > 2
-            or (keep.ndim < 2 and keep.dtype == torch.bool)
+            or (keep.ndim == 0 and keep.dtype == torch.bool)
         ):
             raise ValueError(
                 "logits_to_keep: expected an int >= 0 or an integer tensor of positions (0-d, 1-D or "
-                f"[B, N]) or a bool [B, T] mask, got a {keep.ndim}-D {keep.dtype} tensor"
+                f"[B, N]) or a bool mask ([T] or [B, T]), got a {keep.ndim}-D {keep.dtype} tensor"
+            )
+        if keep.dtype == torch.bool and tuple(keep.shape) != tuple(logits.shape[2 - keep.ndim : 2]):
+            want = "[T]" if keep.ndim == 1 else "[B, T]"
+            raise ValueError(
+                f"logits_to_keep: a bool mask must be {want} = {list(logits.shape[2 - keep.ndim : 2])} "
+                f"(one entry per position of input_ids), got {list(keep.shape)}"
             )
         keep = keep.to(logits.device)
         if keep.ndim == 2 and keep.dtype == torch.bool:

@@ -119,7 +119,7 @@ def test_logits_to_keep_slices_the_logits_as_transformers_does():
     pos = torch.tensor([0, 3])
     torch.testing.assert_close(m(ids, logits_to_keep=pos).logits, full.logits[:, [0, 3]], rtol=0, atol=0)
     # (2-D tensors are taken as transformers 5 takes them: tests/hf/test_review6_interop.py)
-    for other in (torch.zeros(2, 6, 1, dtype=torch.long), torch.zeros(6, dtype=torch.bool)):
+    for other in (torch.zeros(2, 6, 1, dtype=torch.long), torch.tensor(True)):  # (1-D bool: review 7)
         with pytest.raises(ValueError, match=r"logits_to_keep: expected an int >= 0 or an integer tensor"):
             m(ids, logits_to_keep=other)
     torch.testing.assert_close(m(ids, logits_to_keep=None).logits, full.logits, rtol=0, atol=0)
