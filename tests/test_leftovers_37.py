@@ -49,5 +49,6 @@ def test_write_json_is_strict_json(tmp_path):
     out = tmp_path / "b.json"
     write_json(out, {"rows": [{"ms": math.nan, "ratio": math.inf, "n": 3}]})
     assert json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}")) == {
-        "rows": [{"ms": None, "ratio": None, "n": 3}]
+        "rows": [{"ms": None, "ratio": None, "n": 3}],
+        "nonfinite": {"rows/0/ms": "NaN", "rows/0/ratio": "Infinity"},  # (review 7: named, as probe/train)
     }

@@ -109,7 +109,9 @@ def test_verify_json_is_strict_when_an_error_is_nan(tmp_path):
 
     out = tmp_path / "v.json"
     _write_json(str(out), [{"name": "x", "max_rel_err": float("nan"), "passed": False}])
-    assert _strict_json(out.read_text()) == [{"name": "x", "max_rel_err": None, "passed": False}]
+    assert _strict_json(out.read_text()) == [
+        {"name": "x", "max_rel_err": None, "passed": False, "nonfinite": {"max_rel_err": "NaN"}}  # (review 7)
+    ]
 
 
 def test_decode_suite_names_its_units_mib():

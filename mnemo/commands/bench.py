@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .. import argtypes as kinds
@@ -95,6 +94,8 @@ def _bench_all(args) -> int:
     import copy
     import tempfile
 
+    from ..bench import loads_json
+
     rc = 0
     suites = ("ops", "peers", "decode", "models")
     combined = {}
@@ -106,7 +107,8 @@ def _bench_all(args) -> int:
                 print(f"\n=== mnemo bench --suite {suite} ===", flush=True)
                 rc = max(rc, _run_suite(a))
                 path = Path(a.json)
-                combined[suite] = json.loads(path.read_text()) if path.is_file() else None
+                # the suite's NaN/inf restored: the combined file names them in one "nonfinite" map
+                combined[suite] = loads_json(path.read_text()) if path.is_file() else None
     except KeyboardInterrupt as e:  # the finished suites' rows are kept (the others are null)
         if args.json and combined:
             from ..bench import write_json
@@ -117,9 +119,9 @@ def _bench_all(args) -> int:
             e.then = f"; no suite finished: {args.json} was not written"
         raise
     if args.json:
-        from ..train.checkpoint import atomic_write_text
+        from ..bench import write_json
 
-        atomic_write_text(args.json, json.dumps(combined, indent=2))
+        write_json(args.json, combined)  # strict JSON (a bare NaN of a suite's row was written here)
         print(f"wrote {args.json}")
     return rc
 

@@ -579,7 +579,12 @@ def add_commands(sub) -> None:
         type=kinds.ExistingDir("a run or checkpoint folder"),
         help="run directory or checkpoint directory",
     )
-    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument(
+        "--prompt",
+        default="",
+        help='text to continue (default "": the text starts after the beginning-of-text token, or after a '
+        "newline, not printed, for a model without one)",
+    )
     g.add_argument(
         "--max-new-tokens",
         type=kinds.Int(0, MAX_NEW_TOKENS),

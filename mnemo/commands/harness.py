@@ -166,7 +166,7 @@ def run(args) -> int:
     except ImportError as e:
         raise ImportError(f"mnemo harness needs lm-eval: pip install 'mnemo[hf]' ({e})") from None
 
-    from mnemo.bench import json_safe
+    from mnemo.bench import dumps_json
     from mnemo.hf.harness import MnemoLM  # noqa: F401  (registers the "mnemo" lm-eval model)
     from mnemo.train import resolve_checkpoint
     from mnemo.train.checkpoint import atomic_write_text
@@ -211,8 +211,9 @@ def run(args) -> int:
     elapsed = time.time() - t0
     out = Path(args.out)  # checked writable when the command line was read (before the work)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # strict JSON (lm-eval's own writer leaves bare NaN, e.g. a stderr of one sample): null there
-    text = json.dumps(json_safe(results), indent=2, default=handle_non_serializable, allow_nan=False)
+    # strict JSON (lm-eval's own writer leaves bare NaN, e.g. a stderr of one sample): null there,
+    # named in the "nonfinite" map (mnemo.bench.loads_json restores it)
+    text = dumps_json(json.loads(json.dumps(results, default=handle_non_serializable)))
     atomic_write_text(out, text)
     print(make_table(results))
     if results.get("groups"):

@@ -100,8 +100,10 @@ def _cmd_sweep(args) -> int:
     from ..sweep.spec import SweepSpec
 
     spec = SweepSpec.load(args.config)
-    # (a --db given: the file's or the default database is not looked for, an old one included)
-    db, out = default_paths(dataclasses.replace(spec, db=str(args.db)) if args.db else spec)
+    # (a --db given: the file's or the default database is not looked for, an old one included;
+    # an --out given: the run folders are there, as a warning about an old database says)
+    given = {k: str(v) for k, v in (("db", args.db), ("out", args.out)) if v}
+    db, out = default_paths(dataclasses.replace(spec, **given) if given else spec)
     # the file's (or the default) places get the checks the flags get, before any run starts
     # (a file without 'db'/'out': the default place is named as such, with the flag that sets another)
     db_where = f"{args.config}: " + (

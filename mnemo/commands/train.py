@@ -229,7 +229,11 @@ def _absolute_data(value):
     p = os.path.expanduser(value)
     if os.path.isabs(p) or not (os.path.exists(p) or any(c in p for c in "*?[")):
         return value
-    return os.path.abspath(p)
+    parts = Path(p).parts
+    wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+    # a glob's literal folders made absolute, the rest as written (abspath read "*/.." as no folder)
+    glob = os.path.join(os.path.abspath(os.path.join(*parts[:wild]) if wild else "."), *parts[wild:])
+    return glob + os.sep if p.endswith(("/", os.sep)) else glob  # "corpus/**/" matches folders only
 
 
 def _same_data(given: str, saved: str) -> bool:
@@ -292,6 +296,16 @@ def _saved_task(out) -> str | None:
 def _cmd_train(args) -> int:
     with contextlib.ExitStack() as held:  # the run folder's lock, once taken: until the command ends
         return _train(args, held)
+
+
+def parameter_count(n: int) -> str:
+    """``n`` parameters as the banner says it: the count itself below a million (``"12,345"``; a
+    tiny model's ``0.01M`` said nothing), else three significant digits (``"1.23M"``, ``"7.5B"``)."""
+    if n < 1_000_000:
+        return f"{n:,}"
+    if n < 999_500_000:
+        return f"{n / 1e6:.3g}M"
+    return f"{n / 1e9:.3g}B"
 
 
 def _train(args, held: contextlib.ExitStack) -> int:
@@ -511,7 +525,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
         )
     split = f" ({split})" if split else ""
     say(
-        f"mnemo train: model {c.model} ({n_params / 1e6:.2f}M parameters), {source}, "
+        f"mnemo train: model {c.model} ({parameter_count(n_params)} parameters), {source}, "
         f"{c.steps} steps of {c.batch_size}x{c.seq_len} tokens{split} -> {out}",
         flush=True,
     )

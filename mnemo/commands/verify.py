@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import math
 import sys
 import time
@@ -280,12 +279,12 @@ def run(args) -> int:
 
 
 def _write_json(path: str, rows: list[dict]) -> None:
-    from mnemo.bench import json_safe
-    from mnemo.train.checkpoint import atomic_write_text
+    from mnemo.bench import write_json
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    # strict JSON: an error that came out NaN (a kernel that wrote NaN) is null there
-    atomic_write_text(path, json.dumps(json_safe(rows), indent=2, allow_nan=False))
+    # strict JSON: an error that came out NaN (a kernel that wrote NaN) is null there, and the row's
+    # "nonfinite" map says which (mnemo.bench.loads_json restores it)
+    write_json(path, rows)
     print(f"wrote {path}")
 
 

@@ -235,6 +235,7 @@ def _files(data: str, warn: bool = True) -> list[Path]:
         return _no_twins(known, data)
     if any(c in data for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(data, recursive=True) if Path(f).is_file())
+        refuse_run_files(data, files)
         if files:
             return _no_twins(files, data)
     raise FileNotFoundError(
@@ -243,13 +244,71 @@ def _files(data: str, warn: bool = True) -> list[Path]:
     )
 
 
+def _wild(part: str) -> bool:
+    return any(c in part for c in "*?[")
+
+
+def run_files(pattern: str, files: list[Path]) -> list[Path]:
+    """The ``files`` (matches of the glob ``pattern``) that lie in a training run's folder (one
+    holding ``latest``, ``metrics.jsonl`` or ``.lock``, or a run's checkpoint): its logs and
+    checkpoints, not text. The folders looked at are those between the pattern's literal start
+    (its folders before the first wildcard) and the file."""
+    from ..argtypes import checkpoint_around, is_run_folder
+
+    parts = Path(pattern).parts
+    first = next((i for i, p in enumerate(parts) if _wild(p)), len(parts))
+    top = Path(*parts[:first]) if first else Path(".")
+    seen: dict[Path, bool] = {}
+
+    def in_run(f: Path) -> bool:
+        for a in f.parents:
+            if a not in seen:
+                seen[a] = is_run_folder(a)
+            if seen[a]:
+                return True
+            if a == top or len(a.parts) <= len(top.parts):
+                break
+        return checkpoint_around(f) is not None
+
+    return [f for f in files if in_run(f)]
+
+
+def refuse_run_files(pattern: str, files: list[Path]) -> None:
+    """Raise ``ValueError`` naming the ``files`` of the glob ``pattern`` that lie in a training run's
+    folder (:func:`run_files`): a glob such as ``**/*.jsonl`` over a project would read runs'
+    ``metrics.jsonl`` (this run's siblings', a sweep's earlier runs') as corpus."""
+    found = run_files(pattern, files)
+    if found:
+        shown = ", ".join(map(str, found[:3])) + (f", ... ({len(found) - 3} more)" if len(found) > 3 else "")
+        raise ValueError(
+            f"data {pattern!r} matches {len(found)} file(s) of training run folders (their logs and "
+            f"checkpoints, not text): {shown}; narrow the glob to the corpus files (e.g. corpus/**/*.jsonl)"
+        )
+
+
 def glob_reads_run(pattern: str, out) -> bool:
     """Whether ``glob.glob(pattern, recursive=True)`` would match a file a run writes in ``out``
     (``metrics.jsonl``, a checkpoint's ``config.json``): ``**`` spans any folders, ``*``/``?``/``[``
-    one name, as ``glob`` reads them (a name starting with "." is not matched by a wildcard). ``mnemo
-    train`` and a sweep refuse a run folder that their ``data`` glob reads."""
+    one name, as ``glob`` reads them (a name starting with "." is not matched by a wildcard); a
+    pattern ending in ``/`` matches folders only (never a file: ``False``). ``mnemo train`` and a
+    sweep refuse a run folder that their ``data`` glob reads.
+
+    Raises:
+        ValueError: ``..`` after a wildcard (``corpus/*/../x``): which folder it names depends on
+            what the wildcard matches, so the answer would be a guess.
+    """
     import fnmatch
     import os
+
+    if pattern.endswith(("/", os.sep)):
+        return False
+    written_parts = Path(os.path.expanduser(pattern)).parts
+    wild = [i for i, p in enumerate(written_parts) if _wild(p)]
+    if wild and ".." in written_parts[wild[0] :]:
+        raise ValueError(
+            f"data {pattern!r}: '..' after a wildcard is not supported in a data glob (the folder it "
+            "names depends on what the wildcard matches); write the path without it"
+        )
 
     def parts(path: str) -> list[str]:
         return list(Path(os.path.abspath(os.path.expanduser(path))).parts)

@@ -31,7 +31,8 @@ def default_paths(spec: SweepSpec, config_path: str | Path | None = None) -> tup
     A database that an earlier mnemo made at the old default, ``runs/sweeps/NAME.sqlite`` under the
     working directory, is continued there (with its ``runs/sweeps/NAME/`` unless ``out`` is set),
     with a warning; if the project folder holds one as well, ``ValueError`` names both (give the
-    one to continue with ``--db``)."""
+    one to continue with ``--db``; with ``config_path``, the sweep file of ``mnemo reproduce``, which
+    has no ``--db``: set the file's ``db`` to it)."""
     root = Path(spec.root) if spec.root is not None else Path()
     db = Path(spec.db) if spec.db else root / "runs" / "sweeps" / f"{spec.name}.sqlite"
     out = Path(spec.out) if spec.out else root / "runs" / "sweeps" / spec.name
@@ -40,19 +41,26 @@ def default_paths(spec: SweepSpec, config_path: str | Path | None = None) -> tup
         if db.exists():
             raise ValueError(
                 f"sweep {spec.name!r} has two databases: {db} (the default: under the sweep file's project "
-                f"folder) and {old} under the working directory (the default of earlier versions); give "
-                "the one to continue with --db (and its run folders with --out), or move the other away"
+                f"folder) and {old} under the working directory (the default of earlier versions); "
+                + (
+                    f"set the one to continue as db in {config_path} (its run folders as out), or move "
+                    "the other away"
+                    if config_path is not None
+                    else "give the one to continue with --db (and its run folders with --out), or move the "
+                    "other away"
+                )
             )
         import warnings
 
+        out = Path(spec.out) if spec.out else old.with_suffix("")
+        move = "it" if spec.out else "them"  # (an out given: the run folders stay where they are)
         warnings.warn(
-            f"continuing {old} (and its run folders in {old.with_suffix('')}) under the working directory, "
-            f"where earlier versions stored sweep {spec.name!r}; the default is now {db} under the sweep "
-            f"file's project folder: move them there to continue from any working directory",
+            f"continuing {old} (its run folders in {out}) under the working directory, where earlier "
+            f"versions stored sweep {spec.name!r}; the default is now {db} under the sweep file's project "
+            f"folder: move {move} there to continue from any working directory",
             stacklevel=2,
         )
         db = old
-        out = Path(spec.out) if spec.out else old.with_suffix("")
     return db, out
 
 
@@ -282,15 +290,31 @@ def run_sweep(
 
 def _check_data_globs(spec: SweepSpec, out_dir: Path) -> None:
     """Refuse a run whose ``data`` glob would read the files it writes in its run folder (as
-    ``mnemo train`` refuses such an ``--out``): the next run, or its resume, would read them."""
-    from ..data.corpus import BUNDLED, glob_reads_run
+    ``mnemo train`` refuses such an ``--out``): the next run, or its resume, would read them; and a
+    glob that matches files of other training runs' folders now (an earlier sweep's, a run beside
+    the corpus: :func:`~mnemo.data.corpus.refuse_run_files`, naming them), before any run starts."""
+    import glob
 
+    from ..data.corpus import BUNDLED, glob_reads_run, refuse_run_files
+
+    looked = set()
     for run in spec.runs():
         cfg = run.train_config
         data = cfg.get("data")
         if cfg.get("task") or not isinstance(data, str) or data in BUNDLED or Path(data).exists():
             continue
-        if any(c in data for c in "*?[") and glob_reads_run(data, out_dir / run.run_id):
+        if not any(c in data for c in "*?["):
+            continue
+        try:
+            if data not in looked:  # other runs' folders it matches now (a sibling's, an earlier sweep's)
+                looked.add(data)
+                refuse_run_files(
+                    data, sorted(Path(f) for f in glob.glob(data, recursive=True) if Path(f).is_file())
+                )
+            reads = glob_reads_run(data, out_dir / run.run_id)
+        except ValueError as e:
+            raise ValueError(f"sweep {spec.name!r}: {e}") from None
+        if reads:
             raise ValueError(
                 f"sweep {spec.name!r}: its run folders in {out_dir} are where data {data!r} reads: the "
                 "glob would match the runs' own files (metrics.jsonl, the checkpoints' .json files) and "
