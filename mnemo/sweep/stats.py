@@ -16,8 +16,10 @@ Stegun 26.7.3–26.7.4 (with ``θ = arctan(t / √ν)``)::
                 a_0 = 1, a_j = a_{j−1} · 2j / (2j + 1)
     ν even:     A = sin θ · Σ_{j=0}^{(ν−2)/2} b_j cos^{2j} θ,   b_0 = 1, b_j = b_{j−1} · (2j − 1) / (2j)
 
-``A`` increases monotonically in ``θ ∈ [0, π/2)``, so ``t_{p, ν}`` is found by bisection on ``θ``
-to machine precision (and ``t = √ν · tan θ``).
+``A`` increases monotonically in ``θ ∈ [0, π/2)``, so ``t_{p, ν}`` is found by bisection to machine
+precision, on ``φ = π/2 − θ`` against the tail ``1 − A`` (``t = √ν · cot φ``): the tail of a tiny
+``p`` is summed as the rest of A's series (no ``1 − A`` cancellation), and ``φ`` resolves a ``t``
+of 1e100 where ``θ`` would round to ``π/2``.
 """
 
 from __future__ import annotations
@@ -46,12 +48,49 @@ def _two_sided_cdf(theta: float, df: int) -> float:
     return s * total
 
 
+def _two_sided_tail(phi: float, df: int) -> float:
+    """``P(|T| > √df · cot φ)`` (``φ = π/2 − θ``) with its relative precision kept in the far tail:
+    ``1 − A`` from the closed forms while that is above 0.01, else the rest of A's series beyond its
+    last closed-form term (the full series sum to 1: ``Σ_j b_j c^{2j} = 1/s`` and
+    ``s c Σ_j a_j c^{2j} = π/2 − θ``), which has no cancellation and converges as ``c^{2j}``."""
+    s, c = math.cos(phi), math.sin(phi)  # sin θ, cos θ
+    c2 = c * c
+    if df % 2 == 1:
+        total, term = 0.0, 1.0
+        for j in range(1, (df - 1) // 2 + 1):
+            total += term
+            term *= c2 * (2 * j) / (2 * j + 1)
+        q = (2 / math.pi) * (phi - s * c * total)  # 1 − A: 1 − 2θ/π is 2φ/π
+        if q > 0.01:
+            return q
+        j, rest = (df - 1) // 2, 0.0  # term is a_j c^{2j} now
+        while rest + term != rest:
+            rest += term
+            j += 1
+            term *= c2 * (2 * j) / (2 * j + 1)
+        return (2 / math.pi) * s * c * rest
+    total, term = 0.0, 1.0
+    for j in range(1, df // 2 + 1):
+        total += term
+        term *= c2 * (2 * j - 1) / (2 * j)
+    q = 1.0 - s * total
+    if q > 0.01:
+        return q
+    j, rest = df // 2, 0.0  # term is b_j c^{2j} now
+    while rest + term != rest:
+        rest += term
+        j += 1
+        term *= c2 * (2 * j - 1) / (2 * j)
+    return s * rest
+
+
 def t_quantile(p: float, df: int) -> float:
     """The ``p``-quantile ``t_{p, df}`` of Student's t distribution.
 
     Accurate to ≤ 6e-15 relative for the few degrees of freedom of a sweep and ``p ≤ 0.995``
-    (~1e-14 at ``df = 500``). In the far tail the error grows as ~1e-16 / (1 − p) (1e-10 at ``p = 1 − 1e-6``):
-    the bisection compares ``P(|T| ≤ t)`` with ``2p − 1``, both within 1e-16 of 1 there.
+    (≤ 4e-14 at ``df = 500``). The tail ``min(p, 1 − p)`` is solved for directly, so a tiny ``p``
+    (down to the smallest float) keeps its relative precision; a ``p`` near 1 is only as precise
+    as the float ``1 − p`` it stands for (``1 − 1e-300`` is 1.0, outside (0, 1)).
 
     Args:
         p: probability in (0, 1); e.g. ``0.975`` for a two-sided 95% interval.
@@ -69,25 +108,29 @@ def t_quantile(p: float, df: int) -> float:
     df = int(df)
     if not isinstance(p, numbers.Real) or not 0.0 < p < 1.0:
         raise ValueError(f"t_quantile: p must be a probability in (0, 1), got {p!r}")
+    p = float(p)
     if p == 0.5:
         return 0.0
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    if df == 1:  # Cauchy: tan(π(p − ½)), as cot(π(1 − p)) in the tail (tan θ near π/2 lost 2.6e-14 at 0.995)
-        return math.tan(math.pi * (p - 0.5)) if p <= 0.75 else 1.0 / math.tan(math.pi * (1.0 - p))
+    sign, q = (1.0, 1.0 - p) if p > 0.5 else (-1.0, p)  # q = P(T > |t|), exact (Sterbenz) for p > ½
+    if df == 1:  # Cauchy: cot(π q) (tan θ near π/2 lost 2.6e-14 at 0.995)
+        return sign / math.tan(math.pi * q)
     if df == 2:  # closed form (the t of three seeds, the most common interval): exact to rounding
-        return (2.0 * p - 1.0) / math.sqrt(2.0 * p * (1.0 - p))
-    target = 2.0 * p - 1.0  # two-sided probability P(|T| <= t)
-    lo, hi = 0.0, math.pi / 2
-    for _ in range(200):  # bisection on θ: 200 halvings reach the float spacing long before the end
+        return sign * (1.0 - 2.0 * q) / math.sqrt(2.0 * q * (1.0 - q))
+    # bisection on φ = π/2 − θ (t = √df · cot φ), where a far-tail t of 1e100 is still a float φ:
+    # halve φ until P(|T| > t) falls below 2q, then bisect to the float spacing
+    target, hi = 2.0 * q, math.pi / 2
+    lo = hi / 2
+    while lo > 0.0 and _two_sided_tail(lo, df) > target:
+        hi, lo = lo, lo / 2
+    for _ in range(200):
         mid = 0.5 * (lo + hi)
         if mid in (lo, hi):
             break
-        if _two_sided_cdf(mid, df) < target:
-            lo = mid
-        else:
+        if _two_sided_tail(mid, df) > target:
             hi = mid
-    return math.sqrt(df) * math.tan(0.5 * (lo + hi))
+        else:
+            lo = mid
+    return sign * math.sqrt(df) / math.tan(0.5 * (lo + hi))
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
@@ -139,6 +182,8 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict:
         dev, scale = [x / 2 - mean / 2 for x in xs], 2.0
     big = max(abs(d) for d in dev)
     std = big * math.sqrt(math.fsum((d / big) ** 2 for d in dev) / (n - 1)) * scale if big > 0 else 0.0
-    half = t_quantile(0.5 + confidence / 2, n - 1) * (std / math.sqrt(n))  # (t · std may overflow)
+    # t_{(1 + c)/2} as −t_{(1 − c)/2}: 1 − c is exact for c ≥ ½, where 0.5 + c/2 rounded to 1.0 for
+    # c = 1 − 2⁻⁵³ (refused as t_quantile's p); (t · std may overflow)
+    half = (0.0 - t_quantile((1.0 - confidence) / 2, n - 1)) * (std / math.sqrt(n))
     out.update(std=std, half_width=half, low=mean - half, high=mean + half)
     return out

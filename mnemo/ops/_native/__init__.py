@@ -104,7 +104,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-_suppressed = threading.local()
+class _Depth(threading.local):
+    """Open :class:`suppressed` blocks in this thread. ``depth`` is set on each thread's first
+    access (``threading.local`` runs ``__init__`` per thread), so a ``torch.compile``'d function
+    that opens a block does not guard on the attribute's absence and compile again on its
+    second call."""
+
+    def __init__(self):
+        self.depth = 0
+
+
+_suppressed = _Depth()
 
 
 _SWITCH_ON = ("", "1", "true", "on", "yes")
