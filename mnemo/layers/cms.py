@@ -133,7 +133,7 @@ projections get no gradient and it would step at evaluation with untrained setti
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -347,6 +347,49 @@ def _check_width(owner: str, d_model) -> None:
         raise ValueError(f"{owner}.d_model: expected an int >= 1, got {d_model!r}")
 
 
+def _autocast_on(t: torch.Tensor) -> bool:
+    """Autocast is on for ``t``'s device type (``False`` for a device type autocast does not know,
+    e.g. ``meta``)."""
+    try:
+        return torch.is_autocast_enabled(t.device.type)
+    except RuntimeError:
+        return False
+
+
+def no_autocast(t: torch.Tensor):
+    """A context with autocast off on ``t``'s device type where it is on (else a no-op): state
+    arithmetic that must keep its own dtype inside a bf16 autocast forward."""
+    return torch.autocast(t.device.type, enabled=False) if _autocast_on(t) else nullcontext()
+
+
+def _add_outer(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, beta: float = 1.0):
+    """``beta · base + alpha · aᵀ b`` (batched: ``a [B, L, i]``, ``b [B, L, o]``, ``base [B, i, o]``)
+    in ``base``'s dtype, outside autocast: a fast weight or a period's gradient sum accumulates in
+    its own dtype (float32 for float32 parameters) even when the tokens' factors ``a, b`` come from
+    a bf16 autocast forward (autocast would run the ``baddbmm`` in bf16 and return the weights in
+    bf16, rounding every later small step away)."""
+    a, b = a.transpose(-1, -2).to(base.dtype), b.to(base.dtype)
+    with no_autocast(base):
+        return torch.baddbmm(base, a, b, alpha=alpha, beta=beta)
+
+
+def check_dtype(x: torch.Tensor, module: nn.Module, name: str = "x") -> None:
+    """Raise ``ValueError`` (naming ``name``, the expected and the received dtype) unless ``x`` can
+    meet ``module``'s parameters: the same floating dtype, or, under autocast on ``x``'s device,
+    any pair without float64 (autocast casts float32/bf16/fp16, never float64). Every other pair
+    would fail deep inside a matmul with torch's unnamed dtype error; nothing is cast silently."""
+    pd = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if pd is None or x.dtype == pd:
+        return
+    if _autocast_on(x) and torch.float64 not in (x.dtype, pd):
+        return
+    raise ValueError(
+        f"{name}: expected dtype {pd} (the dtype of {type(module).__name__}'s parameters"
+        f"{'' if pd == torch.float64 or x.dtype == torch.float64 else ', or any under autocast'}), "
+        f"got {x.dtype}; cast the input or the module (module.to({pd}) / x.to({pd}))"
+    )
+
+
 def _as_levels(levels) -> list:
     """``levels`` as a list of :class:`Level` (each a ``Level`` or a dict of its fields)."""
     if isinstance(levels, (Level, dict, str)) or not hasattr(levels, "__iter__"):
@@ -514,13 +557,13 @@ class CMSLevel(nn.Module):
         st = replace(st, position=st.position + L)
         if whole and self.level.optimizer == "gd":  # fused: θ − Σ_t x ⊗ δ, no gradient buffers
             w = (
-                torch.baddbmm(W_in, x.transpose(-1, -2), dz, alpha=-1.0),
-                torch.baddbmm(W_out, a.transpose(-1, -2), err, alpha=-1.0),
+                _add_outer(W_in, x, dz, alpha=-1.0),
+                _add_outer(W_out, a, err, alpha=-1.0),
             )
             return y, replace(st, weights=w, updates=st.updates + 1)
         grad = (
-            torch.baddbmm(st.grad[0], x.transpose(-1, -2), dz),
-            torch.baddbmm(st.grad[1], a.transpose(-1, -2), err),
+            _add_outer(st.grad[0], x, dz),
+            _add_outer(st.grad[1], a, err),
         )
         st = replace(st, grad=grad)
         if whole:
@@ -555,12 +598,12 @@ class CMSLevel(nn.Module):
         if st.applied is not None:
             X, DZ, A, E = st.applied
             w = (
-                torch.baddbmm(w[0], X.transpose(-1, -2), DZ, alpha=-1.0),
-                torch.baddbmm(w[1], A.transpose(-1, -2), E, alpha=-1.0),
+                _add_outer(w[0], X, DZ, alpha=-1.0),
+                _add_outer(w[1], A, E, alpha=-1.0),
             )
         if st.current is not None:
             X, DZ, A, E = st.current
-            g = (torch.baddbmm(g[0], X.transpose(-1, -2), DZ), torch.baddbmm(g[1], A.transpose(-1, -2), E))
+            g = (_add_outer(g[0], X, DZ), _add_outer(g[1], A, E))
         return replace(st, weights=w, grad=g, applied=None, current=None)
 
     def _fold_period(self, st: LevelState) -> LevelState:
@@ -635,18 +678,18 @@ class CMSLevel(nn.Module):
             if fresh and ends and self.level.optimizer == "gd":
                 # a whole period in one piece: θ − Σ_t x_t ⊗ δ_t fused, the zero buffers untouched
                 w = (
-                    torch.baddbmm(W_in, xs.transpose(-1, -2), dz, alpha=-1.0),
-                    torch.baddbmm(W_out, a.transpose(-1, -2), err, alpha=-1.0),
+                    _add_outer(W_in, xs, dz, alpha=-1.0),
+                    _add_outer(W_out, a, err, alpha=-1.0),
                 )
                 st = replace(st, weights=w, absorbed=st.absorbed + n, updates=st.updates + 1)
                 t += n
                 continue
             if fresh:  # nothing to add to
-                grad = (xs.transpose(-1, -2) @ dz, a.transpose(-1, -2) @ err)
+                grad = (_add_outer(st.grad[0], xs, dz, beta=0.0), _add_outer(st.grad[1], a, err, beta=0.0))
             else:
                 grad = (
-                    torch.baddbmm(st.grad[0], xs.transpose(-1, -2), dz),
-                    torch.baddbmm(st.grad[1], a.transpose(-1, -2), err),
+                    _add_outer(st.grad[0], xs, dz),
+                    _add_outer(st.grad[1], a, err),
                 )
             st = replace(st, grad=grad, absorbed=st.absorbed + n)
             if ends:
@@ -906,7 +949,8 @@ class ContinuumMemory(nn.Module):
         """``x [B, T, d_model] -> (y [B, T, d_model], CMSState)``.
 
         Raises:
-            ValueError: ``x`` is not ``[B, T, d_model]``; ``state`` is not a :class:`CMSState` or
+            ValueError: ``x`` is not ``[B, T, d_model]`` or not of the parameters' dtype (under
+                autocast: float64 on one side only); ``state`` is not a :class:`CMSState` or
                 ``None``, holds another number of levels,
                 another batch size, or a level state this module cannot continue (weights of other
                 widths, momentum buffers missing for a momentum optimizer or present for ``"gd"``,
@@ -914,6 +958,7 @@ class ContinuumMemory(nn.Module):
         """
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x: expected [B, T, {self.d_model}], got {list(x.shape)}")
+        check_dtype(x, self)
         if state is not None:
             if not isinstance(state, CMSState):
                 raise ValueError(

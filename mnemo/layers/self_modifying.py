@@ -169,6 +169,7 @@ from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
 from ..ops._common import clamp_log_gate, inference_involved
 from .base import Mixer, Mixing, check_input, upcast
+from .cms import check_dtype
 from .conv import ShortConvolution
 from .hooks import HookPoint, show_state
 from .linear_attention import check_bool, check_heads
@@ -744,6 +745,7 @@ class SelfModifyingTitans(Mixer):
         """``log α_t [B, T]``: the retention this mixer applies to every memory on ``x [B, T, d]``
         from a fresh state (generated in context by ``M_α``)."""
         B, T = check_input(x, self.d_model)
+        check_dtype(x, self)
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         xin = self.conv(x)[0] if self.conv is not None else x
         token = T == 1 or self.mode == "recurrent"
@@ -753,6 +755,7 @@ class SelfModifyingTitans(Mixer):
         self, x: torch.Tensor, state: SelfModifyingTitansState | None = None, *, mode: str | None = None
     ):
         B, T = check_input(x, self.d_model)
+        check_dtype(x, self)
         mode = self._mode(T, mode)
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")

@@ -47,6 +47,7 @@ from torch import nn
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from .base import Mixer, Mixing, check_input, upcast
 from .base import batch_mm as _mm
+from .cms import check_dtype, no_autocast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces, show_state
 from .linear_attention import check_bool, check_heads, check_int
@@ -224,7 +225,8 @@ class SelfModifyingProjections(Mixer):
         # partial sum of the projection memories' delta-rule step (applied at the chunk end)
         xh = F.normalize(upcast(x), dim=-1)
         o_flat = rearrange(o, "b t h d -> b t (h d)").to(xh.dtype)
-        term = xh.transpose(1, 2) @ (xh - o_flat)
+        with no_autocast(xh):  # the partial sum in float32 (float64), as the state documents
+            term = xh.transpose(1, 2) @ (xh - o_flat)
         return o, term if r is None else r + term, mem, conv
 
     def _rewrite(self, P: dict, r: torch.Tensor) -> dict:
@@ -242,6 +244,7 @@ class SelfModifyingProjections(Mixer):
         self, x: torch.Tensor, state: SelfModifyingProjectionsState | None = None, *, mode: str | None = None
     ):
         B, T = check_input(x, self.d_model)
+        check_dtype(x, self)
         if state is not None and not isinstance(state, SelfModifyingProjectionsState):
             raise ValueError(
                 f"state: expected a SelfModifyingProjectionsState (the state this mixer returned) or None, "
