@@ -316,6 +316,25 @@ def _aligned(ref: torch.Tensor, value: torch.Tensor, name: str, model, what: str
     return out
 
 
+def _rows_of_call(s: torch.Tensor, p_ax: int, offset: int, n: int, length: int) -> torch.Tensor:
+    """``s`` (``length`` rows along ``p_ax``: one per call token) cut to the ``n`` rows of the value
+    now passing, the call's tokens ``offset … offset + n − 1``; rows outside the call (a learned
+    prefix before it, a segment run again) get zeros (keeping ``s``'s gradient)."""
+    lo = min(max(offset, 0), length)
+    inside = s.narrow(p_ax, lo, max(min(offset + n, length) - lo, 0))
+    before = min(max(-offset, 0), n)
+    after = n - before - inside.shape[p_ax]
+    if before == 0 and after == 0:
+        return inside
+
+    def zeros(rows):
+        shape = list(s.shape)
+        shape[p_ax] = rows
+        return s.new_zeros(shape)
+
+    return torch.cat([zeros(before), inside, zeros(after)], p_ax)
+
+
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32, or float64 where it is float64 (a metric of a float64 model is not rounded)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -551,8 +570,8 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
     is ``value + scale · direction`` computed in the value's dtype (default ``scale=1.0``; a
     tensor too — one value, or one axis per axis of the value with 1 on the direction's axes, e.g.
     ``[B, 1, 1]`` per row at a residual hook, or ``[1, T, 1]`` per position over the call's ``T``
-    tokens, also where the hook passes the call in pieces — which keeps its gradient where it
-    requires one).
+    tokens, also where the hook passes the call in pieces or with rows outside the call, a learned
+    prefix's, which such a scale leaves unsteered — which keeps its gradient where it requires one).
     Raises ``KeyError`` for an unknown name and, at run time, ``ValueError`` when the direction's
     shape is not a suffix of the value's or a tensor scale's shape is not such a one, and when
     built ``ValueError`` for a ``scale`` that is not a finite real number."""
@@ -582,8 +601,8 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
         s = scale.to(value.device, value.dtype) if isinstance(scale, torch.Tensor) else scale
         if isinstance(s, torch.Tensor) and s.ndim == value.ndim:  # per position over the call's tokens
             p_ax, offset, n, length = _rows(value, name)  # a piece of the call: its rows of the scale
-            if n is not None and n != length and s.shape[p_ax] == length and 0 <= offset <= length - n:
-                s = s.narrow(p_ax, offset, n)
+            if n is not None and n != length and s.shape[p_ax] == length:
+                s = _rows_of_call(s, p_ax, offset, n, length)
         if (
             isinstance(s, torch.Tensor)
             and s.ndim

@@ -110,21 +110,22 @@ class CircuitTracker:
     (``tracks_circuits = True``, as this class does). ``length, batch, seed, vocab_offset``: as in
     :func:`circuit_scores` (the same tokens at every evaluation). Defaults: ``length=32``,
     ``batch=8``, ``seed=1234``, ``vocab_offset=0``, ``spectrum=False``, ``spectrum_tokens=256``,
-    ``spectrum_directions=8``. A run with a fixed first token (``TrainConfig.bos``) is scored on
-    sequences that start with it, as it trained (``bos`` of :func:`circuit_scores`; the spectrum's
-    tokens start with it as ``mnemo probe spectrum``'s do).
+    ``spectrum_directions=8``, ``spectrum_burn_in=0``. A run with a fixed first token
+    (``TrainConfig.bos``) is scored on sequences that start with it, as it trained (``bos`` of
+    :func:`circuit_scores`; the spectrum's tokens start with it as ``mnemo probe spectrum``'s do).
 
     ``spectrum=True`` also records the memory spectrum (:func:`mnemo.interp.spectrum.memory_spectrum`
     on ``spectrum_tokens`` seeded random tokens, ``spectrum_directions`` exponents per head of a
-    test-time-trained memory): per layer whose mixer has a spectrum, ``spectrum_{irrelevant,
-    intermediate, marginal, relevant}_by_layer`` (shares) and
+    test-time-trained memory; ``spectrum_burn_in``: its ``burn_in``, the first tokens left out of
+    every average, as ``mnemo probe spectrum --burn-in``): per layer whose mixer has a spectrum,
+    ``spectrum_{irrelevant, intermediate, marginal, relevant}_by_layer`` (shares) and
     ``spectrum_median_half_life_by_layer`` (tokens; ``None`` for a median that never halves); and
     ``spectrum_by_memory``: ``{key: {shares…, median_half_life}}`` for every memory with a spectrum,
     the mixers' (``"0"``, ``"1"``, …) and the CMS levels' (``"0.cms1"``: layer 0, level 1).
 
     Raises ``ValueError`` when built (not at the first evaluation), naming a setting that
-    :func:`circuit_scores` would refuse, or a ``spectrum_tokens`` or ``spectrum_directions`` that
-    is not an int ``>= 1``."""
+    :func:`circuit_scores` would refuse, a ``spectrum_tokens`` or ``spectrum_directions`` that is
+    not an int ``>= 1``, or a ``spectrum_burn_in`` that is not an int in ``[0, spectrum_tokens)``."""
 
     tracks_circuits = True
 
@@ -138,6 +139,7 @@ class CircuitTracker:
         spectrum: bool = False,
         spectrum_tokens: int = 256,
         spectrum_directions: int = 8,
+        spectrum_burn_in: int = 0,
     ):
         seed, vocab_offset = _check_circuit_settings(length, batch, seed, vocab_offset)
         for what, value in (
@@ -146,6 +148,13 @@ class CircuitTracker:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what}: expected an int >= 1, got {value!r}")
+        b = spectrum_burn_in
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < spectrum_tokens:
+            raise ValueError(
+                f"spectrum_burn_in: expected an int number of tokens in [0, {spectrum_tokens}) (of "
+                f"spectrum_tokens = {spectrum_tokens}), got {b!r}"
+            )
+        self.spectrum_burn_in = b
         self.length, self.batch, self.seed, self.vocab_offset = length, batch, seed, vocab_offset
         self.spectrum, self.spectrum_tokens, self.spectrum_directions = (
             spectrum,
@@ -166,7 +175,10 @@ class CircuitTracker:
         gen = torch.Generator().manual_seed(self.seed)
         ids = torch.randint(0, model.config.vocab_size, (1, self.spectrum_tokens), generator=gen)
         ids = with_bos(ids, bos)  # a run's fixed first token at position 0, as its windows read
-        rows = summary_line(memory_spectrum(model, ids, directions=self.spectrum_directions))
+        result = memory_spectrum(
+            model, ids, directions=self.spectrum_directions, burn_in=self.spectrum_burn_in
+        )
+        rows = summary_line(result)
         if not rows:
             return {}
 
@@ -203,14 +215,16 @@ class CircuitTracker:
 
 def circuit_callbacks(cfg) -> list:
     """The training callbacks ``cfg`` (a :class:`~mnemo.train.TrainConfig`) asks for from this
-    module: ``[CircuitTracker(length=cfg.circuit_length, spectrum=cfg.track_spectrum)]`` when
-    ``cfg.track_circuits`` or ``cfg.track_spectrum``, else ``[]``. A callbacks factory for
+    module: ``[CircuitTracker(length=cfg.circuit_length, spectrum=cfg.track_spectrum,
+    spectrum_burn_in=cfg.spectrum_burn_in)]`` when ``cfg.track_circuits`` or ``cfg.track_spectrum``,
+    else ``[]`` (a configuration without ``spectrum_burn_in``: ``0``). A callbacks factory for
     :class:`~mnemo.train.Trainer` — ``Trainer(cfg, out, callbacks=circuit_callbacks)`` — called
     with the run's resolved configuration (for a resumed run: the saved one with its changes)."""
     spectrum = bool(getattr(cfg, "track_spectrum", False))
     if not (cfg.track_circuits or spectrum):
         return []
-    return [CircuitTracker(length=cfg.circuit_length, spectrum=spectrum)]
+    burn_in = getattr(cfg, "spectrum_burn_in", 0)
+    return [CircuitTracker(length=cfg.circuit_length, spectrum=spectrum, spectrum_burn_in=burn_in)]
 
 
 CIRCUIT_PANELS = ("previous_token", "duplicate_token", "induction", "copying")

@@ -84,8 +84,11 @@ def timescales(model, input_ids: torch.Tensor) -> dict:
     The log decays are what each mixer's ``hook_g`` carries on this input (recorded with
     ``run_with_cache``): the gates the model actually produces — the mixer's own, or that of the
     memory inside it (Titans MAC/MAG/MAL: ``memory.hook_g``; :func:`decay_hook`; ``"hook"`` names
-    it); ``"kind"`` says what one gate is (:func:`decay_kind`). A mixer without a ``hook_g`` has
-    no decaying memory (``"kind": "no decay"``)."""
+    it); ``"kind"`` says what one gate is (:func:`decay_kind`). Every row the hook passes counts:
+    a memory that reads a learned prefix before the input (Titans' persistent tokens, whose rows
+    its ``hook_g`` passes first) adds that prefix's gates, the same at every call (``"count"``
+    then counts the gates of ``T +`` prefix rows). A mixer without a ``hook_g`` has no decaying memory
+    (``"kind": "no decay"``)."""
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)

@@ -33,6 +33,16 @@ replacement must have the value's shape, dtype and device (a state record: the s
 same shape and dtype leaf by leaf), or the call raises ``ValueError`` naming the hook — nothing
 downstream broadcasts a wrong shape (:meth:`HookPoint.add`).
 
+**Global hooks see the live values.** A hook of the point's own (:meth:`HookPoint.add`,
+``run_with_hooks``, ``register_forward_hook`` on the point) is shown a ``hook_state`` as a copy
+(:func:`show_state`), so its edits in place go on downstream but never reach the model's
+parameters. A global module hook (``torch.nn.modules.module.register_module_forward_hook``, a
+``TorchDispatchMode``'s module tracker) is shown the live values, not copies (a copy for every
+global hook would cost every call): a ``hook_state``'s tensors may then be the parameters
+themselves (a fresh memory's initial weights, expanded over the batch). Read them there; do not
+edit them in place (under ``no_grad`` such an edit writes the parameters) — attach a hook to the
+point to edit a state.
+
 **Backward hooks and recomputation.** A backward hook registered on a hook point fires (the point
 leaves its fast path while one is attached). With activation checkpointing, the model passes
 :func:`checkpoint_hooks` to ``torch.utils.checkpoint``, so the hooks attached at the forward run
