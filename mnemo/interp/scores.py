@@ -172,8 +172,9 @@ def induction_score(maps: torch.Tensor, length: int, skip: int = 0) -> torch.Ten
 def copying_score(model, layer: int) -> torch.Tensor:
     """OV-circuit copying score of each softmax head of ``layer``: the eigenvalues ``λ`` of
     ``W_E W_V^h W_O^h W_U`` give ``Σλ / Σ|λ|`` (1: the head copies the attended token into the
-    logits). The ``V × V`` matrix has the eigenvalues of the ``D × D`` product
-    ``W_V^h W_O^h W_U W_E`` plus zeros, which is what is computed. Norms are ignored (the usual
+    logits). The ``V × V`` matrix has the eigenvalues of the ``D × D`` product ``W_O^h W_U W_E W_V^h``
+    (``D`` the head size) plus zeros, which is what is computed (``W_V^h [d_model, D]``,
+    ``W_O^h [D, d_model]``, ``W_E [V, d_model]``, ``W_U [d_model, V]``). Norms are ignored (the usual
     approximation). Computed in float32 at least (a bf16 model's weights are promoted; float64
     kept). Raises ``ValueError`` for a layer out of range, ``TypeError`` for a layer
     without fixed OV matrices (:meth:`~mnemo.layers.Attention.ov_matrices`: a mixer other than

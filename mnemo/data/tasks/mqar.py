@@ -30,7 +30,12 @@ class MQAR(Task):
     * only the query positions are supervised: ``targets`` at a query key is its value,
       :data:`IGNORE_INDEX` everywhere else;
     * the other positions hold filler: ``"random"`` draws it from the value half (so a filler
-      token never looks like a key), ``"pad"`` uses token 0.
+      token never looks like a key), ``"pad"`` uses token 0. Zoology's published experiments (its
+      Figure 2 configs, ``random_non_queries=False``) use token 0: ``"pad"``. **Not Zoology's random
+      filler**: its code's default (``random_non_queries=True``) draws the filler uniformly from the
+      whole vocabulary ``[0, V)``, keys included (an unqueried key can stand in the query region: a
+      harder task); the value-half filler here (the default) is neither of the two, so accuracies
+      are not comparable one to one with Zoology's.
 
     Options:
         vocab_size: ``V`` (``V // 2 − 1 >= num_pairs`` keys are needed). Default 256
