@@ -153,6 +153,19 @@ def initial_weight_std(spec: MemorySpec, fan_in: int) -> float:
     return 0.02 if ttt_family(spec) else fan_in**-0.5
 
 
+def _fill_inner_norm(module, state_dict, prefix, *_args) -> None:
+    """Load-state-dict pre-hook of :class:`NeuralMemory` with ``inner_norm_affine``: a state dict
+    saved before the option existed lacks ``γ, β``; they load as ``γ = 1``, ``β = 0``, exactly the
+    parameter-free norm that state dict was trained with (the same outputs). Only a state dict that
+    holds this memory (its initial weights): a partial one (``strict=False``) leaves ``γ, β`` as
+    they are."""
+    if prefix + "init_weights.0" not in state_dict:
+        return
+    for name, fill in (("inner_norm_weight", 1.0), ("inner_norm_bias", 0.0)):
+        if prefix + name not in state_dict:
+            state_dict[prefix + name] = torch.full_like(getattr(module, name), fill)
+
+
 # ------------------------------------------------------------------------------------------------
 # the long-term memory
 # ------------------------------------------------------------------------------------------------
@@ -190,8 +203,10 @@ class NeuralMemory(Mixer):
       use the running *mean* of the steps and its end-of-mini-batch weights take the mean of the
       ``b`` tokens' steps (this layer's weights with ``θ / b``); here the steps are summed (the
       paper's equation);
-    * the inner layer norm is parameter-free, with ``eps = 1e-5`` (theirs has a learned per-head
-      scale and shift, ``eps = 1e-6``), and the memory has no biases (theirs ``b1``, ``b2``).
+    * the inner layer norm has ``eps = 1e-5`` (theirs ``eps = 1e-6``), and the memory has no
+      biases (theirs ``b1``, ``b2``). Its learned per-head scale ``γ`` and shift ``β`` (their
+      ``ttt_norm_weight``, ``ttt_norm_bias``; ``f(x) = x + γ ⊙ LN(f_res(x)) + β``, the inner loss
+      taken through them) are matched by ``inner_norm_affine`` (on by default for the TTT family).
 
     Hook points (``T'`` = ``T`` plus the persistent prefix on the first call of a stream, whose
     rows come first: :func:`~mnemo.layers.hooks.span` places them before the call's token 0, so an
@@ -220,6 +235,13 @@ class NeuralMemory(Mixer):
         max_lr: upper bound of ``θ`` (default: the spec's ``max_lr`` or 1); given, it also replaces
             the spec's ``max_lr`` clamp when the spec has one.
         mode: ``"chunk"`` or ``"recurrent"`` (reference) for ``T > 1``.
+        inner_norm_affine: give the memory's inner layer norm (``spec.norm``) a learned per-head
+            scale ``γ`` and shift ``β`` (parameters ``inner_norm_weight``, ``inner_norm_bias``,
+            stored flat ``[H · D]`` like other norm gains, init ``γ = 1``, ``β = 0``), as the TTT
+            authors' layer; default ``inner_norm_affine=None``: on for the TTT family
+            (:func:`ttt_family`: presets ``ttt_linear``, ``ttt_mlp``), off otherwise. A state
+            dict without them (saved before the option existed) loads as ``γ = 1``, ``β = 0``:
+            exactly the parameter-free norm it was trained with.
 
     State: :class:`NeuralMemoryState`.
     """
@@ -235,6 +257,7 @@ class NeuralMemory(Mixer):
         persistent_tokens: int = 0,
         max_lr: float | None = None,
         mode: str = "chunk",
+        inner_norm_affine: bool | None = None,
         **spec_overrides,
     ):
         super().__init__(mode)
@@ -250,6 +273,15 @@ class NeuralMemory(Mixer):
         self.spec = _spec(spec, spec_overrides)
         if max_lr is not None and self.spec.max_lr is not None:  # the engine's clamp is the same bound
             self.spec = self.spec.replace(max_lr=max_lr)
+        if inner_norm_affine is None:
+            inner_norm_affine = ttt_family(self.spec)
+        if not isinstance(inner_norm_affine, bool):  # a config's "False" is truthy
+            raise ValueError(f"inner_norm_affine: expected None or a bool, got {inner_norm_affine!r}")
+        if inner_norm_affine and not self.spec.norm:
+            raise ValueError(
+                "inner_norm_affine: expected False or None for a spec without an inner norm "
+                f"(norm=False), got {inner_norm_affine!r}"
+            )
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.max_lr = max_lr if max_lr is not None else (self.spec.max_lr or 1.0)
@@ -270,6 +302,12 @@ class NeuralMemory(Mixer):
             [nn.Parameter(torch.zeros(n_heads, i, o)) for i, o in s.layer_dims(head_dim, head_dim)]
         )
         self.persistent = nn.Parameter(torch.zeros(persistent_tokens, d_model)) if persistent_tokens else None
+        # the inner norm's γ, β, flat [H·D] (1-D: kept out of weight decay and M3's orthogonalisation
+        # as every norm gain)
+        self.inner_norm_weight = nn.Parameter(torch.ones(n_heads * head_dim)) if inner_norm_affine else None
+        self.inner_norm_bias = nn.Parameter(torch.zeros(n_heads * head_dim)) if inner_norm_affine else None
+        if inner_norm_affine:
+            self._register_load_state_dict_pre_hook(_fill_inner_norm, with_module=True)
         self.norm = RMSNorm(head_dim)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
@@ -290,6 +328,9 @@ class NeuralMemory(Mixer):
                 bias.fill_(self._GATE_BIAS[name])
             if self.persistent is not None:
                 nn.init.normal_(self.persistent, std=0.02)
+            if self.inner_norm_weight is not None:
+                self.inner_norm_weight.fill_(1.0)
+                self.inner_norm_bias.zero_()
             for w in self.init_weights:
                 std = initial_weight_std(self.spec, w.shape[-2])
                 if std == 0:
@@ -325,6 +366,13 @@ class NeuralMemory(Mixer):
         q, k, v = rearrange(qkv, "b t (three h d) -> three b t h d", three=3, h=self.n_heads)
         return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, gate, conv_state
 
+    def inner_norm_affine(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The inner norm's ``(γ, β)`` as ``[H, D]`` (``(None, None)``: the parameter-free norm)."""
+        if self.inner_norm_weight is None:
+            return None, None
+        H, D = self.n_heads, self.head_dim
+        return self.inner_norm_weight.view(H, D), self.inner_norm_bias.view(H, D)
+
     def initial_state(self, batch_size: int) -> NeuralMemoryState:
         """A fresh stream: the learned initial weights (expanded over the batch), no conv tail."""
         mem = init_state(self.spec, [w for w in self.init_weights], batch_size)
@@ -356,6 +404,7 @@ class NeuralMemory(Mixer):
             if delta is not None:
                 delta = self.hook_delta(delta)
             mem = (state if state is not None else self.initial_state(B)).memory_state()
+            norm_weight, norm_bias = self.inner_norm_affine()
             o, mem = neural_memory(
                 self.spec,
                 q,
@@ -368,6 +417,8 @@ class NeuralMemory(Mixer):
                 initial_state=mem,
                 output_final_state=True,
                 mode=self._mode(x.shape[1], mode),
+                norm_weight=norm_weight,
+                norm_bias=norm_bias,
             )
             o = self.hook_o(o)
         finally:
@@ -405,6 +456,7 @@ class NeuralMemory(Mixer):
         prefix belongs to the memory's starting point (written, not attributed): the result covers
         the stream's own ``T`` tokens. ``steps`` defaults to :attr:`attribution_steps`."""
         n_prefix = self.persistent.shape[0] if self.persistent is not None else 0
+        norm_weight, norm_bias = self.inner_norm_affine()
         return value_attribution(
             self.spec,
             acts["hook_q"],
@@ -419,6 +471,8 @@ class NeuralMemory(Mixer):
             steps=self.attribution_steps if steps is None else steps,
             method=method,
             mode=self.mode,
+            norm_weight=norm_weight,
+            norm_bias=norm_bias,
         )
 
     def mixing(self, acts: dict) -> Mixing:

@@ -490,7 +490,9 @@ class TitansMAC(Mixer):
         if involved and not inference:
             anchor = [a.clone() for a in anchor]
         W = [retention_map(m.spec, a).to(q.dtype) for a in anchor]
-        o, _, _ = memory_apply(m.spec, W, q.transpose(1, 2))
+        gamma, beta = m.inner_norm_affine()  # [H, D] -> [H, 1, D] against [B, H, T, D]
+        affine = None if gamma is None else (gamma[:, None].to(q.dtype), beta[:, None].to(q.dtype))
+        o, _, _ = memory_apply(m.spec, W, q.transpose(1, 2), affine=affine)
         return m.read_out(o.transpose(1, 2), gate), conv_state
 
     def forward(self, x, state: TitansMACState | None = None, *, mode: str | None = None):

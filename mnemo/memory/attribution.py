@@ -275,6 +275,8 @@ def value_attribution(
     method: str = "auto",
     mode: str = "chunk",
     max_rows: int = 1024,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
 ) -> ValueAttribution:
     """The read of :func:`~mnemo.memory.neural_memory` attributed to each written value (see the
     module docstring). Inputs as :func:`~mnemo.memory.neural_memory` takes them (``[B, T, H, ·]``);
@@ -288,8 +290,10 @@ def value_attribution(
     (``"exact"`` where it applies). ``mode`` is the engine form of the exact map and of the
     output/baseline reads; the Jacobian always runs the token-loop reference (forward-mode AD).
     ``steps, max_rows``: as in :func:`attribute_read` (the Jacobian method only).
+    ``norm_weight, norm_bias``: the inner norm's learned ``[H, V]`` scale and shift, as
+    :func:`~mnemo.memory.neural_memory` takes them (held at their values, not attributed).
     Computation runs in float32 (float64 for float64 inputs). Defaults: ``start=0``, ``steps=1``,
-    ``max_rows=1024``.
+    ``max_rows=1024``, ``norm_weight=None``, ``norm_bias=None`` (the parameter-free norm).
 
     Raises:
         ValueError: ``method`` unknown, or ``"exact"`` for a memory not linear in its values;
@@ -305,8 +309,9 @@ def value_attribution(
     steps = _as_int("steps", steps, 1)
     max_rows = _as_int("max_rows", max_rows, 1)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k, v, theta, g, eta, delta = (
-        None if x is None else x.detach().to(cd) for x in (q, k, v, theta, g, eta, delta)
+    q, k, v, theta, g, eta, delta, norm_weight, norm_bias = (
+        None if x is None else x.detach().to(cd)
+        for x in (q, k, v, theta, g, eta, delta, norm_weight, norm_bias)
     )
     B = q.shape[0]
 
@@ -326,7 +331,7 @@ def value_attribution(
         args = [_replicate(x, R) for x in (q, k, theta, g, eta, delta)]
         o, _ = neural_memory(
             spec, args[0], args[1], vr, args[2], g=args[3], eta=args[4], delta=args[5],
-            initial_state=state(vr.shape[0]), mode=mode,
+            initial_state=state(vr.shape[0]), mode=mode, norm_weight=norm_weight, norm_bias=norm_bias,
         )  # fmt: skip
         return o
 

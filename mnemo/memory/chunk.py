@@ -69,7 +69,7 @@ def _gate_coefs(spec: MemorySpec, g, eta, lead, L, dtype, device) -> _Coefs:
 _MATERIALIZE_BUDGET = 1 << 22
 
 
-def _materialized_read(spec, A, S, eg, b, c, inputs, deltas, q, channel):
+def _materialized_read(spec, A, S, eg, b, c, inputs, deltas, q, channel, affine=None):
     """Read ``o_t = M_{N(A_t)}(q_t)`` with every token's weights ``A_t`` formed explicitly (needed
     when ``N`` is not the identity or the decay is per channel). Tokens go in blocks whose weights
     fit :data:`_MATERIALIZE_BUDGET` numbers, each block recomputed in the backward pass
@@ -98,7 +98,7 @@ def _materialized_read(spec, A, S, eg, b, c, inputs, deltas, q, channel):
             if S_ is not None:
                 At = At + scaled(S_[i], b_)
             Wt.append(retention_map(spec, At))
-        return memory_apply(spec, Wt, qb)[0]
+        return memory_apply(spec, Wt, qb, affine=affine)[0]
 
     outs = []
     for t0 in range(0, L, block):
@@ -169,11 +169,14 @@ def _clipped_lr(spec: MemorySpec, theta, inputs, deltas):
     return theta * (spec.grad_clip / sq.clamp_min(1e-24).sqrt()).clamp(max=1.0)  # no 0·∞ at G = 0
 
 
-def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coefs, lr: _LrCoefs | None):
+def _piece(
+    spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coefs, lr: _LrCoefs | None, affine=None
+):
     """Advance the stream by ``L`` tokens that lie inside one inner chunk. Inputs ``[B·H, L, ·]``
     and states ``[B·H, in, out]`` (flat batch × heads, so every product is one ``torch.bmm``).
     ``theta`` is already clamped to ``max_lr``; ``lr`` is ``None`` when gradient clipping makes
-    the effective ``θ`` depend on this piece's gradients."""
+    the effective ``θ`` depend on this piece's gradients. ``affine``: the inner norm's ``(γ, β)``
+    (``[B·H, 1, V]``) or ``None``."""
     A, S, anchor = state.weights, state.momentum, state.anchor
     W0 = [retention_map(spec, a) for a in anchor]
     rho = None
@@ -181,7 +184,7 @@ def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coe
         d0 = state.anchor_decay
         gc = co.gcum if d0 is None else co.gcum + (d0[:, None] if co.channel else d0[..., None])
         rho = decay_exp(gc)
-    inputs, deltas = _grad_factors(spec, W0, k, v, rho, delta)
+    inputs, deltas = _grad_factors(spec, W0, k, v, rho, delta, affine)
     if lr is None:
         lr = _lr_coefs(co, _clipped_lr(spec, theta, inputs, deltas))
 
@@ -216,14 +219,14 @@ def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coe
             newA.append(a)
             newS.append(s_new)
             h = _act(spec.activation, z) if i < last else z
-        y = _ln(h) if spec.norm else h
+        y = _ln(h, affine) if spec.norm else h
         o = q + y if spec.residual else y
     else:
         for i in range(len(A)):
             a, s_new = new_state(i)
             newA.append(a)
             newS.append(s_new)
-        o = _materialized_read(spec, A, S, co.eg, co.b, lr.c, inputs, deltas, q, co.channel)
+        o = _materialized_read(spec, A, S, co.eg, co.b, lr.c, inputs, deltas, q, co.channel, affine)
     newS = None if S is None else tuple(newS)
     d_end = None
     if spec.decay_first and co.gcum is not None:
@@ -232,14 +235,14 @@ def _piece(spec: MemorySpec, state: MemoryState, q, k, v, theta, delta, co: _Coe
     return o, tuple(newA), newS, d_end
 
 
-def _piece_elastic(spec: MemorySpec, state: MemoryState, q, k, v, theta, g, eta, delta):
+def _piece_elastic(spec: MemorySpec, state: MemoryState, q, k, v, theta, g, eta, delta, affine=None):
     """:func:`_piece` for ``"elastic_net"`` retention (Miras Eq. 22). Every gradient of the piece is
     taken at the chunk-start weights in one batched pass (as for every retention); the
     soft-thresholding ``W_t = S_{γ_t}(exp(g_t) W_{t−1} + step_t)`` is not linear in the steps, so the
     weights are then advanced token by token through the piece (elementwise work per token, no
     ``[C, C]`` closed form) and each token reads its own ``W_t``."""
     A, S, anchor = list(state.weights), state.momentum, state.anchor
-    inputs, deltas = _grad_factors(spec, list(anchor), k, v, None, delta)
+    inputs, deltas = _grad_factors(spec, list(anchor), k, v, None, delta, affine)
     gamma = spec.l1 * theta  # γ_t = l1 · θ_t (before gradient clipping)
     th = _clipped_lr(spec, theta, inputs, deltas)
     if S is not None:
@@ -260,7 +263,7 @@ def _piece_elastic(spec: MemorySpec, state: MemoryState, q, k, v, theta, g, eta,
         else:
             A = [ai + st for ai, st in zip(A, step)]
         A = [soft_threshold(ai, gamma[:, t, None, None]) for ai in A]
-        outs.append(memory_apply(spec, A, q[:, t : t + 1])[0])
+        outs.append(memory_apply(spec, A, q[:, t : t + 1], affine=affine)[0])
     return torch.cat(outs, 1), tuple(A), None if S is None else tuple(S)
 
 
@@ -272,8 +275,9 @@ def _flat_heads(x: torch.Tensor | None) -> torch.Tensor | None:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryState):
-    """Chunk form over ``[B, T, H, ·]`` inputs; returns ``(o [B, T, H, V], state)``.
+def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryState, affine=None):
+    """Chunk form over ``[B, T, H, ·]`` inputs; returns ``(o [B, T, H, V], state)``. ``affine``: the
+    inner norm's learned ``(γ, β)``, each ``[H, V]`` (``None``: the parameter-free norm).
 
     The stream is cut at absolute chunk boundaries into pieces (a first piece that completes the
     current chunk, full chunks, a last partial chunk). Gate coefficients are computed for all
@@ -286,6 +290,8 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
         theta = theta.clamp(max=spec.max_lr)
     qh, kh, vh, th, gh, eh, dh = (_flat_heads(x) for x in (q, k, v, theta, g, eta, delta))
     state = _map_state(state, lambda x: x.reshape(B * H, *x.shape[2:]))
+    if affine is not None:  # [H, V] -> [B·H, 1, V] (flat batch × heads)
+        affine = tuple(a.expand(B, *a.shape).reshape(B * H, 1, a.shape[-1]) for a in affine)
     C = spec.chunk_size
     if state.position % C == 0:  # at a chunk start the anchor is the current state (as in the token loop)
         state = MemoryState(state.weights, state.momentum, state.weights, None, state.position)
@@ -325,10 +331,10 @@ def memory_chunk(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryS
     outs = []
     for i, L in enumerate(sizes):
         if elastic:
-            o, A, S = _piece_elastic(spec, state, qs[i], ks[i], vs[i], ths[i], gs[i], es[i], ds[i])
+            o, A, S = _piece_elastic(spec, state, qs[i], ks[i], vs[i], ths[i], gs[i], es[i], ds[i], affine)
             d_end = None
         else:
-            o, A, S, d_end = _piece(spec, state, qs[i], ks[i], vs[i], ths[i], ds[i], coefs[i], lrs[i])
+            o, A, S, d_end = _piece(spec, state, qs[i], ks[i], vs[i], ths[i], ds[i], coefs[i], lrs[i], affine)
         outs.append(o)
         pos = state.position + L
         if pos % C == 0:

@@ -135,25 +135,37 @@ def _check(spec, q, k, v, theta, g, eta, delta, state):
             raise ValueError(f"initial_state.anchor_decay must be {expected}, got {list(d0.shape)}")
 
 
+def _check_affine(spec, norm_weight, norm_bias, H: int, V: int) -> None:
+    for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if t is None:
+            continue
+        if not spec.norm:
+            raise ValueError(f"{name} was given but the spec has no inner norm (norm=False)")
+        check_floating(name, t)
+        if tuple(t.shape) != (H, V):
+            raise ValueError(f"{name} must have shape [H, V] = [{H}, {V}], got {list(t.shape)}")
+
+
 def _state_tensors(st: MemoryState) -> list:
     held = (*st.weights, *(st.momentum or ()), *st.anchor, st.anchor_decay)
     return [x for x in held if x is not None]
 
 
-def _run_recurrent(spec, args, st: MemoryState, device_type: str):
+def _run_recurrent(spec, args, st: MemoryState, device_type: str, affine=None):
     """The token-loop reference, in float32 under a bf16 autocast too. It takes its inner gradients
     with autograd, which ``torch.inference_mode`` switches off for every tensor made under it: under
     it, or given such tensors (a state carried out of it), it runs outside inference mode on copies
     of the inputs (the results come back detached)."""
-    held = (*args, *st.weights, *(st.momentum or ()), *st.anchor, st.anchor_decay)
+    held = (*args, *st.weights, *(st.momentum or ()), *st.anchor, st.anchor_decay, *(affine or ()))
     inference, copy = inference_involved(held)
     grad = torch.is_grad_enabled() and not inference
     with torch.inference_mode(False) if inference else contextlib.nullcontext():
         if copy:
             args = [None if x is None else x.clone() for x in args]
             st = _map_state(st, torch.clone)
+            affine = None if affine is None else tuple(a.clone() for a in affine)
         with autocast_disabled(device_type):
-            o, st_out = memory_recurrent(spec, *args, st)
+            o, st_out = memory_recurrent(spec, *args, st, affine=affine)
         if not grad:
             o, st_out = o.detach(), _detach_state(st_out)
     return o, st_out
@@ -173,6 +185,8 @@ def neural_memory(
     output_final_state: bool = False,
     mode: str = "chunk",
     use_closed_form: bool = True,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MemoryState | None]:
     """Run a test-time-trained memory over a sequence (Titans / Miras / TTT; see module docstring).
 
@@ -197,6 +211,10 @@ def neural_memory(
             or ``"recurrent"`` (the token-loop reference).
         use_closed_form: let ``"chunk"`` use the closed-form op when one exists (default
             ``True``); ``False`` runs the engine's own chunk form.
+        norm_weight, norm_bias: ``[H, V]`` learned scale ``γ`` and shift ``β`` of the inner layer
+            norm (``spec.norm`` only; TTT's ``x + γ ⊙ LN(f(x)) + β``, Sun et al. 2024, whose inner
+            loss is taken through them too); default ``norm_weight=None`` (``γ = 1``) and
+            ``norm_bias=None`` (``β = 0``), the parameter-free norm.
 
     Returns:
         ``o: [B, T, H, V]`` in ``q``'s dtype and the :class:`MemoryState` (``None`` unless
@@ -211,7 +229,12 @@ def neural_memory(
     if mode not in ("chunk", "recurrent"):
         raise ValueError(f"mode must be one of ('chunk', 'recurrent'), got {mode!r}")
     _check(spec, q, k, v, theta, g, eta, delta, initial_state)
-    check_finite({"q": q, "k": k, "v": v, "theta": theta, "eta": eta, "delta": delta}, {"g": g})
+    _check_affine(spec, norm_weight, norm_bias, q.shape[2], v.shape[-1])
+    check_finite(
+        {"q": q, "k": k, "v": v, "theta": theta, "eta": eta, "delta": delta}
+        | {"norm_weight": norm_weight, "norm_bias": norm_bias},
+        {"g": g},
+    )
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -233,15 +256,19 @@ def neural_memory(
     args = [None if x is None else x.to(cd) for x in (q, k, v, theta, g, eta, delta)]
     if args[4] is not None:
         args[4] = args[4].clamp(min=LOG_GATE_MIN)
+    affine = None
+    if norm_weight is not None or norm_bias is not None:
+        w = q.new_ones(H, V, dtype=cd) if norm_weight is None else norm_weight.to(cd)
+        affine = (w, torch.zeros_like(w) if norm_bias is None else norm_bias.to(cd))
     if T == 0:
         o, st_out = v.new_zeros(B, 0, H, V), st
     elif mode == "recurrent":
-        o, st_out = _run_recurrent(spec, args, st, q.device.type)
+        o, st_out = _run_recurrent(spec, args, st, q.device.type, affine)
     else:
-        op = closed_form_op(spec) if use_closed_form else None
+        op = closed_form_op(spec) if use_closed_form else None  # (None for every spec with a norm)
         if op is not None:
             o, st_out = _run_closed_form(op, spec, args[0], args[1], args[2], args[3], args[4], st)
         else:
             with autocast_disabled(q.device.type):  # float32 under a bf16 autocast too
-                o, st_out = memory_chunk(spec, *args, st)
+                o, st_out = memory_chunk(spec, *args, st, affine=affine)
     return o.to(q.dtype), (st_out if output_final_state else None)

@@ -38,8 +38,11 @@ def _act_grad(name: str, z: torch.Tensor) -> torch.Tensor:
 _LN_EPS = 1e-5
 
 
-def _ln(z: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(z, (z.shape[-1],), eps=_LN_EPS)
+def _ln(z: torch.Tensor, affine=None) -> torch.Tensor:
+    """The inner layer norm over the last dim; with ``affine = (γ, β)`` (shaped to broadcast against
+    ``z``, e.g. ``[*lead, 1, V]``) the learned per-head scale and shift ``γ ⊙ LN(z) + β`` of TTT."""
+    y = F.layer_norm(z, (z.shape[-1],), eps=_LN_EPS)
+    return y if affine is None else torch.addcmul(affine[1], y, affine[0])
 
 
 def _pre_activation(h: torch.Tensor, W: torch.Tensor, rho: torch.Tensor | None, ndim: int, matmul):
@@ -60,11 +63,13 @@ def _per_token_matmul(h: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     return h @ W
 
 
-def memory_apply(spec: MemorySpec, weights, x: torch.Tensor, rho: torch.Tensor | None = None):
+def memory_apply(spec: MemorySpec, weights, x: torch.Tensor, rho: torch.Tensor | None = None, affine=None):
     """``M_W(x)`` for ``x: [*lead, L, in]`` and weights ``[*lead, in, out]`` (shared over tokens) or
     ``[*lead, L, in, out]`` (one per token), ``lead`` being ``[B, H]`` or the flat ``[B·H]`` of the
     chunk form. ``rho`` scales the weights per token (``[*lead, L]``) or per key channel
-    (``[*lead, L, K]``, one-layer memories). Returns ``(y, layer_inputs, pre_acts)``.
+    (``[*lead, L, K]``, one-layer memories). ``affine``: ``None`` (the parameter-free norm) or the
+    norm's ``(γ, β)`` broadcasting against ``[*lead, L, out]`` (used only with ``spec.norm``).
+    Returns ``(y, layer_inputs, pre_acts)``.
     """
     h = x
     inputs, zs = [], []
@@ -74,7 +79,7 @@ def memory_apply(spec: MemorySpec, weights, x: torch.Tensor, rho: torch.Tensor |
         z = _pre_activation(h, W, rho, x.ndim, _per_token_matmul)
         zs.append(z)
         h = _act(spec.activation, z) if i < last else z
-    y = _ln(h) if spec.norm else h
+    y = _ln(h, affine) if spec.norm else h
     if spec.residual:
         y = x + y
     return y, inputs, zs
@@ -149,13 +154,15 @@ def _act_with_grad(name: str, z: torch.Tensor):
     return _act(name, z), _act_grad(name, z)
 
 
-def _grad_factors(spec: MemorySpec, W0, k, v, rho, delta):
+def _grad_factors(spec: MemorySpec, W0, k, v, rho, delta, affine=None):
     """Per-token, per-layer gradient factors at ``W0``: ``G_s = x_s ⊗ δ_s`` for every layer.
 
     The same function as :func:`memory_apply` followed by the backward of the objective, written
     for the chunk form's flat ``[B·H, L, ·]`` layout (``torch.bmm``, fused activation value and
     slope, the fused layer-norm backward); the token-loop reference differentiates
-    :func:`memory_apply` with autograd instead."""
+    :func:`memory_apply` with autograd instead. With the norm's ``affine = (γ, β)``
+    (``[B·H, 1, V]``) the output is ``γ ⊙ LN(h) + β`` and the objective's gradient reaches the
+    parameter-free norm's backward as ``γ ⊙ ∂ℓ/∂y``."""
     h = k
     inputs, slopes = [], []
     last = len(W0) - 1
@@ -170,12 +177,16 @@ def _grad_factors(spec: MemorySpec, W0, k, v, rho, delta):
     shape = [h.shape[-1]]
     if spec.norm:
         y, mean, rstd = torch.ops.aten.native_layer_norm(h, shape, None, None, _LN_EPS)
+        if affine is not None:
+            y = torch.addcmul(affine[1], y, affine[0])
     else:
         y = h
     if spec.residual:
         y = k + y
     dz = objective_grad(spec, y, v, delta)
     if spec.norm:
+        if affine is not None:
+            dz = dz * affine[0]
         dz = torch.ops.aten.native_layer_norm_backward(
             dz, h, shape, mean, rstd, None, None, [True, False, False]
         )[0]

@@ -16,9 +16,13 @@ from .state import MemoryState
 __all__ = ["memory_recurrent"]
 
 
-def memory_recurrent(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryState):
-    """The definition, one token at a time (see the module docstring)."""
+def memory_recurrent(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: MemoryState, affine=None):
+    """The definition, one token at a time (see the module docstring). ``affine``: the inner norm's
+    learned ``(γ, β)``, each ``[H, V]`` (``None``: the parameter-free norm); the inner loss is taken
+    through it, ``ℓ(k + γ ⊙ LN(f(k)) + β, v)``."""
     A, S, anchor, d0, pos = state
+    if affine is not None:  # [H, V] -> [H, 1, V], against the [B, H, 1, V] of one token
+        affine = tuple(a[:, None, :] for a in affine)
     C = spec.chunk_size
     outs = []
     with torch.enable_grad():
@@ -39,7 +43,7 @@ def memory_recurrent(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: Mem
             # a fresh alias per token: the gradient must count only the paths through this use of
             # the weights, not others (e.g. a read of the same weights that produced k_t or v_t)
             W_eff = [w.view_as(w) if w.requires_grad else w.detach().requires_grad_(True) for w in W_eff]
-            y, _, _ = memory_apply(spec, W_eff, k[:, t, :, None, :])
+            y, _, _ = memory_apply(spec, W_eff, k[:, t, :, None, :], affine=affine)
             dl = None if delta is None else delta[:, t, :, None]
             loss = objective_value(spec, y, v[:, t, :, None, :], dl).sum()
             G = torch.autograd.grad(loss, W_eff, create_graph=True)
@@ -62,7 +66,7 @@ def memory_recurrent(spec: MemorySpec, q, k, v, theta, g, eta, delta, state: Mem
             if gamma is not None:  # elastic net (Miras Eq. 22): W_t = S_γ(λ_t W_{t−1} + step_t)
                 A = tuple(soft_threshold(ai, gamma[..., None, None]) for ai in A)
             Wt = [retention_map(spec, ai) for ai in A]
-            o, _, _ = memory_apply(spec, Wt, q[:, t, :, None, :])
+            o, _, _ = memory_apply(spec, Wt, q[:, t, :, None, :], affine=affine)
             outs.append(o[:, :, 0])
             pos += 1
     o = torch.stack(outs, 1)

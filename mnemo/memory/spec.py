@@ -29,7 +29,8 @@ class MemorySpec:
         architecture: ``"matrix"`` (one ``[K, V]`` map per head) or ``"mlp"`` (``depth`` linear
             layers ``K → h → … → V`` with ``h = expansion · K`` and ``activation`` between them).
         residual: ``M(x) = x + f(x)`` (needs ``K == V``). norm: layer-normalise ``f(x)`` before the
-            residual (TTT: ``x + LN(f(x))``; parameter-free LN). Both default off (the ``mlp``
+            residual (TTT: ``x + LN(f(x))``; the LN's learned scale and shift, outer parameters, are
+            ``neural_memory``'s ``norm_weight``/``norm_bias``, else none). Both default off (the ``mlp``
             presets turn them on).
     Attentional bias (inner objective on ``e = M(k) − v``):
         ``"dot"``: ``−⟨M(k), v⟩`` (Hebbian); ``"l2"``: ``½‖e‖²`` (delta rule; Titans, Eq. 12, and
