@@ -548,6 +548,12 @@ linear_attention_fla.register_autograd(_grad_la, setup_context=_setup_la)
 # ----------------------------------------------------------------------------------------------
 
 
+#: the ``dt_limit`` passed to mamba-ssm: no clamp. Its default ``(0, inf)`` clamps ``dt`` (in the
+#: forward, and zeroes the clamped tokens' gradients), so a negative step, which mnemo computes as
+#: given, would write nothing and not decay there
+MAMBA_DT_LIMIT = (float("-inf"), float("inf"))
+
+
 def _run_ssd(x, dt, A, B, C, initial_state, chunk_size, output_final_state):
     if x.numel() == 0:
         Bsz, _, H, P = x.shape
@@ -556,7 +562,15 @@ def _run_ssd(x, dt, A, B, C, initial_state, chunk_size, output_final_state):
         None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
     )  # [B,H,N,P] -> [B,H,P,N]
     out = _fn("mamba_ssm", "ssd")(
-        x, dt, A, B, C, chunk_size, initial_states=h0, return_final_states=output_final_state
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        initial_states=h0,
+        dt_limit=MAMBA_DT_LIMIT,
+        return_final_states=output_final_state,
     )
     y, S = out if output_final_state else (out, None)
     S = None if S is None else S.transpose(-1, -2)  # back to mnemo's [B, H, N, P]
@@ -575,7 +589,8 @@ def ssd_mamba_ssm(
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
     """mamba-ssm's ``mamba_chunk_scan_combined`` (no ``D``, bias or softplus: the glue applies
-    them): ``y [B,T,H,P]`` in x's dtype, final state ``[B,H,N,P]`` (mnemo's layout) float32 or empty."""
+    them; ``dt_limit`` = :data:`MAMBA_DT_LIMIT`, no clamp of ``dt``): ``y [B,T,H,P]`` in x's dtype,
+    final state ``[B,H,N,P]`` (mnemo's layout) float32 or empty."""
     return _run_ssd(x, dt, A, B, C, initial_state, chunk_size, output_final_state)
 
 
@@ -704,7 +719,9 @@ def mamba_ssd(x, dtc, A, B4, C4, D, *, initial_state, output_final_state, chunk_
     mnemo clamps the log decay ``dt · A`` at ``-60`` but writes ``dt · x``; mamba-ssm takes one
     ``dt`` for both. Where the clamp bites, the kernel gets ``dt' = -60 / A`` (the clamped decay)
     and ``x' = x · dt / dt'`` (the same write), elementwise on the device (no value is read back);
-    elsewhere ``dt' = dt``, ``x' = x``. ``D`` is added here, to the unscaled ``x``."""
+    elsewhere ``dt' = dt``, ``x' = x``. ``D`` is added here, to the unscaled ``x``. The kernel gets
+    ``dt_limit=(-inf, inf)`` (:data:`MAMBA_DT_LIMIT`): its default ``(0, inf)`` would clamp a
+    negative ``dt`` (which mnemo computes as given, with a ``RangeWarning`` on a CPU) to 0."""
     cd = torch.float32
     A32 = A.to(cd)
     g = dtc * A32

@@ -22,8 +22,10 @@ Five public ops can run on more than one implementation (a *backend*):
   see through it. The glue keeps mnemo's semantics: log-gates clamped at ``-60`` first (fla gives
   NaN for ``-inf``), ``scale`` (a tensor one multiplies ``q`` first, so it gets its gradient),
   ``initial_state``, ``cu_seqlens``, float32 states under bfloat16 inputs, mnemo's layouts
-  (mamba-ssm's states are ``[B, H, P, N]``, mnemo's ``[B, H, N, P]``). The ``chunk_size`` argument
-  tunes mnemo's forms only; the peers use their own chunk length (the result does not depend on it).
+  (mamba-ssm's states are ``[B, H, P, N]``, mnemo's ``[B, H, N, P]``), a step ``dt`` as given
+  (mamba-ssm clamps it to ``[0, inf)`` by default; the glue passes ``dt_limit=(-inf, inf)``). The
+  ``chunk_size`` argument tunes mnemo's forms only; the peers use their own chunk length (the
+  result does not depend on it).
 
 Choosing. ``auto`` (the default) takes, per call, the first backend in the order below that can
 serve the call (device, dtypes, shape, options), and records the reasons of those it skipped
@@ -187,7 +189,11 @@ def use_backend(name: str) -> Iterator[None]:
     ``name`` (``"auto"``, ``"torch"``, ``"native"``, ``"fla"``, ``"mamba_ssm"``) or raises
     :class:`BackendError` (op, backend, reason) if that backend cannot serve it. Blocks nest; the
     previous choice is restored on exit, also on an error. A backward pass runs the backward of
-    whatever its forward ran. Raises ``ValueError`` for an unknown name."""
+    whatever its forward ran. A forward *recomputed* in the backward pass (activation
+    checkpointing, ``torch.utils.checkpoint``) chooses again, by the block open then in the thread
+    that runs it: outside this block, or on CUDA, where the autograd engine runs the backward in a
+    thread of its own, under ``auto``; set ``MNEMO_BACKEND`` (read in every thread) for a choice
+    that holds there too. Raises ``ValueError`` for an unknown name."""
     name = _check_choice(name, "backend")
     stack = getattr(_forced, "stack", None)
     if stack is None:
@@ -241,6 +247,11 @@ def _native_problem(device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"device {device.type!r} (the C kernels are CPU-only)"
     if not _native.enabled():
+        if getattr(_native._suppressed, "depth", 0):  # (not the variable: it may be unset)
+            return (
+                "the C kernels are off in this thread (mnemo.ops._native.suppressed: the torch "
+                "backend's block, or the backward of a form it ran)"
+            )
         return "MNEMO_NATIVE=0"
     if _native.library() is None:
         return "the C kernels did not build (see mnemo.ops._native)"

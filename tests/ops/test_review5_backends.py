@@ -267,10 +267,14 @@ def test_all_inputs_on_meta_still_run_shapes_only(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-def _scan_like_mamba(x, dt, A, B, C, chunk_size, initial_states=None, return_final_states=False):
+def _scan_like_mamba(
+    x, dt, A, B, C, chunk_size, initial_states=None, dt_limit=(0.0, float("inf")), return_final_states=False
+):
     """``mamba_chunk_scan_combined``'s contract as a token loop: states ``[B, H, P, N]`` (mamba's
     layout), ``h_t = exp(dt_t A) h_{t−1} + (dt_t x_t) B_tᵀ``, ``y_t = h_t C_t``, head ``h`` reading
-    group ``h // (H / G)``; no ``D``, no softplus, no clamp of ``dt · A``."""
+    group ``h // (H / G)``; no ``D``, no softplus, no clamp of ``dt · A``; ``dt`` clamped to
+    ``dt_limit`` (mamba-ssm's default ``(0, inf)``; review 7 found the glue relying on it)."""
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
     Bsz, T, H, P = x.shape
     r = H // B.shape[2]
     Bh, Ch = (X.repeat_interleave(r, dim=2).float() for X in (B, C))
