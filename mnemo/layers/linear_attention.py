@@ -167,8 +167,9 @@ class LinearAttention(_QKVMixer):
 
     State: :class:`MatrixState` (memory ``[B, H, F, V + normalize]``, conv tail, offset).
 
-    Raises ``ValueError`` naming the argument for a size that is not a positive int or a flag
-    (``normalize``, ``short_conv``, ``output_norm``) that is not a bool.
+    Raises ``ValueError`` naming the argument for a size (``num_features`` too) that is not a
+    positive int, a ``seed`` that is not an int, or a flag (``normalize``, ``short_conv``,
+    ``output_norm``) that is not a bool.
     """
 
     offset_free = True  # no positions: the state alone decides the output
@@ -190,6 +191,11 @@ class LinearAttention(_QKVMixer):
     ):
         check_bool("normalize", normalize)
         check_bool("output_norm", output_norm)
+        # (num_features=0 was read as "not given" and became 2 · head_dim; a float or a string seed
+        # failed inside torch without the argument's name)
+        check_int("num_features", num_features, optional=True)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed: expected an int (the seed of FAVOR+'s projection), got {seed!r}")
         if n_heads is None:
             check_int("d_model", d_model)
             check_int("head_dim", head_dim)  # (a negative one gave n_heads < 0, named as n_heads)
@@ -260,7 +266,10 @@ class GatedLinearAttention(_QKVMixer):
     * ``"scalar"``: data-dependent per-head gates ``g = logsigmoid(W x + b) / τ`` (Mamba-2-style
       scalar decay).
 
-    The read-out is ``o_proj(RMSNorm(o) ⊙ silu(W_r x))`` (output gate, as in RetNet and GLA).
+    The read-out is ``o_proj(RMSNorm(o) ⊙ silu(W_r x))`` (output gate, as in RetNet and GLA), with
+    ``o_t = S_tᵀ q_t K^{-1/2}``, ``S_t = exp(g_t) ⊙ S_{t−1} + k_t v_tᵀ`` (``g_t`` per key row or per
+    head; the op's default ``scale`` ``K^{-1/2}``, as fla's layers; the GLA paper writes
+    ``S_tᵀ q_t``): the RMSNorm takes the factor away but for its ``eps``.
     Key/value sizes per head are ``expand_k · d_model / H`` and ``expand_v · d_model / H``. The
     registered ``"retnet"`` preset takes the paper's sizes (Sun et al. 2023, §3.1: ``W_Q, W_K`` are
     ``d × d``, ``W_V, W_G`` are ``d × 2d``, ``W_O`` is ``2d × d``): ``expand_k=1.0``,

@@ -76,10 +76,16 @@ def _rms_groups(x: torch.Tensor, weight: torch.Tensor, eps: float, groups: int) 
 
 
 def _gated_rms_norm_reference(x, z, weight, eps: float, groups: int, gate_first: bool) -> torch.Tensor:
-    """The PyTorch form of :func:`gated_rms_norm` (the native kernel's twin; any dtype)."""
+    """The PyTorch form of :func:`gated_rms_norm` (the native kernel's twin; any dtype): the gate,
+    the product and the norm in at least float32, rounded once to the promoted dtype of ``x`` and
+    ``z`` (bf16 rounded the normalised value, ``silu(z)`` and their product each on its own: up to
+    2.4 unit roundoffs off, a third of the outputs not the rounded exact value)."""
+    out = torch.promote_types(x.dtype, z.dtype)
+    acc = torch.promote_types(out, torch.float32)
+    xc, zc = x.to(acc), z.to(acc)
     if gate_first:
-        return _rms_groups(x * F.silu(z), weight, eps, groups)
-    return _rms_groups(x, weight, eps, groups) * F.silu(z)
+        return _rms_groups(xc * F.silu(zc), weight, eps, groups).to(out)
+    return (_rms_groups(xc, weight, eps, groups) * F.silu(zc)).to(out)
 
 
 def gated_rms_norm(
@@ -108,7 +114,8 @@ def gated_rms_norm(
     (:mod:`mnemo.ops._native`: one pass over memory instead of the PyTorch form's half-dozen
     elementwise passes, each with its own freshly allocated tensor); anything else (bfloat16, CUDA,
     mixed dtypes, ``MNEMO_NATIVE=0``, while ``torch.compile`` traces, under forward-mode AD or a
-    ``torch.func`` transform) runs the PyTorch form, which normalises in at least float32. Both are
+    ``torch.func`` transform) runs the PyTorch form, which computes the gate, the product and the norm
+    in at least float32 and rounds once (a bf16 output is the float32 result rounded). Both are
     twice differentiable (a graph of the kernel's gradient is built by the PyTorch form).
     Raises:
         ValueError: ``z`` or ``weight`` does not match ``x``, ``groups`` is not an int dividing

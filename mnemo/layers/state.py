@@ -111,11 +111,15 @@ def to(state, *args, **kwargs):
 
 
 def select_rows(state, rows):
-    """The batch rows ``rows`` (an int, a slice, or an index tensor) of every tensor in ``state``.
+    """The batch rows ``rows`` (an int, a slice, a list or an index tensor) of every tensor in ``state``.
     An int ``i`` keeps the batch dimension (one row) and counts from the end when negative, as
     ``t[i]`` does; ``IndexError`` naming ``rows`` when it is outside ``[−B, B)``. An integer scalar
     of another type (``numpy.int64``, a 0-d integer tensor such as an ``argmax``) counts as an int
-    (indexing with it as it is would drop the batch dimension)."""
+    (indexing with it as it is would drop the batch dimension). A list or a tuple of row numbers
+    is an index (``t[(0, 2)]`` itself would have read element ``[0, 2]`` of the first two
+    dimensions)."""
+    if isinstance(rows, tuple):
+        rows = list(rows)
     if isinstance(rows, torch.Tensor) and rows.ndim == 0 and not rows.is_floating_point():
         if rows.dtype != torch.bool:
             rows = int(rows)
