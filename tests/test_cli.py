@@ -666,6 +666,7 @@ FLAG_FIELDS = [  # every flag `mnemo train` had when the flags were hand-written
     "track_circuits",
     "circuit_length",
     "track_spectrum",
+    "spectrum_burn_in",
 ]
 # fields set otherwise: their own flags (--d-model/--n-layers, --task-option, --eval-lengths,
 # --resume --reschedule) or the config file only

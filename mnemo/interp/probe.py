@@ -119,7 +119,9 @@ class CircuitTracker:
     test-time-trained memory; ``spectrum_burn_in``: its ``burn_in``, the first tokens left out of
     every average, as ``mnemo probe spectrum --burn-in``): per layer whose mixer has a spectrum,
     ``spectrum_{irrelevant, intermediate, marginal, relevant}_by_layer`` (shares) and
-    ``spectrum_median_half_life_by_layer`` (tokens; ``None`` for a median that never halves); and
+    ``spectrum_median_half_life_by_layer`` (tokens; ``inf`` for a median that never halves, NaN
+    where undefined: ``metrics.jsonl`` holds them as ``null`` named in the record's ``"nonfinite"``
+    field, :func:`mnemo.train.sinks.dumps_record`, which ``loads_record`` reads back); and
     ``spectrum_by_memory``: ``{key: {shares…, median_half_life}}`` for every memory with a spectrum,
     the mixers' (``"0"``, ``"1"``, …) and the CMS levels' (``"0.cms1"``: layer 0, level 1).
 
@@ -182,17 +184,14 @@ class CircuitTracker:
         if not rows:
             return {}
 
-        def finite(v):
-            return v if math.isfinite(v) else None
-
+        # non-finite half-lives stay floats (inf: never halves; NaN: undefined): metrics.jsonl's
+        # writer maps them (mnemo.train.sinks.dumps_record) and loads_record restores them
         layers = [r for key, r in rows.items() if key.isdigit()]  # the mixers' memories
         extra = {}
         if layers:
             extra = {f"spectrum_{c}_by_layer": [r[c] for r in layers] for c in CLASSES}
-            extra["spectrum_median_half_life_by_layer"] = [finite(r["median_half_life"]) for r in layers]
-        extra["spectrum_by_memory"] = {
-            key: {**r, "median_half_life": finite(r["median_half_life"])} for key, r in rows.items()
-        }
+            extra["spectrum_median_half_life_by_layer"] = [r["median_half_life"] for r in layers]
+        extra["spectrum_by_memory"] = {key: dict(r) for key, r in rows.items()}
         return extra
 
     def __call__(self, trainer, record: dict) -> dict:
@@ -321,7 +320,8 @@ def training_figure(rows: list[dict], title: str | None = None):
 def spectrum_flow_figure(rows: list[dict], title: str | None = None):
     """How each memory's spectrum moves during training (records with ``spectrum_by_memory``, from
     ``TrainConfig.track_spectrum``): left, the median half-life of every memory against the step
-    (log scale; a median that never halves is drawn at the top); right, the share of its
+    (log scale; a median that never halves, ``inf``, or a ``None`` of records written before the
+    writer kept ``inf``, is drawn at the top; a NaN is a gap); right, the share of its
     directions kept longer than the irrelevant threshold (intermediate + marginal + relevant).
     Returns ``None`` when no record carries a spectrum."""
     import matplotlib
@@ -340,15 +340,19 @@ def spectrum_flow_figure(rows: list[dict], title: str | None = None):
         v["median_half_life"]
         for r in rows
         for v in r["spectrum_by_memory"].values()
-        if v.get("median_half_life") is not None
+        if isinstance(v.get("median_half_life"), (int, float)) and math.isfinite(v["median_half_life"])
     ]
     top = max(finite + [1.0]) * 4
+
+    def half_life(g):
+        if g is None:  # no spectrum of this memory at this step
+            return math.nan
+        v = g.get("median_half_life")
+        return top if v is None or v == math.inf else v  # None: an older record's "never halves"
+
     for key in keys:
         got = [r["spectrum_by_memory"].get(key) for r in rows]
-        hl = [
-            math.nan if g is None else (top if g["median_half_life"] is None else g["median_half_life"])
-            for g in got
-        ]
+        hl = [half_life(g) for g in got]
         # the classes kept beyond the threshold (not 1 − irrelevant: that would count the
         # unresolved directions of a memory whose exponents were computed only in part)
         kept = [math.nan if g is None else g["intermediate"] + g["marginal"] + g["relevant"] for g in got]

@@ -132,6 +132,7 @@ projections get no gradient and it would step at evaluation with untrained setti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -390,6 +391,50 @@ def check_dtype(x: torch.Tensor, module: nn.Module, name: str = "x") -> None:
     )
 
 
+def _float_leaves(value, path: str):
+    """``(path, tensor)`` for every floating tensor in ``value`` (a state: dataclasses, tuples,
+    lists and dicts of tensors), ``path`` as ``state.proj[0]`` / ``state.proj['k']``."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield path, value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _float_leaves(getattr(value, f.name), f"{path}.{f.name}")
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from _float_leaves(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _float_leaves(v, f"{path}[{k!r}]")
+
+
+def check_state_dtype(state, module: nn.Module, name: str = "state", fast_weights: bool = False) -> None:
+    """Raise ``ValueError`` (naming the entry, the expected and the received dtype) for a floating
+    tensor of ``state`` that is float64 where ``module``'s parameters are not, or not float64 where
+    they are: the dtype ``module`` makes its own state in is its parameters' (with ``fast_weights``,
+    default ``fast_weights=False``: test-time-trained weights kept in the compute dtype, also float32
+    for bf16/fp16 parameters). ``name`` (default ``name="state"``) prefixes the entries' names.
+    A state made by the module before a ``.double()`` (or after) would fail deep inside a matmul
+    with torch's unnamed dtype error; nothing is cast silently. Other pairs (float32 / bf16 /
+    fp16) pass: a bf16 autocast forward leaves bf16 activations in a float32 module's state."""
+    pd = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if pd is None:
+        return
+    want = [pd]
+    if fast_weights and pd != torch.float64 and pd != torch.float32:
+        want.append(torch.float32)
+    for path, t in _float_leaves(state, name):
+        # float64 on one side only: never meant (a bf16 autocast forward legitimately leaves bf16
+        # activations, e.g. conv tails, in a float32 module's state, which its ops cast)
+        if t.dtype not in want and torch.float64 in (t.dtype, pd):
+            raise ValueError(
+                f"{path}: expected dtype {' or '.join(map(str, want))} (the state "
+                f"{type(module).__name__} makes for its {pd} parameters), got {t.dtype} (a state made "
+                f"before the module was cast?); pass the state this module returned, or cast it "
+                f"(mnemo.layers.state.to(state, {pd}))"
+            )
+
+
 def _as_levels(levels) -> list:
     """``levels`` as a list of :class:`Level` (each a ``Level`` or a dict of its fields)."""
     if isinstance(levels, (Level, dict, str)) or not hasattr(levels, "__iter__"):
@@ -493,8 +538,8 @@ class CMSLevel(nn.Module):
     def check_state(self, st, batch_size: int, name: str = "state") -> None:
         """Raise ``ValueError`` unless ``st`` is a :class:`LevelState` this level can continue: fast
         weights (and gradient buffers) ``[batch_size, d, h]`` and ``[batch_size, h, d]`` of this level's
-        widths, and momentum buffers exactly when its optimizer keeps them (``name``: the state's name
-        in the message)."""
+        widths, momentum buffers exactly when its optimizer keeps them, and every tensor in the level's
+        dtype (``name``: the state's name in the message)."""
         if not isinstance(st, LevelState):
             raise ValueError(f"{name}: expected a LevelState, got {type(st).__name__}")
         d, h = self.rate.in_features, self.hidden
@@ -508,6 +553,7 @@ class CMSLevel(nn.Module):
                     f"{name}.{what}: expected shapes {list(want)} (batch, d_model = {d}, hidden = {h}), "
                     f"got {got} (a state from another configuration?)"
                 )
+        check_state_dtype(st, self, name)
         needs = self.level.optimizer != "gd"
         if needs != (st.momentum is not None):
             raise ValueError(

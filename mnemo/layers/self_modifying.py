@@ -169,7 +169,7 @@ from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
 from ..ops._common import clamp_log_gate, inference_involved
 from .base import Mixer, Mixing, check_input, upcast
-from .cms import check_dtype
+from .cms import check_dtype, check_state_dtype
 from .conv import ShortConvolution
 from .hooks import HookPoint, show_state
 from .linear_attention import check_bool, check_heads
@@ -764,6 +764,8 @@ class SelfModifyingTitans(Mixer):
                 f"state: expected a SelfModifyingTitansState (the state this mixer returned) or None, got "
                 f"{type(state).__name__}"
             )
+        if state is not None:  # weights in the compute dtype (float32; float64), conv tails in the model's
+            check_state_dtype(state, self, fast_weights=True)
         st = state if state is not None else self.initial_state(B)
         if st.proj[0].shape[0] != B:
             raise ValueError(f"state has batch size {st.proj[0].shape[0]}, x has {B}")

@@ -47,7 +47,7 @@ from torch import nn
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from .base import Mixer, Mixing, check_input, upcast
 from .base import batch_mm as _mm
-from .cms import check_dtype, no_autocast
+from .cms import check_dtype, check_state_dtype, no_autocast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces, show_state
 from .linear_attention import check_bool, check_heads, check_int
@@ -250,6 +250,8 @@ class SelfModifyingProjections(Mixer):
                 f"state: expected a SelfModifyingProjectionsState (the state this mixer returned) or None, "
                 f"got {type(state).__name__}"
             )
+        if state is not None:  # the partial sum and the memory in float32 (float64), the rest the model's
+            check_state_dtype(state, self, fast_weights=True)
         st = state if state is not None else self.initial_state(B)
         got = [list(st.proj[n].shape) for n in PROJECTIONS]
         want = [[B, *self.init[n].shape] for n in PROJECTIONS]

@@ -50,7 +50,7 @@ from contextlib import ExitStack
 import torch
 import torch.nn.functional as F
 
-from ..layers.cms import CMSLevel, CMSState, ContinuumMemory
+from ..layers.cms import CMSLevel, CMSState, ContinuumMemory, check_state_dtype
 from ..layers.hooks import kept_span, replacement_count, set_span
 from ..layers.state import detach as detach_state
 from ..layers.state import state_dataclass
@@ -273,6 +273,19 @@ def _deferrable(model):
             yield from b.mlp.levels
 
 
+def _check_dtypes(model, state) -> None:
+    """Raise ``ValueError`` naming the entry, the expected and the received dtype for a mixer or
+    CMS level state of another dtype than its module's (:func:`~mnemo.layers.cms.check_state_dtype`),
+    e.g. a state kept from before ``model.double()``."""
+    for i, (b, s) in enumerate(zip(model.blocks, state)):
+        if hasattr(b.mixer, "deferring") and getattr(s, "mixer", None) is not None:
+            check_state_dtype(s.mixer, b.mixer, f"state[{i}].mixer", fast_weights=True)
+        mlp = getattr(s, "mlp", None)
+        if isinstance(b.mlp, ContinuumMemory) and isinstance(mlp, CMSState):
+            for j, (level, ls) in enumerate(zip(b.mlp.levels, mlp.levels)):
+                check_state_dtype(ls, level, f"state[{i}].mlp.levels[{j}]")
+
+
 def forward(model, input_ids: torch.Tensor, state, mode):
     """``LanguageModel.forward`` for a model with task levels (see the module docstring).
 
@@ -280,6 +293,8 @@ def forward(model, input_ids: torch.Tensor, state, mode):
     the segments are read — a segment is often shorter than their chunks — and so do the task
     levels (:meth:`~mnemo.layers.cms.CMSLevel.deferring`: their steps kept as low-rank factors);
     the state returned (with the pending segment's start state in it) has every step taken."""
+    if isinstance(state, (list, tuple)) and len(state) == len(model.blocks):
+        _check_dtypes(model, state)  # the segment loop's absorb would meet them before the modules' checks
     with ExitStack() as stack:
         for m in _deferrable(model):
             stack.enter_context(m.deferring())

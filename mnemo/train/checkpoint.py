@@ -340,7 +340,8 @@ def resolve_checkpoint(
 
     ``latest`` is followed only to one of the run directory's own checkpoints (a ``ckpt-NNNNNN``
     directory inside it, not a link out of it); a ``latest`` made by hand as a symbolic link to
-    one of them is followed like the file.
+    one of them is followed like the file, and so is a ``ckpt-NNNNNN`` link it names that points
+    at one of them (the folder is returned, never the link: :func:`run_checkpoints`).
 
     Raises:
         FileNotFoundError: nothing at ``path``, or no checkpoint in it (says what was looked for).
@@ -393,6 +394,10 @@ def resolve_checkpoint(
         raise CorruptCheckpointError(p, lost)
     name = linked or latest.read_text().strip()
     target = p / name
+    if linked is None and name and target.is_symlink():  # a ckpt-NNNNNN link beside its target (made by
+        dest = target.resolve()  # hand): the folder it names, never the link (never rotated, see above)
+        if dest.is_dir() and dest.parent == p.resolve() and _CKPT_NAME.fullmatch(dest.name):
+            name, target = dest.name, p / dest.name
     if name and (
         not _CKPT_NAME.fullmatch(name) or (target.exists() and target.resolve().parent != p.resolve())
     ):
@@ -414,18 +419,8 @@ def resolve_checkpoint(
     else:
         candidates = [target]
     newest = _step_of(target) if candidates else float("inf")  # never skip ahead of `latest`
-    candidates += sorted(
-        (
-            c
-            for c in p.glob("ckpt-*")
-            if c.is_dir()
-            and _CKPT_NAME.fullmatch(c.name)
-            and _step_of(c) < newest
-            and c.resolve().parent == p.resolve()
-        ),
-        key=_step_of,
-        reverse=True,
-    )
+    # the run's own checkpoints only: a ckpt-NNNNNN link (made by hand) is never resumed from
+    candidates += [c for c in reversed(run_checkpoints(p)) if _step_of(c) < newest]
     for c in candidates:
         problems = verify_checkpoint(c)
         if not problems:

@@ -29,6 +29,8 @@ def _flag(help: str, **argparse_options) -> dict[str, Any]:
 #: evaluation at most 100,000 validation batches)
 MAX_STEPS = 10**9
 MAX_EVAL_BATCHES = 100_000
+#: the random tokens ``track_spectrum`` reads (``mnemo.interp.CircuitTracker``'s ``spectrum_tokens``)
+SPECTRUM_TOKENS = 256
 
 
 @dataclass
@@ -204,6 +206,10 @@ class TrainConfig:
             turns on); ``mnemo probe plot-training OUT`` draws how the spectrum flows as training
             proceeds. Costs one spectrum per evaluation (seconds for test-time-trained memories).
             (default ``False``)
+        spectrum_burn_in: the first tokens of those 256 that ``track_spectrum`` leaves out of its
+            averages (the ``burn_in`` of :func:`~mnemo.interp.spectrum.memory_spectrum`, as
+            ``mnemo probe spectrum --burn-in``): an int in ``[0, 256)``, read only with
+            ``track_spectrum`` (default ``spectrum_burn_in=0``).
     """
 
     # ``metadata=_flag(...)``: the field is a ``mnemo train`` flag (``--seq-len`` for ``seq_len``);
@@ -434,6 +440,14 @@ class TrainConfig:
         default=False,
         metadata=_flag("record the memory spectrum (shares of directions, half-lives) at every evaluation"),
     )
+    spectrum_burn_in: int = field(
+        default=0,
+        metadata=_flag(
+            "--track-spectrum: first tokens left out of the spectrum's averages",
+            metavar="T",
+            type=kinds.Int(0, SPECTRUM_TOKENS - 1),
+        ),
+    )
 
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the offending field; return self."""
@@ -521,6 +535,17 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.circuit_length ({self.circuit_length}) is read only by the circuit tracker: "
                 "turn on track_circuits (--track-circuits) too, or leave it out"
+            )
+        b = self.spectrum_burn_in
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < SPECTRUM_TOKENS:
+            bad(
+                "spectrum_burn_in",
+                f"an int in [0, {SPECTRUM_TOKENS}) (tokens of the spectrum's {SPECTRUM_TOKENS})",
+            )
+        if b != 0 and not self.track_spectrum:
+            raise ValueError(
+                f"TrainConfig.spectrum_burn_in ({b}) is read only by the spectrum tracker: "
+                "turn on track_spectrum (--track-spectrum) too, or leave it out"
             )
         for name in ("warmup_steps", "sample_tokens"):
             v = getattr(self, name)

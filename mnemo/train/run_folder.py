@@ -78,6 +78,7 @@ RESUMABLE = (
     "track_circuits",
     "circuit_length",
     "track_spectrum",
+    "spectrum_burn_in",
     "grad_accum",
     "context_parallel",
     "fsdp",
@@ -566,7 +567,12 @@ class RunFolder:
     ) -> Path:
         """Write ``ckpt-<step>`` atomically: the model's config and weights (``sharded``: DCP
         shards of the weights and ``optimizer``, every rank writing its own), ``tokenizer`` (text
-        runs), ``cfg`` and the trainer ``state`` (plus the optimizer's state unless sharded)."""
+        runs), ``cfg`` and the trainer ``state`` (plus the optimizer's state unless sharded).
+        A run of ``cfg.fsdp`` on one process (resumed there) writes a single-file checkpoint, whose
+        ``train_config.json`` then says ``fsdp: false`` as a consolidated one's does
+        (:func:`~mnemo.train.sharded.consolidate_checkpoint`): a single-file checkpoint is not
+        resumed sharded, and no flag of ``mnemo train --resume`` turns a saved ``--fsdp`` off."""
+        saved_cfg = {**cfg.to_dict(), **({"fsdp": False} if cfg.fsdp and not sharded else {})}
 
         def write(tmp: Path):
             model.config.save(tmp / CONFIG_NAME)
@@ -574,7 +580,7 @@ class RunFolder:
                 save_model(model, str(tmp / WEIGHTS_NAME))
             if tokenizer is not None:
                 save_tokenizer(tokenizer, tmp)
-            (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
+            (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps(saved_cfg, indent=2))
             saved = {
                 "step": state["step"],
                 **({"sharded": True} if sharded else {"optimizer": optimizer.state_dict()}),

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import STATE_NAME, ckpt_name, save_checkpoint
+from .checkpoint import STATE_NAME, CorruptCheckpointError, ckpt_name, save_checkpoint
 
 SHARDED_DIR = "sharded"
 
@@ -117,8 +117,13 @@ def load_sharded(ckpt: str | Path, model, optimizer=None) -> None:
 
     Raises:
         FileNotFoundError: ``ckpt`` holds no shards.
+        CorruptCheckpointError: DCP cannot read the shards of a checkpoint without ``manifest.json``
+            (unchecked: a truncated or damaged shard); the message names the folder and DCP's error.
+        RuntimeError: DCP cannot read the shards of a verified checkpoint (they do not fit
+            ``model``); the message names the folder and DCP's error.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
@@ -131,9 +136,19 @@ def load_sharded(ckpt: str | Path, model, optimizer=None) -> None:
         )
     path = str(Path(ckpt) / SHARDED_DIR)
     sd = {"model": get_model_state_dict(model)} if optimizer is None else _state_dicts(model, optimizer)
-    with warnings.catch_warnings():  # one process without a group is intended here: say nothing
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(sd, checkpoint_id=path)
+    try:
+        with warnings.catch_warnings():  # one process without a group is intended here: say nothing
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(sd, checkpoint_id=path)
+    except CheckpointException as e:  # (a BaseException: it escaped every `except Exception`)
+        inner = next(iter(e.failures.values()), (e, None))[0]
+        last = (str(inner).strip().splitlines() or [""])[-1]
+        detail = f"DCP could not read {path}: {type(inner).__name__}: {last}"
+        if not (Path(ckpt) / "manifest.json").is_file():  # unchecked: damaged on disk
+            raise CorruptCheckpointError(
+                Path(ckpt), [detail + " (no manifest.json: its shards were not checked)"]
+            ) from None
+        raise RuntimeError(detail) from None
     if optimizer is None:
         set_model_state_dict(model, sd["model"])
         return
@@ -154,9 +169,13 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     Runs in one process, no process group.
     Returns the new checkpoint's path.
 
+    ``out`` must hold no run yet (no ``ckpt-NNNNNN``, linked or not, no ``latest``): writing there
+    would rotate its older checkpoints out (only the newest two are kept), replace its checkpoint
+    of the same step and point its ``latest`` at another run's.
+
     Raises:
         FileNotFoundError / CorruptCheckpointError: as :func:`~mnemo.train.resolve_checkpoint`.
-        ValueError: ``src`` is not a sharded checkpoint.
+        ValueError: ``src`` is not a sharded checkpoint; ``out`` already holds a run (named).
     """
     import json
 
@@ -164,9 +183,26 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
 
     from ..models import LanguageModel, ModelConfig
     from ..models.lm import CONFIG_NAME, WEIGHTS_NAME
-    from .checkpoint import TRAIN_CONFIG_NAME, load_json, load_trainer_state, resolve_checkpoint, save_torch
+    from .checkpoint import (
+        LATEST,
+        TRAIN_CONFIG_NAME,
+        load_json,
+        load_trainer_state,
+        resolve_checkpoint,
+        run_checkpoints,
+        save_torch,
+    )
     from .config import TrainConfig
+    from .run_folder import linked_checkpoints
 
+    held = [p.name for p in run_checkpoints(out) + linked_checkpoints(Path(out))]
+    held += [LATEST] if (Path(out) / LATEST).is_symlink() or (Path(out) / LATEST).exists() else []
+    if held:  # its checkpoints would be rotated out or replaced, its latest repointed
+        raise ValueError(
+            f"OUT: {out} already holds a run ({', '.join(held[-3:])}); writing the consolidated checkpoint "
+            "there would delete or replace its checkpoints and point its latest at this one: pick a new "
+            "or empty folder"
+        )
     ckpt = resolve_checkpoint(src)
     if not is_sharded(ckpt):
         raise ValueError(f"--from-dcp: {ckpt} is not a sharded (FSDP) checkpoint: no {SHARDED_DIR}/.metadata")
