@@ -372,10 +372,11 @@ class MoE(nn.Module):
             return
         if tuple(counts.shape) != (self.n_experts,):
             raise ValueError(f"counts: expected shape [{self.n_experts}], got {list(counts.shape)}")
-        # sign(c̄ − c_e) = sign(Σ c − E c_e), exact in the counts' own dtype (long, or the trainer's
-        # float64 sums): in float32 counts above 2²⁴ (large steps) round, and near-balanced experts
-        # got no step or one in the wrong direction
-        c = counts if counts.is_floating_point() else counts.long()
+        # sign(c̄ − c_e) = sign(Σ c − E c_e), exact in long or float64 (the trainer's sums): in
+        # float32 counts above 2²⁴ (large steps) round, and near-balanced experts got no step or
+        # one in the wrong direction; float16 / bfloat16 / float32 counts are widened first (their
+        # sum and E · c_e round, or overflow to inf − inf: no step at all)
+        c = counts.double() if counts.is_floating_point() else counts.long()
         step = torch.sign(c.sum() - self.n_experts * c)
         self.expert_bias.add_(
             self.bias_update_rate * step.to(self.expert_bias.device, self.expert_bias.dtype)
