@@ -64,6 +64,24 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D102 - argparse's hook
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102 - argparse's method
+        ns, extras = super().parse_known_args(args, namespace)
+        # the deepest (sub-)parser that read the line is recorded first; argparse copies a
+        # sub-parser's namespace into its parent's, so the parents keep the sub-command's
+        if not hasattr(ns, "_mnemo_parser"):
+            ns._mnemo_parser = self
+        return ns, extras
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an unknown flag is named by the sub-command that read the line
+        (``mnemo train: error: unrecognized arguments: ... (see: mnemo train --help)``), whose
+        ``--help`` lists the flags, rather than by ``mnemo``."""
+        ns, extras = self.parse_known_args(args, namespace)
+        owner = ns.__dict__.pop("_mnemo_parser", self)
+        if extras:
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
 
 #: roles whose text is shown as written (a literal: ``~`` in ``:file:`~/x``` is the home folder)
 _LITERAL_ROLES = {
