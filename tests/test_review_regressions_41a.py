@@ -28,7 +28,10 @@ def test_from_pretrained_leaves_the_given_config_alone(tmp_path):
     inplace in from_pretrained")."""
     tiny_mnemo_for_causal_lm("mamba", 0, VOCAB).save_pretrained(tmp_path / "b")
     MnemoForCausalLM.from_pretrained(tmp_path / "b", eos_token_id=5).save_pretrained(tmp_path / "a")
-    cfg = MnemoConfig.from_pretrained(tmp_path / "a")
+    # (config.json now holds the ids save_pretrained had: test_leftovers_42 — a config without them,
+    # whose None ids from_pretrained fills, is the one read from "b")
+    assert MnemoConfig.from_pretrained(tmp_path / "a").eos_token_id == 5
+    cfg = MnemoConfig.from_pretrained(tmp_path / "b")
     a = MnemoForCausalLM.from_pretrained(tmp_path / "a", config=cfg, use_cache=False)
     assert (a.config.eos_token_id, a.generation_config.eos_token_id, a.config.use_cache) == (5, 5, False)
     assert (cfg.eos_token_id, cfg.use_cache) == (None, True)  # the caller's object, unchanged

@@ -14,23 +14,22 @@ def dumps_json(obj, indent: int | None = 2) -> str:
     from ..train.sinks import dumps_record
 
     def strict(value):
-        return json.loads(dumps_record(value)) if isinstance(value, dict) else json_safe(value)
+        return json.loads(dumps_record(value)) if isinstance(value, dict) else _nulls(value)
 
     value = [strict(v) for v in obj] if isinstance(obj, (list, tuple)) else strict(obj)
     return json.dumps(value, indent=indent, allow_nan=False)
 
 
-def json_safe(value):
-    """``value`` with every non-finite float as ``None`` (nested dicts, lists and tuples), without
-    saying which it was; the writers use :func:`dumps_json`, which names it (kept for old callers)."""
+def _nulls(value):
+    """``value`` with every non-finite float as ``None`` (nested dicts, lists and tuples)."""
     import math
 
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        return [_nulls(v) for v in value]
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {k: _nulls(v) for k, v in value.items()}
     return value
 
 

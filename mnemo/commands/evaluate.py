@@ -435,7 +435,13 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     ckpt, model, tok = _load(args.checkpoint, args.device)
     bos = checkpoint_bos(ckpt, tok)
+    # the ids the checkpoint declares, then its tokenizer's end-of-text token (a BPE run's
+    # <|endoftext|>), as the harness, export_hf and MnemoForCausalLM stop there
     eos = None if args.ignore_eos else checkpoint_eos(ckpt)
+    eot = getattr(tok, "eot_id", None)
+    if not args.ignore_eos and eot is not None and eot < model.config.vocab_size:
+        declared = [] if eos is None else ([eos] if isinstance(eos, int) else [int(i) for i in eos])
+        eos = declared + [eot] if eot not in declared else eos
     prompt_len = len(_prompt_ids(tok, args.prompt, bos))
     _check_generate_positions(model, prompt_len, args.max_new_tokens)
     _check_generate_memory(model, prompt_len + args.max_new_tokens, args.device)
@@ -615,8 +621,9 @@ def add_commands(sub) -> None:
     g.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="a converted or transformers checkpoint stops at the end-of-text id it declares "
-        "(generation_config.json / config.json's eos_token_id), as transformers does; with this flag it "
-        "runs --max-new-tokens steps (mnemo's own runs never stop early)",
+        help="the text stops at the end-of-text id the checkpoint declares (generation_config.json / "
+        "config.json's eos_token_id, as transformers does) and at its tokenizer's end-of-text token "
+        "(a BPE run's <|endoftext|>; mnemo's char/byte tokenizers have none); with this flag it "
+        "runs --max-new-tokens steps",
     )
     g.set_defaults(func=_cmd_generate)

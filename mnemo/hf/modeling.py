@@ -92,9 +92,9 @@ class MnemoConfig(PretrainedConfig):
     (same names, same defaults) plus ``use_cache`` and the special token ids ``pad_token_id=None``,
     ``bos_token_id=None``, ``eos_token_id=None``. :meth:`to_model_config` gives the mnemo config;
     :meth:`from_model_config` builds one from it. ``save_pretrained`` writes mnemo's
-    ``config.json`` (the model fields and ``"model_type": "mnemo"``; not the token ids, which
-    :meth:`MnemoForCausalLM.save_pretrained` keeps in ``generation_config.json`` and
-    :meth:`MnemoForCausalLM.from_pretrained` gives back to the config).
+    ``config.json`` (the model fields, ``"model_type": "mnemo"`` and the special token ids that are
+    set, which ``AutoConfig`` reads; mnemo's own loaders skip them), as
+    :meth:`MnemoForCausalLM.save_pretrained` does.
 
     ``max_position_embeddings`` (read-only, not saved): ``max_position`` with learned positions
     (``pos_embedding="learned"``), ``None`` where positions are unbounded; ``transformers``' ``generate``
@@ -152,6 +152,19 @@ class MnemoConfig(PretrainedConfig):
         d = Path(save_directory)
         d.mkdir(parents=True, exist_ok=True)
         self.to_model_config().save(d / CONFIG_NAME)
+        _write_token_ids(d, self)
+
+
+def _write_token_ids(folder: Path, config) -> None:
+    """Add ``config``'s special token ids that are set to ``folder``'s mnemo ``config.json`` (where
+    ``transformers``' ``AutoConfig`` reads them; :meth:`ModelConfig.from_dict` skips them)."""
+    from .convert import TOKEN_ID_FIELDS
+
+    ids = {k: getattr(config, k, None) for k in TOKEN_ID_FIELDS}
+    ids = {k: v for k, v in ids.items() if v is not None}
+    if ids:
+        f = Path(folder) / CONFIG_NAME
+        f.write_text(json.dumps({**json.loads(f.read_text()), **ids}, indent=2))
 
 
 class MnemoCache:
@@ -519,8 +532,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         apply to a repository id; other ``transformers`` loading options are ignored; the special
         token ids ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` set the config's and
         ``generation_config``'s (as ``transformers`` does; :meth:`save_pretrained` keeps them in
-        ``generation_config.json``); remaining keyword arguments set attributes of the config
-        (``use_cache=False``; an unknown one: ``TypeError`` naming it; a given ``config`` is copied
+        ``generation_config.json`` and ``config.json``); remaining keyword arguments set attributes of
+        the config (``use_cache=False``; an unknown one: ``TypeError`` naming it; a given ``config`` is copied
         first, as ``transformers`` does: the caller's object is left as it is); a model field
         (``norm_eps``, ``tie_embeddings``…) given there or in ``config`` that differs from the checkpoint's
         raises ``ValueError`` naming it (the weights are loaded into the model the checkpoint describes).
@@ -528,16 +541,17 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         becomes ``generation_config`` (end-of-text ids, default lengths), as ``transformers``
         loads it for its own models; without one, the special token ids a converted checkpoint kept
         from its source's ``config.json`` (``hf_config_carried.json``) set them, as ``transformers``
-        derives them from that config (a foreign folder loaded directly: its own ``config.json``'s);
-        a folder of mnemo's own with neither file gets the end-of-text token of its Hugging Face
+        derives them from that config (a foreign folder loaded directly: its own ``config.json``'s;
+        a folder of mnemo's own: those :meth:`save_pretrained` wrote to its ``config.json``);
+        a folder of mnemo's own with none of them gets the end-of-text token of its Hugging Face
         tokenizer (a BPE run's ``<|endoftext|>``) as ``eos_token_id``, the id
         :func:`~mnemo.hf.convert.export_hf` writes for it, so it generates as its export does.
         :meth:`save_pretrained` writes the ``hf_config_carried.json`` read here again.
         The config's special ids that it leaves ``None`` are the source ``config.json``'s (those
-        ``hf_config_carried.json`` kept, or a foreign folder's own), and for a folder of mnemo's own
-        (whose ``config.json`` holds none) those of its ``generation_config.json``: ids given to
-        ``from_pretrained`` survive :meth:`save_pretrained` and a reload, config included. (An id set
-        on ``config`` alone, not on ``generation_config``, is not saved.)
+        ``hf_config_carried.json`` kept, or a foreign folder's own, or the ids mnemo's own
+        ``config.json`` holds), else those of its ``generation_config.json``: ids given to
+        ``from_pretrained`` survive :meth:`save_pretrained` and a reload, config included (an id set
+        on ``config`` alone is saved in ``config.json``, which ``AutoConfig`` reads too).
         """
         if model_args:
             raise TypeError("MnemoForCausalLM.from_pretrained takes no positional model arguments")
@@ -617,7 +631,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             own = read(CONFIG_NAME)
             foreign = own.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE
-            fields = own if foreign else {}
+            fields = own if foreign else {k: own[k] for k in TOKEN_ID_FIELDS if own.get(k) is not None}
+            foreign = foreign or bool(fields)  # (the ids save_pretrained wrote to mnemo's config.json)
             if not foreign and not (path / GENERATION_CONFIG_NAME).is_file():
                 # a folder of mnemo's own that declares no ids: the end-of-text token of its Hugging
                 # Face tokenizer (a BPE run's <|endoftext|>), the eos_token_id export_hf writes for it
@@ -678,6 +693,7 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         if not kwargs.get("is_main_process", True):  # (transformers.Trainer's other ranks: as transformers,
             return  # only the main process writes)
         self.model.save_pretrained(save_directory)
+        _write_token_ids(Path(save_directory), self.config)  # (for AutoConfig: mnemo's loaders skip them)
         if self._carried_record is not None:  # a converted folder's source fields, which export_hf
             # writes back (special ids, residual_in_fp32): kept through a save -> reload -> save
             from .convert import CARRIED_CONFIG_NAME

@@ -175,8 +175,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """A validated config from a dict of its fields. ``model_type`` (written by :meth:`save` for
-        ``transformers``; must be ``"mnemo"`` when present) is accepted and dropped; configs written
-        before it existed load unchanged. Any other unknown key raises ``ValueError``."""
+        ``transformers``; must be ``"mnemo"`` when present) and the special token ids
+        ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` (``MnemoForCausalLM.save_pretrained``
+        writes them for ``transformers``' ``AutoConfig``; not model fields) are accepted and dropped;
+        configs written before them load unchanged. Any other unknown key raises ``ValueError``."""
         if not isinstance(d, Mapping):
             raise ValueError(
                 f"ModelConfig: expected a mapping of its fields (a JSON object), got {type(d).__name__} {d!r}"
@@ -185,6 +187,8 @@ class ModelConfig:
         model_type = d.pop("model_type", MODEL_TYPE)
         if model_type != MODEL_TYPE:
             raise ValueError(f"model_type: expected {MODEL_TYPE!r} (a mnemo config), got {model_type!r}")
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            d.pop(k, None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mnemo.commands.continual as cont
-from mnemo.bench import json_safe
+from mnemo.bench import dumps_json
 from mnemo.models import LanguageModel, build_config
 
 V, D = 23, 16
@@ -240,7 +240,6 @@ def test_a_last_step_that_leaves_non_finite_weights_is_a_divergence(monkeypatch)
 def test_a_pages_block_summarises_the_stored_seeds_again(monkeypatch, tmp_path):
     """``mnemo reproduce --no-run`` rebuilt a page's table from the stored summaries, so a
     ``continual.json`` written before the fix kept showing the diverged seeds' training loss."""
-    import json
 
     runs = {0: _result(0, 0.9, 0.2), 1: _result(1, 0.8, 2.8, diverged=52), 2: _result(2, 0.7, 0.4)}
     monkeypatch.setattr(cont, "train_one", lambda exp, task, levels, s, seed, bar=None: runs[seed])
@@ -248,7 +247,7 @@ def test_a_pages_block_summarises_the_stored_seeds_again(monkeypatch, tmp_path):
     r = cont.run_experiment("abab", 3, s, False, ["cms-1"], 1)
     old = r["models"]["cms-1"]["summary"]["final_train_loss"]
     old.update(cont.mean_ci95([0.2, 2.8, 0.4]), values=[0.2, 2.8, 0.4])  # as the code wrote it
-    (tmp_path / "continual.json").write_text(json.dumps(json_safe({"experiments": {"abab": r}})))
+    (tmp_path / "continual.json").write_text(dumps_json({"experiments": {"abab": r}}))
     page = tmp_path / "page.md"
     page.write_text("")
     job = {"out": tmp_path, "experiments": ("abab",), "argv": ["--experiment", "abab"]}
