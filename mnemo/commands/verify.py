@@ -3,7 +3,10 @@
 By default every spec of mnemo's own ops (:data:`mnemo.testing.SPECS`: each fast form against the
 op's ``mode="recurrent"`` token loop) and, when fla-core is installed, fla-core's pure-PyTorch
 reference functions against mnemo's recurrent references. A backend forced by ``MNEMO_BACKEND``
-runs the fast forms it can serve; the others are listed as n/a. Exit status: 0 when every check
+runs the fast forms it can serve; each row then says which backends served its calls (counted in the
+dispatch log), and a check the forced backend served no call of is listed as n/a: a form it cannot
+serve, an op without a backend table (selective_scan), a token-loop row (run on mnemo's PyTorch
+code); such a check that failed still counts as failed. Exit status: 0 when every check
 passed, 1 when one failed, 2 for a usage error (an ``--ops`` or ``--checks`` pattern that matches
 nothing, a ``--json`` path that cannot be written, or an explicitly requested third-party package
 that is missing — reported in one line), 3 when a forced backend served none of the checked calls
@@ -116,9 +119,11 @@ def _split(text: str | None) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def _row_json(group: str, r, na: bool = False) -> dict:
-    """One row of ``--json``: ``status`` is ``"pass"``, ``"FAIL"`` or ``"n/a"`` (a form the forced
-    backend cannot serve: ``passed`` is then ``None`` and ``message`` the backend's reason)."""
+def _row_json(group: str, r, na: bool = False, served: dict | None = None) -> dict:
+    """One row of ``--json``: ``status`` is ``"pass"``, ``"FAIL"`` or ``"n/a"`` (a check the forced
+    backend served no call of: ``passed`` is then ``None`` and ``message`` the reason); under a
+    forced backend ``served`` (``{backend: calls}`` from the dispatch log) says which backends
+    served the row's op calls (``{}``: none went through the backend table)."""
 
     def num(x):
         return None if x is None or not math.isfinite(x) else x
@@ -132,7 +137,12 @@ def _row_json(group: str, r, na: bool = False) -> dict:
         "error": num(r.error),
         "tol": num(r.tol),
         "message": r.message,
+        **({} if served is None else {"served": dict(served)}),
     }
+
+
+def _served_text(served: dict) -> str:
+    return ", ".join(f"{b} {n}" for b, n in sorted(served.items())) or "- (no backend table)"
 
 
 def run(args) -> int:
@@ -206,21 +216,66 @@ def run(args) -> int:
             _write_json(args.json, listed)
         return 0
 
+    import dataclasses
+    from collections import Counter
+
     from mnemo.ops.dispatch import BackendError, current_backend, dispatch_log
 
     # a forced backend (MNEMO_BACKEND) runs the fast forms it serves; the token-loop reference runs
-    # on mnemo's PyTorch code (OpSpec.run), and a form the backend cannot serve is listed as n/a
+    # on mnemo's PyTorch code (OpSpec.run). Each row's calls are counted per backend (the dispatch
+    # log, read after each row), and a check the forced backend served no call of is listed as n/a
     forced = current_backend()
     if forced != "auto":
-        print(f"backend forced: {forced} (MNEMO_BACKEND); the forms it cannot serve are listed as n/a")
+        print(
+            f"backend forced: {forced} (MNEMO_BACKEND); the checks it served no call of are listed as "
+            "n/a (a failed one still counts as failed)"
+        )
+
+    def calls() -> Counter:
+        out: Counter = Counter()
+        for (_, b, _), n in dispatch_log().items():
+            out[b] += n
+        return out
+
+    served_by: dict[int, dict] = {}  # id(row) -> {backend: calls} of its checks
+    mark = [calls()]
 
     def unserved_row(r) -> bool:
-        return forced != "auto" and isinstance(r.exception, BackendError)
+        if forced == "auto":
+            return False
+        if isinstance(r.exception, BackendError):
+            return True
+        return r.passed and not served_by.get(id(r), {}).get(forced)
+
+    def note(r) -> None:  # (after each row: count its calls; -v: print it)
+        now = calls()
+        served_by[id(r)] = {b: n for b, n in (now - mark[0]).items() if n > 0}
+        mark[0] = now
+        if args.verbose:
+            show(r)
+
+    def table(rows) -> str:  # under a forced backend: which backends served each row
+        if forced == "auto":
+            return format_table(rows)
+        lines = format_table([dataclasses.replace(r, message="") for r in rows]).splitlines()
+        width = max(len(x) for x in lines)
+        out = [lines[0].ljust(width) + "  served by", lines[1].ljust(width) + "  " + "-" * 9]
+        for line, r in zip(lines[2:], rows):
+            extra = "" if r.passed else "  " + r.message
+            out.append(line.ljust(width) + "  " + _served_text(served_by.get(id(r), {})) + extra)
+        return "\n".join(out)
+
+    def na_reason(r) -> str:
+        if isinstance(r.exception, BackendError):
+            return r.message
+        return f"not run on {forced!r}: served by {_served_text(served_by.get(id(r), {}))}"
 
     def show(r) -> None:  # (-v: an unserved form is said as n/a, as in the summary, not FAIL)
-        line = (
-            f"{r.op}  {r.check}  n/a on {forced!r}" if unserved_row(r) else format_table([r]).splitlines()[-1]
-        )
+        if unserved_row(r):
+            why = "" if isinstance(r.exception, BackendError) else f" ({na_reason(r)})"
+            line = f"{r.op}  {r.check}  n/a on {forced!r}{why}"
+        else:
+            line = table([r]).splitlines()[-1]
         print(line, flush=True)
 
     served_before = sum(n for (_, b, _), n in dispatch_log().items() if b == forced)
@@ -233,15 +288,15 @@ def run(args) -> int:
         report, unserved = Report(), []
         t0 = time.perf_counter()
         for spec in specs:
-            progress = show if args.verbose else None
-            for row in run_contract(spec, quick=args.quick, checks=checks or None, progress=progress):
+            mark[0] = calls()
+            for row in run_contract(spec, quick=args.quick, checks=checks or None, progress=note):
                 if unserved_row(row):
                     unserved.append(row)
                 else:
                     report.append(row)
         dt = time.perf_counter() - t0
         print(f"\n== {title} (torch {torch.__version__}{', quick' if args.quick else ''})")
-        print(format_table(report))
+        print(table(report))
         if unserved:
             print(
                 f"n/a on backend {forced!r} ({len(unserved)} checks): "
@@ -253,8 +308,12 @@ def run(args) -> int:
             f"{group}: {len(specs)} ops, {len(report)} checks, {len(report) - n_fail} passed, "
             f"{n_fail} failed{na} ({dt:.1f} s)"
         )
-        rows_json += [_row_json(group, r) for r in report]
-        rows_json += [_row_json(group, r, na=True) for r in unserved]
+        served_of = (lambda r: None) if forced == "auto" else (lambda r: served_by.get(id(r), {}))
+        rows_json += [_row_json(group, r, served=served_of(r)) for r in report]
+        rows_json += [
+            _row_json(group, dataclasses.replace(r, message=na_reason(r)), na=True, served=served_of(r))
+            for r in unserved
+        ]
         all_unserved += unserved
         if n_fail:
             rc = 1

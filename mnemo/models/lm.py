@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -34,6 +35,7 @@ from ..layers.moe import MoE
 from ..layers.state import BlockState
 from ..layers.state import detach as detach_state
 from ..ops._common import assert_on_device, avoid_host_reads, pad_packed, unpad_packed, varlen_index
+from ..ops.dispatch import recompute_as_chosen
 from . import task_signal
 from .config import ModelConfig
 from .fused_loss import chunked_cross_entropy
@@ -94,6 +96,30 @@ class Block(nn.Module):
                 y = self.mlp(h)
             x = x + self.hook_mlp_out(y)
         return self.hook_resid_post(x), None
+
+
+def _recompute_kwargs(block: nn.Module) -> dict:
+    """``torch.utils.checkpoint`` keyword arguments for one block: its recomputation in the
+    backward pass runs the hooks attached at the forward (:func:`~mnemo.layers.hooks.
+    checkpoint_hooks`) under the forward's backend choice (:func:`mnemo.ops.dispatch.
+    recompute_as_chosen`: the ``use_backend`` block and ``suppressed`` C kernels of the forward's
+    thread), whichever thread runs the backward. ``{}`` while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return {}
+    hooks = checkpoint_hooks(block).get("context_fn")
+    again = recompute_as_chosen()
+
+    def context_fn():
+        fwd, rec = hooks() if hooks is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+
+        @contextlib.contextmanager
+        def recompute():
+            with again(), rec:
+                yield
+
+        return fwd, recompute()
+
+    return {"context_fn": context_fn}
 
 
 #: files that mark a training run's folder or one of its checkpoints (mnemo.train.run_folder,
@@ -446,7 +472,7 @@ class LanguageModel(nn.Module):
         for block in self.blocks:
             if recompute:
                 x, _ = checkpoint(
-                    block, x, None, mode=mode, cu_seqlens=cu, use_reentrant=False, **checkpoint_hooks(block)
+                    block, x, None, mode=mode, cu_seqlens=cu, use_reentrant=False, **_recompute_kwargs(block)
                 )
             else:
                 x, _ = block(x, None, mode=mode, cu_seqlens=cu)
@@ -490,7 +516,7 @@ class LanguageModel(nn.Module):
         )
         for i, block in enumerate(self.blocks):
             if recompute:
-                x, s = checkpoint(block, x, None, mode=mode, use_reentrant=False, **checkpoint_hooks(block))
+                x, s = checkpoint(block, x, None, mode=mode, use_reentrant=False, **_recompute_kwargs(block))
             else:
                 x, s = block(x, state[i] if state is not None else None, mode=mode)
             new_state.append(s)

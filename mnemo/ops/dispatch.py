@@ -82,6 +82,7 @@ __all__ = [
     "check_devices",
     "use_backend",
     "current_backend",
+    "recompute_as_chosen",
     "under_transform",
     "dispatch_log",
     "reset_dispatch_log",
@@ -192,8 +193,10 @@ def use_backend(name: str) -> Iterator[None]:
     whatever its forward ran. A forward *recomputed* in the backward pass (activation
     checkpointing, ``torch.utils.checkpoint``) chooses again, by the block open then in the thread
     that runs it: outside this block, or on CUDA, where the autograd engine runs the backward in a
-    thread of its own, under ``auto``; set ``MNEMO_BACKEND`` (read in every thread) for a choice
-    that holds there too. Raises ``ValueError`` for an unknown name."""
+    thread of its own, under ``auto`` — unless the checkpoint's ``context_fn`` re-enters the
+    forward's choice (:func:`recompute_as_chosen`; :class:`mnemo.models.LanguageModel`'s activation
+    checkpointing does), or ``MNEMO_BACKEND`` (read in every thread) is set. Raises ``ValueError``
+    for an unknown name."""
     name = _check_choice(name, "backend")
     stack = getattr(_forced, "stack", None)
     if stack is None:
@@ -203,6 +206,34 @@ def use_backend(name: str) -> Iterator[None]:
         yield
     finally:
         stack.pop()
+
+
+def recompute_as_chosen():
+    """A factory of context managers (call it now, in the forward; enter what it returns around a
+    recomputation of that forward, e.g. in a ``torch.utils.checkpoint`` ``context_fn``'s second
+    context) that re-enter this thread's choice of the moment: the innermost :func:`use_backend`
+    block (none: ``MNEMO_BACKEND``, else ``auto``, as in the forward) and the depth of
+    :func:`mnemo.ops._native.suppressed` blocks, in whichever thread runs the recomputation,
+    restoring that thread's own on exit. Without it a recomputation in the backward pass chooses
+    again by the backward thread's blocks (on CUDA the autograd engine's thread: ``auto``), so a
+    run forced to one backend would recompute on another."""
+    stack = getattr(_forced, "stack", None)
+    top = list(stack[-1:]) if stack else []
+    depth = getattr(_native._suppressed, "depth", 0)
+
+    @contextlib.contextmanager
+    def again() -> Iterator[None]:
+        prev_stack = getattr(_forced, "stack", None)
+        prev_depth = getattr(_native._suppressed, "depth", 0)
+        _forced.stack = list(top)
+        _native._suppressed.depth = depth
+        try:
+            yield
+        finally:
+            _forced.stack = prev_stack if prev_stack is not None else []
+            _native._suppressed.depth = prev_depth
+
+    return again
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ mamba-ssm is not installed here, so its glue is checked against an independent k
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -149,8 +150,9 @@ def test_a_recomputed_forward_chooses_its_backend_again_as_documented(monkeypatc
     chooses again, under the block open *then* in the thread that runs the backward (outside the
     block: ``auto``; on CUDA the engine's own thread, so a forced ``torch`` run recomputes on fla).
     Shown here on a CPU: forced ``torch`` in the forward, the recompute after the block is an
-    ``auto`` choice. The docstring now says so, and how to make a choice hold there
-    (``MNEMO_BACKEND``, read in every thread)."""
+    ``auto`` choice. The docstring now says so, and how to make a choice hold there: a
+    ``context_fn`` entering :func:`~mnemo.ops.dispatch.recompute_as_chosen` (what the language
+    model's activation checkpointing does; tests/test_leftovers_42c.py) or ``MNEMO_BACKEND``."""
     from torch.utils.checkpoint import checkpoint
 
     monkeypatch.delenv("MNEMO_BACKEND", raising=False)
@@ -165,6 +167,18 @@ def test_a_recomputed_forward_chooses_its_backend_again_as_documented(monkeypatc
     assert sum(n for (_, _, r), n in log.items() if r != "forced") == 1, log  # the recompute: auto
     doc = " ".join(ops.use_backend.__doc__.split())
     assert "activation checkpointing" in doc and "chooses again" in doc and "MNEMO_BACKEND" in doc
+    assert "recompute_as_chosen" in doc
+    dispatch.reset_dispatch_log()
+    with ops.use_backend("torch"):
+        again = dispatch.recompute_as_chosen()
+        o = checkpoint(
+            lambda x: ops.gated_linear_attention(x, k, v, g)[0],
+            qr,
+            use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), again()),
+        )
+    o.sum().backward()  # the recompute re-enters the forward's block
+    assert dispatch.dispatch_log() == {("gated_linear_attention", "torch", "forced"): 2}
     monkeypatch.setenv("MNEMO_BACKEND", "torch")  # the documented way: the recompute is forced too
     dispatch.reset_dispatch_log()
     o = checkpoint(lambda x: ops.gated_linear_attention(x, k, v, g)[0], qr, use_reentrant=False)
