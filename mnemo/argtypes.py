@@ -16,6 +16,8 @@ Kinds:
 - :class:`IntList`: comma-separated ints in a range (``1024,4096``), optionally one of a few words
   (``none``, ``all``); the value is returned as given, for the command to split.
 - :class:`Text`: a non-empty string. :class:`Token`: a non-empty string, blanks included.
+- :func:`match_names`: the names that comma-separated names or shell-style patterns choose
+  (``--ops 'gla*'``), each pattern required to match one.
 - Paths: :class:`ExistingFile`, :class:`ExistingDir` (what a command
   reads), :class:`OutDir` (a folder to create or write into), :class:`OutFile` (a file to
   write), :class:`OutPath` (either). An output is checked for writability here, before the work:
@@ -33,6 +35,7 @@ nothing of mnemo.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import os
 import re
@@ -528,3 +531,21 @@ device = Device()
 def kind_of(action: argparse.Action) -> Kind | None:
     """The declared kind of a parser action (``None`` for switches, choices and plain strings)."""
     return action.type if isinstance(action.type, Kind) else None
+
+
+def match_names(flag: str, text: str, names) -> list[str]:
+    """The names among ``names`` chosen by ``text``: comma-separated names or shell-style patterns
+    (``fnmatch``, case-sensitive: ``gla*``, ``*delta*``), in ``names``' order and each once (as
+    ``mnemo verify --ops`` reads its patterns). Raises ``ValueError`` naming ``flag``, each pattern
+    that matches no name and the known names (a mistyped one would silently choose less), or for a
+    ``text`` of no name at all."""
+    names = list(names)
+    patterns = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not patterns:
+        raise ValueError(f"{flag}: expected comma-separated names or patterns, got {text!r}")
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise ValueError(
+            f"{flag}: {', '.join(map(repr, unmatched))} matches no name; known: {', '.join(names)}"
+        )
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]

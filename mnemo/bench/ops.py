@@ -301,10 +301,9 @@ def main(args) -> int:
             raise ValueError(f"--dtypes: expected fp32 and/or bf16, got {d!r}")
     benches = _registry()
     if args.ops:
-        wanted = set(args.ops.split(","))
-        unknown = wanted - {b.name for b in benches}
-        if unknown:
-            raise ValueError(f"unknown op(s) {sorted(unknown)}; choose from {[b.name for b in benches]}")
+        from ..argtypes import match_names
+
+        wanted = set(match_names("--ops", args.ops, [b.name for b in benches]))  # names or 'gla*'
         benches = [b for b in benches if b.name in wanted or b.name == "softmax_attention"]
     modes_arg = getattr(args, "modes", None)
     modes = {"chunk", "parallel", "recurrent"} if not modes_arg else set(modes_arg.split(","))

@@ -263,10 +263,9 @@ PEERS: dict[str, Callable[..., dict]] = {
 
 
 def main(args) -> int:
-    wanted = args.ops.split(",") if args.ops else list(PEERS)
-    unknown = set(wanted) - set(PEERS)
-    if unknown:
-        raise ValueError(f"unknown peer comparison(s) {sorted(unknown)}; choose from {sorted(PEERS)}")
+    from ..argtypes import match_names
+
+    wanted = match_names("--ops", args.ops, PEERS) if args.ops else list(PEERS)  # names or patterns
     print(f"mnemo bench --suite peers: {torch.get_num_threads()} threads, medians of {args.repeats} runs")
     print("ratio = peer time / this row's time (above 1: faster than the peer)\n")
     results = []

@@ -238,8 +238,9 @@ def add_commands(sub) -> None:
     b.add_argument("--batch", type=kinds.positive_int, default=1, help="ops suite: batch size B (default 1)")
     b.add_argument(
         "--ops",
-        type=kinds.Text("comma-separated op names"),
-        help="comma-separated subset of op (or peer comparison) names",
+        type=kinds.Text("comma-separated op names or patterns"),
+        help="comma-separated subset of op (or peer comparison) names, or shell-style patterns as in "
+        "`mnemo verify --ops` ('gla*': gla_scalar and gla_channel); each must match a name",
     )
     b.add_argument(
         "--modes",

@@ -1440,7 +1440,10 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--models",
         type=kinds.Text("comma-separated model names"),
-        help="comma-separated subset, e.g. cms-1,cms-4 (default: all)",
+        help="comma-separated subset of "
+        + ", ".join(model_specs())
+        + " (the numbers for the default 4 --periods; N levels: cms-1..cms-N, static-N, flat-N, "
+        "flat-N-rates) (default: all)",
     )
     p.add_argument(
         "--workers",

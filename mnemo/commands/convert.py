@@ -25,8 +25,9 @@ def _convert(args) -> int:
         check_not_source(args.out, args.src)
         if args.force:  # (it would be silently ignored: nothing of OUT is replaced)
             raise ValueError(
-                "--force: does not apply to --from-dcp, which adds OUT/ckpt-STEP (and OUT/latest) to the "
-                "run folder OUT and replaces nothing else; leave --force out"
+                "--force: does not apply to --from-dcp, which writes OUT/ckpt-STEP (and OUT/latest) into a "
+                "folder that holds no run and replaces nothing (a folder holding a run is refused: pick a "
+                "new or empty folder); leave --force out"
             )
         out = consolidate_checkpoint(args.src, args.out)
         print(f"wrote single-file checkpoint {out} (from the sharded checkpoint {args.src})")
@@ -54,7 +55,8 @@ def add_commands(subparsers) -> None:
         "convert",
         help="convert a transformers (MambaForCausalLM, Mamba2ForCausalLM, Qwen3NextForCausalLM) or "
         "mamba-ssm checkpoint folder into a mnemo checkpoint folder",
-        description=kinds.plain_text(__doc__.split("\n\n")[0]),
+        description="Convert a checkpoint of another library (transformers Mamba / Mamba-2 / Qwen3-Next, "
+        "mamba-ssm), or with --from-dcp a sharded FSDP checkpoint, into a mnemo checkpoint folder.",
     )
     p.add_argument(
         "src", type=kinds.ExistingDir(), help="the checkpoint folder to read (config.json and weights)"
@@ -78,7 +80,8 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "export",
         help="write a mnemo checkpoint as a folder that another library loads (--format hf: transformers)",
-        description=kinds.plain_text(__doc__.split("\n\n")[0]),
+        description="Write a mnemo checkpoint (or a run folder's latest) as a folder that transformers loads "
+        "with its own class (--format hf), tokenizer files included.",
     )
     p.add_argument(
         "ckpt",

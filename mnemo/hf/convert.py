@@ -679,11 +679,26 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     return Path(out)
 
 
-def _warn_no_tokenizer(src, out: Path) -> None:
-    """``src`` held no tokenizer file, so ``out`` has none: said, since text commands need one."""
+def _warn_no_tokenizer(src, out: Path, export: bool = False) -> None:
+    """``src`` held no tokenizer file, so ``out`` has none: said, with what reads one and how to give
+    it (``export``: ``out`` is a folder for ``transformers``, else a mnemo checkpoint)."""
+    mnemo_reads = (
+        f"`mnemo generate` and `mnemo eval` with --checkpoint {out} read {Path(out) / 'tokenizer.json'}"
+    )
+    if export:
+        needs = (
+            f"transformers' AutoTokenizer.from_pretrained({str(out)!r}) reads its tokenizer files "
+            f"(tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...), and {mnemo_reads}: "
+            "copy the model's tokenizer files into it"
+        )
+    else:
+        needs = (
+            f"{mnemo_reads} (a Hugging Face tokenizers file or mnemo's char/byte one): copy the source "
+            "model's tokenizer.json into it"
+        )
     warnings.warn(
         f"{src} holds no tokenizer ({', '.join((*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME))}), so {out} has "
-        "none: `mnemo generate` and `mnemo eval` on text need one (copy it in as tokenizer.json)",
+        f"none: {needs}",
         stacklevel=3,
     )
 
@@ -788,7 +803,7 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
             stacklevel=2,
         )
     if src is not None and not any((o / n).is_file() for n in (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)):
-        _warn_no_tokenizer(src, o)
+        _warn_no_tokenizer(src, o, export=True)
     return Path(out)
 
 

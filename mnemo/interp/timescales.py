@@ -57,7 +57,12 @@ def _quantiles(values: torch.Tensor, ps: tuple[float, ...]) -> list[float]:
 
 def summarize(half_lives: torch.Tensor) -> dict:
     """Quantiles (tokens) and a log-spaced histogram of half-lives (``inf`` = no decay), of any
-    number of half-lives."""
+    number of half-lives.
+
+    The histogram's 28 bins run from 1 to 1e7 tokens (four per decade); a half-life outside is
+    counted in the end bin nearest to it: ``"below_first_edge"`` says how many of the first bin's
+    are under one token, ``"above_last_edge"`` how many of the last bin's are over 1e7 tokens
+    (``"note"`` says so in the JSON)."""
     h = half_lives.flatten().double()
     finite = h[torch.isfinite(h)]
     out = {"count": int(h.numel()), "never_decays": int((~torch.isfinite(h)).sum())}
@@ -72,7 +77,13 @@ def summarize(half_lives: torch.Tensor) -> dict:
         )
         edges = torch.logspace(0, 7, 29, dtype=torch.float64)
         counts = torch.histogram(finite.clamp(1.0, 1e7), bins=edges).hist
-        out["histogram"] = {"edges": edges.tolist(), "counts": counts.long().tolist()}
+        out["histogram"] = {
+            "edges": edges.tolist(),
+            "counts": counts.long().tolist(),
+            "below_first_edge": int((finite < 1.0).sum()),
+            "above_last_edge": int((finite > 1e7).sum()),
+            "note": "half-lives under 1 token are counted in the first bin, over 1e7 tokens in the last bin",
+        }
     return out
 
 
