@@ -211,6 +211,8 @@ def memory_jvp_spectrum(
     eps: float = 1e-6,
     seed: int = 0,
     burn_in: int = 0,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Leading exponents ``[H, directions]`` (descending, nats/token, batch-averaged) of a
     test-time-trained memory, and ``n``, the dimension of its state per head.
@@ -246,9 +248,14 @@ def memory_jvp_spectrum(
     (default) — the central difference ``(F(x + εv) − F(x − εv)) / 2ε`` with ``eps`` (unit tangents;
     error ``O(ε²)`` plus ``~1e-16/ε`` of rounding, ``≈ 1e-10`` relative at the default, far below
     what moves an exponent), about twice the cost of the plain update. ``seed``: the seed of the
-    random starting basis of :func:`lyapunov_spectrum`. Defaults: ``directions=32``, ``eps=1e-6``,
-    ``burn_in=0``, ``seed=0``. Raises ``ValueError`` naming ``method``, ``directions`` (an int ``>= 1``),
-    ``burn_in`` (an int in ``[0, chunks)``) or ``state`` (not at a chunk boundary)."""
+    random starting basis of :func:`lyapunov_spectrum`. ``norm_weight, norm_bias``: the inner
+    norm's learned ``[H, V]`` scale ``γ`` and shift ``β``, as :func:`~mnemo.memory.neural_memory`
+    takes them (:meth:`~mnemo.layers.NeuralMemory.inner_norm_affine`; held fixed). Defaults:
+    ``directions=32``, ``eps=1e-6``, ``burn_in=0``, ``seed=0``, ``norm_weight=None``,
+    ``norm_bias=None`` (the parameter-free norm). Raises ``ValueError`` naming ``method``,
+    ``directions`` (an int ``>= 1``), ``burn_in`` (an int in ``[0, chunks)``), ``state`` (not at a
+    chunk boundary) or ``norm_weight``/``norm_bias`` (not ``[H, V]``, or no inner norm)."""
+    from ..memory.engine import _check_affine
     from ..memory.recurrent import memory_recurrent
     from ..memory.state import MemoryState
 
@@ -270,6 +277,11 @@ def memory_jvp_spectrum(
 
     q, k, v, theta, g, eta, delta = map(d, (q, k, v, theta, g, eta, delta))
     B, Tp, H = q.shape[:3]
+    _check_affine(spec, norm_weight, norm_bias, H, v.shape[-1])
+    affine = None
+    if norm_weight is not None or norm_bias is not None:  # as the engine: a missing one is 1 or 0
+        w = q.new_ones(H, v.shape[-1]) if norm_weight is None else d(norm_weight)
+        affine = (w, torch.zeros_like(w) if norm_bias is None else d(norm_bias))
 
     def batch(x):
         x = d(x)
@@ -312,6 +324,7 @@ def memory_jvp_spectrum(
             rep(eta, sl),
             rep(delta, sl),
             MemoryState(A, S, A, None, t0),
+            affine=affine,
         )
         return list(st.weights) + (list(st.momentum) if momentum else [])
 

@@ -389,6 +389,8 @@ def memory_spectrum(
                 C = mem.spec.chunk_size
                 skip = _whole_steps(burn_in, C)
                 state = mem.initial_state(q.shape[0]).memory_state()
+                affine = getattr(mem, "inner_norm_affine", None)  # a NeuralMemory's learned γ, β
+                norm_weight, norm_bias = affine() if callable(affine) else (None, None)
                 lam, n = memory_jvp_spectrum(
                     mem.spec,
                     state,
@@ -402,6 +404,8 @@ def memory_spectrum(
                     directions=directions,
                     method=method,
                     burn_in=skip,
+                    norm_weight=norm_weight,
+                    norm_bias=norm_bias,
                 )
                 entry.update(
                     _layer_entry(

@@ -159,11 +159,16 @@ def _fill_inner_norm(module, state_dict, prefix, *_args) -> None:
     parameter-free norm that state dict was trained with (the same outputs). Only a state dict that
     holds this memory (its initial weights): a partial one (``strict=False``) leaves ``γ, β`` as
     they are."""
-    if prefix + "init_weights.0" not in state_dict:
+    ref = state_dict.get(prefix + "init_weights.0")
+    if ref is None:
         return
     for name, fill in (("inner_norm_weight", 1.0), ("inner_norm_bias", 0.0)):
         if prefix + name not in state_dict:
-            state_dict[prefix + name] = torch.full_like(getattr(module, name), fill)
+            p = getattr(module, name)
+            # a meta build (loaded with assign=True, which keeps these tensors as they are): on the
+            # state dict's device, in its dtype
+            kw = {"dtype": ref.dtype, "device": ref.device} if p.is_meta else {}
+            state_dict[prefix + name] = torch.full_like(p, fill, **kw)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .checkpoint import resolve_checkpoint
 from .config import TrainConfig
 from .distributed import _check_recurrent
 from .memory_estimate import GiB, check_forward_memory, check_memory, check_sequences_memory, estimate_memory
-from .optim import match_saved_groups
+from .optim import load_with_fresh, match_saved_groups
 from .sharded import is_sharded, load_sharded
 from .strategy import ContextParallel, Strategy
 from .task_eval import eval_batch_size
@@ -268,7 +268,9 @@ def _misfit(model: LanguageModel, ckpt: Path, error: RuntimeError) -> str:
 
 def load_checkpoint(model: LanguageModel, optimizer, ckpt: Path, state: dict, device, sharded: bool) -> None:
     """Resume: the weights and optimizer state of checkpoint ``ckpt`` (DCP shards of an FSDP run
-    load on any number of processes, sharded or not; a single-file one not ``sharded``)."""
+    load on any number of processes, sharded or not; a single-file one not ``sharded``). In a
+    single-file one, parameters added since it was written (absent from its weights, filled on
+    load) start with fresh optimizer state, with a warning (:func:`~mnemo.train.optim.load_with_fresh`)."""
     from safetensors.torch import load_model
 
     if is_sharded(ckpt):  # DCP shards of an FSDP run: any number of processes, sharded or not
@@ -279,6 +281,10 @@ def load_checkpoint(model: LanguageModel, optimizer, ckpt: Path, state: dict, de
             "supported (resume it without --fsdp, or start a new run with init_from)"
         )
     else:
+        from safetensors import safe_open
+
         load_model(model, str(ckpt / WEIGHTS_NAME), device=str(device))
         match_saved_groups(optimizer, model, state["optimizer"])  # (a checkpoint of older groups)
-        optimizer.load_state_dict(state["optimizer"])
+        with safe_open(str(ckpt / WEIGHTS_NAME), "pt") as f:  # parameters filled on load (added since)
+            absent = {n for n, _ in model.named_parameters()} - set(f.keys())
+        load_with_fresh(optimizer, model, state["optimizer"], absent)

@@ -165,6 +165,40 @@ def match_saved_groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
     return True
 
 
+def load_with_fresh(optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict, absent) -> bool:
+    """``optimizer.load_state_dict(saved)`` on resume, where ``absent`` names the model's parameters
+    that the checkpoint's weights lacked (added since it was written and filled on load, e.g. the
+    TTT memory's ``inner_norm_weight``/``inner_norm_bias``, :class:`~mnemo.layers.NeuralMemory`):
+    when ``saved``'s groups are ``optimizer``'s without them, the rest load their saved state and
+    those start with fresh optimizer state, with a one-line warning; returns whether it did so
+    (otherwise it loads ``saved`` as it is: torch names a misfit)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    fresh = [[p for p in g["params"] if names.get(id(p)) in absent] for g in optimizer.param_groups]
+    sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
+    want = [len(g["params"]) - len(f) for g, f in zip(optimizer.param_groups, fresh)]
+    if not any(fresh) or sizes != want or sizes == [len(g["params"]) for g in optimizer.param_groups]:
+        optimizer.load_state_dict(saved)
+        return False
+    full = [list(g["params"]) for g in optimizer.param_groups]
+    for g, f in zip(optimizer.param_groups, fresh):
+        g["params"][:] = [p for p in g["params"] if all(p is not x for x in f)]
+    try:
+        optimizer.load_state_dict(saved)
+    finally:
+        for g, params in zip(optimizer.param_groups, full):
+            g["params"][:] = params
+    shown = sorted(names[id(p)] for f in fresh for p in f)
+    warnings.warn(
+        f"the checkpoint was written before {', '.join(shown[:3])}"
+        f"{f', … ({len(shown)} in all)' if len(shown) > 3 else ''} existed: they load at their "
+        "initial values (outputs unchanged) and start with fresh optimizer state (a memory without "
+        "them: inner_norm_affine: false in its mixer_options, e.g. {neural_memory: {inner_norm_affine: "
+        "false}})",
+        stacklevel=2,
+    )
+    return True
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (or M3) with weight decay on matrices (``ndim >= 2``) only, and not on the parameters
     a module lists in ``no_weight_decay`` (Mamba's 2-D ``A_log``: decayed towards 0, every state's
