@@ -236,6 +236,24 @@ def _absolute_data(value):
     return glob + os.sep if p.endswith(("/", os.sep)) else glob  # "corpus/**/" matches folders only
 
 
+def _data_files_in(pattern: str, out: Path) -> list[str]:
+    """The files the data glob ``pattern`` matches in ``out`` or below it, when ``out`` lies at or
+    below the glob's literal start: once ``out`` is a run's folder, the corpus reader takes them for
+    that run's files and refuses them (:func:`mnemo.data.corpus.run_files`), as ``--out`` equal to a
+    ``--data`` folder is refused."""
+    import glob
+
+    p = os.path.expanduser(pattern)
+    parts = Path(p).parts
+    first = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+    top = Path(os.path.abspath(os.path.join(*parts[:first]) if first else "."))
+    o = Path(os.path.abspath(out))
+    if o != top and top not in o.parents:  # (no glob walk for a run folder beside the corpus)
+        return []
+    found = (f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
+    return sorted(f for f in found if o in Path(os.path.abspath(f)).parents)
+
+
 def _same_data(given: str, saved: str) -> bool:
     """Whether ``--data`` names the corpus the run saved: the same text, or the same path however
     it is written (``c.txt`` for a run that saved ``/home/me/c.txt``)."""
@@ -424,6 +442,15 @@ def _train(args, held: contextlib.ExitStack) -> int:
             f"--out: {out} is where --data {cfg.data!r} reads: the glob would match the run's own files "
             "(metrics.jsonl, the checkpoints' .json files), so a --resume or mnemo eval of the run would "
             "read its logs as corpus; give the run a folder outside the glob, e.g. runs/NAME"
+        )
+    glob_data = named and any(c in cfg.data for c in "*?[") and not data.exists()
+    inside = _data_files_in(cfg.data, out) if glob_data else []
+    if inside:
+        more = f", ... ({len(inside) - 1} more)" if len(inside) > 1 else ""
+        raise ValueError(
+            f"--out: {out} holds files that --data {cfg.data!r} reads ({inside[0]}{more}): the run's files "
+            "(metrics.jsonl, checkpoints) would go among its corpus files and the folder would read as a "
+            "run's, not a corpus; give the run a folder of its own, e.g. runs/NAME"
         )
     existed = out.exists()
     if main:  # the folder is this process's from here on: what is checked below stays true until the end

@@ -21,6 +21,7 @@ import glob
 import gzip
 import json
 import lzma
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -145,7 +146,7 @@ def load_corpus(data: str, text_field: str = "text") -> Corpus:
     absent are skipped; a Parquet file with no rows among others is skipped with a warning), a
     folder of such files (all of one format; records with other fields in other files are fine;
     an empty file among others adds nothing; its entries with other names, and its subfolders,
-    are not read: a warning names them) or a glob pattern. A text
+    are not read: a warning names them) or a glob pattern (a leading ``~`` is the home folder). A text
     file is read with universal newlines (``"\\r\\n"`` and ``"\\r"`` become ``"\\n"``) and without a
     leading UTF-8 byte order mark.
 
@@ -198,16 +199,18 @@ def _no_fields(data: str, text_field: str) -> None:
 
 
 def _files(data: str, warn: bool = True) -> list[Path]:
-    """The files of ``data`` to read; ``warn``: a warning names a folder's entries left unread."""
-    p = Path(data)
+    """The files of ``data`` to read (a leading ``~`` is the home folder, for a path and a glob, as
+    ``mnemo train`` and a sweep read it); ``warn``: a warning names a folder's entries left unread."""
+    path = os.path.expanduser(data)
+    p = Path(path)
     if p.is_file():
         return [p]
     if p.exists() and not p.is_dir():
         raise ValueError(f"data {data!r} is neither a regular file nor a folder (a device or a pipe?)")
     if p.is_dir():
-        from ..argtypes import checkpoint_around, is_run_folder
+        from ..argtypes import checkpoint_around
 
-        if is_run_folder(p) or checkpoint_around(p) is not None:  # metrics.jsonl would read as text
+        if _run_root(p) or checkpoint_around(p) is not None:  # metrics.jsonl would read as text
             raise ValueError(
                 f"data {data!r} is a training run's folder or checkpoint (its .jsonl files are logs, "
                 "not text); give a corpus: a bundled name, a text/.jsonl/.parquet file, or a folder or "
@@ -234,8 +237,8 @@ def _files(data: str, warn: bool = True) -> list[Path]:
             )
         return _no_twins(known, data)
     if any(c in data for c in "*?["):
-        files = sorted(Path(f) for f in glob.glob(data, recursive=True) if Path(f).is_file())
-        refuse_run_files(data, files)
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+        refuse_run_files(path, files)
         if files:
             return _no_twins(files, data)
     raise FileNotFoundError(
@@ -250,27 +253,39 @@ def _wild(part: str) -> bool:
 
 def run_files(pattern: str, files: list[Path]) -> list[Path]:
     """The ``files`` (matches of the glob ``pattern``) that lie in a training run's folder (one
-    holding ``latest``, ``metrics.jsonl`` or ``.lock``, or a run's checkpoint): its logs and
+    holding the file ``latest``, ``metrics.jsonl`` or ``.lock``, or a run's checkpoint): its logs and
     checkpoints, not text. The folders looked at are those between the pattern's literal start
     (its folders before the first wildcard) and the file."""
-    from ..argtypes import checkpoint_around, is_run_folder
+    from .. import argtypes
 
     parts = Path(pattern).parts
     first = next((i for i, p in enumerate(parts) if _wild(p)), len(parts))
     top = Path(*parts[:first]) if first else Path(".")
     seen: dict[Path, bool] = {}
+    folders: dict[Path, bool] = {}
 
-    def in_run(f: Path) -> bool:
-        for a in f.parents:
+    def in_run(folder: Path) -> bool:  # (a file's answer is its folder's: asked once per folder)
+        for a in (folder, *folder.parents):
             if a not in seen:
-                seen[a] = is_run_folder(a)
+                seen[a] = _run_root(a)
             if seen[a]:
                 return True
             if a == top or len(a.parts) <= len(top.parts):
                 break
-        return checkpoint_around(f) is not None
+        return argtypes.checkpoint_around(folder) is not None
 
-    return [f for f in files if in_run(f)]
+    for f in files:
+        if f.parent not in folders:
+            folders[f.parent] = in_run(f.parent)
+    return [f for f in files if folders[f.parent]]
+
+
+def _run_root(p: Path) -> bool:
+    """Whether ``p`` holds a training run's marker files (``latest``, ``metrics.jsonl``, ``.lock``):
+    a folder of that name is a corpus's own (a Wikipedia dump's ``enwiki/latest/``), not a marker."""
+    from ..argtypes import RUN_MARKERS
+
+    return p.is_dir() and any((p / name).is_file() for name in RUN_MARKERS)
 
 
 def refuse_run_files(pattern: str, files: list[Path]) -> None:
