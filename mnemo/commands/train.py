@@ -5,7 +5,6 @@ the command, which resolves the run folder (new, --resume, --overwrite) and runs
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import shutil
@@ -581,8 +580,11 @@ def _train(args, held: contextlib.ExitStack) -> int:
         raise
     _settle_old_run(aside, out, replaced=trainer.last_checkpoint is not None)
     if record:
-        # 6 significant digits: a small value (the lr of a warm-up's first step) stays itself, not 0.0
-        say(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in record.items()}))
+        # 6 significant digits: a small value (the lr of a warm-up's first step) stays itself, not 0.0;
+        # strict JSON as metrics.jsonl (a NaN or a never-halving spectrum's inf: null + "nonfinite")
+        from ..train.sinks import dumps_record
+
+        say(dumps_record({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in record.items()}))
     if trainer.task is not None:
         say(f"checkpoint: {trainer.last_checkpoint}")
         say(f"try: mnemo eval --checkpoint {shlex.quote(str(out))} --length {4 * c.seq_len}")
