@@ -240,7 +240,8 @@ def add_commands(sub) -> None:
         "--ops",
         type=kinds.Text("comma-separated op names or patterns"),
         help="comma-separated subset of op (or peer comparison) names, or shell-style patterns as in "
-        "`mnemo verify --ops` ('gla*': gla_scalar and gla_channel); each must match a name",
+        "`mnemo verify --ops` ('gla*': gla_scalar and gla_channel); each must match a name (the decode "
+        "suite reads it as --models: exact model names)",
     )
     b.add_argument(
         "--modes",

@@ -763,10 +763,13 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     for k, v in (carried or {}).items():
         if k in TOKEN_ID_FIELDS or k in hf_config:  # residual_in_fp32: where the target class has it
             hf_config[k] = v
-    if carried is None:  # a model of mnemo's own: the ids its tokenizer knows, null for the others
-        eos = _eos_token_id(src) if src is not None else None
+    if carried is None:  # a model of mnemo's own: the ids its config.json holds (those
+        # MnemoForCausalLM.save_pretrained wrote, which AutoConfig reads), else for eos the one its
+        # tokenizer knows, null for the others
+        own = _own_token_ids(src) if src is not None else {}
+        eos = _eos_token_id(src) if src is not None and "eos_token_id" not in own else None
         for k in TOKEN_ID_FIELDS:
-            hf_config.setdefault(k, eos if k == "eos_token_id" else None)
+            hf_config.setdefault(k, own.get(k, eos if k == "eos_token_id" else None))
     text = json.dumps(_json_safe(hf_config), indent=2, allow_nan=False)
     o = _prepare_out(out, force)
     mnemo_tok = (
@@ -842,6 +845,18 @@ def _is_mnemo_tokenizer(path: Path) -> bool:
         return "kind" in json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
         return False
+
+
+def _own_token_ids(ckpt: Path) -> dict:
+    """The special ids set in a mnemo ``config.json`` of ``ckpt`` (written by
+    ``MnemoForCausalLM.save_pretrained``; ``{}`` for none)."""
+    try:
+        config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {k: config[k] for k in TOKEN_ID_FIELDS if config.get(k) is not None}
 
 
 def _eos_token_id(ckpt: Path) -> int | None:

@@ -543,8 +543,8 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         from its source's ``config.json`` (``hf_config_carried.json``) set them, as ``transformers``
         derives them from that config (a foreign folder loaded directly: its own ``config.json``'s;
         a folder of mnemo's own: those :meth:`save_pretrained` wrote to its ``config.json``);
-        a folder of mnemo's own with none of them gets the end-of-text token of its Hugging Face
-        tokenizer (a BPE run's ``<|endoftext|>``) as ``eos_token_id``, the id
+        a folder of mnemo's own where none of them gives an eos gets the end-of-text token of its
+        Hugging Face tokenizer (a BPE run's ``<|endoftext|>``) as ``eos_token_id``, the id
         :func:`~mnemo.hf.convert.export_hf` writes for it, so it generates as its export does.
         :meth:`save_pretrained` writes the ``hf_config_carried.json`` read here again.
         The config's special ids that it leaves ``None`` are the source ``config.json``'s (those
@@ -626,21 +626,22 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             carried = read(CARRIED_CONFIG_NAME)
             fields = carried.get("fields") or {}
             fields = fields if isinstance(fields, dict) else {}
-            foreign = True
+            foreign, mine = True, False
             model._carried_record = carried  # (save_pretrained writes it again: export_hf reads it)
         else:
             own = read(CONFIG_NAME)
-            foreign = own.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE
-            fields = own if foreign else {k: own[k] for k in TOKEN_ID_FIELDS if own.get(k) is not None}
-            foreign = foreign or bool(fields)  # (the ids save_pretrained wrote to mnemo's config.json)
-            if not foreign and not (path / GENERATION_CONFIG_NAME).is_file():
-                # a folder of mnemo's own that declares no ids: the end-of-text token of its Hugging
+            mine = own.get("model_type", MNEMO_MODEL_TYPE) == MNEMO_MODEL_TYPE
+            # (mnemo's config.json: the ids save_pretrained wrote there, if any)
+            fields = {k: own[k] for k in TOKEN_ID_FIELDS if own.get(k) is not None} if mine else own
+            if mine and "eos_token_id" not in fields and not (path / GENERATION_CONFIG_NAME).is_file():
+                # a folder of mnemo's own that declares no eos: the end-of-text token of its Hugging
                 # Face tokenizer (a BPE run's <|endoftext|>), the eos_token_id export_hf writes for it
                 from .convert import _eos_token_id
 
                 eot = _eos_token_id(path)
                 if eot is not None and eot < lm.config.vocab_size:
-                    fields, foreign = {"eos_token_id": eot}, True
+                    fields = {**fields, "eos_token_id": eot}
+            foreign = not mine or bool(fields)
         if (path / GENERATION_CONFIG_NAME).is_file():  # as transformers' own loader reads it
             model.generation_config = GenerationConfig.from_pretrained(path)
         else:  # none: the source's special ids (transformers derives its generation config from them
@@ -658,9 +659,12 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
             }
         # the config's special ids that it leaves None (AutoModelForCausalLM passes the config it read
         # from config.json), which a transformers config.json holds: the source's; for mnemo's own folder
-        # (its config.json holds none) those save_pretrained kept in generation_config.json
+        # (its config.json holds none, or some: the others) those save_pretrained kept in
+        # generation_config.json
         for k in TOKEN_ID_FIELDS:
-            v = fields.get(k) if foreign else getattr(model.generation_config, k, None)
+            v = fields.get(k) if foreign else None
+            if v is None and mine:
+                v = getattr(model.generation_config, k, None)
             if v is not None and getattr(config, k, None) is None:
                 setattr(config, k, v)
         for k, v in token_ids.items():  # as transformers: the config's and the generation config's id
@@ -695,11 +699,20 @@ class MnemoForCausalLM(PreTrainedModel, GenerationMixin):
         self.model.save_pretrained(save_directory)
         _write_token_ids(Path(save_directory), self.config)  # (for AutoConfig: mnemo's loaders skip them)
         if self._carried_record is not None:  # a converted folder's source fields, which export_hf
-            # writes back (special ids, residual_in_fp32): kept through a save -> reload -> save
-            from .convert import CARRIED_CONFIG_NAME
+            # writes back (special ids, residual_in_fp32): kept through a save -> reload -> save, its
+            # special ids the config's now (an id given to from_pretrained or set on the config since:
+            # from_pretrained and export_hf read them from this record, AutoConfig from config.json)
+            from .convert import CARRIED_CONFIG_NAME, TOKEN_ID_FIELDS
 
+            record = dict(self._carried_record)
+            fields = dict(record["fields"]) if isinstance(record.get("fields"), dict) else {}
+            for k in TOKEN_ID_FIELDS:
+                v = getattr(self.config, k, None)
+                if v is not None or k in fields:  # (one the source left out stays out while unset)
+                    fields[k] = list(v) if isinstance(v, (list, tuple)) else v
+            record["fields"] = fields
             Path(save_directory, CARRIED_CONFIG_NAME).write_text(
-                json.dumps(self._carried_record, indent=2) + "\n", encoding="utf-8"
+                json.dumps(record, indent=2) + "\n", encoding="utf-8"
             )
         # written only where it says more than the config, or where the folder would not give back
         # the special ids taken from the source (saved elsewhere than the converted folder)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..train.batches import bos_id
 from ..train.checkpoint import TRAIN_CONFIG_NAME, load_json
-from .convert import CARRIED_CONFIG_NAME, MNEMO_MODEL_TYPE
+from .convert import CARRIED_CONFIG_NAME
 
 __all__ = ["checkpoint_bos", "checkpoint_eos", "is_training_run"]
 
@@ -48,7 +48,8 @@ def checkpoint_eos(ckpt: str | Path) -> int | list[int] | None:
     """The end-of-text id(s) a checkpoint that no mnemo training run made declares, as
     ``transformers`` reads them: ``generation_config.json``'s ``eos_token_id`` where that file
     exists (none there: none at all), else the one :func:`mnemo.hf.convert.convert` kept from the
-    source (``hf_config_carried.json``), else a ``transformers`` ``config.json``'s own. ``None`` for
+    source (``hf_config_carried.json``), else ``config.json``'s own (a ``transformers`` one, or those
+    ``MnemoForCausalLM.save_pretrained`` wrote to mnemo's, as ``AutoConfig`` reads them). ``None`` for
     a mnemo training run or a checkpoint that declares none. Raises ``ValueError`` naming
     ``--checkpoint`` for a file that is not readable JSON."""
     ckpt = Path(ckpt)
@@ -66,10 +67,10 @@ def checkpoint_eos(ckpt: str | Path) -> int | list[int] | None:
     if (ckpt / "generation_config.json").is_file():  # transformers reads the ids from it alone then
         fields = read("generation_config.json")
     else:
+        # (a mnemo config.json holds no other id field: those MnemoForCausalLM.save_pretrained
+        # wrote, which AutoConfig and MnemoForCausalLM.from_pretrained read, or none)
         config = read("config.json")
-        fields = read(CARRIED_CONFIG_NAME).get("fields") or (
-            config if config.get("model_type", MNEMO_MODEL_TYPE) != MNEMO_MODEL_TYPE else {}
-        )
+        fields = read(CARRIED_CONFIG_NAME).get("fields") or config
     eos = fields.get("eos_token_id")
     return None if eos == [] else eos
 

@@ -601,7 +601,9 @@ def steer(model, names, direction: torch.Tensor, *, scale: float = 1.0, position
         s = scale.to(value.device, value.dtype) if isinstance(scale, torch.Tensor) else scale
         if isinstance(s, torch.Tensor) and s.ndim == value.ndim:  # per position over the call's tokens
             p_ax, offset, n, length = _rows(value, name)  # a piece of the call: its rows of the scale
-            if n is not None and n != length and s.shape[p_ax] == length:
+            # (a length-1 axis broadcasts, a per-row [B, 1, 1] scale over a one-token call included:
+            # it steers a learned prefix's rows as a float scale and longer calls do)
+            if n is not None and n != length and s.shape[p_ax] == length > 1:
                 s = _rows_of_call(s, p_ax, offset, n, length)
         if (
             isinstance(s, torch.Tensor)

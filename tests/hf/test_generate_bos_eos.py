@@ -152,8 +152,9 @@ def test_language_model_generate_stops_each_row_at_its_end_id():
 def test_the_end_id_is_read_where_transformers_reads_it(tmp_path):
     """``generation_config.json`` where it exists (without an ``eos_token_id`` there: none, even
     when ``config.json`` has one — transformers then generates every step), else the carried field
-    of a converted checkpoint, else a transformers ``config.json``'s own; never for mnemo's own
-    config or a training run."""
+    of a converted checkpoint, else ``config.json``'s own (a transformers one, or the ids
+    ``MnemoForCausalLM.save_pretrained`` writes to mnemo's, which ``from_pretrained`` and
+    ``AutoConfig`` read: review 42h); never for a training run."""
     import json
 
     from mnemo.hf.special_ids import checkpoint_eos
@@ -174,6 +175,8 @@ def test_the_end_id_is_read_where_transformers_reads_it(tmp_path):
     (tmp_path / "generation_config.json").unlink()
     (tmp_path / "hf_config_carried.json").unlink()
     write("config.json", {"model_type": "mnemo", "eos_token_id": 5})
+    assert checkpoint_eos(tmp_path) == 5
+    write("config.json", {"model_type": "mnemo"})
     assert checkpoint_eos(tmp_path) is None
     write("config.json", {"model_type": "mamba2", "eos_token_id": 5})
     write("train_config.json", {})
