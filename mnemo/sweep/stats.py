@@ -17,9 +17,10 @@ Stegun 26.7.3–26.7.4 (with ``θ = arctan(t / √ν)``)::
     ν even:     A = sin θ · Σ_{j=0}^{(ν−2)/2} b_j cos^{2j} θ,   b_0 = 1, b_j = b_{j−1} · (2j − 1) / (2j)
 
 ``A`` increases monotonically in ``θ ∈ [0, π/2)``, so ``t_{p, ν}`` is found by bisection to machine
-precision, on ``φ = π/2 − θ`` against the tail ``1 − A`` (``t = √ν · cot φ``): the tail of a tiny
-``p`` is summed as the rest of A's series (no ``1 − A`` cancellation), and ``φ`` resolves a ``t``
-of 1e100 where ``θ`` would round to ``π/2``.
+precision: on ``θ`` against ``A = 1 − 2q`` while the tail ``q = min(p, 1 − p) ≥ 0.005`` (a ``t``
+near 0 keeps its relative precision), else on ``φ = π/2 − θ`` against ``1 − A``
+(``t = √ν · cot φ``): the tail of a tiny ``p`` is summed as the rest of A's series (no ``1 − A``
+cancellation), and ``φ`` resolves a ``t`` of 1e100 where ``θ`` would round to ``π/2``.
 """
 
 from __future__ import annotations
@@ -116,8 +117,21 @@ def t_quantile(p: float, df: int) -> float:
         return sign / math.tan(math.pi * q)
     if df == 2:  # closed form (the t of three seeds, the most common interval): exact to rounding
         return sign * (1.0 - 2.0 * q) / math.sqrt(2.0 * q * (1.0 - q))
-    # bisection on φ = π/2 − θ (t = √df · cot φ), where a far-tail t of 1e100 is still a float φ:
-    # halve φ until P(|T| > t) falls below 2q, then bisect to the float spacing
+    if q >= 0.005:
+        # bisection on θ (t = √df · tan θ) against A = 1 − 2q (exact for q > ¼): a t near 0 keeps
+        # its relative precision (on φ it lost 1e-9 at p = 0.5000001) and A's closed form is cheap
+        target, lo, hi = 1.0 - 2.0 * q, 0.0, math.pi / 2
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if mid in (lo, hi):
+                break
+            if _two_sided_cdf(mid, df) < target:
+                lo = mid
+            else:
+                hi = mid
+        return sign * math.sqrt(df) * math.tan(0.5 * (lo + hi))
+    # the tail (q < 0.005): bisection on φ = π/2 − θ (t = √df · cot φ), where a far-tail t of 1e100
+    # is still a float φ: halve φ until P(|T| > t) falls below 2q, then bisect to the float spacing
     target, hi = 2.0 * q, math.pi / 2
     lo = hi / 2
     while lo > 0.0 and _two_sided_tail(lo, df) > target:
