@@ -108,7 +108,8 @@ class TrainConfig:
             float rounding); checkpoints are DCP shards that resume on any number of processes
             and ``mnemo convert --from-dcp`` turns into a single file. Every process evaluates
             (and samples) in step, rank 0 logs. Not with ``context_parallel`` nor optimizer
-            ``"m3"``. With one process it changes nothing. Default ``False``.
+            ``"m3"``. With one process (an FSDP run resumed there) it trains unsharded and saves
+            single-file checkpoints with ``fsdp`` false. Default ``False``.
         activation_checkpointing: recompute each block's activations in the backward pass instead
             of keeping them (``torch.utils.checkpoint``): less memory, about one more forward pass;
             same losses and gradients. Default ``False``.

@@ -341,7 +341,7 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
 
     Activation checkpointing (``model.activation_checkpointing`` in training) recomputes each
     block, the ring included (every rank recomputes the same layer together), never the
-    state messages.
+    state messages, on the backend its forward chose and with its hooks (as the model's own).
 
     **Failures.** When a block raises on one rank (e.g. :class:`~mnemo.ops.NonFiniteError`), that
     rank keeps the protocol going — it relays NaN states to rank ``r + 1`` in the remaining
@@ -360,6 +360,7 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
     """
     from ..layers.attention import AttentionState
     from ..layers.state import BlockState
+    from ..models.lm import _recompute_kwargs
     from ..ops import NonFiniteError, finite_checks
     from ..ops.ring_attention import ProcessRing, ring_context
 
@@ -412,7 +413,8 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
                 kind = NonFiniteError if code == 1 else RuntimeError
                 raise kind(f"context parallelism: another rank's forward pass failed before layer {i}")
             call = ring_call(block, BlockState(mixer=AttentionState(kv=None, offset=start), mlp=None))
-            x = checkpoint(call, x, use_reentrant=False) if recompute else call(x)
+            # (the recompute runs on the forward's backend, with its hooks, as the model's own)
+            x = checkpoint(call, x, use_reentrant=False, **_recompute_kwargs(block)) if recompute else call(x)
             continue
         # a relayed block: its state's structure from a 1-token dry run (no finite checks: the
         # structure is needed even when the weights went bad)
@@ -428,7 +430,7 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
                 got_state = True
                 call = relay_call(block, template, prev is not None)
                 if recompute:
-                    y, final = checkpoint(call, x, *received, use_reentrant=False)
+                    y, final = checkpoint(call, x, *received, use_reentrant=False, **_recompute_kwargs(block))
                 else:
                     y, final = call(x, *received)
                 if nxt is not None:

@@ -120,7 +120,10 @@ def load_sharded(ckpt: str | Path, model, optimizer=None) -> None:
         CorruptCheckpointError: DCP cannot read the shards of a checkpoint without ``manifest.json``
             (unchecked: a truncated or damaged shard); the message names the folder and DCP's error.
         RuntimeError: DCP cannot read the shards of a verified checkpoint (they do not fit
-            ``model``); the message names the folder and DCP's error.
+            ``model``); the message names the folder and DCP's error (and, for a TTT memory saved
+            before its inner norm's scale and shift, whatever its manifest, ``inner_norm_affine``).
+        KeyboardInterrupt, SystemExit, torch.OutOfMemoryError, MemoryError: raised while DCP
+            reads (it wraps them in its ``CheckpointException``): as themselves.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -141,9 +144,21 @@ def load_sharded(ckpt: str | Path, model, optimizer=None) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.load(sd, checkpoint_id=path)
     except CheckpointException as e:  # (a BaseException: it escaped every `except Exception`)
-        inner = next(iter(e.failures.values()), (e, None))[0]
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        inner = e.failures.get(rank, next(iter(e.failures.values()), (e, None)))[0]
+        # DCP wraps every BaseException of its steps: a Ctrl-C, SystemExit or running out of
+        # memory while reading is no damage nor misfit, and is raised as itself
+        if not isinstance(inner, Exception) or isinstance(inner, (torch.OutOfMemoryError, MemoryError)):
+            raise inner from None
         last = (str(inner).strip().splitlines() or [""])[-1]
         detail = f"DCP could not read {path}: {type(inner).__name__}: {last}"
+        if "Missing key" in last and (".inner_norm_weight" in last or ".inner_norm_bias" in last):
+            # a TTT memory checkpointed before its inner norm's scale and shift: a misfit, not damage
+            raise RuntimeError(
+                f"{detail.rstrip('.')}: the checkpoint was written before the TTT memory's inner norm had "
+                "a learned scale and shift; build the model without them (inner_norm_affine: false in "
+                "its mixer_options, e.g. {neural_memory: {inner_norm_affine: false}})"
+            ) from None
         if not (Path(ckpt) / "manifest.json").is_file():  # unchecked: damaged on disk
             raise CorruptCheckpointError(
                 Path(ckpt), [detail + " (no manifest.json: its shards were not checked)"]

@@ -149,6 +149,12 @@ class Trainer:
         self.strategy = make_strategy(self.cfg, self.device, self.rank, self.world)
         self.context_parallel = isinstance(self.strategy, ContextParallel)  # splits the sequences
         self.fsdp = isinstance(self.strategy, Sharded)  # sharded parameters (mnemo.train.sharded)
+        if self.cfg.fsdp and not self.fsdp and self.is_main:  # one process: the saved setting changes
+            self.log(
+                "fsdp: one process trains unsharded and writes single-file checkpoints, saved with "
+                "fsdp: false (a later torchrun --resume trains data-parallel; a single-file checkpoint "
+                "does not resume sharded)"
+            )
 
     def _setup_optimizer(self) -> None:
         """The optimizer, the warm-up + cosine schedule, the batch generator (seeded from
