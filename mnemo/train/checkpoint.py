@@ -310,6 +310,14 @@ def run_checkpoints(out: str | Path) -> list[Path]:
     return sorted(own, key=_step_of)
 
 
+def linked_checkpoints(out: str | Path) -> list[Path]:
+    """The ``ckpt-NNNNNN`` entries of ``out`` that are symbolic links, dangling ones too (made by
+    hand; :func:`run_checkpoints` skips them), sorted by step, never followed: not the run's own,
+    yet this run's checkpoint of that step would be written onto one."""
+    links = (p for p in Path(out).glob("ckpt-*") if p.is_symlink() and _CKPT_NAME.fullmatch(p.name))
+    return sorted(links, key=lambda p: int(p.name.split("-")[-1]))
+
+
 def new_kept_folder(out: str | Path, prefix: str) -> Path:
     """Make and return ``OUT/kept/PREFIX-N`` for the smallest ``N >= 1`` not taken: where a run
     sets aside what it does not delete (``overwritten-N``, ``superseded-N``)."""

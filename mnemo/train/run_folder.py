@@ -35,6 +35,7 @@ from .checkpoint import (
     TRAIN_CONFIG_NAME,
     atomic_write_text,
     clean_stale_temporaries,
+    linked_checkpoints,
     load_json,
     load_trainer_state,
     new_kept_folder,
@@ -48,14 +49,6 @@ from .sharded import save_sharded_checkpoint
 from .sinks import METRICS_NAME, metrics_lines
 
 LOCK_NAME = ".lock"
-
-
-def linked_checkpoints(out: Path) -> list[Path]:
-    """The ``ckpt-NNNNNN`` entries of ``out`` that are symbolic links, dangling ones too (made by
-    hand; :func:`run_checkpoints` skips them), sorted by step, never followed: not the run's own,
-    yet this run's checkpoint of that step would be written onto one."""
-    links = (p for p in out.glob("ckpt-*") if p.is_symlink() and checkpoint._CKPT_NAME.fullmatch(p.name))
-    return sorted(links, key=lambda p: int(p.name.split("-")[-1]))
 
 
 # Settings a resumed run may change: none changes the model, the data, the batches or the update

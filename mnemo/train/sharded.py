@@ -201,6 +201,7 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     from .checkpoint import (
         LATEST,
         TRAIN_CONFIG_NAME,
+        linked_checkpoints,
         load_json,
         load_trainer_state,
         resolve_checkpoint,
@@ -208,7 +209,6 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
         save_torch,
     )
     from .config import TrainConfig
-    from .run_folder import linked_checkpoints
 
     held = [p.name for p in run_checkpoints(out) + linked_checkpoints(Path(out))]
     held += [LATEST] if (Path(out) / LATEST).is_symlink() or (Path(out) / LATEST).exists() else []
