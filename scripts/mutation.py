@@ -166,6 +166,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/ops/ring_attention.py": ("tests/ops/test_ring_attention.py",),
     "mnemo/memory/attribution.py": ("tests/interp/test_ttt_maps.py", "tests/memory/test_engine.py"),
     "mnemo/memory/*.py": (
+        "tests/test_mutants_42.py",
         "tests/memory/test_engine.py",
         "tests/memory/test_miras.py",
         "tests/layers/test_titans.py",
@@ -195,7 +196,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "mnemo/layers/state.py": ("tests/models/test_hooks.py", "tests/layers/test_mixer_checks.py", *_LAYERS),
     "mnemo/layers/titans.py": ("tests/layers/test_titans.py", *_LAYERS),
     "mnemo/layers/ssm.py": ("tests/layers/test_ssm_options.py", *_LAYERS),
-    "mnemo/layers/delta.py": ("tests/layers/test_gdn_options.py", *_LAYERS),
+    "mnemo/layers/delta.py": ("tests/test_mutants_42.py", "tests/layers/test_gdn_options.py", *_LAYERS),
+    "mnemo/layers/norm.py": ("tests/test_mutants_42.py", *_LAYERS),
     "mnemo/layers/attention.py": (
         "tests/layers/test_sinks.py",
         "tests/layers/test_yarn.py",
@@ -203,7 +205,7 @@ TESTS: dict[str, tuple[str, ...]] = {
         *_LAYERS,
     ),
     "mnemo/layers/rotary.py": ("tests/layers/test_yarn.py", "tests/layers/test_gdn_options.py", *_LAYERS),
-    "mnemo/layers/moe.py": ("tests/layers/test_moe.py", *_LAYERS),
+    "mnemo/layers/moe.py": ("tests/test_mutants_42.py", "tests/layers/test_moe.py", *_LAYERS),
     "mnemo/layers/*.py": _LAYERS,
     "mnemo/train/distributed.py": (
         "tests/train/test_distributed.py",
