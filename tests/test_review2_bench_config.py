@@ -110,7 +110,12 @@ def test_the_roofline_suites_json_holds_null_not_nan(tmp_path, monkeypatch):
         json=str(out),
     )
     assert roofline.main(args) == 0
-    assert _strict_json(out) == {"machine": {"gemm_peak_gflops": None}, "train": [{"fraction_of_peak": None}]}
+    assert _strict_json(out) == {
+        "machine": {"gemm_peak_gflops": None},
+        "train": [{"fraction_of_peak": None}],
+        # where each null was, and what (b994f63: the bench JSON names its non-finite values)
+        "nonfinite": {"machine/gemm_peak_gflops": "Infinity", "train/0/fraction_of_peak": "NaN"},
+    }
 
 
 def test_the_roofline_suite_refuses_no_model_by_its_flag():
