@@ -14,7 +14,9 @@ larger sizes, e.g. 512 x 8) and batch 1 and 8, in one process, interleaved:
 - ``floor``: ``ops`` x this run's median cost of one dispatched operator on a one-element tensor
   (a mix of add, mul, view and a 1x1 matmul): the time eager PyTorch needs to launch them, whatever
   they compute;
-- ``step``: the measured decode step (``--steps-per-call`` steps back to back, per step);
+- ``step``: the measured decode step (``--steps-per-call`` calls back to back, each over the model's
+  decoding cycle, ``mnemo.bench.roofline.decode_cycle``: per token, the mean over the cycle; ``ops``
+  is likewise the mean per token);
 - with ``--compile``, ``compiled``: the same step as ``LanguageModel.generate(compile=True)`` runs
   it (``mnemo.models.lm._compile_kind("step")``, a fresh one per model and batch: inductor fuses
   the elementwise operators into a few C++ loops, so the per-operator floor no longer applies, and
@@ -134,14 +136,15 @@ def main(argv=None):
     models = a.models.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     built = {m: build(m, a.d_model, a.n_layers) for m in models}
-    tasks, ops, diffs, compile_s = {}, {}, {}, {}
+    tasks, ops, diffs, compile_s, per_call = {}, {}, {}, {}, {}
     for m, model in built.items():
         for b in batches:
             step = decode_step_fn(model, b, a.context)
             step()
             with CountOps() as c:
                 step()
-            ops[(m, b)] = c.n
+            ops[(m, b)] = round(c.n / step.tokens)  # a token's mean over the cycle
+            per_call[m] = a.steps_per_call * step.tokens
             tasks[("decode", m, b)] = repeated(step, a.steps_per_call)
             if a.compile:
                 t = time.time()
@@ -164,7 +167,7 @@ def main(argv=None):
     t0 = time.time()
     times = interleaved(tasks, a.repeats, warmup=2)
     med = {
-        k: statistics.median(v) / (a.steps_per_call if k[0] in ("decode", "compiled", "blas", "fused") else 1)
+        k: statistics.median(v) / (per_call[k[1]] if k[0] in ("decode", "compiled", "blas", "fused") else 1)
         for k, v in times.items()
     }
     triad = stream["triad"][1] / med["triad"]
@@ -172,7 +175,7 @@ def main(argv=None):
     print(
         f"# d_model {a.d_model}, {a.n_layers} layers; {a.threads} threads, torch {torch.__version__}, "
         f"{a.repeats} interleaved rounds of "
-        f"{a.steps_per_call} decode step(s) per call, medians; "
+        f"{a.steps_per_call} decode call(s) of a cycle each per timing, medians per token; "
         f"triad {triad / 1e9:.1f} GB/s; one dispatched operator {per_op * 1e6:.2f} us; "
         f"timing took {time.time() - t0:.0f} s"
     )

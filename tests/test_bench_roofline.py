@@ -101,6 +101,64 @@ def test_decode_bytes_count_weights_once_and_embedding_rows(tie):
     assert roofline.weight_bytes_per_step(m, 3) == expected
 
 
+@pytest.mark.parametrize(
+    "name,cycle",
+    [
+        ("gated_deltanet", 1),
+        ("transformer", 1),
+        ("hope", 32),
+        ("hope_reconstruction", 32),
+        ("titans_mac", 64),
+    ],
+)
+def test_the_decoding_cycle_is_the_lcm_of_the_models_periods(name, cycle):
+    """hope: CMS periods 8, 16, 32 and an 8-token task segment -> 32; MAC: its 64-token segment;
+    a model without periods: every token costs the same, 1."""
+    m = LanguageModel(build_config(name, vocab_size=32, d_model=16, n_layers=1))
+    assert roofline.decode_cycle(m) == cycle
+
+
+def test_a_long_cycle_is_timed_in_part_and_says_so():
+    """hope_long (periods 16, 128, 512, 2048): a call times MAX_DECODE_TOKENS of the 2048."""
+    m = LanguageModel(build_config("hope_long", vocab_size=roofline.VOCAB, d_model=16, n_layers=1))
+    assert roofline.decode_cycle(m) == 2048
+    step = roofline.decode_step_fn(m, 1, 4, tokens=3)
+    assert (step.tokens, step.cycle) == (3, 2048)
+    with pytest.raises(ValueError, match="tokens: expected a positive integer"):
+        roofline.decode_step_fn(m, 1, 4, tokens=0)
+
+
+def test_a_decoding_call_steps_through_its_tokens_from_the_same_start():
+    """The timed call is ``tokens`` consecutive one-token steps (a hand loop over the model's own
+    forward gives the same last logits, and a second call the same again: each call starts from the
+    prompt's state); hope's call spans its segment ends (the dearer tokens that re-run a segment)."""
+    torch.manual_seed(0)
+    m = LanguageModel(build_config("hope", vocab_size=256, d_model=16, n_layers=1))
+    step = roofline.decode_step_fn(m, 1, 8)
+    assert step.tokens == step.cycle == 32
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, roofline.VOCAB, (1, 8), generator=g)
+    toks = torch.randint(0, roofline.VOCAB, (1, 32), generator=g)
+    with torch.no_grad():
+        _, state = m(prompt)
+        for i in range(32):
+            logits, state = m(toks[:, i : i + 1], state)
+    first = step()
+    assert torch.equal(first, logits) and torch.equal(step(), first)
+
+
+def test_a_decode_rows_step_is_the_calls_time_over_its_tokens(tmp_path, monkeypatch):
+    """run() divides the median call by the tokens it stepped: with every call timed at 64 ms, hope
+    (a 32-token cycle) reports 2 ms a token and gla (cycle 1) 64 ms."""
+    monkeypatch.setattr(roofline, "STREAM_ELEMENTS", 2**10)
+    monkeypatch.setattr(roofline, "interleaved", lambda tasks, repeats: {k: [0.064] for k in tasks})
+    r = roofline.run(["gla", "hope"], 16, 1, [(8, 1)], [1], 4, 1, profile=False, log=lambda s: None)
+    rows = {d["model"]: d for d in r["decode"]}
+    assert (rows["hope"]["tokens_timed"], rows["hope"]["cycle"]) == (32, 32)
+    assert abs(rows["hope"]["step_ms"] - 2.0) < 1e-9 and abs(rows["hope"]["tokens_per_s"] - 500) < 1e-6
+    assert rows["gla"]["tokens_timed"] == 1 and abs(rows["gla"]["step_ms"] - 64.0) < 1e-9
+
+
 TINY = ["--d-model", "16", "--n-layers", "1", "--model-shapes", "16x2", "--gen-batches", "1,2"]
 TINY += ["--prompt-len", "8", "--repeats", "1"]
 

@@ -24,9 +24,13 @@ process**, with every timing interleaved (round ``r`` runs every task once, rota
   (counted where they run as ``aten.convolution``), triangular solves and other ``linalg`` ops,
   opaque custom kernels (the selective scan's C kernel). ``6·N·T`` (N parameters) is shown beside
   it as the usual estimate;
-* **decoding** (per model and ``--gen-batches`` batch ``b``): one one-token step on the state a
-  ``--prompt-len`` prompt leaves behind (the same state every time, so a KV cache stays at that
-  length). Bytes per step = every weight once (the embedding table only for the ``b`` rows read,
+* **decoding** (per model and ``--gen-batches`` batch ``b``): one-token steps on the state a
+  ``--prompt-len`` prompt leaves behind, one after the other over the model's decoding cycle
+  (:func:`decode_cycle`: a CMS level's period end, a task-signal segment's re-run, a MAC segment's
+  growing cache make some tokens dearer than others; at most ``MAX_DECODE_TOKENS`` of them), every
+  timed call from the same start state (so a KV cache stays near that length); the step time is the
+  call's time over its tokens (the mean over the cycle, what a long generation pays a token). Bytes
+  per step = every weight once (the embedding table only for the ``b`` rows read,
   unless tied to the head, which reads it whole; a learned position table for its one row) + the
   decoding state (``state_size_bytes(b, L)``, read once; its writes are not counted); achieved
   bytes/s = that / median step time, as a fraction of the triad bandwidth. Small models' weights
@@ -53,6 +57,7 @@ Other processes on the machine change every number; the JSON records the load av
 from __future__ import annotations
 
 import gc
+import math
 import os
 import statistics
 import sys
@@ -72,6 +77,8 @@ DEFAULT_N_LAYERS = 6
 VOCAB = 256
 #: elements of each STREAM array (float32: 128 MiB)
 STREAM_ELEMENTS = 2**25
+#: the most one-token steps one timed decoding call runs (:func:`decode_cycle`)
+MAX_DECODE_TOKENS = 256
 GROUPS = ("matmul", "recurrence", "norms", "activations", "loss", "optimizer", "other ops", "python")
 NOT_COUNTED = (
     "element-wise ops (gates, exp, cumsum, norms, activations, the loss's softmax, the AdamW "
@@ -271,22 +278,58 @@ def weight_bytes_per_step(model, batch: int) -> int:
     return total
 
 
-def decode_step_fn(model, batch: int, context: int, step_fn=None) -> Callable[[], torch.Tensor]:
-    """One one-token step on the state a ``context``-token prompt leaves (reused every call; the
-    same tokens for every call of this function); the step returns its logits ``[batch, 1, V]``.
-    ``step_fn(model, ids, state) -> (logits, state)`` runs the step (default: the model itself;
-    e.g. ``mnemo.models.lm._compiled(model, "step")``, what ``generate(compile=True)`` runs)."""
+def decode_cycle(model: nn.Module) -> int:
+    """The number of one-token steps after which a model's decoding work repeats: the least common
+    multiple of its CMS levels' periods (a period end steps the level), its task-signal segment (a
+    segment's last label re-runs the segment: ``mnemo.models.task_signal``) and a MAC layer's
+    segment (its segment-local cache grows, then resets); 1 for a model with none of them."""
+    from ..layers.cms import CMSLevel
+    from ..layers.titans_architectures import TitansMAC
+
+    periods = [getattr(model, "task_segment", None) or 1]
+    for m in model.modules():
+        if isinstance(m, CMSLevel):
+            periods.append(m.level.period)
+        elif isinstance(m, TitansMAC):
+            periods.append(m.segment)
+    return math.lcm(*periods)
+
+
+def decode_step_fn(
+    model, batch: int, context: int, step_fn=None, tokens: int | None = None
+) -> Callable[[], torch.Tensor]:
+    """One timed decoding call: ``tokens`` one-token steps, one after the other, from the state a
+    ``context``-token prompt leaves (every call starts from that same state and reads the same
+    tokens); it returns the last step's logits ``[batch, 1, V]`` and carries ``.tokens``. Default
+    ``tokens``: the model's :func:`decode_cycle`, at most ``MAX_DECODE_TOKENS`` (``.cycle`` holds the
+    whole cycle), so the time over ``.tokens`` is a token's mean cost, not the cost of one phase of
+    the cycle. ``step_fn(model, ids, state) -> (logits, state)`` runs a step (default: the model
+    itself; e.g. ``mnemo.models.lm._compile_kind("step")``, what ``generate(compile=True)`` runs).
+
+    Raises:
+        ValueError: ``tokens`` is not a positive integer.
+    """
+    cycle = decode_cycle(model)
+    if tokens is None:
+        tokens = min(cycle, MAX_DECODE_TOKENS)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens: expected a positive integer (one-token steps a call), got {tokens!r}")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (batch, context), generator=g)
-    tok = torch.randint(0, VOCAB, (batch, 1), generator=g)
+    toks = torch.randint(0, VOCAB, (batch, tokens), generator=g)
     model.eval()
     with torch.no_grad():
-        _, state = model(prompt)
+        _, start = model(prompt)
+    run = model if step_fn is None else (lambda ids, state: step_fn(model, ids, state))
 
     def step():
+        state = start
         with torch.no_grad():
-            return model(tok, state)[0] if step_fn is None else step_fn(model, tok, state)[0]
+            for i in range(tokens):
+                logits, state = run(toks[:, i : i + 1], state)
+        return logits
 
+    step.tokens, step.cycle = tokens, cycle
     return step
 
 
@@ -297,8 +340,9 @@ def compiled_decode_step_fn(
     compiles (``mnemo.models.lm._compile_kind("step")``: a fresh one per model and batch, as a
     first generation at that batch compiles it; one shared by two batches would make the batch
     dimension dynamic), compiled here by its first call, and its logits' largest difference from
-    the eager step. ``matvec=False``: without the decode pass (BLAS products); ``kernel=False``:
-    with its fused multiply-sums but not :func:`mnemo.ops.small_mm.small_mm`'s C kernel."""
+    the eager step (at the call's last token). ``matvec=False``: without the decode pass (BLAS
+    products); ``kernel=False``: with its fused multiply-sums but not
+    :func:`mnemo.ops.small_mm.small_mm`'s C kernel."""
     from ..models.lm import _compile_kind
 
     step = decode_step_fn(model, batch, context, step_fn=_compile_kind("step", matvec=matvec, kernel=kernel))
@@ -513,7 +557,7 @@ def run(
     stream = stream_tasks(stream_elements)
     for kind, (fn, _) in stream.items():
         tasks[("stream", kind)] = fn
-    opts, steps, flops, compiled = {}, {}, {}, {}
+    opts, steps, flops, compiled, decode_tokens = {}, {}, {}, {}, {}
     compile_status = "off"
     if compile and gen_batches:
         from .model_entries import compile_available
@@ -531,7 +575,8 @@ def run(
             steps[(name, T, B)] = step
             tasks[("train", name, T, B)] = step
         for b in gen_batches:
-            tasks[("decode", name, b)] = decode_step_fn(model, b, context)
+            tasks[("decode", name, b)] = fn = decode_step_fn(model, b, context)
+            decode_tokens[name] = (fn.tokens, fn.cycle)
             if compile_status == "on":
                 log(f"compiling the decode step of {name} at batch {b} ...")
                 t0 = time.perf_counter()
@@ -581,7 +626,8 @@ def run(
     decode_rows = []
     for name, model in built.items():
         for b in gen_batches:
-            t = med[("decode", name, b)]
+            n, cycle = decode_tokens[name]
+            t = med[("decode", name, b)] / n
             wb = weight_bytes_per_step(model, b)
             sb = model.state_size_bytes(b, context, pending=False)  # what a step reads
             decode_rows.append(
@@ -589,6 +635,8 @@ def run(
                     "model": name,
                     "batch": b,
                     "context": context,
+                    "tokens_timed": n,
+                    "cycle": cycle,
                     "step_ms": 1e3 * t,
                     "tokens_per_s": b / t,
                     "weight_bytes": wb,
@@ -598,7 +646,7 @@ def run(
                 }
             )
             if (name, b) in compiled:
-                tc = med[("decode_compiled", name, b)]
+                tc = med[("decode_compiled", name, b)] / n
                 decode_rows[-1].update(
                     compiled_step_ms=1e3 * tc,
                     compiled_tokens_per_s=b / tc,
@@ -663,20 +711,22 @@ def print_tables(r: dict, log: Callable[[str], None] = print) -> None:
     log(f"not counted: {r['not_counted']}")
     if r["decode"]:
         log(
-            f"\ndecoding, one token per row after a {r['decode'][0]['context']}-token prompt; "
-            "bytes = weights "
+            f"\ndecoding, one token per row after a {r['decode'][0]['context']}-token prompt; step = the "
+            "mean over the tokens of the model's decoding cycle (timed/cycle); bytes = weights "
             "read once (embedding rows only unless tied) + the state; fraction of the triad bandwidth"
         )
-        head = f"{'model':<16}{'B':>4}{'step ms':>10}{'tok/s':>10}{'weights MB':>12}{'state MB':>10}"
-        head += f"{'GB/s':>8}{'frac':>7}"
+        head = f"{'model':<16}{'B':>4}{'cycle':>10}{'step ms':>10}{'tok/s':>10}{'weights MB':>12}"
+        head += f"{'state MB':>10}{'GB/s':>8}{'frac':>7}"
         comp = any("compiled_step_ms" in d for d in r["decode"])
         if comp:
             head += f"{'compiled ms':>13}{'tok/s':>10}{'frac':>7}{'compile s':>11}{'max |dlogit|':>14}"
         log(head)
         log("-" * len(head))
         for d in r["decode"]:
+            n, cycle = d.get("tokens_timed", 1), d.get("cycle", 1)  # files from before the cycle: 1
             line = (
-                f"{d['model']:<16}{d['batch']:>4}{d['step_ms']:>10.2f}{d['tokens_per_s']:>10.0f}"
+                f"{d['model']:<16}{d['batch']:>4}{(str(n) if n == cycle else f'{n}/{cycle}'):>10}"
+                f"{d['step_ms']:>10.2f}{d['tokens_per_s']:>10.0f}"
                 f"{d['weight_bytes'] / 1e6:>12.2f}{d['state_bytes'] / 1e6:>10.2f}{d['achieved_gbs']:>8.2f}"
                 f"{d['fraction_of_bandwidth']:>7.3f}"
             )
