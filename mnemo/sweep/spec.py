@@ -35,6 +35,13 @@ learning rate per point") and summarises the seeds run there (:func:`mnemo.sweep
 A run is identified by a hash of its full config, so editing the file adds runs without
 invalidating finished ones.
 
+**Grid axes.** A dotted axis (``task_options.num_pairs``) sets that one entry of the run's config,
+whatever ``base`` or the model entry give for the rest of the dict and in whatever order the keys
+are written. The models are the ``models:`` list: a grid axis ``model`` is refused (it would train
+another model under the entry's label; list each model, or a labelled mapping, under ``models:``),
+and so are two axes of which one sets a part of the other (``task_options`` and
+``task_options.num_pairs``: which value a run trains with would depend on the order of the keys).
+
 **Relative paths.** A relative path in a sweep file (``data``, a ``tokenizer`` file or folder,
 ``init_from``, in ``base``, a model entry or a grid axis; the top-level ``db`` and ``out``) is read
 against the sweep file's project folder: the nearest folder above the file holding
@@ -366,6 +373,7 @@ class SweepSpec:
                 )
             grid = {**self.grid, **own}
             keys = list(grid)
+            _check_axes(self.name, label, keys)
             for values in itertools.product(*(grid[k] for k in keys)):
                 cfg = deep_merge(self.base, fields)
                 point = dict(zip(keys, values))
@@ -401,6 +409,27 @@ class SweepSpec:
         if len(set(ids)) != len(ids):
             raise ValueError(f"sweep {self.name!r}: two model entries or grid points give identical runs")
         return out
+
+
+def _check_axes(name: str, label: str, keys: list[str]) -> None:
+    """Refuse a grid axis ``model`` (the models are the ``models:`` list) and two axes of which one
+    sets a part of the other (``task_options`` and ``task_options.num_pairs``): ``ValueError``
+    naming them."""
+    if "model" in keys:
+        raise ValueError(
+            f"sweep {name!r}, model {label!r}: 'grid' has an axis 'model', which would train another "
+            f"model than the entry {label!r} names (and report it under that label): list the models "
+            "under 'models:' instead (a mapping with 'label' and 'model' for a variant)"
+        )
+    for whole in keys:
+        for part in keys:
+            if part.startswith(whole + "."):
+                raise ValueError(
+                    f"sweep {name!r}, model {label!r}: the grid axes {whole!r} and {part!r} both set "
+                    f"{part!r} (the one as a part of a whole {whole!r}), so which value a run trains "
+                    f"with would depend on the order of the keys: give {part!r} inside the values of "
+                    f"{whole!r}, or drop one of the two axes"
+                )
 
 
 def check_paths(spec: SweepSpec) -> None:

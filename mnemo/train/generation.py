@@ -1,6 +1,8 @@
 """Text generation from a trained model: :func:`generate_text` (what ``Trainer.sample``, ``mnemo
 generate`` and the end-of-run sample use); :func:`sample_run` fills in a run's sampling settings
-(``TrainConfig.sample_*``)."""
+(``TrainConfig.sample_*``) and ends the text at the tokenizer's end-of-text token (a BPE run's
+``<|endoftext|>``, :attr:`~mnemo.data.tokenizer.HFTokenizer.eot_id`; char/byte tokenizers have none),
+as ``mnemo generate`` (without ``--ignore-eos``), the harness and the HF export do."""
 
 from __future__ import annotations
 
@@ -94,7 +96,10 @@ def sample_run(
 ) -> str:
     """:func:`generate_text` with the run ``cfg``'s settings for what is ``None``: ``prompt``
     (``cfg.sample_prompt``), ``max_new_tokens`` (``cfg.sample_tokens``), ``temperature``
-    (``cfg.sample_temperature``), ``seed`` (``cfg.seed``); what ``Trainer.sample`` runs.
+    (``cfg.sample_temperature``), ``seed`` (``cfg.seed``); what ``Trainer.sample`` runs. The text
+    ends before the tokenizer's end-of-text token (``tokenizer.eot_id``: a BPE run's
+    ``<|endoftext|>``, the document separator it trained on; none for char/byte tokenizers), as
+    ``mnemo generate`` ends it (:func:`end_ids`).
 
     Raises:
         ValueError: ``tokenizer`` is ``None`` (a task run: there is no text to sample)."""
@@ -109,4 +114,14 @@ def sample_run(
         seed=cfg.seed if seed is None else seed,
         device=device,
         bos=bos_id(tokenizer, cfg.bos),
+        eos=end_ids(model, tokenizer),
     )
+
+
+def end_ids(model, tokenizer) -> int | None:
+    """The id that ends a text ``model`` generates with ``tokenizer``: the tokenizer's end-of-text
+    token (``eot_id``; ``None`` for a tokenizer without one, or one outside ``model``'s vocabulary,
+    which the model can never sample)."""
+    eot = getattr(tokenizer, "eot_id", None)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return eot if eot is not None and (vocab is None or eot < vocab) else None

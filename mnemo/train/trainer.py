@@ -519,6 +519,8 @@ class Trainer:
         temperature: float | None = None,
     ) -> str:
         """Generate text from ``prompt`` with the current model (text runs only; what is ``None``
-        comes from the run's config: :func:`~mnemo.train.generation.sample_run`)."""
+        comes from the run's config: :func:`~mnemo.train.generation.sample_run`). The text ends
+        before the tokenizer's end-of-text token (a BPE run's ``<|endoftext|>``), as ``mnemo
+        generate`` ends it. Raises ``ValueError`` for a task run (no tokenizer)."""
         args = (self.cfg, self.model, self.tokenizer, self.device, prompt, max_new_tokens)
         return sample_run(*args, seed=seed, temperature=temperature)
