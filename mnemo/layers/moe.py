@@ -16,9 +16,29 @@ Scores (``score=``): ``"softmax"`` (default, above) or ``"sigmoid"``, the affini
 DeepSeek-V3 (Liu et al. 2024, §2.1.2, eq. 12–16): ``s_e = σ(z_e)`` (each expert scored alone, not
 summing to 1), chosen by ``s_e + b_e``, and weighted by the unbiased ``s_e / Σ_{e' ∈ TopK} s_e'``
 (``norm_topk_prob``, DeepSeek-V3's form) or ``s_e``. DeepSeek-V3's auxiliary-loss-free balancing is
-``score="sigmoid", norm_topk_prob=True, bias_balancing=True`` (its routed scaling factor, node-limited
-routing and sequence-wise loss are not part of this layer). With sigmoid scores ``L_aux`` below
-uses the scores normalised over all experts, ``s_e / Σ_e' s_e'`` (DeepSeek-V3 eq. 19–20), for ``P``.
+``score="sigmoid", norm_topk_prob=True, bias_balancing=True``; its released router adds
+``routed_scaling_factor=2.5, n_group=8, topk_group=4`` (below); its sequence-wise auxiliary loss
+(eq. 17–20) is not part of this layer. With sigmoid scores ``L_aux`` below uses the scores
+normalised over all experts, ``s_e / Σ_e' s_e'`` (DeepSeek-V3 eq. 19–20), for ``P``.
+
+Routed scaling factor (``routed_scaling_factor = γ``, default 1: off; DeepSeek-V3's config
+``routed_scaling_factor``, 2.5 there): the routed experts' combined output is multiplied by ``γ``,
+``y = γ · Σ_{e ∈ TopK} w_e · E_e(x) [+ shared]`` — i.e. every routing weight ``w_e`` of eq. 13 (after
+``norm_topk_prob``) becomes ``γ · w_e``; the shared expert is not scaled. ``hook_topk_weights`` shows
+the scaled weights; ``L_aux`` and ``L_z`` do not depend on ``γ``.
+
+Group-limited routing (``n_group = G``, ``topk_group = M``; default ``G = M = 1``: off; DeepSeek-V3
+§2.1.2 "Node-Limited Routing", its config ``n_group``, ``topk_group``; with either ``score``): the
+``E`` experts form ``G`` groups of ``E/G`` consecutive experts (expert ``e`` is in group
+``e // (E/G)``); each group is scored by the sum of its two largest selection scores ``s_e + b_e`` (the
+paper: the ``K_r / M`` highest affinities per node, ``8 / 4 = 2`` for DeepSeek-V3; its released code
+fixes 2; a group of one expert: that expert's score), the token keeps its ``M`` best groups, and the
+top-k choice runs over the experts of those groups only (the others are excluded, score ``−inf``;
+DeepSeek-V3's released code writes 0 there instead, which differs only where a kept expert's
+selection score is ≤ 0, e.g. under a negative bias; DeepSeek-V2's device-limited routing scored a
+group by its largest score alone, not built). Requires ``G | E`` and ``k ≤ M · E / G``. The weights
+are then those of eq. 13 over the chosen experts, unchanged. A ``hook_topk_indices`` replacement is
+not limited to the groups.
 
 Losses (on the module after each forward, see :class:`MoE`):
 
@@ -36,6 +56,13 @@ Losses (on the module after each forward, see :class:`MoE`):
   one expert and a confident token for another give ``f = (2/3, 1/3)``, ``P ≈ (0.34, 0.66)``,
   ``L_aux ≈ 0.89``), and its gradient (through ``P`` only) lowers the scores of the busiest experts.
 * router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``L_z = (1/N) Σ_n (log Σ_e exp z_e(x_n))²``.
+  With ``score="sigmoid"`` it is the same function of the logits ``z`` (not of the affinities): the
+  softmax's normaliser does not enter the sigmoid scores, so it is no longer the stabiliser of a
+  softmax router but a plain penalty on the logits, with gradient ``∂L_z/∂z_e = (2/N) · lse(z) ·
+  softmax(z)_e``: while ``Σ_e exp z_e > 1`` it lowers every logit (most the largest), its minimum is at
+  ``Σ_e exp z_e = 1`` (every affinity ``σ(z_e) < 1/2``: without ``norm_topk_prob`` that caps the
+  routing weights), and it keeps the logits out of the sigmoid's saturation. DeepSeek-V3 uses no z-loss;
+  ``z_loss_coef`` defaults to 0.
 
 Auxiliary-loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
 Mixture-of-Experts", Alg. 1; DeepSeek-V3): a per-expert bias ``b`` (a buffer, no gradient) is added
@@ -110,6 +137,9 @@ MOE_OPTIONS: dict[str, Any] = {
     "bias_update_rate": 1e-3,
     "dispatch": "sorted",
     "score": "softmax",
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
 }
 
 
@@ -166,6 +196,17 @@ def check_moe_options(options: dict[str, Any]) -> None:
         raise ValueError(f"dispatch: expected one of {DISPATCH}, got {o['dispatch']!r}")
     if o["score"] not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {o['score']!r}")
+    _num("routed_scaling_factor", o["routed_scaling_factor"], positive=True)
+    E, G = o["n_experts"], o["n_group"]
+    _int("n_group", G, 1, E)
+    if E % G:
+        raise ValueError(f"n_group: expected a divisor of n_experts = {E}, got {G}")
+    _int("topk_group", o["topk_group"], 1, G)
+    if o["top_k"] > o["topk_group"] * (E // G):
+        raise ValueError(
+            f"top_k: expected at most topk_group · n_experts / n_group = {o['topk_group'] * (E // G)} "
+            f"(the experts of the kept groups), got {o['top_k']}"
+        )
 
 
 def expert_load(indices: Tensor, n_experts: int) -> Tensor:
@@ -210,6 +251,14 @@ class MoE(nn.Module):
             the module docstring; off the CPU ``"sorted"`` and ``"padded"`` run as ``"fixed"``).
         score: ``"softmax"`` (default ``score="softmax"``) or ``"sigmoid"`` (DeepSeek-V3's
             affinities ``σ(z_e)``; see the module docstring).
+        routed_scaling_factor: ``γ > 0`` multiplying the routed experts' combined output (every
+            routing weight), not the shared expert (default ``routed_scaling_factor=1.0``: off;
+            DeepSeek-V3: 2.5).
+        n_group, topk_group: group-limited routing, DeepSeek-V3 §2.1.2 (the module docstring): ``E``
+            experts in ``n_group`` groups of consecutive experts, each token chooses among the
+            experts of its ``topk_group`` best groups (scored by the sum of their two largest
+            selection scores); ``n_group`` divides ``E``, ``1 ≤ topk_group ≤ n_group``, ``top_k ≤
+            topk_group · E / n_group`` (defaults ``n_group=1``, ``topk_group=1``: off; DeepSeek-V3: 8, 4).
 
     Parameters: ``router.weight [E, d]``; ``w_in [E, 2H, d]`` (per expert ``[W_gate; W_up]``, the
     layout of :class:`~mnemo.layers.mlp.SwiGLU`'s ``w_in``), ``w_out [E, d, H]``;
@@ -248,6 +297,9 @@ class MoE(nn.Module):
         bias_update_rate: float = 1e-3,
         dispatch: str = "sorted",
         score: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
     ):
         super().__init__()
         _int("d_model", d_model)
@@ -266,6 +318,9 @@ class MoE(nn.Module):
                 bias_update_rate=bias_update_rate,
                 dispatch=dispatch,
                 score=score,
+                routed_scaling_factor=routed_scaling_factor,
+                n_group=n_group,
+                topk_group=topk_group,
             )
         )
         H = expert_hidden or swiglu_hidden(d_model)
@@ -277,6 +332,8 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.bias_balancing, self.bias_update_rate = bias_balancing, float(bias_update_rate)
         self.dispatch, self.score = dispatch, score
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.n_group, self.topk_group = n_group, topk_group
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(n_experts, 2 * H, d_model))
         self.w_out = nn.Parameter(torch.empty(n_experts, d_model, H))
@@ -348,7 +405,16 @@ class MoE(nn.Module):
             f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
             f"capacity_factor={self.capacity_factor}, bias_balancing={self.bias_balancing}, "
             f"dispatch={self.dispatch!r}, score={getattr(self, 'score', 'softmax')!r}"
+            + (f", routed_scaling_factor={self.routed_scaling_factor}" if self._scale() != 1.0 else "")
+            + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self._grouped() else "")
         )
+
+    # modules pickled before these options existed have none: off
+    def _scale(self) -> float:
+        return getattr(self, "routed_scaling_factor", 1.0)
+
+    def _grouped(self) -> bool:
+        return getattr(self, "topk_group", 1) < getattr(self, "n_group", 1)
 
     # ------------------------------------------------------------------------------------------
     def loss(self) -> Tensor:
@@ -386,7 +452,8 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router logits ``[N, E]`` (through ``hook_router_logits``), scores ``softmax(logits)``
         (``sigmoid(logits)`` with ``score="sigmoid"``; float32/float64) and the chosen
-        experts ``[N, k]`` (through ``hook_topk_indices``) of tokens ``x [..., d]`` (flattened to ``N``)."""
+        experts ``[N, k]`` (through ``hook_topk_indices``; within the ``topk_group`` best groups
+        when ``n_group > topk_group``) of tokens ``x [..., d]`` (flattened to ``N``)."""
         lead = x.shape[:-1]
         logits = self.hook_router_logits(self.router(x))
         cd = torch.promote_types(logits.dtype, torch.float32)
@@ -395,6 +462,8 @@ class MoE(nn.Module):
         else:
             scores = torch.softmax(logits.to(cd), dim=-1)
         sel = scores if self.expert_bias is None else scores + self.expert_bias.to(cd)
+        if self._grouped():
+            sel = self._limit_groups(sel)
         idx = sel.topk(self.top_k, dim=-1).indices
         idx = self.hook_topk_indices(idx)
         if idx.shape != (*lead, self.top_k) or idx.dtype != torch.long:
@@ -411,6 +480,16 @@ class MoE(nn.Module):
                     f"got values from {lo} to {hi}"
                 )
         return logits.reshape(-1, E), scores.reshape(-1, E), idx.reshape(-1, self.top_k)
+
+    def _limit_groups(self, sel: Tensor) -> Tensor:
+        """Group-limited routing (DeepSeek-V3 §2.1.2): selection scores ``[..., E]`` with the experts
+        outside each token's ``topk_group`` best groups set to ``−inf``; a group (``E / n_group``
+        consecutive experts) scores the sum of its two largest selection scores."""
+        G, m = self.n_group, self.n_experts // self.n_group
+        group_score = sel.unflatten(-1, (G, m)).topk(min(2, m), dim=-1).values.sum(-1)  # [..., G]
+        best = group_score.topk(self.topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter(-1, best, True)
+        return sel.masked_fill(~kept.repeat_interleave(m, dim=-1), float("-inf"))
 
     def _warn_top1(self) -> None:
         """Once per module, in a training forward that records gradients for the router."""
@@ -445,6 +524,8 @@ class MoE(nn.Module):
             w = torch.softmax(F.logsigmoid(chosen) if sigmoid else chosen, dim=-1)
         else:
             w = scores.gather(-1, idx)  # [N, k], unbiased scores of the chosen experts
+        if self._scale() != 1.0:
+            w = w * self._scale()  # DeepSeek-V3's routed_scaling_factor: γ · Σ w_e E_e(x)
 
         # assignments in priority order: all first choices (token order), then all second, ...
         expert = idx.t().reshape(-1)  # [k N]

@@ -42,7 +42,8 @@ class ModelConfig:
             (``None``: no token is dropped), ``aux_loss_coef`` (0.01, Switch load balance),
             ``z_loss_coef`` (0, ST-MoE router z-loss), ``bias_balancing`` (False,
             auxiliary-loss-free bias), ``bias_update_rate`` (1e-3), ``dispatch`` (``"sorted"``),
-            ``score`` (``"softmax"``; ``"sigmoid"``: DeepSeek-V3's affinities).
+            ``score`` (``"softmax"``; ``"sigmoid"``: DeepSeek-V3's affinities),
+            ``routed_scaling_factor`` (1.0), ``n_group`` (1) and ``topk_group`` (1: no group limit).
         pos_embedding: ``"none"`` (positions come from the mixers, e.g. RoPE) or ``"learned"``
             (absolute, up to ``max_position`` tokens; default ``max_position=4096``).
         tie_embeddings: share the input embedding with the output head (default ``True``).
