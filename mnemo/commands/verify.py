@@ -145,6 +145,43 @@ def _served_text(served: dict) -> str:
     return ", ".join(f"{b} {n}" for b, n in sorted(served.items())) or "- (no backend table)"
 
 
+def _verbose_widths(specs, quick: bool, patterns: list[str]) -> list[int]:
+    """``-v``: the widths of the op, check, result, worst-error and tolerance columns of every row
+    line printed as it finishes, fixed before the first one from the names of every selected spec
+    and of its planned checks that ``patterns`` (``--checks``; none: all) keep, so the lines of ops
+    or checks with names of different lengths line up."""
+    from mnemo.testing.contract import plan
+
+    def kept(name: str) -> bool:  # (as run_contract matches them)
+        return not patterns or any(
+            fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name.split("[")[0], p) for p in patterns
+        )
+
+    ops = ["op", *(s.name for s in specs)]
+    checks = ["check", *(name for s in specs for name, _ in plan(s, quick) if kept(name))]
+    # ("1.0e-05": the width of a formatted error or tolerance; "inf", "0", "-" are shorter)
+    return [max(map(len, ops)), max(map(len, checks)), len("result"), len("worst err"), len("1.0e-05")]
+
+
+def _verbose_line(r, widths: list[int], na: str | None = None, served: str | None = None) -> str:
+    """One ``-v`` line of row ``r`` in the columns ``widths`` (:func:`_verbose_widths`): ``op  check
+    result  worst err  tol``, then (under a forced backend) ``served`` and, for a failed check, its
+    message; ``na``: the row is n/a on the forced backend, said in place of the result columns."""
+    from mnemo.testing.contract import _fmt
+
+    cells = [r.op.ljust(widths[0]), r.check.ljust(widths[1])]
+    if na is not None:
+        return "  ".join(cells + [na]).rstrip()
+    cells += [
+        ("pass" if r.passed else "FAIL").rjust(widths[2]),
+        _fmt(r.error).rjust(widths[3]),
+        _fmt(r.tol).rjust(widths[4]),
+    ]
+    cells += [] if served is None else [served]
+    cells += [] if r.passed or not r.message else [r.message]
+    return "  ".join(cells).rstrip()
+
+
 def run(args) -> int:
     """Run the checks chosen by ``args`` (from :func:`add_parser` / :func:`build_parser`), print the
     tables, return the exit status (``--list``: print the chosen specs, and with ``--json`` write
@@ -270,12 +307,17 @@ def run(args) -> int:
             return r.message
         return f"not run on {forced!r}: served by {_served_text(served_by.get(id(r), {}))}"
 
+    # -v: each row's line as it finishes, in columns fixed beforehand (a table of one row each
+    # would size them by that row's names: the lines of two ops did not line up)
+    widths = _verbose_widths([s for g in groups for s in g[2]], args.quick, checks) if args.verbose else []
+
     def show(r) -> None:  # (-v: an unserved form is said as n/a, as in the summary, not FAIL)
         if unserved_row(r):
             why = "" if isinstance(r.exception, BackendError) else f" ({na_reason(r)})"
-            line = f"{r.op}  {r.check}  n/a on {forced!r}{why}"
+            line = _verbose_line(r, widths, na=f"n/a on {forced!r}{why}")
         else:
-            line = table([r]).splitlines()[-1]
+            served = None if forced == "auto" else _served_text(served_by.get(id(r), {}))
+            line = _verbose_line(r, widths, served=served)
         print(line, flush=True)
 
     served_before = sum(n for (_, b, _), n in dispatch_log().items() if b == forced)

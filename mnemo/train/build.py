@@ -270,7 +270,9 @@ def load_checkpoint(model: LanguageModel, optimizer, ckpt: Path, state: dict, de
     """Resume: the weights and optimizer state of checkpoint ``ckpt`` (DCP shards of an FSDP run
     load on any number of processes, sharded or not; a single-file one not ``sharded``). In a
     single-file one, parameters added since it was written (absent from its weights, filled on
-    load) start with fresh optimizer state, with a warning (:func:`~mnemo.train.optim.load_with_fresh`)."""
+    load) start with fresh optimizer state, with a warning (:func:`~mnemo.train.optim.load_with_fresh`),
+    and the optimizer takes the older grouping its state was saved in
+    (:func:`~mnemo.train.optim.match_saved_groups`), also both at once."""
     from safetensors.torch import load_model
 
     if is_sharded(ckpt):  # DCP shards of an FSDP run: any number of processes, sharded or not
@@ -284,7 +286,8 @@ def load_checkpoint(model: LanguageModel, optimizer, ckpt: Path, state: dict, de
         from safetensors import safe_open
 
         load_model(model, str(ckpt / WEIGHTS_NAME), device=str(device))
-        match_saved_groups(optimizer, model, state["optimizer"])  # (a checkpoint of older groups)
         with safe_open(str(ckpt / WEIGHTS_NAME), "pt") as f:  # parameters filled on load (added since)
             absent = {n for n, _ in model.named_parameters()} - set(f.keys())
+        # a checkpoint of older groups (counted without the absent parameters: both may apply)
+        match_saved_groups(optimizer, model, state["optimizer"], absent)
         load_with_fresh(optimizer, model, state["optimizer"], absent)

@@ -133,18 +133,27 @@ def _param_groups(model: torch.nn.Module, exempt: set[int]) -> list[tuple[list, 
     return groups
 
 
-def match_saved_groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict) -> bool:
+def match_saved_groups(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict, absent=frozenset()
+) -> bool:
     """Before ``optimizer.load_state_dict(saved)`` on resume: a checkpoint written before
     :func:`make_optimizer` read ``no_weight_decay`` holds Mamba-1's 2-D ``A_log`` in the decayed
     group, so its groups hold other numbers of parameters than ``optimizer``'s and torch refuses
     it. When ``saved``'s group sizes are those of that grouping, ``optimizer``'s groups take it (the
     resumed run decays those parameters as its first steps did: the run it continues, bit for
-    bit), with a warning; returns whether it did."""
+    bit), with a warning; returns whether it did. ``absent``: names of the model's parameters the
+    checkpoint lacks (:func:`load_with_fresh`, which then loads ``saved``): its groups are counted
+    without them (a checkpoint from before both changes, e.g. of a Mamba-1 + TTT hybrid)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def count(params) -> int:
+        return sum(names.get(id(p)) not in absent for p in params)
+
     sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
-    if sizes == [len(g["params"]) for g in optimizer.param_groups]:
+    if sizes == [count(g["params"]) for g in optimizer.param_groups]:
         return False
     before = _param_groups(model, exempt=set())
-    if sizes != [len(params) for params, _, _ in before] or len(before) != len(optimizer.param_groups):
+    if sizes != [count(params) for params, _, _ in before] or len(before) != len(optimizer.param_groups):
         return False  # (not that grouping: torch's own error follows)
     moved = {id(p) for params, decayed, _ in before if decayed for p in params}
     moved -= {

@@ -35,6 +35,7 @@ sharded checkpoint as an ordinary single-file one (``model.safetensors`` and the
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
 from pathlib import Path
@@ -186,12 +187,37 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
 
     ``out`` must hold no run yet (no ``ckpt-NNNNNN``, linked or not, no ``latest``): writing there
     would rotate its older checkpoints out (only the newest two are kept), replace its checkpoint
-    of the same step and point its ``latest`` at another run's.
+    of the same step and point its ``latest`` at another run's. As ``mnemo train`` treats a folder,
+    neither may it hold the ``metrics.jsonl`` of a run that wrote no checkpoint (the consolidated
+    run would take that log as its own) nor be in use: ``out`` is locked while the checkpoint is
+    written (:func:`~mnemo.train.run_folder.lock_run_folder`; a ``.lock`` that no live process
+    holds, left by a killed run, is taken over and removed). A failed consolidation leaves no
+    folder it created.
 
     Raises:
         FileNotFoundError / CorruptCheckpointError: as :func:`~mnemo.train.resolve_checkpoint`.
-        ValueError: ``src`` is not a sharded checkpoint; ``out`` already holds a run (named).
+        ValueError: ``src`` is not a sharded checkpoint; ``out`` already holds a run, or the
+            ``metrics.jsonl`` of one, or another live process holds it (each naming ``out`` and
+            what it found: the checkpoints, the log, the holder's pid).
     """
+    from .run_folder import lock_run_folder
+
+    out = Path(out)
+    existed = out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    # as `mnemo train`: refused while a live process holds the folder (a run before its first
+    # checkpoint: its checkpoints would rotate this one out), a dead one's .lock taken over; a
+    # failed consolidation removes the folder it made
+    try:
+        lock = lock_run_folder(out, remove_empty=not existed)
+    except ValueError as e:  # ("in use by another training process (pid N)"; OUT, not --out, here)
+        raise ValueError(f"OUT: {e}".replace("pick another --out", "pick another OUT")) from None
+    with lock or contextlib.nullcontext():
+        return _consolidate(src, out)
+
+
+def _consolidate(src: str | Path, out: Path) -> Path:
+    """:func:`consolidate_checkpoint` holding the lock of ``out``."""
     import json
 
     from safetensors.torch import save_model
@@ -209,14 +235,20 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
         save_torch,
     )
     from .config import TrainConfig
+    from .sinks import METRICS_NAME
 
-    held = [p.name for p in run_checkpoints(out) + linked_checkpoints(Path(out))]
-    held += [LATEST] if (Path(out) / LATEST).is_symlink() or (Path(out) / LATEST).exists() else []
+    held = [p.name for p in run_checkpoints(out) + linked_checkpoints(out)]
+    held += [LATEST] if (out / LATEST).is_symlink() or (out / LATEST).exists() else []
     if held:  # its checkpoints would be rotated out or replaced, its latest repointed
         raise ValueError(
             f"OUT: {out} already holds a run ({', '.join(held[-3:])}); writing the consolidated checkpoint "
             "there would delete or replace its checkpoints and point its latest at this one: pick a new "
             "or empty folder"
+        )
+    if (out / METRICS_NAME).is_file():  # (mnemo train refuses it too, without --overwrite)
+        raise ValueError(
+            f"OUT: {out} holds the {METRICS_NAME} of a run that wrote no checkpoint; the consolidated run "
+            "would take that log as its own (a --resume appends to it): pick a new or empty folder"
         )
     ckpt = resolve_checkpoint(src)
     if not is_sharded(ckpt):
