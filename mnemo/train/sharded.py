@@ -189,31 +189,45 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     would rotate its older checkpoints out (only the newest two are kept), replace its checkpoint
     of the same step and point its ``latest`` at another run's. As ``mnemo train`` treats a folder,
     neither may it hold the ``metrics.jsonl`` of a run that wrote no checkpoint (the consolidated
-    run would take that log as its own) nor be in use: ``out`` is locked while the checkpoint is
-    written (:func:`~mnemo.train.run_folder.lock_run_folder`; a ``.lock`` that no live process
-    holds, left by a killed run, is taken over and removed). A failed consolidation leaves no
-    folder it created.
+    run would take that log as its own), nor be a checkpoint's own folder (``config.json`` or
+    ``model.safetensors``: resolving ``out`` would find those weights, not the consolidated run's),
+    nor be in use: ``out`` is locked while the checkpoint is written
+    (:func:`~mnemo.train.run_folder.lock_run_folder`; a ``.lock`` that no live process holds, left
+    by a killed run, is taken over and removed). A failed consolidation leaves no folder it created
+    (``out``, and the parents ``mkdir`` made for it, when still empty).
 
     Raises:
         FileNotFoundError / CorruptCheckpointError: as :func:`~mnemo.train.resolve_checkpoint`.
         ValueError: ``src`` is not a sharded checkpoint; ``out`` already holds a run, or the
-            ``metrics.jsonl`` of one, or another live process holds it (each naming ``out`` and
-            what it found: the checkpoints, the log, the holder's pid).
+            ``metrics.jsonl`` of one, or a checkpoint's weights, or another live process holds it
+            (each naming ``out`` and what it found: the checkpoints, the log, the weights, the
+            holder's pid).
     """
     from .run_folder import lock_run_folder
 
     out = Path(out)
-    existed = out.exists()
+    made = [p for p in (out, *out.parents) if not p.exists()]  # the folders mkdir creates, deepest first
     out.mkdir(parents=True, exist_ok=True)
     # as `mnemo train`: refused while a live process holds the folder (a run before its first
     # checkpoint: its checkpoints would rotate this one out), a dead one's .lock taken over; a
-    # failed consolidation removes the folder it made
+    # failed consolidation removes the folders it made (OUT when empty: the lock's close; then the
+    # parents it made, e.g. a/ and a/b/ of OUT=a/b/c)
     try:
-        lock = lock_run_folder(out, remove_empty=not existed)
-    except ValueError as e:  # ("in use by another training process (pid N)"; OUT, not --out, here)
-        raise ValueError(f"OUT: {e}".replace("pick another --out", "pick another OUT")) from None
-    with lock or contextlib.nullcontext():
-        return _consolidate(src, out)
+        try:
+            lock = lock_run_folder(out, remove_empty=out in made)
+        except ValueError as e:  # ("in use by another training process (pid N)"; OUT, not --out, here)
+            raise ValueError(f"OUT: {e}".replace("pick another --out", "pick another OUT")) from None
+        with lock or contextlib.nullcontext():
+            return _consolidate(src, out)
+    except BaseException:
+        for folder in made:  # (OUT itself is gone already when the lock's close removed it)
+            try:
+                folder.rmdir()  # (only when empty)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                break
+        raise
 
 
 def _consolidate(src: str | Path, out: Path) -> Path:
@@ -244,6 +258,13 @@ def _consolidate(src: str | Path, out: Path) -> Path:
             f"OUT: {out} already holds a run ({', '.join(held[-3:])}); writing the consolidated checkpoint "
             "there would delete or replace its checkpoints and point its latest at this one: pick a new "
             "or empty folder"
+        )
+    weights = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if (out / name).is_file()]
+    if weights:  # a checkpoint's own folder (mnemo train refuses it too): resolving OUT finds its weights
+        raise ValueError(
+            f"OUT: {out} holds a checkpoint ({', '.join(weights)}); the consolidated run written there would "
+            "be hidden behind it (mnemo eval/generate/train --resume of OUT would read those weights): pick "
+            "a new or empty folder"
         )
     if (out / METRICS_NAME).is_file():  # (mnemo train refuses it too, without --overwrite)
         raise ValueError(
