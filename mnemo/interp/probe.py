@@ -127,7 +127,11 @@ class CircuitTracker:
 
     Raises ``ValueError`` when built (not at the first evaluation), naming a setting that
     :func:`circuit_scores` would refuse, a ``spectrum_tokens`` or ``spectrum_directions`` that is
-    not an int ``>= 1``, or a ``spectrum_burn_in`` that is not an int in ``[0, spectrum_tokens)``."""
+    not an int ``>= 1``, or a ``spectrum_burn_in`` that is not an int in ``[0, spectrum_tokens)``;
+    and at the first spectrum (the model is known only then), a ``spectrum_burn_in`` that leaves a
+    memory of the model no whole step (inner chunk, period) to average, naming the largest value
+    the model accepts (e.g. 240 of 256 tokens with chunks of 16), where the memory's spectrum would
+    be recorded as "unsupported" at every evaluation."""
 
     tracks_circuits = True
 
@@ -174,6 +178,13 @@ class CircuitTracker:
         from ..train.batches import with_bos
         from .spectrum import CLASSES, memory_spectrum, summary_line
 
+        largest = _largest_burn_in(model, self.spectrum_tokens)
+        if self.spectrum_burn_in > largest:  # memory_spectrum would report the memory "unsupported"
+            raise ValueError(
+                f"spectrum_burn_in: {self.spectrum_burn_in} of the spectrum's {self.spectrum_tokens} "
+                f"tokens (spectrum_tokens) leaves a memory of this model no whole chunk or period to "
+                f"average; the largest value it accepts is {largest}"
+            )
         gen = torch.Generator().manual_seed(self.seed)
         ids = torch.randint(0, model.config.vocab_size, (1, self.spectrum_tokens), generator=gen)
         ids = with_bos(ids, bos)  # a run's fixed first token at position 0, as its windows read
@@ -210,6 +221,37 @@ class CircuitTracker:
                 extra[f"{name}_max"] = max(per_layer)
                 extra[f"{name}_by_layer"] = per_layer
         return extra
+
+
+def _largest_burn_in(model, T: int) -> int:
+    """The largest ``burn_in`` for which :func:`~mnemo.interp.spectrum.memory_spectrum` on ``T``
+    tokens leaves every memory of ``model`` a whole step to average (its own rule): ``T − 1`` for a
+    per-token transition; ``C · (⌈T'/C⌉ − 1)`` for a test-time memory of inner chunk ``C`` (``T'``:
+    ``T`` and its persistent prefix); ``P · (⌊T/P⌋ − 1)`` for a self-modifying mixer or a CMS whose
+    steps span ``P`` tokens (a memory that ``T`` tokens cannot step at all is left out: it is
+    unsupported at any ``burn_in``)."""
+    from .spectrum import _self_modifying_transition, _test_time_memory
+
+    limits = [T - 1]
+    for block in model.blocks:
+        mixer, cms = block.mixer, block.mlp
+        ttm = _test_time_memory(mixer)
+        if ttm is not None:
+            mem = ttm[1]
+            C = int(mem.spec.chunk_size)
+            persistent = getattr(mem, "persistent", None)
+            Tq = T + (int(persistent.shape[0]) if persistent is not None else 0)
+            limits.append(C * (-(-Tq // C) - 1))
+        elif hasattr(mixer, "spec"):
+            found = _self_modifying_transition(mixer, mixer.initial_state(1))
+            if found is not None and T >= found[0]:
+                limits.append(found[0] * (T // found[0] - 1))
+        if getattr(cms, "periods", None) is not None:
+            if any(lv.level.objective != "task" for lv in cms.levels):
+                P = math.lcm(*(int(lv.level.period) for lv in cms.levels))
+                if T >= P:
+                    limits.append(P * (T // P - 1))
+    return min(limits)
 
 
 def circuit_callbacks(cfg) -> list:

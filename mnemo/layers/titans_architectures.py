@@ -8,6 +8,8 @@ in :mod:`mnemo.layers.titans`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -525,6 +527,13 @@ class TitansMAC(Mixer):
                 leave_pieces(piece)
             t += L
             pos += L
+        if T == 0:  # as state_spec(B, 0) and NeuralMemory's 0-token call: zero conv tails, empty caches
+            read_conv = self.memory.qkv(x, read_conv)[4]
+            mem_state = replace(mem_state, conv=self.memory.qkv(x, mem_state.conv)[4])
+            if att_cache is None:
+                att_cache = KVCache(*self.attn.kv(x, pos))
+            if extra_cache is None:
+                extra_cache = KVCache(*self.attn.kv(x, pos))
         new = TitansMACState(
             memory=mem_state,
             read_conv=read_conv,
