@@ -32,11 +32,13 @@ Group-limited routing (``n_group = G``, ``topk_group = M``; default ``G = M = 1`
 ``E`` experts form ``G`` groups of ``E/G`` consecutive experts (expert ``e`` is in group
 ``e // (E/G)``); each group is scored by the sum of its two largest selection scores ``s_e + b_e`` (the
 paper: the ``K_r / M`` highest affinities per node, ``8 / 4 = 2`` for DeepSeek-V3; its released code
-fixes 2; a group of one expert: that expert's score), the token keeps its ``M`` best groups, and the
+fixes 2 (its inference code takes the largest score alone when it has no bias; here always 2); a
+group of one expert: that expert's score), the token keeps its ``M`` best groups, and the
 top-k choice runs over the experts of those groups only (the others are excluded, score ``−inf``;
-DeepSeek-V3's released code writes 0 there instead, which differs only where a kept expert's
-selection score is ≤ 0, e.g. under a negative bias; DeepSeek-V2's device-limited routing scored a
-group by its largest score alone, not built). Requires ``G | E`` and ``k ≤ M · E / G``. The weights
+as DeepSeek-V3's inference code and ``transformers``' ``DeepseekV3``; its Hugging Face modeling code
+writes 0 there instead, which differs only where a kept expert's selection score is ≤ 0, e.g. under
+a negative bias; DeepSeek-V2's device-limited routing scored a group by its largest score alone, not
+built). Requires ``G | E`` and ``k ≤ M · E / G``. The weights
 are then those of eq. 13 over the chosen experts, unchanged. A ``hook_topk_indices`` replacement is
 not limited to the groups.
 
