@@ -232,7 +232,7 @@ class Attention(Mixer):
         ]
 
     def forward(self, x: torch.Tensor, state: AttentionState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=self.q_proj.weight.dtype)
         offset = state.offset if state is not None else 0
         cache = state.kv if state is not None else None
         q = rearrange(self.q_proj(x), "b t (h d) -> b t h d", h=self.n_heads)

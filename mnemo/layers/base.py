@@ -34,7 +34,8 @@ class Mixer(nn.Module):
     form) and one-token decoding (``T = 1``, the recurrent form), and any split in between:
     running ``x[:, :a]`` then ``x[:, a:]`` with the returned state equals one call on ``x``.
     ``mode`` (constructor or per call) selects the op form for ``T > 1``; ``T = 1`` always uses the
-    recurrent step.
+    recurrent step. ``x`` has the dtype of the mixer's weights, or under ``torch.autocast`` any
+    floating dtype but float64 (:func:`check_input`: ``ValueError`` naming ``x`` otherwise).
 
     **Anatomy.** ``forward`` is the only place a mixer computes its intermediates; each passes
     through a :class:`~mnemo.layers.hooks.HookPoint` attribute named by the field's term —
@@ -205,8 +206,40 @@ def version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def check_input(x: torch.Tensor, d_model: int, name: str = "x") -> tuple[int, int]:
+def autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device type (``False`` for a device type autocast does not
+    know, e.g. ``meta``, where ``torch.is_autocast_enabled`` raises)."""
+    try:
+        return torch.is_autocast_enabled(t.device.type)
+    except RuntimeError:
+        return False
+
+
+def check_input(
+    x: torch.Tensor, d_model: int, name: str = "x", *, dtype: torch.dtype | None = None
+) -> tuple[int, int]:
+    """``(B, T)`` of a mixer's input ``x [B, T, d_model]``.
+
+    ``dtype`` (default ``None``: not checked) is the dtype of the weights ``x`` meets first (a
+    mixer's input projection): ``x`` must have it, or, under autocast on ``x``'s device type
+    (``torch.autocast``), any floating dtype but float64 against weights that are not float64
+    either (autocast casts float32 / bfloat16 / float16 to its own dtype, never float64). Any other
+    pair would fail inside the first matmul with torch's unnamed "expected m1 and m2 to have the
+    same dtype"; nothing is cast silently.
+
+    Raises:
+        ValueError: ``x`` is not a tensor of shape ``[B, T, d_model]``, or its dtype does not meet
+            ``dtype`` (the message names ``name``, the expected and the received dtype).
+    """
     if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d_model:
         shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name} must have shape [B, T, d_model] = [B, T, {d_model}], got {shape}")
+    if dtype is not None and x.dtype != dtype:
+        wide = torch.float64 in (x.dtype, dtype)
+        if not (x.is_floating_point() and not wide and autocast_on(x)):
+            raise ValueError(
+                f"{name}: expected dtype {dtype} (the dtype of the layer's weights"
+                f"{'' if wide else ', or any floating dtype under torch.autocast'}), got {x.dtype}; "
+                f"cast the input (x.to({dtype})) or the layer"
+            )
     return x.shape[0], x.shape[1]

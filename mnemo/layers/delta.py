@@ -211,7 +211,7 @@ class DeltaNet(Mixer):
         return 2 * beta if self.allow_neg_eigval else beta
 
     def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
         qkv = self.qkv_proj(x)
         conv_state = None
         if self.conv is not None:

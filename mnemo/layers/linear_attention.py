@@ -222,7 +222,7 @@ class LinearAttention(_QKVMixer):
         return self.value_dim + int(self.normalize)
 
     def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
         q, k, v, conv_state = self._qkv(x, state)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)  # before the feature map
         o, S = linear_attention(
@@ -243,8 +243,11 @@ class LinearAttention(_QKVMixer):
         return y, MatrixState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
 
     def mixing(self, acts: dict) -> Mixing:
-        M = linear_attention_map(acts["hook_q"], acts["hook_k"], self.feature_map, self.normalize)
-        return Mixing(M, acts["hook_v"], acts["hook_o"])
+        """``M_ts = φ(q_t / √K)ᵀ φ(k_s)`` (normalised by its row sum with ``normalize``;
+        :func:`~mnemo.ops.linear_attention_map`), in at least float32 as the op computes it (a bf16
+        ``φ``, e.g. FAVOR+'s ``exp``, and a bf16 map were up to 6x one rounding off)."""
+        q, k, v, o = (upcast(acts[n]) for n in self.mixing_hooks)
+        return Mixing(linear_attention_map(q, k, self.feature_map, self.normalize), v, o)
 
 
 @register_mixer("gla", gate="gla")
@@ -389,7 +392,7 @@ class GatedLinearAttention(_QKVMixer):
         return F.logsigmoid(upcast(self.gate_proj(x))) / self.gate_normalizer
 
     def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
         offset = state.offset if state is not None else 0
         q, k, v, conv_state = self._qkv(x, state)
         if self.rotary is not None:
@@ -415,7 +418,7 @@ class GatedLinearAttention(_QKVMixer):
         rotary positions (RetNet), one call per document (positions restart per document)."""
         if self.rotary is not None or (mode or self.mode) == "recurrent":
             return super().forward_packed(x, cu_seqlens, mode=mode)
-        check_input(x, self.d_model)
+        check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
         qkv = self.qkv_proj(x)
         qkv = self.conv.forward_packed(qkv, cu_seqlens) if self.conv is not None else qkv
         H, K = self.n_heads, self.key_dim

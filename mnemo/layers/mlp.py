@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import _native, _workspace
+from .base import upcast
 from .norm import _transformed
 
 
@@ -18,9 +19,11 @@ def swiglu_hidden(d_model: int, multiple_of: int = 32) -> int:
 
 
 def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
-    """The PyTorch form of :func:`swiglu` (the native kernel's twin; any dtype)."""
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """The PyTorch form of :func:`swiglu` (the native kernel's twin; any dtype): computed in at
+    least float32 and rounded once to ``h``'s dtype (bf16 rounded ``silu(a)`` and the product each on
+    its own: up to 1.9 unit roundoffs off, a quarter of the outputs not the rounded exact value)."""
+    gate, up = upcast(h).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(h.dtype)
 
 
 #: The smallest ``h`` (in elements) whose gate runs the C kernel: below it the kernel's fixed cost
@@ -36,7 +39,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     Args:
         h: ``[..., 2H]``.
     Returns:
-        ``[..., H]`` in ``h``'s dtype.
+        ``[..., H]`` in ``h``'s dtype (bf16/fp16: the float32 result rounded once).
     Dtypes and forms: a float32/float64 CPU ``h`` of at least ``2**15`` elements that needs a
     gradient runs one C kernel each way (:mod:`mnemo.ops._native`, ``swiglu.c``: one pass over
     memory instead of the PyTorch form's SiLU and product forward and five passes backward, and
@@ -45,7 +48,9 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     gradient (evaluation, decoding; the forward alone is no faster in C), small calls (the
     kernel's fixed cost), bfloat16, CUDA, ``MNEMO_NATIVE=0``, while ``torch.compile`` traces,
     under forward-mode AD or a ``torch.func`` transform. Both are twice differentiable (a graph of
-    the kernel's gradient is built by the PyTorch form).
+    the kernel's gradient is built by the PyTorch form). A bfloat16/float16 ``h`` is computed in
+    float32 and rounded once (forward and gradient); with a gradient it keeps only ``h`` for the
+    backward (:class:`_SwiGLULowPrecision`, no float32 copy of the activations).
     Raises:
         ValueError: the last dimension of ``h`` is odd (or ``h`` is a scalar).
     """
@@ -59,7 +64,36 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
         and not _transformed(h)
     ):
         return _SwiGLU.apply(h)
+    if h.dtype in (torch.bfloat16, torch.float16) and h.requires_grad and torch.is_grad_enabled():
+        if not _transformed(h):
+            return _SwiGLULowPrecision.apply(h)
     return _swiglu_reference(h)
+
+
+class _SwiGLULowPrecision(torch.autograd.Function):
+    """:func:`swiglu` of a bfloat16/float16 ``h`` that needs a gradient: computed in float32 and
+    rounded once, each way, keeping only ``h`` itself for the backward (the PyTorch form's autograd
+    would keep float32 copies of both halves, twice the memory of ``h``, where bf16 training keeps
+    activations small); ``∂silu(a)/∂a = σ(a) (1 + a (1 − σ(a)))``. With ``create_graph=True`` the
+    backward differentiates the PyTorch form."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return _swiglu_reference(h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the PyTorch form's autograd, on the saved input
+            with torch.enable_grad():
+                y = _swiglu_reference(h)
+            return torch.autograd.grad(y, h, dy, create_graph=True)[0]
+        a, b = h.float().chunk(2, dim=-1)
+        sig = torch.sigmoid(a)
+        g = dy.float()
+        da = g * b * sig * (1 + a * (1 - sig))
+        return torch.cat([da, g * a * sig], dim=-1).to(h.dtype)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -171,7 +171,7 @@ class Mamba(Mixer):
         return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
 
     def forward(self, x: torch.Tensor, state: MambaState | None = None, *, mode: str | None = None):
-        Bsz, T = check_input(x, self.d_model)
+        Bsz, T = check_input(x, self.d_model, dtype=self.in_proj.weight.dtype)
         u, z = self.in_proj(x).chunk(2, dim=-1)
         u, conv_state = self.conv(u, state.conv if state is not None else None)
         if self.selective:
@@ -416,7 +416,7 @@ class Mamba2(Mixer):
             self.D.fill_(1.0)
 
     def forward(self, x: torch.Tensor, state: Mamba2State | None = None, *, mode: str | None = None):
-        Bsz, T = check_input(x, self.d_model)
+        Bsz, T = check_input(x, self.d_model, dtype=self.in_proj.weight.dtype)
         G, N, H = self.n_groups, self.d_state, self.n_heads
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, H], dim=-1)
         xBC, conv_state = self.conv(xBC, state.conv if state is not None else None)
@@ -471,8 +471,10 @@ class Mamba2(Mixer):
         o, h = self.hook_o(o), self.hook_state(h)
         D = upcast(self.D).to(cd)
         D = D.view(H, self.head_dim) if self.D_has_hdim else D[:, None]
-        y = (o.to(cd) + xs.to(cd) * D).to(z.dtype)
-        y = self._gated_norm(y.flatten(-2), z)
+        # y stays in the compute dtype into the norm (which computes in it), rounded once after it: bf16
+        # rounded y and then the norm's output (up to 2 unit roundoffs off, one when rounded once)
+        y = o.to(cd) + xs.to(cd) * D
+        y = self._gated_norm(y.flatten(-2), z).to(z.dtype)
         return self.o_proj(y), Mamba2State(ssm=h, conv=conv_state, offset=(state.offset if state else 0) + T)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
