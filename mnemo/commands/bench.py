@@ -85,6 +85,63 @@ def _run_suite(args) -> int:
     return bench_main(args)
 
 
+def _check_all_args(args) -> None:
+    """``--suite all``: refuse, before the first suite runs, the arguments that only the later
+    suites read and that are cheap to check (``--models`` against :func:`mnemo.models.model_names`,
+    ``--peers``, ``--model-shapes``, ``--gen-batches``, ``--gen-tokens`` and the models suite's
+    memory bound), with the messages those suites give: otherwise the ops and peers suites ran
+    for minutes first and their rows, kept in a temporary folder, were lost with the error.
+
+    Raises:
+        ValueError: naming the option, what was expected and what was given.
+    """
+    from ..bench.models import (
+        DEFAULT_D_MODEL,
+        DEFAULT_GEN_BATCHES,
+        DEFAULT_SHAPES,
+        PEERS,
+        check_shapes_memory,
+        parse_gen_batches,
+        parse_shapes,
+    )
+    from ..models import model_names
+
+    if args.models is not None:  # the decode suite's check (it runs before the models suite)
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not models:
+            raise ValueError(f"--models: expected at least one model name, got {args.models!r}")
+        known = model_names()
+        unknown = [m for m in models if m not in known]
+        if unknown:
+            raise ValueError(f"--models: unknown model(s) {unknown}; registered: {', '.join(known)}")
+    if args.peers is not None and args.peers != "none":  # the models suite's checks from here on
+        peers = [n.strip() for n in args.peers.split(",") if n.strip()]
+        if not peers:
+            raise ValueError(f"--peers: expected at least one name, got {args.peers!r}")
+        bad = [p for p in peers if p not in PEERS]
+        if bad:
+            raise ValueError(f"--peers: unknown peer(s) {bad}; choose from {', '.join(PEERS)} or 'none'")
+    shapes = parse_shapes(args.model_shapes or DEFAULT_SHAPES)
+    gen_batches = parse_gen_batches(args.gen_batches or DEFAULT_GEN_BATCHES)
+    d_model = args.d_model or DEFAULT_D_MODEL
+    check_shapes_memory(shapes, d_model, args.device)
+    check_shapes_memory(
+        [(args.prompt_len + args.gen_tokens, b) for b in gen_batches],
+        d_model,
+        args.device,
+        flag="--gen-batches x (--prompt-len + --gen-tokens)",
+    )
+    if not shapes and not gen_batches:
+        raise ValueError(
+            "--model-shapes none with --gen-batches none: nothing to time (keep training shapes, generation "
+            "batches, or both)"
+        )
+    if args.gen_tokens < 2:
+        raise ValueError(
+            f"--gen-tokens: expected >= 2 (first token + at least one step), got {args.gen_tokens}"
+        )
+
+
 def _bench_all(args) -> int:
     """``--suite all``: the ops, peers, decode and models suites one after another in one process
     (one set of machine conditions), their tables printed and their rows in one JSON
@@ -96,6 +153,7 @@ def _bench_all(args) -> int:
 
     from ..bench import loads_json
 
+    _check_all_args(args)
     rc = 0
     suites = ("ops", "peers", "decode", "models")
     combined = {}

@@ -429,17 +429,18 @@ def _cmd_generate(args) -> int:
     _SAID.clear()  # (once per command, not per process: tests call main() again)
     from ..hf.special_ids import checkpoint_bos, checkpoint_eos
     from ..train import generate_text
-    from ..train.generation import _prompt_ids
+    from ..train.generation import _prompt_ids, end_ids
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     ckpt, model, tok = _load(args.checkpoint, args.device)
     bos = checkpoint_bos(ckpt, tok)
     # the ids the checkpoint declares, then its tokenizer's end-of-text token (a BPE run's
-    # <|endoftext|>), as the harness, export_hf and MnemoForCausalLM stop there
+    # <|endoftext|>, where the model can sample it: end_ids), as the harness, export_hf and
+    # MnemoForCausalLM stop there
     eos = None if args.ignore_eos else checkpoint_eos(ckpt)
-    eot = getattr(tok, "eot_id", None)
-    if not args.ignore_eos and eot is not None and eot < model.config.vocab_size:
+    eot = None if args.ignore_eos else end_ids(model, tok)
+    if eot is not None:
         declared = [] if eos is None else ([eos] if isinstance(eos, int) else [int(i) for i in eos])
         eos = declared + [eot] if eot not in declared else eos
     prompt_len = len(_prompt_ids(tok, args.prompt, bos))

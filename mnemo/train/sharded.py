@@ -198,7 +198,8 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
 
     Raises:
         FileNotFoundError / CorruptCheckpointError: as :func:`~mnemo.train.resolve_checkpoint`.
-        ValueError: ``src`` is not a sharded checkpoint; ``out`` already holds a run, or the
+        ValueError: ``src`` is not a sharded checkpoint; ``out`` (or a parent of it) is a file;
+            ``out`` already holds a run, or the
             ``metrics.jsonl`` of one, or a checkpoint's weights, or another live process holds it
             (each naming ``out`` and what it found: the checkpoints, the log, the weights, the
             holder's pid).
@@ -206,6 +207,12 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     from .run_folder import lock_run_folder
 
     out = Path(out)
+    found = next((p for p in (out, *out.parents) if p.exists()), None)  # (mkdir would fail on a file)
+    if found is not None and not found.is_dir():
+        what = f"{out} is a file" if found == out else f"{out}: its parent {found} is a file"
+        raise ValueError(
+            f"OUT: {what}, not a folder: give a run folder (a new one, or a path under a folder)"
+        )
     made = [p for p in (out, *out.parents) if not p.exists()]  # the folders mkdir creates, deepest first
     out.mkdir(parents=True, exist_ok=True)
     # as `mnemo train`: refused while a live process holds the folder (a run before its first

@@ -176,6 +176,18 @@ class Trainer:
             load_checkpoint(self.model, self.optimizer, ckpt, state, self.device, self.fsdp)
         except torch.OutOfMemoryError:
             raise
+        except ValueError as e:  # torch's optimizer.load_state_dict: the saved groups do not fit
+            saved = [len(g["params"]) for g in (state.get("optimizer") or {}).get("param_groups", [])]
+            mine = [len(g["params"]) for g in self.optimizer.param_groups]
+            if self.fsdp or not saved or saved == mine:  # (another refusal, already worded: e.g. a
+                raise  # single-file checkpoint resumed sharded)
+            raise ValueError(
+                f"checkpoint {ckpt}: its optimizer state does not fit this run's optimizer: the saved "
+                f"parameter groups hold {saved} parameters, model {self.cfg.model!r} as configured now puts "
+                f"{mine} in them ({e}); to keep its weights with a fresh optimizer and schedule, start a new "
+                f"run (another --out) with --init-from {ckpt} (TrainConfig.init_from), which loads the "
+                "weights only"
+            ) from e
         except (SafetensorError, RuntimeError) as e:  # a damaged file the manifest did not cover, or misfit
             detail = _misfit(self.model, ckpt, e) if isinstance(e, RuntimeError) else str(e)
             if (ckpt / MANIFEST_NAME).is_file():  # its files were verified: intact, but not this model's
