@@ -36,6 +36,7 @@ sharded checkpoint as an ordinary single-file one (``model.safetensors`` and the
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -198,8 +199,8 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
 
     Raises:
         FileNotFoundError / CorruptCheckpointError: as :func:`~mnemo.train.resolve_checkpoint`.
-        ValueError: ``src`` is not a sharded checkpoint; ``out`` (or a parent of it) is a file;
-            ``out`` already holds a run, or the
+        ValueError: ``src`` is not a sharded checkpoint; ``out`` (or a parent of it) is a file or
+            a link to nothing; ``out`` already holds a run, or the
             ``metrics.jsonl`` of one, or a checkpoint's weights, or another live process holds it
             (each naming ``out`` and what it found: the checkpoints, the log, the weights, the
             holder's pid).
@@ -207,9 +208,11 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     from .run_folder import lock_run_folder
 
     out = Path(out)
-    found = next((p for p in (out, *out.parents) if p.exists()), None)  # (mkdir would fail on a file)
+    # (mkdir would fail on a file, or on a link to nothing, which exists() does not see)
+    found = next((p for p in (out, *out.parents) if p.exists() or p.is_symlink()), None)
     if found is not None and not found.is_dir():
-        what = f"{out} is a file" if found == out else f"{out}: its parent {found} is a file"
+        kind = f"a link to nothing ({os.readlink(found)})" if not found.exists() else "a file"
+        what = f"{out} is {kind}" if found == out else f"{out}: its parent {found} is {kind}"
         raise ValueError(
             f"OUT: {what}, not a folder: give a run folder (a new one, or a path under a folder)"
         )

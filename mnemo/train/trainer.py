@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 import time
 import warnings
 from pathlib import Path
@@ -185,8 +186,8 @@ class Trainer:
                 f"checkpoint {ckpt}: its optimizer state does not fit this run's optimizer: the saved "
                 f"parameter groups hold {saved} parameters, model {self.cfg.model!r} as configured now puts "
                 f"{mine} in them ({e}); to keep its weights with a fresh optimizer and schedule, start a new "
-                f"run (another --out) with --init-from {ckpt} (TrainConfig.init_from), which loads the "
-                "weights only"
+                f"run (another --out) with --init-from {shlex.quote(str(ckpt))} (TrainConfig.init_from), "
+                "which loads the weights only"
             ) from e
         except (SafetensorError, RuntimeError) as e:  # a damaged file the manifest did not cover, or misfit
             detail = _misfit(self.model, ckpt, e) if isinstance(e, RuntimeError) else str(e)
