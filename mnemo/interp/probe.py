@@ -128,10 +128,11 @@ class CircuitTracker:
     Raises ``ValueError`` when built (not at the first evaluation), naming a setting that
     :func:`circuit_scores` would refuse, a ``spectrum_tokens`` or ``spectrum_directions`` that is
     not an int ``>= 1``, or a ``spectrum_burn_in`` that is not an int in ``[0, spectrum_tokens)``;
-    and at the first spectrum (the model is known only then), a ``spectrum_burn_in`` that leaves a
-    memory of the model no whole step (inner chunk, period) to average, naming the largest value
-    the model accepts (e.g. 240 of 256 tokens with chunks of 16), where the memory's spectrum would
-    be recorded as "unsupported" at every evaluation."""
+    and, once the model is known (:meth:`check_model`, which the ``Trainer`` calls before the first
+    step; else at the first spectrum), a ``spectrum_burn_in`` that leaves a memory of the model no
+    whole step (inner chunk, period) to average, naming the largest value the model accepts (e.g.
+    240 of 256 tokens with chunks of 16), where the memory's spectrum would be recorded as
+    "unsupported" at every evaluation."""
 
     tracks_circuits = True
 
@@ -174,10 +175,13 @@ class CircuitTracker:
         asks the trainer's callbacks for)."""
         return self.spectrum
 
-    def _spectrum(self, model, bos: int | None = None) -> dict:
-        from ..train.batches import with_bos
-        from .spectrum import CLASSES, memory_spectrum, summary_line
-
+    def check_model(self, model) -> None:
+        """Before the first step (the ``Trainer`` calls it once the model is built, so a setting that
+        the first spectrum would refuse fails at once, not after ``eval_interval`` steps): raise
+        ``ValueError`` when ``spectrum_burn_in`` leaves a memory of ``model`` no whole chunk or period
+        to average, naming the largest value it accepts (``_largest_burn_in``)."""
+        if not self.spectrum:
+            return
         largest = _largest_burn_in(model, self.spectrum_tokens)
         if self.spectrum_burn_in > largest:  # memory_spectrum would report the memory "unsupported"
             raise ValueError(
@@ -185,6 +189,12 @@ class CircuitTracker:
                 f"tokens (spectrum_tokens) leaves a memory of this model no whole chunk or period to "
                 f"average; the largest value it accepts is {largest}"
             )
+
+    def _spectrum(self, model, bos: int | None = None) -> dict:
+        from ..train.batches import with_bos
+        from .spectrum import CLASSES, memory_spectrum, summary_line
+
+        self.check_model(model)  # (a tracker called without a Trainer is checked here)
         gen = torch.Generator().manual_seed(self.seed)
         ids = torch.randint(0, model.config.vocab_size, (1, self.spectrum_tokens), generator=gen)
         ids = with_bos(ids, bos)  # a run's fixed first token at position 0, as its windows read

@@ -164,6 +164,16 @@ class Callbacks(list):
         return record
 
 
+    def check_model(self, model) -> None:
+        """Before the first step: each callback with a ``check_model(model)`` method checks the built
+        model (e.g. :meth:`mnemo.interp.CircuitTracker.check_model`), raising ``ValueError`` for a
+        setting it would otherwise refuse only at its first evaluation."""
+        for callback in self:
+            check = getattr(callback, "check_model", None)
+            if callable(check):
+                check(model)
+
+
 def make_callbacks(callbacks, cfg: TrainConfig) -> Callbacks:
     """The evaluation callbacks (:class:`Callbacks`): ``callbacks`` itself, or, when it is callable
     (a factory), what it returns for the run's configuration ``cfg``. ``cfg.track_circuits`` needs

@@ -108,6 +108,7 @@ class Trainer:
         self._test_sets: dict = {}  # a task's test sets (ids, scored targets, answer units) by (length, rows)
         self.data_fingerprint = self.data.fingerprint()  # (saved with every checkpoint)
         self.model = build_model(self.cfg, self.data.vocab_size, self.strategy)
+        self.callbacks.check_model(self.model)  # what a callback would refuse at its first evaluation
         # cfg.carry_state: the state carried from step to step (else a fresh state every step)
         self.carry = CarriedState.for_run(self.model, self.cfg, self.data.streams, self.device, self.world)
         moe = MoEBalance(self.cfg.grad_accum, self.world, self.context_parallel)

@@ -1,0 +1,31 @@
+"""Session 43, the lead's own: the tracker's spectrum burn-in is checked before the first step."""
+
+from __future__ import annotations
+
+import pytest
+
+from mnemo.interp import circuit_callbacks
+from mnemo.train import TrainConfig, Trainer
+
+
+def test_a_burn_in_the_model_cannot_average_fails_when_the_trainer_is_built(tmp_path):
+    """ttt_linear's memory steps in chunks of 16: of the spectrum's 256 tokens a burn-in of at most
+    16 · (256/16 − 1) = 240 leaves it a whole chunk. 250 is refused by ``Trainer(...)`` itself, before
+    any step or log line (it was refused at the first evaluation, ``eval_interval`` steps later)."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    kw = dict(model="ttt_linear", data=str(text), steps=2, seq_len=32, batch_size=2)
+    kw["model_overrides"] = {"d_model": 16, "n_layers": 1}
+    kw.update(track_spectrum=True, sample_tokens=0, eval_interval=1, eval_batches=1)
+    with pytest.raises(ValueError, match=r"spectrum_burn_in: 250 of the spectrum's 256 tokens.* 240"):
+        Trainer(
+            TrainConfig(**kw, spectrum_burn_in=250),
+            tmp_path / "a",
+            progress=False,
+            callbacks=circuit_callbacks,
+        )
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    t = Trainer(
+        TrainConfig(**kw, spectrum_burn_in=240), tmp_path / "b", progress=False, callbacks=circuit_callbacks
+    )
+    assert t.step == 0  # the largest value is accepted
