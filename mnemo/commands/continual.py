@@ -1300,7 +1300,7 @@ LOCK_NAME = ".continual.lock"
 def _lock_out(out: Path):
     """Hold ``out/.continual.lock`` (created with ``out``) while the block runs; refuse (ValueError
     naming the holder's pid) while another process holds it."""
-    from ..train.run_folder import RunLock, take_lock_file
+    from ..train.run_lock import RunLock, take_lock_file
 
     try:
         import fcntl  # noqa: F401  (take_lock_file's)

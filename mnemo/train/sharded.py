@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import STATE_NAME, CorruptCheckpointError, ckpt_name, save_checkpoint
+from .run_lock import lock_run_folder
 
 SHARDED_DIR = "sharded"
 
@@ -193,7 +194,7 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
     run would take that log as its own), nor be a checkpoint's own folder (``config.json`` or
     ``model.safetensors``: resolving ``out`` would find those weights, not the consolidated run's),
     nor be in use: ``out`` is locked while the checkpoint is written
-    (:func:`~mnemo.train.run_folder.lock_run_folder`; a ``.lock`` that no live process holds, left
+    (:func:`~mnemo.train.run_lock.lock_run_folder`; a ``.lock`` that no live process holds, left
     by a killed run, is taken over and removed). A failed consolidation leaves no folder it created
     (``out``, and the parents ``mkdir`` made for it, when still empty).
 
@@ -205,8 +206,6 @@ def consolidate_checkpoint(src: str | Path, out: str | Path) -> Path:
             (each naming ``out`` and what it found: the checkpoints, the log, the weights, the
             holder's pid).
     """
-    from .run_folder import lock_run_folder
-
     out = Path(out)
     # (mkdir would fail on a file, or on a link to nothing, which exists() does not see)
     found = next((p for p in (out, *out.parents) if p.exists() or p.is_symlink()), None)
