@@ -29,3 +29,27 @@ def test_a_burn_in_the_model_cannot_average_fails_when_the_trainer_is_built(tmp_
         TrainConfig(**kw, spectrum_burn_in=240), tmp_path / "b", progress=False, callbacks=circuit_callbacks
     )
     assert t.step == 0  # the largest value is accepted
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+def test_a_float64_state_into_a_float32_mamba_is_refused_by_name(name):
+    """The state a ``.double()`` layer made, fed to the float32 layer (and the reverse), was read in
+    float64 and came back float64 (the ssm state; ``y`` rounded back): now a ``ValueError`` naming
+    the entry, as the other mixers and the CMS levels do. The layer's own state still decodes on
+    (the step after 3 tokens equals the 4th position of one pass)."""
+    import torch
+
+    from mnemo.layers.registry import MIXERS
+    from mnemo.layers.state import to
+
+    torch.manual_seed(0)
+    layer = MIXERS[name](16)
+    x = torch.randn(1, 4, 16)
+    _, state = layer(x[:, :3])
+    with pytest.raises(ValueError, match=r"state\.\w+.*expected dtype torch.float32.*got torch.float64"):
+        layer(x[:, 3:], to(state, torch.float64))
+    with pytest.raises(ValueError, match=r"expected dtype torch.float64.*got torch.float32"):
+        MIXERS[name](16).double()(x[:, 3:].double(), state)
+    y_full, _ = layer(x)
+    y_step, _ = layer(x[:, 3:], state)
+    assert torch.allclose(y_step, y_full[:, 3:], atol=1e-5)

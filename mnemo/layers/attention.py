@@ -10,7 +10,7 @@ from torch import nn
 from ..ops._common import check_mode, compute_dtype
 from ..ops.ring_attention import current_ring, ring_attention
 from ..ops.softmax_attention import KVCache, keep_cache, kept_keys, softmax_attention, softmax_attention_map
-from .base import Mixer, Mixing, check_input, version_of
+from .base import Mixer, Mixing, check_input, input_dtype, version_of
 from .hooks import HookPoint, before_hook, left_unchanged
 from .linear_attention import check_heads, check_int, state_dtypes
 from .norm import RMSNorm, check_eps
@@ -232,7 +232,7 @@ class Attention(Mixer):
         ]
 
     def forward(self, x: torch.Tensor, state: AttentionState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model, dtype=self.q_proj.weight.dtype)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.q_proj))
         offset = state.offset if state is not None else 0
         cache = state.kv if state is not None else None
         q = rearrange(self.q_proj(x), "b t (h d) -> b t h d", h=self.n_heads)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -215,6 +216,21 @@ def autocast_on(t: torch.Tensor) -> bool:
         return False
 
 
+def input_dtype(proj: nn.Module) -> torch.dtype | None:
+    """The dtype a mixer's input must have for its input projection ``proj`` (the ``dtype`` of
+    :func:`check_input`): ``proj.weight``'s when that is a floating tensor, else ``None`` (not
+    checked: a quantised projection takes float input by its own rules, e.g. the ``Linear`` of
+    ``torch.ao.quantization.quantize_dynamic``, whose ``weight`` is a method, or an integer weight).
+    A parametrised ``weight`` (``torch.nn.utils.parametrize``) is not computed: its ``original``'s
+    dtype is read (computing it ran, e.g., a second power iteration of ``spectral_norm`` per call)."""
+    params = getattr(proj, "parametrizations", None)
+    if params is not None and "weight" in params:
+        w = getattr(params["weight"], "original", None)
+    else:
+        w = getattr(proj, "weight", None)
+    return w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() else None
+
+
 def check_input(
     x: torch.Tensor, d_model: int, name: str = "x", *, dtype: torch.dtype | None = None
 ) -> tuple[int, int]:
@@ -234,12 +250,74 @@ def check_input(
     if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d_model:
         shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name} must have shape [B, T, d_model] = [B, T, {d_model}], got {shape}")
-    if dtype is not None and x.dtype != dtype:
-        wide = torch.float64 in (x.dtype, dtype)
-        if not (x.is_floating_point() and not wide and autocast_on(x)):
-            raise ValueError(
-                f"{name}: expected dtype {dtype} (the dtype of the layer's weights"
-                f"{'' if wide else ', or any floating dtype under torch.autocast'}), got {x.dtype}; "
-                f"cast the input (x.to({dtype})) or the layer"
-            )
+    if dtype is not None:
+        check_input_dtype(x, dtype, name)
     return x.shape[0], x.shape[1]
+
+
+def check_input_dtype(
+    x: torch.Tensor, dtype: torch.dtype, name: str = "x", owner: str = "the layer's weights"
+) -> None:
+    """The dtype rule of :func:`check_input` alone (any shape): ``x`` must have ``dtype`` (the dtype
+    of the weights it meets first), or, under autocast on ``x``'s device type, any floating dtype
+    but float64 against weights that are not float64 either. ``owner`` (default ``"the layer's
+    weights"``) says in the message whose dtype ``dtype`` is.
+
+    Raises:
+        ValueError: naming ``name``, the expected and the received dtype.
+    """
+    if x.dtype == dtype:
+        return
+    wide = torch.float64 in (x.dtype, dtype)
+    if not (x.is_floating_point() and not wide and autocast_on(x)):
+        raise ValueError(
+            f"{name}: expected dtype {dtype} (the dtype of {owner}"
+            f"{'' if wide else ', or any floating dtype under torch.autocast'}), got {x.dtype}; "
+            f"cast the input (x.to({dtype})) or the layer"
+        )
+
+
+def _float_leaves(value, path: str):
+    """``(path, tensor)`` for every floating tensor in ``value`` (a state: dataclasses, tuples,
+    lists and dicts of tensors), ``path`` as ``state.proj[0]`` / ``state.proj['k']``."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield path, value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _float_leaves(getattr(value, f.name), f"{path}.{f.name}")
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from _float_leaves(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _float_leaves(v, f"{path}[{k!r}]")
+
+
+def check_state_dtype(state, module: nn.Module, name: str = "state", fast_weights: bool = False) -> None:
+    """Raise ``ValueError`` (naming the entry, the expected and the received dtype) for a floating
+    tensor of ``state`` that is float64 where ``module``'s parameters are not, or not float64 where
+    they are: the dtype ``module`` makes its own state in is its parameters' (with ``fast_weights``,
+    default ``fast_weights=False``: memories / test-time-trained weights kept in the compute dtype,
+    also float32 for bf16/fp16 parameters). ``name`` (default ``name="state"``) prefixes the
+    entries' names. A state made by the module before a ``.double()`` (or after) would fail deep
+    inside a matmul with torch's unnamed dtype error, or be computed in float64 and come back
+    float64; nothing is cast silently. Other pairs (float32 / bf16 / fp16) pass: a bf16 autocast
+    forward leaves bf16 activations in a float32 module's state, and a bf16 module keeps its
+    memories in float32."""
+    pd = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if pd is None:
+        return
+    want = [pd]
+    if fast_weights and pd != torch.float64 and pd != torch.float32:
+        want.append(torch.float32)
+    for path, t in _float_leaves(state, name):
+        # float64 on one side only: never meant (a bf16 autocast forward legitimately leaves bf16
+        # activations, e.g. conv tails, in a float32 module's state, which its ops cast)
+        if t.dtype not in want and torch.float64 in (t.dtype, pd):
+            raise ValueError(
+                f"{path}: expected dtype {' or '.join(map(str, want))} (the state "
+                f"{type(module).__name__} makes for its {pd} parameters), got {t.dtype} (a state made "
+                f"before the module was cast?); pass the state this module returned, or cast it "
+                f"(mnemo.layers.state.to(state, {pd}))"
+            )

@@ -132,7 +132,6 @@ projections get no gradient and it would step at evaluation with untrained setti
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -142,6 +141,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops._common import inference_involved
+from .base import autocast_on, check_input_dtype, check_state_dtype
 from .base import batch_mm as _mm
 from .hooks import HookPoint, enter_piece, leave_pieces, show_state
 from .state import nbytes, spec, state_dataclass
@@ -348,19 +348,10 @@ def _check_width(owner: str, d_model) -> None:
         raise ValueError(f"{owner}.d_model: expected an int >= 1, got {d_model!r}")
 
 
-def _autocast_on(t: torch.Tensor) -> bool:
-    """Autocast is on for ``t``'s device type (``False`` for a device type autocast does not know,
-    e.g. ``meta``)."""
-    try:
-        return torch.is_autocast_enabled(t.device.type)
-    except RuntimeError:
-        return False
-
-
 def no_autocast(t: torch.Tensor):
     """A context with autocast off on ``t``'s device type where it is on (else a no-op): state
     arithmetic that must keep its own dtype inside a bf16 autocast forward."""
-    return torch.autocast(t.device.type, enabled=False) if _autocast_on(t) else nullcontext()
+    return torch.autocast(t.device.type, enabled=False) if autocast_on(t) else nullcontext()
 
 
 def _add_outer(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, beta: float = 1.0):
@@ -377,62 +368,11 @@ def _add_outer(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
 def check_dtype(x: torch.Tensor, module: nn.Module, name: str = "x") -> None:
     """Raise ``ValueError`` (naming ``name``, the expected and the received dtype) unless ``x`` can
     meet ``module``'s parameters: the same floating dtype, or, under autocast on ``x``'s device,
-    any pair without float64 (autocast casts float32/bf16/fp16, never float64). Every other pair
-    would fail deep inside a matmul with torch's unnamed dtype error; nothing is cast silently."""
+    any pair without float64 (:func:`~mnemo.layers.base.check_input_dtype`, the mixers' rule,
+    against the dtype of ``module``'s first floating parameter; none: nothing checked)."""
     pd = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    if pd is None or x.dtype == pd:
-        return
-    if _autocast_on(x) and torch.float64 not in (x.dtype, pd):
-        return
-    raise ValueError(
-        f"{name}: expected dtype {pd} (the dtype of {type(module).__name__}'s parameters"
-        f"{'' if pd == torch.float64 or x.dtype == torch.float64 else ', or any under autocast'}), "
-        f"got {x.dtype}; cast the input or the module (module.to({pd}) / x.to({pd}))"
-    )
-
-
-def _float_leaves(value, path: str):
-    """``(path, tensor)`` for every floating tensor in ``value`` (a state: dataclasses, tuples,
-    lists and dicts of tensors), ``path`` as ``state.proj[0]`` / ``state.proj['k']``."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield path, value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _float_leaves(getattr(value, f.name), f"{path}.{f.name}")
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            yield from _float_leaves(v, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _float_leaves(v, f"{path}[{k!r}]")
-
-
-def check_state_dtype(state, module: nn.Module, name: str = "state", fast_weights: bool = False) -> None:
-    """Raise ``ValueError`` (naming the entry, the expected and the received dtype) for a floating
-    tensor of ``state`` that is float64 where ``module``'s parameters are not, or not float64 where
-    they are: the dtype ``module`` makes its own state in is its parameters' (with ``fast_weights``,
-    default ``fast_weights=False``: test-time-trained weights kept in the compute dtype, also float32
-    for bf16/fp16 parameters). ``name`` (default ``name="state"``) prefixes the entries' names.
-    A state made by the module before a ``.double()`` (or after) would fail deep inside a matmul
-    with torch's unnamed dtype error; nothing is cast silently. Other pairs (float32 / bf16 /
-    fp16) pass: a bf16 autocast forward leaves bf16 activations in a float32 module's state."""
-    pd = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    if pd is None:
-        return
-    want = [pd]
-    if fast_weights and pd != torch.float64 and pd != torch.float32:
-        want.append(torch.float32)
-    for path, t in _float_leaves(state, name):
-        # float64 on one side only: never meant (a bf16 autocast forward legitimately leaves bf16
-        # activations, e.g. conv tails, in a float32 module's state, which its ops cast)
-        if t.dtype not in want and torch.float64 in (t.dtype, pd):
-            raise ValueError(
-                f"{path}: expected dtype {' or '.join(map(str, want))} (the state "
-                f"{type(module).__name__} makes for its {pd} parameters), got {t.dtype} (a state made "
-                f"before the module was cast?); pass the state this module returned, or cast it "
-                f"(mnemo.layers.state.to(state, {pd}))"
-            )
+    if pd is not None:
+        check_input_dtype(x, pd, name, owner=f"{type(module).__name__}'s parameters")
 
 
 def _as_levels(levels) -> list:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..ops._common import MODES, check_chunk_size, check_mode
 from ..ops.delta_rule import delta_rule, delta_rule_map, gated_delta_rule
-from .base import Mixer, Mixing, check_input, upcast
+from .base import Mixer, Mixing, check_input, check_state_dtype, input_dtype, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .linear_attention import MatrixState, check_bool, check_heads, check_int, state_dtypes
@@ -211,7 +211,8 @@ class DeltaNet(Mixer):
         return 2 * beta if self.allow_neg_eigval else beta
 
     def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.qkv_proj))
+        check_state_dtype(state, self, fast_weights=True)
         qkv = self.qkv_proj(x)
         conv_state = None
         if self.conv is not None:

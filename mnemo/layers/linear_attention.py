@@ -13,7 +13,7 @@ from ..ops._common import MODES, check_chunk_size, check_mode
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from ..ops.linear_attention import linear_attention, linear_attention_map
-from .base import Mixer, Mixing, buffer_dtype, check_input, off_meta, upcast
+from .base import Mixer, Mixing, buffer_dtype, check_input, check_state_dtype, input_dtype, off_meta, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
 from .norm import RMSNorm
@@ -32,6 +32,11 @@ class MatrixState:
         conv: the short-convolution tail ``[B, C, W − 1]`` (activation dtype), or ``None`` when the
             mixer has no short convolution.
         offset: tokens consumed so far (positions for rotary embeddings; default ``0``).
+
+    A mixer given a state whose floating entries are float64 against its non-float64 weights, or
+    not float64 against float64 weights, raises ``ValueError`` naming the entry
+    (:func:`~mnemo.layers.base.check_state_dtype`; the op would compute in float64 and return a
+    float64 state); a float32 memory in a bf16 mixer is what the mixer makes itself, and passes.
     """
 
     memory: torch.Tensor | None = None
@@ -222,7 +227,8 @@ class LinearAttention(_QKVMixer):
         return self.value_dim + int(self.normalize)
 
     def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.qkv_proj))
+        check_state_dtype(state, self, fast_weights=True)
         q, k, v, conv_state = self._qkv(x, state)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)  # before the feature map
         o, S = linear_attention(
@@ -392,7 +398,8 @@ class GatedLinearAttention(_QKVMixer):
         return F.logsigmoid(upcast(self.gate_proj(x))) / self.gate_normalizer
 
     def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.qkv_proj))
+        check_state_dtype(state, self, fast_weights=True)
         offset = state.offset if state is not None else 0
         q, k, v, conv_state = self._qkv(x, state)
         if self.rotary is not None:
@@ -418,7 +425,7 @@ class GatedLinearAttention(_QKVMixer):
         rotary positions (RetNet), one call per document (positions restart per document)."""
         if self.rotary is not None or (mode or self.mode) == "recurrent":
             return super().forward_packed(x, cu_seqlens, mode=mode)
-        check_input(x, self.d_model, dtype=self.qkv_proj.weight.dtype)
+        check_input(x, self.d_model, dtype=input_dtype(self.qkv_proj))
         qkv = self.qkv_proj(x)
         qkv = self.conv.forward_packed(qkv, cu_seqlens) if self.conv is not None else qkv
         H, K = self.n_heads, self.key_dim
@@ -435,5 +442,8 @@ class GatedLinearAttention(_QKVMixer):
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 
     def mixing(self, acts: dict) -> Mixing:
-        M = gated_linear_attention_map(acts["hook_q"], acts["hook_k"], acts["hook_g"])
-        return Mixing(M, acts["hook_v"], acts["hook_o"])
+        """``M_ts = K^{-1/2} Σ_k q_tk k_sk exp(Σ_{s<r≤t} g_rk)`` for ``s ≤ t``
+        (:func:`~mnemo.ops.gated_linear_attention_map`), in at least float32 as the op computes it
+        (from a bf16 layer's hook values the map was bf16)."""
+        q, k, v, g, o = (upcast(acts[n]) for n in self.mixing_hooks)
+        return Mixing(gated_linear_attention_map(q, k, g), v, o)

@@ -14,7 +14,7 @@ from ..ops._ssd_chunk import run_ssd_chunk
 from ..ops.gated_linear_attention import gated_linear_attention
 from ..ops.selective_scan import selective_scan, selective_scan_map
 from ..ops.ssd import ssd, ssd_map
-from .base import Mixer, Mixing, check_input, upcast
+from .base import Mixer, Mixing, check_input, check_state_dtype, input_dtype, upcast
 from .conv import ShortConvolution
 from .delta import init_dt_bias
 from .hooks import add_hook_points, before_hook, left_unchanged
@@ -171,7 +171,8 @@ class Mamba(Mixer):
         return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
 
     def forward(self, x: torch.Tensor, state: MambaState | None = None, *, mode: str | None = None):
-        Bsz, T = check_input(x, self.d_model, dtype=self.in_proj.weight.dtype)
+        Bsz, T = check_input(x, self.d_model, dtype=input_dtype(self.in_proj))
+        check_state_dtype(state, self, fast_weights=True)  # (a float64 one came back float64)
         u, z = self.in_proj(x).chunk(2, dim=-1)
         u, conv_state = self.conv(u, state.conv if state is not None else None)
         if self.selective:
@@ -416,7 +417,8 @@ class Mamba2(Mixer):
             self.D.fill_(1.0)
 
     def forward(self, x: torch.Tensor, state: Mamba2State | None = None, *, mode: str | None = None):
-        Bsz, T = check_input(x, self.d_model, dtype=self.in_proj.weight.dtype)
+        Bsz, T = check_input(x, self.d_model, dtype=input_dtype(self.in_proj))
+        check_state_dtype(state, self, fast_weights=True)  # (a float64 one came back float64)
         G, N, H = self.n_groups, self.d_state, self.n_heads
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, H], dim=-1)
         xBC, conv_state = self.conv(xBC, state.conv if state is not None else None)

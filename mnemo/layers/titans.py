@@ -28,7 +28,7 @@ from torch import nn
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
 from ..ops._common import check_mode
-from .base import Mixer, Mixing, check_input, upcast
+from .base import Mixer, Mixing, check_input, input_dtype, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces, show_state
 from .linear_attention import check_heads, check_int
@@ -389,7 +389,7 @@ class NeuralMemory(Mixer):
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 
     def forward(self, x: torch.Tensor, state: NeuralMemoryState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.in_proj))
         check_state_type(state, NeuralMemoryState, "NeuralMemory")
         offset = state.offset if state is not None else 0
         n_prefix = 0

@@ -21,7 +21,7 @@ from ..memory.engine import memory_apply, retention_map
 from ..ops._common import inference_involved
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
-from .base import Mixer, Mixing, check_input
+from .base import Mixer, Mixing, check_input, check_state_dtype, input_dtype
 from .hooks import HookPoint, enter_piece, join_pieces, leave_pieces, show_state
 from .linear_attention import check_int
 from .norm import RMSNorm
@@ -298,8 +298,9 @@ class TitansMAG(_MemoryAndWindow):
         self.hook_gate = HookPoint()
 
     def forward(self, x, state: TitansMAGState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.attn.inner.q_proj))
         check_state_type(state, TitansMAGState, "TitansMAG")
+        check_state_dtype(state, self, fast_weights=True)
         offset = state.offset if state is not None else 0
         cache = _kv(state.attn_k, state.attn_v) if state is not None else None
         mem_state = state.memory if state is not None else None
@@ -350,8 +351,9 @@ class TitansMAL(_MemoryAndWindow):
         self.mid_norm = RMSNorm(d_model)
 
     def forward(self, x, state: TitansMALState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.memory.in_proj))
         check_state_type(state, TitansMALState, "TitansMAL")
+        check_state_dtype(state, self, fast_weights=True)
         offset = state.offset if state is not None else 0
         cache = _kv(state.attn_k, state.attn_v) if state is not None else None
         mem_state = state.memory if state is not None else None
@@ -498,8 +500,9 @@ class TitansMAC(Mixer):
         return m.read_out(o.transpose(1, 2), gate), conv_state
 
     def forward(self, x, state: TitansMACState | None = None, *, mode: str | None = None):
-        B, T = check_input(x, self.d_model)
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.memory.in_proj))
         check_state_type(state, TitansMACState, "TitansMAC")
+        check_state_dtype(state, self, fast_weights=True)
         if state is not None:
             offset, mem_state, read_conv = state.offset, state.memory, state.read_conv
             att_cache, extra_cache = _kv(state.attn_k, state.attn_v), _kv(state.read_k, state.read_v)
@@ -528,8 +531,20 @@ class TitansMAC(Mixer):
             t += L
             pos += L
         if T == 0:  # as state_spec(B, 0) and NeuralMemory's 0-token call: zero conv tails, empty caches
-            read_conv = self.memory.qkv(x, read_conv)[4]
-            mem_state = replace(mem_state, conv=self.memory.qkv(x, mem_state.conv)[4])
+            q, *_, read_conv = self.memory.qkv(x, read_conv)
+            cd = torch.float64 if q.dtype == torch.float64 else torch.float32  # the memory's (neural_memory)
+
+            def cast(ts):  # the memory's tensors in its compute dtype (a bf16 module's in float32)
+                return None if ts is None else tuple(t.to(cd) for t in ts)
+
+            mem_state = replace(
+                mem_state,
+                weights=cast(mem_state.weights),
+                momentum=cast(mem_state.momentum),
+                anchor=cast(mem_state.anchor),
+                anchor_decay=None if mem_state.anchor_decay is None else mem_state.anchor_decay.to(cd),
+                conv=self.memory.qkv(x, mem_state.conv)[4],
+            )
             if att_cache is None:
                 att_cache = KVCache(*self.attn.kv(x, pos))
             if extra_cache is None:

@@ -9,6 +9,7 @@ al. 2021, Lemma 1).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -45,6 +46,16 @@ def taylor(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(x[..., :1]), x, outer], dim=-1)
 
 
+def _autocast_off(t: torch.Tensor):
+    """A context with autocast off on ``t``'s device type where it is on (else a no-op; a device
+    type autocast does not know, e.g. ``meta``, counts as off)."""
+    try:
+        on = torch.is_autocast_enabled(t.device.type)
+    except RuntimeError:
+        on = False
+    return torch.autocast(t.device.type, enabled=False) if on else contextlib.nullcontext()
+
+
 class FavorPlus(nn.Module):
     """Positive orthogonal random features (FAVOR+, Choromanski et al. 2021, Lemma 1).
 
@@ -65,11 +76,15 @@ class FavorPlus(nn.Module):
         ValueError: ``head_dim`` or ``num_features`` is not positive, or an input's last dim is
             not ``head_dim``.
 
+    A call maps ``x [..., K]`` to ``[..., m]`` in ``x``'s dtype, computed in float32 (float64 for a
+    float64 ``x``) with autocast off and rounded once: a bf16 / fp16 input gets its ``exp`` in
+    float32, not of a half-precision exponent.
+
     ``projection`` (``W``, float64) is a non-persistent buffer: it moves with the module
     (``layer.to(device)``; a layer's feature map is its submodule), so a call on a GPU does not copy
     it from the host each time; it is not saved (the seed redraws it), and a dtype cast of the
-    module (``model.to(torch.bfloat16)``) leaves it in float64: each call casts it to the input's
-    dtype, as before. Drawn on the CPU (the private generator), then placed on the default device
+    module (``model.to(torch.bfloat16)``) leaves it in float64: each call casts it to the compute
+    dtype. Drawn on the CPU (the private generator), then placed on the default device
     (``with torch.device("meta"):`` builds it on ``meta``).
     """
 
@@ -118,9 +133,14 @@ class FavorPlus(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"FavorPlus expects inputs with last dim {self.head_dim}, got {x.shape[-1]}")
-        w = self.projection.to(device=x.device, dtype=x.dtype)
-        proj = x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True)
-        return proj.exp() / math.sqrt(self.num_features)
+        # computed in float32 (float64 for float64 input) and rounded once to x's dtype: a bf16 exp
+        # of a bf16 exponent was off by up to |W x − ‖x‖²/2| · 2⁻⁸ relative (autocast, which would
+        # run the projection in bf16, is off here)
+        xc = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        w = self.projection.to(device=x.device, dtype=xc.dtype)
+        with _autocast_off(x):
+            proj = xc @ w.T - 0.5 * (xc * xc).sum(-1, keepdim=True)
+            return (proj.exp() / math.sqrt(self.num_features)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, num_features={self.num_features}"
