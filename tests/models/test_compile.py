@@ -284,7 +284,7 @@ def test_generate_compiled_equals_eager_with_a_growing_cache_and_padding():
     """Softmax attention: the KV cache grows every step (dynamo's dynamic shapes), and left-padded
     prompts of two lengths decode per group (two batch sizes)."""
     torch._dynamo.reset()
-    model = _model("transformer")
+    model = _model("transformer", n_layers=ONE_LAYER)
     ids = torch.randint(1, 32, (3, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -502,7 +502,7 @@ def test_the_compiled_step_writes_small_matrix_products_as_multiply_sums():
     from mnemo.models import _matvec
 
     assert _matvec.MAX_ROWS == 8  # the batches below straddle it
-    model = _model("gla").eval()
+    model = _model("gla", n_layers=ONE_LAYER).eval()
     try:
         for batch in (1, 8, 2):
             assert _step_rewrites(model, batch) > 0, batch
@@ -522,7 +522,7 @@ def test_a_models_first_batch_size_is_static_whatever_other_models_saw():
     dynamic (B at 2 rewrites)."""
     import mnemo.models.lm as lm
 
-    a, b = _model("gla").eval(), _model("gla").eval()
+    a, b = _model("gla", n_layers=ONE_LAYER).eval(), _model("gla", n_layers=ONE_LAYER).eval()
     try:
         shared = lm._compile_kind("step")
         assert _step_rewrites(a, 2, shared) > 0
@@ -663,7 +663,7 @@ def test_the_compiled_step_of_a_batch_calls_the_kernel(monkeypatch):
     from torch._dynamo.utils import counters
 
     ran = spy_native_calls(monkeypatch)
-    model = _model("gla").eval()
+    model = _model("gla", n_layers=ONE_LAYER).eval()
     try:
         assert _step_rewrites(model, 2) > 0
         assert counters["inductor"]["mnemo_small_mm"] > 0
@@ -710,7 +710,7 @@ def test_without_the_custom_pass_interface_the_step_compiles_plainly(monkeypatch
     assert lm._decode_options() is not None
     monkeypatch.setitem(sys.modules, "mnemo.models._matvec", None)  # import raises ImportError
     assert lm._decode_options() is None
-    model = _model("gla").eval()
+    model = _model("gla", n_layers=ONE_LAYER).eval()
     assert lm._compiled(model, "step", 1) is lm._compiled(model, "step", 2) is lm._compiled(model, "step")
     if _compile_works():
         try:
