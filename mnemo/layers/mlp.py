@@ -70,6 +70,14 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return _swiglu_reference(h)
 
 
+def _reference_grad(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """``∂(dy · swiglu(h))/∂h`` with a graph (``create_graph=True``): the PyTorch form's autograd,
+    what the custom backward passes run when a second derivative is asked for."""
+    with torch.enable_grad():
+        y = _swiglu_reference(h)
+    return torch.autograd.grad(y, h, dy, create_graph=True)[0]
+
+
 class _SwiGLULowPrecision(torch.autograd.Function):
     """:func:`swiglu` of a bfloat16/float16 ``h`` that needs a gradient: computed in float32 and
     rounded once, each way, keeping only ``h`` itself for the backward (the PyTorch form's autograd
@@ -86,9 +94,7 @@ class _SwiGLULowPrecision(torch.autograd.Function):
     def backward(ctx, dy):
         (h,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the PyTorch form's autograd, on the saved input
-            with torch.enable_grad():
-                y = _swiglu_reference(h)
-            return torch.autograd.grad(y, h, dy, create_graph=True)[0]
+            return _reference_grad(h, dy)
         a, b = h.float().chunk(2, dim=-1)
         sig = torch.sigmoid(a)
         g = dy.float()
@@ -114,9 +120,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, dy):
         (h,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the PyTorch form's autograd, on the saved input
-            with torch.enable_grad():
-                y = _swiglu_reference(h)
-            return torch.autograd.grad(y, h, dy, create_graph=True)[0]
+            return _reference_grad(h, dy)
         H = h.shape[-1] // 2
         R = h.numel() // (2 * H)
         dh = _workspace.empty(h.shape, h.dtype, h.device)
