@@ -105,7 +105,7 @@ def measure(model_name: str, L: int, steps: int, d_model: int, n_layers: int) ->
 
 
 def main(args) -> int:
-    from ..models import model_names
+    from .models import check_model_names
 
     # --models names the models (as in the models suite); --ops is the older spelling, still read
     chosen = getattr(args, "models", None) or getattr(args, "ops", None)
@@ -113,9 +113,7 @@ def main(args) -> int:
     flag = "--models" if getattr(args, "models", None) else "--ops"
     if not models:
         raise ValueError(f"{flag}: expected at least one model name, got {chosen!r}")
-    unknown = [m for m in models if m not in model_names()]
-    if unknown:
-        raise ValueError(f"{flag}: unknown model(s) {unknown}; registered: {', '.join(model_names())}")
+    check_model_names(models, flag)
     contexts = [int(x) for x in str(args.contexts).split(",")]
     procs = max(1, getattr(args, "decode_processes", 3))
     print(

@@ -200,6 +200,32 @@ def parse_gen_batches(text: str) -> list[int]:
     return _int_list(text, "--gen-batches")
 
 
+def check_model_names(models: list[str], flag: str = "--models") -> None:
+    """Refuse names in ``models`` that are not registered (:func:`mnemo.models.model_names`).
+
+    Raises:
+        ValueError: naming ``flag`` (default ``flag="--models"``), the unknown names and the
+            registered ones.
+    """
+    from ..models import model_names
+
+    known = model_names()
+    unknown = [m for m in models if m not in known]
+    if unknown:
+        raise ValueError(f"{flag}: unknown model(s) {unknown}; registered: {', '.join(known)}")
+
+
+def check_peer_names(peers: list[str]) -> None:
+    """Refuse names in ``peers`` that are not keys of :data:`PEERS`.
+
+    Raises:
+        ValueError: naming ``--peers``, the unknown names and the choices.
+    """
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise ValueError(f"--peers: unknown peer(s) {bad}; choose from {', '.join(PEERS)} or 'none'")
+
+
 def run(
     models: list[str],
     peers: list[str],
@@ -217,15 +243,8 @@ def run(
     tables). ``models``: mnemo family names; ``peers``: keys of :data:`PEERS`; ``device``: where
     every model runs (CUDA timings synchronise after each call). Times are in milliseconds (the
     ``*_ms`` fields); ``ratio_*`` = a row's time / its ``vs`` row's time at the same shape."""
-    from ..models import model_names
-
-    known = model_names()
-    unknown = [m for m in models if m not in known]
-    if unknown:
-        raise ValueError(f"--models: unknown model(s) {unknown}; registered: {', '.join(known)}")
-    bad = [p for p in peers if p not in PEERS]
-    if bad:
-        raise ValueError(f"--peers: unknown peer(s) {bad}; choose from {', '.join(PEERS)} or 'none'")
+    check_model_names(models)
+    check_peer_names(peers)
     if gen_tokens < 2:
         raise ValueError(f"--gen-tokens: expected >= 2 (first token + at least one step), got {gen_tokens}")
 

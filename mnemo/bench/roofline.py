@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from . import write_json
-from .models import check_shapes_memory, interleaved, parse_gen_batches, parse_shapes
+from .models import check_model_names, check_shapes_memory, interleaved, parse_gen_batches, parse_shapes
 
 DEFAULT_MODELS = ("gated_deltanet", "mamba2", "gla", "transformer", "titans_lmm", "hope")
 DEFAULT_SHAPES = "1024x8"
@@ -535,14 +535,9 @@ def run(
     """Measure and return the JSON-ready result (module docstring; :func:`print_tables` prints it).
     ``compile``: also time each decode step as ``generate(compile=True)`` runs it (``"compile"`` in
     the result: ``"on"``, ``"off"`` or ``"unavailable: why"``, then eager rows only)."""
-    from ..models import model_names
-
-    known = model_names()
     if not models:
         raise ValueError("--models: expected at least one model name, got none")
-    unknown = [m for m in models if m not in known]
-    if unknown:
-        raise ValueError(f"--models: unknown model(s) {unknown}; registered: {', '.join(known)}")
+    check_model_names(models)
     if not shapes:
         raise ValueError("--model-shapes: the roofline suite needs at least one training shape TxB, got none")
     built = {name: _build_or_refuse(name, d_model, n_layers) for name in models}

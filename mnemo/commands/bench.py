@@ -99,28 +99,23 @@ def _check_all_args(args) -> None:
         DEFAULT_D_MODEL,
         DEFAULT_GEN_BATCHES,
         DEFAULT_SHAPES,
-        PEERS,
+        check_model_names,
+        check_peer_names,
         check_shapes_memory,
         parse_gen_batches,
         parse_shapes,
     )
-    from ..models import model_names
 
     if args.models is not None:  # the decode suite's check (it runs before the models suite)
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         if not models:
             raise ValueError(f"--models: expected at least one model name, got {args.models!r}")
-        known = model_names()
-        unknown = [m for m in models if m not in known]
-        if unknown:
-            raise ValueError(f"--models: unknown model(s) {unknown}; registered: {', '.join(known)}")
+        check_model_names(models)
     if args.peers is not None and args.peers != "none":  # the models suite's checks from here on
         peers = [n.strip() for n in args.peers.split(",") if n.strip()]
         if not peers:
             raise ValueError(f"--peers: expected at least one name, got {args.peers!r}")
-        bad = [p for p in peers if p not in PEERS]
-        if bad:
-            raise ValueError(f"--peers: unknown peer(s) {bad}; choose from {', '.join(PEERS)} or 'none'")
+        check_peer_names(peers)
     shapes = parse_shapes(args.model_shapes or DEFAULT_SHAPES)
     gen_batches = parse_gen_batches(args.gen_batches or DEFAULT_GEN_BATCHES)
     d_model = args.d_model or DEFAULT_D_MODEL
