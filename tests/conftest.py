@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _small_matmul_yardstick(monkeypatch):
+    """The ops suite's matmul peak (a yardstick printed beside each row, 2048² by default) timed at
+    256² in tests: the suite's commands run here for their rows, columns and exit codes, and the
+    2048² products took most of their time (12 of 19 s for ``mnemo bench`` at T 64)."""
+    import mnemo.bench.ops as ops
+
+    monkeypatch.setattr(ops, "PEAK_N", 256)
