@@ -28,7 +28,7 @@ from torch import nn
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
 from ..ops._common import check_mode
-from .base import Mixer, Mixing, check_input, input_dtype, upcast
+from .base import Mixer, Mixing, check_input, check_state_dtype, input_dtype, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces, show_state
 from .linear_attention import check_heads, check_int
@@ -391,6 +391,8 @@ class NeuralMemory(Mixer):
     def forward(self, x: torch.Tensor, state: NeuralMemoryState | None = None, *, mode: str | None = None):
         B, T = check_input(x, self.d_model, dtype=input_dtype(self.in_proj))
         check_state_type(state, NeuralMemoryState, "NeuralMemory")
+        if state is not None:  # (a float64 state into a float32 memory was cast silently)
+            check_state_dtype(state, self, fast_weights=True)
         offset = state.offset if state is not None else 0
         n_prefix = 0
         if self.persistent is not None and offset == 0 and T > 0:  # written once, with the first token

@@ -40,3 +40,24 @@ def test_t_quantile_at_a_trillion_df_is_the_normal_quantile_and_returns():
     assert t_quantile(0.975, 10**400) == pytest.approx(z, rel=2e-16)  # (an int beyond the float range)
     far = t_quantile(1e-300, 10**8)  # the far tail too
     assert far == pytest.approx(-_t_upper(1e-300, 10**8), rel=5e-16)
+
+
+def test_a_float64_state_into_a_float32_neural_memory_is_refused_by_name():
+    # it was cast to float32 silently (every other memory mixer refuses it: session 43)
+    import torch
+
+    from mnemo.layers.state import to as state_to
+    from mnemo.layers.titans import NeuralMemory
+
+    torch.manual_seed(0)
+    mem = NeuralMemory(16, n_heads=2)
+    x = torch.randn(1, 3, 16)
+    _, st = mem(x)
+    y, _ = mem(x[:, :1], st)  # its own state passes
+    y_again, _ = mem(x[:, :1], st)
+    assert torch.equal(y, y_again)
+    with pytest.raises(ValueError, match=r"expected dtype torch\.float32.*got torch\.float64"):
+        mem(x[:, :1], state_to(st, torch.float64))
+    bf = NeuralMemory(16, n_heads=2).to(torch.bfloat16)  # a bf16 memory keeps float32 weights: legal
+    _, st_bf = bf(x.bfloat16())
+    bf(x[:, :1].bfloat16(), st_bf)
