@@ -40,7 +40,8 @@ CLASSES = ("irrelevant", "intermediate", "marginal", "relevant", "unresolved")
 
 
 def _run(argv: list[str]) -> float:
-    """Run ``mnemo ARGV`` in this interpreter (stdout discarded: the probe prints its whole JSON;
+    """Run ``mnemo ARGV`` in a fresh process of this interpreter (``python -m mnemo.cli`` from the
+    repository root; stdout discarded: the probe prints its whole JSON;
     ``CalledProcessError`` on a non-zero exit); returns the wall time in seconds."""
     cmd = [sys.executable, "-m", "mnemo.cli", *argv]
     print("$ mnemo", " ".join(argv), file=sys.stderr, flush=True)

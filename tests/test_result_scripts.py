@@ -24,11 +24,51 @@ def _load(name: str):
     return module
 
 
+def _cli_in_process(argv: list[str]) -> int:
+    """``mnemo ARGV`` run by this interpreter: what the scripts start as ``python -m mnemo.cli ARGV``
+    processes (each of which re-imported torch and mnemo: ~4 s apiece, most of these tests' time);
+    the global RNG and thread count are restored after it. The launchers themselves are tested on
+    real processes (``test_train_runs_logs_each_command_and_names_every_failure``)."""
+    import torch
+
+    from mnemo.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return main(list(argv))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_runs_in_process(calls: list):
+    """A stand-in for scripts/train_runs.py's ``train_runs``: each job's ``python -m mnemo.cli``
+    command run in this process, one after the other (a failure fails the test); returns the wall
+    time per run folder as the real one does. ``calls`` records each argv."""
+    import time
+
+    def train_runs(jobs, parallel, label="train"):
+        walls = {}
+        for run, argv in jobs:
+            assert argv[:3] == [sys.executable, "-m", "mnemo.cli"], argv
+            calls.append(argv[3:])
+            run.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.time()
+            assert _cli_in_process(argv[3:]) == 0, argv
+            walls[str(run)] = time.time() - t0
+        return walls
+
+    return train_runs
+
+
 def test_attention_sinks_trains_measures_and_writes_its_block(tmp_path, monkeypatch):
     """Four tiny runs (BOS and plain, 2 seeds), the sink ratios, the stream table and the paired
     claims; the page's block is rewritten between its markers and the prose kept. A second call
-    trains nothing (the runs resume as finished) and writes the same numbers."""
+    trains nothing (the runs resume as finished) and writes the same numbers. (The ``mnemo train``
+    commands run in this process: see :func:`_cli_in_process`.)"""
     mod = _load("attention_sinks")
+    calls: list = []
+    monkeypatch.setattr(mod, "train_runs", _train_runs_in_process(calls))
     page = tmp_path / "page.md"
     page.write_text("# Sinks\n\nprose stays\n")
     argv = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--d-model", "32", "--n-layers", "1"]
@@ -52,7 +92,9 @@ def test_attention_sinks_trains_measures_and_writes_its_block(tmp_path, monkeypa
     saved = json.loads(next((tmp_path / "runs" / "bos-seed0").glob("ckpt-*/train_config.json")).read_text())
     assert saved["bos"] == mod.BOS and saved["model_overrides"] == {"d_model": 32, "n_layers": 1}
     mtimes = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/latest")}
+    assert len(calls) == 4 and not any("--resume" in c for c in calls)
     assert mod.main(argv) == 0
+    assert len(calls) == 8 and all("--resume" in c for c in calls[4:])
     assert {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/latest")} == mtimes
     assert page.read_text().count("<!-- mnemo:begin attention_sinks -->") == 1
 
@@ -120,11 +162,28 @@ def test_train_runs_logs_each_command_and_names_every_failure(tmp_path):
     assert list(walls) == [str(ok)] and walls[str(ok)] >= 1.5
 
 
-def test_spectrum_page_trains_probes_and_writes_its_block(tmp_path):
+def test_spectrum_page_trains_probes_and_writes_its_block(tmp_path, monkeypatch):
     """Two tiny runs (a diagonal memory and HOPE's test-time-trained ones), their spectra read into
     the table (each row's numbers are the probe's own summary), the figures copied, the block
-    appended below the prose; a second call trains and probes nothing and writes the same table."""
+    appended below the prose; a second call trains and probes nothing and writes the same table.
+    (The ``mnemo`` commands run in this process, from the repository root as the script's
+    subprocesses do: see :func:`_cli_in_process`.)"""
     mod = _load("spectrum_page")
+    calls = []
+
+    def run_in_process(cli_argv):  # scripts/spectrum_page.py's ``_run``: check=True, stdout discarded
+        import contextlib
+        import io
+        import time
+
+        calls.append(cli_argv)
+        t0 = time.perf_counter()
+        with monkeypatch.context() as m, contextlib.redirect_stdout(io.StringIO()):
+            m.chdir(mod.ROOT)
+            assert _cli_in_process(cli_argv) == 0, cli_argv
+        return time.perf_counter() - t0
+
+    monkeypatch.setattr(mod, "_run", run_in_process)
     page = tmp_path / "spectrum.md"
     page.write_text("# Spectrum\n\nprose stays\n")
     argv = ["--models", "gla,hope_reconstruction", "--steps", "2", "--d-model", "32", "--n-layers", "1"]
@@ -161,8 +220,10 @@ def test_spectrum_page_trains_probes_and_writes_its_block(tmp_path):
                 assert cells[2] == f"{s['directions']} (3)"
     labels = [r.split("|")[2].strip() for r in mod.rows("hope_reconstruction", spec)]
     assert labels[0] == "0 (self-modifying Titans)" and labels[1].startswith("0, CMS level 0 (period ")
+    assert [c[0] for c in calls] == ["train", "probe", "train", "probe"]
     before = {p: p.stat().st_mtime for p in (tmp_path / "runs").rglob("spectrum.json")}
     assert mod.main(argv) == 0
+    assert len(calls) == 4  # nothing run again
     assert {p: p.stat().st_mtime for p in (tmp_path / "runs").rglob("spectrum.json")} == before
     assert "every run and spectrum reused" in page.read_text()
     assert page.read_text().count("<!-- mnemo:begin spectrum -->") == 1
