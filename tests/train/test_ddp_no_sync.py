@@ -63,7 +63,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ddp_no_sync")
-    spawn(_worker, (2, free_port(), str(out)), 2)
+    spawn(_worker, (2, free_port(), str(out)), 2, start_method="forkserver")
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -53,7 +53,7 @@ def cp_parts(tmp_path_factory):
     """One pair of processes runs every model of ``MODELS`` in turn (starting the processes is most
     of the cost); each model's pass writes its own files."""
     out = tmp_path_factory.mktemp("cp")
-    spawn(_cp_worker, (2, free_port(), MODELS, str(out)), 2)
+    spawn(_cp_worker, (2, free_port(), MODELS, str(out)), 2, start_method="forkserver")
     return out
 
 
@@ -122,7 +122,7 @@ def _leave_worker(rank, world, port, out):
 
 
 def test_cleanup_lets_the_store_host_leave_last(tmp_path):
-    spawn(_leave_worker, (2, free_port(), tmp_path), 2)
+    spawn(_leave_worker, (2, free_port(), tmp_path), 2, start_method="forkserver")
     peer_done = float((tmp_path / "peer_done").read_text())
     host_left = float((tmp_path / "host_left").read_text())
     assert host_left >= peer_done, (host_left, peer_done)
@@ -147,7 +147,7 @@ def _absent_peer_worker(rank, world, port, out):
 
 
 def test_cleanup_warns_when_a_peer_never_counts_itself_out(tmp_path):
-    spawn(_absent_peer_worker, (2, free_port(), tmp_path), 2)
+    spawn(_absent_peer_worker, (2, free_port(), tmp_path), 2, start_method="forkserver")
     assert "0 of 1 other ranks left the process group within 0.5 s" in (tmp_path / "warned").read_text()
 
 
@@ -157,10 +157,13 @@ def _sleeper(rank, seconds):
     time.sleep(seconds)
 
 
-def test_spawn_fails_and_kills_ranks_that_outlive_the_deadline():
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_spawn_fails_and_kills_ranks_that_outlive_the_deadline(start_method):
     import time
 
+    if start_method == "forkserver":  # the server's own start (its imports) is not what is timed
+        spawn(_sleeper, (0,), 2, start_method=start_method)
     t0 = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] of 2 still running after 1 s: killed"):
-        spawn(_sleeper, (60,), 2, timeout_s=1.0)
+        spawn(_sleeper, (60,), 2, timeout_s=1.0, start_method=start_method)
     assert time.monotonic() - t0 < 30  # killed, not waited for

@@ -59,7 +59,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
-    spawn(_worker, (2, free_port(), str(out)), 2)
+    spawn(_worker, (2, free_port(), str(out)), 2, start_method="forkserver")
     return out
 
 

@@ -106,7 +106,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("review5")
-    spawn(_worker, (2, free_port(), str(out)), 2, timeout_s=240)
+    spawn(_worker, (2, free_port(), str(out)), 2, timeout_s=240, start_method="forkserver")
     return out
 
 

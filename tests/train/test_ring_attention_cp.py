@@ -65,7 +65,7 @@ def _worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out = tmp_path_factory.mktemp("ring")
-    spawn(_worker, (WORLD, free_port(), str(out)), WORLD)
+    spawn(_worker, (WORLD, free_port(), str(out)), WORLD, start_method="forkserver")
     return out
 
 
