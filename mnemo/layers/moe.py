@@ -17,9 +17,10 @@ DeepSeek-V3 (Liu et al. 2024, §2.1.2, eq. 12–16): ``s_e = σ(z_e)`` (each exp
 summing to 1), chosen by ``s_e + b_e``, and weighted by the unbiased ``s_e / Σ_{e' ∈ TopK} s_e'``
 (``norm_topk_prob``, DeepSeek-V3's form) or ``s_e``. DeepSeek-V3's auxiliary-loss-free balancing is
 ``score="sigmoid", norm_topk_prob=True, bias_balancing=True``; its released router adds
-``routed_scaling_factor=2.5, n_group=8, topk_group=4`` (below); its sequence-wise auxiliary loss
-(eq. 17–20) is not part of this layer. With sigmoid scores ``L_aux`` below uses the scores
-normalised over all experts, ``s_e / Σ_e' s_e'`` (DeepSeek-V3 eq. 19–20), for ``P``.
+``routed_scaling_factor=2.5, n_group=8, topk_group=4`` (below); its complementary sequence-wise
+balance loss (eq. 17–20) is ``L_seq`` below (``seq_aux_loss_coef``, 1e-4 there). With sigmoid scores
+``L_aux`` below uses the scores normalised over all experts, ``s_e / Σ_e' s_e'`` (DeepSeek-V3 eq.
+19–20), for ``P``.
 
 Routed scaling factor (``routed_scaling_factor = γ``, default 1: off; DeepSeek-V3's config
 ``routed_scaling_factor``, 2.5 there): the routed experts' combined output is multiplied by ``γ``,
@@ -65,6 +66,26 @@ Losses (on the module after each forward, see :class:`MoE`):
   ``Σ_e exp z_e = 1`` (every affinity ``σ(z_e) < 1/2``: without ``norm_topk_prob`` that caps the
   routing weights), and it keeps the logits out of the sigmoid's saturation. DeepSeek-V3 uses no z-loss;
   ``z_loss_coef`` defaults to 0.
+* sequence-wise balance (DeepSeek-V3 §2.1.2, "Complementary Sequence-Wise Auxiliary Loss", eq.
+  17–20; weight ``seq_aux_loss_coef = α``, default 0: off; DeepSeek-V3 uses 1e-4): for each sequence
+  of ``T`` tokens ``t`` and the ``E`` experts ``i``,
+  ``L_Bal = α Σ_i f_i P_i`` (eq. 17),
+  ``f_i = E / (k T) Σ_t 1{s_{i,t} ∈ TopK({s_{j,t}}_j, k)}`` (eq. 18),
+  ``s'_{i,t} = s_{i,t} / Σ_j s_{j,t}`` (eq. 19), ``P_i = (1/T) Σ_t s'_{i,t}`` (eq. 20).
+  ``last_seq_aux_loss`` is ``L_seq``, the **mean over the sequences** of ``Σ_i f_i P_i`` (without
+  ``α``; 1 under uniform routing, like ``L_aux``), and :meth:`MoE.loss` adds ``seq_aux_loss_coef ·
+  L_seq``. Decisions: eq. 18 counts the top-k of the **unbiased** scores ``s`` over all ``E``
+  experts, as the paper writes it — not the routing's choice, which uses ``s + b`` and the group
+  limit (and follows a ``hook_topk_indices`` replacement); without a bias, a group limit or such a
+  hook the two are the same experts. A sequence is the second-to-last axis of ``x``: ``x [B, T, d]``
+  (or ``[..., T, d]``: each index of the leading dims is a sequence) has ``B`` sequences of ``T``
+  tokens; ``x [T, d]`` (no batch axis) is one sequence of ``T`` tokens, ``x [d]`` one of one token.
+  In a language model a sequence is a row of the batch (packed documents are not told apart) and,
+  under context parallelism, each rank's slice of that row. With softmax scores ``s' = s`` (they
+  already sum to 1); with sigmoid scores eq. 19 normalises them. For one sequence whose routing is
+  the unbiased top-k, ``L_seq = L_aux``; they differ when sequences are imbalanced in opposite
+  ways: a batch balanced overall keeps ``L_aux`` near 1 while ``L_seq`` rises toward ``E / k``. As
+  for ``L_aux`` the gradient flows through ``P`` only (``f`` counts choices).
 
 Auxiliary-loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
 Mixture-of-Experts", Alg. 1; DeepSeek-V3): a per-expert bias ``b`` (a buffer, no gradient) is added
@@ -135,6 +156,7 @@ MOE_OPTIONS: dict[str, Any] = {
     "capacity_factor": None,
     "aux_loss_coef": 0.01,
     "z_loss_coef": 0.0,
+    "seq_aux_loss_coef": 0.0,
     "bias_balancing": False,
     "bias_update_rate": 1e-3,
     "dispatch": "sorted",
@@ -192,6 +214,7 @@ def check_moe_options(options: dict[str, Any]) -> None:
         _num("capacity_factor", o["capacity_factor"], positive=True)
     _num("aux_loss_coef", o["aux_loss_coef"])
     _num("z_loss_coef", o["z_loss_coef"])
+    _num("seq_aux_loss_coef", o["seq_aux_loss_coef"])
     _bool("bias_balancing", o["bias_balancing"])
     _num("bias_update_rate", o["bias_update_rate"], positive=True)
     if o["dispatch"] not in DISPATCH:
@@ -244,6 +267,9 @@ class MoE(nn.Module):
             and counted in ``last_dropped``.
         aux_loss_coef, z_loss_coef: weights of ``L_aux`` and ``L_z`` in :meth:`loss` (defaults
             ``aux_loss_coef=0.01``, ``z_loss_coef=0.0``).
+        seq_aux_loss_coef: weight ``α`` of DeepSeek-V3's sequence-wise balance loss ``L_seq`` (eq.
+            17–20, the module docstring) in :meth:`loss` (default ``seq_aux_loss_coef=0.0``: off;
+            DeepSeek-V3: 1e-4); ``≥ 0`` and finite.
         bias_balancing: keep the auxiliary-loss-free bias (buffer ``expert_bias [E]``, float32,
             also through a cast of the module to half precision; float64 in a float64 module, built so
             or cast)
@@ -273,10 +299,12 @@ class MoE(nn.Module):
     assignment has weight 0), ``hook_shared_out [B, T, d]`` (the shared expert's gated output; only
     with a shared expert). Loads per expert: :func:`expert_load` of the indices, or ``last_load``.
 
-    After each forward the module holds: ``last_aux_loss`` and ``last_z_loss`` (0-d tensors with
-    their graph, for the training loss), ``last_load [E]`` (fraction of assignments, detached),
-    ``last_counts [E]`` long (assignments per expert before dropping), ``last_dropped`` (0-d long,
-    dropped assignments). :meth:`loss` is ``aux_loss_coef · L_aux + z_loss_coef · L_z``.
+    After each forward the module holds: ``last_aux_loss``, ``last_z_loss`` and
+    ``last_seq_aux_loss`` (0-d tensors with their graph, for the training loss; the last one computed
+    whatever its weight), ``last_load [E]`` (fraction of assignments, detached), ``last_counts [E]``
+    long (assignments per expert before dropping), ``last_dropped`` (0-d long, dropped
+    assignments). :meth:`loss` is ``aux_loss_coef · L_aux + z_loss_coef · L_z + seq_aux_loss_coef ·
+    L_seq``.
 
     Raises:
         ValueError: an option is out of range (naming it, expected vs received), or ``x``'s last
@@ -295,6 +323,7 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
+        seq_aux_loss_coef: float = 0.0,
         bias_balancing: bool = False,
         bias_update_rate: float = 1e-3,
         dispatch: str = "sorted",
@@ -316,6 +345,7 @@ class MoE(nn.Module):
                 capacity_factor=capacity_factor,
                 aux_loss_coef=aux_loss_coef,
                 z_loss_coef=z_loss_coef,
+                seq_aux_loss_coef=seq_aux_loss_coef,
                 bias_balancing=bias_balancing,
                 bias_update_rate=bias_update_rate,
                 dispatch=dispatch,
@@ -332,6 +362,7 @@ class MoE(nn.Module):
         # a model built to run (an imported Qwen3-Next, a checkpoint loaded for eval) is not trained
         self._top1_warned = False
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.seq_aux_loss_coef = float(seq_aux_loss_coef)
         self.bias_balancing, self.bias_update_rate = bias_balancing, float(bias_update_rate)
         self.dispatch, self.score = dispatch, score
         self.routed_scaling_factor = float(routed_scaling_factor)
@@ -353,6 +384,7 @@ class MoE(nn.Module):
         self.init_weights()
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
+        self.last_seq_aux_loss: Tensor | None = None
         self.last_load: Tensor | None = None
         self.last_counts: Tensor | None = None
         self.last_dropped: Tensor | None = None
@@ -397,7 +429,7 @@ class MoE(nn.Module):
         # a copy (``copy.deepcopy``, pickling) keeps the last losses' values, not their graph: a
         # non-leaf tensor cannot be deep-copied, so a model copied after a training forward failed
         state = super().__getstate__()
-        for name in ("last_aux_loss", "last_z_loss"):
+        for name in ("last_aux_loss", "last_z_loss", "last_seq_aux_loss"):
             if state.get(name) is not None:
                 state = {**state, name: state[name].detach()}
         return state
@@ -409,6 +441,7 @@ class MoE(nn.Module):
             f"dispatch={self.dispatch!r}, score={getattr(self, 'score', 'softmax')!r}"
             + (f", routed_scaling_factor={self.routed_scaling_factor}" if self._scale() != 1.0 else "")
             + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self._grouped() else "")
+            + (f", seq_aux_loss_coef={self._seq_coef()}" if self._seq_coef() else "")
         )
 
     # modules pickled before these options existed have none: off
@@ -418,13 +451,20 @@ class MoE(nn.Module):
     def _grouped(self) -> bool:
         return getattr(self, "topk_group", 1) < getattr(self, "n_group", 1)
 
+    def _seq_coef(self) -> float:
+        return getattr(self, "seq_aux_loss_coef", 0.0)
+
     # ------------------------------------------------------------------------------------------
     def loss(self) -> Tensor:
-        """``aux_loss_coef · L_aux + z_loss_coef · L_z`` of the last forward (0-d, with its graph).
-        Raises ``RuntimeError`` before any forward."""
+        """``aux_loss_coef · L_aux + z_loss_coef · L_z + seq_aux_loss_coef · L_seq`` of the last
+        forward (0-d, with its graph; the last term only when ``seq_aux_loss_coef > 0``). Raises
+        ``RuntimeError`` before any forward."""
         if self.last_aux_loss is None:
             raise RuntimeError("MoE.loss: no forward pass has run yet")
-        return self.aux_loss_coef * self.last_aux_loss + self.z_loss_coef * self.last_z_loss
+        total = self.aux_loss_coef * self.last_aux_loss + self.z_loss_coef * self.last_z_loss
+        if self._seq_coef():
+            total = total + self._seq_coef() * self.last_seq_aux_loss
+        return total
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor | None = None) -> None:
@@ -598,6 +638,7 @@ class MoE(nn.Module):
         )
         P = probs.mean(0) if N else scores.new_zeros(E)
         self.last_aux_loss = E * (f * P).sum()
+        self.last_seq_aux_loss = self._seq_balance(x, scores, probs)
         z = torch.logsumexp(logits.to(scores.dtype), dim=-1)
         self.last_z_loss = (z**2).mean() if N else scores.new_zeros(())
         self.last_counts = counts.detach()
@@ -606,6 +647,24 @@ class MoE(nn.Module):
             (~keep).sum() if keep is not None else torch.zeros((), dtype=torch.long, device=x.device)
         )
         return y.reshape(*lead, self.d_model)
+
+    def _seq_balance(self, x: Tensor, scores: Tensor, probs: Tensor) -> Tensor:
+        """``L_seq``: DeepSeek-V3's sequence-wise balance loss (eq. 17–20) without ``α``, the mean
+        over the sequences of ``Σ_i f_i P_i``. ``scores``/``probs`` ``[N, E]`` are the unbiased scores
+        ``s`` and ``s'`` (eq. 19; ``probs is scores`` for softmax) of ``x [..., T, d]``'s ``N``
+        tokens; the sequences are ``x``'s second-to-last axis (``x [T, d]``: one; ``x [d]``: one
+        token). ``f`` counts the top-k of the unbiased ``s`` (eq. 18), not the routing's choice."""
+        E, k = self.n_experts, self.top_k
+        T = x.shape[-2] if x.dim() >= 2 else 1
+        N = scores.shape[0]
+        if N == 0:
+            return scores.new_zeros(())
+        S = N // T
+        top = scores.detach().topk(k, dim=-1).indices.reshape(S, T * k)  # eq. 18, unbiased top-k
+        counts = scores.new_zeros(S, E).scatter_add_(1, top, scores.new_ones(S, T * k))
+        f = counts * (E / (k * T))  # eq. 18: [S, E]
+        P = probs.reshape(S, T, E).mean(1)  # eq. 19–20: [S, E]
+        return (f * P).sum(-1).mean()  # eq. 17 per sequence (α apart), mean over sequences
 
     # ------------------------------------------------------------------------------------------
     def _expert(self, h: Tensor, e: int) -> Tensor:

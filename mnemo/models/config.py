@@ -40,7 +40,8 @@ class ModelConfig:
             ``expert_hidden``, ``shared_expert_hidden`` (``None``: no shared expert),
             ``shared_expert_gate`` (False), ``norm_topk_prob`` (True), ``capacity_factor``
             (``None``: no token is dropped), ``aux_loss_coef`` (0.01, Switch load balance),
-            ``z_loss_coef`` (0, ST-MoE router z-loss), ``bias_balancing`` (False,
+            ``z_loss_coef`` (0, ST-MoE router z-loss), ``seq_aux_loss_coef`` (0: off,
+            DeepSeek-V3's sequence-wise balance loss, eq. 17–20, per batch row), ``bias_balancing`` (False,
             auxiliary-loss-free bias), ``bias_update_rate`` (1e-3), ``dispatch`` (``"sorted"``),
             ``score`` (``"softmax"``; ``"sigmoid"``: DeepSeek-V3's affinities),
             ``routed_scaling_factor`` (1.0), ``n_group`` (1) and ``topk_group`` (1: no group limit).

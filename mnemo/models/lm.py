@@ -550,8 +550,9 @@ class LanguageModel(nn.Module):
 
     def aux_loss(self) -> torch.Tensor | None:
         """The auxiliary training loss of the last forward pass: the sum over MoE layers of
-        ``aux_loss_coef · L_aux + z_loss_coef · L_z`` (:meth:`mnemo.layers.MoE.loss`; 0-d, with
-        its graph), or ``None`` for a model without MoE layers."""
+        ``aux_loss_coef · L_aux + z_loss_coef · L_z + seq_aux_loss_coef · L_seq``
+        (:meth:`mnemo.layers.MoE.loss`; 0-d, with its graph), or ``None`` for a model without MoE
+        layers."""
         layers = self.moe_layers()
         if not layers:
             return None

@@ -82,7 +82,8 @@ class AuxiliaryLosses(list):
 
 
 class MoEBalance:
-    """The MoE layers' auxiliary losses (``Σ_layers aux_loss_coef · L_aux + z_loss_coef · L_z``,
+    """The MoE layers' auxiliary losses (``Σ_layers aux_loss_coef · L_aux + z_loss_coef · L_z +
+    seq_aux_loss_coef · L_seq``,
     :meth:`mnemo.models.LanguageModel.aux_loss`), expert loads and bias balancing, for a run of
     ``grad_accum`` micro-batches on ``world`` processes. Does nothing for a model without MoE
     layers.
@@ -95,7 +96,11 @@ class MoEBalance:
     micro-batch's graph kept until the last one. So changing ``grad_accum``, the number of
     processes or ``context_parallel`` (even on resume) changes this term slightly, though not the
     cross-entropy's gradients; ``L_z`` (a per-token mean over equal-sized slices) and the
-    ``bias_balancing`` counts (summed over the step and ranks) do not depend on the split."""
+    ``bias_balancing`` counts (summed over the step and ranks) do not depend on the split.
+    ``L_seq`` (DeepSeek-V3's sequence-wise loss, a mean over the micro-batch's rows) does not
+    depend on ``grad_accum`` or data-parallel processes (equal-sized micro-batches), but under
+    context parallelism each rank sees its slice of every row as the sequence. ``L_seq`` enters
+    the objective through :meth:`mnemo.layers.MoE.loss`; it is not logged separately."""
 
     def __init__(self, grad_accum: int, world: int, context_parallel: bool):
         self.grad_accum, self.world = grad_accum, world
