@@ -8,7 +8,9 @@ probe itself is shown to catch each of those. The trainer's step on ``meta`` rea
 (its finite check of the loss and gradient norm) and nothing else from the device; on the CPU the
 reads are unchanged (counted, not asserted, except that they happen).
 
-Sizes: d_model 32, 2 layers, vocabulary 64, batch 2, 40 tokens (past the CMS periods 8/16/32).
+Sizes: d_model 32, 2 layers, vocabulary 64, batch 2, 40 tokens (past the CMS periods 8/16/32). The
+per-model step runs 1 layer where every layer runs the same mixer (no ``pattern``/``layers``: layer 2
+would run layer 1's code again, and on ``meta`` the cost is the op count) and 2 for a pattern model.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ META = torch.device("meta")
 TINY = {"d_model": 32, "n_layers": 2, "vocab_size": 64}
 
 
-def _meta_model(name: str, dtype: torch.dtype | None = None) -> LanguageModel:
+def _meta_model(
+    name: str, dtype: torch.dtype | None = None, one_layer_if_uniform: bool = False
+) -> LanguageModel:
+    cfg = build_config(name, **TINY)
+    if one_layer_if_uniform and cfg.pattern is None and cfg.layers is None:
+        cfg = build_config(name, **{**TINY, "n_layers": 1})  # every layer the same code: one runs it
     with META:
-        model = LanguageModel(build_config(name, **TINY))
+        model = LanguageModel(cfg)
     return model if dtype is None else model.to(dtype)
 
 
@@ -63,7 +70,7 @@ def _step(model: LanguageModel, T: int = 40) -> None:
 def test_meta_step_under_the_strict_probe(name):
     """The plain meta run and the strict probe in one: the probe runs every op as it is (no value
     is answered), so a read raises as on plain meta, and the probe's own checks come on top."""
-    model = _meta_model(name)
+    model = _meta_model(name, one_layer_if_uniform=True)
     with StrictDeviceProbe() as probe:
         _step(model)
     assert probe.ops_seen > 100  # the probe saw the step (forward and backward)

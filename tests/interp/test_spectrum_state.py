@@ -199,8 +199,9 @@ def test_self_modifying_titans_matches_autograd_jacobians(extra):
             return torch.cat([t.reshape(-1) for t in get(mixer(xs, put(st, ts))[1])])
 
         # reverse mode (the layer's training path); forward-over-reverse double backward through
-        # the chunk form's inner gradient is not what is tested here
-        J = torch.autograd.functional.jacobian(f, base)
+        # the chunk form's inner gradient is not what is tested here; vectorize: the rows' backward
+        # passes batched in one (vmap), ~10x quicker than one backward per row
+        J = torch.autograd.functional.jacobian(f, base, vectorize=True)
         cur[0] = mixer(xs, st)[1]
         return (J @ Q[0])[None]
 
