@@ -62,8 +62,12 @@ def test_eval_is_the_training_logs_measurement_by_default(run_dir, capsys):
     assert result["val_loss"] == pytest.approx(last["val_loss"], rel=1e-12)
     assert result["tokens"] == last["val_tokens"] == 1 * 4 * 32  # eval_batches x batch_size x seq_len
     assert result["bpc"] == pytest.approx(last["val_bpc"], rel=1e-12)
-    # the whole split: another measurement, and the output says so
-    assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "all"]) == 0
+    # more batches than the log's: another measurement, and the output says so
+    assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "2"]) == 0
+    more = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert more["as_in_training"] is False and more["tokens"] == 2 * 4 * 32
+    # the whole split (read in batches of 512 windows, not the run's 4: the same windows, fewer calls)
+    assert main(["eval", "--checkpoint", str(run_dir), "--max-batches", "all", "--batch-size", "512"]) == 0
     whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert whole["as_in_training"] is False and whole["sequences"] == (111540 - 1) // 32
     assert whole["tokens"] == whole["sequences"] * 32
@@ -233,7 +237,11 @@ def test_corrupt_checkpoint_is_reported(tmp_path, capsys):
     assert "corrupt or incompatible weights file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_entry_point():
+    """``python -m mnemo`` runs the command. (``slow``: by default tests/tasks/test_sweep.py's two
+    signal tests and tests/nested/test_continual.py's killed experiment start ``python -m mnemo``
+    and check its output and exit status; this one's process cost ~5 s for the same path.)"""
     r = subprocess.run([sys.executable, "-m", "mnemo", "models"], capture_output=True, text=True, check=True)
     assert "transformer" in r.stdout
 
@@ -485,7 +493,38 @@ def test_sweep_then_report_from_the_command_line(tmp_path, capsys):
     assert "| ≥ 0 |" in text and "| n=1 | 1 | 1/1 |" in text
 
 
-def test_bench_decode_suite_runs(capsys):
+@pytest.fixture
+def decode_children_in_process(monkeypatch):
+    """The decode suite starts one ``python -c CODE`` child per model and context (a fresh peak
+    RSS), ~4.5 s of imports each: ``real(n)`` lets the first ``n`` children be processes and runs
+    the later ones' CODE in this process (its stdout captured), as the child would."""
+    import contextlib
+    import io
+
+    import mnemo.bench.decode as decode
+
+    started, spawn = [], subprocess.run  # (decode.subprocess is the module: patched for everyone)
+
+    def real(n: int) -> list:
+        def run(cmd, **kw):
+            started.append(cmd)
+            if len(started) <= n:
+                return spawn(cmd, **kw)
+            assert cmd[:2] == [sys.executable, "-c"], cmd
+            out = io.StringIO()
+            with torch.random.fork_rng(), contextlib.redirect_stdout(out):  # (it seeds torch)
+                exec(cmd[2], {})
+            return subprocess.CompletedProcess(cmd, 0, stdout=out.getvalue(), stderr="")
+
+        monkeypatch.setattr(decode.subprocess, "run", run)
+        return started
+
+    return real
+
+
+def test_bench_decode_suite_runs(capsys, decode_children_in_process):
+    """One row per context, the first from a real child process, and the line comparing them."""
+    started = decode_children_in_process(1)
     assert (
         main(
             [
@@ -510,9 +549,13 @@ def test_bench_decode_suite_runs(capsys):
     )
     out = capsys.readouterr().out
     assert "tokens/s" in out and "4x context" in out
+    assert len(started) == 2  # one child per context
 
 
-def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypatch, fast_peak):
+def test_bench_all_runs_the_four_suites_into_one_json(
+    capsys, tmp_path, monkeypatch, fast_peak, decode_children_in_process
+):
+    """(The decode suite's child runs in this process: test_bench_decode_suite_runs starts a real one.)"""
     import mnemo.bench.decode as decode
     import mnemo.bench.ops as ops
     import mnemo.bench.peers as peers
@@ -529,6 +572,7 @@ def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypa
     argv += ["--n-layers", "1", "--json", str(out), "--decode-processes", "1"]
     argv += ["--models", "gla", "--peers", "none", "--model-shapes", "16x1", "--gen-batches", "1"]
     argv += ["--prompt-len", "4", "--gen-tokens", "2"]
+    started = decode_children_in_process(0)
     assert main(argv) == 0
     text = capsys.readouterr().out
     for suite in ("ops", "peers", "decode", "models"):
@@ -545,6 +589,7 @@ def test_bench_all_runs_the_four_suites_into_one_json(capsys, tmp_path, monkeypa
             node = node[int(key)] if isinstance(node, list) else node[key]
         assert not math.isfinite(node), path
     assert data["peers"] == [] and data["decode"][0]["model"] == "gla" and data["ops"]
+    assert len(started) == 1
     assert [r["model"] for r in data["models"]["train"]] == ["gla"] and data["models"]["n_layers"] == 1
 
 

@@ -884,7 +884,7 @@ def test_a_killed_experiment_stops_its_worker_processes(tmp_path):
         deadline = time.time() + 120
         workers: list[int] = []
         while time.time() < deadline and len(workers) < 2:
-            time.sleep(0.5)
+            time.sleep(0.1)
             workers = [c for c in _children(proc.pid) if b"spawn_main" in _cmdline(c)]
         assert len(workers) >= 2, "the two worker processes never started"
         time.sleep(2)  # inside their runs

@@ -10,9 +10,6 @@ import json
 import os
 import resource
 import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -84,41 +81,43 @@ def test_hold_and_an_unchanged_schedule_keep_the_saved_rate_bit_for_bit(tmp_path
     assert [g["lr"] for g in t.optimizer.param_groups] == saved
 
 
-def _run_limited(args, limit, cwd):
-    """``mnemo train ARGS`` in a subprocess whose files may not grow past ``limit`` bytes (a full
-    disk, as far as the writer can tell: EFBIG)."""
-    code = textwrap.dedent(
-        f"""
-        import resource, sys
-        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-        from mnemo.cli import main
-        sys.exit(main({args!r}))
-        """
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env)
+def _run_limited(args, limit, capsys) -> tuple[int, str]:
+    """``mnemo train ARGS`` (in this process) while its files may not grow past ``limit`` bytes (a
+    full disk, as far as the writer can tell: EFBIG): its exit status and stderr. The limit is the
+    process's own (RLIMIT_FSIZE), set around the command and given back after it; Python ignores
+    SIGXFSZ, so a write past it fails with EFBIG instead of killing the process."""
+    assert signal.getsignal(signal.SIGXFSZ) is signal.SIG_IGN
+    capsys.readouterr()
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        code = main(args)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
-def test_a_full_disk_while_writing_is_named_with_the_step_and_what_survives(tmp_path):
+def test_a_full_disk_while_writing_is_named_with_the_step_and_what_survives(tmp_path, capsys, monkeypatch):
     """The run's files may not grow past 30 kB: the metrics line fits, the weights do not. It said
     only ``error: File too large``: not which file, which step, nor what is left."""
-    p = _run_limited(["train", "--out", "run", "--steps", "4", *FLAGS], 30_000, tmp_path)
-    assert p.returncode == 2, p.stderr
-    assert "File too large while writing the checkpoint of step 2 (run/ckpt-000002)" in p.stderr
-    assert "no checkpoint was written before it" in p.stderr
+    monkeypatch.chdir(tmp_path)
+    code, err = _run_limited(["train", "--out", "run", "--steps", "4", *FLAGS], 30_000, capsys)
+    assert code == 2, err
+    assert "File too large while writing the checkpoint of step 2 (run/ckpt-000002)" in err
+    assert "no checkpoint was written before it" in err
     assert sorted(x.name for x in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]  # no temporaries
     # a resumed run that cannot write: the previous checkpoint is named as intact
     assert main(["train", "--out", str(tmp_path / "r"), "--steps", "2", *FLAGS]) == 0
-    p = _run_limited(
-        ["train", "--out", "r", "--resume", "--steps", "4", "--reschedule", "hold"], 30_000, tmp_path
+    code, err = _run_limited(
+        ["train", "--out", "r", "--resume", "--steps", "4", "--reschedule", "hold"], 30_000, capsys
     )
-    assert p.returncode == 2, p.stderr
+    assert code == 2, err
     assert "while writing the checkpoint of step 4 (r/ckpt-000004); the last checkpoint, r/ckpt-000002," in (
-        p.stderr
+        err
     )
-    p = _run_limited(["train", "--out", "m", "--steps", "4", *FLAGS], 100, tmp_path)
-    assert "File too large while writing the metrics of step 2 (m/metrics.jsonl)" in p.stderr
+    code, err = _run_limited(["train", "--out", "m", "--steps", "4", *FLAGS], 100, capsys)
+    assert "File too large while writing the metrics of step 2 (m/metrics.jsonl)" in err
 
 
 def test_an_oserror_without_errno_keeps_its_text(tmp_path, monkeypatch):
