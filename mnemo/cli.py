@@ -139,7 +139,11 @@ def _main(argv: list[str] | None) -> int:
         current_backend()
         native_enabled()
         tune_malloc()  # freed tensors' memory stays in the process: no page fault per new tensor
-        return args.func(args)
+        code = args.func(args)
+        # a buffered stdout (not a terminal, no PYTHONUNBUFFERED) whose reader went fails here, under
+        # the handlers below, not in the interpreter's exit flush (exit 120, 'Exception ignored')
+        sys.stdout.flush()
+        return code
     except TrainingDiverged as e:
         report(f"mnemo: {e}")
         return 1
