@@ -117,20 +117,28 @@ class Corpus:
         each document's first token, and the characters the stream stands for (the documents'
         plus the separators': bits per character divide by it)."""
         sep_ids, sep_chars = document_separator(tokenizer)
-        sep = sep_ids.tolist()
         batch = getattr(tokenizer, "encode_batch", None)
-        ids: list[int] = []
+        pieces: list[torch.Tensor] = []  # the documents' ids and the separators between them, in order
         starts: list[int] = []
+        n = 0
         for i in range(0, len(self.documents), _BATCH):
             docs = self.documents[i : i + _BATCH]
-            encoded = batch(docs) if batch is not None else [tokenizer.encode(d).tolist() for d in docs]
+            if batch is not None:  # lists of ids: one tensor for the batch, cut at the documents
+                encoded = batch(docs)
+                flat = torch.tensor([t for doc in encoded for t in doc], dtype=torch.long)
+                encoded = flat.split([len(doc) for doc in encoded])
+            else:
+                encoded = [tokenizer.encode(d) for d in docs]
             for doc_ids in encoded:
                 if starts:
-                    ids.extend(sep)
-                starts.append(len(ids))
-                ids.extend(doc_ids)
+                    pieces.append(sep_ids)
+                    n += len(sep_ids)
+                starts.append(n)
+                pieces.append(doc_ids)
+                n += len(doc_ids)
         chars = sum(tokenizer.num_chars(d) for d in self.documents) + sep_chars * max(len(starts) - 1, 0)
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(starts, dtype=torch.long), chars
+        ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        return ids, torch.tensor(starts, dtype=torch.long), chars
 
     def stream(self, tokenizer, seq_len: int):
         """A :class:`~mnemo.data.stream.TokenStream` of :meth:`encode` (``doc_starts`` and

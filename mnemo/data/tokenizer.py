@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -53,8 +54,29 @@ class CharTokenizer:
         return len(self.chars) + 1
 
     def encode(self, text: str) -> torch.Tensor:
-        get = self.stoi.get
-        return torch.tensor([get(c, 0) for c in text], dtype=torch.long)
+        try:  # the code points as one array, looked up in the sorted vocabulary (no loop per character)
+            points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        except UnicodeEncodeError:  # a lone surrogate (text read with surrogateescape): one by one
+            get = self.stoi.get
+            return torch.tensor([get(c, 0) for c in text], dtype=torch.long)
+        keys, ids = self._lookup()
+        at = np.minimum(np.searchsorted(keys, points), len(keys) - 1)
+        return torch.from_numpy(np.where(keys[at] == points, ids[at], 0))
+
+    def _lookup(self) -> tuple[np.ndarray, np.ndarray]:
+        """The vocabulary's code points, sorted, and their ids (int64; left out: surrogate
+        characters, which no UTF-32 text holds, and entries that are not one character, which no
+        character of a text is)."""
+        if getattr(self, "_table", None) is None:
+            pairs = sorted(
+                (ord(c), i) for c, i in self.stoi.items() if len(c) == 1 and not 0xD800 <= ord(c) <= 0xDFFF
+            )
+            pairs = pairs or [(0x110000, 0)]  # (beyond every code point: all <unk>)
+            self._table = (
+                np.array([c for c, _ in pairs], dtype=np.uint32),
+                np.array([i for _, i in pairs], dtype=np.int64),
+            )
+        return self._table
 
     def decode(self, ids) -> str:
         table = [self.UNK] + self.chars
@@ -67,7 +89,7 @@ class CharTokenizer:
         """The fraction of ``text``'s characters outside the vocabulary (read as ``<unk>``)."""
         if not text:
             return 0.0
-        return sum(1 for c in text if c not in self.stoi) / len(text)
+        return (self.encode(text) == 0).sum().item() / len(text)  # (<unk> is id 0, nothing else)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "chars": self.chars}
