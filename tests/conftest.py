@@ -27,3 +27,36 @@ def _small_matmul_yardstick(monkeypatch):
     import mnemo.bench.ops as ops
 
     monkeypatch.setattr(ops, "PEAK_N", 256)
+
+
+#: modules whose module-scoped fixtures start processes (the Triton interpreter's child; the ranks'
+#: forkserver, which imports torch and mnemo once per pytest worker): each runs on one xdist worker
+#: (``--dist loadgroup`` in addopts), so a fixture is not set up once per worker (the interpreter
+#: module's child, 23-33 s, ran twice when its tests were split); the multi-process modules share
+#: one group, so one forkserver serves them all
+_ONE_WORKER = {
+    "tests/ops/test_backends_interpret.py": "interpret",
+    "tests/ops/test_review2_backends.py": "interpret_review2",
+    "tests/ops/test_review5_backends.py": "interpret_review5",
+    "tests/ops/test_review6_backends.py": "interpret_review6",
+    "tests/ops/test_review7_backends.py": "interpret_review7",
+    **{
+        f"tests/train/{name}.py": "ranks"
+        for name in (
+            "test_ddp",
+            "test_distributed",
+            "test_context_parallel_train",
+            "test_fsdp",
+            "test_review5_distributed",
+            "test_ddp_no_sync",
+            "test_ring_attention_cp",
+        )
+    },
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _ONE_WORKER.get(item.nodeid.split("::")[0])
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
