@@ -13,6 +13,7 @@ the others are ``slow``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,23 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
+@functools.cache
 def _compile_works() -> bool:
     from mnemo.bench.models import compile_available
 
     return compile_available()[0]
 
 
-needs_compile = pytest.mark.skipif(not _compile_works(), reason="torch.compile unavailable here")
+@pytest.fixture
+def compile_required():
+    """Skips the test where ``torch.compile`` cannot compile and run a small function here. (A
+    fixture, not a ``skipif`` evaluated at import: that check compiles, ~4 s, and every xdist
+    worker paid it while collecting, whether or not it ran any of these tests.)"""
+    if not _compile_works():
+        pytest.skip("torch.compile unavailable here")
+
+
+needs_compile = pytest.mark.usefixtures("compile_required")
 
 
 def _model(name: str, d_model: int = 16, n_layers: int = 2) -> LanguageModel:

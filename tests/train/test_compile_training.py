@@ -21,7 +21,7 @@ from mnemo.models import LanguageModel
 from mnemo.models.lm import WEIGHTS_NAME
 from mnemo.train import TrainConfig, Trainer, resolve_checkpoint
 from mnemo.train.checkpoint import TRAIN_CONFIG_NAME
-from tests.models.test_compile import needs_compile
+from tests.models.test_compile import compile_required, needs_compile  # noqa: F401  (the fixture needs_compile names)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
