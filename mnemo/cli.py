@@ -142,7 +142,9 @@ def _main(argv: list[str] | None) -> int:
         code = args.func(args)
         # a buffered stdout (not a terminal, no PYTHONUNBUFFERED) whose reader went fails here, under
         # the handlers below, not in the interpreter's exit flush (exit 120, 'Exception ignored')
-        sys.stdout.flush()
+        out = sys.stdout  # (None under pythonw; a closed one has nothing left to write)
+        if out is not None and not getattr(out, "closed", False):
+            out.flush()
         return code
     except TrainingDiverged as e:
         report(f"mnemo: {e}")
@@ -154,7 +156,10 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # the reader went (``mnemo models | head -1``): quiet, as a killed pipe
         try:  # nothing more reaches the closed pipe (Python flushes stdout at exit)
             devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)  # (the duplicate stays; a main called again opened one more each time)
         except (OSError, ValueError):
             pass
         return 141

@@ -117,6 +117,7 @@ class Corpus:
         each document's first token, and the characters the stream stands for (the documents'
         plus the separators': bits per character divide by it)."""
         sep_ids, sep_chars = document_separator(tokenizer)
+        sep_ids = torch.as_tensor(sep_ids, dtype=torch.long)
         batch = getattr(tokenizer, "encode_batch", None)
         pieces: list[torch.Tensor] = []  # the documents' ids and the separators between them, in order
         starts: list[int] = []
@@ -128,7 +129,8 @@ class Corpus:
                 flat = torch.tensor([t for doc in encoded for t in doc], dtype=torch.long)
                 encoded = flat.split([len(doc) for doc in encoded])
             else:
-                encoded = [tokenizer.encode(d) for d in docs]
+                # (as torch.long: a tokenizer's int32 ids would make int32 targets)
+                encoded = [torch.as_tensor(tokenizer.encode(d), dtype=torch.long) for d in docs]
             for doc_ids in encoded:
                 if starts:
                     pieces.append(sep_ids)
