@@ -10,7 +10,8 @@ reads are unchanged (counted, not asserted, except that they happen).
 
 Sizes: d_model 32, 2 layers, vocabulary 64, batch 2, 40 tokens (past the CMS periods 8/16/32). The
 per-model step runs 1 layer where every layer runs the same mixer (no ``pattern``/``layers``: layer 2
-would run layer 1's code again, and on ``meta`` the cost is the op count) and 2 for a pattern model.
+would run layer 1's code again, and on ``meta`` the cost is the op count) and 2 for a pattern model,
+whose pattern is then its distinct mixers in order (each is built once).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def _meta_model(
     cfg = build_config(name, **TINY)
     if one_layer_if_uniform and cfg.pattern is None and cfg.layers is None:
         cfg = build_config(name, **{**TINY, "n_layers": 1})  # every layer the same code: one runs it
+    elif cfg.pattern is not None and len(set(cfg.pattern)) <= TINY["n_layers"]:
+        # each of the pattern's mixers once, in its order: at 2 layers the pattern [gdn, gdn, gdn,
+        # attention] (layer i runs pattern[i % 4]) never built its attention layer
+        cfg = build_config(name, **{**TINY, "pattern": list(dict.fromkeys(cfg.pattern))})
     with META:
         model = LanguageModel(cfg)
     return model if dtype is None else model.to(dtype)
