@@ -55,20 +55,12 @@ _ONE_WORKER = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the node ids
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = _ONE_WORKER.get(item.nodeid.split("::")[0])
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (first result wins)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` grouped by :data:`_ONE_WORKER` as read from each node id's module path:
-    xdist's own scheduler reads the group from a ``@group`` suffix its worker writes into the node id,
-    which pytest 9.2's structured node ids no longer take (pytest-xdist #1386: the marks above
-    then group nothing and every module's tests went to both workers)."""
+    xdist's own scheduler reads the group from a ``@group`` suffix its worker writes into the node id
+    for an ``xdist_group`` mark, which pytest 9.2's structured node ids no longer take (pytest-xdist
+    #1386: such marks grouped nothing and every module's tests went to both workers)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
