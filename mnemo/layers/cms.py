@@ -140,6 +140,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compile_marks import eager_under_compile
 from ..ops._common import inference_involved
 from .base import autocast_on, check_input_dtype, check_state_dtype
 from .base import batch_mm as _mm
@@ -1075,7 +1076,7 @@ class ContinuumMemory(nn.Module):
 
     # eager under torch.compile (a graph break): the gradient is taken with create_graph, and an outer
     # backward through it is a double backward, which AOTAutograd's compiled graphs do not support
-    @torch.compiler.disable
+    @eager_under_compile
     def _meta_grad(self, i: int, phi: tuple, x: torch.Tensor, create_graph: bool, adapted: tuple) -> tuple:
         """Level ``i``'s step direction at the end of one of its periods (the fastest level's reads
         ``x [B, C_i, 2d + 1]``, :attr:`LevelState.inputs`; weights ``phi`` over the period): the

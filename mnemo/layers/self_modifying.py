@@ -164,6 +164,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from .._compile_marks import eager_under_compile
 from ..memory import MemorySpec
 from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
@@ -226,7 +227,7 @@ class SelfModifyingTitansState:
 # autograd.grad below into a graph whose loss is not connected to the alias, and the gradient call
 # fails ("appears to not have been used in the graph"); the token path is decoding's and the
 # reference's, the training chunks use dgd_chunk
-@torch.compiler.disable
+@eager_under_compile
 def dgd_token(
     spec: MemorySpec, W, A, k, vhat, log_alpha, beta, mom=None, mu: float = 0.0, nlms: bool = False
 ):

@@ -50,6 +50,7 @@ from contextlib import ExitStack
 import torch
 import torch.nn.functional as F
 
+from .._compile_marks import eager_under_compile
 from ..layers.cms import CMSLevel, CMSState, ContinuumMemory, check_state_dtype
 from ..layers.hooks import kept_span, replacement_count, set_span
 from ..layers.state import detach as detach_state
@@ -209,7 +210,7 @@ class _Recording:
 #: forward and in ``generate(compile=True)`` alike. What still compiles is the rest of a call: the
 #: reads of partial segments (decoding's one-token steps between two signals), the settling of the
 #: kept steps; a training window, read almost entirely in whole segments, runs nearly eagerly.
-_eager = torch.compiler.disable
+_eager = eager_under_compile
 
 
 @_eager

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._compile_marks import constant_result
 from . import _native
 from ._triton_interpret import interpreting
 
@@ -252,7 +253,7 @@ def _installed(backend: str) -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _import_problem(backend: str) -> str | None:
     """Import the peer's kernels (once); why that failed, or ``None``. Run as Python, not traced,
     when ``torch.compile`` meets it (its result enters the graph as a constant): the first call of
@@ -403,7 +404,7 @@ def reset_dispatch_log() -> None:
 COMPILED = "compiled"
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _count_traced(op: str, backend: str, reason: str) -> bool:
     """Count a choice made while dynamo traces: run as Python once per trace (its result enters
     the graph as a constant), so no side effect is traced and ``fullgraph=True`` holds."""

@@ -61,6 +61,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..._compile_marks import constant_result
+
 __all__ = [
     "library",
     "enabled",
@@ -318,7 +320,7 @@ def usable(*tensors: torch.Tensor) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _available() -> bool:
     """Whether the library builds and loads, with :func:`_lanes` read in: run as Python, not
     traced, when ``torch.compile`` meets it (its result enters the graph as a constant; after a
