@@ -57,7 +57,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "fla/ops/*/naive.py functions), 'auto' (default: fla when installed) or 'none'",
     )
     p.add_argument(
-        "--quick", action="store_true", help="one or two lengths per check instead of six (~3x faster)"
+        "--quick",
+        action="store_true",
+        help="one or two lengths per check instead of six, gradcheck in its fast mode",
     )
     p.add_argument("--list", action="store_true", help="list the specs that would be checked and exit")
     p.add_argument(
