@@ -32,7 +32,9 @@ class CharTokenizer:
     """One id per distinct character of the training text, plus ``<unk>`` (id 0).
 
     ``encode`` maps characters outside the vocabulary to ``<unk>``; ``decode`` renders ``<unk>``
-    as U+FFFD. Tokens are characters, so nats per token are nats per character.
+    as U+FFFD. Tokens are characters, so nats per token are nats per character. ``chars`` and
+    ``stoi`` are not to be changed after the first ``encode`` (it caches a lookup table built from
+    them): build a new ``CharTokenizer`` for another vocabulary.
     """
 
     kind = "char"

@@ -100,13 +100,21 @@ class MoEBalance:
     ``L_seq`` (DeepSeek-V3's sequence-wise loss, a mean over the micro-batch's rows) does not
     depend on ``grad_accum`` or data-parallel processes (equal-sized micro-batches), but under
     context parallelism each rank sees its slice of every row as the sequence. ``L_seq`` enters
-    the objective through :meth:`mnemo.layers.MoE.loss`; it is not logged separately."""
+    the objective through :meth:`mnemo.layers.MoE.loss` (with ``seq_aux_loss_coef > 0``) and is
+    logged as ``moe_seq_aux_loss`` whatever its weight, as ``L_z`` is."""
+
+    #: a layer's step and interval sums: its ``E`` assignment counts, then dropped assignments,
+    #: ``L_aux``, ``L_z`` and ``L_seq`` (the last ``_TAIL``)
+    _TAIL = 4
 
     def __init__(self, grad_accum: int, world: int, context_parallel: bool):
         self.grad_accum, self.world = grad_accum, world
         self.scale = self._scale(grad_accum, world, context_parallel)
         self._step_sums = None  # this step's per-layer sums, on the device
         self._interval, self._interval_n = None, 0  # the logging interval's
+        # micro-batches (× ranks) whose L_seq the interval holds: _interval_n, but after resuming
+        # from a checkpoint written before L_seq was logged, only those run since
+        self._seq_n = 0
 
     @staticmethod
     def _scale(grad_accum: int, world: int, context_parallel: bool) -> float:
@@ -121,7 +129,8 @@ class MoEBalance:
 
     def collect(self, model) -> torch.Tensor | None:
         """The weighted auxiliary loss of the micro-batch just run (``None`` without MoE layers);
-        adds each layer's assignment counts, dropped assignments and loss values to the step's sums
+        adds each layer's assignment counts, dropped assignments and loss values (``L_aux``,
+        ``L_z``, ``L_seq``: the last ``_TAIL`` entries of a layer's sums) to the step's sums
         (before the backward, so activation recomputation does not count twice)."""
         aux = model.aux_loss()
         if aux is None:
@@ -134,6 +143,7 @@ class MoEBalance:
                     m.last_dropped.double()[None],
                     m.last_aux_loss.detach().double()[None],
                     m.last_z_loss.detach().double()[None],
+                    m.last_seq_aux_loss.detach().double()[None],
                 ]
             )
             for _, m in model.moe_layers()
@@ -162,7 +172,7 @@ class MoEBalance:
         sums = list(flat.split([a.numel() for a in acc]))
         for s_, (_, m) in zip(sums, model.moe_layers()):
             if m.bias_balancing:
-                m.update_bias(s_[:-3])
+                m.update_bias(s_[: -self._TAIL])
         if self._interval is None:
             self._interval = [torch.zeros_like(s_) for s_ in sums]
         elif self._interval[0].device != sums[0].device:  # resumed (a checkpoint keeps it on the CPU)
@@ -171,37 +181,47 @@ class MoEBalance:
             a += s_
         # micro-batches (× ranks) that contributed a loss value, for the interval means
         self._interval_n += self.grad_accum * self.world
+        self._seq_n += self.grad_accum * self.world
 
     def record(self) -> dict:
         """The logging interval's MoE metrics (and a reset): ``moe_load`` (per layer, the fraction
         of assignments each expert received; balanced = ``1/E``), ``moe_load_max`` / ``moe_load_min``
         (over layers and experts), ``moe_dropped`` (assignments dropped by ``capacity_factor``) and
-        ``moe_dropped_frac``, ``moe_aux_loss`` / ``moe_z_loss`` (per layer and micro-batch means;
-        ``moe_aux_loss`` is 1 for uniform routing). Empty without MoE layers."""
+        ``moe_dropped_frac``, ``moe_aux_loss`` / ``moe_z_loss`` / ``moe_seq_aux_loss`` (per layer
+        and micro-batch means of ``L_aux``, ``L_z`` and ``L_seq``, unweighted; ``moe_aux_loss`` and
+        ``moe_seq_aux_loss`` are 1 for uniform routing). Empty without MoE layers."""
         interval = self._interval
         if interval is None:
             return {}
-        n = max(self._interval_n, 1)
-        self._interval, self._interval_n = None, 0
-        loads = [(a[:-3] / a[:-3].sum().clamp_min(1)).tolist() for a in interval]
-        assigned = sum(float(a[:-3].sum()) for a in interval)
-        dropped = sum(float(a[-3]) for a in interval)
+        n, n_seq, t = max(self._interval_n, 1), self._seq_n, self._TAIL
+        self._interval, self._interval_n, self._seq_n = None, 0, 0
+        loads = [(a[:-t] / a[:-t].sum().clamp_min(1)).tolist() for a in interval]
+        assigned = sum(float(a[:-t].sum()) for a in interval)
+        dropped = sum(float(a[-t]) for a in interval)
         flat = [v for row in loads for v in row]
+        seq_means = sum(float(a[-1]) for a in interval) / (max(n_seq, 1) * len(interval))
         return {
             "moe_load": [[round(v, 5) for v in row] for row in loads],
             "moe_load_max": max(flat),
             "moe_load_min": min(flat),
             "moe_dropped": int(dropped),
             "moe_dropped_frac": dropped / max(assigned, 1.0),
-            "moe_aux_loss": sum(float(a[-2]) for a in interval) / (n * len(interval)),
-            "moe_z_loss": sum(float(a[-1]) for a in interval) / (n * len(interval)),
+            "moe_aux_loss": sum(float(a[-3]) for a in interval) / (n * len(interval)),
+            "moe_z_loss": sum(float(a[-2]) for a in interval) / (n * len(interval)),
+            **({"moe_seq_aux_loss": seq_means} if n_seq else {}),  # (none yet: resumed from an old state)
         }
 
     def state_dict(self) -> dict:
         """The logging interval's statistics so far (on the CPU; ``None`` before the first step)."""
         interval = None if self._interval is None else [a.detach().cpu() for a in self._interval]
-        return {"interval": interval, "interval_n": self._interval_n}
+        return {"interval": interval, "interval_n": self._interval_n, "seq_n": self._seq_n}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume the interval of :meth:`state_dict` (its tensors on the device the sums live on)."""
-        self._interval, self._interval_n = state["interval"], int(state["interval_n"])
+        """Resume the interval of :meth:`state_dict` (its tensors on the device the sums live on).
+        A state written before ``L_seq`` was logged (no ``seq_n``; a layer's sums end with ``L_z``)
+        gets a zero ``L_seq`` sum: the interval's ``moe_seq_aux_loss`` then covers the micro-batches
+        run since the resume."""
+        interval, self._interval_n = state["interval"], int(state["interval_n"])
+        if "seq_n" not in state and interval is not None:
+            interval = [torch.cat([a, a.new_zeros(1)]) for a in interval]
+        self._interval, self._seq_n = interval, int(state.get("seq_n", 0))
