@@ -849,8 +849,13 @@ class SelfModifyingTitans(Mixer):
     mixing_exact = False
     #: integration steps of the attribution (see :attr:`mnemo.layers.NeuralMemory.attribution_steps`)
     attribution_steps: int = 4
+    #: their quadrature rule, ``"midpoint"`` (the default) or ``"gauss_legendre"`` (see
+    #: :attr:`mnemo.layers.NeuralMemory.attribution_rule`)
+    attribution_rule: str = "midpoint"
 
-    def attribution(self, acts: dict, steps: int | None = None) -> ValueAttribution:
+    def attribution(
+        self, acts: dict, steps: int | None = None, *, rule: str | None = None
+    ) -> ValueAttribution:
         """The main memory's read ``o_t = M_memory(q_t)`` attributed to each value ``v_s`` its write
         targets were made from (``M_memory,c(v_s)``, or ``v_s`` itself with
         ``memory_target="value"``; gradient × input through the target and the unrolled DGD steps,
@@ -858,7 +863,10 @@ class SelfModifyingTitans(Mixer):
         :mod:`mnemo.memory.attribution`), from the hook values of one fresh-stream call. The
         projection memories' outputs (``q, k, log α, β``) are held at their recorded values: the
         map reads the main memory, not how its keys and rates were made.
-        One head (``H = 1``, the memory spans ``d_model``): maps ``[B, 1, T, T]``."""
+        One head (``H = 1``, the memory spans ``d_model``): maps ``[B, 1, T, T]``. ``steps`` and
+        ``rule`` (keyword-only; :func:`~mnemo.memory.attribution.attribute_read`) default to
+        :attr:`attribution_steps` and :attr:`attribution_rule` (``"midpoint"``; ``steps = 1`` is
+        gradient × input under either rule)."""
         q, k, v, la, be = (acts[n].detach() for n in self.mixing_hooks)
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         q, k, v, la, be = (x.to(cd) for x in (q, k, v, la, be))
@@ -884,7 +892,10 @@ class SelfModifyingTitans(Mixer):
             return torch.cat(outs, 1)[:, :, None]
 
         return attribution_of_read(
-            read, v[:, :, None], steps=self.attribution_steps if steps is None else steps
+            read,
+            v[:, :, None],
+            steps=self.attribution_steps if steps is None else steps,
+            rule=self.attribution_rule if rule is None else rule,
         )
 
     def mixing(self, acts: dict) -> Mixing:

@@ -36,8 +36,20 @@ so:
     ``o_t − b_t`` with the baseline ``b_t`` = the read of the memory written with zero values
     (the learned initial weights and anything before ``start`` kept). Its error is measured and
     returned (:class:`ValueAttribution.completeness_error`).
-  * ``steps = n > 1`` averages ``J`` over ``v·(i − ½)/n`` (integrated gradients from the zero-value
-    baseline, midpoint rule): then ``Σ_s c_ts → o_t − b_t`` as ``n`` grows (complete attribution).
+  * ``steps = n > 1`` integrates ``J`` along the path ``α v``, ``α ∈ [0, 1]``, from the zero-value
+    baseline — integrated gradients (Sundararajan et al. 2017, who take a Riemann sum; any quadrature
+    of the same path integral is integrated gradients) — as ``c_ts = Σ_i w_i J_ts(α_i v) v_s``
+    (:func:`quadrature_nodes`): then ``Σ_s c_ts → o_t − b_t`` as ``n`` grows (complete
+    attribution). ``rule="midpoint"`` (the default; ``α_i = (i + ½)/n``, ``w_i = 1/n``, error
+    ``O(1/n²)``) or ``"gauss_legendre"`` (exact when the read is a polynomial of degree ``≤ 2n`` in
+    the values). Midpoint is the default because Gauss–Legendre is not better at every ``n``: on
+    the five nonlinear presets (``T = 10``, 20 draws of the initial weights, ``n = 4, 8, 16``) it
+    cut the median completeness error at ``n = 16`` by 3× (memora) to 10⁷× (ttt_linear), but its
+    median was worse for moneta at ``n = 8, 16``, memora at ``n = 4, 8``, titans and ttt_mlp at
+    ``n = 4``, and its worst draw worse in 10 of the 15 cases. A draw whose read nearly jumps
+    along the path (titans, one draw: ``|d o/dα|`` 300× its median at one ``α``) defeats both rules.
+    ``steps = 1`` is gradient × input at ``α = 1`` (weight 1) under either rule — not the
+    one-node Gauss–Legendre rule at ``α = ½``.
   * ``Σ_s m_ts v_s`` keeps only the part of each contribution along its own value
     (``map_error``); circuit scores read ``|m_ts|`` row-normalised, as for every implicit map.
 
@@ -66,6 +78,8 @@ __all__ = [
     "attribute_read",
     "attribution_of_read",
     "project",
+    "quadrature_nodes",
+    "RULES",
 ]
 
 
@@ -154,6 +168,7 @@ def attribute_read(
     *,
     start: int = 0,
     steps: int = 1,
+    rule: str = "midpoint",
     max_rows: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient × input of a causal read with respect to the values, for any memory.
@@ -165,15 +180,23 @@ def attribute_read(
     are constants (not attributed).
 
     Returns ``(contributions [B, H, T', T', V'], output [B, T', H, V'], baseline [B, T', H, V'])``
-    over the positions ``start …`` (``T' = T − start``): ``c_ts = mean_i J_ts(v(α_i)) v_s`` with
-    ``α_i = 1`` (``steps = 1``, gradient × input) or ``α_i = (i − ½)/steps`` (integrated gradients
-    from the zero-value baseline, midpoint rule), where ``v(α)`` scales the attributed values;
+    over the positions ``start …`` (``T' = T − start``): ``c_ts = Σ_i w_i J_ts(v(α_i)) v_s``, where
+    ``v(α)`` scales the attributed values, with ``α_1 = w_1 = 1`` when ``steps = 1`` (gradient ×
+    input, under either ``rule``) and otherwise the ``steps``-point quadrature ``rule`` on
+    ``[0, 1]`` (:func:`quadrature_nodes`; integrated gradients from the zero-value baseline):
+    ``"midpoint"`` (the default, ``α_i = (i − ½)/steps``, ``w_i = 1/steps``) or
+    ``"gauss_legendre"`` (see the module docstring for why midpoint is the default);
     ``output`` is the read minus ``baseline`` (the read with the attributed values zeroed).
     One forward-mode pass per seed ``(α_i, s)`` — a tangent ``v_s`` at position ``s`` gives
     ``J_ts v_s`` for every ``t`` at once — batched as copies of the batch, at most ``max_rows``
     rows ``R·B`` per pass (at least one seed). Defaults: ``start=0``, ``steps=1``,
-    ``max_rows=1024``."""
+    ``rule="midpoint"``, ``max_rows=1024``.
+
+    Raises:
+        ValueError: ``steps`` or ``max_rows`` not an int ``>= 1``; ``start`` not an int in
+            ``[0, T]``; ``rule`` not one of :data:`RULES`."""
     steps = _as_int("steps", steps, 1)
+    rule = _as_rule(rule)
     max_rows = _as_int("max_rows", max_rows, 1)
     B, T, H, _ = v.shape
     start = _as_int("start", start, 0, T)
@@ -185,20 +208,20 @@ def attribute_read(
         base = read(v * (1 - mask))
     Vo = o.shape[-1]
     Tn = T - start
-    alphas = [1.0] if steps == 1 else [(i + 0.5) / steps for i in range(steps)]
-    seeds = [(a, s) for a in alphas for s in range(start, T)]
+    alphas, weights = ([1.0], [1.0]) if steps == 1 else [x.tolist() for x in quadrature_nodes(steps, rule)]
+    seeds = [(a, w, s) for a, w in zip(alphas, weights) for s in range(start, T)]
     per_block = max(1, max_rows // B)
     contrib = v.new_zeros(B, H, Tn, Tn, Vo)
     for i0 in range(0, len(seeds), per_block):
         block = seeds[i0 : i0 + per_block]
         R = len(block)
-        scale = torch.tensor([a for a, _ in block], dtype=v.dtype, device=v.device)
+        scale = torch.tensor([a for a, _, _ in block], dtype=v.dtype, device=v.device)
         scale = scale.repeat_interleave(B)[:, None, None, None]
         # a primal that requires grad: every tensor its tangent reaches then requires grad too, so
         # the references' fresh aliases of the weights (``view_as``) keep the tangents
         primal = (_replicate(v, R) * (1 - mask + mask * scale)).requires_grad_(True)
         tangent = torch.zeros_like(primal)
-        for r, (_, s) in enumerate(block):
+        for r, (_, _, s) in enumerate(block):
             tangent[r * B : (r + 1) * B, s] = v[:, s]
         with torch.enable_grad(), fwAD.dual_level():
             out = read(fwAD.make_dual(primal, tangent))
@@ -206,9 +229,61 @@ def attribute_read(
         if jv is None:  # the read does not depend on the values at all (e.g. a constant step)
             continue
         jv = jv.detach()[:, start:].reshape(R, B, Tn, H, Vo)
-        for r, (_, s) in enumerate(block):
-            contrib[:, :, :, s - start] += jv[r].transpose(1, 2) / len(alphas)
+        for r, (_, w, s) in enumerate(block):
+            contrib[:, :, :, s - start] += jv[r].transpose(1, 2) * w
     return _causal(contrib), (o - base)[:, start:], base[:, start:]
+
+
+#: the quadrature rules of the integrated-gradients path integral (:func:`quadrature_nodes`)
+RULES = ("gauss_legendre", "midpoint")
+
+
+def _as_rule(rule) -> str:
+    """``rule`` if it is one of :data:`RULES`, else a ValueError naming the argument, the allowed
+    values and the value."""
+    if not isinstance(rule, str) or rule not in RULES:
+        want = " or ".join(repr(r) for r in RULES)
+        raise ValueError(f"rule must be {want}, got {rule!r}")
+    return rule
+
+
+def _legendre(n: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P_n(x), P_n'(x))`` by the three-term recurrence (``|x| < 1``)."""
+    p0, p1 = torch.ones_like(x), x
+    for k in range(1, n):
+        p0, p1 = p1, ((2 * k + 1) * x * p1 - k * p0) / (k + 1)
+    return p1, n * (x * p1 - p0) / (x * x - 1)
+
+
+def quadrature_nodes(n: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes ``α_i`` and weights ``w_i`` (float64 ``[n]`` each, ``Σ w_i = 1``, nodes increasing in
+    ``(0, 1)`` and symmetric about ``½``) of an ``n``-point rule for ``∫_0^1 f(α) dα ≈ Σ w_i f(α_i)``.
+
+    ``"gauss_legendre"``: ``α_i = (x_i + 1)/2``, ``w_i = ω_i/2`` from the ``n``-point Gauss–Legendre
+    rule ``(x_i, ω_i)`` on ``[−1, 1]`` (exact for polynomials of degree ``≤ 2n − 1``): the ``x_i`` are
+    the eigenvalues of the Legendre polynomials' Jacobi matrix (off-diagonal ``k/√(4k² − 1)``;
+    Golub & Welsch 1969), polished by two Newton steps on ``P_n``, and ``ω_i = 2/((1 − x_i²)
+    P_n'(x_i)²)``, all in float64. ``"midpoint"``: ``α_i = (i + ½)/n``, ``w_i = 1/n`` (exact for
+    degree ``≤ 1``; error ``O(1/n²)``).
+
+    Raises:
+        ValueError: ``n`` not an int ``>= 1``; ``rule`` not one of :data:`RULES`.
+    """
+    n = _as_int("n", n, 1)
+    rule = _as_rule(rule)
+    f64 = torch.float64
+    if rule == "midpoint":
+        return (torch.arange(n, dtype=f64) + 0.5) / n, torch.full((n,), 1.0 / n, dtype=f64)
+    k = torch.arange(1, n, dtype=f64)
+    off = k / torch.sqrt(4 * k * k - 1)
+    x = torch.linalg.eigvalsh(torch.diag(off, 1) + torch.diag(off, -1))
+    for _ in range(2):
+        p, dp = _legendre(n, x)
+        x = x - p / dp
+    _, dp = _legendre(n, x)
+    w = 2 / ((1 - x * x) * dp * dp)
+    x, w = (x - x.flip(0)) / 2, (w + w.flip(0)) / 2  # exactly symmetric
+    return (x + 1) / 2, w / 2
 
 
 def _as_int(name: str, x, lo: int, hi: int | None = None) -> int:
@@ -237,15 +312,16 @@ def attribution_of_read(
     *,
     start: int = 0,
     steps: int = 1,
+    rule: str = "midpoint",
     max_rows: int = 1024,
     exact: bool = False,
 ) -> ValueAttribution:
     """:func:`attribute_read` packed as a :class:`ValueAttribution` (the scalar map
     ``m_ts = ⟨c_ts, v_s⟩ / ‖v_s‖²``), for a memory given as a read function (e.g. HOPE's
     self-modifying memory). ``exact`` is the caller's statement that the read is linear in ``v``.
-    ``start, steps, max_rows`` as in :func:`attribute_read`. Defaults: ``start=0``, ``steps=1``,
-    ``max_rows=1024``, ``exact=False``."""
-    contrib, out, base = attribute_read(read, v, start=start, steps=steps, max_rows=max_rows)
+    ``start, steps, rule, max_rows`` as in :func:`attribute_read`. Defaults: ``start=0``,
+    ``steps=1``, ``rule="midpoint"``, ``max_rows=1024``, ``exact=False``."""
+    contrib, out, base = attribute_read(read, v, start=start, steps=steps, rule=rule, max_rows=max_rows)
     vs = v.detach()[:, start:]
     return ValueAttribution(project(contrib, vs), vs, out, contrib, base, exact)
 
@@ -272,6 +348,7 @@ def value_attribution(
     initial_weights=None,
     start: int = 0,
     steps: int = 1,
+    rule: str = "midpoint",
     method: str = "auto",
     mode: str = "chunk",
     max_rows: int = 1024,
@@ -289,16 +366,18 @@ def value_attribution(
     :func:`exact_value_map`), ``"jacobian"`` (gradient × input, any memory) or ``"auto"``
     (``"exact"`` where it applies). ``mode`` is the engine form of the exact map and of the
     output/baseline reads; the Jacobian always runs the token-loop reference (forward-mode AD).
-    ``steps, max_rows``: as in :func:`attribute_read` (the Jacobian method only).
+    ``steps, rule, max_rows``: as in :func:`attribute_read` (the Jacobian method only).
     ``norm_weight, norm_bias``: the inner norm's learned ``[H, V]`` scale and shift, as
     :func:`~mnemo.memory.neural_memory` takes them (held at their values, not attributed).
     Computation runs in float32 (float64 for float64 inputs). Defaults: ``start=0``, ``steps=1``,
-    ``max_rows=1024``, ``norm_weight=None``, ``norm_bias=None`` (the parameter-free norm).
+    ``rule="midpoint"``, ``max_rows=1024``, ``norm_weight=None``, ``norm_bias=None`` (the
+    parameter-free norm).
 
     Raises:
         ValueError: ``method`` unknown, or ``"exact"`` for a memory not linear in its values;
-            ``start`` not an int in ``[0, T]``; ``steps`` or ``max_rows`` not an int ``>= 1``; the
-            inputs' shapes (from :func:`~mnemo.memory.neural_memory`).
+            ``start`` not an int in ``[0, T]``; ``steps`` or ``max_rows`` not an int ``>= 1``;
+            ``rule`` not one of :data:`RULES`; the inputs' shapes (from
+            :func:`~mnemo.memory.neural_memory`).
     """
     if method not in ("auto", "exact", "jacobian"):
         raise ValueError(f"method must be 'auto', 'exact' or 'jacobian', got {method!r}")
@@ -307,6 +386,7 @@ def value_attribution(
         raise ValueError("method='exact' needs a memory linear in its values (linear_in_values)")
     start = _as_int("start", start, 0, q.shape[1])
     steps = _as_int("steps", steps, 1)
+    rule = _as_rule(rule)
     max_rows = _as_int("max_rows", max_rows, 1)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, theta, g, eta, delta, norm_weight, norm_bias = (
@@ -337,8 +417,9 @@ def value_attribution(
 
     if method == "jacobian" or (method == "auto" and not exact):
         return attribution_of_read(
-            lambda vr: read(vr, "recurrent"), v, start=start, steps=steps, max_rows=max_rows, exact=exact
-        )
+            lambda vr: read(vr, "recurrent"), v, start=start, steps=steps, rule=rule, max_rows=max_rows,
+            exact=exact,
+        )  # fmt: skip
     M = exact_value_map(spec, q, k, theta, g=g, eta=eta, delta=delta, mode=mode)[..., start:, start:]
     vs = v[:, start:]
     with torch.no_grad():  # output and baseline from two runs of the memory (not from M)
