@@ -14,7 +14,7 @@ that is missing — reported in one line), 3 when a forced backend served none o
 ``TRITON_INTERPRET=1``; a warning line says so).
 
     mnemo verify                          # everything
-    mnemo verify --quick --ops 'gla*'     # fewer lengths, gated linear attention only
+    mnemo verify --quick --ops 'gla*'     # fewer lengths, fast gradcheck; gated linear attention only
     mnemo verify --third-party fla --ops gated_delta_rule
 """
 

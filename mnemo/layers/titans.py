@@ -443,7 +443,7 @@ class NeuralMemory(Mixer):
     #: contributions add up to the writes' part of the read as ``n`` grows). Ignored by memories
     #: linear in their values (their map is exact).
     attribution_steps: int = 4
-    #: quadrature rule of those steps: ``"midpoint"`` (the default; ``α_i = (i − ½)/n``, equal
+    #: quadrature rule of those steps: ``"midpoint"`` (the default; ``α_i = (i − ½)/n``, ``i = 1 … n``, equal
     #: weights) or ``"gauss_legendre"`` (exact for reads polynomial in the values of degree ``≤ 2n``,
     #: far smaller errors for most smooth reads but not better at every ``n`` on the nonlinear
     #: presets: :mod:`mnemo.memory.attribution` gives the measurement). ``steps = 1`` is gradient ×

@@ -40,7 +40,7 @@ so:
     baseline — integrated gradients (Sundararajan et al. 2017, who take a Riemann sum; any quadrature
     of the same path integral is integrated gradients) — as ``c_ts = Σ_i w_i J_ts(α_i v) v_s``
     (:func:`quadrature_nodes`): then ``Σ_s c_ts → o_t − b_t`` as ``n`` grows (complete
-    attribution). ``rule="midpoint"`` (the default; ``α_i = (i + ½)/n``, ``w_i = 1/n``, error
+    attribution). ``rule="midpoint"`` (the default; ``α_i = (i − ½)/n``, ``i = 1 … n``, ``w_i = 1/n``, error
     ``O(1/n²)``) or ``"gauss_legendre"`` (exact when the read is a polynomial of degree ``≤ 2n`` in
     the values). Midpoint is the default because Gauss–Legendre is not better at every ``n``: on
     the five nonlinear presets (``T = 10``, 20 draws of the initial weights, ``n = 4, 8, 16``) it
@@ -184,7 +184,7 @@ def attribute_read(
     ``v(α)`` scales the attributed values, with ``α_1 = w_1 = 1`` when ``steps = 1`` (gradient ×
     input, under either ``rule``) and otherwise the ``steps``-point quadrature ``rule`` on
     ``[0, 1]`` (:func:`quadrature_nodes`; integrated gradients from the zero-value baseline):
-    ``"midpoint"`` (the default, ``α_i = (i − ½)/steps``, ``w_i = 1/steps``) or
+    ``"midpoint"`` (the default, ``α_i = (i − ½)/steps``, ``i = 1 … steps``, ``w_i = 1/steps``) or
     ``"gauss_legendre"`` (see the module docstring for why midpoint is the default);
     ``output`` is the read minus ``baseline`` (the read with the attributed values zeroed).
     One forward-mode pass per seed ``(α_i, s)`` — a tangent ``v_s`` at position ``s`` gives
@@ -263,8 +263,8 @@ def quadrature_nodes(n: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     rule ``(x_i, ω_i)`` on ``[−1, 1]`` (exact for polynomials of degree ``≤ 2n − 1``): the ``x_i`` are
     the eigenvalues of the Legendre polynomials' Jacobi matrix (off-diagonal ``k/√(4k² − 1)``;
     Golub & Welsch 1969), polished by two Newton steps on ``P_n``, and ``ω_i = 2/((1 − x_i²)
-    P_n'(x_i)²)``, all in float64. ``"midpoint"``: ``α_i = (i + ½)/n``, ``w_i = 1/n`` (exact for
-    degree ``≤ 1``; error ``O(1/n²)``).
+    P_n'(x_i)²)``, all in float64. ``"midpoint"``: ``α_i = (i − ½)/n``, ``i = 1 … n``,
+    ``w_i = 1/n`` (exact for degree ``≤ 1``; error ``O(1/n²)``).
 
     Raises:
         ValueError: ``n`` not an int ``>= 1``; ``rule`` not one of :data:`RULES`.
