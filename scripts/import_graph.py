@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "mnemo"
@@ -55,17 +56,32 @@ def package_of(module: str) -> str | None:
 def imports(path: Path):
     """``(imported module, line, kind)`` for every import in ``path``; kind is ``top``, ``lazy``
     (inside a function) or ``dynamic`` (a module named by string)."""
+    return _imports(path, path.stat().st_mtime_ns, ROOT)
+
+
+def _nodes(tree: ast.AST):
+    """``(node, inside a function)`` for every node, in :func:`ast.walk`'s order (breadth first):
+    one pass (walking each function's subtree again was quadratic in the nesting)."""
+    todo = deque([(tree, False)])
+    while todo:
+        node, inside = todo.popleft()
+        yield node, inside
+        inner = inside or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        todo.extend((child, inner) for child in ast.iter_child_nodes(node))
+
+
+@functools.cache
+def _imports(path: Path, mtime_ns: int, root: Path) -> tuple[tuple[str, int, str], ...]:
+    """:func:`imports`' answer, parsed once per file version and root (both graphs read every file)."""
+    return tuple(_scan(path))
+
+
+def _scan(path: Path):
     me = module_name(path)
     is_pkg = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), str(path))
-    in_function: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            for inner in ast.walk(node):
-                if inner is not node:
-                    in_function.add(id(inner))
-    for node in ast.walk(tree):
-        kind = "lazy" if id(node) in in_function else "top"
+    for node, inside in _nodes(tree):
+        kind = "lazy" if inside else "top"
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno, kind

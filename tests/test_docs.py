@@ -186,6 +186,10 @@ def _small(argv: list[str]) -> list[str]:
         extra += ["--models", "gla"]  # (every model of the registry, or seven, by default)
     if cmd == "bench models" and "--peers" not in argv:
         extra += ["--peers", "none"]
+    if argv[0] == "train" and not {"--resume", "--task", "--config"} & set(argv):
+        # a text run at 32 tokens a row (HOPE's runs took 5-12 s at the presets' 128, 2-3 s here);
+        # not a task's (its long-length evaluation walks windows of the training length: slower)
+        extra += ["--seq-len", "32"]
     if argv[0] == "train" and "--resume" in argv:
         # two steps more than the run it resumes where the page asks for more steps (and says how
         # the schedule changes); as written otherwise (a finished run's resume ends at once)
