@@ -45,6 +45,7 @@ from einops import rearrange
 from torch import nn
 
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
+from ..memory.attribution import ValueAttribution, value_attribution
 from .base import Mixer, Mixing, check_input, upcast
 from .base import batch_mm as _mm
 from .cms import check_dtype, check_state_dtype, no_autocast
@@ -303,24 +304,41 @@ class SelfModifyingProjections(Mixer):
 
         return linear_in_values(self.spec)
 
-    def mixing(self, acts: dict) -> Mixing:
-        """The main memory's map over one chunk (:meth:`mnemo.layers.NeuralMemory.mixing`: exact
-        for the default gated delta rule, an attribution for a nonlinear spec), from the hook
-        values of one fresh-stream call. Inside the first chunk the projections are fixed, so this
-        is the whole mixer's implicit attention.
+    #: integration steps of the attribution of a nonlinear main memory (see
+    #: :attr:`mnemo.layers.NeuralMemory.attribution_steps`; ignored by the default gated delta rule,
+    #: whose map is exact)
+    attribution_steps: int = 4
+    #: their quadrature rule, ``"midpoint"`` (the default) or ``"gauss_legendre"`` (see
+    #: :attr:`mnemo.layers.NeuralMemory.attribution_rule`)
+    attribution_rule: str = "midpoint"
 
-        Raises ``NotImplementedError`` for a stream longer than one chunk (later chunks' keys and
-        values depend on earlier reads through the projections' rewrite, so the main memory's map
-        is not the mixer's), or hook values that do not cover the stream."""
-        from ..memory.attribution import value_attribution
+    def attribution(
+        self, acts: dict, steps: int | None = None, method: str = "auto", *, rule: str | None = None
+    ) -> ValueAttribution:
+        """The main memory's read over one chunk attributed to each written value ``v_s``
+        (:func:`~mnemo.memory.attribution.value_attribution`: maps ``[B, H, T, T]``, exact for the
+        default gated delta rule, an attribution for a nonlinear spec), from the hook values of one
+        fresh-stream call. ``steps`` and ``rule`` (keyword-only: the quadrature rule of the
+        integration steps, ``"midpoint"`` or ``"gauss_legendre"``;
+        :func:`~mnemo.memory.attribution.attribute_read`) default to :attr:`attribution_steps` and
+        :attr:`attribution_rule` (``4``, ``"midpoint"``; ``steps = 1`` is gradient × input under
+        either rule); ``method`` as in :meth:`mnemo.layers.NeuralMemory.attribution` (default
+        ``"auto"``).
 
+        Raises:
+            NotImplementedError: a stream longer than one chunk (later chunks' keys and values
+                depend on earlier reads through the projections' rewrite, so the main memory's map
+                is not the mixer's), or hook values that do not cover the stream.
+            ValueError: ``rule`` not one of :data:`~mnemo.memory.attribution.RULES`, ``steps`` not
+                an int ``>= 1``, ``method`` unknown
+                (:func:`~mnemo.memory.attribution.value_attribution`)."""
         T, offset = acts["hook_q"].shape[1], acts["hook_state"].offset
         if T != offset or T > self.chunk_size:
             raise NotImplementedError(
                 f"SelfModifyingProjections: a map needs a stream of at most one chunk "
                 f"({self.chunk_size} tokens) recorded whole; got {T} recorded of {offset} tokens"
             )
-        a = value_attribution(
+        return value_attribution(
             self.spec,
             acts["hook_q"],
             acts["hook_k"],
@@ -328,9 +346,22 @@ class SelfModifyingProjections(Mixer):
             acts["hook_beta"],
             g=acts.get("hook_g"),
             initial_weights=list(self.memory_init),
-            steps=4,
+            steps=self.attribution_steps if steps is None else steps,
+            rule=self.attribution_rule if rule is None else rule,
+            method=method,
             mode=self.mode,
         )
+
+    def mixing(self, acts: dict) -> Mixing:
+        """The main memory's map over one chunk (:meth:`attribution`, at :attr:`attribution_steps`
+        and :attr:`attribution_rule`: exact for the default gated delta rule, an attribution for a
+        nonlinear spec), from the hook values of one fresh-stream call. Inside the first chunk the
+        projections are fixed, so this is the whole mixer's implicit attention.
+
+        Raises ``NotImplementedError`` for a stream longer than one chunk (later chunks' keys and
+        values depend on earlier reads through the projections' rewrite, so the main memory's map
+        is not the mixer's), or hook values that do not cover the stream."""
+        a = self.attribution(acts)
         return Mixing(a.maps, a.values, a.output)
 
     def state_spec(

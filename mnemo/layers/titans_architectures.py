@@ -238,9 +238,22 @@ class _MemoryAndWindow(Mixer):
     def mixing_exact(self) -> bool:
         return self.memory.mixing_exact
 
-    def attribution(self, acts: dict, steps: int | None = None, method: str = "auto") -> ValueAttribution:
-        """The long-term memory's :meth:`NeuralMemory.attribution` (from the ``memory.hook_*`` values)."""
-        return self.memory.attribution({h.removeprefix("memory."): a for h, a in acts.items()}, steps, method)
+    def attribution(
+        self, acts: dict, steps: int | None = None, method: str = "auto", *, rule: str | None = None
+    ) -> ValueAttribution:
+        """The long-term memory's :meth:`NeuralMemory.attribution` (from the ``memory.hook_*`` values;
+        maps ``[B, H, T, T]`` over the stream's own ``T`` tokens). ``steps``, ``method`` and ``rule``
+        (keyword-only: the quadrature rule of the integration steps, ``"midpoint"`` or
+        ``"gauss_legendre"``; :func:`~mnemo.memory.attribution.attribute_read`) as there;
+        ``steps`` and ``rule`` default to the memory's :attr:`~NeuralMemory.attribution_steps` and
+        :attr:`~NeuralMemory.attribution_rule` (``4``, ``"midpoint"``).
+
+        Raises:
+            ValueError: ``rule`` not one of :data:`~mnemo.memory.attribution.RULES`, ``steps`` not
+                an int ``>= 1``, ``method`` unknown
+                (:func:`~mnemo.memory.attribution.value_attribution`)."""
+        mem = {h.removeprefix("memory."): a for h, a in acts.items()}
+        return self.memory.attribution(mem, steps, method, rule=rule)
 
     def mixing(self, acts: dict) -> Mixing:
         """The long-term memory's map (:meth:`NeuralMemory.mixing`, from the ``memory.hook_*``
@@ -467,10 +480,22 @@ class TitansMAC(Mixer):
             )
         return mem
 
-    def attribution(self, acts: dict, steps: int | None = None, method: str = "auto") -> ValueAttribution:
+    def attribution(
+        self, acts: dict, steps: int | None = None, method: str = "auto", *, rule: str | None = None
+    ) -> ValueAttribution:
         """The long-term memory's :meth:`NeuralMemory.attribution` (from the ``memory.hook_*`` values,
-        covering the whole stream: see :meth:`mixing`)."""
-        return self.memory.attribution(self._memory_acts(acts), steps, method)
+        covering the whole stream: see :meth:`mixing`; maps ``[B, H, T, T]``). ``steps``, ``method``
+        and ``rule`` (keyword-only: the quadrature rule of the integration steps, ``"midpoint"`` or
+        ``"gauss_legendre"``; :func:`~mnemo.memory.attribution.attribute_read`) as there; ``steps``
+        and ``rule`` default to the memory's :attr:`~NeuralMemory.attribution_steps` and
+        :attr:`~NeuralMemory.attribution_rule` (``4``, ``"midpoint"``).
+
+        Raises:
+            NotImplementedError: the memory hooks hold fewer tokens than the stream.
+            ValueError: ``rule`` not one of :data:`~mnemo.memory.attribution.RULES`, ``steps`` not
+                an int ``>= 1``, ``method`` unknown
+                (:func:`~mnemo.memory.attribution.value_attribution`)."""
+        return self.memory.attribution(self._memory_acts(acts), steps, method, rule=rule)
 
     def mixing(self, acts: dict) -> Mixing:
         """The long-term memory's map (:meth:`NeuralMemory.mixing`): its read after each write

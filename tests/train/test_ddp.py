@@ -75,9 +75,10 @@ def _hope_cfg(**kw) -> TrainConfig:
 
 
 def _moe_cfg(**kw) -> TrainConfig:
-    """A MoE hybrid with load-balance and z losses and bias balancing (global counts)."""
+    """A MoE hybrid with load-balance, z and sequence-wise (DeepSeek-V3) losses and bias balancing
+    (global counts)."""
     opts = {"n_experts": 4, "top_k": 2, "expert_hidden": 8, "aux_loss_coef": 0.1, "z_loss_coef": 0.01,
-            "bias_balancing": True, "bias_update_rate": 0.01}  # fmt: skip
+            "seq_aux_loss_coef": 0.01, "bias_balancing": True, "bias_update_rate": 0.01}  # fmt: skip
     pattern = ["gated_deltanet", "attention"]
     overrides = {"d_model": 16, "n_layers": 2, "pattern": pattern, "mlp_options": opts}
     return _text_cfg(model="gated_deltanet_attention_moe", model_overrides=overrides, steps=4, **kw)
@@ -199,11 +200,36 @@ def test_two_processes_train_a_model_with_parameters_unused_by_the_loss(spawned,
 def test_two_processes_train_moe_like_one_process_with_two_micro_batches(spawned, tmp_path):
     """The auxiliary losses are means over micro-batches and ranks (per-rank rows = per-micro-batch
     rows), and the balancing bias steps on the global counts: 2 ranks x 1 micro-batch equals
-    1 process x 2 micro-batches, losses, loads and biases."""
+    1 process x 2 micro-batches, losses, loads and biases.
+
+    ``moe_seq_aux_loss`` too: ``MoEBalance.after_step`` all-reduces (sums) every rank's per-layer
+    ``L_seq`` sums and ``record`` divides by the micro-batches x ranks of the interval and the
+    layers, so rank 0 logs the mean over both ranks' rows, as the one process does over its two
+    micro-batches (measured: equal to the last bit; ``RTOL`` as for the other losses). Rank 0's
+    own rows alone (the one process's first micro-batches) give a value off by 3.4e-4 and 6.2e-4
+    (relative, steps 2 and 4): the comparison would catch a metric left unreduced."""
     tr = Trainer(_moe_cfg(grad_accum=2), tmp_path, progress=False)
+    seq: list[list[float]] = []  # per training micro-batch: each MoE layer's L_seq
+
+    def capture(module, args, output):
+        if module.training:
+            if module is first:
+                seq.append([])
+            seq[-1].append(module.last_seq_aux_loss.item())
+
+    first = next(m for _, m in tr.model.moe_layers())
+    for _, m in tr.model.moe_layers():
+        m.register_forward_hook(capture)
     tr.fit()
-    keys = ("train_loss", "val_loss", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min")
-    _assert_same_losses(_metrics(spawned / "moe"), _metrics(tmp_path), keys)
+    keys = ("train_loss", "val_loss", "moe_aux_loss", "moe_z_loss", "moe_seq_aux_loss")
+    want = _metrics(tmp_path)
+    _assert_same_losses(_metrics(spawned / "moe"), want, (*keys, "moe_load_max", "moe_load_min"))
+    # 2 intervals of 2 steps of 2 micro-batches; rank 0's rows are each step's first micro-batch
+    assert [len(s) for s in seq] == [2] * 8 and [r["step"] for r in want] == [2, 4]
+    for r, interval in zip(want, (seq[:4], seq[4:])):
+        assert r["moe_seq_aux_loss"] == pytest.approx(sum(map(sum, interval)) / 8, rel=1e-12)
+        rank0 = sum(map(sum, interval[::2])) / 4
+        assert rank0 != pytest.approx(r["moe_seq_aux_loss"], rel=10 * RTOL)
     from safetensors.torch import load_file
 
     other = load_file(str(spawned / "moe" / "ckpt-000004" / "model.safetensors"))
