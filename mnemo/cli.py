@@ -171,7 +171,8 @@ def _main(argv: list[str] | None) -> int:
         then = getattr(e, "then", None)  # (the command knows better: nothing saved yet, say)
         if then is None:
             then = {
-                "train": "; the last checkpoint is intact: continue with --resume",
+                # (mnemo train says what its run folder holds; this is before it knew the folder)
+                "train": "; nothing was written",
                 "sweep": "; finished runs are stored: run the same mnemo sweep command again to continue",
             }.get(args.command, "")
         report(f"\nmnemo: interrupted{detail}{then}")

@@ -489,6 +489,24 @@ def _cmd_plot_training(args) -> int:
     return 0
 
 
+#: :func:`~mnemo.interp.interventions.induction_ablation`'s arguments as ``mnemo probe ablate`` names them
+_ABLATE_FLAGS = {
+    "k": "--top-induction",
+    "draws": "--draws",
+    "length": "--length",
+    "batch": "--batch",
+    "how": "--how",
+    "random_from": "--random-from",
+}
+
+
+def _as_flags(message: str, flags: dict[str, str]) -> str:
+    """A Python API's error ``"name: …"`` as the command line says it (``"--flag: …"``) when ``name``
+    is one of ``flags``' arguments; any other message as it is."""
+    name, sep, rest = message.partition(": ")
+    return f"{flags[name]}: {rest}" if sep and name in flags else message
+
+
 def _cmd_ablate(args) -> int:
     from ..interp.interventions import induction_ablation
 
@@ -498,8 +516,9 @@ def _cmd_ablate(args) -> int:
     _refuse_outputs(args, path)
     bos = _run_bos_id(ckpt, model)
     _check_probe_memory(model, args.batch, 2 * args.length + (bos is not None), "--length / --batch")
-    result = _scored(
-        lambda: induction_ablation(
+
+    def run():
+        return induction_ablation(
             model,
             args.top_induction,
             draws=args.draws,
@@ -509,10 +528,12 @@ def _cmd_ablate(args) -> int:
             how=args.how,
             random_from=args.random_from,
             bos=bos,
-        ),
-        args.length,
-        bos,
-    )
+        )
+
+    try:
+        result = _scored(run, args.length, bos)
+    except ValueError as e:  # a check of the Python API's argument (k's upper bound needs the heads)
+        raise ValueError(_as_flags(str(e), _ABLATE_FLAGS)) from None
     result = {"checkpoint": str(ckpt), **result}
     _write_json(path, result)
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line

@@ -84,20 +84,25 @@ def _default_out(model: str) -> Path:
     return Path(f"{base}-{i}")
 
 
+#: what commands write into a run folder beside its checkpoints by default: ``mnemo probe``'s figures and
+#: JSON (``probes/``, :func:`mnemo.commands.probe.default_out`), the trainer's TensorBoard events
+#: (``tb/``) and ``mnemo probe plot-training``'s figure (``training.png``)
+_DERIVED_RESULTS = ("probes", "tb", "training.png")
+
+
 def _set_aside_old_results(out: Path) -> None:
-    """``--overwrite``: what the discarded run left beside its checkpoints (``probes/``: probe
-    figures and JSON; ``tb/``: TensorBoard events) describes the old model, so it moves to
-    ``OUT/kept/overwritten-N/`` with a warning instead of mixing with the new run's (nothing is
-    deleted)."""
-    old = [out / name for name in ("probes", "tb") if (out / name).exists()]
+    """``--overwrite``: what the discarded run left beside its checkpoints (:data:`_DERIVED_RESULTS`)
+    describes the old model, so it moves to ``OUT/kept/overwritten-N/`` with a warning instead of
+    mixing with the new run's, or blocking its default outputs (nothing is deleted)."""
+    old = [out / name for name in _DERIVED_RESULTS if (out / name).exists() or (out / name).is_symlink()]
     if not old:
         return
     from ..train.checkpoint import new_kept_folder
 
+    names = ", ".join(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in old)
     dest = new_kept_folder(out, "overwritten")
     for p in old:
         p.rename(dest / p.name)
-    names = ", ".join(p.name + "/" for p in old)
     print(
         f"warning: --overwrite: the old run's {names} moved to {dest} (they describe the discarded model)",
         file=sys.stderr,
@@ -311,8 +316,34 @@ def _saved_task(out) -> str | None:
 
 
 def _cmd_train(args) -> int:
+    run: dict = {}  # ``out``: the run folder, once known
     with contextlib.ExitStack() as held:  # the run folder's lock, once taken: until the command ends
-        return _train(args, held)
+        try:
+            return _train(args, held, run)
+        except KeyboardInterrupt as e:
+            # an interrupt that does not say what it left (a second Ctrl-C while the first one's
+            # checkpoint was being written, say): what is on disk now, not a guess
+            if getattr(e, "then", None) is None and "out" in run:
+                e.then = _interrupted_then(run["out"])
+            raise
+
+
+def _interrupted_then(out: Path) -> str:
+    """What the ``mnemo: interrupted`` line adds about run folder ``out`` after an interrupt that
+    did not say it: its newest checkpoint (what ``--resume`` continues from), or that none was
+    saved (and whether a ``metrics.jsonl`` without one needs ``--overwrite`` to start again)."""
+    from ..train.checkpoint import resolve_checkpoint
+
+    try:  # (not verified: a second Ctrl-C is no time to hash a large checkpoint; --resume checks it)
+        ckpt = resolve_checkpoint(out, verify=False)
+    except (OSError, ValueError):
+        ckpt = None
+    if ckpt is not None:
+        again = f"--resume --out {shlex.quote(str(out))}"
+        return f"; {out}'s newest checkpoint is {ckpt.name}: continue with {again}"
+    if (out / "metrics.jsonl").is_file():
+        return f"; no checkpoint was saved in {out} (only its metrics.jsonl): pass --overwrite to start over"
+    return f"; no checkpoint was saved in {out}: run the command again to start"
 
 
 def parameter_count(n: int) -> str:
@@ -325,7 +356,7 @@ def parameter_count(n: int) -> str:
     return f"{n / 1e9:.3g}B"
 
 
-def _train(args, held: contextlib.ExitStack) -> int:
+def _train(args, held: contextlib.ExitStack, run: dict) -> int:
     import torch
 
     from ..interp import circuit_callbacks
@@ -425,6 +456,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
         out = _default_out(cfg.model)
     else:
         out = Path(args.out)
+    run["out"] = out
     # (a folder's corpus is the files in it; a bundled name is never a folder, whatever the cwd holds)
     from ..data.corpus import BUNDLED, glob_reads_run
 

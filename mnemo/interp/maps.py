@@ -89,7 +89,10 @@ def layer_indices(layers, n: int) -> list[int]:
 @torch.no_grad()
 def capture_maps(model, input_ids: torch.Tensor, layers=None) -> dict[int, torch.Tensor]:
     """``{layer: [B, H, T, T]}`` for every mixing layer of ``model`` on ``input_ids`` (layers without
-    a map are skipped), or for the layers ``layers`` (ints) only. The hooks only read; the forward
+    a map are skipped), or for the layers ``layers`` (ints) only. The keys are the blocks' int
+    indices (``maps[0]``; :func:`~mnemo.interp.probe.circuit_scores` and
+    :func:`~mnemo.interp.spectrum.memory_spectrum` key by str, ``"0"``, as their JSON files do, since
+    the spectrum also has sub-layer keys such as ``"0.cms0"``). The hooks only read; the forward
     pass is unchanged. ``input_ids`` are moved to the model's device. ``layers``: an int (a numpy or
     0-d tensor integer too) or a sequence of them. Raises ``ValueError`` naming ``layers`` for an
     index out of range or not an integer."""
@@ -108,7 +111,21 @@ def capture_maps(model, input_ids: torch.Tensor, layers=None) -> dict[int, torch
     if not names:
         return {}
     _, cache = model.run_with_cache(input_ids, names=names)
-    return {
-        i: model.blocks[i].mixer.mixing({h: cache[f"blocks.{i}.mixer.{h}"] for h in hooks}).maps
-        for i, hooks in wanted.items()
-    }
+    maps = {}
+    for i, hooks in wanted.items():
+        # (a hook that never fired is left out, and its mixer says what that means: TitansMAC's
+        # memory hooks on 0 tokens, which run no segment, give an empty map)
+        acts = {h: cache[f"blocks.{i}.mixer.{h}"] for h in hooks if f"blocks.{i}.mixer.{h}" in cache}
+        mixer = model.blocks[i].mixer
+        try:
+            maps[i] = mixer.mixing(acts).maps
+        except KeyError:
+            if input_ids.shape[-1] != 0 or len(acts) == len(hooks):
+                raise
+            missing = [h for h in hooks if h not in acts]
+            raise ValueError(
+                f"input_ids: 0 tokens (shape {list(input_ids.shape)}); layer {i}'s mixer "
+                f"{type(mixer).__name__} records no {', '.join(missing)} on them, so it has no map: "
+                "expected T >= 1 tokens"
+            ) from None
+    return maps

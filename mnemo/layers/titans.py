@@ -472,7 +472,9 @@ class NeuralMemory(Mixer):
         the stream's own ``T`` tokens. ``steps`` defaults to :attr:`attribution_steps`, ``rule``
         (keyword-only; :func:`~mnemo.memory.attribution.attribute_read`) to
         :attr:`attribution_rule` (``"midpoint"``)."""
-        n_prefix = self.persistent.shape[0] if self.persistent is not None else 0
+        # (a 0-token call writes no prefix: it is written with the first token, see forward)
+        written = acts["hook_q"].shape[1] > 0
+        n_prefix = self.persistent.shape[0] if self.persistent is not None and written else 0
         norm_weight, norm_bias = self.inner_norm_affine()
         return value_attribution(
             self.spec,

@@ -460,6 +460,8 @@ class TitansMAC(Mixer):
         :meth:`~mnemo.models.LanguageModel.run_with_cache` records them."""
         acts = {}
         for h, values in self._mixing_firings(x).items():
+            if not values:  # (a 0-token call runs no segment: the memory's hooks never fire)
+                continue
             point = self.get_submodule(h)
             td = point.time_dim
             lengths = [v.shape[td] if isinstance(v, torch.Tensor) and td is not None else 0 for v in values]
@@ -472,6 +474,14 @@ class TitansMAC(Mixer):
         segment alone would be read as a fresh stream from the learned initial weights)."""
         mem = {h.removeprefix("memory."): a for h, a in acts.items() if h.startswith("memory.")}
         state = acts.get("hook_state")
+        if "hook_q" not in mem and state is not None and state.offset == 0:
+            # a 0-token call runs no segment, so the memory's hooks never fired: their values on no
+            # tokens, from the memory's own 0-token call (its map is then [B, H, 0, 0])
+            B = state.memory.weights[0].shape[0]
+            w = self.memory.in_proj.weight
+            return self.memory.mixing_acts(
+                w.new_zeros(B, 0, self.d_model, dtype=input_dtype(self.memory.in_proj))
+            )
         if state is not None and mem["hook_q"].shape[1] != state.offset:
             raise NotImplementedError(
                 f"TitansMAC: the memory hooks recorded {mem['hook_q'].shape[1]} of the stream's "

@@ -381,11 +381,16 @@ def resolve_checkpoint(
                 f"to follow it. Fix or delete {latest}"
             )
         linked = dest.name
+    # a ckpt-NNNNNN folder with neither config nor weights is no checkpoint (``mnemo probe``'s outputs
+    # of one, RUN/probes/ckpt-NNNNNN/): never the run's newest intact one
+    empty = [c for c in own if not _holds_a_model(c)]
+    own = [c for c in own if _holds_a_model(c)]
     if linked is None and not latest.is_file() and not own:
         raise FileNotFoundError(
             f"no checkpoint in {str(path)!r}: expected {CONFIG_NAME} + {WEIGHTS_NAME} there, or a "
             f"'{LATEST}' file naming a checkpoint directory (a run directory written by `mnemo train`)"
             + _linked_note(p)
+            + _not_checkpoints_note(p, empty)
         )
     if linked is None and not latest.is_file():  # the pointer was lost: the newest intact checkpoint, said
         newest = max(own, key=_step_of)
@@ -424,11 +429,14 @@ def resolve_checkpoint(
     if not name or not target.is_dir():
         bad.append(f"{latest} points to {name!r}, which is not a checkpoint directory")
         candidates = []
+    elif not _holds_a_model(target):
+        bad.append(f"{latest} points to {name!r}, which holds neither {CONFIG_NAME} nor {WEIGHTS_NAME}")
+        candidates = []
     else:
         candidates = [target]
-    newest = _step_of(target) if candidates else float("inf")  # never skip ahead of `latest`
+    newest = _step_of(target) if name and target.is_dir() else float("inf")  # never skip ahead of `latest`
     # the run's own checkpoints only: a ckpt-NNNNNN link (made by hand) is never resumed from
-    candidates += [c for c in reversed(run_checkpoints(p)) if _step_of(c) < newest]
+    candidates += [c for c in reversed(own) if _step_of(c) < newest]
     for c in candidates:
         problems = verify_checkpoint(c)
         if not problems:
@@ -440,6 +448,26 @@ def resolve_checkpoint(
     if not bad:
         raise FileNotFoundError(f"{latest} points to {name!r}, which is not a checkpoint directory in {p}")
     raise CorruptCheckpointError(p, bad + ["no intact checkpoint is left in the run directory"])
+
+
+def _holds_a_model(ckpt: Path) -> bool:
+    """Whether folder ``ckpt`` holds a model's config or weights, as every checkpoint does (an FSDP
+    run's sharded one too: its ``config.json``)."""
+    return (ckpt / CONFIG_NAME).is_file() or (ckpt / WEIGHTS_NAME).is_file()
+
+
+def _not_checkpoints_note(folder: Path, inside: list[Path]) -> str:
+    """A note naming the ``ckpt-NNNNNN`` folders ``inside`` ``folder`` that hold no model (not
+    checkpoints: e.g. ``mnemo probe``'s outputs in ``RUN/probes/``): '' when there are none."""
+    if not inside:
+        return ""
+    names = ", ".join(c.name for c in inside[:3]) + (f", … ({len(inside)} in all)" if len(inside) > 3 else "")
+    run = f"; the run folder here is {folder.parent}" if (folder.parent / LATEST).exists() else ""
+    return (
+        f"; its {names} hold{'s' if len(inside) == 1 else ''} neither {CONFIG_NAME} nor {WEIGHTS_NAME}: "
+        f"not {'a checkpoint' if len(inside) == 1 else 'checkpoints'} (`mnemo probe` writes its outputs "
+        f"of a run's checkpoint into RUN/probes/ckpt-NNNNNN/{run})"
+    )
 
 
 def _linked_note(run: Path) -> str:
