@@ -34,7 +34,10 @@ def circuit_scores(
     model, length: int = 32, batch: int = 8, seed: int = 0, vocab_offset: int = 0, bos: int | None = None
 ) -> dict:
     """Per layer and head: previous-token, duplicate-token and induction scores on random tokens
-    repeated twice (``length`` each), and the copying score of softmax heads. The ``batch``
+    repeated twice (``length`` each), and the copying score of softmax heads, keyed by the layer's
+    index as a str (``scores["0"]``, as in ``circuits.json`` and as
+    :func:`~mnemo.interp.spectrum.memory_spectrum`, whose sub-layers are ``"0.cms0"`` …;
+    :func:`~mnemo.interp.maps.capture_maps` keys by int). The ``batch``
     sequences are drawn with ``seed`` from the ids ``vocab_offset … vocab − 1``. ``bos``: the id
     of a run's fixed first token (``TrainConfig.bos``), put before the sequences as in training
     (which then never hold it); the scores leave position 0 out as query and key, without

@@ -287,7 +287,9 @@ def memory_spectrum(
 ) -> dict:
     """``{layer: entry}`` for every block of ``model`` on ``input_ids`` ``[B, T]``, plus
     ``{"{layer}.cms{level}": entry}`` for each level of a block whose MLP is a Continuum Memory
-    System.
+    System. The keys are str (``"0"``, ``"0.cms0"``: a sub-layer needs one, and
+    :func:`~mnemo.interp.probe.circuit_scores` keys by str as well;
+    :func:`~mnemo.interp.maps.capture_maps` keys by the int index).
 
     An entry holds ``"mixer"``, ``"kind"`` (``"diagonal"``, ``"delta"``, ``"test-time (JVP)"``,
     ``"test-time (state JVP)"`` (:func:`state_spectrum`: self-modifying mixers, CMS levels),
