@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -1137,6 +1138,81 @@ def _compile_kind(kind: str, matvec: bool = True, kernel: bool = True):
     return torch.compile(fresh)
 
 
+#: the stream counters of the decode states (``SelfModifyingTitansState.offset``, a CMS level's
+#: ``position``, ``updates``, ``absorbed``), as ``torch.compiler.config.dynamic_sources`` patterns:
+#: the compiled step (and the frames its graph breaks leave to dynamo) takes them as symbolic ints
+#: from its first trace. Specialised, they change at every token: dynamo traced each frame that
+#: reads one once for the first step and again at the second (automatic dynamic shapes; hope,
+#: titans_lmm: ``tests/models/test_hope_compiled_recompiles_46.py``).
+_COUNTERS = r".*\.(offset|position|updates|absorbed)$"
+
+
+#: per state dataclass, its field names (:func:`_steady_layout`)
+_FIELD_NAMES: dict = {}
+
+
+def _steady_layout(state, known: dict | None = None, found: dict | None = None):
+    """``state`` (a model's per-layer states: lists, tuples and state dataclasses of tensors) in the
+    layout its later decode steps have, for the compiled step (whose graphs guard on strides and
+    on which inputs are the same tensor): every tensor expanded over a dimension (a stride-0 view:
+    a fresh stream's initial weights broadcast over the batch) is materialised, and a tensor that
+    one state object holds in two fields (a memory's running and chunk-start weights at a chunk
+    boundary) is copied in the second. The values are unchanged; a state object that needs no
+    change is returned as it is, and one held in several places (the task signal's pending
+    segment, shared by the task blocks) gives one result shared in the same places.
+
+    ``known``: the ``found`` of the previous call (state objects already in this layout, by
+    ``id``: ``(object, result)``), not walked again (the task signal's snapshot of a segment's
+    start state lives for a whole segment); ``found`` collects this call's. Costs a walk of the
+    state objects that are new since the previous call and, where something changes, a copy of
+    that tensor (the initial weights once per stream, a chunk-start weight once per chunk)."""
+    known = {} if known is None else known
+    found = {} if found is None else found
+    plain = (int, float, bool, str, type(None))
+
+    def leaf(v, seen: set):
+        if isinstance(v, torch.Tensor):
+            st = v.stride()
+            if id(v) in seen or (0 in st and any(s == 0 and n > 1 for s, n in zip(st, v.shape))):
+                v = v.clone(memory_format=torch.contiguous_format)
+            seen.add(id(v))
+            return v
+        t = type(v)
+        if t is tuple or t is list:
+            out = [leaf(u, seen) for u in v]
+            return v if all(a is b for a, b in zip(out, v)) else t(out)
+        return v if t in plain else node(v)
+
+    def node(x):
+        t = type(x)
+        if t is list or t is tuple:
+            out = [node(u) for u in x]
+            return x if all(a is b for a, b in zip(out, x)) else t(out)
+        names = _FIELD_NAMES.get(t)
+        if names is None:
+            if not dataclasses.is_dataclass(t):
+                return x
+            names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(t))
+        hit = found.get(id(x)) or known.get(id(x))
+        if hit is not None and hit[0] is x:
+            found[id(x)], found[id(hit[1])] = hit, (hit[1], hit[1])
+            return hit[1]
+        seen: set[int] = set()
+        changed = {}
+        for name in names:
+            v = getattr(x, name)
+            if type(v) not in plain:
+                new = leaf(v, seen)
+                if new is not v:
+                    changed[name] = new
+        res = dataclasses.replace(x, **changed) if changed else x
+        found[id(x)] = (x, res)
+        found[id(res)] = (res, res)
+        return res
+
+    return node(state)
+
+
 class _DecodeStep:
     """:meth:`LanguageModel.generate`'s prefill ``prefill(ids [B, T]) -> (logits, state)`` and
     one-token step ``(ids [B, 1], state) -> (logits, state)``: the model itself, or with
@@ -1145,13 +1221,18 @@ class _DecodeStep:
     call (``torch._dynamo.exc.TorchDynamoException`` and its subclasses, which dynamo and inductor
     raise: no C compiler, an unsupported op) is reported once as a ``RuntimeWarning`` and that call
     and the rest of the generation run eagerly; any other error (a bad input, out of memory)
-    propagates unchanged."""
+    propagates unchanged. Compiled, the state each call returns is put in the layout of the later
+    steps (:func:`_steady_layout`) and the stream counters are symbolic ints from the first trace
+    (:data:`_COUNTERS`), so the second and later steps reuse the first step's graphs."""
 
     def __init__(self, model: nn.Module, compile: bool):
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.model = model
         self.compile = compile
+        # the last state's objects in the steady layout (_steady_layout); None: the prompt's state
+        # needed no change, and the steps' are not walked
+        self._steady: dict | None = {}
 
     def prefill(self, ids):
         return self._run("prefill", ids)
@@ -1164,7 +1245,16 @@ class _DecodeStep:
             return self.model(*args)
         fn = _compiled(self.model, kind, args[0].shape[0])
         try:
-            return fn(self.model, *args)
+            mine = torch.compiler.config.dynamic_sources
+            with torch.compiler.config.patch(dynamic_sources=f"{mine},{_COUNTERS}" if mine else _COUNTERS):
+                logits, state = fn(self.model, *args)
+            if self._steady is not None:
+                found: dict = {}
+                steady = _steady_layout(state, self._steady, found)
+                # a prompt's state already steady (a KV cache, a Mamba state): no walks after it
+                self._steady = None if kind == "prefill" and steady is state else found
+                state = steady
+            return logits, state
         except torch._dynamo.exc.TorchDynamoException as e:  # dynamo compiles a graph before running it
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             warnings.warn(

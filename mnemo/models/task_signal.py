@@ -236,23 +236,35 @@ def _absorb(
     return _take_in(model, where, levels, captures, loss, state, outer, replacement_count() > replaced)
 
 
+#: The settling of the kept steps (:func:`_settle`, :func:`_settle_levels`) runs eagerly under
+#: ``torch.compile`` too: it is called only from frames dynamo cannot compile (:func:`forward`'s
+#: ``ExitStack``, :func:`_segments`' loop with the eager signal in it), so its work runs between
+#: graphs either way, and traced on its own it cost ``generate(compile=True)`` of ``hope`` a
+#: graph per combination of kept factors: a decode step usually has none (the walk is a no-op),
+#: the prompt and a completed segment a few (dynamo traced :func:`~mnemo.layers.cms._add_outer`
+#: alone, once per shape and sign: 5 graphs and 4 recompiles of 28 and 19 at d_model 16, one layer).
+@_eager
 def _settle(model, state: list | None) -> list | None:
     """``state`` with the kept steps taken: the mixers' (:meth:`SelfModifyingTitans.deferring`) and
     the CMS levels' (:meth:`~mnemo.layers.cms.CMSLevel.deferring`)."""
     if state is None:
         return None
     out = list(state)
-    for i, b in enumerate(model.blocks):
+    for i, b in enumerate(model.blocks):  # (an object with nothing to settle is kept, not copied)
         settle = getattr(b.mixer, "settle", None)
         if settle is not None and out[i].mixer is not None:
-            out[i] = dataclasses.replace(out[i], mixer=settle(out[i].mixer))
+            mixer = settle(out[i].mixer)
+            if mixer is not out[i].mixer:
+                out[i] = dataclasses.replace(out[i], mixer=mixer)
         mlp = out[i].mlp
         if isinstance(mlp, CMSState):
             levels = tuple(CMSLevel.settle(s) for s in mlp.levels)
-            out[i] = dataclasses.replace(out[i], mlp=dataclasses.replace(mlp, levels=levels))
+            if any(new is not old for new, old in zip(levels, mlp.levels)):
+                out[i] = dataclasses.replace(out[i], mlp=dataclasses.replace(mlp, levels=levels))
     return out
 
 
+@_eager
 def _settle_levels(state: list) -> list:
     """``state`` with the CMS levels' kept steps taken (:meth:`~mnemo.layers.cms.CMSLevel.settle`)."""
     return [

@@ -234,17 +234,6 @@ def test_generate_compiled_equals_eager():
             assert len(got) == len(want) > 0 and all(rel_rms(a, b) < 1e-5 for a, b in zip(got, want))
 
 
-def _aot_eager(monkeypatch):
-    """``torch.compile`` as dynamo's trace and AOTAutograd without inductor (``aot_eager``): what
-    the graph-capture tests need, without a C++ build per graph."""
-    compile_ = torch.compile
-
-    def compile_aot_eager(fn=None, **kwargs):
-        return compile_(fn, backend="aot_eager")
-
-    monkeypatch.setattr(torch, "compile", compile_aot_eager)
-
-
 def test_a_model_whose_memories_take_gradients_inside_its_forward_trains_compiled():
     """``hope`` (self-modifying Titans, CMS levels that learn from the next-token loss: an
     ``autograd.grad`` on a read's graph inside the forward) under ``torch.compile``: the loss and
@@ -267,26 +256,8 @@ def test_a_model_whose_memories_take_gradients_inside_its_forward_trains_compile
     torch._dynamo.reset()
 
 
-def test_generate_compiled_runs_memories_that_take_gradients(monkeypatch):
-    """``generate(compile=True)`` of ``hope`` (its self-modifying Titans' one-token DGD step takes
-    ``autograd.grad``, and its CMS levels the next-token loss's gradient when a segment completes:
-    in the prompt and every 8 decoded tokens): no error, no eager fallback, and eager's greedy
-    tokens. Traced with ``aot_eager`` (dynamo's capture, where the failure was)."""
-    torch._dynamo.reset()
-    _aot_eager(monkeypatch)
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    model = _model("hope", n_layers=ONE_LAYER)
-    ids = torch.randint(0, 32, (2, 11), generator=torch.Generator().manual_seed(3))
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=r"generate\(compile=True\)")
-        got = _greedy(model, ids, 12, compile=True)
-    assert torch.equal(got, _greedy(model, ids, 12))
-    assert counters["stats"]["unique_graphs"] >= 2
-    torch._dynamo.reset()
+# generate(compile=True) of hope (memories that take gradients while decoding): its tokens, no eager
+# fallback, and each graph made once are tests/models/test_hope_compiled_recompiles_46.py's
 
 
 @needs_compile
