@@ -135,7 +135,8 @@ def test_a_probe_output_folder_is_not_taken_for_a_run_with_a_checkpoint(tmp_path
     assert str(info.value) == (
         f"no checkpoint in {str(run / 'probes')!r}: expected config.json + model.safetensors there, or a "
         "'latest' file naming a checkpoint directory (a run directory written by `mnemo train`); its "
-        "ckpt-000002 holds neither config.json nor model.safetensors: not a checkpoint (`mnemo probe` "
+        "ckpt-000002 holds none of a checkpoint's files (config.json, model.safetensors, manifest.json, "
+        "...): not a checkpoint (`mnemo probe` "
         "writes its outputs of a run's checkpoint into RUN/probes/ckpt-NNNNNN/; the run folder here is "
         f"{run})"
     )
@@ -164,8 +165,8 @@ def test_a_checkpoint_folder_without_config_or_weights_is_skipped_for_the_previo
     warned: list[str] = []
     assert ckpt_mod.resolve_checkpoint(run, warn=warned.append) == run / "ckpt-000002"
     assert warned == [
-        f"damaged checkpoint skipped: {run / 'latest'} points to 'ckpt-000004', which holds neither "
-        f"config.json nor model.safetensors — using {run / 'ckpt-000002'} instead"
+        f"damaged checkpoint skipped: {run / 'latest'} points to 'ckpt-000004', which holds none of a "
+        f"checkpoint's files — using {run / 'ckpt-000002'} instead"
     ]
     (run / "latest").unlink()
     warned.clear()
@@ -242,3 +243,95 @@ def test_capture_maps_of_a_mixer_that_records_nothing_on_0_tokens_names_input_id
         "input_ids: 0 tokens (shape [1, 0]); layer 0's mixer SelfModifyingTitans records no hook_q, hook_k, "
         "hook_v, hook_g, hook_beta on them, so it has no map: expected T >= 1 tokens"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# review 46 of the fixes above
+
+
+def test_a_checkpoint_that_lost_config_and_weights_is_damaged_not_foreign(tmp_path):
+    """A checkpoint left with its manifest (config and weights lost) and no ``latest``: a damaged
+    checkpoint of the run (as before the probe-folder fix), not a probe's output folder: refused as
+    corrupt when verified, returned unverified (the first version of the fix called it "not a
+    checkpoint" and ``mnemo train`` then said "run the command again to start", which it refuses)."""
+    run = tmp_path / "run"
+    _fake_run(run, [2])
+    for name in ("config.json", "model.safetensors"):
+        (run / "ckpt-000002" / name).unlink()
+    (run / "latest").unlink()
+    assert (run / "ckpt-000002" / "manifest.json").is_file()
+    with pytest.raises(ckpt_mod.CorruptCheckpointError):
+        ckpt_mod.resolve_checkpoint(run)
+    assert ckpt_mod.resolve_checkpoint(run, verify=False) == run / "ckpt-000002"
+    from mnemo.commands.train import _interrupted_then
+
+    assert _interrupted_then(run) == (
+        f"; {run}'s newest checkpoint is ckpt-000002: continue with --resume --out {run}"
+    )
+
+
+def test_an_interrupted_overwrite_says_the_old_run_is_back(tmp_path, capsys, monkeypatch):
+    """``--overwrite``, interrupted (without a message of its own) before the new run saved: the old
+    run is restored, and the line says so instead of naming the old run's checkpoint to resume."""
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--eval-interval", "2", "--out", str(out)]
+    assert main(["train", *TINY, *flags]) == 0
+    capsys.readouterr()
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "fit", interrupted)
+    assert main(["train", *TINY, *flags, "--overwrite"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"mnemo: interrupted; the old run in {out} is back as it was: run the command again to start over"
+    )
+    assert (out / "latest").read_text().strip() == "ckpt-000002"
+
+
+def test_the_counters_are_made_dynamic_only_where_torch_has_the_setting():
+    """torch before 2.7 has no ``torch.compiler.config.dynamic_sources`` (2.4 is the oldest mnemo
+    accepts): the compiled step's context is then a no-op instead of an ``AttributeError``, which is
+    no compile error and would not have fallen back to eager. Where it has it, the counters' pattern
+    is added to a user's own for the call and the user's setting is back after it."""
+    import types
+
+    import torch
+
+    from mnemo.models.lm import _COUNTERS, _counters_dynamic
+
+    with _counters_dynamic(types.SimpleNamespace()):  # an older torch's config: nothing to patch
+        pass
+    cfg = torch.compiler.config
+    with cfg.patch(dynamic_sources="L['mine']"):
+        with _counters_dynamic():
+            assert cfg.dynamic_sources == f"L['mine'],{_COUNTERS}"
+        assert cfg.dynamic_sources == "L['mine']"
+    mine = cfg.dynamic_sources
+    with _counters_dynamic():
+        assert cfg.dynamic_sources == (f"{mine},{_COUNTERS}" if mine else _COUNTERS)
+    assert cfg.dynamic_sources == mine
+
+
+def test_capture_maps_of_tokens_still_needs_every_hook(monkeypatch):
+    """Only a 0-token call may leave a mixer's hook without a value: with tokens, a hook that did not
+    fire is an error (a ``KeyError`` naming it), not a map built without it (``NeuralMemory`` reads
+    its forgetting gate ``hook_g`` with ``acts.get``: the first version of the 0-token fix built
+    ``titans_lmm``'s map without the gate)."""
+    import torch
+
+    from mnemo.interp import capture_maps
+    from mnemo.models import LanguageModel, build_config
+
+    torch.manual_seed(0)
+    model = LanguageModel(build_config("titans_lmm", vocab_size=32, d_model=16, n_layers=1)).eval()
+    real = model.run_with_cache
+
+    def without_g(*a, **k):
+        out, cache = real(*a, **k)
+        return out, {n: v for n, v in cache.items() if not n.endswith("mixer.hook_g")}
+
+    monkeypatch.setattr(model, "run_with_cache", without_g)
+    with pytest.raises(KeyError, match="hook_g"):
+        capture_maps(model, torch.randint(0, 32, (1, 5)))

@@ -323,7 +323,11 @@ def _cmd_train(args) -> int:
         except KeyboardInterrupt as e:
             # an interrupt that does not say what it left (a second Ctrl-C while the first one's
             # checkpoint was being written, say): what is on disk now, not a guess
-            if getattr(e, "then", None) is None and "out" in run:
+            if getattr(e, "then", None) is None and run.get("restored"):  # (--overwrite, nothing saved)
+                e.then = (
+                    f"; the old run in {run['out']} is back as it was: run the command again to start over"
+                )
+            elif getattr(e, "then", None) is None and "out" in run:
                 e.then = _interrupted_then(run["out"])
             raise
 
@@ -608,6 +612,7 @@ def _train(args, held: contextlib.ExitStack, run: dict) -> int:
             warnings.filterwarnings("ignore", message="steps: the run is already at step")
             record = trainer.fit()
     except BaseException:  # a divergence, an interrupt, a full disk: the old run stays if nothing replaced it
+        run["restored"] = aside is not None and trainer.last_checkpoint is None
         _settle_old_run(aside, out, replaced=trainer.last_checkpoint is not None)
         raise
     _settle_old_run(aside, out, replaced=trainer.last_checkpoint is not None)

@@ -115,12 +115,15 @@ def capture_maps(model, input_ids: torch.Tensor, layers=None) -> dict[int, torch
     for i, hooks in wanted.items():
         # (a hook that never fired is left out, and its mixer says what that means: TitansMAC's
         # memory hooks on 0 tokens, which run no segment, give an empty map)
-        acts = {h: cache[f"blocks.{i}.mixer.{h}"] for h in hooks if f"blocks.{i}.mixer.{h}" in cache}
+        empty = input_ids.shape[-1] == 0  # (only there: a hook that did not fire is an error otherwise)
+        acts = {
+            h: cache[f"blocks.{i}.mixer.{h}"] for h in hooks if not empty or f"blocks.{i}.mixer.{h}" in cache
+        }
         mixer = model.blocks[i].mixer
         try:
             maps[i] = mixer.mixing(acts).maps
         except KeyError:
-            if input_ids.shape[-1] != 0 or len(acts) == len(hooks):
+            if not empty or len(acts) == len(hooks):
                 raise
             missing = [h for h in hooks if h not in acts]
             raise ValueError(

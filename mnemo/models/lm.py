@@ -1147,6 +1147,18 @@ def _compile_kind(kind: str, matvec: bool = True, kernel: bool = True):
 _COUNTERS = r".*\.(offset|position|updates|absorbed)$"
 
 
+def _counters_dynamic(cfg=None):
+    """:data:`_COUNTERS` added to ``torch.compiler.config.dynamic_sources`` (or ``cfg``'s) for one
+    compiled call (a user's own patterns kept); nothing where this torch has no such setting
+    (before 2.7: the counters then specialise at the first step and recompile once at the second,
+    as before)."""
+    cfg = getattr(torch.compiler, "config", None) if cfg is None else cfg
+    if cfg is None or not hasattr(cfg, "dynamic_sources"):
+        return contextlib.nullcontext()
+    mine = cfg.dynamic_sources
+    return cfg.patch(dynamic_sources=f"{mine},{_COUNTERS}" if mine else _COUNTERS)
+
+
 #: per state dataclass, its field names (:func:`_steady_layout`)
 _FIELD_NAMES: dict = {}
 
@@ -1245,8 +1257,7 @@ class _DecodeStep:
             return self.model(*args)
         fn = _compiled(self.model, kind, args[0].shape[0])
         try:
-            mine = torch.compiler.config.dynamic_sources
-            with torch.compiler.config.patch(dynamic_sources=f"{mine},{_COUNTERS}" if mine else _COUNTERS):
+            with _counters_dynamic():
                 logits, state = fn(self.model, *args)
             if self._steady is not None:
                 found: dict = {}

@@ -430,7 +430,7 @@ def resolve_checkpoint(
         bad.append(f"{latest} points to {name!r}, which is not a checkpoint directory")
         candidates = []
     elif not _holds_a_model(target):
-        bad.append(f"{latest} points to {name!r}, which holds neither {CONFIG_NAME} nor {WEIGHTS_NAME}")
+        bad.append(f"{latest} points to {name!r}, which holds none of a checkpoint's files")
         candidates = []
     else:
         candidates = [target]
@@ -450,10 +450,16 @@ def resolve_checkpoint(
     raise CorruptCheckpointError(p, bad + ["no intact checkpoint is left in the run directory"])
 
 
+#: the files of a checkpoint folder (:func:`save_checkpoint`), any one of which makes a ``ckpt-*``
+#: folder a checkpoint, intact or damaged (``mnemo probe``'s outputs of one hold none of them)
+_CHECKPOINT_FILES = (CONFIG_NAME, WEIGHTS_NAME, MANIFEST_NAME, STATE_NAME, TRAIN_CONFIG_NAME)
+
+
 def _holds_a_model(ckpt: Path) -> bool:
-    """Whether folder ``ckpt`` holds a model's config or weights, as every checkpoint does (an FSDP
-    run's sharded one too: its ``config.json``)."""
-    return (ckpt / CONFIG_NAME).is_file() or (ckpt / WEIGHTS_NAME).is_file()
+    """Whether folder ``ckpt`` holds any of a checkpoint's own files (:data:`_CHECKPOINT_FILES`): a
+    checkpoint that lost its config and weights but kept its manifest or trainer state is a damaged
+    checkpoint (said, and skipped by :func:`verify_checkpoint`), not a foreign folder."""
+    return any((ckpt / name).is_file() for name in _CHECKPOINT_FILES)
 
 
 def _not_checkpoints_note(folder: Path, inside: list[Path]) -> str:
@@ -464,7 +470,8 @@ def _not_checkpoints_note(folder: Path, inside: list[Path]) -> str:
     names = ", ".join(c.name for c in inside[:3]) + (f", … ({len(inside)} in all)" if len(inside) > 3 else "")
     run = f"; the run folder here is {folder.parent}" if (folder.parent / LATEST).exists() else ""
     return (
-        f"; its {names} hold{'s' if len(inside) == 1 else ''} neither {CONFIG_NAME} nor {WEIGHTS_NAME}: "
+        f"; its {names} hold{'s' if len(inside) == 1 else ''} none of a checkpoint's files "
+        f"({CONFIG_NAME}, {WEIGHTS_NAME}, {MANIFEST_NAME}, ...): "
         f"not {'a checkpoint' if len(inside) == 1 else 'checkpoints'} (`mnemo probe` writes its outputs "
         f"of a run's checkpoint into RUN/probes/ckpt-NNNNNN/{run})"
     )
