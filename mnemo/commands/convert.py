@@ -1,6 +1,7 @@
 """``mnemo convert`` and ``mnemo export``: checkpoints of other libraries in and out.
 
-    mnemo convert SRC OUT                # transformers Mamba / Mamba-2 / Qwen3-Next, or mamba-ssm
+    mnemo convert SRC OUT                # transformers Mamba / Mamba-2 / Qwen3-Next / Llama / Qwen2 / Qwen3 /
+                                         # Mistral, or mamba-ssm
     mnemo convert --from-dcp RUN OUT     # a sharded (FSDP) checkpoint as a single-file run folder
     mnemo export CKPT OUT --format hf    # a mnemo checkpoint (or run folder) as a folder transformers loads
 
@@ -53,10 +54,12 @@ def add_commands(subparsers) -> None:
     """The hook ``mnemo.cli`` calls for each command module (see ``mnemo.cli._COMMAND_MODULES``)."""
     p = subparsers.add_parser(
         "convert",
-        help="convert a transformers (MambaForCausalLM, Mamba2ForCausalLM, Qwen3NextForCausalLM) or "
-        "mamba-ssm checkpoint folder into a mnemo checkpoint folder",
-        description="Convert a checkpoint of another library (transformers Mamba / Mamba-2 / Qwen3-Next, "
-        "mamba-ssm), or with --from-dcp a sharded FSDP checkpoint, into a mnemo checkpoint folder.",
+        help="convert a transformers (MambaForCausalLM, Mamba2ForCausalLM, Qwen3NextForCausalLM, "
+        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM) or mamba-ssm checkpoint "
+        "folder into a mnemo checkpoint folder",
+        description="Convert a checkpoint of another library (transformers Mamba / Mamba-2 / Qwen3-Next / "
+        "Llama / Qwen2 / Qwen3 / Mistral, mamba-ssm), or with --from-dcp a sharded FSDP checkpoint, into a "
+        "mnemo checkpoint folder.",
     )
     p.add_argument(
         "src", type=kinds.ExistingDir(), help="the checkpoint folder to read (config.json and weights)"

@@ -12,6 +12,11 @@ of a ``transformers`` ``config.json``) and found by ``architectures``, then ``mo
 
 * ``MambaForCausalLM`` (``model_type`` ``"mamba"``) ↔ mnemo ``mamba`` layers;
 * ``Mamba2ForCausalLM`` (``"mamba2"``) ↔ mnemo ``mamba2`` layers;
+* ``LlamaForCausalLM`` (``"llama"``), ``Qwen2ForCausalLM`` (``"qwen2"``), ``Qwen3ForCausalLM``
+  (``"qwen3"``), ``MistralForCausalLM`` (``"mistral"``) ↔ mnemo ``attention`` layers with SwiGLU MLPs
+  (:mod:`mnemo.hf.llama`);
+* ``Qwen3NextForCausalLM`` (``"qwen3_next"``) ↔ mnemo ``gated_deltanet`` and gated ``attention``
+  layers (:mod:`mnemo.hf.qwen3_next`);
 * ``mamba_ssm`` (import only): the original ``mamba-ssm`` layout — ``config.json`` with
   ``d_model``, ``n_layer``, ``vocab_size``, ``ssm_cfg`` (``{"layer": "Mamba1" | "Mamba2", ...}``;
   ``"Mamba1"`` when absent), ``d_intermediate``, ``attn_layer_idx``, ``rms_norm``,
@@ -42,8 +47,11 @@ and ``residual_in_fp32`` (:data:`CARRIED_FIELDS`, kept in a converted checkpoint
 the text ends at the declared end-of-text id (``LanguageModel.generate`` stops there only when given
 ``eos_token_id``).
 
-The Mamba formats live in :mod:`mnemo.hf.mamba`, Qwen3-Next in :mod:`mnemo.hf.qwen3_next`; this
-module holds the registry, the folders and the checks every format shares.
+The Mamba formats live in :mod:`mnemo.hf.mamba`, Qwen3-Next in :mod:`mnemo.hf.qwen3_next`, the
+Llama family in :mod:`mnemo.hf.llama`; this module holds the registry, the folders and the checks
+every format shares. An export tries the formats whose ``mixers`` cover the model's, a converted
+checkpoint's own format first, then those of fewer mixers first (registration order among equals),
+and writes the first that expresses the model exactly (:func:`_export`).
 
 Decoding caches: ``transformers`` keeps the last ``W`` convolution inputs per layer, mnemo the last
 ``W − 1`` (the oldest one never reaches an output); Mamba-2's ssm state is ``[B, H, P, N]`` there
@@ -70,6 +78,7 @@ from torch import Tensor
 from ..data.tokenizer import MNEMO_TOKENIZER_NAME
 from ..models.config import ModelConfig
 from ..models.formats import register_foreign_loader
+from .llama import CLASSES as LLAMA_CLASSES
 from .mamba import (  # noqa: F401  (the decoding-cache converters are part of this module's API)
     MAMBA2_KEYS,
     MAMBA_KEYS,
@@ -741,15 +750,8 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
         _refuse_out_holding_source(out, ckpt, src)
         model = LanguageModel.from_pretrained(src)
     config = model.config
-    arch = _exporter(config)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
-    try:
-        hf_config, hf_weights = arch.export_fn(config, weights)
-    except ValueError as e:
-        mixers = sorted(set(config.layer_mixers()))
-        raise ValueError(
-            f"a model of mixers {mixers} exports only as {arch.name} here, which cannot express it: {e}"
-        ) from None
+    arch, hf_config, hf_weights = _export(config, weights, _source_architecture(src))
     hf_config = {"architectures": [arch.name], **hf_config}
     if "model_type" not in hf_config and arch.model_type:
         hf_config["model_type"] = arch.model_type
@@ -869,13 +871,59 @@ def _eos_token_id(ckpt: Path) -> int | None:
     return getattr(load_tokenizer(ckpt), "eot_id", None)
 
 
-def _exporter(config: ModelConfig) -> Architecture:
+def _exporters(config: ModelConfig, prefer: str | None = None) -> list[Architecture]:
+    """The formats that may express ``config``: those whose ``mixers`` cover the model's, ``prefer``
+    (a converted checkpoint's source format) first, then fewer mixers first (a plain attention
+    stack is a Llama-family model before it is a Qwen3-Next hybrid), registration order among
+    equals. ``ValueError`` listing the exportable formats when none covers the model's mixers."""
     mixers = set(config.layer_mixers())
-    for a in ARCHITECTURES.values():
-        if a.export_fn is not None and mixers <= a.mixers:
-            return a
-    known = "; ".join(f"{a.name}: {sorted(a.mixers)}" for a in ARCHITECTURES.values() if a.export_fn)
-    raise ValueError(f"no export format expresses a model of mixers {sorted(mixers)}; exportable: {known}")
+    found = [a for a in ARCHITECTURES.values() if a.export_fn is not None and mixers <= a.mixers]
+    if not found:
+        known = "; ".join(f"{a.name}: {sorted(a.mixers)}" for a in ARCHITECTURES.values() if a.export_fn)
+        raise ValueError(
+            f"no export format expresses a model of mixers {sorted(mixers)}; exportable: {known}"
+        )
+    return sorted(found, key=lambda a: (a.name != prefer, len(a.mixers)))
+
+
+def _export(
+    config: ModelConfig, weights: dict[str, Tensor], prefer: str | None = None
+) -> tuple[Architecture, dict, dict[str, Tensor]]:
+    """``(format, its config dict, its state dict)``: the first of :func:`_exporters` whose export
+    expresses the model. ``ValueError`` saying what each candidate cannot express otherwise."""
+    candidates = _exporters(config, prefer)
+    refusals = []
+    for arch in candidates:
+        try:
+            return (arch, *arch.export_fn(config, weights))
+        except ValueError as e:
+            refusals.append((arch.name, e))
+    mixers = sorted(set(config.layer_mixers()))
+    if len(refusals) == 1:
+        name, e = refusals[0]
+        raise ValueError(
+            f"a model of mixers {mixers} exports only as {name} here, which cannot express it: {e}"
+        )
+    raise ValueError(
+        f"a model of mixers {mixers} exports as none of {', '.join(n for n, _ in refusals)}: "
+        + "; ".join(f"{n}: {e}" for n, e in refusals)
+    )
+
+
+def _source_architecture(src: Path | None) -> str | None:
+    """The format a converted checkpoint ``src`` came from (its :data:`CARRIED_CONFIG_NAME`'s
+    ``source_architecture``, or the class a foreign folder names); ``None`` for anything else."""
+    if src is None:
+        return None
+    try:
+        if is_foreign_checkpoint(src):
+            a = find_architecture(json.loads((src / "config.json").read_text(encoding="utf-8")))
+            return a.name if a is not None else None
+        record = json.loads((src / CARRIED_CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # no such file, not JSON, an unregistered class: no preference
+        return None
+    name = record.get("source_architecture") if isinstance(record, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _check_state(config: ModelConfig, state: dict[str, Tensor], where: str) -> None:
@@ -918,6 +966,14 @@ register_architecture(
     export_fn=export_qwen3_next,
     mixers={"gated_deltanet", "attention"},
 )
+
+# the dense Llama family: Llama, Mistral, Qwen3, Qwen2 (mnemo/hf/llama.py), in the order an export of
+# mnemo's own attention stack tries them
+
+for _c, _import_fn, _export_fn in LLAMA_CLASSES:
+    register_architecture(
+        _c.arch, model_type=_c.model_type, import_fn=_import_fn, export_fn=_export_fn, mixers={"attention"}
+    )
 
 
 def _load_foreign(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]] | None:

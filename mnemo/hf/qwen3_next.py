@@ -51,17 +51,26 @@ prediction weights (``mtp.*``, unused by ``Qwen3NextForCausalLM``) are dropped o
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..layers import MIXERS
 from ..layers.mlp import swiglu_hidden
-from ..layers.rotary import YARN_HF_KEYS, check_rope_scaling
+from ..layers.rotary import check_rope_scaling
 from ..models.config import ModelConfig
+from .fields import (
+    ConfigFormat,
+    Weights,
+    decoder_fields,
+    export_head,
+    import_head,
+    is_int,
+    mixer_options,
+    rope_fields,
+    rope_parameters,
+)
 
 #: ``Qwen3NextConfig``'s defaults for the fields the conversion reads (a ``config.json`` may
 #: leave defaults out)
@@ -98,10 +107,6 @@ LINEAR, FULL = "linear_attention", "full_attention"
 GDN, ATTN = "gated_deltanet", "attention"
 #: the L2-normalisation epsilon of Qwen3-Next's delta-rule kernel (fixed, not a config field)
 QK_L2NORM_EPS = 1e-6
-
-
-def _refuse(what: str) -> None:
-    raise ValueError(f"Qwen3-Next conversion: {what}")
 
 
 #: config fields that are true / false (a string "no" would read as true)
@@ -154,72 +159,19 @@ SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
-def _shape_fields(cfg: dict, key: str) -> str:
-    """``" (set by f = v, ...)"``: the config fields deciding the shape of the weight ``key``,
-    ``"v (default)"`` for one the config leaves out; ``""`` when none is known."""
-    best = max((e for e in SHAPE_FIELDS if key == e or key.endswith("." + e)), key=len, default=None)
-    if best is None:
-        return ""
-    said = ", ".join(
-        f"{f} = {cfg[f]!r}" if cfg.get(f) is not None else f"{f} = {HF_DEFAULTS[f]!r} (default)"
-        for f in SHAPE_FIELDS[best]
-    )
-    return f" (its shape is set by {said}: the config and the weights disagree)"
-
-
-def _get(cfg: dict, key: str):
-    return cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]
+#: the format: its refusals say "Qwen3-Next conversion: …"
+QWEN3_NEXT = ConfigFormat("Qwen3-Next", HF_DEFAULTS, SHAPE_FIELDS)
+_refuse, _get, _require = QWEN3_NEXT.refuse, QWEN3_NEXT.get, QWEN3_NEXT.require
+_init_std, _is_int, _options = QWEN3_NEXT.init_std, is_int, mixer_options
 
 
 def _rope(cfg: dict) -> tuple[float, float, dict | None]:
-    """``(rope_theta, partial_rotary_factor, rope_scaling)`` from ``rope_parameters`` (or the legacy
-    top-level ``rope_theta`` / ``partial_rotary_factor``): ``rope_scaling`` is ``None`` for
-    ``rope_type`` ``"default"`` and mnemo's ``"yarn_hf"`` mapping (``transformers``' YaRN, exactly)
-    for ``"yarn"``; other RoPE types are refused. A non-empty legacy ``rope_scaling`` takes the
-    place of ``rope_parameters``, as in ``transformers``, which then ignores ``rope_parameters``.
-    ``ValueError`` naming the field for a value of the wrong kind."""
-    field, rp = "rope_parameters", cfg.get("rope_parameters")
-    if cfg.get("rope_scaling") not in (None, {}):
-        field, rp = "rope_scaling", cfg["rope_scaling"]
-    rp = {"rope_type": "default"} if rp is None else rp
-    if not isinstance(rp, dict):
-        _refuse(
-            f"field {field!r}: expected an object such as {{'rope_type': 'default', 'rope_theta': 10000.0}}, "
-            f"got {rp!r}"
-        )
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        _refuse(
-            f"{field}: rope_type {rope_type!r} is not supported (only 'default', plain RoPE, and 'yarn', "
-            "transformers' YaRN)"
-        )
-    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    for name, v, top, kind in (
-        ("rope_theta", theta, float("inf"), "a positive number"),
-        ("partial_rotary_factor", factor, 1.0, "a number in (0, 1], the share of head_dim rotated"),
-    ):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= top or v == float("inf"):
-            where = f"{field}.{name}" if name in rp else name
-            _refuse(f"field {where!r}: expected {kind}, got {v!r}")
-    scaling = None
-    if rope_type == "yarn":  # as transformers' _compute_yarn_parameters reads it
-        keys = ("factor", "attention_factor", *YARN_HF_KEYS)
-        scaling = {"rope_type": "yarn_hf", **{k: rp[k] for k in keys if rp.get(k) is not None}}
-        scaling["beta_fast"] = rp.get("beta_fast") or 32  # (transformers: a 0 or null means the default)
-        scaling["beta_slow"] = rp.get("beta_slow") or 1
-        # the training context: a top-level field first (Phi-3's), then rope_parameters', then
-        # max_position_embeddings (transformers' standardize_rope_params)
-        n = _get(cfg, "max_position_embeddings")
-        L = cfg.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or n
-        scaling["original_max_position_embeddings"] = L
-        if scaling.get("factor") is None and _is_int(L) and L > 0 and isinstance(n, (int, float)):
-            scaling["factor"] = n / L  # transformers: the context extension
-        try:
-            scaling = check_rope_scaling(scaling)
-        except ValueError as e:
-            _refuse(f"field {field!r} (rope_type 'yarn'): {e}")
-    return float(theta), float(factor), scaling
+    """``(rope_theta, partial_rotary_factor, rope_scaling)``
+    (:func:`~mnemo.hf.fields.rope_fields`): ``rope_scaling`` is ``None`` for ``rope_type``
+    ``"default"`` and mnemo's ``"yarn_hf"`` mapping (``transformers``' YaRN, exactly) for ``"yarn"``;
+    other RoPE types are refused. ``partial_rotary_factor`` defaults to Qwen3-Next's 0.25."""
+    kinds = {"default": "plain RoPE", "yarn": "transformers' YaRN"}
+    return rope_fields(QWEN3_NEXT, cfg, kinds=kinds, partial_default=0.25)
 
 
 def _layer_types(cfg: dict, n: int) -> list[str]:
@@ -255,17 +207,6 @@ def _moe_layers(cfg: dict, n: int) -> list[int]:
     return [i for i in range(n) if i not in only and (i + 1) % step == 0]
 
 
-def _init_std(v) -> float:
-    """``initializer_range`` (the weights' init scale, carried as ``init_std``), a number >= 0."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-        _refuse(f"field 'initializer_range': expected a number >= 0, got {v!r}")
-    return float(v)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _plus_one(w: Tensor) -> Tensor:
     """``1 + w`` as Qwen3-Next multiplies by it: float32 (float64 for float64 weights)."""
     cd = torch.float64 if w.dtype == torch.float64 else torch.float32
@@ -277,34 +218,9 @@ def _minus_one(w: Tensor) -> Tensor:
     return (w.to(cd) - 1.0).to(w.dtype)
 
 
-class _Weights:
-    """A state dict consumed key by key; :meth:`finish` refuses what was not consumed."""
-
-    def __init__(self, weights: dict[str, Tensor], ignore: tuple[str, ...] = (), cfg: dict | None = None):
-        self.w = {k: v for k, v in weights.items() if not k.startswith(ignore)}
-        self.used: set[str] = set()
-        self.cfg = cfg  # a Qwen3-Next config: a shape error names the fields that set the shape
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.w
-
-    def pop(self, key: str, shape: tuple[int, ...] | None = None) -> Tensor:
-        if key not in self.w:
-            _refuse(f"weight {key!r} is missing")
-        t = self.w[key]
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            why = _shape_fields(self.cfg, key) if self.cfg is not None else ""
-            _refuse(f"weight {key!r} has shape {list(t.shape)}, expected {list(shape)}{why}")
-        self.used.add(key)
-        return t
-
-    def finish(self) -> None:
-        left = sorted(set(self.w) - self.used)
-        if left:
-            _refuse(
-                f"unexpected weights (not expressible in the mnemo model): {left[:8]}"
-                + (f" and {len(left) - 8} more" if len(left) > 8 else "")
-            )
+def _Weights(weights: dict[str, Tensor], ignore: tuple[str, ...] = (), cfg: dict | None = None) -> Weights:
+    """A state dict consumed key by key (:class:`~mnemo.hf.fields.Weights`), refusals as Qwen3-Next's."""
+    return Weights(QWEN3_NEXT, weights, ignore, cfg)
 
 
 def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
@@ -386,17 +302,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
     ).validate()
 
     w = _Weights(weights, ignore=("mtp.",), cfg=cfg)
-    sd: dict[str, Tensor] = {}
-    emb = w.pop("model.embed_tokens.weight", (config.vocab_size, d))
-    sd["embed.weight"] = emb
-    if tie:
-        sd["lm_head.weight"] = emb
-        if "lm_head.weight" in w:
-            head = w.pop("lm_head.weight", (config.vocab_size, d))
-            if not torch.equal(head, emb):
-                _refuse("tie_word_embeddings is set but lm_head.weight differs from the embedding")
-    else:
-        sd["lm_head.weight"] = w.pop("lm_head.weight", (config.vocab_size, d))
+    sd: dict[str, Tensor] = import_head(w, config.vocab_size, d, tie)
     sd["norm.weight"] = _plus_one(w.pop("model.norm.weight", (d,)))
     for i, t in enumerate(types):
         p, q = f"model.layers.{i}.", f"blocks.{i}."
@@ -467,7 +373,7 @@ def _moe_options(cfg: dict) -> dict[str, Any]:
     }
 
 
-def _import_moe(w: _Weights, p: str, q: str, o: dict[str, Any], d: int) -> dict[str, Tensor]:
+def _import_moe(w: Weights, p: str, q: str, o: dict[str, Any], d: int) -> dict[str, Tensor]:
     """One sparse MoE block's weights (prefix ``p`` = ``model.layers.{i}.mlp.``) as mnemo's
     (prefix ``q``): fused expert tensors (a ``state_dict``) or per-expert ones (files)."""
     E, I, S = o["n_experts"], o["expert_hidden"], o["shared_expert_hidden"]
@@ -488,38 +394,6 @@ def _import_moe(w: _Weights, p: str, q: str, o: dict[str, Any], d: int) -> dict[
     sd[q + "shared_expert.w_out.weight"] = w.pop(s + "down_proj.weight", (d, S))
     sd[q + "shared_gate.weight"] = w.pop(p + "shared_expert_gate.weight", (1, d))
     return sd
-
-
-def _options(name: str, config: ModelConfig) -> dict[str, Any]:
-    """The mixer's effective constructor options: its signature's defaults, the registry's preset
-    options and ``config.mixer_options[name]``."""
-    ctor = MIXERS[name]
-    cls = getattr(ctor, "func", ctor)
-    opts = {
-        k: p.default
-        for k, p in inspect.signature(cls).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-    opts.update(getattr(ctor, "keywords", {}) or {})
-    opts.update(config.mixer_options.get(name, {}))
-    return opts
-
-
-def _require(where: str, opts: dict, key: str, expected) -> None:
-    if opts.get(key) != expected:
-        _refuse(f"{where} option {key}={opts.get(key)!r} has no Qwen3-Next equivalent (needs {expected!r})")
-
-
-def _yarn_parameters(scaling: dict | None) -> dict[str, Any]:
-    """A checked ``"yarn_hf"`` scaling as the keys of ``transformers``' ``rope_parameters``
-    (``rope_type`` ``"yarn"``); ``{}`` for ``None``."""
-    if scaling is None:
-        return {}
-    out = {"rope_type": "yarn"}
-    for k, v in scaling.items():
-        if k != "rope_type" and v is not None:
-            out[k] = v
-    return out
 
 
 def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
@@ -581,23 +455,12 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
     bias = bool(a["bias"])
     W = g["conv_size"]
     n = config.n_layers
-    hf = {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
-        "vocab_size": config.vocab_size,
-        "hidden_size": d,
-        "intermediate_size": hidden,
-        "num_hidden_layers": n,
-        "num_attention_heads": H,
-        "num_key_value_heads": H_kv,
-        "head_dim": D,
-        "hidden_act": "silu",
-        "rms_norm_eps": eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(a["rope_theta"]),
-                            "partial_rotary_factor": factor} | _yarn_parameters(scaling),
+    rope = rope_parameters(a["rope_theta"], scaling, partial_rotary_factor=factor)
+    hf = decoder_fields(
+        config, "Qwen3NextForCausalLM", "qwen3_next", heads=(H, H_kv, D), hidden=hidden, rope=rope
+    )
+    hf |= {
         "attention_bias": bias,
-        "attention_dropout": 0.0,
         "linear_conv_kernel_dim": W,
         "linear_key_head_dim": K,
         "linear_value_head_dim": V,
@@ -606,21 +469,10 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
         "num_experts": 0,
         "mlp_only_layers": list(range(n)),
         "layer_types": [LINEAR if m == GDN else FULL for m in types],
-        "initializer_range": config.init_std,
     }  # fmt: skip
-    yarn = hf["rope_parameters"]
-    if yarn.get("factor") is not None and yarn.get("original_max_position_embeddings") is not None:
-        # the post-YaRN context (factor × the training context): transformers' default 32768 would
-        # imply another factor, which it warns about (the explicit factor is the one it uses)
-        hf["max_position_embeddings"] = int(round(yarn["factor"] * yarn["original_max_position_embeddings"]))
 
     w = _Weights(weights)
-    sd: dict[str, Tensor] = {}
-    sd["model.embed_tokens.weight"] = w.pop("embed.weight", (config.vocab_size, d))
-    head = w.pop("lm_head.weight", (config.vocab_size, d))
-    if config.tie_embeddings and not torch.equal(head, sd["model.embed_tokens.weight"]):
-        _refuse("tie_embeddings is set but lm_head.weight differs from embed.weight")
-    sd["lm_head.weight"] = head  # (a tied model's state dict lists the shared tensor under both names)
+    sd: dict[str, Tensor] = export_head(w, config)
     sd["model.norm.weight"] = _minus_one(w.pop("norm.weight", (d,)))
     for i, m in enumerate(types):
         p, q = f"model.layers.{i}.", f"blocks.{i}."

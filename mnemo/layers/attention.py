@@ -88,7 +88,8 @@ class Attention(Mixer):
             Position Interpolation ``{"rope_type": "linear", "factor": s}`` and static NTK-aware
             scaling ``{"rope_type": "ntk", "factor": s}`` (no logit factor for either), and
             ``transformers``' YaRN ``{"rope_type": "yarn_hf", ...}`` (its frequencies, and its factor
-            on the rotated channels of q and k rather than on the logits).
+            on the rotated channels of q and k rather than on the logits), and Llama 3.1's
+            ``{"rope_type": "llama3", ...}`` (:func:`~mnemo.layers.rotary.llama3_inv_freq`).
         n_sink: attention sinks (StreamingLLM, Xiao et al. 2023; needs ``window``): the first
             ``n_sink`` tokens stay visible to every query besides the ``window`` most recent, and
             the cache keeps them: decoding streams indefinitely with at most ``n_sink + window − 1``

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE, Su et al. 2021), optionally scaled with YaRN (Peng et al. 2023)."""
+"""Rotary position embeddings (RoPE, Su et al. 2021), optionally scaled: Position Interpolation,
+NTK-aware, YaRN (Peng et al. 2023) and Llama 3.1's frequency-dependent scaling."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ ROPE_SCALING_KEYS = (
     "attention_factor",
     *("rope_theta", "partial_rotary_factor"),
     *("mscale", "mscale_all_dim", "truncate"),
+    *("low_freq_factor", "high_freq_factor"),
 )
 #: the keys only ``"yarn_hf"`` (``transformers``' YaRN) reads
 YARN_HF_KEYS = ("mscale", "mscale_all_dim", "truncate")
+#: the keys of ``"llama3"`` (Llama 3.1's scaling), all required, as ``transformers``' ``rope_parameters``
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 #: keys of ``transformers`` 5's ``rope_parameters`` that describe the plain RoPE rather than its
 #: scaling (the base ``θ`` and the rotated share of each head): accepted in any mapping, checked
 #: (a number > 0; ``partial_rotary_factor`` in ``(0, 1]``) and left out of the returned mapping;
@@ -89,6 +93,11 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     (:func:`yarn_hf_attention_factor`, :class:`RotaryEmbedding`). ``mscale`` / ``mscale_all_dim`` /
     ``truncate`` belong to it alone.
 
+    Llama 3.1's scaling (``transformers``' ``"llama3"``): ``{"rope_type": "llama3", "factor": s,
+    "low_freq_factor": a, "high_freq_factor": b, "original_max_position_embeddings": L}`` — every key
+    required, ``s >= 1``, ``0 < a < b``, ``L`` a positive int; frequencies of
+    :func:`llama3_inv_freq`, no attention factor.
+
     Raises:
         TypeError: ``scaling`` is not a mapping.
         ValueError: an unknown key or type, or a value out of range; the message names the key,
@@ -131,10 +140,12 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
         if "original_max_position_embeddings" in d:  # informative only (transformers' configs carry it)
             out["original_max_position_embeddings"] = d["original_max_position_embeddings"]
         return out
+    if kind == "llama3":
+        return _check_llama3(d)
     if kind not in ("yarn", "yarn_hf"):
         raise ValueError(
-            f"rope_scaling['rope_type']: expected 'yarn', 'linear', 'ntk', 'yarn_hf' (or 'default'), "
-            f"got {kind!r}"
+            "rope_scaling['rope_type']: expected 'yarn', 'linear', 'ntk', 'yarn_hf', 'llama3' "
+            f"(or 'default'), got {kind!r}"
         )
     hf_only = sorted(set(d) & set(YARN_HF_KEYS))
     if kind == "yarn" and hf_only:
@@ -179,6 +190,63 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
             raise ValueError(f"rope_scaling['truncate']: expected true or false, got {truncate!r}")
         out["truncate"] = truncate
     return out
+
+
+def _check_llama3(d: dict[str, Any]) -> dict[str, Any]:
+    """The ``"llama3"`` mapping ``d`` (``rope_type`` already read) checked: :data:`LLAMA3_KEYS`, each
+    present, and no other."""
+    extra = sorted(set(d) - {"rope_type", *LLAMA3_KEYS})
+    if extra:
+        raise ValueError(f"rope_scaling: rope_type 'llama3' takes {list(LLAMA3_KEYS)}, got also {extra}")
+    missing = [k for k in LLAMA3_KEYS if d.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_scaling: rope_type 'llama3' needs {missing}, got keys {sorted(d)}")
+    out: dict[str, Any] = {"rope_type": "llama3", "factor": _number("factor", d["factor"], 1.0)}
+    low = _number("low_freq_factor", d["low_freq_factor"], 0.0, strict=True)
+    high = _number("high_freq_factor", d["high_freq_factor"], 0.0, strict=True)
+    if not low < high:
+        raise ValueError(
+            f"rope_scaling: rope_type 'llama3' needs low_freq_factor < high_freq_factor (the smoothing "
+            f"divides by their difference), got low_freq_factor = {low} and high_freq_factor = {high}"
+        )
+    L = d["original_max_position_embeddings"]
+    if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+        raise ValueError(
+            f"rope_scaling['original_max_position_embeddings']: expected a positive int, got {L!r}"
+        )
+    out.update(low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=L)
+    return out
+
+
+def llama3_inv_freq(
+    theta: float,
+    rotary_dim: int,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position: int,
+) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies (Llama Team, "The Llama 3 Herd of Models", arXiv:2407.21783, 2024:
+    the 3.1 models' long-context RoPE, whose equations are those of Meta's released reference code,
+    ``apply_scaling`` in ``meta-llama/llama-models``; ``transformers``' ``_compute_llama3_parameters``
+    computes the same). With the plain frequencies ``θ_i = theta^{−2i/R}``, ``i < R/2``,
+    their wavelengths ``λ_i = 2π / θ_i`` and the training context ``L``:
+
+        λ_i < L / high_freq_factor           h(θ_i) = θ_i                     (fast: kept)
+        λ_i > L / low_freq_factor            h(θ_i) = θ_i / s                 (slow: interpolated)
+        otherwise, with γ_i = (L / λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor),
+                                             h(θ_i) = (1 − γ_i) · θ_i / s + γ_i · θ_i
+
+    (continuous at both bounds; static: the same at every sequence length, unlike ``"dynamic"``).
+    ``s = factor`` (8 for Llama 3.1, ``low_freq_factor = 1``, ``high_freq_factor = 4``, ``L = 8192``).
+    Returns ``[R/2]`` float64 (``transformers`` computes in float32)."""
+    R = rotary_dim
+    inv = theta ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    wavelen = 2 * math.pi / inv
+    gamma = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (1 - gamma) * inv / factor + gamma * inv
+    out = torch.where(wavelen > original_max_position / low_freq_factor, inv / factor, smooth)
+    return torch.where(wavelen < original_max_position / high_freq_factor, inv, out)
 
 
 def yarn_ramp(r: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
@@ -318,6 +386,7 @@ class RotaryEmbedding(nn.Module):
     multiplies ``cos`` and ``sin``, scales the *rotated* channels of what :meth:`forward` rotates by
     :attr:`rotation_factor` (:func:`yarn_hf_attention_factor`; with partial rotary the other
     channels are not scaled); its :attr:`attention_factor` (the attention's part) is then 1.
+    ``"llama3"`` (Llama 3.1) uses :func:`llama3_inv_freq`'s frequencies; its factors are 1.
 
     ``forward(x [B, T, H, D], offset) -> [B, T, H, D]`` for positions ``offset … offset+T−1``;
     :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
@@ -429,6 +498,12 @@ class RotaryEmbedding(nn.Module):
             inv, af = base / s["factor"], 1.0
         elif s["rope_type"] == "ntk":
             inv, af = ntk_inv_freq(self.theta, self.rotary_dim, s["factor"]).to(base.dtype), 1.0
+        elif s["rope_type"] == "llama3":
+            inv = llama3_inv_freq(
+                self.theta, self.rotary_dim, s["factor"], s["low_freq_factor"], s["high_freq_factor"],
+                s["original_max_position_embeddings"],
+            ).to(base.dtype)  # fmt: skip
+            af = 1.0
         elif s["rope_type"] == "yarn_hf":
             inv = yarn_hf_inv_freq(
                 self.theta, self.rotary_dim, s["factor"], s["original_max_position_embeddings"],

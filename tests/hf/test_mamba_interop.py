@@ -294,12 +294,12 @@ def test_sharded_safetensors(tmp_path):
 
 
 def test_refusals(tmp_path):
-    d = tmp_path / "llama"
+    d = tmp_path / "gpt2"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*supported: MambaForCausalLM"):
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: MambaForCausalLM"):
         import_hf(d)
-    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LanguageModel.from_pretrained(d)
     # options with no exact equivalent are named
     hf = _hf_model("mamba", {})
