@@ -287,6 +287,11 @@ def _cmd_eval_text(
             f"--pack-documents on: data {data!r} is a single document (a plain text file is one; "
             "JSONL/Parquet records or separate files are several), so packing would change nothing"
         )
+    if pack and args.pack_documents is None and len(corpus) < 2:
+        # inherited from a run that packed its documents, on data of one document: packing would
+        # read each window as it is, as without it (the rule by which `mnemo train` refuses the
+        # flag there), so it is off, and the record says so (the numbers are the same)
+        pack = False
     if pack and getattr(model, "task_segment", None) is not None:
         raise ValueError(
             "--pack-documents: not for this checkpoint's model, whose CMS levels learn from the "
@@ -352,7 +357,8 @@ def _cmd_eval_text(
         and batch_size == tcfg.get("batch_size")
         and max_batches == tcfg.get("eval_batches")
         and bf16 == (tcfg.get("precision") == "bf16")
-        and pack == tcfg.get("pack_documents", False)
+        # (a run on one document, saved before `mnemo train` refused that, packed nothing either)
+        and pack == (tcfg.get("pack_documents", False) and len(corpus) >= 2)
         and text_field == tcfg.get("text_field", "text")
         and not (extra or {}).get("rope_scaling")  # --yarn changes the model's positions
     )

@@ -87,6 +87,16 @@ def summarize(half_lives: torch.Tensor) -> dict:
     return out
 
 
+def _call_rows(g: torch.Tensor, time_dim: int | None, T: int) -> torch.Tensor:
+    """The rows of a recorded ``hook_g`` value that are the call's ``T`` tokens: the last ``T``
+    along ``time_dim``. A recorded value ends at the call's last token (``run_with_cache`` joins a
+    call's pieces up to it); rows before its first are a learned prefix the memory read first
+    (:func:`~mnemo.layers.hooks.span`: negative positions)."""
+    if time_dim is None or g.ndim <= time_dim or g.shape[time_dim] <= T:
+        return g
+    return g.narrow(time_dim, g.shape[time_dim] - T, T)
+
+
 @torch.no_grad()
 def timescales(model, input_ids: torch.Tensor) -> dict:
     """``{layer: {"mixer", "kind", "hook", "half_life": summary}}`` (plus ``"cms_periods"``) on
@@ -95,14 +105,17 @@ def timescales(model, input_ids: torch.Tensor) -> dict:
     The log decays are what each mixer's ``hook_g`` carries on this input (recorded with
     ``run_with_cache``): the gates the model actually produces — the mixer's own, or that of the
     memory inside it (Titans MAC/MAG/MAL: ``memory.hook_g``; :func:`decay_hook`; ``"hook"`` names
-    it); ``"kind"`` says what one gate is (:func:`decay_kind`). Every row the hook passes counts:
-    a memory that reads a learned prefix before the input (Titans' persistent tokens, whose rows
-    its ``hook_g`` passes first) adds that prefix's gates, the same at every call (``"count"``
-    then counts the gates of ``T +`` prefix rows). A mixer without a ``hook_g`` has no decaying memory
-    (``"kind": "no decay"``)."""
+    it); ``"kind"`` says what one gate is (:func:`decay_kind`). The gates are those of the input's
+    ``T`` tokens: a memory that reads a learned prefix before them (Titans' persistent tokens, whose
+    rows its ``hook_g`` passes first, before the call's token 0) decays by the prefix's gates once,
+    before any token of the input is written, so they are no time scale of the input's memory and
+    are left out (``"count"`` counts the gates of the ``T`` tokens; the prefix would otherwise add
+    its ``P`` rows, the same at every call, to every sequence's). A mixer without a ``hook_g`` has no
+    decaying memory (``"kind": "no decay"``)."""
     param = next(model.parameters(), None)
     if param is not None:
         input_ids = input_ids.to(param.device)
+    T = input_ids.shape[-1]
     hooks = {i: decay_hook(model, i) for i in range(len(model.blocks))}
     names = [n for n in hooks.values() if n is not None]
     cache = model.run_with_cache(input_ids, names=names)[1] if names else {}
@@ -111,6 +124,7 @@ def timescales(model, input_ids: torch.Tensor) -> dict:
         entry = {"mixer": type(block.mixer).__name__}
         g = cache.get(hooks[i]) if hooks[i] is not None else None
         if g is not None:
+            g = _call_rows(g, model.hook_points[hooks[i]].time_dim, T)
             g = (g if g.dtype == torch.float64 else g.float()).clamp(max=0.0)  # float64 kept
             hl = torch.where(g < 0, -LN2 / g, torch.full_like(g, float("inf")))
             entry.update(kind=decay_kind(g), hook=hooks[i], half_life=summarize(hl))

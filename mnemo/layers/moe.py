@@ -43,6 +43,14 @@ built). Requires ``G | E`` and ``k ≤ M · E / G``. The weights
 are then those of eq. 13 over the chosen experts, unchanged. A ``hook_topk_indices`` replacement is
 not limited to the groups.
 
+Ties: experts (and groups) with equal selection scores are chosen in ``torch.topk``'s order, the
+call DeepSeek-V3's code and ``transformers`` make, so a converted checkpoint routes as they do.
+torch promises no order among ties (on the CPU, torch 2.13, it takes experts 6 and 5 of 8 equal
+scores); exact ties happen with a zero router (every expert alike) and with sigmoid scores that
+underflow to 0 (logits below about −88 in float32). A fixed rule (the larger logit, then the lower
+index, by stable sorts) was measured at 7–10× ``topk``'s selection time and would part from
+``transformers`` on ties, so it is not used.
+
 Losses (on the module after each forward, see :class:`MoE`):
 
 * load balance (Switch Transformer eq. 4–6, generalised to top-k as in DeepSeekMoE, counting

@@ -785,9 +785,15 @@ class SelfModifyingTitans(Mixer):
                     f"got {[list(w.shape) for w in pair]} (a state from another configuration: "
                     f"adaptive_q={self.adaptive_q}, expansion gives hidden = {h})"
                 )
-        if T == 0:  # an empty call passes the state through
-            return x.new_zeros(B, 0, self.d_model), st
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if T == 0:  # an empty call passes the state through; its hooks pass values of no tokens
+            for point in (self.hook_q, self.hook_k, self.hook_v):
+                point(x.new_zeros(B, 0, D, dtype=cd))
+            self.hook_g(x.new_zeros(B, 0, dtype=cd))
+            self.hook_beta(x.new_zeros(B, 0, dtype=cd))
+            self.hook_o(x.new_zeros(B, 0, D, dtype=cd))
+            shown = self.settle(st) if self.hook_state.active else st
+            return x.new_zeros(B, 0, self.d_model), show_state(self.hook_state, st, shown)
         token = mode == "recurrent"
         conv = st.conv
         xin = x
@@ -889,6 +895,8 @@ class SelfModifyingTitans(Mixer):
             # the token-loop form (the chunk form's batched gradients carry no forward-mode rule)
             m0 = tuple(torch.zeros_like(w) for w in W0) if self.momentum else None
             outs = self._run(W0, W0, m0, None, 0, T, self.chunk_size, True, mem_in)[4]
+            if not outs:  # 0 tokens: no read (the map is then [B, 1, 0, 0])
+                return vr.new_zeros(vr.shape[0], 0, 1, self.d_model)
             return torch.cat(outs, 1)[:, :, None]
 
         return attribution_of_read(

@@ -250,13 +250,20 @@ def test_track_circuits_flag_and_shipped_phase_change_configs(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["titans_mac", "titans_mag", "titans_mal"])
 def test_timescales_read_the_titans_memorys_gate(name):
     """MAC/MAG/MAL keep their decay in the memory inside them (``memory.hook_g``): timescales reads
-    it (naming the hook) and its half-lives are ``−ln 2 / g`` of that hook, by hand."""
+    it (naming the hook) and its half-lives are ``−ln 2 / g`` of that hook's rows of the 24 input
+    tokens, by hand (MAG's and MAL's memory reads its 4 persistent tokens first: not the input's;
+    MAC's persistent tokens are the attention's alone)."""
     torch.manual_seed(0)
     m = LanguageModel(build_config(name, vocab_size=20, d_model=16, n_layers=1))
     ids = torch.randint(0, 20, (1, 24))
     e = timescales(m, ids)["0"]
     _, cache = m.run_with_cache(ids, names="blocks.0.mixer.memory.hook_g")
     g = cache["blocks.0.mixer.memory.hook_g"].double()
+    persistent = m.blocks[0].mixer.memory.persistent
+    prefix = 0 if persistent is None else persistent.shape[0]
+    assert prefix == (0 if name == "titans_mac" else 4)
+    assert g.shape[1] == prefix + 24
+    g = g[:, prefix:]
     hl = (-0.6931471805599453 / g).flatten()
     assert e["kind"] == "per-head" and e["hook"] == "blocks.0.mixer.memory.hook_g"
     assert e["half_life"]["count"] == hl.numel()
