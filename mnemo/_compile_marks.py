@@ -10,6 +10,8 @@ A mark that fails is reported by a ``RuntimeWarning`` and does not fail dynamo's
 
 - :func:`constant_result` is ``torch.compiler.assume_constant_result`` (which marks the function
   itself, so the deferred mark reaches every reference to it).
+- :func:`in_graph` is ``torch._dynamo.allow_in_graph`` (dynamo records a call of the function as one
+  node of its graph and does not trace into it; AOTAutograd traces the call).
 - :func:`eager_under_compile` is ``torch.compiler.disable``: it returns a thin wrapper that calls
   the function itself until dynamo is imported and its disabled form (dynamo's own wrapper) from
   then on, and that dynamo then treats as disabled itself (no inlining, no trace of its frame).
@@ -23,7 +25,7 @@ import threading
 import warnings
 from collections.abc import Callable
 
-__all__ = ["constant_result", "eager_under_compile"]
+__all__ = ["constant_result", "eager_under_compile", "in_graph"]
 
 _DYNAMO = "torch._dynamo"
 #: marks waiting for dynamo's import: each takes the ``torch._dynamo`` module
@@ -138,3 +140,12 @@ def eager_under_compile(fn: Callable) -> Callable:
 
     _when_dynamo_loads(disable)
     return call
+
+
+def in_graph(fn: Callable) -> Callable:
+    """``torch._dynamo.allow_in_graph(fn)`` without importing dynamo now: a traced call of ``fn`` is one
+    node of dynamo's graph (its body is not traced by dynamo; AOTAutograd traces it with the graph's
+    fake tensors). For functions of tensors whose Python work depends only on shapes and constant
+    arguments (no data-dependent branches, no side effects). Returns ``fn`` itself."""
+    _when_dynamo_loads(lambda dynamo: dynamo.allow_in_graph(fn))
+    return fn

@@ -32,13 +32,14 @@ def _small_matmul_yardstick(monkeypatch):
 #: modules whose module-scoped fixtures start processes (the Triton interpreter's child; the ranks'
 #: forkserver, which imports torch and mnemo once per pytest worker): each runs on one xdist worker
 #: (``--dist loadgroup`` in addopts), so a fixture is not set up once per worker (the interpreter
-#: module's child, 23-33 s, ran twice when its tests were split); the multi-process modules share
-#: one group, so one forkserver serves them all
+#: module's child, 23-33 s, ran twice when its tests were split); the interpreter modules share one
+#: group, so one child runs all their cases (``interpret_worker.shared_child``), and so do the
+#: multi-process modules, so one forkserver serves them all
 _ONE_WORKER = {
     "tests/ops/test_backends_interpret.py": "interpret",
-    "tests/ops/test_review2_backends.py": "interpret_review2",
-    "tests/ops/test_review5_backends.py": "interpret_review5",
-    "tests/ops/test_review6_backends.py": "interpret_review6",
+    "tests/ops/test_review2_backends.py": "interpret",
+    "tests/ops/test_review5_backends.py": "interpret",
+    "tests/ops/test_review6_backends.py": "interpret",
     "tests/ops/test_review7_backends.py": "interpret_review7",
     **{
         f"tests/train/{name}.py": "ranks"
@@ -50,8 +51,11 @@ _ONE_WORKER = {
             "test_review5_distributed",
             "test_ddp_no_sync",
             "test_ring_attention_cp",
+            "test_review_regressions_40c",
+            "test_review_distributed",
         )
     },
+    "tests/test_review_regressions_37e.py": "ranks",
 }
 
 

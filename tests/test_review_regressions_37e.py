@@ -60,7 +60,7 @@ def _fsdp_worker(rank, world, port, out):
 
 
 def test_fsdp_a_failed_step_leaves_no_unsharded_gradient_behind(tmp_path):
-    spawn(_fsdp_worker, (2, free_port(), str(tmp_path)), 2)
+    spawn(_fsdp_worker, (2, free_port(), str(tmp_path)), 2, start_method="forkserver")
     ref, run = _records(tmp_path / "ref"), _records(tmp_path / "run")
     assert [r[0] for r in run] == [1, 2, 3, 4]
     assert run == ref  # exact: the same batches and gradients on the same two processes

@@ -4,10 +4,10 @@ optional sliding window with attention sinks, per-head q/k norms, an output gate
 from __future__ import annotations
 
 import torch
-from einops import rearrange, repeat
 from torch import nn
 
 from ..ops._common import check_mode, compute_dtype
+from ..ops._layout import rearrange, repeat
 from ..ops.ring_attention import current_ring, ring_attention
 from ..ops.softmax_attention import KVCache, keep_cache, kept_keys, softmax_attention, softmax_attention_map
 from .base import Mixer, Mixing, check_input, input_dtype, version_of

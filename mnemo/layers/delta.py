@@ -6,10 +6,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from ..ops._common import MODES, check_chunk_size, check_mode
+from ..ops._layout import rearrange
 from ..ops.delta_rule import delta_rule, delta_rule_map, gated_delta_rule
 from .base import Mixer, Mixing, check_input, check_state_dtype, input_dtype, upcast
 from .conv import ShortConvolution

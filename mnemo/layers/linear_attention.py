@@ -6,10 +6,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from ..ops._common import MODES, check_chunk_size, check_mode
+from ..ops._layout import rearrange
 from ..ops.feature_maps import FavorPlus, resolve_feature_map
 from ..ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 from ..ops.linear_attention import linear_attention, linear_attention_map

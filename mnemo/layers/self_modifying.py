@@ -161,7 +161,6 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from .._compile_marks import eager_under_compile
@@ -169,6 +168,7 @@ from ..memory import MemorySpec
 from ..memory.attribution import ValueAttribution, attribution_of_read
 from ..memory.engine import _act_with_grad, memory_apply
 from ..ops._common import clamp_log_gate, inference_involved
+from ..ops._layout import rearrange
 from .base import Mixer, Mixing, check_input, upcast
 from .cms import check_dtype, check_state_dtype
 from .conv import ShortConvolution

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from ..memory.attribution import ValueAttribution, value_attribution
+from ..ops._layout import rearrange
 from .base import Mixer, Mixing, check_input, upcast
 from .base import batch_mm as _mm
 from .cms import check_dtype, check_state_dtype, no_autocast

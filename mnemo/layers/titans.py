@@ -22,12 +22,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from ..memory import MemorySpec, MemoryState, closed_form_op, init_state, neural_memory, preset
 from ..memory.attribution import ValueAttribution, linear_in_values, value_attribution
 from ..ops._common import check_mode
+from ..ops._layout import rearrange
 from .base import Mixer, Mixing, check_input, check_state_dtype, input_dtype, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint, enter_piece, leave_pieces, show_state

@@ -12,13 +12,13 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from ..memory import MemoryState
 from ..memory.attribution import ValueAttribution
 from ..memory.engine import memory_apply, retention_map
 from ..ops._common import inference_involved
+from ..ops._layout import rearrange
 from ..ops.softmax_attention import WINDOW_BLOCK, KVCache, attention_mask, sliding_window_attention
 from .attention import Attention
 from .base import Mixer, Mixing, check_input, check_state_dtype, input_dtype

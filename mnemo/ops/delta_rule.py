@@ -64,7 +64,6 @@ Nothing ``T × K × V`` is kept for the backward pass: ``O(T·(C + K + V) + (T/C
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 
 from . import _workspace
 from . import dispatch as _backends
@@ -101,6 +100,7 @@ from ._common import (
     run_matrix_op,
     transformed,
 )
+from ._layout import rearrange
 
 __all__ = ["delta_rule", "gated_delta_rule", "delta_rule_map"]
 

@@ -28,7 +28,6 @@ The three forms below compute exactly the same function:
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 
 from . import _workspace
 from . import dispatch as _backends
@@ -61,6 +60,7 @@ from ._common import (
     run_matrix_op,
     transformed,
 )
+from ._layout import rearrange
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_map"]
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
 
 from . import _native, _workspace
 from ._chunked import autocast_disabled
@@ -72,6 +71,7 @@ from ._common import (
     state_or_zeros,
     transformed,
 )
+from ._layout import rearrange, repeat
 
 __all__ = ["selective_scan", "selective_scan_map"]
 

@@ -6,7 +6,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
 
 from ._common import (
     _shape,
@@ -18,6 +17,7 @@ from ._common import (
     default_scale,
     transformed,
 )
+from ._layout import rearrange, repeat
 
 __all__ = ["softmax_attention", "KVCache", "attention_mask", "softmax_attention_map", "kept_keys"]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import repeat
 
 from . import dispatch as _backends
 from ._common import (
@@ -32,6 +31,7 @@ from ._common import (
     num_sequences,
     transformed,
 )
+from ._layout import repeat
 from ._ssd_chunk import run_ssd_chunk
 from .gated_linear_attention import gated_linear_attention, gated_linear_attention_map
 

@@ -388,18 +388,25 @@ def compiled():
     return {"o": rel(o, o2), "state": rel(S, S2)}
 
 
-def main(names) -> None:
+def _results(cases: dict, names, timed: bool) -> dict:
+    """``{case: result or {"error": traceback}}`` for ``names`` (default all) of ``cases``; with
+    ``timed``, each result also holds its ``case_seconds``."""
     results = {}
-    for name in names or CASES:
+    for name in names or cases:
         t0 = time.perf_counter()
         try:
-            results[name] = CASES[name]()
+            results[name] = cases[name]()
         except Exception:  # noqa: BLE001 (reported to the test)
             results[name] = {"error": traceback.format_exc()[-3000:]}
-        results[name]["case_seconds"] = (
-            round(time.perf_counter() - t0, 2) if isinstance(results[name], dict) else 0
-        )
-    print("JSON:" + json.dumps(results, default=str))
+        if timed:
+            results[name]["case_seconds"] = (
+                round(time.perf_counter() - t0, 2) if isinstance(results[name], dict) else 0
+            )
+    return results
+
+
+def main(names) -> None:
+    print("JSON:" + json.dumps(_results(CASES, names, timed=True), default=str))
 
 
 def run_cases(cases: dict, names) -> None:
@@ -407,13 +414,26 @@ def run_cases(cases: dict, names) -> None:
     ``cases`` (one thread), print ``JSON:`` and the ``{case: result or {"error": traceback}}`` object
     (:func:`run_child` reads it)."""
     torch.set_num_threads(1)
-    res = {}
-    for name in names or cases:
+    print("JSON:" + json.dumps(_results(cases, names, timed=False), default=str))
+
+
+def main_modules(wanted: dict[str, list[str]]) -> None:
+    """The shared child's body (:func:`shared_child`): for each module in order, its cases as its own
+    child ran them (this module's as :func:`main`, another's ``CASES`` as :func:`run_cases`); prints
+    ``JSON:`` and ``{module: {case: result}}``."""
+    out = {}
+    for module, names in wanted.items():
+        if module == "tests.ops.interpret_worker":
+            out[module] = _results(CASES, names, timed=True)
+            continue
         try:
-            res[name] = cases[name]()
-        except Exception:  # noqa: BLE001 (reported to the test)
-            res[name] = {"error": traceback.format_exc()[-3000:]}
-    print("JSON:" + json.dumps(res, default=str))
+            cases = importlib.import_module(module).CASES
+        except Exception:  # noqa: BLE001 (each case of the module reports it)
+            error = traceback.format_exc()[-3000:]
+            out[module] = {name: {"error": error} for name in names}
+            continue
+        out[module] = _results(cases, names, timed=False)
+    print("JSON:" + json.dumps(out, default=str))
 
 
 def run_child(module: str, cases) -> dict:
@@ -434,5 +454,32 @@ def run_child(module: str, cases) -> dict:
     return json.loads(line[5:])
 
 
+#: the shared child's results in this pytest process, by module
+_shared: dict[str, dict] = {}
+
+
+def shared_child(request, module: str, names) -> dict:
+    """The results of ``module``'s interpreter cases ``names``, from one child process for every
+    test module of the session that declares its cases (a module-level ``INTERPRETED = (module,
+    names)``): the first module's fixture runs the cases of all those with tests in the session
+    (this module's own first, then the others by name) in one ``python -m
+    tests.ops.interpret_worker --modules``, so torch, triton and fla-core are imported once (~7 s a
+    child, measured) instead of once per module; each module's cases run as in a child of its own
+    (:func:`main_modules`). tests/conftest.py runs these modules on one xdist worker."""
+    if module not in _shared:
+        wanted = {module: list(names)}
+        for item in request.session.items:
+            spec = getattr(getattr(item, "module", None), "INTERPRETED", None)
+            if spec is not None and spec[0] not in _shared:
+                wanted.setdefault(spec[0], list(spec[1]))
+        order = sorted(wanted, key=lambda m: (m != "tests.ops.interpret_worker", m))
+        spec = json.dumps({m: wanted[m] for m in order})
+        _shared.update(run_child("tests.ops.interpret_worker", ["--modules", spec]))
+    return _shared[module]
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--modules"]:
+        main_modules(json.loads(sys.argv[2]))
+    else:
+        main(sys.argv[1:])

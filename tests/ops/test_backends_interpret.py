@@ -67,10 +67,13 @@ GRADS = {
 }
 
 
+#: the child's cases (:func:`tests.ops.interpret_worker.shared_child`)
+INTERPRETED = ("tests.ops.interpret_worker", tuple(c for c in worker.CASES if MAMBA or "mamba" not in c))
+
+
 @pytest.fixture(scope="module")
-def results():
-    cases = [c for c in worker.CASES if MAMBA or "mamba" not in c]
-    return worker.run_child("tests.ops.interpret_worker", cases)
+def results(request):
+    return worker.shared_child(request, *INTERPRETED)
 
 
 def _ok(res: dict, name: str) -> dict:

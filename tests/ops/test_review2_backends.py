@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mnemo.ops as ops  # noqa: E402
 from mnemo.ops import dispatch  # noqa: E402
-from tests.ops.interpret_worker import rel, run_cases, run_child  # noqa: E402
+from tests.ops.interpret_worker import rel, run_cases, shared_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None
@@ -116,9 +116,13 @@ def case_bf16_odd_head_dims() -> dict:
 CASES = {"tensor_scale": case_tensor_scale, "bf16_odd_head_dims": case_bf16_odd_head_dims}
 
 
+#: the child's cases (:func:`tests.ops.interpret_worker.shared_child`)
+INTERPRETED = ("tests.ops.test_review2_backends", tuple(CASES))
+
+
 @pytest.fixture(scope="module")
-def interpreted():
-    return run_child("tests.ops.test_review2_backends", CASES)
+def interpreted(request):
+    return shared_child(request, *INTERPRETED)
 
 
 # ----------------------------------------------------------------------------------------------

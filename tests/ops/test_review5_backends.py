@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mnemo.ops as ops  # noqa: E402
 from mnemo.ops import _peer_ops, dispatch  # noqa: E402
-from tests.ops.interpret_worker import rel, run_cases, run_child  # noqa: E402
+from tests.ops.interpret_worker import rel, run_cases, shared_child  # noqa: E402
 
 PEERS = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None
 needs_fla = pytest.mark.skipif(not PEERS, reason="triton or fla-core not installed")
@@ -112,9 +112,13 @@ def case_one_value_scale_on_fla() -> dict:
 CASES = {"range_counter": case_range_counter, "one_value_scale_on_fla": case_one_value_scale_on_fla}
 
 
+#: the child's cases (:func:`tests.ops.interpret_worker.shared_child`)
+INTERPRETED = ("tests.ops.test_review5_backends", tuple(CASES))
+
+
 @pytest.fixture(scope="module")
-def interpreted():
-    return run_child("tests.ops.test_review5_backends", CASES)
+def interpreted(request):
+    return shared_child(request, *INTERPRETED)
 
 
 # ----------------------------------------------------------------------------------------------

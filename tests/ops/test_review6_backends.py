@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mnemo.ops as ops  # noqa: E402
 from mnemo.ops import dispatch  # noqa: E402
-from tests.ops.interpret_worker import run_cases, run_child  # noqa: E402
+from tests.ops.interpret_worker import run_cases, shared_child  # noqa: E402
 
 PEERS = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None
 needs_fla = pytest.mark.skipif(not PEERS, reason="triton or fla-core not installed")
@@ -163,9 +163,13 @@ def case_transforms_on_fla() -> dict:
 CASES = {"transforms_on_fla": case_transforms_on_fla}
 
 
+#: the child's cases (:func:`tests.ops.interpret_worker.shared_child`)
+INTERPRETED = ("tests.ops.test_review6_backends", tuple(CASES))
+
+
 @pytest.fixture(scope="module")
-def interpreted():
-    return run_child("tests.ops.test_review6_backends", CASES)
+def interpreted(request):
+    return shared_child(request, *INTERPRETED)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,7 +39,9 @@ def _one_rank_fails_worker(rank, world, port, out):
 
 
 def test_a_rank_leaving_on_an_exception_does_not_wait_for_its_peers(tmp_path):
-    spawn(_one_rank_fails_worker, (2, free_port(), str(tmp_path)), 2, timeout_s=120)
+    spawn(
+        _one_rank_fails_worker, (2, free_port(), str(tmp_path)), 2, timeout_s=120, start_method="forkserver"
+    )
     for rank in range(2):
         seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
         # without the fix both ranks waited for each other until the group's timeout

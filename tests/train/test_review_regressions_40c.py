@@ -51,7 +51,7 @@ def test_context_parallel_nan_relay_of_a_nested_cms_diverges_on_every_rank(tmp_p
     a state of another configuration (``ValueError``) instead of running on the NaN: rank 1 left the
     step with that error while rank 0 waited in the loss all-reduce until the process group's
     timeout. Now both raise ``TrainingDiverged``."""
-    spawn(_nan_worker, (2, free_port(), str(tmp_path)), 2, timeout_s=120)
+    spawn(_nan_worker, (2, free_port(), str(tmp_path)), 2, timeout_s=120, start_method="forkserver")
     for rank in range(2):
         other = tmp_path / f"other{rank}.txt"
         assert not other.exists(), other.read_text()
