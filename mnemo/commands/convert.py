@@ -4,12 +4,15 @@
                                          # Mistral, or mamba-ssm
     mnemo convert --from-dcp RUN OUT     # a sharded (FSDP) checkpoint as a single-file run folder
     mnemo export CKPT OUT --format hf    # a mnemo checkpoint (or run folder) as a folder transformers loads
+                                         # (--dtype: its weights' dtype; default: the source's / model's)
 
 ``convert SRC OUT`` and ``export`` write ``OUT`` whole into a temporary sibling folder and move
 it into place when complete: a failed write (a full disk, a file size limit) leaves ``OUT`` as it
 was. Both refuse a non-empty ``OUT`` unless ``--force``, which replaces a checkpoint folder (one
 holding ``config.json``) whole once the new one is complete; never a training run's folder or
-checkpoint. Errors are one line (exit status 2). See :mod:`mnemo.hf.convert` for the formats,
+checkpoint. ``convert`` says the dtype it stored (float32) and the source's, ``export`` the class it
+wrote and its weights' dtype (a converted checkpoint's source dtype unless ``--dtype``). Errors are
+one line (exit status 2). See :mod:`mnemo.hf.convert` for the formats,
 what is carried and what is refused.
 """
 
@@ -37,7 +40,25 @@ def _convert(args) -> int:
 
     out = convert(args.src, args.out, force=args.force)
     print(f"wrote mnemo checkpoint {out} (from {args.src})")
+    print(_stored(out, "weights stored as float32 (source {source}): {size}"))
     return 0
+
+
+def _stored(out, line: str) -> str:
+    """``line`` with ``{source}`` (the source dtype a converted checkpoint ``out`` carries: float32
+    where it carries none), ``{dtype}`` (``out/config.json``'s) and ``{size}`` (of
+    ``out/model.safetensors``, in MB) filled in."""
+    import json
+    from pathlib import Path
+
+    from ..hf.convert import CARRIED_CONFIG_NAME
+
+    out = Path(out)
+    carried = out / CARRIED_CONFIG_NAME
+    source = json.loads(carried.read_text()).get("fields", {}).get("dtype") if carried.is_file() else None
+    dtype = json.loads((out / "config.json").read_text()).get("dtype")
+    size = (out / "model.safetensors").stat().st_size / 1e6
+    return line.format(source=source or "float32", dtype=dtype, size=f"{size:.3g} MB")
 
 
 def _export(args) -> int:
@@ -45,8 +66,13 @@ def _export(args) -> int:
 
     if args.format != "hf":  # argparse's choices already say so; kept for direct calls
         raise ValueError(f"--format: expected 'hf', got {args.format!r}")
-    out = export_hf(args.ckpt, args.out, force=args.force)
+    out = export_hf(args.ckpt, args.out, force=args.force, dtype=args.dtype)
+    import json
+    from pathlib import Path
+
+    arch = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
     print(f"wrote transformers checkpoint {out} (from {args.ckpt})")
+    print(_stored(out, f"exported as {arch}, weights stored as {{dtype}}: {{size}}"))
     return 0
 
 
@@ -97,6 +123,12 @@ def add_commands(subparsers) -> None:
         "--force",
         action="store_true",
         help="replace OUT when it is a non-empty checkpoint folder (once the new one is complete)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float64", "bfloat16", "float16"],
+        default=None,
+        help="the weights' dtype in OUT (default: a converted checkpoint's source dtype, else the model's)",
     )
     p.set_defaults(func=_export)
 

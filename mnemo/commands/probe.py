@@ -376,8 +376,18 @@ def _cmd_circuits(args) -> int:
     for layer, entry in scores.items():
         if entry.get("note"):
             print(f"note: layer {layer}: {entry['note']} (--length {args.length})", file=sys.stderr)
+        window = getattr(model.blocks[int(layer)].mixer, "window", None)
+        if isinstance(window, int) and window < args.length:  # (the target is length − 1 keys back)
+            entry["induction_out_of_window"] = True
+            entry["induction_note"] = (
+                f"the induction target lies {args.length - 1} tokens back (--length {args.length} − 1), "
+                f"outside this layer's window of {window} keys (the last {window - 1} and the query): "
+                "its induction scores are 0 by construction, not measured"
+                + (f"; --length {window} or less measures them" if window >= 2 else "")
+            )
+            print(f"note: layer {layer}: {entry['induction_note']}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"checkpoint": str(ckpt), "length": args.length, "layers": scores}
+    record = {"checkpoint": str(ckpt), "length": args.length, "bos": bos, "layers": scores}
     _write_json(out / "circuits.json", record)
     path = _heatmaps(scores, out / "circuits.png", checkpoint_label(ckpt))
     print(f"wrote {out / 'circuits.json'} and {path}", file=sys.stderr)  # stdout stays one JSON line
@@ -415,24 +425,41 @@ def _train_config(ckpt: Path) -> dict:
 
 
 def _run_bos_id(ckpt: Path, model) -> int | None:
-    """The id of the run's fixed first token (``TrainConfig.bos``; ``None`` without one), said on
-    stderr: ``probe circuits`` and ``probe ablate`` put it before their random sequences, as the
-    run trained."""
+    """The id put before the random sequences of ``probe circuits`` and ``probe ablate``, by the rule
+    of ``mnemo generate`` and ``mnemo eval`` (:func:`mnemo.hf.special_ids.checkpoint_bos`): a mnemo
+    run's fixed first token (``TrainConfig.bos``; ``None`` when it trained without one), else (a
+    converted or ``transformers`` checkpoint) the BOS its tokenizer's post-processor puts before a
+    text (``None`` without a tokenizer or such a BOS). Said on stderr when there is one."""
     from ..data import load_tokenizer
     from ..data.tokenizer import check_tokenizer_fits
+    from ..hf.special_ids import checkpoint_bos, is_training_run
     from ..train.batches import bos_id
 
     tcfg = _train_config(ckpt)
-    if tcfg.get("bos") is None:
+    if is_training_run(ckpt):
+        if tcfg.get("bos") is None:
+            return None
+        tok = load_tokenizer(ckpt)
+        check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {ckpt}")
+        bos = bos_id(tok, tcfg["bos"])
+        print(
+            f"the run's first token {tcfg['bos']!r} (id {bos}) before each sequence, as in training; "
+            "no score or loss counts position 0",
+            file=sys.stderr,
+        )
+        return bos
+    try:
+        tok = load_tokenizer(ckpt)
+    except FileNotFoundError:  # no tokenizer: no BOS to read (as generate / eval, which need one)
         return None
-    tok = load_tokenizer(ckpt)
     check_tokenizer_fits(tok, model.config.vocab_size, f"--checkpoint {ckpt}")
-    bos = bos_id(tok, tcfg["bos"])
-    print(
-        f"the run's first token {tcfg['bos']!r} (id {bos}) before each sequence, as in training; "
-        "no score or loss counts position 0",
-        file=sys.stderr,
-    )
+    bos = checkpoint_bos(ckpt, tok)
+    if bos is not None:
+        print(
+            f"the tokenizer's BOS (id {bos}) before each sequence, as `mnemo generate` and `mnemo eval` "
+            "read a text; no score or loss counts position 0",
+            file=sys.stderr,
+        )
     return bos
 
 

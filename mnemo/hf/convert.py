@@ -32,7 +32,9 @@ export refuses a mnemo config that the target class cannot express; nothing is a
 Weights: ``model.safetensors``, sharded safetensors (``model.safetensors.index.json``),
 ``pytorch_model.bin`` (read with ``torch.load(weights_only=True)``) or its sharded index. The
 state dict that ``import_hf`` returns loads into ``LanguageModel(config)`` with ``strict=True`` in
-the checkpoint's dtype; :func:`convert` stores a float32 model (what ``LanguageModel`` builds).
+the checkpoint's dtype; :func:`convert` stores a float32 model (what ``LanguageModel`` builds) and
+carries the source's dtype, in which :func:`export_hf` writes the weights again. A quantized
+checkpoint (a ``quantization_config``: GPTQ, AWQ, bitsandbytes, fp8…) is refused by name.
 
 Folders: :func:`convert` and :func:`export_hf` write the whole output folder into a hidden temporary
 sibling (``.OUT.partial-…``) and move it into place only when it is complete, so a failed write (a
@@ -40,12 +42,12 @@ full disk, a file size limit) leaves ``OUT`` as it was and raises ``OSError``; w
 existing checkpoint folder is replaced whole (no file of its previous content stays), after the new
 one is complete; never one that holds the source. Neither writes into a training run's folder or
 checkpoint. Besides the model, they carry the tokenizer files (:data:`TOKENIZER_FILES`, the chat
-template included), ``generation_config.json`` and the source ``config.json``'s special token ids
-and ``residual_in_fp32`` (:data:`CARRIED_FIELDS`, kept in a converted checkpoint's
-:data:`CARRIED_CONFIG_NAME` and written back on export). ``mnemo generate`` reads them as
-``transformers`` does: the prompt starts with the BOS the tokenizer's post-processor puts first, and
-the text ends at the declared end-of-text id (``LanguageModel.generate`` stops there only when given
-``eos_token_id``).
+template included), ``generation_config.json`` and the source ``config.json``'s special token ids,
+``residual_in_fp32``, ``max_position_embeddings`` and dtype (:data:`CARRIED_FIELDS`, kept in a
+converted checkpoint's :data:`CARRIED_CONFIG_NAME` and written back on export). ``mnemo
+generate`` reads them as ``transformers`` does: the prompt starts with the BOS the tokenizer's
+post-processor puts first, and the text ends at the declared end-of-text id
+(``LanguageModel.generate`` stops there only when given ``eos_token_id``).
 
 The Mamba formats live in :mod:`mnemo.hf.mamba`, Qwen3-Next in :mod:`mnemo.hf.qwen3_next`, the
 Llama family in :mod:`mnemo.hf.llama`; this module holds the registry, the folders and the checks
@@ -115,9 +117,17 @@ TOKENIZER_FILES = (
 CARRIED_FILES = ("generation_config.json",)
 #: ``config.json`` fields that the mnemo model does not use but that :func:`convert` keeps (those the
 #: source has) in :data:`CARRIED_CONFIG_NAME` and :func:`export_hf` writes back: the special token
-#: ids, and Mamba's ``residual_in_fp32`` (how ``transformers`` adds the residual in bf16/fp16; mnemo
-#: computes a converted model in float32, where it changes nothing)
-CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "residual_in_fp32")
+#: ids, Mamba's ``residual_in_fp32`` (how ``transformers`` adds the residual in bf16/fp16; mnemo
+#: computes a converted model in float32, where it changes nothing), ``max_position_embeddings`` (the
+#: RoPE classes' context, which no frequency mnemo imports depends on) and ``dtype`` (the source's
+#: weight dtype — its ``dtype`` / legacy ``torch_dtype`` field, else its weights' — kept only where
+#: it is not float32: a converted checkpoint stores float32, and an export writes the source's dtype
+#: back, :func:`export_hf`)
+CARRIED_FIELDS = (
+    "bos_token_id", "eos_token_id", "pad_token_id", "residual_in_fp32", "max_position_embeddings", "dtype",
+)  # fmt: skip
+#: the weight dtypes a carried ``dtype`` may name (``torch.<name>``)
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 #: the file of a converted mnemo checkpoint holding :data:`CARRIED_FIELDS`:
 #: ``{"source_architecture": NAME, "fields": {FIELD: VALUE, ...}}``
 CARRIED_CONFIG_NAME = "hf_config_carried.json"
@@ -341,6 +351,15 @@ def _import(src: str | Path) -> _Imported:
             f"supported: {_supported()}"
         )
     _check_fields(cfg_path, hf_config)
+    quant = hf_config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ValueError(
+            f"{cfg_path}: field 'quantization_config' (quant_method {method!r}): quantized checkpoints are "
+            "not supported (their weights are packed integers and scales, not the model's weights): "
+            "dequantize first (with transformers: load the model, model.dequantize() where its "
+            "quantizer has it, save_pretrained) and convert that"
+        )
     weights = load_weights(d)
     try:
         config, state = arch.import_fn(hf_config, weights)
@@ -351,13 +370,41 @@ def _import(src: str | Path) -> _Imported:
     _check_state(config, state, arch.name)
     names = (*TOKENIZER_FILES, MNEMO_TOKENIZER_NAME)  # the last: mnemo's own, as `export_hf` names it
     files = [d / n for n in names if (d / n).is_file()]
-    return _Imported(arch, config, state, files, _carried_fields(cfg_path, hf_config))
+    return _Imported(arch, config, state, files, _source_carried(cfg_path, hf_config, weights))
+
+
+def _source_carried(where, hf_config: dict, weights: dict[str, Tensor] | None = None) -> dict:
+    """The :data:`CARRIED_FIELDS` of a source ``config.json`` (:func:`_carried_fields`): ``dtype`` read
+    as ``transformers`` reads it (``dtype``, else the legacy ``torch_dtype``, else the dtype of most
+    of ``weights``' floating elements, when given), kept only when it is one of :data:`DTYPE_NAMES`
+    other than float32 (another name, which no export could write, is not carried); a null
+    ``max_position_embeddings`` is left out (the class's default)."""
+    fields = {k: hf_config[k] for k in CARRIED_FIELDS if k in hf_config}
+    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    if dtype is None and weights:
+        dtype = str(weights_dtype(weights)).removeprefix("torch.")
+    fields.pop("dtype", None)
+    if dtype in DTYPE_NAMES and dtype != "float32":
+        fields["dtype"] = dtype
+    if fields.get("max_position_embeddings", 0) is None:
+        del fields["max_position_embeddings"]
+    return _carried_fields(where, fields)
+
+
+def weights_dtype(weights: dict[str, Tensor]) -> torch.dtype | None:
+    """The dtype of most of ``weights``' floating elements (``None``: none is floating)."""
+    count: dict[torch.dtype, int] = {}
+    for v in weights.values():
+        if v.is_floating_point():
+            count[v.dtype] = count.get(v.dtype, 0) + v.numel()
+    return max(count, key=count.get) if count else None
 
 
 def _carried_fields(where, fields: dict) -> dict:
     """The :data:`CARRIED_FIELDS` that ``fields`` (a config) has, checked: a token id is an int or
     null (``eos_token_id`` also a list of ints, as ``transformers`` allows); ``residual_in_fp32`` is
-    true or false. ``ValueError`` naming the field and the received value otherwise."""
+    true or false; ``max_position_embeddings`` a positive int; ``dtype`` one of :data:`DTYPE_NAMES`.
+    ``ValueError`` naming the field and the received value otherwise."""
     out = {}
     for k in CARRIED_FIELDS:
         if k not in fields:
@@ -368,6 +415,12 @@ def _carried_fields(where, fields: dict) -> dict:
             if not (v is None or _is_int(v) or many):
                 kinds = "an int, a list of ints or null" if k == "eos_token_id" else "an int or null"
                 raise ValueError(f"{where}: field {k!r}: expected a token id ({kinds}), got {v!r}")
+        elif k == "max_position_embeddings":
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{where}: field {k!r}: expected a positive int, got {v!r}")
+        elif k == "dtype":
+            if v not in DTYPE_NAMES:
+                raise ValueError(f"{where}: field 'dtype': expected one of {list(DTYPE_NAMES)}, got {v!r}")
         elif not isinstance(v, bool):
             raise ValueError(f"{where}: field {k!r}: expected true or false, got {v!r}")
         out[k] = v
@@ -650,6 +703,12 @@ def convert(src: str | Path, out: str | Path, *, force: bool = False) -> Path:
     (which equals it) stops there too, as ``MnemoForCausalLM.from_pretrained`` sets its
     ``generation_config`` from them (as ``transformers`` does for the source class).
 
+    The weights are stored in float32 whatever the source's dtype (a bfloat16 source doubles in
+    size): the model that ``LanguageModel`` builds and that the exactness bounds were measured on,
+    which every loader reads as it reads the source folder itself (``LanguageModel.from_pretrained``
+    of either gives float32) and which fine-tuning needs; the source dtype is carried
+    (:data:`CARRIED_FIELDS`), so :func:`export_hf` writes it back.
+
     The folder is written whole into a temporary sibling and moved into place when complete:
     ``out`` must be empty or new, or with ``force`` a checkpoint folder (holding ``config.json``)
     that is replaced once the new one is complete. Returns ``out``.
@@ -712,16 +771,24 @@ def _warn_no_tokenizer(src, out: Path, export: bool = False) -> None:
     )
 
 
-def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
+def export_hf(ckpt, out: str | Path, *, force: bool = False, dtype=None) -> Path:
     """Write the mnemo model ``ckpt`` (a checkpoint folder or a ``LanguageModel``) as a folder that
-    ``transformers`` loads with its own class (``config.json`` with ``architectures``,
-    ``model.safetensors`` in the model's dtype; from a ``ckpt`` folder also its tokenizer files,
-    the chat template included, and its ``generation_config.json``).
+    ``transformers`` loads with its own class (``config.json`` with ``architectures`` and ``dtype``,
+    ``model.safetensors``; from a ``ckpt`` folder also its tokenizer files, the chat template
+    included, and its ``generation_config.json``). A tied model's file holds no ``lm_head.weight``
+    (as ``save_pretrained`` writes one).
+
+    ``dtype``: the weights' dtype on disk — ``None`` (default): a converted checkpoint's source
+    dtype (carried ``dtype``: a bfloat16 source comes back in bfloat16, its own values if the model
+    was not trained since, as float32 holds every bfloat16 exactly), else the model's own; a
+    ``torch.dtype`` or one of :data:`DTYPE_NAMES` casts to it (``ValueError`` naming ``dtype``
+    otherwise).
 
     ``config.json`` is written as ``transformers`` writes it (an infinite float, such as
     Mamba-2's default ``time_step_limit`` bound, as ``{"__float__": "Infinity"}``). The special
     token ids: a checkpoint made by :func:`convert` gets its source's back (with
-    ``residual_in_fp32``; :data:`CARRIED_CONFIG_NAME`; one its source left out stays out, so the
+    ``residual_in_fp32`` and ``max_position_embeddings`` where the class has them;
+    :data:`CARRIED_CONFIG_NAME`; one its source left out stays out, so the
     class's default applies as it did there); otherwise ``eos_token_id`` is the end-of-text
     token of the checkpoint's Hugging Face tokenizer and every id it does not know is written as
     null (the target class's defaults, such as Mamba's ``eos_token_id = 0``, would make real tokens
@@ -740,6 +807,13 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
 
     from ..models.lm import LanguageModel
 
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPE_NAMES:
+            raise ValueError(
+                f"dtype: expected one of {list(DTYPE_NAMES)} (or the torch.dtype), got {dtype!r}"
+            )
+        dtype = getattr(torch, name)
     if isinstance(ckpt, LanguageModel):
         model, src = ckpt, None
     else:
@@ -755,15 +829,24 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False) -> Path:
     hf_config = {"architectures": [arch.name], **hf_config}
     if "model_type" not in hf_config and arch.model_type:
         hf_config["model_type"] = arch.model_type
-    dtype = next(iter(hf_weights.values())).dtype
-    hf_config.setdefault("dtype", str(dtype).removeprefix("torch."))
     carried = None
     if src is not None and is_foreign_checkpoint(src):  # a transformers folder, converted in memory
-        carried = _carried_fields(src / "config.json", json.loads((src / "config.json").read_text()))
+        carried = _source_carried(src / "config.json", json.loads((src / "config.json").read_text()))
     elif src is not None:
         carried = _read_carried(src)
+    if dtype is None:
+        dtype = getattr(torch, carried["dtype"]) if "dtype" in (carried or {}) else weights_dtype(hf_weights)
+    hf_weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_weights.items()}
+    if hf_config.get("tie_word_embeddings") and "lm_head.weight" in hf_weights:
+        # the shared tensor once, as save_pretrained writes a tied model (the exporter checked that
+        # the head is the embedding; transformers ties it again on load)
+        del hf_weights["lm_head.weight"]
+    hf_config["dtype"] = str(dtype).removeprefix("torch.")
+    rope = "rope_parameters" in hf_config  # a RoPE class: it has max_position_embeddings
     for k, v in (carried or {}).items():
-        if k in TOKEN_ID_FIELDS or k in hf_config:  # residual_in_fp32: where the target class has it
+        # residual_in_fp32 where the target class has it, max_position_embeddings where it is a RoPE one
+        where = k in hf_config if k != "max_position_embeddings" else rope
+        if k in TOKEN_ID_FIELDS or (k != "dtype" and where):
             hf_config[k] = v
     if carried is None:  # a model of mnemo's own: the ids its config.json holds (those
         # MnemoForCausalLM.save_pretrained wrote, which AutoConfig reads), else for eos the one its
@@ -890,14 +973,24 @@ def _export(
     config: ModelConfig, weights: dict[str, Tensor], prefer: str | None = None
 ) -> tuple[Architecture, dict, dict[str, Tensor]]:
     """``(format, its config dict, its state dict)``: the first of :func:`_exporters` whose export
-    expresses the model. ``ValueError`` saying what each candidate cannot express otherwise."""
+    expresses the model; where that is not ``prefer`` (a converted checkpoint's source class, which
+    refused it: a converted Qwen2 whose o bias was trained goes out as Llama), a ``UserWarning``
+    says so and why. ``ValueError`` saying what each candidate cannot express otherwise."""
     candidates = _exporters(config, prefer)
     refusals = []
     for arch in candidates:
         try:
-            return (arch, *arch.export_fn(config, weights))
+            found = (arch, *arch.export_fn(config, weights))
         except ValueError as e:
             refusals.append((arch.name, e))
+            continue
+        if refusals and refusals[0][0] == prefer:
+            warnings.warn(
+                f"exported as {arch.name}, not as the source's class {prefer}, which cannot express the "
+                f"model: {refusals[0][1]}",
+                stacklevel=3,
+            )
+        return found
     mixers = sorted(set(config.layer_mixers()))
     if len(refusals) == 1:
         name, e = refusals[0]

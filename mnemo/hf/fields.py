@@ -13,7 +13,9 @@
 * :class:`Weights`: a state dict consumed key by key; a missing, mis-shaped or unexpected weight is
   refused by name.
 * :func:`decoder_fields`, :func:`import_head`, :func:`export_head`: the ``config.json`` fields of a
-  RoPE / SwiGLU decoder, and the embedding and output head both ways (tied or not).
+  RoPE / SwiGLU decoder, and the embedding and output head both ways (tied or not);
+  :func:`tied_as_loaded`: whether ``transformers`` ties the head of
+  a file (not where the file's head differs from the embedding).
 * :func:`mixer_options`: a mixer's effective constructor options in a :class:`ModelConfig`.
 
 Used by :mod:`mnemo.hf.qwen3_next` and :mod:`mnemo.hf.llama`; nothing here imports ``transformers``.
@@ -22,6 +24,7 @@ Used by :mod:`mnemo.hf.qwen3_next` and :mod:`mnemo.hf.llama`; nothing here impor
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -188,14 +191,23 @@ def rope_fields(
             if scaling.get("factor") is None and is_int(L) and L > 0 and isinstance(n, (int, float)):
                 scaling["factor"] = n / L  # transformers: the context extension
         elif rope_type == "llama3":  # _compute_llama3_parameters: every key required
-            scaling = {"rope_type": "llama3", **{k: rp.get(k) for k in LLAMA3_KEYS}}
+            needed = [k for k in LLAMA3_KEYS if k != "original_max_position_embeddings"]
+            missing = [k for k in needed if rp.get(k) is None]
+            if missing:  # (original_max_position_embeddings falls back on max_position_embeddings)
+                fmt.refuse(
+                    f"field {field_!r}: rope_type 'llama3' needs {missing} (transformers reads every one of "
+                    f"{needed}), got keys {sorted(rp)}"
+                )
+            scaling = {"rope_type": "llama3", **{k: rp[k] for k in LLAMA3_KEYS if k in rp}}
             scaling["original_max_position_embeddings"] = L
         else:  # "linear": _compute_linear_scaling_rope_parameters
             scaling = {"rope_type": rope_type, "factor": rp.get("factor")}
         try:
             scaling = check_rope_scaling(scaling)
-        except ValueError as e:
-            fmt.refuse(f"field {field_!r} (rope_type {rope_type!r}): {e}")
+        except ValueError as e:  # said with the field the config uses (rope_parameters or rope_scaling)
+            said = str(e)
+            said = field_ + said.removeprefix("rope_scaling") if said.startswith("rope_scaling") else said
+            fmt.refuse(f"field {field_!r} (rope_type {rope_type!r}): {said}")
     return float(theta), float(factor), scaling
 
 
@@ -227,10 +239,12 @@ def decoder_fields(
     (``architectures``, ``model_type``, the sizes, ``hidden_act`` ``"silu"``, ``rms_norm_eps``,
     ``tie_word_embeddings``, ``initializer_range``) for the mnemo ``config``; ``heads``:
     ``(num_attention_heads, num_key_value_heads, head_dim)``; ``hidden``: ``intermediate_size``;
-    ``rope``: the ``rope_parameters`` (:func:`rope_parameters`). With a scaled context
-    (``factor`` and ``original_max_position_embeddings``) ``max_position_embeddings`` is their
-    product: the class's default could imply another factor, or lie below the training context,
-    which ``transformers`` warns about (the explicit fields are the ones it uses)."""
+    ``rope``: the ``rope_parameters`` (:func:`rope_parameters`). With YaRN (``rope_type`` ``"yarn"``)
+    ``max_position_embeddings`` is ``factor × original_max_position_embeddings``: ``transformers``
+    derives YaRN's factor from their ratio where ``factor`` is left out, so the class's default could
+    imply another factor, or lie below the training context, which it warns about. For the other
+    kinds it is left out here (no frequency depends on it); :func:`mnemo.hf.convert.export_hf`
+    writes back a converted checkpoint's own value."""
     H, H_kv, D = heads
     out = {
         "architectures": [arch],
@@ -249,9 +263,33 @@ def decoder_fields(
         "attention_dropout": 0.0,
         "initializer_range": config.init_std,
     }
-    if rope.get("factor") is not None and rope.get("original_max_position_embeddings") is not None:
+    yarn = rope.get("rope_type") == "yarn"
+    if yarn and rope.get("factor") is not None and rope.get("original_max_position_embeddings") is not None:
         out["max_position_embeddings"] = int(round(rope["factor"] * rope["original_max_position_embeddings"]))
     return out
+
+
+def tied_as_loaded(fmt: ConfigFormat, cfg: dict, weights: dict[str, Tensor]) -> bool:
+    """Whether ``transformers`` 5 ties the output head to the embedding when it loads ``weights``
+    with the config ``cfg``: ``tie_word_embeddings`` (``fmt``'s default where left out), unless the
+    file holds both ``model.embed_tokens.weight`` and a ``lm_head.weight`` of other values — then
+    ``transformers`` keeps them apart ("both are present in the checkpoints with different values, so
+    we will NOT tie them", ``PreTrainedModel.tie_weights``), and so does the import, with a
+    ``UserWarning`` naming the field. Heads of different shapes are left to the shape check."""
+    tie = bool(fmt.get(cfg, "tie_word_embeddings"))
+    emb, head = weights.get("model.embed_tokens.weight"), weights.get("lm_head.weight")
+    if not tie or emb is None or head is None or emb.shape != head.shape or torch.equal(emb, head):
+        return tie
+    warnings.warn(
+        f"{fmt.name} conversion: field 'tie_word_embeddings' is true but the file's lm_head.weight differs "
+        "from model.embed_tokens.weight (max |Δ| = "
+        f"{(head.double() - emb.double()).abs().max().item():.3g}): imported untied, with the file's own "
+        "head, as transformers loads it (it does not tie them then); set tie_word_embeddings to false in "
+        "config.json to say so",
+        UserWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 def import_head(w: Weights, vocab: int, d: int, tie: bool) -> dict[str, Tensor]:
@@ -268,7 +306,8 @@ def import_head(w: Weights, vocab: int, d: int, tie: bool) -> dict[str, Tensor]:
 
 def export_head(w: Weights, config: ModelConfig) -> dict[str, Tensor]:
     """``model.embed_tokens.weight`` and ``lm_head.weight`` (a tied model's state dict lists the
-    shared tensor under both names; one that differs is refused by name)."""
+    shared tensor under both names, as ``transformers``' ``state_dict()`` does; one that differs is
+    refused by name. The file :func:`mnemo.hf.convert.export_hf` writes holds it once)."""
     shape = (config.vocab_size, config.d_model)
     emb, head = w.pop("embed.weight", shape), w.pop("lm_head.weight", shape)
     if config.tie_embeddings and not torch.equal(head, emb):

@@ -41,14 +41,20 @@ up]``, ``w_out = down``), ``pos_embedding="none"``, ``tie_embeddings = tie_word_
 * ``hidden_act`` must be ``"silu"``; ``attention_dropout`` acts only in training and is not carried;
   ``pretraining_tp`` does not change the function (``transformers`` 5 ignores it).
 
-Anything else that mnemo cannot reproduce exactly — a missing, mis-shaped or unexpected weight —
-is refused by name (``ValueError``, the field and the expected vs received value).
+Read as ``transformers`` 5 loads them: the ``self_attn.rotary_emb.inv_freq`` buffers that 4.28–4.31
+saved in each layer are dropped once they agree with ``rope_theta`` / ``head_dim`` (refused by
+name otherwise: the config would not describe the checkpoint); ``tie_word_embeddings`` true over a
+file whose ``lm_head.weight`` differs from the embedding is imported untied, with a warning
+(:func:`~mnemo.hf.fields.tied_as_loaded`). Anything else that mnemo cannot reproduce exactly — a
+missing, mis-shaped or unexpected weight — is refused by name (``ValueError``, the field and the
+expected vs received value).
 
 Export: a stack of ``"attention"`` layers with SwiGLU MLPs, RoPE over the whole head, no output
 gate and no attention sinks, as the first class that expresses it exactly: Llama (no window, no
 q/k norm), Mistral (no bias, no q/k norm; a window or none), Qwen3 (q/k norms), Qwen2 (q/k/v
 biases with a zero o bias) — :func:`mnemo.hf.convert.export_hf` tries a converted checkpoint's
-own class first.
+own class first (and warns when another one writes it: a converted Qwen2 whose zero o bias was
+trained goes out as Llama where it has no window; with one, the Qwen2 refusal says why).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ import torch
 from torch import Tensor
 
 from ..layers.mlp import swiglu_hidden
-from ..layers.rotary import check_rope_scaling
+from ..layers.rotary import RotaryEmbedding, check_rope_scaling, plain_inv_freq
 from ..models.config import ModelConfig
 from .fields import (
     ConfigFormat,
@@ -73,6 +79,7 @@ from .fields import (
     mixer_options,
     rope_fields,
     rope_parameters,
+    tied_as_loaded,
 )
 from .qwen3_next import SHAPE_FIELDS as _QWEN3_NEXT_SHAPE_FIELDS
 
@@ -302,7 +309,7 @@ def _import(c: _Class, hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
         )
     window = _window(c, cfg, n)
     eps = fmt.get(cfg, "rms_norm_eps")
-    tie, hidden = bool(fmt.get(cfg, "tie_word_embeddings")), _count(c, cfg, "intermediate_size", 1)
+    tie, hidden = tied_as_loaded(fmt, cfg, weights), _count(c, cfg, "intermediate_size", 1)
     bias = c.bias == "qkv" or (c.bias == "field" and bool(fmt.get(cfg, "attention_bias")))
     opts: dict[str, Any] = dict(
         n_heads=H, n_kv_heads=H_kv, head_dim=D, rope=True, rope_theta=theta, window=window,
@@ -352,8 +359,45 @@ def _import(c: _Class, hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
         if c.qk_norm:
             sd[q + "mixer.q_norm.weight"] = w.pop(a + "q_norm.weight", (D,))
             sd[q + "mixer.k_norm.weight"] = w.pop(a + "k_norm.weight", (D,))
+        if a + _INV_FREQ in w:
+            _check_inv_freq(c, a + _INV_FREQ, w.pop(a + _INV_FREQ), theta, D, scaling)
     w.finish()
     return config, sd
+
+
+#: the rotary frequencies that ``transformers`` 4.28–4.31 saved in each Llama layer's state dict
+#: (a buffer derived from ``rope_theta`` and ``head_dim``; later versions do not save it)
+_INV_FREQ = "rotary_emb.inv_freq"
+
+
+def _check_inv_freq(c: _Class, key: str, saved: Tensor, theta: float, D: int, scaling: dict | None) -> None:
+    """A saved ``rotary_emb.inv_freq`` buffer (``[D/2]``) is dropped, as ``transformers`` drops it on
+    load, once it agrees with the frequencies the config gives: the plain ``θ_i = rope_theta^{−2i/D}``
+    (4.31's buffer with linear scaling, which scaled the positions instead) or the scaled ones mnemo
+    uses, within the rounding of the buffer's dtype (2 ulps, relative; a float16 / bfloat16 checkpoint
+    holds them rounded). One that disagrees is refused by name: the config would not describe the
+    checkpoint (another ``rope_theta`` or ``head_dim`` than the one it was trained with)."""
+    if tuple(saved.shape) != (D // 2,) or not saved.is_floating_point():
+        c.fmt.refuse(
+            f"weight {key!r} (rotary frequencies that older transformers saved) has shape "
+            f"{list(saved.shape)} and dtype {saved.dtype}, expected a float tensor of shape [{D // 2}] "
+            f"(head_dim = {D} / 2)"
+        )
+    got = saved.double()
+    fi = torch.finfo(saved.dtype)
+    tol = 2 * fi.eps * got.abs() + fi.smallest_normal * fi.eps  # (the last: a subnormal's spacing)
+    plain = plain_inv_freq(theta, D, torch.float64)
+    used = RotaryEmbedding(D, theta, scaling=scaling).double().inv_freq
+    err = {n: (got - f).abs() for n, f in (("plain", plain), ("scaled", used))}
+    if any(bool((e <= tol).all()) for e in err.values()):
+        return
+    rel = (err["plain"] / plain).max().item()
+    c.fmt.refuse(
+        f"weight {key!r} (rotary frequencies that older transformers saved, {saved.dtype}) disagrees with "
+        f"those of rope_theta = {theta:g}, head_dim = {D} (max relative difference {rel:.3g}, more than "
+        f"{saved.dtype}'s rounding): the config does not describe this checkpoint; fix rope_theta / "
+        "head_dim (and rope_parameters) in config.json"
+    )
 
 
 def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
@@ -434,7 +478,12 @@ def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple
             elif bool(o_bias.ne(0).any()):
                 fmt.refuse(
                     f"blocks.{i}.mixer.o_proj.bias is not zero (max |b| = {o_bias.abs().max().item():.3g}): "
-                    f"{c.arch} has no bias on the output projection"
+                    f"{c.arch} has no bias on the output projection. A converted Qwen2 holds a zero one "
+                    "(mnemo's bias option biases q, k, v and o together) and training moved it: the o bias "
+                    "was trained. Llama (attention_bias) expresses it when the model has no window; with "
+                    "one, export as Qwen2 only after training with that bias frozen (requires_grad False on "
+                    "each blocks.N.mixer.o_proj.bias, in Python: `mnemo train` has no option for it), or "
+                    "after setting it to zero, which changes the model's outputs"
                 )
         if c.qk_norm:
             sd[a_ + "q_norm.weight"] = w.pop(q + "mixer.q_norm.weight", (D,))

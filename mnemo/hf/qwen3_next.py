@@ -70,6 +70,7 @@ from .fields import (
     mixer_options,
     rope_fields,
     rope_parameters,
+    tied_as_loaded,
 )
 
 #: ``Qwen3NextConfig``'s defaults for the fields the conversion reads (a ``config.json`` may
@@ -268,7 +269,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         _refuse(f"linear_num_value_heads ({Hv}) must be a multiple of linear_num_key_heads ({Hk})")
     G = Hv // Hk if Hk else 1
     hidden = _get(cfg, "intermediate_size")
-    tie = bool(_get(cfg, "tie_word_embeddings"))
+    tie = tied_as_loaded(QWEN3_NEXT, cfg, weights)  # (a head unlike the embedding: untied, as loaded)
 
     options: dict[str, dict[str, Any]] = {}
     if LINEAR in types:

@@ -218,6 +218,18 @@ def _check_llama3(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def plain_inv_freq(theta: float, rotary_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """RoPE's frequencies ``θ_i = theta^{−2i/R}``, ``i < R/2`` (``R = rotary_dim``), computed in
+    ``dtype``: in float32 as ``transformers`` computes them (``1 / theta^{2i/R}``, the same operations
+    in float32, so the same float32 numbers: ``theta^{−2i/R}`` rounds a third of them one ulp away,
+    which reaches ~1e-4 in a converted model's logits at position 3000); in float64 (and any other
+    dtype) as ``theta^{−2i/R}``. Returns ``[R/2]`` in ``dtype``."""
+    i = torch.arange(0, rotary_dim, 2, dtype=dtype)
+    if dtype == torch.float32:
+        return 1.0 / (theta ** (i / rotary_dim))
+    return theta ** (-i / rotary_dim)
+
+
 def llama3_inv_freq(
     theta: float,
     rotary_dim: int,
@@ -225,6 +237,7 @@ def llama3_inv_freq(
     low_freq_factor: float,
     high_freq_factor: float,
     original_max_position: int,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Llama 3.1's RoPE frequencies (Llama Team, "The Llama 3 Herd of Models", arXiv:2407.21783, 2024:
     the 3.1 models' long-context RoPE, whose equations are those of Meta's released reference code,
@@ -239,9 +252,9 @@ def llama3_inv_freq(
 
     (continuous at both bounds; static: the same at every sequence length, unlike ``"dynamic"``).
     ``s = factor`` (8 for Llama 3.1, ``low_freq_factor = 1``, ``high_freq_factor = 4``, ``L = 8192``).
-    Returns ``[R/2]`` float64 (``transformers`` computes in float32)."""
-    R = rotary_dim
-    inv = theta ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    Computed in ``dtype`` (default float64) from :func:`plain_inv_freq`'s ``θ_i`` with
+    ``transformers``' operations, so in float32 its float32 numbers. Returns ``[R/2]`` in ``dtype``."""
+    inv = plain_inv_freq(theta, rotary_dim, dtype)
     wavelen = 2 * math.pi / inv
     gamma = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smooth = (1 - gamma) * inv / factor + gamma * inv
@@ -303,6 +316,7 @@ def yarn_hf_inv_freq(
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
     truncate: bool = True,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """YaRN's frequencies as ``transformers``' ``_compute_yarn_parameters`` computes them (the
     authors' code form; not the paper's eq. 18, :func:`yarn_inv_freq`). With ``R = rotary_dim``,
@@ -318,10 +332,10 @@ def yarn_hf_inv_freq(
         h(θ_i) = γ_i · θ_i / s + (1 − γ_i) · θ_i
 
     (fast dimensions, ``i < lo``, kept; slow ones divided by ``s``). Defaults ``beta_fast=32.0``,
-    ``beta_slow=1.0``, ``truncate=True``. Returns ``[R/2]`` float64 (``transformers`` computes in
-    float32)."""
+    ``beta_slow=1.0``, ``truncate=True``. Computed in ``dtype`` (default float64) with
+    ``transformers``' operations (so in float32 its float32 numbers). Returns ``[R/2]`` in ``dtype``."""
     R = rotary_dim
-    pos_freqs = theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+    pos_freqs = theta ** (torch.arange(0, R, 2, dtype=dtype) / R)
     extra, inter = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
 
     def dim_of(turns: float) -> float:
@@ -333,8 +347,8 @@ def yarn_hf_inv_freq(
     lo, hi = max(lo, 0), min(hi, R - 1)
     if lo == hi:
         hi += 0.001
-    gamma = ((torch.arange(R // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0.0, 1.0)
-    return inter * gamma + extra * (1 - gamma)
+    kept = 1 - ((torch.arange(R // 2, dtype=dtype) - lo) / (hi - lo)).clamp(0.0, 1.0)  # 1 − γ_i
+    return inter * (1 - kept) + extra * kept
 
 
 def yarn_hf_attention_factor(
@@ -392,10 +406,12 @@ class RotaryEmbedding(nn.Module):
     :meth:`rotate` takes explicit positions. Computed in float32 (float64 for float64 inputs),
     returned in ``x``'s dtype; the frequencies are float32 (float64 when built under
     ``torch.set_default_dtype(torch.float64)``: :func:`~mnemo.layers.base.buffer_dtype`), stay
-    float32 through a cast to half precision, and a float64 module (``.double()``) recomputes them in
-    float64 (and a cast back, in float32: the float32 module's), and a module built on the ``meta``
-    device recomputes them when materialised (``to_empty``, or the owning mixer's
-    ``load_state_dict(sd, assign=True)``: :func:`~mnemo.layers.base.refill_meta_constants`).
+    float32 through a cast to half precision (float32 ones computed with ``transformers``'
+    operations, so the same numbers as its Llama-family classes: :func:`plain_inv_freq`), and a
+    float64 module (``.double()``) recomputes them in float64 (and a cast back, in float32: the
+    float32 module's), and a module built on the ``meta`` device recomputes them when materialised
+    (``to_empty``, or the owning mixer's ``load_state_dict(sd, assign=True)``:
+    :func:`~mnemo.layers.base.refill_meta_constants`).
     ``R`` must be even and at most ``D``.
 
     Raises:
@@ -457,8 +473,8 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def _base(self, dtype: torch.dtype) -> torch.Tensor:
-        """RoPE's ``θ^{−2i/R}``, ``i < R/2``, computed in ``dtype``."""
-        return self.theta ** (-torch.arange(0, self.rotary_dim, 2, dtype=dtype) / self.rotary_dim)
+        """RoPE's ``θ^{−2i/R}``, ``i < R/2``, computed in ``dtype`` (:func:`plain_inv_freq`)."""
+        return plain_inv_freq(self.theta, self.rotary_dim, dtype)
 
     def set_scaling(self, scaling: dict[str, Any] | None) -> None:
         """Replace the frequency scaling (``None``: plain RoPE); see :func:`check_rope_scaling`. A
@@ -501,14 +517,14 @@ class RotaryEmbedding(nn.Module):
         elif s["rope_type"] == "llama3":
             inv = llama3_inv_freq(
                 self.theta, self.rotary_dim, s["factor"], s["low_freq_factor"], s["high_freq_factor"],
-                s["original_max_position_embeddings"],
-            ).to(base.dtype)  # fmt: skip
+                s["original_max_position_embeddings"], dtype=base.dtype,
+            )  # fmt: skip
             af = 1.0
         elif s["rope_type"] == "yarn_hf":
             inv = yarn_hf_inv_freq(
                 self.theta, self.rotary_dim, s["factor"], s["original_max_position_embeddings"],
-                s["beta_fast"], s["beta_slow"], s["truncate"],
-            ).to(base.dtype)  # fmt: skip
+                s["beta_fast"], s["beta_slow"], s["truncate"], dtype=base.dtype,
+            )  # fmt: skip
             af = s["attention_factor"]
             if af is None:
                 af = yarn_hf_attention_factor(s["factor"], s["mscale"], s["mscale_all_dim"])

@@ -890,15 +890,19 @@ class LanguageModel(nn.Module):
 
         ``dtype``: ``None`` / ``"auto"`` (default) keeps the dtype the weights are stored in (that
         of most of ``model.safetensors``' floating elements: a float64 or bfloat16 model comes back as
-        it was saved; another library's folder, converted in memory, in float32, or float64 when
-        stored in float64); a ``torch.dtype`` or its name (``"float32"``, ``"float64"``,
-        ``"bfloat16"``, ``"float16"``) casts to it. ``ValueError`` naming ``dtype`` otherwise.
+        it was saved; another library's folder, converted in memory, in float32 — a bfloat16 or
+        float16 one included, as ``mnemo convert`` stores it —, or float64 when stored in float64); a
+        ``torch.dtype`` or its name (``"float32"``, ``"float64"``, ``"bfloat16"``, ``"float16"``)
+        casts to it. ``ValueError`` naming ``dtype`` otherwise.
 
-        A folder whose ``config.json`` is another library's (a ``transformers``
-        ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` / ``Qwen3NextForCausalLM``, the original
-        ``mamba-ssm`` layout) is converted in memory once the converters are registered
-        (``import mnemo.hf``, which the ``mnemo`` command does; :mod:`mnemo.models.formats`); an
-        unsupported architecture raises ``ValueError`` naming it."""
+        A folder whose ``config.json`` is another library's is converted in memory once the
+        converters are registered (``import mnemo.hf``, which the ``mnemo`` command does;
+        :mod:`mnemo.models.formats`): ``transformers``' ``MambaForCausalLM``, ``Mamba2ForCausalLM``,
+        ``Qwen3NextForCausalLM``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5),
+        ``Qwen3ForCausalLM`` and ``MistralForCausalLM`` (:mod:`mnemo.hf.llama`), and the original
+        ``mamba-ssm`` layout; its weights in ``model.safetensors``, sharded safetensors or
+        ``pytorch_model.bin`` (sharded or not). An unsupported architecture or option, or a quantized
+        checkpoint (``quantization_config``), raises ``ValueError`` naming it."""
         d = Path(directory)
         if d.is_file():
             raise NotADirectoryError(
