@@ -1,10 +1,10 @@
 """Review 47f: defects found while reviewing 0b787d2 (einops calls as graph nodes), c4c34d5 and dd4ab15.
 
-Each test fails on the code as reviewed and is marked ``xfail(strict=True)``: when the defect is
-fixed, the test passes, the strict xfail turns it into a failure, and the mark is to be removed.
-
-Neither defect here is a regression of the reviewed commits: both fail the same way at c4c34d5
-(before the einops marks). They are recorded because no test compiled one model over two lengths.
+Each test failed on the code as reviewed. The two compiled-GLA defects are not fixed: their tests
+are marked ``xfail(strict=True)`` (when a defect is fixed, the test passes, the strict xfail turns it
+into a failure, and the mark is to be removed). None of the three is a regression of the reviewed
+commits: each failed the same way at c4c34d5 (before the einops marks); no test had compiled one
+model over two lengths or run ``torch.func`` through the short convolution.
 """
 
 from __future__ import annotations
@@ -70,17 +70,14 @@ def test_compiled_gla_with_dynamic_shapes():
     torch.testing.assert_close(got, model(ids)[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(RuntimeError, NotImplementedError),
-    reason="review 47f: ShortConvolution's _CausalConv (T > 1) has no setup_context / jvp, so torch.func "
-    "transforms and forward-mode AD fail through every mixer with a short convolution (gated_deltanet, "
-    "mamba2, ...), while the ops under them support both (mnemo.ops.dispatch.under_transform)",
-)
 def test_short_convolution_under_torch_func():
-    """``torch.func.jvp`` through :class:`~mnemo.layers.conv.ShortConvolution` equals a central
-    difference (float64). (gla and attention, without a convolution, pass; gated_deltanet and
-    mamba2 raise at ``_CausalConv.apply``.)"""
+    """:class:`~mnemo.layers.conv.ShortConvolution` under the ``torch.func`` transforms and forward-mode
+    AD (review 47f: its autograd Function has no jvp or vmap rule, so gated_deltanet and mamba2 raised
+    at ``_CausalConv.apply``; now the same sum runs as recorded operations there): ``jvp`` equals a
+    central difference, ``vmap`` equals a loop, ``torch.func.grad`` equals the Function's hand-written
+    backward, and a ``forward_ad`` dual's tangent equals ``jvp``'s (float64)."""
+    import torch.autograd.forward_ad as fwAD
+
     from mnemo.layers.conv import ShortConvolution
 
     torch.manual_seed(0)
@@ -94,3 +91,15 @@ def test_short_convolution_under_torch_func():
     _, tangent = torch.func.jvp(f, (x,), (t,))
     eps = 1e-6
     torch.testing.assert_close(tangent, (f(x + eps * t) - f(x - eps * t)) / (2 * eps), rtol=1e-6, atol=1e-8)
+    xs = torch.randn(3, 2, 6, 8, dtype=torch.float64)
+    # (the loop runs the Function, whose C kernel sums the taps in another order: rounding apart)
+    torch.testing.assert_close(
+        torch.func.vmap(f)(xs), torch.stack([f(xi) for xi in xs]), rtol=1e-12, atol=1e-12
+    )
+    got = torch.func.grad(lambda x: f(x).square().sum())(x)
+    xr = x.clone().requires_grad_()
+    f(xr).square().sum().backward()  # (the hand-written backward: no transform sees xr)
+    torch.testing.assert_close(got, xr.grad, rtol=1e-12, atol=1e-12)
+    with fwAD.dual_level():
+        dual = fwAD.unpack_dual(f(fwAD.make_dual(x, t))).tangent
+    torch.testing.assert_close(dual, tangent, rtol=1e-12, atol=1e-12)

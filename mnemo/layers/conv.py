@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import _native, _workspace
-from ..ops._common import check_cu_seqlens
+from ..ops._common import check_cu_seqlens, seen_by_transform
 from .state import spec
 
 
@@ -67,6 +67,14 @@ class ShortConvolution(nn.Module):
         b = None if self.bias is None else self.bias.to(acc)
         if T == 1:  # one decoding step: W multiply-adds per channel; a kernel call costs more
             y = (xa * w.t()).sum(1, keepdim=True)
+            if b is not None:
+                y = y + b
+        elif seen_by_transform(xa, w, b):
+            # torch.func transforms and forward-mode AD: the same sum as recorded operations (the
+            # Function's hand-written backward has no jvp or vmap rule)
+            y = xa[:, :T] * w[:, 0]
+            for i in range(1, W):
+                y = y + xa[:, i : i + T] * w[:, i]
             if b is not None:
                 y = y + b
         else:
