@@ -202,10 +202,11 @@ def gla_chunk_autograd(q, k, v, g, S0, chunk_size: int):
     C = int(chunk_size)
     n = -(-T // C)
     pad = n * C - T
-    if pad:
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    if pad:  # zeros concatenated, not F.pad: a compiled backward at a second, symbolic length viewed
+        # the constant_pad_nd undoing F.pad with strides it did not have (test_review_regressions_47f)
+        q, k, v = (torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], 1) for x in (q, k, v))
         if g is not None:
-            g = torch.nn.functional.pad(g, (0, 0) * (g.ndim - 2) + (0, pad))
+            g = torch.cat([g, g.new_zeros(B, pad, *g.shape[2:])], 1)
     qc, kc, vc = (rearrange(x, "b (n c) h d -> b h n c d", c=C) for x in (q, k, v))
     mask = causal_mask(C, q.device)
     if g is None:
