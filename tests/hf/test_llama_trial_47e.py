@@ -23,15 +23,10 @@ from mnemo.cli import main  # noqa: E402
 from mnemo.hf.convert import CARRIED_CONFIG_NAME, convert, export_hf, import_hf  # noqa: E402
 from mnemo.hf.llama import import_llama  # noqa: E402
 from mnemo.models import LanguageModel  # noqa: E402
+from tests.hf.test_llama_family_47 import SMALL, VOCAB  # noqa: E402  (the same tiny models)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*holds no tokenizer:UserWarning")
 
-VOCAB = 53
-SMALL = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
-    pad_token_id=None,
-)  # fmt: skip
 CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
