@@ -364,6 +364,26 @@ def _scored(run, length: int, bos):
         ) from None
 
 
+def _induction_out_of_window(model, length: int) -> dict[str, str]:
+    """Layer (as the scores name it, ``"0"``) -> note, for each layer whose mixer has an attention
+    ``window`` of fewer than ``length`` keys: the induction target of a query (``length − 1`` tokens
+    back on random tokens repeated twice, :func:`~mnemo.interp.probe.circuit_scores`) is then out of
+    its reach, and its induction scores are 0 by construction, not measured. ``probe circuits``
+    writes the note into those layers' entries (``induction_out_of_window``, ``induction_note``),
+    ``probe ablate`` into its result (``induction_out_of_window``: its top-K ranking reads those zeros)."""
+    notes = {}
+    for i, block in enumerate(model.blocks):
+        window = getattr(block.mixer, "window", None)
+        if isinstance(window, int) and window < length:  # (the target is length − 1 keys back)
+            notes[str(i)] = (
+                f"the induction target lies {length - 1} tokens back (--length {length} − 1), "
+                f"outside this layer's window of {window} keys (the last {window - 1} and the query): "
+                "its induction scores are 0 by construction, not measured"
+                + (f"; --length {window} or less measures them" if window >= 2 else "")
+            )
+    return notes
+
+
 def _cmd_circuits(args) -> int:
     ckpt, model = _load(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt)
@@ -373,18 +393,13 @@ def _cmd_circuits(args) -> int:
     scores = _scored(
         lambda: circuit_scores(model, args.length, args.batch, args.seed, bos=bos), args.length, bos
     )
+    out_of_window = _induction_out_of_window(model, args.length)
     for layer, entry in scores.items():
         if entry.get("note"):
             print(f"note: layer {layer}: {entry['note']} (--length {args.length})", file=sys.stderr)
-        window = getattr(model.blocks[int(layer)].mixer, "window", None)
-        if isinstance(window, int) and window < args.length:  # (the target is length − 1 keys back)
+        if layer in out_of_window:
             entry["induction_out_of_window"] = True
-            entry["induction_note"] = (
-                f"the induction target lies {args.length - 1} tokens back (--length {args.length} − 1), "
-                f"outside this layer's window of {window} keys (the last {window - 1} and the query): "
-                "its induction scores are 0 by construction, not measured"
-                + (f"; --length {window} or less measures them" if window >= 2 else "")
-            )
+            entry["induction_note"] = out_of_window[layer]
             print(f"note: layer {layer}: {entry['induction_note']}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     record = {"checkpoint": str(ckpt), "length": args.length, "bos": bos, "layers": scores}
@@ -562,6 +577,14 @@ def _cmd_ablate(args) -> int:
     except ValueError as e:  # a check of the Python API's argument (k's upper bound needs the heads)
         raise ValueError(_as_flags(str(e), _ABLATE_FLAGS)) from None
     result = {"checkpoint": str(ckpt), **result}
+    out_of_window = _induction_out_of_window(model, args.length)
+    if out_of_window:  # the heads of those layers were ranked by zeros that measure nothing
+        result["induction_out_of_window"] = out_of_window
+        for layer, note in out_of_window.items():
+            print(
+                f"note: layer {layer}: {note}; --top-induction ranks its heads by those zeros",
+                file=sys.stderr,
+            )
     _write_json(path, result)
     print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON line
     print(_json(result))

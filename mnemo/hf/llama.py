@@ -20,8 +20,10 @@ up]``, ``w_out = down``), ``pos_embedding="none"``, ``tie_embeddings = tie_word_
 * **Llama** (``LlamaForCausalLM``): ``attention_bias`` biases q, k, v *and* o — mnemo's ``bias``.
   ``mlp_bias`` is refused (mnemo's SwiGLU has no biases); so is a ``sliding_window`` (the class's
   forward ignores it while its cache and ``generate`` read it).
-* **Qwen2** (``Qwen2ForCausalLM``): q, k and v are always biased and o never: mnemo's ``bias``
-  with a zero ``o_proj.bias`` (exact; an export needs that bias to be zero).
+* **Qwen2** (``Qwen2ForCausalLM``): q, k and v are always biased and o never: mnemo's
+  ``bias="qkv"`` (no ``o_proj.bias`` parameter at all, so fine-tuning cannot give it one). A Qwen2
+  converted before that option holds ``bias=True`` with a zero ``o_proj.bias``, which still loads
+  and exports as Qwen2 while that bias is zero.
 * **Qwen3** (``Qwen3ForCausalLM``): ``attention_bias`` as Llama's, and an RMSNorm over each head's
   ``head_dim`` channels of q and k (``q_norm`` / ``k_norm``, epsilon ``rms_norm_eps``) before RoPE:
   mnemo's ``qk_norm`` (the same function: per head, before the rotary positions, ``norm_eps``).
@@ -51,10 +53,12 @@ expected vs received value).
 
 Export: a stack of ``"attention"`` layers with SwiGLU MLPs, RoPE over the whole head, no output
 gate and no attention sinks, as the first class that expresses it exactly: Llama (no window, no
-q/k norm), Mistral (no bias, no q/k norm; a window or none), Qwen3 (q/k norms), Qwen2 (q/k/v
-biases with a zero o bias) — :func:`mnemo.hf.convert.export_hf` tries a converted checkpoint's
-own class first (and warns when another one writes it: a converted Qwen2 whose zero o bias was
-trained goes out as Llama where it has no window; with one, the Qwen2 refusal says why).
+q/k norm), Mistral (no bias, no q/k norm; a window or none), Qwen3 (q/k norms), Qwen2 (``bias="qkv"``,
+or ``bias=True`` with a zero o bias) — :func:`mnemo.hf.convert.export_hf` tries a converted
+checkpoint's own class first (and warns when another one writes it: a Qwen2 converted with a zero
+o bias, before ``bias="qkv"``, whose o bias was trained goes out as Llama where it has no window;
+with one, the Qwen2 refusal says why). ``bias="qkv"`` is Qwen2's alone: Llama's and Qwen3's
+``attention_bias`` biases o too.
 """
 
 from __future__ import annotations
@@ -313,7 +317,7 @@ def _import(c: _Class, hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
     bias = c.bias == "qkv" or (c.bias == "field" and bool(fmt.get(cfg, "attention_bias")))
     opts: dict[str, Any] = dict(
         n_heads=H, n_kv_heads=H_kv, head_dim=D, rope=True, rope_theta=theta, window=window,
-        qk_norm=c.qk_norm, output_gate=False, bias=bias, norm_eps=eps,
+        qk_norm=c.qk_norm, output_gate=False, bias="qkv" if c.bias == "qkv" else bias, norm_eps=eps,
     )  # fmt: skip
     if scaling is not None:
         opts["rope_scaling"] = scaling
@@ -352,10 +356,8 @@ def _import(c: _Class, hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
             sd[q + "mixer.q_proj.bias"] = w.pop(a + "q_proj.bias", (H * D,))
             bk, bv = w.pop(a + "k_proj.bias", (H_kv * D,)), w.pop(a + "v_proj.bias", (H_kv * D,))
             sd[q + "mixer.kv_proj.bias"] = torch.cat([bk, bv])
-            o = sd[q + "mixer.o_proj.weight"]  # Qwen2: no o bias, i.e. a zero one
-            sd[q + "mixer.o_proj.bias"] = (
-                o.new_zeros(d) if c.bias == "qkv" else w.pop(a + "o_proj.bias", (d,))
-            )
+            if c.bias == "field":  # (Qwen2, bias="qkv": no o bias)
+                sd[q + "mixer.o_proj.bias"] = w.pop(a + "o_proj.bias", (d,))
         if c.qk_norm:
             sd[q + "mixer.q_norm.weight"] = w.pop(a + "q_norm.weight", (D,))
             sd[q + "mixer.k_norm.weight"] = w.pop(a + "k_norm.weight", (D,))
@@ -421,11 +423,16 @@ def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple
         fmt.require(where, a, "rotary_dim", D)  # (the whole head)
     if c.qk_norm:
         fmt.require(where, a, "norm_eps", eps)  # (one epsilon: rms_norm_eps)
-    bias, W = bool(a["bias"]), a["window"]
+    bias, W = a["bias"], a["window"]
     if c.bias is None and bias:
         fmt.require(where, a, "bias", False)
+    if c.bias == "field" and bias == "qkv":
+        fmt.refuse(
+            f"{where} option bias='qkv' (q, k and v biased, o not) has no {fmt.name} equivalent: "
+            "attention_bias biases o too (Qwen2ForCausalLM has bias='qkv')"
+        )
     if c.bias == "qkv" and not bias:
-        fmt.require(where, a, "bias", True)
+        fmt.require(where, a, "bias", "qkv")
     if c.windows is None and W is not None:
         fmt.require(where, a, "window", None)
     scaling = check_rope_scaling(a.get("rope_scaling"))
@@ -438,7 +445,7 @@ def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple
     rope = rope_parameters(a["rope_theta"], scaling)
     hf = decoder_fields(config, c.arch, c.model_type, heads=(H, H_kv, D), hidden=hidden, rope=rope)
     if c.bias == "field":
-        hf["attention_bias"] = bias
+        hf["attention_bias"] = bool(bias)
     if c.model_type == "llama":
         hf["mlp_bias"] = False
     if c.windows == "all":
@@ -472,18 +479,19 @@ def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple
             sd[a_ + "k_proj.bias"], sd[a_ + "v_proj.bias"] = w.pop(
                 q + "mixer.kv_proj.bias", (2 * H_kv * D,)
             ).split(H_kv * D, 0)
-            o_bias = w.pop(q + "mixer.o_proj.bias", (d,))
-            if c.bias == "field":
+            o_bias = w.pop(q + "mixer.o_proj.bias", (d,)) if bias is True else None  # ("qkv": none)
+            if o_bias is not None and c.bias == "field":
                 sd[a_ + "o_proj.bias"] = o_bias
-            elif bool(o_bias.ne(0).any()):
+            elif o_bias is not None and bool(o_bias.ne(0).any()):
                 fmt.refuse(
                     f"blocks.{i}.mixer.o_proj.bias is not zero (max |b| = {o_bias.abs().max().item():.3g}): "
-                    f"{c.arch} has no bias on the output projection. A converted Qwen2 holds a zero one "
-                    "(mnemo's bias option biases q, k, v and o together) and training moved it: the o bias "
-                    "was trained. Llama (attention_bias) expresses it when the model has no window; with "
-                    "one, export as Qwen2 only after training with that bias frozen (requires_grad False on "
-                    "each blocks.N.mixer.o_proj.bias, in Python: `mnemo train` has no option for it), or "
-                    "after setting it to zero, which changes the model's outputs"
+                    f"{c.arch} has no bias on the output projection. The model's bias=True biases it: a "
+                    "Qwen2 converted before bias='qkv' (q, k, v only) holds a zero one, and training moved "
+                    "it: the o bias was trained. Llama (attention_bias) expresses it when the model has no "
+                    "window; with one, convert the source again (Qwen2 now imports with bias='qkv', no o "
+                    "bias) and fine-tune that, or export as Qwen2 only after training with that bias frozen "
+                    "(requires_grad False on each blocks.N.mixer.o_proj.bias), or after setting it to zero, "
+                    "which changes the model's outputs"
                 )
         if c.qk_norm:
             sd[a_ + "q_norm.weight"] = w.pop(q + "mixer.q_norm.weight", (D,))

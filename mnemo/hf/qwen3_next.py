@@ -453,6 +453,11 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
         factor = math.nextafter(factor, math.inf)
     if int(D * factor) != R:
         _refuse(f"rotary_dim {R} of head_dim {D} is not reproduced by partial_rotary_factor {factor}")
+    if a.get("bias") == "qkv":  # (Qwen2's biases: attention_bias biases the gate and o too)
+        _refuse(
+            f"mixer_options[{ATTN!r}] option bias='qkv' (q, k, v biased; gate and o not) has no "
+            "Qwen3-Next equivalent: attention_bias biases every projection"
+        )
     bias = bool(a["bias"])
     W = g["conv_size"]
     n = config.n_layers

@@ -77,7 +77,11 @@ class Attention(Mixer):
             the rotary positions (Qwen3, Qwen3-Next). Default ``False``.
         output_gate: ``o ⊙ sigmoid(W_gate x)`` per head and channel before the output projection
             (gated attention, as in Qwen3-Next; ``W_gate``: ``gate_proj``). Default ``False``.
-        bias: biases on the q, k, v, gate and output projections. Default ``False``.
+        bias: which projections have a bias: ``False`` (none; default ``False``), ``True`` (q, k, v, the
+            output gate and the output projection: Llama's and Qwen3's ``attention_bias``), or
+            ``"qkv"`` (q, k and v only, neither the gate nor the output projection: Qwen2's and
+            Qwen2.5's attention, ``q_proj`` / ``k_proj`` / ``v_proj`` biased and ``o_proj`` not,
+            ``transformers``' ``modeling_qwen2.py``).
         norm_eps: the q/k norms' epsilon (default ``1e-5``).
         rope_scaling: ``None`` or YaRN (Peng et al. 2023): ``{"rope_type": "yarn", "factor": s,
             "original_max_position_embeddings": L, "beta_fast": 32, "beta_slow": 1}`` (the names of
@@ -121,9 +125,10 @@ class Attention(Mixer):
     last ``window − 1`` keys (and the ``n_sink`` first), so decoding memory stays bounded.
 
     Raises:
-        ValueError: bad head counts or sizes, ``window`` (not ``None`` or an int ``>= 1``), ``n_sink``
-            (negative, or without ``window``), ``rope_theta`` (not a positive number) or
-            ``rope_scaling`` (without ``rope``, or a bad value); the message names the argument.
+        ValueError: bad head counts or sizes, ``bias`` (not true, false or ``"qkv"``), ``window`` (not
+            ``None`` or an int ``>= 1``), ``n_sink`` (negative, or without ``window``), ``rope_theta``
+            (not a positive number) or ``rope_scaling`` (without ``rope``, or a bad value); the
+            message names the argument.
     """
 
     mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_o")
@@ -142,7 +147,7 @@ class Attention(Mixer):
         rotary_dim: int | None = None,
         qk_norm: bool = False,
         output_gate: bool = False,
-        bias: bool = False,
+        bias: bool | str = False,
         norm_eps: float = 1e-5,
         rope_scaling: dict | None = None,
         n_sink: int = 0,
@@ -163,6 +168,11 @@ class Attention(Mixer):
         check_int("window", window, optional=True)
         check_mode(mode, ("parallel", "recurrent"))
         check_eps("norm_eps", norm_eps)  # (the q/k norms named it ``eps``, not the argument given)
+        if not (isinstance(bias, bool) or bias == "qkv"):
+            raise ValueError(
+                "bias: expected True (q, k, v, gate and output projections), False (none) or 'qkv' "
+                f"(q, k and v only, as Qwen2), got {bias!r}"
+            )
         n_kv_heads = n_kv_heads or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
@@ -175,10 +185,11 @@ class Attention(Mixer):
         head_dim = head_dim or d_model // n_heads
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.window, self.n_sink = window, n_sink
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
-        self.kv_proj = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=bias)
-        self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias) if output_gate else None
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        qkv_bias, o_bias = bias is True or bias == "qkv", bias is True  # ("qkv": Qwen2's biases)
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
+        self.kv_proj = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=qkv_bias)
+        self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=o_bias) if output_gate else None
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.rotary = (

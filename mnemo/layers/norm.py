@@ -58,7 +58,11 @@ class RMSNorm(nn.Module):
 
 def check_eps(name: str, eps, added_to: str = "mean(x²)") -> None:
     """Raise ``ValueError`` naming ``name`` unless ``eps`` is a finite real number ``>= 0`` (the
-    message says what it is ``added_to``, default ``"mean(x²)"``)."""
+    message says what it is ``added_to``, default ``"mean(x²)"``). Skipped while ``torch.compile``
+    traces (a module's ``eps`` was checked when it was built; ``dynamic=True`` makes it a symbolic
+    float, on which ``math.isfinite`` broke the graph of every GLA block)."""
+    if torch.compiler.is_compiling():
+        return
     ok = isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0
     if not ok:
         raise ValueError(f"{name}: expected a finite number >= 0 (added to {added_to}), got {eps!r}")

@@ -213,16 +213,41 @@ def _known_options(cls) -> list[str]:
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
+#: the kinds of value an option's annotation may join (``bias: bool | str``): name -> (test, as said)
+_KINDS = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "text"),
+}
+
+
+def _union_kinds(annotation) -> list[str] | None:
+    """The kinds a union annotation of several :data:`_KINDS` names (``"bool | str"`` -> ``["bool",
+    "str"]``; ``None`` in it left out), else ``None`` (the default's kind is checked)."""
+    if not isinstance(annotation, str):  # (the mixers' modules use postponed annotations)
+        return None
+    names = [n.strip() for n in annotation.split("|") if n.strip() != "None"]
+    return names if len(names) > 1 and all(n in _KINDS for n in names) else None
+
+
 def _mistyped_options(cls, opts: dict) -> list[tuple[str, str]]:
     """``(key, expected)`` for each option whose value is not of its default's kind (a bool for a
-    bool, an int for an int, a number for a float, text for text; ``None`` and options defaulting
-    to ``None`` are left to the mixer, which may read ``None`` as "derive it")."""
+    bool, an int for an int, a number for a float, text for text), or for an option annotated with
+    several of those kinds (attention's ``bias: bool | str``) of none of them (which values of each
+    kind it takes is the mixer's to check); ``None`` and options defaulting to ``None`` are left to
+    the mixer, which may read ``None`` as "derive it")."""
     out = []
     for p in inspect.signature(cls).parameters.values():
         if p.name not in opts or p.default is inspect.Parameter.empty or p.default is None:
             continue
         v, d = opts[p.name], p.default
         if v is None:
+            continue
+        kinds = _union_kinds(p.annotation)
+        if kinds is not None:
+            if not any(_KINDS[k][0](v) for k in kinds):
+                out.append((p.name, f"{' or '.join(_KINDS[k][1] for k in kinds)} (the default is {d!r})"))
             continue
         if isinstance(d, bool):
             ok, kind = isinstance(v, bool), "true or false"

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from .._compile_marks import constant_result
+
 #: Log-gates are clamped from below at this value in every form. ``exp(-60) < 1e-26``, so a gate of
 #: ``-inf`` (a hard reset) behaves as a reset without producing ``-inf - (-inf) = nan`` inside the
 #: cumulative sums, and the cumulative sums stay small enough to keep fp32 precision.
@@ -572,9 +574,21 @@ class _DecayExp(torch.autograd.Function):
         return grad * e, None
 
 
+@constant_result
+def _decay_exp_bounds(dtype: torch.dtype) -> tuple[float, float, float]:
+    """``(FLUSH_LOG, DECAY_EXP_MAX, _flush_at(dtype))``: :func:`decay_exp`'s clamp and flush
+    threshold in ``dtype``, which ``torch.compile`` puts in its graphs as constants. Read as module
+    globals inside :class:`_DecayExp`'s forward, ``torch.compile(dynamic=True)`` made each float a
+    symbolic graph input created in the subgraph where dynamo traced that forward; the next call's
+    subgraph reused that (finished) subgraph's value and dynamo failed ("lift_tracked_freevar_to_input
+    should not be called on root SubgraphTracer"; test_review_regressions_47f)."""
+    return FLUSH_LOG, DECAY_EXP_MAX, _flush_at(dtype)
+
+
 def _decay_exp_values(log_decay, mask):
-    e = log_decay.clamp(FLUSH_LOG, DECAY_EXP_MAX).exp()
-    e = torch.nn.functional.threshold_(e, _flush_at(e.dtype), 0.0)
+    low, high, flush = _decay_exp_bounds(log_decay.dtype)  # (constants under torch.compile)
+    e = log_decay.clamp(low, high).exp()
+    e = torch.nn.functional.threshold_(e, flush, 0.0)  # (e's dtype is log_decay's)
     return e if mask is None else e * mask
 
 

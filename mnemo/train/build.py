@@ -196,12 +196,13 @@ def check_carry_state(
 
 def load_weights(
     model: LanguageModel, source: str, model_name: str, device, sharded: bool, tokenizer=None
-) -> None:
+) -> Path:
     """Start ``model`` from the weights of another run's checkpoint ``source`` (same model shapes
     required; ``sharded``: this process keeps its FSDP shards); the optimizer, schedule and data
     stream start fresh. ``tokenizer``: this (text) run's, which must be the checkpoint's (when it
     holds one; default ``None``: not checked): the same shapes with other ids (a char vocabulary
-    rebuilt from another text) would train every embedding row as another token, silently."""
+    rebuilt from another text) would train every embedding row as another token, silently.
+    Returns the checkpoint folder read (``source`` resolved: a run's newest intact checkpoint)."""
     from safetensors.torch import load_model
 
     ckpt = resolve_checkpoint(source)
@@ -232,6 +233,84 @@ def load_weights(
             f"TrainConfig.init_from: the weights in {ckpt} do not fit model {model_name!r} "
             f"(it needs the same architecture, width, depth and vocabulary): {_misfit(model, ckpt, e)}"
         ) from None
+    return ckpt
+
+
+#: files of a checkpoint that say where its weights came from rather than what the model computes: a
+#: converted checkpoint's ``hf_config_carried.json`` (the source ``config.json``'s fields mnemo does
+#: not model: token ids, ``max_position_embeddings``, the source dtype, …;
+#: :data:`mnemo.hf.convert.CARRIED_CONFIG_NAME`) and ``generation_config.json``
+#: (:data:`mnemo.hf.convert.CARRIED_FILES`), which ``mnemo export --format hf`` writes back. A run
+#: carries them from its ``init_from`` checkpoint into its own checkpoints (:func:`source_files`).
+SOURCE_FILES = ("hf_config_carried.json", "generation_config.json")
+
+
+def source_files(ckpt: Path, model: LanguageModel, tokenizer, *, resumed: bool, warn: bool = True) -> dict:
+    """The :data:`SOURCE_FILES` of checkpoint ``ckpt`` (name -> bytes, copied verbatim) that this run's
+    checkpoints carry, so that ``mnemo export --format hf`` of a fine-tuned converted model writes
+    its source's fields back (``max_position_embeddings``, the dtype, the token ids) instead of the
+    target class's defaults.
+
+    ``resumed``: ``ckpt`` is the checkpoint a resumed run continues from; whatever it holds was
+    judged when the run started and is carried on. Otherwise ``ckpt`` is the ``init_from``
+    checkpoint, and the rule is: its files are carried only while they still describe the run's
+    model, i.e. when
+
+    1. the model is the checkpoint's: ``model.config`` equals its ``config.json`` field for field
+       (a changed window, RoPE, norm or any other field — ``model_overrides`` — could make
+       ``max_position_embeddings`` or the target class wrong), and
+    2. the vocabulary is the checkpoint's: a text run whose ``tokenizer`` is the one the checkpoint
+       holds (:func:`load_weights` refuses another; a task run's ids are the task's symbols, and
+       without a ``tokenizer.json`` in the checkpoint nothing says what the carried token ids name).
+
+    Otherwise nothing is carried (the export then writes what it writes for a model of mnemo's own:
+    the class's defaults, the ids of the run's tokenizer), with a warning naming the reason when
+    ``warn`` (default ``warn=True``) and the checkpoint has such files. Returns ``{}`` when ``ckpt``
+    holds none."""
+    import json
+
+    from ..models import ModelConfig
+
+    found = {n: (ckpt / n).read_bytes() for n in SOURCE_FILES if (ckpt / n).is_file()}
+    if not found or resumed:
+        return found
+    why = None
+    try:
+        theirs = ModelConfig.load(ckpt / CONFIG_NAME).to_dict()
+    except (OSError, ValueError, TypeError) as e:
+        theirs, why = None, f"its {CONFIG_NAME} does not read as a model config ({e})"
+    if theirs is not None:
+        ours = json.loads(json.dumps(model.config.to_dict()))  # (as saved: tuples as lists)
+        diff = _differences(json.loads(json.dumps(theirs)), ours)
+        if diff:
+            why = f"the run's model is not the checkpoint's ({'; '.join(diff)})"
+    if why is None and tokenizer is None:
+        why = "a task run reads the task's symbols, not the checkpoint's tokens"
+    elif why is None and not (ckpt / "tokenizer.json").is_file():
+        why = f"{ckpt} holds no tokenizer.json, so nothing says which tokens the carried ids name"
+    if why is None:
+        return found
+    if warn:
+        warnings.warn(
+            f"TrainConfig.init_from: {', '.join(found)} of {ckpt} (the fields `mnemo export --format hf` "
+            f"writes back: the source's max_position_embeddings, dtype, token ids) are not carried into "
+            f"this run's checkpoints: {why}; an export of the run writes the target class's defaults",
+            stacklevel=3,
+        )
+    return {}
+
+
+def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
+    """``"field X there, Y here"`` for each field of two config dicts that differs (nested dicts
+    field by field: ``mixer_options.attention.window 5 there, 8 here``)."""
+    out = []
+    for k in sorted(set(theirs) | set(ours), key=str):
+        a, b = theirs.get(k), ours.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k} {a!r} there, {b!r} here")
+    return out
 
 
 def _misfit(model: LanguageModel, ckpt: Path, error: RuntimeError) -> str:

@@ -197,7 +197,11 @@ class TrainConfig:
             ``mnemo.interp``). Default ``False``.
         init_from: start from the weights of another run (a run or checkpoint directory) instead of
             a fresh initialisation — fine-tuning, or a curriculum (e.g. MQAR at 64 tokens, then at
-            128); the model must have the same shapes; the optimizer and schedule start fresh.
+            128); the model must have the same shapes; the optimizer and schedule start fresh. A
+            converted checkpoint's record of its source (``hf_config_carried.json``,
+            ``generation_config.json``, which ``mnemo export --format hf`` writes back) is copied
+            into the run's checkpoints while the run's model and vocabulary are the checkpoint's
+            (:func:`mnemo.train.build.source_files`).
         circuit_length: length ``L`` of the random segment the tracker repeats (``2 L`` tokens,
             ``2 L + 1`` after a ``bos``; default ``32``).
         track_spectrum: at every evaluation also record the memory spectrum of every memory

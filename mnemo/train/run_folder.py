@@ -409,11 +409,21 @@ class RunFolder:
                 lock.close()
 
     def write_checkpoint(
-        self, step: int, model, optimizer, tokenizer, cfg: TrainConfig, state: dict, sharded: bool
+        self,
+        step: int,
+        model,
+        optimizer,
+        tokenizer,
+        cfg: TrainConfig,
+        state: dict,
+        sharded: bool,
+        source_files: dict | None = None,
     ) -> Path:
         """Write ``ckpt-<step>`` atomically: the model's config and weights (``sharded``: DCP
         shards of the weights and ``optimizer``, every rank writing its own), ``tokenizer`` (text
-        runs), ``cfg`` and the trainer ``state`` (plus the optimizer's state unless sharded).
+        runs), ``cfg`` and the trainer ``state`` (plus the optimizer's state unless sharded), and
+        ``source_files`` (name -> bytes, written as they are: the record of a converted checkpoint's
+        source that the run carries, :func:`~mnemo.train.build.source_files`; default none).
         A run of ``cfg.fsdp`` on one process (resumed there) writes a single-file checkpoint, whose
         ``train_config.json`` then says ``fsdp: false`` as a consolidated one's does
         (:func:`~mnemo.train.sharded.consolidate_checkpoint`): a single-file checkpoint is not
@@ -426,6 +436,8 @@ class RunFolder:
                 save_model(model, str(tmp / WEIGHTS_NAME))
             if tokenizer is not None:
                 save_tokenizer(tokenizer, tmp)
+            for name, data in (source_files or {}).items():
+                (tmp / name).write_bytes(data)
             (tmp / TRAIN_CONFIG_NAME).write_text(json.dumps(saved_cfg, indent=2))
             saved = {
                 "step": state["step"],

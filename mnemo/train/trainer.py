@@ -24,7 +24,15 @@ from ..data.tasks import IGNORE_INDEX
 from ..ops._common import NonFiniteError
 from .aux_losses import AuxiliaryLosses, MoEBalance
 from .batches import RunData, _Logits, fixed_batch, fixed_train_set, packed_logits, summed_cross_entropy  # noqa: F401
-from .build import _count_parameters, _misfit, build_model, check_carry_state, load_checkpoint, load_weights  # noqa: F401
+from .build import (  # noqa: F401
+    _count_parameters,
+    _misfit,
+    build_model,
+    check_carry_state,
+    load_checkpoint,
+    load_weights,
+    source_files,
+)
 from .carry import CarriedState
 from .checkpoint import MANIFEST_NAME, CorruptCheckpointError, ckpt_name, save_torch  # noqa: F401  (save_torch: tests fake a full disk here)
 from .config import TrainConfig
@@ -115,12 +123,20 @@ class Trainer:
         # the built-in one, then the caller's (before a resume, which restores their intervals)
         self.aux_losses = AuxiliaryLosses([moe, *aux_losses])
         self._setup_optimizer()
+        start = ckpt if state is not None else None  # (the checkpoint whose weights the run starts from)
         if state is not None:
             self._restore_state(ckpt, state)
         elif self.cfg.init_from is not None:
-            load_weights(
+            start = load_weights(
                 self.model, self.cfg.init_from, self.cfg.model, self.device, self.fsdp, self.tokenizer
             )
+        # a converted checkpoint's record of its source, which every checkpoint of the run carries
+        # while it still describes the model (the rule: build.source_files); name -> bytes
+        self.source_files = (
+            {}
+            if start is None
+            else source_files(start, self.model, self.tokenizer, resumed=state is not None, warn=self.is_main)
+        )
         self.train_model = self.strategy.wrap(self.model)  # DDP's wrapper, or the plain forward
         if self.cfg.compile:  # the training forward only: self.model (checkpoints, evaluation) stays eager
             self.train_model = torch.compile(self.train_model)
@@ -254,7 +270,14 @@ class Trainer:
         }
         with self._writing(f"the checkpoint of step {self.step} ({self.out / ckpt_name(self.step)})"):
             self.last_checkpoint = self.run_folder.write_checkpoint(
-                self.step, self.model, self.optimizer, self.tokenizer, self.cfg, state, sharded=self.fsdp
+                self.step,
+                self.model,
+                self.optimizer,
+                self.tokenizer,
+                self.cfg,
+                state,
+                sharded=self.fsdp,
+                source_files=self.source_files,
             )
         return self.last_checkpoint
 

@@ -249,15 +249,17 @@ def test_max_position_embeddings_is_carried_and_derived_only_for_yarn(tmp_path):
 
 
 def test_export_says_its_class_and_a_trained_qwen2_o_bias_is_explained(tmp_path, capsys):
-    """A converted Qwen2 holds a zero, trainable ``o_proj.bias``; once trained, no window: the model
+    """A converted Qwen2 held a zero, trainable ``o_proj.bias``; once trained, no window: the model
     went out silently as ``LlamaForCausalLM``; with a window the error ended "o_proj.bias is not
     zero". The command now says which class it wrote (and a warning why not the source's), and the
-    Qwen2 refusal says the bias was trained and what to do."""
+    Qwen2 refusal says the bias was trained and what to do. (Since helper 48c a Qwen2 converts with
+    ``bias="qkv"``, no o bias at all: the case lives on in a Qwen2 converted before, ``bias: true``
+    with a zero o bias, built here from a new conversion.)"""
     saved("qwen2", tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "ck")
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "ex")]) == 0
     assert "exported as Qwen2ForCausalLM, weights stored as float32" in capsys.readouterr().out
-    lm = LanguageModel.from_pretrained(tmp_path / "ck")
+    lm = _as_converted_before_qkv(LanguageModel.from_pretrained(tmp_path / "ck"))
     with torch.no_grad():
         lm.blocks[0].mixer.o_proj.bias.add_(0.1)  # what fine-tuning does
     lm.save_pretrained(tmp_path / "trained")
@@ -267,11 +269,24 @@ def test_export_says_its_class_and_a_trained_qwen2_o_bias_is_explained(tmp_path,
         assert main(["export", str(tmp_path / "trained"), str(tmp_path / "ex2")]) == 0
     assert "exported as LlamaForCausalLM" in capsys.readouterr().out
     saved("qwen2", tmp_path / "hfw", use_sliding_window=True, sliding_window=5, max_window_layers=0)
-    lm = LanguageModel.from_pretrained(tmp_path / "hfw")
+    lm = _as_converted_before_qkv(LanguageModel.from_pretrained(tmp_path / "hfw"))
     with torch.no_grad():
         lm.blocks[1].mixer.o_proj.bias.add_(0.1)
     with pytest.raises(ValueError, match=r"o_proj.bias is not zero.*the o bias was trained.*frozen"):
         export_hf(lm, tmp_path / "ex3")
+
+
+def _as_converted_before_qkv(lm: LanguageModel) -> LanguageModel:
+    """The converted Qwen2 ``lm`` (``bias="qkv"``) as a conversion before that option made it:
+    ``bias: true`` and a zero ``o_proj.bias`` in every layer (the same function)."""
+    from mnemo.models import ModelConfig
+
+    d = lm.config.to_dict()
+    d["mixer_options"]["attention"]["bias"] = True
+    old = LanguageModel(ModelConfig.from_dict(d))
+    zeros = {f"blocks.{i}.mixer.o_proj.bias": torch.zeros(d["d_model"]) for i in range(d["n_layers"])}
+    old.load_state_dict({**lm.state_dict(), **zeros})
+    return old
 
 
 # 7. the RoPE field a refusal names ---------------------------------------------------------------
