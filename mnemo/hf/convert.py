@@ -17,6 +17,14 @@ of a ``transformers`` ``config.json``) and found by ``architectures``, then ``mo
   (:mod:`mnemo.hf.llama`);
 * ``Qwen3NextForCausalLM`` (``"qwen3_next"``) ↔ mnemo ``gated_deltanet`` and gated ``attention``
   layers (:mod:`mnemo.hf.qwen3_next`);
+* ``FalconMambaForCausalLM`` (``"falcon_mamba"``) ↔ mnemo ``mamba`` layers with ``bcdt_rms_eps``
+  (the RMS normalisation of dt, B and C; :mod:`mnemo.hf.mamba`);
+* ``BambaForCausalLM`` (``"bamba"``) ↔ mnemo ``mamba2`` and ``attention`` layers (partial rotary)
+  with SwiGLU MLPs (:mod:`mnemo.hf.bamba`);
+* flash-linear-attention's ``GLAForCausalLM`` (``"gla"``), ``RetNetForCausalLM`` (``"retnet"``),
+  ``DeltaNetForCausalLM`` (``"delta_net"``) and ``GatedDeltaNetForCausalLM`` (``"gated_deltanet"``),
+  import only → mnemo ``gla``, ``retnet``, ``deltanet``, ``gated_deltanet`` layers with SwiGLU MLPs
+  (:mod:`mnemo.hf.fla_hub`);
 * ``mamba_ssm`` (import only): the original ``mamba-ssm`` layout — ``config.json`` with
   ``d_model``, ``n_layer``, ``vocab_size``, ``ssm_cfg`` (``{"layer": "Mamba1" | "Mamba2", ...}``;
   ``"Mamba1"`` when absent), ``d_intermediate``, ``attn_layer_idx``, ``rms_norm``,
@@ -80,14 +88,18 @@ from torch import Tensor
 from ..data.tokenizer import MNEMO_TOKENIZER_NAME
 from ..models.config import ModelConfig
 from ..models.formats import register_foreign_loader
+from .bamba import export_bamba, import_bamba
+from .fla_hub import FORMATS as FLA_FORMATS
 from .llama import CLASSES as LLAMA_CLASSES
 from .mamba import (  # noqa: F401  (the decoding-cache converters are part of this module's API)
     MAMBA2_KEYS,
     MAMBA_KEYS,
     _is_mamba_ssm,
+    export_falcon_mamba,
     export_mamba,
     export_mamba2,
     hf_cache_from_layer_states,
+    import_falcon_mamba,
     import_mamba,
     import_mamba2,
     import_mamba_ssm,
@@ -974,8 +986,9 @@ def _export(
 ) -> tuple[Architecture, dict, dict[str, Tensor]]:
     """``(format, its config dict, its state dict)``: the first of :func:`_exporters` whose export
     expresses the model; where that is not ``prefer`` (a converted checkpoint's source class, which
-    refused it: a converted Qwen2 whose o bias was trained goes out as Llama), a ``UserWarning``
-    says so and why. ``ValueError`` saying what each candidate cannot express otherwise."""
+    refused it: a Qwen2 converted before ``bias="qkv"`` whose zero o bias was trained goes out
+    as Llama), a ``UserWarning`` says so and why. ``ValueError`` saying what each candidate cannot
+    express otherwise."""
     candidates = _exporters(config, prefer)
     refusals = []
     for arch in candidates:
@@ -1067,6 +1080,31 @@ for _c, _import_fn, _export_fn in LLAMA_CLASSES:
     register_architecture(
         _c.arch, model_type=_c.model_type, import_fn=_import_fn, export_fn=_export_fn, mixers={"attention"}
     )
+
+# FalconMamba (Mamba-1 with dt, B, C RMS-normalised: mnemo/hf/mamba.py) and Bamba (Mamba-2 + attention
+# with SwiGLU MLPs: mnemo/hf/bamba.py); registered after the classes a plain Mamba or attention stack
+# exports as
+
+register_architecture(
+    "FalconMambaForCausalLM",
+    model_type="falcon_mamba",
+    import_fn=import_falcon_mamba,
+    export_fn=export_falcon_mamba,
+    mixers={"mamba"},
+)
+register_architecture(
+    "BambaForCausalLM",
+    model_type="bamba",
+    import_fn=import_bamba,
+    export_fn=export_bamba,
+    mixers={"mamba2", "attention"},
+)
+
+# flash-linear-attention's released models (fla-hub): GLA, RetNet, DeltaNet, Gated DeltaNet, import only
+# (mnemo/hf/fla_hub.py)
+
+for _name, _model_type, _import_fn in FLA_FORMATS:
+    register_architecture(_name, model_type=_model_type, import_fn=_import_fn)
 
 
 def _load_foreign(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]] | None:

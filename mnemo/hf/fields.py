@@ -18,7 +18,8 @@
   a file (not where the file's head differs from the embedding).
 * :func:`mixer_options`: a mixer's effective constructor options in a :class:`ModelConfig`.
 
-Used by :mod:`mnemo.hf.qwen3_next` and :mod:`mnemo.hf.llama`; nothing here imports ``transformers``.
+Used by :mod:`mnemo.hf.qwen3_next`, :mod:`mnemo.hf.llama`, :mod:`mnemo.hf.bamba` and
+:mod:`mnemo.hf.fla_hub`; nothing here imports ``transformers``.
 """
 
 from __future__ import annotations
@@ -269,20 +270,23 @@ def decoder_fields(
     return out
 
 
-def tied_as_loaded(fmt: ConfigFormat, cfg: dict, weights: dict[str, Tensor]) -> bool:
+def tied_as_loaded(
+    fmt: ConfigFormat, cfg: dict, weights: dict[str, Tensor], embed: str = "model.embed_tokens.weight"
+) -> bool:
     """Whether ``transformers`` 5 ties the output head to the embedding when it loads ``weights``
     with the config ``cfg``: ``tie_word_embeddings`` (``fmt``'s default where left out), unless the
-    file holds both ``model.embed_tokens.weight`` and a ``lm_head.weight`` of other values — then
+    file holds both the embedding ``embed`` (default ``model.embed_tokens.weight``; fla's models:
+    ``model.embeddings.weight``) and a ``lm_head.weight`` of other values — then
     ``transformers`` keeps them apart ("both are present in the checkpoints with different values, so
     we will NOT tie them", ``PreTrainedModel.tie_weights``), and so does the import, with a
     ``UserWarning`` naming the field. Heads of different shapes are left to the shape check."""
     tie = bool(fmt.get(cfg, "tie_word_embeddings"))
-    emb, head = weights.get("model.embed_tokens.weight"), weights.get("lm_head.weight")
+    emb, head = weights.get(embed), weights.get("lm_head.weight")
     if not tie or emb is None or head is None or emb.shape != head.shape or torch.equal(emb, head):
         return tie
     warnings.warn(
         f"{fmt.name} conversion: field 'tie_word_embeddings' is true but the file's lm_head.weight differs "
-        "from model.embed_tokens.weight (max |Δ| = "
+        f"from {embed} (max |Δ| = "
         f"{(head.double() - emb.double()).abs().max().item():.3g}): imported untied, with the file's own "
         "head, as transformers loads it (it does not tie them then); set tie_word_embeddings to false in "
         "config.json to say so",
@@ -292,11 +296,14 @@ def tied_as_loaded(fmt: ConfigFormat, cfg: dict, weights: dict[str, Tensor]) -> 
     return False
 
 
-def import_head(w: Weights, vocab: int, d: int, tie: bool) -> dict[str, Tensor]:
-    """``embed.weight`` and ``lm_head.weight`` from ``model.embed_tokens.weight`` and
-    ``lm_head.weight`` (``[vocab, d]``); tied (``tie``): the embedding under both names, and a
-    ``lm_head.weight`` in the file, if any, must equal it (refused by name otherwise)."""
-    emb = w.pop("model.embed_tokens.weight", (vocab, d))
+def import_head(
+    w: Weights, vocab: int, d: int, tie: bool, embed: str = "model.embed_tokens.weight"
+) -> dict[str, Tensor]:
+    """``embed.weight`` and ``lm_head.weight`` from the embedding ``embed`` (default
+    ``model.embed_tokens.weight``) and ``lm_head.weight`` (``[vocab, d]``); tied (``tie``): the
+    embedding under both names, and a ``lm_head.weight`` in the file, if any, must equal it (refused
+    by name otherwise)."""
+    emb = w.pop(embed, (vocab, d))
     if not tie:
         return {"embed.weight": emb, "lm_head.weight": w.pop("lm_head.weight", (vocab, d))}
     if "lm_head.weight" in w and not torch.equal(w.pop("lm_head.weight", (vocab, d)), emb):

@@ -1,8 +1,10 @@
 """Mamba and Mamba-2 checkpoints: ``transformers``' ``MambaForCausalLM`` / ``Mamba2ForCausalLM``
-(import and export) and the original ``mamba-ssm`` layout (import), as registered formats of
-:mod:`mnemo.hf.convert` (which documents the formats, the refusals and the weight files), plus the
-conversion of their decoding caches (``transformers`` keeps the last ``W`` convolution inputs, mnemo
-``W − 1``; Mamba-2's ssm state is ``[B, H, P, N]`` there, ``[B, H, N, P]`` here).
+and ``FalconMambaForCausalLM`` (import and export; FalconMamba is Mamba-1 with the RMS
+normalisation of dt, B and C, mnemo's ``bcdt_rms_eps``) and the original ``mamba-ssm`` layout
+(import), as registered formats of :mod:`mnemo.hf.convert` (which documents the formats, the
+refusals and the weight files), plus the conversion of their decoding caches (``transformers``
+keeps the last ``W`` convolution inputs, mnemo ``W − 1``; Mamba-2's ssm state is ``[B, H, P, N]``
+there, ``[B, H, N, P]`` here).
 
 Every import refuses, by name, an option it cannot reproduce exactly; every export refuses a mnemo
 config the target class cannot express (:func:`_refuse`).
@@ -381,7 +383,40 @@ def import_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConf
     """``transformers`` ``MambaForCausalLM`` → mnemo layers ``mamba`` (no MLP, tied head by
     ``tie_word_embeddings``, default true; the inner width is ``intermediate_size`` where the config
     gives it, as ``MambaMixer`` is built, else ``expand · hidden_size``)."""
-    where, c = "MambaForCausalLM", hf_config
+    return _import_mamba1("MambaForCausalLM", hf_config, weights, {})
+
+
+#: ``FalconMambaConfig``'s ``mixer_rms_eps`` (``transformers`` 5.25) where a config leaves it out
+FALCON_MAMBA_RMS_EPS = 1e-6
+
+
+def import_falcon_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """``transformers`` ``FalconMambaForCausalLM`` → mnemo layers ``mamba`` with ``bcdt_rms_eps =
+    mixer_rms_eps`` (default ``1e-6``).
+
+    FalconMamba is Mamba-1 with one change of function: inside each mixer the Δ input (the
+    ``time_step_rank`` channels of ``x_proj``, before ``dt_proj``), ``B`` and ``C`` are each divided
+    by their root mean square (no weight; ``FalconMambaMixer``'s ``dt_layernorm``, ``b_layernorm``,
+    ``c_layernorm``), which is :class:`~mnemo.layers.ssm.Mamba`'s ``bcdt_rms_eps``. Everything else
+    (weights under the same names, the block and final RMSNorms with ``layer_norm_epsilon``, the
+    conv, the scan, the ``D`` skip, the ``silu(z)`` gate, the tied head by default) is Mamba's and is
+    read as :func:`import_mamba` reads it. The norms' ``weight`` buffers (ones, not saved, unused by
+    the function) have no counterpart. ``residual_in_fp32`` is carried as for Mamba."""
+    where = "FalconMambaForCausalLM"
+    eps = hf_config.get("mixer_rms_eps", FALCON_MAMBA_RMS_EPS)
+    if eps is None:
+        eps = FALCON_MAMBA_RMS_EPS
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"{where}: field 'mixer_rms_eps': expected a finite number >= 0, got {eps!r}")
+    return _import_mamba1(where, hf_config, weights, {"bcdt_rms_eps": float(eps)})
+
+
+def _import_mamba1(
+    where: str, hf_config: dict, weights: dict[str, Tensor], extra: dict[str, Any]
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """The Mamba-1 classes of ``transformers`` (``where``: the class's name) → mnemo ``mamba``
+    layers, with the mixer options ``extra`` on top of Mamba's."""
+    c = hf_config
     _check_act(where, c.get("hidden_act", "silu"))
     hidden = int(c["hidden_size"])
     expand, expand_field = c.get("expand", 2), "expand"
@@ -406,6 +441,7 @@ def import_mamba(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelConf
         c.get("use_conv_bias", True),
         expand_field=expand_field,
     )
+    opts |= extra
     tie = c.get("tie_word_embeddings", True)
     vocab = _vocab(where, weights, c.get("vocab_size"))
     config = _model_config(
@@ -468,14 +504,46 @@ def _single_mixer(config: ModelConfig, name: str, where: str) -> dict[str, Any]:
 
 
 def export_mamba(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
-    """mnemo ``mamba`` layers → ``transformers`` ``MambaForCausalLM``."""
+    """mnemo ``mamba`` layers → ``transformers`` ``MambaForCausalLM`` (without ``bcdt_rms_eps``:
+    that model is FalconMamba's, :func:`export_falcon_mamba`)."""
     where = "export to MambaForCausalLM"
     o = _single_mixer(config, "mamba", where)
+    if o["bcdt_rms_eps"] is not None:
+        _refuse(
+            where,
+            f"bcdt_rms_eps = {o['bcdt_rms_eps']} (the RMS normalisation of dt, B and C is FalconMamba's: "
+            "FalconMambaForCausalLM expresses it)",
+        )
+    return _export_mamba1(config, weights, o, where, "mamba")
+
+
+def export_falcon_mamba(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
+    """mnemo ``mamba`` layers with ``bcdt_rms_eps`` set → ``transformers``
+    ``FalconMambaForCausalLM`` (``mixer_rms_eps = bcdt_rms_eps``); a Mamba without it is refused
+    (``MambaForCausalLM`` expresses it)."""
+    where = "export to FalconMambaForCausalLM"
+    o = _single_mixer(config, "mamba", where)
+    if o["bcdt_rms_eps"] is None:
+        _refuse(
+            where,
+            "bcdt_rms_eps = None (FalconMamba normalises dt, B and C in every layer; MambaForCausalLM "
+            "expresses a Mamba without it)",
+        )
+    hf, sd = _export_mamba1(config, weights, o, where, "falcon_mamba")
+    hf["mixer_rms_eps"] = float(o["bcdt_rms_eps"])
+    return hf, sd
+
+
+def _export_mamba1(
+    config: ModelConfig, weights: dict[str, Tensor], o: dict[str, Any], where: str, model_type: str
+) -> tuple[dict, dict[str, Tensor]]:
+    """The ``config.json`` fields and weights that Mamba and FalconMamba share (``o``: the mixer's
+    options; ``model_type``: ``"mamba"`` or ``"falcon_mamba"``)."""
     if not o["selective"]:
         _refuse(where, "selective = False (a non-selective, LTI Mamba)")
     d = config.d_model
     hf = {
-        "model_type": "mamba",
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": d,
         "num_hidden_layers": config.n_layers,

@@ -16,7 +16,7 @@ from ..ops.linear_attention import linear_attention, linear_attention_map
 from .base import Mixer, Mixing, buffer_dtype, check_input, check_state_dtype, input_dtype, off_meta, upcast
 from .conv import ShortConvolution
 from .hooks import HookPoint
-from .norm import RMSNorm
+from .norm import RMSNorm, check_eps
 from .registry import register_mixer
 from .rotary import RotaryEmbedding
 from .state import spec, state_dataclass
@@ -290,9 +290,12 @@ class GatedLinearAttention(_QKVMixer):
     ``expand_v`` and the weights have the old width; a training run resumed is not rebuilt so).
 
     Defaults: ``n_heads=4``, ``expand_k=0.5``, ``expand_v=1.0``, ``short_conv=False``,
-    ``conv_size=4``, ``gate_rank=16``, ``gate_normalizer=16.0``, ``chunk_size=64`` (and
-    ``gate="gla"``, ``mode="chunk"``; ``short_conv``, ``conv_size``, ``mode``, ``chunk_size`` as in
-    :class:`LinearAttention`).
+    ``conv_size=4``, ``gate_rank=16``, ``gate_normalizer=16.0``, ``chunk_size=64``,
+    ``norm_eps=1e-5`` (and ``gate="gla"``, ``mode="chunk"``; ``short_conv``, ``conv_size``, ``mode``,
+    ``chunk_size`` as in :class:`LinearAttention`). ``norm_eps`` is the epsilon of the read-out's
+    RMSNorm (``1e-5`` as before; flash-linear-attention's ``GLAForCausalLM`` and
+    ``RetNetForCausalLM`` pass their config's ``norm_eps``, ``1e-6`` by default, to their
+    ``FusedRMSNormGated``: :mod:`mnemo.hf.fla_hub`).
 
     Hook points: ``hook_q, hook_k`` ``[B, T, H, K]`` (after rotary positions, as the op gets them),
     ``hook_v, hook_o`` ``[B, T, H, V]``, ``hook_g`` (log decay, ``[B, T, H]`` for ``retnet`` and
@@ -301,8 +304,9 @@ class GatedLinearAttention(_QKVMixer):
     State: :class:`MatrixState` (memory ``[B, H, K, V]``, conv tail, offset).
 
     Raises ``ValueError`` naming the argument for a bad size, ``gate``, ``expand_k`` / ``expand_v`` /
-    ``gate_normalizer`` (not a finite number > 0), or a ``short_conv`` / ``rope`` that is not a bool
-    (``rope`` may be ``None``: on for ``retnet``).
+    ``gate_normalizer`` (not a finite number > 0), a ``norm_eps`` that is not a finite number
+    ``>= 0``, or a ``short_conv`` / ``rope`` that is not a bool (``rope`` may be ``None``: on for
+    ``retnet``).
     """
 
     mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_g", "hook_o")
@@ -321,6 +325,8 @@ class GatedLinearAttention(_QKVMixer):
         rope: bool | None = None,
         mode: str = "chunk",
         chunk_size: int = 64,
+        *,
+        norm_eps: float = 1e-5,
     ):
         if gate not in ("gla", "retnet", "scalar"):
             raise ValueError(f"gate must be one of ('gla', 'retnet', 'scalar'), got {gate!r}")
@@ -357,7 +363,8 @@ class GatedLinearAttention(_QKVMixer):
             )
         self.rotary = RotaryEmbedding(key_dim) if rope else None
         self.out_gate = nn.Linear(d_model, n_heads * value_dim, bias=False)
-        self.norm = RMSNorm(value_dim)
+        check_eps("norm_eps", norm_eps)
+        self.norm = RMSNorm(value_dim, norm_eps)
         self.hook_g = HookPoint()
 
     def _apply(self, fn, recurse=True):

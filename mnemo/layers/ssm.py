@@ -56,6 +56,12 @@ class Mamba2State:
     offset: int = 0
 
 
+def _weightless_rms(t: torch.Tensor, eps: float) -> torch.Tensor:
+    """``t / sqrt(mean(t²) + eps)`` over the last dimension, no weight (FalconMamba's norm of dt, B,
+    C): computed in at least float32, returned in ``t``'s dtype."""
+    return F.rms_norm(upcast(t), (t.shape[-1],), None, eps).to(t.dtype)
+
+
 @register_mixer("mamba")
 class Mamba(Mixer):
     """Mamba block (Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State
@@ -79,6 +85,15 @@ class Mamba(Mixer):
             mamba-ssm's ``bias``, transformers' ``use_bias``).
         conv_bias: a bias in the short convolution (default ``True``; mamba-ssm's ``conv_bias``,
             transformers' ``use_conv_bias``).
+        bcdt_rms_eps: ``None`` (default: off) or ``ε >= 0``: FalconMamba's weightless RMS
+            normalisation of the selective parameters before the scan (Zuo et al. 2024, "Falcon
+            Mamba: The First Competitive Attention-free 7B Language Model"; ``transformers``'
+            ``FalconMambaMixer``, its config's ``mixer_rms_eps``, 1e-6 there). Each of the Δ input
+            ``dt [B, T, dt_rank]`` (before ``W_dt``, so ``Δ = softplus(W_dt dt̂ + b_dt)``), ``B`` and
+            ``C`` ``[B, T, N]`` is divided by its root mean square over its last dimension,
+            ``t̂ = t / sqrt(mean(t²) + ε)``, with no weight (computed in at least float32, returned in
+            the projection's dtype). The normalised values are what every form of the scan, the
+            token steps and the hooks ``hook_B`` / ``hook_C`` / ``hook_dt`` see.
         mode / chunk_size: op form for ``T > 1``.
 
     Hook points, as the scan gets them (``D = d_inner``):
@@ -98,8 +113,9 @@ class Mamba(Mixer):
 
     Raises:
         ValueError: ``d_model``, ``d_state``, ``expand``, ``conv_size`` or ``dt_rank`` is not a
-            positive int, or ``selective``, ``bias``, ``conv_bias`` is not a bool (the message names
-            the argument, expected vs received).
+            positive int, ``selective``, ``bias``, ``conv_bias`` is not a bool, or ``bcdt_rms_eps``
+            is neither ``None`` nor a finite number ``>= 0`` (the message names the argument,
+            expected vs received).
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
@@ -123,6 +139,7 @@ class Mamba(Mixer):
         conv_bias: bool = True,
         mode: str = "chunk",
         chunk_size: int | None = None,
+        bcdt_rms_eps: float | None = None,
     ):
         super().__init__(mode)
         for name, value in (("d_model", d_model), ("d_state", d_state), ("expand", expand)):
@@ -134,6 +151,10 @@ class Mamba(Mixer):
         check_mode(mode, MODES)
         if chunk_size is not None:
             check_chunk_size(chunk_size)
+        if bcdt_rms_eps is not None:
+            check_eps("bcdt_rms_eps", bcdt_rms_eps, "mean(t²) of dt, B and C; None: no normalisation")
+            bcdt_rms_eps = float(bcdt_rms_eps)
+        self.bcdt_rms_eps = bcdt_rms_eps
         self.d_model, self.d_state, self.selective = d_model, d_state, selective
         self.d_inner = expand * d_model
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
@@ -170,6 +191,9 @@ class Mamba(Mixer):
     def _kw(self):
         return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
 
+    def extra_repr(self) -> str:
+        return "" if self.bcdt_rms_eps is None else f"bcdt_rms_eps={self.bcdt_rms_eps}"
+
     def forward(self, x: torch.Tensor, state: MambaState | None = None, *, mode: str | None = None):
         Bsz, T = check_input(x, self.d_model, dtype=input_dtype(self.in_proj))
         check_state_dtype(state, self, fast_weights=True)  # (a float64 one came back float64)
@@ -180,6 +204,8 @@ class Mamba(Mixer):
         else:
             dt = self.dt_lti.expand(Bsz, T, -1)
             Bm, Cm = self.B_lti.expand(Bsz, T, -1), self.C_lti.expand(Bsz, T, -1)
+        if self.bcdt_rms_eps is not None:  # FalconMamba: before W_dt and the scan, in every form
+            dt, Bm, Cm = (_weightless_rms(t, self.bcdt_rms_eps) for t in (dt, Bm, Cm))
         delta = F.softplus(upcast(F.linear(dt, self.dt_proj.weight)) + upcast(self.dt_proj.bias))
         u, delta = self.hook_v(u), self.hook_dt(delta)
         Bm, Cm = self.hook_B(Bm), self.hook_C(Cm)
