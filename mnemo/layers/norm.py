@@ -58,10 +58,12 @@ class RMSNorm(nn.Module):
 
 def check_eps(name: str, eps, added_to: str = "mean(x²)") -> None:
     """Raise ``ValueError`` naming ``name`` unless ``eps`` is a finite real number ``>= 0`` (the
-    message says what it is ``added_to``, default ``"mean(x²)"``). Skipped while ``torch.compile``
-    traces (a module's ``eps`` was checked when it was built; ``dynamic=True`` makes it a symbolic
-    float, on which ``math.isfinite`` broke the graph of every GLA block)."""
+    message says what it is ``added_to``, default ``"mean(x²)"``). While ``torch.compile`` traces,
+    comparisons only: ``dynamic=True`` makes a module's ``eps`` a symbolic float, on which
+    ``math.isfinite`` broke the graph of every GLA block (a NaN fails ``eps >= 0``)."""
     if torch.compiler.is_compiling():
+        if isinstance(eps, bool) or not (eps >= 0 and eps < math.inf):
+            raise ValueError(f"{name}: expected a finite number >= 0 (added to {added_to}), got {eps!r}")
         return
     ok = isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0
     if not ok:
