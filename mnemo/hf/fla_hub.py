@@ -52,8 +52,8 @@ What fla's blocks compute and how mnemo expresses it (read from fla 0.6.0's
 Refused by name, with the config field and the value received, because mnemo would compute
 something else: ``attn`` (fla's hybrid softmax-attention layers: fla's ``Attention`` runs only on
 flash-attn, on a GPU, so its function could not be checked here), ``attnres_block_size`` (attention
-residuals), ``hidden_act`` other than ``"swish"``, GLA's and RetNet's ``num_kv_heads`` other than
-``num_heads``, ``feature_map``, ``use_output_gate`` false, GLA's ``clamp_min``, DeltaNet's
+residuals), ``hidden_act`` other than ``"swish"``, GLA's and RetNet's ``num_kv_heads`` that does not
+divide ``num_heads``, ``feature_map``, ``use_output_gate`` false, GLA's ``clamp_min``, DeltaNet's
 ``qk_activation`` other than ``"silu"``, ``qk_norm`` other than ``"l2"``, ``use_beta`` false, Gated
 DeltaNet's ``output_gate_activation`` ``"sigmoid"`` and ``num_v_heads`` not a multiple of
 ``num_heads``; sizes that fla itself would not build (``hidden_size · expand_k`` not a whole
@@ -317,18 +317,39 @@ def _import_weights(fmt: ConfigFormat, cfg: dict, weights: dict[str, Tensor], co
     return sd
 
 
-def _qkv(w: Weights, a: str, q: str, d: int, widths: tuple[int, int, int], conv: int | None) -> dict:
+def _tiled(t: Tensor, heads: int, G: int) -> Tensor:
+    """``t [heads · C, ...]``, the rows of ``heads`` heads, with each head's rows repeated for the
+    ``G`` consecutive heads it serves (``[heads · G · C, ...]``; fla's ``repeat('... (h d) -> ...
+    (h g) d')`` of grouped key/value heads)."""
+    return t if G == 1 else t.unflatten(0, (heads, -1)).repeat_interleave(G, dim=0).flatten(0, 1)
+
+
+def _qkv(
+    w: Weights,
+    a: str,
+    q: str,
+    d: int,
+    widths: tuple[int, int, int],
+    conv: int | None,
+    kv_heads=None,
+    G: int = 1,
+) -> dict:
     """fla's ``q_proj, k_proj, v_proj`` (and with ``conv`` taps its ``q_conv1d, k_conv1d, v_conv1d``)
-    as mnemo's ``qkv_proj`` (``[q | k | v]``) and one short convolution over those channels."""
+    as mnemo's ``qkv_proj`` (``[q | k | v]``) and one short convolution over those channels. With
+    ``G > 1`` (GLA's / RetNet's ``num_kv_heads = kv_heads``), fla's ``k`` and ``v`` weights hold
+    ``kv_heads`` heads, each tiled to ``G`` heads (``widths`` are the tiled widths); the convolution
+    is depthwise, so tiling its taps is exact too."""
     names = ("q", "k", "v")
-    sd = {
-        q + "qkv_proj.weight": torch.cat(
-            [w.pop(f"{a}{n}_proj.weight", (c, d)) for n, c in zip(names, widths)]
-        )
-    }
+
+    def take(n: str, c: int, tail: tuple[int, ...], what: str) -> Tensor:
+        if n == "q" or G == 1:
+            return w.pop(f"{a}{n}{what}", (c, *tail))
+        return _tiled(w.pop(f"{a}{n}{what}", (c // G, *tail)), kv_heads, G)
+
+    sd = {q + "qkv_proj.weight": torch.cat([take(n, c, (d,), "_proj.weight") for n, c in zip(names, widths)])}
     if conv is not None:
         sd[q + "conv.weight"] = torch.cat(
-            [w.pop(f"{a}{n}_conv1d.weight", (c, 1, conv)) for n, c in zip(names, widths)]
+            [take(n, c, (1, conv), "_conv1d.weight") for n, c in zip(names, widths)]
         )
     return sd
 
@@ -355,11 +376,12 @@ def _import_gated_linear(fmt: ConfigFormat, cfg: dict, weights: dict[str, Tensor
     H = _int(fmt, cfg, "num_heads")
     what = "GLA" if kind == "gla" else "RetNet"
     kv = cfg.get("num_kv_heads")
-    if kv is not None and kv != H:
-        fmt.refuse(
-            f"field 'num_kv_heads' = {kv!r}: grouped key/value heads are not supported by mnemo's {what} "
-            f"(expected null or num_heads = {H})"
-        )
+    if kv is not None and (not is_int(kv) or kv < 1 or H % kv):
+        fmt.refuse(f"field 'num_kv_heads' = {kv!r}: expected null or a divisor of num_heads = {H}")
+    # grouped key/value heads: fla projects k, v (and GLA's gate) for num_kv_heads heads and repeats
+    # each to G consecutive heads; the import tiles those rows (exact; fine-tuning unties the copies)
+    Hk = H if kv is None else kv
+    G = H // Hk
     refused = (("feature_map", "a feature map on q and k"), ("clamp_min", "a floor on the log gates"))
     for key, said in refused[: 2 if kind == "gla" else 1]:
         if cfg.get(key) is not None:
@@ -391,13 +413,16 @@ def _import_gated_linear(fmt: ConfigFormat, cfg: dict, weights: dict[str, Tensor
     config = _model_config(fmt, cfg, weights, d, n, kind, options, eps)
 
     def mixer(w: Weights, a: str, q: str) -> dict:
-        sd = _qkv(w, a, q, d, (H * K, H * K, H * V), conv)
+        sd = _qkv(w, a, q, d, (H * K, H * K, H * V), conv, Hk, G)
         if conv is not None:  # (fla's convolutions have no bias; mnemo's GLA convolution has one)
             sd[q + "conv.bias"] = torch.zeros(H * (2 * K + V), dtype=sd[q + "conv.weight"].dtype)
         if kind == "gla":
             sd[q + "gate_proj.0.weight"] = w.pop(a + "gk_proj.0.weight", (GLA_GATE_RANK, d))
-            sd[q + "gate_proj.1.weight"] = w.pop(a + "gk_proj.1.weight", (H * K, GLA_GATE_RANK))
-            sd[q + "gate_proj.1.bias"] = w.pop(a + "gk_proj.1.bias", (H * K,))
+            gk = (
+                w.pop(a + "gk_proj.1.weight", (Hk * K, GLA_GATE_RANK)),
+                w.pop(a + "gk_proj.1.bias", (Hk * K,)),
+            )
+            sd[q + "gate_proj.1.weight"], sd[q + "gate_proj.1.bias"] = (_tiled(t, Hk, G) for t in gk)
         sd[q + "out_gate.weight"] = w.pop(a + "g_proj.weight", (H * V, d))
         if affine:
             norm = a + ("g_norm_swish_gate.weight" if fused else "g_norm.weight")

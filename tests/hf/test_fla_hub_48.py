@@ -156,7 +156,7 @@ def test_fields_left_out_read_as_fla_defaults(tmp_path, name):
     ("name", "changes", "message"),
     [
         ("gla", {"feature_map": "relu"}, "fla GLA conversion: field 'feature_map' = 'relu'"),
-        ("gla", {"num_kv_heads": 1}, "field 'num_kv_heads' = 1: grouped key/value heads"),
+        ("gla", {"num_kv_heads": 3}, "field 'num_kv_heads' = 3: expected null or a divisor of num_heads = 2"),
         ("gla", {"attn": {"layers": [1], "num_heads": 2}}, "field 'attn' = .*hybrid softmax-attention"),
         ("gla", {"clamp_min": -1.0}, "field 'clamp_min' = -1.0"),
         ("gla", {"use_output_gate": False}, "field 'use_output_gate' = False is not supported"),
