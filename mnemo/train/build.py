@@ -258,7 +258,8 @@ def source_files(ckpt: Path, model: LanguageModel, tokenizer, *, resumed: bool, 
 
     1. the model is the checkpoint's: ``model.config`` equals its ``config.json`` field for field
        (a changed window, RoPE, norm or any other field — ``model_overrides`` — could make
-       ``max_position_embeddings`` or the target class wrong), and
+       ``max_position_embeddings`` or the target class wrong), ``init_std`` aside (it only draws
+       the initial weights, which ``init_from`` replaces), and
     2. the vocabulary is the checkpoint's: a text run whose ``tokenizer`` is the one the checkpoint
        holds (:func:`load_weights` refuses another; a task run's ids are the task's symbols, and
        without a ``tokenizer.json`` in the checkpoint nothing says what the carried token ids name).
@@ -281,7 +282,10 @@ def source_files(ckpt: Path, model: LanguageModel, tokenizer, *, resumed: bool, 
         theirs, why = None, f"its {CONFIG_NAME} does not read as a model config ({e})"
     if theirs is not None:
         ours = json.loads(json.dumps(model.config.to_dict()))  # (as saved: tuples as lists)
-        diff = _differences(json.loads(json.dumps(theirs)), ours)
+        theirs = json.loads(json.dumps(theirs))
+        for side in (theirs, ours):  # (init_std: the initial weights' spread; every weight is loaded)
+            side.pop("init_std", None)
+        diff = _differences(theirs, ours)
         if diff:
             why = f"the run's model is not the checkpoint's ({'; '.join(diff)})"
     if why is None and tokenizer is None:

@@ -9,6 +9,7 @@ Tiny random-weight models built and saved by ``transformers`` itself, as in
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -50,13 +51,16 @@ def word_tokenizer(folder) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def fine_tune(ck, out, text, steps: int = 2, resume: bool = False, **attention) -> Trainer:
+def fine_tune(
+    ck, out, text, steps: int = 2, resume: bool = False, model_changes=None, **attention
+) -> Trainer:
     """``steps`` steps of text training from the converted checkpoint ``ck`` (its model, given as
     ``model_overrides`` of the ``attention`` mixer's default model, with the attention options
-    ``attention`` changed; its tokenizer)."""
+    ``attention`` and the model fields ``model_changes`` changed; its tokenizer)."""
     model = ModelConfig.load(ck / "config.json").to_dict()
     model.pop("vocab_size")
     model["mixer_options"]["attention"].update(attention)
+    model.update(model_changes or {})
     cfg = TrainConfig(
         model="attention", model_overrides=model, init_from=str(ck), tokenizer=str(ck), data=str(text),
         seq_len=8, batch_size=2, steps=steps, eval_interval=steps, eval_batches=1, warmup_steps=1,
@@ -145,6 +149,19 @@ def test_a_run_that_changes_the_model_carries_no_stale_fields(converted, tmp_pat
     export_hf(tmp_path / "run", tmp_path / "ex")
     cfg = json.loads((tmp_path / "ex" / "config.json").read_text())
     assert "max_position_embeddings" not in cfg and cfg["dtype"] == "float32"
+
+
+def test_a_run_that_changes_only_init_std_carries_the_fields(converted, tmp_path):
+    """``init_std`` only draws the initial weights, which ``init_from`` replaces: a run that changes
+    it alone still has the checkpoint's model, and carries the files without a warning (review 48e)."""
+    ck, text = converted
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not carried")
+        fine_tune(ck, tmp_path / "run", text, steps=1, model_changes={"init_std": 0.5})
+    last = resolve_checkpoint(tmp_path / "run")
+    assert json.loads((last / "config.json").read_text())["init_std"] == 0.5
+    for n in SOURCE_FILES:
+        assert (last / n).read_bytes() == (ck / n).read_bytes(), n
 
 
 # Qwen2's biases: q, k and v, none on o ---------------------------------------------------------------
