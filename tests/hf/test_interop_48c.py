@@ -21,25 +21,12 @@ from mnemo.hf.convert import CARRIED_CONFIG_NAME, CARRIED_FILES, convert, export
 from mnemo.models import LanguageModel, ModelConfig  # noqa: E402
 from mnemo.train import TrainConfig, Trainer, resolve_checkpoint  # noqa: E402
 from mnemo.train.build import SOURCE_FILES  # noqa: E402
-from tests.hf.test_llama_family_47 import SMALL, VOCAB  # noqa: E402  (the same tiny models)
+from tests.hf.test_llama_family_47 import VOCAB  # noqa: E402  (the same tiny models)
+from tests.hf.test_llama_trial_47e import hf_model, ids  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*holds no tokenizer:UserWarning")
 
 ATOL = 2e-5  # float32, as test_llama_family_47 (measured ≤ 1e-6)
-
-
-def hf_model(config_cls, model_cls, seed: int = 0, **over):
-    """A random-weight ``…ForCausalLM`` (float32), every weight moved off its init."""
-    torch.manual_seed(seed)
-    m = model_cls(config_cls(**{**SMALL, **over})).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return m
-
-
-def ids(length: int = 12, batch: int = 2, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def word_tokenizer(folder) -> None:
@@ -81,7 +68,7 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama")
     rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
-    m = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, max_position_embeddings=4096,
+    m = hf_model("llama", max_position_embeddings=4096,
                  rope_parameters=rope, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
     m.to(torch.bfloat16).save_pretrained(root / "hf")
     assert (root / "hf" / "generation_config.json").is_file()
@@ -171,7 +158,7 @@ def test_a_run_that_changes_only_init_std_carries_the_fields(converted, tmp_path
 def qwen2(tmp_path_factory):
     """``(transformers model, its converted checkpoint)``: a Qwen2 with a window of 5 in every layer."""
     root = tmp_path_factory.mktemp("qwen2")
-    hf = hf_model(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, use_sliding_window=True,
+    hf = hf_model("qwen2", use_sliding_window=True,
                   sliding_window=5, max_window_layers=0, max_position_embeddings=64)  # fmt: skip
     hf.save_pretrained(root / "hf")
     convert(root / "hf", root / "ck")
