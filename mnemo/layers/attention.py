@@ -132,6 +132,8 @@ class Attention(Mixer):
     """
 
     mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_o")
+    #: the text values each option of a union annotation takes (``ModelConfig.validate`` checks them)
+    text_options = {"bias": ("qkv",)}
 
     def __init__(
         self,

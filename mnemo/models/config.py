@@ -234,8 +234,9 @@ def _union_kinds(annotation) -> list[str] | None:
 def _mistyped_options(cls, opts: dict) -> list[tuple[str, str]]:
     """``(key, expected)`` for each option whose value is not of its default's kind (a bool for a
     bool, an int for an int, a number for a float, text for text), or for an option annotated with
-    several of those kinds (attention's ``bias: bool | str``) of none of them (which values of each
-    kind it takes is the mixer's to check); ``None`` and options defaulting to ``None`` are left to
+    several of those kinds (attention's ``bias: bool | str``) of none of them, or text that is not
+    among the mixer's ``text_options`` for it (``{"bias": ("qkv",)}``; other values of each kind are
+    the mixer's to check); ``None`` and options defaulting to ``None`` are left to
     the mixer, which may read ``None`` as "derive it")."""
     out = []
     for p in inspect.signature(cls).parameters.values():
@@ -246,8 +247,13 @@ def _mistyped_options(cls, opts: dict) -> list[tuple[str, str]]:
             continue
         kinds = _union_kinds(p.annotation)
         if kinds is not None:
-            if not any(_KINDS[k][0](v) for k in kinds):
-                out.append((p.name, f"{' or '.join(_KINDS[k][1] for k in kinds)} (the default is {d!r})"))
+            texts = getattr(cls, "text_options", {}).get(p.name)  # (the text values it takes, if named)
+            said = [_KINDS[k][1] if k != "str" or not texts else " or ".join(map(repr, texts)) for k in kinds]
+            fits = any(_KINDS[k][0](v) for k in kinds) and not (
+                isinstance(v, str) and texts and v not in texts
+            )
+            if not fits:
+                out.append((p.name, f"{' or '.join(said)} (the default is {d!r})"))
             continue
         if isinstance(d, bool):
             ok, kind = isinstance(v, bool), "true or false"

@@ -229,10 +229,14 @@ def test_bias_true_configs_load_unchanged_and_qkv_is_qwen2s_alone(tmp_path):
     biases = sorted(n for n, _ in LanguageModel(qkv).named_parameters() if n.endswith(".bias"))
     assert biases == ["blocks.0.mixer.kv_proj.bias", "blocks.0.mixer.q_proj.bias"]
     for bad in ("qk", 1):
+        bad_config = {**saved, "mixer_options": {"attention": {**opts, "bias": bad}}}
         with pytest.raises(ValueError, match=r"bias"):
-            LanguageModel(
-                ModelConfig.from_dict({**saved, "mixer_options": {"attention": {**opts, "bias": bad}}})
-            )
+            LanguageModel(ModelConfig.from_dict(bad_config))
+        # the config's own validation (a sweep spec's, before any run) names the values it takes
+        with pytest.raises(
+            ValueError, match=r"\['bias'\]: expected true or false or 'qkv' .*got " + repr(bad)
+        ):
+            ModelConfig.from_dict(bad_config).validate()
     from mnemo.layers.attention import Attention
 
     with pytest.raises(ValueError, match=r"bias: expected True .*False .* or 'qkv' .*got 'qk'"):
