@@ -11,6 +11,7 @@ from .cms import CMSLevel, ContinuumMemory, Level
 from .conv import ShortConvolution
 from .delta import DeltaNet
 from .linear_attention import GatedLinearAttention, LinearAttention
+from .mla import MultiHeadLatentAttention
 from .mlp import SwiGLU
 from .moe import MoE
 from .norm import RMSNorm
@@ -28,6 +29,7 @@ __all__ = [
     "Mixer",
     "Mixing",
     "Attention",
+    "MultiHeadLatentAttention",
     "LinearAttention",
     "GatedLinearAttention",
     "DeltaNet",

@@ -32,12 +32,25 @@ class KVCache(NamedTuple):
 def _sdpa(q, k, v, **kw):
     """``F.scaled_dot_product_attention``; under forward-mode AD or a ``torch.func`` transform with
     the math kernel forced (the CPU flash kernel, which serves equal head dims, has no forward-mode
-    derivative: ``jvp`` raised ``NotImplementedError``)."""
+    derivative: ``jvp`` raised ``NotImplementedError``).
+
+    On the CPU, query/key and value head dims that differ (multi-head latent attention: ``d_n +
+    d_h^R`` against ``d_v``) send torch 2.13 to its math kernel, which forms every ``T × S`` score
+    map (25x slower at 16,384 tokens, ad hoc: 10.0 s against 0.4 s); the narrower side is therefore
+    padded with zeros to the wider one, which changes no score (``q·k`` gains ``0·0`` terms; ``kw``
+    carries the scale, set by the caller from the unpadded width) and no kept output channel (the
+    padded value channels are dropped)."""
     if transformed(q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, **kw)
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dk != dv and q.device.type == "cpu" and kw.get("scale") is not None:
+        if dk < dv:
+            q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+        else:
+            return F.scaled_dot_product_attention(q, k, F.pad(v, (0, dk - dv)), **kw)[..., :dv]
     return F.scaled_dot_product_attention(q, k, v, **kw)
 
 

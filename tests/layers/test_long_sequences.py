@@ -11,13 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.layers import MIXERS, Attention
+from mnemo.layers import MIXERS, Attention, MultiHeadLatentAttention
 from tests.helpers import assert_close
 
 D = 16
 #: softmax attention at T = 65,536 costs one T × T score map per head (its exponentials were most of
 #: the time): one head of 16 channels, the same blockwise path as more heads at the same length
-OPTIONS = {"mamba": {"d_state": 8}, "mamba2": {"d_state": 8, "head_dim": 8}, "attention": {"n_heads": 1}}
+OPTIONS = {
+    "mamba": {"d_state": 8},
+    "mamba2": {"d_state": 8, "head_dim": 8},
+    "attention": {"n_heads": 1},
+    "mla": {"n_heads": 1},
+}
 PREFIX = 256
 PREFIX_TOL = 1e-6  # float32 (measured: exact, 1.4e-8 for the Titans layers)
 
@@ -28,11 +33,15 @@ def _mixer(name):
 
 
 NAMES = sorted(n for n in MIXERS if n not in ("titans_mac",))  # MAC is exercised through its memory
+#: multi-head latent attention runs softmax attention's op (at 65,536 tokens in the ``attention`` case)
+#: on keys and values expanded from its latents: its own code (latents, the decoupled rotary key,
+#: the cache) at 8,192 tokens by default, the full length in the slow suite (~15 s)
+SHORTER = {"mla": 8192}
 
 
 def _check(name, T, mode):
     m = _mixer(name)
-    if isinstance(m, Attention) and mode == "recurrent":
+    if isinstance(m, (Attention, MultiHeadLatentAttention)) and mode == "recurrent":
         mode = "parallel"  # attention has no recurrent form beyond the reference loop
     x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -43,8 +52,19 @@ def _check(name, T, mode):
     assert_close(y[:, :PREFIX], y_short, PREFIX_TOL, what=f"{name} {mode}: first {PREFIX} tokens")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in SHORTER])
 def test_fast_forms_finite_at_65536(name):
+    _check(name, 65536, None)
+
+
+@pytest.mark.parametrize("name", sorted(SHORTER))
+def test_fast_forms_of_latent_attention_finite(name):
+    _check(name, SHORTER[name], None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SHORTER))
+def test_fast_forms_of_latent_attention_finite_at_65536(name):
     _check(name, 65536, None)
 
 
@@ -55,7 +75,7 @@ def test_fast_forms_finite_at_65536(name):
 #: memory, their recurrent forms run at 2,048 tokens: past ``WINDOW_BLOCK`` (1,024, the blockwise
 #: window path of the long run) and 32 memory chunks, for the wiring of the token loop into them.
 THROUGH_THEIR_MEMORY = ("titans_mag", "titans_mal")
-RECURRENT = [n for n in NAMES if not isinstance(_mixer(n), Attention)]
+RECURRENT = [n for n in NAMES if not isinstance(_mixer(n), (Attention, MultiHeadLatentAttention))]
 
 
 @pytest.mark.parametrize("name", [n for n in RECURRENT if n not in THROUGH_THEIR_MEMORY])

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnemo.layers import MIXERS, Attention, DeltaNet, GatedLinearAttention, LinearAttention, Mamba, Mamba2
+from mnemo.layers import (
+    MIXERS,
+    Attention,
+    DeltaNet,
+    GatedLinearAttention,
+    LinearAttention,
+    Mamba,
+    Mamba2,
+    MultiHeadLatentAttention,
+)
 from mnemo.layers.state import nbytes, tensors
 from tests.helpers import assert_close, assert_directional_derivatives
 
@@ -45,6 +54,19 @@ CASES = [
     ("gated_deltanet_chunk8", lambda: DeltaNet(D, n_heads=2, gated=True, chunk_size=8)),
     ("mamba_lti", lambda: Mamba(D, d_state=8, selective=False, chunk_size=8)),
     ("mamba2_groups", lambda: Mamba2(D, d_state=8, head_dim=16, n_groups=2, chunk_size=8)),
+    (  # compressed queries, unequal query/value widths, biases
+        "mla_q_lora_bias",
+        lambda: MultiHeadLatentAttention(
+            D,
+            n_heads=2,
+            q_lora_rank=12,
+            kv_lora_rank=20,
+            qk_nope_head_dim=6,
+            qk_rope_head_dim=4,
+            v_head_dim=10,
+            bias=True,
+        ),
+    ),
 ]
 
 
@@ -62,7 +84,8 @@ def _x(T, B=2, seed=1):
 
 
 def _modes(m):
-    return ("parallel", "recurrent") if isinstance(m, Attention) else ("chunk", "parallel", "recurrent")
+    attention = isinstance(m, (Attention, MultiHeadLatentAttention))
+    return ("parallel", "recurrent") if attention else ("chunk", "parallel", "recurrent")
 
 
 @pytest.mark.parametrize("name, ctor", CASES, ids=[c[0] for c in CASES])
