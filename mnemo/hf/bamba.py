@@ -138,7 +138,6 @@ SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
 #: the format: its refusals say "Bamba conversion: …"
 BAMBA = ConfigFormat("Bamba", HF_DEFAULTS, SHAPE_FIELDS)
 _refuse, _get = BAMBA.refuse, BAMBA.get
-_WHERE = "Bamba conversion"  # (the prefix of the messages of mnemo.hf.mamba's shared readers)
 
 _BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "mamba_conv_bias", "mamba_proj_bias")
 _INT_FIELDS = (
@@ -147,10 +146,10 @@ _INT_FIELDS = (
 )  # fmt: skip
 
 
-def _count(cfg: dict, key: str) -> int:
-    v = _get(cfg, key)
+def _count(cfg: dict, key: str, fmt: ConfigFormat = BAMBA) -> int:
+    v = fmt.get(cfg, key)
     if not is_int(v) or v < 1:
-        _refuse(f"field {key!r}: expected a positive int, got {v!r}")
+        fmt.refuse(f"field {key!r}: expected a positive int, got {v!r}")
     return v
 
 
@@ -166,32 +165,34 @@ def _layer_types(cfg: dict, n: int) -> list[str]:
     return [ATTN if i in idx else MAMBA2 for i in range(n)]
 
 
-def _mamba2_opts(cfg: dict, d: int, eps: float) -> dict[str, Any]:
-    """:class:`~mnemo.layers.ssm.Mamba2`'s options for ``BambaMixer`` (``d``: ``hidden_size``)."""
-    e = _d_inner_expand(_WHERE, d, _get(cfg, "mamba_expand"), "mamba_expand")
+def _mamba2_opts(cfg: dict, d: int, eps: float, fmt: ConfigFormat = BAMBA) -> dict[str, Any]:
+    """:class:`~mnemo.layers.ssm.Mamba2`'s options for ``BambaMixer`` (``d``: ``hidden_size``); ``fmt``:
+    the format whose fields and defaults these are (Granite 4.0-H's ``mamba_*`` fields are Bamba's)."""
+    where = f"{fmt.name} conversion"
+    e = _d_inner_expand(where, d, fmt.get(cfg, "mamba_expand"), "mamba_expand")
     d_inner = e * d
-    H, G = _count(cfg, "mamba_n_heads"), _count(cfg, "mamba_n_groups")
-    P = _get(cfg, "mamba_d_head")
+    H, G = _count(cfg, "mamba_n_heads", fmt), _count(cfg, "mamba_n_groups", fmt)
+    P = fmt.get(cfg, "mamba_d_head")
     if P == "auto":
         P = d_inner // H
     if not is_int(P) or P < 1 or H * P != d_inner:
-        _refuse(
-            f"mamba_n_heads · mamba_d_head = {H} · {_get(cfg, 'mamba_d_head')!r} ≠ mamba_expand · "
+        fmt.refuse(
+            f"mamba_n_heads · mamba_d_head = {H} · {fmt.get(cfg, 'mamba_d_head')!r} ≠ mamba_expand · "
             f"hidden_size = {d_inner} (the heads must tile the Mamba channels)"
         )
     if H % G:
-        _refuse(f"mamba_n_groups = {G} does not divide mamba_n_heads = {H}")
-    lo, hi = _dt_limit(_WHERE, "time_step_limit", cfg.get("time_step_limit"))
+        fmt.refuse(f"mamba_n_groups = {G} does not divide mamba_n_heads = {H}")
+    lo, hi = _dt_limit(where, "time_step_limit", cfg.get("time_step_limit"))
     opts = {
-        "d_state": _count(cfg, "mamba_d_state"),
+        "d_state": _count(cfg, "mamba_d_state", fmt),
         "head_dim": P,
         "expand": e,
         "n_groups": G,
-        "conv_size": _count(cfg, "mamba_d_conv"),
-        "bias": bool(_get(cfg, "mamba_proj_bias")),
-        "conv_bias": bool(_get(cfg, "mamba_conv_bias")),
+        "conv_size": _count(cfg, "mamba_d_conv", fmt),
+        "bias": bool(fmt.get(cfg, "mamba_proj_bias")),
+        "conv_bias": bool(fmt.get(cfg, "mamba_conv_bias")),
         "norm_eps": eps,
-        "chunk_size": _count(cfg, "mamba_chunk_size"),
+        "chunk_size": _count(cfg, "mamba_chunk_size", fmt),
     }
     if (lo, hi) != (0.0, math.inf):
         opts["dt_limit"] = [lo, hi]
@@ -384,6 +385,32 @@ def _rotary_factor(R: int, D: int) -> float:
     return factor
 
 
+def mamba2_fields(fmt: ConfigFormat, config: ModelConfig, m: dict, present: bool) -> dict[str, Any]:
+    """The ``mamba_*`` / ``time_step_limit`` fields of ``BambaConfig`` (and Granite 4.0-H's, the same)
+    for the Mamba-2 options ``m`` (:func:`~mnemo.hf.fields.mixer_options`; ``m["head_dim"]`` is
+    clipped in place as :class:`~mnemo.layers.ssm.Mamba2` clips it); ``present``: the model has a
+    Mamba-2 layer (else sizes the config class accepts: one head over the channels). Refused by
+    name (``fmt.refuse``): a per-channel ``D``, the norm before the gate, a norm epsilon other than
+    the model's ``norm_eps``, norm groups other than the B/C groups."""
+    d, eps, where = config.d_model, config.norm_eps, f"mixer_options[{MAMBA2!r}]"
+    if not present:
+        return {"mamba_n_heads": 1, "mamba_d_head": 2 * d, "mamba_n_groups": 1, "mamba_expand": 2}
+    for key, val in dict(D_has_hdim=False, norm_before_gate=False, norm_eps=eps).items():
+        fmt.require(where, m, key, val)
+    if m["norm_groups"] not in (None, m["n_groups"]):
+        fmt.require(where, m, "norm_groups", m["n_groups"])
+    d_inner = m["expand"] * d
+    m["head_dim"] = min(m["head_dim"], d_inner)  # (as Mamba2 clips it)
+    lo, hi = (float(v) for v in m["dt_limit"])
+    return {
+        "mamba_n_heads": d_inner // m["head_dim"], "mamba_d_head": m["head_dim"],
+        "mamba_n_groups": m["n_groups"], "mamba_d_state": m["d_state"], "mamba_d_conv": m["conv_size"],
+        "mamba_expand": m["expand"], "mamba_chunk_size": m["chunk_size"],
+        "mamba_conv_bias": bool(m["conv_bias"]), "mamba_proj_bias": bool(m["bias"]),
+        "time_step_limit": [lo, hi],
+    }  # fmt: skip
+
+
 def export_bamba(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
     """A mnemo ``(ModelConfig, state dict)`` as a ``transformers`` ``BambaForCausalLM`` ``(config
     dict, state dict)``: a stack of ``"mamba2"`` and ``"attention"`` layers with SwiGLU MLPs, the
@@ -408,27 +435,11 @@ def export_bamba(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict,
         _refuse(f"mlp {config.mlp!r} is not supported (only 'swiglu', Bamba's MLP in every layer)")
     if config.pos_embedding != "none":
         _refuse(f"pos_embedding {config.pos_embedding!r} is not supported (Bamba uses RoPE only)")
-    d, eps = config.d_model, config.norm_eps
+    d = config.d_model
     hidden = config.mlp_hidden or swiglu_hidden(d)
     m, a = mixer_options(MAMBA2, config), mixer_options(ATTN, config)
-    where_m, where_a = f"mixer_options[{MAMBA2!r}]", f"mixer_options[{ATTN!r}]"
-    if MAMBA2 in types:
-        for key, val in dict(D_has_hdim=False, norm_before_gate=False, norm_eps=eps).items():
-            BAMBA.require(where_m, m, key, val)
-        if m["norm_groups"] not in (None, m["n_groups"]):
-            BAMBA.require(where_m, m, "norm_groups", m["n_groups"])
-        d_inner = m["expand"] * d
-        m["head_dim"] = min(m["head_dim"], d_inner)  # (as Mamba2 clips it)
-        lo, hi = (float(v) for v in m["dt_limit"])
-        mamba = {
-            "mamba_n_heads": d_inner // m["head_dim"], "mamba_d_head": m["head_dim"],
-            "mamba_n_groups": m["n_groups"], "mamba_d_state": m["d_state"], "mamba_d_conv": m["conv_size"],
-            "mamba_expand": m["expand"], "mamba_chunk_size": m["chunk_size"],
-            "mamba_conv_bias": bool(m["conv_bias"]), "mamba_proj_bias": bool(m["bias"]),
-            "time_step_limit": [lo, hi],
-        }  # fmt: skip
-    else:  # no Mamba layer: sizes BambaConfig accepts (one head over the channels)
-        mamba = {"mamba_n_heads": 1, "mamba_d_head": 2 * d, "mamba_n_groups": 1, "mamba_expand": 2}
+    where_a = f"mixer_options[{ATTN!r}]"
+    mamba = mamba2_fields(BAMBA, config, m, MAMBA2 in types)
     H = a["n_heads"]
     H_kv = a["n_kv_heads"] or H
     D = a["head_dim"] or d // H

@@ -15,12 +15,22 @@ of a ``transformers`` ``config.json``) and found by ``architectures``, then ``mo
 * ``LlamaForCausalLM`` (``"llama"``), ``Qwen2ForCausalLM`` (``"qwen2"``), ``Qwen3ForCausalLM``
   (``"qwen3"``), ``MistralForCausalLM`` (``"mistral"``) ↔ mnemo ``attention`` layers with SwiGLU MLPs
   (:mod:`mnemo.hf.llama`);
+* ``MixtralForCausalLM`` (``"mixtral"``), ``Qwen3MoeForCausalLM`` (``"qwen3_moe"``),
+  ``Qwen2MoeForCausalLM`` (``"qwen2_moe"``) ↔ the same attention with a mixture-of-experts MLP in
+  every layer (``mlp="moe"``, :class:`~mnemo.layers.MoE`; Qwen2-MoE's gated shared expert;
+  :mod:`mnemo.hf.llama`);
 * ``Qwen3NextForCausalLM`` (``"qwen3_next"``) ↔ mnemo ``gated_deltanet`` and gated ``attention``
   layers (:mod:`mnemo.hf.qwen3_next`);
 * ``FalconMambaForCausalLM`` (``"falcon_mamba"``) ↔ mnemo ``mamba`` layers with ``bcdt_rms_eps``
   (the RMS normalisation of dt, B and C; :mod:`mnemo.hf.mamba`);
 * ``BambaForCausalLM`` (``"bamba"``) ↔ mnemo ``mamba2`` and ``attention`` layers (partial rotary)
   with SwiGLU MLPs (:mod:`mnemo.hf.bamba`);
+* ``GraniteMoeHybridForCausalLM`` (``"granitemoehybrid"``, Granite 4.0-H) ↔ mnemo ``mamba2`` and
+  ``attention`` layers (RoPE or no positions) with a SwiGLU MLP or a MoE plus a shared expert, and
+  ``GraniteForCausalLM`` (``"granite"``) ↔ mnemo ``attention`` layers with SwiGLU MLPs, both with
+  Granite's ``embedding_multiplier`` / ``residual_multiplier`` / ``logits_scaling`` and
+  ``attention_multiplier`` (the attention's ``softmax_scale``) (:mod:`mnemo.hf.granite`); no other
+  format carries these, and every other export refuses a model that sets them, naming the field;
 * flash-linear-attention's ``GLAForCausalLM`` (``"gla"``), ``RetNetForCausalLM`` (``"retnet"``),
   ``DeltaNetForCausalLM`` (``"delta_net"``) and ``GatedDeltaNetForCausalLM`` (``"gated_deltanet"``),
   import only → mnemo ``gla``, ``retnet``, ``deltanet``, ``gated_deltanet`` layers with SwiGLU MLPs
@@ -90,7 +100,9 @@ from ..models.config import ModelConfig
 from ..models.formats import register_foreign_loader
 from .bamba import export_bamba, import_bamba
 from .fla_hub import FORMATS as FLA_FORMATS
+from .granite import FORMATS as GRANITE_FORMATS
 from .llama import CLASSES as LLAMA_CLASSES
+from .llama import MOE_CLASSES
 from .mamba import (  # noqa: F401  (the decoding-cache converters are part of this module's API)
     MAMBA2_KEYS,
     MAMBA_KEYS,
@@ -156,7 +168,10 @@ class Architecture:
     ``import_fn(hf_config, weights) -> (ModelConfig, state_dict)``;
     ``export_fn(config, state_dict) -> (hf_config, weights)`` (``None``: import only);
     ``mixers``: the mnemo mixer names an export can express (used to pick the exporter);
-    ``detect(config) -> bool`` recognises a config without ``architectures`` / ``model_type``."""
+    ``detect(config) -> bool`` recognises a config without ``architectures`` / ``model_type``;
+    ``multipliers``: whether the format carries IBM Granite's ``embedding_multiplier``,
+    ``residual_multiplier``, ``logits_scaling`` and the attention's ``softmax_scale`` (every other
+    format's export refuses a model that sets them: :func:`_refuse_multipliers`)."""
 
     name: str
     model_type: str | None
@@ -164,6 +179,7 @@ class Architecture:
     export_fn: ExportFn | None
     mixers: frozenset[str]
     detect: Callable[[dict], bool] | None
+    multipliers: bool = False
 
 
 #: registered formats, by name (see :func:`register_architecture`)
@@ -178,10 +194,11 @@ def register_architecture(
     model_type: str | None = None,
     mixers=(),
     detect: Callable[[dict], bool] | None = None,
+    multipliers: bool = False,
 ) -> Architecture:
     """Register (or replace) a checkpoint format under ``name`` (a ``transformers`` class name
     such as ``"MambaForCausalLM"``, or a layout's name). Returns the entry."""
-    arch = Architecture(name, model_type, import_fn, export_fn, frozenset(mixers), detect)
+    arch = Architecture(name, model_type, import_fn, export_fn, frozenset(mixers), detect, multipliers)
     ARCHITECTURES[name] = arch
     return arch
 
@@ -993,6 +1010,7 @@ def _export(
     refusals = []
     for arch in candidates:
         try:
+            _refuse_multipliers(arch, config)
             found = (arch, *arch.export_fn(config, weights))
         except ValueError as e:
             refusals.append((arch.name, e))
@@ -1014,6 +1032,35 @@ def _export(
         f"a model of mixers {mixers} exports as none of {', '.join(n for n, _ in refusals)}: "
         + "; ".join(f"{n}: {e}" for n, e in refusals)
     )
+
+
+#: the :class:`ModelConfig` fields of IBM Granite's scalars (1: none), which only a format registered
+#: with ``multipliers=True`` carries
+MULTIPLIER_FIELDS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def _refuse_multipliers(arch: Architecture, config: ModelConfig) -> None:
+    """Refuse (``ValueError``, ``"{name} conversion: …"``) a model that sets Granite's scalars —
+    a multiplier of :data:`MULTIPLIER_FIELDS` other than 1, or a mixer's ``softmax_scale`` — for a
+    format that does not carry them (``arch.multipliers`` false): its class would compute another
+    function. The one check every export passes through (:func:`_export`)."""
+    if arch.multipliers:
+        return
+    carriers = ", ".join(a.name for a in ARCHITECTURES.values() if a.multipliers and a.export_fn) or "none"
+    for k in MULTIPLIER_FIELDS:
+        v = getattr(config, k)
+        if v != 1.0:
+            raise ValueError(
+                f"{arch.name} conversion: ModelConfig.{k} = {v!r} has no equivalent in this format (expected "
+                f"1.0; Granite's multipliers are carried by {carriers})"
+            )
+    for mixer, opts in config.mixer_options.items():
+        if isinstance(opts, dict) and opts.get("softmax_scale") is not None:
+            raise ValueError(
+                f"{arch.name} conversion: mixer_options[{mixer!r}]['softmax_scale'] = "
+                f"{opts['softmax_scale']!r} has no equivalent in this format (expected None: "
+                f"head_dim ** -0.5; carried by {carriers})"
+            )
 
 
 def _source_architecture(src: Path | None) -> str | None:
@@ -1076,7 +1123,10 @@ register_architecture(
 # the dense Llama family: Llama, Mistral, Qwen3, Qwen2 (mnemo/hf/llama.py), in the order an export of
 # mnemo's own attention stack tries them
 
-for _c, _import_fn, _export_fn in LLAMA_CLASSES:
+# and their mixture-of-experts relatives: Mixtral, Qwen3-MoE, Qwen2-MoE (mnemo/hf/llama.py), which an
+# export of a mlp="moe" attention stack tries in that order (the dense classes refuse it)
+
+for _c, _import_fn, _export_fn in (*LLAMA_CLASSES, *MOE_CLASSES):
     register_architecture(
         _c.arch, model_type=_c.model_type, import_fn=_import_fn, export_fn=_export_fn, mixers={"attention"}
     )
@@ -1099,6 +1149,19 @@ register_architecture(
     export_fn=export_bamba,
     mixers={"mamba2", "attention"},
 )
+
+# IBM Granite: Granite 4.0-H (Mamba-2 + attention, SwiGLU or MoE + shared MLP) and dense Granite, the
+# only formats that carry Granite's multipliers and the attention's softmax_scale (mnemo/hf/granite.py)
+
+for _name, _model_type, _import_fn, _export_fn, _mixers in GRANITE_FORMATS:
+    register_architecture(
+        _name,
+        model_type=_model_type,
+        import_fn=_import_fn,
+        export_fn=_export_fn,
+        mixers=_mixers,
+        multipliers=True,
+    )
 
 # flash-linear-attention's released models (fla-hub): GLA, RetNet, DeltaNet, Gated DeltaNet, import only
 # (mnemo/hf/fla_hub.py)

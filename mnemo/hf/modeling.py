@@ -118,6 +118,9 @@ class MnemoConfig(PretrainedConfig):
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None

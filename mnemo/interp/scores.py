@@ -175,8 +175,10 @@ def copying_score(model, layer: int) -> torch.Tensor:
     logits). The ``V × V`` matrix has the eigenvalues of the ``D × D`` product ``W_O^h W_U W_E W_V^h``
     (``D`` the head size) plus zeros, which is what is computed (``W_V^h [d_model, D]``,
     ``W_O^h [D, d_model]``, ``W_E [V, d_model]``, ``W_U [d_model, V]``). Norms are ignored (the usual
-    approximation). Computed in float32 at least (a bf16 model's weights are promoted; float64
-    kept). Raises ``ValueError`` for a layer out of range, ``TypeError`` for a layer
+    approximation), and so are Granite's ``embedding_multiplier``, ``residual_multiplier`` and
+    ``logits_scaling`` (:class:`~mnemo.models.ModelConfig`): they multiply the circuit by one positive
+    number, which leaves the ratio unchanged. Computed in float32 at least (a bf16 model's weights
+    are promoted; float64 kept). Raises ``ValueError`` for a layer out of range, ``TypeError`` for a layer
     without fixed OV matrices (:meth:`~mnemo.layers.Attention.ov_matrices`: a mixer other than
     softmax attention, or attention with an output gate between ``W_V`` and ``W_O``)."""
     n = len(model.blocks)

@@ -15,7 +15,7 @@ from .hooks import HookPoint, before_hook, left_unchanged
 from .linear_attention import check_heads, check_int, state_dtypes
 from .norm import RMSNorm, check_eps
 from .registry import register_mixer
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, check_rope_scaling
 from .state import spec, state_dataclass
 
 
@@ -106,6 +106,13 @@ class Attention(Mixer):
             at the capped position (``sink_q`` of :func:`~mnemo.ops.softmax_attention`). The
             parallel form over a long sequence and token-by-token decoding are the same function.
             Default ``0`` (a window alone evicts the first tokens too).
+        softmax_scale: the factor of the logits ``q · k`` (a finite number > 0) in place of
+            ``head_dim ** -0.5``: IBM Granite's ``attention_multiplier`` (``transformers``'
+            ``GraniteAttention`` / ``GraniteMoeHybridAttention``, ``scaling``). Default ``None``:
+            ``head_dim ** -0.5`` (times YaRN's factor with ``rope_type`` ``"yarn"``). Refused
+            together with ``rope_type`` ``"yarn"``, whose factor multiplies the logits (which of the
+            two would the number mean?); ``"yarn_hf"`` scales the rotated channels of q and k instead
+            and goes with it.
 
     Hook points (``S`` = cached + new keys):
 
@@ -127,7 +134,8 @@ class Attention(Mixer):
     Raises:
         ValueError: bad head counts or sizes, ``bias`` (not true, false or ``"qkv"``), ``window`` (not
             ``None`` or an int ``>= 1``), ``n_sink`` (negative, or without ``window``), ``rope_theta``
-            (not a positive number) or ``rope_scaling`` (without ``rope``, or a bad value); the
+            (not a positive number), ``rope_scaling`` (without ``rope``, or a bad value) or
+            ``softmax_scale`` (not a finite number > 0, or with ``rope_type`` ``"yarn"``); the
             message names the argument.
     """
 
@@ -153,8 +161,16 @@ class Attention(Mixer):
         norm_eps: float = 1e-5,
         rope_scaling: dict | None = None,
         n_sink: int = 0,
+        softmax_scale: float | None = None,
     ):
         super().__init__(mode)
+        if softmax_scale is not None and (
+            isinstance(softmax_scale, bool)
+            or not isinstance(softmax_scale, (int, float))
+            or not (0 < softmax_scale < float("inf"))
+        ):
+            raise ValueError(f"softmax_scale: expected a finite number > 0 or None, got {softmax_scale!r}")
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
         if not isinstance(n_sink, int) or isinstance(n_sink, bool) or n_sink < 0:
             raise ValueError(f"n_sink: expected an int >= 0, got {n_sink!r}")
         if n_sink and window is None:
@@ -197,6 +213,7 @@ class Attention(Mixer):
         self.rotary = (
             RotaryEmbedding(head_dim, rope_theta, rotary_dim, scaling=rope_scaling) if rope else None
         )
+        self._check_softmax_scale()
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         # the pattern's keys end at the call's last token (joined over pieces by column position,
         # :func:`~mnemo.layers.hooks.join_pieces`); sink columns come first, so with sinks it is not
@@ -208,9 +225,23 @@ class Attention(Mixer):
 
     @property
     def scale(self) -> float:
-        """The logit scale: ``head_dim ** -0.5``, times YaRN's ``(0.1 ln s + 1)²`` when scaled."""
+        """The logit scale: ``softmax_scale`` when given, else ``head_dim ** -0.5``, times YaRN's
+        ``(0.1 ln s + 1)²`` when scaled."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
         af = self.rotary.attention_factor if self.rotary is not None else 1.0
         return self.head_dim**-0.5 * af * af
+
+    def _check_softmax_scale(self) -> None:
+        """Refuse ``softmax_scale`` with a rotary scaling whose factor multiplies the logits
+        (``rope_type`` ``"yarn"``): the two would each claim the logit scale."""
+        af = self.rotary.attention_factor if self.rotary is not None else 1.0
+        if self.softmax_scale is not None and af != 1.0:
+            raise ValueError(
+                f"softmax_scale: {self.softmax_scale!r} is not supported with rope_scaling of rope_type "
+                f"'yarn', whose factor ({af:g}², on the logits) would also set the logit scale; give one "
+                "of the two (or rope_type 'yarn_hf', which scales q and k instead)"
+            )
 
     def set_rope_scaling(self, scaling: dict | None) -> None:
         """Set (or with ``None`` remove) the rotary scaling of a built layer, e.g. YaRN on a model
@@ -218,6 +249,12 @@ class Attention(Mixer):
         ``ValueError`` without rotary positions or for a bad mapping."""
         if self.rotary is None:
             raise ValueError("rope_scaling: this attention layer has no rotary positions (rope=False)")
+        kind = (check_rope_scaling(scaling) or {}).get("rope_type")
+        if self.softmax_scale is not None and kind == "yarn":
+            raise ValueError(
+                f"rope_scaling: rope_type 'yarn' multiplies the logits, and this layer's softmax_scale = "
+                f"{self.softmax_scale!r} sets their scale; give one of the two (or rope_type 'yarn_hf')"
+            )
         self.rotary.set_scaling(scaling)
 
     def _sink_queries(self, q: torch.Tensor, pos0: int) -> torch.Tensor | None:

@@ -50,6 +50,17 @@ class ModelConfig:
         tie_embeddings: share the input embedding with the output head (default ``True``).
         norm_eps, init_std: RMSNorm epsilon and the std of the normal weight init (defaults
             ``norm_eps=1e-5``, ``init_std=0.02``).
+        embedding_multiplier, residual_multiplier, logits_scaling: IBM Granite's three scalars
+            (``transformers``' ``GraniteConfig`` / ``GraniteMoeHybridConfig``, same names and
+            meaning; ``modeling_granite.py``, ``modeling_granitemoehybrid.py``): the token embedding
+            is multiplied by ``embedding_multiplier`` (``hook_embed`` sees ``embed(ids) · m``; a
+            learned position embedding is added after, unscaled), every residual branch by
+            ``residual_multiplier`` (``x + m · mixer(norm(x))``, ``x + m · mlp(norm(x))``), and the
+            output logits are divided by ``logits_scaling`` (``lm_head(norm(x)) / s``; the training
+            loss and every other reader of the head too). Finite numbers > 0; defaults
+            ``embedding_multiplier=1.0``, ``residual_multiplier=1.0``, ``logits_scaling=1.0``, which
+            compute exactly what a model without them did (no multiplication is made). Granite's
+            fourth, ``attention_multiplier``, is the attention mixer's ``softmax_scale`` option.
     """
 
     vocab_size: int = 256
@@ -67,6 +78,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         # JSON has no tuples: keep ``pattern``/``layers`` as lists, so that a config saved and
@@ -101,7 +115,7 @@ class ModelConfig:
                 bad(name, "a list of mixer names or None", v)
         if not isinstance(self.tie_embeddings, bool):
             bad("tie_embeddings", "true or false", self.tie_embeddings)
-        for name in ("norm_eps", "init_std"):
+        for name in ("norm_eps", "init_std", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 bad(name, "a finite number > 0", v)

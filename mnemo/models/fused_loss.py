@@ -20,6 +20,8 @@ loss is computed: one matmul per chunk, no gradients.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..ops._common import assert_on_device, avoid_host_reads
@@ -42,7 +44,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     forward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, ignore_index: int, chunk_rows: int):
+    def forward(ctx, h, weight, targets, ignore_index: int, chunk_rows: int, scaling: float = 1.0):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N = h.shape[0]
         acc = torch.promote_types(torch.promote_types(h.dtype, weight.dtype), torch.float32)
@@ -53,6 +55,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             hc = h[start : start + chunk_rows]
             tc = targets[start : start + chunk_rows]
             logits = (hc @ weight.t()).to(acc)  # [n, V]
+            if scaling != 1.0:  # (Granite's logits_scaling: logits / s)
+                logits = logits.div_(scaling)
             valid = tc != ignore_index
             safe = torch.where(valid, tc, torch.zeros_like(tc))
             lse = torch.logsumexp(logits, dim=-1)  # [n]
@@ -63,6 +67,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 g = logits.sub_(lse[:, None]).exp_()
                 g.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
                 g.mul_(valid[:, None].to(g.dtype))
+                if scaling != 1.0:  # ∂ logits / ∂ (h Wᵀ) = 1 / s
+                    g.div_(scaling)
                 if need_h:
                     grad_h[start : start + chunk_rows] = g.to(weight.dtype) @ weight
                 if need_w:
@@ -82,7 +88,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def _check_targets(targets: torch.Tensor, V: int, ignore_index: int) -> None:
@@ -112,8 +118,10 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "sum",
     chunk_rows: int | None = None,
+    logits_scaling: float = 1.0,
 ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=…, reduction=…)``
+    """``F.cross_entropy(F.linear(h, weight).float() / logits_scaling, targets, ignore_index=…,
+    reduction=…)``
     without the ``[N, V]`` logits (module docstring). The logits, loss and ``∂W`` accumulate in
     float32 (float64 when ``h`` or ``weight`` is float64); under autocast the head's matmuls run
     in the autocast dtype, as ``nn.Linear``'s would.
@@ -126,6 +134,9 @@ def chunked_cross_entropy(
         reduction: ``"sum"`` (default) or ``"mean"`` (over the targets that are not ignored: NaN
             when all are, as ``F.cross_entropy``).
         chunk_rows: tokens per chunk (default :func:`default_chunk_rows` of ``V``).
+        logits_scaling: the logits are ``h @ weightᵀ`` divided by it, in the accumulation dtype
+            (Granite's ``logits_scaling``, :class:`~mnemo.models.ModelConfig`; default ``1.0``: no
+            division). A finite number > 0.
     Returns:
         0-d float32 tensor (float64 for float64 inputs), differentiable with respect to ``h``
         and ``weight`` (once: the gradient is computed in the forward and the graph has no second
@@ -160,6 +171,9 @@ def chunked_cross_entropy(
         chunk_rows = default_chunk_rows(weight.shape[0])
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: expected an int >= 1, got {chunk_rows!r}")
+    s = logits_scaling
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
+        raise ValueError(f"logits_scaling: expected a finite number > 0, got {s!r}")
     targets = targets.long()
     _check_targets(targets, weight.shape[0], ignore_index)
     if not torch.is_grad_enabled():
@@ -167,7 +181,7 @@ def chunked_cross_entropy(
         # needs_input_grad from requires_grad and compute ∂h and ∂W in the forward, two more
         # matmuls of the head's size and [N, d] + [V, d] held for nothing
         h, weight = h.detach(), weight.detach()
-    total = _ChunkedCrossEntropy.apply(h, weight, targets, int(ignore_index), chunk_rows)
+    total = _ChunkedCrossEntropy.apply(h, weight, targets, int(ignore_index), chunk_rows, float(s))
     if reduction == "mean":
         total = total / (targets != ignore_index).sum()
     return total

@@ -46,15 +46,26 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 class Block(nn.Module):
-    """``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm residual block).
+    """``x + m · mixer(norm(x))`` then ``x + m · mlp(norm(x))`` (pre-norm residual block; ``m`` the
+    ``residual_multiplier``, default ``residual_multiplier=1.0``: no multiplication,
+    ``ModelConfig.residual_multiplier``).
 
     Hook points (all ``[B, T, d_model]``): ``hook_resid_pre`` (the block input), ``hook_mixer_out``
-    (the mixer's output), ``hook_resid_mid`` (after the mixer's residual add), ``hook_mlp_out`` (only
-    in a block with an MLP) and ``hook_resid_post`` (the block output).
+    (the mixer's output, before ``m``), ``hook_resid_mid`` (after the mixer's residual add:
+    ``resid_pre + m · mixer_out``), ``hook_mlp_out`` (only in a block with an MLP; before ``m``) and
+    ``hook_resid_post`` (the block output, ``resid_mid + m · mlp_out``).
     """
 
-    def __init__(self, mixer: nn.Module, d_model: int, mlp: nn.Module | None, eps: float):
+    def __init__(
+        self,
+        mixer: nn.Module,
+        d_model: int,
+        mlp: nn.Module | None,
+        eps: float,
+        residual_multiplier: float = 1.0,
+    ):
         super().__init__()
+        self.residual_multiplier = float(residual_multiplier)
         self.mixer_norm = RMSNorm(d_model, eps)
         self.mixer = mixer
         self.mlp_norm = RMSNorm(d_model, eps) if mlp is not None else None
@@ -72,22 +83,28 @@ class Block(nn.Module):
             return self._forward_packed(x, cu_seqlens, mode)
         x = self.hook_resid_pre(x)
         y, mixer_state = self.mixer(self.mixer_norm(x), state.mixer if state is not None else None, mode=mode)
-        x = self.hook_resid_mid(x + self.hook_mixer_out(y))
+        x = self.hook_resid_mid(x + self._branch(self.hook_mixer_out(y)))
         mlp_state = None
         if self.mlp is not None:
             if self.stateful_mlp:
                 y, mlp_state = self.mlp(self.mlp_norm(x), state.mlp if state is not None else None)
             else:
                 y = self.mlp(self.mlp_norm(x))
-            x = x + self.hook_mlp_out(y)
+            x = x + self._branch(self.hook_mlp_out(y))
         return self.hook_resid_post(x), BlockState(mixer=mixer_state, mlp=mlp_state)
+
+    def _branch(self, y):
+        """A residual branch's output as added to the stream: ``residual_multiplier · y`` (``y``
+        itself at the default 1)."""
+        m = self.residual_multiplier
+        return y if m == 1.0 else y * m
 
     def _forward_packed(self, x, cu_seqlens, mode):
         """Packed documents (``x [1, N, d]``): the mixer (and a stateful MLP) see each document
         alone; the norms and a plain MLP act per token. Returns ``(x, None)``."""
         x = self.hook_resid_pre(x)
         y = self.mixer.forward_packed(self.mixer_norm(x), cu_seqlens, mode=mode)
-        x = self.hook_resid_mid(x + self.hook_mixer_out(y))
+        x = self.hook_resid_mid(x + self._branch(self.hook_mixer_out(y)))
         if self.mlp is not None:
             h = self.mlp_norm(x)
             if self.stateful_mlp:  # right-padded into one batch, as Mixer.forward_packed
@@ -95,7 +112,7 @@ class Block(nn.Module):
                 y = unpad_packed(self.mlp(pad_packed(h, idx, valid), None)[0], valid)
             else:
                 y = self.mlp(h)
-            x = x + self.hook_mlp_out(y)
+            x = x + self._branch(self.hook_mlp_out(y))
         return self.hook_resid_post(x), None
 
 
@@ -139,7 +156,8 @@ class LanguageModel(nn.Module):
     ``cat_rows``, ``nbytes``) work on it whole.
 
     **Hook points.** Every intermediate passes through a named :class:`~mnemo.layers.hooks.HookPoint`:
-    ``hook_embed`` (token + position embedding ``[B, T, d]``), each block's ``hook_resid_pre``,
+    ``hook_embed`` (token embedding times ``embedding_multiplier``, plus the position embedding
+    ``[B, T, d]``), each block's ``hook_resid_pre``,
     ``hook_mixer_out``, ``hook_resid_mid``, ``hook_mlp_out`` (blocks with an MLP), ``hook_resid_post``,
     and each mixer's own (``blocks.{i}.mixer.hook_q`` …; see the mixer's docstring for its names and
     shapes), and a mixture-of-experts MLP's router decisions (``blocks.{i}.mlp.hook_router_logits`` …,
@@ -180,7 +198,7 @@ class LanguageModel(nn.Module):
                 mlp = MoE(c.d_model, **opts)
             else:
                 mlp = None
-            blocks.append(Block(mixer, c.d_model, mlp, c.norm_eps))
+            blocks.append(Block(mixer, c.d_model, mlp, c.norm_eps, c.residual_multiplier))
         self.blocks = nn.ModuleList(blocks)
         self.task_segment = task_signal.segment_length(self)
         self.activation_checkpointing = False
@@ -191,6 +209,26 @@ class LanguageModel(nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.hook_points: dict[str, HookPoint] = name_hook_points(self)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding as the blocks read it: ``embed(input_ids) · embedding_multiplier``
+        (``[B, T, d]``; no multiplication at the default 1; Granite's ``embedding_multiplier``,
+        :class:`ModelConfig`). A learned position embedding is added by the caller, after it. The packed
+        forward and context parallelism call it; the main forward writes the same two lines out."""
+        x = self.embed(input_ids)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * m
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of final-normed hidden states ``h [..., d]``: ``lm_head(h) / logits_scaling``
+        (``[..., vocab]``, in ``h``'s dtype; no division at the default 1; Granite's
+        ``logits_scaling``, :class:`ModelConfig`). The packed forward, context parallelism and the
+        main forward's ``logits_at`` rows call it (its full-sequence head writes the same lines out);
+        the chunked training loss takes the same ``logits_scaling``
+        (:func:`~mnemo.models.fused_loss.chunked_cross_entropy`)."""
+        logits = self.lm_head(h)
+        s = self.config.logits_scaling
+        return logits if s == 1.0 else logits / s
 
     def run_with_hooks(self, input_ids: torch.Tensor, hooks, state=None, *, mode: str | None = None):
         """``forward`` with ``hooks`` attached for this call only: ``[(name, fn), ...]`` where
@@ -457,7 +495,7 @@ class LanguageModel(nn.Module):
                 "cu_seqlens: packing is not supported for models whose CMS levels learn from the task loss"
             )
         cu = check_cu_seqlens(cu_seqlens, input_ids)
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         if self.pos_embed is not None:
             lengths = cu[1:] - cu[:-1]
             if int(lengths.max()) > self.config.max_position:
@@ -477,7 +515,7 @@ class LanguageModel(nn.Module):
                 )
             else:
                 x, _ = block(x, None, mode=mode, cu_seqlens=cu)
-        logits = self.lm_head(self.norm(x))
+        logits = self.unembed(self.norm(x))
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits, None
@@ -496,7 +534,11 @@ class LanguageModel(nn.Module):
         head only at ``logits_at`` (``[B, T]`` bool) when given; with ``targets`` the summed
         cross-entropy in place of the logits (chunked, :func:`~mnemo.models.fused_loss.
         chunked_cross_entropy`)."""
+        # ``embed_tokens`` / ``unembed`` written out in this path: under ``generate(compile=True)`` of a
+        # model with eager regions (hope) each call of theirs here cost its own graph (14 instead of 12)
         x = self.embed(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         if self.pos_embed is not None:
             offset = state[0].offset if state is not None else 0
             T = input_ids.shape[1]
@@ -523,16 +565,24 @@ class LanguageModel(nn.Module):
             new_state.append(s)
         h = self.norm(x)
         if targets is not None:
-            loss = chunked_cross_entropy(h, self.lm_head.weight, targets, ignore_index=ignore_index)
+            loss = chunked_cross_entropy(
+                h,
+                self.lm_head.weight,
+                targets,
+                ignore_index=ignore_index,
+                logits_scaling=self.config.logits_scaling,
+            )
             return loss, new_state
         if logits_at is None:
             logits = self.lm_head(h)
+            if self.config.logits_scaling != 1.0:
+                logits = logits / self.config.logits_scaling
         elif logits_at.device.type == "cpu" and h.device.type != "cpu":
             # a host mask for a device model: its positions found on the host (no device sync)
             rows = logits_at.reshape(-1).nonzero().squeeze(1).to(h.device)
-            logits = self.lm_head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
+            logits = self.unembed(h.reshape(-1, h.shape[-1]).index_select(0, rows))
         else:
-            logits = self.lm_head(h[logits_at.to(h.device)])
+            logits = self.unembed(h[logits_at.to(h.device)])
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits, new_state

@@ -392,7 +392,7 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
 
         return call
 
-    x = model.embed(ids)
+    x = model.embed_tokens(ids)  # (times Granite's embedding_multiplier)
     if model.pos_embed is not None:
         if T > model.config.max_position:
             raise ValueError(
@@ -451,7 +451,7 @@ def context_parallel_forward(model, input_ids: torch.Tensor, rank: int, world: i
                 dist.send(t.contiguous(), dst=nxt, group=group)
     if failed is not None:
         raise failed
-    logits = model.lm_head(model.norm(x))
+    logits = model.unembed(model.norm(x))  # (divided by Granite's logits_scaling)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return logits, _ContextHandle()
