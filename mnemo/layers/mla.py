@@ -15,7 +15,7 @@ from .hooks import HookPoint
 from .linear_attention import check_heads, check_int, state_dtypes
 from .norm import RMSNorm, check_eps
 from .registry import register_mixer
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, check_rope_scaling
 from .state import spec, state_dataclass
 
 
@@ -82,7 +82,10 @@ class MultiHeadLatentAttention(Mixer):
             ``W^KR`` rows maps one onto the other exactly).
         mode: ``"parallel"`` (default) or ``"recurrent"``.
         softmax_scale: the logit scale (default ``None``: ``(d_n + d_h^R) ** -0.5``, times YaRN's
-            ``(0.1 ln s + 1)²`` under YaRN scaling; a number replaces both).
+            ``(0.1 ln s + 1)²`` under ``rope_type`` ``"yarn"``); a number replaces it, and is refused
+            with ``"yarn"`` as :class:`~mnemo.layers.Attention`'s (``"yarn_hf"``, which scales the
+            rotated channels instead, goes with it: ``transformers``' DeepSeek-V3 multiplies its
+            scale by YaRN's ``mscale²`` on top, which ``softmax_scale`` expresses).
         bias: biases on ``W^DQ`` (or ``W^Q``), ``W^DKV``/``W^KR`` and ``W^O`` (DeepSeek's
             ``attention_bias``; default ``False``).
         norm_eps: the latents' RMSNorm epsilon (default ``1e-6``, DeepSeek's).
@@ -179,6 +182,12 @@ class MultiHeadLatentAttention(Mixer):
         self.kv_b_proj = nn.Linear(r, H * (dn + dv), bias=False)  # per head [W^UK_h; W^UV_h]
         self.o_proj = nn.Linear(H * dv, d_model, bias=bias)
         self.rotary = RotaryEmbedding(dr, rope_theta, scaling=rope_scaling)
+        if self.softmax_scale is not None and self.rotary.attention_factor != 1.0:
+            raise ValueError(
+                f"softmax_scale: {self.softmax_scale!r} is not supported with rope_scaling of rope_type "
+                "'yarn', whose factor on the logits would also set their scale; give one of the two "
+                "(or rope_type 'yarn_hf', which scales q and k instead)"
+            )
         self.hook_q, self.hook_c_kv, self.hook_k_rope = HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern = HookPoint(time_dim=2, key_dim=3)
         self.hook_o, self.hook_state = HookPoint(), HookPoint()
@@ -196,7 +205,14 @@ class MultiHeadLatentAttention(Mixer):
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * af * af
 
     def set_rope_scaling(self, scaling: dict | None) -> None:
-        """Set (or with ``None`` remove) the rotary scaling of a built layer (see ``rope_scaling``)."""
+        """Set (or with ``None`` remove) the rotary scaling of a built layer (see ``rope_scaling``).
+        Raises ``ValueError`` for a bad mapping, or ``rope_type`` ``"yarn"`` with ``softmax_scale``."""
+        kind = (check_rope_scaling(scaling) or {}).get("rope_type")
+        if self.softmax_scale is not None and kind == "yarn":
+            raise ValueError(
+                f"rope_scaling: rope_type 'yarn' multiplies the logits, and this layer's softmax_scale = "
+                f"{self.softmax_scale!r} sets their scale; give one of the two (or rope_type 'yarn_hf')"
+            )
         self.rotary.set_scaling(scaling)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -224,3 +224,23 @@ def test_equals_deepseek_v3_attention_in_transformers(interleave, q_lora):
         want, _ = att(x, (cos.double(), sin.double()), attention_mask=None)
         got, _ = m(x)
     assert (got - want).abs().max() < 1e-6
+
+
+def test_softmax_scale_sets_the_logit_scale_and_is_refused_with_yarn():
+    m = _mla(softmax_scale=0.3)
+    assert m.scale == 0.3
+    x = torch.randn(1, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        y, _ = m(x)
+        m.softmax_scale = None  # the same layer at the default scale differs
+        y_default, _ = m(x)
+    assert (y - y_default).abs().max() > 1e-3
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    with pytest.raises(ValueError, match="softmax_scale"):
+        MultiHeadLatentAttention(D, n_heads=2, softmax_scale=0.3, rope_scaling=yarn)
+    with pytest.raises(ValueError, match="rope_scaling: rope_type 'yarn'"):
+        _mla(softmax_scale=0.3).set_rope_scaling(yarn)
+    m = MultiHeadLatentAttention(D, n_heads=2, rope_scaling=yarn)  # the paper's factor on the logits
+    assert m.scale == pytest.approx(
+        (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * (0.1 * math.log(4) + 1) ** 2
+    )
