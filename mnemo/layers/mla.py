@@ -44,12 +44,13 @@ class MultiHeadLatentAttention(Mixer):
 
     * keys and values come from one compressed latent (eq. 9–11): ``c^KV = RMSNorm(W^DKV x)``
       (``[d_c]``), ``k^C_h = W^UK_h c^KV`` (``[d_n]``), ``v_h = W^UV_h c^KV`` (``[d_v]``); the
-      RMSNorm is the released models' (``kv_a_layernorm``), which the paper's equations leave out;
-    * rotary positions ride on a decoupled key shared by all heads (eq. 14–17):
+      RMSNorm after the latent is stated in the paper's text (§3.1.2), not in eq. 9, and is the
+      released models' ``kv_a_layernorm``;
+    * rotary positions ride on a decoupled key shared by all heads (eq. 15, 17):
       ``k^R = RoPE(W^KR x)`` (``[d_h^R]``), ``k_h = [k^C_h; k^R]``;
-    * queries (eq. 12–13, 15): ``q_h = [q^C_h; RoPE(q^R_h)]`` from ``W^Q x`` (``q_lora_rank=None``,
+    * queries (eq. 12–14, 16): ``q_h = [q^C_h; RoPE(q^R_h)]`` from ``W^Q x`` (``q_lora_rank=None``,
       DeepSeek-V2-Lite) or from a compressed ``c^Q = RMSNorm(W^DQ x)`` (``[q_lora_rank]``,
-      ``W^UQ c^Q``, ``W^QR c^Q``);
+      ``W^UQ c^Q``, ``W^QR c^Q``; the norm as for ``c^KV``);
     * ``o_h = Σ_j softmax_j(scale · q_hᵀ k_{j,h}) v_{j,h}`` over the causal keys, ``y = W^O [o_1; …;
       o_H]`` (eq. 18–19), ``scale = (d_n + d_h^R) ** -0.5`` unless ``softmax_scale`` is given.
 
@@ -62,8 +63,9 @@ class MultiHeadLatentAttention(Mixer):
     and the cached latents into per-head keys and values and runs the fused attention
     (:func:`~mnemo.ops.softmax_attention`; cheaper at training lengths: ``d_n + d_h^R < d_c +
     d_h^R``); ``"recurrent"`` is the absorbed form as a token loop with an explicit softmax (the
-    reference); one-token decoding (``T = 1``) always runs the absorbed form on the cache (no
-    expansion of the cached tokens, the paper's inference path). The forms agree to rounding.
+    reference); one-token decoding (``T = 1``) always runs the absorbed form on the cache: two
+    products of the ``H`` absorbed queries with the ``[S, d_c + d_h^R]`` latents, no per-head copy
+    of the cache (the paper's inference path). The forms agree to rounding.
 
     Args:
         d_model: model width. n_heads: the heads ``H`` (default ``n_heads=4``).
@@ -76,7 +78,11 @@ class MultiHeadLatentAttention(Mixer):
             (default ``head_dim // 2``, DeepSeek-V2's ``64 = 128 / 2``). v_head_dim: ``d_v``
             (default ``head_dim``).
         rope_theta: the rotary base (default ``10000.0``). rope_scaling: as
-            :class:`~mnemo.layers.Attention`'s (YaRN, linear, NTK, ``yarn_hf``, ``llama3``); the
+            :class:`~mnemo.layers.Attention`'s (YaRN, linear, NTK, ``yarn_hf``, ``llama3``; ``"yarn"``
+            multiplies the logits by the YaRN paper's ``(0.1 ln s + 1)²``; DeepSeek-V2 (§3.1.4)
+            scales them by ``(0.0707 ln s + 1)²`` instead, and ``transformers``' DeepSeek-V3 by
+            ``yarn_get_mscale(s, mscale_all_dim)²``: those are ``"yarn_hf"`` with that
+            ``softmax_scale``); the
             rotary positions are ``rotate_half`` pairs of the ``d_h^R`` channels (DeepSeek's
             released weights pair channels ``(2i, 2i + 1)``: a permutation of the ``W^QR`` /
             ``W^KR`` rows maps one onto the other exactly).
@@ -84,10 +90,9 @@ class MultiHeadLatentAttention(Mixer):
         softmax_scale: the logit scale (default ``None``: ``(d_n + d_h^R) ** -0.5``, times YaRN's
             ``(0.1 ln s + 1)²`` under ``rope_type`` ``"yarn"``); a number replaces it, and is refused
             with ``"yarn"`` as :class:`~mnemo.layers.Attention`'s (``"yarn_hf"``, which scales the
-            rotated channels instead, goes with it: ``transformers``' DeepSeek-V3 multiplies its
-            scale by YaRN's ``mscale²`` on top, which ``softmax_scale`` expresses).
-        bias: biases on ``W^DQ`` (or ``W^Q``), ``W^DKV``/``W^KR`` and ``W^O`` (DeepSeek's
-            ``attention_bias``; default ``False``).
+            rotated channels instead, goes with it).
+        bias: biases on ``W^DQ``, ``W^DKV``/``W^KR`` and ``W^O``, never on a full ``W^Q`` (DeepSeek's
+            ``attention_bias``, as its code and ``transformers`` apply it; default ``False``).
         norm_eps: the latents' RMSNorm epsilon (default ``1e-6``, DeepSeek's).
 
     Hook points (``S`` = cached + new tokens):
@@ -170,7 +175,7 @@ class MultiHeadLatentAttention(Mixer):
         H, dn, dv, r = n_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         dq = dn + dr
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(d_model, H * dq, bias=bias)
+            self.q_proj = nn.Linear(d_model, H * dq, bias=False)  # (DeepSeek's: never biased)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None
         else:
             self.q_proj = None
@@ -274,12 +279,20 @@ class MultiHeadLatentAttention(Mixer):
             k, v = self._expand(new)
             past = None if cache is None else KVCache(*self._expand(cache.to(new.dtype)))
             o, _ = softmax_attention(q, k, v, scale=self.scale, initial_state=past, mode="parallel")
-        else:  # the absorbed form: one key head [c^KV; k^R], values c^KV (a view)
+        elif T == 1:  # one-token decoding, absorbed: both products on the latents shared by all heads
+            qa = self._absorbed_queries(q)  # [B, 1, H, d_c + d_h^R]
+            cd = compute_dtype(qa, latent)
+            lat = latent.to(cd)
+            scores = torch.matmul(qa[:, 0].to(cd), lat.transpose(1, 2)) * self.scale  # [B, H, S]
+            o_lat = torch.matmul(scores.softmax(-1), lat[..., :r])[:, None].to(q.dtype)  # [B, 1, H, d_c]
+            _, w_uv = self._up()
+            o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(o_lat.dtype))
+        else:  # the absorbed form's token loop: one key head [c^KV; k^R], values c^KV (a view)
             qa = self._absorbed_queries(q)
             keys, values = new[:, :, None], new[:, :, None, :r]
             past = None if cache is None else KVCache(cache[:, :, None].to(new.dtype), cache[:, :, None, :r])
             o_lat, _ = softmax_attention(
-                qa, keys, values, scale=self.scale, initial_state=past, mode=form if T > 1 else "parallel"
+                qa, keys, values, scale=self.scale, initial_state=past, mode="recurrent"
             )
             _, w_uv = self._up()
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(o_lat.dtype))

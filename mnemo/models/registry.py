@@ -123,6 +123,15 @@ def _transformer() -> ModelConfig:
 
 
 @register_model(
+    "mla",
+    "multi-head latent attention + SwiGLU: the transformer with DeepSeek-V2's cache of one latent per token "
+    "(DeepSeek-AI 2024, §2.1.2)",
+)
+def _mla() -> ModelConfig:
+    return ModelConfig(mixer="mla", mixer_options={"mla": {"n_heads": _HEADS}})
+
+
+@register_model(
     "transformer_sinks",
     "the transformer with a 512-token window + 4 attention sinks: a bounded KV cache (Xiao et al. 2023)",
 )

@@ -51,9 +51,9 @@ def _hand(m: MultiHeadLatentAttention, x: torch.Tensor) -> tuple[torch.Tensor, t
     keys, values, outs, cache = [], [], [], []
     for t in range(x.shape[0]):
         c = _rms(W[:r] @ x[t] + b[:r], m.kv_a_norm.weight, eps)  # eq. 9 (with the released norm)
-        k_r = _rope(W[r:] @ x[t] + b[r:], t)  # eq. 14
+        k_r = _rope(W[r:] @ x[t] + b[r:], t)  # eq. 15
         cache.append(torch.cat([c, k_r]))
-        keys.append([torch.cat([w_uk[h] @ c, k_r]) for h in range(H)])  # eq. 10, 16
+        keys.append([torch.cat([w_uk[h] @ c, k_r]) for h in range(H)])  # eq. 10, 17
         values.append([w_uv[h] @ c for h in range(H)])  # eq. 11
         if m.q_proj is not None:
             q_all = m.q_proj(x[t])
@@ -62,7 +62,7 @@ def _hand(m: MultiHeadLatentAttention, x: torch.Tensor) -> tuple[torch.Tensor, t
         o = []
         for h in range(H):
             q = q_all[h * (dn + dr) : (h + 1) * (dn + dr)]
-            q = torch.cat([q[:dn], _rope(q[dn:], t)])  # eq. 15
+            q = torch.cat([q[:dn], _rope(q[dn:], t)])  # eq. 14, 16
             s = torch.stack([q @ keys[j][h] for j in range(t + 1)]) / math.sqrt(dn + dr)
             p = s.softmax(0)
             o.append(sum(p[j] * values[j][h] for j in range(t + 1)))  # eq. 18
@@ -161,7 +161,7 @@ def test_a_model_of_latent_attention_trains():
     assert losses[-1] < 0.5 * losses[0], losses[::10]
 
 
-def _hf_attention(m: MultiHeadLatentAttention, interleave: bool, q_lora: int | None):
+def _hf_attention(m: MultiHeadLatentAttention, interleave: bool, q_lora: int | None, bias: bool):
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
@@ -175,7 +175,7 @@ def _hf_attention(m: MultiHeadLatentAttention, interleave: bool, q_lora: int | N
         qk_rope_head_dim=m.qk_rope_head_dim,
         v_head_dim=m.v_head_dim,
         rope_interleave=interleave,
-        attention_bias=False,
+        attention_bias=bias,
         rms_norm_eps=1e-6,
     )
     cfg._attn_implementation = "sdpa"
@@ -184,15 +184,16 @@ def _hf_attention(m: MultiHeadLatentAttention, interleave: bool, q_lora: int | N
     return att, rope
 
 
-@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("interleave, bias", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("q_lora", [None, 9])
-def test_equals_deepseek_v3_attention_in_transformers(interleave, q_lora):
+def test_equals_deepseek_v3_attention_in_transformers(interleave, q_lora, bias):
     """``transformers``' ``DeepseekV3Attention`` with mnemo's weights: the same output (its RoPE
     angles are float32, hence ~1e-7). With ``rope_interleave`` (the released checkpoints' pairing
     ``(2i, 2i + 1)``) the rotary rows of ``W^QR`` / ``W^KR`` are permuted (evens, then odds) into
     mnemo's ``rotate_half`` pairing, as the docstring says."""
-    m = _mla(q_lora_rank=q_lora)
-    att, rope = _hf_attention(m, interleave, q_lora)
+    m = _mla(q_lora_rank=q_lora, bias=bias)
+    assert m.q_proj is None or m.q_proj.bias is None  # never biased, as DeepSeek's
+    att, rope = _hf_attention(m, interleave, q_lora, bias)
     H, r, dn, dr = m.n_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim
     # mnemo's channel c of a rotary block is HF's channel perm[c] (HF de-interleaves evens then odds)
     perm = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)]) if interleave else torch.arange(dr)
@@ -216,6 +217,12 @@ def test_equals_deepseek_v3_attention_in_transformers(interleave, q_lora):
             {"q_a_proj.weight": sd["q_a_proj.weight"], "q_a_layernorm.weight": sd["q_a_norm.weight"]}
         )
         hf_sd["q_b_proj.weight"] = wq
+    if bias:
+        bkv = sd["kv_a_proj.bias"]
+        hf_sd["kv_a_proj_with_mqa.bias"] = torch.cat([bkv[:r], bkv[r:][inv]])
+        hf_sd["o_proj.bias"] = sd["o_proj.bias"]
+        if q_lora is not None:
+            hf_sd["q_a_proj.bias"] = sd["q_a_proj.bias"]
     att.load_state_dict(hf_sd, strict=True)
     x = torch.randn(2, 9, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     pos = torch.arange(9)[None].expand(2, -1)

@@ -22,7 +22,7 @@ from mnemo.models.registry import MODELS
 from mnemo.train import TrainConfig, Trainer
 
 #: state fields that hold activations (in the compute dtype), not a recurrent memory
-ACTIVATION_FIELDS = {"conv", "kv"}
+ACTIVATION_FIELDS = {"conv", "kv", "latent"}  # conv windows, KV caches, MLA's cache of latents
 
 
 def _trainer(tmp_path, name: str = "run", **kw) -> Trainer:
