@@ -5,9 +5,13 @@ builds with ``--strict``."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import types
@@ -190,6 +194,11 @@ def _small(argv: list[str]) -> list[str]:
         # a text run at 32 tokens a row (HOPE's runs took 5-12 s at the presets' 128, 2-3 s here);
         # not a task's (its long-length evaluation walks windows of the training length: slower)
         extra += ["--seq-len", "32"]
+    if argv[0] == "train" and not {"--resume", "--config", "--init-from", "--d-model"} & set(argv):
+        # a preset's model at width 32, its layers and mixers as they are (hope_long's 2 steps took
+        # 3.5 s at its 128, writing a 99 MB checkpoint; 1.3 s here); a width the page sets, a config
+        # file's and a run's own (resumed, fine-tuned) are kept
+        extra += ["--d-model", "32"]
     if argv[0] == "train" and "--resume" in argv:
         # two steps more than the run it resumes where the page asks for more steps (and says how
         # the schedule changes); as written otherwise (a finished run's resume ends at once)
@@ -227,16 +236,110 @@ def _made_by(argv: list[str]) -> list[str]:
     return out
 
 
+#: sub-commands whose outcome is a function of their arguments alone (they read nothing the page's
+#: folder holds): one that two pages run alike (``mnemo verify``, README and testing.md, 10-18 s;
+#: ``tokenizer train``, checkpoints.md and interop.md; the ops suite) runs once in a session,
+#: :func:`_once`
+ONCE = ("verify", "tokenizer", "bench")
+
+
+def _key(argv: list[str]) -> str | None:
+    """The command as the parser reads it (flags repeated by :data:`SMALL` resolved, defaults filled
+    in): equal keys, equal commands; ``None`` where it does not parse (it then runs, and says why)."""
+    try:
+        ns = build_parser().parse_args(argv)
+    except SystemExit:
+        return None
+    return json.dumps({k: getattr(v, "__qualname__", str(v)) for k, v in vars(ns).items()}, sort_keys=True)
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    """``mnemo ARGV`` in this process: its exit code and the end of its stderr."""
+    from mnemo.cli import main
+
+    code = main(argv)
+    return code, capsys.readouterr().err[-2000:]
+
+
+def _once(argv: list[str], run, shared: Path) -> tuple[int, str]:
+    """``run()``'s ``(exit code, stderr)`` for the :data:`ONCE` command ``argv``, and the files it
+    wrote in the page's folder (``--out``, ``--json``): from the first page of the session that ran
+    the same command (copied into this page's folder), else run here and kept in ``shared`` (the
+    session's folder, which both xdist workers see; a lock makes the second wait for the first)."""
+    from filelock import FileLock  # (torch's dependency)
+
+    key = _key(argv)
+    if key is None:
+        return run()
+    entry = shared / "docs-once" / hashlib.sha1(key.encode()).hexdigest()[:16]
+    entry.mkdir(parents=True, exist_ok=True)
+    outputs = [*_made_by(argv), *([v] if (v := _value(argv, "--json")) else [])]
+    outputs = [out for out in outputs if not Path(out).is_absolute()]  # (the page's folder's only)
+    with FileLock(str(entry) + ".lock"):
+        done = entry / "result.json"
+        if done.is_file():
+            for out in outputs:
+                kept = entry / "files" / out
+                if kept.is_dir():
+                    shutil.copytree(kept, out)
+                elif kept.is_file():
+                    Path(out).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(kept, out)
+            code, err = json.loads(done.read_text())
+            return code, err
+        code, err = run()
+        for out in outputs:
+            if Path(out).is_dir():
+                shutil.copytree(out, entry / "files" / out)
+            elif Path(out).is_file():
+                (entry / "files" / out).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(out, entry / "files" / out)
+        done.write_text(json.dumps([code, err]))
+        return code, err
+
+
+@pytest.fixture
+def decode_children_in_process(monkeypatch):
+    """The decode suite starts one ``python -c CODE`` child per model and context (~4.5 s of imports
+    each; streaming.md's command started four): here each child's CODE runs in this process, its
+    stdout captured, as the child would, except that its ``tune_malloc()`` (glibc's settings for the
+    child's lifetime) leaves this process's allocator as it is (tests/test_cli.py's
+    ``test_bench_decode_suite_runs`` starts a real child)."""
+    import contextlib
+    import io
+
+    import torch
+
+    import mnemo.bench.decode as decode
+    import mnemo.runtime
+
+    monkeypatch.setattr(mnemo.runtime, "tune_malloc", lambda *a, **k: True)
+
+    def run(cmd, **kw):
+        assert cmd[:2] == [sys.executable, "-c"], cmd
+        out = io.StringIO()
+        with torch.random.fork_rng(), contextlib.redirect_stdout(out):  # (it seeds torch)
+            exec(cmd[2], {})
+        return subprocess.CompletedProcess(cmd, 0, stdout=out.getvalue(), stderr="")
+
+    monkeypatch.setattr(decode, "subprocess", types.SimpleNamespace(run=run))
+
+
 @pytest.mark.parametrize(
     "page", [p for p in PAGES if any(_commands(b) for b in _blocks(p, "bash"))], ids=lambda p: p.name
 )
-def test_every_command_line_runs_at_small_size(page, tmp_path, monkeypatch, capsys):
+def test_every_command_line_runs_at_small_size(
+    page, tmp_path, tmp_path_factory, monkeypatch, capsys, decode_children_in_process
+):
     """The page's ``mnemo`` commands run in order, as a reader would type them, in an empty folder
     (``configs/`` linked in), each with :data:`SMALL`'s flags appended; exit 0 is required. A
     command that needs what only a reader's machine has (:data:`ELSEWHERE`), or the output of
-    such a command, is only parsed (the test above). Every page runs at least one command."""
-    from mnemo.cli import main
-
+    such a command, is only parsed (the test above). Every page runs at least one command. A
+    :data:`ONCE` command another page ran alike in this session is not run again: its exit code
+    and files are that run's."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # (the session's folder; each worker's basetemp is a folder in it)
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     monkeypatch.chdir(tmp_path)
     missing: dict[str, str] = {}  # outputs of the commands not run here -> why
@@ -255,11 +358,10 @@ def test_every_command_line_runs_at_small_size(page, tmp_path, monkeypatch, caps
                 for out in _made_by(argv):
                     missing[out] = why or needs
                 continue
-            code = main(_small(argv))
-            out = capsys.readouterr()
-            assert code == 0, (
-                f"{page.name}: `mnemo {' '.join(_small(argv))}` exited {code}:\n{out.err[-2000:]}"
-            )
+            small = _small(argv)
+            run = functools.partial(_run, small, capsys)
+            code, err = _once(small, run, shared) if argv[0] in ONCE else run()
+            assert code == 0, f"{page.name}: `mnemo {' '.join(small)}` exited {code}:\n{err}"
             ran.append(argv)
     assert ran, f"{page.name}: no command of the page ran here (skipped: {skipped})"
 

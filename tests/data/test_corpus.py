@@ -10,10 +10,8 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("datasets")
-
-from mnemo.cli import main  # noqa: E402
-from mnemo.data import (  # noqa: E402
+from mnemo.cli import main
+from mnemo.data import (
     ByteTokenizer,
     CharTokenizer,
     Corpus,
@@ -21,7 +19,15 @@ from mnemo.data import (  # noqa: E402
     load_text,
     split_text,
 )
-from mnemo.train import TrainConfig, Trainer  # noqa: E402
+from mnemo.train import TrainConfig, Trainer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_datasets():
+    """Every test here skips without ``datasets``, as a module-level ``importorskip`` made them; asked
+    per test, so collecting the file does not import it (with pandas and pyarrow, ~1.5 s a process)."""
+    pytest.importorskip("datasets")
+
 
 DOCS = [
     "First Citizen:\nBefore we proceed any further, hear me speak.\n",

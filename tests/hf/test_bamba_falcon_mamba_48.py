@@ -47,15 +47,18 @@ BAMBA = dict(
     attention_bias=True, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
     bos_token_id=None, eos_token_id=None, pad_token_id=None,
 )  # fmt: skip
+#: transformers' classes by name: read from its lazy module when a model is built, so collecting
+#: this file does not import their modeling code (FalconMamba's pulls in fla and torch._dynamo, ~5 s)
 KINDS = {
-    "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM, FALCON),
-    "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM, BAMBA),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", FALCON),
+    "bamba": ("BambaConfig", "BambaForCausalLM", BAMBA),
 }
 
 
 def hf_model(name: str, seed: int = 0, **over):
     """A random-weight ``…ForCausalLM`` (float32) with every weight moved off its init."""
-    config_cls, model_cls, opts = KINDS[name]
+    config_name, model_name, opts = KINDS[name]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     torch.manual_seed(seed)
     m = model_cls(config_cls(**{**opts, **over})).eval()
     with torch.no_grad():

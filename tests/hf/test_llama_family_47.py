@@ -19,7 +19,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
-from transformers.modeling_rope_utils import _compute_llama3_parameters  # noqa: E402
 
 from mnemo.hf.convert import convert, export_hf  # noqa: E402
 from mnemo.hf.llama import import_llama, import_mistral, import_qwen2, import_qwen3  # noqa: E402
@@ -36,30 +35,32 @@ SMALL = dict(
     pad_token_id=None,
 )  # fmt: skip
 
-#: name -> (config class, model class, options beyond SMALL)
+#: name -> (config class, model class, options beyond SMALL); the classes by name, read from
+#: transformers' lazy module when a model is built, so collecting this file (and the files that
+#: import from it) does not import their modeling code (~5 s a pytest process)
 FORMATS = {
     "llama": (
-        transformers.LlamaConfig,
-        transformers.LlamaForCausalLM,
+        "LlamaConfig",
+        "LlamaForCausalLM",
         dict(attention_bias=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
         }),
     ),
     "qwen2": (
-        transformers.Qwen2Config,
-        transformers.Qwen2ForCausalLM,
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
         dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0,
              rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}),
     ),
     "qwen3": (
-        transformers.Qwen3Config,
-        transformers.Qwen3ForCausalLM,
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
         dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
     ),
     "mistral": (
-        transformers.MistralConfig,
-        transformers.MistralForCausalLM,
+        "MistralConfig",
+        "MistralForCausalLM",
         dict(sliding_window=WINDOW, max_position_embeddings=32, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0, "original_max_position_embeddings": 16,
         }),
@@ -70,7 +71,8 @@ FORMATS = {
 def hf_model(name: str, seed: int = 0, eager: bool = False, **over):
     """A random-weight ``…ForCausalLM`` (float32), every weight moved off its init (norms, biases);
     transformers' default attention (SDPA), or its ``eager`` one, which returns the probabilities."""
-    config_cls, model_cls, opts = FORMATS[name]
+    config_name, model_name, opts = FORMATS[name]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     torch.manual_seed(seed)
     m = model_cls(config_cls(**{**SMALL, **opts, **over})).eval()
     if eager:
@@ -206,6 +208,8 @@ def test_llama3_frequencies_equal_transformers():
     float64 here), with frequencies in all three bands: kept, divided by the factor, in between."""
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
     cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=32, rope_parameters=rope)
     ref = _compute_llama3_parameters(cfg)[0].double()
     ours = RotaryEmbedding(32, 10000.0, scaling={k: v for k, v in rope.items() if k != "rope_theta"}).inv_freq

@@ -27,17 +27,20 @@ from tests.hf.test_llama_family_47 import SMALL, VOCAB  # noqa: E402  (the same 
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*holds no tokenizer:UserWarning")
 
+#: name -> (config class, model class) by name, read from transformers' lazy module when a model is
+#: built: collecting this file (and test_interop_48c.py, which imports from it) then does not import
+#: their modeling code
 CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
 
 
 def hf_model(name: str, seed: int = 0, **over):
     """A random-weight ``…ForCausalLM`` (float32), every weight moved off its init."""
-    config_cls, model_cls = CLASSES[name]
+    config_cls, model_cls = (getattr(transformers, n) for n in CLASSES[name])
     torch.manual_seed(seed)
     m = model_cls(config_cls(**{**SMALL, **over})).eval()
     with torch.no_grad():

@@ -8,19 +8,32 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
-from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 from mnemo.hf.qwen3_next import export_qwen3_next, import_qwen3_next  # noqa: E402
 from mnemo.models import ModelConfig  # noqa: E402
 from mnemo.models.lm import LanguageModel  # noqa: E402
 from tests.helpers import rel_rms  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+
+def _modeling():
+    """transformers' Qwen3-Next modeling module, imported when a test first needs it: importing it
+    at the top of this file (it imports fla and torch._inductor) cost each pytest process ~4 s of
+    collection. ``transformers.Qwen3NextConfig`` / ``transformers.Qwen3NextForCausalLM`` below are
+    read from transformers' lazy module for the same reason."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    return modeling_qwen3_next
+
 
 VOCAB = 61
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -47,7 +60,7 @@ def hf_config(**over) -> Qwen3NextConfig:
         tie_word_embeddings=False,
     )
     kw.update(over)
-    return Qwen3NextConfig(**kw)
+    return transformers.Qwen3NextConfig(**kw)
 
 
 #: sparse MoE MLPs in every layer: 5 experts (the router picks among them), shared expert and gate
@@ -63,7 +76,7 @@ MOE = dict(
 
 def hf_model(cfg: Qwen3NextConfig, dtype=torch.float64, seed=0) -> Qwen3NextForCausalLM:
     torch.manual_seed(seed)
-    m = Qwen3NextForCausalLM(cfg).eval()
+    m = transformers.Qwen3NextForCausalLM(cfg).eval()
     with torch.no_grad():  # move every weight off its init (zero-centred norms, biases, dt_bias, ...)
         for p in m.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -107,8 +120,8 @@ def torch_reference_kernels(monkeypatch):
         "causal_conv1d_fn",
         "causal_conv1d_update",
     ):
-        f = getattr(modeling_qwen3_next, name)
-        monkeypatch.setattr(modeling_qwen3_next, name, getattr(f, "__wrapped__", f))
+        f = getattr(_modeling(), name)
+        monkeypatch.setattr(_modeling(), name, getattr(f, "__wrapped__", f))
 
 
 @contextlib.contextmanager
@@ -119,7 +132,7 @@ def float64_reference(hf: Qwen3NextForCausalLM, *lms: LanguageModel):
     frequencies (each otherwise rounds its own table to float32, differently by an ulp)."""
     orig_float = torch.Tensor.float
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(modeling_qwen3_next, "torch", _Float64Torch())
+    monkeypatch.setattr(_modeling(), "torch", _Float64Torch())
     monkeypatch.setattr(
         torch.Tensor, "float", lambda t, *a, **k: t if t.dtype == torch.float64 else orig_float(t)
     )
@@ -215,7 +228,7 @@ def test_export_round_trip(dtype, tmp_path):
     config, sd = import_qwen3_next(hf.config.to_dict(), hf.state_dict())
     lm = mnemo_model(config, sd, dtype)
     hf_cfg, hf_sd = export_qwen3_next(lm.config, lm.state_dict())
-    back = Qwen3NextForCausalLM(Qwen3NextConfig(**hf_cfg)).to(dtype).eval()
+    back = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hf_cfg)).to(dtype).eval()
     back.load_state_dict(hf_sd, strict=True)
     # and through files: transformers writes and reads it, mnemo imports it again
     config2, sd2 = import_qwen3_next(*saved(back, tmp_path))
@@ -249,7 +262,7 @@ def test_export_of_a_native_mnemo_model():
         for p in lm.parameters():
             p.add_(0.1 * torch.randn_like(p))
     hf_cfg, hf_sd = export_qwen3_next(config, lm.state_dict())
-    hf = Qwen3NextForCausalLM(Qwen3NextConfig(**hf_cfg)).eval()
+    hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hf_cfg)).eval()
     hf.load_state_dict(hf_sd, strict=True)
     ids = _ids(T=12)
     with torch.no_grad():
@@ -365,7 +378,7 @@ def test_export_refuses_rope_scaling(scaling, tmp_path):
     torch.manual_seed(0)
     lm = LanguageModel(plain).eval()
     export_hf(lm, tmp_path / "plain")
-    hf = Qwen3NextForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    hf = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "plain").eval()
     assert hf.config.rope_parameters["rope_type"] == "default"
     ids = _ids(T=12)
     with torch.no_grad():

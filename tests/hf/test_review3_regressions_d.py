@@ -11,9 +11,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-pytest.importorskip("datasets")
-
 from mnemo.data.corpus import load_corpus  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_datasets():
+    """Every test here skips without ``datasets`` (asked when the tests run, not when the file is
+    collected: importing it, with pandas and pyarrow, cost each pytest process ~1.5 s)."""
+    pytest.importorskip("datasets")
 
 
 @pytest.mark.parametrize("text", ['["a b", "c"]', '[\n  "a b",\n  "c"\n]\n'], ids=["one-line", "indented"])
