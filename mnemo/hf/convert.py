@@ -31,6 +31,12 @@ of a ``transformers`` ``config.json``) and found by ``architectures``, then ``mo
   Granite's ``embedding_multiplier`` / ``residual_multiplier`` / ``logits_scaling`` and
   ``attention_multiplier`` (the attention's ``softmax_scale``) (:mod:`mnemo.hf.granite`); no other
   format carries these, and every other export refuses a model that sets them, naming the field;
+* ``DeepseekV3ForCausalLM`` (``"deepseek_v3"``: DeepSeek-V3 / R1, Moonlight, Kimi K2) ↔ mnemo ``mla``
+  layers (multi-head latent attention, YaRN's ``mscale_all_dim`` as its ``softmax_scale``), dense
+  first layers (``mlp_only_layers``) and DeepSeek-V3's sigmoid-routed MoE with groups, a routed
+  scaling factor, ungated shared experts and the ``e_score_correction_bias`` as the balancing bias
+  (:mod:`mnemo.hf.deepseek`); Qwen2-MoE / Qwen3-MoE and DeepSeek-V3 are the formats that carry
+  ``mlp_only_layers``, every other export refuses a model with dense layers among MoE ones;
 * flash-linear-attention's ``GLAForCausalLM`` (``"gla"``), ``RetNetForCausalLM`` (``"retnet"``),
   ``DeltaNetForCausalLM`` (``"delta_net"``) and ``GatedDeltaNetForCausalLM`` (``"gated_deltanet"``),
   import only → mnemo ``gla``, ``retnet``, ``deltanet``, ``gated_deltanet`` layers with SwiGLU MLPs
@@ -99,6 +105,7 @@ from ..data.tokenizer import MNEMO_TOKENIZER_NAME
 from ..models.config import ModelConfig
 from ..models.formats import register_foreign_loader
 from .bamba import export_bamba, import_bamba
+from .deepseek import export_deepseek_v3, import_deepseek_v3
 from .fla_hub import FORMATS as FLA_FORMATS
 from .granite import FORMATS as GRANITE_FORMATS
 from .llama import CLASSES as LLAMA_CLASSES
@@ -171,7 +178,12 @@ class Architecture:
     ``detect(config) -> bool`` recognises a config without ``architectures`` / ``model_type``;
     ``multipliers``: whether the format carries IBM Granite's ``embedding_multiplier``,
     ``residual_multiplier``, ``logits_scaling`` and the attention's ``softmax_scale`` (every other
-    format's export refuses a model that sets them: :func:`_refuse_multipliers`)."""
+    format's export refuses a model that sets them: :func:`_refuse_multipliers`);
+    ``mlp_only_layers``: whether the format expresses dense layers among mixture-of-experts ones
+    (:attr:`ModelConfig.mlp_only_layers <mnemo.models.ModelConfig>`; every other format's export
+    refuses a model that has them); ``softmax_scale``: the mixers whose ``softmax_scale`` the format
+    carries itself (its export checks the value: DeepSeek-V3's YaRN ``mscale²`` on MLA), besides the
+    ``multipliers`` formats."""
 
     name: str
     model_type: str | None
@@ -180,6 +192,8 @@ class Architecture:
     mixers: frozenset[str]
     detect: Callable[[dict], bool] | None
     multipliers: bool = False
+    mlp_only_layers: bool = False
+    softmax_scale: frozenset[str] = frozenset()
 
 
 #: registered formats, by name (see :func:`register_architecture`)
@@ -195,10 +209,22 @@ def register_architecture(
     mixers=(),
     detect: Callable[[dict], bool] | None = None,
     multipliers: bool = False,
+    mlp_only_layers: bool = False,
+    softmax_scale=(),
 ) -> Architecture:
     """Register (or replace) a checkpoint format under ``name`` (a ``transformers`` class name
     such as ``"MambaForCausalLM"``, or a layout's name). Returns the entry."""
-    arch = Architecture(name, model_type, import_fn, export_fn, frozenset(mixers), detect, multipliers)
+    arch = Architecture(
+        name,
+        model_type,
+        import_fn,
+        export_fn,
+        frozenset(mixers),
+        detect,
+        multipliers,
+        mlp_only_layers,
+        frozenset(softmax_scale),
+    )
     ARCHITECTURES[name] = arch
     return arch
 
@@ -865,7 +891,10 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False, dtype=None) -> Path
         carried = _read_carried(src)
     if dtype is None:
         dtype = getattr(torch, carried["dtype"]) if "dtype" in (carried or {}) else weights_dtype(hf_weights)
-    hf_weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_weights.items()}
+    hf_weights = {
+        k: v.to(dtype) if v.is_floating_point() and not k.endswith(KEEP_FLOAT32) else v
+        for k, v in hf_weights.items()
+    }
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" in hf_weights:
         # the shared tensor once, as save_pretrained writes a tied model (the exporter checked that
         # the head is the embedding; transformers ties it again on load)
@@ -1034,6 +1063,11 @@ def _export(
     )
 
 
+#: the exported weights kept in float32 whatever the export's dtype, as ``transformers`` keeps them
+#: (``_keep_in_fp32_modules_strict``): DeepSeek-V3's router bias, which a bfloat16 copy would round,
+#: changing the routing
+KEEP_FLOAT32 = ("e_score_correction_bias",)
+
 #: the :class:`ModelConfig` fields of IBM Granite's scalars (1: none), which only a format registered
 #: with ``multipliers=True`` carries
 MULTIPLIER_FIELDS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
@@ -1041,9 +1075,18 @@ MULTIPLIER_FIELDS = ("embedding_multiplier", "residual_multiplier", "logits_scal
 
 def _refuse_multipliers(arch: Architecture, config: ModelConfig) -> None:
     """Refuse (``ValueError``, ``"{name} conversion: …"``) a model that sets Granite's scalars —
-    a multiplier of :data:`MULTIPLIER_FIELDS` other than 1, or a mixer's ``softmax_scale`` — for a
-    format that does not carry them (``arch.multipliers`` false): its class would compute another
-    function. The one check every export passes through (:func:`_export`)."""
+    a multiplier of :data:`MULTIPLIER_FIELDS` other than 1, or a mixer's ``softmax_scale`` (not one
+    of ``arch.softmax_scale``, which the format's export checks itself) — for a format that does not
+    carry them (``arch.multipliers`` false), or dense layers among mixture-of-experts ones
+    (``ModelConfig.mlp_only_layers``) for a format without them (``arch.mlp_only_layers`` false): its
+    class would compute another function. The one check every export passes through (:func:`_export`)."""
+    if config.mlp_only_layers and not arch.mlp_only_layers:
+        carry = ", ".join(a.name for a in ARCHITECTURES.values() if a.mlp_only_layers and a.export_fn)
+        raise ValueError(
+            f"{arch.name} conversion: ModelConfig.mlp_only_layers = {config.mlp_only_layers!r} (dense layers "
+            f"among mixture-of-experts ones) has no equivalent in this format (expected None or []; carried "
+            f"by {carry or 'none'})"
+        )
     if arch.multipliers:
         return
     carriers = ", ".join(a.name for a in ARCHITECTURES.values() if a.multipliers and a.export_fn) or "none"
@@ -1055,6 +1098,8 @@ def _refuse_multipliers(arch: Architecture, config: ModelConfig) -> None:
                 f"1.0; Granite's multipliers are carried by {carriers})"
             )
     for mixer, opts in config.mixer_options.items():
+        if mixer in arch.softmax_scale:  # (the format's export checks it)
+            continue
         if isinstance(opts, dict) and opts.get("softmax_scale") is not None:
             raise ValueError(
                 f"{arch.name} conversion: mixer_options[{mixer!r}]['softmax_scale'] = "
@@ -1128,7 +1173,12 @@ register_architecture(
 
 for _c, _import_fn, _export_fn in (*LLAMA_CLASSES, *MOE_CLASSES):
     register_architecture(
-        _c.arch, model_type=_c.model_type, import_fn=_import_fn, export_fn=_export_fn, mixers={"attention"}
+        _c.arch,
+        model_type=_c.model_type,
+        import_fn=_import_fn,
+        export_fn=_export_fn,
+        mixers={"attention"},
+        mlp_only_layers=_c.moe is not None and _c.moe.sparse_step,  # (Qwen's mlp_only_layers)
     )
 
 # FalconMamba (Mamba-1 with dt, B, C RMS-normalised: mnemo/hf/mamba.py) and Bamba (Mamba-2 + attention
@@ -1162,6 +1212,19 @@ for _name, _model_type, _import_fn, _export_fn, _mixers in GRANITE_FORMATS:
         mixers=_mixers,
         multipliers=True,
     )
+
+# DeepSeek-V3 (multi-head latent attention, dense first layers, sigmoid-routed MoE: mnemo/hf/deepseek.py),
+# which carries MLA's softmax_scale (YaRN's mscale_all_dim²) itself
+
+register_architecture(
+    "DeepseekV3ForCausalLM",
+    model_type="deepseek_v3",
+    import_fn=import_deepseek_v3,
+    export_fn=export_deepseek_v3,
+    mixers={"mla"},
+    mlp_only_layers=True,
+    softmax_scale={"mla"},
+)
 
 # flash-linear-attention's released models (fla-hub): GLA, RetNet, DeltaNet, Gated DeltaNet, import only
 # (mnemo/hf/fla_hub.py)

@@ -55,16 +55,18 @@ up]``, ``w_out = down``), ``pos_embedding="none"``, ``tie_embeddings = tie_word_
   ``up_proj`` / ``down_proj``). Qwen2-MoE adds a shared SwiGLU expert of
   ``shared_expert_intermediate_size`` scaled by ``σ(shared_expert_gate x)`` on every token: mnemo's
   ``shared_expert_hidden`` with ``shared_expert_gate``. The Qwen classes' ``decoder_sparse_step`` /
-  ``mlp_only_layers`` may make some layers dense (``intermediate_size``): mnemo has one MLP kind per
-  model, so dense layers among sparse ones are refused by name, and a model whose layers are all
-  dense imports as ``mlp="swiglu"``. Training only, not carried: Mixtral's ``router_jitter_noise``
-  (multiplies the block's input by noise in training, as dropout); ``output_router_logits`` (an
-  output switch; ``transformers`` adds its balance loss only with it). ``router_aux_loss_coef`` ``c``
-  becomes ``aux_loss_coef = c · k / L``: ``transformers``' loss is ``E Σ_e F_e P_e`` with ``F_e`` the
-  share of the tokens routed to ``e`` (``k`` per token: ``k`` times mnemo's ``f_e``) and ``P_e`` the
-  mean probability, both pooled over the ``L`` layers, while mnemo adds each layer's ``L_aux``
-  (:mod:`mnemo.layers.moe`): the same objective where the layers' routing statistics agree (and for
-  one layer); the export writes ``aux_loss_coef · L / k`` back.
+  ``mlp_only_layers`` may make some layers dense (``intermediate_size``, the layers where ``i`` is in
+  ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``): mnemo's ``mlp_only_layers`` (those
+  layers a SwiGLU of width ``mlp_hidden = intermediate_size``), written back on export as
+  ``mlp_only_layers`` with ``decoder_sparse_step`` 1; a model whose layers are all dense imports as
+  ``mlp="swiglu"``. Mixtral has no dense layers: its export refuses them. Training only, not carried:
+  Mixtral's ``router_jitter_noise`` (multiplies the block's input by noise in training, as dropout);
+  ``output_router_logits`` (an output switch; ``transformers`` adds its balance loss only with it).
+  ``router_aux_loss_coef`` ``c`` becomes ``aux_loss_coef = c · k / L``: ``transformers``' loss is ``E
+  Σ_e F_e P_e`` with ``F_e`` the share of the tokens routed to ``e`` (``k`` per token: ``k`` times
+  mnemo's ``f_e``) and ``P_e`` the mean probability, both pooled over the ``L`` layers, while mnemo
+  adds each layer's ``L_aux`` (:mod:`mnemo.layers.moe`): the same objective where the layers' routing
+  statistics agree (and for one layer); the export writes ``aux_loss_coef · L / k`` back.
 * Sliding windows: ``transformers``' mask lets a query see the keys ``q − W < k ≤ q`` — ``W`` keys,
   itself included — which is mnemo's ``window = W``. Qwen2 and Qwen3 slide only where
   ``layer_types`` says ``"sliding_attention"`` (by default the layers from ``max_window_layers`` on,
@@ -470,10 +472,11 @@ def _window(c: _Class, cfg: dict, n: int) -> int | None:
     return W if types and types[0] == SLIDING else None
 
 
-def _moe_options(c: _Class, cfg: dict, n: int) -> dict[str, Any] | None:
+def _moe_options(c: _Class, cfg: dict, n: int) -> tuple[dict[str, Any] | None, list[int]]:
     """The ``mlp_options`` of the :class:`~mnemo.layers.MoE` that computes the class's sparse block
-    (``None``: every layer dense, which Qwen's ``num_experts = 0`` or ``mlp_only_layers`` can say);
-    refused by name where dense layers sit among sparse ones or a field is of the wrong kind."""
+    (``None``: every layer dense, which Qwen's ``num_experts = 0`` or ``mlp_only_layers`` can say) and
+    the dense layers among sparse ones (mnemo's ``mlp_only_layers``; ``[]``: none); refused by name
+    where a field is of the wrong kind."""
     m, fmt = c.moe, c.fmt
     given = {k: cfg[k] for k in m.count if cfg.get(k) is not None}
     if len(set(map(repr, given.values()))) > 1:
@@ -487,14 +490,9 @@ def _moe_options(c: _Class, cfg: dict, n: int) -> dict[str, Any] | None:
             fmt.refuse(f"field 'mlp_only_layers': expected a list of layer indices, got {only!r}")
         sparse = [i for i in range(n) if E > 0 and i not in only and (i + 1) % step == 0]
         if not sparse:
-            return None
-        if len(sparse) != n:
-            fmt.refuse(
-                f"layers {sparse} have a sparse mixture-of-experts MLP and layers "
-                f"{sorted(set(range(n)) - set(sparse))} a dense one (decoder_sparse_step = {step}, "
-                f"mlp_only_layers = {only}); mnemo gives every layer the same MLP: expected all sparse "
-                "(decoder_sparse_step 1, mlp_only_layers empty) or all dense"
-            )
+            return None, []
+    else:
+        sparse = list(range(n))
     k = _count(c, cfg, "num_experts_per_tok", 1)
     if k > E:
         fmt.refuse(f"field 'num_experts_per_tok' = {k}: expected at most the {E} experts")
@@ -512,7 +510,7 @@ def _moe_options(c: _Class, cfg: dict, n: int) -> dict[str, Any] | None:
         opts |= dict(
             shared_expert_hidden=_count(c, cfg, "shared_expert_intermediate_size", 1), shared_expert_gate=True
         )
-    return opts
+    return opts, [i for i in range(n) if i not in sparse]
 
 
 def _swiglu_in(w: Weights, p: str, hidden: int, d: int, names=("gate_proj", "up_proj", "down_proj")):
@@ -588,7 +586,7 @@ def _import(c: _Class, hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
     window = _window(c, cfg, n)
     eps = fmt.get(cfg, "rms_norm_eps")
     tie, hidden = tied_as_loaded(fmt, cfg, weights), _count(c, cfg, "intermediate_size", 1)
-    moe = _moe_options(c, cfg, n) if c.moe is not None else None
+    moe, dense = _moe_options(c, cfg, n) if c.moe is not None else (None, [])
     if moe is not None:
         cfg[c.moe.count[0]] = moe["n_experts"]  # (a shape refusal names the count's own field)
     qkv = c.bias == "qkv" or (c.bias == "qkv_field" and bool(fmt.get(cfg, "qkv_bias")))
@@ -608,6 +606,7 @@ def _import(c: _Class, hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
         mlp="swiglu" if moe is None else "moe",
         mlp_hidden=hidden,
         mlp_options=moe or {},
+        mlp_only_layers=dense or None,
         pos_embedding="none",
         tie_embeddings=tie,
         norm_eps=eps,
@@ -621,7 +620,7 @@ def _import(c: _Class, hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
         p, q, a = f"model.layers.{i}.", f"blocks.{i}.", f"model.layers.{i}.self_attn."
         sd[q + "mixer_norm.weight"] = w.pop(p + "input_layernorm.weight", (d,))
         sd[q + "mlp_norm.weight"] = w.pop(p + "post_attention_layernorm.weight", (d,))
-        if moe is None:
+        if moe is None or i in dense:
             sd[q + "mlp.w_in.weight"], sd[q + "mlp.w_out.weight"] = _swiglu_in(w, p + "mlp.", hidden, d)
         else:
             sd |= _import_experts(c, w, p, q + "mlp.", moe, d)
@@ -688,6 +687,12 @@ def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple
     if config.mlp != ("swiglu" if c.moe is None else "moe"):
         kind = "'swiglu'" if c.moe is None else "'moe', a mixture of experts in every layer"
         fmt.refuse(f"mlp {config.mlp!r} is not supported (only {kind}, {c.arch}'s MLP)")
+    dense = list(config.mlp_only_layers or [])
+    if dense and not c.moe.sparse_step:
+        fmt.refuse(
+            f"mlp_only_layers {dense} (dense layers among mixture-of-experts ones) is not supported: every "
+            f"{c.arch} layer is sparse (Qwen3MoeForCausalLM and Qwen2MoeForCausalLM have mlp_only_layers)"
+        )
     if config.pos_embedding != "none":
         fmt.refuse(f"pos_embedding {config.pos_embedding!r} is not supported ({c.arch} uses RoPE only)")
     a, where = mixer_options(ATTN, config), f"mixer_options[{ATTN!r}]"
@@ -730,7 +735,7 @@ def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple
     if c.bias == "qkv_field":
         hf["qkv_bias"] = bool(bias)
     if moe is not None:
-        hf |= _moe_fields(c, moe, n)
+        hf |= _moe_fields(c, moe, n, dense)
     if c.model_type == "llama":
         hf["mlp_bias"] = False
     if c.windows == "all":
@@ -752,7 +757,7 @@ def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple
         p, q, a_ = f"model.layers.{i}.", f"blocks.{i}.", f"model.layers.{i}.self_attn."
         sd[p + "input_layernorm.weight"] = w.pop(q + "mixer_norm.weight", (d,))
         sd[p + "post_attention_layernorm.weight"] = w.pop(q + "mlp_norm.weight", (d,))
-        if moe is None:
+        if moe is None or i in dense:
             sd |= _swiglu_out(w, q + "mlp.", p + "mlp.", hidden, d)
         else:
             sd |= _export_experts(c, w, q + "mlp.", p, moe, d)
@@ -815,9 +820,10 @@ def _export_moe_options(c: _Class, config: ModelConfig) -> dict[str, Any]:
     return o
 
 
-def _moe_fields(c: _Class, o: dict[str, Any], n: int) -> dict[str, Any]:
+def _moe_fields(c: _Class, o: dict[str, Any], n: int, dense: list[int]) -> dict[str, Any]:
     """The sparse block's ``config.json`` fields: ``router_aux_loss_coef = aux_loss_coef · L / k``
-    (the inverse of the import's mapping), ``output_router_logits`` false (the classes' default)."""
+    (the inverse of the import's mapping), ``output_router_logits`` false (the classes' default),
+    Qwen's ``mlp_only_layers`` = ``dense`` (mnemo's) with ``decoder_sparse_step`` 1."""
     m = c.moe
     out = {
         m.count[0]: o["n_experts"],
@@ -830,7 +836,7 @@ def _moe_fields(c: _Class, o: dict[str, Any], n: int) -> dict[str, Any]:
     if m.norm is None:
         out["norm_topk_prob"] = o["norm_topk_prob"]
     if m.sparse_step:
-        out |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
+        out |= {"decoder_sparse_step": 1, "mlp_only_layers": sorted(dense)}
     if m.shared:
         out["shared_expert_intermediate_size"] = o["shared_expert_hidden"]
     if c.model_type == "mixtral":

@@ -113,6 +113,7 @@ class MnemoConfig(PretrainedConfig):
     mlp: str = "swiglu"
     mlp_hidden: int | None = None
     mlp_options: dict = dataclasses.field(default_factory=dict)
+    mlp_only_layers: list | None = None
     pos_embedding: str = "none"
     max_position: int = 4096
     tie_embeddings: bool = True

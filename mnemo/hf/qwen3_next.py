@@ -28,11 +28,11 @@ The correspondence, layer by layer:
   ``w_in [E, 2I, d]`` (``[gate; up]``) and ``w_out [E, d, I]``; ``shared_expert.*`` →
   ``shared_expert`` (SwiGLU) and ``shared_expert_gate`` → ``shared_gate``. The routing is the
   same: softmax over all experts, top-k of the probabilities, renormalised when ``norm_topk_prob``.
-  mnemo has one MLP kind for all layers, so a checkpoint mixing dense and MoE layers
-  (``mlp_only_layers`` / ``decoder_sparse_step`` selecting some) is refused. ``router_aux_loss_coef``
-  becomes ``aux_loss_coef`` (training only; transformers pools the layers and counts ``k`` per
-  token in its version of the loss, so the values differ by that convention). Export of MoE models
-  is not supported yet.
+  A checkpoint mixing dense and MoE layers (``mlp_only_layers`` / ``decoder_sparse_step`` selecting
+  some) keeps the dense ones as mnemo's ``mlp_only_layers`` (SwiGLUs of ``intermediate_size``).
+  ``router_aux_loss_coef`` becomes ``aux_loss_coef`` (training only; transformers pools the layers
+  and counts ``k`` per token in its version of the loss, so the values differ by that convention).
+  Export of MoE models is not supported yet.
 * Qwen3-Next's RMSNorms (block norms, final norm, q/k norms) are zero-centred (``x̂ · (1 + w)``);
   mnemo's multiply by the weight, so ``w + 1`` is stored on import (in float32, or float64 for a
   float64 checkpoint — the exact value Qwen3-Next multiplies by) and ``w − 1`` on export. The gated
@@ -229,7 +229,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
 
     ``hf_config``: the config dict (``config.json`` or ``Qwen3NextConfig.to_dict()``);
     ``weights``: the ``Qwen3NextForCausalLM`` state dict (``model.*``, ``lm_head.weight``).
-    Raises ``ValueError`` for a mix of dense and MoE layers, RoPE scaling other than YaRN, another
+    Raises ``ValueError`` for RoPE scaling other than YaRN, another
     activation than SiLU, a true/false field (``attention_bias``, ``tie_word_embeddings``,
     ``norm_topk_prob``) of another kind, a missing, mis-shaped (naming the config fields that set
     the shape) or unexpected weight — anything not reproduced exactly.
@@ -245,12 +245,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         _refuse(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
     types = _layer_types(cfg, n)
     moe = _moe_layers(cfg, n)
-    if moe and len(moe) != n:
-        _refuse(
-            f"layers {moe} use a sparse mixture-of-experts MLP (Qwen3NextSparseMoeBlock) and layers "
-            f"{sorted(set(range(n)) - set(moe))} a dense one; mnemo uses one MLP kind for every layer "
-            "(all MoE: mlp_only_layers empty and decoder_sparse_step 1; or all dense)"
-        )
+    dense = sorted(set(range(n)) - set(moe)) if moe else []  # (mnemo's mlp_only_layers)
     moe_options = _moe_options(cfg) if moe else None
     eps = float(_get(cfg, "rms_norm_eps"))
     theta, factor, scaling = _rope(cfg)
@@ -296,6 +291,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         mlp="moe" if moe else "swiglu",
         mlp_hidden=hidden,
         mlp_options=moe_options or {},
+        mlp_only_layers=dense or None,
         pos_embedding="none",
         tie_embeddings=tie,
         norm_eps=eps,
@@ -309,7 +305,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
         p, q = f"model.layers.{i}.", f"blocks.{i}."
         sd[q + "mixer_norm.weight"] = _plus_one(w.pop(p + "input_layernorm.weight", (d,)))
         sd[q + "mlp_norm.weight"] = _plus_one(w.pop(p + "post_attention_layernorm.weight", (d,)))
-        if moe_options is not None:
+        if moe_options is not None and i not in dense:
             sd.update(_import_moe(w, p + "mlp.", q + "mlp.", moe_options, d))
         else:
             gate = w.pop(p + "mlp.gate_proj.weight", (hidden, d))

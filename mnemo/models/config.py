@@ -45,6 +45,12 @@ class ModelConfig:
             auxiliary-loss-free bias), ``bias_update_rate`` (1e-3), ``dispatch`` (``"sorted"``),
             ``score`` (``"softmax"``; ``"sigmoid"``: DeepSeek-V3's affinities),
             ``routed_scaling_factor`` (1.0), ``n_group`` (1) and ``topk_group`` (1: no group limit).
+        mlp_only_layers: with ``mlp="moe"``, the indices of the layers (``0 … n_layers − 1``, each
+            once) whose MLP is a dense SwiGLU of width ``mlp_hidden`` instead of the mixture of
+            experts (default ``None``: every layer is MoE; ``[]`` the same). ``transformers``'
+            Qwen2-MoE / Qwen3-MoE field of the same name; DeepSeek-V3's ``first_k_dense_replace = k``
+            is ``list(range(k))``. The MoE losses, metrics and balancing bias cover the MoE layers only
+            (:meth:`~mnemo.models.LanguageModel.moe_layers`).
         pos_embedding: ``"none"`` (positions come from the mixers, e.g. RoPE) or ``"learned"``
             (absolute, up to ``max_position`` tokens; default ``max_position=4096``).
         tie_embeddings: share the input embedding with the output head (default ``True``).
@@ -73,6 +79,7 @@ class ModelConfig:
     mlp: str = "swiglu"
     mlp_hidden: int | None = None
     mlp_options: dict[str, Any] = field(default_factory=dict)
+    mlp_only_layers: list[int] | None = None
     pos_embedding: str = "none"
     max_position: int = 4096
     tie_embeddings: bool = True
@@ -83,9 +90,9 @@ class ModelConfig:
     logits_scaling: float = 1.0
 
     def __post_init__(self):
-        # JSON has no tuples: keep ``pattern``/``layers`` as lists, so that a config saved and
-        # loaded again equals itself
-        for name in ("pattern", "layers"):
+        # JSON has no tuples: keep ``pattern``/``layers``/``mlp_only_layers`` as lists, so that a
+        # config saved and loaded again equals itself
+        for name in ("pattern", "layers", "mlp_only_layers"):
             if isinstance(getattr(self, name), tuple):
                 setattr(self, name, list(getattr(self, name)))
 
@@ -181,6 +188,17 @@ class ModelConfig:
                 f"empty for mlp {self.mlp!r} (options are for 'cms' and 'moe')",
                 self.mlp_options,
             )
+        only = self.mlp_only_layers
+        if only is not None:
+            n = self.n_layers
+            if not isinstance(only, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in only
+            ):
+                bad("mlp_only_layers", f"None or a list of layer indices in 0 … {n - 1} (n_layers {n})", only)
+            if len(set(only)) != len(only):
+                bad("mlp_only_layers", "each layer index once", only)
+            if only and self.mlp != "moe":
+                bad("mlp_only_layers", f"None or [] for mlp {self.mlp!r} (dense among 'moe' layers)", only)
         if self.pos_embedding not in ("none", "learned"):
             bad("pos_embedding", "'none' or 'learned'", self.pos_embedding)
         return self

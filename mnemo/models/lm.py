@@ -179,7 +179,8 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_embed = nn.Embedding(c.max_position, c.d_model) if c.pos_embedding == "learned" else None
         blocks = []
-        for name in c.layer_mixers():
+        dense = set(c.mlp_only_layers or ())  # (mlp="moe": these layers' MLP is a SwiGLU)
+        for i, name in enumerate(c.layer_mixers()):
             opts = c.mixer_options.get(name, {})
             try:
                 mixer = MIXERS[name](c.d_model, **opts)
@@ -187,7 +188,7 @@ class LanguageModel(nn.Module):
                 if not opts:  # no option of the user's: a bug, shown as it is
                     raise
                 raise ValueError(f"ModelConfig.mixer_options[{name!r}] = {opts}: {e}") from e
-            if c.mlp == "swiglu":
+            if c.mlp == "swiglu" or (c.mlp == "moe" and i in dense):
                 mlp = SwiGLU(c.d_model, c.mlp_hidden)
             elif c.mlp == "cms":
                 mlp = ContinuumMemory(c.d_model, **c.mlp_options)

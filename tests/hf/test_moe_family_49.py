@@ -309,13 +309,11 @@ def test_export_picks_the_class(tmp_path):
 
 
 def test_import_refusals_and_dense():
-    """Dense layers among sparse ones are refused by name, so is an expert count given twice with
-    two values or a top-k beyond the experts, and a Qwen2-MoE whose default layer types mix sliding
-    and full layers; a Qwen3-MoE whose layers are all dense imports as a dense SwiGLU model."""
+    """An expert count given twice with two values or a top-k beyond the experts is refused by
+    name, and so is a Qwen2-MoE whose default layer types mix sliding and full layers; a Qwen3-MoE
+    whose layers are all dense imports as a dense SwiGLU model."""
     base = hf_config("qwen3_moe").to_dict()
     for over, said in (
-        ({"decoder_sparse_step": 2}, r"layers \[1\] have a sparse .* layers \[0\] a dense one"),
-        ({"mlp_only_layers": [1]}, r"layers \[0\] have a sparse .*mlp_only_layers = \[1\]"),
         ({"num_experts": 4, "num_local_experts": 8}, "fields .*: the expert count is given twice"),
         (
             {"num_experts_per_tok": 5, "num_local_experts": 4},
@@ -335,3 +333,35 @@ def test_import_refusals_and_dense():
     x = ids()
     with torch.no_grad():
         assert max_diff(lm(x)[0], hf(x).logits) <= ATOL
+
+
+@pytest.mark.parametrize(
+    "name, over, dense",
+    [("qwen3_moe", {"decoder_sparse_step": 2}, [0]), ("qwen2_moe", {"mlp_only_layers": [1]}, [1])],
+)
+def test_dense_layers_among_sparse(name, over, dense, tmp_path):
+    """Qwen's ``decoder_sparse_step`` / ``mlp_only_layers`` (dense layers of ``intermediate_size``
+    among sparse ones) import as mnemo's ``mlp_only_layers`` with ``mlp_hidden`` that width: logits
+    equal transformers' (float32), and the export (``mlp_only_layers``, ``decoder_sparse_step`` 1)
+    loads in ``transformers`` with the same logits. Mixtral, all sparse, refuses such a model."""
+    import transformers
+
+    hf = hf_model(name, **over)
+    config, sd = IMPORTS[name](hf.config.to_dict(), hf.state_dict())
+    assert config.mlp == "moe" and config.mlp_only_layers == dense and config.mlp_hidden == 40
+    lm = LanguageModel(config).eval()
+    lm.load_state_dict(sd)
+    assert [type(b.mlp).__name__ for b in lm.blocks] == ["SwiGLU" if i in dense else "MoE" for i in range(2)]
+    x = ids()
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert max_diff(lm(x)[0], ref) <= ATOL
+    lm.save_pretrained(tmp_path / "mnemo")
+    export_hf(tmp_path / "mnemo", tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == (dense, 1)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert max_diff(back(x).logits, ref) <= ATOL
+    with pytest.raises(ValueError, match=r"Mixtral conversion: mlp_only_layers \[.\] .*every Mixtral"):
+        export_mixtral(lm.config, lm.state_dict())

@@ -210,11 +210,22 @@ def test_import_logits_and_cached_decoding(dtype, variant, tmp_path):
                 assert err(a, b) <= TOL[dtype], f"prefill {prefill} step {step}: {err(a, b):.2e}"
 
 
-@pytest.mark.parametrize("mlp", ["dense", "moe"])
+#: MoE in layers 1 and 3 only (``decoder_sparse_step`` 2), layer 3 also in ``mlp_only_layers``: layers 0,
+#: 2 and 3 dense (mnemo's ``mlp_only_layers``)
+MIXED = {**MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+
+
+@pytest.mark.parametrize("mlp", ["dense", "moe", "mixed"])
 def test_greedy_generation_matches(mlp):
-    hf = hf_model(hf_config(**(MOE if mlp == "moe" else {})), torch.float64)
+    hf = hf_model(hf_config(**{"dense": {}, "moe": MOE, "mixed": MIXED}[mlp]), torch.float64)
     config, sd = import_qwen3_next(hf.config.to_dict(), hf.state_dict())  # fused expert tensors
+    if mlp == "mixed":
+        assert config.mlp == "moe" and config.mlp_only_layers == [0, 2, 3]
     lm = mnemo_model(config, sd, torch.float64)
+    if mlp == "mixed":  # the full pass too
+        ids = _ids()
+        with float64_reference(hf, lm), torch.no_grad():
+            assert max_rel(lm(ids)[0], hf(ids).logits) <= TOL[torch.float64]
     prompt = _ids(T=5, B=1)
     with float64_reference(hf, lm), torch.no_grad():
         ref = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -272,8 +283,8 @@ def test_export_of_a_native_mnemo_model():
 def test_moe_and_unsupported_options_are_refused():
     hf = hf_model(hf_config(), torch.float32)
     sd = hf.state_dict()
-    moe = hf_config(num_experts=4, mlp_only_layers=[0, 1]).to_dict()
-    with pytest.raises(ValueError, match=r"layers \[2, 3\].*mixture-of-experts"):
+    moe = hf_config(num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0, 1]).to_dict()  # dense weights
+    with pytest.raises(ValueError, match=r"weight 'model\.layers\.2\.mlp\.gate\.weight' is missing"):
         import_qwen3_next(moe, sd)
     dynamic = hf_config().to_dict()  # (transformers' "yarn" imports: test_review2_interop)
     dynamic["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1000.0, "factor": 2.0}
