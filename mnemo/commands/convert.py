@@ -1,8 +1,10 @@
 """``mnemo convert`` and ``mnemo export``: checkpoints of other libraries in and out.
 
     mnemo convert SRC OUT                # transformers Mamba / Mamba-2 / FalconMamba / Bamba / Qwen3-Next /
-                                         # Llama / Qwen2 / Qwen3 / Mistral, flash-linear-attention's GLA /
-                                         # RetNet / DeltaNet / Gated DeltaNet (fla-hub), or mamba-ssm
+                                         # Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen3-MoE /
+                                         # Qwen2-MoE / Granite / Granite 4.0-H / DeepSeek-V3,
+                                         # flash-linear-attention's GLA / RetNet / DeltaNet / Gated
+                                         # DeltaNet (fla-hub), or mamba-ssm
     mnemo convert --from-dcp RUN OUT     # a sharded (FSDP) checkpoint as a single-file run folder
     mnemo export CKPT OUT --format hf    # a mnemo checkpoint (or run folder) as a folder transformers loads
                                          # (--dtype: its weights' dtype; default: the source's / model's)
@@ -82,12 +84,14 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
         help="convert a transformers (Mamba, Mamba-2, FalconMamba, Bamba, Qwen3-Next, Llama, Qwen2, Qwen3, "
-        "Mistral), flash-linear-attention (GLA, RetNet, DeltaNet, Gated DeltaNet) or mamba-ssm checkpoint "
-        "folder into a mnemo checkpoint folder",
+        "Mistral, Mixtral, Qwen3-MoE, Qwen2-MoE, Granite, Granite 4.0-H, DeepSeek-V3), "
+        "flash-linear-attention (GLA, RetNet, DeltaNet, Gated DeltaNet) or mamba-ssm checkpoint folder "
+        "into a mnemo checkpoint folder",
         description="Convert a checkpoint of another library (transformers Mamba / Mamba-2 / FalconMamba / "
-        "Bamba / Qwen3-Next / Llama / Qwen2 / Qwen3 / Mistral; flash-linear-attention's fla-hub GLA / "
-        "RetNet / DeltaNet / Gated DeltaNet; mamba-ssm), or with --from-dcp a sharded FSDP checkpoint, "
-        "into a mnemo checkpoint folder.",
+        "Bamba / Qwen3-Next / Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen3-MoE / Qwen2-MoE / Granite / "
+        "Granite 4.0-H (GraniteMoeHybrid) / DeepSeek-V3; flash-linear-attention's fla-hub GLA / RetNet / "
+        "DeltaNet / Gated DeltaNet; mamba-ssm), or with --from-dcp a sharded FSDP checkpoint, into a mnemo "
+        "checkpoint folder.",
     )
     p.add_argument(
         "src", type=kinds.ExistingDir(), help="the checkpoint folder to read (config.json and weights)"

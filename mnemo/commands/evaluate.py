@@ -208,6 +208,16 @@ def _yarn_setting(text: str, tcfg: dict, model, beta_fast=None, beta_slow=None):
     layers = [m for m in model.modules() if hasattr(m, "set_rope_scaling") and getattr(m, "rotary", None)]
     if not layers:
         raise ValueError("--yarn: the model has no attention layer with rotary positions")
+    fixed = [
+        n for n, m in model.named_modules() if m in layers and getattr(m, "softmax_scale", None) is not None
+    ]
+    if fixed:  # (a converted Granite's attention_multiplier): YaRN's factor would also set the scale
+        raise ValueError(
+            f"--yarn: {fixed[0]} sets its logit scale (softmax_scale = "
+            f"{model.get_submodule(fixed[0]).softmax_scale!r}, e.g. a converted Granite's "
+            "attention_multiplier), and YaRN (rope_type 'yarn') multiplies the logits too; evaluate this "
+            "model without --yarn"
+        )
 
     said = set()  # each warning once per command, not once per --length
 

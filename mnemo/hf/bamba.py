@@ -64,6 +64,7 @@ from .fields import (
     import_head,
     is_int,
     mixer_options,
+    refuse_unexpressed,
     rope_fields,
     rope_parameters,
     tied_as_loaded,
@@ -421,6 +422,7 @@ def export_bamba(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict,
     its forward pass without one). Anything else raises ``ValueError`` naming the option and the
     received value."""
     config = config.validate()
+    refuse_unexpressed(BAMBA.name, config)
     types = config.layer_mixers()
     for i, mixer in enumerate(types):
         if mixer not in (MAMBA2, ATTN):

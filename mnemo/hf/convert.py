@@ -106,6 +106,7 @@ from ..models.config import ModelConfig
 from ..models.formats import register_foreign_loader
 from .bamba import export_bamba, import_bamba
 from .deepseek import export_deepseek_v3, import_deepseek_v3
+from .fields import MULTIPLIER_FIELDS, refuse_unexpressed  # noqa: F401  (MULTIPLIER_FIELDS: this module's API)
 from .fla_hub import FORMATS as FLA_FORMATS
 from .granite import FORMATS as GRANITE_FORMATS
 from .llama import CLASSES as LLAMA_CLASSES
@@ -1068,44 +1069,27 @@ def _export(
 #: changing the routing
 KEEP_FLOAT32 = ("e_score_correction_bias",)
 
-#: the :class:`ModelConfig` fields of IBM Granite's scalars (1: none), which only a format registered
-#: with ``multipliers=True`` carries
-MULTIPLIER_FIELDS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
-
 
 def _refuse_multipliers(arch: Architecture, config: ModelConfig) -> None:
-    """Refuse (``ValueError``, ``"{name} conversion: …"``) a model that sets Granite's scalars —
-    a multiplier of :data:`MULTIPLIER_FIELDS` other than 1, or a mixer's ``softmax_scale`` (not one
-    of ``arch.softmax_scale``, which the format's export checks itself) — for a format that does not
-    carry them (``arch.multipliers`` false), or dense layers among mixture-of-experts ones
-    (``ModelConfig.mlp_only_layers``) for a format without them (``arch.mlp_only_layers`` false): its
-    class would compute another function. The one check every export passes through (:func:`_export`)."""
-    if config.mlp_only_layers and not arch.mlp_only_layers:
-        carry = ", ".join(a.name for a in ARCHITECTURES.values() if a.mlp_only_layers and a.export_fn)
-        raise ValueError(
-            f"{arch.name} conversion: ModelConfig.mlp_only_layers = {config.mlp_only_layers!r} (dense layers "
-            f"among mixture-of-experts ones) has no equivalent in this format (expected None or []; carried "
-            f"by {carry or 'none'})"
+    """:func:`~mnemo.hf.fields.refuse_unexpressed` for ``arch`` (what its registration says it
+    carries), naming the registered formats that do carry Granite's scalars and ``mlp_only_layers``
+    (the exporters call it too, without the names)."""
+    carried_by = {
+        "multipliers": ", ".join(a.name for a in ARCHITECTURES.values() if a.multipliers and a.export_fn)
+        or "none",
+        "mlp_only_layers": ", ".join(
+            a.name for a in ARCHITECTURES.values() if a.mlp_only_layers and a.export_fn
         )
-    if arch.multipliers:
-        return
-    carriers = ", ".join(a.name for a in ARCHITECTURES.values() if a.multipliers and a.export_fn) or "none"
-    for k in MULTIPLIER_FIELDS:
-        v = getattr(config, k)
-        if v != 1.0:
-            raise ValueError(
-                f"{arch.name} conversion: ModelConfig.{k} = {v!r} has no equivalent in this format (expected "
-                f"1.0; Granite's multipliers are carried by {carriers})"
-            )
-    for mixer, opts in config.mixer_options.items():
-        if mixer in arch.softmax_scale:  # (the format's export checks it)
-            continue
-        if isinstance(opts, dict) and opts.get("softmax_scale") is not None:
-            raise ValueError(
-                f"{arch.name} conversion: mixer_options[{mixer!r}]['softmax_scale'] = "
-                f"{opts['softmax_scale']!r} has no equivalent in this format (expected None: "
-                f"head_dim ** -0.5; carried by {carriers})"
-            )
+        or "none",
+    }
+    refuse_unexpressed(
+        arch.name,
+        config,
+        multipliers=arch.multipliers,
+        mlp_only_layers=arch.mlp_only_layers,
+        softmax_scale=arch.softmax_scale,
+        carried_by=carried_by,
+    )
 
 
 def _source_architecture(src: Path | None) -> str | None:

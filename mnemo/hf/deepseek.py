@@ -84,6 +84,7 @@ from .fields import (
     import_head,
     is_int,
     mixer_options,
+    refuse_unexpressed,
     rope_fields,
     rope_parameters,
     tied_as_loaded,
@@ -425,6 +426,7 @@ def export_deepseek_v3(config: ModelConfig, weights: dict[str, Tensor]) -> tuple
     everywhere). Raises ``ValueError`` ("DeepSeek-V3 conversion: …") naming what the class cannot
     express."""
     config = config.validate()
+    refuse_unexpressed(FMT.name, config, mlp_only_layers=True, softmax_scale={"mla"})
     for i, mixer in enumerate(config.layer_mixers()):
         if mixer != MLA:
             FMT.refuse(f"layer {i} uses mixer {mixer!r}; {ARCH} layers are {MLA!r}")

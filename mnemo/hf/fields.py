@@ -335,3 +335,51 @@ def mixer_options(name: str, config: ModelConfig) -> dict[str, Any]:
     opts.update(getattr(ctor, "keywords", {}) or {})
     opts.update(config.mixer_options.get(name, {}))
     return opts
+
+
+#: the :class:`ModelConfig` fields of IBM Granite's scalars (1.0: none)
+MULTIPLIER_FIELDS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def refuse_unexpressed(
+    name: str,
+    config: ModelConfig,
+    *,
+    multipliers: bool = False,
+    mlp_only_layers: bool = False,
+    softmax_scale=(),
+    carried_by: dict[str, str] | None = None,
+) -> None:
+    """Refuse (``ValueError``, ``"{name} conversion: …"``) what a format's class cannot compute: a
+    Granite scalar of :data:`MULTIPLIER_FIELDS` other than 1 or a mixer's ``softmax_scale`` (unless
+    ``multipliers``; a mixer named in ``softmax_scale`` is checked by the format's own export), and
+    dense layers among mixture-of-experts ones (``ModelConfig.mlp_only_layers``, unless
+    ``mlp_only_layers``). Every exporter calls it first (its class would otherwise compute another
+    function in silence), and so does :func:`mnemo.hf.convert.export_hf`, which names in
+    ``carried_by`` (``{"multipliers": …, "mlp_only_layers": …}``) the formats that do carry them."""
+    hint = carried_by or {}
+    if config.mlp_only_layers and not mlp_only_layers:
+        where = f"; carried by {hint['mlp_only_layers']}" if "mlp_only_layers" in hint else ""
+        raise ValueError(
+            f"{name} conversion: ModelConfig.mlp_only_layers = {config.mlp_only_layers!r} (dense layers "
+            f"among mixture-of-experts ones) has no equivalent in this format (expected None or []{where})"
+        )
+    if multipliers:
+        return
+    where = f"; Granite's multipliers are carried by {hint['multipliers']}" if "multipliers" in hint else ""
+    for k in MULTIPLIER_FIELDS:
+        v = getattr(config, k)
+        if v != 1.0:
+            raise ValueError(
+                f"{name} conversion: ModelConfig.{k} = {v!r} has no equivalent in this format (expected "
+                f"1.0{where})"
+            )
+    for mixer, opts in config.mixer_options.items():
+        if mixer in softmax_scale:  # (the format's export checks it)
+            continue
+        if isinstance(opts, dict) and opts.get("softmax_scale") is not None:
+            raise ValueError(
+                f"{name} conversion: mixer_options[{mixer!r}]['softmax_scale'] = "
+                f"{opts['softmax_scale']!r} has no equivalent in this format (expected None: the "
+                f"mixer's default scale{where})"
+            )

@@ -43,13 +43,15 @@ mlp(RMSNorm(x))`` (``input_layernorm``, ``post_attention_layernorm``; ``norm`` a
   dict of ``transformers`` 5 (``experts.gate_up_proj``, ``experts.down_proj``, ``router.weight``) is
   read too, and an export writes the file names (what ``save_pretrained`` writes).
 
-Not carried (no effect on the function): ``router_aux_loss_coef`` — ``transformers``' balance loss
-pools the expert counts (all ``k`` choices, not divided by ``k``) and the router probabilities over
-every layer before taking their product, where mnemo's ``L_aux`` is per layer and summed
-(:mod:`mnemo.layers.moe`), so the coefficient would weigh another loss; the import keeps mnemo's
-default ``aux_loss_coef`` and the export writes none (``transformers``' default 0.001) —,
-``output_router_logits``, ``attention_dropout``, ``mamba_chunk_size``'s blocking (carried as the
-Mamba-2 ``chunk_size``), ``pad_token_id``'s ``padding_idx``.
+``router_aux_loss_coef`` ``c`` becomes ``aux_loss_coef = c · k / L`` and goes back as
+``aux_loss_coef · L / k``, as for Mixtral (:mod:`mnemo.hf.llama`): ``transformers`` computes
+Granite 4.0-H's balance loss with Mixtral's function (``k`` times mnemo's ``L_aux``, its statistics
+pooled over the ``L`` layers, every one of which has the MoE, where mnemo sums the layers' losses:
+the same objective where the layers route alike, and for one layer; a training-only term).
+
+Not carried (no effect on the function): ``output_router_logits``, ``attention_dropout``,
+``mamba_chunk_size``'s blocking (carried as the Mamba-2 ``chunk_size``), ``pad_token_id``'s
+``padding_idx``.
 
 Refused by name (``ValueError``, "Granite 4.0-H conversion: …" / "Granite conversion: …"): a
 ``hidden_act`` other than ``"silu"`` (the MLPs' and the Mamba conv's activation), a layer type that
@@ -59,12 +61,14 @@ num_local_experts``, Bamba's Mamba-2 refusals (``mamba_n_groups`` not dividing `
 heads that do not tile ``mamba_expand · hidden_size``, …), a scaled RoPE over part of the head, and
 a missing, mis-shaped or unexpected weight. Export refuses what the class cannot express: another
 mixer or MLP, a model without an attention layer (``transformers`` 5.25's model raises in its
-forward pass without one), learned positions, an attention window, sinks, q/k norms, output gate,
-partial rotary, ``bias="qkv"``, mnemo's own YaRN (``rope_type`` ``"yarn"``), and of a MoE sigmoid scores,
-``norm_topk_prob=False``, no shared expert or a gated one, a routed scaling factor, group-limited
-routing, a balancing bias or a capacity limit. Known difference, as for Bamba: ``transformers``'
-one-token Mamba-2 step does not apply ``time_step_limit``; mnemo applies it in every form (the
-default ``(0, inf)`` changes nothing).
+forward pass without one whenever it keeps a cache: ``use_cache``, its default, and ``generate``),
+learned positions, an attention window, sinks, q/k norms, output gate, an odd ``head_dim`` (its
+config checks the rotary fields even without positions), partial rotary, ``bias="qkv"``, mnemo's own
+YaRN (``rope_type`` ``"yarn"``), and of a MoE sigmoid scores, ``norm_topk_prob=False``, no shared
+expert or a gated one, a routed scaling factor, group-limited routing, a balancing bias or a
+capacity limit. Known difference, as for Bamba: ``transformers``' one-token Mamba-2 step does not
+apply ``time_step_limit``; mnemo applies it in every form (the default ``(0, inf)`` changes
+nothing).
 
 Dense Granite is a Llama (:mod:`mnemo.hf.llama`, whose reading and writing it reuses) with the four
 scalars; ``mlp_bias`` is refused (mnemo's SwiGLU has no biases).
@@ -102,6 +106,7 @@ from .fields import (
     import_head,
     is_int,
     mixer_options,
+    refuse_unexpressed,
     rope_fields,
     rope_parameters,
     tied_as_loaded,
@@ -253,9 +258,13 @@ def _moe_options(cfg: dict) -> dict[str, Any] | None:
     k = _get(cfg, "num_experts_per_tok")
     if not is_int(k) or not 1 <= k <= E:
         _refuse(f"field 'num_experts_per_tok' = {k!r}: expected an int in 1 … num_local_experts = {E}")
+    coef = cfg.get("router_aux_loss_coef", 0.001)  # (GraniteMoeHybridConfig's default)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+        _refuse(f"field 'router_aux_loss_coef': expected a number >= 0, got {coef!r}")
     return {
         "n_experts": E,
         "top_k": k,
+        "aux_loss_coef": float(coef) * k / _get(cfg, "num_hidden_layers"),  # (module docstring)
         "expert_hidden": _count(cfg, "intermediate_size", GRANITE_H),
         "shared_expert_hidden": _count(cfg, "shared_intermediate_size", GRANITE_H),
         "shared_expert_gate": False,
@@ -384,8 +393,9 @@ def _mlp_weights(
 def _export_moe(config: ModelConfig) -> dict[str, Any] | None:
     """The MoE's options as Granite expresses them (``None`` for a SwiGLU MLP), refused by name
     where they are not Granite's: ``n_experts``, ``top_k``, ``expert_hidden`` and
-    ``shared_expert_hidden`` are read; the training-only ones (``aux_loss_coef``, ``z_loss_coef``,
-    ``seq_aux_loss_coef``, ``bias_update_rate``, ``dispatch``) are not carried."""
+    ``shared_expert_hidden`` are read, ``aux_loss_coef`` as ``router_aux_loss_coef`` (module
+    docstring); the other training-only ones (``z_loss_coef``, ``seq_aux_loss_coef``,
+    ``bias_update_rate``, ``dispatch``) are not carried."""
     if config.mlp == "swiglu":
         return None
     if config.mlp != "moe":
@@ -416,6 +426,7 @@ def export_granitemoehybrid(
     ``None`` is written as ``attention_multiplier = head_dim ** -0.5``). Anything the class cannot
     express raises ``ValueError`` naming the option and the received value (module docstring)."""
     config = config.validate()
+    refuse_unexpressed(GRANITE_H.name, config, multipliers=True)
     types = config.layer_mixers()
     for i, mixer in enumerate(types):
         if mixer not in (MAMBA2, ATTN):
@@ -439,6 +450,11 @@ def export_granitemoehybrid(
     H = a["n_heads"]
     H_kv = a["n_kv_heads"] or H
     D = a["head_dim"] or d // H
+    if D % 2:  # (transformers 5.25 validates the RoPE fields of a "nope" model too: review 49e)
+        _refuse(
+            f"head_dim = {D} is odd: GraniteMoeHybridConfig checks its rotary parameters even with "
+            "position_embedding_type 'nope' and refuses an odd head_dim, so no class would load the export"
+        )
     for key, val in dict(window=None, qk_norm=False, output_gate=False, n_sink=0).items():
         GRANITE_H.require(where_a, a, key, val)
     if a.get("rotary_dim") not in (None, D):
@@ -474,6 +490,7 @@ def export_granitemoehybrid(
         "layer_types": ["mamba" if t == MAMBA2 else "attention" for t in types],
         "num_local_experts": moe["n_experts"] if moe else 0,
         "num_experts_per_tok": moe["top_k"] if moe else 1,
+        **({"router_aux_loss_coef": moe["aux_loss_coef"] * config.n_layers / moe["top_k"]} if moe else {}),
         **{k: float(getattr(config, k)) for k in MULTIPLIERS},
         "attention_multiplier": float(scale),
     }
@@ -533,6 +550,7 @@ def export_granite(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dic
     norm), with Granite's scalars (``softmax_scale`` ``None``: ``attention_multiplier = head_dim **
     -0.5``). Raises ``ValueError`` ("Granite conversion: …") naming what it cannot express."""
     config = config.validate()
+    refuse_unexpressed(GRANITE.fmt.name, config, multipliers=True)
     a = mixer_options(ATTN, config)
     plain = {k: v for k, v in config.mixer_options.get(ATTN, {}).items() if k != "softmax_scale"}
     base = dataclasses.replace(

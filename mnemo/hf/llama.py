@@ -127,6 +127,7 @@ from .fields import (
     import_head,
     is_int,
     mixer_options,
+    refuse_unexpressed,
     rope_fields,
     rope_parameters,
     tied_as_loaded,
@@ -681,18 +682,14 @@ def _check_inv_freq(c: _Class, key: str, saved: Tensor, theta: float, D: int, sc
 def _export(c: _Class, config: ModelConfig, weights: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
     fmt = c.fmt
     config = config.validate()
+    refuse_unexpressed(fmt.name, config, mlp_only_layers=c.moe is not None and c.moe.sparse_step)
     for i, m in enumerate(config.layer_mixers()):
         if m != ATTN:
             fmt.refuse(f"layer {i} uses mixer {m!r}; {c.arch} layers are {ATTN!r}")
     if config.mlp != ("swiglu" if c.moe is None else "moe"):
         kind = "'swiglu'" if c.moe is None else "'moe', a mixture of experts in every layer"
         fmt.refuse(f"mlp {config.mlp!r} is not supported (only {kind}, {c.arch}'s MLP)")
-    dense = list(config.mlp_only_layers or [])
-    if dense and not c.moe.sparse_step:
-        fmt.refuse(
-            f"mlp_only_layers {dense} (dense layers among mixture-of-experts ones) is not supported: every "
-            f"{c.arch} layer is sparse (Qwen3MoeForCausalLM and Qwen2MoeForCausalLM have mlp_only_layers)"
-        )
+    dense = list(config.mlp_only_layers or [])  # (Mixtral's refused above: every layer is sparse)
     if config.pos_embedding != "none":
         fmt.refuse(f"pos_embedding {config.pos_embedding!r} is not supported ({c.arch} uses RoPE only)")
     a, where = mixer_options(ATTN, config), f"mixer_options[{ATTN!r}]"

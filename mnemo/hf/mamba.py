@@ -25,6 +25,7 @@ from ..layers import MIXERS
 from ..layers.ssm import Mamba2State, MambaState
 from ..layers.state import BlockState
 from ..models.config import ModelConfig
+from .fields import refuse_unexpressed
 
 # --- key renaming -------------------------------------------------------------------------------
 
@@ -492,6 +493,7 @@ def import_mamba2(hf_config: dict, weights: dict[str, Tensor]) -> tuple[ModelCon
 def _single_mixer(config: ModelConfig, name: str, where: str) -> dict[str, Any]:
     """The options of ``name`` (defaults filled in) after checking that ``config`` is a plain stack
     of ``name`` layers that ``where`` can express."""
+    refuse_unexpressed(where.removeprefix("export to "), config)
     mixers = sorted(set(config.layer_mixers()))
     if mixers != [name]:
         _refuse(where, f"layers {mixers} (only {name!r} layers)")

@@ -68,6 +68,7 @@ from .fields import (
     import_head,
     is_int,
     mixer_options,
+    refuse_unexpressed,
     rope_fields,
     rope_parameters,
     tied_as_loaded,
@@ -405,6 +406,7 @@ def export_qwen3_next(config: ModelConfig, weights: dict[str, Tensor]) -> tuple[
     received value.
     """
     config = config.validate()
+    refuse_unexpressed(QWEN3_NEXT.name, config)
     types = config.layer_mixers()
     for i, m in enumerate(types):
         if m not in (GDN, ATTN):

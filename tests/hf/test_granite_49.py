@@ -114,7 +114,9 @@ def test_the_converted_model_is_the_function_of_the_config(made):
         assert c.layer_mixers() == ["mamba2", "attention", "mamba2"] and c.mlp == "moe"
         o = c.mlp_options
         assert (o["n_experts"], o["top_k"], o["expert_hidden"], o["shared_expert_hidden"]) == (4, 2, 20, 24)
-        assert not o["shared_expert_gate"] and o["norm_topk_prob"] and "aux_loss_coef" not in o
+        assert not o["shared_expert_gate"] and o["norm_topk_prob"]
+        # router_aux_loss_coef as Mixtral's: c · k / L (transformers' default c = 0.001; review 49e)
+        assert o["aux_loss_coef"] == pytest.approx(0.001 * 2 / 3, rel=1e-12)
         assert a["rope"] and a["rope_theta"] == 1000.0 and a["bias"] is True and not c.tie_embeddings
     elif name == "dense":
         assert c.layer_mixers() == ["attention", "mamba2"] and c.mlp == "swiglu" and c.mlp_hidden == 24
