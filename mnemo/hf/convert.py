@@ -31,7 +31,7 @@ of a ``transformers`` ``config.json``) and found by ``architectures``, then ``mo
   Granite's ``embedding_multiplier`` / ``residual_multiplier`` / ``logits_scaling`` and
   ``attention_multiplier`` (the attention's ``softmax_scale``) (:mod:`mnemo.hf.granite`); no other
   format carries these, and every other export refuses a model that sets them, naming the field;
-* ``DeepseekV3ForCausalLM`` (``"deepseek_v3"``: DeepSeek-V3 / R1, Moonlight, Kimi K2) ↔ mnemo ``mla``
+* ``DeepseekV3ForCausalLM`` (``"deepseek_v3"``: DeepSeek-V3 / R1, Moonlight) ↔ mnemo ``mla``
   layers (multi-head latent attention, YaRN's ``mscale_all_dim`` as its ``softmax_scale``), dense
   first layers (``mlp_only_layers``) and DeepSeek-V3's sigmoid-routed MoE with groups, a routed
   scaling factor, ungated shared experts and the ``e_score_correction_bias`` as the balancing bias

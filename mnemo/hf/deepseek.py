@@ -1,5 +1,5 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``, ``model_type`` ``"deepseek_v3"``: DeepSeek-V3 / R1,
-Moonlight, Kimi K2 and the other releases of its format) in and out of mnemo.
+Moonlight and the other releases of its format) in and out of mnemo.
 
 :func:`import_deepseek_v3` turns a ``transformers`` config (a dict, as in ``config.json``) and the
 state dict into a :class:`~mnemo.models.ModelConfig` and a state dict that
@@ -25,12 +25,13 @@ of ``x + attn(RMSNorm(x))``, ``x + mlp(RMSNorm(x))`` with a final RMSNorm (``rms
   and of ``kv_a_proj_with_mqa`` (its last ``qk_rope_head_dim`` rows, and their bias) are permuted
   (evens, then odds) on import and back on export, which is exact. The export writes
   ``rope_interleave`` true.
-* RoPE scaling: ``"default"``, or ``"yarn"`` → mnemo's ``"yarn_hf"`` (``transformers``'
-  frequencies, and its cos/sin factor ``m(s, mscale) / m(s, mscale_all_dim)``, ``m(s, a) = 0.1 a ln
-  s + 1``). DeepSeek-V3 also multiplies the logit scale ``(qk_nope_head_dim + qk_rope_head_dim) **
-  -0.5`` by ``m(s, mscale_all_dim)²`` where ``mscale_all_dim`` is set (``yarn_apply_mscale``):
-  MLA's ``softmax_scale``, computed here as ``transformers`` computes it; the export checks that a
-  model's ``softmax_scale`` is that value (to 1e-12, relative) and refuses another.
+* RoPE scaling: ``"default"``, or ``"yarn"`` → mnemo's ``"yarn_hf"`` (``transformers``' frequencies,
+  and its cos/sin factor: ``m(s, mscale) / m(s, mscale_all_dim)``, ``m(s, a) = 0.1 a ln s + 1``,
+  where both are set and non-zero, else ``0.1 ln s + 1``, and an explicit ``attention_factor`` in
+  its place). DeepSeek-V3 also multiplies the logit scale ``(qk_nope_head_dim + qk_rope_head_dim) **
+  -0.5`` by ``m(s, mscale_all_dim)²`` where ``mscale_all_dim`` is set (``yarn_apply_mscale``): MLA's
+  ``softmax_scale``, computed here as ``transformers`` computes it; the export checks that a model's
+  ``softmax_scale`` is that value (to 1e-12, relative) and refuses another.
   ``partial_rotary_factor`` other than 1 and every other ``rope_type`` are refused.
 * MLP: the first ``first_k_dense_replace`` layers a dense SwiGLU of ``intermediate_size``
   (mnemo's ``mlp_only_layers = [0, …, k − 1]`` with ``mlp_hidden = intermediate_size``; ``k ≥
@@ -54,7 +55,15 @@ Not carried (they do not change the function): ``attention_dropout``, ``pretrain
 DeepSeek-V3 balances by the bias; ``transformers`` computes no such loss for this class). The
 multi-token-prediction modules (``num_nextn_predict_layers`` / ``num_mtp_layers``, saved as layers
 ``num_hidden_layers …``) are not part of ``DeepseekV3ForCausalLM``'s forward pass: their weights
-are dropped on import; the export writes ``num_mtp_layers`` 0.
+are dropped on import; the export writes ``num_mtp_layers`` 0. DeepSeek-V2's
+``aux_loss_alpha`` / ``seq_aux`` (not fields of ``DeepseekV3Config``) are not read.
+
+Known difference (review 49g): ``transformers`` keeps the router's ``gate.weight`` in float32 in a
+bf16 model and computes its logits in float32; a bf16 mnemo model rounds the router to bf16, which
+changed the chosen experts of 1 token in 128 in a tiny bf16 model (float32 and float64 route alike).
+A bf16 export likewise writes ``gate.weight`` in bf16 (only ``e_score_correction_bias`` is kept in
+float32, :data:`mnemo.hf.convert.KEEP_FLOAT32`). The released DeepSeek-V3 / R1 weights are FP8
+(a ``quantization_config``), which the conversion refuses; their bf16 copies import.
 
 Refused by name (``ValueError`` ``"DeepSeek-V3 conversion: …"``): ``num_key_value_heads`` other than
 ``num_attention_heads`` (MLA has no grouped keys), ``hidden_act`` other than ``"silu"``, null sizes or

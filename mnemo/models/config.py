@@ -95,6 +95,8 @@ class ModelConfig:
         for name in ("pattern", "layers", "mlp_only_layers"):
             if isinstance(getattr(self, name), tuple):
                 setattr(self, name, list(getattr(self, name)))
+        if self.mlp_only_layers == []:  # the same model as None: one spelling, so configs compare equal
+            self.mlp_only_layers = None
 
     def layer_mixers(self) -> list[str]:
         if self.layers is not None:

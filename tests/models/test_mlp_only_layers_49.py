@@ -74,6 +74,7 @@ def test_json_round_trip_and_defaults_unchanged(tmp_path):
     assert MnemoConfig.from_model_config(c).to_model_config() == c
     old = {k: v for k, v in config().to_dict().items() if k != "mlp_only_layers"}
     assert ModelConfig.from_dict(old).mlp_only_layers is None
+    assert config(mlp_only_layers=[]) == config()  # one spelling of "every layer MoE" (review 49g)
     outs = []
     for only in (None, []):
         torch.manual_seed(0)
