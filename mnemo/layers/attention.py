@@ -58,6 +58,38 @@ def _same_values(before: torch.Tensor, after, mark: tuple) -> bool:
     )
 
 
+def check_softmax_scale(value) -> float | None:
+    """A mixer's ``softmax_scale`` argument: ``None`` or a finite number > 0, returned as a float;
+    ``ValueError`` naming it otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"softmax_scale: expected a finite number > 0 or None, got {value!r}")
+    return float(value)
+
+
+def refuse_scale_with_yarn(softmax_scale: float | None, rotary=None, scaling: dict | None = None) -> None:
+    """Refuse a ``softmax_scale`` next to a rotary scaling whose factor multiplies the logits
+    (``rope_type`` ``"yarn"``: both would set the logit scale): a built ``rotary``
+    (:class:`~mnemo.layers.rotary.RotaryEmbedding`) whose ``attention_factor`` is not 1, or a
+    ``scaling`` about to be set (``set_rope_scaling``). ``"yarn_hf"`` scales q and k instead and
+    goes with a ``softmax_scale``."""
+    if softmax_scale is None:
+        return
+    af = rotary.attention_factor if rotary is not None else 1.0
+    if af != 1.0:
+        raise ValueError(
+            f"softmax_scale: {softmax_scale!r} is not supported with rope_scaling of rope_type 'yarn', "
+            f"whose factor ({af:g}², on the logits) would also set the logit scale; give one of the two "
+            "(or rope_type 'yarn_hf', which scales q and k instead)"
+        )
+    if (check_rope_scaling(scaling) or {}).get("rope_type") == "yarn":
+        raise ValueError(
+            f"rope_scaling: rope_type 'yarn' multiplies the logits, and this layer's softmax_scale = "
+            f"{softmax_scale!r} sets their scale; give one of the two (or rope_type 'yarn_hf')"
+        )
+
+
 @register_mixer("attention")
 class Attention(Mixer):
     """Multi-head causal softmax attention (Vaswani et al. 2017) with rotary positions.
@@ -164,13 +196,7 @@ class Attention(Mixer):
         softmax_scale: float | None = None,
     ):
         super().__init__(mode)
-        if softmax_scale is not None and (
-            isinstance(softmax_scale, bool)
-            or not isinstance(softmax_scale, (int, float))
-            or not (0 < softmax_scale < float("inf"))
-        ):
-            raise ValueError(f"softmax_scale: expected a finite number > 0 or None, got {softmax_scale!r}")
-        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        self.softmax_scale = check_softmax_scale(softmax_scale)
         if not isinstance(n_sink, int) or isinstance(n_sink, bool) or n_sink < 0:
             raise ValueError(f"n_sink: expected an int >= 0, got {n_sink!r}")
         if n_sink and window is None:
@@ -213,7 +239,7 @@ class Attention(Mixer):
         self.rotary = (
             RotaryEmbedding(head_dim, rope_theta, rotary_dim, scaling=rope_scaling) if rope else None
         )
-        self._check_softmax_scale()
+        refuse_scale_with_yarn(self.softmax_scale, self.rotary)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         # the pattern's keys end at the call's last token (joined over pieces by column position,
         # :func:`~mnemo.layers.hooks.join_pieces`); sink columns come first, so with sinks it is not
@@ -232,29 +258,13 @@ class Attention(Mixer):
         af = self.rotary.attention_factor if self.rotary is not None else 1.0
         return self.head_dim**-0.5 * af * af
 
-    def _check_softmax_scale(self) -> None:
-        """Refuse ``softmax_scale`` with a rotary scaling whose factor multiplies the logits
-        (``rope_type`` ``"yarn"``): the two would each claim the logit scale."""
-        af = self.rotary.attention_factor if self.rotary is not None else 1.0
-        if self.softmax_scale is not None and af != 1.0:
-            raise ValueError(
-                f"softmax_scale: {self.softmax_scale!r} is not supported with rope_scaling of rope_type "
-                f"'yarn', whose factor ({af:g}², on the logits) would also set the logit scale; give one "
-                "of the two (or rope_type 'yarn_hf', which scales q and k instead)"
-            )
-
     def set_rope_scaling(self, scaling: dict | None) -> None:
         """Set (or with ``None`` remove) the rotary scaling of a built layer, e.g. YaRN on a model
         trained at a shorter context (no parameter changes; see ``rope_scaling``). Raises
         ``ValueError`` without rotary positions or for a bad mapping."""
         if self.rotary is None:
             raise ValueError("rope_scaling: this attention layer has no rotary positions (rope=False)")
-        kind = (check_rope_scaling(scaling) or {}).get("rope_type")
-        if self.softmax_scale is not None and kind == "yarn":
-            raise ValueError(
-                f"rope_scaling: rope_type 'yarn' multiplies the logits, and this layer's softmax_scale = "
-                f"{self.softmax_scale!r} sets their scale; give one of the two (or rope_type 'yarn_hf')"
-            )
+        refuse_scale_with_yarn(self.softmax_scale, scaling=scaling)
         self.rotary.set_scaling(scaling)
 
     def _sink_queries(self, q: torch.Tensor, pos0: int) -> torch.Tensor | None:

@@ -10,12 +10,13 @@ from ..ops._common import check_mode, compute_dtype
 from ..ops._layout import rearrange
 from ..ops.ring_attention import current_ring
 from ..ops.softmax_attention import KVCache, softmax_attention, softmax_attention_map
+from .attention import check_softmax_scale, refuse_scale_with_yarn
 from .base import Mixer, Mixing, check_input, input_dtype
 from .hooks import HookPoint
 from .linear_attention import check_heads, check_int, state_dtypes
 from .norm import RMSNorm, check_eps
 from .registry import register_mixer
-from .rotary import RotaryEmbedding, check_rope_scaling
+from .rotary import RotaryEmbedding
 from .state import spec, state_dataclass
 
 
@@ -152,12 +153,6 @@ class MultiHeadLatentAttention(Mixer):
             check_int(name, value, optional=True)
         if not isinstance(bias, bool):
             raise ValueError(f"bias: expected true or false, got {bias!r}")
-        if softmax_scale is not None and (
-            isinstance(softmax_scale, bool)
-            or not isinstance(softmax_scale, (int, float))
-            or not (softmax_scale > 0 and softmax_scale != float("inf"))
-        ):
-            raise ValueError(f"softmax_scale: expected None or a finite number > 0, got {softmax_scale!r}")
         head_dim = head_dim or d_model // n_heads
         dr = qk_rope_head_dim if qk_rope_head_dim is not None else head_dim // 2
         if dr < 2 or dr % 2:
@@ -171,7 +166,7 @@ class MultiHeadLatentAttention(Mixer):
         self.qk_nope_head_dim = qk_nope_head_dim or head_dim
         self.qk_rope_head_dim = dr
         self.v_head_dim = v_head_dim or head_dim
-        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        self.softmax_scale = check_softmax_scale(softmax_scale)
         H, dn, dv, r = n_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         dq = dn + dr
         if q_lora_rank is None:
@@ -187,12 +182,7 @@ class MultiHeadLatentAttention(Mixer):
         self.kv_b_proj = nn.Linear(r, H * (dn + dv), bias=False)  # per head [W^UK_h; W^UV_h]
         self.o_proj = nn.Linear(H * dv, d_model, bias=bias)
         self.rotary = RotaryEmbedding(dr, rope_theta, scaling=rope_scaling)
-        if self.softmax_scale is not None and self.rotary.attention_factor != 1.0:
-            raise ValueError(
-                f"softmax_scale: {self.softmax_scale!r} is not supported with rope_scaling of rope_type "
-                "'yarn', whose factor on the logits would also set their scale; give one of the two "
-                "(or rope_type 'yarn_hf', which scales q and k instead)"
-            )
+        refuse_scale_with_yarn(self.softmax_scale, self.rotary)
         self.hook_q, self.hook_c_kv, self.hook_k_rope = HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern = HookPoint(time_dim=2, key_dim=3)
         self.hook_o, self.hook_state = HookPoint(), HookPoint()
@@ -212,12 +202,7 @@ class MultiHeadLatentAttention(Mixer):
     def set_rope_scaling(self, scaling: dict | None) -> None:
         """Set (or with ``None`` remove) the rotary scaling of a built layer (see ``rope_scaling``).
         Raises ``ValueError`` for a bad mapping, or ``rope_type`` ``"yarn"`` with ``softmax_scale``."""
-        kind = (check_rope_scaling(scaling) or {}).get("rope_type")
-        if self.softmax_scale is not None and kind == "yarn":
-            raise ValueError(
-                f"rope_scaling: rope_type 'yarn' multiplies the logits, and this layer's softmax_scale = "
-                f"{self.softmax_scale!r} sets their scale; give one of the two (or rope_type 'yarn_hf')"
-            )
+        refuse_scale_with_yarn(self.softmax_scale, scaling=scaling)
         self.rotary.set_scaling(scaling)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
