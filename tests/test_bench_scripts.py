@@ -88,3 +88,22 @@ def test_swiglu_bench_prints_the_op_and_a_model_row_and_restores_the_kernel(caps
     for r in rows:
         assert all(float(v.rstrip("x")) > 0 for v in r.split()[-3:])
     assert mlp.swiglu is mod._KERNEL and mlp.swiglu.__name__ == "swiglu"
+
+
+def test_mla_decode_bench_prints_one_row_per_context_with_the_caches_bytes(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    mod = _load("bench_mla_decode")
+    try:
+        mod.main(
+            ["--d-model", "32", "--n-heads", "2", "--contexts", "8,2000", "--rounds", "2", "--steps", "2"]
+        )
+    finally:
+        torch.set_num_threads(threads)  # (the script sets its --threads)
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out if line.split() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["8", "2000"]
+    assert all(float(x) > 0 for r in rows for x in r[1:4])
+    # the caches: MLA 2000 tokens x (d_c 64 + d_h^R 8) float32 (0.576 MB), attention 2000 x 2 x 32 (0.512)
+    assert rows[1][4:] == ["0.6", "0.5"]
