@@ -360,6 +360,32 @@ def parameter_count(n: int) -> str:
     return f"{n / 1e9:.3g}B"
 
 
+def _converted_model(source: str) -> tuple[str, dict] | None:
+    """For ``--init-from`` a checkpoint converted from another library (``mnemo convert``: it holds
+    :data:`~mnemo.hf.convert.CARRIED_CONFIG_NAME`) with no ``--model`` nor model flags or
+    ``model_overrides``: ``(model, model_overrides)`` that rebuild its architecture — its first
+    layer's mixer as the model name and every field of its ``config.json`` but the vocabulary (the
+    tokenizer's) as overrides — so that ``mnemo train --init-from DIR --tokenizer DIR`` fine-tunes
+    it. ``None`` otherwise (a run of mnemo's own trains the model it is given, as before)."""
+    import json
+
+    from ..hf.convert import CARRIED_CONFIG_NAME
+    from ..models import ModelConfig
+    from ..train.checkpoint import resolve_checkpoint
+
+    try:
+        ckpt = resolve_checkpoint(source)
+        if not (ckpt / CARRIED_CONFIG_NAME).is_file():
+            return None
+        config = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):  # (the run's own loading names what is wrong)
+        return None
+    fields = config.to_dict()
+    for key in ("vocab_size", "model_type"):
+        fields.pop(key, None)
+    return config.layer_mixers()[0], fields
+
+
 def _train(args, held: contextlib.ExitStack, run: dict) -> int:
     import torch
 
@@ -385,6 +411,10 @@ def _train(args, held: contextlib.ExitStack, run: dict) -> int:
             overrides[fld] = value
     if overrides:
         d["model_overrides"] = overrides
+    if d.get("init_from") and "model" not in d and not overrides:
+        adopted = _converted_model(d["init_from"])
+        if adopted is not None:  # fine-tuning a converted checkpoint: its own architecture
+            d["model"], d["model_overrides"] = adopted
     text_flags = [
         "--" + name.replace("_", "-")
         for name in ("data", "tokenizer", "text_field", "pack_documents", "carry_state", "bos")

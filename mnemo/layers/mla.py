@@ -76,7 +76,8 @@ class MultiHeadLatentAttention(Mixer):
         q_lora_rank: ``d_c'``, the query's compression (default ``None``: no compression, a
             full ``W^Q`` as in DeepSeek-V2-Lite; DeepSeek-V2 and V3 use 1536).
         qk_nope_head_dim: ``d_n`` (default ``head_dim``). qk_rope_head_dim: ``d_h^R``, even
-            (default ``head_dim // 2``, DeepSeek-V2's ``64 = 128 / 2``). v_head_dim: ``d_v``
+            (default ``2 · (head_dim // 4)``: half the head rounded down to an even width,
+            DeepSeek-V2's ``64 = 128 / 2``). v_head_dim: ``d_v``
             (default ``head_dim``).
         rope_theta: the rotary base (default ``10000.0``). rope_scaling: as
             :class:`~mnemo.layers.Attention`'s (YaRN, linear, NTK, ``yarn_hf``, ``llama3``; ``"yarn"``
@@ -154,11 +155,15 @@ class MultiHeadLatentAttention(Mixer):
         if not isinstance(bias, bool):
             raise ValueError(f"bias: expected true or false, got {bias!r}")
         head_dim = head_dim or d_model // n_heads
-        dr = qk_rope_head_dim if qk_rope_head_dim is not None else head_dim // 2
+        dr = qk_rope_head_dim if qk_rope_head_dim is not None else 2 * (head_dim // 4)
         if dr < 2 or dr % 2:
             raise ValueError(
                 f"qk_rope_head_dim: rotary positions need an even width >= 2, got {dr}"
-                + ("" if qk_rope_head_dim is not None else f" (head_dim // 2 = {head_dim} // 2)")
+                + (
+                    ""
+                    if qk_rope_head_dim is not None
+                    else f" (2 · (head_dim // 4) with head_dim = {head_dim})"
+                )
             )
         self.d_model, self.n_heads = d_model, n_heads
         self.kv_lora_rank = kv_lora_rank or 4 * head_dim

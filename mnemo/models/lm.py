@@ -948,10 +948,12 @@ class LanguageModel(nn.Module):
 
         A folder whose ``config.json`` is another library's is converted in memory once the
         converters are registered (``import mnemo.hf``, which the ``mnemo`` command does;
-        :mod:`mnemo.models.formats`): ``transformers``' ``MambaForCausalLM``, ``Mamba2ForCausalLM``,
-        ``Qwen3NextForCausalLM``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5),
-        ``Qwen3ForCausalLM`` and ``MistralForCausalLM`` (:mod:`mnemo.hf.llama`), and the original
-        ``mamba-ssm`` layout; its weights in ``model.safetensors``, sharded safetensors or
+        :mod:`mnemo.models.formats`): every format :mod:`mnemo.hf.convert` registers —
+        ``transformers``' Mamba, Mamba-2, FalconMamba, Bamba, Qwen3-Next, Llama, Qwen2 (Qwen2.5),
+        Qwen3, Mistral, Mixtral, Qwen3-MoE, Qwen2-MoE (:mod:`mnemo.hf.llama`), Granite and Granite
+        4.0-H (:mod:`mnemo.hf.granite`), DeepSeek-V3 (:mod:`mnemo.hf.deepseek`), flash-linear-
+        attention's fla-hub GLA / RetNet / DeltaNet / Gated DeltaNet — and the original ``mamba-ssm``
+        layout; its weights in ``model.safetensors``, sharded safetensors or
         ``pytorch_model.bin`` (sharded or not). An unsupported architecture or option, or a quantized
         checkpoint (``quantization_config``), raises ``ValueError`` naming it."""
         d = Path(directory)

@@ -120,6 +120,27 @@ def test_a_fine_tuned_converted_llama_exports_its_sources_fields(converted, tmp_
     assert (last / CARRIED_CONFIG_NAME).read_bytes() == (ck / CARRIED_CONFIG_NAME).read_bytes()
 
 
+def test_train_init_from_a_converted_checkpoint_fine_tunes_its_architecture(converted, tmp_path, capsys):
+    """``mnemo train --init-from DIR --tokenizer DIR`` with no ``--model`` trained the default
+    ``transformer`` and failed ("the weights do not fit model 'transformer'", review 49i): for a
+    converted checkpoint it now takes the checkpoint's architecture (its config, the tokenizer's
+    vocabulary), and the run's model config is the checkpoint's; a given ``--model`` is still used."""
+    from mnemo.cli import main
+
+    ck, text = converted
+    common = ["--tokenizer", str(ck), "--data", str(text), "--seq-len", "8", "--batch-size", "2",
+              "--steps", "2", "--eval-interval", "2", "--eval-batches", "1", "--sample-tokens", "0",
+              "--device", "cpu"]  # fmt: skip
+    assert main(["train", "--init-from", str(ck), "--out", str(tmp_path / "run"), *common]) == 0
+    last = resolve_checkpoint(tmp_path / "run")
+    assert json.loads((last / "config.json").read_text()) == json.loads((ck / "config.json").read_text())
+    capsys.readouterr()
+    code = main(
+        ["train", "--init-from", str(ck), "--model", "transformer", "--out", str(tmp_path / "r2"), *common]
+    )
+    assert code != 0 and "do not fit model 'transformer'" in capsys.readouterr().err
+
+
 def test_a_run_that_changes_the_model_carries_no_stale_fields(converted, tmp_path):
     """The rule (``mnemo.train.build.source_files``): the fields describe the converted model, so a
     run whose model differs from it (here the RoPE base: the same shapes, another model) carries

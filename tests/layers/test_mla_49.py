@@ -251,3 +251,18 @@ def test_softmax_scale_sets_the_logit_scale_and_is_refused_with_yarn():
     assert m.scale == pytest.approx(
         (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * (0.1 * math.log(4) + 1) ** 2
     )
+
+
+def test_the_default_rotary_width_is_even_at_any_head_size():
+    """``mnemo train --model mla --d-model 40`` failed (head_dim 10: a rotary width of 5, review 49i):
+    the default is half the head rounded down to an even width, DeepSeek-V2's 64 at 128."""
+    assert [MultiHeadLatentAttention(4 * h, n_heads=4).qk_rope_head_dim for h in (10, 7, 128, 16)] == [
+        4,
+        2,
+        64,
+        8,
+    ]
+    with pytest.raises(
+        ValueError, match=r"qk_rope_head_dim: .* got 0 \(2 · \(head_dim // 4\) with head_dim = 3\)"
+    ):
+        MultiHeadLatentAttention(12, n_heads=4)
