@@ -14,8 +14,6 @@ norms and rotary angles), ≤ 7.1e-15, bounded by 1e-12.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
 import math
 import re
@@ -25,9 +23,8 @@ import torch
 
 from mnemo.hf.convert import ARCHITECTURES, _refuse_multipliers, export_hf
 from mnemo.hf.deepseek import export_deepseek_v3, import_deepseek_v3
-from mnemo.layers.rotary import yarn_hf_inv_freq
 from mnemo.models import LanguageModel, ModelConfig
-from tests.hf.test_moe_family_49 import _Float64Torch, max_diff
+from tests.hf.test_moe_family_49 import max_diff, transformers_in_float64
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*holds no tokenizer:UserWarning")
 
@@ -130,30 +127,6 @@ def test_logits_equal_transformers(made):
         assert a["softmax_scale"] == pytest.approx(14**-0.5 * m * m, rel=1e-15)
     else:
         assert "softmax_scale" not in a
-
-
-@contextlib.contextmanager
-def transformers_in_float64(hf):
-    """transformers' router, norms and rotary angles compute in float32 even in a float64 model
-    (``.type(torch.float32)``, ``.to(torch.float32)``, ``.float()``): lifted for the call, and its
-    rotary frequencies (plain or YaRN) computed in float64 as mnemo's float64 model computes them."""
-    from tests.hf.test_mamba_interop import transformers_in_float64 as lift
-
-    rot, rp = hf.model.rotary_emb, hf.config.rope_parameters
-    R = 2 * rot.inv_freq.shape[0]
-    if rp["rope_type"] == "yarn":
-        rot.inv_freq = yarn_hf_inv_freq(
-            rp["rope_theta"], R, rp["factor"], rp["original_max_position_embeddings"], dtype=torch.float64
-        )
-    else:
-        rot.inv_freq = 1.0 / rp["rope_theta"] ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(importlib.import_module(type(hf).__module__), "torch", _Float64Torch())
-    try:
-        with lift():
-            yield
-    finally:
-        mp.undo()
 
 
 def test_logits_equal_transformers_in_float64(made):

@@ -132,15 +132,20 @@ class _Float64Torch:
 @contextlib.contextmanager
 def transformers_in_float64(hf):
     """transformers' routers, norms and rotary angles compute in float32 even in a float64 model
-    (``softmax(…, dtype=torch.float)``, ``.float()``, ``.to(torch.float32)``): lifted for the call,
-    and its rotary frequencies computed in float64 as mnemo's float64 model computes them."""
+    (``softmax(…, dtype=torch.float)``, ``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``):
+    lifted for the call, and its rotary frequencies (plain, or YaRN as DeepSeek-V3's) computed in
+    float64 as mnemo's float64 model computes them (also ``tests/hf/test_deepseek_v3_49.py``'s)."""
+    from mnemo.layers.rotary import yarn_hf_inv_freq
     from tests.hf.test_mamba_interop import transformers_in_float64 as lift
 
-    rot = hf.model.rotary_emb
+    rot, rp = hf.model.rotary_emb, hf.config.rope_parameters
     R = 2 * rot.inv_freq.shape[0]
-    rot.inv_freq = 1.0 / hf.config.rope_parameters["rope_theta"] ** (
-        torch.arange(0, R, 2, dtype=torch.float64) / R
-    )
+    if rp["rope_type"] == "yarn":
+        rot.inv_freq = yarn_hf_inv_freq(
+            rp["rope_theta"], R, rp["factor"], rp["original_max_position_embeddings"], dtype=torch.float64
+        )
+    else:
+        rot.inv_freq = 1.0 / rp["rope_theta"] ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
     mp = pytest.MonkeyPatch()
     mp.setattr(importlib.import_module(type(hf).__module__), "torch", _Float64Torch())
     try:
