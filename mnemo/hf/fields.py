@@ -383,3 +383,21 @@ def refuse_unexpressed(
                 f"{opts['softmax_scale']!r} has no equivalent in this format (expected None: the "
                 f"mixer's default scale{where})"
             )
+
+
+def aux_loss_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int) -> float:
+    """mnemo's ``aux_loss_coef`` for a ``transformers`` MoE model's ``router_aux_loss_coef`` ``c``:
+    ``c · k / L`` with ``L`` the number of *sparse* layers. ``transformers``' balance loss
+    (``load_balancing_loss_func``) is ``E Σ_e F_e P_e`` over the router logits of the sparse layers
+    only, pooled (``F_e`` counts ``k`` choices per token, ``k`` times mnemo's share ``f_e``), where
+    mnemo adds each sparse layer's ``L_aux = E Σ_e f_e P_e`` (:class:`~mnemo.layers.MoE`): equal for
+    one sparse layer, and where the layers' routing statistics agree. Dense layers among sparse ones
+    (``mlp_only_layers``) produce no router logits and do not count. :func:`aux_loss_coef_to_hf` is
+    the inverse."""
+    return float(router_aux_loss_coef) * top_k / n_moe_layers
+
+
+def aux_loss_coef_to_hf(aux_loss_coef: float, top_k: int, n_moe_layers: int) -> float:
+    """``router_aux_loss_coef`` for mnemo's ``aux_loss_coef``: the inverse of
+    :func:`aux_loss_coef_from_hf` (``aux_loss_coef · L / k``, ``L`` the sparse layers)."""
+    return float(aux_loss_coef) * n_moe_layers / top_k

@@ -101,6 +101,8 @@ from .bamba import SHAPE_FIELDS as _BAMBA_SHAPES
 from .fields import (
     ConfigFormat,
     Weights,
+    aux_loss_coef_from_hf,
+    aux_loss_coef_to_hf,
     decoder_fields,
     export_head,
     import_head,
@@ -264,7 +266,7 @@ def _moe_options(cfg: dict) -> dict[str, Any] | None:
     return {
         "n_experts": E,
         "top_k": k,
-        "aux_loss_coef": float(coef) * k / _get(cfg, "num_hidden_layers"),  # (module docstring)
+        "aux_loss_coef": aux_loss_coef_from_hf(coef, k, _get(cfg, "num_hidden_layers")),  # (all sparse)
         "expert_hidden": _count(cfg, "intermediate_size", GRANITE_H),
         "shared_expert_hidden": _count(cfg, "shared_intermediate_size", GRANITE_H),
         "shared_expert_gate": False,
@@ -490,7 +492,11 @@ def export_granitemoehybrid(
         "layer_types": ["mamba" if t == MAMBA2 else "attention" for t in types],
         "num_local_experts": moe["n_experts"] if moe else 0,
         "num_experts_per_tok": moe["top_k"] if moe else 1,
-        **({"router_aux_loss_coef": moe["aux_loss_coef"] * config.n_layers / moe["top_k"]} if moe else {}),
+        **(
+            {"router_aux_loss_coef": aux_loss_coef_to_hf(moe["aux_loss_coef"], moe["top_k"], config.n_layers)}
+            if moe
+            else {}
+        ),
         **{k: float(getattr(config, k)) for k in MULTIPLIERS},
         "attention_multiplier": float(scale),
     }

@@ -64,7 +64,8 @@ up]``, ``w_out = down``), ``pos_embedding="none"``, ``tie_embeddings = tie_word_
   ``output_router_logits`` (an output switch; ``transformers`` adds its balance loss only with it).
   ``router_aux_loss_coef`` ``c`` becomes ``aux_loss_coef = c · k / L``: ``transformers``' loss is ``E
   Σ_e F_e P_e`` with ``F_e`` the share of the tokens routed to ``e`` (``k`` per token: ``k`` times
-  mnemo's ``f_e``) and ``P_e`` the mean probability, both pooled over the ``L`` layers, while mnemo
+  mnemo's ``f_e``) and ``P_e`` the mean probability, both pooled over the ``L`` sparse layers (dense
+  ones have no router), while mnemo
   adds each layer's ``L_aux`` (:mod:`mnemo.layers.moe`): the same objective where the layers' routing
   statistics agree (and for one layer); the export writes ``aux_loss_coef · L / k`` back.
 * Sliding windows: ``transformers``' mask lets a query see the keys ``q − W < k ≤ q`` — ``W`` keys,
@@ -122,6 +123,8 @@ from ..models.config import ModelConfig
 from .fields import (
     ConfigFormat,
     Weights,
+    aux_loss_coef_from_hf,
+    aux_loss_coef_to_hf,
     decoder_fields,
     export_head,
     import_head,
@@ -505,7 +508,7 @@ def _moe_options(c: _Class, cfg: dict, n: int) -> tuple[dict[str, Any] | None, l
         top_k=k,
         expert_hidden=_count(c, cfg, m.hidden, 1),
         norm_topk_prob=m.norm if m.norm is not None else bool(fmt.get(cfg, "norm_topk_prob")),
-        aux_loss_coef=float(coef) * k / n,  # (module docstring: transformers' loss, per layer)
+        aux_loss_coef=aux_loss_coef_from_hf(coef, k, len(sparse)),  # (its docstring: the sparse layers)
     )
     if m.shared:
         opts |= dict(
@@ -819,13 +822,13 @@ def _export_moe_options(c: _Class, config: ModelConfig) -> dict[str, Any]:
 
 def _moe_fields(c: _Class, o: dict[str, Any], n: int, dense: list[int]) -> dict[str, Any]:
     """The sparse block's ``config.json`` fields: ``router_aux_loss_coef = aux_loss_coef · L / k``
-    (the inverse of the import's mapping), ``output_router_logits`` false (the classes' default),
+    (``L`` the sparse layers: the inverse of the import's mapping), ``output_router_logits`` false,
     Qwen's ``mlp_only_layers`` = ``dense`` (mnemo's) with ``decoder_sparse_step`` 1."""
     m = c.moe
     out = {
         m.count[0]: o["n_experts"],
         "num_experts_per_tok": o["top_k"],
-        "router_aux_loss_coef": o["aux_loss_coef"] * n / o["top_k"],
+        "router_aux_loss_coef": aux_loss_coef_to_hf(o["aux_loss_coef"], o["top_k"], n - len(dense)),
         "output_router_logits": False,
     }
     if m.hidden != "intermediate_size":

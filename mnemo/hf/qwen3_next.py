@@ -30,8 +30,10 @@ The correspondence, layer by layer:
   same: softmax over all experts, top-k of the probabilities, renormalised when ``norm_topk_prob``.
   A checkpoint mixing dense and MoE layers (``mlp_only_layers`` / ``decoder_sparse_step`` selecting
   some) keeps the dense ones as mnemo's ``mlp_only_layers`` (SwiGLUs of ``intermediate_size``).
-  ``router_aux_loss_coef`` becomes ``aux_loss_coef`` (training only; transformers pools the layers
-  and counts ``k`` per token in its version of the loss, so the values differ by that convention).
+  ``router_aux_loss_coef`` ``c`` becomes ``aux_loss_coef = c · k / L`` (``L`` the sparse layers;
+  training only): transformers pools the sparse layers and counts ``k`` choices per token in its
+  version of the loss (:func:`~mnemo.hf.fields.aux_loss_coef_from_hf`, as the Llama-family MoE
+  classes).
   Export of MoE models is not supported yet.
 * Qwen3-Next's RMSNorms (block norms, final norm, q/k norms) are zero-centred (``x̂ · (1 + w)``);
   mnemo's multiply by the weight, so ``w + 1`` is stored on import (in float32, or float64 for a
@@ -63,6 +65,7 @@ from ..models.config import ModelConfig
 from .fields import (
     ConfigFormat,
     Weights,
+    aux_loss_coef_from_hf,
     decoder_fields,
     export_head,
     import_head,
@@ -247,7 +250,7 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
     types = _layer_types(cfg, n)
     moe = _moe_layers(cfg, n)
     dense = sorted(set(range(n)) - set(moe)) if moe else []  # (mnemo's mlp_only_layers)
-    moe_options = _moe_options(cfg) if moe else None
+    moe_options = _moe_options(cfg, len(moe)) if moe else None
     eps = float(_get(cfg, "rms_norm_eps"))
     theta, factor, scaling = _rope(cfg)
     H, H_kv, D = _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads"), _get(cfg, "head_dim")
@@ -352,8 +355,9 @@ def import_qwen3_next(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mode
     return config, sd
 
 
-def _moe_options(cfg: dict) -> dict[str, Any]:
-    """``mlp_options`` of the :class:`~mnemo.layers.MoE` equivalent to ``Qwen3NextSparseMoeBlock``."""
+def _moe_options(cfg: dict, n_sparse: int) -> dict[str, Any]:
+    """``mlp_options`` of the :class:`~mnemo.layers.MoE` equivalent to ``Qwen3NextSparseMoeBlock``
+    (``n_sparse``: the number of sparse layers, for the balance loss's coefficient)."""
     E, k = _get(cfg, "num_experts"), _get(cfg, "num_experts_per_tok")
     shared = _get(cfg, "shared_expert_intermediate_size")
     if not 1 <= k <= E:
@@ -367,7 +371,7 @@ def _moe_options(cfg: dict) -> dict[str, Any]:
         "shared_expert_hidden": shared,
         "shared_expert_gate": True,
         "norm_topk_prob": bool(_get(cfg, "norm_topk_prob")),
-        "aux_loss_coef": float(_get(cfg, "router_aux_loss_coef")),
+        "aux_loss_coef": aux_loss_coef_from_hf(_get(cfg, "router_aux_loss_coef"), k, n_sparse),
     }
 
 

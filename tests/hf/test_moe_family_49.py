@@ -359,12 +359,19 @@ def test_dense_layers_among_sparse(name, over, dense, tmp_path):
     assert [type(b.mlp).__name__ for b in lm.blocks] == ["SwiGLU" if i in dense else "MoE" for i in range(2)]
     x = ids()
     with torch.no_grad():
-        ref = hf(x).logits
+        out = hf(x, output_router_logits=True)
+        ref = out.logits
         assert max_diff(lm(x)[0], ref) <= ATOL
+        # one sparse layer: transformers' c · (balance loss over the sparse layers' router logits) is
+        # mnemo's aux_loss_coef · L_aux exactly (coefficient c · k / 1: dense layers do not count)
+        c = hf.config.router_aux_loss_coef
+        assert config.mlp_options["aux_loss_coef"] == pytest.approx(c * K)
+        assert lm.aux_loss().item() == pytest.approx(c * out.aux_loss.item(), rel=1e-5)
     lm.save_pretrained(tmp_path / "mnemo")
     export_hf(tmp_path / "mnemo", tmp_path / "out")
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == (dense, 1)
+    assert written["router_aux_loss_coef"] == pytest.approx(hf.config.router_aux_loss_coef)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert max_diff(back(x).logits, ref) <= ATOL

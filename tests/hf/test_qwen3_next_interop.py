@@ -222,10 +222,14 @@ def test_greedy_generation_matches(mlp):
     if mlp == "mixed":
         assert config.mlp == "moe" and config.mlp_only_layers == [0, 2, 3]
     lm = mnemo_model(config, sd, torch.float64)
-    if mlp == "mixed":  # the full pass too
-        ids = _ids()
+    if mlp == "mixed":  # the full pass too, and the balance loss: one sparse layer, so transformers'
+        ids = _ids()  # c · (its pooled loss) is exactly mnemo's aux_loss_coef · L_aux (c · k / 1)
         with float64_reference(hf, lm), torch.no_grad():
-            assert max_rel(lm(ids)[0], hf(ids).logits) <= TOL[torch.float64]
+            out = hf(ids, output_router_logits=True)
+            assert max_rel(lm(ids)[0], out.logits) <= TOL[torch.float64]
+            c = hf.config.router_aux_loss_coef
+            assert config.mlp_options["aux_loss_coef"] == pytest.approx(c * MOE["num_experts_per_tok"])
+            assert lm.aux_loss().item() == pytest.approx(c * out.aux_loss.item(), rel=1e-9)
     prompt = _ids(T=5, B=1)
     with float64_reference(hf, lm), torch.no_grad():
         ref = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
