@@ -170,21 +170,34 @@ def delta_rule_spectrum(
     burn_in: int = 0,
 ) -> torch.Tensor:
     """Exponents ``[H, K]`` (descending, averaged over the batch) of the delta-rule transitions
-    ``A_t = exp(g_t) (I − β_t k_t k_tᵀ)`` for keys ``k [B, T, H, K]``, write strengths
-    ``beta [B, T, H]`` and optional per-head log decays ``g [B, T, H]``.
+    ``A_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t))`` for keys ``k [B, T, H, K]``, write strengths
+    ``beta [B, T, H]`` and optional log decays ``g``: per head ``[B, T, H]`` (Gated DeltaNet) or per
+    key channel ``[B, T, H, K]`` (Kimi Delta Attention: the decay acts before the delta step).
 
-    The scalar decay commutes with everything, so its time average is added to every exponent
-    exactly (no underflow of ``exp(g)`` products); the QR iteration runs on ``I − β k kᵀ``.
-    ``q0``, ``burn_in``: as in :func:`lyapunov_spectrum` (default ``burn_in=0``)."""
+    A scalar decay commutes with everything, so its time average is added to every exponent
+    exactly (no underflow of ``exp(g)`` products) and the QR iteration runs on ``I − β k kᵀ``; a
+    per-channel decay does not commute with ``k kᵀ`` and enters each step's product (the iteration
+    re-orthonormalises every step, so the products cannot underflow). ``q0``, ``burn_in``: as in
+    :func:`lyapunov_spectrum` (default ``burn_in=0``). Raises ``ValueError`` naming ``g`` for
+    another shape."""
     k, beta = k.double(), beta.double()
     B, T, H, K = k.shape
+    channel = g is not None and g.ndim == 4
+    if g is not None and tuple(g.shape) not in ((B, T, H), (B, T, H, K)):
+        raise ValueError(
+            f"g: expected log decays [B, T, H] = {[B, T, H]} or [B, T, H, K] = {[B, T, H, K]}, "
+            f"got shape {list(g.shape)}"
+        )
+    decay = g.double().exp() if channel else None
 
     def step(t, Q):  # Q [B, H, K, K]
         kt = k[:, t]  # [B, H, K]
+        if channel:
+            Q = decay[:, t, :, :, None] * Q
         return Q - beta[:, t, :, None, None] * kt[..., :, None] * (kt[..., None, :] @ Q)
 
     lam = lyapunov_spectrum(step, T, K, batch_shape=(B, H), q0=q0, burn_in=burn_in, device=k.device)
-    if g is not None:
+    if g is not None and not channel:
         lam = lam + g.double()[:, burn_in:].mean(1)[..., None]
     return lam.mean(0)
 

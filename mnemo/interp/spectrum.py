@@ -463,7 +463,9 @@ def memory_spectrum(
                     )
                 )
         elif beta is not None and kk is not None and beta.ndim == 3 and kk.ndim == 4 and kk.shape[1] == T:
-            lam = delta_rule_spectrum(kk, beta, g if g is not None and g.ndim == 3 else None, burn_in=burn_in)
+            lam = delta_rule_spectrum(
+                kk, beta, g if g is not None and g.ndim in (3, 4) else None, burn_in=burn_in
+            )
             mult = _multiplicity(hook("hook_state"), lam.shape[0], kk.shape[-1])
             entry.update(_layer_entry("delta", lam, kk.shape[-1], mult, context, irr))
         elif g is not None and g.ndim in (3, 4) and g.shape[1] == T:

@@ -9,7 +9,7 @@ from .attention import Attention
 from .base import Mixer, Mixing
 from .cms import CMSLevel, ContinuumMemory, Level
 from .conv import ShortConvolution
-from .delta import DeltaNet
+from .delta import DeltaNet, KimiDeltaAttention
 from .linear_attention import GatedLinearAttention, LinearAttention
 from .mla import MultiHeadLatentAttention
 from .mlp import SwiGLU
@@ -33,6 +33,7 @@ __all__ = [
     "LinearAttention",
     "GatedLinearAttention",
     "DeltaNet",
+    "KimiDeltaAttention",
     "Mamba",
     "Mamba2",
     "NeuralMemory",

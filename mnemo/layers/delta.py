@@ -1,4 +1,4 @@
-"""Delta-rule token mixers: DeltaNet and Gated DeltaNet (memories that overwrite)."""
+"""Delta-rule token mixers: DeltaNet, Gated DeltaNet, Kimi Delta Attention (memories that overwrite)."""
 
 from __future__ import annotations
 
@@ -269,5 +269,193 @@ class DeltaNet(Mixer):
         return MatrixState(
             memory=spec((B, self.n_v_heads, self.head_dim, self.value_head_dim), mem),
             conv=None if self.conv is None else self.conv.state_spec(B, act),
+            offset=seq_len,
+        )
+
+
+@register_mixer("kda")
+class KimiDeltaAttention(Mixer):
+    """Kimi Delta Attention (KDA; Kimi Team 2025, "Kimi Linear: An Expressive, Efficient Attention
+    Architecture", arXiv 2510.26692, §3: the recurrence, its per-channel forget gate and output gate;
+    ``transformers``' ``KimiLinearDeltaAttention``, fla's ``KimiDeltaAttention``) over
+    :func:`mnemo.ops.gated_delta_rule` with a per-channel decay ``g [B, T, H, K]``.
+
+    For a token ``x`` (``[d_model]``), per head ``h`` (``H = n_heads`` heads of ``K = head_dim``
+    channels; keys and values have the same width):
+
+        q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))    (one causal depthwise
+                                                     conv per channel of [q | k | v], no bias)
+        q ← q / ‖q‖, k ← k / ‖k‖ per head        β_t = sigmoid(W_β x)                 ([H], no bias)
+        g_t = log α_t = −exp(A_log) · softplus(W_f↑ W_f↓ x + dt_bias)     ([H, K]: one decay per key
+                                                     channel, low rank ``gate_rank``; A_log per head)
+        S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t−1} + β_t k_t v_tᵀ        o_t = S_tᵀ (K^{-1/2} q_t)
+        y = W_o [sigmoid(W_g↑ W_g↓ x) ⊙ RMSNorm(o_t)]                    (RMSNorm per head, weight [K])
+
+    The read-out scales ``q`` by ``K^{-1/2}`` (the ops' default ``scale``; ``transformers`` and fla
+    do the same, the paper writes ``S_tᵀ q_t``). The decay comes first, then the prediction error, as
+    in Gated DeltaNet: with ``S' = Diag(α_t) S_{t−1}``, ``S_t = S' + β_t k_t (v_t − S'ᵀ k_t)ᵀ``. The
+    L2 normalisation is ``x / sqrt(Σx² + qk_norm_eps)`` (``transformers``' ``l2norm`` and fla's
+    kernel: ``1e-6``). The softplus is PyTorch's (``x`` itself above 20, as ``transformers``').
+
+    Initialisation (with :meth:`mnemo.models.LanguageModel.reset_parameters`): every projection
+    Normal(0, ``init_std``) (fla's and ``transformers``' Normal(0, ``initializer_range``); ``W_o``'s
+    std divided by ``sqrt(2 · n_layers)`` is mnemo's rule for every mixer); ``exp(A_log) ~ U[1, 16]``
+    and ``dt_bias`` = softplus⁻¹ of ``Δ ~ LogUniform[1e-3, 1e-1]`` per channel (fla's
+    ``KDAPreTrainedModel._init_weights`` and ``transformers``' ``KimiLinearForgetGate`` init); the
+    output norm's weight ones. Ours: the conv taps keep :class:`~mnemo.layers.ShortConvolution`'s
+    Kaiming-uniform init (PyTorch's ``Conv1d`` default, as every mnemo mixer's conv; fla and
+    ``transformers`` redraw them Normal(0, ``initializer_range``)).
+
+    Args:
+        d_model, n_heads: model width; heads ``H`` (default ``n_heads=4``).
+        head_dim: ``K``, the key and value size per head (default ``d_model // n_heads``; Kimi
+            Linear: 128).
+        gate_rank: the inner width of the low-rank decay ``W_f↑ W_f↓`` and output gate
+            ``W_g↑ W_g↓`` (default ``head_dim``, as Kimi Linear and fla).
+        conv_size: taps of the short convolution (default ``4``).
+        output_gate_bias: a bias on ``W_g↑`` (default ``False``: Kimi Linear's checkpoints and
+            ``transformers``; fla's layer has one).
+        qk_norm_eps: the L2 normalisation's epsilon (default ``1e-6``); ``0`` or ``None`` is
+            ``F.normalize`` (``x / max(‖x‖, 1e-12)``).
+        norm_eps: the output RMSNorm's epsilon (default ``1e-5``: fla's; ``transformers`` reads
+            ``rms_norm_eps``).
+        mode: ``"chunk"`` (default, training) | ``"parallel"`` | ``"recurrent"`` for ``T > 1``
+            (one token always runs the recurrent step); chunk_size: the chunk form's chunk
+            (default ``chunk_size=64``).
+
+    Parameters (``transformers`` ``KimiLinearDeltaAttention`` name in brackets): ``q_proj``,
+    ``k_proj``, ``v_proj`` (same), ``conv.weight [3 H K, 1, W]`` (``conv1d.weight``, channels
+    ``[q | k | v]``), ``f_a_proj``, ``f_b_proj``, ``A_log [H]``, ``dt_bias [H K]``
+    (``forget_gate.f_a_proj``, ``forget_gate.f_b_proj``, ``forget_gate.A_log [1, 1, H, 1]``,
+    ``forget_gate.dt_bias``), ``b_proj``, ``g_a_proj``, ``g_b_proj``, ``o_norm.weight [K]``,
+    ``o_proj`` (same). ``f_a_proj`` / ``g_a_proj`` are ``W_f↓`` / ``W_g↓`` (``d_model → gate_rank``),
+    ``f_b_proj`` / ``g_b_proj`` are ``W_f↑`` / ``W_g↑`` (``gate_rank → H K``), ``b_proj`` is ``W_β``.
+
+    Hook points: ``hook_q, hook_k`` ``[B, T, H, K]`` (after the conv and the L2 normalisation),
+    ``hook_v`` ``[B, T, H, K]``, ``hook_beta`` ``[B, T, H]`` and ``hook_g`` ``[B, T, H, K]`` (the log
+    decay per key channel; both in at least float32), ``hook_o`` ``[B, T, H, K]`` (the read-out
+    before the norm and the gate), ``hook_state`` ``[B, H, K, K]`` (the memory after the call).
+
+    State: :class:`~mnemo.layers.linear_attention.MatrixState` (memory ``[B, H, K, K]`` float32,
+    float64 for a float64 layer; conv tail ``[B, 3 H K, conv_size − 1]``; offset).
+
+    Raises:
+        ValueError: a head count or size (``head_dim``, ``gate_rank``, ``conv_size``) that is not a
+            positive int (or ``d_model < n_heads`` without a ``head_dim``), a bad ``mode`` or
+            ``chunk_size``, ``qk_norm_eps`` / ``norm_eps`` negative or not finite, or
+            ``output_gate_bias`` not a bool; the message names the argument. At call time: ``x``
+            not ``[B, T, d_model]`` or of another dtype than the weights, a state of another dtype.
+    """
+
+    offset_free = True  # no positions: the state alone decides the output
+    no_weight_decay = ("A_log", "dt_bias")  # (as fla: make_optimizer reads it)
+    mixing_hooks = ("hook_q", "hook_k", "hook_v", "hook_beta", "hook_g", "hook_o")
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int = 4,
+        head_dim: int | None = None,
+        conv_size: int = 4,
+        mode: str = "chunk",
+        chunk_size: int = 64,
+        *,
+        gate_rank: int | None = None,
+        output_gate_bias: bool = False,
+        qk_norm_eps: float | None = 1e-6,
+        norm_eps: float = 1e-5,
+    ):
+        super().__init__(mode)
+        check_heads(d_model, n_heads, head_dim)
+        check_int("gate_rank", gate_rank, optional=True)
+        check_int("conv_size", conv_size)
+        check_mode(mode, MODES)
+        check_chunk_size(chunk_size)
+        check_bool("output_gate_bias", output_gate_bias)
+        if qk_norm_eps is not None:
+            check_eps("qk_norm_eps", qk_norm_eps, "Σx²")
+        check_eps("norm_eps", norm_eps)
+        H = n_heads
+        K = head_dim or d_model // n_heads
+        rank = gate_rank or K
+        self.d_model, self.n_heads, self.head_dim, self.gate_rank = d_model, H, K, rank
+        self.chunk_size, self.qk_norm_eps = chunk_size, qk_norm_eps
+        self.q_proj = nn.Linear(d_model, H * K, bias=False)
+        self.k_proj = nn.Linear(d_model, H * K, bias=False)
+        self.v_proj = nn.Linear(d_model, H * K, bias=False)
+        self.conv = ShortConvolution(3 * H * K, conv_size, bias=False)
+        self.f_a_proj = nn.Linear(d_model, rank, bias=False)
+        self.f_b_proj = nn.Linear(rank, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.b_proj = nn.Linear(d_model, H, bias=False)
+        self.g_a_proj = nn.Linear(d_model, rank, bias=False)
+        self.g_b_proj = nn.Linear(rank, H * K, bias=output_gate_bias)
+        self.o_norm = RMSNorm(K, norm_eps)
+        self.o_proj = nn.Linear(H * K, d_model, bias=False)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_beta, self.hook_g = HookPoint(), HookPoint()
+        self.hook_o, self.hook_state = HookPoint(), HookPoint()
+        self._init_special()
+
+    def _init_special(self) -> None:
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty(self.n_heads).uniform_(1.0, 16.0).log())
+            self.dt_bias.copy_(init_dt_bias(self.n_heads * self.head_dim))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """``g = log α = −exp(A_log) · softplus(W_f↑ W_f↓ x + dt_bias)``: ``[B, T, H, K]`` (at least
+        float32)."""
+        f = upcast(self.f_b_proj(self.f_a_proj(x))) + upcast(self.dt_bias)
+        f = rearrange(f, "b t (h d) -> b t h d", h=self.n_heads)
+        return -upcast(self.A_log).exp()[:, None] * F.softplus(f)
+
+    def forward(self, x: torch.Tensor, state: MatrixState | None = None, *, mode: str | None = None):
+        B, T = check_input(x, self.d_model, dtype=input_dtype(self.q_proj))
+        check_state_dtype(state, self, fast_weights=True)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, conv_state = self.conv(qkv, state.conv if state is not None else None)
+        q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.n_heads) for t in qkv.chunk(3, dim=-1))
+        q, k = l2_normalize(q, self.qk_norm_eps), l2_normalize(k, self.qk_norm_eps)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        beta = self.hook_beta(torch.sigmoid(upcast(self.b_proj(x))))
+        g = self.hook_g(self.log_decay(x))
+        o, S = gated_delta_rule(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=state.memory if state is not None else None,
+            output_final_state=True,
+            mode=self._mode(T, mode),
+            chunk_size=self.chunk_size,
+        )
+        o, S = self.hook_o(o), self.hook_state(S)
+        gate = rearrange(self.g_b_proj(self.g_a_proj(x)), "b t (h d) -> b t h d", h=self.n_heads)
+        # the norm and the gate in at least float32, rounded once (as transformers' KimiLinearRMSNormGated)
+        o = (self.o_norm(upcast(o)) * torch.sigmoid(upcast(gate))).to(x.dtype)
+        y = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+        return y, MatrixState(memory=S, conv=conv_state, offset=(state.offset if state else 0) + T)
+
+    def mixing(self, acts: dict) -> Mixing:
+        """``M = P A⁻¹ diag(β)`` of the gated delta rule's parallel form with the per-channel decays
+        (:func:`~mnemo.ops.delta_rule_map`), per head."""
+        q, k, v, beta, g, o = (acts[n] for n in self.mixing_hooks)
+        cd = torch.promote_types(q.dtype, beta.dtype)
+        M = delta_rule_map(q.to(cd), k.to(cd), beta.to(cd), g.to(cd))
+        return Mixing(M, v.to(cd), o.to(cd))
+
+    def state_spec(
+        self, batch_size: int = 1, seq_len: int = 0, dtype: torch.dtype | None = None
+    ) -> MatrixState:
+        """The state after ``seq_len`` tokens as ``meta`` tensors (``dtype``: the activations',
+        default the parameters'): the memory ``[B, H, K, K]`` and the conv tail. Defaults:
+        ``batch_size=1``, ``seq_len=0``."""
+        act, mem = state_dtypes(self, dtype)
+        K = self.head_dim
+        return MatrixState(
+            memory=spec((batch_size, self.n_heads, K, K), mem),
+            conv=self.conv.state_spec(batch_size, act),
             offset=seq_len,
         )

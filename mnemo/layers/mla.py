@@ -27,8 +27,9 @@ class MLAState:
     Attributes:
         latent: ``[B, P, kv_lora_rank + qk_rope_head_dim]``, for each of the ``P`` past tokens its
             normalised compressed latent ``c^KV`` followed by its decoupled key ``k^R`` (already
-            rotated at the token's position), in the activation dtype; ``None`` before the first
-            call. Per token and layer ``d_c + d_h^R`` numbers, whatever the number of heads.
+            rotated at the token's position; as computed with ``rope=False``), in the activation
+            dtype; ``None`` before the first call. Per token and layer ``d_c + d_h^R`` numbers,
+            whatever the number of heads.
         offset: tokens consumed so far (the rotary positions). Default ``0``.
     """
 
@@ -55,6 +56,12 @@ class MultiHeadLatentAttention(Mixer):
     * ``o_h = Σ_j softmax_j(scale · q_hᵀ k_{j,h}) v_{j,h}`` over the causal keys, ``y = W^O [o_1; …;
       o_H]`` (eq. 18–19), ``scale = (d_n + d_h^R) ** -0.5`` unless ``softmax_scale`` is given.
 
+    With ``rope=False`` (Kimi Linear's MLA layers, Kimi Team 2025, arXiv 2510.26692 §4: no
+    positional encoding in its attention layers; ``transformers``' ``KimiLinearAttention``) the
+    decoupled parts keep their width and projections but are never rotated: ``k_h = [k^C_h; W^KR
+    x]``, ``q_h = [q^C_h; q^R_h]`` in every form, and the logits depend on the positions only
+    through the causal mask.
+
     Only ``[c^KV; k^R]`` is cached (:class:`MLAState`): ``d_c + d_h^R`` numbers per token and layer,
     against ``2 H d_h`` for multi-head attention. The cache is read in the paper's absorbed form
     (§2.1.2: ``W^UK`` absorbed into the query, ``W^UV`` into the output): ``q̃_h = [W^UK_hᵀ q^C_h;
@@ -75,10 +82,12 @@ class MultiHeadLatentAttention(Mixer):
         kv_lora_rank: ``d_c`` (default ``4 · head_dim``, DeepSeek-V2's ``512 = 4 · 128``).
         q_lora_rank: ``d_c'``, the query's compression (default ``None``: no compression, a
             full ``W^Q`` as in DeepSeek-V2-Lite; DeepSeek-V2 and V3 use 1536).
-        qk_nope_head_dim: ``d_n`` (default ``head_dim``). qk_rope_head_dim: ``d_h^R``, even
-            (default ``2 · (head_dim // 4)``: half the head rounded down to an even width,
+        qk_nope_head_dim: ``d_n`` (default ``head_dim``). qk_rope_head_dim: ``d_h^R``, even with
+            ``rope`` (default ``2 · (head_dim // 4)``: half the head rounded down to an even width,
             DeepSeek-V2's ``64 = 128 / 2``). v_head_dim: ``d_v``
             (default ``head_dim``).
+        rope: rotate the decoupled ``q^R`` / ``k^R`` (default ``True``); ``False``: used as they
+            are (no positions; ``rope_theta`` unused, ``rope_scaling`` refused).
         rope_theta: the rotary base (default ``10000.0``). rope_scaling: as
             :class:`~mnemo.layers.Attention`'s (YaRN, linear, NTK, ``yarn_hf``, ``llama3``; ``"yarn"``
             multiplies the logits by the YaRN paper's ``(0.1 ln s + 1)²``; DeepSeek-V2 (§3.1.4)
@@ -101,7 +110,8 @@ class MultiHeadLatentAttention(Mixer):
 
     * ``hook_q`` ``[B, T, H, d_n + d_h^R]``: the queries ``[q^C_h; RoPE(q^R_h)]``;
     * ``hook_c_kv`` ``[B, T, d_c]``: this call's normalised latents ``c^KV``;
-    * ``hook_k_rope`` ``[B, T, d_h^R]``: its decoupled keys after the rotary positions;
+    * ``hook_k_rope`` ``[B, T, d_h^R]``: its decoupled keys after the rotary positions (as
+      projected with ``rope=False``);
     * ``hook_pattern`` ``[B, H, T, S]``: the softmax probabilities (float32, float64 for a float64
       model), built only while a hook is attached; the output is then ``pattern @ v``, so a
       replaced pattern takes effect;
@@ -114,10 +124,11 @@ class MultiHeadLatentAttention(Mixer):
     Not supported: sliding windows, attention sinks and context parallelism (ring attention).
 
     Raises:
-        ValueError: a size that is not a positive int (``qk_rope_head_dim`` odd), ``mode``,
-            ``softmax_scale`` (not a finite number > 0), ``norm_eps``, ``rope_theta`` or
-            ``rope_scaling``; the message names the argument. At call time: ``x`` (width, dtype),
-            a state of another batch size or width, or a ring (context parallelism).
+        ValueError: a size that is not a positive int (``qk_rope_head_dim`` odd with ``rope``),
+            ``mode``, ``softmax_scale`` (not a finite number > 0), ``norm_eps``, ``rope_theta``,
+            ``rope`` (not a bool) or ``rope_scaling`` (also: given with ``rope=False``); the message
+            names the argument. At call time: ``x`` (width, dtype), a state of another batch size or
+            width, or a ring (context parallelism).
     """
 
     mixing_hooks = ("hook_q", "hook_c_kv", "hook_k_rope", "hook_o")
@@ -139,6 +150,7 @@ class MultiHeadLatentAttention(Mixer):
         softmax_scale: float | None = None,
         bias: bool = False,
         norm_eps: float = 1e-6,
+        rope: bool = True,
     ):
         super().__init__(mode)
         check_heads(d_model, n_heads, head_dim)
@@ -154,11 +166,18 @@ class MultiHeadLatentAttention(Mixer):
             check_int(name, value, optional=True)
         if not isinstance(bias, bool):
             raise ValueError(f"bias: expected true or false, got {bias!r}")
+        if not isinstance(rope, bool):
+            raise ValueError(f"rope: expected true or false, got {rope!r}")
+        if rope_scaling is not None and not rope:
+            raise ValueError(
+                f"rope_scaling: needs rope=True, got rope_scaling = {rope_scaling!r} with rope=False"
+            )
         head_dim = head_dim or d_model // n_heads
         dr = qk_rope_head_dim if qk_rope_head_dim is not None else 2 * (head_dim // 4)
-        if dr < 2 or dr % 2:
+        if dr < 1 or rope and dr % 2:
             raise ValueError(
-                f"qk_rope_head_dim: rotary positions need an even width >= 2, got {dr}"
+                f"qk_rope_head_dim: {'rotary positions need an even width' if rope else 'expected'} >= "
+                f"{2 if rope else 1}, got {dr}"
                 + (
                     ""
                     if qk_rope_head_dim is not None
@@ -186,7 +205,7 @@ class MultiHeadLatentAttention(Mixer):
         self.kv_a_norm = RMSNorm(r, norm_eps)
         self.kv_b_proj = nn.Linear(r, H * (dn + dv), bias=False)  # per head [W^UK_h; W^UV_h]
         self.o_proj = nn.Linear(H * dv, d_model, bias=bias)
-        self.rotary = RotaryEmbedding(dr, rope_theta, scaling=rope_scaling)
+        self.rotary = RotaryEmbedding(dr, rope_theta, scaling=rope_scaling) if rope else None
         refuse_scale_with_yarn(self.softmax_scale, self.rotary)
         self.hook_q, self.hook_c_kv, self.hook_k_rope = HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern = HookPoint(time_dim=2, key_dim=3)
@@ -201,12 +220,15 @@ class MultiHeadLatentAttention(Mixer):
         ``(0.1 ln s + 1)²`` when scaled."""
         if self.softmax_scale is not None:
             return self.softmax_scale
-        af = self.rotary.attention_factor
+        af = self.rotary.attention_factor if self.rotary is not None else 1.0
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * af * af
 
     def set_rope_scaling(self, scaling: dict | None) -> None:
         """Set (or with ``None`` remove) the rotary scaling of a built layer (see ``rope_scaling``).
-        Raises ``ValueError`` for a bad mapping, or ``rope_type`` ``"yarn"`` with ``softmax_scale``."""
+        Raises ``ValueError`` for a bad mapping, ``rope_type`` ``"yarn"`` with ``softmax_scale``, or
+        without rotary positions (``rope=False``)."""
+        if self.rotary is None:
+            raise ValueError("rope_scaling: this attention layer has no rotary positions (rope=False)")
         refuse_scale_with_yarn(self.softmax_scale, scaling=scaling)
         self.rotary.set_scaling(scaling)
 
@@ -254,8 +276,9 @@ class MultiHeadLatentAttention(Mixer):
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([r, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_norm(c_kv)
-        q = torch.cat([q_nope, self.rotary(q_rope, offset)], dim=-1)
-        k_rope = self.rotary(k_rope[:, :, None], offset)[:, :, 0]
+        if self.rotary is not None:
+            q = torch.cat([q_nope, self.rotary(q_rope, offset)], dim=-1)
+            k_rope = self.rotary(k_rope[:, :, None], offset)[:, :, 0]
         q, c_kv, k_rope = self.hook_q(q), self.hook_c_kv(c_kv), self.hook_k_rope(k_rope)
         new = torch.cat([c_kv, k_rope], dim=-1)
         latent = new if cache is None else torch.cat([cache.to(new.dtype), new], dim=1)

@@ -181,6 +181,28 @@ def _gated_deltanet() -> ModelConfig:
     return ModelConfig(mixer="gated_deltanet", mixer_options={"gated_deltanet": {"n_heads": _HEADS}})
 
 
+@register_model(
+    "kda",
+    "Kimi Delta Attention: the delta rule with a per-channel decay from a low-rank gate, a sigmoid output "
+    "gate (Kimi Team 2025)",
+)
+def _kda() -> ModelConfig:
+    return ModelConfig(mixer="kda", mixer_options={"kda": {"n_heads": _HEADS}})
+
+
+@register_model(
+    "kimi_linear",
+    "Kimi Linear's hybrid (Kimi Team 2025): 3 KDA layers : 1 multi-head latent attention layer without "
+    "positions (NoPE, as Kimi Linear's); ours: the MLPs are dense SwiGLUs (Kimi Linear's are mixtures of "
+    "experts after a dense first layer)",
+)
+def _kimi_linear() -> ModelConfig:
+    return ModelConfig(
+        pattern=["kda", "kda", "kda", "mla"],
+        mixer_options={"kda": {"n_heads": _HEADS}, "mla": {"n_heads": _HEADS, "rope": False}},
+    )
+
+
 @register_model("mamba", "Mamba (S6): selective scan, d_state 16, expand 2, no MLP (Gu & Dao 2023)")
 def _mamba() -> ModelConfig:
     # Mamba stacks mixer blocks without an MLP; 2x the layers keeps parameters near the others.

@@ -58,6 +58,7 @@ Tensor = torch.Tensor
 _ENTRY = {
     "fla": {
         "gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+        "kda": ("fla.ops.kda", "chunk_kda"),
         "simple_gla": ("fla.ops.simple_gla", "chunk_simple_gla"),
         "gla": ("fla.ops.gla", "chunk_gla"),
     },
@@ -252,7 +253,9 @@ def _run_gdn(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         B, _, H, K = q.shape
         S_shape = (_rows(B, initial_state, cu_seqlens), H, K, v.shape[-1])
         return _nothing_to_compute(q, v, S_shape, output_final_state)
-    o, S = _fn("fla", "gated_delta_rule")(
+    # per-channel log gates [B, T, H, K] (KDA): fla's chunk_kda, given the final gate (its
+    # use_gate_in_kernel, use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel stay off)
+    o, S = _fn("fla", "kda" if g.ndim == 4 else "gated_delta_rule")(
         q,
         k,
         v,
@@ -288,8 +291,8 @@ def gated_delta_rule_fla(
     scale: float,
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
-    """fla's ``chunk_gated_delta_rule``: ``(o [B,T,H,V]`` in q's dtype, final state ``[N,H,K,V]``
-    float32 or empty)."""
+    """fla's ``chunk_gated_delta_rule`` (``g [B,T,H]``) or ``chunk_kda`` (``g [B,T,H,K]``):
+    ``(o [B,T,H,V]`` in q's dtype, final state ``[N,H,K,V]`` float32 or empty)."""
     return _run_gdn(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
 
 

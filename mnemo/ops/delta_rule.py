@@ -1,13 +1,16 @@
 """The delta rule: a matrix memory trained online on the L2 loss ``½‖Sᵀk − v‖²`` (DeltaNet), with an
-optional scalar decay per head (Gated DeltaNet).
+optional decay, one per head (Gated DeltaNet) or one per key channel (KDA, Kimi Delta Attention).
 
     S_t = exp(g_t) · (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ          o_t = S_tᵀ (scale · q_t)
+    S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ      (g_t ∈ R^K: KDA)
 
 The decay is applied *before* the prediction error is computed: with ``S' = exp(g_t) S_{t−1}``,
 ``S_t = S' + β_t k_t (v_t − S'ᵀ k_t)ᵀ``. DeltaNet (Schlag et al. 2021; Yang et al. 2024, "Parallelizing
 Linear Transformers with the Delta Rule over Sequence Length") is ``g ≡ 0``; Gated DeltaNet (Yang,
 Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule", Eq. 10) adds
-``g``.
+``g``; Kimi Delta Attention (Kimi Team 2025, "Kimi Linear: An Expressive, Efficient Attention
+Architecture", arXiv 2510.26692, §3) makes it per channel, ``g: [B, T, H, K]``: row ``c`` of the
+state (key channel ``c``) keeps ``exp(g_tc)``. With ``g`` equal across channels the two coincide.
 
 The three forms below compute exactly the same function:
 
@@ -54,8 +57,40 @@ The three forms below compute exactly the same function:
     overflow; factors below ``exp(−40) ≈ 4e-18`` are set to exactly ``0``, which keeps float32
     subnormals (several times slower on CPUs) out of the matmuls. It takes over when gates are
     strong or hard resets (``-inf``) occur.
+* ``chunk`` with per-channel gates (KDA). Now ``b_t ∈ R^K`` is the
+  within-chunk cumulative log gate per channel and ``S_t = e^{b_t} ⊙ S + Σ_{s≤t} (k_s ⊙
+  e^{b_t − b_s}) u_sᵀ`` (``⊙`` scales the rows of a state). Decaying ``S_{t−1}`` by ``e^{g_t}``
+  turns every ``e^{b_{t−1}}`` into ``e^{b_t}``, so the error term of token ``t`` is
+  ``u_t = β_t (v_t − Sᵀ (k_t ⊙ e^{b_t}) − Σ_{s<t} [Σ_c k_tc k_sc e^{b_tc − b_sc}] u_s)``, i.e. with
+
+      A = I + strict_tril(diag(β) [Σ_c k_tc k_sc e^{b_tc − b_sc}]_ts)
+      W = A⁻¹ diag(β) (K ⊙ e^b)            U = A⁻¹ diag(β) V
+
+  the written values are again ``U − W S``, and ``o_t = S_tᵀ q_t``, ``S_new = S_C`` give
+
+      o     = (Q ⊙ e^b) S + tril([Σ_c q_tc k_sc e^{b_tc − b_sc}]_ts) (U − W S)
+      S_new = e^{b_C} ⊙ S + (K ⊙ e^{b_C − b})ᵀ (U − W S) = M S + D,
+              M = Diag(e^{b_C}) − (K ⊙ e^{b_C − b})ᵀ W,   D = (K ⊙ e^{b_C − b})ᵀ U.
+
+  With ``b`` equal across channels this is the scalar form above. The scalar form's similarity
+  ``A = E Ã E⁻¹`` has no per-channel counterpart (``Diag(e^{g})`` does not commute with
+  ``k kᵀ``): the two score matrices are ``Σ_c``-sums of decayed products, GLA's per-channel
+  scores. All chunks at once; only ``S ← M_i S + D_i`` loops. Two implementations, same results:
+
+  - :class:`_KDAChunk` (while no chunk decays by more than ``_SAFE_SPAN`` nats, halving the chunk
+    down to 16 tokens first, as for scalar gates): the scores factor as ``(Q ⊙ e^b)(K ⊙ e^{−b})ᵀ``
+    and ``(K ⊙ e^b)(K ⊙ e^{−b})ᵀ``, every factor within ``e^{±30}``; backward written by hand.
+  - :func:`kda_chunk_autograd` (any decay, gradients by autograd; strong gates, hard resets,
+    ``torch.compile``, ``torch.func``, off the CPU): the scores by
+    :func:`~.gated_linear_attention._intra_chunk_channel_scores` (factorised while a chunk decays
+    by at most 30 nats, else an exact split into sub-blocks whose factors are all ``≤ 1``), every
+    other factor (``e^b``, ``e^{b_C − b}``, ``e^{b_C}``) ``≤ 1``, so nothing can overflow.
+
+  Both keep ``O(T·(C + K + V))`` per head plus the chunk states and transitions for the backward
+  pass (no per-token state).
 * ``parallel``  — the same algorithm with the whole sequence as one chunk (one ``T × T``
-  triangular solve): the quadratic form (:func:`delta_chunk_autograd` with ``C = T``).
+  triangular solve): the quadratic form (:func:`delta_chunk_autograd`, per-channel gates
+  :func:`kda_chunk_autograd`, with ``C = T``).
 
 Nothing ``T × K × V`` is kept for the backward pass: ``O(T·(C + K + V) + (T/C)·K·(K + V))`` per head
 (chunk-level states, never per-token ``K × V`` states).
@@ -89,6 +124,7 @@ from ._chunked import (
 from ._common import (
     avoid_host_reads,
     causal_mask,
+    check_floating,
     check_initial_state,
     check_interval,
     check_matrix_op,
@@ -114,16 +150,37 @@ _SAFE_SPAN = 30.0
 
 
 def delta_recurrent(q, k, v, beta, g, S0):
-    """Token loop. ``q, k: [B,T,H,K]``, ``v: [B,T,H,V]``, ``beta: [B,T,H]``, ``g``: None | [B,T,H]."""
+    """Token loop. ``q, k: [B,T,H,K]``, ``v: [B,T,H,V]``, ``beta: [B,T,H]``,
+    ``g``: None | [B,T,H] | [B,T,H,K] (per key channel: the rows of the state)."""
     S = S0
     outs = []
     for t in range(q.shape[1]):
-        if g is not None:
+        if g is not None and g.ndim == 4:
+            S = S * g[:, t].exp()[..., None]  # Diag(exp(g_t)) S: row c of the state decays by exp(g_tc)
+        elif g is not None:
             S = S * g[:, t].exp()[..., None, None]  # decay first ...
         err = v[:, t] - (k[:, t, :, None, :] @ S)[:, :, 0]  # ... then the prediction error
         S = S + (beta[:, t, :, None] * k[:, t])[..., None] * err[..., None, :]
         outs.append((q[:, t, :, None, :] @ S)[:, :, 0])
     return torch.stack(outs, 1), S
+
+
+def _chunk_states(S0, M, D):
+    """The autograd chunk forms' one loop, ``S_{i+1} = M_i S_i + D_i`` over the ``n`` chunks
+    (``S0: [B,H,K,V]``, ``M: [B,H,n,K,K]``, ``D: [B,H,n,K,V]``): the states entering each chunk
+    ``[B,H,n,K,V]`` and the final state ``[B,H,K,V]``."""
+    B, H = S0.shape[:2]
+    # unbind (not indexing) so the backward pass stacks the per-chunk gradients once
+    Ms = rearrange(M, "b h n k j -> n (b h) k j").unbind(0)
+    Ds = rearrange(D, "b h n k v -> n (b h) k v").unbind(0)
+    S = rearrange(S0, "b h k v -> (b h) k v")
+    states = []
+    for i in range(len(Ms)):
+        states.append(S)
+        S = torch.baddbmm(Ds[i], Ms[i], S)
+    # entering each chunk (unflatten, not rearrange's b=B: that divides by B, and B may be 0)
+    states = rearrange(torch.stack(states, 0).unflatten(1, (B, H)), "n b h k v -> b h n k v")
+    return states, S.unflatten(0, (B, H))
 
 
 def delta_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
@@ -176,22 +233,150 @@ def delta_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
         D = (kc * decay_exp((b64[..., -1:] - b64).to(q.dtype)[..., None])).transpose(-1, -2) @ U
         P = qk * Gam
         q_in, W = qc * eb, W_free
-    # unbind (not indexing) so the backward pass stacks the per-chunk gradients once
-    Ms = rearrange(M, "b h n k j -> n (b h) k j").unbind(0)
-    Ds = rearrange(D, "b h n k v -> n (b h) k v").unbind(0)
-    S = rearrange(S0, "b h k v -> (b h) k v")
-    states = []
-    for i in range(n):
-        states.append(S)
-        S = torch.baddbmm(Ds[i], Ms[i], S)
-    # entering each chunk (unflatten, not rearrange's b=B: that divides by B, and B may be 0)
-    states = rearrange(torch.stack(states, 0).unflatten(1, (B, H)), "n b h k v -> b h n k v")
-    S = S.unflatten(0, (B, H))
+    states, S = _chunk_states(S0, M, D)
     ws = W @ states
     v_new = U - (ws if eb is None else eb * ws)  # written values U − W S per chunk
     o = q_in @ states + P @ v_new
     o = rearrange(o, "b h n c v -> b (n c) h v")[:, :T]
     return o, S
+
+
+def kda_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
+    """The chunk form for per-channel log gates ``g: [B,T,H,K]`` (KDA; see the module docstring),
+    differentiated by autograd. ``q, k, v, beta`` in the compute dtype (``q`` already scaled),
+    ``g`` clamped. Both within-chunk score matrices come from GLA's
+    :func:`~.gated_linear_attention._intra_chunk_channel_scores` (exact for any decay: factorised
+    while a chunk decays by at most ``30`` nats, else split into sub-blocks whose factors are all
+    ``≤ 1``); every other decay is ``exp`` of a non-positive difference of cumulative sums.
+    Saved for backward: ``O(T·(C + K + V))`` per head plus the ``n`` chunk states and
+    transitions. ``T ≥ 1``."""
+    from .gated_linear_attention import _intra_chunk_channel_scores
+
+    B, T, H, K = q.shape
+    if q.numel() == 0:  # no batch row or head (the parallel form's call): nothing to compute
+        return v.new_zeros(v.shape), S0
+    C = min(int(chunk_size), T)
+    n = -(-T // C)
+    pad = n * C - T
+    if pad:  # padding tokens (k = v = 0, beta = 0, g = 0) leave the state unchanged
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+    qc, kc, vc = (rearrange(x, "b (n c) h d -> b h n c d", c=C) for x in (q, k, v))
+    bc = rearrange(beta, "b (n c) h -> b h n c", c=C)[..., None]  # [B, H, n, C, 1]
+    # the cumulative log gate per channel, summed and differenced in float64, rounded once
+    b64 = rearrange(g, "b (n c) h k -> b h n c k", c=C).to(torch.float64).cumsum(-2)
+    b = b64.to(q.dtype)
+    strict = causal_mask(C, q.device, -1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    # [Σ_c q_tc k_sc e^{b_tc − b_sc}]_{s ≤ t} and the same with k for q
+    P = _intra_chunk_channel_scores(qc, kc, b)
+    A = (bc * _intra_chunk_channel_scores(kc, kc, b)).masked_fill(~strict, 0.0) + eye
+    eb = decay_exp(b)  # e^{b} ≤ 1, [B, H, n, C, K]
+    WU = torch.linalg.solve_triangular(
+        A, torch.cat([bc * (kc * eb), bc * vc], -1), upper=False, unitriangular=True
+    )
+    W, U = WU[..., :K], WU[..., K:]  # W = A⁻¹ diag(β)(K ⊙ e^b), U = A⁻¹ diag(β) V
+    last = b64[..., -1:, :]
+    k_out = kc * decay_exp((last - b64).to(q.dtype))  # K ⊙ e^{b_C − b}
+    M = torch.diag_embed(decay_exp(last[..., 0, :].to(q.dtype))) - k_out.mT @ W  # [B, H, n, K, K]
+    D = k_out.mT @ U  # [B, H, n, K, V]
+    states, S = _chunk_states(S0, M, D)
+    o = (qc * eb) @ states + P @ (U - W @ states)  # written values U − W S per chunk
+    o = rearrange(o, "b h n c v -> b (n c) h v")[:, :T]
+    return o, S
+
+
+class _KDAChunk(torch.autograd.Function):
+    """The per-channel chunk form (KDA) with a hand-written backward, for decays within
+    ``_SAFE_SPAN`` nats per chunk (then every factor ``e^{±b}`` lies in ``[e^{−30}, e^{30}]``).
+
+    Takes ``b``, the within-chunk cumulative log gate ``[B,H,n,C,K]``. With ``q̃ = scale · q ⊙ e^b``,
+    ``k̂ = k ⊙ e^b``, ``k̃ = k ⊙ e^{−b}`` and ``λ = e^{b_C}`` (per channel) the scores factor as
+    ``P = tril(q̃ k̃ᵀ)``, ``A = I + strict_tril(diag(β) k̂ k̃ᵀ)``, and per chunk, all at once,
+
+        [W | U] = A⁻¹ [diag(β) k̂ | diag(β) V]      v̂ = U − W S      o = q̃ S + P v̂
+        S_next = M S + D,   M = Diag(λ) (I − k̃ᵀ W),   D = Diag(λ) k̃ᵀ U
+
+    with ``S ← M_i S + D_i`` the only loop. Backward: ``G_i = M_iᵀ G_{i+1} + q̃ᵀ dO − Wᵀ Pᵀ dO`` in
+    reverse, then batched matmuls; the log-gate gradient is ``q̃ ⊙ ∂q̃ + k̂ ⊙ ∂k̂ − k̃ ⊙ ∂k̃`` plus,
+    at each chunk's last token, ``Σ_v G_{i+1} ⊙ S_{i+1}`` (the ``λ`` of every row of ``S_{i+1}``),
+    summed from the end of the chunk backwards. Saved: ``O(T·(C + K + V))`` per head plus the
+    chunk states and transitions.
+    """
+
+    @staticmethod
+    @autocast_off
+    @native_as_in_forward
+    def forward(ctx, q, k, v, beta, g, S0, b, scale, C):
+        cd, T, K = S0.dtype, q.shape[1], q.shape[-1]
+        e = b.exp()  # [B, H, n, C, K]
+        qe = to_chunks(q, C, cd, e)  # q̃ (times scale below)
+        if scale != 1.0:
+            qe.mul_(scale)
+        ke, ki = to_chunks(k, C, cd, e), to_chunks(k, C, cd, e, divide=True)  # k̂, k̃
+        vc, bc = to_chunks(v, C, cd), to_chunks(beta, C, cd)
+        lam = e[..., -1:, :].mT  # [B, H, n, K, 1]: scales the rows of a state
+        P = (qe @ ki.mT).tril_()
+        Akk = (ke @ ki.mT).tril_(-1)
+        A = (bc * Akk).contiguous()
+        A.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+        Ai = unit_lower_inverse_(A)
+        X = Ai @ torch.cat([bc * ke, bc * vc], -1)  # [W | U]
+        W, U = X[..., :K], X[..., K:]
+        MD = ki.mT @ X  # [k̃ᵀ W | k̃ᵀ U] → [M | D]
+        MD[..., :K].neg_().diagonal(dim1=-2, dim2=-1).add_(1.0)
+        MD.mul_(lam)
+        M = MD[..., :K]
+        states, S = scan_matrix(S0, MD[..., K:], M)
+        vn = U - W @ states
+        o = qe @ states + P @ vn
+        ctx.save_for_backward(qe, ke, ki, vc, bc, Ai, X, M, states, S, vn, P, Akk, e, lam)
+        ctx.meta = (T, C, scale, *((x.shape, x.dtype) for x in (q, k, v, beta, g)))
+        return unchunk(o, T).transpose(1, 2), S
+
+    @staticmethod
+    @first_order
+    @autocast_off
+    @native_as_in_forward
+    def backward(ctx, dO, dSf):
+        qe, ke, ki, vc, bc, Ai, X, M, states, S, vn, P, Akk, e, lam = ctx.saved_tensors
+        T, C, scale, q_, k_, v_, beta_, g_ = ctx.meta
+        cd, K = S.dtype, qe.shape[-1]
+        W, U = X[..., :K], X[..., K:]
+        want_dg = ctx.needs_input_grad[4]
+        dOc = to_chunks(dO, C, cd)
+        dvn = P.mT @ dOc  # ∂L/∂v̂
+        R = (qe.mT @ dOc).sub_(W.mT @ dvn)
+        Gs, dS0, dots = scan_matrix_reverse_(
+            dSf.to(cd).contiguous(), R, M, dots_with=(states, S) if want_dg else None
+        )
+        Gl = Gs * lam  # ∂L/∂(S_next / λ): the rows of G_{i+1} times λ
+        GlS = Gl @ states.mT  # −∂L/∂(k̃ᵀ W)
+        dP = (dOc @ vn.mT).tril_()
+        d_qe = dOc @ states.mT + dP @ ki
+        d_ki = dP.mT @ qe + U @ Gl.mT - W @ GlS.mT
+        dR = Ai.mT @ torch.cat([-(dvn @ states.mT) - ki @ GlS, dvn + ki @ Gl], -1)  # Aᵀ⁻¹ [∂W | ∂U]
+        dA = (dR @ X.mT).neg_().tril_(-1)  # ∂L/∂A, strict lower part
+        dAkk = bc * dA
+        dRk, dRv = dR[..., :K], dR[..., K:]
+        dbeta = (dA * Akk).sum(-1) + rowdot(dRk, ke) + rowdot(dRv, vc)
+        d_ke = dAkk @ ki + bc * dRk
+        d_ki += dAkk.mT @ ke
+
+        def back(x, like):  # [B, H, n, C, D] -> [B, T, H, D] (D = 1 dropped for [B, T, H])
+            y = unchunk(x, T).transpose(1, 2)
+            return (y[..., 0] if len(like[0]) == 3 else y).to(like[1])
+
+        dq = back(d_qe * e * scale, q_)
+        dk = back(d_ke * e + d_ki / e, k_)
+        dv = back(bc * dRv, v_)
+        dbeta_t = back(dbeta[..., None], beta_)
+        dg = None
+        if want_dg:
+            db = qe * d_qe + ke * d_ke - ki * d_ki
+            db[..., -1, :] += dots
+            dg = back(rev_cumsum(db, -2), g_)
+        return dq, dk, dv, dbeta_t, dg, dS0, None, None, None
 
 
 class _DeltaChunk(torch.autograd.Function):
@@ -344,10 +529,19 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
     token) the autograd form :func:`delta_chunk_autograd`, whose decay factors are all ``≤ 1``,
     takes over at ``chunk_size`` (as it does whenever ``torch.compile`` traces the call, and under
     ``torch.func`` transforms and forward-mode AD, which the Function does not support). Default
-    ``scale=1.0`` (the inputs are used as given)."""
+    ``scale=1.0`` (the inputs are used as given). Per-channel gates ``[B,T,H,K]`` take the same
+    route with :class:`_KDAChunk` and :func:`kda_chunk_autograd`."""
     C = min(int(chunk_size), q.shape[1])
     if isinstance(scale, torch.Tensor):  # (a tensor scale, e.g. learned: applied here so autograd reaches it)
         q, scale = q.to(S0.dtype) * scale, 1.0
+    if g is not None and g.ndim == 4:  # per-channel decays (KDA)
+        cd = S0.dtype
+        if not (avoid_host_reads(q) or transformed(q, k, v, beta, g, S0)):
+            with torch.no_grad():
+                Cs, b = chunks_within_span(g, C, cd, _SAFE_SPAN)
+            if Cs is not None:
+                return _KDAChunk.apply(q, k, v, beta, g, S0, b, float(scale), Cs)
+        return kda_chunk_autograd(q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd), g, S0, chunk_size)
     # traced, or off the CPU (reading the decay back would be a host sync): the autograd form
     if avoid_host_reads(q) or transformed(q, k, v, beta, g, S0):  # (see gla_chunk)
         cd = S0.dtype
@@ -365,6 +559,8 @@ def delta_chunk(q, k, v, beta, g, S0, chunk_size: int, scale: float = 1.0):
 
 def delta_parallel(q, k, v, beta, g, S0):
     """Quadratic form: the chunk algorithm with the whole sequence as one chunk."""
+    if g is not None and g.ndim == 4:
+        return kda_chunk_autograd(q, k, v, beta, g, S0, q.shape[1])
     return delta_chunk_autograd(q, k, v, beta, g, S0, q.shape[1])
 
 
@@ -393,7 +589,12 @@ def _delta(
     B, T, H, K, V, N = check_matrix_op(q, k, v, mode=mode, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
     check_shape("beta", beta, (B, T, H), "[B, T, H]")
     if gated:
-        check_shape("g", g, (B, T, H), "[B, T, H]")
+        check_floating("g", g)
+        if g.shape != (B, T, H) and g.shape != (B, T, H, K):
+            raise ValueError(
+                f"g must have shape [B, T, H] = [{B}, {T}, {H}] or [B, T, H, K] = [{B}, {T}, {H}, {K}], "
+                f"got [{', '.join(map(str, g.shape))}]"
+            )
     check_initial_state(initial_state, (N, H, K, V), "H, K, V", varlen=cu_seqlens is not None)
     op = "gated_delta_rule" if gated else "delta_rule"
     _backends.check_devices(
@@ -512,18 +713,22 @@ def gated_delta_rule(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule (Gated DeltaNet; Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks:
-    Improving Mamba2 with Delta Rule", Eq. 10).
+    Improving Mamba2 with Delta Rule", Eq. 10), and with per-channel decays Kimi Delta Attention
+    (KDA; Kimi Team 2025, "Kimi Linear", arXiv 2510.26692, §3).
 
         S_t = exp(g_t) · (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ        o_t = S_tᵀ (scale · q_t)
+        S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ    (g_t ∈ R^K, KDA)
 
-    The decay is applied before the prediction error: ``S' = exp(g_t) S_{t−1}``,
-    ``S_t = S' + β_t k_t (v_t − S'ᵀ k_t)ᵀ``. With ``g = 0`` this is ``delta_rule``.
+    The decay is applied before the prediction error: ``S' = exp(g_t) S_{t−1}`` (per channel: row
+    ``c`` of ``S_{t−1}`` times ``exp(g_tc)``), ``S_t = S' + β_t k_t (v_t − S'ᵀ k_t)ᵀ``. With
+    ``g = 0`` this is ``delta_rule``; a per-channel ``g`` equal across ``K`` is the scalar one.
 
     Args:
         q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]``.
-        g: ``[B, T, H]``, log decay (``≤ 0``; ``exp(g)`` is the retained fraction per token).
-            Values below ``-60`` are clamped to ``-60`` (so ``-inf`` is a hard reset with no NaN);
-            the chunked forms treat decay factors below ``exp(-40)`` as exactly ``0``.
+        g: ``[B, T, H]`` (one decay per head) or ``[B, T, H, K]`` (one per key channel), log
+            decay (``≤ 0``; ``exp(g)`` is the retained fraction per token). Values below ``-60``
+            are clamped to ``-60`` (so ``-inf`` is a hard reset with no NaN); the chunked forms
+            treat decay factors below ``exp(-40)`` as exactly ``0``.
         beta: ``[B, T, H]``, write strength in ``(0, 1]`` (``(0, 2)`` with negative eigenvalues);
             values outside ``[0, 2]`` are computed as given with a :class:`~mnemo.ops.RangeWarning`.
         scale, initial_state, output_final_state, cu_seqlens, mode, chunk_size: as in
@@ -541,15 +746,22 @@ def delta_rule_map(q, k, beta, g=None, scale: float | None = None) -> torch.Tens
     """The ``T × T`` matrix the (gated) delta rule's parallel (WY) form multiplies the values by:
     ``o = P A⁻¹ diag(β) V`` with ``P = (scale · Q Kᵀ) ⊙ Γ`` (causal) and
     ``A = I + strict_tril(diag(β) (K Kᵀ) ⊙ Γ)``, so ``M = P A⁻¹ diag(β)`` (from a zero state).
-    ``q, k: [B, T, H, K]``, ``beta: [B, T, H]``, ``g``: ``None`` or log gates ``[B, T, H]``.
-    Returns ``[B, H, T, T]``."""
+    ``q, k: [B, T, H, K]``, ``beta: [B, T, H]``, ``g``: ``None`` or log gates ``[B, T, H]`` or
+    ``[B, T, H, K]`` (per channel: ``(Q Kᵀ) ⊙ Γ`` becomes ``Σ_c q_tc k_sc Γ_ts(c)``, likewise
+    ``K Kᵀ``). Returns ``[B, H, T, T]``."""
     T = q.shape[1]
     scale = default_scale(scale, q.shape[-1])
     qh, kh = rearrange(q * scale, "b t h d -> b h t d"), rearrange(k, "b t h d -> b h t d")
     bh = rearrange(beta, "b t h -> b h t")
-    Gam = decay_matrix(g).to(q.dtype) if g is not None else causal_mask(T, q.device).to(q.dtype)
-    A = torch.eye(T, dtype=q.dtype, device=q.device) + (
-        (bh[..., :, None] * (kh @ kh.transpose(-1, -2))) * Gam
-    ).masked_fill(~causal_mask(T, q.device, -1), 0.0)
-    P = (qh @ kh.transpose(-1, -2)) * Gam
+    if g is not None and g.ndim == 4:
+        Gam = decay_matrix(g).to(q.dtype)  # [B, H, T, T, K]
+        kk = (kh[..., :, None, :] * kh[..., None, :, :] * Gam).sum(-1)
+        qk = (qh[..., :, None, :] * kh[..., None, :, :] * Gam).sum(-1)
+    else:
+        Gam = decay_matrix(g).to(q.dtype) if g is not None else causal_mask(T, q.device).to(q.dtype)
+        kk, qk = (kh @ kh.transpose(-1, -2)) * Gam, (qh @ kh.transpose(-1, -2)) * Gam
+    A = torch.eye(T, dtype=q.dtype, device=q.device) + (bh[..., :, None] * kk).masked_fill(
+        ~causal_mask(T, q.device, -1), 0.0
+    )
+    P = qk
     return P @ torch.linalg.solve_triangular(A, torch.diag_embed(bh), upper=False, unitriangular=True)

@@ -4,7 +4,7 @@ Five public ops can run on more than one implementation (a *backend*):
 
 | op | torch | native | fla (fla-core, Triton) | mamba_ssm (Triton) |
 |---|---|---|---|---|
-| ``gated_delta_rule`` | yes | yes | ``chunk_gated_delta_rule`` | no kernel |
+| ``gated_delta_rule`` | yes | yes | ``chunk_gated_delta_rule``; ``chunk_kda`` (g per channel) | no kernel |
 | ``delta_rule`` | yes | yes | the same kernel with ``g = 0`` | no kernel |
 | ``gated_linear_attention`` | yes | yes | ``chunk_simple_gla``, ``chunk_gla`` | no kernel |
 | ``linear_attention`` | yes | yes | ``chunk_simple_gla`` without gate | no kernel |
@@ -99,7 +99,9 @@ OPS = ("gated_delta_rule", "delta_rule", "gated_linear_attention", "linear_atten
 
 #: the peer kernel behind each (op, backend) that exists; the other peer rows say there is none
 PEER_KERNELS = {
-    ("gated_delta_rule", "fla"): "fla.ops.gated_delta_rule.chunk_gated_delta_rule",
+    ("gated_delta_rule", "fla"): (
+        "fla.ops.gated_delta_rule.chunk_gated_delta_rule (g [B,T,H]), fla.ops.kda.chunk_kda (g [B,T,H,K])"
+    ),
     ("delta_rule", "fla"): "chunk_gated_delta_rule with g = 0 (fla's chunk_delta_rule refuses float32)",
     ("gated_linear_attention", "fla"): "chunk_simple_gla (g [B,T,H] or None), chunk_gla (g [B,T,H,K])",
     ("linear_attention", "fla"): "chunk_simple_gla with g = None, on the feature-mapped q, k",

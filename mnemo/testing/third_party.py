@@ -12,8 +12,8 @@ implement. Each adapter maps the conventions:
   ``φ(scale · q)``, ``φ(k)`` with ``scale=1``);
 * gates — log space in both (``exp(g)`` retained per token); argument order differs
   (``naive_recurrent_gated_delta_rule(q, k, v, beta, g)`` vs ``naive_chunk_…(q, k, v, g, beta)``);
-  KDA's per-channel gate gets mnemo's per-head ``g`` broadcast over ``K`` (KDA with equal channel
-  gates is the gated delta rule); retention's fixed decays ``1 − 2^(−5−h)`` are drawn as ``g``;
+  KDA's per-channel gate ``[B, T, H, K]`` is drawn as such and passed as given (mnemo's
+  ``gated_delta_rule`` takes it too); retention's fixed decays ``1 − 2^(−5−h)`` are drawn as ``g``;
 * states — ``[B, H, K, V]`` in both; normalised linear attention's ``(S, z)`` pair becomes
   mnemo's ``[B, H, K, V + 1]`` (``z`` the last column), ``z`` given as ``[B, 1, H, K]``;
 * lengths — chunked forms that need ``T`` a multiple of the chunk are padded with no-op tokens
@@ -235,8 +235,21 @@ def _gdr_chunk(x, *, initial_state=None, cu_seqlens=None, chunk_size=64, **_):
     )
 
 
+def _kda_inputs(make):
+    """mnemo's gated-delta-rule draw with ``g`` replaced by per-channel log gates
+    ``logsigmoid(N(0, 1) + 1)`` of shape ``[B, T, H, K]`` (KDA's)."""
+
+    def kda_make(B, T, H, K, V, dtype, gen):
+        x = make(B, T, H, K, V, dtype, gen)
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, K, generator=gen, dtype=dtype) + 1.0)
+        return x
+
+    return kda_make
+
+
 def _kda_gate(x):
-    return x["g"].unsqueeze(-1).expand(*x["k"].shape)
+    g = x["g"]
+    return g if g.ndim == 4 else g.unsqueeze(-1).expand(*x["k"].shape)
 
 
 def _kda_recurrent(x, *, initial_state=None, cu_seqlens=None, **_):
@@ -385,6 +398,8 @@ def _fla_specs() -> list[OpSpec]:
         )
         if adapter is _retention:
             fields["make"] = _retention_inputs(base.make)
+        if op_dir == "kda":
+            fields["make"] = _kda_inputs(base.make)
         fields.update(extra)
         out.append(dataclasses.replace(base, **fields))
     return out

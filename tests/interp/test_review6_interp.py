@@ -131,8 +131,9 @@ def test_memory_spectrum_burn_in_of_a_diagonal_layer_is_the_gate_mean_after_it(n
     assert memory_spectrum(model, ids, burn_in=5, context=24)["0"]["summary"]["context"] == 24
 
 
-def test_memory_spectrum_burn_in_of_a_delta_layer_matches_delta_rule_spectrum():
-    model, ids = _model("gated_deltanet"), _ids(T=20)
+@pytest.mark.parametrize("preset", ["gated_deltanet", "kda"])  # (kda: a per-channel decay, [B, T, H, K])
+def test_memory_spectrum_burn_in_of_a_delta_layer_matches_delta_rule_spectrum(preset):
+    model, ids = _model(preset), _ids(T=20)
     e = memory_spectrum(model, ids, burn_in=3)["0"]
     c = model.run_with_cache(ids, names=["hook_k", "hook_beta", "hook_g"])[1]
     b = "blocks.0.mixer."

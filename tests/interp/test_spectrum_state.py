@@ -29,12 +29,14 @@ def _x(B, T, d, seed=0):
     return torch.randn(B, T, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
-def test_a_gated_delta_rule_state_has_the_delta_rule_spectrum():
+@pytest.mark.parametrize("preset", ["gated_deltanet", "kda"])
+def test_a_gated_delta_rule_state_has_the_delta_rule_spectrum(preset):
     """Run through the layer itself, the finite-difference Jacobian of the memory ``S [H, K, V]``
-    must give the exact spectrum of ``A_t = exp(g_t)(I − β_t k_t k_tᵀ)`` on the layer's own keys,
+    must give the exact spectrum of ``A_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t))`` on the layer's own
+    keys (a scalar decay per head for Gated DeltaNet, one per key channel for Kimi Delta Attention),
     each exponent once per value column (all ``H·K·V`` of them, from the identity basis)."""
     torch.manual_seed(0)
-    cfg = build_config("gated_deltanet", vocab_size=16, d_model=8, n_layers=1)
+    cfg = build_config(preset, vocab_size=16, d_model=8, n_layers=1)
     model = LanguageModel(cfg).double().eval()
     mixer = model.blocks[0].mixer
     x = _x(1, 9, 8)
@@ -276,3 +278,21 @@ def test_track_spectrum_flag_records_every_memory_and_plot_training_draws_its_fl
     cfg = TrainConfig(model="transformer", data=str(text), steps=1, track_spectrum=True, sample_tokens=0)
     with pytest.raises(ValueError, match="TrainConfig.track_spectrum"):
         Trainer(cfg, tmp_path / "no", progress=False, callbacks=[CircuitTracker()])
+
+
+def test_per_channel_decay_without_writes_has_the_decays_as_exponents():
+    """A known answer: with ``β = 0`` the per-channel transitions are ``Diag(exp(g_t))``, whose
+    exponents are the channels' mean log decays (sorted per head and sequence), and a per-head decay adds its
+    mean to the ungated delta rule's exponents; a ``g`` of another shape is refused by name."""
+    g = -torch.rand(2, 7, 3, 4, dtype=F64, generator=torch.Generator().manual_seed(3))
+    k = torch.randn(2, 7, 3, 4, dtype=F64, generator=torch.Generator().manual_seed(4))
+    k = k / k.norm(dim=-1, keepdim=True)
+    lam = delta_rule_spectrum(k, torch.zeros(2, 7, 3, dtype=F64), g)
+    want = g.mean(1).sort(-1, descending=True).values.mean(0)  # (sorted per sequence, then averaged)
+    torch.testing.assert_close(lam, want, rtol=0, atol=1e-12)
+    beta = torch.full((2, 7, 3), 0.5, dtype=F64)
+    scalar = delta_rule_spectrum(k, beta, g[..., 0])
+    as_channels = delta_rule_spectrum(k, beta, g[..., :1].expand_as(g))  # the same decay in every channel
+    torch.testing.assert_close(as_channels, scalar, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match=r"g: expected log decays \[B, T, H\]"):
+        delta_rule_spectrum(k, beta, g[..., :2])

@@ -25,6 +25,7 @@ TOL = 1e-10
 OPTIONS = {
     "mamba": {"d_state": 8, "chunk_size": 8},
     "mamba2": {"d_state": 8, "head_dim": 16, "chunk_size": 8},
+    "kda": {"n_heads": 2, "chunk_size": 8},
 }
 # (id, constructor) — every registered mixer, plus variants (short conv, windows, groups, LTI)
 # the test-time-trained memories (NeuralMemory, MAC/MAG/MAL) have their own file: test_titans.py;

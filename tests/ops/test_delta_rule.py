@@ -176,9 +176,10 @@ def test_bad_inputs_name_argument_and_shapes():
         delta_rule(q, k, v, beta.new_zeros(1, 40, 3))
     with pytest.raises(ValueError, match=rf"beta must have shape {BTH}, got \[1, 40, 2, 1\]"):
         gated_delta_rule(q, k, v, g, beta[..., None])
-    with pytest.raises(ValueError, match=rf"g must have shape {BTH}, got \[1, 40, 2, 8\]"):
-        gated_delta_rule(q, k, v, g[..., None].expand(-1, -1, -1, 8), beta)
-    with pytest.raises(ValueError, match=rf"g must have shape {BTH}, got \[1, 39, 2\]"):
+    BTHK = BTH + r" or \[B, T, H, K\] = \[1, 40, 2, 8\]"  # (per-channel g: KDA)
+    with pytest.raises(ValueError, match=rf"g must have shape {BTHK}, got \[1, 40, 2, 5\]"):
+        gated_delta_rule(q, k, v, g[..., None].expand(-1, -1, -1, 5), beta)
+    with pytest.raises(ValueError, match=rf"g must have shape {BTHK}, got \[1, 39, 2\]"):
         gated_delta_rule(q, k, v, g[:, 1:], beta)
     with pytest.raises(TypeError, match="g must be a torch.Tensor"):
         gated_delta_rule(q, k, v, None, beta)
