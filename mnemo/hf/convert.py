@@ -31,12 +31,22 @@ of a ``transformers`` ``config.json``) and found by ``architectures``, then ``mo
   Granite's ``embedding_multiplier`` / ``residual_multiplier`` / ``logits_scaling`` and
   ``attention_multiplier`` (the attention's ``softmax_scale``) (:mod:`mnemo.hf.granite`); no other
   format carries these, and every other export refuses a model that sets them, naming the field;
-* ``DeepseekV3ForCausalLM`` (``"deepseek_v3"``: DeepSeek-V3 / R1, Moonlight) ↔ mnemo ``mla``
+* ``JambaForCausalLM`` (``"jamba"``, AI21's Jamba) ↔ mnemo ``mamba`` layers with ``bcdt_norm`` (the
+  RMSNorms with weights on dt, B and C) and ``attention`` layers without positions, at periodic
+  layers, with SwiGLU MLPs or a top-k MoE that keeps the softmax weights unnormalised at periodic
+  layers (dense ones among them as ``mlp_only_layers``) (:mod:`mnemo.hf.jamba`);
+* ``DeepseekV3ForCausalLM`` (``"deepseek_v3"``: DeepSeek-V3 / R1, Moonlight; also Kimi K2's
+  ``"kimi_k2"``) and ``DeepseekV2ForCausalLM`` (``"deepseek_v2"``: its softmax router, greedy or
+  group-limited by each group's largest score) ↔ mnemo ``mla``
   layers (multi-head latent attention, YaRN's ``mscale_all_dim`` as its ``softmax_scale``), dense
   first layers (``mlp_only_layers``) and DeepSeek-V3's sigmoid-routed MoE with groups, a routed
   scaling factor, ungated shared experts and the ``e_score_correction_bias`` as the balancing bias
-  (:mod:`mnemo.hf.deepseek`); Qwen2-MoE / Qwen3-MoE and DeepSeek-V3 are the formats that carry
+  (:mod:`mnemo.hf.deepseek`); Qwen2-MoE / Qwen3-MoE, Jamba and DeepSeek-V3 are the formats that carry
   ``mlp_only_layers``, every other export refuses a model with dense layers among MoE ones;
+* ``KimiLinearForCausalLM`` (``"kimi_linear"``, Moonshot's Kimi Linear) ↔ mnemo ``kda`` layers
+  (Kimi Delta Attention) and ``mla`` layers without positions (``rope=False``) in any order, with
+  SwiGLU MLPs and DeepSeek-V3's MoE at any layers (``mlp_only_layers``: it carries them too)
+  (:mod:`mnemo.hf.kimi_linear`);
 * flash-linear-attention's ``GLAForCausalLM`` (``"gla"``), ``RetNetForCausalLM`` (``"retnet"``),
   ``DeltaNetForCausalLM`` (``"delta_net"``) and ``GatedDeltaNetForCausalLM`` (``"gated_deltanet"``),
   import only → mnemo ``gla``, ``retnet``, ``deltanet``, ``gated_deltanet`` layers with SwiGLU MLPs
@@ -105,10 +115,15 @@ from ..data.tokenizer import MNEMO_TOKENIZER_NAME
 from ..models.config import ModelConfig
 from ..models.formats import register_foreign_loader
 from .bamba import export_bamba, import_bamba
-from .deepseek import export_deepseek_v3, import_deepseek_v3
+from .deepseek import KEEP_FLOAT32 as DEEPSEEK_FLOAT32
+from .deepseek import MODEL_TYPES as DEEPSEEK_V3_TYPES
+from .deepseek import export_deepseek_v2, export_deepseek_v3, import_deepseek_v2, import_deepseek_v3
 from .fields import MULTIPLIER_FIELDS, refuse_unexpressed  # noqa: F401  (MULTIPLIER_FIELDS: this module's API)
 from .fla_hub import FORMATS as FLA_FORMATS
 from .granite import FORMATS as GRANITE_FORMATS
+from .jamba import export_jamba, import_jamba
+from .kimi_linear import KEEP_FLOAT32 as KIMI_LINEAR_FLOAT32
+from .kimi_linear import export_kimi_linear, import_kimi_linear
 from .llama import CLASSES as LLAMA_CLASSES
 from .llama import MOE_CLASSES
 from .mamba import (  # noqa: F401  (the decoding-cache converters are part of this module's API)
@@ -184,7 +199,10 @@ class Architecture:
     (:attr:`ModelConfig.mlp_only_layers <mnemo.models.ModelConfig>`; every other format's export
     refuses a model that has them); ``softmax_scale``: the mixers whose ``softmax_scale`` the format
     carries itself (its export checks the value: DeepSeek-V3's YaRN ``mscale²`` on MLA), besides the
-    ``multipliers`` formats."""
+    ``multipliers`` formats; ``other_model_types``: further ``model_type`` values a config naming the
+    class may have (Kimi K2's ``"kimi_k2"`` for ``DeepseekV3ForCausalLM``); ``keep_float32``: the ends
+    of the exported weights' names written in float32 whatever the export's dtype, besides
+    :data:`KEEP_FLOAT32` (the class's ``_keep_in_fp32_modules_strict``)."""
 
     name: str
     model_type: str | None
@@ -195,6 +213,8 @@ class Architecture:
     multipliers: bool = False
     mlp_only_layers: bool = False
     softmax_scale: frozenset[str] = frozenset()
+    other_model_types: frozenset[str] = frozenset()
+    keep_float32: tuple[str, ...] = ()
 
 
 #: registered formats, by name (see :func:`register_architecture`)
@@ -212,6 +232,8 @@ def register_architecture(
     multipliers: bool = False,
     mlp_only_layers: bool = False,
     softmax_scale=(),
+    other_model_types=(),
+    keep_float32: tuple[str, ...] = (),
 ) -> Architecture:
     """Register (or replace) a checkpoint format under ``name`` (a ``transformers`` class name
     such as ``"MambaForCausalLM"``, or a layout's name). Returns the entry."""
@@ -225,6 +247,8 @@ def register_architecture(
         multipliers,
         mlp_only_layers,
         frozenset(softmax_scale),
+        frozenset(other_model_types),
+        tuple(keep_float32),
     )
     ARCHITECTURES[name] = arch
     return arch
@@ -259,7 +283,8 @@ def find_architecture(hf_config: dict) -> Architecture | None:
     for n in names:
         if n in ARCHITECTURES:
             a = ARCHITECTURES[n]
-            if model_type is not None and a.model_type is not None and model_type != a.model_type:
+            known = {a.model_type, *a.other_model_types}
+            if model_type is not None and a.model_type is not None and model_type not in known:
                 raise ValueError(
                     f"config: architectures names {n} (model_type {a.model_type!r}) but model_type is "
                     f"{model_type!r}: the config contradicts itself; fix one of the two"
@@ -267,7 +292,7 @@ def find_architecture(hf_config: dict) -> Architecture | None:
             return a
     if model_type is not None:
         for a in ARCHITECTURES.values():
-            if a.model_type == model_type:
+            if model_type == a.model_type or model_type in a.other_model_types:
                 if names:  # another class of the same family: its weights are not the ones read here
                     raise ValueError(
                         f"unsupported architecture {', '.join(names)} (model_type {model_type!r}): of "
@@ -893,7 +918,7 @@ def export_hf(ckpt, out: str | Path, *, force: bool = False, dtype=None) -> Path
     if dtype is None:
         dtype = getattr(torch, carried["dtype"]) if "dtype" in (carried or {}) else weights_dtype(hf_weights)
     hf_weights = {
-        k: v.to(dtype) if v.is_floating_point() and not k.endswith(KEEP_FLOAT32) else v
+        k: v.to(dtype) if v.is_floating_point() and not k.endswith(KEEP_FLOAT32 + arch.keep_float32) else v
         for k, v in hf_weights.items()
     }
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" in hf_weights:
@@ -1197,8 +1222,21 @@ for _name, _model_type, _import_fn, _export_fn, _mixers in GRANITE_FORMATS:
         multipliers=True,
     )
 
-# DeepSeek-V3 (multi-head latent attention, dense first layers, sigmoid-routed MoE: mnemo/hf/deepseek.py),
-# which carries MLA's softmax_scale (YaRN's mscale_all_dim²) itself
+# AI21's Jamba (Mamba-1 with weighted dt/B/C norms + attention without positions, SwiGLU MLPs and a
+# periodic, not renormalised MoE with dense layers among its sparse ones: mnemo/hf/jamba.py)
+
+register_architecture(
+    "JambaForCausalLM",
+    model_type="jamba",
+    import_fn=import_jamba,
+    export_fn=export_jamba,
+    mixers={"mamba", "attention"},
+    mlp_only_layers=True,
+)
+
+# DeepSeek-V3 (multi-head latent attention, dense first layers, sigmoid-routed MoE: mnemo/hf/deepseek.py;
+# also under Kimi K2's model_type) and DeepSeek-V2 (the same with a softmax router), which carry MLA's
+# softmax_scale (YaRN's mscale_all_dim²) themselves and keep the router in float32 on export
 
 register_architecture(
     "DeepseekV3ForCausalLM",
@@ -1208,6 +1246,31 @@ register_architecture(
     mixers={"mla"},
     mlp_only_layers=True,
     softmax_scale={"mla"},
+    other_model_types=DEEPSEEK_V3_TYPES[1:],
+    keep_float32=DEEPSEEK_FLOAT32,
+)
+register_architecture(
+    "DeepseekV2ForCausalLM",
+    model_type="deepseek_v2",
+    import_fn=import_deepseek_v2,
+    export_fn=export_deepseek_v2,
+    mixers={"mla"},
+    mlp_only_layers=True,
+    softmax_scale={"mla"},
+    keep_float32=DEEPSEEK_FLOAT32,
+)
+
+# Moonshot's Kimi Linear (KDA + MLA without positions, DeepSeek-V3's MoE with dense layers anywhere:
+# mnemo/hf/kimi_linear.py), which keeps its routers and KDA's dt_bias in float32 on export
+
+register_architecture(
+    "KimiLinearForCausalLM",
+    model_type="kimi_linear",
+    import_fn=import_kimi_linear,
+    export_fn=export_kimi_linear,
+    mixers={"kda", "mla"},
+    mlp_only_layers=True,
+    keep_float32=KIMI_LINEAR_FLOAT32,
 )
 
 # flash-linear-attention's released models (fla-hub): GLA, RetNet, DeltaNet, Gated DeltaNet, import only

@@ -502,6 +502,12 @@ def _single_mixer(config: ModelConfig, name: str, where: str) -> dict[str, Any]:
     if config.pos_embedding != "none":
         _refuse(where, f"pos_embedding = {config.pos_embedding!r} (no learned positions)")
     opts = {**_defaults(name), **config.mixer_options.get(name, {})}
+    if opts.get("bcdt_norm"):
+        _refuse(
+            where,
+            "mixer_options['mamba']['bcdt_norm'] = True (RMSNorms with weights on dt, B and C are "
+            "Jamba's: JambaForCausalLM expresses them)",
+        )
     return opts
 
 

@@ -38,10 +38,12 @@ group of one expert: that expert's score), the token keeps its ``M`` best groups
 top-k choice runs over the experts of those groups only (the others are excluded, score ``−inf``;
 as DeepSeek-V3's inference code and ``transformers``' ``DeepseekV3``; its Hugging Face modeling code
 writes 0 there instead, which differs only where a kept expert's selection score is ≤ 0, e.g. under
-a negative bias; DeepSeek-V2's device-limited routing scored a group by its largest score alone, not
-built). Requires ``G | E`` and ``k ≤ M · E / G``. The weights
-are then those of eq. 13 over the chosen experts, unchanged. A ``hook_topk_indices`` replacement is
-not limited to the groups.
+a negative bias). With ``group_score="max"`` a group is scored by its largest selection score alone:
+DeepSeek-V2's device-limited routing (DeepSeek-V2 §2.2.2, its config's ``topk_method`` =
+``"group_limited_greedy"``; ``transformers``' ``DeepseekV2TopkRouter``, which masks the other groups'
+scores to 0: the same choice where no kept expert's softmax score underflows to 0). Requires ``G | E``
+and ``k ≤ M · E / G``. The weights are then those of eq. 13 over the chosen experts, unchanged. A
+``hook_topk_indices`` replacement is not limited to the groups.
 
 Ties: experts (and groups) with equal selection scores are chosen in ``torch.topk``'s order, the
 call DeepSeek-V3's code and ``transformers`` make, so a converted checkpoint routes as they do.
@@ -151,6 +153,8 @@ from .mlp import SwiGLU, swiglu_hidden
 
 DISPATCH = ("sorted", "padded", "fixed", "reference")
 SCORES = ("softmax", "sigmoid")
+#: how a group of experts is scored for group-limited routing (``group_score=``)
+GROUP_SCORES = ("top2", "max")
 
 #: the options of :class:`MoE` that ``ModelConfig(mlp="moe", mlp_options=...)`` accepts, with
 #: their defaults (``expert_hidden = None``: ``ModelConfig.mlp_hidden``, else the dense SwiGLU width)
@@ -172,6 +176,7 @@ MOE_OPTIONS: dict[str, Any] = {
     "routed_scaling_factor": 1.0,
     "n_group": 1,
     "topk_group": 1,
+    "group_score": "top2",
 }
 
 
@@ -235,6 +240,8 @@ def check_moe_options(options: dict[str, Any]) -> None:
     if E % G:
         raise ValueError(f"n_group: expected a divisor of n_experts = {E}, got {G}")
     _int("topk_group", o["topk_group"], 1, G)
+    if o["group_score"] not in GROUP_SCORES:
+        raise ValueError(f"group_score: expected one of {GROUP_SCORES}, got {o['group_score']!r}")
     if o["top_k"] > o["topk_group"] * (E // G):
         raise ValueError(
             f"top_k: expected at most topk_group · n_experts / n_group = {o['topk_group'] * (E // G)} "
@@ -295,6 +302,9 @@ class MoE(nn.Module):
             experts of its ``topk_group`` best groups (scored by the sum of their two largest
             selection scores); ``n_group`` divides ``E``, ``1 ≤ topk_group ≤ n_group``, ``top_k ≤
             topk_group · E / n_group`` (defaults ``n_group=1``, ``topk_group=1``: off; DeepSeek-V3: 8, 4).
+        group_score: ``"top2"`` (default ``group_score="top2"``: a group scores the sum of its two
+            largest selection scores, DeepSeek-V3) or ``"max"`` (its largest alone, DeepSeek-V2's
+            ``group_limited_greedy``); used only while ``topk_group < n_group``.
 
     Parameters: ``router.weight [E, d]``; ``w_in [E, 2H, d]`` (per expert ``[W_gate; W_up]``, the
     layout of :class:`~mnemo.layers.mlp.SwiGLU`'s ``w_in``), ``w_out [E, d, H]``;
@@ -339,6 +349,7 @@ class MoE(nn.Module):
         routed_scaling_factor: float = 1.0,
         n_group: int = 1,
         topk_group: int = 1,
+        group_score: str = "top2",
     ):
         super().__init__()
         _int("d_model", d_model)
@@ -361,6 +372,7 @@ class MoE(nn.Module):
                 routed_scaling_factor=routed_scaling_factor,
                 n_group=n_group,
                 topk_group=topk_group,
+                group_score=group_score,
             )
         )
         H = expert_hidden or swiglu_hidden(d_model)
@@ -374,7 +386,7 @@ class MoE(nn.Module):
         self.bias_balancing, self.bias_update_rate = bias_balancing, float(bias_update_rate)
         self.dispatch, self.score = dispatch, score
         self.routed_scaling_factor = float(routed_scaling_factor)
-        self.n_group, self.topk_group = n_group, topk_group
+        self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(n_experts, 2 * H, d_model))
         self.w_out = nn.Parameter(torch.empty(n_experts, d_model, H))
@@ -449,6 +461,7 @@ class MoE(nn.Module):
             f"dispatch={self.dispatch!r}, score={getattr(self, 'score', 'softmax')!r}"
             + (f", routed_scaling_factor={self.routed_scaling_factor}" if self._scale() != 1.0 else "")
             + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self._grouped() else "")
+            + (f", group_score={self.group_score!r}" if self._grouped() and self._group_max() else "")
             + (f", seq_aux_loss_coef={self._seq_coef()}" if self._seq_coef() else "")
         )
 
@@ -458,6 +471,9 @@ class MoE(nn.Module):
 
     def _grouped(self) -> bool:
         return getattr(self, "topk_group", 1) < getattr(self, "n_group", 1)
+
+    def _group_max(self) -> bool:
+        return getattr(self, "group_score", "top2") == "max"
 
     def _seq_coef(self) -> float:
         return getattr(self, "seq_aux_loss_coef", 0.0)
@@ -534,9 +550,13 @@ class MoE(nn.Module):
     def _limit_groups(self, sel: Tensor) -> Tensor:
         """Group-limited routing (DeepSeek-V3 §2.1.2): selection scores ``[..., E]`` with the experts
         outside each token's ``topk_group`` best groups set to ``−inf``; a group (``E / n_group``
-        consecutive experts) scores the sum of its two largest selection scores."""
+        consecutive experts) scores the sum of its two largest selection scores (its largest alone
+        with ``group_score="max"``)."""
         G, m = self.n_group, self.n_experts // self.n_group
-        group_score = sel.unflatten(-1, (G, m)).topk(min(2, m), dim=-1).values.sum(-1)  # [..., G]
+        if self._group_max():  # DeepSeek-V2's group_limited_greedy
+            group_score = sel.unflatten(-1, (G, m)).amax(-1)  # [..., G]
+        else:
+            group_score = sel.unflatten(-1, (G, m)).topk(min(2, m), dim=-1).values.sum(-1)  # [..., G]
         best = group_score.topk(self.topk_group, dim=-1).indices
         kept = torch.zeros_like(group_score, dtype=torch.bool).scatter(-1, best, True)
         return sel.masked_fill(~kept.repeat_interleave(m, dim=-1), float("-inf"))

@@ -94,6 +94,18 @@ class Mamba(Mixer):
             ``t̂ = t / sqrt(mean(t²) + ε)``, with no weight (computed in at least float32, returned in
             the projection's dtype). The normalised values are what every form of the scan, the
             token steps and the hooks ``hook_B`` / ``hook_C`` / ``hook_dt`` see.
+        bcdt_norm: ``True`` puts Jamba's RMSNorms *with weights* on the same three (Lieber et al. 2024,
+            "Jamba: A Hybrid Transformer-Mamba Language Model", §2: added for training stability at
+            scale; ``transformers``' ``JambaMambaMixer``'s ``dt_layernorm``, ``b_layernorm``,
+            ``c_layernorm``): ``dt_norm`` over the ``dt_rank`` channels of the Δ input (before
+            ``W_dt``), ``b_norm`` and ``c_norm`` over the ``N`` channels of ``B`` and ``C``, each
+            ``t̂ = t / sqrt(mean(t²) + norm_eps) · w`` (:class:`~mnemo.layers.norm.RMSNorm`, weights
+            initialised to 1; computed in at least float32, returned in the projection's dtype), in
+            every form, in the token steps and in what the hooks see, as ``bcdt_rms_eps``. Default
+            ``False`` (no such weights: the layer and its state dict are those of a plain Mamba); at
+            most one of ``bcdt_norm`` and ``bcdt_rms_eps``.
+        norm_eps: the epsilon of those three norms (default ``1e-6``, Jamba's ``rms_norm_eps``); not
+            read without ``bcdt_norm``.
         mode / chunk_size: op form for ``T > 1``.
 
     Hook points, as the scan gets them (``D = d_inner``):
@@ -113,9 +125,10 @@ class Mamba(Mixer):
 
     Raises:
         ValueError: ``d_model``, ``d_state``, ``expand``, ``conv_size`` or ``dt_rank`` is not a
-            positive int, ``selective``, ``bias``, ``conv_bias`` is not a bool, or ``bcdt_rms_eps``
-            is neither ``None`` nor a finite number ``>= 0`` (the message names the argument,
-            expected vs received).
+            positive int, ``selective``, ``bias``, ``conv_bias``, ``bcdt_norm`` is not a bool, or
+            ``bcdt_rms_eps`` is neither ``None`` nor a finite number ``>= 0``, or ``norm_eps`` is not a
+            finite number ``>= 0``, or both ``bcdt_norm`` and ``bcdt_rms_eps`` are set (the message
+            names the argument, expected vs received).
     """
 
     mixing_hooks = ("hook_v", "hook_dt", "hook_B", "hook_C", "hook_o")
@@ -140,14 +153,24 @@ class Mamba(Mixer):
         mode: str = "chunk",
         chunk_size: int | None = None,
         bcdt_rms_eps: float | None = None,
+        bcdt_norm: bool = False,
+        norm_eps: float = 1e-6,
     ):
         super().__init__(mode)
         for name, value in (("d_model", d_model), ("d_state", d_state), ("expand", expand)):
             check_int(name, value)
         check_int("dt_rank", dt_rank, optional=True)
         check_int("conv_size", conv_size)
-        for name, value in (("selective", selective), ("bias", bias), ("conv_bias", conv_bias)):
+        for name, value in (
+            ("selective", selective), ("bias", bias), ("conv_bias", conv_bias), ("bcdt_norm", bcdt_norm),
+        ):  # fmt: skip
             check_bool(name, value)  # (a config's "False" string switched by truthiness)
+        check_eps("norm_eps", norm_eps, "mean(t²) of dt, B and C in bcdt_norm's RMSNorms")
+        if bcdt_norm and bcdt_rms_eps is not None:
+            raise ValueError(
+                f"bcdt_norm: expected False with bcdt_rms_eps = {bcdt_rms_eps!r} (FalconMamba's weightless "
+                "norm; Jamba's norms with weights are bcdt_norm: at most one of the two), got True"
+            )
         check_mode(mode, MODES)
         if chunk_size is not None:
             check_chunk_size(chunk_size)
@@ -168,6 +191,11 @@ class Mamba(Mixer):
             self.B_lti = nn.Parameter(torch.zeros(d_state))
             self.C_lti = nn.Parameter(torch.zeros(d_state))
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.bcdt_norm, self.norm_eps = bcdt_norm, float(norm_eps)
+        if bcdt_norm:  # Jamba's weighted RMSNorms on the Δ input, B, C (only then: old state dicts load)
+            self.dt_norm = RMSNorm(self.dt_rank, self.norm_eps)
+            self.b_norm = RMSNorm(d_state, self.norm_eps)
+            self.c_norm = RMSNorm(d_state, self.norm_eps)
         self.A_log = nn.Parameter(torch.zeros(self.d_inner, d_state))
         self.D = nn.Parameter(torch.ones(self.d_inner))
         self.o_proj = nn.Linear(self.d_inner, d_model, bias=bias)
@@ -192,6 +220,8 @@ class Mamba(Mixer):
         return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
 
     def extra_repr(self) -> str:
+        if self.bcdt_norm:
+            return f"bcdt_norm=True, norm_eps={self.norm_eps}"
         return "" if self.bcdt_rms_eps is None else f"bcdt_rms_eps={self.bcdt_rms_eps}"
 
     def forward(self, x: torch.Tensor, state: MambaState | None = None, *, mode: str | None = None):
@@ -206,6 +236,8 @@ class Mamba(Mixer):
             Bm, Cm = self.B_lti.expand(Bsz, T, -1), self.C_lti.expand(Bsz, T, -1)
         if self.bcdt_rms_eps is not None:  # FalconMamba: before W_dt and the scan, in every form
             dt, Bm, Cm = (_weightless_rms(t, self.bcdt_rms_eps) for t in (dt, Bm, Cm))
+        elif self.bcdt_norm:  # Jamba: the same place, RMSNorms with weights
+            dt, Bm, Cm = self.dt_norm(dt), self.b_norm(Bm), self.c_norm(Cm)
         delta = F.softplus(upcast(F.linear(dt, self.dt_proj.weight)) + upcast(self.dt_proj.bias))
         u, delta = self.hook_v(u), self.hook_dt(delta)
         Bm, Cm = self.hook_B(Bm), self.hook_C(Cm)

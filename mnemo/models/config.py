@@ -44,7 +44,9 @@ class ModelConfig:
             DeepSeek-V3's sequence-wise balance loss, eq. 17–20, per batch row), ``bias_balancing`` (False,
             auxiliary-loss-free bias), ``bias_update_rate`` (1e-3), ``dispatch`` (``"sorted"``),
             ``score`` (``"softmax"``; ``"sigmoid"``: DeepSeek-V3's affinities),
-            ``routed_scaling_factor`` (1.0), ``n_group`` (1) and ``topk_group`` (1: no group limit).
+            ``routed_scaling_factor`` (1.0), ``n_group`` (1), ``topk_group`` (1: no group limit) and
+            ``group_score`` (``"top2"``: DeepSeek-V3's sum of a group's two best scores; ``"max"``:
+            DeepSeek-V2's best score).
         mlp_only_layers: with ``mlp="moe"``, the indices of the layers (``0 … n_layers − 1``, each
             once) whose MLP is a dense SwiGLU of width ``mlp_hidden`` instead of the mixture of
             experts (default ``None``: every layer is MoE; ``[]`` the same). ``transformers``'

@@ -951,8 +951,10 @@ class LanguageModel(nn.Module):
         :mod:`mnemo.models.formats`): every format :mod:`mnemo.hf.convert` registers —
         ``transformers``' Mamba, Mamba-2, FalconMamba, Bamba, Qwen3-Next, Llama, Qwen2 (Qwen2.5),
         Qwen3, Mistral, Mixtral, Qwen3-MoE, Qwen2-MoE (:mod:`mnemo.hf.llama`), Granite and Granite
-        4.0-H (:mod:`mnemo.hf.granite`), DeepSeek-V3 (:mod:`mnemo.hf.deepseek`), flash-linear-
-        attention's fla-hub GLA / RetNet / DeltaNet / Gated DeltaNet — and the original ``mamba-ssm``
+        4.0-H (:mod:`mnemo.hf.granite`), DeepSeek-V3 (Kimi K2's ``model_type`` too) and DeepSeek-V2
+        (:mod:`mnemo.hf.deepseek`), Jamba (:mod:`mnemo.hf.jamba`), Kimi Linear
+        (:mod:`mnemo.hf.kimi_linear`), flash-linear-attention's fla-hub GLA / RetNet / DeltaNet /
+        Gated DeltaNet — and the original ``mamba-ssm``
         layout; its weights in ``model.safetensors``, sharded safetensors or
         ``pytorch_model.bin`` (sharded or not). An unsupported architecture or option, or a quantized
         checkpoint (``quantization_config``), raises ``ValueError`` naming it."""

@@ -289,8 +289,8 @@ def _mla_lm(**over) -> LanguageModel:
 def test_export_refusals():
     """The export refuses by name a model the class cannot express: dense layers that are not the
     first ones, softmax scores, a gated shared expert, a logit scale other than DeepSeek-V3's, another
-    latent epsilon, another mixer; and every format without dense layers among MoE ones refuses
-    ``mlp_only_layers`` in the one check of every export."""
+    latent epsilon, unrotated decoupled keys (MLA's ``rope=False``), another mixer; and every format
+    without dense layers among MoE ones refuses ``mlp_only_layers`` in the one check of every export."""
     lm = _mla_lm()
     hf_cfg, _ = export_deepseek_v3(lm.config, lm.state_dict())
     assert hf_cfg["first_k_dense_replace"] == 1 and hf_cfg["n_shared_experts"] == 0
@@ -310,6 +310,7 @@ def test_export_refusals():
             "option softmax_scale=0.3 gives the logit scale 0.3",
         ),
         (dict(mixer_options={"mla": {"n_heads": 4, "norm_eps": 1e-5}}), "option norm_eps=1e-05"),
+        (dict(mixer_options={"mla": {"n_heads": 4, "rope": False}}), "option rope=False"),  # (Kimi Linear's)
         (dict(mixer="attention", mixer_options={}), "layer 0 uses mixer 'attention'"),
     ):
         bad = _mla_lm(**over)
@@ -326,7 +327,7 @@ def test_export_refusals():
 def test_a_mnemo_model_exports_and_loads_in_transformers(tmp_path):
     """A model made in mnemo (a full ``q_proj``, plain RoPE, groups, a balancing bias of its own)
     exports through ``export_hf`` and transformers computes its logits; exported in bfloat16, the
-    router bias stays float32, as transformers keeps it."""
+    router (``gate.weight``) and its bias stay float32, as transformers keeps them."""
     import transformers
 
     torch.manual_seed(3)
@@ -344,10 +345,76 @@ def test_a_mnemo_model_exports_and_loads_in_transformers(tmp_path):
     x = ids()
     with torch.no_grad():
         assert max_diff(back(x).logits, lm(x)[0]) <= ATOL
-    # in bfloat16 the router bias stays float32 (transformers keeps it so): no rounding of the choice
+    # in bfloat16 the router and its bias stay float32 (transformers keeps them so): no rounding of
+    # the choice; the other weights are bfloat16
     from safetensors.torch import load_file
 
     export_hf(lm, tmp_path / "bf16", dtype="bfloat16")
     saved = load_file(tmp_path / "bf16" / "model.safetensors")
     assert saved["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
-    assert saved["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert saved["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert torch.equal(saved["model.layers.1.mlp.gate.weight"], lm.blocks[1].mlp.router.weight.detach())
+    assert saved["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
+    assert saved["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16  # (the dense layer's)
+
+
+def test_kimi_k2_model_type_reads_as_deepseek_v3(made, tmp_path):
+    """A folder whose ``config.json`` names ``DeepseekV3ForCausalLM`` with Kimi K2's ``model_type``
+    ``"kimi_k2"`` and an ``auto_map`` to remote code (as Moonshot's releases ship it) is read as
+    DeepSeek-V3, without running that code: the same model and logits as the ``deepseek_v3`` file."""
+    import shutil
+
+    _, hf, folder, lm = made
+    kimi = tmp_path / "kimi"
+    shutil.copytree(folder, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg |= {
+        "model_type": "kimi_k2",
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    }  # fmt: skip
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    got = LanguageModel.from_pretrained(kimi).eval()
+    assert got.config == lm.config
+    x = ids()
+    with torch.no_grad():
+        assert max_diff(got(x)[0], hf(x).logits) <= ATOL
+    with pytest.raises(ValueError, match=r"model_type 'kimi_k3' is not one of \['deepseek_v3', 'kimi_k2'\]"):
+        import_deepseek_v3({**cfg, "model_type": "kimi_k3"}, {})
+
+
+def test_groups_of_one_expert(tmp_path):
+    """``transformers``' router takes the top 2 of each group, so it cannot run groups of one expert
+    even where ``topk_group = n_group`` (nothing limited): the import refuses such a config; a mnemo
+    model whose groups limit nothing (``topk_group = n_group = n_experts``) exports as one group,
+    the same function, which transformers runs."""
+    import transformers
+
+    bad = hf_config(n_group=8, topk_group=8)
+    with pytest.raises(RuntimeError, match="out of range"):  # transformers' own class
+        torch.manual_seed(0)
+        transformers.DeepseekV3ForCausalLM(bad)(ids())
+    with pytest.raises(ValueError, match="n_group = 8: expected groups of at least two experts .*whatever"):
+        import_deepseek_v3(bad.to_dict(), {})
+    torch.manual_seed(4)
+    opts = {"n_experts": 4, "top_k": 2, "expert_hidden": 8, "score": "sigmoid", "n_group": 4, "topk_group": 4}
+    lm = _mla_lm(mlp_options=opts).eval()
+    hf_cfg, _ = export_deepseek_v3(lm.config, lm.state_dict())
+    assert (hf_cfg["n_group"], hf_cfg["topk_group"]) == (1, 1)
+    export_hf(lm, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_diff(back(x).logits, lm(x)[0]) <= ATOL
+
+
+def test_first_k_dense_replace_contradicting_the_weights():
+    """A ``first_k_dense_replace`` that makes a layer dense where the file holds its router (past the
+    layers: every layer dense), or sparse where it holds a dense MLP, is refused naming the field,
+    not as a missing weight."""
+    hf = hf_model()
+    cfg, sd = hf.config.to_dict(), hf.state_dict()
+    for k, layer, kind in ((5, 1, "a dense MLP"), (2, 1, "a dense MLP"), (0, 0, "a mixture of experts")):
+        said = f"field 'first_k_dense_replace' = {k} makes layer {layer} {kind}"
+        with pytest.raises(ValueError, match="DeepSeek-V3 conversion: " + re.escape(said)):
+            import_deepseek_v3({**cfg, "first_k_dense_replace": k}, sd)
