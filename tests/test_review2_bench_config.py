@@ -223,7 +223,7 @@ def test_a_memory_spec_refuses_a_bool_for_an_int(field):
 
 
 @pytest.mark.parametrize(
-    "name", ["linear_attention", "gla_scalar", "gla_channel", "delta_rule", "gated_delta_rule", "ssd"]
+    "name", ["linear_attention", "gla_scalar", "gla_channel", "delta_rule", "gated_delta_rule", "kda", "ssd"]
 )
 def test_the_ops_suites_chunk_flops_are_the_products_the_chunk_form_runs(name, monkeypatch):
     """``chunk_flops`` (the ops table's ``GFLOP/s`` and ``% peak``) against ``FlopCounterMode`` over

@@ -55,7 +55,9 @@ def test_a_learned_position_table_is_read_for_one_row(batch):
     assert roofline.weight_bytes_per_step(m, batch) == expected
 
 
-@pytest.mark.parametrize("name", ["linear_attention", "gla_scalar", "gla_channel", "gated_delta_rule", "ssd"])
+@pytest.mark.parametrize(
+    "name", ["linear_attention", "gla_scalar", "gla_channel", "gated_delta_rule", "kda", "ssd"]
+)
 def test_the_ops_suites_forward_flops_are_what_the_chunk_form_computes(name, monkeypatch):
     """``chunk_flops`` (the ``GFLOP/s`` and ``% peak`` columns, times 3 for forward + backward) equals
     the matmul work ``FlopCounterMode`` sees in the chunk form's forward. SSD's score matrix ``C Bᵀ``

@@ -117,6 +117,11 @@ def _registry() -> list[OpBench]:
         x["g"] = F.logsigmoid(torch.randn(B, T, H, generator=g) + 3).to(device)
         return x
 
+    def make_kda(B, T, H, D, device):  # the delta rule's inputs with a decay per key channel
+        x = make_delta(B, T, H, D, device)
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, D, generator=_gen()) + 3).to(device)
+        return x
+
     def make_scan(B, T, H, D, device):
         # Mamba-1 shapes: d_inner = H * D channels, d_state 16
         g, Dm, N = _gen(), H * D, 16
@@ -188,6 +193,13 @@ def _registry() -> list[OpBench]:
             "gated_delta_rule",
             ("chunk", "parallel", "recurrent"),
             make_delta,
+            lambda x, mode: gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode=mode)[0],
+            chunk_flops=_delta_flops,
+        ),
+        OpBench(
+            "kda",
+            ("chunk", "parallel", "recurrent"),
+            make_kda,
             lambda x, mode: gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode=mode)[0],
             chunk_flops=_delta_flops,
         ),

@@ -221,6 +221,39 @@ def fla_gated_delta_rule(T: int = 4096, heads: int = 4, dim: int = 64, repeats: 
     }
 
 
+def fla_kda(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
+    """Our chunked ``gated_delta_rule`` with a per-channel decay (Kimi Delta Attention) vs fla-core's
+    ``naive_chunk_kda``."""
+    import torch.nn.functional as F
+
+    from ..ops import gated_delta_rule
+
+    naive = _load_fla_naive("kda").naive_chunk_kda
+    gen = torch.Generator().manual_seed(0)
+
+    def make():
+        return {
+            "q": torch.randn(1, T, heads, dim, generator=gen),
+            "k": F.normalize(torch.randn(1, T, heads, dim, generator=gen), dim=-1),
+            "v": torch.randn(1, T, heads, dim, generator=gen),
+            "g": F.logsigmoid(torch.randn(1, T, heads, dim, generator=gen) + 3),
+            "beta": torch.rand(1, T, heads, generator=gen),
+        }
+
+    rows = _time_fn_pair(
+        lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta)[0],
+        lambda q, k, v, g, beta: naive(q, k, v, g, beta, chunk_size=64)[0],
+        make,
+        repeats,
+    )
+    return {
+        "name": f"gated_delta_rule per-channel g (KDA) chunk, B=1 T={T} H={heads} D={dim}",
+        "peer": "fla-core 0.6.0 naive_chunk_kda (chunk 64)",
+        "peer_key": "fla_naive",
+        **rows,
+    }
+
+
 def fla_simple_gla(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
     """Our chunked ``gated_linear_attention`` (one decay per head) vs fla-core's
     ``naive_chunk_simple_gla``."""
@@ -255,6 +288,7 @@ def fla_simple_gla(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 
 
 PEERS: dict[str, Callable[..., dict]] = {
     "fla_gated_delta_rule": fla_gated_delta_rule,
+    "fla_kda": fla_kda,
     "fla_simple_gla": fla_simple_gla,
     "mamba": mamba_vs_mambapy,
     "titans": titans_vs_titans_pytorch,
