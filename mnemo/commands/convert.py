@@ -2,7 +2,8 @@
 
     mnemo convert SRC OUT                # transformers Mamba / Mamba-2 / FalconMamba / Bamba / Qwen3-Next /
                                          # Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen3-MoE /
-                                         # Qwen2-MoE / Granite / Granite 4.0-H / DeepSeek-V3,
+                                         # Qwen2-MoE / Granite / Granite 4.0-H / DeepSeek-V3
+                                         # (and Kimi K2) / DeepSeek-V2 / Jamba / Kimi Linear,
                                          # flash-linear-attention's GLA / RetNet / DeltaNet / Gated
                                          # DeltaNet (fla-hub), or mamba-ssm
     mnemo convert --from-dcp RUN OUT     # a sharded (FSDP) checkpoint as a single-file run folder
@@ -84,12 +85,14 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
         help="convert a transformers (Mamba, Mamba-2, FalconMamba, Bamba, Qwen3-Next, Llama, Qwen2, Qwen3, "
-        "Mistral, Mixtral, Qwen3-MoE, Qwen2-MoE, Granite, Granite 4.0-H, DeepSeek-V3), "
+        "Mistral, Mixtral, Qwen3-MoE, Qwen2-MoE, Granite, Granite 4.0-H, DeepSeek-V3 (and Kimi K2), "
+        "DeepSeek-V2, Jamba, Kimi Linear), "
         "flash-linear-attention (GLA, RetNet, DeltaNet, Gated DeltaNet) or mamba-ssm checkpoint folder "
         "into a mnemo checkpoint folder",
         description="Convert a checkpoint of another library (transformers Mamba / Mamba-2 / FalconMamba / "
         "Bamba / Qwen3-Next / Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen3-MoE / Qwen2-MoE / Granite / "
-        "Granite 4.0-H (GraniteMoeHybrid) / DeepSeek-V3; flash-linear-attention's fla-hub GLA / RetNet / "
+        "Granite 4.0-H (GraniteMoeHybrid) / DeepSeek-V3 (and Kimi K2) / DeepSeek-V2 / Jamba / Kimi Linear; "
+        "flash-linear-attention's fla-hub GLA / RetNet / "
         "DeltaNet / Gated DeltaNet; mamba-ssm), or with --from-dcp a sharded FSDP checkpoint, into a mnemo "
         "checkpoint folder.",
     )

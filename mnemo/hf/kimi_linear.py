@@ -584,6 +584,11 @@ def export_kimi_linear(config: ModelConfig, weights: dict[str, Tensor]) -> tuple
     for i, mixer in enumerate(mixers):
         if mixer not in (KDA, MLA):
             FMT.refuse(f"layer {i} uses mixer {mixer!r}; {ARCH} layers are {KDA!r} or {MLA!r}")
+    if MLA not in mixers:  # (as Jamba's and Bamba's exports)
+        FMT.refuse(
+            f"layers {mixers}: no {MLA!r} layer; expected at least one ({ARCH} fails with a cache, i.e. in "
+            "its default forward and in generate, when no layer is full attention: transformers 5.25)"
+        )
     if config.mlp not in ("moe", "swiglu"):
         FMT.refuse(
             f"mlp {config.mlp!r} is not supported (only 'moe', with dense layers among them, or 'swiglu')"

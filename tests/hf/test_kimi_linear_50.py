@@ -252,6 +252,10 @@ def test_refused_imports_are_named(over, match):
 
 REFUSED_EXPORT = [
     (dict(layers=["kda", "attention"]), "layer 1 uses mixer 'attention'"),
+    (
+        dict(layers=["kda", "kda"]),
+        "no 'mla' layer; expected at least one",
+    ),  # (transformers fails with a cache)
     (dict(mla={"rope": True}), "option rope=True"),
     (dict(mla={"softmax_scale": 0.5}), "softmax_scale"),
     (dict(kda={"gate_rank": 4}), "option gate_rank=4"),

@@ -104,3 +104,34 @@ def test_granite_h_balance_loss_coefficient_is_mapped_as_mixtrals():
     assert config.mlp_options["aux_loss_coef"] == pytest.approx(0.03 * 2 / 3, rel=1e-12)
     back, _ = export_granitemoehybrid(config, sd)
     assert back["router_aux_loss_coef"] == pytest.approx(0.03, rel=1e-12)
+
+
+def test_every_registered_format_is_named_where_users_read_the_list():
+    """Trial 50h: ``mnemo convert --help`` still listed the formats of session 49 after Jamba,
+    DeepSeek-V2 and Kimi Linear were registered. Every architecture :mod:`mnemo.hf.convert` registers
+    is named (letters and digits, case aside: ``Qwen3-Next``; ``GraniteMoeHybrid`` as Granite 4.0-H) in
+    the command's help, its description and ``LanguageModel.from_pretrained``'s docstring."""
+    import argparse
+    import re
+
+    from mnemo.commands import convert as command
+    from mnemo.hf.convert import ARCHITECTURES
+    from mnemo.models import LanguageModel
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    command.add_commands(sub)
+    parser = sub.choices["convert"]
+    help_text = next(a.help for a in sub._choices_actions if a.dest == "convert")
+
+    def squash(text):
+        return re.sub(r"[^a-z0-9]", "", text.lower())
+
+    for where, text in (
+        ("help", help_text),
+        ("description", parser.description),
+        ("from_pretrained", LanguageModel.from_pretrained.__doc__),
+    ):
+        for name in ARCHITECTURES:
+            short = squash(name.removesuffix("ForCausalLM").replace("mamba_ssm", "mamba-ssm"))
+            short = {"granitemoehybrid": "granite40h"}.get(short, short)
+            assert short in squash(text), f"{where} does not name {name}"
