@@ -84,6 +84,20 @@ def test_bench_peers_suite_applies_the_patterns():
         bp.main(argparse.Namespace(ops="nope*", repeats=1))
 
 
+@pytest.mark.parametrize("key", ["fla_gated_delta_rule", "fla_kda"])
+def test_bench_peers_fla_rows_time_both_sides_of_the_same_op(key):
+    """The fla-core rows (``naive_chunk_gated_delta_rule``; ``naive_chunk_kda`` for the per-channel
+    decay) at a tiny size: both sides timed, named, and the op the row says (per-channel or not)."""
+    pytest.importorskip("fla")
+    import mnemo.bench.peers as bp
+
+    r = bp.PEERS[key](T=64, heads=1, dim=8, repeats=1)
+    assert ("per-channel g (KDA)" in r["name"]) == (key == "fla_kda")
+    assert r["peer"].endswith(f"naive_chunk_{'kda' if key == 'fla_kda' else 'gated_delta_rule'} (chunk 64)")
+    for side in ("mnemo", "fla_naive"):
+        assert r[side]["fwd_ms"] > 0 and r[side]["fwd_bwd_ms"] > 0
+
+
 def _no_tok_warning(tmp_path, export: bool) -> str:
     from mnemo.hf.convert import _warn_no_tokenizer
 

@@ -189,13 +189,15 @@ def _time_fn_pair(ours, theirs, make, repeats):
     return rows
 
 
-def fla_gated_delta_rule(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
-    """Our chunked ``gated_delta_rule`` vs fla-core's ``naive_chunk_gated_delta_rule``."""
+def _fla_delta(T: int, heads: int, dim: int, repeats: int, per_channel: bool) -> dict:
+    """Our chunked ``gated_delta_rule`` vs fla-core's naive chunk form: one decay per head
+    (``naive_chunk_gated_delta_rule``) or per key channel (Kimi Delta Attention, ``naive_chunk_kda``)."""
     import torch.nn.functional as F
 
     from ..ops import gated_delta_rule
 
-    naive = _load_fla_naive("gated_delta_rule").naive_chunk_gated_delta_rule
+    op, what = ("kda", "per-channel g (KDA) ") if per_channel else ("gated_delta_rule", "")
+    naive = getattr(_load_fla_naive(op), f"naive_chunk_{op}")
     gen = torch.Generator().manual_seed(0)
 
     def make():
@@ -203,7 +205,7 @@ def fla_gated_delta_rule(T: int = 4096, heads: int = 4, dim: int = 64, repeats: 
             "q": torch.randn(1, T, heads, dim, generator=gen),
             "k": F.normalize(torch.randn(1, T, heads, dim, generator=gen), dim=-1),
             "v": torch.randn(1, T, heads, dim, generator=gen),
-            "g": F.logsigmoid(torch.randn(1, T, heads, generator=gen) + 3),
+            "g": F.logsigmoid(torch.randn(1, T, heads, *((dim,) if per_channel else ()), generator=gen) + 3),
             "beta": torch.rand(1, T, heads, generator=gen),
         }
 
@@ -214,44 +216,22 @@ def fla_gated_delta_rule(T: int = 4096, heads: int = 4, dim: int = 64, repeats: 
         repeats,
     )
     return {
-        "name": f"gated_delta_rule chunk, B=1 T={T} H={heads} D={dim}",
-        "peer": "fla-core 0.6.0 naive_chunk_gated_delta_rule (chunk 64)",
+        "name": f"gated_delta_rule {what}chunk, B=1 T={T} H={heads} D={dim}",
+        "peer": f"fla-core 0.6.0 naive_chunk_{op} (chunk 64)",
         "peer_key": "fla_naive",
         **rows,
     }
+
+
+def fla_gated_delta_rule(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
+    """Our chunked ``gated_delta_rule`` vs fla-core's ``naive_chunk_gated_delta_rule``."""
+    return _fla_delta(T, heads, dim, repeats, per_channel=False)
 
 
 def fla_kda(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
     """Our chunked ``gated_delta_rule`` with a per-channel decay (Kimi Delta Attention) vs fla-core's
     ``naive_chunk_kda``."""
-    import torch.nn.functional as F
-
-    from ..ops import gated_delta_rule
-
-    naive = _load_fla_naive("kda").naive_chunk_kda
-    gen = torch.Generator().manual_seed(0)
-
-    def make():
-        return {
-            "q": torch.randn(1, T, heads, dim, generator=gen),
-            "k": F.normalize(torch.randn(1, T, heads, dim, generator=gen), dim=-1),
-            "v": torch.randn(1, T, heads, dim, generator=gen),
-            "g": F.logsigmoid(torch.randn(1, T, heads, dim, generator=gen) + 3),
-            "beta": torch.rand(1, T, heads, generator=gen),
-        }
-
-    rows = _time_fn_pair(
-        lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta)[0],
-        lambda q, k, v, g, beta: naive(q, k, v, g, beta, chunk_size=64)[0],
-        make,
-        repeats,
-    )
-    return {
-        "name": f"gated_delta_rule per-channel g (KDA) chunk, B=1 T={T} H={heads} D={dim}",
-        "peer": "fla-core 0.6.0 naive_chunk_kda (chunk 64)",
-        "peer_key": "fla_naive",
-        **rows,
-    }
+    return _fla_delta(T, heads, dim, repeats, per_channel=True)
 
 
 def fla_simple_gla(T: int = 4096, heads: int = 4, dim: int = 64, repeats: int = 3):
