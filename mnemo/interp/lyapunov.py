@@ -177,7 +177,9 @@ def delta_rule_spectrum(
     A scalar decay commutes with everything, so its time average is added to every exponent
     exactly (no underflow of ``exp(g)`` products) and the QR iteration runs on ``I − β k kᵀ``; a
     per-channel decay does not commute with ``k kᵀ`` and enters each step's product (the iteration
-    re-orthonormalises every step, so the products cannot underflow). ``q0``, ``burn_in``: as in
+    re-orthonormalises every step, so products over tokens cannot underflow; log decays below
+    ``-60`` are taken as ``-60``, as :func:`mnemo.ops.gated_delta_rule` clamps them, so a ``-inf``
+    reset is a finite, very fast decay rather than an exact zero). ``q0``, ``burn_in``: as in
     :func:`lyapunov_spectrum` (default ``burn_in=0``). Raises ``ValueError`` naming ``g`` for
     another shape."""
     k, beta = k.double(), beta.double()
@@ -188,7 +190,7 @@ def delta_rule_spectrum(
             f"g: expected log decays [B, T, H] = {[B, T, H]} or [B, T, H, K] = {[B, T, H, K]}, "
             f"got shape {list(g.shape)}"
         )
-    decay = g.double().exp() if channel else None
+    decay = g.double().clamp(min=-60.0).exp() if channel else None  # (the op's clamp)
 
     def step(t, Q):  # Q [B, H, K, K]
         kt = k[:, t]  # [B, H, K]

@@ -86,14 +86,21 @@ The three forms below compute exactly the same function:
     by at most 30 nats, else an exact split into sub-blocks whose factors are all ``≤ 1``), every
     other factor (``e^b``, ``e^{b_C − b}``, ``e^{b_C}``) ``≤ 1``, so nothing can overflow.
 
-  Both keep ``O(T·(C + K + V))`` per head plus the chunk states and transitions for the backward
-  pass (no per-token state).
+  :class:`_KDAChunk` keeps ``O(T·(C + K + V))`` per head plus the chunk states and transitions for
+  the backward pass (no per-token state). :func:`kda_chunk_autograd` keeps more where it splits a
+  chunk into exact sub-blocks: their ``[16, 16, K]`` decay tensors, ``O(T·16·K)`` per head (measured
+  by review 50f at T 4096, K = V = 64: 223 MB against ``_KDAChunk``'s 31.5 MB), and ``O(T·C·K)``
+  when ``C`` is not a multiple of 16. Which implementation runs is decided for the whole call: one
+  chunk that decays by more than 30 nats within 16 tokens (a ``-inf`` reset, or one channel at
+  ``g ≤ −2`` a token) sends every chunk to :func:`kda_chunk_autograd` (measured 5–15× slower at
+  T 512; a per-chunk choice is not built).
 * ``parallel``  — the same algorithm with the whole sequence as one chunk (one ``T × T``
   triangular solve): the quadratic form (:func:`delta_chunk_autograd`, per-channel gates
   :func:`kda_chunk_autograd`, with ``C = T``).
 
 Nothing ``T × K × V`` is kept for the backward pass: ``O(T·(C + K + V) + (T/C)·K·(K + V))`` per head
-(chunk-level states, never per-token ``K × V`` states).
+(chunk-level states, never per-token ``K × V`` states), except the per-channel fallback's exact
+sub-block decays (``O(T·16·K)``, above).
 """
 
 from __future__ import annotations

@@ -294,5 +294,10 @@ def test_per_channel_decay_without_writes_has_the_decays_as_exponents():
     scalar = delta_rule_spectrum(k, beta, g[..., 0])
     as_channels = delta_rule_spectrum(k, beta, g[..., :1].expand_as(g))  # the same decay in every channel
     torch.testing.assert_close(as_channels, scalar, rtol=0, atol=1e-10)
+    reset = g.clone()
+    reset[:, 3, :, 0] = -float("inf")  # a hard reset of one channel: the op's clamp, -60
+    clamped = reset.clamp(min=-60.0)
+    torch.testing.assert_close(delta_rule_spectrum(k, beta, reset), delta_rule_spectrum(k, beta, clamped))
+    assert torch.isfinite(delta_rule_spectrum(k, beta, reset)).all()
     with pytest.raises(ValueError, match=r"g: expected log decays \[B, T, H\]"):
         delta_rule_spectrum(k, beta, g[..., :2])
