@@ -256,12 +256,14 @@ def kda_chunk_autograd(q, k, v, beta, g, S0, chunk_size: int):
     while a chunk decays by at most ``30`` nats, else split into sub-blocks whose factors are all
     ``≤ 1``); every other decay is ``exp`` of a non-positive difference of cumulative sums.
     Saved for backward: ``O(T·(C + K + V))`` per head plus the ``n`` chunk states and
-    transitions. ``T ≥ 1``."""
+    transitions, and, where chunks are split, the sub-blocks' exact ``[16, 16, K]`` decays
+    (``O(T·16·K)``; see the module docstring). ``T ≥ 1``."""
     from .gated_linear_attention import _intra_chunk_channel_scores
 
     B, T, H, K = q.shape
-    if q.numel() == 0:  # no batch row or head (the parallel form's call): nothing to compute
-        return v.new_zeros(v.shape), S0
+    if q.numel() == 0:  # no batch row or head (the parallel form's call): nothing to compute, but
+        # the output stays linked to every input (zero gradients, as the other forms give)
+        return v.new_zeros(v.shape) + sum(x.sum() for x in (q, k, v, beta, g)) * 0, S0
     C = min(int(chunk_size), T)
     n = -(-T // C)
     pad = n * C - T

@@ -339,3 +339,21 @@ def test_fla_chunk_kda_under_the_interpreter():
 
 if __name__ == "__main__":
     worker.run_cases(CASES, sys.argv[1:])
+
+
+@pytest.mark.parametrize("mode", ["chunk", "parallel", "recurrent"])
+@pytest.mark.parametrize("shape", [(0, 5, 2, 4), (2, 5, 0, 4)], ids=["no_batch", "no_heads"])
+def test_empty_batch_or_heads_keep_the_graph(mode, shape):
+    """Review 50f: with no batch row or no head, the parallel form's output had no link to the
+    inputs (``backward`` raised); every form now gives zero gradients, as the scalar gate does."""
+    B, T, H, K = shape
+    x = dict(
+        q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, 3),
+        g=-torch.rand(B, T, H, K), beta=torch.rand(B, T, H),
+    )  # fmt: skip
+    for t in x.values():
+        t.requires_grad_(True)
+    o, _ = gated_delta_rule(**x, mode=mode)
+    o.sum().backward()
+    assert o.shape == (B, T, H, 3)
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in x.values())
