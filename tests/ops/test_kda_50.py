@@ -72,9 +72,10 @@ def test_every_form_matches_the_token_loop_float64():
 
 def test_hand_written_and_autograd_chunk_forms_agree(monkeypatch):
     """The chunk form's two implementations: ``_KDAChunk`` (hand-written backward; chunks decaying
-    by at most 30 nats, halved down to 16 tokens until they do) and ``kda_chunk_autograd`` (any
+    by at most 30 nats, halved down to 4 tokens until they do) and ``kda_chunk_autograd`` (any
     decay), each against the token loop with every gradient: mild gates, gates that halve the
-    chunk (-1.5 a token on half the channels: 96 nats per 64 tokens, 24 per 16), and the autograd
+    chunk (-1.5 a token on half the channels: 96 nats per 64 tokens, 24 per 16), one channel at
+    -2.5 a token (it went to the autograd form while chunks stopped at 16 tokens), and the autograd
     form forced at mild gates."""
     dr = importlib.import_module("mnemo.ops.delta_rule")
     used = []
@@ -87,7 +88,10 @@ def test_hand_written_and_autograd_chunk_forms_agree(monkeypatch):
     x, S0 = _inputs(T=70, seed=10)
     halving = dict(x, g=x["g"].clone())
     halving["g"][..., ::2] = -1.5
-    for inputs, span, form in ((x, 30.0, "hand"), (halving, 30.0, "hand"), (x, -1.0, "autograd")):
+    fast = dict(x, g=x["g"].clone())  # one fast channel (review 50f): 40 nats per 16 tokens, 20 per 8
+    fast["g"][..., 0] = -2.5
+    cases = ((x, 30.0, "hand"), (halving, 30.0, "hand"), (fast, 30.0, "hand"), (x, -1.0, "autograd"))
+    for inputs, span, form in cases:
         monkeypatch.setattr(dr, "_SAFE_SPAN", span)
         used.clear()
         ref = _run(inputs, S0, "recurrent")
