@@ -286,8 +286,9 @@ def find_architecture(hf_config: dict) -> Architecture | None:
             known = {a.model_type, *a.other_model_types}
             if model_type is not None and a.model_type is not None and model_type not in known:
                 raise ValueError(
-                    f"config: architectures names {n} (model_type {a.model_type!r}) but model_type is "
-                    f"{model_type!r}: the config contradicts itself; fix one of the two"
+                    f"config: architectures names {n} (model_type "
+                    f"{' or '.join(repr(t) for t in [a.model_type, *sorted(a.other_model_types)])}) but "
+                    f"model_type is {model_type!r}: the config contradicts itself; fix one of the two"
                 )
             return a
     if model_type is not None:

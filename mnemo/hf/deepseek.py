@@ -380,7 +380,7 @@ def import_deepseek_v3(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
     state dict)`` → a mnemo ``(ModelConfig, state dict)`` (see :mod:`mnemo.hf.deepseek`). Raises
     ``ValueError`` ("DeepSeek-V3 conversion: …") naming the field or weight that cannot be reproduced
     exactly."""
-    cfg = dict(hf_config)
+    cfg = _aliases(FMT, dict(hf_config), {"num_local_experts": "n_routed_experts"})
     if cfg.get("model_type", MODEL_TYPE) not in MODEL_TYPES:
         FMT.refuse(f"model_type {cfg['model_type']!r} is not one of {list(MODEL_TYPES)}")
     _refuse_hub_only(FMT, ARCH, cfg, _HUB_ONLY, _ROUTES)
@@ -393,7 +393,7 @@ def import_deepseek_v2(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
     or group-limited by each group's largest score, and always-interleaved rotary pairs). Raises
     ``ValueError`` ("DeepSeek-V2 conversion: …") naming the field or weight that cannot be
     reproduced exactly."""
-    cfg = dict(hf_config)
+    cfg = _aliases(FMT_V2, dict(hf_config), {"num_experts": "n_routed_experts"})
     if cfg.get("model_type", MODEL_TYPE_V2) != MODEL_TYPE_V2:
         FMT_V2.refuse(f"model_type {cfg['model_type']!r} is not {MODEL_TYPE_V2!r}")
     _refuse_hub_only(FMT_V2, ARCH_V2, cfg, _HUB_ONLY_V2, _ROUTES_V2)
@@ -401,6 +401,23 @@ def import_deepseek_v2(hf_config: dict, weights: dict[str, Tensor]) -> tuple[Mod
         FMT_V2.refuse("field 'mlp_bias' = true: mnemo's SwiGLU MLPs have no biases (expected false)")
     cfg.pop("rope_interleave", None)  # (not a field of DeepseekV2Config: always interleaved)
     return _import_mla(FMT_V2, ARCH_V2, cfg, weights, _moe_options_v2)
+
+
+def _aliases(fmt: ConfigFormat, cfg: dict, names: dict[str, str]) -> dict:
+    """``cfg`` with the config class's ``attribute_map`` spellings (``{alias: field}``) read as the
+    field, as ``transformers`` reads them (review 50g: ``"num_experts"`` fell back to the default);
+    the two given with different values is refused by name."""
+    for alias, name in names.items():
+        if cfg.get(alias) is None:
+            cfg.pop(alias, None)
+            continue
+        if cfg.get(name) is not None and cfg[name] != cfg[alias]:
+            fmt.refuse(
+                f"fields {name!r} = {cfg[name]!r} and {alias!r} = {cfg[alias]!r} (its alias) differ; "
+                "expected one value"
+            )
+        cfg[name] = cfg.pop(alias)
+    return cfg
 
 
 def _refuse_hub_only(fmt: ConfigFormat, arch: str, cfg: dict, fields: dict, routes: str) -> None:

@@ -338,6 +338,15 @@ def test_import_refusals():
         ValueError, match=re.escape("field 'first_k_dense_replace' = 4 makes layer 1 a dense")
     ):
         import_deepseek_v2({**base, "first_k_dense_replace": 4}, hf.state_dict())
+    # review 50g: transformers reads the attribute_map spelling num_experts as n_routed_experts
+    alias = {k: v for k, v in base.items() if k != "n_routed_experts"} | {
+        "num_experts": base["n_routed_experts"]
+    }
+    assert import_deepseek_v2(alias, hf.state_dict())[0] == import_deepseek_v2(base, hf.state_dict())[0]
+    with pytest.raises(
+        ValueError, match=r"fields 'n_routed_experts' = \d+ and 'num_experts' = 99 \(its alias\)"
+    ):
+        import_deepseek_v2({**base, "num_experts": 99}, {})
 
 
 def test_export_refusals():

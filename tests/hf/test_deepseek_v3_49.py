@@ -381,6 +381,11 @@ def test_kimi_k2_model_type_reads_as_deepseek_v3(made, tmp_path):
         assert max_diff(got(x)[0], hf(x).logits) <= ATOL
     with pytest.raises(ValueError, match=r"model_type 'kimi_k3' is not one of \['deepseek_v3', 'kimi_k2'\]"):
         import_deepseek_v3({**cfg, "model_type": "kimi_k3"}, {})
+    (kimi / "config.json").write_text(json.dumps({**cfg, "model_type": "kimi_k3"}))  # (trial 50h: name both)
+    with pytest.raises(
+        ValueError, match=r"\(model_type 'deepseek_v3' or 'kimi_k2'\) but model_type is 'kimi_k3'"
+    ):
+        LanguageModel.from_pretrained(kimi)
 
 
 def test_groups_of_one_expert(tmp_path):
