@@ -56,7 +56,7 @@ class MultiHeadLatentAttention(Mixer):
     * ``o_h = Σ_j softmax_j(scale · q_hᵀ k_{j,h}) v_{j,h}`` over the causal keys, ``y = W^O [o_1; …;
       o_H]`` (eq. 18–19), ``scale = (d_n + d_h^R) ** -0.5`` unless ``softmax_scale`` is given.
 
-    With ``rope=False`` (Kimi Linear's MLA layers, Kimi Team 2025, arXiv 2510.26692 §4: no
+    With ``rope=False`` (Kimi Linear's MLA layers, Kimi Team 2025, arXiv 2510.26692: no
     positional encoding in its attention layers; ``transformers``' ``KimiLinearAttention``) the
     decoupled parts keep their width and projections but are never rotated: ``k_h = [k^C_h; W^KR
     x]``, ``q_h = [q^C_h; q^R_h]`` in every form, and the logits depend on the positions only
