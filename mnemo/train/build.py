@@ -10,6 +10,7 @@ what must be true of a model before a run allocates it goes in :func:`build_mode
 
 from __future__ import annotations
 
+import shlex
 import warnings
 from pathlib import Path
 
@@ -215,7 +216,8 @@ def load_weights(
                 f"TrainConfig.init_from: {ckpt} was trained with another tokenizer than this run's "
                 f"({tokenizer.kind!r}; a char vocabulary is built from the run's text): its ids mean "
                 f"other tokens (vocabulary {theirs.vocab_size} there, {tokenizer.vocab_size} here); "
-                f"train with that checkpoint's vocabulary: tokenizer={str(ckpt)!r}"
+                f"train with that checkpoint's vocabulary: tokenizer={str(ckpt)!r} (mnemo train: "
+                f"--tokenizer {shlex.quote(str(ckpt))})"
             )
     try:
         if is_sharded(ckpt):

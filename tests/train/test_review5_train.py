@@ -43,7 +43,9 @@ def test_init_from_a_run_whose_characters_mean_other_ids_is_refused(tmp_path):
     ).fit()
     other = _text(tmp_path / "b.txt", "zbcdefgh \n")  # 'a' -> 'z': as many characters, other ids
     with pytest.raises(
-        ValueError, match=r"TrainConfig.init_from: .*another tokenizer.*ids mean other tokens.*tokenizer="
+        ValueError,
+        match=r"TrainConfig.init_from: .*another tokenizer.*ids mean other tokens.*tokenizer=.*"
+        r"\(mnemo train: --tokenizer ",  # (trial 50h: the flag too, not only the field)
     ):
         Trainer(
             TrainConfig.from_dict({**kw, "data": other, "init_from": str(first)}),
